@@ -1,0 +1,42 @@
+# Two commands a new user needs: `make demo` (the main job on the embedded default) and `make test`.
+# Each sets itself up: a venv in .venv, every install step pinned by constraints.txt so that no step
+# can resolve a torch other than the local 2.13.0 CPU wheel.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+PIN    := -c constraints.txt
+STAMP  := $(VENV)/.installed
+
+.PHONY: install demo test test-all bench lint clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml setup.py constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(PIN) torch==2.13.0
+	$(PIP) install -q $(PIN) -e '.[test,sglang-cpu]'
+	# sglang's own dependency list pins a CUDA torch: install the package alone (see pyproject's sglang-cpu).
+	$(PIP) install -q $(PIN) --no-deps sglang==0.5.23
+	touch $(STAMP)
+
+demo: install
+	$(PY) -m megatron_tail.bench.op
+
+test: install
+	$(PY) -m pytest -q -m "not slow"
+
+test-all: install
+	$(PY) -m pytest -q
+
+bench: install
+	$(PY) -m megatron_tail.bench.op
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,76 @@
+"""The DVP safe-vocabulary rule, shared by the trainer's op and the rollout sampler.
+
+V_S(s) = {a : π_T(a|s) ≥ ρ · max_k π_T(k|s)} with π_T = softmax(z / T). Taking logs, this is
+z_a / T ≥ max_k z_k / T + log ρ, i.e. on the *raw* (unscaled) logits
+
+    z_a ≥ max_k z_k + T · log ρ.
+
+Both the trainer (`vocab_parallel_masked_logprobs`) and the SGLang logit processor, which runs
+before temperature scaling, apply the rule in this raw-logit form and in float32, so that the same
+logits give bitwise the same safe set on both sides.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+DEFAULT_LOG_RHO = -13.0
+"""log ρ from the DVP paper: ρ = e^-13 ≈ 2.3e-6."""
+
+
+def check_log_rho(log_rho: float | None) -> float | None:
+    """Validate `log_rho`; return it as a float, or None when pruning is off (None or -inf)."""
+    if log_rho is None:
+        return None
+    if isinstance(log_rho, bool) or not isinstance(log_rho, (int, float)):
+        raise TypeError(f"log_rho must be a float ≤ 0, None or -inf; got {log_rho!r}")
+    log_rho = float(log_rho)
+    if math.isnan(log_rho) or log_rho > 0:
+        raise ValueError(f"log_rho must be ≤ 0 (ρ = exp(log_rho) ∈ (0, 1]), None or -inf; got {log_rho!r}")
+    return None if log_rho == -math.inf else log_rho
+
+
+def check_temperature(temperature: float) -> float:
+    """Validate a sampling temperature: a finite float > 0."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"temperature must be a float > 0; got {temperature!r}")
+    temperature = float(temperature)
+    if not math.isfinite(temperature) or temperature <= 0:
+        raise ValueError(f"temperature must be finite and > 0; got {temperature!r}")
+    return temperature
+
+
+def safe_threshold(max_logit: torch.Tensor, log_rho: float | None, temperature: float = 1.0) -> torch.Tensor:
+    """Raw-logit threshold of the safe set: `max_logit + T·log ρ` (float32; -inf when pruning is off).
+
+    Args:
+        max_logit: `[...]` max over the *whole* (unpadded) vocabulary of the raw logits, any float dtype.
+        log_rho: log ρ ≤ 0, or None / -inf for no pruning.
+        temperature: T > 0, the temperature the distribution is sampled / scored at.
+    Returns:
+        `[...]` float32 threshold; token a is safe iff `logit_a (as float32) >= threshold`.
+    """
+    log_rho = check_log_rho(log_rho)
+    temperature = check_temperature(temperature)
+    max_logit = max_logit.float()
+    if log_rho is None:
+        return torch.full_like(max_logit, -math.inf)
+    return max_logit + temperature * log_rho
+
+
+def safe_mask(logits: torch.Tensor, log_rho: float | None, temperature: float = 1.0) -> torch.Tensor:
+    """Bool mask `[..., V]` of the safe set for full (unsharded, unpadded) logits `[..., V]`.
+
+    The max is taken over the last dim. NaN logits compare False (NaN rows are empty sets).
+    """
+    threshold = safe_threshold(logits.amax(dim=-1), log_rho, temperature)
+    return logits.float() >= threshold.unsqueeze(-1)
+
+
+def apply_safe_vocab_(logits: torch.Tensor, log_rho: float | None, temperature: float = 1.0) -> torch.Tensor:
+    """In place: set logits outside the safe set to -inf (what the rollout sampler does). Returns `logits`."""
+    if check_log_rho(log_rho) is None:
+        return logits
+    return logits.masked_fill_(~safe_mask(logits, log_rho, temperature), -math.inf)

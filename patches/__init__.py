@@ -1,0 +1,31 @@
+"""Runtime patches to upstream behaviour, each pinned, idempotent and opt-in.
+
+Installed as `megatron_tail.patches` (the `patches/` folder is mapped into the package), importable
+from a checkout as `patches` too. Nothing here runs at import time; callers opt in:
+
+    from megatron_tail.patches import apply_cpu_patches, cpu_device_scope
+    apply_cpu_patches()                 # process-wide shims; no-op where CUDA is present
+    with cpu_device_scope():            # scoped device="cuda" -> cpu; no-op where CUDA is present
+        optimizer = get_megatron_optimizer(...)
+
+See README.md beside this file for what each patch does, why, and when to drop it.
+"""
+
+from .cpu_device_scope import cpu_device_scope
+from .cuda_shims import apply_cuda_shims, cuda_shims_applied, remove_cuda_shims
+from .pinning import PatchVersionError, check_pinned
+
+__all__ = [
+    "PatchVersionError",
+    "apply_cpu_patches",
+    "apply_cuda_shims",
+    "check_pinned",
+    "cpu_device_scope",
+    "cuda_shims_applied",
+    "remove_cuda_shims",
+]
+
+
+def apply_cpu_patches() -> bool:
+    """Apply every process-wide CPU patch. Returns True if anything is patched (False where CUDA is present)."""
+    return apply_cuda_shims()
