@@ -7,7 +7,9 @@ import torch
 def pytest_collection_modifyitems(config, items):  # noqa: ARG001 - pytest hook signature
     if torch.cuda.is_available():
         return
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; this host has none (torch.cuda.is_available() is False)")
+    skip_gpu = pytest.mark.skip(
+        reason="needs a CUDA GPU; this host has none (torch.cuda.is_available() is False)"
+    )
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)

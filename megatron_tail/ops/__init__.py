@@ -1,0 +1,13 @@
+"""The only place that does vocabulary math: the DVP masked log-prob op and the shared safe-set rule."""
+
+from .masked_logprobs import MaskedLogprobs, vocab_parallel_masked_logprobs
+from .safe_vocab import DEFAULT_LOG_RHO, apply_safe_vocab_, safe_mask, safe_threshold
+
+__all__ = [
+    "DEFAULT_LOG_RHO",
+    "MaskedLogprobs",
+    "apply_safe_vocab_",
+    "safe_mask",
+    "safe_threshold",
+    "vocab_parallel_masked_logprobs",
+]

@@ -6,8 +6,8 @@ z_a / T ≥ max_k z_k / T + log ρ, i.e. on the *raw* (unscaled) logits
     z_a ≥ max_k z_k + T · log ρ.
 
 Both the trainer (`vocab_parallel_masked_logprobs`) and the SGLang logit processor, which runs
-before temperature scaling, apply the rule in this raw-logit form and in float32, so that the same
-logits give bitwise the same safe set on both sides.
+before temperature scaling, apply the rule in this raw-logit form and in float32 (float64 for float64
+logits), so that the same logits give bitwise the same safe set on both sides.
 """
 
 from __future__ import annotations
@@ -42,19 +42,25 @@ def check_temperature(temperature: float) -> float:
     return temperature
 
 
+def rule_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the rule is evaluated in: float32, or float64 for float64 logits."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def safe_threshold(max_logit: torch.Tensor, log_rho: float | None, temperature: float = 1.0) -> torch.Tensor:
     """Raw-logit threshold of the safe set: `max_logit + T·log ρ` (float32; -inf when pruning is off).
 
     Args:
-        max_logit: `[...]` max over the *whole* (unpadded) vocabulary of the raw logits, any float dtype.
+        max_logit: `[...]` max over the *whole* (unpadded) vocabulary of the raw logits, in the logits' dtype.
         log_rho: log ρ ≤ 0, or None / -inf for no pruning.
         temperature: T > 0, the temperature the distribution is sampled / scored at.
     Returns:
-        `[...]` float32 threshold; token a is safe iff `logit_a (as float32) >= threshold`.
+        `[...]` threshold in `rule_dtype(max_logit.dtype)`; token a is safe iff
+        `logit_a.to(rule_dtype) >= threshold`.
     """
     log_rho = check_log_rho(log_rho)
     temperature = check_temperature(temperature)
-    max_logit = max_logit.float()
+    max_logit = max_logit.to(rule_dtype(max_logit.dtype))
     if log_rho is None:
         return torch.full_like(max_logit, -math.inf)
     return max_logit + temperature * log_rho
@@ -66,7 +72,7 @@ def safe_mask(logits: torch.Tensor, log_rho: float | None, temperature: float = 
     The max is taken over the last dim. NaN logits compare False (NaN rows are empty sets).
     """
     threshold = safe_threshold(logits.amax(dim=-1), log_rho, temperature)
-    return logits.float() >= threshold.unsqueeze(-1)
+    return logits.to(threshold.dtype) >= threshold.unsqueeze(-1)
 
 
 def apply_safe_vocab_(logits: torch.Tensor, log_rho: float | None, temperature: float = 1.0) -> torch.Tensor:

@@ -1,0 +1,245 @@
+"""`vocab_parallel_masked_logprobs`: log π^mp and entropy over the DVP safe set, on vocab-parallel logits.
+
+Public functional API on top, a thin `torch.autograd.Function` under it, and the math in
+`masked_logprobs_math` (one chunk of tokens at a time). Collectives, at most two per call, both on the
+`tp_group` passed in: a MAX of the per-token max logit (with the shard sizes piggy-backed for validation)
+and one SUM of a `[N, 4]` stack of partial sums. Backward needs no collective.
+
+Non-finite logits: a NaN anywhere in a token's row (on any shard) makes every output of that token NaN
+and its gradient NaN; +inf likewise gives NaN (inf − inf). Nothing non-finite is ever turned into a
+finite value. −inf logits are ordinary probability-zero tokens: never in the safe set, zero gradient;
+only a *target* whose logit is −inf gets `logprobs = logprobs_full = −inf`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from . import masked_logprobs_math as M
+from .safe_vocab import DEFAULT_LOG_RHO, check_log_rho, check_temperature, rule_dtype, safe_threshold
+
+CHUNK_ELEMENTS = 1 << 16
+"""Rows per chunk = max(1, CHUNK_ELEMENTS // V_local): a chunk's fp32 buffers stay in the CPU cache / are
+O(chunk) on GPU, never another copy of the logits."""
+
+
+@dataclass
+class MaskedLogprobs:
+    """Per-token outputs, each of the targets' shape `[...]`.
+
+    logprobs: float32, log π^mp(target) renormalised over V_S ∪ {target}; differentiable.
+    entropy: float32, H(π^mp) over the same support; differentiable; None if not computed.
+    in_safe_set: bool, target ∈ V_S (False: the target was force-kept and must be masked or vetoed).
+    safe_mass: float32, Z = Σ_{k∈V_S} π(k), the full-softmax mass kept (Prop. 5.5's bound uses min Z).
+    logprobs_full: float32, unpruned log π(target); equals logprobs + log Z where in_safe_set.
+    """
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor | None
+    in_safe_set: torch.Tensor
+    safe_mass: torch.Tensor
+    logprobs_full: torch.Tensor
+
+
+def _group_size_and_rank(tp_group) -> tuple[int, int]:
+    if tp_group is None:
+        return 1, 0
+    return dist.get_world_size(tp_group), dist.get_rank(tp_group)
+
+
+def _check_inputs(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int | None, tp_size: int) -> int:
+    """Local checks; returns the true vocab size."""
+    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
+        raise TypeError(f"logits must be a floating-point tensor [..., V_local]; got {_describe(logits)}")
+    if not isinstance(targets, torch.Tensor) or targets.is_floating_point() or targets.is_complex():
+        raise TypeError(f"targets must be an integer tensor of token ids; got {_describe(targets)}")
+    if targets.dtype == torch.bool:
+        raise TypeError("targets must be an integer tensor of token ids; got dtype torch.bool")
+    if logits.dim() < 1 or tuple(logits.shape[:-1]) != tuple(targets.shape):
+        raise ValueError(
+            f"logits.shape[:-1] must equal targets.shape; got logits {tuple(logits.shape)} "
+            f"and targets {tuple(targets.shape)}"
+        )
+    if targets.device != logits.device:
+        raise ValueError(f"targets are on {targets.device} but logits on {logits.device}")
+    padded = logits.shape[-1] * tp_size
+    if vocab_size is None:
+        vocab_size = padded
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 0 < vocab_size <= padded:
+        raise ValueError(
+            f"vocab_size must be an int in [1, V_local·tp = {logits.shape[-1]}·{tp_size} = {padded}]; "
+            f"got {vocab_size!r}"
+        )
+    if targets.numel():
+        bad = (targets < 0) | (targets >= vocab_size)
+        if bool(bad.any()):
+            index = tuple(int(i) for i in bad.nonzero()[0])
+            raise ValueError(
+                f"targets must be token ids in [0, vocab_size={vocab_size}); "
+                f"got {int(targets[index])} at index {index}"
+            )
+    return vocab_size
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"tensor of dtype {value.dtype}"
+    return f"{type(value).__name__} {value!r}"
+
+
+def _global_max(
+    max_logit: torch.Tensor, v_local: int, vocab_size: int, tp_group, tp_size: int
+) -> torch.Tensor:
+    """Collective 1: MAX over shards of the max logit, with shard sizes piggy-backed to check consistency."""
+    if tp_size == 1:
+        return max_logit
+    meta = torch.tensor(
+        [v_local, -v_local, vocab_size, -vocab_size], dtype=torch.float32, device=max_logit.device
+    )
+    stacked = torch.cat([max_logit, meta.to(max_logit.dtype)])
+    dist.all_reduce(stacked, op=dist.ReduceOp.MAX, group=tp_group)
+    hi_v, neg_lo_v, hi_vocab, neg_lo_vocab = (int(v) for v in stacked[-4:].tolist())
+    if hi_v != -neg_lo_v:
+        raise ValueError(
+            f"vocab shards differ across the {tp_size} tensor-parallel ranks: V_local ranges from "
+            f"{-neg_lo_v} to {hi_v} (this rank: {v_local}); megatron shards the padded vocab evenly"
+        )
+    if hi_vocab != -neg_lo_vocab:
+        raise ValueError(
+            f"vocab_size differs across tensor-parallel ranks: from {-neg_lo_vocab} to {hi_vocab} "
+            f"(this rank: {vocab_size})"
+        )
+    return stacked[:-4]
+
+
+def _row_chunks(num_rows: int, v_local: int):
+    step = max(1, CHUNK_ELEMENTS // max(v_local, 1))
+    for start in range(0, num_rows, step):
+        yield slice(start, min(start + step, num_rows))
+
+
+class _MaskedLogprobsFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx, logits2d, targets1d, log_rho, temperature, vocab_size, tp_group, tp_size, tp_rank, entropy
+    ):
+        v_local = logits2d.shape[1]
+        vocab_start = tp_rank * v_local
+        num_valid = min(max(vocab_size - vocab_start, 0), v_local)
+        x = logits2d[:, :num_valid]  # padded columns excluded by a view: no copy
+        num_rows = x.shape[0]
+        compute_dtype = rule_dtype(x.dtype)
+        local_max = (
+            x.amax(dim=1).to(compute_dtype)  # exact in the logits' dtype: no upcast copy needed
+            if num_valid
+            else torch.full((num_rows,), -math.inf, dtype=compute_dtype, device=x.device)
+        )
+        max_logit = _global_max(local_max, v_local, vocab_size, tp_group, tp_size)
+        if log_rho is None:
+            threshold = torch.full_like(max_logit, -torch.finfo(compute_dtype).max)
+        else:
+            threshold = safe_threshold(max_logit, log_rho, temperature)
+        inv_t = 1.0 / temperature
+        local_target, owned = M.target_columns(targets1d, vocab_start, num_valid)
+
+        partials = torch.empty((num_rows, M.NUM_PARTIALS), dtype=compute_dtype, device=x.device)
+        for rows in _row_chunks(num_rows, v_local):
+            partials[rows] = M.chunk_partial_sums(
+                x[rows], max_logit[rows], threshold[rows], inv_t, local_target[rows], owned[rows], entropy
+            )
+        if tp_size > 1:
+            dist.all_reduce(partials, op=dist.ReduceOp.SUM, group=tp_group)  # collective 2
+        out = M.finalize(partials, max_logit, threshold, inv_t, entropy)
+        if log_rho is None:
+            out["in_safe_set"] = torch.ones_like(out["in_safe_set"])
+
+        ctx.save_for_backward(
+            logits2d, max_logit, threshold, out["log_norm"], local_target, owned, out["entropy"]
+        )
+        ctx.num_valid, ctx.inv_t = num_valid, inv_t
+        ctx.mark_non_differentiable(out["in_safe_set"], out["safe_mass"], out["logprobs_full"])
+        ctx.set_materialize_grads(False)
+        return out["logprobs"], out["entropy"], out["in_safe_set"], out["safe_mass"], out["logprobs_full"]
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy, *_):
+        logits2d, max_logit, threshold, log_norm, local_target, owned, entropy = ctx.saved_tensors
+        if grad_logprobs is None and grad_entropy is None:
+            return (None,) * 9
+        grad = torch.empty_like(logits2d)
+        if ctx.num_valid < logits2d.shape[1]:
+            grad[:, ctx.num_valid :].zero_()  # padded columns never receive gradient
+        x, g = logits2d[:, : ctx.num_valid], grad[:, : ctx.num_valid]
+        for rows in _row_chunks(x.shape[0], logits2d.shape[1]):
+            M.chunk_grad(
+                x[rows],
+                max_logit[rows],
+                threshold[rows],
+                ctx.inv_t,
+                log_norm[rows],
+                local_target[rows],
+                owned[rows],
+                None if grad_logprobs is None else grad_logprobs[rows].to(max_logit.dtype),
+                None if grad_entropy is None else grad_entropy[rows].to(max_logit.dtype),
+                None if entropy is None else entropy[rows],
+                g[rows],
+            )
+        return grad, None, None, None, None, None, None, None, None
+
+
+def vocab_parallel_masked_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    log_rho: float | None = DEFAULT_LOG_RHO,
+    temperature: float = 1.0,
+    vocab_size: int | None = None,
+    tp_group: dist.ProcessGroup | None = None,
+    compute_entropy: bool = True,
+) -> MaskedLogprobs:
+    """Log-probs and entropy of the min-p-pruned policy π^mp on vocab-parallel logits.
+
+    Args:
+        logits: `[..., V_local]` this rank's contiguous vocab shard (rank r holds global ids
+            [r·V_local, (r+1)·V_local)), any float dtype. Read only: never modified.
+        targets: `[...]` integer global token ids in [0, vocab_size).
+        log_rho: log ρ ≤ 0 of the safe set V_S = {k : π_T(k) ≥ ρ·max π_T}; None or −inf: no pruning, and
+            then `-logprobs` equals megatron's `vocab_parallel_cross_entropy`.
+        temperature: T > 0; logits are divided by T before the softmax (the rule is applied on the
+            same temperature-scaled distribution; see `safe_vocab`).
+        vocab_size: true vocab size; columns at global ids ≥ vocab_size (megatron's padding) are excluded.
+            Default: V_local · tp (no padding).
+        tp_group: the tensor-parallel process group the vocab is sharded over; None: unsharded.
+        compute_entropy: also compute H(π^mp) (costs one extra dot product per chunk).
+    Returns:
+        `MaskedLogprobs` of `[...]` float32 tensors (float64 for float64 logits); gradients reach `logits` (in its dtype) through
+        `logprobs` and `entropy`. Reduced over the vocab (all shards); nothing is reduced over tokens.
+    """
+    log_rho = check_log_rho(log_rho)
+    temperature = check_temperature(temperature)
+    tp_size, tp_rank = _group_size_and_rank(tp_group)
+    vocab_size = _check_inputs(logits, targets, vocab_size, tp_size)
+    lead_shape = targets.shape
+    logits2d = logits.reshape(-1, logits.shape[-1])
+    logprobs, entropy, in_safe, safe_mass, logprobs_full = _MaskedLogprobsFunction.apply(
+        logits2d,
+        targets.reshape(-1).long(),
+        log_rho,
+        temperature,
+        vocab_size,
+        tp_group,
+        tp_size,
+        tp_rank,
+        bool(compute_entropy),
+    )
+    return MaskedLogprobs(
+        logprobs=logprobs.view(lead_shape),
+        entropy=None if entropy is None else entropy.view(lead_shape),
+        in_safe_set=in_safe.view(lead_shape),
+        safe_mass=safe_mass.view(lead_shape),
+        logprobs_full=logprobs_full.view(lead_shape),
+    )
