@@ -27,5 +27,5 @@ __all__ = [
 
 
 def apply_cpu_patches() -> bool:
-    """Apply every process-wide CPU patch. Returns True if anything is patched (False where CUDA is present)."""
+    """Apply every process-wide CPU patch. True if anything is patched (False where CUDA is present)."""
     return apply_cuda_shims()

@@ -41,7 +41,7 @@ def _child(fn, rank, world_size, port, args, conn) -> None:
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
         )
         payload = fn(rank, world_size, *args)
-    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+    except BaseException:
         status, payload = "error", traceback.format_exc()
     try:
         conn.send_bytes(pickle.dumps((status, payload)))
@@ -87,7 +87,6 @@ def init_megatron(tensor_parallel: int = 1, pipeline_parallel: int = 1, seed: in
     """Inside a rank: CPU patches + megatron's parallel state + its RNG trackers (for tests only)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
     from megatron_tail.patches import apply_cpu_patches
 
     apply_cpu_patches()

@@ -216,8 +216,9 @@ def vocab_parallel_masked_logprobs(
         tp_group: the tensor-parallel process group the vocab is sharded over; None: unsharded.
         compute_entropy: also compute H(π^mp) (costs one extra dot product per chunk).
     Returns:
-        `MaskedLogprobs` of `[...]` float32 tensors (float64 for float64 logits); gradients reach `logits` (in its dtype) through
-        `logprobs` and `entropy`. Reduced over the vocab (all shards); nothing is reduced over tokens.
+        `MaskedLogprobs` of `[...]` float32 tensors (float64 for float64 logits); gradients reach
+        `logits` (in its dtype) through `logprobs` and `entropy`. Reduced over the vocab (all
+        shards); nothing is reduced over tokens.
     """
     log_rho = check_log_rho(log_rho)
     temperature = check_temperature(temperature)

@@ -8,7 +8,8 @@ global max m = max_k x_k, threshold θ = m + T·log ρ (see `safe_vocab`), targe
     S_X   = Σ_{k∈X} e^{z_k}                     (partial sums; the op all-reduces them across ranks)
     log π^mp(t) = z_t − log S_K,   H = log S_K − Σ_{k∈K} e^{z_k} z_k / S_K,
     Z = S_{V_S} / S_all (safe_mass),  log π(t) = z_t − log S_all (logprobs_full).
-All internals are float32 (float64 for float64 logits, so the op can be gradchecked). Buffers are `[rows, V]` of the chunk only.
+All internals are float32 (float64 for float64 logits, so the op can be gradchecked).
+Buffers are `[rows, V]` of the chunk only.
 """
 
 from __future__ import annotations
