@@ -1,92 +1,15 @@
-"""A fast multi-process harness for CPU tests: fork after importing torch and megatron, gloo backend.
+"""Test harness: forked gloo ranks (`run_distributed`) and megatron's parallel state inside a rank."""
 
-    results = run_distributed(fn, world_size, *args)   # fn(rank, world_size, *args) -> picklable
+from megatron_tail.utils.forked import RankFailed, run_distributed
 
-Each rank is a forked child with one intra-op thread and a gloo process group on a free TCP port.
-Results come back pickled through a pipe, in rank order; an exception in any rank is re-raised in the
-parent with that rank's traceback. Forking after the (≈3 s) megatron import costs ≈0.4 s per test where
-spawn costs ≈5 s.
-"""
-
-from __future__ import annotations
-
-import multiprocessing as mp
-import os
-import pickle
-import socket
-import traceback
-from collections.abc import Callable
-from typing import Any
-
-import megatron.core.parallel_state  # noqa: F401 - imported before fork so children don't pay for it
-import torch
-import torch.distributed as dist
-
-
-class RankFailed(RuntimeError):
-    """A rank of `run_distributed` raised; the message carries its traceback."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _child(fn, rank, world_size, port, args, conn) -> None:
-    status, payload = "ok", None
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
-        )
-        payload = fn(rank, world_size, *args)
-    except BaseException:
-        status, payload = "error", traceback.format_exc()
-    try:
-        conn.send_bytes(pickle.dumps((status, payload)))
-    finally:
-        conn.close()
-        os._exit(0)  # skip pytest's atexit hooks and process-group teardown races in the child
-
-
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0) -> list[Any]:
-    """Run `fn(rank, world_size, *args)` on `world_size` forked gloo ranks; return the results by rank."""
-    ctx = mp.get_context("fork")
-    port = _free_port()
-    pipes, procs = [], []
-    for rank in range(world_size):
-        parent_end, child_end = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_child, args=(fn, rank, world_size, port, args, child_end), daemon=True)
-        proc.start()
-        child_end.close()
-        pipes.append(parent_end)
-        procs.append(proc)
-    results, errors = [None] * world_size, []
-    try:
-        for rank, conn in enumerate(pipes):
-            if not conn.poll(timeout):
-                raise TimeoutError(f"rank {rank} of {world_size} sent nothing within {timeout} s")
-            status, payload = pickle.loads(conn.recv_bytes())
-            if status == "error":
-                errors.append(f"--- rank {rank} ---\n{payload}")
-            results[rank] = payload
-    except EOFError as err:
-        raise RankFailed(f"a rank died without reporting (exit codes {[p.exitcode for p in procs]})") from err
-    finally:
-        for proc in procs:
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.kill()
-    if errors:
-        raise RankFailed("\n".join(errors))
-    return results
+__all__ = ["RankFailed", "init_megatron", "run_distributed"]
 
 
 def init_megatron(tensor_parallel: int = 1, pipeline_parallel: int = 1, seed: int = 1234) -> None:
     """Inside a rank: CPU patches + megatron's parallel state + its RNG trackers (for tests only)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
     from megatron_tail.patches import apply_cpu_patches
 
     apply_cpu_patches()
