@@ -1,0 +1,162 @@
+"""`AlgorithmConfig`: every knob of the RL objective, with the papers' defaults, validated on construction."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+from megatron_tail.algorithms._checks import check_number
+from megatron_tail.algorithms.aggregation import AGGREGATION_MODES
+from megatron_tail.algorithms.importance import check_is_params
+from megatron_tail.algorithms.policy_loss import KL_ESTIMATORS
+
+ADVANTAGE_ESTIMATORS: tuple[str, ...] = ("grpo", "rloo")
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    """The RL objective's settings. Invalid values raise `ValueError` naming the field and the value."""
+
+    # --- advantages
+    advantage_estimator: str = "grpo"
+    """"grpo" ((r − mean)/(std + eps)) or "rloo" (r − leave-one-out mean), over groups of `group_size`."""
+    group_size: int = 8
+    """n, responses per prompt; groups are contiguous in the batch."""
+    scale_advantages_by_std: bool = True
+    """GRPO only: divide by the group std; False gives Dr. GRPO."""
+    advantage_eps: float = 1e-6
+    """GRPO only: added to the group std."""
+
+    # --- DVP (arXiv 2512.23087)
+    log_rho: float | None = -13.0
+    """log ρ of the safe set V_S = {a : π(a) ≥ ρ·max π}, for the op and the rollout sampler; None = off."""
+
+    # --- importance correction θ_old (trainer) vs rollout engine
+    is_mode: str = "mis"
+    """"none", "tis" (truncate at `tis_cap`) or "mis" (zero outside [`mis_low`, `mis_high`])."""
+    is_level: str = "token"
+    """"token", "sequence_product" (Π_t w_t) or "sequence_geomean" ((Π_t w_t)^(1/n))."""
+    tis_cap: float = 2.0
+    """C ≥ 1 for TIS."""
+    mis_low: float = 0.5
+    """MIS lower bound, in [0, 1]."""
+    mis_high: float = 2.0
+    """MIS upper bound, ≥ 1 and > `mis_low`."""
+    veto_threshold: float = 1e-4
+    """Drop a sequence if any token's raw weight is below this (DVP paper: 1e-4); 0 disables. In [0, 1)."""
+
+    # --- STAPO (arXiv 2602.15620)
+    stapo: bool = False
+    """Mask spurious tokens: A > 0, π_old < τ_p, H_old < τ_h; the loss is renormalised over the rest."""
+    stapo_tau_p: float = 0.01
+    """τ_p, probability threshold, in (0, 1]."""
+    stapo_tau_h: float | None = None
+    """τ_h, absolute entropy threshold in nats (≥ 0); None = use `stapo_tau_h_quantile`."""
+    stapo_tau_h_quantile: float = 0.05
+    """Quantile of the valid tokens' entropy used as τ_h when `stapo_tau_h` is None, in [0, 1]."""
+
+    # --- Advantage Reweighting and Lopti (arXiv 2505.12929)
+    advantage_reweighting: bool = False
+    """AR: A' = (α·π_old + 1 − α)·A."""
+    ar_alpha: float = 0.3
+    """α of AR, in [0, 1]."""
+    lopti: bool = False
+    """Two sequential updates per batch: tokens with π_old < η, then the rest."""
+    lopti_eta: float = 0.5
+    """η of Lopti, in (0, 1]."""
+    lopti_reverse: bool = False
+    """Lopti in the reverse order (high-probability tokens first); for ablations."""
+
+    # --- PPO surrogate and KL
+    clip_eps_low: float = 0.2
+    """ε_low: ratios below 1 − ε_low are clipped; in [0, 1)."""
+    clip_eps_high: float = 0.28
+    """ε_high: ratios above 1 + ε_high are clipped (DAPO's clip-higher value); ≥ 0."""
+    dual_clip: float | None = None
+    """Dual-clip constant c > 1 (e.g. 3.0) for A < 0, or None."""
+    kl_coef: float = 0.0
+    """β ≥ 0 of the KL penalty to the reference policy; > 0 requires `ref_logprobs`."""
+    kl_estimator: str = "k3"
+    """"k1" (log π/π_ref) or "k3" (π_ref/π − 1 − log(π_ref/π))."""
+
+    # --- aggregation
+    loss_aggregation: str = "token_mean"
+    """"token_mean", "seq_mean_token_mean" or "seq_mean_token_sum" (Dr. GRPO)."""
+    loss_max_len: int | None = None
+    """L_max, the constant length divisor of "seq_mean_token_sum" (the generation length limit)."""
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        _check_choice("advantage_estimator", self.advantage_estimator, ADVANTAGE_ESTIMATORS)
+        if self.group_size < 1:
+            _bad("group_size", self.group_size, "must be ≥ 1")
+        _check_range("advantage_eps", self.advantage_eps, low=0.0)
+        if self.log_rho is not None and (math.isnan(self.log_rho) or self.log_rho > 0):
+            _bad("log_rho", self.log_rho, "must be ≤ 0 (or -inf / None for no pruning)")
+        check_is_params(
+            self.is_mode,
+            self.is_level,
+            self.tis_cap,
+            self.mis_low,
+            self.mis_high,
+            self.veto_threshold,
+            prefix="AlgorithmConfig.",
+        )
+        _check_range("stapo_tau_p", self.stapo_tau_p, low=0.0, high=1.0, low_inclusive=False)
+        if self.stapo_tau_h is not None:
+            _check_range("stapo_tau_h", self.stapo_tau_h, low=0.0)
+        _check_range("stapo_tau_h_quantile", self.stapo_tau_h_quantile, low=0.0, high=1.0)
+        _check_range("ar_alpha", self.ar_alpha, low=0.0, high=1.0)
+        _check_range("lopti_eta", self.lopti_eta, low=0.0, high=1.0, low_inclusive=False)
+        _check_range("clip_eps_low", self.clip_eps_low, low=0.0, high=1.0, high_inclusive=False)
+        _check_range("clip_eps_high", self.clip_eps_high, low=0.0)
+        if self.dual_clip is not None:
+            _check_range("dual_clip", self.dual_clip, low=1.0, low_inclusive=False)
+        _check_range("kl_coef", self.kl_coef, low=0.0)
+        _check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        _check_choice("loss_aggregation", self.loss_aggregation, AGGREGATION_MODES)
+        if self.loss_max_len is not None and self.loss_max_len < 1:
+            _bad("loss_max_len", self.loss_max_len, "must be ≥ 1")
+        if self.loss_aggregation == "seq_mean_token_sum" and self.loss_max_len is None:
+            _bad("loss_max_len", None, "is required when loss_aggregation='seq_mean_token_sum'")
+
+    @property
+    def num_phases(self) -> int:
+        """Optimizer updates per batch: 2 with Lopti, else 1."""
+        return 2 if self.lopti else 1
+
+
+def _bad(name: str, value: object, why: str) -> None:
+    raise ValueError(f"AlgorithmConfig.{name} {why}; got {value!r}")
+
+
+def _check_range(name: str, value: float, **bounds: float | bool) -> None:
+    check_number(f"AlgorithmConfig.{name}", value, **bounds)
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        _bad(name, value, f"must be one of {choices}")
+
+
+_BOOL_FIELDS = ("scale_advantages_by_std", "stapo", "advantage_reweighting", "lopti", "lopti_reverse")
+_INT_FIELDS = ("group_size", "loss_max_len")
+_STR_FIELDS = ("advantage_estimator", "is_mode", "is_level", "kl_estimator", "loss_aggregation")
+
+
+def _check_types(cfg: AlgorithmConfig) -> None:
+    """bools are bool, ints int (not bool), strings str, numbers real (not bool); None only where allowed."""
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        if value is None and f.name in ("log_rho", "stapo_tau_h", "dual_clip", "loss_max_len"):
+            continue
+        if f.name in _BOOL_FIELDS:
+            ok = isinstance(value, bool)
+        elif f.name in _INT_FIELDS:
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif f.name in _STR_FIELDS:
+            ok = isinstance(value, str)
+        else:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not ok:
+            _bad(f.name, value, f"has the wrong type ({type(value).__name__}); expected {f.type}")
