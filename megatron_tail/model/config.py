@@ -1,0 +1,153 @@
+"""`ModelSettings` (how) + `HFArch` (what) → megatron-core `TransformerConfig` and layer spec.
+
+The TransformerConfig describes exactly the HF model: RMSNorm, SwiGLU (`gated_linear_unit` with SiLU,
+fc1 = [gate; up]), GQA (`num_query_groups`), `kv_channels = head_dim`, QK-norm for Qwen3, q/k/v biases for
+Qwen2, no other biases, dropout 0 (RL log-prob ratios must be deterministic). Parallel sizes come from
+megatron's initialised `parallel_state`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from .hf_config import HFArch
+
+DEFAULT_VOCAB_PAD_MULTIPLE = 1024
+"""Pad the vocab to a multiple of 1024 = 128 × 8: the same padded size at every TP ≤ 8 (so checkpoints
+reshard across TP sizes) and 128-aligned GEMMs."""
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """How to build the model (everything that is not the HF architecture). `None` = decide by the host."""
+
+    bf16: bool | None = None
+    """Train in bf16 via megatron's `Float16Module` (fp32 main params in the optimizer). Default: CUDA."""
+    use_te: bool | None = None
+    """Transformer Engine layer spec. Default: TE importable and CUDA present; else the local spec."""
+    vocab_pad_multiple: int = DEFAULT_VOCAB_PAD_MULTIPLE
+    """Padded vocab is a multiple of this; it must be divisible by TP (megatron shards rows evenly)."""
+    use_cpu_initialization: bool | None = None
+    """Initialise parameters on CPU (megatron's `use_cpu_initialization`). Default: no CUDA."""
+    max_sequence_length: int | None = None
+    """Longest sequence to run. Default: the HF `max_position_embeddings`."""
+
+    def __post_init__(self) -> None:
+        if self.vocab_pad_multiple < 1:
+            raise ValueError(f"vocab_pad_multiple must be ≥ 1; got {self.vocab_pad_multiple}")
+        if self.max_sequence_length is not None and self.max_sequence_length < 1:
+            raise ValueError(f"max_sequence_length must be ≥ 1; got {self.max_sequence_length}")
+
+    def resolved_bf16(self) -> bool:
+        """`bf16` with the host default applied."""
+        return torch.cuda.is_available() if self.bf16 is None else self.bf16
+
+    def resolved_use_te(self) -> bool:
+        """`use_te` with the host default applied; raises if TE was asked for but is not installed."""
+        have_te = importlib.util.find_spec("transformer_engine") is not None
+        if self.use_te is None:
+            return have_te and torch.cuda.is_available()
+        if self.use_te and not have_te:
+            raise ValueError(
+                "use_te=True but transformer_engine is not installed; use_te=False picks the local spec"
+            )
+        return self.use_te
+
+
+def padded_vocab_size(vocab_size: int, tp_size: int, multiple: int = DEFAULT_VOCAB_PAD_MULTIPLE) -> int:
+    """Rows of the Megatron embedding/output layer: `vocab_size` rounded up to `multiple`.
+
+    Raises ValueError if the result cannot be split evenly over `tp_size` ranks.
+    """
+    padded = -(-vocab_size // multiple) * multiple
+    if padded % tp_size:
+        raise ValueError(
+            f"padded vocab {padded} (vocab_size={vocab_size} rounded up to vocab_pad_multiple={multiple}) "
+            f"is not divisible by tensor_parallel={tp_size}; use a vocab_pad_multiple divisible by {tp_size}"
+        )
+    return padded
+
+
+def transformer_config(arch: HFArch, settings: ModelSettings | None = None) -> TransformerConfig:
+    """The megatron-core `TransformerConfig` of `arch` at the current TP/PP sizes.
+
+    `calculate_per_token_loss=True`: the training step normalises the loss itself by a global token count,
+    so megatron must neither divide by the number of micro-batches nor average over DP.
+    """
+    settings = settings or ModelSettings()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    _check_divisible(arch, tp, pp)
+    bf16 = settings.resolved_bf16()
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    cpu_init = settings.use_cpu_initialization
+    if cpu_init is None:
+        cpu_init = not torch.cuda.is_available()
+    return TransformerConfig(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.intermediate_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_query_groups,
+        kv_channels=arch.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=arch.initializer_range,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=bf16,
+        use_cpu_initialization=cpu_init,
+        attention_softmax_in_fp32=True,
+        calculate_per_token_loss=True,
+        # Fusions that need TE/apex/CUDA kernels stay off; masked_softmax_fusion would pick a CUDA kernel.
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+    )
+
+
+def layer_spec(arch: HFArch, settings: ModelSettings | None = None) -> ModuleSpec:
+    """Decoder layer spec: Transformer Engine (`linear_qkv.layer_norm_weight` names) or local
+    (`input_layernorm.weight` names), RMSNorm, QK-norm as the architecture says."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    settings = settings or ModelSettings()
+    if settings.resolved_use_te():
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
+    return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+
+
+def _check_divisible(arch: HFArch, tp: int, pp: int) -> None:
+    if arch.num_attention_heads % tp:
+        raise ValueError(
+            f"num_attention_heads={arch.num_attention_heads} is not divisible by tensor_parallel={tp}"
+        )
+    if arch.num_key_value_heads % tp and tp % arch.num_key_value_heads:
+        raise ValueError(
+            f"num_key_value_heads={arch.num_key_value_heads} and tensor_parallel={tp}: "
+            "one must divide the other"
+        )
+    if arch.intermediate_size % tp:
+        raise ValueError(
+            f"intermediate_size={arch.intermediate_size} is not divisible by tensor_parallel={tp}"
+        )
+    if arch.num_layers % pp:
+        raise ValueError(f"num_hidden_layers={arch.num_layers} is not divisible by pipeline_parallel={pp}")

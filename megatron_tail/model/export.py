@@ -1,0 +1,155 @@
+"""Export the TP×PP-sharded Megatron model to a HF checkpoint dir (safetensors + config.json) for SGLang.
+
+Collective over all ranks. Per parameter, the TP ranks of the owning pipeline stage (data-parallel
+rank 0 only) all-gather their shards; TP rank 0 turns the full tensor into HF tensors and sends them to
+the writer rank (global rank 0), which streams each into its place in the output files. No rank ever
+holds more than one full parameter (plus its TP shards) at a time, so a 14B export never holds two copies
+of the model anywhere. The output appears atomically: written to `<out>.tmp-<pid>`, then renamed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.utils import unwrap_model
+
+from .hf_config import HFArch
+from .load import global_layer_map
+from .naming import ParamMapping, hf_tensor_shapes, megatron_to_hf
+from .safetensors_io import INDEX_FILE, StreamingSafetensorsWriter
+from .sharding import fc1_unshard, split_qkv
+
+_DTYPE_STR = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_NOT_COPIED = {"config.json", INDEX_FILE}
+
+
+@torch.no_grad()
+def export_hf(
+    model: torch.nn.Module | list[torch.nn.Module],
+    out_dir: str | Path,
+    arch: HFArch,
+    *,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = 5 * 2**30,
+    copy_files_from: str | Path | None = None,
+) -> Path | None:
+    """Write `model` as a HF checkpoint to `out_dir` (on global rank 0's filesystem). Call on every rank.
+
+    Args:
+        model: this rank's GPTModel chunk(s), optionally wrapped in DDP/Float16Module.
+        out_dir: target dir; replaced atomically if it exists.
+        arch: the HF architecture; its config.json is written back with `torch_dtype` updated.
+        dtype: dtype of the exported tensors (default: the model's parameter dtype).
+        max_shard_bytes: start a new safetensors shard beyond this size.
+        copy_files_from: a HF dir whose other files (tokenizer, generation config) are copied along.
+    Returns:
+        The output path on global rank 0, None elsewhere.
+    """
+    chunks = [unwrap_model(c) for c in (model if isinstance(model, list) else [model])]
+    params = _exported_params(chunks, arch)
+    dtype = dtype or next(iter(chunks[0].parameters())).dtype
+    device = next(iter(chunks[0].parameters())).device
+    writer_rank = 0
+    sender = (
+        parallel_state.get_data_parallel_rank() == 0 and parallel_state.get_tensor_model_parallel_rank() == 0
+    )
+    # Rank 0 learns, per pipeline stage, the order in which that stage's sender will send.
+    plans: list = [None] * dist.get_world_size()
+    dist.all_gather_object(plans, [m.hf_names for m, _ in params] if sender else None)
+    pp_ranks = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
+    rank = dist.get_rank()
+
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
+    writer = None
+    shapes = hf_tensor_shapes(arch)
+    if rank == writer_rank:
+        writer = StreamingSafetensorsWriter(tmp, shapes, dtype, max_shard_bytes)
+    try:
+        if parallel_state.get_data_parallel_rank() == 0:
+            for mapping, param in params:
+                tensors = _gather_hf_tensors(mapping, param, arch)
+                if rank == writer_rank:
+                    for n, t in zip(mapping.hf_names, tensors, strict=True):
+                        writer.write(n, t)
+                elif sender:
+                    for t in tensors:
+                        dist.send(t.to(dtype).contiguous(), dst=writer_rank)
+        if rank == writer_rank:
+            _receive_other_stages(writer, plans, pp_ranks, shapes, dtype, device)
+            writer.close()
+            _finish_dir(tmp, out_dir, arch, dtype, copy_files_from)
+    except BaseException:
+        if rank == writer_rank:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    dist.barrier()
+    return out_dir if rank == writer_rank else None
+
+
+def _exported_params(chunks: list[torch.nn.Module], arch: HFArch) -> list[tuple[ParamMapping, torch.Tensor]]:
+    """(mapping, parameter) of this stage in export order; a tied output layer is skipped (= embedding)."""
+    out = []
+    for chunk in chunks:
+        layers = global_layer_map(chunk)
+        for name, param in chunk.named_parameters():
+            mapping = megatron_to_hf(name, arch, layers)
+            if name == "output_layer.weight" and arch.tie_word_embeddings:
+                continue
+            out.append((mapping, param))
+    return out
+
+
+def _gather_hf_tensors(m: ParamMapping, param: torch.Tensor, arch: HFArch) -> list[torch.Tensor]:
+    """Collective over the TP group: the full HF tensor(s) of `param` (valid on every TP rank)."""
+    if m.layout == "replicated":
+        return [param.data]
+    group = parallel_state.get_tensor_model_parallel_group()
+    shards = [torch.empty_like(param.data) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(shards, param.data.contiguous(), group=group)
+    if m.layout == "vocab":
+        return [torch.cat(shards, dim=0)[: arch.vocab_size]]
+    if m.layout == "row":
+        return [torch.cat(shards, dim=1)]
+    if m.layout == "column":
+        return [torch.cat(shards, dim=0)]
+    if m.layout == "qkv":
+        return list(split_qkv(torch.cat(shards, dim=0), arch.num_attention_heads, arch.num_key_value_heads))
+    if m.layout == "fc1":
+        return list(fc1_unshard(shards))
+    raise ValueError(f"unknown layout {m.layout!r} for {m.megatron_name}")
+
+
+def _receive_other_stages(writer, plans, pp_ranks, shapes, dtype, device) -> None:
+    """On the writer: receive, in each sender's order, the tensors of pipeline stages ≥ 1."""
+    for src in pp_ranks[1:]:
+        for hf_names in plans[src] or []:
+            for n in hf_names:
+                buf = torch.empty(shapes[n], dtype=dtype, device=device)
+                dist.recv(buf, src=src)
+                writer.write(n, buf)
+
+
+def _finish_dir(tmp: Path, out_dir: Path, arch: HFArch, dtype: torch.dtype, copy_from) -> None:
+    config = dict(arch.raw)
+    config["architectures"] = [arch.architecture]
+    config["torch_dtype"] = _DTYPE_STR[dtype]
+    config.pop("dtype", None)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    if copy_from is not None:
+        for f in Path(copy_from).iterdir():
+            if f.is_file() and f.suffix != ".safetensors" and f.name not in _NOT_COPIED:
+                shutil.copy2(f, tmp / f.name)
+    if out_dir.exists():
+        old = out_dir.with_name(f"{out_dir.name}.old-{os.getpid()}")
+        out_dir.rename(old)
+        tmp.rename(out_dir)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(out_dir)

@@ -1,0 +1,82 @@
+"""The megatron-core `GPTModel` of an HF architecture, for this rank's pipeline stage.
+
+`TailGPTModel` adds one thing to `GPTModel`: RoPE at arbitrary per-token positions. megatron-core's
+`GPTModel` ignores `position_ids` under RoPE and rotates token i by position i; packed sequences need
+positions that restart at every sequence start. On the local spec we give each token its own rotary
+angle ([s, b, 1, d] frequencies broadcast over heads in megatron's unfused `_apply_rotary_pos_emb_bshd`),
+and the block-diagonal attention mask keeps sequences apart. On the Transformer Engine spec packed
+sequences use `PackedSeqParams` (THD) instead, so `position_ids` must be None there.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+
+from .config import ModelSettings, layer_spec, padded_vocab_size, transformer_config
+from .hf_config import HFArch
+
+
+class TailGPTModel(GPTModel):
+    """`GPTModel` whose RoPE follows `position_ids` when `rotate_by_position_ids` is set.
+
+    `forward(input_ids [b, s] int64, position_ids [b, s] int64 | None, attention_mask [b, 1, s, s] bool
+    (True = masked) | None, ...)` returns vocab-parallel logits `[b, s, V_padded / tp]` on the last stage
+    (hidden states `[s, b, h]` elsewhere). `position_ids=None` means 0..s-1 for every row.
+    """
+
+    rotate_by_position_ids: bool = True
+
+    def _preprocess(self, input_ids, position_ids, *args, **kwargs):
+        out = super()._preprocess(input_ids, position_ids, *args, **kwargs)
+        rotary = out[1]
+        if position_ids is None or rotary is None or not self.rotate_by_position_ids:
+            return out
+        # rotary: [max_len, 1, 1, d] angles for positions 0..max_len-1; pick each token's own angle.
+        needed = int(position_ids.max()) + 1
+        table = self.rotary_pos_emb(max(needed, rotary.shape[0]))[:, 0, 0, :]
+        per_token = table[position_ids.t().to(table.device)].unsqueeze(2)  # [s, b, 1, d]
+        return (out[0], per_token, *out[2:])
+
+
+def build_gpt_model(
+    arch: HFArch,
+    settings: ModelSettings | None = None,
+    *,
+    pre_process: bool | None = None,
+    post_process: bool | None = None,
+) -> TailGPTModel:
+    """This rank's stage of the Megatron model of `arch` (randomly initialised; load weights with the bridge).
+
+    Needs megatron's parallel state (TP/PP) initialised. Logits stay vocab-parallel (`parallel_output=True`)
+    over `padded_vocab_size(arch.vocab_size, tp, settings.vocab_pad_multiple)` columns; columns at and
+    beyond `arch.vocab_size` are padding (zero weights) that the log-prob op masks via `vocab_size`.
+    On PP > 1 the tied output layer of the last stage is a copy of the embedding that megatron keeps in
+    sync through the embedding group.
+    """
+    settings = settings or ModelSettings()
+    config = transformer_config(arch, settings)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage()
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage()
+    model = TailGPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(arch, settings),
+        vocab_size=padded_vocab_size(arch.vocab_size, tp, settings.vocab_pad_multiple),
+        max_sequence_length=settings.max_sequence_length or arch.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=arch.rope_theta,
+        rope_scaling=arch.rope_scaling_factor is not None,
+        rope_scaling_factor=arch.rope_scaling_factor or 8.0,
+    )
+    model.rotate_by_position_ids = not settings.resolved_use_te()
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return model
