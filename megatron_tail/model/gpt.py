@@ -14,6 +14,8 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
+from megatron_tail.patches import cpu_device_scope
+
 from .config import ModelSettings, layer_spec, padded_vocab_size, transformer_config
 from .hf_config import HFArch
 
@@ -57,12 +59,23 @@ def build_gpt_model(
     """
     settings = settings or ModelSettings()
     config = transformer_config(arch, settings)
-    tp = parallel_state.get_tensor_model_parallel_world_size()
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage()
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage()
-    model = TailGPTModel(
+    # cpu_device_scope: with tied embeddings on PP > 1 megatron moves the last stage's output weight with
+    # `.cuda()` before syncing it from the first stage (language_module.py); a no-op where CUDA exists.
+    with cpu_device_scope():
+        model = _construct(arch, settings, config, pre_process, post_process)
+    model.rotate_by_position_ids = not settings.resolved_use_te()
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return model
+
+
+def _construct(arch, settings, config, pre_process, post_process) -> TailGPTModel:
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    return TailGPTModel(
         config=config,
         transformer_layer_spec=layer_spec(arch, settings),
         vocab_size=padded_vocab_size(arch.vocab_size, tp, settings.vocab_pad_multiple),
@@ -76,7 +89,3 @@ def build_gpt_model(
         rope_scaling=arch.rope_scaling_factor is not None,
         rope_scaling_factor=arch.rope_scaling_factor or 8.0,
     )
-    model.rotate_by_position_ids = not settings.resolved_use_te()
-    if torch.cuda.is_available():
-        model.cuda(torch.cuda.current_device())
-    return model
