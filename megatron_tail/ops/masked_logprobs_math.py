@@ -8,8 +8,12 @@ global max m = max_k x_k, threshold θ = m + T·log ρ (see `safe_vocab`), targe
     S_X   = Σ_{k∈X} e^{z_k}                     (partial sums; the op all-reduces them across ranks)
     log π^mp(t) = z_t − log S_K,   H = log S_K − Σ_{k∈K} e^{z_k} z_k / S_K,
     Z = S_{V_S} / S_all (safe_mass),  log π(t) = z_t − log S_all (logprobs_full).
-All internals are float32 (float64 for float64 logits, so the op can be gradchecked).
-Buffers are `[rows, V]` of the chunk only.
+Gradient, with p_k = π^mp(k) on K and 0 elsewhere, g_L = dloss/dlog π^mp(t), g_H = dloss/dH:
+    dloss/dx_k = (1/T)·( g_L·δ_kt − p_k·(g_L + g_H·H + g_H·log p_k) ).
+The safe set is a constant of the forward pass (chosen under no-grad, as in the paper).
+
+All internals are float32 (float64 for float64 logits, so the op can be gradchecked). Temporary
+buffers are `[rows, V]` of one chunk only.
 """
 
 from __future__ import annotations
@@ -38,6 +42,32 @@ def target_columns(
     return local.clamp(0, max(num_valid - 1, 0)), owned
 
 
+def shifted_logits(x: torch.Tensor, shift: torch.Tensor, inv_temperature: float) -> torch.Tensor:
+    """`(x − shift) / T` as a new `[n, V]` buffer in shift's dtype (float32 for bf16 x, by promotion)."""
+    out = torch.sub(x, shift.unsqueeze(1))
+    if inv_temperature != 1.0:
+        out.mul_(inv_temperature)
+    return out
+
+
+def safe_indicator(x: torch.Tensor, threshold: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`[n, V]` 1.0 where x_k ≥ θ (k ∈ V_S), else 0.0, in threshold's dtype.
+
+    A float indicator, not a bool mask: on CPU, bool-producing compares and `masked_fill_` cost 5–40×
+    a float compare or multiply, and the op is bandwidth-bound on these passes.
+    """
+    if out is None:
+        out = torch.empty(x.shape, dtype=threshold.dtype, device=x.device)
+    return torch.ge(x, threshold.unsqueeze(1), out=out)
+
+
+def finite_(t: torch.Tensor) -> torch.Tensor:
+    """Clamp ±inf to ±max_float in place (NaN stays NaN): keeps 0·(−inf) = NaN out of products whose
+    other factor is exactly 0 (−inf logits are never in the support)."""
+    big = torch.finfo(t.dtype).max
+    return t.clamp_(-big, big)
+
+
 def chunk_partial_sums(
     x: torch.Tensor,
     max_logit: torch.Tensor,
@@ -46,20 +76,23 @@ def chunk_partial_sums(
     local_target: torch.Tensor,
     owned: torch.Tensor,
     with_entropy: bool,
+    exp_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """This shard's partial sums for one chunk of rows.
 
     Args:
         x: `[n, V]` raw logits (valid columns only), any float dtype; read only.
-        max_logit: `[n]` float32 global max m.
-        threshold: `[n]` float32 θ; with pruning off it is −FLT_MAX, which drops only −inf logits
-            (probability 0 either way; dropping them keeps 0·(−inf) out of the entropy sums).
+        max_logit: `[n]` global max m, in the compute dtype (float32, or float64 for float64 x).
+        threshold: `[n]` θ, compute dtype; with pruning off it is −max_float, which drops only −inf
+            logits (probability 0 either way; dropping them keeps 0·(−inf) out of the entropy sums).
         inv_temperature: 1 / T.
         local_target, owned: `[n]` from `target_columns`.
         with_entropy: compute S_SAFE_EZ (else left 0).
+        exp_out: optional `[n, V]` compute-dtype buffer; receives e^{z} on V_S and 0 elsewhere (what
+            the backward pass needs), so that backward need not recompute the exponentials.
     Returns:
-        `[n, NUM_PARTIALS]` float32: S_all, S_{V_S}, Σ_{V_S} e^z·z (all over this shard's columns),
-        and the target's raw logit as float32 if this shard owns it, else 0.
+        `[n, NUM_PARTIALS]`: S_all, S_{V_S}, Σ_{V_S} e^z·z (all over this shard's columns), and the
+        target's raw logit if this shard owns it, else 0.
     """
     out = x.new_zeros((x.shape[0], NUM_PARTIALS), dtype=max_logit.dtype)
     rows = torch.arange(x.shape[0], device=x.device)
@@ -67,17 +100,14 @@ def chunk_partial_sums(
     out[:, TARGET_LOGIT] = torch.where(owned, x_target, torch.zeros_like(x_target))
     if x.shape[1] == 0:
         return out
-    z = torch.sub(x, max_logit.unsqueeze(1))  # float32 even for bf16 x (type promotion)
-    if inv_temperature != 1.0:
-        z.mul_(inv_temperature)
-    e = torch.exp(z)
+    x = x.to(max_logit.dtype)  # one upcast of a bf16 chunk (mixed-dtype ops would each copy it again)
+    z = shifted_logits(x, max_logit, inv_temperature)
+    e = torch.exp(z, out=exp_out) if exp_out is not None else torch.exp(z)
     out[:, S_ALL] = e.sum(dim=1)
-    dropped = x < threshold.unsqueeze(1)
-    e.masked_fill_(dropped, 0.0)
+    e.mul_(safe_indicator(x, threshold))
     out[:, S_SAFE] = e.sum(dim=1)
     if with_entropy:
-        z.masked_fill_(dropped, 0.0)  # a −inf logit would make 0·(−inf) = NaN
-        out[:, S_SAFE_EZ] = torch.linalg.vecdot(e, z)
+        out[:, S_SAFE_EZ] = torch.linalg.vecdot(e, finite_(z))
     return out
 
 
@@ -91,8 +121,8 @@ def finalize(
     """Per-token outputs from the globally summed partials.
 
     Args:
-        partials: `[N, NUM_PARTIALS]` float32, summed over all vocab shards.
-        max_logit, threshold: `[N]` float32.
+        partials: `[N, NUM_PARTIALS]`, summed over all vocab shards.
+        max_logit, threshold: `[N]`, compute dtype.
     Returns:
         dict of `[N]` tensors: logprobs, entropy (None unless with_entropy), in_safe_set (bool), safe_mass,
         logprobs_full, and log_norm = log S_K (saved for backward).
@@ -117,7 +147,83 @@ def finalize(
     }
 
 
-def chunk_grad(
+def grad_coefficients(
+    log_norm: torch.Tensor,
+    inv_temperature: float,
+    grad_logprobs: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    entropy: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Per-row coefficients of dloss/dx = p·(bias + scale_h·log p) + target_add·δ_t, all `[N]`.
+
+    bias = −(g_L + g_H·H)/T, scale_h = −g_H/T (None without an entropy gradient), target_add = g_L/T.
+    """
+    g_l = torch.zeros_like(log_norm) if grad_logprobs is None else grad_logprobs.to(log_norm.dtype)
+    target_add = inv_temperature * g_l
+    if grad_entropy is None:
+        return -target_add, None, target_add
+    g_h = grad_entropy.to(log_norm.dtype)
+    return -inv_temperature * (g_l + g_h * entropy), -inv_temperature * g_h, target_add
+
+
+def _entropy_weight_(log_p: torch.Tensor, bias: torch.Tensor, scale_h: torch.Tensor) -> torch.Tensor:
+    """In place: `bias + scale_h·log p`, kept finite so that it can multiply exact zeros."""
+    return finite_(finite_(log_p).mul_(scale_h.unsqueeze(1)).add_(bias.unsqueeze(1)))
+
+
+def chunk_grad_from_exp(
+    x: torch.Tensor,
+    exp_masked: torch.Tensor,
+    max_logit: torch.Tensor,
+    threshold: torch.Tensor,
+    inv_temperature: float,
+    log_norm: torch.Tensor,
+    local_target: torch.Tensor,
+    owned: torch.Tensor,
+    bias: torch.Tensor,
+    scale_h: torch.Tensor | None,
+    target_add: torch.Tensor,
+) -> None:
+    """Turn the saved `exp_masked` chunk (`[n, V]`, e^z on V_S, 0 elsewhere) into dloss/dx, in place.
+
+    The force-kept unsafe target is absent from `exp_masked`; its term is added on the target column
+    from the per-row outputs. Args: `[n]` coefficients from `grad_coefficients`; p = exp_masked / S_K.
+    """
+    inv_norm = torch.exp(-log_norm)
+    if scale_h is None:
+        exp_masked.mul_((bias * inv_norm).unsqueeze(1))
+    else:
+        log_p = shifted_logits(x, max_logit + log_norm / inv_temperature, inv_temperature)
+        exp_masked.mul_(_entropy_weight_(log_p, bias * inv_norm, scale_h * inv_norm))
+    _add_target_terms(
+        exp_masked,
+        x,
+        max_logit,
+        threshold,
+        inv_temperature,
+        log_norm,
+        local_target,
+        owned,
+        bias,
+        scale_h,
+        target_add,
+    )
+
+
+def _add_target_terms(
+    grad, x, max_logit, threshold, inv_temperature, log_norm, local_target, owned, bias, scale_h, target_add
+) -> None:
+    """Add g_L·δ_t/T, plus the p_t term of a force-kept target (absent from the saved exponentials)."""
+    rows = owned.nonzero(as_tuple=True)[0]
+    cols = local_target[rows]
+    x_t = x[rows, cols].to(max_logit.dtype)
+    log_p_t = (x_t - max_logit[rows]) * inv_temperature - log_norm[rows]
+    coef = bias[rows] if scale_h is None else bias[rows] + scale_h[rows] * log_p_t
+    forced_term = torch.where(x_t < threshold[rows], torch.exp(log_p_t) * coef, torch.zeros_like(coef))
+    grad[rows, cols] += (forced_term + target_add[rows]).to(grad.dtype)
+
+
+def chunk_grad_recompute(
     x: torch.Tensor,
     max_logit: torch.Tensor,
     threshold: torch.Tensor,
@@ -125,39 +231,23 @@ def chunk_grad(
     log_norm: torch.Tensor,
     local_target: torch.Tensor,
     owned: torch.Tensor,
-    grad_logprobs: torch.Tensor | None,
-    grad_entropy: torch.Tensor | None,
-    entropy: torch.Tensor | None,
+    bias: torch.Tensor,
+    scale_h: torch.Tensor | None,
+    target_add: torch.Tensor,
     out: torch.Tensor,
 ) -> None:
-    """Write d(loss)/dx for one chunk into `out` (`[n, V]`, the logits' dtype, may be a strided view).
-
-    With p_k = π^mp(k) on K and 0 elsewhere, g_L = dloss/dlogπ^mp(t), g_H = dloss/dH:
-        dloss/dx_k = (1/T)·( g_L·(δ_kt − p_k) − g_H·p_k·(log p_k + H) ).
-    The safe set is a constant of the forward pass (chosen under no-grad, as in the paper).
-    Args: as `chunk_partial_sums`; grads and entropy are `[n]` float32 or None (no gradient).
-    """
-    if x.shape[1] == 0:
-        return
-    # log p_k = (x_k − m)/T − log S_K = (x_k − (m + T·log S_K)) / T
-    log_p = torch.sub(x, (max_logit + log_norm / inv_temperature).unsqueeze(1))
-    if inv_temperature != 1.0:
-        log_p.mul_(inv_temperature)
-    write_direct = out.dtype == log_p.dtype
-    p = torch.exp(log_p, out=out) if write_direct else torch.exp(log_p)
-    g_l = torch.zeros_like(log_norm) if grad_logprobs is None else grad_logprobs
-    if grad_entropy is not None:
-        # −(1/T)·p·(g_L + g_H·H + g_H·log p)
-        scale_h = (-inv_temperature * grad_entropy).unsqueeze(1)
-        bias = (-inv_temperature * (g_l + grad_entropy * entropy)).unsqueeze(1)
-        p.mul_(torch.addcmul(bias, log_p, scale_h, out=log_p))
+    """Write dloss/dx for one chunk into `out` (`[n, V]`, the logits' dtype, may be a strided view),
+    recomputing p from the logits (for bf16/fp16 logits, where keeping float32 exponentials would cost
+    twice the logits' memory)."""
+    x = x.to(max_logit.dtype)  # one upcast of a bf16 chunk (mixed-dtype ops would each copy it again)
+    log_p = shifted_logits(x, max_logit + log_norm / inv_temperature, inv_temperature)
+    p = torch.exp(log_p).mul_(safe_indicator(x, threshold))
+    if scale_h is None:
+        p.mul_(bias.unsqueeze(1))
     else:
-        p.mul_((-inv_temperature * g_l).unsqueeze(1))
-    dropped = x < threshold.unsqueeze(1)
-    dropped[owned.nonzero(as_tuple=True)[0], local_target[owned]] = False  # the force-kept target
-    p.masked_fill_(dropped, 0.0)
-    if grad_logprobs is not None:
-        rows = owned.nonzero(as_tuple=True)[0]
-        p[rows, local_target[rows]] += inv_temperature * grad_logprobs[rows]
-    if not write_direct:
-        out.copy_(p)
+        p.mul_(_entropy_weight_(log_p, bias, scale_h))
+    # p_t of an unsafe target was zeroed by the indicator: add its term back with the delta.
+    _add_target_terms(
+        p, x, max_logit, threshold, inv_temperature, log_norm, local_target, owned, bias, scale_h, target_add
+    )
+    out.copy_(p)
