@@ -59,7 +59,9 @@ def random_batch(
     return batch
 
 
-def slice_batch(batch: dict[str, torch.Tensor], rows: slice, width: int | None = None) -> dict[str, torch.Tensor]:
+def slice_batch(
+    batch: dict[str, torch.Tensor], rows: slice, width: int | None = None
+) -> dict[str, torch.Tensor]:
     """Rows `rows` of every tensor (and the first `width` positions of the `[B, T]` ones)."""
     out = {}
     for key, value in batch.items():

@@ -55,9 +55,7 @@ def ref_importance(old, roll, valid, safe, *, mode, level, cap, lo, hi, veto):
     weights = [[0.0] * T for _ in range(B)]
     vetoed = []
     for b in range(B):
-        logw = [
-            (old[b][t] - roll[b][t]) if (safe is None or safe[b][t]) else -math.inf for t in range(T)
-        ]
+        logw = [(old[b][t] - roll[b][t]) if (safe is None or safe[b][t]) else -math.inf for t in range(T)]
         ts = [t for t in range(T) if valid[b][t]]
         raw = [math.exp(logw[t]) for t in ts]  # exp(-inf) = 0
         is_vetoed = veto > 0 and any(w < veto for w in raw)
@@ -103,7 +101,7 @@ def _f(x) -> float:
 
 
 def ref_ppo(lp, old, a, eps_low, eps_high, dual):
-    """One token; `lp` may be a 0-d float64 tensor (for gradients) or a float. Returns (loss, clipped, dual)."""
+    """One token; `lp` a float or a 0-d float64 tensor (for gradients). Returns (loss, clipped, dual)."""
     exp = torch.exp if isinstance(lp, torch.Tensor) else math.exp
     r = exp(lp - old)
     unclipped = r * a
@@ -164,12 +162,17 @@ def ref_loss(cfg, d: dict, *, phase: int = 0, tau_h=None, counts=None):
 
     adv = [[adv_seq[b] if valid[b][t] else 0.0 for t in range(T)] for b in range(B)]
     if cfg.advantage_reweighting:
-        adv = [[(cfg.ar_alpha * math.exp(old[b][t]) + 1 - cfg.ar_alpha) * adv[b][t] for t in range(T)] for b in range(B)]
+        adv = [
+            [(cfg.ar_alpha * math.exp(old[b][t]) + 1 - cfg.ar_alpha) * adv[b][t] for t in range(T)]
+            for b in range(B)
+        ]
     spur = [[False] * T for _ in range(B)]
     if cfg.stapo:
         probs = [[math.exp(x) for x in row] for row in old]
         th = tau_h if tau_h is not None else cfg.stapo_tau_h
-        spur = ref_stapo(adv, probs, d["old_entropy"].tolist(), valid, cfg.stapo_tau_p, th, cfg.stapo_tau_h_quantile)
+        spur = ref_stapo(
+            adv, probs, d["old_entropy"].tolist(), valid, cfg.stapo_tau_p, th, cfg.stapo_tau_h_quantile
+        )
     lm = [[valid[b][t] and not spur[b][t] for t in range(T)] for b in range(B)]
     weights, vetoed = ref_importance(
         old, roll, valid, old_safe, mode=cfg.is_mode, level=cfg.is_level, cap=cfg.tis_cap,
@@ -194,14 +197,16 @@ def ref_loss(cfg, d: dict, *, phase: int = 0, tau_h=None, counts=None):
             if not ok:
                 continue
             contrib[b][t] = True
-            loss_t, c, _ = ref_ppo(lp_t[b, t], old[b][t], adv[b][t], cfg.clip_eps_low, cfg.clip_eps_high, cfg.dual_clip)
+            loss_t, c, _ = ref_ppo(
+                lp_t[b, t], old[b][t], adv[b][t], cfg.clip_eps_low, cfg.clip_eps_high, cfg.dual_clip
+            )
             clipped += c
             if cfg.kl_coef > 0:
                 loss_t = loss_t + cfg.kl_coef * ref_kl(lp_t[b, t], ref_lp[b][t], cfg.kl_estimator)
             tok[b][t] = weights[b][t] * loss_t
     loss = ref_aggregate(tok, lm, cfg.loss_aggregation, n_tokens, n_seqs, cfg.loss_max_len)
-    if not isinstance(loss, torch.Tensor):
-        loss = lp_t.sum() * 0.0 + loss
+    if not isinstance(loss, torch.Tensor):  # nothing contributes: a constant
+        loss = torch.tensor(float(loss), dtype=torch.float64)
     info = {"loss_mask": lm, "spurious": spur, "weights": weights, "vetoed": vetoed, "contrib": contrib,
             "clipped": clipped, "phase_mask": pmask}  # fmt: skip
     return loss, info

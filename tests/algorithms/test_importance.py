@@ -56,7 +56,9 @@ def test_weights_match_float64_reference(mode, level):
 )
 def test_weights_property_against_reference(seed, mode, level, cap, lo, hi, veto, use_safe):
     batch = random_batch(seed, groups=2, group_size=3, T=4)
-    _check_against_reference(batch, mode=mode, level=level, cap=cap, lo=lo, hi=hi, veto=veto, use_safe=use_safe)
+    _check_against_reference(
+        batch, mode=mode, level=level, cap=cap, lo=lo, hi=hi, veto=veto, use_safe=use_safe
+    )
 
 
 def test_token_rules_on_known_values():
@@ -110,7 +112,9 @@ def test_token_outside_old_safe_set_vetoes_sequence(mode, level):
     assert out.weights[1].tolist() == [1.0, 1.0, 1.0]
     assert out.log_ratio[0, 1].item() == -math.inf
     # veto off: the unsafe token's own weight is 0 (and the product / geometric mean of its sequence)
-    no_veto = importance_weights(old, roll, valid, mode=mode, level=level, old_in_safe_set=safe, veto_threshold=0)
+    no_veto = importance_weights(
+        old, roll, valid, mode=mode, level=level, old_in_safe_set=safe, veto_threshold=0
+    )
     assert no_veto.weights[0, 1].item() == 0.0
     if level != "token" and mode != "none":
         assert no_veto.weights[0].tolist() == [0.0, 0.0, 0.0]
@@ -149,7 +153,9 @@ def test_bad_settings_raise(kwargs, match):
 def test_bad_inputs_raise():
     x = torch.zeros(2, 3)
     valid = torch.ones(2, 3, dtype=torch.bool)
-    with pytest.raises(ValueError, match=r"rollout_logprobs has shape \(2, 4\) but old_logprobs has shape \(2, 3\)"):
+    with pytest.raises(
+        ValueError, match=r"rollout_logprobs has shape \(2, 4\) but old_logprobs has shape \(2, 3\)"
+    ):
         importance_weights(x, torch.zeros(2, 4), valid)
     with pytest.raises(ValueError, match="valid must be a bool tensor"):
         importance_weights(x, x, valid.float())

@@ -27,16 +27,25 @@ def _ref_values_and_grads(lp, old, adv, eps_low, eps_high, dual):
         grads.append(float(g))
         clipped.append(c)
         dual_flags.append(d)
-    return torch.tensor(losses, dtype=torch.float64), torch.tensor(grads, dtype=torch.float64), clipped, dual_flags
+    return (
+        torch.tensor(losses, dtype=torch.float64),
+        torch.tensor(grads, dtype=torch.float64),
+        clipped,
+        dual_flags,
+    )
 
 
-@pytest.mark.parametrize(("eps_low", "eps_high", "dual"), [(0.2, 0.2, None), (0.2, 0.28, None), (0.1, 0.3, 3.0)])
+@pytest.mark.parametrize(
+    ("eps_low", "eps_high", "dual"), [(0.2, 0.2, None), (0.2, 0.28, None), (0.1, 0.3, 3.0)]
+)
 def test_ppo_matches_float64_reference_values_and_gradients(eps_low, eps_high, dual):
     lp, old, adv = _random(0)
     lp = lp.requires_grad_(True)
     out = ppo_clip_loss(lp, old, adv, eps_low=eps_low, eps_high=eps_high, dual_clip=dual)
     (grad,) = torch.autograd.grad(out.loss.sum(), lp)
-    want_loss, want_grad, want_clip, want_dual = _ref_values_and_grads(lp.detach(), old, adv, eps_low, eps_high, dual)
+    want_loss, want_grad, want_clip, want_dual = _ref_values_and_grads(
+        lp.detach(), old, adv, eps_low, eps_high, dual
+    )
     torch.testing.assert_close(out.loss.detach(), want_loss, rtol=1e-13, atol=1e-15)
     torch.testing.assert_close(grad, want_grad, rtol=1e-13, atol=1e-15)
     assert out.clipped.tolist() == want_clip

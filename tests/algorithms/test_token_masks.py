@@ -32,7 +32,9 @@ def test_stapo_matches_float64_reference(tau_h, q):
         b = random_batch(seed, groups=4, group_size=4, T=8, padding_value=0.0)
         adv, probs = _token_adv(b), torch.exp(b["old_logprobs"])
         got = stapo_mask(adv, probs, b["old_entropy"], b["valid"], tau_p=0.05, tau_h=tau_h, tau_h_quantile=q)
-        want = ref_stapo(adv.tolist(), probs.tolist(), b["old_entropy"].tolist(), b["valid"].tolist(), 0.05, tau_h, q)
+        want = ref_stapo(
+            adv.tolist(), probs.tolist(), b["old_entropy"].tolist(), b["valid"].tolist(), 0.05, tau_h, q
+        )
         assert got.tolist() == want
         fired += int(got.sum())
     assert fired > 0
