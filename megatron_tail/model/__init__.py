@@ -15,7 +15,7 @@ from .config import (
     padded_vocab_size,
     transformer_config,
 )
-from .export import export_hf
+from .export import export_hf, iter_hf_tensors
 from .gpt import TailGPTModel, build_gpt_model
 from .hf_config import SUPPORTED_ARCHITECTURES, HFArch, load_hf_config
 from .load import load_hf_weights
@@ -31,6 +31,7 @@ __all__ = [
     "build_gpt_model",
     "export_hf",
     "hf_tensor_shapes",
+    "iter_hf_tensors",
     "layer_spec",
     "load_hf_config",
     "load_hf_weights",

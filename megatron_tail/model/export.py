@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -27,9 +28,50 @@ from .sharding import fc1_unshard, split_qkv
 
 _DTYPE_STR = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _NOT_COPIED = {"config.json", INDEX_FILE}
+_DST = 0  # the global rank that receives every tensor and writes the files
 
 
 @torch.no_grad()
+def iter_hf_tensors(
+    model: torch.nn.Module | list[torch.nn.Module], arch: HFArch, *, dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield `(hf_name, full tensor)` for every HF tensor of the model, on global rank 0 only.
+
+    Collective: every rank must exhaust the iterator (other ranks yield nothing but take part in the TP
+    gathers and send their stage's tensors to rank 0). Tensors arrive in pipeline-stage order, each
+    once, cast to `dtype` (default: the model's parameter dtype), on the parameters' device. One full
+    parameter is materialised at a time. Usable for export and for in-memory weight sync. A yielded
+    tensor may alias a live parameter (replicated norms): clone it to keep it past a step.
+    """
+    chunks = [unwrap_model(c) for c in (model if isinstance(model, list) else [model])]
+    params = _exported_params(chunks, arch)
+    first = next(iter(chunks[0].parameters()))
+    dtype = dtype or first.dtype
+    dp_rank = parallel_state.get_data_parallel_rank()
+    sender = dp_rank == 0 and parallel_state.get_tensor_model_parallel_rank() == 0
+    # Rank 0 learns, per pipeline stage, the order in which that stage's sender will send.
+    plans: list = [None] * dist.get_world_size()
+    dist.all_gather_object(plans, [m.hf_names for m, _ in params] if sender else None)
+    pp_ranks = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
+    rank = dist.get_rank()
+    if dp_rank == 0:
+        for mapping, param in params:
+            tensors = _gather_hf_tensors(mapping, param, arch)
+            for name, t in zip(mapping.hf_names, tensors, strict=True):
+                if rank == _DST:
+                    yield name, t.to(dtype)
+                elif sender:
+                    dist.send(t.to(dtype).contiguous(), dst=_DST)
+    if rank == _DST:
+        shapes = hf_tensor_shapes(arch)
+        for src in pp_ranks[1:]:
+            for hf_names in plans[src] or []:
+                for name in hf_names:
+                    buf = torch.empty(shapes[name], dtype=dtype, device=first.device)
+                    dist.recv(buf, src=src)
+                    yield name, buf
+
+
 def export_hf(
     model: torch.nn.Module | list[torch.nn.Module],
     out_dir: str | Path,
@@ -51,46 +93,26 @@ def export_hf(
     Returns:
         The output path on global rank 0, None elsewhere.
     """
-    chunks = [unwrap_model(c) for c in (model if isinstance(model, list) else [model])]
-    params = _exported_params(chunks, arch)
-    dtype = dtype or next(iter(chunks[0].parameters())).dtype
-    device = next(iter(chunks[0].parameters())).device
-    writer_rank = 0
-    sender = (
-        parallel_state.get_data_parallel_rank() == 0 and parallel_state.get_tensor_model_parallel_rank() == 0
-    )
-    # Rank 0 learns, per pipeline stage, the order in which that stage's sender will send.
-    plans: list = [None] * dist.get_world_size()
-    dist.all_gather_object(plans, [m.hf_names for m, _ in params] if sender else None)
-    pp_ranks = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
-    rank = dist.get_rank()
-
+    chunks = model if isinstance(model, list) else [model]
+    dtype = dtype or next(iter(unwrap_model(chunks[0]).parameters())).dtype
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
-    writer = None
-    shapes = hf_tensor_shapes(arch)
-    if rank == writer_rank:
-        writer = StreamingSafetensorsWriter(tmp, shapes, dtype, max_shard_bytes)
+    is_writer = dist.get_rank() == _DST
+    writer = (
+        StreamingSafetensorsWriter(tmp, hf_tensor_shapes(arch), dtype, max_shard_bytes) if is_writer else None
+    )
     try:
-        if parallel_state.get_data_parallel_rank() == 0:
-            for mapping, param in params:
-                tensors = _gather_hf_tensors(mapping, param, arch)
-                if rank == writer_rank:
-                    for n, t in zip(mapping.hf_names, tensors, strict=True):
-                        writer.write(n, t)
-                elif sender:
-                    for t in tensors:
-                        dist.send(t.to(dtype).contiguous(), dst=writer_rank)
-        if rank == writer_rank:
-            _receive_other_stages(writer, plans, pp_ranks, shapes, dtype, device)
+        for name, tensor in iter_hf_tensors(chunks, arch, dtype=dtype):
+            writer.write(name, tensor)
+        if is_writer:
             writer.close()
             _finish_dir(tmp, out_dir, arch, dtype, copy_files_from)
     except BaseException:
-        if rank == writer_rank:
+        if is_writer:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     dist.barrier()
-    return out_dir if rank == writer_rank else None
+    return out_dir if is_writer else None
 
 
 def _exported_params(chunks: list[torch.nn.Module], arch: HFArch) -> list[tuple[ParamMapping, torch.Tensor]]:
@@ -124,16 +146,6 @@ def _gather_hf_tensors(m: ParamMapping, param: torch.Tensor, arch: HFArch) -> li
     if m.layout == "fc1":
         return list(fc1_unshard(shards))
     raise ValueError(f"unknown layout {m.layout!r} for {m.megatron_name}")
-
-
-def _receive_other_stages(writer, plans, pp_ranks, shapes, dtype, device) -> None:
-    """On the writer: receive, in each sender's order, the tensors of pipeline stages ≥ 1."""
-    for src in pp_ranks[1:]:
-        for hf_names in plans[src] or []:
-            for n in hf_names:
-                buf = torch.empty(shapes[n], dtype=dtype, device=device)
-                dist.recv(buf, src=src)
-                writer.write(n, buf)
 
 
 def _finish_dir(tmp: Path, out_dir: Path, arch: HFArch, dtype: torch.dtype, copy_from) -> None:

@@ -1,0 +1,50 @@
+"""The trainer: parallel init, micro-batches, the training step, log-prob recompute and checkpoints.
+
+init_distributed(); groups = init_parallel(ParallelConfig(tensor_parallel=2))
+trainer = build_trainer(load_hf_config(hf_dir), hf_dir=hf_dir, optim=OptimizerSettings(lr=1e-6))
+mbs = make_micro_batches(split_for_data_parallel(samples, groups.dp_rank, groups.dp_size),
+                         micro_batch_size=4, seq_len=1024, packed=True)
+old = recompute_logprobs(trainer, mbs, op=OpSettings(log_rho=-13.0))
+result = train_step(trainer, mbs, loss_fn, op=OpSettings(log_rho=-13.0))
+save_checkpoint(path, trainer, {"step": 1, "data_cursor": 64})
+"""
+
+from .batch import MicroBatch, Sample, make_micro_batches, per_sample, split_for_data_parallel
+from .forward import OpSettings
+from .logprobs import recompute_logprobs
+from .parallel import (
+    ParallelConfig,
+    ParallelGroups,
+    comm_device,
+    current_groups,
+    destroy_parallel,
+    init_distributed,
+    init_parallel,
+)
+from .setup import OptimizerSettings, Trainer, build_trainer
+from .step import LossFn, StepResult, global_loss_tokens, masked_nll_loss, train_step
+
+__all__ = [
+    "LossFn",
+    "MicroBatch",
+    "OpSettings",
+    "OptimizerSettings",
+    "ParallelConfig",
+    "ParallelGroups",
+    "Sample",
+    "StepResult",
+    "Trainer",
+    "build_trainer",
+    "comm_device",
+    "current_groups",
+    "destroy_parallel",
+    "global_loss_tokens",
+    "init_distributed",
+    "init_parallel",
+    "make_micro_batches",
+    "masked_nll_loss",
+    "per_sample",
+    "recompute_logprobs",
+    "split_for_data_parallel",
+    "train_step",
+]

@@ -1,0 +1,102 @@
+"""One pass of megatron's `get_forward_backward_func` over micro-batches, with logits → DVP op → callback.
+
+Shared by the training step (forward + backward) and the log-prob recompute (forward only). On the last
+pipeline stage the vocab-parallel logits `[b, s, V_padded/tp]` go straight into
+`vocab_parallel_masked_logprobs` (padded columns masked via the true `vocab_size`); with bf16 they stay
+bf16 (`fp32_output=False`: the op computes in fp32 chunks, so no fp32 copy of the logits is made).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.module import Float16Module
+
+from megatron_tail.ops import DEFAULT_LOG_RHO, MaskedLogprobs, vocab_parallel_masked_logprobs
+from megatron_tail.patches import cpu_device_scope
+
+from .batch import MicroBatch
+
+# (op outputs [b, s] of one micro-batch, the micro-batch) -> (0-d loss tensor, extra object to return)
+OnOutputs = Callable[[MaskedLogprobs, MicroBatch], tuple[torch.Tensor, Any]]
+
+
+@dataclass(frozen=True)
+class OpSettings:
+    """Arguments of the DVP op (`megatron_tail.ops.vocab_parallel_masked_logprobs`)."""
+
+    log_rho: float | None = DEFAULT_LOG_RHO
+    """log ρ of the safe set; None or -inf: no pruning."""
+    temperature: float = 1.0
+    """Sampling temperature the rollout used."""
+    compute_entropy: bool = True
+    """Also compute the entropy of π^mp."""
+
+
+def run_micro_batches(
+    chunks: list[torch.nn.Module],
+    micro_batches: Sequence[MicroBatch],
+    on_outputs: OnOutputs,
+    *,
+    vocab_size: int,
+    op: OpSettings,
+    forward_only: bool,
+) -> list[Any]:
+    """Run the forward(-backward) schedule; return `on_outputs`' extra objects (last stage; [] elsewhere).
+
+    All micro-batches must share one shape (pipeline stages exchange fixed-shape activations).
+    """
+    if not micro_batches:
+        raise ValueError("no micro-batches")
+    shapes = {mb.shape for mb in micro_batches}
+    if len(shapes) != 1:
+        raise ValueError(f"micro-batches must share one shape; got {sorted(shapes)}")
+    rows, seq_len = micro_batches[0].shape
+    device = next(chunks[0].parameters()).device
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    half = _has_float16_module(chunks[0])
+
+    def forward_step(data_iterator, model):
+        mb = next(data_iterator).to(device)
+        kwargs = {"fp32_output": False} if half else {}
+        output = model(mb.tokens, mb.position_ids, mb.attention_mask, **kwargs)
+        return output, partial(_loss_func, mb)
+
+    def _loss_func(mb: MicroBatch, logits: torch.Tensor):
+        out = vocab_parallel_masked_logprobs(
+            logits,
+            mb.targets,
+            log_rho=op.log_rho,
+            temperature=op.temperature,
+            vocab_size=vocab_size,
+            tp_group=tp_group,
+            compute_entropy=op.compute_entropy,
+        )
+        loss, extra = on_outputs(out, mb)
+        num_tokens = torch.tensor(mb.num_loss_tokens, dtype=torch.int, device=loss.device)
+        return loss, num_tokens, extra
+
+    with cpu_device_scope():
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(micro_batches),
+            model=chunks,
+            num_microbatches=len(micro_batches),
+            seq_length=seq_len,
+            micro_batch_size=rows,
+            forward_only=forward_only,
+        )
+
+
+def _has_float16_module(module: torch.nn.Module) -> bool:
+    while module is not None:
+        if isinstance(module, Float16Module):
+            return True
+        module = getattr(module, "module", None)
+    return False

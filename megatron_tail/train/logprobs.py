@@ -1,0 +1,59 @@
+"""Log-prob recompute (θ_old): the training forward path without gradients, returning the op's outputs.
+
+    outs = recompute_logprobs(trainer, micro_batches, op=OpSettings(log_rho=-13.0))
+    outs[i].logprobs   # [b, s] float32 for micro_batches[i], aligned with its targets
+
+Same model, same schedule, same op and the same micro-batch layout as `train_step`, so θ_old log-probs
+are computed exactly as the training pass computes log π_θ (at θ = θ_old they are equal bitwise up to
+the nondeterminism of the backend).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_tail.ops import MaskedLogprobs
+
+from .batch import MicroBatch
+from .forward import OpSettings, run_micro_batches
+from .setup import Trainer
+
+
+@torch.no_grad()
+def recompute_logprobs(
+    trainer: Trainer,
+    micro_batches: Sequence[MicroBatch],
+    *,
+    op: OpSettings | None = None,
+    broadcast: bool = True,
+) -> list[MaskedLogprobs] | None:
+    """Per-micro-batch op outputs (`[b, s]` tensors, CPU, detached) of the current parameters.
+
+    Collective over all ranks. The outputs exist on the last pipeline stage; with `broadcast` they are
+    sent to every stage (so any rank can use them), otherwise other stages get None. Positions off the
+    loss mask hold the op's values for the pad/next-token there and are meaningless.
+    """
+    op = op or OpSettings()
+    for chunk in trainer.chunks:
+        chunk.eval()
+
+    def on_outputs(out: MaskedLogprobs, mb: MicroBatch):  # noqa: ARG001 - callback signature
+        detached = MaskedLogprobs(
+            **{k: None if v is None else v.detach().cpu() for k, v in vars(out).items()}
+        )
+        return torch.zeros((), device=out.logprobs.device), detached
+
+    outs = run_micro_batches(
+        trainer.chunks, micro_batches, on_outputs, vocab_size=trainer.vocab_size, op=op, forward_only=True
+    )
+    groups = trainer.groups
+    if groups.pp_size == 1:
+        return list(outs)
+    if not broadcast:
+        return list(outs) if groups.is_last_stage else None
+    box = [list(outs) if groups.is_last_stage else None]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(groups.pp, groups.pp_size - 1), group=groups.pp)
+    return box[0]

@@ -1,0 +1,135 @@
+"""Process groups for training: torch.distributed + megatron's TP × PP × DP parallel state + RNG.
+
+    init_distributed()                           # from torchrun env vars (no-op if already initialised)
+    groups = init_parallel(ParallelConfig(tensor_parallel=2, pipeline_parallel=1, seed=1234))
+    ... groups.tp, groups.pp, groups.dp          # hand these to code outside model/ and train/
+    destroy_parallel()
+
+Only `megatron_tail.model` and `megatron_tail.train` touch megatron's global `parallel_state`; everything
+else receives the groups from `ParallelGroups`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+from megatron_tail.patches import apply_cpu_patches
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Model-parallel layout; data parallel is whatever is left: world = TP × PP × DP."""
+
+    tensor_parallel: int = 1
+    """TP size: splits heads, FFN and vocab."""
+    pipeline_parallel: int = 1
+    """PP size: splits the layers into stages."""
+    seed: int = 1234
+    """Seed of torch's RNG and megatron's model-parallel RNG trackers."""
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel", "pipeline_parallel"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int ≥ 1; got {value!r}")
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """This rank's process groups and coordinates (a snapshot of megatron's parallel state)."""
+
+    tp: dist.ProcessGroup
+    pp: dist.ProcessGroup
+    dp: dist.ProcessGroup
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    dp_rank: int
+    dp_size: int
+
+    @property
+    def is_first_stage(self) -> bool:
+        """This rank runs the embedding."""
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        """This rank runs the output layer and the loss."""
+        return self.pp_rank == self.pp_size - 1
+
+
+def init_distributed(backend: str | None = None) -> None:
+    """Initialise torch.distributed from the torchrun env (RANK, WORLD_SIZE, MASTER_ADDR, ...) if needed.
+
+    Backend: NCCL with CUDA (and `LOCAL_RANK` selects the GPU), gloo otherwise.
+    """
+    if dist.is_initialized():
+        return
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"))
+
+
+def init_parallel(config: ParallelConfig) -> ParallelGroups:
+    """Apply the CPU patches (no-op with CUDA), build megatron's parallel state and seed the RNGs.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised.
+        ValueError: the world size is not a multiple of TP × PP.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialised; call init_distributed() first")
+    world = dist.get_world_size()
+    model_parallel = config.tensor_parallel * config.pipeline_parallel
+    if world % model_parallel:
+        raise ValueError(
+            f"world size {world} is not a multiple of tensor_parallel × pipeline_parallel = "
+            f"{config.tensor_parallel} × {config.pipeline_parallel}"
+        )
+    apply_cpu_patches()
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=config.tensor_parallel,
+        pipeline_model_parallel_size=config.pipeline_parallel,
+    )
+    torch.manual_seed(config.seed)
+    # inference_rng_tracker: megatron's default CUDA RNG tracker cannot run on CPU; this one can.
+    model_parallel_cuda_manual_seed(config.seed, inference_rng_tracker=not torch.cuda.is_available())
+    return current_groups()
+
+
+def current_groups() -> ParallelGroups:
+    """`ParallelGroups` of the already-initialised megatron parallel state."""
+    return ParallelGroups(
+        tp=parallel_state.get_tensor_model_parallel_group(),
+        pp=parallel_state.get_pipeline_model_parallel_group(),
+        dp=parallel_state.get_data_parallel_group(),
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        tp_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        dp_size=parallel_state.get_data_parallel_world_size(),
+    )
+
+
+def comm_device() -> torch.device:
+    """Device for small collective buffers: the current GPU under NCCL, else CPU (gloo)."""
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+
+
+def destroy_parallel() -> None:
+    """Tear down megatron's parallel state (torch.distributed stays up)."""
+    parallel_state.destroy_model_parallel()

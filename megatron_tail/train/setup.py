@@ -1,0 +1,144 @@
+"""Build the trainable model: GPTModel (+ HF weights) → Float16Module (bf16) → megatron DDP → optimizer.
+
+    trainer = build_trainer(arch, hf_dir=hf_dir, optim=OptimizerSettings(lr=1e-6))
+    trainer.chunks, trainer.optimizer, trainer.groups, trainer.vocab_size
+
+Gradients: the loss callback returns each micro-batch's share of a loss already normalised by a *global*
+token count, so megatron must only sum: `calculate_per_token_loss=True` (no division by the number of
+micro-batches, no DP pre-scaling) and `finalize_model_grads` runs without its own token scaling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.transformer.module import Float16Module
+
+from megatron_tail.model import HFArch, ModelSettings, build_gpt_model, load_hf_weights
+from megatron_tail.patches import cpu_device_scope
+
+from .parallel import ParallelGroups, current_groups
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """Optimizer of the trainer (megatron's distributed optimizer by default)."""
+
+    optimizer: Literal["adam", "sgd"] = "adam"
+    """"adam" (AdamW: decoupled weight decay) or "sgd" (only without the distributed optimizer)."""
+    lr: float = 1e-6
+    """Learning rate (constant; RL post-training rarely schedules it)."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    adam_beta1: float = 0.9
+    """Adam β1."""
+    adam_beta2: float = 0.999
+    """Adam β2."""
+    adam_eps: float = 1e-8
+    """Adam ε."""
+    sgd_momentum: float = 0.0
+    """SGD momentum."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip (over all TP/PP/DP shards); 0 disables clipping."""
+    use_distributed_optimizer: bool = True
+    """Shard optimizer state over DP (megatron's DistributedOptimizer)."""
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in ("adam", "sgd"):
+            raise ValueError(f"optimizer must be 'adam' or 'sgd'; got {self.optimizer!r}")
+        if self.optimizer == "sgd" and self.use_distributed_optimizer:
+            raise ValueError(
+                "optimizer='sgd' needs use_distributed_optimizer=False "
+                "(megatron's DistributedOptimizer is Adam-only)"
+            )
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0; got {self.lr}")
+        if self.clip_grad < 0:
+            raise ValueError(f"clip_grad must be ≥ 0; got {self.clip_grad}")
+
+
+@dataclass
+class Trainer:
+    """The pieces a training step needs. `chunks`: this rank's model chunk(s), DDP-wrapped."""
+
+    arch: HFArch
+    model_settings: ModelSettings
+    optim_settings: OptimizerSettings
+    chunks: list[torch.nn.Module]
+    optimizer: MegatronOptimizer
+    groups: ParallelGroups
+
+    @property
+    def vocab_size(self) -> int:
+        """True vocabulary size (the op masks megatron's padded columns beyond it)."""
+        return self.arch.vocab_size
+
+    @property
+    def config(self):
+        """The model's megatron TransformerConfig."""
+        return self.chunks[0].config
+
+
+def build_trainer(
+    arch: HFArch,
+    *,
+    hf_dir: str | Path | None = None,
+    model_settings: ModelSettings | None = None,
+    optim: OptimizerSettings | None = None,
+) -> Trainer:
+    """Model (HF weights from `hf_dir`, else megatron's random init), DDP and optimizer on this rank.
+
+    Needs `init_parallel` first. On CPU the whole construction runs in `cpu_device_scope`.
+    """
+    model_settings, optim = model_settings or ModelSettings(), optim or OptimizerSettings()
+    model = build_gpt_model(arch, model_settings)
+    if hf_dir is not None:
+        load_hf_weights(model, hf_dir, arch, model_settings)
+    config = model.config
+    if config.bf16:
+        model = Float16Module(config, model)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=optim.use_distributed_optimizer,
+    )
+    with cpu_device_scope():
+        ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+        ddp.broadcast_params()  # DP replicas start identical even from a random init
+        optimizer = get_megatron_optimizer(_optimizer_config(optim, config), [ddp])
+    config.finalize_model_grads_func = _finalize_grads_without_token_scaling
+    config.grad_scale_func = optimizer.scale_loss
+    config.no_sync_func = ddp.no_sync
+    return Trainer(arch, model_settings, optim, [ddp], optimizer, current_groups())
+
+
+def _optimizer_config(optim: OptimizerSettings, config) -> OptimizerConfig:
+    return OptimizerConfig(
+        optimizer=optim.optimizer,
+        lr=optim.lr,
+        min_lr=optim.lr,
+        weight_decay=optim.weight_decay,
+        adam_beta1=optim.adam_beta1,
+        adam_beta2=optim.adam_beta2,
+        adam_eps=optim.adam_eps,
+        sgd_momentum=optim.sgd_momentum,
+        clip_grad=optim.clip_grad,
+        bf16=config.bf16,
+        params_dtype=config.params_dtype,
+        use_distributed_optimizer=optim.use_distributed_optimizer,
+    )
+
+
+def _finalize_grads_without_token_scaling(model, num_tokens=None, pg_collection=None, force_all_reduce=False):  # noqa: ARG001
+    """megatron's `finalize_model_grads` (DP reduce, tied-embedding sync) minus the 1/num_tokens scaling:
+    the loss is already normalised by the global token count."""
+    finalize_model_grads(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
