@@ -188,13 +188,11 @@ class _MaskedLogprobsFunction(torch.autograd.Function):
         no_grads = (None,) * 8
         if grad_logprobs is None and grad_entropy is None:
             return (None, *no_grads)
+        # The kept exponentials become this gradient in place; a second backward through the same
+        # graph (retain_graph, gradcheck) finds them consumed and recomputes from the logits.
         grad, ctx.grad_buffer = ctx.grad_buffer, None
+        from_exp = grad is not None
         if grad is None:
-            if ctx.needs_input_grad[0] and logits2d.dtype == max_logit.dtype:
-                raise RuntimeError(
-                    "vocab_parallel_masked_logprobs: backward ran twice through the same graph; its saved "
-                    "buffer became the first gradient. Recompute the forward instead of retain_graph=True."
-                )
             grad = torch.empty_like(logits2d)
             grad[:, ctx.num_valid :].zero_()  # padded columns never receive gradient
         bias, scale_h, target_add = M.grad_coefficients(
@@ -205,7 +203,7 @@ class _MaskedLogprobsFunction(torch.autograd.Function):
             args = (x[rows], max_logit[rows], threshold[rows], ctx.inv_t, log_norm[rows])
             args += (local_target[rows], owned[rows], bias[rows])
             args += (None if scale_h is None else scale_h[rows], target_add[rows])
-            if logits2d.dtype == max_logit.dtype:
+            if from_exp:
                 M.chunk_grad_from_exp(args[0], g[rows], *args[1:])
             else:
                 M.chunk_grad_recompute(*args, out=g[rows])
