@@ -1,0 +1,277 @@
+"""Async `/generate` client over several SGLang servers (or one router), with exactly-once samples.
+
+Every sample has a stable `SampleKey` (prompt index, sample index, seed). One request carries the n
+samples of one prompt; a request that fails (connection error, timeout, HTTP 5xx, a sample aborted by
+a weight-update pause) is retried, on another healthy server when there is one, with the *same* keys
+and seeds. Results are collected into a dict keyed by `SampleKey`: a key returned twice or never
+returned raises, so a batch either comes back complete and duplicate-free or not at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from megatron_tail.rollout.processor import DVPLogitProcessor
+from megatron_tail.rollout.protocol import (
+    MalformedResponseError,
+    RequestRejectedError,
+    ResponseTooLargeError,
+    RetryableServerError,
+    RolloutError,
+    SampleAbortedError,
+    SampleKey,
+    SampleResult,
+    SamplingConfig,
+    build_generate_payload,
+    parse_generate_response,
+    sample_keys,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class NoHealthyServerError(RolloutError):
+    """No server passed a health check within the client's `unhealthy_wait_s`."""
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """Transport settings of `RolloutClient`."""
+
+    max_concurrency: int = 64
+    """Requests (each = one prompt's n samples) in flight at once, over all servers."""
+    request_timeout_s: float = 600.0
+    """Total time one request may take before it is abandoned and retried."""
+    health_timeout_s: float = 5.0
+    """Time one `/health` probe may take."""
+    max_attempts: int = 4
+    """Attempts per request before the batch fails."""
+    retry_backoff_s: float = 0.5
+    """Sleep before attempt k is `retry_backoff_s · (k - 1)`."""
+    unhealthy_wait_s: float = 60.0
+    """How long to keep re-probing when every server is unhealthy."""
+    max_response_bytes: int = 64 * 1024 * 1024
+    """Larger response bodies are rejected with `ResponseTooLargeError`."""
+
+    def __post_init__(self):
+        for name in ("max_concurrency", "max_attempts", "max_response_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int ≥ 1; got {value!r}")
+        for name in ("request_timeout_s", "health_timeout_s", "unhealthy_wait_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0; got {getattr(self, name)!r}")
+        if self.retry_backoff_s < 0:
+            raise ValueError(f"retry_backoff_s must be ≥ 0; got {self.retry_backoff_s!r}")
+
+
+@dataclass
+class ClientStats:
+    """Counters since the client was made: HTTP requests sent, retries, failed attempts per server."""
+
+    requests: int = 0
+    retries: int = 0
+    failures_by_server: dict[str, int] = field(default_factory=dict)
+
+
+class RolloutClient:
+    """Generate samples from SGLang-compatible servers.
+
+    Args:
+        server_urls: base URLs (`http://host:port`) of SGLang servers, local engines, or one router.
+        config: transport settings.
+        processor: serialized custom logit processor sent with every request; defaults to DVP's.
+            Pass None to send none (then `SamplingConfig.log_rho` is ignored).
+        on_result: called with each `SampleResult` as soon as its request completes (progress hooks).
+    Use as `async with RolloutClient(urls) as client: await client.generate(prompts, sampling)`.
+    """
+
+    def __init__(
+        self,
+        server_urls: Sequence[str],
+        config: ClientConfig | None = None,
+        *,
+        processor: str | None = DVPLogitProcessor.to_str(),
+        on_result: Callable[[SampleResult], None] | None = None,
+    ):
+        urls = [u.rstrip("/") for u in ([server_urls] if isinstance(server_urls, str) else server_urls)]
+        bad = [u for u in urls if not u.startswith(("http://", "https://"))]
+        if not urls or bad:
+            raise ValueError(f"server_urls must be non-empty http(s) base URLs; got {list(server_urls)!r}")
+        if len(set(urls)) != len(urls):
+            raise ValueError(f"server_urls has duplicates: {urls!r}")
+        self.urls = urls
+        self.config = config or ClientConfig()
+        self.processor = processor
+        self.on_result = on_result
+        self.healthy = dict.fromkeys(urls, True)
+        self.in_flight = dict.fromkeys(urls, 0)
+        self.stats = ClientStats(failures_by_server=dict.fromkeys(urls, 0))
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> RolloutClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(limit=self.config.max_concurrency + len(self.urls))
+            self._session = aiohttp.ClientSession(connector=connector)
+        return self._session
+
+    async def check_health(self) -> dict[str, bool]:
+        """Probe `GET /health` on every server; update and return `{url: healthy}`."""
+        results = await asyncio.gather(*(self._probe(url) for url in self.urls))
+        self.healthy = dict(zip(self.urls, results, strict=True))
+        return dict(self.healthy)
+
+    async def _probe(self, url: str) -> bool:
+        try:
+            timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
+            async with self.session.get(f"{url}/health", timeout=timeout) as resp:
+                return resp.status == 200
+        except (TimeoutError, aiohttp.ClientError):
+            return False
+
+    async def generate(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig
+    ) -> list[list[SampleResult]]:
+        """Sample `sampling.n_samples` completions for every prompt (token ids).
+
+        Returns `results[prompt_index][sample_index]`. Raises `RolloutError` subclasses: a request
+        rejected (4xx) or malformed response at once, `RetryableServerError` after `max_attempts`.
+        """
+        prompts = [_check_prompt(i, p) for i, p in enumerate(prompts)]
+        expected = {key: i for i, p in enumerate(prompts) for key in sample_keys(i, sampling)}
+        if len(expected) != len(prompts) * sampling.n_samples:
+            raise RolloutError("derived sample seeds collide; change SamplingConfig.base_seed")
+        collected: dict[SampleKey, SampleResult] = {}
+        semaphore = asyncio.Semaphore(self.config.max_concurrency)
+        tasks = [
+            asyncio.create_task(
+                self._run_group(prompt, sample_keys(i, sampling), sampling, semaphore, collected)
+            )
+            for i, prompt in enumerate(prompts)
+        ]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        missing = sorted(set(expected) - set(collected))
+        if missing:
+            raise RolloutError(f"{len(missing)} samples never came back, e.g. {[k.rid for k in missing[:5]]}")
+        grouped: list[list[SampleResult]] = [[] for _ in prompts]
+        for key in sorted(collected):
+            grouped[key.prompt_index].append(collected[key])
+        return grouped
+
+    async def _run_group(self, prompt, keys, sampling, semaphore, collected) -> None:
+        async with semaphore:
+            results = await self._request_with_retries(prompt, keys, sampling)
+        for result in results:
+            if result.key in collected:
+                raise RolloutError(f"sample {result.key.rid} returned twice")
+            collected[result.key] = result
+            if self.on_result is not None:
+                self.on_result(result)
+
+    async def _request_with_retries(self, prompt, keys, sampling) -> list[SampleResult]:
+        last_error: Exception | None = None
+        avoid: str | None = None
+        for attempt in range(1, self.config.max_attempts + 1):
+            if attempt > 1:
+                self.stats.retries += 1
+                await asyncio.sleep(self.config.retry_backoff_s * (attempt - 1))
+            url = await self._pick_server(avoid)
+            payload = build_generate_payload(prompt, keys, sampling, self.processor, attempt)
+            try:
+                body = await self._post_generate(url, payload)
+                return parse_generate_response(body, prompt, keys, sampling, attempt, url)
+            except RetryableServerError as e:
+                last_error, avoid = e, url
+                self.stats.failures_by_server[url] += 1
+                logger.warning("attempt %d of %s failed on %s: %s", attempt, keys[0].rid, url, e)
+                if not isinstance(e, SampleAbortedError):
+                    self.healthy[url] = await self._probe(url)
+        raise RetryableServerError(
+            f"samples of prompt {keys[0].prompt_index} failed {self.config.max_attempts} attempts; "
+            f"last: {last_error}"
+        ) from last_error
+
+    async def _pick_server(self, avoid: str | None) -> str:
+        deadline = time.monotonic() + self.config.unhealthy_wait_s
+        while True:
+            healthy = [u for u in self.urls if self.healthy[u]]
+            preferred = [u for u in healthy if u != avoid] or healthy
+            if preferred:
+                url = min(preferred, key=lambda u: self.in_flight[u])
+                return url
+            if time.monotonic() > deadline:
+                raise NoHealthyServerError(
+                    f"no healthy server among {self.urls} after "
+                    f"{self.config.unhealthy_wait_s:.0f} s of /health probes"
+                )
+            await asyncio.sleep(min(1.0, self.config.retry_backoff_s + 0.1))
+            await self.check_health()
+
+    async def _post_generate(self, url: str, payload: dict) -> object:
+        self.stats.requests += 1
+        self.in_flight[url] += 1
+        try:
+            timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s)
+            async with self.session.post(f"{url}/generate", json=payload, timeout=timeout) as resp:
+                raw = await _read_limited(resp, self.config.max_response_bytes, url)
+                if resp.status >= 500:
+                    raise RetryableServerError(f"{url}/generate answered HTTP {resp.status}: {raw[:300]!r}")
+                if resp.status != 200:
+                    raise RequestRejectedError(
+                        f"{url}/generate rejected the request (HTTP {resp.status}): {raw[:500]!r}"
+                    )
+        except (TimeoutError, aiohttp.ClientError) as e:
+            raise RetryableServerError(f"{url}/generate failed: {type(e).__name__}: {e}") from e
+        finally:
+            self.in_flight[url] -= 1
+        try:
+            return json.loads(raw)
+        except ValueError as e:
+            raise MalformedResponseError(f"{url}/generate returned invalid JSON ({e}): {raw[:200]!r}") from e
+
+
+async def _read_limited(resp: aiohttp.ClientResponse, limit: int, url: str) -> bytes:
+    length = resp.content_length
+    if length is not None and length > limit:
+        raise ResponseTooLargeError(
+            f"{url}/generate response of {length} bytes exceeds max_response_bytes={limit}"
+        )
+    chunks, size = [], 0
+    async for chunk in resp.content.iter_chunked(1 << 16):
+        size += len(chunk)
+        if size > limit:
+            raise ResponseTooLargeError(f"{url}/generate response exceeds max_response_bytes={limit}")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _check_prompt(index: int, prompt: Sequence[int]) -> list[int]:
+    ids = list(prompt)
+    if not ids or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise ValueError(f"prompt {index} must be a non-empty list of token ids (ints ≥ 0); got {ids[:10]!r}")
+    return ids

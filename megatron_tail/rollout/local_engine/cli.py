@@ -1,0 +1,52 @@
+"""`megatron-tail serve-local`: run the local engine as an HTTP server (SGLang's `/generate` subset)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+DEFAULT_HOST = "127.0.0.1"
+
+
+def add_serve_local_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "serve-local",
+        help="serve a local HF model on CPU with SGLang's /generate and weight-update endpoints",
+        description=__doc__,
+    )
+    parser.add_argument(
+        "--model-path", required=True, help="directory with config.json, *.safetensors, tokenizer"
+    )
+    parser.add_argument("--port", type=int, required=True, help="TCP port to listen on")
+    parser.add_argument(
+        "--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST}: this host only)"
+    )
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--weight-version", default="default", help="initial weight_version (as SGLang's)")
+    parser.add_argument(
+        "--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)"
+    )
+    parser.add_argument("--max-batch", type=int, default=1024, help="most samples accepted in one /generate")
+    parser.set_defaults(func=serve_local)
+    return parser
+
+
+def serve_local(args: argparse.Namespace) -> int:
+    import torch
+    from aiohttp import web
+
+    from megatron_tail.rollout.local_engine.engine import LocalEngine
+    from megatron_tail.rollout.local_engine.server import build_app
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if not 0 < args.port < 65536:
+        raise SystemExit(f"--port must be in 1..65535; got {args.port}")
+    if args.num_threads is not None:
+        torch.set_num_threads(args.num_threads)
+    engine = LocalEngine(args.model_path, dtype=args.dtype, weight_version=args.weight_version)
+    app = build_app(engine, max_batch=args.max_batch)
+    print(
+        f"megatron-tail local engine serving {args.model_path} on http://{args.host}:{args.port}", flush=True
+    )
+    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
+    return 0

@@ -1,0 +1,64 @@
+"""Pause / continue / abort between decoding steps, with SGLang's `/pause_generation` semantics.
+
+`mode="abort"` (SGLang's default) ends every running generation at its next step with
+`finish_reason = {"type": "abort"}`; `mode="in_place"` holds running generations where they are (their
+KV cache is kept) until `/continue_generation`. In both modes new generations wait until continued.
+"""
+
+from __future__ import annotations
+
+import threading
+
+PAUSE_MODES = ("abort", "in_place")
+
+
+class PauseControl:
+    """Thread-safe pause state shared by the HTTP handlers and the generation threads."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._paused = False
+        self._abort_epoch = 0
+        self._active = 0
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @property
+    def active(self) -> int:
+        """Generations started and not yet finished."""
+        return self._active
+
+    def pause(self, mode: str) -> None:
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {PAUSE_MODES} on the local engine; got {mode!r}")
+        with self._cond:
+            self._paused = True
+            if mode == "abort":
+                self._abort_epoch += 1
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    def wait_until_running(self) -> int:
+        """Block while paused; register a new generation and return the abort epoch it runs in."""
+        with self._cond:
+            while self._paused:
+                self._cond.wait()
+            self._active += 1
+            return self._abort_epoch
+
+    def checkpoint(self, epoch: int) -> bool:
+        """Between steps: True if the generation must abort; blocks while paused in place."""
+        with self._cond:
+            while self._paused and epoch == self._abort_epoch:
+                self._cond.wait()
+            return epoch != self._abort_epoch
+
+    def done(self) -> None:
+        with self._cond:
+            self._active -= 1
+            self._cond.notify_all()

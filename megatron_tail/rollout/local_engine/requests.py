@@ -1,0 +1,230 @@
+"""Validation of `/generate` bodies for the local engine: SGLang's field names, a documented subset.
+
+A body is SGLang's `GenerateReqInput`: `input_ids` (one prompt `[int]` or a batch `[[int]]`) or `text`,
+`sampling_params` (a dict, or one per batch item), `rid`, `return_logprob`, `custom_logit_processor`.
+Keys SGLang does not know are rejected like SGLang rejects them; SGLang features this engine does not
+implement are rejected by name instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+
+class BadRequest(ValueError):
+    """The request is invalid; the message is returned to the client with HTTP 400."""
+
+
+SGLANG_SAMPLING_KEYS = frozenset(
+    "max_new_tokens stop stop_token_ids stop_regex temperature top_p top_k min_p frequency_penalty "
+    "presence_penalty repetition_penalty min_new_tokens n beam_width json_schema regex ebnf structural_tag "
+    "ignore_eos skip_special_tokens spaces_between_special_tokens no_stop_trim stream_interval logit_bias "
+    "sampling_seed custom_params watermark".split()
+)
+"""The API fields of `sglang.srt.sampling.sampling_params.SamplingParams` (0.5.23)."""
+
+_UNSUPPORTED_UNLESS_DEFAULT = {
+    "top_p": (1.0,),
+    "top_k": (-1, None, 1 << 30),
+    "min_p": (0.0,),
+    "frequency_penalty": (0.0,),
+    "presence_penalty": (0.0,),
+    "repetition_penalty": (1.0,),
+    "min_new_tokens": (0,),
+    "n": (1,),
+    "beam_width": (None, 1),
+    "stop": (None, [], ""),
+    "stop_regex": (None, [], ""),
+    "json_schema": (None,),
+    "regex": (None,),
+    "ebnf": (None,),
+    "structural_tag": (None,),
+    "logit_bias": (None, {}),
+    "watermark": (None,),
+}
+"""SGLang sampling features the local engine does not implement: allowed only at their no-op value."""
+
+_IGNORED_SAMPLING_KEYS = frozenset({"spaces_between_special_tokens", "no_stop_trim", "stream_interval"})
+
+SUPPORTED_TOP_LEVEL_KEYS = frozenset(
+    {
+        "input_ids",
+        "text",
+        "sampling_params",
+        "rid",
+        "return_logprob",
+        "custom_logit_processor",
+        "logprob_start_len",
+        "top_logprobs_num",
+        "return_text_in_logprobs",
+        "stream",
+        "log_metrics",
+    }
+)
+
+GREEDY_EPS = 1e-6
+"""SGLang's `_SAMPLING_EPS`: temperatures below it mean greedy decoding."""
+
+
+@dataclass
+class GenerateItem:
+    """One sample to generate: prompt, stopping rules, sampling rule, optional custom logit processor."""
+
+    rid: str
+    input_ids: list[int]
+    max_new_tokens: int
+    temperature: float
+    """0 = greedy (SGLang then scores at T = 1)."""
+    seed: int | None
+    stop_token_ids: frozenset[int]
+    ignore_eos: bool
+    skip_special_tokens: bool
+    return_logprob: bool
+    processor: str | None
+    custom_params: dict[str, Any] | None
+
+
+@dataclass
+class GenerateRequest:
+    items: list[GenerateItem]
+    batched: bool
+    """True when the body was a batch (the response is then a list)."""
+    return_text_in_logprobs: bool
+
+
+def parse_generate_body(body: Any, *, tokenize, vocab_size: int, context_length: int, max_batch: int):
+    """Validate an SGLang `/generate` body; return a `GenerateRequest` or raise `BadRequest`.
+
+    `tokenize(text) -> list[int]` is used for `text` prompts (None when the engine has no tokenizer).
+    """
+    if not isinstance(body, dict):
+        raise BadRequest(f"/generate body must be a JSON object; got {type(body).__name__}")
+    unknown = sorted(set(body) - SUPPORTED_TOP_LEVEL_KEYS)
+    if unknown:
+        raise BadRequest(
+            f"/generate fields {unknown} are not supported by the local engine; "
+            f"supported: {sorted(SUPPORTED_TOP_LEVEL_KEYS)}"
+        )
+    if body.get("stream"):
+        raise BadRequest("stream=true is not supported by the local engine")
+    _require_default(body, "logprob_start_len", (None, -1))
+    _require_default(body, "top_logprobs_num", (None, 0))
+    prompts, batched = _prompts(body, tokenize)
+    if len(prompts) > max_batch:
+        raise BadRequest(f"batch of {len(prompts)} prompts exceeds the engine's max batch size {max_batch}")
+    n = len(prompts)
+    sampling = _per_item(body.get("sampling_params") or {}, n, "sampling_params")
+    rids = _per_item(body.get("rid"), n, "rid")
+    return_logprob = _per_item(body.get("return_logprob") or False, n, "return_logprob")
+    processors = _per_item(body.get("custom_logit_processor"), n, "custom_logit_processor")
+    items = []
+    for i in range(n):
+        where = f"item {i}" if batched else "request"
+        ids = _check_ids(prompts[i], vocab_size, where)
+        params = _sampling_params(sampling[i], where)
+        total = len(ids) + params["max_new_tokens"]
+        if total > context_length:
+            raise BadRequest(
+                f"{where}: prompt ({len(ids)} tokens) + max_new_tokens ({params['max_new_tokens']}) "
+                f"= {total} tokens exceeds the model's context length of {context_length} tokens"
+            )
+        if processors[i] is not None and not isinstance(processors[i], str):
+            raise BadRequest(
+                f"{where}: custom_logit_processor must be a string from CustomLogitProcessor.to_str()"
+            )
+        items.append(
+            GenerateItem(
+                rid=str(rids[i]) if rids[i] is not None else f"local-{i}",
+                input_ids=ids,
+                processor=processors[i],
+                return_logprob=bool(return_logprob[i]),
+                **params,
+            )
+        )
+    return GenerateRequest(items, batched, bool(body.get("return_text_in_logprobs", False)))
+
+
+def _prompts(body: dict, tokenize) -> tuple[list, bool]:
+    if ("input_ids" in body) == ("text" in body):
+        raise BadRequest("/generate needs exactly one of 'input_ids' or 'text'")
+    if "text" in body:
+        if tokenize is None:
+            raise BadRequest("'text' prompts need a tokenizer; this engine has none, send 'input_ids'")
+        text = body["text"]
+        texts = [text] if isinstance(text, str) else text
+        if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
+            raise BadRequest("'text' must be a string or a non-empty list of strings")
+        return [tokenize(t) for t in texts], not isinstance(text, str)
+    ids = body["input_ids"]
+    if not isinstance(ids, list) or not ids:
+        raise BadRequest(f"'input_ids' must be a non-empty list of token ids or of lists; got {ids!r:.100}")
+    if all(isinstance(x, list) for x in ids):
+        return ids, True
+    return [ids], False
+
+
+def _per_item(value: Any, n: int, name: str) -> list:
+    if isinstance(value, list):
+        if len(value) != n:
+            raise BadRequest(f"'{name}' has {len(value)} entries for a batch of {n}")
+        return value
+    return [value] * n
+
+
+def _check_ids(ids: Any, vocab_size: int, where: str) -> list[int]:
+    if not isinstance(ids, list) or not ids:
+        raise BadRequest(f"{where}: input_ids must be a non-empty list of ints")
+    for t in ids:
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
+            raise BadRequest(f"{where}: token id {t!r} is not an int in [0, {vocab_size})")
+    return ids
+
+
+def _sampling_params(params: Any, where: str) -> dict[str, Any]:
+    if not isinstance(params, dict):
+        raise BadRequest(f"{where}: sampling_params must be an object; got {type(params).__name__}")
+    unknown = sorted(set(params) - SGLANG_SAMPLING_KEYS)
+    if unknown:
+        raise BadRequest(
+            f"{where}: unknown sampling_params key(s) {unknown}; "
+            f"SGLang accepts {sorted(SGLANG_SAMPLING_KEYS)}"
+        )
+    for key, allowed in _UNSUPPORTED_UNLESS_DEFAULT.items():
+        if key in params and params[key] not in allowed:
+            raise BadRequest(
+                f"{where}: sampling_params.{key}={params[key]!r} is not supported by the local engine"
+            )
+    max_new = params.get("max_new_tokens", 128)
+    if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1:
+        raise BadRequest(f"{where}: max_new_tokens must be an int ≥ 1; got {max_new!r}")
+    temperature = params.get("temperature", 1.0)
+    temperature = 1.0 if temperature is None else temperature
+    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
+        raise BadRequest(f"{where}: temperature must be a finite number ≥ 0; got {temperature!r}")
+    seed = params.get("sampling_seed")
+    if seed is not None and (
+        not isinstance(seed, int) or isinstance(seed, bool) or not -(2**63) <= seed < 2**63
+    ):
+        raise BadRequest(f"{where}: sampling_seed must be an int in [-2**63, 2**63); got {seed!r}")
+    stop_ids = params.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or not all(isinstance(t, int) and t >= 0 for t in stop_ids):
+        raise BadRequest(f"{where}: stop_token_ids must be a list of token ids; got {stop_ids!r}")
+    custom = params.get("custom_params")
+    if custom is not None and not isinstance(custom, dict):
+        raise BadRequest(f"{where}: custom_params must be an object; got {type(custom).__name__}")
+    return {
+        "max_new_tokens": max_new,
+        "temperature": 0.0 if temperature < GREEDY_EPS else float(temperature),
+        "seed": seed,
+        "stop_token_ids": frozenset(stop_ids),
+        "ignore_eos": bool(params.get("ignore_eos", False)),
+        "skip_special_tokens": bool(params.get("skip_special_tokens", True)),
+        "custom_params": custom,
+    }
+
+
+def _require_default(body: dict, key: str, allowed: tuple) -> None:
+    if body.get(key) not in allowed:
+        raise BadRequest(f"{key}={body.get(key)!r} is not supported by the local engine (only {allowed})")

@@ -1,0 +1,231 @@
+"""aiohttp server exposing the local engine with SGLang's HTTP API shapes.
+
+Endpoints (JSON bodies and answers as SGLang 0.5.23's http_server):
+`POST /generate`, `GET /health`, `GET /health_generate`, `GET /model_info` (`/get_model_info`),
+`GET /server_info` (`/get_server_info`), `POST /pause_generation`, `POST /continue_generation`,
+`POST /update_weights_from_disk`, `POST /update_weight_version`, `POST /init_weights_update_group`,
+`POST /update_weights_from_distributed`, `POST /destroy_weights_update_group`, `POST /flush_cache`.
+Errors are HTTP 400 with `{"error": {"message": ...}}` (weight endpoints: `{"success": false, "message"}`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+import torch
+from aiohttp import web
+
+from megatron_tail.rollout.local_engine.engine import LocalEngine
+from megatron_tail.rollout.local_engine.requests import BadRequest, parse_generate_body
+from megatron_tail.rollout.process_group import init_custom_process_group
+
+logger = logging.getLogger(__name__)
+
+MAX_REQUEST_BYTES = 256 * 1024 * 1024
+ENGINE_KEY = web.AppKey("engine", LocalEngine)
+GROUPS_KEY = web.AppKey("weight_update_groups", dict)
+MAX_BATCH_KEY = web.AppKey("max_batch", int)
+
+
+def build_app(engine: LocalEngine, *, max_batch: int = 1024) -> web.Application:
+    app = web.Application(client_max_size=MAX_REQUEST_BYTES)
+    app[ENGINE_KEY] = engine
+    app[GROUPS_KEY] = {}
+    app[MAX_BATCH_KEY] = max_batch
+    app.router.add_route("POST", "/generate", generate)
+    app.router.add_route("PUT", "/generate", generate)
+    for path in ("/health", "/health_generate"):
+        app.router.add_get(path, health)
+    for path in ("/model_info", "/get_model_info"):
+        app.router.add_get(path, model_info)
+    for path in ("/server_info", "/get_server_info"):
+        app.router.add_get(path, server_info)
+    app.router.add_post("/pause_generation", pause_generation)
+    app.router.add_post("/continue_generation", continue_generation)
+    app.router.add_post("/update_weights_from_disk", update_weights_from_disk)
+    app.router.add_post("/update_weight_version", update_weight_version)
+    app.router.add_post("/init_weights_update_group", init_weights_update_group)
+    app.router.add_post("/update_weights_from_distributed", update_weights_from_distributed)
+    app.router.add_post("/destroy_weights_update_group", destroy_weights_update_group)
+    app.router.add_route("*", "/flush_cache", flush_cache)
+    return app
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, allow_nan=True)
+
+
+def _error(message: str, status: int = 400) -> web.Response:
+    return web.json_response({"error": {"message": message}}, status=status, dumps=_dumps)
+
+
+def _result(success: bool, message: str, **extra) -> web.Response:
+    body = {"success": success, "message": message, **extra}
+    return web.json_response(body, status=200 if success else 400, dumps=_dumps)
+
+
+async def _json_body(request: web.Request) -> Any:
+    if not request.can_read_body:
+        return {}
+    try:
+        return await request.json()
+    except json.JSONDecodeError as e:
+        raise BadRequest(f"body is not valid JSON: {e}") from e
+
+
+async def generate(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    try:
+        parsed = parse_generate_body(
+            await _json_body(request),
+            tokenize=engine.tokenize if engine.tokenizer is not None else None,
+            vocab_size=engine.vocab_size,
+            context_length=engine.context_length,
+            max_batch=request.app[MAX_BATCH_KEY],
+        )
+        outputs = await asyncio.to_thread(engine.generate, parsed.items)
+    except BadRequest as e:
+        return _error(str(e))
+    except ValueError as e:  # raised by a custom logit processor on bad custom_params
+        return _error(f"generation failed: {e}")
+    return web.json_response(outputs if parsed.batched else outputs[0], dumps=_dumps)
+
+
+async def health(request: web.Request) -> web.Response:  # noqa: ARG001 - aiohttp handler signature
+    return web.Response(status=200)
+
+
+async def model_info(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    config = engine.model.config
+    return web.json_response(
+        {
+            "model_path": engine.model_path,
+            "served_model_name": engine.model_path,
+            "tokenizer_path": engine.model_path if engine.tokenizer is not None else None,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": engine.weight_version,
+            "model_type": getattr(config, "model_type", None),
+            "architectures": getattr(config, "architectures", None),
+        }
+    )
+
+
+async def server_info(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    return web.json_response(
+        {
+            "model_path": engine.model_path,
+            "dtype": engine.dtype_name,
+            "tp_size": 1,
+            "dp_size": 1,
+            "context_length": engine.context_length,
+            "weight_version": engine.weight_version,
+            "enable_custom_logit_processor": True,
+            "version": "megatron-tail-local-engine",
+        }
+    )
+
+
+async def pause_generation(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    try:
+        mode = (await _json_body(request)).get("mode", "abort")
+        engine.control.pause(mode)
+    except (BadRequest, ValueError, AttributeError) as e:
+        return _error(str(e))
+    if mode == "abort":
+        while engine.control.active:
+            await asyncio.sleep(0.01)
+    return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+
+async def continue_generation(request: web.Request) -> web.Response:
+    request.app[ENGINE_KEY].control.resume()
+    return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+
+async def update_weights_from_disk(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    try:
+        body = await _json_body(request)
+        model_path = body["model_path"]
+        message = await asyncio.to_thread(
+            engine.update_weights_from_disk, model_path, body.get("weight_version")
+        )
+    except (BadRequest, KeyError, TypeError, ValueError, OSError) as e:
+        return _result(False, f"Failed to update weights: {type(e).__name__}: {e}", num_paused_requests=0)
+    if body.get("weight_version") is not None:
+        message += f" Weight version updated to {body['weight_version']}."
+    return _result(True, message, num_paused_requests=0)
+
+
+async def update_weight_version(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    try:
+        new_version = str((await _json_body(request))["new_version"])
+    except (BadRequest, KeyError, TypeError) as e:
+        return _result(False, f"Failed to update weight version: {e}")
+    engine.weight_version = new_version
+    return web.json_response(
+        {"success": True, "message": f"Weight version updated to {new_version}", "new_version": new_version}
+    )
+
+
+async def init_weights_update_group(request: web.Request) -> web.Response:
+    try:
+        body = await _json_body(request)
+        name = body.get("group_name", "weight_update_group")
+        group = await asyncio.to_thread(
+            init_custom_process_group,
+            backend=body.get("backend", "nccl"),
+            init_method=f"tcp://{body['master_address']}:{int(body['master_port'])}",
+            world_size=int(body["world_size"]),
+            rank=int(body["rank_offset"]),
+            group_name=name,
+        )
+    except Exception as e:
+        return _result(False, f"Failed to initialize custom process group: {type(e).__name__}: {e}.")
+    request.app[GROUPS_KEY][name] = group
+    return _result(True, "Succeeded to initialize custom process group.")
+
+
+async def update_weights_from_distributed(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    try:
+        body = await _json_body(request)
+        group = request.app[GROUPS_KEY][body.get("group_name", "weight_update_group")]
+        specs = list(zip(body["names"], body["dtypes"], body["shapes"], strict=True))
+        await asyncio.to_thread(_receive_and_load, engine, group, specs, body.get("weight_version"))
+    except KeyError as e:
+        return _result(False, f"Failed to update parameter online: missing {e} (group not initialized?)")
+    except Exception as e:
+        return _result(False, f"Failed to update parameter online: {type(e).__name__}: {e}")
+    return _result(True, "Succeeded to update parameter online.")
+
+
+def _receive_and_load(engine: LocalEngine, group, specs, weight_version) -> None:
+    """Receive one broadcast per (name, dtype, shape) from rank 0, in order, then load them all."""
+    received = []
+    for name, dtype, shape in specs:
+        tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+        torch.distributed.broadcast(tensor, src=0, group=group)
+        received.append((name, tensor))
+    engine.load_named_tensors(received, weight_version)
+
+
+async def destroy_weights_update_group(request: web.Request) -> web.Response:
+    name = (await _json_body(request)).get("group_name", "weight_update_group")
+    group = request.app[GROUPS_KEY].pop(name, None)
+    if group is None:
+        return _result(False, f"Group {name} not found.")
+    torch.distributed.destroy_process_group(group)
+    return _result(True, "Succeeded to destroy custom process group.")
+
+
+async def flush_cache(request: web.Request) -> web.Response:  # noqa: ARG001 - aiohttp handler signature
+    return web.Response(text="Cache flushed.\n", status=200)

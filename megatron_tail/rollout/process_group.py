@@ -1,0 +1,57 @@
+"""A torch process group between the trainer and the rollout engines, outside the default world.
+
+The same construction SGLang uses for `init_weights_update_group` (`sglang.srt.utils.common.
+init_custom_process_group`): a TCP rendezvous and a `PrefixStore` named after the group, so that the
+trainer's rank 0 (rank 0 here) and every engine's TP ranks (ranks `rank_offset + tp_rank`) form a
+group while each side keeps its own default process group. NCCL on GPU clusters; gloo works on CPU.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch.distributed as dist
+
+
+def init_custom_process_group(
+    *,
+    backend: str,
+    init_method: str,
+    world_size: int,
+    rank: int,
+    group_name: str,
+    timeout: timedelta | None = None,
+) -> dist.ProcessGroup:
+    """Create (rendezvous and build) a process group of `world_size` ranks; this process is `rank`.
+
+    Blocks until all ranks joined or `timeout` passed. `init_method` is `tcp://host:port`.
+    """
+    from torch.distributed.distributed_c10d import (
+        Backend,
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+        default_pg_timeout,
+        rendezvous,
+    )
+
+    if not group_name:
+        raise ValueError("group_name must be a non-empty string")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size={world_size}); got {rank}")
+    timeout = timeout or default_pg_timeout
+    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    store = PrefixStore(group_name, store)
+    pg, _ = _new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        Backend(backend),
+        store,
+        group_name=group_name,
+        backend_options=None,
+        timeout=timeout,
+    )
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg

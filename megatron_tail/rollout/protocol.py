@@ -1,0 +1,256 @@
+"""The SGLang `/generate` subset we use: request payloads, sample identities, and response validation.
+
+One HTTP request carries the n samples of one prompt as an SGLang batch (`input_ids` a list of lists,
+one `sampling_params` dict and one `rid` per sample), because each sample needs its own `sampling_seed`
+(SGLang's `n > 1` would reuse one seed). Responses are SGLang's: a list with one object per sample,
+`{"text", "output_ids", "meta_info": {"id", "finish_reason", "weight_version",
+"output_token_logprobs": [[logprob, token_id, text | null], ...], ...}}`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_tail.rollout.processor import dvp_custom_params
+
+_MASK63 = (1 << 63) - 1
+
+
+class RolloutError(RuntimeError):
+    """Base class of rollout client errors."""
+
+
+class MalformedResponseError(RolloutError):
+    """A server answered 200 with a body that does not match the `/generate` contract. Not retried."""
+
+
+class ResponseTooLargeError(MalformedResponseError):
+    """A response body exceeded the client's `max_response_bytes`."""
+
+
+class RequestRejectedError(RolloutError):
+    """The server rejected the request (HTTP 4xx): retrying elsewhere would not help."""
+
+
+class RetryableServerError(RolloutError):
+    """A failure another attempt may fix: connection error, timeout, HTTP 5xx, aborted sample."""
+
+
+class SampleAbortedError(RetryableServerError):
+    """The server aborted a sample (`finish_reason.type == "abort"`, e.g. a weight-update pause)."""
+
+
+@dataclass(frozen=True, order=True)
+class SampleKey:
+    """Stable identity of one sample: it is what makes retries exactly-once."""
+
+    prompt_index: int
+    sample_index: int
+    seed: int
+
+    @property
+    def rid(self) -> str:
+        return f"p{self.prompt_index}-s{self.sample_index}-seed{self.seed}"
+
+
+@dataclass
+class SampleResult:
+    """One generated sample.
+
+    `output_logprobs[i]` is the engine's log-prob of `output_ids[i]` (with DVP: log π^mp, float).
+    `weight_version` is the policy version the server reported when it returned the sample.
+    """
+
+    key: SampleKey
+    prompt_ids: list[int]
+    output_ids: list[int]
+    output_logprobs: list[float] | None
+    finish_reason: dict[str, Any]
+    weight_version: str | None
+    server_url: str
+    text: str | None = None
+    meta_info: dict[str, Any] = field(default_factory=dict, repr=False)
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Sampling settings shared by every sample of a `generate` call."""
+
+    n_samples: int = 1
+    """Samples per prompt; each gets its own seed."""
+    max_new_tokens: int = 128
+    """Upper bound on generated tokens per sample."""
+    temperature: float = 1.0
+    """Sampling temperature T; 0 is greedy."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Extra token ids that end a sample (EOS always does unless `ignore_eos`)."""
+    ignore_eos: bool = False
+    """Keep generating past EOS (benchmarks)."""
+    log_rho: float | None = -13.0
+    """DVP log ρ; None turns the safe-vocabulary processor off."""
+    return_logprob: bool = True
+    """Ask for `output_token_logprobs`."""
+    base_seed: int = 0
+    """Seeds are derived from (base_seed, prompt index, sample index); change it every step."""
+
+    def __post_init__(self):
+        if not isinstance(self.n_samples, int) or self.n_samples < 1:
+            raise ValueError(f"n_samples must be an int ≥ 1; got {self.n_samples!r}")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int ≥ 1; got {self.max_new_tokens!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be finite and ≥ 0; got {self.temperature!r}")
+        dvp_custom_params(self.log_rho, self.temperature)  # validates log_rho
+        bad = [t for t in self.stop_token_ids if not isinstance(t, int) or t < 0]
+        if bad:
+            raise ValueError(f"stop_token_ids must be non-negative ints; got {bad!r}")
+
+
+def sample_seed(base_seed: int, prompt_index: int, sample_index: int) -> int:
+    """A 63-bit seed mixed from the three ints (splitmix64), so nearby indices get unrelated streams."""
+    x = (base_seed * 0x9E3779B97F4A7C15 + prompt_index * 0xBF58476D1CE4E5B9 + sample_index) & ((1 << 64) - 1)
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
+    return (x ^ (x >> 31)) & _MASK63
+
+
+def sample_keys(prompt_index: int, config: SamplingConfig) -> list[SampleKey]:
+    return [
+        SampleKey(prompt_index, j, sample_seed(config.base_seed, prompt_index, j))
+        for j in range(config.n_samples)
+    ]
+
+
+def build_generate_payload(
+    prompt_ids: list[int],
+    keys: list[SampleKey],
+    config: SamplingConfig,
+    processor: str | None,
+    attempt: int,
+) -> dict[str, Any]:
+    """SGLang batch `/generate` body for the samples `keys` of one prompt.
+
+    The rid carries the attempt number so that a retry on the same server (one server, or a router) never
+    collides with a request of the same sample that the server may still be running.
+    """
+    sampling_params = []
+    for key in keys:
+        params: dict[str, Any] = {
+            "max_new_tokens": config.max_new_tokens,
+            "temperature": config.temperature,
+            "sampling_seed": key.seed,
+        }
+        if config.stop_token_ids:
+            params["stop_token_ids"] = list(config.stop_token_ids)
+        if config.ignore_eos:
+            params["ignore_eos"] = True
+        if processor is not None:
+            params["custom_params"] = dvp_custom_params(config.log_rho, config.temperature)
+        sampling_params.append(params)
+    payload: dict[str, Any] = {
+        "input_ids": [list(prompt_ids) for _ in keys],
+        "sampling_params": sampling_params,
+        "rid": [f"{key.rid}-a{attempt}" for key in keys],
+        "return_logprob": config.return_logprob,
+    }
+    if processor is not None:
+        payload["custom_logit_processor"] = [processor for _ in keys]
+    return payload
+
+
+def parse_generate_response(
+    body: Any,
+    prompt_ids: list[int],
+    keys: list[SampleKey],
+    config: SamplingConfig,
+    attempt: int,
+    server_url: str,
+) -> list[SampleResult]:
+    """Validate a batch `/generate` response against what was asked; return one `SampleResult` per key.
+
+    Raises `MalformedResponseError` (naming the sample and the field) on a contract violation and
+    `RetryableServerError` when a sample was aborted (e.g. by a weight update's pause).
+    """
+    if isinstance(body, dict) and len(keys) == 1:
+        body = [body]
+    if not isinstance(body, list) or len(body) != len(keys):
+        got = f"a list of {len(body)}" if isinstance(body, list) else type(body).__name__
+        raise MalformedResponseError(
+            f"{server_url}/generate: expected a JSON list of {len(keys)} samples, got {got}: {_clip(body)}"
+        )
+    return [
+        _parse_one(item, prompt_ids, key, config, attempt, server_url)
+        for item, key in zip(body, keys, strict=True)
+    ]
+
+
+def _parse_one(
+    item, prompt_ids, key: SampleKey, config: SamplingConfig, attempt: int, url: str
+) -> SampleResult:
+    where = f"{url}/generate sample {key.rid}"
+    if not isinstance(item, dict):
+        raise MalformedResponseError(f"{where}: expected an object, got {_clip(item)}")
+    meta = item.get("meta_info")
+    output_ids = item.get("output_ids")
+    if not isinstance(meta, dict):
+        raise MalformedResponseError(f"{where}: missing 'meta_info' object; keys are {sorted(item)}")
+    expected_rid = f"{key.rid}-a{attempt}"
+    if meta.get("id") != expected_rid:
+        raise MalformedResponseError(
+            f"{where}: meta_info.id is {meta.get('id')!r}, expected {expected_rid!r}"
+        )
+    finish = meta.get("finish_reason")
+    if not isinstance(finish, dict) or finish.get("type") not in ("stop", "length", "abort"):
+        raise MalformedResponseError(
+            f"{where}: meta_info.finish_reason {finish!r} is not {{'type': stop|length|abort}}"
+        )
+    if finish["type"] == "abort":
+        raise SampleAbortedError(f"{where}: sample aborted by the server: {finish.get('message')!r}")
+    if not isinstance(output_ids, list) or not all(isinstance(t, int) and t >= 0 for t in output_ids):
+        raise MalformedResponseError(
+            f"{where}: 'output_ids' must be a list of token ids, got {_clip(output_ids)}"
+        )
+    if len(output_ids) > config.max_new_tokens:
+        raise MalformedResponseError(
+            f"{where}: {len(output_ids)} output tokens exceed max_new_tokens={config.max_new_tokens}"
+        )
+    logprobs = _parse_logprobs(meta, output_ids, where) if config.return_logprob else None
+    return SampleResult(
+        key=key,
+        prompt_ids=list(prompt_ids),
+        output_ids=output_ids,
+        output_logprobs=logprobs,
+        finish_reason=finish,
+        weight_version=None if meta.get("weight_version") is None else str(meta["weight_version"]),
+        server_url=url,
+        text=item.get("text"),
+        meta_info=meta,
+    )
+
+
+def _parse_logprobs(meta: dict, output_ids: list[int], where: str) -> list[float]:
+    triples = meta.get("output_token_logprobs")
+    if not isinstance(triples, list) or len(triples) != len(output_ids):
+        n = len(triples) if isinstance(triples, list) else _clip(triples)
+        raise MalformedResponseError(
+            f"{where}: meta_info.output_token_logprobs must hold one [logprob, token_id, text] "
+            "per output token "
+            f"({len(output_ids)}); got {n}"
+        )
+    logprobs = []
+    for i, (triple, token) in enumerate(zip(triples, output_ids, strict=True)):
+        ok = isinstance(triple, (list, tuple)) and len(triple) >= 2 and triple[1] == token
+        value = triple[0] if ok else None
+        if not ok or not isinstance(value, (int, float)) or math.isnan(value) or value > 1e-4:
+            raise MalformedResponseError(
+                f"{where}: output_token_logprobs[{i}] = {_clip(triple)} is not [logprob ≤ 0, {token}, text]"
+            )
+        logprobs.append(float(value))
+    return logprobs
+
+
+def _clip(value: Any, limit: int = 200) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} chars)"
