@@ -95,11 +95,11 @@ def chunk_partial_sums(
         target's raw logit if this shard owns it, else 0.
     """
     out = x.new_zeros((x.shape[0], NUM_PARTIALS), dtype=max_logit.dtype)
+    if x.shape[1] == 0:  # a shard of padding only
+        return out
     rows = torch.arange(x.shape[0], device=x.device)
     x_target = x[rows, local_target].to(max_logit.dtype)
     out[:, TARGET_LOGIT] = torch.where(owned, x_target, torch.zeros_like(x_target))
-    if x.shape[1] == 0:
-        return out
     x = x.to(max_logit.dtype)  # one upcast of a bf16 chunk (mixed-dtype ops would each copy it again)
     z = shifted_logits(x, max_logit, inv_temperature)
     e = torch.exp(z, out=exp_out) if exp_out is not None else torch.exp(z)

@@ -4,8 +4,9 @@
 
 Each rank is a forked child with one intra-op thread and a gloo process group on a free TCP port.
 Results come back pickled through a pipe, in rank order; an exception in any rank is re-raised in the
-parent with that rank's traceback. Forking after the (≈3 s) megatron import costs ≈0.4 s per test where
-spawn costs ≈5 s.
+parent with every failing rank's traceback (the first one listed is usually the cause; the others
+tend to be peers losing their gloo connection). Forking after the (≈3 s) megatron import costs ≈0.4 s
+per test where spawn costs ≈5 s.
 """
 
 from __future__ import annotations
@@ -67,12 +68,14 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
         for rank, conn in enumerate(pipes):
             if not conn.poll(timeout):
                 raise TimeoutError(f"rank {rank} of {world_size} sent nothing within {timeout} s")
-            status, payload = pickle.loads(conn.recv_bytes())
+            try:
+                status, payload = pickle.loads(conn.recv_bytes())
+            except EOFError:
+                procs[rank].join(timeout=5)
+                status, payload = "error", f"died without reporting (exit code {procs[rank].exitcode})"
             if status == "error":
                 errors.append(f"--- rank {rank} ---\n{payload}")
             results[rank] = payload
-    except EOFError as err:
-        raise RankFailed(f"a rank died without reporting (exit codes {[p.exitcode for p in procs]})") from err
     finally:
         for proc in procs:
             proc.join(timeout=5)
