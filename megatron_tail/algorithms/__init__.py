@@ -12,7 +12,7 @@ Pure tensor code: no collectives, no megatron imports. Modules:
 - `loss`         `prepare_tokens` + `rl_loss` (and `compute_loss`, both at once).
 """
 
-from megatron_tail.algorithms.advantages import grpo, rloo, to_tokens
+from megatron_tail.algorithms.advantages import compute_advantages, grpo, rloo, to_tokens
 from megatron_tail.algorithms.aggregation import AGGREGATION_MODES, LossCounts, aggregate, local_counts
 from megatron_tail.algorithms.config import AlgorithmConfig
 from megatron_tail.algorithms.importance import ImportanceWeights, importance_weights
@@ -40,6 +40,7 @@ __all__ = [
     "advantage_reweighting",
     "aggregate",
     "combine_metrics",
+    "compute_advantages",
     "compute_loss",
     "finalize_metrics",
     "grpo",

@@ -11,6 +11,8 @@ Degenerate groups are handled explicitly, before any division: a group whose rew
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from megatron_tail.algorithms._checks import (
@@ -20,6 +22,9 @@ from megatron_tail.algorithms._checks import (
     check_number,
     check_tensor,
 )
+
+if TYPE_CHECKING:
+    from megatron_tail.algorithms.config import AlgorithmConfig
 
 
 def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -99,3 +104,11 @@ def to_tokens(advantages: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return torch.where(
         valid, advantages[:, None], torch.zeros((), dtype=advantages.dtype, device=valid.device)
     )
+
+
+def compute_advantages(cfg: AlgorithmConfig, rewards: torch.Tensor) -> torch.Tensor:
+    """`[B]` advantages as configured: `cfg.advantage_estimator` ("grpo" with `cfg.scale_advantages_by_std`
+    and `cfg.advantage_eps`, or "rloo") over contiguous groups of `cfg.group_size`."""
+    if cfg.advantage_estimator == "rloo":
+        return rloo(rewards, cfg.group_size)
+    return grpo(rewards, cfg.group_size, scale_by_std=cfg.scale_advantages_by_std, eps=cfg.advantage_eps)

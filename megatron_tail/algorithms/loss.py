@@ -108,7 +108,8 @@ def prepare_tokens(
         advantages: `[B]` per sequence (broadcast to tokens) or `[B, T]` per token, float.
         valid: `[B, T]` bool response mask.
         old_entropy: `[B, T]` float, the op's `entropy` at θ_old; required when `cfg.stapo`.
-        old_in_safe_set: `[B, T]` bool, the op's `in_safe_set` at θ_old (None = all safe).
+        old_in_safe_set: `[B, T]` bool, the op's `in_safe_set` at θ_old (None = all safe). False means
+            π_train^mp = 0 for that token, so its importance weight is 0 and its sequence is vetoed.
         stapo_tau_h: absolute τ_h overriding `cfg.stapo_tau_h`; pass the quantile of the *global* batch here
             when using a quantile threshold with several micro-batches or DP ranks (`masked_quantile`).
     Returns:

@@ -5,7 +5,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_tail.algorithms.advantages import grpo, rloo, to_tokens
+from megatron_tail.algorithms import AlgorithmConfig
+from megatron_tail.algorithms.advantages import compute_advantages, grpo, rloo, to_tokens
 from tests.algorithms.references import ref_grpo, ref_rloo
 
 SETTINGS = settings(max_examples=40, deadline=None)
@@ -128,3 +129,16 @@ def test_bad_rewards_raise(fn):
 def test_negative_eps_raises():
     with pytest.raises(ValueError, match=r"eps .*got -1\.0"):
         grpo(torch.zeros(2), 2, eps=-1.0)
+
+
+def test_compute_advantages_dispatches_on_config():
+    r = torch.tensor([1.0, 0.0, 0.0, 2.0, 2.0, 5.0], dtype=torch.float64)
+    torch.testing.assert_close(compute_advantages(AlgorithmConfig(group_size=3), r), grpo(r, 3))
+    dr = AlgorithmConfig(group_size=3, scale_advantages_by_std=False)
+    torch.testing.assert_close(
+        compute_advantages(dr, r), torch.tensor(ref_grpo(r.tolist(), 3, False), dtype=r.dtype)
+    )
+    loo = AlgorithmConfig(group_size=2, advantage_estimator="rloo")
+    torch.testing.assert_close(
+        compute_advantages(loo, r), torch.tensor(ref_rloo(r.tolist(), 2), dtype=r.dtype)
+    )
