@@ -23,6 +23,12 @@ Trainer loop (phases = 2 with Lopti, else 1):
             loss.backward()                                         # no extra division by #micro-batches
         optimizer.step(); optimizer.zero_grad()
 
+The counts cover the tokens of one optimizer step (all its micro-batches on all DP ranks); with several
+PPO mini-batches per rollout batch, count per mini-batch. Each returned loss is a share of a *sum*:
+nothing downstream may average it again. Megatron's schedules divide a micro-batch's loss by the number
+of micro-batches and its DDP scales gradients by 1/DP unless `calculate_per_token_loss=True`; with that
+flag off, multiply the loss by num_microbatches × dp_size to undo both.
+
 Which tokens count, and which contribute:
 
 - `valid` (response tokens) minus STAPO's spurious tokens = the **loss mask**: it defines the counts.
