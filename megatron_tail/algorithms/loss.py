@@ -25,9 +25,10 @@ Trainer loop (phases = 2 with Lopti, else 1):
 
 The counts cover the tokens of one optimizer step (all its micro-batches on all DP ranks); with several
 PPO mini-batches per rollout batch, count per mini-batch. Each returned loss is a share of a *sum*:
-nothing downstream may average it again. Megatron's schedules divide a micro-batch's loss by the number
-of micro-batches and its DDP scales gradients by 1/DP unless `calculate_per_token_loss=True`; with that
-flag off, multiply the loss by num_microbatches × dp_size to undo both.
+nothing downstream may average it again. With megatron-core 0.16 and `calculate_per_token_loss=False`,
+a loss function returning the 2-tuple `(loss, reduced)` has its loss divided by the number of
+micro-batches (and multiplied by the CP size) by the schedule, and DDP scales gradients by 1/(DP·CP):
+return `loss * num_microbatches * dp_size` there to get the plain sum back.
 
 Which tokens count, and which contribute:
 
