@@ -10,6 +10,7 @@ save_checkpoint(path, trainer, {"step": 1, "data_cursor": 64})
 """
 
 from .batch import MicroBatch, Sample, make_micro_batches, per_sample, split_for_data_parallel
+from .checkpoint import CheckpointMismatchError, load_checkpoint, read_checkpoint_meta, save_checkpoint
 from .forward import OpSettings
 from .logprobs import recompute_logprobs
 from .parallel import (
@@ -25,6 +26,7 @@ from .setup import OptimizerSettings, Trainer, build_trainer
 from .step import LossFn, StepResult, global_loss_tokens, masked_nll_loss, train_step
 
 __all__ = [
+    "CheckpointMismatchError",
     "LossFn",
     "MicroBatch",
     "OpSettings",
@@ -41,10 +43,13 @@ __all__ = [
     "global_loss_tokens",
     "init_distributed",
     "init_parallel",
+    "load_checkpoint",
     "make_micro_batches",
     "masked_nll_loss",
     "per_sample",
+    "read_checkpoint_meta",
     "recompute_logprobs",
+    "save_checkpoint",
     "split_for_data_parallel",
     "train_step",
 ]

@@ -1,0 +1,284 @@
+"""Checkpoints with megatron's `dist_checkpointing`: model + optimizer + RL state (+ RNG), reshardable.
+
+    save_checkpoint(path, trainer, {"step": 3, "data_cursor": 96})     # collective; atomic
+    rl_state = load_checkpoint(path, trainer)                          # collective; validates first
+
+- Model and optimizer are saved as sharded tensors in model space (the distributed optimizer's
+  "fully_reshardable" format), so a checkpoint loads into a different TP / PP / DP layout.
+  The padded vocab must match: it does across TP sizes with the default `vocab_pad_multiple` (1024).
+- `rl_state` is any picklable dict, identical on all ranks (step, data cursor, ...); it is returned as is.
+- RNG states (python, numpy, torch, CUDA, megatron's model-parallel trackers) are saved per (PP, TP)
+  rank and restored when the layout is unchanged (with a different layout they cannot map 1:1 and the
+  current RNG is kept; dropout is 0 in this trainer, so only user code could depend on them).
+- Atomic: written to `.<name>.tmp` beside `path`, renamed into place when complete. An existing `path`
+  is never replaced unless `overwrite=True`.
+- Loading first compares the checkpoint's model signature with the trainer's and raises a ValueError
+  naming every differing field; nothing (model, optimizer, files) is touched in that case.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import queue
+import random
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.utils import unwrap_model
+
+from megatron_tail.model import padded_vocab_size
+from megatron_tail.patches import cpu_device_scope
+
+from .setup import Trainer
+
+FORMAT_VERSION = 1
+# "fully_reshardable": optimizer state in model-param shapes (gathered over DP at save), so it reshards
+# over TP/PP/DP; megatron 0.16's "fully_sharded_model_space" fails ("flattened_range is not supported").
+_OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
+
+
+class CheckpointMismatchError(ValueError):
+    """The checkpoint is of a different model than the one being loaded into."""
+
+
+def model_signature(trainer: Trainer) -> dict[str, Any]:
+    """What must match between a checkpoint and the model loading it (shapes and layout-relevant flags)."""
+    arch, settings = trainer.arch, trainer.model_settings
+    sig = {
+        k: v
+        for k, v in dataclasses.asdict(arch).items()
+        if k not in ("raw", "initializer_range", "torch_dtype", "max_position_embeddings")
+    }
+    sig["padded_vocab_size"] = padded_vocab_size(
+        arch.vocab_size, trainer.groups.tp_size, settings.vocab_pad_multiple
+    )
+    return sig
+
+
+def _use_in_process_results_queue() -> None:
+    """TEMPORARY LOCAL WORKAROUND (belongs in patches/; reported): megatron-core 0.16's torch_dist writer
+    (`dist_checkpointing/strategies/filesystem_async.py::_get_write_results_queue`) creates its results
+    queue through a *spawn*-context multiprocessing Manager: an extra server process per rank that
+    re-imports `__main__` (hence "scripts need an `if __name__ == '__main__'` guard") and is orphaned
+    when a rank exits with `os._exit`. Our saves are synchronous, so the queue is only ever used inside
+    this process (`execute_sync` → `write_preloaded_data_multiproc` puts, `retrieve_write_results`
+    gets): a plain `queue.Queue` does the job with no extra process. Idempotent; async saves would need
+    the original. Drop when megatron creates the queue lazily for async saves only."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
+def _init_fresh_optimizer_state(optimizer) -> None:
+    """TEMPORARY LOCAL WORKAROUND (reported): with torch's own Adam (no apex/TE: every CPU run),
+    megatron-core 0.16's `DistributedOptimizer.state_dict()` asserts one 'step' value in the inner
+    optimizer state, which a freshly built optimizer does not have yet, so building the state dict to
+    load into fails (`assert len(steps) == 1`). Give it state through megatron's own dummy step (zero
+    gradients; what it does itself before loading FSDP checkpoints); the load overwrites all of it."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(opt, DistributedOptimizer) and len(opt.optimizer.state) == 0:
+            opt._init_optimizer_states_with_dummy_values()
+
+
+@contextlib.contextmanager
+def _torch_adam_load_fixes(optimizer):
+    """TEMPORARY LOCAL WORKAROUND (reported) for two megatron-core 0.16 bugs that hit torch's own Adam
+    (no apex/TE: every CPU run) when `DistributedOptimizer.load_state_dict` loads a "fully_reshardable"
+    state:
+
+    1. `load_parameter_state_from_fully_reshardable` drops the per-parameter 'step' from the loaded
+       tensors ("handled separately") but `_set_main_param_and_optimizer_states` copies every key of the
+       destination state, 'step' included → KeyError: 'step'. During the load we hand it the step that
+       is already in place (restored from the param groups), so it copies the step onto itself.
+    2. `load_state_dict` gives every parameter's state the *same* step tensor object; torch's Adam then
+       increments it once per parameter per step (wrong bias correction after resume). After the load
+       each parameter gets its own copy.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    optimizers = [
+        opt
+        for opt in getattr(optimizer, "chained_optimizers", [optimizer])
+        if isinstance(opt, DistributedOptimizer)
+    ]
+    for opt in optimizers:
+        original = opt._set_main_param_and_optimizer_states
+
+        def set_states(model_param, tensors, opt=opt, original=original):
+            if "step" not in tensors:
+                group_index, group_order = opt.model_param_group_index_map[model_param]
+                main_param = opt.optimizer.param_groups[group_index]["params"][group_order]
+                step = opt.optimizer.state.get(main_param, {}).get("step")
+                if step is not None:
+                    tensors = {**tensors, "step": step.clone()}
+            original(model_param, tensors)
+
+        opt._set_main_param_and_optimizer_states = set_states
+    try:
+        yield
+    finally:
+        for opt in optimizers:
+            del opt._set_main_param_and_optimizer_states  # back to the class method
+            for state in opt.optimizer.state.values():
+                if isinstance(state.get("step"), torch.Tensor):
+                    state["step"] = state["step"].clone()
+
+
+def save_checkpoint(
+    path: str | Path, trainer: Trainer, rl_state: Mapping[str, Any], *, overwrite: bool = False
+) -> Path:
+    """Save model, optimizer, `rl_state` and RNG to the directory `path`. Collective; atomic.
+
+    Raises:
+        FileExistsError: `path` exists and `overwrite` is False (checked before anything is written).
+    """
+    path = Path(path)
+    if path.exists() and not overwrite:
+        raise FileExistsError(f"checkpoint {path} exists; pass overwrite=True to replace it")
+    tmp = path.with_name(f".{path.name}.tmp")
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted save
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    _use_in_process_results_queue()
+    # cpu_device_scope: the distributed optimizer gathers its state with `.cuda()` / device="cuda".
+    with cpu_device_scope():
+        state = _sharded_state(trainer, is_loading=False, with_rng=True)
+        state["rl_state"] = dict(rl_state)
+        state["meta"] = {
+            "format": FORMAT_VERSION,
+            "model": model_signature(trainer),
+            "layout": _layout(trainer),
+        }
+        dist_checkpointing.save(state, str(tmp))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        if path.exists():
+            old = path.with_name(f".{path.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            path.rename(old)
+            tmp.rename(path)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(path)
+    dist.barrier()
+    return path
+
+
+def read_checkpoint_meta(path: str | Path) -> dict[str, Any]:
+    """The checkpoint's metadata (format, model signature, saved parallel layout) and `rl_state`."""
+    path = Path(path)
+    if not (path / "metadata.json").is_file():
+        raise FileNotFoundError(f"no complete dist checkpoint at {path} (metadata.json missing)")
+    common = dist_checkpointing.load_common_state_dict(str(path))
+    return {**common["meta"], "rl_state": common["rl_state"]}
+
+
+def load_checkpoint(
+    path: str | Path, trainer: Trainer, *, load_optimizer: bool = True, load_rng: bool = True
+) -> dict[str, Any]:
+    """Load a checkpoint saved by `save_checkpoint` into `trainer` (any TP/PP/DP layout). Collective.
+
+    Returns the saved `rl_state`.
+    Raises:
+        FileNotFoundError: no complete checkpoint at `path`.
+        CheckpointMismatchError: the checkpoint holds a different model (nothing is loaded).
+    """
+    path = Path(path)
+    meta = read_checkpoint_meta(path)
+    if meta["format"] != FORMAT_VERSION:
+        raise CheckpointMismatchError(
+            f"checkpoint {path} has format {meta['format']}, expected {FORMAT_VERSION}"
+        )
+    _check_signature(path, meta["model"], model_signature(trainer))
+    same_layout = meta["layout"] == _layout(trainer)
+    with cpu_device_scope():
+        if load_optimizer:
+            _init_fresh_optimizer_state(trainer.optimizer)
+        state = _sharded_state(
+            trainer, is_loading=True, with_rng=load_rng and same_layout, with_optimizer=load_optimizer
+        )
+        loaded = dist_checkpointing.load(state, str(path))
+        for chunk, model_state in zip(trainer.chunks, _as_list(loaded["model"]), strict=True):
+            unwrap_model(chunk).load_state_dict(model_state)
+        if load_optimizer:
+            with _torch_adam_load_fixes(trainer.optimizer):
+                trainer.optimizer.load_state_dict(loaded["optimizer"])
+        else:
+            trainer.optimizer.reload_model_params()
+    if load_rng and same_layout:
+        _set_rng_state(loaded["rng_state"])
+    return dict(meta["rl_state"])
+
+
+def _sharded_state(trainer: Trainer, *, is_loading: bool, with_rng: bool, with_optimizer: bool = True):
+    models = [unwrap_model(c).sharded_state_dict() for c in trainer.chunks]
+    model_sd = models[0] if len(models) == 1 else models
+    state: dict[str, Any] = {"model": model_sd}
+    if with_optimizer:
+        state["optimizer"] = trainer.optimizer.sharded_state_dict(
+            models[0] if len(models) == 1 else {k: v for m in models for k, v in m.items()},
+            is_loading=is_loading,
+            metadata=_OPTIM_METADATA,
+        )
+    if with_rng:
+        g = trainer.groups
+        state["rng_state"] = ShardedObject(
+            "rng_state",
+            _get_rng_state(),
+            (g.pp_size, g.tp_size),
+            (g.pp_rank, g.tp_rank),
+            replica_id=g.dp_rank,
+        )
+    return state
+
+
+def _as_list(model_state):
+    return model_state if isinstance(model_state, list) else [model_state]
+
+
+def _layout(trainer: Trainer) -> dict[str, int]:
+    g = trainer.groups
+    return {"tp": g.tp_size, "pp": g.pp_size, "dp": g.dp_size}
+
+
+def _check_signature(path: Path, saved: dict[str, Any], current: dict[str, Any]) -> None:
+    diffs = [
+        f"{k}: checkpoint {saved.get(k)!r} vs model {current.get(k)!r}"
+        for k in sorted(set(saved) | set(current))
+        if saved.get(k) != current.get(k)
+    ]
+    if diffs:
+        raise CheckpointMismatchError(
+            f"checkpoint {path} holds a different model; nothing was loaded. Differences: " + "; ".join(diffs)
+        )
+
+
+def _get_rng_state() -> dict[str, Any]:
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
