@@ -240,10 +240,10 @@ class RolloutClient:
             async with self.session.post(f"{url}/generate", json=payload, timeout=timeout) as resp:
                 raw = await _read_limited(resp, self.config.max_response_bytes, url)
                 if resp.status >= 500:
-                    raise RetryableServerError(f"{url}/generate answered HTTP {resp.status}: {raw[:300]!r}")
+                    raise RetryableServerError(f"{url}/generate answered HTTP {resp.status}: {_message(raw)}")
                 if resp.status != 200:
                     raise RequestRejectedError(
-                        f"{url}/generate rejected the request (HTTP {resp.status}): {raw[:500]!r}"
+                        f"{url}/generate rejected the request (HTTP {resp.status}): {_message(raw)}"
                     )
         except (TimeoutError, aiohttp.ClientError) as e:
             raise RetryableServerError(f"{url}/generate failed: {type(e).__name__}: {e}") from e
@@ -268,6 +268,22 @@ async def _read_limited(resp: aiohttp.ClientResponse, limit: int, url: str) -> b
             raise ResponseTooLargeError(f"{url}/generate response exceeds max_response_bytes={limit}")
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def _message(raw: bytes, limit: int = 1000) -> str:
+    """Error text of an SGLang error body (`{"error": {"message"}}`, `{"error"}`, `{"message"}`) or raw."""
+    text = raw[:limit].decode("utf-8", errors="replace")
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return text
+    if isinstance(body, dict):
+        error = body.get("error", body)
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            return error["message"]
+        if isinstance(error, str):
+            return error
+    return text
 
 
 def _check_prompt(index: int, prompt: Sequence[int]) -> list[int]:

@@ -21,6 +21,7 @@ from aiohttp import web
 from megatron_tail.rollout.local_engine.engine import LocalEngine
 from megatron_tail.rollout.local_engine.requests import BadRequest, parse_generate_body
 from megatron_tail.rollout.process_group import init_custom_process_group
+from megatron_tail.rollout.processor import load_custom_logit_processor
 
 logger = logging.getLogger(__name__)
 
@@ -86,11 +87,13 @@ async def generate(request: web.Request) -> web.Response:
             context_length=engine.context_length,
             max_batch=request.app[MAX_BATCH_KEY],
         )
+        for serialized in {item.processor for item in parsed.items if item.processor is not None}:
+            load_custom_logit_processor(serialized)
         outputs = await asyncio.to_thread(engine.generate, parsed.items)
     except BadRequest as e:
         return _error(str(e))
-    except ValueError as e:  # raised by a custom logit processor on bad custom_params
-        return _error(f"generation failed: {e}")
+    except ValueError as e:  # an unloadable processor, or one that rejects its custom_params
+        return _error(str(e))
     return web.json_response(outputs if parsed.batched else outputs[0], dumps=_dumps)
 
 

@@ -1,0 +1,169 @@
+"""Command lines for the rollout servers (SGLang, the local engine) and the SGLang router, from config.
+
+Only argv lists are built here; launching belongs to the caller (Slurm scripts, the trainer, tests).
+`wait_until_healthy` polls `/health` until every server answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import aiohttp
+
+SGLANG_DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+def _check_port(port: int) -> None:
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        raise ValueError(f"port must be an int in 1..65535; got {port!r}")
+
+
+@dataclass(frozen=True)
+class SGLangServerConfig:
+    """One `python -m sglang.launch_server` process (TP ranks on consecutive GPUs from `base_gpu_id`)."""
+
+    model_path: str
+    """HF checkpoint directory the server loads at start."""
+    host: str = "127.0.0.1"
+    """Address to bind; use the node's address (or 0.0.0.0) when the trainer runs elsewhere."""
+    port: int = 30000
+    """HTTP port."""
+    tp_size: int = 1
+    """Tensor-parallel GPUs per server."""
+    dtype: str = "bfloat16"
+    """Weights/activations dtype (SGLang's --dtype)."""
+    mem_fraction_static: float | None = None
+    """Fraction of GPU memory for weights + KV cache (SGLang's default when None)."""
+    context_length: int | None = None
+    """Max prompt + generation tokens (model's default when None)."""
+    deterministic_inference: bool = True
+    """SGLang applies per-request `sampling_seed` only with --enable-deterministic-inference (slower)."""
+    weight_version: str = "default"
+    """Version reported until the first weight update."""
+    random_seed: int | None = None
+    """Server-wide seed."""
+    base_gpu_id: int = 0
+    """First GPU of this server on its node."""
+    extra_args: tuple[str, ...] = ()
+    """Further SGLang flags, passed through verbatim."""
+
+    def __post_init__(self):
+        _check_port(self.port)
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size must be ≥ 1; got {self.tp_size!r}")
+        if self.dtype not in SGLANG_DTYPES:
+            raise ValueError(f"dtype must be one of {SGLANG_DTYPES}; got {self.dtype!r}")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
+            raise ValueError(f"mem_fraction_static must be in (0, 1); got {self.mem_fraction_static!r}")
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def build_sglang_server_command(cfg: SGLangServerConfig, python: str = sys.executable) -> list[str]:
+    """argv for an SGLang server that accepts the DVP custom logit processor."""
+    cmd = [python, "-m", "sglang.launch_server", "--model-path", cfg.model_path]
+    cmd += ["--host", cfg.host, "--port", str(cfg.port), "--tp-size", str(cfg.tp_size), "--dtype", cfg.dtype]
+    cmd += ["--enable-custom-logit-processor", "--weight-version", cfg.weight_version]
+    cmd += ["--base-gpu-id", str(cfg.base_gpu_id)]
+    if cfg.deterministic_inference:
+        cmd.append("--enable-deterministic-inference")
+    if cfg.mem_fraction_static is not None:
+        cmd += ["--mem-fraction-static", str(cfg.mem_fraction_static)]
+    if cfg.context_length is not None:
+        cmd += ["--context-length", str(cfg.context_length)]
+    if cfg.random_seed is not None:
+        cmd += ["--random-seed", str(cfg.random_seed)]
+    return cmd + list(cfg.extra_args)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """One `python -m sglang_router.launch_router` in front of the servers (pip package sglang-router)."""
+
+    worker_urls: tuple[str, ...]
+    """Base URLs of the SGLang servers."""
+    host: str = "127.0.0.1"
+    port: int = 30000
+    policy: str = "cache_aware"
+    """Load-balancing policy: cache_aware, round_robin, random, power_of_two, ..."""
+    extra_args: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        _check_port(self.port)
+        if not self.worker_urls:
+            raise ValueError("worker_urls must name at least one server")
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def build_router_command(cfg: RouterConfig, python: str = sys.executable) -> list[str]:
+    cmd = [python, "-m", "sglang_router.launch_router", "--worker-urls", *cfg.worker_urls]
+    cmd += ["--host", cfg.host, "--port", str(cfg.port), "--policy", cfg.policy]
+    return cmd + list(cfg.extra_args)
+
+
+@dataclass(frozen=True)
+class LocalEngineConfig:
+    """One `megatron-tail serve-local` process (CPU, HF transformers)."""
+
+    model_path: str
+    host: str = "127.0.0.1"
+    port: int = 30000
+    dtype: str = "bfloat16"
+    """bf16 by default, so that the engine's log-probs differ from the trainer's as on GPUs."""
+    weight_version: str = "default"
+    num_threads: int | None = None
+    """torch threads of the engine process (None: torch's default)."""
+
+    def __post_init__(self):
+        _check_port(self.port)
+        if self.dtype not in ("bfloat16", "float16", "float32"):
+            raise ValueError(f"dtype must be bfloat16, float16 or float32; got {self.dtype!r}")
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def build_local_engine_command(cfg: LocalEngineConfig, python: str = sys.executable) -> list[str]:
+    cmd = [python, "-m", "megatron_tail.cli", "serve-local", "--model-path", cfg.model_path]
+    cmd += [
+        "--host",
+        cfg.host,
+        "--port",
+        str(cfg.port),
+        "--dtype",
+        cfg.dtype,
+        "--weight-version",
+        cfg.weight_version,
+    ]
+    if cfg.num_threads is not None:
+        cmd += ["--num-threads", str(cfg.num_threads)]
+    return cmd
+
+
+async def wait_until_healthy(urls: Sequence[str], timeout_s: float = 600.0, interval_s: float = 1.0) -> None:
+    """Poll `GET {url}/health` until every server answers 200; TimeoutError naming the ones that did not."""
+    pending = {u.rstrip("/") for u in urls}
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as session:
+        while pending:
+            for url in list(pending):
+                try:
+                    async with session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                        if resp.status == 200:
+                            pending.discard(url)
+                except (TimeoutError, aiohttp.ClientError):
+                    pass
+            if pending and time.monotonic() > deadline:
+                raise TimeoutError(f"servers not healthy after {timeout_s:.0f} s: {sorted(pending)}")
+            if pending:
+                await asyncio.sleep(interval_s)

@@ -1,0 +1,227 @@
+"""Pushing new policy weights into every rollout server, with a tracked `weight_version`.
+
+Both paths run `pause_generation → update → continue_generation` on all servers (continue runs even
+when the update fails, so servers never stay paused), and tag the update with a `weight_version` that
+each server then reports in every response's `meta_info.weight_version`: a rollout records which
+policy produced it.
+
+- `DiskWeightSync`: the trainer saved an HF checkpoint on a shared filesystem; each server reloads it
+  (`/update_weights_from_disk`).
+- `DistributedWeightSync`: the trainer's rank 0 broadcasts tensors over a process group that it shares
+  with every engine's TP ranks (`/init_weights_update_group`, `/update_weights_from_distributed`);
+  NCCL on GPU clusters (tensors on the trainer's GPU), gloo works on CPU.
+Weight endpoints go to the servers themselves, never to a router.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import aiohttp
+import torch
+
+from megatron_tail.rollout.process_group import init_custom_process_group
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+class WeightSyncError(RuntimeError):
+    """A server failed a weight-sync step; the message names each server and its answer."""
+
+
+class _Servers:
+    """POSTs one JSON body to every server at once and checks SGLang's `{"success": ...}` answers."""
+
+    def __init__(self, server_urls: Sequence[str], timeout_s: float, pause_mode: str):
+        urls = [u.rstrip("/") for u in ([server_urls] if isinstance(server_urls, str) else server_urls)]
+        if not urls or len(set(urls)) != len(urls):
+            raise ValueError(f"server_urls must be distinct, non-empty base URLs; got {list(server_urls)!r}")
+        if pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode must be one of {PAUSE_MODES}; got {pause_mode!r}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0; got {timeout_s!r}")
+        self.urls = urls
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.pause_mode = pause_mode
+
+    async def post_all(self, session, path: str, bodies: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+        answers = await asyncio.gather(
+            *(self._post(session, url, path, body) for url, body in zip(self.urls, bodies, strict=True)),
+            return_exceptions=True,
+        )
+        failures = [
+            f"{url}{path}: {answer}"
+            for url, answer in zip(self.urls, answers, strict=True)
+            if isinstance(answer, BaseException) or answer.get("success") is False
+        ]
+        if failures:
+            raise WeightSyncError("; ".join(failures))
+        return answers
+
+    async def _post(self, session, url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        async with session.post(f"{url}{path}", json=body, timeout=self.timeout) as resp:
+            text = await resp.text()
+            if resp.status != 200:
+                raise WeightSyncError(f"HTTP {resp.status}: {text[:500]}")
+            try:
+                return await resp.json(content_type=None)
+            except ValueError:
+                return {"text": text}
+
+    async def paused(self, session, update):
+        """Run `await update()` with every server paused; always continue them afterwards."""
+        n = len(self.urls)
+        await self.post_all(session, "/pause_generation", [{"mode": self.pause_mode}] * n)
+        try:
+            return await update()
+        finally:
+            await self.post_all(session, "/continue_generation", [{}] * n)
+
+
+def next_version(current: str) -> str:
+    """`"7"` → `"8"`; a non-integer version (SGLang's initial `"default"`) → `"1"`."""
+    return str(int(current) + 1) if current.lstrip("-").isdigit() else "1"
+
+
+class DiskWeightSync:
+    """Reload an HF checkpoint directory on every server; track the version they serve."""
+
+    def __init__(
+        self,
+        server_urls: Sequence[str],
+        *,
+        initial_version: str = "default",
+        timeout_s: float = 1800.0,
+        pause_mode: str = "abort",
+    ):
+        self.servers = _Servers(server_urls, timeout_s, pause_mode)
+        self.weight_version = str(initial_version)
+
+    async def update(self, model_path: str, weight_version: str | None = None) -> str:
+        """Load `model_path` on every server; return the new `weight_version` (default: the next integer)."""
+        version = next_version(self.weight_version) if weight_version is None else str(weight_version)
+        body = {"model_path": str(model_path), "weight_version": version, "flush_cache": True}
+        async with aiohttp.ClientSession() as session:
+
+            async def update():
+                return await self.servers.post_all(
+                    session, "/update_weights_from_disk", [body] * len(self.servers.urls)
+                )
+
+            await self.servers.paused(session, update)
+        self.weight_version = version
+        return version
+
+
+class DistributedWeightSync:
+    """Broadcast named tensors from the trainer's rank 0 to every engine over a shared process group.
+
+    Args:
+        server_urls: the engines (not a router).
+        master_address / master_port: where this process (rank 0) hosts the group's TCP rendezvous;
+            must be reachable from the engines.
+        engine_tp_sizes: TP size of each engine (its ranks are `rank_offset + tp_rank`); default all 1.
+        backend: "nccl" on GPU clusters (tensors must be on this rank's GPU), "gloo" on CPU.
+    """
+
+    def __init__(
+        self,
+        server_urls: Sequence[str],
+        *,
+        master_address: str,
+        master_port: int,
+        engine_tp_sizes: Sequence[int] | None = None,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+        initial_version: str = "default",
+        timeout_s: float = 1800.0,
+        pause_mode: str = "abort",
+    ):
+        self.servers = _Servers(server_urls, timeout_s, pause_mode)
+        tp_sizes = list(engine_tp_sizes or [1] * len(self.servers.urls))
+        if len(tp_sizes) != len(self.servers.urls) or any(t < 1 for t in tp_sizes):
+            raise ValueError(f"engine_tp_sizes must give one size ≥ 1 per server; got {tp_sizes!r}")
+        if not 0 < int(master_port) < 65536:
+            raise ValueError(f"master_port must be in 1..65535; got {master_port!r}")
+        self.rank_offsets = [1 + sum(tp_sizes[:i]) for i in range(len(tp_sizes))]
+        self.world_size = 1 + sum(tp_sizes)
+        self.master_address, self.master_port = master_address, int(master_port)
+        self.group_name, self.backend = group_name, backend
+        self.timeout_s = timeout_s
+        self.weight_version = str(initial_version)
+        self.group = None
+
+    async def init_group(self) -> None:
+        """Form the group: this process joins as rank 0 while every engine joins at its rank offset."""
+        bodies = [
+            {
+                "master_address": self.master_address,
+                "master_port": self.master_port,
+                "rank_offset": offset,
+                "world_size": self.world_size,
+                "group_name": self.group_name,
+                "backend": self.backend,
+            }
+            for offset in self.rank_offsets
+        ]
+        join = asyncio.to_thread(
+            init_custom_process_group,
+            backend=self.backend,
+            init_method=f"tcp://{self.master_address}:{self.master_port}",
+            world_size=self.world_size,
+            rank=0,
+            group_name=self.group_name,
+            timeout=timedelta(seconds=self.timeout_s),
+        )
+        async with aiohttp.ClientSession() as session:
+            group, _ = await asyncio.gather(
+                join, self.servers.post_all(session, "/init_weights_update_group", bodies)
+            )
+        self.group = group
+
+    async def update(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | None = None
+    ) -> str:
+        """Broadcast `(hf_name, tensor)` pairs to every engine; return the new `weight_version`."""
+        if self.group is None:
+            raise RuntimeError("call init_group() before update()")
+        pairs = list(named_tensors)
+        if not pairs:
+            raise ValueError("named_tensors is empty: nothing to send")
+        version = next_version(self.weight_version) if weight_version is None else str(weight_version)
+        body = {
+            "names": [name for name, _ in pairs],
+            "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in pairs],
+            "shapes": [list(t.shape) for _, t in pairs],
+            "group_name": self.group_name,
+            "weight_version": version,
+            "flush_cache": True,
+        }
+        async with aiohttp.ClientSession() as session:
+
+            async def update():
+                send = asyncio.to_thread(_broadcast_in_order, pairs, self.group)
+                posts = self.servers.post_all(
+                    session, "/update_weights_from_distributed", [body] * len(self.servers.urls)
+                )
+                await asyncio.gather(send, posts)
+
+            await self.servers.paused(session, update)
+        self.weight_version = version
+        return version
+
+    async def destroy_group(self) -> None:
+        async with aiohttp.ClientSession() as session:
+            bodies = [{"group_name": self.group_name}] * len(self.servers.urls)
+            await self.servers.post_all(session, "/destroy_weights_update_group", bodies)
+        if self.group is not None:
+            torch.distributed.destroy_process_group(self.group)
+            self.group = None
+
+
+def _broadcast_in_order(pairs: list[tuple[str, torch.Tensor]], group) -> None:
+    for _, tensor in pairs:
+        torch.distributed.broadcast(tensor.contiguous(), src=0, group=group)

@@ -1,0 +1,139 @@
+"""The async client against real local engines (subprocesses speaking SGLang's HTTP API)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import aiohttp
+import pytest
+
+from megatron_tail.rollout import (
+    ClientConfig,
+    DVPLogitProcessor,
+    RequestRejectedError,
+    RolloutClient,
+    SamplingConfig,
+)
+from tests.rollout.servers import start_servers
+from tests.rollout.tiny_model import CONTEXT_LENGTH
+
+PROMPTS = [[5, 6, 76, 7, 84], [8, 9, 76, 10, 11, 84], [12, 76, 13, 84]]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def generate(urls, prompts, sampling, config=None, **kwargs):
+    async with RolloutClient(urls, config or ClientConfig(request_timeout_s=60), **kwargs) as client:
+        return await client.generate(prompts, sampling), client
+
+
+def test_n_samples_come_back_with_distinct_seeds(server_pair):
+    urls = [s.url for s in server_pair]
+    sampling = SamplingConfig(n_samples=4, max_new_tokens=12, temperature=1.0, log_rho=-4.0, base_seed=7)
+    results, client = run(generate(urls, PROMPTS, sampling))
+
+    assert [len(group) for group in results] == [4, 4, 4]
+    keys = [r.key for group in results for r in group]
+    assert len({k.seed for k in keys}) == 12
+    assert [(k.prompt_index, k.sample_index) for k in keys] == [(p, s) for p in range(3) for s in range(4)]
+    for p, group in enumerate(results):
+        assert all(r.prompt_ids == PROMPTS[p] for r in group)
+        assert len({tuple(r.output_ids) for r in group}) == 4, "distinct seeds must give distinct samples"
+        for r in group:
+            assert 1 <= len(r.output_ids) <= 12 and len(r.output_logprobs) == len(r.output_ids)
+            assert all(lp <= 0.0 for lp in r.output_logprobs)
+            assert r.weight_version == "default" and r.server_url in urls
+    assert {r.server_url for group in results for r in group} == set(urls), "both servers should serve"
+    assert client.stats.retries == 0
+
+    # Seeds take effect: the same base_seed reproduces every sample (on one server), another changes them.
+    again, _ = run(generate(urls[:1], PROMPTS, sampling))
+    assert [[r.output_ids for r in g] for g in again] == [[r.output_ids for r in g] for g in results]
+    other, _ = run(generate(urls[:1], PROMPTS, SamplingConfig(**{**sampling.__dict__, "base_seed": 8})))
+    assert [[r.output_ids for r in g] for g in other] != [[r.output_ids for r in g] for g in results]
+
+
+def test_server_killed_mid_batch_completes_on_the_other_server_exactly_once(
+    tiny_model_dir, server_pair, tmp_path
+):
+    (doomed,) = start_servers(tiny_model_dir, tmp_path, 1)
+    survivor = server_pair[0]
+    try:
+        # Hold the doomed server's generations in place, so its share of the batch is certainly in flight
+        # when it dies (a hung node that then crashes).
+        run(_post(doomed.url, "/pause_generation", {"mode": "in_place"}))
+        finished_on_survivor = []
+
+        def on_result(result):
+            finished_on_survivor.append(result.key)
+            if len(finished_on_survivor) == 2:
+                doomed.kill()
+
+        sampling = SamplingConfig(n_samples=2, max_new_tokens=8, log_rho=-4.0, base_seed=3)
+        prompts = [[5 + i, 76, 6 + i, 84] for i in range(8)]
+        config = ClientConfig(request_timeout_s=60, retry_backoff_s=0.05)
+        results, client = run(
+            generate([doomed.url, survivor.url], prompts, sampling, config, on_result=on_result)
+        )
+    finally:
+        doomed.stop()
+
+    flat = [r for group in results for r in group]
+    assert sorted(r.key for r in flat) == sorted({r.key for r in flat}) and len(flat) == 16
+    assert [(r.key.prompt_index, r.key.sample_index) for r in flat] == [
+        (p, s) for p in range(8) for s in range(2)
+    ]
+    assert {r.server_url for r in flat} == {survivor.url}
+    assert client.stats.failures_by_server[doomed.url] >= 1 and client.stats.retries >= 1
+    assert client.healthy[doomed.url] is False
+
+
+def test_oversized_request_is_rejected_with_a_clear_error(server_pair):
+    sampling = SamplingConfig(n_samples=1, max_new_tokens=CONTEXT_LENGTH)
+    with pytest.raises(RequestRejectedError, match=r"exceeds the model's context length of 96 tokens"):
+        run(generate([server_pair[0].url], [[5, 6, 7]], sampling))
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (
+            {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 4, "top_q": 0.5}},
+            "unknown sampling_params",
+        ),
+        ({"input_ids": [5, 6], "sampling_params": {"top_p": 0.9}}, "top_p=0.9 is not supported"),
+        ({"input_ids": [5, 999]}, r"token id 999 is not an int in \[0, 128\)"),
+        ({"input_ids": [5], "image_data": "x"}, r"fields \['image_data'\] are not supported"),
+        (
+            {
+                "input_ids": [5],
+                "sampling_params": {"max_new_tokens": 4},
+                "custom_logit_processor": "not json",
+            },
+            "custom_logit_processor must be the string",
+        ),
+        (
+            {
+                "input_ids": [5],
+                "custom_logit_processor": "PROCESSOR",
+                "sampling_params": {"max_new_tokens": 4, "custom_params": {}},
+            },
+            "DVPLogitProcessor needs sampling_params.custom_params",
+        ),
+    ],
+)
+def test_engine_rejects_bad_requests_like_sglang(server_pair, body, message):
+    if body.get("custom_logit_processor") == "PROCESSOR":
+        body = {**body, "custom_logit_processor": DVPLogitProcessor.to_str()}
+    status, answer = run(_post(server_pair[0].url, "/generate", body))
+    assert status == 400
+    assert re.search(message, answer["error"]["message"])
+
+
+async def _post(url, path, body):
+    async with aiohttp.ClientSession() as session, session.post(f"{url}{path}", json=body) as resp:
+        return resp.status, json.loads(await resp.text())
