@@ -213,14 +213,18 @@ def chunk_grad_from_exp(
 def _add_target_terms(
     grad, x, max_logit, threshold, inv_temperature, log_norm, local_target, owned, bias, scale_h, target_add
 ) -> None:
-    """Add g_L·δ_t/T, plus the p_t term of a force-kept target (absent from the saved exponentials)."""
-    rows = owned.nonzero(as_tuple=True)[0]
-    cols = local_target[rows]
-    x_t = x[rows, cols].to(max_logit.dtype)
-    log_p_t = (x_t - max_logit[rows]) * inv_temperature - log_norm[rows]
-    coef = bias[rows] if scale_h is None else bias[rows] + scale_h[rows] * log_p_t
-    forced_term = torch.where(x_t < threshold[rows], torch.exp(log_p_t) * coef, torch.zeros_like(coef))
-    grad[rows, cols] += (forced_term + target_add[rows]).to(grad.dtype)
+    """Add g_L·δ_t/T, plus the p_t term of a force-kept target (absent from the masked exponentials).
+
+    Gather/scatter over all rows with non-owned rows zeroed (no `nonzero()`: no host sync on GPU).
+    """
+    cols = local_target.unsqueeze(1)
+    x_t = x.gather(1, cols).squeeze(1).to(max_logit.dtype)
+    log_p_t = (x_t - max_logit) * inv_temperature - log_norm
+    coef = bias if scale_h is None else bias + scale_h * log_p_t
+    forced = owned & (x_t < threshold)
+    term = torch.where(forced, torch.exp(log_p_t) * coef, torch.zeros_like(coef))
+    term = torch.where(owned, term + target_add, torch.zeros_like(term))
+    grad.scatter_add_(1, cols, term.to(grad.dtype).unsqueeze(1))
 
 
 def chunk_grad_recompute(
