@@ -13,6 +13,7 @@ from .batch import MicroBatch, Sample, make_micro_batches, per_sample, split_for
 from .checkpoint import CheckpointMismatchError, load_checkpoint, read_checkpoint_meta, save_checkpoint
 from .forward import OpSettings
 from .logprobs import recompute_logprobs
+from .objective import prepare_rl_micro_batches, rl_loss_fn
 from .parallel import (
     ParallelConfig,
     ParallelGroups,
@@ -47,8 +48,10 @@ __all__ = [
     "make_micro_batches",
     "masked_nll_loss",
     "per_sample",
+    "prepare_rl_micro_batches",
     "read_checkpoint_meta",
     "recompute_logprobs",
+    "rl_loss_fn",
     "save_checkpoint",
     "split_for_data_parallel",
     "train_step",

@@ -12,6 +12,11 @@ Layout of a `MicroBatch` (b rows, s positions; every tensor CPU until `.to(devic
 - `fields {name: [b, s]}`: per-response-token values of the samples (rollout log-probs, advantages, ...)
   aligned with `targets` (value of response token j at the position that predicts it); 0 elsewhere.
 - `extras`: free-form per-micro-batch objects for the loss callback (e.g. the algorithms' PreparedTokens).
+- Per-sample layout `[n, T]` (n samples of this micro-batch in order, T = their longest response):
+  `to_samples(x)` gathers any per-token `[b, s]` tensor (differentiably) so that row k holds sample
+  `sample_ids[k]`'s response tokens in order, `sample_valid [n, T]` marking the real ones. Sequence-level
+  losses (sequence IS weights, veto, seq-mean aggregation) use this layout, in which a row is one sample
+  whether the micro-batch is padded or packed.
 
 All micro-batches of one `make_micro_batches` call have the same shape (pipeline parallelism sends
 fixed-shape activations); missing rows are empty (all pad, nothing in the loss).
@@ -51,6 +56,14 @@ class MicroBatch:
     fields: dict[str, torch.Tensor] = field(default_factory=dict)
     extras: dict[str, Any] = field(default_factory=dict)
     packed: bool = False
+    sample_ids: torch.Tensor | None = None
+    """`[n]` int64: the samples of this micro-batch, in order (indices into the `make_micro_batches` list)."""
+    sample_rows: torch.Tensor | None = None
+    """`[n, T]` int64: row (in `tokens`) of sample k's j-th response-token target; 0 where invalid."""
+    sample_cols: torch.Tensor | None = None
+    """`[n, T]` int64: column of that target; 0 where invalid."""
+    sample_valid: torch.Tensor | None = None
+    """`[n, T]` bool: j < len(response of sample k)."""
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -64,11 +77,29 @@ class MicroBatch:
 
     def to(self, device: torch.device | str) -> MicroBatch:
         """Tensors moved to `device` (extras untouched)."""
-        move = {
-            name: getattr(self, name).to(device)
-            for name in ("tokens", "targets", "loss_mask", "position_ids", "attention_mask", "sample_index")
-        }
+        move = {name: getattr(self, name).to(device) for name in _TENSORS if getattr(self, name) is not None}
         return replace(self, **move, fields={k: v.to(device) for k, v in self.fields.items()})
+
+    def to_samples(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-token `[b, s]` → per-sample `[n, T]` (row k = sample `sample_ids[k]`'s response targets,
+        0 where `sample_valid` is False). Differentiable; any dtype."""
+        rows, cols = self.sample_rows.to(x.device), self.sample_cols.to(x.device)
+        valid = self.sample_valid.to(x.device)
+        return torch.where(valid, x[rows, cols], torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+_TENSORS = (
+    "tokens",
+    "targets",
+    "loss_mask",
+    "position_ids",
+    "attention_mask",
+    "sample_index",
+    "sample_ids",
+    "sample_rows",
+    "sample_cols",
+    "sample_valid",
+)
 
 
 def split_for_data_parallel(samples: Sequence[Sample], dp_rank: int, dp_size: int) -> list[Sample]:
@@ -190,6 +221,25 @@ def _build(samples, rows, seq_len, pad_id, field_names, packed) -> MicroBatch:
     causal = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
     same_block = block[:, :, None] == block[:, None, :]
     attention_mask = ~(causal & same_block)[:, None]
-    return MicroBatch(
+    mb = MicroBatch(
         tokens, targets, loss_mask, position_ids, attention_mask, sample_index, fields, {}, packed
     )
+    _add_sample_layout(mb, samples, rows)
+    return mb
+
+
+def _add_sample_layout(mb: MicroBatch, samples, rows) -> None:
+    """Index tensors of the per-sample `[n, T]` layout (see `MicroBatch.to_samples`)."""
+    members = [(r, i) for r, row in enumerate(rows) for i in row]
+    longest = max((len(samples[i].response) for _, i in members), default=0)
+    n = len(members)
+    sample_rows = torch.zeros((n, longest), dtype=torch.long)
+    sample_cols = torch.zeros((n, longest), dtype=torch.long)
+    sample_valid = torch.zeros((n, longest), dtype=torch.bool)
+    for k, (r, i) in enumerate(members):
+        cols = (mb.sample_index[r] == i).nonzero()[:, 0]  # this sample's target positions, in order
+        sample_rows[k, : len(cols)] = r
+        sample_cols[k, : len(cols)] = cols
+        sample_valid[k, : len(cols)] = True
+    mb.sample_ids = torch.tensor([i for _, i in members], dtype=torch.long)
+    mb.sample_rows, mb.sample_cols, mb.sample_valid = sample_rows, sample_cols, sample_valid

@@ -1,0 +1,112 @@
+"""The algorithms' RL loss through the trainer: the step's loss equals `compute_loss` on HF log-probs of the
+whole batch, with sequence-level knobs on (sequence IS weights, veto, seq-mean aggregation), for padded and
+packed micro-batches, and the update is the same at TP=2 and DP=2 as on one rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_tail.algorithms import AlgorithmConfig, compute_loss
+from megatron_tail.train import Sample
+from tests.harness import run_distributed
+from tests.model.hf_models import hf_logits, make_hf_model
+from tests.train.common import PAD_MULTIPLE, full_hf_state, init_rank, make_samples
+
+CFG = AlgorithmConfig(
+    log_rho=None,
+    is_mode="tis",
+    is_level="sequence_geomean",
+    veto_threshold=1e-4,
+    loss_aggregation="seq_mean_token_mean",
+    group_size=2,
+)
+
+
+def _rl_step_rank(rank, world_size, hf_dir, tp, samples, packed):  # noqa: ARG001
+    from megatron_tail.model import ModelSettings, load_hf_config
+    from megatron_tail.train import (
+        OpSettings,
+        OptimizerSettings,
+        build_trainer,
+        make_micro_batches,
+        prepare_rl_micro_batches,
+        recompute_logprobs,
+        rl_loss_fn,
+        split_for_data_parallel,
+        train_step,
+    )
+
+    groups = init_rank(tp, 1)
+    trainer = build_trainer(
+        load_hf_config(hf_dir),
+        hf_dir=hf_dir,
+        model_settings=ModelSettings(vocab_pad_multiple=PAD_MULTIPLE),
+        optim=OptimizerSettings(lr=0.5, adam_eps=1.0, clip_grad=1e9),  # ≈ lr·g: smooth in g
+    )
+    mine = split_for_data_parallel(samples, groups.dp_rank, groups.dp_size)
+    mbs = make_micro_batches(
+        mine, micro_batch_size=1 if packed else 2, seq_len=32 if packed else 16, packed=packed
+    )
+    op = OpSettings(log_rho=CFG.log_rho)
+    old = recompute_logprobs(trainer, mbs, op=op)
+    counts = prepare_rl_micro_batches(CFG, mbs, old, groups.dp)
+    result = train_step(trainer, mbs, rl_loss_fn(CFG, counts), op=op)
+    return result, full_hf_state(trainer)
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory):
+    path = tmp_path_factory.mktemp("rl")
+    hf = make_hf_model("qwen3", path)
+    g = torch.Generator().manual_seed(3)
+    base = make_samples(8, seed=21)
+    ref_lp = []
+    for s in base:
+        tokens = torch.tensor([[*s.prompt, *s.response]])
+        lp = torch.log_softmax(hf_logits(hf, tokens)[0, :-1], dim=-1).gather(1, tokens[0, 1:, None])[:, 0]
+        ref_lp.append(lp[len(s.prompt) - 1 :])
+    samples = []
+    for s, lp in zip(base, ref_lp, strict=True):
+        rollout = lp + 0.3 * torch.randn(lp.shape, generator=g)  # a real train/inference mismatch
+        adv = torch.full(lp.shape, float(torch.randn((), generator=g)))
+        samples.append(Sample(s.prompt, s.response, {"rollout_logprobs": rollout, "advantages": adv}))
+    # Reference: compute_loss on the whole batch in the per-sample layout [N, T].
+    t = max(len(lp) for lp in ref_lp)
+
+    def pad(xs):
+        return torch.stack([torch.cat([x, x.new_zeros(t - len(x))]) for x in xs])
+
+    valid = pad([torch.ones(len(lp), dtype=torch.bool) for lp in ref_lp])
+    lp = pad(ref_lp).double()
+    loss, metrics = compute_loss(
+        CFG,
+        logprobs=lp,
+        old_logprobs=lp,
+        rollout_logprobs=pad([s.fields["rollout_logprobs"] for s in samples]).double(),
+        advantages=pad([s.fields["advantages"] for s in samples]).double(),
+        valid=valid,
+    )
+    assert abs(float(metrics["is_weight_sum"]) - float(valid.sum())) > 0.5  # weights are not all 1
+    single = run_distributed(_rl_step_rank, 1, str(path), 1, samples, False)[0]
+    return str(path), samples, float(loss), single
+
+
+def test_padded_step_loss_equals_compute_loss_reference(case):
+    _, _, ref_loss, (result, _) = case
+    assert result.metrics["loss"] == pytest.approx(ref_loss, rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("world", "tp", "packed"),
+    [(1, 1, True), (2, 2, True), (2, 1, False)],
+    ids=["packed", "tp2-packed", "dp2"],
+)
+def test_rl_step_matches_single_rank_padded(case, world, tp, packed):
+    hf_dir, samples, ref_loss, (ref_result, ref_state) = case
+    result, state = run_distributed(_rl_step_rank, world, hf_dir, tp, samples, packed)[0]
+    assert result.metrics["loss"] == pytest.approx(ref_loss, rel=1e-5)
+    assert result.metrics["loss_sequences"] == ref_result.metrics["loss_sequences"] == len(samples)
+    assert result.grad_norm == pytest.approx(ref_result.grad_norm, rel=1e-5)
+    for name in ref_state:
+        torch.testing.assert_close(state[name], ref_state[name], rtol=1e-5, atol=1e-6, msg=name)
