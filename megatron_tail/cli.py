@@ -19,7 +19,7 @@ SUBCOMMANDS: list[Callable] = [add_serve_local_parser]
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-tail", description=__doc__.splitlines()[0])
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    subparsers = parser.add_subparsers(dest="command", required=True)
     for add_parser in SUBCOMMANDS:
         add_parser(subparsers)
     return parser

@@ -1,0 +1,90 @@
+"""Server / router / local-engine command lines, checked against the parsers that will read them."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from megatron_tail.cli import build_parser, main
+from megatron_tail.rollout.launch import (
+    LocalEngineConfig,
+    RouterConfig,
+    SGLangServerConfig,
+    build_local_engine_command,
+    build_router_command,
+    build_sglang_server_command,
+)
+
+
+def test_sglang_command_parses_with_sglangs_own_arguments():
+    server_args = pytest.importorskip(
+        "sglang.srt.server_args", reason="sglang (sglang-cpu extra) parses its flags"
+    )
+    cfg = SGLangServerConfig(
+        model_path="/ckpt/qwen3-8b", host="10.0.0.5", port=31000, tp_size=2, mem_fraction_static=0.8,
+        weight_version="0", random_seed=7, base_gpu_id=2, extra_args=("--log-level", "warning"),
+    )  # fmt: skip
+    cmd = build_sglang_server_command(cfg, python="python")
+    assert cmd[:3] == ["python", "-m", "sglang.launch_server"]
+    parser = argparse.ArgumentParser()
+    server_args.ServerArgs.add_cli_args(parser)
+    args = parser.parse_args(cmd[3:])
+    assert args.enable_custom_logit_processor is True
+    assert args.enable_deterministic_inference is True
+    assert (args.model_path, args.host, args.port, args.tp_size) == ("/ckpt/qwen3-8b", "10.0.0.5", 31000, 2)
+    assert (args.dtype, args.mem_fraction_static, args.weight_version) == ("bfloat16", 0.8, "0")
+    assert (args.random_seed, args.base_gpu_id, args.log_level) == (7, 2, "warning")
+
+
+def test_router_command():
+    cfg = RouterConfig(worker_urls=("http://n1:30000", "http://n2:30000"), port=29000, policy="round_robin")
+    assert build_router_command(cfg, python="python") == [
+        "python", "-m", "sglang_router.launch_router", "--worker-urls", "http://n1:30000", "http://n2:30000",
+        "--host", "127.0.0.1", "--port", "29000", "--policy", "round_robin",
+    ]  # fmt: skip
+
+
+def test_local_engine_command_parses_with_the_cli_and_binds_localhost_by_default():
+    cmd = build_local_engine_command(
+        LocalEngineConfig(model_path="/m", port=30001, num_threads=1), python="py"
+    )
+    assert cmd[:4] == ["py", "-m", "megatron_tail.cli", "serve-local"]
+    args = build_parser().parse_args(cmd[3:])
+    assert (args.model_path, args.port, args.host, args.dtype, args.num_threads) == (
+        "/m",
+        30001,
+        "127.0.0.1",
+        "bfloat16",
+        1,
+    )
+    defaults = build_parser().parse_args(["serve-local", "--model-path", "/m", "--port", "1"])
+    assert defaults.host == "127.0.0.1" and defaults.dtype == "bfloat16"
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: SGLangServerConfig(model_path="m", port=0), "port must be an int in 1..65535; got 0"),
+        (lambda: SGLangServerConfig(model_path="m", dtype="fp8"), "dtype must be one of .* got 'fp8'"),
+        (
+            lambda: SGLangServerConfig(model_path="m", mem_fraction_static=1.5),
+            r"mem_fraction_static must be in \(0, 1\)",
+        ),
+        (lambda: RouterConfig(worker_urls=()), "worker_urls must name at least one server"),
+        (
+            lambda: LocalEngineConfig(model_path="m", dtype="int8"),
+            "dtype must be bfloat16, float16 or float32",
+        ),
+    ],
+)
+def test_bad_config_names_the_value(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_cli_requires_a_subcommand(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([])
+    assert exit_info.value.code == 2
+    assert "serve-local" in capsys.readouterr().err
