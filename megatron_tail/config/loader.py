@@ -1,0 +1,303 @@
+"""YAML (+ `--set a.b=v` overrides) → `RunConfig`, with type coercion and typo errors that suggest a key.
+
+    cfg = load_config("examples/demo/demo.yaml", ["algorithm.log_rho=-13", "train.steps=5"])
+    save_resolved_config(cfg, cfg.run_dir)          # <run_dir>/config.yaml, every field spelled out
+
+- Unknown keys raise `ConfigError` naming the dotted key and the nearest valid one (difflib).
+- Values are coerced to the field's annotated type: YAML numbers to float/int, strings such as "1e-4",
+  "-inf", "true", "null" from the command line to float / bool / None, lists to tuples. A value that does
+  not fit raises `ConfigError` naming the key, the value and the expected type.
+- Each section's own validation (ValueError naming the field) runs when the dataclass is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Union
+
+import yaml
+
+from megatron_tail.config.schema import RunConfig
+
+RESOLVED_CONFIG_NAME = "config.yaml"
+_NULL_WORDS = ("none", "null", "~", "")
+_TRUE_WORDS = ("true", "yes", "on", "1")
+_FALSE_WORDS = ("false", "no", "off", "0")
+
+
+class ConfigError(ValueError):
+    """A config key or value is wrong; the message names the dotted key."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _CliValue:
+    """A raw `--set` value: parsed according to the type of the field it lands in."""
+
+    raw: str
+
+
+def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> RunConfig:
+    """Read the YAML at `path` (None: all defaults), apply `key=value` overrides, build the `RunConfig`."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        loaded = yaml.safe_load(path.read_text())
+        if loaded is not None and not isinstance(loaded, Mapping):
+            raise ConfigError(
+                f"{path}: the top level must be a mapping of sections; got {type(loaded).__name__}"
+            )
+        data = dict(loaded or {})
+    data = apply_overrides(data, overrides)
+    return config_from_dict(data)
+
+
+def apply_overrides(
+    data: Mapping[str, Any], overrides: Iterable[str], cls: type = RunConfig
+) -> dict[str, Any]:
+    """A copy of `data` with each `"a.b.c=value"` set (keys checked against the schema of `cls`)."""
+    out = _deep_copy(data)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(
+                f"override {item!r} must look like section.key=value (e.g. algorithm.log_rho=-13)"
+            )
+        parts = key.split(".")
+        _check_path(cls, parts)
+        node = out
+        for part in parts[:-1]:
+            child = node.get(part)
+            if not isinstance(child, dict):
+                child = {}
+                node[part] = child
+            node = child
+        node[parts[-1]] = _CliValue(raw.strip())
+    return out
+
+
+def config_from_dict(data: Mapping[str, Any], cls: type = RunConfig) -> Any:
+    """Build `cls` (a dataclass) from nested mappings; see the module docstring for coercion and errors."""
+    return _build(cls, data, prefix="")
+
+
+def config_to_dict(cfg: Any) -> dict[str, Any]:
+    """Nested plain dict (tuples as lists) of a config dataclass, every field included."""
+    return {f.name: _plain(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+
+
+def save_resolved_config(cfg: RunConfig, run_dir: str | Path) -> Path:
+    """Write the fully resolved config to `<run_dir>/config.yaml`; loading it gives back an equal config."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / RESOLVED_CONFIG_NAME
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False, allow_unicode=True))
+    tmp.replace(path)
+    return path
+
+
+def all_keys(cls: type = RunConfig, prefix: str = "") -> list[str]:
+    """Every dotted leaf key of the schema, e.g. "algorithm.log_rho"."""
+    keys = []
+    for name, tp in _hints(cls).items():
+        dotted = f"{prefix}{name}"
+        inner = _dataclass_in(tp)
+        keys.extend(all_keys(inner, dotted + ".") if inner else [dotted])
+    return keys
+
+
+# --- building -----------------------------------------------------------------------------------------
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    where = prefix.rstrip(".") or "the top level"
+    if isinstance(data, _CliValue):
+        raise ConfigError(f"{where} is a section; set its keys ({where}.<key>=...) instead of {data.raw!r}")
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where} must be a mapping of keys; got {type(data).__name__} {data!r}")
+    hints = _hints(cls)
+    unknown = [k for k in data if k not in hints]
+    if unknown:
+        raise ConfigError(_unknown_key_message(cls, prefix, str(unknown[0])))
+    kwargs = {name: _coerce(value, hints[name], f"{prefix}{name}") for name, value in data.items()}
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"invalid config in {where}: {e}") from e
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (Union, types.UnionType):
+        return _coerce_union(value, args, key)
+    inner = _dataclass_in(tp)
+    if inner is not None:
+        return _build(inner, value, key + ".")
+    if isinstance(value, _CliValue):
+        value = value.raw if tp is str else _parse_cli(value.raw)
+    if origin is tuple:
+        return _coerce_tuple(value, args, key)
+    if tp is bool:
+        return _coerce_bool(value, key)
+    if tp is int:
+        return _coerce_int(value, key)
+    if tp is float:
+        return _coerce_float(value, key)
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key} must be a string; got {type(value).__name__} {value!r}")
+    raise ConfigError(f"{key}: unsupported field type {tp!r} in the config schema")
+
+
+def _coerce_union(value: Any, args: tuple, key: str) -> Any:
+    allows_none = type(None) in args
+    raw = value.raw if isinstance(value, _CliValue) else value
+    if allows_none and (raw is None or (isinstance(raw, str) and raw.strip().lower() in _NULL_WORDS)):
+        return None
+    options = [a for a in args if a is not type(None)]
+    errors = []
+    for option in options:
+        try:
+            return _coerce(value, option, key)
+        except ConfigError as e:
+            errors.append(str(e))
+    expected = " or ".join(_type_name(a) for a in args)
+    raise ConfigError(f"{key} must be {expected}; got {raw!r}")
+
+
+def _coerce_tuple(value: Any, args: tuple, key: str) -> tuple:
+    if isinstance(value, str):
+        value = [v for v in (part.strip() for part in value.split(",")) if v]
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{key} must be a list; got {type(value).__name__} {value!r}")
+    if len(args) == 2 and args[1] is Ellipsis:
+        return tuple(_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
+    if len(args) != len(value):
+        raise ConfigError(f"{key} must have {len(args)} items; got {list(value)!r}")
+    return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args, strict=True)))
+
+
+def _coerce_bool(value: Any, key: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in _TRUE_WORDS + _FALSE_WORDS:
+        return value.strip().lower() in _TRUE_WORDS
+    raise ConfigError(f"{key} must be true or false; got {value!r}")
+
+
+def _coerce_int(value: Any, key: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            pass
+    raise ConfigError(f"{key} must be an integer; got {value!r}")
+
+
+def _coerce_float(value: Any, key: str) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            parsed = float(value.strip())  # "1e-4", "-inf", "inf" (YAML leaves these as strings)
+        except ValueError:
+            pass
+        else:
+            if not math.isnan(parsed):
+                return parsed
+    raise ConfigError(f"{key} must be a number; got {value!r}")
+
+
+def _parse_cli(raw: str) -> Any:
+    """A `--set` value as YAML would read it ("[1, 2]" → list, "true" → True, "-13" → -13)."""
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+
+
+# --- schema helpers -------------------------------------------------------------------------------------
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
+
+
+def _dataclass_in(tp: Any) -> type | None:
+    return tp if isinstance(tp, type) and dataclasses.is_dataclass(tp) else None
+
+
+def _check_path(cls: type, parts: list[str]) -> None:
+    node: type | None = cls
+    for i, part in enumerate(parts):
+        prefix = ".".join(parts[:i])
+        prefix = prefix + "." if prefix else ""
+        if node is None:
+            raise ConfigError(f"{prefix.rstrip('.')} is not a section; cannot set {'.'.join(parts)}")
+        hints = _hints(node)
+        if part not in hints:
+            raise ConfigError(_unknown_key_message(node, prefix, part))
+        node = _dataclass_in(hints[part])
+    if node is not None:
+        raise ConfigError(
+            f"{'.'.join(parts)} is a section; set one of its keys, "
+            f"e.g. {all_keys(node, '.'.join(parts) + '.')[0]}"
+        )
+
+
+def _unknown_key_message(cls: type, prefix: str, name: str) -> str:
+    key = f"{prefix}{name}"
+    siblings = list(_hints(cls))
+    close = difflib.get_close_matches(name, siblings, n=1, cutoff=0.6)
+    if close:
+        hint = f"did you mean {prefix}{close[0]!s}?"
+    else:
+        # Maybe the key is right but in the wrong section (e.g. algorithm.lr for optimizer.lr).
+        everywhere = all_keys()
+        by_leaf = {k.rsplit(".", 1)[-1]: k for k in everywhere}
+        leaf = difflib.get_close_matches(name, list(by_leaf), n=1, cutoff=0.75)
+        if leaf:
+            hint = f"did you mean {by_leaf[leaf[0]]}?"
+        else:
+            hint = f"valid keys here: {', '.join(siblings)}"
+    where = prefix.rstrip(".") or "the top level"
+    return f"unknown config key {key!r} in {where}; {hint}"
+
+
+def _type_name(tp: Any) -> str:
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return config_to_dict(value)
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, float) and math.isinf(value):
+        return "-inf" if value < 0 else "inf"
+    return value
+
+
+def _deep_copy(data: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: _deep_copy(v) if isinstance(v, Mapping) else v for k, v in data.items()}

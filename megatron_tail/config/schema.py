@@ -1,0 +1,310 @@
+"""The run configuration: one typed dataclass per YAML section, each field with a doc line.
+
+    run_dir, seed                      top level
+    model:      ModelSection           the HF checkpoint to start from and how to build it
+    parallel:   ParallelSection        TP × PP of the trainer (DP is what is left of the world)
+    rollout:    RolloutSection         engine (local CPU or remote SGLang), sampling, weight sync
+    algorithm:  AlgorithmConfig        the RL objective (advantages, DVP, IS/veto, STAPO, AR, Lopti, PPO)
+    optimizer:  OptimizerSettings      the trainer's optimizer (megatron's distributed optimizer by default)
+    data:       DataSection            prompts, their order, the reward
+    train:      TrainSection           steps, micro-batches, checkpoints
+    logging:    LoggingSection         TensorBoard, progress bars, the mismatch diagnostics' buckets
+
+`algorithm` and `optimizer` are the algorithms' and the trainer's own dataclasses, so their validation
+(ValueError naming the field and the value) applies as is. Every section validates on construction;
+`RunConfig.__post_init__` checks what spans sections.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron_tail.algorithms.config import AlgorithmConfig
+
+ROLLOUT_ENGINES = ("local", "remote")
+WEIGHT_SYNC_MODES = ("disk",)
+LOCAL_DTYPES = ("bfloat16", "float16", "float32")
+PROGRESS_MODES = ("auto", "always", "never")
+
+
+def _bad(section: str, name: str, value: object, why: str) -> None:
+    raise ValueError(f"{section}.{name} {why}; got {value!r}")
+
+
+def _positive_int(section: str, name: str, value: int, *, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        _bad(section, name, value, f"must be an int ≥ {minimum}")
+
+
+def _choice(section: str, name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        _bad(section, name, value, f"must be one of {choices}")
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """The policy: a HF checkpoint directory (Qwen3 / Qwen2.5 / Llama-3) and how the trainer builds it."""
+
+    hf_path: str = ""
+    """HF checkpoint dir (config.json, *.safetensors, tokenizer files); required."""
+    bf16: bool | None = None
+    """Train in bf16 (megatron Float16Module, fp32 main params). None: bf16 with CUDA, fp32 on CPU."""
+    use_te: bool | None = None
+    """Transformer Engine layer spec. None: when TE is installed and CUDA present."""
+    vocab_pad_multiple: int = 1024
+    """Megatron pads the vocab to a multiple of this (must be divisible by TP)."""
+    max_sequence_length: int | None = None
+    """Longest prompt + response the trainer runs. None: the HF `max_position_embeddings`."""
+
+    def __post_init__(self) -> None:
+        _positive_int("model", "vocab_pad_multiple", self.vocab_pad_multiple)
+        if self.max_sequence_length is not None:
+            _positive_int("model", "max_sequence_length", self.max_sequence_length)
+
+
+@dataclass(frozen=True)
+class ParallelSection:
+    """Trainer layout; world size = tensor_parallel × pipeline_parallel × data parallel."""
+
+    tensor_parallel: int = 1
+    """TP size (heads, FFN and vocab are split)."""
+    pipeline_parallel: int = 1
+    """PP size (layers are split into stages)."""
+
+    def __post_init__(self) -> None:
+        _positive_int("parallel", "tensor_parallel", self.tensor_parallel)
+        _positive_int("parallel", "pipeline_parallel", self.pipeline_parallel)
+
+
+@dataclass(frozen=True)
+class RolloutSection:
+    """Where samples come from and how the engines get the trainer's weights."""
+
+    engine: str = "local"
+    """"local": the trainer's rank 0 starts `megatron-tail serve-local` (CPU, HF transformers);
+    "remote": SGLang servers (or one router) already running at `server_urls`."""
+    server_urls: tuple[str, ...] = ()
+    """Base URLs (`http://host:port`) of the engines; required with engine="remote"."""
+    local_dtype: str = "bfloat16"
+    """dtype of the local engine (bf16: its log-probs differ from an fp32 trainer's, as on GPUs)."""
+    local_port: int | None = None
+    """Port of the local engine; None picks a free one."""
+    local_num_threads: int | None = 1
+    """torch threads of the local engine (None: torch's default)."""
+    max_new_tokens: int = 128
+    """Longest response, in tokens."""
+    temperature: float = 1.0
+    """Sampling temperature T (> 0); the trainer scores log-probs at the same T."""
+    max_concurrency: int = 64
+    """Requests (one prompt's n samples each) in flight at once."""
+    request_timeout_s: float = 600.0
+    """Time one request may take before it is retried."""
+    startup_timeout_s: float = 300.0
+    """How long to wait for the engines' `/health` at start."""
+    weight_sync: str = "disk"
+    """How new weights reach the engines: "disk" (export a HF checkpoint, `/update_weights_from_disk`)."""
+    weight_sync_dir: str | None = None
+    """Where the exported weights go; None: `<run_dir>/rollout_weights`. Must be visible to remote engines."""
+
+    def __post_init__(self) -> None:
+        _choice("rollout", "engine", self.engine, ROLLOUT_ENGINES)
+        _choice("rollout", "local_dtype", self.local_dtype, LOCAL_DTYPES)
+        _choice("rollout", "weight_sync", self.weight_sync, WEIGHT_SYNC_MODES)
+        if self.engine == "remote" and not self.server_urls:
+            _bad(
+                "rollout", "server_urls", self.server_urls, 'must name at least one URL with engine="remote"'
+            )
+        bad = [u for u in self.server_urls if not str(u).startswith(("http://", "https://"))]
+        if bad:
+            _bad("rollout", "server_urls", bad, "must be http(s):// base URLs")
+        if self.local_port is not None and not 0 < self.local_port < 65536:
+            _bad("rollout", "local_port", self.local_port, "must be in 1..65535")
+        if self.local_num_threads is not None:
+            _positive_int("rollout", "local_num_threads", self.local_num_threads)
+        _positive_int("rollout", "max_new_tokens", self.max_new_tokens)
+        _positive_int("rollout", "max_concurrency", self.max_concurrency)
+        if not self.temperature > 0:
+            _bad(
+                "rollout",
+                "temperature",
+                self.temperature,
+                "must be > 0 (training samples; greedy is eval only)",
+            )
+        for name in ("request_timeout_s", "startup_timeout_s"):
+            if not getattr(self, name) > 0:
+                _bad("rollout", name, getattr(self, name), "must be > 0")
+
+
+@dataclass(frozen=True)
+class OptimizerSection:
+    """The trainer's optimizer: the fields of `megatron_tail.train.OptimizerSettings`, mirrored here so that
+    loading a config does not import megatron (a test keeps the two identical); `to_settings()` converts."""
+
+    optimizer: str = "adam"
+    """"adam" (AdamW: decoupled weight decay) or "sgd" (only without the distributed optimizer)."""
+    lr: float = 1e-6
+    """Learning rate (constant)."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    adam_beta1: float = 0.9
+    """Adam β1."""
+    adam_beta2: float = 0.999
+    """Adam β2."""
+    adam_eps: float = 1e-8
+    """Adam ε."""
+    sgd_momentum: float = 0.0
+    """SGD momentum."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip; 0 disables clipping."""
+    use_distributed_optimizer: bool = True
+    """Shard optimizer state over DP (megatron's DistributedOptimizer; Adam only)."""
+
+    def __post_init__(self) -> None:
+        _choice("optimizer", "optimizer", self.optimizer, ("adam", "sgd"))
+        if self.optimizer == "sgd" and self.use_distributed_optimizer:
+            _bad("optimizer", "use_distributed_optimizer", True, 'must be false with optimizer="sgd"')
+        if not self.lr > 0:
+            _bad("optimizer", "lr", self.lr, "must be > 0")
+        if self.clip_grad < 0:
+            _bad("optimizer", "clip_grad", self.clip_grad, "must be ≥ 0")
+
+    def to_settings(self):
+        """The trainer's `OptimizerSettings` (imports megatron)."""
+        from dataclasses import asdict
+
+        from megatron_tail.train.setup import OptimizerSettings
+
+        return OptimizerSettings(**asdict(self))
+
+
+@dataclass(frozen=True)
+class DataSection:
+    """Prompts (jsonl / json / parquet, read with `datasets`), their order, and the reward."""
+
+    train_path: str = ""
+    """File of training prompts: one record per prompt with `prompt_key` and `answer_key`; required."""
+    eval_path: str | None = None
+    """Held-out prompts for greedy accuracy every `train.eval_every` steps; None: no eval."""
+    prompt_key: str = "prompt"
+    """Record field holding the prompt text."""
+    answer_key: str = "answer"
+    """Record field holding the reference answer the reward compares against."""
+    chat_template: bool = False
+    """Wrap each prompt in the tokenizer's chat template (user turn + generation prompt)."""
+    system_prompt: str | None = None
+    """System message prepended when `chat_template` is on."""
+    prompts_per_step: int = 16
+    """Prompts per RL step; each gets `algorithm.group_size` samples."""
+    eval_prompts: int = 64
+    """At most this many eval prompts (the first ones of `eval_path`)."""
+    shuffle: bool = True
+    """Shuffle per epoch, seeded by `seed` and the epoch (a resumed run sees the same order)."""
+    reward: str = "exact_integer"
+    """Reward function by name (see `megatron_tail.train.rewards.REWARDS`)."""
+
+    def __post_init__(self) -> None:
+        _positive_int("data", "prompts_per_step", self.prompts_per_step)
+        _positive_int("data", "eval_prompts", self.eval_prompts)
+
+
+@dataclass(frozen=True)
+class TrainSection:
+    """The step loop."""
+
+    steps: int = 100
+    """RL steps to run in total (a resumed run continues up to this number)."""
+    micro_batch_size: int = 8
+    """Rows per micro-batch (padded: samples; packed: packed rows)."""
+    mini_batches: int = 1
+    """Optimizer steps per rollout batch (contiguous shares of whole groups)."""
+    packed: bool = False
+    """Pack several samples per row (block-diagonal attention); needs `seq_len`."""
+    seq_len: int | None = None
+    """Row length; None: the longest sample of the step (padded micro-batches only)."""
+    checkpoint_every: int = 10
+    """Save a checkpoint every this many steps (and always at the last step and on SIGTERM/SIGUSR1)."""
+    keep_checkpoints: int = 2
+    """Keep only the newest this many checkpoints."""
+    resume: bool = True
+    """Resume from the newest checkpoint in `<run_dir>/checkpoints` if there is one."""
+    eval_every: int = 0
+    """Greedy accuracy on the eval prompts every this many steps (and before the first); 0: never."""
+
+    def __post_init__(self) -> None:
+        _positive_int("train", "steps", self.steps)
+        _positive_int("train", "micro_batch_size", self.micro_batch_size)
+        _positive_int("train", "mini_batches", self.mini_batches)
+        _positive_int("train", "checkpoint_every", self.checkpoint_every)
+        _positive_int("train", "keep_checkpoints", self.keep_checkpoints)
+        _positive_int("train", "eval_every", self.eval_every, minimum=0)
+        if self.seq_len is not None:
+            _positive_int("train", "seq_len", self.seq_len, minimum=2)
+        if self.packed and self.seq_len is None:
+            _bad("train", "seq_len", None, "is required when train.packed is true")
+
+
+@dataclass(frozen=True)
+class LoggingSection:
+    """TensorBoard, console and the training–inference mismatch diagnostics."""
+
+    tensorboard: bool = True
+    """Write TensorBoard events to `<run_dir>/tensorboard`."""
+    progress: str = "auto"
+    """Progress bars: "auto" (only when stdout is a terminal), "always" or "never"."""
+    prob_buckets: tuple[float, ...] = (0.5, 1e-2, 1e-4)
+    """Descending π_train edges of the |Δ| buckets: [0.5, 1], [1e-2, 0.5), [1e-4, 1e-2), [0, 1e-4)."""
+    tail_prob: float = 1e-2
+    """Sampled tokens with π_train below this are 'tail' for the signed-Δ metric (DVP Prop. 4.3)."""
+
+    def __post_init__(self) -> None:
+        _choice("logging", "progress", self.progress, PROGRESS_MODES)
+        edges = tuple(self.prob_buckets)
+        if not edges or any(not 0 < e < 1 for e in edges) or list(edges) != sorted(set(edges), reverse=True):
+            _bad("logging", "prob_buckets", edges, "must be strictly descending probabilities in (0, 1)")
+        if not 0 < self.tail_prob <= 1:
+            _bad("logging", "tail_prob", self.tail_prob, "must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One RL run. Load with `megatron_tail.config.load_config(path, overrides)`."""
+
+    run_dir: str = "runs/default"
+    """Checkpoints, TensorBoard events, the resolved config and the rollout weights go here."""
+    seed: int = 1234
+    """Seeds the data order, the rollout seeds and the trainer's RNGs."""
+    model: ModelSection = field(default_factory=ModelSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    optimizer: OptimizerSection = field(default_factory=lambda: OptimizerSection())
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+
+    def __post_init__(self) -> None:
+        if not self.run_dir:
+            _bad("run", "run_dir", self.run_dir, "must be a directory path")
+        if self.algorithm.loss_aggregation == "seq_mean_token_sum" and self.algorithm.loss_max_len is None:
+            _bad("algorithm", "loss_max_len", None, "is required with seq_mean_token_sum")
+        if self.model.vocab_pad_multiple % self.parallel.tensor_parallel:
+            _bad(
+                "model",
+                "vocab_pad_multiple",
+                self.model.vocab_pad_multiple,
+                f"must be divisible by parallel.tensor_parallel={self.parallel.tensor_parallel}",
+            )
+        if self.data.prompts_per_step % self.train.mini_batches:
+            _bad(
+                "train",
+                "mini_batches",
+                self.train.mini_batches,
+                f"must divide data.prompts_per_step={self.data.prompts_per_step}",
+            )
+
+    def check_runnable(self) -> None:
+        """What a run needs beyond a valid config: the required paths. ValueError naming the key."""
+        if not self.model.hf_path:
+            _bad("model", "hf_path", self.model.hf_path, "is required (a HF checkpoint directory)")
+        if not self.data.train_path:
+            _bad("data", "train_path", self.data.train_path, "is required (a jsonl/json/parquet file)")

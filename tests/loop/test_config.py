@@ -1,0 +1,182 @@
+"""Run config: YAML + overrides → typed dataclasses, coercion, typo errors naming the nearest key."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import yaml
+
+from megatron_tail.config import (
+    ConfigError,
+    OptimizerSection,
+    RunConfig,
+    all_keys,
+    config_to_dict,
+    load_config,
+    save_resolved_config,
+)
+
+
+def write_yaml(tmp_path, data) -> str:
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def test_yaml_sections_map_onto_dataclasses(tmp_path):
+    path = write_yaml(
+        tmp_path,
+        {
+            "run_dir": "runs/x",
+            "seed": 7,
+            "parallel": {"tensor_parallel": 2},
+            "algorithm": {"advantage_estimator": "rloo", "group_size": 4, "log_rho": -10, "is_mode": "tis"},
+            "optimizer": {"lr": 3e-4},
+            "rollout": {"max_new_tokens": 5, "temperature": 0.7},
+            "logging": {"prob_buckets": [0.6, 0.001]},
+        },
+    )
+    cfg = load_config(path)
+    assert cfg.run_dir == "runs/x" and cfg.seed == 7
+    assert cfg.parallel.tensor_parallel == 2 and cfg.parallel.pipeline_parallel == 1
+    assert cfg.algorithm.advantage_estimator == "rloo" and cfg.algorithm.group_size == 4
+    # YAML's int -10 becomes the float field's float
+    assert cfg.algorithm.log_rho == -10.0 and isinstance(cfg.algorithm.log_rho, float)
+    assert cfg.optimizer.lr == 3e-4 and cfg.rollout.temperature == 0.7
+    assert cfg.logging.prob_buckets == (0.6, 0.001)
+    # untouched fields keep their defaults
+    assert cfg.algorithm.mis_high == RunConfig().algorithm.mis_high
+
+
+def test_overrides_are_coerced_to_the_field_types(tmp_path):
+    path = write_yaml(tmp_path, {"algorithm": {"log_rho": -13}})
+    cfg = load_config(
+        path,
+        [
+            "algorithm.log_rho=-inf",  # YAML would read "-inf" as a string
+            "algorithm.veto_threshold=1e-3",  # and "1e-3" too (no dot)
+            "algorithm.stapo=true",
+            "algorithm.dual_clip=3",
+            "algorithm.stapo_tau_h=null",
+            "train.steps=12",
+            "rollout.server_urls=[http://a:1, http://b:2]",
+            "logging.prob_buckets=0.5,0.01",
+            "run_dir=1234",  # a str field keeps the raw text
+            "model.bf16=none",
+        ],
+    )
+    assert cfg.algorithm.log_rho == -math.inf
+    assert cfg.algorithm.veto_threshold == 1e-3
+    assert cfg.algorithm.stapo is True
+    assert cfg.algorithm.dual_clip == 3.0 and isinstance(cfg.algorithm.dual_clip, float)
+    assert cfg.algorithm.stapo_tau_h is None
+    assert cfg.train.steps == 12
+    assert cfg.rollout.server_urls == ("http://a:1", "http://b:2")
+    assert cfg.logging.prob_buckets == (0.5, 0.01)
+    assert cfg.run_dir == "1234"
+    assert cfg.model.bf16 is None
+
+
+def test_later_override_wins_and_overrides_beat_the_file(tmp_path):
+    path = write_yaml(tmp_path, {"train": {"steps": 3}})
+    cfg = load_config(path, ["train.steps=4", "train.steps=5"])
+    assert cfg.train.steps == 5
+
+
+@pytest.mark.parametrize(
+    ("override", "named", "suggested"),
+    [
+        ("algorithm.log_roh=-13", "'algorithm.log_roh'", "algorithm.log_rho"),
+        ("train.stpes=3", "'train.stpes'", "train.steps"),
+        ("algoritm.log_rho=-13", "'algoritm'", "algorithm"),
+        ("algorithm.lr=1e-3", "'algorithm.lr'", "optimizer.lr"),  # right key, wrong section
+    ],
+)
+def test_typo_in_override_names_key_and_nearest_valid_one(override, named, suggested):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    message = str(info.value)
+    assert named in message
+    assert f"did you mean {suggested}?" in message
+
+
+def test_typo_in_yaml_file_names_dotted_key_and_nearest(tmp_path):
+    path = write_yaml(tmp_path, {"algorithm": {"stapo_tau_pp": 0.02}})
+    expected = r"'algorithm\.stapo_tau_pp'.*did you mean algorithm\.stapo_tau_p\?"
+    with pytest.raises(ConfigError, match=expected):
+        load_config(path)
+
+
+def test_unknown_key_without_near_match_lists_valid_keys():
+    with pytest.raises(ConfigError, match="valid keys here: run_dir, seed, model"):
+        load_config(None, ["zzzzzz=1"])
+
+
+@pytest.mark.parametrize(
+    ("override", "pattern"),
+    [
+        ("train.steps=many", r"train\.steps must be an integer; got 'many'"),
+        ("algorithm.log_rho=abc", r"algorithm\.log_rho must be float or null; got 'abc'"),
+        ("algorithm.stapo=maybe", r"algorithm\.stapo must be true or false; got 'maybe'"),
+        ("algorithm.log_rho=0.5", r"log_rho must be ≤ 0.*0\.5"),  # the section's own validation
+        ("rollout.engine=cloud", r"rollout\.engine must be one of \('local', 'remote'\); got 'cloud'"),
+        ("algorithm=3", r"algorithm is a section"),
+        ("train.steps", r"must look like section\.key=value"),
+    ],
+)
+def test_bad_values_name_the_key(override, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        load_config(None, [override])
+
+
+def test_missing_file_and_non_mapping_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "list.yaml"
+    bad.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        load_config(bad)
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config(None, ["algorithm.log_rho=-inf", "algorithm.stapo=true", "logging.prob_buckets=[0.3]"])
+    path = save_resolved_config(cfg, tmp_path / "run")
+    assert path == tmp_path / "run" / "config.yaml"
+    saved = yaml.safe_load(path.read_text())
+    # every leaf key is spelled out in the saved file
+    flat = {k for k in all_keys() if _get(saved, k) is not _MISSING}
+    assert flat == set(all_keys())
+    assert load_config(path) == cfg
+    assert config_to_dict(load_config(path)) == config_to_dict(cfg)
+
+
+def test_cross_section_checks():
+    with pytest.raises(ConfigError, match=r"vocab_pad_multiple.*divisible by parallel\.tensor_parallel=4"):
+        load_config(None, ["parallel.tensor_parallel=4", "model.vocab_pad_multiple=6"])
+    with pytest.raises(ConfigError, match=r"train\.mini_batches.*must divide data\.prompts_per_step=6"):
+        load_config(None, ["data.prompts_per_step=6", "train.mini_batches=4"])
+    with pytest.raises(ValueError, match=r"model\.hf_path is required"):
+        load_config(None).check_runnable()
+
+
+def test_optimizer_section_mirrors_the_trainers_settings():
+    from megatron_tail.train.setup import OptimizerSettings
+
+    ours = [(f.name, f.type, f.default) for f in dataclasses.fields(OptimizerSection)]
+    theirs = [(f.name, f.type, f.default) for f in dataclasses.fields(OptimizerSettings)]
+    assert [(n, d) for n, _, d in ours] == [(n, d) for n, _, d in theirs]
+    settings = OptimizerSection(lr=0.25, clip_grad=0.0).to_settings()
+    assert isinstance(settings, OptimizerSettings) and settings.lr == 0.25 and settings.clip_grad == 0.0
+
+
+_MISSING = object()
+
+
+def _get(data, dotted):
+    for part in dotted.split("."):
+        if not isinstance(data, dict) or part not in data:
+            return _MISSING
+        data = data[part]
+    return data
