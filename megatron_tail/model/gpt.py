@@ -29,6 +29,9 @@ class TailGPTModel(GPTModel):
     """
 
     rotate_by_position_ids: bool = True
+    uses_te_spec: bool = False
+    """Built with the Transformer Engine layer spec: TE's attention applies its own causal mask and
+    ignores `attention_mask`, so packed (block-diagonal) micro-batches are not supported there."""
 
     def _preprocess(self, input_ids, position_ids, *args, **kwargs):
         out = super()._preprocess(input_ids, position_ids, *args, **kwargs)
@@ -67,7 +70,8 @@ def build_gpt_model(
     # `.cuda()` before syncing it from the first stage (language_module.py); a no-op where CUDA exists.
     with cpu_device_scope():
         model = _construct(arch, settings, config, pre_process, post_process)
-    model.rotate_by_position_ids = not settings.resolved_use_te()
+    model.uses_te_spec = settings.resolved_use_te()
+    model.rotate_by_position_ids = not model.uses_te_spec
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model

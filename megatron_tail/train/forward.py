@@ -17,6 +17,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
+from megatron.core.utils import unwrap_model
 
 from megatron_tail.ops import DEFAULT_LOG_RHO, MaskedLogprobs, vocab_parallel_masked_logprobs
 from megatron_tail.patches import cpu_device_scope
@@ -58,6 +59,11 @@ def run_micro_batches(
     if len(shapes) != 1:
         raise ValueError(f"micro-batches must share one shape; got {sorted(shapes)}")
     rows, seq_len = micro_batches[0].shape
+    if any(mb.packed for mb in micro_batches) and getattr(unwrap_model(chunks[0]), "uses_te_spec", False):
+        # TE's fused attention ignores our block-diagonal mask; packing there needs THD PackedSeqParams.
+        raise NotImplementedError(
+            "packed micro-batches are not supported on the Transformer Engine spec yet; use padded"
+        )
     device = next(chunks[0].parameters()).device
     tp_group = parallel_state.get_tensor_model_parallel_group()
     half = _has_float16_module(chunks[0])

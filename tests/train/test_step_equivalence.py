@@ -96,3 +96,36 @@ def test_packed_step_matches_padded(hf_dir, reference):
 def test_adam_step_tp2_pp2_dp1_runs(hf_dir):
     results = run_distributed(_one_step_rank, 4, hf_dir, 2, 2, 2, True, "adam")
     assert results[0][1].update_successful and results[0][1].grad_norm > 0
+
+
+def _bf16_step_rank(rank, world_size, hf_dir):  # noqa: ARG001
+    from megatron_tail.model import ModelSettings, load_hf_config
+    from megatron_tail.train import (
+        build_trainer,
+        make_micro_batches,
+        masked_nll_loss,
+        recompute_logprobs,
+        train_step,
+    )
+
+    init_rank(2, 1)
+    out = {}
+    for bf16 in (False, True):
+        trainer = build_trainer(
+            load_hf_config(hf_dir), hf_dir=hf_dir, model_settings=ModelSettings(bf16=bf16)
+        )
+        mbs = make_micro_batches(make_samples(4, seed=1), micro_batch_size=2, seq_len=16)
+        old = recompute_logprobs(trainer, mbs)
+        result = train_step(trainer, mbs, masked_nll_loss(sum(mb.num_loss_tokens for mb in mbs)))
+        out[bf16] = (result, old[0].logprobs.dtype, next(trainer.chunks[0].parameters()).dtype)
+    return out
+
+
+def test_bf16_step_runs_through_float16module(hf_dir):
+    """The GPU precision path (Float16Module, bf16 params, fp32 main params) on CPU: close to fp32."""
+    out = run_distributed(_bf16_step_rank, 2, hf_dir)[0]
+    (fp32, lp32, p32), (bf16, lp16, p16) = out[False], out[True]
+    assert (p32, p16, lp32, lp16) == (torch.float32, torch.bfloat16, torch.float32, torch.float32)
+    assert bf16.update_successful
+    assert bf16.metrics["loss"] == pytest.approx(fp32.metrics["loss"], rel=1e-2)
+    assert bf16.grad_norm == pytest.approx(fp32.grad_norm, rel=5e-2)
