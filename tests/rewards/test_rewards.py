@@ -1,0 +1,135 @@
+"""Reward functions: a math-verify table, the toy arithmetic reward, and the dotted-path plug-in point."""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import pytest
+
+from megatron_tail.rewards import (
+    arithmetic_reward,
+    compute_rewards,
+    last_boxed,
+    load_reward_fn,
+    math_reward,
+    parse_integer_answer,
+)
+
+MATH_TABLE = [
+    # (completion, ground truth, expected reward)
+    # equivalent forms
+    ("so the answer is \\boxed{\\frac{1}{2}}.", "0.5", 1.0),
+    ("\\boxed{1/2}", "\\frac12", 1.0),
+    ("\\boxed{\\dfrac{1}{2}}", "\\frac{1}{2}", 1.0),
+    ("\\boxed{2\\sqrt{2}}", "\\sqrt{8}", 1.0),
+    ("\\boxed{x^2+2x+1}", "(x+1)^2", 1.0),
+    ("\\boxed{34.0}", "34", 1.0),
+    ("\\boxed{\\{1,2\\}}", "\\{2,1\\}", 1.0),
+    ("\\boxed{\\pi/2}", "\\frac{\\pi}{2}", 1.0),
+    ("\\boxed{10^{3}}", "1000", 1.0),
+    ("\\boxed{x=3}", "3", 1.0),
+    ("\\boxed{1,000}", "1000", 1.0),
+    ("first \\boxed{7}, then corrected: \\boxed{8}", "8", 1.0),  # the last box counts
+    ("\\boxed{\\text{(B)}}", "B", 1.0),
+    ("\\boxed{[0,1)}", "[0,1)", 1.0),
+    ("\\boxed{5}", "\\boxed{5}", 1.0),  # ground truth given boxed
+    # wrong answers
+    ("\\boxed{35}", "34", 0.0),
+    ("\\boxed{3}", "-3", 0.0),
+    ("\\boxed{[0,1]}", "[0,1)", 0.0),
+    ("first \\boxed{8}, then corrected: \\boxed{7}", "8", 0.0),
+    ("\\boxed{\\frac{1}{3}}", "0.5", 0.0),
+    # no box (or an empty / unclosed one)
+    ("The answer is 34.", "34", 0.0),
+    ("$34$", "34", 0.0),
+    ("\\boxed{}", "34", 0.0),
+    ("\\boxed{34", "34", 0.0),
+    ("", "34", 0.0),
+]
+
+
+@pytest.mark.parametrize(("completion", "answer", "expected"), MATH_TABLE)
+def test_math_reward_table(completion, answer, expected):
+    assert math_reward(completion, answer) == expected
+
+
+def test_math_reward_works_off_the_main_thread():
+    """math-verify's signal timeouts only work in the main thread; rewards are often computed in workers."""
+    results = []
+    worker = threading.Thread(target=lambda: results.append(math_reward("\\boxed{\\frac{1}{2}}", "0.5")))
+    worker.start()
+    worker.join()
+    assert results == [1.0]
+
+
+@pytest.mark.parametrize(
+    ("text", "content"),
+    [
+        ("a \\boxed{x^{2}} b", "x^{2}"),
+        ("\\boxed{1} and \\fbox{2}", "2"),
+        ("\\boxed {3}", "3"),
+        ("\\boxed{\\frac{a}{b}", None),
+        ("no box", None),
+        ("\\boxedx{3}", None),
+    ],
+)
+def test_last_boxed(text, content):
+    assert last_boxed(text) == content
+
+
+@pytest.mark.parametrize(
+    ("completion", "answer", "expected"),
+    [
+        ("357", "357", 1.0),
+        (" 357<|endoftext|>", "357", 1.0),
+        ("357\n12+3=15", "357", 1.0),  # the first integer is the answer
+        ("-42", "-42", 1.0),
+        ("0357", "357", 1.0),
+        ("356", "357", 0.0),
+        ("3570", "357", 0.0),
+        ("35 7", "357", 0.0),
+        ("abc", "357", 0.0),
+        ("", "357", 0.0),
+        ("357", 357, 1.0),
+    ],
+)
+def test_arithmetic_reward(completion, answer, expected):
+    assert arithmetic_reward(completion, answer) == expected
+
+
+def test_arithmetic_reward_rejects_a_non_integer_answer():
+    with pytest.raises(ValueError, match=r"arithmetic answer must be an integer; got '3\.5'"):
+        arithmetic_reward("3", "3.5")
+    assert parse_integer_answer("x = -7, y = 2") == -7
+
+
+def test_plugin_rewards_load_by_dotted_path():
+    assert load_reward_fn("math") is math_reward and load_reward_fn("arithmetic") is arithmetic_reward
+    for spec in (
+        "tests.rewards.plugin_reward:ends_with_answer",
+        "tests.rewards.plugin_reward.ends_with_answer",
+    ):
+        fn = load_reward_fn(spec)
+        assert compute_rewards(fn, ["so 12", "so 13 "], ["12", "12"]) == [1.0, 0.0]
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("", "built-in name"),
+        ("mathh", "neither a built-in .* nor a dotted path"),
+        ("no_such_pkg.mod:fn", "cannot import module 'no_such_pkg.mod'"),
+        ("tests.rewards.plugin_reward:missing", "has no callable 'missing'"),
+        ("tests.rewards.plugin_reward:NOT_CALLABLE", "has no callable 'NOT_CALLABLE'"),
+    ],
+)
+def test_bad_reward_specs_are_clear_errors(spec, message):
+    with pytest.raises(ValueError, match=message):
+        load_reward_fn(spec)
+
+
+@pytest.mark.parametrize("bad", [math.nan, None, "1", True])
+def test_compute_rewards_rejects_non_numbers(bad):
+    with pytest.raises(ValueError, match=r"returned .* for sample 1"):
+        compute_rewards(lambda c, _a: 0.0 if c == "ok" else bad, ["ok", "bad"], ["a", "a"])
