@@ -6,6 +6,16 @@ from pathlib import Path
 
 import torch
 
+LLAMA31_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500_000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+"""Llama 3.1's RoPE scaling (the tiny head_dim still has wavelengths above 8192, so it changes θ_i)."""
+
 TINY = {
     "vocab_size": 200,
     "hidden_size": 64,
@@ -29,7 +39,8 @@ def hf_config(family: str, *, tie: bool = False, **overrides):
     if family == "qwen2":
         return Qwen2Config(rope_theta=1_000_000.0, **kwargs)
     if family == "llama":
-        return LlamaConfig(rope_theta=500_000.0, **kwargs)
+        kwargs.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": 500_000.0})
+        return LlamaConfig(**kwargs)
     raise ValueError(family)
 
 

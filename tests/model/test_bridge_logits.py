@@ -6,13 +6,21 @@ import pytest
 import torch
 
 from tests.harness import run_distributed
-from tests.model.hf_models import hf_logits, make_hf_model, megatron_logits_rank
+from tests.model.hf_models import LLAMA31_ROPE, hf_logits, make_hf_model, megatron_logits_rank
 
 REL_TOL = 1e-4
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def test_llama31_rope_scaling_logits_equal_hf(tmp_path):
+    """Scaling on vs off changes these logits by ≈ 2e-3 (rel), 20× the tolerance."""
+    hf = make_hf_model("llama", tmp_path, rope_parameters=LLAMA31_ROPE, max_position_embeddings=16384)
+    tokens = torch.randint(0, 200, (1, 16), generator=torch.Generator().manual_seed(2))
+    got = run_distributed(megatron_logits_rank, 1, str(tmp_path), 1, tokens)[0]
+    assert _rel_err(got, hf_logits(hf, tokens)) <= REL_TOL
 
 
 @pytest.mark.parametrize(
