@@ -1,12 +1,19 @@
-"""The trainer: parallel init, micro-batches, the training step, log-prob recompute and checkpoints.
+"""The trainer: parallel init, micro-batches, training step, log-prob recompute, RL objective, checkpoints.
 
-init_distributed(); groups = init_parallel(ParallelConfig(tensor_parallel=2))
-trainer = build_trainer(load_hf_config(hf_dir), hf_dir=hf_dir, optim=OptimizerSettings(lr=1e-6))
-mbs = make_micro_batches(split_for_data_parallel(samples, groups.dp_rank, groups.dp_size),
-                         micro_batch_size=4, seq_len=1024, packed=True)
-old = recompute_logprobs(trainer, mbs, op=OpSettings(log_rho=-13.0))
-result = train_step(trainer, mbs, loss_fn, op=OpSettings(log_rho=-13.0))
-save_checkpoint(path, trainer, {"step": 1, "data_cursor": 64})
+Typical RL step on every rank (see each module for shapes)::
+
+    init_distributed()
+    groups = init_parallel(ParallelConfig(tensor_parallel=2, pipeline_parallel=1))
+    trainer = build_trainer(load_hf_config(hf_dir), hf_dir=hf_dir, optim=OptimizerSettings(lr=1e-6))
+    mine = split_for_data_parallel(samples, groups.dp_rank, groups.dp_size)
+    mbs = make_micro_batches(mine, micro_batch_size=4, seq_len=4096, packed=True)
+    op = OpSettings(log_rho=cfg.log_rho, temperature=1.0)
+    old = recompute_logprobs(trainer, mbs, op=op)                    # θ_old, no grad
+    counts = prepare_rl_micro_batches(cfg, mbs, old, groups.dp)       # algorithms stage 1
+    for phase in range(cfg.num_phases):
+        result = train_step(trainer, mbs, rl_loss_fn(cfg, counts, phase=phase), op=op)
+    save_checkpoint(path, trainer, {"step": step, "data_cursor": cursor})
+    rl_state = load_checkpoint(path, trainer)                         # any TP/PP/DP layout
 """
 
 from .batch import MicroBatch, Sample, make_micro_batches, per_sample, split_for_data_parallel
