@@ -56,12 +56,3 @@ def fc1_unshard(shards: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]
     """Per-rank `linear_fc1` shards (rank order) → HF (gate, up) `[ffn, h]` each."""
     halves = [s.chunk(2, dim=0) for s in shards]
     return torch.cat([g for g, _ in halves], dim=0), torch.cat([u for _, u in halves], dim=0)
-
-
-def pad_vocab_rows(t: torch.Tensor, padded_rows: int) -> torch.Tensor:
-    """`[V, h]` → `[padded_rows, h]` with zero rows appended."""
-    if t.shape[0] > padded_rows:
-        raise ValueError(f"vocab rows {t.shape[0]} exceed the padded vocab {padded_rows}")
-    if t.shape[0] == padded_rows:
-        return t
-    return torch.cat([t, t.new_zeros(padded_rows - t.shape[0], *t.shape[1:])], dim=0)
