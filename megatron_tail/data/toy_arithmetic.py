@@ -1,0 +1,47 @@
+"""The CPU demo's toy task: multi-digit addition, `{"prompt": "12+345=", "answer": "357"}`.
+
+`examples/data/toy_arithmetic_{train,test}.jsonl` were written by `write_toy_arithmetic_files` with the
+defaults below; a test checks that they still match.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+TRAIN_SEED, TEST_SEED = 1234, 5678
+TRAIN_SIZE, TEST_SIZE = 2000, 200
+MAX_DIGITS = 3
+
+
+def make_arithmetic_examples(n: int, *, max_digits: int = MAX_DIGITS, seed: int) -> list[dict[str, str]]:
+    """`n` addition problems `a+b=` with 1..max_digits-digit operands (digit counts drawn uniformly)."""
+    if n < 1 or max_digits < 1:
+        raise ValueError(f"n and max_digits must be ≥ 1; got n={n}, max_digits={max_digits}")
+    rng = np.random.default_rng(seed)
+    examples = []
+    for _ in range(n):
+        a, b = (_operand(rng, int(rng.integers(1, max_digits + 1))) for _ in range(2))
+        examples.append({"prompt": f"{a}+{b}=", "answer": str(a + b)})
+    return examples
+
+
+def _operand(rng: np.random.Generator, digits: int) -> int:
+    low = 0 if digits == 1 else 10 ** (digits - 1)
+    return int(rng.integers(low, 10**digits))
+
+
+def write_jsonl(rows: list[dict], path: str | Path) -> None:
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
+def write_toy_arithmetic_files(directory: str | Path) -> tuple[Path, Path]:
+    directory = Path(directory)
+    train, test = directory / "toy_arithmetic_train.jsonl", directory / "toy_arithmetic_test.jsonl"
+    write_jsonl(make_arithmetic_examples(TRAIN_SIZE, seed=TRAIN_SEED), train)
+    write_jsonl(make_arithmetic_examples(TEST_SIZE, seed=TEST_SEED), test)
+    return train, test

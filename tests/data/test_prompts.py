@@ -1,0 +1,173 @@
+"""Prompt loading: jsonl and parquet, DAPO and DeepScaleR shapes, chat templates, clear field errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_tail.data import (
+    DAPO_MATH_FIELDS,
+    DEEPSCALER_FIELDS,
+    PromptBatches,
+    PromptDataConfig,
+    build_char_tokenizer,
+    load_prompts,
+    make_arithmetic_examples,
+    read_records,
+)
+from megatron_tail.data.toy_arithmetic import TEST_SEED, TEST_SIZE, TRAIN_SEED, TRAIN_SIZE
+from megatron_tail.rewards import arithmetic_reward, math_reward
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "data"
+BOX = " Please reason step by step, and put your final answer within \\boxed{{}}."
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_char_tokenizer()
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def to_parquet(jsonl: Path) -> Path:
+    out = jsonl.with_suffix(".parquet")
+    read_records(jsonl).to_parquet(str(out))
+    return out
+
+
+def test_deepscaler_shape_with_template_and_system_prompt(tokenizer, tmp_path):
+    cfg = PromptDataConfig(
+        path=str(EXAMPLES / "math_sample.jsonl"), prompt_template="{prompt}" + BOX, system_prompt="Be brief.",
+        cache_dir=str(tmp_path), **DEEPSCALER_FIELDS,
+    )  # fmt: skip
+    examples = load_prompts(cfg, tokenizer)
+    assert len(examples) == 24 and [e.index for e in examples] == list(range(24))
+    first = examples[0]
+    expected = (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is $\\frac{1}{2} + \\frac{1}{3}$? "
+        "Please reason step by step, and put your final answer within \\boxed{}.<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert first.prompt_text == expected and first.answer == "\\frac{5}{6}"
+    assert first.prompt_ids == tokenizer(expected, add_special_tokens=False)["input_ids"]
+    assert first.prompt_ids[:2] == [
+        tokenizer.convert_tokens_to_ids("<|im_start|>"),
+        tokenizer.convert_tokens_to_ids("s"),
+    ]
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_dapo_shape_nested_answer_and_chat_messages(tokenizer, tmp_path, fmt):
+    path = EXAMPLES / "math_sample_dapo.jsonl"
+    if fmt == "parquet":
+        path = to_parquet(
+            write_jsonl(tmp_path / "dapo.jsonl", [json.loads(x) for x in path.read_text().splitlines()])
+        )
+    examples = load_prompts(
+        PromptDataConfig(path=str(path), cache_dir=str(tmp_path), **DAPO_MATH_FIELDS), tokenizer
+    )
+    assert [e.answer for e in examples] == ["\\frac{5}{6}", "50", "6", "720", "9", "42", "5\\sqrt{2}", "2"]
+    assert examples[2].prompt_text.startswith(
+        "<|im_start|>user\nSolve for $x$: $2x + 5 = 17$.\n\nPlease reason"
+    )
+    assert examples[2].prompt_text.endswith("<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_custom_field_names_and_raw_prompts(tokenizer, tmp_path, fmt):
+    rows = [{"q": {"text": "1+2="}, "meta": {"gold": 3}}, {"q": {"text": "10+5="}, "meta": {"gold": 15}}]
+    path = write_jsonl(tmp_path / "toy.jsonl", rows)
+    path = to_parquet(path) if fmt == "parquet" else path
+    cfg = PromptDataConfig(
+        path=str(path),
+        prompt_key="q.text",
+        answer_key="meta.gold",
+        apply_chat_template=False,
+        cache_dir=str(tmp_path),
+    )
+    examples = load_prompts(cfg, tokenizer)
+    assert [(e.prompt_text, e.answer) for e in examples] == [("1+2=", "3"), ("10+5=", "15")]
+    assert tokenizer.decode(examples[1].prompt_ids) == "10+5="
+
+
+@pytest.mark.parametrize(
+    ("rows", "fields", "message"),
+    [
+        (
+            [{"question": "x", "answer": "1"}],
+            {"prompt_key": "problem"},
+            r"field 'problem' not found; the file's fields are \['answer', 'question'\]",
+        ),
+        (
+            [{"prompt": "x", "reward_model": {"style": "rule"}}],
+            {"answer_key": "reward_model.ground_truth"},
+            r"row 0: field 'reward_model.ground_truth' not found: no 'ground_truth' at reward_model; "
+            r"fields there: \['style'\]",
+        ),
+        ([{"prompt": 7, "answer": "1"}], {}, "the prompt must be a string or a non-empty list of"),
+        (
+            [{"prompt": [{"role": "user"}], "answer": "1"}],
+            {},
+            "the prompt must be a string or a non-empty list of",
+        ),
+    ],
+)
+def test_missing_or_bad_fields_are_named(tokenizer, tmp_path, rows, fields, message):
+    path = write_jsonl(tmp_path / "bad.jsonl", rows)
+    with pytest.raises(ValueError, match=message):
+        load_prompts(PromptDataConfig(path=str(path), cache_dir=str(tmp_path), **fields), tokenizer)
+
+
+def test_bad_paths_and_configs(tmp_path):
+    with pytest.raises(
+        ValueError, match=r"must end in one of \['.json', '.jsonl', '.parquet'\]; got 'data.csv'"
+    ):
+        PromptDataConfig(path="data.csv")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        read_records(tmp_path / "missing.jsonl")
+    with pytest.raises(ValueError, match="prompt_template must contain"):
+        PromptDataConfig(path="a.jsonl", prompt_template="no placeholder")
+
+
+def test_long_prompts_are_dropped(tokenizer, tmp_path):
+    path = write_jsonl(
+        tmp_path / "p.jsonl", [{"prompt": "1+1=", "answer": "2"}, {"prompt": "123456+1=", "answer": "123457"}]
+    )
+    cfg = PromptDataConfig(
+        path=str(path), apply_chat_template=False, max_prompt_tokens=5, cache_dir=str(tmp_path)
+    )
+    assert [e.index for e in load_prompts(cfg, tokenizer)] == [0]
+
+
+def test_batches_are_deterministic_per_step_and_cover_each_epoch():
+    batches = PromptBatches(list(range(10)), 3, seed=4)
+    assert batches.batches_per_epoch == 3
+    epoch0 = [x for step in range(3) for x in batches.batch(step)]
+    assert len(set(epoch0)) == 9 and epoch0 != list(range(9))
+    assert batches.batch(4) == PromptBatches(list(range(10)), 3, seed=4).batch(4)
+    assert batches.batch(3) != batches.batch(0)
+    with pytest.raises(ValueError, match="batch_size 11 exceeds the 10 prompts"):
+        PromptBatches(list(range(10)), 11)
+
+
+def test_shipped_math_solutions_score_one_with_the_math_reward():
+    for line in (EXAMPLES / "math_sample.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        assert math_reward(row["solution"], row["answer"]) == 1.0, row
+
+
+def test_shipped_toy_files_match_the_generator_and_the_reward():
+    for name, size, seed in (("train", TRAIN_SIZE, TRAIN_SEED), ("test", TEST_SIZE, TEST_SEED)):
+        rows = [json.loads(x) for x in (EXAMPLES / f"toy_arithmetic_{name}.jsonl").read_text().splitlines()]
+        assert rows == make_arithmetic_examples(size, seed=seed)
+    for row in rows:
+        a, b = row["prompt"].rstrip("=").split("+")
+        assert (
+            int(row["answer"]) == int(a) + int(b) and arithmetic_reward(row["answer"], row["answer"]) == 1.0
+        )
+    assert max(len(r["prompt"]) for r in rows) <= len("999+999=")
