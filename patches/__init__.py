@@ -13,6 +13,11 @@ See README.md beside this file for what each patch does, why, and when to drop i
 
 from .cpu_device_scope import cpu_device_scope
 from .cuda_shims import apply_cuda_shims, cuda_shims_applied, remove_cuda_shims
+from .megatron_checkpoint import (
+    init_fresh_optimizer_state,
+    torch_adam_load_fixes,
+    use_in_process_results_queue,
+)
 from .pinning import PatchVersionError, check_pinned
 
 __all__ = [
@@ -22,7 +27,10 @@ __all__ = [
     "check_pinned",
     "cpu_device_scope",
     "cuda_shims_applied",
+    "init_fresh_optimizer_state",
     "remove_cuda_shims",
+    "torch_adam_load_fixes",
+    "use_in_process_results_queue",
 ]
 
 

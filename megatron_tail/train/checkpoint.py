@@ -18,9 +18,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import queue
 import random
 import shutil
 from collections.abc import Mapping
@@ -35,7 +33,12 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.utils import unwrap_model
 
 from megatron_tail.model import padded_vocab_size
-from megatron_tail.patches import cpu_device_scope
+from megatron_tail.patches import (
+    cpu_device_scope,
+    init_fresh_optimizer_state,
+    torch_adam_load_fixes,
+    use_in_process_results_queue,
+)
 
 from .setup import Trainer
 
@@ -63,78 +66,6 @@ def model_signature(trainer: Trainer) -> dict[str, Any]:
     return sig
 
 
-def _use_in_process_results_queue() -> None:
-    """TEMPORARY LOCAL WORKAROUND (belongs in patches/; reported): megatron-core 0.16's torch_dist writer
-    (`dist_checkpointing/strategies/filesystem_async.py::_get_write_results_queue`) creates its results
-    queue through a *spawn*-context multiprocessing Manager: an extra server process per rank that
-    re-imports `__main__` (hence "scripts need an `if __name__ == '__main__'` guard") and is orphaned
-    when a rank exits with `os._exit`. Our saves are synchronous, so the queue is only ever used inside
-    this process (`execute_sync` → `write_preloaded_data_multiproc` puts, `retrieve_write_results`
-    gets): a plain `queue.Queue` does the job with no extra process. Idempotent; async saves would need
-    the original. Drop when megatron creates the queue lazily for async saves only."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if filesystem_async._results_queue is None:
-        filesystem_async._results_queue = queue.Queue()
-
-
-def _init_fresh_optimizer_state(optimizer) -> None:
-    """TEMPORARY LOCAL WORKAROUND (reported): with torch's own Adam (no apex/TE: every CPU run),
-    megatron-core 0.16's `DistributedOptimizer.state_dict()` asserts one 'step' value in the inner
-    optimizer state, which a freshly built optimizer does not have yet, so building the state dict to
-    load into fails (`assert len(steps) == 1`). Give it state through megatron's own dummy step (zero
-    gradients; what it does itself before loading FSDP checkpoints); the load overwrites all of it."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if isinstance(opt, DistributedOptimizer) and len(opt.optimizer.state) == 0:
-            opt._init_optimizer_states_with_dummy_values()
-
-
-@contextlib.contextmanager
-def _torch_adam_load_fixes(optimizer):
-    """TEMPORARY LOCAL WORKAROUND (reported) for two megatron-core 0.16 bugs that hit torch's own Adam
-    (no apex/TE: every CPU run) when `DistributedOptimizer.load_state_dict` loads a "fully_reshardable"
-    state:
-
-    1. `load_parameter_state_from_fully_reshardable` drops the per-parameter 'step' from the loaded
-       tensors ("handled separately") but `_set_main_param_and_optimizer_states` copies every key of the
-       destination state, 'step' included → KeyError: 'step'. During the load we hand it the step that
-       is already in place (restored from the param groups), so it copies the step onto itself.
-    2. `load_state_dict` gives every parameter's state the *same* step tensor object; torch's Adam then
-       increments it once per parameter per step (wrong bias correction after resume). After the load
-       each parameter gets its own copy.
-    """
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    optimizers = [
-        opt
-        for opt in getattr(optimizer, "chained_optimizers", [optimizer])
-        if isinstance(opt, DistributedOptimizer)
-    ]
-    for opt in optimizers:
-        original = opt._set_main_param_and_optimizer_states
-
-        def set_states(model_param, tensors, opt=opt, original=original):
-            if "step" not in tensors:
-                group_index, group_order = opt.model_param_group_index_map[model_param]
-                main_param = opt.optimizer.param_groups[group_index]["params"][group_order]
-                step = opt.optimizer.state.get(main_param, {}).get("step")
-                if step is not None:
-                    tensors = {**tensors, "step": step.clone()}
-            original(model_param, tensors)
-
-        opt._set_main_param_and_optimizer_states = set_states
-    try:
-        yield
-    finally:
-        for opt in optimizers:
-            del opt._set_main_param_and_optimizer_states  # back to the class method
-            for state in opt.optimizer.state.values():
-                if isinstance(state.get("step"), torch.Tensor):
-                    state["step"] = state["step"].clone()
-
-
 def save_checkpoint(
     path: str | Path, trainer: Trainer, rl_state: Mapping[str, Any], *, overwrite: bool = False
 ) -> Path:
@@ -151,7 +82,7 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted save
         tmp.mkdir(parents=True)
     dist.barrier()
-    _use_in_process_results_queue()
+    use_in_process_results_queue()
     # cpu_device_scope: the distributed optimizer gathers its state with `.cuda()` / device="cuda".
     with cpu_device_scope():
         state = _sharded_state(trainer, is_loading=False, with_rng=True)
@@ -205,7 +136,7 @@ def load_checkpoint(
     same_layout = meta["layout"] == _layout(trainer)
     with cpu_device_scope():
         if load_optimizer:
-            _init_fresh_optimizer_state(trainer.optimizer)
+            init_fresh_optimizer_state(trainer.optimizer)
         state = _sharded_state(
             trainer, is_loading=True, with_rng=load_rng and same_layout, with_optimizer=load_optimizer
         )
@@ -213,7 +144,7 @@ def load_checkpoint(
         for chunk, model_state in zip(trainer.chunks, _as_list(loaded["model"]), strict=True):
             unwrap_model(chunk).load_state_dict(model_state)
         if load_optimizer:
-            with _torch_adam_load_fixes(trainer.optimizer):
+            with torch_adam_load_fixes(trainer.optimizer):
                 trainer.optimizer.load_state_dict(loaded["optimizer"])
         else:
             trainer.optimizer.reload_model_params()

@@ -1,0 +1,90 @@
+"""Fixes to megatron-core 0.16's checkpointing of the distributed optimizer (CPU and GPU alike).
+
+Used by `megatron_tail.train.checkpoint`; each is pinned to megatron-core 0.16.x and idempotent. They
+matter wherever torch's own Adam runs under megatron's `DistributedOptimizer` (no apex/TE: every CPU
+run, and GPU runs without those extras). See README.md for the table and when to drop them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+
+import torch
+
+from .pinning import check_pinned
+
+
+def use_in_process_results_queue() -> None:
+    """megatron-core 0.16's torch_dist writer
+    (`dist_checkpointing/strategies/filesystem_async.py::_get_write_results_queue`) creates its results
+    queue through a *spawn*-context multiprocessing Manager: an extra server process per rank that
+    re-imports `__main__` (hence "scripts need an `if __name__ == '__main__'` guard") and is orphaned
+    when a rank exits with `os._exit`. Our saves are synchronous, so the queue is only ever used inside
+    this process (`execute_sync` → `write_preloaded_data_multiproc` puts, `retrieve_write_results`
+    gets): a plain `queue.Queue` does the job with no extra process. Idempotent; async saves would need
+    the original. Drop when megatron creates the queue lazily for async saves only."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    check_pinned()
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
+def init_fresh_optimizer_state(optimizer) -> None:
+    """With torch's own Adam (no apex/TE: every CPU run),
+    megatron-core 0.16's `DistributedOptimizer.state_dict()` asserts one 'step' value in the inner
+    optimizer state, which a freshly built optimizer does not have yet, so building the state dict to
+    load into fails (`assert len(steps) == 1`). Give it state through megatron's own dummy step (zero
+    gradients; what it does itself before loading FSDP checkpoints); the load overwrites all of it."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    check_pinned()
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(opt, DistributedOptimizer) and len(opt.optimizer.state) == 0:
+            opt._init_optimizer_states_with_dummy_values()
+
+
+@contextlib.contextmanager
+def torch_adam_load_fixes(optimizer):
+    """Fixes for two megatron-core 0.16 bugs that hit torch's own Adam
+    (no apex/TE: every CPU run) when `DistributedOptimizer.load_state_dict` loads a "fully_reshardable"
+    state:
+
+    1. `load_parameter_state_from_fully_reshardable` drops the per-parameter 'step' from the loaded
+       tensors ("handled separately") but `_set_main_param_and_optimizer_states` copies every key of the
+       destination state, 'step' included → KeyError: 'step'. During the load we hand it the step that
+       is already in place (restored from the param groups), so it copies the step onto itself.
+    2. `load_state_dict` gives every parameter's state the *same* step tensor object; torch's Adam then
+       increments it once per parameter per step (wrong bias correction after resume). After the load
+       each parameter gets its own copy.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    check_pinned()
+    optimizers = [
+        opt
+        for opt in getattr(optimizer, "chained_optimizers", [optimizer])
+        if isinstance(opt, DistributedOptimizer)
+    ]
+    for opt in optimizers:
+        original = opt._set_main_param_and_optimizer_states
+
+        def set_states(model_param, tensors, opt=opt, original=original):
+            if "step" not in tensors:
+                group_index, group_order = opt.model_param_group_index_map[model_param]
+                main_param = opt.optimizer.param_groups[group_index]["params"][group_order]
+                step = opt.optimizer.state.get(main_param, {}).get("step")
+                if step is not None:
+                    tensors = {**tensors, "step": step.clone()}
+            original(model_param, tensors)
+
+        opt._set_main_param_and_optimizer_states = set_states
+    try:
+        yield
+    finally:
+        for opt in optimizers:
+            del opt._set_main_param_and_optimizer_states  # back to the class method
+            for state in opt.optimizer.state.values():
+                if isinstance(state.get("step"), torch.Tensor):
+                    state["step"] = state["step"].clone()
