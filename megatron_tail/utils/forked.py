@@ -58,7 +58,9 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     pipes, procs = [], []
     for rank in range(world_size):
         parent_end, child_end = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_child, args=(fn, rank, world_size, port, args, child_end), daemon=True)
+        # Not daemonic: a rank may start processes of its own (megatron's checkpoint writers); the
+        # finally-block below joins or kills every rank instead.
+        proc = ctx.Process(target=_child, args=(fn, rank, world_size, port, args, child_end))
         proc.start()
         child_end.close()
         pipes.append(parent_end)

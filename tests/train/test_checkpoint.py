@@ -15,20 +15,10 @@ from tests.train.common import PAD_MULTIPLE, full_hf_state, init_rank, make_samp
 BATCH = 4
 
 
-def _allow_child_processes() -> None:
-    """Test-only: megatron's torch_dist writer forks one writer process per file, and the harness's ranks
-    are daemonic processes, which Python forbids to have children. The rank joins its writers before it
-    returns, so lifting the flag inside the (forked, about-to-exit) rank leaks nothing."""
-    import multiprocessing
-
-    multiprocessing.current_process()._config["daemon"] = False
-
-
 def _trainer(hf_dir, tp, pp, *, load_weights=True):
     from megatron_tail.model import ModelSettings, load_hf_config
     from megatron_tail.train import OptimizerSettings, build_trainer
 
-    _allow_child_processes()
     init_rank(tp, pp)
     arch = load_hf_config(hf_dir)
     return build_trainer(
