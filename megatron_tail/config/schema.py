@@ -179,32 +179,42 @@ class OptimizerSection:
 
 @dataclass(frozen=True)
 class DataSection:
-    """Prompts (jsonl / json / parquet, read with `datasets`), their order, and the reward."""
+    """Prompts (local jsonl / json / parquet, read by `megatron_tail.data`), their order, and the reward."""
 
     train_path: str = ""
-    """File of training prompts: one record per prompt with `prompt_key` and `answer_key`; required."""
+    """File of training prompts, one record per prompt with `prompt_key` and `answer_key`; required."""
     eval_path: str | None = None
     """Held-out prompts for greedy accuracy every `train.eval_every` steps; None: no eval."""
     prompt_key: str = "prompt"
-    """Record field holding the prompt text."""
+    """Field (dotted path) holding the prompt: a string, or a list of chat messages."""
     answer_key: str = "answer"
-    """Record field holding the reference answer the reward compares against."""
-    chat_template: bool = False
-    """Wrap each prompt in the tokenizer's chat template (user turn + generation prompt)."""
+    """Field (dotted path) holding the reference answer the reward compares against."""
+    apply_chat_template: bool = True
+    """Render prompts with the tokenizer's chat template (False: raw string prompts, e.g. the toy task)."""
+    prompt_template: str = "{prompt}"
+    """Format string applied to string prompts; must contain "{prompt}"."""
     system_prompt: str | None = None
-    """System message prepended when `chat_template` is on."""
+    """System message prepended with the chat template."""
+    max_prompt_tokens: int | None = None
+    """Longer prompts are dropped; None keeps all."""
     prompts_per_step: int = 16
     """Prompts per RL step; each gets `algorithm.group_size` samples."""
     eval_prompts: int = 64
     """At most this many eval prompts (the first ones of `eval_path`)."""
     shuffle: bool = True
     """Shuffle per epoch, seeded by `seed` and the epoch (a resumed run sees the same order)."""
-    reward: str = "exact_integer"
-    """Reward function by name (see `megatron_tail.train.rewards.REWARDS`)."""
+    reward: str = "math"
+    """Reward: a built-in ("math", "arithmetic") or a dotted path "package.module:function"."""
+    correct_reward: float = 1.0
+    """A sample counts as correct (for accuracy) when its reward is at least this."""
 
     def __post_init__(self) -> None:
         _positive_int("data", "prompts_per_step", self.prompts_per_step)
         _positive_int("data", "eval_prompts", self.eval_prompts)
+        if self.max_prompt_tokens is not None:
+            _positive_int("data", "max_prompt_tokens", self.max_prompt_tokens)
+        if "{prompt}" not in self.prompt_template:
+            _bad("data", "prompt_template", self.prompt_template, "must contain '{prompt}'")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,195 @@
+"""Training–inference mismatch and DVP diagnostics: per-token tensors → sum-reducible statistics → scalars.
+
+Inputs are per-sample `[N, T]` tensors of the sampled (response) tokens, `valid` marking the real ones:
+- `train_logprobs`: log π_train(a) at θ_old (the trainer's recompute; with DVP, log π^mp), float.
+- `infer_logprobs`: log π_infer(a) returned by the rollout engine for the same tokens, float.
+- `in_safe_set` (bool), `safe_mass` (Z, float), `safe_set_size` (|V_S|, int) from the trainer's θ_old pass.
+- `entropy`: H of the trainer's policy at each position, float.
+
+Δ = log π_train − log π_infer per sampled token. Two stages, like the algorithms' metrics, so micro-batches
+and DP ranks combine exactly: `*_sums` return 0-d float64 sums / counts (`*_min` keys combine with min),
+and `finalize_diagnostics` turns the global sums into the logged scalars:
+
+- `mismatch/kl_infer_train_k3`: mean of k3 = r − 1 − log r with r = π_train/π_infer over tokens sampled from
+  π_infer: an unbiased, non-negative-per-token estimate of KL(π_infer ‖ π_train).
+- `mismatch/abs_delta`, `mismatch/signed_delta`: mean |Δ| and mean Δ over all sampled tokens.
+- `mismatch/abs_delta/p<lo>_<hi>`, `mismatch/signed_delta/...`, `mismatch/tokens/...`: the same per bucket
+  of π_train(a) (edges `prob_buckets`, descending): DVP Prop. 4.2 bounds |Δ_a| ≤ 2ε(1 − p_a), so |Δ| should
+  shrink towards the head (p → 1) and stay large in the tail.
+- `mismatch/tail_signed_delta` (+ `mismatch/tail_tokens`): mean Δ of sampled tokens with
+  π_train < `tail_prob`; DVP Prop. 4.3: sampled tail tokens have π_infer > π_train systematically,
+  i.e. a negative mean.
+- `dvp/safe_set_size_mean|min`, `dvp/safe_mass_mean`, `dvp/safe_mass_min` (Z_min of Prop. 5.5, whose
+  bias bound R_max·T·(1 − Z_min) is `dvp/bias_bound`), `dvp/out_of_safe_set_fraction` (sampled
+  tokens outside the trainer's V_S).
+- `policy/entropy`: mean entropy over sampled positions.
+An empty bucket logs 0 for its means (its `tokens` count says it was empty), so every scalar is finite.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+
+MIN_SUFFIX = "_min"
+"""Sum keys ending in this combine with min (all-reduce MIN); every other key sums."""
+
+
+def bucket_labels(prob_buckets: Sequence[float]) -> list[str]:
+    """Tag suffixes of the π_train buckets: descending edges (0.5, 1e-2) → p0.5_1, p0.01_0.5, p0_0.01."""
+    edges = [1.0, *prob_buckets, 0.0]
+    return [f"p{_fmt(lo)}_{_fmt(hi)}" for hi, lo in itertools.pairwise(edges)]
+
+
+def mismatch_sums(
+    train_logprobs: torch.Tensor,
+    infer_logprobs: torch.Tensor,
+    valid: torch.Tensor,
+    *,
+    prob_buckets: Sequence[float],
+    tail_prob: float,
+) -> dict[str, torch.Tensor]:
+    """Sums and counts of Δ = log π_train − log π_infer over `valid` tokens, overall and per π_train bucket.
+
+    Args:
+        train_logprobs, infer_logprobs: `[N, T]` float (any float dtype; computed in float64).
+        valid: `[N, T]` bool.
+        prob_buckets: descending edges in (0, 1); bucket k holds π_train in [edge_k, edge_{k-1}) (the first
+            [edge_0, 1], the last [0, edge_last)).
+        tail_prob: tokens with π_train < tail_prob are 'tail' for `tail_signed_sum`.
+    Returns:
+        0-d float64 tensors: tokens, abs_delta_sum, delta_sum, k3_sum, tail_tokens, tail_signed_sum, and per
+        bucket label L: tokens/L, abs_delta_sum/L, delta_sum/L.
+    """
+    _check_same_shape(train_logprobs=train_logprobs, infer_logprobs=infer_logprobs, valid=valid)
+    lp_train = train_logprobs.detach().double()[valid]
+    lp_infer = infer_logprobs.detach().double()[valid]
+    delta = lp_train - lp_infer
+    k3 = torch.expm1(delta) - delta  # r − 1 − log r, r = exp(Δ)
+    prob = lp_train.exp()
+    out = {
+        "tokens": _f(delta.numel()),
+        "abs_delta_sum": _f(delta.abs().sum()),
+        "delta_sum": _f(delta.sum()),
+        "k3_sum": _f(k3.sum()),
+    }
+    tail = prob < tail_prob
+    out["tail_tokens"] = _f(tail.sum())
+    out["tail_signed_sum"] = _f(delta[tail].sum())
+    edges = [math.inf, *prob_buckets, -math.inf]
+    for label, hi, lo in zip(bucket_labels(prob_buckets), edges[:-1], edges[1:], strict=True):
+        member = (prob >= lo) & (prob < hi)
+        out[f"tokens/{label}"] = _f(member.sum())
+        out[f"abs_delta_sum/{label}"] = _f(delta[member].abs().sum())
+        out[f"delta_sum/{label}"] = _f(delta[member].sum())
+    return out
+
+
+def safe_set_sums(
+    valid: torch.Tensor,
+    *,
+    in_safe_set: torch.Tensor,
+    safe_mass: torch.Tensor,
+    entropy: torch.Tensor | None = None,
+    safe_set_size: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """Sums / counts / minima of the DVP quantities over `valid` positions (all `[N, T]`).
+
+    Returns 0-d float64: positions, out_of_safe_set, safe_mass_sum, safe_mass_min, [entropy_sum],
+    [safe_set_size_sum, safe_set_size_min]. Minima of an empty selection are +inf (the identity of min).
+    """
+    _check_same_shape(valid=valid, in_safe_set=in_safe_set, safe_mass=safe_mass)
+    mass = safe_mass.detach().double()[valid]
+    out = {
+        "positions": _f(mass.numel()),
+        "out_of_safe_set": _f((~in_safe_set[valid]).sum()),
+        "safe_mass_sum": _f(mass.sum()),
+        "safe_mass_min": _f(mass.min() if mass.numel() else math.inf),
+    }
+    if entropy is not None:
+        _check_same_shape(valid=valid, entropy=entropy)
+        out["entropy_sum"] = _f(entropy.detach().double()[valid].sum())
+    if safe_set_size is not None:
+        _check_same_shape(valid=valid, safe_set_size=safe_set_size)
+        size = safe_set_size.detach().double()[valid]
+        out["safe_set_size_sum"] = _f(size.sum())
+        out["safe_set_size_min"] = _f(size.min() if size.numel() else math.inf)
+    return out
+
+
+def combine_sums(pieces: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Combine the sums of several pieces (micro-batches): add, or min for keys ending in `_min`."""
+    out: dict[str, torch.Tensor] = {}
+    for piece in pieces:
+        for key, value in piece.items():
+            if key not in out:
+                out[key] = value
+            elif key.endswith(MIN_SUFFIX):
+                out[key] = torch.minimum(out[key], value)
+            else:
+                out[key] = out[key] + value
+    return out
+
+
+def finalize_diagnostics(
+    sums: Mapping[str, float | torch.Tensor],
+    *,
+    prob_buckets: Sequence[float],
+    max_reward: float = 1.0,
+    max_response_len: int = 1,
+) -> dict[str, float]:
+    """Global sums (of `mismatch_sums` + `safe_set_sums`, combined) → TensorBoard scalars (module docstring).
+
+    `max_reward` (R_max) and `max_response_len` (T) scale `dvp/bias_bound` = R_max · T · (1 − Z_min).
+    """
+    s = {k: float(v) for k, v in sums.items()}
+    out: dict[str, float] = {}
+    if "tokens" in s:
+        n = s["tokens"]
+        out["mismatch/kl_infer_train_k3"] = _ratio(s["k3_sum"], n)
+        out["mismatch/abs_delta"] = _ratio(s["abs_delta_sum"], n)
+        out["mismatch/signed_delta"] = _ratio(s["delta_sum"], n)
+        out["mismatch/tail_signed_delta"] = _ratio(s["tail_signed_sum"], s["tail_tokens"])
+        out["mismatch/tail_tokens"] = s["tail_tokens"]
+        for label in bucket_labels(prob_buckets):
+            count = s[f"tokens/{label}"]
+            out[f"mismatch/tokens/{label}"] = count
+            out[f"mismatch/abs_delta/{label}"] = _ratio(s[f"abs_delta_sum/{label}"], count)
+            out[f"mismatch/signed_delta/{label}"] = _ratio(s[f"delta_sum/{label}"], count)
+    if "positions" in s:
+        n = s["positions"]
+        z_min = s["safe_mass_min"] if n > 0 else 1.0
+        out["dvp/out_of_safe_set_fraction"] = _ratio(s["out_of_safe_set"], n)
+        out["dvp/safe_mass_mean"] = _ratio(s["safe_mass_sum"], n) if n > 0 else 1.0
+        out["dvp/safe_mass_min"] = z_min
+        out["dvp/bias_bound"] = abs(max_reward) * max_response_len * (1.0 - z_min)
+        if "entropy_sum" in s:
+            out["policy/entropy"] = _ratio(s["entropy_sum"], n)
+        if "safe_set_size_sum" in s:
+            out["dvp/safe_set_size_mean"] = _ratio(s["safe_set_size_sum"], n)
+            out["dvp/safe_set_size_min"] = s["safe_set_size_min"] if n > 0 else 0.0
+    return out
+
+
+def _ratio(num: float, den: float) -> float:
+    return num / den if den > 0 else 0.0
+
+
+def _f(value) -> torch.Tensor:
+    return torch.as_tensor(value, dtype=torch.float64).detach().reshape(())
+
+
+def _fmt(p: float) -> str:
+    return f"{p:g}"
+
+
+def _check_same_shape(**tensors: torch.Tensor) -> None:
+    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+    if len(set(shapes.values())) != 1:
+        raise ValueError(f"per-token tensors must share one shape [N, T]; got {shapes}")
+    for name, t in tensors.items():
+        if name in ("valid", "in_safe_set") and t.dtype != torch.bool:
+            raise ValueError(f"{name} must be a bool tensor; got {t.dtype}")
