@@ -157,6 +157,7 @@ class RolloutClient:
         rejected (4xx) or malformed response at once, `RetryableServerError` after `max_attempts`.
         """
         prompts = [_check_prompt(i, p) for i, p in enumerate(prompts)]
+        await self.check_health()  # once per call: a restarted server rejoins at the next step
         expected = {key: i for i, p in enumerate(prompts) for key in sample_keys(i, sampling)}
         if len(expected) != len(prompts) * sampling.n_samples:
             raise RolloutError("derived sample seeds collide; change SamplingConfig.base_seed")

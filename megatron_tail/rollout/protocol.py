@@ -89,7 +89,7 @@ class SamplingConfig:
     ignore_eos: bool = False
     """Keep generating past EOS (benchmarks)."""
     log_rho: float | None = -13.0
-    """DVP log ρ; None turns the safe-vocabulary processor off."""
+    """DVP log ρ; None sends no logit processor (sampling from the full softmax)."""
     return_logprob: bool = True
     """Ask for `output_token_logprobs`."""
     base_seed: int = 0
@@ -132,9 +132,14 @@ def build_generate_payload(
 ) -> dict[str, Any]:
     """SGLang batch `/generate` body for the samples `keys` of one prompt.
 
+    The processor (with its `custom_params`) is sent only when `config.log_rho` is set: without
+    pruning there is nothing for it to do, and servers then need no `--enable-custom-logit-processor`.
+
     The rid carries the attempt number so that a retry on the same server (one server, or a router) never
     collides with a request of the same sample that the server may still be running.
     """
+    if config.log_rho is None:
+        processor = None
     sampling_params = []
     for key in keys:
         params: dict[str, Any] = {

@@ -21,7 +21,7 @@ SGLANG_SAMPLING_KEYS = frozenset(
     "max_new_tokens stop stop_token_ids stop_regex temperature top_p top_k min_p frequency_penalty "
     "presence_penalty repetition_penalty min_new_tokens n beam_width json_schema regex ebnf structural_tag "
     "ignore_eos skip_special_tokens spaces_between_special_tokens no_stop_trim stream_interval logit_bias "
-    "sampling_seed custom_params watermark".split()
+    "sampling_seed custom_params watermark choice".split()
 )
 """The API fields of `sglang.srt.sampling.sampling_params.SamplingParams` (0.5.23)."""
 
@@ -43,6 +43,7 @@ _UNSUPPORTED_UNLESS_DEFAULT = {
     "structural_tag": (None,),
     "logit_bias": (None, {}),
     "watermark": (None,),
+    "choice": (None,),
 }
 """SGLang sampling features the local engine does not implement: allowed only at their no-op value."""
 

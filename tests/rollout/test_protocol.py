@@ -1,0 +1,63 @@
+"""Our `/generate` payloads against SGLang's own JSON contract, and the local engine's key set against it."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from megatron_tail.rollout.local_engine.requests import SGLANG_SAMPLING_KEYS
+from megatron_tail.rollout.processor import DVPLogitProcessor
+from megatron_tail.rollout.protocol import SamplingConfig, build_generate_payload, sample_keys, sample_seed
+
+api_contract = pytest.importorskip(
+    "sglang.srt.entrypoints.api_contract",
+    reason="sglang (sglang-cpu extra) holds the /generate JSON contract",
+)
+
+
+def test_payload_passes_sglangs_generate_contract():
+    config = SamplingConfig(
+        n_samples=3, max_new_tokens=64, temperature=0.8, stop_token_ids=(2, 7), ignore_eos=True
+    )
+    keys = sample_keys(4, config)
+    payload = build_generate_payload([1, 2, 3], keys, config, DVPLogitProcessor.to_str(), attempt=2)
+    assert api_contract.generate_contract_error(payload) is None
+    assert payload["input_ids"] == [[1, 2, 3]] * 3
+    assert payload["rid"] == [f"p4-s{j}-seed{keys[j].seed}-a2" for j in range(3)]
+    assert [p["sampling_seed"] for p in payload["sampling_params"]] == [k.seed for k in keys]
+    assert payload["sampling_params"][0]["custom_params"] == {"log_rho": -13.0, "temperature": 0.8}
+    assert payload["custom_logit_processor"] == [DVPLogitProcessor.to_str()] * 3
+
+    no_dvp = build_generate_payload(
+        [1], keys, SamplingConfig(n_samples=3, log_rho=None), DVPLogitProcessor.to_str(), 1
+    )
+    assert "custom_logit_processor" not in no_dvp and "custom_params" not in no_dvp["sampling_params"][0]
+    assert api_contract.generate_contract_error(no_dvp) is None
+
+
+def test_local_engine_knows_exactly_sglangs_sampling_keys():
+    error = api_contract.generate_contract_error({"input_ids": [1], "sampling_params": {"no_such_key": 1}})
+    expected = set(re.findall(r"`(\w+)`", error.split("expected one of", 1)[1]))
+    assert expected == set(SGLANG_SAMPLING_KEYS)
+
+
+def test_seeds_are_distinct_and_stable():
+    seeds = {sample_seed(base, p, s) for base in range(3) for p in range(50) for s in range(16)}
+    assert len(seeds) == 3 * 50 * 16 and all(0 <= x < 2**63 for x in seeds)
+    assert sample_seed(0, 1, 2) == sample_seed(0, 1, 2) != sample_seed(0, 2, 1)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"n_samples": 0}, "n_samples must be an int ≥ 1; got 0"),
+        ({"max_new_tokens": 0}, "max_new_tokens must be an int ≥ 1; got 0"),
+        ({"temperature": -1.0}, "temperature must be finite and ≥ 0; got -1.0"),
+        ({"log_rho": 1.0}, "log_rho must be ≤ 0"),
+        ({"stop_token_ids": (-1,)}, r"stop_token_ids must be non-negative ints; got \[-1\]"),
+    ],
+)
+def test_bad_sampling_config_names_the_value(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingConfig(**kwargs)
