@@ -1,7 +1,7 @@
 """Rollout: the DVP logit processor for SGLang, an async `/generate` client, weight sync, launch helpers,
 and (in `local_engine`) a CPU engine that speaks the same HTTP API."""
 
-from megatron_tail.rollout.client import ClientConfig, NoHealthyServerError, RolloutClient
+from megatron_tail.rollout.client import ClientConfig, NoHealthyServerError, RolloutClient, StaleWeightsError
 from megatron_tail.rollout.launch import (
     LocalEngineConfig,
     RouterConfig,
@@ -44,6 +44,7 @@ __all__ = [
     "SampleKey",
     "SampleResult",
     "SamplingConfig",
+    "StaleWeightsError",
     "WeightSyncError",
     "build_local_engine_command",
     "build_router_command",

@@ -41,6 +41,10 @@ class NoHealthyServerError(RolloutError):
     """No server passed a health check within the client's `unhealthy_wait_s`."""
 
 
+class StaleWeightsError(RolloutError):
+    """A sample came from a policy version other than the one `generate` required."""
+
+
 @dataclass(frozen=True)
 class ClientConfig:
     """Transport settings of `RolloutClient`."""
@@ -149,12 +153,18 @@ class RolloutClient:
             return False
 
     async def generate(
-        self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+        *,
+        require_weight_version: str | None = None,
     ) -> list[list[SampleResult]]:
         """Sample `sampling.n_samples` completions for every prompt (token ids).
 
         Returns `results[prompt_index][sample_index]`. Raises `RolloutError` subclasses: a request
         rejected (4xx) or malformed response at once, `RetryableServerError` after `max_attempts`.
+        With `require_weight_version`, a sample produced under another policy version raises
+        `StaleWeightsError` (a server the last weight sync did not reach).
         """
         prompts = [_check_prompt(i, p) for i, p in enumerate(prompts)]
         await self.check_health()  # once per call: a restarted server rejoins at the next step
@@ -179,6 +189,14 @@ class RolloutClient:
         missing = sorted(set(expected) - set(collected))
         if missing:
             raise RolloutError(f"{len(missing)} samples never came back, e.g. {[k.rid for k in missing[:5]]}")
+        if require_weight_version is not None:
+            stale = {(r.server_url, r.weight_version) for r in collected.values()}
+            stale = sorted(s for s in stale if s[1] != str(require_weight_version))
+            if stale:
+                raise StaleWeightsError(
+                    f"samples from policy versions other than {require_weight_version!r}: "
+                    f"(server, version) {stale}"
+                )
         grouped: list[list[SampleResult]] = [[] for _ in prompts]
         for key in sorted(collected):
             grouped[key.prompt_index].append(collected[key])

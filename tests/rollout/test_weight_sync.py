@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
+import pytest
 
 from megatron_tail.rollout import (
     ClientConfig,
@@ -13,6 +14,7 @@ from megatron_tail.rollout import (
     DistributedWeightSync,
     RolloutClient,
     SamplingConfig,
+    StaleWeightsError,
 )
 from megatron_tail.rollout.local_engine.weights import read_safetensors_dir
 from tests.rollout.servers import free_port
@@ -21,9 +23,9 @@ PROMPTS = [[5, 6, 76, 7, 84], [8, 9, 76, 10, 11, 84], [12, 76, 13, 84]]
 SAMPLING = SamplingConfig(n_samples=2, max_new_tokens=10, temperature=1.0, log_rho=-4.0, base_seed=11)
 
 
-async def sample(url, sampling=SAMPLING):
+async def sample(url, sampling=SAMPLING, version=None):
     async with RolloutClient([url], ClientConfig(request_timeout_s=60)) as client:
-        groups = await client.generate(PROMPTS, sampling)
+        groups = await client.generate(PROMPTS, sampling, require_weight_version=version)
     return [r for group in groups for r in group]
 
 
@@ -53,8 +55,12 @@ def test_disk_and_distributed_updates_change_outputs_and_bump_weight_version(
         await nccl_like.init_group()
         tensors = read_safetensors_dir(perturbed_model_dir)
         assert await nccl_like.update(sorted(tensors.items())) == "11"
-        after_a, after_b = await sample(a), await sample(b)
+        after_a, after_b = await sample(a, version="11"), await sample(b, version="1")
         versions = (await model_info_version(a), await model_info_version(b))
+        with pytest.raises(
+            StaleWeightsError, match=r"other than '11': \(server, version\) \[\('http.*', '1'\)\]"
+        ):
+            await sample(b, version="11")
 
         await DiskWeightSync([a, b], initial_version="11").update(str(tiny_model_dir))
         restored = await sample(a)

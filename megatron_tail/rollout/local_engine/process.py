@@ -1,0 +1,84 @@
+"""Start / stop `megatron-tail serve-local` subprocesses (the embedded default for laptops, CI, the demo)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+from megatron_tail.rollout.launch import LocalEngineConfig, build_local_engine_command
+
+
+class LocalEngineProcess:
+    """One local engine subprocess; its stdout/stderr go to `log_path`. Use as a context manager."""
+
+    def __init__(self, config: LocalEngineConfig, log_path: str | Path):
+        self.config = config
+        self.url = config.url
+        self.log_path = Path(log_path)
+        self._log = open(self.log_path, "w")
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        self.proc = subprocess.Popen(
+            build_local_engine_command(config), stdout=self._log, stderr=subprocess.STDOUT, env=env
+        )
+
+    def wait_healthy(self, timeout_s: float = 120.0) -> LocalEngineProcess:
+        """Block until `/health` answers 200; RuntimeError (with the log tail) if the process exits."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"local engine on {self.url} exited with {self.proc.returncode}:\n{self._log_tail()}"
+                )
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=1) as resp:
+                    if resp.status == 200:
+                        return self
+            except OSError:
+                time.sleep(0.2)
+        raise TimeoutError(f"local engine on {self.url} not healthy after {timeout_s} s:\n{self._log_tail()}")
+
+    def kill(self) -> None:
+        """SIGKILL: the way a node crashes."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM, then SIGKILL after `timeout_s`; closes the log."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        if not self._log.closed:
+            self._log.close()
+
+    def __enter__(self) -> LocalEngineProcess:
+        return self.wait_healthy()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _log_tail(self, chars: int = 3000) -> str:
+        self._log.flush()
+        return self.log_path.read_text()[-chars:]
+
+
+def start_local_engines(configs: list[LocalEngineConfig], log_dir: str | Path) -> list[LocalEngineProcess]:
+    """Start every engine, then wait for all to be healthy; on any failure stop them all and re-raise."""
+    engines: list[LocalEngineProcess] = []
+    try:
+        for cfg in configs:
+            engines.append(LocalEngineProcess(cfg, Path(log_dir) / f"local-engine-{cfg.port}.log"))
+        for engine in engines:
+            engine.wait_healthy()
+    except BaseException:
+        for engine in engines:
+            engine.stop()
+        raise
+    return engines
