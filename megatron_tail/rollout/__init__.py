@@ -1,55 +1,43 @@
 """Rollout: the DVP logit processor for SGLang, an async `/generate` client, weight sync, launch helpers,
 and (in `local_engine`) a CPU engine that speaks the same HTTP API."""
 
-from megatron_tail.rollout.client import ClientConfig, NoHealthyServerError, RolloutClient, StaleWeightsError
-from megatron_tail.rollout.launch import (
-    LocalEngineConfig,
-    RouterConfig,
-    SGLangServerConfig,
-    build_local_engine_command,
-    build_router_command,
-    build_sglang_server_command,
-    wait_until_healthy,
-)
-from megatron_tail.rollout.processor import DVPLogitProcessor, dvp_custom_params, load_custom_logit_processor
-from megatron_tail.rollout.protocol import (
-    MalformedResponseError,
-    RequestRejectedError,
-    ResponseTooLargeError,
-    RetryableServerError,
-    RolloutError,
-    SampleAbortedError,
-    SampleKey,
-    SampleResult,
-    SamplingConfig,
-)
-from megatron_tail.rollout.weight_sync import DiskWeightSync, DistributedWeightSync, WeightSyncError
+import importlib
 
-__all__ = [
-    "ClientConfig",
-    "DVPLogitProcessor",
-    "DiskWeightSync",
-    "DistributedWeightSync",
-    "LocalEngineConfig",
-    "MalformedResponseError",
-    "NoHealthyServerError",
-    "RequestRejectedError",
-    "ResponseTooLargeError",
-    "RetryableServerError",
-    "RolloutClient",
-    "RolloutError",
-    "RouterConfig",
-    "SGLangServerConfig",
-    "SampleAbortedError",
-    "SampleKey",
-    "SampleResult",
-    "SamplingConfig",
-    "StaleWeightsError",
-    "WeightSyncError",
-    "build_local_engine_command",
-    "build_router_command",
-    "build_sglang_server_command",
-    "dvp_custom_params",
-    "load_custom_logit_processor",
-    "wait_until_healthy",
-]
+_EXPORTS = {
+    "ClientConfig": "megatron_tail.rollout.client",
+    "DVPLogitProcessor": "megatron_tail.rollout.processor",
+    "DiskWeightSync": "megatron_tail.rollout.weight_sync",
+    "DistributedWeightSync": "megatron_tail.rollout.weight_sync",
+    "LocalEngineConfig": "megatron_tail.rollout.launch",
+    "MalformedResponseError": "megatron_tail.rollout.protocol",
+    "NoHealthyServerError": "megatron_tail.rollout.client",
+    "RequestRejectedError": "megatron_tail.rollout.protocol",
+    "ResponseTooLargeError": "megatron_tail.rollout.protocol",
+    "RetryableServerError": "megatron_tail.rollout.protocol",
+    "RolloutClient": "megatron_tail.rollout.client",
+    "RolloutError": "megatron_tail.rollout.protocol",
+    "RouterConfig": "megatron_tail.rollout.launch",
+    "SGLangServerConfig": "megatron_tail.rollout.launch",
+    "SampleAbortedError": "megatron_tail.rollout.protocol",
+    "SampleKey": "megatron_tail.rollout.protocol",
+    "SampleResult": "megatron_tail.rollout.protocol",
+    "SamplingConfig": "megatron_tail.rollout.protocol",
+    "StaleWeightsError": "megatron_tail.rollout.client",
+    "WeightSyncError": "megatron_tail.rollout.weight_sync",
+    "build_local_engine_command": "megatron_tail.rollout.launch",
+    "build_router_command": "megatron_tail.rollout.launch",
+    "build_sglang_server_command": "megatron_tail.rollout.launch",
+    "dvp_custom_params": "megatron_tail.rollout.processor",
+    "load_custom_logit_processor": "megatron_tail.rollout.processor",
+    "wait_until_healthy": "megatron_tail.rollout.launch",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    # Lazy, so that `megatron-tail --help` and sub-module imports do not pay for torch and aiohttp.
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value

@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.rollout.servers import start_servers
 from tests.rollout.tiny_model import perturbed_copy, write_tiny_qwen3
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _restore_environment():
+    """`import sglang` sets cache-directory environment variables; keep them out of other test modules."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 @pytest.fixture(scope="session")
