@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import torch
@@ -26,6 +26,18 @@ import torch
 from megatron_tail.rollout.process_group import init_custom_process_group
 
 PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+class WeightSync(Protocol):
+    """The one interface of both paths: `await sync.update(source, weight_version=None) -> new version`.
+
+    `source` is a checkpoint directory (`DiskWeightSync`) or `(hf_name, tensor)` pairs
+    (`DistributedWeightSync`); `weight_version` defaults to the next integer after `sync.weight_version`.
+    """
+
+    weight_version: str
+
+    async def update(self, source: Any, weight_version: str | None = None) -> str: ...
 
 
 class WeightSyncError(RuntimeError):
