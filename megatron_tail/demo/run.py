@@ -1,0 +1,199 @@
+"""The demo driver: cache (pretrained model + data) → `megatron-tail train` under torchrun → summary."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from megatron_tail.demo.defaults import DATA_DIR_NAME, DEMO_CONFIG_YAML, PRETRAIN_DIR_NAME
+
+COMPARE_VARIANTS: dict[str, list[str]] = {
+    "naive": ["algorithm.log_rho=null", "algorithm.is_mode=none", "algorithm.veto_threshold=0"],
+    "dvp_mis": ["algorithm.log_rho=-13", "algorithm.is_mode=mis", "algorithm.veto_threshold=1e-4"],
+}
+"""--compare: the same seed, data and steps; only the stability knobs differ."""
+
+# (tag, how to summarise it over the steps, label)
+STABILITY_ROWS: list[tuple[str, str, str]] = [
+    ("eval/accuracy", "last", "greedy eval accuracy (last)"),
+    ("reward/accuracy", "last5", "sampled accuracy (last 5 steps)"),
+    ("mismatch/kl_infer_train_k3", "mean", "KL(π_infer‖π_train), k3 (mean)"),
+    ("mismatch/kl_infer_train_k3", "max", "KL(π_infer‖π_train), k3 (max)"),
+    ("mismatch/abs_delta/p0.5_1", "mean", "mean |Δ|, π ≥ 0.5 (head)"),
+    ("mismatch/abs_delta/p0.01_0.5", "mean", "mean |Δ|, π ∈ [0.01, 0.5)"),
+    ("mismatch/abs_delta/p0.0001_0.01", "mean", "mean |Δ|, π ∈ [1e-4, 0.01)"),
+    ("mismatch/abs_delta/p0_0.0001", "mean", "mean |Δ|, π < 1e-4 (tail)"),
+    ("mismatch/tail_signed_delta", "mean", "signed Δ of sampled tail tokens (mean)"),
+    ("mismatch/tail_tokens", "sum", "sampled tail tokens (total)"),
+    ("is/weight_max", "max", "IS weight (max)"),
+    ("is/zero_weight_fraction", "mean", "tokens with IS weight 0 (mean)"),
+    ("is/vetoed_fraction", "mean", "vetoed sequences (mean)"),
+    ("train/clip_fraction", "mean", "PPO clip fraction (mean)"),
+    ("train/grad_norm", "max", "gradient norm (max)"),
+    ("policy/entropy", "last", "policy entropy (last)"),
+    ("dvp/safe_set_size_mean", "mean", "safe-set size |V_S| (mean)"),
+    ("dvp/safe_mass_min", "min", "min safe mass Z (Prop. 5.5)"),
+]
+
+
+def run_demo(
+    *, run_dir: str, cache_dir: str, overrides: Sequence[str] = (), compare: bool = False, fresh: bool = False
+) -> int:
+    started = time.monotonic()
+    cache = Path(cache_dir)
+    model_dir = ensure_pretrained(cache)
+    train_file, test_file = ensure_data(cache)
+    base = [
+        f"model.hf_path={model_dir}",
+        f"data.train_path={train_file}",
+        f"data.eval_path={test_file}",
+    ]
+    variants = COMPARE_VARIANTS if compare else {"": []}
+    dirs = {}
+    for name, knobs in variants.items():
+        target = Path(run_dir) / name if name else Path(run_dir)
+        if fresh and target.exists():
+            shutil.rmtree(target)
+        label = f" [{name}]" if name else ""
+        _say(f"\n== RL{label}: {target}  (SIGTERM to the trainers stops after the step; rerun resumes)")
+        code = launch_training(target, [*base, f"run_dir={target}", *knobs, *overrides])
+        if code != 0:
+            _say(f"training{label} failed with exit code {code}")
+            return code
+        dirs[name or "run"] = target
+    for name, target in dirs.items():
+        _print_accuracy(name, target)
+    if compare:
+        print_comparison(dirs)
+    for name, target in dirs.items():
+        _say(f"TensorBoard logs ({name}): {(target / 'tensorboard').resolve()}")
+    _say(f"  view with: tensorboard --logdir {Path(run_dir).resolve()}")
+    _say(f"demo finished in {time.monotonic() - started:.0f} s")
+    return 0
+
+
+def ensure_pretrained(cache: Path) -> Path:
+    """The pretrained tiny Qwen3 in `cache` (trained now, reproducibly, if absent)."""
+    from megatron_tail.demo.pretrain import PretrainSettings, pretrain
+
+    model_dir = cache / PRETRAIN_DIR_NAME
+    summary_file = model_dir / "pretrain.json"
+    settings = PretrainSettings()
+    if summary_file.is_file():
+        summary = json.loads(summary_file.read_text())
+        if summary.get("settings") == _settings_dict(settings):
+            accuracy = summary.get("greedy_accuracy", 0.0)
+            _say(f"pretrained tiny Qwen3: {model_dir} (greedy accuracy {accuracy:.3f})")
+            return model_dir
+    _, test_file = ensure_data(cache)
+    rows = [json.loads(line) for line in test_file.read_text().splitlines() if line.strip()]
+    _say(f"pretraining the tiny Qwen3 on toy addition ({settings.steps} steps, one-off) → {model_dir}")
+    summary = pretrain(model_dir, settings, eval_rows=rows, log=_say)
+    _say(f"  greedy accuracy after pretraining: {summary['greedy_accuracy']:.3f}")
+    return model_dir
+
+
+def ensure_data(cache: Path) -> tuple[Path, Path]:
+    """The toy addition prompt files (train, test) in `cache`, written by the data package's generator."""
+    from megatron_tail.data.toy_arithmetic import write_toy_arithmetic_files
+
+    data = cache / DATA_DIR_NAME
+    train, test = data / "toy_arithmetic_train.jsonl", data / "toy_arithmetic_test.jsonl"
+    if not (train.is_file() and test.is_file()):
+        data.mkdir(parents=True, exist_ok=True)
+        train, test = write_toy_arithmetic_files(data)
+    return train, test
+
+
+def launch_training(run_dir: Path, overrides: Sequence[str]) -> int:
+    """`torchrun --standalone --nproc-per-node <TP×PP> -m megatron_tail.cli train <config>` (a subprocess)."""
+    from megatron_tail.config import load_config, save_resolved_config
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    base = run_dir / "demo_base.yaml"
+    base.write_text(DEMO_CONFIG_YAML)
+    cfg = load_config(base, overrides)
+    cfg.check_runnable()
+    resolved = save_resolved_config(cfg, run_dir)
+    nproc = cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    cmd += ["-m", "megatron_tail.cli", "train", str(resolved)]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "TRANSFORMERS_VERBOSITY": "error",
+        "PYTHONWARNINGS": "ignore",  # megatron's and torch's import-time warnings would bury the step lines
+    }
+    return subprocess.call(cmd, env=env)
+
+
+def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar of the run's TensorBoard events: tag → [(step, value)] in step order."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(Path(run_dir) / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def summarise(values: list[float], how: str) -> float:
+    if not values:
+        return float("nan")
+    if how == "last":
+        return values[-1]
+    if how == "last5":
+        return sum(values[-5:]) / len(values[-5:])
+    if how == "mean":
+        return sum(values) / len(values)
+    if how == "max":
+        return max(values)
+    if how == "min":
+        return min(values)
+    if how == "sum":
+        return sum(values)
+    raise ValueError(f"unknown summary {how!r}")
+
+
+def print_comparison(dirs: dict[str, Path]) -> None:
+    scalars = {name: read_scalars(path) for name, path in dirs.items()}
+    names = list(dirs)
+    width = max(len(label) for _, _, label in STABILITY_ROWS) + 2
+    _say("\n== stability, same seed: " + " vs ".join(names))
+    _say("".ljust(width) + "".join(n.rjust(14) for n in names))
+    for tag, how, label in STABILITY_ROWS:
+        cells = []
+        for name in names:
+            series = [v for _, v in scalars[name].get(tag, [])]
+            cells.append(_fmt(summarise(series, how)).rjust(14))
+        _say(label.ljust(width) + "".join(cells))
+
+
+def _print_accuracy(name: str, run_dir: Path) -> None:
+    series = read_scalars(run_dir).get("eval/accuracy", [])
+    if series:
+        trail = "  ".join(f"step {s}: {v:.3f}" for s, v in series)
+        _say(f"greedy eval accuracy ({name}): {trail}")
+
+
+def _settings_dict(settings) -> dict:
+    from dataclasses import asdict
+
+    return asdict(settings)
+
+
+def _fmt(x: float) -> str:
+    if x != x:
+        return "—"
+    return f"{x:.3g}" if abs(x) >= 1e-3 or x == 0 else f"{x:.2e}"
+
+
+def _say(text: str) -> None:
+    print(text, flush=True)

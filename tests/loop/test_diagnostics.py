@@ -1,0 +1,151 @@
+"""Mismatch / DVP diagnostics against float64 references written token by token, and the k3 estimator
+against the exact KL of a categorical distribution."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megatron_tail.train import diagnostics as D
+
+BUCKETS = (0.5, 1e-2, 1e-4)
+
+
+def _random_tokens(seed: int, n: int = 5, t: int = 7):
+    g = torch.Generator().manual_seed(seed)
+    # log-probs in every bucket, cycling: log p uniform in [-0.69, 0], [-4.6, -0.69], [-9.2, -4.6], ...
+    ranges = torch.tensor([[-0.69, 0.0], [-4.6, -0.69], [-9.2, -4.6], [-14.0, -9.2]], dtype=torch.float64)
+    which = torch.arange(n * t).reshape(n, t) % 4
+    lo, hi = ranges[which, 0], ranges[which, 1]
+    train = lo + (hi - lo) * torch.rand(n, t, generator=g, dtype=torch.float64)
+    infer = train + 0.3 * torch.randn(n, t, generator=g, dtype=torch.float64)
+    infer = infer.clamp(max=0.0)
+    valid = torch.rand(n, t, generator=g) < 0.8
+    valid[0] = False  # an empty row
+    in_safe = torch.rand(n, t, generator=g) < 0.9
+    mass = 1.0 - 0.01 * torch.rand(n, t, generator=g, dtype=torch.float64)
+    entropy = torch.rand(n, t, generator=g, dtype=torch.float64) * 3
+    size = torch.randint(1, 50, (n, t), generator=g)
+    # garbage at invalid positions must not leak in
+    train[~valid] = float("nan")
+    return train, infer, valid, in_safe, mass, entropy, size
+
+
+def _reference(train, infer, valid, in_safe, mass, entropy, size, tail_prob):
+    rows = [
+        (float(train[i, j]), float(infer[i, j]), bool(in_safe[i, j]), float(mass[i, j]), float(entropy[i, j]),
+         int(size[i, j]))
+        for i in range(train.shape[0]) for j in range(train.shape[1]) if valid[i, j]
+    ]  # fmt: skip
+    deltas = [a - b for a, b, *_ in rows]
+    probs = [math.exp(a) for a, *_ in rows]
+    n = len(rows)
+    ref = {
+        "mismatch/kl_infer_train_k3": sum(math.exp(d) - 1 - d for d in deltas) / n,
+        "mismatch/abs_delta": sum(abs(d) for d in deltas) / n,
+        "mismatch/signed_delta": sum(deltas) / n,
+        "dvp/out_of_safe_set_fraction": sum(not r[2] for r in rows) / n,
+        "dvp/safe_mass_mean": sum(r[3] for r in rows) / n,
+        "dvp/safe_mass_min": min(r[3] for r in rows),
+        "policy/entropy": sum(r[4] for r in rows) / n,
+        "dvp/safe_set_size_mean": sum(r[5] for r in rows) / n,
+        "dvp/safe_set_size_min": min(r[5] for r in rows),
+    }
+    tail = [d for d, p in zip(deltas, probs, strict=True) if p < tail_prob]
+    ref["mismatch/tail_tokens"] = len(tail)
+    ref["mismatch/tail_signed_delta"] = sum(tail) / len(tail) if tail else 0.0
+    edges = [
+        (0.5, 2.0, "p0.5_1"),
+        (1e-2, 0.5, "p0.01_0.5"),
+        (1e-4, 1e-2, "p0.0001_0.01"),
+        (-1, 1e-4, "p0_0.0001"),
+    ]
+    for lo, hi, label in edges:
+        member = [d for d, p in zip(deltas, probs, strict=True) if lo <= p < hi]
+        ref[f"mismatch/tokens/{label}"] = len(member)
+        ref[f"mismatch/abs_delta/{label}"] = sum(abs(d) for d in member) / len(member) if member else 0.0
+        ref[f"mismatch/signed_delta/{label}"] = sum(member) / len(member) if member else 0.0
+    return ref
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_diagnostics_match_token_by_token_reference(seed):
+    train, infer, valid, in_safe, mass, entropy, size = _random_tokens(seed)
+    sums = D.mismatch_sums(train, infer, valid, prob_buckets=BUCKETS, tail_prob=1e-2)
+    sums.update(
+        D.safe_set_sums(valid, in_safe_set=in_safe, safe_mass=mass, entropy=entropy, safe_set_size=size)
+    )
+    got = D.finalize_diagnostics(sums, prob_buckets=BUCKETS, max_reward=2.0, max_response_len=7)
+    ref = _reference(train, infer, valid, in_safe, mass, entropy, size, 1e-2)
+    for key, value in ref.items():
+        assert got[key] == pytest.approx(value, rel=1e-12, abs=1e-12), key
+    assert got["dvp/bias_bound"] == pytest.approx(2.0 * 7 * (1 - ref["dvp/safe_mass_min"]), rel=1e-12)
+    assert all(math.isfinite(v) for v in got.values())
+    # every bucket is populated by this data, so the test really checks each one
+    assert all(got[f"mismatch/tokens/{label}"] > 0 for label in D.bucket_labels(BUCKETS))
+
+
+def test_split_into_pieces_combines_to_the_whole():
+    train, infer, valid, in_safe, mass, _, size = _random_tokens(5, n=8)
+
+    def sums(sl):
+        s = D.mismatch_sums(train[sl], infer[sl], valid[sl], prob_buckets=BUCKETS, tail_prob=1e-2)
+        s.update(
+            D.safe_set_sums(valid[sl], in_safe_set=in_safe[sl], safe_mass=mass[sl], safe_set_size=size[sl])
+        )
+        return s
+
+    whole = D.finalize_diagnostics(sums(slice(None)), prob_buckets=BUCKETS)
+    combined = D.combine_sums([sums(slice(0, 3)), sums(slice(3, 4)), sums(slice(4, 8))])
+    parts = D.finalize_diagnostics(combined, prob_buckets=BUCKETS)
+    assert parts.keys() == whole.keys()
+    for key in whole:
+        assert parts[key] == pytest.approx(whole[key], rel=1e-12, abs=1e-15), key
+
+
+def test_empty_buckets_and_no_valid_tokens_are_finite_zeros():
+    lp = torch.full((2, 3), -0.1)  # every token in the head bucket
+    valid = torch.ones(2, 3, dtype=torch.bool)
+    got = D.finalize_diagnostics(
+        D.mismatch_sums(lp, lp, valid, prob_buckets=BUCKETS, tail_prob=1e-2), prob_buckets=BUCKETS
+    )
+    assert got["mismatch/tokens/p0.5_1"] == 6 and got["mismatch/tokens/p0_0.0001"] == 0
+    assert got["mismatch/abs_delta/p0_0.0001"] == 0.0 and got["mismatch/tail_tokens"] == 0
+    none = torch.zeros(2, 3, dtype=torch.bool)
+    s = D.safe_set_sums(none, in_safe_set=valid, safe_mass=torch.ones(2, 3), safe_set_size=torch.ones(2, 3))
+    got = D.finalize_diagnostics(s, prob_buckets=BUCKETS)
+    assert got["dvp/safe_mass_min"] == 1.0 and got["dvp/bias_bound"] == 0.0
+    assert all(math.isfinite(v) for v in got.values())
+
+
+def test_k3_estimates_kl_infer_to_train_on_samples_from_infer():
+    """Tokens sampled from q = π_infer: mean k3 with r = p/q → KL(q ‖ p) (and not KL(p ‖ q))."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(50, generator=g, dtype=torch.float64) * 2, dim=0)  # train
+    q = torch.softmax(torch.log(p) + 1.5 * torch.randn(50, generator=g, dtype=torch.float64), dim=0)  # infer
+    tokens = torch.multinomial(q, 200_000, replacement=True, generator=g)
+    train_lp, infer_lp = torch.log(p)[tokens][None], torch.log(q)[tokens][None]
+    valid = torch.ones_like(train_lp, dtype=torch.bool)
+    got = D.finalize_diagnostics(
+        D.mismatch_sums(train_lp, infer_lp, valid, prob_buckets=BUCKETS, tail_prob=1e-2), prob_buckets=BUCKETS
+    )["mismatch/kl_infer_train_k3"]
+    kl_q_p = float((q * (q.log() - p.log())).sum())
+    kl_p_q = float((p * (p.log() - q.log())).sum())
+    assert got == pytest.approx(kl_q_p, rel=0.03)
+    assert abs(kl_p_q - kl_q_p) > 0.1 * kl_q_p  # the two directions really differ here
+
+
+def test_shape_and_dtype_errors():
+    lp = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match=r"share one shape"):
+        D.mismatch_sums(
+            lp, torch.zeros(2, 4), torch.ones(2, 3, dtype=torch.bool), prob_buckets=BUCKETS, tail_prob=0.1
+        )
+    with pytest.raises(ValueError, match=r"valid must be a bool tensor"):
+        D.mismatch_sums(lp, lp, torch.ones(2, 3), prob_buckets=BUCKETS, tail_prob=0.1)
+
+
+def test_bucket_labels():
+    assert D.bucket_labels((0.5, 1e-2, 1e-4)) == ["p0.5_1", "p0.01_0.5", "p0.0001_0.01", "p0_0.0001"]
