@@ -1,0 +1,190 @@
+"""Helpers that `slurm/rl.sbatch` runs with the job's Python (the one that has megatron_tail installed).
+
+    mt_slurm.py config-get CONFIG KEY [--set a.b=v ...]     print one resolved config value ("" for None)
+    mt_slurm.py serve --backend {sglang,local} --model-path DIR --port-base P [--tp N] [...]
+                                                             exec one rollout server (one per srun task)
+    mt_slurm.py router --port P URL...                       exec the SGLang router in front of URL...
+    mt_slurm.py wait-healthy --timeout S [--watch-pid PID] URL...
+                                                             poll GET URL/health until all answer 200
+
+`serve` is meant to run as an srun task: task `SLURM_LOCALID` = i on a node listens on `port_base + i`
+and drives the GPUs `[i·tp, (i+1)·tp)` of the node (SGLang's `--base-gpu-id`). The command lines come from
+`megatron_tail.rollout.launch` (the same builders the Python API uses), so the flags the DVP processor needs
+(`--enable-custom-logit-processor`, deterministic inference) are set in one place. This file imports only
+the standard library at module level, so `wait-healthy` starts in well under a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+
+
+def _node_host() -> str:
+    """The name other nodes use for this one (Slurm's node name; the hostname outside Slurm)."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def config_get(args: argparse.Namespace) -> int:
+    from megatron_tail.config import load_config
+
+    value = load_config(args.config, args.set)
+    for part in args.key.split("."):
+        value = getattr(value, part)
+    if value is None:
+        print("")
+    elif isinstance(value, (list, tuple)):
+        print(" ".join(str(v) for v in value))
+    else:
+        print(value)
+    return 0
+
+
+def serve(args: argparse.Namespace) -> int:
+    from megatron_tail.rollout.launch import (
+        LocalEngineConfig,
+        SGLangServerConfig,
+        build_local_engine_command,
+        build_sglang_server_command,
+    )
+
+    local_id = int(os.environ.get("SLURM_LOCALID", "0"))
+    port = args.port_base + local_id
+    host = args.host or _node_host()
+    if args.backend == "local":
+        cfg = LocalEngineConfig(
+            model_path=args.model_path, host=host, port=port, dtype=args.dtype, num_threads=args.num_threads
+        )
+        cmd = build_local_engine_command(cfg, python=sys.executable)
+    else:
+        cfg = SGLangServerConfig(
+            model_path=args.model_path,
+            host=host,
+            port=port,
+            tp_size=args.tp,
+            dtype=args.dtype,
+            mem_fraction_static=args.mem_fraction_static,
+            context_length=args.context_length,
+            random_seed=args.random_seed,
+            base_gpu_id=local_id * args.tp,
+            extra_args=tuple(args.extra_args.split()),
+        )
+        cmd = build_sglang_server_command(cfg, python=sys.executable)
+    print(f"[mt_slurm] {_node_host()} task {local_id}: {' '.join(cmd)}", flush=True)
+    os.execv(cmd[0], cmd)
+    return 1  # not reached
+
+
+def router(args: argparse.Namespace) -> int:
+    from megatron_tail.rollout.launch import RouterConfig, build_router_command
+
+    cfg = RouterConfig(
+        worker_urls=tuple(args.urls),
+        host=args.host or _node_host(),
+        port=args.port,
+        policy=args.policy,
+        extra_args=tuple(args.extra_args.split()),
+    )
+    cmd = build_router_command(cfg, python=sys.executable)
+    print(f"[mt_slurm] router on {_node_host()}: {' '.join(cmd)}", flush=True)
+    os.execv(cmd[0], cmd)
+    return 1  # not reached
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=5) as resp:
+            return resp.status == 200
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def wait_healthy(args: argparse.Namespace) -> int:
+    """0: all healthy; 1: timeout; 3: the watched process (the servers' srun) exited first."""
+    pending = list(dict.fromkeys(args.urls))
+    t0 = time.monotonic()
+    last_report = t0
+    while pending:
+        pending = [u for u in pending if not _healthy(u)]
+        if not pending:
+            break
+        now = time.monotonic()
+        if args.watch_pid is not None and not _alive(args.watch_pid):
+            print(f"[mt_slurm] server step (pid {args.watch_pid}) exited; not healthy: {pending}", flush=True)
+            return 3
+        if now - t0 > args.timeout:
+            print(f"[mt_slurm] not healthy after {args.timeout:.0f} s: {pending}", flush=True)
+            return 1
+        if now - last_report > 30:
+            print(f"[mt_slurm] waiting for {pending} ({now - t0:.0f} s)", flush=True)
+            last_report = now
+        time.sleep(args.interval)
+    urls = list(dict.fromkeys(args.urls))
+    print(f"[mt_slurm] healthy after {time.monotonic() - t0:.1f} s: {urls}", flush=True)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mt_slurm.py", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("config-get", help="print one value of the resolved run config")
+    p.add_argument("config")
+    p.add_argument("key", help="dotted key, e.g. model.hf_path")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override (repeatable)")
+    p.set_defaults(func=config_get)
+
+    p = sub.add_parser("serve", help="exec one rollout server (SGLang or the local CPU engine)")
+    p.add_argument("--backend", choices=("sglang", "local"), required=True)
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--port-base", type=int, required=True, help="task i listens on port_base + i")
+    p.add_argument("--host", default="", help="address to bind (default: this node's Slurm name)")
+    p.add_argument("--tp", type=int, default=1, help="SGLang tensor parallel size (GPUs per server)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--mem-fraction-static", type=float, default=None)
+    p.add_argument("--context-length", type=int, default=None)
+    p.add_argument("--random-seed", type=int, default=None)
+    p.add_argument("--num-threads", type=int, default=None, help="local engine: torch threads")
+    p.add_argument("--extra-args", default="", help="further SGLang flags, one string")
+    p.set_defaults(func=serve)
+
+    p = sub.add_parser("router", help="exec the SGLang router")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--host", default="")
+    p.add_argument("--policy", default="cache_aware")
+    p.add_argument("--extra-args", default="")
+    p.add_argument("urls", nargs="+")
+    p.set_defaults(func=router)
+
+    p = sub.add_parser("wait-healthy", help="wait until every URL answers GET /health with 200")
+    p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--interval", type=float, default=1.0)
+    p.add_argument("--watch-pid", type=int, default=None, help="give up (exit 3) when this process is gone")
+    p.add_argument("urls", nargs="+")
+    p.set_defaults(func=wait_healthy)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
