@@ -1,0 +1,55 @@
+"""Fixtures of the RL-loop tests: a tiny random Qwen3 (char tokenizer) and a small prompt file."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A seeded random Qwen3 (hidden 32, 2 layers) whose lm_head spreads the logits over ~10 nats, so the
+    DVP safe set at log ρ = -4 excludes part of the vocabulary."""
+    from megatron_tail.demo.model import new_tiny_qwen3, save_hf
+
+    model, tokenizer = new_tiny_qwen3(
+        0, hidden_size=32, intermediate_size=64, num_hidden_layers=2, head_dim=8, max_position_embeddings=32
+    )
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0.0, 0.3)
+    return save_hf(model, tokenizer, tmp_path_factory.mktemp("loop_model") / "tiny_qwen3")
+
+
+@pytest.fixture(scope="session")
+def prompt_file(tmp_path_factory):
+    from megatron_tail.data.toy_arithmetic import make_arithmetic_examples
+
+    path = tmp_path_factory.mktemp("loop_data") / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in make_arithmetic_examples(16, max_digits=2, seed=0)))
+    return path
+
+
+def loop_overrides(model_dir, prompt_file, run_dir, extra: dict | None = None) -> list[str]:
+    """A small, fast run: TP = 2, 4 prompts × 4 samples per step, ≤ 5 new tokens, 3 steps."""
+    settings = {
+        "run_dir": run_dir,
+        "model.hf_path": model_dir,
+        "model.vocab_pad_multiple": 128,
+        "parallel.tensor_parallel": 2,
+        "rollout.max_new_tokens": 5,
+        "algorithm.group_size": 4,
+        "algorithm.log_rho": -4.0,
+        "optimizer.lr": 1e-2,
+        "data.train_path": prompt_file,
+        "data.apply_chat_template": False,
+        "data.reward": "tests.loop.rewards:digit_fraction",
+        "data.correct_reward": 0.5,
+        "data.prompts_per_step": 4,
+        "train.steps": 3,
+        "train.micro_batch_size": 8,
+        "logging.progress": "never",
+    }
+    settings.update(extra or {})
+    return [f"{k}={v}" for k, v in settings.items()]

@@ -1,0 +1,6 @@
+"""A reward for loop tests: a random tiny model scores varied rewards on it, so advantages are non-zero."""
+
+
+def digit_fraction(completion: str, answer: str) -> float:  # noqa: ARG001 - reward signature
+    """Fraction of the completion's characters that are digits (0 for an empty completion)."""
+    return sum(c.isdigit() for c in completion) / len(completion) if completion else 0.0
