@@ -214,10 +214,7 @@ class _MaskedLogprobsFunction(torch.autograd.Function):
                 scale_h=None if scale_h is None else scale_h[rows],
                 target_add=target_add[rows],
             )
-            if from_exp:
-                M.chunk_grad_from_exp(x[rows], g[rows], **per_row)
-            else:
-                M.chunk_grad_recompute(x[rows], out=g[rows], **per_row)
+            M.chunk_grad(x[rows], g[rows], out_holds_exp=from_exp, **per_row)
         return (grad, *no_grads)
 
 

@@ -171,9 +171,11 @@ def _entropy_weight_(log_p: torch.Tensor, bias: torch.Tensor, scale_h: torch.Ten
     return finite_(finite_(log_p).mul_(scale_h.unsqueeze(1)).add_(bias.unsqueeze(1)))
 
 
-def chunk_grad_from_exp(
+def chunk_grad(
     x: torch.Tensor,
-    exp_masked: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    out_holds_exp: bool,
     max_logit: torch.Tensor,
     threshold: torch.Tensor,
     inv_temperature: float,
@@ -184,30 +186,33 @@ def chunk_grad_from_exp(
     scale_h: torch.Tensor | None,
     target_add: torch.Tensor,
 ) -> None:
-    """Turn the saved `exp_masked` chunk (`[n, V]`, e^z on V_S, 0 elsewhere) into dloss/dx, in place.
+    """Write dloss/dx for one chunk into `out` (`[n, V]`, may be a strided view).
 
-    The force-kept unsafe target is absent from `exp_masked`; its term is added on the target column
-    from the per-row outputs. Args: `[n]` coefficients from `grad_coefficients`; p = exp_masked / S_K.
+    out_holds_exp: `out` holds the forward's masked exponentials (e^z on V_S, 0 elsewhere; float32 or
+        float64 logits) and becomes the gradient in place, p = out / S_K. Otherwise p is recomputed from
+        the logits (bf16/fp16 logits, where keeping float32 exponentials would cost twice the logits'
+        memory) and written into `out` in the logits' dtype.
+    Either way the force-kept unsafe target is absent from p; its term is added on the target column
+    from the per-row outputs. Coefficients `[n]` come from `grad_coefficients`.
     """
-    inv_norm = torch.exp(-log_norm)
-    if scale_h is None:
-        exp_masked.mul_((bias * inv_norm).unsqueeze(1))
+    log_p = None
+    if out_holds_exp:
+        p, coef_scale = out, torch.exp(-log_norm)  # 1/S_K folded into the per-row coefficients
     else:
+        x = x.to(max_logit.dtype)  # one upcast of a bf16 chunk (mixed-dtype ops would each copy it again)
         log_p = shifted_logits(x, max_logit + log_norm / inv_temperature, inv_temperature)
-        exp_masked.mul_(_entropy_weight_(log_p, bias * inv_norm, scale_h * inv_norm))
+        p, coef_scale = torch.exp(log_p).mul_(safe_indicator(x, threshold)), 1.0
+    if scale_h is None:
+        p.mul_((bias * coef_scale).unsqueeze(1))
+    else:
+        if log_p is None:
+            log_p = shifted_logits(x, max_logit + log_norm / inv_temperature, inv_temperature)
+        p.mul_(_entropy_weight_(log_p, bias * coef_scale, scale_h * coef_scale))
     _add_target_terms(
-        exp_masked,
-        x,
-        max_logit,
-        threshold,
-        inv_temperature,
-        log_norm,
-        local_target,
-        owned,
-        bias,
-        scale_h,
-        target_add,
+        p, x, max_logit, threshold, inv_temperature, log_norm, local_target, owned, bias, scale_h, target_add
     )
+    if p is not out:
+        out.copy_(p)
 
 
 def _add_target_terms(
@@ -225,33 +230,3 @@ def _add_target_terms(
     term = torch.where(forced, torch.exp(log_p_t) * coef, torch.zeros_like(coef))
     term = torch.where(owned, term + target_add, torch.zeros_like(term))
     grad.scatter_add_(1, cols, term.to(grad.dtype).unsqueeze(1))
-
-
-def chunk_grad_recompute(
-    x: torch.Tensor,
-    max_logit: torch.Tensor,
-    threshold: torch.Tensor,
-    inv_temperature: float,
-    log_norm: torch.Tensor,
-    local_target: torch.Tensor,
-    owned: torch.Tensor,
-    bias: torch.Tensor,
-    scale_h: torch.Tensor | None,
-    target_add: torch.Tensor,
-    out: torch.Tensor,
-) -> None:
-    """Write dloss/dx for one chunk into `out` (`[n, V]`, the logits' dtype, may be a strided view),
-    recomputing p from the logits (for bf16/fp16 logits, where keeping float32 exponentials would cost
-    twice the logits' memory)."""
-    x = x.to(max_logit.dtype)  # one upcast of a bf16 chunk (mixed-dtype ops would each copy it again)
-    log_p = shifted_logits(x, max_logit + log_norm / inv_temperature, inv_temperature)
-    p = torch.exp(log_p).mul_(safe_indicator(x, threshold))
-    if scale_h is None:
-        p.mul_(bias.unsqueeze(1))
-    else:
-        p.mul_(_entropy_weight_(log_p, bias, scale_h))
-    # p_t of an unsafe target was zeroed by the indicator: add its term back with the delta.
-    _add_target_terms(
-        p, x, max_logit, threshold, inv_temperature, log_norm, local_target, owned, bias, scale_h, target_add
-    )
-    out.copy_(p)
