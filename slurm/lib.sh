@@ -42,35 +42,38 @@ mt_wait_pid_timeout() { # mt_wait_pid_timeout PID SECONDS : 0 when PID exited wi
 
 mt_signal_step() { # mt_signal_step SIGNAL SRUN_PID STEP_NAME : deliver SIGNAL to every task of our step
   # USR1/USR2/...: through the step's own srun, which forwards them to its tasks. TERM/INT: srun would
-  # turn them into "forcing job termination" (SIGKILL after KillWait), so they go by "scancel --signal
-  # JOBID.STEPID", which only signals. (On a multi-node job scancel also reports an error from the nodes
-  # the step does not use, Slurm 22.05, while the signal is delivered: its stderr is dropped.)
-  local sig=$1 pid=$2 name=$3 ids
-  if [ "$sig" != TERM ] && [ "$sig" != INT ] && [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then
+  # turn them into "forcing job termination" (SIGKILL at once), so they go by "scancel --signal JOB.STEP"
+  # (the tasks get the signal, then SIGKILL after KillWait if they are still there). On a multi-node job
+  # Slurm 22.05's scancel also reports an error from the nodes the step does not use while the signal is
+  # delivered, so its stderr is dropped.
+  local sig=$1 pid=$2 name=$3 ids=()
+  if [ "$sig" = TERM ] || [ "$sig" = INT ]; then mapfile -t ids < <(mt_step_ids "$name"); fi
+  if [ "${#ids[@]}" -gt 0 ]; then
+    scancel --quiet --signal="$sig" "${ids[@]}" 2>/dev/null || true
+  elif [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then
     kill -s "$sig" "$pid" 2>/dev/null || true
-    return 0
   fi
-  mapfile -t ids < <(mt_step_ids "$name")
-  if [ "${#ids[@]}" -gt 0 ]; then scancel --quiet --signal="$sig" "${ids[@]}" 2>/dev/null || true; fi
 }
 
 mt_stop_step() { # mt_stop_step SRUN_PID STEP_NAME SECONDS : end one of our steps
-  # SIGTERM to its srun: srun sends the tasks SIGTERM, then SIGKILL after KillWait. If srun is still
-  # there after SECONDS, the step is cancelled by id.
+  # SIGTERM to the tasks; after SECONDS, SIGTERM to srun (which kills the step), then SIGKILL by step id.
   local pid=$1 name=$2 timeout=$3 ids
   if [ -z "$pid" ] || ! kill -0 "$pid" 2>/dev/null; then return 0; fi
   mt_log "stopping step $name (srun pid $pid)"
-  kill -TERM "$pid" 2>/dev/null || true
+  mt_signal_step TERM "$pid" "$name"
   if mt_wait_pid_timeout "$pid" "$timeout"; then return 0; fi
+  mt_log "step $name did not stop in ${timeout}s; killing it"
+  kill -TERM "$pid" 2>/dev/null || true
+  if mt_wait_pid_timeout "$pid" 10; then return 0; fi
   mapfile -t ids < <(mt_step_ids "$name")
-  mt_log "step $name did not stop in ${timeout}s; scancel ${ids[*]:-(srun pid $pid)}"
   if [ "${#ids[@]}" -gt 0 ]; then scancel --quiet --signal=KILL "${ids[@]}" 2>/dev/null || true; fi
   if ! mt_wait_pid_timeout "$pid" 10; then kill -KILL "$pid" 2>/dev/null || true; fi
 }
 
-mt_abspath() { # mt_abspath PATH : absolute path, relative paths taken from the submit directory
+mt_abspath() { # mt_abspath PATH : absolute path; relative to the job's working directory (sbatch --chdir,
+  # by default the submit directory), which is also the working directory of the trainer
   case "$1" in
     /*) echo "$1" ;;
-    *) echo "${SLURM_SUBMIT_DIR:-$PWD}/$1" ;;
+    *) echo "$PWD/$1" ;;
   esac
 }

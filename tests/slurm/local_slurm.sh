@@ -3,6 +3,7 @@
 # (copy of ../shared/tools/local_slurm.sh, shellcheck-clean; the tests under tests/slurm use it)
 #
 #   local_slurm.sh start      install (if needed), configure, start; idempotent
+#   local_slurm.sh install    only install the Debian packages (if needed)
 #   local_slurm.sh stop       cancel jobs, stop daemons by pid (munged only if we started it)
 #   local_slurm.sh status     daemons + sinfo
 #   local_slurm.sh selftest   submit smoke jobs (1 node, 2 nodes, concurrent steps, hetjob,
@@ -334,10 +335,11 @@ EOF
 
 case "${1:-start}" in
   start) do_start ;;
+  install) install_pkgs ;;
   stop) do_stop ;;
   restart) do_stop; do_start ;;
   status) do_status ;;
   selftest) do_selftest ;;
   purge) do_stop; rm -rf "${ROOT:?}"; rm -f "$CONF" "$GRES_CONF" ;;
-  *) echo "usage: $0 {start|stop|restart|status|selftest|purge}" >&2; exit 2 ;;
+  *) echo "usage: $0 {start|install|stop|restart|status|selftest|purge}" >&2; exit 2 ;;
 esac
