@@ -1,6 +1,6 @@
 """Helpers that `slurm/rl.sbatch` runs with the job's Python (the one that has megatron_tail installed).
 
-    mt_slurm.py config-get CONFIG KEY [--set a.b=v ...]     print one resolved config value ("" for None)
+    mt_slurm.py config-get CONFIG KEY... [--set a.b=v ...]  print resolved config values, one per line
     mt_slurm.py serve --backend {sglang,local} --model-path DIR --port-base P [--tp N] [...]
                                                              exec one rollout server (one per srun task)
     mt_slurm.py router --port P URL...                       exec the SGLang router in front of URL...
@@ -31,18 +31,24 @@ def _node_host() -> str:
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
+def _format_value(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, (list, tuple)):
+        return ",".join(str(v) for v in value)
+    return str(value)
+
+
 def config_get(args: argparse.Namespace) -> int:
+    """One line per key: the resolved value ("" for None, lists comma-separated)."""
     from megatron_tail.config import load_config
 
-    value = load_config(args.config, args.set)
-    for part in args.key.split("."):
-        value = getattr(value, part)
-    if value is None:
-        print("")
-    elif isinstance(value, (list, tuple)):
-        print(" ".join(str(v) for v in value))
-    else:
-        print(value)
+    cfg = load_config(args.config, args.set)
+    for key in args.keys:
+        value = cfg
+        for part in key.split("."):
+            value = getattr(value, part)
+        print(_format_value(value))
     return 0
 
 
@@ -144,9 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mt_slurm.py", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("config-get", help="print one value of the resolved run config")
+    p = sub.add_parser("config-get", help="print values of the resolved run config, one per line")
     p.add_argument("config")
-    p.add_argument("key", help="dotted key, e.g. model.hf_path")
+    p.add_argument("keys", nargs="+", metavar="KEY", help="dotted key, e.g. model.hf_path")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override (repeatable)")
     p.set_defaults(func=config_get)
 

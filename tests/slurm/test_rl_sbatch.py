@@ -121,7 +121,7 @@ def test_rl_job_runs_to_the_end(slurm_cluster, tiny_model_dir, prompt_file, tmp_
     run_dir, logs = tmp_path / "run", tmp_path / "run" / "logs" / f"{job_id}-0"
     batch = read_text(logs / "batch.log")
     # layout: rollout on node1 (local engine), trainer on node2 (one torchrun, 2 ranks, c10d rendezvous)
-    assert "rollout node1 (local, 1/node), trainer node2 (1 x 2)" in batch, report
+    assert "rollout node1 (local, 1/node), trainer node2 (1 x 2, TP 2 PP 1)" in batch, report
     assert re.search(r"--rdzv-backend=c10d --rdzv-endpoint=node2:\d+", batch), report
     assert "servers healthy" in batch and "trainer exited with 0" in batch, report
     assert "node1 task 0:" in read_text(logs / "servers.0.log") and "serve-local" in read_text(
