@@ -1,0 +1,107 @@
+"""Every shell script of slurm/ and tests/slurm/ is shellcheck-clean; the Python helper behind rl.sbatch
+(config-get, wait-healthy) does what the script relies on. No cluster needed."""
+
+from __future__ import annotations
+
+import http.server
+import os
+import shutil
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from tests.slurm.conftest import REPO
+
+HELPER = REPO / "slurm" / "mt_slurm.py"
+SCRIPTS = sorted(
+    [*REPO.glob("slurm/*.sh"), *REPO.glob("slurm/*.sbatch"), *REPO.glob("tests/slurm/*.sh")],
+)
+
+
+def shellcheck() -> str | None:
+    """Path of shellcheck, installing Debian's package when missing and possible; None otherwise."""
+    found = shutil.which("shellcheck")
+    if found or os.geteuid() != 0 or shutil.which("apt-get") is None:
+        return found
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    apt = ["apt-get", "-o", "DPkg::Lock::Timeout=300"]
+    subprocess.run([*apt, "update", "-qq"], env=env, capture_output=True, timeout=600)
+    subprocess.run([*apt, "install", "-y", "-qq", "shellcheck"], env=env, capture_output=True, timeout=600)
+    return shutil.which("shellcheck")
+
+
+def test_there_are_scripts_to_check():
+    names = {p.name for p in SCRIPTS}
+    assert {"rl.sbatch", "lib.sh", "local_slurm.sh"} <= names, names
+
+
+def test_shellcheck_is_clean():
+    exe = shellcheck()
+    if exe is None:
+        pytest.skip("shellcheck is not installed and cannot be installed here (needs root and apt-get)")
+    proc = subprocess.run([exe, *map(str, SCRIPTS)], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def helper(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(HELPER), *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_config_get_prints_resolved_values_one_per_line(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("run_dir: runs/x\nmodel:\n  hf_path: m\nparallel:\n  tensor_parallel: 2\n")
+    proc = helper(
+        "config-get", str(config), "run_dir", "model.hf_path", "parallel.tensor_parallel",
+        "data.eval_path", "rollout.server_urls", "--set", "run_dir=/abs/run",
+        "--set", "rollout.server_urls=http://a:1,http://b:2",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["/abs/run", "m", "2", "", "http://a:1,http://b:2"]
+    bad = helper("config-get", str(config), "run_dir", "--set", "parallel.tensor_paralel=2")
+    assert bad.returncode != 0 and "tensor_parallel" in bad.stderr
+
+
+class _Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_wait_healthy_exit_codes():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        assert helper("wait-healthy", "--timeout", "10", url).returncode == 0
+        # a port nobody listens on: timeout (1), or 3 when the watched process (the servers' srun) is gone
+        with socket_port() as dead_port:
+            dead = f"http://127.0.0.1:{dead_port}"
+            slow = helper("wait-healthy", "--timeout", "1", "--interval", "0.2", url, dead)
+            assert slow.returncode == 1 and dead in slow.stdout
+            gone = subprocess.Popen(["true"])
+            gone.wait()
+            watched = helper("wait-healthy", "--timeout", "30", "--watch-pid", str(gone.pid), dead)
+            assert watched.returncode == 3, watched.stdout
+    finally:
+        server.shutdown()
+
+
+class socket_port:
+    """A free TCP port, held (bound, not listening) while in use so that nothing else takes it."""
+
+    def __enter__(self) -> int:
+        import socket
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        return self.sock.getsockname()[1]
+
+    def __exit__(self, *exc) -> None:
+        self.sock.close()
