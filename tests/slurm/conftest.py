@@ -26,6 +26,7 @@ CLUSTER_ENV = {
     # a requeued job may start again after cred_expire seconds (Slurm's default: 120)
     "LOCAL_SLURM_CRED_EXPIRE": "5",
 }
+FAKE_GPUS = 8  # gres/gpu per node: lets a job ask for --gpus-per-node=8 as the GPU examples do
 
 
 def _missing_binaries() -> list[str]:
@@ -59,19 +60,27 @@ def cluster_skip_reason() -> str | None:
     return None
 
 
+def _start(env: dict[str, str]) -> subprocess.CompletedProcess:
+    argv = ["bash", str(LOCAL_SLURM), "start"]
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster():
-    """A started local cluster (node1, node2); stopped at the end of the session whatever happened."""
+    """A started local cluster: node1, node2, each with FAKE_GPUS fake GPUs (gres on /dev/null copies)
+    when mknod is allowed, else none; stopped at the end of the session whatever happened."""
     reason = cluster_skip_reason()
     if reason:
         pytest.skip(reason)
-    env = {**os.environ, **CLUSTER_ENV}
+    env = {**os.environ, **CLUSTER_ENV, "LOCAL_SLURM_GPUS": str(FAKE_GPUS)}
     try:
-        start = subprocess.run(
-            ["bash", str(LOCAL_SLURM), "start"], env=env, capture_output=True, text=True, timeout=300
-        )
+        start = _start(env)
+        gpus = FAKE_GPUS
+        if start.returncode != 0:  # e.g. no mknod in a container: no fake GPUs then
+            env["LOCAL_SLURM_GPUS"] = "0"
+            start, gpus = _start(env), 0
         assert start.returncode == 0, f"local_slurm.sh start failed:\n{start.stdout}\n{start.stderr}"
-        yield {"nodes": ["node1", "node2"]}
+        yield {"nodes": ["node1", "node2"], "gpus_per_node": gpus}
     finally:
         stop = ["bash", str(LOCAL_SLURM), "stop"]
         subprocess.run(stop, env=env, capture_output=True, text=True, timeout=120)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.slurm.conftest import RL_SBATCH
+from tests.slurm.conftest import REPO, RL_SBATCH
 
 pytestmark = pytest.mark.slurm
 
@@ -209,3 +209,25 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm_cluster, tiny_model_dir, pr
     assert checkpoints == [f"step_{k:06d}", f"step_{steps:06d}"], checkpoints
     # TensorBoard: every step once, across the two runs
     assert sorted(set(tensorboard_steps(run_dir, "reward/mean"))) == list(range(1, steps + 1))
+
+
+def test_gpu_example_layout_under_sbatch(slurm_cluster, tmp_path):
+    """The 8B example's launch line on the cluster's fake GPUs, as a dry run: inside a real job the script
+    finds itself from its spool copy, reads SLURM_GPUS_ON_NODE, plans 8 SGLang servers + 8 trainer ranks."""
+    if slurm_cluster["gpus_per_node"] < 8:
+        pytest.skip("the local cluster has no fake GPUs here (mknod not permitted)")
+    argv = [
+        "sbatch", "--parsable", "--wait", "--nodes=2", "--gpus-per-node=8", "--exclusive",
+        f"--time={JOB_TIME_MIN}", f"--chdir={REPO}", f"--output={tmp_path}/job-%j.out", str(RL_SBATCH),
+        "examples/qwen3_8b_grpo_dvp.yaml",
+    ]  # fmt: skip
+    env = {**job_env(), "MT_DRY_RUN": "1", "MT_SGLANG_MEM_FRACTION": "0.85"}
+    for key in ("MT_ROLLOUT_BACKEND", "MT_TRAIN_NPROC_PER_NODE"):
+        env.pop(key)
+    proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    job_id = proc.stdout.split(";")[0].strip()
+    out = read_text(tmp_path / f"job-{job_id}.out")
+    assert proc.returncode == 0, proc.stderr + out
+    assert "layout: rollout node1 (sglang, 8/node), trainer node2 (1 x 8, TP 2 PP 1)" in out, out
+    assert "--mem-fraction-static 0.85" in out and "--nnodes=1 --nproc-per-node=8" in out, out
+    assert f"--model-path {REPO}/models/Qwen3-8B" in out, out
