@@ -28,7 +28,7 @@ algorithm:
   is_mode: mis              # MIS with the sequence veto
   veto_threshold: 1.0e-4
 optimizer:
-  lr: 1.0e-4
+  lr: 3.0e-4
   clip_grad: 1.0
 data:
   train_path: ""            # set by `megatron-tail demo` (toy_arithmetic_train.jsonl)
@@ -38,7 +38,7 @@ data:
   prompts_per_step: 32
   eval_prompts: 200
 train:
-  steps: 30
+  steps: 40
   micro_batch_size: 64
   eval_every: 5
   checkpoint_every: 10

@@ -2,9 +2,12 @@
 
     python -m megatron_tail.demo.pretrain --out runs/demo_cache/tiny_qwen3_arith
 
-Same seed + same thread count → the same checkpoint. It trains only long enough for *partial* greedy
-accuracy, so that RL starts from non-zero reward and has room to improve. The loss is on the answer
-tokens and the EOS (the model must learn to stop); prompts are raw `"12+345="` strings (no chat template).
+Same seed + same thread count → the same checkpoint. Prompts are raw `"12+34="` strings (no chat template);
+the loss is on the answer and what follows it. In a fraction `ramble_prob` of the examples the answer is
+followed by a stray digit before the EOS ("12+34=46" + "7"), so the pretrained model often rambles past its
+answer. The exact-match reward scores "467" as wrong: RL has to teach the model to stop right after the
+answer, which it learns fast and visibly (as RL teaches LLMs format and termination), while the arithmetic
+itself improves slowly. Accuracy therefore starts well above zero and has room to rise.
 """
 
 from __future__ import annotations
@@ -25,25 +28,27 @@ from megatron_tail.demo.model import new_tiny_qwen3, save_hf
 class PretrainSettings:
     seed: int = 0
     """Seeds the model init, the problem stream and the batch order."""
-    steps: int = 1200
+    steps: int = 400
     """Optimizer steps."""
     batch_size: int = 128
     lr: float = 3e-3
     """Peak learning rate (AdamW), cosine-decayed to 10% after a short warm-up."""
     warmup: int = 50
     weight_decay: float = 0.01
-    max_digits: int = 3
-    """Operands have 1..max_digits digits (as the RL prompts of `examples/data`)."""
+    max_digits: int = 2
+    """Operands have 1..max_digits digits (as the demo's RL prompts)."""
+    ramble_prob: float = 0.5
+    """Fraction of examples whose answer is followed by one stray digit before the EOS."""
     num_examples: int = 50_000
     """Problems generated for pretraining (a seed disjoint from the RL files')."""
     threads: int = 2
     """torch threads (the result depends on it; keep it fixed for reproducibility)."""
 
 
-def encode(tokenizer, prompt: str, answer: str) -> tuple[list[int], int]:
-    """Token ids of prompt + answer + EOS, and the prompt length."""
+def encode(tokenizer, prompt: str, target: str) -> tuple[list[int], int]:
+    """Token ids of prompt + target + EOS, and the prompt length."""
     p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    a = tokenizer(answer, add_special_tokens=False)["input_ids"]
+    a = tokenizer(target, add_special_tokens=False)["input_ids"]
     return [*p, *a, tokenizer.eos_token_id], len(p)
 
 
@@ -54,7 +59,11 @@ def make_batches(tokenizer, settings: PretrainSettings):
     rows = make_arithmetic_examples(
         settings.num_examples, max_digits=settings.max_digits, seed=10_000 + settings.seed
     )
-    encoded = [encode(tokenizer, r["prompt"], r["answer"]) for r in rows]
+    gen = torch.Generator().manual_seed(20_000 + settings.seed)
+    ramble = (torch.rand(len(rows), generator=gen) < settings.ramble_prob).tolist()
+    stray = torch.randint(0, 10, (len(rows),), generator=gen).tolist()
+    targets = [r["answer"] + (str(d) if x else "") for r, x, d in zip(rows, ramble, stray, strict=True)]
+    encoded = [encode(tokenizer, r["prompt"], t) for r, t in zip(rows, targets, strict=True)]
     length = max(len(ids) for ids, _ in encoded)
     ids = torch.full((len(encoded), length), tokenizer.pad_token_id, dtype=torch.long)
     loss_mask = torch.zeros((len(encoded), length - 1), dtype=torch.bool)

@@ -13,6 +13,10 @@ from pathlib import Path
 
 from megatron_tail.demo.defaults import DATA_DIR_NAME, DEMO_CONFIG_YAML, PRETRAIN_DIR_NAME
 
+DEMO_MAX_DIGITS = 2
+DEMO_DATA = {"train": (2000, 1234), "test": (200, 5678)}
+"""name → (number of problems, seed) of the demo's prompt files."""
+
 COMPARE_VARIANTS: dict[str, list[str]] = {
     "naive": ["algorithm.log_rho=null", "algorithm.is_mode=none", "algorithm.veto_threshold=0"],
     "dvp_mis": ["algorithm.log_rho=-13", "algorithm.is_mode=mis", "algorithm.veto_threshold=1e-4"],
@@ -21,7 +25,8 @@ COMPARE_VARIANTS: dict[str, list[str]] = {
 
 # (tag, how to summarise it over the steps, label)
 STABILITY_ROWS: list[tuple[str, str, str]] = [
-    ("eval/accuracy", "last", "greedy eval accuracy (last)"),
+    ("eval/sampled_accuracy", "last", "eval accuracy, sampled (last)"),
+    ("eval/greedy_accuracy", "last", "eval accuracy, greedy (last)"),
     ("reward/accuracy", "last5", "sampled accuracy (last 5 steps)"),
     ("mismatch/kl_infer_train_k3", "mean", "KL(π_infer‖π_train), k3 (mean)"),
     ("mismatch/kl_infer_train_k3", "max", "KL(π_infer‖π_train), k3 (max)"),
@@ -100,15 +105,19 @@ def ensure_pretrained(cache: Path) -> Path:
 
 
 def ensure_data(cache: Path) -> tuple[Path, Path]:
-    """The toy addition prompt files (train, test) in `cache`, written by the data package's generator."""
-    from megatron_tail.data.toy_arithmetic import write_toy_arithmetic_files
+    """The demo's prompt files (train, test) in `cache`: additions of 1–2-digit numbers, written by the data
+    package's generator with fixed seeds (`DEMO_DATA`)."""
+    from megatron_tail.data.toy_arithmetic import make_arithmetic_examples, write_jsonl
 
     data = cache / DATA_DIR_NAME
-    train, test = data / "toy_arithmetic_train.jsonl", data / "toy_arithmetic_test.jsonl"
-    if not (train.is_file() and test.is_file()):
-        data.mkdir(parents=True, exist_ok=True)
-        train, test = write_toy_arithmetic_files(data)
-    return train, test
+    paths = []
+    for name, (n, seed) in DEMO_DATA.items():
+        path = data / f"toy_addition_{name}.jsonl"
+        if not path.is_file():
+            data.mkdir(parents=True, exist_ok=True)
+            write_jsonl(make_arithmetic_examples(n, max_digits=DEMO_MAX_DIGITS, seed=seed), path)
+        paths.append(path)
+    return paths[0], paths[1]
 
 
 def launch_training(run_dir: Path, overrides: Sequence[str]) -> int:
@@ -177,10 +186,12 @@ def print_comparison(dirs: dict[str, Path]) -> None:
 
 
 def _print_accuracy(name: str, run_dir: Path) -> None:
-    series = read_scalars(run_dir).get("eval/accuracy", [])
-    if series:
-        trail = "  ".join(f"step {s}: {v:.3f}" for s, v in series)
-        _say(f"greedy eval accuracy ({name}): {trail}")
+    scalars = read_scalars(run_dir)
+    for kind in ("sampled", "greedy"):
+        series = scalars.get(f"eval/{kind}_accuracy", [])
+        if series:
+            trail = "  ".join(f"{s}: {v:.2f}" for s, v in series)
+            _say(f"eval accuracy, {kind} ({name}) by step: {trail}")
 
 
 def _settings_dict(settings) -> dict:

@@ -92,7 +92,10 @@ def _loop(cfg: RunConfig, runner, stop: GracefulStop, hooks: LoopHooks) -> RunRe
         if cfg.train.eval_every and start == 0:
             scalars = runner.evaluate()
             tb.write(0, scalars)
-            console.note(f"step 0: eval accuracy {scalars.get('eval/accuracy', float('nan')):.3f}")
+            console.note(
+                f"step 0: eval accuracy {scalars.get('eval/sampled_accuracy', float('nan')):.3f} sampled, "
+                f"{scalars.get('eval/greedy_accuracy', float('nan')):.3f} greedy"
+            )
         if start >= cfg.train.steps:
             console.note(f"{run_dir}: already at step {start} of {cfg.train.steps}; nothing to do")
         console.open(start, cfg.train.steps)
@@ -201,8 +204,10 @@ class Console:
             f"reward {m.get('reward/mean', float('nan')):.3f}",
             f"acc {m.get('reward/accuracy', float('nan')):.3f}",
         ]
-        if "eval/accuracy" in m:
-            parts.append(f"eval_acc {m['eval/accuracy']:.3f}")
+        if "eval/sampled_accuracy" in m:
+            parts.append(
+                f"eval_acc {m['eval/sampled_accuracy']:.3f} (greedy {m['eval/greedy_accuracy']:.3f})"
+            )
         parts += [
             f"len {m.get('response/length_mean', float('nan')):.1f}",
             f"kl(infer|train) {m.get('mismatch/kl_infer_train_k3', float('nan')):.2e}",

@@ -31,6 +31,9 @@ from megatron_tail.rollout import (
 )
 from megatron_tail.rollout.processor import DVPLogitProcessor
 
+EVAL_SEED = 987_654_321
+"""`base_seed` of every sampled evaluation: the same seeds each time, so evaluations differ by the weights."""
+
 
 @dataclass
 class RolloutBatch:
@@ -194,19 +197,30 @@ class RolloutSide:
         )
 
     def evaluate(self, prompt_ids: Sequence[Sequence[int]], answers: Sequence[str]) -> dict[str, float]:
-        """Greedy (T = 0, no pruning: the argmax is always in the safe set) accuracy and mean reward."""
-        sampling = SamplingConfig(
-            n_samples=1, max_new_tokens=self.cfg.rollout.max_new_tokens, temperature=0.0, log_rho=None
+        """Accuracy of one sample per prompt at the training temperature (with DVP if on: the policy being
+        trained; fixed seeds, so evaluations differ only by the weights) and of greedy decoding."""
+        r = self.cfg.rollout
+        sampled = SamplingConfig(
+            n_samples=1,
+            max_new_tokens=r.max_new_tokens,
+            temperature=r.temperature,
+            log_rho=self.cfg.algorithm.log_rho if self.client.processor is not None else None,
+            base_seed=EVAL_SEED,
         )
-        grouped = self._run(self.eval_client.generate(prompt_ids, sampling))
-        completions = [self._decode(g[0].output_ids) for g in grouped]
-        rewards = compute_rewards(self.reward_fn, completions, list(answers))
-        correct = [x >= self.cfg.data.correct_reward for x in rewards]
-        return {
-            "eval/accuracy": sum(correct) / len(correct),
-            "eval/reward": sum(rewards) / len(rewards),
-            "eval/response_length": sum(len(g[0].output_ids) for g in grouped) / len(grouped),
-        }
+        # greedy: no pruning needed (the argmax is always in the safe set)
+        greedy = SamplingConfig(n_samples=1, max_new_tokens=r.max_new_tokens, temperature=0.0, log_rho=None)
+        out = {}
+        for name, client, sampling in (
+            ("sampled", self.client, sampled),
+            ("greedy", self.eval_client, greedy),
+        ):
+            grouped = self._run(client.generate(prompt_ids, sampling))
+            completions = [self._decode(g[0].output_ids) for g in grouped]
+            rewards = compute_rewards(self.reward_fn, completions, list(answers))
+            correct = [x >= self.cfg.data.correct_reward for x in rewards]
+            out[f"eval/{name}_accuracy"] = sum(correct) / len(correct)
+            out[f"eval/{name}_reward"] = sum(rewards) / len(rewards)
+        return out
 
     def sync_weights(self, hf_dir: Path, version: int) -> float:
         """Load the exported HF checkpoint `hf_dir` on every engine as `weight_version=str(version)`."""

@@ -83,7 +83,8 @@ def test_every_metric_is_logged_finite_each_step(cli_run):
         assert steps == [1, 2, 3], (tag, steps)
         bad = [v for _, v in scalars[tag] if not math.isfinite(v)]
         assert not bad, (tag, bad)
-    assert [s for s, _ in scalars["eval/accuracy"]] == [0, 2]  # before training, then every 2 steps
+    for tag in ("eval/sampled_accuracy", "eval/greedy_accuracy"):
+        assert [s for s, _ in scalars[tag]] == [0, 2], tag  # before training, then every 2 steps
 
 
 def test_logged_values_are_consistent(cli_run):
