@@ -98,11 +98,14 @@ def _loop(cfg: RunConfig, runner, stop: GracefulStop, hooks: LoopHooks) -> RunRe
             )
         if start >= cfg.train.steps:
             console.note(f"{run_dir}: already at step {start} of {cfg.train.steps}; nothing to do")
+        if stop.agreed():  # signalled while starting up: nothing new to save
+            result.stopped_by = _signal_name(stop)
+            console.note(f"{result.stopped_by}: stopped before step {start + 1}")
+            return result
         console.open(start, cfg.train.steps)
         for step in range(start, cfg.train.steps):
-            if stop.agreed():
-                result.stopped_by = _signal_name(stop)
-                break
+            # A signal is only acted on after a step (below), which then also checkpoints: one that lands
+            # between that check and here lets this step run and stops after it.
             if hooks.on_step_start is not None:
                 hooks.on_step_start(step)
             metrics = runner.step(step)
