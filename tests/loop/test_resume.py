@@ -49,10 +49,18 @@ def _overrides(tiny_model_dir, prompt_file, engine, run_dir):
     return loop_overrides(tiny_model_dir, prompt_file, run_dir, extra)
 
 
-def test_sigterm_then_resume_equals_uninterrupted(tiny_model_dir, prompt_file, engine, tmp_path):
-    full = run_distributed(
-        _run_rank, 2, _overrides(tiny_model_dir, prompt_file, engine, tmp_path / "full"), -1, timeout=600
-    )
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_model_dir, prompt_file, engine, tmp_path_factory):
+    """4 steps at TP = 2 without interruption: the reference run."""
+    run_dir = tmp_path_factory.mktemp("uninterrupted") / "full"
+    overrides = _overrides(tiny_model_dir, prompt_file, engine, run_dir)
+    return run_distributed(_run_rank, 2, overrides, -1, timeout=600), run_dir
+
+
+def test_sigterm_then_resume_equals_uninterrupted(
+    tiny_model_dir, prompt_file, engine, uninterrupted, tmp_path
+):
+    full, full_dir = uninterrupted
     interrupted_dir = tmp_path / "interrupted"
     overrides = _overrides(tiny_model_dir, prompt_file, engine, interrupted_dir)
     first = run_distributed(_run_rank, 2, overrides, 1, timeout=600)
@@ -74,7 +82,31 @@ def test_sigterm_then_resume_equals_uninterrupted(tiny_model_dir, prompt_file, e
     assert len({h["reward/mean"] for h in uninterrupted}) == 4
 
     # TensorBoard of the interrupted + resumed run: each step once, equal to the uninterrupted run's
-    logged, reference = read_scalars(interrupted_dir), read_scalars(tmp_path / "full")
+    logged, reference = read_scalars(interrupted_dir), read_scalars(full_dir)
     for tag in COMPARED:
         assert [s for s, _ in logged[tag]] == [1, 2, 3, 4], tag
         assert [v for _, v in logged[tag]] == pytest.approx([v for _, v in reference[tag]], rel=1e-6), tag
+
+
+@pytest.mark.parametrize("layout", ["dp2", "pp2"])
+def test_other_layouts_give_the_same_first_step(
+    tiny_model_dir, prompt_file, engine, uninterrupted, tmp_path, layout
+):
+    """World 2 as DP = 2 (TP = 1) or PP = 2: the first step sees the same samples (same initial weights and
+    seeds), so its loss, gradient norm and diagnostics equal the TP = 2 run's up to reduction order."""
+    parallel = {"dp2": {"parallel.tensor_parallel": 1}, "pp2": {"parallel.tensor_parallel": 1,
+                "parallel.pipeline_parallel": 2}}[layout]  # fmt: skip
+    overrides = _overrides(tiny_model_dir, prompt_file, engine, tmp_path / layout)
+    overrides = [o for o in overrides if not o.startswith(("parallel.", "train.steps="))]
+    overrides += [f"{k}={v}" for k, v in parallel.items()] + ["train.steps=1"]
+    results = run_distributed(_run_rank, 2, overrides, -1, timeout=600)
+    assert [r[1] for r in results] == [1, 1]
+    got, want = results[0][3][0], uninterrupted[0][0][3][0]
+    for tag in [
+        *COMPARED,
+        "is/weight_mean",
+        "mismatch/abs_delta",
+        "dvp/safe_set_size_mean",
+        "dvp/safe_mass_min",
+    ]:
+        assert got[tag] == pytest.approx(want[tag], rel=1e-4, abs=1e-7), tag
