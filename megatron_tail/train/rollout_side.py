@@ -2,7 +2,8 @@
 sampling a step's prompts, rewards, greedy eval, and pushing new weights to the engines.
 
 Only global rank 0 makes a `RolloutSide`; the other ranks receive the `RolloutBatch` by broadcast
-(`broadcast_batch`). All HTTP work runs on one private asyncio event loop, so the RL loop stays synchronous.
+(`step_runner.on_rank0`). All HTTP work runs on one private asyncio event loop, so the RL loop stays
+synchronous.
 """
 
 from __future__ import annotations
@@ -15,8 +16,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch.distributed as dist
 
 from megatron_tail.config import RunConfig
 from megatron_tail.rewards import compute_rewards, load_reward_fn
@@ -57,13 +56,6 @@ class RolloutBatch:
         return len(self.response_ids)
 
 
-def broadcast_batch(batch: RolloutBatch | None, src: int = 0) -> RolloutBatch:
-    """Collective over the world: rank `src`'s batch on every rank."""
-    box = [batch]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
-
-
 def free_port() -> int:
     import socket
 
@@ -76,8 +68,7 @@ class LocalEngineProcess:
     """`megatron-tail serve-local` as a child process in its own session (so a Ctrl-C or a signal sent to the
     trainer's process group does not kill it mid-step); stopped by `stop()`."""
 
-    def __init__(self, cfg: RunConfig, log_path: Path):
-        port = cfg.rollout.local_port or free_port()
+    def __init__(self, cfg: RunConfig, port: int, log_path: Path):
         engine = LocalEngineConfig(
             model_path=cfg.model.hf_path,
             port=port,
@@ -124,14 +115,13 @@ class RolloutSide:
     def __init__(self, cfg: RunConfig, run_dir: Path, tokenizer):
         self.cfg = cfg
         self.tokenizer = tokenizer
-        self.loop = asyncio.new_event_loop()
+        self.reward_fn = load_reward_fn(cfg.data.reward)
         self.engine: LocalEngineProcess | None = None
         if cfg.rollout.engine == "local":
-            self.engine = LocalEngineProcess(cfg, run_dir / "logs" / "local_engine.log")
-            self.urls = [self.engine.url]
+            port = cfg.rollout.local_port or free_port()
+            self.urls = [LocalEngineConfig(model_path=cfg.model.hf_path, port=port).url]
         else:
             self.urls = list(cfg.rollout.server_urls)
-        self.reward_fn = load_reward_fn(cfg.data.reward)
         self.weight_sync = DiskWeightSync(self.urls, timeout_s=cfg.rollout.request_timeout_s)
         client_cfg = ClientConfig(
             max_concurrency=cfg.rollout.max_concurrency, request_timeout_s=cfg.rollout.request_timeout_s
@@ -145,6 +135,9 @@ class RolloutSide:
             on_result=self._on_result,
         )
         self.eval_client = RolloutClient(self.urls, client_cfg, processor=None)
+        self.loop = asyncio.new_event_loop()
+        if cfg.rollout.engine == "local":  # last: nothing after it can fail and leave the process behind
+            self.engine = LocalEngineProcess(cfg, port, run_dir / "logs" / "local_engine.log")
 
     def _on_result(self, result) -> None:
         if self.on_result is not None:

@@ -7,7 +7,9 @@ Rank 0 alone owns the engines, the tokenizer and the prompts.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch.distributed as dist
 
@@ -18,8 +20,32 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .loop import Console, progress_enabled
 from .parallel import ParallelConfig, init_parallel
 from .rl_step import train_on_batch
-from .rollout_side import RolloutBatch, RolloutSide, broadcast_batch
+from .rollout_side import RolloutBatch, RolloutSide
 from .setup import build_trainer
+
+T = TypeVar("T")
+
+
+def on_rank0(fn: Callable[[], T]) -> T:
+    """Run `fn()` on global rank 0 only and hand its result to every rank. Collective (one broadcast).
+
+    If `fn` raises on rank 0, every rank raises (rank 0 its own exception, the others a RuntimeError that
+    quotes it) instead of the other ranks waiting in the next collective until the process-group timeout.
+    """
+    result, error, raised = None, None, None
+    if dist.get_rank() == 0:
+        try:
+            result = fn()
+        except Exception as e:
+            raised, error = e, f"{type(e).__name__}: {e}"
+    box = [(result, error)]
+    dist.broadcast_object_list(box, src=0)
+    result, error = box[0]
+    if raised is not None:
+        raise raised
+    if error is not None:
+        raise RuntimeError(f"global rank 0 failed: {error}")
+    return result
 
 
 def rollout_seed(seed: int, step: int) -> int:
@@ -38,29 +64,36 @@ class StepRunner:
         self.rollout: RolloutSide | None = None
         self.batches = None
         self.eval_examples: list = []
-        if self.rank == 0:
+
+        def start_rollout_side() -> None:
             tokenizer = _load_tokenizer(cfg.model.hf_path)
-            self.rollout = RolloutSide(cfg, self.run_dir, tokenizer)  # the local engine starts loading now
             self._load_data(tokenizer)
-        self.groups = init_parallel(
-            ParallelConfig(
-                tensor_parallel=cfg.parallel.tensor_parallel,
-                pipeline_parallel=cfg.parallel.pipeline_parallel,
-                seed=cfg.seed,
+            self.rollout = RolloutSide(cfg, self.run_dir, tokenizer)  # the local engine starts loading now
+
+        on_rank0(start_rollout_side)
+        try:
+            self.groups = init_parallel(
+                ParallelConfig(
+                    tensor_parallel=cfg.parallel.tensor_parallel,
+                    pipeline_parallel=cfg.parallel.pipeline_parallel,
+                    seed=cfg.seed,
+                )
             )
-        )
-        m = cfg.model
-        self.trainer = build_trainer(
-            load_hf_config(m.hf_path),
-            hf_dir=m.hf_path,
-            model_settings=ModelSettings(
-                bf16=m.bf16,
-                use_te=m.use_te,
-                vocab_pad_multiple=m.vocab_pad_multiple,
-                max_sequence_length=m.max_sequence_length,
-            ),
-            optim=cfg.optimizer.to_settings(),
-        )
+            m = cfg.model
+            self.trainer = build_trainer(
+                load_hf_config(m.hf_path),
+                hf_dir=m.hf_path,
+                model_settings=ModelSettings(
+                    bf16=m.bf16,
+                    use_te=m.use_te,
+                    vocab_pad_multiple=m.vocab_pad_multiple,
+                    max_sequence_length=m.max_sequence_length,
+                ),
+                optim=cfg.optimizer.to_settings(),
+            )
+        except BaseException:
+            self.close()  # never leave a local engine process behind
+            raise
 
     def _load_data(self, tokenizer) -> None:
         from megatron_tail.data import PromptBatches, PromptDataConfig, load_prompts
@@ -103,9 +136,7 @@ class StepRunner:
         return int(rl_state["step"])
 
     def wait_ready(self) -> None:
-        if self.rollout is not None:
-            self.rollout.wait_ready()
-        dist.barrier()
+        on_rank0(lambda: self.rollout.wait_ready())
 
     def sync_weights(self, version: int) -> float:
         """Export the trainer's weights as a HF checkpoint and load it on every engine. Returns seconds."""
@@ -114,25 +145,22 @@ class StepRunner:
         started = time.perf_counter()
         out = Path(self.cfg.rollout.weight_sync_dir or self.run_dir / "rollout_weights")
         export_hf(self.trainer.chunks, out, self.trainer.arch, copy_files_from=self.cfg.model.hf_path)
-        if self.rollout is not None:
-            self.rollout.sync_weights(out, version)
-        dist.barrier()
+        on_rank0(lambda: self.rollout.sync_weights(out, version))
         return time.perf_counter() - started
 
     def evaluate(self) -> dict[str, float]:
         """Greedy accuracy on the eval prompts (rank 0 asks the engines; every rank gets the result)."""
-        box = [{}]
-        if self.rollout is not None and self.eval_examples:
+
+        def evaluate() -> dict[str, float]:
             ex = self.eval_examples
-            box = [self.rollout.evaluate([e.prompt_ids for e in ex], [e.answer for e in ex])]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+            return self.rollout.evaluate([e.prompt_ids for e in ex], [e.answer for e in ex]) if ex else {}
+
+        return on_rank0(evaluate)
 
     def step(self, step: int) -> dict[str, float]:
         """One RL step (0-based index `step`): rollout → train → weight sync (→ eval). Returns the metrics."""
         started = time.perf_counter()
-        batch = self._rollout(step) if self.rollout is not None else None
-        batch = broadcast_batch(batch)
+        batch = on_rank0(lambda: self._rollout(step))
         outcome = train_on_batch(self.trainer, self.cfg, batch)
         sync_s = self.sync_weights(version=step + 1)
         metrics = rollout_metrics(batch, expected_version=str(step))

@@ -11,7 +11,7 @@ import pytest
 
 from megatron_tail.config import load_config
 from megatron_tail.demo.run import read_scalars
-from tests.harness import run_distributed
+from tests.harness import RankFailed, run_distributed
 from tests.loop.conftest import loop_overrides
 from tests.rollout.servers import start_servers
 
@@ -110,3 +110,16 @@ def test_other_layouts_give_the_same_first_step(
         "dvp/safe_mass_min",
     ]:
         assert got[tag] == pytest.approx(want[tag], rel=1e-4, abs=1e-7), tag
+
+
+def test_a_failure_on_rank0_fails_every_rank_promptly(tiny_model_dir, prompt_file, engine, tmp_path):
+    """Rank 0 alone reads the prompts; a missing file must not leave rank 1 waiting in a collective."""
+    overrides = _overrides(tiny_model_dir, prompt_file, engine, tmp_path / "bad")
+    overrides = [o for o in overrides if not o.startswith("data.train_path=")]
+    overrides.append(f"data.train_path={tmp_path / 'missing.jsonl'}")
+    with pytest.raises(RankFailed) as info:
+        run_distributed(_run_rank, 2, overrides, -1, timeout=120)
+    message = str(info.value)
+    rank0, rank1 = message.split("--- rank 1 ---")
+    assert "FileNotFoundError" in rank0 and "missing.jsonl" in rank0
+    assert "RuntimeError: global rank 0 failed: FileNotFoundError" in rank1
