@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml setup.py constraints.txt
 	touch $(STAMP)
 
 demo: install
-	$(PY) -m megatron_tail.bench.op
+	$(VENV)/bin/megatron-tail demo
 
 test: install
 	$(PY) -m pytest -q -m "not slow"
