@@ -1,7 +1,8 @@
 """The demo's embedded default config (`megatron-tail demo` needs no file); `examples/demo/demo.yaml` is the
 same text (a test keeps them identical), for running the demo config by hand."""
 
-DEMO_CONFIG_YAML = r"""# The CPU demo: RL on toy addition ("12+345=" → "357") from a tiny pretrained Qwen3.
+DEMO_CONFIG_YAML = r"""# The CPU demo: RL on toy addition ("12+34=" → "46") from a tiny pretrained Qwen3 that often rambles past
+# its answer (see megatron_tail/demo/pretrain.py); RL on the exact-match reward teaches it to stop.
 # `megatron-tail demo` fills in model.hf_path and the data paths (its cache directory) and runs this
 # with torchrun at TP = 2 over gloo; the local engine samples in bf16, the trainer computes in fp32.
 # Run it yourself with:
@@ -28,7 +29,7 @@ algorithm:
   is_mode: mis              # MIS with the sequence veto
   veto_threshold: 1.0e-4
 optimizer:
-  lr: 3.0e-4
+  lr: 1.0e-4
   clip_grad: 1.0
 data:
   train_path: ""            # set by `megatron-tail demo` (toy_arithmetic_train.jsonl)
@@ -38,9 +39,9 @@ data:
   prompts_per_step: 32
   eval_prompts: 200
 train:
-  steps: 40
+  steps: 60
   micro_batch_size: 64
-  eval_every: 5
+  eval_every: 10
   checkpoint_every: 10
   keep_checkpoints: 1
 logging:

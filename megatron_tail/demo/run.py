@@ -43,7 +43,8 @@ STABILITY_ROWS: list[tuple[str, str, str]] = [
     ("train/grad_norm", "max", "gradient norm (max)"),
     ("policy/entropy", "last", "policy entropy (last)"),
     ("dvp/safe_set_size_mean", "mean", "safe-set size |V_S| (mean)"),
-    ("dvp/safe_mass_min", "min", "min safe mass Z (Prop. 5.5)"),
+    ("dvp/safe_mass_min", "min", "min safe mass Z_min (Prop. 5.5)"),
+    ("dvp/bias_bound", "max", "bias bound R·T·(1 − Z_min) (max)"),
 ]
 
 
@@ -63,8 +64,8 @@ def run_demo(
     dirs = {}
     for name, knobs in variants.items():
         target = Path(run_dir) / name if name else Path(run_dir)
-        if fresh and target.exists():
-            shutil.rmtree(target)
+        if target.exists() and (fresh or _finished(target, [*base, *knobs, *overrides])):
+            shutil.rmtree(target)  # a finished demo run starts over; a stopped one resumes
         label = f" [{name}]" if name else ""
         _say(f"\n== RL{label}: {target}  (SIGTERM to the trainers stops after the step; rerun resumes)")
         code = launch_training(target, [*base, f"run_dir={target}", *knobs, *overrides])
@@ -81,6 +82,19 @@ def run_demo(
     _say(f"  view with: tensorboard --logdir {Path(run_dir).resolve()}")
     _say(f"demo finished in {time.monotonic() - started:.0f} s")
     return 0
+
+
+def _finished(run_dir: Path, overrides: Sequence[str]) -> bool:
+    """The run in `run_dir` has a checkpoint at its last step."""
+    from megatron_tail.config import load_config
+    from megatron_tail.train.run_dir import latest_checkpoint
+
+    latest = latest_checkpoint(run_dir)
+    if latest is None:
+        return False
+    base = run_dir / "demo_base.yaml"
+    base.write_text(DEMO_CONFIG_YAML)
+    return latest[0] >= load_config(base, overrides).train.steps
 
 
 def ensure_pretrained(cache: Path) -> Path:
@@ -203,6 +217,8 @@ def _settings_dict(settings) -> dict:
 def _fmt(x: float) -> str:
     if x != x:
         return "—"
+    if 0.999 < x < 1:
+        return f"{x:.7f}"  # safe masses: the distance from 1 is the point
     return f"{x:.3g}" if abs(x) >= 1e-3 or x == 0 else f"{x:.2e}"
 
 
