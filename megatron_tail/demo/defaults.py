@@ -1,7 +1,8 @@
 """The demo's embedded default config (`megatron-tail demo` needs no file); `examples/demo/demo.yaml` is the
 same text (a test keeps them identical), for running the demo config by hand."""
 
-DEMO_CONFIG_YAML = r"""# The CPU demo: RL on toy addition ("12+34=" → "46") from a tiny pretrained Qwen3 that often rambles past
+DEMO_CONFIG_YAML = r"""
+# The CPU demo: RL on toy addition ("12+34=" → "46") from a tiny pretrained Qwen3 that often rambles past
 # its answer (see megatron_tail/demo/pretrain.py); RL on the exact-match reward teaches it to stop.
 # `megatron-tail demo` fills in model.hf_path and the data paths (its cache directory) and runs this
 # with torchrun at TP = 2 over gloo; the local engine samples in bf16, the trainer computes in fp32.
@@ -46,7 +47,7 @@ train:
   keep_checkpoints: 1
 logging:
   progress: auto
-"""
+"""[1:]
 
 PRETRAIN_DIR_NAME = "tiny_qwen3_arith"
 DATA_DIR_NAME = "data"
