@@ -29,13 +29,18 @@ def add_config_arguments(parser: argparse.ArgumentParser, *, required: bool) -> 
     parser.add_argument(
         "config", nargs=None if required else "?", default=None, help="YAML run config (see examples/)"
     )
+    add_overrides_argument(parser, "override a config value, e.g. --set algorithm.log_rho=-13")
+
+
+def add_overrides_argument(parser: argparse.ArgumentParser, help_text: str) -> None:
+    """`--set KEY=VALUE` (repeatable) into `args.overrides`, the form `load_config` takes."""
     parser.add_argument(
         "--set",
         dest="overrides",
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a config value, e.g. --set algorithm.log_rho=-13 (repeatable)",
+        help=f"{help_text} (repeatable)",
     )
 
 

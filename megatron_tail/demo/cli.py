@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 
+from megatron_tail.config.cli import add_overrides_argument
+
 DEFAULT_RUN_DIR = "runs/demo"
 DEFAULT_CACHE_DIR = "runs/demo_cache"
 
@@ -31,14 +33,7 @@ def add_demo_parser(subparsers) -> argparse.ArgumentParser:
         default=DEFAULT_CACHE_DIR,
         help=f"pretrained model and data, reused across runs (default {DEFAULT_CACHE_DIR})",
     )
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override the demo config, e.g. --set train.steps=10 (repeatable)",
-    )
+    add_overrides_argument(parser, "override the demo config, e.g. --set train.steps=10")
     parser.add_argument(
         "--fresh", action="store_true", help="delete the run directory first instead of resuming it"
     )
