@@ -12,9 +12,9 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from megatron_tail.config.cli import add_train_parser
 from megatron_tail.demo.cli import add_demo_parser
 from megatron_tail.rollout.local_engine.cli import add_serve_local_parser
+from megatron_tail.train.run.cli import add_train_parser
 
 SUBCOMMANDS: list[Callable] = [add_train_parser, add_demo_parser, add_serve_local_parser]
 

@@ -1,6 +1,6 @@
 """Fixes to megatron-core 0.16's checkpointing of the distributed optimizer (CPU and GPU alike).
 
-Used by `megatron_tail.train.checkpoint`; each is pinned to megatron-core 0.16.x and idempotent. They
+Used by `megatron_tail.train.engine.checkpoint`; each is pinned to megatron-core 0.16.x and idempotent. They
 matter wherever torch's own Adam runs under megatron's `DistributedOptimizer` (no apex/TE: every CPU
 run, and GPU runs without those extras). See README.md for the table and when to drop them.
 """

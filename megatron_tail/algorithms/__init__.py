@@ -17,7 +17,7 @@ from megatron_tail.algorithms.aggregation import AGGREGATION_MODES, LossCounts, 
 from megatron_tail.algorithms.config import AlgorithmConfig
 from megatron_tail.algorithms.importance import ImportanceWeights, importance_weights
 from megatron_tail.algorithms.loss import PreparedTokens, compute_loss, prepare_tokens, rl_loss
-from megatron_tail.algorithms.metrics import MAX_METRICS, combine_metrics, finalize_metrics
+from megatron_tail.algorithms.metrics import combine_metrics, finalize_metrics, reduce_op_of
 from megatron_tail.algorithms.policy_loss import PPOTerms, kl_penalty, ppo_clip_loss
 from megatron_tail.algorithms.token_masks import (
     LoptiPhase,
@@ -30,7 +30,6 @@ from megatron_tail.algorithms.token_masks import (
 
 __all__ = [
     "AGGREGATION_MODES",
-    "MAX_METRICS",
     "AlgorithmConfig",
     "ImportanceWeights",
     "LoptiPhase",
@@ -52,6 +51,7 @@ __all__ = [
     "masked_quantile",
     "ppo_clip_loss",
     "prepare_tokens",
+    "reduce_op_of",
     "rl_loss",
     "rloo",
     "stapo_mask",

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from typing import Literal, get_args
 
 from megatron_tail.algorithms._checks import check_number
-from megatron_tail.algorithms.aggregation import AGGREGATION_MODES
-from megatron_tail.algorithms.importance import check_is_params
-from megatron_tail.algorithms.policy_loss import KL_ESTIMATORS
+from megatron_tail.algorithms.aggregation import AGGREGATION_MODES, AggregationMode
+from megatron_tail.algorithms.importance import IsLevel, IsMode, check_is_params
+from megatron_tail.algorithms.policy_loss import KL_ESTIMATORS, KlEstimator
 
-ADVANTAGE_ESTIMATORS: tuple[str, ...] = ("grpo", "rloo")
+AdvantageEstimator = Literal["grpo", "rloo"]
+ADVANTAGE_ESTIMATORS: tuple[str, ...] = get_args(AdvantageEstimator)
 
 
 @dataclass(frozen=True)
@@ -18,7 +20,7 @@ class AlgorithmConfig:
     """The RL objective's settings. Invalid values raise `ValueError` naming the field and the value."""
 
     # --- advantages
-    advantage_estimator: str = "grpo"
+    advantage_estimator: AdvantageEstimator = "grpo"
     """"grpo" ((r − mean)/(std + eps)) or "rloo" (r − leave-one-out mean), over groups of `group_size`."""
     group_size: int = 8
     """n, responses per prompt; groups are contiguous in the batch."""
@@ -32,9 +34,9 @@ class AlgorithmConfig:
     """log ρ of the safe set V_S = {a : π(a) ≥ ρ·max π}, for the op and the rollout sampler; None = off."""
 
     # --- importance correction θ_old (trainer) vs rollout engine
-    is_mode: str = "mis"
+    is_mode: IsMode = "mis"
     """"none", "tis" (truncate at `tis_cap`) or "mis" (zero outside [`mis_low`, `mis_high`])."""
-    is_level: str = "token"
+    is_level: IsLevel = "token"
     """"token", "sequence_product" (Π_t w_t) or "sequence_geomean" ((Π_t w_t)^(1/n))."""
     tis_cap: float = 2.0
     """C ≥ 1 for TIS."""
@@ -76,11 +78,11 @@ class AlgorithmConfig:
     """Dual-clip constant c > 1 (e.g. 3.0) for A < 0, or None."""
     kl_coef: float = 0.0
     """β ≥ 0 of the KL penalty to the reference policy; > 0 requires `ref_logprobs`."""
-    kl_estimator: str = "k3"
+    kl_estimator: KlEstimator = "k3"
     """"k1" (log π/π_ref) or "k3" (π_ref/π − 1 − log(π_ref/π))."""
 
     # --- aggregation
-    loss_aggregation: str = "token_mean"
+    loss_aggregation: AggregationMode = "token_mean"
     """"token_mean", "seq_mean_token_mean" or "seq_mean_token_sum" (Dr. GRPO)."""
     loss_max_len: int | None = None
     """L_max, the constant length divisor of "seq_mean_token_sum" (the generation length limit)."""

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
@@ -41,8 +41,8 @@ from megatron_tail.algorithms._checks import (
 
 IsMode = Literal["none", "tis", "mis"]
 IsLevel = Literal["token", "sequence_product", "sequence_geomean"]
-IS_MODES: tuple[str, ...] = ("none", "tis", "mis")
-IS_LEVELS: tuple[str, ...] = ("token", "sequence_product", "sequence_geomean")
+IS_MODES: tuple[str, ...] = get_args(IsMode)
+IS_LEVELS: tuple[str, ...] = get_args(IsLevel)
 
 
 @dataclass(frozen=True)

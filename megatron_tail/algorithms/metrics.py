@@ -1,12 +1,14 @@
 """Metrics returned beside the loss: pre-reduced so that DP ranks and micro-batches can simply be summed.
 
 Every metric is a 0-d float64 tensor holding a **sum or a count** over the tokens / sequences of the piece
-it was computed on (never a mean), so the global value is the sum over all pieces — except the keys in
-`MAX_METRICS`, which combine with max. Typical flow in the trainer:
+it was computed on (never a mean), so the global value is the sum over all pieces — except keys named
+`*_max` (combine with max) and `*_min` (combine with min): `reduce_op_of(key)`. The trainer's diagnostics
+follow the same convention, and `megatron_tail.train.engine.collectives.all_reduce_scalars` applies it
+across ranks. Typical flow in the trainer:
 
-    local = combine_metrics(per_micro_batch_dicts)           # sum (max for MAX_METRICS)
-    # all-reduce: SUM for every key, MAX for MAX_METRICS, over the DP group
-    logged = finalize_metrics(global_dict)                   # ratios as Python floats
+    local = combine_metrics(per_micro_batch_dicts)           # per key: sum, max or min
+    totals = all_reduce_scalars(local, dp_group)             # the same, over the DP group
+    logged = finalize_metrics(totals)                        # ratios as Python floats
 
 Keys written by `prepare_tokens` (batch-level, once per micro-batch):
     valid_tokens, sequences, loss_tokens, loss_sequences, stapo_masked_tokens, vetoed_sequences,
@@ -23,8 +25,18 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-MAX_METRICS: frozenset[str] = frozenset({"is_weight_max"})
-"""Metric keys that combine with max instead of sum (all-reduce with MAX)."""
+MAX_SUFFIX = "_max"
+MIN_SUFFIX = "_min"
+
+
+def reduce_op_of(key: str) -> str:
+    """How metric `key` combines across pieces and ranks: "max" for `*_max`, "min" for `*_min`, else "sum"."""
+    if key.endswith(MAX_SUFFIX):
+        return "max"
+    if key.endswith(MIN_SUFFIX):
+        return "min"
+    return "sum"
+
 
 # ratio name -> (numerator key, denominator key)
 _RATIOS: dict[str, tuple[str, str]] = {
@@ -48,14 +60,18 @@ def metric(value: torch.Tensor | float) -> torch.Tensor:
 
 
 def combine_metrics(dicts: Iterable[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Combine metric dicts of several pieces: sum per key, max for `MAX_METRICS`. Keys may differ."""
+    """Combine metric dicts of several pieces per key by `reduce_op_of` (sum, max or min). Keys may differ."""
     out: dict[str, torch.Tensor] = {}
     for d in dicts:
         for key, value in d.items():
             if key not in out:
                 out[key] = value
-            elif key in MAX_METRICS:
+                continue
+            op = reduce_op_of(key)
+            if op == "max":
                 out[key] = torch.maximum(out[key], value)
+            elif op == "min":
+                out[key] = torch.minimum(out[key], value)
             else:
                 out[key] = out[key] + value
     return out

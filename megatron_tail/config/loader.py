@@ -4,7 +4,8 @@
     save_resolved_config(cfg, cfg.run_dir)          # <run_dir>/config.yaml, every field spelled out
 
 - Unknown keys raise `ConfigError` naming the dotted key and the nearest valid one (difflib).
-- Values are coerced to the field's annotated type: YAML numbers to float/int, strings such as "1e-4",
+- Values are coerced to the field's annotated type (a `Literal[...]` field takes one of its choices):
+  YAML numbers to float/int, strings such as "1e-4",
   "-inf", "true", "null" from the command line to float / bool / None, lists to tuples. A value that does
   not fit raises `ConfigError` naming the key, the value and the expected type.
 - Each section's own validation (ValueError naming the field) runs when the dataclass is built.
@@ -19,7 +20,7 @@ import types
 import typing
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Literal, Union
 
 import yaml
 
@@ -146,6 +147,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     inner = _dataclass_in(tp)
     if inner is not None:
         return _build(inner, value, key + ".")
+    if origin is Literal:
+        return _coerce_choice(value.raw if isinstance(value, _CliValue) else value, args, key)
     if isinstance(value, _CliValue):
         value = value.raw if tp is str else _parse_cli(value.raw)
     if origin is tuple:
@@ -189,6 +192,12 @@ def _coerce_tuple(value: Any, args: tuple, key: str) -> tuple:
     if len(args) != len(value):
         raise ConfigError(f"{key} must have {len(args)} items; got {list(value)!r}")
     return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args, strict=True)))
+
+
+def _coerce_choice(value: Any, choices: tuple, key: str) -> Any:
+    if value in choices:
+        return value
+    raise ConfigError(f"{key} must be one of {choices}; got {value!r}")
 
 
 def _coerce_bool(value: Any, key: str) -> bool:

@@ -10,21 +10,32 @@
     train:      TrainSection           steps, micro-batches, checkpoints
     logging:    LoggingSection         TensorBoard, progress bars, the mismatch diagnostics' buckets
 
-`algorithm` and `optimizer` are the algorithms' and the trainer's own dataclasses, so their validation
-(ValueError naming the field and the value) applies as is. Every section validates on construction;
-`RunConfig.__post_init__` checks what spans sections.
+Settings are defined once, near their owners, in modules that import no megatron: `algorithm` is the
+algorithms' `AlgorithmConfig`, `optimizer` the engine's `OptimizerSettings`, and `model` / `data` extend the
+model's `ModelSettings` and the data's `PromptFormat` with what only a run needs (paths, batch sizes), so the
+trainer and the data loader take these sections as they are. Every section validates on construction
+(ValueError naming the field and the value); `RunConfig.__post_init__` checks what spans sections and
+refuses what the loop cannot run.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 from megatron_tail.algorithms.config import AlgorithmConfig
+from megatron_tail.data.prompts import PromptFormat
+from megatron_tail.model.settings import ModelSettings
+from megatron_tail.train.engine.settings import OptimizerSettings
 
-ROLLOUT_ENGINES = ("local", "remote")
-WEIGHT_SYNC_MODES = ("disk",)
-LOCAL_DTYPES = ("bfloat16", "float16", "float32")
-PROGRESS_MODES = ("auto", "always", "never")
+RolloutEngine = Literal["local", "remote"]
+WeightSyncMode = Literal["disk"]
+EngineDtype = Literal["bfloat16", "float16", "float32"]
+ProgressMode = Literal["auto", "always", "never"]
+ROLLOUT_ENGINES: tuple[str, ...] = get_args(RolloutEngine)
+WEIGHT_SYNC_MODES: tuple[str, ...] = get_args(WeightSyncMode)
+LOCAL_DTYPES: tuple[str, ...] = get_args(EngineDtype)
+PROGRESS_MODES: tuple[str, ...] = get_args(ProgressMode)
 
 
 def _bad(section: str, name: str, value: object, why: str) -> None:
@@ -42,24 +53,18 @@ def _choice(section: str, name: str, value: str, choices: tuple[str, ...]) -> No
 
 
 @dataclass(frozen=True)
-class ModelSection:
-    """The policy: a HF checkpoint directory (Qwen3 / Qwen2.5 / Llama-3) and how the trainer builds it."""
+class ModelSection(ModelSettings):
+    """The policy: a HF checkpoint directory (Qwen3 / Qwen2.5 / Llama-3) and how the trainer builds it (the
+    `ModelSettings` fields: bf16, use_te, vocab_pad_multiple, use_cpu_initialization, max_sequence_length)."""
 
     hf_path: str = ""
     """HF checkpoint dir (config.json, *.safetensors, tokenizer files); required."""
-    bf16: bool | None = None
-    """Train in bf16 (megatron Float16Module, fp32 main params). None: bf16 with CUDA, fp32 on CPU."""
-    use_te: bool | None = None
-    """Transformer Engine layer spec. None: when TE is installed and CUDA present."""
-    vocab_pad_multiple: int = 1024
-    """Megatron pads the vocab to a multiple of this (must be divisible by TP)."""
-    max_sequence_length: int | None = None
-    """Longest prompt + response the trainer runs. None: the HF `max_position_embeddings`."""
 
     def __post_init__(self) -> None:
         _positive_int("model", "vocab_pad_multiple", self.vocab_pad_multiple)
         if self.max_sequence_length is not None:
             _positive_int("model", "max_sequence_length", self.max_sequence_length)
+        super().__post_init__()
 
 
 @dataclass(frozen=True)
@@ -80,12 +85,12 @@ class ParallelSection:
 class RolloutSection:
     """Where samples come from and how the engines get the trainer's weights."""
 
-    engine: str = "local"
+    engine: RolloutEngine = "local"
     """"local": the trainer's rank 0 starts `megatron-tail serve-local` (CPU, HF transformers);
     "remote": SGLang servers (or one router) already running at `server_urls`."""
     server_urls: tuple[str, ...] = ()
     """Base URLs (`http://host:port`) of the engines; required with engine="remote"."""
-    local_dtype: str = "bfloat16"
+    local_dtype: EngineDtype = "bfloat16"
     """dtype of the local engine (bf16: its log-probs differ from an fp32 trainer's, as on GPUs)."""
     local_port: int | None = None
     """Port of the local engine; None picks a free one."""
@@ -101,7 +106,7 @@ class RolloutSection:
     """Time one request may take before it is retried."""
     startup_timeout_s: float = 300.0
     """How long to wait for the engines' `/health` at start."""
-    weight_sync: str = "disk"
+    weight_sync: WeightSyncMode = "disk"
     """How new weights reach the engines: "disk" (export a HF checkpoint, `/update_weights_from_disk`)."""
     weight_sync_dir: str | None = None
     """Where the exported weights go; None: `<run_dir>/rollout_weights`. Must be visible to remote engines."""
@@ -136,67 +141,15 @@ class RolloutSection:
 
 
 @dataclass(frozen=True)
-class OptimizerSection:
-    """The trainer's optimizer: the fields of `megatron_tail.train.OptimizerSettings`, mirrored here so that
-    loading a config does not import megatron (a test keeps the two identical); `to_settings()` converts."""
-
-    optimizer: str = "adam"
-    """"adam" (AdamW: decoupled weight decay) or "sgd" (only without the distributed optimizer)."""
-    lr: float = 1e-6
-    """Learning rate (constant)."""
-    weight_decay: float = 0.0
-    """Decoupled weight decay."""
-    adam_beta1: float = 0.9
-    """Adam β1."""
-    adam_beta2: float = 0.999
-    """Adam β2."""
-    adam_eps: float = 1e-8
-    """Adam ε."""
-    sgd_momentum: float = 0.0
-    """SGD momentum."""
-    clip_grad: float = 1.0
-    """Global gradient-norm clip; 0 disables clipping."""
-    use_distributed_optimizer: bool = True
-    """Shard optimizer state over DP (megatron's DistributedOptimizer; Adam only)."""
-
-    def __post_init__(self) -> None:
-        _choice("optimizer", "optimizer", self.optimizer, ("adam", "sgd"))
-        if self.optimizer == "sgd" and self.use_distributed_optimizer:
-            _bad("optimizer", "use_distributed_optimizer", True, 'must be false with optimizer="sgd"')
-        if not self.lr > 0:
-            _bad("optimizer", "lr", self.lr, "must be > 0")
-        if self.clip_grad < 0:
-            _bad("optimizer", "clip_grad", self.clip_grad, "must be ≥ 0")
-
-    def to_settings(self):
-        """The trainer's `OptimizerSettings` (imports megatron)."""
-        from dataclasses import asdict
-
-        from megatron_tail.train.setup import OptimizerSettings
-
-        return OptimizerSettings(**asdict(self))
-
-
-@dataclass(frozen=True)
-class DataSection:
-    """Prompts (local jsonl / json / parquet, read by `megatron_tail.data`), their order, and the reward."""
+class DataSection(PromptFormat):
+    """Prompts (local jsonl / json / parquet, read by `megatron_tail.data` with the `PromptFormat` fields:
+    prompt_key, answer_key, apply_chat_template, prompt_template, system_prompt, max_prompt_tokens), their
+    order, and the reward."""
 
     train_path: str = ""
     """File of training prompts, one record per prompt with `prompt_key` and `answer_key`; required."""
     eval_path: str | None = None
     """Held-out prompts for greedy accuracy every `train.eval_every` steps; None: no eval."""
-    prompt_key: str = "prompt"
-    """Field (dotted path) holding the prompt: a string, or a list of chat messages."""
-    answer_key: str = "answer"
-    """Field (dotted path) holding the reference answer the reward compares against."""
-    apply_chat_template: bool = True
-    """Render prompts with the tokenizer's chat template (False: raw string prompts, e.g. the toy task)."""
-    prompt_template: str = "{prompt}"
-    """Format string applied to string prompts; must contain "{prompt}"."""
-    system_prompt: str | None = None
-    """System message prepended with the chat template."""
-    max_prompt_tokens: int | None = None
-    """Longer prompts are dropped; None keeps all."""
     prompts_per_step: int = 16
     """Prompts per RL step; each gets `algorithm.group_size` samples."""
     eval_prompts: int = 64
@@ -215,6 +168,7 @@ class DataSection:
             _positive_int("data", "max_prompt_tokens", self.max_prompt_tokens)
         if "{prompt}" not in self.prompt_template:
             _bad("data", "prompt_template", self.prompt_template, "must contain '{prompt}'")
+        super().__post_init__()
 
 
 @dataclass(frozen=True)
@@ -259,7 +213,7 @@ class LoggingSection:
 
     tensorboard: bool = True
     """Write TensorBoard events to `<run_dir>/tensorboard`."""
-    progress: str = "auto"
+    progress: ProgressMode = "auto"
     """Progress bars: "auto" (only when stdout is a terminal), "always" or "never"."""
     prob_buckets: tuple[float, ...] = (0.5, 1e-2, 1e-4)
     """Descending π_train edges of the |Δ| buckets: [0.5, 1], [1e-2, 0.5), [1e-4, 1e-2), [0, 1e-4)."""
@@ -287,7 +241,7 @@ class RunConfig:
     parallel: ParallelSection = field(default_factory=ParallelSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    optimizer: OptimizerSection = field(default_factory=lambda: OptimizerSection())
+    optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
     data: DataSection = field(default_factory=DataSection)
     train: TrainSection = field(default_factory=TrainSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
@@ -303,6 +257,14 @@ class RunConfig:
                 "vocab_pad_multiple",
                 self.model.vocab_pad_multiple,
                 f"must be divisible by parallel.tensor_parallel={self.parallel.tensor_parallel}",
+            )
+        if self.algorithm.kl_coef > 0:
+            _bad(
+                "algorithm",
+                "kl_coef",
+                self.algorithm.kl_coef,
+                "must be 0: the loop computes no reference-policy log-probs yet, so a KL penalty to a "
+                "reference model cannot run",
             )
         if self.data.prompts_per_step % self.train.mini_batches:
             _bad(

@@ -13,7 +13,7 @@ with the generation prompt appended; without it (toy tasks), the string prompt i
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +25,9 @@ SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
 @dataclass(frozen=True)
-class PromptDataConfig:
-    """Where a prompt set is and how to read it."""
+class PromptFormat:
+    """How the records of a prompt set are read and rendered (the run config's `data` section extends it)."""
 
-    path: str
-    """Local .jsonl / .json / .parquet file."""
     prompt_key: str = "prompt"
     """Field (dotted path) holding the prompt: a string, or a list of chat messages."""
     answer_key: str = "answer"
@@ -42,16 +40,33 @@ class PromptDataConfig:
     """Prepended as a system message (chat template only) unless the prompt already has one."""
     max_prompt_tokens: int | None = None
     """Longer prompts are dropped (and counted in the log); None keeps all."""
-    cache_dir: str | None = None
-    """`datasets` cache directory (None: its default)."""
 
     def __post_init__(self):
-        if Path(self.path).suffix not in SUFFIXES:
-            raise ValueError(f"prompt file must end in one of {sorted(SUFFIXES)}; got {self.path!r}")
         if "{prompt}" not in self.prompt_template:
             raise ValueError(f"prompt_template must contain '{{prompt}}'; got {self.prompt_template!r}")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             raise ValueError(f"max_prompt_tokens must be ≥ 1 or None; got {self.max_prompt_tokens!r}")
+
+
+@dataclass(frozen=True)
+class PromptDataConfig(PromptFormat):
+    """Where a prompt set is (`path`, keyword-only) and how to read it (the `PromptFormat` fields)."""
+
+    path: str = field(default="", kw_only=True)
+    """Local .jsonl / .json / .parquet file."""
+    cache_dir: str | None = field(default=None, kw_only=True)
+    """`datasets` cache directory (None: its default)."""
+
+    @classmethod
+    def of(cls, path: str, fmt: PromptFormat, cache_dir: str | None = None) -> PromptDataConfig:
+        """The prompt set at `path` read with `fmt` (any `PromptFormat`, e.g. the run config's `data`)."""
+        shared = {f.name: getattr(fmt, f.name) for f in fields(PromptFormat)}
+        return cls(path=path, cache_dir=cache_dir, **shared)
+
+    def __post_init__(self):
+        if Path(self.path).suffix not in SUFFIXES:
+            raise ValueError(f"prompt file must end in one of {sorted(SUFFIXES)}; got {self.path!r}")
+        super().__post_init__()
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_tail.config.cli import add_overrides_argument
+from megatron_tail.config.arguments import add_overrides_argument
 
 DEFAULT_RUN_DIR = "runs/demo"
 DEFAULT_CACHE_DIR = "runs/demo_cache"

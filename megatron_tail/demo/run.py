@@ -87,7 +87,7 @@ def run_demo(
 def _finished(run_dir: Path, overrides: Sequence[str]) -> bool:
     """The run in `run_dir` has a checkpoint at its last step."""
     from megatron_tail.config import load_config
-    from megatron_tail.train.run_dir import latest_checkpoint
+    from megatron_tail.train.run.run_dir import latest_checkpoint
 
     latest = latest_checkpoint(run_dir)
     if latest is None:

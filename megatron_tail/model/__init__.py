@@ -5,37 +5,30 @@
     load_hf_weights(model, hf_dir, arch)                # HF safetensors → sharded parameters
     export_hf(model, out_dir, arch)                     # sharded parameters → HF safetensors + config.json
 
-Only this package and `megatron_tail.train` read megatron's global `parallel_state`.
+Only this package and `megatron_tail.train` read megatron's global `parallel_state`. Exports are lazy:
+`ModelSettings` and `load_hf_config` do not import megatron.
 """
 
-from .config import (
-    DEFAULT_VOCAB_PAD_MULTIPLE,
-    ModelSettings,
-    layer_spec,
-    padded_vocab_size,
-    transformer_config,
-)
-from .export import export_hf, iter_hf_tensors
-from .gpt import TailGPTModel, build_gpt_model
-from .hf_config import SUPPORTED_ARCHITECTURES, HFArch, load_hf_config
-from .load import load_hf_weights
-from .naming import ParamMapping, hf_tensor_shapes, megatron_to_hf
+from megatron_tail.utils.lazy import lazy_exports
 
-__all__ = [
-    "DEFAULT_VOCAB_PAD_MULTIPLE",
-    "SUPPORTED_ARCHITECTURES",
-    "HFArch",
-    "ModelSettings",
-    "ParamMapping",
-    "TailGPTModel",
-    "build_gpt_model",
-    "export_hf",
-    "hf_tensor_shapes",
-    "iter_hf_tensors",
-    "layer_spec",
-    "load_hf_config",
-    "load_hf_weights",
-    "megatron_to_hf",
-    "padded_vocab_size",
-    "transformer_config",
-]
+__getattr__, __dir__, __all__ = lazy_exports(
+    __name__,
+    {
+        "DEFAULT_VOCAB_PAD_MULTIPLE": ".settings",
+        "ModelSettings": ".settings",
+        "layer_spec": ".config",
+        "padded_vocab_size": ".config",
+        "transformer_config": ".config",
+        "export_hf": ".export",
+        "iter_hf_tensors": ".export",
+        "TailGPTModel": ".gpt",
+        "build_gpt_model": ".gpt",
+        "SUPPORTED_ARCHITECTURES": ".hf_config",
+        "HFArch": ".hf_config",
+        "load_hf_config": ".hf_config",
+        "load_hf_weights": ".load",
+        "ParamMapping": ".naming",
+        "hf_tensor_shapes": ".naming",
+        "megatron_to_hf": ".naming",
+    },
+)

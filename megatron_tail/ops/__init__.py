@@ -1,6 +1,7 @@
 """The only place that does vocabulary math: the DVP masked log-prob op and the shared safe-set rule."""
 
 from .masked_logprobs import MaskedLogprobs, vocab_parallel_masked_logprobs
+from .safe_set_size import vocab_parallel_safe_set_size
 from .safe_vocab import DEFAULT_LOG_RHO, apply_safe_vocab_, safe_mask, safe_threshold
 
 __all__ = [
@@ -10,4 +11,5 @@ __all__ = [
     "safe_mask",
     "safe_threshold",
     "vocab_parallel_masked_logprobs",
+    "vocab_parallel_safe_set_size",
 ]

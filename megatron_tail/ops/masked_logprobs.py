@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import masked_logprobs_math as M
+from . import masked_logprobs_math as chunk_math
 from .safe_vocab import DEFAULT_LOG_RHO, check_log_rho, check_temperature, rule_dtype, safe_threshold
 
 CHUNK_ELEMENTS = {"cpu": 1 << 18, "cuda": 1 << 25}
@@ -47,7 +47,7 @@ class MaskedLogprobs:
     logprobs_full: torch.Tensor
 
 
-def _group_size_and_rank(tp_group) -> tuple[int, int]:
+def group_size_and_rank(tp_group) -> tuple[int, int]:
     if tp_group is None:
         return 1, 0
     return dist.get_world_size(tp_group), dist.get_rank(tp_group)
@@ -93,6 +93,46 @@ def _describe(value) -> str:
     return f"{type(value).__name__} {value!r}"
 
 
+def valid_columns(v_local: int, vocab_size: int, tp_rank: int) -> tuple[int, int]:
+    """(global id of this shard's first column, how many of its columns are real vocab, not padding)."""
+    vocab_start = tp_rank * v_local
+    return vocab_start, min(max(vocab_size - vocab_start, 0), v_local)
+
+
+def safe_set_threshold(
+    x: torch.Tensor,
+    *,
+    v_local: int,
+    vocab_size: int,
+    log_rho: float | None,
+    temperature: float,
+    tp_group,
+    tp_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global max logit and the safe-set threshold of each row of vocab-parallel logits: the one place
+    they are computed, for the op and for `vocab_parallel_safe_set_size`.
+
+    Args:
+        x: `[N, V_valid]` this shard's real (unpadded) columns; V_valid may be 0 on a shard of padding.
+        v_local, vocab_size: the shard width and the true vocab size (checked equal across the group).
+        log_rho, temperature: validated rule parameters (`safe_vocab`); log_rho None means no pruning.
+    Returns:
+        `([N], [N])` in `rule_dtype(x.dtype)`: max over the whole vocab, and θ such that k ∈ V_S iff
+        x_k ≥ θ. With pruning off θ = −max_float, which drops only −inf logits (probability zero).
+    Collective 1 of the op: a MAX over `tp_group` (shard sizes piggy-backed to check consistency).
+    """
+    compute_dtype = rule_dtype(x.dtype)
+    local_max = (
+        x.amax(dim=1).to(compute_dtype)  # exact in the logits' dtype: no upcast copy needed
+        if x.shape[1]
+        else torch.full((x.shape[0],), -math.inf, dtype=compute_dtype, device=x.device)
+    )
+    max_logit = _global_max(local_max, v_local, vocab_size, tp_group, tp_size)
+    if log_rho is None:
+        return max_logit, torch.full_like(max_logit, -torch.finfo(compute_dtype).max)
+    return max_logit, safe_threshold(max_logit, log_rho, temperature)
+
+
 def _global_max(
     max_logit: torch.Tensor, v_local: int, vocab_size: int, tp_group, tp_size: int
 ) -> torch.Tensor:
@@ -118,7 +158,7 @@ def _global_max(
     return stacked[:-4]
 
 
-def _row_chunks(num_rows: int, v_local: int, device: torch.device):
+def row_chunks(num_rows: int, v_local: int, device: torch.device):
     elements = CHUNK_ELEMENTS.get(device.type, CHUNK_ELEMENTS["cuda"])
     step = max(1, elements // max(v_local, 1))
     for start in range(0, num_rows, step):
@@ -136,31 +176,29 @@ class _MaskedLogprobsFunction(torch.autograd.Function):
         ctx, logits2d, targets1d, log_rho, temperature, vocab_size, tp_group, tp_size, tp_rank, entropy
     ):
         v_local = logits2d.shape[1]
-        vocab_start = tp_rank * v_local
-        num_valid = min(max(vocab_size - vocab_start, 0), v_local)
+        vocab_start, num_valid = valid_columns(v_local, vocab_size, tp_rank)
         x = logits2d[:, :num_valid]  # padded columns excluded by a view: no copy
         num_rows = x.shape[0]
         compute_dtype = rule_dtype(x.dtype)
-        local_max = (
-            x.amax(dim=1).to(compute_dtype)  # exact in the logits' dtype: no upcast copy needed
-            if num_valid
-            else torch.full((num_rows,), -math.inf, dtype=compute_dtype, device=x.device)
+        max_logit, threshold = safe_set_threshold(
+            x,
+            v_local=v_local,
+            vocab_size=vocab_size,
+            log_rho=log_rho,
+            temperature=temperature,
+            tp_group=tp_group,
+            tp_size=tp_size,
         )
-        max_logit = _global_max(local_max, v_local, vocab_size, tp_group, tp_size)
-        if log_rho is None:
-            threshold = torch.full_like(max_logit, -torch.finfo(compute_dtype).max)
-        else:
-            threshold = safe_threshold(max_logit, log_rho, temperature)
         inv_t = 1.0 / temperature
-        local_target, owned = M.target_columns(targets1d, vocab_start, num_valid)
+        local_target, owned = chunk_math.target_columns(targets1d, vocab_start, num_valid)
 
         keep_exp = ctx.needs_input_grad[0] and logits2d.dtype == compute_dtype
         grad_buffer = torch.empty_like(logits2d) if keep_exp else None
         if grad_buffer is not None:
             grad_buffer[:, num_valid:].zero_()  # padded columns never receive gradient
-        partials = torch.empty((num_rows, M.NUM_PARTIALS), dtype=compute_dtype, device=x.device)
-        for rows in _row_chunks(num_rows, v_local, x.device):
-            partials[rows] = M.chunk_partial_sums(
+        partials = torch.empty((num_rows, chunk_math.NUM_PARTIALS), dtype=compute_dtype, device=x.device)
+        for rows in row_chunks(num_rows, v_local, x.device):
+            partials[rows] = chunk_math.chunk_partial_sums(
                 x[rows],
                 max_logit[rows],
                 threshold[rows],
@@ -172,7 +210,7 @@ class _MaskedLogprobsFunction(torch.autograd.Function):
             )
         if tp_size > 1:
             dist.all_reduce(partials, op=dist.ReduceOp.SUM, group=tp_group)  # collective 2
-        out = M.finalize(partials, max_logit, threshold, inv_t, entropy)
+        out = chunk_math.finalize(partials, max_logit, threshold, inv_t, entropy)
         if log_rho is None:
             out["in_safe_set"] = torch.ones_like(out["in_safe_set"])
 
@@ -197,12 +235,12 @@ class _MaskedLogprobsFunction(torch.autograd.Function):
         if grad is None:
             grad = torch.empty_like(logits2d)
             grad[:, ctx.num_valid :].zero_()  # padded columns never receive gradient
-        bias, scale_h, target_add = M.grad_coefficients(
+        bias, scale_h, target_add = chunk_math.grad_coefficients(
             log_norm, ctx.inv_t, grad_logprobs, grad_entropy, entropy
         )
         x, g = logits2d[:, : ctx.num_valid], grad[:, : ctx.num_valid]
-        row_chunks = _row_chunks(x.shape[0], logits2d.shape[1], x.device) if ctx.num_valid else ()
-        for rows in row_chunks:  # none on a shard of padding only: its gradient is all zero
+        chunks = row_chunks(x.shape[0], logits2d.shape[1], x.device) if ctx.num_valid else ()
+        for rows in chunks:  # none on a shard of padding only: its gradient is all zero
             per_row = dict(
                 max_logit=max_logit[rows],
                 threshold=threshold[rows],
@@ -214,7 +252,7 @@ class _MaskedLogprobsFunction(torch.autograd.Function):
                 scale_h=None if scale_h is None else scale_h[rows],
                 target_add=target_add[rows],
             )
-            M.chunk_grad(x[rows], g[rows], out_holds_exp=from_exp, **per_row)
+            chunk_math.chunk_grad(x[rows], g[rows], out_holds_exp=from_exp, **per_row)
         return (grad, *no_grads)
 
 
@@ -249,7 +287,7 @@ def vocab_parallel_masked_logprobs(
     """
     log_rho = check_log_rho(log_rho)
     temperature = check_temperature(temperature)
-    tp_size, tp_rank = _group_size_and_rank(tp_group)
+    tp_size, tp_rank = group_size_and_rank(tp_group)
     vocab_size = _check_inputs(logits, targets, vocab_size, tp_size)
     lead_shape = targets.shape
     logits2d = logits.reshape(-1, logits.shape[-1])

@@ -1,7 +1,7 @@
 """Rollout: the DVP logit processor for SGLang, an async `/generate` client, weight sync, launch helpers,
 and (in `local_engine`) a CPU engine that speaks the same HTTP API."""
 
-import importlib
+from megatron_tail.utils.lazy import lazy_exports
 
 _EXPORTS = {
     "ClientConfig": "megatron_tail.rollout.client",
@@ -14,6 +14,7 @@ _EXPORTS = {
     "RequestRejectedError": "megatron_tail.rollout.protocol",
     "ResponseTooLargeError": "megatron_tail.rollout.protocol",
     "RetryableServerError": "megatron_tail.rollout.protocol",
+    "RolloutBatch": "megatron_tail.rollout.batch",
     "RolloutClient": "megatron_tail.rollout.client",
     "RolloutError": "megatron_tail.rollout.protocol",
     "RouterConfig": "megatron_tail.rollout.launch",
@@ -30,15 +31,8 @@ _EXPORTS = {
     "build_sglang_server_command": "megatron_tail.rollout.launch",
     "dvp_custom_params": "megatron_tail.rollout.processor",
     "load_custom_logit_processor": "megatron_tail.rollout.processor",
+    "rollout_metrics": "megatron_tail.rollout.batch",
     "wait_until_healthy": "megatron_tail.rollout.launch",
 }
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    # Lazy, so that `megatron-tail --help` and sub-module imports do not pay for torch and aiohttp.
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
+# Lazy, so that `megatron-tail --help` and sub-module imports do not pay for torch and aiohttp.
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)

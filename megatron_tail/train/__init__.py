@@ -1,65 +1,66 @@
-"""The trainer: parallel init, micro-batches, training step, log-prob recompute, RL objective, checkpoints.
+"""The trainer, in three layers; a lower one never imports a higher one.
 
-Typical RL step on every rank (see each module for shapes)::
+    run/      the RL loop: session (trainer + rank 0's rollout engines + prompts), the step, cadence,
+              signals, TensorBoard, console, run directory, the `train` CLI
+      ↓
+    rl/       the RL step on the engine: advantages, micro-batch layout, θ_old + diagnostics, the
+              objective as a loss callback, the policy update (Lopti phases × mini-batches)
+      ↓
+    engine/   megatron-facing and RL-agnostic: parallel state, model + optimizer setup, micro-batches,
+              the forward/backward schedule with the DVP op, log-prob recompute, optimizer_step,
+              checkpoints, and the trainer's collectives
 
-    init_distributed()
-    groups = init_parallel(ParallelConfig(tensor_parallel=2, pipeline_parallel=1))
-    trainer = build_trainer(load_hf_config(hf_dir), hf_dir=hf_dir, optim=OptimizerSettings(lr=1e-6))
-    mine = split_for_data_parallel(samples, groups.dp_rank, groups.dp_size)
-    mbs = make_micro_batches(mine, micro_batch_size=4, seq_len=4096, packed=True)
-    op = OpSettings(log_rho=cfg.log_rho, temperature=1.0)
-    old = recompute_logprobs(trainer, mbs, op=op)                    # θ_old, no grad
-    counts = prepare_rl_micro_batches(cfg, mbs, old, groups.dp)       # algorithms stage 1
-    for phase in range(cfg.num_phases):
-        result = train_step(trainer, mbs, rl_loss_fn(cfg, counts, phase=phase), op=op)
-    save_checkpoint(path, trainer, {"step": step, "data_cursor": cursor})
-    rl_state = load_checkpoint(path, trainer)                         # any TP/PP/DP layout
+(`megatron_tail.config` sits between engine and rl: it assembles the engine's `OptimizerSettings` with
+the other packages' settings into `RunConfig`.) One RL step on every rank, as `run.loop.rl_step` writes it:
+
+    batch   = session.rollout(step)                         # rank 0: prompts(seed, step) → engines →
+                                                            #   reward; broadcast to every rank
+    samples = build_samples(cfg, batch)                     # rl.samples: GRPO / RLOO advantages per token
+    layout  = layout_micro_batches(cfg, samples, groups)    # rl.samples: mini-batches × DP × micro-batches
+    old     = score_old_policy(trainer, cfg, layout, batch) # rl.old_policy: θ_old via engine.logprobs,
+                                                            #   |V_S|, mismatch/DVP diagnostics
+    update  = update_policy(trainer, alg, layout, old, op)  # rl.update: per mini-batch, objective stage 1,
+                                                            #   then engine.optimizer_step per Lopti phase
+    session.sync_weights(version=step + 1)                  # HF export → engines reload
+    session.evaluate()                                      # when Cadence says so
+    session.checkpoint(step + 1)                            # when Cadence says so, or on SIGTERM/USR1
+    tb.write(step + 1, metrics)                             # TensorBoard, console line
+
+Exports are lazy (`megatron_tail.utils.lazy`): `import megatron_tail.train` imports no megatron until a
+name that needs it is used.
 """
 
-from .batch import MicroBatch, Sample, make_micro_batches, per_sample, split_for_data_parallel
-from .checkpoint import CheckpointMismatchError, load_checkpoint, read_checkpoint_meta, save_checkpoint
-from .forward import OpSettings
-from .logprobs import recompute_logprobs
-from .objective import prepare_rl_micro_batches, rl_loss_fn
-from .parallel import (
-    ParallelConfig,
-    ParallelGroups,
-    comm_device,
-    current_groups,
-    destroy_parallel,
-    init_distributed,
-    init_parallel,
-)
-from .setup import OptimizerSettings, Trainer, build_trainer
-from .step import LossFn, StepResult, global_loss_tokens, masked_nll_loss, train_step
+from megatron_tail.utils.lazy import lazy_exports
 
-__all__ = [
-    "CheckpointMismatchError",
-    "LossFn",
-    "MicroBatch",
-    "OpSettings",
-    "OptimizerSettings",
-    "ParallelConfig",
-    "ParallelGroups",
-    "Sample",
-    "StepResult",
-    "Trainer",
-    "build_trainer",
-    "comm_device",
-    "current_groups",
-    "destroy_parallel",
-    "global_loss_tokens",
-    "init_distributed",
-    "init_parallel",
-    "load_checkpoint",
-    "make_micro_batches",
-    "masked_nll_loss",
-    "per_sample",
-    "prepare_rl_micro_batches",
-    "read_checkpoint_meta",
-    "recompute_logprobs",
-    "rl_loss_fn",
-    "save_checkpoint",
-    "split_for_data_parallel",
-    "train_step",
-]
+__getattr__, __dir__, __all__ = lazy_exports(
+    __name__,
+    {
+        "CheckpointMismatchError": ".engine",
+        "LossFn": ".engine",
+        "MicroBatch": ".engine",
+        "OpSettings": ".engine",
+        "OptimizerSettings": ".engine",
+        "ParallelConfig": ".engine",
+        "ParallelGroups": ".engine",
+        "Sample": ".engine",
+        "TrainStepResult": ".engine",
+        "Trainer": ".engine",
+        "build_trainer": ".engine",
+        "comm_device": ".engine",
+        "current_groups": ".engine",
+        "destroy_parallel": ".engine",
+        "init_distributed": ".engine",
+        "init_parallel": ".engine",
+        "load_checkpoint": ".engine",
+        "make_micro_batches": ".engine",
+        "read_checkpoint_meta": ".engine",
+        "recompute_logprobs": ".engine",
+        "save_checkpoint": ".engine",
+        "split_for_data_parallel": ".engine",
+        "train_step": ".engine",
+        "prepare_rl_micro_batches": ".rl",
+        "rl_loss_fn": ".rl",
+        "LoopHooks": ".run",
+        "RunResult": ".run",
+    },
+)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
-import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -23,15 +22,11 @@ import megatron.core.parallel_state  # noqa: F401 - imported before fork so chil
 import torch
 import torch.distributed as dist
 
+from megatron_tail.utils.net import free_port
+
 
 class RankFailed(RuntimeError):
     """A rank of `run_distributed` raised; the message carries its traceback."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _child(fn, rank, world_size, port, args, conn) -> None:
@@ -54,7 +49,7 @@ def _child(fn, rank, world_size, port, args, conn) -> None:
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` forked gloo ranks; return the results by rank."""
     ctx = mp.get_context("fork")
-    port = _free_port()
+    port = free_port()
     pipes, procs = [], []
     for rank in range(world_size):
         parent_end, child_end = ctx.Pipe(duplex=False)

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
+import subprocess
+import sys
 
 import pytest
 import yaml
 
 from megatron_tail.config import (
     ConfigError,
-    OptimizerSection,
     RunConfig,
     all_keys,
     config_to_dict,
@@ -161,14 +161,54 @@ def test_cross_section_checks():
         load_config(None).check_runnable()
 
 
-def test_optimizer_section_mirrors_the_trainers_settings():
-    from megatron_tail.train.setup import OptimizerSettings
+def test_sections_are_their_owners_settings():
+    """One class per setting: the config's sections are (or extend) the owners' dataclasses."""
+    from megatron_tail.data.prompts import PromptDataConfig, PromptFormat
+    from megatron_tail.model.settings import ModelSettings
+    from megatron_tail.train.engine.settings import OptimizerSettings
 
-    ours = [(f.name, f.type, f.default) for f in dataclasses.fields(OptimizerSection)]
-    theirs = [(f.name, f.type, f.default) for f in dataclasses.fields(OptimizerSettings)]
-    assert [(n, d) for n, _, d in ours] == [(n, d) for n, _, d in theirs]
-    settings = OptimizerSection(lr=0.25, clip_grad=0.0).to_settings()
-    assert isinstance(settings, OptimizerSettings) and settings.lr == 0.25 and settings.clip_grad == 0.0
+    cfg = load_config(
+        None, ["optimizer.lr=0.25", "optimizer.clip_grad=0", "model.bf16=false", "data.prompt_key=problem"]
+    )
+    assert type(cfg.optimizer) is OptimizerSettings
+    assert cfg.optimizer.lr == 0.25 and cfg.optimizer.clip_grad == 0.0
+    assert isinstance(cfg.model, ModelSettings) and cfg.model.bf16 is False
+    assert isinstance(cfg.data, PromptFormat)
+    prompts = PromptDataConfig.of("x.jsonl", cfg.data)
+    assert prompts.path == "x.jsonl" and prompts.prompt_key == "problem"
+    assert prompts.apply_chat_template == cfg.data.apply_chat_template
+
+
+def test_loading_a_config_and_the_command_line_import_no_megatron():
+    code = (
+        "import sys; from megatron_tail.config import load_config; load_config(None, ['optimizer.lr=0.5']); "
+        "import megatron_tail.train, megatron_tail.train.run.run_dir, megatron_tail.model; "
+        "import megatron_tail.demo.run; "
+        "from megatron_tail.cli import build_parser; build_parser(); "
+        "bad = sorted(m for m in sys.modules if m == 'megatron' or m.startswith('megatron.')); "
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize(
+    ("override", "pattern"),
+    [
+        (
+            "optimizer.optimizer=rmsprop",
+            r"optimizer\.optimizer must be one of \('adam', 'sgd'\); got 'rmsprop'",
+        ),
+        (
+            "algorithm.is_mode=bogus",
+            r"algorithm\.is_mode must be one of \('none', 'tis', 'mis'\); got 'bogus'",
+        ),
+        ("optimizer.lr=0", r"lr must be > 0; got 0"),
+        ("algorithm.kl_coef=0.1", r"algorithm\.kl_coef must be 0: the loop computes no reference"),
+    ],
+)
+def test_choices_and_what_the_loop_cannot_run_are_refused_at_load(override, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        load_config(None, [override])
 
 
 _MISSING = object()

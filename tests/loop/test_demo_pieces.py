@@ -14,9 +14,9 @@ from megatron_tail.config import load_config
 from megatron_tail.demo import run as demo_run
 from megatron_tail.demo.defaults import DEMO_CONFIG_YAML
 from megatron_tail.demo.pretrain import PretrainSettings, pretrain
-from megatron_tail.train.loop import progress_enabled
-from megatron_tail.train.signals import GracefulStop
-from megatron_tail.train.tensorboard import ScalarLog
+from megatron_tail.train.run.console import progress_enabled
+from megatron_tail.train.run.signals import GracefulStop
+from megatron_tail.train.run.tensorboard import ScalarLog
 
 REPO = Path(__file__).resolve().parents[2]
 

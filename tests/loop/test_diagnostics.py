@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from megatron_tail.train import diagnostics as D
+from megatron_tail.algorithms import combine_metrics
+from megatron_tail.train.rl import diagnostics
 
 BUCKETS = (0.5, 1e-2, 1e-4)
 
@@ -73,33 +74,37 @@ def _reference(train, infer, valid, in_safe, mass, entropy, size, tail_prob):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_diagnostics_match_token_by_token_reference(seed):
     train, infer, valid, in_safe, mass, entropy, size = _random_tokens(seed)
-    sums = D.mismatch_sums(train, infer, valid, prob_buckets=BUCKETS, tail_prob=1e-2)
+    sums = diagnostics.mismatch_sums(train, infer, valid, prob_buckets=BUCKETS, tail_prob=1e-2)
     sums.update(
-        D.safe_set_sums(valid, in_safe_set=in_safe, safe_mass=mass, entropy=entropy, safe_set_size=size)
+        diagnostics.safe_set_sums(
+            valid, in_safe_set=in_safe, safe_mass=mass, entropy=entropy, safe_set_size=size
+        )
     )
-    got = D.finalize_diagnostics(sums, prob_buckets=BUCKETS, max_reward=2.0, max_response_len=7)
+    got = diagnostics.finalize_diagnostics(sums, prob_buckets=BUCKETS, max_reward=2.0, max_response_len=7)
     ref = _reference(train, infer, valid, in_safe, mass, entropy, size, 1e-2)
     for key, value in ref.items():
         assert got[key] == pytest.approx(value, rel=1e-12, abs=1e-12), key
     assert got["dvp/bias_bound"] == pytest.approx(2.0 * 7 * (1 - ref["dvp/safe_mass_min"]), rel=1e-12)
     assert all(math.isfinite(v) for v in got.values())
     # every bucket is populated by this data, so the test really checks each one
-    assert all(got[f"mismatch/tokens/{label}"] > 0 for label in D.bucket_labels(BUCKETS))
+    assert all(got[f"mismatch/tokens/{label}"] > 0 for label in diagnostics.bucket_labels(BUCKETS))
 
 
 def test_split_into_pieces_combines_to_the_whole():
     train, infer, valid, in_safe, mass, _, size = _random_tokens(5, n=8)
 
     def sums(sl):
-        s = D.mismatch_sums(train[sl], infer[sl], valid[sl], prob_buckets=BUCKETS, tail_prob=1e-2)
+        s = diagnostics.mismatch_sums(train[sl], infer[sl], valid[sl], prob_buckets=BUCKETS, tail_prob=1e-2)
         s.update(
-            D.safe_set_sums(valid[sl], in_safe_set=in_safe[sl], safe_mass=mass[sl], safe_set_size=size[sl])
+            diagnostics.safe_set_sums(
+                valid[sl], in_safe_set=in_safe[sl], safe_mass=mass[sl], safe_set_size=size[sl]
+            )
         )
         return s
 
-    whole = D.finalize_diagnostics(sums(slice(None)), prob_buckets=BUCKETS)
-    combined = D.combine_sums([sums(slice(0, 3)), sums(slice(3, 4)), sums(slice(4, 8))])
-    parts = D.finalize_diagnostics(combined, prob_buckets=BUCKETS)
+    whole = diagnostics.finalize_diagnostics(sums(slice(None)), prob_buckets=BUCKETS)
+    combined = combine_metrics([sums(slice(0, 3)), sums(slice(3, 4)), sums(slice(4, 8))])
+    parts = diagnostics.finalize_diagnostics(combined, prob_buckets=BUCKETS)
     assert parts.keys() == whole.keys()
     for key in whole:
         assert parts[key] == pytest.approx(whole[key], rel=1e-12, abs=1e-15), key
@@ -108,14 +113,16 @@ def test_split_into_pieces_combines_to_the_whole():
 def test_empty_buckets_and_no_valid_tokens_are_finite_zeros():
     lp = torch.full((2, 3), -0.1)  # every token in the head bucket
     valid = torch.ones(2, 3, dtype=torch.bool)
-    got = D.finalize_diagnostics(
-        D.mismatch_sums(lp, lp, valid, prob_buckets=BUCKETS, tail_prob=1e-2), prob_buckets=BUCKETS
+    got = diagnostics.finalize_diagnostics(
+        diagnostics.mismatch_sums(lp, lp, valid, prob_buckets=BUCKETS, tail_prob=1e-2), prob_buckets=BUCKETS
     )
     assert got["mismatch/tokens/p0.5_1"] == 6 and got["mismatch/tokens/p0_0.0001"] == 0
     assert got["mismatch/abs_delta/p0_0.0001"] == 0.0 and got["mismatch/tail_tokens"] == 0
     none = torch.zeros(2, 3, dtype=torch.bool)
-    s = D.safe_set_sums(none, in_safe_set=valid, safe_mass=torch.ones(2, 3), safe_set_size=torch.ones(2, 3))
-    got = D.finalize_diagnostics(s, prob_buckets=BUCKETS)
+    s = diagnostics.safe_set_sums(
+        none, in_safe_set=valid, safe_mass=torch.ones(2, 3), safe_set_size=torch.ones(2, 3)
+    )
+    got = diagnostics.finalize_diagnostics(s, prob_buckets=BUCKETS)
     assert got["dvp/safe_mass_min"] == 1.0 and got["dvp/bias_bound"] == 0.0
     assert all(math.isfinite(v) for v in got.values())
 
@@ -128,8 +135,9 @@ def test_k3_estimates_kl_infer_to_train_on_samples_from_infer():
     tokens = torch.multinomial(q, 200_000, replacement=True, generator=g)
     train_lp, infer_lp = torch.log(p)[tokens][None], torch.log(q)[tokens][None]
     valid = torch.ones_like(train_lp, dtype=torch.bool)
-    got = D.finalize_diagnostics(
-        D.mismatch_sums(train_lp, infer_lp, valid, prob_buckets=BUCKETS, tail_prob=1e-2), prob_buckets=BUCKETS
+    got = diagnostics.finalize_diagnostics(
+        diagnostics.mismatch_sums(train_lp, infer_lp, valid, prob_buckets=BUCKETS, tail_prob=1e-2),
+        prob_buckets=BUCKETS,
     )["mismatch/kl_infer_train_k3"]
     kl_q_p = float((q * (q.log() - p.log())).sum())
     kl_p_q = float((p * (p.log() - q.log())).sum())
@@ -140,12 +148,17 @@ def test_k3_estimates_kl_infer_to_train_on_samples_from_infer():
 def test_shape_and_dtype_errors():
     lp = torch.zeros(2, 3)
     with pytest.raises(ValueError, match=r"share one shape"):
-        D.mismatch_sums(
+        diagnostics.mismatch_sums(
             lp, torch.zeros(2, 4), torch.ones(2, 3, dtype=torch.bool), prob_buckets=BUCKETS, tail_prob=0.1
         )
     with pytest.raises(ValueError, match=r"valid must be a bool tensor"):
-        D.mismatch_sums(lp, lp, torch.ones(2, 3), prob_buckets=BUCKETS, tail_prob=0.1)
+        diagnostics.mismatch_sums(lp, lp, torch.ones(2, 3), prob_buckets=BUCKETS, tail_prob=0.1)
 
 
 def test_bucket_labels():
-    assert D.bucket_labels((0.5, 1e-2, 1e-4)) == ["p0.5_1", "p0.01_0.5", "p0.0001_0.01", "p0_0.0001"]
+    assert diagnostics.bucket_labels((0.5, 1e-2, 1e-4)) == [
+        "p0.5_1",
+        "p0.01_0.5",
+        "p0.0001_0.01",
+        "p0_0.0001",
+    ]

@@ -13,7 +13,7 @@ import pytest
 
 from megatron_tail.config import load_config
 from megatron_tail.demo.run import read_scalars
-from megatron_tail.train.diagnostics import bucket_labels
+from megatron_tail.train.rl.diagnostics import bucket_labels
 from tests.loop.conftest import loop_overrides
 
 BUCKETS = bucket_labels((0.5, 1e-2, 1e-4))

@@ -27,7 +27,7 @@ def engine(tiny_model_dir, tmp_path_factory):
 
 
 def _run_rank(rank, world, overrides, sigterm_at_step):  # noqa: ARG001
-    from megatron_tail.train.loop import LoopHooks, run
+    from megatron_tail.train.run.loop import LoopHooks, run
 
     def on_step_start(step: int) -> None:
         if step == sigterm_at_step and rank == 0:

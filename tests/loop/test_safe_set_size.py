@@ -23,7 +23,7 @@ def _full_logits(dtype):
 
 
 def _count_rank(rank, world, dtype, log_rho, temperature):
-    from megatron_tail.train.safe_set_size import vocab_parallel_safe_set_size
+    from megatron_tail.ops import vocab_parallel_safe_set_size
 
     full = _full_logits(dtype)
     shard = full.chunk(world, dim=-1)[rank]
@@ -60,7 +60,7 @@ def test_count_equals_rule_on_full_logits(world, dtype, log_rho, temperature):
 def _hook_rank(rank, world, hf_dir, tokens, log_rho):  # noqa: ARG001
     from megatron_tail.model import ModelSettings, load_hf_config
     from megatron_tail.train import OpSettings, Sample, build_trainer, make_micro_batches, recompute_logprobs
-    from megatron_tail.train.safe_set_size import capture_safe_set_sizes
+    from megatron_tail.train.rl.safe_set_sizes import capture_safe_set_sizes
     from tests.train.common import init_rank
 
     init_rank(world, 1)

@@ -10,7 +10,7 @@ from tests.train import test_checkpoint as resume
 
 
 def _load_outcome(_rank, _world, hf, ckpt, disable):
-    import megatron_tail.train.checkpoint as checkpoint
+    import megatron_tail.train.engine.checkpoint as checkpoint
 
     if disable == "adam_load_fixes":
         checkpoint.torch_adam_load_fixes = lambda _optimizer: contextlib.nullcontext()

@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 from megatron_tail.rollout.launch import LocalEngineConfig
 from megatron_tail.rollout.local_engine.process import LocalEngineProcess, start_local_engines
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megatron_tail.utils.net import free_port
 
 
 def start_servers(

@@ -17,7 +17,7 @@ from megatron_tail.rollout import (
     SamplingConfig,
 )
 from megatron_tail.rollout.protocol import sample_keys
-from tests.rollout.servers import free_port
+from megatron_tail.utils.net import free_port
 
 SAMPLING = SamplingConfig(n_samples=2, max_new_tokens=3, log_rho=-13.0)
 

@@ -17,7 +17,7 @@ from megatron_tail.rollout import (
     StaleWeightsError,
 )
 from megatron_tail.rollout.local_engine.weights import read_safetensors_dir
-from tests.rollout.servers import free_port
+from megatron_tail.utils.net import free_port
 
 PROMPTS = [[5, 6, 76, 7, 84], [8, 9, 76, 10, 11, 84], [12, 76, 13, 84]]
 SAMPLING = SamplingConfig(n_samples=2, max_new_tokens=10, temperature=1.0, log_rho=-4.0, base_seed=11)

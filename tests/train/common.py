@@ -1,10 +1,13 @@
-"""Shared pieces of the trainer tests: deterministic samples and rank functions."""
+"""Shared pieces of the trainer tests: deterministic samples, rank functions, and a plain masked NLL loss
+(the simplest `train_step` callback, independent of the RL objective)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from megatron_tail.train import Sample
+from megatron_tail.train import MicroBatch, Sample
 
 VOCAB = 200
 PAD_MULTIPLE = 128
@@ -38,3 +41,36 @@ def full_hf_state(trainer) -> dict[str, torch.Tensor] | None:
 
     state = {name: t.detach().clone().cpu() for name, t in iter_hf_tensors(trainer.chunks, trainer.arch)}
     return state or None
+
+
+def masked_nll_loss(global_num_tokens):
+    """`train_step` callback: masked negative log-likelihood of the response tokens, normalised by
+    `global_num_tokens`. Metrics: `loss` (this micro-batch's share of the global loss), `loss_tokens`."""
+
+    def loss_fn(out, mb):
+        mask = mb.loss_mask
+        nll = -torch.where(mask, out.logprobs, torch.zeros_like(out.logprobs)).sum()
+        loss = nll / global_num_tokens
+        return loss, {"loss": loss.detach().double(), "loss_tokens": mask.sum().double()}
+
+    return loss_fn
+
+
+def global_loss_tokens(micro_batches: Sequence[MicroBatch], dp_group) -> int:
+    """Loss-mask positions over all micro-batches and DP ranks (one all-reduce)."""
+    from megatron_tail.train.engine.collectives import all_reduce_scalars
+
+    local = float(sum(mb.num_loss_tokens for mb in micro_batches))
+    return int(all_reduce_scalars({"loss_tokens": local}, dp_group)["loss_tokens"])
+
+
+def per_sample(
+    micro_batches: Sequence[MicroBatch], values: Sequence[torch.Tensor]
+) -> dict[int, torch.Tensor]:
+    """Per-token values `[b, s]` per micro-batch → {sample index: its response tokens' values, in order}."""
+    out: dict[int, torch.Tensor] = {}
+    for mb, v in zip(micro_batches, values, strict=True):
+        idx = mb.sample_index.to(v.device)
+        for i in idx[idx >= 0].unique().tolist():
+            out[i] = v[idx == i]
+    return out

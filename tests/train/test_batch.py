@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_tail.train import Sample, make_micro_batches, per_sample, split_for_data_parallel
+from megatron_tail.train import Sample, make_micro_batches, split_for_data_parallel
+from tests.train.common import per_sample
 
 
 def _samples():

@@ -10,7 +10,14 @@ import torch
 
 from tests.harness import run_distributed
 from tests.model.hf_models import make_hf_model
-from tests.train.common import PAD_MULTIPLE, full_hf_state, init_rank, make_samples
+from tests.train.common import (
+    PAD_MULTIPLE,
+    full_hf_state,
+    global_loss_tokens,
+    init_rank,
+    make_samples,
+    masked_nll_loss,
+)
 
 BATCH = 4
 
@@ -31,10 +38,8 @@ def _trainer(hf_dir, tp, pp, *, load_weights=True):
 
 def _train_rank(rank, world_size, hf_dir, tp, pp, ckpt_in, ckpt_out, steps):  # noqa: ARG001
     from megatron_tail.train import (
-        global_loss_tokens,
         load_checkpoint,
         make_micro_batches,
-        masked_nll_loss,
         save_checkpoint,
         split_for_data_parallel,
         train_step,

@@ -8,7 +8,7 @@ import torch
 
 from tests.harness import run_distributed
 from tests.model.hf_models import hf_logits, make_hf_model
-from tests.train.common import PAD_MULTIPLE, init_rank, make_samples
+from tests.train.common import PAD_MULTIPLE, init_rank, make_samples, masked_nll_loss, per_sample
 
 
 def _recompute_rank(rank, world_size, hf_dir, tp, pp, samples, log_rho):  # noqa: ARG001
@@ -17,8 +17,6 @@ def _recompute_rank(rank, world_size, hf_dir, tp, pp, samples, log_rho):  # noqa
         OpSettings,
         build_trainer,
         make_micro_batches,
-        masked_nll_loss,
-        per_sample,
         recompute_logprobs,
         train_step,
     )

@@ -8,7 +8,14 @@ import torch
 
 from tests.harness import run_distributed
 from tests.model.hf_models import make_hf_model
-from tests.train.common import PAD_MULTIPLE, full_hf_state, init_rank, make_samples
+from tests.train.common import (
+    PAD_MULTIPLE,
+    full_hf_state,
+    global_loss_tokens,
+    init_rank,
+    make_samples,
+    masked_nll_loss,
+)
 
 N_SAMPLES = 8
 
@@ -19,9 +26,7 @@ def _one_step_rank(rank, world_size, hf_dir, tp, pp, micro_batch_size, packed, o
         OpSettings,
         OptimizerSettings,
         build_trainer,
-        global_loss_tokens,
         make_micro_batches,
-        masked_nll_loss,
         split_for_data_parallel,
         train_step,
     )
@@ -103,7 +108,6 @@ def _bf16_step_rank(rank, world_size, hf_dir):  # noqa: ARG001
     from megatron_tail.train import (
         build_trainer,
         make_micro_batches,
-        masked_nll_loss,
         recompute_logprobs,
         train_step,
     )

@@ -4,7 +4,7 @@
 `start_local_engines` start and stop them from Python; `LocalEngine` is the in-process model side.
 """
 
-import importlib
+from megatron_tail.utils.lazy import lazy_exports
 
 _EXPORTS = {
     "LocalEngine": "megatron_tail.rollout.local_engine.engine",
@@ -12,13 +12,5 @@ _EXPORTS = {
     "build_app": "megatron_tail.rollout.local_engine.server",
     "start_local_engines": "megatron_tail.rollout.local_engine.process",
 }
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    # Lazy, so that `megatron-tail --help` and sub-module imports do not pay for torch and aiohttp.
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
+# Lazy, so that `megatron-tail --help` and sub-module imports do not pay for torch and aiohttp.
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)

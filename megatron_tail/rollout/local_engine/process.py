@@ -5,34 +5,58 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
 
 from megatron_tail.rollout.launch import LocalEngineConfig, build_local_engine_command
 
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
 
 class LocalEngineProcess:
-    """One local engine subprocess; its stdout/stderr go to `log_path`. Use as a context manager."""
+    """One local engine subprocess; its stdout/stderr go to `log_path` (appended, so a resumed run keeps the
+    earlier log). Use as a context manager, or `wait_healthy()` / `check_alive()` / `stop()`.
+
+    The child runs in its own session (`start_new_session`): a Ctrl-C or a signal sent to the trainer's
+    process group does not kill it mid-step; the trainer stops it. It is not a member of the trainer's
+    torch.distributed world, so torchrun's rendezvous variables are removed from its environment, and
+    `config.num_threads` also sets its OMP_NUM_THREADS.
+    """
 
     def __init__(self, config: LocalEngineConfig, log_path: str | Path):
         self.config = config
         self.url = config.url
         self.log_path = Path(log_path)
-        self._log = open(self.log_path, "w")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "a")
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        for var in _TORCHRUN_VARS:
+            env.pop(var, None)
+        if config.num_threads is not None:
+            env["OMP_NUM_THREADS"] = str(config.num_threads)
         self.proc = subprocess.Popen(
-            build_local_engine_command(config), stdout=self._log, stderr=subprocess.STDOUT, env=env
+            build_local_engine_command(config, python=sys.executable),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
         )
+
+    def check_alive(self) -> None:
+        """RuntimeError with the log tail if the process has exited."""
+        if self.proc.poll() is not None:
+            raise RuntimeError(
+                f"local engine on {self.url} exited with code {self.proc.returncode}; log tail:\n"
+                f"{self._log_tail()}"
+            )
 
     def wait_healthy(self, timeout_s: float = 120.0) -> LocalEngineProcess:
         """Block until `/health` answers 200; RuntimeError (with the log tail) if the process exits."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"local engine on {self.url} exited with {self.proc.returncode}:\n{self._log_tail()}"
-                )
+            self.check_alive()
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=1) as resp:
                     if resp.status == 200:

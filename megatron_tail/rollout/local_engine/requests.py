@@ -47,8 +47,6 @@ _UNSUPPORTED_UNLESS_DEFAULT = {
 }
 """SGLang sampling features the local engine does not implement: allowed only at their no-op value."""
 
-_IGNORED_SAMPLING_KEYS = frozenset({"spaces_between_special_tokens", "no_stop_trim", "stream_interval"})
-
 SUPPORTED_TOP_LEVEL_KEYS = frozenset(
     {
         "input_ids",

@@ -5,6 +5,8 @@
     for phase in range(cfg.num_phases):                               # 2 with Lopti
         train_step(trainer, mbs, rl_loss_fn(cfg, counts, phase=phase), op=op)
 
+(`update.update_policy` runs exactly this per mini-batch.)
+
 Each micro-batch needs the per-response-token fields "rollout_logprobs" (log π^mp of the rollout engine)
 and "advantages" (per token; broadcast a sequence advantage over its response), e.g. from
 `Sample(prompt, response, fields={"rollout_logprobs": ..., "advantages": ...})`.
@@ -24,9 +26,10 @@ import torch.distributed as dist
 from megatron_tail.algorithms import AlgorithmConfig, LossCounts, masked_quantile, prepare_tokens, rl_loss
 from megatron_tail.ops import MaskedLogprobs
 
-from .batch import MicroBatch
-from .parallel import comm_device
-from .step import LossFn
+from ..engine.batch import MicroBatch
+from ..engine.collectives import all_reduce_sum_, gather_objects
+from ..engine.optimizer_step import LossFn
+from ..engine.parallel import comm_device
 
 REQUIRED_FIELDS = ("rollout_logprobs", "advantages")
 
@@ -64,8 +67,7 @@ def prepare_rl_micro_batches(
         )
         mb.extras["prepared"] = prepared
         counts = prepared.counts if counts is None else counts + prepared.counts
-    total = counts.to_tensor(comm_device())
-    dist.all_reduce(total, group=dp_group)
+    total = all_reduce_sum_(counts.to_tensor(comm_device()), dp_group)
     return LossCounts.from_tensor(total.cpu())
 
 
@@ -125,7 +127,5 @@ def _global_stapo_tau_h(cfg, micro_batches, old, dp_group) -> float | None:
     local = torch.cat(
         [o.entropy[mb.loss_mask.to(o.entropy.device)].cpu() for mb, o in zip(micro_batches, old, strict=True)]
     )
-    gathered: list = [None] * dist.get_world_size(dp_group)
-    dist.all_gather_object(gathered, local, group=dp_group)
-    values = torch.cat(gathered)
+    values = torch.cat(gather_objects(local, dp_group))
     return float(masked_quantile(values, torch.ones_like(values, dtype=torch.bool), cfg.stapo_tau_h_quantile))

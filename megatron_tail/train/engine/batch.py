@@ -154,18 +154,6 @@ def make_micro_batches(
     return out
 
 
-def per_sample(
-    micro_batches: Sequence[MicroBatch], values: Sequence[torch.Tensor]
-) -> dict[int, torch.Tensor]:
-    """Per-token values `[b, s]` per micro-batch → {sample index: its response tokens' values, in order}."""
-    out: dict[int, torch.Tensor] = {}
-    for mb, v in zip(micro_batches, values, strict=True):
-        idx = mb.sample_index.to(v.device)
-        for i in idx[idx >= 0].unique().tolist():
-            out[i] = v[idx == i]
-    return out
-
-
 def _check_sample(i: int, s: Sample) -> None:
     if len(s.response) == 0:
         raise ValueError(f"sample {i} has an empty response")

@@ -7,8 +7,9 @@ Inputs are per-sample `[N, T]` tensors of the sampled (response) tokens, `valid`
 - `entropy`: H of the trainer's policy at each position, float.
 
 Δ = log π_train − log π_infer per sampled token. Two stages, like the algorithms' metrics, so micro-batches
-and DP ranks combine exactly: `*_sums` return 0-d float64 sums / counts (`*_min` keys combine with min),
-and `finalize_diagnostics` turns the global sums into the logged scalars:
+and DP ranks combine exactly: `*_sums` return 0-d float64 sums / counts, combined like the algorithms'
+metrics (`megatron_tail.algorithms.combine_metrics`: `*_min` keys by min, the rest by sum), and
+`finalize_diagnostics` turns the global sums into the logged scalars:
 
 - `mismatch/kl_infer_train_k3`: mean of k3 = r − 1 − log r with r = π_train/π_infer over tokens sampled from
   π_infer: an unbiased, non-negative-per-token estimate of KL(π_infer ‖ π_train).
@@ -33,9 +34,6 @@ import math
 from collections.abc import Mapping, Sequence
 
 import torch
-
-MIN_SUFFIX = "_min"
-"""Sum keys ending in this combine with min (all-reduce MIN); every other key sums."""
 
 
 def bucket_labels(prob_buckets: Sequence[float]) -> list[str]:
@@ -117,20 +115,6 @@ def safe_set_sums(
         size = safe_set_size.detach().double()[valid]
         out["safe_set_size_sum"] = _f(size.sum())
         out["safe_set_size_min"] = _f(size.min() if size.numel() else math.inf)
-    return out
-
-
-def combine_sums(pieces: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Combine the sums of several pieces (micro-batches): add, or min for keys ending in `_min`."""
-    out: dict[str, torch.Tensor] = {}
-    for piece in pieces:
-        for key, value in piece.items():
-            if key not in out:
-                out[key] = value
-            elif key.endswith(MIN_SUFFIX):
-                out[key] = torch.minimum(out[key], value)
-            else:
-                out[key] = out[key] + value
     return out
 
 

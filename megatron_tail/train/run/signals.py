@@ -18,7 +18,6 @@ from __future__ import annotations
 import signal
 from collections.abc import Sequence
 
-import torch
 import torch.distributed as dist
 
 STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1)
@@ -52,13 +51,14 @@ class GracefulStop:
         """This process received one of the signals."""
         return self.received is not None
 
-    def agreed(self, group: dist.ProcessGroup | None = None, device: torch.device | None = None) -> bool:
+    def agreed(self, group: dist.ProcessGroup | None = None) -> bool:
         """Collective over `group` (default: the world): True on every rank if any rank was signalled.
 
-        One all-reduce (MAX) of a 1-element tensor; without torch.distributed, the local flag.
+        One all-reduce (MAX) of a 1-element tensor on `comm_device()` (a GPU tensor under NCCL); without
+        torch.distributed, the local flag.
         """
         if not dist.is_available() or not dist.is_initialized():
             return self.requested
-        flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        return bool(flag.item() > 0)
+        from ..engine.collectives import any_rank  # megatron-free callers (tests, tools) stay light
+
+        return any_rank(self.requested, group)

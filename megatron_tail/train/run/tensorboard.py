@@ -41,10 +41,6 @@ class ScalarLog:
                 self.nonfinite[tag] = self.nonfinite.get(tag, 0) + 1
             self._writer.add_scalar(tag, value, global_step=step)
 
-    def write_text(self, tag: str, text: str, step: int = 0) -> None:
-        if self._writer is not None:
-            self._writer.add_text(tag, text, global_step=step)
-
     def flush(self) -> None:
         if self._writer is not None:
             self._writer.flush()

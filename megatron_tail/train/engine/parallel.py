@@ -55,11 +55,6 @@ class ParallelGroups:
     dp_size: int
 
     @property
-    def is_first_stage(self) -> bool:
-        """This rank runs the embedding."""
-        return self.pp_rank == 0
-
-    @property
     def is_last_stage(self) -> bool:
         """This rank runs the output layer and the loss."""
         return self.pp_rank == self.pp_size - 1

@@ -1,20 +1,16 @@
-"""The trainer's rank 0 side of rollout: engines (a local CPU engine it starts, or remote SGLang servers),
-sampling a step's prompts, rewards, greedy eval, and pushing new weights to the engines.
+"""The trainer's rank-0 side of rollout: the engines (a local CPU engine it starts, or remote SGLang servers),
+generating a step's samples and scoring them with the reward, eval, and pushing new weights to the engines.
 
-Only global rank 0 makes a `RolloutSide`; the other ranks receive the `RolloutBatch` by broadcast
-(`step_runner.on_rank0`). All HTTP work runs on one private asyncio event loop, so the RL loop stays
+Only global rank 0 makes `RolloutEngines`; the other ranks receive the `RolloutBatch` by broadcast
+(`engine.collectives.on_rank0`). All HTTP work runs on one private asyncio event loop, so the RL loop stays
 synchronous.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_tail.config import RunConfig
@@ -23,92 +19,20 @@ from megatron_tail.rollout import (
     ClientConfig,
     DiskWeightSync,
     LocalEngineConfig,
+    RolloutBatch,
     RolloutClient,
     SamplingConfig,
-    build_local_engine_command,
     wait_until_healthy,
 )
+from megatron_tail.rollout.local_engine.process import LocalEngineProcess
 from megatron_tail.rollout.processor import DVPLogitProcessor
+from megatron_tail.utils.net import free_port
 
 EVAL_SEED = 987_654_321
 """`base_seed` of every sampled evaluation: the same seeds each time, so evaluations differ by the weights."""
 
 
-@dataclass
-class RolloutBatch:
-    """One step's samples, groups of `group_size` contiguous (prompt-major), identical on every rank.
-
-    Per sample: `prompt_ids`, `response_ids`, `rollout_logprobs` (the engine's log π_infer^mp of each
-    response token), `reward`, `truncated` (hit `max_new_tokens`), `weight_version` the engine reported.
-    `stats`: rollout time and token counts.
-    """
-
-    prompt_ids: list[list[int]]
-    response_ids: list[list[int]]
-    rollout_logprobs: list[list[float]]
-    rewards: list[float]
-    correct: list[bool]
-    truncated: list[bool]
-    weight_versions: list[str | None]
-    stats: dict[str, float] = field(default_factory=dict)
-
-    def __len__(self) -> int:
-        return len(self.response_ids)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LocalEngineProcess:
-    """`megatron-tail serve-local` as a child process in its own session (so a Ctrl-C or a signal sent to the
-    trainer's process group does not kill it mid-step); stopped by `stop()`."""
-
-    def __init__(self, cfg: RunConfig, port: int, log_path: Path):
-        engine = LocalEngineConfig(
-            model_path=cfg.model.hf_path,
-            port=port,
-            dtype=cfg.rollout.local_dtype,
-            num_threads=cfg.rollout.local_num_threads,
-        )
-        self.url = engine.url
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.log_path = log_path
-        self._log = open(log_path, "a")
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-        for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-            env.pop(var, None)  # the engine is not a member of the trainer's process group
-        if cfg.rollout.local_num_threads is not None:
-            env["OMP_NUM_THREADS"] = str(cfg.rollout.local_num_threads)
-        self.proc = subprocess.Popen(
-            build_local_engine_command(engine, python=sys.executable),
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
-
-    def check_alive(self) -> None:
-        if self.proc.poll() is not None:
-            tail = self.log_path.read_text()[-3000:]
-            raise RuntimeError(f"the local engine exited with code {self.proc.returncode}; log tail:\n{tail}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=15)
-        self._log.close()
-
-
-class RolloutSide:
+class RolloutEngines:
     """Engines, client and rewards on global rank 0. Made early (a local engine loads meanwhile),
     then `wait_ready()`, `generate(...)`, `evaluate(...)`, `sync_weights(...)`, and `close()`."""
 
@@ -117,9 +41,16 @@ class RolloutSide:
         self.tokenizer = tokenizer
         self.reward_fn = load_reward_fn(cfg.data.reward)
         self.engine: LocalEngineProcess | None = None
+        local: LocalEngineConfig | None = None
         if cfg.rollout.engine == "local":
-            port = cfg.rollout.local_port or free_port()
-            self.urls = [LocalEngineConfig(model_path=cfg.model.hf_path, port=port).url]
+            r = cfg.rollout
+            local = LocalEngineConfig(
+                model_path=cfg.model.hf_path,
+                port=r.local_port or free_port(),
+                dtype=r.local_dtype,
+                num_threads=r.local_num_threads,
+            )
+            self.urls = [local.url]
         else:
             self.urls = list(cfg.rollout.server_urls)
         self.weight_sync = DiskWeightSync(self.urls, timeout_s=cfg.rollout.request_timeout_s)
@@ -136,8 +67,8 @@ class RolloutSide:
         )
         self.eval_client = RolloutClient(self.urls, client_cfg, processor=None)
         self.loop = asyncio.new_event_loop()
-        if cfg.rollout.engine == "local":  # last: nothing after it can fail and leave the process behind
-            self.engine = LocalEngineProcess(cfg, port, run_dir / "logs" / "local_engine.log")
+        if local is not None:  # last: nothing after it can fail and leave the process behind
+            self.engine = LocalEngineProcess(local, run_dir / "logs" / "local_engine.log")
 
     def _on_result(self, result) -> None:
         if self.on_result is not None:

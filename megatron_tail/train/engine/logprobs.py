@@ -13,11 +13,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 
 from megatron_tail.ops import MaskedLogprobs
 
 from .batch import MicroBatch
+from .collectives import broadcast_from_last_stage
 from .forward import OpSettings, run_micro_batches
 from .setup import Trainer
 
@@ -50,10 +50,5 @@ def recompute_logprobs(
         trainer.chunks, micro_batches, on_outputs, vocab_size=trainer.vocab_size, op=op, forward_only=True
     )
     groups = trainer.groups
-    if groups.pp_size == 1:
-        return list(outs)
-    if not broadcast:
-        return list(outs) if groups.is_last_stage else None
-    box = [list(outs) if groups.is_last_stage else None]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(groups.pp, groups.pp_size - 1), group=groups.pp)
-    return box[0]
+    mine = list(outs) if groups.is_last_stage else None
+    return broadcast_from_last_stage(mine, groups) if broadcast else mine

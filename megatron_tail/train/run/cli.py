@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 
+from megatron_tail.config.arguments import add_config_arguments
+
 
 def add_train_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
@@ -23,25 +25,6 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     )
     parser.set_defaults(func=train_command)
     return parser
-
-
-def add_config_arguments(parser: argparse.ArgumentParser, *, required: bool) -> None:
-    parser.add_argument(
-        "config", nargs=None if required else "?", default=None, help="YAML run config (see examples/)"
-    )
-    add_overrides_argument(parser, "override a config value, e.g. --set algorithm.log_rho=-13")
-
-
-def add_overrides_argument(parser: argparse.ArgumentParser, help_text: str) -> None:
-    """`--set KEY=VALUE` (repeatable) into `args.overrides`, the form `load_config` takes."""
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help=f"{help_text} (repeatable)",
-    )
 
 
 def train_command(args: argparse.Namespace) -> int:
@@ -60,7 +43,7 @@ def train_command(args: argparse.Namespace) -> int:
         return 0
     import torch.distributed as dist
 
-    from megatron_tail.train.loop import run
+    from megatron_tail.train.run.loop import run
 
     try:
         run(cfg)

@@ -1,0 +1,43 @@
+"""`RolloutBatch`: one RL step's samples as the rollout side hands them to the trainer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RolloutBatch:
+    """One step's samples, groups of `group_size` contiguous (prompt-major), identical on every rank.
+
+    Per sample: `prompt_ids`, `response_ids`, `rollout_logprobs` (the engine's log π_infer^mp of each
+    response token), `reward`, `truncated` (hit `max_new_tokens`), `weight_version` the engine reported.
+    `stats`: rollout time and token counts.
+    """
+
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    rollout_logprobs: list[list[float]]
+    rewards: list[float]
+    correct: list[bool]
+    truncated: list[bool]
+    weight_versions: list[str | None]
+    stats: dict[str, float] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.response_ids)
+
+
+def rollout_metrics(batch: RolloutBatch, *, expected_version: str) -> dict[str, float]:
+    """Reward, accuracy and response-length statistics of a step's samples."""
+    n = len(batch)
+    lengths = [len(r) for r in batch.response_ids]
+    mean_reward = sum(batch.rewards) / n
+    return {
+        "reward/mean": mean_reward,
+        "reward/std": (sum((r - mean_reward) ** 2 for r in batch.rewards) / n) ** 0.5,
+        "reward/accuracy": sum(batch.correct) / n,
+        "response/length_mean": sum(lengths) / n,
+        "response/length_max": float(max(lengths)),
+        "response/truncated_fraction": sum(batch.truncated) / n,
+        "rollout/stale_fraction": sum(v != expected_version for v in batch.weight_versions) / n,
+    }

@@ -1,0 +1,120 @@
+"""The trainer's own collectives, in one place: rank-0 work, the pipeline's last-stage broadcast, and one
+all-reduce-like exchange of scalar metrics.
+
+    batch = on_rank0(lambda: engines.generate(...))           # rank 0 works, every rank gets the result
+    outs = broadcast_from_last_stage(outs, groups)             # last pipeline stage → every stage
+    totals = all_reduce_scalars({"tokens": t, "w_max": m}, groups.dp)   # sum, max for *_max, min for *_min
+
+Every tensor these functions communicate is on `comm_device()` (the current GPU under NCCL, CPU under
+gloo); object collectives let torch pick the device itself. The model's own collectives (TP layers, DDP,
+the optimizer) are megatron's; the op's are in `megatron_tail.ops` and use the logits' device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from megatron_tail.algorithms.metrics import reduce_op_of
+
+from .parallel import ParallelGroups, comm_device
+
+T = TypeVar("T")
+
+_TORCH_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def on_rank0(fn: Callable[[], T]) -> T:
+    """Run `fn()` on global rank 0 only and hand its result to every rank. Collective (one broadcast).
+
+    If `fn` raises on rank 0, every rank raises (rank 0 its own exception, the others a RuntimeError that
+    quotes it) instead of the other ranks waiting in the next collective until the process-group timeout.
+    """
+    result, error, raised = None, None, None
+    if dist.get_rank() == 0:
+        try:
+            result = fn()
+        except Exception as e:
+            raised, error = e, f"{type(e).__name__}: {e}"
+    box = [(result, error)]
+    dist.broadcast_object_list(box, src=0)
+    result, error = box[0]
+    if raised is not None:
+        raise raised
+    if error is not None:
+        raise RuntimeError(f"global rank 0 failed: {error}")
+    return result
+
+
+def broadcast_from_last_stage(obj: T, groups: ParallelGroups) -> T:
+    """`obj` of the last pipeline stage on every stage of this rank's pipeline (one object broadcast over
+    `groups.pp`; without PP, `obj` itself). Other stages pass anything (e.g. None)."""
+    if groups.pp_size == 1:
+        return obj
+    box = [obj if groups.is_last_stage else None]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(groups.pp, groups.pp_size - 1), group=groups.pp)
+    return box[0]
+
+
+def all_reduce_scalars(
+    values: Mapping[str, torch.Tensor | float],
+    group: dist.ProcessGroup | None,
+    *,
+    reduce_op: Callable[[str], str] = reduce_op_of,
+) -> dict[str, float]:
+    """Reduce each scalar over `group` with its own op ("sum", "max" or "min" from `reduce_op(key)`; by
+    default the metrics convention: `*_max` keys max, `*_min` keys min, the rest sum).
+
+    One collective whatever the mix of ops: every rank all-gathers the stacked float64 vector `[K]` into
+    `[world, K]` and reduces each column locally, so ranks get bit-identical results. Every rank must pass
+    the same keys. Returns Python floats (one device→host copy).
+    """
+    keys = sorted(values)
+    if not keys:
+        return {}
+    device = comm_device()
+    local = torch.stack(
+        [torch.as_tensor(values[k]).detach().reshape(()).to(device, torch.float64) for k in keys]
+    )
+    world = 1 if group is None and not dist.is_initialized() else dist.get_world_size(group)
+    if world > 1:
+        gathered = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(gathered, local, group=group)
+        table = torch.stack(gathered)
+    else:
+        table = local[None]
+    reduced = []
+    for column, key in enumerate(keys):
+        op = reduce_op(key)
+        if op not in _TORCH_OPS:
+            raise ValueError(f"reduce op of {key!r} must be one of {sorted(_TORCH_OPS)}; got {op!r}")
+        col = table[:, column]
+        reduced.append(col.sum() if op == "sum" else col.max() if op == "max" else col.min())
+    return dict(zip(keys, torch.stack(reduced).cpu().tolist(), strict=True))
+
+
+def all_reduce_sum_(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """In-place SUM all-reduce of `tensor` over `group` through `comm_device()`; returns `tensor`."""
+    device = comm_device()
+    buffer = tensor if tensor.device == device else tensor.to(device)
+    dist.all_reduce(buffer, group=group)
+    if buffer is not tensor:
+        tensor.copy_(buffer)
+    return tensor
+
+
+def any_rank(flag: bool, group: dist.ProcessGroup | None = None) -> bool:
+    """True on every rank of `group` if `flag` is True on any (one MAX all-reduce on `comm_device()`)."""
+    t = torch.tensor([1.0 if flag else 0.0], device=comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t.item() > 0)
+
+
+def gather_objects(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
+    """`obj` of every rank of `group`, in rank order (one object all-gather)."""
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out

@@ -1,0 +1,77 @@
+"""A rollout batch as the trainer sees it: samples with per-token advantages, laid out as mini-batches of
+this DP rank's micro-batches.
+
+    samples = build_samples(cfg, batch)         # [Sample], fields rollout_logprobs, advantages
+    layout = layout_micro_batches(cfg, samples, trainer.groups)
+    layout.per_mini_batch[j]    # this DP rank's micro-batches of mini-batch j, all one shape
+    layout.all                  # every micro-batch, mini-batch-major (the θ_old pass runs over these)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_tail.algorithms import compute_advantages
+from megatron_tail.config import RunConfig
+from megatron_tail.rollout import RolloutBatch
+
+from ..engine.batch import MicroBatch, Sample, make_micro_batches, split_for_data_parallel
+from ..engine.parallel import ParallelGroups
+
+
+@dataclass(frozen=True)
+class MicroBatchLayout:
+    """This DP rank's micro-batches of one rollout batch, per mini-batch (contiguous shares of groups)."""
+
+    per_mini_batch: list[list[MicroBatch]]
+    samples: list[Sample]
+    """Every sample of the batch (all DP ranks), in batch order."""
+
+    @property
+    def all(self) -> list[MicroBatch]:
+        return [mb for mbs in self.per_mini_batch for mb in mbs]
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of the whole batch (prompt + response of every sample)."""
+        return sum(len(s) for s in self.samples)
+
+
+def build_samples(cfg: RunConfig, batch: RolloutBatch) -> list[Sample]:
+    """Samples with per-response-token fields `rollout_logprobs` and `advantages` (the group advantage)."""
+    rewards = torch.tensor(batch.rewards, dtype=torch.float64)
+    advantages = compute_advantages(cfg.algorithm, rewards).to(torch.float32)
+    samples = []
+    for i in range(len(batch)):
+        n = len(batch.response_ids[i])
+        fields = {
+            "rollout_logprobs": torch.tensor(batch.rollout_logprobs[i], dtype=torch.float32),
+            "advantages": torch.full((n,), float(advantages[i]), dtype=torch.float32),
+        }
+        samples.append(Sample(batch.prompt_ids[i], batch.response_ids[i], fields))
+    return samples
+
+
+def layout_micro_batches(
+    cfg: RunConfig, samples: list[Sample], groups: ParallelGroups, *, pad_id: int = 0
+) -> MicroBatchLayout:
+    """`train.mini_batches` contiguous shares of the samples, each split over DP and cut into micro-batches
+    of `train.micro_batch_size` rows (padded or packed to `train.seq_len`, or the longest sample)."""
+    k = cfg.train.mini_batches
+    per = len(samples) // k
+    seq_len = cfg.train.seq_len or max(len(s) for s in samples)
+    out = []
+    for j in range(k):
+        mine = split_for_data_parallel(samples[j * per : (j + 1) * per], groups.dp_rank, groups.dp_size)
+        out.append(
+            make_micro_batches(
+                mine,
+                micro_batch_size=cfg.train.micro_batch_size,
+                seq_len=seq_len,
+                packed=cfg.train.packed,
+                pad_id=pad_id,
+            )
+        )
+    return MicroBatchLayout(out, samples)

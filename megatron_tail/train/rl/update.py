@@ -1,0 +1,79 @@
+"""The policy update of one RL step: per mini-batch, the objective's stage 1 on θ_old, then one optimizer
+step per Lopti phase (one phase without Lopti).
+
+    update = update_policy(trainer, cfg.algorithm, layout, old)
+    update.metrics      # {tag: float}: loss, clip fraction, IS/veto/STAPO/Lopti fractions, grad norm
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_tail.algorithms import AlgorithmConfig, combine_metrics, finalize_metrics
+
+from ..engine.forward import OpSettings
+from ..engine.optimizer_step import train_step
+from ..engine.setup import Trainer
+from .objective import prepare_rl_micro_batches, rl_loss_fn
+from .old_policy import OldPolicy
+from .samples import MicroBatchLayout
+
+# The algorithms' finalized metric → TensorBoard tag.
+ALGORITHM_TAGS = {
+    "loss": "train/loss",
+    "pg_loss": "train/pg_loss",
+    "clip_fraction": "train/clip_fraction",
+    "dual_clip_fraction": "train/dual_clip_fraction",
+    "entropy_mean": "train/entropy",
+    "safe_set_violation_fraction": "train/out_of_safe_set_fraction",
+    "is_weight_mean": "is/weight_mean",
+    "is_weight_max": "is/weight_max",
+    "is_zero_weight_fraction": "is/zero_weight_fraction",
+    "vetoed_fraction": "is/vetoed_fraction",
+    "stapo_masked_fraction": "stapo/masked_fraction",
+    "lopti_low_fraction": "lopti/low_fraction",
+    "kl_loss": "train/kl_loss",
+}
+_PER_UPDATE = ("loss", "pg_loss", "kl_loss")
+"""Losses are per optimizer update: averaged over the updates of a step (the rest are global sums)."""
+
+
+@dataclass(frozen=True)
+class PolicyUpdate:
+    metrics: dict[str, float]
+    """TensorBoard tag → value (identical on every rank)."""
+    updates: int
+    """Optimizer steps taken (mini-batches × Lopti phases), skipped ones included."""
+
+
+def update_policy(
+    trainer: Trainer, cfg: AlgorithmConfig, layout: MicroBatchLayout, old: OldPolicy, *, op: OpSettings
+) -> PolicyUpdate:
+    """Collective over all ranks. `old.outputs` follow `layout.all`; `op` is the θ_old pass's op."""
+    groups = trainer.groups
+    summed: list[dict[str, torch.Tensor]] = []
+    grad_norms, skipped, start = [], 0, 0
+    for mbs in layout.per_mini_batch:
+        mine_old = old.outputs[start : start + len(mbs)]
+        start += len(mbs)
+        counts = prepare_rl_micro_batches(cfg, mbs, mine_old, groups.dp)
+        for phase in range(cfg.num_phases):
+            result = train_step(trainer, mbs, rl_loss_fn(cfg, counts, phase=phase), op=op)
+            summed.append({k: torch.tensor(v, dtype=torch.float64) for k, v in result.metrics.items()})
+            skipped += 0 if result.update_successful else 1
+            if result.grad_norm is not None:
+                grad_norms.append(result.grad_norm)
+    updates = len(summed)
+    combined = combine_metrics(summed)
+    for key in _PER_UPDATE:
+        if key in combined:
+            combined[key] = combined[key] / updates
+    finalized = finalize_metrics(combined)
+    metrics = {tag: finalized[key] for key, tag in ALGORITHM_TAGS.items() if key in finalized}
+    metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else 0.0
+    metrics["train/grad_norm_max"] = max(grad_norms, default=0.0)
+    metrics["train/updates"] = float(updates)
+    metrics["train/skipped_updates"] = float(skipped)
+    return PolicyUpdate(metrics, updates)

@@ -1,0 +1,22 @@
+"""The RL run: the loop and its step (`loop`), what a run holds (`session`), rank 0's rollout engines
+(`engines`), the run directory, stop signals, TensorBoard, the console, and the `train` CLI (`cli`).
+
+    result = run(load_config("examples/demo/demo.yaml"))
+"""
+
+from megatron_tail.utils.lazy import lazy_exports
+
+__getattr__, __dir__, __all__ = lazy_exports(
+    __name__,
+    {
+        "Cadence": ".loop",
+        "LoopHooks": ".loop",
+        "RunResult": ".loop",
+        "rl_step": ".loop",
+        "run": ".loop",
+        "RunSession": ".session",
+        "RolloutEngines": ".engines",
+        "GracefulStop": ".signals",
+        "ScalarLog": ".tensorboard",
+    },
+)

@@ -1,0 +1,205 @@
+"""The RL loop, end to end, on every trainer rank (launch with torchrun, or as one process).
+
+    result = run(load_config("examples/demo/demo.yaml"))
+
+`rl_step` is one RL step, one line per phase: rollout + reward → advantages → θ_old → update → weight
+sync → (eval) → checkpoint → log. `Cadence` names when eval and checkpoints happen. Global rank 0 drives
+the engines and computes rewards; the batch reaches every rank by broadcast. Each step's prompts and
+sampling seeds are functions of (seed, step), so a resumed run sees the same data in the same order. On
+SIGTERM / SIGUSR1 the current step finishes, a checkpoint is written, and `run` returns normally (exit code
+0); the next run resumes at the following step.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch.distributed as dist
+
+from megatron_tail.config import RunConfig, TrainSection, save_resolved_config
+from megatron_tail.rollout import rollout_metrics
+from megatron_tail.utils.net import free_port
+
+from ..rl.old_policy import op_settings, score_old_policy
+from ..rl.samples import build_samples, layout_micro_batches
+from ..rl.update import update_policy
+from . import run_dir
+from .session import RunSession
+from .signals import GracefulStop
+from .tensorboard import ScalarLog
+
+
+@dataclass
+class LoopHooks:
+    """Callbacks for tests and tools, run on every rank."""
+
+    on_step_start: Callable[[int], None] | None = None
+    """Called with the 0-based step index before its rollout."""
+    on_step_end: Callable[[int, dict[str, float]], None] | None = None
+    """Called with the 0-based step index and the step's logged metrics."""
+
+
+@dataclass
+class RunResult:
+    """What a `run` did (identical on every rank, except `history`: filled on global rank 0)."""
+
+    run_dir: Path
+    start_step: int
+    """Completed steps when the run began (0, or the resumed checkpoint's)."""
+    completed_steps: int
+    """Completed steps when the run ended."""
+    stopped_by: str | None = None
+    """Name of the signal that stopped the run early, or None."""
+    history: list[dict[str, float]] = field(default_factory=list)
+    """Per step: the logged metrics, with "step" (1-based completed-step count)."""
+
+    @property
+    def tensorboard_dir(self) -> Path:
+        return run_dir.tensorboard_dir(self.run_dir)
+
+
+@dataclass(frozen=True)
+class Cadence:
+    """When the loop evaluates and checkpoints, in completed steps (`train.eval_every`,
+    `train.checkpoint_every`, `train.steps`)."""
+
+    train: TrainSection
+
+    def eval_at_start(self, start: int) -> bool:
+        """Evaluate the initial weights (a fresh run with eval on)."""
+        return bool(self.train.eval_every) and start == 0
+
+    def eval_after(self, done: int) -> bool:
+        return bool(self.train.eval_every) and done % self.train.eval_every == 0
+
+    def checkpoint_after(self, done: int, *, stopping: bool) -> bool:
+        """Every `checkpoint_every` steps, at the last step, and when a stop signal was agreed."""
+        return stopping or done == self.train.steps or done % self.train.checkpoint_every == 0
+
+
+def rl_step(s: RunSession, step: int, cadence: Cadence, stop: GracefulStop) -> tuple[dict[str, float], bool]:
+    """RL step `step` (0-based) on every rank. Returns the step's metrics and whether a stop was agreed."""
+    cfg, trainer, done = s.cfg, s.trainer, step + 1
+    started = time.perf_counter()
+    batch = s.rollout(step)  # rollout + reward: rank 0 generates and scores, every rank gets the batch
+    trained = time.perf_counter()
+    samples = build_samples(cfg, batch)  # advantages (GRPO / RLOO), per response token
+    layout = layout_micro_batches(cfg, samples, trainer.groups)  # mini-batches × this DP rank's micro-batches
+    old = score_old_policy(trainer, cfg, layout, batch)  # θ_old log-probs, |V_S|, mismatch diagnostics
+    update = update_policy(trainer, cfg.algorithm, layout, old, op=op_settings(cfg))  # optimizer step(s)
+    train_s = time.perf_counter() - trained
+    sync_s = s.sync_weights(version=done)  # weight sync: the engines load θ_new as version `done`
+    metrics = {**rollout_metrics(batch, expected_version=str(step)), **update.metrics, **old.diagnostics}
+    if cadence.eval_after(done):
+        metrics.update(s.evaluate())  # eval
+    rollout_s = batch.stats["rollout_time_s"]
+    metrics.update(
+        {
+            "perf/rollout_time_s": rollout_s,
+            "perf/train_time_s": train_s,
+            "perf/weight_sync_time_s": sync_s,
+            "perf/rollout_tokens_per_s": batch.stats["generated_tokens"] / max(rollout_s, 1e-9),
+            "perf/train_tokens_per_s": layout.tokens / max(train_s, 1e-9),
+            "perf/step_time_s": time.perf_counter() - started,
+        }
+    )
+    stopping = stop.agreed()
+    if cadence.checkpoint_after(done, stopping=stopping):
+        metrics["perf/checkpoint_time_s"] = s.checkpoint(done)  # checkpoint
+    return metrics, stopping
+
+
+def run(cfg: RunConfig, hooks: LoopHooks | None = None) -> RunResult:
+    """Run (or resume) the RL loop described by `cfg` until `cfg.train.steps` or a stop signal."""
+    cfg.check_runnable()
+    hooks = hooks or LoopHooks()
+    ensure_distributed(cfg)
+    with GracefulStop() as stop:
+        session = RunSession(cfg)
+        try:
+            return _loop(session, stop, hooks)
+        finally:
+            session.close()
+
+
+def _loop(s: RunSession, stop: GracefulStop, hooks: LoopHooks) -> RunResult:
+    cfg, rank, cadence = s.cfg, dist.get_rank(), Cadence(s.cfg.train)
+    start = s.resume()
+    result = RunResult(s.run_dir, start, start)
+    tb = ScalarLog(
+        run_dir.tensorboard_dir(s.run_dir),
+        enabled=rank == 0 and cfg.logging.tensorboard,
+        purge_step=start + 1 if start else 0,
+    )
+    console = s.console
+    try:
+        s.wait_ready()
+        s.sync_weights(version=start)
+        if cadence.eval_at_start(start):
+            scalars = s.evaluate()
+            tb.write(0, scalars)
+            console.eval_note(0, scalars)
+        if start >= cfg.train.steps:
+            console.note(f"{s.run_dir}: already at step {start} of {cfg.train.steps}; nothing to do")
+        if stop.agreed():  # signalled while starting up: nothing new to save
+            result.stopped_by = _signal_name(stop)
+            console.note(f"{result.stopped_by}: stopped before step {start + 1}")
+            return result
+        console.open(start, cfg.train.steps)
+        for step in range(start, cfg.train.steps):
+            # A signal is only acted on after a step (which then also checkpoints): one that lands after
+            # that check lets the next step run and stops after it.
+            if hooks.on_step_start is not None:
+                hooks.on_step_start(step)
+            metrics, stopping = rl_step(s, step, cadence, stop)
+            done = result.completed_steps = step + 1
+            tb.write(done, metrics)  # log
+            tb.flush()
+            if rank == 0:
+                result.history.append({"step": float(done), **metrics})
+            console.step(done, metrics)
+            if hooks.on_step_end is not None:
+                hooks.on_step_end(step, metrics)
+            if stopping:
+                result.stopped_by = _signal_name(stop)
+                console.note(
+                    f"{result.stopped_by}: stopped after step {done}; checkpoint saved, rerun to resume"
+                )
+                break
+    finally:
+        console.close()
+        tb.close()
+    if rank == 0 and cfg.logging.tensorboard:
+        console.note(f"TensorBoard logs: {run_dir.tensorboard_dir(s.run_dir).resolve()}")
+    return result
+
+
+def _signal_name(stop: GracefulStop) -> str:
+    return stop.received.name if stop.received is not None else "signal on another rank"
+
+
+def ensure_distributed(cfg: RunConfig) -> None:
+    """Initialise torch.distributed from torchrun's env; a plain process becomes a world of one."""
+    from ..engine.parallel import init_distributed
+
+    if dist.is_available() and dist.is_initialized():
+        world = dist.get_world_size()
+    else:
+        if "WORLD_SIZE" not in os.environ:
+            os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"})
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
+        world = int(os.environ["WORLD_SIZE"])
+    model_parallel = cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel
+    if world % model_parallel:
+        raise ValueError(
+            f"parallel.tensor_parallel × parallel.pipeline_parallel = {model_parallel} does not divide the "
+            f"world size {world}; launch with `torchrun --nproc-per-node {model_parallel} "
+            "-m megatron_tail.cli train CONFIG.yaml` (or a multiple of it)"
+        )
+    init_distributed()
+    if dist.get_rank() == 0:
+        save_resolved_config(cfg, cfg.run_dir)

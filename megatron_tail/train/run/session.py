@@ -1,0 +1,158 @@
+"""`RunSession`: what one RL run holds (the trainer, rank 0's rollout engines and prompts) and one
+collective method per thing the loop does with them.
+
+Collective methods (every rank calls them): `resume`, `wait_ready`, `rollout`, `sync_weights`, `evaluate`,
+`checkpoint`. Rank 0 alone owns the engines, the tokenizer and the prompts; what it produces reaches every
+rank through `on_rank0`, so a failure there raises on every rank instead of hanging them.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from megatron_tail.config import RunConfig
+from megatron_tail.rollout import RolloutBatch
+
+from ..engine.checkpoint import load_checkpoint, save_checkpoint
+from ..engine.collectives import on_rank0
+from ..engine.parallel import ParallelConfig, init_parallel
+from ..engine.setup import build_trainer
+from . import run_dir
+from .console import Console, progress_enabled
+from .engines import RolloutEngines
+
+
+def rollout_seed(seed: int, step: int) -> int:
+    """`SamplingConfig.base_seed` of a step: a function of (seed, step) only (resumed runs resample alike)."""
+    return seed * 1_000_003 + step
+
+
+class RunSession:
+    def __init__(self, cfg: RunConfig):
+        from megatron_tail.model import load_hf_config
+
+        self.cfg = cfg
+        self.rank = dist.get_rank()
+        self.run_dir = Path(cfg.run_dir)
+        self.console = Console(enabled=self.rank == 0, bars=progress_enabled(cfg.logging.progress))
+        self.engines: RolloutEngines | None = None
+        self.batches = None
+        self.eval_examples: list = []
+
+        def start_engines() -> None:
+            tokenizer = _load_tokenizer(cfg.model.hf_path)
+            self._load_data(tokenizer)
+            self.engines = RolloutEngines(cfg, self.run_dir, tokenizer)  # a local engine starts loading now
+
+        on_rank0(start_engines)
+        try:
+            self.groups = init_parallel(
+                ParallelConfig(
+                    tensor_parallel=cfg.parallel.tensor_parallel,
+                    pipeline_parallel=cfg.parallel.pipeline_parallel,
+                    seed=cfg.seed,
+                )
+            )
+            self.trainer = build_trainer(
+                load_hf_config(cfg.model.hf_path),
+                hf_dir=cfg.model.hf_path,
+                model_settings=cfg.model,
+                optim=cfg.optimizer,
+            )
+        except BaseException:
+            self.close()  # never leave a local engine process behind
+            raise
+
+    def _load_data(self, tokenizer) -> None:
+        from megatron_tail.data import PromptBatches, PromptDataConfig, load_prompts
+
+        d = self.cfg.data
+        train = load_prompts(PromptDataConfig.of(d.train_path, d), tokenizer)
+        self.batches = PromptBatches(train, d.prompts_per_step, seed=self.cfg.seed, shuffle=d.shuffle)
+        if d.eval_path is not None and self.cfg.train.eval_every:
+            self.eval_examples = load_prompts(PromptDataConfig.of(d.eval_path, d), tokenizer)[
+                : d.eval_prompts
+            ]
+
+    # --- collective methods ---------------------------------------------------------------------------
+
+    def resume(self) -> int:
+        """Load the newest complete checkpoint if `train.resume`; return the completed steps (0 if none)."""
+
+        def newest() -> str | None:
+            latest = run_dir.latest_checkpoint(self.run_dir) if self.cfg.train.resume else None
+            return None if latest is None else str(latest[1])
+
+        path = on_rank0(newest)
+        if path is None:
+            return 0
+        rl_state = load_checkpoint(path, self.trainer)
+        self.console.note(f"resumed from {path} (step {rl_state['step']})")
+        return int(rl_state["step"])
+
+    def wait_ready(self) -> None:
+        on_rank0(lambda: self.engines.wait_ready())
+
+    def rollout(self, step: int) -> RolloutBatch:
+        """Step `step`'s prompts (a function of seed and step), `group_size` responses each from the engines,
+        scored by the reward; generated on rank 0, identical on every rank."""
+        return on_rank0(lambda: self._generate(step))
+
+    def sync_weights(self, version: int) -> float:
+        """Export the trainer's weights as a HF checkpoint and load it on every engine. Returns seconds."""
+        from megatron_tail.model import export_hf
+
+        started = time.perf_counter()
+        out = Path(self.cfg.rollout.weight_sync_dir or self.run_dir / "rollout_weights")
+        export_hf(self.trainer.chunks, out, self.trainer.arch, copy_files_from=self.cfg.model.hf_path)
+        on_rank0(lambda: self.engines.sync_weights(out, version))
+        return time.perf_counter() - started
+
+    def evaluate(self) -> dict[str, float]:
+        """Sampled and greedy accuracy on the eval prompts (rank 0 asks the engines; every rank gets it)."""
+
+        def evaluate() -> dict[str, float]:
+            ex = self.eval_examples
+            return self.engines.evaluate([e.prompt_ids for e in ex], [e.answer for e in ex]) if ex else {}
+
+        return on_rank0(evaluate)
+
+    def checkpoint(self, done: int) -> float:
+        """Save after `done` completed steps; keep the newest `train.keep_checkpoints`. Returns seconds."""
+        started = time.perf_counter()
+        path = run_dir.checkpoint_path(self.run_dir, done)
+        save_checkpoint(path, self.trainer, {"step": done, "seed": self.cfg.seed}, overwrite=True)
+        if self.rank == 0:
+            run_dir.prune_checkpoints(self.run_dir, self.cfg.train.keep_checkpoints)
+        dist.barrier()
+        return time.perf_counter() - started
+
+    def close(self) -> None:
+        if self.engines is not None:
+            self.engines.close()
+
+    # --- rank 0 ---------------------------------------------------------------------------------------
+
+    def _generate(self, step: int) -> RolloutBatch:
+        chosen = self.batches.batch(step)
+        bar = self.console.rollout_bar(len(chosen) * self.cfg.algorithm.group_size)
+        self.engines.on_result = None if bar is None else (lambda _result: bar.update(1))
+        try:
+            return self.engines.generate(
+                [e.prompt_ids for e in chosen],
+                [e.answer for e in chosen],
+                base_seed=rollout_seed(self.cfg.seed, step),
+            )
+        finally:
+            self.engines.on_result = None
+            if bar is not None:
+                bar.close()
+
+
+def _load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
