@@ -38,6 +38,7 @@ class MaskedLogprobs:
     in_safe_set: bool, target ∈ V_S (False: the target was force-kept and must be masked or vetoed).
     safe_mass: float32, Z = Σ_{k∈V_S} π(k), the full-softmax mass kept (Prop. 5.5's bound uses min Z).
     logprobs_full: float32, unpruned log π(target); equals logprobs + log Z where in_safe_set.
+    safe_set_size: int64, |V_S| (the force-kept target not counted); None unless asked for.
     """
 
     logprobs: torch.Tensor
@@ -45,6 +46,7 @@ class MaskedLogprobs:
     in_safe_set: torch.Tensor
     safe_mass: torch.Tensor
     logprobs_full: torch.Tensor
+    safe_set_size: torch.Tensor | None = None
 
 
 def group_size_and_rank(tp_group) -> tuple[int, int]:
@@ -57,23 +59,44 @@ def _check_inputs(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int |
     """Local checks; returns the true vocab size."""
     if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
         raise TypeError(f"logits must be a floating-point tensor [..., V_local]; got {_describe(logits)}")
+    if logits.dim() < 1:
+        raise ValueError(
+            f"logits must have a vocab dimension [..., V_local]; got shape {tuple(logits.shape)}"
+        )
+    return check_targets(
+        targets, "logits", logits, tuple(logits.shape[:-1]), logits.shape[-1], vocab_size, tp_size
+    )
+
+
+def check_targets(
+    targets: torch.Tensor,
+    name: str,
+    source: torch.Tensor,
+    lead_shape: tuple[int, ...],
+    v_local: int,
+    vocab_size: int | None,
+    tp_size: int,
+) -> int:
+    """Checks of `targets` against the scored tensor `source` (logits, or the fused op's hidden states):
+    integer dtype, shape `lead_shape`, same device, ids in [0, vocab_size); and of `vocab_size` against the
+    padded vocab `v_local · tp_size`. Returns the true vocab size."""
     if not isinstance(targets, torch.Tensor) or targets.is_floating_point() or targets.is_complex():
         raise TypeError(f"targets must be an integer tensor of token ids; got {_describe(targets)}")
     if targets.dtype == torch.bool:
         raise TypeError("targets must be an integer tensor of token ids; got dtype torch.bool")
-    if logits.dim() < 1 or tuple(logits.shape[:-1]) != tuple(targets.shape):
+    if tuple(lead_shape) != tuple(targets.shape):
         raise ValueError(
-            f"logits.shape[:-1] must equal targets.shape; got logits {tuple(logits.shape)} "
+            f"{name}.shape[:-1] must equal targets.shape; got {name} {tuple(source.shape)} "
             f"and targets {tuple(targets.shape)}"
         )
-    if targets.device != logits.device:
-        raise ValueError(f"targets are on {targets.device} but logits on {logits.device}")
-    padded = logits.shape[-1] * tp_size
+    if targets.device != source.device:
+        raise ValueError(f"targets are on {targets.device} but {name} on {source.device}")
+    padded = v_local * tp_size
     if vocab_size is None:
         vocab_size = padded
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 0 < vocab_size <= padded:
         raise ValueError(
-            f"vocab_size must be an int in [1, V_local·tp = {logits.shape[-1]}·{tp_size} = {padded}]; "
+            f"vocab_size must be an int in [1, V_local·tp = {v_local}·{tp_size} = {padded}]; "
             f"got {vocab_size!r}"
         )
     if targets.numel():
@@ -128,9 +151,15 @@ def safe_set_threshold(
         else torch.full((x.shape[0],), -math.inf, dtype=compute_dtype, device=x.device)
     )
     max_logit = _global_max(local_max, v_local, vocab_size, tp_group, tp_size)
+    return max_logit, op_threshold(max_logit, log_rho, temperature)
+
+
+def op_threshold(max_logit: torch.Tensor, log_rho: float | None, temperature: float) -> torch.Tensor:
+    """θ of each row from its global max (compute dtype): the rule's `safe_threshold`, or −max_float with
+    pruning off, which drops only −inf logits (probability zero either way)."""
     if log_rho is None:
-        return max_logit, torch.full_like(max_logit, -torch.finfo(compute_dtype).max)
-    return max_logit, safe_threshold(max_logit, log_rho, temperature)
+        return torch.full_like(max_logit, -torch.finfo(max_logit.dtype).max)
+    return safe_threshold(max_logit, log_rho, temperature)
 
 
 def _global_max(
@@ -169,11 +198,29 @@ class _MaskedLogprobsFunction(torch.autograd.Function):
     """Forward keeps, when the logits are float32/float64 and need a gradient, the masked exponentials
     in a buffer that backward turns into the gradient in place (the gradient must be written anyway, so
     this costs no extra peak memory and saves recomputing exp). For bf16/fp16 logits a float32 buffer
-    would be twice the logits' size, so backward recomputes from the logits chunk by chunk instead."""
+    would be twice the logits' size, so backward recomputes from the logits chunk by chunk instead.
+
+    `inplace`: no gradient buffer at all. The logits stay intact through forward (a later read sees
+    them), and backward recomputes from each chunk and writes the gradient over it, returning the logits'
+    own storage as their gradient (megatron's cross-entropy does the same). Autograd's version counter
+    guards it: the logits are saved for backward, so a later in-place change makes backward raise, and
+    backward's own writes bump the version, so an op that saved the logits earlier raises in its backward.
+    """
 
     @staticmethod
     def forward(
-        ctx, logits2d, targets1d, log_rho, temperature, vocab_size, tp_group, tp_size, tp_rank, entropy
+        ctx,
+        logits2d,
+        targets1d,
+        log_rho,
+        temperature,
+        vocab_size,
+        tp_group,
+        tp_size,
+        tp_rank,
+        entropy,
+        count,
+        inplace,
     ):
         v_local = logits2d.shape[1]
         vocab_start, num_valid = valid_columns(v_local, vocab_size, tp_rank)
@@ -192,7 +239,7 @@ class _MaskedLogprobsFunction(torch.autograd.Function):
         inv_t = 1.0 / temperature
         local_target, owned = chunk_math.target_columns(targets1d, vocab_start, num_valid)
 
-        keep_exp = ctx.needs_input_grad[0] and logits2d.dtype == compute_dtype
+        keep_exp = ctx.needs_input_grad[0] and logits2d.dtype == compute_dtype and not inplace
         grad_buffer = torch.empty_like(logits2d) if keep_exp else None
         if grad_buffer is not None:
             grad_buffer[:, num_valid:].zero_()  # padded columns never receive gradient
@@ -207,6 +254,7 @@ class _MaskedLogprobsFunction(torch.autograd.Function):
                 owned[rows],
                 entropy,
                 exp_out=None if grad_buffer is None else grad_buffer[rows, :num_valid],
+                with_count=count,
             )
         if tp_size > 1:
             dist.all_reduce(partials, op=dist.ReduceOp.SUM, group=tp_group)  # collective 2
@@ -217,15 +265,25 @@ class _MaskedLogprobsFunction(torch.autograd.Function):
         ctx.save_for_backward(
             logits2d, max_logit, threshold, out["log_norm"], local_target, owned, out["entropy"]
         )
-        ctx.grad_buffer, ctx.num_valid, ctx.inv_t = grad_buffer, num_valid, inv_t
-        ctx.mark_non_differentiable(out["in_safe_set"], out["safe_mass"], out["logprobs_full"])
+        ctx.grad_buffer, ctx.num_valid, ctx.inv_t, ctx.inplace = grad_buffer, num_valid, inv_t, inplace
+        size = out["safe_set_size"] if count else None
+        ctx.mark_non_differentiable(
+            *(t for t in (out["in_safe_set"], out["safe_mass"], out["logprobs_full"], size) if t is not None)
+        )
         ctx.set_materialize_grads(False)
-        return out["logprobs"], out["entropy"], out["in_safe_set"], out["safe_mass"], out["logprobs_full"]
+        return (
+            out["logprobs"],
+            out["entropy"],
+            out["in_safe_set"],
+            out["safe_mass"],
+            out["logprobs_full"],
+            size,
+        )
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy, *_):
         logits2d, max_logit, threshold, log_norm, local_target, owned, entropy = ctx.saved_tensors
-        no_grads = (None,) * 8
+        no_grads = (None,) * 10
         if grad_logprobs is None and grad_entropy is None:
             return (None, *no_grads)
         # The kept exponentials become this gradient in place; a second backward through the same
@@ -233,7 +291,8 @@ class _MaskedLogprobsFunction(torch.autograd.Function):
         grad, ctx.grad_buffer = ctx.grad_buffer, None
         from_exp = grad is not None
         if grad is None:
-            grad = torch.empty_like(logits2d)
+            # in place: each chunk is read (upcast) before its gradient is written over it
+            grad = logits2d if ctx.inplace else torch.empty_like(logits2d)
             grad[:, ctx.num_valid :].zero_()  # padded columns never receive gradient
         bias, scale_h, target_add = chunk_math.grad_coefficients(
             log_norm, ctx.inv_t, grad_logprobs, grad_entropy, entropy
@@ -265,6 +324,8 @@ def vocab_parallel_masked_logprobs(
     vocab_size: int | None = None,
     tp_group: dist.ProcessGroup | None = None,
     compute_entropy: bool = True,
+    compute_safe_set_size: bool = False,
+    inplace_backward: bool = False,
 ) -> MaskedLogprobs:
     """Log-probs and entropy of the min-p-pruned policy π^mp on vocab-parallel logits.
 
@@ -280,6 +341,12 @@ def vocab_parallel_masked_logprobs(
             Default: V_local · tp (no padding).
         tp_group: the tensor-parallel process group the vocab is sharded over; None: unsharded.
         compute_entropy: also compute H(π^mp) (costs one extra dot product per chunk).
+        compute_safe_set_size: also count |V_S| per token (`safe_set_size`), in the same pass.
+        inplace_backward: the caller hands the logits over: no gradient buffer is allocated, backward
+            writes the gradient over the logits' own storage (as megatron's cross-entropy does). The
+            logits stay readable until backward; changing them in place after the call makes backward
+            raise (autograd's version counter), and so does any op that saved them for its own backward
+            and runs its backward after this one. Default: read-only logits.
     Returns:
         `MaskedLogprobs` of `[...]` float32 tensors (float64 for float64 logits); gradients reach
         `logits` (in its dtype) through `logprobs` and `entropy`. Reduced over the vocab (all
@@ -291,7 +358,7 @@ def vocab_parallel_masked_logprobs(
     vocab_size = _check_inputs(logits, targets, vocab_size, tp_size)
     lead_shape = targets.shape
     logits2d = logits.reshape(-1, logits.shape[-1])
-    logprobs, entropy, in_safe, safe_mass, logprobs_full = _MaskedLogprobsFunction.apply(
+    outs = _MaskedLogprobsFunction.apply(
         logits2d,
         targets.reshape(-1).long(),
         log_rho,
@@ -301,11 +368,20 @@ def vocab_parallel_masked_logprobs(
         tp_size,
         tp_rank,
         bool(compute_entropy),
+        bool(compute_safe_set_size),
+        bool(inplace_backward),
     )
+    return as_outputs(outs, lead_shape)
+
+
+def as_outputs(outs: tuple, lead_shape: torch.Size) -> MaskedLogprobs:
+    """`MaskedLogprobs` of the autograd functions' flat `[N]` outputs, reshaped to `lead_shape`."""
+    logprobs, entropy, in_safe, safe_mass, logprobs_full, size = outs
     return MaskedLogprobs(
         logprobs=logprobs.view(lead_shape),
         entropy=None if entropy is None else entropy.view(lead_shape),
         in_safe_set=in_safe.view(lead_shape),
         safe_mass=safe_mass.view(lead_shape),
         logprobs_full=logprobs_full.view(lead_shape),
+        safe_set_size=None if size is None else size.view(lead_shape),
     )

@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 
 # Columns of the stacked partial sums that the op all-reduces in one SUM collective.
-S_ALL, S_SAFE, S_SAFE_EZ, TARGET_LOGIT = range(4)
-NUM_PARTIALS = 4
+S_ALL, S_SAFE, S_SAFE_EZ, TARGET_LOGIT, SAFE_COUNT = range(5)
+NUM_PARTIALS = 5
 
 
 def target_columns(
@@ -77,8 +77,9 @@ def chunk_partial_sums(
     owned: torch.Tensor,
     with_entropy: bool,
     exp_out: torch.Tensor | None = None,
+    with_count: bool = False,
 ) -> torch.Tensor:
-    """This shard's partial sums for one chunk of rows.
+    """This shard's partial sums for one chunk of rows (and of columns: the sums add over column blocks).
 
     Args:
         x: `[n, V]` raw logits (valid columns only), any float dtype; read only.
@@ -90,9 +91,10 @@ def chunk_partial_sums(
         with_entropy: compute S_SAFE_EZ (else left 0).
         exp_out: optional `[n, V]` compute-dtype buffer; receives e^{z} on V_S and 0 elsewhere (what
             the backward pass needs), so that backward need not recompute the exponentials.
+        with_count: compute SAFE_COUNT, |V_S ∩ these columns| (else left 0).
     Returns:
-        `[n, NUM_PARTIALS]`: S_all, S_{V_S}, Σ_{V_S} e^z·z (all over this shard's columns), and the
-        target's raw logit if this shard owns it, else 0.
+        `[n, NUM_PARTIALS]`: S_all, S_{V_S}, Σ_{V_S} e^z·z (all over this shard's columns), the target's
+        raw logit if this shard owns it (else 0), and the safe-set count.
     """
     out = x.new_zeros((x.shape[0], NUM_PARTIALS), dtype=max_logit.dtype)
     if x.shape[1] == 0:  # a shard of padding only
@@ -104,7 +106,10 @@ def chunk_partial_sums(
     z = shifted_logits(x, max_logit, inv_temperature)
     e = torch.exp(z, out=exp_out) if exp_out is not None else torch.exp(z)
     out[:, S_ALL] = e.sum(dim=1)
-    e.mul_(safe_indicator(x, threshold))
+    safe = safe_indicator(x, threshold)
+    if with_count:
+        out[:, SAFE_COUNT] = safe.sum(dim=1)
+    e.mul_(safe)
     out[:, S_SAFE] = e.sum(dim=1)
     if with_entropy:
         out[:, S_SAFE_EZ] = torch.linalg.vecdot(e, finite_(z))
@@ -125,9 +130,10 @@ def finalize(
         max_logit, threshold: `[N]`, compute dtype.
     Returns:
         dict of `[N]` tensors: logprobs, entropy (None unless with_entropy), in_safe_set (bool), safe_mass,
-        logprobs_full, and log_norm = log S_K (saved for backward).
+        logprobs_full, safe_set_size (int64; meaningful only if the partials counted it), and
+        log_norm = log S_K (saved for backward).
     """
-    s_all, s_safe, s_safe_ez, x_target = partials.unbind(dim=1)
+    s_all, s_safe, s_safe_ez, x_target, safe_count = partials.unbind(dim=1)
     z_t = (x_target - max_logit) * inv_temperature
     in_safe = x_target >= threshold
     e_t = torch.exp(z_t)
@@ -143,6 +149,7 @@ def finalize(
         "in_safe_set": in_safe,
         "safe_mass": s_safe / s_all,
         "logprobs_full": z_t - torch.log(s_all),
+        "safe_set_size": safe_count.round().to(torch.int64),
         "log_norm": log_norm,
     }
 

@@ -1,0 +1,304 @@
+"""`vocab_parallel_linear_masked_logprobs`: the output layer fused with the DVP log-prob op, so the
+`[N, V/TP]` logits never exist.
+
+    out = vocab_parallel_linear_masked_logprobs(hidden, weight_shard, targets, log_rho=-13.0,
+                                                vocab_size=V, tp_group=tp_group)
+
+The logits of a block of tokens × vocabulary rows are computed (`hidden[rows] @ weight[cols].T`, in the
+inputs' dtype, as megatron's output layer computes them), used, and dropped; extra memory is one block
+plus `[N]`-sized per-token state. The math per block is the materialized op's (`masked_logprobs_math`),
+so both ops agree to rounding.
+
+Passes over the blocks (each one matmul per block):
+- forward, TP = 1 with the whole vocabulary in one block: one pass (the block's row max is the global max);
+- forward otherwise: pass 1 finds the row max, then the MAX collective, then pass 2 sums the partials,
+  then the SUM collective (the two collectives of the materialized op, nothing more);
+- backward: recompute each block's logits, turn them into dlogits in place, and multiply into the
+  hidden-state and weight gradients. The hidden gradient is then all-reduced over TP (what megatron's
+  `copy_to_tensor_model_parallel_region` does before a `ColumnParallelLinear`), or reduce-scattered with
+  sequence parallelism.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from . import masked_logprobs_math as chunk_math
+from .masked_logprobs import (
+    MaskedLogprobs,
+    _describe,
+    _global_max,
+    as_outputs,
+    check_targets,
+    group_size_and_rank,
+    op_threshold,
+    valid_columns,
+)
+from .safe_vocab import DEFAULT_LOG_RHO, check_log_rho, check_temperature, rule_dtype
+
+BLOCK_ELEMENTS = {"cpu": 1 << 20, "cuda": 1 << 26}
+"""Logits per block (rows × vocabulary columns). CPU: 4 MiB of float32, about 0.06× the logits of the
+benchmark case, with its temporaries. CUDA: 256 MiB, large enough for efficient GEMMs."""
+MIN_BLOCK_ROWS = 64
+"""Token rows of a block before the vocabulary is split into column blocks (keeps the GEMMs efficient)."""
+
+
+def _blocks(num_rows: int, num_cols: int, device: torch.device) -> tuple[int, int]:
+    """(rows, columns) of a block: whole vocabulary rows while at least MIN_BLOCK_ROWS tokens fit."""
+    budget = BLOCK_ELEMENTS.get(device.type, BLOCK_ELEMENTS["cuda"])
+    rows = min(max(num_rows, 1), max(MIN_BLOCK_ROWS, budget // max(num_cols, 1)))
+    cols = min(max(num_cols, 1), max(1, budget // rows))
+    return rows, cols
+
+
+def _spans(total: int, step: int):
+    for start in range(0, total, step):
+        yield slice(start, min(start + step, total))
+
+
+class _SequenceParallelGather(torch.autograd.Function):
+    """All-gather along dim 0 over the TP group; backward reduce-scatters (megatron's SP layout)."""
+
+    @staticmethod
+    def forward(ctx, local, tp_group, tp_size):
+        ctx.tp_group, ctx.tp_size = tp_group, tp_size
+        full = local.new_empty((local.shape[0] * tp_size, *local.shape[1:]))
+        dist.all_gather_into_tensor(full, local.contiguous(), group=tp_group)
+        return full
+
+    @staticmethod
+    def backward(ctx, grad_full):
+        local = grad_full.new_empty((grad_full.shape[0] // ctx.tp_size, *grad_full.shape[1:]))
+        dist.reduce_scatter_tensor(local, grad_full.contiguous(), group=ctx.tp_group)
+        return local, None, None
+
+
+class _LinearMaskedLogprobsFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden2d, weight, targets1d, settings):
+        log_rho, temperature, vocab_size, tp_group, tp_size, tp_rank, entropy, count, _, _ = settings
+        v_local = weight.shape[0]
+        vocab_start, num_valid = valid_columns(v_local, vocab_size, tp_rank)
+        n = hidden2d.shape[0]
+        dtype = rule_dtype(hidden2d.dtype)
+        rows, cols = _blocks(n, num_valid, hidden2d.device)
+        w = weight[:num_valid]  # padded rows excluded by a view
+        one_pass = tp_size == 1 and cols >= num_valid
+        partials = torch.zeros((n, chunk_math.NUM_PARTIALS), dtype=dtype, device=hidden2d.device)
+        if one_pass:
+            max_logit = torch.empty(n, dtype=dtype, device=hidden2d.device)
+            threshold = torch.empty_like(max_logit)
+            local_target, owned = chunk_math.target_columns(targets1d, vocab_start, num_valid)
+            for r in _spans(n, rows):
+                x = hidden2d[r] @ w.t()
+                max_logit[r] = x.amax(dim=1).to(dtype) if num_valid else -math.inf
+                threshold[r] = op_threshold(max_logit[r], log_rho, temperature)
+                partials[r] = chunk_math.chunk_partial_sums(
+                    x,
+                    max_logit[r],
+                    threshold[r],
+                    1.0 / temperature,
+                    local_target[r],
+                    owned[r],
+                    entropy,
+                    with_count=count,
+                )
+        else:
+            local_max = torch.full((n,), -math.inf, dtype=dtype, device=hidden2d.device)
+            for r in _spans(n, rows):
+                for c in _spans(num_valid, cols):
+                    x = hidden2d[r] @ w[c].t()
+                    local_max[r] = torch.maximum(local_max[r], x.amax(dim=1).to(dtype))
+            max_logit = _global_max(local_max, v_local, vocab_size, tp_group, tp_size)
+            threshold = op_threshold(max_logit, log_rho, temperature)
+            for c in _spans(num_valid, cols):
+                local_target, owned = chunk_math.target_columns(
+                    targets1d, vocab_start + c.start, c.stop - c.start
+                )
+                for r in _spans(n, rows):
+                    x = hidden2d[r] @ w[c].t()
+                    partials[r] += chunk_math.chunk_partial_sums(
+                        x,
+                        max_logit[r],
+                        threshold[r],
+                        1.0 / temperature,
+                        local_target[r],
+                        owned[r],
+                        entropy,
+                        with_count=count,
+                    )
+            if tp_size > 1:
+                dist.all_reduce(partials, op=dist.ReduceOp.SUM, group=tp_group)
+        out = chunk_math.finalize(partials, max_logit, threshold, 1.0 / temperature, entropy)
+        if log_rho is None:
+            out["in_safe_set"] = torch.ones_like(out["in_safe_set"])
+        ctx.save_for_backward(
+            hidden2d, weight, targets1d, max_logit, threshold, out["log_norm"], out["entropy"]
+        )
+        ctx.settings, ctx.num_valid, ctx.vocab_start, ctx.block = (
+            settings,
+            num_valid,
+            vocab_start,
+            (rows, cols),
+        )
+        size = out["safe_set_size"] if count else None
+        ctx.mark_non_differentiable(
+            *(t for t in (out["in_safe_set"], out["safe_mass"], out["logprobs_full"], size) if t is not None)
+        )
+        ctx.set_materialize_grads(False)
+        return (
+            out["logprobs"],
+            out["entropy"],
+            out["in_safe_set"],
+            out["safe_mass"],
+            out["logprobs_full"],
+            size,
+        )
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy, *_):
+        hidden2d, weight, targets1d, max_logit, threshold, log_norm, entropy = ctx.saved_tensors
+        _, temperature, _, tp_group, _, _, _, _, reduce_grad, into_main_grad = ctx.settings
+        if grad_logprobs is None and grad_entropy is None:
+            return None, None, None, None
+        inv_t = 1.0 / temperature
+        bias, scale_h, target_add = chunk_math.grad_coefficients(
+            log_norm, inv_t, grad_logprobs, grad_entropy, entropy
+        )
+        num_valid, (rows, cols) = ctx.num_valid, ctx.block
+        n = hidden2d.shape[0]
+        w = weight[:num_valid]
+        # fp32 accumulators: the hidden gradient sums over vocabulary blocks, the weight's over token blocks
+        grad_hidden = torch.zeros(hidden2d.shape, dtype=rule_dtype(hidden2d.dtype), device=hidden2d.device)
+        grad_weight = None if into_main_grad else torch.zeros_like(weight)
+        for c in _spans(num_valid, cols):
+            local_target, owned = chunk_math.target_columns(
+                targets1d, ctx.vocab_start + c.start, c.stop - c.start
+            )
+            w_grad = torch.zeros(
+                (c.stop - c.start, weight.shape[1]), dtype=grad_hidden.dtype, device=weight.device
+            )
+            for r in _spans(n, rows):
+                x = hidden2d[r] @ w[c].t()
+                chunk_math.chunk_grad(
+                    x,
+                    x,  # dlogits over the logits: each block is read (upcast) before it is written
+                    out_holds_exp=False,
+                    max_logit=max_logit[r],
+                    threshold=threshold[r],
+                    inv_temperature=inv_t,
+                    log_norm=log_norm[r],
+                    local_target=local_target[r],
+                    owned=owned[r],
+                    bias=bias[r],
+                    scale_h=None if scale_h is None else scale_h[r],
+                    target_add=target_add[r],
+                )
+                grad_hidden[r] += (x @ w[c]).to(grad_hidden.dtype)
+                w_grad += (x.t() @ hidden2d[r]).to(w_grad.dtype)
+            if into_main_grad:  # megatron's gradient-accumulation fusion: straight into the fp32 main_grad
+                weight.main_grad[c] += w_grad.to(weight.main_grad.dtype)
+            else:
+                grad_weight[c] = w_grad.to(weight.dtype)
+        grad_hidden = grad_hidden.to(hidden2d.dtype)
+        if reduce_grad == "all_reduce":
+            dist.all_reduce(grad_hidden, group=tp_group)
+        if into_main_grad:
+            grad_weight = _dummy_weight_grad(weight)
+        return grad_hidden, grad_weight, None, None
+
+
+def _dummy_weight_grad(weight: torch.Tensor) -> torch.Tensor | None:
+    """What megatron's linear returns after accumulating into main_grad: a zero gradient with
+    `grad_added_to_main_grad` set (so DDP's hook does not add it again), or None without that flag."""
+    if hasattr(weight, "grad_added_to_main_grad"):
+        weight.grad_added_to_main_grad = True
+        return torch.zeros_like(weight)
+    return None
+
+
+def vocab_parallel_linear_masked_logprobs(
+    hidden: torch.Tensor,
+    weight_shard: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    log_rho: float | None = DEFAULT_LOG_RHO,
+    temperature: float = 1.0,
+    vocab_size: int | None = None,
+    tp_group: dist.ProcessGroup | None = None,
+    compute_entropy: bool = True,
+    compute_safe_set_size: bool = False,
+    sequence_parallel: bool = False,
+    gradient_accumulation_fusion: bool = False,
+) -> MaskedLogprobs:
+    """`vocab_parallel_masked_logprobs(hidden @ weight_shard.T, targets, ...)` without the logits.
+
+    Args:
+        hidden: `[..., H]` final-norm output, any float dtype (the logits are computed in it, as megatron's
+            output layer does). Without sequence parallelism: the full sequence, identical on every TP rank.
+            With `sequence_parallel`: this rank's shard of megatron's `[s, b, H]` layout along dim 0
+            (`s/tp` rows, in rank order); it is all-gathered here, as megatron's output layer does.
+        weight_shard: `[V_padded/TP, H]` this rank's rows of the output layer (or of the tied embedding),
+            contiguous in rank order, same dtype as `hidden`.
+        targets: `[...]` global token ids, the shape of the (gathered) hidden states without H.
+        log_rho, temperature, vocab_size, tp_group, compute_entropy, compute_safe_set_size: as in
+            `vocab_parallel_masked_logprobs` (same validation, same outputs).
+        sequence_parallel: `hidden` is the SP shard (above).
+        gradient_accumulation_fusion: add the weight gradient into `weight_shard.main_grad` (fp32) instead
+            of returning it, as megatron's `ColumnParallelLinear` does under
+            `config.gradient_accumulation_fusion`; the returned gradient is then a zero tensor with
+            `grad_added_to_main_grad` set (or None without that attribute), exactly as megatron's.
+    Returns:
+        `MaskedLogprobs` of `[...]` tensors. Gradients reach `hidden` (all-reduced over TP, the full
+        gradient on every rank; reduce-scattered to the shard with SP) and `weight_shard` (this rank's
+        rows).
+    Collectives: forward a MAX and a SUM on `tp_group` (none at TP = 1), plus the SP all-gather; backward
+    the hidden-gradient all-reduce (SP: reduce-scatter).
+    """
+    log_rho = check_log_rho(log_rho)
+    temperature = check_temperature(temperature)
+    tp_size, tp_rank = group_size_and_rank(tp_group)
+    for name, t in (("hidden", hidden), ("weight_shard", weight_shard)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor; got {_describe(t)}")
+    if hidden.dim() < 1:
+        raise ValueError(f"hidden must be [..., H]; got shape {tuple(hidden.shape)}")
+    if weight_shard.dim() != 2 or weight_shard.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"weight_shard must be [V_local, H] with H = hidden.shape[-1] = {hidden.shape[-1]}; "
+            f"got {tuple(weight_shard.shape)}"
+        )
+    if weight_shard.dtype != hidden.dtype or weight_shard.device != hidden.device:
+        raise ValueError(
+            f"hidden and weight_shard must share dtype and device; got {hidden.dtype} on {hidden.device} "
+            f"and {weight_shard.dtype} on {weight_shard.device}"
+        )
+    if gradient_accumulation_fusion and getattr(weight_shard, "main_grad", None) is None:
+        raise ValueError(
+            "gradient_accumulation_fusion=True needs weight_shard.main_grad (megatron's DDP sets it)"
+        )
+    if sequence_parallel and tp_size > 1:
+        hidden = _SequenceParallelGather.apply(hidden, tp_group, tp_size)
+    vocab_size = check_targets(
+        targets, "hidden", hidden, tuple(hidden.shape[:-1]), weight_shard.shape[0], vocab_size, tp_size
+    )
+    reduce_grad = "all_reduce" if tp_size > 1 and not sequence_parallel else None  # SP: the gather's backward
+    settings = (
+        log_rho,
+        temperature,
+        vocab_size,
+        tp_group,
+        tp_size,
+        tp_rank,
+        bool(compute_entropy),
+        bool(compute_safe_set_size),
+        reduce_grad,
+        bool(gradient_accumulation_fusion),
+    )
+    outs = _LinearMaskedLogprobsFunction.apply(
+        hidden.reshape(-1, hidden.shape[-1]), weight_shard, targets.reshape(-1).long(), settings
+    )
+    return as_outputs(outs, targets.shape)
