@@ -25,13 +25,31 @@ class TailGPTModel(GPTModel):
 
     `forward(input_ids [b, s] int64, position_ids [b, s] int64 | None, attention_mask [b, 1, s, s] bool
     (True = masked) | None, ...)` returns vocab-parallel logits `[b, s, V_padded / tp]` on the last stage
-    (hidden states `[s, b, h]` elsewhere). `position_ids=None` means 0..s-1 for every row.
+    (hidden states `[s, b, h]` elsewhere, and on the last stage too with `fused_output_layer`).
+    `position_ids=None` means 0..s-1 for every row.
     """
 
     rotate_by_position_ids: bool = True
+    fused_output_layer: bool = False
+    """On the last stage, return the final-norm hidden states `[s, b, h]` instead of the logits, for the
+    fused output-layer + log-prob op; `output_weight()` is the weight it must use."""
     uses_te_spec: bool = False
     """Built with the Transformer Engine layer spec: TE's attention applies its own causal mask and
     ignores `attention_mask`, so packed (block-diagonal) micro-batches are not supported there."""
+
+    def output_weight(self) -> torch.Tensor:
+        """The output layer's weight `[V_padded/tp, h]`: the (tied) embedding's where megatron ties them,
+        which on PP > 1 is the last stage's copy that megatron keeps in sync with the first stage's."""
+        if self.share_embeddings_and_output_weights:
+            return self.shared_embedding_or_output_weight()
+        return self.output_layer.weight
+
+    def _postprocess(self, hidden_states, *args, **kwargs):
+        if self.fused_output_layer and self.post_process:
+            if kwargs.get("labels") is not None or self.config.mtp_num_layers is not None:
+                raise NotImplementedError("fused_output_layer returns hidden states: no labels, no MTP")
+            return hidden_states  # [s, b, h] (this rank's sequence shard with sequence parallelism)
+        return super()._postprocess(hidden_states, *args, **kwargs)
 
     def _preprocess(self, input_ids, position_ids, *args, **kwargs):
         out = super()._preprocess(input_ids, position_ids, *args, **kwargs)
@@ -71,6 +89,7 @@ def build_gpt_model(
     with cpu_device_scope():
         model = _construct(arch, settings, config, pre_process, post_process)
     model.uses_te_spec = settings.resolved_use_te()
+    model.fused_output_layer = settings.fused_output_layer
     model.rotate_by_position_ids = not model.uses_te_spec
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())

@@ -27,6 +27,10 @@ class ModelSettings:
     """Initialise parameters on CPU (megatron's `use_cpu_initialization`). Default: no CUDA."""
     max_sequence_length: int | None = None
     """Longest sequence to run. Default: the HF `max_position_embeddings`."""
+    fused_output_layer: bool = False
+    """The last stage returns the final-norm hidden states instead of logits, and the trainer computes
+    log-probs with the output layer fused into the DVP op, so the [tokens, V/TP] logits never exist
+    (`megatron_tail.ops.vocab_parallel_linear_masked_logprobs`)."""
 
     def __post_init__(self) -> None:
         if self.vocab_pad_multiple < 1:

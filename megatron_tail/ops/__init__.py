@@ -1,9 +1,8 @@
 """The only place that does vocabulary math: the DVP masked log-prob op (on logits, or fused with the output
-layer so the logits never exist), |V_S|, and the shared safe-set rule."""
+layer so the logits never exist; both can count |V_S|), and the shared safe-set rule."""
 
 from .linear_masked_logprobs import vocab_parallel_linear_masked_logprobs
 from .masked_logprobs import MaskedLogprobs, vocab_parallel_masked_logprobs
-from .safe_set_size import vocab_parallel_safe_set_size
 from .safe_vocab import DEFAULT_LOG_RHO, apply_safe_vocab_, safe_mask, safe_threshold
 
 __all__ = [
@@ -14,5 +13,4 @@ __all__ = [
     "safe_threshold",
     "vocab_parallel_linear_masked_logprobs",
     "vocab_parallel_masked_logprobs",
-    "vocab_parallel_safe_set_size",
 ]

@@ -132,8 +132,8 @@ def safe_set_threshold(
     tp_group,
     tp_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The global max logit and the safe-set threshold of each row of vocab-parallel logits: the one place
-    they are computed, for the op and for `vocab_parallel_safe_set_size`.
+    """The global max logit and the safe-set threshold of each row of vocab-parallel logits (the fused op
+    computes the same max blockwise and takes θ from `op_threshold` too).
 
     Args:
         x: `[N, V_valid]` this shard's real (unpadded) columns; V_valid may be 0 on a shard of padding.

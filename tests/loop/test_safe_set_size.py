@@ -1,5 +1,5 @@
-"""|V_S| per position: vocab-parallel count (TP = 1, 2) equals the shared rule on the full logits, and the
-output-layer hook of the θ_old recompute matches HF's logits of the same model."""
+"""|V_S| per position from the op: the vocab-parallel count (TP = 1, 2) equals the shared rule on the full
+logits, and the θ_old recompute's counts (unfused and fused output layer) match HF's logits of the model."""
 
 from __future__ import annotations
 
@@ -23,14 +23,22 @@ def _full_logits(dtype):
 
 
 def _count_rank(rank, world, dtype, log_rho, temperature):
-    from megatron_tail.ops import vocab_parallel_safe_set_size
+    from megatron_tail.ops import vocab_parallel_masked_logprobs
 
     full = _full_logits(dtype)
     shard = full.chunk(world, dim=-1)[rank]
     group = torch.distributed.group.WORLD if world > 1 else None
-    return vocab_parallel_safe_set_size(
-        shard, log_rho=log_rho, temperature=temperature, vocab_size=V, tp_group=group
+    targets = torch.zeros(full.shape[:-1], dtype=torch.int64)
+    out = vocab_parallel_masked_logprobs(
+        shard,
+        targets,
+        log_rho=log_rho,
+        temperature=temperature,
+        vocab_size=V,
+        tp_group=group,
+        compute_safe_set_size=True,
     )
+    return out.safe_set_size
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -57,33 +65,28 @@ def test_count_equals_rule_on_full_logits(world, dtype, log_rho, temperature):
         assert int(expected.max()) < V or log_rho == -13.0
 
 
-def _hook_rank(rank, world, hf_dir, tokens, log_rho):  # noqa: ARG001
+def _recompute_rank(rank, world, hf_dir, tokens, log_rho, fused):  # noqa: ARG001
     from megatron_tail.model import ModelSettings, load_hf_config
     from megatron_tail.train import OpSettings, Sample, build_trainer, make_micro_batches, recompute_logprobs
-    from megatron_tail.train.rl.safe_set_sizes import capture_safe_set_sizes
     from tests.train.common import init_rank
 
     init_rank(world, 1)
-    trainer = build_trainer(
-        load_hf_config(hf_dir), hf_dir=hf_dir, model_settings=ModelSettings(vocab_pad_multiple=64)
-    )
+    settings = ModelSettings(vocab_pad_multiple=64, fused_output_layer=fused)
+    trainer = build_trainer(load_hf_config(hf_dir), hf_dir=hf_dir, model_settings=settings)
     samples = [Sample(t[:3], t[3:]) for t in tokens]
     mbs = make_micro_batches(samples, micro_batch_size=2)
-    op = OpSettings(log_rho=log_rho)
-    with capture_safe_set_sizes(
-        trainer.chunks, log_rho=log_rho, temperature=1.0, vocab_size=trainer.vocab_size
-    ) as s:
-        recompute_logprobs(trainer, mbs, op=op)
+    outs = recompute_logprobs(trainer, mbs, op=OpSettings(log_rho=log_rho, compute_safe_set_size=True))
     # per sample id: |V_S| at the positions that predict its response tokens, in order
     out = {}
-    for mb, size in zip(mbs, s.per_micro_batch, strict=True):
-        per_sample, valid = mb.to_samples(size), mb.sample_valid
+    for mb, o in zip(mbs, outs, strict=True):
+        per_sample, valid = mb.to_samples(o.safe_set_size), mb.sample_valid
         for k, sample_id in enumerate(mb.sample_ids.tolist()):
             out[sample_id] = per_sample[k][valid[k]]
     return out
 
 
-def test_recompute_hook_matches_hf_logits(tmp_path):
+@pytest.mark.parametrize("fused", [False, True])
+def test_recompute_sizes_match_hf_logits(tmp_path, fused):
     from transformers import Qwen3ForCausalLM
 
     from megatron_tail.demo.model import new_tiny_qwen3, save_hf
@@ -95,7 +98,7 @@ def test_recompute_hook_matches_hf_logits(tmp_path):
     g = torch.Generator().manual_seed(1)
     tokens = [torch.randint(5, 100, (n,), generator=g).tolist() for n in (7, 9, 6)]
     log_rho = -4.0
-    got = run_distributed(_hook_rank, 2, str(tmp_path), tokens, log_rho)[0]
+    got = run_distributed(_recompute_rank, 2, str(tmp_path), tokens, log_rho, fused)[0]
     hf = Qwen3ForCausalLM.from_pretrained(str(tmp_path)).eval()
     assert sorted(got) == [0, 1, 2]
     sizes = []

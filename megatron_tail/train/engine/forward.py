@@ -1,9 +1,15 @@
-"""One pass of megatron's `get_forward_backward_func` over micro-batches, with logits → DVP op → callback.
+"""One pass of megatron's `get_forward_backward_func` over micro-batches, with the DVP op → callback.
 
 Shared by the training step (forward + backward) and the log-prob recompute (forward only). On the last
-pipeline stage the vocab-parallel logits `[b, s, V_padded/tp]` go straight into
-`vocab_parallel_masked_logprobs` (padded columns masked via the true `vocab_size`); with bf16 they stay
-bf16 (`fp32_output=False`: the op computes in fp32 chunks, so no fp32 copy of the logits is made).
+pipeline stage, either
+- the vocab-parallel logits `[b, s, V_padded/tp]` go straight into `vocab_parallel_masked_logprobs`
+  (padded columns masked via the true `vocab_size`); with bf16 they stay bf16 (`fp32_output=False`: the
+  op computes in fp32 chunks, so no fp32 copy is made), and when training the op takes them over
+  (`inplace_backward`: their storage becomes their gradient, as with megatron's cross-entropy); or,
+- with the model's `fused_output_layer`, the final-norm hidden states `[s, b, h]` and the output layer's
+  weight go into `vocab_parallel_linear_masked_logprobs`, and the logits never exist. A tied weight is the
+  embedding's (on PP > 1 the last stage's copy, whose gradient megatron's `finalize_model_grads` sums with
+  the first stage's, as for its own output layer).
 """
 
 from __future__ import annotations
@@ -19,7 +25,12 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import unwrap_model
 
-from megatron_tail.ops import DEFAULT_LOG_RHO, MaskedLogprobs, vocab_parallel_masked_logprobs
+from megatron_tail.ops import (
+    DEFAULT_LOG_RHO,
+    MaskedLogprobs,
+    vocab_parallel_linear_masked_logprobs,
+    vocab_parallel_masked_logprobs,
+)
 from megatron_tail.patches import cpu_device_scope
 
 from .batch import MicroBatch
@@ -38,6 +49,8 @@ class OpSettings:
     """Sampling temperature the rollout used."""
     compute_entropy: bool = True
     """Also compute the entropy of π^mp."""
+    compute_safe_set_size: bool = False
+    """Also count |V_S| per position (in the same pass)."""
 
 
 def run_micro_batches(
@@ -72,18 +85,23 @@ def run_micro_batches(
         mb = next(data_iterator).to(device)
         kwargs = {"fp32_output": False} if half else {}
         output = model(mb.tokens, mb.position_ids, mb.attention_mask, **kwargs)
-        return output, partial(_loss_func, mb)
+        return output, partial(_loss_func, mb, unwrap_model(model))
 
-    def _loss_func(mb: MicroBatch, logits: torch.Tensor):
-        out = vocab_parallel_masked_logprobs(
-            logits,
-            mb.targets,
+    def _loss_func(mb: MicroBatch, model, output: torch.Tensor):
+        settings = dict(
             log_rho=op.log_rho,
             temperature=op.temperature,
             vocab_size=vocab_size,
             tp_group=tp_group,
             compute_entropy=op.compute_entropy,
+            compute_safe_set_size=op.compute_safe_set_size,
         )
+        if getattr(model, "fused_output_layer", False):
+            out = _fused_logprobs(model, output, mb.targets, settings)
+        else:
+            out = vocab_parallel_masked_logprobs(
+                output, mb.targets, inplace_backward=not forward_only, **settings
+            )
         loss, extra = on_outputs(out, mb)
         num_tokens = torch.tensor(mb.num_loss_tokens, dtype=torch.int, device=loss.device)
         return loss, num_tokens, extra
@@ -98,6 +116,21 @@ def run_micro_batches(
             micro_batch_size=rows,
             forward_only=forward_only,
         )
+
+
+def _fused_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor, settings: dict) -> MaskedLogprobs:
+    """The op on hidden states `[s, b, h]` (megatron's layout; with sequence parallelism this rank's
+    `s/tp` shard) and `targets [b, s]`; outputs `[b, s]` like the unfused path's."""
+    config = model.config
+    out = vocab_parallel_linear_masked_logprobs(
+        hidden,
+        model.output_weight(),
+        targets.t(),
+        sequence_parallel=config.sequence_parallel,
+        gradient_accumulation_fusion=config.gradient_accumulation_fusion,
+        **settings,
+    )
+    return MaskedLogprobs(**{k: None if v is None else v.t() for k, v in vars(out).items()})
 
 
 def _has_float16_module(module: torch.nn.Module) -> bool:

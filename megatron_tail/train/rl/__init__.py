@@ -6,7 +6,7 @@
     update = update_policy(trainer, cfg.algorithm, layout, old)     # update: Lopti phases × optimizer steps
 
 The loss callback is `objective.rl_loss_fn` over the algorithms' `prepare_tokens` / `rl_loss`; the
-mismatch and DVP diagnostics are `diagnostics`; |V_S| comes from `safe_set_sizes`.
+mismatch and DVP diagnostics are `diagnostics`; |V_S| comes from the op itself.
 """
 
 from megatron_tail.utils.lazy import lazy_exports

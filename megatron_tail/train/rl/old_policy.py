@@ -1,5 +1,5 @@
-"""θ_old: the trainer's log-probs of the rollout samples before any update, with |V_S| counted on the same
-logits, and the training–inference mismatch and DVP diagnostics of that pass.
+"""θ_old: the trainer's log-probs of the rollout samples before any update, with |V_S| counted by the op in
+the same pass, and the training–inference mismatch and DVP diagnostics of that pass.
 
     old = score_old_policy(trainer, cfg, layout, batch)
     old.outputs[i]      # MaskedLogprobs of layout.all[i] ([b, s], CPU), on every pipeline stage
@@ -8,7 +8,7 @@ logits, and the training–inference mismatch and DVP diagnostics of that pass.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megatron_tail.algorithms import combine_metrics
 from megatron_tail.config import RunConfig
@@ -20,7 +20,6 @@ from ..engine.forward import OpSettings
 from ..engine.logprobs import recompute_logprobs
 from ..engine.setup import Trainer
 from . import diagnostics
-from .safe_set_sizes import capture_safe_set_sizes
 from .samples import MicroBatchLayout
 
 
@@ -39,23 +38,21 @@ def op_settings(cfg: RunConfig) -> OpSettings:
     )
 
 
+def old_policy_op(cfg: RunConfig) -> OpSettings:
+    """The θ_old pass's op: `op_settings` that also counts |V_S| (a diagnostic; the update needs none)."""
+    return replace(op_settings(cfg), compute_safe_set_size=True)
+
+
 def score_old_policy(
     trainer: Trainer, cfg: RunConfig, layout: MicroBatchLayout, batch: RolloutBatch
 ) -> OldPolicy:
     """Collective over all ranks: one forward-only pass over `layout.all` (no gradients)."""
-    op = op_settings(cfg)
     mbs = layout.all
-    with capture_safe_set_sizes(
-        trainer.chunks, log_rho=op.log_rho, temperature=op.temperature, vocab_size=trainer.vocab_size
-    ) as sizes:
-        outputs = recompute_logprobs(trainer, mbs, op=op)
+    outputs = recompute_logprobs(trainer, mbs, op=old_policy_op(cfg))
     groups = trainer.groups
     totals = None
     if groups.is_last_stage:
-        pieces = [
-            _sums(cfg, mb, out, sizes.per_micro_batch, i)
-            for i, (mb, out) in enumerate(zip(mbs, outputs, strict=True))
-        ]
+        pieces = [_sums(cfg, mb, out) for mb, out in zip(mbs, outputs, strict=True)]
         totals = all_reduce_scalars(combine_metrics(pieces), groups.dp)
     totals = broadcast_from_last_stage(totals, groups)
     max_len = max(len(r) for r in batch.response_ids)
@@ -66,7 +63,7 @@ def score_old_policy(
     return OldPolicy(outputs, scalars)
 
 
-def _sums(cfg: RunConfig, mb, out: MaskedLogprobs, sizes, i: int):
+def _sums(cfg: RunConfig, mb, out: MaskedLogprobs):
     """Sum-reducible diagnostics of one micro-batch (its sampled response tokens)."""
     s, valid = mb.to_samples, mb.sample_valid
     piece = diagnostics.mismatch_sums(
@@ -82,7 +79,7 @@ def _sums(cfg: RunConfig, mb, out: MaskedLogprobs, sizes, i: int):
             in_safe_set=s(out.in_safe_set),
             safe_mass=s(out.safe_mass),
             entropy=None if out.entropy is None else s(out.entropy),
-            safe_set_size=s(sizes[i]) if i < len(sizes) else None,
+            safe_set_size=None if out.safe_set_size is None else s(out.safe_set_size),
         )
     )
     return piece
