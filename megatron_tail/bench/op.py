@@ -1,15 +1,22 @@
-"""Benchmark of the DVP op against megatron-core's cross entropy and a naive torch version.
+"""Benchmark of the DVP op against megatron-core's cross entropy and a naive torch version, and of the
+fused output layer + op against megatron's output layer + cross entropy.
 
-    python -m megatron_tail.bench.op [--tokens 2048] [--vocab 32768] [--tp 1 2] [--repeats 5]
+    python -m megatron_tail.bench.op [--tokens 2048] [--vocab 32768] [--hidden 1024] [--tp 1 2]
+                                     [--suites logits output_layer] [--repeats 3]
 
-Variants, each forward + backward on `[tokens, vocab/TP]` logits per rank:
+Suite "logits": each variant forward + backward on `[tokens, vocab/TP]` logits per rank:
   ours      `vocab_parallel_masked_logprobs` with DVP (log ρ = −13) and entropy; loss = Σ logprobs + Σ entropy
-  megatron  megatron-core's `vocab_parallel_cross_entropy` (no mask, no entropy); it overwrites fp32
-            inputs in place, so it gets a fresh clone each call (the clone is outside the timed region)
+  ours_ip   the same with `inplace_backward=True` (the logits' storage becomes their gradient)
+  megatron  megatron-core's `vocab_parallel_cross_entropy` (no mask, no entropy); it overwrites its
+            input in place
   naive     `reference_masked_logprobs` in float32: log_softmax over the masked logits + gather + entropy
+  Variants that take their input over (megatron, ours_ip) get a fresh clone each call, outside the timed
+  region, as they would get fresh logits from the output layer inside a trainer.
+Suite "output_layer": from hidden states `[tokens, H]` and the weight shard `[vocab/TP, H]`; see
+`bench.output_layer` (fused, megatron linear + CE, linear + ours read-only / in place).
 Times: one run, variants interleaved, median over repeats (naive: one run), one intra-op thread per rank.
 Memory (TP=1): each variant in a fresh subprocess; peak extra = ru_maxrss − RSS after allocating the
-inputs, reported as a multiple of the logits tensor's size.
+inputs, reported as a multiple of the logits tensor's size ([tokens, vocab] in the dtype), for both suites.
 """
 
 from __future__ import annotations
@@ -29,8 +36,13 @@ import torch.distributed as dist
 from megatron_tail.ops import vocab_parallel_masked_logprobs
 from megatron_tail.ops.reference import reference_masked_logprobs
 from megatron_tail.utils.forked import run_distributed
+from megatron_tail.utils.net import free_port
 
-VARIANTS = ("ours", "megatron", "naive")
+from .output_layer import LINEAR_VARIANTS, make_linear_inputs, run_linear_variant
+
+VARIANTS = ("ours", "ours_ip", "megatron", "naive")
+TAKES_INPUT_OVER = ("megatron", "ours_ip")
+SUITES = ("logits", "output_layer")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 LOG_RHO = -13.0
 
@@ -59,9 +71,11 @@ def _tp_size() -> int:
 
 def run_variant(name: str, logits: torch.Tensor, targets: torch.Tensor, group) -> None:
     """One forward + backward of a variant; the input's gradient is produced in every case."""
-    if name == "ours":
-        x = logits.detach().requires_grad_()
-        out = vocab_parallel_masked_logprobs(x, targets, log_rho=LOG_RHO, tp_group=group)
+    if name in ("ours", "ours_ip"):
+        x = logits.detach().requires_grad_() if name == "ours" else logits.requires_grad_()
+        out = vocab_parallel_masked_logprobs(
+            x, targets, log_rho=LOG_RHO, tp_group=group, inplace_backward=name == "ours_ip"
+        )
         (out.logprobs.sum() + out.entropy.sum()).backward()
     elif name == "megatron":
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
@@ -89,32 +103,39 @@ def _init_megatron_tp(tp: int) -> None:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
 
 
-def _time_rank(rank: int, world: int, tokens: int, vocab: int, repeats: int) -> dict:
+def _suite(suite: str, tokens: int, vocab_local: int, hidden: int, dtype: torch.dtype, rank: int):
+    """(variant names, inputs, runner) of a suite."""
+    if suite == "logits":
+        return VARIANTS, make_inputs(tokens, vocab_local, dtype, rank), run_variant
+    return LINEAR_VARIANTS, make_linear_inputs(tokens, hidden, vocab_local, dtype, rank), run_linear_variant
+
+
+def _time_rank(rank: int, world: int, suite: str, tokens: int, vocab: int, hidden: int, repeats: int) -> dict:
     torch.set_num_threads(1)
     _init_megatron_tp(world)
     group = dist.group.WORLD if world > 1 else None
     times: dict[str, dict[str, list[float]]] = {}
     for dname, dtype in DTYPES.items():
-        for v in VARIANTS:  # warm up kernels and allocator on a small shape
-            small, small_targets = make_inputs(8, max(vocab // world, 1), dtype, rank)
-            run_variant(v, small, small_targets, group)
-        logits, targets = make_inputs(tokens, vocab // world, dtype, rank)
-        times[dname] = {v: [] for v in VARIANTS}
+        variants, small, runner = _suite(suite, 8, max(vocab // world, 1), hidden, dtype, rank)
+        for v in variants:  # warm up kernels and allocator on a small shape
+            runner(v, *[x.clone() for x in small], group)
+        _, inputs, _ = _suite(suite, tokens, vocab // world, hidden, dtype, rank)
+        times[dname] = {v: [] for v in variants}
         for i in range(repeats):
-            for v in VARIANTS:
+            for v in variants:
                 if v == "naive" and i:
                     continue  # 15-30× slower than the others: once is enough for its ratio
-                x = logits.clone() if v == "megatron" else logits
+                args = [inputs[0].clone(), *inputs[1:]] if v in TAKES_INPUT_OVER else inputs
                 dist.barrier()
                 t0 = time.perf_counter()
-                run_variant(v, x, targets, group)
+                runner(v, *args, group)
                 dist.barrier()
                 times[dname][v].append(time.perf_counter() - t0)
     return {d: {v: statistics.median(ts) for v, ts in per.items()} for d, per in times.items()}
 
 
-def time_all(tokens: int, vocab: int, tp: int, repeats: int) -> dict:
-    return run_distributed(_time_rank, tp, tokens, vocab, repeats, timeout=1800)[0]
+def time_all(suite: str, tokens: int, vocab: int, hidden: int, tp: int, repeats: int) -> dict:
+    return run_distributed(_time_rank, tp, suite, tokens, vocab, hidden, repeats, timeout=3600)[0]
 
 
 def _rss_bytes() -> int:
@@ -122,38 +143,31 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def memory_probe(variant: str, dtype_name: str, tokens: int, vocab: int) -> dict:
+def memory_probe(suite: str, variant: str, dtype_name: str, tokens: int, vocab: int, hidden: int) -> dict:
     """In a fresh process: peak RSS growth of one fwd+bwd beyond the inputs, in logits-sizes."""
     torch.set_num_threads(1)
     import megatron.core.tensor_parallel  # noqa: F401 - imports before the baseline RSS
 
-    _init_single_process_group()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     _init_megatron_tp(1)
-    run_variant(variant, *make_inputs(8, 64, DTYPES[dtype_name], 0), None)  # warm allocator and kernels
-    logits, targets = make_inputs(tokens, vocab, DTYPES[dtype_name], 0)
+    dtype = DTYPES[dtype_name]
+    _, small, runner = _suite(suite, 8, 64, hidden, dtype, 0)
+    runner(variant, *small, None)  # warm allocator and kernels
+    _, inputs, _ = _suite(suite, tokens, vocab, hidden, dtype, 0)
     base = _rss_bytes()
-    run_variant(variant, logits, targets, None)
+    runner(variant, *inputs, None)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    size = logits.numel() * logits.element_size()
-    return {"extra_bytes": max(peak - base, 0), "logits_bytes": size}
+    return {"extra_bytes": max(peak - base, 0), "logits_bytes": tokens * vocab * inputs[0].element_size()}
 
 
-def _init_single_process_group() -> None:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-
-
-def memory_all(tokens: int, vocab: int) -> dict:
+def memory_all(suite: str, tokens: int, vocab: int, hidden: int) -> dict:
+    variants = VARIANTS if suite == "logits" else LINEAR_VARIANTS
     result: dict[str, dict[str, float]] = {}
     for dname in DTYPES:
         result[dname] = {}
-        for v in VARIANTS:
-            cmd = [sys.executable, "-m", "megatron_tail.bench.op", "--memory-probe", v, dname]
-            cmd += ["--tokens", str(tokens), "--vocab", str(vocab)]
+        for v in variants:
+            cmd = [sys.executable, "-m", "megatron_tail.bench.op", "--memory-probe", suite, v, dname]
+            cmd += ["--tokens", str(tokens), "--vocab", str(vocab), "--hidden", str(hidden)]
             out = (
                 subprocess.run(cmd, check=True, capture_output=True, text=True)
                 .stdout.strip()
@@ -164,22 +178,61 @@ def memory_all(tokens: int, vocab: int) -> dict:
     return result
 
 
-def format_tables(tokens: int, vocab: int, times: dict[int, dict], memory: dict | None) -> str:
-    lines = [f"DVP op benchmark: {tokens} tokens × {vocab} vocab, fwd+bwd, 1 thread per rank", ""]
-    lines.append("| TP | dtype | ours ms | megatron CE ms | naive ms | ours/megatron | ours/naive |")
-    lines.append("|---|---|---|---|---|---|---|")
+def format_logits_tables(tokens: int, vocab: int, times: dict[int, dict], memory: dict | None) -> str:
+    lines = [
+        f"DVP op on logits: {tokens} tokens × {vocab} vocab, fwd+bwd, 1 thread per rank",
+        "",
+        "| TP | dtype | ours ms | ours in-place ms | megatron CE ms | naive ms | ours/megatron "
+        "| in-place/megatron | ours/naive |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for tp, per_dtype in times.items():
         for d, t in per_dtype.items():
-            o, m, n = (t[v] * 1e3 for v in VARIANTS)
-            lines.append(f"| {tp} | {d} | {o:.0f} | {m:.0f} | {n:.0f} | {o / m:.2f} | {o / n:.2f} |")
+            o, ip, m, n = (t[v] * 1e3 for v in VARIANTS)
+            lines.append(
+                f"| {tp} | {d} | {o:.0f} | {ip:.0f} | {m:.0f} | {n:.0f} | {o / m:.2f} | {ip / m:.2f} "
+                f"| {o / n:.2f} |"
+            )
     if memory:
         lines += ["", "Peak extra memory at TP=1, as a multiple of the logits tensor's size:", ""]
-        lines.append("| dtype | ours | megatron CE | naive | ours/megatron | ours/naive |")
-        lines.append("|---|---|---|---|---|---|")
+        lines.append("| dtype | ours | ours in-place | megatron CE | naive |")
+        lines.append("|---|---|---|---|---|")
         for d, mem in memory.items():
-            o, m, n = (mem[v] for v in VARIANTS)
-            ratio_m = f"{o / m:.2f}" if m > 0.05 else "n/a (megatron ≈ 0: in place)"
-            lines.append(f"| {d} | {o:.2f}× | {m:.2f}× | {n:.2f}× | {ratio_m} | {o / n:.2f} |")
+            o, ip, m, n = (mem[v] for v in VARIANTS)
+            lines.append(f"| {d} | {o:.2f}× | {ip:.2f}× | {m:.2f}× | {n:.2f}× |")
+    return "\n".join(lines)
+
+
+def format_output_layer_tables(
+    tokens: int, vocab: int, hidden: int, times: dict[int, dict], memory: dict | None
+) -> str:
+    lines = [
+        f"Output layer + log-probs: {tokens} tokens × H {hidden} × {vocab} vocab, fwd+bwd (both gradients), "
+        "1 thread per rank",
+        "",
+        "| TP | dtype | fused ms | (a) megatron linear+CE ms | linear+ours ms | linear+ours in-place ms "
+        "| fused/(a) | linear+ours/(a) | linear+ours in-place/(a) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for tp, per_dtype in times.items():
+        for d, t in per_dtype.items():
+            f, a, o, ip = (t[v] * 1e3 for v in LINEAR_VARIANTS)
+            lines.append(
+                f"| {tp} | {d} | {f:.0f} | {a:.0f} | {o:.0f} | {ip:.0f} | {f / a:.2f} | {o / a:.2f} "
+                f"| {ip / a:.2f} |"
+            )
+    if memory:
+        lines += [
+            "",
+            "Peak extra memory at TP=1 beyond hidden, weight and targets, as a multiple of the logits' size",
+            f"(each variant also makes the weight gradient, {hidden / tokens:.2f}× of it):",
+            "",
+            "| dtype | fused | (a) megatron linear+CE | linear+ours | linear+ours in-place |",
+            "|---|---|---|---|---|",
+        ]
+        for d, mem in memory.items():
+            f, a, o, ip = (mem[v] for v in LINEAR_VARIANTS)
+            lines.append(f"| {d} | {f:.2f}× | {a:.2f}× | {o:.2f}× | {ip:.2f}× |")
     return "\n".join(lines)
 
 
@@ -189,20 +242,31 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--vocab", type=int, default=32768)
+    parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--suites", nargs="+", choices=SUITES, default=list(SUITES))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-memory", action="store_true", help="skip the per-variant memory subprocesses")
-    parser.add_argument("--memory-probe", nargs=2, metavar=("VARIANT", "DTYPE"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--memory-probe", nargs=3, metavar=("SUITE", "VARIANT", "DTYPE"), help=argparse.SUPPRESS
+    )
     args = parser.parse_args(argv)
     if args.memory_probe:
-        print(json.dumps(memory_probe(*args.memory_probe, args.tokens, args.vocab)))
+        print(json.dumps(memory_probe(*args.memory_probe, args.tokens, args.vocab, args.hidden)))
         return
     for tp in args.tp:
         if args.vocab % tp:
             parser.error(f"--vocab {args.vocab} must be divisible by every --tp; got tp={tp}")
-    times = {tp: time_all(args.tokens, args.vocab, tp, args.repeats) for tp in args.tp}
-    memory = None if args.no_memory else memory_all(args.tokens, args.vocab)
-    print(format_tables(args.tokens, args.vocab, times, memory))
+    for suite in args.suites:
+        times = {
+            tp: time_all(suite, args.tokens, args.vocab, args.hidden, tp, args.repeats) for tp in args.tp
+        }
+        memory = None if args.no_memory else memory_all(suite, args.tokens, args.vocab, args.hidden)
+        if suite == "logits":
+            print(format_logits_tables(args.tokens, args.vocab, times, memory), flush=True)
+        else:
+            print(format_output_layer_tables(args.tokens, args.vocab, args.hidden, times, memory), flush=True)
+        print(flush=True)
 
 
 if __name__ == "__main__":
