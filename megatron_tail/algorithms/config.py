@@ -10,7 +10,9 @@ from megatron_tail.algorithms._checks import check_number
 from megatron_tail.algorithms.aggregation import AGGREGATION_MODES, AggregationMode
 from megatron_tail.algorithms.importance import IsLevel, IsMode, check_is_params
 from megatron_tail.algorithms.policy_loss import KL_ESTIMATORS, KlEstimator
+from megatron_tail.ops.safe_vocab import SAFE_SET_ON, rule_log_rho
 
+SafeSetOn = Literal["sampled", "raw_logits"]
 AdvantageEstimator = Literal["grpo", "rloo"]
 ADVANTAGE_ESTIMATORS: tuple[str, ...] = get_args(AdvantageEstimator)
 
@@ -32,6 +34,10 @@ class AlgorithmConfig:
     # --- DVP (arXiv 2512.23087)
     log_rho: float | None = -13.0
     """log ρ of the safe set V_S = {a : π(a) ≥ ρ·max π}, for the op and the rollout sampler; None = off."""
+    safe_set_on: SafeSetOn = "sampled"
+    """Which π the rule reads: "sampled" (π_T, the distribution sampled at the rollout temperature T;
+    raw-logit window T·|log ρ|) or "raw_logits" (softmax of the raw logits; window |log ρ| at any T).
+    Default "sampled": V_S is then a set of tokens the sampler really may draw with probability ≥ ρ·max."""
 
     # --- importance correction θ_old (trainer) vs rollout engine
     is_mode: IsMode = "mis"
@@ -46,6 +52,11 @@ class AlgorithmConfig:
     """MIS upper bound, ≥ 1 and > `mis_low`."""
     veto_threshold: float = 1e-4
     """Drop a sequence if any token's raw weight is below this (DVP paper: 1e-4); 0 disables. In [0, 1)."""
+    rejected_in_denominator: bool = False
+    """False: tokens whose importance weight is 0 (MIS rejection, unsafe θ_old target, and every token of a
+    vetoed sequence) leave the loss normalisers, so a vetoed sequence is discarded as the DVP paper says and
+    updates do not shrink by the rejected fraction. True: they stay counted (the earlier behaviour; for
+    ablations)."""
 
     # --- STAPO (arXiv 2602.15620)
     stapo: bool = False
@@ -116,11 +127,17 @@ class AlgorithmConfig:
             _check_range("dual_clip", self.dual_clip, low=1.0, low_inclusive=False)
         _check_range("kl_coef", self.kl_coef, low=0.0)
         _check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        _check_choice("safe_set_on", self.safe_set_on, SAFE_SET_ON)
         _check_choice("loss_aggregation", self.loss_aggregation, AGGREGATION_MODES)
         if self.loss_max_len is not None and self.loss_max_len < 1:
             _bad("loss_max_len", self.loss_max_len, "must be ≥ 1")
         if self.loss_aggregation == "seq_mean_token_sum" and self.loss_max_len is None:
             _bad("loss_max_len", None, "is required when loss_aggregation='seq_mean_token_sum'")
+
+    def rule_log_rho(self, temperature: float) -> float | None:
+        """The log ρ that the op and the rollout processor apply at sampling temperature `temperature`
+        (`megatron_tail.ops.safe_vocab.rule_log_rho`)."""
+        return rule_log_rho(self.log_rho, temperature, self.safe_set_on)
 
     @property
     def num_phases(self) -> int:
@@ -141,9 +158,23 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
         _bad(name, value, f"must be one of {choices}")
 
 
-_BOOL_FIELDS = ("scale_advantages_by_std", "stapo", "advantage_reweighting", "lopti", "lopti_reverse")
+_BOOL_FIELDS = (
+    "scale_advantages_by_std",
+    "rejected_in_denominator",
+    "stapo",
+    "advantage_reweighting",
+    "lopti",
+    "lopti_reverse",
+)
 _INT_FIELDS = ("group_size", "loss_max_len")
-_STR_FIELDS = ("advantage_estimator", "is_mode", "is_level", "kl_estimator", "loss_aggregation")
+_STR_FIELDS = (
+    "advantage_estimator",
+    "safe_set_on",
+    "is_mode",
+    "is_level",
+    "kl_estimator",
+    "loss_aggregation",
+)
 
 
 def _check_types(cfg: AlgorithmConfig) -> None:

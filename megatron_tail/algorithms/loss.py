@@ -32,11 +32,13 @@ return `loss * num_microbatches * dp_size` there to get the plain sum back.
 
 Which tokens count, and which contribute:
 
-- `valid` (response tokens) minus STAPO's spurious tokens = the **loss mask**: it defines the counts.
-- Importance weights (TIS/MIS/veto) scale a token's loss and may zero it, but never change the counts.
-  They are computed over all `valid` tokens (a STAPO-masked token still takes part in the sequence
-  product/mean and in the veto). A token outside the θ_old safe set has weight 0 and vetoes its
-  sequence (see `importance.py`).
+- `valid` (response tokens) minus STAPO's spurious tokens = the **loss mask**.
+- Importance weights (TIS/MIS/veto) scale a token's loss and may zero it. They are computed over all
+  `valid` tokens (a STAPO-masked token still takes part in the sequence product/mean and in the veto). A
+  token outside the θ_old safe set has weight 0 and vetoes its sequence (see `importance.py`).
+- The **count mask** defines the normalising counts (and, for seq-mean aggregation, each sequence's
+  token count): the loss mask minus the *rejected* tokens (weight 0) by default, so a vetoed sequence is
+  discarded; with `cfg.rejected_in_denominator` the loss mask itself (rejected tokens stay counted).
 - A token outside the *current* safe set (`in_safe_set=False`, π^mp_θ = 0) contributes nothing
   (its log-prob has no meaningful gradient) but stays counted.
 - With Lopti, a phase trains only on its tokens; the others stay counted (as in the paper's code).
@@ -78,16 +80,19 @@ class PreparedTokens:
 
     Attributes:
         old_logprobs: `[B, T]` log π^mp_θold.
-        loss_mask: `[B, T]` bool, valid & not STAPO-spurious; defines the counts.
+        loss_mask: `[B, T]` bool, valid & not STAPO-spurious.
+        count_mask: `[B, T]` bool, the tokens the normalisers count: `loss_mask` minus rejected tokens
+            (weight 0), or `loss_mask` itself with `cfg.rejected_in_denominator`.
         advantages: `[B, T]` per-token advantages after AR, 0 off `loss_mask`.
         is_weights: `[B, T]` importance weights (0 off `valid` and in vetoed sequences).
         phases: the updates in order: `(LoptiPhase("all", loss_mask, advantages),)` or Lopti's two.
-        counts: local `LossCounts` of `loss_mask`.
+        counts: local `LossCounts` of `count_mask`.
         metrics: batch-level metrics (see `metrics.py`).
     """
 
     old_logprobs: torch.Tensor
     loss_mask: torch.Tensor
+    count_mask: torch.Tensor
     advantages: torch.Tensor
     is_weights: torch.Tensor
     phases: tuple[LoptiPhase, ...]
@@ -166,12 +171,17 @@ def prepare_tokens(
         )
     else:
         phases = (LoptiPhase("all", loss_mask, advantages),)
-    counts = local_counts(loss_mask)
+    count_mask = loss_mask if cfg.rejected_in_denominator else loss_mask & (iw.weights > 0)
+    counts = local_counts(count_mask)
     metrics = _batch_metrics(
         cfg, valid, loss_mask, spurious, iw.weights, iw.vetoed, old_logprobs, old_in_safe_set
     )
-    metrics["loss_sequences"] = metric(counts.sequences)
-    return PreparedTokens(old_logprobs, loss_mask, advantages, iw.weights, phases, counts, metrics)
+    metrics["loss_sequences"] = metric(loss_mask.any(dim=-1).sum())
+    metrics["counted_tokens"] = metric(counts.tokens)
+    metrics["counted_sequences"] = metric(counts.sequences)
+    return PreparedTokens(
+        old_logprobs, loss_mask, count_mask, advantages, iw.weights, phases, counts, metrics
+    )
 
 
 def rl_loss(
@@ -223,7 +233,7 @@ def rl_loss(
     )  # fmt: skip
     pg_tokens = keep(weights * pg.loss)
     agg = {"mode": cfg.loss_aggregation, "counts": counts, "max_len": cfg.loss_max_len}
-    pg_loss = aggregate(pg_tokens, prepared.loss_mask, **agg)
+    pg_loss = aggregate(pg_tokens, prepared.count_mask, **agg)
     metrics = {
         "pg_loss": metric(pg_loss),
         "phase_tokens": metric((current.mask & prepared.loss_mask).sum()),
@@ -233,7 +243,7 @@ def rl_loss(
     loss = pg_loss
     if ref_logprobs is not None and cfg.kl_coef > 0:
         kl = keep(kl_penalty(lp, keep(ref_logprobs.to(lp.dtype)), cfg.kl_estimator))
-        kl_loss = aggregate(keep(weights * kl), prepared.loss_mask, **agg)
+        kl_loss = aggregate(keep(weights * kl), prepared.count_mask, **agg)
         loss = pg_loss + cfg.kl_coef * kl_loss
         metrics["kl_loss"] = metric(cfg.kl_coef * kl_loss)
         metrics["kl_sum"] = metric(kl.sum())

@@ -185,8 +185,14 @@ def ref_loss(cfg, d: dict, *, phase: int = 0, tau_h=None, counts=None):
         pmask = order[phase]
     else:
         pmask = lm
-    n_tokens = sum(sum(r) for r in lm) if counts is None else counts[0]
-    n_seqs = sum(any(r) for r in lm) if counts is None else counts[1]
+    # the normalisers count the loss mask, minus the rejected (weight-0) tokens unless asked to keep them
+    cm = (
+        lm
+        if cfg.rejected_in_denominator
+        else [[lm[b][t] and weights[b][t] > 0 for t in range(T)] for b in range(B)]
+    )
+    n_tokens = sum(sum(r) for r in cm) if counts is None else counts[0]
+    n_seqs = sum(any(r) for r in cm) if counts is None else counts[1]
 
     tok = [[0.0] * T for _ in range(B)]
     contrib = [[False] * T for _ in range(B)]
@@ -204,9 +210,9 @@ def ref_loss(cfg, d: dict, *, phase: int = 0, tau_h=None, counts=None):
             if cfg.kl_coef > 0:
                 loss_t = loss_t + cfg.kl_coef * ref_kl(lp_t[b, t], ref_lp[b][t], cfg.kl_estimator)
             tok[b][t] = weights[b][t] * loss_t
-    loss = ref_aggregate(tok, lm, cfg.loss_aggregation, n_tokens, n_seqs, cfg.loss_max_len)
+    loss = ref_aggregate(tok, cm, cfg.loss_aggregation, n_tokens, n_seqs, cfg.loss_max_len)
     if not isinstance(loss, torch.Tensor):  # nothing contributes: a constant
         loss = torch.tensor(float(loss), dtype=torch.float64)
-    info = {"loss_mask": lm, "spurious": spur, "weights": weights, "vetoed": vetoed, "contrib": contrib,
-            "clipped": clipped, "phase_mask": pmask}  # fmt: skip
+    info = {"loss_mask": lm, "count_mask": cm, "spurious": spur, "weights": weights, "vetoed": vetoed,
+            "contrib": contrib, "clipped": clipped, "phase_mask": pmask}  # fmt: skip
     return loss, info

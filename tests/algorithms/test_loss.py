@@ -31,6 +31,7 @@ configs = st.builds(
     mis_low=st.floats(0.0, 0.9),
     mis_high=st.floats(1.1, 3.0),
     veto_threshold=st.sampled_from([0.0, 1e-4]),
+    rejected_in_denominator=st.booleans(),
     stapo=st.booleans(),
     stapo_tau_p=st.sampled_from([0.01, 0.1]),
     stapo_tau_h=st.one_of(st.none(), st.floats(0.5, 2.5)),
@@ -304,3 +305,38 @@ def test_bad_inputs_raise():
         compute_loss(cfg, **_inputs(b), phase=1)
     with pytest.raises(ValueError, match="in_safe_set has shape"):
         compute_loss(cfg, **_inputs(b), in_safe_set=torch.ones(6, 5, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"])
+def test_a_vetoed_sequence_is_discarded_unless_rejected_tokens_stay_counted(mode):
+    """Sequence 1 has a token whose rollout log-prob is far above θ_old's (weight e^-12 < 1e-4): it is vetoed.
+    By default the loss equals the loss of sequence 0 alone; with `rejected_in_denominator` it shrinks."""
+    g = torch.Generator().manual_seed(0)
+    old = -torch.rand(2, 4, generator=g, dtype=torch.float64) - 0.1
+    rollout = old.clone()
+    rollout[1, 2] = old[1, 2] + 12.0  # π_old/π_infer = e^-12 < 1e-4: veto
+    batch = {
+        "logprobs": old + 0.05 * torch.randn(2, 4, generator=g, dtype=torch.float64),
+        "old_logprobs": old,
+        "rollout_logprobs": rollout,
+        "advantages": torch.tensor([1.0, -0.5], dtype=torch.float64),
+        "valid": torch.tensor([[True, True, True, False], [True, True, True, True]]),
+    }
+    only_first = {k: v[:1] for k, v in batch.items()}
+    for rejected_counted in (False, True):
+        cfg = AlgorithmConfig(
+            is_mode="tis", veto_threshold=1e-4, loss_aggregation=mode, loss_max_len=MAX_LEN,
+            rejected_in_denominator=rejected_counted,
+        )  # fmt: skip
+        both, metrics = compute_loss(cfg, **batch)
+        alone, _ = compute_loss(cfg, **only_first)
+        assert metrics["vetoed_sequences"].item() == 1 and metrics["loss_sequences"].item() == 2
+        ref, _ = ref_loss(cfg, batch)
+        assert both.item() == pytest.approx(ref.item(), rel=1e-12)
+        if rejected_counted:
+            shrink = 3 / 7 if mode == "token_mean" else 1 / 2
+            assert both.item() == pytest.approx(alone.item() * shrink, rel=1e-12)
+            assert metrics["counted_sequences"].item() == 2
+        else:
+            assert both.item() == pytest.approx(alone.item(), rel=1e-12)
+            assert metrics["counted_tokens"].item() == 3 and metrics["counted_sequences"].item() == 1
