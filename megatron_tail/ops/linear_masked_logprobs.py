@@ -39,9 +39,11 @@ from .masked_logprobs import (
 )
 from .safe_vocab import DEFAULT_LOG_RHO, check_log_rho, check_temperature, rule_dtype
 
-BLOCK_ELEMENTS = {"cpu": 1 << 20, "cuda": 1 << 26}
-"""Logits per block (rows × vocabulary columns). CPU: 4 MiB of float32, about 0.06× the logits of the
-benchmark case, with its temporaries. CUDA: 256 MiB, large enough for efficient GEMMs."""
+BLOCK_ELEMENTS = {"cpu": 1 << 20, "cuda": 1 << 24}
+"""Logits per block (rows × vocabulary columns). A block's temporaries are a few float32 copies of it (the
+upcast, z, e^z, the safe indicator). CPU: 4 MiB each, about 0.06× the logits of the benchmark case.
+CUDA: 64 MiB each, ~0.3 GB in all, e.g. 220 tokens × 76k vocabulary (Qwen3 at TP = 2): GEMMs of that size
+run near peak, and a 16k-token micro-batch needs ~75 blocks per pass."""
 MIN_BLOCK_ROWS = 64
 """Token rows of a block before the vocabulary is split into column blocks (keeps the GEMMs efficient)."""
 

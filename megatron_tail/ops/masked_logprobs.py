@@ -335,8 +335,9 @@ def vocab_parallel_masked_logprobs(
         targets: `[...]` integer global token ids in [0, vocab_size).
         log_rho: log ρ ≤ 0 of the safe set V_S = {k : π_T(k) ≥ ρ·max π_T}; None or −inf: no pruning, and
             then `-logprobs` equals megatron's `vocab_parallel_cross_entropy`.
-        temperature: T > 0; logits are divided by T before the softmax (the rule is applied on the
-            same temperature-scaled distribution; see `safe_vocab`).
+        temperature: T > 0; logits are divided by T before the softmax, and the rule is applied on the
+            same temperature-scaled distribution π_T (raw-logit window T·|log ρ|; see `safe_vocab`). For a
+            safe set on the raw logits instead, pass `safe_vocab.rule_log_rho(log ρ, T, "raw_logits")`.
         vocab_size: true vocab size; columns at global ids ≥ vocab_size (megatron's padding) are excluded.
             Default: V_local · tp (no padding).
         tp_group: the tensor-parallel process group the vocab is sharded over; None: unsharded.

@@ -8,6 +8,13 @@ z_a / T ≥ max_k z_k / T + log ρ, i.e. on the *raw* (unscaled) logits
 Both the trainer (`vocab_parallel_masked_logprobs`) and the SGLang logit processor, which runs
 before temperature scaling, apply the rule in this raw-logit form and in float32 (float64 for float64
 logits), so that the same logits give bitwise the same safe set on both sides.
+
+Temperature convention: the safe set is defined on π_T, the distribution actually sampled, so the
+raw-logit window is T·|log ρ| (the default, `safe_set_on="sampled"`). The paper's text applies
+`max_logits + log ρ` without naming a temperature; `safe_set_on="raw_logits"` reads it on the raw logits
+(a window of |log ρ| whatever T), by handing the rule log ρ / T (`rule_log_rho`). Both sides get the same
+(log ρ, T), so they still agree bitwise. At T = 0.6 the two differ greatly (174 against 1129 tokens in a
+synthetic case).
 """
 
 from __future__ import annotations
@@ -30,6 +37,20 @@ def check_log_rho(log_rho: float | None) -> float | None:
     if math.isnan(log_rho) or log_rho > 0:
         raise ValueError(f"log_rho must be ≤ 0 (ρ = exp(log_rho) ∈ (0, 1]), None or -inf; got {log_rho!r}")
     return None if log_rho == -math.inf else log_rho
+
+
+SAFE_SET_ON: tuple[str, ...] = ("sampled", "raw_logits")
+
+
+def rule_log_rho(log_rho: float | None, temperature: float, safe_set_on: str = "sampled") -> float | None:
+    """The log ρ to give the rule (defined on π_T) so that V_S is defined on the distribution `safe_set_on`
+    names: "sampled" → log ρ (z ≥ max z + T·log ρ); "raw_logits" → log ρ / T (z ≥ max z + log ρ)."""
+    if safe_set_on not in SAFE_SET_ON:
+        raise ValueError(f"safe_set_on must be one of {SAFE_SET_ON}; got {safe_set_on!r}")
+    log_rho = check_log_rho(log_rho)
+    if log_rho is None or safe_set_on == "sampled":
+        return log_rho
+    return log_rho / check_temperature(temperature)
 
 
 def check_temperature(temperature: float) -> float:

@@ -204,6 +204,7 @@ def test_loading_a_config_and_the_command_line_import_no_megatron():
         ),
         ("optimizer.lr=0", r"lr must be > 0; got 0"),
         ("algorithm.kl_coef=0.1", r"algorithm\.kl_coef must be 0: the loop computes no reference"),
+        ("algorithm.safe_set_on=probs", r"algorithm\.safe_set_on must be one of \('sampled', 'raw_logits'\)"),
     ],
 )
 def test_choices_and_what_the_loop_cannot_run_are_refused_at_load(override, pattern):

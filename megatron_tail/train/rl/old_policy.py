@@ -32,9 +32,12 @@ class OldPolicy:
 
 
 def op_settings(cfg: RunConfig) -> OpSettings:
-    """The op as the RL step runs it: the algorithm's log ρ at the rollout temperature, with entropy."""
+    """The op as the RL step runs it: the algorithm's rule (log ρ, `safe_set_on`) at the rollout
+    temperature, with entropy; the rollout processor gets the same (log ρ, T)."""
     return OpSettings(
-        log_rho=cfg.algorithm.log_rho, temperature=cfg.rollout.temperature, compute_entropy=True
+        log_rho=cfg.algorithm.rule_log_rho(cfg.rollout.temperature),
+        temperature=cfg.rollout.temperature,
+        compute_entropy=True,
     )
 
 

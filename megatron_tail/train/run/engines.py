@@ -98,7 +98,7 @@ class RolloutEngines:
             n_samples=n,
             max_new_tokens=r.max_new_tokens,
             temperature=r.temperature,
-            log_rho=self.cfg.algorithm.log_rho if self.client.processor is not None else None,
+            log_rho=self._rule_log_rho() if self.client.processor is not None else None,
             base_seed=base_seed,
         )
         started = time.perf_counter()
@@ -128,7 +128,7 @@ class RolloutEngines:
             n_samples=1,
             max_new_tokens=r.max_new_tokens,
             temperature=r.temperature,
-            log_rho=self.cfg.algorithm.log_rho if self.client.processor is not None else None,
+            log_rho=self._rule_log_rho() if self.client.processor is not None else None,
             base_seed=EVAL_SEED,
         )
         # greedy: no pruning needed (the argmax is always in the safe set)
@@ -151,6 +151,10 @@ class RolloutEngines:
         started = time.perf_counter()
         self._run(self.weight_sync.update(str(hf_dir), weight_version=str(version)))
         return time.perf_counter() - started
+
+    def _rule_log_rho(self) -> float | None:
+        """log ρ as the processor applies it (the same the trainer's op gets; `algorithm.safe_set_on`)."""
+        return self.cfg.algorithm.rule_log_rho(self.cfg.rollout.temperature)
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
