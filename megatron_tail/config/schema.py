@@ -160,6 +160,10 @@ class DataSection(PromptFormat):
     """Reward: a built-in ("math", "arithmetic") or a dotted path "package.module:function"."""
     correct_reward: float = 1.0
     """A sample counts as correct (for accuracy) when its reward is at least this."""
+    reward_max_abs: float | None = None
+    """R_max, the largest |reward|, for DVP's bias bound R_max·T·(1 − Z_min) (Prop. 5.5); None: the range
+    the reward function declares (`fn.reward_range`; the built-ins declare [0, 1]); without either, the
+    bound is not logged."""
 
     def __post_init__(self) -> None:
         _positive_int("data", "prompts_per_step", self.prompts_per_step)
@@ -168,6 +172,8 @@ class DataSection(PromptFormat):
             _positive_int("data", "max_prompt_tokens", self.max_prompt_tokens)
         if "{prompt}" not in self.prompt_template:
             _bad("data", "prompt_template", self.prompt_template, "must contain '{prompt}'")
+        if self.reward_max_abs is not None and not 0 <= self.reward_max_abs < float("inf"):
+            _bad("data", "reward_max_abs", self.reward_max_abs, "must be a finite number ≥ 0 or null")
         super().__post_init__()
 
 

@@ -18,6 +18,25 @@ RewardFn = Callable[[str, str], float]
 
 BUILTIN_REWARDS: dict[str, RewardFn] = {"math": math_reward, "arithmetic": arithmetic_reward}
 
+REWARD_RANGE_ATTR = "reward_range"
+"""A reward function may declare `fn.reward_range = (low, high)`: every reward it returns lies in it (the
+built-ins do). DVP's bias bound (Prop. 5.5) uses R_max = max(|low|, |high|) from it."""
+for _fn in BUILTIN_REWARDS.values():
+    setattr(_fn, REWARD_RANGE_ATTR, (0.0, 1.0))
+
+
+def reward_bound(fn: RewardFn) -> float | None:
+    """R_max = max |reward| that `fn` declares through `fn.reward_range`, or None if it declares none."""
+    declared = getattr(fn, REWARD_RANGE_ATTR, None)
+    if declared is None:
+        return None
+    low, high = (float(v) for v in declared)
+    if not (math.isfinite(low) and math.isfinite(high)) or low > high:
+        raise ValueError(
+            f"reward_range of {getattr(fn, '__name__', fn)!r} must be finite (low, high); got {declared!r}"
+        )
+    return max(abs(low), abs(high))
+
 
 def load_reward_fn(spec: str) -> RewardFn:
     """The reward named by a built-in (`math`, `arithmetic`) or a dotted path `package.module:function`."""

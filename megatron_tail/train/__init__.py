@@ -17,7 +17,7 @@ the other packages' settings into `RunConfig`.) One RL step on every rank, as `r
                                                             #   reward; broadcast to every rank
     samples = build_samples(cfg, batch)                     # rl.samples: GRPO / RLOO advantages per token
     layout  = layout_micro_batches(cfg, samples, groups)    # rl.samples: mini-batches × DP × micro-batches
-    old     = score_old_policy(trainer, cfg, layout, batch) # rl.old_policy: θ_old via engine.logprobs,
+    old     = score_old_policy(trainer, cfg, layout) # rl.old_policy: θ_old via engine.logprobs,
                                                             #   |V_S|, mismatch/DVP diagnostics
     update  = update_policy(trainer, alg, layout, old, op)  # rl.update: per mini-batch, objective stage 1,
                                                             #   then engine.optimizer_step per Lopti phase

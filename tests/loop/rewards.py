@@ -4,3 +4,6 @@
 def digit_fraction(completion: str, answer: str) -> float:  # noqa: ARG001 - reward signature
     """Fraction of the completion's characters that are digits (0 for an empty completion)."""
     return sum(c.isdigit() for c in completion) / len(completion) if completion else 0.0
+
+
+digit_fraction.reward_range = (0.0, 1.0)  # DVP's bias bound reads R_max from here

@@ -133,3 +133,28 @@ def test_bad_reward_specs_are_clear_errors(spec, message):
 def test_compute_rewards_rejects_non_numbers(bad):
     with pytest.raises(ValueError, match=r"returned .* for sample 1"):
         compute_rewards(lambda c, _a: 0.0 if c == "ok" else bad, ["ok", "bad"], ["a", "a"])
+
+
+def test_reward_bound_comes_from_the_declared_range_or_the_config():
+    from megatron_tail.config import load_config
+    from megatron_tail.rewards import reward_bound
+    from megatron_tail.train.rl.old_policy import reward_max_abs
+
+    assert reward_bound(load_reward_fn("math")) == 1.0 and reward_bound(load_reward_fn("arithmetic")) == 1.0
+    undeclared = load_reward_fn("tests.rewards.plugin_reward:ends_with_answer")
+    assert reward_bound(undeclared) is None
+
+    def signed(completion: str, answer: str) -> float:  # noqa: ARG001
+        return -2.0
+
+    signed.reward_range = (-2.5, 1.0)
+    assert reward_bound(signed) == 2.5
+    signed.reward_range = (1.0, -1.0)
+    with pytest.raises(
+        ValueError, match=r"reward_range of 'signed' must be finite \(low, high\); got \(1.0, -1.0\)"
+    ):
+        reward_bound(signed)
+    assert reward_max_abs(load_config(None, ["data.reward=math"])) == 1.0
+    assert reward_max_abs(load_config(None, ["data.reward=math", "data.reward_max_abs=3"])) == 3.0
+    spec = "data.reward=tests.rewards.plugin_reward:ends_with_answer"
+    assert reward_max_abs(load_config(None, [spec])) is None

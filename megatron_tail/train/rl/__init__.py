@@ -2,7 +2,7 @@
 
     samples = build_samples(cfg, batch)                             # samples: advantages, per token
     layout = layout_micro_batches(cfg, samples, trainer.groups)     # samples: mini-batches × micro-batches
-    old = score_old_policy(trainer, cfg, layout, batch)             # old_policy: θ_old, |V_S|, diagnostics
+    old = score_old_policy(trainer, cfg, layout)             # old_policy: θ_old, |V_S|, diagnostics
     update = update_policy(trainer, cfg.algorithm, layout, old)     # update: Lopti phases × optimizer steps
 
 The loss callback is `objective.rl_loss_fn` over the algorithms' `prepare_tokens` / `rl_loss`; the

@@ -20,8 +20,9 @@ metrics (`megatron_tail.algorithms.combine_metrics`: `*_min` keys by min, the re
 - `mismatch/tail_signed_delta` (+ `mismatch/tail_tokens`): mean Δ of sampled tokens with
   π_train < `tail_prob`; DVP Prop. 4.3: sampled tail tokens have π_infer > π_train systematically,
   i.e. a negative mean.
-- `dvp/safe_set_size_mean|min`, `dvp/safe_mass_mean`, `dvp/safe_mass_min` (Z_min of Prop. 5.5, whose
-  bias bound R_max·T·(1 − Z_min) is `dvp/bias_bound`), `dvp/out_of_safe_set_fraction` (sampled
+- `dvp/safe_set_size_mean|min`, `dvp/safe_mass_mean`, `dvp/safe_mass_min` (Z_min of Prop. 5.5 over every
+  scored response position, whose bias bound R_max·T·(1 − Z_min) is `dvp/bias_bound`, with R_max the
+  reward's declared bound and T = `rollout.max_new_tokens`), `dvp/out_of_safe_set_fraction` (sampled
   tokens outside the trainer's V_S).
 - `policy/entropy`: mean entropy over sampled positions.
 An empty bucket logs 0 for its means (its `tokens` count says it was empty), so every scalar is finite.

@@ -1,7 +1,7 @@
 """θ_old: the trainer's log-probs of the rollout samples before any update, with |V_S| counted by the op in
 the same pass, and the training–inference mismatch and DVP diagnostics of that pass.
 
-    old = score_old_policy(trainer, cfg, layout, batch)
+    old = score_old_policy(trainer, cfg, layout)
     old.outputs[i]      # MaskedLogprobs of layout.all[i] ([b, s], CPU), on every pipeline stage
     old.diagnostics     # {tag: float}, identical on every rank
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from megatron_tail.algorithms import combine_metrics
 from megatron_tail.config import RunConfig
 from megatron_tail.ops import MaskedLogprobs
-from megatron_tail.rollout import RolloutBatch
+from megatron_tail.rewards import load_reward_fn, reward_bound
 
 from ..engine.collectives import all_reduce_scalars, broadcast_from_last_stage
 from ..engine.forward import OpSettings
@@ -46,9 +46,7 @@ def old_policy_op(cfg: RunConfig) -> OpSettings:
     return replace(op_settings(cfg), compute_safe_set_size=True)
 
 
-def score_old_policy(
-    trainer: Trainer, cfg: RunConfig, layout: MicroBatchLayout, batch: RolloutBatch
-) -> OldPolicy:
+def score_old_policy(trainer: Trainer, cfg: RunConfig, layout: MicroBatchLayout) -> OldPolicy:
     """Collective over all ranks: one forward-only pass over `layout.all` (no gradients)."""
     mbs = layout.all
     outputs = recompute_logprobs(trainer, mbs, op=old_policy_op(cfg))
@@ -58,12 +56,24 @@ def score_old_policy(
         pieces = [_sums(cfg, mb, out) for mb, out in zip(mbs, outputs, strict=True)]
         totals = all_reduce_scalars(combine_metrics(pieces), groups.dp)
     totals = broadcast_from_last_stage(totals, groups)
-    max_len = max(len(r) for r in batch.response_ids)
-    max_reward = max((abs(r) for r in batch.rewards), default=0.0)
+    r_max = reward_max_abs(cfg)
     scalars = diagnostics.finalize_diagnostics(
-        totals, prob_buckets=cfg.logging.prob_buckets, max_reward=max_reward, max_response_len=max_len
+        totals,
+        prob_buckets=cfg.logging.prob_buckets,
+        max_reward=0.0 if r_max is None else r_max,
+        max_response_len=cfg.rollout.max_new_tokens,
     )
+    if r_max is None:
+        scalars.pop("dvp/bias_bound", None)
     return OldPolicy(outputs, scalars)
+
+
+def reward_max_abs(cfg: RunConfig) -> float | None:
+    """R_max of Prop. 5.5: `data.reward_max_abs`, else the reward's declared range, else None. (Not the
+    batch's largest |reward|: the bound must hold for every reward the policy could earn.)"""
+    if cfg.data.reward_max_abs is not None:
+        return cfg.data.reward_max_abs
+    return reward_bound(load_reward_fn(cfg.data.reward))
 
 
 def _sums(cfg: RunConfig, mb, out: MaskedLogprobs):

@@ -89,7 +89,7 @@ def rl_step(s: RunSession, step: int, cadence: Cadence, stop: GracefulStop) -> t
     trained = time.perf_counter()
     samples = build_samples(cfg, batch)  # advantages (GRPO / RLOO), per response token
     layout = layout_micro_batches(cfg, samples, trainer.groups)  # mini-batches × this DP rank's micro-batches
-    old = score_old_policy(trainer, cfg, layout, batch)  # θ_old log-probs, |V_S|, mismatch diagnostics
+    old = score_old_policy(trainer, cfg, layout)  # θ_old log-probs, |V_S|, mismatch diagnostics
     update = update_policy(trainer, cfg.algorithm, layout, old, op=op_settings(cfg))  # optimizer step(s)
     train_s = time.perf_counter() - trained
     sync_s = s.sync_weights(version=done)  # weight sync: the engines load θ_new as version `done`
