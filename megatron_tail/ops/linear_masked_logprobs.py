@@ -42,18 +42,23 @@ from .safe_vocab import DEFAULT_LOG_RHO, check_log_rho, check_temperature, rule_
 BLOCK_ELEMENTS = {"cpu": 1 << 20, "cuda": 1 << 24}
 """Logits per block (rows × vocabulary columns). A block's temporaries are a few float32 copies of it (the
 upcast, z, e^z, the safe indicator). CPU: 4 MiB each, about 0.06× the logits of the benchmark case.
-CUDA: 64 MiB each, ~0.3 GB in all, e.g. 220 tokens × 76k vocabulary (Qwen3 at TP = 2): GEMMs of that size
-run near peak, and a 16k-token micro-batch needs ~75 blocks per pass."""
-MIN_BLOCK_ROWS = 64
-"""Token rows of a block before the vocabulary is split into column blocks (keeps the GEMMs efficient)."""
+CUDA: 64 MiB each, ~0.3 GB in all (a 16k-token micro-batch at Qwen3's 76k vocabulary per TP = 2 rank is
+~75 blocks per pass)."""
+ONE_PASS_MIN_ROWS = 128
+"""With TP = 1, a block that holds the whole vocabulary needs no separate max pass (one matmul fewer); it
+is used when such a block still has this many token rows, else blocks stay square for efficient GEMMs."""
 
 
-def _blocks(num_rows: int, num_cols: int, device: torch.device) -> tuple[int, int]:
-    """(rows, columns) of a block: whole vocabulary rows while at least MIN_BLOCK_ROWS tokens fit."""
+def _blocks(num_rows: int, num_cols: int, device: torch.device, tp_size: int) -> tuple[int, int]:
+    """(rows, columns) of a block. Square-ish blocks (√budget on a side) keep every GEMM's inner dimension
+    large: the weight-gradient GEMM sums over a block's rows, the hidden-gradient one over its columns,
+    so thin blocks would turn both into memory-bound passes over the weight."""
     budget = BLOCK_ELEMENTS.get(device.type, BLOCK_ELEMENTS["cuda"])
-    rows = min(max(num_rows, 1), max(MIN_BLOCK_ROWS, budget // max(num_cols, 1)))
-    cols = min(max(num_cols, 1), max(1, budget // rows))
-    return rows, cols
+    num_rows, num_cols = max(num_rows, 1), max(num_cols, 1)
+    if tp_size == 1 and budget // num_cols >= min(num_rows, ONE_PASS_MIN_ROWS):
+        return min(num_rows, budget // num_cols), num_cols
+    rows = min(num_rows, math.isqrt(budget))
+    return rows, min(num_cols, max(1, budget // rows))
 
 
 def _spans(total: int, step: int):
@@ -86,7 +91,7 @@ class _LinearMaskedLogprobsFunction(torch.autograd.Function):
         vocab_start, num_valid = valid_columns(v_local, vocab_size, tp_rank)
         n = hidden2d.shape[0]
         dtype = rule_dtype(hidden2d.dtype)
-        rows, cols = _blocks(n, num_valid, hidden2d.device)
+        rows, cols = _blocks(n, num_valid, hidden2d.device, tp_size)
         w = weight[:num_valid]  # padded rows excluded by a view
         one_pass = tp_size == 1 and cols >= num_valid
         partials = torch.zeros((n, chunk_math.NUM_PARTIALS), dtype=dtype, device=hidden2d.device)

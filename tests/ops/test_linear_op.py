@@ -53,12 +53,13 @@ def as_dict(out):
     return {k: getattr(out, k) for k in ("logprobs", "entropy", "in_safe_set", "safe_mass", "logprobs_full")}
 
 
-@pytest.mark.parametrize("block", [None, 40, 7])  # one pass; two passes with column blocks; 1-row blocks
+# one block; one pass over several row blocks; two passes over square blocks; tiny blocks
+@pytest.mark.parametrize("block", [None, 300, 40, 7])
 @pytest.mark.parametrize(("log_rho", "temperature"), [(-4.0, 1.0), (-3.0, 0.6), (None, 1.3)])
 def test_equals_the_float64_reference(monkeypatch, block, log_rho, temperature):
     if block is not None:
         monkeypatch.setitem(fused_impl.BLOCK_ELEMENTS, "cpu", block)
-        monkeypatch.setattr(fused_impl, "MIN_BLOCK_ROWS", 3)
+        monkeypatch.setattr(fused_impl, "ONE_PASS_MIN_ROWS", 3)
     n, vocab_size, padded = 11, 61, 64
     hidden, weight, targets, grads = problem(n, vocab_size, padded, torch.float64)
     ref, h_ref, w_ref = reference(hidden, weight, targets, vocab_size, log_rho, temperature)
@@ -92,7 +93,6 @@ def test_equals_the_float64_reference(monkeypatch, block, log_rho, temperature):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_equals_the_materialized_op(monkeypatch, dtype):
     monkeypatch.setitem(fused_impl.BLOCK_ELEMENTS, "cpu", 64)
-    monkeypatch.setattr(fused_impl, "MIN_BLOCK_ROWS", 4)
     n, vocab_size, padded = 13, 120, 128
     hidden, weight, targets, grads = problem(n, vocab_size, padded, dtype, seed=3)
     results = []
