@@ -33,6 +33,7 @@ from .masked_logprobs import (
     _global_max,
     as_outputs,
     check_targets,
+    function_outputs,
     group_size_and_rank,
     op_threshold,
     valid_columns,
@@ -95,6 +96,12 @@ class _LinearMaskedLogprobsFunction(torch.autograd.Function):
         w = weight[:num_valid]  # padded rows excluded by a view
         one_pass = tp_size == 1 and cols >= num_valid
         partials = torch.zeros((n, chunk_math.NUM_PARTIALS), dtype=dtype, device=hidden2d.device)
+
+        def block_sums(x, max_logit, threshold, local_target, owned):
+            return chunk_math.chunk_partial_sums(
+                x, max_logit, threshold, 1.0 / temperature, local_target, owned, entropy, with_count=count
+            )
+
         if one_pass:
             max_logit = torch.empty(n, dtype=dtype, device=hidden2d.device)
             threshold = torch.empty_like(max_logit)
@@ -103,16 +110,7 @@ class _LinearMaskedLogprobsFunction(torch.autograd.Function):
                 x = hidden2d[r] @ w.t()
                 max_logit[r] = x.amax(dim=1).to(dtype) if num_valid else -math.inf
                 threshold[r] = op_threshold(max_logit[r], log_rho, temperature)
-                partials[r] = chunk_math.chunk_partial_sums(
-                    x,
-                    max_logit[r],
-                    threshold[r],
-                    1.0 / temperature,
-                    local_target[r],
-                    owned[r],
-                    entropy,
-                    with_count=count,
-                )
+                partials[r] = block_sums(x, max_logit[r], threshold[r], local_target[r], owned[r])
         else:
             local_max = torch.full((n,), -math.inf, dtype=dtype, device=hidden2d.device)
             for r in _spans(n, rows):
@@ -127,21 +125,10 @@ class _LinearMaskedLogprobsFunction(torch.autograd.Function):
                 )
                 for r in _spans(n, rows):
                     x = hidden2d[r] @ w[c].t()
-                    partials[r] += chunk_math.chunk_partial_sums(
-                        x,
-                        max_logit[r],
-                        threshold[r],
-                        1.0 / temperature,
-                        local_target[r],
-                        owned[r],
-                        entropy,
-                        with_count=count,
-                    )
+                    partials[r] += block_sums(x, max_logit[r], threshold[r], local_target[r], owned[r])
             if tp_size > 1:
                 dist.all_reduce(partials, op=dist.ReduceOp.SUM, group=tp_group)
         out = chunk_math.finalize(partials, max_logit, threshold, 1.0 / temperature, entropy)
-        if log_rho is None:
-            out["in_safe_set"] = torch.ones_like(out["in_safe_set"])
         ctx.save_for_backward(
             hidden2d, weight, targets1d, max_logit, threshold, out["log_norm"], out["entropy"]
         )
@@ -151,19 +138,7 @@ class _LinearMaskedLogprobsFunction(torch.autograd.Function):
             vocab_start,
             (rows, cols),
         )
-        size = out["safe_set_size"] if count else None
-        ctx.mark_non_differentiable(
-            *(t for t in (out["in_safe_set"], out["safe_mass"], out["logprobs_full"], size) if t is not None)
-        )
-        ctx.set_materialize_grads(False)
-        return (
-            out["logprobs"],
-            out["entropy"],
-            out["in_safe_set"],
-            out["safe_mass"],
-            out["logprobs_full"],
-            size,
-        )
+        return function_outputs(ctx, out, log_rho, count)
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy, *_):

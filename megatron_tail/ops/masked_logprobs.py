@@ -259,26 +259,11 @@ class _MaskedLogprobsFunction(torch.autograd.Function):
         if tp_size > 1:
             dist.all_reduce(partials, op=dist.ReduceOp.SUM, group=tp_group)  # collective 2
         out = chunk_math.finalize(partials, max_logit, threshold, inv_t, entropy)
-        if log_rho is None:
-            out["in_safe_set"] = torch.ones_like(out["in_safe_set"])
-
         ctx.save_for_backward(
             logits2d, max_logit, threshold, out["log_norm"], local_target, owned, out["entropy"]
         )
         ctx.grad_buffer, ctx.num_valid, ctx.inv_t, ctx.inplace = grad_buffer, num_valid, inv_t, inplace
-        size = out["safe_set_size"] if count else None
-        ctx.mark_non_differentiable(
-            *(t for t in (out["in_safe_set"], out["safe_mass"], out["logprobs_full"], size) if t is not None)
-        )
-        ctx.set_materialize_grads(False)
-        return (
-            out["logprobs"],
-            out["entropy"],
-            out["in_safe_set"],
-            out["safe_mass"],
-            out["logprobs_full"],
-            size,
-        )
+        return function_outputs(ctx, out, log_rho, count)
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy, *_):
@@ -373,6 +358,18 @@ def vocab_parallel_masked_logprobs(
         bool(inplace_backward),
     )
     return as_outputs(outs, lead_shape)
+
+
+def function_outputs(ctx, out: dict[str, torch.Tensor], log_rho: float | None, count: bool) -> tuple:
+    """The flat outputs an op's autograd function returns from `chunk_math.finalize`'s dict: every target
+    in the set when pruning is off, the flags / Z / unpruned log-prob / |V_S| non-differentiable."""
+    if log_rho is None:
+        out["in_safe_set"] = torch.ones_like(out["in_safe_set"])
+    size = out["safe_set_size"] if count else None
+    flat = (out["logprobs"], out["entropy"], out["in_safe_set"], out["safe_mass"], out["logprobs_full"], size)
+    ctx.mark_non_differentiable(*(t for t in flat[2:] if t is not None))
+    ctx.set_materialize_grads(False)
+    return flat
 
 
 def as_outputs(outs: tuple, lead_shape: torch.Size) -> MaskedLogprobs:
