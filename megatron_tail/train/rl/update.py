@@ -1,8 +1,12 @@
-"""The policy update of one RL step: per mini-batch, the objective's stage 1 on θ_old, then one optimizer
-step per Lopti phase (one phase without Lopti).
+"""The policy update of one RL step: the objective's stage 1 on θ_old for every mini-batch, then, per
+Lopti phase, one optimizer step per mini-batch (one phase without Lopti).
 
-    update = update_policy(trainer, cfg.algorithm, layout, old)
+    update = update_policy(trainer, cfg.algorithm, layout, old, op=op)
     update.metrics      # {tag: float}: loss, clip fraction, IS/veto/STAPO/Lopti fractions, grad norm
+
+The phase loop is outside the mini-batch loop: with Lopti the whole batch is first updated on its
+low-probability tokens (mb1-low, mb2-low, ...), then on the rest (mb1-high, mb2-high, ...), as in the
+paper and its authors' trainer; the order is the mechanism (arXiv 2505.12929).
 """
 
 from __future__ import annotations
@@ -53,14 +57,15 @@ def update_policy(
 ) -> PolicyUpdate:
     """Collective over all ranks. `old.outputs` follow `layout.all`; `op` is the θ_old pass's op."""
     groups = trainer.groups
-    summed: list[dict[str, torch.Tensor]] = []
-    grad_norms, skipped, start = [], 0, 0
-    for mbs in layout.per_mini_batch:
-        mine_old = old.outputs[start : start + len(mbs)]
+    counts, start = [], 0
+    for mbs in layout.per_mini_batch:  # stage 1 for the whole batch, at θ_old, before any update
+        counts.append(prepare_rl_micro_batches(cfg, mbs, old.outputs[start : start + len(mbs)], groups.dp))
         start += len(mbs)
-        counts = prepare_rl_micro_batches(cfg, mbs, mine_old, groups.dp)
-        for phase in range(cfg.num_phases):
-            result = train_step(trainer, mbs, rl_loss_fn(cfg, counts, phase=phase), op=op)
+    summed: list[dict[str, torch.Tensor]] = []
+    grad_norms, skipped = [], 0
+    for phase in range(cfg.num_phases):
+        for mbs, mini_counts in zip(layout.per_mini_batch, counts, strict=True):
+            result = train_step(trainer, mbs, rl_loss_fn(cfg, mini_counts, phase=phase), op=op)
             summed.append({k: torch.tensor(v, dtype=torch.float64) for k, v in result.metrics.items()})
             skipped += 0 if result.update_successful else 1
             if result.grad_norm is not None:
