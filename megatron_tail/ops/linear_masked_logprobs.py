@@ -29,11 +29,11 @@ import torch.distributed as dist
 from . import masked_logprobs_math as chunk_math
 from .masked_logprobs import (
     MaskedLogprobs,
-    _describe,
-    _global_max,
     as_outputs,
     check_targets,
+    describe_value,
     function_outputs,
+    global_max_logit,
     group_size_and_rank,
     op_threshold,
     valid_columns,
@@ -118,7 +118,7 @@ class _LinearMaskedLogprobsFunction(torch.autograd.Function):
                 for c in _spans(num_valid, cols):
                     x = hidden2d[r] @ w[c].t()
                     local_max[r] = torch.maximum(local_max[r], x.amax(dim=1).to(dtype))
-            max_logit = _global_max(local_max, v_local, vocab_size, tp_group, tp_size)
+            max_logit = global_max_logit(local_max, v_local, vocab_size, tp_group, tp_size)
             threshold = op_threshold(max_logit, log_rho, temperature)
             for c in _spans(num_valid, cols):
                 local_target, owned = chunk_math.target_columns(
@@ -246,7 +246,7 @@ def vocab_parallel_linear_masked_logprobs(
     tp_size, tp_rank = group_size_and_rank(tp_group)
     for name, t in (("hidden", hidden), ("weight_shard", weight_shard)):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor; got {_describe(t)}")
+            raise TypeError(f"{name} must be a floating-point tensor; got {describe_value(t)}")
     if hidden.dim() < 1:
         raise ValueError(f"hidden must be [..., H]; got shape {tuple(hidden.shape)}")
     if weight_shard.dim() != 2 or weight_shard.shape[1] != hidden.shape[-1]:

@@ -58,7 +58,9 @@ def group_size_and_rank(tp_group) -> tuple[int, int]:
 def _check_inputs(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int | None, tp_size: int) -> int:
     """Local checks; returns the true vocab size."""
     if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
-        raise TypeError(f"logits must be a floating-point tensor [..., V_local]; got {_describe(logits)}")
+        raise TypeError(
+            f"logits must be a floating-point tensor [..., V_local]; got {describe_value(logits)}"
+        )
     if logits.dim() < 1:
         raise ValueError(
             f"logits must have a vocab dimension [..., V_local]; got shape {tuple(logits.shape)}"
@@ -81,7 +83,7 @@ def check_targets(
     integer dtype, shape `lead_shape`, same device, ids in [0, vocab_size); and of `vocab_size` against the
     padded vocab `v_local · tp_size`. Returns the true vocab size."""
     if not isinstance(targets, torch.Tensor) or targets.is_floating_point() or targets.is_complex():
-        raise TypeError(f"targets must be an integer tensor of token ids; got {_describe(targets)}")
+        raise TypeError(f"targets must be an integer tensor of token ids; got {describe_value(targets)}")
     if targets.dtype == torch.bool:
         raise TypeError("targets must be an integer tensor of token ids; got dtype torch.bool")
     if tuple(lead_shape) != tuple(targets.shape):
@@ -110,7 +112,7 @@ def check_targets(
     return vocab_size
 
 
-def _describe(value) -> str:
+def describe_value(value) -> str:
     if isinstance(value, torch.Tensor):
         return f"tensor of dtype {value.dtype}"
     return f"{type(value).__name__} {value!r}"
@@ -150,7 +152,7 @@ def safe_set_threshold(
         if x.shape[1]
         else torch.full((x.shape[0],), -math.inf, dtype=compute_dtype, device=x.device)
     )
-    max_logit = _global_max(local_max, v_local, vocab_size, tp_group, tp_size)
+    max_logit = global_max_logit(local_max, v_local, vocab_size, tp_group, tp_size)
     return max_logit, op_threshold(max_logit, log_rho, temperature)
 
 
@@ -162,7 +164,7 @@ def op_threshold(max_logit: torch.Tensor, log_rho: float | None, temperature: fl
     return safe_threshold(max_logit, log_rho, temperature)
 
 
-def _global_max(
+def global_max_logit(
     max_logit: torch.Tensor, v_local: int, vocab_size: int, tp_group, tp_size: int
 ) -> torch.Tensor:
     """Collective 1: MAX over shards of the max logit, with shard sizes piggy-backed to check consistency."""
