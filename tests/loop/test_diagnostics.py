@@ -40,11 +40,11 @@ def _reference(train, infer, valid, in_safe, mass, entropy, size, tail_prob):
          int(size[i, j]))
         for i in range(train.shape[0]) for j in range(train.shape[1]) if valid[i, j]
     ]  # fmt: skip
-    deltas = [a - b for a, b, *_ in rows]
-    probs = [math.exp(a) for a, *_ in rows]
+    deltas = [b - a for a, b, *_ in rows]  # log π_infer − log π_train, the paper's sign
     n = len(rows)
     ref = {
-        "mismatch/kl_infer_train_k3": sum(math.exp(d) - 1 - d for d in deltas) / n,
+        # r = π_train / π_infer = e^{−Δ}: r − 1 − log r
+        "mismatch/kl_infer_train_k3": sum(math.exp(-d) - 1 + d for d in deltas) / n,
         "mismatch/abs_delta": sum(abs(d) for d in deltas) / n,
         "mismatch/signed_delta": sum(deltas) / n,
         "dvp/out_of_safe_set_fraction": sum(not r[2] for r in rows) / n,
@@ -54,20 +54,24 @@ def _reference(train, infer, valid, in_safe, mass, entropy, size, tail_prob):
         "dvp/safe_set_size_mean": sum(r[5] for r in rows) / n,
         "dvp/safe_set_size_min": min(r[5] for r in rows),
     }
-    tail = [d for d, p in zip(deltas, probs, strict=True) if p < tail_prob]
-    ref["mismatch/tail_tokens"] = len(tail)
-    ref["mismatch/tail_signed_delta"] = sum(tail) / len(tail) if tail else 0.0
     edges = [
         (0.5, 2.0, "p0.5_1"),
         (1e-2, 0.5, "p0.01_0.5"),
         (1e-4, 1e-2, "p0.0001_0.01"),
         (-1, 1e-4, "p0_0.0001"),
     ]
-    for lo, hi, label in edges:
-        member = [d for d, p in zip(deltas, probs, strict=True) if lo <= p < hi]
-        ref[f"mismatch/tokens/{label}"] = len(member)
-        ref[f"mismatch/abs_delta/{label}"] = sum(abs(d) for d in member) / len(member) if member else 0.0
-        ref[f"mismatch/signed_delta/{label}"] = sum(member) / len(member) if member else 0.0
+    for suffix, side in (("", 0), ("_by_infer", 1)):  # buckets and tail by π_train, then by π_infer
+        probs = [math.exp(r[side]) for r in rows]
+        tail = [d for d, p in zip(deltas, probs, strict=True) if p < tail_prob]
+        ref[f"mismatch/tail_tokens{suffix}"] = len(tail)
+        ref[f"mismatch/tail_signed_delta{suffix}"] = sum(tail) / len(tail) if tail else 0.0
+        for lo, hi, label in edges:
+            member = [d for d, p in zip(deltas, probs, strict=True) if lo <= p < hi]
+            ref[f"mismatch/tokens{suffix}/{label}"] = len(member)
+            ref[f"mismatch/abs_delta{suffix}/{label}"] = (
+                sum(abs(d) for d in member) / len(member) if member else 0.0
+            )
+            ref[f"mismatch/signed_delta{suffix}/{label}"] = sum(member) / len(member) if member else 0.0
     return ref
 
 

@@ -6,7 +6,8 @@ Inputs are per-sample `[N, T]` tensors of the sampled (response) tokens, `valid`
 - `in_safe_set` (bool), `safe_mass` (Z, float), `safe_set_size` (|V_S|, int) from the trainer's θ_old pass.
 - `entropy`: H of the trainer's policy at each position, float.
 
-Δ = log π_train − log π_infer per sampled token. Two stages, like the algorithms' metrics, so micro-batches
+Δ = log π_infer − log π_train per sampled token (the DVP paper's sign: Δ > 0 where the engine gives the
+token more probability than the trainer). Two stages, like the algorithms' metrics, so micro-batches
 and DP ranks combine exactly: `*_sums` return 0-d float64 sums / counts, combined like the algorithms'
 metrics (`megatron_tail.algorithms.combine_metrics`: `*_min` keys by min, the rest by sum), and
 `finalize_diagnostics` turns the global sums into the logged scalars:
@@ -16,10 +17,13 @@ metrics (`megatron_tail.algorithms.combine_metrics`: `*_min` keys by min, the re
 - `mismatch/abs_delta`, `mismatch/signed_delta`: mean |Δ| and mean Δ over all sampled tokens.
 - `mismatch/abs_delta/p<lo>_<hi>`, `mismatch/signed_delta/...`, `mismatch/tokens/...`: the same per bucket
   of π_train(a) (edges `prob_buckets`, descending): DVP Prop. 4.2 bounds |Δ_a| ≤ 2ε(1 − p_a), so |Δ| should
-  shrink towards the head (p → 1) and stay large in the tail.
+  shrink towards the head (p → 1) and stay large in the tail. `..._by_infer/...`: the same per bucket of
+  π_infer(a).
 - `mismatch/tail_signed_delta` (+ `mismatch/tail_tokens`): mean Δ of sampled tokens with
-  π_train < `tail_prob`; DVP Prop. 4.3: sampled tail tokens have π_infer > π_train systematically,
-  i.e. a negative mean.
+  π_train < `tail_prob`; DVP Prop. 4.3: sampled tail tokens have π_infer > π_train systematically, i.e. a
+  positive mean. Choosing the tail by low π_train biases Δ upwards by regression to the mean even with
+  unbiased noise, so `mismatch/tail_signed_delta_by_infer` (+ `tail_tokens_by_infer`) chooses it by low
+  π_infer, which biases it the other way: the effect is confirmed where both are positive.
 - `dvp/safe_set_size_mean|min`, `dvp/safe_mass_mean`, `dvp/safe_mass_min` (Z_min of Prop. 5.5 over every
   scored response position, whose bias bound R_max·T·(1 − Z_min) is `dvp/bias_bound`, with R_max the
   reward's declared bound and T = `rollout.max_new_tokens`), `dvp/out_of_safe_set_fraction` (sampled
@@ -36,6 +40,9 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+BY_INFER = "_by_infer"
+"""Suffix of the statistics whose tail / buckets are chosen by π_infer instead of π_train."""
+
 
 def bucket_labels(prob_buckets: Sequence[float]) -> list[str]:
     """Tag suffixes of the π_train buckets: descending edges (0.5, 1e-2) → p0.5_1, p0.01_0.5, p0_0.01."""
@@ -51,39 +58,42 @@ def mismatch_sums(
     prob_buckets: Sequence[float],
     tail_prob: float,
 ) -> dict[str, torch.Tensor]:
-    """Sums and counts of Δ = log π_train − log π_infer over `valid` tokens, overall and per π_train bucket.
+    """Sums and counts of Δ = log π_infer − log π_train over `valid` tokens, overall and per bucket of π_train
+    and of π_infer.
 
     Args:
         train_logprobs, infer_logprobs: `[N, T]` float (any float dtype; computed in float64).
         valid: `[N, T]` bool.
         prob_buckets: descending edges in (0, 1); bucket k holds π_train in [edge_k, edge_{k-1}) (the first
             [edge_0, 1], the last [0, edge_last)).
-        tail_prob: tokens with π_train < tail_prob are 'tail' for `tail_signed_sum`.
+        tail_prob: tokens with π_train < tail_prob are 'tail' for `tail_signed_sum` (π_infer for the
+            `_by_infer` twin).
     Returns:
         0-d float64 tensors: tokens, abs_delta_sum, delta_sum, k3_sum, tail_tokens, tail_signed_sum, and per
-        bucket label L: tokens/L, abs_delta_sum/L, delta_sum/L.
+        bucket label L: tokens/L, abs_delta_sum/L, delta_sum/L; and each of the tail and bucket keys again
+        with `_by_infer` after its name (tail_tokens_by_infer, tokens_by_infer/L, ...).
     """
     _check_same_shape(train_logprobs=train_logprobs, infer_logprobs=infer_logprobs, valid=valid)
     lp_train = train_logprobs.detach().double()[valid]
     lp_infer = infer_logprobs.detach().double()[valid]
-    delta = lp_train - lp_infer
-    k3 = torch.expm1(delta) - delta  # r − 1 − log r, r = exp(Δ)
-    prob = lp_train.exp()
+    delta = lp_infer - lp_train
+    k3 = torch.expm1(-delta) + delta  # r − 1 − log r with r = π_train/π_infer = exp(−Δ)
     out = {
         "tokens": _f(delta.numel()),
         "abs_delta_sum": _f(delta.abs().sum()),
         "delta_sum": _f(delta.sum()),
         "k3_sum": _f(k3.sum()),
     }
-    tail = prob < tail_prob
-    out["tail_tokens"] = _f(tail.sum())
-    out["tail_signed_sum"] = _f(delta[tail].sum())
     edges = [math.inf, *prob_buckets, -math.inf]
-    for label, hi, lo in zip(bucket_labels(prob_buckets), edges[:-1], edges[1:], strict=True):
-        member = (prob >= lo) & (prob < hi)
-        out[f"tokens/{label}"] = _f(member.sum())
-        out[f"abs_delta_sum/{label}"] = _f(delta[member].abs().sum())
-        out[f"delta_sum/{label}"] = _f(delta[member].sum())
+    for suffix, prob in (("", lp_train.exp()), (BY_INFER, lp_infer.exp())):
+        tail = prob < tail_prob
+        out[f"tail_tokens{suffix}"] = _f(tail.sum())
+        out[f"tail_signed_sum{suffix}"] = _f(delta[tail].sum())
+        for label, hi, lo in zip(bucket_labels(prob_buckets), edges[:-1], edges[1:], strict=True):
+            member = (prob >= lo) & (prob < hi)
+            out[f"tokens{suffix}/{label}"] = _f(member.sum())
+            out[f"abs_delta_sum{suffix}/{label}"] = _f(delta[member].abs().sum())
+            out[f"delta_sum{suffix}/{label}"] = _f(delta[member].sum())
     return out
 
 
@@ -137,13 +147,14 @@ def finalize_diagnostics(
         out["mismatch/kl_infer_train_k3"] = _ratio(s["k3_sum"], n)
         out["mismatch/abs_delta"] = _ratio(s["abs_delta_sum"], n)
         out["mismatch/signed_delta"] = _ratio(s["delta_sum"], n)
-        out["mismatch/tail_signed_delta"] = _ratio(s["tail_signed_sum"], s["tail_tokens"])
-        out["mismatch/tail_tokens"] = s["tail_tokens"]
-        for label in bucket_labels(prob_buckets):
-            count = s[f"tokens/{label}"]
-            out[f"mismatch/tokens/{label}"] = count
-            out[f"mismatch/abs_delta/{label}"] = _ratio(s[f"abs_delta_sum/{label}"], count)
-            out[f"mismatch/signed_delta/{label}"] = _ratio(s[f"delta_sum/{label}"], count)
+        for x in ("", BY_INFER):
+            out[f"mismatch/tail_signed_delta{x}"] = _ratio(s[f"tail_signed_sum{x}"], s[f"tail_tokens{x}"])
+            out[f"mismatch/tail_tokens{x}"] = s[f"tail_tokens{x}"]
+            for label in bucket_labels(prob_buckets):
+                count = s[f"tokens{x}/{label}"]
+                out[f"mismatch/tokens{x}/{label}"] = count
+                out[f"mismatch/abs_delta{x}/{label}"] = _ratio(s[f"abs_delta_sum{x}/{label}"], count)
+                out[f"mismatch/signed_delta{x}/{label}"] = _ratio(s[f"delta_sum{x}/{label}"], count)
     if "positions" in s:
         n = s["positions"]
         z_min = s["safe_mass_min"] if n > 0 else 1.0
