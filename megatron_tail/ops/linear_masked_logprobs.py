@@ -22,6 +22,7 @@ Passes over the blocks (each one matmul per block):
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,7 @@ from .masked_logprobs import (
     global_max_logit,
     group_size_and_rank,
     op_threshold,
+    spans,
     valid_columns,
 )
 from .safe_vocab import DEFAULT_LOG_RHO, check_log_rho, check_temperature, rule_dtype
@@ -63,11 +65,6 @@ def _blocks(num_rows: int, num_cols: int, device: torch.device, tp_size: int) ->
     return rows, min(num_cols, max(1, budget // rows))
 
 
-def _spans(total: int, step: int):
-    for start in range(0, total, step):
-        yield slice(start, min(start + step, total))
-
-
 class _SequenceParallelGather(torch.autograd.Function):
     """All-gather along dim 0 over the TP group; backward reduce-scatters (megatron's SP layout)."""
 
@@ -85,10 +82,27 @@ class _SequenceParallelGather(torch.autograd.Function):
         return local, None, None
 
 
+class _Settings(NamedTuple):
+    """The fused op's non-tensor arguments, validated (`vocab_parallel_linear_masked_logprobs`)."""
+
+    log_rho: float | None
+    temperature: float
+    vocab_size: int
+    tp_group: dist.ProcessGroup | None
+    tp_size: int
+    tp_rank: int
+    entropy: bool
+    count: bool
+    all_reduce_grad: bool
+    """All-reduce the hidden gradient over TP (off at TP = 1 and with SP, whose gather reduce-scatters it)."""
+    into_main_grad: bool
+    """megatron's gradient-accumulation fusion: add the weight gradient into `weight.main_grad`."""
+
+
 class _LinearMaskedLogprobsFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden2d, weight, targets1d, settings):
-        log_rho, temperature, vocab_size, tp_group, tp_size, tp_rank, entropy, count, _, _ = settings
+    def forward(ctx, hidden2d, weight, targets1d, settings: _Settings):
+        log_rho, temperature, vocab_size, tp_group, tp_size, tp_rank, entropy, count, *_ = settings
         v_local = weight.shape[0]
         vocab_start, num_valid = valid_columns(v_local, vocab_size, tp_rank)
         n = hidden2d.shape[0]
@@ -107,24 +121,24 @@ class _LinearMaskedLogprobsFunction(torch.autograd.Function):
             max_logit = torch.empty(n, dtype=dtype, device=hidden2d.device)
             threshold = torch.empty_like(max_logit)
             local_target, owned = chunk_math.target_columns(targets1d, vocab_start, num_valid)
-            for r in _spans(n, rows):
+            for r in spans(n, rows):
                 x = hidden2d[r] @ w.t()
-                max_logit[r] = x.amax(dim=1).to(dtype) if num_valid else -math.inf
+                max_logit[r] = x.amax(dim=1).to(dtype)  # TP = 1: the whole (non-empty) vocabulary
                 threshold[r] = op_threshold(max_logit[r], log_rho, temperature)
                 partials[r] = block_sums(x, max_logit[r], threshold[r], local_target[r], owned[r])
         else:
             local_max = torch.full((n,), -math.inf, dtype=dtype, device=hidden2d.device)
-            for r in _spans(n, rows):
-                for c in _spans(num_valid, cols):
+            for r in spans(n, rows):
+                for c in spans(num_valid, cols):
                     x = hidden2d[r] @ w[c].t()
                     local_max[r] = torch.maximum(local_max[r], x.amax(dim=1).to(dtype))
             max_logit = global_max_logit(local_max, v_local, vocab_size, tp_group, tp_size)
             threshold = op_threshold(max_logit, log_rho, temperature)
-            for c in _spans(num_valid, cols):
+            for c in spans(num_valid, cols):
                 local_target, owned = chunk_math.target_columns(
                     targets1d, vocab_start + c.start, c.stop - c.start
                 )
-                for r in _spans(n, rows):
+                for r in spans(n, rows):
                     x = hidden2d[r] @ w[c].t()
                     partials[r] += block_sums(x, max_logit[r], threshold[r], local_target[r], owned[r])
             if tp_size > 1:
@@ -144,10 +158,10 @@ class _LinearMaskedLogprobsFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy, *_):
         hidden2d, weight, targets1d, max_logit, threshold, log_norm, entropy = ctx.saved_tensors
-        _, temperature, _, tp_group, _, _, _, _, reduce_grad, into_main_grad = ctx.settings
+        settings: _Settings = ctx.settings
         if grad_logprobs is None and grad_entropy is None:
             return None, None, None, None
-        inv_t = 1.0 / temperature
+        inv_t = 1.0 / settings.temperature
         bias, scale_h, target_add = chunk_math.grad_coefficients(
             log_norm, inv_t, grad_logprobs, grad_entropy, entropy
         )
@@ -156,15 +170,15 @@ class _LinearMaskedLogprobsFunction(torch.autograd.Function):
         w = weight[:num_valid]
         # fp32 accumulators: the hidden gradient sums over vocabulary blocks, the weight's over token blocks
         grad_hidden = torch.zeros(hidden2d.shape, dtype=rule_dtype(hidden2d.dtype), device=hidden2d.device)
-        grad_weight = None if into_main_grad else torch.zeros_like(weight)
-        for c in _spans(num_valid, cols):
+        grad_weight = None if settings.into_main_grad else torch.zeros_like(weight)
+        for c in spans(num_valid, cols):
             local_target, owned = chunk_math.target_columns(
                 targets1d, ctx.vocab_start + c.start, c.stop - c.start
             )
             w_grad = torch.zeros(
                 (c.stop - c.start, weight.shape[1]), dtype=grad_hidden.dtype, device=weight.device
             )
-            for r in _spans(n, rows):
+            for r in spans(n, rows):
                 x = hidden2d[r] @ w[c].t()
                 chunk_math.chunk_grad(
                     x,
@@ -182,14 +196,14 @@ class _LinearMaskedLogprobsFunction(torch.autograd.Function):
                 )
                 grad_hidden[r] += (x @ w[c]).to(grad_hidden.dtype)
                 w_grad += (x.t() @ hidden2d[r]).to(w_grad.dtype)
-            if into_main_grad:  # megatron's gradient-accumulation fusion: straight into the fp32 main_grad
+            if settings.into_main_grad:  # straight into the fp32 main_grad, as megatron's fusion does
                 weight.main_grad[c] += w_grad.to(weight.main_grad.dtype)
             else:
                 grad_weight[c] = w_grad.to(weight.dtype)
         grad_hidden = grad_hidden.to(hidden2d.dtype)
-        if reduce_grad == "all_reduce":
-            dist.all_reduce(grad_hidden, group=tp_group)
-        if into_main_grad:
+        if settings.all_reduce_grad:
+            dist.all_reduce(grad_hidden, group=settings.tp_group)
+        if settings.into_main_grad:
             grad_weight = _dummy_weight_grad(weight)
         return grad_hidden, grad_weight, None, None
 
@@ -268,18 +282,17 @@ def vocab_parallel_linear_masked_logprobs(
     vocab_size = check_targets(
         targets, "hidden", hidden, tuple(hidden.shape[:-1]), weight_shard.shape[0], vocab_size, tp_size
     )
-    reduce_grad = "all_reduce" if tp_size > 1 and not sequence_parallel else None  # SP: the gather's backward
-    settings = (
-        log_rho,
-        temperature,
-        vocab_size,
-        tp_group,
-        tp_size,
-        tp_rank,
-        bool(compute_entropy),
-        bool(compute_safe_set_size),
-        reduce_grad,
-        bool(gradient_accumulation_fusion),
+    settings = _Settings(
+        log_rho=log_rho,
+        temperature=temperature,
+        vocab_size=vocab_size,
+        tp_group=tp_group,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+        entropy=bool(compute_entropy),
+        count=bool(compute_safe_set_size),
+        all_reduce_grad=tp_size > 1 and not sequence_parallel,
+        into_main_grad=bool(gradient_accumulation_fusion),
     )
     outs = _LinearMaskedLogprobsFunction.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight_shard, targets.reshape(-1).long(), settings

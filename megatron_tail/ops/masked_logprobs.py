@@ -189,11 +189,15 @@ def global_max_logit(
     return stacked[:-4]
 
 
+def spans(total: int, step: int):
+    """Consecutive slices of `range(total)`, `step` long (the last one shorter)."""
+    for start in range(0, total, step):
+        yield slice(start, min(start + step, total))
+
+
 def row_chunks(num_rows: int, v_local: int, device: torch.device):
     elements = CHUNK_ELEMENTS.get(device.type, CHUNK_ELEMENTS["cuda"])
-    step = max(1, elements // max(v_local, 1))
-    for start in range(0, num_rows, step):
-        yield slice(start, min(start + step, num_rows))
+    return spans(num_rows, max(1, elements // max(v_local, 1)))
 
 
 class _MaskedLogprobsFunction(torch.autograd.Function):
