@@ -187,61 +187,72 @@ def memory_all(suite: str, tokens: int, vocab: int, hidden: int) -> dict:
     return result
 
 
-def format_logits_tables(tokens: int, vocab: int, times: dict[int, dict], memory: dict | None) -> str:
-    lines = [
-        f"DVP op on logits: {tokens} tokens × {vocab} vocab, fwd+bwd, 1 thread per rank",
-        "",
-        "| TP | dtype | ours ms | ours in-place ms | megatron CE ms | naive ms | ours/megatron "
-        "| in-place/megatron | ours/naive |",
-        "|---|---|---|---|---|---|---|---|---|",
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """A markdown table's lines."""
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *("| " + " | ".join(row) + " |" for row in rows),
     ]
+
+
+def _time_rows(
+    times: dict[int, dict], variants: tuple[str, ...], ratios: list[tuple[int, int]]
+) -> list[list[str]]:
+    """Per TP and dtype: each variant's ms, then the ratios (numerator index, denominator index)."""
+    rows = []
     for tp, per_dtype in times.items():
         for d, t in per_dtype.items():
-            o, ip, m, n = (t[v] * 1e3 for v in VARIANTS)
-            lines.append(
-                f"| {tp} | {d} | {o:.0f} | {ip:.0f} | {m:.0f} | {n:.0f} | {o / m:.2f} | {ip / m:.2f} "
-                f"| {o / n:.2f} |"
-            )
+            ms = [t[v] * 1e3 for v in variants]
+            rows.append([str(tp), d, *(f"{x:.0f}" for x in ms), *(f"{ms[i] / ms[j]:.2f}" for i, j in ratios)])
+    return rows
+
+
+def _memory_rows(memory: dict, variants: tuple[str, ...]) -> list[list[str]]:
+    return [[d, *(f"{mem[v]:.2f}×" for v in variants)] for d, mem in memory.items()]
+
+
+def format_logits_tables(tokens: int, vocab: int, times: dict[int, dict], memory: dict | None) -> str:
+    names = ["ours", "ours in-place", "megatron CE", "naive"]
+    lines = [f"DVP op on logits: {tokens} tokens × {vocab} vocab, fwd+bwd, 1 thread per rank", ""]
+    lines += _table(
+        ["TP", "dtype", *(f"{n} ms" for n in names), "ours/megatron", "in-place/megatron", "ours/naive"],
+        _time_rows(times, VARIANTS, [(0, 2), (1, 2), (0, 3)]),
+    )
     if memory:
         lines += ["", "Peak extra memory at TP=1, as a multiple of the logits tensor's size:", ""]
-        lines.append("| dtype | ours | ours in-place | megatron CE | naive |")
-        lines.append("|---|---|---|---|---|")
-        for d, mem in memory.items():
-            o, ip, m, n = (mem[v] for v in VARIANTS)
-            lines.append(f"| {d} | {o:.2f}× | {ip:.2f}× | {m:.2f}× | {n:.2f}× |")
+        lines += _table(["dtype", *names], _memory_rows(memory, VARIANTS))
     return "\n".join(lines)
 
 
 def format_output_layer_tables(
     tokens: int, vocab: int, hidden: int, times: dict[int, dict], memory: dict | None
 ) -> str:
+    names = ["fused", "(a) megatron linear+CE", "linear+ours", "linear+ours in-place"]
     lines = [
         f"Output layer + log-probs: {tokens} tokens × H {hidden} × {vocab} vocab, fwd+bwd (both gradients), "
         "1 thread per rank",
         "",
-        "| TP | dtype | fused ms | (a) megatron linear+CE ms | linear+ours ms | linear+ours in-place ms "
-        "| fused/(a) | linear+ours/(a) | linear+ours in-place/(a) |",
-        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for tp, per_dtype in times.items():
-        for d, t in per_dtype.items():
-            f, a, o, ip = (t[v] * 1e3 for v in LINEAR_VARIANTS)
-            lines.append(
-                f"| {tp} | {d} | {f:.0f} | {a:.0f} | {o:.0f} | {ip:.0f} | {f / a:.2f} | {o / a:.2f} "
-                f"| {ip / a:.2f} |"
-            )
+    lines += _table(
+        [
+            "TP",
+            "dtype",
+            *(f"{n} ms" for n in names),
+            "fused/(a)",
+            "linear+ours/(a)",
+            "linear+ours in-place/(a)",
+        ],
+        _time_rows(times, LINEAR_VARIANTS, [(0, 1), (2, 1), (3, 1)]),
+    )
     if memory:
         lines += [
             "",
             "Peak extra memory at TP=1 beyond hidden, weight and targets, as a multiple of the logits' size",
             f"(each variant also makes the weight gradient, {hidden / tokens:.2f}× of it):",
             "",
-            "| dtype | fused | (a) megatron linear+CE | linear+ours | linear+ours in-place |",
-            "|---|---|---|---|---|",
         ]
-        for d, mem in memory.items():
-            f, a, o, ip = (mem[v] for v in LINEAR_VARIANTS)
-            lines.append(f"| {d} | {f:.2f}× | {a:.2f}× | {o:.2f}× | {ip:.2f}× |")
+        lines += _table(["dtype", *names], _memory_rows(memory, LINEAR_VARIANTS))
     return "\n".join(lines)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -29,6 +30,25 @@ def prompt_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("loop_data") / "prompts.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in make_arithmetic_examples(16, max_digits=2, seed=0)))
     return path
+
+
+@contextlib.contextmanager
+def serving(model_dir, log_dir):
+    """One bf16 local engine serving `model_dir` (a remote engine for the runs: `rollout.server_urls`)."""
+    from tests.rollout.servers import start_servers
+
+    (server,) = start_servers(model_dir, log_dir, 1)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir, tmp_path_factory):
+    """One engine serving the tiny model, shared by a module's runs (each run pushes its own weights)."""
+    with serving(tiny_model_dir, tmp_path_factory.mktemp("engine_logs")) as server:
+        yield server
 
 
 def loop_overrides(model_dir, prompt_file, run_dir, extra: dict | None = None) -> list[str]:

@@ -14,13 +14,11 @@ from __future__ import annotations
 import sys
 import weakref
 
-import pytest
 import torch
 
 from megatron_tail.config import load_config
 from tests.harness import run_distributed
 from tests.loop.conftest import loop_overrides
-from tests.rollout.servers import start_servers
 
 SENTINEL = torch.device("meta")
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce_scatter_tensor")
@@ -89,13 +87,6 @@ def _spy_rank(rank, world, overrides):  # noqa: ARG001
     with TagCommTensors():
         result = run(load_config(None, overrides))
     return result.completed_steps, calls
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir, tmp_path_factory):
-    (server,) = start_servers(tiny_model_dir, tmp_path_factory.mktemp("comm_engine_logs"), 1)
-    yield server
-    server.stop()
 
 
 def test_every_collective_of_the_loop_uses_comm_device(tiny_model_dir, prompt_file, engine, tmp_path):

@@ -10,8 +10,7 @@ import torch
 
 from megatron_tail.config import load_config
 from tests.harness import run_distributed
-from tests.loop.conftest import loop_overrides
-from tests.rollout.servers import start_servers
+from tests.loop.conftest import loop_overrides, serving
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +33,8 @@ def tied_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(tied_model_dir, tmp_path_factory):
-    (server,) = start_servers(tied_model_dir, tmp_path_factory.mktemp("fused_engine_logs"), 1)
-    yield server
-    server.stop()
+    with serving(tied_model_dir, tmp_path_factory.mktemp("fused_engine_logs")) as server:
+        yield server
 
 
 def read_weights(hf_dir) -> dict[str, torch.Tensor]:

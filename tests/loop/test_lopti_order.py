@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import math
 
-import pytest
 import torch
 
 from megatron_tail.config import load_config
 from tests.harness import run_distributed
 from tests.loop.conftest import loop_overrides
-from tests.rollout.servers import start_servers
 
 ETA = 0.2
 
@@ -46,13 +44,6 @@ def _recording_rank(rank, world, overrides):  # noqa: ARG001
     update.train_step, update.rl_loss_fn = recording_train_step, loss_fn_with_phase
     run(load_config(None, overrides))
     return steps
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir, tmp_path_factory):
-    (server,) = start_servers(tiny_model_dir, tmp_path_factory.mktemp("lopti_engine_logs"), 1)
-    yield server
-    server.stop()
 
 
 def test_lopti_phases_run_over_the_whole_batch_in_order(tiny_model_dir, prompt_file, engine, tmp_path):

@@ -13,17 +13,8 @@ from megatron_tail.config import load_config
 from megatron_tail.demo.run import read_scalars
 from tests.harness import RankFailed, run_distributed
 from tests.loop.conftest import loop_overrides
-from tests.rollout.servers import start_servers
 
 COMPARED = ["train/loss", "train/grad_norm", "reward/mean", "mismatch/kl_infer_train_k3", "policy/entropy"]
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir, tmp_path_factory):
-    """One bf16 local engine shared by the runs (each run pushes its own weights at start)."""
-    (server,) = start_servers(tiny_model_dir, tmp_path_factory.mktemp("resume_engine_logs"), 1)
-    yield server
-    server.stop()
 
 
 def _run_rank(rank, world, overrides, sigterm_at_step):  # noqa: ARG001
