@@ -39,6 +39,9 @@ class MaskedLogprobs:
     safe_mass: float32, Z = Σ_{k∈V_S} π(k), the full-softmax mass kept (Prop. 5.5's bound uses min Z).
     logprobs_full: float32, unpruned log π(target); equals logprobs + log Z where in_safe_set.
     safe_set_size: int64, |V_S| (the force-kept target not counted); None unless asked for.
+    top_logprob: float32, log π^mp of the most probable token (always in V_S), so that
+        (top_logprob − logprobs)·T = max_k x_k − x_target, the target's raw-logit gap to the max: what an
+        engine's top-1 log-prob lets one compare without its logits (DVP Prop. 4.2's ε̂). No gradient.
     """
 
     logprobs: torch.Tensor
@@ -47,6 +50,7 @@ class MaskedLogprobs:
     safe_mass: torch.Tensor
     logprobs_full: torch.Tensor
     safe_set_size: torch.Tensor | None = None
+    top_logprob: torch.Tensor | None = None
 
 
 def group_size_and_rank(tp_group) -> tuple[int, int]:
@@ -368,11 +372,20 @@ def vocab_parallel_masked_logprobs(
 
 def function_outputs(ctx, out: dict[str, torch.Tensor], log_rho: float | None, count: bool) -> tuple:
     """The flat outputs an op's autograd function returns from `chunk_math.finalize`'s dict: every target
-    in the set when pruning is off, the flags / Z / unpruned log-prob / |V_S| non-differentiable."""
+    in the set when pruning is off, the flags / Z / unpruned log-prob / |V_S| / top log-prob
+    non-differentiable."""
     if log_rho is None:
         out["in_safe_set"] = torch.ones_like(out["in_safe_set"])
     size = out["safe_set_size"] if count else None
-    flat = (out["logprobs"], out["entropy"], out["in_safe_set"], out["safe_mass"], out["logprobs_full"], size)
+    flat = (
+        out["logprobs"],
+        out["entropy"],
+        out["in_safe_set"],
+        out["safe_mass"],
+        out["logprobs_full"],
+        size,
+        out["top_logprob"],
+    )
     ctx.mark_non_differentiable(*(t for t in flat[2:] if t is not None))
     ctx.set_materialize_grads(False)
     return flat
@@ -380,7 +393,7 @@ def function_outputs(ctx, out: dict[str, torch.Tensor], log_rho: float | None, c
 
 def as_outputs(outs: tuple, lead_shape: torch.Size) -> MaskedLogprobs:
     """`MaskedLogprobs` of the autograd functions' flat `[N]` outputs, reshaped to `lead_shape`."""
-    logprobs, entropy, in_safe, safe_mass, logprobs_full, size = outs
+    logprobs, entropy, in_safe, safe_mass, logprobs_full, size, top = outs
     return MaskedLogprobs(
         logprobs=logprobs.view(lead_shape),
         entropy=None if entropy is None else entropy.view(lead_shape),
@@ -388,4 +401,5 @@ def as_outputs(outs: tuple, lead_shape: torch.Size) -> MaskedLogprobs:
         safe_mass=safe_mass.view(lead_shape),
         logprobs_full=logprobs_full.view(lead_shape),
         safe_set_size=None if size is None else size.view(lead_shape),
+        top_logprob=top.view(lead_shape),
     )

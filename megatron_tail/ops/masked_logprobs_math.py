@@ -7,6 +7,7 @@ global max m = max_k x_k, threshold θ = m + T·log ρ (see `safe_vocab`), targe
     K     = V_S ∪ {t}                           (the normaliser's support: an unsafe target is force-kept)
     S_X   = Σ_{k∈X} e^{z_k}                     (partial sums; the op all-reduces them across ranks)
     log π^mp(t) = z_t − log S_K,   H = log S_K − Σ_{k∈K} e^{z_k} z_k / S_K,
+    log π^mp(argmax) = −log S_K  (z = 0 at the max; top_logprob, so log π^mp(top) − log π^mp(t) = −z_t),
     Z = S_{V_S} / S_all (safe_mass),  log π(t) = z_t − log S_all (logprobs_full).
 Gradient, with p_k = π^mp(k) on K and 0 elsewhere, g_L = dloss/dlog π^mp(t), g_H = dloss/dH:
     dloss/dx_k = (1/T)·( g_L·δ_kt − p_k·(g_L + g_H·H + g_H·log p_k) ).
@@ -130,8 +131,8 @@ def finalize(
         max_logit, threshold: `[N]`, compute dtype.
     Returns:
         dict of `[N]` tensors: logprobs, entropy (None unless with_entropy), in_safe_set (bool), safe_mass,
-        logprobs_full, safe_set_size (int64; meaningful only if the partials counted it), and
-        log_norm = log S_K (saved for backward).
+        logprobs_full, safe_set_size (int64; meaningful only if the partials counted it), top_logprob
+        (log π^mp of the most probable token), and log_norm = log S_K (saved for backward).
     """
     s_all, s_safe, s_safe_ez, x_target, safe_count = partials.unbind(dim=1)
     z_t = (x_target - max_logit) * inv_temperature
@@ -150,6 +151,7 @@ def finalize(
         "safe_mass": s_safe / s_all,
         "logprobs_full": z_t - torch.log(s_all),
         "safe_set_size": safe_count.round().to(torch.int64),
+        "top_logprob": -log_norm,
         "log_norm": log_norm,
     }
 

@@ -50,7 +50,10 @@ def backward_of(out, grads):
 
 
 def as_dict(out):
-    return {k: getattr(out, k) for k in ("logprobs", "entropy", "in_safe_set", "safe_mass", "logprobs_full")}
+    return {
+        k: getattr(out, k)
+        for k in ("logprobs", "entropy", "in_safe_set", "safe_mass", "logprobs_full", "top_logprob")
+    }
 
 
 # one block; one pass over several row blocks; two passes over square blocks; tiny blocks

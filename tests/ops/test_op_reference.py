@@ -8,7 +8,7 @@ import torch
 from megatron_tail.ops import vocab_parallel_masked_logprobs
 from megatron_tail.ops.reference import reference_masked_logprobs
 
-OUTPUTS = ("logprobs", "entropy", "safe_mass", "logprobs_full")
+OUTPUTS = ("logprobs", "entropy", "safe_mass", "logprobs_full", "top_logprob")
 
 
 def make_logits(n=24, v=97, scale=6.0, seed=0, dtype=torch.float32):

@@ -7,7 +7,7 @@ import torch.distributed as dist
 from megatron_tail.ops import vocab_parallel_masked_logprobs
 from tests.harness import init_megatron, run_distributed
 
-OUTPUTS = ("logprobs", "entropy", "in_safe_set", "safe_mass", "logprobs_full")
+OUTPUTS = ("logprobs", "entropy", "in_safe_set", "safe_mass", "logprobs_full", "top_logprob")
 
 
 def full_problem(n, vocab_size, padded, dtype, seed=0):
