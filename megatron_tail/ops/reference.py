@@ -23,7 +23,8 @@ def reference_masked_logprobs(
 
     V_S = {k : x_k ≥ max x + T·log ρ} (the `safe_vocab` rule); π^mp = softmax(x/T) restricted to
     V_S ∪ {t} and renormalised. Returns `[N]` tensors: logprobs, entropy, in_safe_set, safe_mass,
-    logprobs_full, top_logprob (max_k log π^mp(k)). Differentiable w.r.t. `logits` through logprobs and entropy.
+    logprobs_full, top_logprob (max_k log π^mp(k)). Differentiable w.r.t. `logits` through logprobs and
+    entropy.
     """
     z = logits.to(dtype) / temperature
     if log_rho is None:

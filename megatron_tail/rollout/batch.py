@@ -10,7 +10,9 @@ class RolloutBatch:
     """One step's samples, groups of `group_size` contiguous (prompt-major), identical on every rank.
 
     Per sample: `prompt_ids`, `response_ids`, `rollout_logprobs` (the engine's log π_infer^mp of each
-    response token), `reward`, `truncated` (hit `max_new_tokens`), `weight_version` the engine reported.
+    response token), `reward`, `truncated` (hit `max_new_tokens`), `weight_version` the engine reported,
+    and `rollout_top_logprobs` (the engine's log-prob of its most probable token at each response position;
+    None where the engine was not asked for it).
     `stats`: rollout time and token counts.
     """
 
@@ -21,6 +23,7 @@ class RolloutBatch:
     correct: list[bool]
     truncated: list[bool]
     weight_versions: list[str | None]
+    rollout_top_logprobs: list[list[float]] | None = None
     stats: dict[str, float] = field(default_factory=dict)
 
     def __len__(self) -> int:

@@ -59,7 +59,9 @@ class SampleKey:
 class SampleResult:
     """One generated sample.
 
-    `output_logprobs[i]` is the engine's log-prob of `output_ids[i]` (with DVP: log π^mp, float).
+    `output_logprobs[i]` is the engine's log-prob of `output_ids[i]` (with DVP: log π^mp, float);
+    `output_top_logprobs[i]` the log-prob of the most probable token at that position, of the same
+    distribution (None unless `SamplingConfig.top_logprob`).
     `weight_version` is the policy version the server reported when it returned the sample.
     """
 
@@ -72,6 +74,7 @@ class SampleResult:
     server_url: str
     text: str | None = None
     meta_info: dict[str, Any] = field(default_factory=dict, repr=False)
+    output_top_logprobs: list[float] | None = None
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,9 @@ class SamplingConfig:
     """DVP log ρ; None sends no logit processor (sampling from the full softmax)."""
     return_logprob: bool = True
     """Ask for `output_token_logprobs`."""
+    top_logprob: bool = False
+    """Also ask for the top-1 log-prob per output token (`top_logprobs_num: 1`): with the trainer's own,
+    it measures the engine–trainer logit error ε̂ of DVP Prop. 4.2 (needs `return_logprob`)."""
     base_seed: int = 0
     """Seeds are derived from (base_seed, prompt index, sample index); change it every step."""
 
@@ -160,6 +166,8 @@ def build_generate_payload(
         "rid": [f"{key.rid}-a{attempt}" for key in keys],
         "return_logprob": config.return_logprob,
     }
+    if config.return_logprob and config.top_logprob:
+        payload["top_logprobs_num"] = 1  # SGLang `GenerateReqInput.top_logprobs_num` (int or per item)
     if processor is not None:
         payload["custom_logit_processor"] = [processor for _ in keys]
     return payload
@@ -222,6 +230,9 @@ def _parse_one(
             f"{where}: {len(output_ids)} output tokens exceed max_new_tokens={config.max_new_tokens}"
         )
     logprobs = _parse_logprobs(meta, output_ids, where) if config.return_logprob else None
+    top = None
+    if logprobs is not None and config.top_logprob:
+        top = _parse_top_logprobs(meta, logprobs, where)
     return SampleResult(
         key=key,
         prompt_ids=list(prompt_ids),
@@ -232,6 +243,7 @@ def _parse_one(
         server_url=url,
         text=item.get("text"),
         meta_info=meta,
+        output_top_logprobs=top,
     )
 
 
@@ -254,6 +266,38 @@ def _parse_logprobs(meta: dict, output_ids: list[int], where: str) -> list[float
             )
         logprobs.append(float(value))
     return logprobs
+
+
+_TOP_TOLERANCE = 1e-4
+"""The top-1 log-prob may fall short of the sampled token's by rounding only (both come from one
+log-softmax on the server)."""
+
+
+def _parse_top_logprobs(meta: dict, logprobs: list[float], where: str) -> list[float]:
+    """The top-1 log-prob per output position from SGLang's nested `output_top_logprobs`
+    (`[[[logprob, token_id, text], ...], ...]`, one list per output token)."""
+    rows = meta.get("output_top_logprobs")
+    if not isinstance(rows, list) or len(rows) != len(logprobs):
+        n = len(rows) if isinstance(rows, list) else _clip(rows)
+        raise MalformedResponseError(
+            f"{where}: meta_info.output_top_logprobs must hold one list of [logprob, token_id, text] per "
+            f"output token ({len(logprobs)}); got {n}"
+        )
+    top = []
+    for i, (row, own) in enumerate(zip(rows, logprobs, strict=True)):
+        first = row[0] if isinstance(row, list) and row else None
+        value = first[0] if isinstance(first, (list, tuple)) and len(first) >= 2 else None
+        if (
+            not isinstance(value, (int, float))
+            or math.isnan(value)
+            or not own - _TOP_TOLERANCE <= value <= 1e-4
+        ):
+            raise MalformedResponseError(
+                f"{where}: output_top_logprobs[{i}] = {_clip(row)} does not start with "
+                f"[logprob in [{own:.6g}, 0], token_id, text] (the sampled token's log-prob is {own:.6g})"
+            )
+        top.append(float(value))
+    return top
 
 
 def _clip(value: Any, limit: int = 200) -> str:

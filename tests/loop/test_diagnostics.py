@@ -166,3 +166,135 @@ def test_bucket_labels():
         "p0.0001_0.01",
         "p0_0.0001",
     ]
+
+
+def _tail_histogram_reference(train, infer, valid, tail_prob, by_infer):
+    edges = diagnostics.TAIL_DELTA_EDGES
+    counts = [0] * (len(edges) + 1)
+    for i, j in zip(*torch.nonzero(valid, as_tuple=True), strict=True):
+        lp_t, lp_i = float(train[i, j]), float(infer[i, j])
+        if math.exp(lp_i if by_infer else lp_t) >= tail_prob:
+            continue
+        d = lp_i - lp_t
+        k = sum(1 for e in edges if e <= d)  # 0: below the first edge; len(edges): at/above the last
+        counts[k] += 1
+    return counts
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_tail_delta_histogram_and_mode_match_a_token_by_token_count(seed):
+    train, infer, valid, *_ = _random_tokens(seed, n=40, t=30)
+    infer = torch.where(valid, train + 0.4 + 0.3 * torch.randn(train.shape, dtype=torch.float64), infer)
+    sums = diagnostics.mismatch_sums(train, infer, valid, prob_buckets=BUCKETS, tail_prob=1e-2)
+    got = diagnostics.finalize_diagnostics(sums, prob_buckets=BUCKETS)
+    hists = diagnostics.tail_delta_histograms(sums)
+    edges = diagnostics.TAIL_DELTA_EDGES
+    for x, by_infer in (("", False), ("_by_infer", True)):
+        ref = _tail_histogram_reference(train, infer, valid, 1e-2, by_infer)
+        limits, counts = hists[f"mismatch/tail_delta{x}"]
+        assert counts == ref
+        assert sum(counts) == got[f"mismatch/tail_tokens{x}"] > 50
+        assert len(limits) == len(counts) and limits[: len(edges)] == list(edges)
+        fullest = max(range(len(ref)), key=lambda k: ref[k])
+        assert 0 < fullest < len(edges)
+        assert got[f"mismatch/tail_delta_mode{x}"] == pytest.approx((edges[fullest - 1] + edges[fullest]) / 2)
+    # Δ was shifted by +0.4: the mode sees it
+    assert 0.1 < got["mismatch/tail_delta_mode"] < 0.8
+
+
+def test_tail_delta_mode_of_an_empty_tail_is_zero_and_out_of_range_values_land_in_the_end_bins():
+    train = torch.log(torch.tensor([[1e-3, 1e-3, 1e-3, 0.9]], dtype=torch.float64))
+    infer = train + torch.tensor([[5.0, 5.0, -3.0, 0.0]], dtype=torch.float64)
+    infer = infer.clamp(max=0.0)
+    valid = torch.ones(1, 4, dtype=torch.bool)
+    sums = diagnostics.mismatch_sums(train, infer, valid, prob_buckets=BUCKETS, tail_prob=1e-2)
+    counts = diagnostics.tail_delta_histograms(sums)["mismatch/tail_delta"][1]
+    assert counts[0] == 1 and counts[-1] == 2 and sum(counts) == 3
+    got = diagnostics.finalize_diagnostics(sums, prob_buckets=BUCKETS)
+    assert got["mismatch/tail_delta_mode"] == diagnostics.TAIL_DELTA_EDGES[-1]
+    empty = diagnostics.mismatch_sums(train, infer, valid & False, prob_buckets=BUCKETS, tail_prob=1e-2)
+    assert diagnostics.finalize_diagnostics(empty, prob_buckets=BUCKETS)["mismatch/tail_delta_mode"] == 0.0
+
+
+def _engine_and_trainer(seed: int, rows: int = 200, vocab: int = 50, noise: float = 0.05):
+    """Float64 logits of a 'trainer' and of an 'engine' = trainer + bounded per-logit errors, a token sampled
+    from the engine per row, and each side's log-probs (sampled token, top token) at T = 0.7."""
+    g = torch.Generator().manual_seed(seed)
+    temperature = 0.7
+    x = 3 * torch.randn(rows, vocab, generator=g, dtype=torch.float64)
+    eps = noise * (2 * torch.rand(rows, vocab, generator=g, dtype=torch.float64) - 1)
+    x_infer = x + eps
+    lp = torch.log_softmax(x / temperature, dim=-1)
+    lp_infer = torch.log_softmax(x_infer / temperature, dim=-1)
+    tokens = torch.multinomial(lp_infer.exp(), 1, generator=g).squeeze(1)
+    r = torch.arange(rows)
+    return {
+        "x": x,
+        "x_infer": x_infer,
+        "eps": eps,
+        "temperature": temperature,
+        "tokens": tokens,
+        "train": lp[r, tokens][None],
+        "infer": lp_infer[r, tokens][None],
+        "train_top": lp.max(dim=-1).values[None],
+        "infer_top": lp_infer.max(dim=-1).values[None],
+    }
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_logit_error_and_prop_4_2_fraction_match_the_logits(seed):
+    d = _engine_and_trainer(seed)
+    valid = torch.ones_like(d["train"], dtype=torch.bool)
+    sums = diagnostics.mismatch_sums(
+        d["train"],
+        d["infer"],
+        valid,
+        prob_buckets=BUCKETS,
+        tail_prob=1e-2,
+        train_top_logprobs=d["train_top"],
+        infer_top_logprobs=d["infer_top"],
+    )
+    # ε̂ from the raw logits: half the change of the sampled token's gap to the row max, in units of x/T
+    r = torch.arange(d["x"].shape[0])
+    gap = d["x"].max(dim=1).values - d["x"][r, d["tokens"]]
+    gap_infer = d["x_infer"].max(dim=1).values - d["x_infer"][r, d["tokens"]]
+    eps_hat = float(((gap_infer - gap).abs() / 2 / d["temperature"]).max())
+    assert float(sums["logit_error_max"]) == pytest.approx(eps_hat, rel=1e-9)
+    # a lower bound on the true shift-free max logit error (half the spread of ε/T per row)
+    spread = (d["eps"].max(dim=1).values - d["eps"].min(dim=1).values) / 2 / d["temperature"]
+    assert eps_hat <= float(spread.max()) + 1e-12
+    # Prop. 4.2 itself: with each row's true error, no token exceeds the bound
+    delta = (d["infer"] - d["train"])[0]
+    p = d["train"][0].exp()
+    assert bool((delta.abs() <= 2 * spread * (1 - p) + 1e-12).all())
+    # the fraction with ε̂, counted token by token
+    sums.update(diagnostics.bound_sums(d["train"], d["infer"], valid, epsilon=eps_hat, prob_buckets=BUCKETS))
+    got = diagnostics.finalize_diagnostics(sums, prob_buckets=BUCKETS)
+    assert got["mismatch/logit_error_max"] == pytest.approx(eps_hat, rel=1e-9)
+    edges = [1.0, *BUCKETS, 0.0]
+    checked = 0
+    for k, label in enumerate(diagnostics.bucket_labels(BUCKETS)):
+        hi, lo = edges[k], edges[k + 1]
+        member = [
+            (abs(float(dl)), float(pp))
+            for dl, pp in zip(delta, p, strict=True)
+            if lo <= pp < hi or (k == 0 and pp == 1.0)
+        ]
+        above = sum(1 for dl, pp in member if dl > 2 * eps_hat * (1 - pp))
+        want = above / len(member) if member else 0.0
+        assert got[f"mismatch/above_bound_fraction/{label}"] == pytest.approx(want, abs=1e-12), label
+        checked += bool(member)
+    assert checked >= 3
+
+
+def test_top_logprobs_go_together():
+    lp = torch.zeros(1, 2)
+    with pytest.raises(ValueError, match="both or neither"):
+        diagnostics.mismatch_sums(
+            lp,
+            lp,
+            torch.ones(1, 2, dtype=torch.bool),
+            prob_buckets=BUCKETS,
+            tail_prob=0.1,
+            train_top_logprobs=lp,
+        )

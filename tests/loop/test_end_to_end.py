@@ -24,6 +24,9 @@ REQUIRED = [
     # KL(π_infer‖π_train), |Δ| per π_train bucket (Prop. 4.2), signed Δ of sampled tail tokens (Prop. 4.3)
     "mismatch/kl_infer_train_k3", *[f"mismatch/abs_delta/{b}" for b in BUCKETS],
     *[f"mismatch/tokens/{b}" for b in BUCKETS], "mismatch/tail_signed_delta", "mismatch/tail_tokens",
+    "mismatch/tail_delta_mode", "mismatch/tail_delta_mode_by_infer",
+    # ε̂ and the fraction of tokens above Prop. 4.2's bound 2ε̂(1 − p)
+    "mismatch/logit_error_max", *[f"mismatch/above_bound_fraction/{b}" for b in BUCKETS],
     # safe-set size, min safe mass Z (Prop. 5.5), out-of-safe-set fraction
     "dvp/safe_set_size_mean", "dvp/safe_set_size_min", "dvp/safe_mass_min", "dvp/bias_bound",
     "dvp/out_of_safe_set_fraction",
@@ -107,5 +110,33 @@ def test_logged_values_are_consistent(cli_run):
         assert s["rollout/stale_fraction"][i] == 0  # every sample came from the current weights
     # the bf16 engine and the fp32 trainer really disagree, a little
     assert 0 < max(s["mismatch/abs_delta/p0.01_0.5"]) < 0.5
+    for i in range(STEPS):
+        assert all(0 <= s[f"mismatch/above_bound_fraction/{b}"][i] <= 1 for b in BUCKETS)
+    # ε̂ from the engine's top-1 log-probs: bf16 logits differ from fp32 ones by a little, not by nothing
+    assert 0 < max(s["mismatch/logit_error_max"]) < 1
     # the optimizer moved the policy: entropy changes between steps
     assert s["policy/entropy"][0] != s["policy/entropy"][-1]
+
+
+def test_tail_delta_histograms_are_logged_and_count_the_tail(cli_run):
+    """The tail-Δ histograms (Prop. 4.3's distribution) read back from the event files: one per step with a
+    tail, the counts add up to the tail's token count, and the logged mode is the centre of the fullest bin."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _, run_dir, _ = cli_run
+    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"histograms": 0, "scalars": 0})
+    acc.Reload()
+    s = {tag: dict((e.step, e.value) for e in acc.Scalars(tag)) for tag in acc.Tags()["scalars"]}
+    for x in ("", "_by_infer"):
+        events = acc.Histograms(f"mismatch/tail_delta{x}")
+        # a step whose tail is empty writes no histogram (TensorBoard cannot show one)
+        assert [e.step for e in events] == [k for k in (1, 2, 3) if s[f"mismatch/tail_tokens{x}"][k] > 0]
+        assert events, x
+        for e in events:
+            h = e.histogram_value
+            assert h.num == pytest.approx(s[f"mismatch/tail_tokens{x}"][e.step]) and h.num > 0
+            counts, limits = list(h.bucket), list(h.bucket_limit)
+            fullest = max(range(len(counts)), key=lambda k: counts[k])
+            assert 0 < fullest < len(counts) - 1
+            centre = (limits[fullest - 1] + limits[fullest]) / 2
+            assert s[f"mismatch/tail_delta_mode{x}"][e.step] == pytest.approx(centre)

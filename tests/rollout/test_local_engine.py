@@ -25,6 +25,7 @@ def item(rid, prompt, *, temperature, log_rho, seed, max_new_tokens=12):
         ignore_eos=True,
         skip_special_tokens=True,
         return_logprob=True,
+        top_logprobs_num=3,
         processor=PROCESSOR,
         custom_params=dvp_custom_params(log_rho, temperature),
     )
@@ -65,6 +66,16 @@ def test_fp32_engine_returns_the_trainer_ops_logprobs(tiny_model_dir, fp32_refer
         assert bool(ref.in_safe_set.all()), "the engine sampled a token outside the safe set"
         torch.testing.assert_close(returned, ref.logprobs, atol=1e-4, rtol=0)
         assert float(ref.safe_mass.min()) < 0.999, "log_rho=-4 must really prune on this model"
+        # SGLang's nested top log-probs: the 3 most probable tokens of the same (pruned) distribution, in
+        # order; the first is the op's top_logprob
+        top = out["meta_info"]["output_top_logprobs"]
+        assert len(top) == len(output_ids) and all(len(row) == 3 for row in top)
+        top1 = torch.tensor([row[0][0] for row in top])
+        torch.testing.assert_close(top1, ref.top_logprob, atol=1e-4, rtol=0)
+        for row, own, tok in zip(top, returned, output_ids, strict=True):
+            values = [v for v, _, _ in row]
+            assert values == sorted(values, reverse=True) and values[0] >= float(own)
+            assert (tok in [t for _, t, _ in row]) == (float(own) >= values[-1])
         if temperature == 0.0:
             assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
 

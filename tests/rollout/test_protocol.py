@@ -61,3 +61,37 @@ def test_seeds_are_distinct_and_stable():
 def test_bad_sampling_config_names_the_value(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingConfig(**kwargs)
+
+
+def _response(keys, *, top):
+    meta = lambda k: {  # noqa: E731
+        "id": f"{k.rid}-a1",
+        "finish_reason": {"type": "length", "length": 2},
+        "output_token_logprobs": [[-0.5, 7, None], [-2.0, 8, None]],
+        **({"output_top_logprobs": top} if top is not None else {}),
+    }
+    return [{"output_ids": [7, 8], "meta_info": meta(k)} for k in keys]
+
+
+def test_top_logprob_is_asked_for_and_parsed_in_sglangs_nested_format():
+    from megatron_tail.rollout.protocol import MalformedResponseError, parse_generate_response
+
+    config = SamplingConfig(n_samples=1, max_new_tokens=4, top_logprob=True)
+    keys = sample_keys(0, config)
+    payload = build_generate_payload([1], keys, config, None, attempt=1)
+    assert payload["top_logprobs_num"] == 1
+    assert api_contract.generate_contract_error(payload) is None
+    plain = build_generate_payload([1], keys, SamplingConfig(n_samples=1), None, attempt=1)
+    assert "top_logprobs_num" not in plain
+
+    top = [[[-0.5, 7, None]], [[-0.1, 3, None]]]  # the sampled token was the top one at position 0
+    (got,) = parse_generate_response(_response(keys, top=top), [1], keys, config, 1, "http://s")
+    assert got.output_top_logprobs == [-0.5, -0.1] and got.output_logprobs == [-0.5, -2.0]
+    for bad, message in [
+        (None, "output_top_logprobs must hold one list"),
+        ([[[-0.5, 7, None]]], "got 1"),
+        ([[[-0.5, 7, None]], [[-2.5, 3, None]]], r"output_top_logprobs\[1\]"),  # below the sampled token's
+        ([[[-0.5, 7, None]], []], r"output_top_logprobs\[1\]"),
+    ]:
+        with pytest.raises(MalformedResponseError, match=message):
+            parse_generate_response(_response(keys, top=bad), [1], keys, config, 1, "http://s")

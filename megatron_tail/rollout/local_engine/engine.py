@@ -93,10 +93,13 @@ class LocalEngine:
         return state
 
     def _sample(self, items: list[GenerateItem], logits: torch.Tensor, state: _DecodeState):
-        """`(tokens [B] int64, logprobs [B] fp32)` of one step; `logits` `[B, V]` fp32, processed in place."""
+        """`(tokens [B] int64, logprobs [B] fp32, top [B] of [[logprob, id], ...] | None)` of one step;
+        `logits` `[B, V]` fp32, processed in place. `top[i]` holds item i's `top_logprobs_num` most probable
+        tokens of the same distribution the token was drawn from (None for k = 0)."""
         _apply_processors(items, logits, state)
         tokens = torch.empty(len(items), dtype=torch.long)
         logprobs = torch.empty(len(items), dtype=torch.float32)
+        top: list[list[list] | None] = [None] * len(items)
         for i, item in enumerate(items):
             if state.finished[i]:
                 tokens[i], logprobs[i] = 0, 0.0
@@ -108,7 +111,10 @@ class LocalEngine:
                 row_logprobs = torch.log_softmax(logits[i] / item.temperature, dim=-1)
                 token = int(torch.multinomial(row_logprobs.exp(), 1, generator=state.generators[i]))
             tokens[i], logprobs[i] = token, row_logprobs[token]
-        return tokens, logprobs
+            if item.top_logprobs_num:
+                values, ids = torch.topk(row_logprobs, item.top_logprobs_num)
+                top[i] = [[float(v), int(t)] for v, t in zip(values, ids, strict=True)]
+        return tokens, logprobs, top
 
     def _output(self, item: GenerateItem, state: _DecodeState, i: int, started: float) -> dict[str, Any]:
         output_ids = state.outputs[i]
@@ -127,6 +133,12 @@ class LocalEngine:
                 [lp, tok, None] for lp, tok in zip(state.logprobs[i], output_ids, strict=True)
             ]
             meta["output_token_logprobs_length"] = len(output_ids)
+            if item.top_logprobs_num:
+                # SGLang's nested format: per output position, [[logprob, token_id, text], ...]
+                meta["input_top_logprobs"] = []
+                meta["output_top_logprobs"] = [
+                    [[lp, tok, None] for lp, tok in row] for row in state.top_logprobs[i]
+                ]
         text = None
         if self.tokenizer is not None:
             text = self.tokenizer.decode(output_ids, skip_special_tokens=item.skip_special_tokens)
@@ -158,6 +170,7 @@ class _DecodeState:
         self.eos_ids = eos_ids
         self.outputs: list[list[int]] = [[] for _ in items]
         self.logprobs: list[list[float]] = [[] for _ in items]
+        self.top_logprobs: list[list[list]] = [[] for _ in items]
         self.finished = [False] * len(items)
         self.finish_reasons: list[dict | None] = [None] * len(items)
         self.generators = [
@@ -166,13 +179,15 @@ class _DecodeState:
         ]
 
     def step(self, sampled) -> None:
-        tokens, logprobs = sampled
+        tokens, logprobs, top = sampled
         for i, item in enumerate(self.items):
             if self.finished[i]:
                 continue
             token = int(tokens[i])
             self.outputs[i].append(token)
             self.logprobs[i].append(float(logprobs[i]))
+            if top[i] is not None:
+                self.top_logprobs[i].append(top[i])
             if token in item.stop_token_ids or (not item.ignore_eos and token in self.eos_ids):
                 self._finish(i, {"type": "stop", "matched": token})
             elif len(self.outputs[i]) >= item.max_new_tokens:

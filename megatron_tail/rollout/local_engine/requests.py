@@ -81,6 +81,9 @@ class GenerateItem:
     ignore_eos: bool
     skip_special_tokens: bool
     return_logprob: bool
+    top_logprobs_num: int
+    """k ≥ 0: also return the k most probable tokens' log-probs at each output position (SGLang's
+    `output_top_logprobs`), from the same distribution as `output_token_logprobs`."""
     processor: str | None
     custom_params: dict[str, Any] | None
 
@@ -109,7 +112,6 @@ def parse_generate_body(body: Any, *, tokenize, vocab_size: int, context_length:
     if body.get("stream"):
         raise BadRequest("stream=true is not supported by the local engine")
     _require_default(body, "logprob_start_len", (None, -1))
-    _require_default(body, "top_logprobs_num", (None, 0))
     prompts, batched = _prompts(body, tokenize)
     if len(prompts) > max_batch:
         raise BadRequest(f"batch of {len(prompts)} prompts exceeds the engine's max batch size {max_batch}")
@@ -117,6 +119,7 @@ def parse_generate_body(body: Any, *, tokenize, vocab_size: int, context_length:
     sampling = _per_item(body.get("sampling_params") or {}, n, "sampling_params")
     rids = _per_item(body.get("rid"), n, "rid")
     return_logprob = _per_item(body.get("return_logprob") or False, n, "return_logprob")
+    top_logprobs = _per_item(body.get("top_logprobs_num") or 0, n, "top_logprobs_num")
     processors = _per_item(body.get("custom_logit_processor"), n, "custom_logit_processor")
     items = []
     for i in range(n):
@@ -139,6 +142,7 @@ def parse_generate_body(body: Any, *, tokenize, vocab_size: int, context_length:
                 input_ids=ids,
                 processor=processors[i],
                 return_logprob=bool(return_logprob[i]),
+                top_logprobs_num=_top_logprobs_num(top_logprobs[i], vocab_size, where),
                 **params,
             )
         )
@@ -170,6 +174,12 @@ def _per_item(value: Any, n: int, name: str) -> list:
             raise BadRequest(f"'{name}' has {len(value)} entries for a batch of {n}")
         return value
     return [value] * n
+
+
+def _top_logprobs_num(k: Any, vocab_size: int, where: str) -> int:
+    if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= vocab_size:
+        raise BadRequest(f"{where}: top_logprobs_num must be an int in [0, {vocab_size}]; got {k!r}")
+    return k
 
 
 def _check_ids(ids: Any, vocab_size: int, where: str) -> list[int]:

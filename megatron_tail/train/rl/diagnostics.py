@@ -24,6 +24,18 @@ metrics (`megatron_tail.algorithms.combine_metrics`: `*_min` keys by min, the re
   positive mean. Choosing the tail by low π_train biases Δ upwards by regression to the mean even with
   unbiased noise, so `mismatch/tail_signed_delta_by_infer` (+ `tail_tokens_by_infer`) chooses it by low
   π_infer, which biases it the other way: the effect is confirmed where both are positive.
+- `mismatch/tail_delta_mode` (`_by_infer`): the mode of Δ over the same tail tokens, from a fixed-bin
+  histogram (`TAIL_DELTA_EDGES`, sum-reducible); `tail_delta_histograms` gives the histograms themselves for
+  TensorBoard (tags `mismatch/tail_delta`, `mismatch/tail_delta_by_infer`). The mean can be moved by a few
+  large |Δ|; Prop. 4.3 is about where the mass of Δ lies.
+- `mismatch/logit_error_max` (ε̂) and `mismatch/above_bound_fraction/<bucket>` (DVP Prop. 4.2): with the
+  engine's top-1 log-prob per position, the engine's and the trainer's raw-logit gaps of the sampled token
+  to the most probable one, g = (max z − z_a)/T = log π(top) − log π(a), are compared without any logits:
+  ε̂ = max over the batch's tokens of |g_infer − g_train|/2, a lower bound on the (shift-free) max logit
+  error max_k |ε_k − c| of the rows it comes from. The fraction is of the bucket's tokens whose
+  |Δ| > 2·ε̂·(1 − π_train(a)) (`bound_sums`, a second stage once ε̂ is global). Near 0 in every bucket is
+  what the proposition predicts; ε̂ under-estimates the true ε_max, so a small positive fraction does not
+  contradict it.
 - `dvp/safe_set_size_mean|min`, `dvp/safe_mass_mean`, `dvp/safe_mass_min` (Z_min of Prop. 5.5 over every
   scored response position, whose bias bound R_max·T·(1 − Z_min) is `dvp/bias_bound`, with R_max the
   reward's declared bound and T = `rollout.max_new_tokens`), `dvp/out_of_safe_set_fraction` (sampled
@@ -43,6 +55,10 @@ import torch
 BY_INFER = "_by_infer"
 """Suffix of the statistics whose tail / buckets are chosen by π_infer instead of π_train."""
 
+TAIL_DELTA_EDGES: tuple[float, ...] = tuple(round(-2.0 + 0.05 * i, 2) for i in range(81))
+"""Bin edges of the tail-Δ histogram (nats): 80 bins of 0.05 over [−2, 2], plus an underflow and an
+overflow bin, so the counts are exact and sum-reducible across micro-batches and ranks."""
+
 
 def bucket_labels(prob_buckets: Sequence[float]) -> list[str]:
     """Tag suffixes of the π_train buckets: descending edges (0.5, 1e-2) → p0.5_1, p0.01_0.5, p0_0.01."""
@@ -57,6 +73,8 @@ def mismatch_sums(
     *,
     prob_buckets: Sequence[float],
     tail_prob: float,
+    train_top_logprobs: torch.Tensor | None = None,
+    infer_top_logprobs: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Sums and counts of Δ = log π_infer − log π_train over `valid` tokens, overall and per bucket of π_train
     and of π_infer.
@@ -68,10 +86,13 @@ def mismatch_sums(
             [edge_0, 1], the last [0, edge_last)).
         tail_prob: tokens with π_train < tail_prob are 'tail' for `tail_signed_sum` (π_infer for the
             `_by_infer` twin).
+        train_top_logprobs, infer_top_logprobs: `[N, T]` float, each side's log-prob of its most probable
+            token at the position (both or neither); they add `logit_error_max` (ε̂, module docstring).
     Returns:
-        0-d float64 tensors: tokens, abs_delta_sum, delta_sum, k3_sum, tail_tokens, tail_signed_sum, and per
-        bucket label L: tokens/L, abs_delta_sum/L, delta_sum/L; and each of the tail and bucket keys again
-        with `_by_infer` after its name (tail_tokens_by_infer, tokens_by_infer/L, ...).
+        0-d float64 tensors: tokens, abs_delta_sum, delta_sum, k3_sum, tail_tokens, tail_signed_sum,
+        tail_delta_hist/<i> (counts of the tail's Δ in bin i of `TAIL_DELTA_EDGES`, 0 = underflow), and per
+        bucket label L: tokens/L, abs_delta_sum/L, delta_sum/L; each of the tail and bucket keys again
+        with `_by_infer` after its name (tail_tokens_by_infer, tokens_by_infer/L, ...); [logit_error_max].
     """
     _check_same_shape(train_logprobs=train_logprobs, infer_logprobs=infer_logprobs, valid=valid)
     lp_train = train_logprobs.detach().double()[valid]
@@ -89,11 +110,58 @@ def mismatch_sums(
         tail = prob < tail_prob
         out[f"tail_tokens{suffix}"] = _f(tail.sum())
         out[f"tail_signed_sum{suffix}"] = _f(delta[tail].sum())
+        for i, count in enumerate(_histogram(delta[tail])):
+            out[f"tail_delta_hist{suffix}/{i:02d}"] = _f(count)
         for label, hi, lo in zip(bucket_labels(prob_buckets), edges[:-1], edges[1:], strict=True):
             member = (prob >= lo) & (prob < hi)
             out[f"tokens{suffix}/{label}"] = _f(member.sum())
             out[f"abs_delta_sum{suffix}/{label}"] = _f(delta[member].abs().sum())
             out[f"delta_sum{suffix}/{label}"] = _f(delta[member].sum())
+    if (train_top_logprobs is None) != (infer_top_logprobs is None):
+        raise ValueError("train_top_logprobs and infer_top_logprobs go together: pass both or neither")
+    if train_top_logprobs is not None:
+        _check_same_shape(valid=valid, train_top=train_top_logprobs, infer_top=infer_top_logprobs)
+        gap_train = train_top_logprobs.detach().double()[valid] - lp_train
+        gap_infer = infer_top_logprobs.detach().double()[valid] - lp_infer
+        error = (gap_infer - gap_train).abs() / 2
+        out["logit_error_max"] = _f(error.max() if error.numel() else 0.0)
+    return out
+
+
+def bound_sums(
+    train_logprobs: torch.Tensor,
+    infer_logprobs: torch.Tensor,
+    valid: torch.Tensor,
+    *,
+    epsilon: float,
+    prob_buckets: Sequence[float],
+) -> dict[str, torch.Tensor]:
+    """Per π_train bucket L, `above_bound/L`: the count of `valid` tokens with |Δ| > 2·ε·(1 − π_train(a))
+    (DVP Prop. 4.2 with ε = the global ε̂ of `mismatch_sums`), all `[N, T]` in; 0-d float64 out."""
+    _check_same_shape(train_logprobs=train_logprobs, infer_logprobs=infer_logprobs, valid=valid)
+    lp_train = train_logprobs.detach().double()[valid]
+    delta = infer_logprobs.detach().double()[valid] - lp_train
+    prob = lp_train.exp()
+    above = delta.abs() > 2 * epsilon * (1 - prob)
+    edges = [math.inf, *prob_buckets, -math.inf]
+    return {
+        f"above_bound/{label}": _f((above & (prob >= lo) & (prob < hi)).sum())
+        for label, hi, lo in zip(bucket_labels(prob_buckets), edges[:-1], edges[1:], strict=True)
+    }
+
+
+def tail_delta_histograms(
+    sums: Mapping[str, float | torch.Tensor],
+) -> dict[str, tuple[list[float], list[float]]]:
+    """TensorBoard tag → (upper bucket limits, counts), 82 each, of the tail-Δ histograms in the global sums.
+    The underflow bin's limit is the first edge; the overflow bin's (really +inf) is written as twice the last
+    edge, because TensorBoard needs finite limits."""
+    out = {}
+    for x in ("", BY_INFER):
+        counts = _histogram_counts(sums, x)
+        if counts is not None:
+            limits = [*TAIL_DELTA_EDGES, 2 * TAIL_DELTA_EDGES[-1]]
+            out[f"mismatch/tail_delta{x}"] = (limits, counts)
     return out
 
 
@@ -150,11 +218,21 @@ def finalize_diagnostics(
         for x in ("", BY_INFER):
             out[f"mismatch/tail_signed_delta{x}"] = _ratio(s[f"tail_signed_sum{x}"], s[f"tail_tokens{x}"])
             out[f"mismatch/tail_tokens{x}"] = s[f"tail_tokens{x}"]
+            counts = _histogram_counts(s, x)
+            if counts is not None:
+                out[f"mismatch/tail_delta_mode{x}"] = _mode(counts)
             for label in bucket_labels(prob_buckets):
                 count = s[f"tokens{x}/{label}"]
                 out[f"mismatch/tokens{x}/{label}"] = count
                 out[f"mismatch/abs_delta{x}/{label}"] = _ratio(s[f"abs_delta_sum{x}/{label}"], count)
                 out[f"mismatch/signed_delta{x}/{label}"] = _ratio(s[f"delta_sum{x}/{label}"], count)
+    if "logit_error_max" in s:
+        out["mismatch/logit_error_max"] = s["logit_error_max"]
+        for label in bucket_labels(prob_buckets):
+            if f"above_bound/{label}" in s:
+                out[f"mismatch/above_bound_fraction/{label}"] = _ratio(
+                    s[f"above_bound/{label}"], s[f"tokens/{label}"]
+                )
     if "positions" in s:
         n = s["positions"]
         z_min = s["safe_mass_min"] if n > 0 else 1.0
@@ -168,6 +246,33 @@ def finalize_diagnostics(
             out["dvp/safe_set_size_mean"] = _ratio(s["safe_set_size_sum"], n)
             out["dvp/safe_set_size_min"] = s["safe_set_size_min"] if n > 0 else 0.0
     return out
+
+
+def _histogram(values: torch.Tensor) -> list[float]:
+    """Counts of `values` in the bins of `TAIL_DELTA_EDGES`: underflow, the 80 bins, overflow (82)."""
+    edges = torch.tensor(TAIL_DELTA_EDGES, dtype=values.dtype)
+    index = torch.bucketize(values, edges, right=True)  # 0: below the first edge; 81: at/above the last
+    return torch.bincount(index, minlength=len(TAIL_DELTA_EDGES) + 1).tolist()
+
+
+def _histogram_counts(sums: Mapping[str, float | torch.Tensor], suffix: str) -> list[float] | None:
+    keys = [f"tail_delta_hist{suffix}/{i:02d}" for i in range(len(TAIL_DELTA_EDGES) + 1)]
+    if keys[0] not in sums:
+        return None
+    return [float(sums[k]) for k in keys]
+
+
+def _mode(counts: Sequence[float]) -> float:
+    """Centre of the fullest bin (the edge for the under/overflow bins; 0 for an empty histogram)."""
+    if not any(counts):
+        return 0.0
+    i = max(range(len(counts)), key=lambda k: counts[k])  # first fullest bin on ties
+    edges = TAIL_DELTA_EDGES
+    if i == 0:
+        return edges[0]
+    if i == len(edges):
+        return edges[-1]
+    return (edges[i - 1] + edges[i]) / 2
 
 
 def _ratio(num: float, den: float) -> float:

@@ -4,6 +4,7 @@ the same pass, and the training–inference mismatch and DVP diagnostics of that
     old = score_old_policy(trainer, cfg, layout)
     old.outputs[i]      # MaskedLogprobs of layout.all[i] ([b, s], CPU), on every pipeline stage
     old.diagnostics     # {tag: float}, identical on every rank
+    old.histograms      # {tag: (limits, counts)} of the tail Δ, for TensorBoard
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ class OldPolicy:
     """Per micro-batch of `layout.all`: the op's outputs at θ_old."""
     diagnostics: dict[str, float]
     """Mismatch (engine vs trainer) and DVP scalars of this pass (`diagnostics.finalize_diagnostics`)."""
+    histograms: dict[str, tuple[list[float], list[float]]]
+    """`diagnostics.tail_delta_histograms` of this pass: tag → (upper bucket limits, counts)."""
 
 
 def op_settings(cfg: RunConfig) -> OpSettings:
@@ -55,6 +58,10 @@ def score_old_policy(trainer: Trainer, cfg: RunConfig, layout: MicroBatchLayout)
     if groups.is_last_stage:
         pieces = [_sums(cfg, mb, out) for mb, out in zip(mbs, outputs, strict=True)]
         totals = all_reduce_scalars(combine_metrics(pieces), groups.dp)
+        if "logit_error_max" in totals:  # Prop. 4.2's counts need the global ε̂: a second reduction
+            eps = totals["logit_error_max"]
+            bounds = [_bound_sums(cfg, mb, out, eps) for mb, out in zip(mbs, outputs, strict=True)]
+            totals.update(all_reduce_scalars(combine_metrics(bounds), groups.dp))
     totals = broadcast_from_last_stage(totals, groups)
     r_max = reward_max_abs(cfg)
     scalars = diagnostics.finalize_diagnostics(
@@ -65,7 +72,7 @@ def score_old_policy(trainer: Trainer, cfg: RunConfig, layout: MicroBatchLayout)
     )
     if r_max is None:
         scalars.pop("dvp/bias_bound", None)
-    return OldPolicy(outputs, scalars)
+    return OldPolicy(outputs, scalars, diagnostics.tail_delta_histograms(totals))
 
 
 def reward_max_abs(cfg: RunConfig) -> float | None:
@@ -79,12 +86,15 @@ def reward_max_abs(cfg: RunConfig) -> float | None:
 def _sums(cfg: RunConfig, mb, out: MaskedLogprobs):
     """Sum-reducible diagnostics of one micro-batch (its sampled response tokens)."""
     s, valid = mb.to_samples, mb.sample_valid
+    engine_top = mb.fields.get("rollout_top_logprobs")
     piece = diagnostics.mismatch_sums(
         s(out.logprobs),
         s(mb.fields["rollout_logprobs"]),
         valid,
         prob_buckets=cfg.logging.prob_buckets,
         tail_prob=cfg.logging.tail_prob,
+        train_top_logprobs=None if engine_top is None else s(out.top_logprob),
+        infer_top_logprobs=None if engine_top is None else s(engine_top),
     )
     piece.update(
         diagnostics.safe_set_sums(
@@ -96,3 +106,14 @@ def _sums(cfg: RunConfig, mb, out: MaskedLogprobs):
         )
     )
     return piece
+
+
+def _bound_sums(cfg: RunConfig, mb, out: MaskedLogprobs, epsilon: float):
+    s = mb.to_samples
+    return diagnostics.bound_sums(
+        s(out.logprobs),
+        s(mb.fields["rollout_logprobs"]),
+        mb.sample_valid,
+        epsilon=epsilon,
+        prob_buckets=cfg.logging.prob_buckets,
+    )

@@ -40,7 +40,8 @@ class MicroBatchLayout:
 
 
 def build_samples(cfg: RunConfig, batch: RolloutBatch) -> list[Sample]:
-    """Samples with per-response-token fields `rollout_logprobs` and `advantages` (the group advantage)."""
+    """Samples with per-response-token fields `rollout_logprobs`, `advantages` (the group advantage) and,
+    where the batch has them, `rollout_top_logprobs`."""
     rewards = torch.tensor(batch.rewards, dtype=torch.float64)
     advantages = compute_advantages(cfg.algorithm, rewards).to(torch.float32)
     samples = []
@@ -50,6 +51,8 @@ def build_samples(cfg: RunConfig, batch: RolloutBatch) -> list[Sample]:
             "rollout_logprobs": torch.tensor(batch.rollout_logprobs[i], dtype=torch.float32),
             "advantages": torch.full((n,), float(advantages[i]), dtype=torch.float32),
         }
+        if batch.rollout_top_logprobs is not None:
+            fields["rollout_top_logprobs"] = torch.tensor(batch.rollout_top_logprobs[i], dtype=torch.float32)
         samples.append(Sample(batch.prompt_ids[i], batch.response_ids[i], fields))
     return samples
 

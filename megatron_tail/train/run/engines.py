@@ -100,6 +100,7 @@ class RolloutEngines:
             temperature=r.temperature,
             log_rho=self._rule_log_rho() if self.client.processor is not None else None,
             base_seed=base_seed,
+            top_logprob=True,  # ε̂ of the mismatch diagnostics (DVP Prop. 4.2)
         )
         started = time.perf_counter()
         grouped = self._run(self.client.generate(prompt_ids, sampling))
@@ -117,6 +118,7 @@ class RolloutEngines:
             correct=[x >= self.cfg.data.correct_reward for x in rewards],
             truncated=[s.finish_reason.get("type") == "length" for s in samples],
             weight_versions=[s.weight_version for s in samples],
+            rollout_top_logprobs=[list(s.output_top_logprobs) for s in samples],
             stats={"rollout_time_s": elapsed, "generated_tokens": float(generated)},
         )
 

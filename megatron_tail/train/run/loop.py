@@ -81,8 +81,11 @@ class Cadence:
         return stopping or done == self.train.steps or done % self.train.checkpoint_every == 0
 
 
-def rl_step(s: RunSession, step: int, cadence: Cadence, stop: GracefulStop) -> tuple[dict[str, float], bool]:
-    """RL step `step` (0-based) on every rank. Returns the step's metrics and whether a stop was agreed."""
+def rl_step(
+    s: RunSession, step: int, cadence: Cadence, stop: GracefulStop
+) -> tuple[dict[str, float], dict[str, tuple[list[float], list[float]]], bool]:
+    """RL step `step` (0-based) on every rank. Returns the step's scalars, its histograms (tag → (upper
+    bucket limits, counts)) and whether a stop was agreed."""
     cfg, trainer, done = s.cfg, s.trainer, step + 1
     started = time.perf_counter()
     batch = s.rollout(step)  # rollout + reward: rank 0 generates and scores, every rank gets the batch
@@ -110,7 +113,7 @@ def rl_step(s: RunSession, step: int, cadence: Cadence, stop: GracefulStop) -> t
     stopping = stop.agreed()
     if cadence.checkpoint_after(done, stopping=stopping):
         metrics["perf/checkpoint_time_s"] = s.checkpoint(done)  # checkpoint
-    return metrics, stopping
+    return metrics, old.histograms, stopping
 
 
 def run(cfg: RunConfig, hooks: LoopHooks | None = None) -> RunResult:
@@ -155,9 +158,10 @@ def _loop(s: RunSession, stop: GracefulStop, hooks: LoopHooks) -> RunResult:
             # that check lets the next step run and stops after it.
             if hooks.on_step_start is not None:
                 hooks.on_step_start(step)
-            metrics, stopping = rl_step(s, step, cadence, stop)
+            metrics, histograms, stopping = rl_step(s, step, cadence, stop)
             done = result.completed_steps = step + 1
             tb.write(done, metrics)  # log
+            tb.write_histograms(done, histograms)
             tb.flush()
             if rank == 0:
                 result.history.append({"step": float(done), **metrics})

@@ -8,7 +8,7 @@ unconditionally. Non-finite values are written as they are (TensorBoard shows th
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 
@@ -40,6 +40,34 @@ class ScalarLog:
             if not math.isfinite(value):
                 self.nonfinite[tag] = self.nonfinite.get(tag, 0) + 1
             self._writer.add_scalar(tag, value, global_step=step)
+
+    def write_histograms(self, step: int, histograms: Mapping[str, tuple[Sequence[float], Sequence[float]]]):
+        """One histogram per tag at `step` from fixed bins: `(upper bucket limits, counts)`, equal lengths.
+
+        The bins are all that is kept (they are what reduces across ranks), so the summary statistics
+        TensorBoard asks for are those of the binned values: each count at its bucket's upper limit.
+        """
+        if self._writer is None:
+            return
+        for tag in sorted(histograms):
+            limits, counts = (list(map(float, v)) for v in histograms[tag])
+            if len(limits) != len(counts):
+                raise ValueError(f"histogram {tag}: {len(limits)} limits for {len(counts)} counts")
+            used = [i for i, c in enumerate(counts) if c > 0]
+            if not used:
+                continue  # TensorBoard cannot show an empty histogram
+            total = sum(counts)
+            self._writer.add_histogram_raw(
+                tag,
+                min=limits[used[0] - 1] if used[0] > 0 else limits[0],
+                max=limits[used[-1]],
+                num=total,
+                sum=sum(c * v for c, v in zip(counts, limits, strict=True)),
+                sum_squares=sum(c * v * v for c, v in zip(counts, limits, strict=True)),
+                bucket_limits=limits,
+                bucket_counts=counts,
+                global_step=step,
+            )
 
     def flush(self) -> None:
         if self._writer is not None:
