@@ -78,11 +78,20 @@ def run_demo(
         _print_accuracy(name, target)
     if compare:
         print_comparison(dirs)
+        _say(f"report, figures of both runs: {_write_report(list(dirs.values()))}")
     for name, target in dirs.items():
         _say(f"TensorBoard logs ({name}): {(target / 'tensorboard').resolve()}")
     _say(f"  view with: tensorboard --logdir {Path(run_dir).resolve()}")
     _say(f"demo finished in {time.monotonic() - started:.0f} s")
     return 0
+
+
+def _write_report(run_dirs: list[Path]) -> Path:
+    """`megatron-tail report` on the compared runs: <run_dir>/report/report.md, runs labelled by the config
+    keys they differ in."""
+    from megatron_tail.report.build import write_report
+
+    return write_report(run_dirs).resolve()
 
 
 def _finished(run_dir: Path, overrides: Sequence[str]) -> bool:

@@ -1,0 +1,215 @@
+"""`megatron-tail report` on the events of real tiny runs (2 RL steps each, two configs that differ in
+`algorithm.is_mode`): every figure is a non-blank PNG that report.md embeds, the runs are labelled by their
+config difference, and missing tags are reported instead of crashing. The tail-Δ histogram figure is also
+drawn from histograms written here, so its code path runs whatever the trainer logs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import yaml
+
+from megatron_tail.config import load_config
+from megatron_tail.report.build import write_report
+from megatron_tail.report.events import load_run
+from megatron_tail.report.figures import FIGURES, tail_delta_figure
+from megatron_tail.report.histograms import summed_histogram
+from megatron_tail.report.labels import run_labels
+from tests.harness import run_distributed
+from tests.loop.conftest import loop_overrides, serving
+
+FIGURE_NAMES = [
+    "reward_accuracy",
+    "grad_norm",
+    "mismatch_buckets",
+    "mismatch_kl",
+    "tail_delta",
+    "safe_mass",
+    "is_veto_masks",
+    "safe_set_size",
+]
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _run_rank(rank, world, overrides):  # noqa: ARG001
+    from megatron_tail.train.run.loop import run
+
+    run(load_config(None, overrides))
+
+
+@pytest.fixture(scope="module")
+def run_dirs(tiny_model_dir, prompt_file, tmp_path_factory):
+    """Two finished 2-step runs on one engine (TP = 1, one rank), eval at start and after each step."""
+    root = tmp_path_factory.mktemp("report_runs")
+    dirs = []
+    with serving(tiny_model_dir, root / "engine_logs") as engine:
+        for mode in ("none", "mis"):
+            run_dir = root / f"is_{mode}"
+            extra = {
+                "rollout.engine": "remote",
+                "rollout.server_urls": f"[{engine.url}]",
+                "parallel.tensor_parallel": 1,
+                "algorithm.is_mode": mode,
+                "data.eval_path": prompt_file,
+                "data.eval_prompts": 4,
+                "train.eval_every": 1,
+                "train.steps": 2,
+            }
+            run_distributed(
+                _run_rank, 1, loop_overrides(tiny_model_dir, prompt_file, run_dir, extra), timeout=300
+            )
+            dirs.append(run_dir)
+    return dirs
+
+
+def _assert_png_not_blank(path):
+    import matplotlib.image
+
+    assert path.is_file() and path.stat().st_size > 0, path
+    assert path.read_bytes()[:8] == PNG_SIGNATURE, path
+    pixels = matplotlib.image.imread(path)
+    assert pixels.ndim == 3 and pixels.shape[0] > 100 and pixels.shape[1] > 100, (path, pixels.shape)
+    assert float(pixels[..., :3].std()) > 0.01, f"{path} is blank"
+
+
+def test_report_of_two_real_runs(run_dirs, tmp_path):
+    out = tmp_path / "report"
+    report = write_report(run_dirs, out_dir=out)
+    assert report == out / "report.md"
+    text = report.read_text()
+    for name in FIGURE_NAMES:
+        _assert_png_not_blank(out / f"{name}.png")
+        assert f"]({name}.png)" in text, name  # embedded with a relative link
+    assert len(FIGURES) == len(FIGURE_NAMES)
+    assert "Skipped" not in text  # every figure has some data in a real run
+    # the runs are labelled by the one config key they differ in (run_dir never counts)
+    assert "algorithm.is_mode=none" in text and "algorithm.is_mode=mis" in text
+    assert "run_dir=" not in text
+    # the summary table has a row per run for the key scalars
+    assert text.count("| `reward/mean` |") == 1 and "| `train/grad_norm` |" in text
+
+
+def test_events_of_a_real_run(run_dirs):
+    run = load_run(run_dirs[1])
+    assert run.config["algorithm"]["is_mode"] == "mis"
+    steps, values = run.scalars["reward/mean"]
+    assert steps.tolist() == [1, 2] and values.dtype == np.float64 and np.isfinite(values).all()
+    assert run.scalars["eval/greedy_accuracy"][0].tolist() == [0, 1, 2]
+    assert any(tag.startswith("mismatch/abs_delta/p") for tag in run.scalars)
+    for tag, hists in run.histograms.items():  # the trainer's tail-Δ histograms, where it logs them
+        assert [step for step, _, _ in hists] == [1, 2][: len(hists)], tag
+        for _, limits, counts in hists:
+            assert limits.shape == counts.shape and counts.sum() > 0
+
+
+def test_default_out_dir_and_labels_override(run_dirs):
+    report = write_report(run_dirs, labels=["naive", "mis"])
+    assert report == run_dirs[0].parent / "report" / "report.md"  # the runs' common parent
+    text = report.read_text()
+    assert "| naive |" in text and "| mis |" in text and "algorithm.is_mode" not in text
+    with pytest.raises(ValueError, match="one label per run"):
+        write_report(run_dirs, labels=["only one"])
+    single = write_report(run_dirs[:1])
+    assert single == run_dirs[0] / "report" / "report.md"
+    assert f"| {run_dirs[0].name} |" in single.read_text()  # one run: labelled by its directory name
+
+
+def test_missing_tags_are_reported_not_fatal(tmp_path):
+    """A run that logged only a reward: the other figures are skipped and report.md names their tags."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    run_dir = tmp_path / "scalars_only"
+    writer = SummaryWriter(str(run_dir / "tensorboard"))
+    for step in (1, 2, 3):
+        writer.add_scalar("reward/mean", 0.1 * step, step)
+    writer.close()
+    empty = tmp_path / "no_events"  # a run directory without any events yet
+    empty.mkdir()
+    report = write_report([run_dir, empty], out_dir=tmp_path / "out")
+    text = report.read_text()
+    _assert_png_not_blank(tmp_path / "out" / "reward_accuracy.png")
+    assert sorted(p.name for p in (tmp_path / "out").glob("*.png")) == ["reward_accuracy.png"]
+    assert "Not logged by any run (left out): `reward/accuracy`" in text
+    assert "Skipped: no run logged any of its tags: `train/grad_norm`, `train/grad_norm_max`." in text
+    assert "`mismatch/abs_delta/<label>`" in text  # bucket families are named once, as a pattern
+    assert "`mismatch/tail_delta`" in text and "none (no TensorBoard events)" in text
+    with pytest.raises(FileNotFoundError, match="does_not_exist"):
+        write_report([tmp_path / "does_not_exist"])
+
+
+def test_tail_delta_figure_from_written_histograms(tmp_path):
+    """Histograms in the trainer's layout (upper limits: underflow, 0.05-nat bins over [−2, 2], overflow
+    written as 4.0): summed over steps; the figure is drawn with each run's mode."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    limits = [*np.round(np.arange(-2.0, 2.0001, 0.05), 2), 4.0]
+    rng = np.random.default_rng(0)
+    for name, shift in (("a", 0.3), ("b", -0.2)):
+        writer = SummaryWriter(str(tmp_path / name / "tensorboard"))
+        for step in (1, 2, 3):
+            for tag in ("mismatch/tail_delta", "mismatch/tail_delta_by_infer"):
+                x = rng.normal(shift, 0.2, 500)
+                counts = np.bincount(np.searchsorted(limits[:-1], x, side="right"), minlength=len(limits))
+                writer.add_histogram_raw(
+                    tag, min=float(x.min()), max=float(x.max()), num=500, sum=float(x.sum()),
+                    sum_squares=float((x * x).sum()), bucket_limits=limits, bucket_counts=counts.tolist(),
+                    global_step=step,
+                )  # fmt: skip
+        (tmp_path / name / "config.yaml").write_text(yaml.safe_dump({"run_dir": name, "seed": ord(name)}))
+        writer.close()
+    runs = [load_run(tmp_path / n) for n in ("a", "b")]
+    edges, counts = summed_histogram(runs[0].histograms["mismatch/tail_delta"])
+    assert counts.sum() == 3 * 500 and edges.shape == (counts.size + 1,)
+    centre = (edges[np.argmax(counts)] + edges[np.argmax(counts) + 1]) / 2
+    assert abs(centre - 0.3) < 0.2  # the mode sits at the shift
+    labels = run_labels([r.config for r in runs], ["a", "b"])
+    assert labels == ["seed=97", "seed=98"]
+    result = tail_delta_figure(runs, labels, tmp_path)
+    assert result.path == tmp_path / "tail_delta.png"
+    _assert_png_not_blank(result.path)
+    # histograms only: the scalar panels' tags are the missing ones
+    assert result.missing == [
+        "mismatch/tail_signed_delta",
+        "mismatch/tail_signed_delta_by_infer",
+        "mismatch/tail_delta_mode",
+        "mismatch/tail_delta_mode_by_infer",
+    ]
+
+
+def test_labels_from_config_differences():
+    configs = [
+        {"run_dir": "/a", "algorithm": {"is_mode": "mis", "log_rho": -13.0}, "seed": 1},
+        {"run_dir": "/b", "algorithm": {"is_mode": "none", "log_rho": None}, "seed": 1},
+    ]
+    assert run_labels(configs, ["a", "b"]) == [
+        "algorithm.is_mode=mis, algorithm.log_rho=-13.0",
+        "algorithm.is_mode=none, algorithm.log_rho=null",
+    ]
+    same = [{"run_dir": "/a", "seed": 1}, {"run_dir": "/b", "seed": 1}]
+    assert run_labels(same, ["a", "b"]) == ["a", "b"]  # only the run directory differs
+    assert run_labels(configs[:1], ["only"]) == ["only"]
+    three = [*configs, {**configs[0], "run_dir": "/c"}]  # two equal configs: names keep them apart
+    assert run_labels(three, ["a", "b", "c"])[0].startswith("a: algorithm.is_mode=mis")
+
+
+def test_cli_writes_the_report(run_dirs, tmp_path, capsys):
+    from megatron_tail.cli import main
+
+    out = tmp_path / "cli_out"
+    assert main(["report", *map(str, run_dirs), "--out", str(out), "--labels", "A", "B"]) == 0
+    assert f"report: {(out / 'report.md').resolve()}" in capsys.readouterr().out
+    assert "| A |" in (out / "report.md").read_text()
+    with pytest.raises(SystemExit, match="1 labels for 2 run directories"):
+        main(["report", *map(str, run_dirs), "--labels", "A"])
+
+
+def test_the_report_imports_no_megatron():
+    """It only reads files, so it runs where megatron-core (or a GPU stack) is not installed."""
+    code = (
+        "import sys, megatron_tail.report.build, megatron_tail.report.cli; print('megatron' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr[-2000:]
