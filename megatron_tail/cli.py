@@ -13,11 +13,18 @@ import sys
 from collections.abc import Callable, Sequence
 
 from megatron_tail.demo.cli import add_demo_parser
+from megatron_tail.experiments.cli import add_experiment_parser
 from megatron_tail.report.cli import add_report_parser
 from megatron_tail.rollout.local_engine.cli import add_serve_local_parser
 from megatron_tail.train.run.cli import add_train_parser
 
-SUBCOMMANDS: list[Callable] = [add_train_parser, add_demo_parser, add_serve_local_parser, add_report_parser]
+SUBCOMMANDS: list[Callable] = [
+    add_train_parser,
+    add_demo_parser,
+    add_serve_local_parser,
+    add_report_parser,
+    add_experiment_parser,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,7 +6,7 @@ table to the module that defines `Name`, so an edge is a real dependency. The gr
 and no module may import one of a higher layer, in this order (low → high):
 
     utils, patches → ops, data, rewards → algorithms → model, rollout → train.engine → config → train.rl
-    → train.run → demo, bench → cli
+    → train.run → report → demo, bench → experiments → cli
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("megatron_tail.config",),
     ("megatron_tail.train.rl",),
     ("megatron_tail.train.run", "megatron_tail.train"),  # the bare `train` package: a facade over all three
+    ("megatron_tail.report",),  # reads run directories (events, config.yaml); the demo writes one
     ("megatron_tail.demo", "megatron_tail.bench"),
+    ("megatron_tail.experiments",),  # recipes on top of the demo's pieces (tiny models, launching runs)
     ("megatron_tail.cli",),
 ]
 

@@ -108,11 +108,28 @@ def pretrain(
     settings = settings or PretrainSettings()
     torch.set_num_threads(settings.threads)
     model, tokenizer = new_tiny_qwen3(settings.seed)
-    ids, loss_mask, attention = make_batches(tokenizer, settings)
+    started = time.perf_counter()
+    fit_causal_lm(model, make_batches(tokenizer, settings), settings, log=log)
+    summary = {"settings": asdict(settings), "train_time_s": time.perf_counter() - started}
+    if eval_rows:
+        summary["greedy_accuracy"] = greedy_accuracy(model, tokenizer, eval_rows)
+    save_hf(model, tokenizer, out_dir)
+    (Path(out_dir) / "pretrain.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def fit_causal_lm(model, data, settings, *, log=print, log_every: int = 200) -> float:
+    """AdamW on the masked next-token NLL, in place; returns the last batch's loss.
+
+    `data`: (`ids [N, L]`, `loss mask [N, L−1]` of the targets to learn, `attention mask [N, L]`).
+    `settings`: `steps`, `batch_size`, `lr` (peak; linear warm-up over `warmup` steps, then cosine to
+    10%), `weight_decay`, `seed` (batch order). Gradients are clipped to norm 1.
+    """
+    ids, loss_mask, attention = data
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
     gen = torch.Generator().manual_seed(settings.seed)
-    started = time.perf_counter()
     model.train()
+    loss = torch.zeros(())
     for step in range(settings.steps):
         for group in optimizer.param_groups:
             group["lr"] = _lr(step, settings)
@@ -125,17 +142,12 @@ def pretrain(
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        if log is not None and (step + 1) % 200 == 0:
+        if log is not None and (step + 1) % log_every == 0:
             log(f"  pretrain step {step + 1}/{settings.steps}  loss {loss.item():.3f}")
-    summary = {"settings": asdict(settings), "train_time_s": time.perf_counter() - started}
-    if eval_rows:
-        summary["greedy_accuracy"] = greedy_accuracy(model, tokenizer, eval_rows)
-    save_hf(model, tokenizer, out_dir)
-    (Path(out_dir) / "pretrain.json").write_text(json.dumps(summary, indent=2))
-    return summary
+    return float(loss.detach())
 
 
-def _lr(step: int, s: PretrainSettings) -> float:
+def _lr(step: int, s) -> float:
     if step < s.warmup:
         return s.lr * (step + 1) / s.warmup
     progress = (step - s.warmup) / max(1, s.steps - s.warmup)

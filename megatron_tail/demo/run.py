@@ -65,7 +65,7 @@ def run_demo(
     dirs = {}
     for name, knobs in variants.items():
         target = Path(run_dir) / name if name else Path(run_dir)
-        if target.exists() and (fresh or _finished(target, [*base, *knobs, *overrides])):
+        if target.exists() and (fresh or finished_run(target, [*base, *knobs, *overrides])):
             shutil.rmtree(target)  # a finished demo run starts over; a stopped one resumes
         label = f" [{name}]" if name else ""
         _say(f"\n== RL{label}: {target}  (SIGTERM to the trainers stops after the step; rerun resumes)")
@@ -94,7 +94,7 @@ def _write_report(run_dirs: list[Path]) -> Path:
     return write_report(run_dirs).resolve()
 
 
-def _finished(run_dir: Path, overrides: Sequence[str]) -> bool:
+def finished_run(run_dir: Path, overrides: Sequence[str], *, base_yaml: str = DEMO_CONFIG_YAML) -> bool:
     """The run in `run_dir` has a checkpoint at its last step."""
     from megatron_tail.config import load_config
     from megatron_tail.train.run.run_dir import latest_checkpoint
@@ -103,7 +103,7 @@ def _finished(run_dir: Path, overrides: Sequence[str]) -> bool:
     if latest is None:
         return False
     base = run_dir / "demo_base.yaml"
-    base.write_text(DEMO_CONFIG_YAML)
+    base.write_text(base_yaml)
     return latest[0] >= load_config(base, overrides).train.steps
 
 
@@ -144,13 +144,16 @@ def ensure_data(cache: Path) -> tuple[Path, Path]:
     return paths[0], paths[1]
 
 
-def launch_training(run_dir: Path, overrides: Sequence[str]) -> int:
-    """`torchrun --standalone --nproc-per-node <TP×PP> -m megatron_tail.cli train <config>` (a subprocess)."""
+def launch_training(
+    run_dir: Path, overrides: Sequence[str], *, base_yaml: str = DEMO_CONFIG_YAML, quiet: bool = False
+) -> int:
+    """`torchrun --standalone --nproc-per-node <TP×PP> -m megatron_tail.cli train <config>` (a subprocess)
+    on `base_yaml` with `overrides`; `quiet` sends its output to `<run_dir>/train.log` instead."""
     from megatron_tail.config import load_config, save_resolved_config
 
     run_dir.mkdir(parents=True, exist_ok=True)
     base = run_dir / "demo_base.yaml"
-    base.write_text(DEMO_CONFIG_YAML)
+    base.write_text(base_yaml)
     cfg = load_config(base, overrides)
     cfg.check_runnable()
     resolved = save_resolved_config(cfg, run_dir)
@@ -165,7 +168,10 @@ def launch_training(run_dir: Path, overrides: Sequence[str]) -> int:
         "TRANSFORMERS_VERBOSITY": "error",
         "PYTHONWARNINGS": "ignore",  # megatron's and torch's import-time warnings would bury the step lines
     }
-    return subprocess.call(cmd, env=env)
+    if not quiet:
+        return subprocess.call(cmd, env=env)
+    with open(run_dir / "train.log", "ab") as log:
+        return subprocess.call(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:

@@ -141,11 +141,13 @@ def test_missing_tags_are_reported_not_fatal(tmp_path):
 
 
 def test_tail_delta_figure_from_written_histograms(tmp_path):
-    """Histograms in the trainer's layout (upper limits: underflow, 0.05-nat bins over [−2, 2], overflow
-    written as 4.0): summed over steps; the figure is drawn with each run's mode."""
+    """Histograms in the trainer's layout (upper limits: underflow, the `TAIL_DELTA_EDGES` bins, overflow
+    written as twice the last edge): summed over steps; the figure is drawn with each run's mode."""
     from torch.utils.tensorboard import SummaryWriter
 
-    limits = [*np.round(np.arange(-2.0, 2.0001, 0.05), 2), 4.0]
+    from megatron_tail.train.rl.diagnostics import TAIL_DELTA_EDGES
+
+    limits = [*TAIL_DELTA_EDGES, 2 * TAIL_DELTA_EDGES[-1]]
     rng = np.random.default_rng(0)
     for name, shift in (("a", 0.3), ("b", -0.2)):
         writer = SummaryWriter(str(tmp_path / name / "tensorboard"))

@@ -55,9 +55,10 @@ import torch
 BY_INFER = "_by_infer"
 """Suffix of the statistics whose tail / buckets are chosen by π_infer instead of π_train."""
 
-TAIL_DELTA_EDGES: tuple[float, ...] = tuple(round(-2.0 + 0.05 * i, 2) for i in range(81))
-"""Bin edges of the tail-Δ histogram (nats): 80 bins of 0.05 over [−2, 2], plus an underflow and an
-overflow bin, so the counts are exact and sum-reducible across micro-batches and ranks."""
+TAIL_DELTA_EDGES: tuple[float, ...] = tuple(round(-1.0 + 0.01 * i, 2) for i in range(201))
+"""Bin edges of the tail-Δ histogram (nats): 200 bins of 0.01 over [−1, 1], plus an underflow and an
+overflow bin, so the counts are exact and sum-reducible across micro-batches and ranks. A bf16 engine's
+tail Δ is mostly a few hundredths of a nat, so coarser bins would put the whole mode in one bin."""
 
 
 def bucket_labels(prob_buckets: Sequence[float]) -> list[str]:
@@ -111,7 +112,7 @@ def mismatch_sums(
         out[f"tail_tokens{suffix}"] = _f(tail.sum())
         out[f"tail_signed_sum{suffix}"] = _f(delta[tail].sum())
         for i, count in enumerate(_histogram(delta[tail])):
-            out[f"tail_delta_hist{suffix}/{i:02d}"] = _f(count)
+            out[f"tail_delta_hist{suffix}/{i:03d}"] = _f(count)
         for label, hi, lo in zip(bucket_labels(prob_buckets), edges[:-1], edges[1:], strict=True):
             member = (prob >= lo) & (prob < hi)
             out[f"tokens{suffix}/{label}"] = _f(member.sum())
@@ -153,7 +154,7 @@ def bound_sums(
 def tail_delta_histograms(
     sums: Mapping[str, float | torch.Tensor],
 ) -> dict[str, tuple[list[float], list[float]]]:
-    """TensorBoard tag → (upper bucket limits, counts), 82 each, of the tail-Δ histograms in the global sums.
+    """TensorBoard tag → (upper bucket limits, counts), 202 each, of the tail-Δ histograms in the global sums.
     The underflow bin's limit is the first edge; the overflow bin's (really +inf) is written as twice the last
     edge, because TensorBoard needs finite limits."""
     out = {}
@@ -249,14 +250,14 @@ def finalize_diagnostics(
 
 
 def _histogram(values: torch.Tensor) -> list[float]:
-    """Counts of `values` in the bins of `TAIL_DELTA_EDGES`: underflow, the 80 bins, overflow (82)."""
+    """Counts of `values` in the bins of `TAIL_DELTA_EDGES`: underflow, the 200 bins, overflow (202)."""
     edges = torch.tensor(TAIL_DELTA_EDGES, dtype=values.dtype)
     index = torch.bucketize(values, edges, right=True)  # 0: below the first edge; 81: at/above the last
     return torch.bincount(index, minlength=len(TAIL_DELTA_EDGES) + 1).tolist()
 
 
 def _histogram_counts(sums: Mapping[str, float | torch.Tensor], suffix: str) -> list[float] | None:
-    keys = [f"tail_delta_hist{suffix}/{i:02d}" for i in range(len(TAIL_DELTA_EDGES) + 1)]
+    keys = [f"tail_delta_hist{suffix}/{i:03d}" for i in range(len(TAIL_DELTA_EDGES) + 1)]
     if keys[0] not in sums:
         return None
     return [float(sums[k]) for k in keys]

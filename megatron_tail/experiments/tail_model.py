@@ -1,0 +1,129 @@
+"""The tail experiment's model and prompts: a tiny Qwen3 over the 8192-id Zipf language, pretrained on it
+(CPU, fp32, reproducible), and the RL prompt files.
+
+    model_dir = ensure_tail_model(cache_dir)      # cache_dir/tiny_qwen3_zipf (trained once)
+    train, test = ensure_tail_prompts(cache_dir)  # cache_dir/data/zipf_{train,test}.jsonl
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from megatron_tail.demo.model import save_hf, tiny_qwen3_config
+from megatron_tail.demo.pretrain import fit_causal_lm
+
+from .zipf_language import ZipfLanguage
+
+MODEL_DIR_NAME = "tiny_qwen3_zipf"
+PROMPT_WORDS = 6
+PROMPT_FILES = {"train": (4000, 101), "test": (256, 202)}
+"""name → (prompts, seed)."""
+
+
+@dataclass(frozen=True)
+class TailPretrainSettings:
+    seed: int = 0
+    steps: int = 400
+    batch_size: int = 64
+    seq_len: int = 24
+    lr: float = 3e-3
+    warmup: int = 50
+    weight_decay: float = 0.01
+    num_sequences: int = 40_000
+    hidden_size: int = 64
+    num_hidden_layers: int = 2
+    threads: int = 2
+
+
+def tail_model_config(language: ZipfLanguage, s: TailPretrainSettings):
+    """Qwen3 architecture; heads, FFN and vocabulary divisible by TP = 2."""
+    return tiny_qwen3_config(
+        vocab_size=language.vocab_size,
+        hidden_size=s.hidden_size,
+        intermediate_size=3 * s.hidden_size,
+        num_hidden_layers=s.num_hidden_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=s.hidden_size // 4,
+        max_position_embeddings=64,
+    )
+
+
+def pretrain_tail_model(out_dir: str | Path, settings: TailPretrainSettings | None = None, log=print) -> dict:
+    """Fit the tiny Qwen3 to the Zipf language (every next word is a target); save HF dir + summary.
+
+    The summary has the held-out next-word cross-entropy and the language's own entropy rate (the best
+    achievable), so one sees how much of each distribution, tail included, the model learned.
+    """
+    from transformers import Qwen3ForCausalLM
+
+    s = settings or TailPretrainSettings()
+    language = ZipfLanguage()
+    torch.set_num_threads(s.threads)
+    torch.manual_seed(s.seed)
+    model = Qwen3ForCausalLM(tail_model_config(language, s))
+    ids = language.sample(s.num_sequences, s.seq_len, seed=1000 + s.seed) + 2
+    data = (ids, torch.ones(ids.shape[0], ids.shape[1] - 1, dtype=torch.bool), torch.ones_like(ids))
+    started = time.perf_counter()
+    fit_causal_lm(model, data, s, log=log, log_every=200)
+    summary = {
+        "settings": asdict(s),
+        "train_time_s": time.perf_counter() - started,
+        **heldout_cross_entropy(model, language, seed=2000 + s.seed),
+    }
+    tokenizer = language.tokenizer()
+    save_hf(model, tokenizer, out_dir)
+    (Path(out_dir) / "pretrain.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+@torch.no_grad()
+def heldout_cross_entropy(model, language: ZipfLanguage, *, seed: int, sequences: int = 256) -> dict:
+    """Model NLL on fresh sequences vs the language's entropy (its best achievable NLL), nats per word."""
+    model.eval()
+    words = language.sample(sequences, 24, seed=seed)
+    logits = model(input_ids=words + 2).logits[:, :-1, 2:].float()  # over words only
+    nll = -torch.log_softmax(logits, dim=-1).gather(-1, words[:, 1:].unsqueeze(-1)).mean()
+    model.train()
+    return {"heldout_nll": float(nll), "language_entropy": language.entropy()}
+
+
+def ensure_tail_model(cache: Path, log=print) -> Path:
+    """The pretrained model in `cache` (trained now if absent or made with other settings)."""
+    model_dir = Path(cache) / MODEL_DIR_NAME
+    summary_file = model_dir / "pretrain.json"
+    settings = TailPretrainSettings()
+    if summary_file.is_file() and json.loads(summary_file.read_text()).get("settings") == asdict(settings):
+        return model_dir
+    log(f"pretraining the tail model ({settings.steps} steps, one-off) → {model_dir}")
+    summary = pretrain_tail_model(model_dir, settings, log=log)
+    log(
+        f"  held-out NLL {summary['heldout_nll']:.3f} nats/word (the language's entropy: "
+        f"{summary['language_entropy']:.3f}; uniform: {math.log(ZipfLanguage().num_words):.3f})"
+    )
+    return model_dir
+
+
+def ensure_tail_prompts(cache: Path) -> tuple[Path, Path]:
+    """Prompt files (`{"prompt": "w12 w7 …", "answer": "<num_words>"}` per line): train and test."""
+    language = ZipfLanguage()
+    paths = []
+    for name, (n, seed) in PROMPT_FILES.items():
+        path = Path(cache) / "data" / f"zipf_{name}.jsonl"
+        if not path.is_file():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            rows = [
+                {"prompt": language.text(words), "answer": str(language.num_words)}
+                for words in language.sample(n, PROMPT_WORDS, seed=seed)
+            ]
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            tmp.replace(path)
+        paths.append(path)
+    return paths[0], paths[1]

@@ -1,0 +1,43 @@
+"""The whole tail-mismatch experiment from the command line (6 arms × 3 seeds, pretraining included; about
+20 min on 2 cores): slow. It checks that the experiment ran and reports what it should, not the papers'
+claims (those are read off its table and figures, see the README)."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_tail.demo.run import read_scalars
+from megatron_tail.experiments.tail_mismatch import ARMS, COLUMNS
+
+
+@pytest.mark.slow
+def test_tail_mismatch_experiment_runs_every_arm_and_writes_table_and_report(tmp_path):
+    out = tmp_path / "exp"
+    cmd = [sys.executable, "-m", "megatron_tail.cli", "experiment", "tail-mismatch", "--out", str(out)]
+    cmd += ["--cache-dir", str(tmp_path / "cache")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=2400, env={**os.environ})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = (out / "results.md").read_text()
+    rows = [line for line in results.splitlines() if line.startswith("| ") and not line.startswith("| arm")]
+    assert [r.split("|")[1].strip() for r in rows] == list(ARMS)
+    for arm in ARMS:
+        for seed in (0, 1, 2):
+            scalars = read_scalars(out / arm / f"seed{seed}")
+            rewards = [v for _, v in scalars["reward/mean"]]
+            assert len(rewards) == 20 and all(math.isfinite(r) for r in rewards), (arm, seed)
+            size = max(v for _, v in scalars["dvp/safe_set_size_mean"])
+            # DVP prunes only in its arm; |V_S| is the whole 8192-id vocabulary elsewhere
+            assert (size < 8192) == (arm == "dvp_mis"), (arm, size)
+            if arm == "stapo":
+                assert max(v for _, v in scalars["stapo/masked_fraction"]) > 0
+            if arm == "lopti":
+                assert {v for _, v in scalars["train/updates"]} == {2.0}
+    for figure in ("reward_accuracy", "mismatch_buckets", "tail_delta", "safe_mass", "is_veto_masks"):
+        png = out / "report" / f"{figure}.png"
+        assert png.is_file() and png.stat().st_size > 10_000, figure
+    assert len(COLUMNS) + 2 == rows[0].count("|")

@@ -1,0 +1,104 @@
+"""The tail experiment's pieces: the Zipf language samples its own law, the tokenizer and the reward count
+words as a hand count does, the results table is mean ± std over seeds, and the example config is the
+experiment's."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_tail.experiments import tail_mismatch
+from megatron_tail.experiments.tail_config import TAIL_CONFIG_YAML
+from megatron_tail.experiments.zipf_language import (
+    TARGET_FRACTION,
+    ZipfLanguage,
+    target_fraction_reward,
+    target_words,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_the_chain_samples_each_clusters_zipf_law():
+    language = ZipfLanguage(num_words=200, num_clusters=3, seed=1)
+    words = language.sample(20_000, 3, seed=0)
+    cluster, _, _ = language._tables
+    prev, nxt = words[:, :-1].reshape(-1), words[:, 1:].reshape(-1)
+    for c in range(3):
+        chosen = cluster[prev] == c
+        counts = torch.bincount(nxt[chosen], minlength=200).double()
+        law = language.next_word_probs(int(prev[chosen][0]))
+        # every context of a cluster has the same law: a permutation of the Zipf law by rank
+        torch.testing.assert_close(law.sort(descending=True).values, language.zipf_probs())
+        n = counts.sum()
+        # χ² over the 20 most probable words + the rest: within 5 standard deviations of its mean (20)
+        top = law.argsort(descending=True)[:20]
+        rest = torch.ones(200, dtype=torch.bool)
+        rest[top] = False
+        obs = torch.cat([counts[top], counts[rest].sum()[None]])
+        exp = n * torch.cat([law[top], law[rest].sum()[None]])
+        chi2 = float(((obs - exp) ** 2 / exp).sum())
+        assert chi2 < 20 + 5 * math.sqrt(40), (c, chi2)
+
+
+def test_entropy_is_the_zipf_laws():
+    language = ZipfLanguage(num_words=50)
+    p = [r**-1.1 for r in range(1, 51)]
+    total = sum(p)
+    want = -sum(q / total * math.log(q / total) for q in p)
+    assert language.entropy() == pytest.approx(want, rel=1e-12)
+    assert language.vocab_size == 52
+
+
+def test_tokenizer_round_trips_words_and_reward_counts_target_words():
+    language = ZipfLanguage()
+    tokenizer = language.tokenizer()
+    ids = tokenizer("w0 w17 w8189", add_special_tokens=False)["input_ids"]
+    assert ids == [2, 19, 8191] and len(tokenizer) == 8192
+    assert tokenizer.decode([*ids, 1], skip_special_tokens=True) == "w0 w17 w8189"
+    targets = target_words(language.num_words)
+    assert len(targets) == round(TARGET_FRACTION * 8190) and target_words(8190) == targets
+    inside = sorted(targets)[:3]
+    outside = [w for w in range(10) if w not in targets][:2]
+    text = " ".join(f"w{w}" for w in [*inside, *outside])
+    assert target_fraction_reward(text, "8190") == pytest.approx(3 / 5)
+    assert target_fraction_reward("", "8190") == 0.0
+    assert target_fraction_reward.reward_range == (0.0, 1.0)
+
+
+def test_results_table_is_mean_and_sample_std_over_seeds(tmp_path):
+    values = [0.3, 0.5, 0.4]
+    mean, std = tail_mismatch._mean_std(values)
+    assert mean == pytest.approx(statistics.mean(values)) and std == pytest.approx(statistics.stdev(values))
+    assert tail_mismatch._mean_std([math.nan, 2.0]) == (2.0, 0.0)
+    table = {"naive": {c[0]: (0.25, 0.01) for c in tail_mismatch.COLUMNS}}
+    path = tail_mismatch.write_results(tmp_path, table, seeds=[0, 1, 2], minutes=1.0)
+    lines = path.read_text().splitlines()
+    header = next(line for line in lines if line.startswith("| arm"))
+    row = next(line for line in lines if line.startswith("| naive"))
+    # escaped pipes in the header (|Δ|, |V_S|) keep the columns aligned
+    assert header.replace("\\|", "").count("|") == row.count("|") == len(tail_mismatch.COLUMNS) + 2
+    assert "0.250 ± 0.010" in row
+
+
+def test_unknown_arm_is_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match=r"unknown arm\(s\) \['nope'\]"):
+        tail_mismatch.run_experiment(tmp_path, tmp_path, arms=["nope"])
+
+
+def test_example_config_is_the_experiments_and_loads():
+    from megatron_tail.config import load_config
+
+    path = REPO / "examples" / "experiments" / "tail_mismatch.yaml"
+    assert path.read_text() == TAIL_CONFIG_YAML
+    cfg = load_config(path, ["model.hf_path=x", "data.train_path=y"])
+    assert cfg.algorithm.log_rho is None and cfg.algorithm.is_mode == "none"
+    assert cfg.rollout.local_dtype == "bfloat16" and not cfg.model.bf16
+    dvp = load_config(path, ["model.hf_path=x", "data.train_path=y", *tail_mismatch.ARMS["dvp_mis"]])
+    assert dvp.algorithm.log_rho == -9.0 and dvp.algorithm.is_mode == "mis"
+    for knobs in tail_mismatch.ARMS.values():  # every arm is a valid config (load_config raises otherwise)
+        load_config(path, ["model.hf_path=x", "data.train_path=y", *knobs])
