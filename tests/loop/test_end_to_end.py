@@ -20,7 +20,7 @@ BUCKETS = bucket_labels((0.5, 1e-2, 1e-4))
 REQUIRED = [
     # reward and accuracy, response length, entropy, clip fraction
     "reward/mean", "reward/accuracy", "response/length_mean", "policy/entropy", "train/entropy",
-    "train/clip_fraction", "train/loss", "train/grad_norm",
+    "train/clip_fraction", "train/loss", "train/grad_norm", "train/lr",
     # KL(π_infer‖π_train), |Δ| per π_train bucket (Prop. 4.2), signed Δ of sampled tail tokens (Prop. 4.3)
     "mismatch/kl_infer_train_k3", *[f"mismatch/abs_delta/{b}" for b in BUCKETS],
     *[f"mismatch/tokens/{b}" for b in BUCKETS], "mismatch/tail_signed_delta", "mismatch/tail_tokens",
@@ -120,7 +120,7 @@ def test_logged_values_are_consistent(cli_run):
 
 def test_tail_delta_histograms_are_logged_and_count_the_tail(cli_run):
     """The tail-Δ histograms (Prop. 4.3's distribution) read back from the event files: one per step with a
-    tail, the counts add up to the tail's token count, and the logged mode is the centre of the fullest bin."""
+    tail, the counts add up to the tail's token count, and the logged mode is the fullest bin's centre."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     _, run_dir, _ = cli_run

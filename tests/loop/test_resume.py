@@ -14,7 +14,12 @@ from megatron_tail.demo.run import read_scalars
 from tests.harness import RankFailed, run_distributed
 from tests.loop.conftest import loop_overrides
 
-COMPARED = ["train/loss", "train/grad_norm", "reward/mean", "mismatch/kl_infer_train_k3", "policy/entropy"]
+COMPARED = [
+    "train/loss", "train/grad_norm", "reward/mean", "mismatch/kl_infer_train_k3", "policy/entropy",
+    "train/lr",
+]  # fmt: skip
+# warm-up over 2 steps to 2e-3, cosine to 5e-4 at step 4: RL steps 1..4 train at
+LR_BY_STEP = [1e-3, 2e-3, 5e-4 + 0.5 * 1.5e-3, 5e-4]
 
 
 def _run_rank(rank, world, overrides, sigterm_at_step):  # noqa: ARG001
@@ -36,6 +41,11 @@ def _overrides(tiny_model_dir, prompt_file, engine, run_dir):
         "train.steps": 4,
         "train.checkpoint_every": 10,  # only the stop and the last step save
         "optimizer.lr": 2e-3,  # slow enough that step 3 still has mixed rewards (non-zero gradients)
+        # a schedule, so that resuming must restore its progress (the checkpoint's lr_scheduler state)
+        "optimizer.lr_warmup_steps": 2,
+        "optimizer.lr_decay_style": "cosine",
+        "optimizer.lr_decay_steps": 4,
+        "optimizer.min_lr": 5e-4,
     }
     return loop_overrides(tiny_model_dir, prompt_file, run_dir, extra)
 
@@ -70,6 +80,7 @@ def test_sigterm_then_resume_equals_uninterrupted(
     # the compared numbers carry signal (on-policy, the GRPO loss itself is ~0 when responses have equal
     # lengths: ratio 1 and zero-mean advantages; its gradient is not)
     assert min(h["train/grad_norm"] for h in uninterrupted) > 1e-3
+    assert [h["train/lr"] for h in uninterrupted] == pytest.approx(LR_BY_STEP, rel=1e-12)
     assert len({h["reward/mean"] for h in uninterrupted}) == 4
 
     # TensorBoard of the interrupted + resumed run: each step once, equal to the uninterrupted run's

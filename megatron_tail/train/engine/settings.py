@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 OptimizerName = Literal["adam", "sgd"]
+ScheduleStyle = Literal["constant", "linear", "cosine"]
 
 
 @dataclass(frozen=True)
@@ -16,9 +17,23 @@ class OptimizerSettings:
     optimizer: OptimizerName = "adam"
     """"adam" (AdamW: decoupled weight decay) or "sgd" (only without the distributed optimizer)."""
     lr: float = 1e-6
-    """Learning rate (constant; RL post-training rarely schedules it)."""
+    """Peak learning rate (after the warm-up; the constant rate without a schedule)."""
+    lr_warmup_steps: int = 0
+    """RL steps of linear warm-up from 0 to `lr`; RL step k (0-based) trains at the schedule's value after
+    k + 1 steps, so the first step's rate is lr/warmup_steps, not 0."""
+    lr_decay_style: ScheduleStyle = "constant"
+    """After the warm-up: "constant" (stay at `lr`), "linear" or "cosine" decay to `min_lr`."""
+    lr_decay_steps: int | None = None
+    """RL step (warm-up included) at which the decay reaches `min_lr`; None: the run's `train.steps`."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the decay, in [0, lr]."""
     weight_decay: float = 0.0
-    """Decoupled weight decay."""
+    """Decoupled weight decay (at the start of the run, with a weight-decay schedule)."""
+    weight_decay_end: float | None = None
+    """Weight decay at the end of `weight_decay_incr_style`'s ramp (≥ `weight_decay`); None: constant."""
+    weight_decay_incr_style: ScheduleStyle = "constant"
+    """How weight decay goes from `weight_decay` to `weight_decay_end` over the decay steps: "constant",
+    "linear" or "cosine" (megatron's weight-decay increment styles)."""
     adam_beta1: float = 0.9
     """Adam β1."""
     adam_beta2: float = 0.999
@@ -44,3 +59,36 @@ class OptimizerSettings:
             raise ValueError(f"lr must be > 0; got {self.lr}")
         if self.clip_grad < 0:
             raise ValueError(f"clip_grad must be ≥ 0; got {self.clip_grad}")
+        for name in ("lr_decay_style", "weight_decay_incr_style"):
+            if getattr(self, name) not in ("constant", "linear", "cosine"):
+                raise ValueError(
+                    f"{name} must be 'constant', 'linear' or 'cosine'; got {getattr(self, name)!r}"
+                )
+        if not _is_int(self.lr_warmup_steps) or self.lr_warmup_steps < 0:
+            raise ValueError(f"lr_warmup_steps must be an int ≥ 0; got {self.lr_warmup_steps!r}")
+        if self.lr_decay_steps is not None and (
+            not _is_int(self.lr_decay_steps) or self.lr_decay_steps <= self.lr_warmup_steps
+        ):
+            raise ValueError(
+                f"lr_decay_steps must be an int > lr_warmup_steps ({self.lr_warmup_steps}) or None; "
+                f"got {self.lr_decay_steps!r}"
+            )
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"min_lr must be in [0, lr = {self.lr}]; got {self.min_lr}")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay must be ≥ 0; got {self.weight_decay}")
+        if self.weight_decay_end is not None and self.weight_decay_end < self.weight_decay:
+            raise ValueError(
+                f"weight_decay_end must be ≥ weight_decay ({self.weight_decay}) (megatron's schedule only "
+                f"increases it); got {self.weight_decay_end}"
+            )
+
+    def schedule_steps(self, run_steps: int) -> int:
+        """The steps over which the schedule runs: `lr_decay_steps`, else the run's, and always past the
+        warm-up (megatron's scheduler needs decay steps > warm-up steps)."""
+        steps = self.lr_decay_steps if self.lr_decay_steps is not None else run_steps
+        return max(int(steps), self.lr_warmup_steps + 1)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

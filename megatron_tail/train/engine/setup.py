@@ -20,11 +20,13 @@ from megatron.core.distributed import (
     finalize_model_grads,
 )
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import Float16Module
 
 from megatron_tail.model import HFArch, ModelSettings, build_gpt_model, load_hf_weights
 from megatron_tail.patches import cpu_device_scope
 
+from .lr_schedule import build_lr_scheduler
 from .parallel import ParallelGroups, current_groups
 from .settings import OptimizerSettings
 
@@ -39,6 +41,8 @@ class Trainer:
     chunks: list[torch.nn.Module]
     optimizer: MegatronOptimizer
     groups: ParallelGroups
+    scheduler: OptimizerParamScheduler
+    """megatron's learning-rate / weight-decay schedule over `optimizer` (`lr_schedule`)."""
 
     @property
     def vocab_size(self) -> int:
@@ -57,8 +61,10 @@ def build_trainer(
     hf_dir: str | Path | None = None,
     model_settings: ModelSettings | None = None,
     optim: OptimizerSettings | None = None,
+    run_steps: int = 1,
 ) -> Trainer:
-    """Model (HF weights from `hf_dir`, else megatron's random init), DDP and optimizer on this rank.
+    """Model (HF weights from `hf_dir`, else megatron's random init), DDP, optimizer and its schedule on this
+    rank. `run_steps`: the run's RL steps, the schedule's length unless `optim.lr_decay_steps` is set.
 
     Needs `init_parallel` first. On CPU the whole construction runs in `cpu_device_scope`.
     """
@@ -81,14 +87,15 @@ def build_trainer(
     config.finalize_model_grads_func = _finalize_grads_without_token_scaling
     config.grad_scale_func = optimizer.scale_loss
     config.no_sync_func = ddp.no_sync
-    return Trainer(arch, model_settings, optim, [ddp], optimizer, current_groups())
+    scheduler = build_lr_scheduler(optimizer, optim, run_steps=run_steps)
+    return Trainer(arch, model_settings, optim, [ddp], optimizer, current_groups(), scheduler)
 
 
 def _optimizer_config(optim: OptimizerSettings, config) -> OptimizerConfig:
     return OptimizerConfig(
         optimizer=optim.optimizer,
         lr=optim.lr,
-        min_lr=optim.lr,
+        min_lr=optim.min_lr,
         weight_decay=optim.weight_decay,
         adam_beta1=optim.adam_beta1,
         adam_beta2=optim.adam_beta2,

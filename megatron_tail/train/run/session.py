@@ -18,6 +18,7 @@ from megatron_tail.rollout import RolloutBatch
 
 from ..engine.checkpoint import load_checkpoint, save_checkpoint
 from ..engine.collectives import on_rank0
+from ..engine.lr_schedule import restore_progress
 from ..engine.parallel import ParallelConfig, init_parallel
 from ..engine.setup import build_trainer
 from . import run_dir
@@ -61,6 +62,7 @@ class RunSession:
                 hf_dir=cfg.model.hf_path,
                 model_settings=cfg.model,
                 optim=cfg.optimizer,
+                run_steps=cfg.train.steps,
             )
         except BaseException:
             self.close()  # never leave a local engine process behind
@@ -90,6 +92,10 @@ class RunSession:
         if path is None:
             return 0
         rl_state = load_checkpoint(path, self.trainer)
+        # a checkpoint from before the schedule existed: the schedule is at its completed steps
+        restore_progress(
+            self.trainer.scheduler, rl_state.get("lr_scheduler", {"num_steps": rl_state["step"]})
+        )
         self.console.note(f"resumed from {path} (step {rl_state['step']})")
         return int(rl_state["step"])
 
@@ -124,7 +130,8 @@ class RunSession:
         """Save after `done` completed steps; keep the newest `train.keep_checkpoints`. Returns seconds."""
         started = time.perf_counter()
         path = run_dir.checkpoint_path(self.run_dir, done)
-        save_checkpoint(path, self.trainer, {"step": done, "seed": self.cfg.seed}, overwrite=True)
+        rl_state = {"step": done, "seed": self.cfg.seed, "lr_scheduler": self.trainer.scheduler.state_dict()}
+        save_checkpoint(path, self.trainer, rl_state, overwrite=True)
         if self.rank == 0:
             run_dir.prune_checkpoints(self.run_dir, self.cfg.train.keep_checkpoints)
         dist.barrier()
