@@ -91,6 +91,9 @@ class AlgorithmConfig:
     """β ≥ 0 of the KL penalty to the reference policy; > 0 requires `ref_logprobs`."""
     kl_estimator: KlEstimator = "k3"
     """"k1" (log π/π_ref) or "k3" (π_ref/π − 1 − log(π_ref/π))."""
+    entropy_coef: float = 0.0
+    """β_H ≥ 0 of the entropy bonus: the loss gets −β_H·H(π^mp_θ), H the op's entropy (with its gradient),
+    aggregated like the loss over the tokens that contribute to it and not importance-weighted; 0 = off."""
 
     # --- aggregation
     loss_aggregation: AggregationMode = "token_mean"
@@ -126,6 +129,7 @@ class AlgorithmConfig:
         if self.dual_clip is not None:
             _check_range("dual_clip", self.dual_clip, low=1.0, low_inclusive=False)
         _check_range("kl_coef", self.kl_coef, low=0.0)
+        _check_range("entropy_coef", self.entropy_coef, low=0.0)
         _check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         _check_choice("safe_set_on", self.safe_set_on, SAFE_SET_ON)
         _check_choice("loss_aggregation", self.loss_aggregation, AGGREGATION_MODES)

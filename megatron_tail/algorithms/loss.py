@@ -7,7 +7,7 @@ Two stages, so that a batch split over DP ranks × micro-batches gives exactly t
    local normalising counts and the batch-level metrics. The trainer sums `prepared.counts` over its
    micro-batches, all-reduces them over DP (`LossCounts.to_tensor`), and passes the global counts to:
 2. `rl_loss` — per micro-batch and per phase, on the current θ's op outputs: PPO surrogate × IS weight
-   (+ β·KL × IS weight), masked, aggregated with the global counts.
+   (+ β·KL × IS weight) (− β_H·entropy), masked, aggregated with the global counts.
 
 `compute_loss` does both on one piece (the whole batch by default).
 
@@ -204,7 +204,8 @@ def rl_loss(
         counts: *global* `LossCounts` (sum of every piece's `prepared.counts`, all DP ranks).
         phase: index into `prepared.phases` (0, or 0/1 with Lopti).
         in_safe_set: `[B, T]` bool, the op's `in_safe_set` at θ; False ⇒ the token does not contribute.
-        entropy: `[B, T]` float, the op's entropy at θ; only for the `entropy_sum` metric.
+        entropy: `[B, T]` float, the op's entropy at θ (differentiable): the `entropy_sum` metric and, with
+            `cfg.entropy_coef > 0`, the bonus −β_H·H aggregated like the loss (required then).
         ref_logprobs: `[B, T]` float, log π_ref; required when `cfg.kl_coef > 0`.
     Returns:
         (0-d loss of `logprobs`' dtype, differentiable w.r.t. `logprobs`; metrics dict, see `metrics.py`).
@@ -247,6 +248,17 @@ def rl_loss(
         loss = pg_loss + cfg.kl_coef * kl_loss
         metrics["kl_loss"] = metric(cfg.kl_coef * kl_loss)
         metrics["kl_sum"] = metric(kl.sum())
+    if cfg.entropy_coef > 0:
+        if entropy is None:
+            raise ValueError(
+                f"entropy (the op's, with its gradient) is required when entropy_coef > 0 "
+                f"(entropy_coef={cfg.entropy_coef})"
+            )
+        # the bonus is aggregated like the loss over the tokens that contribute to it, not IS-weighted:
+        # H(π_θ) at a state is a property of θ there, whichever policy reached the state
+        entropy_term = aggregate(keep(entropy.to(lp.dtype)), prepared.count_mask, **agg)
+        loss = loss - cfg.entropy_coef * entropy_term
+        metrics["entropy_loss"] = metric(-cfg.entropy_coef * entropy_term)
     metrics["loss"] = metric(loss)
     phase_mask = current.mask & prepared.loss_mask
     if in_safe_set is not None:

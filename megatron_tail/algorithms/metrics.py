@@ -15,7 +15,7 @@ Keys written by `prepare_tokens` (batch-level, once per micro-batch):
     is_weight_sum, is_weight_max, is_zero_weight_tokens, lopti_low_tokens, lopti_high_tokens,
     old_safe_set_violations
 Keys written by `rl_loss` (per phase and micro-batch):
-    loss, pg_loss, kl_loss (this piece's share of the globally normalised loss: sum them),
+    loss, pg_loss, kl_loss, entropy_loss (this piece's share of the globally normalised loss: sum them),
     phase_tokens, clipped_tokens, dual_clipped_tokens, safe_set_violations, entropy_sum, kl_sum
 """
 

@@ -211,6 +211,12 @@ def ref_loss(cfg, d: dict, *, phase: int = 0, tau_h=None, counts=None):
                 loss_t = loss_t + cfg.kl_coef * ref_kl(lp_t[b, t], ref_lp[b][t], cfg.kl_estimator)
             tok[b][t] = weights[b][t] * loss_t
     loss = ref_aggregate(tok, cm, cfg.loss_aggregation, n_tokens, n_seqs, cfg.loss_max_len)
+    if cfg.entropy_coef > 0:  # −β_H·H on the contributing tokens, aggregated alike, not IS-weighted
+        ent = d["entropy"]
+        bonus = [
+            [-cfg.entropy_coef * ent[b, t] if contrib[b][t] else 0.0 for t in range(T)] for b in range(B)
+        ]
+        loss = loss + ref_aggregate(bonus, cm, cfg.loss_aggregation, n_tokens, n_seqs, cfg.loss_max_len)
     if not isinstance(loss, torch.Tensor):  # nothing contributes: a constant
         loss = torch.tensor(float(loss), dtype=torch.float64)
     info = {"loss_mask": lm, "count_mask": cm, "spurious": spur, "weights": weights, "vetoed": vetoed,

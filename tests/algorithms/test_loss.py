@@ -1,6 +1,7 @@
 """The composed objective (`prepare_tokens` + `rl_loss`) against the float64 reference `ref_loss`."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -46,6 +47,7 @@ configs = st.builds(
     dual_clip=st.one_of(st.none(), st.floats(1.5, 4.0)),
     kl_coef=st.sampled_from([0.0, 0.1]),
     kl_estimator=st.sampled_from(["k1", "k3"]),
+    entropy_coef=st.sampled_from([0.0, 0.05]),
     loss_aggregation=st.sampled_from(["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]),
     loss_max_len=st.just(MAX_LEN),
 )
@@ -81,6 +83,40 @@ def test_full_loss_and_gradient_match_float64_reference(cfg, seed, phase):
     want, want_grad, _ = _run_ref(cfg, batch, phase=phase)
     torch.testing.assert_close(loss, want, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(grad, want_grad, rtol=1e-12, atol=1e-14)
+
+
+@settings(max_examples=40, deadline=None)
+@given(configs, st.integers(0, 100_000), st.integers(0, 1))
+def test_entropy_bonus_and_its_gradient_match_float64_reference(cfg, seed, phase):
+    """−β_H·H aggregated like the loss over the contributing tokens: the loss and its gradient w.r.t. both
+    the log-probs and the entropy (which the op differentiates further) equal the float64 reference's."""
+    cfg = replace(cfg, entropy_coef=0.05)
+    phase = phase if phase < cfg.num_phases else 0
+    batch = random_batch(seed, groups=2, group_size=3, T=5)
+    grads = []
+    for compute in ("ours", "reference"):
+        lp = batch["logprobs"].clone().requires_grad_(True)
+        ent = batch["entropy"].clone().requires_grad_(True)
+        if compute == "ours":
+            inputs = {k: batch[k] for k in INPUT_KEYS if k != "entropy"}
+            loss, metrics = compute_loss(cfg, logprobs=lp, entropy=ent, phase=phase, **inputs)
+            without, _ = compute_loss(
+                replace(cfg, entropy_coef=0.0), logprobs=lp, entropy=ent, phase=phase, **inputs
+            )
+            torch.testing.assert_close(metrics["entropy_loss"], (loss - without).detach(), rtol=1e-12, atol=0)
+        else:
+            loss, info = ref_loss(cfg, {**batch, "logprobs": lp, "entropy": ent}, phase=phase)
+        if not loss.requires_grad:  # nothing contributes
+            grads.append((loss.detach(), torch.zeros_like(lp), torch.zeros_like(ent)))
+            continue
+        g_lp, g_ent = torch.autograd.grad(loss, (lp, ent), allow_unused=True)
+        grads.append((loss.detach(), g_lp, torch.zeros_like(ent) if g_ent is None else g_ent))
+    for got, want in zip(*grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+    # the bonus pushes entropy up on exactly the contributing tokens
+    g_ent = grads[0][2]
+    contrib = torch.tensor(info["contrib"])
+    assert bool((g_ent[contrib] < 0).all()) and bool((g_ent[~contrib] == 0).all())
 
 
 def _plain_ppo_token_mean(lp, old, adv, valid, eps_low, eps_high):

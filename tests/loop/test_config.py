@@ -203,6 +203,14 @@ def test_loading_a_config_and_the_command_line_import_no_megatron():
             r"algorithm\.is_mode must be one of \('none', 'tis', 'mis'\); got 'bogus'",
         ),
         ("optimizer.lr=0", r"lr must be > 0; got 0"),
+        (
+            "algorithm.entropy_coef=-0.1",
+            r"AlgorithmConfig\.entropy_coef must be finite and in \[0\.0, inf\]; got -0\.1",
+        ),
+        (
+            "optimizer.lr_decay_style=step",
+            r"lr_decay_style must be one of \('constant', 'linear', 'cosine'\)",
+        ),
         ("algorithm.kl_coef=0.1", r"algorithm\.kl_coef must be 0: the loop computes no reference"),
         ("algorithm.safe_set_on=probs", r"algorithm\.safe_set_on must be one of \('sampled', 'raw_logits'\)"),
     ],

@@ -42,8 +42,9 @@ ALGORITHM_TAGS = {
     "stapo_masked_fraction": "stapo/masked_fraction",
     "lopti_low_fraction": "lopti/low_fraction",
     "kl_loss": "train/kl_loss",
+    "entropy_loss": "train/entropy_loss",
 }
-_PER_UPDATE = ("loss", "pg_loss", "kl_loss")
+_PER_UPDATE = ("loss", "pg_loss", "kl_loss", "entropy_loss")
 """Losses are per optimizer update: averaged over the updates of a step (the rest are global sums)."""
 
 
