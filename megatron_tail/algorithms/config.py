@@ -95,6 +95,17 @@ class AlgorithmConfig:
     """β_H ≥ 0 of the entropy bonus: the loss gets −β_H·H(π^mp_θ), H the op's entropy (with its gradient),
     aggregated like the loss over the tokens that contribute to it and not importance-weighted; 0 = off."""
 
+    # --- overlong responses (DAPO, arXiv 2503.14476)
+    overlong_buffer: int = 0
+    """L_cache of DAPO's soft overlong punishment: a response longer than `rollout.max_new_tokens` − L_cache
+    has its reward lowered linearly, down to −`overlong_penalty` at the limit (`algorithms.overlong`);
+    0 = off. At most `rollout.max_new_tokens`."""
+    overlong_penalty: float = 1.0
+    """The punishment's scale (DAPO: 1.0), ≥ 0."""
+    mask_truncated: bool = False
+    """Responses cut at `rollout.max_new_tokens` leave the loss and its normalising counts (DAPO's overlong
+    filtering); their rewards still enter their group's advantages."""
+
     # --- aggregation
     loss_aggregation: AggregationMode = "token_mean"
     """"token_mean", "seq_mean_token_mean" or "seq_mean_token_sum" (Dr. GRPO)."""
@@ -130,6 +141,9 @@ class AlgorithmConfig:
             _check_range("dual_clip", self.dual_clip, low=1.0, low_inclusive=False)
         _check_range("kl_coef", self.kl_coef, low=0.0)
         _check_range("entropy_coef", self.entropy_coef, low=0.0)
+        _check_range("overlong_penalty", self.overlong_penalty, low=0.0)
+        if self.overlong_buffer < 0:
+            _bad("overlong_buffer", self.overlong_buffer, "must be ≥ 0 (0 = off)")
         _check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         _check_choice("safe_set_on", self.safe_set_on, SAFE_SET_ON)
         _check_choice("loss_aggregation", self.loss_aggregation, AGGREGATION_MODES)
@@ -169,8 +183,9 @@ _BOOL_FIELDS = (
     "advantage_reweighting",
     "lopti",
     "lopti_reverse",
+    "mask_truncated",
 )
-_INT_FIELDS = ("group_size", "loss_max_len")
+_INT_FIELDS = ("group_size", "loss_max_len", "overlong_buffer")
 _STR_FIELDS = (
     "advantage_estimator",
     "safe_set_on",

@@ -272,6 +272,13 @@ class RunConfig:
                 "must be 0: the loop computes no reference-policy log-probs yet, so a KL penalty to a "
                 "reference model cannot run",
             )
+        if self.algorithm.overlong_buffer > self.rollout.max_new_tokens:
+            _bad(
+                "algorithm",
+                "overlong_buffer",
+                self.algorithm.overlong_buffer,
+                f"must be ≤ rollout.max_new_tokens={self.rollout.max_new_tokens} (it ends at the limit)",
+            )
         if self.data.prompts_per_step % self.train.mini_batches:
             _bad(
                 "train",

@@ -15,8 +15,8 @@ the other packages' settings into `RunConfig`.) One RL step on every rank, as `r
 
     batch   = session.rollout(step)                         # rank 0: prompts(seed, step) → engines →
                                                             #   reward; broadcast to every rank
-    samples = build_samples(cfg, batch)                     # rl.samples: GRPO / RLOO advantages per token
-    layout  = layout_micro_batches(cfg, samples, groups)    # rl.samples: mini-batches × DP × micro-batches
+    built   = build_samples(cfg, batch)                     # rl.samples: reward shaping, advantages per token
+    layout  = layout_micro_batches(cfg, built.samples, groups)  # rl.samples: mini-batches × DP × micro-b.
     old     = score_old_policy(trainer, cfg, layout) # rl.old_policy: θ_old via engine.logprobs,
                                                             #   |V_S|, mismatch/DVP diagnostics
     update  = update_policy(trainer, alg, layout, old, op)  # rl.update: per mini-batch, objective stage 1,

@@ -21,6 +21,7 @@ REQUIRED = [
     # reward and accuracy, response length, entropy, clip fraction
     "reward/mean", "reward/accuracy", "response/length_mean", "policy/entropy", "train/entropy",
     "train/clip_fraction", "train/loss", "train/grad_norm", "train/lr", "train/entropy_loss",
+    "reward/overlong_penalty_mean", "reward/overlong_penalized_fraction",
     # KL(π_infer‖π_train), |Δ| per π_train bucket (Prop. 4.2), signed Δ of sampled tail tokens (Prop. 4.3)
     "mismatch/kl_infer_train_k3", *[f"mismatch/abs_delta/{b}" for b in BUCKETS],
     *[f"mismatch/tokens/{b}" for b in BUCKETS], "mismatch/tail_signed_delta", "mismatch/tail_tokens",
@@ -49,6 +50,7 @@ def cli_run(tiny_model_dir, prompt_file, tmp_path_factory):
         "algorithm.lopti": True,
         "algorithm.is_mode": "mis",
         "algorithm.entropy_coef": 1e-3,
+        "algorithm.overlong_buffer": 2,
         "data.eval_path": prompt_file,
         "train.eval_every": 2,
         "train.checkpoint_every": 2,
@@ -115,6 +117,9 @@ def test_logged_values_are_consistent(cli_run):
         assert all(0 <= s[f"mismatch/above_bound_fraction/{b}"][i] <= 1 for b in BUCKETS)
         # the entropy bonus −β_H·H: negative, and at most β_H·log |V| (H of π^mp ≤ log of its support)
         assert -1e-3 * math.log(100) <= s["train/entropy_loss"][i] < 0
+        # DAPO's soft punishment over the last 2 of 5 tokens: −1 at 5, −0.5 at 4, 0 up to 3
+        assert -1 <= s["reward/overlong_penalty_mean"][i] <= 0
+        assert (s["reward/overlong_penalty_mean"][i] < 0) == (s["reward/overlong_penalized_fraction"][i] > 0)
     assert s["train/lr"] == [1e-2] * STEPS  # no schedule configured: the constant peak rate
     # ε̂ from the engine's top-1 log-probs: bf16 logits differ from fp32 ones by a little, not by nothing
     assert 0 < max(s["mismatch/logit_error_max"]) < 1

@@ -110,3 +110,47 @@ def test_rl_step_matches_single_rank_padded(case, world, tp, packed):
     assert result.grad_norm == pytest.approx(ref_result.grad_norm, rel=1e-5)
     for name in ref_state:
         torch.testing.assert_close(state[name], ref_state[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_untrainable_samples_leave_the_loss_and_its_counts(case):
+    """A `trainable` field of 0 (`algorithm.mask_truncated` on a cut response) removes a sample from the
+    loss and from the normalising counts: the step's loss equals `compute_loss` with those rows invalid."""
+    hf_dir, samples, _, _ = case
+    masked = {1, 4}
+    marked = [
+        Sample(
+            s.prompt,
+            s.response,
+            {**s.fields, "trainable": torch.full((len(s.response),), float(i not in masked))},
+        )
+        for i, s in enumerate(samples)
+    ]
+    result, _ = run_distributed(_rl_step_rank, 1, hf_dir, 1, marked, False)[0]
+    # the reference, as the module fixture's, with the masked rows invalid
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    t = max(len(s.response) for s in samples)
+    rows = {"lp": [], "roll": [], "adv": [], "valid": []}
+    for i, s in enumerate(samples):
+        tokens = torch.tensor([[*s.prompt, *s.response]])
+        lp = torch.log_softmax(hf_logits(hf, tokens)[0, :-1], dim=-1).gather(1, tokens[0, 1:, None])[:, 0]
+        lp = lp[len(s.prompt) - 1 :]
+        pad = t - len(lp)
+        rows["lp"].append(torch.cat([lp, lp.new_zeros(pad)]))
+        rows["roll"].append(torch.cat([s.fields["rollout_logprobs"], lp.new_zeros(pad)]))
+        rows["adv"].append(torch.cat([s.fields["advantages"], lp.new_zeros(pad)]))
+        rows["valid"].append(
+            torch.cat([torch.full((len(lp),), i not in masked), torch.zeros(pad, dtype=torch.bool)])
+        )
+    lp = torch.stack(rows["lp"]).double()
+    ref, _ = compute_loss(
+        CFG,
+        logprobs=lp,
+        old_logprobs=lp,
+        rollout_logprobs=torch.stack(rows["roll"]).double(),
+        advantages=torch.stack(rows["adv"]).double(),
+        valid=torch.stack(rows["valid"]),
+    )
+    assert result.metrics["loss"] == pytest.approx(float(ref), rel=1e-5)
+    assert result.metrics["loss_sequences"] == len(samples) - len(masked)

@@ -1,7 +1,7 @@
 """The RL step on top of the engine: advantages → micro-batches → θ_old → objective → updates.
 
-    samples = build_samples(cfg, batch)                             # samples: advantages, per token
-    layout = layout_micro_batches(cfg, samples, trainer.groups)     # samples: mini-batches × micro-batches
+    built = build_samples(cfg, batch)                               # samples: shaped rewards, advantages
+    layout = layout_micro_batches(cfg, built.samples, trainer.groups)  # samples: mini-batches × micro-batches
     old = score_old_policy(trainer, cfg, layout)             # old_policy: θ_old, |V_S|, diagnostics
     update = update_policy(trainer, cfg.algorithm, layout, old)     # update: Lopti phases × optimizer steps
 

@@ -60,7 +60,7 @@ def prepare_rl_micro_batches(
             old_logprobs=s(out.logprobs),
             rollout_logprobs=s(mb.fields["rollout_logprobs"]),
             advantages=s(mb.fields["advantages"]),
-            valid=mb.sample_valid,
+            valid=_trainable(mb),
             old_entropy=None if out.entropy is None else s(out.entropy),
             old_in_safe_set=s(out.in_safe_set),
             stapo_tau_h=tau_h,
@@ -69,6 +69,14 @@ def prepare_rl_micro_batches(
         counts = prepared.counts if counts is None else counts + prepared.counts
     total = all_reduce_sum_(counts.to_tensor(comm_device()), dp_group)
     return LossCounts.from_tensor(total.cpu())
+
+
+def _trainable(mb: MicroBatch) -> torch.Tensor:
+    """`[N, T]` bool: the samples' response tokens, minus those of samples marked untrainable (a `trainable`
+    field of 0, e.g. `algorithm.mask_truncated`): they leave the loss and its counts."""
+    if "trainable" not in mb.fields:
+        return mb.sample_valid
+    return mb.sample_valid & (mb.to_samples(mb.fields["trainable"]) > 0)
 
 
 def rl_loss_fn(cfg: AlgorithmConfig, counts: LossCounts, *, phase: int = 0) -> LossFn:

@@ -1,8 +1,8 @@
 """A rollout batch as the trainer sees it: samples with per-token advantages, laid out as mini-batches of
 this DP rank's micro-batches.
 
-    samples = build_samples(cfg, batch)         # [Sample], fields rollout_logprobs, advantages
-    layout = layout_micro_batches(cfg, samples, trainer.groups)
+    built = build_samples(cfg, batch)           # built.samples: [Sample] (rollout_logprobs, advantages)
+    layout = layout_micro_batches(cfg, built.samples, trainer.groups)
     layout.per_mini_batch[j]    # this DP rank's micro-batches of mini-batch j, all one shape
     layout.all                  # every micro-batch, mini-batch-major (the θ_old pass runs over these)
 """
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_tail.algorithms import compute_advantages
+from megatron_tail.algorithms.overlong import overlong_penalty
 from megatron_tail.config import RunConfig
 from megatron_tail.rollout import RolloutBatch
 
@@ -39,11 +40,39 @@ class MicroBatchLayout:
         return sum(len(s) for s in self.samples)
 
 
-def build_samples(cfg: RunConfig, batch: RolloutBatch) -> list[Sample]:
-    """Samples with per-response-token fields `rollout_logprobs`, `advantages` (the group advantage) and,
-    where the batch has them, `rollout_top_logprobs`."""
+@dataclass(frozen=True)
+class RolloutSamples:
+    samples: list[Sample]
+    """One per response, in batch order, with per-response-token fields (`build_samples`)."""
+    metrics: dict[str, float]
+    """Reward shaping and masking of the step (overlong penalty, truncated responses masked)."""
+
+
+def build_samples(cfg: RunConfig, batch: RolloutBatch) -> RolloutSamples:
+    """Samples with per-response-token fields `rollout_logprobs`, `advantages` (the group advantage of the
+    shaped reward), where the batch has them `rollout_top_logprobs`, and with `algorithm.mask_truncated`
+    `trainable` (0 on every token of a response cut at `rollout.max_new_tokens`: it leaves the loss).
+
+    The shaped reward is the task reward plus DAPO's overlong penalty when `algorithm.overlong_buffer` > 0;
+    `reward/*` tags keep logging the task reward, `reward/overlong_penalty_mean` the added term.
+    """
+    algo = cfg.algorithm
     rewards = torch.tensor(batch.rewards, dtype=torch.float64)
-    advantages = compute_advantages(cfg.algorithm, rewards).to(torch.float32)
+    metrics: dict[str, float] = {}
+    if algo.overlong_buffer > 0:
+        lengths = torch.tensor([len(r) for r in batch.response_ids])
+        penalty = overlong_penalty(
+            lengths,
+            max_len=cfg.rollout.max_new_tokens,
+            buffer=algo.overlong_buffer,
+            factor=algo.overlong_penalty,
+        )
+        rewards = rewards + penalty
+        metrics["reward/overlong_penalty_mean"] = float(penalty.mean())
+        metrics["reward/overlong_penalized_fraction"] = float((penalty < 0).double().mean())
+    if algo.mask_truncated:
+        metrics["response/masked_truncated_fraction"] = sum(batch.truncated) / len(batch)
+    advantages = compute_advantages(algo, rewards).to(torch.float32)
     samples = []
     for i in range(len(batch)):
         n = len(batch.response_ids[i])
@@ -53,8 +82,10 @@ def build_samples(cfg: RunConfig, batch: RolloutBatch) -> list[Sample]:
         }
         if batch.rollout_top_logprobs is not None:
             fields["rollout_top_logprobs"] = torch.tensor(batch.rollout_top_logprobs[i], dtype=torch.float32)
+        if algo.mask_truncated:
+            fields["trainable"] = torch.full((n,), 0.0 if batch.truncated[i] else 1.0)
         samples.append(Sample(batch.prompt_ids[i], batch.response_ids[i], fields))
-    return samples
+    return RolloutSamples(samples, metrics)
 
 
 def layout_micro_batches(

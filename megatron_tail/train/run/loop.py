@@ -90,13 +90,20 @@ def rl_step(
     started = time.perf_counter()
     batch = s.rollout(step)  # rollout + reward: rank 0 generates and scores, every rank gets the batch
     trained = time.perf_counter()
-    samples = build_samples(cfg, batch)  # advantages (GRPO / RLOO), per response token
-    layout = layout_micro_batches(cfg, samples, trainer.groups)  # mini-batches × this DP rank's micro-batches
+    built = build_samples(cfg, batch)  # reward shaping, advantages (GRPO / RLOO), per response token
+    layout = layout_micro_batches(
+        cfg, built.samples, trainer.groups
+    )  # mini-batches × DP rank's micro-batches
     old = score_old_policy(trainer, cfg, layout)  # θ_old log-probs, |V_S|, mismatch diagnostics
     update = update_policy(trainer, cfg.algorithm, layout, old, op=op_settings(cfg))  # optimizer step(s)
     train_s = time.perf_counter() - trained
     sync_s = s.sync_weights(version=done)  # weight sync: the engines load θ_new as version `done`
-    metrics = {**rollout_metrics(batch, expected_version=str(step)), **update.metrics, **old.diagnostics}
+    metrics = {
+        **rollout_metrics(batch, expected_version=str(step)),
+        **built.metrics,
+        **update.metrics,
+        **old.diagnostics,
+    }
     if cadence.eval_after(done):
         metrics.update(s.evaluate())  # eval
     rollout_s = batch.stats["rollout_time_s"]
