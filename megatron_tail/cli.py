@@ -16,10 +16,11 @@ from megatron_tail.demo.cli import add_demo_parser
 from megatron_tail.experiments.cli import add_experiment_parser
 from megatron_tail.report.cli import add_report_parser
 from megatron_tail.rollout.local_engine.cli import add_serve_local_parser
-from megatron_tail.train.run.cli import add_train_parser
+from megatron_tail.train.run.cli import add_eval_parser, add_train_parser
 
 SUBCOMMANDS: list[Callable] = [
     add_train_parser,
+    add_eval_parser,
     add_demo_parser,
     add_serve_local_parser,
     add_report_parser,

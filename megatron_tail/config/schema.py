@@ -198,7 +198,10 @@ class TrainSection:
     resume: bool = True
     """Resume from the newest checkpoint in `<run_dir>/checkpoints` if there is one."""
     eval_every: int = 0
-    """Greedy accuracy on the eval prompts every this many steps (and before the first); 0: never."""
+    """Evaluate on the eval prompts every this many steps (and before the first); 0: never."""
+    eval_samples_per_prompt: int = 1
+    """n samples per eval prompt at the rollout temperature (plus one greedy): logs `eval/pass@k` (the
+    unbiased estimator, k = 1, 2, 4, …, n) and `eval/mean@n`; `eval/sampled_accuracy` is mean@n."""
 
     def __post_init__(self) -> None:
         _positive_int("train", "steps", self.steps)
@@ -207,6 +210,7 @@ class TrainSection:
         _positive_int("train", "checkpoint_every", self.checkpoint_every)
         _positive_int("train", "keep_checkpoints", self.keep_checkpoints)
         _positive_int("train", "eval_every", self.eval_every, minimum=0)
+        _positive_int("train", "eval_samples_per_prompt", self.eval_samples_per_prompt)
         if self.seq_len is not None:
             _positive_int("train", "seq_len", self.seq_len, minimum=2)
         if self.packed and self.seq_len is None:

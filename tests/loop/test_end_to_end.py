@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from megatron_tail.config import load_config
 from megatron_tail.demo.run import read_scalars
@@ -53,6 +54,7 @@ def cli_run(tiny_model_dir, prompt_file, tmp_path_factory):
         "algorithm.overlong_buffer": 2,
         "data.eval_path": prompt_file,
         "train.eval_every": 2,
+        "train.eval_samples_per_prompt": 4,
         "train.checkpoint_every": 2,
     }
     overrides = loop_overrides(tiny_model_dir, prompt_file, run_dir, extra)
@@ -89,8 +91,18 @@ def test_every_metric_is_logged_finite_each_step(cli_run):
         assert steps == [1, 2, 3], (tag, steps)
         bad = [v for _, v in scalars[tag] if not math.isfinite(v)]
         assert not bad, (tag, bad)
-    for tag in ("eval/sampled_accuracy", "eval/greedy_accuracy"):
+    eval_tags = ("eval/sampled_accuracy", "eval/greedy_accuracy", "eval/pass@1", "eval/pass@2", "eval/pass@4")
+    for tag in (*eval_tags, "eval/mean@4"):
         assert [s for s, _ in scalars[tag]] == [0, 2], tag  # before training, then every 2 steps
+    for i in range(2):
+        p1, p2, p4 = (scalars[f"eval/pass@{k}"][i][1] for k in (1, 2, 4))
+        # pass@1 of 4 samples is their mean accuracy; more attempts never pass less often
+        assert (
+            p1
+            == pytest.approx(scalars["eval/mean@4"][i][1])
+            == pytest.approx(scalars["eval/sampled_accuracy"][i][1])
+        )
+        assert p1 <= p2 <= p4 <= 1
 
 
 def test_logged_values_are_consistent(cli_run):
@@ -120,7 +132,7 @@ def test_logged_values_are_consistent(cli_run):
         # DAPO's soft punishment over the last 2 of 5 tokens: −1 at 5, −0.5 at 4, 0 up to 3
         assert -1 <= s["reward/overlong_penalty_mean"][i] <= 0
         assert (s["reward/overlong_penalty_mean"][i] < 0) == (s["reward/overlong_penalized_fraction"][i] > 0)
-    assert s["train/lr"] == [1e-2] * STEPS  # no schedule configured: the constant peak rate
+    assert s["train/lr"] == pytest.approx([1e-2] * STEPS, rel=1e-6)  # no schedule: the constant peak rate
     # ε̂ from the engine's top-1 log-probs: bf16 logits differ from fp32 ones by a little, not by nothing
     assert 0 < max(s["mismatch/logit_error_max"]) < 1
     # the optimizer moved the policy: entropy changes between steps
@@ -149,3 +161,53 @@ def test_tail_delta_histograms_are_logged_and_count_the_tail(cli_run):
             assert 0 < fullest < len(counts) - 1
             centre = (limits[fullest - 1] + limits[fullest]) / 2
             assert s[f"mismatch/tail_delta_mode{x}"][e.step] == pytest.approx(centre)
+
+
+def test_offline_eval_of_the_checkpoint_equals_the_exported_models(cli_run):
+    """`megatron-tail eval` on the last checkpoint (TP = 2, loaded in one process and exported) and on the
+    weights the loop last synced (the same step): bit-identical weights, so identical evaluations."""
+    import json
+
+    from safetensors.torch import load_file
+
+    _, run_dir, _ = cli_run
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+    config = str(run_dir / "config.yaml")
+    results = {}
+    for flag, path in (
+        ("--checkpoint", run_dir / "checkpoints" / "step_000003"),
+        ("--hf", run_dir / "rollout_weights"),
+    ):
+        cmd = [sys.executable, "-m", "megatron_tail.cli", "eval", config, flag, str(path)]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+        model_dir = path / "hf" if flag == "--checkpoint" else path
+        results[flag] = json.loads((model_dir / "eval.json").read_text())
+        assert "eval/pass@4" in proc.stdout
+    exported = load_file(str(run_dir / "checkpoints" / "step_000003" / "hf" / "model.safetensors"))
+    synced = load_file(str(run_dir / "rollout_weights" / "model.safetensors"))
+    assert exported.keys() == synced.keys()
+    for name in synced:
+        assert torch.equal(exported[name], synced[name]), name
+    assert results["--checkpoint"] == results["--hf"]
+    assert set(results["--hf"]) >= {
+        "eval/pass@1",
+        "eval/pass@2",
+        "eval/pass@4",
+        "eval/mean@4",
+        "eval/greedy_accuracy",
+    }
+
+
+def test_offline_eval_refuses_bad_input_with_a_message(cli_run, tmp_path):
+    _, run_dir, _ = cli_run
+    cmd = [sys.executable, "-m", "megatron_tail.cli", "eval", str(run_dir / "config.yaml"), "--checkpoint"]
+    proc = subprocess.run([*cmd, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "is not a complete checkpoint (no metadata.json)" in proc.stderr
+    proc = subprocess.run(
+        [*cmd[:-1], "--hf", str(tmp_path), "--set", "data.eval_path=null"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0 and "data.eval_path is required to evaluate" in proc.stderr

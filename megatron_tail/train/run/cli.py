@@ -51,3 +51,51 @@ def train_command(args: argparse.Namespace) -> int:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
     return 0
+
+
+EVAL_DESCRIPTION = """`megatron-tail eval CONFIG.yaml (--checkpoint DIR | --hf DIR) [--set ...]`: evaluate a
+training checkpoint or an exported HF model on `data.eval_path` exactly as the loop does:
+`train.eval_samples_per_prompt` samples per prompt at the rollout temperature (pass@k, mean@n) plus greedy
+decoding, with the config's reward, engines and DVP rule. A checkpoint is loaded in this one process
+(TP = PP = 1) and exported to `<checkpoint>/hf` first. Prints the scalars and writes them to
+`<model dir>/eval.json`.
+"""
+
+
+def add_eval_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "eval",
+        help="evaluate a checkpoint or HF model on the eval set (pass@k, mean@n, greedy accuracy)",
+        description=EVAL_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_config_arguments(parser, required=True)
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--checkpoint", help="a checkpoint directory (<run_dir>/checkpoints/step_NNNNNN)")
+    which.add_argument("--hf", help="a HF model directory (e.g. <run_dir>/rollout_weights)")
+    parser.set_defaults(func=eval_command)
+    return parser
+
+
+def eval_command(args: argparse.Namespace) -> int:
+    from megatron_tail.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except (ConfigError, ValueError) as e:
+        raise SystemExit(f"megatron-tail eval: {e}") from None
+    import torch.distributed as dist
+
+    from megatron_tail.train.run.offline_eval import evaluate_offline
+
+    try:
+        scalars = evaluate_offline(cfg, hf_dir=args.hf, checkpoint=args.checkpoint)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"megatron-tail eval: {e}") from None
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    width = max(len(k) for k in scalars)
+    for key in sorted(scalars):
+        print(f"{key.ljust(width)}  {scalars[key]:.4f}")
+    return 0

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from megatron_tail.config import RunConfig
 from megatron_tail.rewards import compute_rewards, load_reward_fn
+from megatron_tail.rewards.pass_at_k import eval_statistics
 from megatron_tail.rollout import (
     ClientConfig,
     DiskWeightSync,
@@ -123,11 +124,13 @@ class RolloutEngines:
         )
 
     def evaluate(self, prompt_ids: Sequence[Sequence[int]], answers: Sequence[str]) -> dict[str, float]:
-        """Accuracy of one sample per prompt at the training temperature (with DVP if on: the policy being
-        trained; fixed seeds, so evaluations differ only by the weights) and of greedy decoding."""
-        r = self.cfg.rollout
+        """`train.eval_samples_per_prompt` = n samples per prompt at the training temperature (with DVP if on:
+        the policy being trained; fixed seeds, so evaluations differ only by the weights) → `eval/pass@k`
+        (unbiased), `eval/mean@n` (= `eval/sampled_accuracy`), `eval/sampled_reward`; and greedy decoding →
+        `eval/greedy_accuracy`, `eval/greedy_reward`."""
+        r, n = self.cfg.rollout, self.cfg.train.eval_samples_per_prompt
         sampled = SamplingConfig(
-            n_samples=1,
+            n_samples=n,
             max_new_tokens=r.max_new_tokens,
             temperature=r.temperature,
             log_rho=self._rule_log_rho() if self.client.processor is not None else None,
@@ -141,14 +144,19 @@ class RolloutEngines:
             ("greedy", self.eval_client, greedy),
         ):
             grouped = self._run(client.generate(prompt_ids, sampling))
-            completions = [self._decode(g[0].output_ids) for g in grouped]
-            rewards = compute_rewards(self.reward_fn, completions, list(answers))
+            completions = [self._decode(s.output_ids) for g in grouped for s in g]
+            per_sample_answers = [a for a in answers for _ in range(sampling.n_samples)]
+            rewards = compute_rewards(self.reward_fn, completions, per_sample_answers)
             correct = [x >= self.cfg.data.correct_reward for x in rewards]
             out[f"eval/{name}_accuracy"] = sum(correct) / len(correct)
             out[f"eval/{name}_reward"] = sum(rewards) / len(rewards)
+            if name == "sampled":
+                k = sampling.n_samples
+                rows = [correct[i * k : (i + 1) * k] for i in range(len(grouped))]
+                out.update({f"eval/{tag}": v for tag, v in eval_statistics(rows).items()})
         return out
 
-    def sync_weights(self, hf_dir: Path, version: int) -> float:
+    def sync_weights(self, hf_dir: Path, version: int | str) -> float:
         """Load the exported HF checkpoint `hf_dir` on every engine as `weight_version=str(version)`."""
         started = time.perf_counter()
         self._run(self.weight_sync.update(str(hf_dir), weight_version=str(version)))

@@ -193,17 +193,23 @@ def _signal_name(stop: GracefulStop) -> str:
     return stop.received.name if stop.received is not None else "signal on another rank"
 
 
-def ensure_distributed(cfg: RunConfig) -> None:
-    """Initialise torch.distributed from torchrun's env; a plain process becomes a world of one."""
+def init_torch_distributed() -> int:
+    """Initialise torch.distributed from torchrun's env (a plain process becomes a world of one), if not
+    yet; returns the world size."""
     from ..engine.parallel import init_distributed
 
     if dist.is_available() and dist.is_initialized():
-        world = dist.get_world_size()
-    else:
-        if "WORLD_SIZE" not in os.environ:
-            os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"})
-            os.environ.setdefault("MASTER_PORT", str(free_port()))
-        world = int(os.environ["WORLD_SIZE"])
+        return dist.get_world_size()
+    if "WORLD_SIZE" not in os.environ:
+        os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"})
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+    init_distributed()
+    return dist.get_world_size()
+
+
+def ensure_distributed(cfg: RunConfig) -> None:
+    """`init_torch_distributed`, checked against the config's layout; rank 0 saves the resolved config."""
+    world = init_torch_distributed()
     model_parallel = cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel
     if world % model_parallel:
         raise ValueError(
@@ -211,6 +217,5 @@ def ensure_distributed(cfg: RunConfig) -> None:
             f"world size {world}; launch with `torchrun --nproc-per-node {model_parallel} "
             "-m megatron_tail.cli train CONFIG.yaml` (or a multiple of it)"
         )
-    init_distributed()
     if dist.get_rank() == 0:
         save_resolved_config(cfg, cfg.run_dir)

@@ -44,7 +44,7 @@ class RunSession:
         self.eval_examples: list = []
 
         def start_engines() -> None:
-            tokenizer = _load_tokenizer(cfg.model.hf_path)
+            tokenizer = load_tokenizer(cfg.model.hf_path)
             self._load_data(tokenizer)
             self.engines = RolloutEngines(cfg, self.run_dir, tokenizer)  # a local engine starts loading now
 
@@ -159,7 +159,7 @@ class RunSession:
                 bar.close()
 
 
-def _load_tokenizer(path: str):
+def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path, local_files_only=True)

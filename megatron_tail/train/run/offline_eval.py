@@ -1,0 +1,84 @@
+"""Offline evaluation of a checkpoint or an exported model on the config's eval set, exactly as the loop
+evaluates (`RolloutEngines.evaluate`: pass@k, mean@n, greedy accuracy, same seeds).
+
+    scalars = evaluate_offline(cfg, hf_dir="runs/x/rollout_weights")
+    scalars = evaluate_offline(cfg, checkpoint="runs/x/checkpoints/step_000100")   # exported first
+
+A checkpoint is loaded into a one-process trainer (TP = PP = 1: checkpoints reshard) and exported as a HF
+checkpoint beside it (`<checkpoint>/hf`), which the engines then serve: the local engine loads it at start,
+remote servers (`rollout.engine: remote`) load it from disk as weight version "eval".
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from megatron_tail.config import RunConfig
+
+EVAL_WEIGHT_VERSION = "eval"
+
+
+def evaluate_offline(
+    cfg: RunConfig, *, hf_dir: str | Path | None = None, checkpoint: str | Path | None = None
+) -> dict[str, float]:
+    """Exactly one of `hf_dir` / `checkpoint`; `cfg.data.eval_path` must be set. Returns the `eval/*`
+    scalars and writes them to `<model dir>/eval.json`."""
+    if (hf_dir is None) == (checkpoint is None):
+        raise ValueError("evaluate_offline needs exactly one of hf_dir or checkpoint")
+    if cfg.data.eval_path is None:
+        raise ValueError("data.eval_path is required to evaluate (a jsonl/json/parquet file of prompts)")
+    model_dir = Path(hf_dir) if hf_dir is not None else export_checkpoint(cfg, Path(checkpoint))
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{model_dir} is not a HF checkpoint directory (no config.json)")
+    scalars = _evaluate(replace(cfg, model=replace(cfg.model, hf_path=str(model_dir))), model_dir)
+    (model_dir / "eval.json").write_text(json.dumps(scalars, indent=2, sort_keys=True))
+    return scalars
+
+
+def export_checkpoint(cfg: RunConfig, checkpoint: Path) -> Path:
+    """Load `checkpoint` into a TP = PP = 1 trainer on this process and export it to `<checkpoint>/hf`."""
+    import torch.distributed as dist
+
+    from megatron_tail.model import export_hf, load_hf_config
+
+    from ..engine.checkpoint import load_checkpoint
+    from ..engine.parallel import ParallelConfig, init_parallel
+    from ..engine.setup import build_trainer
+    from .loop import init_torch_distributed
+
+    if not (checkpoint / "metadata.json").is_file():
+        raise FileNotFoundError(f"{checkpoint} is not a complete checkpoint (no metadata.json)")
+    if init_torch_distributed() != 1:
+        raise ValueError(f"offline evaluation runs in one process; the world has {dist.get_world_size()}")
+    init_parallel(ParallelConfig(tensor_parallel=1, pipeline_parallel=1, seed=cfg.seed))
+    trainer = build_trainer(
+        load_hf_config(cfg.model.hf_path),
+        model_settings=cfg.model,
+        optim=cfg.optimizer,
+        run_steps=cfg.train.steps,
+    )
+    load_checkpoint(checkpoint, trainer)
+    out = checkpoint / "hf"
+    export_hf(trainer.chunks, out, trainer.arch, copy_files_from=cfg.model.hf_path)
+    return out
+
+
+def _evaluate(cfg: RunConfig, model_dir: Path) -> dict[str, float]:
+    from megatron_tail.data import PromptDataConfig, load_prompts
+
+    from .engines import RolloutEngines
+    from .session import load_tokenizer
+
+    tokenizer = load_tokenizer(str(model_dir))
+    d = cfg.data
+    examples = load_prompts(PromptDataConfig.of(d.eval_path, d), tokenizer)[: d.eval_prompts]
+    engines = RolloutEngines(cfg, model_dir, tokenizer)
+    try:
+        engines.wait_ready()
+        if cfg.rollout.engine != "local":
+            engines.sync_weights(model_dir, EVAL_WEIGHT_VERSION)
+        return engines.evaluate([e.prompt_ids for e in examples], [e.answer for e in examples])
+    finally:
+        engines.close()
