@@ -59,6 +59,9 @@ class ModelSection(ModelSettings):
 
     hf_path: str = ""
     """HF checkpoint dir (config.json, *.safetensors, tokenizer files); required."""
+    reference_offload: bool = False
+    """With `algorithm.kl_coef` > 0: keep the frozen reference policy's weights in pinned host memory and
+    copy them to the GPU only for the reference pass (saves 2 B/param per TP×PP shard in bf16)."""
 
     def __post_init__(self) -> None:
         _positive_int("model", "vocab_pad_multiple", self.vocab_pad_multiple)
@@ -267,14 +270,6 @@ class RunConfig:
                 "vocab_pad_multiple",
                 self.model.vocab_pad_multiple,
                 f"must be divisible by parallel.tensor_parallel={self.parallel.tensor_parallel}",
-            )
-        if self.algorithm.kl_coef > 0:
-            _bad(
-                "algorithm",
-                "kl_coef",
-                self.algorithm.kl_coef,
-                "must be 0: the loop computes no reference-policy log-probs yet, so a KL penalty to a "
-                "reference model cannot run",
             )
         if self.algorithm.overlong_buffer > self.rollout.max_new_tokens:
             _bad(

@@ -211,7 +211,6 @@ def test_loading_a_config_and_the_command_line_import_no_megatron():
             "optimizer.lr_decay_style=step",
             r"lr_decay_style must be one of \('constant', 'linear', 'cosine'\)",
         ),
-        ("algorithm.kl_coef=0.1", r"algorithm\.kl_coef must be 0: the loop computes no reference"),
         ("algorithm.safe_set_on=probs", r"algorithm\.safe_set_on must be one of \('sampled', 'raw_logits'\)"),
     ],
 )

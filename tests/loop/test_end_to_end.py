@@ -22,7 +22,7 @@ REQUIRED = [
     # reward and accuracy, response length, entropy, clip fraction
     "reward/mean", "reward/accuracy", "response/length_mean", "policy/entropy", "train/entropy",
     "train/clip_fraction", "train/loss", "train/grad_norm", "train/lr", "train/entropy_loss",
-    "reward/overlong_penalty_mean", "reward/overlong_penalized_fraction",
+    "reward/overlong_penalty_mean", "reward/overlong_penalized_fraction", "train/kl_ref", "train/kl_loss",
     # KL(π_infer‖π_train), |Δ| per π_train bucket (Prop. 4.2), signed Δ of sampled tail tokens (Prop. 4.3)
     "mismatch/kl_infer_train_k3", *[f"mismatch/abs_delta/{b}" for b in BUCKETS],
     *[f"mismatch/tokens/{b}" for b in BUCKETS], "mismatch/tail_signed_delta", "mismatch/tail_tokens",
@@ -52,6 +52,7 @@ def cli_run(tiny_model_dir, prompt_file, tmp_path_factory):
         "algorithm.is_mode": "mis",
         "algorithm.entropy_coef": 1e-3,
         "algorithm.overlong_buffer": 2,
+        "algorithm.kl_coef": 0.05,  # a frozen reference model and its pass
         "data.eval_path": prompt_file,
         "train.eval_every": 2,
         "train.eval_samples_per_prompt": 4,
@@ -132,6 +133,8 @@ def test_logged_values_are_consistent(cli_run):
         # DAPO's soft punishment over the last 2 of 5 tokens: −1 at 5, −0.5 at 4, 0 up to 3
         assert -1 <= s["reward/overlong_penalty_mean"][i] <= 0
         assert (s["reward/overlong_penalty_mean"][i] < 0) == (s["reward/overlong_penalized_fraction"][i] > 0)
+    # KL(π_θ‖π_ref), k3 ≥ 0 per token; the policy leaves the reference as it trains
+    assert all(v >= 0 for v in s["train/kl_ref"]) and s["train/kl_ref"][-1] > 0
     assert s["train/lr"] == pytest.approx([1e-2] * STEPS, rel=1e-6)  # no schedule: the constant peak rate
     # ε̂ from the engine's top-1 log-probs: bf16 logits differ from fp32 ones by a little, not by nothing
     assert 0 < max(s["mismatch/logit_error_max"]) < 1

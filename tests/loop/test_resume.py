@@ -16,7 +16,7 @@ from tests.loop.conftest import loop_overrides
 
 COMPARED = [
     "train/loss", "train/grad_norm", "reward/mean", "mismatch/kl_infer_train_k3", "policy/entropy",
-    "train/lr",
+    "train/lr", "train/kl_ref",
 ]  # fmt: skip
 # warm-up over 2 steps to 2e-3, cosine to 5e-4 at step 4: RL steps 1..4 train at
 LR_BY_STEP = [1e-3, 2e-3, 5e-4 + 0.5 * 1.5e-3, 5e-4]
@@ -46,6 +46,7 @@ def _overrides(tiny_model_dir, prompt_file, engine, run_dir):
         "optimizer.lr_decay_style": "cosine",
         "optimizer.lr_decay_steps": 4,
         "optimizer.min_lr": 5e-4,
+        "algorithm.kl_coef": 0.01,  # the reference model is rebuilt on resume: KL must continue exactly
     }
     return loop_overrides(tiny_model_dir, prompt_file, run_dir, extra)
 

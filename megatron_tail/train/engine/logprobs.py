@@ -29,15 +29,18 @@ def recompute_logprobs(
     *,
     op: OpSettings | None = None,
     broadcast: bool = True,
+    chunks: Sequence[torch.nn.Module] | None = None,
 ) -> list[MaskedLogprobs] | None:
-    """Per-micro-batch op outputs (`[b, s]` tensors, CPU, detached) of the current parameters.
+    """Per-micro-batch op outputs (`[b, s]` tensors, CPU, detached) of the current parameters, or of `chunks`
+    (another model sharded like the trainer's, e.g. the frozen reference policy).
 
     Collective over all ranks. The outputs exist on the last pipeline stage; with `broadcast` they are
     sent to every stage (so any rank can use them), otherwise other stages get None. Positions off the
     loss mask hold the op's values for the pad/next-token there and are meaningless.
     """
     op = op or OpSettings()
-    for chunk in trainer.chunks:
+    chunks = list(trainer.chunks if chunks is None else chunks)
+    for chunk in chunks:
         chunk.eval()
 
     def on_outputs(out: MaskedLogprobs, mb: MicroBatch):  # noqa: ARG001 - callback signature
@@ -47,7 +50,7 @@ def recompute_logprobs(
         return torch.zeros((), device=out.logprobs.device), detached
 
     outs = run_micro_batches(
-        trainer.chunks, micro_batches, on_outputs, vocab_size=trainer.vocab_size, op=op, forward_only=True
+        chunks, micro_batches, on_outputs, vocab_size=trainer.vocab_size, op=op, forward_only=True
     )
     groups = trainer.groups
     mine = list(outs) if groups.is_last_stage else None

@@ -71,6 +71,16 @@ def prepare_rl_micro_batches(
     return LossCounts.from_tensor(total.cpu())
 
 
+def _ref_logprobs(mb: MicroBatch, cfg: AlgorithmConfig, device: torch.device) -> torch.Tensor | None:
+    """`[N, T]` log π_ref of the sample tokens (`old_policy.score_reference`), when the KL term needs it."""
+    if cfg.kl_coef <= 0:
+        return None
+    ref = mb.extras.get("ref_logprobs")
+    if ref is None:
+        raise ValueError("algorithm.kl_coef > 0 needs reference log-probs: call score_reference first")
+    return mb.to_samples(ref.to(device))
+
+
 def _trainable(mb: MicroBatch) -> torch.Tensor:
     """`[N, T]` bool: the samples' response tokens, minus those of samples marked untrainable (a `trainable`
     field of 0, e.g. `algorithm.mask_truncated`): they leave the loss and its counts."""
@@ -99,6 +109,7 @@ def rl_loss_fn(cfg: AlgorithmConfig, counts: LossCounts, *, phase: int = 0) -> L
             phase=phase,
             in_safe_set=s(out.in_safe_set),
             entropy=None if out.entropy is None else s(out.entropy),
+            ref_logprobs=_ref_logprobs(mb, cfg, device),
         )
         if phase == 0:
             metrics = {**prepared.metrics, **metrics}

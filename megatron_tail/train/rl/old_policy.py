@@ -5,6 +5,7 @@ the same pass, and the training–inference mismatch and DVP diagnostics of that
     old.outputs[i]      # MaskedLogprobs of layout.all[i] ([b, s], CPU), on every pipeline stage
     old.diagnostics     # {tag: float}, identical on every rank
     old.histograms      # {tag: (limits, counts)} of the tail Δ, for TensorBoard
+    score_reference(trainer, reference, cfg, layout)   # KL: log π_ref of the same tokens → mb.extras
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from megatron_tail.rewards import load_reward_fn, reward_bound
 from ..engine.collectives import all_reduce_scalars, broadcast_from_last_stage
 from ..engine.forward import OpSettings
 from ..engine.logprobs import recompute_logprobs
+from ..engine.reference import ReferenceModel
 from ..engine.setup import Trainer
 from . import diagnostics
 from .samples import MicroBatchLayout
@@ -73,6 +75,18 @@ def score_old_policy(trainer: Trainer, cfg: RunConfig, layout: MicroBatchLayout)
     if r_max is None:
         scalars.pop("dvp/bias_bound", None)
     return OldPolicy(outputs, scalars, diagnostics.tail_delta_histograms(totals))
+
+
+def score_reference(
+    trainer: Trainer, reference: ReferenceModel, cfg: RunConfig, layout: MicroBatchLayout
+) -> None:
+    """Collective: log π_ref^mp of the same tokens with the same op (the DVP rule of the run), one
+    forward-only pass of the frozen reference; stored as `mb.extras["ref_logprobs"]` (`[b, s]`, CPU) on
+    every micro-batch of `layout.all`, where the objective's KL term reads it."""
+    with reference.on_device():
+        outs = recompute_logprobs(trainer, layout.all, op=op_settings(cfg), chunks=reference.chunks)
+    for mb, out in zip(layout.all, outs, strict=True):
+        mb.extras["ref_logprobs"] = out.logprobs
 
 
 def reward_max_abs(cfg: RunConfig) -> float | None:

@@ -42,6 +42,7 @@ ALGORITHM_TAGS = {
     "stapo_masked_fraction": "stapo/masked_fraction",
     "lopti_low_fraction": "lopti/low_fraction",
     "kl_loss": "train/kl_loss",
+    "kl_mean": "train/kl_ref",
     "entropy_loss": "train/entropy_loss",
 }
 _PER_UPDATE = ("loss", "pg_loss", "kl_loss", "entropy_loss")

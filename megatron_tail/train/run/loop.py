@@ -24,7 +24,7 @@ from megatron_tail.config import RunConfig, TrainSection, save_resolved_config
 from megatron_tail.rollout import rollout_metrics
 from megatron_tail.utils.net import free_port
 
-from ..rl.old_policy import op_settings, score_old_policy
+from ..rl.old_policy import op_settings, score_old_policy, score_reference
 from ..rl.samples import build_samples, layout_micro_batches
 from ..rl.update import update_policy
 from . import run_dir
@@ -95,6 +95,8 @@ def rl_step(
         cfg, built.samples, trainer.groups
     )  # mini-batches × DP rank's micro-batches
     old = score_old_policy(trainer, cfg, layout)  # θ_old log-probs, |V_S|, mismatch diagnostics
+    if s.reference is not None:
+        score_reference(trainer, s.reference, cfg, layout)  # KL: log π_ref of the same tokens
     update = update_policy(trainer, cfg.algorithm, layout, old, op=op_settings(cfg))  # optimizer step(s)
     train_s = time.perf_counter() - trained
     sync_s = s.sync_weights(version=done)  # weight sync: the engines load θ_new as version `done`

@@ -20,6 +20,7 @@ from ..engine.checkpoint import load_checkpoint, save_checkpoint
 from ..engine.collectives import on_rank0
 from ..engine.lr_schedule import restore_progress
 from ..engine.parallel import ParallelConfig, init_parallel
+from ..engine.reference import build_reference
 from ..engine.setup import build_trainer
 from . import run_dir
 from .console import Console, progress_enabled
@@ -42,6 +43,7 @@ class RunSession:
         self.engines: RolloutEngines | None = None
         self.batches = None
         self.eval_examples: list = []
+        self.reference = None
 
         def start_engines() -> None:
             tokenizer = load_tokenizer(cfg.model.hf_path)
@@ -63,6 +65,12 @@ class RunSession:
                 model_settings=cfg.model,
                 optim=cfg.optimizer,
                 run_steps=cfg.train.steps,
+            )
+            # π_ref for the KL penalty: the initial model, frozen (resumed runs rebuild the same one)
+            self.reference = (
+                build_reference(self.trainer, cfg.model.hf_path, offload=cfg.model.reference_offload)
+                if cfg.algorithm.kl_coef > 0
+                else None
             )
         except BaseException:
             self.close()  # never leave a local engine process behind
