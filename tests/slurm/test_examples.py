@@ -56,6 +56,13 @@ def test_example_matches_the_config_schema(path):
         assert cfg.algorithm.stapo and cfg.algorithm.log_rho is None
     assert cfg.train.packed and cfg.train.seq_len == cfg.model.max_sequence_length
     assert cfg.model.bf16 and cfg.optimizer.use_distributed_optimizer
+    # warm-up everywhere; KL only in the example named for it, with the reference offloaded
+    assert cfg.optimizer.lr_warmup_steps > 0
+    if stem.endswith("_kl"):
+        assert cfg.algorithm.kl_coef > 0 and cfg.model.reference_offload
+        assert "reference policy" in header(path)
+    else:
+        assert cfg.algorithm.kl_coef == 0.0
 
 
 def launch_line(path: Path) -> list[str]:
