@@ -1,7 +1,7 @@
 """Prompt data: local jsonl/parquet prompt sets (DAPO-Math-17k and DeepScaleR shapes), chat templates,
 deterministic batches, the toy arithmetic task, and a character tokenizer for tiny CPU models."""
 
-from megatron_tail.data.batches import PromptBatches
+from megatron_tail.data.batches import PromptBatches, PromptStream
 from megatron_tail.data.char_tokenizer import build_char_tokenizer
 from megatron_tail.data.prompts import (
     DAPO_MATH_FIELDS,
@@ -19,6 +19,7 @@ __all__ = [
     "PromptBatches",
     "PromptDataConfig",
     "PromptExample",
+    "PromptStream",
     "build_char_tokenizer",
     "load_prompts",
     "make_arithmetic_examples",
