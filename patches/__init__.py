@@ -15,6 +15,7 @@ from .cpu_device_scope import cpu_device_scope
 from .cuda_shims import apply_cuda_shims, cuda_shims_applied, remove_cuda_shims
 from .megatron_checkpoint import (
     init_fresh_optimizer_state,
+    init_unstepped_adam_state,
     torch_adam_load_fixes,
     use_in_process_results_queue,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "cpu_device_scope",
     "cuda_shims_applied",
     "init_fresh_optimizer_state",
+    "init_unstepped_adam_state",
     "remove_cuda_shims",
     "torch_adam_load_fixes",
     "use_in_process_results_queue",

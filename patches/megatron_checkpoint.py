@@ -45,6 +45,40 @@ def init_fresh_optimizer_state(optimizer) -> None:
             opt._init_optimizer_states_with_dummy_values()
 
 
+def init_unstepped_adam_state(optimizer) -> None:
+    """Before *saving* an optimizer that has not stepped yet (e.g. every RL step so far was skipped by
+    dynamic sampling), megatron-core 0.16's `DistributedOptimizer.state_dict()` fails the same
+    `assert len(steps) == 1` as `init_fresh_optimizer_state` works around for loading. Megatron's dummy step
+    would change the weights (weight decay) and the step count, so instead give torch's Adam exactly the
+    state its own first step would create (`step` 0, zero moments; torch/optim/adam.py `_init_group`):
+    the next real step is then bit-identical to one from an empty state. Only for torch's Adam/AdamW inner
+    optimizers with an empty state; idempotent. Drop with `init_fresh_optimizer_state`."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from torch.optim.optimizer import _get_scalar_dtype
+
+    check_pinned()
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(opt, DistributedOptimizer) or not isinstance(inner, torch.optim.Adam):
+            continue
+        if len(inner.state) != 0:
+            continue
+        for group in inner.param_groups:
+            on_device = group.get("capturable", False) or group.get("fused", False)
+            for p in group["params"]:
+                step_dtype = _get_scalar_dtype(is_fused=group.get("fused", False))
+                state = inner.state[p]
+                state["step"] = (
+                    torch.zeros((), dtype=step_dtype, device=p.device)
+                    if on_device
+                    else torch.tensor(0.0, dtype=step_dtype)
+                )
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if group.get("amsgrad", False):
+                    state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
 @contextlib.contextmanager
 def torch_adam_load_fixes(optimizer):
     """Fixes for two megatron-core 0.16 bugs that hit torch's own Adam

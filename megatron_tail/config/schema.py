@@ -168,8 +168,20 @@ class DataSection(PromptFormat):
     the reward function declares (`fn.reward_range`; the built-ins declare [0, 1]); without either, the
     bound is not logged."""
 
+    filter_zero_variance_groups: bool = False
+    """DAPO's dynamic sampling: drop groups whose rewards are all equal (zero advantages) and draw more
+    prompts, up to `max_sampling_rounds` rounds, until the step has `prompts_per_step` groups
+    (`megatron_tail.rollout.dynamic_sampling`). Prompts then come from a stream whose position is
+    checkpointed; `reward/mean` is over the trained groups, `reward/generated_mean` over all drawn."""
+    max_sampling_rounds: int = 4
+    """Rounds of generation per step with `filter_zero_variance_groups` (1..64); after them the step trains
+    on the groups it has (`rollout/batch_fill` < 1)."""
+
     def __post_init__(self) -> None:
         _positive_int("data", "prompts_per_step", self.prompts_per_step)
+        _positive_int("data", "max_sampling_rounds", self.max_sampling_rounds)
+        if self.max_sampling_rounds > 64:
+            _bad("data", "max_sampling_rounds", self.max_sampling_rounds, "must be ≤ 64")
         _positive_int("data", "eval_prompts", self.eval_prompts)
         if self.max_prompt_tokens is not None:
             _positive_int("data", "max_prompt_tokens", self.max_prompt_tokens)

@@ -13,7 +13,9 @@ class RolloutBatch:
     response token), `reward`, `truncated` (hit `max_new_tokens`), `weight_version` the engine reported,
     and `rollout_top_logprobs` (the engine's log-prob of its most probable token at each response position;
     None where the engine was not asked for it).
-    `stats`: rollout time and token counts.
+    `stats`: rollout time and token counts. `metrics`: TensorBoard scalars of how the batch was drawn
+    (dynamic sampling), logged with the step's. `data_cursor`: the prompt stream's position after this
+    batch (dynamic sampling; None when prompts are a function of the step).
     """
 
     prompt_ids: list[list[int]]
@@ -25,14 +27,18 @@ class RolloutBatch:
     weight_versions: list[str | None]
     rollout_top_logprobs: list[list[float]] | None = None
     stats: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+    data_cursor: int | None = None
 
     def __len__(self) -> int:
         return len(self.response_ids)
 
 
 def rollout_metrics(batch: RolloutBatch, *, expected_version: str) -> dict[str, float]:
-    """Reward, accuracy and response-length statistics of a step's samples."""
+    """Reward, accuracy and response-length statistics of a step's samples, and `batch.metrics`."""
     n = len(batch)
+    if n == 0:
+        return dict(batch.metrics)
     lengths = [len(r) for r in batch.response_ids]
     mean_reward = sum(batch.rewards) / n
     return {
@@ -43,4 +49,5 @@ def rollout_metrics(batch: RolloutBatch, *, expected_version: str) -> dict[str, 
         "response/length_max": float(max(lengths)),
         "response/truncated_fraction": sum(batch.truncated) / n,
         "rollout/stale_fraction": sum(v != expected_version for v in batch.weight_versions) / n,
+        **batch.metrics,
     }

@@ -16,7 +16,8 @@ from tests.loop.conftest import loop_overrides
 
 COMPARED = [
     "train/loss", "train/grad_norm", "reward/mean", "mismatch/kl_infer_train_k3", "policy/entropy",
-    "train/lr", "train/kl_ref",
+    "train/lr", "train/kl_ref", "rollout/filtered_groups_fraction", "rollout/sampling_rounds",
+    "rollout/batch_fill",
 ]  # fmt: skip
 # warm-up over 2 steps to 2e-3, cosine to 5e-4 at step 4: RL steps 1..4 train at
 LR_BY_STEP = [1e-3, 2e-3, 5e-4 + 0.5 * 1.5e-3, 5e-4]
@@ -47,6 +48,10 @@ def _overrides(tiny_model_dir, prompt_file, engine, run_dir):
         "optimizer.lr_decay_steps": 4,
         "optimizer.min_lr": 5e-4,
         "algorithm.kl_coef": 0.01,  # the reference model is rebuilt on resume: KL must continue exactly
+        # dynamic sampling: the prompt stream's cursor must come back from the checkpoint
+        "data.filter_zero_variance_groups": True,
+        "data.max_sampling_rounds": 3,
+        "data.reward": "tests.loop.rewards:has_digit",  # binary: some groups have equal rewards
     }
     return loop_overrides(tiny_model_dir, prompt_file, run_dir, extra)
 
@@ -82,7 +87,10 @@ def test_sigterm_then_resume_equals_uninterrupted(
     # lengths: ratio 1 and zero-mean advantages; its gradient is not)
     assert min(h["train/grad_norm"] for h in uninterrupted) > 1e-3
     assert [h["train/lr"] for h in uninterrupted] == pytest.approx(LR_BY_STEP, rel=1e-12)
-    assert len({h["reward/mean"] for h in uninterrupted}) == 4
+    # groups were filtered and rounds repeated, so the prompts a step used depend on the restored cursor
+    assert max(h["rollout/filtered_groups_fraction"] for h in uninterrupted) > 0
+    assert max(h["rollout/sampling_rounds"] for h in uninterrupted) > 1
+    assert len({h["train/grad_norm"] for h in uninterrupted}) == 4
 
     # TensorBoard of the interrupted + resumed run: each step once, equal to the uninterrupted run's
     logged, reference = read_scalars(interrupted_dir), read_scalars(full_dir)
@@ -126,3 +134,22 @@ def test_a_failure_on_rank0_fails_every_rank_promptly(tiny_model_dir, prompt_fil
     rank0, rank1 = message.split("--- rank 1 ---")
     assert "FileNotFoundError" in rank0 and "missing.jsonl" in rank0
     assert "RuntimeError: global rank 0 failed: FileNotFoundError" in rank1
+
+
+def test_a_step_whose_groups_all_lack_a_signal_is_skipped(tiny_model_dir, prompt_file, engine, tmp_path):
+    """Dynamic sampling with a reward that never varies: every round is filtered, the step trains on nothing
+    (logged as skipped, weights unchanged), and the run goes on, checkpoints and keeps its cursor."""
+    overrides = _overrides(tiny_model_dir, prompt_file, engine, tmp_path / "flat")
+    overrides = [o for o in overrides if not o.startswith(("data.reward=", "train.steps="))]
+    overrides += ["data.reward=tests.loop.rewards:always_zero", "train.steps=2"]
+    results = run_distributed(_run_rank, 2, overrides, -1, timeout=600)
+    history = results[0][3]
+    assert [h["train/skipped_step"] for h in history] == [1.0, 1.0]
+    assert [h["rollout/sampling_rounds"] for h in history] == [3.0, 3.0]  # max_sampling_rounds
+    assert all(h["rollout/batch_fill"] == 0 and h["rollout/filtered_groups_fraction"] == 1 for h in history)
+    assert "train/loss" not in history[0]
+    from megatron_tail.train.engine.checkpoint import read_checkpoint_meta
+
+    meta = read_checkpoint_meta(tmp_path / "flat" / "checkpoints" / "step_000002")
+    # 2 steps × 3 rounds × 4 prompts drawn from the stream
+    assert meta["rl_state"]["data_cursor"] == 24

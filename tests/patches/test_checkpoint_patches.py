@@ -61,3 +61,36 @@ def test_results_queue_stays_in_process():
     # Unpatched, megatron builds this queue through a spawn-context Manager: one extra server process
     # per rank that re-imports __main__ and outlives ranks that exit with os._exit.
     assert run_distributed(_results_queue_kind, 1)[0] == (True, 0)
+
+
+def _save_unstepped_then_step(_rank, _world, hf, ckpt, disable):
+    """Save before any optimizer step, then take one: the weights after it (or the save's error)."""
+    import megatron_tail.train.engine.checkpoint as checkpoint
+    from megatron_tail.train import make_micro_batches, train_step
+    from tests.train.common import full_hf_state, global_loss_tokens, make_samples, masked_nll_loss
+
+    if disable:
+        checkpoint.init_unstepped_adam_state = lambda _optimizer: None
+    trainer = resume._trainer(hf, 1, 1)
+    if ckpt is not None:
+        try:
+            checkpoint.save_checkpoint(ckpt, trainer, {"step": 0})
+        except Exception as err:
+            return f"{type(err).__name__}: {err}"
+    mbs = make_micro_batches(make_samples(4, seed=7), micro_batch_size=1, seq_len=16)
+    train_step(trainer, mbs, masked_nll_loss(global_loss_tokens(mbs, trainer.groups.dp)))
+    return full_hf_state(trainer)
+
+
+def test_saving_before_any_step_needs_adam_state_and_changes_nothing(tmp_path):
+    """An RL run whose steps were all skipped (dynamic sampling) checkpoints an optimizer that never
+    stepped: unpatched that fails; patched, the next step is bit-identical to one that never saved."""
+    make_hf_model("qwen3", tmp_path / "hf", tie=True)
+    hf = str(tmp_path / "hf")
+    failed = run_distributed(_save_unstepped_then_step, 1, hf, str(tmp_path / "a"), True)[0]
+    assert isinstance(failed, str) and "AssertionError" in failed
+    saved = run_distributed(_save_unstepped_then_step, 1, hf, str(tmp_path / "b"), False)[0]
+    plain = run_distributed(_save_unstepped_then_step, 1, hf, None, False)[0]
+    assert saved.keys() == plain.keys()
+    for name in plain:
+        assert saved[name].equal(plain[name]), name

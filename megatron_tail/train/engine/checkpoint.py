@@ -36,6 +36,7 @@ from megatron_tail.model import padded_vocab_size
 from megatron_tail.patches import (
     cpu_device_scope,
     init_fresh_optimizer_state,
+    init_unstepped_adam_state,
     torch_adam_load_fixes,
     use_in_process_results_queue,
 )
@@ -83,6 +84,7 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     dist.barrier()
     use_in_process_results_queue()
+    init_unstepped_adam_state(trainer.optimizer)  # a run whose steps were all skipped can still save
     # cpu_device_scope: the distributed optimizer gathers its state with `.cuda()` / device="cuda".
     with cpu_device_scope():
         state = _sharded_state(trainer, is_loading=False, with_rng=True)

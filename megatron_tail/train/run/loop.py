@@ -86,26 +86,18 @@ def rl_step(
 ) -> tuple[dict[str, float], dict[str, tuple[list[float], list[float]]], bool]:
     """RL step `step` (0-based) on every rank. Returns the step's scalars, its histograms (tag → (upper
     bucket limits, counts)) and whether a stop was agreed."""
-    cfg, trainer, done = s.cfg, s.trainer, step + 1
+    done = step + 1
     started = time.perf_counter()
     batch = s.rollout(step)  # rollout + reward: rank 0 generates and scores, every rank gets the batch
     trained = time.perf_counter()
-    built = build_samples(cfg, batch)  # reward shaping, advantages (GRPO / RLOO), per response token
-    layout = layout_micro_batches(
-        cfg, built.samples, trainer.groups
-    )  # mini-batches × DP rank's micro-batches
-    old = score_old_policy(trainer, cfg, layout)  # θ_old log-probs, |V_S|, mismatch diagnostics
-    if s.reference is not None:
-        score_reference(trainer, s.reference, cfg, layout)  # KL: log π_ref of the same tokens
-    update = update_policy(trainer, cfg.algorithm, layout, old, op=op_settings(cfg))  # optimizer step(s)
+    metrics, histograms, tokens = rollout_metrics(batch, expected_version=str(step)), {}, 0
+    if len(batch):
+        trained_metrics, histograms, tokens = _train_on(s, batch)
+        metrics.update(trained_metrics)
+    # an empty batch: dynamic sampling kept no group with a reward signal, nothing to learn from this step
+    metrics["train/skipped_step"] = 0.0 if len(batch) else 1.0
     train_s = time.perf_counter() - trained
     sync_s = s.sync_weights(version=done)  # weight sync: the engines load θ_new as version `done`
-    metrics = {
-        **rollout_metrics(batch, expected_version=str(step)),
-        **built.metrics,
-        **update.metrics,
-        **old.diagnostics,
-    }
     if cadence.eval_after(done):
         metrics.update(s.evaluate())  # eval
     rollout_s = batch.stats["rollout_time_s"]
@@ -115,14 +107,26 @@ def rl_step(
             "perf/train_time_s": train_s,
             "perf/weight_sync_time_s": sync_s,
             "perf/rollout_tokens_per_s": batch.stats["generated_tokens"] / max(rollout_s, 1e-9),
-            "perf/train_tokens_per_s": layout.tokens / max(train_s, 1e-9),
+            "perf/train_tokens_per_s": tokens / max(train_s, 1e-9),
             "perf/step_time_s": time.perf_counter() - started,
         }
     )
     stopping = stop.agreed()
     if cadence.checkpoint_after(done, stopping=stopping):
         metrics["perf/checkpoint_time_s"] = s.checkpoint(done)  # checkpoint
-    return metrics, old.histograms, stopping
+    return metrics, histograms, stopping
+
+
+def _train_on(s: RunSession, batch) -> tuple[dict[str, float], dict, int]:
+    """The trainer's part of a step on a non-empty batch: scalars, histograms, tokens trained on."""
+    cfg, trainer = s.cfg, s.trainer
+    built = build_samples(cfg, batch)  # reward shaping, advantages (GRPO / RLOO), per response token
+    layout = layout_micro_batches(cfg, built.samples, trainer.groups)  # mini-batches × DP × micro-batches
+    old = score_old_policy(trainer, cfg, layout)  # θ_old log-probs, |V_S|, mismatch diagnostics
+    if s.reference is not None:
+        score_reference(trainer, s.reference, cfg, layout)  # KL: log π_ref of the same tokens
+    update = update_policy(trainer, cfg.algorithm, layout, old, op=op_settings(cfg))  # optimizer step(s)
+    return {**built.metrics, **update.metrics, **old.diagnostics}, old.histograms, layout.tokens
 
 
 def run(cfg: RunConfig, hooks: LoopHooks | None = None) -> RunResult:

@@ -8,6 +8,7 @@ rank through `on_rank0`, so a failure there raises on every rank instead of hang
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
@@ -44,6 +45,8 @@ class RunSession:
         self.batches = None
         self.eval_examples: list = []
         self.reference = None
+        self.data_cursor = 0
+        """With dynamic sampling: the prompt stream's position (every rank; checkpointed)."""
 
         def start_engines() -> None:
             tokenizer = load_tokenizer(cfg.model.hf_path)
@@ -77,11 +80,12 @@ class RunSession:
             raise
 
     def _load_data(self, tokenizer) -> None:
-        from megatron_tail.data import PromptBatches, PromptDataConfig, load_prompts
+        from megatron_tail.data import PromptBatches, PromptDataConfig, PromptStream, load_prompts
 
         d = self.cfg.data
         train = load_prompts(PromptDataConfig.of(d.train_path, d), tokenizer)
         self.batches = PromptBatches(train, d.prompts_per_step, seed=self.cfg.seed, shuffle=d.shuffle)
+        self.stream = PromptStream(train, seed=self.cfg.seed, shuffle=d.shuffle)
         if d.eval_path is not None and self.cfg.train.eval_every:
             self.eval_examples = load_prompts(PromptDataConfig.of(d.eval_path, d), tokenizer)[
                 : d.eval_prompts
@@ -100,6 +104,7 @@ class RunSession:
         if path is None:
             return 0
         rl_state = load_checkpoint(path, self.trainer)
+        self.data_cursor = int(rl_state.get("data_cursor", 0))
         # a checkpoint from before the schedule existed: the schedule is at its completed steps
         restore_progress(
             self.trainer.scheduler, rl_state.get("lr_scheduler", {"num_steps": rl_state["step"]})
@@ -111,9 +116,13 @@ class RunSession:
         on_rank0(lambda: self.engines.wait_ready())
 
     def rollout(self, step: int) -> RolloutBatch:
-        """Step `step`'s prompts (a function of seed and step), `group_size` responses each from the engines,
-        scored by the reward; generated on rank 0, identical on every rank."""
-        return on_rank0(lambda: self._generate(step))
+        """Step `step`'s prompts (a function of seed and step; with dynamic sampling, of the stream's cursor),
+        `group_size` responses each from the engines, scored by the reward; generated on rank 0, identical on
+        every rank (which all advance the cursor)."""
+        batch = on_rank0(lambda: self._generate(step))
+        if batch.data_cursor is not None:
+            self.data_cursor = batch.data_cursor
+        return batch
 
     def sync_weights(self, version: int) -> float:
         """Export the trainer's weights as a HF checkpoint and load it on every engine. Returns seconds."""
@@ -138,7 +147,12 @@ class RunSession:
         """Save after `done` completed steps; keep the newest `train.keep_checkpoints`. Returns seconds."""
         started = time.perf_counter()
         path = run_dir.checkpoint_path(self.run_dir, done)
-        rl_state = {"step": done, "seed": self.cfg.seed, "lr_scheduler": self.trainer.scheduler.state_dict()}
+        rl_state = {
+            "step": done,
+            "seed": self.cfg.seed,
+            "lr_scheduler": self.trainer.scheduler.state_dict(),
+            "data_cursor": self.data_cursor,
+        }
         save_checkpoint(path, self.trainer, rl_state, overwrite=True)
         if self.rank == 0:
             run_dir.prune_checkpoints(self.run_dir, self.cfg.train.keep_checkpoints)
@@ -152,6 +166,8 @@ class RunSession:
     # --- rank 0 ---------------------------------------------------------------------------------------
 
     def _generate(self, step: int) -> RolloutBatch:
+        if self.cfg.data.filter_zero_variance_groups:
+            return self._generate_dynamic(step)
         chosen = self.batches.batch(step)
         bar = self.console.rollout_bar(len(chosen) * self.cfg.algorithm.group_size)
         self.engines.on_result = None if bar is None else (lambda _result: bar.update(1))
@@ -165,6 +181,32 @@ class RunSession:
             self.engines.on_result = None
             if bar is not None:
                 bar.close()
+
+    def _generate_dynamic(self, step: int) -> RolloutBatch:
+        """DAPO's dynamic sampling: rounds from the prompt stream until `prompts_per_step` groups with a
+        reward signal; each round's seeds are a function of (seed, step, round)."""
+        from megatron_tail.rollout.dynamic_sampling import sample_until_full
+
+        cfg, n = self.cfg, self.cfg.algorithm.group_size
+        split = cfg.train.mini_batches * self.trainer.groups.dp_size  # the trainer splits samples this way
+        multiple = split // math.gcd(n, split)
+
+        def generate(chosen, round_: int) -> RolloutBatch:
+            return self.engines.generate(
+                [e.prompt_ids for e in chosen],
+                [e.answer for e in chosen],
+                base_seed=rollout_seed(cfg.seed, step) * 64 + round_,
+            )
+
+        return sample_until_full(
+            self.stream.take,
+            generate,
+            target_groups=cfg.data.prompts_per_step,
+            group_size=n,
+            max_rounds=cfg.data.max_sampling_rounds,
+            multiple=multiple,
+            cursor=self.data_cursor,
+        )
 
 
 def load_tokenizer(path: str):
