@@ -17,7 +17,7 @@ from tests.loop.conftest import loop_overrides
 COMPARED = [
     "train/loss", "train/grad_norm", "reward/mean", "mismatch/kl_infer_train_k3", "policy/entropy",
     "train/lr", "train/kl_ref", "rollout/filtered_groups_fraction", "rollout/sampling_rounds",
-    "rollout/batch_fill",
+    "rollout/batch_fill", "train/entropy_loss", "reward/overlong_penalty_mean",
 ]  # fmt: skip
 # warm-up over 2 steps to 2e-3, cosine to 5e-4 at step 4: RL steps 1..4 train at
 LR_BY_STEP = [1e-3, 2e-3, 5e-4 + 0.5 * 1.5e-3, 5e-4]
@@ -52,6 +52,8 @@ def _overrides(tiny_model_dir, prompt_file, engine, run_dir):
         "data.filter_zero_variance_groups": True,
         "data.max_sampling_rounds": 3,
         "data.reward": "tests.loop.rewards:has_digit",  # binary: some groups have equal rewards
+        "algorithm.entropy_coef": 1e-3,
+        "algorithm.overlong_buffer": 2,
     }
     return loop_overrides(tiny_model_dir, prompt_file, run_dir, extra)
 
