@@ -13,7 +13,7 @@ run_dir: runs/demo
 seed: 1234
 model:
   hf_path: ""               # set by `megatron-tail demo` (the pretrained tiny Qwen3)
-  bf16: false               # trainer in fp32
+  precision: fp32           # trainer in fp32
   vocab_pad_multiple: 128   # vocab 100 → 128 rows: 64 per TP rank
 parallel:
   tensor_parallel: 2

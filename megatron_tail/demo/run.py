@@ -20,6 +20,14 @@ DEMO_DATA = {"train": (2000, 1234), "test": (200, 5678)}
 COMPARE_VARIANTS: dict[str, list[str]] = {
     "naive": ["algorithm.log_rho=null", "algorithm.is_mode=none", "algorithm.veto_threshold=0"],
     "dvp_mis": ["algorithm.log_rho=-13", "algorithm.is_mode=mis", "algorithm.veto_threshold=1e-4"],
+    # fp16 trainer and engine, no other remedy: the simplest known fix for the mismatch
+    "fp16": [
+        "model.precision=fp16",
+        "rollout.local_dtype=float16",
+        "algorithm.log_rho=null",
+        "algorithm.is_mode=none",
+        "algorithm.veto_threshold=0",
+    ],
 }
 """--compare: the same seed, data and steps; only the stability knobs differ."""
 
@@ -46,6 +54,8 @@ STABILITY_ROWS: list[tuple[str, str, str]] = [
     ("dvp/safe_set_size_mean", "mean", "safe-set size |V_S| (mean)"),
     ("dvp/safe_mass_min", "min", "min safe mass Z_min (Prop. 5.5)"),
     ("dvp/bias_bound", "max", "bias bound R·T·(1 − Z_min) (max)"),
+    ("train/loss_scale", "min", "fp16 loss scale (min)"),
+    ("train/skipped_updates", "sum", "skipped optimizer steps (total)"),
 ]
 
 

@@ -16,7 +16,7 @@ run_dir: runs/tail_mismatch/naive/seed0
 seed: 0
 model:
   hf_path: ""               # set by the experiment (the pretrained tail model)
-  bf16: false               # trainer in fp32
+  precision: fp32           # trainer in fp32
   vocab_pad_multiple: 128   # 8192 ids: no padding
 parallel:
   tensor_parallel: 2

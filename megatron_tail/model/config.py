@@ -42,8 +42,8 @@ def transformer_config(arch: HFArch, settings: ModelSettings | None = None) -> T
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     _check_divisible(arch, tp, pp)
-    bf16 = settings.resolved_bf16()
-    dtype = torch.bfloat16 if bf16 else torch.float32
+    precision = settings.resolved_precision()
+    dtype = settings.resolved_dtype()
     cpu_init = settings.use_cpu_initialization
     if cpu_init is None:
         cpu_init = not torch.cuda.is_available()
@@ -68,7 +68,8 @@ def transformer_config(arch: HFArch, settings: ModelSettings | None = None) -> T
         pipeline_model_parallel_size=pp,
         params_dtype=dtype,
         pipeline_dtype=dtype,
-        bf16=bf16,
+        bf16=precision == "bf16",
+        fp16=precision == "fp16",
         use_cpu_initialization=cpu_init,
         attention_softmax_in_fp32=True,
         calculate_per_token_loss=True,

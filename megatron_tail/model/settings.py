@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
+
+Precision = Literal["bf16", "fp16", "fp32"]
 
 DEFAULT_VOCAB_PAD_MULTIPLE = 1024
 """Pad the vocab to a multiple of 1024 = 128 × 8: the same padded size at every TP ≤ 8 (so checkpoints
@@ -18,7 +21,13 @@ class ModelSettings:
     """How to build the model (everything that is not the HF architecture). `None` = decide by the host."""
 
     bf16: bool | None = None
-    """Train in bf16 via megatron's `Float16Module` (fp32 main params in the optimizer). Default: CUDA."""
+    """Train in bf16 via megatron's `Float16Module` (fp32 main params in the optimizer). Default: CUDA.
+    The older spelling of `precision: bf16` (true) / `fp32` (false)."""
+    precision: Precision | None = None
+    """"bf16", "fp16" (megatron's dynamic loss scaling; `optimizer.initial_loss_scale` etc.) or "fp32"; both
+    half precisions keep fp32 main params in the optimizer. None: from `bf16`, else bf16 on CUDA, fp32
+    elsewhere. fp16 trainer + fp16 engine is the simplest remedy for training–inference mismatch (its
+    10-bit mantissa rounds 8× finer than bf16's 7 bits)."""
     use_te: bool | None = None
     """Transformer Engine layer spec. Default: TE importable and CUDA present; else the local spec."""
     vocab_pad_multiple: int = DEFAULT_VOCAB_PAD_MULTIPLE
@@ -33,14 +42,30 @@ class ModelSettings:
     (`megatron_tail.ops.vocab_parallel_linear_masked_logprobs`)."""
 
     def __post_init__(self) -> None:
+        if self.precision is not None and self.precision not in ("bf16", "fp16", "fp32"):
+            raise ValueError(f"precision must be 'bf16', 'fp16' or 'fp32'; got {self.precision!r}")
+        if self.precision is not None and self.bf16 is not None and self.bf16 != (self.precision == "bf16"):
+            raise ValueError(f"bf16={self.bf16} contradicts precision={self.precision!r}; set only precision")
         if self.vocab_pad_multiple < 1:
             raise ValueError(f"vocab_pad_multiple must be ≥ 1; got {self.vocab_pad_multiple}")
         if self.max_sequence_length is not None and self.max_sequence_length < 1:
             raise ValueError(f"max_sequence_length must be ≥ 1; got {self.max_sequence_length}")
 
+    def resolved_precision(self) -> Precision:
+        """`precision`, else `bf16`, else the host default (bf16 on CUDA, fp32 elsewhere)."""
+        if self.precision is not None:
+            return self.precision
+        bf16 = torch.cuda.is_available() if self.bf16 is None else self.bf16
+        return "bf16" if bf16 else "fp32"
+
     def resolved_bf16(self) -> bool:
-        """`bf16` with the host default applied."""
-        return torch.cuda.is_available() if self.bf16 is None else self.bf16
+        return self.resolved_precision() == "bf16"
+
+    def resolved_dtype(self) -> torch.dtype:
+        """The parameters' (and activations') dtype."""
+        return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
+            self.resolved_precision()
+        ]
 
     def resolved_use_te(self) -> bool:
         """`use_te` with the host default applied; raises if TE was asked for but is not installed."""

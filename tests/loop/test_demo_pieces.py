@@ -31,12 +31,17 @@ def test_demo_config_is_the_issue_setup(tmp_path):
     cfg = load_config(path, ["model.hf_path=x", "data.train_path=y.jsonl"])
     cfg.check_runnable()
     assert cfg.parallel.tensor_parallel == 2 and cfg.rollout.engine == "local"
-    assert cfg.rollout.local_dtype == "bfloat16" and cfg.model.bf16 is False  # bf16 engine, fp32 trainer
+    assert (
+        cfg.rollout.local_dtype == "bfloat16" and cfg.model.precision == "fp32"
+    )  # bf16 engine, fp32 trainer
     assert cfg.algorithm.log_rho == -13.0 and cfg.algorithm.is_mode == "mis"  # DVP + MIS (+ veto)
     naive = load_config(path, demo_run.COMPARE_VARIANTS["naive"])
     assert naive.algorithm.log_rho is None and naive.algorithm.is_mode == "none"
     dvp = load_config(path, demo_run.COMPARE_VARIANTS["dvp_mis"])
     assert dvp.algorithm == cfg.algorithm
+    fp16 = load_config(path, demo_run.COMPARE_VARIANTS["fp16"])  # fp16 on both sides, no other remedy
+    assert fp16.model.resolved_precision() == "fp16" and fp16.rollout.local_dtype == "float16"
+    assert fp16.algorithm.log_rho is None and fp16.algorithm.is_mode == "none"
 
 
 def test_pretraining_is_reproducible(tmp_path):

@@ -4,6 +4,7 @@ depend on the Adam moments restored from the checkpoint, step 3's on the weights
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 
@@ -155,3 +156,22 @@ def test_a_step_whose_groups_all_lack_a_signal_is_skipped(tiny_model_dir, prompt
     meta = read_checkpoint_meta(tmp_path / "flat" / "checkpoints" / "step_000002")
     # 2 steps × 3 rounds × 4 prompts drawn from the stream
     assert meta["rl_state"]["data_cursor"] == 24
+
+
+def test_fp16_trainer_runs_the_loop_and_logs_its_loss_scale(
+    tiny_model_dir, prompt_file, engine, uninterrupted, tmp_path
+):
+    """`model.precision: fp16` through the RL loop (TP = 2): megatron's dynamic loss scale and the skipped
+    optimizer steps are logged every step, and the first step's gradient equals the fp32 run's to fp16
+    rounding (same samples). This tiny model's gradient norm is in the thousands, so the scale starts at 1:
+    at the default 2^16 its fp16 gradients overflow (the overflow path is tests/train/test_fp16.py's)."""
+    overrides = _overrides(tiny_model_dir, prompt_file, engine, tmp_path / "fp16")
+    overrides = [o for o in overrides if not o.startswith("train.steps=")]
+    overrides += ["model.precision=fp16", "optimizer.initial_loss_scale=1", "train.steps=2"]
+    history = run_distributed(_run_rank, 2, overrides, -1, timeout=600)[0][3]
+    assert [h["train/loss_scale"] for h in history] == [1.0, 1.0]
+    assert [h["train/skipped_updates"] for h in history] == [0.0, 0.0]
+    fp32_first = uninterrupted[0][0][3][0]
+    assert history[0]["train/grad_norm"] == pytest.approx(fp32_first["train/grad_norm"], rel=2e-2)
+    assert history[0]["reward/mean"] == fp32_first["reward/mean"]  # the same samples
+    assert all(math.isfinite(h["train/loss"]) for h in history)

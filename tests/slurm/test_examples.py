@@ -55,7 +55,7 @@ def test_example_matches_the_config_schema(path):
     if "stapo" in stem:
         assert cfg.algorithm.stapo and cfg.algorithm.log_rho is None
     assert cfg.train.packed and cfg.train.seq_len == cfg.model.max_sequence_length
-    assert cfg.model.bf16 and cfg.optimizer.use_distributed_optimizer
+    assert cfg.model.resolved_precision() == "bf16" and cfg.optimizer.use_distributed_optimizer
     # warm-up everywhere; KL only in the example named for it, with the reference offloaded
     assert cfg.optimizer.lr_warmup_steps > 0
     if stem.endswith("_kl"):

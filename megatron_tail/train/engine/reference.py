@@ -5,7 +5,7 @@
     with ref.on_device():                                   # weights to the GPU for this pass only
         outs = recompute_logprobs(trainer, mbs, op=op, chunks=ref.chunks)
 
-Memory: the reference holds one copy of the weights in the training dtype (bf16: 2 B/param per TP×PP
+Memory: the reference holds one copy of the weights in the training dtype (bf16/fp16: 2 B/param per TP×PP
 shard) and no gradients or optimizer state. With `offload` that copy lives in pinned host memory and
 occupies the GPU only during the reference pass (copied in with non-blocking transfers, dropped after).
 """
@@ -55,7 +55,7 @@ def build_reference(trainer: Trainer, hf_dir: str | Path, *, offload: bool = Fal
     this rank's stage; frozen. With `offload`, parameters move to pinned host memory now."""
     model = build_gpt_model(trainer.arch, trainer.model_settings)
     load_hf_weights(model, hf_dir, trainer.arch, trainer.model_settings)
-    if model.config.bf16:
+    if model.config.bf16 or model.config.fp16:
         model = Float16Module(model.config, model)
     model.eval()
     for p in model.parameters():

@@ -44,6 +44,14 @@ class OptimizerSettings:
     """SGD momentum."""
     clip_grad: float = 1.0
     """Global gradient-norm clip (over all TP/PP/DP shards); 0 disables clipping."""
+    initial_loss_scale: float = 2.0**16
+    """fp16 only: the dynamic loss scale's start (megatron's default 2^32 would overflow, and skip, the
+    first ~16 steps); halved after `loss_scale_hysteresis` overflowing steps, doubled after
+    `loss_scale_window` clean ones."""
+    loss_scale_window: int = 1000
+    """fp16 only: clean optimizer steps before the loss scale doubles."""
+    loss_scale_hysteresis: int = 2
+    """fp16 only: overflowing steps tolerated before the loss scale halves."""
     use_distributed_optimizer: bool = True
     """Shard optimizer state over DP (megatron's DistributedOptimizer)."""
 
@@ -59,6 +67,11 @@ class OptimizerSettings:
             raise ValueError(f"lr must be > 0; got {self.lr}")
         if self.clip_grad < 0:
             raise ValueError(f"clip_grad must be ≥ 0; got {self.clip_grad}")
+        if not self.initial_loss_scale >= 1:
+            raise ValueError(f"initial_loss_scale must be ≥ 1; got {self.initial_loss_scale}")
+        for name in ("loss_scale_window", "loss_scale_hysteresis"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an int ≥ 1; got {getattr(self, name)!r}")
         for name in ("lr_decay_style", "weight_decay_incr_style"):
             if getattr(self, name) not in ("constant", "linear", "cosine"):
                 raise ValueError(

@@ -73,7 +73,7 @@ def build_trainer(
     if hf_dir is not None:
         load_hf_weights(model, hf_dir, arch, model_settings)
     config = model.config
-    if config.bf16:
+    if config.bf16 or config.fp16:
         model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
@@ -103,6 +103,11 @@ def _optimizer_config(optim: OptimizerSettings, config) -> OptimizerConfig:
         sgd_momentum=optim.sgd_momentum,
         clip_grad=optim.clip_grad,
         bf16=config.bf16,
+        fp16=config.fp16,
+        # fp16: megatron's dynamic loss scaling (loss_scale None), from the settings' initial scale
+        initial_loss_scale=optim.initial_loss_scale,
+        loss_scale_window=optim.loss_scale_window,
+        hysteresis=optim.loss_scale_hysteresis,
         params_dtype=config.params_dtype,
         use_distributed_optimizer=optim.use_distributed_optimizer,
     )

@@ -85,6 +85,8 @@ def update_policy(
     metrics = {tag: finalized[key] for key, tag in ALGORITHM_TAGS.items() if key in finalized}
     metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else 0.0
     metrics["train/lr"] = lr
+    if trainer.config.fp16:  # the dynamic loss scale after this step's updates (one host read per step)
+        metrics["train/loss_scale"] = float(trainer.optimizer.get_loss_scale())
     metrics["train/grad_norm_max"] = max(grad_norms, default=0.0)
     metrics["train/updates"] = float(updates)
     metrics["train/skipped_updates"] = float(skipped)
