@@ -57,7 +57,7 @@ def test_example_matches_the_config_schema(path):
     assert cfg.train.packed and cfg.train.seq_len == cfg.model.max_sequence_length
     assert cfg.model.resolved_precision() == "bf16" and cfg.optimizer.use_distributed_optimizer
     # warm-up everywhere; KL only in the example named for it, with the reference offloaded
-    assert cfg.optimizer.lr_warmup_steps > 0
+    assert cfg.optimizer.lr_warmup_steps > 0 and cfg.data.filter_zero_variance_groups
     if stem.endswith("_kl"):
         assert cfg.algorithm.kl_coef > 0 and cfg.model.reference_offload
         assert "reference policy" in header(path)
