@@ -178,6 +178,8 @@ def _coerce_union(value: Any, args: tuple, key: str) -> Any:
             return _coerce(value, option, key)
         except ConfigError as e:
             errors.append(str(e))
+    if len(options) == 1 and typing.get_origin(options[0]) is Literal:  # an optional choice: name them
+        raise ConfigError(f"{key} must be one of {typing.get_args(options[0])} or null; got {raw!r}")
     expected = " or ".join(_type_name(a) for a in args)
     raise ConfigError(f"{key} must be {expected}; got {raw!r}")
 

@@ -93,8 +93,14 @@ class RolloutSection:
     "remote": SGLang servers (or one router) already running at `server_urls`."""
     server_urls: tuple[str, ...] = ()
     """Base URLs (`http://host:port`) of the engines; required with engine="remote"."""
+    dtype: EngineDtype | None = None
+    """dtype of the rollout engines: the local engine's, and under `slurm/rl.sbatch` the SGLang servers'
+    `--dtype` (an explicit `MT_SGLANG_DTYPE` / `MT_LOCAL_DTYPE` still wins there). "float16" with
+    `model.precision: fp16` is the fp16 remedy. None: `local_dtype` for the local engine, bfloat16 for
+    servers."""
     local_dtype: EngineDtype = "bfloat16"
-    """dtype of the local engine (bf16: its log-probs differ from an fp32 trainer's, as on GPUs)."""
+    """dtype of the local engine when `dtype` is None (bf16: its log-probs differ from an fp32 trainer's,
+    as on GPUs)."""
     local_port: int | None = None
     """Port of the local engine; None picks a free one."""
     local_num_threads: int | None = 1
@@ -114,9 +120,16 @@ class RolloutSection:
     weight_sync_dir: str | None = None
     """Where the exported weights go; None: `<run_dir>/rollout_weights`. Must be visible to remote engines."""
 
+    @property
+    def local_engine_dtype(self) -> str:
+        """The local engine's dtype: `dtype`, else `local_dtype`."""
+        return self.dtype or self.local_dtype
+
     def __post_init__(self) -> None:
         _choice("rollout", "engine", self.engine, ROLLOUT_ENGINES)
         _choice("rollout", "local_dtype", self.local_dtype, LOCAL_DTYPES)
+        if self.dtype is not None:
+            _choice("rollout", "dtype", self.dtype, LOCAL_DTYPES)
         _choice("rollout", "weight_sync", self.weight_sync, WEIGHT_SYNC_MODES)
         if self.engine == "remote" and not self.server_urls:
             _bad(

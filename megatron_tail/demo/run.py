@@ -23,7 +23,7 @@ COMPARE_VARIANTS: dict[str, list[str]] = {
     # fp16 trainer and engine, no other remedy: the simplest known fix for the mismatch
     "fp16": [
         "model.precision=fp16",
-        "rollout.local_dtype=float16",
+        "rollout.dtype=float16",
         "algorithm.log_rho=null",
         "algorithm.is_mode=none",
         "algorithm.veto_threshold=0",

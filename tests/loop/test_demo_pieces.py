@@ -40,7 +40,7 @@ def test_demo_config_is_the_issue_setup(tmp_path):
     dvp = load_config(path, demo_run.COMPARE_VARIANTS["dvp_mis"])
     assert dvp.algorithm == cfg.algorithm
     fp16 = load_config(path, demo_run.COMPARE_VARIANTS["fp16"])  # fp16 on both sides, no other remedy
-    assert fp16.model.resolved_precision() == "fp16" and fp16.rollout.local_dtype == "float16"
+    assert fp16.model.resolved_precision() == "fp16" and fp16.rollout.local_engine_dtype == "float16"
     assert fp16.algorithm.log_rho is None and fp16.algorithm.is_mode == "none"
 
 

@@ -48,7 +48,7 @@ class RolloutEngines:
             local = LocalEngineConfig(
                 model_path=cfg.model.hf_path,
                 port=r.local_port or free_port(),
-                dtype=r.local_dtype,
+                dtype=r.local_engine_dtype,
                 num_threads=r.local_num_threads,
             )
             self.urls = [local.url]
