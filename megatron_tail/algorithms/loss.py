@@ -248,6 +248,7 @@ def rl_loss(
         loss = pg_loss + cfg.kl_coef * kl_loss
         metrics["kl_loss"] = metric(cfg.kl_coef * kl_loss)
         metrics["kl_sum"] = metric(kl.sum())
+        metrics["kl_tokens"] = metric(contributes.sum())
     if cfg.entropy_coef > 0:
         if entropy is None:
             raise ValueError(

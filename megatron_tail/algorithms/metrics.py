@@ -44,7 +44,7 @@ _RATIOS: dict[str, tuple[str, str]] = {
     "dual_clip_fraction": ("dual_clipped_tokens", "phase_tokens"),
     "safe_set_violation_fraction": ("safe_set_violations", "phase_tokens"),
     "entropy_mean": ("entropy_sum", "phase_tokens"),
-    "kl_mean": ("kl_sum", "phase_tokens"),
+    "kl_mean": ("kl_sum", "kl_tokens"),  # over the tokens the KL term covers (not vetoed / rejected ones)
     "is_weight_mean": ("is_weight_sum", "loss_tokens"),
     "is_zero_weight_fraction": ("is_zero_weight_tokens", "loss_tokens"),
     "vetoed_fraction": ("vetoed_sequences", "loss_sequences"),

@@ -94,10 +94,10 @@ class RolloutSection:
     server_urls: tuple[str, ...] = ()
     """Base URLs (`http://host:port`) of the engines; required with engine="remote"."""
     dtype: EngineDtype | None = None
-    """dtype of the rollout engines: the local engine's, and under `slurm/rl.sbatch` the SGLang servers'
-    `--dtype` (an explicit `MT_SGLANG_DTYPE` / `MT_LOCAL_DTYPE` still wins there). "float16" with
-    `model.precision: fp16` is the fp16 remedy. None: `local_dtype` for the local engine, bfloat16 for
-    servers."""
+    """dtype of the rollout engines: the local engine's, and under `slurm/rl.sbatch` the servers' `--dtype`
+    (an explicit `MT_SGLANG_DTYPE` / `MT_LOCAL_DTYPE` still wins there). "float16" with
+    `model.precision: fp16` is the fp16 remedy. None: `local_dtype` for the local engine the trainer
+    starts, bfloat16 for servers that `rl.sbatch` starts."""
     local_dtype: EngineDtype = "bfloat16"
     """dtype of the local engine when `dtype` is None (bf16: its log-probs differ from an fp32 trainer's,
     as on GPUs)."""

@@ -290,7 +290,7 @@ def _parse_top_logprobs(meta: dict, logprobs: list[float], where: str) -> list[f
         if (
             not isinstance(value, (int, float))
             or math.isnan(value)
-            or not own - _TOP_TOLERANCE <= value <= 1e-4
+            or not own - _TOP_TOLERANCE <= value <= _TOP_TOLERANCE
         ):
             raise MalformedResponseError(
                 f"{where}: output_top_logprobs[{i}] = {_clip(row)} does not start with "

@@ -260,6 +260,10 @@ def test_metrics_against_reference_counts():
     )
     assert final["vetoed_fraction"] == pytest.approx(vetoed.sum().item() / lm.any(-1).sum().item())
     assert final["is_weight_mean"] == pytest.approx(weights[lm].sum().item() / lm.sum().item())
+    # the KL mean is over the tokens the KL term covers (contributing: not vetoed, weight > 0, safe)
+    contrib = torch.tensor(info["contrib"])
+    assert m["kl_tokens"].item() == contrib.sum().item() < phase_mask.sum().item()
+    assert final["kl_mean"] == pytest.approx(m["kl_sum"].item() / contrib.sum().item(), rel=1e-12)
     assert final["clip_fraction"] == pytest.approx(info["clipped"] / phase_mask.sum().item())
     assert {k for k in m if reduce_op_of(k) != "sum"} == {"is_weight_max"}
     assert reduce_op_of("is_weight_max") == "max"

@@ -151,6 +151,8 @@ def test_a_step_whose_groups_all_lack_a_signal_is_skipped(tiny_model_dir, prompt
     assert [h["rollout/sampling_rounds"] for h in history] == [3.0, 3.0]  # max_sampling_rounds
     assert all(h["rollout/batch_fill"] == 0 and h["rollout/filtered_groups_fraction"] == 1 for h in history)
     assert "train/loss" not in history[0]
+    # the LR schedule still counts the skipped RL steps (warm-up of 2 to 2e-3: steps 1, 2 at 1e-3, 2e-3)
+    assert [h["train/lr"] for h in history] == pytest.approx(LR_BY_STEP[:2], rel=1e-12)
     from megatron_tail.train.engine.checkpoint import read_checkpoint_meta
 
     meta = read_checkpoint_meta(tmp_path / "flat" / "checkpoints" / "step_000002")

@@ -98,7 +98,14 @@ def test_progress_restores_exactly_and_the_config_shape_wins():
             r"lr_decay_steps must be an int > lr_warmup_steps \(5\)",
         ),
         ({"min_lr": 1.0}, r"min_lr must be in \[0, lr = 1e-06\]; got 1.0"),
-        ({"weight_decay": 0.1, "weight_decay_end": 0.05}, r"weight_decay_end must be ≥ weight_decay \(0.1\)"),
+        (
+            {"weight_decay": 0.1, "weight_decay_end": 0.05, "weight_decay_incr_style": "linear"},
+            r"weight_decay_end must be ≥ weight_decay \(0.1\)",
+        ),
+        (
+            {"weight_decay": 0.01, "weight_decay_end": 0.1},
+            r"weight_decay_incr_style is 'constant': set it to",
+        ),
     ],
 )
 def test_bad_schedule_settings_name_the_value(kwargs, message):

@@ -90,6 +90,15 @@ class OptimizerSettings:
             raise ValueError(f"min_lr must be in [0, lr = {self.lr}]; got {self.min_lr}")
         if self.weight_decay < 0:
             raise ValueError(f"weight_decay must be ≥ 0; got {self.weight_decay}")
+        if (
+            self.weight_decay_end is not None
+            and self.weight_decay_end != self.weight_decay
+            and self.weight_decay_incr_style == "constant"
+        ):
+            raise ValueError(
+                f"weight_decay_end={self.weight_decay_end} differs from weight_decay={self.weight_decay}, "
+                "but weight_decay_incr_style is 'constant': set it to 'linear' or 'cosine' for a ramp"
+            )
         if self.weight_decay_end is not None and self.weight_decay_end < self.weight_decay:
             raise ValueError(
                 f"weight_decay_end must be ≥ weight_decay ({self.weight_decay}) (megatron's schedule only "

@@ -251,8 +251,8 @@ def finalize_diagnostics(
 
 def _histogram(values: torch.Tensor) -> list[float]:
     """Counts of `values` in the bins of `TAIL_DELTA_EDGES`: underflow, the 200 bins, overflow (202)."""
-    edges = torch.tensor(TAIL_DELTA_EDGES, dtype=values.dtype)
-    index = torch.bucketize(values, edges, right=True)  # 0: below the first edge; 81: at/above the last
+    edges = torch.tensor(TAIL_DELTA_EDGES, dtype=values.dtype, device=values.device)
+    index = torch.bucketize(values, edges, right=True)  # 0: below the first edge; 201: at/above the last
     return torch.bincount(index, minlength=len(TAIL_DELTA_EDGES) + 1).tolist()
 
 

@@ -143,8 +143,9 @@ def _global_stapo_tau_h(cfg, micro_batches, old, dp_group) -> float | None:
         return None
     if any(o.entropy is None for o in old):
         raise ValueError("STAPO needs θ_old entropies: recompute with OpSettings(compute_entropy=True)")
+    # over the tokens that are in the loss (`_trainable`: minus untrainable samples), as `compute_loss` does
     local = torch.cat(
-        [o.entropy[mb.loss_mask.to(o.entropy.device)].cpu() for mb, o in zip(micro_batches, old, strict=True)]
+        [mb.to_samples(o.entropy)[_trainable(mb)].cpu() for mb, o in zip(micro_batches, old, strict=True)]
     )
     values = torch.cat(gather_objects(local, dp_group))
     return float(masked_quantile(values, torch.ones_like(values, dtype=torch.bool), cfg.stapo_tau_h_quantile))

@@ -24,6 +24,7 @@ from megatron_tail.config import RunConfig, TrainSection, save_resolved_config
 from megatron_tail.rollout import rollout_metrics
 from megatron_tail.utils.net import free_port
 
+from ..engine.lr_schedule import advance
 from ..rl.old_policy import op_settings, score_old_policy, score_reference
 from ..rl.samples import build_samples, layout_micro_batches
 from ..rl.update import update_policy
@@ -94,7 +95,8 @@ def rl_step(
     if len(batch):
         trained_metrics, histograms, tokens = _train_on(s, batch)
         metrics.update(trained_metrics)
-    # an empty batch: dynamic sampling kept no group with a reward signal, nothing to learn from this step
+    else:  # dynamic sampling kept no group with a reward signal: nothing to learn from this step
+        metrics["train/lr"] = advance(s.trainer.scheduler)  # the schedule counts RL steps, trained or not
     metrics["train/skipped_step"] = 0.0 if len(batch) else 1.0
     train_s = time.perf_counter() - trained
     sync_s = s.sync_weights(version=done)  # weight sync: the engines load θ_new as version `done`

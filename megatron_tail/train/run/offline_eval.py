@@ -26,7 +26,9 @@ def evaluate_offline(
     """Exactly one of `hf_dir` / `checkpoint`; `cfg.data.eval_path` must be set. Returns the `eval/*`
     scalars and writes them to `<model dir>/eval.json`."""
     if (hf_dir is None) == (checkpoint is None):
-        raise ValueError("evaluate_offline needs exactly one of hf_dir or checkpoint")
+        raise ValueError(
+            f"evaluate_offline needs exactly one of hf_dir, checkpoint; got {hf_dir=}, {checkpoint=}"
+        )
     if cfg.data.eval_path is None:
         raise ValueError("data.eval_path is required to evaluate (a jsonl/json/parquet file of prompts)")
     model_dir = Path(hf_dir) if hf_dir is not None else export_checkpoint(cfg, Path(checkpoint))
@@ -59,7 +61,7 @@ def export_checkpoint(cfg: RunConfig, checkpoint: Path) -> Path:
         optim=cfg.optimizer,
         run_steps=cfg.train.steps,
     )
-    load_checkpoint(checkpoint, trainer)
+    load_checkpoint(checkpoint, trainer, load_optimizer=False, load_rng=False)  # weights only: no Adam state
     out = checkpoint / "hf"
     export_hf(trainer.chunks, out, trainer.arch, copy_files_from=cfg.model.hf_path)
     return out
