@@ -166,7 +166,7 @@ def test_tail_delta_histograms_are_logged_and_count_the_tail(cli_run):
             assert s[f"mismatch/tail_delta_mode{x}"][e.step] == pytest.approx(centre)
 
 
-def test_offline_eval_of_the_checkpoint_equals_the_exported_models(cli_run):
+def test_offline_eval_of_the_checkpoint_equals_the_exported_models(cli_run, tmp_path):
     """`megatron-tail eval` on the last checkpoint (TP = 2, loaded in one process and exported) and on the
     weights the loop last synced (the same step): bit-identical weights, so identical evaluations."""
     import json
@@ -182,10 +182,14 @@ def test_offline_eval_of_the_checkpoint_equals_the_exported_models(cli_run):
         ("--hf", run_dir / "rollout_weights"),
     ):
         cmd = [sys.executable, "-m", "megatron_tail.cli", "eval", config, flag, str(path)]
+        out = (
+            path / "hf" if flag == "--checkpoint" else tmp_path / "hf_eval"
+        )  # --out: elsewhere than the model
+        if flag == "--hf":
+            cmd += ["--out", str(out)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-        model_dir = path / "hf" if flag == "--checkpoint" else path
-        results[flag] = json.loads((model_dir / "eval.json").read_text())
+        results[flag] = json.loads((out / "eval.json").read_text())
         assert "eval/pass@4" in proc.stdout
     exported = load_file(str(run_dir / "checkpoints" / "step_000003" / "hf" / "model.safetensors"))
     synced = load_file(str(run_dir / "rollout_weights" / "model.safetensors"))

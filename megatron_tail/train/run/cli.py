@@ -58,7 +58,7 @@ training checkpoint or an exported HF model on `data.eval_path` exactly as the l
 `train.eval_samples_per_prompt` samples per prompt at the rollout temperature (pass@k, mean@n) plus greedy
 decoding, with the config's reward, engines and DVP rule. A checkpoint is loaded in this one process
 (TP = PP = 1) and exported to `<checkpoint>/hf` first. Prints the scalars and writes them to
-`<model dir>/eval.json`.
+`<model dir>/eval.json` (or `--out DIR`).
 """
 
 
@@ -73,6 +73,7 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--checkpoint", help="a checkpoint directory (<run_dir>/checkpoints/step_NNNNNN)")
     which.add_argument("--hf", help="a HF model directory (e.g. <run_dir>/rollout_weights)")
+    parser.add_argument("--out", help="where eval.json and the engine log go (default: the model directory)")
     parser.set_defaults(func=eval_command)
     return parser
 
@@ -89,7 +90,7 @@ def eval_command(args: argparse.Namespace) -> int:
     from megatron_tail.train.run.offline_eval import evaluate_offline
 
     try:
-        scalars = evaluate_offline(cfg, hf_dir=args.hf, checkpoint=args.checkpoint)
+        scalars = evaluate_offline(cfg, hf_dir=args.hf, checkpoint=args.checkpoint, out_dir=args.out)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"megatron-tail eval: {e}") from None
     finally:

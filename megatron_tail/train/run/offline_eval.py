@@ -21,10 +21,15 @@ EVAL_WEIGHT_VERSION = "eval"
 
 
 def evaluate_offline(
-    cfg: RunConfig, *, hf_dir: str | Path | None = None, checkpoint: str | Path | None = None
+    cfg: RunConfig,
+    *,
+    hf_dir: str | Path | None = None,
+    checkpoint: str | Path | None = None,
+    out_dir: str | Path | None = None,
 ) -> dict[str, float]:
     """Exactly one of `hf_dir` / `checkpoint`; `cfg.data.eval_path` must be set. Returns the `eval/*`
-    scalars and writes them to `<model dir>/eval.json`."""
+    scalars and writes them to `<out_dir>/eval.json` (default: the model directory), the local engine's
+    log to `<out_dir>/logs/` (so a read-only model directory needs `out_dir`)."""
     if (hf_dir is None) == (checkpoint is None):
         raise ValueError(
             f"evaluate_offline needs exactly one of hf_dir, checkpoint; got {hf_dir=}, {checkpoint=}"
@@ -34,8 +39,10 @@ def evaluate_offline(
     model_dir = Path(hf_dir) if hf_dir is not None else export_checkpoint(cfg, Path(checkpoint))
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir} is not a HF checkpoint directory (no config.json)")
-    scalars = _evaluate(replace(cfg, model=replace(cfg.model, hf_path=str(model_dir))), model_dir)
-    (model_dir / "eval.json").write_text(json.dumps(scalars, indent=2, sort_keys=True))
+    out = Path(out_dir) if out_dir is not None else model_dir
+    out.mkdir(parents=True, exist_ok=True)
+    scalars = _evaluate(replace(cfg, model=replace(cfg.model, hf_path=str(model_dir))), model_dir, out)
+    (out / "eval.json").write_text(json.dumps(scalars, indent=2, sort_keys=True))
     return scalars
 
 
@@ -67,7 +74,7 @@ def export_checkpoint(cfg: RunConfig, checkpoint: Path) -> Path:
     return out
 
 
-def _evaluate(cfg: RunConfig, model_dir: Path) -> dict[str, float]:
+def _evaluate(cfg: RunConfig, model_dir: Path, out: Path) -> dict[str, float]:
     from megatron_tail.data import PromptDataConfig, load_prompts
 
     from .engines import RolloutEngines
@@ -76,7 +83,7 @@ def _evaluate(cfg: RunConfig, model_dir: Path) -> dict[str, float]:
     tokenizer = load_tokenizer(str(model_dir))
     d = cfg.data
     examples = load_prompts(PromptDataConfig.of(d.eval_path, d), tokenizer)[: d.eval_prompts]
-    engines = RolloutEngines(cfg, model_dir, tokenizer)
+    engines = RolloutEngines(cfg, out, tokenizer)
     try:
         engines.wait_ready()
         if cfg.rollout.engine != "local":
