@@ -25,9 +25,11 @@ from megatron_tail.demo.model import new_tiny_qwen3, save_hf
 
 
 @dataclass(frozen=True)
-class PretrainSettings:
+class FitSettings:
+    """What `fit_causal_lm` needs; the pretraining recipes extend it with their data's settings."""
+
     seed: int = 0
-    """Seeds the model init, the problem stream and the batch order."""
+    """Seeds the model init, the data stream and the batch order."""
     steps: int = 400
     """Optimizer steps."""
     batch_size: int = 128
@@ -35,14 +37,20 @@ class PretrainSettings:
     """Peak learning rate (AdamW), cosine-decayed to 10% after a short warm-up."""
     warmup: int = 50
     weight_decay: float = 0.01
+    threads: int = 2
+    """torch threads (the result depends on it; keep it fixed for reproducibility)."""
+
+
+@dataclass(frozen=True)
+class PretrainSettings(FitSettings):
+    """The demo's toy-addition pretraining."""
+
     max_digits: int = 2
     """Operands have 1..max_digits digits (as the demo's RL prompts)."""
     ramble_prob: float = 0.5
     """Fraction of examples whose answer is followed by one stray digit before the EOS."""
     num_examples: int = 50_000
     """Problems generated for pretraining (a seed disjoint from the RL files')."""
-    threads: int = 2
-    """torch threads (the result depends on it; keep it fixed for reproducibility)."""
 
 
 def encode(tokenizer, prompt: str, target: str) -> tuple[list[int], int]:
@@ -118,7 +126,7 @@ def pretrain(
     return summary
 
 
-def fit_causal_lm(model, data, settings, *, log=print, log_every: int = 200) -> float:
+def fit_causal_lm(model, data, settings: FitSettings, *, log=print, log_every: int = 200) -> float:
     """AdamW on the masked next-token NLL, in place; returns the last batch's loss.
 
     `data`: (`ids [N, L]`, `loss mask [N, L−1]` of the targets to learn, `attention mask [N, L]`).

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from megatron_tail.demo.model import save_hf, tiny_qwen3_config
-from megatron_tail.demo.pretrain import fit_causal_lm
+from megatron_tail.demo.pretrain import FitSettings, fit_causal_lm
 
 from .zipf_language import ZipfLanguage
 
@@ -27,18 +27,14 @@ PROMPT_FILES = {"train": (4000, 101), "test": (256, 202)}
 
 
 @dataclass(frozen=True)
-class TailPretrainSettings:
-    seed: int = 0
-    steps: int = 400
+class TailPretrainSettings(FitSettings):
+    """`FitSettings` (batch 64 here) and the tail model's data and size."""
+
     batch_size: int = 64
     seq_len: int = 24
-    lr: float = 3e-3
-    warmup: int = 50
-    weight_decay: float = 0.01
     num_sequences: int = 40_000
     hidden_size: int = 64
     num_hidden_layers: int = 2
-    threads: int = 2
 
 
 def tail_model_config(language: ZipfLanguage, s: TailPretrainSettings):
