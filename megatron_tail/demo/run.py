@@ -88,7 +88,7 @@ def run_demo(
         _print_accuracy(name, target)
     if compare:
         print_comparison(dirs)
-        _say(f"report, figures of both runs: {_write_report(list(dirs.values()))}")
+        _say(f"report, figures of the compared runs: {_write_report(list(dirs.values()))}")
     for name, target in dirs.items():
         _say(f"TensorBoard logs ({name}): {(target / 'tensorboard').resolve()}")
     _say(f"  view with: tensorboard --logdir {Path(run_dir).resolve()}")
