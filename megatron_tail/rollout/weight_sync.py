@@ -108,8 +108,16 @@ class DiskWeightSync:
         initial_version: str = "default",
         timeout_s: float = 1800.0,
         pause_mode: str = "abort",
+        bucket_mb: float = 512.0,
+        dtype: torch.dtype | None = None,
     ):
         self.servers = _Servers(server_urls, timeout_s, pause_mode)
+        if not bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be > 0; got {bucket_mb!r}")
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        self.dtype = dtype
+        self.last_update: dict[str, int] = {}
+        """Of the last `update`: `buckets` sent, `tensors`, and `peak_bytes` the sender held at once."""
         self.weight_version = str(initial_version)
 
     async def update(self, model_path: str, weight_version: str | None = None) -> str:
@@ -137,6 +145,12 @@ class DistributedWeightSync:
             must be reachable from the engines.
         engine_tp_sizes: TP size of each engine (its ranks are `rank_offset + tp_rank`); default all 1.
         backend: "nccl" on GPU clusters (tensors must be on this rank's GPU), "gloo" on CPU.
+        bucket_mb: tensors are streamed in buckets of at most this size (one
+            `/update_weights_from_distributed` per bucket), so the sender holds one bucket plus the tensor
+            being added, never the whole model (a tensor larger than a bucket travels alone; with such
+            tensors the bound is two of them).
+        dtype: cast each tensor to this dtype on the sender as it joins a bucket (e.g. fp32 master weights
+            to bf16 engines); None: as given.
     """
 
     def __init__(
@@ -151,8 +165,16 @@ class DistributedWeightSync:
         initial_version: str = "default",
         timeout_s: float = 1800.0,
         pause_mode: str = "abort",
+        bucket_mb: float = 512.0,
+        dtype: torch.dtype | None = None,
     ):
         self.servers = _Servers(server_urls, timeout_s, pause_mode)
+        if not bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be > 0; got {bucket_mb!r}")
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        self.dtype = dtype
+        self.last_update: dict[str, int] = {}
+        """Of the last `update`: `buckets` sent, `tensors`, and `peak_bytes` the sender held at once."""
         tp_sizes = list(engine_tp_sizes or [1] * len(self.servers.urls))
         if len(tp_sizes) != len(self.servers.urls) or any(t < 1 for t in tp_sizes):
             raise ValueError(f"engine_tp_sizes must give one size ≥ 1 per server; got {tp_sizes!r}")
@@ -197,32 +219,56 @@ class DistributedWeightSync:
     async def update(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | None = None
     ) -> str:
-        """Broadcast `(hf_name, tensor)` pairs to every engine; return the new `weight_version`."""
+        """Stream `(hf_name, tensor)` pairs to every engine in buckets; return the new `weight_version`.
+
+        `named_tensors` may be a generator (e.g. `model.iter_hf_tensors`, which produces one full tensor at
+        a time): it is consumed bucket by bucket, never collected. Generation is paused once around all
+        buckets; only the last bucket carries `weight_version` and flushes the cache, so a failure midway
+        leaves the engines at their old version (their weights then mixed: sync again before sampling).
+        """
         if self.group is None:
             raise RuntimeError("call init_group() before update()")
-        pairs = list(named_tensors)
-        if not pairs:
-            raise ValueError("named_tensors is empty: nothing to send")
         version = next_version(self.weight_version) if weight_version is None else str(weight_version)
-        body = {
-            "names": [name for name, _ in pairs],
-            "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in pairs],
-            "shapes": [list(t.shape) for _, t in pairs],
-            "group_name": self.group_name,
-            "weight_version": version,
-            "flush_cache": True,
-        }
+        stats = {"buckets": 0, "tensors": 0, "peak_bytes": 0}
         async with aiohttp.ClientSession() as session:
 
-            async def update():
-                send = asyncio.to_thread(_broadcast_in_order, pairs, self.group)
+            async def send(bucket: list[tuple[str, torch.Tensor]], last: bool) -> None:
+                body = {
+                    "names": [name for name, _ in bucket],
+                    "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
+                    "shapes": [list(t.shape) for _, t in bucket],
+                    "group_name": self.group_name,
+                    "weight_version": version if last else None,
+                    "flush_cache": last,
+                }
+                broadcast = asyncio.to_thread(_broadcast_in_order, bucket, self.group)
                 posts = self.servers.post_all(
                     session, "/update_weights_from_distributed", [body] * len(self.servers.urls)
                 )
-                await asyncio.gather(send, posts)
+                await asyncio.gather(broadcast, posts)
+                stats["buckets"] += 1
+
+            async def update():
+                bucket: list[tuple[str, torch.Tensor]] = []
+                held = 0
+                for name, tensor in named_tensors:
+                    if self.dtype is not None:
+                        tensor = tensor.to(self.dtype)
+                    size = tensor.numel() * tensor.element_size()
+                    stats["peak_bytes"] = max(stats["peak_bytes"], held + size)
+                    if bucket and held + size > self.bucket_bytes:
+                        await send(bucket, last=False)
+                        bucket, held = [], 0
+                    bucket.append((name, tensor))
+                    held += size
+                    stats["tensors"] += 1
+                if not bucket:
+                    raise ValueError("named_tensors is empty: nothing to send")
+                await send(bucket, last=True)
 
             await self.servers.paused(session, update)
         self.weight_version = version
+        self.last_update = stats
         return version
 
     async def destroy_group(self) -> None:

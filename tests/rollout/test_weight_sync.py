@@ -101,3 +101,49 @@ def test_update_during_generation_aborts_and_client_retries_on_new_weights(serve
     assert version == "101" and {r.weight_version for r in flat} == {"101"}
     assert stats.retries >= 1
     assert all(len(r.output_ids) == 80 and r.finish_reason == {"type": "length", "length": 80} for r in flat)
+
+
+def test_distributed_update_streams_buckets_and_casts_on_the_sender(
+    server_pair, tiny_model_dir, perturbed_model_dir
+):
+    """A generator of tensors (as `model.iter_hf_tensors` yields them) is streamed in small buckets, cast to
+    bf16 on the sender: several `/update_weights_from_distributed` calls, the sender never holds more than
+    one bucket plus one tensor, and the engine ends up with exactly the weights the disk path loads; a
+    source that fails midway leaves the engines at their old version and generating."""
+    import torch
+
+    a, b = (s.url for s in server_pair)
+    tensors = read_safetensors_dir(perturbed_model_dir)
+    largest = max(t.numel() * 2 for t in tensors.values())  # bf16 bytes
+
+    def stream(fail_after=None):
+        for i, (name, t) in enumerate(sorted(tensors.items())):
+            if fail_after is not None and i == fail_after:
+                raise RuntimeError("the trainer failed while gathering a parameter")
+            yield name, t.float()
+
+    async def scenario():
+        bf16_dir_sync = DiskWeightSync([b])
+        sync = DistributedWeightSync(
+            [a], master_address="127.0.0.1", master_port=free_port(), backend="gloo", initial_version="0",
+            bucket_mb=0.01, dtype=torch.bfloat16,
+        )  # fmt: skip
+        await sync.init_group()
+        await sync.update(stream(), weight_version="7")
+        stats = dict(sync.last_update)
+        await bf16_dir_sync.update(str(perturbed_model_dir), weight_version="7")
+        streamed, from_disk = await sample(a, version="7"), await sample(b, version="7")
+        with pytest.raises(RuntimeError, match="failed while gathering"):
+            await sync.update(stream(fail_after=len(tensors) // 2), weight_version="8")
+        version_after_failure = await model_info_version(a)
+        still_generating = await sample(a)
+        await DiskWeightSync([a, b], initial_version="8").update(str(tiny_model_dir))
+        await sync.destroy_group()
+        return stats, streamed, from_disk, version_after_failure, still_generating
+
+    stats, streamed, from_disk, version_after_failure, still_generating = asyncio.run(scenario())
+    assert stats["tensors"] == len(tensors) and stats["buckets"] > 3
+    assert largest <= int(0.01 * 2**20) < stats["peak_bytes"] <= int(0.01 * 2**20) + largest
+    # both engines run bf16: the disk path casts on load, the stream cast on the sender; same weights
+    assert outputs(streamed) == outputs(from_disk)
+    assert version_after_failure == "7" and len(still_generating) == len(PROMPTS) * SAMPLING.n_samples
