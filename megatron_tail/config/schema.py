@@ -29,7 +29,7 @@ from megatron_tail.model.settings import ModelSettings
 from megatron_tail.train.engine.settings import OptimizerSettings
 
 RolloutEngine = Literal["local", "remote"]
-WeightSyncMode = Literal["disk"]
+WeightSyncMode = Literal["disk", "distributed"]
 EngineDtype = Literal["bfloat16", "float16", "float32"]
 ProgressMode = Literal["auto", "always", "never"]
 ROLLOUT_ENGINES: tuple[str, ...] = get_args(RolloutEngine)
@@ -116,7 +116,17 @@ class RolloutSection:
     startup_timeout_s: float = 300.0
     """How long to wait for the engines' `/health` at start."""
     weight_sync: WeightSyncMode = "disk"
-    """How new weights reach the engines: "disk" (export a HF checkpoint, `/update_weights_from_disk`)."""
+    """How new weights reach the engines: "disk" (export a HF checkpoint, `/update_weights_from_disk`) or
+    "distributed" (in memory: rank 0 broadcasts the HF tensors bucket by bucket over a process group it
+    shares with the engines, SGLang's `/init_weights_update_group` + `/update_weights_from_distributed`;
+    NCCL on GPU, gloo on CPU)."""
+    sync_bucket_mb: float = 512.0
+    """"distributed": the bucket size; the sender holds one bucket plus one full parameter at a time."""
+    sync_timeout_s: float = 600.0
+    """"distributed": the weight group's timeout; a server that dies mid-sync fails the step after it."""
+    sync_master_address: str | None = None
+    """"distributed": the address at which the engines reach the trainer's rank 0 (it hosts the group's
+    rendezvous); None: 127.0.0.1 for the local engine, this host's name otherwise."""
     weight_sync_dir: str | None = None
     """Where the exported weights go; None: `<run_dir>/rollout_weights`. Must be visible to remote engines."""
 
@@ -131,6 +141,9 @@ class RolloutSection:
         if self.dtype is not None:
             _choice("rollout", "dtype", self.dtype, LOCAL_DTYPES)
         _choice("rollout", "weight_sync", self.weight_sync, WEIGHT_SYNC_MODES)
+        for name in ("sync_bucket_mb", "sync_timeout_s"):
+            if not getattr(self, name) > 0:
+                _bad("rollout", name, getattr(self, name), "must be > 0")
         if self.engine == "remote" and not self.server_urls:
             _bad(
                 "rollout", "server_urls", self.server_urls, 'must name at least one URL with engine="remote"'

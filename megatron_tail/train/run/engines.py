@@ -19,6 +19,7 @@ from megatron_tail.rewards.pass_at_k import eval_statistics
 from megatron_tail.rollout import (
     ClientConfig,
     DiskWeightSync,
+    DistributedWeightSync,
     LocalEngineConfig,
     RolloutBatch,
     RolloutClient,
@@ -54,7 +55,7 @@ class RolloutEngines:
             self.urls = [local.url]
         else:
             self.urls = list(cfg.rollout.server_urls)
-        self.weight_sync = DiskWeightSync(self.urls, timeout_s=cfg.rollout.request_timeout_s)
+        self.weight_sync = self._weight_sync(local is not None)
         client_cfg = ClientConfig(
             max_concurrency=cfg.rollout.max_concurrency, request_timeout_s=cfg.rollout.request_timeout_s
         )
@@ -76,7 +77,13 @@ class RolloutEngines:
             self.on_result(result)
 
     def wait_ready(self) -> None:
-        """Block until every engine answers `/health` (raises with the engine log if the local one died)."""
+        """Block until every engine answers `/health` (raises with the engine log if the local one died);
+        with in-memory sync, then form the weight group with them."""
+        self._wait_healthy()
+        if self.in_memory_sync:
+            self._run(self.weight_sync.init_group())
+
+    def _wait_healthy(self) -> None:
         timeout = self.cfg.rollout.startup_timeout_s
         if self.engine is not None:
             deadline = time.monotonic() + timeout
@@ -161,6 +168,39 @@ class RolloutEngines:
         started = time.perf_counter()
         self._run(self.weight_sync.update(str(hf_dir), weight_version=str(version)))
         return time.perf_counter() - started
+
+    def _weight_sync(self, local: bool):
+        """`rollout.weight_sync`: disk, or in memory over a process group with the engines (tensors cast to
+        the engines' dtype on the sender)."""
+        r = self.cfg.rollout
+        if r.weight_sync == "disk":
+            return DiskWeightSync(self.urls, timeout_s=r.request_timeout_s)
+        import socket
+
+        import torch
+
+        address = r.sync_master_address or ("127.0.0.1" if local else socket.getfqdn())
+        engine_dtype = r.local_engine_dtype if local else (r.dtype or "bfloat16")
+        return DistributedWeightSync(
+            self.urls,
+            master_address=address,
+            master_port=free_port(),
+            backend="nccl" if torch.cuda.is_available() else "gloo",
+            timeout_s=r.sync_timeout_s,
+            bucket_mb=r.sync_bucket_mb,
+            dtype=getattr(torch, engine_dtype),
+        )
+
+    def sync_weights_from(self, named_tensors, version: int | str) -> float:
+        """Stream `(hf_name, tensor)` pairs (rank 0's side of `model.iter_hf_tensors`) into every engine as
+        `weight_version=str(version)` ("distributed" sync). Returns seconds."""
+        started = time.perf_counter()
+        self._run(self.weight_sync.update(named_tensors, weight_version=str(version)))
+        return time.perf_counter() - started
+
+    @property
+    def in_memory_sync(self) -> bool:
+        return isinstance(self.weight_sync, DistributedWeightSync)
 
     def _rule_log_rho(self) -> float | None:
         """log ρ as the processor applies it (the same the trainer's op gets; `algorithm.safe_set_on`)."""

@@ -125,13 +125,41 @@ class RunSession:
         return batch
 
     def sync_weights(self, version: int) -> float:
-        """Export the trainer's weights as a HF checkpoint and load it on every engine. Returns seconds."""
+        """Export the trainer's weights as a HF checkpoint and load it on every engine, or with
+        `rollout.weight_sync: distributed` stream them to the engines in memory. Returns seconds."""
         from megatron_tail.model import export_hf
 
+        if self.cfg.rollout.weight_sync == "distributed":
+            return self._stream_weights(version)
         started = time.perf_counter()
         out = Path(self.cfg.rollout.weight_sync_dir or self.run_dir / "rollout_weights")
         export_hf(self.trainer.chunks, out, self.trainer.arch, copy_files_from=self.cfg.model.hf_path)
         on_rank0(lambda: self.engines.sync_weights(out, version))
+        return time.perf_counter() - started
+
+    def _stream_weights(self, version: int) -> float:
+        """Every rank takes part in gathering the HF tensors (TP gathers, PP sends to rank 0); rank 0 streams
+        them to the engines as they come. If rank 0's side fails (a dead or hung engine: the weight group's
+        `rollout.sync_timeout_s`), it still drains the gather so no rank waits forever, then every rank
+        raises `WeightSyncError`."""
+        from megatron_tail.model import iter_hf_tensors
+        from megatron_tail.rollout.weight_sync import WeightSyncError
+
+        from ..engine.collectives import any_rank
+
+        started = time.perf_counter()
+        tensors = iter_hf_tensors(self.trainer.chunks, self.trainer.arch)
+        error: BaseException | None = None
+        if self.rank == 0:
+            try:
+                self.engines.sync_weights_from(tensors, version)
+            except Exception as e:
+                error = e
+        for _ in tensors:  # rank ≠ 0: the whole gather; rank 0: what a failure left undone
+            pass
+        if any_rank(error is not None):
+            why = f"{type(error).__name__}: {error}" if error is not None else "see global rank 0"
+            raise WeightSyncError(f"in-memory weight sync to version {version} failed: {why}")
         return time.perf_counter() - started
 
     def evaluate(self) -> dict[str, float]:
