@@ -88,9 +88,15 @@ class _Servers:
         n = len(self.urls)
         await self.post_all(session, "/pause_generation", [{"mode": self.pause_mode}] * n)
         try:
-            return await update()
-        finally:
-            await self.post_all(session, "/continue_generation", [{}] * n)
+            result = await update()
+        except BaseException as failure:
+            try:  # continue the servers still alive; the update's own error is the one to report
+                await self.post_all(session, "/continue_generation", [{}] * n)
+            except WeightSyncError as also:
+                raise WeightSyncError(f"{failure} (then resuming generation failed too: {also})") from failure
+            raise
+        await self.post_all(session, "/continue_generation", [{}] * n)
+        return result
 
 
 def next_version(current: str) -> str:
