@@ -83,6 +83,25 @@ class _Servers:
             except ValueError:
                 return {"text": text}
 
+    async def check_versions(self, session, version: str) -> None:
+        """Refuse an update that a server did not take: each must report `weight_version == version` in
+        `/model_info` (SGLang's and the local engine's field); WeightSyncError names the others."""
+
+        async def reported(url: str):
+            async with session.get(f"{url}/model_info", timeout=self.timeout) as resp:
+                if resp.status != 200:
+                    raise WeightSyncError(f"HTTP {resp.status}")
+                return (await resp.json(content_type=None)).get("weight_version")
+
+        answers = await asyncio.gather(*(reported(u) for u in self.urls), return_exceptions=True)
+        wrong = [
+            f"{url} reports {answer!r}"
+            for url, answer in zip(self.urls, answers, strict=True)
+            if isinstance(answer, BaseException) or str(answer) != version
+        ]
+        if wrong:
+            raise WeightSyncError(f"after the update to weight_version {version!r}: " + "; ".join(wrong))
+
     async def paused(self, session, update):
         """Run `await update()` with every server paused; always continue them afterwards."""
         n = len(self.urls)
@@ -114,16 +133,8 @@ class DiskWeightSync:
         initial_version: str = "default",
         timeout_s: float = 1800.0,
         pause_mode: str = "abort",
-        bucket_mb: float = 512.0,
-        dtype: torch.dtype | None = None,
     ):
         self.servers = _Servers(server_urls, timeout_s, pause_mode)
-        if not bucket_mb > 0:
-            raise ValueError(f"bucket_mb must be > 0; got {bucket_mb!r}")
-        self.bucket_bytes = int(bucket_mb * 2**20)
-        self.dtype = dtype
-        self.last_update: dict[str, int] = {}
-        """Of the last `update`: `buckets` sent, `tensors`, and `peak_bytes` the sender held at once."""
         self.weight_version = str(initial_version)
 
     async def update(self, model_path: str, weight_version: str | None = None) -> str:
@@ -138,6 +149,7 @@ class DiskWeightSync:
                 )
 
             await self.servers.paused(session, update)
+            await self.servers.check_versions(session, version)
         self.weight_version = version
         return version
 
@@ -273,6 +285,7 @@ class DistributedWeightSync:
                 await send(bucket, last=True)
 
             await self.servers.paused(session, update)
+            await self.servers.check_versions(session, version)
         self.weight_version = version
         self.last_update = stats
         return version

@@ -147,3 +147,38 @@ def test_distributed_update_streams_buckets_and_casts_on_the_sender(
     # both engines run bf16: the disk path casts on load, the stream cast on the sender; same weights
     assert outputs(streamed) == outputs(from_disk)
     assert version_after_failure == "7" and len(still_generating) == len(PROMPTS) * SAMPLING.n_samples
+
+
+def test_an_update_a_server_did_not_take_is_refused():
+    """A server that answers success but keeps serving its old `weight_version` (e.g. it restarted, or a
+    router sent the update elsewhere) makes the sync fail, naming the server and what it reports."""
+    from aiohttp import web
+
+    from megatron_tail.rollout import WeightSyncError
+
+    async def ok(_request):
+        return web.json_response({"success": True, "message": "ok"})
+
+    async def model_info(_request):
+        return web.json_response({"model_path": "x", "weight_version": "3"})
+
+    async def scenario():
+        app = web.Application()
+        for path in ("/pause_generation", "/continue_generation", "/update_weights_from_disk"):
+            app.router.add_post(path, ok)
+        app.router.add_get("/model_info", model_info)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            sync = DiskWeightSync([f"http://127.0.0.1:{port}"], initial_version="3")
+            with pytest.raises(
+                WeightSyncError, match=r"update to weight_version '4': http://127\.0\.0\.1:\d+ reports '3'"
+            ):
+                await sync.update("/some/checkpoint")
+            return sync.weight_version
+        finally:
+            await runner.cleanup()
+
+    assert asyncio.run(scenario()) == "3"  # not bumped
