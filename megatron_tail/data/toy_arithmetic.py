@@ -34,9 +34,14 @@ def _operand(rng: np.random.Generator, digits: int) -> int:
 
 
 def write_jsonl(rows: list[dict], path: str | Path) -> None:
-    with open(path, "w") as f:
+    """One JSON object per line, written atomically (a temp file renamed into place), so a cache that checks
+    for the file never finds a half-written one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
+    tmp.replace(path)
 
 
 def write_toy_arithmetic_files(directory: str | Path) -> tuple[Path, Path]:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_tail.data.toy_arithmetic import write_jsonl
 from megatron_tail.demo.model import save_hf, tiny_qwen3_config
 from megatron_tail.demo.pretrain import FitSettings, fit_causal_lm
 
@@ -118,8 +119,6 @@ def ensure_tail_prompts(cache: Path) -> tuple[Path, Path]:
                 {"prompt": language.text(words), "answer": str(language.num_words)}
                 for words in language.sample(n, PROMPT_WORDS, seed=seed)
             ]
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-            tmp.replace(path)
+            write_jsonl(rows, path)
         paths.append(path)
     return paths[0], paths[1]

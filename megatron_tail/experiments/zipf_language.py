@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 import torch
@@ -104,14 +104,12 @@ class ZipfLanguage:
         return tokenizer
 
 
+@lru_cache(maxsize=8)
 def target_words(num_words: int) -> frozenset[int]:
     """The task's target set: a fixed random `TARGET_FRACTION` of the words."""
     g = torch.Generator().manual_seed(TARGET_SEED)
     count = round(TARGET_FRACTION * num_words)
     return frozenset(torch.randperm(num_words, generator=g)[:count].tolist())
-
-
-_TARGETS: dict[int, frozenset[int]] = {}
 
 
 def target_fraction_reward(completion: str, answer: str) -> float:
@@ -120,13 +118,11 @@ def target_fraction_reward(completion: str, answer: str) -> float:
     `answer` holds the language's word count (the prompt files write it), so the reward needs no state.
     """
     num_words = int(answer)
-    if num_words not in _TARGETS:
-        _TARGETS[num_words] = target_words(num_words)
     words = [int(m) for m in _WORD.findall(completion)]
     words = [w for w in words if w < num_words]
     if not words:
         return 0.0
-    targets = _TARGETS[num_words]
+    targets = target_words(num_words)
     return sum(w in targets for w in words) / len(words)
 
 

@@ -112,6 +112,19 @@ class _BucketPanel:
     def _values(self, run: RunEvents, family: str) -> np.ndarray:
         return np.array([bucket_value(run, family, b) for b in self.buckets])
 
+    def _plot_families(self, ax, runs: Sequence[RunEvents], by_train: str, by_infer: str) -> list[np.ndarray]:
+        """Per run, the `by_train` family solid with circles and the `by_infer` one dashed with squares, over
+        the buckets; returns the plotted values."""
+        x, plotted = np.arange(len(self.buckets)), []
+        for k, run in enumerate(runs):
+            for family, style, marker in ((by_train, "-", "o"), (by_infer, "--", "s")):
+                y = self._values(run, family)
+                if np.isfinite(y).any():
+                    w = run_width(k, len(runs))
+                    ax.plot(x, y, style, marker=marker, color=run_color(k), markersize=3 * w, linewidth=w)
+                    plotted.append(y)
+        return plotted
+
 
 class AbsDeltaPanel(_BucketPanel):
     """Mean |Δ| per bucket (by π_train solid, by π_infer dashed) under the Prop. 4.2 bound 2ε̂(1 − p)."""
@@ -121,14 +134,7 @@ class AbsDeltaPanel(_BucketPanel):
 
     def draw(self, ax, runs: Sequence[RunEvents]) -> None:
         x = np.arange(len(self.buckets))
-        plotted = []
-        for k, run in enumerate(runs):
-            for family, style, marker in ((ABS, "-", "o"), (ABS_INFER, "--", "s")):
-                y = self._values(run, family)
-                if np.isfinite(y).any():
-                    w = run_width(k, len(runs))
-                    ax.plot(x, y, style, marker=marker, color=run_color(k), markersize=3 * w, linewidth=w)
-                    plotted.append(y)
+        plotted = self._plot_families(ax, runs, ABS, ABS_INFER)
         bounds = {k: b for k, run in enumerate(runs) if (b := self.bound(run)) is not None}
         floor = _log_floor(np.concatenate([*plotted, *(upper for upper, _ in bounds.values())]))
         for k, (upper, lower) in bounds.items():
@@ -173,13 +179,7 @@ class SignedDeltaPanel(_BucketPanel):
     families = (SIGNED, SIGNED_INFER)
 
     def draw(self, ax, runs: Sequence[RunEvents]) -> None:
-        x = np.arange(len(self.buckets))
-        for k, run in enumerate(runs):
-            for family, style, marker in ((SIGNED, "-", "o"), (SIGNED_INFER, "--", "s")):
-                y = self._values(run, family)
-                if np.isfinite(y).any():
-                    w = run_width(k, len(runs))
-                    ax.plot(x, y, style, marker=marker, color=run_color(k), markersize=3 * w, linewidth=w)
+        self._plot_families(ax, runs, SIGNED, SIGNED_INFER)
         ax.axhline(0.0, color="0.3", linewidth=0.8)
         self._axes(ax, "mean signed Δ = log π_infer − log π_train per bucket", "Δ (nats)")
         tag_legend(ax, [("-", "bucket by π_train"), ("--", "bucket by π_infer")])

@@ -67,6 +67,14 @@ def bucket_labels(prob_buckets: Sequence[float]) -> list[str]:
     return [f"p{_fmt(lo)}_{_fmt(hi)}" for hi, lo in itertools.pairwise(edges)]
 
 
+def _bucket_members(prob: torch.Tensor, prob_buckets: Sequence[float]):
+    """`(label, [n] bool)` per bucket: probabilities in [edge_k, edge_{k-1}) (the first bucket unbounded
+    above, the last below), so every token lands in exactly one."""
+    edges = [math.inf, *prob_buckets, -math.inf]
+    for label, hi, lo in zip(bucket_labels(prob_buckets), edges[:-1], edges[1:], strict=True):
+        yield label, (prob >= lo) & (prob < hi)
+
+
 def mismatch_sums(
     train_logprobs: torch.Tensor,
     infer_logprobs: torch.Tensor,
@@ -106,15 +114,13 @@ def mismatch_sums(
         "delta_sum": _f(delta.sum()),
         "k3_sum": _f(k3.sum()),
     }
-    edges = [math.inf, *prob_buckets, -math.inf]
     for suffix, prob in (("", lp_train.exp()), (BY_INFER, lp_infer.exp())):
         tail = prob < tail_prob
         out[f"tail_tokens{suffix}"] = _f(tail.sum())
         out[f"tail_signed_sum{suffix}"] = _f(delta[tail].sum())
         for i, count in enumerate(_histogram(delta[tail])):
             out[f"tail_delta_hist{suffix}/{i:03d}"] = _f(count)
-        for label, hi, lo in zip(bucket_labels(prob_buckets), edges[:-1], edges[1:], strict=True):
-            member = (prob >= lo) & (prob < hi)
+        for label, member in _bucket_members(prob, prob_buckets):
             out[f"tokens{suffix}/{label}"] = _f(member.sum())
             out[f"abs_delta_sum{suffix}/{label}"] = _f(delta[member].abs().sum())
             out[f"delta_sum{suffix}/{label}"] = _f(delta[member].sum())
@@ -144,10 +150,9 @@ def bound_sums(
     delta = infer_logprobs.detach().double()[valid] - lp_train
     prob = lp_train.exp()
     above = delta.abs() > 2 * epsilon * (1 - prob)
-    edges = [math.inf, *prob_buckets, -math.inf]
     return {
-        f"above_bound/{label}": _f((above & (prob >= lo) & (prob < hi)).sum())
-        for label, hi, lo in zip(bucket_labels(prob_buckets), edges[:-1], edges[1:], strict=True)
+        f"above_bound/{label}": _f((above & member).sum())
+        for label, member in _bucket_members(prob, prob_buckets)
     }
 
 

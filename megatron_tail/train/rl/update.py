@@ -4,8 +4,8 @@ Lopti phase, one optimizer step per mini-batch (one phase without Lopti).
     update = update_policy(trainer, cfg.algorithm, layout, old, op=op)
     update.metrics      # {tag: float}: loss, clip fraction, IS/veto/STAPO/Lopti fractions, grad norm
 
-The learning-rate schedule advances once, before the updates (`engine.lr_schedule`): every update of the
-step uses the rate logged as `train/lr`. The phase loop is outside the mini-batch loop: with Lopti the
+The caller advances the learning-rate schedule once per RL step, before this (`run.loop.rl_step`). The
+phase loop is outside the mini-batch loop: with Lopti the
 whole batch is first updated on its low-probability tokens (mb1-low, mb2-low, ...), then on the rest
 (mb1-high, mb2-high, ...), as in the paper and its authors' trainer; the order is the mechanism
 (arXiv 2505.12929).
@@ -20,7 +20,6 @@ import torch
 from megatron_tail.algorithms import AlgorithmConfig, combine_metrics, finalize_metrics
 
 from ..engine.forward import OpSettings
-from ..engine.lr_schedule import advance
 from ..engine.optimizer_step import train_step
 from ..engine.setup import Trainer
 from .objective import prepare_rl_micro_batches, rl_loss_fn
@@ -62,7 +61,6 @@ def update_policy(
 ) -> PolicyUpdate:
     """Collective over all ranks. `old.outputs` follow `layout.all`; `op` is the θ_old pass's op."""
     groups = trainer.groups
-    lr = advance(trainer.scheduler)
     counts, start = [], 0
     for mbs in layout.per_mini_batch:  # stage 1 for the whole batch, at θ_old, before any update
         counts.append(prepare_rl_micro_batches(cfg, mbs, old.outputs[start : start + len(mbs)], groups.dp))
@@ -84,7 +82,6 @@ def update_policy(
     finalized = finalize_metrics(combined)
     metrics = {tag: finalized[key] for key, tag in ALGORITHM_TAGS.items() if key in finalized}
     metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else 0.0
-    metrics["train/lr"] = lr
     if trainer.config.fp16:  # the dynamic loss scale after this step's updates (one host read per step)
         metrics["train/loss_scale"] = float(trainer.optimizer.get_loss_scale())
     metrics["train/grad_norm_max"] = max(grad_norms, default=0.0)

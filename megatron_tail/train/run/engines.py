@@ -163,10 +163,12 @@ class RolloutEngines:
                 out.update({f"eval/{tag}": v for tag, v in eval_statistics(rows).items()})
         return out
 
-    def sync_weights(self, hf_dir: Path, version: int | str) -> float:
-        """Load the exported HF checkpoint `hf_dir` on every engine as `weight_version=str(version)`."""
+    def sync_weights(self, source, version: int | str) -> float:
+        """Load new weights on every engine as `weight_version=str(version)`: `source` is an exported HF
+        checkpoint directory ("disk" sync) or `(hf_name, tensor)` pairs, e.g. rank 0's side of
+        `model.iter_hf_tensors` ("distributed"). Returns seconds."""
         started = time.perf_counter()
-        self._run(self.weight_sync.update(str(hf_dir), weight_version=str(version)))
+        self._run(self.weight_sync.update(source, weight_version=str(version)))
         return time.perf_counter() - started
 
     def _weight_sync(self, local: bool):
@@ -190,13 +192,6 @@ class RolloutEngines:
             bucket_mb=r.sync_bucket_mb,
             dtype=getattr(torch, engine_dtype),
         )
-
-    def sync_weights_from(self, named_tensors, version: int | str) -> float:
-        """Stream `(hf_name, tensor)` pairs (rank 0's side of `model.iter_hf_tensors`) into every engine as
-        `weight_version=str(version)` ("distributed" sync). Returns seconds."""
-        started = time.perf_counter()
-        self._run(self.weight_sync.update(named_tensors, weight_version=str(version)))
-        return time.perf_counter() - started
 
     @property
     def in_memory_sync(self) -> bool:

@@ -92,11 +92,12 @@ def rl_step(
     batch = s.rollout(step)  # rollout + reward: rank 0 generates and scores, every rank gets the batch
     trained = time.perf_counter()
     metrics, histograms, tokens = rollout_metrics(batch, expected_version=str(step)), {}, 0
+    # the LR schedule counts RL steps, trained or not: every update of this step uses this rate
+    metrics["train/lr"] = advance(s.trainer.scheduler)
     if len(batch):
         trained_metrics, histograms, tokens = _train_on(s, batch)
         metrics.update(trained_metrics)
-    else:  # dynamic sampling kept no group with a reward signal: nothing to learn from this step
-        metrics["train/lr"] = advance(s.trainer.scheduler)  # the schedule counts RL steps, trained or not
+    # an empty batch: dynamic sampling kept no group with a reward signal, nothing to learn from this step
     metrics["train/skipped_step"] = 0.0 if len(batch) else 1.0
     train_s = time.perf_counter() - trained
     sync_s = s.sync_weights(version=done)  # weight sync: the engines load θ_new as version `done`

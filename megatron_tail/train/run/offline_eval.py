@@ -41,7 +41,13 @@ def evaluate_offline(
         raise FileNotFoundError(f"{model_dir} is not a HF checkpoint directory (no config.json)")
     out = Path(out_dir) if out_dir is not None else model_dir
     out.mkdir(parents=True, exist_ok=True)
-    scalars = _evaluate(replace(cfg, model=replace(cfg.model, hf_path=str(model_dir))), model_dir, out)
+    # the engines load the HF directory itself: from disk, whatever the run's `rollout.weight_sync`
+    served = replace(
+        cfg,
+        model=replace(cfg.model, hf_path=str(model_dir)),
+        rollout=replace(cfg.rollout, weight_sync="disk"),
+    )
+    scalars = _evaluate(served, model_dir, out)
     (out / "eval.json").write_text(json.dumps(scalars, indent=2, sort_keys=True))
     return scalars
 
@@ -75,14 +81,11 @@ def export_checkpoint(cfg: RunConfig, checkpoint: Path) -> Path:
 
 
 def _evaluate(cfg: RunConfig, model_dir: Path, out: Path) -> dict[str, float]:
-    from megatron_tail.data import PromptDataConfig, load_prompts
-
     from .engines import RolloutEngines
-    from .session import load_tokenizer
+    from .session import load_eval_examples, load_tokenizer
 
     tokenizer = load_tokenizer(str(model_dir))
-    d = cfg.data
-    examples = load_prompts(PromptDataConfig.of(d.eval_path, d), tokenizer)[: d.eval_prompts]
+    examples = load_eval_examples(cfg.data, tokenizer)
     engines = RolloutEngines(cfg, out, tokenizer)
     try:
         engines.wait_ready()

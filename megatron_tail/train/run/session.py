@@ -87,9 +87,7 @@ class RunSession:
         self.batches = PromptBatches(train, d.prompts_per_step, seed=self.cfg.seed, shuffle=d.shuffle)
         self.stream = PromptStream(train, seed=self.cfg.seed, shuffle=d.shuffle)
         if d.eval_path is not None and self.cfg.train.eval_every:
-            self.eval_examples = load_prompts(PromptDataConfig.of(d.eval_path, d), tokenizer)[
-                : d.eval_prompts
-            ]
+            self.eval_examples = load_eval_examples(d, tokenizer)
 
     # --- collective methods ---------------------------------------------------------------------------
 
@@ -152,7 +150,7 @@ class RunSession:
         error: BaseException | None = None
         if self.rank == 0:
             try:
-                self.engines.sync_weights_from(tensors, version)
+                self.engines.sync_weights(tensors, version)
             except Exception as e:
                 error = e
         for _ in tensors:  # rank ≠ 0: the whole gather; rank 0: what a failure left undone
@@ -196,14 +194,17 @@ class RunSession:
     def _generate(self, step: int) -> RolloutBatch:
         if self.cfg.data.filter_zero_variance_groups:
             return self._generate_dynamic(step)
-        chosen = self.batches.batch(step)
+        return self._generate_for(self.batches.batch(step), rollout_seed(self.cfg.seed, step))
+
+    def _generate_for(self, chosen, base_seed: int) -> RolloutBatch:
+        """`group_size` samples of each prompt in `chosen` from the engines, with a progress bar."""
         bar = self.console.rollout_bar(len(chosen) * self.cfg.algorithm.group_size)
         self.engines.on_result = None if bar is None else (lambda _result: bar.update(1))
         try:
             return self.engines.generate(
                 [e.prompt_ids for e in chosen],
                 [e.answer for e in chosen],
-                base_seed=rollout_seed(self.cfg.seed, step),
+                base_seed=base_seed,
             )
         finally:
             self.engines.on_result = None
@@ -219,22 +220,22 @@ class RunSession:
         split = cfg.train.mini_batches * self.trainer.groups.dp_size  # the trainer splits samples this way
         multiple = split // math.gcd(n, split)
 
-        def generate(chosen, round_: int) -> RolloutBatch:
-            return self.engines.generate(
-                [e.prompt_ids for e in chosen],
-                [e.answer for e in chosen],
-                base_seed=rollout_seed(cfg.seed, step) * 64 + round_,
-            )
-
         return sample_until_full(
             self.stream.take,
-            generate,
+            lambda chosen, round_: self._generate_for(chosen, rollout_seed(cfg.seed, step) * 64 + round_),
             target_groups=cfg.data.prompts_per_step,
             group_size=n,
             max_rounds=cfg.data.max_sampling_rounds,
             multiple=multiple,
             cursor=self.data_cursor,
         )
+
+
+def load_eval_examples(data, tokenizer) -> list:
+    """The first `data.eval_prompts` prompts of `data.eval_path` (a `DataSection`), tokenized."""
+    from megatron_tail.data import PromptDataConfig, load_prompts
+
+    return load_prompts(PromptDataConfig.of(data.eval_path, data), tokenizer)[: data.eval_prompts]
 
 
 def load_tokenizer(path: str):
