@@ -129,6 +129,11 @@ class RolloutSection:
     rendezvous); None: 127.0.0.1 for the local engine, this host's name otherwise."""
     weight_sync_dir: str | None = None
     """Where the exported weights go; None: `<run_dir>/rollout_weights`. Must be visible to remote engines."""
+    max_staleness: int = 0
+    """How many weight versions a step's samples may lag the policy they train: 0, each step samples with
+    the weights it trains (rollout and training alternate); 1, step k+1's batch is generated while step k
+    trains, with the weights step k started from (one version behind; the IS corrections weigh by
+    π_old/π_infer, the decoupled PPO objective; see the README)."""
 
     @property
     def local_engine_dtype(self) -> str:
@@ -141,6 +146,13 @@ class RolloutSection:
         if self.dtype is not None:
             _choice("rollout", "dtype", self.dtype, LOCAL_DTYPES)
         _choice("rollout", "weight_sync", self.weight_sync, WEIGHT_SYNC_MODES)
+        if isinstance(self.max_staleness, bool) or self.max_staleness not in (0, 1):
+            _bad(
+                "rollout",
+                "max_staleness",
+                self.max_staleness,
+                "must be 0 (synchronous) or 1 (one step ahead)",
+            )
         for name in ("sync_bucket_mb", "sync_timeout_s"):
             if not getattr(self, name) > 0:
                 _bad("rollout", name, getattr(self, name), "must be > 0")

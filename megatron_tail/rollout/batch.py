@@ -34,11 +34,20 @@ class RolloutBatch:
         return len(self.response_ids)
 
 
-def rollout_metrics(batch: RolloutBatch, *, expected_version: str) -> dict[str, float]:
-    """Reward, accuracy and response-length statistics of a step's samples, and `batch.metrics`."""
+def rollout_metrics(batch: RolloutBatch, *, policy_version: int) -> dict[str, float]:
+    """Reward, accuracy and response-length statistics of a step's samples, and `batch.metrics`.
+
+    `policy_version`: the weight version being trained (the step's θ_old). `rollout/stale_fraction` is the
+    fraction of samples another version produced; `rollout/staleness_mean` the mean lag in versions
+    (samples without an integer `weight_version` are left out of it, and it is absent if none has one).
+    """
     n = len(batch)
     if n == 0:
         return dict(batch.metrics)
+    lags = [
+        policy_version - int(v) for v in batch.weight_versions if v is not None and v.lstrip("-").isdigit()
+    ]
+    staleness = {"rollout/staleness_mean": sum(lags) / len(lags)} if lags else {}
     lengths = [len(r) for r in batch.response_ids]
     mean_reward = sum(batch.rewards) / n
     return {
@@ -48,6 +57,7 @@ def rollout_metrics(batch: RolloutBatch, *, expected_version: str) -> dict[str, 
         "response/length_mean": sum(lengths) / n,
         "response/length_max": float(max(lengths)),
         "response/truncated_fraction": sum(batch.truncated) / n,
-        "rollout/stale_fraction": sum(v != expected_version for v in batch.weight_versions) / n,
+        "rollout/stale_fraction": sum(v != str(policy_version) for v in batch.weight_versions) / n,
+        **staleness,
         **batch.metrics,
     }

@@ -3,7 +3,8 @@ generating a step's samples and scoring them with the reward, eval, and pushing 
 
 Only global rank 0 makes `RolloutEngines`; the other ranks receive the `RolloutBatch` by broadcast
 (`engine.collectives.on_rank0`). All HTTP work runs on one private asyncio event loop, so the RL loop stays
-synchronous.
+synchronous; one thread at a time drives it (the main thread, or the rollout-ahead worker while the main
+thread trains and leaves the engines alone).
 """
 
 from __future__ import annotations
@@ -206,6 +207,14 @@ class RolloutEngines:
 
     def _run(self, coro):
         return self.loop.run_until_complete(coro)
+
+    def cancel(self) -> None:
+        """Cancel the requests in flight, from any thread: a `generate` running in another thread raises
+        `CancelledError` there soon after. Tasks started later are not affected."""
+        if self.loop.is_closed():
+            return
+        for task in asyncio.all_tasks(self.loop):  # safe off the loop's thread: it copies with retries
+            self.loop.call_soon_threadsafe(task.cancel)
 
     def close(self) -> None:
         try:

@@ -8,6 +8,10 @@ the engines and computes rewards; the batch reaches every rank by broadcast. Eac
 sampling seeds are functions of (seed, step), so a resumed run sees the same data in the same order. On
 SIGTERM / SIGUSR1 the current step finishes, a checkpoint is written, and `run` returns normally (exit code
 0); the next run resumes at the following step.
+
+With `rollout.max_staleness: 1` the next step's rollout runs on rank 0 in the background from the step's
+start until before its weight sync, so step k+1 samples with the weights step k trained from; that batch
+is held, and checkpointed with the step, so a resumed run trains on the same samples.
 """
 
 from __future__ import annotations
@@ -89,9 +93,13 @@ def rl_step(
     bucket limits, counts)) and whether a stop was agreed."""
     done = step + 1
     started = time.perf_counter()
-    batch = s.rollout(step)  # rollout + reward: rank 0 generates and scores, every rank gets the batch
+    batch = s.rollout(step)  # rollout + reward: rank 0 generates and scores (or it was generated ahead)
     trained = time.perf_counter()
-    metrics, histograms, tokens = rollout_metrics(batch, expected_version=str(step)), {}, 0
+    ahead = s.cfg.rollout.max_staleness > 0 and done < s.cfg.train.steps
+    if ahead:
+        s.launch_rollout(done)  # the next step's batch, with the weights this step trains from
+    metrics, histograms, tokens = rollout_metrics(batch, policy_version=step), {}, 0
+    metrics["perf/rollout_wait_s"] = trained - started
     # the LR schedule counts RL steps, trained or not: every update of this step uses this rate
     metrics["train/lr"] = advance(s.trainer.scheduler)
     if len(batch):
@@ -100,6 +108,10 @@ def rl_step(
     # an empty batch: dynamic sampling kept no group with a reward signal, nothing to learn from this step
     metrics["train/skipped_step"] = 0.0 if len(batch) else 1.0
     train_s = time.perf_counter() - trained
+    if ahead:  # the engines must be idle before they take new weights: wait for the batch, hold it
+        collected = s.collect_rollout()
+        metrics["perf/overlap_s"] = collected["perf/overlap_s"]
+        metrics["perf/rollout_wait_s"] += collected["perf/rollout_wait_s"]
     sync_s = s.sync_weights(version=done)  # weight sync: the engines load θ_new as version `done`
     if cadence.eval_after(done):
         metrics.update(s.evaluate())  # eval
@@ -125,11 +137,14 @@ def _train_on(s: RunSession, batch) -> tuple[dict[str, float], dict, int]:
     cfg, trainer = s.cfg, s.trainer
     built = build_samples(cfg, batch)  # reward shaping, advantages (GRPO / RLOO), per response token
     layout = layout_micro_batches(cfg, built.samples, trainer.groups)  # mini-batches × DP × micro-batches
+    scoring = time.perf_counter()
     old = score_old_policy(trainer, cfg, layout)  # θ_old log-probs, |V_S|, mismatch diagnostics
     if s.reference is not None:
         score_reference(trainer, s.reference, cfg, layout)  # KL: log π_ref of the same tokens
+    logprob_s = time.perf_counter() - scoring
     update = update_policy(trainer, cfg.algorithm, layout, old, op=op_settings(cfg))  # optimizer step(s)
-    return {**built.metrics, **update.metrics, **old.diagnostics}, old.histograms, layout.tokens
+    metrics = {**built.metrics, **update.metrics, **old.diagnostics, "perf/logprob_time_s": logprob_s}
+    return metrics, old.histograms, layout.tokens
 
 
 def run(cfg: RunConfig, hooks: LoopHooks | None = None) -> RunResult:

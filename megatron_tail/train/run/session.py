@@ -1,13 +1,19 @@
 """`RunSession`: what one RL run holds (the trainer, rank 0's rollout engines and prompts) and one
 collective method per thing the loop does with them.
 
-Collective methods (every rank calls them): `resume`, `wait_ready`, `rollout`, `sync_weights`, `evaluate`,
-`checkpoint`. Rank 0 alone owns the engines, the tokenizer and the prompts; what it produces reaches every
-rank through `on_rank0`, so a failure there raises on every rank instead of hanging them.
+Collective methods (every rank calls them): `resume`, `wait_ready`, `rollout`, `collect_rollout`,
+`sync_weights`, `evaluate`, `checkpoint`. Rank 0 alone owns the engines, the tokenizer and the prompts; what
+it produces reaches every rank through `on_rank0`, so a failure there raises on every rank instead of
+hanging them.
+
+Rollout ahead (`rollout.max_staleness: 1`): `launch_rollout(k + 1)` starts step k+1's batch on rank 0 in the
+background with the engines' current weights; `collect_rollout()` waits for it and hands it to every rank,
+where it is held (and checkpointed with the step) until `rollout(k + 1)` takes it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from pathlib import Path
@@ -26,6 +32,7 @@ from ..engine.setup import build_trainer
 from . import run_dir
 from .console import Console, progress_enabled
 from .engines import RolloutEngines
+from .rollout_ahead import BackgroundJob
 
 
 def rollout_seed(seed: int, step: int) -> int:
@@ -47,6 +54,10 @@ class RunSession:
         self.reference = None
         self.data_cursor = 0
         """With dynamic sampling: the prompt stream's position (every rank; checkpointed)."""
+        self.held: tuple[int, RolloutBatch] | None = None
+        """(step, batch) generated ahead and not trained on yet (every rank; checkpointed)."""
+        self._ahead: BackgroundJob[RolloutBatch] | None = None
+        self._ahead_step: int | None = None
 
         def start_engines() -> None:
             tokenizer = load_tokenizer(cfg.model.hf_path)
@@ -103,6 +114,10 @@ class RunSession:
             return 0
         rl_state = load_checkpoint(path, self.trainer)
         self.data_cursor = int(rl_state.get("data_cursor", 0))
+        ahead = rl_state.get("rollout_ahead")
+        if ahead is not None and ahead["step"] == rl_state["step"]:
+            # the batch that was generated for the next step: train on it, as the stopped run would have
+            self.held = (ahead["step"], RolloutBatch(**ahead["batch"]))
         # a checkpoint from before the schedule existed: the schedule is at its completed steps
         restore_progress(
             self.trainer.scheduler, rl_state.get("lr_scheduler", {"num_steps": rl_state["step"]})
@@ -116,8 +131,33 @@ class RunSession:
     def rollout(self, step: int) -> RolloutBatch:
         """Step `step`'s prompts (a function of seed and step; with dynamic sampling, of the stream's cursor),
         `group_size` responses each from the engines, scored by the reward; generated on rank 0, identical on
-        every rank (which all advance the cursor)."""
-        batch = on_rank0(lambda: self._generate(step))
+        every rank (which all advance the cursor). A batch held for `step` (generated ahead) is taken
+        instead, without a collective."""
+        if self.held is not None:
+            held_step, batch = self.held
+            if held_step != step:
+                raise RuntimeError(f"the batch generated ahead is for step {held_step}, not step {step}")
+            self.held = None
+            return batch
+        return self._receive(on_rank0(lambda: self._generate(step)))
+
+    def launch_rollout(self, step: int) -> None:
+        """Rank 0 starts generating step `step`'s batch in the background with the engines' current weights
+        (other ranks: nothing). Not collective; `collect_rollout` is."""
+        if self.rank == 0:
+            if self._ahead is None:
+                self._ahead = BackgroundJob("rollout-ahead")
+            self._ahead.launch(lambda: self._generate(step, progress=False))
+        self._ahead_step = step
+
+    def collect_rollout(self) -> dict[str, float]:
+        """Wait for the launched batch and hold it on every rank for its step. Returns `perf/overlap_s`
+        (seconds it generated while the trainer worked) and `perf/rollout_wait_s` (seconds waited now)."""
+        collected = on_rank0(lambda: self._ahead.wait())
+        self.held = (self._ahead_step, self._receive(collected.result))
+        return {"perf/overlap_s": collected.overlap_s, "perf/rollout_wait_s": collected.wait_s}
+
+    def _receive(self, batch: RolloutBatch) -> RolloutBatch:
         if batch.data_cursor is not None:
             self.data_cursor = batch.data_cursor
         return batch
@@ -178,6 +218,10 @@ class RunSession:
             "seed": self.cfg.seed,
             "lr_scheduler": self.trainer.scheduler.state_dict(),
             "data_cursor": self.data_cursor,
+            # generated ahead for step `done` + 1: a resumed run trains on the same samples
+            "rollout_ahead": None
+            if self.held is None
+            else {"step": self.held[0], "batch": dataclasses.asdict(self.held[1])},
         }
         save_checkpoint(path, self.trainer, rl_state, overwrite=True)
         if self.rank == 0:
@@ -186,19 +230,24 @@ class RunSession:
         return time.perf_counter() - started
 
     def close(self) -> None:
-        if self.engines is not None:
-            self.engines.close()
+        try:
+            if self._ahead is not None:
+                self._ahead.close(cancel=self.engines.cancel)
+        finally:
+            if self.engines is not None:
+                self.engines.close()
 
     # --- rank 0 ---------------------------------------------------------------------------------------
 
-    def _generate(self, step: int) -> RolloutBatch:
+    def _generate(self, step: int, progress: bool = True) -> RolloutBatch:
         if self.cfg.data.filter_zero_variance_groups:
-            return self._generate_dynamic(step)
-        return self._generate_for(self.batches.batch(step), rollout_seed(self.cfg.seed, step))
+            return self._generate_dynamic(step, progress)
+        return self._generate_for(self.batches.batch(step), rollout_seed(self.cfg.seed, step), progress)
 
-    def _generate_for(self, chosen, base_seed: int) -> RolloutBatch:
-        """`group_size` samples of each prompt in `chosen` from the engines, with a progress bar."""
-        bar = self.console.rollout_bar(len(chosen) * self.cfg.algorithm.group_size)
+    def _generate_for(self, chosen, base_seed: int, progress: bool = True) -> RolloutBatch:
+        """`group_size` samples of each prompt in `chosen` from the engines, with a progress bar unless
+        generating in the background."""
+        bar = self.console.rollout_bar(len(chosen) * self.cfg.algorithm.group_size) if progress else None
         self.engines.on_result = None if bar is None else (lambda _result: bar.update(1))
         try:
             return self.engines.generate(
@@ -211,7 +260,7 @@ class RunSession:
             if bar is not None:
                 bar.close()
 
-    def _generate_dynamic(self, step: int) -> RolloutBatch:
+    def _generate_dynamic(self, step: int, progress: bool) -> RolloutBatch:
         """DAPO's dynamic sampling: rounds from the prompt stream until `prompts_per_step` groups with a
         reward signal; each round's seeds are a function of (seed, step, round)."""
         from megatron_tail.rollout.dynamic_sampling import sample_until_full
@@ -222,7 +271,9 @@ class RunSession:
 
         return sample_until_full(
             self.stream.take,
-            lambda chosen, round_: self._generate_for(chosen, rollout_seed(cfg.seed, step) * 64 + round_),
+            lambda chosen, round_: self._generate_for(
+                chosen, rollout_seed(cfg.seed, step) * 64 + round_, progress
+            ),
             target_groups=cfg.data.prompts_per_step,
             group_size=n,
             max_rounds=cfg.data.max_sampling_rounds,

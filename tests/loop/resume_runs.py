@@ -1,0 +1,53 @@
+"""The runs the resume tests compare: a rank's `run` with a SIGTERM hook, and the settings of a 4-step TP = 2
+run with every stateful feature on (LR schedule, KL, entropy bonus, overlong penalty, dynamic sampling)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from megatron_tail.config import load_config
+from tests.loop.conftest import loop_overrides
+
+COMPARED = [
+    "train/loss", "train/grad_norm", "reward/mean", "mismatch/kl_infer_train_k3", "policy/entropy",
+    "train/lr", "train/kl_ref", "rollout/filtered_groups_fraction", "rollout/sampling_rounds",
+    "rollout/batch_fill", "train/entropy_loss", "reward/overlong_penalty_mean",
+]  # fmt: skip
+# warm-up over 2 steps to 2e-3, cosine to 5e-4 at step 4: RL steps 1..4 train at
+LR_BY_STEP = [1e-3, 2e-3, 5e-4 + 0.5 * 1.5e-3, 5e-4]
+
+
+def run_rank(rank, world, overrides, sigterm_at_step):  # noqa: ARG001
+    from megatron_tail.train.run.loop import LoopHooks, run
+
+    def on_step_start(step: int) -> None:
+        if step == sigterm_at_step and rank == 0:
+            os.kill(os.getpid(), signal.SIGTERM)  # a real signal, to one rank only
+
+    result = run(load_config(None, overrides), LoopHooks(on_step_start=on_step_start))
+    return result.start_step, result.completed_steps, result.stopped_by, result.history
+
+
+def resume_overrides(tiny_model_dir, prompt_file, engine, run_dir):
+    extra = {
+        "rollout.engine": "remote",
+        "rollout.server_urls": f"[{engine.url}]",
+        "algorithm.is_mode": "tis",
+        "train.steps": 4,
+        "train.checkpoint_every": 10,  # only the stop and the last step save
+        "optimizer.lr": 2e-3,  # slow enough that step 3 still has mixed rewards (non-zero gradients)
+        # a schedule, so that resuming must restore its progress (the checkpoint's lr_scheduler state)
+        "optimizer.lr_warmup_steps": 2,
+        "optimizer.lr_decay_style": "cosine",
+        "optimizer.lr_decay_steps": 4,
+        "optimizer.min_lr": 5e-4,
+        "algorithm.kl_coef": 0.01,  # the reference model is rebuilt on resume: KL must continue exactly
+        # dynamic sampling: the prompt stream's cursor must come back from the checkpoint
+        "data.filter_zero_variance_groups": True,
+        "data.max_sampling_rounds": 3,
+        "data.reward": "tests.loop.rewards:has_digit",  # binary: some groups have equal rewards
+        "algorithm.entropy_coef": 1e-3,
+        "algorithm.overlong_buffer": 2,
+    }
+    return loop_overrides(tiny_model_dir, prompt_file, run_dir, extra)
