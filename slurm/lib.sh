@@ -12,8 +12,8 @@ mt_log() { # mt_log MSG... : timestamped line to stdout (the sbatch --output fil
 
 mt_die() { mt_log "ERROR: $*"; exit 1; }
 
-mt_port_base() { # mt_port_base JOBID : first of 10 ports owned by this job (20000..59990)
-  echo $((20000 + ($1 % 4000) * 10))
+mt_port_base() { # mt_port_base JOBID : first of 16 ports owned by this job (20000..59984)
+  echo $((20000 + ($1 % 2500) * 16))
 }
 
 mt_step_ids() { # mt_step_ids NAME : ids (JOBID.STEPID) of this job's running steps named NAME

@@ -126,7 +126,11 @@ class RolloutSection:
     """"distributed": the weight group's timeout; a server that dies mid-sync fails the step after it."""
     sync_master_address: str | None = None
     """"distributed": the address at which the engines reach the trainer's rank 0 (it hosts the group's
-    rendezvous); None: 127.0.0.1 for the local engine, this host's name otherwise."""
+    rendezvous); None: 127.0.0.1 for the local engine, else rank 0's Slurm node name (`SLURMD_NODENAME`),
+    else its host name."""
+    sync_master_port: int | None = None
+    """"distributed": the port of that rendezvous on rank 0's host; None: a free one. `slurm/rl.sbatch`
+    sets it from the job's port block."""
     weight_sync_dir: str | None = None
     """Where the exported weights go; None: `<run_dir>/rollout_weights`. Must be visible to remote engines."""
     max_staleness: int = 0
@@ -163,8 +167,10 @@ class RolloutSection:
         bad = [u for u in self.server_urls if not str(u).startswith(("http://", "https://"))]
         if bad:
             _bad("rollout", "server_urls", bad, "must be http(s):// base URLs")
-        if self.local_port is not None and not 0 < self.local_port < 65536:
-            _bad("rollout", "local_port", self.local_port, "must be in 1..65535")
+        for name in ("local_port", "sync_master_port"):
+            port = getattr(self, name)
+            if port is not None and not 0 < port < 65536:
+                _bad("rollout", name, port, "must be in 1..65535")
         if self.local_num_threads is not None:
             _positive_int("rollout", "local_num_threads", self.local_num_threads)
         _positive_int("rollout", "max_new_tokens", self.max_new_tokens)

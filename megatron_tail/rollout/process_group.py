@@ -32,7 +32,6 @@ def init_custom_process_group(
         _new_process_group_helper,
         _world,
         default_pg_timeout,
-        rendezvous,
     )
 
     if not group_name:
@@ -40,8 +39,7 @@ def init_custom_process_group(
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, world_size={world_size}); got {rank}")
     timeout = timeout or default_pg_timeout
-    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
+    store = _tcp_store(init_method, rank, world_size, timeout)
     store = PrefixStore(group_name, store)
     pg, _ = _new_process_group_helper(
         world_size,
@@ -55,3 +53,19 @@ def init_custom_process_group(
     )
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
+
+
+def _tcp_store(init_method: str, rank: int, world_size: int, timeout: timedelta) -> dist.TCPStore:
+    """The group's store, hosted by rank 0 at `init_method` = `tcp://host:port`.
+
+    Built here rather than by `torch.distributed.rendezvous`: under torchrun (TORCHELASTIC_USE_AGENT_STORE)
+    that turns rank 0 into a client of a store it expects torchrun's agent to host, and the trainer's rank
+    0 would wait for a server nobody started."""
+    from urllib.parse import urlparse
+
+    url = urlparse(init_method)
+    if url.scheme != "tcp" or not url.hostname or url.port is None:
+        raise ValueError(f"init_method must be tcp://host:port; got {init_method!r}")
+    return dist.TCPStore(
+        url.hostname, url.port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
+    )

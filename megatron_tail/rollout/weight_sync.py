@@ -65,7 +65,7 @@ class _Servers:
             return_exceptions=True,
         )
         failures = [
-            f"{url}{path}: {answer}"
+            f"{url}{path}: {_describe(answer)}"
             for url, answer in zip(self.urls, answers, strict=True)
             if isinstance(answer, BaseException) or answer.get("success") is False
         ]
@@ -116,6 +116,13 @@ class _Servers:
             raise
         await self.post_all(session, "/continue_generation", [{}] * n)
         return result
+
+
+def _describe(answer) -> str:
+    """A server's failed answer; an exception by its type too (a timeout's own text is empty)."""
+    if isinstance(answer, BaseException):
+        return f"{type(answer).__name__}: {answer}" if str(answer) else type(answer).__name__
+    return str(answer)
 
 
 def next_version(current: str) -> str:

@@ -182,3 +182,38 @@ def test_an_update_a_server_did_not_take_is_refused():
             await runner.cleanup()
 
     assert asyncio.run(scenario()) == "3"  # not bumped
+
+
+def test_the_weight_group_forms_in_a_trainer_launched_by_torchrun():
+    """torchrun sets TORCHELASTIC_USE_AGENT_STORE, which makes `torch.distributed.rendezvous` turn rank 0
+    into a client of a store it expects torchrun to host; the trainer's rank 0 must host the weight
+    group's store itself (found on a real Slurm job: rank 0 timed out connecting to its own port)."""
+    import os
+    import subprocess
+    import sys
+
+    port = free_port()
+    script = (
+        "import sys, datetime, torch, torch.distributed as dist\n"
+        "from megatron_tail.rollout.process_group import init_custom_process_group\n"
+        "rank = int(sys.argv[1])\n"
+        f"pg = init_custom_process_group(backend='gloo', init_method='tcp://127.0.0.1:{port}',\n"
+        "    world_size=2, rank=rank, group_name='weights', timeout=datetime.timedelta(seconds=20))\n"
+        "t = torch.full((3,), 7.0) if rank == 0 else torch.zeros(3)\n"
+        "dist.broadcast(t, src=0, group=pg)\n"
+        "print(t.tolist())\n"
+    )
+    trainer_env = {**os.environ, "TORCHELASTIC_USE_AGENT_STORE": "True"}  # as torchrun's workers have it
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, str(rank)],
+            env=trainer_env if rank == 0 else dict(os.environ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert [o[0].strip() for o in outs] == ["[7.0, 7.0, 7.0]"] * 2

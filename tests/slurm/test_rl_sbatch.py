@@ -1,10 +1,12 @@
 """`sbatch --wait slurm/rl.sbatch` on a real local Slurm cluster with the tiny CPU config.
 
 node1 runs the local CPU engine (`megatron-tail serve-local`, MT_ROLLOUT_BACKEND=local) as the rollout
-server; node2 runs the trainer (`srun torchrun`, 2 ranks, TP = 2, gloo, c10d rendezvous). The first test
-runs a job to the end; the second sends USR1 to the batch script mid-run, as `--signal=B:USR1@N` does
-before a time limit, and checks that the trainer checkpoints, the job requeues itself and the requeued
-job (same id, same run directory) resumes from that checkpoint and finishes.
+server; node2 runs the trainer (`srun torchrun`, 2 ranks, TP = 2, gloo, c10d rendezvous).
+- The first test runs a job to the end with weights synced in memory (node1's engine joins the group on
+  node2's rank 0 at the job's port) and rollout one step ahead.
+- The second (disk sync, also one step ahead) sends USR1 to the batch script mid-run, as
+  `--signal=B:USR1@N` does before a time limit, and checks that the trainer checkpoints, the job requeues
+  itself and the requeued job (same id, same run directory) resumes from that checkpoint and finishes.
 """
 
 from __future__ import annotations
@@ -94,20 +96,26 @@ def cancel(job_id: str | None) -> None:
         subprocess.run(["scancel", job_id], capture_output=True)
 
 
-def tensorboard_steps(run_dir: Path, tag: str) -> list[int]:
+def tensorboard_scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
     acc.Reload()
     assert tag in acc.Tags()["scalars"], f"no {tag!r} in {acc.Tags()['scalars']}"
-    return [e.step for e in acc.Scalars(tag)]
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
+
+
+def tensorboard_steps(run_dir: Path, tag: str) -> list[int]:
+    return [step for step, _ in tensorboard_scalars(run_dir, tag)]
 
 
 def test_rl_job_runs_to_the_end(slurm_cluster, tiny_model_dir, prompt_file, tmp_path):  # noqa: ARG001
     config = write_config(tmp_path, tiny_model_dir, prompt_file, steps=3, checkpoint_every=10)
     job_id = None
     try:
-        argv = sbatch_argv(config, tmp_path)
+        ahead = ["--set", "rollout.max_staleness=1"]
+        in_memory = ["--set", "rollout.weight_sync=distributed", "--set", "rollout.sync_timeout_s=60"]
+        argv = sbatch_argv(config, tmp_path, *in_memory, *ahead)
         proc = subprocess.run(
             argv, cwd=tmp_path, env=job_env(), capture_output=True, text=True, timeout=WAIT_S
         )
@@ -133,12 +141,18 @@ def test_rl_job_runs_to_the_end(slurm_cluster, tiny_model_dir, prompt_file, tmp_
     assert resolved["rollout"]["engine"] == "remote"
     urls = resolved["rollout"]["server_urls"]
     assert len(urls) == 1 and re.fullmatch(r"http://node1:\d+", urls[0]), urls
+    # weights went in memory over the job's sync port (port block +2; servers from +3), nothing on disk
+    assert resolved["rollout"]["weight_sync"] == "distributed"
+    assert resolved["rollout"]["sync_master_port"] == int(urls[0].rsplit(":", 1)[1]) - 1
+    assert not (run_dir / "rollout_weights").exists()
     trainer = read_text(logs / "trainer.log")
     assert re.search(r"^step 3 ", trainer, re.M), report
     assert (run_dir / "checkpoints" / "step_000003" / "metadata.json").is_file(), report
     # TensorBoard events under the run directory, one point per step
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*")), report
     assert tensorboard_steps(run_dir, "reward/mean") == [1, 2, 3]
+    # one step ahead: steps 2 and 3 trained on samples of the weights one sync behind, as the engine said
+    assert [v for _, v in tensorboard_scalars(run_dir, "rollout/staleness_mean")] == [0.0, 1.0, 1.0]
     # teardown left no step of the job behind
     squeue = ["squeue", "--noheader", "--steps", f"--jobs={job_id}"]
     left = subprocess.run(squeue, capture_output=True, text=True)
@@ -159,7 +173,7 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm_cluster, tiny_model_dir, pr
     steps = 40  # long enough (≈ 0.3 s per step) that USR1 after step 1 lands mid-run
     config = write_config(tmp_path, tiny_model_dir, prompt_file, steps=steps, checkpoint_every=1000)
     run_dir = tmp_path / "run"
-    argv = sbatch_argv(config, tmp_path)
+    argv = sbatch_argv(config, tmp_path, "--set", "rollout.max_staleness=1")  # a batch is held at the stop
     proc = subprocess.Popen(
         argv, cwd=tmp_path, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )

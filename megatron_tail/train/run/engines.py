@@ -178,16 +178,20 @@ class RolloutEngines:
         r = self.cfg.rollout
         if r.weight_sync == "disk":
             return DiskWeightSync(self.urls, timeout_s=r.request_timeout_s)
+        import os
         import socket
 
         import torch
 
-        address = r.sync_master_address or ("127.0.0.1" if local else socket.getfqdn())
+        # rank 0 hosts the group's rendezvous: the engines reach it by the name its node has for Slurm
+        address = r.sync_master_address or (
+            "127.0.0.1" if local else os.environ.get("SLURMD_NODENAME") or socket.getfqdn()
+        )
         engine_dtype = r.local_engine_dtype if local else (r.dtype or "bfloat16")
         return DistributedWeightSync(
             self.urls,
             master_address=address,
-            master_port=free_port(),
+            master_port=r.sync_master_port or free_port(),
             backend="nccl" if torch.cuda.is_available() else "gloo",
             timeout_s=r.sync_timeout_s,
             bucket_mb=r.sync_bucket_mb,
