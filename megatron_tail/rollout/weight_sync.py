@@ -168,7 +168,9 @@ class DistributedWeightSync:
         server_urls: the engines (not a router).
         master_address / master_port: where this process (rank 0) hosts the group's TCP rendezvous;
             must be reachable from the engines.
-        engine_tp_sizes: TP size of each engine (its ranks are `rank_offset + tp_rank`); default all 1.
+        engine_tp_sizes: TP size of each engine (its ranks are `rank_offset + tp_rank`, SGLang's
+            `ModelRunner.init_weights_update_group`); None: `init_group` asks each server's `/server_info`
+            for its `tp_size`.
         backend: "nccl" on GPU clusters (tensors must be on this rank's GPU), "gloo" on CPU.
         bucket_mb: tensors are streamed in buckets of at most this size (one
             `/update_weights_from_distributed` per bucket), so the sender holds one bucket plus the tensor
@@ -200,21 +202,49 @@ class DistributedWeightSync:
         self.dtype = dtype
         self.last_update: dict[str, int] = {}
         """Of the last `update`: `buckets` sent, `tensors`, and `peak_bytes` the sender held at once."""
-        tp_sizes = list(engine_tp_sizes or [1] * len(self.servers.urls))
-        if len(tp_sizes) != len(self.servers.urls) or any(t < 1 for t in tp_sizes):
-            raise ValueError(f"engine_tp_sizes must give one size ≥ 1 per server; got {tp_sizes!r}")
+        if engine_tp_sizes is not None:
+            self._set_layout(list(engine_tp_sizes))
         if not 0 < int(master_port) < 65536:
             raise ValueError(f"master_port must be in 1..65535; got {master_port!r}")
-        self.rank_offsets = [1 + sum(tp_sizes[:i]) for i in range(len(tp_sizes))]
-        self.world_size = 1 + sum(tp_sizes)
+        self.engine_tp_sizes: list[int] | None = None if engine_tp_sizes is None else list(engine_tp_sizes)
         self.master_address, self.master_port = master_address, int(master_port)
         self.group_name, self.backend = group_name, backend
         self.timeout_s = timeout_s
         self.weight_version = str(initial_version)
         self.group = None
 
+    def _set_layout(self, tp_sizes: list[int]) -> None:
+        if len(tp_sizes) != len(self.servers.urls) or any(
+            isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in tp_sizes
+        ):
+            raise ValueError(
+                f"engine_tp_sizes must give one int ≥ 1 per server ({self.servers.urls}); got {tp_sizes!r}"
+            )
+        self.rank_offsets = [1 + sum(tp_sizes[:i]) for i in range(len(tp_sizes))]
+        self.world_size = 1 + sum(tp_sizes)
+
+    async def _ask_tp_sizes(self, session) -> list[int]:
+        """Each server's `tp_size` from `/server_info` (SGLang: its resolved server args)."""
+
+        async def ask(url: str) -> int:
+            async with session.get(f"{url}/server_info", timeout=self.servers.timeout) as resp:
+                info = await resp.json(content_type=None)
+            if int(info.get("pp_size", 1)) != 1:
+                raise WeightSyncError(
+                    f"{url} runs pipeline parallel (pp_size={info['pp_size']}); in-memory weight sync "
+                    "supports TP engines only, use rollout.weight_sync: disk"
+                )
+            return int(info["tp_size"])
+
+        return list(await asyncio.gather(*(ask(u) for u in self.servers.urls)))
+
     async def init_group(self) -> None:
-        """Form the group: this process joins as rank 0 while every engine joins at its rank offset."""
+        """Form the group: this process joins as rank 0 while every engine joins at its rank offset (each
+        engine's TP size given, or asked for now)."""
+        if self.engine_tp_sizes is None:
+            async with aiohttp.ClientSession() as session:
+                self.engine_tp_sizes = await self._ask_tp_sizes(session)
+            self._set_layout(self.engine_tp_sizes)
         bodies = [
             {
                 "master_address": self.master_address,

@@ -4,6 +4,7 @@ and the disk and the distributed (gloo) paths load the same weights."""
 from __future__ import annotations
 
 import asyncio
+import re
 
 import aiohttp
 import pytest
@@ -217,3 +218,55 @@ def test_the_weight_group_forms_in_a_trainer_launched_by_torchrun():
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     assert [o[0].strip() for o in outs] == ["[7.0, 7.0, 7.0]"] * 2
+
+
+def test_the_group_is_laid_out_from_each_servers_tp_size():
+    """Without `engine_tp_sizes`, `init_group` asks every server's `/server_info` (SGLang's resolved server
+    args) for its `tp_size`: servers at TP 2 and TP 1 join as ranks 1-2 and 3 of a group of 4. A server
+    running pipeline parallel is refused by name (SGLang joins its ranks as `rank_offset + tp_rank`)."""
+    from aiohttp import web
+
+    from megatron_tail.rollout import WeightSyncError
+
+    joined: list[dict] = []
+
+    def app_with(tp_size: int, pp_size: int = 1) -> web.Application:
+        async def server_info(_request):
+            return web.json_response({"tp_size": tp_size, "pp_size": pp_size, "dp_size": 1})
+
+        async def init_group(request):
+            joined.append(await request.json())
+            return web.json_response({"success": False, "message": "not joining in this test"})
+
+        app = web.Application()
+        app.router.add_get("/server_info", server_info)
+        app.router.add_post("/init_weights_update_group", init_group)
+        return app
+
+    async def scenario(layouts):
+        runners, urls = [], []
+        for tp, pp in layouts:
+            runner = web.AppRunner(app_with(tp, pp))
+            await runner.setup()
+            port = free_port()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+            runners.append(runner)
+            urls.append(f"http://127.0.0.1:{port}")
+        sync = DistributedWeightSync(
+            urls, master_address="127.0.0.1", master_port=free_port(), backend="gloo", timeout_s=1.0
+        )
+        try:
+            with pytest.raises(WeightSyncError) as info:
+                await sync.init_group()
+            return sync, str(info.value)
+        finally:
+            for runner in runners:
+                await runner.cleanup()
+
+    sync, _ = asyncio.run(scenario([(2, 1), (1, 1)]))
+    assert sync.engine_tp_sizes == [2, 1] and sync.world_size == 4
+    assert sorted((b["rank_offset"], b["world_size"]) for b in joined) == [(1, 4), (3, 4)]
+    joined.clear()
+    _, message = asyncio.run(scenario([(1, 1), (2, 2)]))
+    assert re.search(r"http://127\.0\.0\.1:\d+ runs pipeline parallel \(pp_size=2\)", message)
+    assert joined == []  # refused before anything joined
