@@ -16,7 +16,9 @@ local engine; its fp32 HF tensors (what `model.iter_hf_tensors` yields on rank 0
                gloo over loopback)
 Each path runs in a fresh process: seconds per sync (median of `--repeats`, after one untimed warm-up), and
 the sender's peak extra memory = ru_maxrss − RSS after its source tensors exist (as `bench.op` measures
-memory), as a multiple of the bucket size and against the bound "one bucket + the largest tensor".
+memory; glibc's mmap threshold fixed at 1 MiB so that freed buckets leave the RSS), as a multiple of the
+bucket size and against the bound "one bucket + the largest tensor". The "disk" here is this machine's
+page cache, not a shared filesystem: the projection below is where the disk path's real cost shows.
 
 Then a projection for Qwen3-8B / 14B on the example layouts, from these measurements and published
 bandwidths (see `project`): labelled as a projection, not a measurement.
@@ -317,6 +319,11 @@ def project(sync: dict[str, dict], bucket_mb: float) -> str:
 
 def _subprocess_json(args: list[str]) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    # glibc raises its mmap threshold as large blocks are freed, then keeps freed buckets in the heap, so
+    # the peak RSS would count dead buckets (measured: ~3 buckets instead of ~2 live); a fixed threshold
+    # returns each freed block, so the peak is what the sync holds at once. (On GPU the buckets live in
+    # the CUDA caching allocator, which reuses same-size blocks.)
+    env["MALLOC_MMAP_THRESHOLD_"] = str(2**20)
     proc = subprocess.run(
         [sys.executable, "-m", "megatron_tail.bench.loop", *args], capture_output=True, text=True, env=env
     )
