@@ -9,7 +9,8 @@ get one torch thread each (one core each on a 2-core machine). Steps/s and secon
 means over the steps after the first (which samples synchronously in both arms).
 
 Suite "sync": a synthetic Qwen3 of ~200M parameters (hidden 1024, 12 layers, vocab 32768) served by one bf16
-local engine; its fp32 HF tensors (what `model.iter_hf_tensors` yields on rank 0) reach the engine
+local engine; its HF tensors (what `model.iter_hf_tensors` yields on rank 0: bf16 from a bf16 trainer, fp32
+from an fp32 one; both are measured) reach the engine
   disk         written as bf16 safetensors (`StreamingSafetensorsWriter`, as `export_hf`) and reloaded by
                the engine (`/update_weights_from_disk`)
   distributed  streamed in buckets of `--bucket-mb`, cast to bf16 on the sender (`DistributedWeightSync`,
@@ -181,20 +182,26 @@ def _peak_rss_bytes(reset: bool) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _source_tensors(model_dir: str) -> dict:
-    """The fp32 HF tensors of `model_dir`'s shapes, made in place (no transient copy), seeded."""
+def _source_tensors(model_dir: str, dtype_name: str) -> dict:
+    """HF tensors of `model_dir`'s shapes in `dtype_name` ("bf16": a bf16 trainer's model parameters, as
+    `iter_hf_tensors` yields them; "fp32": an fp32 trainer's, cast by the sender), made in place, seeded."""
     import torch
 
     gen = torch.Generator().manual_seed(0)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
     shapes = _shapes(model_dir)
     return {
-        name: torch.empty(shape).normal_(0.0, 0.02, generator=gen) for name, shape in sorted(shapes.items())
+        name: torch.empty(shape, dtype=dtype).normal_(0.0, 0.02, generator=gen)
+        for name, shape in sorted(shapes.items())
     }
 
 
-def sync_probe(path: str, model_dir: str, url: str, out_dir: str, repeats: int, bucket_mb: float) -> dict:
+def sync_probe(
+    path: str, model_dir: str, url: str, out_dir: str, repeats: int, bucket_mb: float, source_dtype: str
+) -> dict:
     """In this (fresh) process: `repeats` + 1 syncs of the source tensors to the engine at `url` by `path`;
-    seconds of the timed ones and the peak RSS growth beyond the source tensors."""
+    seconds of the timed ones and the peak RSS growth beyond the source tensors. Each tensor is yielded as
+    a fresh copy, as the trainer's TP gather allocates every full parameter it yields."""
     import asyncio
 
     import torch
@@ -203,8 +210,9 @@ def sync_probe(path: str, model_dir: str, url: str, out_dir: str, repeats: int, 
     from megatron_tail.utils.net import free_port
 
     torch.set_num_threads(1)
-    source = _source_tensors(model_dir)
-    largest = max(t.numel() for t in source.values()) * 2  # bf16 bytes
+    source = _source_tensors(model_dir, source_dtype)
+    # "one full parameter" as the trainer holds it (its dtype), next to the bucket in the engines' bf16
+    largest = max(t.numel() * t.element_size() for t in source.values())
     total = sum(t.numel() for t in source.values()) * 2
     if path == "distributed":
         sync = DistributedWeightSync(
@@ -221,9 +229,10 @@ def sync_probe(path: str, model_dir: str, url: str, out_dir: str, repeats: int, 
     for i in range(repeats + 1):
         started = time.perf_counter()
         if path == "distributed":
-            asyncio.run(sync.update(iter(source.items()), weight_version=str(i)))
+            asyncio.run(sync.update(_gathered(source), weight_version=str(i)))
         else:
-            _write_bf16_dir(source, model_dir, Path(out_dir))
+            shapes = {n: tuple(t.shape) for n, t in source.items()}
+            _write_bf16_dir(shapes, _gathered(source), model_dir, Path(out_dir))
             asyncio.run(sync.update(out_dir, weight_version=str(i)))
         times.append(time.perf_counter() - started)
     peak = _peak_rss_bytes(reset)
@@ -239,7 +248,13 @@ def sync_probe(path: str, model_dir: str, url: str, out_dir: str, repeats: int, 
     }
 
 
-def _write_bf16_dir(source: dict, model_dir: str, out: Path) -> None:
+def _gathered(source: dict):
+    """(name, a new copy of the tensor) in order: what `iter_hf_tensors` yields after each gather."""
+    for name, tensor in source.items():
+        yield name, tensor.clone()
+
+
+def _write_bf16_dir(shapes: dict, tensors, model_dir: str, out: Path) -> None:
     """What `export_hf` does on rank 0: stream bf16 tensors into safetensors, with the config beside them."""
     import shutil
 
@@ -249,8 +264,8 @@ def _write_bf16_dir(source: dict, model_dir: str, out: Path) -> None:
 
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    writer = StreamingSafetensorsWriter(tmp, {n: tuple(t.shape) for n, t in source.items()}, torch.bfloat16)
-    for name, tensor in source.items():
+    writer = StreamingSafetensorsWriter(tmp, shapes, torch.bfloat16)
+    for name, tensor in tensors:
         writer.write(name, tensor.to(torch.bfloat16))
     writer.close()
     for f in Path(model_dir).iterdir():
@@ -260,15 +275,15 @@ def _write_bf16_dir(source: dict, model_dir: str, out: Path) -> None:
     os.replace(tmp, out)
 
 
-def format_sync(results: dict[str, dict], params: int) -> str:
+def format_sync(results: dict[str, dict], params: int, source_dtype: str) -> str:
     disk, dist_ = results["disk"], results["distributed"]
     bucket = dist_["bucket_bytes"]
     lines = [
         f"Weight sync of a synthetic Qwen3 ({params / 1e6:.0f}M parameters, "
-        f"{disk['total_bytes'] / 2**20:.0f} MiB in bf16) to one bf16 local engine, "
-        f"bucket {bucket / 2**20:.0f} MiB:",
+        f"{disk['total_bytes'] / 2**20:.0f} MiB in bf16) from {source_dtype} trainer tensors to one bf16 "
+        f"local engine, bucket {bucket / 2**20:.0f} MiB:",
         "",
-        "| path | seconds per sync | sender peak extra | ÷ bucket | bound: bucket + largest tensor |",
+        "| path | seconds per sync | sender peak extra | ÷ bucket | bound: bucket + largest source tensor |",
         "|---|---|---|---|---|",
     ]
     for name, r in results.items():
@@ -395,14 +410,17 @@ def run_sync_suite(work: Path, repeats: int, bucket_mb: float) -> str:
     model = work / "sync_model"
     params = _save_model(SYNC_MODEL, model)
     config = LocalEngineConfig(model_path=str(model), port=free_port(), dtype="bfloat16", num_threads=1)
-    results = {}
+    results: dict[str, dict[str, dict]] = {"bf16": {}, "fp32": {}}
     with LocalEngineProcess(config, work / "engine.log") as engine:
         engine.wait_healthy(timeout_s=600)
-        for path in ("disk", "distributed"):
-            args = [path, str(model), engine.url, str(work / "exported"), str(repeats), str(bucket_mb)]
-            results[path] = _subprocess_json(["--sync-probe", *args])
-            print(f"sync {path}: {results[path]['seconds']:.2f} s", file=sys.stderr, flush=True)
-    return format_sync(results, params) + "\n\n" + project(results, 512.0)
+        for source_dtype, by_path in results.items():
+            for path in ("disk", "distributed"):
+                args = [path, str(model), engine.url, str(work / "exported"), str(repeats), str(bucket_mb)]
+                by_path[path] = _subprocess_json(["--sync-probe", *args, source_dtype])
+                print(f"sync {path} ({source_dtype}): {by_path[path]['seconds']:.2f} s", file=sys.stderr)
+    tables = [format_sync(by_path, params, dtype) for dtype, by_path in results.items()]
+    # the projection's per-bucket overhead from the bf16 source: a bf16 trainer's sender casts nothing
+    return "\n\n".join([*tables, project(results["bf16"], 512.0)])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -413,15 +431,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bucket-mb", type=float, default=64.0, help="bucket of the distributed sync")
     parser.add_argument("--workdir", help="keep models and runs here (default: a temp dir)")
     parser.add_argument("--loop-arm", nargs=5, help=argparse.SUPPRESS)
-    parser.add_argument("--sync-probe", nargs=6, help=argparse.SUPPRESS)
+    parser.add_argument("--sync-probe", nargs=7, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.loop_arm:
         model, prompts, run_dir, staleness, steps = args.loop_arm
         print(json.dumps(loop_arm(model, prompts, run_dir, int(staleness), int(steps))))
         return
     if args.sync_probe:
-        path, model, url, out, repeats, bucket = args.sync_probe
-        print(json.dumps(sync_probe(path, model, url, out, int(repeats), float(bucket))))
+        path, model, url, out, repeats, bucket, source_dtype = args.sync_probe
+        print(json.dumps(sync_probe(path, model, url, out, int(repeats), float(bucket), source_dtype)))
         return
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.workdir or tmp)

@@ -307,13 +307,16 @@ class DistributedWeightSync:
                 bucket: list[tuple[str, torch.Tensor]] = []
                 held = 0
                 for name, tensor in named_tensors:
-                    if self.dtype is not None:
-                        tensor = tensor.to(self.dtype)
-                    size = tensor.numel() * tensor.element_size()
+                    item = tensor.element_size() if self.dtype is None else self.dtype.itemsize
+                    size = tensor.numel() * item
                     stats["peak_bytes"] = max(stats["peak_bytes"], held + size)
+                    # send the full bucket before casting: the cast's copy then never meets a full bucket
+                    # (the sender holds ≤ one bucket + one parameter in the trainer's dtype at once)
                     if bucket and held + size > self.bucket_bytes:
                         await send(bucket, last=False)
                         bucket, held = [], 0
+                    if self.dtype is not None:
+                        tensor = tensor.to(self.dtype)
                     bucket.append((name, tensor))
                     held += size
                     stats["tensors"] += 1
