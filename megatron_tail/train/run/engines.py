@@ -15,8 +15,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from megatron_tail.config import RunConfig
-from megatron_tail.rewards import compute_rewards, load_reward_fn
 from megatron_tail.rewards.pass_at_k import eval_statistics
+from megatron_tail.rewards.scorer import RewardScorer
 from megatron_tail.rollout import (
     ClientConfig,
     DiskWeightSync,
@@ -42,7 +42,7 @@ class RolloutEngines:
     def __init__(self, cfg: RunConfig, run_dir: Path, tokenizer):
         self.cfg = cfg
         self.tokenizer = tokenizer
-        self.reward_fn = load_reward_fn(cfg.data.reward)
+        self.score = RewardScorer(cfg.data.reward)  # off the main thread: in a worker process
         self.engine: LocalEngineProcess | None = None
         local: LocalEngineConfig | None = None
         if cfg.rollout.engine == "local":
@@ -117,7 +117,7 @@ class RolloutEngines:
         samples = [s for group in grouped for s in group]
         completions = [self._decode(s.output_ids) for s in samples]
         sample_answers = [answers[i] for i in range(len(grouped)) for _ in range(n)]
-        rewards = compute_rewards(self.reward_fn, completions, sample_answers)
+        rewards = self.score(completions, sample_answers)
         generated = sum(len(s.output_ids) for s in samples)
         return RolloutBatch(
             prompt_ids=[list(s.prompt_ids) for s in samples],
@@ -154,7 +154,7 @@ class RolloutEngines:
             grouped = self._run(client.generate(prompt_ids, sampling))
             completions = [self._decode(s.output_ids) for g in grouped for s in g]
             per_sample_answers = [a for a in answers for _ in range(sampling.n_samples)]
-            rewards = compute_rewards(self.reward_fn, completions, per_sample_answers)
+            rewards = self.score(completions, per_sample_answers)
             correct = [x >= self.cfg.data.correct_reward for x in rewards]
             out[f"eval/{name}_accuracy"] = sum(correct) / len(correct)
             out[f"eval/{name}_reward"] = sum(rewards) / len(rewards)
@@ -226,5 +226,6 @@ class RolloutEngines:
                 self._run(client.close())
         finally:
             self.loop.close()
+            self.score.close()
             if self.engine is not None:
                 self.engine.stop()
