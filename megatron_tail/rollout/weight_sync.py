@@ -229,11 +229,12 @@ class DistributedWeightSync:
         async def ask(url: str) -> int:
             async with session.get(f"{url}/server_info", timeout=self.servers.timeout) as resp:
                 info = await resp.json(content_type=None)
-            if int(info.get("pp_size", 1)) != 1:
-                raise WeightSyncError(
-                    f"{url} runs pipeline parallel (pp_size={info['pp_size']}); in-memory weight sync "
-                    "supports TP engines only, use rollout.weight_sync: disk"
-                )
+            for key, what in (("pp_size", "pipeline parallel"), ("dp_size", "data parallel")):
+                if int(info.get(key, 1)) != 1:  # their ranks would repeat `rank_offset + tp_rank`
+                    raise WeightSyncError(
+                        f"{url} runs {what} ({key}={info[key]}); in-memory weight sync supports TP engines "
+                        "only (one server per DP replica), or use rollout.weight_sync: disk"
+                    )
             return int(info["tp_size"])
 
         return list(await asyncio.gather(*(ask(u) for u in self.servers.urls)))

@@ -107,21 +107,37 @@ def test_background_job_reports_overlap_and_wait_and_its_error():
 
 def test_closing_cancels_a_rollout_in_flight_on_the_engines_event_loop():
     """A run that fails while rank 0 generates ahead must not wait for the rollout: `close` cancels the
-    engines' requests (`RolloutEngines.cancel`, called from the main thread) and the worker ends."""
+    engines' requests (`RolloutEngines.cancel`, called from the main thread), and a rollout between two
+    rounds of requests (e.g. scoring, or dynamic sampling's next round) starts no new one."""
     import asyncio
+    import threading
     import time
     from types import SimpleNamespace
 
     from megatron_tail.train.run.engines import RolloutEngines
+
+    engines = SimpleNamespace(loop=asyncio.new_event_loop(), _cancelled=threading.Event())
+    rounds = []
+
+    def rollout():
+        for _ in range(3):  # each round: a request that never answers, then some work off the loop
+            rounds.append(1)
+            try:
+                RolloutEngines._run(engines, asyncio.sleep(60))
+            except asyncio.CancelledError:
+                time.sleep(0.3)
+        return "finished"
+
     from megatron_tail.train.run.rollout_ahead import BackgroundJob
 
-    engines = SimpleNamespace(loop=asyncio.new_event_loop())
     job = BackgroundJob("test")
-    job.launch(lambda: engines.loop.run_until_complete(asyncio.sleep(60)))  # a request that never answers
+    job.launch(rollout)
     time.sleep(0.2)
     started = time.perf_counter()
     job.close(cancel=lambda: RolloutEngines.cancel(engines))
     assert time.perf_counter() - started < 5
     assert not job.in_flight
+    assert len(rounds) == 3  # later rounds were refused at once instead of waiting 60 s each
+    engines._cancelled.clear()  # what `RolloutEngines.close` does before shutting down
     engines.loop.run_until_complete(asyncio.sleep(0))  # the loop is usable again: nothing left cancelled
     engines.loop.close()

@@ -223,16 +223,17 @@ def test_the_weight_group_forms_in_a_trainer_launched_by_torchrun():
 def test_the_group_is_laid_out_from_each_servers_tp_size():
     """Without `engine_tp_sizes`, `init_group` asks every server's `/server_info` (SGLang's resolved server
     args) for its `tp_size`: servers at TP 2 and TP 1 join as ranks 1-2 and 3 of a group of 4. A server
-    running pipeline parallel is refused by name (SGLang joins its ranks as `rank_offset + tp_rank`)."""
+    running pipeline or data parallel is refused by name (SGLang joins its ranks as
+    `rank_offset + tp_rank`)."""
     from aiohttp import web
 
     from megatron_tail.rollout import WeightSyncError
 
     joined: list[dict] = []
 
-    def app_with(tp_size: int, pp_size: int = 1) -> web.Application:
+    def app_with(tp_size: int, pp_size: int = 1, dp_size: int = 1) -> web.Application:
         async def server_info(_request):
-            return web.json_response({"tp_size": tp_size, "pp_size": pp_size, "dp_size": 1})
+            return web.json_response({"tp_size": tp_size, "pp_size": pp_size, "dp_size": dp_size})
 
         async def init_group(request):
             joined.append(await request.json())
@@ -245,8 +246,8 @@ def test_the_group_is_laid_out_from_each_servers_tp_size():
 
     async def scenario(layouts):
         runners, urls = [], []
-        for tp, pp in layouts:
-            runner = web.AppRunner(app_with(tp, pp))
+        for layout in layouts:
+            runner = web.AppRunner(app_with(*layout))
             await runner.setup()
             port = free_port()
             await web.TCPSite(runner, "127.0.0.1", port).start()
@@ -269,4 +270,6 @@ def test_the_group_is_laid_out_from_each_servers_tp_size():
     joined.clear()
     _, message = asyncio.run(scenario([(1, 1), (2, 2)]))
     assert re.search(r"http://127\.0\.0\.1:\d+ runs pipeline parallel \(pp_size=2\)", message)
+    _, message = asyncio.run(scenario([(1, 1, 2)]))
+    assert re.search(r"http://127\.0\.0\.1:\d+ runs data parallel \(dp_size=2\)", message)
     assert joined == []  # refused before anything joined

@@ -68,9 +68,19 @@ def model_signature(trainer: Trainer) -> dict[str, Any]:
 
 
 def save_checkpoint(
-    path: str | Path, trainer: Trainer, rl_state: Mapping[str, Any], *, overwrite: bool = False
+    path: str | Path,
+    trainer: Trainer,
+    rl_state: Mapping[str, Any],
+    *,
+    overwrite: bool = False,
+    rank0_objects: Mapping[str, Any] | None = None,
 ) -> Path:
     """Save model, optimizer, `rl_state` and RNG to the directory `path`. Collective; atomic.
+
+    `rank0_objects`: name → a large object of global rank 0's (lists, dicts, numbers, strings, tensors),
+    written beside the checkpoint as `<name>.pt` inside the same atomic rename; read back with
+    `read_rank0_object`. Unlike `rl_state`, which every rank saves and megatron compares across ranks,
+    only rank 0's copy is written.
 
     Raises:
         FileExistsError: `path` exists and `overwrite` is False (checked before anything is written).
@@ -95,6 +105,9 @@ def save_checkpoint(
             "layout": _layout(trainer),
         }
         dist_checkpointing.save(state, str(tmp))
+    if dist.get_rank() == 0:
+        for name, obj in (rank0_objects or {}).items():
+            torch.save(obj, tmp / f"{name}.pt")
     dist.barrier()
     if dist.get_rank() == 0:
         if path.exists():
@@ -107,6 +120,12 @@ def save_checkpoint(
             tmp.rename(path)
     dist.barrier()
     return path
+
+
+def read_rank0_object(path: str | Path, name: str) -> Any:
+    """The object `save_checkpoint` wrote as `rank0_objects[name]`, or None if there is none."""
+    file = Path(path) / f"{name}.pt"
+    return torch.load(file, weights_only=True) if file.is_file() else None
 
 
 def read_checkpoint_meta(path: str | Path) -> dict[str, Any]:

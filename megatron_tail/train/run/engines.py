@@ -10,6 +10,7 @@ thread trains and leaves the engines alone).
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -70,6 +71,7 @@ class RolloutEngines:
         )
         self.eval_client = RolloutClient(self.urls, client_cfg, processor=None)
         self.loop = asyncio.new_event_loop()
+        self._cancelled = threading.Event()
         if local is not None:  # last: nothing after it can fail and leave the process behind
             self.engine = LocalEngineProcess(local, run_dir / "logs" / "local_engine.log")
 
@@ -210,17 +212,22 @@ class RolloutEngines:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
     def _run(self, coro):
+        if self._cancelled.is_set():  # a cancelled rollout must not start its next round of requests
+            coro.close()
+            raise asyncio.CancelledError("the engines' requests were cancelled")
         return self.loop.run_until_complete(coro)
 
     def cancel(self) -> None:
         """Cancel the requests in flight, from any thread: a `generate` running in another thread raises
-        `CancelledError` there soon after. Tasks started later are not affected."""
+        `CancelledError` there soon after, and so does any later request until `close`."""
+        self._cancelled.set()
         if self.loop.is_closed():
             return
         for task in asyncio.all_tasks(self.loop):  # safe off the loop's thread: it copies with retries
             self.loop.call_soon_threadsafe(task.cancel)
 
     def close(self) -> None:
+        self._cancelled.clear()  # the worker is done by now (`BackgroundJob.close` waited): shut down cleanly
         try:
             for client in (self.client, self.eval_client):
                 self._run(client.close())

@@ -53,9 +53,13 @@ class BackgroundJob(Generic[T]):
         """Block until the job is done; its exception, if it raised."""
         if self._future is None:
             raise RuntimeError("no background job in flight")
-        future, self._future = self._future, None
+        future = self._future
         waiting = time.perf_counter()
-        result, began, ended = future.result()
+        try:
+            result, began, ended = future.result()
+        finally:  # interrupted while waiting (Ctrl-C): the job stays known, so `close` cancels it
+            if future.done():
+                self._future = None
         # the job's run [began, ended] against the caller's work [launched, waiting]
         overlap = max(0.0, min(ended, waiting) - max(began, self._launched_at))
         return Collected(result, overlap_s=overlap, wait_s=time.perf_counter() - waiting)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from megatron_tail.config import RunConfig
 from megatron_tail.rollout import RolloutBatch
 
-from ..engine.checkpoint import load_checkpoint, save_checkpoint
+from ..engine.checkpoint import load_checkpoint, read_rank0_object, save_checkpoint
 from ..engine.collectives import on_rank0
 from ..engine.lr_schedule import restore_progress
 from ..engine.parallel import ParallelConfig, init_parallel
@@ -114,7 +114,7 @@ class RunSession:
             return 0
         rl_state = load_checkpoint(path, self.trainer)
         self.data_cursor = int(rl_state.get("data_cursor", 0))
-        ahead = rl_state.get("rollout_ahead")
+        ahead = on_rank0(lambda: read_rank0_object(path, "rollout_ahead"))
         if ahead is not None and ahead["step"] == rl_state["step"]:
             # the batch that was generated for the next step: train on it, as the stopped run would have
             self.held = (ahead["step"], RolloutBatch(**ahead["batch"]))
@@ -218,12 +218,13 @@ class RunSession:
             "seed": self.cfg.seed,
             "lr_scheduler": self.trainer.scheduler.state_dict(),
             "data_cursor": self.data_cursor,
-            # generated ahead for step `done` + 1: a resumed run trains on the same samples
-            "rollout_ahead": None
-            if self.held is None
-            else {"step": self.held[0], "batch": dataclasses.asdict(self.held[1])},
         }
-        save_checkpoint(path, self.trainer, rl_state, overwrite=True)
+        # generated ahead for step `done` + 1, so a resumed run trains on the same samples (rank 0 writes
+        # it: the held batch is identical on every rank, and large)
+        objects = {}
+        if self.held is not None:
+            objects["rollout_ahead"] = {"step": self.held[0], "batch": dataclasses.asdict(self.held[1])}
+        save_checkpoint(path, self.trainer, rl_state, overwrite=True, rank0_objects=objects)
         if self.rank == 0:
             run_dir.prune_checkpoints(self.run_dir, self.cfg.train.keep_checkpoints)
         dist.barrier()
