@@ -11,6 +11,17 @@ policy produced it.
   with every engine's TP ranks (`/init_weights_update_group`, `/update_weights_from_distributed`);
   NCCL on GPU clusters (tensors on the trainer's GPU), gloo works on CPU.
 Weight endpoints go to the servers themselves, never to a router.
+
+SGLang's protocol as pinned (sglang 0.5.23):
+- `POST /init_weights_update_group`: `InitWeightsUpdateGroupReqInput` (srt/managers/io_struct.py) =
+  master_address, master_port, rank_offset, world_size, group_name, backend; each server TP rank joins as
+  `rank_offset + tp_rank` (srt/model_executor/model_runner_components/weight_updater.py).
+- `POST /update_weights_from_distributed`: `UpdateWeightsFromDistributedReqInput` = names, dtypes, shapes,
+  group_name, flush_cache, weight_version (and abort_all_requests, load_format, selector,
+  torch_empty_cache, left at their defaults: generation is paused around the update instead).
+- `GET /server_info` (srt/entrypoints/http_server.py): the resolved server args, with tp_size, pp_size
+  and dp_size; `GET /model_info`: the served weight_version.
+- `POST /pause_generation` {"mode"} and `POST /continue_generation`.
 """
 
 from __future__ import annotations
