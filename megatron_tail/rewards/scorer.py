@@ -10,6 +10,7 @@ rank 0's training.
 from __future__ import annotations
 
 import multiprocessing
+import signal
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -31,18 +32,49 @@ class RewardScorer:
         if threading.current_thread() is threading.main_thread():
             return compute_rewards(self.fn, completions, answers)
         with self._lock:
-            if self._pool is None:  # spawned: no forked copy of the trainer's threads and CUDA state
-                self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+            if self._pool is None:
+                self._pool = _start_worker()
         return self._pool.submit(_score, self.spec, list(completions), list(answers)).result()
 
     @property
-    def uses_worker(self) -> bool:
-        return self._pool is not None
+    def worker_pid(self) -> int | None:
+        """The worker process's pid, None before anything was scored off the main thread."""
+        return None if self._pool is None else self._pool.submit(_ready).result()
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
+
+
+# The job's stop signals: Slurm delivers `scancel --signal` to every process of the step, and the trainer
+# (not this worker) decides what to do with them; a worker killed by one would fail the rollout.
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2}
+
+
+def _start_worker() -> ProcessPoolExecutor:
+    """One spawned worker (no forked copy of the trainer's threads and CUDA state) that ignores the stop
+    signals; they are blocked in this thread while it and multiprocessing's resource tracker start, so
+    both inherit the block."""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        spawn = multiprocessing.get_context("spawn")
+        pool = ProcessPoolExecutor(1, mp_context=spawn, initializer=_ignore_stops)
+        pool.submit(_ready).result()  # the process starts on the first submit
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    return pool
+
+
+def _ignore_stops() -> None:
+    for sig in _STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def _ready() -> int:
+    import os
+
+    return os.getpid()
 
 
 @lru_cache(maxsize=8)

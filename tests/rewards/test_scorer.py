@@ -3,7 +3,10 @@ process), so math-verify keeps its timeouts, and scores equal the main thread's.
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
+import time
 
 from megatron_tail.rewards.scorer import RewardScorer
 
@@ -20,9 +23,26 @@ def test_off_the_main_thread_the_reward_runs_on_a_worker_processs_main_thread():
     scorer = RewardScorer("tests.rewards.main_thread_probe:on_main_thread")
     try:
         assert scorer(["x", "y"], ["1", "2"]) == [1.0, 1.0]
-        assert not scorer.uses_worker
+        assert scorer.worker_pid is None
         assert _from_thread(lambda: scorer(["x", "y"], ["1", "2"])) == [1.0, 1.0]
-        assert scorer.uses_worker
+        assert scorer.worker_pid not in (None, os.getpid())
+    finally:
+        scorer.close()
+
+
+def test_the_worker_outlives_the_jobs_stop_signals():
+    """Slurm's `scancel --signal=USR1` reaches every process of the step, the reward worker too; the
+    trainer decides what a stop means, so the worker ignores it and keeps scoring (found on a real job:
+    the worker died of USR1 and the rollout failed with BrokenProcessPool)."""
+    scorer = RewardScorer("tests.rewards.main_thread_probe:on_main_thread")
+    try:
+        assert _from_thread(lambda: scorer(["x"], ["1"])) == [1.0]
+        worker = scorer.worker_pid
+        for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
+            os.kill(worker, sig)
+        time.sleep(0.5)
+        assert _from_thread(lambda: scorer(["x"], ["1"])) == [1.0]
+        assert scorer.worker_pid == worker
     finally:
         scorer.close()
 
