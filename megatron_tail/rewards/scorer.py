@@ -10,6 +10,7 @@ rank 0's training.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import signal
 import threading
 from collections.abc import Sequence
@@ -72,8 +73,6 @@ def _ignore_stops() -> None:
 
 
 def _ready() -> int:
-    import os
-
     return os.getpid()
 
 

@@ -109,7 +109,7 @@ def rl_step(
     metrics["train/skipped_step"] = 0.0 if len(batch) else 1.0
     train_s = time.perf_counter() - trained
     if ahead:  # the engines must be idle before they take new weights: wait for the batch, hold it
-        collected = s.collect_rollout()
+        collected = s.collect_rollout(done)
         metrics["perf/overlap_s"] = collected["perf/overlap_s"]
         metrics["perf/rollout_wait_s"] += collected["perf/rollout_wait_s"]
     sync_s = s.sync_weights(version=done)  # weight sync: the engines load θ_new as version `done`

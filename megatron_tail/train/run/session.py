@@ -7,8 +7,8 @@ it produces reaches every rank through `on_rank0`, so a failure there raises on 
 hanging them.
 
 Rollout ahead (`rollout.max_staleness: 1`): `launch_rollout(k + 1)` starts step k+1's batch on rank 0 in the
-background with the engines' current weights; `collect_rollout()` waits for it and hands it to every rank,
-where it is held (and checkpointed with the step) until `rollout(k + 1)` takes it.
+background with the engines' current weights; `collect_rollout(k + 1)` waits for it and hands it to every
+rank, where it is held (and checkpointed with the step) until `rollout(k + 1)` takes it.
 """
 
 from __future__ import annotations
@@ -57,7 +57,6 @@ class RunSession:
         self.held: tuple[int, RolloutBatch] | None = None
         """(step, batch) generated ahead and not trained on yet (every rank; checkpointed)."""
         self._ahead: BackgroundJob[RolloutBatch] | None = None
-        self._ahead_step: int | None = None
 
         def start_engines() -> None:
             tokenizer = load_tokenizer(cfg.model.hf_path)
@@ -148,13 +147,13 @@ class RunSession:
             if self._ahead is None:
                 self._ahead = BackgroundJob("rollout-ahead")
             self._ahead.launch(lambda: self._generate(step, progress=False))
-        self._ahead_step = step
 
-    def collect_rollout(self) -> dict[str, float]:
-        """Wait for the launched batch and hold it on every rank for its step. Returns `perf/overlap_s`
-        (seconds it generated while the trainer worked) and `perf/rollout_wait_s` (seconds waited now)."""
+    def collect_rollout(self, step: int) -> dict[str, float]:
+        """Wait for the batch `launch_rollout(step)` started and hold it on every rank for `step`. Returns
+        `perf/overlap_s` (seconds it generated while the trainer worked) and `perf/rollout_wait_s` (seconds
+        waited now)."""
         collected = on_rank0(lambda: self._ahead.wait())
-        self.held = (self._ahead_step, self._receive(collected.result))
+        self.held = (step, self._receive(collected.result))
         return {"perf/overlap_s": collected.overlap_s, "perf/rollout_wait_s": collected.wait_s}
 
     def _receive(self, batch: RolloutBatch) -> RolloutBatch:
