@@ -157,9 +157,6 @@ class RolloutSection:
                 self.max_staleness,
                 "must be 0 (synchronous) or 1 (one step ahead)",
             )
-        for name in ("sync_bucket_mb", "sync_timeout_s"):
-            if not getattr(self, name) > 0:
-                _bad("rollout", name, getattr(self, name), "must be > 0")
         if self.engine == "remote" and not self.server_urls:
             _bad(
                 "rollout", "server_urls", self.server_urls, 'must name at least one URL with engine="remote"'
@@ -182,7 +179,7 @@ class RolloutSection:
                 self.temperature,
                 "must be > 0 (training samples; greedy is eval only)",
             )
-        for name in ("request_timeout_s", "startup_timeout_s"):
+        for name in ("request_timeout_s", "startup_timeout_s", "sync_bucket_mb", "sync_timeout_s"):
             if not getattr(self, name) > 0:
                 _bad("rollout", name, getattr(self, name), "must be > 0")
 
