@@ -17,7 +17,7 @@ from megatron_tail.rollout import (
     SamplingConfig,
 )
 from megatron_tail.rollout.protocol import sample_keys
-from megatron_tail.utils.net import free_port
+from tests.rollout.servers import serving_app
 
 SAMPLING = SamplingConfig(n_samples=2, max_new_tokens=3, log_rho=-13.0)
 
@@ -50,16 +50,9 @@ async def run_against(handler, config: ClientConfig | None = None):
     app = web.Application()
     app.router.add_post("/generate", handler)
     app.router.add_get("/health", healthy)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        config = config or ClientConfig(max_attempts=2, retry_backoff_s=0.01, request_timeout_s=10)
-        async with RolloutClient([f"http://127.0.0.1:{port}"], config) as client:
-            return await client.generate([[5, 6]], SAMPLING)
-    finally:
-        await runner.cleanup()
+    config = config or ClientConfig(max_attempts=2, retry_backoff_s=0.01, request_timeout_s=10)
+    async with serving_app(app) as url, RolloutClient([url], config) as client:
+        return await client.generate([[5, 6]], SAMPLING)
 
 
 def run(handler, config=None):

@@ -4,6 +4,7 @@ and the disk and the distributed (gloo) paths load the same weights."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 
 import aiohttp
@@ -19,6 +20,7 @@ from megatron_tail.rollout import (
 )
 from megatron_tail.rollout.local_engine.weights import read_safetensors_dir
 from megatron_tail.utils.net import free_port
+from tests.rollout.servers import serving_app
 
 PROMPTS = [[5, 6, 76, 7, 84], [8, 9, 76, 10, 11, 84], [12, 76, 13, 84]]
 SAMPLING = SamplingConfig(n_samples=2, max_new_tokens=10, temperature=1.0, log_rho=-4.0, base_seed=11)
@@ -168,19 +170,13 @@ def test_an_update_a_server_did_not_take_is_refused():
         for path in ("/pause_generation", "/continue_generation", "/update_weights_from_disk"):
             app.router.add_post(path, ok)
         app.router.add_get("/model_info", model_info)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        try:
-            sync = DiskWeightSync([f"http://127.0.0.1:{port}"], initial_version="3")
+        async with serving_app(app) as url:
+            sync = DiskWeightSync([url], initial_version="3")
             with pytest.raises(
                 WeightSyncError, match=r"update to weight_version '4': http://127\.0\.0\.1:\d+ reports '3'"
             ):
                 await sync.update("/some/checkpoint")
             return sync.weight_version
-        finally:
-            await runner.cleanup()
 
     assert asyncio.run(scenario()) == "3"  # not bumped
 
@@ -245,24 +241,14 @@ def test_the_group_is_laid_out_from_each_servers_tp_size():
         return app
 
     async def scenario(layouts):
-        runners, urls = [], []
-        for layout in layouts:
-            runner = web.AppRunner(app_with(*layout))
-            await runner.setup()
-            port = free_port()
-            await web.TCPSite(runner, "127.0.0.1", port).start()
-            runners.append(runner)
-            urls.append(f"http://127.0.0.1:{port}")
-        sync = DistributedWeightSync(
-            urls, master_address="127.0.0.1", master_port=free_port(), backend="gloo", timeout_s=1.0
-        )
-        try:
+        async with contextlib.AsyncExitStack() as servers:
+            urls = [await servers.enter_async_context(serving_app(app_with(*layout))) for layout in layouts]
+            sync = DistributedWeightSync(
+                urls, master_address="127.0.0.1", master_port=free_port(), backend="gloo", timeout_s=1.0
+            )
             with pytest.raises(WeightSyncError) as info:
                 await sync.init_group()
             return sync, str(info.value)
-        finally:
-            for runner in runners:
-                await runner.cleanup()
 
     sync, _ = asyncio.run(scenario([(2, 1), (1, 1)]))
     assert sync.engine_tp_sizes == [2, 1] and sync.world_size == 4
