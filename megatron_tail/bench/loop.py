@@ -31,13 +31,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from .memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 
 SYNC_MODEL = dict(
     hidden_size=1024, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=16,
@@ -158,30 +159,6 @@ def _shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
         return {name: reader.shape(name) for name in reader.weight_map}
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _reset_peak_rss() -> bool:
-    """Start the peak RSS afresh (Linux: VmHWM := RSS); False where the kernel does not allow it."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _peak_rss_bytes(reset: bool) -> int:
-    """VmHWM since `_reset_peak_rss` if it worked, else the process's lifetime peak (ru_maxrss)."""
-    if reset:
-        with open("/proc/self/status") as f:
-            line = next(x for x in f if x.startswith("VmHWM:"))
-        return int(line.split()[1]) * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def _source_tensors(model_dir: str, dtype_name: str) -> dict:
     """HF tensors of `model_dir`'s shapes in `dtype_name` ("bf16": a bf16 trainer's model parameters, as
     `iter_hf_tensors` yields them; "fp32": an fp32 trainer's, cast by the sender), made in place, seeded."""
@@ -222,9 +199,9 @@ def sync_probe(
         asyncio.run(sync.init_group())
     else:
         sync = DiskWeightSync([url])
-    base = _rss_bytes()
+    base = rss_bytes()
     # a transient before this point (imports, reading the shapes) must not count as the sync's peak
-    reset = _reset_peak_rss()
+    reset = reset_peak_rss()
     times = []
     for i in range(repeats + 1):
         started = time.perf_counter()
@@ -235,7 +212,7 @@ def sync_probe(
             _write_bf16_dir(shapes, _gathered(source), model_dir, Path(out_dir))
             asyncio.run(sync.update(out_dir, weight_version=str(i)))
         times.append(time.perf_counter() - started)
-    peak = _peak_rss_bytes(reset)
+    peak = peak_rss_bytes(reset)
     if path == "distributed":
         asyncio.run(sync.destroy_group())
     return {

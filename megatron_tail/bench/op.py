@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -38,6 +36,7 @@ from megatron_tail.ops.reference import reference_masked_logprobs
 from megatron_tail.utils.forked import run_distributed
 from megatron_tail.utils.net import free_port
 
+from .memory import peak_rss_bytes, rss_bytes
 from .output_layer import LINEAR_VARIANTS, make_linear_inputs, run_linear_variant
 
 VARIANTS = ("ours", "ours_ip", "megatron", "naive")
@@ -138,11 +137,6 @@ def time_all(suite: str, tokens: int, vocab: int, hidden: int, tp: int, repeats:
     return run_distributed(_time_rank, tp, suite, tokens, vocab, hidden, repeats, timeout=3600)[0]
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def memory_probe(suite: str, variant: str, dtype_name: str, tokens: int, vocab: int, hidden: int) -> dict:
     """In a fresh process: peak RSS growth of one fwd+bwd beyond the inputs, in logits-sizes."""
     torch.set_num_threads(1)
@@ -154,9 +148,9 @@ def memory_probe(suite: str, variant: str, dtype_name: str, tokens: int, vocab: 
     _, small, runner = _suite(suite, 8, 64, hidden, dtype, 0)
     runner(variant, *small, None)  # warm allocator and kernels
     _, inputs, _ = _suite(suite, tokens, vocab, hidden, dtype, 0)
-    base = _rss_bytes()
+    base = rss_bytes()
     runner(variant, *inputs, None)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = peak_rss_bytes()  # the lifetime peak: this process only makes the inputs before
     return {"extra_bytes": max(peak - base, 0), "logits_bytes": tokens * vocab * inputs[0].element_size()}
 
 
