@@ -20,17 +20,20 @@ from .megatron_checkpoint import (
     use_in_process_results_queue,
 )
 from .pinning import PatchVersionError, check_pinned
+from .recompute_rng import apply_recompute_rng_shims, remove_recompute_rng_shims
 
 __all__ = [
     "PatchVersionError",
     "apply_cpu_patches",
     "apply_cuda_shims",
+    "apply_recompute_rng_shims",
     "check_pinned",
     "cpu_device_scope",
     "cuda_shims_applied",
     "init_fresh_optimizer_state",
     "init_unstepped_adam_state",
     "remove_cuda_shims",
+    "remove_recompute_rng_shims",
     "torch_adam_load_fixes",
     "use_in_process_results_queue",
 ]
@@ -38,4 +41,5 @@ __all__ = [
 
 def apply_cpu_patches() -> bool:
     """Apply every process-wide CPU patch. True if anything is patched (False where CUDA is present)."""
-    return apply_cuda_shims()
+    shims = apply_cuda_shims()
+    return apply_recompute_rng_shims() or shims

@@ -77,20 +77,51 @@ def transformer_config(arch: HFArch, settings: ModelSettings | None = None) -> T
         masked_softmax_fusion=False,
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
-        apply_rope_fusion=False,
+        # TE's fused RoPE (`fused_apply_rotary_pos_emb_thd`, extensions/transformer_engine.py) takes the
+        # cu_seqlens on the device; megatron's unfused THD RoPE (rope_utils `_apply_rotary_pos_emb_thd`)
+        # reads them with `.tolist()` in every layer. Fused where TE is there, plain torch elsewhere.
+        apply_rope_fusion=settings.resolved_use_te(),
         persist_layer_norm=False,
+        sequence_parallel=settings.sequence_parallel and tp > 1,
+        # Packed micro-batches differ in length; pipeline stages then exchange each activation's shape
+        # before it (p2p_communication.py `_communicate_shapes`: 3 int64 per send).
+        variable_seq_lengths=pp > 1,
+        # TransformerConfig refuses variable lengths with the default "allgather" MoE dispatcher even for a
+        # dense model (transformer_config.py `__post_init__`); no MoE layer exists here, so any other does.
+        moe_token_dispatcher_type="alltoall" if pp > 1 else "allgather",
+        **_recompute_fields(settings),
     )
+
+
+def _recompute_fields(settings: ModelSettings) -> dict:
+    """`model.recompute` → megatron's `recompute_granularity` / `recompute_method` /
+    `recompute_num_layers` / `recompute_modules` (TransformerConfig; applied by
+    `TransformerBlock._checkpointed_forward` (full) and `TransformerLayer` / `SelfAttention` (selective))."""
+    if settings.recompute == "none":
+        return {}
+    if settings.recompute == "selective":
+        return {"recompute_granularity": "selective", "recompute_modules": list(settings.recompute_modules)}
+    return {
+        "recompute_granularity": "full",
+        "recompute_method": "uniform",
+        "recompute_num_layers": settings.recompute_num_layers or 1,
+    }
 
 
 def layer_spec(arch: HFArch, settings: ModelSettings | None = None) -> ModuleSpec:
     """Decoder layer spec: Transformer Engine (`linear_qkv.layer_norm_weight` names) or local
-    (`input_layernorm.weight` names), RMSNorm, QK-norm as the architecture says."""
+    (`input_layernorm.weight` names), RMSNorm, QK-norm as the architecture says.
+
+    The local spec is megatron's with two modules swapped (`local_spec.py`): the THD-capable SDPA core
+    attention and an RMSNorm that supports sequence parallelism."""
     from megatron.core.models.gpt import gpt_layer_specs
+
+    from .local_spec import local_layer_spec
 
     settings = settings or ModelSettings()
     if settings.resolved_use_te():
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
-    return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+    return local_layer_spec(qk_layernorm=arch.qk_norm)
 
 
 def _check_divisible(arch: HFArch, tp: int, pp: int) -> None:

@@ -1,11 +1,11 @@
 """The megatron-core `GPTModel` of an HF architecture, for this rank's pipeline stage.
 
-`TailGPTModel` adds one thing to `GPTModel`: RoPE at arbitrary per-token positions. megatron-core's
-`GPTModel` ignores `position_ids` under RoPE and rotates token i by position i; packed sequences need
-positions that restart at every sequence start. On the local spec we give each token its own rotary
-angle ([s, b, 1, d] frequencies broadcast over heads in megatron's unfused `_apply_rotary_pos_emb_bshd`),
-and the block-diagonal attention mask keeps sequences apart. On the Transformer Engine spec packed
-sequences use `PackedSeqParams` (THD) instead, so `position_ids` must be None there.
+Packed micro-batches use megatron's own THD path on both layer specs: `PackedSeqParams(qkv_format="thd")`
+makes `GPTModel._preprocess` build RoPE for the longest sequence (`RotaryEmbedding.get_rotary_seq_len`)
+and `SelfAttention.forward` rotate every sequence from position 0 (`apply_rotary_pos_emb(...,
+cu_seqlens=...)`), so positions restart per sequence without any override of ours. Padded micro-batches
+start every row at position 0, which is megatron's default RoPE. `position_ids` are therefore never
+needed (None).
 """
 
 from __future__ import annotations
@@ -13,29 +13,28 @@ from __future__ import annotations
 import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
 from megatron_tail.patches import cpu_device_scope
 
 from .config import ModelSettings, layer_spec, padded_vocab_size, transformer_config
 from .hf_config import HFArch
+from .local_spec import local_block_spec
 
 
 class TailGPTModel(GPTModel):
-    """`GPTModel` whose RoPE follows `position_ids` when `rotate_by_position_ids` is set.
+    """`GPTModel` that can hand the final-norm hidden states to the fused output-layer op.
 
-    `forward(input_ids [b, s] int64, position_ids [b, s] int64 | None, attention_mask [b, 1, s, s] bool
-    (True = masked) | None, ...)` returns vocab-parallel logits `[b, s, V_padded / tp]` on the last stage
-    (hidden states `[s, b, h]` elsewhere, and on the last stage too with `fused_output_layer`).
-    `position_ids=None` means 0..s-1 for every row.
+    `forward(input_ids [b, s] int64, None, None, packed_seq_params=...)` returns vocab-parallel logits
+    `[b, s, V_padded / tp]` on the last stage (hidden states `[s, b, h]` elsewhere, and on the last stage
+    too with `fused_output_layer`). Packed: b = 1 and s = the micro-batch's tokens (THD).
     """
 
-    rotate_by_position_ids: bool = True
     fused_output_layer: bool = False
     """On the last stage, return the final-norm hidden states `[s, b, h]` instead of the logits, for the
     fused output-layer + log-prob op; `output_weight()` is the weight it must use."""
     uses_te_spec: bool = False
-    """Built with the Transformer Engine layer spec: TE's attention applies its own causal mask and
-    ignores `attention_mask`, so packed (block-diagonal) micro-batches are not supported there."""
+    """Built with the Transformer Engine layer spec (TE's attention on THD `PackedSeqParams`)."""
 
     def output_weight(self) -> torch.Tensor:
         """The output layer's weight `[V_padded/tp, h]`: the (tied) embedding's where megatron ties them,
@@ -50,17 +49,6 @@ class TailGPTModel(GPTModel):
                 raise NotImplementedError("fused_output_layer returns hidden states: no labels, no MTP")
             return hidden_states  # [s, b, h] (this rank's sequence shard with sequence parallelism)
         return super()._postprocess(hidden_states, *args, **kwargs)
-
-    def _preprocess(self, input_ids, position_ids, *args, **kwargs):
-        out = super()._preprocess(input_ids, position_ids, *args, **kwargs)
-        rotary = out[1]
-        if position_ids is None or rotary is None or not self.rotate_by_position_ids:
-            return out
-        # rotary: [max_len, 1, 1, d] angles for positions 0..max_len-1; pick each token's own angle.
-        needed = int(position_ids.max()) + 1
-        table = self.rotary_pos_emb(max(needed, rotary.shape[0]))[:, 0, 0, :]
-        per_token = table[position_ids.t().to(table.device)].unsqueeze(2)  # [s, b, 1, d]
-        return (out[0], per_token, *out[2:])
 
 
 def build_gpt_model(
@@ -90,7 +78,6 @@ def build_gpt_model(
         model = _construct(arch, settings, config, pre_process, post_process)
     model.uses_te_spec = settings.resolved_use_te()
     model.fused_output_layer = settings.fused_output_layer
-    model.rotate_by_position_ids = not model.uses_te_spec
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model
@@ -98,9 +85,12 @@ def build_gpt_model(
 
 def _construct(arch, settings, config, pre_process, post_process) -> TailGPTModel:
     tp = parallel_state.get_tensor_model_parallel_world_size()
+    spec = layer_spec(arch, settings)
+    if not settings.resolved_use_te():
+        spec = local_block_spec(spec, get_num_layers_to_build(config))
     return TailGPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(arch, settings),
+        transformer_layer_spec=spec,
         vocab_size=padded_vocab_size(arch.vocab_size, tp, settings.vocab_pad_multiple),
         max_sequence_length=settings.max_sequence_length or arch.max_position_embeddings,
         pre_process=pre_process,

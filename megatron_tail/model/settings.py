@@ -10,6 +10,9 @@ from typing import Literal
 import torch
 
 Precision = Literal["bf16", "fp16", "fp32"]
+Recompute = Literal["none", "selective", "full"]
+RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
+"""megatron's selective-recompute modules for a dense model (TransformerConfig.recompute_modules)."""
 
 DEFAULT_VOCAB_PAD_MULTIPLE = 1024
 """Pad the vocab to a multiple of 1024 = 128 × 8: the same padded size at every TP ≤ 8 (so checkpoints
@@ -40,6 +43,21 @@ class ModelSettings:
     """The last stage returns the final-norm hidden states instead of logits, and the trainer computes
     log-probs with the output layer fused into the DVP op, so the [tokens, V/TP] logits never exist
     (`megatron_tail.ops.vocab_parallel_linear_masked_logprobs`)."""
+    sequence_parallel: bool = False
+    """megatron's sequence parallelism (with TP > 1): norms, residuals and dropout run on `s/tp` tokens per
+    rank, so their activations are split over TP; packed micro-batches are padded to a multiple of TP."""
+    recompute: Recompute = "none"
+    """Activation recompute: "none"; "selective" (megatron's `recompute_granularity="selective"` over
+    `recompute_modules`); "full" (every layer keeps only its input and is recomputed in backward:
+    `recompute_granularity="full"`, `recompute_method="uniform"`, `recompute_num_layers`). Loss and
+    gradients are unchanged; memory for time (full: about one more forward)."""
+    recompute_num_layers: int | None = None
+    """With recompute "full": layers per uniformly recomputed chunk (megatron's `recompute_num_layers`);
+    None: 1 (each layer's input is kept, the least memory)."""
+    recompute_modules: tuple[str, ...] = ("core_attn", "mlp")
+    """With recompute "selective": which submodules to recompute, from megatron's "core_attn", "mlp",
+    "layernorm". Default core attention and the MLP: with flash attention the MLP (SwiGLU's gate, up and
+    product, 3·ffn values per token) is most of a layer's saved activations."""
 
     def __post_init__(self) -> None:
         if self.precision is not None and self.precision not in ("bf16", "fp16", "fp32"):
@@ -48,6 +66,23 @@ class ModelSettings:
             raise ValueError(f"bf16={self.bf16} contradicts precision={self.precision!r}; set only precision")
         if self.vocab_pad_multiple < 1:
             raise ValueError(f"vocab_pad_multiple must be ≥ 1; got {self.vocab_pad_multiple}")
+        if self.recompute not in ("none", "selective", "full"):
+            raise ValueError(f"recompute must be 'none', 'selective' or 'full'; got {self.recompute!r}")
+        if self.recompute_num_layers is not None and (
+            self.recompute != "full"
+            or not isinstance(self.recompute_num_layers, int)
+            or self.recompute_num_layers < 1
+        ):
+            raise ValueError(
+                "recompute_num_layers must be an int ≥ 1, with recompute 'full'; "
+                f"got {self.recompute_num_layers!r} with recompute {self.recompute!r}"
+            )
+        bad = [m for m in self.recompute_modules if m not in RECOMPUTE_MODULES]
+        if bad or not self.recompute_modules:
+            raise ValueError(
+                f"recompute_modules must be a non-empty subset of {RECOMPUTE_MODULES}; "
+                f"got {self.recompute_modules!r}"
+            )
         if self.max_sequence_length is not None and self.max_sequence_length < 1:
             raise ValueError(f"max_sequence_length must be ≥ 1; got {self.max_sequence_length}")
 

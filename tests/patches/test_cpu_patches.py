@@ -179,5 +179,37 @@ def test_patches_ship_inside_the_built_wheel(tmp_path):
     subprocess.run([*cmd, str(repo)], check=True, capture_output=True)
     (wheel,) = tmp_path.glob("megatron_tail-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    for module in ("__init__", "cuda_shims", "cpu_device_scope", "pinning"):
+    for module in ("__init__", "cuda_shims", "cpu_device_scope", "pinning", "recompute_rng"):
         assert f"megatron_tail/patches/{module}.py" in names
+
+
+def recompute_with_and_without_shims(_rank, _world):
+    from megatron.core.tensor_parallel import checkpoint
+
+    from megatron_tail.patches import apply_recompute_rng_shims, remove_recompute_rng_shims
+    from tests.harness import init_megatron
+
+    init_megatron()
+    remove_recompute_rng_shims()
+    x = torch.randn(4, 3, requires_grad=True)
+
+    def grad_of(fn):
+        x.grad = None
+        fn(x).sum().backward()
+        return x.grad.clone()
+
+    def recomputed(t):
+        return checkpoint(lambda u: torch.tanh(u) * u, False, t)
+
+    without = outcome(lambda: grad_of(recomputed))
+    applied = apply_recompute_rng_shims() and apply_recompute_rng_shims()
+    got, expected = grad_of(recomputed), grad_of(lambda u: torch.tanh(u) * u)
+    return without, applied, torch.equal(got, expected)
+
+
+def test_recompute_rng_shims_are_needed_for_megatron_checkpoint():
+    """megatron's activation recompute (`tensor_parallel.checkpoint`) saves the CUDA RNG state: on CPU it
+    fails without the stand-ins, and with them gives the gradients of the plain function."""
+    without, applied, same_grads = run_distributed(recompute_with_and_without_shims, 1)[0]
+    assert "Torch not compiled with CUDA enabled" in without
+    assert applied and same_grads
