@@ -239,14 +239,21 @@ class TrainSection:
 
     steps: int = 100
     """RL steps to run in total (a resumed run continues up to this number)."""
+    max_tokens_per_micro_batch: int | None = None
+    """Token budget of a packed micro-batch: the samples of a mini-batch are packed back to back (THD,
+    megatron's `PackedSeqParams`) into micro-batches of at most this many tokens, first-fit decreasing,
+    balanced over DP ranks by tokens. Must hold the longest sample (`data.max_prompt_tokens` +
+    `rollout.max_new_tokens`); the activation memory of a micro-batch scales with it."""
+    packed: bool | None = None
+    """Packed (THD) micro-batches by `max_tokens_per_micro_batch` (true), or padded micro-batches of
+    `micro_batch_size` samples (false; this overrides a token budget set elsewhere, so one `--set
+    train.packed=false` compares the layouts). None: packed exactly when a token budget is set."""
     micro_batch_size: int = 8
-    """Rows per micro-batch (padded: samples; packed: packed rows)."""
+    """Padded micro-batches only: samples (rows) per micro-batch."""
+    seq_len: int | None = None
+    """Padded micro-batches only: row length; None: the longest sample of the step."""
     mini_batches: int = 1
     """Optimizer steps per rollout batch (contiguous shares of whole groups)."""
-    packed: bool = False
-    """Pack several samples per row (block-diagonal attention); needs `seq_len`."""
-    seq_len: int | None = None
-    """Row length; None: the longest sample of the step (padded micro-batches only)."""
     checkpoint_every: int = 10
     """Save a checkpoint every this many steps (and always at the last step and on SIGTERM/SIGUSR1)."""
     keep_checkpoints: int = 2
@@ -269,8 +276,25 @@ class TrainSection:
         _positive_int("train", "eval_samples_per_prompt", self.eval_samples_per_prompt)
         if self.seq_len is not None:
             _positive_int("train", "seq_len", self.seq_len, minimum=2)
-        if self.packed and self.seq_len is None:
-            _bad("train", "seq_len", None, "is required when train.packed is true")
+        if self.max_tokens_per_micro_batch is not None:
+            _positive_int("train", "max_tokens_per_micro_batch", self.max_tokens_per_micro_batch, minimum=2)
+        if self.packed is not None and not isinstance(self.packed, bool):
+            _bad("train", "packed", self.packed, "must be true, false or null")
+        if self.packed and self.max_tokens_per_micro_batch is None:
+            _bad("train", "max_tokens_per_micro_batch", None, "is required when train.packed is true")
+        if self.is_packed and self.seq_len is not None:
+            _bad(
+                "train",
+                "seq_len",
+                self.seq_len,
+                "applies to padded micro-batches only; packed ones are sized by "
+                "train.max_tokens_per_micro_batch (or set train.packed: false)",
+            )
+
+    @property
+    def is_packed(self) -> bool:
+        """Packed (THD) micro-batches: `packed`, else whether a token budget is set."""
+        return self.max_tokens_per_micro_batch is not None if self.packed is None else self.packed
 
 
 @dataclass(frozen=True)
@@ -331,12 +355,40 @@ class RunConfig:
                 self.algorithm.overlong_buffer,
                 f"must be ≤ rollout.max_new_tokens={self.rollout.max_new_tokens} (it ends at the limit)",
             )
+        self._check_token_budget()
         if self.data.prompts_per_step % self.train.mini_batches:
             _bad(
                 "train",
                 "mini_batches",
                 self.train.mini_batches,
                 f"must divide data.prompts_per_step={self.data.prompts_per_step}",
+            )
+
+    def _check_token_budget(self) -> None:
+        """A packed micro-batch must hold the longest sample, and split evenly under sequence parallelism."""
+        budget = self.train.max_tokens_per_micro_batch
+        if not self.train.is_packed:
+            return
+        longest = (
+            None
+            if self.data.max_prompt_tokens is None
+            else self.data.max_prompt_tokens + self.rollout.max_new_tokens
+        )
+        if longest is not None and budget < longest:
+            _bad(
+                "train",
+                "max_tokens_per_micro_batch",
+                budget,
+                f"must hold the longest sample: data.max_prompt_tokens={self.data.max_prompt_tokens} + "
+                f"rollout.max_new_tokens={self.rollout.max_new_tokens} = {longest}",
+            )
+        tp = self.parallel.tensor_parallel
+        if self.model.sequence_parallel and tp > 1 and budget % tp:
+            _bad(
+                "train",
+                "max_tokens_per_micro_batch",
+                budget,
+                f"must be a multiple of parallel.tensor_parallel={tp} with model.sequence_parallel",
             )
 
     def check_runnable(self) -> None:

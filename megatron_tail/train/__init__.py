@@ -53,6 +53,7 @@ __getattr__, __dir__, __all__ = lazy_exports(
         "init_parallel": ".engine",
         "load_checkpoint": ".engine",
         "make_micro_batches": ".engine",
+        "pack_micro_batches": ".engine",
         "read_checkpoint_meta": ".engine",
         "recompute_logprobs": ".engine",
         "save_checkpoint": ".engine",

@@ -54,7 +54,10 @@ def test_example_matches_the_config_schema(path):
         assert cfg.algorithm.veto_threshold == 1e-4 and not cfg.algorithm.stapo
     if "stapo" in stem:
         assert cfg.algorithm.stapo and cfg.algorithm.log_rho is None
-    assert cfg.train.packed and cfg.train.seq_len == cfg.model.max_sequence_length
+    # packed THD micro-batches by a token budget that holds the longest sample
+    assert cfg.train.is_packed and cfg.train.seq_len is None
+    longest = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    assert longest <= cfg.train.max_tokens_per_micro_batch and longest <= cfg.model.max_sequence_length
     assert cfg.model.resolved_precision() == "bf16" and cfg.optimizer.use_distributed_optimizer
     # warm-up everywhere; KL only in the example named for it, with the reference offloaded
     assert cfg.optimizer.lr_warmup_steps > 0 and cfg.data.filter_zero_variance_groups

@@ -1,11 +1,13 @@
-"""Micro-batch layout: targets, loss mask, restarted positions, block-diagonal mask, fields, sample layout."""
+"""Micro-batch layout: targets, loss mask, THD boundaries, fields, sample layout; packing by a token budget
+balanced over DP ranks."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from megatron_tail.train import Sample, make_micro_batches, split_for_data_parallel
+from megatron_tail.train import Sample, make_micro_batches, pack_micro_batches, split_for_data_parallel
+from megatron_tail.train.engine.packing import balance_over_data_parallel, pack_by_token_budget
 from tests.train.common import per_sample
 
 
@@ -25,34 +27,75 @@ def test_padded_layout():
     assert mb.loss_mask[0].tolist() == [False, True, True, True, False]  # positions predicting 3, 4, 5
     assert mb.fields["adv"][0].tolist() == pytest.approx([0, 0.1, 0.2, 0.3, 0])
     assert mb.loss_mask[2].tolist() == [False, False, True, False, False]
-    causal = ~torch.ones(5, 5, dtype=torch.bool).tril()
-    assert torch.equal(mb.attention_mask[0, 0], causal)
-    assert mb.num_loss_tokens == 6
+    assert mb.cu_seqlens is None and not mb.packed
+    assert mb.num_loss_tokens == 6 and mb.num_sample_tokens == 12 and mb.num_slots == 15
 
 
-def test_packed_layout_restarts_positions_and_blocks_attention():
-    (mb,) = make_micro_batches(_samples(), micro_batch_size=1, seq_len=12, packed=True)
-    assert mb.shape == (1, 12)
-    assert mb.tokens[0].tolist() == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
-    assert mb.position_ids[0].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3]
+def test_packed_layout_is_one_thd_row_with_boundaries():
+    # longest first (first-fit decreasing): sample 0 (5 tokens), then 2 (4), then 1 (3)
+    (mb,) = pack_micro_batches(_samples(), max_tokens=14, pad_to_multiple=7)
+    assert mb.shape == (1, 14) and mb.packed
+    assert mb.sample_ids.tolist() == [0, 2, 1]
+    assert mb.tokens[0].tolist() == [1, 2, 3, 4, 5, 9, 10, 11, 12, 6, 7, 8, 0, 0]
+    # trailing padding is a block of its own; the boundaries are int32, also kept as ints
+    assert mb.cu_seqlens.tolist() == [0, 5, 9, 12, 14] and mb.cu_seqlens.dtype == torch.int32
+    assert mb.cu_seqlens_host == (0, 5, 9, 12, 14) and mb.max_seqlen == 5
     # the last token of a sequence predicts nothing (not the next sequence's first token)
     assert mb.targets[0, 4].item() == 0 and not mb.loss_mask[0, 4]
-    assert mb.sample_index[0].tolist() == [-1, 0, 0, 0, -1, 1, 1, -1, -1, -1, 2, -1]
-    mask = mb.attention_mask[0, 0]
-    assert mask[5, 4] and mask[5, 0] and not mask[5, 5]  # sample 1 sees only itself
-    assert not mask[7, 5] and mask[8, 7]
+    assert mb.sample_index[0].tolist() == [-1, 0, 0, 0, -1, -1, -1, 2, -1, 1, 1, -1, -1, -1]
+    assert mb.num_sample_tokens == 12 and mb.num_slots == 14
 
 
-def test_micro_batches_share_a_shape_and_rows_pad_empty():
-    mbs = make_micro_batches(_samples(), micro_batch_size=2, seq_len=8)
+def test_token_budget_packing_is_first_fit_decreasing():
+    lengths = [9, 2, 7, 3, 5, 4]
+    bins = pack_by_token_budget(lengths, 10)
+    assert bins == [[0], [2, 3], [4, 5], [1]]
+    assert all(sum(lengths[i] for i in b) <= 10 for b in bins)
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    with pytest.raises(ValueError, match=r"sample 0 has 9 tokens.*max_tokens_per_micro_batch=8"):
+        pack_by_token_budget(lengths, 8)
+
+
+def test_skewed_lengths_give_every_dp_rank_the_same_micro_batch_count():
+    # one long sample and many short ones: the long one fills a micro-batch alone
+    lengths = [60] + [3] * 9
+    bins = pack_by_token_budget(lengths, 64)
+    assert len(bins) == 2
+    per_rank = balance_over_data_parallel(bins, lengths, 4)
+    assert [len(r) for r in per_rank] == [1, 1, 1, 1]  # two ranks get an empty micro-batch
+    assert sum(1 for r in per_rank for b in r if not b) == 2
+    # every sample exactly once over the ranks
+    assert sorted(i for r in per_rank for b in r for i in b) == list(range(len(lengths)))
+    # balanced by tokens: 10 bins over 3 ranks, loads within the largest bin
+    lengths = [7, 6, 6, 5, 5, 4, 4, 3, 2, 1]
+    per_rank = balance_over_data_parallel([[i] for i in range(10)], lengths, 3)
+    assert [len(r) for r in per_rank] == [4, 4, 4]
+    loads = [sum(lengths[i] for b in r for i in b) for r in per_rank]
+    assert max(loads) - min(loads) <= max(lengths)
+    samples = [Sample([1] * (n - 1), [2]) for n in [60] + [3] * 9]
+    counts = [len(pack_micro_batches(samples, max_tokens=64, dp_rank=r, dp_size=4)) for r in range(4)]
+    assert counts == [1, 1, 1, 1]
+    empty = pack_micro_batches(samples, max_tokens=64, dp_rank=3, dp_size=4, pad_to_multiple=2)[0]
+    assert empty.shape == (1, 2) and empty.num_loss_tokens == 0 and len(empty.sample_ids) == 0
+
+
+def test_padded_micro_batches_share_a_shape_and_rows_pad_empty():
+    mbs = make_micro_batches(_samples(), micro_batch_size=2, seq_len=7, pad_to_multiple=4)
     assert [mb.shape for mb in mbs] == [(2, 8), (2, 8)]
     assert not mbs[1].loss_mask[1].any()  # empty filler row
 
 
 def test_sample_layout_gathers_responses_in_order():
-    for packed in (False, True):
-        (mb,) = make_micro_batches(_samples(), micro_batch_size=3, seq_len=12, packed=packed)
-        assert mb.sample_ids.tolist() == [0, 1, 2]
+    for mb in (
+        *make_micro_batches(_samples(), micro_batch_size=3),
+        *pack_micro_batches(_samples(), max_tokens=99),
+    ):
+        order = mb.sample_ids.tolist()
+        assert sorted(order) == [0, 1, 2]
+        mb.sample_ids, perm = torch.tensor([0, 1, 2]), torch.tensor([order.index(i) for i in range(3)])
+        mb.sample_rows, mb.sample_cols, mb.sample_valid = (
+            x[perm] for x in (mb.sample_rows, mb.sample_cols, mb.sample_valid)
+        )
         adv = mb.to_samples(mb.fields["adv"])
         assert adv.shape == (3, 3)
         assert mb.sample_valid.tolist() == [[True] * 3, [True, True, False], [True, False, False]]
@@ -64,7 +107,7 @@ def test_sample_layout_gathers_responses_in_order():
 
 
 def test_to_samples_is_differentiable():
-    (mb,) = make_micro_batches(_samples(), micro_batch_size=1, seq_len=12, packed=True)
+    (mb,) = pack_micro_batches(_samples(), max_tokens=12)
     x = torch.randn(mb.shape, requires_grad=True)
     mb.to_samples(x).sum().backward()
     assert torch.equal(x.grad.bool(), mb.loss_mask)

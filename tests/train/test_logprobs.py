@@ -16,7 +16,7 @@ def _recompute_rank(rank, world_size, hf_dir, tp, pp, samples, log_rho):  # noqa
     from megatron_tail.train import (
         OpSettings,
         build_trainer,
-        make_micro_batches,
+        pack_micro_batches,
         recompute_logprobs,
         train_step,
     )
@@ -26,7 +26,7 @@ def _recompute_rank(rank, world_size, hf_dir, tp, pp, samples, log_rho):  # noqa
     trainer = build_trainer(
         arch, hf_dir=hf_dir, model_settings=ModelSettings(vocab_pad_multiple=PAD_MULTIPLE)
     )
-    mbs = make_micro_batches(samples, micro_batch_size=1, packed=True, seq_len=32)
+    mbs = pack_micro_batches(samples, max_tokens=32)
     op = OpSettings(log_rho=log_rho)
     outs = recompute_logprobs(trainer, mbs, op=op)
     logprobs = per_sample(mbs, [o.logprobs for o in outs])

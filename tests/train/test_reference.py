@@ -26,7 +26,7 @@ def _reference_rank(rank, world_size, hf_dir, tp, pp, samples, offload):  # noqa
     with torch.no_grad():  # the policy moves away from the initial weights
         for p in trainer.chunks[0].parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=g, dtype=p.dtype))
-    mbs = make_micro_batches(samples, micro_batch_size=2, packed=False, seq_len=16)
+    mbs = make_micro_batches(samples, micro_batch_size=2, seq_len=16)
     op = OpSettings(log_rho=None)
     with ref.on_device():
         ref_out = recompute_logprobs(trainer, mbs, op=op, chunks=ref.chunks)

@@ -30,6 +30,7 @@ def _rl_step_rank(rank, world_size, hf_dir, tp, samples, packed):  # noqa: ARG00
         OptimizerSettings,
         build_trainer,
         make_micro_batches,
+        pack_micro_batches,
         prepare_rl_micro_batches,
         recompute_logprobs,
         rl_loss_fn,
@@ -44,10 +45,11 @@ def _rl_step_rank(rank, world_size, hf_dir, tp, samples, packed):  # noqa: ARG00
         model_settings=ModelSettings(vocab_pad_multiple=PAD_MULTIPLE),
         optim=OptimizerSettings(lr=0.5, adam_eps=1.0, clip_grad=1e9),  # ≈ lr·g: smooth in g
     )
-    mine = split_for_data_parallel(samples, groups.dp_rank, groups.dp_size)
-    mbs = make_micro_batches(
-        mine, micro_batch_size=1 if packed else 2, seq_len=32 if packed else 16, packed=packed
-    )
+    if packed:
+        mbs = pack_micro_batches(samples, max_tokens=32, dp_rank=groups.dp_rank, dp_size=groups.dp_size)
+    else:
+        mine = split_for_data_parallel(samples, groups.dp_rank, groups.dp_size)
+        mbs = make_micro_batches(mine, micro_batch_size=2, seq_len=16)
     op = OpSettings(log_rho=CFG.log_rho)
     old = recompute_logprobs(trainer, mbs, op=op)
     counts = prepare_rl_micro_batches(CFG, mbs, old, groups.dp)
@@ -99,8 +101,8 @@ def test_padded_step_loss_equals_compute_loss_reference(case):
 
 @pytest.mark.parametrize(
     ("world", "tp", "packed"),
-    [(1, 1, True), (2, 2, True), (2, 1, False)],
-    ids=["packed", "tp2-packed", "dp2"],
+    [(1, 1, True), (2, 2, True), (2, 1, False), (2, 1, True)],
+    ids=["packed", "tp2-packed", "dp2", "dp2-packed"],
 )
 def test_rl_step_matches_single_rank_padded(case, world, tp, packed):
     hf_dir, samples, ref_loss, (ref_result, ref_state) = case

@@ -1,5 +1,6 @@
 """One optimizer step gives the same parameters for TP=2 vs TP=1, PP=2 vs PP=1, DP=2 (split batch) vs DP=1,
-and packed vs padded micro-batches."""
+packed (THD, by a token budget) vs padded micro-batches at each of those layouts, and with activation
+recompute (selective, full) vs none."""
 
 from __future__ import annotations
 
@@ -20,13 +21,14 @@ from tests.train.common import (
 N_SAMPLES = 8
 
 
-def _one_step_rank(rank, world_size, hf_dir, tp, pp, micro_batch_size, packed, optimizer):  # noqa: ARG001
+def _one_step_rank(rank, world_size, hf_dir, tp, pp, micro_batch_size, packed, optimizer, model=None):  # noqa: ARG001
     from megatron_tail.model import ModelSettings, load_hf_config
     from megatron_tail.train import (
         OpSettings,
         OptimizerSettings,
         build_trainer,
         make_micro_batches,
+        pack_micro_batches,
         split_for_data_parallel,
         train_step,
     )
@@ -38,15 +40,19 @@ def _one_step_rank(rank, world_size, hf_dir, tp, pp, micro_batch_size, packed, o
     # clip_grad is huge: the norm is reported, nothing is clipped.
     eps = 1.0 if optimizer == "linear" else 1e-8
     optim = OptimizerSettings(lr=0.5 if optimizer == "linear" else 1e-3, adam_eps=eps, clip_grad=1e9)
-    settings = ModelSettings(vocab_pad_multiple=PAD_MULTIPLE)
+    settings = ModelSettings(vocab_pad_multiple=PAD_MULTIPLE, **(model or {}))
     trainer = build_trainer(arch, hf_dir=hf_dir, model_settings=settings, optim=optim)
-    samples = split_for_data_parallel(make_samples(N_SAMPLES, seed=7), groups.dp_rank, groups.dp_size)
-    # Packed rows of 32 hold 2–4 samples; padded rows hold one sample (of ≤ 14 tokens) each.
-    mbs = make_micro_batches(
-        samples, micro_batch_size=micro_batch_size, packed=packed, seq_len=32 if packed else 16
-    )
+    multiple = tp if settings.sequence_parallel else 1
     if packed:
-        assert sum(mb.shape[0] for mb in mbs) < len(samples)
+        # Packed micro-batches of ≤ 32 tokens hold 2–4 samples (of 6–14 tokens) each, balanced over DP.
+        samples = make_samples(N_SAMPLES, seed=7)
+        mbs = pack_micro_batches(
+            samples, max_tokens=32, dp_rank=groups.dp_rank, dp_size=groups.dp_size, pad_to_multiple=multiple
+        )
+        assert len(mbs) * groups.dp_size < N_SAMPLES and all(mb.packed for mb in mbs)
+    else:
+        samples = split_for_data_parallel(make_samples(N_SAMPLES, seed=7), groups.dp_rank, groups.dp_size)
+        mbs = make_micro_batches(samples, micro_batch_size=micro_batch_size, pad_to_multiple=multiple)
     loss_fn = masked_nll_loss(global_loss_tokens(mbs, groups.dp))
     result = train_step(trainer, mbs, loss_fn, op=OpSettings(log_rho=-13.0))
     return full_hf_state(trainer), result
@@ -93,8 +99,24 @@ def test_one_step_matches_single_rank(hf_dir, reference, tp, pp, world, micro_ba
     _assert_same_step(results[0], reference, hf_dir)
 
 
-def test_packed_step_matches_padded(hf_dir, reference):
-    got = run_distributed(_one_step_rank, 1, hf_dir, 1, 1, 1, True, "linear")[0]
+@pytest.mark.parametrize(
+    ("tp", "pp", "world", "model"),
+    [(1, 1, 1, None), (2, 1, 2, {"sequence_parallel": True}), (1, 2, 2, None), (1, 1, 2, None)],
+    ids=["packed", "packed-tp2-sp", "packed-pp2", "packed-dp2"],
+)
+def test_packed_step_matches_padded(hf_dir, reference, tp, pp, world, model):
+    results = run_distributed(_one_step_rank, world, hf_dir, tp, pp, 1, True, "linear", model)
+    assert all(r[1] == results[0][1] for r in results)
+    _assert_same_step(results[0], reference, hf_dir)
+
+
+@pytest.mark.parametrize(
+    "model",
+    [{"recompute": "selective"}, {"recompute": "full"}, {"recompute": "full", "recompute_num_layers": 2}],
+    ids=["selective", "full", "full-2-layers"],
+)
+def test_recompute_step_matches_no_recompute(hf_dir, reference, model):
+    got = run_distributed(_one_step_rank, 1, hf_dir, 1, 1, 1, True, "linear", model)[0]
     _assert_same_step(got, reference, hf_dir)
 
 

@@ -2,7 +2,8 @@
 
     init_distributed(); groups = init_parallel(ParallelConfig(tensor_parallel=2))      # parallel
     trainer = build_trainer(arch, hf_dir=hf_dir, optim=OptimizerSettings(lr=1e-6))   # setup, settings
-    mbs = make_micro_batches(split_for_data_parallel(samples, ...), ...)             # batch
+    mbs = pack_micro_batches(samples, max_tokens=4096, dp_rank=r, dp_size=dp)         # batch (THD)
+    mbs = make_micro_batches(split_for_data_parallel(samples, ...), ...)             # batch (padded)
     outs = recompute_logprobs(trainer, mbs, op=OpSettings(log_rho=-13.0))            # logprobs (forward)
     result = train_step(trainer, mbs, loss_fn, op=op)                                # train_step (forward)
     save_checkpoint(path, trainer, rl_state); load_checkpoint(path, trainer)         # checkpoint
@@ -19,6 +20,7 @@ __getattr__, __dir__, __all__ = lazy_exports(
         "MicroBatch": ".batch",
         "Sample": ".batch",
         "make_micro_batches": ".batch",
+        "pack_micro_batches": ".batch",
         "split_for_data_parallel": ".batch",
         "CheckpointMismatchError": ".checkpoint",
         "load_checkpoint": ".checkpoint",

@@ -1,14 +1,18 @@
-"""(prompt, response) samples → fixed-shape micro-batches for megatron, padded or packed.
+"""(prompt, response) samples → micro-batches for megatron: packed (THD, by a token budget) or padded.
 
 Layout of a `MicroBatch` (b rows, s positions; every tensor CPU until `.to(device)`):
+- Packed (THD): b = 1 and s = T, the micro-batch's tokens: its samples back to back, then padding up to a
+  multiple of `pad_to_multiple` (TP with sequence parallelism). `cu_seqlens [n + 1]` int32 holds the
+  sequence boundaries, the trailing padding (if any) being one more sequence of its own, so every token
+  belongs to exactly one causal block and the padded boundaries equal the unpadded ones; `max_seqlen` is
+  the longest block. The model gets them as megatron's `PackedSeqParams(qkv_format="thd")`.
+- Padded: b samples, one per row from position 0, right-padded to the longest (rounded up to
+  `pad_to_multiple`); `cu_seqlens` is None and attention is causal over the row.
 - `tokens [b, s]` int64: prompt + response ids (pad id where empty).
 - `targets [b, s]` int64: the next token, `tokens[:, t + 1]` within a sequence; 0 where there is none.
 - `loss_mask [b, s]` bool: `targets[:, t]` is a response token, i.e. position t predicts the response.
-- `position_ids [b, s]` int64: 0.. within each sequence (restarted per sequence when packed).
-- `attention_mask [b, 1, s, s]` bool, True = masked: causal; block-diagonal causal when packed (a
-  sequence never sees another one). Trailing padding is its own block, so no row is fully masked.
-- `sample_index [b, s]` int64: which sample (index into the list given to `make_micro_batches`) the
-  target at t belongs to; -1 off the loss mask.
+- `sample_index [b, s]` int64: which sample (index into the list given to the builder) the target at t
+  belongs to; -1 off the loss mask.
 - `fields {name: [b, s]}`: per-response-token values of the samples (rollout log-probs, advantages, ...)
   aligned with `targets` (value of response token j at the position that predicts it); 0 elsewhere.
 - `extras`: free-form per-micro-batch objects for the loss callback (e.g. the algorithms' PreparedTokens).
@@ -18,17 +22,20 @@ Layout of a `MicroBatch` (b rows, s positions; every tensor CPU until `.to(devic
   losses (sequence IS weights, veto, seq-mean aggregation) use this layout, in which a row is one sample
   whether the micro-batch is padded or packed.
 
-All micro-batches of one `make_micro_batches` call have the same shape (pipeline parallelism sends
-fixed-shape activations); missing rows are empty (all pad, nothing in the loss).
+An empty micro-batch (no samples; `pad_to_multiple` pad tokens) is what a DP rank with fewer packed
+micro-batches than the others runs, so that every rank runs the same count.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from itertools import pairwise
 from typing import Any
 
 import torch
+
+from .packing import balance_over_data_parallel, pack_by_token_budget
 
 
 @dataclass(frozen=True)
@@ -50,14 +57,21 @@ class MicroBatch:
     tokens: torch.Tensor
     targets: torch.Tensor
     loss_mask: torch.Tensor
-    position_ids: torch.Tensor
-    attention_mask: torch.Tensor
     sample_index: torch.Tensor
     fields: dict[str, torch.Tensor] = field(default_factory=dict)
     extras: dict[str, Any] = field(default_factory=dict)
-    packed: bool = False
+    cu_seqlens: torch.Tensor | None = None
+    """`[n_blocks + 1]` int32 boundaries of the causal blocks of a packed (THD) row; None when padded."""
+    cu_seqlens_host: tuple[int, ...] | None = None
+    """The same boundaries as ints (the local attention loops over them without a device sync)."""
+    max_seqlen: int | None = None
+    """Longest block of a packed row (megatron sizes RoPE by it; TE needs it as an int)."""
+    num_loss_tokens: int = 0
+    """Positions in the loss mask (counted when built, so no device sync reads it)."""
+    num_sample_tokens: int = 0
+    """Tokens of the samples (prompt + response); the rest of the `b × s` slots is padding."""
     sample_ids: torch.Tensor | None = None
-    """`[n]` int64: the samples of this micro-batch, in order (indices into the `make_micro_batches` list)."""
+    """`[n]` int64: the samples of this micro-batch, in order (indices into the builder's list)."""
     sample_rows: torch.Tensor | None = None
     """`[n, T]` int64: row (in `tokens`) of sample k's j-th response-token target; 0 where invalid."""
     sample_cols: torch.Tensor | None = None
@@ -66,14 +80,19 @@ class MicroBatch:
     """`[n, T]` bool: j < len(response of sample k)."""
 
     @property
+    def packed(self) -> bool:
+        """THD layout (one row of back-to-back sequences)."""
+        return self.cu_seqlens is not None
+
+    @property
     def shape(self) -> tuple[int, int]:
         """(rows, sequence length)."""
         return tuple(self.tokens.shape)
 
     @property
-    def num_loss_tokens(self) -> int:
-        """Positions in the loss mask."""
-        return int(self.loss_mask.sum())
+    def num_slots(self) -> int:
+        """Token positions the model computes (rows × length), padding included."""
+        return self.tokens.numel()
 
     def to(self, device: torch.device | str) -> MicroBatch:
         """Tensors moved to `device` (extras untouched)."""
@@ -92,9 +111,8 @@ _TENSORS = (
     "tokens",
     "targets",
     "loss_mask",
-    "position_ids",
-    "attention_mask",
     "sample_index",
+    "cu_seqlens",
     "sample_ids",
     "sample_rows",
     "sample_cols",
@@ -117,41 +135,77 @@ def make_micro_batches(
     *,
     micro_batch_size: int,
     seq_len: int | None = None,
-    packed: bool = False,
+    pad_to_multiple: int = 1,
     pad_id: int = 0,
 ) -> list[MicroBatch]:
-    """Group `samples` (in order) into micro-batches of `micro_batch_size` rows, all of one shape.
+    """Padded micro-batches: `samples` (in order) in groups of `micro_batch_size` rows, one per row.
 
     Args:
         samples: this rank's samples.
-        micro_batch_size: rows per micro-batch (padded: samples per micro-batch; packed: packed rows).
-        seq_len: row length. Padded: default the longest sample. Packed: required; samples are packed
-            greedily in order, a new row starting when the next sample does not fit.
-        packed: pack several samples per row (block-diagonal mask, restarted positions).
+        micro_batch_size: samples (rows) per micro-batch; a last, smaller group is filled with empty rows.
+        seq_len: row length; default the longest sample. Rounded up to `pad_to_multiple`.
+        pad_to_multiple: row length multiple (TP with sequence parallelism: megatron splits the sequence).
         pad_id: token id of padding.
     Raises:
         ValueError: a sample longer than `seq_len`, an empty prompt/response, a field of the wrong length.
     """
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be ≥ 1; got {micro_batch_size}")
+    _check_samples(samples)
+    seq_len = _round_up(seq_len or max(len(s) for s in samples), pad_to_multiple)
+    too_long = [i for i, s in enumerate(samples) if len(s) > seq_len]
+    if too_long:
+        raise ValueError(f"samples {too_long[:5]} are longer than seq_len={seq_len}")
+    out = []
+    for start in range(0, len(samples), micro_batch_size):
+        rows = [[i] for i in range(start, min(start + micro_batch_size, len(samples)))]
+        rows += [[]] * (micro_batch_size - len(rows))
+        out.append(_build(samples, rows, seq_len, pad_id))
+    return out
+
+
+def pack_micro_batches(
+    samples: Sequence[Sample],
+    *,
+    max_tokens: int,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    pad_to_multiple: int = 1,
+    pad_id: int = 0,
+) -> list[MicroBatch]:
+    """This DP rank's packed (THD) micro-batches of the global `samples`, each ≤ `max_tokens` tokens.
+
+    All ranks pass the same `samples`; they are packed first-fit decreasing into the fewest micro-batches
+    (`pack_by_token_budget`), dealt to the DP ranks balancing tokens, and padded with empty micro-batches
+    so every rank runs the same count (`balance_over_data_parallel`). `sample_ids`/`sample_index` index
+    into `samples`. A micro-batch's length is its tokens rounded up to `pad_to_multiple`, capped at
+    `max_tokens` (so `max_tokens` must be a multiple of it).
+    Raises ValueError naming a sample longer than `max_tokens`.
+    """
+    if max_tokens % pad_to_multiple:
+        raise ValueError(
+            f"max_tokens={max_tokens} must be a multiple of {pad_to_multiple} (TP with sequence parallelism)"
+        )
+    _check_samples(samples)
+    lengths = [len(s) for s in samples]
+    bins = pack_by_token_budget(lengths, max_tokens)
+    mine = balance_over_data_parallel(bins, lengths, dp_size)[dp_rank]
+    out = []
+    for members in mine:
+        length = _round_up(max(sum(lengths[i] for i in members), 1), pad_to_multiple)
+        out.append(_build(samples, [members], length, pad_id, packed=True))
+    return out
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _check_samples(samples: Sequence[Sample]) -> None:
     if not samples:
         raise ValueError("no samples")
     for i, s in enumerate(samples):
         _check_sample(i, s)
-    if packed and seq_len is None:
-        raise ValueError("packed micro-batches need seq_len")
-    seq_len = seq_len or max(len(s) for s in samples)
-    too_long = [i for i, s in enumerate(samples) if len(s) > seq_len]
-    if too_long:
-        raise ValueError(f"samples {too_long[:5]} are longer than seq_len={seq_len}")
-    rows = _pack_rows(samples, seq_len) if packed else [[i] for i in range(len(samples))]
-    field_names = sorted(samples[0].fields)
-    out = []
-    for start in range(0, len(rows), micro_batch_size):
-        group = rows[start : start + micro_batch_size]
-        group += [[]] * (micro_batch_size - len(group))
-        out.append(_build(samples, group, seq_len, pad_id, field_names, packed))
-    return out
 
 
 def _check_sample(i: int, s: Sample) -> None:
@@ -166,30 +220,19 @@ def _check_sample(i: int, s: Sample) -> None:
             )
 
 
-def _pack_rows(samples: Sequence[Sample], seq_len: int) -> list[list[int]]:
-    rows: list[list[int]] = []
-    used = seq_len  # forces a new row for the first sample
-    for i, s in enumerate(samples):
-        if used + len(s) > seq_len:
-            rows.append([])
-            used = 0
-        rows[-1].append(i)
-        used += len(s)
-    return rows
-
-
-def _build(samples, rows, seq_len, pad_id, field_names, packed) -> MicroBatch:
+def _build(samples, rows, seq_len, pad_id, *, packed: bool = False) -> MicroBatch:
+    """`rows[r]`: the sample ids laid back to back in row r (one per row when padded)."""
     b = len(rows)
+    field_names = sorted(samples[0].fields)
     tokens = torch.full((b, seq_len), pad_id, dtype=torch.long)
     targets = torch.zeros((b, seq_len), dtype=torch.long)
     loss_mask = torch.zeros((b, seq_len), dtype=torch.bool)
-    position_ids = torch.zeros((b, seq_len), dtype=torch.long)
     sample_index = torch.full((b, seq_len), -1, dtype=torch.long)
-    block = torch.zeros((b, seq_len), dtype=torch.long)  # block id per position (for the mask)
     fields = {name: torch.zeros((b, seq_len), dtype=samples[0].fields[name].dtype) for name in field_names}
+    bounds = [0]
     for r, members in enumerate(rows):
         start = 0
-        for k, i in enumerate(members):
+        for i in members:
             s = samples[i]
             n, p = len(s), len(s.prompt)
             ids = torch.tensor([*s.prompt, *s.response], dtype=torch.long)
@@ -198,20 +241,25 @@ def _build(samples, rows, seq_len, pad_id, field_names, packed) -> MicroBatch:
             resp = slice(start + p - 1, start + n - 1)  # positions predicting response tokens
             loss_mask[r, resp] = True
             sample_index[r, resp] = i
-            position_ids[r, start : start + n] = torch.arange(n)
-            block[r, start : start + n] = k
             for name in field_names:
                 fields[name][r, resp] = s.fields[name].to(fields[name].dtype)
             start += n
-        pad = seq_len - start
-        position_ids[r, start:] = torch.arange(pad)
-        block[r, start:] = len(members)
-    causal = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
-    same_block = block[:, :, None] == block[:, None, :]
-    attention_mask = ~(causal & same_block)[:, None]
+            bounds.append(start)
+    if bounds[-1] < seq_len:
+        bounds.append(seq_len)  # trailing padding: a causal block of its own
     mb = MicroBatch(
-        tokens, targets, loss_mask, position_ids, attention_mask, sample_index, fields, {}, packed
+        tokens,
+        targets,
+        loss_mask,
+        sample_index,
+        fields,
+        num_loss_tokens=int(loss_mask.sum()),
+        num_sample_tokens=sum(len(samples[i]) for row in rows for i in row),
     )
+    if packed:
+        mb.cu_seqlens = torch.tensor(bounds, dtype=torch.int32)
+        mb.cu_seqlens_host = tuple(bounds)
+        mb.max_seqlen = max(e - s for s, e in pairwise(bounds))
     _add_sample_layout(mb, samples, rows)
     return mb
 

@@ -1,7 +1,9 @@
 """One pass of megatron's `get_forward_backward_func` over micro-batches, with the DVP op → callback.
 
-Shared by the training step (forward + backward) and the log-prob recompute (forward only). On the last
-pipeline stage, either
+Shared by the training step (forward + backward) and the log-prob recompute (forward only). A packed
+micro-batch reaches the model as one row `[1, T]` with megatron's `PackedSeqParams(qkv_format="thd")`
+(`packed_seq_params`), which both layer specs' attention honours; a padded one as `[b, s]` rows with
+causal attention. On the last pipeline stage, either
 - the vocab-parallel logits `[b, s, V_padded/tp]` go straight into `vocab_parallel_masked_logprobs`
   (padded columns masked via the true `vocab_size`); with bf16 they stay bf16 (`fp32_output=False`: the
   op computes in fp32 chunks, so no fp32 copy is made), and when training the op takes them over
@@ -25,6 +27,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import unwrap_model
 
+from megatron_tail.model.thd_attention import HostPackedSeqParams
 from megatron_tail.ops import (
     DEFAULT_LOG_RHO,
     MaskedLogprobs,
@@ -64,19 +67,19 @@ def run_micro_batches(
 ) -> list[Any]:
     """Run the forward(-backward) schedule; return `on_outputs`' extra objects (last stage; [] elsewhere).
 
-    All micro-batches must share one shape (pipeline stages exchange fixed-shape activations).
+    Micro-batches may differ in shape: on PP > 1 the model config's `variable_seq_lengths` (set by
+    `model.transformer_config`) makes the stages exchange each activation's shape first.
     """
     if not micro_batches:
         raise ValueError("no micro-batches")
     shapes = {mb.shape for mb in micro_batches}
-    if len(shapes) != 1:
-        raise ValueError(f"micro-batches must share one shape; got {sorted(shapes)}")
-    rows, seq_len = micro_batches[0].shape
-    if any(mb.packed for mb in micro_batches) and getattr(unwrap_model(chunks[0]), "uses_te_spec", False):
-        # TE's fused attention ignores our block-diagonal mask; packing there needs THD PackedSeqParams.
-        raise NotImplementedError(
-            "packed micro-batches are not supported on the Transformer Engine spec yet; use padded"
-        )
+    if len(shapes) != 1 and parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        config = unwrap_model(chunks[0]).config
+        if not config.variable_seq_lengths:
+            raise ValueError(
+                f"micro-batches differ in shape {sorted(shapes)} but variable_seq_lengths is off"
+            )
+    rows, seq_len = max(shapes)
     device = next(chunks[0].parameters()).device
     tp_group = parallel_state.get_tensor_model_parallel_group()
     half = _has_float16_module(chunks[0])
@@ -84,7 +87,7 @@ def run_micro_batches(
     def forward_step(data_iterator, model):
         mb = next(data_iterator).to(device)
         kwargs = {"fp32_output": False} if half else {}
-        output = model(mb.tokens, mb.position_ids, mb.attention_mask, **kwargs)
+        output = model(mb.tokens, None, None, packed_seq_params=thd_params(mb), **kwargs)
         return output, partial(_loss_func, mb, unwrap_model(model))
 
     def _loss_func(mb: MicroBatch, model, output: torch.Tensor):
@@ -103,6 +106,10 @@ def run_micro_batches(
                 output, mb.targets, inplace_backward=not forward_only, **settings
             )
         loss, extra = on_outputs(out, mb)
+        if not len(mb.sample_ids):
+            # An empty micro-batch (a DP rank with fewer packed ones): keep the loss on the graph so the
+            # backward pass runs through the model like on the other ranks.
+            loss = loss + out.logprobs.sum() * 0.0
         num_tokens = torch.tensor(mb.num_loss_tokens, dtype=torch.int, device=loss.device)
         return loss, num_tokens, extra
 
@@ -116,6 +123,38 @@ def run_micro_batches(
             micro_batch_size=rows,
             forward_only=forward_only,
         )
+
+
+def thd_params(mb: MicroBatch) -> HostPackedSeqParams | None:
+    """megatron's `PackedSeqParams(qkv_format="thd")` of a packed micro-batch (None when padded), with
+    `cu_seqlens` int32 on the micro-batch's device and the max lengths as ints.
+
+    What Transformer Engine needs (megatron `extensions/transformer_engine.py`, `TEDotProductAttention.
+    forward`, passes every `PackedSeqParams` field but the CP ones to TE's `DotProductAttention.forward`,
+    and turns the causal mask into `padding_causal` for "thd"): 1-D int32 `cu_seqlens_q/kv` on the device
+    (TE `DotProductAttention.forward` asserts int32; its kernels read them as `int*`), and `max_seqlen_q/kv`
+    as Python ints (else TE computes them with a device→host sync, and megatron's
+    `RotaryEmbedding.get_rotary_seq_len` fails on None). Our blocks have no inner padding (trailing padding
+    is a block of its own, so every row is covered: TE's fused THD RoPE leaves uncovered rows
+    uninitialised), so the padded boundaries are the *same tensor object* as the unpadded ones: TE ≥ 2.18
+    infers `pad_between_seqs` from `cu_seqlens_q_padded is cu_seqlens_q` (earlier versions from equal
+    values), and padding between sequences would rule out its FlashAttention and unfused backends
+    (`attention/dot_product_attention/utils.py`, `get_attention_backend`). `attention_mask` stays None: TE's
+    unfused backend would use a given one for thd.
+    """
+    if not mb.packed:
+        return None
+    cu = mb.cu_seqlens
+    return HostPackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        cu_seqlens_q_padded=cu,
+        cu_seqlens_kv_padded=cu,
+        max_seqlen_q=mb.max_seqlen,
+        max_seqlen_kv=mb.max_seqlen,
+        cu_seqlens_host=mb.cu_seqlens_host,
+    )
 
 
 def _fused_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor, settings: dict) -> MaskedLogprobs:

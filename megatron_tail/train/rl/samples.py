@@ -3,7 +3,7 @@ this DP rank's micro-batches.
 
     built = build_samples(cfg, batch)           # built.samples: [Sample] (rollout_logprobs, advantages)
     layout = layout_micro_batches(cfg, built.samples, trainer.groups)
-    layout.per_mini_batch[j]    # this DP rank's micro-batches of mini-batch j, all one shape
+    layout.per_mini_batch[j]    # this DP rank's micro-batches of mini-batch j (packed: THD by token budget)
     layout.all                  # every micro-batch, mini-batch-major (the θ_old pass runs over these)
 """
 
@@ -18,7 +18,13 @@ from megatron_tail.algorithms.overlong import overlong_penalty
 from megatron_tail.config import RunConfig
 from megatron_tail.rollout import RolloutBatch
 
-from ..engine.batch import MicroBatch, Sample, make_micro_batches, split_for_data_parallel
+from ..engine.batch import (
+    MicroBatch,
+    Sample,
+    make_micro_batches,
+    pack_micro_batches,
+    split_for_data_parallel,
+)
 from ..engine.parallel import ParallelGroups
 
 
@@ -38,6 +44,16 @@ class MicroBatchLayout:
     def tokens(self) -> int:
         """Tokens of the whole batch (prompt + response of every sample)."""
         return sum(len(s) for s in self.samples)
+
+    def packing_counts(self) -> dict[str, float]:
+        """This DP rank's `sample_tokens` and `token_slots` (rows × length the model computes, padding
+        included) and `micro_batches`; sum the first two over DP for `perf/packing_efficiency`."""
+        mbs = self.all
+        return {
+            "sample_tokens": float(sum(mb.num_sample_tokens for mb in mbs)),
+            "token_slots": float(sum(mb.num_slots for mb in mbs)),
+            "micro_batches": float(len(mbs)),
+        }
 
 
 @dataclass(frozen=True)
@@ -91,21 +107,38 @@ def build_samples(cfg: RunConfig, batch: RolloutBatch) -> RolloutSamples:
 def layout_micro_batches(
     cfg: RunConfig, samples: list[Sample], groups: ParallelGroups, *, pad_id: int = 0
 ) -> MicroBatchLayout:
-    """`train.mini_batches` contiguous shares of the samples, each split over DP and cut into micro-batches
-    of `train.micro_batch_size` rows (padded or packed to `train.seq_len`, or the longest sample)."""
+    """`train.mini_batches` contiguous shares of the samples (whole groups), each laid out for this DP rank:
+    packed (THD) into micro-batches of ≤ `train.max_tokens_per_micro_batch` tokens balanced over DP (every
+    rank the same count), or padded: a contiguous DP share in micro-batches of `train.micro_batch_size`."""
     k = cfg.train.mini_batches
     per = len(samples) // k
-    seq_len = cfg.train.seq_len or max(len(s) for s in samples)
+    multiple = micro_batch_multiple(cfg)
     out = []
     for j in range(k):
-        mine = split_for_data_parallel(samples[j * per : (j + 1) * per], groups.dp_rank, groups.dp_size)
-        out.append(
-            make_micro_batches(
-                mine,
-                micro_batch_size=cfg.train.micro_batch_size,
-                seq_len=seq_len,
-                packed=cfg.train.packed,
+        share = samples[j * per : (j + 1) * per]
+        if cfg.train.is_packed:
+            mbs = pack_micro_batches(
+                share,
+                max_tokens=cfg.train.max_tokens_per_micro_batch,
+                dp_rank=groups.dp_rank,
+                dp_size=groups.dp_size,
+                pad_to_multiple=multiple,
                 pad_id=pad_id,
             )
-        )
+        else:
+            mbs = make_micro_batches(
+                split_for_data_parallel(share, groups.dp_rank, groups.dp_size),
+                micro_batch_size=cfg.train.micro_batch_size,
+                seq_len=cfg.train.seq_len,
+                pad_to_multiple=multiple,
+                pad_id=pad_id,
+            )
+        out.append(mbs)
     return MicroBatchLayout(out, samples)
+
+
+def micro_batch_multiple(cfg: RunConfig) -> int:
+    """Sequence-length multiple of a micro-batch: TP with sequence parallelism (megatron splits the
+    sequence over TP ranks), else 1."""
+    tp = cfg.parallel.tensor_parallel
+    return tp if cfg.model.sequence_parallel and tp > 1 else 1

@@ -28,6 +28,7 @@ from megatron_tail.config import RunConfig, TrainSection, save_resolved_config
 from megatron_tail.rollout import rollout_metrics
 from megatron_tail.utils.net import free_port
 
+from ..engine.collectives import all_reduce_scalars
 from ..engine.lr_schedule import advance
 from ..rl.old_policy import op_settings, score_old_policy, score_reference
 from ..rl.samples import build_samples, layout_micro_batches
@@ -144,7 +145,20 @@ def _train_on(s: RunSession, batch) -> tuple[dict[str, float], dict, int]:
     logprob_s = time.perf_counter() - scoring
     update = update_policy(trainer, cfg.algorithm, layout, old, op=op_settings(cfg))  # optimizer step(s)
     metrics = {**built.metrics, **update.metrics, **old.diagnostics, "perf/logprob_time_s": logprob_s}
+    metrics.update(_packing_metrics(layout, trainer.groups.dp))
     return metrics, old.histograms, layout.tokens
+
+
+def _packing_metrics(layout, dp_group) -> dict[str, float]:
+    """`perf/packing_efficiency`: the samples' tokens ÷ the token slots (rows × length) the model computes,
+    over every DP rank's micro-batches of the step (each pass, θ_old, reference and update, runs the same
+    layout); `perf/micro_batches`: micro-batches per DP rank and pass (equal on every rank)."""
+    counts = layout.packing_counts()
+    totals = all_reduce_scalars({k: counts[k] for k in ("sample_tokens", "token_slots")}, dp_group)
+    return {
+        "perf/packing_efficiency": totals["sample_tokens"] / max(totals["token_slots"], 1.0),
+        "perf/micro_batches": counts["micro_batches"],
+    }
 
 
 def run(cfg: RunConfig, hooks: LoopHooks | None = None) -> RunResult:
