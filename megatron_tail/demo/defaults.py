@@ -41,7 +41,7 @@ data:
   eval_prompts: 200
 train:
   steps: 60
-  micro_batch_size: 64
+  max_tokens_per_micro_batch: 1024  # THD: samples packed back to back, ≤ 1024 tokens per micro-batch
   eval_every: 10
   checkpoint_every: 10
   keep_checkpoints: 1

@@ -68,7 +68,7 @@ def loop_overrides(model_dir, prompt_file, run_dir, extra: dict | None = None) -
         "data.correct_reward": 0.5,
         "data.prompts_per_step": 4,
         "train.steps": 3,
-        "train.micro_batch_size": 8,
+        "train.max_tokens_per_micro_batch": 128,  # packed THD micro-batches, as the examples
         "logging.progress": "never",
     }
     settings.update(extra or {})

@@ -37,6 +37,8 @@ REQUIRED = [
     "stapo/masked_fraction",
     # throughput and step time
     "perf/rollout_tokens_per_s", "perf/train_tokens_per_s", "perf/step_time_s",
+    # THD packing by the token budget
+    "perf/packing_efficiency", "perf/micro_batches",
 ]  # fmt: skip
 STEPS, PROMPTS, GROUP = 3, 4, 4
 
@@ -124,6 +126,10 @@ def test_logged_values_are_consistent(cli_run):
         assert 0 < s["dvp/safe_mass_min"][i] <= s["dvp/safe_mass_mean"][i] <= 1
         assert 0 <= s["reward/accuracy"][i] <= 1 and 0 <= s["stapo/masked_fraction"][i] < 1
         assert s["rollout/stale_fraction"][i] == 0  # every sample came from the current weights
+        # packed by a 128-token budget without sequence parallelism: no padding at all, and the batch
+        # (16 samples of ≥ 2 tokens) needs at least ⌈tokens / 128⌉ micro-batches
+        assert s["perf/packing_efficiency"][i] == 1.0
+        assert s["perf/micro_batches"][i] >= 1 and s["perf/micro_batches"][i] == int(s["perf/micro_batches"][i])
     # the bf16 engine and the fp32 trainer really disagree, a little
     assert 0 < max(s["mismatch/abs_delta/p0.01_0.5"]) < 0.5
     for i in range(STEPS):

@@ -73,7 +73,7 @@ def test_thd_row_logits_equal_hf_per_sequence(tmp_path, tp, sp, tie):
         assert torch.isfinite(row).all()  # the padding block is a sequence of its own: finite, unused
 
 
-def _schedule_logprobs_rank(rank, world_size, hf_dir, tp, pp, sp, samples, packed):  # noqa: ARG001
+def _schedule_logprobs_rank(rank, world_size, hf_dir, tp, pp, sp, fused, samples, packed):  # noqa: ARG001
     from megatron_tail.model import ModelSettings, load_hf_config
     from megatron_tail.train import (
         OpSettings,
@@ -86,7 +86,9 @@ def _schedule_logprobs_rank(rank, world_size, hf_dir, tp, pp, sp, samples, packe
 
     init_rank(tp, pp)
     arch = load_hf_config(hf_dir)
-    trainer = build_trainer(arch, hf_dir=hf_dir, model_settings=ModelSettings(sequence_parallel=sp))
+    trainer = build_trainer(
+        arch, hf_dir=hf_dir, model_settings=ModelSettings(sequence_parallel=sp, fused_output_layer=fused)
+    )
     multiple = tp if sp else 1
     if packed:
         mbs = pack_micro_batches(samples, max_tokens=64, pad_to_multiple=multiple)
@@ -97,15 +99,23 @@ def _schedule_logprobs_rank(rank, world_size, hf_dir, tp, pp, sp, samples, packe
     return per_sample(mbs, [o.logprobs for o in outs])
 
 
-@pytest.mark.parametrize(("tp", "pp", "sp"), [(1, 2, False), (2, 1, True)], ids=["pp2", "tp2-sp"])
-def test_schedule_logprobs_thd_equal_padded_and_hf(tmp_path, tp, pp, sp):
+@pytest.mark.parametrize(
+    ("tp", "pp", "sp", "fused"),
+    [(1, 2, False, False), (2, 1, True, False), (2, 1, True, True)],
+    ids=["pp2", "tp2-sp", "tp2-sp-fused-output-layer"],
+)
+def test_schedule_logprobs_thd_equal_padded_and_hf(tmp_path, tp, pp, sp, fused):
     from megatron_tail.train import Sample
 
     hf = make_hf_model("qwen3", tmp_path, tie=True)
     seqs = [*_sequences()[1:], torch.arange(2, 40), torch.arange(5, 7)]  # 3, 60, 38, 2 tokens
     samples = [Sample(s[: max(1, len(s) // 2)].tolist(), s[max(1, len(s) // 2) :].tolist()) for s in seqs]
-    packed = run_distributed(_schedule_logprobs_rank, tp * pp, str(tmp_path), tp, pp, sp, samples, True)[0]
-    padded = run_distributed(_schedule_logprobs_rank, tp * pp, str(tmp_path), tp, pp, sp, samples, False)[0]
+    packed = run_distributed(
+        _schedule_logprobs_rank, tp * pp, str(tmp_path), tp, pp, sp, fused, samples, True
+    )[0]
+    padded = run_distributed(
+        _schedule_logprobs_rank, tp * pp, str(tmp_path), tp, pp, sp, fused, samples, False
+    )[0]
     for i, (s, seq) in enumerate(zip(samples, seqs, strict=True)):
         logp = torch.log_softmax(hf_logits(hf, seq[None])[0].double(), dim=-1)
         p = len(s.prompt)
