@@ -234,3 +234,50 @@ def _get(data, dotted):
             return _MISSING
         data = data[part]
     return data
+
+
+@pytest.mark.parametrize(
+    ("overrides", "pattern"),
+    [
+        (
+            [
+                "train.max_tokens_per_micro_batch=1000",
+                "data.max_prompt_tokens=900",
+                "rollout.max_new_tokens=200",
+            ],
+            r"train\.max_tokens_per_micro_batch must hold the longest sample: data\.max_prompt_tokens=900 \+ "
+            r"rollout\.max_new_tokens=200 = 1100; got 1000",
+        ),
+        (["train.packed=true"], r"train\.max_tokens_per_micro_batch.*required when train\.packed is true"),
+        (
+            ["train.max_tokens_per_micro_batch=512", "train.seq_len=64"],
+            r"train\.seq_len.*padded micro-batches only",
+        ),
+        (
+            [
+                "train.max_tokens_per_micro_batch=511",
+                "parallel.tensor_parallel=2",
+                "model.sequence_parallel=true",
+                "model.vocab_pad_multiple=128",
+            ],
+            r"max_tokens_per_micro_batch must be a multiple of parallel\.tensor_parallel=2.*got 511",
+        ),
+        (
+            ["model.recompute=partial"],
+            r"model\.recompute must be one of \('none', 'selective', 'full'\); got 'partial'",
+        ),
+        (["model.recompute_num_layers=2"], r"recompute_num_layers.*recompute 'full'.*got 2"),
+        (["model.recompute_modules=[attn]"], r"recompute_modules must be a non-empty subset"),
+    ],
+)
+def test_packing_and_recompute_settings_are_checked_at_load(overrides, pattern):
+    with pytest.raises((ConfigError, ValueError), match=pattern):
+        load_config(None, overrides)
+
+
+def test_packed_false_overrides_a_token_budget():
+    cfg = load_config(None, ["train.max_tokens_per_micro_batch=512"])
+    assert cfg.train.is_packed
+    cfg = load_config(None, ["train.max_tokens_per_micro_batch=512", "train.packed=false"])
+    assert not cfg.train.is_packed and cfg.train.micro_batch_size == 8
+    assert not load_config(None).train.is_packed  # no budget: padded, as before
