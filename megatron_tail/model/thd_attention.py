@@ -127,6 +127,11 @@ def _host_boundaries(params: PackedSeqParams) -> list[int]:
 
 def _causal_sdpa(q, k, v, scale: float) -> torch.Tensor:
     """`q [b, hq, L, d]`, `k`/`v [b, hkv, L, d]` → `[b, hq, L, d]`; softmax in fp32 inside the kernels."""
-    return F.scaled_dot_product_attention(
-        q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
-    )
+    gqa = q.shape[1] != k.shape[1]
+    if gqa and q.is_cuda and q.dtype == torch.float32:
+        # On CUDA, SDPA's `enable_gqa` is served by the flash and math kernels only (torch's SDPA docs);
+        # flash has no fp32, so fp32 would fall back to math, which builds an [L, L] score matrix. Expanded
+        # heads let the memory-efficient kernel take it.
+        rep = q.shape[1] // k.shape[1]
+        k, v, gqa = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), False
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
