@@ -37,8 +37,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one sub-command. A `UserError` prints one line (global rank 0 only; `MT_TRACEBACK=1` adds the
+    traceback) and exits `EXIT_USER_ERROR`; a step abandoned on a second stop signal exits `EXIT_ABANDONED`;
+    anything else keeps Python's traceback (exit 1)."""
+    from megatron_tail.errors import StepAbandoned, UserError, report_user_error
+
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except UserError as e:
+        return report_user_error(f"megatron-tail {args.command}", e)
+    except StepAbandoned as e:
+        return e.exit_code
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from typing import Literal, get_args
 
 from megatron_tail.algorithms.config import AlgorithmConfig
 from megatron_tail.data.prompts import PromptFormat
+from megatron_tail.errors import UserError
 from megatron_tail.model.settings import ModelSettings
 from megatron_tail.train.engine.settings import OptimizerSettings
 
@@ -39,7 +40,7 @@ PROGRESS_MODES: tuple[str, ...] = get_args(ProgressMode)
 
 
 def _bad(section: str, name: str, value: object, why: str) -> None:
-    raise ValueError(f"{section}.{name} {why}; got {value!r}")
+    raise UserError(f"{section}.{name} {why}; got {value!r}")
 
 
 def _positive_int(section: str, name: str, value: int, *, minimum: int = 1) -> None:
@@ -202,6 +203,12 @@ class DataSection(PromptFormat):
     """Shuffle per epoch, seeded by `seed` and the epoch (a resumed run sees the same order)."""
     reward: str = "math"
     """Reward: a built-in ("math", "arithmetic") or a dotted path "package.module:function"."""
+    reward_timeout_s: float = 600.0
+    """Longest time the reward may take to score one batch (a step's or an eval's completions, in the reward
+    worker process); after it the worker is killed and the step fails naming the reward and this limit.
+    600 s: a built-in scores thousands of completions in seconds and math-verify bounds each answer at a
+    few seconds, so only a hung reward gets near it, while a slow verifier on a large batch (8k
+    completions × 50 ms) still fits; it is well inside a job's preemption notice."""
     correct_reward: float = 1.0
     """A sample counts as correct (for accuracy) when its reward is at least this."""
     reward_max_abs: float | None = None
@@ -224,6 +231,8 @@ class DataSection(PromptFormat):
         if self.max_sampling_rounds > 64:
             _bad("data", "max_sampling_rounds", self.max_sampling_rounds, "must be ≤ 64")
         _positive_int("data", "eval_prompts", self.eval_prompts)
+        if not self.reward_timeout_s > 0:
+            _bad("data", "reward_timeout_s", self.reward_timeout_s, "must be > 0 (seconds per batch)")
         if self.max_prompt_tokens is not None:
             _positive_int("data", "max_prompt_tokens", self.max_prompt_tokens)
         if "{prompt}" not in self.prompt_template:

@@ -43,7 +43,8 @@ class RolloutEngines:
     def __init__(self, cfg: RunConfig, run_dir: Path, tokenizer):
         self.cfg = cfg
         self.tokenizer = tokenizer
-        self.score = RewardScorer(cfg.data.reward)  # off the main thread: in a worker process
+        # in a worker process, bounded by data.reward_timeout_s per batch; started here, on the main thread
+        self.score = RewardScorer(cfg.data.reward, timeout_s=cfg.data.reward_timeout_s)
         self.engine: LocalEngineProcess | None = None
         local: LocalEngineConfig | None = None
         if cfg.rollout.engine == "local":
