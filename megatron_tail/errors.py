@@ -7,7 +7,8 @@ expected. The command line prints it as one line, on global rank 0 only, without
 
     raise UserError(f"{path} row {row}: no answer ({answer_key!r} is missing or null)")
 
-Exit codes are the `EXIT_*` constants below (documented in `slurm/README.md`, which `slurm/rl.sbatch` follows).
+Exit codes are the `EXIT_*` constants below (documented in `slurm/README.md`, which `slurm/rl.sbatch`
+follows).
 """
 
 from __future__ import annotations

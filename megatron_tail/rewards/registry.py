@@ -13,7 +13,6 @@ import numbers
 from collections.abc import Callable, Sequence
 
 from megatron_tail.errors import UserError
-
 from megatron_tail.rewards.arithmetic import arithmetic_reward
 from megatron_tail.rewards.math_answer import math_reward
 

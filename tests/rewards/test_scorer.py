@@ -94,11 +94,13 @@ def test_numpy_scalars_are_rewards_and_bad_values_are_named():
         assert scorer(["a", "b"], ["1", "2"]) == [0.25, 1.0]
     finally:
         scorer.close()
-    with pytest.raises(RewardFunctionError, match=r"returned '1.0' \(str\) for sample 0; expected a finite real"):
+    returned = r"returned '1.0' \(str\) for sample 0; expected a finite real"
+    with pytest.raises(RewardFunctionError, match=returned):
         compute_rewards(fault_rewards.returns_text, ["a"], ["1"])
     scorer = RewardScorer("tests.rewards.fault_rewards:raises")
     try:
-        with pytest.raises(RewardFunctionError, match=r"raises' raised KeyError: 'boom' on sample 0 at .*fault_rewards.py:"):
+        raised = r"raises' raised KeyError: 'boom' on sample 0 at .*fault_rewards.py:"
+        with pytest.raises(RewardFunctionError, match=raised):
             scorer(["a"], ["1"])
     finally:
         scorer.close()

@@ -58,7 +58,9 @@ class GracefulStop:
     """Context manager: flag-setting handlers for `signals` (the second signal abandons the step), the
     previous handlers restored on exit. Install from the main thread."""
 
-    def __init__(self, signals: Sequence[signal.Signals] = STOP_SIGNALS, hard_exit_after_s: float | None = None):
+    def __init__(
+        self, signals: Sequence[signal.Signals] = STOP_SIGNALS, hard_exit_after_s: float | None = None
+    ):
         self.signals = tuple(signals)
         self.hard_exit_after_s = HARD_EXIT_AFTER_S if hard_exit_after_s is None else hard_exit_after_s
         self.received: signal.Signals | None = None
@@ -139,7 +141,9 @@ class _SignalWatcher:
             seen += sum(1 for b in data if b in self.signals)
             if seen >= 2:
                 if not self._closed.wait(self.hard_exit_after_s):
-                    _say(f"still running {self.hard_exit_after_s:.0f} s after the second stop signal: exiting now")
+                    _say(
+                        f"still here {self.hard_exit_after_s:.0f} s after the second stop signal: exiting now"
+                    )
                     os._exit(EXIT_ABANDONED)
                 return
 
