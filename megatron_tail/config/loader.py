@@ -242,7 +242,7 @@ def _coerce_float(value: Any, key: str) -> float:
 
 
 def _yaml_problem(e: yaml.YAMLError) -> str:
-    """"line L, column C: <problem>" of a YAML parse error (1-based, as editors count)."""
+    """ "line L, column C: <problem>" of a YAML parse error (1-based, as editors count)."""
     mark = getattr(e, "problem_mark", None)
     problem = getattr(e, "problem", None) or str(e)
     if mark is None:

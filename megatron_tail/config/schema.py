@@ -113,7 +113,13 @@ class RolloutSection:
     max_concurrency: int = 64
     """Requests (one prompt's n samples each) in flight at once."""
     request_timeout_s: float = 600.0
-    """Time one request may take before it is retried."""
+    """Time one request (one prompt's n samples) may take before it is retried; a request may time out twice
+    (`ClientConfig.timeout_attempts`), so an engine that accepts and never answers fails the step after
+    20 min. 600 s: long-CoT responses (16k–32k tokens at 30–50 tokens/s per sequence under load) need
+    minutes; a shorter limit would retry healthy requests."""
+    wait_report_s: float = 60.0
+    """While waiting for the engines (samples, weight sync, startup), say what for and how long every this
+    many seconds on rank 0's console."""
     startup_timeout_s: float = 300.0
     """How long to wait for the engines' `/health` at start."""
     weight_sync: WeightSyncMode = "disk"
@@ -180,7 +186,21 @@ class RolloutSection:
                 self.temperature,
                 "must be > 0 (training samples; greedy is eval only)",
             )
-        for name in ("request_timeout_s", "startup_timeout_s", "sync_bucket_mb", "sync_timeout_s"):
+        if self.engine == "local" and self.server_urls:
+            _bad(
+                "rollout",
+                "server_urls",
+                list(self.server_urls),
+                "is for engine: remote; with engine: local the trainer starts its own engine (remove "
+                "server_urls, or set rollout.engine: remote)",
+            )
+        for name in (
+            "request_timeout_s",
+            "startup_timeout_s",
+            "sync_bucket_mb",
+            "sync_timeout_s",
+            "wait_report_s",
+        ):
             if not getattr(self, name) > 0:
                 _bad("rollout", name, getattr(self, name), "must be > 0")
 

@@ -22,6 +22,7 @@ RewardFn = Callable[[str, str], float]
 class RewardFunctionError(UserError):
     """The reward function raised, or returned something other than a finite real number."""
 
+
 BUILTIN_REWARDS: dict[str, RewardFn] = {"math": math_reward, "arithmetic": arithmetic_reward}
 
 REWARD_RANGE_ATTR = "reward_range"

@@ -59,9 +59,13 @@ class RunSession:
         self._ahead: BackgroundJob[RolloutBatch] | None = None
 
         def start_engines() -> None:
+            from megatron_tail.model.directory import check_model_dir
+
+            check_model_dir(cfg.model.hf_path)  # one named error before any library meets a bad directory
             tokenizer = load_tokenizer(cfg.model.hf_path)
             self._load_data(tokenizer)
-            self.engines = RolloutEngines(cfg, self.run_dir, tokenizer)  # a local engine starts loading now
+            # a local engine starts loading now
+            self.engines = RolloutEngines(cfg, self.run_dir, tokenizer, note=self.console.note)
 
         on_rank0(start_engines)
         try:
