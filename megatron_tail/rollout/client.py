@@ -243,10 +243,13 @@ class RolloutClient:
                 logger.warning("attempt %d of %s failed on %s: %s", attempt, keys[0].rid, url, e)
                 if not isinstance(e, SampleAbortedError):
                     self.healthy[url] = await self._probe(url)
+        timed_out = (
+            f" ({timeouts} timed out after request_timeout_s={self.config.request_timeout_s:g} s)"
+            if timeouts
+            else ""
+        )
         raise RetryableServerError(
-            f"samples of prompt {keys[0].prompt_index} failed {tried} attempts "
-            f"({timeouts} timed out after request_timeout_s={self.config.request_timeout_s:g} s); "
-            f"last: {last_error}"
+            f"samples of prompt {keys[0].prompt_index} failed {tried} attempts{timed_out}; last: {last_error}"
         ) from last_error
 
     async def _pick_server(self, avoid: str | None) -> str:
