@@ -13,7 +13,9 @@ calls are in flight) and says so on stderr; it asks the kernel to restart interr
 fail with EINTR. Ctrl-C (SIGINT) is one of the signals: it stops like SIGTERM, without a KeyboardInterrupt
 traceback.
 
-Second signal (of any of them): the step is abandoned at once. The handler raises `StepAbandoned` in the
+Second signal (of any of them, at least `REPEAT_AFTER_S` after the first: Slurm delivers a job step's signal
+to every process of it and torchrun forwards its own copy to its workers, so one stop request can arrive
+twice within milliseconds): the step is abandoned at once. The handler raises `StepAbandoned` in the
 main thread (its `finally` blocks stop the engines and the reward worker; the newest checkpoint on disk is
 kept, since saves are atomic) and the process exits `EXIT_ABANDONED`. A Python handler only runs when the
 main thread is back in Python, which a rank blocked inside a collective (waiting for a stuck rank 0) never
@@ -31,6 +33,7 @@ import os
 import signal
 import socket
 import threading
+import time
 from collections.abc import Sequence
 
 import torch.distributed as dist
@@ -38,6 +41,9 @@ import torch.distributed as dist
 from megatron_tail.errors import EXIT_ABANDONED, StepAbandoned, global_rank
 
 STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+REPEAT_AFTER_S = 2.0
+"""A stop signal this soon after the first is the same request delivered twice, not a second one."""
 
 HARD_EXIT_AFTER_S = 10.0
 """After a second signal, the process ends by `os._exit` within this many seconds even if its main thread
@@ -65,6 +71,7 @@ class GracefulStop:
         self.hard_exit_after_s = HARD_EXIT_AFTER_S if hard_exit_after_s is None else hard_exit_after_s
         self.received: signal.Signals | None = None
         self.count = 0
+        self._first_at = 0.0
         self._previous: dict[signal.Signals, object] = {}
         self._watcher: _SignalWatcher | None = None
 
@@ -85,9 +92,12 @@ class GracefulStop:
 
     def _handle(self, signum: int, frame) -> None:  # noqa: ARG002 - signal handler signature
         sig = signal.Signals(signum)
+        now = time.monotonic()
+        if self.received is not None and now - self._first_at < REPEAT_AFTER_S:
+            return  # the same request, delivered twice
         self.count += 1
         if self.received is None:
-            self.received = sig
+            self.received, self._first_at = sig, now
             _say(
                 f"{sig.name}: stopping after the current step (a checkpoint is saved); "
                 "send it again to stop at once"
@@ -130,7 +140,7 @@ class _SignalWatcher:
         self._thread.start()
 
     def _watch(self) -> None:
-        seen = 0
+        first_at = None
         while not self._closed.is_set():
             try:
                 data = self._read.recv(64)
@@ -138,8 +148,12 @@ class _SignalWatcher:
                 return
             if not data:
                 return
-            seen += sum(1 for b in data if b in self.signals)
-            if seen >= 2:
+            if not any(b in self.signals for b in data):
+                continue
+            now = time.monotonic()
+            if first_at is None:
+                first_at = now
+            elif now - first_at >= REPEAT_AFTER_S:
                 if not self._closed.wait(self.hard_exit_after_s):
                     _say(
                         f"still here {self.hard_exit_after_s:.0f} s after the second stop signal: exiting now"
