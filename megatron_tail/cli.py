@@ -40,14 +40,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run one sub-command. A `UserError` prints one line (global rank 0 only; `MT_TRACEBACK=1` adds the
     traceback) and exits `EXIT_USER_ERROR`; a step abandoned on a second stop signal exits `EXIT_ABANDONED`;
     anything else keeps Python's traceback (exit 1)."""
-    from megatron_tail.errors import StepAbandoned, UserError, report_user_error
+    from megatron_tail import errors
 
     args = build_parser().parse_args(argv)
+    errors.PROG = f"megatron-tail {args.command}"
     try:
         return int(args.func(args) or 0)
-    except UserError as e:
-        return report_user_error(f"megatron-tail {args.command}", e)
-    except StepAbandoned as e:
+    except errors.UserError as e:
+        return errors.report_user_error(e)
+    except errors.StepAbandoned as e:
         return e.exit_code
 
 

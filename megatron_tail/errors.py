@@ -26,6 +26,12 @@ EXIT_USER_ERROR = 2
 EXIT_ABANDONED = 3
 """A second stop signal abandoned the step in progress; the last checkpoint is kept (rerun resumes)."""
 
+PROG = "megatron-tail"
+"""The command's name in error lines (`megatron_tail.cli.main` sets it to e.g. "megatron-tail train")."""
+
+failing = False
+"""A user error was announced: this process is on its way out (the stop-signal lines stay quiet)."""
+
 TRACEBACK_ENV = "MT_TRACEBACK"
 """Set to 1 to print the traceback of user errors too (debugging)."""
 
@@ -48,13 +54,26 @@ def global_rank() -> int:
     return int(os.environ.get("RANK", "0") or 0)
 
 
-def report_user_error(prog: str, error: BaseException) -> int:
-    """Print `prog: error: <message>` once (global rank 0; other ranks stay quiet), with the traceback only
-    under `MT_TRACEBACK=1`; return `EXIT_USER_ERROR`."""
+def announce(error: BaseException) -> None:
+    """Print `PROG: error: <message>` now, on global rank 0 only (other ranks stay quiet), once per error.
+
+    Called where a user error is found on rank 0 before the other ranks learn of it (`on_rank0`): they then
+    exit at once, and torchrun stops rank 0 while it still cleans up, before the command line could print.
+    """
+    global failing
+    failing = True
+    if getattr(error, "announced", False):
+        return
+    error.announced = True
+    if global_rank() == 0:
+        print(f"{PROG}: error: {error}", file=sys.stderr, flush=True)
+
+
+def report_user_error(error: BaseException) -> int:
+    """`announce(error)` (with its traceback first under `MT_TRACEBACK=1`); returns `EXIT_USER_ERROR`."""
     if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
         traceback.print_exception(error, file=sys.stderr)
-    if global_rank() == 0:
-        print(f"{prog}: error: {error}", file=sys.stderr, flush=True)
+    announce(error)
     return EXIT_USER_ERROR
 
 

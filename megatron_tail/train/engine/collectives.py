@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_tail.algorithms.metrics import reduce_op_of
-from megatron_tail.errors import UserError
+from megatron_tail.errors import UserError, announce
 
 from .parallel import ParallelGroups, comm_device
 
@@ -43,6 +43,7 @@ def on_rank0(fn: Callable[[], T]) -> T:
             raised, error, user_error = e, f"{type(e).__name__}: {e}", isinstance(e, UserError)
             if user_error:
                 error = str(e)
+                announce(e)  # now: the other ranks exit as soon as they hear of it
     box = [(result, error, user_error)]
     dist.broadcast_object_list(box, src=0)
     result, error, user_error = box[0]

@@ -38,6 +38,7 @@ from collections.abc import Sequence
 
 import torch.distributed as dist
 
+from megatron_tail import errors
 from megatron_tail.errors import EXIT_ABANDONED, StepAbandoned, global_rank
 
 STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -53,7 +54,7 @@ is blocked in C (a collective): long enough for the clean path (stop the engine:
 def _say(text: str) -> None:
     """One line on stderr from a signal handler or the watcher (os.write: no buffered-IO reentrancy); only
     global rank 0 speaks, so a signal to every rank prints once."""
-    if global_rank() == 0:
+    if global_rank() == 0 and not errors.failing:  # not while a user error takes the process down
         try:
             os.write(2, f"megatron-tail: {text}\n".encode())
         except OSError:

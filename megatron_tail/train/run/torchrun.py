@@ -11,8 +11,9 @@ own `main` and maps the outcome:
 - signalled, and every worker of this node finished `megatron-tail train` (`mark_worker("done")`: the
   stop checkpoint is written) → exit 0 (`EXIT_OK`; rerunning resumes);
 - signalled otherwise → 128 + the signal number, as a shell reports a death by that signal;
-- workers failed, all with `EXIT_USER_ERROR` (2) or all with `EXIT_ABANDONED` (3) → that code, without
-  torchrun's report (global rank 0 already printed the one line);
+- workers failed, all with `EXIT_USER_ERROR` (2) or all with `EXIT_ABANDONED` (3) (or killed by the
+  SIGTERM torchrun sends the others once one exits) → that code, without torchrun's report (global rank 0
+  already printed the one line);
 - anything else → torchrun's own behaviour (its report, exit 1).
 
 Workers learn where to leave their marks from `MT_WORKER_MARKS` (a fresh temporary directory per launch).
@@ -64,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_OK
         return 128 + int(e.sigval)
     except ChildFailedError as e:
-        codes = {failure.exitcode for failure in e.failures.values()}
+        # torchrun stops the other workers with SIGTERM once one exits: negative codes (killed by a signal)
+        codes = {failure.exitcode for failure in e.failures.values() if failure.exitcode >= 0}
         if codes in ({EXIT_USER_ERROR}, {EXIT_ABANDONED}):
             return codes.pop()
         raise
