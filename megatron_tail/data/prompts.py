@@ -194,22 +194,32 @@ def load_prompts(config: PromptDataConfig, tokenizer) -> list[PromptExample]:
 
 
 def tokenize_known(tokenizer, text: str, where: str) -> list[int]:
-    """`text`'s token ids; UserError naming the characters a tokenizer with an unknown token (e.g. the
-    demo's character tokenizer) cannot represent, instead of silently mapping them to that token."""
-    unk = getattr(tokenizer, "unk_token_id", None)
+    """`text`'s token ids; UserError naming the characters the tokenizer can only map to its unknown token
+    (the demo's character tokenizer maps them to the pad id), instead of training on them silently."""
+    unk = unknown_token(tokenizer)
     if unk is None:
         return tokenizer(text, add_special_tokens=False)["input_ids"]
+    unk_id = tokenizer.convert_tokens_to_ids(unk)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = encoded["input_ids"]
-    unknown = [text[a:b] for t, (a, b) in zip(ids, encoded["offset_mapping"], strict=True) if t == unk]
-    unknown = [u for u in unknown if u != tokenizer.unk_token]  # the unknown token written out is fine
+    pieces = [text[a:b] for t, (a, b) in zip(ids, encoded["offset_mapping"], strict=True) if t == unk_id]
+    unknown = sorted({c for piece in pieces if piece != unk for c in piece})
     if unknown:
-        chars = sorted(set("".join(unknown)))
         raise UserError(
-            f"{where}: the tokenizer has no token for {', '.join(repr(c) for c in chars[:10])} (it would map "
-            f"them to {tokenizer.unk_token!r}); remove them from the data or use a tokenizer that covers them"
+            f"{where}: the tokenizer has no token for {', '.join(repr(c) for c in unknown[:10])} (it would map "
+            f"them to {unk!r}); remove them from the data or use a tokenizer that covers them"
         )
     return ids
+
+
+def unknown_token(tokenizer) -> str | None:
+    """The token a tokenizer maps what it cannot represent to: its `unk_token`, else its backend model's
+    (a fast tokenizer's WordLevel / WordPiece model); None for byte-level tokenizers, which have none."""
+    unk = getattr(tokenizer, "unk_token", None)
+    if unk is None:
+        model = getattr(getattr(tokenizer, "backend_tokenizer", None), "model", None)
+        unk = getattr(model, "unk_token", None)
+    return unk or None
 
 
 def render_prompt(prompt: Any, config: PromptDataConfig, tokenizer, where: str) -> str:
