@@ -205,9 +205,10 @@ def tokenize_known(tokenizer, text: str, where: str) -> list[int]:
     pieces = [text[a:b] for t, (a, b) in zip(ids, encoded["offset_mapping"], strict=True) if t == unk_id]
     unknown = sorted({c for piece in pieces if piece != unk for c in piece})
     if unknown:
+        named = ", ".join(repr(c) for c in unknown[:10])
         raise UserError(
-            f"{where}: the tokenizer has no token for {', '.join(repr(c) for c in unknown[:10])} (it would map "
-            f"them to {unk!r}); remove them from the data or use a tokenizer that covers them"
+            f"{where}: the tokenizer has no token for {named} (it would map them to {unk!r}); remove them "
+            "from the data or use a tokenizer that covers them"
         )
     return ids
 

@@ -107,7 +107,7 @@ class RolloutEngines:
             while True:
                 self.engine.check_alive()
                 try:
-                    self._run(wait_until_healthy(self.urls, timeout_s=2.0, interval_s=0.2), "")
+                    self._run(wait_until_healthy(self.urls, timeout_s=2.0, interval_s=0.2))
                     return
                 except TimeoutError:
                     now = time.monotonic()
@@ -253,13 +253,15 @@ class RolloutEngines:
                     f"(vocab_size {self.vocab_size}); is the engine serving another model?"
                 )
 
-    def _run(self, coro, waiting_for: str):
-        """Run `coro` on the private loop; every `rollout.wait_report_s` while it waits, say what for and for
-        how long (`waiting_for`; "" says nothing)."""
+    def _run(self, coro, waiting_for: str = ""):
+        """Run `coro` on the private loop; with `waiting_for`, every `rollout.wait_report_s` while it waits,
+        say what for and for how long."""
         if self._cancelled.is_set():  # a cancelled rollout must not start its next round of requests
             coro.close()
             raise asyncio.CancelledError("the engines' requests were cancelled")
-        return self.loop.run_until_complete(self._reporting(coro, waiting_for))
+        if waiting_for:
+            coro = self._reporting(coro, waiting_for)
+        return self.loop.run_until_complete(coro)
 
     async def _reporting(self, coro, waiting_for: str):
         task = asyncio.ensure_future(coro)
@@ -269,8 +271,7 @@ class RolloutEngines:
                 done, _ = await asyncio.wait({task}, timeout=self.cfg.rollout.wait_report_s)
                 if done:
                     return task.result()
-                if waiting_for:
-                    self.note(self._waiting_line(waiting_for, time.monotonic() - started))
+                self.note(self._waiting_line(waiting_for, time.monotonic() - started))
         finally:
             if not task.done():
                 task.cancel()
@@ -308,7 +309,7 @@ class RolloutEngines:
         try:
             self._drain()
             for client in (self.client, self.eval_client):
-                self._run(client.close(), "")
+                self._run(client.close())
         finally:
             self.loop.close()
             self.score.close()
