@@ -40,7 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run one sub-command. A `UserError` prints one line (global rank 0 only; `MT_TRACEBACK=1` adds the
     traceback) and exits `EXIT_USER_ERROR`; a step abandoned on a second stop signal exits `EXIT_ABANDONED`;
     anything else keeps Python's traceback (exit 1)."""
-    from megatron_tail import errors
+    from megatron_tail.utils import errors
 
     args = build_parser().parse_args(argv)
     errors.PROG = f"megatron-tail {args.command}"

@@ -25,7 +25,7 @@ from typing import Any, Literal, Union
 import yaml
 
 from megatron_tail.config.schema import RunConfig
-from megatron_tail.errors import UserError
+from megatron_tail.utils.errors import UserError
 
 RESOLVED_CONFIG_NAME = "config.yaml"
 _NULL_WORDS = ("none", "null", "~", "")

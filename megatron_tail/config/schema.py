@@ -25,9 +25,9 @@ from typing import Literal, get_args
 
 from megatron_tail.algorithms.config import AlgorithmConfig
 from megatron_tail.data.prompts import PromptFormat
-from megatron_tail.errors import UserError
 from megatron_tail.model.settings import ModelSettings
 from megatron_tail.train.engine.settings import OptimizerSettings
+from megatron_tail.utils.errors import UserError
 
 RolloutEngine = Literal["local", "remote"]
 WeightSyncMode = Literal["disk", "distributed"]

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from megatron_tail.errors import UserError
+from megatron_tail.utils.errors import UserError
 
 logger = logging.getLogger(__name__)
 

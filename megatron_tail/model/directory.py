@@ -14,7 +14,7 @@ import json
 import struct
 from pathlib import Path
 
-from megatron_tail.errors import UserError
+from megatron_tail.utils.errors import UserError
 
 from .hf_config import HFArch, load_hf_config
 from .naming import hf_tensor_shapes

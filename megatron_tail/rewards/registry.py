@@ -12,9 +12,9 @@ import math
 import numbers
 from collections.abc import Callable, Sequence
 
-from megatron_tail.errors import UserError
 from megatron_tail.rewards.arithmetic import arithmetic_reward
 from megatron_tail.rewards.math_answer import math_reward
+from megatron_tail.utils.errors import UserError
 
 RewardFn = Callable[[str, str], float]
 

@@ -26,8 +26,8 @@ import threading
 import traceback
 from collections.abc import Sequence
 
-from megatron_tail.errors import UserError
 from megatron_tail.rewards.registry import RewardFunctionError, compute_rewards, load_reward_fn
+from megatron_tail.utils.errors import UserError
 
 DEFAULT_TIMEOUT_S = 600.0
 """`data.reward_timeout_s`'s default, per batch; see `DataSection.reward_timeout_s` for why."""

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from megatron_tail.data import PromptDataConfig, build_char_tokenizer, load_prompts
-from megatron_tail.errors import UserError
+from megatron_tail.utils.errors import UserError
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,8 @@ from megatron_tail.data import (
     read_records,
 )
 from megatron_tail.data.toy_arithmetic import TEST_SEED, TEST_SIZE, TRAIN_SEED, TRAIN_SIZE
-from megatron_tail.errors import UserError
 from megatron_tail.rewards import arithmetic_reward, math_reward
+from megatron_tail.utils.errors import UserError
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "data"
 BOX = " Please reason step by step, and put your final answer within \\boxed{{}}."

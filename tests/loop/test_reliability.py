@@ -15,7 +15,7 @@ import time
 import psutil
 import pytest
 
-from megatron_tail.errors import EXIT_ABANDONED, EXIT_USER_ERROR
+from megatron_tail.utils.errors import EXIT_ABANDONED, EXIT_USER_ERROR
 from megatron_tail.utils.net import free_port
 from tests.loop.conftest import loop_overrides
 

@@ -8,11 +8,11 @@ import subprocess
 import sys
 import time
 
-from megatron_tail.errors import EXIT_ABANDONED
+from megatron_tail.utils.errors import EXIT_ABANDONED
 
 _PROGRAM = """
 import ctypes, os, signal, sys, threading, time
-from megatron_tail.errors import StepAbandoned
+from megatron_tail.utils.errors import StepAbandoned
 from megatron_tail.train.run.signals import GracefulStop
 
 mode = sys.argv[1]

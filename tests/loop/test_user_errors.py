@@ -14,8 +14,8 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_tail.config import ConfigError, load_config
-from megatron_tail.errors import EXIT_USER_ERROR, UserError
 from megatron_tail.train.run.run_dir_lock import RunDirLocked, claim_run_dir
+from megatron_tail.utils.errors import EXIT_USER_ERROR, UserError
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
 

@@ -9,8 +9,8 @@ import shutil
 
 import pytest
 
-from megatron_tail.errors import UserError
 from megatron_tail.model.directory import check_model_dir
+from megatron_tail.utils.errors import UserError
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,9 @@ import time
 import psutil
 import pytest
 
-from megatron_tail.errors import UserError
 from megatron_tail.rewards.registry import RewardFunctionError, compute_rewards
 from megatron_tail.rewards.scorer import RewardScorer, RewardTimeoutError
+from megatron_tail.utils.errors import UserError
 from tests.rewards import fault_rewards
 
 

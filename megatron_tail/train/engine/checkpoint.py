@@ -36,7 +36,6 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.utils import unwrap_model
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_tail.errors import UserError
 from megatron_tail.model import padded_vocab_size
 from megatron_tail.patches import (
     cpu_device_scope,
@@ -45,6 +44,7 @@ from megatron_tail.patches import (
     torch_adam_load_fixes,
     use_in_process_results_queue,
 )
+from megatron_tail.utils.errors import UserError
 
 from .setup import Trainer
 

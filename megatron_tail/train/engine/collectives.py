@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_tail.algorithms.metrics import reduce_op_of
-from megatron_tail.errors import UserError, announce
+from megatron_tail.utils.errors import UserError, announce
 
 from .parallel import ParallelGroups, comm_device
 

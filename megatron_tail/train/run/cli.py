@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 
 from megatron_tail.config.arguments import add_config_arguments
-from megatron_tail.errors import UserError
+from megatron_tail.utils.errors import UserError
 
 
 def add_train_parser(subparsers) -> argparse.ArgumentParser:

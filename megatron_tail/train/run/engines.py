@@ -16,7 +16,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from megatron_tail.config import RunConfig
-from megatron_tail.errors import UserError
 from megatron_tail.model.hf_config import load_hf_config
 from megatron_tail.rewards.pass_at_k import eval_statistics
 from megatron_tail.rewards.scorer import RewardScorer
@@ -32,6 +31,7 @@ from megatron_tail.rollout import (
 )
 from megatron_tail.rollout.local_engine.process import LocalEngineProcess
 from megatron_tail.rollout.processor import DVPLogitProcessor
+from megatron_tail.utils.errors import UserError
 from megatron_tail.utils.net import free_port
 
 EVAL_SEED = 987_654_321

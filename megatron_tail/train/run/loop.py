@@ -25,8 +25,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megatron_tail.config import RunConfig, TrainSection, save_resolved_config
-from megatron_tail.errors import UserError
 from megatron_tail.rollout import rollout_metrics
+from megatron_tail.utils.errors import UserError
 from megatron_tail.utils.net import free_port
 
 from ..engine.collectives import all_reduce_scalars, on_rank0

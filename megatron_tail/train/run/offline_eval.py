@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from megatron_tail.config import RunConfig
-from megatron_tail.errors import UserError
+from megatron_tail.utils.errors import UserError
 
 EVAL_WEIGHT_VERSION = "eval"
 

@@ -19,7 +19,7 @@ import socket
 import time
 from pathlib import Path
 
-from megatron_tail.errors import UserError
+from megatron_tail.utils.errors import UserError
 
 from . import run_dir as layout
 

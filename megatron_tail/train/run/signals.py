@@ -38,8 +38,8 @@ from collections.abc import Sequence
 
 import torch.distributed as dist
 
-from megatron_tail import errors
-from megatron_tail.errors import EXIT_ABANDONED, StepAbandoned, global_rank
+from megatron_tail.utils import errors
+from megatron_tail.utils.errors import EXIT_ABANDONED, StepAbandoned, global_rank
 
 STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 

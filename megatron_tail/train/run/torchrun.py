@@ -27,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from megatron_tail.errors import EXIT_ABANDONED, EXIT_OK, EXIT_USER_ERROR
+from megatron_tail.utils.errors import EXIT_ABANDONED, EXIT_OK, EXIT_USER_ERROR
 
 MARKS_ENV = "MT_WORKER_MARKS"
 
