@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 import psutil
 import pytest
@@ -158,18 +159,17 @@ def test_kill_9_of_the_trainer_takes_its_local_engine_and_reward_worker_along(
         tmp_path / "run",
         {"parallel.tensor_parallel": 1, "rollout.engine": "local", "train.steps": 1000},
     )
-    proc = subprocess.Popen(
-        _train(overrides), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    lines = []
+    proc = subprocess.Popen(_train(overrides), env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        assert _read_until(proc, "step 1 ", lines, 180), "".join(lines)
+        port = _healthy_local_engine(proc, timeout=120)
         children = _descendants(proc.pid)
         engines = [c for c in children if "serve-local" in " ".join(c.cmdline())]
         assert len(engines) == 1 and len(children) >= 2, children  # the engine and the reward worker
         proc.kill()
         proc.wait(timeout=30)
         assert not _gone(children, 15), "a child of the trainer outlived its kill -9"
+        with pytest.raises(OSError):  # nothing listens on the engine's port any more
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -177,6 +177,29 @@ def test_kill_9_of_the_trainer_takes_its_local_engine_and_reward_worker_along(
             child.kill()
 
 
+def _healthy_local_engine(proc, timeout):
+    """The port of `proc`'s `serve-local` child once its /health answers."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the trainer exited"
+        for child in _descendants(proc.pid):
+            try:
+                cmdline = child.cmdline()
+            except psutil.NoSuchProcess:
+                continue
+            if "serve-local" in cmdline:
+                port = int(cmdline[cmdline.index("--port") + 1])
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as resp:
+                        if resp.status == 200:
+                            return port
+                except OSError:
+                    pass
+        time.sleep(0.2)
+    raise AssertionError(f"no healthy local engine within {timeout} s")
+
+
+@pytest.mark.slow  # ≈ 40 s on 2 cores (torchrun with 2 ranks)
 def test_sigterm_to_the_torchrun_agent_exits_0_after_a_clean_stop(
     tiny_model_dir, prompt_file, engine, tmp_path
 ):
@@ -212,6 +235,7 @@ def test_sigterm_to_the_torchrun_agent_exits_0_after_a_clean_stop(
     assert len(list((run_dir / "checkpoints").glob("step_*"))) == 1
 
 
+@pytest.mark.slow  # ≈ 40 s on 2 cores (torchrun with 2 ranks)
 def test_a_user_error_under_torchrun_is_one_line(tiny_model_dir, prompt_file, engine, tmp_path):
     """A reward that never returns, under torchrun with 2 ranks: before, the step blocked forever; now one
     line (not one per rank, no traceback, no torchrun report) names the reward and the limit; exit 2."""
