@@ -6,8 +6,10 @@
 sync → (eval) → checkpoint → log. `Cadence` names when eval and checkpoints happen. Global rank 0 drives
 the engines and computes rewards; the batch reaches every rank by broadcast. Each step's prompts and
 sampling seeds are functions of (seed, step), so a resumed run sees the same data in the same order. On
-SIGTERM / SIGUSR1 the current step finishes, a checkpoint is written, and `run` returns normally (exit code
-0); the next run resumes at the following step.
+SIGTERM / SIGUSR1 / SIGINT the current step finishes, a checkpoint is written, and `run` returns normally
+(exit code 0); the next run resumes at the following step. A second signal abandons the step (`signals`).
+Global rank 0 holds `<run_dir>/.lock` for the whole run (`run_dir_lock`): a second trainer on the same
+directory is refused.
 
 With `rollout.max_staleness: 1` the next step's rollout runs on rank 0 in the background from the step's
 start until before its weight sync, so step k+1 samples with the weights step k trained from; that batch
