@@ -168,3 +168,12 @@ def test_a_user_error_on_the_command_line_is_one_line_and_mt_traceback_shows_the
     # under torchrun, ranks other than 0 stay quiet
     quiet = _cli("train", str(config), env={**ENV, "RANK": "1"})
     assert quiet.returncode == EXIT_USER_ERROR and quiet.stderr == ""
+
+
+def test_serve_local_names_a_missing_model_directory(tmp_path):
+    """Before: a Hugging Face "Repo id must be ..." message for a path that does not exist."""
+    proc = _cli("serve-local", "--model-path", str(tmp_path / "nope"), "--port", "1")
+    assert proc.returncode == EXIT_USER_ERROR
+    assert proc.stderr.splitlines() == [
+        f"megatron-tail serve-local: error: --model-path: model directory '{tmp_path / 'nope'}' not found"
+    ]
