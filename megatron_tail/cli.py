@@ -9,6 +9,7 @@ function that sets `func`; `main` parses and calls `args.func(args)`. To add one
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Callable, Sequence
 
@@ -37,8 +38,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one sub-command. A `UserError` prints one line (global rank 0 only; `MT_TRACEBACK=1` adds the
+    traceback) and exits `EXIT_USER_ERROR`; a step abandoned on a second stop signal exits `EXIT_ABANDONED`;
+    Ctrl-C outside a run's stop handler exits 130 without a traceback; anything else keeps Python's traceback
+    (exit 1)."""
+    from megatron_tail.utils import errors
+
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    errors.PROG = f"megatron-tail {args.command}"
+    try:
+        return int(args.func(args) or 0)
+    except errors.UserError as e:
+        return errors.report_user_error(e)
+    except errors.StepAbandoned as e:
+        return e.exit_code
+    except KeyboardInterrupt:  # Ctrl-C before the run's own handler is installed (or after it is gone)
+        print(f"{errors.PROG}: interrupted", file=sys.stderr, flush=True)
+        return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

@@ -115,8 +115,15 @@ class AlgorithmConfig:
     def __post_init__(self) -> None:
         _check_types(self)
         _check_choice("advantage_estimator", self.advantage_estimator, ADVANTAGE_ESTIMATORS)
-        if self.group_size < 1:
-            _bad("group_size", self.group_size, "must be ≥ 1")
+        if self.group_size < 2:
+            # GRPO's and RLOO's advantages compare each response with the others of its prompt: with one,
+            # every advantage is exactly 0 (loss and gradient 0 every step, silently)
+            _bad(
+                "group_size",
+                self.group_size,
+                f"must be ≥ 2 for {self.advantage_estimator!r}: its advantages compare the responses to one "
+                "prompt, and with one response per prompt every advantage (and the loss) is 0",
+            )
         _check_range("advantage_eps", self.advantage_eps, low=0.0)
         if self.log_rho is not None and (math.isnan(self.log_rho) or self.log_rho > 0):
             _bad("log_rho", self.log_rho, "must be ≤ 0 (or -inf / None for no pruning)")

@@ -25,6 +25,7 @@ from typing import Any, Literal, Union
 import yaml
 
 from megatron_tail.config.schema import RunConfig
+from megatron_tail.utils.errors import UserError
 
 RESOLVED_CONFIG_NAME = "config.yaml"
 _NULL_WORDS = ("none", "null", "~", "")
@@ -32,7 +33,7 @@ _TRUE_WORDS = ("true", "yes", "on", "1")
 _FALSE_WORDS = ("false", "no", "off", "0")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A config key or value is wrong; the message names the dotted key."""
 
 
@@ -50,7 +51,10 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
-        loaded = yaml.safe_load(path.read_text())
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: {_yaml_problem(e)}") from None
         if loaded is not None and not isinstance(loaded, Mapping):
             raise ConfigError(
                 f"{path}: the top level must be a mapping of sections; got {type(loaded).__name__}"
@@ -235,6 +239,15 @@ def _coerce_float(value: Any, key: str) -> float:
             if not math.isnan(parsed):
                 return parsed
     raise ConfigError(f"{key} must be a number; got {value!r}")
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """ "line L, column C: <problem>" of a YAML parse error (1-based, as editors count)."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None) or str(e)
+    if mark is None:
+        return f"invalid YAML: {problem}"
+    return f"line {mark.line + 1}, column {mark.column + 1}: invalid YAML: {problem}"
 
 
 def _parse_cli(raw: str) -> Any:

@@ -27,6 +27,7 @@ from megatron_tail.algorithms.config import AlgorithmConfig
 from megatron_tail.data.prompts import PromptFormat
 from megatron_tail.model.settings import ModelSettings
 from megatron_tail.train.engine.settings import OptimizerSettings
+from megatron_tail.utils.errors import UserError
 
 RolloutEngine = Literal["local", "remote"]
 WeightSyncMode = Literal["disk", "distributed"]
@@ -39,7 +40,7 @@ PROGRESS_MODES: tuple[str, ...] = get_args(ProgressMode)
 
 
 def _bad(section: str, name: str, value: object, why: str) -> None:
-    raise ValueError(f"{section}.{name} {why}; got {value!r}")
+    raise UserError(f"{section}.{name} {why}; got {value!r}")
 
 
 def _positive_int(section: str, name: str, value: int, *, minimum: int = 1) -> None:
@@ -112,7 +113,13 @@ class RolloutSection:
     max_concurrency: int = 64
     """Requests (one prompt's n samples each) in flight at once."""
     request_timeout_s: float = 600.0
-    """Time one request may take before it is retried."""
+    """Time one request (one prompt's n samples) may take before it is retried; a request may time out twice
+    (`ClientConfig.timeout_attempts`), so an engine that accepts and never answers fails the step after
+    20 min. 600 s: long-CoT responses (16k–32k tokens at 30–50 tokens/s per sequence under load) need
+    minutes; a shorter limit would retry healthy requests."""
+    wait_report_s: float = 60.0
+    """While waiting for the engines (samples, weight sync, startup), say what for and how long every this
+    many seconds on rank 0's console."""
     startup_timeout_s: float = 300.0
     """How long to wait for the engines' `/health` at start."""
     weight_sync: WeightSyncMode = "disk"
@@ -179,7 +186,21 @@ class RolloutSection:
                 self.temperature,
                 "must be > 0 (training samples; greedy is eval only)",
             )
-        for name in ("request_timeout_s", "startup_timeout_s", "sync_bucket_mb", "sync_timeout_s"):
+        if self.engine == "local" and self.server_urls:
+            _bad(
+                "rollout",
+                "server_urls",
+                list(self.server_urls),
+                "is for engine: remote; with engine: local the trainer starts its own engine (remove "
+                "server_urls, or set rollout.engine: remote)",
+            )
+        for name in (
+            "request_timeout_s",
+            "startup_timeout_s",
+            "sync_bucket_mb",
+            "sync_timeout_s",
+            "wait_report_s",
+        ):
             if not getattr(self, name) > 0:
                 _bad("rollout", name, getattr(self, name), "must be > 0")
 
@@ -202,6 +223,12 @@ class DataSection(PromptFormat):
     """Shuffle per epoch, seeded by `seed` and the epoch (a resumed run sees the same order)."""
     reward: str = "math"
     """Reward: a built-in ("math", "arithmetic") or a dotted path "package.module:function"."""
+    reward_timeout_s: float = 600.0
+    """Longest time the reward may take to score one batch (a step's or an eval's completions, in the reward
+    worker process); after it the worker is killed and the step fails naming the reward and this limit.
+    600 s: a built-in scores thousands of completions in seconds and math-verify bounds each answer at a
+    few seconds, so only a hung reward gets near it, while a slow verifier on a large batch (8k
+    completions × 50 ms) still fits; it is well inside a job's preemption notice."""
     correct_reward: float = 1.0
     """A sample counts as correct (for accuracy) when its reward is at least this."""
     reward_max_abs: float | None = None
@@ -224,6 +251,8 @@ class DataSection(PromptFormat):
         if self.max_sampling_rounds > 64:
             _bad("data", "max_sampling_rounds", self.max_sampling_rounds, "must be ≤ 64")
         _positive_int("data", "eval_prompts", self.eval_prompts)
+        if not self.reward_timeout_s > 0:
+            _bad("data", "reward_timeout_s", self.reward_timeout_s, "must be > 0 (seconds per batch)")
         if self.max_prompt_tokens is not None:
             _positive_int("data", "max_prompt_tokens", self.max_prompt_tokens)
         if "{prompt}" not in self.prompt_template:

@@ -34,7 +34,8 @@ def build_char_tokenizer(save_dir: str | Path | None = None):
     for ch in CHARACTERS:
         vocab.setdefault(ch, len(vocab))
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=PAD))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    # every character its own piece, newlines too ("." would leave "\n\n" one piece, unknown → pad)
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     core.decoder = decoders.Fuse()
     core.add_special_tokens(list(SPECIAL_TOKENS))
     tokenizer = PreTrainedTokenizerFast(

@@ -12,10 +12,13 @@ with the generation prompt appended; without it (toy tasks), the string prompt i
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+from megatron_tail.utils.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -43,9 +46,9 @@ class PromptFormat:
 
     def __post_init__(self):
         if "{prompt}" not in self.prompt_template:
-            raise ValueError(f"prompt_template must contain '{{prompt}}'; got {self.prompt_template!r}")
+            raise UserError(f"prompt_template must contain '{{prompt}}'; got {self.prompt_template!r}")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
-            raise ValueError(f"max_prompt_tokens must be ≥ 1 or None; got {self.max_prompt_tokens!r}")
+            raise UserError(f"max_prompt_tokens must be ≥ 1 or None; got {self.max_prompt_tokens!r}")
 
 
 @dataclass(frozen=True)
@@ -65,7 +68,7 @@ class PromptDataConfig(PromptFormat):
 
     def __post_init__(self):
         if Path(self.path).suffix not in SUFFIXES:
-            raise ValueError(f"prompt file must end in one of {sorted(SUFFIXES)}; got {self.path!r}")
+            raise UserError(f"prompt file must end in one of {sorted(SUFFIXES)}; got {self.path!r}")
         super().__post_init__()
 
 
@@ -80,16 +83,58 @@ class PromptExample:
 
 
 def read_records(path: str | Path, cache_dir: str | None = None):
-    """A `datasets.Dataset` of the rows of a local jsonl/json/parquet file (no network)."""
+    """A `datasets.Dataset` of the rows of a local jsonl/json/parquet file (no network). UserError naming
+    the file (and for JSON the line) if it is missing, empty, or not what its suffix says."""
     import datasets
 
     path = Path(path)
     if path.suffix not in SUFFIXES:
-        raise ValueError(f"prompt file must end in one of {sorted(SUFFIXES)}; got {str(path)!r}")
+        raise UserError(f"prompt file must end in one of {sorted(SUFFIXES)}; got {str(path)!r}")
     if not path.is_file():
-        raise FileNotFoundError(f"prompt file {str(path)!r} does not exist")
-    reader = datasets.Dataset.from_json if SUFFIXES[path.suffix] == "json" else datasets.Dataset.from_parquet
-    return reader(str(path), cache_dir=cache_dir, keep_in_memory=True)
+        raise UserError(f"prompt file {str(path)!r} does not exist")
+    if path.stat().st_size == 0:
+        raise UserError(f"prompt file {path} is empty (expected one record per prompt)")
+    kind = SUFFIXES[path.suffix]
+    reader = datasets.Dataset.from_json if kind == "json" else datasets.Dataset.from_parquet
+    try:
+        dataset = reader(str(path), cache_dir=cache_dir, keep_in_memory=True)
+    except Exception as e:  # datasets/pyarrow errors name neither the file nor the row: find them
+        if kind == "json":
+            _check_json(path)
+        raise UserError(
+            f"prompt file {path} is not readable as {path.suffix[1:]}: {type(e).__name__}: {e}"
+        ) from None
+    if len(dataset) == 0:
+        raise UserError(f"prompt file {path} holds no records")
+    return dataset
+
+
+def _check_json(path: Path) -> None:
+    """UserError naming the first line of `path` that is not a JSON object (a .jsonl line, or the .json
+    document), or that the file holds no records."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if not text.strip():
+        raise UserError(f"prompt file {path} is empty (expected one record per prompt)")
+    if path.suffix == ".json" and text.lstrip().startswith("["):
+        try:
+            json.loads(text)
+        except ValueError as e:
+            raise UserError(f"prompt file {path} line {e.lineno}: invalid JSON: {e.msg}") from None
+        return
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as e:
+            raise UserError(
+                f"prompt file {path} line {number}: invalid JSON: {e.msg} (column {e.colno}): {line[:80]!r}"
+            ) from None
+        if not isinstance(record, dict):
+            raise UserError(
+                f"prompt file {path} line {number}: expected a JSON object per line; "
+                f"got {type(record).__name__}"
+            )
 
 
 def get_field(record: dict[str, Any], dotted: str, where: str) -> Any:
@@ -100,7 +145,7 @@ def get_field(record: dict[str, Any], dotted: str, where: str) -> Any:
         if not isinstance(value, dict) or part not in value:
             present = sorted(value) if isinstance(value, dict) else f"a {type(value).__name__}, not a record"
             at = ".".join(walked) or "the top level"
-            raise ValueError(
+            raise UserError(
                 f"{where}: field {dotted!r} not found: no {part!r} at {at}; fields there: {present}"
             )
         value = value[part]
@@ -113,19 +158,25 @@ def load_prompts(config: PromptDataConfig, tokenizer) -> list[PromptExample]:
     dataset = read_records(config.path, config.cache_dir)
     for key in (config.prompt_key, config.answer_key):
         if key.split(".")[0] not in dataset.column_names:
-            raise ValueError(
+            raise UserError(
                 f"{config.path}: field {key!r} not found; the file's fields are "
                 f"{sorted(dataset.column_names)}"
             )
     examples, dropped = [], 0
     for index, record in enumerate(dataset):
         where = f"{config.path} row {index}"
+        answer = get_field(record, config.answer_key, where)
+        if answer is None or (isinstance(answer, str) and not answer.strip()):
+            state = "empty" if answer is not None else "missing or null"
+            raise UserError(
+                f"{where}: no answer ({config.answer_key!r} is {state}); "
+                "every prompt needs the ground truth its reward compares with"
+            )
         text = render_prompt(get_field(record, config.prompt_key, where), config, tokenizer, where)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = tokenize_known(tokenizer, text, where)
         if config.max_prompt_tokens is not None and len(ids) > config.max_prompt_tokens:
             dropped += 1
             continue
-        answer = get_field(record, config.answer_key, where)
         examples.append(PromptExample(index, ids, text, str(answer)))
     if dropped:
         logger.warning(
@@ -136,23 +187,53 @@ def load_prompts(config: PromptDataConfig, tokenizer) -> list[PromptExample]:
             config.max_prompt_tokens,
         )
     if not examples:
-        raise ValueError(
+        raise UserError(
             f"{config.path}: no prompts left (rows: {len(dataset)}, dropped as too long: {dropped})"
         )
     return examples
+
+
+def tokenize_known(tokenizer, text: str, where: str) -> list[int]:
+    """`text`'s token ids; UserError naming the characters the tokenizer can only map to its unknown token
+    (the demo's character tokenizer maps them to the pad id), instead of training on them silently."""
+    unk = unknown_token(tokenizer)
+    if unk is None:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    unk_id = tokenizer.convert_tokens_to_ids(unk)
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = encoded["input_ids"]
+    pieces = [text[a:b] for t, (a, b) in zip(ids, encoded["offset_mapping"], strict=True) if t == unk_id]
+    unknown = sorted({c for piece in pieces if piece != unk for c in piece})
+    if unknown:
+        named = ", ".join(repr(c) for c in unknown[:10])
+        raise UserError(
+            f"{where}: the tokenizer has no token for {named} (it would map them to {unk!r}); remove them "
+            "from the data or use a tokenizer that covers them"
+        )
+    return ids
+
+
+def unknown_token(tokenizer) -> str | None:
+    """The token a tokenizer maps what it cannot represent to: its `unk_token`, else its backend model's
+    (a fast tokenizer's WordLevel / WordPiece model); None for byte-level tokenizers, which have none."""
+    unk = getattr(tokenizer, "unk_token", None)
+    if unk is None:
+        model = getattr(getattr(tokenizer, "backend_tokenizer", None), "model", None)
+        unk = getattr(model, "unk_token", None)
+    return unk or None
 
 
 def render_prompt(prompt: Any, config: PromptDataConfig, tokenizer, where: str) -> str:
     """The prompt text the model sees: chat-templated messages, or the formatted raw string."""
     if not config.apply_chat_template:
         if not isinstance(prompt, str):
-            raise ValueError(
+            raise UserError(
                 f"{where}: without a chat template the prompt must be a string; got {type(prompt).__name__}"
             )
         return config.prompt_template.format(prompt=prompt)
     messages = _messages(prompt, config, where)
     if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError("apply_chat_template=True but the tokenizer has no chat_template")
+        raise UserError("apply_chat_template=True but the tokenizer has no chat_template")
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
@@ -162,7 +243,7 @@ def _messages(prompt: Any, config: PromptDataConfig, where: str) -> list[dict[st
     elif isinstance(prompt, list) and prompt and all(_is_message(m) for m in prompt):
         messages = [{"role": m["role"], "content": m["content"]} for m in prompt]
     else:
-        raise ValueError(
+        raise UserError(
             f"{where}: the prompt must be a string or a non-empty list of {{'role', 'content'}} messages; "
             f"got {str(prompt)[:100]!r}"
         )

@@ -9,12 +9,19 @@ from __future__ import annotations
 
 import importlib
 import math
+import numbers
 from collections.abc import Callable, Sequence
 
 from megatron_tail.rewards.arithmetic import arithmetic_reward
 from megatron_tail.rewards.math_answer import math_reward
+from megatron_tail.utils.errors import UserError
 
 RewardFn = Callable[[str, str], float]
+
+
+class RewardFunctionError(UserError):
+    """The reward function raised, or returned something other than a finite real number."""
+
 
 BUILTIN_REWARDS: dict[str, RewardFn] = {"math": math_reward, "arithmetic": arithmetic_reward}
 
@@ -32,7 +39,7 @@ def reward_bound(fn: RewardFn) -> float | None:
         return None
     low, high = (float(v) for v in declared)
     if not (math.isfinite(low) and math.isfinite(high)) or low > high:
-        raise ValueError(
+        raise UserError(
             f"reward_range of {getattr(fn, '__name__', fn)!r} must be finite (low, high); got {declared!r}"
         )
     return max(abs(low), abs(high))
@@ -41,37 +48,47 @@ def reward_bound(fn: RewardFn) -> float | None:
 def load_reward_fn(spec: str) -> RewardFn:
     """The reward named by a built-in (`math`, `arithmetic`) or a dotted path `package.module:function`."""
     if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(
+        raise UserError(
             f"reward must be a built-in name {sorted(BUILTIN_REWARDS)} or a dotted path; got {spec!r}"
         )
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
     module_name, sep, attr = spec.partition(":") if ":" in spec else spec.rpartition(".")
     if not sep or not module_name or not attr:
-        raise ValueError(
+        raise UserError(
             f"reward {spec!r} is neither a built-in {sorted(BUILTIN_REWARDS)} "
             "nor a dotted path 'package.module:function'"
         )
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise ValueError(f"reward {spec!r}: cannot import module {module_name!r}: {e}") from e
+        raise UserError(f"reward {spec!r}: cannot import module {module_name!r}: {e}") from e
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ValueError(f"reward {spec!r}: module {module_name!r} has no callable {attr!r}")
+        raise UserError(f"reward {spec!r}: module {module_name!r} has no callable {attr!r}")
     return fn
 
 
 def compute_rewards(fn: RewardFn, completions: Sequence[str], answers: Sequence[str]) -> list[float]:
-    """`[fn(c, a) for ...]`, checking that every reward is a finite number (ValueError naming the sample)."""
+    """`[fn(c, a) for ...]`, each a finite real number (int, float, NumPy scalar; not bool), as floats.
+
+    Raises `RewardFunctionError` naming the function and the sample for a bad value; an exception of `fn`
+    propagates with the sample's index in its `mt_sample` attribute.
+    """
     if len(completions) != len(answers):
         raise ValueError(f"{len(completions)} completions but {len(answers)} answers")
+    name = getattr(fn, "__name__", repr(fn))
     rewards = []
     for i, (completion, answer) in enumerate(zip(completions, answers, strict=True)):
-        value = fn(completion, answer)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ValueError(
-                f"reward function {getattr(fn, '__name__', fn)!r} returned {value!r} for sample {i}"
+        try:
+            value = fn(completion, answer)
+        except Exception as e:
+            e.mt_sample = i
+            raise
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise RewardFunctionError(
+                f"reward function {name!r} returned {value!r} ({type(value).__name__}) for sample {i}; "
+                "expected a finite real number (int, float or a NumPy scalar)"
             )
         rewards.append(float(value))
     return rewards

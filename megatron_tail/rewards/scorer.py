@@ -1,10 +1,20 @@
-"""`RewardScorer`: a run's reward applied to a batch, from whichever thread generates it.
+"""`RewardScorer`: a run's reward applied to a batch, in one worker process, with a time limit per batch.
 
-On the main thread the reward runs in place. From another thread (rank 0's rollout-ahead worker,
-`rollout.max_staleness: 1`) it runs in one worker process instead: math-verify's timeouts use
-`signal.alarm`, which only a main thread may set (off it, one pathological answer could block the rollout,
-and with it every trainer rank, without limit), and a pure-Python reward there would take the GIL from
-rank 0's training.
+    score = RewardScorer("math", timeout_s=600)    # starts the worker (call from the main thread)
+    rewards = score(completions, answers)          # from any thread; RewardTimeoutError after timeout_s
+    score.close()
+
+Why a worker process, for every batch:
+- a bound: a reward that never returns (an infinite loop, a regex that backtracks forever, a deadlock) is
+  killed after `timeout_s` and the step fails with an error naming the reward and the limit, instead of
+  blocking every trainer rank without a word. A thread cannot be killed; a process can.
+- math-verify's timeouts use `signal.alarm`, which only a main thread may set: the worker scores on its
+  main thread whichever trainer thread asks (rank 0's rollout-ahead worker, `rollout.max_staleness: 1`),
+  and a pure-Python reward there does not take the GIL from rank 0's training.
+The worker is spawned (no forked copy of the trainer's threads and CUDA state), ignores the job's stop
+signals (the trainer decides what a stop means) and dies with the trainer (`utils.parent_watch`), so a
+`kill -9` of the trainer leaves no worker behind. After a timeout it is killed and a new one starts with
+the next batch.
 """
 
 from __future__ import annotations
@@ -13,39 +23,72 @@ import multiprocessing
 import os
 import signal
 import threading
+import traceback
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
-from functools import lru_cache
 
-from megatron_tail.rewards.registry import compute_rewards, load_reward_fn
+from megatron_tail.rewards.registry import RewardFunctionError, compute_rewards, load_reward_fn
+from megatron_tail.utils.errors import UserError
+
+DEFAULT_TIMEOUT_S = 600.0
+"""`data.reward_timeout_s`'s default, per batch; see `DataSection.reward_timeout_s` for why."""
+
+
+class RewardTimeoutError(UserError):
+    """The reward function did not score a batch within the time limit."""
 
 
 class RewardScorer:
     """`scorer(completions, answers) -> rewards` for the reward named `spec` (see `load_reward_fn`)."""
 
-    def __init__(self, spec: str):
+    def __init__(self, spec: str, timeout_s: float = DEFAULT_TIMEOUT_S):
+        if not timeout_s > 0:
+            raise UserError(f"data.reward_timeout_s must be > 0; got {timeout_s!r}")
         self.spec = spec
+        self.timeout_s = float(timeout_s)
         self.fn = load_reward_fn(spec)  # fails here, by name, if the spec is bad
-        self._pool: ProcessPoolExecutor | None = None
+        self.name = getattr(self.fn, "__name__", spec)
         self._lock = threading.Lock()
+        self._worker: _Worker | None = _Worker(spec)  # now, from the constructing (main) thread
 
     def __call__(self, completions: Sequence[str], answers: Sequence[str]) -> list[float]:
-        if threading.current_thread() is threading.main_thread():
-            return compute_rewards(self.fn, completions, answers)
         with self._lock:
-            if self._pool is None:
-                self._pool = _start_worker()
-        return self._pool.submit(_score, self.spec, list(completions), list(answers)).result()
+            if self._worker is None:
+                self._worker = _Worker(self.spec)
+            worker = self._worker
+            try:
+                reply = worker.score(list(completions), list(answers), self.timeout_s)
+            except TimeoutError:
+                worker.kill()
+                self._worker = None
+                raise RewardTimeoutError(
+                    f"reward function {self.spec!r} did not score a batch of {len(completions)} completions "
+                    f"within data.reward_timeout_s={self.timeout_s:g} s; it was stopped. Make it faster or "
+                    "bounded, or raise data.reward_timeout_s"
+                ) from None
+            except EOFError:  # the worker died (killed, out of memory): start a new one next time
+                worker.kill()
+                self._worker = None
+                raise RewardFunctionError(
+                    f"the reward worker scoring {self.spec!r} died (exit code {worker.exitcode}) while "
+                    f"scoring a batch of {len(completions)} completions"
+                ) from None
+        status, payload = reply
+        if status == "user_error":
+            raise RewardFunctionError(payload)
+        if status == "error":
+            raise RuntimeError(f"reward worker failed:\n{payload}")
+        return payload
 
     @property
     def worker_pid(self) -> int | None:
-        """The worker process's pid, None before anything was scored off the main thread."""
-        return None if self._pool is None else self._pool.submit(_ready).result()
+        """The worker process's pid (None after a timeout killed it, until the next batch)."""
+        return None if self._worker is None else self._worker.pid
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+        with self._lock:
+            if self._worker is not None:
+                self._worker.stop()
+                self._worker = None
 
 
 # The job's stop signals: Slurm delivers `scancel --signal` to every process of the step, and the trainer
@@ -53,34 +96,80 @@ class RewardScorer:
 _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2}
 
 
-def _start_worker() -> ProcessPoolExecutor:
-    """One spawned worker (no forked copy of the trainer's threads and CUDA state) that ignores the stop
-    signals; they are blocked in this thread while it and multiprocessing's resource tracker start, so
-    both inherit the block."""
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
-    try:
+class _Worker:
+    """One spawned process scoring batches sent over a pipe, one at a time."""
+
+    def __init__(self, spec: str):
         spawn = multiprocessing.get_context("spawn")
-        pool = ProcessPoolExecutor(1, mp_context=spawn, initializer=_ignore_stops)
-        pool.submit(_ready).result()  # the process starts on the first submit
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-    return pool
+        self._conn, child = spawn.Pipe(duplex=True)
+        # blocked in this thread while the worker and multiprocessing's resource tracker start, so both
+        # inherit the block and a stop signal in their first instants does not kill them
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+        try:
+            self._proc = spawn.Process(
+                target=_serve, args=(spec, child, os.getpid()), name="reward-worker", daemon=True
+            )
+            self._proc.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        child.close()
+        self.pid = self._proc.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        return self._proc.exitcode
+
+    def score(self, completions: list[str], answers: list[str], timeout_s: float):
+        """The worker's reply; TimeoutError after `timeout_s`, EOFError if the worker died."""
+        self._conn.send((completions, answers))
+        if not self._conn.poll(timeout_s):
+            raise TimeoutError
+        return self._conn.recv()
+
+    def kill(self) -> None:
+        if self._proc.is_alive():
+            self._proc.kill()
+        self._proc.join(timeout=10)
+        self._conn.close()
+
+    def stop(self) -> None:
+        try:
+            self._conn.send(None)  # "no more batches"
+        except OSError:
+            pass
+        self._proc.join(timeout=5)
+        self.kill()
 
 
-def _ignore_stops() -> None:
+def _serve(spec: str, conn, parent_pid: int) -> None:
+    """The worker's main: ignore the stop signals, die with the trainer, score batches until told to stop."""
+    from megatron_tail.utils.parent_watch import die_with_parent
+
     for sig in _STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+    die_with_parent(parent_pid)
+    fn = load_reward_fn(spec)
+    while True:
+        try:
+            request = conn.recv()
+        except EOFError:
+            return
+        if request is None:
+            return
+        completions, answers = request
+        try:
+            reply = ("ok", compute_rewards(fn, completions, answers))
+        except RewardFunctionError as e:
+            reply = ("user_error", str(e))
+        except Exception as e:  # the user's function raised: name it, the sample, and where
+            reply = ("user_error", _raised_message(spec, e))
+        conn.send(reply)
 
 
-def _ready() -> int:
-    return os.getpid()
-
-
-@lru_cache(maxsize=8)
-def _reward_fn(spec: str):
-    return load_reward_fn(spec)
-
-
-def _score(spec: str, completions: list[str], answers: list[str]) -> list[float]:
-    """In the worker process's main thread."""
-    return compute_rewards(_reward_fn(spec), completions, answers)
+def _raised_message(spec: str, error: Exception) -> str:
+    frames = traceback.extract_tb(error.__traceback__)
+    where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    sample = getattr(error, "mt_sample", None)
+    on = f" on sample {sample}" if sample is not None else ""
+    return f"reward function {spec!r} raised {type(error).__name__}: {error}{on}{where}"

@@ -41,6 +41,10 @@ class NoHealthyServerError(RolloutError):
     """No server passed a health check within the client's `unhealthy_wait_s`."""
 
 
+class RequestTimedOutError(RetryableServerError):
+    """A request took longer than `request_timeout_s`."""
+
+
 class StaleWeightsError(RolloutError):
     """A sample came from a policy version other than the one `generate` required."""
 
@@ -57,6 +61,10 @@ class ClientConfig:
     """Time one `/health` probe may take."""
     max_attempts: int = 4
     """Attempts per request before the batch fails."""
+    timeout_attempts: int = 2
+    """Of those, attempts that may end in a timeout: each already cost `request_timeout_s`, so a server that
+    accepts requests and never answers fails the batch after 2 × `request_timeout_s` (one retry, on another
+    server when there is one), not 4 ×; connection errors and HTTP 5xx cost little and keep `max_attempts`."""
     retry_backoff_s: float = 0.5
     """Sleep before attempt k is `retry_backoff_s · (k - 1)`."""
     unhealthy_wait_s: float = 60.0
@@ -65,7 +73,7 @@ class ClientConfig:
     """Larger response bodies are rejected with `ResponseTooLargeError`."""
 
     def __post_init__(self):
-        for name in ("max_concurrency", "max_attempts", "max_response_bytes"):
+        for name in ("max_concurrency", "max_attempts", "timeout_attempts", "max_response_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int ≥ 1; got {value!r}")
@@ -215,7 +223,11 @@ class RolloutClient:
     async def _request_with_retries(self, prompt, keys, sampling) -> list[SampleResult]:
         last_error: Exception | None = None
         avoid: str | None = None
+        timeouts = tried = 0
         for attempt in range(1, self.config.max_attempts + 1):
+            if timeouts >= self.config.timeout_attempts:
+                break
+            tried = attempt
             if attempt > 1:
                 self.stats.retries += 1
                 await asyncio.sleep(self.config.retry_backoff_s * (attempt - 1))
@@ -226,13 +238,18 @@ class RolloutClient:
                 return parse_generate_response(body, prompt, keys, sampling, attempt, url)
             except RetryableServerError as e:
                 last_error, avoid = e, url
+                timeouts += isinstance(e, RequestTimedOutError)
                 self.stats.failures_by_server[url] += 1
                 logger.warning("attempt %d of %s failed on %s: %s", attempt, keys[0].rid, url, e)
                 if not isinstance(e, SampleAbortedError):
                     self.healthy[url] = await self._probe(url)
+        timed_out = (
+            f" ({timeouts} timed out after request_timeout_s={self.config.request_timeout_s:g} s)"
+            if timeouts
+            else ""
+        )
         raise RetryableServerError(
-            f"samples of prompt {keys[0].prompt_index} failed {self.config.max_attempts} attempts; "
-            f"last: {last_error}"
+            f"samples of prompt {keys[0].prompt_index} failed {tried} attempts{timed_out}; last: {last_error}"
         ) from last_error
 
     async def _pick_server(self, avoid: str | None) -> str:
@@ -264,7 +281,11 @@ class RolloutClient:
                     raise RequestRejectedError(
                         f"{url}/generate rejected the request (HTTP {resp.status}): {_message(raw)}"
                     )
-        except (TimeoutError, aiohttp.ClientError) as e:
+        except TimeoutError as e:
+            raise RequestTimedOutError(
+                f"{url}/generate did not answer within request_timeout_s={self.config.request_timeout_s:g} s"
+            ) from e
+        except aiohttp.ClientError as e:
             raise RetryableServerError(f"{url}/generate failed: {type(e).__name__}: {e}") from e
         finally:
             self.in_flight[url] -= 1

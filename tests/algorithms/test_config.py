@@ -35,6 +35,7 @@ def test_frozen():
 BAD = [
     ("advantage_estimator", "ppo"),
     ("group_size", 0),
+    ("group_size", 1),
     ("group_size", 2.0),
     ("group_size", True),
     ("scale_advantages_by_std", 1),

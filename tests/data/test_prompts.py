@@ -19,6 +19,7 @@ from megatron_tail.data import (
 )
 from megatron_tail.data.toy_arithmetic import TEST_SEED, TEST_SIZE, TRAIN_SEED, TRAIN_SIZE
 from megatron_tail.rewards import arithmetic_reward, math_reward
+from megatron_tail.utils.errors import UserError
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "data"
 BOX = " Please reason step by step, and put your final answer within \\boxed{{}}."
@@ -128,7 +129,7 @@ def test_bad_paths_and_configs(tmp_path):
         ValueError, match=r"must end in one of \['.json', '.jsonl', '.parquet'\]; got 'data.csv'"
     ):
         PromptDataConfig(path="data.csv")
-    with pytest.raises(FileNotFoundError, match="does not exist"):
+    with pytest.raises(UserError, match="does not exist"):
         read_records(tmp_path / "missing.jsonl")
     with pytest.raises(ValueError, match="prompt_template must contain"):
         PromptDataConfig(path="a.jsonl", prompt_template="no placeholder")

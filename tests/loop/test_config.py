@@ -61,6 +61,7 @@ def test_overrides_are_coerced_to_the_field_types(tmp_path):
             "algorithm.dual_clip=3",
             "algorithm.stapo_tau_h=null",
             "train.steps=12",
+            "rollout.engine=remote",
             "rollout.server_urls=[http://a:1, http://b:2]",
             "logging.prob_buckets=0.5,0.01",
             "run_dir=1234",  # a str field keeps the raw text

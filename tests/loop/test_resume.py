@@ -91,8 +91,9 @@ def test_a_failure_on_rank0_fails_every_rank_promptly(tiny_model_dir, prompt_fil
         run_distributed(_run_rank, 2, overrides, -1, timeout=120)
     message = str(info.value)
     rank0, rank1 = message.split("--- rank 1 ---")
-    assert "FileNotFoundError" in rank0 and "missing.jsonl" in rank0
-    assert "RuntimeError: global rank 0 failed: FileNotFoundError" in rank1
+    assert "UserError: prompt file" in rank0 and "missing.jsonl' does not exist" in rank0
+    # a user error: rank 1 raises the same UserError (which the command line prints on rank 0 only)
+    assert "UserError: prompt file" in rank1 and "missing.jsonl' does not exist" in rank1
 
 
 def test_a_step_whose_groups_all_lack_a_signal_is_skipped(tiny_model_dir, prompt_file, engine, tmp_path):

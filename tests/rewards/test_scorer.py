@@ -1,14 +1,22 @@
-"""`RewardScorer` from the rollout-ahead worker thread: the reward runs on a main thread (a spawned worker
-process), so math-verify keeps its timeouts, and scores equal the main thread's."""
+"""`RewardScorer`: the reward runs on a worker process's main thread (math-verify keeps its timeouts, scores
+equal the main thread's), bounded per batch, and the worker dies with the trainer."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
-from megatron_tail.rewards.scorer import RewardScorer
+import psutil
+import pytest
+
+from megatron_tail.rewards.registry import RewardFunctionError, compute_rewards
+from megatron_tail.rewards.scorer import RewardScorer, RewardTimeoutError
+from megatron_tail.utils.errors import UserError
+from tests.rewards import fault_rewards
 
 
 def _from_thread(fn):
@@ -19,13 +27,14 @@ def _from_thread(fn):
     return out["value"]
 
 
-def test_off_the_main_thread_the_reward_runs_on_a_worker_processs_main_thread():
+def test_from_either_thread_the_reward_runs_on_a_worker_processs_main_thread():
     scorer = RewardScorer("tests.rewards.main_thread_probe:on_main_thread")
     try:
         assert scorer(["x", "y"], ["1", "2"]) == [1.0, 1.0]
-        assert scorer.worker_pid is None
+        worker = scorer.worker_pid
+        assert worker not in (None, os.getpid())
         assert _from_thread(lambda: scorer(["x", "y"], ["1", "2"])) == [1.0, 1.0]
-        assert scorer.worker_pid not in (None, os.getpid())
+        assert scorer.worker_pid == worker
     finally:
         scorer.close()
 
@@ -57,3 +66,67 @@ def test_math_scores_are_the_same_from_either_thread():
     finally:
         scorer.close()
     assert here == there == [1.0, 1.0, 0.0, 0.0]
+
+
+def test_a_reward_that_never_returns_fails_the_batch_within_the_timeout_naming_it():
+    """Before: the step blocked forever, silently. Now: RewardTimeoutError after `timeout_s`, the stuck
+    worker is killed, and the next batch gets a fresh worker."""
+    scorer = RewardScorer("tests.rewards.fault_rewards:never_returns", timeout_s=1.0)
+    try:
+        stuck = scorer.worker_pid
+        started = time.monotonic()
+        with pytest.raises(RewardTimeoutError) as caught:
+            scorer(["x"], ["1"])
+        assert time.monotonic() - started < 10
+        message = str(caught.value)
+        assert "'tests.rewards.fault_rewards:never_returns'" in message
+        assert "data.reward_timeout_s=1 s" in message
+        assert isinstance(caught.value, UserError)
+        assert not psutil.pid_exists(stuck) or psutil.Process(stuck).status() == psutil.STATUS_ZOMBIE
+        assert scorer.worker_pid is None
+    finally:
+        scorer.close()
+
+
+def test_numpy_scalars_are_rewards_and_bad_values_are_named():
+    scorer = RewardScorer("tests.rewards.fault_rewards:numpy_scalar")
+    try:
+        assert scorer(["a", "b"], ["1", "2"]) == [0.25, 1.0]
+    finally:
+        scorer.close()
+    returned = r"returned '1.0' \(str\) for sample 0; expected a finite real"
+    with pytest.raises(RewardFunctionError, match=returned):
+        compute_rewards(fault_rewards.returns_text, ["a"], ["1"])
+    scorer = RewardScorer("tests.rewards.fault_rewards:raises")
+    try:
+        raised = r"raises' raised KeyError: 'boom' on sample 0 at .*fault_rewards.py:"
+        with pytest.raises(RewardFunctionError, match=raised):
+            scorer(["a"], ["1"])
+    finally:
+        scorer.close()
+
+
+_HOLDER = """
+import sys, time
+from megatron_tail.rewards.scorer import RewardScorer
+scorer = RewardScorer("math")
+print(scorer.worker_pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_worker_dies_with_a_trainer_killed_by_sigkill():
+    """Before: a worker (and the pool's) outlived a `kill -9` of its trainer. Now it ends within seconds."""
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER], stdout=subprocess.PIPE, text=True)
+    try:
+        worker = int(holder.stdout.readline())
+        assert psutil.pid_exists(worker)
+        holder.kill()
+        holder.wait(timeout=30)
+        deadline = time.monotonic() + 15
+        while psutil.pid_exists(worker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not psutil.pid_exists(worker), "the reward worker outlived its trainer"
+    finally:
+        if holder.poll() is None:
+            holder.kill()

@@ -57,7 +57,7 @@ def test_config_get_prints_resolved_values_one_per_line(tmp_path):
     proc = helper(
         "config-get", str(config), "run_dir", "model.hf_path", "parallel.tensor_parallel",
         "data.eval_path", "rollout.server_urls", "--set", "run_dir=/abs/run",
-        "--set", "rollout.server_urls=http://a:1,http://b:2",
+        "--set", "rollout.server_urls=http://a:1,http://b:2", "--set", "rollout.engine=remote",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == ["/abs/run", "m", "2", "", "http://a:1,http://b:2"]

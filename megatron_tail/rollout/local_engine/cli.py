@@ -35,9 +35,13 @@ def serve_local(args: argparse.Namespace) -> int:
     import torch
     from aiohttp import web
 
+    from megatron_tail.model.directory import check_model_dir
     from megatron_tail.rollout.local_engine.engine import LocalEngine
     from megatron_tail.rollout.local_engine.server import build_app
+    from megatron_tail.utils.parent_watch import die_with_parent_from_env
 
+    die_with_parent_from_env()  # started by a trainer: never outlive it (not even its kill -9)
+    check_model_dir(args.model_path, key="--model-path")  # one named error, not a Hugging Face one
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if not 0 < args.port < 65536:
         raise SystemExit(f"--port must be in 1..65535; got {args.port}")

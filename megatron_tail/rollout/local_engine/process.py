@@ -11,6 +11,7 @@ import urllib.request
 from pathlib import Path
 
 from megatron_tail.rollout.launch import LocalEngineConfig, build_local_engine_command
+from megatron_tail.utils.parent_watch import PARENT_PID_ENV
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -22,7 +23,9 @@ class LocalEngineProcess:
     The child runs in its own session (`start_new_session`): a Ctrl-C or a signal sent to the trainer's
     process group does not kill it mid-step; the trainer stops it. It is not a member of the trainer's
     torch.distributed world, so torchrun's rendezvous variables are removed from its environment, and
-    `config.num_threads` also sets its OMP_NUM_THREADS.
+    `config.num_threads` also sets its OMP_NUM_THREADS. It dies with the process that started it
+    (`utils.parent_watch`, through `MT_PARENT_PID`), even when that one is killed with SIGKILL; start it
+    from a thread that lives as long as it should (the main thread).
     """
 
     def __init__(self, config: LocalEngineConfig, log_path: str | Path):
@@ -31,7 +34,12 @@ class LocalEngineProcess:
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "a")
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        env = {
+            **os.environ,
+            "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            PARENT_PID_ENV: str(os.getpid()),
+        }
         for var in _TORCHRUN_VARS:
             env.pop(var, None)
         if config.num_threads is not None:

@@ -19,8 +19,11 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
+import json
 import random
 import shutil
+import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -31,6 +34,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.utils import unwrap_model
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_tail.model import padded_vocab_size
 from megatron_tail.patches import (
@@ -40,6 +44,7 @@ from megatron_tail.patches import (
     torch_adam_load_fixes,
     use_in_process_results_queue,
 )
+from megatron_tail.utils.errors import UserError
 
 from .setup import Trainer
 
@@ -49,8 +54,16 @@ FORMAT_VERSION = 1
 _OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
 
 
-class CheckpointMismatchError(ValueError):
+class CheckpointMismatchError(UserError):
     """The checkpoint is of a different model than the one being loaded into."""
+
+
+class CheckpointCorruptError(UserError):
+    """A checkpoint file is missing, truncated or unreadable; the message names it."""
+
+
+class CheckpointSpaceError(UserError):
+    """Saving a checkpoint ran out of disk space (or into a quota / file-size limit)."""
 
 
 def model_signature(trainer: Trainer) -> dict[str, Any]:
@@ -95,19 +108,32 @@ def save_checkpoint(
     dist.barrier()
     use_in_process_results_queue()
     init_unstepped_adam_state(trainer.optimizer)  # a run whose steps were all skipped can still save
-    # cpu_device_scope: the distributed optimizer gathers its state with `.cuda()` / device="cuda".
-    with cpu_device_scope():
-        state = _sharded_state(trainer, is_loading=False, with_rng=True)
-        state["rl_state"] = dict(rl_state)
-        state["meta"] = {
-            "format": FORMAT_VERSION,
-            "model": model_signature(trainer),
-            "layout": _layout(trainer),
-        }
-        dist_checkpointing.save(state, str(tmp))
-    if dist.get_rank() == 0:
-        for name, obj in (rank0_objects or {}).items():
-            torch.save(obj, tmp / f"{name}.pt")
+    try:
+        # cpu_device_scope: the distributed optimizer gathers its state with `.cuda()` / device="cuda".
+        with cpu_device_scope():
+            state = _sharded_state(trainer, is_loading=False, with_rng=True)
+            state["rl_state"] = dict(rl_state)
+            state["meta"] = {
+                "format": FORMAT_VERSION,
+                "model": model_signature(trainer),
+                "layout": _layout(trainer),
+            }
+            dist_checkpointing.save(state, str(tmp))
+        if dist.get_rank() == 0:
+            for name, obj in (rank0_objects or {}).items():
+                torch.save(obj, tmp / f"{name}.pt")
+    except (Exception, CheckpointException) as e:  # torch's CheckpointException is a BaseException
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # a full disk keeps no half-written checkpoint
+        if _out_of_space(e):
+            free = shutil.disk_usage(path.parent).free / 2**30
+            lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
+            raise CheckpointSpaceError(
+                f"no space left on {path.parent} while saving checkpoint {path.name} ({free:.2f} GiB free "
+                f"there now; or a quota / file-size limit; {lines[-1][:200]}). The partial save was removed "
+                "and the previous checkpoints are kept; free space and rerun to resume"
+            ) from None
+        raise
     dist.barrier()
     if dist.get_rank() == 0:
         if path.exists():
@@ -120,6 +146,67 @@ def save_checkpoint(
             tmp.rename(path)
     dist.barrier()
     return path
+
+
+_SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+# torch's zip writer (torch.save) reports a failed write without its errno: caffe2/serialize/inline_container
+_SPACE_TEXT = ("no space left", "file write failed", "unexpected pos", "disk quota", "file too large")
+
+
+def _out_of_space(error: BaseException) -> bool:
+    """A write failed for lack of space: the errno, or torch's serializer's message, anywhere in the chain."""
+    seen = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in _SPACE_ERRNOS:
+            return True
+        if any(text in str(seen).lower() for text in _SPACE_TEXT):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def check_checkpoint(path: str | Path) -> None:
+    """Check, without loading any tensor, that the checkpoint at `path` is whole: `metadata.json` and
+    `common.pt` read, the torch_dist `.metadata` index reads, every shard file it names exists and is as
+    long as the index says, and each rank-0 object file is an intact zip. `CheckpointCorruptError` naming
+    the file otherwise (a save interrupted by a crash outside the atomic rename, a copy cut short, a disk
+    error). The run picks the newest checkpoint that passes (`RunSession.resume`)."""
+    path = Path(path)
+
+    def corrupt(file: Path | str, why: str) -> CheckpointCorruptError:
+        return CheckpointCorruptError(f"checkpoint file {file} is {why}")
+
+    try:
+        json.loads((path / "metadata.json").read_text())
+    except (OSError, ValueError) as e:
+        raise corrupt(path / "metadata.json", f"unreadable ({type(e).__name__}: {e})") from None
+    try:
+        read_checkpoint_meta(path)
+    except Exception as e:  # torch.load of a truncated file: EOFError, UnpicklingError, RuntimeError, ...
+        raise corrupt(path / "common.pt", f"unreadable ({type(e).__name__}: {e})") from None
+    try:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        storage = FileSystemReader(str(path)).read_metadata().storage_data
+    except Exception as e:
+        raise corrupt(path / ".metadata", f"unreadable ({type(e).__name__}: {e})") from None
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, length in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            raise corrupt(file, "missing")
+        if file.stat().st_size < length:
+            raise corrupt(file, f"truncated ({file.stat().st_size} of {length} bytes)")
+    for file in sorted(path.glob("*.pt")):
+        if file.name == "common.pt":
+            continue
+        try:
+            with zipfile.ZipFile(file):
+                pass
+        except (OSError, zipfile.BadZipFile) as e:
+            raise corrupt(file, f"unreadable ({e})") from None
 
 
 def read_rank0_object(path: str | Path, name: str) -> Any:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_tail.algorithms.metrics import reduce_op_of
+from megatron_tail.utils.errors import UserError, announce
 
 from .parallel import ParallelGroups, comm_device
 
@@ -31,20 +32,26 @@ def on_rank0(fn: Callable[[], T]) -> T:
     """Run `fn()` on global rank 0 only and hand its result to every rank. Collective (one broadcast).
 
     If `fn` raises on rank 0, every rank raises (rank 0 its own exception, the others a RuntimeError that
-    quotes it) instead of the other ranks waiting in the next collective until the process-group timeout.
+    quotes it, or a `UserError` with the same message for a user error, which only rank 0 prints) instead of
+    the other ranks waiting in the next collective until the process-group timeout.
     """
-    result, error, raised = None, None, None
+    result, error, raised, user_error = None, None, None, False
     if dist.get_rank() == 0:
         try:
             result = fn()
         except Exception as e:
-            raised, error = e, f"{type(e).__name__}: {e}"
-    box = [(result, error)]
+            raised, error, user_error = e, f"{type(e).__name__}: {e}", isinstance(e, UserError)
+            if user_error:
+                error = str(e)
+                announce(e)  # now: the other ranks exit as soon as they hear of it
+    box = [(result, error, user_error)]
     dist.broadcast_object_list(box, src=0)
-    result, error = box[0]
+    result, error, user_error = box[0]
     if raised is not None:
         raise raised
     if error is not None:
+        if user_error:
+            raise UserError(error)
         raise RuntimeError(f"global rank 0 failed: {error}")
     return result
 

@@ -1,8 +1,11 @@
 """`megatron-tail train CONFIG.yaml [--set section.key=value ...]`: the RL loop on this process's rank.
 
 Launch one process per rank with torchrun (`torchrun --nproc-per-node 2 -m megatron_tail.cli train
-CONFIG.yaml`), or run it plainly for a world of one. Exit code 0 also after a graceful stop (SIGTERM /
-SIGUSR1: the step finishes, a checkpoint is written); rerunning resumes at the next step.
+CONFIG.yaml`; `python -m megatron_tail.train.run.torchrun ...` takes the same arguments and exits 0 when a
+signal stopped the workers cleanly), or run it plainly for a world of one. Exit codes: 0 also after a
+graceful stop (SIGTERM / SIGUSR1 / SIGINT: the step finishes, a checkpoint is written; rerunning resumes at
+the next step); 2 a user error (one line naming it; MT_TRACEBACK=1 shows the traceback); 3 a step abandoned
+on a second stop signal (the last checkpoint is kept); 1 an internal error (traceback).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import argparse
 
 from megatron_tail.config.arguments import add_config_arguments
+from megatron_tail.utils.errors import UserError
 
 
 def add_train_parser(subparsers) -> argparse.ArgumentParser:
@@ -30,26 +34,26 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
 def train_command(args: argparse.Namespace) -> int:
     import yaml
 
-    from megatron_tail.config import ConfigError, config_to_dict, load_config
+    from megatron_tail.config import config_to_dict, load_config
 
-    try:
-        cfg = load_config(args.config, args.overrides)
-        if not args.print_config:
-            cfg.check_runnable()
-    except (ConfigError, ValueError) as e:
-        raise SystemExit(f"megatron-tail train: {e}") from None
+    cfg = load_config(args.config, args.overrides)  # a UserError: one line (megatron_tail.cli.main)
+    if not args.print_config:
+        cfg.check_runnable()
     if args.print_config:
         print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False, allow_unicode=True), end="")
         return 0
     import torch.distributed as dist
 
     from megatron_tail.train.run.loop import run
+    from megatron_tail.train.run.torchrun import mark_worker
 
+    mark_worker("started")
     try:
         run(cfg)
     finally:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+    mark_worker("done")  # finished or stopped cleanly: the launcher wrapper exits 0 after a signal
     return 0
 
 
@@ -79,20 +83,17 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def eval_command(args: argparse.Namespace) -> int:
-    from megatron_tail.config import ConfigError, load_config
+    from megatron_tail.config import load_config
 
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except (ConfigError, ValueError) as e:
-        raise SystemExit(f"megatron-tail eval: {e}") from None
+    cfg = load_config(args.config, args.overrides)
     import torch.distributed as dist
 
     from megatron_tail.train.run.offline_eval import evaluate_offline
 
     try:
         scalars = evaluate_offline(cfg, hf_dir=args.hf, checkpoint=args.checkpoint, out_dir=args.out)
-    except (ValueError, FileNotFoundError) as e:
-        raise SystemExit(f"megatron-tail eval: {e}") from None
+    except FileNotFoundError as e:
+        raise UserError(str(e)) from None
     finally:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()

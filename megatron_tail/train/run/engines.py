@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from megatron_tail.config import RunConfig
+from megatron_tail.model.hf_config import load_hf_config
 from megatron_tail.rewards.pass_at_k import eval_statistics
 from megatron_tail.rewards.scorer import RewardScorer
 from megatron_tail.rollout import (
@@ -30,6 +31,7 @@ from megatron_tail.rollout import (
 )
 from megatron_tail.rollout.local_engine.process import LocalEngineProcess
 from megatron_tail.rollout.processor import DVPLogitProcessor
+from megatron_tail.utils.errors import UserError
 from megatron_tail.utils.net import free_port
 
 EVAL_SEED = 987_654_321
@@ -40,10 +42,21 @@ class RolloutEngines:
     """Engines, client and rewards on global rank 0. Made early (a local engine loads meanwhile),
     then `wait_ready()`, `generate(...)`, `evaluate(...)`, `sync_weights(...)`, and `close()`."""
 
-    def __init__(self, cfg: RunConfig, run_dir: Path, tokenizer):
+    def __init__(self, cfg: RunConfig, run_dir: Path, tokenizer, note: Callable[[str], None] = print):
         self.cfg = cfg
         self.tokenizer = tokenizer
-        self.score = RewardScorer(cfg.data.reward)  # off the main thread: in a worker process
+        self.note = note
+        """Where the wait-progress lines go (rank 0's console)."""
+        self.vocab_size = load_hf_config(cfg.model.hf_path).vocab_size
+        # in a worker process, bounded by data.reward_timeout_s per batch; started here, on the main thread
+        self.score = RewardScorer(cfg.data.reward, timeout_s=cfg.data.reward_timeout_s)
+        try:
+            self._connect(cfg, run_dir)
+        except BaseException:
+            self.score.close()
+            raise
+
+    def _connect(self, cfg: RunConfig, run_dir: Path) -> None:
         self.engine: LocalEngineProcess | None = None
         local: LocalEngineConfig | None = None
         if cfg.rollout.engine == "local":
@@ -84,21 +97,29 @@ class RolloutEngines:
         with in-memory sync, then form the weight group with them."""
         self._wait_healthy()
         if self.in_memory_sync:
-            self._run(self.weight_sync.init_group())
+            self._run(self.weight_sync.init_group(), "the weight-sync group")
 
     def _wait_healthy(self) -> None:
         timeout = self.cfg.rollout.startup_timeout_s
         if self.engine is not None:
-            deadline = time.monotonic() + timeout
+            started = time.monotonic()
+            reported = started
             while True:
                 self.engine.check_alive()
                 try:
                     self._run(wait_until_healthy(self.urls, timeout_s=2.0, interval_s=0.2))
                     return
                 except TimeoutError:
-                    if time.monotonic() > deadline:
+                    now = time.monotonic()
+                    if now - started > timeout:
                         raise
-        self._run(wait_until_healthy(self.urls, timeout_s=timeout))
+                    if now - reported >= self.cfg.rollout.wait_report_s:
+                        reported = now
+                        self.note(
+                            f"waiting for the local engine on {self.urls[0]} to load: {now - started:.0f} s "
+                            f"so far (rollout.startup_timeout_s={timeout:g}; log: {self.engine.log_path})"
+                        )
+        self._run(wait_until_healthy(self.urls, timeout_s=timeout), "the engines' /health")
 
     def generate(
         self, prompt_ids: Sequence[Sequence[int]], answers: Sequence[str], *, base_seed: int
@@ -114,9 +135,12 @@ class RolloutEngines:
             top_logprob=True,  # ε̂ of the mismatch diagnostics (DVP Prop. 4.2)
         )
         started = time.perf_counter()
-        grouped = self._run(self.client.generate(prompt_ids, sampling))
+        grouped = self._run(
+            self.client.generate(prompt_ids, sampling), f"samples of {len(prompt_ids)} prompts × {n}"
+        )
         elapsed = time.perf_counter() - started
         samples = [s for group in grouped for s in group]
+        self._check_token_ids(samples)
         completions = [self._decode(s.output_ids) for s in samples]
         sample_answers = [answers[i] for i in range(len(grouped)) for _ in range(n)]
         rewards = self.score(completions, sample_answers)
@@ -153,7 +177,10 @@ class RolloutEngines:
             ("sampled", self.client, sampled),
             ("greedy", self.eval_client, greedy),
         ):
-            grouped = self._run(client.generate(prompt_ids, sampling))
+            grouped = self._run(
+                client.generate(prompt_ids, sampling), f"{name} eval samples of {len(prompt_ids)} prompts"
+            )
+            self._check_token_ids([s for g in grouped for s in g])
             completions = [self._decode(s.output_ids) for g in grouped for s in g]
             per_sample_answers = [a for a in answers for _ in range(sampling.n_samples)]
             rewards = self.score(completions, per_sample_answers)
@@ -171,7 +198,9 @@ class RolloutEngines:
         checkpoint directory ("disk" sync) or `(hf_name, tensor)` pairs, e.g. rank 0's side of
         `model.iter_hf_tensors` ("distributed"). Returns seconds."""
         started = time.perf_counter()
-        self._run(self.weight_sync.update(source, weight_version=str(version)))
+        self._run(
+            self.weight_sync.update(source, weight_version=str(version)), f"weight sync to version {version}"
+        )
         return time.perf_counter() - started
 
     def _weight_sync(self, local: bool):
@@ -211,11 +240,60 @@ class RolloutEngines:
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
-    def _run(self, coro):
+    def _check_token_ids(self, samples) -> None:
+        """Every generated id is in the model's vocabulary (an engine serving another model, or a broken one,
+        would otherwise fail the trainer's embedding lookup without naming the sample)."""
+        for sample in samples:
+            ids = sample.output_ids
+            if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):  # builtins: C speed over long responses
+                position, token = next((p, t) for p, t in enumerate(ids) if not 0 <= t < self.vocab_size)
+                raise UserError(
+                    f"engine {sample.server_url} returned token id {token} (response position {position}) in "
+                    f"sample {sample.key.rid}, outside the vocabulary of {self.cfg.model.hf_path} "
+                    f"(vocab_size {self.vocab_size}); is the engine serving another model?"
+                )
+
+    def _run(self, coro, waiting_for: str = ""):
+        """Run `coro` on the private loop; with `waiting_for`, every `rollout.wait_report_s` while it waits,
+        say what for and for how long."""
         if self._cancelled.is_set():  # a cancelled rollout must not start its next round of requests
             coro.close()
             raise asyncio.CancelledError("the engines' requests were cancelled")
+        if waiting_for:
+            coro = self._reporting(coro, waiting_for)
         return self.loop.run_until_complete(coro)
+
+    async def _reporting(self, coro, waiting_for: str):
+        task = asyncio.ensure_future(coro)
+        started = time.monotonic()
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=self.cfg.rollout.wait_report_s)
+                if done:
+                    return task.result()
+                self.note(self._waiting_line(waiting_for, time.monotonic() - started))
+        finally:
+            if not task.done():
+                task.cancel()
+
+    def _waiting_line(self, waiting_for: str, waited_s: float) -> str:
+        r = self.cfg.rollout
+        in_flight = {u: n for c in (self.client, self.eval_client) for u, n in c.in_flight.items() if n}
+        where = ", ".join(f"{u}: {n}" for u, n in sorted(in_flight.items())) or ", ".join(self.urls)
+        return (
+            f"waiting for {waiting_for} from the engines ({where} requests in flight): {waited_s:.0f} s so "
+            f"far; a request is retried after rollout.request_timeout_s={r.request_timeout_s:g} s; send "
+            "SIGTERM twice to stop now"
+        )
+
+    def _drain(self) -> None:
+        """Cancel and finish the tasks a stop left pending (an abandoned step), so closing the loop prints no
+        "Task was destroyed but it is pending" or "Event loop is closed"."""
+        pending = [t for t in asyncio.all_tasks(self.loop) if not t.done()]
+        for task in pending:
+            task.cancel()
+        if pending:
+            self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
 
     def cancel(self) -> None:
         """Cancel the requests in flight, from any thread: a `generate` running in another thread raises
@@ -229,6 +307,7 @@ class RolloutEngines:
     def close(self) -> None:
         self._cancelled.clear()  # the worker is done by now (`BackgroundJob.close` waited): shut down cleanly
         try:
+            self._drain()
             for client in (self.client, self.eval_client):
                 self._run(client.close())
         finally:

@@ -6,8 +6,10 @@
 sync → (eval) → checkpoint → log. `Cadence` names when eval and checkpoints happen. Global rank 0 drives
 the engines and computes rewards; the batch reaches every rank by broadcast. Each step's prompts and
 sampling seeds are functions of (seed, step), so a resumed run sees the same data in the same order. On
-SIGTERM / SIGUSR1 the current step finishes, a checkpoint is written, and `run` returns normally (exit code
-0); the next run resumes at the following step.
+SIGTERM / SIGUSR1 / SIGINT the current step finishes, a checkpoint is written, and `run` returns normally
+(exit code 0); the next run resumes at the following step. A second signal abandons the step (`signals`).
+Global rank 0 holds `<run_dir>/.lock` for the whole run (`run_dir_lock`): a second trainer on the same
+directory is refused.
 
 With `rollout.max_staleness: 1` the next step's rollout runs on rank 0 in the background from the step's
 start until before its weight sync, so step k+1 samples with the weights step k trained from; that batch
@@ -26,14 +28,16 @@ import torch.distributed as dist
 
 from megatron_tail.config import RunConfig, TrainSection, save_resolved_config
 from megatron_tail.rollout import rollout_metrics
+from megatron_tail.utils.errors import UserError
 from megatron_tail.utils.net import free_port
 
-from ..engine.collectives import all_reduce_scalars
+from ..engine.collectives import all_reduce_scalars, on_rank0
 from ..engine.lr_schedule import advance
 from ..rl.old_policy import op_settings, score_old_policy, score_reference
 from ..rl.samples import build_samples, layout_micro_batches
 from ..rl.update import update_policy
 from . import run_dir
+from .run_dir_lock import claim_run_dir
 from .session import RunSession
 from .signals import GracefulStop
 from .tensorboard import ScalarLog
@@ -166,12 +170,23 @@ def run(cfg: RunConfig, hooks: LoopHooks | None = None) -> RunResult:
     cfg.check_runnable()
     hooks = hooks or LoopHooks()
     ensure_distributed(cfg)
-    with GracefulStop() as stop:
-        session = RunSession(cfg)
-        try:
-            return _loop(session, stop, hooks)
-        finally:
-            session.close()
+    held = []  # global rank 0's lock on the run directory, for the whole run
+
+    def claim() -> None:
+        held.append(claim_run_dir(cfg.run_dir, resume=cfg.train.resume))
+        save_resolved_config(cfg, cfg.run_dir)
+
+    try:
+        on_rank0(claim)
+        with GracefulStop() as stop:
+            session = RunSession(cfg)
+            try:
+                return _loop(session, stop, hooks)
+            finally:
+                session.close()
+    finally:
+        for lock in held:
+            lock.release()
 
 
 def _loop(s: RunSession, stop: GracefulStop, hooks: LoopHooks) -> RunResult:
@@ -246,14 +261,12 @@ def init_torch_distributed() -> int:
 
 
 def ensure_distributed(cfg: RunConfig) -> None:
-    """`init_torch_distributed`, checked against the config's layout; rank 0 saves the resolved config."""
+    """`init_torch_distributed`, checked against the config's layout."""
     world = init_torch_distributed()
     model_parallel = cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel
     if world % model_parallel:
-        raise ValueError(
+        raise UserError(
             f"parallel.tensor_parallel × parallel.pipeline_parallel = {model_parallel} does not divide the "
             f"world size {world}; launch with `torchrun --nproc-per-node {model_parallel} "
             "-m megatron_tail.cli train CONFIG.yaml` (or a multiple of it)"
         )
-    if dist.get_rank() == 0:
-        save_resolved_config(cfg, cfg.run_dir)

@@ -16,6 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from megatron_tail.config import RunConfig
+from megatron_tail.utils.errors import UserError
 
 EVAL_WEIGHT_VERSION = "eval"
 
@@ -31,11 +32,11 @@ def evaluate_offline(
     scalars and writes them to `<out_dir>/eval.json` (default: the model directory), the local engine's
     log to `<out_dir>/logs/` (so a read-only model directory needs `out_dir`)."""
     if (hf_dir is None) == (checkpoint is None):
-        raise ValueError(
+        raise UserError(
             f"evaluate_offline needs exactly one of hf_dir, checkpoint; got {hf_dir=}, {checkpoint=}"
         )
     if cfg.data.eval_path is None:
-        raise ValueError("data.eval_path is required to evaluate (a jsonl/json/parquet file of prompts)")
+        raise UserError("data.eval_path is required to evaluate (a jsonl/json/parquet file of prompts)")
     model_dir = Path(hf_dir) if hf_dir is not None else export_checkpoint(cfg, Path(checkpoint))
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir} is not a HF checkpoint directory (no config.json)")
@@ -58,15 +59,16 @@ def export_checkpoint(cfg: RunConfig, checkpoint: Path) -> Path:
 
     from megatron_tail.model import export_hf, load_hf_config
 
-    from ..engine.checkpoint import load_checkpoint
+    from ..engine.checkpoint import check_checkpoint, load_checkpoint
     from ..engine.parallel import ParallelConfig, init_parallel
     from ..engine.setup import build_trainer
     from .loop import init_torch_distributed
 
     if not (checkpoint / "metadata.json").is_file():
-        raise FileNotFoundError(f"{checkpoint} is not a complete checkpoint (no metadata.json)")
+        raise UserError(f"--checkpoint {checkpoint} is not a complete checkpoint (no metadata.json)")
+    check_checkpoint(checkpoint)
     if init_torch_distributed() != 1:
-        raise ValueError(f"offline evaluation runs in one process; the world has {dist.get_world_size()}")
+        raise UserError(f"offline evaluation runs in one process; the world has {dist.get_world_size()}")
     init_parallel(ParallelConfig(tensor_parallel=1, pipeline_parallel=1, seed=cfg.seed))
     trainer = build_trainer(
         load_hf_config(cfg.model.hf_path),
@@ -81,9 +83,12 @@ def export_checkpoint(cfg: RunConfig, checkpoint: Path) -> Path:
 
 
 def _evaluate(cfg: RunConfig, model_dir: Path, out: Path) -> dict[str, float]:
+    from megatron_tail.model.directory import check_model_dir
+
     from .engines import RolloutEngines
     from .session import load_eval_examples, load_tokenizer
 
+    check_model_dir(model_dir, key="the model to evaluate")
     tokenizer = load_tokenizer(str(model_dir))
     examples = load_eval_examples(cfg.data, tokenizer)
     engines = RolloutEngines(cfg, out, tokenizer)

@@ -59,9 +59,13 @@ class RunSession:
         self._ahead: BackgroundJob[RolloutBatch] | None = None
 
         def start_engines() -> None:
+            from megatron_tail.model.directory import check_model_dir
+
+            check_model_dir(cfg.model.hf_path)  # one named error before any library meets a bad directory
             tokenizer = load_tokenizer(cfg.model.hf_path)
             self._load_data(tokenizer)
-            self.engines = RolloutEngines(cfg, self.run_dir, tokenizer)  # a local engine starts loading now
+            # a local engine starts loading now
+            self.engines = RolloutEngines(cfg, self.run_dir, tokenizer, note=self.console.note)
 
         on_rank0(start_engines)
         try:
@@ -105,8 +109,10 @@ class RunSession:
         """Load the newest complete checkpoint if `train.resume`; return the completed steps (0 if none)."""
 
         def newest() -> str | None:
-            latest = run_dir.latest_checkpoint(self.run_dir) if self.cfg.train.resume else None
-            return None if latest is None else str(latest[1])
+            intact = (
+                newest_intact_checkpoint(self.run_dir, self.console.note) if self.cfg.train.resume else None
+            )
+            return None if intact is None else str(intact)
 
         path = on_rank0(newest)
         if path is None:
@@ -280,6 +286,35 @@ class RunSession:
             multiple=multiple,
             cursor=self.data_cursor,
         )
+
+
+def newest_intact_checkpoint(root: Path, note) -> Path | None:
+    """The newest checkpoint of run directory `root` that `check_checkpoint` passes, or None if there is
+    none. A broken newer one is renamed `<name>.broken` (kept for inspection, out of the resume and pruning
+    order) and `note` says so; if every checkpoint is broken, the newest one's error is raised."""
+    from ..engine.checkpoint import CheckpointCorruptError, check_checkpoint
+
+    found = run_dir.complete_checkpoints(root)
+    first_error: CheckpointCorruptError | None = None
+    for _, path in reversed(found):
+        try:
+            check_checkpoint(path)
+            return path
+        except CheckpointCorruptError as e:
+            first_error = first_error or e
+            aside = path.with_name(f"{path.name}.broken")
+            n = 1
+            while aside.exists():
+                n += 1
+                aside = path.with_name(f"{path.name}.broken{n}")
+            path.rename(aside)
+            note(f"{e}; checkpoint {path.name} is unusable, moved to {aside.name}; trying an older one")
+    if first_error is not None:
+        raise CheckpointCorruptError(
+            f"no intact checkpoint in {run_dir.checkpoints_dir(root)}: {first_error}; delete the broken ones "
+            "(renamed *.broken) to start from the initial model"
+        )
+    return None
 
 
 def load_eval_examples(data, tokenizer) -> list:

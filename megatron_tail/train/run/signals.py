@@ -1,4 +1,5 @@
-"""Graceful stop: SIGTERM / SIGUSR1 set a flag that the RL loop checks between steps.
+"""Graceful stop: SIGTERM / SIGUSR1 / SIGINT set a flag that the RL loop checks between steps; a second one
+abandons the step in progress.
 
     with GracefulStop() as stop:
         for step in ...:
@@ -6,45 +7,106 @@
             if stop.agreed(group):        # any rank signalled → every rank stops after this step
                 save_checkpoint(...); break
 
-The handler only sets a flag (nothing else is safe inside a signal handler while gloo/NCCL calls are in
-flight), and asks the kernel to restart interrupted system calls (`siginterrupt(sig, False)`) so a signal
-that lands during a collective or an HTTP read does not make it fail with EINTR. Under Slurm or torchrun,
-send the signal to the trainer's worker processes (e.g. `scancel --signal=USR1 --full`, or `srun`'s
-`--signal`), not only to the torchrun agent: the agent kills its workers on SIGTERM after a timeout.
+First signal: the handler only sets a flag (nothing else is safe inside a signal handler while gloo/NCCL
+calls are in flight) and says so on stderr; it asks the kernel to restart interrupted system calls
+(`siginterrupt(sig, False)`) so a signal that lands during a collective or an HTTP read does not make it
+fail with EINTR. Ctrl-C (SIGINT) is one of the signals: it stops like SIGTERM, without a KeyboardInterrupt
+traceback.
+
+Second signal (of any of them, at least `REPEAT_AFTER_S` after the first: Slurm delivers a job step's signal
+to every process of it and torchrun forwards its own copy to its workers, so one stop request can arrive
+twice within milliseconds): the step is abandoned at once. The handler raises `StepAbandoned` in the
+main thread (its `finally` blocks stop the engines and the reward worker; the newest checkpoint on disk is
+kept, since saves are atomic) and the process exits `EXIT_ABANDONED`. A Python handler only runs when the
+main thread is back in Python, which a rank blocked inside a collective (waiting for a stuck rank 0) never
+is; so a watcher thread also sees every signal (`signal.set_wakeup_fd`) and, `hard_exit_after_s` after the
+second, ends the process with `os._exit(EXIT_ABANDONED)` if it is still there. Its children die with it
+(`utils.parent_watch`).
+
+Under Slurm or torchrun, send the signal to the trainer's worker processes (e.g. `scancel --signal=USR1
+--full`, or `srun`'s `--signal`), or to torchrun under `megatron_tail.train.run.torchrun` (see there).
 """
 
 from __future__ import annotations
 
+import os
 import signal
+import socket
+import threading
+import time
 from collections.abc import Sequence
 
 import torch.distributed as dist
 
-STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1)
+from megatron_tail.utils import errors
+from megatron_tail.utils.errors import EXIT_ABANDONED, StepAbandoned, global_rank
+
+STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+REPEAT_AFTER_S = 2.0
+"""A stop signal this soon after the first is the same request delivered twice, not a second one."""
+
+HARD_EXIT_AFTER_S = 10.0
+"""After a second signal, the process ends by `os._exit` within this many seconds even if its main thread
+is blocked in C (a collective): long enough for the clean path (stop the engine: ≤ a few seconds)."""
+
+
+def _say(text: str) -> None:
+    """One line on stderr from a signal handler or the watcher (os.write: no buffered-IO reentrancy); only
+    global rank 0 speaks, so a signal to every rank prints once."""
+    if global_rank() == 0 and not errors.failing:  # not while a user error takes the process down
+        try:
+            os.write(2, f"megatron-tail: {text}\n".encode())
+        except OSError:
+            pass
 
 
 class GracefulStop:
-    """Context manager: flag-setting handlers for `signals`, the previous ones restored on exit."""
+    """Context manager: flag-setting handlers for `signals` (the second signal abandons the step), the
+    previous handlers restored on exit. Install from the main thread."""
 
-    def __init__(self, signals: Sequence[signal.Signals] = STOP_SIGNALS):
+    def __init__(
+        self, signals: Sequence[signal.Signals] = STOP_SIGNALS, hard_exit_after_s: float | None = None
+    ):
         self.signals = tuple(signals)
+        self.hard_exit_after_s = HARD_EXIT_AFTER_S if hard_exit_after_s is None else hard_exit_after_s
         self.received: signal.Signals | None = None
+        self.count = 0
+        self._first_at = 0.0
         self._previous: dict[signal.Signals, object] = {}
+        self._watcher: _SignalWatcher | None = None
 
     def __enter__(self) -> GracefulStop:
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
             signal.siginterrupt(sig, False)
+        self._watcher = _SignalWatcher(set(self.signals), self.hard_exit_after_s)
         return self
 
     def __exit__(self, *exc) -> None:
+        if self._watcher is not None:
+            self._watcher.close()
+            self._watcher = None
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
 
     def _handle(self, signum: int, frame) -> None:  # noqa: ARG002 - signal handler signature
+        sig = signal.Signals(signum)
+        now = time.monotonic()
+        if self.received is not None and now - self._first_at < REPEAT_AFTER_S:
+            return  # the same request, delivered twice
+        self.count += 1
         if self.received is None:
-            self.received = signal.Signals(signum)
+            self.received, self._first_at = sig, now
+            _say(
+                f"{sig.name}: stopping after the current step (a checkpoint is saved); "
+                "send it again to stop at once"
+            )
+            return
+        if self.count == 2:
+            _say(f"{sig.name} again: abandoning the current step now; the last checkpoint is kept")
+            raise StepAbandoned(f"{sig.name} again: the step in progress was abandoned")
 
     @property
     def requested(self) -> bool:
@@ -62,3 +124,47 @@ class GracefulStop:
         from ..engine.collectives import any_rank  # megatron-free callers (tests, tools) stay light
 
         return any_rank(self.requested, group)
+
+
+class _SignalWatcher:
+    """A daemon thread that reads the signal numbers the C-level handler writes to a wakeup socket (it runs
+    even while the main thread is blocked in C) and, at the second stop signal, arms `os._exit`."""
+
+    def __init__(self, signals: set[signal.Signals], hard_exit_after_s: float):
+        self.signals = {int(s) for s in signals}
+        self.hard_exit_after_s = hard_exit_after_s
+        self._read, self._write = socket.socketpair()
+        self._write.setblocking(False)
+        self._previous_fd = signal.set_wakeup_fd(self._write.fileno(), warn_on_full_buffer=False)
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="stop-signal-watcher", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        first_at = None
+        while not self._closed.is_set():
+            try:
+                data = self._read.recv(64)
+            except OSError:
+                return
+            if not data:
+                return
+            if not any(b in self.signals for b in data):
+                continue
+            now = time.monotonic()
+            if first_at is None:
+                first_at = now
+            elif now - first_at >= REPEAT_AFTER_S:
+                if not self._closed.wait(self.hard_exit_after_s):
+                    _say(
+                        f"still here {self.hard_exit_after_s:.0f} s after the second stop signal: exiting now"
+                    )
+                    os._exit(EXIT_ABANDONED)
+                return
+
+    def close(self) -> None:
+        self._closed.set()
+        signal.set_wakeup_fd(self._previous_fd)
+        self._write.close()  # the reader sees EOF
+        self._thread.join(timeout=5)
+        self._read.close()

@@ -1,0 +1,86 @@
+"""User errors versus internal errors, and the process exit codes of `megatron-tail`.
+
+A `UserError` is a mistake in what the user gave us (config, data file, model directory, reward function,
+run directory, checkpoint): its message names the culprit (key, file, row, path or value) and what was
+expected. The command line prints it as one line, on global rank 0 only, without a traceback
+(`MT_TRACEBACK=1` shows it); any other exception is an internal error and keeps its traceback.
+
+    raise UserError(f"{path} row {row}: no answer ({answer_key!r} is missing or null)")
+
+Exit codes are the `EXIT_*` constants below (documented in `slurm/README.md`, which `slurm/rl.sbatch`
+follows).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+EXIT_OK = 0
+"""Finished, or stopped cleanly on a first SIGTERM / SIGUSR1 / SIGINT after checkpointing (rerun resumes)."""
+EXIT_INTERNAL = 1
+"""An unexpected error (a traceback is printed)."""
+EXIT_USER_ERROR = 2
+"""A user error (one line naming the culprit); rerunning as is fails the same way."""
+EXIT_ABANDONED = 3
+"""A second stop signal abandoned the step in progress; the last checkpoint is kept (rerun resumes)."""
+
+PROG = "megatron-tail"
+"""The command's name in error lines (`megatron_tail.cli.main` sets it to e.g. "megatron-tail train")."""
+
+failing = False
+"""A user error was announced: this process is on its way out (the stop-signal lines stay quiet)."""
+
+TRACEBACK_ENV = "MT_TRACEBACK"
+"""Set to 1 to print the traceback of user errors too (debugging)."""
+
+
+class UserError(ValueError):
+    """A mistake in the user's input; the message names the culprit and what was expected.
+
+    A `ValueError`, so callers that catch ValueError for bad input keep working."""
+
+
+def global_rank() -> int:
+    """This process's global rank: torch.distributed's if initialised, else torchrun's `RANK`, else 0."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+    except ImportError:  # pragma: no cover - torch is a dependency
+        pass
+    return int(os.environ.get("RANK", "0") or 0)
+
+
+def announce(error: BaseException) -> None:
+    """Print `PROG: error: <message>` now, on global rank 0 only (other ranks stay quiet), once per error.
+
+    Called where a user error is found on rank 0 before the other ranks learn of it (`on_rank0`): they then
+    exit at once, and torchrun stops rank 0 while it still cleans up, before the command line could print.
+    """
+    global failing
+    failing = True
+    if getattr(error, "announced", False):
+        return
+    error.announced = True
+    if global_rank() == 0:
+        print(f"{PROG}: error: {error}", file=sys.stderr, flush=True)
+
+
+def report_user_error(error: BaseException) -> int:
+    """`announce(error)` (with its traceback first under `MT_TRACEBACK=1`); returns `EXIT_USER_ERROR`."""
+    if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
+        traceback.print_exception(error, file=sys.stderr)
+    announce(error)
+    return EXIT_USER_ERROR
+
+
+class StepAbandoned(BaseException):
+    """A second stop signal: the step in progress is abandoned (the last checkpoint is kept).
+
+    A BaseException, like KeyboardInterrupt, so `except Exception` recovery code does not swallow it;
+    `finally` blocks still stop the engines and the reward worker on the way out."""
+
+    exit_code = EXIT_ABANDONED

@@ -1,0 +1,63 @@
+"""Children that die with their parent: the local engine (`serve-local`) and the reward worker.
+
+    die_with_parent(expected_parent_pid)      # first thing in the child
+
+A trainer killed with SIGKILL (OOM killer, `kill -9`, a node agent) runs no cleanup, so without this its
+local engine lived on under PID 1 holding its port and memory. Two mechanisms, both in the child:
+- Linux: `prctl(PR_SET_PDEATHSIG, SIGKILL)`: the kernel kills the child when its parent dies, even if the
+  child is stuck in C code holding the GIL (a pathological reward regex). Note: the kernel means the parent
+  *thread* that forked the child, so a trainer must start these children from a thread that lives as long
+  as they should (the trainer's main thread does).
+- everywhere: a daemon thread that polls `os.getppid()` every `interval_s` and exits when it changes (the
+  parent died and the child was re-parented).
+Both check first that the parent is still the expected one: it may have died before the child got here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import signal
+import sys
+import threading
+
+PARENT_PID_ENV = "MT_PARENT_PID"
+"""Set by a trainer for a child it starts with `subprocess` (the child calls `die_with_parent` with it)."""
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
+    """`prctl(PR_SET_PDEATHSIG, sig)` on Linux; False where unavailable."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def die_with_parent(parent_pid: int | None = None, interval_s: float = 1.0) -> None:
+    """Make this process end when `parent_pid` (default: the current parent) dies: the death signal, and a
+    polling thread. Exits at once if the parent is already gone."""
+    parent_pid = os.getppid() if parent_pid is None else int(parent_pid)
+    set_parent_death_signal()
+    if os.getppid() != parent_pid:  # the parent died before the death signal was set
+        os._exit(1)
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(1)
+            threading.Event().wait(interval_s)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def die_with_parent_from_env() -> None:
+    """`die_with_parent(int($MT_PARENT_PID))` if the variable is set (a trainer started this process)."""
+    pid = os.environ.get(PARENT_PID_ENV)
+    if pid:
+        die_with_parent(int(pid))

@@ -1,0 +1,59 @@
+"""`GracefulStop`: the first stop signal sets the flag, a repeat within 2 s is the same request (Slurm and
+torchrun deliver it twice), a later one abandons the step, and a process whose main thread is blocked in C
+(a rank waiting in a collective, where no Python handler runs) still exits within the bound."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+from megatron_tail.utils.errors import EXIT_ABANDONED
+
+_PROGRAM = """
+import ctypes, os, signal, sys, threading, time
+from megatron_tail.utils.errors import StepAbandoned
+from megatron_tail.train.run.signals import GracefulStop
+
+mode = sys.argv[1]
+with GracefulStop(hard_exit_after_s=1.0) as stop:
+    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGTERM)  # the same request, delivered twice
+    time.sleep(0.1)
+    print("count", stop.count, stop.received.name, flush=True)
+    if mode == "python":
+        try:
+            time.sleep(2.5)
+            os.kill(os.getpid(), signal.SIGUSR1)
+            time.sleep(5)
+        except StepAbandoned:
+            print("abandoned", flush=True)
+    else:  # blocked in C for good: read(2) of a pipe nobody writes, restarted after each signal (SA_RESTART,
+        # as GracefulStop asks), so the Python-level handler never gets to run
+        threading.Timer(2.5, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+        r, _w = os.pipe()
+        ctypes.CDLL(None).read(r, ctypes.create_string_buffer(1), 1)
+print("left the block", flush=True)
+"""
+
+
+def _run(mode):
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", _PROGRAM, mode], capture_output=True, text=True, timeout=60)
+    return proc, time.monotonic() - started
+
+
+def test_a_repeat_is_one_request_and_a_later_signal_abandons_the_step():
+    proc, _ = _run("python")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["count 1 SIGTERM", "abandoned", "left the block"]
+    assert "SIGTERM: stopping after the current step" in proc.stderr
+    assert "SIGUSR1 again: abandoning the current step now; the last checkpoint is kept" in proc.stderr
+
+
+def test_a_main_thread_blocked_in_c_still_exits_after_the_second_signal():
+    proc, elapsed = _run("blocked")
+    assert proc.returncode == EXIT_ABANDONED, proc.stdout + proc.stderr
+    assert proc.stdout.splitlines() == ["count 1 SIGTERM"]
+    assert "1 s after the second stop signal: exiting now" in proc.stderr
+    assert elapsed < 30

@@ -1,0 +1,179 @@
+"""User errors: refused at load with one line naming the culprit (config, run directory, engine output), and
+the command line prints it once, without a traceback unless MT_TRACEBACK=1."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_tail.config import ConfigError, load_config
+from megatron_tail.train.run.run_dir_lock import RunDirLocked, claim_run_dir
+from megatron_tail.utils.errors import EXIT_USER_ERROR, UserError
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+
+
+def test_a_yaml_syntax_error_names_the_file_and_line(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("train:\n  steps: 3\n  seq_len: [1, 2\nseed: 1\n")
+    with pytest.raises(ConfigError, match=rf"{path}: line 4, column 5: invalid YAML: expected ',' or ']'"):
+        load_config(path)
+
+
+def test_server_urls_with_the_local_engine_is_refused():
+    with pytest.raises(ConfigError, match=r"rollout.server_urls is for engine: remote; with engine: local"):
+        load_config(None, ["rollout.server_urls=[http://a:1]"])
+    assert (
+        load_config(None, ["rollout.engine=remote", "rollout.server_urls=[http://a:1]"]).rollout.engine
+        == "remote"
+    )
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo"])
+def test_group_size_1_is_refused_for_grpo_and_rloo(estimator):
+    """Before: GRPO with group_size 1 trained with loss and grad norm exactly 0 every step."""
+    with pytest.raises(
+        ConfigError, match=rf"group_size must be ≥ 2 for '{estimator}'.* every advantage .* is 0"
+    ):
+        load_config(None, ["algorithm.group_size=1", f"algorithm.advantage_estimator={estimator}"])
+
+
+def test_reward_timeout_must_be_positive():
+    with pytest.raises(ConfigError, match=r"data.reward_timeout_s must be > 0"):
+        load_config(None, ["data.reward_timeout_s=0"])
+
+
+def test_resume_false_on_a_run_directory_with_checkpoints_is_refused(tmp_path):
+    """Before: the new run's checkpoints were pruned, the old ones kept, and the next run resumed the old."""
+    step = tmp_path / "checkpoints" / "step_000010"
+    step.mkdir(parents=True)
+    (step / "metadata.json").write_text("{}")
+    with pytest.raises(
+        UserError, match=rf"run directory {tmp_path} already holds checkpoints \(step_000010\)"
+    ):
+        claim_run_dir(tmp_path, resume=False)
+    claim_run_dir(tmp_path, resume=True).release()
+    claim_run_dir(tmp_path / "fresh", resume=False).release()
+
+
+_HOLDER = """
+import sys, time
+from megatron_tail.train.run.run_dir_lock import claim_run_dir
+lock = claim_run_dir(sys.argv[1], resume=True)
+print("locked", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_second_trainer_on_a_run_directory_is_refused_naming_the_holder_and_a_dead_holder_does_not_block(
+    tmp_path,
+):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        expected = rf"in use by another trainer \(PID {holder.pid} on host {socket.gethostname()}, since "
+        with pytest.raises(RunDirLocked, match=expected):
+            claim_run_dir(tmp_path, resume=True)
+        holder.kill()  # a crash, or the node Slurm requeues the job from: the lock file stays behind
+        holder.wait(timeout=30)
+        assert (tmp_path / ".lock").is_file()
+        claim_run_dir(tmp_path, resume=True).release()  # the dead holder's lock does not block the resume
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+
+
+def test_an_engine_token_id_outside_the_vocabulary_is_named():
+    """Before: an embedding IndexError in the trainer, naming neither the sample nor the id."""
+    from megatron_tail.train.run.engines import RolloutEngines
+
+    engines = SimpleNamespace(vocab_size=100, cfg=SimpleNamespace(model=SimpleNamespace(hf_path="m")))
+    good = SimpleNamespace(
+        output_ids=[1, 99], server_url="http://e:1", key=SimpleNamespace(rid="p0-s0-seed1")
+    )
+    bad = SimpleNamespace(
+        output_ids=[3, 100], server_url="http://e:1", key=SimpleNamespace(rid="p0-s1-seed2")
+    )
+    RolloutEngines._check_token_ids(engines, [good])
+    with pytest.raises(
+        UserError, match=r"returned token id 100 \(response position 1\) in sample p0-s1-seed2, "
+    ):
+        RolloutEngines._check_token_ids(engines, [good, bad])
+
+
+def test_a_request_that_times_out_is_tried_twice_not_four_times():
+    """Before: an engine that accepts and never answers cost request_timeout_s × 4 attempts."""
+    from megatron_tail.rollout import ClientConfig, RolloutClient, SamplingConfig
+    from megatron_tail.rollout.protocol import RetryableServerError
+
+    async def main():
+        async def accept_and_hang(reader, writer):
+            data = await reader.read(65536)
+            if b"/health" in data.split(b"\r\n", 1)[0]:
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+                await writer.drain()
+                writer.close()
+                return
+            await asyncio.sleep(3600)
+
+        server = await asyncio.start_server(accept_and_hang, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        config = ClientConfig(request_timeout_s=0.5, retry_backoff_s=0.0)
+        client = RolloutClient([url], config, processor=None)
+        started = time.monotonic()
+        try:
+            with pytest.raises(
+                RetryableServerError, match=r"failed 2 attempts \(2 timed out after request_timeout"
+            ):
+                await client.generate([[1, 2]], SamplingConfig(n_samples=1, max_new_tokens=2))
+        finally:
+            await client.close()
+            server.close()
+        return time.monotonic() - started, client.stats.requests
+
+    elapsed, requests = asyncio.run(main())
+    assert requests == 2 and elapsed < 1.9
+
+
+def _cli(*args, env=None):
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_tail.cli", *args], env=env or ENV, capture_output=True, text=True
+    )
+
+
+def test_a_user_error_on_the_command_line_is_one_line_and_mt_traceback_shows_the_traceback(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("algorithm:\n  group_size: 1\n")
+    proc = _cli("train", str(config))
+    assert proc.returncode == EXIT_USER_ERROR
+    assert proc.stdout == ""
+    assert proc.stderr.splitlines() == [
+        "megatron-tail train: error: invalid config in algorithm: AlgorithmConfig.group_size must be ≥ 2 for "
+        "'grpo': its advantages compare the responses to one prompt, and with one response per prompt every "
+        "advantage (and the loss) is 0; got 1"
+    ]
+    debug = _cli("train", str(config), env={**ENV, "MT_TRACEBACK": "1"})
+    assert debug.returncode == EXIT_USER_ERROR
+    assert "Traceback (most recent call last)" in debug.stderr
+    assert debug.stderr.rstrip().splitlines()[-1] == proc.stderr.rstrip()
+    # under torchrun, ranks other than 0 stay quiet
+    quiet = _cli("train", str(config), env={**ENV, "RANK": "1"})
+    assert quiet.returncode == EXIT_USER_ERROR and quiet.stderr == ""
+
+
+def test_serve_local_names_a_missing_model_directory(tmp_path):
+    """Before: a Hugging Face "Repo id must be ..." message for a path that does not exist."""
+    proc = _cli("serve-local", "--model-path", str(tmp_path / "nope"), "--port", "1")
+    assert proc.returncode == EXIT_USER_ERROR
+    assert proc.stderr.splitlines() == [
+        f"megatron-tail serve-local: error: --model-path: model directory '{tmp_path / 'nope'}' not found"
+    ]

@@ -1,0 +1,23 @@
+"""Rewards for the reliability tests: one that never returns, one that returns a NumPy scalar, one that
+raises."""
+
+import time
+
+import numpy as np
+
+
+def never_returns(completion: str, answer: str) -> float:  # noqa: ARG001 - reward signature
+    time.sleep(3600)
+    return 0.0
+
+
+def numpy_scalar(completion: str, answer: str) -> float:  # noqa: ARG001 - reward signature
+    return np.float32(0.25) if answer == "1" else np.int64(1)
+
+
+def raises(completion: str, answer: str) -> float:  # noqa: ARG001 - reward signature
+    raise KeyError("boom")
+
+
+def returns_text(completion: str, answer: str) -> float:  # noqa: ARG001 - reward signature
+    return "1.0"

@@ -1,0 +1,119 @@
+"""Broken checkpoints and a full disk: the newest intact checkpoint is chosen (a broken one is named and put
+aside), a broken file is named, and a save that runs out of space says so and leaves nothing half-written."""
+
+from __future__ import annotations
+
+import resource
+import shutil
+import signal
+
+import pytest
+
+from tests.harness import run_distributed
+from tests.model.hf_models import make_hf_model
+from tests.train.common import PAD_MULTIPLE, init_rank
+
+
+def _trainer(hf_dir):
+    from megatron_tail.model import ModelSettings, load_hf_config
+    from megatron_tail.train import OptimizerSettings, build_trainer
+
+    init_rank(1, 1)
+    return build_trainer(
+        load_hf_config(hf_dir),
+        hf_dir=hf_dir,
+        model_settings=ModelSettings(vocab_pad_multiple=PAD_MULTIPLE),
+        optim=OptimizerSettings(lr=1e-2),
+    )
+
+
+def _save_two(rank, world_size, hf_dir, root):  # noqa: ARG001
+    from megatron_tail.train import save_checkpoint
+    from megatron_tail.train.run import run_dir
+
+    trainer = _trainer(hf_dir)
+    for step in (1, 2):
+        save_checkpoint(
+            run_dir.checkpoint_path(root, step), trainer, {"step": step}, rank0_objects={"x": [step]}
+        )
+
+
+def _save_with_file_size_limit(rank, world_size, hf_dir, path, limit):  # noqa: ARG001
+    """Save with RLIMIT_FSIZE = `limit` bytes: every write past it fails (EFBIG) as on a full disk."""
+    from megatron_tail.train.engine.checkpoint import CheckpointSpaceError, save_checkpoint
+
+    trainer = _trainer(hf_dir)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing us
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+    try:
+        save_checkpoint(path, trainer, {"step": 3})
+    except CheckpointSpaceError as e:
+        return str(e)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    return None
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("faults")
+    make_hf_model("qwen3", root / "hf", tie=True)
+    run_distributed(_save_two, 1, str(root / "hf"), str(root / "pristine"))
+    return root
+
+
+@pytest.fixture
+def run(saved, tmp_path):
+    shutil.copytree(saved / "pristine", tmp_path / "run")
+    return tmp_path / "run"
+
+
+def _truncate(file, keep=0.5):
+    data = file.read_bytes()
+    file.write_bytes(data[: int(len(data) * keep)])
+
+
+@pytest.mark.parametrize(
+    ("victim", "why"),
+    [
+        ("__0_0.distcp", "truncated"),
+        ("common.pt", "unreadable"),
+        (".metadata", "unreadable"),
+        ("x.pt", "unreadable"),
+    ],
+)
+def test_a_broken_newest_checkpoint_falls_back_to_the_previous_one_saying_so(run, victim, why):
+    """Before: a truncated newest checkpoint failed the resume with a bare EOFError / AttributeError."""
+    from megatron_tail.train.engine.checkpoint import CheckpointCorruptError, check_checkpoint
+    from megatron_tail.train.run.session import newest_intact_checkpoint
+
+    newest = run / "checkpoints" / "step_000002"
+    _truncate(newest / victim)
+    with pytest.raises(CheckpointCorruptError, match=f"{newest / victim} is {why}"):
+        check_checkpoint(newest)
+    notes = []
+    chosen = newest_intact_checkpoint(run, notes.append)
+    assert chosen == run / "checkpoints" / "step_000001"
+    assert not newest.exists() and (run / "checkpoints" / "step_000002.broken").is_dir()
+    assert len(notes) == 1 and victim in notes[0] and "moved to step_000002.broken" in notes[0]
+
+
+def test_a_missing_shard_file_is_named_and_no_intact_checkpoint_is_an_error(run):
+    from megatron_tail.train.engine.checkpoint import CheckpointCorruptError
+    from megatron_tail.train.run.session import newest_intact_checkpoint
+
+    for step in (1, 2):
+        (run / "checkpoints" / f"step_00000{step}" / "__0_1.distcp").unlink()
+    with pytest.raises(
+        CheckpointCorruptError, match=r"no intact checkpoint in .*step_000002/__0_1.distcp is missing"
+    ):
+        newest_intact_checkpoint(run, lambda _note: None)
+
+
+def test_a_full_disk_during_a_save_names_the_path_and_leaves_no_partial_checkpoint(run, saved):
+    """Before: an opaque torch serialization message and a `.tmp` directory left behind."""
+    path = run / "checkpoints" / "step_000003"
+    (message,) = run_distributed(_save_with_file_size_limit, 1, str(saved / "hf"), str(path), 64 * 1024)
+    assert message is not None and message.startswith(f"no space left on {path.parent} while saving")
+    assert "previous checkpoints are kept" in message
+    assert sorted(p.name for p in path.parent.iterdir()) == ["step_000001", "step_000002"]
