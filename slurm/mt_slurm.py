@@ -65,7 +65,12 @@ def serve(args: argparse.Namespace) -> int:
     host = args.host or _node_host()
     if args.backend == "local":
         cfg = LocalEngineConfig(
-            model_path=args.model_path, host=host, port=port, dtype=args.dtype, num_threads=args.num_threads
+            model_path=args.model_path,
+            host=host,
+            port=port,
+            dtype=args.dtype,
+            num_threads=args.num_threads,
+            quantization=args.quantization,
         )
         cmd = build_local_engine_command(cfg, python=sys.executable)
     else:
@@ -79,6 +84,7 @@ def serve(args: argparse.Namespace) -> int:
             context_length=args.context_length,
             random_seed=args.random_seed,
             base_gpu_id=local_id * args.tp,
+            quantization=args.quantization,
             extra_args=tuple(args.extra_args.split()),
         )
         cmd = build_sglang_server_command(cfg, python=sys.executable)
@@ -167,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context-length", type=int, default=None)
     p.add_argument("--random-seed", type=int, default=None)
     p.add_argument("--num-threads", type=int, default=None, help="local engine: torch threads")
+    p.add_argument(
+        "--quantization", choices=("none", "fp8"), default="none", help="rollout.quantization (default none)"
+    )
     p.add_argument("--extra-args", default="", help="further SGLang flags, one string")
     p.set_defaults(func=serve)
 

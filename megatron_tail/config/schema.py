@@ -32,10 +32,12 @@ from megatron_tail.utils.errors import UserError
 RolloutEngine = Literal["local", "remote"]
 WeightSyncMode = Literal["disk", "distributed"]
 EngineDtype = Literal["bfloat16", "float16", "float32"]
+RolloutQuantization = Literal["none", "fp8"]
 ProgressMode = Literal["auto", "always", "never"]
 ROLLOUT_ENGINES: tuple[str, ...] = get_args(RolloutEngine)
 WEIGHT_SYNC_MODES: tuple[str, ...] = get_args(WeightSyncMode)
 LOCAL_DTYPES: tuple[str, ...] = get_args(EngineDtype)
+ROLLOUT_QUANTIZATIONS: tuple[str, ...] = get_args(RolloutQuantization)
 PROGRESS_MODES: tuple[str, ...] = get_args(ProgressMode)
 
 
@@ -102,6 +104,14 @@ class RolloutSection:
     local_dtype: EngineDtype = "bfloat16"
     """dtype of the local engine when `dtype` is None (bf16: its log-probs differ from an fp32 trainer's,
     as on GPUs)."""
+    quantization: RolloutQuantization = "none"
+    """"fp8": the engines generate with FP8 (e4m3) linear layers from the bf16 weights, quantized at load and
+    after every weight sync: per-output-channel weight scales (SGLang's choice on cutlass-capable GPUs such as
+    H100), per-token dynamic activation scales; embeddings, LM head, norms and attention stay in `dtype`.
+    The local engine emulates it on CPU; `slurm/rl.sbatch` starts SGLang with `--quantization fp8
+    --load-format flash_rl` (SGLang's FP8 RL loader, which re-quantizes synced bf16 weights; Qwen2/Qwen3
+    dense models only). Use it with an IS correction (`algorithm.is_mode`), DVP and the veto: the
+    mismatch is much larger than bf16's."""
     local_port: int | None = None
     """Port of the local engine; None picks a free one."""
     local_num_threads: int | None = 1
@@ -157,6 +167,7 @@ class RolloutSection:
         if self.dtype is not None:
             _choice("rollout", "dtype", self.dtype, LOCAL_DTYPES)
         _choice("rollout", "weight_sync", self.weight_sync, WEIGHT_SYNC_MODES)
+        _choice("rollout", "quantization", self.quantization, ROLLOUT_QUANTIZATIONS)
         if isinstance(self.max_staleness, bool) or self.max_staleness not in (0, 1):
             _bad(
                 "rollout",

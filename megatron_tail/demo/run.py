@@ -28,8 +28,16 @@ COMPARE_VARIANTS: dict[str, list[str]] = {
         "algorithm.is_mode=none",
         "algorithm.veto_threshold=0",
     ],
+    # FP8 rollouts (e4m3 linear layers, SGLang's scheme) against the bf16 baseline of "naive", remedied by
+    # DVP + MIS with the veto, as FP8 users should run them
+    "fp8_dvp_mis": [
+        "rollout.quantization=fp8",
+        "algorithm.log_rho=-13",
+        "algorithm.is_mode=mis",
+        "algorithm.veto_threshold=1e-4",
+    ],
 }
-"""--compare: the same seed, data and steps; only the stability knobs differ."""
+"""--compare: the same seed, data and steps; only the stability knobs (and the rollout precision) differ."""
 
 # (tag, how to summarise it over the steps, label)
 STABILITY_ROWS: list[tuple[str, str, str]] = [

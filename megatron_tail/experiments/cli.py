@@ -1,11 +1,13 @@
 """`megatron-tail experiment NAME`: experiments that reproduce the papers' effects on CPU.
 
-    megatron-tail experiment tail-mismatch [--out DIR] [--cache-dir DIR] [--seeds 0 1 2]
-        [--arms naive mis ...] [--set key=value ...]
+    megatron-tail experiment tail-mismatch [--variant bf16|fp8] [--out DIR] [--cache-dir DIR]
+        [--seeds 0 1 2] [--arms naive mis ...] [--set key=value ...]
 
 tail-mismatch: a tiny Qwen3 over an 8192-id Zipf language (real long tails), bf16 engine vs fp32 trainer;
 arms naive, TIS, MIS, DVP+MIS, STAPO and Lopti over 3 seeds (about 20 min on 2 cores, pretraining
 included). Writes a results table (results.md), every run's TensorBoard logs and a figure report.
+--variant fp8: the engine's linear layers in FP8 (SGLang's --quantization fp8 scheme), 60 steps per run
+(about 50 min), into runs/tail_mismatch_fp8 by default.
 """
 
 from __future__ import annotations
@@ -25,7 +27,15 @@ def add_experiment_parser(subparsers) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("name", choices=EXPERIMENTS)
-    parser.add_argument("--out", default="runs/tail_mismatch", help="(default runs/tail_mismatch)")
+    parser.add_argument(
+        "--variant",
+        default="bf16",
+        choices=["bf16", "fp8"],
+        help="the engine: bf16 (20 steps) or fp8 linear layers (60 steps) (default bf16)",
+    )
+    parser.add_argument(
+        "--out", default=None, help="(default runs/tail_mismatch; runs/tail_mismatch_fp8 with --variant fp8)"
+    )
     parser.add_argument(
         "--cache-dir", default="runs/tail_cache", help="pretrained model + prompts (default runs/tail_cache)"
     )
@@ -37,14 +47,15 @@ def add_experiment_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _run(args) -> int:
-    from megatron_tail.experiments.tail_mismatch import ARMS, DEFAULT_SEEDS, run_experiment
+    from megatron_tail.experiments.tail_mismatch import ARMS, DEFAULT_OUT, DEFAULT_SEEDS, run_experiment
 
     results = run_experiment(
-        args.out,
+        args.out or DEFAULT_OUT[args.variant],
         args.cache_dir,
         seeds=args.seeds or DEFAULT_SEEDS,
         arms=args.arms or tuple(ARMS),
         overrides=args.overrides,
+        variant=args.variant,
     )
     print(results.read_text())
     return 0

@@ -1,7 +1,7 @@
 """The tail-mismatch experiment: six stability arms × several seeds on a model whose next-token
 distributions have real tails (8192-id Zipf language), bf16 engine against fp32 trainer.
 
-    megatron-tail experiment tail-mismatch [--out runs/tail_mismatch] [--seeds 0 1 2] [--arms ...]
+    megatron-tail experiment tail-mismatch [--variant bf16|fp8] [--out DIR] [--seeds 0 1 2] [--arms ...]
 
 Writes `<out>/<arm>/seed<k>/` (ordinary run directories), `<out>/results.md` + `results.json` (the table:
 mean ± std over seeds) and `<out>/report/` (`megatron-tail report` over each arm's first seed). Finished
@@ -35,6 +35,15 @@ probable word (9.7 at least, measured on 64 contexts), so e^−13 prunes nothing
 naive arm; e^−8 would prune up to 21% of the mass (Z_min 0.79) and e^−10 under 1% (|V_S| ≈ 8112 of 8192)."""
 DEFAULT_SEEDS = (0, 1, 2)
 
+VARIANTS: dict[str, list[str]] = {
+    "bf16": [],
+    "fp8": ["rollout.quantization=fp8", "train.steps=60", "train.checkpoint_every=60"],
+}
+"""The engine's precision (added to every arm): "bf16", the config as written (bf16 engine, fp32 trainer,
+20 steps); "fp8", the same engine with FP8 linear layers (SGLang's `--quantization fp8` scheme,
+`rollout/local_engine/fp8.py`) over 60 steps: the mismatch FP8 users create, over a longer horizon."""
+DEFAULT_OUT = {"bf16": "runs/tail_mismatch", "fp8": "runs/tail_mismatch_fp8"}
+
 # (column, tag, how over steps, format)
 COLUMNS: list[tuple[str, str, str, str]] = [
     ("reward (last 5 steps)", "reward/mean", "last5", ".3f"),
@@ -56,15 +65,19 @@ def run_experiment(
     seeds: Sequence[int] = DEFAULT_SEEDS,
     arms: Sequence[str] = tuple(ARMS),
     overrides: Sequence[str] = (),
+    variant: str = "bf16",
     log: Callable[[str], None] = print,
 ) -> Path:
-    """Every (arm, seed) run, then the table and the report; returns `<out>/results.md`.
+    """Every (arm, seed) run of the `variant` (`VARIANTS`), then the table and the report; returns
+    `<out>/results.md`. `overrides` come after the variant's, so they win.
 
     Raises `RuntimeError` naming the run and its log if a training run fails.
     """
     unknown = sorted(set(arms) - set(ARMS))
     if unknown:
         raise ValueError(f"unknown arm(s) {unknown}; the arms are {list(ARMS)}")
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; the variants are {list(VARIANTS)}")
     out, cache = Path(out_dir), Path(cache_dir)
     started = time.monotonic()
     model_dir = ensure_tail_model(cache, log=log)
@@ -74,7 +87,7 @@ def run_experiment(
     for arm in arms:
         for seed in seeds:
             target = out / arm / f"seed{seed}"
-            knobs = [*base, f"run_dir={target}", f"seed={seed}", *ARMS[arm], *overrides]
+            knobs = [*base, f"run_dir={target}", f"seed={seed}", *ARMS[arm], *VARIANTS[variant], *overrides]
             runs.setdefault(arm, []).append(target)
             if finished_run(target, knobs, base_yaml=TAIL_CONFIG_YAML):
                 log(f"[{arm} seed {seed}] finished earlier: {target}")
@@ -87,7 +100,9 @@ def run_experiment(
                 )
             log(f"[{arm} seed {seed}] {time.monotonic() - t0:.0f} s: {target}")
     table = summarise_arms(runs)
-    results = write_results(out, table, seeds=seeds, minutes=(time.monotonic() - started) / 60)
+    results = write_results(
+        out, table, seeds=seeds, minutes=(time.monotonic() - started) / 60, variant=variant
+    )
     from megatron_tail.report.build import write_report
 
     report = write_report([paths[0] for paths in runs.values()], out / "report", labels=list(runs))
@@ -109,11 +124,12 @@ def summarise_arms(runs: dict[str, list[Path]]) -> dict[str, dict[str, tuple[flo
     return table
 
 
-def write_results(out: Path, table, *, seeds: Sequence[int], minutes: float) -> Path:
+def write_results(out: Path, table, *, seeds: Sequence[int], minutes: float, variant: str = "bf16") -> Path:
     """`results.md` (markdown table, mean ± std over seeds) and `results.json` (the same numbers)."""
     header = ["arm", *(c[0] for c in COLUMNS)]
     lines = [
-        f"# Tail-mismatch experiment: {len(table)} arms × {len(seeds)} seeds ({minutes:.1f} min)",
+        f"# Tail-mismatch experiment ({variant} engine): {len(table)} arms × {len(seeds)} seeds "
+        f"({minutes:.1f} min)",
         "",
         "Mean ± std over seeds " + ", ".join(map(str, seeds)) + ". Runs: `<arm>/seed<k>/`; figures: "
         "[report/report.md](report/report.md).",
@@ -125,7 +141,9 @@ def write_results(out: Path, table, *, seeds: Sequence[int], minutes: float) -> 
         cells = [arm] + [_cell(*row[c[0]], c[3]) for c in COLUMNS]
         lines.append("| " + " | ".join(cells) + " |")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"seeds": list(seeds), "table": table}, indent=2))
+    (out / "results.json").write_text(
+        json.dumps({"variant": variant, "seeds": list(seeds), "table": table}, indent=2)
+    )
     path = out / "results.md"
     path.write_text("\n".join(lines) + "\n")
     return path

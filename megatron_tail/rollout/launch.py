@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import aiohttp
 
 SGLANG_DTYPES = ("auto", "bfloat16", "float16", "float32")
+QUANTIZATIONS = ("none", "fp8")
+"""`rollout.quantization`: "fp8" = FP8 rollouts from the bf16 checkpoint (see `SGLangServerConfig`)."""
 
 
 def _check_port(port: int) -> None:
@@ -48,6 +50,14 @@ class SGLangServerConfig:
     """Server-wide seed."""
     base_gpu_id: int = 0
     """First GPU of this server on its node."""
+    quantization: str = "none"
+    """"fp8": `--quantization fp8 --load-format flash_rl`. SGLang 0.5.23 quantizes the bf16 checkpoint's
+    linear layers online (srt/layers/quantization/fp8.py, `Fp8LinearMethod.process_weights_after_loading`:
+    e4m3 with per-output-channel scales where `cutlass_fp8_supported()`, as on H100, else per tensor;
+    `apply` → `fp8_utils.apply_fp8_linear` quantizes activations dynamically per token), and its FP8 RL
+    loader (`--load-format flash_rl`, srt/model_loader/loader.py `QuantizedRLModelLoader`) re-quantizes
+    the bf16 weights that later updates send; the default loader cannot reload an FP8 model (see
+    `megatron_tail/rollout/weight_sync.py`). The KV cache stays in `dtype` (no `--kv-cache-dtype`)."""
     extra_args: tuple[str, ...] = ()
     """Further SGLang flags, passed through verbatim."""
 
@@ -57,6 +67,13 @@ class SGLangServerConfig:
             raise ValueError(f"tp_size must be ≥ 1; got {self.tp_size!r}")
         if self.dtype not in SGLANG_DTYPES:
             raise ValueError(f"dtype must be one of {SGLANG_DTYPES}; got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}; got {self.quantization!r}")
+        if self.quantization != "none" and {"--quantization", "--load-format"} & set(self.extra_args):
+            raise ValueError(
+                f"quantization={self.quantization!r} sets --quantization and --load-format; extra_args "
+                f"must not repeat them (got {list(self.extra_args)})"
+            )
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"mem_fraction_static must be in (0, 1); got {self.mem_fraction_static!r}")
 
@@ -79,6 +96,8 @@ def build_sglang_server_command(cfg: SGLangServerConfig, python: str = sys.execu
         cmd += ["--context-length", str(cfg.context_length)]
     if cfg.random_seed is not None:
         cmd += ["--random-seed", str(cfg.random_seed)]
+    if cfg.quantization == "fp8":
+        cmd += ["--quantization", "fp8", "--load-format", "flash_rl"]
     return cmd + list(cfg.extra_args)
 
 
@@ -122,11 +141,15 @@ class LocalEngineConfig:
     weight_version: str = "default"
     num_threads: int | None = None
     """torch threads of the engine process (None: torch's default)."""
+    quantization: str = "none"
+    """"fp8": linear layers in e4m3 as SGLang's `--quantization fp8` (`local_engine/fp8.py`)."""
 
     def __post_init__(self):
         _check_port(self.port)
         if self.dtype not in ("bfloat16", "float16", "float32"):
             raise ValueError(f"dtype must be bfloat16, float16 or float32; got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}; got {self.quantization!r}")
 
     @property
     def url(self) -> str:
@@ -147,6 +170,8 @@ def build_local_engine_command(cfg: LocalEngineConfig, python: str = sys.executa
     ]
     if cfg.num_threads is not None:
         cmd += ["--num-threads", str(cfg.num_threads)]
+    if cfg.quantization != "none":
+        cmd += ["--quantization", cfg.quantization]
     return cmd
 
 

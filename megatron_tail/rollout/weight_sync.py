@@ -22,6 +22,33 @@ SGLang's protocol as pinned (sglang 0.5.23):
 - `GET /server_info` (srt/entrypoints/http_server.py): the resolved server args, with tp_size, pp_size
   and dp_size; `GET /model_info`: the served weight_version.
 - `POST /pause_generation` {"mode"} and `POST /continue_generation`.
+- `POST /begin_weight_update` {} and `POST /end_weight_update` {}: SGLang 0.5.23's scheduler refuses
+  `update_weights_from_distributed` outside such a session ("update_weights_from_distributed must run between
+  begin_weight_update() and end_weight_update()", srt/managers/scheduler_components/weight_updater.py,
+  `SchedulerWeightUpdater.update_weights_from_distributed`). `begin_weight_update` runs each runner's
+  `DefaultModelLoader.restore_weights_before_loading` (undo in-place quantization packing) and
+  `end_weight_update` its `postprocess_weights` (`process_weights_after_loading`), so the buckets of one
+  update go between them.
+
+FP8 engines (`rollout.quantization: fp8`). SGLang 0.5.23 re-quantizes synced bf16 weights only with its FP8 RL
+loader, `--quantization fp8 --load-format flash_rl` (srt/model_loader/loader.py, `QuantizedRLModelLoader`),
+which `slurm/rl.sbatch` uses: its initial `load_weights_and_postprocess` records every parameter's bf16
+shape/stride and native `weight_loader` before `Fp8LinearMethod.process_weights_after_loading` quantizes, and
+replaces the model's `load_weights` with a proxy; later `model.load_weights` calls (the weight updater's
+`load_weights_from_distributed`, and `update_weights_from_disk` through
+`DefaultModelLoader.load_weights_only`) go to `rebinding_and_load_weights`, which runs the native loader (TP
+sharding, q/k/v and gate/up stacking) into a bf16 staging buffer and quantizes it into the existing e4m3
+weight and scale buffers (`per_token_group_quant_fp8` per output channel, as the first load; `input_to_float8`
+per tensor where the layer is per-tensor). `restore_weights_before_loading` and `postprocess_weights` return
+early in that "reload scenario". So the sender sends bf16 tensors as for a bf16 server, no scales: the server
+computes them. Limits, all SGLang's: Qwen2/Qwen3 dense native loaders only (others are refused when the server
+starts); a per-tensor-scaled layer (GPUs without cutlass FP8) must get all its q/k/v (gate/up) shards in one
+`load_weights` call, i.e. one bucket. With plain `--quantization fp8` (the default loader) neither path
+re-quantizes: `Fp8LinearMethod` keeps the base no-op `restore_weights_before_loading`, and the e4m3 parameters
+`process_weights_after_loading` made (transposed, without `weight_loader`) fail the load.
+The disk path sends `load_format: "auto"`: the request's default is the server's own load format, and a second
+`QuantizedRLModelLoader.load_weights_and_postprocess` over the proxy is refused ("FlashRL does not support
+..."), while the default loader's `load_weights_only` calls the proxy and re-quantizes.
 """
 
 from __future__ import annotations
@@ -113,6 +140,23 @@ class _Servers:
         if wrong:
             raise WeightSyncError(f"after the update to weight_version {version!r}: " + "; ".join(wrong))
 
+    async def in_session(self, session, update):
+        """Run `await update()` inside SGLang's weight-update session (`/begin_weight_update` …
+        `/end_weight_update`, module docstring); the session is closed even when the update fails."""
+        n = len(self.urls)
+        await self.post_all(session, "/begin_weight_update", [{}] * n)
+        try:
+            result = await update()
+        except BaseException as failure:
+            try:
+                await self.post_all(session, "/end_weight_update", [{}] * n)
+            except WeightSyncError as also:
+                message = f"{failure} (then closing the update session failed too: {also})"
+                raise WeightSyncError(message) from failure
+            raise
+        await self.post_all(session, "/end_weight_update", [{}] * n)
+        return result
+
     async def paused(self, session, update):
         """Run `await update()` with every server paused; always continue them afterwards."""
         n = len(self.urls)
@@ -158,7 +202,14 @@ class DiskWeightSync:
     async def update(self, model_path: str, weight_version: str | None = None) -> str:
         """Load `model_path` on every server; return the new `weight_version` (default: the next integer)."""
         version = next_version(self.weight_version) if weight_version is None else str(weight_version)
-        body = {"model_path": str(model_path), "weight_version": version, "flush_cache": True}
+        # load_format "auto": our exports are HF safetensors; an FP8 server started with flash_rl must load
+        # them with the default loader, which re-quantizes (module docstring)
+        body = {
+            "model_path": str(model_path),
+            "weight_version": version,
+            "flush_cache": True,
+            "load_format": "auto",
+        }
         async with aiohttp.ClientSession() as session:
 
             async def update():
@@ -336,7 +387,7 @@ class DistributedWeightSync:
                     raise ValueError("named_tensors is empty: nothing to send")
                 await send(bucket, last=True)
 
-            await self.servers.paused(session, update)
+            await self.servers.paused(session, lambda: self.servers.in_session(session, update))
             await self.servers.check_versions(session, version)
         self.weight_version = version
         self.last_update = stats

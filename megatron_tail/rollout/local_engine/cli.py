@@ -22,6 +22,13 @@ def add_serve_local_parser(subparsers) -> argparse.ArgumentParser:
         "--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST}: this host only)"
     )
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument(
+        "--quantization",
+        default="none",
+        choices=["none", "fp8"],
+        help="fp8: linear layers in e4m3 with per-channel weight and per-token activation scales, as "
+        "SGLang's --quantization fp8 (default none)",
+    )
     parser.add_argument("--weight-version", default="default", help="initial weight_version (as SGLang's)")
     parser.add_argument(
         "--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)"
@@ -47,7 +54,9 @@ def serve_local(args: argparse.Namespace) -> int:
         raise SystemExit(f"--port must be in 1..65535; got {args.port}")
     if args.num_threads is not None:
         torch.set_num_threads(args.num_threads)
-    engine = LocalEngine(args.model_path, dtype=args.dtype, weight_version=args.weight_version)
+    engine = LocalEngine(
+        args.model_path, dtype=args.dtype, weight_version=args.weight_version, quantization=args.quantization
+    )
     app = build_app(engine, max_batch=args.max_batch)
     print(
         f"megatron-tail local engine serving {args.model_path} on http://{args.host}:{args.port}", flush=True

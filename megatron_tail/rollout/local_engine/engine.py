@@ -5,7 +5,8 @@ Per decoding step, mirroring SGLang's sampler order: raw logits (cast to fp32) â
 (seeded by `sampling_seed`) â†’ return the log-prob of the sampled token. Greedy requests (T = 0) take
 the argmax and return log-softmax of the processed logits at T = 1, as SGLang does.
 The model runs in the dtype given (bf16 by default), so its log-probs differ from the trainer's fp32
-ones the way a real inference engine's do.
+ones the way a real inference engine's do; with `quantization="fp8"` its linear layers also run in FP8 as
+SGLang's `--quantization fp8` does (`local_engine/fp8.py`), re-quantized after every weight update.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 from megatron_tail.rollout.local_engine.control import PauseControl
+from megatron_tail.rollout.local_engine.fp8 import QUANTIZATIONS, quantize_linears_, requantize_
 from megatron_tail.rollout.local_engine.requests import GenerateItem
 from megatron_tail.rollout.local_engine.weights import load_named_tensors_, read_safetensors_dir
 from megatron_tail.rollout.processor import load_custom_logit_processor
@@ -34,17 +36,28 @@ class LocalEngine:
     weight updates take the same lock, so no forward step ever sees half-loaded weights.
     """
 
-    def __init__(self, model_path: str | Path, dtype: str = "bfloat16", weight_version: str = "default"):
+    def __init__(
+        self,
+        model_path: str | Path,
+        dtype: str = "bfloat16",
+        weight_version: str = "default",
+        quantization: str = "none",
+    ):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}; got {dtype!r}")
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}; got {quantization!r}")
         self.model_path = str(model_path)
         self.dtype_name = dtype
         config = AutoConfig.from_pretrained(self.model_path, local_files_only=True)
         self.model = AutoModelForCausalLM.from_pretrained(
             self.model_path, config=config, dtype=DTYPES[dtype], local_files_only=True
         ).eval()
+        self.quantization = quantization
+        if quantization == "fp8":
+            quantize_linears_(self.model)
         self.tokenizer = _load_tokenizer(self.model_path)
         self.vocab_size = int(config.vocab_size)
         self.context_length = int(config.max_position_embeddings)
@@ -149,6 +162,8 @@ class LocalEngine:
         tensors = read_safetensors_dir(model_path)
         with self.model_lock:
             load_named_tensors_(self.model, tensors.items(), require_all=True)
+            if self.quantization == "fp8":
+                requantize_(self.model)
             self.model_path = str(model_path)
             if weight_version is not None:
                 self.weight_version = str(weight_version)
@@ -156,8 +171,11 @@ class LocalEngine:
 
     def load_named_tensors(self, named_tensors, weight_version: str | None = None) -> None:
         """Copy `(hf_name, tensor)` pairs into the model (a partial update is allowed)."""
+        named_tensors = list(named_tensors)
         with self.model_lock:
             load_named_tensors_(self.model, named_tensors, require_all=False)
+            if self.quantization == "fp8":
+                requantize_(self.model, [name for name, _ in named_tensors])
             if weight_version is not None:
                 self.weight_version = str(weight_version)
 

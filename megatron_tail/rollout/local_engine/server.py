@@ -4,7 +4,9 @@ Endpoints (JSON bodies and answers as SGLang 0.5.23's http_server):
 `POST /generate`, `GET /health`, `GET /health_generate`, `GET /model_info` (`/get_model_info`),
 `GET /server_info` (`/get_server_info`), `POST /pause_generation`, `POST /continue_generation`,
 `POST /update_weights_from_disk`, `POST /update_weight_version`, `POST /init_weights_update_group`,
-`POST /update_weights_from_distributed`, `POST /destroy_weights_update_group`, `POST /flush_cache`.
+`POST /begin_weight_update`, `POST /update_weights_from_distributed` (only inside a begin/end session, as
+SGLang 0.5.23's scheduler requires), `POST /end_weight_update`, `POST /destroy_weights_update_group`,
+`POST /flush_cache`.
 Errors are HTTP 400 with `{"error": {"message": ...}}` (weight endpoints: `{"success": false, "message"}`).
 """
 
@@ -29,6 +31,8 @@ MAX_REQUEST_BYTES = 256 * 1024 * 1024
 ENGINE_KEY = web.AppKey("engine", LocalEngine)
 GROUPS_KEY = web.AppKey("weight_update_groups", dict)
 MAX_BATCH_KEY = web.AppKey("max_batch", int)
+SESSION_KEY = web.AppKey("weight_update_session", dict)
+"""{"open": bool}: SGLang's `SchedulerWeightUpdater._session` (is a begin/end weight-update session open)."""
 
 
 def build_app(engine: LocalEngine, *, max_batch: int = 1024) -> web.Application:
@@ -36,6 +40,7 @@ def build_app(engine: LocalEngine, *, max_batch: int = 1024) -> web.Application:
     app[ENGINE_KEY] = engine
     app[GROUPS_KEY] = {}
     app[MAX_BATCH_KEY] = max_batch
+    app[SESSION_KEY] = {"open": False}
     app.router.add_route("POST", "/generate", generate)
     app.router.add_route("PUT", "/generate", generate)
     for path in ("/health", "/health_generate"):
@@ -49,6 +54,8 @@ def build_app(engine: LocalEngine, *, max_batch: int = 1024) -> web.Application:
     app.router.add_post("/update_weights_from_disk", update_weights_from_disk)
     app.router.add_post("/update_weight_version", update_weight_version)
     app.router.add_post("/init_weights_update_group", init_weights_update_group)
+    app.router.add_post("/begin_weight_update", begin_weight_update)
+    app.router.add_post("/end_weight_update", end_weight_update)
     app.router.add_post("/update_weights_from_distributed", update_weights_from_distributed)
     app.router.add_post("/destroy_weights_update_group", destroy_weights_update_group)
     app.router.add_route("*", "/flush_cache", flush_cache)
@@ -197,8 +204,31 @@ async def init_weights_update_group(request: web.Request) -> web.Response:
     return _result(True, "Succeeded to initialize custom process group.")
 
 
+async def begin_weight_update(request: web.Request) -> web.Response:
+    """SGLang's `SchedulerWeightUpdater.begin_weight_update`: open the session (nothing to restore here: the
+    FP8 engine keeps its loaded weights and re-quantizes after each load)."""
+    session = request.app[SESSION_KEY]
+    if session["open"]:
+        return _result(False, "a weight-update session is already open; call end_weight_update() first")
+    session["open"] = True
+    return _result(True, "Success")
+
+
+async def end_weight_update(request: web.Request) -> web.Response:
+    session = request.app[SESSION_KEY]
+    if not session["open"]:
+        return _result(False, "no weight-update session is open; call begin_weight_update() first")
+    session["open"] = False
+    return _result(True, "Success")
+
+
 async def update_weights_from_distributed(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
+    if not request.app[SESSION_KEY]["open"]:
+        return _result(
+            False,
+            "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()",
+        )
     try:
         body = await _json_body(request)
         group = request.app[GROUPS_KEY][body.get("group_name", "weight_update_group")]

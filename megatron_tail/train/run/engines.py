@@ -66,6 +66,7 @@ class RolloutEngines:
                 port=r.local_port or free_port(),
                 dtype=r.local_engine_dtype,
                 num_threads=r.local_num_threads,
+                quantization=r.quantization,
             )
             self.urls = [local.url]
         else:
