@@ -88,6 +88,8 @@ def test_results_table_is_mean_and_sample_std_over_seeds(tmp_path):
 def test_unknown_arm_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match=r"unknown arm\(s\) \['nope'\]"):
         tail_mismatch.run_experiment(tmp_path, tmp_path, arms=["nope"])
+    with pytest.raises(ValueError, match=r"unknown variant 'int4'; the variants are \['bf16', 'fp8'\]"):
+        tail_mismatch.run_experiment(tmp_path, tmp_path, variant="int4")
 
 
 def test_example_config_is_the_experiments_and_loads():
@@ -102,3 +104,5 @@ def test_example_config_is_the_experiments_and_loads():
     assert dvp.algorithm.log_rho == -9.0 and dvp.algorithm.is_mode == "mis"
     for knobs in tail_mismatch.ARMS.values():  # every arm is a valid config (load_config raises otherwise)
         load_config(path, ["model.hf_path=x", "data.train_path=y", *knobs])
+    fp8 = load_config(path, ["model.hf_path=x", "data.train_path=y", *tail_mismatch.VARIANTS["fp8"]])
+    assert fp8.rollout.quantization == "fp8" and fp8.train.steps == 60 and cfg.rollout.quantization == "none"

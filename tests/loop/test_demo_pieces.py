@@ -42,6 +42,9 @@ def test_demo_config_is_the_issue_setup(tmp_path):
     fp16 = load_config(path, demo_run.COMPARE_VARIANTS["fp16"])  # fp16 on both sides, no other remedy
     assert fp16.model.resolved_precision() == "fp16" and fp16.rollout.local_engine_dtype == "float16"
     assert fp16.algorithm.log_rho is None and fp16.algorithm.is_mode == "none"
+    fp8 = load_config(path, demo_run.COMPARE_VARIANTS["fp8_dvp_mis"])  # FP8 rollouts, remedied
+    assert fp8.rollout.quantization == "fp8" and fp8.algorithm == cfg.algorithm
+    assert cfg.rollout.quantization == "none"
 
 
 def test_pretraining_is_reproducible(tmp_path):

@@ -37,6 +37,23 @@ def test_sglang_command_parses_with_sglangs_own_arguments():
     assert (args.random_seed, args.base_gpu_id, args.log_level) == (7, 2, "warning")
 
 
+def test_fp8_servers_quantize_online_with_the_rl_loader_and_parse_with_sglangs_arguments():
+    """rollout.quantization=fp8 → `--quantization fp8 --load-format flash_rl` (the loader that re-quantizes
+    synced bf16 weights); none adds neither flag."""
+    plain = build_sglang_server_command(SGLangServerConfig(model_path="/m"), python="python")
+    assert "--quantization" not in plain and "--load-format" not in plain
+    fp8 = SGLangServerConfig(model_path="/m", quantization="fp8")
+    cmd = build_sglang_server_command(fp8, python="python")
+    assert cmd[-4:] == ["--quantization", "fp8", "--load-format", "flash_rl"]
+    server_args = pytest.importorskip(
+        "sglang.srt.server_args", reason="sglang (sglang-cpu extra) parses its flags"
+    )
+    parser = argparse.ArgumentParser()
+    server_args.ServerArgs.add_cli_args(parser)
+    args = parser.parse_args(cmd[3:])
+    assert (args.quantization, args.load_format) == ("fp8", "flash_rl")
+
+
 def test_router_command():
     cfg = RouterConfig(worker_urls=("http://n1:30000", "http://n2:30000"), port=29000, policy="round_robin")
     assert build_router_command(cfg, python="python") == [
@@ -60,6 +77,9 @@ def test_local_engine_command_parses_with_the_cli_and_binds_localhost_by_default
     )
     defaults = build_parser().parse_args(["serve-local", "--model-path", "/m", "--port", "1"])
     assert defaults.host == "127.0.0.1" and defaults.dtype == "bfloat16"
+    assert defaults.quantization == "none" and "--quantization" not in cmd
+    fp8 = build_local_engine_command(LocalEngineConfig(model_path="/m", quantization="fp8"), python="py")
+    assert build_parser().parse_args(fp8[3:]).quantization == "fp8"
 
 
 @pytest.mark.parametrize(
@@ -75,6 +95,20 @@ def test_local_engine_command_parses_with_the_cli_and_binds_localhost_by_default
         (
             lambda: LocalEngineConfig(model_path="m", dtype="int8"),
             "dtype must be bfloat16, float16 or float32",
+        ),
+        (
+            lambda: LocalEngineConfig(model_path="m", quantization="int4"),
+            r"quantization must be one of \('none', 'fp8'\); got 'int4'",
+        ),
+        (
+            lambda: SGLangServerConfig(model_path="m", quantization="fp4"),
+            r"quantization must be one of \('none', 'fp8'\); got 'fp4'",
+        ),
+        (
+            lambda: SGLangServerConfig(
+                model_path="m", quantization="fp8", extra_args=("--load-format", "auto")
+            ),
+            "must not repeat them",
         ),
     ],
 )

@@ -259,3 +259,112 @@ def test_the_group_is_laid_out_from_each_servers_tp_size():
     _, message = asyncio.run(scenario([(1, 1, 2)]))
     assert re.search(r"http://127\.0\.0\.1:\d+ runs data parallel \(dp_size=2\)", message)
     assert joined == []  # refused before anything joined
+
+
+def _recording_app(calls: list[tuple[str, dict]], *, version: str, fail: str | None = None):
+    """A stand-in SGLang server that records every POST (path, body), answers success except on `fail`,
+    and reports `version` in /model_info."""
+    from aiohttp import web
+
+    async def post(request):
+        calls.append((request.path, await request.json()))
+        ok = request.path != fail
+        message = "ok" if ok else "Failed to update parameter online"
+        return web.json_response({"success": ok, "message": message})
+
+    async def model_info(_request):
+        return web.json_response({"weight_version": version})
+
+    app = web.Application()
+    app.router.add_post("/{path}", post)
+    app.router.add_get("/model_info", model_info)
+    return app
+
+
+def test_distributed_buckets_run_inside_sglangs_weight_update_session(monkeypatch):
+    """SGLang 0.5.23 refuses `update_weights_from_distributed` outside `/begin_weight_update` …
+    `/end_weight_update` (SchedulerWeightUpdater); every bucket goes inside one session, inside the pause,
+    and the session is closed (and generation continued) when a bucket fails."""
+    import torch
+
+    from megatron_tail.rollout import WeightSyncError, weight_sync
+
+    monkeypatch.setattr(weight_sync, "_broadcast_in_order", lambda _pairs, _group: None)
+    tensors = [(f"w{i}", torch.zeros(256, 1024)) for i in range(3)]  # 1 MiB each in fp32
+
+    async def scenario(fail):
+        calls: list[tuple[str, dict]] = []
+        async with serving_app(_recording_app(calls, version="1", fail=fail)) as url:
+            sync = DistributedWeightSync([url], master_address="127.0.0.1", master_port=1, bucket_mb=1.5)
+            sync.engine_tp_sizes, sync.group = [1], object()
+            try:
+                await sync.update(tensors, weight_version="1")
+            except WeightSyncError as error:
+                return calls, error
+        return calls, None
+
+    calls, error = asyncio.run(scenario(fail=None))
+    assert error is None
+    assert [path for path, _ in calls] == [
+        "/pause_generation",
+        "/begin_weight_update",
+        *["/update_weights_from_distributed"] * 3,
+        "/end_weight_update",
+        "/continue_generation",
+    ]
+    assert [body["flush_cache"] for path, body in calls if path == "/update_weights_from_distributed"] == [
+        False,
+        False,
+        True,
+    ]
+    calls, error = asyncio.run(scenario(fail="/update_weights_from_distributed"))
+    assert "Failed to update parameter online" in str(error)
+    assert [path for path, _ in calls] == [
+        "/pause_generation",
+        "/begin_weight_update",
+        "/update_weights_from_distributed",
+        "/end_weight_update",
+        "/continue_generation",
+    ]
+
+
+def test_disk_updates_ask_for_the_default_loader():
+    """`load_format: "auto"`: an FP8 server started with `--load-format flash_rl` must reload our bf16
+    export through the default loader, which re-quantizes (see weight_sync's docstring)."""
+
+    async def scenario():
+        calls: list[tuple[str, dict]] = []
+        async with serving_app(_recording_app(calls, version="1")) as url:
+            await DiskWeightSync([url]).update("/ckpt/step1")
+        return calls
+
+    (body,) = [body for path, body in asyncio.run(scenario()) if path == "/update_weights_from_disk"]
+    assert body == {
+        "model_path": "/ckpt/step1",
+        "weight_version": "1",
+        "flush_cache": True,
+        "load_format": "auto",
+    }
+
+
+def test_the_local_engine_refuses_a_distributed_update_outside_a_session(tiny_model_dir):
+    """As SGLang 0.5.23's scheduler: no `/begin_weight_update`, no `/update_weights_from_distributed`; a
+    second begin and an end without begin are refused too."""
+    from megatron_tail.rollout.local_engine.engine import LocalEngine
+    from megatron_tail.rollout.local_engine.server import build_app
+
+    async def scenario():
+        answers = []
+        async with serving_app(build_app(LocalEngine(tiny_model_dir))) as url, aiohttp.ClientSession() as s:
+            for path in (
+                "/update_weights_from_distributed",
+                "/begin_weight_update",
+                "/begin_weight_update",
+                "/end_weight_update",
+                "/end_weight_update",
+            ):
+                async with s.post(f"{url}{path}", json={"names": [], "dtypes": [], "shapes": []}) as resp:
+                    answers.append((await resp.json(content_type=None))["success"])
+        return answers
+
+    assert asyncio.run(scenario()) == [False, True, False, True, False]
