@@ -34,6 +34,12 @@ def add_experiment_parser(subparsers) -> argparse.ArgumentParser:
         help="the engine: bf16 (20 steps) or fp8 linear layers (60 steps) (default bf16)",
     )
     parser.add_argument(
+        "--model-size",
+        default="tiny",
+        choices=["tiny", "small"],
+        help="the tail model: tiny (hidden 64, 2 layers) or small (hidden 256, 4 layers) (default tiny)",
+    )
+    parser.add_argument(
         "--out", default=None, help="(default runs/tail_mismatch; runs/tail_mismatch_fp8 with --variant fp8)"
     )
     parser.add_argument(
@@ -56,6 +62,7 @@ def _run(args) -> int:
         arms=args.arms or tuple(ARMS),
         overrides=args.overrides,
         variant=args.variant,
+        model_size=args.model_size,
     )
     print(results.read_text())
     return 0

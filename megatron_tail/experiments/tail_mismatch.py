@@ -66,10 +66,12 @@ def run_experiment(
     arms: Sequence[str] = tuple(ARMS),
     overrides: Sequence[str] = (),
     variant: str = "bf16",
+    model_size: str = "tiny",
     log: Callable[[str], None] = print,
 ) -> Path:
-    """Every (arm, seed) run of the `variant` (`VARIANTS`), then the table and the report; returns
-    `<out>/results.md`. `overrides` come after the variant's, so they win.
+    """Every (arm, seed) run of the `variant` (`VARIANTS`) on the tail model of `model_size`
+    (`tail_model.MODEL_SIZES`), then the table and the report; returns `<out>/results.md`. `overrides`
+    come after the variant's, so they win.
 
     Raises `RuntimeError` naming the run and its log if a training run fails.
     """
@@ -80,7 +82,7 @@ def run_experiment(
         raise ValueError(f"unknown variant {variant!r}; the variants are {list(VARIANTS)}")
     out, cache = Path(out_dir), Path(cache_dir)
     started = time.monotonic()
-    model_dir = ensure_tail_model(cache, log=log)
+    model_dir = ensure_tail_model(cache, log=log, size=model_size)
     train_file, _ = ensure_tail_prompts(cache)
     base = [f"model.hf_path={model_dir}", f"data.train_path={train_file}"]
     runs: dict[str, list[Path]] = {}
@@ -100,9 +102,8 @@ def run_experiment(
                 )
             log(f"[{arm} seed {seed}] {time.monotonic() - t0:.0f} s: {target}")
     table = summarise_arms(runs)
-    results = write_results(
-        out, table, seeds=seeds, minutes=(time.monotonic() - started) / 60, variant=variant
-    )
+    label = variant if model_size == "tiny" else f"{variant}, {model_size} model"
+    results = write_results(out, table, seeds=seeds, minutes=(time.monotonic() - started) / 60, variant=label)
     from megatron_tail.report.build import write_report
 
     report = write_report([paths[0] for paths in runs.values()], out / "report", labels=list(runs))

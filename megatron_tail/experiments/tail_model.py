@@ -2,6 +2,7 @@
 (CPU, fp32, reproducible), and the RL prompt files.
 
     model_dir = ensure_tail_model(cache_dir)      # cache_dir/tiny_qwen3_zipf (trained once)
+    model_dir = ensure_tail_model(cache_dir, size="small")  # cache_dir/qwen3_zipf_h256_l4
     train, test = ensure_tail_prompts(cache_dir)  # cache_dir/data/zipf_{train,test}.jsonl
 """
 
@@ -91,11 +92,29 @@ def heldout_cross_entropy(model, language: ZipfLanguage, *, seed: int, sequences
     return {"heldout_nll": float(nll), "language_entropy": language.entropy()}
 
 
-def ensure_tail_model(cache: Path, log=print) -> Path:
-    """The pretrained model in `cache` (trained now if absent or made with other settings)."""
-    model_dir = Path(cache) / MODEL_DIR_NAME
+MODEL_SIZES: dict[str, dict[str, int]] = {
+    "tiny": {},
+    "small": {"hidden_size": 256, "num_hidden_layers": 4},
+}
+"""Tail models: "tiny" (hidden 64, 2 layers: the experiment's default) and "small" (hidden 256, 4 layers;
+16x the non-embedding parameters, pretrained the same way), for mismatches that grow with width and depth."""
+
+
+def tail_model_dir(cache: Path, size: str = "tiny") -> Path:
+    if size not in MODEL_SIZES:
+        raise ValueError(f"unknown model size {size!r}; the sizes are {list(MODEL_SIZES)}")
+    if size == "tiny":
+        return Path(cache) / MODEL_DIR_NAME
+    s = TailPretrainSettings(**MODEL_SIZES[size])
+    return Path(cache) / f"qwen3_zipf_h{s.hidden_size}_l{s.num_hidden_layers}"
+
+
+def ensure_tail_model(cache: Path, log=print, size: str = "tiny") -> Path:
+    """The pretrained model of `size` (`MODEL_SIZES`) in `cache` (trained now if absent or made with other
+    settings)."""
+    model_dir = tail_model_dir(cache, size)
     summary_file = model_dir / "pretrain.json"
-    settings = TailPretrainSettings()
+    settings = TailPretrainSettings(**MODEL_SIZES[size])
     if summary_file.is_file() and json.loads(summary_file.read_text()).get("settings") == asdict(settings):
         return model_dir
     log(f"pretraining the tail model ({settings.steps} steps, one-off) → {model_dir}")
