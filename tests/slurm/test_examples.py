@@ -54,6 +54,10 @@ def test_example_matches_the_config_schema(path):
         assert cfg.algorithm.veto_threshold == 1e-4 and not cfg.algorithm.stapo
     if "stapo" in stem:
         assert cfg.algorithm.stapo and cfg.algorithm.log_rho is None
+    # FP8 rollouts only where the name says so, and never without an importance correction
+    assert (cfg.rollout.quantization == "fp8") == stem.endswith("_fp8")
+    if cfg.rollout.quantization == "fp8":
+        assert cfg.algorithm.is_mode != "none" and "projection" in header(path)
     # packed THD micro-batches by a token budget that holds the longest sample
     assert cfg.train.is_packed and cfg.train.seq_len is None
     longest = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
@@ -137,6 +141,7 @@ def test_launch_line_gives_the_stated_layout(path, tmp_path):
     )
     assert expected in out, out
     assert f"--tp {lay['sglang_tp']} " in out, out
+    assert f"--quantization {cfg.rollout.quantization}" in out, out
     urls = re.search(r"^urls: (.*)$", out, re.M).group(1).split()
     assert len(urls) == lay["rollout_nodes"] * lay["servers_per_node"] == len(set(urls))
     assert f"--nnodes={lay['train_nodes']} --nproc-per-node={lay['gpus']} --rdzv-backend=c10d" in out
