@@ -41,3 +41,27 @@ def test_tail_mismatch_experiment_runs_every_arm_and_writes_table_and_report(tmp
         png = out / "report" / f"{figure}.png"
         assert png.is_file() and png.stat().st_size > 10_000, figure
     assert len(COLUMNS) + 2 == rows[0].count("|")
+
+
+@pytest.mark.slow
+def test_fp8_variant_is_deterministic_and_widens_the_mismatch(tmp_path):
+    """`--variant fp8` (8 steps here, naive arm, seed 0) twice gives the same rewards and mismatch step by
+    step (fixed seeds: sampling seeds, one engine thread, gloo); its KL(π_infer‖π_train) is several times the
+    bf16 engine's on the same model and prompts."""
+    cache = tmp_path / "cache"
+
+    def run(name: str, variant: str) -> dict:
+        out = tmp_path / name
+        cmd = [sys.executable, "-m", "megatron_tail.cli", "experiment", "tail-mismatch", "--variant", variant]
+        cmd += ["--out", str(out), "--cache-dir", str(cache), "--arms", "naive", "--seeds", "0"]
+        cmd += ["--set", "train.steps=8", "--set", "train.checkpoint_every=8"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env={**os.environ})
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return read_scalars(out / "naive" / "seed0")
+
+    first, again, bf16 = run("fp8_a", "fp8"), run("fp8_b", "fp8"), run("bf16", "bf16")
+    for tag in ("reward/mean", "mismatch/kl_infer_train_k3", "train/grad_norm"):
+        assert first[tag] == again[tag] and len(first[tag]) == 8, tag
+    kl_fp8 = sum(v for _, v in first["mismatch/kl_infer_train_k3"]) / 8
+    kl_bf16 = sum(v for _, v in bf16["mismatch/kl_infer_train_k3"]) / 8
+    assert kl_fp8 > 2 * kl_bf16, (kl_fp8, kl_bf16)
