@@ -110,8 +110,8 @@ class RolloutSection:
     H100), per-token dynamic activation scales; embeddings, LM head, norms and attention stay in `dtype`.
     The local engine emulates it on CPU; `slurm/rl.sbatch` starts SGLang with `--quantization fp8
     --load-format flash_rl` (SGLang's FP8 RL loader, which re-quantizes synced bf16 weights; Qwen2/Qwen3
-    dense models only). Use it with an IS correction (`algorithm.is_mode`), DVP and the veto: the
-    mismatch is much larger than bf16's."""
+    dense models only; servers you start yourself for engine="remote" need the same two flags). Use it with
+    an IS correction (`algorithm.is_mode`), DVP and the veto: the mismatch is much larger than bf16's."""
     local_port: int | None = None
     """Port of the local engine; None picks a free one."""
     local_num_threads: int | None = 1
