@@ -106,3 +106,25 @@ def test_example_config_is_the_experiments_and_loads():
         load_config(path, ["model.hf_path=x", "data.train_path=y", *knobs])
     fp8 = load_config(path, ["model.hf_path=x", "data.train_path=y", *tail_mismatch.VARIANTS["fp8"]])
     assert fp8.rollout.quantization == "fp8" and fp8.train.steps == 60 and cfg.rollout.quantization == "none"
+
+
+def test_model_sizes_have_their_own_cache_and_shapes(tmp_path):
+    from transformers import Qwen3ForCausalLM
+
+    from megatron_tail.experiments.tail_model import (
+        MODEL_SIZES,
+        TailPretrainSettings,
+        tail_model_config,
+        tail_model_dir,
+    )
+
+    assert tail_model_dir(tmp_path) == tmp_path / "tiny_qwen3_zipf"  # the bf16 results' model, unchanged
+    assert tail_model_dir(tmp_path, "small") == tmp_path / "qwen3_zipf_h256_l4"
+    with pytest.raises(ValueError, match=r"unknown model size 'huge'; the sizes are \['tiny', 'small'\]"):
+        tail_model_dir(tmp_path, "huge")
+    config = tail_model_config(ZipfLanguage(), TailPretrainSettings(**MODEL_SIZES["small"]))
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(config)
+    layers = model.model.layers
+    assert len(layers) == 4 and layers[0].mlp.down_proj.weight.shape == (256, 768)
+    assert layers[0].self_attn.q_proj.weight.shape == (256, 256)  # 4 heads x 64, divisible by TP = 2
