@@ -3,8 +3,9 @@
 1. pretrain a tiny Qwen3 on toy addition if the cache lacks it (reproducible, one-off, ~1-2 min);
 2. RL with `megatron-tail train` under torchrun: TP = 2 over gloo, fp32 trainer, bf16 local engine,
    GRPO + DVP + MIS/veto; greedy eval accuracy is printed as it rises, with the TensorBoard path;
-3. `--compare`: the same seed three times, naive (no DVP, no IS), DVP + MIS, and fp16 on both sides (no
-   other remedy), their stability metrics side by side, and a report with figures of the three runs.
+3. `--compare`: the same seed four times, naive (no DVP, no IS), DVP + MIS, fp16 on both sides (no other
+   remedy), and FP8 rollouts with DVP + MIS (`rollout.quantization=fp8`), their stability metrics side by
+   side, and a report with figures of the four runs.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def add_demo_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument(
         "--compare",
         action="store_true",
-        help="run naive, DVP+MIS and fp16 from the same seed; compare stability",
+        help="run naive, DVP+MIS, fp16 and FP8 rollouts + DVP+MIS from the same seed; compare stability",
     )
     parser.add_argument("--run-dir", default=DEFAULT_RUN_DIR, help=f"(default {DEFAULT_RUN_DIR})")
     parser.add_argument(
