@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 
 from megatron_tail.demo.cli import add_demo_parser
 from megatron_tail.experiments.cli import add_experiment_parser
+from megatron_tail.plan.cli import add_plan_parser
 from megatron_tail.report.cli import add_report_parser
 from megatron_tail.rollout.local_engine.cli import add_serve_local_parser
 from megatron_tail.train.run.cli import add_eval_parser, add_train_parser
@@ -26,6 +27,7 @@ SUBCOMMANDS: list[Callable] = [
     add_serve_local_parser,
     add_report_parser,
     add_experiment_parser,
+    add_plan_parser,
 ]
 
 

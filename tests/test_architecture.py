@@ -5,7 +5,7 @@ Every import counts: module level, inside functions, and the string targets of l
 table to the module that defines `Name`, so an edge is a real dependency. The graph must have no cycle,
 and no module may import one of a higher layer, in this order (low → high):
 
-    utils, patches → ops, data, rewards → algorithms → model, rollout → train.engine → config → train.rl
+    utils, patches → ops, data, rewards → algorithms → model, rollout → train.engine → config → plan → train.rl
     → train.run → report → demo, bench → experiments → cli
 """
 
@@ -25,6 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("megatron_tail.model", "megatron_tail.rollout"),
     ("megatron_tail.train.engine",),
     ("megatron_tail.config",),
+    ("megatron_tail.plan",),  # the preflight planner: config + config.json → bytes; no megatron
     ("megatron_tail.train.rl",),
     ("megatron_tail.train.run", "megatron_tail.train"),  # the bare `train` package: a facade over all three
     ("megatron_tail.report",),  # reads run directories (events, config.yaml); the demo writes one

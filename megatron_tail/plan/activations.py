@@ -1,0 +1,132 @@
+"""What backward keeps alive: activation bytes per token per layer, and the logits' share.
+
+Counted from what each module of a megatron-core 0.16.1 decoder layer (Qwen3: RMSNorm, QK-norm, GQA,
+RoPE, SwiGLU; `megatron_tail.model.config.transformer_config` turns every fusion off, so SwiGLU is
+megatron's plain `glu` in `transformer/mlp.py`) saves for its backward, per token, on one TP rank:
+
+    term                   elements / token           who saves it
+    norm_inputs            2h          (SP: 2h/TP)    input_layernorm, pre_mlp_layernorm (their input)
+    norm_outputs           2h          (SP: 2h/TP)    linear_qkv, linear_fc1 (their input; with SP the
+                                                      un-gathered shard, re-gathered in backward)
+    qk_norm_inputs         (a + g)·d / TP             q_layernorm, k_layernorm (Qwen3 only)
+    qkv                    (a + 2g)·d / TP            core attention (RoPE'd q, k and v)
+    attention_output       a·d / TP                   core attention's output = linear_proj's input
+    fc1_output             2f / TP                    SiLU (its input, the gate half: a view that keeps
+                                                      the whole [t, 2f/TP] output alive)
+    up_copy                f / TP                     the product (`x_linear + glu_linear_offset`: megatron's
+                                                      `glu` adds the 0.0 offset, a new tensor)
+    silu_output            f / TP                     the product (its other factor)
+    swiglu_output          f / TP                     linear_fc2 (its input)
+    rope_tables            4·d                        RoPE's cos and sin, cast per call, for q and for k
+                                                      (`_apply_rotary_pos_emb_bshd`, models/common/embeddings)
+    norm_stats (fp32)      2 + (a + g)/TP             each RMSNorm's 1/rms per row
+    core_stats (fp32)      a / TP                     flash attention's log-sum-exp per head (the only
+                                                      state a flash/THD core keeps beyond q, k, v, o)
+
+h = hidden, f = ffn, a = query heads, g = kv heads, d = head dim. There is no s² term: the THD core
+attention (TE's flash/fused attention on GPU, SDPA per sequence on the local spec) never keeps an s × s
+score matrix. Dropout is 0 (nothing saved). The saved-tensor test (`tests/plan/test_saved_tensors.py`) checks
+every term but the core's against what autograd saves in a training forward of a small Qwen3.
+
+Recompute (megatron's `recompute_granularity`):
+- "selective" checkpoints the core attention (`recompute_modules=["core_attn"]`): its q, k, v are still kept
+  (by the checkpoint, as its inputs) and its output by linear_proj, so only `core_stats` goes;
+- "full" with `recompute_method="uniform"` and n layers per chunk keeps each chunk's input (h per token,
+  h/TP with SP) and, while one chunk is recomputed for its backward, that chunk's n layers in full.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .shapes import ModelShape
+
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class LayerActivations:
+    """Bytes per token for one decoder layer on one TP rank, by term (see the module docstring)."""
+
+    terms: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.terms.values())
+
+
+def layer_activation_terms(
+    shape: ModelShape, *, tp: int, sequence_parallel: bool, dtype_bytes: int, recompute: str = "none"
+) -> LayerActivations:
+    """Per-token bytes one layer keeps for backward without full recompute ("none" or "selective")."""
+    h, f, a, d = shape.hidden, shape.ffn, shape.heads // tp, shape.head_dim
+    g = shape.kv_heads_per_rank(tp)
+    h_kept = h // tp if sequence_parallel else h
+    b = dtype_bytes
+    terms = {
+        "norm_inputs": 2 * h_kept * b,
+        "norm_outputs": 2 * h_kept * b,
+        "qk_norm_inputs": (a + g) * d * b if shape.qk_norm else 0,
+        "qkv": (a + 2 * g) * d * b,
+        "attention_output": a * d * b,
+        "fc1_output": 2 * f // tp * b,
+        "up_copy": f // tp * b,
+        "silu_output": f // tp * b,
+        "swiglu_output": f // tp * b,
+        "rope_tables": 4 * d * b,
+        "norm_stats": (2 + ((a + g) if shape.qk_norm else 0)) * FP32,
+        "core_stats": a * FP32 if recompute != "selective" else 0,
+    }
+    return LayerActivations(terms)
+
+
+def stage_activation_bytes(
+    shape: ModelShape,
+    *,
+    tp: int,
+    stage_layers: int,
+    tokens: int,
+    in_flight: int,
+    sequence_parallel: bool,
+    dtype_bytes: int,
+    recompute: str,
+    recompute_num_layers: int | None,
+) -> int:
+    """Activation bytes one pipeline stage holds at its peak: `in_flight` micro-batches of `tokens` tokens
+    through its `stage_layers` layers (1F1B: stage s of PP keeps min(PP − s, micro-batches) in flight)."""
+    per_layer = layer_activation_terms(
+        shape, tp=tp, sequence_parallel=sequence_parallel, dtype_bytes=dtype_bytes, recompute=recompute
+    ).total
+    if recompute != "full":
+        return per_layer * stage_layers * tokens * in_flight
+    chunk = min(recompute_num_layers or stage_layers, stage_layers)
+    h_kept = shape.hidden // tp if sequence_parallel else shape.hidden
+    kept_inputs = math.ceil(stage_layers / chunk) * h_kept * dtype_bytes * tokens * in_flight
+    return kept_inputs + chunk * per_layer * tokens
+
+
+UNFUSED_CHUNK_ELEMENTS = 1 << 25
+"""`megatron_tail.ops.masked_logprobs.CHUNK_ELEMENTS["cuda"]`: logits per fp32 working chunk of the op."""
+FUSED_BLOCK_ELEMENTS = 1 << 24
+"""`megatron_tail.ops.linear_masked_logprobs.BLOCK_ELEMENTS["cuda"]`: logits per block of the fused op."""
+OP_TEMPORARY_COPIES = 4
+"""fp32 temporaries per chunk/block (the upcast, z, e^z, the safe indicator; the ops' docstrings)."""
+
+
+def logits_bytes(
+    shape: ModelShape, *, tp: int, tokens: int, dtype_bytes: int, fused_output_layer: bool
+) -> int:
+    """The last stage's logits term for one training micro-batch.
+
+    Unfused: the [tokens, V/TP] logits in the activation dtype, whose gradient the op writes over them
+    (`inplace_backward=True`, `train/engine/forward.py`), plus the op's fp32 working chunks. Fused
+    (`model.fused_output_layer`): no logits, only the op's blocks. Both add the final norm's saved input
+    and output (h per token each), the output layer's input.
+    """
+    final_norm = 2 * shape.hidden * dtype_bytes * tokens
+    v_local = shape.padded_vocab // tp
+    if fused_output_layer:
+        return final_norm + OP_TEMPORARY_COPIES * FP32 * min(tokens * v_local, FUSED_BLOCK_ELEMENTS)
+    logits = tokens * v_local * dtype_bytes
+    return final_norm + logits + OP_TEMPORARY_COPIES * FP32 * min(tokens * v_local, UNFUSED_CHUNK_ELEMENTS)

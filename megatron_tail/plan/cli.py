@@ -1,0 +1,75 @@
+"""`megatron-tail plan CONFIG [--nodes N --gpus-per-node G --gpu-memory-gib M] [--set k=v ...] [--json]`.
+
+Exit 0 when the run fits, 1 when a term does not (the message names it and by how much), 2 for a config or
+layout that cannot be planned. The rollout settings default to `slurm/rl.sbatch`'s environment variables
+(`MT_ROLLOUT_NODES`, `MT_SGLANG_TP`, `MT_SGLANG_MEM_FRACTION`), so the script and a login-node check agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def _env(name: str, default, cast):
+    value = os.environ.get(name)
+    return cast(value) if value not in (None, "") else default
+
+
+def add_plan_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "plan",
+        help="preflight: memory per trainer GPU and rollout server, checkpoint size; exit 1 if it does not fit",
+        description=__doc__.splitlines()[0],
+    )
+    p.add_argument("config")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpu-memory-gib", type=float, default=80.0, help="per GPU [80: H100 80GB]")
+    p.add_argument("--rollout-nodes", type=int, default=_env("MT_ROLLOUT_NODES", 1, int))
+    p.add_argument("--rollout-tp", type=int, default=_env("MT_SGLANG_TP", 1, int))
+    p.add_argument("--mem-fraction", type=float, default=_env("MT_SGLANG_MEM_FRACTION", 0.85, float))
+    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--quantization", default=None, help="SGLang --quantization (fp8: 1 B per weight)")
+    p.add_argument("--reserve-gib", type=float, default=6.0, help="per trainer GPU: context, NCCL, allocator")
+    p.add_argument("--fs-write-gbps", type=float, default=2.0, help="assumed write bandwidth per node (GB/s)")
+    p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.set_defaults(func=run_plan)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from megatron_tail.config import load_config
+    from megatron_tail.config.loader import ConfigError
+
+    from .planner import Cluster, make_plan
+    from .report import format_plan, plan_json
+
+    try:
+        config = load_config(args.config, args.set)
+        cluster = Cluster(
+            nodes=args.nodes,
+            gpus_per_node=args.gpus_per_node,
+            gpu_memory_gib=args.gpu_memory_gib,
+            rollout_nodes=args.rollout_nodes,
+            rollout_tp=args.rollout_tp,
+            mem_fraction=args.mem_fraction,
+            kv_cache_dtype=args.kv_cache_dtype,
+            quantization=args.quantization,
+            reserve_gib=args.reserve_gib,
+            fs_write_gbps=args.fs_write_gbps,
+            sequence_parallel=args.sequence_parallel,
+        )
+        plan = make_plan(config, cluster)
+    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        print(f"megatron-tail plan: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan_json(plan), indent=2) if args.json else format_plan(plan))
+    if not plan.fits:
+        for problem in plan.problems:
+            print(f"megatron-tail plan: does not fit: {problem}", file=sys.stderr)
+        return 1
+    return 0

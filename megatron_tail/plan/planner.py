@@ -1,0 +1,224 @@
+"""`make_plan(config, cluster)`: the run config + the cluster → every memory term, checkpoint size and the
+verdict. Reads the model's `config.json` only (never weights, prompts or a GPU), imports no megatron."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megatron_tail.config.schema import RunConfig
+from megatron_tail.model.hf_config import load_hf_config
+
+from .rollout import ENGINE_DTYPE_BYTES, KV_DTYPE_BYTES, RolloutLayout, RolloutMemory, rollout_memory
+from .shapes import ModelShape
+from .trainer import (
+    DTYPE_BYTES,
+    StageMemory,
+    TrainerLayout,
+    activation_per_token_per_layer,
+    checkpoint_bytes_per_rank,
+    trainer_peak,
+)
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The allocation (`--nodes`, `--gpus-per-node`) and the assumptions the plan rests on."""
+
+    nodes: int = 2
+    gpus_per_node: int = 8
+    gpu_memory_gib: float = 80.0
+    """Capacity of one GPU (an H100 "80GB" has 80 GiB)."""
+    rollout_nodes: int = 1
+    """`MT_ROLLOUT_NODES` of `slurm/rl.sbatch`."""
+    rollout_tp: int = 1
+    """`MT_SGLANG_TP`: GPUs per SGLang server."""
+    mem_fraction: float = 0.85
+    """`MT_SGLANG_MEM_FRACTION`: SGLang's `--mem-fraction-static`."""
+    kv_cache_dtype: str = "auto"
+    """SGLang's `--kv-cache-dtype` ("auto": the model dtype)."""
+    quantization: str | None = None
+    """SGLang's `--quantization` ("fp8": 1 B per weight on the servers)."""
+    reserve_gib: float = 6.0
+    """Per trainer GPU: CUDA context (~0.5-1 GiB), NCCL communicators and buffers (~1-2 GiB),
+    allocator fragmentation (an assumption, not a measurement)."""
+    fs_write_gbps: float = 2.0
+    """Assumed filesystem write bandwidth per node, GB/s (for the checkpoint's save time)."""
+    sequence_parallel: bool = False
+    """Megatron's sequence parallelism (the trainer does not turn it on yet; the plan can show it)."""
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "gpus_per_node", "rollout_nodes", "rollout_tp"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int ≥ 1; got {value!r}")
+        if self.rollout_nodes >= self.nodes:
+            raise ValueError(
+                f"rollout_nodes={self.rollout_nodes} leaves no trainer node of nodes={self.nodes}"
+            )
+        if self.gpus_per_node % self.rollout_tp:
+            raise ValueError(
+                f"rollout_tp={self.rollout_tp} must divide gpus_per_node={self.gpus_per_node}"
+            )
+        for name in ("gpu_memory_gib", "fs_write_gbps"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0; got {getattr(self, name)!r}")
+        if not 0 < self.mem_fraction < 1:
+            raise ValueError(f"mem_fraction must be in (0, 1); got {self.mem_fraction!r}")
+        if self.reserve_gib < 0:
+            raise ValueError(f"reserve_gib must be ≥ 0; got {self.reserve_gib!r}")
+        if self.kv_cache_dtype not in KV_DTYPE_BYTES:
+            raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_DTYPE_BYTES)}; got {self.kv_cache_dtype!r}")
+
+
+@dataclass(frozen=True)
+class Plan:
+    shape: ModelShape
+    cluster: Cluster
+    trainer_layout: TrainerLayout
+    trainer: StageMemory
+    per_token_per_layer: dict[str, int]
+    rollout_layout: RolloutLayout
+    rollout: RolloutMemory
+    checkpoint_bytes_per_rank: int
+    checkpoint_seconds: float
+    problems: list[str] = field(default_factory=list)
+    """Why it does not fit (empty: it fits)."""
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+
+def sequence_tokens(config: RunConfig, max_positions: int) -> int:
+    """Longest sample: prompt + response, capped by the model's context."""
+    limit = config.model.max_sequence_length or max_positions
+    if config.data.max_prompt_tokens is None:
+        return limit
+    return min(limit, config.data.max_prompt_tokens + config.rollout.max_new_tokens)
+
+
+def tokens_per_micro_batch(config: RunConfig, longest: int) -> int:
+    """Tokens of one training micro-batch: the token budget of packed (THD) micro-batches, or
+    `micro_batch_size` rows of `seq_len` (else the longest sample) tokens."""
+    budget = getattr(config.train, "max_tokens_per_micro_batch", None)
+    if budget is not None:
+        return int(budget)
+    return config.train.micro_batch_size * (config.train.seq_len or longest)
+
+
+def make_plan(config: RunConfig, cluster: Cluster) -> Plan:
+    """Every term for `config` on `cluster`. Raises ValueError for a layout that cannot exist
+    (a world that TP × PP does not divide, a config.json that cannot be read)."""
+    hf_path = config.model.hf_path
+    if not hf_path:
+        raise ValueError("model.hf_path is empty: the plan needs the model's config.json")
+    if not (Path(hf_path) / "config.json").is_file() and not Path(hf_path).is_file():
+        raise ValueError(f"model.hf_path={hf_path!r} has no config.json (the plan reads only that file)")
+    arch = load_hf_config(hf_path)
+    shape = ModelShape.from_arch(arch, config.model.vocab_pad_multiple)
+    tp, pp = config.parallel.tensor_parallel, config.parallel.pipeline_parallel
+    trainer_gpus = (cluster.nodes - cluster.rollout_nodes) * cluster.gpus_per_node
+    if trainer_gpus % (tp * pp):
+        raise ValueError(
+            f"{trainer_gpus} trainer GPUs are not a multiple of tensor_parallel × pipeline_parallel = {tp} × {pp}"
+        )
+    if shape.layers % pp:
+        raise ValueError(f"num_hidden_layers={shape.layers} is not divisible by pipeline_parallel={pp}")
+    dp = trainer_gpus // (tp * pp)
+    precision = config.model.precision or ("fp32" if config.model.bf16 is False else "bf16")
+    longest = sequence_tokens(config, arch.max_position_embeddings)
+    tokens = tokens_per_micro_batch(config, longest)
+    samples = config.data.prompts_per_step * config.algorithm.group_size
+    per_rank_tokens = samples * longest // (config.train.mini_batches * dp)
+    capacity = int(cluster.gpu_memory_gib * GIB)
+    layout = TrainerLayout(
+        tensor_parallel=tp,
+        pipeline_parallel=pp,
+        data_parallel=dp,
+        precision=precision,
+        optimizer=config.optimizer.optimizer,
+        sgd_momentum=config.optimizer.sgd_momentum > 0,
+        distributed_optimizer=config.optimizer.use_distributed_optimizer,
+        tokens_per_micro_batch=tokens,
+        micro_batches=max(1, per_rank_tokens // max(tokens, 1)),
+        recompute=getattr(config.model, "recompute", "none") or "none",
+        recompute_num_layers=getattr(config.model, "recompute_num_layers", None),
+        sequence_parallel=cluster.sequence_parallel,
+        fused_output_layer=config.model.fused_output_layer,
+        reference_resident=config.algorithm.kl_coef > 0 and not config.model.reference_offload,
+        reserve_bytes=int(cluster.reserve_gib * GIB),
+        capacity_bytes=capacity,
+    )
+    peak = trainer_peak(shape, layout)
+    engine_dtype = config.rollout.dtype or "bfloat16"
+    rollout_layout = RolloutLayout(
+        servers=cluster.rollout_nodes * cluster.gpus_per_node // cluster.rollout_tp,
+        tp_per_server=cluster.rollout_tp,
+        mem_fraction=cluster.mem_fraction,
+        weight_bytes_per_param=1 if cluster.quantization == "fp8" else ENGINE_DTYPE_BYTES[engine_dtype],
+        kv_dtype_bytes=KV_DTYPE_BYTES[cluster.kv_cache_dtype] or ENGINE_DTYPE_BYTES[engine_dtype],
+        capacity_bytes=capacity,
+        sequence_tokens=longest,
+        max_concurrency=config.rollout.max_concurrency,
+        group_size=config.algorithm.group_size,
+    )
+    rollout = rollout_memory(shape, rollout_layout)
+    ckpt = checkpoint_bytes_per_rank(shape, layout)
+    ckpt_seconds = ckpt * cluster.gpus_per_node / (cluster.fs_write_gbps * 1e9)
+    problems, warnings = _verdict(peak, layout, rollout, rollout_layout)
+    return Plan(
+        shape=shape,
+        cluster=cluster,
+        trainer_layout=layout,
+        trainer=peak,
+        per_token_per_layer=activation_per_token_per_layer(shape, layout),
+        rollout_layout=rollout_layout,
+        rollout=rollout,
+        checkpoint_bytes_per_rank=ckpt,
+        checkpoint_seconds=ckpt_seconds,
+        problems=problems,
+        warnings=warnings,
+    )
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+def _verdict(
+    peak: StageMemory, layout: TrainerLayout, rollout: RolloutMemory, rollout_layout: RolloutLayout
+) -> tuple[list[str], list[str]]:
+    problems, warnings = [], []
+    over = peak.total - layout.capacity_bytes
+    if over > 0:
+        term = max((t for t in peak.terms if t != "reserve"), key=peak.terms.__getitem__)
+        problems.append(
+            f"trainer stage {peak.stage}: total {_gib(peak.total)} exceeds the GPU's {_gib(layout.capacity_bytes)} "
+            f"by {_gib(over)}; largest term: {term} = {_gib(peak.terms[term])}"
+        )
+    if rollout.weights_bytes >= rollout.budget_bytes:
+        problems.append(
+            f"rollout weights: {_gib(rollout.weights_bytes)} per GPU exceed the static budget "
+            f"{_gib(rollout.budget_bytes)} (mem fraction {rollout_layout.mem_fraction}) by "
+            f"{_gib(rollout.weights_bytes - rollout.budget_bytes)}"
+        )
+    elif rollout.sequences_per_server < 1:
+        problems.append(
+            f"rollout KV cache: {rollout.kv_tokens_per_server} tokens per server hold no full "
+            f"{rollout_layout.sequence_tokens}-token sequence (short by "
+            f"{rollout_layout.sequence_tokens - rollout.kv_tokens_per_server} tokens)"
+        )
+    elif rollout.in_flight_per_server > rollout.sequences_per_server:
+        fitting = rollout.sequences_per_server * rollout_layout.servers // rollout_layout.group_size
+        warnings.append(
+            f"rollout: max_concurrency × group_size = {rollout_layout.max_concurrency} × "
+            f"{rollout_layout.group_size} puts {rollout.in_flight_per_server} sequences per server in flight, "
+            f"but its KV cache holds {rollout.sequences_per_server} of {rollout_layout.sequence_tokens} tokens "
+            f"(exceeded by {rollout.in_flight_per_server / rollout.sequences_per_server:.2f}×): SGLang queues "
+            f"or retracts the rest; rollout.max_concurrency ≤ {fitting} keeps every request resident"
+        )
+    return problems, warnings

@@ -1,0 +1,136 @@
+"""The plan as a table for people (`format_plan`) and as one JSON object for scripts (`plan_json`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .planner import GIB, Plan
+
+TERM_NOTES = {
+    "weights": "{params:,} params on this rank x {b} B",
+    "grads": "fp32 main grads (megatron's grad buffer, not sharded)",
+    "optimizer": "{opt}",
+    "activations": "{act}",
+    "logits": "{logits}",
+    "reference": "{ref}",
+    "reserve": "CUDA context, NCCL, allocator (assumed)",
+}
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:6.1f} GiB"
+
+
+def _notes(plan: Plan) -> dict[str, str]:
+    lay, shape = plan.trainer_layout, plan.shape
+    b = 4 if lay.precision == "fp32" else 2
+    opt = (
+        f"{lay.optimizer}: {'fp32 master + ' if lay.precision != 'fp32' else ''}"
+        f"{'m, v' if lay.optimizer == 'adam' else 'momentum'}"
+        + (f", / DP={lay.data_parallel} (distributed optimizer)" if lay.distributed_optimizer else ", not sharded")
+    )
+    in_flight = min(lay.pipeline_parallel - plan.trainer.stage, lay.micro_batches)
+    recompute = lay.recompute + (
+        f" ({lay.recompute_num_layers or shape.layers // lay.pipeline_parallel} layers/chunk)"
+        if lay.recompute == "full"
+        else ""
+    )
+    act = (
+        f"{in_flight} x {lay.tokens_per_micro_batch} tokens x {shape.layers // lay.pipeline_parallel} layers, "
+        f"recompute {recompute}{', SP' if lay.sequence_parallel else ''}"
+    )
+    if plan.trainer.stage != lay.pipeline_parallel - 1:
+        logits = "(last stage only)"
+    elif lay.fused_output_layer:
+        logits = "fused op: final norm + fp32 blocks, no logits"
+    else:
+        logits = f"[{lay.tokens_per_micro_batch}, {shape.padded_vocab // lay.tensor_parallel}] x {b} B, grad in place"
+    ref = "offloaded or no KL: 0 at the peak" if not lay.reference_resident else "pi_ref weights, resident"
+    return {
+        "weights": TERM_NOTES["weights"].format(params=plan.trainer.params, b=b),
+        "grads": TERM_NOTES["grads"],
+        "optimizer": opt,
+        "activations": act,
+        "logits": logits,
+        "reference": ref,
+        "reserve": TERM_NOTES["reserve"],
+    }
+
+
+def format_plan(plan: Plan) -> str:
+    """Human-readable: per trainer GPU, per rollout server, checkpoint, verdict."""
+    lay, shape, ro, rl = plan.trainer_layout, plan.shape, plan.rollout, plan.rollout_layout
+    c = plan.cluster
+    p = plan.per_token_per_layer
+    lines = [
+        f"model: {shape.total_params():,} params, {shape.layers} layers, h={shape.hidden} f={shape.ffn} "
+        f"heads={shape.heads}/{shape.kv_heads}x{shape.head_dim} vocab={shape.vocab} (padded {shape.padded_vocab})",
+        f"cluster: {c.nodes} nodes x {c.gpus_per_node} GPUs of {c.gpu_memory_gib:g} GiB; rollout "
+        f"{c.rollout_nodes} node(s), trainer {c.nodes - c.rollout_nodes}",
+        f"trainer: TP={lay.tensor_parallel} PP={lay.pipeline_parallel} DP={lay.data_parallel}, {lay.precision}, "
+        f"per GPU (pipeline stage {plan.trainer.stage}, the fullest):",
+    ]
+    notes = _notes(plan)
+    for term, value in plan.trainer.terms.items():
+        lines.append(f"  {term:<12} {_gib(value)}   {notes[term]}")
+    lines.append(f"  {'total':<12} {_gib(plan.trainer.total)}   of {_gib(lay.capacity_bytes).strip()}")
+    lines.append(
+        f"  activation per token per layer: {p['none']:,} B (selective recompute {p['selective']:,} B, "
+        f"full recompute keeps {p['full_kept']:,} B); with SP {p['none_sp']:,} B (full: {p['full_kept_sp']:,} B)"
+    )
+    lines += [
+        f"rollout: {rl.servers} SGLang servers x TP={rl.tp_per_server}, mem fraction {rl.mem_fraction}, per GPU:",
+        f"  weights      {_gib(ro.weights_bytes)}",
+        f"  KV cache     {_gib(ro.budget_bytes - ro.weights_bytes)}   {ro.kv_bytes_per_token:,} B/token "
+        f"-> {ro.kv_tokens_per_server:,} tokens per server",
+        f"  sequences    {ro.sequences_per_server} of {rl.sequence_tokens} tokens fit per server; "
+        f"in flight {ro.in_flight_per_server} (max_concurrency {rl.max_concurrency} x group {rl.group_size} "
+        f"/ {rl.servers} servers)",
+        f"checkpoint: {plan.checkpoint_bytes_per_rank / 1e9:.1f} GB per rank, "
+        f"{plan.checkpoint_bytes_per_rank * c.gpus_per_node / 1e9:.0f} GB per node, "
+        f"~{plan.checkpoint_seconds:.0f} s at an assumed {c.fs_write_gbps:g} GB/s per node",
+    ]
+    lines += [f"WARNING: {w}" for w in plan.warnings]
+    lines += [f"DOES NOT FIT: {p}" for p in plan.problems]
+    lines.append("fits" if plan.fits else "does not fit")
+    return "\n".join(lines)
+
+
+def plan_json(plan: Plan) -> dict[str, Any]:
+    """One object: trainer.{tensor,pipeline,data}_parallel, trainer.<term>_bytes, total/capacity,
+    rollout.kv_tokens_per_server, checkpoint, fits, problems, warnings."""
+    lay, ro, rl = plan.trainer_layout, plan.rollout, plan.rollout_layout
+    trainer = {
+        "tensor_parallel": lay.tensor_parallel,
+        "pipeline_parallel": lay.pipeline_parallel,
+        "data_parallel": lay.data_parallel,
+        "stage": plan.trainer.stage,
+        "params_per_gpu": plan.trainer.params,
+        "tokens_per_micro_batch": lay.tokens_per_micro_batch,
+        **{f"{term}_bytes": value for term, value in plan.trainer.terms.items()},
+        "total_bytes": plan.trainer.total,
+        "capacity_bytes": lay.capacity_bytes,
+        "activation_bytes_per_token_per_layer": dict(plan.per_token_per_layer),
+    }
+    rollout = {
+        "servers": rl.servers,
+        "tp_per_server": rl.tp_per_server,
+        "weights_bytes_per_gpu": ro.weights_bytes,
+        "kv_bytes_per_token": ro.kv_bytes_per_token,
+        "kv_tokens_per_server": ro.kv_tokens_per_server,
+        "sequences_per_server": ro.sequences_per_server,
+        "in_flight_per_server": ro.in_flight_per_server,
+    }
+    checkpoint = {
+        "bytes_per_rank": plan.checkpoint_bytes_per_rank,
+        "save_seconds": round(plan.checkpoint_seconds, 1),
+        "assumed_fs_write_gbps_per_node": plan.cluster.fs_write_gbps,
+    }
+    return {
+        "trainer": trainer,
+        "rollout": rollout,
+        "checkpoint": checkpoint,
+        "fits": plan.fits,
+        "problems": list(plan.problems),
+        "warnings": list(plan.warnings),
+    }

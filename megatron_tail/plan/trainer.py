@@ -1,0 +1,151 @@
+"""Bytes per trainer GPU, term by term, for one pipeline stage at its training peak.
+
+    weights      the stage's parameters on this TP rank, in the model dtype (megatron's `Float16Module`)
+    grads        the same count in the main-grad dtype: fp32 (`grad_reduce_in_fp32=True`,
+                 `train/engine/setup.py`), never sharded (megatron's DDP grad buffer)
+    optimizer    Adam: fp32 master params (half precision only) + m + v; SGD: master + momentum;
+                 divided by DP under the distributed optimizer
+    activations  `activations.stage_activation_bytes` (1F1B: stage s keeps min(PP − s, M) micro-batches)
+    logits       the last stage's logits (or the fused op's blocks) for one micro-batch
+    reference    π_ref's weights (model dtype), when `algorithm.kl_coef` > 0 and it is not offloaded; an
+                 offloaded reference is on the GPU only for its forward-only pass, when no training
+                 activations are alive, so it adds nothing to the training peak
+    reserve      CUDA context, NCCL communicators and buffers, allocator fragmentation (an assumption)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .activations import layer_activation_terms, logits_bytes, stage_activation_bytes
+from .shapes import ModelShape
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+TERMS = ("weights", "grads", "optimizer", "activations", "logits", "reference", "reserve")
+
+
+@dataclass(frozen=True)
+class TrainerLayout:
+    """What the trainer's memory depends on besides the model's shape."""
+
+    tensor_parallel: int
+    pipeline_parallel: int
+    data_parallel: int
+    precision: str
+    """"bf16", "fp16" or "fp32"."""
+    optimizer: str
+    """"adam" or "sgd"."""
+    sgd_momentum: bool
+    distributed_optimizer: bool
+    tokens_per_micro_batch: int
+    micro_batches: int
+    """Training micro-batches per optimizer step on one DP rank (bounds 1F1B's in-flight count)."""
+    recompute: str
+    """"none", "selective" or "full"."""
+    recompute_num_layers: int | None
+    sequence_parallel: bool
+    fused_output_layer: bool
+    reference_resident: bool
+    """π_ref's weights stay on the GPU (kl_coef > 0 and not offloaded)."""
+    reserve_bytes: int
+    capacity_bytes: int
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """One pipeline stage's bytes per GPU, by term (`TERMS`)."""
+
+    stage: int
+    params: int
+    terms: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.terms.values())
+
+
+def optimizer_bytes_per_param(layout: TrainerLayout) -> int:
+    """Bytes of optimizer state per parameter before DP sharding."""
+    master = 4 if layout.precision != "fp32" else 0
+    if layout.optimizer == "adam":
+        return master + 8
+    return master + (4 if layout.sgd_momentum else 0)
+
+
+def stage_memory(shape: ModelShape, layout: TrainerLayout, stage: int) -> StageMemory:
+    """Bytes per GPU of pipeline stage `stage` at its training peak."""
+    tp, pp = layout.tensor_parallel, layout.pipeline_parallel
+    b = DTYPE_BYTES[layout.precision]
+    params = shape.stage_params(tp, pp, stage)
+    in_flight = min(pp - stage, max(layout.micro_batches, 1))
+    activations = stage_activation_bytes(
+        shape,
+        tp=tp,
+        stage_layers=shape.layers // pp,
+        tokens=layout.tokens_per_micro_batch,
+        in_flight=in_flight,
+        sequence_parallel=layout.sequence_parallel,
+        dtype_bytes=b,
+        recompute=layout.recompute,
+        recompute_num_layers=layout.recompute_num_layers,
+    )
+    last = stage == pp - 1
+    logits = (
+        logits_bytes(
+            shape,
+            tp=tp,
+            tokens=layout.tokens_per_micro_batch,
+            dtype_bytes=b,
+            fused_output_layer=layout.fused_output_layer,
+        )
+        if last
+        else 0
+    )
+    optimizer = params * optimizer_bytes_per_param(layout)
+    if layout.distributed_optimizer:
+        optimizer = -(-optimizer // layout.data_parallel)
+    terms = {
+        "weights": params * b,
+        "grads": params * 4,
+        "optimizer": optimizer,
+        "activations": activations,
+        "logits": logits,
+        "reference": params * b if layout.reference_resident else 0,
+        "reserve": layout.reserve_bytes,
+    }
+    return StageMemory(stage=stage, params=params, terms=terms)
+
+
+def trainer_peak(shape: ModelShape, layout: TrainerLayout) -> StageMemory:
+    """The stage with the largest total (the first stage, or the last one with the logits)."""
+    stages = [stage_memory(shape, layout, s) for s in range(layout.pipeline_parallel)]
+    return max(stages, key=lambda m: (m.total, -m.stage))
+
+
+def activation_per_token_per_layer(shape: ModelShape, layout: TrainerLayout) -> dict[str, int]:
+    """Per-token per-layer bytes without recompute, with selective and full recompute, and with SP."""
+    b, tp = DTYPE_BYTES[layout.precision], layout.tensor_parallel
+
+    def per(sp: bool, recompute: str) -> int:
+        return layer_activation_terms(
+            shape, tp=tp, sequence_parallel=sp, dtype_bytes=b, recompute=recompute
+        ).total
+
+    return {
+        "none": per(False, "none"),
+        "selective": per(False, "selective"),
+        "full_kept": shape.hidden * b,
+        "none_sp": per(True, "none"),
+        "full_kept_sp": shape.hidden // tp * b,
+    }
+
+
+def checkpoint_bytes_per_rank(shape: ModelShape, layout: TrainerLayout) -> int:
+    """Bytes one rank writes per save: its share of the model (weights in the model dtype) and of the
+    fp32 optimizer state (master + moments), both split over DP (megatron's fully parallel save
+    distributes each TP×PP shard's writes over its DP replicas)."""
+    b = DTYPE_BYTES[layout.precision]
+    params = max(shape.stage_params(layout.tensor_parallel, layout.pipeline_parallel, s)
+                 for s in range(layout.pipeline_parallel))
+    per_shard = params * (b + optimizer_bytes_per_param(layout))
+    return -(-per_shard // layout.data_parallel)
