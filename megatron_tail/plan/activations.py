@@ -4,17 +4,22 @@ Counted from what each module of a megatron-core 0.16.1 decoder layer (Qwen3: RM
 RoPE, SwiGLU; `megatron_tail.model.config.transformer_config` turns every fusion off, so SwiGLU is
 megatron's plain `glu` in `transformer/mlp.py`) saves for its backward, per token, on one TP rank:
 
-    term                   elements / token           who saves it
+    term                   elements / token           who keeps it (storages, counted once)
     norm_inputs            2h          (SP: 2h/TP)    input_layernorm, pre_mlp_layernorm (their input)
     norm_outputs           2h          (SP: 2h/TP)    linear_qkv, linear_fc1 (their input; with SP the
                                                       un-gathered shard, re-gathered in backward)
-    qk_norm_inputs         (a + g)·d / TP             q_layernorm, k_layernorm (Qwen3 only)
-    qkv                    (a + 2g)·d / TP            core attention (RoPE'd q, k and v)
+    qkv_projection         (a + 2g)·d / TP            linear_qkv's output, alive whole: v (saved by the core)
+                                                      and, with QK-norm, k_layernorm's input are views of it
+                                                      (`SelfAttention.get_query_key_value_tensors` splits it)
+    q_norm_input           a·d / TP                   q_layernorm's input: q is reshaped into a new tensor
+                                                      (Qwen3 only)
+    rope_qk                (a + g)·d / TP             core attention's q and k after RoPE (new tensors)
     attention_output       a·d / TP                   core attention's output = linear_proj's input
     fc1_output             2f / TP                    SiLU (its input, the gate half: a view that keeps
                                                       the whole [t, 2f/TP] output alive)
     up_copy                f / TP                     the product (`x_linear + glu_linear_offset`: megatron's
-                                                      `glu` adds the 0.0 offset, a new tensor)
+                                                      `glu` in transformer/mlp.py adds the 0.0 offset, a new
+                                                      tensor)
     silu_output            f / TP                     the product (its other factor)
     swiglu_output          f / TP                     linear_fc2 (its input)
     rope_tables            4·d                        RoPE's cos and sin, cast per call, for q and for k
@@ -67,8 +72,9 @@ def layer_activation_terms(
     terms = {
         "norm_inputs": 2 * h_kept * b,
         "norm_outputs": 2 * h_kept * b,
-        "qk_norm_inputs": (a + g) * d * b if shape.qk_norm else 0,
-        "qkv": (a + 2 * g) * d * b,
+        "qkv_projection": (a + 2 * g) * d * b,
+        "q_norm_input": a * d * b if shape.qk_norm else 0,
+        "rope_qk": (a + g) * d * b,
         "attention_output": a * d * b,
         "fc1_output": 2 * f // tp * b,
         "up_copy": f // tp * b,
@@ -112,6 +118,9 @@ FUSED_BLOCK_ELEMENTS = 1 << 24
 """`megatron_tail.ops.linear_masked_logprobs.BLOCK_ELEMENTS["cuda"]`: logits per block of the fused op."""
 OP_TEMPORARY_COPIES = 4
 """fp32 temporaries per chunk/block (the upcast, z, e^z, the safe indicator; the ops' docstrings)."""
+OP_SAVED_PER_TOKEN = 4 * FP32
+"""The op's own per-token state for backward: max logit, threshold, log-normaliser, entropy (fp32 each;
+`save_for_backward` in ops/masked_logprobs.py and ops/linear_masked_logprobs.py)."""
 
 
 def logits_bytes(
@@ -124,7 +133,7 @@ def logits_bytes(
     (`model.fused_output_layer`): no logits, only the op's blocks. Both add the final norm's saved input
     and output (h per token each), the output layer's input.
     """
-    final_norm = 2 * shape.hidden * dtype_bytes * tokens
+    final_norm = (2 * shape.hidden * dtype_bytes + FP32 + OP_SAVED_PER_TOKEN) * tokens
     v_local = shape.padded_vocab // tp
     if fused_output_layer:
         return final_norm + OP_TEMPORARY_COPIES * FP32 * min(tokens * v_local, FUSED_BLOCK_ELEMENTS)

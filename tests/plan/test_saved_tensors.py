@@ -1,0 +1,82 @@
+"""The planner's activation formula against what autograd really saves in a training forward.
+
+A small Qwen3 (local spec, fp32, TP = 1) runs the forward of a training micro-batch, the DVP op included
+(`inplace_backward=True`, as the trainer calls it), under saved-tensor hooks (`tests/plan/saved_tensors.py`).
+Everything outside the core attention must equal the planner's terms to the byte, once the one difference of
+the CPU path is added: torch's RMSNorm on CPU is composite (pow, mean, rsqrt, mul) and also keeps x·(1/rms)
+before the weight, one more tensor of the norm's input size, where TE's fused norm keeps only x and 1/rms.
+
+The core attention is reported, not equated: the planner counts what a flash/THD core keeps (RoPE'd q, k
+and the log-sum-exp; v is a view of the qkv projection), the CPU core here keeps its s × s probabilities.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_tail.model.hf_config import load_hf_config
+from megatron_tail.plan.activations import FP32, layer_activation_terms, logits_bytes
+from megatron_tail.plan.shapes import ModelShape
+from tests.harness import init_megatron, run_distributed
+from tests.plan.saved_tensors import SavedBytes
+
+CONFIG = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "vocab_size": 250,
+    "hidden_size": 64,
+    "intermediate_size": 160,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+}
+TOKENS = 48
+PAD = 128
+
+
+def _measure(rank, world):
+    init_megatron()
+    from megatron_tail.model.gpt import build_gpt_model
+    from megatron_tail.model.settings import ModelSettings
+    from megatron_tail.ops import vocab_parallel_masked_logprobs
+
+    arch = load_hf_config(CONFIG)
+    model = build_gpt_model(arch, ModelSettings(precision="fp32", use_te=False, vocab_pad_multiple=PAD))
+    torch.manual_seed(0)
+    tokens = torch.randint(0, CONFIG["vocab_size"], (1, TOKENS))
+    positions = torch.arange(TOKENS)[None]
+    causal = torch.triu(torch.ones(1, 1, TOKENS, TOKENS, dtype=torch.bool), 1)
+    cores = [layer.self_attention.core_attention for layer in model.decoder.layers]
+    with SavedBytes(model, cores) as saved:
+        logits = model(tokens, positions, causal)
+        vocab_parallel_masked_logprobs(
+            logits, tokens, log_rho=-13.0, vocab_size=CONFIG["vocab_size"], inplace_backward=True
+        )
+    return saved.bytes
+
+
+def test_planner_equals_saved_bytes_outside_the_core():
+    measured = run_distributed(_measure, 1)[0]
+    shape = ModelShape.from_arch(load_hf_config(CONFIG), PAD)
+    terms = layer_activation_terms(shape, tp=1, sequence_parallel=False, dtype_bytes=FP32).terms
+    core_terms = ("rope_qk", "core_stats")
+    per_layer_rest = sum(v for k, v in terms.items() if k not in core_terms)
+    h, a, g, d = shape.hidden, shape.heads, shape.kv_heads, shape.head_dim
+    composite_norm_extra = (2 * h + (a + g) * d) * FP32  # per layer: x·(1/rms) of 2 norms + q/k norms
+    final_norm_extra = h * FP32
+    expected_rest = TOKENS * (
+        shape.layers * (per_layer_rest + composite_norm_extra) + final_norm_extra
+    ) + logits_bytes(shape, tp=1, tokens=TOKENS, dtype_bytes=FP32, fused_output_layer=False)
+    # logits_bytes adds the op's fp32 working chunks, which are temporaries, not saved tensors
+    op_chunk = 4 * FP32 * TOKENS * shape.padded_vocab
+    assert measured["rest"] == expected_rest - op_chunk, (measured, expected_rest - op_chunk)
+
+    planner_core = TOKENS * shape.layers * sum(terms[k] for k in core_terms)
+    print(
+        f"\ncore attention: measured {measured['core']:,} B (CPU core with s×s probabilities), "
+        f"planner's flash/THD core {planner_core:,} B"
+    )
+    assert measured["core"] >= TOKENS * shape.layers * terms["rope_qk"]
