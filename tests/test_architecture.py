@@ -5,8 +5,8 @@ Every import counts: module level, inside functions, and the string targets of l
 table to the module that defines `Name`, so an edge is a real dependency. The graph must have no cycle,
 and no module may import one of a higher layer, in this order (low → high):
 
-    utils, patches → ops, data, rewards → algorithms → model, rollout → train.engine → config → plan → train.rl
-    → train.run → report → demo, bench → experiments → cli
+    utils, patches → ops, data, rewards → algorithms → model, rollout → train.engine → config → plan
+    → train.rl → train.run → report → demo, bench → experiments → cli
 """
 
 from __future__ import annotations

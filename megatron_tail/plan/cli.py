@@ -21,7 +21,7 @@ def _env(name: str, default, cast):
 def add_plan_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "plan",
-        help="preflight: memory per trainer GPU and rollout server, checkpoint size; exit 1 if it does not fit",
+        help="preflight: memory per trainer GPU and rollout server, checkpoint size; exit 1: no fit",
         description=__doc__.splitlines()[0],
     )
     p.add_argument("config")

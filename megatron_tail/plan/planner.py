@@ -12,7 +12,6 @@ from megatron_tail.model.hf_config import load_hf_config
 from .rollout import ENGINE_DTYPE_BYTES, KV_DTYPE_BYTES, RolloutLayout, RolloutMemory, rollout_memory
 from .shapes import ModelShape
 from .trainer import (
-    DTYPE_BYTES,
     StageMemory,
     TrainerLayout,
     activation_per_token_per_layer,
@@ -59,9 +58,7 @@ class Cluster:
                 f"rollout_nodes={self.rollout_nodes} leaves no trainer node of nodes={self.nodes}"
             )
         if self.gpus_per_node % self.rollout_tp:
-            raise ValueError(
-                f"rollout_tp={self.rollout_tp} must divide gpus_per_node={self.gpus_per_node}"
-            )
+            raise ValueError(f"rollout_tp={self.rollout_tp} must divide gpus_per_node={self.gpus_per_node}")
         for name in ("gpu_memory_gib", "fs_write_gbps"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0; got {getattr(self, name)!r}")
@@ -70,7 +67,9 @@ class Cluster:
         if self.reserve_gib < 0:
             raise ValueError(f"reserve_gib must be ≥ 0; got {self.reserve_gib!r}")
         if self.kv_cache_dtype not in KV_DTYPE_BYTES:
-            raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_DTYPE_BYTES)}; got {self.kv_cache_dtype!r}")
+            raise ValueError(
+                f"kv_cache_dtype must be one of {sorted(KV_DTYPE_BYTES)}; got {self.kv_cache_dtype!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -124,7 +123,8 @@ def make_plan(config: RunConfig, cluster: Cluster) -> Plan:
     trainer_gpus = (cluster.nodes - cluster.rollout_nodes) * cluster.gpus_per_node
     if trainer_gpus % (tp * pp):
         raise ValueError(
-            f"{trainer_gpus} trainer GPUs are not a multiple of tensor_parallel × pipeline_parallel = {tp} × {pp}"
+            f"{trainer_gpus} trainer GPUs are not a multiple of "
+            f"tensor_parallel × pipeline_parallel = {tp} × {pp}"
         )
     if shape.layers % pp:
         raise ValueError(f"num_hidden_layers={shape.layers} is not divisible by pipeline_parallel={pp}")
@@ -197,8 +197,8 @@ def _verdict(
     if over > 0:
         term = max((t for t in peak.terms if t != "reserve"), key=peak.terms.__getitem__)
         problems.append(
-            f"trainer stage {peak.stage}: total {_gib(peak.total)} exceeds the GPU's {_gib(layout.capacity_bytes)} "
-            f"by {_gib(over)}; largest term: {term} = {_gib(peak.terms[term])}"
+            f"trainer stage {peak.stage}: total {_gib(peak.total)} exceeds the GPU's "
+            f"{_gib(layout.capacity_bytes)} by {_gib(over)}; largest term: {term} = {_gib(peak.terms[term])}"
         )
     if rollout.weights_bytes >= rollout.budget_bytes:
         problems.append(
@@ -214,11 +214,12 @@ def _verdict(
         )
     elif rollout.in_flight_per_server > rollout.sequences_per_server:
         fitting = rollout.sequences_per_server * rollout_layout.servers // rollout_layout.group_size
+        in_flight, held = rollout.in_flight_per_server, rollout.sequences_per_server
         warnings.append(
             f"rollout: max_concurrency × group_size = {rollout_layout.max_concurrency} × "
-            f"{rollout_layout.group_size} puts {rollout.in_flight_per_server} sequences per server in flight, "
-            f"but its KV cache holds {rollout.sequences_per_server} of {rollout_layout.sequence_tokens} tokens "
-            f"(exceeded by {rollout.in_flight_per_server / rollout.sequences_per_server:.2f}×): SGLang queues "
-            f"or retracts the rest; rollout.max_concurrency ≤ {fitting} keeps every request resident"
+            f"{rollout_layout.group_size} puts {in_flight} sequences per server in flight, but its KV cache "
+            f"holds {held} of {rollout_layout.sequence_tokens} tokens (exceeded by {in_flight / held:.2f}×): "
+            f"SGLang queues or retracts the rest; rollout.max_concurrency ≤ {fitting} keeps every request "
+            "resident"
         )
     return problems, warnings

@@ -27,7 +27,11 @@ def _notes(plan: Plan) -> dict[str, str]:
     opt = (
         f"{lay.optimizer}: {'fp32 master + ' if lay.precision != 'fp32' else ''}"
         f"{'m, v' if lay.optimizer == 'adam' else 'momentum'}"
-        + (f", / DP={lay.data_parallel} (distributed optimizer)" if lay.distributed_optimizer else ", not sharded")
+        + (
+            f", / DP={lay.data_parallel} (distributed optimizer)"
+            if lay.distributed_optimizer
+            else ", not sharded"
+        )
     )
     in_flight = min(lay.pipeline_parallel - plan.trainer.stage, lay.micro_batches)
     recompute = lay.recompute + (
@@ -36,7 +40,8 @@ def _notes(plan: Plan) -> dict[str, str]:
         else ""
     )
     act = (
-        f"{in_flight} x {lay.tokens_per_micro_batch} tokens x {shape.layers // lay.pipeline_parallel} layers, "
+        f"{in_flight} x {lay.tokens_per_micro_batch} tokens x "
+        f"{shape.layers // lay.pipeline_parallel} layers, "
         f"recompute {recompute}{', SP' if lay.sequence_parallel else ''}"
     )
     if plan.trainer.stage != lay.pipeline_parallel - 1:
@@ -44,7 +49,8 @@ def _notes(plan: Plan) -> dict[str, str]:
     elif lay.fused_output_layer:
         logits = "fused op: final norm + fp32 blocks, no logits"
     else:
-        logits = f"[{lay.tokens_per_micro_batch}, {shape.padded_vocab // lay.tensor_parallel}] x {b} B, grad in place"
+        v_local = shape.padded_vocab // lay.tensor_parallel
+        logits = f"[{lay.tokens_per_micro_batch}, {v_local}] x {b} B, grad in place"
     ref = "offloaded or no KL: 0 at the peak" if not lay.reference_resident else "pi_ref weights, resident"
     return {
         "weights": TERM_NOTES["weights"].format(params=plan.trainer.params, b=b),
@@ -64,11 +70,12 @@ def format_plan(plan: Plan) -> str:
     p = plan.per_token_per_layer
     lines = [
         f"model: {shape.total_params():,} params, {shape.layers} layers, h={shape.hidden} f={shape.ffn} "
-        f"heads={shape.heads}/{shape.kv_heads}x{shape.head_dim} vocab={shape.vocab} (padded {shape.padded_vocab})",
+        f"heads={shape.heads}/{shape.kv_heads}x{shape.head_dim} vocab={shape.vocab} "
+        f"(padded {shape.padded_vocab})",
         f"cluster: {c.nodes} nodes x {c.gpus_per_node} GPUs of {c.gpu_memory_gib:g} GiB; rollout "
         f"{c.rollout_nodes} node(s), trainer {c.nodes - c.rollout_nodes}",
-        f"trainer: TP={lay.tensor_parallel} PP={lay.pipeline_parallel} DP={lay.data_parallel}, {lay.precision}, "
-        f"per GPU (pipeline stage {plan.trainer.stage}, the fullest):",
+        f"trainer: TP={lay.tensor_parallel} PP={lay.pipeline_parallel} DP={lay.data_parallel}, "
+        f"{lay.precision}, per GPU (pipeline stage {plan.trainer.stage}, the fullest):",
     ]
     notes = _notes(plan)
     for term, value in plan.trainer.terms.items():
@@ -76,10 +83,12 @@ def format_plan(plan: Plan) -> str:
     lines.append(f"  {'total':<12} {_gib(plan.trainer.total)}   of {_gib(lay.capacity_bytes).strip()}")
     lines.append(
         f"  activation per token per layer: {p['none']:,} B (selective recompute {p['selective']:,} B, "
-        f"full recompute keeps {p['full_kept']:,} B); with SP {p['none_sp']:,} B (full: {p['full_kept_sp']:,} B)"
+        f"full recompute keeps {p['full_kept']:,} B); with SP {p['none_sp']:,} B "
+        f"(full: {p['full_kept_sp']:,} B)"
     )
     lines += [
-        f"rollout: {rl.servers} SGLang servers x TP={rl.tp_per_server}, mem fraction {rl.mem_fraction}, per GPU:",
+        f"rollout: {rl.servers} SGLang servers x TP={rl.tp_per_server}, mem fraction {rl.mem_fraction}, "
+        "per GPU:",
         f"  weights      {_gib(ro.weights_bytes)}",
         f"  KV cache     {_gib(ro.budget_bytes - ro.weights_bytes)}   {ro.kv_bytes_per_token:,} B/token "
         f"-> {ro.kv_tokens_per_server:,} tokens per server",

@@ -1,16 +1,16 @@
 """Bytes per trainer GPU, term by term, for one pipeline stage at its training peak.
 
-    weights      the stage's parameters on this TP rank, in the model dtype (megatron's `Float16Module`)
-    grads        the same count in the main-grad dtype: fp32 (`grad_reduce_in_fp32=True`,
-                 `train/engine/setup.py`), never sharded (megatron's DDP grad buffer)
-    optimizer    Adam: fp32 master params (half precision only) + m + v; SGD: master + momentum;
-                 divided by DP under the distributed optimizer
-    activations  `activations.stage_activation_bytes` (1F1B: stage s keeps min(PP − s, M) micro-batches)
-    logits       the last stage's logits (or the fused op's blocks) for one micro-batch
-    reference    π_ref's weights (model dtype), when `algorithm.kl_coef` > 0 and it is not offloaded; an
-                 offloaded reference is on the GPU only for its forward-only pass, when no training
-                 activations are alive, so it adds nothing to the training peak
-    reserve      CUDA context, NCCL communicators and buffers, allocator fragmentation (an assumption)
+weights      the stage's parameters on this TP rank, in the model dtype (megatron's `Float16Module`)
+grads        the same count in the main-grad dtype: fp32 (`grad_reduce_in_fp32=True`,
+             `train/engine/setup.py`), never sharded (megatron's DDP grad buffer)
+optimizer    Adam: fp32 master params (half precision only) + m + v; SGD: master + momentum;
+             divided by DP under the distributed optimizer
+activations  `activations.stage_activation_bytes` (1F1B: stage s keeps min(PP − s, M) micro-batches)
+logits       the last stage's logits (or the fused op's blocks) for one micro-batch
+reference    π_ref's weights (model dtype), when `algorithm.kl_coef` > 0 and it is not offloaded; an
+             offloaded reference is on the GPU only for its forward-only pass, when no training
+             activations are alive, so it adds nothing to the training peak
+reserve      CUDA context, NCCL communicators and buffers, allocator fragmentation (an assumption)
 """
 
 from __future__ import annotations
@@ -145,7 +145,9 @@ def checkpoint_bytes_per_rank(shape: ModelShape, layout: TrainerLayout) -> int:
     fp32 optimizer state (master + moments), both split over DP (megatron's fully parallel save
     distributes each TP×PP shard's writes over its DP replicas)."""
     b = DTYPE_BYTES[layout.precision]
-    params = max(shape.stage_params(layout.tensor_parallel, layout.pipeline_parallel, s)
-                 for s in range(layout.pipeline_parallel))
+    params = max(
+        shape.stage_params(layout.tensor_parallel, layout.pipeline_parallel, s)
+        for s in range(layout.pipeline_parallel)
+    )
     per_shard = params * (b + optimizer_bytes_per_param(layout))
     return -(-per_shard // layout.data_parallel)

@@ -37,7 +37,7 @@ TOKENS = 48
 PAD = 128
 
 
-def _measure(rank, world):
+def _measure(_rank, _world):
     init_megatron()
     from megatron_tail.model.gpt import build_gpt_model
     from megatron_tail.model.settings import ModelSettings

@@ -1,0 +1,89 @@
+"""The examples' memory headers are the planner's output: build, check and (`--write`) rewrite them.
+
+Each `examples/qwen3_*.yaml` carries, between `# Memory plan` and the first YAML key, the table that
+`megatron-tail plan` prints for it on the layout of its own launch line (nodes, MT_ROLLOUT_NODES,
+MT_SGLANG_TP, MT_SGLANG_MEM_FRACTION), with the model's config.json from `tests/plan/configs/`.
+
+    python -m tests.plan.example_headers --write    # after changing the planner or an example
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((ROOT / "examples").glob("qwen3_*.yaml"))
+MODEL_CONFIGS = {"Qwen3-8B": "qwen3_8b", "Qwen3-14B": "qwen3_14b"}
+START = "# Memory plan"
+
+
+def launch_args(text: str) -> list[str]:
+    """`megatron-tail plan` arguments for the layout of the example's `sbatch` line."""
+    line = next(ln for ln in text.splitlines() if " sbatch " in ln)
+    env = dict(re.findall(r"(MT_\w+)=(\S+)", line))
+    args = ["--nodes", re.search(r"--nodes=(\d+)", line).group(1)]
+    args += ["--gpus-per-node", re.search(r"--gpus-per-node=(\d+)", line).group(1)]
+    for var, flag in (
+        ("MT_ROLLOUT_NODES", "--rollout-nodes"),
+        ("MT_SGLANG_TP", "--rollout-tp"),
+        ("MT_SGLANG_MEM_FRACTION", "--mem-fraction"),
+    ):
+        if var in env:
+            args += [flag, env[var]]
+    return args
+
+
+def model_override(text: str) -> str:
+    name = re.search(r"hf_path: models/(\S+)", text).group(1)
+    return f"model.hf_path={ROOT / 'tests/plan/configs' / MODEL_CONFIGS[name]}"
+
+
+def expected_header(path: Path) -> str:
+    import argparse
+
+    from megatron_tail.config import load_config
+    from megatron_tail.plan.cli import add_plan_parser
+    from megatron_tail.plan.planner import Cluster, make_plan
+    from megatron_tail.plan.report import format_plan
+
+    text = path.read_text()
+    parser = argparse.ArgumentParser()
+    add_plan_parser(parser.add_subparsers())
+    args = parser.parse_args(["plan", str(path), *launch_args(text)])
+    cluster = Cluster(
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        rollout_nodes=args.rollout_nodes,
+        rollout_tp=args.rollout_tp,
+        mem_fraction=args.mem_fraction,
+    )
+    plan = make_plan(load_config(path, [model_override(text)]), cluster)
+    shown = " ".join(launch_args(text))
+    lines = [
+        f"{START} (`megatron-tail plan examples/{path.name} {shown}`; it reads only the model's config.json;",
+        "# tests/plan/test_example_headers.py keeps this block equal to its output). GiB = 2^30 bytes:",
+        *(f"#   {ln}" for ln in format_plan(plan).splitlines()),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def current_header(text: str) -> str:
+    """The block from `# Memory plan` to the line before the first YAML key."""
+    start = text.index(START)
+    end = re.search(r"^\w", text[start:], flags=re.M).start() + start
+    return text[start:end]
+
+
+def write(path: Path) -> None:
+    text = path.read_text()
+    old = current_header(text)
+    path.write_text(text.replace(old, expected_header(path)))
+
+
+if __name__ == "__main__":
+    if "--write" in sys.argv:
+        for example in EXAMPLES:
+            write(example)
+            print(f"wrote {example.relative_to(ROOT)}")

@@ -1,0 +1,150 @@
+"""`megatron-tail plan` against hand arithmetic, its refusals, its JSON, and what it reads and imports."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from megatron_tail.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+QWEN3_8B = ROOT / "tests/plan/configs/qwen3_8b"
+EXAMPLE_8B = ROOT / "examples/qwen3_8b_grpo_dvp.yaml"
+GIB = 1 << 30
+
+
+def _plan_json(capsys, *args) -> tuple[int, dict]:
+    rc = main(["plan", *map(str, args), "--json"])
+    return rc, json.loads(capsys.readouterr().out)
+
+
+def test_qwen3_8b_example_by_hand(capsys):
+    rc, out = _plan_json(capsys, EXAMPLE_8B, "--set", f"model.hf_path={QWEN3_8B}", "--nodes", 2)
+    t = out["trainer"]
+    assert rc == 0 and out["fits"] is True
+    assert (t["tensor_parallel"], t["pipeline_parallel"], t["data_parallel"]) == (2, 1, 4)
+    # Per TP=2 rank: a layer = qkv 4096·(16+8)·128 + proj 16·128·4096 + SwiGLU 3·4096·6144 + norms
+    # 2·4096 + q/k norms 2·128 = 96,477,440; × 36 layers, + embedding and untied lm_head 2 · 152576/2 · 4096
+    # (vocab 151936 padded to 1024s), + the final norm 4096.
+    params = 36 * 96_477_440 + 2 * 76_288 * 4096 + 4096
+    assert params == 4_098_143_232 == t["params_per_gpu"]
+    assert t["weights_bytes"] == 2 * params  # bf16
+    assert t["grads_bytes"] == 4 * params  # fp32 main grads
+    assert t["optimizer_bytes"] == 12 * params // 4  # fp32 master + m + v over DP = 4
+    # Per token per layer (bf16, TP = 2; h = 4096, f/TP = 6144, a/TP = 16, g/TP = 4, d = 128):
+    #   norm inputs + outputs 4·4096·2 = 32768; qkv projection (16 + 8)·128·2 = 6144; q's copy 16·128·2 =
+    #   4096; RoPE'd q, k (16 + 4)·128·2 = 5120; attention output 4096; fc1 output 2·6144·2 = 24576;
+    #   up copy, SiLU output, SwiGLU output 3·6144·2 = 36864; RoPE tables 4·128·2 = 1024;
+    #   fp32: norms' 1/rms (2 + 20)·4 = 88, log-sum-exp 16·4 = 64
+    per_token_layer = 32768 + 6144 + 4096 + 5120 + 4096 + 24576 + 36864 + 1024 + 88 + 64
+    assert per_token_layer == 114_840 == t["activation_bytes_per_token_per_layer"]["none"]
+    assert t["activations_bytes"] == per_token_layer * 36 * 5120  # one packed 5120-token micro-batch
+    # logits [5120, 76288] bf16 (gradient in place) + final norm in/out 2·4096·2 + its 1/rms 4 + the op's 4
+    # fp32 per token + the op's fp32 working chunks 4 · 4 B · 2^25
+    assert t["logits_bytes"] == 5120 * 76288 * 2 + 5120 * (16384 + 4 + 16) + 16 * 2**25
+    assert t["reference_bytes"] == 0
+    assert t["capacity_bytes"] == 80 * GIB
+    terms = ("weights", "grads", "optimizer", "activations", "logits", "reference", "reserve")
+    assert t["total_bytes"] == sum(t[f"{k}_bytes"] for k in terms)
+    # SGLang TP = 1: bf16 weights 2 · 8,190,735,360; KV 2 · 36 · 8 · 128 · 2 B per token
+    r = out["rollout"]
+    assert r["weights_bytes_per_gpu"] == 2 * 8_190_735_360
+    assert r["kv_bytes_per_token"] == 147_456
+    assert r["kv_tokens_per_server"] == (int(0.85 * 80 * GIB) - 2 * 8_190_735_360) // 147_456
+    assert r["sequences_per_server"] == r["kv_tokens_per_server"] // 5120
+    # checkpoint: (2 + 12) B per parameter of the TP shard, split over DP = 4
+    assert out["checkpoint"]["bytes_per_rank"] == -(-14 * params // 4)
+
+
+def test_recompute_pipeline_and_reference_terms(capsys):
+    base = [EXAMPLE_8B, "--set", f"model.hf_path={QWEN3_8B}", "--nodes", 3]
+    _, plain = _plan_json(capsys, *base)
+    _, pp = _plan_json(capsys, *base, "--set", "parallel.pipeline_parallel=2")
+    # 1F1B: the first stage keeps 2 micro-batches of its 18 layers in flight = all 36 layers' worth
+    assert pp["trainer"]["stage"] == 0
+    assert pp["trainer"]["activations_bytes"] == plain["trainer"]["activations_bytes"]
+    assert pp["trainer"]["logits_bytes"] == 0
+    _, kl = _plan_json(
+        capsys, *base, "--set", "algorithm.kl_coef=0.01", "--set", "model.reference_offload=false"
+    )
+    assert kl["trainer"]["reference_bytes"] == plain["trainer"]["weights_bytes"]
+    _, seqpar = _plan_json(capsys, *base, "--sequence-parallel")
+    # SP shards the four h-sized norm tensors over TP = 2: 4·4096·2 / 2 fewer bytes per token per layer
+    assert plain["trainer"]["activations_bytes"] - seqpar["trainer"]["activations_bytes"] == 16384 * 36 * 5120
+
+
+def test_refuses_a_layout_that_cannot_fit(capsys):
+    rc = main(
+        [
+            "plan",
+            str(EXAMPLE_8B),
+            "--set",
+            f"model.hf_path={QWEN3_8B}",
+            "--set",
+            "parallel.tensor_parallel=1",
+            "--set",
+            "train.seq_len=16384",
+            "--set",
+            "model.max_sequence_length=16384",
+        ]
+    )
+    captured = capsys.readouterr()
+    assert rc == 1
+    assert "does not fit" in captured.out
+    assert "exceeds the GPU's 80.0 GiB by" in captured.err and "largest term: activations" in captured.err
+
+
+def test_refuses_rollout_weights_that_do_not_fit(capsys):
+    rc = main(["plan", str(EXAMPLE_8B), "--set", f"model.hf_path={QWEN3_8B}", "--gpu-memory-gib", "16"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "rollout weights: 15.3 GiB per GPU exceed the static budget 13.6 GiB" in err
+
+
+def test_warns_when_concurrency_exceeds_the_kv_cache(capsys):
+    rc, out = _plan_json(
+        capsys, EXAMPLE_8B, "--set", f"model.hf_path={QWEN3_8B}", "--set", "rollout.max_concurrency=128"
+    )
+    assert rc == 0 and out["fits"]
+    assert any(
+        "128 sequences per server in flight" in w and "max_concurrency ≤ 75" in w for w in out["warnings"]
+    )
+
+
+def test_bad_layout_is_one_clear_error(capsys):
+    rc = main(
+        [
+            "plan",
+            str(EXAMPLE_8B),
+            "--set",
+            f"model.hf_path={QWEN3_8B}",
+            "--set",
+            "parallel.tensor_parallel=4",
+            "--set",
+            "parallel.pipeline_parallel=3",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert rc == 2 and "not a multiple of tensor_parallel × pipeline_parallel = 4 × 3" in err
+    rc = main(["plan", str(EXAMPLE_8B)])  # models/Qwen3-8B is not in the repository
+    assert rc == 2 and "has no config.json" in capsys.readouterr().err
+
+
+def test_reads_only_config_json_and_imports_no_megatron(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    shutil.copy(QWEN3_8B / "config.json", model / "config.json")
+    code = (
+        "import sys; from megatron_tail.cli import main; "
+        f"rc = main(['plan', {str(EXAMPLE_8B)!r}, '--set', 'model.hf_path={model}', '--json']); "
+        "assert not any(m == 'megatron' or m.startswith('megatron.') for m in sys.modules), "
+        "'megatron imported'; "
+        "sys.exit(rc)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["fits"] is True
