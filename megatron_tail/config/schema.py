@@ -81,10 +81,30 @@ class ParallelSection:
     """TP size (heads, FFN and vocab are split)."""
     pipeline_parallel: int = 1
     """PP size (layers are split into stages)."""
+    distributed_timeout_minutes: float = 120.0
+    """Timeout of every trainer process group: the world group (`init_process_group`; without one NCCL
+    kills a collective after 10 minutes) and megatron's TP/PP/DP groups. 120: ranks no longer wait for rank
+    0's rollout inside a collective (they wait in a CPU barrier, `rank0_wait_timeout_minutes`), but rank 0
+    still writes the HF export (16 GB for 8B) and its share of a checkpoint (~115 GB per node) while the
+    others wait in the next collective; 120 minutes covers those at a slow 0.1 GB/s with room to spare and
+    still ends a real hang the same day."""
+    rank0_wait_timeout_minutes: float | None = None
+    """How long the other ranks wait (in a gloo barrier, on CPU) for one of rank 0's phases: a rollout with
+    its dynamic-sampling rounds, scoring, eval, the disk weight sync. None: `distributed_timeout_minutes`.
+    A Qwen3-8B step (1024 samples of up to 4096 tokens, up to 3 rounds, 8 SGLang servers) is ~10-30 minutes
+    of rollout (projected)."""
+
+    @property
+    def wait_timeout_minutes(self) -> float:
+        return self.rank0_wait_timeout_minutes or self.distributed_timeout_minutes
 
     def __post_init__(self) -> None:
         _positive_int("parallel", "tensor_parallel", self.tensor_parallel)
         _positive_int("parallel", "pipeline_parallel", self.pipeline_parallel)
+        for name in ("distributed_timeout_minutes", "rank0_wait_timeout_minutes"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not value > 0):
+                _bad("parallel", name, value, "must be a number of minutes > 0")
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ __getattr__, __dir__, __all__ = lazy_exports(
         "current_groups": ".parallel",
         "destroy_parallel": ".parallel",
         "init_distributed": ".parallel",
+        "host_wait_group": ".parallel",
         "init_parallel": ".parallel",
         "OptimizerSettings": ".settings",
         "Trainer": ".setup",

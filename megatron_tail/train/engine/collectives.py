@@ -28,8 +28,13 @@ T = TypeVar("T")
 _TORCH_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
-def on_rank0(fn: Callable[[], T]) -> T:
+def on_rank0(fn: Callable[[], T], *, wait_group: dist.ProcessGroup | None = None) -> T:
     """Run `fn()` on global rank 0 only and hand its result to every rank. Collective (one broadcast).
+
+    With `wait_group` (a gloo group over the whole world, `parallel.host_wait_group()`), the other ranks
+    wait for `fn` in a CPU barrier on it, under that group's timeout, and the broadcast starts only when
+    every rank is there: a long rank-0 phase (a rollout) never sits inside an NCCL collective, whose
+    watchdog would kill the job at the world group's timeout.
 
     If `fn` raises on rank 0, every rank raises (rank 0 its own exception, the others a RuntimeError that
     quotes it, or a `UserError` with the same message for a user error, which only rank 0 prints) instead of
@@ -44,6 +49,8 @@ def on_rank0(fn: Callable[[], T]) -> T:
             if user_error:
                 error = str(e)
                 announce(e)  # now: the other ranks exit as soon as they hear of it
+    if wait_group is not None:
+        dist.barrier(group=wait_group)
     box = [(result, error, user_error)]
     dist.broadcast_object_list(box, src=0)
     result, error, user_error = box[0]

@@ -1,6 +1,7 @@
 """Process groups for training: torch.distributed + megatron's TP × PP × DP parallel state + RNG.
 
     init_distributed()                           # from torchrun env vars (no-op if already initialised)
+    wait = host_wait_group()                     # gloo, world-wide: where ranks wait for rank 0's phases
     groups = init_parallel(ParallelConfig(tensor_parallel=2, pipeline_parallel=1, seed=1234))
     ... groups.tp, groups.pp, groups.dp          # hand these to code outside model/ and train/
     destroy_parallel()
@@ -11,8 +12,10 @@ else receives the groups from `ParallelGroups`.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -32,6 +35,9 @@ class ParallelConfig:
     """PP size: splits the layers into stages."""
     seed: int = 1234
     """Seed of torch's RNG and megatron's model-parallel RNG trackers."""
+    distributed_timeout_minutes: float = 120.0
+    """Timeout of megatron's process groups (`initialize_model_parallel(distributed_timeout_minutes=)`,
+    whole minutes, rounded up); `init_distributed` takes the same for the world group."""
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel", "pipeline_parallel"):
@@ -60,16 +66,39 @@ class ParallelGroups:
         return self.pp_rank == self.pp_size - 1
 
 
-def init_distributed(backend: str | None = None) -> None:
-    """Initialise torch.distributed from the torchrun env (RANK, WORLD_SIZE, MASTER_ADDR, ...) if needed.
+DEFAULT_TIMEOUT = timedelta(minutes=120)
+"""Default collective timeout (`parallel.distributed_timeout_minutes`), see `RunConfig`'s `parallel`."""
+
+_host_wait_group: dist.ProcessGroup | None = None
+
+
+def init_distributed(
+    backend: str | None = None,
+    *,
+    timeout: timedelta = DEFAULT_TIMEOUT,
+    wait_timeout: timedelta | None = None,
+) -> None:
+    """Initialise torch.distributed from the torchrun env (RANK, WORLD_SIZE, MASTER_ADDR, ...) if needed,
+    with `timeout` on the world group (without one NCCL's default is 10 minutes, gloo's 30), and a gloo
+    group over the whole world with `wait_timeout` (default: `timeout`) for `host_wait_group()`.
 
     Backend: NCCL with CUDA (and `LOCAL_RANK` selects the GPU), gloo otherwise.
     """
+    global _host_wait_group
     if dist.is_initialized():
         return
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"))
+    dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"), timeout=timeout)
+    # Every rank creates it, in the same order (new_group is collective); a CPU barrier on it is how ranks
+    # wait for rank 0's rollout without an NCCL collective (and its watchdog) in flight.
+    _host_wait_group = dist.new_group(backend="gloo", timeout=wait_timeout or timeout)
+
+
+def host_wait_group() -> dist.ProcessGroup | None:
+    """The world-wide gloo group `init_distributed` made (None if torch.distributed was set up elsewhere,
+    e.g. by the test harness)."""
+    return _host_wait_group
 
 
 def init_parallel(config: ParallelConfig) -> ParallelGroups:
@@ -94,6 +123,7 @@ def init_parallel(config: ParallelConfig) -> ParallelGroups:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=config.tensor_parallel,
         pipeline_model_parallel_size=config.pipeline_parallel,
+        distributed_timeout_minutes=math.ceil(config.distributed_timeout_minutes),
     )
     torch.manual_seed(config.seed)
     # inference_rng_tracker: megatron's default CUDA RNG tracker cannot run on CPU; this one can.

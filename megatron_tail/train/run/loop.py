@@ -22,11 +22,13 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
 
 from megatron_tail.config import RunConfig, TrainSection, save_resolved_config
+from megatron_tail.config.schema import ParallelSection
 from megatron_tail.rollout import rollout_metrics
 from megatron_tail.utils.errors import UserError
 from megatron_tail.utils.net import free_port
@@ -246,9 +248,9 @@ def _signal_name(stop: GracefulStop) -> str:
     return stop.received.name if stop.received is not None else "signal on another rank"
 
 
-def init_torch_distributed() -> int:
+def init_torch_distributed(parallel: ParallelSection | None = None) -> int:
     """Initialise torch.distributed from torchrun's env (a plain process becomes a world of one), if not
-    yet; returns the world size."""
+    yet, with `parallel`'s timeouts (the defaults without one); returns the world size."""
     from ..engine.parallel import init_distributed
 
     if dist.is_available() and dist.is_initialized():
@@ -256,13 +258,17 @@ def init_torch_distributed() -> int:
     if "WORLD_SIZE" not in os.environ:
         os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"})
         os.environ.setdefault("MASTER_PORT", str(free_port()))
-    init_distributed()
+    parallel = parallel or ParallelSection()
+    init_distributed(
+        timeout=timedelta(minutes=parallel.distributed_timeout_minutes),
+        wait_timeout=timedelta(minutes=parallel.wait_timeout_minutes),
+    )
     return dist.get_world_size()
 
 
 def ensure_distributed(cfg: RunConfig) -> None:
     """`init_torch_distributed`, checked against the config's layout."""
-    world = init_torch_distributed()
+    world = init_torch_distributed(cfg.parallel)
     model_parallel = cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel
     if world % model_parallel:
         raise UserError(

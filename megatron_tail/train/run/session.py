@@ -26,7 +26,7 @@ from megatron_tail.rollout import RolloutBatch
 from ..engine.checkpoint import load_checkpoint, read_rank0_object, save_checkpoint
 from ..engine.collectives import on_rank0
 from ..engine.lr_schedule import restore_progress
-from ..engine.parallel import ParallelConfig, init_parallel
+from ..engine.parallel import ParallelConfig, host_wait_group, init_parallel
 from ..engine.reference import build_reference
 from ..engine.setup import build_trainer
 from . import run_dir
@@ -57,6 +57,8 @@ class RunSession:
         self.held: tuple[int, RolloutBatch] | None = None
         """(step, batch) generated ahead and not trained on yet (every rank; checkpointed)."""
         self._ahead: BackgroundJob[RolloutBatch] | None = None
+        self._wait = host_wait_group()
+        """Where the other ranks wait for rank 0's phases (a CPU barrier, not an NCCL collective)."""
 
         def start_engines() -> None:
             from megatron_tail.model.directory import check_model_dir
@@ -67,13 +69,14 @@ class RunSession:
             # a local engine starts loading now
             self.engines = RolloutEngines(cfg, self.run_dir, tokenizer, note=self.console.note)
 
-        on_rank0(start_engines)
+        on_rank0(start_engines, wait_group=self._wait)
         try:
             self.groups = init_parallel(
                 ParallelConfig(
                     tensor_parallel=cfg.parallel.tensor_parallel,
                     pipeline_parallel=cfg.parallel.pipeline_parallel,
                     seed=cfg.seed,
+                    distributed_timeout_minutes=cfg.parallel.distributed_timeout_minutes,
                 )
             )
             self.trainer = build_trainer(
@@ -114,12 +117,12 @@ class RunSession:
             )
             return None if intact is None else str(intact)
 
-        path = on_rank0(newest)
+        path = on_rank0(newest, wait_group=self._wait)
         if path is None:
             return 0
         rl_state = load_checkpoint(path, self.trainer)
         self.data_cursor = int(rl_state.get("data_cursor", 0))
-        ahead = on_rank0(lambda: read_rank0_object(path, "rollout_ahead"))
+        ahead = on_rank0(lambda: read_rank0_object(path, "rollout_ahead"), wait_group=self._wait)
         if ahead is not None and ahead["step"] == rl_state["step"]:
             # the batch that was generated for the next step: train on it, as the stopped run would have
             self.held = (ahead["step"], RolloutBatch(**ahead["batch"]))
@@ -131,7 +134,7 @@ class RunSession:
         return int(rl_state["step"])
 
     def wait_ready(self) -> None:
-        on_rank0(lambda: self.engines.wait_ready())
+        on_rank0(lambda: self.engines.wait_ready(), wait_group=self._wait)
 
     def rollout(self, step: int) -> RolloutBatch:
         """Step `step`'s prompts (a function of seed and step; with dynamic sampling, of the stream's cursor),
@@ -144,7 +147,7 @@ class RunSession:
                 raise RuntimeError(f"the batch generated ahead is for step {held_step}, not step {step}")
             self.held = None
             return batch
-        return self._receive(on_rank0(lambda: self._generate(step)))
+        return self._receive(on_rank0(lambda: self._generate(step), wait_group=self._wait))
 
     def launch_rollout(self, step: int) -> None:
         """Rank 0 starts generating step `step`'s batch in the background with the engines' current weights
@@ -158,7 +161,7 @@ class RunSession:
         """Wait for the batch `launch_rollout(step)` started and hold it on every rank for `step`. Returns
         `perf/overlap_s` (seconds it generated while the trainer worked) and `perf/rollout_wait_s` (seconds
         waited now)."""
-        collected = on_rank0(lambda: self._ahead.wait())
+        collected = on_rank0(lambda: self._ahead.wait(), wait_group=self._wait)
         self.held = (step, self._receive(collected.result))
         return {"perf/overlap_s": collected.overlap_s, "perf/rollout_wait_s": collected.wait_s}
 
@@ -177,7 +180,7 @@ class RunSession:
         started = time.perf_counter()
         out = Path(self.cfg.rollout.weight_sync_dir or self.run_dir / "rollout_weights")
         export_hf(self.trainer.chunks, out, self.trainer.arch, copy_files_from=self.cfg.model.hf_path)
-        on_rank0(lambda: self.engines.sync_weights(out, version))
+        on_rank0(lambda: self.engines.sync_weights(out, version), wait_group=self._wait)
         return time.perf_counter() - started
 
     def _stream_weights(self, version: int) -> float:
@@ -212,7 +215,7 @@ class RunSession:
             ex = self.eval_examples
             return self.engines.evaluate([e.prompt_ids for e in ex], [e.answer for e in ex]) if ex else {}
 
-        return on_rank0(evaluate)
+        return on_rank0(evaluate, wait_group=self._wait)
 
     def checkpoint(self, done: int) -> float:
         """Save after `done` completed steps; keep the newest `train.keep_checkpoints`. Returns seconds."""

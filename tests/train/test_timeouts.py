@@ -1,0 +1,97 @@
+"""Timeouts sized for the work: the configured timeout reaches the world group and megatron's groups, and
+ranks wait for a rank-0 phase longer than the collective timeout in a CPU barrier, not in a collective."""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from megatron_tail.config import load_config
+from megatron_tail.utils.net import free_port
+from tests.harness import run_distributed
+
+COLLECTIVE_TIMEOUT = timedelta(seconds=1)
+RANK0_PHASE_S = 2.5  # longer than the collective timeout
+
+
+def _fresh_world(rank: int, world: int, port: int) -> None:
+    """Replace the harness's world group by one that `init_distributed` makes, with short timeouts."""
+    from megatron_tail.train.engine import parallel
+
+    dist.destroy_process_group()
+    os.environ.update(
+        {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world)}
+    )
+    parallel._host_wait_group = None
+    parallel.init_distributed("gloo", timeout=COLLECTIVE_TIMEOUT, wait_timeout=timedelta(seconds=60))
+
+
+def _wait_through_rank0_phase(rank, world, port):
+    from megatron_tail.train.engine.collectives import on_rank0
+    from megatron_tail.train.engine.parallel import host_wait_group
+
+    _fresh_world(rank, world, port)
+    started = time.monotonic()
+    value = on_rank0(lambda: time.sleep(RANK0_PHASE_S) or 42, wait_group=host_wait_group())
+    waited = time.monotonic() - started
+    # the same phase without the CPU barrier: the rank waiting inside the broadcast hits the world group's
+    # 2 s timeout (so that timeout is the one the group got)
+    failed_without_barrier = None
+    if rank == 1:
+        try:
+            on_rank0(lambda: None)
+            failed_without_barrier = False
+        except RuntimeError as e:
+            failed_without_barrier = "timed out" in str(e).lower() or "timeout" in str(e).lower()
+    else:
+        try:
+            on_rank0(lambda: time.sleep(RANK0_PHASE_S))
+        except RuntimeError:
+            pass  # rank 1 left; whatever gloo says here does not matter
+    return value, waited, failed_without_barrier
+
+
+def test_ranks_wait_through_a_rank0_phase_longer_than_the_collective_timeout():
+    results = run_distributed(_wait_through_rank0_phase, 2, free_port(), timeout=60)
+    (v0, _, _), (v1, waited1, failed1) = results
+    assert v0 == v1 == 42
+    assert waited1 >= RANK0_PHASE_S > COLLECTIVE_TIMEOUT.total_seconds()
+    assert failed1 is True, "rank 1 should time out in the broadcast without the barrier"
+
+
+def _megatron_timeout(_rank, _world):
+    from megatron.core import parallel_state
+
+    from megatron_tail.train.engine.parallel import ParallelConfig, init_parallel
+
+    seen = {}
+    original = parallel_state.initialize_model_parallel
+
+    def recording(*args, **kwargs):
+        seen.update(kwargs)
+        return original(*args, **kwargs)
+
+    parallel_state.initialize_model_parallel = recording
+    try:
+        init_parallel(ParallelConfig(distributed_timeout_minutes=7.5))
+    finally:
+        parallel_state.initialize_model_parallel = original
+    return seen["distributed_timeout_minutes"]
+
+
+def test_megatron_groups_get_the_timeout():
+    assert run_distributed(_megatron_timeout, 1) == [8]  # whole minutes, rounded up
+
+
+def test_config_validates_and_defaults():
+    cfg = load_config(None)
+    assert cfg.parallel.distributed_timeout_minutes == 120.0
+    assert cfg.parallel.wait_timeout_minutes == 120.0
+    cfg = load_config(None, ["parallel.rank0_wait_timeout_minutes=240"])
+    assert cfg.parallel.wait_timeout_minutes == 240
+    with pytest.raises(Exception, match="distributed_timeout_minutes"):
+        load_config(None, ["parallel.distributed_timeout_minutes=0"])
