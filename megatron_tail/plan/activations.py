@@ -33,11 +33,15 @@ attention (TE's flash/fused attention on GPU, SDPA per sequence on the local spe
 score matrix. Dropout is 0 (nothing saved). The saved-tensor test (`tests/plan/test_saved_tensors.py`) checks
 every term but the core's against what autograd saves in a training forward of a small Qwen3.
 
-Recompute (megatron's `recompute_granularity`):
-- "selective" checkpoints the core attention (`recompute_modules=["core_attn"]`): its q, k, v are still kept
-  (by the checkpoint, as its inputs) and its output by linear_proj, so only `core_stats` goes;
-- "full" with `recompute_method="uniform"` and n layers per chunk keeps each chunk's input (h per token,
-  h/TP with SP) and, while one chunk is recomputed for its backward, that chunk's n layers in full.
+Recompute (`model.recompute` → megatron's `recompute_granularity`, `model/config.py::_recompute_fields`):
+- "selective" over `model.recompute_modules` (`TransformerLayer.__init__`, transformer_layer.py):
+  "core_attn" checkpoints the core attention: its q, k, v are still kept (as the checkpoint's inputs) and
+  its output by linear_proj, so only `core_stats` goes; "mlp" keeps the MLP's input (the norm output,
+  linear_fc1's input) and drops `fc1_output`, `up_copy`, `silu_output`, `swiglu_output`; "layernorm"
+  drops both norms' outputs (`norm_outputs`), recomputed from their kept inputs;
+- "full" with `recompute_method="uniform"` and n layers per chunk (`model.recompute_num_layers`, None = 1)
+  keeps each chunk's input (h per token, h/TP with SP) and, while one chunk is recomputed for its
+  backward, that chunk's n layers in full.
 """
 
 from __future__ import annotations
@@ -61,10 +65,25 @@ class LayerActivations:
         return sum(self.terms.values())
 
 
+SELECTIVE_DROPS = {
+    "core_attn": ("core_stats",),
+    "mlp": ("fc1_output", "up_copy", "silu_output", "swiglu_output"),
+    "layernorm": ("norm_outputs",),
+}
+"""What each of megatron's selective-recompute modules frees (see the module docstring)."""
+
+
 def layer_activation_terms(
-    shape: ModelShape, *, tp: int, sequence_parallel: bool, dtype_bytes: int, recompute: str = "none"
+    shape: ModelShape,
+    *,
+    tp: int,
+    sequence_parallel: bool,
+    dtype_bytes: int,
+    recompute: str = "none",
+    recompute_modules: tuple[str, ...] = ("core_attn", "mlp"),
 ) -> LayerActivations:
-    """Per-token bytes one layer keeps for backward without full recompute ("none" or "selective")."""
+    """Per-token bytes one layer keeps for backward without full recompute ("none" or "selective" over
+    `recompute_modules`)."""
     h, f, a, d = shape.hidden, shape.ffn, shape.heads // tp, shape.head_dim
     g = shape.kv_heads_per_rank(tp)
     h_kept = h // tp if sequence_parallel else h
@@ -82,8 +101,12 @@ def layer_activation_terms(
         "swiglu_output": f // tp * b,
         "rope_tables": 4 * d * b,
         "norm_stats": (2 + ((a + g) if shape.qk_norm else 0)) * FP32,
-        "core_stats": a * FP32 if recompute != "selective" else 0,
+        "core_stats": a * FP32,
     }
+    if recompute == "selective":
+        for module in recompute_modules:
+            for term in SELECTIVE_DROPS[module]:
+                terms[term] = 0
     return LayerActivations(terms)
 
 
@@ -98,15 +121,21 @@ def stage_activation_bytes(
     dtype_bytes: int,
     recompute: str,
     recompute_num_layers: int | None,
+    recompute_modules: tuple[str, ...] = ("core_attn", "mlp"),
 ) -> int:
     """Activation bytes one pipeline stage holds at its peak: `in_flight` micro-batches of `tokens` tokens
     through its `stage_layers` layers (1F1B: stage s of PP keeps min(PP − s, micro-batches) in flight)."""
     per_layer = layer_activation_terms(
-        shape, tp=tp, sequence_parallel=sequence_parallel, dtype_bytes=dtype_bytes, recompute=recompute
+        shape,
+        tp=tp,
+        sequence_parallel=sequence_parallel,
+        dtype_bytes=dtype_bytes,
+        recompute=recompute,
+        recompute_modules=recompute_modules,
     ).total
     if recompute != "full":
         return per_layer * stage_layers * tokens * in_flight
-    chunk = min(recompute_num_layers or stage_layers, stage_layers)
+    chunk = min(recompute_num_layers or 1, stage_layers)
     h_kept = shape.hidden // tp if sequence_parallel else shape.hidden
     kept_inputs = math.ceil(stage_layers / chunk) * h_kept * dtype_bytes * tokens * in_flight
     return kept_inputs + chunk * per_layer * tokens
@@ -124,18 +153,29 @@ OP_SAVED_PER_TOKEN = 4 * FP32
 
 
 def logits_bytes(
-    shape: ModelShape, *, tp: int, tokens: int, dtype_bytes: int, fused_output_layer: bool
+    shape: ModelShape,
+    *,
+    tp: int,
+    tokens: int,
+    dtype_bytes: int,
+    fused_output_layer: bool,
+    sequence_parallel: bool = False,
 ) -> int:
     """The last stage's logits term for one training micro-batch.
 
     Unfused: the [tokens, V/TP] logits in the activation dtype, whose gradient the op writes over them
     (`inplace_backward=True`, `train/engine/forward.py`), plus the op's fp32 working chunks. Fused
     (`model.fused_output_layer`): no logits, only the op's blocks. Both add the final norm's saved input
-    and output (h per token each), the output layer's input.
+    and output (h per token each, h/TP with SP; the output is the output layer's input), its 1/rms and the
+    op's per-token state.
     """
-    final_norm = (2 * shape.hidden * dtype_bytes + FP32 + OP_SAVED_PER_TOKEN) * tokens
+    h_kept = shape.hidden // tp if sequence_parallel else shape.hidden
+    final_norm = (2 * h_kept * dtype_bytes + FP32 + OP_SAVED_PER_TOKEN) * tokens
     v_local = shape.padded_vocab // tp
     if fused_output_layer:
-        return final_norm + OP_TEMPORARY_COPIES * FP32 * min(tokens * v_local, FUSED_BLOCK_ELEMENTS)
+        # with SP the op gathers the hidden states and keeps the gathered [tokens, h] for backward
+        gathered = shape.hidden * dtype_bytes * tokens if sequence_parallel and tp > 1 else 0
+        blocks = OP_TEMPORARY_COPIES * FP32 * min(tokens * v_local, FUSED_BLOCK_ELEMENTS)
+        return final_norm + gathered + blocks
     logits = tokens * v_local * dtype_bytes
     return final_norm + logits + OP_TEMPORARY_COPIES * FP32 * min(tokens * v_local, UNFUSED_CHUNK_ELEMENTS)

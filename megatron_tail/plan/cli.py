@@ -36,7 +36,6 @@ def add_plan_parser(subparsers) -> None:
     p.add_argument("--quantization", default=None, help="SGLang --quantization (fp8: 1 B per weight)")
     p.add_argument("--reserve-gib", type=float, default=6.0, help="per trainer GPU: context, NCCL, allocator")
     p.add_argument("--fs-write-gbps", type=float, default=2.0, help="assumed write bandwidth per node (GB/s)")
-    p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(func=run_plan)
 
@@ -61,7 +60,6 @@ def run_plan(args: argparse.Namespace) -> int:
             quantization=args.quantization,
             reserve_gib=args.reserve_gib,
             fs_write_gbps=args.fs_write_gbps,
-            sequence_parallel=args.sequence_parallel,
         )
         plan = make_plan(config, cluster)
     except (ConfigError, ValueError, FileNotFoundError) as exc:

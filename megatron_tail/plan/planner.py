@@ -45,8 +45,6 @@ class Cluster:
     allocator fragmentation (an assumption, not a measurement)."""
     fs_write_gbps: float = 2.0
     """Assumed filesystem write bandwidth per node, GB/s (for the checkpoint's save time)."""
-    sequence_parallel: bool = False
-    """Megatron's sequence parallelism (the trainer does not turn it on yet; the plan can show it)."""
 
     def __post_init__(self) -> None:
         for name in ("nodes", "gpus_per_node", "rollout_nodes", "rollout_tp"):
@@ -103,9 +101,8 @@ def sequence_tokens(config: RunConfig, max_positions: int) -> int:
 def tokens_per_micro_batch(config: RunConfig, longest: int) -> int:
     """Tokens of one training micro-batch: the token budget of packed (THD) micro-batches, or
     `micro_batch_size` rows of `seq_len` (else the longest sample) tokens."""
-    budget = getattr(config.train, "max_tokens_per_micro_batch", None)
-    if budget is not None:
-        return int(budget)
+    if config.train.is_packed:
+        return config.train.max_tokens_per_micro_batch
     return config.train.micro_batch_size * (config.train.seq_len or longest)
 
 
@@ -145,9 +142,10 @@ def make_plan(config: RunConfig, cluster: Cluster) -> Plan:
         distributed_optimizer=config.optimizer.use_distributed_optimizer,
         tokens_per_micro_batch=tokens,
         micro_batches=max(1, per_rank_tokens // max(tokens, 1)),
-        recompute=getattr(config.model, "recompute", "none") or "none",
-        recompute_num_layers=getattr(config.model, "recompute_num_layers", None),
-        sequence_parallel=cluster.sequence_parallel,
+        recompute=config.model.recompute,
+        recompute_num_layers=config.model.recompute_num_layers,
+        recompute_modules=tuple(config.model.recompute_modules),
+        sequence_parallel=config.model.sequence_parallel and tp > 1,
         fused_output_layer=config.model.fused_output_layer,
         reference_resident=config.algorithm.kl_coef > 0 and not config.model.reference_offload,
         reserve_bytes=int(cluster.reserve_gib * GIB),

@@ -34,11 +34,11 @@ def _notes(plan: Plan) -> dict[str, str]:
         )
     )
     in_flight = min(lay.pipeline_parallel - plan.trainer.stage, lay.micro_batches)
-    recompute = lay.recompute + (
-        f" ({lay.recompute_num_layers or shape.layers // lay.pipeline_parallel} layers/chunk)"
-        if lay.recompute == "full"
-        else ""
-    )
+    recompute = lay.recompute
+    if lay.recompute == "full":
+        recompute += f" ({lay.recompute_num_layers or 1} layers/chunk)"
+    elif lay.recompute == "selective":
+        recompute += f" ({', '.join(lay.recompute_modules)})"
     act = (
         f"{in_flight} x {lay.tokens_per_micro_batch} tokens x "
         f"{shape.layers // lay.pipeline_parallel} layers, "

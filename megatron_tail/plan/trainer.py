@@ -43,6 +43,7 @@ class TrainerLayout:
     recompute: str
     """"none", "selective" or "full"."""
     recompute_num_layers: int | None
+    recompute_modules: tuple[str, ...]
     sequence_parallel: bool
     fused_output_layer: bool
     reference_resident: bool
@@ -88,6 +89,7 @@ def stage_memory(shape: ModelShape, layout: TrainerLayout, stage: int) -> StageM
         dtype_bytes=b,
         recompute=layout.recompute,
         recompute_num_layers=layout.recompute_num_layers,
+        recompute_modules=layout.recompute_modules,
     )
     last = stage == pp - 1
     logits = (
@@ -97,6 +99,7 @@ def stage_memory(shape: ModelShape, layout: TrainerLayout, stage: int) -> StageM
             tokens=layout.tokens_per_micro_batch,
             dtype_bytes=b,
             fused_output_layer=layout.fused_output_layer,
+            sequence_parallel=layout.sequence_parallel,
         )
         if last
         else 0
@@ -128,7 +131,12 @@ def activation_per_token_per_layer(shape: ModelShape, layout: TrainerLayout) -> 
 
     def per(sp: bool, recompute: str) -> int:
         return layer_activation_terms(
-            shape, tp=tp, sequence_parallel=sp, dtype_bytes=b, recompute=recompute
+            shape,
+            tp=tp,
+            sequence_parallel=sp,
+            dtype_bytes=b,
+            recompute=recompute,
+            recompute_modules=layout.recompute_modules,
         ).total
 
     return {

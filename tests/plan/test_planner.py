@@ -41,10 +41,13 @@ def test_qwen3_8b_example_by_hand(capsys):
     #   fp32: norms' 1/rms (2 + 20)·4 = 88, log-sum-exp 16·4 = 64
     per_token_layer = 32768 + 6144 + 4096 + 5120 + 4096 + 24576 + 36864 + 1024 + 88 + 64
     assert per_token_layer == 114_840 == t["activation_bytes_per_token_per_layer"]["none"]
-    assert t["activations_bytes"] == per_token_layer * 36 * 5120  # one packed 5120-token micro-batch
-    # logits [5120, 76288] bf16 (gradient in place) + final norm in/out 2·4096·2 + its 1/rms 4 + the op's 4
-    # fp32 per token + the op's fp32 working chunks 4 · 4 B · 2^25
-    assert t["logits_bytes"] == 5120 * 76288 * 2 + 5120 * (16384 + 4 + 16) + 16 * 2**25
+    # the example runs sequence parallelism: the four h-sized norm tensors are split over TP = 2
+    per_token_layer_sp = per_token_layer - 32768 // 2
+    assert per_token_layer_sp == 98_456 == t["activation_bytes_per_token_per_layer"]["none_sp"]
+    assert t["activations_bytes"] == per_token_layer_sp * 36 * 5120  # one 5120-token THD micro-batch
+    # logits [5120, 76288] bf16 (gradient in place) + final norm in/out 2·2048·2 (SP) + its 1/rms 4 + the
+    # op's 4 fp32 per token + the op's fp32 working chunks 4 · 4 B · 2^25
+    assert t["logits_bytes"] == 5120 * 76288 * 2 + 5120 * (8192 + 4 + 16) + 16 * 2**25
     assert t["reference_bytes"] == 0
     assert t["capacity_bytes"] == 80 * GIB
     terms = ("weights", "grads", "optimizer", "activations", "logits", "reference", "reserve")
@@ -71,9 +74,15 @@ def test_recompute_pipeline_and_reference_terms(capsys):
         capsys, *base, "--set", "algorithm.kl_coef=0.01", "--set", "model.reference_offload=false"
     )
     assert kl["trainer"]["reference_bytes"] == plain["trainer"]["weights_bytes"]
-    _, seqpar = _plan_json(capsys, *base, "--sequence-parallel")
+    _, no_sp = _plan_json(capsys, *base, "--set", "model.sequence_parallel=false")
     # SP shards the four h-sized norm tensors over TP = 2: 4·4096·2 / 2 fewer bytes per token per layer
-    assert plain["trainer"]["activations_bytes"] - seqpar["trainer"]["activations_bytes"] == 16384 * 36 * 5120
+    assert no_sp["trainer"]["activations_bytes"] - plain["trainer"]["activations_bytes"] == 16384 * 36 * 5120
+    _, full = _plan_json(capsys, *base, "--set", "model.recompute=full")
+    # full recompute, 1 layer per chunk: 36 kept layer inputs of h/TP (SP) + one layer recomputed
+    assert full["trainer"]["activations_bytes"] == 5120 * (36 * 2048 * 2 + 98_456)
+    _, sel = _plan_json(capsys, *base, "--set", "model.recompute=selective")
+    # selective over core_attn and mlp: the log-sum-exp and SwiGLU's 2f + 3f (TP = 2) values go
+    assert sel["trainer"]["activations_bytes"] == 5120 * 36 * (98_456 - 64 - 5 * 6144 * 2)
 
 
 def test_refuses_a_layout_that_cannot_fit(capsys):
@@ -86,7 +95,7 @@ def test_refuses_a_layout_that_cannot_fit(capsys):
             "--set",
             "parallel.tensor_parallel=1",
             "--set",
-            "train.seq_len=16384",
+            "train.max_tokens_per_micro_batch=16384",
             "--set",
             "model.max_sequence_length=16384",
         ]

@@ -1,13 +1,15 @@
 """The planner's activation formula against what autograd really saves in a training forward.
 
-A small Qwen3 (local spec, fp32, TP = 1) runs the forward of a training micro-batch, the DVP op included
+A small Qwen3 (local spec, fp32, TP = 1) runs the forward of a training micro-batch, three sequences packed
+into one THD row (the local spec's `ThdDotProductAttention`), the DVP op included
 (`inplace_backward=True`, as the trainer calls it), under saved-tensor hooks (`tests/plan/saved_tensors.py`).
 Everything outside the core attention must equal the planner's terms to the byte, once the one difference of
 the CPU path is added: torch's RMSNorm on CPU is composite (pow, mean, rsqrt, mul) and also keeps x·(1/rms)
 before the weight, one more tensor of the norm's input size, where TE's fused norm keeps only x and 1/rms.
 
-The core attention is reported, not equated: the planner counts what a flash/THD core keeps (RoPE'd q, k
-and the log-sum-exp; v is a view of the qkv projection), the CPU core here keeps its s × s probabilities.
+The core attention is reported, not equated: the planner counts what a flash core keeps (RoPE'd q, k and the
+log-sum-exp; v is a view of the qkv projection); the CPU core here runs SDPA's math backend per sequence,
+which also keeps each sequence's L × L probabilities and its per-sequence q/k/v copies.
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ CONFIG = {
     "rms_norm_eps": 1e-6,
     "tie_word_embeddings": False,
 }
-TOKENS = 48
+LENGTHS = (20, 12, 16)
+"""Three sequences packed into one THD row."""
+TOKENS = sum(LENGTHS)
 PAD = 128
 
 
@@ -41,17 +45,30 @@ def _measure(_rank, _world):
     init_megatron()
     from megatron_tail.model.gpt import build_gpt_model
     from megatron_tail.model.settings import ModelSettings
+    from megatron_tail.model.thd_attention import HostPackedSeqParams
     from megatron_tail.ops import vocab_parallel_masked_logprobs
 
     arch = load_hf_config(CONFIG)
     model = build_gpt_model(arch, ModelSettings(precision="fp32", use_te=False, vocab_pad_multiple=PAD))
     torch.manual_seed(0)
     tokens = torch.randint(0, CONFIG["vocab_size"], (1, TOKENS))
-    positions = torch.arange(TOKENS)[None]
-    causal = torch.triu(torch.ones(1, 1, TOKENS, TOKENS, dtype=torch.bool), 1)
+    bounds = [0]
+    for n in LENGTHS:
+        bounds.append(bounds[-1] + n)
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    params = HostPackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        cu_seqlens_q_padded=cu,
+        cu_seqlens_kv_padded=cu,
+        max_seqlen_q=max(LENGTHS),
+        max_seqlen_kv=max(LENGTHS),
+        cu_seqlens_host=tuple(bounds),
+    )
     cores = [layer.self_attention.core_attention for layer in model.decoder.layers]
     with SavedBytes(model, cores) as saved:
-        logits = model(tokens, positions, causal)
+        logits = model(tokens, None, None, packed_seq_params=params)
         vocab_parallel_masked_logprobs(
             logits, tokens, log_rho=-13.0, vocab_size=CONFIG["vocab_size"], inplace_backward=True
         )
@@ -76,7 +93,7 @@ def test_planner_equals_saved_bytes_outside_the_core():
 
     planner_core = TOKENS * shape.layers * sum(terms[k] for k in core_terms)
     print(
-        f"\ncore attention: measured {measured['core']:,} B (CPU core with s×s probabilities), "
-        f"planner's flash/THD core {planner_core:,} B"
+        f"\ncore attention: measured {measured['core']:,} B (SDPA math per sequence, CPU), "
+        f"planner's flash core {planner_core:,} B"
     )
     assert measured["core"] >= TOKENS * shape.layers * terms["rope_qk"]
