@@ -88,6 +88,31 @@ def test_resume_equals_uninterrupted(setup, tp, pp, world, rel):
     assert losses == pytest.approx(uninterrupted[3:], rel=rel, abs=0.0)
 
 
+@pytest.fixture(scope="module")
+def setup_dp2(tmp_path_factory):
+    """Saved at DP = 2 (TP = PP = 1): the optimizer state is sharded over DP, and the memory-efficient
+    format gathers it onto DP rank 0 only at the save."""
+    root = tmp_path_factory.mktemp("resume_dp2")
+    make_hf_model("qwen3", root / "hf", tie=True)
+    hf = str(root / "hf")
+    uninterrupted = run_distributed(_train_rank, 2, hf, 1, 1, None, None, 5)[0][0]
+    first = run_distributed(_train_rank, 2, hf, 1, 1, None, str(root / "ckpt"), 3)
+    assert first[0][0] == uninterrupted[:3]
+    return hf, str(root / "ckpt"), uninterrupted
+
+
+@pytest.mark.parametrize(
+    ("tp", "world", "rel"),
+    [(1, 2, 0.0), (2, 2, 1e-5), (1, 1, 1e-5)],
+    ids=["same-dp2", "into-tp2", "into-dp1"],
+)
+def test_dp_sharded_optimizer_resumes_and_reshards(setup_dp2, tp, world, rel):
+    hf, ckpt, uninterrupted = setup_dp2
+    losses, state = run_distributed(_train_rank, world, hf, tp, 1, ckpt, None, 2)[0]
+    assert state == {"step": 5, "data_cursor": 5 * BATCH}
+    assert losses == pytest.approx(uninterrupted[3:], rel=rel, abs=0.0)
+
+
 def _digest(path) -> dict[str, str]:
     return {
         str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()

@@ -50,8 +50,20 @@ from .setup import Trainer
 
 FORMAT_VERSION = 1
 # "fully_reshardable": optimizer state in model-param shapes (gathered over DP at save), so it reshards
-# over TP/PP/DP; megatron 0.16's "fully_sharded_model_space" fails ("flattened_range is not supported").
-_OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
+# over TP/PP/DP; megatron 0.16's "fully_sharded_model_space" fails ("flattened_range is not supported"), and
+# "dp_reshardable" reshards over DP only. The memory-efficient variant gathers each TP×PP shard's state
+# over gloo onto its DP rank 0 alone (`DistributedOptimizer.sharded_param_state_fully_reshardable`,
+# optimizer/distrib_optimizer.py): without it every rank allocates the shard's whole fp32 state (master,
+# m, v: 12 B/param, ~49 GB per rank for Qwen3-8B at TP=2) and all-gathers it at every save. Same files
+# either way for megatron ("interchangeable"): loading is unchanged.
+_OPTIM_METADATA = {
+    "distrib_optim_sharding_type": "fully_reshardable",
+    "distrib_optim_fully_reshardable_mem_efficient": True,
+    "chained_optim_avoid_prefix": True,
+}
+_OPTIM_METADATA_GATHER_ALL = {**_OPTIM_METADATA, "distrib_optim_fully_reshardable_mem_efficient": False}
+"""megatron's default exchange (every rank gets the gathered state): the baseline of
+`megatron_tail.bench.checkpoint_memory`."""
 
 
 class CheckpointMismatchError(UserError):
@@ -87,6 +99,7 @@ def save_checkpoint(
     *,
     overwrite: bool = False,
     rank0_objects: Mapping[str, Any] | None = None,
+    gather_optimizer_on_every_rank: bool = False,
 ) -> Path:
     """Save model, optimizer, `rl_state` and RNG to the directory `path`. Collective; atomic.
 
@@ -94,6 +107,9 @@ def save_checkpoint(
     written beside the checkpoint as `<name>.pt` inside the same atomic rename; read back with
     `read_rank0_object`. Unlike `rl_state`, which every rank saves and megatron compares across ranks,
     only rank 0's copy is written.
+
+    `gather_optimizer_on_every_rank`: megatron's default all-gather of the optimizer state to every rank
+    (the memory benchmark's baseline); by default only each shard's DP rank 0 gathers it.
 
     Raises:
         FileExistsError: `path` exists and `overwrite` is False (checked before anything is written).
@@ -111,7 +127,8 @@ def save_checkpoint(
     try:
         # cpu_device_scope: the distributed optimizer gathers its state with `.cuda()` / device="cuda".
         with cpu_device_scope():
-            state = _sharded_state(trainer, is_loading=False, with_rng=True)
+            metadata = _OPTIM_METADATA_GATHER_ALL if gather_optimizer_on_every_rank else _OPTIM_METADATA
+            state = _sharded_state(trainer, is_loading=False, with_rng=True, optim_metadata=metadata)
             state["rl_state"] = dict(rl_state)
             state["meta"] = {
                 "format": FORMAT_VERSION,
@@ -261,7 +278,14 @@ def load_checkpoint(
     return dict(meta["rl_state"])
 
 
-def _sharded_state(trainer: Trainer, *, is_loading: bool, with_rng: bool, with_optimizer: bool = True):
+def _sharded_state(
+    trainer: Trainer,
+    *,
+    is_loading: bool,
+    with_rng: bool,
+    with_optimizer: bool = True,
+    optim_metadata: Mapping[str, Any] = _OPTIM_METADATA,
+):
     models = [unwrap_model(c).sharded_state_dict() for c in trainer.chunks]
     model_sd = models[0] if len(models) == 1 else models
     state: dict[str, Any] = {"model": model_sd}
@@ -269,8 +293,12 @@ def _sharded_state(trainer: Trainer, *, is_loading: bool, with_rng: bool, with_o
         state["optimizer"] = trainer.optimizer.sharded_state_dict(
             models[0] if len(models) == 1 else {k: v for m in models for k, v in m.items()},
             is_loading=is_loading,
-            metadata=_OPTIM_METADATA,
+            metadata=dict(optim_metadata),
         )
+        if state["optimizer"].get("param_state", {}) is None:
+            # memory-efficient save: only DP rank 0 holds the gathered state; the others' None would make
+            # their common state differ from rank 0's (megatron logs that at every save)
+            del state["optimizer"]["param_state"]
     if with_rng:
         g = trainer.groups
         state["rng_state"] = ShardedObject(
