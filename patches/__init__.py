@@ -14,6 +14,7 @@ See README.md beside this file for what each patch does, why, and when to drop i
 from .cpu_device_scope import cpu_device_scope
 from .cuda_shims import apply_cuda_shims, cuda_shims_applied, remove_cuda_shims
 from .megatron_checkpoint import (
+    UnsteppedOptimizerSaveError,
     init_fresh_optimizer_state,
     init_unstepped_adam_state,
     torch_adam_load_fixes,
@@ -24,6 +25,7 @@ from .recompute_rng import apply_recompute_rng_shims, remove_recompute_rng_shims
 
 __all__ = [
     "PatchVersionError",
+    "UnsteppedOptimizerSaveError",
     "apply_cpu_patches",
     "apply_cuda_shims",
     "apply_recompute_rng_shims",

@@ -45,6 +45,10 @@ def init_fresh_optimizer_state(optimizer) -> None:
             opt._init_optimizer_states_with_dummy_values()
 
 
+class UnsteppedOptimizerSaveError(RuntimeError):
+    """An optimizer that never stepped and is not torch's Adam cannot be checkpointed (see below)."""
+
+
 def init_unstepped_adam_state(optimizer) -> None:
     """Before *saving* an optimizer that has not stepped yet (e.g. every RL step so far was skipped by
     dynamic sampling), megatron-core 0.16's `DistributedOptimizer.state_dict()` fails the same
@@ -52,17 +56,27 @@ def init_unstepped_adam_state(optimizer) -> None:
     would change the weights (weight decay) and the step count, so instead give torch's Adam exactly the
     state its own first step would create (`step` 0, zero moments; torch/optim/adam.py `_init_group`):
     the next real step is then bit-identical to one from an empty state. Only for torch's Adam/AdamW inner
-    optimizers with an empty state; idempotent. Drop with `init_fresh_optimizer_state`."""
+    optimizers with an empty state; idempotent. Drop with `init_fresh_optimizer_state`.
+
+    Any other inner optimizer that has not stepped (TE's or apex's FusedAdam, which megatron picks on GPUs;
+    their state layout, e.g. TE's `master_param` and group-level `step`, is not torch's) is refused with
+    `UnsteppedOptimizerSaveError` naming its class, instead of megatron's `KeyError: 'exp_avg'`."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from torch.optim.optimizer import _get_scalar_dtype
 
     check_pinned()
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(opt, "optimizer", None)
-        if not isinstance(opt, DistributedOptimizer) or not isinstance(inner, torch.optim.Adam):
+        if not isinstance(opt, DistributedOptimizer) or inner is None or len(inner.state) != 0:
             continue
-        if len(inner.state) != 0:
-            continue
+        if not isinstance(inner, torch.optim.Adam):
+            name = f"{type(inner).__module__}.{type(inner).__qualname__}"
+            raise UnsteppedOptimizerSaveError(
+                f"cannot checkpoint {name} before its first step (every step so far was skipped): its "
+                "state is empty and megatron-core 0.16's DistributedOptimizer.state_dict() needs it; only "
+                "torch.optim.Adam/AdamW get a neutral initial state here. Let one step train first, or "
+                "checkpoint later (train.checkpoint_every)"
+            )
         for group in inner.param_groups:
             on_device = group.get("capturable", False) or group.get("fused", False)
             for p in group["params"]:

@@ -3,6 +3,7 @@
 import contextlib
 
 import pytest
+import torch
 
 from tests.harness import run_distributed
 from tests.model.hf_models import make_hf_model
@@ -94,3 +95,28 @@ def test_saving_before_any_step_needs_adam_state_and_changes_nothing(tmp_path):
     assert saved.keys() == plain.keys()
     for name in plain:
         assert saved[name].equal(plain[name]), name
+
+
+class FusedAdam(torch.optim.Optimizer):
+    """A stand-in with TE's FusedAdam's name, not torch's Adam (TE does not install on CPU)."""
+
+    __module__ = "transformer_engine.pytorch.optimizers.fused_adam"
+
+
+def _save_unstepped_fused_adam(_rank, _world, hf, ckpt):
+    import megatron_tail.train.engine.checkpoint as checkpoint
+
+    trainer = resume._trainer(hf, 1, 1)
+    trainer.optimizer.optimizer.__class__ = FusedAdam  # the same empty state, another optimizer class
+    try:
+        checkpoint.save_checkpoint(ckpt, trainer, {"step": 0})
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"
+    return "saved"
+
+
+def test_unstepped_save_with_a_fused_adam_is_refused_by_name(tmp_path):
+    make_hf_model("qwen3", tmp_path / "hf", tie=True)
+    out = run_distributed(_save_unstepped_fused_adam, 1, str(tmp_path / "hf"), str(tmp_path / "c"))[0]
+    assert out.startswith("UnsteppedOptimizerSaveError: cannot checkpoint ")
+    assert "transformer_engine.pytorch.optimizers.fused_adam.FusedAdam before its first step" in out
