@@ -12,8 +12,36 @@ mt_log() { # mt_log MSG... : timestamped line to stdout (the sbatch --output fil
 
 mt_die() { mt_log "ERROR: $*"; exit 1; }
 
-mt_port_base() { # mt_port_base JOBID : first of 16 ports owned by this job (20000..59984)
-  echo $((20000 + ($1 % 2500) * 16))
+mt_port_base() { # mt_port_base JOBID : first of 16 ports owned by this job (10000..21999)
+  # Below SGLang's NCCL port picker (22000..29999, sglang/srt/utils/network.py) and Linux's ephemeral
+  # range (32768..60999 by default), from which the kernel hands out outgoing ports.
+  echo $((10000 + ($1 % 750) * 16))
+}
+
+mt_check_ports() { # mt_check_ports FIRST COUNT : die naming the first port of the block that is taken here
+  local p
+  for ((p = $1; p < $1 + $2; p++)); do
+    if (exec 3<> "/dev/tcp/127.0.0.1/$p") 2> /dev/null; then
+      mt_die "port $p (of this job's block $1..$(($1 + $2 - 1))) is already in use on $(hostname); set MT_PORT_BASE"
+    fi
+  done
+}
+
+mt_stop_timer() { # mt_stop_timer BUDGET PID : background sleeper that sends USR1 to PID BUDGET s before
+  # the job's time limit (squeue's end time); prints its pid, or nothing without a limit or time for it
+  local end now delay
+  end=$(squeue --noheader --jobs="$SLURM_JOB_ID" --format=%e 2> /dev/null | head -n 1)
+  end=$(date -d "$end" +%s 2> /dev/null) || return 0
+  now=$(date +%s)
+  delay=$((end - now - $1))
+  if [ "$delay" -le 0 ]; then return 0; fi
+  (
+    trap 'kill "$s" 2> /dev/null; exit 0' TERM
+    sleep "$delay" &
+    s=$!
+    wait "$s" && kill -USR1 "$2"
+  ) > /dev/null 2>&1 &
+  echo $!
 }
 
 mt_step_ids() { # mt_step_ids NAME : ids (JOBID.STEPID) of this job's running steps named NAME

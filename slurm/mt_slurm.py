@@ -8,7 +8,12 @@
                                                              poll GET URL/health until all answer 200
 
 `serve` is meant to run as an srun task: task `SLURM_LOCALID` = i on a node listens on `port_base + i`
-and drives the GPUs `[i·tp, (i+1)·tp)` of the node (SGLang's `--base-gpu-id`). The command lines come from
+and drives tp GPUs: the GPUs `[i·tp, (i+1)·tp)` of those it sees, or, where the site binds GPUs per task
+(it sees only tp of them), its own from 0 (SGLang's `--base-gpu-id`, counted in `CUDA_VISIBLE_DEVICES`).
+It binds `--host`, else this node's Slurm name unless that resolves to a loopback address (some
+clusters map the node's own name to 127.0.1.1 in /etc/hosts), then all interfaces. SGLang itself may
+run in another Python (`--server-python`: its own environment, see `scripts/setup_envs.sh`). The
+command lines come from
 `megatron_tail.rollout.launch` (the same builders the Python API uses), so the flags the DVP processor needs
 (`--enable-custom-logit-processor`, deterministic inference) are set in one place. This file imports only
 the standard library at module level, so `wait-healthy` starts in well under a second.
@@ -29,6 +34,40 @@ from collections.abc import Sequence
 def _node_host() -> str:
     """The name other nodes use for this one (Slurm's node name; the hostname outside Slurm)."""
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def base_gpu_id(local_id: int, tp: int, visible: str | None) -> int:
+    """First GPU (index into what this task sees) of server task `local_id` with `tp` GPUs.
+
+    `visible` is the task's `CUDA_VISIBLE_DEVICES`: when it lists no more than `tp` devices the site bound
+    this task's GPUs to it, so they start at 0; otherwise the task sees the node's GPUs and takes its
+    slice. Raises ValueError when the slice is not there."""
+    devices = [d for d in (visible or "").split(",") if d.strip()]
+    if visible is not None and len(devices) <= tp:
+        if len(devices) < tp:
+            raise ValueError(f"server task {local_id} needs {tp} GPUs; CUDA_VISIBLE_DEVICES={visible!r}")
+        return 0
+    if devices and (local_id + 1) * tp > len(devices):
+        raise ValueError(
+            f"server task {local_id} needs GPUs {local_id * tp}..{(local_id + 1) * tp - 1}, but "
+            f"CUDA_VISIBLE_DEVICES={visible!r} has {len(devices)}"
+        )
+    return local_id * tp
+
+
+def bind_host(requested: str = "") -> str:
+    """The address a server binds: `requested` (MT_BIND_HOST), else this node's Slurm name, unless it
+    resolves to a loopback address, which other nodes cannot reach; then 0.0.0.0 (all interfaces)."""
+    if requested:
+        return requested
+    name = _node_host()
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(name, None)}
+    except OSError:
+        return "0.0.0.0"
+    if any(a.startswith("127.") or a == "::1" for a in addresses):
+        return "0.0.0.0"
+    return name
 
 
 def _format_value(value) -> str:
@@ -62,7 +101,7 @@ def serve(args: argparse.Namespace) -> int:
 
     local_id = int(os.environ.get("SLURM_LOCALID", "0"))
     port = args.port_base + local_id
-    host = args.host or _node_host()
+    host = bind_host(args.host)
     if args.backend == "local":
         cfg = LocalEngineConfig(
             model_path=args.model_path,
@@ -83,11 +122,12 @@ def serve(args: argparse.Namespace) -> int:
             mem_fraction_static=args.mem_fraction_static,
             context_length=args.context_length,
             random_seed=args.random_seed,
-            base_gpu_id=local_id * args.tp,
+            base_gpu_id=base_gpu_id(local_id, args.tp, os.environ.get("CUDA_VISIBLE_DEVICES")),
             quantization=args.quantization,
+            deterministic_inference=args.deterministic,
             extra_args=tuple(args.extra_args.split()),
         )
-        cmd = build_sglang_server_command(cfg, python=sys.executable)
+        cmd = build_sglang_server_command(cfg, python=args.server_python or sys.executable)
     print(f"[mt_slurm] {_node_host()} task {local_id}: {' '.join(cmd)}", flush=True)
     os.execv(cmd[0], cmd)
     return 1  # not reached
@@ -98,12 +138,12 @@ def router(args: argparse.Namespace) -> int:
 
     cfg = RouterConfig(
         worker_urls=tuple(args.urls),
-        host=args.host or _node_host(),
+        host=bind_host(args.host),
         port=args.port,
         policy=args.policy,
         extra_args=tuple(args.extra_args.split()),
     )
-    cmd = build_router_command(cfg, python=sys.executable)
+    cmd = build_router_command(cfg, python=args.server_python or sys.executable)
     print(f"[mt_slurm] router on {_node_host()}: {' '.join(cmd)}", flush=True)
     os.execv(cmd[0], cmd)
     return 1  # not reached
@@ -177,6 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--quantization", choices=("none", "fp8"), default="none", help="rollout.quantization (default none)"
     )
     p.add_argument("--extra-args", default="", help="further SGLang flags, one string")
+    p.add_argument("--deterministic", action="store_true", help="--enable-deterministic-inference")
+    p.add_argument("--server-python", default="", help="the Python that runs SGLang [this one]")
     p.set_defaults(func=serve)
 
     p = sub.add_parser("router", help="exec the SGLang router")
@@ -184,6 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="")
     p.add_argument("--policy", default="cache_aware")
     p.add_argument("--extra-args", default="")
+    p.add_argument("--server-python", default="", help="the Python that runs the router [this one]")
     p.add_argument("urls", nargs="+")
     p.set_defaults(func=router)
 

@@ -170,6 +170,10 @@ class RolloutSection:
     sets it from the job's port block."""
     weight_sync_dir: str | None = None
     """Where the exported weights go; None: `<run_dir>/rollout_weights`. Must be visible to remote engines."""
+    deterministic: bool = False
+    """SGLang servers that `slurm/rl.sbatch` starts get `--enable-deterministic-inference`: batch-invariant
+    kernels and per-request `sampling_seed` (rollouts reproducible across runs), but SGLang then forces its
+    slow PyTorch sampling backend. The local engine is deterministic either way."""
     max_staleness: int = 0
     """How many weight versions a step's samples may lag the policy they train: 0, each step samples with
     the weights it trains (rollout and training alternate); 1, step k+1's batch is generated while step k

@@ -33,7 +33,11 @@ def add_plan_parser(subparsers) -> None:
     p.add_argument("--rollout-tp", type=int, default=_env("MT_SGLANG_TP", 1, int))
     p.add_argument("--mem-fraction", type=float, default=_env("MT_SGLANG_MEM_FRACTION", 0.85, float))
     p.add_argument("--kv-cache-dtype", default="auto")
-    p.add_argument("--quantization", default=None, help="SGLang --quantization (fp8: 1 B per weight)")
+    p.add_argument(
+        "--quantization",
+        default=None,
+        help="SGLang --quantization (fp8: 1 B per weight) [rollout.quantization]",
+    )
     p.add_argument("--reserve-gib", type=float, default=6.0, help="per trainer GPU: context, NCCL, allocator")
     p.add_argument("--fs-write-gbps", type=float, default=2.0, help="assumed write bandwidth per node (GB/s)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")

@@ -147,17 +147,24 @@ def make_plan(config: RunConfig, cluster: Cluster) -> Plan:
         recompute_modules=tuple(config.model.recompute_modules),
         sequence_parallel=config.model.sequence_parallel and tp > 1,
         fused_output_layer=config.model.fused_output_layer,
-        reference_resident=config.algorithm.kl_coef > 0 and not config.model.reference_offload,
+        reference=(
+            "none"
+            if config.algorithm.kl_coef == 0
+            else "offloaded"
+            if config.model.reference_offload
+            else "resident"
+        ),
         reserve_bytes=int(cluster.reserve_gib * GIB),
         capacity_bytes=capacity,
     )
     peak = trainer_peak(shape, layout)
     engine_dtype = config.rollout.dtype or "bfloat16"
+    quantization = cluster.quantization or getattr(config.rollout, "quantization", None)
     rollout_layout = RolloutLayout(
         servers=cluster.rollout_nodes * cluster.gpus_per_node // cluster.rollout_tp,
         tp_per_server=cluster.rollout_tp,
         mem_fraction=cluster.mem_fraction,
-        weight_bytes_per_param=1 if cluster.quantization == "fp8" else ENGINE_DTYPE_BYTES[engine_dtype],
+        weight_bytes_per_param=1 if quantization == "fp8" else ENGINE_DTYPE_BYTES[engine_dtype],
         kv_dtype_bytes=KV_DTYPE_BYTES[cluster.kv_cache_dtype] or ENGINE_DTYPE_BYTES[engine_dtype],
         capacity_bytes=capacity,
         sequence_tokens=longest,

@@ -51,7 +51,13 @@ def _notes(plan: Plan) -> dict[str, str]:
     else:
         v_local = shape.padded_vocab // lay.tensor_parallel
         logits = f"[{lay.tokens_per_micro_batch}, {v_local}] x {b} B, grad in place"
-    ref = "offloaded or no KL: 0 at the peak" if not lay.reference_resident else "pi_ref weights, resident"
+    ref_gib = f"{plan.trainer.params * b / GIB:.1f} GiB"
+    ref = {
+        "none": "no reference policy (kl_coef 0)",
+        "resident": f"reference policy's weights ({b} B/param), resident",
+        "offloaded": f"reference policy offloaded: {ref_gib} of pinned host memory per GPU, on the GPU "
+        "only for its forward pass, before the update's activations exist",
+    }[lay.reference]
     return {
         "weights": TERM_NOTES["weights"].format(params=plan.trainer.params, b=b),
         "grads": TERM_NOTES["grads"],

@@ -46,8 +46,8 @@ class TrainerLayout:
     recompute_modules: tuple[str, ...]
     sequence_parallel: bool
     fused_output_layer: bool
-    reference_resident: bool
-    """π_ref's weights stay on the GPU (kl_coef > 0 and not offloaded)."""
+    reference: str
+    """π_ref: "none" (kl_coef 0), "offloaded" (pinned host memory between its passes) or "resident"."""
     reserve_bytes: int
     capacity_bytes: int
 
@@ -113,7 +113,7 @@ def stage_memory(shape: ModelShape, layout: TrainerLayout, stage: int) -> StageM
         "optimizer": optimizer,
         "activations": activations,
         "logits": logits,
-        "reference": params * b if layout.reference_resident else 0,
+        "reference": params * b if layout.reference == "resident" else 0,
         "reserve": layout.reserve_bytes,
     }
     return StageMemory(stage=stage, params=params, terms=terms)

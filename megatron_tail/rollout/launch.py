@@ -42,8 +42,9 @@ class SGLangServerConfig:
     """Fraction of GPU memory for weights + KV cache (SGLang's default when None)."""
     context_length: int | None = None
     """Max prompt + generation tokens (model's default when None)."""
-    deterministic_inference: bool = True
-    """SGLang applies per-request `sampling_seed` only with --enable-deterministic-inference (slower)."""
+    deterministic_inference: bool = False
+    """--enable-deterministic-inference: batch-invariant kernels, the PyTorch sampling backend and
+    per-request `sampling_seed` (reproducible samples, much slower rollouts). `rollout.deterministic`."""
     weight_version: str = "default"
     """Version reported until the first weight update."""
     random_seed: int | None = None

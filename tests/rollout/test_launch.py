@@ -24,6 +24,7 @@ def test_sglang_command_parses_with_sglangs_own_arguments():
     cfg = SGLangServerConfig(
         model_path="/ckpt/qwen3-8b", host="10.0.0.5", port=31000, tp_size=2, mem_fraction_static=0.8,
         weight_version="0", random_seed=7, base_gpu_id=2, extra_args=("--log-level", "warning"),
+        deterministic_inference=True,
     )  # fmt: skip
     cmd = build_sglang_server_command(cfg, python="python")
     assert cmd[:3] == ["python", "-m", "sglang.launch_server"]
@@ -122,3 +123,10 @@ def test_cli_requires_a_subcommand(capsys):
         main([])
     assert exit_info.value.code == 2
     assert "serve-local" in capsys.readouterr().err
+
+
+def test_deterministic_inference_is_opt_in():
+    cfg = SGLangServerConfig(model_path="/ckpt", port=31000)
+    assert "--enable-deterministic-inference" not in build_sglang_server_command(cfg, python="python")
+    det = SGLangServerConfig(model_path="/ckpt", port=31000, deterministic_inference=True)
+    assert "--enable-deterministic-inference" in build_sglang_server_command(det, python="python")

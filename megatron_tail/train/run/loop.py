@@ -41,7 +41,7 @@ from ..rl.update import update_policy
 from . import run_dir
 from .run_dir_lock import claim_run_dir
 from .session import RunSession
-from .signals import GracefulStop
+from .signals import GracefulStop, stop_lead_s, stop_lead_warning
 from .tensorboard import ScalarLog
 
 
@@ -228,6 +228,12 @@ def _loop(s: RunSession, stop: GracefulStop, hooks: LoopHooks) -> RunResult:
             if rank == 0:
                 result.history.append({"step": float(done), **metrics})
             console.step(done, metrics)
+            if "perf/checkpoint_time_s" in metrics:
+                warning = stop_lead_warning(
+                    metrics["perf/step_time_s"], metrics["perf/checkpoint_time_s"], stop_lead_s()
+                )
+                if warning is not None:
+                    console.note(warning)
             if hooks.on_step_end is not None:
                 hooks.on_step_end(step, metrics)
             if stopping:

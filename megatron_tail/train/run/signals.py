@@ -168,3 +168,31 @@ class _SignalWatcher:
         self._write.close()  # the reader sees EOF
         self._thread.join(timeout=5)
         self._read.close()
+
+
+STOP_LEAD_ENV = "MT_STOP_LEAD_S"
+"""Seconds the trainer has from a stop signal until it is killed (`slurm/rl.sbatch` sets it to torchrun's
+`--shutdown-timeout`, from `MT_STOP_BUDGET`)."""
+
+
+def stop_lead_s(environ=None) -> float | None:
+    """The stop lead the launcher gave this run, or None (not set / not a positive number)."""
+    raw = (environ if environ is not None else os.environ).get(STOP_LEAD_ENV, "")
+    try:
+        lead = float(raw)
+    except ValueError:
+        return None
+    return lead if lead > 0 else None
+
+
+def stop_lead_warning(step_s: float, checkpoint_s: float, lead_s: float | None) -> str | None:
+    """A warning when the last step plus its checkpoint took longer than the stop lead: a stop signal
+    arriving at the start of such a step would be killed before its checkpoint is written."""
+    if lead_s is None or step_s + checkpoint_s <= lead_s:
+        return None
+    return (
+        f"WARNING: the last step ({step_s:.0f} s) plus its checkpoint ({checkpoint_s:.0f} s) took "
+        f"{step_s + checkpoint_s:.0f} s, more than the {lead_s:.0f} s a stop signal leaves "
+        f"({STOP_LEAD_ENV}); a preemption now could lose up to train.checkpoint_every steps. Raise "
+        "MT_STOP_BUDGET (slurm/rl.sbatch) above the logged perf/step_time_s + perf/checkpoint_time_s"
+    )
