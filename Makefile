@@ -9,7 +9,7 @@ PIP    := $(PY) -m pip
 PIN    := -c constraints.txt
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-all bench lint clean
+.PHONY: install demo test test-all bench lint clean cluster-envs
 
 install: $(STAMP)
 
@@ -37,6 +37,11 @@ bench: install
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+# A GPU cluster: the trainer's .venv (CUDA torch, Transformer Engine) and SGLang's .venv-sglang, each with
+# its own constraints file (constraints-gpu.txt, constraints-sglang.txt); slurm/rl.sbatch uses both.
+cluster-envs:
+	bash scripts/setup_envs.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -16,7 +16,12 @@ from tests.slurm.conftest import REPO
 
 HELPER = REPO / "slurm" / "mt_slurm.py"
 SCRIPTS = sorted(
-    [*REPO.glob("slurm/*.sh"), *REPO.glob("slurm/*.sbatch"), *REPO.glob("tests/slurm/*.sh")],
+    [
+        *REPO.glob("slurm/*.sh"),
+        *REPO.glob("slurm/*.sbatch"),
+        *REPO.glob("tests/slurm/*.sh"),
+        *REPO.glob("scripts/*.sh"),
+    ],
 )
 
 
