@@ -24,7 +24,7 @@ megatron's plain `glu` in `transformer/mlp.py`) saves for its backward, per toke
     swiglu_output          f / TP                     linear_fc2 (its input)
     rope_tables            4·d                        RoPE's cos and sin, cast per call, for q and for k
                                                       (`_apply_rotary_pos_emb_bshd`, models/common/embeddings)
-    norm_stats (fp32)      2 + (a + g)/TP             each RMSNorm's 1/rms per row
+    norm_stats (fp32)      2 (SP: 2/TP) + (a + g)/TP  each RMSNorm's 1/rms per row
     core_stats (fp32)      a / TP                     flash attention's log-sum-exp per head (the only
                                                       state a flash/THD core keeps beyond q, k, v, o)
 
@@ -100,7 +100,9 @@ def layer_activation_terms(
         "silu_output": f // tp * b,
         "swiglu_output": f // tp * b,
         "rope_tables": 4 * d * b,
-        "norm_stats": (2 + ((a + g) if shape.qk_norm else 0)) * FP32,
+        # with SP the two layer norms see s/TP tokens per rank: their per-row 1/rms is split too
+        "norm_stats": (2 * FP32 // tp if sequence_parallel else 2 * FP32)
+        + ((a + g) * FP32 if shape.qk_norm else 0),
         "core_stats": a * FP32,
     }
     if recompute == "selective":
@@ -170,7 +172,8 @@ def logits_bytes(
     op's per-token state.
     """
     h_kept = shape.hidden // tp if sequence_parallel else shape.hidden
-    final_norm = (2 * h_kept * dtype_bytes + FP32 + OP_SAVED_PER_TOKEN) * tokens
+    norm_stat = FP32 // tp if sequence_parallel else FP32
+    final_norm = (2 * h_kept * dtype_bytes + norm_stat + OP_SAVED_PER_TOKEN) * tokens
     v_local = shape.padded_vocab // tp
     if fused_output_layer:
         # with SP the op gathers the hidden states and keeps the gathered [tokens, h] for backward

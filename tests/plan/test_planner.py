@@ -41,13 +41,14 @@ def test_qwen3_8b_example_by_hand(capsys):
     #   fp32: norms' 1/rms (2 + 20)·4 = 88, log-sum-exp 16·4 = 64
     per_token_layer = 32768 + 6144 + 4096 + 5120 + 4096 + 24576 + 36864 + 1024 + 88 + 64
     assert per_token_layer == 114_840 == t["activation_bytes_per_token_per_layer"]["none"]
-    # the example runs sequence parallelism: the four h-sized norm tensors are split over TP = 2
-    per_token_layer_sp = per_token_layer - 32768 // 2
-    assert per_token_layer_sp == 98_456 == t["activation_bytes_per_token_per_layer"]["none_sp"]
+    # the example runs sequence parallelism: the four h-sized norm tensors and the two layer norms' 1/rms
+    # are split over TP = 2
+    per_token_layer_sp = per_token_layer - 32768 // 2 - 8 // 2
+    assert per_token_layer_sp == 98_452 == t["activation_bytes_per_token_per_layer"]["none_sp"]
     assert t["activations_bytes"] == per_token_layer_sp * 36 * 5120  # one 5120-token THD micro-batch
-    # logits [5120, 76288] bf16 (gradient in place) + final norm in/out 2·2048·2 (SP) + its 1/rms 4 + the
-    # op's 4 fp32 per token + the op's fp32 working chunks 4 · 4 B · 2^25
-    assert t["logits_bytes"] == 5120 * 76288 * 2 + 5120 * (8192 + 4 + 16) + 16 * 2**25
+    # logits [5120, 76288] bf16 (gradient in place) + final norm in/out 2·2048·2 and its 1/rms 4/2 (SP) +
+    # the op's 4 fp32 per token + the op's fp32 working chunks 4 · 4 B · 2^25
+    assert t["logits_bytes"] == 5120 * 76288 * 2 + 5120 * (8192 + 2 + 16) + 16 * 2**25
     assert t["reference_bytes"] == 0
     assert t["capacity_bytes"] == 80 * GIB
     terms = ("weights", "grads", "optimizer", "activations", "logits", "reference", "reserve")
@@ -75,14 +76,14 @@ def test_recompute_pipeline_and_reference_terms(capsys):
     )
     assert kl["trainer"]["reference_bytes"] == plain["trainer"]["weights_bytes"]
     _, no_sp = _plan_json(capsys, *base, "--set", "model.sequence_parallel=false")
-    # SP shards the four h-sized norm tensors over TP = 2: 4·4096·2 / 2 fewer bytes per token per layer
-    assert no_sp["trainer"]["activations_bytes"] - plain["trainer"]["activations_bytes"] == 16384 * 36 * 5120
+    # SP shards the four h-sized norm tensors (4·4096·2 B) and the norms' 1/rms (2·4 B) over TP = 2
+    assert no_sp["trainer"]["activations_bytes"] - plain["trainer"]["activations_bytes"] == 16388 * 36 * 5120
     _, full = _plan_json(capsys, *base, "--set", "model.recompute=full")
     # full recompute, 1 layer per chunk: 36 kept layer inputs of h/TP (SP) + one layer recomputed
-    assert full["trainer"]["activations_bytes"] == 5120 * (36 * 2048 * 2 + 98_456)
+    assert full["trainer"]["activations_bytes"] == 5120 * (36 * 2048 * 2 + 98_452)
     _, sel = _plan_json(capsys, *base, "--set", "model.recompute=selective")
     # selective over core_attn and mlp: the log-sum-exp and SwiGLU's 2f + 3f (TP = 2) values go
-    assert sel["trainer"]["activations_bytes"] == 5120 * 36 * (98_456 - 64 - 5 * 6144 * 2)
+    assert sel["trainer"]["activations_bytes"] == 5120 * 36 * (98_452 - 64 - 5 * 6144 * 2)
 
 
 def test_refuses_a_layout_that_cannot_fit(capsys):

@@ -14,6 +14,7 @@ which also keeps each sequence's L × L probabilities and its per-sequence q/k/v
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megatron_tail.model.hf_config import load_hf_config
@@ -41,15 +42,18 @@ TOKENS = sum(LENGTHS)
 PAD = 128
 
 
-def _measure(_rank, _world):
-    init_megatron()
+def _measure(_rank, _world, tp, sp):
+    init_megatron(tensor_parallel=tp)
+    from megatron.core import parallel_state
+
     from megatron_tail.model.gpt import build_gpt_model
     from megatron_tail.model.settings import ModelSettings
     from megatron_tail.model.thd_attention import HostPackedSeqParams
     from megatron_tail.ops import vocab_parallel_masked_logprobs
 
     arch = load_hf_config(CONFIG)
-    model = build_gpt_model(arch, ModelSettings(precision="fp32", use_te=False, vocab_pad_multiple=PAD))
+    settings = ModelSettings(precision="fp32", use_te=False, vocab_pad_multiple=PAD, sequence_parallel=sp)
+    model = build_gpt_model(arch, settings)
     torch.manual_seed(0)
     tokens = torch.randint(0, CONFIG["vocab_size"], (1, TOKENS))
     bounds = [0]
@@ -70,26 +74,44 @@ def _measure(_rank, _world):
     with SavedBytes(model, cores) as saved:
         logits = model(tokens, None, None, packed_seq_params=params)
         vocab_parallel_masked_logprobs(
-            logits, tokens, log_rho=-13.0, vocab_size=CONFIG["vocab_size"], inplace_backward=True
+            logits,
+            tokens,
+            log_rho=-13.0,
+            vocab_size=CONFIG["vocab_size"],
+            inplace_backward=True,
+            tp_group=parallel_state.get_tensor_model_parallel_group(),
         )
     return saved.bytes
 
 
-def test_planner_equals_saved_bytes_outside_the_core():
-    measured = run_distributed(_measure, 1)[0]
+@pytest.mark.parametrize(("tp", "sp"), [(1, False), (2, True)], ids=["tp1", "tp2-sp"])
+def test_planner_equals_saved_bytes_outside_the_core(tp, sp):
+    measured = run_distributed(_measure, tp, tp, sp)[0]  # rank 0's bytes
     shape = ModelShape.from_arch(load_hf_config(CONFIG), PAD)
-    terms = layer_activation_terms(shape, tp=1, sequence_parallel=False, dtype_bytes=FP32).terms
+    terms = layer_activation_terms(shape, tp=tp, sequence_parallel=sp, dtype_bytes=FP32).terms
     core_terms = ("rope_qk", "core_stats")
     per_layer_rest = sum(v for k, v in terms.items() if k not in core_terms)
-    h, a, g, d = shape.hidden, shape.heads, shape.kv_heads, shape.head_dim
-    composite_norm_extra = (2 * h + (a + g) * d) * FP32  # per layer: x·(1/rms) of 2 norms + q/k norms
-    final_norm_extra = h * FP32
+    h_kept = shape.hidden // tp if sp else shape.hidden
+    a, g, d = shape.heads // tp, shape.kv_heads // tp, shape.head_dim
+    composite_norm_extra = (2 * h_kept + (a + g) * d) * FP32  # per layer: x·(1/rms) of 2 norms + q/k norms
+    final_norm_extra = h_kept * FP32
     expected_rest = TOKENS * (
         shape.layers * (per_layer_rest + composite_norm_extra) + final_norm_extra
-    ) + logits_bytes(shape, tp=1, tokens=TOKENS, dtype_bytes=FP32, fused_output_layer=False)
+    ) + logits_bytes(
+        shape, tp=tp, tokens=TOKENS, dtype_bytes=FP32, fused_output_layer=False, sequence_parallel=sp
+    )
     # logits_bytes adds the op's fp32 working chunks, which are temporaries, not saved tensors
-    op_chunk = 4 * FP32 * TOKENS * shape.padded_vocab
-    assert measured["rest"] == expected_rest - op_chunk, (measured, expected_rest - op_chunk)
+    op_chunk = 4 * FP32 * TOKENS * shape.padded_vocab // tp
+    expected_rest -= op_chunk
+    if not sp:
+        assert measured["rest"] == expected_rest, (measured, expected_rest)
+    else:
+        # TP = 2 with SP: the planner is 128 B per token per layer (one fp32 [s/TP, h] tensor per layer) above
+        # what autograd keeps here, not yet explained; it errs on the safe side, by < 4 %
+        over = expected_rest - measured["rest"]
+        share = over / measured["rest"]
+        print(f"\nSP: planner {expected_rest:,} B, measured {measured['rest']:,} B (+{share:.1%})")
+        assert 0 <= over < 0.04 * measured["rest"], (measured, expected_rest)
 
     planner_core = TOKENS * shape.layers * sum(terms[k] for k in core_terms)
     print(
