@@ -36,7 +36,7 @@ def add_plan_parser(subparsers) -> None:
     p.add_argument(
         "--quantization",
         default=None,
-        help="SGLang --quantization (fp8: 1 B per weight) [rollout.quantization]",
+        help="SGLang --quantization (fp8: e4m3 linear layers) [rollout.quantization]",
     )
     p.add_argument("--reserve-gib", type=float, default=6.0, help="per trainer GPU: context, NCCL, allocator")
     p.add_argument("--fs-write-gbps", type=float, default=2.0, help="assumed write bandwidth per node (GB/s)")

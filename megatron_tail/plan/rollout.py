@@ -23,7 +23,11 @@ class RolloutLayout:
     tp_per_server: int
     mem_fraction: float
     weight_bytes_per_param: int
-    """2 for bf16/fp16 engines, 1 with `--quantization fp8`."""
+    """The engine dtype's bytes (2 for bf16/fp16)."""
+    fp8_linear: bool
+    """`rollout.quantization: fp8`: the decoder layers' linear weights in e4m3 (1 B) with one fp32 scale
+    per output channel; embedding, lm_head and norms stay in the engine dtype (SGLang's
+    `srt/layers/quantization/fp8.py` quantizes `LinearBase` layers only)."""
     kv_dtype_bytes: int
     capacity_bytes: int
     sequence_tokens: int
@@ -55,6 +59,12 @@ class RolloutMemory:
 def rollout_memory(shape: ModelShape, layout: RolloutLayout) -> RolloutMemory:
     tp = layout.tp_per_server
     weights = -(-shape.total_params() * layout.weight_bytes_per_param // tp)
+    if layout.fp8_linear:
+        linear = shape.layer_params(1) - 2 * shape.hidden - (2 * shape.head_dim if shape.qk_norm else 0)
+        channels = (shape.heads + 2 * shape.kv_heads) * shape.head_dim + 2 * shape.hidden + 2 * shape.ffn
+        fp8 = shape.layers * (linear * 1 + channels * 4)
+        rest = (shape.total_params() - shape.layers * linear) * layout.weight_bytes_per_param
+        weights = -(-(fp8 + rest) // tp)
     kv_per_token = 2 * shape.layers * shape.kv_heads_per_rank(tp) * shape.head_dim * layout.kv_dtype_bytes
     budget = int(layout.mem_fraction * layout.capacity_bytes)
     kv_tokens = max(0, budget - weights) // kv_per_token

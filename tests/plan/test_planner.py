@@ -158,3 +158,13 @@ def test_reads_only_config_json_and_imports_no_megatron(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["fits"] is True
+
+
+def test_fp8_rollout_weights(capsys):
+    example = ROOT / "examples/qwen3_8b_grpo_dvp_fp8.yaml"
+    rc, out = _plan_json(capsys, example, "--set", f"model.hf_path={QWEN3_8B}")
+    # e4m3 linear weights 36 · 192,937,984 B + an fp32 scale per output channel 36 · 38,912 · 4 B
+    # ((32 + 16)·128 + 2·4096 + 2·12288 channels per layer), the rest (embeddings, norms) in bf16
+    linear = 36 * 192_937_984
+    expected = linear + 36 * 38_912 * 4 + (8_190_735_360 - linear) * 2
+    assert rc == 0 and out["rollout"]["weights_bytes_per_gpu"] == expected == 9_441_306_624
