@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .pinning import check_pinned
-
-_ORIGINALS: dict[str, object] = {}
+from .module_shims import ModuleShims
 
 
 def _cpu_current_device() -> torch.device:
@@ -24,29 +22,21 @@ def _no_op_synchronize(device=None) -> None:  # noqa: ARG001 - same signature as
     return None
 
 
-_SHIMS = {"current_device": _cpu_current_device, "synchronize": _no_op_synchronize}
+_SHIMS = ModuleShims(
+    lambda: torch.cuda, {"current_device": _cpu_current_device, "synchronize": _no_op_synchronize}
+)
 
 
 def cuda_shims_applied() -> bool:
     """True while the shims are installed in `torch.cuda`."""
-    return bool(_ORIGINALS)
+    return _SHIMS.applied
 
 
 def apply_cuda_shims() -> bool:
     """Install the shims if CUDA is absent. Idempotent. Returns True if the shims are (now) installed."""
-    if torch.cuda.is_available():
-        return False
-    if _ORIGINALS:
-        return True
-    check_pinned()
-    for name, shim in _SHIMS.items():
-        _ORIGINALS[name] = getattr(torch.cuda, name)
-        setattr(torch.cuda, name, shim)
-    return True
+    return _SHIMS.apply()
 
 
 def remove_cuda_shims() -> None:
     """Restore the original `torch.cuda` functions (for tests that show the shims are needed)."""
-    for name, original in _ORIGINALS.items():
-        setattr(torch.cuda, name, original)
-    _ORIGINALS.clear()
+    _SHIMS.remove()

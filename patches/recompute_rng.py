@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .pinning import check_pinned
-
-_ORIGINALS: dict[str, object] = {}
+from .module_shims import ModuleShims
 
 
 def _no_cuda_rng_state(device="cuda", clone=False, graph_safe=False) -> torch.Tensor:  # noqa: ARG001
@@ -26,29 +24,24 @@ def _set_no_cuda_rng_state(new_state, device=-1, graph_safe=False) -> None:  # n
     return None
 
 
-_SHIMS = {"_get_cuda_rng_state": _no_cuda_rng_state, "_set_cuda_rng_state": _set_no_cuda_rng_state}
+def _megatron_random():
+    from megatron.core.tensor_parallel import random
+
+    return random
+
+
+_SHIMS = ModuleShims(
+    _megatron_random,
+    {"_get_cuda_rng_state": _no_cuda_rng_state, "_set_cuda_rng_state": _set_no_cuda_rng_state},
+)
 
 
 def apply_recompute_rng_shims() -> bool:
     """Install the stand-ins in `megatron.core.tensor_parallel.random` if CUDA is absent. Idempotent.
     Returns True if they are (now) installed."""
-    if torch.cuda.is_available():
-        return False
-    if _ORIGINALS:
-        return True
-    check_pinned()
-    from megatron.core.tensor_parallel import random as megatron_random
-
-    for name, shim in _SHIMS.items():
-        _ORIGINALS[name] = getattr(megatron_random, name)
-        setattr(megatron_random, name, shim)
-    return True
+    return _SHIMS.apply()
 
 
 def remove_recompute_rng_shims() -> None:
     """Restore megatron's functions (for tests that show the stand-ins are needed)."""
-    from megatron.core.tensor_parallel import random as megatron_random
-
-    for name, original in _ORIGINALS.items():
-        setattr(megatron_random, name, original)
-    _ORIGINALS.clear()
+    _SHIMS.remove()

@@ -20,6 +20,7 @@ run the same layout TE gets.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from itertools import pairwise
 
 import torch
@@ -42,6 +43,35 @@ class HostPackedSeqParams(PackedSeqParams):
     def __init__(self, *, cu_seqlens_host: tuple[int, ...], **fields):
         super().__init__(**fields)
         self.cu_seqlens_host = cu_seqlens_host
+
+
+def thd_packed_seq_params(cu_seqlens: torch.Tensor, bounds: Sequence[int]) -> HostPackedSeqParams:
+    """megatron's `PackedSeqParams(qkv_format="thd")` of one packed row whose causal blocks are
+    `[bounds[i], bounds[i+1])` (covering the whole row, no padding inside a block): `cu_seqlens` is `bounds`
+    as a 1-D int32 tensor on the model's device, and the max lengths are ints.
+
+    What Transformer Engine needs (megatron `extensions/transformer_engine.py`, `TEDotProductAttention.
+    forward`, passes every `PackedSeqParams` field but the CP ones to TE's `DotProductAttention.forward`,
+    and turns the causal mask into `padding_causal` for "thd"): 1-D int32 `cu_seqlens_q/kv` on the device
+    (TE asserts int32; its kernels read them as `int*`), and `max_seqlen_q/kv` as Python ints (else TE
+    computes them with a device→host sync, and megatron's `RotaryEmbedding.get_rotary_seq_len` fails on
+    None). With no padding inside a block, the padded boundaries are the *same tensor object* as the
+    unpadded ones: TE ≥ 2.18 infers `pad_between_seqs` from `cu_seqlens_q_padded is cu_seqlens_q` (earlier
+    versions from equal values), and padding between sequences would rule out its FlashAttention and
+    unfused backends (`attention/dot_product_attention/utils.py`, `get_attention_backend`). Every row is
+    covered: TE's fused THD RoPE leaves uncovered rows uninitialised. (TE commit d0067d0, 2.20.0.dev0.)
+    """
+    longest = max(b - a for a, b in pairwise(bounds))
+    return HostPackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu_seqlens,
+        cu_seqlens_kv=cu_seqlens,
+        cu_seqlens_q_padded=cu_seqlens,
+        cu_seqlens_kv_padded=cu_seqlens,
+        max_seqlen_q=longest,
+        max_seqlen_kv=longest,
+        cu_seqlens_host=tuple(bounds),
+    )
 
 
 class ThdDotProductAttention(MegatronModule):

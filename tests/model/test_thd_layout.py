@@ -23,7 +23,7 @@ def _sequences() -> list[torch.Tensor]:
 
 def _thd_logits_rank(rank, world_size, hf_dir, tp, sp, seqs):  # noqa: ARG001 - harness signature
     from megatron_tail.model import ModelSettings, build_gpt_model, load_hf_config, load_hf_weights
-    from megatron_tail.model.thd_attention import HostPackedSeqParams
+    from megatron_tail.model.thd_attention import thd_packed_seq_params
     from tests.harness import init_megatron
 
     init_megatron(tensor_parallel=tp)
@@ -36,17 +36,7 @@ def _thd_logits_rank(rank, world_size, hf_dir, tp, sp, seqs):  # noqa: ARG001 - 
     bounds = [0]
     for n in [*LENGTHS, PADDING]:
         bounds.append(bounds[-1] + n)
-    cu = torch.tensor(bounds, dtype=torch.int32)
-    params = HostPackedSeqParams(
-        qkv_format="thd",
-        cu_seqlens_q=cu,
-        cu_seqlens_kv=cu,
-        cu_seqlens_q_padded=cu,
-        cu_seqlens_kv_padded=cu,
-        max_seqlen_q=max(LENGTHS),
-        max_seqlen_kv=max(LENGTHS),
-        cu_seqlens_host=tuple(bounds),
-    )
+    params = thd_packed_seq_params(torch.tensor(bounds, dtype=torch.int32), bounds)
     with torch.no_grad():
         logits = model(tokens, None, None, packed_seq_params=params)
     return gather_vocab(logits, arch.vocab_size)[0]

@@ -179,7 +179,7 @@ def test_patches_ship_inside_the_built_wheel(tmp_path):
     subprocess.run([*cmd, str(repo)], check=True, capture_output=True)
     (wheel,) = tmp_path.glob("megatron_tail-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    for module in ("__init__", "cuda_shims", "cpu_device_scope", "pinning", "recompute_rng"):
+    for module in ("__init__", "cuda_shims", "cpu_device_scope", "pinning", "recompute_rng", "module_shims"):
         assert f"megatron_tail/patches/{module}.py" in names
 
 

@@ -48,7 +48,7 @@ def _measure(_rank, _world, tp, sp):
 
     from megatron_tail.model.gpt import build_gpt_model
     from megatron_tail.model.settings import ModelSettings
-    from megatron_tail.model.thd_attention import HostPackedSeqParams
+    from megatron_tail.model.thd_attention import thd_packed_seq_params
     from megatron_tail.ops import vocab_parallel_masked_logprobs
 
     arch = load_hf_config(CONFIG)
@@ -59,17 +59,7 @@ def _measure(_rank, _world, tp, sp):
     bounds = [0]
     for n in LENGTHS:
         bounds.append(bounds[-1] + n)
-    cu = torch.tensor(bounds, dtype=torch.int32)
-    params = HostPackedSeqParams(
-        qkv_format="thd",
-        cu_seqlens_q=cu,
-        cu_seqlens_kv=cu,
-        cu_seqlens_q_padded=cu,
-        cu_seqlens_kv_padded=cu,
-        max_seqlen_q=max(LENGTHS),
-        max_seqlen_kv=max(LENGTHS),
-        cu_seqlens_host=tuple(bounds),
-    )
+    params = thd_packed_seq_params(torch.tensor(bounds, dtype=torch.int32), bounds)
     cores = [layer.self_attention.core_attention for layer in model.decoder.layers]
     with SavedBytes(model, cores) as saved:
         logits = model(tokens, None, None, packed_seq_params=params)

@@ -39,7 +39,7 @@ def test_packed_layout_is_one_thd_row_with_boundaries():
     assert mb.tokens[0].tolist() == [1, 2, 3, 4, 5, 9, 10, 11, 12, 6, 7, 8, 0, 0]
     # trailing padding is a block of its own; the boundaries are int32, also kept as ints
     assert mb.cu_seqlens.tolist() == [0, 5, 9, 12, 14] and mb.cu_seqlens.dtype == torch.int32
-    assert mb.cu_seqlens_host == (0, 5, 9, 12, 14) and mb.max_seqlen == 5
+    assert mb.cu_seqlens_host == (0, 5, 9, 12, 14)
     # the last token of a sequence predicts nothing (not the next sequence's first token)
     assert mb.targets[0, 4].item() == 0 and not mb.loss_mask[0, 4]
     assert mb.sample_index[0].tolist() == [-1, 0, 0, 0, -1, -1, -1, 2, -1, 1, 1, -1, -1, -1]

@@ -4,8 +4,8 @@ Layout of a `MicroBatch` (b rows, s positions; every tensor CPU until `.to(devic
 - Packed (THD): b = 1 and s = T, the micro-batch's tokens: its samples back to back, then padding up to a
   multiple of `pad_to_multiple` (TP with sequence parallelism). `cu_seqlens [n + 1]` int32 holds the
   sequence boundaries, the trailing padding (if any) being one more sequence of its own, so every token
-  belongs to exactly one causal block and the padded boundaries equal the unpadded ones; `max_seqlen` is
-  the longest block. The model gets them as megatron's `PackedSeqParams(qkv_format="thd")`.
+  belongs to exactly one causal block and the padded boundaries equal the unpadded ones. The model gets
+  them as megatron's `PackedSeqParams(qkv_format="thd")` (`model.thd_packed_seq_params`).
 - Padded: b samples, one per row from position 0, right-padded to the longest (rounded up to
   `pad_to_multiple`); `cu_seqlens` is None and attention is causal over the row.
 - `tokens [b, s]` int64: prompt + response ids (pad id where empty).
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from itertools import pairwise
 from typing import Any
 
 import torch
@@ -64,8 +63,6 @@ class MicroBatch:
     """`[n_blocks + 1]` int32 boundaries of the causal blocks of a packed (THD) row; None when padded."""
     cu_seqlens_host: tuple[int, ...] | None = None
     """The same boundaries as ints (the local attention loops over them without a device sync)."""
-    max_seqlen: int | None = None
-    """Longest block of a packed row (megatron sizes RoPE by it; TE needs it as an int)."""
     num_loss_tokens: int = 0
     """Positions in the loss mask (counted when built, so no device sync reads it)."""
     num_sample_tokens: int = 0
@@ -259,7 +256,6 @@ def _build(samples, rows, seq_len, pad_id, *, packed: bool = False) -> MicroBatc
     if packed:
         mb.cu_seqlens = torch.tensor(bounds, dtype=torch.int32)
         mb.cu_seqlens_host = tuple(bounds)
-        mb.max_seqlen = max(e - s for s, e in pairwise(bounds))
     _add_sample_layout(mb, samples, rows)
     return mb
 

@@ -27,7 +27,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import unwrap_model
 
-from megatron_tail.model.thd_attention import HostPackedSeqParams
+from megatron_tail.model.thd_attention import HostPackedSeqParams, thd_packed_seq_params
 from megatron_tail.ops import (
     DEFAULT_LOG_RHO,
     MaskedLogprobs,
@@ -126,35 +126,9 @@ def run_micro_batches(
 
 
 def thd_params(mb: MicroBatch) -> HostPackedSeqParams | None:
-    """megatron's `PackedSeqParams(qkv_format="thd")` of a packed micro-batch (None when padded), with
-    `cu_seqlens` int32 on the micro-batch's device and the max lengths as ints.
-
-    What Transformer Engine needs (megatron `extensions/transformer_engine.py`, `TEDotProductAttention.
-    forward`, passes every `PackedSeqParams` field but the CP ones to TE's `DotProductAttention.forward`,
-    and turns the causal mask into `padding_causal` for "thd"): 1-D int32 `cu_seqlens_q/kv` on the device
-    (TE `DotProductAttention.forward` asserts int32; its kernels read them as `int*`), and `max_seqlen_q/kv`
-    as Python ints (else TE computes them with a device→host sync, and megatron's
-    `RotaryEmbedding.get_rotary_seq_len` fails on None). Our blocks have no inner padding (trailing padding
-    is a block of its own, so every row is covered: TE's fused THD RoPE leaves uncovered rows
-    uninitialised), so the padded boundaries are the *same tensor object* as the unpadded ones: TE ≥ 2.18
-    infers `pad_between_seqs` from `cu_seqlens_q_padded is cu_seqlens_q` (earlier versions from equal
-    values), and padding between sequences would rule out its FlashAttention and unfused backends
-    (`attention/dot_product_attention/utils.py`, `get_attention_backend`). `attention_mask` stays None: TE's
-    unfused backend would use a given one for thd.
-    """
-    if not mb.packed:
-        return None
-    cu = mb.cu_seqlens
-    return HostPackedSeqParams(
-        qkv_format="thd",
-        cu_seqlens_q=cu,
-        cu_seqlens_kv=cu,
-        cu_seqlens_q_padded=cu,
-        cu_seqlens_kv_padded=cu,
-        max_seqlen_q=mb.max_seqlen,
-        max_seqlen_kv=mb.max_seqlen,
-        cu_seqlens_host=mb.cu_seqlens_host,
-    )
+    """The THD `PackedSeqParams` of a packed micro-batch on its device (None when padded): its trailing
+    padding is a block of its own, so the contract of `model.thd_packed_seq_params` holds."""
+    return thd_packed_seq_params(mb.cu_seqlens, mb.cu_seqlens_host) if mb.packed else None
 
 
 def _fused_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor, settings: dict) -> MaskedLogprobs:
