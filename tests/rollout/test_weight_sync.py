@@ -198,7 +198,11 @@ def test_the_weight_group_forms_in_a_trainer_launched_by_torchrun():
         "    world_size=2, rank=rank, group_name='weights', timeout=datetime.timedelta(seconds=20))\n"
         "t = torch.full((3,), 7.0) if rank == 0 else torch.zeros(3)\n"
         "dist.broadcast(t, src=0, group=pg)\n"
-        "print(t.tolist())\n"
+        "print(t.tolist(), flush=True)\n"
+        # leave together and tear the group down, as the trainer's sync does on close: a rank whose peer
+        # (the store's host) has already exited can abort in gloo's destructors ('terminate called ...')
+        "dist.barrier(group=pg)\n"
+        "dist.destroy_process_group(pg)\n"
     )
     trainer_env = {**os.environ, "TORCHELASTIC_USE_AGENT_STORE": "True"}  # as torchrun's workers have it
     procs = [
