@@ -9,10 +9,13 @@ megatron's plain `glu` in `transformer/mlp.py`) saves for its backward, per toke
     norm_outputs           2h          (SP: 2h/TP)    linear_qkv, linear_fc1 (their input; with SP the
                                                       un-gathered shard, re-gathered in backward)
     qkv_projection         (a + 2g)·d / TP            linear_qkv's output, alive whole: v (saved by the core)
-                                                      and, with QK-norm, k_layernorm's input are views of it
-                                                      (`SelfAttention.get_query_key_value_tensors` splits it)
-    q_norm_input           a·d / TP                   q_layernorm's input: q is reshaped into a new tensor
-                                                      (Qwen3 only)
+                                                      is a view of it (get_query_key_value_tensors splits it)
+    q_norm_input           a·d / TP                   q_layernorm's input as a new tensor: TE's RMSNorm saves
+                                                      `input_.contiguous()` (ops/basic/rmsnorm.py); q is a
+                                                      strided view of the qkv output when a rank holds one
+                                                      kv head, else `query.reshape` copies (Qwen3 only)
+    k_norm_input           g·d / TP                   k_layernorm's input: k, a strided slice of the qkv
+                                                      output, saved as TE's contiguous copy (Qwen3 only)
     rope_qk                (a + g)·d / TP             core attention's q and k after RoPE (new tensors)
     attention_output       a·d / TP                   core attention's output = linear_proj's input
     fc1_output             2f / TP                    SiLU (its input, the gate half: a view that keeps
@@ -31,7 +34,8 @@ megatron's plain `glu` in `transformer/mlp.py`) saves for its backward, per toke
 h = hidden, f = ffn, a = query heads, g = kv heads, d = head dim. There is no s² term: the THD core
 attention (TE's flash/fused attention on GPU, SDPA per sequence on the local spec) never keeps an s × s
 score matrix. Dropout is 0 (nothing saved). The saved-tensor test (`tests/plan/test_saved_tensors.py`) checks
-every term but the core's against what autograd saves in a training forward of a small Qwen3.
+every term but the core's against what autograd saves in a training forward of a small Qwen3 (on CPU, where
+torch's composite RMSNorm saves a view as it is: the test adds that path's differences explicitly).
 
 Recompute (`model.recompute` → megatron's `recompute_granularity`, `model/config.py::_recompute_fields`):
 - "selective" over `model.recompute_modules` (`TransformerLayer.__init__`, transformer_layer.py):
@@ -93,6 +97,7 @@ def layer_activation_terms(
         "norm_outputs": 2 * h_kept * b,
         "qkv_projection": (a + 2 * g) * d * b,
         "q_norm_input": a * d * b if shape.qk_norm else 0,
+        "k_norm_input": g * d * b if shape.qk_norm else 0,
         "rope_qk": (a + g) * d * b,
         "attention_output": a * d * b,
         "fc1_output": 2 * f // tp * b,

@@ -36,15 +36,16 @@ def test_qwen3_8b_example_by_hand(capsys):
     assert t["optimizer_bytes"] == 12 * params // 4  # fp32 master + m + v over DP = 4
     # Per token per layer (bf16, TP = 2; h = 4096, f/TP = 6144, a/TP = 16, g/TP = 4, d = 128):
     #   norm inputs + outputs 4·4096·2 = 32768; qkv projection (16 + 8)·128·2 = 6144; q's copy 16·128·2 =
-    #   4096; RoPE'd q, k (16 + 4)·128·2 = 5120; attention output 4096; fc1 output 2·6144·2 = 24576;
+    #   4096 and k's 4·128·2 = 1024 (TE's q/k norms save contiguous inputs); RoPE'd q, k (16 + 4)·128·2 =
+    #   5120; attention output 4096; fc1 output 2·6144·2 = 24576;
     #   up copy, SiLU output, SwiGLU output 3·6144·2 = 36864; RoPE tables 4·128·2 = 1024;
     #   fp32: norms' 1/rms (2 + 20)·4 = 88, log-sum-exp 16·4 = 64
-    per_token_layer = 32768 + 6144 + 4096 + 5120 + 4096 + 24576 + 36864 + 1024 + 88 + 64
-    assert per_token_layer == 114_840 == t["activation_bytes_per_token_per_layer"]["none"]
+    per_token_layer = 32768 + 6144 + 4096 + 1024 + 5120 + 4096 + 24576 + 36864 + 1024 + 88 + 64
+    assert per_token_layer == 115_864 == t["activation_bytes_per_token_per_layer"]["none"]
     # the example runs sequence parallelism: the four h-sized norm tensors and the two layer norms' 1/rms
     # are split over TP = 2
     per_token_layer_sp = per_token_layer - 32768 // 2 - 8 // 2
-    assert per_token_layer_sp == 98_452 == t["activation_bytes_per_token_per_layer"]["none_sp"]
+    assert per_token_layer_sp == 99_476 == t["activation_bytes_per_token_per_layer"]["none_sp"]
     assert t["activations_bytes"] == per_token_layer_sp * 36 * 5120  # one 5120-token THD micro-batch
     # logits [5120, 76288] bf16 (gradient in place) + final norm in/out 2·2048·2 and its 1/rms 4/2 (SP) +
     # the op's 4 fp32 per token + the op's fp32 working chunks 4 · 4 B · 2^25
@@ -80,10 +81,10 @@ def test_recompute_pipeline_and_reference_terms(capsys):
     assert no_sp["trainer"]["activations_bytes"] - plain["trainer"]["activations_bytes"] == 16388 * 36 * 5120
     _, full = _plan_json(capsys, *base, "--set", "model.recompute=full")
     # full recompute, 1 layer per chunk: 36 kept layer inputs of h/TP (SP) + one layer recomputed
-    assert full["trainer"]["activations_bytes"] == 5120 * (36 * 2048 * 2 + 98_452)
+    assert full["trainer"]["activations_bytes"] == 5120 * (36 * 2048 * 2 + 99_476)
     _, sel = _plan_json(capsys, *base, "--set", "model.recompute=selective")
     # selective over core_attn and mlp: the log-sum-exp and SwiGLU's 2f + 3f (TP = 2) values go
-    assert sel["trainer"]["activations_bytes"] == 5120 * 36 * (98_452 - 64 - 5 * 6144 * 2)
+    assert sel["trainer"]["activations_bytes"] == 5120 * 36 * (99_476 - 64 - 5 * 6144 * 2)
 
 
 def test_refuses_a_layout_that_cannot_fit(capsys):
