@@ -44,28 +44,34 @@ def add_plan_parser(subparsers) -> None:
     p.set_defaults(func=run_plan)
 
 
+def cluster_from_args(args: argparse.Namespace):
+    """The `Cluster` the parsed `plan` arguments describe (ValueError naming a bad value)."""
+    from .planner import Cluster
+
+    return Cluster(
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        gpu_memory_gib=args.gpu_memory_gib,
+        rollout_nodes=args.rollout_nodes,
+        rollout_tp=args.rollout_tp,
+        mem_fraction=args.mem_fraction,
+        kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization,
+        reserve_gib=args.reserve_gib,
+        fs_write_gbps=args.fs_write_gbps,
+    )
+
+
 def run_plan(args: argparse.Namespace) -> int:
     from megatron_tail.config import load_config
     from megatron_tail.config.loader import ConfigError
 
-    from .planner import Cluster, make_plan
+    from .planner import make_plan
     from .report import format_plan, plan_json
 
     try:
         config = load_config(args.config, args.set)
-        cluster = Cluster(
-            nodes=args.nodes,
-            gpus_per_node=args.gpus_per_node,
-            gpu_memory_gib=args.gpu_memory_gib,
-            rollout_nodes=args.rollout_nodes,
-            rollout_tp=args.rollout_tp,
-            mem_fraction=args.mem_fraction,
-            kv_cache_dtype=args.kv_cache_dtype,
-            quantization=args.quantization,
-            reserve_gib=args.reserve_gib,
-            fs_write_gbps=args.fs_write_gbps,
-        )
-        plan = make_plan(config, cluster)
+        plan = make_plan(config, cluster_from_args(args))
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"megatron-tail plan: {exc}", file=sys.stderr)
         return 2

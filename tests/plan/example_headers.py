@@ -44,22 +44,15 @@ def expected_header(path: Path) -> str:
     import argparse
 
     from megatron_tail.config import load_config
-    from megatron_tail.plan.cli import add_plan_parser
-    from megatron_tail.plan.planner import Cluster, make_plan
+    from megatron_tail.plan.cli import add_plan_parser, cluster_from_args
+    from megatron_tail.plan.planner import make_plan
     from megatron_tail.plan.report import format_plan
 
     text = path.read_text()
     parser = argparse.ArgumentParser()
     add_plan_parser(parser.add_subparsers())
     args = parser.parse_args(["plan", str(path), *launch_args(text)])
-    cluster = Cluster(
-        nodes=args.nodes,
-        gpus_per_node=args.gpus_per_node,
-        rollout_nodes=args.rollout_nodes,
-        rollout_tp=args.rollout_tp,
-        mem_fraction=args.mem_fraction,
-    )
-    plan = make_plan(load_config(path, [model_override(text)]), cluster)
+    plan = make_plan(load_config(path, [model_override(text)]), cluster_from_args(args))
     shown = " ".join(launch_args(text))
     lines = [
         f"{START} (`megatron-tail plan examples/{path.name} {shown}`; it reads only the model's config.json;",
