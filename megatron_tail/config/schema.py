@@ -446,14 +446,21 @@ class RunConfig:
                 f"must hold the longest sample: data.max_prompt_tokens={self.data.max_prompt_tokens} + "
                 f"rollout.max_new_tokens={self.rollout.max_new_tokens} = {longest}",
             )
-        tp = self.parallel.tensor_parallel
-        if self.model.sequence_parallel and tp > 1 and budget % tp:
+        if budget % self.micro_batch_multiple:
             _bad(
                 "train",
                 "max_tokens_per_micro_batch",
                 budget,
-                f"must be a multiple of parallel.tensor_parallel={tp} with model.sequence_parallel",
+                f"must be a multiple of parallel.tensor_parallel={self.parallel.tensor_parallel} "
+                "with model.sequence_parallel",
             )
+
+    @property
+    def micro_batch_multiple(self) -> int:
+        """Sequence-length multiple of a micro-batch: TP with sequence parallelism (megatron splits the
+        sequence over TP ranks), else 1."""
+        tp = self.parallel.tensor_parallel
+        return tp if self.model.sequence_parallel and tp > 1 else 1
 
     def check_runnable(self) -> None:
         """What a run needs beyond a valid config: the required paths. ValueError naming the key."""

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -226,7 +227,6 @@ def _build(samples, rows, seq_len, pad_id, *, packed: bool = False) -> MicroBatc
     loss_mask = torch.zeros((b, seq_len), dtype=torch.bool)
     sample_index = torch.full((b, seq_len), -1, dtype=torch.long)
     fields = {name: torch.zeros((b, seq_len), dtype=samples[0].fields[name].dtype) for name in field_names}
-    bounds = [0]
     for r, members in enumerate(rows):
         start = 0
         for i in members:
@@ -241,9 +241,6 @@ def _build(samples, rows, seq_len, pad_id, *, packed: bool = False) -> MicroBatc
             for name in field_names:
                 fields[name][r, resp] = s.fields[name].to(fields[name].dtype)
             start += n
-            bounds.append(start)
-    if bounds[-1] < seq_len:
-        bounds.append(seq_len)  # trailing padding: a causal block of its own
     mb = MicroBatch(
         tokens,
         targets,
@@ -253,7 +250,10 @@ def _build(samples, rows, seq_len, pad_id, *, packed: bool = False) -> MicroBatc
         num_loss_tokens=int(loss_mask.sum()),
         num_sample_tokens=sum(len(samples[i]) for row in rows for i in row),
     )
-    if packed:
+    if packed:  # one row: its samples' boundaries, and the trailing padding as a causal block of its own
+        bounds = list(accumulate((len(samples[i]) for i in rows[0]), initial=0))
+        if bounds[-1] < seq_len:
+            bounds.append(seq_len)
         mb.cu_seqlens = torch.tensor(bounds, dtype=torch.int32)
         mb.cu_seqlens_host = tuple(bounds)
     _add_sample_layout(mb, samples, rows)

@@ -112,7 +112,7 @@ def layout_micro_batches(
     rank the same count), or padded: a contiguous DP share in micro-batches of `train.micro_batch_size`."""
     k = cfg.train.mini_batches
     per = len(samples) // k
-    multiple = micro_batch_multiple(cfg)
+    multiple = cfg.micro_batch_multiple
     out = []
     for j in range(k):
         share = samples[j * per : (j + 1) * per]
@@ -135,10 +135,3 @@ def layout_micro_batches(
             )
         out.append(mbs)
     return MicroBatchLayout(out, samples)
-
-
-def micro_batch_multiple(cfg: RunConfig) -> int:
-    """Sequence-length multiple of a micro-batch: TP with sequence parallelism (megatron splits the
-    sequence over TP ranks), else 1."""
-    tp = cfg.parallel.tensor_parallel
-    return tp if cfg.model.sequence_parallel and tp > 1 else 1
