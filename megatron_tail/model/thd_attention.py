@@ -45,10 +45,10 @@ class HostPackedSeqParams(PackedSeqParams):
         self.cu_seqlens_host = cu_seqlens_host
 
 
-def thd_packed_seq_params(cu_seqlens: torch.Tensor, bounds: Sequence[int]) -> HostPackedSeqParams:
+def thd_packed_seq_params(bounds: Sequence[int], device: torch.device | str) -> HostPackedSeqParams:
     """megatron's `PackedSeqParams(qkv_format="thd")` of one packed row whose causal blocks are
     `[bounds[i], bounds[i+1])` (covering the whole row, no padding inside a block): `cu_seqlens` is `bounds`
-    as a 1-D int32 tensor on the model's device, and the max lengths are ints.
+    as a 1-D int32 tensor on `device` (the model's), and the max lengths are ints.
 
     What Transformer Engine needs (megatron `extensions/transformer_engine.py`, `TEDotProductAttention.
     forward`, passes every `PackedSeqParams` field but the CP ones to TE's `DotProductAttention.forward`,
@@ -62,6 +62,7 @@ def thd_packed_seq_params(cu_seqlens: torch.Tensor, bounds: Sequence[int]) -> Ho
     covered: TE's fused THD RoPE leaves uncovered rows uninitialised. (TE commit d0067d0, 2.20.0.dev0.)
     """
     longest = max(b - a for a, b in pairwise(bounds))
+    cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=device)
     return HostPackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=cu_seqlens,

@@ -36,7 +36,7 @@ def _thd_logits_rank(rank, world_size, hf_dir, tp, sp, seqs):  # noqa: ARG001 - 
     bounds = [0]
     for n in [*LENGTHS, PADDING]:
         bounds.append(bounds[-1] + n)
-    params = thd_packed_seq_params(torch.tensor(bounds, dtype=torch.int32), bounds)
+    params = thd_packed_seq_params(bounds, tokens.device)
     with torch.no_grad():
         logits = model(tokens, None, None, packed_seq_params=params)
     return gather_vocab(logits, arch.vocab_size)[0]

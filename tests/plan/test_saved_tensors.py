@@ -62,7 +62,7 @@ def _measure(_rank, _world, tp, sp):
     bounds = [0]
     for n in LENGTHS:
         bounds.append(bounds[-1] + n)
-    params = thd_packed_seq_params(torch.tensor(bounds, dtype=torch.int32), bounds)
+    params = thd_packed_seq_params(bounds, tokens.device)
     cores = [layer.self_attention.core_attention for layer in model.decoder.layers]
     with SavedBytes(model, cores) as saved:
         logits = model(tokens, None, None, packed_seq_params=params)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from megatron_tail.train import Sample, make_micro_batches, pack_micro_batches, split_for_data_parallel
+from megatron_tail.train.engine.forward import thd_params
 from megatron_tail.train.engine.packing import balance_over_data_parallel, pack_by_token_budget
 from tests.train.common import per_sample
 
@@ -38,8 +39,10 @@ def test_packed_layout_is_one_thd_row_with_boundaries():
     assert mb.sample_ids.tolist() == [0, 2, 1]
     assert mb.tokens[0].tolist() == [1, 2, 3, 4, 5, 9, 10, 11, 12, 6, 7, 8, 0, 0]
     # trailing padding is a block of its own; the boundaries are int32, also kept as ints
-    assert mb.cu_seqlens.tolist() == [0, 5, 9, 12, 14] and mb.cu_seqlens.dtype == torch.int32
-    assert mb.cu_seqlens_host == (0, 5, 9, 12, 14)
+    assert mb.cu_seqlens == (0, 5, 9, 12, 14)
+    params = thd_params(mb)
+    assert params.cu_seqlens_q.tolist() == [0, 5, 9, 12, 14] and params.cu_seqlens_q.dtype == torch.int32
+    assert params.cu_seqlens_host == (0, 5, 9, 12, 14) and params.max_seqlen_q == 5
     # the last token of a sequence predicts nothing (not the next sequence's first token)
     assert mb.targets[0, 4].item() == 0 and not mb.loss_mask[0, 4]
     assert mb.sample_index[0].tolist() == [-1, 0, 0, 0, -1, -1, -1, 2, -1, 1, 1, -1, -1, -1]

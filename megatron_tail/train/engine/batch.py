@@ -2,7 +2,7 @@
 
 Layout of a `MicroBatch` (b rows, s positions; every tensor CPU until `.to(device)`):
 - Packed (THD): b = 1 and s = T, the micro-batch's tokens: its samples back to back, then padding up to a
-  multiple of `pad_to_multiple` (TP with sequence parallelism). `cu_seqlens [n + 1]` int32 holds the
+  multiple of `pad_to_multiple` (TP with sequence parallelism). `cu_seqlens` (n + 1 ints) holds the
   sequence boundaries, the trailing padding (if any) being one more sequence of its own, so every token
   belongs to exactly one causal block and the padded boundaries equal the unpadded ones. The model gets
   them as megatron's `PackedSeqParams(qkv_format="thd")` (`model.thd_packed_seq_params`).
@@ -60,10 +60,10 @@ class MicroBatch:
     sample_index: torch.Tensor
     fields: dict[str, torch.Tensor] = field(default_factory=dict)
     extras: dict[str, Any] = field(default_factory=dict)
-    cu_seqlens: torch.Tensor | None = None
-    """`[n_blocks + 1]` int32 boundaries of the causal blocks of a packed (THD) row; None when padded."""
-    cu_seqlens_host: tuple[int, ...] | None = None
-    """The same boundaries as ints (the local attention loops over them without a device sync)."""
+    cu_seqlens: tuple[int, ...] | None = None
+    """`n_blocks + 1` boundaries of the causal blocks of a packed (THD) row, as ints (the model gets them as
+    an int32 tensor on its device, and the local attention loops over the ints without a device sync);
+    None when padded."""
     num_loss_tokens: int = 0
     """Positions in the loss mask (counted when built, so no device sync reads it)."""
     num_sample_tokens: int = 0
@@ -110,7 +110,6 @@ _TENSORS = (
     "targets",
     "loss_mask",
     "sample_index",
-    "cu_seqlens",
     "sample_ids",
     "sample_rows",
     "sample_cols",
@@ -254,8 +253,7 @@ def _build(samples, rows, seq_len, pad_id, *, packed: bool = False) -> MicroBatc
         bounds = list(accumulate((len(samples[i]) for i in rows[0]), initial=0))
         if bounds[-1] < seq_len:
             bounds.append(seq_len)
-        mb.cu_seqlens = torch.tensor(bounds, dtype=torch.int32)
-        mb.cu_seqlens_host = tuple(bounds)
+        mb.cu_seqlens = tuple(bounds)
     _add_sample_layout(mb, samples, rows)
     return mb
 

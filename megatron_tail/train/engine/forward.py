@@ -128,7 +128,7 @@ def run_micro_batches(
 def thd_params(mb: MicroBatch) -> HostPackedSeqParams | None:
     """The THD `PackedSeqParams` of a packed micro-batch on its device (None when padded): its trailing
     padding is a block of its own, so the contract of `model.thd_packed_seq_params` holds."""
-    return thd_packed_seq_params(mb.cu_seqlens, mb.cu_seqlens_host) if mb.packed else None
+    return thd_packed_seq_params(mb.cu_seqlens, mb.tokens.device) if mb.packed else None
 
 
 def _fused_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor, settings: dict) -> MaskedLogprobs:
