@@ -154,20 +154,22 @@ def check(folder: Path) -> bool:
     lines, node_ok = node_report()
     print("Node:")
     print("\n".join(lines))
-    print(f"Wheels (pip install --no-index --no-deps from {folder}):")
+    print(
+        f"Wheels (installed with pip install --no-index --no-deps from {folder}, where the node lacks them):"
+    )
     complete = True
     need = {w.dist for w, _ in needed()}
     for wheel in WHEELS:
         version = installed(wheel.dist)
-        if wheel.dist not in need:
-            state = f"on the node ({version})" if version else "not needed (pytest is on the node)"
-            print(f"  {wheel.spec:24} {state}")
-            continue
         found = find_wheel(folder, wheel)
-        complete &= found is not None
-        had = f"; node has {version}" if version else ""
-        state = f"from {found.name}" if found else f"MISSING from the folder{had}"
-        print(f"  {wheel.spec:24} {state}  ({wheel.why})")
+        if wheel.dist in need:
+            complete &= found is not None
+            state = "needed: " + (f"from {found.name}" if found else "MISSING from the folder")
+        else:
+            state = "not needed: the node has it" if version else "not needed: pytest is on the node"
+            state += f"; {'in the folder' if found else 'not in the folder'}"
+        node = f"node {version}" if version else "node: absent"
+        print(f"  {wheel.spec:22} {node:17} {state}  ({wheel.why})")
     if not complete:
         print(f"  → with the registry at hand: scripts/gpu_check.sh --download (into {folder}), then copy it")
     return node_ok and complete
