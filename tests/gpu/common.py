@@ -22,18 +22,19 @@ TOKEN_COUNTS = (4096, 16384)
 def real_logits(tokens: int, vocab: int = QWEN3_VOCAB, *, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """bf16 logits `[tokens, vocab]` on the GPU and int64 targets `[tokens]`.
 
-    Rows alternate between a flat N(0, 2²) row (DVP at log ρ = −13 keeps most of the vocabulary) and a
-    peaked one (a few tokens 25 above the rest, as after training: V_S is those few). Half the targets are
-    the row's argmax, half uniform (so some lie outside V_S and are force-kept, as the op must handle).
+    Three kinds of rows (row % 3), each N(0, 2²) plus 3 raised tokens: flat (+0: DVP at log ρ = −13 keeps
+    nearly everything), long tail (+14: the ~150k tail tokens below max − 13 hold a few % of the mass, the
+    case DVP is for), peaked (+25: V_S is the 3 raised tokens). Targets (row % 4): the argmax, or a uniform
+    id (then often outside V_S on the last two kinds, force-kept by the op).
     """
     g = torch.Generator(device="cuda").manual_seed(seed)
     logits = torch.randn(tokens, vocab, device="cuda", dtype=torch.bfloat16, generator=g) * 2
-    peaked = torch.arange(tokens, device="cuda") % 2 == 1
-    top = torch.randint(0, vocab, (tokens, 3), device="cuda", generator=g)
-    bump = torch.zeros(tokens, 3, device="cuda", dtype=torch.bfloat16).masked_fill_(peaked[:, None], 25.0)
-    logits.scatter_add_(1, top, bump)
+    rows = torch.arange(tokens, device="cuda")
+    raised = torch.randint(0, vocab, (tokens, 3), device="cuda", generator=g)
+    bump = torch.tensor([0.0, 14.0, 25.0], device="cuda", dtype=torch.bfloat16)[rows % 3]
+    logits.scatter_add_(1, raised, bump[:, None].expand(-1, 3).contiguous())
     uniform = torch.randint(0, vocab, (tokens,), device="cuda", generator=g)
-    targets = torch.where(torch.arange(tokens, device="cuda") % 4 < 2, logits.argmax(dim=1), uniform)
+    targets = torch.where(rows % 4 < 2, logits.argmax(dim=1), uniform)
     return logits, targets
 
 
