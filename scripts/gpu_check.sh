@@ -37,7 +37,7 @@ done
 
 cd "$ROOT"
 if [[ "$MODE" == download ]]; then
-    exec "$PY" tests/gpu/node.py download "$WHEELS" "${DOWNLOAD_ARGS[@]}"
+    exec "$PY" tests/gpu/node.py download "$WHEELS" ${DOWNLOAD_ARGS[@]+"${DOWNLOAD_ARGS[@]}"}
 fi
 
 BY_CONSTRUCTION="Right by construction, not run here (cited upstream sources in the code, recording stand-ins in the CPU tests):
@@ -95,4 +95,4 @@ echo
 echo "$BY_CONSTRUCTION"
 echo
 echo "== GPU check results"
-"$PY" -m tests.gpu.table "$RESULTS" --limit-s "$LIMIT_S" "${STOPPED[@]}"
+"$PY" -m tests.gpu.table "$RESULTS" --limit-s "$LIMIT_S" ${STOPPED[@]+"${STOPPED[@]}"}
