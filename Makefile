@@ -9,7 +9,7 @@ PIP    := $(PY) -m pip
 PIN    := -c constraints.txt
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-all bench lint clean cluster-envs
+.PHONY: install demo test test-all bench lint clean cluster-envs gpu-check gpu-wheels
 
 install: $(STAMP)
 
@@ -43,5 +43,16 @@ lint: install
 cluster-envs:
 	bash scripts/setup_envs.sh
 
+# A GPU node, bare but for CUDA torch, transformers, safetensors and tensorboard (README, "Checking a GPU
+# node"): `make gpu-wheels` where the registry is reachable (GPU_PYTHON_VERSION: the node's Python), copy
+# wheels/gpu_check to the node, then `make gpu-check` there (no venv, no network).
+GPU_PYTHON_VERSION ?= 3.11
+
+gpu-wheels:
+	bash scripts/gpu_check.sh --download --python-version $(GPU_PYTHON_VERSION)
+
+gpu-check:
+	bash scripts/gpu_check.sh
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache .gpu_check

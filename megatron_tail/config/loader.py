@@ -49,6 +49,8 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
     data: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
+        if path.is_dir():
+            raise ConfigError(f"{str(path)!r} is a directory; a YAML config file is expected")
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
         try:

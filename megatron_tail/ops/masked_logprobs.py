@@ -107,6 +107,12 @@ def check_targets(
         )
     if targets.numel():
         bad = (targets < 0) | (targets >= vocab_size)
+        if targets.device.type != "cpu":
+            # Reading `bad.any()` back would be a device→host sync on every call (the hot path of every
+            # micro-batch): on an accelerator the range is asserted on the device instead, which fails the
+            # next synchronising call with this message (a device-side assert).
+            torch._assert_async(~bad.any(), f"targets must be token ids in [0, vocab_size={vocab_size})")
+            return vocab_size
         if bool(bad.any()):
             index = tuple(int(i) for i in bad.nonzero()[0])
             raise ValueError(
@@ -174,11 +180,18 @@ def global_max_logit(
     """Collective 1: MAX over shards of the max logit, with shard sizes piggy-backed to check consistency."""
     if tp_size == 1:
         return max_logit
-    meta = torch.tensor(
-        [v_local, -v_local, vocab_size, -vocab_size], dtype=torch.float32, device=max_logit.device
-    )
-    stacked = torch.cat([max_logit, meta.to(max_logit.dtype)])
+    # Filled on the device (a tensor from a list would be a blocking host→device copy on CUDA).
+    stacked = torch.empty(max_logit.shape[0] + 4, dtype=max_logit.dtype, device=max_logit.device)
+    stacked[:-4] = max_logit
+    for i, value in enumerate((v_local, -v_local, vocab_size, -vocab_size)):
+        stacked[-4 + i] = value
     dist.all_reduce(stacked, op=dist.ReduceOp.MAX, group=tp_group)
+    if stacked.device.type != "cpu":
+        # No `.tolist()` (a device→host sync per call) on an accelerator: the same checks, asserted there.
+        hi_v, neg_lo_v, hi_vocab, neg_lo_vocab = stacked[-4:].unbind()
+        ok = (hi_v == -neg_lo_v) & (hi_vocab == -neg_lo_vocab)
+        torch._assert_async(ok, "V_local or vocab_size differs across the tensor-parallel ranks")
+        return stacked[:-4]
     hi_v, neg_lo_v, hi_vocab, neg_lo_vocab = (int(v) for v in stacked[-4:].tolist())
     if hi_v != -neg_lo_v:
         raise ValueError(

@@ -37,7 +37,18 @@ def add_report_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def report_command(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from megatron_tail.report.build import write_report
+    from megatron_tail.utils.errors import UserError
+
+    for run_dir in map(Path, args.run_dirs):
+        if not run_dir.exists():
+            raise UserError(f"run directory {str(run_dir)!r} does not exist")
+        if not run_dir.is_dir():
+            raise UserError(
+                f"{str(run_dir)!r} is not a directory; expected a run directory (with tensorboard/)"
+            )
 
     if args.labels is not None and len(args.labels) != len(args.run_dirs):
         raise SystemExit(f"--labels: got {len(args.labels)} labels for {len(args.run_dirs)} run directories")

@@ -112,3 +112,17 @@ def test_every_collective_of_the_loop_uses_comm_device(tiny_model_dir, prompt_fi
         engine = "megatron_tail.train.engine.collectives"
         assert {f"{engine}:all_reduce_scalars", f"{engine}:all_reduce_sum_", f"{engine}:any_rank"} <= callers
         assert sum(name == "all_gather" for _, name, _ in calls) >= 2  # θ_old diagnostics + update metrics
+
+
+def _backend_rank(rank, world):  # noqa: ARG001
+    import megatron_tail.train.engine.parallel as parallel
+
+    torch.cuda.is_available = lambda: True  # a host with GPUs (this forked rank only)
+    torch.cuda.current_device = lambda: 0
+    return str(parallel.comm_device())
+
+
+def test_comm_device_follows_the_backend_not_the_presence_of_cuda():
+    """A gloo world on a host with GPUs communicates host tensors (a CUDA tensor there would be copied
+    through the host by gloo, or refused); NCCL's comm device is the current GPU."""
+    assert run_distributed(_backend_rank, 1) == ["cpu"]

@@ -177,3 +177,14 @@ def test_serve_local_names_a_missing_model_directory(tmp_path):
     assert proc.stderr.splitlines() == [
         f"megatron-tail serve-local: error: --model-path: model directory '{tmp_path / 'nope'}' not found"
     ]
+
+
+def test_train_given_a_directory_says_a_config_file_is_expected(tmp_path):
+    """Before: "config file '<dir>' does not exist" for a directory that exists."""
+    with pytest.raises(ConfigError, match=rf"'{tmp_path}' is a directory; a YAML config file is expected"):
+        load_config(tmp_path)
+    proc = _cli("train", str(tmp_path), env=ENV)
+    assert proc.returncode == EXIT_USER_ERROR
+    assert proc.stderr.strip() == (
+        f"megatron-tail train: error: '{tmp_path}' is a directory; a YAML config file is expected"
+    )

@@ -18,6 +18,7 @@ from megatron_tail.report.events import load_run
 from megatron_tail.report.figures import FIGURES, tail_delta_figure
 from megatron_tail.report.histograms import summed_histogram
 from megatron_tail.report.labels import run_labels
+from megatron_tail.utils.errors import EXIT_USER_ERROR
 from tests.harness import run_distributed
 from tests.loop.conftest import loop_overrides, serving
 
@@ -215,3 +216,22 @@ def test_the_report_imports_no_megatron():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr[-2000:]
+
+
+def test_cli_names_a_missing_run_directory_in_one_line(tmp_path):
+    """Before: a FileNotFoundError traceback (exit 1)."""
+    missing = tmp_path / "no_such_run"
+    not_a_dir = tmp_path / "file.txt"
+    not_a_dir.write_text("x")
+    for path, why in ((missing, "does not exist"), (not_a_dir, "is not a directory")):
+        done = subprocess.run(
+            [sys.executable, "-m", "megatron_tail.cli", "report", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == EXIT_USER_ERROR, done.stderr[-2000:]
+        assert "Traceback" not in done.stderr
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("megatron-tail report: error: ")
+        assert str(path) in lines[0] and why in lines[0]

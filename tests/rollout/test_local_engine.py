@@ -102,3 +102,13 @@ def test_seeded_sampling_is_reproducible_and_stops_on_stop_ids(tiny_model_dir):
     (out,) = engine.generate([stop_item])
     assert out["output_ids"] == first[: first.index(stop_at) + 1]
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_at}
+
+
+def test_a_device_that_is_not_there_is_refused_by_name(monkeypatch, tiny_model_dir):
+    """`device=` (serve-local --device): CUDA where none is present, or no device at all, is one clear error
+    before the model is loaded (the CUDA path itself: tests/gpu/test_local_engine_cuda.py)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="device 'cuda:0': CUDA is not available on this host"):
+        LocalEngine(tiny_model_dir, device="cuda:0")
+    with pytest.raises(ValueError, match=r"device must be a torch device .* got 'gpu0'"):
+        LocalEngine(tiny_model_dir, device="gpu0")

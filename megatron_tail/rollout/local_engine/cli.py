@@ -29,6 +29,11 @@ def add_serve_local_parser(subparsers) -> argparse.ArgumentParser:
         help="fp8: linear layers in e4m3 with per-channel weight and per-token activation scales, as "
         "SGLang's --quantization fp8 (default none)",
     )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="torch device of the model, e.g. cuda:0 (default cpu; sampling stays on CPU)",
+    )
     parser.add_argument("--weight-version", default="default", help="initial weight_version (as SGLang's)")
     parser.add_argument(
         "--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)"
@@ -55,7 +60,11 @@ def serve_local(args: argparse.Namespace) -> int:
     if args.num_threads is not None:
         torch.set_num_threads(args.num_threads)
     engine = LocalEngine(
-        args.model_path, dtype=args.dtype, weight_version=args.weight_version, quantization=args.quantization
+        args.model_path,
+        dtype=args.dtype,
+        weight_version=args.weight_version,
+        quantization=args.quantization,
+        device=args.device,
     )
     app = build_app(engine, max_batch=args.max_batch)
     print(

@@ -1,4 +1,5 @@
-"""The local engine's model side: HF transformers on CPU, a KV-cached sampling loop, weight loading.
+"""The local engine's model side: HF transformers on CPU (or a CUDA device, `device=`), a KV-cached
+sampling loop, weight loading.
 
 Per decoding step, mirroring SGLang's sampler order: raw logits (cast to fp32) → custom logit processor
 (the DVP safe set) → divide by T → log-softmax → sample with the sample's own `torch.Generator`
@@ -42,6 +43,7 @@ class LocalEngine:
         dtype: str = "bfloat16",
         weight_version: str = "default",
         quantization: str = "none",
+        device: str = "cpu",
     ):
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -49,12 +51,14 @@ class LocalEngine:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}; got {dtype!r}")
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}; got {quantization!r}")
+        self.device = _check_device(device)
         self.model_path = str(model_path)
         self.dtype_name = dtype
         config = AutoConfig.from_pretrained(self.model_path, local_files_only=True)
         self.model = AutoModelForCausalLM.from_pretrained(
             self.model_path, config=config, dtype=DTYPES[dtype], local_files_only=True
         ).eval()
+        self.model.to(self.device)
         self.quantization = quantization
         if quantization == "fp8":
             quantize_linears_(self.model)
@@ -82,7 +86,7 @@ class LocalEngine:
 
     def _decode(self, items: list[GenerateItem], epoch: int) -> _DecodeState:
         state = _DecodeState(items, self.eos_token_ids)
-        ids, mask = _left_pad(items)
+        ids, mask = (t.to(self.device) for t in _left_pad(items))
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         past = None
         while not state.all_finished():
@@ -99,17 +103,20 @@ class LocalEngine:
                 )
             past = out.past_key_values
             logits = out.logits[:, -1, : self.vocab_size].float()
-            state.step(self._sample(items, logits, state))
-            ids = state.last_tokens().unsqueeze(-1)
+            _apply_processors(items, logits, state)  # on the model's device, as SGLang's processors run
+            # Sampling on the host, with each request's CPU generator: the same seed draws the same tokens
+            # from the same probabilities on any device (a CUDA generator would draw differently).
+            state.step(self._sample(items, logits.cpu(), state))
+            ids = state.last_tokens().unsqueeze(-1).to(self.device)
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
             positions = positions[:, -1:] + 1
         return state
 
     def _sample(self, items: list[GenerateItem], logits: torch.Tensor, state: _DecodeState):
         """`(tokens [B] int64, logprobs [B] fp32, top [B] of [[logprob, id], ...] | None)` of one step;
-        `logits` `[B, V]` fp32, processed in place. `top[i]` holds item i's `top_logprobs_num` most probable
-        tokens of the same distribution the token was drawn from (None for k = 0)."""
-        _apply_processors(items, logits, state)
+        `logits` `[B, V]` fp32 on the host, after the custom logit processors. `top[i]` holds item i's
+        `top_logprobs_num` most probable tokens of the same distribution the token was drawn from (None
+        for k = 0)."""
         tokens = torch.empty(len(items), dtype=torch.long)
         logprobs = torch.empty(len(items), dtype=torch.float32)
         top: list[list[list] | None] = [None] * len(items)
@@ -236,7 +243,7 @@ def _apply_processors(items: list[GenerateItem], logits: torch.Tensor, state: _D
     for serialized, rows in rows_by_processor.items():
         processor = load_custom_logit_processor(serialized)
         params = [_with_request(items[i], state.outputs[i]) for i in rows]
-        index = torch.tensor(rows, dtype=torch.long)
+        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
         result = processor(logits.index_select(0, index), params)
         logits.index_copy_(0, index, result.to(logits.dtype))
 
@@ -252,6 +259,17 @@ def _with_request(item: GenerateItem, output_ids: list[int]) -> dict[str, Any] |
         sampling_params=SimpleNamespace(temperature=temperature, custom_params=item.custom_params),
     )
     return {**item.custom_params, "__req__": req}
+
+
+def _check_device(device: str) -> torch.device:
+    """`device` as a torch.device; a CUDA device where CUDA is absent is refused by name."""
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be a torch device such as 'cpu' or 'cuda:0'; got {device!r}") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: CUDA is not available on this host")
+    return resolved
 
 
 def _left_pad(items: list[GenerateItem]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -110,7 +110,8 @@ def run_micro_batches(
             # An empty micro-batch (a DP rank with fewer packed ones): keep the loss on the graph so the
             # backward pass runs through the model like on the other ranks.
             loss = loss + out.logprobs.sum() * 0.0
-        num_tokens = torch.tensor(mb.num_loss_tokens, dtype=torch.int, device=loss.device)
+        # A fill, not torch.tensor(...): that is a blocking host→device copy per micro-batch on CUDA.
+        num_tokens = torch.full((), mb.num_loss_tokens, dtype=torch.int, device=loss.device)
         return loss, num_tokens, extra
 
     with cpu_device_scope():

@@ -147,12 +147,16 @@ def current_groups() -> ParallelGroups:
 
 
 def comm_device() -> torch.device:
-    """Device for small collective buffers: the current GPU under NCCL, else CPU (gloo)."""
-    return (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )
+    """Device for small collective buffers: the current GPU under NCCL, else CPU (gloo).
+
+    Read from the default group's backend, not from CUDA's presence alone: a gloo world on a host with GPUs
+    (`init_distributed(backend="gloo")`, the fork harness) communicates host tensors.
+    """
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    if dist.is_initialized() and "nccl" not in str(dist.get_backend()):
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def destroy_parallel() -> None:
