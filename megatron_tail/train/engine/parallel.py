@@ -75,7 +75,7 @@ class ParallelGroups:
     """Context parallel: the ranks that share each sequence's tokens (None: megatron's state had none)."""
     dp_cp: dist.ProcessGroup | None = None
     """Data parallel × CP: the ranks whose token sets partition a mini-batch, over which gradients and
-    per-token sums reduce (megatron's `get_data_parallel_group(with_context_parallel=True)`); `dp` without CP."""
+    per-token sums reduce (megatron's `get_data_parallel_group(with_context_parallel=True)`)."""
     cp_rank: int = 0
     cp_size: int = 1
 
