@@ -112,8 +112,9 @@ def gather_whole_row(x: torch.Tensor, mb: MicroBatch, cp_group: dist.ProcessGrou
     CPU: exact for float32, bool and int values). One all-gather over `cp_group`, on `comm_device()`."""
     cp = mb.cp
     local = x.to(device=comm_device(), dtype=torch.float64).contiguous()
-    gathered = torch.empty((cp.size, *local.shape), dtype=local.dtype, device=local.device)
+    gathered = torch.empty((cp.size * local.shape[0], local.shape[1]), dtype=local.dtype, device=local.device)
     dist.all_gather_into_tensor(gathered, local, group=cp_group)
+    gathered = gathered.view(cp.size, *local.shape)
     whole = torch.zeros((x.shape[0], cp.whole.tokens.shape[1]), dtype=torch.float64)
     for rank, index in enumerate(cp.indices):
         whole[:, index] = gathered[rank].cpu()
