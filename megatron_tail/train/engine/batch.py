@@ -36,14 +36,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import accumulate
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .packing import balance_over_data_parallel, pack_by_token_budget
-
-if TYPE_CHECKING:
-    from .context_parallel import CpShard
 
 
 @dataclass(frozen=True)
@@ -138,6 +135,28 @@ _TENSORS = (
     "sample_cols",
     "sample_valid",
 )
+
+
+@dataclass(frozen=True)
+class CpShard:
+    """What a CP shard of a packed micro-batch knows of the whole one."""
+
+    whole: MicroBatch
+    """The whole micro-batch (every CP rank has the same), with its per-sample layout."""
+    index: torch.Tensor
+    """`[T/CP]` int64: this rank's positions in the whole row (`context_parallel_index`)."""
+    indices: tuple[torch.Tensor, ...]
+    """Every CP rank's `index`, in rank order (for the gather)."""
+    sample_owned: torch.Tensor
+    """`[n, T]` bool: the whole layout's valid positions whose tokens this rank computes."""
+    rank: int
+    size: int
+
+    def to_whole_row(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's `[1, T/CP]` → the whole row `[1, T]`, zeros elsewhere (differentiable in `x`)."""
+        index = self.index.to(x.device)
+        full = torch.zeros((x.shape[0], self.whole.tokens.shape[1]), dtype=x.dtype, device=x.device)
+        return full.index_copy(1, index, x)
 
 
 def split_for_data_parallel(samples: Sequence[Sample], dp_rank: int, dp_size: int) -> list[Sample]:

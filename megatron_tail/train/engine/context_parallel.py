@@ -33,7 +33,7 @@ backend, `thd_packed_seq_params`); the cost is < 2·CP extra tokens per sequence
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import fields, replace
 
 import torch
 import torch.distributed as dist
@@ -41,30 +41,8 @@ import torch.distributed as dist
 from megatron_tail.model.cp_attention import context_parallel_index
 from megatron_tail.ops import MaskedLogprobs
 
-from .batch import MicroBatch
+from .batch import CpShard, MicroBatch
 from .parallel import comm_device
-
-
-@dataclass(frozen=True)
-class CpShard:
-    """What a CP shard of a packed micro-batch knows of the whole one."""
-
-    whole: MicroBatch
-    """The whole micro-batch (every CP rank has the same), with its per-sample layout."""
-    index: torch.Tensor
-    """`[T/CP]` int64: this rank's positions in the whole row (`context_parallel_index`)."""
-    indices: tuple[torch.Tensor, ...]
-    """Every CP rank's `index`, in rank order (for the gather)."""
-    sample_owned: torch.Tensor
-    """`[n, T]` bool: the whole layout's valid positions whose tokens this rank computes."""
-    rank: int
-    size: int
-
-    def to_whole_row(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's `[1, T/CP]` → the whole row `[1, T]`, zeros elsewhere (differentiable in `x`)."""
-        index = self.index.to(x.device)
-        full = torch.zeros((x.shape[0], self.whole.tokens.shape[1]), dtype=x.dtype, device=x.device)
-        return full.index_copy(1, index, x)
 
 
 def split_for_context_parallel(mb: MicroBatch, cp_rank: int, cp_size: int) -> MicroBatch:
