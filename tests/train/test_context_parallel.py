@@ -234,3 +234,40 @@ def test_empty_micro_batches_dp2_cp2(case):
         assert r.grad_norm == pytest.approx(ref.grad_norm, rel=1e-5)
     for name in ref_state:
         torch.testing.assert_close(state[name], ref_state[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def _config(*overrides):
+    from megatron_tail.config import load_config
+
+    return load_config(None, list(overrides))
+
+
+def test_layouts_that_cannot_exist_are_refused_naming_the_values():
+    """At config load (padded layout, a budget that cannot hold 2·CP chunks or the padded longest sample)
+    and before any process group (a world that is not TP × PP × CP × DP): one UserError each."""
+    from megatron_tail.utils.errors import UserError
+
+    with pytest.raises(UserError, match=r"parallel.context_parallel needs packed micro-batches.*got 2"):
+        _config("parallel.context_parallel=2")
+    budget = ("parallel.context_parallel=4", "train.max_tokens_per_micro_batch=4100")
+    with pytest.raises(
+        UserError, match=r"must be a multiple of 8 \(2·parallel.context_parallel = 8.*got 4100"
+    ):
+        _config(*budget)
+    longest = ("data.max_prompt_tokens=101", "rollout.max_new_tokens=100")  # 201 tokens, 204 padded
+    with pytest.raises(UserError, match=r"= 201, padded to a multiple of 2·context_parallel = 204; got 200"):
+        _config("parallel.context_parallel=2", *longest, "train.max_tokens_per_micro_batch=200")
+    cfg = _config(
+        "parallel.context_parallel=2", "parallel.tensor_parallel=2", "train.max_tokens_per_micro_batch=8"
+    )
+    assert (cfg.sequence_multiple, cfg.micro_batch_multiple) == (4, 4)
+    cfg.check_world(8)
+    with pytest.raises(UserError, match=r"2 × 1 × 2 = 4 does not divide the world size 6"):
+        cfg.check_world(6)
+    sp = _config(
+        "parallel.context_parallel=2",
+        "parallel.tensor_parallel=2",
+        "model.sequence_parallel=true",
+        "train.max_tokens_per_micro_batch=16",
+    )
+    assert sp.micro_batch_multiple == 8
