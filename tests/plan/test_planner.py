@@ -138,7 +138,10 @@ def test_bad_layout_is_one_clear_error(capsys):
         ]
     )
     err = capsys.readouterr().err
-    assert rc == 2 and "not a multiple of tensor_parallel × pipeline_parallel = 4 × 3" in err
+    assert (
+        rc == 2
+        and "not a multiple of tensor_parallel × pipeline_parallel × context_parallel = 4 × 3 × 1" in err
+    )
     rc = main(["plan", str(EXAMPLE_8B)])  # models/Qwen3-8B is not in the repository
     assert rc == 2 and "has no config.json" in capsys.readouterr().err
 
