@@ -194,30 +194,35 @@ def make_plan(config: RunConfig, cluster: Cluster) -> Plan:
     )
 
 
+RECOMPUTE_COST = ("none", "selective", "full")
+"""Recompute settings from the cheapest to the dearest in compute."""
+
+
 def _context_parallel_warnings(shape: ModelShape, layout: TrainerLayout, peak: StageMemory) -> list[str]:
-    """CP where recompute alone fits: the same GPUs at CP = 1 (DP × CP data-parallel ranks) with full
-    recompute. CP costs each layer's K/V exchange and takes CP GPUs per sequence; full recompute costs
-    about a third more compute. Both fit: the user chooses, knowing."""
+    """CP where recompute alone fits: the same GPUs at CP = 1 (DP × CP data-parallel ranks) with the
+    layout's own recompute or a cheaper one. Then CP buys nothing: it exchanges K/V in every layer and
+    takes CP GPUs per sequence for memory that is not needed. (CP that replaces a dearer recompute, e.g.
+    CP=2 with selective where CP=1 needs full, trades the K/V exchange for ~1/3 of the step's compute: a
+    choice, not a mistake, so no warning.)"""
     cp = layout.context_parallel
     if cp == 1 or peak.total > layout.capacity_bytes:
         return []
-    alone = replace(
-        layout,
-        context_parallel=1,
-        data_parallel=layout.data_parallel * cp,
-        micro_batches=layout.micro_batches,
-        recompute="full",
-        recompute_num_layers=None,
-    )
-    without = trainer_peak(shape, alone)
-    if without.total > layout.capacity_bytes:
-        return []
-    return [
-        f"parallel.context_parallel={cp}: the same GPUs at context_parallel=1 with model.recompute=full "
-        f"also fit ({_gib(without.total)} of {_gib(layout.capacity_bytes)} per GPU, vs {_gib(peak.total)}); "
-        "CP exchanges K/V in every layer and shards each sequence over CP GPUs, full recompute costs ~1/3 "
-        "more compute per step: CP pays off only where it is the faster of the two"
-    ]
+    for recompute in RECOMPUTE_COST[: RECOMPUTE_COST.index(layout.recompute) + 1]:
+        alone = replace(
+            layout,
+            context_parallel=1,
+            data_parallel=layout.data_parallel * cp,
+            recompute=recompute,
+            recompute_num_layers=layout.recompute_num_layers if recompute == "full" else None,
+        )
+        without = trainer_peak(shape, alone)
+        if without.total <= layout.capacity_bytes:
+            return [
+                f"parallel.context_parallel={cp} is not needed: the same GPUs at context_parallel=1 with "
+                f"model.recompute={recompute} fit ({_gib(without.total)} of {_gib(layout.capacity_bytes)} "
+                f"per GPU, vs {_gib(peak.total)}) without CP's K/V exchange in every layer"
+            ]
+    return []
 
 
 def _gib(n: float) -> str:

@@ -159,12 +159,12 @@ def activation_per_token_per_layer(shape: ModelShape, layout: TrainerLayout) -> 
 
 def checkpoint_bytes_per_rank(shape: ModelShape, layout: TrainerLayout) -> int:
     """Bytes one rank writes per save: its share of the model (weights in the model dtype) and of the
-    fp32 optimizer state (master + moments), both split over DP (megatron's fully parallel save
-    distributes each TP×PP shard's writes over its DP replicas)."""
+    fp32 optimizer state (master + moments), both split over DP × CP (megatron's fully parallel save
+    distributes each TP×PP shard's writes over its replicas; CP ranks hold the same weights)."""
     b = DTYPE_BYTES[layout.precision]
     params = max(
         shape.stage_params(layout.tensor_parallel, layout.pipeline_parallel, s)
         for s in range(layout.pipeline_parallel)
     )
     per_shard = params * (b + optimizer_bytes_per_param(layout))
-    return -(-per_shard // layout.data_parallel)
+    return -(-per_shard // (layout.data_parallel * layout.context_parallel))
