@@ -9,8 +9,9 @@ same inputs (megatron's `SelfAttention.forward` with THD `packed_seq_params` car
 cu_seqlens, and RoPE already applied at the global positions by `_apply_rotary_pos_emb_thd`), and both
 compute exact softmax attention, so the CPU tests of this module stand for the GPU path.
 
-Memory: the whole row's K/V (`[T, 2, hkv, d]`) exists during a layer's attention (TE's ring holds two
-blocks of it at a time); the score matrix of a sequence is `[hq, L/CP, ≤ L]`, one sequence at a time.
+Memory: the whole row's K/V (`[T, 2, hkv, d]`) is kept per layer for backward (TE's ring holds two blocks
+of it at a time); a score matrix `[hq, L/(2·CP), ≤ L]` exists for one chunk of one sequence at a time and
+is recomputed in backward (SDPA with an explicit mask would keep the mask in fp32, O(L²/CP) per chunk).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from itertools import pairwise
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 def context_parallel_index(bounds, cp_rank: int, cp_size: int) -> torch.Tensor:
@@ -65,6 +67,17 @@ class _AllGatherFirstDim(torch.autograd.Function):
         return local, None
 
 
+def _chunk_attention(q, k, v, offset: int, scale: float) -> torch.Tensor:
+    """`q [1, hq, seg, d]` at positions offset..offset+seg−1 of its sequence, `k`/`v [1, hkv, offset+seg, d]`
+    from its start: query i sees keys 0..offset+i (a lower-right-aligned causal mask)."""
+    seg, n = q.shape[2], k.shape[2]
+    keys = torch.arange(n, device=q.device)
+    mask = keys[None, :] <= (offset + torch.arange(seg, device=q.device))[:, None]
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
+
+
 def context_parallel_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -102,12 +115,10 @@ def context_parallel_attention(
             first = a + chunk * seg  # global position of the chunk's first query
             q = query[start : start + seg].transpose(0, 1).unsqueeze(0)  # [1, hq, seg, d]
             k, v = (kv[a : first + seg, i].transpose(0, 1).unsqueeze(0) for i in (0, 1))  # [1, hkv, n, d]
-            # query i (global first + i) sees keys a..first + i: a lower-right-aligned causal mask
-            keys = torch.arange(first + seg - a, device=q.device)
-            mask = keys[None, :] <= (first - a + torch.arange(seg, device=q.device))[:, None]
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
-            )
+            # recomputed in backward: SDPA would keep its [seg, n] mask as fp32 for backward (O(L²/CP) per
+            # chunk); recomputing keeps only q and the K/V views (megatron's selective recompute of
+            # core_attn does the same for the whole core)
+            out = checkpoint(_chunk_attention, q, k, v, first - a, scale, use_reentrant=False)
             pieces.append(out[0].transpose(0, 1))  # [seg, hq, d]
             start += seg
     return torch.cat(pieces).reshape(local_len, -1)

@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # two torchrun runs (~1-2 min); CI runs the engine-level CP tests
+
 from megatron_tail.demo.run import read_scalars
 from tests.loop.conftest import loop_overrides
 
