@@ -1,6 +1,6 @@
 """`megatron-tail train` under torchrun with `parallel.context_parallel=2`: the launch runs TP × PP × CP
 processes, the run ends with exit code 0, a checkpoint, and the first step's rollout and update equal the
-CP = 1 run's (same seed, same samples: the loss and the gradient norm)."""
+CP = 1 run's (same seed, same samples: the loss with its KL term, the gradient norm)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ def _run(tiny_model_dir, prompt_file, run_dir, cp: int):
         "algorithm.is_mode": "tis",
         "algorithm.loss_aggregation": "seq_mean_token_mean",
         "algorithm.lopti": True,
+        "algorithm.kl_coef": 0.05,  # the reference pass on CP shards, its log-probs in the loss
     }
     overrides = loop_overrides(tiny_model_dir, prompt_file, run_dir, extra)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cp}"]
@@ -61,5 +62,5 @@ def test_cp2_first_step_equals_cp1(runs):
     s1, s2 = read_scalars(d1), read_scalars(d2)
     for tag in ("reward/mean", "response/length_mean", "mismatch/kl_infer_train_k3", "is/vetoed_fraction"):
         assert s2[tag][0] == pytest.approx(s1[tag][0], rel=1e-6, abs=1e-9), tag
-    for tag in ("train/loss", "train/grad_norm", "is/weight_mean", "lopti/low_fraction"):
+    for tag in ("train/loss", "train/grad_norm", "is/weight_mean", "lopti/low_fraction", "train/kl_ref"):
         assert s2[tag][0][1] == pytest.approx(s1[tag][0][1], rel=1e-4, abs=1e-7), tag
