@@ -5,6 +5,8 @@ a veto whose trigger lies on the other CP rank vetoes the sequence on both."""
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 import torch
 
@@ -64,6 +66,28 @@ def test_split_shards_every_per_token_field_with_its_tokens():
     owned = [s.sample_owned for s in shards]
     assert torch.equal(owned[0] | owned[1], mb.sample_valid) and not (owned[0] & owned[1]).any()
     assert sum(s.num_loss_tokens for s in shards) == mb.num_loss_tokens
+
+
+def test_shard_packed_params_are_what_te_cp_takes():
+    """Transformer Engine's p2p CP attention (`AttnFuncWithCPAndKVP2P.forward`, context_parallel.py at TE
+    d0067d0) takes this rank's T/CP tokens with the *global* padded cu_seqlens, which it divides by CP itself
+    (`cu_seqlens_q_padded // cp_size`): every block a multiple of 2·CP, ending at CP × the local tokens;
+    megatron's THD RoPE under CP reads the same global boundaries (`_apply_rotary_pos_emb_thd`)."""
+    from megatron_tail.train import pack_micro_batches
+    from megatron_tail.train.engine.context_parallel import split_for_context_parallel
+    from megatron_tail.train.engine.forward import thd_params
+
+    samples = make_samples(5, seed=3)
+    (mb,) = pack_micro_batches(samples, max_tokens=128, sequence_multiple=8, pad_to_multiple=16)
+    shard = split_for_context_parallel(mb, 3, 4)
+    params = thd_params(shard)
+    bounds = params.cu_seqlens_q_padded.tolist()
+    assert (
+        params.cu_seqlens_q_padded.dtype == torch.int32 and params.cu_seqlens_q_padded is params.cu_seqlens_q
+    )
+    lengths = [b - a for a, b in pairwise(bounds)]
+    assert all(n % 8 == 0 for n in lengths) and bounds[-1] == 4 * shard.tokens.shape[1]
+    assert isinstance(params.max_seqlen_q, int) and params.max_seqlen_q == max(lengths)
 
 
 def _attention_rank(rank, world_size, bounds, seed):
