@@ -463,15 +463,15 @@ class RunConfig:
                 + (f", padded to a multiple of 2·context_parallel = {padded}" if padded != longest else ""),
             )
         if budget % self.micro_batch_multiple:
-            _bad(
-                "train",
-                "max_tokens_per_micro_batch",
-                budget,
-                f"must be a multiple of {self.micro_batch_multiple} (2·parallel.context_parallel = "
-                f"{2 * cp if cp > 1 else 1} chunks per sequence × parallel.tensor_parallel="
-                f"{self.parallel.tensor_parallel} with model.sequence_parallel="
-                f"{self.model.sequence_parallel})",
+            tp = self.parallel.tensor_parallel
+            sp = f"parallel.tensor_parallel={tp} with model.sequence_parallel"
+            why = (
+                f"must be a multiple of {self.micro_batch_multiple} (2·parallel.context_parallel = {2 * cp} "
+                "chunks per sequence" + (f" × {sp}" if self.micro_batch_multiple > 2 * cp else "") + ")"
+                if cp > 1
+                else f"must be a multiple of {sp}"
             )
+            _bad("train", "max_tokens_per_micro_batch", budget, why)
 
     @property
     def sequence_multiple(self) -> int:
