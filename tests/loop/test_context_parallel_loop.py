@@ -10,10 +10,10 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow  # two torchrun runs (~1-2 min); CI runs the engine-level CP tests
-
 from megatron_tail.demo.run import read_scalars
 from tests.loop.conftest import loop_overrides
+
+pytestmark = pytest.mark.slow  # two torchrun runs (~1-2 min); CI runs the engine-level CP tests
 
 STEPS = 2
 

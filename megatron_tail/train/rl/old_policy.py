@@ -2,7 +2,7 @@
 the same pass, and the training–inference mismatch and DVP diagnostics of that pass.
 
     old = score_old_policy(trainer, cfg, layout)
-    old.outputs[i]      # MaskedLogprobs of layout.all[i] ([b, s], CPU), on every pipeline stage
+    old.outputs[i]      # MaskedLogprobs of layout.all[i].whole ([b, s], CPU; under CP gathered), every stage
     old.diagnostics     # {tag: float}, identical on every rank
     old.histograms      # {tag: (limits, counts)} of the tail Δ, for TensorBoard
     score_reference(trainer, reference, cfg, layout)   # KL: log π_ref of the same tokens → mb.extras
