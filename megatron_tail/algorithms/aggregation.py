@@ -3,7 +3,7 @@
 Each micro-batch on each DP rank calls `aggregate` with the same global counts (all-reduced once per batch
 from `local_counts`), so the sum of all the pieces' losses — which is what gradient accumulation and the
 DP gradient all-reduce (sum) compute — equals the loss of the whole batch in one piece. A sequence is never
-split across pieces.
+split across pieces; context parallelism splits its tokens and not its counts (`loss.rl_loss(owned=)`).
 
 Modes (m = loss mask, ℓ = per-token loss, n_b = Σ_t m_bt the sequence's local token count):
 

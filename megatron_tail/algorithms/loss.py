@@ -194,6 +194,7 @@ def rl_loss(
     in_safe_set: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
+    owned: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Stage 2: this piece's share of the global loss for one phase, and its step metrics.
 
@@ -207,6 +208,11 @@ def rl_loss(
         entropy: `[B, T]` float, the op's entropy at θ (differentiable): the `entropy_sum` metric and, with
             `cfg.entropy_coef > 0`, the bonus −β_H·H aggregated like the loss (required then).
         ref_logprobs: `[B, T]` float, log π_ref; required when `cfg.kl_coef > 0`.
+        owned: `[B, T]` bool, the tokens whose loss this call computes (None: all). Context parallelism
+            splits a sequence's tokens over ranks: `prepared` is then the whole sequences' (stage 1 on
+            whole sequences, so every per-sequence count and weight is the whole sequence's) and each rank
+            passes its own tokens here; the ranks' losses and metrics add up to the unsplit ones. Inputs
+            at tokens not owned are ignored.
     Returns:
         (0-d loss of `logprobs`' dtype, differentiable w.r.t. `logprobs`; metrics dict, see `metrics.py`).
         No device sync.
@@ -214,6 +220,7 @@ def rl_loss(
     check_2d("logprobs", check_float("logprobs", logprobs))
     check_same_shape("prepared.loss_mask", prepared.loss_mask, logprobs=logprobs, in_safe_set=in_safe_set)
     check_same_shape("prepared.loss_mask", prepared.loss_mask, entropy=entropy, ref_logprobs=ref_logprobs)
+    check_same_shape("prepared.loss_mask", prepared.loss_mask, owned=owned)
     if isinstance(phase, bool) or not isinstance(phase, int) or not 0 <= phase < len(prepared.phases):
         raise ValueError(f"phase must be an int in [0, {len(prepared.phases)}); got {phase!r}")
     if cfg.kl_coef > 0 and ref_logprobs is None:
@@ -223,6 +230,8 @@ def rl_loss(
     contributes = current.mask & prepared.loss_mask & (weights > 0)
     if in_safe_set is not None:
         contributes = contributes & check_bool_mask("in_safe_set", in_safe_set)
+    if owned is not None:
+        contributes = contributes & check_bool_mask("owned", owned)
 
     def keep(x: torch.Tensor) -> torch.Tensor:
         return torch.where(contributes, x, torch.zeros((), dtype=x.dtype, device=x.device))
@@ -235,9 +244,12 @@ def rl_loss(
     pg_tokens = keep(weights * pg.loss)
     agg = {"mode": cfg.loss_aggregation, "counts": counts, "max_len": cfg.loss_max_len}
     pg_loss = aggregate(pg_tokens, prepared.count_mask, **agg)
+    phase_mask = current.mask & prepared.loss_mask
+    if owned is not None:
+        phase_mask = phase_mask & owned
     metrics = {
         "pg_loss": metric(pg_loss),
-        "phase_tokens": metric((current.mask & prepared.loss_mask).sum()),
+        "phase_tokens": metric(phase_mask.sum()),
         "clipped_tokens": metric((pg.clipped & contributes).sum()),
         "dual_clipped_tokens": metric((pg.dual_clipped & contributes).sum()),
     }
@@ -261,7 +273,6 @@ def rl_loss(
         loss = loss - cfg.entropy_coef * entropy_term
         metrics["entropy_loss"] = metric(-cfg.entropy_coef * entropy_term)
     metrics["loss"] = metric(loss)
-    phase_mask = current.mask & prepared.loss_mask
     if in_safe_set is not None:
         metrics["safe_set_violations"] = metric((phase_mask & ~in_safe_set).sum())
     if entropy is not None:

@@ -2,7 +2,7 @@
 
     run_dir, seed                      top level
     model:      ModelSection           the HF checkpoint to start from and how to build it
-    parallel:   ParallelSection        TP × PP of the trainer (DP is what is left of the world)
+    parallel:   ParallelSection        TP × PP × CP of the trainer (DP is what is left of the world)
     rollout:    RolloutSection         engine (local CPU or remote SGLang), sampling, weight sync
     algorithm:  AlgorithmConfig        the RL objective (advantages, DVP, IS/veto, STAPO, AR, Lopti, PPO)
     optimizer:  OptimizerSettings      the trainer's optimizer (megatron's distributed optimizer by default)
@@ -75,12 +75,16 @@ class ModelSection(ModelSettings):
 
 @dataclass(frozen=True)
 class ParallelSection:
-    """Trainer layout; world size = tensor_parallel × pipeline_parallel × data parallel."""
+    """Trainer layout; world size = tensor_parallel × pipeline_parallel × context_parallel × data parallel."""
 
     tensor_parallel: int = 1
     """TP size (heads, FFN and vocab are split)."""
     pipeline_parallel: int = 1
     """PP size (layers are split into stages)."""
+    context_parallel: int = 1
+    """CP size: every packed sequence is padded to a multiple of 2·CP and split into 2·CP chunks, CP rank r
+    computing chunks r and 2·CP−1−r, so activations and logits per GPU shrink by CP (long responses).
+    Needs packed micro-batches (`train.max_tokens_per_micro_batch`). Gradients reduce over DP × CP."""
     distributed_timeout_minutes: float = 120.0
     """Timeout of every trainer process group: the world group (`init_process_group`; without one NCCL
     kills a collective after 10 minutes) and megatron's TP/PP/DP groups. 120: ranks no longer wait for rank
@@ -101,6 +105,7 @@ class ParallelSection:
     def __post_init__(self) -> None:
         _positive_int("parallel", "tensor_parallel", self.tensor_parallel)
         _positive_int("parallel", "pipeline_parallel", self.pipeline_parallel)
+        _positive_int("parallel", "context_parallel", self.context_parallel)
         for name in ("distributed_timeout_minutes", "rank0_wait_timeout_minutes"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not value > 0):
@@ -429,38 +434,69 @@ class RunConfig:
             )
 
     def _check_token_budget(self) -> None:
-        """A packed micro-batch must hold the longest sample, and split evenly under sequence parallelism."""
+        """A packed micro-batch must hold the longest sample (padded to 2·CP under context parallelism), and
+        split evenly over CP chunks and under sequence parallelism."""
         budget = self.train.max_tokens_per_micro_batch
+        cp = self.parallel.context_parallel
         if not self.train.is_packed:
+            if cp > 1:
+                _bad(
+                    "parallel",
+                    "context_parallel",
+                    cp,
+                    "needs packed micro-batches (train.max_tokens_per_micro_batch; train.packed not false)",
+                )
             return
         longest = (
             None
             if self.data.max_prompt_tokens is None
             else self.data.max_prompt_tokens + self.rollout.max_new_tokens
         )
-        if longest is not None and budget < longest:
+        padded = None if longest is None else -(-longest // self.sequence_multiple) * self.sequence_multiple
+        if padded is not None and budget < padded:
             _bad(
                 "train",
                 "max_tokens_per_micro_batch",
                 budget,
                 f"must hold the longest sample: data.max_prompt_tokens={self.data.max_prompt_tokens} + "
-                f"rollout.max_new_tokens={self.rollout.max_new_tokens} = {longest}",
+                f"rollout.max_new_tokens={self.rollout.max_new_tokens} = {longest}"
+                + (f", padded to a multiple of 2·context_parallel = {padded}" if padded != longest else ""),
             )
         if budget % self.micro_batch_multiple:
-            _bad(
-                "train",
-                "max_tokens_per_micro_batch",
-                budget,
-                f"must be a multiple of parallel.tensor_parallel={self.parallel.tensor_parallel} "
-                "with model.sequence_parallel",
+            tp = self.parallel.tensor_parallel
+            sp = f"parallel.tensor_parallel={tp} with model.sequence_parallel"
+            why = (
+                f"must be a multiple of {self.micro_batch_multiple} (2·parallel.context_parallel = {2 * cp} "
+                "chunks per sequence" + (f" × {sp}" if self.micro_batch_multiple > 2 * cp else "") + ")"
+                if cp > 1
+                else f"must be a multiple of {sp}"
             )
+            _bad("train", "max_tokens_per_micro_batch", budget, why)
+
+    @property
+    def sequence_multiple(self) -> int:
+        """Each packed sequence's length multiple: 2·CP under context parallelism (its chunks), else 1."""
+        cp = self.parallel.context_parallel
+        return 2 * cp if cp > 1 else 1
 
     @property
     def micro_batch_multiple(self) -> int:
-        """Sequence-length multiple of a micro-batch: TP with sequence parallelism (megatron splits the
-        sequence over TP ranks), else 1."""
+        """Sequence-length multiple of a micro-batch: 2·CP under context parallelism, times TP with sequence
+        parallelism (megatron splits each CP rank's tokens over TP ranks), else 1."""
         tp = self.parallel.tensor_parallel
-        return tp if self.model.sequence_parallel and tp > 1 else 1
+        return self.sequence_multiple * (tp if self.model.sequence_parallel and tp > 1 else 1)
+
+    def check_world(self, world_size: int) -> None:
+        """Before any process group: `world_size` must be TP × PP × CP × DP. UserError naming the values."""
+        p = self.parallel
+        model_parallel = p.tensor_parallel * p.pipeline_parallel * p.context_parallel
+        if world_size % model_parallel:
+            raise UserError(
+                f"parallel.tensor_parallel × parallel.pipeline_parallel × parallel.context_parallel = "
+                f"{p.tensor_parallel} × {p.pipeline_parallel} × {p.context_parallel} = {model_parallel} "
+                f"does not divide the world size {world_size}; launch with `torchrun --nproc-per-node "
+                f"{model_parallel} -m megatron_tail.cli train CONFIG.yaml` (or a multiple of it)"
+            )
 
     def check_runnable(self) -> None:
         """What a run needs beyond a valid config: the required paths. ValueError naming the key."""

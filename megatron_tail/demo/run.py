@@ -165,7 +165,7 @@ def ensure_data(cache: Path) -> tuple[Path, Path]:
 def launch_training(
     run_dir: Path, overrides: Sequence[str], *, base_yaml: str = DEMO_CONFIG_YAML, quiet: bool = False
 ) -> int:
-    """`torchrun --standalone --nproc-per-node <TP×PP> -m megatron_tail.cli train <config>` (a subprocess)
+    """`torchrun --standalone --nproc-per-node <TP×PP×CP> -m megatron_tail.cli train <config>` (a subprocess)
     on `base_yaml` with `overrides`; `quiet` sends its output to `<run_dir>/train.log` instead."""
     from megatron_tail.config import load_config, save_resolved_config
 
@@ -175,7 +175,8 @@ def launch_training(
     cfg = load_config(base, overrides)
     cfg.check_runnable()
     resolved = save_resolved_config(cfg, run_dir)
-    nproc = cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel
+    p = cfg.parallel
+    nproc = p.tensor_parallel * p.pipeline_parallel * p.context_parallel
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     cmd += ["-m", "megatron_tail.cli", "train", str(resolved)]
     env = {

@@ -41,6 +41,7 @@ def transformer_config(arch: HFArch, settings: ModelSettings | None = None) -> T
     settings = settings or ModelSettings()
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
+    cp = parallel_state.get_context_parallel_world_size()
     _check_divisible(arch, tp, pp)
     precision = settings.resolved_precision()
     dtype = settings.resolved_dtype()
@@ -66,6 +67,12 @@ def transformer_config(arch: HFArch, settings: ModelSettings | None = None) -> T
         init_method_std=arch.initializer_range,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
+        # TE's ring (megatron's default for CP, `TEDotProductAttention.__init__`, extensions/
+        # transformer_engine.py): it takes THD with any head count and overlaps each K/V exchange with the
+        # previous block's attention; "a2a" needs heads % CP == 0 (TE context_parallel.py,
+        # `AttnFuncWithCPAndQKVOA2A.forward`). The local spec's CP attention all-gathers K/V instead.
+        cp_comm_type="p2p" if cp > 1 else None,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=precision == "bf16",

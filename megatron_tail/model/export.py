@@ -47,7 +47,9 @@ def iter_hf_tensors(
     params = _exported_params(chunks, arch)
     first = next(iter(chunks[0].parameters()))
     dtype = dtype or first.dtype
-    dp_rank = parallel_state.get_data_parallel_rank()
+    # the first of the replicas: DP rank 0 and, under context parallelism (same weights, other tokens),
+    # CP rank 0
+    dp_rank = parallel_state.get_data_parallel_rank() + parallel_state.get_context_parallel_rank()
     sender = dp_rank == 0 and parallel_state.get_tensor_model_parallel_rank() == 0
     # Rank 0 learns, per pipeline stage, the order in which that stage's sender will send.
     plans: list = [None] * dist.get_world_size()

@@ -25,10 +25,13 @@ from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+from .cp_attention import context_parallel_attention
 
 
 class HostPackedSeqParams(PackedSeqParams):
@@ -78,7 +81,8 @@ def thd_packed_seq_params(bounds: Sequence[int], device: torch.device | str) -> 
 class ThdDotProductAttention(MegatronModule):
     """Drop-in `core_attention` for megatron's `SelfAttention` on the local spec (same constructor).
 
-    Forward: `query [t, hq, d]`, `key`/`value [t, hkv, d]` with THD `packed_seq_params` → `[t, hq·d]`;
+    Forward: `query [t, hq, d]`, `key`/`value [t, hkv, d]` with THD `packed_seq_params` → `[t, hq·d]`
+    (under context parallelism t is this CP rank's share and the attention `cp_attention`'s);
     or `query [s, b, hq, d]`, `key`/`value [s, b, hkv, d]` without → `[s, b, hq·d]`. hq, hkv: this TP
     rank's query heads and key/value groups (GQA: hq a multiple of hkv). Causal within each sequence
     (packed) or each row (padded: right padding only, so padding never precedes a real token).
@@ -93,12 +97,14 @@ class ThdDotProductAttention(MegatronModule):
         attention_type: str,  # noqa: ARG002 - megatron's core-attention signature
         attention_dropout: float | None = None,
         softmax_scale: float | None = None,
-        cp_comm_type: str | None = None,  # noqa: ARG002
-        pg_collection=None,  # noqa: ARG002
+        cp_comm_type: str | None = None,  # noqa: ARG002 - always the all-gather of `cp_attention`
+        pg_collection=None,
     ):
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError("ThdDotProductAttention has no context parallelism; use the TE spec")
+        self.cp_group = None
+        if config.context_parallel_size > 1:
+            cp = getattr(pg_collection, "cp", None)
+            self.cp_group = cp if cp is not None else parallel_state.get_context_parallel_group()
         if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
             raise ValueError(f"ThdDotProductAttention is causal only; got attn_mask_type={attn_mask_type}")
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
@@ -121,6 +127,11 @@ class ThdDotProductAttention(MegatronModule):
     ) -> torch.Tensor:
         if attention_bias is not None:
             raise ValueError("attention_bias is not supported by ThdDotProductAttention")
+        if self.cp_group is not None:
+            if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
+                raise ValueError("context parallelism on the local spec needs packed (THD) micro-batches")
+            bounds = _host_boundaries(packed_seq_params)
+            return context_parallel_attention(query, key, value, bounds, self.softmax_scale, self.cp_group)
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             return _packed_attention(query, key, value, packed_seq_params, self.softmax_scale)
         if packed_seq_params is not None:

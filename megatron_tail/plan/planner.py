@@ -3,7 +3,7 @@ verdict. Reads the model's `config.json` only (never weights, prompts or a GPU),
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from megatron_tail.config.schema import RunConfig
@@ -117,15 +117,16 @@ def make_plan(config: RunConfig, cluster: Cluster) -> Plan:
     arch = load_hf_config(hf_path)
     shape = ModelShape.from_arch(arch, config.model.vocab_pad_multiple)
     tp, pp = config.parallel.tensor_parallel, config.parallel.pipeline_parallel
+    cp = config.parallel.context_parallel
     trainer_gpus = (cluster.nodes - cluster.rollout_nodes) * cluster.gpus_per_node
-    if trainer_gpus % (tp * pp):
+    if trainer_gpus % (tp * pp * cp):
         raise ValueError(
             f"{trainer_gpus} trainer GPUs are not a multiple of "
-            f"tensor_parallel × pipeline_parallel = {tp} × {pp}"
+            f"tensor_parallel × pipeline_parallel × context_parallel = {tp} × {pp} × {cp}"
         )
     if shape.layers % pp:
         raise ValueError(f"num_hidden_layers={shape.layers} is not divisible by pipeline_parallel={pp}")
-    dp = trainer_gpus // (tp * pp)
+    dp = trainer_gpus // (tp * pp * cp)
     precision = config.model.precision or ("fp32" if config.model.bf16 is False else "bf16")
     longest = sequence_tokens(config, arch.max_position_embeddings)
     tokens = tokens_per_micro_batch(config, longest)
@@ -156,6 +157,7 @@ def make_plan(config: RunConfig, cluster: Cluster) -> Plan:
         ),
         reserve_bytes=int(cluster.reserve_gib * GIB),
         capacity_bytes=capacity,
+        context_parallel=cp,
     )
     peak = trainer_peak(shape, layout)
     engine_dtype = config.rollout.dtype or "bfloat16"
@@ -176,6 +178,7 @@ def make_plan(config: RunConfig, cluster: Cluster) -> Plan:
     ckpt = checkpoint_bytes_per_rank(shape, layout)
     ckpt_seconds = ckpt * cluster.gpus_per_node / (cluster.fs_write_gbps * 1e9)
     problems, warnings = _verdict(peak, layout, rollout, rollout_layout)
+    warnings += _context_parallel_warnings(shape, layout, peak)
     return Plan(
         shape=shape,
         cluster=cluster,
@@ -189,6 +192,37 @@ def make_plan(config: RunConfig, cluster: Cluster) -> Plan:
         problems=problems,
         warnings=warnings,
     )
+
+
+RECOMPUTE_COST = ("none", "selective", "full")
+"""Recompute settings from the cheapest to the dearest in compute."""
+
+
+def _context_parallel_warnings(shape: ModelShape, layout: TrainerLayout, peak: StageMemory) -> list[str]:
+    """CP where recompute alone fits: the same GPUs at CP = 1 (DP × CP data-parallel ranks) with the
+    layout's own recompute or a cheaper one. Then CP buys nothing: it exchanges K/V in every layer and
+    takes CP GPUs per sequence for memory that is not needed. (CP that replaces a dearer recompute, e.g.
+    CP=2 with selective where CP=1 needs full, trades the K/V exchange for ~1/3 of the step's compute: a
+    choice, not a mistake, so no warning.)"""
+    cp = layout.context_parallel
+    if cp == 1 or peak.total > layout.capacity_bytes:
+        return []
+    for recompute in RECOMPUTE_COST[: RECOMPUTE_COST.index(layout.recompute) + 1]:
+        alone = replace(
+            layout,
+            context_parallel=1,
+            data_parallel=layout.data_parallel * cp,
+            recompute=recompute,
+            recompute_num_layers=layout.recompute_num_layers if recompute == "full" else None,
+        )
+        without = trainer_peak(shape, alone)
+        if without.total <= layout.capacity_bytes:
+            return [
+                f"parallel.context_parallel={cp} is not needed: the same GPUs at context_parallel=1 with "
+                f"model.recompute={recompute} fit ({_gib(without.total)} of {_gib(layout.capacity_bytes)} "
+                f"per GPU, vs {_gib(peak.total)}) without CP's K/V exchange in every layer"
+            ]
+    return []
 
 
 def _gib(n: float) -> str:

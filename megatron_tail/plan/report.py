@@ -24,11 +24,14 @@ def _gib(n: float) -> str:
 def _notes(plan: Plan) -> dict[str, str]:
     lay, shape = plan.trainer_layout, plan.shape
     b = 4 if lay.precision == "fp32" else 2
+    cp = lay.context_parallel
+    cp_times = f" x CP={cp}" if cp > 1 else ""
+    tokens = f"{lay.tokens_per_micro_batch}/CP={lay.tokens_per_gpu}" if cp > 1 else lay.tokens_per_micro_batch
     opt = (
         f"{lay.optimizer}: {'fp32 master + ' if lay.precision != 'fp32' else ''}"
         f"{'m, v' if lay.optimizer == 'adam' else 'momentum'}"
         + (
-            f", / DP={lay.data_parallel} (distributed optimizer)"
+            f", / DP={lay.data_parallel}{cp_times} (distributed optimizer)"
             if lay.distributed_optimizer
             else ", not sharded"
         )
@@ -40,7 +43,7 @@ def _notes(plan: Plan) -> dict[str, str]:
     elif lay.recompute == "selective":
         recompute += f" ({', '.join(lay.recompute_modules)})"
     act = (
-        f"{in_flight} x {lay.tokens_per_micro_batch} tokens x "
+        f"{in_flight} x {tokens} tokens x "
         f"{shape.layers // lay.pipeline_parallel} layers, "
         f"recompute {recompute}{', SP' if lay.sequence_parallel else ''}"
     )
@@ -50,7 +53,7 @@ def _notes(plan: Plan) -> dict[str, str]:
         logits = "fused op: final norm + fp32 blocks, no logits"
     else:
         v_local = shape.padded_vocab // lay.tensor_parallel
-        logits = f"[{lay.tokens_per_micro_batch}, {v_local}] x {b} B, grad in place"
+        logits = f"[{lay.tokens_per_gpu}, {v_local}] x {b} B, grad in place"
     ref_gib = f"{plan.trainer.params * b / GIB:.1f} GiB"
     ref = {
         "none": "no reference policy (kl_coef 0)",
@@ -80,7 +83,9 @@ def format_plan(plan: Plan) -> str:
         f"(padded {shape.padded_vocab})",
         f"cluster: {c.nodes} nodes x {c.gpus_per_node} GPUs of {c.gpu_memory_gib:g} GiB; rollout "
         f"{c.rollout_nodes} node(s), trainer {c.nodes - c.rollout_nodes}",
-        f"trainer: TP={lay.tensor_parallel} PP={lay.pipeline_parallel} DP={lay.data_parallel}, "
+        f"trainer: TP={lay.tensor_parallel} PP={lay.pipeline_parallel} "
+        + (f"CP={lay.context_parallel} " if lay.context_parallel > 1 else "")
+        + f"DP={lay.data_parallel}, "
         f"{lay.precision}, per GPU (pipeline stage {plan.trainer.stage}, the fullest):",
     ]
     notes = _notes(plan)
@@ -112,16 +117,18 @@ def format_plan(plan: Plan) -> str:
 
 
 def plan_json(plan: Plan) -> dict[str, Any]:
-    """One object: trainer.{tensor,pipeline,data}_parallel, trainer.<term>_bytes, total/capacity,
+    """One object: trainer.{tensor,pipeline,context,data}_parallel, trainer.<term>_bytes, total/capacity,
     rollout.kv_tokens_per_server, checkpoint, fits, problems, warnings."""
     lay, ro, rl = plan.trainer_layout, plan.rollout, plan.rollout_layout
     trainer = {
         "tensor_parallel": lay.tensor_parallel,
         "pipeline_parallel": lay.pipeline_parallel,
+        "context_parallel": lay.context_parallel,
         "data_parallel": lay.data_parallel,
         "stage": plan.trainer.stage,
         "params_per_gpu": plan.trainer.params,
         "tokens_per_micro_batch": lay.tokens_per_micro_batch,
+        "tokens_per_gpu": lay.tokens_per_gpu,
         **{f"{term}_bytes": value for term, value in plan.trainer.terms.items()},
         "total_bytes": plan.trainer.total,
         "capacity_bytes": lay.capacity_bytes,

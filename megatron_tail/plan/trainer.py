@@ -5,8 +5,9 @@ grads        the same count in the main-grad dtype: fp32 (`grad_reduce_in_fp32=T
              `train/engine/setup.py`), never sharded (megatron's DDP grad buffer)
 optimizer    Adam: fp32 master params (half precision only) + m + v; SGD: master + momentum;
              divided by DP under the distributed optimizer
-activations  `activations.stage_activation_bytes` (1F1B: stage s keeps min(PP − s, M) micro-batches)
-logits       the last stage's logits (or the fused op's blocks) for one micro-batch
+activations  `activations.stage_activation_bytes` (1F1B: stage s keeps min(PP − s, M) micro-batches),
+             of this CP rank's tokens: tokens per micro-batch / CP under context parallelism
+logits       the last stage's logits (or the fused op's blocks) for one micro-batch (its tokens / CP)
 reference    π_ref's weights (model dtype), when `algorithm.kl_coef` > 0 and it is not offloaded; an
              offloaded reference is on the GPU only for its forward-only pass, when no training
              activations are alive, so it adds nothing to the training peak
@@ -50,6 +51,14 @@ class TrainerLayout:
     """π_ref: "none" (kl_coef 0), "offloaded" (pinned host memory between its passes) or "resident"."""
     reserve_bytes: int
     capacity_bytes: int
+    context_parallel: int = 1
+    """CP: each GPU holds 1/CP of every sequence's tokens (activations, logits); the distributed optimizer
+    shards over DP × CP."""
+
+    @property
+    def tokens_per_gpu(self) -> int:
+        """Tokens of one micro-batch on one GPU: `tokens_per_micro_batch` / CP."""
+        return -(-self.tokens_per_micro_batch // self.context_parallel)
 
 
 @dataclass(frozen=True)
@@ -83,7 +92,7 @@ def stage_memory(shape: ModelShape, layout: TrainerLayout, stage: int) -> StageM
         shape,
         tp=tp,
         stage_layers=shape.layers // pp,
-        tokens=layout.tokens_per_micro_batch,
+        tokens=layout.tokens_per_gpu,
         in_flight=in_flight,
         sequence_parallel=layout.sequence_parallel,
         dtype_bytes=b,
@@ -96,7 +105,7 @@ def stage_memory(shape: ModelShape, layout: TrainerLayout, stage: int) -> StageM
         logits_bytes(
             shape,
             tp=tp,
-            tokens=layout.tokens_per_micro_batch,
+            tokens=layout.tokens_per_gpu,
             dtype_bytes=b,
             fused_output_layer=layout.fused_output_layer,
             sequence_parallel=layout.sequence_parallel,
@@ -106,7 +115,7 @@ def stage_memory(shape: ModelShape, layout: TrainerLayout, stage: int) -> StageM
     )
     optimizer = params * optimizer_bytes_per_param(layout)
     if layout.distributed_optimizer:
-        optimizer = -(-optimizer // layout.data_parallel)
+        optimizer = -(-optimizer // (layout.data_parallel * layout.context_parallel))
     terms = {
         "weights": params * b,
         "grads": params * 4,
@@ -150,12 +159,12 @@ def activation_per_token_per_layer(shape: ModelShape, layout: TrainerLayout) -> 
 
 def checkpoint_bytes_per_rank(shape: ModelShape, layout: TrainerLayout) -> int:
     """Bytes one rank writes per save: its share of the model (weights in the model dtype) and of the
-    fp32 optimizer state (master + moments), both split over DP (megatron's fully parallel save
-    distributes each TP×PP shard's writes over its DP replicas)."""
+    fp32 optimizer state (master + moments), both split over DP × CP (megatron's fully parallel save
+    distributes each TP×PP shard's writes over its replicas; CP ranks hold the same weights)."""
     b = DTYPE_BYTES[layout.precision]
     params = max(
         shape.stage_params(layout.tensor_parallel, layout.pipeline_parallel, s)
         for s in range(layout.pipeline_parallel)
     )
     per_shard = params * (b + optimizer_bytes_per_param(layout))
-    return -(-per_shard // layout.data_parallel)
+    return -(-per_shard // (layout.data_parallel * layout.context_parallel))

@@ -138,7 +138,10 @@ def test_bad_layout_is_one_clear_error(capsys):
         ]
     )
     err = capsys.readouterr().err
-    assert rc == 2 and "not a multiple of tensor_parallel × pipeline_parallel = 4 × 3" in err
+    assert (
+        rc == 2
+        and "not a multiple of tensor_parallel × pipeline_parallel × context_parallel = 4 × 3 × 1" in err
+    )
     rc = main(["plan", str(EXAMPLE_8B)])  # models/Qwen3-8B is not in the repository
     assert rc == 2 and "has no config.json" in capsys.readouterr().err
 
@@ -169,3 +172,24 @@ def test_fp8_rollout_weights(capsys):
     linear = 36 * 192_937_984
     expected = linear + 36 * 38_912 * 4 + (8_190_735_360 - linear) * 2
     assert rc == 0 and out["rollout"]["weights_bytes_per_gpu"] == expected == 9_441_306_624
+
+
+def test_context_parallel_divides_activations_and_logits_per_gpu(capsys):
+    """CP=2 on the same 8 trainer GPUs: DP halves, activations and logits are those of tokens / 2 per GPU
+    (the per-token-per-layer bytes are unchanged), the distributed optimizer still shards over DP × CP."""
+    base = (EXAMPLE_8B, "--set", f"model.hf_path={QWEN3_8B}", "--nodes", 2)
+    _, one = _plan_json(capsys, *base)
+    rc, two = _plan_json(capsys, *base, "--set", "parallel.context_parallel=2")
+    t1, t2 = one["trainer"], two["trainer"]
+    assert rc == 0 and (t2["context_parallel"], t2["data_parallel"], t1["context_parallel"]) == (2, 2, 1)
+    assert t2["tokens_per_gpu"] == t1["tokens_per_micro_batch"] // 2 == 2560
+    per = t1["activation_bytes_per_token_per_layer"]["none_sp"]
+    assert t2["activations_bytes"] == per * 36 * 2560 == t1["activations_bytes"] // 2
+    # logits [2560, 76288] bf16 + final norm and the op's state for 2560 tokens + the same fp32 chunks
+    assert t2["logits_bytes"] == 2560 * 76288 * 2 + 2560 * (8192 + 2 + 16) + 16 * 2**25
+    assert t2["optimizer_bytes"] == t1["optimizer_bytes"]  # DP=2 × CP=2 shards as DP=4 did
+    text = main(["plan", *map(str, base), "--set", "parallel.context_parallel=2"])
+    out = capsys.readouterr().out
+    assert text == 0 and "TP=2 PP=1 CP=2 DP=2" in out and "1 x 5120/CP=2560 tokens x 36 layers" in out
+    # it fits at CP=1 without recompute, so at CP=1 with full recompute too: CP is flagged as optional
+    assert any("context_parallel=2 is not needed" in w and "recompute=none fit" in w for w in two["warnings"])

@@ -81,12 +81,14 @@ def launch_line(path: Path) -> list[str]:
 def stated_layout(path: Path) -> dict[str, int]:
     text = header(path)
     roll = re.search(r"#\s+rollout: (\d+) nodes? x (\d+) SGLang servers, TP=(\d+)", text)
-    train = re.search(r"#\s+trainer: (\d+) nodes? x (\d+) GPUs, TP=(\d+) PP=(\d+) DP=(\d+)", text)
+    train = re.search(
+        r"#\s+trainer: (\d+) nodes? x (\d+) GPUs, TP=(\d+) PP=(\d+)(?: CP=(\d+))? DP=(\d+)", text
+    )
     assert roll and train, f"{path.name}: no 'rollout:'/'trainer:' layout lines"
     keys = ("rollout_nodes", "servers_per_node", "sglang_tp")
     out = dict(zip(keys, map(int, roll.groups()), strict=True))
-    keys = ("train_nodes", "gpus", "tp", "pp", "dp")
-    out.update(zip(keys, map(int, train.groups()), strict=True))
+    keys = ("train_nodes", "gpus", "tp", "pp", "cp", "dp")
+    out.update(zip(keys, (int(g or 1) for g in train.groups()), strict=True))
     return out
 
 
@@ -127,8 +129,9 @@ def test_launch_line_gives_the_stated_layout(path, tmp_path):
     assert "--exclusive" in argv and any(a.startswith("--signal=B:USR1@") for a in argv)
     lay = stated_layout(path)
     cfg = load_config(path)
-    assert (cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel) == (lay["tp"], lay["pp"])
-    assert lay["train_nodes"] * lay["gpus"] == lay["tp"] * lay["pp"] * lay["dp"]
+    p = cfg.parallel
+    assert (p.tensor_parallel, p.pipeline_parallel, p.context_parallel) == (lay["tp"], lay["pp"], lay["cp"])
+    assert lay["train_nodes"] * lay["gpus"] == lay["tp"] * lay["pp"] * lay["cp"] * lay["dp"]
     assert lay["servers_per_node"] * lay["sglang_tp"] == GPUS_PER_NODE
 
     out = dry_run(argv, tmp_path)

@@ -24,6 +24,11 @@ Layout of a `MicroBatch` (b rows, s positions; every tensor CPU until `.to(devic
 
 An empty micro-batch (no samples; `pad_to_multiple` pad tokens) is what a DP rank with fewer packed
 micro-batches than the others runs, so that every rank runs the same count.
+
+Context parallelism (`context_parallel.split_for_context_parallel`): a packed micro-batch is built whole,
+each sample padded to `sequence_multiple` (2·CP) tokens, then every CP rank keeps its chunks of each
+sequence; the shard's `cp` (a `CpShard`) keeps the whole micro-batch, and its `to_samples` places the
+shard's tokens in the whole per-sample layout (zeros at the tokens of the other CP ranks).
 """
 
 from __future__ import annotations
@@ -76,6 +81,18 @@ class MicroBatch:
     """`[n, T]` int64: column of that target; 0 where invalid."""
     sample_valid: torch.Tensor | None = None
     """`[n, T]` bool: j < len(response of sample k)."""
+    cp: CpShard | None = None
+    """Under context parallelism: this CP rank's share of a whole packed micro-batch (None otherwise)."""
+
+    @property
+    def whole(self) -> MicroBatch:
+        """The whole micro-batch this one is a CP shard of (itself without CP)."""
+        return self if self.cp is None else self.cp.whole
+
+    @property
+    def sample_owned(self) -> torch.Tensor | None:
+        """`[n, T]` bool: the per-sample positions whose tokens this CP rank computes (None without CP)."""
+        return None if self.cp is None else self.cp.sample_owned
 
     @property
     def packed(self) -> bool:
@@ -99,7 +116,10 @@ class MicroBatch:
 
     def to_samples(self, x: torch.Tensor) -> torch.Tensor:
         """Per-token `[b, s]` → per-sample `[n, T]` (row k = sample `sample_ids[k]`'s response targets,
-        0 where `sample_valid` is False). Differentiable; any dtype."""
+        0 where `sample_valid` is False). Differentiable; any dtype. On a CP shard, `x` is the shard's
+        `[1, s/CP]` and the result the whole layout, 0 at the other CP ranks' tokens."""
+        if self.cp is not None:
+            return self.cp.whole.to_samples(self.cp.to_whole_row(x))
         rows, cols = self.sample_rows.to(x.device), self.sample_cols.to(x.device)
         valid = self.sample_valid.to(x.device)
         return torch.where(valid, x[rows, cols], torch.zeros((), dtype=x.dtype, device=x.device))
@@ -115,6 +135,28 @@ _TENSORS = (
     "sample_cols",
     "sample_valid",
 )
+
+
+@dataclass(frozen=True)
+class CpShard:
+    """What a CP shard of a packed micro-batch knows of the whole one."""
+
+    whole: MicroBatch
+    """The whole micro-batch (every CP rank has the same), with its per-sample layout."""
+    index: torch.Tensor
+    """`[T/CP]` int64: this rank's positions in the whole row (`context_parallel_index`)."""
+    indices: tuple[torch.Tensor, ...]
+    """Every CP rank's `index`, in rank order (for the gather)."""
+    sample_owned: torch.Tensor
+    """`[n, T]` bool: the whole layout's valid positions whose tokens this rank computes."""
+    rank: int
+    size: int
+
+    def to_whole_row(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's `[1, T/CP]` → the whole row `[1, T]`, zeros elsewhere (differentiable in `x`)."""
+        index = self.index.to(x.device)
+        full = torch.zeros((x.shape[0], self.whole.tokens.shape[1]), dtype=x.dtype, device=x.device)
+        return full.index_copy(1, index, x)
 
 
 def split_for_data_parallel(samples: Sequence[Sample], dp_rank: int, dp_size: int) -> list[Sample]:
@@ -169,6 +211,7 @@ def pack_micro_batches(
     dp_size: int = 1,
     pad_to_multiple: int = 1,
     pad_id: int = 0,
+    sequence_multiple: int = 1,
 ) -> list[MicroBatch]:
     """This DP rank's packed (THD) micro-batches of the global `samples`, each ≤ `max_tokens` tokens.
 
@@ -176,21 +219,25 @@ def pack_micro_batches(
     (`pack_by_token_budget`), dealt to the DP ranks balancing tokens, and padded with empty micro-batches
     so every rank runs the same count (`balance_over_data_parallel`). `sample_ids`/`sample_index` index
     into `samples`. A micro-batch's length is its tokens rounded up to `pad_to_multiple`, capped at
-    `max_tokens` (so `max_tokens` must be a multiple of it).
-    Raises ValueError naming a sample longer than `max_tokens`.
+    `max_tokens` (so `max_tokens` must be a multiple of it). With `sequence_multiple` > 1 (2·CP under
+    context parallelism) every sample takes its length rounded up to it, the padding after its last token
+    being part of its causal block (never a loss token), so each block splits into 2·CP equal chunks;
+    `pad_to_multiple` must then be a multiple of `sequence_multiple`.
+    Raises ValueError naming a sample longer than `max_tokens` (padded).
     """
-    if max_tokens % pad_to_multiple:
+    if max_tokens % pad_to_multiple or pad_to_multiple % sequence_multiple:
         raise ValueError(
-            f"max_tokens={max_tokens} must be a multiple of {pad_to_multiple} (TP with sequence parallelism)"
+            f"max_tokens={max_tokens} must be a multiple of pad_to_multiple={pad_to_multiple} (TP with "
+            f"sequence parallelism), itself a multiple of sequence_multiple={sequence_multiple} (2·CP)"
         )
     _check_samples(samples)
-    lengths = [len(s) for s in samples]
+    lengths = [_round_up(len(s), sequence_multiple) for s in samples]
     bins = pack_by_token_budget(lengths, max_tokens)
     mine = balance_over_data_parallel(bins, lengths, dp_size)[dp_rank]
     out = []
     for members in mine:
         length = _round_up(max(sum(lengths[i] for i in members), 1), pad_to_multiple)
-        out.append(_build(samples, [members], length, pad_id, packed=True))
+        out.append(_build(samples, [members], length, pad_id, packed=True, slots=lengths))
     return out
 
 
@@ -217,8 +264,9 @@ def _check_sample(i: int, s: Sample) -> None:
             )
 
 
-def _build(samples, rows, seq_len, pad_id, *, packed: bool = False) -> MicroBatch:
-    """`rows[r]`: the sample ids laid back to back in row r (one per row when padded)."""
+def _build(samples, rows, seq_len, pad_id, *, packed: bool = False, slots=None) -> MicroBatch:
+    """`rows[r]`: the sample ids laid back to back in row r (one per row when padded); `slots[i]`: the
+    positions sample i takes in a packed row (its length, or more with per-sequence padding)."""
     b = len(rows)
     field_names = sorted(samples[0].fields)
     tokens = torch.full((b, seq_len), pad_id, dtype=torch.long)
@@ -239,7 +287,7 @@ def _build(samples, rows, seq_len, pad_id, *, packed: bool = False) -> MicroBatc
             sample_index[r, resp] = i
             for name in field_names:
                 fields[name][r, resp] = s.fields[name].to(fields[name].dtype)
-            start += n
+            start += n if slots is None else slots[i]
     mb = MicroBatch(
         tokens,
         targets,
@@ -250,7 +298,8 @@ def _build(samples, rows, seq_len, pad_id, *, packed: bool = False) -> MicroBatc
         num_sample_tokens=sum(len(samples[i]) for row in rows for i in row),
     )
     if packed:  # one row: its samples' boundaries, and the trailing padding as a causal block of its own
-        bounds = list(accumulate((len(samples[i]) for i in rows[0]), initial=0))
+        taken = (len(samples[i]) if slots is None else slots[i] for i in rows[0])
+        bounds = list(accumulate(taken, initial=0))
         if bounds[-1] < seq_len:
             bounds.append(seq_len)
         mb.cu_seqlens = tuple(bounds)

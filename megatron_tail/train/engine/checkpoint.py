@@ -306,7 +306,7 @@ def _sharded_state(
             _get_rng_state(),
             (g.pp_size, g.tp_size),
             (g.pp_rank, g.tp_rank),
-            replica_id=g.dp_rank,
+            replica_id=g.dp_rank * g.cp_size + g.cp_rank,  # CP ranks are replicas too
         )
     return state
 

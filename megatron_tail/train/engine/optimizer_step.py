@@ -38,7 +38,7 @@ class TrainStepResult:
     grad_norm: float | None
     """Global gradient norm before clipping (over all TP/PP/DP shards)."""
     metrics: dict[str, float]
-    """The loss callback's metrics combined over micro-batches and DP ranks (`reduce_op_of`)."""
+    """The loss callback's metrics combined over micro-batches and DP × CP ranks (`reduce_op_of`)."""
 
 
 def train_step(
@@ -73,7 +73,9 @@ def train_step(
 
 
 def _reduce_metrics(per_mb: list[dict[str, torch.Tensor]], trainer: Trainer) -> dict[str, float]:
-    """Combine over micro-batches and DP ranks (last stage), then send to every pipeline stage."""
+    """Combine over micro-batches and DP × CP ranks (last stage), then send to every pipeline stage. Under
+    CP each rank's metrics cover its own tokens, so they add up over CP like over DP."""
     groups = trainer.groups
-    totals = all_reduce_scalars(combine_metrics(per_mb), groups.dp) if groups.is_last_stage else None
+    group = groups.dp_cp_group
+    totals = all_reduce_scalars(combine_metrics(per_mb), group) if groups.is_last_stage else None
     return broadcast_from_last_stage(totals, groups)

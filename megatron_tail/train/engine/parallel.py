@@ -3,11 +3,19 @@
     init_distributed()                           # from torchrun env vars (no-op if already initialised)
     wait = host_wait_group()                     # gloo, world-wide: where ranks wait for rank 0's phases
     groups = init_parallel(ParallelConfig(tensor_parallel=2, pipeline_parallel=1, seed=1234))
-    ... groups.tp, groups.pp, groups.dp          # hand these to code outside model/ and train/
+    ... groups.tp, groups.pp, groups.cp, groups.dp   # hand these to code outside model/ and train/
     destroy_parallel()
 
 Only `megatron_tail.model` and `megatron_tail.train` touch megatron's global `parallel_state`; everything
 else receives the groups from `ParallelGroups`.
+
+Context parallelism (CP): `initialize_model_parallel(context_parallel_size=CP)` makes the CP groups and a
+data-parallel-with-CP group; megatron-core 0.16.1 then picks them itself. DDP reduces gradients over it
+(`ProcessGroupCollection.setup_process_groups_for_ddp`, process_groups_config.py: `dp_cp_group =
+get_data_parallel_group(with_context_parallel=True)`; `DistributedDataParallel.__init__` builds its buffers
+on `intra_dp_cp_group`), and the distributed optimizer shards its state over the same ranks
+(`get_megatron_optimizer`, optimizer/__init__.py: `data_parallel_group=intra_dp_cp_group`). CP ranks hold
+the same parameters and different tokens, so their gradients are partial sums like DP ranks' are.
 """
 
 from __future__ import annotations
@@ -27,12 +35,15 @@ from megatron_tail.patches import apply_cpu_patches
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Model-parallel layout; data parallel is whatever is left: world = TP × PP × DP."""
+    """Model-parallel layout; data parallel is whatever is left: world = TP × PP × CP × DP."""
 
     tensor_parallel: int = 1
     """TP size: splits heads, FFN and vocab."""
     pipeline_parallel: int = 1
     """PP size: splits the layers into stages."""
+    context_parallel: int = 1
+    """CP size: splits every packed sequence into 2·CP chunks, rank r keeping chunks r and 2·CP−1−r
+    (megatron's `context_parallel_size`); gradients then reduce over data parallel × CP."""
     seed: int = 1234
     """Seed of torch's RNG and megatron's model-parallel RNG trackers."""
     distributed_timeout_minutes: float = 120.0
@@ -40,7 +51,7 @@ class ParallelConfig:
     whole minutes, rounded up); `init_distributed` takes the same for the world group."""
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel", "pipeline_parallel"):
+        for name in ("tensor_parallel", "pipeline_parallel", "context_parallel"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int ≥ 1; got {value!r}")
@@ -53,12 +64,25 @@ class ParallelGroups:
     tp: dist.ProcessGroup
     pp: dist.ProcessGroup
     dp: dist.ProcessGroup
+    """Pure data parallel: the ranks that hold different samples (each sequence whole, on every CP rank)."""
     tp_rank: int
     tp_size: int
     pp_rank: int
     pp_size: int
     dp_rank: int
     dp_size: int
+    cp: dist.ProcessGroup | None = None
+    """Context parallel: the ranks that share each sequence's tokens (None: megatron's state had none)."""
+    dp_cp: dist.ProcessGroup | None = None
+    """Data parallel × CP: the ranks whose token sets partition a mini-batch, over which gradients and
+    per-token sums reduce (megatron's `get_data_parallel_group(with_context_parallel=True)`)."""
+    cp_rank: int = 0
+    cp_size: int = 1
+
+    @property
+    def dp_cp_group(self) -> dist.ProcessGroup:
+        """`dp_cp` (or `dp` where no CP group was recorded)."""
+        return self.dp if self.dp_cp is None else self.dp_cp
 
     @property
     def is_last_stage(self) -> bool:
@@ -106,29 +130,35 @@ def init_parallel(config: ParallelConfig) -> ParallelGroups:
 
     Raises:
         RuntimeError: torch.distributed is not initialised.
-        ValueError: the world size is not a multiple of TP × PP.
+        ValueError: the world size is not a multiple of TP × PP × CP.
     """
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised; call init_distributed() first")
-    world = dist.get_world_size()
-    model_parallel = config.tensor_parallel * config.pipeline_parallel
-    if world % model_parallel:
-        raise ValueError(
-            f"world size {world} is not a multiple of tensor_parallel × pipeline_parallel = "
-            f"{config.tensor_parallel} × {config.pipeline_parallel}"
-        )
+    check_world_size(dist.get_world_size(), config)
     apply_cpu_patches()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=config.tensor_parallel,
         pipeline_model_parallel_size=config.pipeline_parallel,
+        context_parallel_size=config.context_parallel,
         distributed_timeout_minutes=math.ceil(config.distributed_timeout_minutes),
     )
     torch.manual_seed(config.seed)
     # inference_rng_tracker: megatron's default CUDA RNG tracker cannot run on CPU; this one can.
     model_parallel_cuda_manual_seed(config.seed, inference_rng_tracker=not torch.cuda.is_available())
     return current_groups()
+
+
+def check_world_size(world: int, config: ParallelConfig) -> None:
+    """ValueError naming the sizes unless `world` = TP × PP × CP × DP for some whole DP ≥ 1."""
+    model_parallel = config.tensor_parallel * config.pipeline_parallel * config.context_parallel
+    if world % model_parallel:
+        raise ValueError(
+            f"world size {world} is not a multiple of tensor_parallel × pipeline_parallel × "
+            f"context_parallel = {config.tensor_parallel} × {config.pipeline_parallel} × "
+            f"{config.context_parallel} = {model_parallel}"
+        )
 
 
 def current_groups() -> ParallelGroups:
@@ -143,6 +173,10 @@ def current_groups() -> ParallelGroups:
         pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
         dp_rank=parallel_state.get_data_parallel_rank(),
         dp_size=parallel_state.get_data_parallel_world_size(),
+        cp=parallel_state.get_context_parallel_group(),
+        dp_cp=parallel_state.get_data_parallel_group(with_context_parallel=True),
+        cp_rank=parallel_state.get_context_parallel_rank(),
+        cp_size=parallel_state.get_context_parallel_world_size(),
     )
 
 

@@ -13,21 +13,38 @@ and "advantages" (per token; broadcast a sequence advantage over its response), 
 Stage 1 (`prepare_tokens`) runs once per micro-batch on θ_old outputs and rollout data and is stored in
 `micro_batch.extras["prepared"]`; its counts are summed over micro-batches and DP ranks, so that every
 micro-batch's loss is its share of the global loss.
+
+Context parallelism: every rule that reads a whole sequence (sequence IS weights, the veto, STAPO's τ_h
+quantile, Lopti's phases, seq-mean / Dr.GRPO aggregation, the loss counts, the per-sequence metrics) runs
+on whole sequences. Stage 1 gathers the θ_old per-token outputs of the CP shards back into whole rows
+(`gather_whole_outputs`: one all-gather over CP per micro-batch, of ~6 values per token) and runs the same
+`prepare_tokens` on the same tensors as without CP, on every CP rank; the counts then reduce over DP only
+(each CP rank has them whole). Stage 2 gives `rl_loss` the whole `prepared` and this rank's tokens
+(`owned`): no CP collective at all, the ranks' losses add up to the unsplit loss, and the gradients sum
+over DP × CP in megatron's DDP. Why whole sequences rather than reducing per-sequence partial sums over CP
+(slime's `compute_mis_weights_with_cp`): the result is the CP=1 computation on identical inputs, for every
+rule today and any sequence-level rule added later, with nothing CP-specific in `algorithms/`; partial
+sums would need a CP variant of each rule (product, geometric mean, veto, counts, aggregation, metrics)
+and two dependent all-reduces (weights, then the counts that depend on them). Its cost, an all-gather of
+O(tokens) scalars once per step, is far below the attention's own per-layer K/V exchange.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from megatron_tail.algorithms import AlgorithmConfig, LossCounts, masked_quantile, prepare_tokens, rl_loss
+from megatron_tail.algorithms.metrics import reduce_op_of
 from megatron_tail.ops import MaskedLogprobs
 
 from ..engine.batch import MicroBatch
 from ..engine.collectives import all_reduce_sum_, gather_objects
+from ..engine.context_parallel import gather_whole_outputs
 from ..engine.optimizer_step import LossFn
 from ..engine.parallel import comm_device
 
@@ -39,10 +56,12 @@ def prepare_rl_micro_batches(
     micro_batches: Sequence[MicroBatch],
     old: Sequence[MaskedLogprobs],
     dp_group: dist.ProcessGroup,
+    cp_group: dist.ProcessGroup | None = None,
 ) -> LossCounts:
     """Stage 1 for every micro-batch (stored in `extras["prepared"]`); returns the global `LossCounts`.
 
-    Collective over `dp_group` (one all-reduce; one all-gather with a STAPO entropy quantile).
+    Collective over `dp_group` (one all-reduce; one all-gather with a STAPO entropy quantile), and on CP
+    shards over `cp_group` (one all-gather per micro-batch whose `old` outputs are not whole yet).
     Raises ValueError if a micro-batch lacks a field of `REQUIRED_FIELDS`.
     """
     for i, mb in enumerate(micro_batches):
@@ -51,9 +70,11 @@ def prepare_rl_micro_batches(
             raise ValueError(
                 f"micro-batch {i} lacks the per-token fields {missing}; it has {sorted(mb.fields)}"
             )
-    tau_h = _global_stapo_tau_h(cfg, micro_batches, old, dp_group)
+    old = [whole_outputs(mb, out, cp_group) for mb, out in zip(micro_batches, old, strict=True)]
+    wholes = [mb.whole for mb in micro_batches]
+    tau_h = _global_stapo_tau_h(cfg, wholes, old, dp_group)
     counts = None
-    for mb, out in zip(micro_batches, old, strict=True):
+    for shard, mb, out in zip(micro_batches, wholes, old, strict=True):
         s = mb.to_samples
         prepared = prepare_tokens(
             cfg,
@@ -65,10 +86,20 @@ def prepare_rl_micro_batches(
             old_in_safe_set=s(out.in_safe_set),
             stapo_tau_h=tau_h,
         )
-        mb.extras["prepared"] = prepared
+        shard.extras["prepared"] = prepared
         counts = prepared.counts if counts is None else counts + prepared.counts
     total = all_reduce_sum_(counts.to_tensor(comm_device()), dp_group)
     return LossCounts.from_tensor(total.cpu())
+
+
+def whole_outputs(mb: MicroBatch, out: MaskedLogprobs, cp_group: dist.ProcessGroup | None) -> MaskedLogprobs:
+    """The op's outputs over `mb.whole` (`[1, T]`): `out` itself without CP or when already whole, else
+    gathered from the CP shards (collective over `cp_group`)."""
+    if mb.cp is None or out.logprobs.shape[-1] == mb.whole.tokens.shape[-1]:
+        return out
+    if cp_group is None:
+        raise ValueError("a context-parallel micro-batch needs its cp_group to gather θ_old outputs")
+    return gather_whole_outputs(mb, out, cp_group)
 
 
 def _ref_logprobs(mb: MicroBatch, cfg: AlgorithmConfig, device: torch.device) -> torch.Tensor | None:
@@ -101,6 +132,7 @@ def rl_loss_fn(cfg: AlgorithmConfig, counts: LossCounts, *, phase: int = 0) -> L
             raise ValueError("micro-batch has no extras['prepared']; call prepare_rl_micro_batches first")
         s = mb.to_samples
         device = out.logprobs.device
+        owned = mb.sample_owned
         loss, metrics = rl_loss(
             cfg,
             _to(prepared, device),
@@ -110,12 +142,22 @@ def rl_loss_fn(cfg: AlgorithmConfig, counts: LossCounts, *, phase: int = 0) -> L
             in_safe_set=s(out.in_safe_set),
             entropy=None if out.entropy is None else s(out.entropy),
             ref_logprobs=_ref_logprobs(mb, cfg, device),
+            owned=None if owned is None else owned.to(device),
         )
         if phase == 0:
-            metrics = {**prepared.metrics, **metrics}
+            batch = prepared.metrics
+            if mb.cp is not None and mb.cp.rank != 0:  # whole-sequence metrics: counted on CP rank 0 only
+                batch = {k: _identity(k, v) for k, v in batch.items()}
+            metrics = {**batch, **metrics}
         return loss, metrics
 
     return loss_fn
+
+
+def _identity(key: str, value: torch.Tensor) -> torch.Tensor:
+    """The neutral element of `key`'s reduction (`reduce_op_of`: sum, *_max, *_min), shaped like `value`."""
+    fill = {"sum": 0.0, "max": -math.inf, "min": math.inf}[reduce_op_of(key)]
+    return torch.full_like(value, fill)
 
 
 def _to(prepared, device):

@@ -2,7 +2,7 @@
 the same pass, and the training–inference mismatch and DVP diagnostics of that pass.
 
     old = score_old_policy(trainer, cfg, layout)
-    old.outputs[i]      # MaskedLogprobs of layout.all[i] ([b, s], CPU), on every pipeline stage
+    old.outputs[i]      # MaskedLogprobs of layout.all[i].whole ([b, s], CPU; under CP gathered), every stage
     old.diagnostics     # {tag: float}, identical on every rank
     old.histograms      # {tag: (limits, counts)} of the tail Δ, for TensorBoard
     score_reference(trainer, reference, cfg, layout)   # KL: log π_ref of the same tokens → mb.extras
@@ -23,13 +23,16 @@ from ..engine.logprobs import recompute_logprobs
 from ..engine.reference import ReferenceModel
 from ..engine.setup import Trainer
 from . import diagnostics
+from .objective import whole_outputs
 from .samples import MicroBatchLayout
 
 
 @dataclass(frozen=True)
 class OldPolicy:
     outputs: list[MaskedLogprobs]
-    """Per micro-batch of `layout.all`: the op's outputs at θ_old."""
+    """Per micro-batch of `layout.all`: the op's outputs at θ_old, over the whole micro-batch (`mb.whole`;
+    under context parallelism gathered from the CP shards, so the sequence-level rules see whole
+    sequences)."""
     diagnostics: dict[str, float]
     """Mismatch (engine vs trainer) and DVP scalars of this pass (`diagnostics.finalize_diagnostics`)."""
     histograms: dict[str, tuple[list[float], list[float]]]
@@ -56,6 +59,10 @@ def score_old_policy(trainer: Trainer, cfg: RunConfig, layout: MicroBatchLayout)
     mbs = layout.all
     outputs = recompute_logprobs(trainer, mbs, op=old_policy_op(cfg))
     groups = trainer.groups
+    # under CP: one all-gather per micro-batch; every CP rank then has the whole rows (and the diagnostics
+    # below reduce over DP only, like the counts of the objective)
+    outputs = [whole_outputs(mb, out, groups.cp) for mb, out in zip(mbs, outputs, strict=True)]
+    mbs = [mb.whole for mb in mbs]
     totals = None
     if groups.is_last_stage:
         pieces = [_sums(cfg, mb, out) for mb, out in zip(mbs, outputs, strict=True)]

@@ -25,6 +25,7 @@ from ..engine.batch import (
     pack_micro_batches,
     split_for_data_parallel,
 )
+from ..engine.context_parallel import split_for_context_parallel
 from ..engine.parallel import ParallelGroups
 
 
@@ -48,7 +49,7 @@ class MicroBatchLayout:
     def packing_counts(self) -> dict[str, float]:
         """This DP rank's `sample_tokens` and `token_slots` (rows × length the model computes, padding
         included) and `micro_batches`; sum the first two over DP for `perf/packing_efficiency`."""
-        mbs = self.all
+        mbs = [mb.whole for mb in self.all]  # a CP shard counts its whole micro-batch (same on every CP rank)
         return {
             "sample_tokens": float(sum(mb.num_sample_tokens for mb in mbs)),
             "token_slots": float(sum(mb.num_slots for mb in mbs)),
@@ -124,7 +125,9 @@ def layout_micro_batches(
                 dp_size=groups.dp_size,
                 pad_to_multiple=multiple,
                 pad_id=pad_id,
+                sequence_multiple=cfg.sequence_multiple,
             )
+            mbs = [split_for_context_parallel(mb, groups.cp_rank, groups.cp_size) for mb in mbs]
         else:
             mbs = make_micro_batches(
                 split_for_data_parallel(share, groups.dp_rank, groups.dp_size),

@@ -63,7 +63,8 @@ def update_policy(
     groups = trainer.groups
     counts, start = [], 0
     for mbs in layout.per_mini_batch:  # stage 1 for the whole batch, at θ_old, before any update
-        counts.append(prepare_rl_micro_batches(cfg, mbs, old.outputs[start : start + len(mbs)], groups.dp))
+        outputs = old.outputs[start : start + len(mbs)]
+        counts.append(prepare_rl_micro_batches(cfg, mbs, outputs, groups.dp, groups.cp))
         start += len(mbs)
     summed: list[dict[str, torch.Tensor]] = []
     grad_norms, skipped = [], 0

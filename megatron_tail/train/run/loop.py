@@ -30,7 +30,6 @@ import torch.distributed as dist
 from megatron_tail.config import RunConfig, TrainSection, save_resolved_config
 from megatron_tail.config.schema import ParallelSection
 from megatron_tail.rollout import rollout_metrics
-from megatron_tail.utils.errors import UserError
 from megatron_tail.utils.net import free_port
 
 from ..engine.collectives import all_reduce_scalars, on_rank0
@@ -273,12 +272,9 @@ def init_torch_distributed(parallel: ParallelSection | None = None) -> int:
 
 
 def ensure_distributed(cfg: RunConfig) -> None:
-    """`init_torch_distributed`, checked against the config's layout."""
+    """`init_torch_distributed`, after checking the config's layout against the world size torchrun gives
+    (`WORLD_SIZE`), so an impossible layout stops before any process group exists."""
+    if not (dist.is_available() and dist.is_initialized()):
+        cfg.check_world(int(os.environ.get("WORLD_SIZE", "1")))
     world = init_torch_distributed(cfg.parallel)
-    model_parallel = cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel
-    if world % model_parallel:
-        raise UserError(
-            f"parallel.tensor_parallel × parallel.pipeline_parallel = {model_parallel} does not divide the "
-            f"world size {world}; launch with `torchrun --nproc-per-node {model_parallel} "
-            "-m megatron_tail.cli train CONFIG.yaml` (or a multiple of it)"
-        )
+    cfg.check_world(world)

@@ -75,6 +75,7 @@ class RunSession:
                 ParallelConfig(
                     tensor_parallel=cfg.parallel.tensor_parallel,
                     pipeline_parallel=cfg.parallel.pipeline_parallel,
+                    context_parallel=cfg.parallel.context_parallel,
                     seed=cfg.seed,
                     distributed_timeout_minutes=cfg.parallel.distributed_timeout_minutes,
                 )
