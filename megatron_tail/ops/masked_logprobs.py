@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from . import masked_logprobs_math as chunk_math
+from . import sampling_support_math as support_math
 from .safe_vocab import DEFAULT_LOG_RHO, check_log_rho, check_temperature, rule_dtype, safe_threshold
 
 CHUNK_ELEMENTS = {"cpu": 1 << 18, "cuda": 1 << 25}
@@ -231,6 +232,7 @@ class _MaskedLogprobsFunction(torch.autograd.Function):
         entropy,
         count,
         inplace,
+        support2d,
     ):
         v_local = logits2d.shape[1]
         vocab_start, num_valid = valid_columns(v_local, vocab_size, tp_rank)
@@ -266,19 +268,29 @@ class _MaskedLogprobsFunction(torch.autograd.Function):
                 exp_out=None if grad_buffer is None else grad_buffer[rows, :num_valid],
                 with_count=count,
             )
+        rows_with_support = None
+        if support2d is not None:  # its sums fill the partials' support columns: still one SUM
+            rows_with_support = support_math.support_rows(support2d)
+            local, sup_owned = support_math.support_columns(support2d, vocab_start, num_valid)
+            partials[:, chunk_math.S_SUPPORT :] = support_math.support_partials(
+                x, support2d, targets1d, local, sup_owned, max_logit, inv_t
+            )
         if tp_size > 1:
             dist.all_reduce(partials, op=dist.ReduceOp.SUM, group=tp_group)  # collective 2
-        out = chunk_math.finalize(partials, max_logit, threshold, inv_t, entropy)
+        out = chunk_math.finalize(partials, max_logit, threshold, inv_t, entropy, rows_with_support)
         ctx.save_for_backward(
             logits2d, max_logit, threshold, out["log_norm"], local_target, owned, out["entropy"]
         )
         ctx.grad_buffer, ctx.num_valid, ctx.inv_t, ctx.inplace = grad_buffer, num_valid, inv_t, inplace
+        ctx.support = None
+        if support2d is not None:  # the support is the caller's tensor: kept by reference, not copied
+            ctx.support = (support2d, targets1d, out["forced_support"], rows_with_support, vocab_start)
         return function_outputs(ctx, out, log_rho, count)
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy, *_):
         logits2d, max_logit, threshold, log_norm, local_target, owned, entropy = ctx.saved_tensors
-        no_grads = (None,) * 10
+        no_grads = (None,) * 11
         if grad_logprobs is None and grad_entropy is None:
             return (None, *no_grads)
         # The kept exponentials become this gradient in place; a second backward through the same
@@ -293,6 +305,17 @@ class _MaskedLogprobsFunction(torch.autograd.Function):
             log_norm, ctx.inv_t, grad_logprobs, grad_entropy, entropy
         )
         x, g = logits2d[:, : ctx.num_valid], grad[:, : ctx.num_valid]
+        support_grad = None
+        if ctx.support is not None:  # read the support's logits before an in-place backward overwrites them
+            support2d, targets1d, forced, rows_with_support, vocab_start = ctx.support
+            ids = support_math.with_forced_target(support2d, targets1d, forced)
+            local, sup_owned = support_math.support_columns(ids, vocab_start, ctx.num_valid)
+            if ctx.num_valid:
+                terms = support_math.support_grad_terms(
+                    x, local, sup_owned, rows_with_support, max_logit, ctx.inv_t, log_norm, bias, scale_h
+                )
+                support_grad = (local, terms)
+            bias, scale_h = support_math.dense_coefficients(rows_with_support, bias, scale_h)
         chunks = row_chunks(x.shape[0], logits2d.shape[1], x.device) if ctx.num_valid else ()
         for rows in chunks:  # none on a shard of padding only: its gradient is all zero
             per_row = dict(
@@ -307,6 +330,9 @@ class _MaskedLogprobsFunction(torch.autograd.Function):
                 target_add=target_add[rows],
             )
             chunk_math.chunk_grad(x[rows], g[rows], out_holds_exp=from_exp, **per_row)
+        if support_grad is not None:
+            local, terms = support_grad
+            g.scatter_add_(1, local, terms.to(g.dtype))
         return (grad, *no_grads)
 
 
@@ -321,6 +347,7 @@ def vocab_parallel_masked_logprobs(
     compute_entropy: bool = True,
     compute_safe_set_size: bool = False,
     inplace_backward: bool = False,
+    sampling_support: torch.Tensor | None = None,
 ) -> MaskedLogprobs:
     """Log-probs and entropy of the min-p-pruned policy π^mp on vocab-parallel logits.
 
@@ -343,6 +370,11 @@ def vocab_parallel_masked_logprobs(
             logits stay readable until backward; changing them in place after the call makes backward
             raise (autograd's version counter), and so does any op that saved them for its own backward
             and runs its backward after this one. Default: read-only logits.
+        sampling_support: `[..., K]` integer global token ids (−1 padding, ids unique per row): the support
+            a truncating sampler (top-k/top-p/min-p) drew the target from. Where a row has any id, its
+            normaliser and entropy are over that support (plus the target, force-kept if absent) instead
+            of V_S; a row of −1 keeps V_S. `in_safe_set`, `safe_mass`, `logprobs_full` keep their DVP
+            meaning. Each shard gathers the ids in its range: no logits gathered, still one SUM.
     Returns:
         `MaskedLogprobs` of `[...]` float32 tensors (float64 for float64 logits); gradients reach
         `logits` (in its dtype) through `logprobs` and `entropy`. Reduced over the vocab (all
@@ -354,6 +386,7 @@ def vocab_parallel_masked_logprobs(
     vocab_size = _check_inputs(logits, targets, vocab_size, tp_size)
     lead_shape = targets.shape
     logits2d = logits.reshape(-1, logits.shape[-1])
+    support2d = check_sampling_support(sampling_support, targets, vocab_size)
     outs = _MaskedLogprobsFunction.apply(
         logits2d,
         targets.reshape(-1).long(),
@@ -366,8 +399,37 @@ def vocab_parallel_masked_logprobs(
         bool(compute_entropy),
         bool(compute_safe_set_size),
         bool(inplace_backward),
+        support2d,
     )
     return as_outputs(outs, lead_shape)
+
+
+def check_sampling_support(
+    support: torch.Tensor | None, targets: torch.Tensor, vocab_size: int
+) -> torch.Tensor | None:
+    """The `[..., K]` support checked against `[...]` targets, as `[N, K]` int64 (None passes through)."""
+    if support is None:
+        return None
+    if not isinstance(support, torch.Tensor) or support.is_floating_point() or support.dtype == torch.bool:
+        raise TypeError(
+            f"sampling_support must be an integer tensor of token ids [..., K]; got {describe_value(support)}"
+        )
+    if support.dim() != targets.dim() + 1 or tuple(support.shape[:-1]) != tuple(targets.shape):
+        raise ValueError(
+            f"sampling_support must be [..., K] with [...] = targets.shape {tuple(targets.shape)}; "
+            f"got {tuple(support.shape)}"
+        )
+    if support.device != targets.device:
+        raise ValueError(f"sampling_support is on {support.device} but targets on {targets.device}")
+    if support.numel():
+        bad = (support < -1) | (support >= vocab_size)
+        if bool(bad.any()):
+            index = tuple(int(i) for i in bad.nonzero()[0])
+            raise ValueError(
+                f"sampling_support must hold token ids in [0, vocab_size={vocab_size}) or -1 (padding); "
+                f"got {int(support[index])} at index {index}"
+            )
+    return support.reshape(-1, support.shape[-1]).long()
 
 
 def function_outputs(ctx, out: dict[str, torch.Tensor], log_rho: float | None, count: bool) -> tuple:
