@@ -476,6 +476,16 @@ class RunConfig:
                 f"must be ≤ rollout.max_new_tokens={self.rollout.max_new_tokens} (it ends at the limit)",
             )
         self._check_token_budget()
+        dvp = self.algorithm.log_rho is not None and self.algorithm.log_rho != float("-inf")
+        if self.rollout.deterministic and self.rollout.truncates and (dvp or self.rollout.min_p > 0):
+            _bad(
+                "rollout",
+                "deterministic",
+                True,
+                f"cannot combine with min-p (rollout.min_p={self.rollout.min_p}, or DVP's log_rho="
+                f"{self.algorithm.log_rho} sent as min-p with rollout.top_k/top_p): SGLang's seeded PyTorch "
+                "sampler asserts against min-p (top_k_top_p_min_p_sampling_from_probs_torch)",
+            )
         if self.data.prompts_per_step % self.train.mini_batches:
             _bad(
                 "train",

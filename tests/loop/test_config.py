@@ -162,6 +162,9 @@ def test_cross_section_checks():
         load_config(None, ["parallel.tensor_parallel=4", "model.vocab_pad_multiple=6"])
     with pytest.raises(ConfigError, match=r"train\.mini_batches.*must divide data\.prompts_per_step=6"):
         load_config(None, ["data.prompts_per_step=6", "train.mini_batches=4"])
+    with pytest.raises(ConfigError, match=r"rollout\.deterministic cannot combine with min-p"):
+        load_config(None, ["rollout.deterministic=true", "rollout.top_k=20"])  # DVP is on by default
+    assert load_config(None, ["rollout.deterministic=true", "rollout.top_k=20", "algorithm.log_rho=null"])
     with pytest.raises(ValueError, match=r"model\.hf_path is required"):
         load_config(None).check_runnable()
 
