@@ -114,27 +114,32 @@ class _LinearMaskedLogprobsFunction(torch.autograd.Function):
         one_pass = tp_size == 1 and cols >= num_valid
         partials = torch.zeros((n, chunk_math.NUM_PARTIALS), dtype=dtype, device=hidden2d.device)
 
-        def block_sums(x, max_logit, threshold, local_target, owned, r, start, width):
+        def block_sums(x, max_logit, threshold, local_target, owned, r, sup_columns):
             sums = chunk_math.chunk_partial_sums(
                 x, max_logit, threshold, 1.0 / temperature, local_target, owned, entropy, with_count=count
             )
-            if support2d is not None:  # the block's share of the support sums, in the same SUM
-                local, sup_owned = support_math.support_columns(support2d[r], start, width)
+            if sup_columns is not None:  # the block's share of the support sums, in the same SUM
+                local, sup_owned = sup_columns
                 sums[:, chunk_math.S_SUPPORT :] = support_math.support_partials(
-                    x, support2d[r], targets1d[r], local, sup_owned, max_logit, 1.0 / temperature
+                    x, local[r], sup_owned[r], max_logit, 1.0 / temperature
                 )
             return sums
+
+        def support_columns(start: int, width: int):
+            """The support ids of a column block, for all rows at once (each row block slices them)."""
+            return None if support2d is None else support_math.support_columns(support2d, start, width)
 
         if one_pass:
             max_logit = torch.empty(n, dtype=dtype, device=hidden2d.device)
             threshold = torch.empty_like(max_logit)
             local_target, owned = chunk_math.target_columns(targets1d, vocab_start, num_valid)
+            sup_columns = support_columns(vocab_start, num_valid)
             for r in spans(n, rows):
                 x = hidden2d[r] @ w.t()
                 max_logit[r] = x.amax(dim=1).to(dtype)  # TP = 1: the whole (non-empty) vocabulary
                 threshold[r] = op_threshold(max_logit[r], log_rho, temperature)
                 partials[r] = block_sums(
-                    x, max_logit[r], threshold[r], local_target[r], owned[r], r, vocab_start, num_valid
+                    x, max_logit[r], threshold[r], local_target[r], owned[r], r, sup_columns
                 )
         else:
             local_max = torch.full((n,), -math.inf, dtype=dtype, device=hidden2d.device)
@@ -148,23 +153,20 @@ class _LinearMaskedLogprobsFunction(torch.autograd.Function):
                 local_target, owned = chunk_math.target_columns(
                     targets1d, vocab_start + c.start, c.stop - c.start
                 )
+                sup_columns = support_columns(vocab_start + c.start, c.stop - c.start)
                 for r in spans(n, rows):
                     x = hidden2d[r] @ w[c].t()
                     partials[r] += block_sums(
-                        x,
-                        max_logit[r],
-                        threshold[r],
-                        local_target[r],
-                        owned[r],
-                        r,
-                        vocab_start + c.start,
-                        c.stop - c.start,
+                        x, max_logit[r], threshold[r], local_target[r], owned[r], r, sup_columns
                     )
             if tp_size > 1:
                 dist.all_reduce(partials, op=dist.ReduceOp.SUM, group=tp_group)
-        rows_with_support = None if support2d is None else support_math.support_rows(support2d)
+        rows_with_support = in_support = None
+        if support2d is not None:
+            rows_with_support = support_math.support_rows(support2d)
+            in_support = support_math.target_in_support(support2d, targets1d)
         out = chunk_math.finalize(
-            partials, max_logit, threshold, 1.0 / temperature, entropy, rows_with_support
+            partials, max_logit, threshold, 1.0 / temperature, entropy, rows_with_support, in_support
         )
         ctx.save_for_backward(
             hidden2d, weight, targets1d, max_logit, threshold, out["log_norm"], out["entropy"]
@@ -209,19 +211,20 @@ class _LinearMaskedLogprobsFunction(torch.autograd.Function):
             w_grad = torch.zeros(
                 (c.stop - c.start, weight.shape[1]), dtype=grad_hidden.dtype, device=weight.device
             )
+            if ids is not None:  # the column block's support ids, for all rows at once
+                sup_local, sup_owned = support_math.support_columns(
+                    ids, ctx.vocab_start + c.start, c.stop - c.start
+                )
             for r in spans(n, rows):
                 x = hidden2d[r] @ w[c].t()
                 sparse = None
                 if ids is not None:  # read the support's logits before the block turns into dlogits
-                    local, sup_owned = support_math.support_columns(
-                        ids[r], ctx.vocab_start + c.start, c.stop - c.start
-                    )
                     sparse = (
-                        local,
+                        sup_local[r],
                         support_math.support_grad_terms(
                             x,
-                            local,
-                            sup_owned,
+                            sup_local[r],
+                            sup_owned[r],
                             rows_with_support[r],
                             max_logit[r],
                             inv_t,
@@ -245,7 +248,7 @@ class _LinearMaskedLogprobsFunction(torch.autograd.Function):
                     target_add=target_add[r],
                 )
                 if sparse is not None:
-                    x.scatter_add_(1, sparse[0], sparse[1].to(x.dtype))
+                    support_math.add_at_columns_(x, *sparse)
                 grad_hidden[r] += (x @ w[c]).to(grad_hidden.dtype)
                 w_grad += (x.t() @ hidden2d[r]).to(w_grad.dtype)
             if settings.into_main_grad:  # straight into the fp32 main_grad, as megatron's fusion does

@@ -268,16 +268,19 @@ class _MaskedLogprobsFunction(torch.autograd.Function):
                 exp_out=None if grad_buffer is None else grad_buffer[rows, :num_valid],
                 with_count=count,
             )
-        rows_with_support = None
+        rows_with_support = in_support = None
         if support2d is not None:  # its sums fill the partials' support columns: still one SUM
             rows_with_support = support_math.support_rows(support2d)
             local, sup_owned = support_math.support_columns(support2d, vocab_start, num_valid)
             partials[:, chunk_math.S_SUPPORT :] = support_math.support_partials(
-                x, support2d, targets1d, local, sup_owned, max_logit, inv_t
+                x, local, sup_owned, max_logit, inv_t
             )
+            in_support = support_math.target_in_support(support2d, targets1d)
         if tp_size > 1:
             dist.all_reduce(partials, op=dist.ReduceOp.SUM, group=tp_group)  # collective 2
-        out = chunk_math.finalize(partials, max_logit, threshold, inv_t, entropy, rows_with_support)
+        out = chunk_math.finalize(
+            partials, max_logit, threshold, inv_t, entropy, rows_with_support, in_support
+        )
         ctx.save_for_backward(
             logits2d, max_logit, threshold, out["log_norm"], local_target, owned, out["entropy"]
         )
@@ -332,7 +335,7 @@ class _MaskedLogprobsFunction(torch.autograd.Function):
             chunk_math.chunk_grad(x[rows], g[rows], out_holds_exp=from_exp, **per_row)
         if support_grad is not None:
             local, terms = support_grad
-            g.scatter_add_(1, local, terms.to(g.dtype))
+            support_math.add_at_columns_(g, local, terms)
         return (grad, *no_grads)
 
 
