@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -122,7 +123,12 @@ def _probe(suite, variant, dname, args) -> dict:
     cmd = [sys.executable, "-m", "megatron_tail.bench.support", "--memory-probe", suite, variant, dname]
     cmd += ["--tokens", str(args.tokens), "--vocab", str(args.vocab), "--hidden", str(args.hidden)]
     cmd += ["--k", str(args.k), "--dtypes", dname]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    # glibc serves freed heap memory again without RSS growth, and raises its mmap threshold after frees:
+    # fixed thresholds make every allocation ≥ 64 KiB an mmap returned on free, so the RSS peak is the
+    # live bytes' peak (the support's effect is ~1 MiB against chunk buffers of 1 MiB)
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+    run = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
+    out = run.stdout.strip().splitlines()[-1]
     return json.loads(out)
 
 
@@ -140,6 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="see above (default cpu)")
     parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--no-time", action="store_true", help="memory probes only")
     parser.add_argument(
         "--memory-probe", nargs=3, metavar=("SUITE", "VARIANT", "DTYPE"), help=argparse.SUPPRESS
     )
@@ -155,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(f"Sampling support: {header}, 1 thread per rank, {args.clock} time of rank 0\n")
     print("| suite | TP | dtype | without ms | with ms | with/without |\n|---|---|---|---|---|---|")
-    for suite in args.suites:
+    for suite in args.suites if not args.no_time else ():
         for tp in args.tp:
             times = run_distributed(
                 _time_rank,

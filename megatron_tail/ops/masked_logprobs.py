@@ -201,8 +201,23 @@ def spans(total: int, step: int):
 
 
 def row_chunks(num_rows: int, v_local: int, device: torch.device):
+    return spans(num_rows, _chunk_rows(v_local, device))
+
+
+def _chunk_rows(v_local: int, device: torch.device) -> int:
     elements = CHUNK_ELEMENTS.get(device.type, CHUNK_ELEMENTS["cuda"])
-    return spans(num_rows, max(1, elements // max(v_local, 1)))
+    return max(1, elements // max(v_local, 1))
+
+
+SUPPORT_BLOCK_ROWS = 256
+"""Rows whose sampling-support temporaries (`[rows, K]` ids, flags, logits, terms) exist at once: a few
+hundred KiB at K = 50, below the support's own bytes for any real micro-batch, in few enough blocks that
+the per-op overhead stays small. Backward runs the dense chunks inside these blocks (whole chunks each)."""
+
+
+def support_blocks(num_rows: int, v_local: int, device: torch.device):
+    step = _chunk_rows(v_local, device)
+    return spans(num_rows, step * max(1, SUPPORT_BLOCK_ROWS // step))
 
 
 class _MaskedLogprobsFunction(torch.autograd.Function):
@@ -271,10 +286,11 @@ class _MaskedLogprobsFunction(torch.autograd.Function):
         rows_with_support = in_support = None
         if support2d is not None:  # its sums fill the partials' support columns: still one SUM
             rows_with_support = support_math.support_rows(support2d)
-            local, sup_owned = support_math.support_columns(support2d, vocab_start, num_valid)
-            partials[:, chunk_math.S_SUPPORT :] = support_math.support_partials(
-                x, local, sup_owned, max_logit, inv_t
-            )
+            for rows in support_blocks(num_rows, v_local, x.device):
+                local, sup_owned = support_math.support_columns(support2d[rows], vocab_start, num_valid)
+                partials[rows, chunk_math.S_SUPPORT :] = support_math.support_partials(
+                    x[rows], local, sup_owned, max_logit[rows], inv_t
+                )
             in_support = support_math.target_in_support(support2d, targets1d)
         if tp_size > 1:
             dist.all_reduce(partials, op=dist.ReduceOp.SUM, group=tp_group)  # collective 2
@@ -308,34 +324,44 @@ class _MaskedLogprobsFunction(torch.autograd.Function):
             log_norm, ctx.inv_t, grad_logprobs, grad_entropy, entropy
         )
         x, g = logits2d[:, : ctx.num_valid], grad[:, : ctx.num_valid]
-        support_grad = None
-        if ctx.support is not None:  # read the support's logits before an in-place backward overwrites them
+        sparse_bias, sparse_scale_h = bias, scale_h
+        if ctx.support is not None:
             support2d, targets1d, forced, rows_with_support, vocab_start = ctx.support
-            ids = support_math.with_forced_target(support2d, targets1d, forced)
-            local, sup_owned = support_math.support_columns(ids, vocab_start, ctx.num_valid)
-            if ctx.num_valid:
-                terms = support_math.support_grad_terms(
-                    x, local, sup_owned, rows_with_support, max_logit, ctx.inv_t, log_norm, bias, scale_h
-                )
-                support_grad = (local, terms)
             bias, scale_h = support_math.dense_coefficients(rows_with_support, bias, scale_h)
-        chunks = row_chunks(x.shape[0], logits2d.shape[1], x.device) if ctx.num_valid else ()
-        for rows in chunks:  # none on a shard of padding only: its gradient is all zero
-            per_row = dict(
-                max_logit=max_logit[rows],
-                threshold=threshold[rows],
-                inv_temperature=ctx.inv_t,
-                log_norm=log_norm[rows],
-                local_target=local_target[rows],
-                owned=owned[rows],
-                bias=bias[rows],
-                scale_h=None if scale_h is None else scale_h[rows],
-                target_add=target_add[rows],
-            )
-            chunk_math.chunk_grad(x[rows], g[rows], out_holds_exp=from_exp, **per_row)
-        if support_grad is not None:
-            local, terms = support_grad
-            support_math.add_at_columns_(g, local, terms)
+        blocks = support_blocks(x.shape[0], logits2d.shape[1], x.device) if ctx.num_valid else ()
+        for block in blocks:  # none on a shard of padding only: its gradient is all zero
+            sparse = None
+            if ctx.support is not None:  # read the block's support logits before in place overwrites them
+                ids = support_math.with_forced_target(support2d[block], targets1d[block], forced[block])
+                local, sup_owned = support_math.support_columns(ids, vocab_start, ctx.num_valid)
+                terms = support_math.support_grad_terms(
+                    x[block],
+                    local,
+                    sup_owned,
+                    rows_with_support[block],
+                    max_logit[block],
+                    ctx.inv_t,
+                    log_norm[block],
+                    sparse_bias[block],
+                    None if sparse_scale_h is None else sparse_scale_h[block],
+                )
+                sparse = local, terms
+            for rows in row_chunks(block.stop - block.start, logits2d.shape[1], x.device):
+                rows = slice(block.start + rows.start, block.start + rows.stop)
+                per_row = dict(
+                    max_logit=max_logit[rows],
+                    threshold=threshold[rows],
+                    inv_temperature=ctx.inv_t,
+                    log_norm=log_norm[rows],
+                    local_target=local_target[rows],
+                    owned=owned[rows],
+                    bias=bias[rows],
+                    scale_h=None if scale_h is None else scale_h[rows],
+                    target_add=target_add[rows],
+                )
+                chunk_math.chunk_grad(x[rows], g[rows], out_holds_exp=from_exp, **per_row)
+            if sparse is not None:
+                support_math.add_at_columns_(g[block], *sparse)
         return (grad, *no_grads)
 
 

@@ -78,6 +78,27 @@ def test_equals_the_float64_reference(log_rho, temperature, inplace):
     assert torch.isfinite(out.logprobs).all()
 
 
+@pytest.mark.parametrize("inplace", [False, True])
+def test_support_blocks_of_several_dense_chunks(monkeypatch, inplace):
+    """Blocks of 4 rows, each two dense chunks of 2 rows: the same outputs and gradient."""
+    import megatron_tail.ops.masked_logprobs as op_module
+
+    monkeypatch.setitem(op_module.CHUNK_ELEMENTS, "cpu", 80)
+    monkeypatch.setattr(op_module, "SUPPORT_BLOCK_ROWS", 4)
+    logits, targets, support, grads = problem(n=22)
+    x = logits.clone().requires_grad_()
+    out = vocab_parallel_masked_logprobs(
+        x * 1.0 if inplace else x,
+        targets,
+        log_rho=-2.0,
+        vocab_size=37,
+        sampling_support=support,
+        inplace_backward=inplace,
+    )
+    ((out.logprobs * grads[0]).sum() + (out.entropy * grads[1]).sum()).backward()
+    check_against_reference(out, logits, targets, support, grads, 37, -2.0, 1.0, x.grad, 1e-10)
+
+
 def test_gradcheck():
     logits, targets, support, _ = problem(n=6, vocab_size=11, padded=12, k=3)
     x = logits.clone().requires_grad_()
