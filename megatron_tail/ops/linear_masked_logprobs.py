@@ -114,32 +114,28 @@ class _LinearMaskedLogprobsFunction(torch.autograd.Function):
         one_pass = tp_size == 1 and cols >= num_valid
         partials = torch.zeros((n, chunk_math.NUM_PARTIALS), dtype=dtype, device=hidden2d.device)
 
-        def block_sums(x, max_logit, threshold, local_target, owned, r, sup_columns):
+        def block_sums(x, max_logit, threshold, local_target, owned, r, start, width):
             sums = chunk_math.chunk_partial_sums(
                 x, max_logit, threshold, 1.0 / temperature, local_target, owned, entropy, with_count=count
             )
-            if sup_columns is not None:  # the block's share of the support sums, in the same SUM
-                local, sup_owned = sup_columns
+            if support2d is not None:  # the block's share of the support sums, in the same SUM
+                # per block: `[rows, K]` temporaries only, so the extra memory stays below the support's
+                local, sup_owned = support_math.support_columns(support2d[r], start, width)
                 sums[:, chunk_math.S_SUPPORT :] = support_math.support_partials(
-                    x, local[r], sup_owned[r], max_logit, 1.0 / temperature
+                    x, local, sup_owned, max_logit, 1.0 / temperature
                 )
             return sums
-
-        def support_columns(start: int, width: int):
-            """The support ids of a column block, for all rows at once (each row block slices them)."""
-            return None if support2d is None else support_math.support_columns(support2d, start, width)
 
         if one_pass:
             max_logit = torch.empty(n, dtype=dtype, device=hidden2d.device)
             threshold = torch.empty_like(max_logit)
             local_target, owned = chunk_math.target_columns(targets1d, vocab_start, num_valid)
-            sup_columns = support_columns(vocab_start, num_valid)
             for r in spans(n, rows):
                 x = hidden2d[r] @ w.t()
                 max_logit[r] = x.amax(dim=1).to(dtype)  # TP = 1: the whole (non-empty) vocabulary
                 threshold[r] = op_threshold(max_logit[r], log_rho, temperature)
                 partials[r] = block_sums(
-                    x, max_logit[r], threshold[r], local_target[r], owned[r], r, sup_columns
+                    x, max_logit[r], threshold[r], local_target[r], owned[r], r, vocab_start, num_valid
                 )
         else:
             local_max = torch.full((n,), -math.inf, dtype=dtype, device=hidden2d.device)
@@ -153,11 +149,11 @@ class _LinearMaskedLogprobsFunction(torch.autograd.Function):
                 local_target, owned = chunk_math.target_columns(
                     targets1d, vocab_start + c.start, c.stop - c.start
                 )
-                sup_columns = support_columns(vocab_start + c.start, c.stop - c.start)
+                start, width = vocab_start + c.start, c.stop - c.start
                 for r in spans(n, rows):
                     x = hidden2d[r] @ w[c].t()
                     partials[r] += block_sums(
-                        x, max_logit[r], threshold[r], local_target[r], owned[r], r, sup_columns
+                        x, max_logit[r], threshold[r], local_target[r], owned[r], r, start, width
                     )
             if tp_size > 1:
                 dist.all_reduce(partials, op=dist.ReduceOp.SUM, group=tp_group)
@@ -192,11 +188,10 @@ class _LinearMaskedLogprobsFunction(torch.autograd.Function):
         bias, scale_h, target_add = chunk_math.grad_coefficients(
             log_norm, inv_t, grad_logprobs, grad_entropy, entropy
         )
-        ids = rows_with_support = None
+        support2d = rows_with_support = None
         sparse_bias, sparse_scale_h = bias, scale_h
         if ctx.support is not None:
             support2d, forced, rows_with_support = ctx.support
-            ids = support_math.with_forced_target(support2d, targets1d, forced)
             bias, scale_h = support_math.dense_coefficients(rows_with_support, bias, scale_h)
         num_valid, (rows, cols) = ctx.num_valid, ctx.block
         n = hidden2d.shape[0]
@@ -211,20 +206,20 @@ class _LinearMaskedLogprobsFunction(torch.autograd.Function):
             w_grad = torch.zeros(
                 (c.stop - c.start, weight.shape[1]), dtype=grad_hidden.dtype, device=weight.device
             )
-            if ids is not None:  # the column block's support ids, for all rows at once
-                sup_local, sup_owned = support_math.support_columns(
-                    ids, ctx.vocab_start + c.start, c.stop - c.start
-                )
             for r in spans(n, rows):
                 x = hidden2d[r] @ w[c].t()
                 sparse = None
-                if ids is not None:  # read the support's logits before the block turns into dlogits
+                if support2d is not None:  # read the support's logits before the block turns into dlogits
+                    ids = support_math.with_forced_target(support2d[r], targets1d[r], forced[r])
+                    sup_local, sup_owned = support_math.support_columns(
+                        ids, ctx.vocab_start + c.start, c.stop - c.start
+                    )
                     sparse = (
-                        sup_local[r],
+                        sup_local,
                         support_math.support_grad_terms(
                             x,
-                            sup_local[r],
-                            sup_owned[r],
+                            sup_local,
+                            sup_owned,
                             rows_with_support[r],
                             max_logit[r],
                             inv_t,
