@@ -12,9 +12,9 @@ Per TP and dtype, forward + backward (loss = Σ logprobs + Σ entropy, DVP at lo
           with
 Times: variants interleaved, median over repeats, one intra-op thread per rank; `--clock cpu` (default) counts
 the CPU time of each rank's compute thread (collective waits excluded), which stays meaningful on a shared,
-oversubscribed machine where wall time mostly measures the neighbours; `--clock wall` times as `bench.op`. Memory (TP = 1): each variant
-in a fresh subprocess, peak RSS growth beyond its inputs; the table gives (with − without) against the
-support's own bytes (`[tokens, K]` int64, what the trainer hands the op).
+oversubscribed machine where wall time mostly measures the neighbours; `--clock wall` times as `bench.op`.
+Memory (TP = 1): each variant in a fresh subprocess, peak RSS growth beyond its inputs; the table gives
+(with − without) against the support's own bytes (`[tokens, K]` int64, what the trainer hands the op).
 """
 
 from __future__ import annotations
