@@ -110,6 +110,7 @@ def serve(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             num_threads=args.num_threads,
             quantization=args.quantization,
+            sampling_mask_max_tokens=args.sampling_mask_max_tokens,
         )
         cmd = build_local_engine_command(cfg, python=sys.executable)
     else:
@@ -125,6 +126,7 @@ def serve(args: argparse.Namespace) -> int:
             base_gpu_id=base_gpu_id(local_id, args.tp, os.environ.get("CUDA_VISIBLE_DEVICES")),
             quantization=args.quantization,
             deterministic_inference=args.deterministic,
+            sampling_mask_max_tokens=args.sampling_mask_max_tokens,
             extra_args=tuple(args.extra_args.split()),
         )
         cmd = build_sglang_server_command(cfg, python=args.server_python or sys.executable)
@@ -217,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--quantization", choices=("none", "fp8"), default="none", help="rollout.quantization (default none)"
     )
     p.add_argument("--extra-args", default="", help="further SGLang flags, one string")
+    p.add_argument(
+        "--sampling-mask-max-tokens", type=int, default=None, help="rollout.sampling_mask_max_tokens"
+    )
     p.add_argument("--deterministic", action="store_true", help="--enable-deterministic-inference")
     p.add_argument("--server-python", default="", help="the Python that runs SGLang [this one]")
     p.set_defaults(func=serve)

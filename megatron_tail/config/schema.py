@@ -179,11 +179,66 @@ class RolloutSection:
     """SGLang servers that `slurm/rl.sbatch` starts get `--enable-deterministic-inference`: batch-invariant
     kernels and per-request `sampling_seed` (rollouts reproducible across runs), but SGLang then forces its
     slow PyTorch sampling backend. The local engine is deterministic either way."""
+    top_k: int = -1
+    """SGLang's top_k (-1 off). With any of top_k / top_p / min_p on, every sample carries each token's
+    sampling support as the engine returned it (`return_sampling_mask`), the behaviour log-prob is the
+    engine's log-prob under that truncated distribution, and the trainer normalises θ_old, the update and the
+    reference over the same support (the op's `sampling_support`), so the importance weights stay exact.
+    SGLang returns a mask only for a finite top_k ≤ `sampling_mask_max_tokens`, so top_p / min_p need one."""
+    top_p: float = 1.0
+    """SGLang's top_p in (0, 1] (1 off): keep the most probable tokens until their mass reaches top_p."""
+    min_p: float = 0.0
+    """SGLang's min_p in [0, 1] (0 off): drop tokens below min_p × the top probability. With DVP on and
+    truncation, the engine gets max(min_p, ρ): DVP's safe set is min-p at ρ (see the README)."""
+    sampling_mask_max_tokens: int = 4096
+    """The engines' `--sampling-mask-max-tokens` (SGLang's default): the most ids in one token's support;
+    `top_k` must not exceed it."""
     max_staleness: int = 0
     """How many weight versions a step's samples may lag the policy they train: 0, each step samples with
     the weights it trains (rollout and training alternate); 1, step k+1's batch is generated while step k
     trains, with the weights step k started from (one version behind; the IS corrections weigh by
     π_old/π_infer, the decoupled PPO objective; see the README)."""
+
+    @property
+    def truncates(self) -> bool:
+        """Any of top_k / top_p / min_p is on: samples carry their per-token sampling support."""
+        return self.top_k != -1 or self.top_p < 1.0 or self.min_p > 0.0
+
+    def _check_truncation(self) -> None:
+        """SGLang's ranges (`SamplingParams.verify`) and its mask rule: a finite top_k ≤ the mask cap."""
+        _positive_int("rollout", "sampling_mask_max_tokens", self.sampling_mask_max_tokens)
+        if self.top_k != -1:
+            _positive_int("rollout", "top_k", self.top_k)
+        if (
+            isinstance(self.top_p, bool)
+            or not isinstance(self.top_p, (int, float))
+            or not 0 < self.top_p <= 1
+        ):
+            _bad("rollout", "top_p", self.top_p, "must be in (0, 1] (1: off)")
+        if (
+            isinstance(self.min_p, bool)
+            or not isinstance(self.min_p, (int, float))
+            or not 0 <= self.min_p <= 1
+        ):
+            _bad("rollout", "min_p", self.min_p, "must be in [0, 1] (0: off)")
+        if self.truncates and self.top_k == -1:
+            _bad(
+                "rollout",
+                "top_k",
+                self.top_k,
+                f"must be set with rollout.top_p={self.top_p} / rollout.min_p={self.min_p}: the engine "
+                "returns each token's sampling support, which SGLang bounds by --sampling-mask-max-tokens "
+                f"(rollout.sampling_mask_max_tokens={self.sampling_mask_max_tokens}) and refuses without "
+                "a finite top_k; set rollout.top_k (prime-rl bounds masks with 512)",
+            )
+        if self.top_k > self.sampling_mask_max_tokens:
+            _bad(
+                "rollout",
+                "top_k",
+                self.top_k,
+                f"must be ≤ rollout.sampling_mask_max_tokens={self.sampling_mask_max_tokens} (SGLang "
+                "refuses a sampling mask request above it)",
+            )
 
     @property
     def local_engine_dtype(self) -> str:
@@ -218,6 +273,7 @@ class RolloutSection:
         if self.local_num_threads is not None:
             _positive_int("rollout", "local_num_threads", self.local_num_threads)
         _positive_int("rollout", "max_new_tokens", self.max_new_tokens)
+        self._check_truncation()
         _positive_int("rollout", "max_concurrency", self.max_concurrency)
         if not self.temperature > 0:
             _bad(
@@ -425,6 +481,16 @@ class RunConfig:
                 f"must be ≤ rollout.max_new_tokens={self.rollout.max_new_tokens} (it ends at the limit)",
             )
         self._check_token_budget()
+        dvp = self.algorithm.log_rho is not None and self.algorithm.log_rho != float("-inf")
+        if self.rollout.deterministic and self.rollout.truncates and (dvp or self.rollout.min_p > 0):
+            _bad(
+                "rollout",
+                "deterministic",
+                True,
+                f"cannot combine with min-p (rollout.min_p={self.rollout.min_p}, or DVP's log_rho="
+                f"{self.algorithm.log_rho} sent as min-p with rollout.top_k/top_p): SGLang's seeded PyTorch "
+                "sampler asserts against min-p (top_k_top_p_min_p_sampling_from_probs_torch)",
+            )
         if self.data.prompts_per_step % self.train.mini_batches:
             _bad(
                 "train",

@@ -28,9 +28,11 @@ import torch
 import torch.distributed as dist
 
 from . import masked_logprobs_math as chunk_math
+from . import sampling_support_math as support_math
 from .masked_logprobs import (
     MaskedLogprobs,
     as_outputs,
+    check_sampling_support,
     check_targets,
     describe_value,
     function_outputs,
@@ -101,7 +103,7 @@ class _Settings(NamedTuple):
 
 class _LinearMaskedLogprobsFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden2d, weight, targets1d, settings: _Settings):
+    def forward(ctx, hidden2d, weight, targets1d, support2d, settings: _Settings):
         log_rho, temperature, vocab_size, tp_group, tp_size, tp_rank, entropy, count, *_ = settings
         v_local = weight.shape[0]
         vocab_start, num_valid = valid_columns(v_local, vocab_size, tp_rank)
@@ -112,10 +114,17 @@ class _LinearMaskedLogprobsFunction(torch.autograd.Function):
         one_pass = tp_size == 1 and cols >= num_valid
         partials = torch.zeros((n, chunk_math.NUM_PARTIALS), dtype=dtype, device=hidden2d.device)
 
-        def block_sums(x, max_logit, threshold, local_target, owned):
-            return chunk_math.chunk_partial_sums(
+        def block_sums(x, max_logit, threshold, local_target, owned, r, start, width):
+            sums = chunk_math.chunk_partial_sums(
                 x, max_logit, threshold, 1.0 / temperature, local_target, owned, entropy, with_count=count
             )
+            if support2d is not None:  # the block's share of the support sums, in the same SUM
+                # per block: `[rows, K]` temporaries only, so the extra memory stays below the support's
+                local, sup_owned = support_math.support_columns(support2d[r], start, width)
+                sums[:, chunk_math.S_SUPPORT :] = support_math.support_partials(
+                    x, local, sup_owned, max_logit, 1.0 / temperature
+                )
+            return sums
 
         if one_pass:
             max_logit = torch.empty(n, dtype=dtype, device=hidden2d.device)
@@ -125,7 +134,9 @@ class _LinearMaskedLogprobsFunction(torch.autograd.Function):
                 x = hidden2d[r] @ w.t()
                 max_logit[r] = x.amax(dim=1).to(dtype)  # TP = 1: the whole (non-empty) vocabulary
                 threshold[r] = op_threshold(max_logit[r], log_rho, temperature)
-                partials[r] = block_sums(x, max_logit[r], threshold[r], local_target[r], owned[r])
+                partials[r] = block_sums(
+                    x, max_logit[r], threshold[r], local_target[r], owned[r], r, vocab_start, num_valid
+                )
         else:
             local_max = torch.full((n,), -math.inf, dtype=dtype, device=hidden2d.device)
             for r in spans(n, rows):
@@ -138,15 +149,27 @@ class _LinearMaskedLogprobsFunction(torch.autograd.Function):
                 local_target, owned = chunk_math.target_columns(
                     targets1d, vocab_start + c.start, c.stop - c.start
                 )
+                start, width = vocab_start + c.start, c.stop - c.start
                 for r in spans(n, rows):
                     x = hidden2d[r] @ w[c].t()
-                    partials[r] += block_sums(x, max_logit[r], threshold[r], local_target[r], owned[r])
+                    partials[r] += block_sums(
+                        x, max_logit[r], threshold[r], local_target[r], owned[r], r, start, width
+                    )
             if tp_size > 1:
                 dist.all_reduce(partials, op=dist.ReduceOp.SUM, group=tp_group)
-        out = chunk_math.finalize(partials, max_logit, threshold, 1.0 / temperature, entropy)
+        rows_with_support = in_support = None
+        if support2d is not None:
+            rows_with_support = support_math.support_rows(support2d)
+            in_support = support_math.target_in_support(support2d, targets1d)
+        out = chunk_math.finalize(
+            partials, max_logit, threshold, 1.0 / temperature, entropy, rows_with_support, in_support
+        )
         ctx.save_for_backward(
             hidden2d, weight, targets1d, max_logit, threshold, out["log_norm"], out["entropy"]
         )
+        ctx.support = None
+        if support2d is not None:  # the caller's tensor, kept by reference
+            ctx.support = (support2d, out["forced_support"], rows_with_support)
         ctx.settings, ctx.num_valid, ctx.vocab_start, ctx.block = (
             settings,
             num_valid,
@@ -160,11 +183,16 @@ class _LinearMaskedLogprobsFunction(torch.autograd.Function):
         hidden2d, weight, targets1d, max_logit, threshold, log_norm, entropy = ctx.saved_tensors
         settings: _Settings = ctx.settings
         if grad_logprobs is None and grad_entropy is None:
-            return None, None, None, None
+            return None, None, None, None, None
         inv_t = 1.0 / settings.temperature
         bias, scale_h, target_add = chunk_math.grad_coefficients(
             log_norm, inv_t, grad_logprobs, grad_entropy, entropy
         )
+        support2d = rows_with_support = None
+        sparse_bias, sparse_scale_h = bias, scale_h
+        if ctx.support is not None:
+            support2d, forced, rows_with_support = ctx.support
+            bias, scale_h = support_math.dense_coefficients(rows_with_support, bias, scale_h)
         num_valid, (rows, cols) = ctx.num_valid, ctx.block
         n = hidden2d.shape[0]
         w = weight[:num_valid]
@@ -180,6 +208,26 @@ class _LinearMaskedLogprobsFunction(torch.autograd.Function):
             )
             for r in spans(n, rows):
                 x = hidden2d[r] @ w[c].t()
+                sparse = None
+                if support2d is not None:  # read the support's logits before the block turns into dlogits
+                    ids = support_math.with_forced_target(support2d[r], targets1d[r], forced[r])
+                    sup_local, sup_owned = support_math.support_columns(
+                        ids, ctx.vocab_start + c.start, c.stop - c.start
+                    )
+                    sparse = (
+                        sup_local,
+                        support_math.support_grad_terms(
+                            x,
+                            sup_local,
+                            sup_owned,
+                            rows_with_support[r],
+                            max_logit[r],
+                            inv_t,
+                            log_norm[r],
+                            sparse_bias[r],
+                            None if sparse_scale_h is None else sparse_scale_h[r],
+                        ),
+                    )
                 chunk_math.chunk_grad(
                     x,
                     x,  # dlogits over the logits: each block is read (upcast) before it is written
@@ -194,6 +242,8 @@ class _LinearMaskedLogprobsFunction(torch.autograd.Function):
                     scale_h=None if scale_h is None else scale_h[r],
                     target_add=target_add[r],
                 )
+                if sparse is not None:
+                    support_math.add_at_columns_(x, *sparse)
                 grad_hidden[r] += (x @ w[c]).to(grad_hidden.dtype)
                 w_grad += (x.t() @ hidden2d[r]).to(w_grad.dtype)
             if settings.into_main_grad:  # straight into the fp32 main_grad, as megatron's fusion does
@@ -205,7 +255,7 @@ class _LinearMaskedLogprobsFunction(torch.autograd.Function):
             dist.all_reduce(grad_hidden, group=settings.tp_group)
         if settings.into_main_grad:
             grad_weight = _dummy_weight_grad(weight)
-        return grad_hidden, grad_weight, None, None
+        return grad_hidden, grad_weight, None, None, None
 
 
 def _dummy_weight_grad(weight: torch.Tensor) -> torch.Tensor | None:
@@ -230,6 +280,7 @@ def vocab_parallel_linear_masked_logprobs(
     compute_safe_set_size: bool = False,
     sequence_parallel: bool = False,
     gradient_accumulation_fusion: bool = False,
+    sampling_support: torch.Tensor | None = None,
 ) -> MaskedLogprobs:
     """`vocab_parallel_masked_logprobs(hidden @ weight_shard.T, targets, ...)` without the logits.
 
@@ -248,6 +299,8 @@ def vocab_parallel_linear_masked_logprobs(
             of returning it, as megatron's `ColumnParallelLinear` does under
             `config.gradient_accumulation_fusion`; the returned gradient is then a zero tensor with
             `grad_added_to_main_grad` set (or None without that attribute), exactly as megatron's.
+        sampling_support: `[..., K]` ids (−1 padding), as in `vocab_parallel_masked_logprobs`; each column
+            block gathers the support ids it holds from the block's logits.
     Returns:
         `MaskedLogprobs` of `[...]` tensors. Gradients reach `hidden` (all-reduced over TP, the full
         gradient on every rank; reduce-scattered to the shard with SP) and `weight_shard` (this rank's
@@ -294,7 +347,8 @@ def vocab_parallel_linear_masked_logprobs(
         all_reduce_grad=tp_size > 1 and not sequence_parallel,
         into_main_grad=bool(gradient_accumulation_fusion),
     )
+    support2d = check_sampling_support(sampling_support, targets, vocab_size)
     outs = _LinearMaskedLogprobsFunction.apply(
-        hidden.reshape(-1, hidden.shape[-1]), weight_shard, targets.reshape(-1).long(), settings
+        hidden.reshape(-1, hidden.shape[-1]), weight_shard, targets.reshape(-1).long(), support2d, settings
     )
     return as_outputs(outs, targets.shape)

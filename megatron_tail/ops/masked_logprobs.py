@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from . import masked_logprobs_math as chunk_math
+from . import sampling_support_math as support_math
 from .safe_vocab import DEFAULT_LOG_RHO, check_log_rho, check_temperature, rule_dtype, safe_threshold
 
 CHUNK_ELEMENTS = {"cpu": 1 << 18, "cuda": 1 << 25}
@@ -213,8 +214,23 @@ def spans(total: int, step: int):
 
 
 def row_chunks(num_rows: int, v_local: int, device: torch.device):
+    return spans(num_rows, _chunk_rows(v_local, device))
+
+
+def _chunk_rows(v_local: int, device: torch.device) -> int:
     elements = CHUNK_ELEMENTS.get(device.type, CHUNK_ELEMENTS["cuda"])
-    return spans(num_rows, max(1, elements // max(v_local, 1)))
+    return max(1, elements // max(v_local, 1))
+
+
+SUPPORT_BLOCK_ROWS = 256
+"""Rows whose sampling-support temporaries (`[rows, K]` ids, flags, logits, terms) exist at once: a few
+hundred KiB at K = 50, below the support's own bytes for any real micro-batch, in few enough blocks that
+the per-op overhead stays small. Backward runs the dense chunks inside these blocks (whole chunks each)."""
+
+
+def support_blocks(num_rows: int, v_local: int, device: torch.device):
+    step = _chunk_rows(v_local, device)
+    return spans(num_rows, step * max(1, SUPPORT_BLOCK_ROWS // step))
 
 
 class _MaskedLogprobsFunction(torch.autograd.Function):
@@ -244,6 +260,7 @@ class _MaskedLogprobsFunction(torch.autograd.Function):
         entropy,
         count,
         inplace,
+        support2d,
     ):
         v_local = logits2d.shape[1]
         vocab_start, num_valid = valid_columns(v_local, vocab_size, tp_rank)
@@ -279,19 +296,33 @@ class _MaskedLogprobsFunction(torch.autograd.Function):
                 exp_out=None if grad_buffer is None else grad_buffer[rows, :num_valid],
                 with_count=count,
             )
+        rows_with_support = in_support = None
+        if support2d is not None:  # its sums fill the partials' support columns: still one SUM
+            rows_with_support = support_math.support_rows(support2d)
+            for rows in support_blocks(num_rows, v_local, x.device):
+                local, sup_owned = support_math.support_columns(support2d[rows], vocab_start, num_valid)
+                partials[rows, chunk_math.S_SUPPORT :] = support_math.support_partials(
+                    x[rows], local, sup_owned, max_logit[rows], inv_t
+                )
+            in_support = support_math.target_in_support(support2d, targets1d)
         if tp_size > 1:
             dist.all_reduce(partials, op=dist.ReduceOp.SUM, group=tp_group)  # collective 2
-        out = chunk_math.finalize(partials, max_logit, threshold, inv_t, entropy)
+        out = chunk_math.finalize(
+            partials, max_logit, threshold, inv_t, entropy, rows_with_support, in_support
+        )
         ctx.save_for_backward(
             logits2d, max_logit, threshold, out["log_norm"], local_target, owned, out["entropy"]
         )
         ctx.grad_buffer, ctx.num_valid, ctx.inv_t, ctx.inplace = grad_buffer, num_valid, inv_t, inplace
+        ctx.support = None
+        if support2d is not None:  # the support is the caller's tensor: kept by reference, not copied
+            ctx.support = (support2d, targets1d, out["forced_support"], rows_with_support, vocab_start)
         return function_outputs(ctx, out, log_rho, count)
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy, *_):
         logits2d, max_logit, threshold, log_norm, local_target, owned, entropy = ctx.saved_tensors
-        no_grads = (None,) * 10
+        no_grads = (None,) * 11
         if grad_logprobs is None and grad_entropy is None:
             return (None, *no_grads)
         # The kept exponentials become this gradient in place; a second backward through the same
@@ -306,20 +337,44 @@ class _MaskedLogprobsFunction(torch.autograd.Function):
             log_norm, ctx.inv_t, grad_logprobs, grad_entropy, entropy
         )
         x, g = logits2d[:, : ctx.num_valid], grad[:, : ctx.num_valid]
-        chunks = row_chunks(x.shape[0], logits2d.shape[1], x.device) if ctx.num_valid else ()
-        for rows in chunks:  # none on a shard of padding only: its gradient is all zero
-            per_row = dict(
-                max_logit=max_logit[rows],
-                threshold=threshold[rows],
-                inv_temperature=ctx.inv_t,
-                log_norm=log_norm[rows],
-                local_target=local_target[rows],
-                owned=owned[rows],
-                bias=bias[rows],
-                scale_h=None if scale_h is None else scale_h[rows],
-                target_add=target_add[rows],
-            )
-            chunk_math.chunk_grad(x[rows], g[rows], out_holds_exp=from_exp, **per_row)
+        sparse_bias, sparse_scale_h = bias, scale_h
+        if ctx.support is not None:
+            support2d, targets1d, forced, rows_with_support, vocab_start = ctx.support
+            bias, scale_h = support_math.dense_coefficients(rows_with_support, bias, scale_h)
+        blocks = support_blocks(x.shape[0], logits2d.shape[1], x.device) if ctx.num_valid else ()
+        for block in blocks:  # none on a shard of padding only: its gradient is all zero
+            sparse = None
+            if ctx.support is not None:  # read the block's support logits before in place overwrites them
+                ids = support_math.with_forced_target(support2d[block], targets1d[block], forced[block])
+                local, sup_owned = support_math.support_columns(ids, vocab_start, ctx.num_valid)
+                terms = support_math.support_grad_terms(
+                    x[block],
+                    local,
+                    sup_owned,
+                    rows_with_support[block],
+                    max_logit[block],
+                    ctx.inv_t,
+                    log_norm[block],
+                    sparse_bias[block],
+                    None if sparse_scale_h is None else sparse_scale_h[block],
+                )
+                sparse = local, terms
+            for rows in row_chunks(block.stop - block.start, logits2d.shape[1], x.device):
+                rows = slice(block.start + rows.start, block.start + rows.stop)
+                per_row = dict(
+                    max_logit=max_logit[rows],
+                    threshold=threshold[rows],
+                    inv_temperature=ctx.inv_t,
+                    log_norm=log_norm[rows],
+                    local_target=local_target[rows],
+                    owned=owned[rows],
+                    bias=bias[rows],
+                    scale_h=None if scale_h is None else scale_h[rows],
+                    target_add=target_add[rows],
+                )
+                chunk_math.chunk_grad(x[rows], g[rows], out_holds_exp=from_exp, **per_row)
+            if sparse is not None:
+                support_math.add_at_columns_(g[block], *sparse)
         return (grad, *no_grads)
 
 
@@ -334,6 +389,7 @@ def vocab_parallel_masked_logprobs(
     compute_entropy: bool = True,
     compute_safe_set_size: bool = False,
     inplace_backward: bool = False,
+    sampling_support: torch.Tensor | None = None,
 ) -> MaskedLogprobs:
     """Log-probs and entropy of the min-p-pruned policy π^mp on vocab-parallel logits.
 
@@ -356,6 +412,11 @@ def vocab_parallel_masked_logprobs(
             logits stay readable until backward; changing them in place after the call makes backward
             raise (autograd's version counter), and so does any op that saved them for its own backward
             and runs its backward after this one. Default: read-only logits.
+        sampling_support: `[..., K]` integer global token ids (−1 padding, ids unique per row): the support
+            a truncating sampler (top-k/top-p/min-p) drew the target from. Where a row has any id, its
+            normaliser and entropy are over that support (plus the target, force-kept if absent) instead
+            of V_S; a row of −1 keeps V_S. `in_safe_set`, `safe_mass`, `logprobs_full` keep their DVP
+            meaning. Each shard gathers the ids in its range: no logits gathered, still one SUM.
     Returns:
         `MaskedLogprobs` of `[...]` float32 tensors (float64 for float64 logits); gradients reach
         `logits` (in its dtype) through `logprobs` and `entropy`. Reduced over the vocab (all
@@ -367,6 +428,7 @@ def vocab_parallel_masked_logprobs(
     vocab_size = _check_inputs(logits, targets, vocab_size, tp_size)
     lead_shape = targets.shape
     logits2d = logits.reshape(-1, logits.shape[-1])
+    support2d = check_sampling_support(sampling_support, targets, vocab_size)
     outs = _MaskedLogprobsFunction.apply(
         logits2d,
         targets.reshape(-1).long(),
@@ -379,8 +441,37 @@ def vocab_parallel_masked_logprobs(
         bool(compute_entropy),
         bool(compute_safe_set_size),
         bool(inplace_backward),
+        support2d,
     )
     return as_outputs(outs, lead_shape)
+
+
+def check_sampling_support(
+    support: torch.Tensor | None, targets: torch.Tensor, vocab_size: int
+) -> torch.Tensor | None:
+    """The `[..., K]` support checked against `[...]` targets, as `[N, K]` int64 (None passes through)."""
+    if support is None:
+        return None
+    if not isinstance(support, torch.Tensor) or support.is_floating_point() or support.dtype == torch.bool:
+        raise TypeError(
+            f"sampling_support must be an integer tensor of token ids [..., K]; got {describe_value(support)}"
+        )
+    if support.dim() != targets.dim() + 1 or tuple(support.shape[:-1]) != tuple(targets.shape):
+        raise ValueError(
+            f"sampling_support must be [..., K] with [...] = targets.shape {tuple(targets.shape)}; "
+            f"got {tuple(support.shape)}"
+        )
+    if support.device != targets.device:
+        raise ValueError(f"sampling_support is on {support.device} but targets on {targets.device}")
+    if support.numel():
+        bad = (support < -1) | (support >= vocab_size)
+        if bool(bad.any()):
+            index = tuple(int(i) for i in bad.nonzero()[0])
+            raise ValueError(
+                f"sampling_support must hold token ids in [0, vocab_size={vocab_size}) or -1 (padding); "
+                f"got {int(support[index])} at index {index}"
+            )
+    return support.reshape(-1, support.shape[-1]).long()
 
 
 def function_outputs(ctx, out: dict[str, torch.Tensor], log_rho: float | None, count: bool) -> tuple:

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import torch
 
-# Columns of the stacked partial sums that the op all-reduces in one SUM collective.
-S_ALL, S_SAFE, S_SAFE_EZ, TARGET_LOGIT, SAFE_COUNT = range(5)
-NUM_PARTIALS = 5
+# Columns of the stacked partial sums that the op all-reduces in one SUM collective (the last two: the
+# sampling support's sums, `sampling_support_math.support_partials`; zero without a support).
+S_ALL, S_SAFE, S_SAFE_EZ, TARGET_LOGIT, SAFE_COUNT, S_SUPPORT, S_SUPPORT_EZ = range(7)
+NUM_PARTIALS = 7
 
 
 def target_columns(
@@ -123,26 +124,39 @@ def finalize(
     threshold: torch.Tensor,
     inv_temperature: float,
     with_entropy: bool,
+    rows_with_support: torch.Tensor | None = None,
+    target_in_support: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Per-token outputs from the globally summed partials.
 
     Args:
         partials: `[N, NUM_PARTIALS]`, summed over all vocab shards.
         max_logit, threshold: `[N]`, compute dtype.
+        rows_with_support: `[N]` bool, rows normalised over their sampling support (plus the target)
+            instead of V_S; None: no support. target_in_support: `[N]` bool, with it (the support and the
+            targets are the same on every shard, so each computes it alone).
     Returns:
         dict of `[N]` tensors: logprobs, entropy (None unless with_entropy), in_safe_set (bool), safe_mass,
         logprobs_full, safe_set_size (int64; meaningful only if the partials counted it), top_logprob
-        (log π^mp of the most probable token), and log_norm = log S_K (saved for backward).
+        (z = 0 at the max, minus log S_K), log_norm = log S_K (saved for backward), and forced_support
+        (bool: a support row whose target was not in its support, force-kept; for backward).
     """
-    s_all, s_safe, s_safe_ez, x_target, safe_count = partials.unbind(dim=1)
+    s_all, s_safe, s_safe_ez, x_target, safe_count, s_sup, s_sup_ez = partials.unbind(dim=1)
     z_t = (x_target - max_logit) * inv_temperature
     in_safe = x_target >= threshold
     e_t = torch.exp(z_t)
-    forced = ~in_safe
-    s_norm = torch.where(forced, s_safe + e_t, s_safe)
     # e_t·z_t is 0 when e_t underflows (also for z_t = −inf, where 0·(−inf) would be NaN).
     ez_t = torch.where(e_t > 0, e_t * z_t, torch.zeros_like(e_t))
+    forced = ~in_safe
+    s_norm = torch.where(forced, s_safe + e_t, s_safe)
     s_norm_ez = torch.where(forced, s_safe_ez + ez_t, s_safe_ez)
+    forced_support = torch.zeros_like(in_safe)
+    if rows_with_support is not None:
+        forced_support = rows_with_support & ~target_in_support
+        s_norm = torch.where(rows_with_support, torch.where(forced_support, s_sup + e_t, s_sup), s_norm)
+        s_norm_ez = torch.where(
+            rows_with_support, torch.where(forced_support, s_sup_ez + ez_t, s_sup_ez), s_norm_ez
+        )
     log_norm = torch.log(s_norm)
     return {
         "logprobs": z_t - log_norm,
@@ -153,6 +167,7 @@ def finalize(
         "safe_set_size": safe_count.round().to(torch.int64),
         "top_logprob": -log_norm,
         "log_norm": log_norm,
+        "forced_support": forced_support,
     }
 
 

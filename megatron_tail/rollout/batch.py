@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 
 @dataclass
 class RolloutBatch:
@@ -12,7 +14,9 @@ class RolloutBatch:
     Per sample: `prompt_ids`, `response_ids`, `rollout_logprobs` (the engine's log π_infer^mp of each
     response token), `reward`, `truncated` (hit `max_new_tokens`), `weight_version` the engine reported,
     and `rollout_top_logprobs` (the engine's log-prob of its most probable token at each response position;
-    None where the engine was not asked for it).
+    None where the engine was not asked for it), and with truncated sampling `rollout_supports`: per sample
+    `[len(response), K]` int32 token ids, the support the engine drew each response token from (−1 padded;
+    `rollout_logprobs` are then log-probs under that truncated distribution).
     `stats`: rollout time and token counts. `metrics`: TensorBoard scalars of how the batch was drawn
     (dynamic sampling), logged with the step's. `data_cursor`: the prompt stream's position after this
     batch (dynamic sampling; None when prompts are a function of the step).
@@ -26,6 +30,7 @@ class RolloutBatch:
     truncated: list[bool]
     weight_versions: list[str | None]
     rollout_top_logprobs: list[list[float]] | None = None
+    rollout_supports: list[torch.Tensor] | None = None
     stats: dict[str, float] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
     data_cursor: int | None = None
@@ -40,6 +45,7 @@ def rollout_metrics(batch: RolloutBatch, *, policy_version: int) -> dict[str, fl
     `policy_version`: the weight version being trained (the step's θ_old). `rollout/stale_fraction` is the
     fraction of samples another version produced; `rollout/staleness_mean` the mean lag in versions
     (samples without an integer `weight_version` are left out of it, and it is absent if none has one).
+    With truncated sampling, `rollout/support_size_mean`: the mean support size per response token.
     """
     n = len(batch)
     if n == 0:
@@ -49,6 +55,10 @@ def rollout_metrics(batch: RolloutBatch, *, policy_version: int) -> dict[str, fl
     ]
     staleness = {"rollout/staleness_mean": sum(lags) / len(lags)} if lags else {}
     lengths = [len(r) for r in batch.response_ids]
+    support = {}
+    if batch.rollout_supports is not None:  # mean |support| over the response tokens
+        kept = sum(int((s >= 0).sum()) for s in batch.rollout_supports)
+        support["rollout/support_size_mean"] = kept / max(sum(lengths), 1)
     mean_reward = sum(batch.rewards) / n
     return {
         "reward/mean": mean_reward,
@@ -59,5 +69,6 @@ def rollout_metrics(batch: RolloutBatch, *, policy_version: int) -> dict[str, fl
         "response/truncated_fraction": sum(batch.truncated) / n,
         "rollout/stale_fraction": sum(v != str(policy_version) for v in batch.weight_versions) / n,
         **staleness,
+        **support,
         **batch.metrics,
     }

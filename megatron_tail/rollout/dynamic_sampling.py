@@ -51,6 +51,7 @@ def select_groups(batch: RolloutBatch, groups: Sequence[int], group_size: int) -
         truncated=pick(batch.truncated),
         weight_versions=pick(batch.weight_versions),
         rollout_top_logprobs=pick(batch.rollout_top_logprobs),
+        rollout_supports=pick(batch.rollout_supports),
         stats=dict(batch.stats),
         metrics=dict(batch.metrics),
         data_cursor=batch.data_cursor,
@@ -68,6 +69,8 @@ def concat_batches(batches: Sequence[RolloutBatch]) -> RolloutBatch:
             out.stats[key] = out.stats.get(key, 0.0) + value
     tops = [b.rollout_top_logprobs for b in batches]
     out.rollout_top_logprobs = None if any(t is None for t in tops) else [x for t in tops for x in t]
+    supports = [b.rollout_supports for b in batches]
+    out.rollout_supports = None if any(s is None for s in supports) else [x for s in supports for x in s]
     return out
 
 

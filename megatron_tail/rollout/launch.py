@@ -59,6 +59,11 @@ class SGLangServerConfig:
     loader (`--load-format flash_rl`, srt/model_loader/loader.py `QuantizedRLModelLoader`) re-quantizes
     the bf16 weights that later updates send; the default loader cannot reload an FP8 model (see
     `megatron_tail/rollout/weight_sync.py`). The KV cache stays in `dtype` (no `--kv-cache-dtype`)."""
+    sampling_mask_max_tokens: int | None = None
+    """`--sampling-mask-max-tokens` (SGLang's default 4096 when None): the most ids in a returned sampling
+    mask; requests with `return_sampling_mask` need 1 ≤ top_k ≤ it (`srt/managers/scheduler.py`) and abort
+    when a realised support exceeds it (`batch_result_processor.get_sampling_mask_finish_reason`).
+    `rollout.sampling_mask_max_tokens`."""
     extra_args: tuple[str, ...] = ()
     """Further SGLang flags, passed through verbatim."""
 
@@ -99,6 +104,8 @@ def build_sglang_server_command(cfg: SGLangServerConfig, python: str = sys.execu
         cmd += ["--random-seed", str(cfg.random_seed)]
     if cfg.quantization == "fp8":
         cmd += ["--quantization", "fp8", "--load-format", "flash_rl"]
+    if cfg.sampling_mask_max_tokens is not None:
+        cmd += ["--sampling-mask-max-tokens", str(cfg.sampling_mask_max_tokens)]
     return cmd + list(cfg.extra_args)
 
 
@@ -144,6 +151,8 @@ class LocalEngineConfig:
     """torch threads of the engine process (None: torch's default)."""
     quantization: str = "none"
     """"fp8": linear layers in e4m3 as SGLang's `--quantization fp8` (`local_engine/fp8.py`)."""
+    sampling_mask_max_tokens: int | None = None
+    """SGLang's `--sampling-mask-max-tokens`, same meaning (the engine's default, SGLang's, when None)."""
 
     def __post_init__(self):
         _check_port(self.port)
@@ -173,6 +182,8 @@ def build_local_engine_command(cfg: LocalEngineConfig, python: str = sys.executa
         cmd += ["--num-threads", str(cfg.num_threads)]
     if cfg.quantization != "none":
         cmd += ["--quantization", cfg.quantization]
+    if cfg.sampling_mask_max_tokens is not None:
+        cmd += ["--sampling-mask-max-tokens", str(cfg.sampling_mask_max_tokens)]
     return cmd
 
 

@@ -5,6 +5,17 @@ one `sampling_params` dict and one `rid` per sample), because each sample needs 
 (SGLang's `n > 1` would reuse one seed). Responses are SGLang's: a list with one object per sample,
 `{"text", "output_ids", "meta_info": {"id", "finish_reason", "weight_version",
 "output_token_logprobs": [[logprob, token_id, text | null], ...], ...}}`.
+
+Truncated sampling (top_k / top_p / min_p): the request sets `return_sampling_mask: true` and SGLang adds,
+per output token, `output_token_sampling_mask` (the ids its sampler kept) and `output_token_sampling_logprobs`
+(the sampled token's log-prob under the truncated, renormalised distribution; "selected" mode), from
+`Sampler._build_sampling_mask_output` (`srt/layers/sampler.py`) via `srt/managers/tokenizer_manager.py`.
+SGLang refuses `return_sampling_mask` with any custom logit processor but its DisallowedTokensLogitsProcessor
+(`tokenizer_manager.py`, `custom_logit_processor.supports_sampling_mask`), so DVP's safe set is then sent as
+min-p: V_S = {k : π_T(k) ≥ ρ·max π_T} is exactly min_p = ρ on the same temperature-scaled probabilities, and
+min-p composes with a user's min_p as the larger of the two. SGLang applies min-p after top-k and top-p
+(`top_k_top_p_min_p_sampling_from_probs_torch`), so top-p's cumulative mass includes the (tiny) pruned tail;
+the trainer replays the returned support, so its importance weights are exact either way.
 """
 
 from __future__ import annotations
@@ -12,6 +23,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from megatron_tail.rollout.processor import dvp_custom_params
 
@@ -75,6 +88,10 @@ class SampleResult:
     text: str | None = None
     meta_info: dict[str, Any] = field(default_factory=dict, repr=False)
     output_top_logprobs: list[float] | None = None
+    output_supports: torch.Tensor | None = None
+    """With truncated sampling: `[len(output_ids), K]` int32, token i's sampling support (SGLang's
+    `output_token_sampling_mask`, −1 padded to the longest); `output_logprobs` then holds SGLang's
+    `output_token_sampling_logprobs` (log-prob under the truncated distribution). None otherwise."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +117,23 @@ class SamplingConfig:
     it measures the engine–trainer logit error ε̂ of DVP Prop. 4.2 (needs `return_logprob`)."""
     base_seed: int = 0
     """Seeds are derived from (base_seed, prompt index, sample index); change it every step."""
+    top_k: int = -1
+    """SGLang's top_k: keep the k most probable tokens; -1 off."""
+    top_p: float = 1.0
+    """SGLang's top_p: keep the smallest prefix (by probability) whose mass reaches top_p; 1 off."""
+    min_p: float = 0.0
+    """SGLang's min_p: drop tokens below min_p × the top probability; 0 off."""
+
+    @property
+    def truncates(self) -> bool:
+        """Any of top_k / top_p / min_p is on (at T > 0): each sample returns its per-token support."""
+        return self.temperature > 0 and (self.top_k != -1 or self.top_p < 1.0 or self.min_p > 0.0)
+
+    @property
+    def sent_min_p(self) -> float:
+        """The min_p sent to SGLang: the user's, or DVP's ρ (its rule as min-p) if larger."""
+        rho = 0.0 if self.log_rho is None else math.exp(self.log_rho)
+        return max(self.min_p, rho)
 
     def __post_init__(self):
         if not isinstance(self.n_samples, int) or self.n_samples < 1:
@@ -112,6 +146,22 @@ class SamplingConfig:
         bad = [t for t in self.stop_token_ids if not isinstance(t, int) or t < 0]
         if bad:
             raise ValueError(f"stop_token_ids must be non-negative ints; got {bad!r}")
+        check_truncation(self.top_k, self.top_p, self.min_p)
+        if self.truncates and self.top_k == -1:
+            raise ValueError(
+                f"top_p={self.top_p} / min_p={self.min_p} need a finite top_k: SGLang returns a sampling "
+                "mask only for 1 ≤ top_k ≤ --sampling-mask-max-tokens (srt/managers/scheduler.py)"
+            )
+
+
+def check_truncation(top_k: Any, top_p: Any, min_p: Any) -> None:
+    """SGLang's `SamplingParams.verify` ranges for top_k, top_p, min_p; ValueError naming the value."""
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or (top_k < 1 and top_k != -1):
+        raise ValueError(f"top_k must be -1 (off) or an int ≥ 1; got {top_k!r}")
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1]; got {top_p!r}")
+    if isinstance(min_p, bool) or not isinstance(min_p, (int, float)) or not 0.0 <= min_p <= 1.0:
+        raise ValueError(f"min_p must be in [0, 1]; got {min_p!r}")
 
 
 def sample_seed(base_seed: int, prompt_index: int, sample_index: int) -> int:
@@ -144,8 +194,8 @@ def build_generate_payload(
     The rid carries the attempt number so that a retry on the same server (one server, or a router) never
     collides with a request of the same sample that the server may still be running.
     """
-    if config.log_rho is None:
-        processor = None
+    if config.log_rho is None or config.truncates:
+        processor = None  # truncating: DVP goes as min_p (SGLang allows no processor with a sampling mask)
     sampling_params = []
     for key in keys:
         params: dict[str, Any] = {
@@ -157,6 +207,8 @@ def build_generate_payload(
             params["stop_token_ids"] = list(config.stop_token_ids)
         if config.ignore_eos:
             params["ignore_eos"] = True
+        if config.truncates:
+            params.update(top_k=config.top_k, top_p=config.top_p, min_p=config.sent_min_p)
         if processor is not None:
             params["custom_params"] = dvp_custom_params(config.log_rho, config.temperature)
         sampling_params.append(params)
@@ -170,6 +222,8 @@ def build_generate_payload(
         payload["top_logprobs_num"] = 1  # SGLang `GenerateReqInput.top_logprobs_num` (int or per item)
     if processor is not None:
         payload["custom_logit_processor"] = [processor for _ in keys]
+    if config.truncates:
+        payload["return_sampling_mask"] = True  # SGLang's GenerateReqInput; "selected" log-prob mode
     return payload
 
 
@@ -233,6 +287,12 @@ def _parse_one(
     top = None
     if logprobs is not None and config.top_logprob:
         top = _parse_top_logprobs(meta, logprobs, where)
+    supports = None
+    if config.truncates:
+        supports, selected = _parse_sampling_masks(meta, output_ids, where)
+        if top is not None:  # the same shift as the sampled token's: onto the truncated normaliser
+            top = [t + s - f for t, s, f in zip(top, selected, logprobs, strict=True)]
+        logprobs = selected
     return SampleResult(
         key=key,
         prompt_ids=list(prompt_ids),
@@ -244,7 +304,39 @@ def _parse_one(
         text=item.get("text"),
         meta_info=meta,
         output_top_logprobs=top,
+        output_supports=supports,
     )
+
+
+def _parse_sampling_masks(meta: dict, output_ids: list[int], where: str) -> tuple[torch.Tensor, list[float]]:
+    """`([n, K] int32 supports, −1 padded; n selected log-probs)` from SGLang's sampling-mask fields."""
+    masks = meta.get("output_token_sampling_mask")
+    selected = meta.get("output_token_sampling_logprobs")
+    for name, value in (("output_token_sampling_mask", masks), ("output_token_sampling_logprobs", selected)):
+        if not isinstance(value, list) or len(value) != len(output_ids):
+            n = len(value) if isinstance(value, list) else _clip(value)
+            raise MalformedResponseError(
+                f"{where}: meta_info.{name} must hold one entry per output token ({len(output_ids)}); "
+                f"got {n} (an SGLang without return_sampling_mask support?)"
+            )
+    width = max((len(m) for m in masks if isinstance(m, list)), default=0)
+    supports = torch.full((len(output_ids), width), -1, dtype=torch.int32)
+    for i, (mask, value, token) in enumerate(zip(masks, selected, output_ids, strict=True)):
+        if (
+            not isinstance(mask, list)
+            or token not in mask
+            or not all(isinstance(t, int) and t >= 0 for t in mask)
+        ):
+            raise MalformedResponseError(
+                f"{where}: output_token_sampling_mask[{i}] = {_clip(mask)} is not a list of token ids "
+                f"holding the sampled token {token}"
+            )
+        if not isinstance(value, (int, float)) or math.isnan(value) or value > 1e-4:
+            raise MalformedResponseError(
+                f"{where}: output_token_sampling_logprobs[{i}] = {_clip(value)} is not ≤ 0"
+            )
+        supports[i, : len(mask)] = torch.tensor(mask, dtype=torch.int32)
+    return supports, [float(v) for v in selected]
 
 
 def _parse_logprobs(meta: dict, output_ids: list[int], where: str) -> list[float]:

@@ -125,6 +125,10 @@ def test_unknown_key_without_near_match_lists_valid_keys():
         ("rollout.engine=cloud", r"rollout\.engine must be one of \('local', 'remote'\); got 'cloud'"),
         ("algorithm=3", r"algorithm is a section"),
         ("train.steps", r"must look like section\.key=value"),
+        ("rollout.top_p=0.8", r"rollout\.top_k must be set with rollout\.top_p=0\.8 .* got -1"),
+        ("rollout.top_k=5000", r"rollout\.top_k must be ≤ rollout\.sampling_mask_max_tokens=4096.*got 5000"),
+        ("rollout.top_k=0", r"rollout\.top_k must be an int ≥ 1; got 0"),
+        ("rollout.min_p=2", r"rollout\.min_p must be in \[0, 1\] \(0: off\); got 2"),
     ],
 )
 def test_bad_values_name_the_key(override, pattern):
@@ -158,6 +162,9 @@ def test_cross_section_checks():
         load_config(None, ["parallel.tensor_parallel=4", "model.vocab_pad_multiple=6"])
     with pytest.raises(ConfigError, match=r"train\.mini_batches.*must divide data\.prompts_per_step=6"):
         load_config(None, ["data.prompts_per_step=6", "train.mini_batches=4"])
+    with pytest.raises(ConfigError, match=r"rollout\.deterministic cannot combine with min-p"):
+        load_config(None, ["rollout.deterministic=true", "rollout.top_k=20"])  # DVP is on by default
+    assert load_config(None, ["rollout.deterministic=true", "rollout.top_k=20", "algorithm.log_rho=null"])
     with pytest.raises(ValueError, match=r"model\.hf_path is required"):
         load_config(None).check_runnable()
 

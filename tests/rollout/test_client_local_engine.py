@@ -105,7 +105,31 @@ def test_oversized_request_is_rejected_with_a_clear_error(server_pair):
             {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 4, "top_q": 0.5}},
             "unknown sampling_params",
         ),
-        ({"input_ids": [5, 6], "sampling_params": {"top_p": 0.9}}, "top_p=0.9 is not supported"),
+        (
+            {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 4, "min_new_tokens": 2}},
+            "min_new_tokens=2 is not supported",
+        ),
+        (
+            {
+                "input_ids": [5, 6],
+                "sampling_params": {"max_new_tokens": 4, "top_p": 0.9},
+                "return_sampling_mask": True,
+            },
+            r"requires top_k=1 for greedy sampling or finite 1 < top_k <= 4096; got top_k=-1",
+        ),
+        (
+            {
+                "input_ids": [5, 6],
+                "sampling_params": {"max_new_tokens": 4, "top_k": 5, "custom_params": {}},
+                "return_sampling_mask": True,
+                "custom_logit_processor": "PROCESSOR",
+            },
+            "return_sampling_mask only supports DisallowedTokensLogitsProcessor",
+        ),
+        (
+            {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 4, "top_p": 0}},
+            r"top_p must be in \(0, 1\]",
+        ),
         ({"input_ids": [5, 999]}, r"token id 999 is not an int in \[0, 128\)"),
         ({"input_ids": [5], "image_data": "x"}, r"fields \['image_data'\] are not supported"),
         (

@@ -24,7 +24,7 @@ def test_sglang_command_parses_with_sglangs_own_arguments():
     cfg = SGLangServerConfig(
         model_path="/ckpt/qwen3-8b", host="10.0.0.5", port=31000, tp_size=2, mem_fraction_static=0.8,
         weight_version="0", random_seed=7, base_gpu_id=2, extra_args=("--log-level", "warning"),
-        deterministic_inference=True,
+        deterministic_inference=True, sampling_mask_max_tokens=1024,
     )  # fmt: skip
     cmd = build_sglang_server_command(cfg, python="python")
     assert cmd[:3] == ["python", "-m", "sglang.launch_server"]
@@ -36,6 +36,10 @@ def test_sglang_command_parses_with_sglangs_own_arguments():
     assert (args.model_path, args.host, args.port, args.tp_size) == ("/ckpt/qwen3-8b", "10.0.0.5", 31000, 2)
     assert (args.dtype, args.mem_fraction_static, args.weight_version) == ("bfloat16", 0.8, "0")
     assert (args.random_seed, args.base_gpu_id, args.log_level) == (7, 2, "warning")
+    assert args.sampling_mask_max_tokens == 1024  # rollout.sampling_mask_max_tokens
+    assert "--sampling-mask-max-tokens" not in build_sglang_server_command(
+        SGLangServerConfig(model_path="/m")
+    )
 
 
 def test_fp8_servers_quantize_online_with_the_rl_loader_and_parse_with_sglangs_arguments():
@@ -78,6 +82,9 @@ def test_local_engine_command_parses_with_the_cli_and_binds_localhost_by_default
     )
     defaults = build_parser().parse_args(["serve-local", "--model-path", "/m", "--port", "1"])
     assert defaults.host == "127.0.0.1" and defaults.dtype == "bfloat16"
+    assert defaults.sampling_mask_max_tokens == 4096  # SGLang's default
+    capped = build_local_engine_command(LocalEngineConfig(model_path="/m", sampling_mask_max_tokens=64))
+    assert build_parser().parse_args(capped[3:]).sampling_mask_max_tokens == 64
     assert defaults.quantization == "none" and "--quantization" not in cmd
     fp8 = build_local_engine_command(LocalEngineConfig(model_path="/m", quantization="fp8"), python="py")
     assert build_parser().parse_args(fp8[3:]).quantization == "fp8"

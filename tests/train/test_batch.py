@@ -126,3 +126,22 @@ def test_errors_name_the_problem():
     with pytest.raises(ValueError, match="not divisible by data_parallel=2"):
         split_for_data_parallel(_samples(), 0, 2)
     assert [s.prompt for s in split_for_data_parallel(_samples()[:2], 1, 2)] == [[6]]
+
+
+def test_a_per_token_support_field_is_padded_to_the_micro_batchs_widest():
+    """A `[len(response), K_i]` field (the sampling support, ids + 1) lands at the positions predicting its
+    tokens, zero-padded to the widest K and zero off the response, padded or packed."""
+    samples = [
+        Sample([1, 2], [3, 4], {"support": torch.tensor([[4, 5], [6, 0]], dtype=torch.int32)}),
+        Sample([6], [7, 8, 9], {"support": torch.tensor([[8], [9], [10]], dtype=torch.int32)}),
+    ]
+    (padded,) = make_micro_batches(samples, micro_batch_size=2)
+    (packed,) = pack_micro_batches(samples, max_tokens=16)
+    assert padded.fields["support"].shape == (2, 4, 2) and packed.fields["support"].shape == (1, 8, 2)
+    assert padded.fields["support"][0].tolist() == [[0, 0], [4, 5], [6, 0], [0, 0]]
+    assert padded.fields["support"][1].tolist() == [[8, 0], [9, 0], [10, 0], [0, 0]]
+    rows = packed.to_samples(packed.fields["support"][..., 0])
+    order = packed.sample_ids.tolist()
+    assert rows[order.index(0)].tolist()[:2] == [4, 6] and rows[order.index(1)].tolist() == [8, 9, 10]
+    with pytest.raises(ValueError, match=r"field 'support' has shape \(3, 1\), expected \(2, \.\.\.\)"):
+        make_micro_batches([Sample([1], [2, 3], {"support": torch.zeros(3, 1)})], micro_batch_size=1)

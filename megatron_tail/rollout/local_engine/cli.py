@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 
+from megatron_tail.rollout.local_engine.truncation import DEFAULT_SAMPLING_MASK_MAX_TOKENS
+
 DEFAULT_HOST = "127.0.0.1"
 
 
@@ -39,6 +41,13 @@ def add_serve_local_parser(subparsers) -> argparse.ArgumentParser:
         "--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)"
     )
     parser.add_argument("--max-batch", type=int, default=1024, help="most samples accepted in one /generate")
+    parser.add_argument(
+        "--sampling-mask-max-tokens",
+        type=int,
+        default=DEFAULT_SAMPLING_MASK_MAX_TOKENS,
+        help="SGLang's flag: most token ids in a returned sampling mask; a return_sampling_mask request "
+        f"needs top_k ≤ this (default {DEFAULT_SAMPLING_MASK_MAX_TOKENS}, SGLang's)",
+    )
     parser.set_defaults(func=serve_local)
     return parser
 
@@ -65,6 +74,7 @@ def serve_local(args: argparse.Namespace) -> int:
         weight_version=args.weight_version,
         quantization=args.quantization,
         device=args.device,
+        sampling_mask_max_tokens=args.sampling_mask_max_tokens,
     )
     app = build_app(engine, max_batch=args.max_batch)
     print(

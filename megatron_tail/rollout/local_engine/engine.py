@@ -4,7 +4,9 @@ sampling loop, weight loading.
 Per decoding step, mirroring SGLang's sampler order: raw logits (cast to fp32) → custom logit processor
 (the DVP safe set) → divide by T → log-softmax → sample with the sample's own `torch.Generator`
 (seeded by `sampling_seed`) → return the log-prob of the sampled token. Greedy requests (T = 0) take
-the argmax and return log-softmax of the processed logits at T = 1, as SGLang does.
+the argmax and return log-softmax of the processed logits at T = 1, as SGLang does. A request with
+top_k / top_p / min_p draws from SGLang's truncation (`truncation.py`) and, with `return_sampling_mask`,
+also returns each token's support and its log-prob under the truncated distribution.
 The model runs in the dtype given (bf16 by default), so its log-probs differ from the trainer's fp32
 ones the way a real inference engine's do; with `quantization="fp8"` its linear layers also run in FP8 as
 SGLang's `--quantization fp8` does (`local_engine/fp8.py`), re-quantized after every weight update.
@@ -24,6 +26,7 @@ import torch
 from megatron_tail.rollout.local_engine.control import PauseControl
 from megatron_tail.rollout.local_engine.fp8 import QUANTIZATIONS, quantize_linears_, requantize_
 from megatron_tail.rollout.local_engine.requests import GenerateItem
+from megatron_tail.rollout.local_engine.truncation import DEFAULT_SAMPLING_MASK_MAX_TOKENS, sample_truncated
 from megatron_tail.rollout.local_engine.weights import load_named_tensors_, read_safetensors_dir
 from megatron_tail.rollout.processor import load_custom_logit_processor
 
@@ -44,6 +47,7 @@ class LocalEngine:
         weight_version: str = "default",
         quantization: str = "none",
         device: str = "cpu",
+        sampling_mask_max_tokens: int = DEFAULT_SAMPLING_MASK_MAX_TOKENS,
     ):
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -60,6 +64,11 @@ class LocalEngine:
         ).eval()
         self.model.to(self.device)
         self.quantization = quantization
+        if not isinstance(sampling_mask_max_tokens, int) or sampling_mask_max_tokens <= 0:
+            raise ValueError(
+                f"--sampling-mask-max-tokens must be positive (got {sampling_mask_max_tokens!r})."
+            )
+        self.sampling_mask_max_tokens = sampling_mask_max_tokens
         if quantization == "fp8":
             quantize_linears_(self.model)
         self.tokenizer = _load_tokenizer(self.model_path)
@@ -120,6 +129,7 @@ class LocalEngine:
         tokens = torch.empty(len(items), dtype=torch.long)
         logprobs = torch.empty(len(items), dtype=torch.float32)
         top: list[list[list] | None] = [None] * len(items)
+        masks: list[tuple[list[int], float] | None] = [None] * len(items)
         for i, item in enumerate(items):
             if state.finished[i]:
                 tokens[i], logprobs[i] = 0, 0.0
@@ -127,6 +137,12 @@ class LocalEngine:
             if item.temperature == 0.0:
                 row_logprobs = torch.log_softmax(logits[i], dim=-1)
                 token = int(torch.argmax(logits[i]))
+                masks[i] = ([token], 0.0)  # SGLang's `_build_greedy_sampling_mask_output`
+            elif item.truncation.active:
+                row_logprobs = torch.log_softmax(logits[i] / item.temperature, dim=-1)
+                probs = torch.softmax(logits[i] / item.temperature, dim=-1)
+                token, support, selected = sample_truncated(probs, item.truncation, state.generators[i])
+                masks[i] = (support, selected)
             else:
                 row_logprobs = torch.log_softmax(logits[i] / item.temperature, dim=-1)
                 token = int(torch.multinomial(row_logprobs.exp(), 1, generator=state.generators[i]))
@@ -134,7 +150,7 @@ class LocalEngine:
             if item.top_logprobs_num:
                 values, ids = torch.topk(row_logprobs, item.top_logprobs_num)
                 top[i] = [[float(v), int(t)] for v, t in zip(values, ids, strict=True)]
-        return tokens, logprobs, top
+        return tokens, logprobs, top, masks
 
     def _output(self, item: GenerateItem, state: _DecodeState, i: int, started: float) -> dict[str, Any]:
         output_ids = state.outputs[i]
@@ -159,6 +175,10 @@ class LocalEngine:
                 meta["output_top_logprobs"] = [
                     [[lp, tok, None] for lp, tok in row] for row in state.top_logprobs[i]
                 ]
+        if item.return_sampling_mask:  # SGLang's tokenizer_manager.py: three meta_info fields
+            meta["output_token_sampling_mask"] = [support for support, _ in state.masks[i]]
+            meta["output_token_sampling_logprobs"] = [selected for _, selected in state.masks[i]]
+            meta["output_token_sampling_mask_length"] = len(state.masks[i])
         text = None
         if self.tokenizer is not None:
             text = self.tokenizer.decode(output_ids, skip_special_tokens=item.skip_special_tokens)
@@ -196,6 +216,7 @@ class _DecodeState:
         self.outputs: list[list[int]] = [[] for _ in items]
         self.logprobs: list[list[float]] = [[] for _ in items]
         self.top_logprobs: list[list[list]] = [[] for _ in items]
+        self.masks: list[list[tuple[list[int], float]]] = [[] for _ in items]
         self.finished = [False] * len(items)
         self.finish_reasons: list[dict | None] = [None] * len(items)
         self.generators = [
@@ -204,7 +225,7 @@ class _DecodeState:
         ]
 
     def step(self, sampled) -> None:
-        tokens, logprobs, top = sampled
+        tokens, logprobs, top, masks = sampled
         for i, item in enumerate(self.items):
             if self.finished[i]:
                 continue
@@ -213,6 +234,8 @@ class _DecodeState:
             self.logprobs[i].append(float(logprobs[i]))
             if top[i] is not None:
                 self.top_logprobs[i].append(top[i])
+            if item.return_sampling_mask:
+                self.masks[i].append(masks[i])
             if token in item.stop_token_ids or (not item.ignore_eos and token in self.eos_ids):
                 self._finish(i, {"type": "stop", "matched": token})
             elif len(self.outputs[i]) >= item.max_new_tokens:

@@ -12,6 +12,12 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_tail.rollout.local_engine.truncation import (
+    DEFAULT_SAMPLING_MASK_MAX_TOKENS,
+    TOP_K_ALL,
+    Truncation,
+)
+
 
 class BadRequest(ValueError):
     """The request is invalid; the message is returned to the client with HTTP 400."""
@@ -26,9 +32,6 @@ SGLANG_SAMPLING_KEYS = frozenset(
 """The API fields of `sglang.srt.sampling.sampling_params.SamplingParams` (0.5.23)."""
 
 _UNSUPPORTED_UNLESS_DEFAULT = {
-    "top_p": (1.0,),
-    "top_k": (-1, None, 1 << 30),
-    "min_p": (0.0,),
     "frequency_penalty": (0.0,),
     "presence_penalty": (0.0,),
     "repetition_penalty": (1.0,),
@@ -58,6 +61,8 @@ SUPPORTED_TOP_LEVEL_KEYS = frozenset(
         "logprob_start_len",
         "top_logprobs_num",
         "return_text_in_logprobs",
+        "return_sampling_mask",
+        "sampling_logprobs_mode",
         "stream",
         "log_metrics",
     }
@@ -86,6 +91,10 @@ class GenerateItem:
     `output_top_logprobs`), from the same distribution as `output_token_logprobs`."""
     processor: str | None
     custom_params: dict[str, Any] | None
+    truncation: Truncation = Truncation()  # noqa: RUF009 - frozen, so one shared default is safe
+    """top_k / top_p / min_p as SGLang normalises them (`truncation.Truncation`)."""
+    return_sampling_mask: bool = False
+    """Return `output_token_sampling_mask` and `output_token_sampling_logprobs` ("selected" mode)."""
 
 
 @dataclass
@@ -96,10 +105,19 @@ class GenerateRequest:
     return_text_in_logprobs: bool
 
 
-def parse_generate_body(body: Any, *, tokenize, vocab_size: int, context_length: int, max_batch: int):
+def parse_generate_body(
+    body: Any,
+    *,
+    tokenize,
+    vocab_size: int,
+    context_length: int,
+    max_batch: int,
+    sampling_mask_max_tokens: int = DEFAULT_SAMPLING_MASK_MAX_TOKENS,
+):
     """Validate an SGLang `/generate` body; return a `GenerateRequest` or raise `BadRequest`.
 
     `tokenize(text) -> list[int]` is used for `text` prompts (None when the engine has no tokenizer).
+    `sampling_mask_max_tokens` is the engine's `--sampling-mask-max-tokens` (SGLang's flag and default).
     """
     if not isinstance(body, dict):
         raise BadRequest(f"/generate body must be a JSON object; got {type(body).__name__}")
@@ -121,6 +139,8 @@ def parse_generate_body(body: Any, *, tokenize, vocab_size: int, context_length:
     return_logprob = _per_item(body.get("return_logprob") or False, n, "return_logprob")
     top_logprobs = _per_item(body.get("top_logprobs_num") or 0, n, "top_logprobs_num")
     processors = _per_item(body.get("custom_logit_processor"), n, "custom_logit_processor")
+    masks = _per_item(body.get("return_sampling_mask") or False, n, "return_sampling_mask")
+    modes = _per_item(body.get("sampling_logprobs_mode"), n, "sampling_logprobs_mode")
     items = []
     for i in range(n):
         where = f"item {i}" if batched else "request"
@@ -136,6 +156,9 @@ def parse_generate_body(body: Any, *, tokenize, vocab_size: int, context_length:
             raise BadRequest(
                 f"{where}: custom_logit_processor must be a string from CustomLogitProcessor.to_str()"
             )
+        _check_sampling_mask(
+            bool(masks[i]), modes[i], processors[i], params["truncation"], sampling_mask_max_tokens, where
+        )
         items.append(
             GenerateItem(
                 rid=str(rids[i]) if rids[i] is not None else f"local-{i}",
@@ -143,6 +166,7 @@ def parse_generate_body(body: Any, *, tokenize, vocab_size: int, context_length:
                 processor=processors[i],
                 return_logprob=bool(return_logprob[i]),
                 top_logprobs_num=_top_logprobs_num(top_logprobs[i], vocab_size, where),
+                return_sampling_mask=bool(masks[i]),
                 **params,
             )
         )
@@ -223,9 +247,11 @@ def _sampling_params(params: Any, where: str) -> dict[str, Any]:
     custom = params.get("custom_params")
     if custom is not None and not isinstance(custom, dict):
         raise BadRequest(f"{where}: custom_params must be an object; got {type(custom).__name__}")
+    greedy = temperature < GREEDY_EPS
     return {
         "max_new_tokens": max_new,
-        "temperature": 0.0 if temperature < GREEDY_EPS else float(temperature),
+        "temperature": 0.0 if greedy else float(temperature),
+        "truncation": _truncation(params, greedy, where),
         "seed": seed,
         "stop_token_ids": frozenset(stop_ids),
         "ignore_eos": bool(params.get("ignore_eos", False)),
@@ -237,3 +263,47 @@ def _sampling_params(params: Any, where: str) -> dict[str, Any]:
 def _require_default(body: dict, key: str, allowed: tuple) -> None:
     if body.get(key) not in allowed:
         raise BadRequest(f"{key}={body.get(key)!r} is not supported by the local engine (only {allowed})")
+
+
+def _truncation(params: dict, greedy: bool, where: str) -> Truncation:
+    """top_k / top_p / min_p checked and normalised as SGLang's `SamplingParams` does (`_normalize` and
+    `verify`: top_k -1 → TOP_K_ALL, a greedy request → top_k 1)."""
+    top_k = params.get("top_k", -1)
+    top_k = -1 if top_k is None else top_k
+    top_p = params.get("top_p", 1.0)
+    top_p = 1.0 if top_p is None else top_p
+    min_p = params.get("min_p", 0.0)
+    min_p = 0.0 if min_p is None else min_p
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or (top_k < 1 and top_k != -1):
+        raise BadRequest(f"{where}: top_k must be -1 (disable) or at least 1, got {top_k!r}.")
+    if not isinstance(top_p, (int, float)) or isinstance(top_p, bool) or not 0.0 < top_p <= 1.0:
+        raise BadRequest(f"{where}: top_p must be in (0, 1], got {top_p!r}.")
+    if not isinstance(min_p, (int, float)) or isinstance(min_p, bool) or not 0.0 <= min_p <= 1.0:
+        raise BadRequest(f"{where}: min_p must be in [0, 1], got {min_p!r}.")
+    if greedy:
+        top_k = 1
+    return Truncation(TOP_K_ALL if top_k == -1 else top_k, float(top_p), float(min_p))
+
+
+def _check_sampling_mask(
+    mask: bool, mode: Any, processor: str | None, truncation: Truncation, cap: int, where: str
+) -> None:
+    """SGLang's rules for `return_sampling_mask` (tokenizer_manager.py `_validate_...`, scheduler.py)."""
+    if mode is not None and not mask:
+        raise BadRequest(f"{where}: sampling_logprobs_mode can only be set when return_sampling_mask=true.")
+    if not mask:
+        return
+    if mode not in (None, "selected"):
+        raise BadRequest(f"{where}: sampling_logprobs_mode={mode!r} is not supported by the local engine")
+    if processor is not None:
+        raise BadRequest(
+            f"{where}: return_sampling_mask only supports DisallowedTokensLogitsProcessor among custom "
+            "logit processors."
+        )
+    top_k = truncation.top_k
+    if top_k != 1 and not 1 < top_k <= cap:
+        shown = -1 if top_k == TOP_K_ALL else top_k
+        raise BadRequest(
+            f"{where}: return_sampling_mask requires top_k=1 for greedy sampling or finite "
+            f"1 < top_k <= {cap}; got top_k={shown}. Lower top_k or increase --sampling-mask-max-tokens."
+        )

@@ -93,6 +93,7 @@ async def generate(request: web.Request) -> web.Response:
             vocab_size=engine.vocab_size,
             context_length=engine.context_length,
             max_batch=request.app[MAX_BATCH_KEY],
+            sampling_mask_max_tokens=engine.sampling_mask_max_tokens,
         )
         for serialized in {item.processor for item in parsed.items if item.processor is not None}:
             load_custom_logit_processor(serialized)

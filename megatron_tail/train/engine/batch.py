@@ -13,8 +13,10 @@ Layout of a `MicroBatch` (b rows, s positions; every tensor CPU until `.to(devic
 - `loss_mask [b, s]` bool: `targets[:, t]` is a response token, i.e. position t predicts the response.
 - `sample_index [b, s]` int64: which sample (index into the list given to the builder) the target at t
   belongs to; -1 off the loss mask.
-- `fields {name: [b, s]}`: per-response-token values of the samples (rollout log-probs, advantages, ...)
-  aligned with `targets` (value of response token j at the position that predicts it); 0 elsewhere.
+- `fields {name: [b, s, ...]}`: per-response-token values of the samples (rollout log-probs, advantages, ...)
+  aligned with `targets` (value of response token j at the position that predicts it); 0 elsewhere. A field
+  with trailing dims (a sample's `[len(response), K_i]`, e.g. the sampling support) is zero-padded to the
+  micro-batch's largest trailing shape.
 - `extras`: free-form per-micro-batch objects for the loss callback (e.g. the algorithms' PreparedTokens).
 - Per-sample layout `[n, T]` (n samples of this micro-batch in order, T = their longest response):
   `to_samples(x)` gathers any per-token `[b, s]` tensor (differentiably) so that row k holds sample
@@ -258,9 +260,10 @@ def _check_sample(i: int, s: Sample) -> None:
     if len(s.prompt) == 0:
         raise ValueError(f"sample {i} has an empty prompt (the first response token needs a context)")
     for name, value in s.fields.items():
-        if value.shape != (len(s.response),):
+        if value.dim() < 1 or value.shape[0] != len(s.response):
             raise ValueError(
-                f"sample {i}: field {name!r} has shape {tuple(value.shape)}, expected ({len(s.response)},)"
+                f"sample {i}: field {name!r} has shape {tuple(value.shape)}, expected "
+                f"({len(s.response)}, ...)"
             )
 
 
@@ -273,7 +276,13 @@ def _build(samples, rows, seq_len, pad_id, *, packed: bool = False, slots=None) 
     targets = torch.zeros((b, seq_len), dtype=torch.long)
     loss_mask = torch.zeros((b, seq_len), dtype=torch.bool)
     sample_index = torch.full((b, seq_len), -1, dtype=torch.long)
-    fields = {name: torch.zeros((b, seq_len), dtype=samples[0].fields[name].dtype) for name in field_names}
+    members = [i for row in rows for i in row] or [0]
+    fields = {
+        name: torch.zeros(
+            (b, seq_len, *_trailing(samples, members, name)), dtype=samples[0].fields[name].dtype
+        )
+        for name in field_names
+    }
     for r, members in enumerate(rows):
         start = 0
         for i in members:
@@ -286,7 +295,9 @@ def _build(samples, rows, seq_len, pad_id, *, packed: bool = False, slots=None) 
             loss_mask[r, resp] = True
             sample_index[r, resp] = i
             for name in field_names:
-                fields[name][r, resp] = s.fields[name].to(fields[name].dtype)
+                value = s.fields[name]
+                corner = (r, resp, *(slice(0, d) for d in value.shape[1:]))
+                fields[name][corner] = value.to(fields[name].dtype)
             start += n if slots is None else slots[i]
     mb = MicroBatch(
         tokens,
@@ -305,6 +316,12 @@ def _build(samples, rows, seq_len, pad_id, *, packed: bool = False, slots=None) 
         mb.cu_seqlens = tuple(bounds)
     _add_sample_layout(mb, samples, rows)
     return mb
+
+
+def _trailing(samples, members, name) -> tuple[int, ...]:
+    """The largest trailing shape of field `name` over the samples `members` (() for `[len(response)]`)."""
+    shapes = [tuple(samples[i].fields[name].shape[1:]) for i in members]
+    return tuple(max(dims) for dims in zip(*shapes, strict=True)) if shapes and shapes[0] else ()
 
 
 def _add_sample_layout(mb: MicroBatch, samples, rows) -> None:

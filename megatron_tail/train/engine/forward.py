@@ -41,6 +41,17 @@ from .batch import MicroBatch
 # (op outputs [b, s] of one micro-batch, the micro-batch) -> (0-d loss tensor, extra object to return)
 OnOutputs = Callable[[MaskedLogprobs, MicroBatch], tuple[torch.Tensor, Any]]
 
+SAMPLING_SUPPORT_FIELD = "sampling_support_plus1"
+"""Per-token field `[b, s, K]` int32 of a micro-batch: the sampling support the engine drew each target from,
+as token id + 1 (0 = padding, so the micro-batch's zero fill off the response means "no support" there).
+When present, every pass (θ_old, the update, the reference) hands it to the op as `sampling_support`."""
+
+
+def sampling_support(mb: MicroBatch) -> torch.Tensor | None:
+    """`[b, s, K]` int64 global ids, −1 padding (the op's `sampling_support`), or None."""
+    shifted = mb.fields.get(SAMPLING_SUPPORT_FIELD)
+    return None if shifted is None else shifted.long() - 1
+
 
 @dataclass(frozen=True)
 class OpSettings:
@@ -98,6 +109,7 @@ def run_micro_batches(
             tp_group=tp_group,
             compute_entropy=op.compute_entropy,
             compute_safe_set_size=op.compute_safe_set_size,
+            sampling_support=sampling_support(mb),
         )
         if getattr(model, "fused_output_layer", False):
             out = _fused_logprobs(model, output, mb.targets, settings)
@@ -136,10 +148,12 @@ def _fused_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor, settings
     """The op on hidden states `[s, b, h]` (megatron's layout; with sequence parallelism this rank's
     `s/tp` shard) and `targets [b, s]`; outputs `[b, s]` like the unfused path's."""
     config = model.config
+    support = settings.pop("sampling_support")
     out = vocab_parallel_linear_masked_logprobs(
         hidden,
         model.output_weight(),
         targets.t(),
+        sampling_support=None if support is None else support.transpose(0, 1),
         sequence_parallel=config.sequence_parallel,
         gradient_accumulation_fusion=config.gradient_accumulation_fusion,
         **settings,

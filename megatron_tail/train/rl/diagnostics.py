@@ -41,6 +41,10 @@ metrics (`megatron_tail.algorithms.combine_metrics`: `*_min` keys by min, the re
   reward's declared bound and T = `rollout.max_new_tokens`), `dvp/out_of_safe_set_fraction` (sampled
   tokens outside the trainer's V_S).
 - `policy/entropy`: mean entropy over sampled positions.
+- `mismatch/truncation_bias` (truncated sampling only): mean of log π^K(a) − log π(a) = −log(mass of the
+  support) by the trainer's θ_old: the per-token error of every importance log-ratio had the trainer scored
+  the full softmax instead of replaying the sampler's support; `mismatch/kl_infer_train_k3` should stay far
+  below it.
 An empty bucket logs 0 for its means (its `tokens` count says it was empty), so every scalar is finite.
 """
 
@@ -232,6 +236,8 @@ def finalize_diagnostics(
                 out[f"mismatch/tokens{x}/{label}"] = count
                 out[f"mismatch/abs_delta{x}/{label}"] = _ratio(s[f"abs_delta_sum{x}/{label}"], count)
                 out[f"mismatch/signed_delta{x}/{label}"] = _ratio(s[f"delta_sum{x}/{label}"], count)
+    if "truncation_bias_sum" in s:
+        out["mismatch/truncation_bias"] = _ratio(s["truncation_bias_sum"], s.get("tokens", 0.0))
     if "logit_error_max" in s:
         out["mismatch/logit_error_max"] = s["logit_error_max"]
         for label in bucket_labels(prob_buckets):
@@ -279,6 +285,12 @@ def _mode(counts: Sequence[float]) -> float:
     if i == len(edges):
         return edges[-1]
     return (edges[i - 1] + edges[i]) / 2
+
+
+def masked_sum(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """0-d float64 sum of `values` over the `valid` positions (both `[N, T]`)."""
+    _check_same_shape(values=values, valid=valid)
+    return _f(values.detach().double()[valid].sum())
 
 
 def _ratio(num: float, den: float) -> float:

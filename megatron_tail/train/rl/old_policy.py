@@ -18,7 +18,7 @@ from megatron_tail.ops import MaskedLogprobs
 from megatron_tail.rewards import load_reward_fn, reward_bound
 
 from ..engine.collectives import all_reduce_scalars, broadcast_from_last_stage
-from ..engine.forward import OpSettings
+from ..engine.forward import SAMPLING_SUPPORT_FIELD, OpSettings
 from ..engine.logprobs import recompute_logprobs
 from ..engine.reference import ReferenceModel
 from ..engine.setup import Trainer
@@ -126,6 +126,8 @@ def _sums(cfg: RunConfig, mb, out: MaskedLogprobs):
             safe_set_size=None if out.safe_set_size is None else s(out.safe_set_size),
         )
     )
+    if SAMPLING_SUPPORT_FIELD in mb.fields:  # −log(mass the support keeps), by the trainer's full softmax
+        piece["truncation_bias_sum"] = diagnostics.masked_sum(s(out.logprobs) - s(out.logprobs_full), valid)
     return piece
 
 

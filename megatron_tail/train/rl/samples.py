@@ -26,6 +26,7 @@ from ..engine.batch import (
     split_for_data_parallel,
 )
 from ..engine.context_parallel import split_for_context_parallel
+from ..engine.forward import SAMPLING_SUPPORT_FIELD
 from ..engine.parallel import ParallelGroups
 
 
@@ -67,8 +68,10 @@ class RolloutSamples:
 
 def build_samples(cfg: RunConfig, batch: RolloutBatch) -> RolloutSamples:
     """Samples with per-response-token fields `rollout_logprobs`, `advantages` (the group advantage of the
-    shaped reward), where the batch has them `rollout_top_logprobs`, and with `algorithm.mask_truncated`
-    `trainable` (0 on every token of a response cut at `rollout.max_new_tokens`: it leaves the loss).
+    shaped reward), where the batch has them `rollout_top_logprobs` and (truncated sampling) the sampling
+    support (`engine.forward.SAMPLING_SUPPORT_FIELD`, `[len(response), K]`, ids + 1), and with
+    `algorithm.mask_truncated` `trainable` (0 on every token of a response cut at `rollout.max_new_tokens`:
+    it leaves the loss).
 
     The shaped reward is the task reward plus DAPO's overlong penalty when `algorithm.overlong_buffer` > 0;
     `reward/*` tags keep logging the task reward, `reward/overlong_penalty_mean` the added term.
@@ -99,6 +102,8 @@ def build_samples(cfg: RunConfig, batch: RolloutBatch) -> RolloutSamples:
         }
         if batch.rollout_top_logprobs is not None:
             fields["rollout_top_logprobs"] = torch.tensor(batch.rollout_top_logprobs[i], dtype=torch.float32)
+        if batch.rollout_supports is not None:
+            fields[SAMPLING_SUPPORT_FIELD] = batch.rollout_supports[i].to(torch.int32) + 1
         if algo.mask_truncated:
             fields["trainable"] = torch.full((n,), 0.0 if batch.truncated[i] else 1.0)
         samples.append(Sample(batch.prompt_ids[i], batch.response_ids[i], fields))

@@ -67,6 +67,7 @@ class RolloutEngines:
                 dtype=r.local_engine_dtype,
                 num_threads=r.local_num_threads,
                 quantization=r.quantization,
+                sampling_mask_max_tokens=r.sampling_mask_max_tokens,
             )
             self.urls = [local.url]
         else:
@@ -134,6 +135,9 @@ class RolloutEngines:
             log_rho=self._rule_log_rho() if self.client.processor is not None else None,
             base_seed=base_seed,
             top_logprob=True,  # ε̂ of the mismatch diagnostics (DVP Prop. 4.2)
+            top_k=r.top_k,
+            top_p=r.top_p,
+            min_p=r.min_p,
         )
         started = time.perf_counter()
         grouped = self._run(
@@ -155,6 +159,7 @@ class RolloutEngines:
             truncated=[s.finish_reason.get("type") == "length" for s in samples],
             weight_versions=[s.weight_version for s in samples],
             rollout_top_logprobs=[list(s.output_top_logprobs) for s in samples],
+            rollout_supports=[s.output_supports for s in samples] if sampling.truncates else None,
             stats={"rollout_time_s": elapsed, "generated_tokens": float(generated)},
         )
 
@@ -170,6 +175,9 @@ class RolloutEngines:
             temperature=r.temperature,
             log_rho=self._rule_log_rho() if self.client.processor is not None else None,
             base_seed=EVAL_SEED,
+            top_k=r.top_k,
+            top_p=r.top_p,
+            min_p=r.min_p,
         )
         # greedy: no pruning needed (the argmax is always in the safe set)
         greedy = SamplingConfig(n_samples=1, max_new_tokens=r.max_new_tokens, temperature=0.0, log_rho=None)
