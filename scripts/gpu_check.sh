@@ -56,7 +56,7 @@ list_tests() {
         echo "  (pytest cannot collect here; the test functions, parameters not expanded:)"
         listed="$(grep -Hn '^def test_' tests/gpu/test_*.py | sed 's/:[0-9]*:def \([a-z0-9_]*\).*/::\1/')"
     fi
-    echo "$listed" | sed 's/^/  /'
+    while IFS= read -r line; do echo "  $line"; done <<<"$listed"
 }
 
 PATCHES_LINK="megatron_tail/patches"
