@@ -6,7 +6,10 @@ Per decoding step, mirroring SGLang's sampler order: raw logits (cast to fp32) â
 the argmax and return log-softmax of the processed logits at T = 1, as SGLang does.
 The model runs in the dtype given (bf16 by default), so its log-probs differ from the trainer's fp32
 ones the way a real inference engine's do; with `quantization="fp8"` its linear layers also run in FP8 as
-SGLang's `--quantization fp8` does (`local_engine/fp8.py`), re-quantized after every weight update.
+SGLang's `--quantization fp8` does (`local_engine/fp8.py`), re-quantized after every weight update;
+"fp8_tensor" and "nvfp4_a16" (`local_engine/fp4.py`) are SGLang's per-tensor FP8 and NVFP4 weight formats,
+`kv_cache_dtype="fp8_e4m3"` its FP8 KV cache (`local_engine/kv_cache.py`), and `logit_noise` a synthetic
+mismatch (`local_engine/logit_noise.py`) added to the raw logits before the processor.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import torch
 
 from megatron_tail.rollout.local_engine.control import PauseControl
 from megatron_tail.rollout.local_engine.fp8 import QUANTIZATIONS, quantize_linears_, requantize_
+from megatron_tail.rollout.local_engine.kv_cache import KV_CACHE_DTYPES, Fp8KVCache
+from megatron_tail.rollout.local_engine.logit_noise import add_tail_logit_noise_
 from megatron_tail.rollout.local_engine.requests import GenerateItem
 from megatron_tail.rollout.local_engine.weights import load_named_tensors_, read_safetensors_dir
 from megatron_tail.rollout.processor import load_custom_logit_processor
@@ -42,6 +47,8 @@ class LocalEngine:
         dtype: str = "bfloat16",
         weight_version: str = "default",
         quantization: str = "none",
+        kv_cache_dtype: str = "auto",
+        logit_noise: float = 0.0,
     ):
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -49,6 +56,12 @@ class LocalEngine:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}; got {dtype!r}")
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}; got {quantization!r}")
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}; got {kv_cache_dtype!r}")
+        if not logit_noise >= 0.0:
+            raise ValueError(f"logit_noise must be â‰¥ 0; got {logit_noise!r}")
+        self.kv_cache_dtype = kv_cache_dtype
+        self.logit_noise = float(logit_noise)
         self.model_path = str(model_path)
         self.dtype_name = dtype
         config = AutoConfig.from_pretrained(self.model_path, local_files_only=True)
@@ -56,8 +69,8 @@ class LocalEngine:
             self.model_path, config=config, dtype=DTYPES[dtype], local_files_only=True
         ).eval()
         self.quantization = quantization
-        if quantization == "fp8":
-            quantize_linears_(self.model)
+        if quantization != "none":
+            quantize_linears_(self.model, quantization)
         self.tokenizer = _load_tokenizer(self.model_path)
         self.vocab_size = int(config.vocab_size)
         self.context_length = int(config.max_position_embeddings)
@@ -84,7 +97,7 @@ class LocalEngine:
         state = _DecodeState(items, self.eos_token_ids)
         ids, mask = _left_pad(items)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        past = None
+        past = Fp8KVCache() if self.kv_cache_dtype == "fp8_e4m3" else None
         while not state.all_finished():
             if self.control.checkpoint(epoch):
                 state.abort_unfinished()
@@ -107,8 +120,13 @@ class LocalEngine:
 
     def _sample(self, items: list[GenerateItem], logits: torch.Tensor, state: _DecodeState):
         """`(tokens [B] int64, logprobs [B] fp32, top [B] of [[logprob, id], ...] | None)` of one step;
-        `logits` `[B, V]` fp32, processed in place. `top[i]` holds item i's `top_logprobs_num` most probable
-        tokens of the same distribution the token was drawn from (None for k = 0)."""
+        `logits` `[B, V]` fp32, processed in place (the synthetic noise, if any, first). `top[i]` holds
+        item i's `top_logprobs_num` most probable tokens of the same distribution the token was drawn from
+        (None for k = 0)."""
+        if self.logit_noise:
+            for i in range(len(items)):
+                if not state.finished[i]:
+                    add_tail_logit_noise_(logits[i], self.logit_noise, state.generators[i])
         _apply_processors(items, logits, state)
         tokens = torch.empty(len(items), dtype=torch.long)
         logprobs = torch.empty(len(items), dtype=torch.float32)
@@ -162,7 +180,7 @@ class LocalEngine:
         tensors = read_safetensors_dir(model_path)
         with self.model_lock:
             load_named_tensors_(self.model, tensors.items(), require_all=True)
-            if self.quantization == "fp8":
+            if self.quantization != "none":
                 requantize_(self.model)
             self.model_path = str(model_path)
             if weight_version is not None:
@@ -174,7 +192,7 @@ class LocalEngine:
         named_tensors = list(named_tensors)
         with self.model_lock:
             load_named_tensors_(self.model, named_tensors, require_all=False)
-            if self.quantization == "fp8":
+            if self.quantization != "none":
                 requantize_(self.model, [name for name, _ in named_tensors])
             if weight_version is not None:
                 self.weight_version = str(weight_version)

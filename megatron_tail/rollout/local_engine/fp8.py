@@ -31,7 +31,20 @@ E4M3_MAX = float(torch.finfo(E4M3).max)  # 448
 SCALE_EPS = 1e-10
 """Floor of a row's absolute maximum (SGLang's `eps` in `per_token_group_quant_fp8`), so a zero row
 quantizes to zeros instead of NaN."""
-QUANTIZATIONS = ("none", "fp8")
+QUANTIZATIONS = ("none", "fp8", "fp8_tensor", "nvfp4_a16")
+"""The local engine's linear-layer formats: "fp8" (per-channel weights, per-token activations: SGLang's
+choice on H100), "fp8_tensor" (one scale per weight and one per activation tensor: SGLang's
+`fp8_utils.input_to_float8` / `scaled_fp8_quant(x, None)` path where cutlass FP8 is unavailable) and
+"nvfp4_a16" (`local_engine/fp4.py`)."""
+
+
+def quantize_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-tensor e4m3 quantization: `x` any shape → `(q float8_e4m3fn, scale [] float32)`, scale =
+    max |x| / 448 over every element (SGLang's `fp8_utils.input_to_float8` for weights and its dynamic
+    per-tensor `scaled_fp8_quant(x, None)` for activations)."""
+    xf = x.float()
+    scale = xf.abs().amax().clamp(min=SCALE_EPS) / E4M3_MAX
+    return (xf * scale.reciprocal()).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,8 +74,10 @@ class Fp8Linear(nn.Module):
     values in fp32.
     """
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, per_tensor: bool = False):
         super().__init__()
+        self.per_tensor = per_tensor
+        self._quantize = quantize_tensor if per_tensor else quantize_rows
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
@@ -74,24 +89,35 @@ class Fp8Linear(nn.Module):
     @torch.no_grad()
     def requantize(self) -> None:
         """e4m3 weight `[N, K]` + fp32 scales `[N, 1]` from the current `weight`."""
-        self.weight_fp8, self.weight_scale = quantize_rows(self.weight)
+        self.weight_fp8, self.weight_scale = self._quantize(self.weight)
         self._weight_dequantized = dequantize(self.weight_fp8, self.weight_scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`x` `[..., K]` (model dtype) → `[..., N]` in x's dtype."""
-        q, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
+        q, scale = self._quantize(x.reshape(-1, x.shape[-1]))
         out = dequantize(q, scale) @ self._weight_dequantized.t()
         if self.bias is not None:
             out = out + self.bias.float()
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 per-channel"
+        scheme = "per-tensor" if self.per_tensor else "per-channel"
+        return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 {scheme}"
 
 
-def quantize_linears_(model: nn.Module) -> list[str]:
-    """Replace every `nn.Linear` except the output embedding (LM head) by an `Fp8Linear`, in place, as
-    SGLang quantizes every `LinearBase` and no embedding; returns the replaced modules' names."""
+def quantize_linears_(model: nn.Module, quantization: str = "fp8") -> list[str]:
+    """Replace every `nn.Linear` except the output embedding (LM head) by its `quantization`
+    (`QUANTIZATIONS`) layer, in place, as SGLang quantizes every `LinearBase` and no embedding; returns the
+    replaced modules' names."""
+    from .fp4 import Nvfp4Linear
+
+    wrap = {
+        "fp8": Fp8Linear,
+        "fp8_tensor": lambda m: Fp8Linear(m, per_tensor=True),
+        "nvfp4_a16": Nvfp4Linear,
+    }
+    if quantization not in wrap:
+        raise ValueError(f"quantization must be one of {sorted(wrap)}; got {quantization!r}")
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     targets = [
         (name, module)
@@ -101,14 +127,15 @@ def quantize_linears_(model: nn.Module) -> list[str]:
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Fp8Linear(module))
+        setattr(parent, child, wrap[quantization](module))
     return [name for name, _ in targets]
 
 
 def requantize_(model: nn.Module, parameter_names: Iterable[str] | None = None) -> int:
-    """Re-derive the FP8 weights of the `Fp8Linear`s whose `weight`/`bias` is among `parameter_names`
-    (all of them when None), after new weights were copied in; returns how many were requantized."""
-    layers = {name: m for name, m in model.named_modules() if isinstance(m, Fp8Linear)}
+    """Re-derive the quantized weights of the layers (`Fp8Linear`, `Nvfp4Linear`) whose `weight`/`bias` is
+    among `parameter_names` (all of them when None), after new weights were copied in; returns how many
+    were requantized."""
+    layers = {name: m for name, m in model.named_modules() if hasattr(m, "requantize")}
     if parameter_names is None:
         chosen = set(layers)
     else:

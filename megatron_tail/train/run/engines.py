@@ -67,6 +67,8 @@ class RolloutEngines:
                 dtype=r.local_engine_dtype,
                 num_threads=r.local_num_threads,
                 quantization=r.quantization,
+                kv_cache_dtype=r.kv_cache_dtype,
+                logit_noise=r.local_logit_noise,
             )
             self.urls = [local.url]
         else:
