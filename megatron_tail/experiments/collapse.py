@@ -108,6 +108,7 @@ def run_collapse(
     seeds: Sequence[int] = DEFAULT_SEEDS,
     overrides: Sequence[str] = (),
     jobs: int = 2,
+    model_size: str = "tiny",
     log: Callable[[str], None] = print,
 ) -> Path:
     """Run `suite` (module docstring), write its table and report; return `<out>/results.md`."""
@@ -117,7 +118,7 @@ def run_collapse(
         for name, knobs in suite_groups(suite, level, arms, levels).items()
     }
     started = time.monotonic()
-    runs = run_grid(out, Path(cache_dir), groups, seeds=seeds, jobs=jobs, log=log)
+    runs = run_grid(out, Path(cache_dir), groups, seeds=seeds, jobs=jobs, model_size=model_size, log=log)
     table = summarise_groups(runs)
     title = f"Collapse experiment, suite {suite!r}" + ("" if suite == "dose" else f" at level {level!r}")
     results = write_collapse_results(
