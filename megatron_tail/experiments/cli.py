@@ -56,6 +56,12 @@ def add_experiment_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument(
         "--levels", nargs="+", default=None, help="collapse --suite dose: levels (default all)"
     )
+    parser.add_argument(
+        "--rhos",
+        nargs="+",
+        default=None,
+        help="collapse --suite rho: log ρ values or auto (default -3 … -20, auto)",
+    )
     parser.add_argument("--jobs", type=int, default=2, help="collapse only: runs at once (default 2)")
     parser.add_argument(
         "--cache-dir", default="runs/tail_cache", help="pretrained model + prompts (default runs/tail_cache)"
@@ -91,6 +97,7 @@ def _run_collapse(args) -> int:
         DEFAULT_OUT,
         DEFAULT_SEEDS,
         LEVELS,
+        RHO_GRID,
         run_collapse,
     )
     from megatron_tail.experiments.tail_mismatch import ARMS
@@ -102,6 +109,7 @@ def _run_collapse(args) -> int:
         level=args.level or DEFAULT_LEVEL,
         arms=args.arms or tuple(ARMS),
         levels=args.levels or tuple(LEVELS),
+        rhos=args.rhos or RHO_GRID,
         seeds=args.seeds or DEFAULT_SEEDS,
         overrides=args.overrides,
         jobs=args.jobs,

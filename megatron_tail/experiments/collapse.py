@@ -79,7 +79,9 @@ COLUMNS: list[tuple[str, str, str, str]] = [
 ]
 
 
-def suite_groups(suite: str, level: str, arms: Sequence[str], levels: Sequence[str]) -> dict[str, list[str]]:
+def suite_groups(
+    suite: str, level: str, arms: Sequence[str], levels: Sequence[str], rhos: Sequence[str] = RHO_GRID
+) -> dict[str, list[str]]:
     """group name → its overrides (after `COLLAPSE_SETTINGS`) for `suite`."""
     for name in [level, *levels]:
         if name not in LEVELS:
@@ -93,7 +95,7 @@ def suite_groups(suite: str, level: str, arms: Sequence[str], levels: Sequence[s
         return {f"naive@{lv}": list(LEVELS[lv]) for lv in levels}
     if suite == "rho":
         dvp = [k for k in ARMS["dvp_mis"] if not k.startswith("algorithm.log_rho=")]
-        return {f"dvp_mis@rho{v}": [*LEVELS[level], *dvp, f"algorithm.log_rho={v}"] for v in RHO_GRID}
+        return {f"dvp_mis@rho{v}": [*LEVELS[level], *dvp, f"algorithm.log_rho={v}"] for v in rhos}
     raise ValueError(f"unknown suite {suite!r}; the suites are {list(SUITES)}")
 
 
@@ -105,6 +107,7 @@ def run_collapse(
     level: str = DEFAULT_LEVEL,
     arms: Sequence[str] = tuple(ARMS),
     levels: Sequence[str] = tuple(LEVELS),
+    rhos: Sequence[str] = RHO_GRID,
     seeds: Sequence[int] = DEFAULT_SEEDS,
     overrides: Sequence[str] = (),
     jobs: int = 2,
@@ -115,7 +118,7 @@ def run_collapse(
     out = Path(out_dir)
     groups = {
         name: [*COLLAPSE_SETTINGS, *knobs, *overrides]
-        for name, knobs in suite_groups(suite, level, arms, levels).items()
+        for name, knobs in suite_groups(suite, level, arms, levels, rhos).items()
     }
     started = time.monotonic()
     runs = run_grid(out, Path(cache_dir), groups, seeds=seeds, jobs=jobs, model_size=model_size, log=log)
