@@ -32,8 +32,8 @@ def early_warning_figure(runs: Sequence[RunEvents], labels: Sequence[str], out_d
     collapsed = [k for k, v in enumerate(verdicts) if v.collapsed and v.fall_step is not None]
     intact = [labels[k] for k, v in enumerate(verdicts) if not v.collapsed]
     if not collapsed:
-        caption = "No run collapsed (`report.collapse`): nothing to warn of." if runs else ""
-        return FigureResult(NAME, TITLE, None, ["<a collapsed run>"], caption)
+        caption = "no run collapsed (`megatron_tail.report.collapse`): nothing to warn of."
+        return FigureResult(NAME, TITLE, None, [], caption)
     tags = [(t, label) for t, label in WARNING_TAGS if any(t in runs[k].scalars for k in collapsed)]
     fig = Figure(figsize=(7.5, 2.4 * (1 + len(tags))), dpi=DPI)
     axes = fig.subplots(1 + len(tags), 1, sharex=True, squeeze=False)[:, 0]

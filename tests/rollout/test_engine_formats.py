@@ -138,3 +138,28 @@ def test_engine_refuses_unknown_formats(tiny_model_dir):
         LocalEngine(tiny_model_dir, kv_cache_dtype="fp8_e5m2")
     with pytest.raises(ValueError, match="logit_noise"):
         LocalEngine(tiny_model_dir, logit_noise=-1.0)
+
+
+def test_local_engine_command_and_config_carry_the_dial():
+    from megatron_tail.config import load_config
+    from megatron_tail.rollout.launch import LocalEngineConfig, build_local_engine_command
+    from megatron_tail.utils.errors import UserError
+
+    cmd = build_local_engine_command(
+        LocalEngineConfig(
+            model_path="m", quantization="nvfp4_a16", kv_cache_dtype="fp8_e4m3", logit_noise=2.0
+        )
+    )
+    assert cmd[cmd.index("--quantization") + 1] == "nvfp4_a16"
+    assert cmd[cmd.index("--kv-cache-dtype") + 1] == "fp8_e4m3"
+    assert float(cmd[cmd.index("--logit-noise") + 1]) == 2.0
+    assert "--kv-cache-dtype" not in build_local_engine_command(LocalEngineConfig(model_path="m"))
+    cfg = load_config(None, ["rollout.local_logit_noise=1.5", "rollout.kv_cache_dtype=fp8_e4m3"])
+    assert cfg.rollout.local_logit_noise == 1.5
+    remote = ["rollout.engine=remote", "rollout.server_urls=[http://h:1]"]
+    with pytest.raises(UserError, match="local-engine emulation"):
+        load_config(None, [*remote, "rollout.quantization=nvfp4_a16"])
+    with pytest.raises(UserError, match="local engine only"):
+        load_config(None, [*remote, "rollout.local_logit_noise=1.0"])
+    with pytest.raises(UserError, match="local_logit_noise"):
+        load_config(None, ["rollout.local_logit_noise=-1"])
