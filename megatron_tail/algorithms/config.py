@@ -228,7 +228,9 @@ def _check_types(cfg: AlgorithmConfig) -> None:
         value = getattr(cfg, f.name)
         if value is None and f.name in ("log_rho", "stapo_tau_h", "dual_clip", "loss_max_len"):
             continue
-        if f.name == "log_rho" and value == AUTO:
+        if f.name == "log_rho" and isinstance(value, str):
+            if value != AUTO:
+                _bad(f.name, value, f'must be a number ≤ 0, null or "{AUTO}"')
             continue
         if f.name in _BOOL_FIELDS:
             ok = isinstance(value, bool)

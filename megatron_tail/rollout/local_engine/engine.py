@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from megatron_tail.rollout.local_engine.control import PauseControl
-from megatron_tail.rollout.local_engine.fp8 import QUANTIZATIONS, quantize_linears_, requantize_
+from megatron_tail.rollout.local_engine.formats import QUANTIZATIONS, quantize_linears_, requantize_
 from megatron_tail.rollout.local_engine.kv_cache import KV_CACHE_DTYPES, Fp8KVCache
 from megatron_tail.rollout.local_engine.logit_noise import add_tail_logit_noise_
 from megatron_tail.rollout.local_engine.requests import GenerateItem

@@ -15,13 +15,11 @@ What SGLang 0.5.23 does with `--quantization fp8` on a bf16 checkpoint (srt/laye
 
 Here the GEMM runs on the dequantized values in fp32, `(q_x · s_x) @ (q_w · s_w)ᵀ`, then casts to the
 model dtype: the same numbers up to fp32 summation order. The engine quantizes at load and after every
-weight update (`requantize_`), as SGLang's FP8 RL reload does (`QuantizedRLModelLoader`, see
+weight update (`formats.requantize_`), as SGLang's FP8 RL reload does (`QuantizedRLModelLoader`, see
 `megatron_tail/rollout/weight_sync.py`).
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -31,11 +29,6 @@ E4M3_MAX = float(torch.finfo(E4M3).max)  # 448
 SCALE_EPS = 1e-10
 """Floor of a row's absolute maximum (SGLang's `eps` in `per_token_group_quant_fp8`), so a zero row
 quantizes to zeros instead of NaN."""
-QUANTIZATIONS = ("none", "fp8", "fp8_tensor", "nvfp4_a16")
-"""The local engine's linear-layer formats: "fp8" (per-channel weights, per-token activations: SGLang's
-choice on H100), "fp8_tensor" (one scale per weight and one per activation tensor: SGLang's
-`fp8_utils.input_to_float8` / `scaled_fp8_quant(x, None)` path where cutlass FP8 is unavailable) and
-"nvfp4_a16" (`local_engine/fp4.py`)."""
 
 
 def quantize_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,43 +96,3 @@ class Fp8Linear(nn.Module):
     def extra_repr(self) -> str:
         scheme = "per-tensor" if self.per_tensor else "per-channel"
         return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 {scheme}"
-
-
-def quantize_linears_(model: nn.Module, quantization: str = "fp8") -> list[str]:
-    """Replace every `nn.Linear` except the output embedding (LM head) by its `quantization`
-    (`QUANTIZATIONS`) layer, in place, as SGLang quantizes every `LinearBase` and no embedding; returns the
-    replaced modules' names."""
-    from .fp4 import Nvfp4Linear
-
-    wrap = {
-        "fp8": Fp8Linear,
-        "fp8_tensor": lambda m: Fp8Linear(m, per_tensor=True),
-        "nvfp4_a16": Nvfp4Linear,
-    }
-    if quantization not in wrap:
-        raise ValueError(f"quantization must be one of {sorted(wrap)}; got {quantization!r}")
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    targets = [
-        (name, module)
-        for name, module in model.named_modules()
-        if type(module) is nn.Linear and module is not head
-    ]
-    for name, module in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, wrap[quantization](module))
-    return [name for name, _ in targets]
-
-
-def requantize_(model: nn.Module, parameter_names: Iterable[str] | None = None) -> int:
-    """Re-derive the quantized weights of the layers (`Fp8Linear`, `Nvfp4Linear`) whose `weight`/`bias` is
-    among `parameter_names` (all of them when None), after new weights were copied in; returns how many
-    were requantized."""
-    layers = {name: m for name, m in model.named_modules() if hasattr(m, "requantize")}
-    if parameter_names is None:
-        chosen = set(layers)
-    else:
-        chosen = {n.rpartition(".")[0] for n in parameter_names} & set(layers)
-    for name in chosen:
-        layers[name].requantize()
-    return len(chosen)
