@@ -216,7 +216,8 @@ def test_loading_a_config_and_the_command_line_import_no_megatron():
         ("rollout.sync_bucket_mb=0", r"rollout\.sync_bucket_mb must be > 0; got 0"),
         (
             "rollout.quantization=int8",
-            r"rollout\.quantization must be one of \('none', 'fp8', 'fp8_tensor', 'nvfp4_a16'\); got 'int8'",
+            r"rollout\.quantization must be one of \('none', 'fp8', 'fp8_tensor', 'nvfp4_a16'\); "
+            r"got 'int8'",
         ),
         ("rollout.weight_sync=nccl", r"rollout\.weight_sync must be one of \('disk', 'distributed'\)"),
         ("rollout.max_staleness=2", r"rollout\.max_staleness must be 0 \(synchronous\) or 1 .*; got 2"),
