@@ -12,6 +12,8 @@ from megatron_tail.algorithms.importance import IsLevel, IsMode, check_is_params
 from megatron_tail.algorithms.policy_loss import KL_ESTIMATORS, KlEstimator
 from megatron_tail.ops.safe_vocab import SAFE_SET_ON, rule_log_rho
 
+from .adaptive_rho import AUTO
+
 SafeSetOn = Literal["sampled", "raw_logits"]
 AdvantageEstimator = Literal["grpo", "rloo"]
 ADVANTAGE_ESTIMATORS: tuple[str, ...] = get_args(AdvantageEstimator)
@@ -32,8 +34,12 @@ class AlgorithmConfig:
     """GRPO only: added to the group std."""
 
     # --- DVP (arXiv 2512.23087)
-    log_rho: float | None = -13.0
-    """log ρ of the safe set V_S = {a : π(a) ≥ ρ·max π}, for the op and the rollout sampler; None = off."""
+    log_rho: float | str | None = -13.0
+    """log ρ of the safe set V_S = {a : π(a) ≥ ρ·max π}, for the op and the rollout sampler; None = off;
+    "auto": set each step so that Prop. 5.5's bias bound stays within `rho_bias_budget`
+    (`algorithms/adaptive_rho.py`; the loop then passes a number to everything below it)."""
+    rho_bias_budget: float = 0.1
+    """log_rho "auto" only: δ, the target of R·T·(1 − Z_min) as a fraction of the largest |reward|."""
     safe_set_on: SafeSetOn = "sampled"
     """Which π the rule reads: "sampled" (π_T, the distribution sampled at the rollout temperature T;
     raw-logit window T·|log ρ|) or "raw_logits" (softmax of the raw logits; window |log ρ| at any T).
@@ -125,8 +131,14 @@ class AlgorithmConfig:
                 "prompt, and with one response per prompt every advantage (and the loss) is 0",
             )
         _check_range("advantage_eps", self.advantage_eps, low=0.0)
-        if self.log_rho is not None and (math.isnan(self.log_rho) or self.log_rho > 0):
-            _bad("log_rho", self.log_rho, "must be ≤ 0 (or -inf / None for no pruning)")
+        if (
+            self.log_rho != AUTO
+            and self.log_rho is not None
+            and (math.isnan(self.log_rho) or self.log_rho > 0)
+        ):
+            _bad("log_rho", self.log_rho, 'must be ≤ 0 (or -inf / None for no pruning, or "auto")')
+        if not self.rho_bias_budget > 0:
+            _bad("rho_bias_budget", self.rho_bias_budget, "must be > 0")
         check_is_params(
             self.is_mode,
             self.is_level,
@@ -159,9 +171,16 @@ class AlgorithmConfig:
         if self.loss_aggregation == "seq_mean_token_sum" and self.loss_max_len is None:
             _bad("loss_max_len", None, "is required when loss_aggregation='seq_mean_token_sum'")
 
+    @property
+    def adaptive_rho(self) -> bool:
+        """log_rho is "auto" (`algorithms/adaptive_rho.py`)."""
+        return self.log_rho == AUTO
+
     def rule_log_rho(self, temperature: float) -> float | None:
         """The log ρ that the op and the rollout processor apply at sampling temperature `temperature`
         (`megatron_tail.ops.safe_vocab.rule_log_rho`)."""
+        if self.adaptive_rho:
+            raise ValueError('log_rho "auto" must be resolved to a number (the loop does) before use')
         return rule_log_rho(self.log_rho, temperature, self.safe_set_on)
 
     @property
@@ -208,6 +227,10 @@ def _check_types(cfg: AlgorithmConfig) -> None:
     for f in fields(cfg):
         value = getattr(cfg, f.name)
         if value is None and f.name in ("log_rho", "stapo_tau_h", "dual_clip", "loss_max_len"):
+            continue
+        if f.name == "log_rho" and isinstance(value, str):
+            if value != AUTO:
+                _bad(f.name, value, f'must be a number ≤ 0, null or "{AUTO}"')
             continue
         if f.name in _BOOL_FIELDS:
             ok = isinstance(value, bool)

@@ -32,12 +32,15 @@ from megatron_tail.utils.errors import UserError
 RolloutEngine = Literal["local", "remote"]
 WeightSyncMode = Literal["disk", "distributed"]
 EngineDtype = Literal["bfloat16", "float16", "float32"]
-RolloutQuantization = Literal["none", "fp8"]
+RolloutQuantization = Literal["none", "fp8", "fp8_tensor", "nvfp4_a16"]
+KvCacheDtype = Literal["auto", "fp8_e4m3"]
 ProgressMode = Literal["auto", "always", "never"]
 ROLLOUT_ENGINES: tuple[str, ...] = get_args(RolloutEngine)
 WEIGHT_SYNC_MODES: tuple[str, ...] = get_args(WeightSyncMode)
 LOCAL_DTYPES: tuple[str, ...] = get_args(EngineDtype)
 ROLLOUT_QUANTIZATIONS: tuple[str, ...] = get_args(RolloutQuantization)
+KV_CACHE_DTYPES: tuple[str, ...] = get_args(KvCacheDtype)
+LOCAL_ONLY_QUANTIZATIONS = ("fp8_tensor", "nvfp4_a16")
 PROGRESS_MODES: tuple[str, ...] = get_args(ProgressMode)
 
 
@@ -136,7 +139,18 @@ class RolloutSection:
     The local engine emulates it on CPU; `slurm/rl.sbatch` starts SGLang with `--quantization fp8
     --load-format flash_rl` (SGLang's FP8 RL loader, which re-quantizes synced bf16 weights; Qwen2/Qwen3
     dense models only; servers you start yourself for engine="remote" need the same two flags). Use it with
-    an IS correction (`algorithm.is_mode`), DVP and the veto: the mismatch is much larger than bf16's."""
+    an IS correction (`algorithm.is_mode`), DVP and the veto: the mismatch is much larger than bf16's.
+    "fp8_tensor" (one e4m3 scale per weight and per activation tensor, SGLang's path without cutlass FP8)
+    and "nvfp4_a16" (NVFP4 weights, bf16 activations, as SGLang serves a ModelOpt NVFP4A16 checkpoint;
+    SGLang has no online 4-bit path for dense layers) are local-engine emulations for experiments
+    (`local_engine/fp4.py`)."""
+    kv_cache_dtype: KvCacheDtype = "auto"
+    """"fp8_e4m3": the local engine keeps keys and values in e4m3 at scale 1, as SGLang's `--kv-cache-dtype
+    fp8_e4m3` does with a bf16 checkpoint (`local_engine/kv_cache.py`); local engine only (pass the flag to
+    SGLang servers yourself). "auto": the engine's dtype."""
+    local_logit_noise: float = 0.0
+    """SYNTHETIC mismatch for experiments, local engine only: σ of Gaussian noise σ·(1 − p)·g on the engine's
+    logits (Prop. 4.2's shape: largest in the tail; `local_engine/logit_noise.py`). 0 = off."""
     local_port: int | None = None
     """Port of the local engine; None picks a free one."""
     local_num_threads: int | None = 1
@@ -252,6 +266,24 @@ class RolloutSection:
             _choice("rollout", "dtype", self.dtype, LOCAL_DTYPES)
         _choice("rollout", "weight_sync", self.weight_sync, WEIGHT_SYNC_MODES)
         _choice("rollout", "quantization", self.quantization, ROLLOUT_QUANTIZATIONS)
+        _choice("rollout", "kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        if isinstance(self.local_logit_noise, bool) or not self.local_logit_noise >= 0:
+            _bad("rollout", "local_logit_noise", self.local_logit_noise, "must be a number ≥ 0 (0 = off)")
+        if self.engine == "remote":
+            if self.quantization in LOCAL_ONLY_QUANTIZATIONS:
+                _bad(
+                    "rollout",
+                    "quantization",
+                    self.quantization,
+                    'is a local-engine emulation (engine: "local")',
+                )
+            if self.kv_cache_dtype != "auto" or self.local_logit_noise:
+                _bad(
+                    "rollout",
+                    "kv_cache_dtype/local_logit_noise",
+                    (self.kv_cache_dtype, self.local_logit_noise),
+                    'apply to the local engine only (engine: "local")',
+                )
         if isinstance(self.max_staleness, bool) or self.max_staleness not in (0, 1):
             _bad(
                 "rollout",

@@ -8,6 +8,11 @@ arms naive, TIS, MIS, DVP+MIS, STAPO and Lopti over 3 seeds (about 20 min on 2 c
 included). Writes a results table (results.md), every run's TensorBoard logs and a figure report.
 --variant fp8: the engine's linear layers in FP8 (SGLang's --quantization fp8 scheme), 60 steps per run
 (about 50 min), into runs/tail_mismatch_fp8 by default.
+
+collapse: the same model and task over 100 steps with a mismatch dial (engine formats, then a synthetic
+tail-shaped logit noise); --suite arms (default: six arms × seeds at --level), dose (the naive arm at each
+level) or rho (DVP+MIS at log ρ -3 … -20 and auto). Into runs/collapse by default; see
+megatron_tail/experiments/collapse.py and docs/results/collapse/.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import argparse
 
 from megatron_tail.config.arguments import add_overrides_argument
 
-EXPERIMENTS = ("tail-mismatch",)
+EXPERIMENTS = ("tail-mismatch", "collapse")
 
 
 def add_experiment_parser(subparsers) -> argparse.ArgumentParser:
@@ -40,8 +45,24 @@ def add_experiment_parser(subparsers) -> argparse.ArgumentParser:
         help="the tail model: tiny (hidden 64, 2 layers) or small (hidden 256, 4 layers) (default tiny)",
     )
     parser.add_argument(
-        "--out", default=None, help="(default runs/tail_mismatch; runs/tail_mismatch_fp8 with --variant fp8)"
+        "--out",
+        default=None,
+        help="(default runs/tail_mismatch; runs/tail_mismatch_fp8 with --variant fp8; runs/collapse)",
     )
+    parser.add_argument(
+        "--suite", default="arms", choices=["arms", "dose", "rho"], help="collapse only (default arms)"
+    )
+    parser.add_argument("--level", default=None, help="collapse only: the mismatch level of arms/rho")
+    parser.add_argument(
+        "--levels", nargs="+", default=None, help="collapse --suite dose: levels (default all)"
+    )
+    parser.add_argument(
+        "--rhos",
+        nargs="+",
+        default=None,
+        help="collapse --suite rho: log ρ values or auto (default -3 … -20, auto)",
+    )
+    parser.add_argument("--jobs", type=int, default=2, help="collapse only: runs at once (default 2)")
     parser.add_argument(
         "--cache-dir", default="runs/tail_cache", help="pretrained model + prompts (default runs/tail_cache)"
     )
@@ -53,6 +74,8 @@ def add_experiment_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _run(args) -> int:
+    if args.name == "collapse":
+        return _run_collapse(args)
     from megatron_tail.experiments.tail_mismatch import ARMS, DEFAULT_OUT, DEFAULT_SEEDS, run_experiment
 
     results = run_experiment(
@@ -63,6 +86,33 @@ def _run(args) -> int:
         overrides=args.overrides,
         variant=args.variant,
         model_size=args.model_size,
+    )
+    print(results.read_text())
+    return 0
+
+
+def _run_collapse(args) -> int:
+    from megatron_tail.experiments.collapse import (
+        DEFAULT_LEVEL,
+        DEFAULT_OUT,
+        DEFAULT_SEEDS,
+        LEVELS,
+        RHO_GRID,
+        run_collapse,
+    )
+    from megatron_tail.experiments.tail_mismatch import ARMS
+
+    results = run_collapse(
+        args.out or DEFAULT_OUT,
+        args.cache_dir,
+        suite=args.suite,
+        level=args.level or DEFAULT_LEVEL,
+        arms=args.arms or tuple(ARMS),
+        levels=args.levels or tuple(LEVELS),
+        rhos=args.rhos or RHO_GRID,
+        seeds=args.seeds or DEFAULT_SEEDS,
+        overrides=args.overrides,
+        jobs=args.jobs,
     )
     print(results.read_text())
     return 0

@@ -14,6 +14,7 @@ import json
 import math
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from megatron_tail.demo.run import finished_run, launch_training, read_scalars, summarise
@@ -82,25 +83,8 @@ def run_experiment(
         raise ValueError(f"unknown variant {variant!r}; the variants are {list(VARIANTS)}")
     out, cache = Path(out_dir), Path(cache_dir)
     started = time.monotonic()
-    model_dir = ensure_tail_model(cache, log=log, size=model_size)
-    train_file, _ = ensure_tail_prompts(cache)
-    base = [f"model.hf_path={model_dir}", f"data.train_path={train_file}"]
-    runs: dict[str, list[Path]] = {}
-    for arm in arms:
-        for seed in seeds:
-            target = out / arm / f"seed{seed}"
-            knobs = [*base, f"run_dir={target}", f"seed={seed}", *ARMS[arm], *VARIANTS[variant], *overrides]
-            runs.setdefault(arm, []).append(target)
-            if finished_run(target, knobs, base_yaml=TAIL_CONFIG_YAML):
-                log(f"[{arm} seed {seed}] finished earlier: {target}")
-                continue
-            t0 = time.monotonic()
-            code = launch_training(target, knobs, base_yaml=TAIL_CONFIG_YAML, quiet=True)
-            if code != 0:
-                raise RuntimeError(
-                    f"[{arm} seed {seed}] training failed (exit {code}); see {target}/train.log"
-                )
-            log(f"[{arm} seed {seed}] {time.monotonic() - t0:.0f} s: {target}")
+    groups = {arm: [*ARMS[arm], *VARIANTS[variant], *overrides] for arm in arms}
+    runs = run_grid(out, cache, groups, seeds=seeds, model_size=model_size, log=log)
     table = summarise_arms(runs)
     label = variant if model_size == "tiny" else f"{variant}, {model_size} model"
     results = write_results(out, table, seeds=seeds, minutes=(time.monotonic() - started) / 60, variant=label)
@@ -109,6 +93,56 @@ def run_experiment(
     report = write_report([paths[0] for paths in runs.values()], out / "report", labels=list(runs))
     log(f"results: {results}\nreport (seed {seeds[0]} of each arm): {report}")
     return results
+
+
+def run_grid(
+    out: Path,
+    cache: Path,
+    groups: dict[str, list[str]],
+    *,
+    seeds: Sequence[int],
+    base_yaml: str = TAIL_CONFIG_YAML,
+    model_size: str = "tiny",
+    jobs: int = 1,
+    log: Callable[[str], None] = print,
+) -> dict[str, list[Path]]:
+    """Train every (group, seed) on the tail model into `<out>/<group>/seed<k>/` (config `base_yaml` + the
+    model and prompts + the group's overrides); returns group → its run directories in seed order.
+    Finished runs are reused, so an interrupted grid resumes where it stopped; `jobs` runs train at once.
+
+    Raises `RuntimeError` naming the run and its log if a training run fails.
+    """
+    model_dir = ensure_tail_model(cache, log=log, size=model_size)
+    train_file, _ = ensure_tail_prompts(cache)
+    base = [f"model.hf_path={model_dir}", f"data.train_path={train_file}"]
+    runs: dict[str, list[Path]] = {}
+    pending: list[tuple[str, int, Path, list[str]]] = []
+    for name, knobs in groups.items():
+        for seed in seeds:
+            target = out / name / f"seed{seed}"
+            overrides = [*base, f"run_dir={target}", f"seed={seed}", *knobs]
+            runs.setdefault(name, []).append(target)
+            if finished_run(target, overrides, base_yaml=base_yaml):
+                log(f"[{name} seed {seed}] finished earlier: {target}")
+            else:
+                pending.append((name, seed, target, overrides))
+
+    def train(job: tuple[str, int, Path, list[str]]) -> None:
+        name, seed, target, overrides = job
+        t0 = time.monotonic()
+        code = launch_training(target, overrides, base_yaml=base_yaml, quiet=True)
+        if code != 0:
+            raise RuntimeError(f"[{name} seed {seed}] training failed (exit {code}); see {target}/train.log")
+        log(f"[{name} seed {seed}] {time.monotonic() - t0:.0f} s: {target}")
+
+    if jobs <= 1:
+        for job in pending:
+            train(job)
+    else:  # each run is its own torchrun process tree; the threads only wait for them
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            for future in [pool.submit(train, job) for job in pending]:
+                future.result()
+    return runs
 
 
 def summarise_arms(runs: dict[str, list[Path]]) -> dict[str, dict[str, tuple[float, float]]]:

@@ -95,9 +95,11 @@ def heldout_cross_entropy(model, language: ZipfLanguage, *, seed: int, sequences
 MODEL_SIZES: dict[str, dict[str, int]] = {
     "tiny": {},
     "small": {"hidden_size": 256, "num_hidden_layers": 4},
+    "ci": {"hidden_size": 32, "num_hidden_layers": 1, "steps": 20, "num_sequences": 1280, "threads": 1},
 }
 """Tail models: "tiny" (hidden 64, 2 layers: the experiment's default) and "small" (hidden 256, 4 layers;
-16x the non-embedding parameters, pretrained the same way), for mismatches that grow with width and depth."""
+16x the non-embedding parameters, pretrained the same way), for mismatches that grow with width and depth;
+"ci" (hidden 32, 1 layer, 20 pretraining steps: seconds) for the tests' fast slices only, it learns little."""
 
 
 def tail_model_dir(cache: Path, size: str = "tiny") -> Path:

@@ -96,7 +96,13 @@ def render_markdown(runs: Sequence[RunEvents], labels: Sequence[str], results: S
             if result.missing:
                 lines.append("Not logged by any run (left out): " + _tags(result.missing) + ".")
         else:
-            lines.append("Skipped: no run logged any of its tags: " + _tags(result.missing) + ".")
+            # a figure skipped for another reason than missing tags says why in its caption
+            why = (
+                "no run logged any of its tags: " + _tags(result.missing) + "."
+                if result.missing
+                else result.caption
+            )
+            lines.append("Skipped: " + why)
     lines += ["", "## Summary", "", *summary_table(runs, labels)]
     return "\n".join(lines) + "\n"
 

@@ -20,6 +20,7 @@ from megatron_tail.report.buckets import (
     bucket_families_missing,
     discover_buckets,
 )
+from megatron_tail.report.early_warning import early_warning_figure
 from megatron_tail.report.events import RunEvents
 from megatron_tail.report.histograms import TailHistogramPanel
 from megatron_tail.report.plotting import FigureResult, Series, draw_figure
@@ -203,6 +204,7 @@ FIGURES = (
     safe_mass_figure,
     importance_figure,
     safe_set_size_figure,
+    early_warning_figure,
 )
 """Every figure of the report, in its order."""
 

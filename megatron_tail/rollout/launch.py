@@ -17,6 +17,8 @@ import aiohttp
 SGLANG_DTYPES = ("auto", "bfloat16", "float16", "float32")
 QUANTIZATIONS = ("none", "fp8")
 """`rollout.quantization`: "fp8" = FP8 rollouts from the bf16 checkpoint (see `SGLangServerConfig`)."""
+LOCAL_QUANTIZATIONS = ("none", "fp8", "fp8_tensor", "nvfp4_a16")
+"""What the local engine emulates (`LocalEngineConfig`): SGLang's fp8 + per-tensor FP8 and NVFP4A16."""
 
 
 def _check_port(port: int) -> None:
@@ -150,7 +152,14 @@ class LocalEngineConfig:
     num_threads: int | None = None
     """torch threads of the engine process (None: torch's default)."""
     quantization: str = "none"
-    """"fp8": linear layers in e4m3 as SGLang's `--quantization fp8` (`local_engine/fp8.py`)."""
+    """"fp8": linear layers in e4m3 as SGLang's `--quantization fp8` (`local_engine/fp8.py`);
+    "fp8_tensor", "nvfp4_a16": the local engine's emulations of SGLang's per-tensor FP8 and NVFP4A16
+    (`local_engine/fp4.py`)."""
+    kv_cache_dtype: str = "auto"
+    """"fp8_e4m3": the KV cache in e4m3 as SGLang's `--kv-cache-dtype fp8_e4m3`
+    (`local_engine/kv_cache.py`)."""
+    logit_noise: float = 0.0
+    """SYNTHETIC mismatch: σ of the tail-shaped logit noise (`local_engine/logit_noise.py`); 0 = off."""
     sampling_mask_max_tokens: int | None = None
     """SGLang's `--sampling-mask-max-tokens`, same meaning (the engine's default, SGLang's, when None)."""
 
@@ -158,8 +167,12 @@ class LocalEngineConfig:
         _check_port(self.port)
         if self.dtype not in ("bfloat16", "float16", "float32"):
             raise ValueError(f"dtype must be bfloat16, float16 or float32; got {self.dtype!r}")
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {QUANTIZATIONS}; got {self.quantization!r}")
+        if self.quantization not in LOCAL_QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {LOCAL_QUANTIZATIONS}; got {self.quantization!r}")
+        if self.kv_cache_dtype not in ("auto", "fp8_e4m3"):
+            raise ValueError(f"kv_cache_dtype must be auto or fp8_e4m3; got {self.kv_cache_dtype!r}")
+        if not self.logit_noise >= 0:
+            raise ValueError(f"logit_noise must be ≥ 0; got {self.logit_noise!r}")
 
     @property
     def url(self) -> str:
@@ -184,6 +197,10 @@ def build_local_engine_command(cfg: LocalEngineConfig, python: str = sys.executa
         cmd += ["--quantization", cfg.quantization]
     if cfg.sampling_mask_max_tokens is not None:
         cmd += ["--sampling-mask-max-tokens", str(cfg.sampling_mask_max_tokens)]
+    if cfg.kv_cache_dtype != "auto":
+        cmd += ["--kv-cache-dtype", cfg.kv_cache_dtype]
+    if cfg.logit_noise:
+        cmd += ["--logit-noise", repr(float(cfg.logit_noise))]
     return cmd
 
 

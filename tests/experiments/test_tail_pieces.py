@@ -120,7 +120,9 @@ def test_model_sizes_have_their_own_cache_and_shapes(tmp_path):
 
     assert tail_model_dir(tmp_path) == tmp_path / "tiny_qwen3_zipf"  # the bf16 results' model, unchanged
     assert tail_model_dir(tmp_path, "small") == tmp_path / "qwen3_zipf_h256_l4"
-    with pytest.raises(ValueError, match=r"unknown model size 'huge'; the sizes are \['tiny', 'small'\]"):
+    with pytest.raises(
+        ValueError, match=r"unknown model size 'huge'; the sizes are \['tiny', 'small', 'ci'\]"
+    ):
         tail_model_dir(tmp_path, "huge")
     config = tail_model_config(ZipfLanguage(), TailPretrainSettings(**MODEL_SIZES["small"]))
     with torch.device("meta"):

@@ -119,7 +119,7 @@ def test_unknown_key_without_near_match_lists_valid_keys():
     ("override", "pattern"),
     [
         ("train.steps=many", r"train\.steps must be an integer; got 'many'"),
-        ("algorithm.log_rho=abc", r"algorithm\.log_rho must be float or null; got 'abc'"),
+        ("algorithm.log_rho=abc", r"log_rho must be a number ≤ 0, null or \"auto\"; got 'abc'"),
         ("algorithm.stapo=maybe", r"algorithm\.stapo must be true or false; got 'maybe'"),
         ("algorithm.log_rho=0.5", r"log_rho must be ≤ 0.*0\.5"),  # the section's own validation
         ("rollout.engine=cloud", r"rollout\.engine must be one of \('local', 'remote'\); got 'cloud'"),
@@ -221,7 +221,11 @@ def test_loading_a_config_and_the_command_line_import_no_megatron():
         ),
         ("rollout.dtype=int8", r"rollout\.dtype must be one of \('bfloat16', 'float16', 'float32'\)"),
         ("rollout.sync_bucket_mb=0", r"rollout\.sync_bucket_mb must be > 0; got 0"),
-        ("rollout.quantization=int8", r"rollout\.quantization must be one of \('none', 'fp8'\); got 'int8'"),
+        (
+            "rollout.quantization=int8",
+            r"rollout\.quantization must be one of \('none', 'fp8', 'fp8_tensor', 'nvfp4_a16'\); "
+            r"got 'int8'",
+        ),
         ("rollout.weight_sync=nccl", r"rollout\.weight_sync must be one of \('disk', 'distributed'\)"),
         ("rollout.max_staleness=2", r"rollout\.max_staleness must be 0 \(synchronous\) or 1 .*; got 2"),
         ("data.max_sampling_rounds=0", r"data\.max_sampling_rounds must be an int ≥ 1; got 0"),

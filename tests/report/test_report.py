@@ -84,8 +84,11 @@ def test_report_of_two_real_runs(run_dirs, tmp_path):
     for name in FIGURE_NAMES:
         _assert_png_not_blank(out / f"{name}.png")
         assert f"]({name}.png)" in text, name  # embedded with a relative link
-    assert len(FIGURES) == len(FIGURE_NAMES)
-    assert "Skipped" not in text  # every figure has some data in a real run
+    assert len(FIGURES) == len(FIGURE_NAMES) + 1  # + the early-warning figure, drawn for collapsed runs only
+    # every figure has some data in a real run; these short runs do not collapse, so the early warning is
+    # skipped and says why
+    assert text.count("Skipped") == 1 and "Skipped: no run collapsed" in text
+    assert "early_warning.png" not in text
     # the runs are labelled by the one config key they differ in (run_dir never counts)
     assert "algorithm.is_mode=none" in text and "algorithm.is_mode=mis" in text
     assert "run_dir=" not in text

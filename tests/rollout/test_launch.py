@@ -106,7 +106,7 @@ def test_local_engine_command_parses_with_the_cli_and_binds_localhost_by_default
         ),
         (
             lambda: LocalEngineConfig(model_path="m", quantization="int4"),
-            r"quantization must be one of \('none', 'fp8'\); got 'int4'",
+            r"quantization must be one of \('none', 'fp8', 'fp8_tensor', 'nvfp4_a16'\); got 'int4'",
         ),
         (
             lambda: SGLangServerConfig(model_path="m", quantization="fp4"),

@@ -27,9 +27,19 @@ def add_serve_local_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument(
         "--quantization",
         default="none",
-        choices=["none", "fp8"],
+        choices=["none", "fp8", "fp8_tensor", "nvfp4_a16"],
         help="fp8: linear layers in e4m3 with per-channel weight and per-token activation scales, as "
-        "SGLang's --quantization fp8 (default none)",
+        "SGLang's --quantization fp8; fp8_tensor: per-tensor scales; nvfp4_a16: NVFP4 weights, bf16 "
+        "activations (default none)",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"], help="as SGLang's (default auto)"
+    )
+    parser.add_argument(
+        "--logit-noise",
+        type=float,
+        default=0.0,
+        help="SYNTHETIC: σ of Gaussian noise on the logits, scaled by (1 − p) (default 0: off)",
     )
     parser.add_argument(
         "--device",
@@ -75,6 +85,8 @@ def serve_local(args: argparse.Namespace) -> int:
         quantization=args.quantization,
         device=args.device,
         sampling_mask_max_tokens=args.sampling_mask_max_tokens,
+        kv_cache_dtype=args.kv_cache_dtype,
+        logit_noise=args.logit_noise,
     )
     app = build_app(engine, max_batch=args.max_batch)
     print(

@@ -9,7 +9,10 @@ top_k / top_p / min_p draws from SGLang's truncation (`truncation.py`) and, with
 also returns each token's support and its log-prob under the truncated distribution.
 The model runs in the dtype given (bf16 by default), so its log-probs differ from the trainer's fp32
 ones the way a real inference engine's do; with `quantization="fp8"` its linear layers also run in FP8 as
-SGLang's `--quantization fp8` does (`local_engine/fp8.py`), re-quantized after every weight update.
+SGLang's `--quantization fp8` does (`local_engine/fp8.py`), re-quantized after every weight update;
+"fp8_tensor" and "nvfp4_a16" (`local_engine/fp4.py`) are SGLang's per-tensor FP8 and NVFP4 weight formats,
+`kv_cache_dtype="fp8_e4m3"` its FP8 KV cache (`local_engine/kv_cache.py`), and `logit_noise` a synthetic
+mismatch (`local_engine/logit_noise.py`) added to the raw logits before the processor.
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ from typing import Any
 import torch
 
 from megatron_tail.rollout.local_engine.control import PauseControl
-from megatron_tail.rollout.local_engine.fp8 import QUANTIZATIONS, quantize_linears_, requantize_
+from megatron_tail.rollout.local_engine.formats import QUANTIZATIONS, quantize_linears_, requantize_
+from megatron_tail.rollout.local_engine.kv_cache import KV_CACHE_DTYPES, Fp8KVCache
+from megatron_tail.rollout.local_engine.logit_noise import add_tail_logit_noise_
 from megatron_tail.rollout.local_engine.requests import GenerateItem
 from megatron_tail.rollout.local_engine.truncation import DEFAULT_SAMPLING_MASK_MAX_TOKENS, sample_truncated
 from megatron_tail.rollout.local_engine.weights import load_named_tensors_, read_safetensors_dir
@@ -48,6 +53,8 @@ class LocalEngine:
         quantization: str = "none",
         device: str = "cpu",
         sampling_mask_max_tokens: int = DEFAULT_SAMPLING_MASK_MAX_TOKENS,
+        kv_cache_dtype: str = "auto",
+        logit_noise: float = 0.0,
     ):
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -56,6 +63,12 @@ class LocalEngine:
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}; got {quantization!r}")
         self.device = _check_device(device)
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}; got {kv_cache_dtype!r}")
+        if not logit_noise >= 0.0:
+            raise ValueError(f"logit_noise must be ≥ 0; got {logit_noise!r}")
+        self.kv_cache_dtype = kv_cache_dtype
+        self.logit_noise = float(logit_noise)
         self.model_path = str(model_path)
         self.dtype_name = dtype
         config = AutoConfig.from_pretrained(self.model_path, local_files_only=True)
@@ -69,8 +82,8 @@ class LocalEngine:
                 f"--sampling-mask-max-tokens must be positive (got {sampling_mask_max_tokens!r})."
             )
         self.sampling_mask_max_tokens = sampling_mask_max_tokens
-        if quantization == "fp8":
-            quantize_linears_(self.model)
+        if quantization != "none":
+            quantize_linears_(self.model, quantization)
         self.tokenizer = _load_tokenizer(self.model_path)
         self.vocab_size = int(config.vocab_size)
         self.context_length = int(config.max_position_embeddings)
@@ -97,7 +110,7 @@ class LocalEngine:
         state = _DecodeState(items, self.eos_token_ids)
         ids, mask = (t.to(self.device) for t in _left_pad(items))
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        past = None
+        past = Fp8KVCache() if self.kv_cache_dtype == "fp8_e4m3" else None
         while not state.all_finished():
             if self.control.checkpoint(epoch):
                 state.abort_unfinished()
@@ -112,6 +125,10 @@ class LocalEngine:
                 )
             past = out.past_key_values
             logits = out.logits[:, -1, : self.vocab_size].float()
+            if self.logit_noise:  # synthetic mismatch, where numerical error sits: before the processor
+                for i in range(len(items)):
+                    if not state.finished[i]:
+                        add_tail_logit_noise_(logits[i], self.logit_noise, state.generators[i])
             _apply_processors(items, logits, state)  # on the model's device, as SGLang's processors run
             # Sampling on the host, with each request's CPU generator: the same seed draws the same tokens
             # from the same probabilities on any device (a CUDA generator would draw differently).
@@ -189,7 +206,7 @@ class LocalEngine:
         tensors = read_safetensors_dir(model_path)
         with self.model_lock:
             load_named_tensors_(self.model, tensors.items(), require_all=True)
-            if self.quantization == "fp8":
+            if self.quantization != "none":
                 requantize_(self.model)
             self.model_path = str(model_path)
             if weight_version is not None:
@@ -201,7 +218,7 @@ class LocalEngine:
         named_tensors = list(named_tensors)
         with self.model_lock:
             load_named_tensors_(self.model, named_tensors, require_all=False)
-            if self.quantization == "fp8":
+            if self.quantization != "none":
                 requantize_(self.model, [name for name, _ in named_tensors])
             if weight_version is not None:
                 self.weight_version = str(weight_version)

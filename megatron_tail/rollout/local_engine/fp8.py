@@ -15,13 +15,11 @@ What SGLang 0.5.23 does with `--quantization fp8` on a bf16 checkpoint (srt/laye
 
 Here the GEMM runs on the dequantized values in fp32, `(q_x · s_x) @ (q_w · s_w)ᵀ`, then casts to the
 model dtype: the same numbers up to fp32 summation order. The engine quantizes at load and after every
-weight update (`requantize_`), as SGLang's FP8 RL reload does (`QuantizedRLModelLoader`, see
+weight update (`formats.requantize_`), as SGLang's FP8 RL reload does (`QuantizedRLModelLoader`, see
 `megatron_tail/rollout/weight_sync.py`).
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -31,7 +29,15 @@ E4M3_MAX = float(torch.finfo(E4M3).max)  # 448
 SCALE_EPS = 1e-10
 """Floor of a row's absolute maximum (SGLang's `eps` in `per_token_group_quant_fp8`), so a zero row
 quantizes to zeros instead of NaN."""
-QUANTIZATIONS = ("none", "fp8")
+
+
+def quantize_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-tensor e4m3 quantization: `x` any shape → `(q float8_e4m3fn, scale [] float32)`, scale =
+    max |x| / 448 over every element (SGLang's `fp8_utils.input_to_float8` for weights and its dynamic
+    per-tensor `scaled_fp8_quant(x, None)` for activations)."""
+    xf = x.float()
+    scale = xf.abs().amax().clamp(min=SCALE_EPS) / E4M3_MAX
+    return (xf * scale.reciprocal()).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,8 +67,10 @@ class Fp8Linear(nn.Module):
     values in fp32.
     """
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, per_tensor: bool = False):
         super().__init__()
+        self.per_tensor = per_tensor
+        self._quantize = quantize_tensor if per_tensor else quantize_rows
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
@@ -74,45 +82,17 @@ class Fp8Linear(nn.Module):
     @torch.no_grad()
     def requantize(self) -> None:
         """e4m3 weight `[N, K]` + fp32 scales `[N, 1]` from the current `weight`."""
-        self.weight_fp8, self.weight_scale = quantize_rows(self.weight)
+        self.weight_fp8, self.weight_scale = self._quantize(self.weight)
         self._weight_dequantized = dequantize(self.weight_fp8, self.weight_scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`x` `[..., K]` (model dtype) → `[..., N]` in x's dtype."""
-        q, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
+        q, scale = self._quantize(x.reshape(-1, x.shape[-1]))
         out = dequantize(q, scale) @ self._weight_dequantized.t()
         if self.bias is not None:
             out = out + self.bias.float()
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 per-channel"
-
-
-def quantize_linears_(model: nn.Module) -> list[str]:
-    """Replace every `nn.Linear` except the output embedding (LM head) by an `Fp8Linear`, in place, as
-    SGLang quantizes every `LinearBase` and no embedding; returns the replaced modules' names."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    targets = [
-        (name, module)
-        for name, module in model.named_modules()
-        if type(module) is nn.Linear and module is not head
-    ]
-    for name, module in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Fp8Linear(module))
-    return [name for name, _ in targets]
-
-
-def requantize_(model: nn.Module, parameter_names: Iterable[str] | None = None) -> int:
-    """Re-derive the FP8 weights of the `Fp8Linear`s whose `weight`/`bias` is among `parameter_names`
-    (all of them when None), after new weights were copied in; returns how many were requantized."""
-    layers = {name: m for name, m in model.named_modules() if isinstance(m, Fp8Linear)}
-    if parameter_names is None:
-        chosen = set(layers)
-    else:
-        chosen = {n.rpartition(".")[0] for n in parameter_names} & set(layers)
-    for name in chosen:
-        layers[name].requantize()
-    return len(chosen)
+        scheme = "per-tensor" if self.per_tensor else "per-channel"
+        return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 {scheme}"

@@ -68,6 +68,8 @@ class RolloutEngines:
                 num_threads=r.local_num_threads,
                 quantization=r.quantization,
                 sampling_mask_max_tokens=r.sampling_mask_max_tokens,
+                kv_cache_dtype=r.kv_cache_dtype,
+                logit_noise=r.local_logit_noise,
             )
             self.urls = [local.url]
         else:

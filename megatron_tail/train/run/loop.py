@@ -132,6 +132,7 @@ def rl_step(
             "perf/step_time_s": time.perf_counter() - started,
         }
     )
+    s.adapt_log_rho(metrics)  # log_rho auto: the next step's ρ, before the checkpoint keeps it
     stopping = stop.agreed()
     if cadence.checkpoint_after(done, stopping=stopping):
         metrics["perf/checkpoint_time_s"] = s.checkpoint(done)  # checkpoint

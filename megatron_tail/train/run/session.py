@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from megatron_tail.algorithms.adaptive_rho import AdaptiveRho
 from megatron_tail.config import RunConfig
 from megatron_tail.rollout import RolloutBatch
 
@@ -35,6 +36,18 @@ from .engines import RolloutEngines
 from .rollout_ahead import BackgroundJob
 
 
+def adaptive_rho_rule(cfg: RunConfig) -> AdaptiveRho | None:
+    """The adaptive-ρ rule of `cfg` (`algorithm.log_rho: auto`), or None."""
+    if not cfg.algorithm.adaptive_rho:
+        return None
+    return AdaptiveRho(bias_budget=cfg.algorithm.rho_bias_budget, max_response_len=cfg.rollout.max_new_tokens)
+
+
+def with_log_rho(cfg: RunConfig, log_rho: float) -> RunConfig:
+    """`cfg` with `algorithm.log_rho` = `log_rho`."""
+    return dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, log_rho=float(log_rho)))
+
+
 def rollout_seed(seed: int, step: int) -> int:
     """`SamplingConfig.base_seed` of a step: a function of (seed, step) only (resumed runs resample alike)."""
     return seed * 1_000_003 + step
@@ -44,6 +57,10 @@ class RunSession:
     def __init__(self, cfg: RunConfig):
         from megatron_tail.model import load_hf_config
 
+        self.rho = adaptive_rho_rule(cfg)
+        """`algorithm.log_rho: auto`: the rule that sets each step's log ρ (None for a fixed one)."""
+        if self.rho is not None:
+            cfg = with_log_rho(cfg, self.rho.initial)
         self.cfg = cfg
         self.rank = dist.get_rank()
         self.run_dir = Path(cfg.run_dir)
@@ -107,6 +124,24 @@ class RunSession:
         if d.eval_path is not None and self.cfg.train.eval_every:
             self.eval_examples = load_eval_examples(d, tokenizer)
 
+    @property
+    def log_rho(self) -> float | None:
+        """The log ρ that the step about to run uses (a number, also with `algorithm.log_rho: auto`)."""
+        return self.cfg.algorithm.log_rho
+
+    def adapt_log_rho(self, metrics: dict[str, float]) -> None:
+        """`algorithm.log_rho: auto`: log `dvp/log_rho` (this step's) into `metrics` and set the next step's
+        from this step's `dvp/safe_mass_min` (identical on every rank, so every rank moves alike)."""
+        if self.rho is None:
+            return
+        metrics["dvp/log_rho"] = self.log_rho
+        self._use_log_rho(self.rho.next_log_rho(self.log_rho, metrics.get("dvp/safe_mass_min", math.nan)))
+
+    def _use_log_rho(self, log_rho: float) -> None:
+        self.cfg = with_log_rho(self.cfg, log_rho)
+        if self.engines is not None:
+            self.engines.cfg = self.cfg
+
     # --- collective methods ---------------------------------------------------------------------------
 
     def resume(self) -> int:
@@ -123,6 +158,8 @@ class RunSession:
             return 0
         rl_state = load_checkpoint(path, self.trainer)
         self.data_cursor = int(rl_state.get("data_cursor", 0))
+        if self.rho is not None and rl_state.get("log_rho") is not None:
+            self._use_log_rho(float(rl_state["log_rho"]))
         ahead = on_rank0(lambda: read_rank0_object(path, "rollout_ahead"), wait_group=self._wait)
         if ahead is not None and ahead["step"] == rl_state["step"]:
             # the batch that was generated for the next step: train on it, as the stopped run would have
@@ -227,6 +264,7 @@ class RunSession:
             "seed": self.cfg.seed,
             "lr_scheduler": self.trainer.scheduler.state_dict(),
             "data_cursor": self.data_cursor,
+            "log_rho": self.log_rho if self.rho is not None else None,
         }
         # generated ahead for step `done` + 1, so a resumed run trains on the same samples (rank 0 writes
         # it: the held batch is identical on every rank, and large)

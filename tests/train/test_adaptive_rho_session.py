@@ -1,0 +1,45 @@
+"""`algorithm.log_rho: auto` in the run: the session starts from the rule's initial log ρ (every consumer
+sees a number), logs `dvp/log_rho` per step, moves by the rule from the step's `dvp/safe_mass_min`, and the
+rank-0 engines (their DVP processor) follow; a fixed log ρ is never touched."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_tail.config import load_config
+from megatron_tail.train.run.session import RunSession, adaptive_rho_rule, with_log_rho
+
+
+def session_of(cfg):
+    """A `RunSession` with only what the ρ methods use (no trainer, no engines process)."""
+    s = RunSession.__new__(RunSession)
+    s.rho = adaptive_rho_rule(cfg)
+    s.cfg = with_log_rho(cfg, s.rho.initial) if s.rho is not None else cfg
+    s.engines = SimpleNamespace(cfg=s.cfg)
+    return s
+
+
+def test_auto_starts_at_the_initial_value_and_follows_the_rule():
+    cfg = load_config(
+        None, ["algorithm.log_rho=auto", "rollout.max_new_tokens=8", "algorithm.rho_bias_budget=0.1"]
+    )
+    assert cfg.algorithm.adaptive_rho
+    s = session_of(cfg)
+    assert s.log_rho == -13.0 and s.cfg.algorithm.rule_log_rho(1.0) == -13.0
+    metrics = {"dvp/safe_mass_min": 1.0 - 0.1 / 8 * math.e}  # pruned e × the budget: one nat down
+    s.adapt_log_rho(metrics)
+    assert metrics["dvp/log_rho"] == -13.0
+    assert s.log_rho == pytest.approx(-14.0) and s.engines.cfg.algorithm.log_rho == pytest.approx(-14.0)
+    metrics = {}  # an empty batch: no Z_min, ρ kept
+    s.adapt_log_rho(metrics)
+    assert metrics["dvp/log_rho"] == pytest.approx(-14.0) and s.log_rho == pytest.approx(-14.0)
+
+
+def test_fixed_log_rho_is_left_alone():
+    s = session_of(load_config(None, ["algorithm.log_rho=-9"]))
+    metrics = {"dvp/safe_mass_min": 0.5}
+    s.adapt_log_rho(metrics)
+    assert s.rho is None and s.log_rho == -9.0 and "dvp/log_rho" not in metrics
