@@ -1,9 +1,10 @@
 """The local engine's model side: HF transformers on CPU, a KV-cached sampling loop, weight loading.
 
-Per decoding step, mirroring SGLang's sampler order: raw logits (cast to fp32) → custom logit processor
-(the DVP safe set) → divide by T → log-softmax → sample with the sample's own `torch.Generator`
-(seeded by `sampling_seed`) → return the log-prob of the sampled token. Greedy requests (T = 0) take
-the argmax and return log-softmax of the processed logits at T = 1, as SGLang does.
+Sequences are batched continuously (`batcher.py`). Per decoding step, mirroring SGLang's sampler order:
+raw logits (cast to fp32) → custom logit processor (the DVP safe set) → divide by T → log-softmax →
+sample with the sample's own `torch.Generator` (seeded by `sampling_seed`) → return the log-prob of the
+sampled token. Greedy requests (T = 0) take the argmax and return log-softmax of the processed logits
+at T = 1, as SGLang does.
 The model runs in the dtype given (bf16 by default), so its log-probs differ from the trainer's fp32
 ones the way a real inference engine's do; with `quantization="fp8"` its linear layers also run in FP8 as
 SGLang's `--quantization fp8` does (`local_engine/fp8.py`), re-quantized after every weight update.
@@ -11,20 +12,18 @@ SGLang's `--quantization fp8` does (`local_engine/fp8.py`), re-quantized after e
 
 from __future__ import annotations
 
-import secrets
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 
+from megatron_tail.rollout.local_engine.batcher import ContinuousBatcher, Row
 from megatron_tail.rollout.local_engine.control import PauseControl
 from megatron_tail.rollout.local_engine.fp8 import QUANTIZATIONS, quantize_linears_, requantize_
 from megatron_tail.rollout.local_engine.requests import GenerateItem
 from megatron_tail.rollout.local_engine.weights import load_named_tensors_, read_safetensors_dir
-from megatron_tail.rollout.processor import load_custom_logit_processor
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -32,8 +31,9 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 class LocalEngine:
     """A causal LM from a local HF directory (config.json + safetensors [+ tokenizer files]).
 
-    Thread-safe: generations from several threads interleave step by step under `model_lock`;
-    weight updates take the same lock, so no forward step ever sees half-loaded weights.
+    Thread-safe: generations from any thread join one continuously batched decode (`batcher.py`, up to
+    `max_running` sequences per step); its forwards and the weight updates take `model_lock`, so no
+    forward step ever sees half-loaded weights.
     """
 
     def __init__(
@@ -42,6 +42,7 @@ class LocalEngine:
         dtype: str = "bfloat16",
         weight_version: str = "default",
         quantization: str = "none",
+        max_running: int = 256,
     ):
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -65,75 +66,47 @@ class LocalEngine:
         self.weight_version = str(weight_version)
         self.model_lock = threading.Lock()
         self.control = PauseControl()
+        self.batcher = ContinuousBatcher(
+            self.model, self.vocab_size, self.eos_token_ids, self.model_lock, self.control, max_running
+        )
+
+    def close(self) -> None:
+        """Stop the batcher thread (what is still generating ends as aborted)."""
+        self.batcher.close()
 
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    @torch.inference_mode()
     def generate(self, items: list[GenerateItem]) -> list[dict[str, Any]]:
-        """Generate every item; return SGLang-shaped outputs `{"text", "output_ids", "meta_info"}`."""
+        """Generate every item (blocking); return SGLang-shaped `{"text", "output_ids", "meta_info"}`."""
         started = time.monotonic()
-        epoch = self.control.wait_until_running()
-        try:
-            state = self._decode(items, epoch)
-        finally:
-            self.control.done()
-        return [self._output(item, state, i, started) for i, item in enumerate(items)]
+        done = threading.Event()
+        rows = self.submit(items, self.control.wait_until_running(), done.set)
+        done.wait()
+        return [self.output(row, started) for row in rows]
 
-    def _decode(self, items: list[GenerateItem], epoch: int) -> _DecodeState:
-        state = _DecodeState(items, self.eos_token_ids)
-        ids, mask = _left_pad(items)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        past = None
-        while not state.all_finished():
-            if self.control.checkpoint(epoch):
-                state.abort_unfinished()
-                break
-            with self.model_lock:
-                out = self.model(
-                    input_ids=ids,
-                    attention_mask=mask,
-                    position_ids=positions,
-                    past_key_values=past,
-                    use_cache=True,
-                )
-            past = out.past_key_values
-            logits = out.logits[:, -1, : self.vocab_size].float()
-            state.step(self._sample(items, logits, state))
-            ids = state.last_tokens().unsqueeze(-1)
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
-            positions = positions[:, -1:] + 1
-        return state
+    def submit(self, items: list[GenerateItem], epoch: int, on_done) -> list[Row]:
+        """Queue `items` in the continuous batch as one generation of abort epoch `epoch` (from
+        `control.wait_until_running()`, which registered it); `on_done()` runs on the batcher's thread
+        once every row has finished (or was aborted)."""
+        remaining = [len(items)]
 
-    def _sample(self, items: list[GenerateItem], logits: torch.Tensor, state: _DecodeState):
-        """`(tokens [B] int64, logprobs [B] fp32, top [B] of [[logprob, id], ...] | None)` of one step;
-        `logits` `[B, V]` fp32, processed in place. `top[i]` holds item i's `top_logprobs_num` most probable
-        tokens of the same distribution the token was drawn from (None for k = 0)."""
-        _apply_processors(items, logits, state)
-        tokens = torch.empty(len(items), dtype=torch.long)
-        logprobs = torch.empty(len(items), dtype=torch.float32)
-        top: list[list[list] | None] = [None] * len(items)
-        for i, item in enumerate(items):
-            if state.finished[i]:
-                tokens[i], logprobs[i] = 0, 0.0
-                continue
-            if item.temperature == 0.0:
-                row_logprobs = torch.log_softmax(logits[i], dim=-1)
-                token = int(torch.argmax(logits[i]))
-            else:
-                row_logprobs = torch.log_softmax(logits[i] / item.temperature, dim=-1)
-                token = int(torch.multinomial(row_logprobs.exp(), 1, generator=state.generators[i]))
-            tokens[i], logprobs[i] = token, row_logprobs[token]
-            if item.top_logprobs_num:
-                values, ids = torch.topk(row_logprobs, item.top_logprobs_num)
-                top[i] = [[float(v), int(t)] for v, t in zip(values, ids, strict=True)]
-        return tokens, logprobs, top
+        def finished_one() -> None:  # on the batcher's thread only
+            remaining[0] -= 1
+            if remaining[0] == 0:
+                self.control.done()
+                on_done()
 
-    def _output(self, item: GenerateItem, state: _DecodeState, i: int, started: float) -> dict[str, Any]:
-        output_ids = state.outputs[i]
+        rows = [Row(item, epoch, finished_one) for item in items]
+        self.batcher.submit(rows)
+        return rows
+
+    def output(self, row: Row, started: float) -> dict[str, Any]:
+        """A finished row as SGLang returns it (an aborted row: what it generated before the abort)."""
+        item, output_ids = row.item, row.outputs
         meta: dict[str, Any] = {
             "id": item.rid,
-            "finish_reason": state.finish_reasons[i],
+            "finish_reason": row.finish_reason,
             "prompt_tokens": len(item.input_ids),
             "completion_tokens": len(output_ids),
             "cached_tokens": 0,
@@ -143,14 +116,14 @@ class LocalEngine:
         if item.return_logprob:
             meta["input_token_logprobs"] = []
             meta["output_token_logprobs"] = [
-                [lp, tok, None] for lp, tok in zip(state.logprobs[i], output_ids, strict=True)
+                [lp, tok, None] for lp, tok in zip(row.logprobs, output_ids, strict=True)
             ]
             meta["output_token_logprobs_length"] = len(output_ids)
             if item.top_logprobs_num:
                 # SGLang's nested format: per output position, [[logprob, token_id, text], ...]
                 meta["input_top_logprobs"] = []
                 meta["output_top_logprobs"] = [
-                    [[lp, tok, None] for lp, tok in row] for row in state.top_logprobs[i]
+                    [[lp, tok, None] for lp, tok in top] for top in row.top_logprobs
                 ]
         text = None
         if self.tokenizer is not None:
@@ -178,92 +151,6 @@ class LocalEngine:
                 requantize_(self.model, [name for name, _ in named_tensors])
             if weight_version is not None:
                 self.weight_version = str(weight_version)
-
-
-class _DecodeState:
-    """Per-sample outputs, log-probs, finish reasons and generators of one `generate` call."""
-
-    def __init__(self, items: list[GenerateItem], eos_ids: frozenset[int]):
-        self.items = items
-        self.eos_ids = eos_ids
-        self.outputs: list[list[int]] = [[] for _ in items]
-        self.logprobs: list[list[float]] = [[] for _ in items]
-        self.top_logprobs: list[list[list]] = [[] for _ in items]
-        self.finished = [False] * len(items)
-        self.finish_reasons: list[dict | None] = [None] * len(items)
-        self.generators = [
-            torch.Generator().manual_seed((secrets.randbits(63) if it.seed is None else it.seed) % (1 << 63))
-            for it in items
-        ]
-
-    def step(self, sampled) -> None:
-        tokens, logprobs, top = sampled
-        for i, item in enumerate(self.items):
-            if self.finished[i]:
-                continue
-            token = int(tokens[i])
-            self.outputs[i].append(token)
-            self.logprobs[i].append(float(logprobs[i]))
-            if top[i] is not None:
-                self.top_logprobs[i].append(top[i])
-            if token in item.stop_token_ids or (not item.ignore_eos and token in self.eos_ids):
-                self._finish(i, {"type": "stop", "matched": token})
-            elif len(self.outputs[i]) >= item.max_new_tokens:
-                self._finish(i, {"type": "length", "length": item.max_new_tokens})
-
-    def _finish(self, i: int, reason: dict) -> None:
-        self.finished[i] = True
-        self.finish_reasons[i] = reason
-
-    def abort_unfinished(self) -> None:
-        for i in range(len(self.items)):
-            if not self.finished[i]:
-                self._finish(i, {"type": "abort", "message": "Abort before generation finished (paused)."})
-
-    def all_finished(self) -> bool:
-        return all(self.finished)
-
-    def last_tokens(self) -> torch.Tensor:
-        return torch.tensor([out[-1] for out in self.outputs], dtype=torch.long)
-
-
-def _apply_processors(items: list[GenerateItem], logits: torch.Tensor, state: _DecodeState) -> None:
-    """Run each request's custom logit processor on its rows, as SGLang's `apply_custom_logit_processor`."""
-    rows_by_processor: dict[str, list[int]] = {}
-    for i, item in enumerate(items):
-        if item.processor is not None and not state.finished[i]:
-            rows_by_processor.setdefault(item.processor, []).append(i)
-    for serialized, rows in rows_by_processor.items():
-        processor = load_custom_logit_processor(serialized)
-        params = [_with_request(items[i], state.outputs[i]) for i in rows]
-        index = torch.tensor(rows, dtype=torch.long)
-        result = processor(logits.index_select(0, index), params)
-        logits.index_copy_(0, index, result.to(logits.dtype))
-
-
-def _with_request(item: GenerateItem, output_ids: list[int]) -> dict[str, Any] | None:
-    """custom_params plus the `__req__` view SGLang passes (prompt, output so far, sampling params)."""
-    if item.custom_params is None:
-        return None
-    temperature = 1.0 if item.temperature == 0.0 else item.temperature
-    req = SimpleNamespace(
-        origin_input_ids=item.input_ids,
-        output_ids=output_ids,
-        sampling_params=SimpleNamespace(temperature=temperature, custom_params=item.custom_params),
-    )
-    return {**item.custom_params, "__req__": req}
-
-
-def _left_pad(items: list[GenerateItem]) -> tuple[torch.Tensor, torch.Tensor]:
-    """`input_ids [B, L]` and `attention_mask [B, L]` (int64), prompts right-aligned."""
-    length = max(len(it.input_ids) for it in items)
-    ids = torch.zeros(len(items), length, dtype=torch.long)
-    mask = torch.zeros(len(items), length, dtype=torch.long)
-    for i, it in enumerate(items):
-        n = len(it.input_ids)
-        ids[i, length - n :] = torch.tensor(it.input_ids, dtype=torch.long)
-        mask[i, length - n :] = 1
-    return ids, mask
 
 
 def _load_tokenizer(path: str):

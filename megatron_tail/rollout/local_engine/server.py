@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from typing import Any
 
 import torch
@@ -96,12 +97,28 @@ async def generate(request: web.Request) -> web.Response:
         )
         for serialized in {item.processor for item in parsed.items if item.processor is not None}:
             load_custom_logit_processor(serialized)
-        outputs = await asyncio.to_thread(engine.generate, parsed.items)
+        outputs = await _generate(engine, parsed.items)
     except BadRequest as e:
         return _error(str(e))
     except ValueError as e:  # an unloadable processor, or one that rejects its custom_params
         return _error(str(e))
     return web.json_response(outputs if parsed.batched else outputs[0], dumps=_dumps)
+
+
+async def _generate(engine: LocalEngine, items) -> list[dict]:
+    """Queue the items in the engine's continuous batch and wait without holding a thread (a paused
+    engine holds new requests until `/continue_generation`, as SGLang's tokenizer manager does)."""
+    loop = asyncio.get_running_loop()
+    finished = loop.create_future()
+
+    def on_done() -> None:  # on the batcher's thread
+        loop.call_soon_threadsafe(lambda: finished.done() or finished.set_result(None))
+
+    started = time.monotonic()
+    epoch = await asyncio.to_thread(engine.control.wait_until_running)
+    rows = engine.submit(items, epoch, on_done)
+    await finished
+    return [engine.output(row, started) for row in rows]
 
 
 async def health(request: web.Request) -> web.Response:  # noqa: ARG001 - aiohttp handler signature
