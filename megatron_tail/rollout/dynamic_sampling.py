@@ -51,6 +51,7 @@ def select_groups(batch: RolloutBatch, groups: Sequence[int], group_size: int) -
         truncated=pick(batch.truncated),
         weight_versions=pick(batch.weight_versions),
         rollout_top_logprobs=pick(batch.rollout_top_logprobs),
+        token_versions=pick(batch.token_versions),
         stats=dict(batch.stats),
         metrics=dict(batch.metrics),
         data_cursor=batch.data_cursor,
@@ -68,6 +69,8 @@ def concat_batches(batches: Sequence[RolloutBatch]) -> RolloutBatch:
             out.stats[key] = out.stats.get(key, 0.0) + value
     tops = [b.rollout_top_logprobs for b in batches]
     out.rollout_top_logprobs = None if any(t is None for t in tops) else [x for t in tops for x in t]
+    versions = [b.token_versions for b in batches]
+    out.token_versions = None if any(v is None for v in versions) else [x for v in versions for x in v]
     return out
 
 
