@@ -198,8 +198,10 @@ class RolloutManager:
         except asyncio.CancelledError:
             self.in_flight.pop(index, None)
             raise
-        except BaseException as e:  # the trainer's next call raises it
+        except BaseException as e:  # the trainer's next call raises it; a checkpoint still lists the group
             self.error = e
+            self.queued.appendleft(index)
+            self.admitted -= 1
             result = None
         self.in_flight.pop(index, None)
         if result is not None:
