@@ -10,7 +10,7 @@ rollout manager at η = 2 and η = 4 with `rollout.partial_rollouts`. The traine
 torch thread each (one core each on a 2-core machine). Steps/s and seconds per step by phase are means over
 steps 2..N−1 (step 1 waits for a first batch in every arm).
 
-The long-tail response-length mix: a tiny random Qwen3 (hidden 256, 4 layers) whose end-of-sequence token
+The long-tail response-length mix: a tiny random Qwen3 (hidden 64, 2 layers) whose end-of-sequence token
 has the same probability `LONG_TAIL_EOS_P` at every position whatever the context (every token's embedding
 carries one large constant coordinate, which the final norm maps to a near-constant feature; the EOS row of
 the LM head reads it, the other rows ignore it), so response lengths are geometric, capped at
@@ -55,12 +55,12 @@ SYNC_MODEL = dict(
     num_key_value_heads=8, head_dim=64, vocab_size=32768, max_position_embeddings=256,
 )  # fmt: skip
 LOOP_MODEL = dict(
-    hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-    head_dim=64, max_position_embeddings=224,
+    hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, max_position_embeddings=320,
 )  # fmt: skip
-LONG_TAIL_EOS_P = 0.03
-"""Probability of the end-of-sequence token at every response position (lengths ~ geometric, mean ≈ 33)."""
-LONG_TAIL_MAX_NEW_TOKENS = 192
+LONG_TAIL_EOS_P = 0.02
+"""Probability of the end-of-sequence token at every response position (lengths ~ geometric, mean ≈ 50)."""
+LONG_TAIL_MAX_NEW_TOKENS = 256
 ARMS = {
     # name: (rollout.max_staleness, rollout.partial_rollouts)
     "sync": (0, False),
@@ -175,7 +175,7 @@ def format_loop(arms: dict[str, dict[str, float]], cores: str) -> str:
     sync = arms["sync"]
     header = " | ".join(f"{n} (η={ARMS[n][0]}{', partial' if ARMS[n][1] else ''})" for n in names)
     lines = [
-        "Loop (tiny Qwen3 hidden 256 × 4 layers, TP = 1, trainer and engine one torch thread each; "
+        "Loop (tiny Qwen3 hidden 64 × 2 layers, TP = 1, trainer and engine one torch thread each; "
         f"{cores}), "
         f"long-tail lengths (EOS p = {LONG_TAIL_EOS_P} per token, max_new_tokens "
         f"{LONG_TAIL_MAX_NEW_TOKENS}), 8 prompts × 8 samples per step; means of steps 2..N−1:",

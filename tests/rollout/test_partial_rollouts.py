@@ -48,7 +48,7 @@ def test_partial_rollout_keeps_each_tokens_version_and_behaviour_logprob(tiny_mo
     old, new = _model(tiny_model_dir), _model(perturbed_model_dir)
     engine = LocalEngine(tiny_model_dir, dtype="float32", weight_version="0")
     sampling = SamplingConfig(
-        n_samples=3, max_new_tokens=40, temperature=1.0, log_rho=LOG_RHO, ignore_eos=True, base_seed=11
+        n_samples=8, max_new_tokens=40, temperature=1.0, log_rho=LOG_RHO, ignore_eos=True, base_seed=11
     )
 
     async def main():
@@ -82,9 +82,9 @@ def test_partial_rollout_keeps_each_tokens_version_and_behaviour_logprob(tiny_mo
         assert float((torch.tensor(s.output_logprobs)[:cut] - new_lp[:cut]).abs().max()) > 1e-2
     batch_versions = [token_versions_of(s.output_versions) for s in samples]
     batch = RolloutBatch(
-        prompt_ids=[PROMPT] * 3, response_ids=[s.output_ids for s in samples],
-        rollout_logprobs=[s.output_logprobs for s in samples], rewards=[0.0] * 3, correct=[False] * 3,
-        truncated=[True] * 3, weight_versions=[s.weight_version for s in samples],
+        prompt_ids=[PROMPT] * 8, response_ids=[s.output_ids for s in samples],
+        rollout_logprobs=[s.output_logprobs for s in samples], rewards=[0.0] * 8, correct=[False] * 8,
+        truncated=[True] * 8, weight_versions=[s.weight_version for s in samples],
         token_versions=batch_versions,
     )  # fmt: skip
     metrics = rollout_metrics(batch, policy_version=1)

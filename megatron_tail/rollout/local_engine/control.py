@@ -71,12 +71,13 @@ class PauseControl:
             self._active += 1
             return self._abort_epoch
 
-    def checkpoint(self, epoch: int) -> bool:
-        """Between steps: True if the generation must abort; blocks while paused in place."""
+    def try_start(self) -> int | None:
+        """`wait_until_running` without blocking: None while paused (the caller retries later)."""
         with self._cond:
-            while self._paused and epoch == self._abort_epoch:
-                self._cond.wait()
-            return epoch != self._abort_epoch
+            if self._paused:
+                return None
+            self._active += 1
+            return self._abort_epoch
 
     def done(self) -> None:
         with self._cond:

@@ -115,7 +115,10 @@ async def _generate(engine: LocalEngine, items) -> list[dict]:
         loop.call_soon_threadsafe(lambda: finished.done() or finished.set_result(None))
 
     started = time.monotonic()
-    epoch = await asyncio.to_thread(engine.control.wait_until_running)
+    # wait on the event loop, not in a worker thread: requests held by a pause must not take the threads
+    # that /update_weights_from_disk needs to end it
+    while (epoch := engine.control.try_start()) is None:
+        await asyncio.sleep(0.005)
     rows = engine.submit(items, epoch, on_done)
     await finished
     return [engine.output(row, started) for row in rows]
