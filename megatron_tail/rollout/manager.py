@@ -195,8 +195,10 @@ class RolloutManager:
     async def _run(self, index: int, version: int) -> None:
         try:
             result = await self.work(index, version)
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # closing, or a second stop signal: regenerated if resumed from here
             self.in_flight.pop(index, None)
+            self.queued.appendleft(index)
+            self.admitted -= 1
             raise
         except BaseException as e:  # the trainer's next call raises it; a checkpoint still lists the group
             self.error = e
