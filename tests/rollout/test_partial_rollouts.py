@@ -44,6 +44,16 @@ def _wait_for_tokens(engine: LocalEngine, n: int, timeout_s: float = 60.0) -> No
     raise TimeoutError(f"the engine did not generate {n} tokens in {timeout_s} s")
 
 
+def _hold(engine: LocalEngine, mode: str, timeout_s: float = 60.0) -> None:
+    """Pause the engine (`mode`) and wait until its batcher is held between two decoding steps."""
+    engine.control.pause(mode)
+    deadline = time.monotonic() + timeout_s
+    while not engine.batcher.held:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the batcher did not stop")
+        time.sleep(0.001)
+
+
 def test_partial_rollout_keeps_each_tokens_version_and_behaviour_logprob(tiny_model_dir, perturbed_model_dir):
     old, new = _model(tiny_model_dir), _model(perturbed_model_dir)
     engine = LocalEngine(tiny_model_dir, dtype="float32", weight_version="0")
@@ -58,7 +68,9 @@ def test_partial_rollout_keeps_each_tokens_version_and_behaviour_logprob(tiny_mo
                 client.generate_group(PROMPT, sample_keys(0, sampling), sampling, partial=True)
             )
             await asyncio.to_thread(_wait_for_tokens, engine, 6)
+            # hold the batch where it is (≥ 6 tokens, never finished: the test cannot race the engine), then
             # the weight update a trainer step ends with: pause (abort) → load → continue
+            await asyncio.to_thread(_hold, engine, "in_place")
             await DiskWeightSync([url]).update(str(perturbed_model_dir), weight_version="1")
             samples = await task
             await client.close()
@@ -96,7 +108,7 @@ def test_partial_rollout_keeps_each_tokens_version_and_behaviour_logprob(tiny_mo
 def test_a_sequence_joining_a_running_batch_gets_what_it_gets_alone(tiny_model_dir):
     engine = LocalEngine(tiny_model_dir, dtype="float32")
     try:
-        first = item("a", [5, 6, 84], temperature=1.0, log_rho=LOG_RHO, seed=3, max_new_tokens=30)
+        first = item("a", [5, 6, 84], temperature=1.0, log_rho=LOG_RHO, seed=3, max_new_tokens=60)
         second = item(
             "b", [9, 10, 11, 12, 13, 14], temperature=0.7, log_rho=LOG_RHO, seed=4, max_new_tokens=8
         )
@@ -105,7 +117,11 @@ def test_a_sequence_joining_a_running_batch_gets_what_it_gets_alone(tiny_model_d
         thread = threading.Thread(target=lambda: out.update(a=engine.generate([first])[0]))
         thread.start()
         _wait_for_tokens(engine, 10)
-        out["b"] = engine.generate([second])[0]  # joins at step ≥ 10 and leaves before "a" ends
+        _hold(engine, "in_place")  # "b" then surely joins a running "a" (≥ 10 tokens in, not finished)
+        joining = threading.Thread(target=lambda: out.update(b=engine.generate([second])[0]))
+        joining.start()
+        engine.control.resume()
+        joining.join()
         thread.join()
     finally:
         engine.close()
@@ -129,8 +145,7 @@ def test_retract_recomputes_the_kv_cache_in_place_keeps_it(tiny_model_dir, pertu
         thread = threading.Thread(target=lambda: out.update(r=engine.generate([request])[0]))
         thread.start()
         _wait_for_tokens(engine, 8)
-        engine.control.pause(mode)
-        time.sleep(0.05)  # the batcher stops at its next step
+        _hold(engine, mode)
         done_before = len(
             next(iter(engine.batcher.waiting if mode == "retract" else engine.batcher.running)).outputs
         )

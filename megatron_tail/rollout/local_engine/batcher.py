@@ -91,6 +91,8 @@ class ContinuousBatcher:
         self._mask: torch.Tensor | None = None
         """`[B, T]` int64: which cache columns of each running row hold tokens (left padding = 0)."""
         self._closed = False
+        self.held = False
+        """True while a pause holds the loop between decoding steps (the pause is then in force)."""
         self.steps = 0
         """Decoding steps run (a step = one forward of the whole running batch)."""
         self._thread = threading.Thread(target=self._loop, name="local-engine-batcher", daemon=True)
@@ -133,7 +135,9 @@ class ContinuousBatcher:
             if self.control.paused:
                 if self.control.mode == "retract" and self.running:
                     self._retract()
+                self.held = True
                 cond.wait()
+                self.held = False
                 continue
             if self.running or self.waiting:
                 break
