@@ -91,6 +91,8 @@ class ContinuousBatcher:
         self._mask: torch.Tensor | None = None
         """`[B, T]` int64: which cache columns of each running row hold tokens (left padding = 0)."""
         self._closed = False
+        self.sample = sample_rows
+        """`sample_rows`, or a test's recording wrapper of it."""
         self.held = False
         """True while a pause holds the loop between decoding steps (the pause is then in force)."""
         self.steps = 0
@@ -232,9 +234,9 @@ class ContinuousBatcher:
             self._mask = self._mask[:, unused:]
 
     def _sample_into(self, rows: list[Row], logits: torch.Tensor) -> None:
-        tokens, logprobs, top = sample_rows(rows, logits)
-        for i, row in enumerate(rows):
-            row.append(int(tokens[i]), float(logprobs[i]), top[i], self.eos_ids)
+        tokens, logprobs, top = self.sample(rows, logits)
+        for row, token, logprob, best in zip(rows, tokens, logprobs, top, strict=True):
+            row.append(token, logprob, best, self.eos_ids)
 
 
 def _left_pad(x: torch.Tensor, width: int) -> torch.Tensor:
@@ -251,27 +253,29 @@ def _left_pad_mask(mask: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def sample_rows(rows: list[Row], logits: torch.Tensor):
-    """`(tokens [B] int64, logprobs [B] fp32, top [B] of [[logprob, id], ...] | None)` of one step, in
-    SGLang's sampler order: custom logit processor → ÷ T → log-softmax → sample with the row's generator
-    (greedy, T = 0: argmax, log-probs of the processed logits at T = 1). `logits` `[B, V]` fp32, processed
-    in place."""
+    """`(tokens [B] list of int, logprobs [B] list of float, top [B] of [[logprob, id], ...] | None)` of one
+    step, in SGLang's sampler order: custom logit processor → ÷ T → log-softmax → sample with the row's own
+    generator (greedy, T = 0: argmax, log-probs of the processed logits at T = 1). `logits` `[B, V]` fp32,
+    processed in place. Row-wise math runs batched; only the draw is per row (each row's generator)."""
     _apply_processors(rows, logits)
-    tokens = torch.empty(len(rows), dtype=torch.long)
-    logprobs = torch.empty(len(rows), dtype=torch.float32)
-    top: list[list[list] | None] = [None] * len(rows)
+    temperatures = torch.tensor([[r.item.temperature or 1.0] for r in rows], dtype=logits.dtype)
+    row_logprobs = torch.log_softmax(logits / temperatures, dim=-1)
+    tokens = torch.argmax(logits, dim=-1)
+    probs = None
     for i, row in enumerate(rows):
-        item = row.item
-        if item.temperature == 0.0:
-            row_logprobs = torch.log_softmax(logits[i], dim=-1)
-            token = int(torch.argmax(logits[i]))
-        else:
-            row_logprobs = torch.log_softmax(logits[i] / item.temperature, dim=-1)
-            token = int(torch.multinomial(row_logprobs.exp(), 1, generator=row.generator))
-        tokens[i], logprobs[i] = token, row_logprobs[token]
-        if item.top_logprobs_num:
-            values, ids = torch.topk(row_logprobs, item.top_logprobs_num)
-            top[i] = [[float(v), int(t)] for v, t in zip(values, ids, strict=True)]
-    return tokens, logprobs, top
+        if row.item.temperature != 0.0:
+            probs = row_logprobs.exp() if probs is None else probs
+            tokens[i] = torch.multinomial(probs[i], 1, generator=row.generator)[0]
+    logprobs = row_logprobs.gather(1, tokens[:, None])[:, 0]
+    top: list[list[list] | None] = [None] * len(rows)
+    k = max(r.item.top_logprobs_num for r in rows)
+    if k:
+        values, ids = (t.tolist() for t in torch.topk(row_logprobs, k, dim=-1))
+        for i, row in enumerate(rows):
+            n = row.item.top_logprobs_num
+            if n:
+                top[i] = [[v, t] for v, t in zip(values[i][:n], ids[i][:n], strict=True)]
+    return tokens.tolist(), logprobs.tolist(), top
 
 
 def _apply_processors(rows: list[Row], logits: torch.Tensor) -> None:
