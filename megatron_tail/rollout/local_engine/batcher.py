@@ -45,6 +45,8 @@ class Row:
         self.logprobs: list[float] = []
         self.top_logprobs: list[list] = []
         self.finish_reason: dict | None = None
+        self.error: str | None = None
+        """Why the engine could not generate this row (its request is refused with it)."""
         self.generator = torch.Generator().manual_seed(
             (secrets.randbits(63) if item.seed is None else item.seed) % (1 << 63)
         )
@@ -121,9 +123,28 @@ class ContinuousBatcher:
                     return
             with torch.inference_mode():
                 if admit:
-                    self._prefill(admit)
+                    try:
+                        self._prefill(admit)
+                    except Exception as e:  # e.g. a processor refusing its custom_params: those rows fail
+                        self._fail(admit, e)
                 if self.running:
-                    self._decode_step()
+                    try:
+                        self._decode_step()
+                    except Exception as e:  # the batch's state is unknown now: every running row fails
+                        rows, self.running, self._cache, self._mask = self.running, [], None, None
+                        self._fail(rows, e)
+
+    def _fail(self, rows: list[Row], error: Exception) -> None:
+        """End `rows` with `error` (their request answers HTTP 400 with it); the loop goes on."""
+        with self.control.cond:
+            for row in rows:
+                if not row.finished:
+                    row.error = (
+                        f"{type(error).__name__}: {error}"
+                        if not isinstance(error, ValueError)
+                        else str(error)
+                    )
+                    row.finish({"type": "abort", "message": row.error})
 
     def _next_admissions(self) -> list[Row] | None:
         """Under the control's lock: wait for work while idle or paused (in place / retract); abort what

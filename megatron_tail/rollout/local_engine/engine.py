@@ -83,6 +83,7 @@ class LocalEngine:
         done = threading.Event()
         rows = self.submit(items, self.control.wait_until_running(), done.set)
         done.wait()
+        raise_row_errors(rows)
         return [self.output(row, started) for row in rows]
 
     def submit(self, items: list[GenerateItem], epoch: int, on_done) -> list[Row]:
@@ -151,6 +152,13 @@ class LocalEngine:
                 requantize_(self.model, [name for name, _ in named_tensors])
             if weight_version is not None:
                 self.weight_version = str(weight_version)
+
+
+def raise_row_errors(rows: list[Row]) -> None:
+    """ValueError with the first row's error, if the engine could not generate a row."""
+    errors = [row.error for row in rows if row.error is not None]
+    if errors:
+        raise ValueError(errors[0])
 
 
 def _load_tokenizer(path: str):

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from megatron_tail.rollout.local_engine.engine import LocalEngine
+from megatron_tail.rollout.local_engine.engine import LocalEngine, raise_row_errors
 from megatron_tail.rollout.local_engine.requests import BadRequest, parse_generate_body
 from megatron_tail.rollout.process_group import init_custom_process_group
 from megatron_tail.rollout.processor import load_custom_logit_processor
@@ -121,6 +121,7 @@ async def _generate(engine: LocalEngine, items) -> list[dict]:
         await asyncio.sleep(0.005)
     rows = engine.submit(items, epoch, on_done)
     await finished
+    raise_row_errors(rows)  # a ValueError: HTTP 400 with its message
     return [engine.output(row, started) for row in rows]
 
 
