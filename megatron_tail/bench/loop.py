@@ -1,12 +1,22 @@
-"""Benchmark of the RL loop's throughput features (CPU): rollout one step ahead, and in-memory weight sync.
+"""Benchmark of the RL loop's throughput features (CPU): bounded staleness with partial rollouts, and
+in-memory weight sync.
 
-    python -m megatron_tail.bench.loop [--steps 8] [--sync-layers 12] [--bucket-mb 64] [--repeats 2]
-                                       [--suites loop sync] [--workdir DIR]
+    python -m megatron_tail.bench.loop [--steps 10] [--bucket-mb 64] [--repeats 2] [--suites loop sync]
+                                       [--workdir DIR] [--json]
 
-Suite "loop": the real RL loop (`train.run.loop.run`, TP = 1) on a tiny random Qwen3 with one local engine,
-`rollout.max_staleness` 0 (sync) against 1 (async), each arm in a fresh process. The trainer and the engine
-get one torch thread each (one core each on a 2-core machine). Steps/s and seconds per step by phase are
-means over the steps after the first (which samples synchronously in both arms).
+Suite "loop": the real RL loop (`train.run.loop.run`, TP = 1) with one continuously batching local engine,
+each arm in a fresh process: synchronous (`rollout.max_staleness: 0`), one step ahead (η = 1), and the
+rollout manager at η = 2 and η = 4 with `rollout.partial_rollouts`. The trainer and the engine get one
+torch thread each (one core each on a 2-core machine). Steps/s and seconds per step by phase are means over
+steps 2..N−1 (step 1 waits for a first batch in every arm).
+
+The long-tail response-length mix: a tiny random Qwen3 (hidden 64, 2 layers) whose end-of-sequence token
+has the same probability `LONG_TAIL_EOS_P` at every position whatever the context (every token's embedding
+carries one large constant coordinate, which the final norm maps to a near-constant feature; the EOS row of
+the LM head reads it, the other rows ignore it), so response lengths are geometric, capped at
+`max_new_tokens`: mean ≈ 1/p, most responses short, and in a step of 64 samples the longest usually near
+the cap. This is the shape RL produces (a few long chains of thought); a synchronous step waits for its
+longest response while the continuously batching engine runs nearly empty.
 
 Suite "sync": a synthetic Qwen3 of ~200M parameters (hidden 1024, 12 layers, vocab 32768) served by one bf16
 local engine; its HF tensors (what `model.iter_hf_tensors` yields on rank 0: bf16 from a bf16 trainer, fp32
@@ -45,15 +55,27 @@ SYNC_MODEL = dict(
     num_key_value_heads=8, head_dim=64, vocab_size=32768, max_position_embeddings=256,
 )  # fmt: skip
 LOOP_MODEL = dict(
-    hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-    head_dim=64, max_position_embeddings=96,
+    hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, max_position_embeddings=320,
 )  # fmt: skip
+LONG_TAIL_EOS_P = 0.02
+"""Probability of the end-of-sequence token at every response position (lengths ~ geometric, mean ≈ 50)."""
+LONG_TAIL_MAX_NEW_TOKENS = 256
+ARMS = {
+    # name: (rollout.max_staleness, rollout.partial_rollouts)
+    "sync": (0, False),
+    "eta1": (1, False),
+    "eta2_partial": (2, True),
+    "eta4_partial": (4, True),
+}
 
 
 # --- suite "loop" -------------------------------------------------------------------------------------
 
 
-def loop_overrides(model_dir: Path, prompts: Path, run_dir: Path, staleness: int, steps: int) -> list[str]:
+def loop_overrides(
+    model_dir: Path, prompts: Path, run_dir: Path, staleness: int, steps: int, partial: bool = False
+) -> list[str]:
     settings = {
         "run_dir": run_dir,
         "seed": 3,
@@ -62,8 +84,9 @@ def loop_overrides(model_dir: Path, prompts: Path, run_dir: Path, staleness: int
         "model.vocab_pad_multiple": 128,
         "rollout.engine": "local",
         "rollout.local_num_threads": 1,
-        "rollout.max_new_tokens": 8,
+        "rollout.max_new_tokens": LONG_TAIL_MAX_NEW_TOKENS,
         "rollout.max_staleness": staleness,
+        "rollout.partial_rollouts": partial,
         "algorithm.group_size": 8,
         "algorithm.log_rho": -13.0,
         "algorithm.is_mode": "mis",
@@ -81,7 +104,7 @@ def loop_overrides(model_dir: Path, prompts: Path, run_dir: Path, staleness: int
     return [f"{k}={v}" for k, v in settings.items()]
 
 
-def loop_arm(model_dir: str, prompts: str, run_dir: str, staleness: int, steps: int) -> dict:
+def loop_arm(model_dir: str, prompts: str, run_dir: str, staleness: int, steps: int, partial: bool) -> dict:
     """In this (fresh) process: the loop with one trainer thread; its per-step perf history."""
     import torch
 
@@ -89,64 +112,131 @@ def loop_arm(model_dir: str, prompts: str, run_dir: str, staleness: int, steps: 
     from megatron_tail.train.run.loop import run
 
     torch.set_num_threads(1)
-    cfg = load_config(None, loop_overrides(Path(model_dir), Path(prompts), Path(run_dir), staleness, steps))
+    overrides = loop_overrides(Path(model_dir), Path(prompts), Path(run_dir), staleness, steps, partial)
+    cfg = load_config(None, overrides)
     started = time.perf_counter()
     result = run(cfg)
     return {"history": result.history, "wall_s": time.perf_counter() - started}
 
 
 PHASES = [
-    ("rollout (generation)", "perf/rollout_time_s"),
     ("trainer waits for rollout", "perf/rollout_wait_s"),
     ("log-prob recompute", "perf/logprob_time_s"),
     ("train (recompute + update)", "perf/train_time_s"),
     ("weight sync", "perf/weight_sync_time_s"),
-    ("rollout ∥ training overlap", "perf/overlap_s"),
     ("step", "perf/step_time_s"),
+]
+ROLLOUT = [
+    ("engine idle fraction", "perf/engine_idle_fraction", ".2f"),
+    ("sequences in flight (time mean)", "perf/engine_sequences_mean", ".1f"),
+    ("response length mean", "response/length_mean", ".1f"),
+    ("response length max", "response/length_max", ".0f"),
+    ("staleness mean", "rollout/staleness_mean", ".2f"),
+    ("staleness max", "rollout/staleness_max", ".0f"),
+    ("partial fraction", "rollout/partial_fraction", ".2f"),
+    ("versions per sample", "rollout/versions_per_sample_mean", ".2f"),
+    ("dropped stale (samples / step)", "rollout/dropped_stale", ".1f"),
 ]
 
 
-def summarize_loop(history: list[dict], ahead: bool) -> dict[str, float]:
-    """Means over the steady steps (all but the first, which samples synchronously in both arms, and the
-    last, after which an async run generates nothing); steps/s = 1 / mean step time. "rollout" is the
-    generation that ran during the step: the step's own batch (sync) or the next step's (async)."""
+def summarize_loop(history: list[dict]) -> dict[str, float]:
+    """Means over the steady steps 2..N−1 (step 1 waits for a first batch in every arm; after the last
+    step an ahead-running arm's generation is thrown away); steps/s = 1 / mean step time;
+    `rollout/staleness_max` is the maximum over them."""
     if len(history) < 3:
         raise ValueError(f"need ≥ 3 steps for steady-state means; got {len(history)}")
-    steady = range(1, len(history) - 1)
-    out = {key: statistics.fmean(history[k].get(key, 0.0) for k in steady) for _, key in PHASES}
-    during = [history[k + 1 if ahead else k]["perf/rollout_time_s"] for k in steady]
-    out["perf/rollout_time_s"] = statistics.fmean(during)
+    steady = history[1:-1]
+    keys = {key for _, key in PHASES} | {key for _, key, _ in ROLLOUT}
+    out = {key: statistics.fmean(h.get(key, 0.0) for h in steady) for key in keys}
+    out["rollout/staleness_max"] = max(h.get("rollout/staleness_max", 0.0) for h in steady)
     out["steps_per_s"] = 1.0 / out["perf/step_time_s"]
-    # the engine only generates: the rest of the step it is idle
-    out["engine_idle_s"] = out["perf/step_time_s"] - out["perf/rollout_time_s"]
+    out["engine_idle_s"] = out["perf/engine_idle_fraction"] * out["perf/step_time_s"]
     return out
 
 
-def format_loop(arms: dict[str, dict[str, float]]) -> str:
-    sync, ahead = arms["sync"], arms["async"]
+def arms_json(arms: dict[str, dict[str, float]]) -> dict:
+    """The `--json` line: per arm its settings, steps/s, speedup over the synchronous arm, and the rest."""
+    sync = arms["sync"]["steps_per_s"]
+    out = {}
+    for name, summary in arms.items():
+        staleness, partial = ARMS[name]
+        out[name] = {
+            "max_staleness": staleness,
+            "partial_rollouts": partial,
+            "steps_per_s": summary["steps_per_s"],
+            "speedup_vs_sync": summary["steps_per_s"] / sync,
+            **{k: v for k, v in summary.items() if k != "steps_per_s"},
+        }
+    return {"arms": out}
+
+
+def format_loop(arms: dict[str, dict[str, float]], cores: str) -> str:
+    names = list(arms)
+    sync = arms["sync"]
+    header = " | ".join(f"{n} (η={ARMS[n][0]}{', partial' if ARMS[n][1] else ''})" for n in names)
     lines = [
-        "Loop (tiny Qwen3, TP = 1, trainer and engine one core each), seconds per step, mean of steps "
-        "2..N−1:",
+        "Loop (tiny Qwen3 hidden 64 × 2 layers, TP = 1, trainer and engine one torch thread each; "
+        f"{cores}), "
+        f"long-tail lengths (EOS p = {LONG_TAIL_EOS_P} per token, max_new_tokens "
+        f"{LONG_TAIL_MAX_NEW_TOKENS}), 8 prompts × 8 samples per step; means of steps 2..N−1:",
         "",
-        "| phase | sync (max_staleness 0) | async (max_staleness 1) |",
-        "|---|---|---|",
+        f"| seconds per step | {header} |",
+        "|---|" + "---|" * len(names),
     ]
-    lines += [f"| {name} | {sync[key]:.3f} | {ahead[key]:.3f} |" for name, key in PHASES]
     lines += [
-        f"| engine idle (step − generation) | {sync['engine_idle_s']:.3f} | {ahead['engine_idle_s']:.3f} |",
-        f"| **steps/s** | {sync['steps_per_s']:.3f} | {ahead['steps_per_s']:.3f} |",
-        "",
-        f"async / sync throughput: **{ahead['steps_per_s'] / sync['steps_per_s']:.2f}×** (target ≥ 1.5× "
-        "where rollout and training take similar time; perfect overlap of the sync arm's phases would give "
-        f"step / (max(rollout, train) + the rest) = {ideal_speedup(sync):.2f}×)",
+        f"| {label} | " + " | ".join(f"{arms[n][key]:.3f}" for n in names) + " |" for label, key in PHASES
+    ]
+    lines += [
+        f"| {label} | " + " | ".join(format(arms[n][key], fmt) for n in names) + " |"
+        for label, key, fmt in ROLLOUT
+    ]
+    lines += [
+        "| engine idle s per step | " + " | ".join(f"{arms[n]['engine_idle_s']:.3f}" for n in names) + " |",
+        "| **steps/s** | " + " | ".join(f"{arms[n]['steps_per_s']:.3f}" for n in names) + " |",
+        "| **speedup vs sync** | "
+        + " | ".join(f"**{arms[n]['steps_per_s'] / sync['steps_per_s']:.2f}×**" for n in names)
+        + " |",
     ]
     return "\n".join(lines)
 
 
-def ideal_speedup(sync: dict[str, float]) -> float:
-    rollout, train = sync["perf/rollout_time_s"], sync["perf/train_time_s"]
-    rest = sync["perf/step_time_s"] - rollout - train
-    return sync["perf/step_time_s"] / (max(rollout, train) + rest)
+# Generation's share of a synchronous step in long-CoT GRPO on GPUs (assumptions, not measurements): the
+# range reported for synchronous systems in AReaL (arXiv 2505.24298, §1 and Fig. 1: generation dominates
+# the step) and verl's fully-async recipe; we tabulate 0.5, 0.7 and 0.9 instead of picking one.
+GENERATION_SHARES = (0.5, 0.7, 0.9)
+
+
+def project_staleness(arms: dict[str, dict[str, float]]) -> str:
+    """The Qwen3-8B recipe's gain, projected from the measured engine occupancy: in the synchronous arm the
+    engines hold `seq_sync = sequences_mean / (1 − idle)` sequences on average while they generate (the
+    long tail); the best partial arm keeps `seq_async` in flight. Decode on a GPU is memory-bound, so its
+    step time is nearly flat in the batch: generating a step's tokens takes ≈ `seq_sync / seq_async` of the
+    synchronous time. With generation a share g of the synchronous step and training the rest (overlapped
+    when asynchronous), the projected speedup is 1 / max(g · seq_sync / seq_async, 1 − g)."""
+    sync = arms["sync"]
+    busy = max(1.0 - sync["perf/engine_idle_fraction"], 1e-9)
+    seq_sync = sync["perf/engine_sequences_mean"] / busy
+    best = max((n for n in arms if ARMS[n][1]), key=lambda n: arms[n]["steps_per_s"], default=None)
+    if best is None:
+        return ""
+    a = arms[best]
+    seq_async = a["perf/engine_sequences_mean"] / max(1.0 - a["perf/engine_idle_fraction"], 1e-9)
+    ratio = seq_sync / max(seq_async, 1e-9)
+    lines = [
+        "**Projection** (not a measurement) for the Qwen3-8B recipe (`examples/qwen3_8b_grpo_dvp`): measured "
+        f"here, the synchronous engines generate with {seq_sync:.1f} sequences in flight on average (idle "
+        f"{sync['perf/engine_idle_fraction']:.0%} of the step), `{best}` with {seq_async:.1f}; on a GPU, "
+        "decode is memory-bound and its step time nearly flat in the batch, so a step's tokens take "
+        f"≈ {ratio:.2f}× the synchronous generation time. With generation a share g of the synchronous "
+        "step (assumed, not measured on GPUs here) and training overlapped:",
+        "",
+        "| g (generation share of a sync step) | " + " | ".join(f"{g:.1f}" for g in GENERATION_SHARES) + " |",
+        "|---|" + "---|" * len(GENERATION_SHARES),
+        "| projected speedup vs sync | "
+        + " | ".join(f"{1.0 / max(g * ratio, 1.0 - g):.2f}×" for g in GENERATION_SHARES)
+        + " |",
+    ]
+    return "\n".join(lines)
 
 
 # --- suite "sync" -------------------------------------------------------------------------------------
@@ -362,21 +452,57 @@ def _save_model(config_overrides: dict, path: Path) -> int:
     return sum(math.prod(s) for s in _shapes(path).values())
 
 
-def run_loop_suite(work: Path, steps: int) -> str:
+def save_long_tail_model(path: Path, eos_p: float = LONG_TAIL_EOS_P) -> None:
+    """The benchmark's model (module docstring): a seeded random tiny Qwen3 whose EOS probability is `eos_p`
+    at every position. Coordinate 0 of every embedding is 50, so after the final RMSNorm it is ≈ √hidden
+    whatever the context; the LM head's column 0 is zero except the EOS row, set so that the EOS logit is
+    logit(p) above the log-sum-exp of the others (calibrated on random token sequences)."""
+    import math
+
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    from megatron_tail.data.char_tokenizer import build_char_tokenizer
+    from megatron_tail.demo.model import save_hf, tiny_qwen3_config
+
+    if (path / "config.json").is_file():
+        return
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(tiny_qwen3_config(**LOOP_MODEL)).eval()
+    tokenizer = build_char_tokenizer()
+    eos = tokenizer.eos_token_id
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 50.0
+        model.lm_head.weight[:, 0] = 0.0
+        hidden = model.model(input_ids=torch.randint(2, len(tokenizer), (16, 40))).last_hidden_state
+        logits = model.lm_head(hidden)
+        others = torch.cat([logits[..., :eos], logits[..., eos + 1 :]], dim=-1).logsumexp(-1)
+        target = (math.log(eos_p / (1 - eos_p)) + others).mean()
+        model.lm_head.weight[eos, 0] = target / hidden[..., 0].mean()
+    save_hf(model, tokenizer, path)
+
+
+def run_loop_suite(work: Path, steps: int, arms: list[str]) -> dict[str, dict[str, float]]:
     from megatron_tail.data.toy_arithmetic import make_arithmetic_examples, write_jsonl
 
-    model = work / "loop_model"
-    _save_model(LOOP_MODEL, model)
+    model = work / "long_tail_model"
+    save_long_tail_model(model)
     prompts = work / "prompts.jsonl"
     write_jsonl(make_arithmetic_examples(256, seed=0), prompts)
-    arms = {}
-    for name, staleness in (("sync", 0), ("async", 1)):
-        out = _subprocess_json(
-            ["--loop-arm", str(model), str(prompts), str(work / f"run_{name}"), str(staleness), str(steps)]
-        )
-        arms[name] = summarize_loop(out["history"], ahead=staleness > 0)
-        print(f"loop {name}: {arms[name]['steps_per_s']:.3f} steps/s", file=sys.stderr, flush=True)
-    return format_loop(arms)
+    out = {}
+    for name in arms:
+        staleness, partial = ARMS[name]
+        args = [
+            str(model),
+            str(prompts),
+            str(work / f"run_{name}"),
+            str(staleness),
+            str(steps),
+            str(int(partial)),
+        ]
+        out[name] = summarize_loop(_subprocess_json(["--loop-arm", *args])["history"])
+        print(f"loop {name}: {out[name]['steps_per_s']:.3f} steps/s", file=sys.stderr, flush=True)
+    return out
 
 
 def run_sync_suite(work: Path, repeats: int, bucket_mb: float) -> str:
@@ -403,16 +529,18 @@ def run_sync_suite(work: Path, repeats: int, bucket_mb: float) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--suites", nargs="+", choices=("loop", "sync"), default=["loop", "sync"])
-    parser.add_argument("--steps", type=int, default=8, help="RL steps per loop arm")
+    parser.add_argument("--steps", type=int, default=10, help="RL steps per loop arm")
+    parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS), help="loop arms to run")
+    parser.add_argument("--json", action="store_true", help="last line: the loop arms as JSON")
     parser.add_argument("--repeats", type=int, default=2, help="timed syncs per path (after one warm-up)")
     parser.add_argument("--bucket-mb", type=float, default=64.0, help="bucket of the distributed sync")
     parser.add_argument("--workdir", help="keep models and runs here (default: a temp dir)")
-    parser.add_argument("--loop-arm", nargs=5, help=argparse.SUPPRESS)
+    parser.add_argument("--loop-arm", nargs=6, help=argparse.SUPPRESS)
     parser.add_argument("--sync-probe", nargs=7, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.loop_arm:
-        model, prompts, run_dir, staleness, steps = args.loop_arm
-        print(json.dumps(loop_arm(model, prompts, run_dir, int(staleness), int(steps))))
+        model, prompts, run_dir, staleness, steps, partial = args.loop_arm
+        print(json.dumps(loop_arm(model, prompts, run_dir, int(staleness), int(steps), bool(int(partial)))))
         return
     if args.sync_probe:
         path, model, url, out, repeats, bucket, source_dtype = args.sync_probe
@@ -421,11 +549,20 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.workdir or tmp)
         work.mkdir(parents=True, exist_ok=True)
+        arms = None
         if "loop" in args.suites:
-            print(run_loop_suite(work, args.steps), flush=True)
+            if "sync" not in args.arms:
+                parser.error("--arms must include sync (the baseline of every ratio)")
+            arms = run_loop_suite(work, args.steps, args.arms)
+            cores = f"{os.cpu_count()} cores"
+            print(format_loop(arms, cores), flush=True)
+            print(flush=True)
+            print(project_staleness(arms), flush=True)
             print(flush=True)
         if "sync" in args.suites:
             print(run_sync_suite(work, args.repeats, args.bucket_mb), flush=True)
+        if args.json and arms is not None:
+            print(json.dumps(arms_json(arms)), flush=True)
 
 
 if __name__ == "__main__":

@@ -211,7 +211,19 @@ class RolloutSection:
     """How many weight versions a step's samples may lag the policy they train: 0, each step samples with
     the weights it trains (rollout and training alternate); 1, step k+1's batch is generated while step k
     trains, with the weights step k started from (one version behind; the IS corrections weigh by
-    π_old/π_infer, the decoupled PPO objective; see the README)."""
+    π_old/π_infer, the decoupled PPO objective; see the README); η ≥ 2, a rollout manager
+    (`rollout/manager.py`) keeps the engines generating with up to η versions in flight and a step trains
+    on samples whose oldest token is at most η versions behind (older ones are dropped and counted)."""
+    partial_rollouts: bool = False
+    """At a weight update, requests in flight are aborted (`/pause_generation` mode abort) and continued
+    from their tokens under the new weights, each token keeping the log-prob and version of the weights
+    that sampled it (AReaL's interruptible rollouts). Uses the rollout manager, also with max_staleness
+    0 or 1. False: without it, the manager lets the requests in flight finish before a weight update."""
+
+    @property
+    def uses_manager(self) -> bool:
+        """The rollout manager drives generation (η ≥ 2 or partial rollouts); else the step-wise loop."""
+        return self.max_staleness >= 2 or self.partial_rollouts
 
     @property
     def truncates(self) -> bool:
@@ -284,13 +296,19 @@ class RolloutSection:
                     (self.kv_cache_dtype, self.local_logit_noise),
                     'apply to the local engine only (engine: "local")',
                 )
-        if isinstance(self.max_staleness, bool) or self.max_staleness not in (0, 1):
+        if (
+            isinstance(self.max_staleness, bool)
+            or not isinstance(self.max_staleness, int)
+            or self.max_staleness < 0
+        ):
             _bad(
                 "rollout",
                 "max_staleness",
                 self.max_staleness,
-                "must be 0 (synchronous) or 1 (one step ahead)",
+                "must be an int ≥ 0 (0 synchronous, 1 one step ahead, η ≥ 2 up to η versions in flight)",
             )
+        if not isinstance(self.partial_rollouts, bool):
+            _bad("rollout", "partial_rollouts", self.partial_rollouts, "must be true or false")
         if self.engine == "remote" and not self.server_urls:
             _bad(
                 "rollout", "server_urls", self.server_urls, 'must name at least one URL with engine="remote"'

@@ -13,10 +13,12 @@ class RolloutBatch:
 
     Per sample: `prompt_ids`, `response_ids`, `rollout_logprobs` (the engine's log π_infer^mp of each
     response token), `reward`, `truncated` (hit `max_new_tokens`), `weight_version` the engine reported,
-    and `rollout_top_logprobs` (the engine's log-prob of its most probable token at each response position;
-    None where the engine was not asked for it), and with truncated sampling `rollout_supports`: per sample
-    `[len(response), K]` int32 token ids, the support the engine drew each response token from (−1 padded;
-    `rollout_logprobs` are then log-probs under that truncated distribution).
+    `rollout_top_logprobs` (the engine's log-prob of its most probable token at each response position;
+    None where the engine was not asked for it), `token_versions` (the weight version that sampled each
+    response token: a partial rollout spans several; None where an engine reported a non-integer
+    version), and with truncated sampling `rollout_supports`: per sample `[len(response), K]` int32
+    token ids, the support the engine drew each response token from (−1 padded; `rollout_logprobs`
+    are then log-probs under that truncated distribution).
     `stats`: rollout time and token counts. `metrics`: TensorBoard scalars of how the batch was drawn
     (dynamic sampling), logged with the step's. `data_cursor`: the prompt stream's position after this
     batch (dynamic sampling; None when prompts are a function of the step).
@@ -31,6 +33,7 @@ class RolloutBatch:
     weight_versions: list[str | None]
     rollout_top_logprobs: list[list[float]] | None = None
     rollout_supports: list[torch.Tensor] | None = None
+    token_versions: list[list[int]] | None = None
     stats: dict[str, float] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
     data_cursor: int | None = None
@@ -43,17 +46,18 @@ def rollout_metrics(batch: RolloutBatch, *, policy_version: int) -> dict[str, fl
     """Reward, accuracy and response-length statistics of a step's samples, and `batch.metrics`.
 
     `policy_version`: the weight version being trained (the step's θ_old). `rollout/stale_fraction` is the
-    fraction of samples another version produced; `rollout/staleness_mean` the mean lag in versions
-    (samples without an integer `weight_version` are left out of it, and it is absent if none has one).
+    fraction of samples another version produced. A sample's staleness is `policy_version` minus the
+    version of its oldest token (`token_versions`; without them, of its reported `weight_version`):
+    `rollout/staleness_mean` and `rollout/staleness_max` over samples (samples without an integer version
+    are left out, and both are absent if none has one). With `token_versions`, also
+    `rollout/partial_fraction` (samples whose tokens span more than one version: they crossed a weight
+    update) and `rollout/versions_per_sample_mean`.
     With truncated sampling, `rollout/support_size_mean`: the mean support size per response token.
     """
     n = len(batch)
     if n == 0:
         return dict(batch.metrics)
-    lags = [
-        policy_version - int(v) for v in batch.weight_versions if v is not None and v.lstrip("-").isdigit()
-    ]
-    staleness = {"rollout/staleness_mean": sum(lags) / len(lags)} if lags else {}
+    staleness = _staleness_metrics(batch, policy_version)
     lengths = [len(r) for r in batch.response_ids]
     support = {}
     if batch.rollout_supports is not None:  # mean |support| over the response tokens
@@ -72,3 +76,35 @@ def rollout_metrics(batch: RolloutBatch, *, policy_version: int) -> dict[str, fl
         **support,
         **batch.metrics,
     }
+
+
+def _staleness_metrics(batch: RolloutBatch, policy_version: int) -> dict[str, float]:
+    if batch.token_versions is not None:
+        per_sample = [sorted(set(v)) for v in batch.token_versions]
+        oldest = [v[0] if v else None for v in per_sample]
+        # a sample with no response tokens: its reported version
+        lags = [
+            policy_version - (o if o is not None else int(w))
+            for o, w in zip(oldest, batch.weight_versions, strict=True)
+            if o is not None or _is_int(w)
+        ]
+        extra = {
+            "rollout/partial_fraction": sum(len(v) > 1 for v in per_sample) / len(per_sample),
+            "rollout/versions_per_sample_mean": sum(max(len(v), 1) for v in per_sample) / len(per_sample),
+        }
+    else:
+        lags = [policy_version - int(v) for v in batch.weight_versions if _is_int(v)]
+        extra = {}
+    if not lags:
+        return extra
+    mean, worst = sum(lags) / len(lags), float(max(lags))
+    return {"rollout/staleness_mean": mean, "rollout/staleness_max": worst, **extra}
+
+
+def _is_int(version: str | None) -> bool:
+    return version is not None and version.lstrip("-").isdigit()
+
+
+def token_versions_of(versions: list[str | None]) -> list[int] | None:
+    """Per-token versions as ints, or None if any is not an integer (an engine's "default" version)."""
+    return [int(v) for v in versions] if all(_is_int(v) for v in versions) else None

@@ -10,6 +10,7 @@ returned raises, so a batch either comes back complete and duplicate-free or not
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -17,7 +18,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
+import torch
 
+from megatron_tail.rollout.occupancy import EngineOccupancy
 from megatron_tail.rollout.processor import DVPLogitProcessor
 from megatron_tail.rollout.protocol import (
     MalformedResponseError,
@@ -32,6 +35,7 @@ from megatron_tail.rollout.protocol import (
     build_generate_payload,
     parse_generate_response,
     sample_keys,
+    sample_seed,
 )
 
 logger = logging.getLogger(__name__)
@@ -126,6 +130,8 @@ class RolloutClient:
         self.healthy = dict.fromkeys(urls, True)
         self.in_flight = dict.fromkeys(urls, 0)
         self.stats = ClientStats(failures_by_server=dict.fromkeys(urls, 0))
+        self.occupancy = EngineOccupancy()
+        """Sequences in flight over time (`read()` → the engines' idle fraction since the last read)."""
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> RolloutClient:
@@ -210,6 +216,37 @@ class RolloutClient:
             grouped[key.prompt_index].append(collected[key])
         return grouped
 
+    async def generate_group(
+        self, prompt: Sequence[int], keys: Sequence[SampleKey], sampling: SamplingConfig, *, partial: bool
+    ) -> list[SampleResult]:
+        """The samples `keys` of one prompt, one request (with retries), in key order: the rollout manager's
+        unit of work. With `partial`, a sample that a weight-update pause aborts (`/pause_generation` mode
+        "abort") is continued from its tokens: prompt + tokens so far are sent again with the remaining
+        `max_new_tokens` and a seed derived from (seed, tokens so far), until it stops or hits its length;
+        the segments are joined, each token keeping the log-prob and version of the request that sampled
+        it. Without `partial`, an aborted sample is generated again from the start (as `generate`)."""
+        prompt = _check_prompt(keys[0].prompt_index if keys else 0, prompt)
+        first = await self._request_with_retries(prompt, list(keys), sampling, allow_abort=partial)
+        return list(await asyncio.gather(*(self._continue(r, sampling) for r in first)))
+
+    async def _continue(self, sample: SampleResult, sampling: SamplingConfig) -> SampleResult:
+        while sample.aborted:
+            remaining = sampling.max_new_tokens - len(sample.output_ids)
+            if remaining <= 0:  # aborted after its last token: it ended by length
+                sample.finish_reason = {"type": "length", "length": sampling.max_new_tokens}
+                break
+            key = SampleKey(
+                sample.key.prompt_index,
+                sample.key.sample_index,
+                sample_seed(sample.key.seed, len(sample.output_ids), sample.segments),
+            )
+            rest = dataclasses.replace(sampling, n_samples=1, max_new_tokens=remaining)
+            (segment,) = await self._request_with_retries(
+                sample.prompt_ids + sample.output_ids, [key], rest, allow_abort=True
+            )
+            sample = join_segments(sample, segment)
+        return sample
+
     async def _run_group(self, prompt, keys, sampling, semaphore, collected) -> None:
         async with semaphore:
             results = await self._request_with_retries(prompt, keys, sampling)
@@ -220,7 +257,7 @@ class RolloutClient:
             if self.on_result is not None:
                 self.on_result(result)
 
-    async def _request_with_retries(self, prompt, keys, sampling) -> list[SampleResult]:
+    async def _request_with_retries(self, prompt, keys, sampling, allow_abort=False) -> list[SampleResult]:
         last_error: Exception | None = None
         avoid: str | None = None
         timeouts = tried = 0
@@ -235,7 +272,9 @@ class RolloutClient:
             payload = build_generate_payload(prompt, keys, sampling, self.processor, attempt)
             try:
                 body = await self._post_generate(url, payload)
-                return parse_generate_response(body, prompt, keys, sampling, attempt, url)
+                return parse_generate_response(
+                    body, prompt, keys, sampling, attempt, url, allow_abort=allow_abort
+                )
             except RetryableServerError as e:
                 last_error, avoid = e, url
                 timeouts += isinstance(e, RequestTimedOutError)
@@ -271,6 +310,8 @@ class RolloutClient:
     async def _post_generate(self, url: str, payload: dict) -> object:
         self.stats.requests += 1
         self.in_flight[url] += 1
+        sequences = len(payload.get("rid") or [0])
+        self.occupancy.add(sequences)
         try:
             timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s)
             async with self.session.post(f"{url}/generate", json=payload, timeout=timeout) as resp:
@@ -289,6 +330,7 @@ class RolloutClient:
             raise RetryableServerError(f"{url}/generate failed: {type(e).__name__}: {e}") from e
         finally:
             self.in_flight[url] -= 1
+            self.occupancy.add(-sequences)
         try:
             return json.loads(raw)
         except ValueError as e:
@@ -324,6 +366,39 @@ def _message(raw: bytes, limit: int = 1000) -> str:
         if isinstance(error, str):
             return error
     return text
+
+
+def join_segments(first: SampleResult, then: SampleResult) -> SampleResult:
+    """`first` (aborted) continued by `then` (a request on `first`'s prompt + tokens): one sample with
+    `first`'s key and prompt, the tokens, log-probs and versions of both, `then`'s finish and version."""
+    top = None
+    if first.output_top_logprobs is not None and then.output_top_logprobs is not None:
+        top = first.output_top_logprobs + then.output_top_logprobs
+    logprobs = None
+    if first.output_logprobs is not None and then.output_logprobs is not None:
+        logprobs = first.output_logprobs + then.output_logprobs
+    supports = None
+    if first.output_supports is not None and then.output_supports is not None:
+        supports = _cat_supports(first.output_supports, then.output_supports)
+    return dataclasses.replace(
+        then,
+        key=first.key,
+        prompt_ids=first.prompt_ids,
+        output_ids=first.output_ids + then.output_ids,
+        output_logprobs=logprobs,
+        output_top_logprobs=top,
+        output_supports=supports,
+        output_versions=first.output_versions + then.output_versions,
+        segments=first.segments + then.segments,
+        text=None,
+    )
+
+
+def _cat_supports(first: torch.Tensor, then: torch.Tensor) -> torch.Tensor:
+    """Two segments' `[n, K]` int32 sampling supports as one `[n1 + n2, max K]`, −1 padded."""
+    width = max(first.shape[1], then.shape[1])
+    pad = [torch.nn.functional.pad(t, (0, width - t.shape[1]), value=-1) for t in (first, then)]
+    return torch.cat(pad)
 
 
 def _check_prompt(index: int, prompt: Sequence[int]) -> list[int]:

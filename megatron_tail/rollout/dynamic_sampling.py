@@ -52,6 +52,7 @@ def select_groups(batch: RolloutBatch, groups: Sequence[int], group_size: int) -
         weight_versions=pick(batch.weight_versions),
         rollout_top_logprobs=pick(batch.rollout_top_logprobs),
         rollout_supports=pick(batch.rollout_supports),
+        token_versions=pick(batch.token_versions),
         stats=dict(batch.stats),
         metrics=dict(batch.metrics),
         data_cursor=batch.data_cursor,
@@ -71,6 +72,8 @@ def concat_batches(batches: Sequence[RolloutBatch]) -> RolloutBatch:
     out.rollout_top_logprobs = None if any(t is None for t in tops) else [x for t in tops for x in t]
     supports = [b.rollout_supports for b in batches]
     out.rollout_supports = None if any(s is None for s in supports) else [x for s in supports for x in s]
+    versions = [b.token_versions for b in batches]
+    out.token_versions = None if any(v is None for v in versions) else [x for v in versions for x in v]
     return out
 
 

@@ -75,7 +75,11 @@ class SampleResult:
     `output_logprobs[i]` is the engine's log-prob of `output_ids[i]` (with DVP: log π^mp, float);
     `output_top_logprobs[i]` the log-prob of the most probable token at that position, of the same
     distribution (None unless `SamplingConfig.top_logprob`).
-    `weight_version` is the policy version the server reported when it returned the sample.
+    `weight_version` is the policy version the server reported when it returned the sample;
+    `output_versions[i]` the version that sampled `output_ids[i]` (SGLang 0.5.23's `meta_info.weight_versions`
+    spans where the server sends them, else `weight_version` for every token; a partial rollout continued
+    after a weight update concatenates its segments' versions). `segments`: requests the sample took (1, or
+    more when a weight-update pause aborted it and it was continued from its tokens).
     """
 
     key: SampleKey
@@ -92,6 +96,12 @@ class SampleResult:
     """With truncated sampling: `[len(output_ids), K]` int32, token i's sampling support (SGLang's
     `output_token_sampling_mask`, −1 padded to the longest); `output_logprobs` then holds SGLang's
     `output_token_sampling_logprobs` (log-prob under the truncated distribution). None otherwise."""
+    output_versions: list[str | None] = field(default_factory=list)
+    segments: int = 1
+
+    @property
+    def aborted(self) -> bool:
+        return self.finish_reason.get("type") == "abort"
 
 
 @dataclass(frozen=True)
@@ -234,11 +244,14 @@ def parse_generate_response(
     config: SamplingConfig,
     attempt: int,
     server_url: str,
+    *,
+    allow_abort: bool = False,
 ) -> list[SampleResult]:
     """Validate a batch `/generate` response against what was asked; return one `SampleResult` per key.
 
     Raises `MalformedResponseError` (naming the sample and the field) on a contract violation and
-    `RetryableServerError` when a sample was aborted (e.g. by a weight update's pause).
+    `RetryableServerError` when a sample was aborted (e.g. by a weight update's pause), unless
+    `allow_abort`: then an aborted sample is returned with what it generated before the abort.
     """
     if isinstance(body, dict) and len(keys) == 1:
         body = [body]
@@ -248,13 +261,13 @@ def parse_generate_response(
             f"{server_url}/generate: expected a JSON list of {len(keys)} samples, got {got}: {_clip(body)}"
         )
     return [
-        _parse_one(item, prompt_ids, key, config, attempt, server_url)
+        _parse_one(item, prompt_ids, key, config, attempt, server_url, allow_abort)
         for item, key in zip(body, keys, strict=True)
     ]
 
 
 def _parse_one(
-    item, prompt_ids, key: SampleKey, config: SamplingConfig, attempt: int, url: str
+    item, prompt_ids, key: SampleKey, config: SamplingConfig, attempt: int, url: str, allow_abort: bool
 ) -> SampleResult:
     where = f"{url}/generate sample {key.rid}"
     if not isinstance(item, dict):
@@ -273,8 +286,10 @@ def _parse_one(
         raise MalformedResponseError(
             f"{where}: meta_info.finish_reason {finish!r} is not {{'type': stop|length|abort}}"
         )
-    if finish["type"] == "abort":
+    if finish["type"] == "abort" and not allow_abort:
         raise SampleAbortedError(f"{where}: sample aborted by the server: {finish.get('message')!r}")
+    if output_ids is None and finish["type"] == "abort":
+        output_ids = []  # aborted in the waiting queue: SGLang may send no tokens at all
     if not isinstance(output_ids, list) or not all(isinstance(t, int) and t >= 0 for t in output_ids):
         raise MalformedResponseError(
             f"{where}: 'output_ids' must be a list of token ids, got {_clip(output_ids)}"
@@ -283,29 +298,55 @@ def _parse_one(
         raise MalformedResponseError(
             f"{where}: {len(output_ids)} output tokens exceed max_new_tokens={config.max_new_tokens}"
         )
-    logprobs = _parse_logprobs(meta, output_ids, where) if config.return_logprob else None
+    if config.return_logprob and not output_ids and finish["type"] == "abort":
+        logprobs = []
+    else:
+        logprobs = _parse_logprobs(meta, output_ids, where) if config.return_logprob else None
     top = None
     if logprobs is not None and config.top_logprob:
-        top = _parse_top_logprobs(meta, logprobs, where)
+        top = _parse_top_logprobs(meta, logprobs, where) if logprobs else []
     supports = None
-    if config.truncates:
+    if config.truncates and output_ids:
         supports, selected = _parse_sampling_masks(meta, output_ids, where)
         if top is not None:  # the same shift as the sampled token's: onto the truncated normaliser
             top = [t + s - f for t, s, f in zip(top, selected, logprobs, strict=True)]
         logprobs = selected
+    elif config.truncates:  # aborted before its first token
+        supports = torch.full((0, 0), -1, dtype=torch.int32)
+    version = None if meta.get("weight_version") is None else str(meta["weight_version"])
     return SampleResult(
         key=key,
         prompt_ids=list(prompt_ids),
         output_ids=output_ids,
         output_logprobs=logprobs,
         finish_reason=finish,
-        weight_version=None if meta.get("weight_version") is None else str(meta["weight_version"]),
+        weight_version=version,
         server_url=url,
         text=item.get("text"),
         meta_info=meta,
         output_top_logprobs=top,
         output_supports=supports,
+        output_versions=_token_versions(meta, len(output_ids), version, where),
     )
+
+
+def _token_versions(meta: dict, n: int, version: str | None, where: str) -> list[str | None]:
+    """Per output token, the weight version that sampled it: SGLang 0.5.23 sends
+    `meta_info.weight_versions = [{"version", "start", "end"}, ...]` (`utils/weight_versions.py`,
+    `add_weight_versions_to_meta_info`) when the version changed while the request ran (an in-place or
+    retract pause); otherwise every token has `weight_version`."""
+    spans = meta.get("weight_versions")
+    if not spans:
+        return [version] * n
+    out: list[str | None] = [version] * n
+    for span in spans:
+        try:
+            start, end, value = int(span["start"]), int(span["end"]), str(span["version"])
+        except (KeyError, TypeError, ValueError) as e:
+            bad = f"{where}: meta_info.weight_versions entry {_clip(span)}"
+            raise MalformedResponseError(f"{bad}: {e}") from e
+        out[max(start, 0) : min(end, n)] = [value] * max(0, min(end, n) - max(start, 0))
+    return out
 
 
 def _parse_sampling_masks(meta: dict, output_ids: list[int], where: str) -> tuple[torch.Tensor, list[float]]:

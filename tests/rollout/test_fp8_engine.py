@@ -152,15 +152,15 @@ def test_dvp_safe_set_is_the_ops_rule_on_the_fp8_engines_own_logits(tiny_model_d
     log-probs are the op's log π^mp on those same logits (bf16 model, FP8 linears)."""
     engine = LocalEngine(tiny_model_dir, dtype="bfloat16", quantization="fp8")
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []
-    sample = engine._sample
+    sample = engine.batcher.sample
 
-    def recording_sample(items, logits, state):
+    def recording_sample(rows, logits):
         raw = logits.clone()
-        result = sample(items, logits, state)  # processes `logits` in place
+        result = sample(rows, logits)  # processes `logits` in place
         seen.append((raw, logits.clone()))
         return result
 
-    engine._sample = recording_sample
+    engine.batcher.sample = recording_sample
     log_rho, temperature = -4.0, 0.8
     it = item("a", [5, 6, 76, 7, 84], temperature=temperature, log_rho=log_rho, seed=4, max_new_tokens=12)
     (out,) = engine.generate([it])

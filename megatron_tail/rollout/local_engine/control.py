@@ -1,15 +1,17 @@
 """Pause / continue / abort between decoding steps, with SGLang's `/pause_generation` semantics.
 
 `mode="abort"` (SGLang's default) ends every running generation at its next step with
-`finish_reason = {"type": "abort"}`; `mode="in_place"` holds running generations where they are (their
-KV cache is kept) until `/continue_generation`. In both modes new generations wait until continued.
+`finish_reason = {"type": "abort"}` (and what it generated so far); `mode="in_place"` holds running
+generations where they are (their KV cache is kept) until `/continue_generation`; `mode="retract"` puts
+them back in the waiting queue without their KV cache, recomputed when they are admitted again after
+`/continue_generation` (`batcher.py`). In every mode new generations wait until continued.
 """
 
 from __future__ import annotations
 
 import threading
 
-PAUSE_MODES = ("abort", "in_place")
+PAUSE_MODES = ("abort", "in_place", "retract")
 
 
 class PauseControl:
@@ -20,6 +22,22 @@ class PauseControl:
         self._paused = False
         self._abort_epoch = 0
         self._active = 0
+        self._mode = "abort"
+
+    @property
+    def cond(self) -> threading.Condition:
+        """The lock and condition every pause-state change notifies (the batcher waits on it)."""
+        return self._cond
+
+    @property
+    def mode(self) -> str:
+        """The mode of the current (or last) pause."""
+        return self._mode
+
+    @property
+    def abort_epoch(self) -> int:
+        """Incremented by every abort pause: generations of an older epoch must end."""
+        return self._abort_epoch
 
     @property
     def paused(self) -> bool:
@@ -35,6 +53,8 @@ class PauseControl:
             raise ValueError(f"pause mode must be one of {PAUSE_MODES} on the local engine; got {mode!r}")
         with self._cond:
             self._paused = True
+            self._mode = mode
+            self._cond.notify_all()
             if mode == "abort":
                 self._abort_epoch += 1
 
@@ -51,12 +71,13 @@ class PauseControl:
             self._active += 1
             return self._abort_epoch
 
-    def checkpoint(self, epoch: int) -> bool:
-        """Between steps: True if the generation must abort; blocks while paused in place."""
+    def try_start(self) -> int | None:
+        """`wait_until_running` without blocking: None while paused (the caller retries later)."""
         with self._cond:
-            while self._paused and epoch == self._abort_epoch:
-                self._cond.wait()
-            return epoch != self._abort_epoch
+            if self._paused:
+                return None
+            self._active += 1
+            return self._abort_epoch
 
     def done(self) -> None:
         with self._cond:

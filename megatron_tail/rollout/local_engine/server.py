@@ -15,12 +15,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from typing import Any
 
 import torch
 from aiohttp import web
 
-from megatron_tail.rollout.local_engine.engine import LocalEngine
+from megatron_tail.rollout.local_engine.engine import LocalEngine, raise_row_errors
 from megatron_tail.rollout.local_engine.requests import BadRequest, parse_generate_body
 from megatron_tail.rollout.process_group import init_custom_process_group
 from megatron_tail.rollout.processor import load_custom_logit_processor
@@ -97,12 +98,32 @@ async def generate(request: web.Request) -> web.Response:
         )
         for serialized in {item.processor for item in parsed.items if item.processor is not None}:
             load_custom_logit_processor(serialized)
-        outputs = await asyncio.to_thread(engine.generate, parsed.items)
+        outputs = await _generate(engine, parsed.items)
     except BadRequest as e:
         return _error(str(e))
     except ValueError as e:  # an unloadable processor, or one that rejects its custom_params
         return _error(str(e))
     return web.json_response(outputs if parsed.batched else outputs[0], dumps=_dumps)
+
+
+async def _generate(engine: LocalEngine, items) -> list[dict]:
+    """Queue the items in the engine's continuous batch and wait without holding a thread (a paused
+    engine holds new requests until `/continue_generation`, as SGLang's tokenizer manager does)."""
+    loop = asyncio.get_running_loop()
+    finished = loop.create_future()
+
+    def on_done() -> None:  # on the batcher's thread
+        loop.call_soon_threadsafe(lambda: finished.done() or finished.set_result(None))
+
+    started = time.monotonic()
+    # wait on the event loop, not in a worker thread: requests held by a pause must not take the threads
+    # that /update_weights_from_disk needs to end it
+    while (epoch := engine.control.try_start()) is None:
+        await asyncio.sleep(0.005)
+    rows = engine.submit(items, epoch, on_done)
+    await finished
+    raise_row_errors(rows)  # a ValueError: HTTP 400 with its message
+    return [engine.output(row, started) for row in rows]
 
 
 async def health(request: web.Request) -> web.Response:  # noqa: ARG001 - aiohttp handler signature

@@ -29,8 +29,11 @@ from megatron_tail.rollout import (
     SamplingConfig,
     wait_until_healthy,
 )
+from megatron_tail.rollout.batch import token_versions_of
 from megatron_tail.rollout.local_engine.process import LocalEngineProcess
+from megatron_tail.rollout.manager import GroupResult, RolloutManager, groups_to_batch
 from megatron_tail.rollout.processor import DVPLogitProcessor
+from megatron_tail.rollout.protocol import sample_keys
 from megatron_tail.utils.errors import UserError
 from megatron_tail.utils.net import free_port
 
@@ -88,6 +91,9 @@ class RolloutEngines:
         )
         self.eval_client = RolloutClient(self.urls, client_cfg, processor=None)
         self.loop = asyncio.new_event_loop()
+        self._thread: threading.Thread | None = None
+        """Runs `loop` forever once the rollout manager starts; before, callers run it in turn."""
+        self.manager: RolloutManager | None = None
         self._cancelled = threading.Event()
         if local is not None:  # last: nothing after it can fail and leave the process behind
             self.engine = LocalEngineProcess(local, run_dir / "logs" / "local_engine.log")
@@ -125,12 +131,9 @@ class RolloutEngines:
                         )
         self._run(wait_until_healthy(self.urls, timeout_s=timeout), "the engines' /health")
 
-    def generate(
-        self, prompt_ids: Sequence[Sequence[int]], answers: Sequence[str], *, base_seed: int
-    ) -> RolloutBatch:
-        """`group_size` samples per prompt, scored by the reward; groups contiguous in prompt order."""
+    def _sampling(self, base_seed: int) -> SamplingConfig:
         r, n = self.cfg.rollout, self.cfg.algorithm.group_size
-        sampling = SamplingConfig(
+        return SamplingConfig(
             n_samples=n,
             max_new_tokens=r.max_new_tokens,
             temperature=r.temperature,
@@ -141,6 +144,13 @@ class RolloutEngines:
             top_p=r.top_p,
             min_p=r.min_p,
         )
+
+    def generate(
+        self, prompt_ids: Sequence[Sequence[int]], answers: Sequence[str], *, base_seed: int
+    ) -> RolloutBatch:
+        """`group_size` samples per prompt, scored by the reward; groups contiguous in prompt order."""
+        n = self.cfg.algorithm.group_size
+        sampling = self._sampling(base_seed)
         started = time.perf_counter()
         grouped = self._run(
             self.client.generate(prompt_ids, sampling), f"samples of {len(prompt_ids)} prompts × {n}"
@@ -150,8 +160,12 @@ class RolloutEngines:
         self._check_token_ids(samples)
         completions = [self._decode(s.output_ids) for s in samples]
         sample_answers = [answers[i] for i in range(len(grouped)) for _ in range(n)]
-        rewards = self.score(completions, sample_answers)
-        generated = sum(len(s.output_ids) for s in samples)
+        batch = self._batch(samples, self.score(completions, sample_answers), elapsed)
+        batch.metrics.update(self.client.occupancy.read())
+        return batch
+
+    def _batch(self, samples, rewards: list[float], elapsed: float) -> RolloutBatch:
+        versions = [token_versions_of(s.output_versions) for s in samples]
         return RolloutBatch(
             prompt_ids=[list(s.prompt_ids) for s in samples],
             response_ids=[list(s.output_ids) for s in samples],
@@ -161,9 +175,87 @@ class RolloutEngines:
             truncated=[s.finish_reason.get("type") == "length" for s in samples],
             weight_versions=[s.weight_version for s in samples],
             rollout_top_logprobs=[list(s.output_top_logprobs) for s in samples],
-            rollout_supports=[s.output_supports for s in samples] if sampling.truncates else None,
-            stats={"rollout_time_s": elapsed, "generated_tokens": float(generated)},
+            rollout_supports=[s.output_supports for s in samples] if self.cfg.rollout.truncates else None,
+            token_versions=None if any(v is None for v in versions) else versions,
+            stats={
+                "rollout_time_s": elapsed,
+                "generated_tokens": float(sum(len(s.output_ids) for s in samples)),
+            },
         )
+
+    # --- the rollout manager (rollout.max_staleness ≥ 2 or rollout.partial_rollouts) -------------------
+
+    def start_manager(self, prompt_at: Callable[[int], object], version: int, state: dict | None) -> None:
+        """Run the engines' event loop in its own thread from now on, with a `RolloutManager` on it that
+        generates group `index` from `prompt_at(index)` (an example with `prompt_ids` and `answer`)."""
+        r, cfg = self.cfg.rollout, self.cfg
+        sampling = self._sampling(base_seed=cfg.seed * 1_000_003 - 1)  # rollout_seed(seed, -1): no step's
+        score_lock = asyncio.Lock()
+
+        async def work(index: int, admitted: int) -> GroupResult:
+            example = prompt_at(index)
+            started = time.perf_counter()
+            samples = await self.client.generate_group(
+                example.prompt_ids, sample_keys(index, sampling), sampling, partial=r.partial_rollouts
+            )
+            elapsed = time.perf_counter() - started
+            self._check_token_ids(samples)
+            completions = [self._decode(s.output_ids) for s in samples]
+            async with score_lock:  # one reward worker: one batch at a time
+                rewards = await asyncio.to_thread(self.score, completions, [example.answer] * len(samples))
+            batch = self._batch(samples, rewards, elapsed)
+            if batch.token_versions is None:
+                raise UserError(
+                    f"engine {samples[0].server_url} reported weight version {samples[0].weight_version!r}, "
+                    "not an integer; rollout.max_staleness ≥ 2 and rollout.partial_rollouts need the "
+                    "versions the trainer sets"
+                )
+            return GroupResult(index, batch, admitted)
+
+        keep = None
+        if cfg.data.filter_zero_variance_groups:
+            keep = lambda g: max(g.batch.rewards) != min(g.batch.rewards)  # noqa: E731 - DAPO's filter
+        self.manager = RolloutManager(
+            work,
+            groups_per_step=cfg.data.prompts_per_step,
+            max_staleness=r.max_staleness,
+            version=version,
+            keep=keep,
+            max_filtered_per_batch=cfg.data.prompts_per_step * cfg.data.max_sampling_rounds,
+        )
+        if state is not None:
+            self.manager.load_state_dict(state)
+        self._thread = threading.Thread(target=self.loop.run_forever, name="rollout-manager", daemon=True)
+        self._thread.start()
+        self._run(self._call(self.manager.start))
+
+    @staticmethod
+    async def _call(fn, *args):
+        return fn(*args)
+
+    def next_batch(self, step: int) -> RolloutBatch:
+        """Step `step`'s batch from the manager (blocks until G groups within the staleness bound)."""
+        started = time.perf_counter()
+        groups, metrics = self._run(self.manager.next_batch(step), f"the batch of step {step + 1}")
+        batch = groups_to_batch(groups)
+        batch.data_cursor = self.manager.next_index
+        batch.metrics.update(metrics)
+        batch.metrics.update(self.client.occupancy.read())
+        # generation overlapped training: what the trainer waited is what the step's rollout cost it
+        batch.stats["rollout_time_s"] = time.perf_counter() - started
+        return batch
+
+    def before_weight_update(self) -> None:
+        """Without partial rollouts, let the groups in flight finish under the weights they began with."""
+        if self.manager is not None and not self.cfg.rollout.partial_rollouts:
+            self._run(self.manager.drain(), "the groups in flight to finish before the weight update")
+
+    def after_weight_update(self, version: int) -> None:
+        if self.manager is not None:
+            self._run(self._call(self.manager.set_version, version))
+
+    def manager_state(self) -> dict | None:
+        return None if self.manager is None else self._run(self._call(self.manager.state_dict))
 
     def evaluate(self, prompt_ids: Sequence[Sequence[int]], answers: Sequence[str]) -> dict[str, float]:
         """`train.eval_samples_per_prompt` = n samples per prompt at the training temperature (with DVP if on:
@@ -272,6 +364,8 @@ class RolloutEngines:
             raise asyncio.CancelledError("the engines' requests were cancelled")
         if waiting_for:
             coro = self._reporting(coro, waiting_for)
+        if self._thread is not None:
+            return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
         return self.loop.run_until_complete(coro)
 
     async def _reporting(self, coro, waiting_for: str):
@@ -318,6 +412,12 @@ class RolloutEngines:
     def close(self) -> None:
         self._cancelled.clear()  # the worker is done by now (`BackgroundJob.close` waited): shut down cleanly
         try:
+            if self.manager is not None and self._thread is not None and self._thread.is_alive():
+                asyncio.run_coroutine_threadsafe(self.manager.close(), self.loop).result(timeout=60)
+            if self._thread is not None:  # back to one thread driving the loop
+                self.loop.call_soon_threadsafe(self.loop.stop)
+                self._thread.join(timeout=60)
+                self._thread = None
             self._drain()
             for client in (self.client, self.eval_client):
                 self._run(client.close())

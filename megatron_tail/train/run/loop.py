@@ -13,7 +13,9 @@ directory is refused.
 
 With `rollout.max_staleness: 1` the next step's rollout runs on rank 0 in the background from the step's
 start until before its weight sync, so step k+1 samples with the weights step k trained from; that batch
-is held, and checkpointed with the step, so a resumed run trains on the same samples.
+is held, and checkpointed with the step, so a resumed run trains on the same samples. With
+`rollout.max_staleness ≥ 2` or `rollout.partial_rollouts`, a rollout manager on rank 0 generates
+continuously and each step takes a batch at most η versions old from it (`RunSession.start_manager`).
 """
 
 from __future__ import annotations
@@ -101,7 +103,8 @@ def rl_step(
     started = time.perf_counter()
     batch = s.rollout(step)  # rollout + reward: rank 0 generates and scores (or it was generated ahead)
     trained = time.perf_counter()
-    ahead = s.cfg.rollout.max_staleness > 0 and done < s.cfg.train.steps
+    # the rollout manager generates continuously on its own; else one step ahead with max_staleness 1
+    ahead = s.cfg.rollout.max_staleness == 1 and not s.cfg.rollout.uses_manager and done < s.cfg.train.steps
     if ahead:
         s.launch_rollout(done)  # the next step's batch, with the weights this step trains from
     metrics, histograms, tokens = rollout_metrics(batch, policy_version=step), {}, 0
@@ -204,6 +207,7 @@ def _loop(s: RunSession, stop: GracefulStop, hooks: LoopHooks) -> RunResult:
     try:
         s.wait_ready()
         s.sync_weights(version=start)
+        s.start_manager(version=start)
         if cadence.eval_at_start(start):
             scalars = s.evaluate()
             tb.write(0, scalars)

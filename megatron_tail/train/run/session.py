@@ -9,6 +9,13 @@ hanging them.
 Rollout ahead (`rollout.max_staleness: 1`): `launch_rollout(k + 1)` starts step k+1's batch on rank 0 in the
 background with the engines' current weights; `collect_rollout(k + 1)` waits for it and hands it to every
 rank, where it is held (and checkpointed with the step) until `rollout(k + 1)` takes it.
+
+Rollout manager (`rollout.max_staleness ≥ 2` or `rollout.partial_rollouts`, `rollout/manager.py`): after the
+first weight sync, `start_manager` has rank 0's engines generate continuously in their own thread;
+`rollout(k)` takes step k's batch from it (oldest token ≥ k − η), `sync_weights` drains it first without
+partial rollouts (with them, the update's abort-pause interrupts the requests, which continue under the new
+weights), and `checkpoint` saves its state (the completed groups with their versions; what was in flight is
+regenerated on resume).
 """
 
 from __future__ import annotations
@@ -74,6 +81,8 @@ class RunSession:
         self.held: tuple[int, RolloutBatch] | None = None
         """(step, batch) generated ahead and not trained on yet (every rank; checkpointed)."""
         self._ahead: BackgroundJob[RolloutBatch] | None = None
+        self._manager_state: dict | None = None
+        """Rank 0: the rollout manager's checkpointed state, until `start_manager` takes it."""
         self._wait = host_wait_group()
         """Where the other ranks wait for rank 0's phases (a CPU barrier, not an NCCL collective)."""
 
@@ -160,6 +169,8 @@ class RunSession:
         self.data_cursor = int(rl_state.get("data_cursor", 0))
         if self.rho is not None and rl_state.get("log_rho") is not None:
             self._use_log_rho(float(rl_state["log_rho"]))
+        if self.rank == 0 and self.cfg.rollout.uses_manager:
+            self._manager_state = read_rank0_object(path, "rollout_manager")
         ahead = on_rank0(lambda: read_rank0_object(path, "rollout_ahead"), wait_group=self._wait)
         if ahead is not None and ahead["step"] == rl_state["step"]:
             # the batch that was generated for the next step: train on it, as the stopped run would have
@@ -174,6 +185,21 @@ class RunSession:
     def wait_ready(self) -> None:
         on_rank0(lambda: self.engines.wait_ready(), wait_group=self._wait)
 
+    def start_manager(self, version: int) -> None:
+        """With `rollout.uses_manager`: rank 0's engines start generating continuously (the engines hold
+        weights `version`); group `index` is the prompt stream's prompt at `index`."""
+        if not self.cfg.rollout.uses_manager:
+            return
+
+        def start() -> None:
+            state, self._manager_state = self._manager_state, None
+            if state is None and self.data_cursor:  # a checkpoint of the step-wise loop: continue its stream
+                state = {"next_index": self.data_cursor, "queued": [], "admitted": 0, "wasted": 0,
+                         "base_version": version, "buffer": []}  # fmt: skip
+            self.engines.start_manager(lambda index: self.stream.take(index, 1)[0][0], version, state)
+
+        on_rank0(start, wait_group=self._wait)
+
     def rollout(self, step: int) -> RolloutBatch:
         """Step `step`'s prompts (a function of seed and step; with dynamic sampling, of the stream's cursor),
         `group_size` responses each from the engines, scored by the reward; generated on rank 0, identical on
@@ -185,6 +211,8 @@ class RunSession:
                 raise RuntimeError(f"the batch generated ahead is for step {held_step}, not step {step}")
             self.held = None
             return batch
+        if self.cfg.rollout.uses_manager:
+            return self._receive(on_rank0(lambda: self.engines.next_batch(step), wait_group=self._wait))
         return self._receive(on_rank0(lambda: self._generate(step), wait_group=self._wait))
 
     def launch_rollout(self, step: int) -> None:
@@ -213,13 +241,20 @@ class RunSession:
         `rollout.weight_sync: distributed` stream them to the engines in memory. Returns seconds."""
         from megatron_tail.model import export_hf
 
+        managed = self.cfg.rollout.uses_manager
+        if managed:  # without partial rollouts: the groups in flight finish under their weights first
+            on_rank0(lambda: self.engines.before_weight_update(), wait_group=self._wait)
         if self.cfg.rollout.weight_sync == "distributed":
-            return self._stream_weights(version)
-        started = time.perf_counter()
-        out = Path(self.cfg.rollout.weight_sync_dir or self.run_dir / "rollout_weights")
-        export_hf(self.trainer.chunks, out, self.trainer.arch, copy_files_from=self.cfg.model.hf_path)
-        on_rank0(lambda: self.engines.sync_weights(out, version), wait_group=self._wait)
-        return time.perf_counter() - started
+            seconds = self._stream_weights(version)
+        else:
+            started = time.perf_counter()
+            out = Path(self.cfg.rollout.weight_sync_dir or self.run_dir / "rollout_weights")
+            export_hf(self.trainer.chunks, out, self.trainer.arch, copy_files_from=self.cfg.model.hf_path)
+            on_rank0(lambda: self.engines.sync_weights(out, version), wait_group=self._wait)
+            seconds = time.perf_counter() - started
+        if managed:
+            on_rank0(lambda: self.engines.after_weight_update(version), wait_group=self._wait)
+        return seconds
 
     def _stream_weights(self, version: int) -> float:
         """Every rank takes part in gathering the HF tensors (TP gathers, PP sends to rank 0); rank 0 streams
@@ -269,6 +304,10 @@ class RunSession:
         # generated ahead for step `done` + 1, so a resumed run trains on the same samples (rank 0 writes
         # it: the held batch is identical on every rank, and large)
         objects = {}
+        if self.cfg.rollout.uses_manager:
+            state = on_rank0(lambda: self.engines.manager_state(), wait_group=self._wait)
+            if self.rank == 0 and state is not None:
+                objects["rollout_manager"] = state
         if self.held is not None:
             objects["rollout_ahead"] = {"step": self.held[0], "batch": dataclasses.asdict(self.held[1])}
         save_checkpoint(path, self.trainer, rl_state, overwrite=True, rank0_objects=objects)

@@ -1,0 +1,363 @@
+"""Continuous batching for the local engine, as SGLang's scheduler does it: sequences join and leave the
+running batch between decoding steps, so a finished sequence stops costing compute at once and a new one
+starts without waiting for the batch's longest.
+
+One scheduler thread owns the running batch: a left-padded KV cache (HF `DynamicCache`, `[B, heads, T,
+head_dim]` per layer) with its `[B, T]` attention mask. Each loop: admit waiting sequences (one prefill
+of their prompt + what they already generated, left-padded, merged into the running cache along the
+batch), run one decoding step for every running sequence, sample each row with its own generator, and
+drop finished rows (`batch_select`) and left columns no row uses any more.
+
+Pause modes (SGLang 0.5.23 `PauseGenerationReqInput`, `managers/io_struct.py`; scheduler
+`Scheduler.pause_generation`, `managers/scheduler.py`):
+- `abort`: every sequence running or waiting ends now with `finish_reason {"type": "abort"}` and what it
+  generated so far (with its log-probs); new requests wait until `/continue_generation`.
+- `in_place`: the loop stops stepping; the running batch keeps its KV cache (computed with the weights of
+  before the pause) and resumes with it.
+- `retract`: the running sequences go back to the waiting queue and their KV cache is dropped; after
+  `/continue_generation` they are prefilled again (prompt + tokens so far) with the weights of then.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from collections import deque
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from megatron_tail.rollout.local_engine.control import PauseControl
+from megatron_tail.rollout.local_engine.kv_cache import Fp8KVCache
+from megatron_tail.rollout.local_engine.logit_noise import add_tail_logit_noise_
+from megatron_tail.rollout.local_engine.requests import GenerateItem
+from megatron_tail.rollout.local_engine.truncation import sample_truncated
+from megatron_tail.rollout.processor import load_custom_logit_processor
+
+
+class Row:
+    """One sequence: its request item, what it generated (ids, log-probs, top log-probs), its generator,
+    and its finish reason once finished. `epoch`: the abort epoch it was submitted in."""
+
+    def __init__(self, item: GenerateItem, epoch: int, on_finish: Callable[[], None]):
+        self.item = item
+        self.epoch = epoch
+        self.outputs: list[int] = []
+        self.logprobs: list[float] = []
+        self.top_logprobs: list[list] = []
+        self.masks: list[tuple[list[int], float]] = []
+        """With `return_sampling_mask`: per output token, (the sampler's support, the token's log-prob
+        under the truncated distribution), as SGLang's sampling-mask fields."""
+        self.finish_reason: dict | None = None
+        self.error: str | None = None
+        """Why the engine could not generate this row (its request is refused with it)."""
+        self.generator = torch.Generator().manual_seed(
+            (secrets.randbits(63) if item.seed is None else item.seed) % (1 << 63)
+        )
+        self._on_finish = on_finish
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def finish(self, reason: dict) -> None:
+        self.finish_reason = reason
+        self._on_finish()
+
+    def append(self, token: int, logprob: float, top: list | None, mask, eos_ids: frozenset[int]) -> None:
+        self.outputs.append(token)
+        self.logprobs.append(logprob)
+        if top is not None:
+            self.top_logprobs.append(top)
+        if self.item.return_sampling_mask:
+            self.masks.append(mask)
+        item = self.item
+        if token in item.stop_token_ids or (not item.ignore_eos and token in eos_ids):
+            self.finish({"type": "stop", "matched": token})
+        elif len(self.outputs) >= item.max_new_tokens:
+            self.finish({"type": "length", "length": item.max_new_tokens})
+
+
+ABORTED = {"type": "abort", "message": "Abort before generation finished (paused)."}
+
+
+class ContinuousBatcher:
+    """The scheduler thread. `submit(rows)` queues sequences (the caller waits on its own `on_finish`);
+    `close()` stops the thread and aborts what is left."""
+
+    def __init__(self, model, vocab_size: int, eos_ids: frozenset[int], model_lock, control: PauseControl,
+                 max_running: int = 256, *, device: torch.device | None = None, fp8_kv_cache: bool = False,
+                 logit_noise: float = 0.0):  # fmt: skip
+        self.model = model
+        self.device = torch.device("cpu") if device is None else device
+        """The model's device: inputs, KV cache and logits live there; sampling runs on the host."""
+        self.fp8_kv_cache = fp8_kv_cache
+        """SGLang's `--kv-cache-dtype fp8_e4m3` (`kv_cache.py`): every prefill starts an `Fp8KVCache`."""
+        self.logit_noise = logit_noise
+        """SYNTHETIC mismatch σ (`logit_noise.py`), added to the raw logits before the processor."""
+        self.vocab_size = vocab_size
+        self.eos_ids = eos_ids
+        self.model_lock = model_lock
+        self.control = control
+        self.max_running = max_running
+        self.waiting: deque[Row] = deque()
+        self.running: list[Row] = []
+        self._cache = None
+        self._mask: torch.Tensor | None = None
+        """`[B, T]` int64: which cache columns of each running row hold tokens (left padding = 0)."""
+        self._closed = False
+        self.sample = sample_rows
+        """`sample_rows`, or a test's recording wrapper of it."""
+        self.held = False
+        """True while a pause holds the loop between decoding steps (the pause is then in force)."""
+        self.steps = 0
+        """Decoding steps run (a step = one forward of the whole running batch)."""
+        self._thread = threading.Thread(target=self._loop, name="local-engine-batcher", daemon=True)
+        self._thread.start()
+
+    def submit(self, rows: list[Row]) -> None:
+        with self.control.cond:
+            self.waiting.extend(rows)
+            self.control.cond.notify_all()
+
+    def close(self) -> None:
+        with self.control.cond:
+            self._closed = True
+            self.control.cond.notify_all()
+        self._thread.join(timeout=30)
+
+    # --- the scheduler thread -----------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self.control.cond:
+                admit = self._next_admissions()
+                if admit is None:
+                    return
+            with torch.inference_mode():
+                if admit:
+                    try:
+                        self._prefill(admit)
+                    except Exception as e:  # e.g. a processor refusing its custom_params: those rows fail
+                        self._fail(admit, e)
+                if self.running:
+                    try:
+                        self._decode_step()
+                    except Exception as e:  # the batch's state is unknown now: every running row fails
+                        rows, self.running, self._cache, self._mask = self.running, [], None, None
+                        self._fail(rows, e)
+
+    def _fail(self, rows: list[Row], error: Exception) -> None:
+        """End `rows` with `error` (their request answers HTTP 400 with it); the loop goes on."""
+        with self.control.cond:
+            for row in rows:
+                if not row.finished:
+                    row.error = (
+                        f"{type(error).__name__}: {error}"
+                        if not isinstance(error, ValueError)
+                        else str(error)
+                    )
+                    row.finish({"type": "abort", "message": row.error})
+
+    def _next_admissions(self) -> list[Row] | None:
+        """Under the control's lock: wait for work while idle or paused (in place / retract); abort what
+        an abort pause ends; return the waiting rows to admit now (None: closed)."""
+        cond = self.control.cond
+        while True:
+            if self._closed:
+                self._abort_all(lambda _row: True)
+                return None
+            self._abort_all(lambda row: row.epoch != self.control.abort_epoch)
+            if self.control.paused:
+                if self.control.mode == "retract" and self.running:
+                    self._retract()
+                self.held = True
+                cond.wait()
+                self.held = False
+                continue
+            if self.running or self.waiting:
+                break
+            cond.wait()
+        admit = []
+        while self.waiting and len(self.running) + len(admit) < self.max_running:
+            admit.append(self.waiting.popleft())
+        return admit
+
+    def _abort_all(self, which) -> None:
+        doomed = [r for r in self.running if which(r)]
+        if doomed:
+            self._keep([i for i, r in enumerate(self.running) if not which(r)])
+        for row in doomed + [r for r in self.waiting if which(r)]:
+            row.finish(dict(ABORTED))
+        self.waiting = deque(r for r in self.waiting if not r.finished)
+
+    def _retract(self) -> None:
+        """Running rows back to the front of the queue; their KV cache is dropped (recomputed at admission
+        under whatever weights are loaded then)."""
+        self.waiting.extendleft(reversed(self.running))
+        self.running, self._cache, self._mask = [], None, None
+
+    def _prefill(self, rows: list[Row]) -> None:
+        """One left-padded forward of the rows' prompt + generated tokens; sample each row's next token and
+        merge the surviving rows' cache into the running batch."""
+        sequences = [r.item.input_ids + r.outputs for r in rows]
+        length = max(len(s) for s in sequences)
+        ids = torch.zeros(len(rows), length, dtype=torch.long)
+        mask = torch.zeros(len(rows), length, dtype=torch.long)
+        for i, s in enumerate(sequences):
+            ids[i, length - len(s) :] = torch.tensor(s, dtype=torch.long)
+            mask[i, length - len(s) :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        past = Fp8KVCache() if self.fp8_kv_cache else None
+        with self.model_lock:
+            out = self.model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=past,
+                use_cache=True,
+            )
+        self._sample_into(rows, out.logits[:, -1, : self.vocab_size].float())
+        alive = [i for i, r in enumerate(rows) if not r.finished]
+        if not alive:
+            return
+        cache = out.past_key_values
+        if len(alive) < len(rows):
+            cache.batch_select_indices(torch.tensor(alive, device=self.device))
+            mask = mask[alive]
+        self._merge(cache, mask, [rows[i] for i in alive])
+
+    def _merge(self, cache, mask: torch.Tensor, rows: list[Row]) -> None:
+        if not self.running:
+            self._cache, self._mask, self.running = cache, mask, rows
+            return
+        width = max(self._mask.shape[1], mask.shape[1])
+        for mine, theirs in zip(self._cache.layers, cache.layers, strict=True):
+            mine.keys = torch.cat([_left_pad(mine.keys, width), _left_pad(theirs.keys, width)])
+            mine.values = torch.cat([_left_pad(mine.values, width), _left_pad(theirs.values, width)])
+        self._mask = torch.cat([_left_pad_mask(self._mask, width), _left_pad_mask(mask, width)])
+        self.running = self.running + rows
+
+    def _decode_step(self) -> None:
+        rows = self.running
+        ids = torch.tensor([[r.outputs[-1]] for r in rows], dtype=torch.long, device=self.device)
+        positions = self._mask.sum(-1, keepdim=True)  # each row's next position: its tokens so far
+        self._mask = torch.cat([self._mask, torch.ones_like(self._mask[:, :1])], dim=-1)
+        with self.model_lock:
+            out = self.model(
+                input_ids=ids,
+                attention_mask=self._mask,
+                position_ids=positions,
+                past_key_values=self._cache,
+                use_cache=True,
+            )
+        self._cache = out.past_key_values
+        self.steps += 1
+        with self.control.cond:  # a row finishing wakes its waiter: under the lock, like every state change
+            self._sample_into(rows, out.logits[:, -1, : self.vocab_size].float())
+            self._keep([i for i, r in enumerate(rows) if not r.finished])
+
+    def _keep(self, indices: list[int]) -> None:
+        """Keep only these running rows; drop the cache's left columns no kept row uses."""
+        if len(indices) == len(self.running):
+            return
+        self.running = [self.running[i] for i in indices]
+        if not self.running:
+            self._cache, self._mask = None, None
+            return
+        index = torch.tensor(indices, device=self.device)
+        self._cache.batch_select_indices(index)
+        self._mask = self._mask[index]
+        unused = int((self._mask.sum(0) == 0).long().cumprod(0).sum())
+        if unused:
+            for layer in self._cache.layers:
+                layer.keys, layer.values = layer.keys[..., unused:, :], layer.values[..., unused:, :]
+            self._mask = self._mask[:, unused:]
+
+    def _sample_into(self, rows: list[Row], logits: torch.Tensor) -> None:
+        if self.logit_noise:  # synthetic mismatch, where numerical error sits: before the processor
+            for i, row in enumerate(rows):
+                add_tail_logit_noise_(logits[i], self.logit_noise, row.generator)
+        tokens, logprobs, top, masks = self.sample(rows, logits)
+        for row, token, logprob, best, mask in zip(rows, tokens, logprobs, top, masks, strict=True):
+            row.append(token, logprob, best, mask, self.eos_ids)
+
+
+def _left_pad(x: torch.Tensor, width: int) -> torch.Tensor:
+    """`[B, H, T, D]` → `[B, H, width, D]` with zeros on the left."""
+    missing = width - x.shape[-2]
+    if missing == 0:
+        return x
+    return torch.cat([x.new_zeros(*x.shape[:-2], missing, x.shape[-1]), x], dim=-2)
+
+
+def _left_pad_mask(mask: torch.Tensor, width: int) -> torch.Tensor:
+    missing = width - mask.shape[1]
+    return mask if missing == 0 else torch.cat([mask.new_zeros(mask.shape[0], missing), mask], dim=1)
+
+
+def sample_rows(rows: list[Row], logits: torch.Tensor):
+    """`(tokens [B] list of int, logprobs [B] list of float, top [B] of [[logprob, id], ...] | None,
+    masks [B] of (support ids, truncated log-prob) | None)` of one step, in SGLang's sampler order: custom
+    logit processor → ÷ T → log-softmax → sample with the row's own generator (greedy, T = 0: argmax,
+    log-probs of the processed logits at T = 1; top_k / top_p / min_p: SGLang's truncation,
+    `truncation.py`). `logits` `[B, V]` fp32 on the model's device, processed in place there; the draw
+    runs on the host with each row's CPU generator, so a seed draws the same tokens on any device.
+    Row-wise math runs batched; only the draw is per row."""
+    _apply_processors(rows, logits)
+    logits = logits.cpu()
+    temperatures = torch.tensor([[r.item.temperature or 1.0] for r in rows], dtype=logits.dtype)
+    row_logprobs = torch.log_softmax(logits / temperatures, dim=-1)
+    tokens = torch.argmax(logits, dim=-1)
+    probs = None
+    masks: list[tuple[list[int], float] | None] = [None] * len(rows)
+    for i, row in enumerate(rows):
+        if row.item.temperature == 0.0:
+            masks[i] = ([int(tokens[i])], 0.0)  # SGLang's `_build_greedy_sampling_mask_output`
+            continue
+        probs = row_logprobs.exp() if probs is None else probs
+        if row.item.truncation.active:
+            token, support, selected = sample_truncated(probs[i], row.item.truncation, row.generator)
+            tokens[i], masks[i] = token, (support, selected)
+        else:
+            tokens[i] = torch.multinomial(probs[i], 1, generator=row.generator)[0]
+    logprobs = row_logprobs.gather(1, tokens[:, None])[:, 0]
+    top: list[list[list] | None] = [None] * len(rows)
+    k = max(r.item.top_logprobs_num for r in rows)
+    if k:
+        values, ids = (t.tolist() for t in torch.topk(row_logprobs, k, dim=-1))
+        for i, row in enumerate(rows):
+            n = row.item.top_logprobs_num
+            if n:
+                top[i] = [[v, t] for v, t in zip(values[i][:n], ids[i][:n], strict=True)]
+    return tokens.tolist(), logprobs.tolist(), top, masks
+
+
+def _apply_processors(rows: list[Row], logits: torch.Tensor) -> None:
+    """Run each request's custom logit processor on its rows, as SGLang's `apply_custom_logit_processor`."""
+    rows_by_processor: dict[str, list[int]] = {}
+    for i, row in enumerate(rows):
+        if row.item.processor is not None:
+            rows_by_processor.setdefault(row.item.processor, []).append(i)
+    for serialized, indices in rows_by_processor.items():
+        processor = load_custom_logit_processor(serialized)
+        params = [_with_request(rows[i].item, rows[i].outputs) for i in indices]
+        index = torch.tensor(indices, dtype=torch.long, device=logits.device)
+        result = processor(logits.index_select(0, index), params)
+        logits.index_copy_(0, index, result.to(logits.dtype))
+
+
+def _with_request(item: GenerateItem, output_ids: list[int]) -> dict[str, Any] | None:
+    """custom_params plus the `__req__` view SGLang passes (prompt, output so far, sampling params)."""
+    if item.custom_params is None:
+        return None
+    temperature = 1.0 if item.temperature == 0.0 else item.temperature
+    req = SimpleNamespace(
+        origin_input_ids=item.input_ids,
+        output_ids=output_ids,
+        sampling_params=SimpleNamespace(temperature=temperature, custom_params=item.custom_params),
+    )
+    return {**item.custom_params, "__req__": req}

@@ -1,0 +1,252 @@
+"""The rollout manager: keeps the engines busy with up to η weight versions in flight, and hands the trainer
+batches whose oldest token is at most η versions behind (`rollout.max_staleness` = η ≥ 2, or
+`rollout.partial_rollouts`).
+
+    manager = RolloutManager(work, groups_per_step=G, max_staleness=η, version=v0)
+    manager.start()                              # on the engines' event loop
+    groups, metrics = await manager.next_batch(step)
+    await manager.drain()                        # without partial rollouts, before a weight update
+    manager.set_version(step + 1)                # after it
+
+Units of work. A *group* is one prompt's `group_size` samples; its identity is its position `index` in
+the prompt stream (the prompts are `stream.take(index, 1)`, seeds a function of the index). `work(index,
+version)` is a coroutine that generates, scores and returns the group (`GroupResult`); it may issue any
+number of `/generate` calls (a multi-turn episode is one unit of work), and with partial rollouts a
+weight-update pause aborts its requests, which it continues from their tokens under the new weights.
+
+Admission (AReaL's staleness control, arXiv 2505.24298 §4): with the engines at version v, the manager
+admits a new group only while `admitted < (v − v0 + η + 1) · G + wasted`, where `wasted` counts groups that
+will never be trained on (dropped as stale, filtered by dynamic sampling). So at most (η + 1) · G useful
+groups exist ahead of the trainer: η = 0 is the synchronous loop, η = 1 one step ahead.
+
+Staleness bound. Step k (training θ_k, the engines at version k) takes G completed groups whose oldest
+token has version ≥ k − η, oldest first. A completed group older than that is dropped, counted in
+`rollout/dropped_stale` (samples), and its prompt is queued again (regenerated with the current weights),
+so no prompt is lost and none is trained on twice.
+
+Exactly-once, and where it is decided:
+- Retries after an engine failure reuse the group's sample keys (`RolloutClient`): a group completes once.
+- Dynamic sampling (`keep`): a filtered group is consumed (it is DAPO's filter, not a loss) and replaced.
+- Checkpoint/resume: `state_dict()` holds the completed, not yet trained groups *with their samples and
+  per-token versions* (generation is the expensive part, and their versions keep the staleness rule
+  exact after the resume), the indices in flight (regenerated first on resume: their partial tokens lived
+  in the engines, which do not survive the process, and regenerating a whole group under the resumed
+  weights is the only choice that keeps every token's version and log-prob true), the stale prompts
+  queued again, and the counters. A resumed run trains on exactly the prompts the stopped run had not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from .batch import RolloutBatch
+from .dynamic_sampling import concat_batches
+
+
+@dataclass
+class GroupResult:
+    """One completed group: its prompt-stream `index`, its samples (a one-group `RolloutBatch` with
+    `token_versions`), and the engines' version when it was admitted."""
+
+    index: int
+    batch: RolloutBatch
+    admitted_version: int
+
+    @property
+    def oldest_version(self) -> int:
+        """The version of its oldest token (the admission version for a group without tokens)."""
+        versions = [v for sample in self.batch.token_versions or [] for v in sample]
+        return min(versions, default=self.admitted_version)
+
+    def to_state(self) -> dict:
+        batch = dataclasses.asdict(self.batch)
+        return {"index": self.index, "batch": batch, "version": self.admitted_version}
+
+    @classmethod
+    def from_state(cls, state: dict) -> GroupResult:
+        return cls(state["index"], RolloutBatch(**state["batch"]), state["version"])
+
+
+Work = Callable[[int, int], Awaitable[GroupResult]]
+"""`work(index, version) -> GroupResult`: generate and score group `index` (admitted at `version`)."""
+
+
+class RolloutManager:
+    """Admission, buffer, staleness bound and bookkeeping of the groups (module docstring). Every method
+    runs on the engines' event loop."""
+
+    def __init__(
+        self,
+        work: Work,
+        *,
+        groups_per_step: int,
+        max_staleness: int,
+        version: int,
+        keep: Callable[[GroupResult], bool] | None = None,
+        max_filtered_per_batch: int | None = None,
+        multiple: int = 1,
+    ):
+        for name, value in (("groups_per_step", groups_per_step), ("max_staleness", max_staleness)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name[0] == "g" else 0):
+                raise ValueError(f"{name} must be an int ≥ {1 if name[0] == 'g' else 0}; got {value!r}")
+        self.work = work
+        self.groups = groups_per_step
+        self.eta = max_staleness
+        self.version = version
+        self.base_version = version
+        self.keep = keep
+        self.max_filtered = max_filtered_per_batch
+        self.multiple = multiple
+        """A batch cut short by dynamic sampling has a multiple of this many groups."""
+        self.next_index = 0
+        """The first prompt-stream position never admitted (the data cursor)."""
+        self.queued: deque[int] = deque()
+        """Prompt positions to (re)generate before new ones: stale groups' and, after a resume, those that
+        were in flight."""
+        self.admitted = 0
+        self.wasted = 0
+        self.buffer: dict[int, GroupResult] = {}
+        self.in_flight: dict[int, asyncio.Task] = {}
+        self.held = False
+        self.error: BaseException | None = None
+        self._changed: asyncio.Condition | None = None
+        self._counts = {"dropped_stale": 0, "filtered_groups": 0}
+
+    # --- the trainer's side ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._changed = asyncio.Condition()
+        self._fill()
+
+    async def next_batch(self, step: int) -> tuple[list[GroupResult], dict[str, float]]:
+        """G groups for step `step` (the trainer's weights are version `step`), each with its oldest token
+        at least `step − η`, in prompt-stream order; and the counters since the last batch
+        (`rollout/dropped_stale` samples, `rollout/filtered_groups`, `rollout/buffered_groups` left)."""
+        floor = step - self.eta
+        async with self._changed:
+            while True:
+                if self.error is not None:
+                    raise self.error
+                self._drop_older_than(floor)
+                self._fill()
+                ready = sorted(self.buffer.values(), key=lambda g: (g.oldest_version, g.index))
+                if len(ready) >= self.groups:
+                    taken = ready[: self.groups]
+                    break
+                if self._filter_exhausted():  # train on what there is, cut to what the trainer splits
+                    taken = ready[: len(ready) - len(ready) % self.multiple]
+                    break
+                await self._changed.wait()
+        for group in taken:
+            del self.buffer[group.index]
+        self._fill()
+        metrics = {f"rollout/{k}": float(v) for k, v in self._counts.items()}
+        metrics["rollout/buffered_groups"] = float(len(self.buffer))
+        self._counts = dict.fromkeys(self._counts, 0)
+        return sorted(taken, key=lambda g: g.index), metrics
+
+    def _filter_exhausted(self) -> bool:
+        """Dynamic sampling gave up for this batch (`max_filtered_per_batch` groups filtered): train on what
+        there is."""
+        return self.max_filtered is not None and self._counts["filtered_groups"] >= self.max_filtered
+
+    async def drain(self) -> None:
+        """Admit nothing more and wait until no group is in flight (a weight update without partial
+        rollouts: every sample then comes from one version)."""
+        self.held = True
+        async with self._changed:
+            while self.in_flight and self.error is None:
+                await self._changed.wait()
+        if self.error is not None:
+            raise self.error
+
+    def set_version(self, version: int) -> None:
+        """The engines now hold `version`: admit up to the new bound."""
+        self.version = version
+        self.held = False
+        self._fill()
+
+    async def close(self) -> None:
+        tasks = list(self.in_flight.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # --- admission and completion -------------------------------------------------------------------
+
+    def _allowed(self) -> int:
+        return (self.version - self.base_version + self.eta + 1) * self.groups + self.wasted
+
+    def _fill(self) -> None:
+        if self._changed is None:
+            return
+        while not self.held and self.error is None and self.admitted < self._allowed():
+            if self.queued:
+                index = self.queued.popleft()
+            else:
+                index, self.next_index = self.next_index, self.next_index + 1
+            self.admitted += 1
+            self.in_flight[index] = asyncio.get_running_loop().create_task(self._run(index, self.version))
+
+    async def _run(self, index: int, version: int) -> None:
+        try:
+            result = await self.work(index, version)
+        except asyncio.CancelledError:  # closing, or a second stop signal: regenerated if resumed from here
+            self.in_flight.pop(index, None)
+            self.queued.appendleft(index)
+            self.admitted -= 1
+            raise
+        except BaseException as e:  # the trainer's next call raises it; a checkpoint still lists the group
+            self.error = e
+            self.queued.appendleft(index)
+            self.admitted -= 1
+            result = None
+        self.in_flight.pop(index, None)
+        if result is not None:
+            if self.keep is not None and not self.keep(result):
+                self.wasted += 1
+                self._counts["filtered_groups"] += 1
+            else:
+                self.buffer[index] = result
+        async with self._changed:
+            self._changed.notify_all()
+        self._fill()
+
+    def _drop_older_than(self, floor: int) -> None:
+        for group in [g for g in self.buffer.values() if g.oldest_version < floor]:
+            del self.buffer[group.index]
+            self.wasted += 1
+            self._counts["dropped_stale"] += len(group.batch)
+            self.queued.append(group.index)
+
+    # --- checkpoint -----------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """What a resumed run needs to continue exactly (module docstring). Call between steps."""
+        in_flight = sorted(self.in_flight)
+        return {
+            "next_index": self.next_index,
+            "queued": [*in_flight, *self.queued],
+            "admitted": self.admitted - len(in_flight),
+            "wasted": self.wasted,
+            "base_version": self.base_version,
+            "buffer": [g.to_state() for g in sorted(self.buffer.values(), key=lambda g: g.index)],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Before `start`."""
+        self.next_index = int(state["next_index"])
+        self.queued = deque(int(i) for i in state["queued"])
+        self.admitted = int(state["admitted"])
+        self.wasted = int(state["wasted"])
+        self.base_version = int(state["base_version"])
+        self.buffer = {g["index"]: GroupResult.from_state(g) for g in state["buffer"]}
+
+
+def groups_to_batch(groups: list[GroupResult]) -> RolloutBatch:
+    """The groups' samples as one step's batch, groups contiguous in the given order."""
+    return concat_batches([g.batch for g in groups])

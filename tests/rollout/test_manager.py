@@ -1,0 +1,211 @@
+"""The rollout manager on simulated engines: the staleness bound, AReaL's admission bound, and exactly-once
+prompts under dynamic sampling, a failing engine, and checkpoint/resume.
+
+The simulated loop: a trainer at step k takes a batch, "trains", and moves the engines to version k + 1;
+group `index` takes `delay(index)` event-loop ticks and, with partial rollouts, its tokens carry the
+versions the engines held while it generated (so a group spans versions like a partial rollout does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from megatron_tail.rollout.batch import RolloutBatch, rollout_metrics
+from megatron_tail.rollout.manager import GroupResult, RolloutManager, groups_to_batch
+
+
+class SimulatedEngines:
+    """`work(index, version)` for the manager: `ticks` sleeps per group, 3 tokens per tick, each token
+    tagged with the version current when it was made; the rewards are `reward(index)`."""
+
+    def __init__(self, ticks, reward=lambda _index: [0.0, 1.0], fail_at: set[int] | None = None):
+        self.version = 0
+        self.ticks = ticks
+        self.reward = reward
+        self.fail_at = fail_at or set()
+        self.started: list[int] = []
+        self.max_ahead = 0
+
+    async def work(self, index: int, version: int) -> GroupResult:
+        assert version == self.version
+        self.started.append(index)
+        if index in self.fail_at:
+            self.fail_at.discard(index)
+            raise ConnectionError(f"engine died generating group {index}")
+        versions: list[int] = []
+        for _ in range(self.ticks(index)):
+            versions += [self.version] * 3
+            await asyncio.sleep(0)
+        rewards = self.reward(index)
+        batch = RolloutBatch(
+            prompt_ids=[[index]] * 2, response_ids=[[7] * len(versions)] * 2,
+            rollout_logprobs=[[-1.0] * len(versions)] * 2, rewards=rewards,
+            correct=[r > 0.5 for r in rewards], truncated=[False] * 2,
+            weight_versions=[str(self.version)] * 2, token_versions=[versions] * 2,
+        )  # fmt: skip
+        return GroupResult(index, batch, version)
+
+
+async def _train(manager, engines, steps, first_step=0, partial=True, on_batch=None):
+    """The trainer's side for `steps` steps; returns the trained prompt indices per step."""
+    trained = []
+    for step in range(first_step, first_step + steps):
+        groups, metrics = await manager.next_batch(step)
+        assert engines.version == step
+        ahead = manager.admitted - manager.wasted - (step - manager.base_version) * manager.groups
+        engines.max_ahead = max(engines.max_ahead, ahead)
+        if on_batch is not None:
+            on_batch(step, groups, metrics)
+        trained.append([g.index for g in groups])
+        for _ in range(4):  # training takes a while: the engines keep generating
+            await asyncio.sleep(0)
+        if not partial:
+            await manager.drain()
+        engines.version = step + 1
+        manager.set_version(step + 1)
+    return trained
+
+
+def _long_tail(index: int) -> int:
+    return {0: 40, 1: 6}.get(index % 5, 2)  # of five groups one very long, one longer than a step
+
+
+@pytest.mark.parametrize("eta", [0, 1, 2, 4])
+def test_staleness_bound_admission_bound_and_exactly_once(eta):
+    async def main():
+        engines = SimulatedEngines(_long_tail)
+        manager = RolloutManager(engines.work, groups_per_step=3, max_staleness=eta, version=0)
+        manager.start()
+        seen = []
+
+        def check(step, groups, metrics):
+            batch = groups_to_batch(groups)
+            m = rollout_metrics(batch, policy_version=step)
+            assert m["rollout/staleness_max"] <= eta
+            assert all(g.oldest_version >= step - eta for g in groups)
+            seen.append((m, metrics))
+
+        trained = await _train(manager, engines, 12, on_batch=check)
+        pending = set(manager.buffer) | set(manager.in_flight) | set(manager.queued)
+        await manager.close()
+        return trained, engines, manager, seen, pending
+
+    trained, engines, manager, seen, pending = asyncio.run(main())
+    flat = [i for step in trained for i in step]
+    assert len(flat) == len(set(flat)) == 36  # no prompt trained twice
+    # none lost: everything admitted is trained, buffered, in flight or queued again
+    assert set(flat) | pending == set(range(manager.next_index))
+    assert engines.max_ahead <= (eta + 1) * 3  # AReaL's bound: at most η + 1 steps of groups ahead
+    dropped = sum(metrics["rollout/dropped_stale"] for _, metrics in seen)
+    if eta == 0:
+        assert dropped == 0 and all(m["rollout/staleness_max"] == 0 for m, _ in seen)
+    if eta >= 2:
+        # partial rollouts: some samples cross weight updates, and some groups run ahead by > 1 version
+        assert any(m["rollout/partial_fraction"] > 0 for m, _ in seen)
+        assert max(m["rollout/staleness_max"] for m, _ in seen) >= 2
+
+
+def test_a_stale_group_is_dropped_counted_and_its_prompt_regenerated():
+    """η = 1 and a group that takes several steps the first time: it completes too old, is dropped (its 2
+    samples counted) and generated again with the current weights; it is trained once, fresh."""
+
+    async def main():
+        engines = SimulatedEngines(lambda i: 30 if i == 1 and engines.started.count(1) == 1 else 1)
+        manager = RolloutManager(engines.work, groups_per_step=2, max_staleness=1, version=0)
+        manager.start()
+        metrics_seen = []
+        trained = await _train(manager, engines, 8, on_batch=lambda _s, _g, m: metrics_seen.append(m))
+        await manager.close()
+        return trained, engines, metrics_seen
+
+    trained, engines, metrics_seen = asyncio.run(main())
+    flat = [i for step in trained for i in step]
+    assert flat.count(1) == 1 and len(flat) == len(set(flat))
+    assert engines.started.count(1) == 2  # generated twice, trained once
+    assert sum(m["rollout/dropped_stale"] for m in metrics_seen) == 2
+
+
+def test_dynamic_sampling_filters_and_replaces_groups():
+    async def main():
+        engines = SimulatedEngines(lambda _i: 1, reward=lambda i: [1.0, 1.0] if i % 3 == 0 else [0.0, 1.0])
+        manager = RolloutManager(
+            engines.work, groups_per_step=2, max_staleness=2, version=0,
+            keep=lambda g: max(g.batch.rewards) != min(g.batch.rewards),
+        )  # fmt: skip
+        manager.start()
+        filtered = []
+        trained = await _train(manager, engines, 6, on_batch=lambda _s, _g, m: filtered.append(m))
+        await manager.close()
+        return trained, filtered
+
+    trained, metrics = asyncio.run(main())
+    flat = [i for step in trained for i in step]
+    assert len(flat) == len(set(flat)) == 12
+    assert not any(i % 3 == 0 for i in flat)  # equal-reward groups never trained
+    assert sum(m["rollout/filtered_groups"] for m in metrics) >= 4
+
+
+def test_an_engine_failure_fails_the_next_batch_and_a_resume_loses_nothing():
+    """Group 4's work raises (the client's retries exhausted): the trainer's next call raises it. The last
+    checkpoint's state, loaded into a new manager, trains every prompt not yet trained exactly once."""
+
+    async def main():
+        engines = SimulatedEngines(_long_tail, fail_at={7})
+        manager = RolloutManager(engines.work, groups_per_step=2, max_staleness=2, version=0)
+        manager.start()
+        trained, state = [], None
+        with pytest.raises(ConnectionError, match="group 7"):
+            for step in range(10):
+                trained += await _train(manager, engines, 1, first_step=step)
+                state = manager.state_dict()  # the checkpoint after each step
+        await manager.close()
+        resumed_at = len(trained)
+        engines.version = resumed_at
+        again = RolloutManager(engines.work, groups_per_step=2, max_staleness=2, version=resumed_at)
+        again.load_state_dict(state)
+        again.start()
+        trained += await _train(again, engines, 6, first_step=resumed_at)
+        pending = set(again.buffer) | set(again.in_flight) | set(again.queued)
+        await again.close()
+        return trained, again, pending, engines
+
+    trained, again, pending, engines = asyncio.run(main())
+    flat = [i for step in trained for i in step]
+    assert len(flat) == len(set(flat))
+    assert engines.started.count(7) == 2  # the failed group is generated again after the resume
+    assert set(flat) | pending == set(range(again.next_index))
+
+
+def test_checkpoint_mid_run_resumes_with_the_buffer_and_its_versions():
+    """A checkpoint holds completed groups with their token versions: after the resume their staleness is
+    judged by those versions (one too old is dropped, not trained), and no prompt is trained twice."""
+
+    async def main():
+        engines = SimulatedEngines(_long_tail)
+        manager = RolloutManager(engines.work, groups_per_step=2, max_staleness=4, version=0)
+        manager.start()
+        first = await _train(manager, engines, 3)
+        state = manager.state_dict()
+        await manager.close()
+        assert state["buffer"] and all(g["batch"]["token_versions"] for g in state["buffer"])
+        again = RolloutManager(engines.work, groups_per_step=2, max_staleness=4, version=3)
+        again.load_state_dict(state)
+        again.start()
+        second = await _train(again, engines, 5, first_step=3)
+        pending = set(again.buffer) | set(again.in_flight) | set(again.queued)
+        await again.close()
+        return first + second, again, pending
+
+    trained, again, pending = asyncio.run(main())
+    flat = [i for step in trained for i in step]
+    assert len(flat) == len(set(flat)) == 16
+    assert set(flat) | pending == set(range(again.next_index))
+
+
+def test_bad_settings_name_the_value():
+    with pytest.raises(ValueError, match="max_staleness must be an int ≥ 0; got -1"):
+        RolloutManager(lambda _i, _v: None, groups_per_step=2, max_staleness=-1, version=0)
+    with pytest.raises(ValueError, match="groups_per_step must be an int ≥ 1; got 0"):
+        RolloutManager(lambda _i, _v: None, groups_per_step=0, max_staleness=1, version=0)
