@@ -137,7 +137,15 @@ class RolloutSection:
     local_num_threads: int | None = 1
     """torch threads of the local engine (None: torch's default)."""
     max_new_tokens: int = 128
-    """Longest response, in tokens."""
+    """Longest response, in tokens (with `env`: longest model turn)."""
+    env: str | None = None
+    """Multi-turn episodes with an environment (`megatron_tail.rollout.envs`): the built-in "calculator" or a
+    class "package.module:Class"; None: single-turn samples. Each model turn is one `/generate` call with the
+    token ids of everything before it; the environment's observations are context (no loss, no log-prob)."""
+    max_turns: int = 1
+    """Model turns per episode at most (with `env`)."""
+    max_observation_tokens: int = 512
+    """Longest observation (environment reply), in tokens; a longer one ends the episode before it."""
     temperature: float = 1.0
     """Sampling temperature T (> 0); the trainer scores log-probs at the same T."""
     max_concurrency: int = 64
@@ -181,6 +189,20 @@ class RolloutSection:
     π_old/π_infer, the decoupled PPO objective; see the README)."""
 
     @property
+    def max_response_tokens(self) -> int:
+        """Longest response of a sample: `max_new_tokens`, or with `env` every turn and the observations
+        between them, `max_turns × max_new_tokens + (max_turns − 1) × max_observation_tokens`."""
+        if self.env is None:
+            return self.max_new_tokens
+        return self.max_turns * self.max_new_tokens + (self.max_turns - 1) * self.max_observation_tokens
+
+    @property
+    def max_policy_tokens(self) -> int:
+        """Most tokens the policy samples in one response: `max_turns × max_new_tokens` (T of DVP's bias
+        bound)."""
+        return self.max_turns * self.max_new_tokens
+
+    @property
     def local_engine_dtype(self) -> str:
         """The local engine's dtype: `dtype`, else `local_dtype`."""
         return self.dtype or self.local_dtype
@@ -213,6 +235,12 @@ class RolloutSection:
         if self.local_num_threads is not None:
             _positive_int("rollout", "local_num_threads", self.local_num_threads)
         _positive_int("rollout", "max_new_tokens", self.max_new_tokens)
+        _positive_int("rollout", "max_turns", self.max_turns)
+        _positive_int("rollout", "max_observation_tokens", self.max_observation_tokens)
+        if self.env is not None and (not isinstance(self.env, str) or not self.env.strip()):
+            _bad("rollout", "env", self.env, "must be 'calculator', 'package.module:Class' or null")
+        if self.env is None and self.max_turns > 1:
+            _bad("rollout", "max_turns", self.max_turns, "needs an environment (rollout.env) when > 1")
         _positive_int("rollout", "max_concurrency", self.max_concurrency)
         if not self.temperature > 0:
             _bad(
@@ -307,7 +335,7 @@ class TrainSection:
     """Token budget of a packed micro-batch: the samples of a mini-batch are packed back to back (THD,
     megatron's `PackedSeqParams`) into micro-batches of at most this many tokens, first-fit decreasing,
     balanced over DP ranks by tokens. Must hold the longest sample (`data.max_prompt_tokens` +
-    `rollout.max_new_tokens`); the activation memory of a micro-batch scales with it."""
+    `rollout.max_response_tokens`); the activation memory of a micro-batch scales with it."""
     packed: bool | None = None
     """Packed (THD) micro-batches by `max_tokens_per_micro_batch` (true), or padded micro-batches of
     `micro_batch_size` samples (false; this overrides a token budget set elsewhere, so one `--set
@@ -419,6 +447,13 @@ class RunConfig:
                 self.algorithm.overlong_buffer,
                 f"must be ≤ rollout.max_new_tokens={self.rollout.max_new_tokens} (it ends at the limit)",
             )
+        if self.rollout.env is not None and self.algorithm.overlong_buffer > 0:
+            _bad(
+                "algorithm",
+                "overlong_buffer",
+                self.algorithm.overlong_buffer,
+                "must be 0 with rollout.env (the overlong penalty is for single-turn lengths)",
+            )
         self._check_token_budget()
         if self.data.prompts_per_step % self.train.mini_batches:
             _bad(
@@ -433,18 +468,21 @@ class RunConfig:
         budget = self.train.max_tokens_per_micro_batch
         if not self.train.is_packed:
             return
-        longest = (
-            None
-            if self.data.max_prompt_tokens is None
-            else self.data.max_prompt_tokens + self.rollout.max_new_tokens
-        )
+        response = self.rollout.max_response_tokens
+        longest = None if self.data.max_prompt_tokens is None else self.data.max_prompt_tokens + response
         if longest is not None and budget < longest:
+            what = (
+                f"rollout.max_new_tokens={response}"
+                if self.rollout.env is None
+                else f"the longest episode's response ({response}: rollout.max_turns × max_new_tokens + "
+                "(max_turns − 1) × max_observation_tokens)"
+            )
             _bad(
                 "train",
                 "max_tokens_per_micro_batch",
                 budget,
                 f"must hold the longest sample: data.max_prompt_tokens={self.data.max_prompt_tokens} + "
-                f"rollout.max_new_tokens={self.rollout.max_new_tokens} = {longest}",
+                f"{what} = {longest}",
             )
         if budget % self.micro_batch_multiple:
             _bad(

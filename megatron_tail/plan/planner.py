@@ -91,11 +91,12 @@ class Plan:
 
 
 def sequence_tokens(config: RunConfig, max_positions: int) -> int:
-    """Longest sample: prompt + response, capped by the model's context."""
+    """Longest sample: prompt + response (with `rollout.env`, every turn and the observations between them:
+    `rollout.max_response_tokens`), capped by the model's context."""
     limit = config.model.max_sequence_length or max_positions
     if config.data.max_prompt_tokens is None:
         return limit
-    return min(limit, config.data.max_prompt_tokens + config.rollout.max_new_tokens)
+    return min(limit, config.data.max_prompt_tokens + config.rollout.max_response_tokens)
 
 
 def tokens_per_micro_batch(config: RunConfig, longest: int) -> int:

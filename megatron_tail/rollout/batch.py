@@ -13,6 +13,9 @@ class RolloutBatch:
     response token), `reward`, `truncated` (hit `max_new_tokens`), `weight_version` the engine reported,
     and `rollout_top_logprobs` (the engine's log-prob of its most probable token at each response position;
     None where the engine was not asked for it).
+    `policy_mask` (multi-turn episodes, `rollout.env`; None for single-turn batches): per response token, True
+    where the policy generated it, False for the environment's observation tokens (their log-probs above are
+    0.0 placeholders: they are context, never scored or trained).
     `stats`: rollout time and token counts. `metrics`: TensorBoard scalars of how the batch was drawn
     (dynamic sampling), logged with the step's. `data_cursor`: the prompt stream's position after this
     batch (dynamic sampling; None when prompts are a function of the step).
@@ -26,6 +29,7 @@ class RolloutBatch:
     truncated: list[bool]
     weight_versions: list[str | None]
     rollout_top_logprobs: list[list[float]] | None = None
+    policy_mask: list[list[bool]] | None = None
     stats: dict[str, float] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
     data_cursor: int | None = None
@@ -37,6 +41,10 @@ class RolloutBatch:
 def rollout_metrics(batch: RolloutBatch, *, policy_version: int) -> dict[str, float]:
     """Reward, accuracy and response-length statistics of a step's samples, and `batch.metrics`.
 
+    With episode counters in `batch.stats` (multi-turn, `episode_stats`), also `rollout/turns_mean`,
+    `rollout/tool_calls_mean` (per episode), `rollout/tool_errors` (malformed or failed calls, total),
+    `rollout/env_token_fraction` (share of response tokens that came from the environment: no loss) and
+    `rollout/truncated_by_turns` (fraction of episodes that `rollout.max_turns` ended).
     `policy_version`: the weight version being trained (the step's θ_old). `rollout/stale_fraction` is the
     fraction of samples another version produced; `rollout/staleness_mean` the mean lag in versions
     (samples without an integer `weight_version` are left out of it, and it is absent if none has one).
@@ -59,5 +67,48 @@ def rollout_metrics(batch: RolloutBatch, *, policy_version: int) -> dict[str, fl
         "response/truncated_fraction": sum(batch.truncated) / n,
         "rollout/stale_fraction": sum(v != str(policy_version) for v in batch.weight_versions) / n,
         **staleness,
+        **episode_metrics(batch.stats),
         **batch.metrics,
+    }
+
+
+EPISODE_COUNTERS = (
+    "episodes",
+    "turns",
+    "tool_calls",
+    "tool_errors",
+    "env_tokens",
+    "response_tokens",
+    "truncated_by_turns",
+    "observation_overflows",
+)
+"""Sums a multi-turn batch keeps in `RolloutBatch.stats` (summed again when batches are concatenated)."""
+
+
+def episode_stats(episodes) -> dict[str, float]:
+    """The `EPISODE_COUNTERS` of `envs.Episode`s."""
+    return {
+        "episodes": float(len(episodes)),
+        "turns": float(sum(e.turns for e in episodes)),
+        "tool_calls": float(sum(e.tool_calls for e in episodes)),
+        "tool_errors": float(sum(e.tool_errors for e in episodes)),
+        "env_tokens": float(sum(e.env_tokens for e in episodes)),
+        "response_tokens": float(sum(len(e.response_ids) for e in episodes)),
+        "truncated_by_turns": float(sum(e.truncated_by_turns for e in episodes)),
+        "observation_overflows": float(sum(e.observation_overflow for e in episodes)),
+    }
+
+
+def episode_metrics(stats: dict[str, float]) -> dict[str, float]:
+    """TensorBoard scalars of the episode counters in `stats` (none for a single-turn batch)."""
+    n = stats.get("episodes", 0.0)
+    if not n:
+        return {}
+    return {
+        "rollout/turns_mean": stats["turns"] / n,
+        "rollout/tool_calls_mean": stats["tool_calls"] / n,
+        "rollout/tool_errors": stats["tool_errors"],
+        "rollout/env_token_fraction": stats["env_tokens"] / max(stats["response_tokens"], 1.0),
+        "rollout/truncated_by_turns": stats["truncated_by_turns"] / n,
+        "rollout/observation_overflows": stats["observation_overflows"],
     }

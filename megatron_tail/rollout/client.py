@@ -210,6 +210,17 @@ class RolloutClient:
             grouped[key.prompt_index].append(collected[key])
         return grouped
 
+    async def generate_turn(
+        self, input_ids: Sequence[int], key: SampleKey, sampling: SamplingConfig
+    ) -> SampleResult:
+        """One sample of `input_ids` with `key`'s seed: one turn of a multi-turn episode (`rollout.envs`),
+        sent as token ids (SGLang's `GenerateReqInput.input_ids`, `srt/managers/io_struct.py`), retried like
+        `generate`'s requests. `sampling.n_samples` is ignored; the caller bounds how many turns are in
+        flight."""
+        ids = _check_prompt(key.prompt_index, input_ids)
+        (result,) = await self._request_with_retries(ids, [key], sampling)
+        return result
+
     async def _run_group(self, prompt, keys, sampling, semaphore, collected) -> None:
         async with semaphore:
             results = await self._request_with_retries(prompt, keys, sampling)

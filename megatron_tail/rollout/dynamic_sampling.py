@@ -51,6 +51,7 @@ def select_groups(batch: RolloutBatch, groups: Sequence[int], group_size: int) -
         truncated=pick(batch.truncated),
         weight_versions=pick(batch.weight_versions),
         rollout_top_logprobs=pick(batch.rollout_top_logprobs),
+        policy_mask=pick(batch.policy_mask),
         stats=dict(batch.stats),
         metrics=dict(batch.metrics),
         data_cursor=batch.data_cursor,
@@ -68,6 +69,16 @@ def concat_batches(batches: Sequence[RolloutBatch]) -> RolloutBatch:
             out.stats[key] = out.stats.get(key, 0.0) + value
     tops = [b.rollout_top_logprobs for b in batches]
     out.rollout_top_logprobs = None if any(t is None for t in tops) else [x for t in tops for x in t]
+    masks = [b.policy_mask for b in batches]
+    out.policy_mask = (
+        None
+        if all(m is None for m in masks)
+        else [
+            x
+            for b, m in zip(batches, masks, strict=True)
+            for x in (m if m is not None else [[True] * len(r) for r in b.response_ids])
+        ]
+    )
     return out
 
 
