@@ -3,14 +3,16 @@ over a tokenized string), never `eval`, and bounds what it computes.
 
 Grammar: `expr := term (("+" | "-") term)*`, `term := unary (("*" | "/" | "//" | "%") unary)*`,
 `unary := ("+" | "-") unary | power`, `power := atom ("^" | "**") unary | atom`,
-`atom := number | "(" expr ")"`. Numbers are integers or decimals; integer arithmetic stays exact (`/`
-gives an integer when it divides evenly, else a float).
+`atom := number | "(" expr ")"`. Numbers are integers or decimals; arithmetic is exact on rationals
+(`fractions.Fraction`; a non-integer power is the only float), and the result prints as an integer when it is
+one, else as a 10-significant-digit decimal.
 """
 
 from __future__ import annotations
 
 import math
 import re
+from fractions import Fraction
 
 MAX_EXPRESSION_CHARS = 200
 MAX_EXPONENT = 64
@@ -23,7 +25,7 @@ class ArithmeticError_(ValueError):
     """The expression is not valid arithmetic, or is out of bounds (its message is the tool's reply)."""
 
 
-def evaluate(expression: str) -> int | float:
+def evaluate(expression: str) -> Fraction | float:
     """The value of `expression`; `ArithmeticError_` with a short reason otherwise."""
     if not isinstance(expression, str):
         raise ArithmeticError_(f"expression must be a string, got {type(expression).__name__}")
@@ -36,13 +38,11 @@ def evaluate(expression: str) -> int | float:
     return value
 
 
-def format_number(value: int | float) -> str:
-    """Integers as digits; floats rounded to 10 significant digits, integral floats without ".0"."""
-    if isinstance(value, int):
-        return str(value)
-    if value.is_integer() and abs(value) < 1e15:
-        return str(int(value))
-    return f"{value:.10g}"
+def format_number(value: Fraction | float) -> str:
+    """Integers as digits; anything else rounded to 10 significant digits."""
+    if isinstance(value, Fraction) and value.denominator == 1:
+        return str(value.numerator)
+    return f"{float(value):.10g}"
 
 
 def _tokenize(text: str) -> list[str]:
@@ -89,8 +89,7 @@ class _Parser:
             if op == "*":
                 value = value * right
             elif op == "/":
-                exact = isinstance(value, int) and isinstance(right, int) and value % right == 0
-                value = value // right if exact else value / right
+                value = value / right
             elif op == "//":
                 value = value // right
             else:
@@ -114,8 +113,10 @@ class _Parser:
                 raise ArithmeticError_(f"exponent larger than {MAX_EXPONENT}")
             if base == 0 and exponent < 0:
                 raise ArithmeticError_("division by zero")
-            if isinstance(exponent, int) and exponent < 0 and isinstance(base, int):
-                base = float(base)
+            if isinstance(exponent, Fraction) and exponent.denominator == 1:
+                exponent = exponent.numerator  # Fraction ** int stays exact
+            else:
+                base, exponent = float(base), float(exponent)
             try:
                 return _checked(base**exponent)
             except (OverflowError, ZeroDivisionError) as e:
@@ -132,7 +133,7 @@ class _Parser:
         if token[0].isdigit() or token[0] == ".":
             if len(token) > MAX_DIGITS:
                 raise ArithmeticError_(f"number longer than {MAX_DIGITS} digits")
-            return float(token) if "." in token else int(token)
+            return Fraction(token)
         raise ArithmeticError_(f"unexpected {token!r}")
 
 
@@ -142,6 +143,6 @@ def _checked(value):
         raise ArithmeticError_("result is not a real number")
     if isinstance(value, float) and not math.isfinite(value):
         raise ArithmeticError_("result is not finite")
-    if isinstance(value, int) and abs(value) >= 10**MAX_DIGITS:
+    if isinstance(value, Fraction) and max(abs(value.numerator), value.denominator) >= 10**MAX_DIGITS:
         raise ArithmeticError_(f"result longer than {MAX_DIGITS} digits")
     return value
