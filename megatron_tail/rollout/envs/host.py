@@ -26,6 +26,7 @@ class WorkerEnv:
             what=f"environment {self.spec!r} ({op} of episode {self.episode})",
             error=EnvironmentError_,
             timeout_error=EnvironmentTimeoutError,
+            start=op != "close",  # an episode's state died with a killed worker: nothing to close
         )
 
     async def reset(self, row: dict[str, Any]) -> None:

@@ -1,0 +1,49 @@
+# ruff: noqa: ARG002 - the interface's signatures
+"""Environments for the tests: scripted ones and broken ones (run in the reward worker, imported by name)."""
+
+import time
+
+from megatron_tail.rollout.envs import Environment, StepResult
+
+OBSERVATION = "\n<|im_start|>user\nok<|im_end|>\n<|im_start|>assistant\n"
+
+
+class AlwaysContinues(Environment):
+    """Answers every turn with the same observation and a reward of 0.25 per step; never done."""
+
+    def reset(self, row):
+        self.answer = row["answer"]
+
+    def step(self, turn):
+        return StepResult(OBSERVATION, reward=0.25, tool_calls=1)
+
+
+class StepRaises(Environment):
+    def step(self, turn):
+        raise KeyError("boom")
+
+
+class ResetRaises(Environment):
+    def reset(self, row):
+        raise RuntimeError("no such row")
+
+    def step(self, turn):
+        return StepResult(None, done=True)
+
+
+class StepHangs(Environment):
+    def step(self, turn):
+        time.sleep(3600)
+
+
+class StepReturnsGarbage(Environment):
+    def step(self, turn):
+        return {"observation": "x", "reward": 1.0}
+
+
+class StepReturnsNaN(Environment):
+    def step(self, turn):
+        return StepResult("x", reward=float("nan"))
+
+
+NotAClass = 3
