@@ -222,7 +222,7 @@ class RolloutEngines:
                 r.env,
                 prompt_ids,
                 answers,
-                turn_sampling(sampling, self.tokenizer),
+                turn_sampling(sampling, self.tokenizer, r.max_turns),
                 EpisodeLimits(max_turns=r.max_turns, max_observation_tokens=r.max_observation_tokens),
                 Tokens(decode=self._decode, encode=self._encode),
                 max_concurrency=r.max_concurrency,

@@ -3,7 +3,8 @@ engines, each turn one `RolloutClient.generate_turn` call, at most `rollout.max_
 flight; then the episodes as a `RolloutBatch` with its per-token `policy_mask`.
 
 Seeds: turn 0 of sample (i, j) has exactly the single-turn sample's key (`sample_seed(base_seed, i, j)`), so a
-one-turn episode asks the engine for what a single-turn rollout asks; turn t > 0 mixes t into it.
+one-turn episode asks the engine for what a single-turn rollout asks (one sample per request where the
+single-turn path sends a prompt's n samples together); turn t > 0 mixes t into it.
 """
 
 from __future__ import annotations
@@ -30,14 +31,14 @@ def turn_key(base_seed: int, prompt_index: int, sample_index: int, turn: int) ->
     return SampleKey(prompt_index, sample_index, seed)
 
 
-def turn_sampling(sampling: SamplingConfig, tokenizer) -> SamplingConfig:
-    """`sampling` for one turn: one sample, `<|im_end|>` added to the stop tokens where the vocabulary
-    has it."""
+def turn_sampling(sampling: SamplingConfig, tokenizer, max_turns: int) -> SamplingConfig:
+    """`sampling` for the turns: with more than one turn, `<|im_end|>` added to the stop tokens where the
+    vocabulary has it (a one-turn episode asks exactly what a single-turn sample does)."""
     stops = list(sampling.stop_token_ids)
     im_end = tokenizer.convert_tokens_to_ids(IM_END) if IM_END in tokenizer.get_vocab() else None
-    if im_end is not None and im_end not in stops:
+    if max_turns > 1 and im_end is not None and im_end not in stops:
         stops.append(im_end)
-    return replace(sampling, n_samples=1, stop_token_ids=tuple(stops))
+    return replace(sampling, stop_token_ids=tuple(stops))
 
 
 async def run_episodes(
@@ -55,7 +56,7 @@ async def run_episodes(
 ) -> list[Episode]:
     """`sampling.n_samples` episodes per prompt, prompt-major (groups contiguous)."""
     await client.check_health()
-    per_turn = sampling  # `turn_sampling` already applied by the caller
+    per_turn = replace(sampling, n_samples=1)
     semaphore = asyncio.Semaphore(max_concurrency)
 
     async def one(i: int, j: int) -> Episode:
