@@ -211,15 +211,14 @@ class RolloutClient:
         return grouped
 
     async def generate_turn(
-        self, input_ids: Sequence[int], key: SampleKey, sampling: SamplingConfig
-    ) -> SampleResult:
-        """One sample of `input_ids` with `key`'s seed: one turn of a multi-turn episode (`rollout.envs`),
-        sent as token ids (SGLang's `GenerateReqInput.input_ids`, `srt/managers/io_struct.py`), retried like
-        `generate`'s requests. `sampling.n_samples` is ignored; the caller bounds how many turns are in
-        flight."""
-        ids = _check_prompt(key.prompt_index, input_ids)
-        (result,) = await self._request_with_retries(ids, [key], sampling)
-        return result
+        self, input_ids: Sequence[int], keys: Sequence[SampleKey], sampling: SamplingConfig
+    ) -> list[SampleResult]:
+        """The samples `keys` of one input, in one request: a turn of multi-turn episodes (`rollout.envs`;
+        the first turn of a prompt's n episodes goes as one request, as `generate` sends it), sent as token
+        ids (SGLang's `GenerateReqInput.input_ids`, `srt/managers/io_struct.py`) and retried like
+        `generate`'s requests. `sampling.n_samples` is ignored; the caller bounds what is in flight."""
+        ids = _check_prompt(keys[0].prompt_index, input_ids)
+        return await self._request_with_retries(ids, list(keys), sampling)
 
     async def _run_group(self, prompt, keys, sampling, semaphore, collected) -> None:
         async with semaphore:

@@ -1,10 +1,11 @@
 """Rank 0's multi-turn rollouts (`rollout.env`): one `envs.run_episode` coroutine per sample over today's
-engines, each turn one `RolloutClient.generate_turn` call, at most `rollout.max_concurrency` episodes in
-flight; then the episodes as a `RolloutBatch` with its per-token `policy_mask`.
+engines, each turn one `RolloutClient.generate_turn` call (the first turns of a prompt's n episodes in one
+request, as the single-turn path sends them, which lets SGLang share the prompt's KV cache), at most
+`rollout.max_concurrency` episodes in flight; then the episodes as a `RolloutBatch` with its per-token
+`policy_mask`.
 
 Seeds: turn 0 of sample (i, j) has exactly the single-turn sample's key (`sample_seed(base_seed, i, j)`), so a
-one-turn episode asks the engine for what a single-turn rollout asks (one sample per request where the
-single-turn path sends a prompt's n samples together); turn t > 0 mixes t into it.
+one-turn episode asks the engine for exactly what a single-turn rollout asks; turn t > 0 mixes t into it.
 """
 
 from __future__ import annotations
@@ -58,11 +59,22 @@ async def run_episodes(
     await client.check_health()
     per_turn = replace(sampling, n_samples=1)
     semaphore = asyncio.Semaphore(max_concurrency)
+    first_turns: dict[int, asyncio.Task] = {}  # prompt → its n first turns, one request (as single-turn)
+
+    def first_turn(i: int) -> asyncio.Future:
+        if i not in first_turns:
+            keys = [turn_key(sampling.base_seed, i, j, 0) for j in range(sampling.n_samples)]
+            first_turns[i] = asyncio.ensure_future(client.generate_turn(prompts[i], keys, per_turn))
+        return asyncio.shield(first_turns[i])
 
     async def one(i: int, j: int) -> Episode:
         async def generate(input_ids: list[int], turn: int) -> TurnOutput:
-            key = turn_key(sampling.base_seed, i, j, turn)
-            r = await client.generate_turn(input_ids, key, per_turn)
+            if turn == 0:
+                r = (await first_turn(i))[j]
+            else:
+                (r,) = await client.generate_turn(
+                    input_ids, [turn_key(sampling.base_seed, i, j, turn)], per_turn
+                )
             return TurnOutput(
                 output_ids=list(r.output_ids),
                 logprobs=list(r.output_logprobs),
@@ -73,9 +85,8 @@ async def run_episodes(
 
         env = WorkerEnv(scorer, env_spec, f"b{sampling.base_seed}-p{i}-s{j}")
         async with semaphore:
-            episode = await run_episode(
-                generate, env, prompts[i], {"answer": answers[i], "index": i}, limits, tokens
-            )
+            row = {"answer": answers[i], "index": i}
+            episode = await run_episode(generate, env, prompts[i], row, limits, tokens)
         if on_episode is not None:
             on_episode(episode)
         return episode
@@ -84,9 +95,9 @@ async def run_episodes(
     try:
         return list(await asyncio.gather(*tasks))
     except BaseException:
-        for task in tasks:
+        for task in [*tasks, *first_turns.values()]:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, *first_turns.values(), return_exceptions=True)
         raise
 
 
