@@ -14,6 +14,8 @@ from pathlib import Path
 from megatron_tail.demo.defaults import DATA_DIR_NAME, DEMO_CONFIG_YAML, PRETRAIN_DIR_NAME
 
 DEMO_MAX_DIGITS = 2
+TOOL_PROB = 0.5
+"""The calculator demo's pretraining: half the examples call the tool, half answer directly."""
 DEMO_DATA = {"train": (2000, 1234), "test": (200, 5678)}
 """name → (number of problems, seed) of the demo's prompt files."""
 
@@ -38,6 +40,23 @@ COMPARE_VARIANTS: dict[str, list[str]] = {
     ],
 }
 """--compare: the same seed, data and steps; only the stability knobs (and the rollout precision) differ."""
+
+CALCULATOR_OVERRIDES = [
+    "rollout.max_new_tokens=72",  # a call turn is 65 tokens of the character tokenizer, an answer 2-4
+    "rollout.max_observation_tokens=32",  # a tool response is 26-28
+    "data.prompts_per_step=16",
+    "train.eval_every=5",
+    "train.steps=20",
+]
+"""With `rollout.env` set (`--set rollout.env=calculator`): the tool demo's lengths and a shorter run (its
+episodes are ~15× the tokens of the plain demo's answers); the user's own `--set`s come after and win."""
+
+
+def uses_environment(overrides: Sequence[str]) -> bool:
+    """The overrides set `rollout.env` (to anything but null)."""
+    values = [o.partition("=")[2].strip() for o in overrides if o.partition("=")[0].strip() == "rollout.env"]
+    return bool(values) and values[-1] not in ("", "null", "None", "~")
+
 
 # (tag, how to summarise it over the steps, label)
 STABILITY_ROWS: list[tuple[str, str, str]] = [
@@ -72,7 +91,10 @@ def run_demo(
 ) -> int:
     started = time.monotonic()
     cache = Path(cache_dir)
-    model_dir = ensure_pretrained(cache)
+    tools = uses_environment(overrides)
+    if tools:
+        overrides = [*CALCULATOR_OVERRIDES, *overrides]
+    model_dir = ensure_pretrained(cache, tools=tools)
     train_file, test_file = ensure_data(cache)
     base = [
         f"model.hf_path={model_dir}",
@@ -125,13 +147,15 @@ def finished_run(run_dir: Path, overrides: Sequence[str], *, base_yaml: str = DE
     return latest[0] >= load_config(base, overrides).train.steps
 
 
-def ensure_pretrained(cache: Path) -> Path:
-    """The pretrained tiny Qwen3 in `cache` (trained now, reproducibly, if absent)."""
+def ensure_pretrained(cache: Path, *, tools: bool = False) -> Path:
+    """The pretrained tiny Qwen3 in `cache` (trained now, reproducibly, if absent or pretrained with other
+    settings). `tools`: the calculator demo's model, whose pretraining also calls the tool
+    (`PretrainSettings.tool_prob`), in its own directory."""
     from megatron_tail.demo.pretrain import PretrainSettings, pretrain
 
-    model_dir = cache / PRETRAIN_DIR_NAME
+    model_dir = cache / (PRETRAIN_DIR_NAME + ("_calculator" if tools else ""))
     summary_file = model_dir / "pretrain.json"
-    settings = PretrainSettings()
+    settings = PretrainSettings(tool_prob=TOOL_PROB) if tools else PretrainSettings()
     if summary_file.is_file():
         summary = json.loads(summary_file.read_text())
         if summary.get("settings") == _settings_dict(settings):
