@@ -42,14 +42,14 @@ COMPARE_VARIANTS: dict[str, list[str]] = {
 """--compare: the same seed, data and steps; only the stability knobs (and the rollout precision) differ."""
 
 CALCULATOR_OVERRIDES = [
-    "rollout.max_new_tokens=72",  # a call turn is 65 tokens of the character tokenizer, an answer 2-4
-    "rollout.max_observation_tokens=32",  # a tool response is 26-28
+    "rollout.max_new_tokens=20",  # a call turn is 15-17 tokens (`TOOL_TOKENS`), an answer 2-4
+    "rollout.max_observation_tokens=24",  # a tool response is 14-16; 6 + 3 × 20 + 2 × 24 ≤ 128 positions
     "data.prompts_per_step=16",
     "train.eval_every=5",
     "train.steps=20",
 ]
 """With `rollout.env` set (`--set rollout.env=calculator`): the tool demo's lengths and a shorter run (its
-episodes are ~15× the tokens of the plain demo's answers); the user's own `--set`s come after and win."""
+episodes are ~5× the tokens of the plain demo's answers); the user's own `--set`s come after and win."""
 
 
 def uses_environment(overrides: Sequence[str]) -> bool:
