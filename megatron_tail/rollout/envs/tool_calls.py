@@ -112,3 +112,18 @@ def render_tool_responses(contents: Sequence[str], *, enable_thinking: bool = Tr
     body = "".join(f"\n<tool_response>\n{c}\n</tool_response>" for c in contents)
     prompt = f"{IM_START}assistant\n" + ("" if enable_thinking else EMPTY_THINK)
     return f"\n{IM_START}user{body}{IM_END}\n{prompt}"
+
+
+def tools_system_prompt(schemas: Sequence[dict[str, Any]], system: str | None = None) -> str:
+    """The system turn's content Qwen3's template renders for `tools=schemas` (and a system message `system`):
+    with it as `data.system_prompt`, prompts rendered without `tools=` are the same text."""
+    head = f"{system}\n\n" if system else ""
+    listed = "".join(f"\n{json.dumps(s, ensure_ascii=False)}" for s in schemas)
+    return (
+        f"{head}# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+        "You are provided with function signatures within <tools></tools> XML tags:\n"
+        f"<tools>{listed}\n</tools>\n\n"
+        "For each function call, return a json object with function name and arguments within "
+        "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+        '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+    )

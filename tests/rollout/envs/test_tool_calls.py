@@ -1,3 +1,4 @@
+# ruff: noqa: E501 - the template excerpt is verbatim
 """Qwen3 tool calls: the parser against SGLang 0.5.23's own `Qwen25Detector` on the same texts (malformed ones
 included), the rendering against Qwen3's chat template, and the calculator's arithmetic."""
 
@@ -68,9 +69,21 @@ def test_error_messages_say_what_is_wrong():
     assert parse_tool_calls(TEXTS[5], TOOLS).errors == []  # a listed call without arguments: {} like SGLang
 
 
-# Qwen3's chat template (Qwen/Qwen3-8B tokenizer_config.json), the branches that render tool calls and tool
-# responses and the generation prompt, verbatim.
+# Qwen3's chat template (Qwen/Qwen3-8B tokenizer_config.json), the branches that render the tools, tool calls,
+# tool responses and the generation prompt, verbatim.
 QWEN3_TOOL_TEMPLATE = """
+{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- messages[0].content + '\\n\\n' }}
+    {%- endif %}
+    {{- "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
+{%- endif %}
 {%- for message in messages %}
     {%- if message.role == "user" %}
         {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
@@ -222,3 +235,14 @@ def test_calculator_env_answers_calls_and_errors_and_stops_without_a_call():
     assert bad.observation.count("<tool_response>\nerror: ") == 3
     final = env.step("46")
     assert final.done and final.observation is None and final.reward == 0.0
+
+
+@pytest.mark.parametrize("system", [None, "Be brief."])
+def test_tools_system_prompt_is_what_the_template_renders_for_tools(system):
+    from megatron_tail.rollout.envs.calculator import CALCULATOR_SCHEMA
+    from megatron_tail.rollout.envs.tool_calls import tools_system_prompt
+
+    messages = [{"role": "system", "content": system}] if system else []
+    text = _render([*messages, {"role": "user", "content": "1+1="}], tools=[CALCULATOR_SCHEMA])
+    ours = f"<|im_start|>system\n{tools_system_prompt([CALCULATOR_SCHEMA], system)}<|im_end|>\n"
+    assert text == ours + "<|im_start|>user\n1+1=<|im_end|>\n<|im_start|>assistant\n"
