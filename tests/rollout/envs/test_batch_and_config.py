@@ -94,3 +94,19 @@ def test_multiturn_config_keys():
             "data.max_prompt_tokens=100",
             "train.max_tokens_per_micro_batch=256",
         )
+
+
+def test_the_calculator_example_lists_the_tool_as_qwen3s_template_does():
+    from pathlib import Path
+
+    from megatron_tail.rollout.envs.calculator import CALCULATOR_SCHEMA
+    from megatron_tail.rollout.envs.tool_calls import tools_system_prompt
+
+    path = Path(__file__).resolve().parents[3] / "examples" / "qwen3_8b_grpo_dvp_calculator.yaml"
+    cfg = load_config(path)
+    assert cfg.rollout.env == "calculator" and cfg.rollout.max_turns == 4
+    system = cfg.data.system_prompt.split("\n\n# Tools")[0]
+    assert cfg.data.system_prompt == tools_system_prompt([CALCULATOR_SCHEMA], system)
+    assert (
+        cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens <= cfg.train.max_tokens_per_micro_batch
+    )
