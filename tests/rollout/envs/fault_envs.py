@@ -47,3 +47,15 @@ class StepReturnsNaN(Environment):
 
 
 NotAClass = 3
+
+
+class ShortObservation(Environment):
+    """A 4-token observation every turn and a 0.5 reward per step; ends after the third step (for tiny models
+    of 32 positions)."""
+
+    def reset(self, row):
+        self.steps = 0
+
+    def step(self, turn):
+        self.steps += 1
+        return StepResult("\nok\n", reward=0.5, done=self.steps >= 3, tool_calls=1)
