@@ -200,3 +200,37 @@ def test_a_broken_environment_fails_with_an_error_naming_it(scorer, spec, error,
 def test_a_bad_env_name_is_one_clear_error(spec, match):
     with pytest.raises(UserError, match=match):
         load_env_class(spec)
+
+
+def test_the_demo_pretrains_on_exactly_what_a_calculator_episode_samples():
+    """The calculator demo's pretraining transcript = the episode the runner builds from the same two model
+    turns with the calculator: ids, and which ids are learned (the policy mask)."""
+    from megatron_tail.data.char_tokenizer import build_char_tokenizer
+    from megatron_tail.demo.tool_transcripts import calculator_transcript
+    from megatron_tail.rollout.envs.calculator import CalculatorEnv
+
+    tokenizer = build_char_tokenizer(tool_tokens=True)
+    ids, learned = calculator_transcript(tokenizer, "12+34=", "46")
+    prompt = tokenizer("12+34=", add_special_tokens=False)["input_ids"]
+    mask = learned[len(prompt) :]
+    response = ids[len(prompt) :]
+    first_end = mask.index(False)
+    second_start = first_end + mask[first_end:].index(True)
+    turns = [(response[:first_end], "stop"), (response[second_start:], "stop")]
+    tokens = Tokens(
+        decode=lambda x: tokenizer.decode(x, skip_special_tokens=True),
+        encode=lambda text: tokenizer(text, add_special_tokens=False)["input_ids"],
+    )
+    episode = asyncio.run(
+        run_episode(
+            ScriptedEngine(turns),
+            InProcess(CalculatorEnv()),
+            prompt,
+            {"answer": "46"},
+            EpisodeLimits(max_turns=3, max_observation_tokens=32),
+            tokens,
+        )
+    )
+    assert episode.prompt_ids + episode.response_ids == ids
+    assert episode.policy_mask == mask and episode.turns == 2 and episode.tool_calls == 1
+    assert episode.final_text == "46"
