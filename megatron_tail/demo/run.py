@@ -45,6 +45,7 @@ CALCULATOR_OVERRIDES = [
     "rollout.max_new_tokens=20",  # a call turn is 15-17 tokens (`TOOL_TOKENS`), an answer 2-4
     "rollout.max_observation_tokens=24",  # a tool response is 14-16; 6 + 3 × 20 + 2 × 24 ≤ 128 positions
     "data.prompts_per_step=16",
+    "data.eval_prompts=64",
     "train.eval_every=5",
     "train.steps=20",
 ]
