@@ -51,9 +51,8 @@ class RolloutEngines:
         # in a worker process, bounded by data.reward_timeout_s per batch; started here, on the main thread
         self.score = RewardScorer(cfg.data.reward, timeout_s=cfg.data.reward_timeout_s)
         try:
-            if (
-                cfg.rollout.env is not None
-            ):  # fails here, by name, if the spec is bad (the worker loads it too)
+            # the environment fails here, by name, if the spec is bad (the worker loads it too)
+            if cfg.rollout.env is not None:
                 from megatron_tail.rollout.envs import load_env_class
 
                 load_env_class(cfg.rollout.env)
