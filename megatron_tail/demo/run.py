@@ -14,8 +14,17 @@ from pathlib import Path
 from megatron_tail.demo.defaults import DATA_DIR_NAME, DEMO_CONFIG_YAML, PRETRAIN_DIR_NAME
 
 DEMO_MAX_DIGITS = 2
-TOOL_PROB = 0.5
-"""The calculator demo's pretraining: half the examples call the tool, half answer directly."""
+TOOL_PRETRAIN = {
+    "tool_prob": 0.5,
+    "steps": 150,
+    "batch_size": 48,
+    "num_examples": 8000,
+    "lr": 5e-3,
+    "warmup": 20,
+}
+"""The calculator demo's pretraining (`PretrainSettings`): half the examples call the tool, half answer
+directly; after these 150 steps greedy decoding calls the tool with the right expression (checked on CPU:
+11 minutes on 2 heavily shared cores)."""
 DEMO_DATA = {"train": (2000, 1234), "test": (200, 5678)}
 """name → (number of problems, seed) of the demo's prompt files."""
 
@@ -156,7 +165,7 @@ def ensure_pretrained(cache: Path, *, tools: bool = False) -> Path:
 
     model_dir = cache / (PRETRAIN_DIR_NAME + ("_calculator" if tools else ""))
     summary_file = model_dir / "pretrain.json"
-    settings = PretrainSettings(tool_prob=TOOL_PROB) if tools else PretrainSettings()
+    settings = PretrainSettings(**TOOL_PRETRAIN) if tools else PretrainSettings()
     if summary_file.is_file():
         summary = json.loads(summary_file.read_text())
         if summary.get("settings") == _settings_dict(settings):

@@ -115,14 +115,14 @@ def test_the_calculator_example_lists_the_tool_as_qwen3s_template_does():
 def test_the_demo_switches_to_the_calculator_model_and_lengths_with_an_environment(tmp_path):
     from megatron_tail.demo.defaults import DEMO_CONFIG_YAML
     from megatron_tail.demo.pretrain import PretrainSettings
-    from megatron_tail.demo.run import CALCULATOR_OVERRIDES, TOOL_PROB, uses_environment
+    from megatron_tail.demo.run import CALCULATOR_OVERRIDES, TOOL_PRETRAIN, uses_environment
 
     assert uses_environment(["rollout.env=calculator", "rollout.max_turns=3"])
     assert not uses_environment(["rollout.max_new_tokens=8"]) and not uses_environment(["rollout.env=null"])
     base = tmp_path / "demo.yaml"  # the overrides load on the demo's own config
     base.write_text(DEMO_CONFIG_YAML)
     cfg = load_config(base, [*CALCULATOR_OVERRIDES, "rollout.env=calculator", "rollout.max_turns=3"])
-    settings = PretrainSettings(tool_prob=TOOL_PROB)
+    settings = PretrainSettings(**TOOL_PRETRAIN)
     positions = settings.model_overrides["max_position_embeddings"]
     assert 6 + cfg.rollout.max_response_tokens <= positions  # "12+34=" is at most 6 tokens
     assert PretrainSettings().model_overrides == {}  # the plain demo's model (and cache) unchanged
