@@ -174,7 +174,8 @@ def ensure_pretrained(cache: Path, *, tools: bool = False) -> Path:
             return model_dir
     _, test_file = ensure_data(cache)
     rows = [json.loads(line) for line in test_file.read_text().splitlines() if line.strip()]
-    _say(f"pretraining the tiny Qwen3 on toy addition ({settings.steps} steps, one-off) → {model_dir}")
+    what = "toy addition, half of it calling the calculator" if tools else "toy addition"
+    _say(f"pretraining the tiny Qwen3 on {what} ({settings.steps} steps, one-off) → {model_dir}")
     summary = pretrain(model_dir, settings, eval_rows=rows, log=_say)
     _say(f"  greedy accuracy after pretraining: {summary['greedy_accuracy']:.3f}")
     return model_dir
