@@ -177,7 +177,8 @@ def ensure_pretrained(cache: Path, *, tools: bool = False) -> Path:
     what = "toy addition, half of it calling the calculator" if tools else "toy addition"
     _say(f"pretraining the tiny Qwen3 on {what} ({settings.steps} steps, one-off) → {model_dir}")
     summary = pretrain(model_dir, settings, eval_rows=rows, log=_say)
-    _say(f"  greedy accuracy after pretraining: {summary['greedy_accuracy']:.3f}")
+    direct = " (answering directly, without the tool)" if tools else ""
+    _say(f"  greedy accuracy after pretraining{direct}: {summary['greedy_accuracy']:.3f}")
     return model_dir
 
 

@@ -201,7 +201,7 @@ class RolloutEngines:
             out[f"eval/{name}_reward"] = sum(rewards) / len(rewards)
             if name == "sampled":
                 k = sampling.n_samples
-                rows = [correct[i * k : (i + 1) * k] for i in range(len(grouped))]
+                rows = [correct[i * k : (i + 1) * k] for i in range(len(prompt_ids))]
                 out.update({f"eval/{tag}": v for tag, v in eval_statistics(rows).items()})
         return out
 
