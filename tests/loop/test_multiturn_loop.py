@@ -1,6 +1,6 @@
 """`megatron-tail train` with multi-turn episodes (`rollout.env`) under torchrun (TP = 2, gloo, packed THD)
-against its local engine: the run finishes, logs the episode metrics and the usual ones finite, and resumes
-from its checkpoint mid-run."""
+against its local engine: the run finishes, logs the episode metrics and the usual ones finite, evaluates
+with episodes, and resumes from its checkpoint mid-run."""
 
 from __future__ import annotations
 
@@ -52,6 +52,10 @@ def _train(model_dir, prompt_file, run_dir, steps):
         "optimizer.lr": 1e-5,  # keep the EOS-heavy behaviour over the two steps
         "train.steps": steps,
         "train.checkpoint_every": 1,
+        "data.eval_path": prompt_file,  # evaluation runs episodes too: sampled (pass@k) and greedy
+        "data.eval_prompts": 4,
+        "train.eval_every": 2,
+        "train.eval_samples_per_prompt": 2,
     }
     overrides = loop_overrides(model_dir, prompt_file, run_dir, extra)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
@@ -79,5 +83,6 @@ def test_multiturn_run_trains_logs_episodes_and_resumes(chatty_model_dir, prompt
         assert all(math.isfinite(v) for _, v in scalars[tag]), tag
     turns = [v for _, v in scalars["rollout/turns_mean"]]
     assert all(1.0 <= t <= 3.0 for t in turns) and turns[0] > 1.0, turns
+    assert {"eval/greedy_accuracy", "eval/sampled_accuracy", "eval/pass@2"} <= set(scalars)
     fractions = [v for _, v in scalars["rollout/env_token_fraction"]]
     assert all(0.0 <= v < 1.0 for v in fractions) and fractions[0] > 0.0, fractions
