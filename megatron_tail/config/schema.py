@@ -156,7 +156,15 @@ class RolloutSection:
     local_num_threads: int | None = 1
     """torch threads of the local engine (None: torch's default)."""
     max_new_tokens: int = 128
-    """Longest response, in tokens."""
+    """Longest response, in tokens (with `env`: longest model turn)."""
+    env: str | None = None
+    """Multi-turn episodes with an environment (`megatron_tail.rollout.envs`): the built-in "calculator" or a
+    class "package.module:Class"; None: single-turn samples. Each model turn is one `/generate` call with the
+    token ids of everything before it; the environment's observations are context (no loss, no log-prob)."""
+    max_turns: int = 1
+    """Model turns per episode at most (with `env`)."""
+    max_observation_tokens: int = 512
+    """Longest observation (environment reply), in tokens; a longer one ends the episode before it."""
     temperature: float = 1.0
     """Sampling temperature T (> 0); the trainer scores log-probs at the same T."""
     max_concurrency: int = 64
@@ -267,6 +275,20 @@ class RolloutSection:
             )
 
     @property
+    def max_response_tokens(self) -> int:
+        """Longest response of a sample: `max_new_tokens`, or with `env` every turn and the observations
+        between them, `max_turns × max_new_tokens + (max_turns − 1) × max_observation_tokens`."""
+        if self.env is None:
+            return self.max_new_tokens
+        return self.max_turns * self.max_new_tokens + (self.max_turns - 1) * self.max_observation_tokens
+
+    @property
+    def max_policy_tokens(self) -> int:
+        """Most tokens the policy samples in one response: `max_turns × max_new_tokens` (T of DVP's bias
+        bound)."""
+        return self.max_turns * self.max_new_tokens
+
+    @property
     def local_engine_dtype(self) -> str:
         """The local engine's dtype: `dtype`, else `local_dtype`."""
         return self.dtype or self.local_dtype
@@ -324,6 +346,22 @@ class RolloutSection:
             _positive_int("rollout", "local_num_threads", self.local_num_threads)
         _positive_int("rollout", "max_new_tokens", self.max_new_tokens)
         self._check_truncation()
+        _positive_int("rollout", "max_turns", self.max_turns)
+        _positive_int("rollout", "max_observation_tokens", self.max_observation_tokens)
+        if self.env is not None and (not isinstance(self.env, str) or not self.env.strip()):
+            _bad("rollout", "env", self.env, "must be 'calculator', 'package.module:Class' or null")
+        if self.env is None and self.max_turns > 1:
+            _bad("rollout", "max_turns", self.max_turns, "needs an environment (rollout.env) when > 1")
+        if self.env is not None and self.uses_manager:  # episodes do not run in the manager yet
+            _bad(
+                "rollout",
+                "env",
+                self.env,
+                "runs episodes in the step-wise rollout only (rollout.max_staleness 0 or 1, "
+                "rollout.partial_rollouts false)",
+            )
+        if self.env is not None and self.truncates:  # episodes do not carry sampling supports yet
+            _bad("rollout", "env", self.env, "samples untruncated only (rollout.top_k/top_p/min_p off)")
         _positive_int("rollout", "max_concurrency", self.max_concurrency)
         if not self.temperature > 0:
             _bad(
@@ -418,7 +456,7 @@ class TrainSection:
     """Token budget of a packed micro-batch: the samples of a mini-batch are packed back to back (THD,
     megatron's `PackedSeqParams`) into micro-batches of at most this many tokens, first-fit decreasing,
     balanced over DP ranks by tokens. Must hold the longest sample (`data.max_prompt_tokens` +
-    `rollout.max_new_tokens`); the activation memory of a micro-batch scales with it."""
+    `rollout.max_response_tokens`); the activation memory of a micro-batch scales with it."""
     packed: bool | None = None
     """Packed (THD) micro-batches by `max_tokens_per_micro_batch` (true), or padded micro-batches of
     `micro_batch_size` samples (false; this overrides a token budget set elsewhere, so one `--set
@@ -530,6 +568,13 @@ class RunConfig:
                 self.algorithm.overlong_buffer,
                 f"must be ≤ rollout.max_new_tokens={self.rollout.max_new_tokens} (it ends at the limit)",
             )
+        if self.rollout.env is not None and self.algorithm.overlong_buffer > 0:
+            _bad(
+                "algorithm",
+                "overlong_buffer",
+                self.algorithm.overlong_buffer,
+                "must be 0 with rollout.env (the overlong penalty is for single-turn lengths)",
+            )
         self._check_token_budget()
         dvp = self.algorithm.log_rho is not None and self.algorithm.log_rho != float("-inf")
         if self.rollout.deterministic and self.rollout.truncates and (dvp or self.rollout.min_p > 0):
@@ -563,19 +608,22 @@ class RunConfig:
                     "needs packed micro-batches (train.max_tokens_per_micro_batch; train.packed not false)",
                 )
             return
-        longest = (
-            None
-            if self.data.max_prompt_tokens is None
-            else self.data.max_prompt_tokens + self.rollout.max_new_tokens
-        )
+        response = self.rollout.max_response_tokens
+        longest = None if self.data.max_prompt_tokens is None else self.data.max_prompt_tokens + response
         padded = None if longest is None else -(-longest // self.sequence_multiple) * self.sequence_multiple
         if padded is not None and budget < padded:
+            what = (
+                f"rollout.max_new_tokens={response}"
+                if self.rollout.env is None
+                else f"the longest episode's response ({response}: rollout.max_turns × max_new_tokens + "
+                "(max_turns − 1) × max_observation_tokens)"
+            )
             _bad(
                 "train",
                 "max_tokens_per_micro_batch",
                 budget,
                 f"must hold the longest sample: data.max_prompt_tokens={self.data.max_prompt_tokens} + "
-                f"rollout.max_new_tokens={self.rollout.max_new_tokens} = {longest}"
+                f"{what} = {longest}"
                 + (f", padded to a multiple of 2·context_parallel = {padded}" if padded != longest else ""),
             )
         if budget % self.micro_batch_multiple:

@@ -6,6 +6,10 @@
 3. `--compare`: the same seed four times, naive (no DVP, no IS), DVP + MIS, fp16 on both sides (no other
    remedy), and FP8 rollouts with DVP + MIS (`rollout.quantization=fp8`), their stability metrics side by
    side, and a report with figures of the four runs.
+
+`--set rollout.env=calculator --set rollout.max_turns=3`: multi-turn episodes with the calculator tool. The
+tiny model is pretrained (once, in its own cache directory) on transcripts that call the tool in Qwen3's
+format half of the time; RL rewards the right final answer, which the tool's reply makes easy.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_tail.data.char_tokenizer import CHARACTERS, SPECIAL_TOKENS, build_char_tokenizer
+from megatron_tail.data.char_tokenizer import CHARACTERS, SPECIAL_TOKENS, TOOL_TOKENS, build_char_tokenizer
 
 VOCAB_SIZE = len(SPECIAL_TOKENS) + len(CHARACTERS)
 """100: the character tokenizer's vocabulary, exactly (no unused rows)."""
@@ -36,13 +36,16 @@ def tiny_qwen3_config(**overrides):
     return Qwen3Config(**settings)
 
 
-def new_tiny_qwen3(seed: int, **overrides):
-    """A freshly initialised `Qwen3ForCausalLM` (seeded) and the character tokenizer."""
+def new_tiny_qwen3(seed: int, *, tool_tokens: bool = False, **overrides):
+    """A freshly initialised `Qwen3ForCausalLM` (seeded) and the character tokenizer (with its
+    `TOOL_TOKENS` when `tool_tokens`)."""
     from transformers import Qwen3ForCausalLM
 
     torch.manual_seed(seed)
+    if tool_tokens:
+        overrides.setdefault("vocab_size", VOCAB_SIZE + len(TOOL_TOKENS))
     model = Qwen3ForCausalLM(tiny_qwen3_config(**overrides))
-    return model, build_char_tokenizer()
+    return model, build_char_tokenizer(tool_tokens=tool_tokens)
 
 
 def save_hf(model, tokenizer, path: str | Path) -> Path:

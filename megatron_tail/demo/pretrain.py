@@ -51,6 +51,13 @@ class PretrainSettings(FitSettings):
     """Fraction of examples whose answer is followed by one stray digit before the EOS."""
     num_examples: int = 50_000
     """Problems generated for pretraining (a seed disjoint from the RL files')."""
+    tool_prob: float = 0.0
+    """Fraction of examples that call the calculator instead of answering directly (`tool_transcripts`);
+    > 0 builds the model with Qwen3's tool tags as tokens and 128 positions (the calculator demo)."""
+
+    @property
+    def model_overrides(self) -> dict:
+        return {"tool_tokens": True, "max_position_embeddings": 128} if self.tool_prob > 0 else {}
 
 
 def encode(tokenizer, prompt: str, target: str) -> tuple[list[int], int]:
@@ -61,8 +68,10 @@ def encode(tokenizer, prompt: str, target: str) -> tuple[list[int], int]:
 
 
 def make_batches(tokenizer, settings: PretrainSettings):
-    """Padded `ids [N, L]`, `loss mask [N, L-1]` (answer + EOS targets), `attention mask [N, L]`."""
+    """Padded `ids [N, L]`, `loss mask [N, L-1]` (answer + EOS targets; a tool transcript's model turns),
+    `attention mask [N, L]`."""
     from megatron_tail.data.toy_arithmetic import make_arithmetic_examples
+    from megatron_tail.demo.tool_transcripts import calculator_transcript
 
     rows = make_arithmetic_examples(
         settings.num_examples, max_digits=settings.max_digits, seed=10_000 + settings.seed
@@ -71,15 +80,22 @@ def make_batches(tokenizer, settings: PretrainSettings):
     ramble = (torch.rand(len(rows), generator=gen) < settings.ramble_prob).tolist()
     stray = torch.randint(0, 10, (len(rows),), generator=gen).tolist()
     targets = [r["answer"] + (str(d) if x else "") for r, x, d in zip(rows, ramble, stray, strict=True)]
-    encoded = [encode(tokenizer, r["prompt"], t) for r, t in zip(rows, targets, strict=True)]
-    length = max(len(ids) for ids, _ in encoded)
+    tool = (torch.rand(len(rows), generator=gen) < settings.tool_prob).tolist()
+    encoded = []
+    for r, t, use_tool in zip(rows, targets, tool, strict=True):
+        if use_tool:
+            encoded.append(calculator_transcript(tokenizer, r["prompt"], r["answer"]))
+        else:
+            seq, p = encode(tokenizer, r["prompt"], t)
+            encoded.append((seq, [k >= p for k in range(len(seq))]))
+    length = max(len(seq) for seq, _ in encoded)
     ids = torch.full((len(encoded), length), tokenizer.pad_token_id, dtype=torch.long)
     loss_mask = torch.zeros((len(encoded), length - 1), dtype=torch.bool)
     attention = torch.zeros((len(encoded), length), dtype=torch.long)
-    for i, (seq, p) in enumerate(encoded):
+    for i, (seq, learned) in enumerate(encoded):
         ids[i, : len(seq)] = torch.tensor(seq)
         attention[i, : len(seq)] = 1
-        loss_mask[i, p - 1 : len(seq) - 1] = True
+        loss_mask[i, : len(seq) - 1] = torch.tensor(learned[1:])
     return ids, loss_mask, attention
 
 
@@ -115,7 +131,7 @@ def pretrain(
     """Train and save the HF checkpoint to `out_dir`; return (and save as `pretrain.json`) its summary."""
     settings = settings or PretrainSettings()
     torch.set_num_threads(settings.threads)
-    model, tokenizer = new_tiny_qwen3(settings.seed)
+    model, tokenizer = new_tiny_qwen3(settings.seed, **settings.model_overrides)
     started = time.perf_counter()
     fit_causal_lm(model, make_batches(tokenizer, settings), settings, log=log)
     summary = {"settings": asdict(settings), "train_time_s": time.perf_counter() - started}

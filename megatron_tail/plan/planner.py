@@ -84,18 +84,35 @@ class Plan:
     problems: list[str] = field(default_factory=list)
     """Why it does not fit (empty: it fits)."""
     warnings: list[str] = field(default_factory=list)
+    episode: str = ""
+    """With `rollout.env`: how the longest sample is counted (turns and observations)."""
 
     @property
     def fits(self) -> bool:
         return not self.problems
 
 
+def episode_line(config: RunConfig) -> str:
+    """The longest multi-turn sample, term by term ("" without `rollout.env`)."""
+    r = config.rollout
+    if r.env is None:
+        return ""
+    prompt = config.data.max_prompt_tokens
+    total = "?" if prompt is None else prompt + r.max_response_tokens
+    return (
+        f"episode: prompt {'?' if prompt is None else prompt} + {r.max_turns} turns x {r.max_new_tokens} + "
+        f"{r.max_turns - 1} observations x {r.max_observation_tokens} = {total} tokens per sample "
+        f"({r.max_policy_tokens} of them the policy's; env {r.env})"
+    )
+
+
 def sequence_tokens(config: RunConfig, max_positions: int) -> int:
-    """Longest sample: prompt + response, capped by the model's context."""
+    """Longest sample: prompt + response (with `rollout.env`, every turn and the observations between them:
+    `rollout.max_response_tokens`), capped by the model's context."""
     limit = config.model.max_sequence_length or max_positions
     if config.data.max_prompt_tokens is None:
         return limit
-    return min(limit, config.data.max_prompt_tokens + config.rollout.max_new_tokens)
+    return min(limit, config.data.max_prompt_tokens + config.rollout.max_response_tokens)
 
 
 def tokens_per_micro_batch(config: RunConfig, longest: int) -> int:
@@ -172,7 +189,8 @@ def make_plan(config: RunConfig, cluster: Cluster) -> Plan:
         capacity_bytes=capacity,
         sequence_tokens=longest,
         max_concurrency=config.rollout.max_concurrency,
-        group_size=config.algorithm.group_size,
+        # multi-turn: `max_concurrency` bounds episodes (sequences), not requests of a prompt's group
+        group_size=1 if config.rollout.env is not None else config.algorithm.group_size,
     )
     rollout = rollout_memory(shape, rollout_layout)
     ckpt = checkpoint_bytes_per_rank(shape, layout)
@@ -191,6 +209,7 @@ def make_plan(config: RunConfig, cluster: Cluster) -> Plan:
         checkpoint_seconds=ckpt_seconds,
         problems=problems,
         warnings=warnings,
+        episode=episode_line(config),
     )
 
 

@@ -106,6 +106,7 @@ def format_plan(plan: Plan) -> str:
         f"  sequences    {ro.sequences_per_server} of {rl.sequence_tokens} tokens fit per server; "
         f"in flight {ro.in_flight_per_server} (max_concurrency {rl.max_concurrency} x group {rl.group_size} "
         f"/ {rl.servers} servers)",
+        *([f"  {plan.episode}"] if plan.episode else []),
         f"checkpoint: {plan.checkpoint_bytes_per_rank / 1e9:.1f} GB per rank, "
         f"{plan.checkpoint_bytes_per_rank * c.gpus_per_node / 1e9:.0f} GB per node, "
         f"~{plan.checkpoint_seconds:.0f} s at an assumed {c.fs_write_gbps:g} GB/s per node",

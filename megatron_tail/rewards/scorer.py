@@ -15,10 +15,16 @@ The worker is spawned (no forked copy of the trainer's threads and CUDA state), 
 signals (the trainer decides what a stop means) and dies with the trainer (`utils.parent_watch`), so a
 `kill -9` of the trainer leaves no worker behind. After a timeout it is killed and a new one starts with
 the next batch.
+
+Environments of multi-turn rollouts (`rollout.env`, `megatron_tail.rollout.envs`) run in the same worker
+for the same reasons (`call`, with the environments' handler): their episodes live there, each request
+bounded by the same `timeout_s`, and an environment that raises or returns garbage fails the step with an
+error naming it.
 """
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing
 import os
 import signal
@@ -51,30 +57,65 @@ class RewardScorer:
         self._worker: _Worker | None = _Worker(spec)  # now, from the constructing (main) thread
 
     def __call__(self, completions: Sequence[str], answers: Sequence[str]) -> list[float]:
+        n = len(completions)
+        return self._request(
+            ("score", list(completions), list(answers)),
+            timed_out=f"reward function {self.spec!r} did not score a batch of {n} completions",
+            died=f"the reward worker scoring {self.spec!r} died",
+            while_=f" while scoring a batch of {n} completions",
+            error=RewardFunctionError,
+        )
+
+    def call(
+        self,
+        handler: str,
+        request: object,
+        *,
+        what: str,
+        error: type[Exception] = UserError,
+        timeout_error: type[Exception] = UserError,
+        start: bool = True,
+    ) -> object:
+        """Run `handler` ("package.module:function", imported in the worker) on `request` in the same worker,
+        under the same lock and time limit as scoring: `handler(state, request)`, where `state` is a dict the
+        worker keeps for that handler between requests (rollout environments keep their live episodes
+        there: `rollout.envs.registry.handle_env_request`). The handler raises `UserError` with a message
+        naming what failed; `call` raises it as `error`, and `timeout_error` after `timeout_s` (`what` says
+        what did not answer). With `start=False`, nothing is sent when no worker runs (after a timeout killed
+        it): a request that only releases state, whose state died with the worker; the worker also dies with
+        the thread that starts it (`PR_SET_PDEATHSIG`), so a cleanup on a short-lived thread must not."""
+        if not start and self._worker is None:
+            return None
+        return self._request(
+            ("call", handler, request),
+            timed_out=f"{what} did not answer",
+            died=f"the worker running {what} died",
+            while_="",
+            error=error,
+            timeout_error=timeout_error,
+        )
+
+    def _request(self, message, *, timed_out: str, died: str, while_: str, error, timeout_error=None):
         with self._lock:
             if self._worker is None:
                 self._worker = _Worker(self.spec)
             worker = self._worker
             try:
-                reply = worker.score(list(completions), list(answers), self.timeout_s)
+                reply = worker.request(message, self.timeout_s)
             except TimeoutError:
                 worker.kill()
                 self._worker = None
-                raise RewardTimeoutError(
-                    f"reward function {self.spec!r} did not score a batch of {len(completions)} completions "
-                    f"within data.reward_timeout_s={self.timeout_s:g} s; it was stopped. Make it faster or "
-                    "bounded, or raise data.reward_timeout_s"
+                raise (timeout_error or RewardTimeoutError)(
+                    f"{timed_out} within data.reward_timeout_s={self.timeout_s:g} s; it was stopped. Make it "
+                    "faster or bounded, or raise data.reward_timeout_s"
                 ) from None
             except EOFError:  # the worker died (killed, out of memory): start a new one next time
                 worker.kill()
                 self._worker = None
-                raise RewardFunctionError(
-                    f"the reward worker scoring {self.spec!r} died (exit code {worker.exitcode}) while "
-                    f"scoring a batch of {len(completions)} completions"
-                ) from None
+                raise error(f"{died} (exit code {worker.exitcode}){while_}") from None
         status, payload = reply
         if status == "user_error":
-            raise RewardFunctionError(payload)
+            raise error(payload)
         if status == "error":
             raise RuntimeError(f"reward worker failed:\n{payload}")
         return payload
@@ -119,9 +160,10 @@ class _Worker:
     def exitcode(self) -> int | None:
         return self._proc.exitcode
 
-    def score(self, completions: list[str], answers: list[str], timeout_s: float):
-        """The worker's reply; TimeoutError after `timeout_s`, EOFError if the worker died."""
-        self._conn.send((completions, answers))
+    def request(self, message: tuple, timeout_s: float):
+        """The worker's reply to `message` ("score" or "env", see `_serve`); TimeoutError after `timeout_s`,
+        EOFError if the worker died."""
+        self._conn.send(message)
         if not self._conn.poll(timeout_s):
             raise TimeoutError
         return self._conn.recv()
@@ -150,6 +192,7 @@ def _serve(spec: str, conn, parent_pid: int) -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
     die_with_parent(parent_pid)
     fn = load_reward_fn(spec)
+    states: dict[str, dict] = {}  # handler → the state it keeps between requests (`RewardScorer.call`)
     while True:
         try:
             request = conn.recv()
@@ -157,14 +200,29 @@ def _serve(spec: str, conn, parent_pid: int) -> None:
             return
         if request is None:
             return
-        completions, answers = request
+        conn.send(_answer(request, fn, spec, states))
+
+
+def _answer(request: tuple, fn, spec: str, states: dict) -> tuple[str, object]:
+    """("score", completions, answers) → rewards; ("call", "module:function", payload) → that handler's
+    answer. Replies ("ok", value), ("user_error", message) or ("error", traceback)."""
+    if request[0] == "call":
+        _, handler, payload = request
         try:
-            reply = ("ok", compute_rewards(fn, completions, answers))
-        except RewardFunctionError as e:
-            reply = ("user_error", str(e))
-        except Exception as e:  # the user's function raised: name it, the sample, and where
-            reply = ("user_error", _raised_message(spec, e))
-        conn.send(reply)
+            module, _, name = handler.partition(":")
+            function = getattr(importlib.import_module(module), name)
+            return ("ok", function(states.setdefault(handler, {}), payload))
+        except UserError as e:
+            return ("user_error", str(e))
+        except Exception:
+            return ("error", traceback.format_exc())
+    _, completions, answers = request
+    try:
+        return ("ok", compute_rewards(fn, completions, answers))
+    except RewardFunctionError as e:
+        return ("user_error", str(e))
+    except Exception as e:  # the user's function raised: name it, the sample, and where
+        return ("user_error", _raised_message(spec, e))
 
 
 def _raised_message(spec: str, error: Exception) -> str:

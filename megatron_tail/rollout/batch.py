@@ -19,6 +19,9 @@ class RolloutBatch:
     version), and with truncated sampling `rollout_supports`: per sample `[len(response), K]` int32
     token ids, the support the engine drew each response token from (−1 padded; `rollout_logprobs`
     are then log-probs under that truncated distribution).
+    `policy_mask` (multi-turn episodes, `rollout.env`; None for single-turn batches): per response token, True
+    where the policy generated it, False for the environment's observation tokens (their log-probs above are
+    0.0 placeholders: they are context, never scored or trained).
     `stats`: rollout time and token counts. `metrics`: TensorBoard scalars of how the batch was drawn
     (dynamic sampling), logged with the step's. `data_cursor`: the prompt stream's position after this
     batch (dynamic sampling; None when prompts are a function of the step).
@@ -34,6 +37,7 @@ class RolloutBatch:
     rollout_top_logprobs: list[list[float]] | None = None
     rollout_supports: list[torch.Tensor] | None = None
     token_versions: list[list[int]] | None = None
+    policy_mask: list[list[bool]] | None = None
     stats: dict[str, float] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
     data_cursor: int | None = None
@@ -45,6 +49,10 @@ class RolloutBatch:
 def rollout_metrics(batch: RolloutBatch, *, policy_version: int) -> dict[str, float]:
     """Reward, accuracy and response-length statistics of a step's samples, and `batch.metrics`.
 
+    With episode counters in `batch.stats` (multi-turn, `episode_stats`), also `rollout/turns_mean`,
+    `rollout/tool_calls_mean` (per episode), `rollout/tool_errors` (malformed or failed calls, total),
+    `rollout/env_token_fraction` (share of response tokens that came from the environment: no loss) and
+    `rollout/truncated_by_turns` (fraction of episodes that `rollout.max_turns` ended).
     `policy_version`: the weight version being trained (the step's θ_old). `rollout/stale_fraction` is the
     fraction of samples another version produced. A sample's staleness is `policy_version` minus the
     version of its oldest token (`token_versions`; without them, of its reported `weight_version`):
@@ -74,6 +82,7 @@ def rollout_metrics(batch: RolloutBatch, *, policy_version: int) -> dict[str, fl
         "rollout/stale_fraction": sum(v != str(policy_version) for v in batch.weight_versions) / n,
         **staleness,
         **support,
+        **episode_metrics(batch.stats),
         **batch.metrics,
     }
 
@@ -108,3 +117,45 @@ def _is_int(version: str | None) -> bool:
 def token_versions_of(versions: list[str | None]) -> list[int] | None:
     """Per-token versions as ints, or None if any is not an integer (an engine's "default" version)."""
     return [int(v) for v in versions] if all(_is_int(v) for v in versions) else None
+
+
+EPISODE_COUNTERS = (
+    "episodes",
+    "turns",
+    "tool_calls",
+    "tool_errors",
+    "env_tokens",
+    "response_tokens",
+    "truncated_by_turns",
+    "observation_overflows",
+)
+"""Sums a multi-turn batch keeps in `RolloutBatch.stats` (summed again when batches are concatenated)."""
+
+
+def episode_stats(episodes) -> dict[str, float]:
+    """The `EPISODE_COUNTERS` of `envs.Episode`s."""
+    return {
+        "episodes": float(len(episodes)),
+        "turns": float(sum(e.turns for e in episodes)),
+        "tool_calls": float(sum(e.tool_calls for e in episodes)),
+        "tool_errors": float(sum(e.tool_errors for e in episodes)),
+        "env_tokens": float(sum(e.env_tokens for e in episodes)),
+        "response_tokens": float(sum(len(e.response_ids) for e in episodes)),
+        "truncated_by_turns": float(sum(e.truncated_by_turns for e in episodes)),
+        "observation_overflows": float(sum(e.observation_overflow for e in episodes)),
+    }
+
+
+def episode_metrics(stats: dict[str, float]) -> dict[str, float]:
+    """TensorBoard scalars of the episode counters in `stats` (none for a single-turn batch)."""
+    n = stats.get("episodes", 0.0)
+    if not n:
+        return {}
+    return {
+        "rollout/turns_mean": stats["turns"] / n,
+        "rollout/tool_calls_mean": stats["tool_calls"] / n,
+        "rollout/tool_errors": stats["tool_errors"],
+        "rollout/env_token_fraction": stats["env_tokens"] / max(stats["response_tokens"], 1.0),
+        "rollout/truncated_by_turns": stats["truncated_by_turns"] / n,
+        "rollout/observation_overflows": stats["observation_overflows"],
+    }

@@ -247,6 +247,16 @@ class RolloutClient:
             sample = join_segments(sample, segment)
         return sample
 
+    async def generate_turn(
+        self, input_ids: Sequence[int], keys: Sequence[SampleKey], sampling: SamplingConfig
+    ) -> list[SampleResult]:
+        """The samples `keys` of one input, in one request: a turn of multi-turn episodes (`rollout.envs`;
+        the first turn of a prompt's n episodes goes as one request, as `generate` sends it), sent as token
+        ids (SGLang's `GenerateReqInput.input_ids`, `srt/managers/io_struct.py`) and retried like
+        `generate`'s requests. `sampling.n_samples` is ignored; the caller bounds what is in flight."""
+        ids = _check_prompt(keys[0].prompt_index, input_ids)
+        return await self._request_with_retries(ids, list(keys), sampling)
+
     async def _run_group(self, prompt, keys, sampling, semaphore, collected) -> None:
         async with semaphore:
             results = await self._request_with_retries(prompt, keys, sampling)

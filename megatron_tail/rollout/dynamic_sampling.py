@@ -53,6 +53,7 @@ def select_groups(batch: RolloutBatch, groups: Sequence[int], group_size: int) -
         rollout_top_logprobs=pick(batch.rollout_top_logprobs),
         rollout_supports=pick(batch.rollout_supports),
         token_versions=pick(batch.token_versions),
+        policy_mask=pick(batch.policy_mask),
         stats=dict(batch.stats),
         metrics=dict(batch.metrics),
         data_cursor=batch.data_cursor,
@@ -74,6 +75,16 @@ def concat_batches(batches: Sequence[RolloutBatch]) -> RolloutBatch:
     out.rollout_supports = None if any(s is None for s in supports) else [x for s in supports for x in s]
     versions = [b.token_versions for b in batches]
     out.token_versions = None if any(v is None for v in versions) else [x for v in versions for x in v]
+    masks = [b.policy_mask for b in batches]
+    out.policy_mask = (
+        None
+        if all(m is None for m in masks)
+        else [
+            x
+            for b, m in zip(batches, masks, strict=True)
+            for x in (m if m is not None else [[True] * len(r) for r in b.response_ids])
+        ]
+    )
     return out
 
 

@@ -60,7 +60,7 @@ def test_example_matches_the_config_schema(path):
         assert cfg.algorithm.is_mode != "none" and "projection" in header(path)
     # packed THD micro-batches by a token budget that holds the longest sample
     assert cfg.train.is_packed and cfg.train.seq_len is None
-    longest = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    longest = cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens  # turns + observations
     assert longest <= cfg.train.max_tokens_per_micro_batch and longest <= cfg.model.max_sequence_length
     assert cfg.model.resolved_precision() == "bf16" and cfg.optimizer.use_distributed_optimizer
     # warm-up everywhere; KL only in the example named for it, with the reference offloaded

@@ -10,7 +10,9 @@ Layout of a `MicroBatch` (b rows, s positions; every tensor CPU until `.to(devic
   `pad_to_multiple`); `cu_seqlens` is None and attention is causal over the row.
 - `tokens [b, s]` int64: prompt + response ids (pad id where empty).
 - `targets [b, s]` int64: the next token, `tokens[:, t + 1]` within a sequence; 0 where there is none.
-- `loss_mask [b, s]` bool: `targets[:, t]` is a response token, i.e. position t predicts the response.
+- `loss_mask [b, s]` bool: `targets[:, t]` is a response token the policy generated, i.e. position t
+  predicts the response (minus the environment's tokens of a multi-turn sample, `Sample.policy_mask`: they
+  are context only).
 - `sample_index [b, s]` int64: which sample (index into the list given to the builder) the target at t
   belongs to; -1 off the loss mask.
 - `fields {name: [b, s, ...]}`: per-response-token values of the samples (rollout log-probs, advantages, ...)
@@ -20,7 +22,8 @@ Layout of a `MicroBatch` (b rows, s positions; every tensor CPU until `.to(devic
 - `extras`: free-form per-micro-batch objects for the loss callback (e.g. the algorithms' PreparedTokens).
 - Per-sample layout `[n, T]` (n samples of this micro-batch in order, T = their longest response):
   `to_samples(x)` gathers any per-token `[b, s]` tensor (differentiably) so that row k holds sample
-  `sample_ids[k]`'s response tokens in order, `sample_valid [n, T]` marking the real ones. Sequence-level
+  `sample_ids[k]`'s policy tokens (its response tokens, minus environment tokens) in order, `sample_valid
+  [n, T]` marking the real ones. Sequence-level
   losses (sequence IS weights, veto, seq-mean aggregation) use this layout, in which a row is one sample
   whether the micro-batch is padded or packed.
 
@@ -52,6 +55,10 @@ class Sample:
     prompt: Sequence[int]
     response: Sequence[int]
     fields: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    policy_mask: Sequence[bool] | None = None
+    """Per response token: True where the policy generated it, False for a multi-turn episode's environment
+    tokens (observations), which stay in the sequence as context but leave the loss mask, and with it every
+    per-token quantity (loss, log-probs, IS weights, safe-set checks, masks, metrics). None: all True."""
 
     def __len__(self) -> int:
         return len(self.prompt) + len(self.response)
@@ -259,6 +266,13 @@ def _check_sample(i: int, s: Sample) -> None:
         raise ValueError(f"sample {i} has an empty response")
     if len(s.prompt) == 0:
         raise ValueError(f"sample {i} has an empty prompt (the first response token needs a context)")
+    if s.policy_mask is not None:
+        if len(s.policy_mask) != len(s.response):
+            raise ValueError(
+                f"sample {i}: policy_mask has {len(s.policy_mask)} entries, expected {len(s.response)}"
+            )
+        if not any(s.policy_mask):
+            raise ValueError(f"sample {i} has no policy token (policy_mask is all False)")
     for name, value in s.fields.items():
         if value.dim() < 1 or value.shape[0] != len(s.response):
             raise ValueError(
@@ -292,8 +306,13 @@ def _build(samples, rows, seq_len, pad_id, *, packed: bool = False, slots=None) 
             tokens[r, start : start + n] = ids
             targets[r, start : start + n - 1] = ids[1:]
             resp = slice(start + p - 1, start + n - 1)  # positions predicting response tokens
-            loss_mask[r, resp] = True
-            sample_index[r, resp] = i
+            if s.policy_mask is None:
+                loss_mask[r, resp] = True
+                sample_index[r, resp] = i
+            else:  # environment tokens: context only
+                policy = torch.tensor(list(s.policy_mask), dtype=torch.bool)
+                loss_mask[r, resp] = policy
+                sample_index[r, resp] = torch.where(policy, i, -1)
             for name in field_names:
                 value = s.fields[name]
                 corner = (r, resp, *(slice(0, d) for d in value.shape[1:]))
@@ -327,7 +346,7 @@ def _trailing(samples, members, name) -> tuple[int, ...]:
 def _add_sample_layout(mb: MicroBatch, samples, rows) -> None:
     """Index tensors of the per-sample `[n, T]` layout (see `MicroBatch.to_samples`)."""
     members = [(r, i) for r, row in enumerate(rows) for i in row]
-    longest = max((len(samples[i].response) for _, i in members), default=0)
+    longest = max((_policy_tokens(samples[i]) for _, i in members), default=0)
     n = len(members)
     sample_rows = torch.zeros((n, longest), dtype=torch.long)
     sample_cols = torch.zeros((n, longest), dtype=torch.long)
@@ -339,3 +358,7 @@ def _add_sample_layout(mb: MicroBatch, samples, rows) -> None:
         sample_valid[k, : len(cols)] = True
     mb.sample_ids = torch.tensor([i for _, i in members], dtype=torch.long)
     mb.sample_rows, mb.sample_cols, mb.sample_valid = sample_rows, sample_cols, sample_valid
+
+
+def _policy_tokens(sample: Sample) -> int:
+    return len(sample.response) if sample.policy_mask is None else sum(map(bool, sample.policy_mask))

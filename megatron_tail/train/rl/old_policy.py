@@ -77,7 +77,7 @@ def score_old_policy(trainer: Trainer, cfg: RunConfig, layout: MicroBatchLayout)
         totals,
         prob_buckets=cfg.logging.prob_buckets,
         max_reward=0.0 if r_max is None else r_max,
-        max_response_len=cfg.rollout.max_new_tokens,
+        max_response_len=cfg.rollout.max_policy_tokens,
     )
     if r_max is None:
         scalars.pop("dvp/bias_bound", None)

@@ -72,6 +72,7 @@ def build_samples(cfg: RunConfig, batch: RolloutBatch) -> RolloutSamples:
     support (`engine.forward.SAMPLING_SUPPORT_FIELD`, `[len(response), K]`, ids + 1), and with
     `algorithm.mask_truncated` `trainable` (0 on every token of a response cut at `rollout.max_new_tokens`:
     it leaves the loss).
+    A multi-turn batch's `policy_mask` goes to each `Sample.policy_mask`: its environment tokens are context.
 
     The shaped reward is the task reward plus DAPO's overlong penalty when `algorithm.overlong_buffer` > 0;
     `reward/*` tags keep logging the task reward, `reward/overlong_penalty_mean` the added term.
@@ -106,7 +107,8 @@ def build_samples(cfg: RunConfig, batch: RolloutBatch) -> RolloutSamples:
             fields[SAMPLING_SUPPORT_FIELD] = batch.rollout_supports[i].to(torch.int32) + 1
         if algo.mask_truncated:
             fields["trainable"] = torch.full((n,), 0.0 if batch.truncated[i] else 1.0)
-        samples.append(Sample(batch.prompt_ids[i], batch.response_ids[i], fields))
+        mask = None if batch.policy_mask is None else batch.policy_mask[i]
+        samples.append(Sample(batch.prompt_ids[i], batch.response_ids[i], fields, policy_mask=mask))
     return RolloutSamples(samples, metrics)
 
 

@@ -54,6 +54,11 @@ class RolloutEngines:
         # in a worker process, bounded by data.reward_timeout_s per batch; started here, on the main thread
         self.score = RewardScorer(cfg.data.reward, timeout_s=cfg.data.reward_timeout_s)
         try:
+            # the environment fails here, by name, if the spec is bad (the worker loads it too)
+            if cfg.rollout.env is not None:
+                from megatron_tail.rollout.envs import load_env_class
+
+                load_env_class(cfg.rollout.env)
             self._connect(cfg, run_dir)
         except BaseException:
             self.score.close()
@@ -151,6 +156,10 @@ class RolloutEngines:
         """`group_size` samples per prompt, scored by the reward; groups contiguous in prompt order."""
         n = self.cfg.algorithm.group_size
         sampling = self._sampling(base_seed)
+        if self.cfg.rollout.env is not None:
+            return self._episodes(
+                self.client, prompt_ids, answers, sampling, f"episodes of {len(prompt_ids)} prompts × {n}"
+            )
         started = time.perf_counter()
         grouped = self._run(
             self.client.generate(prompt_ids, sampling), f"samples of {len(prompt_ids)} prompts × {n}"
@@ -280,21 +289,57 @@ class RolloutEngines:
             ("sampled", self.client, sampled),
             ("greedy", self.eval_client, greedy),
         ):
-            grouped = self._run(
-                client.generate(prompt_ids, sampling), f"{name} eval samples of {len(prompt_ids)} prompts"
-            )
-            self._check_token_ids([s for g in grouped for s in g])
-            completions = [self._decode(s.output_ids) for g in grouped for s in g]
-            per_sample_answers = [a for a in answers for _ in range(sampling.n_samples)]
-            rewards = self.score(completions, per_sample_answers)
+            what = f"{name} eval samples of {len(prompt_ids)} prompts"
+            if r.env is not None:
+                rewards = self._episodes(client, prompt_ids, answers, sampling, what).rewards
+            else:
+                grouped = self._run(client.generate(prompt_ids, sampling), what)
+                self._check_token_ids([s for g in grouped for s in g])
+                completions = [self._decode(s.output_ids) for g in grouped for s in g]
+                per_sample_answers = [a for a in answers for _ in range(sampling.n_samples)]
+                rewards = self.score(completions, per_sample_answers)
             correct = [x >= self.cfg.data.correct_reward for x in rewards]
             out[f"eval/{name}_accuracy"] = sum(correct) / len(correct)
             out[f"eval/{name}_reward"] = sum(rewards) / len(rewards)
             if name == "sampled":
                 k = sampling.n_samples
-                rows = [correct[i * k : (i + 1) * k] for i in range(len(grouped))]
+                rows = [correct[i * k : (i + 1) * k] for i in range(len(prompt_ids))]
                 out.update({f"eval/{tag}": v for tag, v in eval_statistics(rows).items()})
         return out
+
+    def _episodes(self, client, prompt_ids, answers, sampling: SamplingConfig, what: str) -> RolloutBatch:
+        """Multi-turn episodes (`rollout.env`) of every prompt, scored: the run's reward of each last turn
+        plus the environment's rewards (`train.run.episodes`)."""
+        from megatron_tail.rollout.envs import EpisodeLimits, Tokens
+
+        from .episodes import episodes_to_batch, run_episodes, turn_sampling
+
+        r = self.cfg.rollout
+        started = time.perf_counter()
+        episodes = self._run(
+            run_episodes(
+                client,
+                self.score,
+                r.env,
+                prompt_ids,
+                answers,
+                turn_sampling(sampling, self.tokenizer, r.max_turns),
+                EpisodeLimits(max_turns=r.max_turns, max_observation_tokens=r.max_observation_tokens),
+                Tokens(decode=self._decode, encode=self._encode),
+                max_concurrency=r.max_concurrency,
+                on_episode=self._on_result,
+            ),
+            what,
+        )
+        elapsed = time.perf_counter() - started
+        for i, e in enumerate(episodes):
+            self._check_ids(e.response_ids, f"episode {i}", self.urls[0])
+        rewards = self.score(
+            [e.final_text for e in episodes], [a for a in answers for _ in range(sampling.n_samples)]
+        )
+        return episodes_to_batch(
+            episodes, rewards, correct_reward=self.cfg.data.correct_reward, elapsed_s=elapsed
+        )
 
     def sync_weights(self, source, version: int | str) -> float:
         """Load new weights on every engine as `weight_version=str(version)`: `source` is an exported HF
@@ -343,18 +388,24 @@ class RolloutEngines:
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
+    def _encode(self, text: str) -> list[int]:
+        """An environment's observation → ids (its special tokens, e.g. `<|im_start|>`, as single ids)."""
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
     def _check_token_ids(self, samples) -> None:
         """Every generated id is in the model's vocabulary (an engine serving another model, or a broken one,
         would otherwise fail the trainer's embedding lookup without naming the sample)."""
         for sample in samples:
-            ids = sample.output_ids
-            if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):  # builtins: C speed over long responses
-                position, token = next((p, t) for p, t in enumerate(ids) if not 0 <= t < self.vocab_size)
-                raise UserError(
-                    f"engine {sample.server_url} returned token id {token} (response position {position}) in "
-                    f"sample {sample.key.rid}, outside the vocabulary of {self.cfg.model.hf_path} "
-                    f"(vocab_size {self.vocab_size}); is the engine serving another model?"
-                )
+            self._check_ids(sample.output_ids, f"sample {sample.key.rid}", sample.server_url)
+
+    def _check_ids(self, ids: Sequence[int], what: str, url: str) -> None:
+        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):  # builtins: C speed over long responses
+            position, token = next((p, t) for p, t in enumerate(ids) if not 0 <= t < self.vocab_size)
+            raise UserError(
+                f"engine {url} returned token id {token} (response position {position}) in "
+                f"{what}, outside the vocabulary of {self.cfg.model.hf_path} "
+                f"(vocab_size {self.vocab_size}); is the engine serving another model?"
+            )
 
     def _run(self, coro, waiting_for: str = ""):
         """Run `coro` on the private loop; with `waiting_for`, every `rollout.wait_report_s` while it waits,

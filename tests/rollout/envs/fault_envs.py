@@ -1,0 +1,61 @@
+# ruff: noqa: ARG002 - the interface's signatures
+"""Environments for the tests: scripted ones and broken ones (run in the reward worker, imported by name)."""
+
+import time
+
+from megatron_tail.rollout.envs import Environment, StepResult
+
+OBSERVATION = "\n<|im_start|>user\nok<|im_end|>\n<|im_start|>assistant\n"
+
+
+class AlwaysContinues(Environment):
+    """Answers every turn with the same observation and a reward of 0.25 per step; never done."""
+
+    def reset(self, row):
+        self.answer = row["answer"]
+
+    def step(self, turn):
+        return StepResult(OBSERVATION, reward=0.25, tool_calls=1)
+
+
+class StepRaises(Environment):
+    def step(self, turn):
+        raise KeyError("boom")
+
+
+class ResetRaises(Environment):
+    def reset(self, row):
+        raise RuntimeError("no such row")
+
+    def step(self, turn):
+        return StepResult(None, done=True)
+
+
+class StepHangs(Environment):
+    def step(self, turn):
+        time.sleep(3600)
+
+
+class StepReturnsGarbage(Environment):
+    def step(self, turn):
+        return {"observation": "x", "reward": 1.0}
+
+
+class StepReturnsNaN(Environment):
+    def step(self, turn):
+        return StepResult("x", reward=float("nan"))
+
+
+NotAClass = 3
+
+
+class ShortObservation(Environment):
+    """A 4-token observation every turn and a 0.5 reward per step; ends after the third step (for tiny models
+    of 32 positions)."""
+
+    def reset(self, row):
+        self.steps = 0
+
+    def step(self, turn):
+        self.steps += 1
+        return StepResult("\nok\n", reward=0.5, done=self.steps >= 3, tool_calls=1)

@@ -1,0 +1,128 @@
+"""Multi-turn batches around the trainer: the logged episode metrics, dynamic sampling's select/concat and
+the checkpointed batch keep the policy mask, and the config's multi-turn keys (limits, token budget)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from megatron_tail.config import load_config
+from megatron_tail.rollout import RolloutBatch, rollout_metrics
+from megatron_tail.rollout.dynamic_sampling import concat_batches, select_groups
+from megatron_tail.rollout.envs import Episode
+from megatron_tail.train.run.episodes import episodes_to_batch
+from megatron_tail.utils.errors import UserError
+
+
+def _episode(turns, env_tokens, *, by_turns=False, calls=0, errors=0):
+    e = Episode([1, 2])
+    for t in range(turns):
+        e.add([5, 6], policy=True, logprobs=[-1.0, -1.0], top=[-0.5, -0.5])
+        if t < turns - 1:
+            e.add([7] * env_tokens, policy=False)
+    e.turns, e.tool_calls, e.tool_errors, e.truncated_by_turns = turns, calls, errors, by_turns
+    e.turn_versions = ["3"] * turns
+    return e
+
+
+def _batch():
+    episodes = [_episode(1, 0), _episode(3, 2, by_turns=True, calls=2, errors=1), _episode(2, 4, calls=1)]
+    episodes.append(_episode(2, 1, calls=1))
+    return episodes_to_batch(episodes, [1.0, 0.0, 0.5, 0.0], correct_reward=1.0, elapsed_s=2.0), episodes
+
+
+def test_episode_metrics_are_logged():
+    batch, episodes = _batch()
+    m = rollout_metrics(batch, policy_version=3)
+    assert m["rollout/turns_mean"] == pytest.approx(8 / 4)
+    assert m["rollout/tool_calls_mean"] == pytest.approx(4 / 4)
+    assert m["rollout/tool_errors"] == 1.0
+    env = 0 + 4 + 4 + 1
+    response = sum(len(e.response_ids) for e in episodes)
+    assert m["rollout/env_token_fraction"] == pytest.approx(env / response)
+    assert m["rollout/truncated_by_turns"] == pytest.approx(1 / 4)
+    assert m["rollout/stale_fraction"] == 0.0
+    assert batch.stats["generated_tokens"] == sum(2 * e.turns for e in episodes)
+    assert batch.policy_mask[2] == [True, True, False, False, False, False, True, True]
+    assert batch.rollout_logprobs[2] == [-1.0, -1.0, 0.0, 0.0, 0.0, 0.0, -1.0, -1.0]
+    single = RolloutBatch([[1]], [[2]], [[-1.0]], [1.0], [True], [False], ["3"])
+    assert "rollout/turns_mean" not in rollout_metrics(single, policy_version=3)
+
+
+def test_dynamic_sampling_and_the_checkpointed_batch_keep_the_mask():
+    batch, _ = _batch()
+    picked = select_groups(batch, [1], group_size=2)
+    assert picked.policy_mask == batch.policy_mask[2:]
+    joined = concat_batches([picked, select_groups(batch, [0], group_size=2)])
+    assert joined.policy_mask == batch.policy_mask[2:] + batch.policy_mask[:2]
+    assert rollout_metrics(concat_batches([batch, batch]), policy_version=3)["rollout/turns_mean"] == 2.0
+    single = RolloutBatch([[1]], [[2, 3]], [[-1.0, -1.0]], [1.0], [True], [False], ["3"])
+    mixed = concat_batches([single, picked])
+    assert mixed.policy_mask == [[True, True], *batch.policy_mask[2:]]
+    # what a checkpoint keeps of a batch generated ahead (`RunSession`: dataclasses.asdict → RolloutBatch(**))
+    assert RolloutBatch(**dataclasses.asdict(batch)) == batch
+    old = {k: v for k, v in dataclasses.asdict(single).items() if k != "policy_mask"}  # before multi-turn
+    assert RolloutBatch(**old).policy_mask is None
+
+
+def _cfg(*overrides):
+    return load_config(None, ["algorithm.group_size=2", *overrides])
+
+
+def test_multiturn_config_keys():
+    cfg = _cfg(
+        "rollout.env=calculator",
+        "rollout.max_turns=3",
+        "rollout.max_new_tokens=100",
+        "rollout.max_observation_tokens=50",
+    )
+    assert cfg.rollout.max_response_tokens == 3 * 100 + 2 * 50 and cfg.rollout.max_policy_tokens == 300
+    assert _cfg().rollout.max_response_tokens == 128 and _cfg().rollout.env is None
+    with pytest.raises(UserError, match=r"rollout\.max_turns needs an environment"):
+        _cfg("rollout.max_turns=2")
+    with pytest.raises(UserError, match=r"rollout\.max_turns must be an int ≥ 1"):
+        _cfg("rollout.env=calculator", "rollout.max_turns=0")
+    with pytest.raises(UserError, match=r"algorithm\.overlong_buffer must be 0 with rollout\.env"):
+        _cfg("rollout.env=calculator", "algorithm.overlong_buffer=4")
+    with pytest.raises(UserError, match=r"longest episode's response \(400: rollout.max_turns"):
+        _cfg(
+            "rollout.env=calculator",
+            "rollout.max_turns=3",
+            "rollout.max_new_tokens=100",
+            "rollout.max_observation_tokens=50",
+            "data.max_prompt_tokens=100",
+            "train.max_tokens_per_micro_batch=256",
+        )
+
+
+def test_the_calculator_example_lists_the_tool_as_qwen3s_template_does():
+    from pathlib import Path
+
+    from megatron_tail.rollout.envs.calculator import CALCULATOR_SCHEMA
+    from megatron_tail.rollout.envs.tool_calls import tools_system_prompt
+
+    path = Path(__file__).resolve().parents[3] / "examples" / "qwen3_8b_grpo_dvp_calculator.yaml"
+    cfg = load_config(path)
+    assert cfg.rollout.env == "calculator" and cfg.rollout.max_turns == 4
+    system = cfg.data.system_prompt.split("\n\n# Tools")[0]
+    assert cfg.data.system_prompt == tools_system_prompt([CALCULATOR_SCHEMA], system)
+    assert (
+        cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens <= cfg.train.max_tokens_per_micro_batch
+    )
+
+
+def test_the_demo_switches_to_the_calculator_model_and_lengths_with_an_environment(tmp_path):
+    from megatron_tail.demo.defaults import DEMO_CONFIG_YAML
+    from megatron_tail.demo.pretrain import PretrainSettings
+    from megatron_tail.demo.run import CALCULATOR_OVERRIDES, TOOL_PRETRAIN, uses_environment
+
+    assert uses_environment(["rollout.env=calculator", "rollout.max_turns=3"])
+    assert not uses_environment(["rollout.max_new_tokens=8"]) and not uses_environment(["rollout.env=null"])
+    base = tmp_path / "demo.yaml"  # the overrides load on the demo's own config
+    base.write_text(DEMO_CONFIG_YAML)
+    cfg = load_config(base, [*CALCULATOR_OVERRIDES, "rollout.env=calculator", "rollout.max_turns=3"])
+    settings = PretrainSettings(**TOOL_PRETRAIN)
+    positions = settings.model_overrides["max_position_embeddings"]
+    assert 6 + cfg.rollout.max_response_tokens <= positions  # "12+34=" is at most 6 tokens
+    assert PretrainSettings().model_overrides == {}  # the plain demo's model (and cache) unchanged

@@ -1,0 +1,135 @@
+"""Episodes over a real local engine (a subprocess speaking SGLang's `/generate`): the engine's log-probs of
+every policy token equal an independent HF forward over the finished sample, so each turn saw exactly the
+concatenated ids; and through rank 0's `RolloutEngines`, a one-turn episode is today's single-turn sample."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from megatron_tail.rewards.scorer import RewardScorer
+from megatron_tail.rollout import ClientConfig, RolloutClient, SamplingConfig
+from megatron_tail.rollout.envs import EpisodeLimits, Tokens
+from megatron_tail.train.run.episodes import run_episodes
+from tests.rollout.servers import start_servers
+
+PROMPTS = [[5, 6, 76, 7, 84], [8, 9, 76, 10, 84]]
+ANSWERS = ["1", "2"]
+
+
+@pytest.fixture(scope="module")
+def fp32_server(tiny_model_dir, tmp_path_factory):
+    (server,) = start_servers(tiny_model_dir, tmp_path_factory.mktemp("fp32_logs"), 1, dtype="float32")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_model_dir))
+
+
+def test_every_turn_sees_the_concatenated_ids(fp32_server, tiny_model_dir, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    # every non-special token ends a turn by "stop", so the (random) model's turns are short and episodes
+    # run to max_turns with the scripted environment
+    sampling = SamplingConfig(
+        n_samples=2,
+        max_new_tokens=6,
+        temperature=1.0,
+        log_rho=None,
+        base_seed=3,
+        stop_token_ids=tuple(range(4, 100)),
+    )
+    tokens = Tokens(
+        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        encode=lambda text: tokenizer(text, add_special_tokens=False)["input_ids"],
+    )
+
+    async def go():
+        scorer = RewardScorer("arithmetic", timeout_s=30)
+        try:
+            async with RolloutClient(
+                [fp32_server.url], ClientConfig(request_timeout_s=60), processor=None
+            ) as c:
+                return await run_episodes(
+                    c,
+                    scorer,
+                    "tests.rollout.envs.fault_envs:AlwaysContinues",
+                    PROMPTS,
+                    ANSWERS,
+                    sampling,
+                    EpisodeLimits(max_turns=3, max_observation_tokens=64),
+                    tokens,
+                    max_concurrency=4,
+                )
+        finally:
+            scorer.close()
+
+    episodes = asyncio.run(go())
+    assert len(episodes) == 4 and all(e.turns == 3 and e.truncated_by_turns for e in episodes)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    for e in episodes:
+        ids = torch.tensor([[*e.prompt_ids, *e.response_ids]])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).logits[0, :-1].double(), dim=-1)
+        p = len(e.prompt_ids)
+        hf = logp[p - 1 :].gather(-1, ids[0, p:, None])[:, 0]
+        mask = torch.tensor(e.policy_mask)
+        assert 0 < int((~mask).sum()) and e.env_tokens == int((~mask).sum())
+        torch.testing.assert_close(
+            torch.tensor(e.logprobs, dtype=torch.float64)[mask], hf[mask], rtol=0, atol=1e-4
+        )
+        assert all(x == 0.0 for x, m in zip(e.logprobs, e.policy_mask, strict=True) if not m)
+
+
+def _engines(cfg_overrides, url, model_dir, run_dir, tokenizer):
+    from megatron_tail.config import load_config
+    from megatron_tail.train.run.engines import RolloutEngines
+
+    cfg = load_config(
+        None,
+        [
+            f"model.hf_path={model_dir}",
+            "rollout.engine=remote",
+            f"rollout.server_urls=[{url}]",
+            "rollout.max_new_tokens=8",
+            "rollout.max_concurrency=1",
+            "algorithm.group_size=2",
+            "algorithm.log_rho=-4.0",
+            "data.reward=arithmetic",
+            *cfg_overrides,
+        ],
+    )
+    engines = RolloutEngines(cfg, run_dir, tokenizer)
+    engines.wait_ready()
+    return engines
+
+
+def test_one_turn_episode_is_the_single_turn_sample(fp32_server, tiny_model_dir, tokenizer, tmp_path):
+    batches = {}
+    for name, extra in (("single", []), ("episode", ["rollout.env=calculator", "rollout.max_turns=1"])):
+        engines = _engines(extra, fp32_server.url, tiny_model_dir, tmp_path / name, tokenizer)
+        try:
+            batches[name] = engines.generate(PROMPTS, ANSWERS, base_seed=11)
+        finally:
+            engines.close()
+    single, episode = batches["single"], batches["episode"]
+    for name in (
+        "prompt_ids",
+        "response_ids",
+        "rollout_logprobs",
+        "rollout_top_logprobs",
+        "rewards",
+        "truncated",
+    ):
+        assert getattr(episode, name) == getattr(single, name), name
+    assert single.policy_mask is None and episode.policy_mask == [
+        [True] * len(r) for r in single.response_ids
+    ]
+    assert episode.stats["turns"] == episode.stats["episodes"] == 4 and episode.stats["env_tokens"] == 0
