@@ -116,7 +116,7 @@ def test_closing_cancels_a_rollout_in_flight_on_the_engines_event_loop():
 
     from megatron_tail.train.run.engines import RolloutEngines
 
-    engines = SimpleNamespace(loop=asyncio.new_event_loop(), _cancelled=threading.Event())
+    engines = SimpleNamespace(loop=asyncio.new_event_loop(), _cancelled=threading.Event(), _thread=None)
     rounds = []
 
     def rollout():
