@@ -94,9 +94,12 @@ def test_a_second_trainer_on_a_run_directory_is_refused_naming_the_holder_and_a_
 
 def test_an_engine_token_id_outside_the_vocabulary_is_named():
     """Before: an embedding IndexError in the trainer, naming neither the sample nor the id."""
+    import functools
+
     from megatron_tail.train.run.engines import RolloutEngines
 
     engines = SimpleNamespace(vocab_size=100, cfg=SimpleNamespace(model=SimpleNamespace(hf_path="m")))
+    engines._check_ids = functools.partial(RolloutEngines._check_ids, engines)  # the check it delegates to
     good = SimpleNamespace(
         output_ids=[1, 99], server_url="http://e:1", key=SimpleNamespace(rid="p0-s0-seed1")
     )
