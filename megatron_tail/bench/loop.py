@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -104,8 +105,11 @@ def loop_overrides(
     return [f"{k}={v}" for k, v in settings.items()]
 
 
-def loop_arm(model_dir: str, prompts: str, run_dir: str, staleness: int, steps: int, partial: bool) -> dict:
-    """In this (fresh) process: the loop with one trainer thread; its per-step perf history."""
+def loop_arm(
+    model_dir: str, prompts: str, run_dir: str, staleness: int, steps: int, partial: bool, extra: list[str]
+) -> dict:
+    """In this (fresh) process: the loop with one trainer thread; its per-step perf history. `extra`:
+    `--set` overrides, after the benchmark's own."""
     import torch
 
     from megatron_tail.config import load_config
@@ -113,7 +117,7 @@ def loop_arm(model_dir: str, prompts: str, run_dir: str, staleness: int, steps: 
 
     torch.set_num_threads(1)
     overrides = loop_overrides(Path(model_dir), Path(prompts), Path(run_dir), staleness, steps, partial)
-    cfg = load_config(None, overrides)
+    cfg = load_config(None, [*overrides, *extra])
     started = time.perf_counter()
     result = run(cfg)
     return {"history": result.history, "wall_s": time.perf_counter() - started}
@@ -482,7 +486,9 @@ def save_long_tail_model(path: Path, eos_p: float = LONG_TAIL_EOS_P) -> None:
     save_hf(model, tokenizer, path)
 
 
-def run_loop_suite(work: Path, steps: int, arms: list[str]) -> dict[str, dict[str, float]]:
+def run_loop_suite(
+    work: Path, steps: int, arms: list[str], extra: list[str] = ()
+) -> dict[str, dict[str, float]]:
     from megatron_tail.data.toy_arithmetic import make_arithmetic_examples, write_jsonl
 
     model = work / "long_tail_model"
@@ -492,6 +498,8 @@ def run_loop_suite(work: Path, steps: int, arms: list[str]) -> dict[str, dict[st
     out = {}
     for name in arms:
         staleness, partial = ARMS[name]
+        # a kept --workdir holds the last run's checkpoint, which the loop would resume from
+        shutil.rmtree(work / f"run_{name}", ignore_errors=True)
         args = [
             str(model),
             str(prompts),
@@ -499,6 +507,7 @@ def run_loop_suite(work: Path, steps: int, arms: list[str]) -> dict[str, dict[st
             str(staleness),
             str(steps),
             str(int(partial)),
+            json.dumps(list(extra)),
         ]
         out[name] = summarize_loop(_subprocess_json(["--loop-arm", *args])["history"])
         print(f"loop {name}: {out[name]['steps_per_s']:.3f} steps/s", file=sys.stderr, flush=True)
@@ -535,12 +544,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=2, help="timed syncs per path (after one warm-up)")
     parser.add_argument("--bucket-mb", type=float, default=64.0, help="bucket of the distributed sync")
     parser.add_argument("--workdir", help="keep models and runs here (default: a temp dir)")
-    parser.add_argument("--loop-arm", nargs=6, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="config override for every loop arm, after the benchmark's own (repeatable)",
+    )  # fmt: skip
+    parser.add_argument("--loop-arm", nargs=7, help=argparse.SUPPRESS)
     parser.add_argument("--sync-probe", nargs=7, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.loop_arm:
-        model, prompts, run_dir, staleness, steps, partial = args.loop_arm
-        print(json.dumps(loop_arm(model, prompts, run_dir, int(staleness), int(steps), bool(int(partial)))))
+        model, prompts, run_dir, staleness, steps, partial, extra = args.loop_arm
+        result = loop_arm(
+            model, prompts, run_dir, int(staleness), int(steps), bool(int(partial)), json.loads(extra)
+        )
+        print(json.dumps(result))
         return
     if args.sync_probe:
         path, model, url, out, repeats, bucket, source_dtype = args.sync_probe
@@ -553,7 +569,7 @@ def main(argv: list[str] | None = None) -> None:
         if "loop" in args.suites:
             if "sync" not in args.arms:
                 parser.error("--arms must include sync (the baseline of every ratio)")
-            arms = run_loop_suite(work, args.steps, args.arms)
+            arms = run_loop_suite(work, args.steps, args.arms, args.overrides)
             cores = f"{os.cpu_count()} cores"
             print(format_loop(arms, cores), flush=True)
             print(flush=True)

@@ -168,7 +168,8 @@ class RolloutSection:
     temperature: float = 1.0
     """Sampling temperature T (> 0); the trainer scores log-probs at the same T."""
     max_concurrency: int = 64
-    """Requests (one prompt's n samples each) in flight at once."""
+    """Requests (one prompt's n samples each) in flight at once; under the rollout manager, the groups
+    generating at once (AReaL's `max_concurrent_rollouts`, `rollout/manager.py`)."""
     request_timeout_s: float = 600.0
     """Time one request (one prompt's n samples) may take before it is retried; a request may time out twice
     (`ClientConfig.timeout_attempts`), so an engine that accepts and never answers fails the step after

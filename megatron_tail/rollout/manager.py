@@ -17,7 +17,11 @@ weight-update pause aborts its requests, which it continues from their tokens un
 Admission (AReaL's staleness control, arXiv 2505.24298 §4): with the engines at version v, the manager
 admits a new group only while `admitted < (v − v0 + η + 1) · G + wasted`, where `wasted` counts groups that
 will never be trained on (dropped as stale, filtered by dynamic sampling). So at most (η + 1) · G useful
-groups exist ahead of the trainer: η = 0 is the synchronous loop, η = 1 one step ahead.
+groups exist ahead of the trainer: η = 0 is the synchronous loop, η = 1 one step ahead. Independently, at
+most `max_in_flight` groups generate at once (AReaL's `max_concurrent_rollouts`, `rollout.max_concurrency`):
+staleness bounds how far ahead the engines may run, concurrency how many sequences share them. Past the
+engines' saturation point more sequences do not raise their throughput, they only slow each sequence
+down, so a long group spans more versions and is more often dropped as stale.
 
 Staleness bound. Step k (training θ_k, the engines at version k) takes G completed groups whose oldest
 token has version ≥ k − η, oldest first. A completed group older than that is dropped, counted in
@@ -89,6 +93,7 @@ class RolloutManager:
         keep: Callable[[GroupResult], bool] | None = None,
         max_filtered_per_batch: int | None = None,
         multiple: int = 1,
+        max_in_flight: int | None = None,
     ):
         for name, value in (("groups_per_step", groups_per_step), ("max_staleness", max_staleness)):
             if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name[0] == "g" else 0):
@@ -100,6 +105,12 @@ class RolloutManager:
         self.base_version = version
         self.keep = keep
         self.max_filtered = max_filtered_per_batch
+        if max_in_flight is not None and (
+            isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1
+        ):
+            raise ValueError(f"max_in_flight must be an int ≥ 1 or None; got {max_in_flight!r}")
+        self.max_in_flight = max_in_flight
+        """Groups generating at once at most (None: only the staleness bound limits admission)."""
         self.multiple = multiple
         """A batch cut short by dynamic sampling has a multiple of this many groups."""
         self.next_index = 0
@@ -184,7 +195,12 @@ class RolloutManager:
     def _fill(self) -> None:
         if self._changed is None:
             return
-        while not self.held and self.error is None and self.admitted < self._allowed():
+        while (
+            not self.held
+            and self.error is None
+            and self.admitted < self._allowed()
+            and (self.max_in_flight is None or len(self.in_flight) < self.max_in_flight)
+        ):
             if self.queued:
                 index = self.queued.popleft()
             else:

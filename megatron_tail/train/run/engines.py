@@ -231,6 +231,7 @@ class RolloutEngines:
             version=version,
             keep=keep,
             max_filtered_per_batch=cfg.data.prompts_per_step * cfg.data.max_sampling_rounds,
+            max_in_flight=r.max_concurrency,
         )
         if state is not None:
             self.manager.load_state_dict(state)
