@@ -35,3 +35,42 @@ def test_a_uniform_at_the_top_of_the_range_takes_the_last_positive_token():
     below_one = torch.tensor([1.0 - 2**-53], dtype=torch.float64)
     assert int(draw_categorical(p, below_one)[0]) == 1
     assert int(draw_categorical(p, torch.zeros(1, dtype=torch.float64))[0]) == 0
+
+
+def test_prefill_chunks_bound_the_padding_and_keep_every_row_once():
+    from types import SimpleNamespace
+
+    from megatron_tail.rollout.local_engine.batcher import prefill_chunks
+
+    lengths = [12, 12, 13, 250, 12, 40, 44, 12, 251, 90]
+    rows = [
+        SimpleNamespace(item=SimpleNamespace(input_ids=[0] * 12), outputs=[1] * (n - 12)) for n in lengths
+    ]
+    chunks = prefill_chunks(rows, limit=1.25)
+    assert sorted(id(r) for c in chunks for r in c) == sorted(id(r) for r in rows)
+    for chunk in chunks:
+        sizes = [len(r.item.input_ids) + len(r.outputs) for r in chunk]
+        assert len(chunk) == 1 or max(sizes) * len(chunk) <= 1.25 * sum(sizes)
+    # the short prompts share one forward, the two long partial rollouts another
+    assert [len(c) for c in chunks] == [5, 2, 1, 2]
+
+
+def test_waiting_rows_join_within_a_bounded_number_of_decoding_steps():
+    from types import SimpleNamespace
+
+    from megatron_tail.rollout.local_engine.batcher import ADMIT_WITHIN_STEPS, ContinuousBatcher
+
+    batcher = SimpleNamespace(running=[object()] * 40, waiting=[object()], _waited_steps=0)
+    decide = lambda: ContinuousBatcher._prefill_now(batcher)  # noqa: E731
+    # one row against 40 running: it waits (its prefill would cost a forward for one row) ...
+    waits = 0
+    while not decide():
+        batcher._waited_steps += 1
+        waits += 1
+    assert waits == ADMIT_WITHIN_STEPS
+    # ... a quarter of the batch, or an empty batch, is admitted at once
+    batcher._waited_steps = 0
+    batcher.waiting = [object()] * 10
+    assert decide()
+    batcher.running, batcher.waiting = [], [object()]
+    assert decide()

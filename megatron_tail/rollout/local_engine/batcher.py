@@ -20,8 +20,10 @@ Pause modes (SGLang 0.5.23 `PauseGenerationReqInput`, `managers/io_struct.py`; s
 
 from __future__ import annotations
 
+import logging
 import secrets
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -35,6 +37,13 @@ from megatron_tail.rollout.local_engine.logit_noise import add_tail_logit_noise_
 from megatron_tail.rollout.local_engine.requests import GenerateItem
 from megatron_tail.rollout.local_engine.truncation import sample_truncated
 from megatron_tail.rollout.processor import load_custom_logit_processor
+
+logger = logging.getLogger(__name__)
+
+ADMIT_WITHIN_STEPS = 8
+"""A waiting row is prefilled at most this many decoding steps after it arrived (`_prefill_now`)."""
+STATS_INTERVAL_S = 10.0
+"""How often the scheduler logs its throughput while it works (SGLang logs a "Decode batch" line)."""
 
 
 class Row:
@@ -83,6 +92,36 @@ class Row:
 ABORTED = {"type": "abort", "message": "Abort before generation finished (paused)."}
 
 
+class BatcherStats:
+    """The scheduler's counters since its last log line: decoding steps and the rows they ran, prefill
+    forwards with their real and padded tokens, and the seconds spent in each."""
+
+    def __init__(self):
+        self.logged_at = time.perf_counter()
+        self.reset()
+
+    def reset(self) -> None:
+        self.decode_steps = self.decode_rows = 0
+        self.prefill_forwards = self.prefill_tokens = self.prefill_padded = 0
+        self.decode_s = self.prefill_s = 0.0
+
+    def maybe_log(self, running: int, waiting: int) -> None:
+        now = time.perf_counter()
+        span = now - self.logged_at
+        if span < STATS_INTERVAL_S:
+            return
+        steps = max(self.decode_steps, 1)
+        logger.info(
+            "decode: %d steps, %.1f rows/step, %.0f tok/s, %.2f ms/step; prefill: %d forwards, %d tokens "
+            "(%d padded), %.2f s; busy %.0f%% of %.1f s; #running-req %d, #queue-req %d",
+            self.decode_steps, self.decode_rows / steps, self.decode_rows / span,
+            1e3 * self.decode_s / steps, self.prefill_forwards, self.prefill_tokens, self.prefill_padded,
+            self.prefill_s, 100 * (self.decode_s + self.prefill_s) / span, span, running, waiting,
+        )  # fmt: skip
+        self.logged_at = now
+        self.reset()
+
+
 class ContinuousBatcher:
     """The scheduler thread. `submit(rows)` queues sequences (the caller waits on its own `on_finish`);
     `close()` stops the thread and aborts what is left."""
@@ -114,6 +153,9 @@ class ContinuousBatcher:
         """True while a pause holds the loop between decoding steps (the pause is then in force)."""
         self.steps = 0
         """Decoding steps run (a step = one forward of the whole running batch)."""
+        self.stats = BatcherStats()
+        self._waited_steps = 0
+        """Decoding steps run since a row has been waiting (reset at each admission)."""
         self._thread = threading.Thread(target=self._loop, name="local-engine-batcher", daemon=True)
         self._thread.start()
 
@@ -137,17 +179,24 @@ class ContinuousBatcher:
                 if admit is None:
                     return
             with torch.inference_mode():
-                if admit:
+                started = time.perf_counter()
+                for chunk in prefill_chunks(admit):
                     try:
-                        self._prefill(admit)
+                        self._prefill(chunk)
                     except Exception as e:  # e.g. a processor refusing its custom_params: those rows fail
-                        self._fail(admit, e)
+                        self._fail(chunk, e)
+                prefilled = time.perf_counter()
+                self.stats.prefill_s += prefilled - started
                 if self.running:
+                    self.stats.decode_rows += len(self.running)
                     try:
                         self._decode_step()
                     except Exception as e:  # the batch's state is unknown now: every running row fails
                         rows, self.running, self._cache, self._mask = self.running, [], None, None
                         self._fail(rows, e)
+                    self.stats.decode_s += time.perf_counter() - prefilled
+                    self.stats.decode_steps += 1
+                self.stats.maybe_log(len(self.running), len(self.waiting))
 
     def _fail(self, rows: list[Row], error: Exception) -> None:
         """End `rows` with `error` (their request answers HTTP 400 with it); the loop goes on."""
@@ -181,9 +230,26 @@ class ContinuousBatcher:
                 break
             cond.wait()
         admit = []
-        while self.waiting and len(self.running) + len(admit) < self.max_running:
-            admit.append(self.waiting.popleft())
+        if self._prefill_now():
+            while self.waiting and len(self.running) + len(admit) < self.max_running:
+                admit.append(self.waiting.popleft())
+            self._waited_steps = 0
+        elif self.waiting:
+            self._waited_steps += 1
         return admit
+
+    def _prefill_now(self) -> bool:
+        """Admit the waiting rows at this step? At once when nothing runs, or when they are at least a
+        quarter of the running batch; else after `ADMIT_WITHIN_STEPS` decoding steps. A prefill forward has
+        a fixed cost; rows arriving one by one (partial rollouts resubmitted after a weight update, groups
+        finishing at different times) would otherwise each pay it between two decoding steps."""
+        if not self.waiting:
+            return False
+        return (
+            not self.running
+            or 4 * len(self.waiting) >= len(self.running)
+            or self._waited_steps >= ADMIT_WITHIN_STEPS
+        )
 
     def _abort_all(self, which) -> None:
         doomed = [r for r in self.running if which(r)]
@@ -204,6 +270,9 @@ class ContinuousBatcher:
         merge the surviving rows' cache into the running batch."""
         sequences = [r.item.input_ids + r.outputs for r in rows]
         length = max(len(s) for s in sequences)
+        self.stats.prefill_forwards += 1
+        self.stats.prefill_tokens += sum(len(s) for s in sequences)
+        self.stats.prefill_padded += length * len(sequences)
         ids = torch.zeros(len(rows), length, dtype=torch.long)
         mask = torch.zeros(len(rows), length, dtype=torch.long)
         for i, s in enumerate(sequences):
@@ -284,6 +353,28 @@ class ContinuousBatcher:
         tokens, logprobs, top, masks = self.sample(rows, logits)
         for row, token, logprob, best, mask in zip(rows, tokens, logprobs, top, masks, strict=True):
             row.append(token, logprob, best, mask, self.eos_ids)
+
+
+PREFILL_PADDING_LIMIT = 1.25
+"""A prefill chunk's padded size (rows × longest) is at most this multiple of its real tokens."""
+
+
+def prefill_chunks(rows: list[Row], limit: float = PREFILL_PADDING_LIMIT) -> list[list[Row]]:
+    """The admitted rows in prefill forwards: sorted by length (prompt + tokens so far), cut wherever one
+    more row would pad the chunk past `limit` × its real tokens. SGLang's prefill is ragged (no padding);
+    this left-padded one would otherwise pad every row of an admission to its longest, e.g. one partial
+    rollout resubmitted with 250 tokens beside new 12-token prompts."""
+    chunks: list[list[Row]] = []
+    real = 0
+    for row in sorted(rows, key=lambda r: len(r.item.input_ids) + len(r.outputs)):
+        n = len(row.item.input_ids) + len(row.outputs)  # ascending: n is the chunk's longest
+        if chunks and n * (len(chunks[-1]) + 1) <= limit * (real + n):
+            chunks[-1].append(row)
+            real += n
+        else:
+            chunks.append([row])
+            real = n
+    return chunks
 
 
 def _left_pad(x: torch.Tensor, width: int) -> torch.Tensor:
