@@ -7,7 +7,9 @@ in-memory weight sync.
 Suite "loop": the real RL loop (`train.run.loop.run`, TP = 1) with one continuously batching local engine,
 each arm in a fresh process: synchronous (`rollout.max_staleness: 0`), one step ahead (η = 1), and the
 rollout manager at η = 2 and η = 4 with `rollout.partial_rollouts`. The trainer and the engine get one
-torch thread each (one core each on a 2-core machine). Steps/s and seconds per step by phase are means over
+torch thread each (one core each on a 2-core machine); the trainer packs its micro-batches (THD, a token
+budget), and the manager keeps at most `LOOP_MAX_CONCURRENCY` groups generating. `--set KEY=VALUE`
+overrides any of these for every arm. Steps/s and seconds per step by phase are means over
 steps 2..N−1 (step 1 waits for a first batch in every arm).
 
 The long-tail response-length mix: a tiny random Qwen3 (hidden 64, 2 layers) whose end-of-sequence token
@@ -62,6 +64,14 @@ LOOP_MODEL = dict(
 LONG_TAIL_EOS_P = 0.02
 """Probability of the end-of-sequence token at every response position (lengths ~ geometric, mean ≈ 50)."""
 LONG_TAIL_MAX_NEW_TOKENS = 256
+LOOP_TOKENS_PER_MICRO_BATCH = 4096
+"""The trainer's packed micro-batch (`train.max_tokens_per_micro_batch`): a step's ~3.5k tokens, one or
+two micro-batches."""
+LOOP_MAX_CONCURRENCY = 32
+"""Groups generating at once under the rollout manager (`rollout.max_concurrency`): 4 steps' worth, which
+keeps ≈ 40–80 sequences decoding; more only slows each sequence (more of them dropped as stale), fewer
+leaves the engine's batch small. Chosen by measurement (16 / 24 / 32 / 48: the partial-rollouts bench
+write-up in docs/results)."""
 ARMS = {
     # name: (rollout.max_staleness, rollout.partial_rollouts)
     "sync": (0, False),
@@ -98,6 +108,11 @@ def loop_overrides(
         "data.prompts_per_step": 8,
         "train.steps": steps,
         "train.micro_batch_size": 16,
+        # THD packing by token budget, as a production run trains: padded micro-batches of this long-tail
+        # mix are ~4× padding (each padded to its longest response), which made the trainer, not
+        # generation, the larger part of a synchronous step
+        "train.max_tokens_per_micro_batch": LOOP_TOKENS_PER_MICRO_BATCH,
+        "rollout.max_concurrency": LOOP_MAX_CONCURRENCY,
         "train.checkpoint_every": 10_000,  # the last step only: the loop's phases are what is compared
         "logging.progress": "never",
         "logging.tensorboard": False,
@@ -180,7 +195,8 @@ def format_loop(arms: dict[str, dict[str, float]], cores: str) -> str:
     header = " | ".join(f"{n} (η={ARMS[n][0]}{', partial' if ARMS[n][1] else ''})" for n in names)
     lines = [
         "Loop (tiny Qwen3 hidden 64 × 2 layers, TP = 1, trainer and engine one torch thread each; "
-        f"{cores}), "
+        f"{cores}; packed micro-batches of {LOOP_TOKENS_PER_MICRO_BATCH} tokens; ≤ {LOOP_MAX_CONCURRENCY} "
+        "groups generating at once under the manager), "
         f"long-tail lengths (EOS p = {LONG_TAIL_EOS_P} per token, max_new_tokens "
         f"{LONG_TAIL_MAX_NEW_TOKENS}), 8 prompts × 8 samples per step; means of steps 2..N−1:",
         "",

@@ -163,3 +163,10 @@ def test_retract_recomputes_the_kv_cache_in_place_keeps_it(tiny_model_dir, pertu
         assert error < 1e-4
     else:
         assert error > 1e-3
+    # each token's weights, as SGLang reports them (`meta_info.weight_versions`, utils/weight_versions.py)
+    meta = out["r"]["meta_info"]
+    assert meta["weight_versions"] == [
+        {"version": "default", "start": 0, "end": done_before},
+        {"version": "1", "start": done_before, "end": len(ids)},
+    ]
+    assert meta["weight_version"] == "1"

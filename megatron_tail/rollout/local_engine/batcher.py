@@ -40,6 +40,8 @@ from megatron_tail.rollout.processor import load_custom_logit_processor
 
 logger = logging.getLogger(__name__)
 
+GHOST_FRACTION = 8
+"""Finished rows stay in the running batch until they are 1/8 of it (`ContinuousBatcher._compact`)."""
 ADMIT_WITHIN_STEPS = 8
 """A waiting row is prefilled at most this many decoding steps after it arrived (`_prefill_now`)."""
 STATS_INTERVAL_S = 10.0
@@ -59,6 +61,9 @@ class Row:
         self.masks: list[tuple[list[int], float]] = []
         """With `return_sampling_mask`: per output token, (the sampler's support, the token's log-prob
         under the truncated distribution), as SGLang's sampling-mask fields."""
+        self.spans: list[list] = []
+        """`[[weight_version, first output index], ...]`: which weights sampled which tokens (a row held by
+        an in-place or retract pause across a weight update spans two), as SGLang's `WeightVersionSpan`s."""
         self.finish_reason: dict | None = None
         self.error: str | None = None
         """Why the engine could not generate this row (its request is refused with it)."""
@@ -75,7 +80,11 @@ class Row:
         self.finish_reason = reason
         self._on_finish()
 
-    def append(self, token: int, logprob: float, top: list | None, mask, eos_ids: frozenset[int]) -> None:
+    def append(
+        self, token: int, logprob: float, top: list | None, mask, eos_ids: frozenset[int], version: str = ""
+    ) -> None:
+        if not self.spans or self.spans[-1][0] != version:
+            self.spans.append([version, len(self.outputs)])
         self.outputs.append(token)
         self.logprobs.append(logprob)
         if top is not None:
@@ -153,6 +162,9 @@ class ContinuousBatcher:
         """True while a pause holds the loop between decoding steps (the pause is then in force)."""
         self.steps = 0
         """Decoding steps run (a step = one forward of the whole running batch)."""
+        self.weight_version = ""
+        """The loaded weights' version (the engine sets it with each update, under `model_lock`): each
+        sampled token records it."""
         self.stats = BatcherStats()
         self._waited_steps = 0
         """Decoding steps run since a row has been waiting (reset at each admission)."""
@@ -252,9 +264,9 @@ class ContinuousBatcher:
         )
 
     def _abort_all(self, which) -> None:
-        doomed = [r for r in self.running if which(r)]
+        doomed = [r for r in self.running if not r.finished and which(r)]
         if doomed:
-            self._keep([i for i, r in enumerate(self.running) if not which(r)])
+            self._keep([i for i, r in enumerate(self.running) if not r.finished and not which(r)])
         for row in doomed + [r for r in self.waiting if which(r)]:
             row.finish(dict(ABORTED))
         self.waiting = deque(r for r in self.waiting if not r.finished)
@@ -262,7 +274,7 @@ class ContinuousBatcher:
     def _retract(self) -> None:
         """Running rows back to the front of the queue; their KV cache is dropped (recomputed at admission
         under whatever weights are loaded then)."""
-        self.waiting.extendleft(reversed(self.running))
+        self.waiting.extendleft(reversed([r for r in self.running if not r.finished]))
         self.running, self._cache, self._mask = [], None, None
 
     def _prefill(self, rows: list[Row]) -> None:
@@ -325,9 +337,24 @@ class ContinuousBatcher:
             )
         self._cache = out.past_key_values
         self.steps += 1
+        logits = out.logits[:, -1, : self.vocab_size].float()
         with self.control.cond:  # a row finishing wakes its waiter: under the lock, like every state change
-            self._sample_into(rows, out.logits[:, -1, : self.vocab_size].float())
-            self._keep([i for i, r in enumerate(rows) if not r.finished])
+            live = [i for i, r in enumerate(rows) if not r.finished]
+            if len(live) == len(rows):
+                self._sample_into(rows, logits)
+            else:  # finished rows still in the batch (`_compact`): computed, not sampled
+                self._sample_into([rows[i] for i in live], logits[torch.tensor(live, device=logits.device)])
+            self._compact()
+
+    def _compact(self) -> None:
+        """Drop finished rows from the batch once they are `1 / GHOST_FRACTION` of it (or all of it). Each
+        compaction copies the whole KV cache (`batch_select_indices`); doing it whenever one row finished
+        cost about a millisecond per decoding step at 80 rows, a finished row left in the batch for a few
+        steps costs one row of compute."""
+        live = [i for i, r in enumerate(self.running) if not r.finished]
+        ghosts = len(self.running) - len(live)
+        if ghosts and (not live or ghosts * GHOST_FRACTION >= len(self.running)):
+            self._keep(live)
 
     def _keep(self, indices: list[int]) -> None:
         """Keep only these running rows; drop the cache's left columns no kept row uses."""
@@ -352,7 +379,7 @@ class ContinuousBatcher:
                 add_tail_logit_noise_(logits[i], self.logit_noise, row.generator)
         tokens, logprobs, top, masks = self.sample(rows, logits)
         for row, token, logprob, best, mask in zip(rows, tokens, logprobs, top, masks, strict=True):
-            row.append(token, logprob, best, mask, self.eos_ids)
+            row.append(token, logprob, best, mask, self.eos_ids, self.weight_version)
 
 
 PREFILL_PADDING_LIMIT = 1.25

@@ -86,7 +86,6 @@ class LocalEngine:
         self.vocab_size = int(config.vocab_size)
         self.context_length = int(config.max_position_embeddings)
         self.eos_token_ids = _eos_ids(self.model, self.tokenizer)
-        self.weight_version = str(weight_version)
         self.model_lock = threading.Lock()
         self.control = PauseControl()
         self.batcher = ContinuousBatcher(
@@ -100,6 +99,16 @@ class LocalEngine:
             fp8_kv_cache=kv_cache_dtype == "fp8_e4m3",
             logit_noise=float(logit_noise),
         )
+        self.weight_version = str(weight_version)
+
+    @property
+    def weight_version(self) -> str:
+        """The loaded weights' version (SGLang's `weight_version`); the batcher stamps each token with it."""
+        return self.batcher.weight_version
+
+    @weight_version.setter
+    def weight_version(self, version: str) -> None:
+        self.batcher.weight_version = str(version)
 
     def close(self) -> None:
         """Stop the batcher thread (what is still generating ends as aborted)."""
@@ -145,6 +154,13 @@ class LocalEngine:
             "weight_version": self.weight_version,
             "e2e_latency": time.monotonic() - started,
         }
+        if len(row.spans) > 1:  # SGLang's add_weight_versions_to_meta_info (utils/weight_versions.py)
+            ends = [start for _, start in row.spans[1:]] + [len(output_ids)]
+            meta["weight_versions"] = [
+                {"version": v, "start": start, "end": end}
+                for (v, start), end in zip(row.spans, ends, strict=True)
+            ]
+            meta["weight_version"] = row.spans[-1][0]
         if item.return_logprob:
             meta["input_token_logprobs"] = []
             meta["output_token_logprobs"] = [
