@@ -37,7 +37,8 @@ def test_a_uniform_at_the_top_of_the_range_takes_the_last_positive_token():
     assert int(draw_categorical(p, torch.zeros(1, dtype=torch.float64))[0]) == 0
 
 
-def test_prefill_chunks_bound_the_padding_and_keep_every_row_once():
+def test_prefill_chunks_are_the_cheapest_cut_and_keep_every_row_once():
+    import itertools
     from types import SimpleNamespace
 
     from megatron_tail.rollout.local_engine.batcher import prefill_chunks
@@ -46,13 +47,24 @@ def test_prefill_chunks_bound_the_padding_and_keep_every_row_once():
     rows = [
         SimpleNamespace(item=SimpleNamespace(input_ids=[0] * 12), outputs=[1] * (n - 12)) for n in lengths
     ]
-    chunks = prefill_chunks(rows, limit=1.25)
-    assert sorted(id(r) for c in chunks for r in c) == sorted(id(r) for r in rows)
-    for chunk in chunks:
-        sizes = [len(r.item.input_ids) + len(r.outputs) for r in chunk]
-        assert len(chunk) == 1 or max(sizes) * len(chunk) <= 1.25 * sum(sizes)
-    # the short prompts share one forward, the two long partial rollouts another
-    assert [len(c) for c in chunks] == [5, 2, 1, 2]
+
+    def cost(chunks, forward):
+        return sum(forward + len(c) * max(len(r.item.input_ids) + len(r.outputs) for r in c) for c in chunks)
+
+    for forward in (0, 64, 256, 10_000):
+        chunks = prefill_chunks(rows, forward_tokens=forward)
+        assert sorted(id(r) for c in chunks for r in c) == sorted(id(r) for r in rows)
+        # against every way to cut the sorted rows (2^9 of them)
+        ordered = sorted(rows, key=lambda r: len(r.outputs))
+        brute = min(
+            cost([ordered[a:b] for a, b in itertools.pairwise([0, *cuts, len(ordered)])], forward)
+            for k in range(len(ordered))
+            for cuts in itertools.combinations(range(1, len(ordered)), k)
+        )
+        assert cost(chunks, forward) == brute
+    # free forwards: one per distinct length; a costly forward: all rows in one
+    assert len(prefill_chunks(rows, forward_tokens=0)) == len(set(lengths))
+    assert len(prefill_chunks(rows, forward_tokens=10_000)) == 1
 
 
 def test_waiting_rows_join_within_a_bounded_number_of_decoding_steps():
