@@ -209,3 +209,40 @@ def test_bad_settings_name_the_value():
         RolloutManager(lambda _i, _v: None, groups_per_step=2, max_staleness=-1, version=0)
     with pytest.raises(ValueError, match="groups_per_step must be an int ≥ 1; got 0"):
         RolloutManager(lambda _i, _v: None, groups_per_step=0, max_staleness=1, version=0)
+
+
+@pytest.mark.parametrize("cap", [1, 2, 5])
+def test_at_most_max_in_flight_groups_generate_and_none_is_lost(cap):
+    """AReaL's `max_concurrent_rollouts`: with η = 4 the staleness bound alone would let 15 groups generate;
+    the cap holds it at `cap`, and every prompt is still trained exactly once."""
+
+    async def main():
+        engines = SimulatedEngines(_long_tail)
+        manager = RolloutManager(
+            engines.work, groups_per_step=3, max_staleness=4, version=0, max_in_flight=cap
+        )
+        peak = [0]
+        inner = engines.work
+
+        async def work(index, version):
+            peak[0] = max(peak[0], len(manager.in_flight))
+            return await inner(index, version)
+
+        manager.work = work
+        manager.start()
+        trained = await _train(manager, engines, 8)
+        pending = set(manager.buffer) | set(manager.in_flight) | set(manager.queued)
+        await manager.close()
+        return trained, manager, peak[0], pending
+
+    trained, manager, peak, pending = asyncio.run(main())
+    assert peak == cap
+    flat = [i for step in trained for i in step]
+    assert len(flat) == len(set(flat)) == 24
+    assert set(flat) | pending == set(range(manager.next_index))
+
+
+def test_max_in_flight_must_be_a_positive_int():
+    with pytest.raises(ValueError, match="max_in_flight must be an int ≥ 1 or None; got 0"):
+        RolloutManager(SimulatedEngines(_long_tail).work, groups_per_step=1, max_staleness=2, version=0,
+                       max_in_flight=0)  # fmt: skip
