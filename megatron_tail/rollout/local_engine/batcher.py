@@ -452,8 +452,7 @@ def sample_rows(rows: list[Row], logits: torch.Tensor):
             plain.append(i)
     if plain:
         index = torch.tensor(plain)
-        uniforms = torch.cat([torch.rand(1, dtype=torch.float64, generator=rows[i].generator) for i in plain])
-        tokens[index] = draw_categorical(probs[index], uniforms)
+        tokens[index] = draw_categorical(probs[index], [rows[i].generator for i in plain])
     logprobs = row_logprobs.gather(1, tokens[:, None])[:, 0]
     top: list[list[list] | None] = [None] * len(rows)
     k = max(r.item.top_logprobs_num for r in rows)
@@ -466,19 +465,17 @@ def sample_rows(rows: list[Row], logits: torch.Tensor):
     return tokens.tolist(), logprobs.tolist(), top, masks
 
 
-def draw_categorical(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """`[B]` int64: row b's token by inverting its CDF at `uniforms[b]` ∈ [0, 1) (`[B]` float64, one draw of
-    the row's own generator). `probs` `[B, V]`: each row's distribution (zeros where the processor masked);
-    the CDF is accumulated in float64 and scaled to the row's total, so a token of probability 0 is never
-    drawn. One vectorised draw for the whole batch, as SGLang's sampler is one kernel for the batch: a
-    per-row `torch.multinomial` made the local engine's decoding step grow ~25 µs per running sequence,
-    which a GPU sampler does not (it dominated the step at 64 sequences)."""
-    cdf = probs.to(torch.float64).cumsum(-1)
-    targets = uniforms[:, None] * cdf[:, -1:]
-    tokens = torch.searchsorted(cdf, targets, right=True)[:, 0]
-    # u·total rounds to total at most: fall back to the row's last token of positive probability
-    last = probs.shape[-1] - 1 - torch.argmax((probs.flip(-1) > 0).to(torch.uint8), dim=-1)
-    return torch.minimum(tokens, last)
+def draw_categorical(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """`[B]` int64: row b's token drawn from `probs[b]` (`[B, V]`, zeros where the processor masked) with
+    `generators[b]`, exactly as `torch.multinomial(probs[b], 1, generator=generators[b])` draws it (ATen's
+    single-sample path: argmax of p / q with q ~ Exp(1) from the generator, the Gumbel-max trick; the same
+    tokens for the same seeds), but with one division and one argmax for the whole batch, as SGLang's
+    sampler is one kernel for the batch. A `torch.multinomial` per row made the local engine's decoding
+    step grow ~25 µs per running sequence (most of the step at 64 sequences), which a GPU sampler does not."""
+    q = torch.empty_like(probs)
+    for row, generator in zip(q, generators, strict=True):
+        row.exponential_(1, generator=generator)
+    return torch.argmax(probs / q, dim=-1)
 
 
 def _apply_processors(rows: list[Row], logits: torch.Tensor) -> None:
