@@ -95,9 +95,15 @@ class RolloutManager:
         multiple: int = 1,
         max_in_flight: int | None = None,
     ):
-        for name, value in (("groups_per_step", groups_per_step), ("max_staleness", max_staleness)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name[0] == "g" else 0):
-                raise ValueError(f"{name} must be an int ≥ {1 if name[0] == 'g' else 0}; got {value!r}")
+        for name, value, low, optional in (
+            ("groups_per_step", groups_per_step, 1, False),
+            ("max_staleness", max_staleness, 0, False),
+            ("max_in_flight", max_in_flight, 1, True),
+        ):
+            if optional and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an int ≥ {low}{' or None' * optional}; got {value!r}")
         self.work = work
         self.groups = groups_per_step
         self.eta = max_staleness
@@ -105,10 +111,6 @@ class RolloutManager:
         self.base_version = version
         self.keep = keep
         self.max_filtered = max_filtered_per_batch
-        if max_in_flight is not None and (
-            isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1
-        ):
-            raise ValueError(f"max_in_flight must be an int ≥ 1 or None; got {max_in_flight!r}")
         self.max_in_flight = max_in_flight
         """Groups generating at once at most (None: only the staleness bound limits admission)."""
         self.multiple = multiple

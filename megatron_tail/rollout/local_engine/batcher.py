@@ -81,7 +81,7 @@ class Row:
         self._on_finish()
 
     def append(
-        self, token: int, logprob: float, top: list | None, mask, eos_ids: frozenset[int], version: str = ""
+        self, token: int, logprob: float, top: list | None, mask, eos_ids: frozenset[int], version: str
     ) -> None:
         if not self.spans or self.spans[-1][0] != version:
             self.spans.append([version, len(self.outputs)])
