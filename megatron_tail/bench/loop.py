@@ -502,6 +502,18 @@ def save_long_tail_model(path: Path, eos_p: float = LONG_TAIL_EOS_P) -> None:
     save_hf(model, tokenizer, path)
 
 
+def _check_overrides(parser: argparse.ArgumentParser, work: Path, overrides: list[str]) -> None:
+    """A bad `--set` is refused here, in one line, before any arm starts its subprocess."""
+    from megatron_tail.config import load_config
+
+    for name, (staleness, partial) in ARMS.items():
+        arm = loop_overrides(work, work / "prompts.jsonl", work / f"run_{name}", staleness, 3, partial)
+        try:
+            load_config(None, [*arm, *overrides])
+        except ValueError as e:
+            parser.error(f"--set: {e}")
+
+
 def run_loop_suite(
     work: Path, steps: int, arms: list[str], extra: list[str] = ()
 ) -> dict[str, dict[str, float]]:
@@ -585,6 +597,7 @@ def main(argv: list[str] | None = None) -> None:
         if "loop" in args.suites:
             if "sync" not in args.arms:
                 parser.error("--arms must include sync (the baseline of every ratio)")
+            _check_overrides(parser, work, args.overrides)
             arms = run_loop_suite(work, args.steps, args.arms, args.overrides)
             cores = f"{os.cpu_count()} cores"
             print(format_loop(arms, cores), flush=True)

@@ -43,3 +43,12 @@ def test_every_arm_loads_as_a_valid_config_with_packing_and_the_concurrency_cap(
         assert (cfg.rollout.max_staleness, cfg.rollout.partial_rollouts) == (staleness, partial)
         assert cfg.train.max_tokens_per_micro_batch == loop.LOOP_TOKENS_PER_MICRO_BATCH
         assert cfg.rollout.max_concurrency == 7  # --set comes after the benchmark's own settings
+
+
+def test_a_bad_set_is_refused_in_one_line_before_any_arm_runs(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        loop.main(["--suites", "loop", "--arms", "sync", "--set", "rollout.max_concurrency=zero"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--set: rollout.max_concurrency must be an integer; got 'zero'" in err
+    assert "Traceback" not in err
