@@ -449,7 +449,8 @@ def vocab_parallel_masked_logprobs(
 def check_sampling_support(
     support: torch.Tensor | None, targets: torch.Tensor, vocab_size: int
 ) -> torch.Tensor | None:
-    """The `[..., K]` support checked against `[...]` targets, as `[N, K]` int64 (None passes through)."""
+    """The `[..., K]` support checked against `[...]` targets, as `[N, K]` in its integer dtype (a view, not
+    an int64 copy of the whole support; None passes through)."""
     if support is None:
         return None
     if not isinstance(support, torch.Tensor) or support.is_floating_point() or support.dtype == torch.bool:
@@ -471,7 +472,7 @@ def check_sampling_support(
                 f"sampling_support must hold token ids in [0, vocab_size={vocab_size}) or -1 (padding); "
                 f"got {int(support[index])} at index {index}"
             )
-    return support.reshape(-1, support.shape[-1]).long()
+    return support.reshape(-1, support.shape[-1])  # its own dtype: blocks widen to int64 as they index
 
 
 def function_outputs(ctx, out: dict[str, torch.Tensor], log_rho: float | None, count: bool) -> tuple:

@@ -37,12 +37,12 @@ def support_columns(
     """Local column of each support id and whether these columns hold it.
 
     Args:
-        support: `[N, K]` int64 global ids, −1 padding.
+        support: `[N, K]` integer global ids, −1 padding (int32 from the trainer: widened here, per block).
         vocab_start, num_valid: global id of the first column and how many columns (a shard or a block).
     Returns:
         (`[N, K]` int64 local column clamped into range so it can index; `[N, K]` bool owned).
     """
-    local = support - vocab_start
+    local = support.long() - vocab_start
     owned = (support >= 0) & (local >= 0) & (local < num_valid)
     return local.clamp(0, max(num_valid - 1, 0)), owned
 
@@ -72,7 +72,7 @@ def with_forced_target(support: torch.Tensor, targets: torch.Tensor, forced: tor
     """`[N, K+1]` the support plus the target where it was force-kept (else −1): the set K the gradient
     runs over. A backward-only temporary."""
     extra = torch.where(forced, targets, torch.full_like(targets, -1))
-    return torch.cat([support, extra.unsqueeze(1)], dim=1)
+    return torch.cat([support.long(), extra.unsqueeze(1).long()], dim=1)
 
 
 def support_grad_terms(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
+from megatron_tail.utils.ragged import Ragged
 
 
 @dataclass
@@ -16,9 +16,10 @@ class RolloutBatch:
     `rollout_top_logprobs` (the engine's log-prob of its most probable token at each response position;
     None where the engine was not asked for it), `token_versions` (the weight version that sampled each
     response token: a partial rollout spans several; None where an engine reported a non-integer
-    version), and with truncated sampling `rollout_supports`: per sample `[len(response), K]` int32
-    token ids, the support the engine drew each response token from (−1 padded; `rollout_logprobs`
-    are then log-probs under that truncated distribution).
+    version), and with truncated sampling `rollout_supports`: per sample a `Ragged` of `len(response)`
+    rows, row j the token ids of the support the engine drew response token j from (`utils.ragged`: each
+    token costs its own ids, not the widest token's; `rollout_logprobs` are then log-probs under that
+    truncated distribution).
     `policy_mask` (multi-turn episodes, `rollout.env`; None for single-turn batches): per response token, True
     where the policy generated it, False for the environment's observation tokens (their log-probs above are
     0.0 placeholders: they are context, never scored or trained).
@@ -35,7 +36,7 @@ class RolloutBatch:
     truncated: list[bool]
     weight_versions: list[str | None]
     rollout_top_logprobs: list[list[float]] | None = None
-    rollout_supports: list[torch.Tensor] | None = None
+    rollout_supports: list[Ragged] | None = None
     token_versions: list[list[int]] | None = None
     policy_mask: list[list[bool]] | None = None
     stats: dict[str, float] = field(default_factory=dict)
@@ -44,6 +45,14 @@ class RolloutBatch:
 
     def __len__(self) -> int:
         return len(self.response_ids)
+
+    @classmethod
+    def from_dict(cls, state: dict) -> RolloutBatch:
+        """From `dataclasses.asdict(batch)` (a checkpoint's plain dicts, `Ragged` supports included)."""
+        supports = state.get("rollout_supports")
+        if supports is not None:
+            state = {**state, "rollout_supports": [Ragged.from_dict(s) for s in supports]}
+        return cls(**state)
 
 
 def rollout_metrics(batch: RolloutBatch, *, policy_version: int) -> dict[str, float]:
@@ -69,7 +78,7 @@ def rollout_metrics(batch: RolloutBatch, *, policy_version: int) -> dict[str, fl
     lengths = [len(r) for r in batch.response_ids]
     support = {}
     if batch.rollout_supports is not None:  # mean |support| over the response tokens
-        kept = sum(int((s >= 0).sum()) for s in batch.rollout_supports)
+        kept = sum(s.nnz for s in batch.rollout_supports)
         support["rollout/support_size_mean"] = kept / max(sum(lengths), 1)
     mean_reward = sum(batch.rewards) / n
     return {

@@ -18,7 +18,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
-import torch
 
 from megatron_tail.rollout.occupancy import EngineOccupancy
 from megatron_tail.rollout.processor import DVPLogitProcessor
@@ -37,6 +36,7 @@ from megatron_tail.rollout.protocol import (
     sample_keys,
     sample_seed,
 )
+from megatron_tail.utils.ragged import cat_rows
 
 logger = logging.getLogger(__name__)
 
@@ -389,7 +389,7 @@ def join_segments(first: SampleResult, then: SampleResult) -> SampleResult:
         logprobs = first.output_logprobs + then.output_logprobs
     supports = None
     if first.output_supports is not None and then.output_supports is not None:
-        supports = _cat_supports(first.output_supports, then.output_supports)
+        supports = cat_rows([first.output_supports, then.output_supports])
     return dataclasses.replace(
         then,
         key=first.key,
@@ -402,13 +402,6 @@ def join_segments(first: SampleResult, then: SampleResult) -> SampleResult:
         segments=first.segments + then.segments,
         text=None,
     )
-
-
-def _cat_supports(first: torch.Tensor, then: torch.Tensor) -> torch.Tensor:
-    """Two segments' `[n, K]` int32 sampling supports as one `[n1 + n2, max K]`, −1 padded."""
-    width = max(first.shape[1], then.shape[1])
-    pad = [torch.nn.functional.pad(t, (0, width - t.shape[1]), value=-1) for t in (first, then)]
-    return torch.cat(pad)
 
 
 def _check_prompt(index: int, prompt: Sequence[int]) -> list[int]:

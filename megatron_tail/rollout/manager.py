@@ -72,7 +72,7 @@ class GroupResult:
 
     @classmethod
     def from_state(cls, state: dict) -> GroupResult:
-        return cls(state["index"], RolloutBatch(**state["batch"]), state["version"])
+        return cls(state["index"], RolloutBatch.from_dict(state["batch"]), state["version"])
 
 
 Work = Callable[[int, int], Awaitable[GroupResult]]

@@ -24,9 +24,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from megatron_tail.rollout.processor import dvp_custom_params
+from megatron_tail.utils.ragged import Ragged
 
 _MASK63 = (1 << 63) - 1
 
@@ -92,9 +91,10 @@ class SampleResult:
     text: str | None = None
     meta_info: dict[str, Any] = field(default_factory=dict, repr=False)
     output_top_logprobs: list[float] | None = None
-    output_supports: torch.Tensor | None = None
-    """With truncated sampling: `[len(output_ids), K]` int32, token i's sampling support (SGLang's
-    `output_token_sampling_mask`, −1 padded to the longest); `output_logprobs` then holds SGLang's
+    output_supports: Ragged | None = None
+    """With truncated sampling: `len(output_ids)` rows, row i the ids of token i's sampling support
+    (SGLang's `output_token_sampling_mask`, in its order; `utils.ragged`, not padded); `output_logprobs`
+    then holds SGLang's
     `output_token_sampling_logprobs` (log-prob under the truncated distribution). None otherwise."""
     output_versions: list[str | None] = field(default_factory=list)
     segments: int = 1
@@ -312,7 +312,7 @@ def _parse_one(
             top = [t + s - f for t, s, f in zip(top, selected, logprobs, strict=True)]
         logprobs = selected
     elif config.truncates:  # aborted before its first token
-        supports = torch.full((0, 0), -1, dtype=torch.int32)
+        supports = Ragged.empty_rows(0)
     version = None if meta.get("weight_version") is None else str(meta["weight_version"])
     return SampleResult(
         key=key,
@@ -349,8 +349,9 @@ def _token_versions(meta: dict, n: int, version: str | None, where: str) -> list
     return out
 
 
-def _parse_sampling_masks(meta: dict, output_ids: list[int], where: str) -> tuple[torch.Tensor, list[float]]:
-    """`([n, K] int32 supports, −1 padded; n selected log-probs)` from SGLang's sampling-mask fields."""
+def _parse_sampling_masks(meta: dict, output_ids: list[int], where: str) -> tuple[Ragged, list[float]]:
+    """`(n rows of support ids, ragged; n selected log-probs)` from SGLang's sampling-mask fields. The raw
+    lists leave `meta` once parsed: at top_k in the thousands they are the response's largest part."""
     masks = meta.get("output_token_sampling_mask")
     selected = meta.get("output_token_sampling_logprobs")
     for name, value in (("output_token_sampling_mask", masks), ("output_token_sampling_logprobs", selected)):
@@ -360,8 +361,6 @@ def _parse_sampling_masks(meta: dict, output_ids: list[int], where: str) -> tupl
                 f"{where}: meta_info.{name} must hold one entry per output token ({len(output_ids)}); "
                 f"got {n} (an SGLang without return_sampling_mask support?)"
             )
-    width = max((len(m) for m in masks if isinstance(m, list)), default=0)
-    supports = torch.full((len(output_ids), width), -1, dtype=torch.int32)
     for i, (mask, value, token) in enumerate(zip(masks, selected, output_ids, strict=True)):
         if (
             not isinstance(mask, list)
@@ -376,8 +375,8 @@ def _parse_sampling_masks(meta: dict, output_ids: list[int], where: str) -> tupl
             raise MalformedResponseError(
                 f"{where}: output_token_sampling_logprobs[{i}] = {_clip(value)} is not ≤ 0"
             )
-        supports[i, : len(mask)] = torch.tensor(mask, dtype=torch.int32)
-    return supports, [float(v) for v in selected]
+    del meta["output_token_sampling_mask"]
+    return Ragged.from_lists(masks), [float(v) for v in selected]
 
 
 def _parse_logprobs(meta: dict, output_ids: list[int], where: str) -> list[float]:

@@ -12,6 +12,7 @@ import sys
 import torch
 
 from megatron_tail.demo.run import read_scalars
+from megatron_tail.utils.ragged import Ragged
 from tests.loop.conftest import loop_overrides
 
 
@@ -49,9 +50,12 @@ def test_truncated_sampling_trains_with_exact_importance_weights(tiny_model_dir,
     # the checkpoint holds the batch generated ahead, with its per-token supports
     (ckpt,) = sorted(run_dir.glob("checkpoints/*/rollout_ahead.pt"))[-1:]
     ahead = torch.load(ckpt, weights_only=True)
-    supports = ahead["batch"]["rollout_supports"]
+    supports = [Ragged.from_dict(s) for s in ahead["batch"]["rollout_supports"]]  # ragged, not padded
     responses = ahead["batch"]["response_ids"]
     assert len(supports) == len(responses) == 16
     for support, response in zip(supports, responses, strict=True):
-        assert support.shape[0] == len(response) and support.shape[1] <= 12
-        assert all(int(t) in support[j].tolist() for j, t in enumerate(response))
+        assert len(support) == len(response) and support.width <= 12
+        assert support.nnz == int(support.sizes.sum()) and support.nbytes == 4 * support.nnz + 8 * (
+            len(response) + 1
+        )
+        assert all(int(t) in support.row(j).tolist() for j, t in enumerate(response))

@@ -78,9 +78,11 @@ def test_equals_the_float64_reference(log_rho, temperature, inplace):
     assert torch.isfinite(out.logprobs).all()
 
 
+@pytest.mark.parametrize("id_dtype", [torch.int64, torch.int32], ids=["int64", "int32"])
 @pytest.mark.parametrize("inplace", [False, True])
-def test_support_blocks_of_several_dense_chunks(monkeypatch, inplace):
-    """Blocks of 4 rows, each two dense chunks of 2 rows: the same outputs and gradient."""
+def test_support_blocks_of_several_dense_chunks(monkeypatch, inplace, id_dtype):
+    """Blocks of 4 rows, each two dense chunks of 2 rows: the same outputs and gradient. int32 ids (what the
+    trainer densifies) are widened a block at a time, with the same result as int64."""
     import megatron_tail.ops.masked_logprobs as op_module
 
     monkeypatch.setitem(op_module.CHUNK_ELEMENTS, "cpu", 80)
@@ -92,7 +94,7 @@ def test_support_blocks_of_several_dense_chunks(monkeypatch, inplace):
         targets,
         log_rho=-2.0,
         vocab_size=37,
-        sampling_support=support,
+        sampling_support=support.to(id_dtype),
         inplace_backward=inplace,
     )
     ((out.logprobs * grads[0]).sum() + (out.entropy * grads[1]).sum()).backward()

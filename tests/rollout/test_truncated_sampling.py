@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from megatron_tail.ops import vocab_parallel_masked_logprobs
+from megatron_tail.rollout.client import join_segments
 from megatron_tail.rollout.local_engine.engine import LocalEngine
 from megatron_tail.rollout.local_engine.requests import parse_generate_body
 from megatron_tail.rollout.processor import DVPLogitProcessor
@@ -74,7 +75,11 @@ def test_response_gives_supports_and_the_truncated_logprobs():
     config = SamplingConfig(max_new_tokens=2, top_k=4, top_logprob=True)
     body, keys = _response(config, [[7, 3], [3, 9, 2]], [-0.5, -1.0], [-0.9, -1.2], [-0.2, -0.1])
     (result,) = parse_generate_response(body, [1], keys, config, 0, "http://x")
-    assert torch.equal(result.output_supports, torch.tensor([[7, 3, -1], [3, 9, 2]], dtype=torch.int32))
+    supports = result.output_supports  # ragged: each token its own ids, in the engine's order
+    assert supports.offsets.tolist() == [0, 2, 5] and supports.values.tolist() == [7, 3, 3, 9, 2]
+    assert supports.width == 3 and supports.values.dtype == torch.int32
+    assert torch.equal(supports.dense(), torch.tensor([[7, 3, -1], [3, 9, 2]], dtype=torch.int32))
+    assert "output_token_sampling_mask" not in result.meta_info, "the raw lists are dropped once parsed"
     assert result.output_logprobs == [-0.5, -1.0]
     # the top-1 log-prob moves onto the truncated normaliser with the sampled token's
     assert result.output_top_logprobs == pytest.approx([-0.2 + 0.4, -0.1 + 0.2])
@@ -84,6 +89,21 @@ def test_response_gives_supports_and_the_truncated_logprobs():
     body, keys = _response(config, [[7]], [-0.5], [-0.9, -1.2], [-0.2, -0.1])
     with pytest.raises(MalformedResponseError, match="one entry per output token"):
         parse_generate_response(body, [1], keys, config, 0, "http://x")
+
+
+def test_a_partial_rollouts_segments_join_their_supports_row_by_row():
+    """An aborted segment continued by another: one sample whose token j keeps the support of the segment
+    that sampled it (widths differ: the joined width is the wider one, nothing padded in storage)."""
+    config = SamplingConfig(max_new_tokens=2, top_k=4)
+    body, keys = _response(config, [[7, 3], [3, 9, 2, 5]], [-0.5, -1.0], [-0.9, -1.2], [-0.2, -0.1])
+    (first,) = parse_generate_response(body, [1], keys, config, 0, "http://x")
+    body, keys = _response(config, [[7], [9, 8]], [-0.1, -0.2], [-0.3, -0.4], [-0.2, -0.1])
+    (then,) = parse_generate_response(body, [1], keys, config, 0, "http://x")
+    joined = join_segments(first, then)
+    assert joined.output_ids == [7, 9, 7, 9] and joined.output_logprobs == [-0.5, -1.0, -0.1, -0.2]
+    supports = joined.output_supports
+    assert [supports.row(j).tolist() for j in range(4)] == [[7, 3], [3, 9, 2, 5], [7], [9, 8]]
+    assert supports.width == 4 and supports.nnz == 9
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -107,7 +127,7 @@ def test_local_engine_support_is_replayed_by_the_trainer_op(tiny_model_dir, temp
         ids = torch.tensor([prompt + result.output_ids])
         with torch.no_grad():
             logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
-        support = result.output_supports.long()
+        support = result.output_supports.dense()  # int32, as the trainer hands it to the op
         sizes += (support >= 0).sum(dim=1).tolist()
         op = vocab_parallel_masked_logprobs(
             logits,

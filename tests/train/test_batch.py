@@ -145,3 +145,36 @@ def test_a_per_token_support_field_is_padded_to_the_micro_batchs_widest():
     assert rows[order.index(0)].tolist()[:2] == [4, 6] and rows[order.index(1)].tolist() == [8, 9, 10]
     with pytest.raises(ValueError, match=r"field 'support' has shape \(3, 1\), expected \(2, \.\.\.\)"):
         make_micro_batches([Sample([1], [2, 3], {"support": torch.zeros(3, 1)})], micro_batch_size=1)
+
+
+def test_a_ragged_field_lands_row_by_position_at_the_micro_batchs_width():
+    """A `Ragged` field (the sampling support) becomes `b·s` rows in position order, each token's own ids at
+    the position predicting it and no row elsewhere; densified at the micro-batch's widest row. A CP shard
+    takes its positions' rows and densifies at its own widest."""
+    from megatron_tail.train.engine.context_parallel import split_for_context_parallel
+    from megatron_tail.train.engine.forward import SAMPLING_SUPPORT_FIELD, sampling_support
+    from megatron_tail.utils.ragged import Ragged
+
+    rows0, rows1 = [[3, 40, 41], [4]], [[7], [8, 9], [9, 50, 51, 52, 53]]
+    samples = [
+        Sample([1, 2], [3, 4], {SAMPLING_SUPPORT_FIELD: Ragged.from_lists(rows0)}),
+        Sample([6], [7, 8, 9], {SAMPLING_SUPPORT_FIELD: Ragged.from_lists(rows1)}),
+    ]
+    (padded,) = make_micro_batches(samples, micro_batch_size=2)
+    dense = sampling_support(padded)
+    assert dense.shape == (2, 4, 5) and dense.dtype == torch.int32
+    assert dense[0].tolist() == [[-1] * 5, [3, 40, 41, -1, -1], [4, -1, -1, -1, -1], [-1] * 5]
+    assert dense[1].tolist() == [[7, -1, -1, -1, -1], [8, 9, -1, -1, -1], [9, 50, 51, 52, 53], [-1] * 5]
+    (packed,) = pack_micro_batches(samples, max_tokens=16, sequence_multiple=4, pad_to_multiple=4)
+    whole = sampling_support(packed)[0]
+    assert packed.fields[SAMPLING_SUPPORT_FIELD].nnz == 12 and whole.shape == (8, 5)
+    assert whole[packed.loss_mask[0]].tolist() == sampling_support(padded)[padded.loss_mask].tolist()
+    for r in range(2):
+        shard = split_for_context_parallel(packed, r, 2)
+        mine = sampling_support(shard)[0]
+        width = mine.shape[1]
+        assert width == int((whole[shard.cp.index] >= 0).sum(dim=1).max())  # its own widest row
+        assert torch.equal(mine, whole[shard.cp.index, :width])
+        assert bool((whole[shard.cp.index, width:] == -1).all())
+    with pytest.raises(ValueError, match="ragged field 'support' has 1 rows, expected 2"):
+        make_micro_batches([Sample([1], [2, 3], {"support": Ragged.from_lists([[2]])})], micro_batch_size=1)

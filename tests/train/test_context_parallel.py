@@ -12,6 +12,8 @@ import torch
 
 from megatron_tail.algorithms import AlgorithmConfig
 from megatron_tail.train import Sample
+from megatron_tail.train.engine.forward import SAMPLING_SUPPORT_FIELD
+from megatron_tail.utils.ragged import Ragged
 from tests.harness import run_distributed
 from tests.model.hf_models import make_hf_model
 from tests.train.common import PAD_MULTIPLE, full_hf_state, make_samples
@@ -244,6 +246,36 @@ def test_veto_on_the_other_cp_rank_vetoes_on_both(case):
                     if i == 2:
                         holds_trigger.append(bool(owned[k][0]))
     assert sorted(holds_trigger) == [False, True]  # both ranks hold the sequence, one of them the trigger
+
+
+def _with_supports(samples: list[Sample], seed: int) -> list[Sample]:
+    """Each response token's sampling support (ragged, as the trainer gets it): the token and up to 11 other
+    ids, one token in five up to 63 (so a shard's widest row differs from the whole micro-batch's)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for s in samples:
+        rows = []
+        for t in s.response:
+            wide = int(torch.randint(0, 5, (), generator=g)) == 0
+            others = torch.randperm(200, generator=g)[
+                : int(torch.randint(0, 64 if wide else 12, (), generator=g))
+            ]
+            rows.append(list(dict.fromkeys([t, *others.tolist()])))
+        out.append(
+            Sample(s.prompt, s.response, {**s.fields, SAMPLING_SUPPORT_FIELD: Ragged.from_lists(rows)})
+        )
+    return out
+
+
+def test_cp2_with_sampling_supports_equals_cp1(case):
+    """Ragged supports split with their tokens: each CP shard densifies its own rows, and the two updates
+    equal CP=1's; the supports change the step (they are not dropped on the way)."""
+    hf_dir, samples, plain = case
+    supported = _with_supports(samples, 3)
+    reference = run_distributed(_rl_rank, 1, hf_dir, 1, 1, 1, supported, CFG, None, 32)[0]
+    assert reference[0][0].metrics["loss"] != pytest.approx(plain[0][0].metrics["loss"], rel=1e-3)
+    results = run_distributed(_rl_rank, 2, hf_dir, 1, 1, 2, supported, CFG, None, 32)
+    _assert_same_steps(results[0], reference)
 
 
 def test_empty_micro_batches_dp2_cp2(case):

@@ -17,8 +17,11 @@ Layout of a `MicroBatch` (b rows, s positions; every tensor CPU until `.to(devic
   belongs to; -1 off the loss mask.
 - `fields {name: [b, s, ...]}`: per-response-token values of the samples (rollout log-probs, advantages, ...)
   aligned with `targets` (value of response token j at the position that predicts it); 0 elsewhere. A field
-  with trailing dims (a sample's `[len(response), K_i]`, e.g. the sampling support) is zero-padded to the
-  micro-batch's largest trailing shape.
+  with trailing dims (a sample's `[len(response), K_i]`) is zero-padded to the micro-batch's largest
+  trailing shape. A ragged field (a sample's `Ragged` of `len(response)` rows, e.g. the sampling support,
+  `utils.ragged`) becomes a `Ragged` of `b·s` rows in position order (row `r·s + t` at position t of row
+  r), empty off the response: each token keeps its own ids, and a consumer densifies it at the
+  micro-batch's widest row (`Ragged.dense`).
 - `extras`: free-form per-micro-batch objects for the loss callback (e.g. the algorithms' PreparedTokens).
 - Per-sample layout `[n, T]` (n samples of this micro-batch in order, T = their longest response):
   `to_samples(x)` gathers any per-token `[b, s]` tensor (differentiably) so that row k holds sample
@@ -45,6 +48,8 @@ from typing import Any
 
 import torch
 
+from megatron_tail.utils.ragged import Ragged, scatter_rows
+
 from .packing import balance_over_data_parallel, pack_by_token_budget
 
 
@@ -54,7 +59,7 @@ class Sample:
 
     prompt: Sequence[int]
     response: Sequence[int]
-    fields: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    fields: Mapping[str, torch.Tensor | Ragged] = field(default_factory=dict)
     policy_mask: Sequence[bool] | None = None
     """Per response token: True where the policy generated it, False for a multi-turn episode's environment
     tokens (observations), which stay in the sequence as context but leave the loss mask, and with it every
@@ -72,7 +77,7 @@ class MicroBatch:
     targets: torch.Tensor
     loss_mask: torch.Tensor
     sample_index: torch.Tensor
-    fields: dict[str, torch.Tensor] = field(default_factory=dict)
+    fields: dict[str, torch.Tensor | Ragged] = field(default_factory=dict)
     extras: dict[str, Any] = field(default_factory=dict)
     cu_seqlens: tuple[int, ...] | None = None
     """`n_blocks + 1` boundaries of the causal blocks of a packed (THD) row, as ints (the model gets them as
@@ -166,6 +171,12 @@ class CpShard:
         index = self.index.to(x.device)
         full = torch.zeros((x.shape[0], self.whole.tokens.shape[1]), dtype=x.dtype, device=x.device)
         return full.index_copy(1, index, x)
+
+
+def take_positions(value: torch.Tensor | Ragged, index: torch.Tensor) -> torch.Tensor | Ragged:
+    """The positions `index` (`[m]` int64) of a one-row (packed) micro-batch's per-token value: `[1, m, ...]`
+    of a `[1, s, ...]` tensor, or the `m` rows of a `Ragged` field."""
+    return value.index_select(index) if isinstance(value, Ragged) else value[:, index]
 
 
 def split_for_data_parallel(samples: Sequence[Sample], dp_rank: int, dp_size: int) -> list[Sample]:
@@ -274,7 +285,12 @@ def _check_sample(i: int, s: Sample) -> None:
         if not any(s.policy_mask):
             raise ValueError(f"sample {i} has no policy token (policy_mask is all False)")
     for name, value in s.fields.items():
-        if value.dim() < 1 or value.shape[0] != len(s.response):
+        if isinstance(value, Ragged):
+            if len(value) != len(s.response):
+                raise ValueError(
+                    f"sample {i}: ragged field {name!r} has {len(value)} rows, expected {len(s.response)}"
+                )
+        elif value.dim() < 1 or value.shape[0] != len(s.response):
             raise ValueError(
                 f"sample {i}: field {name!r} has shape {tuple(value.shape)}, expected "
                 f"({len(s.response)}, ...)"
@@ -285,7 +301,9 @@ def _build(samples, rows, seq_len, pad_id, *, packed: bool = False, slots=None) 
     """`rows[r]`: the sample ids laid back to back in row r (one per row when padded); `slots[i]`: the
     positions sample i takes in a packed row (its length, or more with per-sequence padding)."""
     b = len(rows)
-    field_names = sorted(samples[0].fields)
+    field_names = sorted(n for n, v in samples[0].fields.items() if not isinstance(v, Ragged))
+    ragged_names = sorted(n for n, v in samples[0].fields.items() if isinstance(v, Ragged))
+    ragged_parts: dict[str, list[tuple[int, Ragged]]] = {name: [] for name in ragged_names}
     tokens = torch.full((b, seq_len), pad_id, dtype=torch.long)
     targets = torch.zeros((b, seq_len), dtype=torch.long)
     loss_mask = torch.zeros((b, seq_len), dtype=torch.bool)
@@ -317,7 +335,11 @@ def _build(samples, rows, seq_len, pad_id, *, packed: bool = False, slots=None) 
                 value = s.fields[name]
                 corner = (r, resp, *(slice(0, d) for d in value.shape[1:]))
                 fields[name][corner] = value.to(fields[name].dtype)
+            for name in ragged_names:
+                ragged_parts[name].append((r * seq_len + resp.start, s.fields[name]))
             start += n if slots is None else slots[i]
+    for name, parts in ragged_parts.items():
+        fields[name] = scatter_rows(parts, b * seq_len)
     mb = MicroBatch(
         tokens,
         targets,

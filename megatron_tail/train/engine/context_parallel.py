@@ -41,7 +41,7 @@ import torch.distributed as dist
 from megatron_tail.model.cp_attention import context_parallel_index
 from megatron_tail.ops import MaskedLogprobs
 
-from .batch import CpShard, MicroBatch
+from .batch import CpShard, MicroBatch, take_positions
 from .parallel import comm_device
 
 
@@ -67,7 +67,7 @@ def split_for_context_parallel(mb: MicroBatch, cp_rank: int, cp_size: int) -> Mi
     return replace(
         mb,
         **take,
-        fields={name: value[:, index] for name, value in mb.fields.items()},
+        fields={name: take_positions(value, index) for name, value in mb.fields.items()},
         extras={},
         num_loss_tokens=int(take["loss_mask"].sum()),
         num_sample_tokens=mb.num_sample_tokens,

@@ -41,16 +41,19 @@ from .batch import MicroBatch
 # (op outputs [b, s] of one micro-batch, the micro-batch) -> (0-d loss tensor, extra object to return)
 OnOutputs = Callable[[MaskedLogprobs, MicroBatch], tuple[torch.Tensor, Any]]
 
-SAMPLING_SUPPORT_FIELD = "sampling_support_plus1"
-"""Per-token field `[b, s, K]` int32 of a micro-batch: the sampling support the engine drew each target from,
-as token id + 1 (0 = padding, so the micro-batch's zero fill off the response means "no support" there).
-When present, every pass (θ_old, the update, the reference) hands it to the op as `sampling_support`."""
+SAMPLING_SUPPORT_FIELD = "sampling_support"
+"""Ragged per-token field of a micro-batch (`utils.ragged.Ragged`, `b·s` rows in position order): the token
+ids of the sampling support the engine drew each target from, no row off the response. When present, every
+pass (θ_old, the update, the reference) hands it to the op as `sampling_support`, densified on the device."""
 
 
 def sampling_support(mb: MicroBatch) -> torch.Tensor | None:
-    """`[b, s, K]` int64 global ids, −1 padding (the op's `sampling_support`), or None."""
-    shifted = mb.fields.get(SAMPLING_SUPPORT_FIELD)
-    return None if shifted is None else shifted.long() - 1
+    """`[b, s, K]` int32 global ids, −1 padding (the op's `sampling_support`), or None. K is this
+    micro-batch's widest support (a CP shard's own), so one wide token widens one micro-batch, not the
+    step; int32, since the op widens the ids to int64 a block of rows at a time. Built where the
+    micro-batch is (the device), with no host sync (`Ragged.dense`)."""
+    support = mb.fields.get(SAMPLING_SUPPORT_FIELD)
+    return None if support is None else support.dense().view(*mb.shape, support.width)
 
 
 @dataclass(frozen=True)

@@ -69,7 +69,7 @@ class RolloutSamples:
 def build_samples(cfg: RunConfig, batch: RolloutBatch) -> RolloutSamples:
     """Samples with per-response-token fields `rollout_logprobs`, `advantages` (the group advantage of the
     shaped reward), where the batch has them `rollout_top_logprobs` and (truncated sampling) the sampling
-    support (`engine.forward.SAMPLING_SUPPORT_FIELD`, `[len(response), K]`, ids + 1), and with
+    support (`engine.forward.SAMPLING_SUPPORT_FIELD`, a `Ragged` of `len(response)` rows), and with
     `algorithm.mask_truncated` `trainable` (0 on every token of a response cut at `rollout.max_new_tokens`:
     it leaves the loss).
     A multi-turn batch's `policy_mask` goes to each `Sample.policy_mask`: its environment tokens are context.
@@ -104,7 +104,7 @@ def build_samples(cfg: RunConfig, batch: RolloutBatch) -> RolloutSamples:
         if batch.rollout_top_logprobs is not None:
             fields["rollout_top_logprobs"] = torch.tensor(batch.rollout_top_logprobs[i], dtype=torch.float32)
         if batch.rollout_supports is not None:
-            fields[SAMPLING_SUPPORT_FIELD] = batch.rollout_supports[i].to(torch.int32) + 1
+            fields[SAMPLING_SUPPORT_FIELD] = batch.rollout_supports[i]
         if algo.mask_truncated:
             fields["trainable"] = torch.full((n,), 0.0 if batch.truncated[i] else 1.0)
         mask = None if batch.policy_mask is None else batch.policy_mask[i]

@@ -174,7 +174,7 @@ class RunSession:
         ahead = on_rank0(lambda: read_rank0_object(path, "rollout_ahead"), wait_group=self._wait)
         if ahead is not None and ahead["step"] == rl_state["step"]:
             # the batch that was generated for the next step: train on it, as the stopped run would have
-            self.held = (ahead["step"], RolloutBatch(**ahead["batch"]))
+            self.held = (ahead["step"], RolloutBatch.from_dict(ahead["batch"]))
         # a checkpoint from before the schedule existed: the schedule is at its completed steps
         restore_progress(
             self.trainer.scheduler, rl_state.get("lr_scheduler", {"num_steps": rl_state["step"]})
