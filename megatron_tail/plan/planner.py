@@ -16,6 +16,7 @@ from .trainer import (
     TrainerLayout,
     activation_per_token_per_layer,
     checkpoint_bytes_per_rank,
+    support_host_bytes,
     trainer_peak,
 )
 
@@ -43,6 +44,8 @@ class Cluster:
     reserve_gib: float = 6.0
     """Per trainer GPU: CUDA context (~0.5-1 GiB), NCCL communicators and buffers (~1-2 GiB),
     allocator fragmentation (an assumption, not a measurement)."""
+    host_memory_gib: float = 1024.0
+    """Assumed host memory of a trainer node (a DGX H100 has 2 TiB; the plan only warns against it)."""
     fs_write_gbps: float = 2.0
     """Assumed filesystem write bandwidth per node, GB/s (for the checkpoint's save time)."""
 
@@ -57,7 +60,7 @@ class Cluster:
             )
         if self.gpus_per_node % self.rollout_tp:
             raise ValueError(f"rollout_tp={self.rollout_tp} must divide gpus_per_node={self.gpus_per_node}")
-        for name in ("gpu_memory_gib", "fs_write_gbps"):
+        for name in ("gpu_memory_gib", "fs_write_gbps", "host_memory_gib"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0; got {getattr(self, name)!r}")
         if not 0 < self.mem_fraction < 1:
@@ -86,6 +89,9 @@ class Plan:
     warnings: list[str] = field(default_factory=list)
     episode: str = ""
     """With `rollout.env`: how the longest sample is counted (turns and observations)."""
+    support_host_bytes_per_rank: int = 0
+    """Truncated sampling: the step's supports in each trainer rank's host memory, at most (`supports`
+    of `plan.trainer`)."""
 
     @property
     def fits(self) -> bool:
@@ -175,6 +181,7 @@ def make_plan(config: RunConfig, cluster: Cluster) -> Plan:
         reserve_bytes=int(cluster.reserve_gib * GIB),
         capacity_bytes=capacity,
         context_parallel=cp,
+        support_width=config.rollout.top_k if config.rollout.truncates else 0,
     )
     peak = trainer_peak(shape, layout)
     engine_dtype = config.rollout.dtype or "bfloat16"
@@ -197,6 +204,8 @@ def make_plan(config: RunConfig, cluster: Cluster) -> Plan:
     ckpt_seconds = ckpt * cluster.gpus_per_node / (cluster.fs_write_gbps * 1e9)
     problems, warnings = _verdict(peak, layout, rollout, rollout_layout)
     warnings += _context_parallel_warnings(shape, layout, peak)
+    host_supports = support_host_bytes(layout.support_width, samples, config.rollout.max_response_tokens)
+    warnings += _support_host_warnings(host_supports, layout.support_width, cluster)
     return Plan(
         shape=shape,
         cluster=cluster,
@@ -210,6 +219,7 @@ def make_plan(config: RunConfig, cluster: Cluster) -> Plan:
         problems=problems,
         warnings=warnings,
         episode=episode_line(config),
+        support_host_bytes_per_rank=host_supports,
     )
 
 
@@ -242,6 +252,20 @@ def _context_parallel_warnings(shape: ModelShape, layout: TrainerLayout, peak: S
                 f"per GPU, vs {_gib(peak.total)}) without CP's K/V exchange in every layer"
             ]
     return []
+
+
+def _support_host_warnings(per_rank: int, width: int, cluster: Cluster) -> list[str]:
+    """Every trainer rank holds the step's supports: warn where a node's ranks could need over a quarter of
+    its host memory if every token's support were full."""
+    per_node = per_rank * cluster.gpus_per_node
+    if per_node <= cluster.host_memory_gib * GIB / 4:
+        return []
+    return [
+        f"sampling supports: up to {_gib(per_rank)} per rank, {_gib(per_node)} per node of host memory if "
+        f"every response token kept rollout.top_k={width} ids (over a quarter of the assumed "
+        f"{cluster.host_memory_gib:g} GiB); the real size is rollout/support_size_mean x 4 B per token: "
+        "watch it, or lower rollout.top_k"
+    ]
 
 
 def _gib(n: float) -> str:

@@ -13,6 +13,7 @@ TERM_NOTES = {
     "activations": "{act}",
     "logits": "{logits}",
     "reference": "{ref}",
+    "supports": "{supports}",
     "reserve": "CUDA context, NCCL, allocator (assumed)",
 }
 
@@ -68,8 +69,22 @@ def _notes(plan: Plan) -> dict[str, str]:
         "activations": act,
         "logits": logits,
         "reference": ref,
+        "supports": _supports_note(plan, in_flight),
         "reserve": TERM_NOTES["reserve"],
     }
+
+
+def _supports_note(plan: Plan, in_flight: int) -> str:
+    lay = plan.trainer_layout
+    if not lay.support_width:
+        return "no truncated sampling (rollout.top_k/top_p/min_p off)"
+    k, tokens = lay.support_width, lay.tokens_per_gpu
+    dense = (
+        f" + dense [{tokens}, {k}] int32 for the op"
+        if plan.trainer.stage == lay.pipeline_parallel - 1
+        else ""
+    )
+    return f"{in_flight} x {tokens} tokens x <= {k} ids ragged (4 B/id + 8 B/token){dense}; worst case"
 
 
 def format_plan(plan: Plan) -> str:
@@ -107,6 +122,15 @@ def format_plan(plan: Plan) -> str:
         f"in flight {ro.in_flight_per_server} (max_concurrency {rl.max_concurrency} x group {rl.group_size} "
         f"/ {rl.servers} servers)",
         *([f"  {plan.episode}"] if plan.episode else []),
+        *(
+            [
+                f"sampling supports: <= {plan.support_host_bytes_per_rank / GIB:.1f} GiB of host memory per "
+                f"trainer rank (the step's batch, <= top_k={lay.support_width} ids per response token, "
+                "ragged; the real size is logged as rollout/support_size_mean)"
+            ]
+            if lay.support_width
+            else []
+        ),
         f"checkpoint: {plan.checkpoint_bytes_per_rank / 1e9:.1f} GB per rank, "
         f"{plan.checkpoint_bytes_per_rank * c.gpus_per_node / 1e9:.0f} GB per node, "
         f"~{plan.checkpoint_seconds:.0f} s at an assumed {c.fs_write_gbps:g} GB/s per node",
@@ -153,6 +177,10 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "trainer": trainer,
         "rollout": rollout,
         "checkpoint": checkpoint,
+        "supports": {
+            "width": plan.trainer_layout.support_width,
+            "host_bytes_per_rank": plan.support_host_bytes_per_rank,
+        },
         "fits": plan.fits,
         "problems": list(plan.problems),
         "warnings": list(plan.warnings),

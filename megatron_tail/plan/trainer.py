@@ -11,6 +11,10 @@ logits       the last stage's logits (or the fused op's blocks) for one micro-ba
 reference    π_ref's weights (model dtype), when `algorithm.kl_coef` > 0 and it is not offloaded; an
              offloaded reference is on the GPU only for its forward-only pass, when no training
              activations are alive, so it adds nothing to the training peak
+supports     truncated sampling (`rollout.top_k/top_p/min_p`): each micro-batch in flight carries its
+             supports ragged (≤ K int32 ids + one int64 offset per token, `utils.ragged`); the last stage
+             also holds the op's dense int32 `[tokens/CP, K]` copy from forward to backward
+             (`train.engine.forward.sampling_support`). K: the support bound, `rollout.top_k`
 reserve      CUDA context, NCCL communicators and buffers, allocator fragmentation (an assumption)
 """
 
@@ -22,7 +26,7 @@ from .activations import layer_activation_terms, logits_bytes, stage_activation_
 from .shapes import ModelShape
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-TERMS = ("weights", "grads", "optimizer", "activations", "logits", "reference", "reserve")
+TERMS = ("weights", "grads", "optimizer", "activations", "logits", "reference", "supports", "reserve")
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,8 @@ class TrainerLayout:
     context_parallel: int = 1
     """CP: each GPU holds 1/CP of every sequence's tokens (activations, logits); the distributed optimizer
     shards over DP × CP."""
+    support_width: int = 0
+    """Truncated sampling: the most support ids a token can carry (`rollout.top_k`); 0 without."""
 
     @property
     def tokens_per_gpu(self) -> int:
@@ -123,9 +129,34 @@ def stage_memory(shape: ModelShape, layout: TrainerLayout, stage: int) -> StageM
         "activations": activations,
         "logits": logits,
         "reference": params * b if layout.reference == "resident" else 0,
+        "supports": support_device_bytes(layout, in_flight, last),
         "reserve": layout.reserve_bytes,
     }
     return StageMemory(stage=stage, params=params, terms=terms)
+
+
+SUPPORT_OFFSET_BYTES = 8
+"""One int64 offset per token of a ragged support (`utils.ragged.Ragged.offsets`)."""
+SUPPORT_ID_BYTES = 4
+"""int32 ids, ragged and dense."""
+
+
+def support_device_bytes(layout: TrainerLayout, in_flight: int, last: bool) -> int:
+    """The sampling supports on one GPU of a stage: the ragged supports of the `in_flight` micro-batches
+    (every id at the bound K: the worst case) and, on the last stage, the op's dense `[tokens/CP, K]`."""
+    k, tokens = layout.support_width, layout.tokens_per_gpu
+    if not k:
+        return 0
+    ragged = tokens * (k * SUPPORT_ID_BYTES + SUPPORT_OFFSET_BYTES)
+    return in_flight * ragged + (tokens * k * SUPPORT_ID_BYTES if last else 0)
+
+
+def support_host_bytes(support_width: int, samples: int, response_tokens: int) -> int:
+    """A step's supports in host memory on each trainer rank (every rank holds the whole batch), ragged,
+    at most `support_width` ids per response token."""
+    if not support_width:
+        return 0
+    return samples * response_tokens * (support_width * SUPPORT_ID_BYTES + SUPPORT_OFFSET_BYTES)
 
 
 def trainer_peak(shape: ModelShape, layout: TrainerLayout) -> StageMemory:

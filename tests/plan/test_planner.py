@@ -52,7 +52,8 @@ def test_qwen3_8b_example_by_hand(capsys):
     assert t["logits_bytes"] == 5120 * 76288 * 2 + 5120 * (8192 + 2 + 16) + 16 * 2**25
     assert t["reference_bytes"] == 0
     assert t["capacity_bytes"] == 80 * GIB
-    terms = ("weights", "grads", "optimizer", "activations", "logits", "reference", "reserve")
+    assert t["supports_bytes"] == 0 and out["supports"]["host_bytes_per_rank"] == 0  # no truncated sampling
+    terms = ("weights", "grads", "optimizer", "activations", "logits", "reference", "supports", "reserve")
     assert t["total_bytes"] == sum(t[f"{k}_bytes"] for k in terms)
     # SGLang TP = 1: bf16 weights 2 · 8,190,735,360; KV 2 · 36 · 8 · 128 · 2 B per token
     r = out["rollout"]
@@ -193,3 +194,28 @@ def test_context_parallel_divides_activations_and_logits_per_gpu(capsys):
     assert text == 0 and "TP=2 PP=1 CP=2 DP=2" in out and "1 x 5120/CP=2560 tokens x 36 layers" in out
     # it fits at CP=1 without recompute, so at CP=1 with full recompute too: CP is flagged as optional
     assert any("context_parallel=2 is not needed" in w and "recompute=none fit" in w for w in two["warnings"])
+
+
+def test_sampling_supports_are_counted_ragged_at_the_top_k_bound(capsys):
+    """top_k = 4096 with top_p: each in-flight micro-batch's ragged supports (4 B per id + 8 B per token) on
+    every stage, the op's dense int32 [tokens, K] on the last; every rank's host copy of the step's batch."""
+    base = (EXAMPLE_8B, "--set", f"model.hf_path={QWEN3_8B}", "--nodes", 2)
+    _, plain = _plan_json(capsys, *base)
+    truncated = ("--set", "rollout.top_k=4096", "--set", "rollout.top_p=0.95")
+    rc, out = _plan_json(capsys, *base, *truncated)
+    t = out["trainer"]
+    tokens, k = 5120, 4096  # one THD micro-batch, the last stage (PP = 1: one micro-batch in flight)
+    assert t["supports_bytes"] == tokens * (k * 4 + 8) + tokens * k * 4
+    assert t["total_bytes"] == plain["trainer"]["total_bytes"] + t["supports_bytes"]
+    samples, response = 128 * 8, 4096  # prompts_per_step x group_size, max_new_tokens of the example
+    host = samples * response * (k * 4 + 8)
+    assert host > 64 * GIB and out["supports"] == {"width": k, "host_bytes_per_rank": host}
+    # 8 ranks per node x 64 GiB is over a quarter of the assumed 1 TiB of host memory per node: warned
+    (warning,) = [w for w in out["warnings"] if "sampling supports" in w]
+    assert "512.2 GiB per node" in warning and "rollout.top_k=4096" in warning
+    main(["plan", *map(str, base), *truncated])
+    text = capsys.readouterr().out
+    assert "supports" in text and "ids ragged" in text and "GiB of host memory per trainer rank" in text
+    assert rc == 0
+    _, small = _plan_json(capsys, *base, "--set", "rollout.top_k=20", "--set", "rollout.top_p=0.95")
+    assert not [w for w in small["warnings"] if "sampling supports" in w]
