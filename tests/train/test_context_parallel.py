@@ -70,6 +70,42 @@ def test_split_shards_every_per_token_field_with_its_tokens():
     assert sum(s.num_loss_tokens for s in shards) == mb.num_loss_tokens
 
 
+def test_a_shard_on_a_device_computes_its_sample_layout_without_host_copies():
+    """`MicroBatch.to` moves a CP shard's index, owned mask and the whole sample layout once; the loss's
+    `to_samples` calls then copy nothing (on a GPU each copy was a pageable host→device transfer). The
+    `meta` device stands in for the GPU: a tensor left on the host would be copied to it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megatron_tail.train import pack_micro_batches
+    from megatron_tail.train.engine.context_parallel import split_for_context_parallel
+
+    class _Copies(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default):
+                self.seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    samples = [
+        Sample([1], [2, 3], {"a": torch.tensor([1.0, 2.0])}),
+        Sample([4, 5], [6, 7, 8], {"a": torch.ones(3)}),
+    ]
+    (mb,) = pack_micro_batches(samples, max_tokens=16, sequence_multiple=4, pad_to_multiple=4)
+    shard = split_for_context_parallel(mb, 1, 2).to("meta")
+    layout = [shard.cp.index, shard.cp.sample_owned, shard.sample_valid]
+    layout += [
+        getattr(shard.cp.whole, n) for n in ("sample_ids", "sample_rows", "sample_cols", "sample_valid")
+    ]
+    assert all(t.device.type == "meta" for t in layout)
+    with _Copies() as mode:
+        per_sample = shard.to_samples(shard.fields["a"])
+    assert per_sample.shape == mb.to_samples(mb.fields["a"]).shape and per_sample.device.type == "meta"
+    assert mode.seen == [], mode.seen
+
+
 def test_shard_packed_params_are_what_te_cp_takes():
     """Transformer Engine's p2p CP attention (`AttnFuncWithCPAndKVP2P.forward`, context_parallel.py at TE
     d0067d0) takes this rank's T/CP tokens with the *global* padded cu_seqlens, which it divides by CP itself

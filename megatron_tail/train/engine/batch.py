@@ -124,9 +124,11 @@ class MicroBatch:
         return self.tokens.numel()
 
     def to(self, device: torch.device | str) -> MicroBatch:
-        """Tensors moved to `device` (extras untouched)."""
+        """Tensors moved to `device` (extras untouched), a CP shard's index and sample layout included, so
+        the loss's many `to_samples` calls find them there instead of copying them from the host each time."""
         move = {name: getattr(self, name).to(device) for name in _TENSORS if getattr(self, name) is not None}
-        return replace(self, **move, fields={k: v.to(device) for k, v in self.fields.items()})
+        cp = None if self.cp is None else self.cp.to(device)
+        return replace(self, **move, fields={k: v.to(device) for k, v in self.fields.items()}, cp=cp)
 
     def to_samples(self, x: torch.Tensor) -> torch.Tensor:
         """Per-token `[b, s]` → per-sample `[n, T]` (row k = sample `sample_ids[k]`'s response targets,
@@ -139,6 +141,7 @@ class MicroBatch:
         return torch.where(valid, x[rows, cols], torch.zeros((), dtype=x.dtype, device=x.device))
 
 
+_SAMPLE_LAYOUT = ("sample_ids", "sample_rows", "sample_cols", "sample_valid")
 _TENSORS = (
     "tokens",
     "targets",
@@ -165,6 +168,16 @@ class CpShard:
     """`[n, T]` bool: the whole layout's valid positions whose tokens this rank computes."""
     rank: int
     size: int
+
+    def to(self, device: torch.device | str) -> CpShard:
+        """What `to_samples` reads on the device: the index, the owned mask and the whole micro-batch's sample
+        layout (its tokens and fields stay where they are: the shard never reads their values). `indices`
+        stay on the host, where `context_parallel.gather_whole_row` assembles the whole row."""
+        layout = {name: getattr(self.whole, name).to(device) for name in _SAMPLE_LAYOUT}
+        whole = replace(self.whole, **layout)
+        return replace(
+            self, whole=whole, index=self.index.to(device), sample_owned=self.sample_owned.to(device)
+        )
 
     def to_whole_row(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's `[1, T/CP]` → the whole row `[1, T]`, zeros elsewhere (differentiable in `x`)."""
