@@ -175,7 +175,7 @@ def _samples(seed: int) -> list[Sample]:
     return out
 
 
-def _rl_rank(rank, world_size, hf_dir, tp, pp, cp, samples, cfg, model, max_tokens):  # noqa: ARG001
+def _rl_rank(rank, world_size, hf_dir, tp, pp, cp, samples, cfg, model, max_tokens, fixed_shape=False):  # noqa: ARG001
     from megatron_tail.model import ModelSettings, load_hf_config
     from megatron_tail.train import (
         OpSettings,
@@ -202,6 +202,10 @@ def _rl_rank(rank, world_size, hf_dir, tp, pp, cp, samples, cfg, model, max_toke
     )
     seq = 2 * cp if cp > 1 else 1
     multiple = seq * (tp if settings.sequence_parallel else 1)
+    if fixed_shape:  # every micro-batch max_tokens long: megatron's fixed-shape pipeline exchange
+        multiple = max_tokens
+        for chunk in trainer.chunks:
+            chunk.config.variable_seq_lengths = False
     mbs = pack_micro_batches(
         samples,
         max_tokens=max_tokens,
@@ -265,6 +269,14 @@ def test_cp2_rl_step_equals_cp1(case, world, tp, pp, model):
     hf_dir, samples, reference = case
     results = run_distributed(_rl_rank, world, hf_dir, tp, pp, 2, samples, CFG, model, 32)
     assert all(r[0] == results[0][0] for r in results)  # every rank reports the same steps
+    _assert_same_steps(results[0], reference)
+
+
+def test_cp2_pp2_with_fixed_shapes_equals_cp1(case):
+    """PP=2 × CP=2 without `variable_seq_lengths`: the stages size their exchange from `seq_length`, which
+    megatron divides by CP itself; the step equals CP=1's (a shard-length `seq_length` fails the exchange)."""
+    hf_dir, samples, reference = case
+    results = run_distributed(_rl_rank, 4, hf_dir, 1, 2, 2, samples, CFG, None, 32, True)
     _assert_same_steps(results[0], reference)
 
 

@@ -93,7 +93,11 @@ def run_micro_batches(
             raise ValueError(
                 f"micro-batches differ in shape {sorted(shapes)} but variable_seq_lengths is off"
             )
-    rows, seq_len = max(shapes)
+    rows, _ = max(shapes)
+    # The whole row's length, not a CP shard's: megatron's `get_tensor_shapes` (pipeline_parallel/
+    # schedules.py) divides `seq_length` by the CP size itself (and by TP under sequence parallelism) to size
+    # the stages' activations when `variable_seq_lengths` is off.
+    seq_len = max(mb.whole.shape[1] for mb in micro_batches)
     device = next(chunks[0].parameters()).device
     tp_group = parallel_state.get_tensor_model_parallel_group()
     half = _has_float16_module(chunks[0])
