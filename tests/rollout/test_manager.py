@@ -246,3 +246,27 @@ def test_max_in_flight_must_be_a_positive_int():
     with pytest.raises(ValueError, match="max_in_flight must be an int ≥ 1 or None; got 0"):
         RolloutManager(SimulatedEngines(_long_tail).work, groups_per_step=1, max_staleness=2, version=0,
                        max_in_flight=0)  # fmt: skip
+
+
+def test_a_buffered_groups_ragged_supports_survive_the_checkpoint():
+    """`GroupResult.to_state` (a checkpoint's plain dicts) → `torch.save` / `torch.load(weights_only=True)` →
+    `from_state`: each sample's ragged supports come back row for row."""
+    import io
+
+    import torch
+
+    from megatron_tail.utils.ragged import Ragged
+
+    supports = [Ragged.from_lists([[7, 3], [7], [7, 1, 2, 9]]), Ragged.from_lists([[7], [7, 4], [7]])]
+    batch = RolloutBatch(
+        prompt_ids=[[1]] * 2, response_ids=[[7, 7, 7]] * 2, rollout_logprobs=[[-1.0] * 3] * 2,
+        rewards=[0.0, 1.0], correct=[False, True], truncated=[False] * 2, weight_versions=["0"] * 2,
+        rollout_supports=supports, token_versions=[[0, 0, 0]] * 2,
+    )  # fmt: skip
+    buffer = io.BytesIO()
+    torch.save(GroupResult(5, batch, 0).to_state(), buffer)
+    buffer.seek(0)
+    back = GroupResult.from_state(torch.load(buffer, weights_only=True))
+    for got, want in zip(back.batch.rollout_supports, supports, strict=True):
+        assert isinstance(got, Ragged) and got.width == want.width
+        assert [got.row(j).tolist() for j in range(3)] == [want.row(j).tolist() for j in range(3)]
