@@ -108,19 +108,27 @@ def check_targets(
         )
     if targets.numel():
         bad = (targets < 0) | (targets >= vocab_size)
-        if targets.device.type != "cpu":
-            # Reading `bad.any()` back would be a device→host sync on every call (the hot path of every
-            # micro-batch): on an accelerator the range is asserted on the device instead, which fails the
-            # next synchronising call with this message (a device-side assert).
-            torch._assert_async(~bad.any(), f"targets must be token ids in [0, vocab_size={vocab_size})")
-            return vocab_size
-        if bool(bad.any()):
-            index = tuple(int(i) for i in bad.nonzero()[0])
-            raise ValueError(
-                f"targets must be token ids in [0, vocab_size={vocab_size}); "
-                f"got {int(targets[index])} at index {index}"
-            )
+        assert_none(bad, targets, f"targets must be token ids in [0, vocab_size={vocab_size})")
     return vocab_size
+
+
+def reads_back(tensor: torch.Tensor) -> bool:
+    """May a check read a flag of `tensor` back to the host? On CPU only: on an accelerator that read is
+    a device→host sync on every call (the hot path of every micro-batch). Tests force False on CPU to
+    run the device branch under a no-scalar-read guard (`tests/ops/test_no_scalar_reads.py`)."""
+    return tensor.device.type == "cpu"
+
+
+def assert_none(bad: torch.Tensor, values: torch.Tensor, message: str) -> None:
+    """Fail if any element of `bad` (bool, the shape of `values`) is set. On the host: `ValueError` with
+    `message`, the first bad value and its index. On a device: `torch._assert_async`, a device-side assert
+    that fails the next synchronising call with `message`, so the check costs no sync."""
+    if not reads_back(bad):
+        torch._assert_async(~bad.any(), message)
+        return
+    if bool(bad.any()):
+        index = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"{message}; got {int(values[index])} at index {index}")
 
 
 def describe_value(value) -> str:
@@ -466,12 +474,8 @@ def check_sampling_support(
         raise ValueError(f"sampling_support is on {support.device} but targets on {targets.device}")
     if support.numel():
         bad = (support < -1) | (support >= vocab_size)
-        if bool(bad.any()):
-            index = tuple(int(i) for i in bad.nonzero()[0])
-            raise ValueError(
-                f"sampling_support must hold token ids in [0, vocab_size={vocab_size}) or -1 (padding); "
-                f"got {int(support[index])} at index {index}"
-            )
+        message = f"sampling_support must hold token ids in [0, vocab_size={vocab_size}) or -1 (padding)"
+        assert_none(bad, support, message)
     return support.reshape(-1, support.shape[-1])  # its own dtype: blocks widen to int64 as they index
 
 

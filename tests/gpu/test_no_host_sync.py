@@ -1,8 +1,9 @@
 """No host syncs in the hot path: the op (materialized and fused), the RL loss of a micro-batch (stage 2 of
 the objective: DVP + MIS + veto, PPO clip) and their backward run under
 `torch.cuda.set_sync_debug_mode("error")`, so any `.item()`, `.tolist()`, `bool(tensor)`, boolean-mask
-indexing or blocking host→device copy among them raises. Stage 1 (`prepare_tokens`, once per step) reads a
-few flags back by design and runs outside the mode."""
+indexing or blocking host→device copy among them raises; with and without a truncating sampler's support
+(`sampling_support`, whose range check is a device-side assert). Stage 1 (`prepare_tokens`, once per step)
+reads a few flags back by design and runs outside the mode."""
 
 from __future__ import annotations
 
@@ -52,8 +53,19 @@ def _prepared(old: torch.Tensor, in_safe: torch.Tensor):
     )  # fmt: skip
 
 
+def _support(targets: torch.Tensor, k: int = 64) -> torch.Tensor:
+    """`[SEQS, LEN, k]` int32 on the GPU: k distinct ids per token (a top-k sampler's support, as the
+    trainer hands it over), the last 8 columns of odd positions −1 padding."""
+    g = torch.Generator(device="cuda").manual_seed(7)
+    support = torch.randint(0, QWEN3_VOCAB - k, (*targets.shape, 1), device="cuda", generator=g)
+    support = (support + torch.arange(k, device="cuda")).int()
+    support[:, 1::2, -8:] = -1
+    return support
+
+
+@pytest.mark.parametrize("with_support", [False, True], ids=["dvp", "support"])
 @pytest.mark.parametrize("fused", [False, True], ids=["op", "fused-op"])
-def test_op_and_rl_loss_make_no_host_sync(fused):
+def test_op_and_rl_loss_make_no_host_sync(fused, with_support):
     if fused:
         g = torch.Generator(device="cuda").manual_seed(0)
         hidden = torch.randn(SEQS, LEN, QWEN3_8B_HIDDEN, device="cuda", generator=g).to(torch.bfloat16)
@@ -71,8 +83,10 @@ def test_op_and_rl_loss_make_no_host_sync(fused):
         targets[0, 2] = (targets[0, 2] + QWEN3_VOCAB // 2) % QWEN3_VOCAB
         inputs = (logits,)
 
+    support = _support(targets) if with_support else None
+
     def op():
-        kwargs = dict(log_rho=CFG.log_rho, vocab_size=QWEN3_VOCAB)
+        kwargs = dict(log_rho=CFG.log_rho, vocab_size=QWEN3_VOCAB, sampling_support=support)
         if fused:
             return vocab_parallel_linear_masked_logprobs(*inputs, targets, **kwargs)
         return vocab_parallel_masked_logprobs(*inputs, targets, **kwargs)
