@@ -41,6 +41,12 @@ LOCAL_DTYPES: tuple[str, ...] = get_args(EngineDtype)
 ROLLOUT_QUANTIZATIONS: tuple[str, ...] = get_args(RolloutQuantization)
 KV_CACHE_DTYPES: tuple[str, ...] = get_args(KvCacheDtype)
 LOCAL_ONLY_QUANTIZATIONS = ("fp8_tensor", "nvfp4_a16")
+TOP_K_HEADROOM = 2
+"""`rollout.sampling_mask_max_tokens` ≥ this × `rollout.top_k` (without `rollout.deterministic`). SGLang's
+flashinfer top-k keeps every probability ≥ the k-th largest, and bf16 logits tie often: on rows of 151,936
+bf16 logits (N(μ, σ²), σ 1–4, μ 0–20; 20 rows each) the ties past rank k added 2–10 % of k at μ = 0 and up
+to 60 % at μ = 20, σ = 1 (bf16 steps 1/8 there). Twice top_k covers all of it; the cap costs SGLang an
+`[batch, cap]` int32 buffer per step, little."""
 PROGRESS_MODES: tuple[str, ...] = get_args(ProgressMode)
 
 
@@ -201,7 +207,8 @@ class RolloutSection:
     deterministic: bool = False
     """SGLang servers that `slurm/rl.sbatch` starts get `--enable-deterministic-inference`: batch-invariant
     kernels and per-request `sampling_seed` (rollouts reproducible across runs), but SGLang then forces its
-    slow PyTorch sampling backend. The local engine is deterministic either way."""
+    slow PyTorch sampling backend. The local engine is deterministic either way; it follows the sampler SGLang
+    would use (PyTorch here, flashinfer otherwise), whose truncation differs (see `top_p`)."""
     top_k: int = -1
     """SGLang's top_k (-1 off). With any of top_k / top_p / min_p on, every sample carries each token's
     sampling support as the engine returned it (`return_sampling_mask`), the behaviour log-prob is the
@@ -209,13 +216,18 @@ class RolloutSection:
     reference over the same support (the op's `sampling_support`), so the importance weights stay exact.
     SGLang returns a mask only for a finite top_k ≤ `sampling_mask_max_tokens`, so top_p / min_p need one."""
     top_p: float = 1.0
-    """SGLang's top_p in (0, 1] (1 off): keep the most probable tokens until their mass reaches top_p."""
+    """SGLang's top_p in (0, 1] (1 off): keep the most probable tokens until their mass reaches top_p. On
+    SGLang's default (flashinfer) sampler, the mass is of the top-k tokens renormalised when any request of
+    the engine's batch has min_p > 0, which DVP's min-p always is: so DVP on/off also moves top-p (README)."""
     min_p: float = 0.0
     """SGLang's min_p in [0, 1] (0 off): drop tokens below min_p × the top probability. With DVP on and
     truncation, the engine gets max(min_p, ρ): DVP's safe set is min-p at ρ (see the README)."""
     sampling_mask_max_tokens: int = 4096
-    """The engines' `--sampling-mask-max-tokens` (SGLang's default): the most ids in one token's support;
-    `top_k` must not exceed it."""
+    """The engines' `--sampling-mask-max-tokens` (SGLang's default): the most ids in one token's support.
+    SGLang's flashinfer sampler keeps every tie at the top-k cutoff, so a support can exceed top_k, and SGLang
+    rejects the request when it exceeds this cap: it must be ≥ `TOP_K_HEADROOM` × `top_k`, or ≥ `top_k` with
+    `deterministic` (the PyTorch sampler keeps exactly top_k ranks). A rejected group is generated again and
+    counted (`rollout.client.SupportOverflowError`)."""
     max_staleness: int = 0
     """How many weight versions a step's samples may lag the policy they train: 0, each step samples with
     the weights it trains (rollout and training alternate); 1, step k+1's batch is generated while step k
@@ -266,13 +278,24 @@ class RolloutSection:
                 f"(rollout.sampling_mask_max_tokens={self.sampling_mask_max_tokens}) and refuses without "
                 "a finite top_k; set rollout.top_k (prime-rl bounds masks with 512)",
             )
-        if self.top_k > self.sampling_mask_max_tokens:
+        cap = self.sampling_mask_max_tokens
+        if self.top_k > cap:
             _bad(
                 "rollout",
                 "top_k",
                 self.top_k,
-                f"must be ≤ rollout.sampling_mask_max_tokens={self.sampling_mask_max_tokens} (SGLang "
-                "refuses a sampling mask request above it)",
+                f"must be ≤ rollout.sampling_mask_max_tokens={cap} (SGLang refuses a sampling mask request "
+                "above it)",
+            )
+        if not self.deterministic and self.top_k * TOP_K_HEADROOM > cap:
+            _bad(
+                "rollout",
+                "top_k",
+                self.top_k,
+                f"must be ≤ {cap // TOP_K_HEADROOM} with rollout.sampling_mask_max_tokens={cap} (headroom "
+                f"×{TOP_K_HEADROOM}): SGLang's flashinfer sampler keeps every tie at the top-k cutoff and "
+                "rejects a request whose support exceeds the cap; raise rollout.sampling_mask_max_tokens to "
+                f"{self.top_k * TOP_K_HEADROOM}, lower top_k, or set rollout.deterministic (no ties kept)",
             )
 
     @property

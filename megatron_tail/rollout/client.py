@@ -3,8 +3,10 @@
 Every sample has a stable `SampleKey` (prompt index, sample index, seed). One request carries the n
 samples of one prompt; a request that fails (connection error, timeout, HTTP 5xx, a sample aborted by
 a weight-update pause) is retried, on another healthy server when there is one, with the *same* keys
-and seeds. Results are collected into a dict keyed by `SampleKey`: a key returned twice or never
-returned raises, so a batch either comes back complete and duplicate-free or not at all.
+and seeds; a request whose sampling support overflowed the servers' mask cap is generated again with
+fresh seeds under the same keys, and counted (`SupportOverflowError`). Results are collected into a dict
+keyed by `SampleKey`: a key returned twice or never returned raises, so a batch either comes back complete
+and duplicate-free or not at all.
 """
 
 from __future__ import annotations
@@ -53,6 +55,18 @@ class StaleWeightsError(RolloutError):
     """A sample came from a policy version other than the one `generate` required."""
 
 
+SUPPORT_OVERFLOW = "Sampling support exceeds --sampling-mask-max-tokens"
+"""How SGLang 0.5.23's HTTP 400 begins when one token's realised support exceeded the mask cap (status
+OVERFLOW, `batch_result_processor.get_sampling_mask_finish_reason`): flashinfer keeps every tie at the
+top-k cutoff, so a support can be larger than top_k."""
+
+
+class SupportOverflowError(RetryableServerError):
+    """The server aborted the request because a token's sampling support exceeded its mask cap. It says
+    nothing against the server: the group is generated again with fresh seeds (it is that random draw,
+    not the request, that overflowed) and counted in `ClientStats.support_overflows`."""
+
+
 @dataclass(frozen=True)
 class ClientConfig:
     """Transport settings of `RolloutClient`."""
@@ -95,6 +109,9 @@ class ClientStats:
     requests: int = 0
     retries: int = 0
     failures_by_server: dict[str, int] = field(default_factory=dict)
+    support_overflows: int = 0
+    """Requests regenerated because a token's sampling support exceeded the servers' mask cap
+    (`SupportOverflowError`)."""
 
 
 class RolloutClient:
@@ -270,7 +287,7 @@ class RolloutClient:
     async def _request_with_retries(self, prompt, keys, sampling, allow_abort=False) -> list[SampleResult]:
         last_error: Exception | None = None
         avoid: str | None = None
-        timeouts = tried = 0
+        timeouts = tried = overflows = 0
         for attempt in range(1, self.config.max_attempts + 1):
             if timeouts >= self.config.timeout_attempts:
                 break
@@ -279,12 +296,20 @@ class RolloutClient:
                 self.stats.retries += 1
                 await asyncio.sleep(self.config.retry_backoff_s * (attempt - 1))
             url = await self._pick_server(avoid)
-            payload = build_generate_payload(prompt, keys, sampling, self.processor, attempt)
+            sent = _reseeded(keys, overflows)
+            payload = build_generate_payload(prompt, sent, sampling, self.processor, attempt)
             try:
                 body = await self._post_generate(url, payload)
-                return parse_generate_response(
-                    body, prompt, keys, sampling, attempt, url, allow_abort=allow_abort
+                results = parse_generate_response(
+                    body, prompt, sent, sampling, attempt, url, allow_abort=allow_abort
                 )
+                if sent is keys:
+                    return results
+                return [dataclasses.replace(r, key=k) for r, k in zip(results, keys, strict=True)]
+            except SupportOverflowError as e:  # the draw overflowed, not the server: no probe, no avoid
+                last_error, overflows = e, overflows + 1
+                self.stats.support_overflows += 1
+                logger.warning("attempt %d of %s: %s; regenerating the group", attempt, keys[0].rid, e)
             except RetryableServerError as e:
                 last_error, avoid = e, url
                 timeouts += isinstance(e, RequestTimedOutError)
@@ -328,6 +353,8 @@ class RolloutClient:
                 raw = await _read_limited(resp, self.config.max_response_bytes, url)
                 if resp.status >= 500:
                     raise RetryableServerError(f"{url}/generate answered HTTP {resp.status}: {_message(raw)}")
+                if resp.status == 400 and _message(raw).startswith(SUPPORT_OVERFLOW):
+                    raise SupportOverflowError(f"{url}/generate: {_message(raw)}")
                 if resp.status != 200:
                     raise RequestRejectedError(
                         f"{url}/generate rejected the request (HTTP {resp.status}): {_message(raw)}"
@@ -402,6 +429,16 @@ def join_segments(first: SampleResult, then: SampleResult) -> SampleResult:
         segments=first.segments + then.segments,
         text=None,
     )
+
+
+def _reseeded(keys: list[SampleKey], overflows: int) -> list[SampleKey]:
+    """The keys a request is sent with: `keys`, or after `overflows` ≥ 1 support overflows the same samples
+    with seeds derived from (seed, overflows), so a seeded engine does not draw the overflowing tokens
+    again. Results keep their original key (the sample's identity), as a continued segment does."""
+    if not overflows:
+        return keys
+    # sample index −1: a stream no continued segment (`_continue`: segments ≥ 1) draws from
+    return [SampleKey(k.prompt_index, k.sample_index, sample_seed(k.seed, overflows, -1)) for k in keys]
 
 
 def _check_prompt(index: int, prompt: Sequence[int]) -> list[int]:

@@ -162,6 +162,9 @@ class LocalEngineConfig:
     """SYNTHETIC mismatch: σ of the tail-shaped logit noise (`local_engine/logit_noise.py`); 0 = off."""
     sampling_mask_max_tokens: int | None = None
     """SGLang's `--sampling-mask-max-tokens`, same meaning (the engine's default, SGLang's, when None)."""
+    sampling_backend: str = "flashinfer"
+    """Whose truncation the engine follows: SGLang's CUDA default "flashinfer", or "pytorch", the backend
+    `--enable-deterministic-inference` forces (`rollout.deterministic`); `local_engine/truncation.py`."""
 
     def __post_init__(self):
         _check_port(self.port)
@@ -173,6 +176,8 @@ class LocalEngineConfig:
             raise ValueError(f"kv_cache_dtype must be auto or fp8_e4m3; got {self.kv_cache_dtype!r}")
         if not self.logit_noise >= 0:
             raise ValueError(f"logit_noise must be ≥ 0; got {self.logit_noise!r}")
+        if self.sampling_backend not in ("flashinfer", "pytorch"):
+            raise ValueError(f"sampling_backend must be flashinfer or pytorch; got {self.sampling_backend!r}")
 
     @property
     def url(self) -> str:
@@ -201,6 +206,8 @@ def build_local_engine_command(cfg: LocalEngineConfig, python: str = sys.executa
         cmd += ["--kv-cache-dtype", cfg.kv_cache_dtype]
     if cfg.logit_noise:
         cmd += ["--logit-noise", repr(float(cfg.logit_noise))]
+    if cfg.sampling_backend != "flashinfer":
+        cmd += ["--sampling-backend", cfg.sampling_backend]
     return cmd
 
 

@@ -13,9 +13,13 @@ per output token, `output_token_sampling_mask` (the ids its sampler kept) and `o
 SGLang refuses `return_sampling_mask` with any custom logit processor but its DisallowedTokensLogitsProcessor
 (`tokenizer_manager.py`, `custom_logit_processor.supports_sampling_mask`), so DVP's safe set is then sent as
 min-p: V_S = {k : π_T(k) ≥ ρ·max π_T} is exactly min_p = ρ on the same temperature-scaled probabilities, and
-min-p composes with a user's min_p as the larger of the two. SGLang applies min-p after top-k and top-p
-(`top_k_top_p_min_p_sampling_from_probs_torch`), so top-p's cumulative mass includes the (tiny) pruned tail;
-the trainer replays the returned support, so its importance weights are exact either way.
+min-p composes with a user's min_p as the larger of the two. Min-p moves top-p on GPU: SGLang's CUDA default
+sampler (flashinfer, `Sampler._sample_from_probs` in `srt/layers/sampler.py`) runs top-k renorm → top-p renorm
+→ min-p as soon as any request of its batch has min_p > 0, so with DVP on top-p is measured on the
+top-k-renormalised distribution, with DVP off (min_p = 0 throughout) on the full one; the PyTorch sampler
+(`--enable-deterministic-inference`) measures it on the full distribution either way and applies min-p last.
+The local engine follows either (`local_engine/truncation.py`). The trainer replays the returned support, so
+its importance weights are exact either way.
 """
 
 from __future__ import annotations
@@ -130,7 +134,8 @@ class SamplingConfig:
     top_k: int = -1
     """SGLang's top_k: keep the k most probable tokens; -1 off."""
     top_p: float = 1.0
-    """SGLang's top_p: keep the smallest prefix (by probability) whose mass reaches top_p; 1 off."""
+    """SGLang's top_p: keep the smallest prefix (by probability) whose mass reaches top_p; 1 off. On SGLang's
+    flashinfer sampler, of the top-k mass when any request of the batch has min_p > 0 (module docstring)."""
     min_p: float = 0.0
     """SGLang's min_p: drop tokens below min_p × the top probability; 0 off."""
 

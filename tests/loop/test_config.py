@@ -157,6 +157,23 @@ def test_resolved_config_round_trips(tmp_path):
     assert config_to_dict(load_config(path)) == config_to_dict(cfg)
 
 
+def test_top_k_leaves_the_mask_cap_headroom_for_ties():
+    """SGLang's flashinfer keeps every tie at the top-k cutoff and rejects a support over the cap: top_k must
+    be at most half of `sampling_mask_max_tokens`, one line naming both values and the fix; the PyTorch
+    sampler (`rollout.deterministic`) keeps exactly top_k ids, so there top_k = the cap is fine."""
+    pattern = (
+        r"rollout\.top_k must be ≤ 2048 with rollout\.sampling_mask_max_tokens=4096 \(headroom ×2\): .* "
+        r"raise rollout\.sampling_mask_max_tokens to 6000, lower top_k, or set rollout\.deterministic "
+        r"\(no ties kept\); got 3000$"
+    )
+    with pytest.raises(ConfigError, match=pattern):
+        load_config(None, ["rollout.top_k=3000"])
+    assert load_config(None, ["rollout.top_k=2048"]).rollout.top_k == 2048
+    assert load_config(None, ["rollout.top_k=3000", "rollout.sampling_mask_max_tokens=6000"])
+    on_pytorch = ["rollout.deterministic=true", "algorithm.log_rho=null", "rollout.top_k=4096"]
+    assert load_config(None, on_pytorch).rollout.top_k == 4096
+
+
 def test_cross_section_checks():
     with pytest.raises(ConfigError, match=r"vocab_pad_multiple.*divisible by parallel\.tensor_parallel=4"):
         load_config(None, ["parallel.tensor_parallel=4", "model.vocab_pad_multiple=6"])

@@ -88,6 +88,10 @@ def test_local_engine_command_parses_with_the_cli_and_binds_localhost_by_default
     assert defaults.quantization == "none" and "--quantization" not in cmd
     fp8 = build_local_engine_command(LocalEngineConfig(model_path="/m", quantization="fp8"), python="py")
     assert build_parser().parse_args(fp8[3:]).quantization == "fp8"
+    # SGLang's CUDA default sampler unless told otherwise (`rollout.deterministic` → pytorch)
+    assert defaults.sampling_backend == "flashinfer" and "--sampling-backend" not in cmd
+    seeded = build_local_engine_command(LocalEngineConfig(model_path="/m", sampling_backend="pytorch"))
+    assert build_parser().parse_args(seeded[3:]).sampling_backend == "pytorch"
 
 
 @pytest.mark.parametrize(
@@ -103,6 +107,10 @@ def test_local_engine_command_parses_with_the_cli_and_binds_localhost_by_default
         (
             lambda: LocalEngineConfig(model_path="m", dtype="int8"),
             "dtype must be bfloat16, float16 or float32",
+        ),
+        (
+            lambda: LocalEngineConfig(model_path="m", sampling_backend="triton"),
+            "sampling_backend must be flashinfer or pytorch; got 'triton'",
         ),
         (
             lambda: LocalEngineConfig(model_path="m", quantization="int4"),

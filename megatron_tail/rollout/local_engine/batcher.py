@@ -20,6 +20,7 @@ Pause modes (SGLang 0.5.23 `PauseGenerationReqInput`, `managers/io_struct.py`; s
 
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
 import threading
@@ -35,7 +36,11 @@ from megatron_tail.rollout.local_engine.control import PauseControl
 from megatron_tail.rollout.local_engine.kv_cache import Fp8KVCache
 from megatron_tail.rollout.local_engine.logit_noise import add_tail_logit_noise_
 from megatron_tail.rollout.local_engine.requests import GenerateItem
-from megatron_tail.rollout.local_engine.truncation import sample_truncated
+from megatron_tail.rollout.local_engine.truncation import (
+    DEFAULT_SAMPLING_MASK_MAX_TOKENS,
+    batch_rule,
+    sample_truncated,
+)
 from megatron_tail.rollout.processor import load_custom_logit_processor
 
 logger = logging.getLogger(__name__)
@@ -137,7 +142,8 @@ class ContinuousBatcher:
 
     def __init__(self, model, vocab_size: int, eos_ids: frozenset[int], model_lock, control: PauseControl,
                  max_running: int = 256, *, device: torch.device | None = None, fp8_kv_cache: bool = False,
-                 logit_noise: float = 0.0):  # fmt: skip
+                 logit_noise: float = 0.0, sampling_backend: str = "flashinfer",
+                 sampling_mask_max_tokens: int = DEFAULT_SAMPLING_MASK_MAX_TOKENS):  # fmt: skip
         self.model = model
         self.device = torch.device("cpu") if device is None else device
         """The model's device: inputs, KV cache and logits live there; sampling runs on the host."""
@@ -156,8 +162,13 @@ class ContinuousBatcher:
         self._mask: torch.Tensor | None = None
         """`[B, T]` int64: which cache columns of each running row hold tokens (left padding = 0)."""
         self._closed = False
-        self.sample = sample_rows
-        """`sample_rows`, or a test's recording wrapper of it."""
+        batch_rule(sampling_backend, [])  # refuses an unknown backend by name, here and not at the first step
+        self.sample = functools.partial(sample_rows, backend=sampling_backend)
+        """`sample_rows` under the engine's sampling backend (`truncation.batch_rule`), or a test's recording
+        wrapper of it."""
+        self.sampling_mask_max_tokens = sampling_mask_max_tokens
+        """SGLang's `--sampling-mask-max-tokens`: a row whose realised support exceeds it is aborted with
+        SGLang's message (`_over_cap`)."""
         self.held = False
         """True while a pause holds the loop between decoding steps (the pause is then in force)."""
         self.steps = 0
@@ -379,7 +390,24 @@ class ContinuousBatcher:
                 add_tail_logit_noise_(logits[i], self.logit_noise, row.generator)
         tokens, logprobs, top, masks = self.sample(rows, logits)
         for row, token, logprob, best, mask in zip(rows, tokens, logprobs, top, masks, strict=True):
+            if (
+                mask is not None
+                and row.item.return_sampling_mask
+                and len(mask[0]) > self.sampling_mask_max_tokens
+            ):
+                self._over_cap(row)
+                continue
             row.append(token, logprob, best, mask, self.eos_ids, self.weight_version)
+
+    def _over_cap(self, row: Row) -> None:
+        """End `row` as SGLang ends a request whose support exceeds the cap (status OVERFLOW): the token is
+        not appended and the request answers HTTP 400 with SGLang's message
+        (`batch_result_processor.get_sampling_mask_finish_reason`)."""
+        row.error = (
+            f"Sampling support exceeds --sampling-mask-max-tokens={self.sampling_mask_max_tokens}, commonly "
+            "because of cutoff ties. Lower top_k to leave more headroom or increase the server limit."
+        )
+        row.finish({"type": "abort", "message": row.error, "status_code": 400, "err_type": "BadRequestError"})
 
 
 PREFILL_FORWARD_TOKENS = 256
@@ -424,14 +452,17 @@ def _left_pad_mask(mask: torch.Tensor, width: int) -> torch.Tensor:
     return mask if missing == 0 else torch.cat([mask.new_zeros(mask.shape[0], missing), mask], dim=1)
 
 
-def sample_rows(rows: list[Row], logits: torch.Tensor):
+def sample_rows(rows: list[Row], logits: torch.Tensor, backend: str = "flashinfer"):
     """`(tokens [B] list of int, logprobs [B] list of float, top [B] of [[logprob, id], ...] | None,
     masks [B] of (support ids, truncated log-prob) | None)` of one step, in SGLang's sampler order: custom
     logit processor → ÷ T → log-softmax → sample with the row's own generator (greedy, T = 0: argmax,
-    log-probs of the processed logits at T = 1; top_k / top_p / min_p: SGLang's truncation,
-    `truncation.py`). `logits` `[B, V]` fp32 on the model's device, processed in place there; the draw
-    runs on the host with each row's CPU generator, so a seed draws the same tokens on any device.
-    Row-wise math runs batched; only the draw is per row."""
+    log-probs of the processed logits at T = 1; top_k / top_p / min_p: SGLang's truncation under
+    `backend`, `truncation.py`). The rows are one SGLang forward batch: under flashinfer, one row with
+    min_p > 0 moves every truncating row to the "renorm" rule (`truncation.batch_rule`). `logits` `[B, V]`
+    fp32 on the model's device, processed in place there; the draw runs on the host with each row's CPU
+    generator, so a seed draws the same tokens on any device. Row-wise math runs batched; only the draw
+    is per row."""
+    rule = batch_rule(backend, [r.item.truncation for r in rows])
     _apply_processors(rows, logits)
     logits = logits.cpu()
     temperatures = torch.tensor([[r.item.temperature or 1.0] for r in rows], dtype=logits.dtype)
@@ -446,7 +477,7 @@ def sample_rows(rows: list[Row], logits: torch.Tensor):
             continue
         probs = row_logprobs.exp() if probs is None else probs
         if row.item.truncation.active:
-            token, support, selected = sample_truncated(probs[i], row.item.truncation, row.generator)
+            token, support, selected = sample_truncated(probs[i], row.item.truncation, row.generator, rule)
             tokens[i], masks[i] = token, (support, selected)
         else:
             plain.append(i)

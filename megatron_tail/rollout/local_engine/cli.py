@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from megatron_tail.rollout.local_engine.truncation import DEFAULT_SAMPLING_MASK_MAX_TOKENS
+from megatron_tail.rollout.local_engine.truncation import DEFAULT_SAMPLING_MASK_MAX_TOKENS, SAMPLING_BACKENDS
 
 DEFAULT_HOST = "127.0.0.1"
 
@@ -58,6 +58,14 @@ def add_serve_local_parser(subparsers) -> argparse.ArgumentParser:
         help="SGLang's flag: most token ids in a returned sampling mask; a return_sampling_mask request "
         f"needs top_k ≤ this (default {DEFAULT_SAMPLING_MASK_MAX_TOKENS}, SGLang's)",
     )
+    parser.add_argument(
+        "--sampling-backend",
+        default="flashinfer",
+        choices=SAMPLING_BACKENDS,
+        help="which SGLang sampler's truncation to follow: flashinfer (SGLang's CUDA default; with min_p > 0 "
+        "anywhere in a batch, top-p is measured after top-k's renormalisation) or pytorch (what "
+        "--enable-deterministic-inference forces; top-p on the full distribution) (default flashinfer)",
+    )
     parser.set_defaults(func=serve_local)
     return parser
 
@@ -87,6 +95,7 @@ def serve_local(args: argparse.Namespace) -> int:
         sampling_mask_max_tokens=args.sampling_mask_max_tokens,
         kv_cache_dtype=args.kv_cache_dtype,
         logit_noise=args.logit_noise,
+        sampling_backend=args.sampling_backend,
     )
     app = build_app(engine, max_batch=args.max_batch)
     print(

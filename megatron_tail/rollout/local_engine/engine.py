@@ -6,8 +6,10 @@ raw logits (cast to fp32) → custom logit processor (the DVP safe set) → divi
 sample with the sample's own `torch.Generator` (seeded by `sampling_seed`) → return the log-prob of the
 sampled token. Greedy requests (T = 0) take the argmax and return log-softmax of the processed logits
 at T = 1, as SGLang does. A request with top_k / top_p / min_p draws from SGLang's truncation
-(`truncation.py`) and, with `return_sampling_mask`, also returns each token's support and its log-prob
-under the truncated distribution.
+(`truncation.py`) under `sampling_backend` ("flashinfer", SGLang's CUDA default, or "pytorch", what
+`--enable-deterministic-inference` forces: they keep different supports when top-p meets min-p in a batch)
+and, with `return_sampling_mask`, also returns each token's support and its log-prob under the truncated
+distribution; a support above `sampling_mask_max_tokens` fails its request as SGLang's does.
 The model runs in the dtype given (bf16 by default), so its log-probs differ from the trainer's fp32
 ones the way a real inference engine's do; with `quantization="fp8"` its linear layers also run in FP8 as
 SGLang's `--quantization fp8` does (`local_engine/fp8.py`), re-quantized after every weight update;
@@ -30,7 +32,7 @@ from megatron_tail.rollout.local_engine.control import PauseControl
 from megatron_tail.rollout.local_engine.formats import QUANTIZATIONS, quantize_linears_, requantize_
 from megatron_tail.rollout.local_engine.kv_cache import KV_CACHE_DTYPES
 from megatron_tail.rollout.local_engine.requests import GenerateItem
-from megatron_tail.rollout.local_engine.truncation import DEFAULT_SAMPLING_MASK_MAX_TOKENS
+from megatron_tail.rollout.local_engine.truncation import DEFAULT_SAMPLING_MASK_MAX_TOKENS, SAMPLING_BACKENDS
 from megatron_tail.rollout.local_engine.weights import load_named_tensors_, read_safetensors_dir
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -55,6 +57,7 @@ class LocalEngine:
         kv_cache_dtype: str = "auto",
         logit_noise: float = 0.0,
         max_running: int = 256,
+        sampling_backend: str = "flashinfer",
     ):
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -67,6 +70,8 @@ class LocalEngine:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}; got {kv_cache_dtype!r}")
         if not logit_noise >= 0.0:
             raise ValueError(f"logit_noise must be ≥ 0; got {logit_noise!r}")
+        if sampling_backend not in SAMPLING_BACKENDS:
+            raise ValueError(f"sampling_backend must be one of {SAMPLING_BACKENDS}; got {sampling_backend!r}")
         if not isinstance(sampling_mask_max_tokens, int) or sampling_mask_max_tokens <= 0:
             raise ValueError(
                 f"--sampling-mask-max-tokens must be positive (got {sampling_mask_max_tokens!r})."
@@ -98,6 +103,8 @@ class LocalEngine:
             device=self.device,
             fp8_kv_cache=kv_cache_dtype == "fp8_e4m3",
             logit_noise=float(logit_noise),
+            sampling_backend=sampling_backend,
+            sampling_mask_max_tokens=sampling_mask_max_tokens,
         )
         self.weight_version = str(weight_version)
 

@@ -78,6 +78,7 @@ class RolloutEngines:
                 sampling_mask_max_tokens=r.sampling_mask_max_tokens,
                 kv_cache_dtype=r.kv_cache_dtype,
                 logit_noise=r.local_logit_noise,
+                sampling_backend="pytorch" if r.deterministic else "flashinfer",  # as SGLang picks it
             )
             self.urls = [local.url]
         else:

@@ -1,0 +1,125 @@
+"""A sampling support larger than the mask cap (flashinfer keeps every tie at the top-k cutoff): the local
+engine fails the request as SGLang 0.5.23 does (HTTP 400, SGLang's message), and the client regenerates the
+group with fresh seeds, keeping its keys, and counts it, instead of failing the step."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from aiohttp import web
+
+from megatron_tail.rollout import ClientConfig, RetryableServerError, RolloutClient, SamplingConfig
+from megatron_tail.rollout.client import SUPPORT_OVERFLOW
+from megatron_tail.rollout.local_engine.engine import LocalEngine
+from megatron_tail.rollout.local_engine.requests import parse_generate_body
+from megatron_tail.rollout.local_engine.server import build_app
+from megatron_tail.rollout.protocol import build_generate_payload, sample_keys
+from tests.rollout.servers import serving_app
+
+SAMPLING = SamplingConfig(n_samples=2, max_new_tokens=3, temperature=1.0, top_k=3, log_rho=None)
+PROMPT = [5, 6, 76, 7]
+MESSAGE = (
+    "Sampling support exceeds --sampling-mask-max-tokens=4, commonly because of cutoff ties. Lower top_k to "
+    "leave more headroom or increase the server limit."
+)
+"""SGLang 0.5.23's words (`batch_result_processor.get_sampling_mask_finish_reason`) at a cap of 4."""
+
+
+def tie_logits_of(engine: LocalEngine, seeds: set[int] | None = None) -> None:
+    """Make every logit of the rows seeded from `seeds` (all rows: None) equal before they are sampled: the
+    whole vocabulary ties at the top-k cutoff."""
+    sample = engine.batcher.sample
+
+    def tied(rows, logits):
+        for i, row in enumerate(rows):
+            if seeds is None or row.item.seed in seeds:
+                logits[i] = 0.0
+        return sample(rows, logits)
+
+    engine.batcher.sample = tied
+
+
+def items_of(engine: LocalEngine):
+    body = build_generate_payload(PROMPT, sample_keys(0, SAMPLING), SAMPLING, None, attempt=1)
+    return parse_generate_body(
+        body, tokenize=None, vocab_size=engine.vocab_size, context_length=96, max_batch=8,
+        sampling_mask_max_tokens=engine.sampling_mask_max_tokens,
+    ).items  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", ["flashinfer", "pytorch"])
+def test_a_tied_support_over_the_cap_fails_the_request_as_sglang_does(tiny_model_dir, backend):
+    engine = LocalEngine(
+        tiny_model_dir, dtype="float32", sampling_mask_max_tokens=4, sampling_backend=backend
+    )
+    try:
+        tie_logits_of(engine)
+        if backend == "flashinfer":  # every id ≥ the third largest probability: the whole vocabulary
+            with pytest.raises(ValueError) as error:
+                engine.generate(items_of(engine))
+            assert str(error.value) == MESSAGE and MESSAGE.startswith(SUPPORT_OVERFLOW)
+        else:  # the PyTorch sampler keeps ranks 0..2 whatever ties
+            outputs = engine.generate(items_of(engine))
+            assert [len(m) for out in outputs for m in out["meta_info"]["output_token_sampling_mask"]] == [
+                3
+            ] * 6
+    finally:
+        engine.close()
+
+
+def test_the_client_regenerates_an_overflowing_group_with_fresh_seeds(tiny_model_dir):
+    """Through the local engine's HTTP server: the first request's seeds tie every logit (it overflows), the
+    regenerated one draws with other seeds and succeeds; the results keep the original keys."""
+    engine = LocalEngine(tiny_model_dir, dtype="float32", sampling_mask_max_tokens=4)
+    keys = sample_keys(0, SAMPLING)
+    tie_logits_of(engine, {key.seed for key in keys})
+    sent = []
+
+    async def run():
+        app = build_app(engine)
+        config = ClientConfig(max_attempts=3, retry_backoff_s=0.01, request_timeout_s=60)
+        async with serving_app(app) as url, RolloutClient([url], config, processor=None) as client:
+            (group,) = await client.generate([PROMPT], SAMPLING)
+            sent.append(dict(client.stats.__dict__))
+            return group, client.healthy[url]
+
+    try:
+        group, healthy = asyncio.run(run())
+    finally:
+        engine.close()
+    assert [r.key for r in group] == keys, "the samples keep their identity"
+    assert all(len(r.output_ids) == 3 and r.output_supports.width == 3 for r in group)
+    (stats,) = sent
+    assert stats["support_overflows"] == 1 and stats["requests"] == 2 and stats["retries"] == 1
+    assert healthy and sum(stats["failures_by_server"].values()) == 0, "an overflow is not the server's fault"
+
+
+def test_a_group_that_keeps_overflowing_fails_after_max_attempts_naming_the_cap():
+    seeds: list[list[int]] = []
+
+    async def overflow(request: web.Request) -> web.Response:
+        body = await request.json()
+        seeds.append([p["sampling_seed"] for p in body["sampling_params"]])
+        return web.json_response({"error": {"message": MESSAGE}}, status=400)
+
+    async def healthy(_request):
+        return web.Response(status=200)
+
+    async def run():
+        app = web.Application()
+        app.router.add_post("/generate", overflow)
+        app.router.add_get("/health", healthy)
+        config = ClientConfig(max_attempts=3, retry_backoff_s=0.01, request_timeout_s=10)
+        async with serving_app(app) as url, RolloutClient([url], config, processor=None) as client:
+            try:
+                await client.generate([PROMPT], SAMPLING)
+            finally:
+                assert client.stats.support_overflows == 3
+
+    with pytest.raises(
+        RetryableServerError, match=r"failed 3 attempts; last: .*--sampling-mask-max-tokens=4"
+    ):
+        asyncio.run(run())
+    original = [key.seed for key in sample_keys(0, SAMPLING)]
+    assert seeds[0] == original and len({tuple(s) for s in seeds}) == 3, "each regeneration: fresh seeds"
