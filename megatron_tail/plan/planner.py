@@ -182,6 +182,7 @@ def make_plan(config: RunConfig, cluster: Cluster) -> Plan:
         capacity_bytes=capacity,
         context_parallel=cp,
         support_width=config.rollout.top_k if config.rollout.truncates else 0,
+        support_dense_width=_support_dense_width(config),
     )
     peak = trainer_peak(shape, layout)
     engine_dtype = config.rollout.dtype or "bfloat16"
@@ -252,6 +253,15 @@ def _context_parallel_warnings(shape: ModelShape, layout: TrainerLayout, peak: S
                 f"per GPU, vs {_gib(peak.total)}) without CP's K/V exchange in every layer"
             ]
     return []
+
+
+def _support_dense_width(config: RunConfig) -> int:
+    """The op's dense support width at worst: SGLang's mask cap, since flashinfer keeps ties at the top-k
+    cutoff (`config.schema.TOP_K_HEADROOM`); top_k with the PyTorch sampler (`rollout.deterministic`)."""
+    r = config.rollout
+    if not r.truncates:
+        return 0
+    return r.top_k if r.deterministic else r.sampling_mask_max_tokens
 
 
 def _support_host_warnings(per_rank: int, width: int, cluster: Cluster) -> list[str]:

@@ -78,9 +78,9 @@ def _supports_note(plan: Plan, in_flight: int) -> str:
     lay = plan.trainer_layout
     if not lay.support_width:
         return "no truncated sampling (rollout.top_k/top_p/min_p off)"
-    k, tokens = lay.support_width, lay.tokens_per_gpu
+    k, tokens, w = lay.support_width, lay.tokens_per_gpu, lay.support_dense_width
     dense = (
-        f" + dense [{tokens}, {k}] int32 for the op"
+        f" + dense [{tokens}, <= {w}] int32 for the op"
         if plan.trainer.stage == lay.pipeline_parallel - 1
         else ""
     )
@@ -179,6 +179,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "checkpoint": checkpoint,
         "supports": {
             "width": plan.trainer_layout.support_width,
+            "dense_width": plan.trainer_layout.support_dense_width,
             "host_bytes_per_rank": plan.support_host_bytes_per_rank,
         },
         "fits": plan.fits,

@@ -12,9 +12,11 @@ reference    π_ref's weights (model dtype), when `algorithm.kl_coef` > 0 and it
              offloaded reference is on the GPU only for its forward-only pass, when no training
              activations are alive, so it adds nothing to the training peak
 supports     truncated sampling (`rollout.top_k/top_p/min_p`): each micro-batch in flight carries its
-             supports ragged (≤ K int32 ids + one int64 offset per token, `utils.ragged`); the last stage
-             also holds the op's dense int32 `[tokens/CP, K]` copy from forward to backward
-             (`train.engine.forward.sampling_support`). K: the support bound, `rollout.top_k`
+             supports ragged (≤ K int32 ids + one int64 offset per token, `utils.ragged`; K = `rollout.
+             top_k`); the last stage also holds the op's dense int32 `[tokens/CP, W]` copy from forward to
+             backward (`train.engine.forward.sampling_support`), W the micro-batch's widest support: one
+             token whose top-k cutoff ties (SGLang's flashinfer sampler keeps ties) can make it the mask
+             cap `rollout.sampling_mask_max_tokens`; `rollout.top_k` under `rollout.deterministic`
 reserve      CUDA context, NCCL communicators and buffers, allocator fragmentation (an assumption)
 """
 
@@ -59,7 +61,9 @@ class TrainerLayout:
     """CP: each GPU holds 1/CP of every sequence's tokens (activations, logits); the distributed optimizer
     shards over DP × CP."""
     support_width: int = 0
-    """Truncated sampling: the most support ids a token can carry (`rollout.top_k`); 0 without."""
+    """Truncated sampling: support ids per token, all but a few tied tokens (`rollout.top_k`); 0 without."""
+    support_dense_width: int = 0
+    """Truncated sampling: the widest one token's support can be, the op's dense width (module docstring)."""
 
     @property
     def tokens_per_gpu(self) -> int:
@@ -148,7 +152,7 @@ def support_device_bytes(layout: TrainerLayout, in_flight: int, last: bool) -> i
     if not k:
         return 0
     ragged = tokens * (k * SUPPORT_ID_BYTES + SUPPORT_OFFSET_BYTES)
-    return in_flight * ragged + (tokens * k * SUPPORT_ID_BYTES if last else 0)
+    return in_flight * ragged + (tokens * layout.support_dense_width * SUPPORT_ID_BYTES if last else 0)
 
 
 def support_host_bytes(support_width: int, samples: int, response_tokens: int) -> int:

@@ -205,12 +205,14 @@ def test_sampling_supports_are_counted_ragged_at_the_top_k_bound(capsys):
     truncated += ("--set", "rollout.sampling_mask_max_tokens=8192")  # top_k's headroom for flashinfer's ties
     rc, out = _plan_json(capsys, *base, *truncated)
     t = out["trainer"]
-    tokens, k = 5120, 4096  # one THD micro-batch, the last stage (PP = 1: one micro-batch in flight)
-    assert t["supports_bytes"] == tokens * (k * 4 + 8) + tokens * k * 4
+    tokens, k, cap = 5120, 4096, 8192  # one THD micro-batch, the last stage (PP = 1: one in flight)
+    # the op's dense width at worst is the mask cap: flashinfer keeps ties at the top-k cutoff
+    assert t["supports_bytes"] == tokens * (k * 4 + 8) + tokens * cap * 4
     assert t["total_bytes"] == plain["trainer"]["total_bytes"] + t["supports_bytes"]
     samples, response = 128 * 8, 4096  # prompts_per_step x group_size, max_new_tokens of the example
     host = samples * response * (k * 4 + 8)
-    assert host > 64 * GIB and out["supports"] == {"width": k, "host_bytes_per_rank": host}
+    assert host > 64 * GIB
+    assert out["supports"] == {"width": k, "dense_width": cap, "host_bytes_per_rank": host}
     # 8 ranks per node x 64 GiB is over a quarter of the assumed 1 TiB of host memory per node: warned
     (warning,) = [w for w in out["warnings"] if "sampling supports" in w]
     assert "512.2 GiB per node" in warning and "rollout.top_k=4096" in warning
@@ -220,3 +222,8 @@ def test_sampling_supports_are_counted_ragged_at_the_top_k_bound(capsys):
     assert rc == 0
     _, small = _plan_json(capsys, *base, "--set", "rollout.top_k=20", "--set", "rollout.top_p=0.95")
     assert not [w for w in small["warnings"] if "sampling supports" in w]
+    # the seeded PyTorch sampler refuses min-p, and with it DVP's safe set sent as min-p
+    exact = [f"--set={kv}" for kv in ("rollout.top_k=20", "rollout.top_p=0.95", "rollout.deterministic=true")]
+    exact.append("--set=algorithm.log_rho=null")
+    _, deterministic = _plan_json(capsys, *base, *exact)
+    assert deterministic["supports"]["dense_width"] == 20  # the PyTorch sampler keeps exactly top_k ranks
