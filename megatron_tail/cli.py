@@ -41,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one sub-command. A `UserError` prints one line (global rank 0 only; `MT_TRACEBACK=1` adds the
-    traceback) and exits `EXIT_USER_ERROR`; a step abandoned on a second stop signal exits `EXIT_ABANDONED`;
+    traceback) and exits `EXIT_USER_ERROR`, an `OutsideFailure` likewise with `EXIT_OUTSIDE_FAILURE`; a step
+    abandoned on a second stop signal exits `EXIT_ABANDONED`;
     Ctrl-C outside a run's stop handler exits 130 without a traceback; anything else keeps Python's traceback
     (exit 1)."""
     from megatron_tail.utils import errors
@@ -50,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     errors.PROG = f"megatron-tail {args.command}"
     try:
         return int(args.func(args) or 0)
-    except errors.UserError as e:
+    except (errors.UserError, errors.OutsideFailure) as e:
         return errors.report_user_error(e)
     except errors.StepAbandoned as e:
         return e.exit_code

@@ -62,6 +62,7 @@ import aiohttp
 import torch
 
 from megatron_tail.rollout.process_group import init_custom_process_group
+from megatron_tail.utils.errors import OutsideFailure
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 
@@ -78,14 +79,17 @@ class WeightSync(Protocol):
     async def update(self, source: Any, weight_version: str | None = None) -> str: ...
 
 
-class WeightSyncError(RuntimeError):
-    """A server failed a weight-sync step; the message names each server and its answer."""
+class WeightSyncError(OutsideFailure):
+    """A server failed a weight-sync step; the message names each server and its answer (an outside
+    failure: the servers are not ours, and a rerun resumes from the last checkpoint)."""
 
 
 class _Servers:
-    """POSTs one JSON body to every server at once and checks SGLang's `{"success": ...}` answers."""
+    """POSTs one JSON body to every server at once and checks SGLang's `{"success": ...}` answers; a server
+    that does not answer within `timeout_s` is named with the limit as `timeout_name` (the caller's config
+    key for it)."""
 
-    def __init__(self, server_urls: Sequence[str], timeout_s: float, pause_mode: str):
+    def __init__(self, server_urls: Sequence[str], timeout_s: float, pause_mode: str, timeout_name: str):
         urls = [u.rstrip("/") for u in ([server_urls] if isinstance(server_urls, str) else server_urls)]
         if not urls or len(set(urls)) != len(urls):
             raise ValueError(f"server_urls must be distinct, non-empty base URLs; got {list(server_urls)!r}")
@@ -95,6 +99,8 @@ class _Servers:
             raise ValueError(f"timeout_s must be > 0; got {timeout_s!r}")
         self.urls = urls
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.limit = f"{timeout_name}={timeout_s:g} s"
+        """Every request's time limit, named as the caller knows it (e.g. `rollout.sync_timeout_s=600 s`)."""
         self.pause_mode = pause_mode
 
     async def post_all(self, session, path: str, bodies: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -111,7 +117,18 @@ class _Servers:
             raise WeightSyncError("; ".join(failures))
         return answers
 
+    async def in_time(self, request):
+        """`await request` (one request under `self.timeout`); WeightSyncError naming the limit if it
+        expires (aiohttp's TimeoutError has no text)."""
+        try:
+            return await request
+        except TimeoutError:
+            raise WeightSyncError(f"no answer within {self.limit}") from None
+
     async def _post(self, session, url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        return await self.in_time(self._post_once(session, url, path, body))
+
+    async def _post_once(self, session, url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
         async with session.post(f"{url}{path}", json=body, timeout=self.timeout) as resp:
             text = await resp.text()
             if resp.status != 200:
@@ -131,9 +148,13 @@ class _Servers:
                     raise WeightSyncError(f"HTTP {resp.status}")
                 return (await resp.json(content_type=None)).get("weight_version")
 
-        answers = await asyncio.gather(*(reported(u) for u in self.urls), return_exceptions=True)
+        answers = await asyncio.gather(
+            *(self.in_time(reported(u)) for u in self.urls), return_exceptions=True
+        )
         wrong = [
-            f"{url} reports {answer!r}"
+            f"{url}/model_info: {_describe(answer)}"
+            if isinstance(answer, BaseException)
+            else f"{url} reports {answer!r}"
             for url, answer in zip(self.urls, answers, strict=True)
             if isinstance(answer, BaseException) or str(answer) != version
         ]
@@ -174,7 +195,9 @@ class _Servers:
 
 
 def _describe(answer) -> str:
-    """A server's failed answer; an exception by its type too (a timeout's own text is empty)."""
+    """A server's failed answer; an exception other than our own by its type too (its text may be empty)."""
+    if isinstance(answer, WeightSyncError):
+        return str(answer)
     if isinstance(answer, BaseException):
         return f"{type(answer).__name__}: {answer}" if str(answer) else type(answer).__name__
     return str(answer)
@@ -186,7 +209,8 @@ def next_version(current: str) -> str:
 
 
 class DiskWeightSync:
-    """Reload an HF checkpoint directory on every server; track the version they serve."""
+    """Reload an HF checkpoint directory on every server; track the version they serve. Each request may
+    take `timeout_s`, named `timeout_name` in errors (the caller's config key for it)."""
 
     def __init__(
         self,
@@ -194,9 +218,10 @@ class DiskWeightSync:
         *,
         initial_version: str = "default",
         timeout_s: float = 1800.0,
+        timeout_name: str = "timeout_s",
         pause_mode: str = "abort",
     ):
-        self.servers = _Servers(server_urls, timeout_s, pause_mode)
+        self.servers = _Servers(server_urls, timeout_s, pause_mode, timeout_name)
         self.weight_version = str(initial_version)
 
     async def update(self, model_path: str, weight_version: str | None = None) -> str:
@@ -240,6 +265,8 @@ class DistributedWeightSync:
             tensors the bound is two of them).
         dtype: cast each tensor to this dtype on the sender as it joins a bucket (e.g. fp32 master weights
             to bf16 engines); None: as given.
+        timeout_s: the limit of each HTTP request and of the process group; `timeout_name` names it in
+            errors (the caller's config key, e.g. "rollout.sync_timeout_s").
     """
 
     def __init__(
@@ -253,11 +280,12 @@ class DistributedWeightSync:
         backend: str = "nccl",
         initial_version: str = "default",
         timeout_s: float = 1800.0,
+        timeout_name: str = "timeout_s",
         pause_mode: str = "abort",
         bucket_mb: float = 512.0,
         dtype: torch.dtype | None = None,
     ):
-        self.servers = _Servers(server_urls, timeout_s, pause_mode)
+        self.servers = _Servers(server_urls, timeout_s, pause_mode, timeout_name)
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be > 0; got {bucket_mb!r}")
         self.bucket_bytes = int(bucket_mb * 2**20)
@@ -299,7 +327,7 @@ class DistributedWeightSync:
                     )
             return int(info["tp_size"])
 
-        return list(await asyncio.gather(*(ask(u) for u in self.servers.urls)))
+        return list(await asyncio.gather(*(self.servers.in_time(ask(u)) for u in self.servers.urls)))
 
     async def init_group(self) -> None:
         """Form the group: this process joins as rank 0 while every engine joins at its rank offset (each

@@ -1,9 +1,12 @@
-"""User errors versus internal errors, and the process exit codes of `megatron-tail`.
+"""User errors, outside failures and internal errors, and the process exit codes of `megatron-tail`.
 
 A `UserError` is a mistake in what the user gave us (config, data file, model directory, reward function,
 run directory, checkpoint): its message names the culprit (key, file, row, path or value) and what was
-expected. The command line prints it as one line, on global rank 0 only, without a traceback
-(`MT_TRACEBACK=1` shows it); any other exception is an internal error and keeps its traceback.
+expected. An `OutsideFailure` is something outside megatron-tail that failed under it (a rollout engine that
+died or stopped answering within its limit): its message names what failed, how (the signal, the limit and
+its config key) and where to look (the engine's log). The command line prints either as one line, on global
+rank 0 only, without a traceback (`MT_TRACEBACK=1` shows it); any other exception is an internal error and
+keeps its traceback.
 
     raise UserError(f"{path} row {row}: no answer ({answer_key!r} is missing or null)")
 
@@ -25,12 +28,16 @@ EXIT_USER_ERROR = 2
 """A user error (one line naming the culprit); rerunning as is fails the same way."""
 EXIT_ABANDONED = 3
 """A second stop signal abandoned the step in progress; the last checkpoint is kept (rerun resumes)."""
+EXIT_OUTSIDE_FAILURE = 4
+"""An outside failure (one line naming it, e.g. an engine killed by a signal, with its log); the last
+checkpoint is kept: rerun resumes once what failed is back."""
 
 PROG = "megatron-tail"
 """The command's name in error lines (`megatron_tail.cli.main` sets it to e.g. "megatron-tail train")."""
 
 failing = False
-"""A user error was announced: this process is on its way out (the stop-signal lines stay quiet)."""
+"""A user error (or an outside failure) was announced: this process is on its way out (the stop-signal
+lines stay quiet)."""
 
 TRACEBACK_ENV = "MT_TRACEBACK"
 """Set to 1 to print the traceback of user errors too (debugging)."""
@@ -57,8 +64,9 @@ def global_rank() -> int:
 def announce(error: BaseException) -> None:
     """Print `PROG: error: <message>` now, on global rank 0 only (other ranks stay quiet), once per error.
 
-    Called where a user error is found on rank 0 before the other ranks learn of it (`on_rank0`): they then
-    exit at once, and torchrun stops rank 0 while it still cleans up, before the command line could print.
+    Called where a user error or an outside failure is found on rank 0 before the other ranks learn of it
+    (`on_rank0`): they then exit at once, and torchrun stops rank 0 while it still cleans up, before the
+    command line could print.
     """
     global failing
     failing = True
@@ -69,12 +77,18 @@ def announce(error: BaseException) -> None:
         print(f"{PROG}: error: {error}", file=sys.stderr, flush=True)
 
 
+class OutsideFailure(RuntimeError):
+    """Something outside megatron-tail failed under it (a rollout engine died, or did not answer within its
+    limit); the message names what failed, how, and where its log is. Exits `EXIT_OUTSIDE_FAILURE`."""
+
+
 def report_user_error(error: BaseException) -> int:
-    """`announce(error)` (with its traceback first under `MT_TRACEBACK=1`); returns `EXIT_USER_ERROR`."""
+    """`announce(error)` (with its traceback first under `MT_TRACEBACK=1`); returns its exit code:
+    `EXIT_OUTSIDE_FAILURE` for an `OutsideFailure`, else `EXIT_USER_ERROR`."""
     if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
         traceback.print_exception(error, file=sys.stderr)
     announce(error)
-    return EXIT_USER_ERROR
+    return EXIT_OUTSIDE_FAILURE if isinstance(error, OutsideFailure) else EXIT_USER_ERROR
 
 
 class StepAbandoned(BaseException):

@@ -52,6 +52,39 @@ class LocalEngineProcess:
             start_new_session=True,
         )
 
+    def describe(self) -> str:
+        """Which engine this is, for messages: "the local engine on URL (pid N)"."""
+        return f"the local engine on {self.url} (pid {self.proc.pid})"
+
+    def ended(self, grace_s: float = 0.0) -> str | None:
+        """How the process ended ("was killed by SIGKILL", "exited with code 1"), waiting up to `grace_s`
+        for it to end; None while it runs. A connection it dropped can arrive before its exit status, hence
+        the grace."""
+        try:
+            code = self.proc.wait(timeout=grace_s) if grace_s > 0 else self.proc.poll()
+        except subprocess.TimeoutExpired:
+            return None
+        if code is None:
+            return None
+        if code < 0:  # Popen's way of saying "killed by signal -code"
+            try:
+                return f"was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"was killed by signal {-code}"
+        return f"exited with code {code}"
+
+    def stopped(self) -> bool:
+        """Alive but stopped (SIGSTOP, SIGTSTP, a debugger): the process cannot answer until continued."""
+        import psutil
+
+        try:
+            return psutil.Process(self.proc.pid).status() in (
+                psutil.STATUS_STOPPED,
+                psutil.STATUS_TRACING_STOP,
+            )
+        except psutil.Error:
+            return False
+
     def check_alive(self) -> None:
         """RuntimeError with the log tail if the process has exited."""
         if self.proc.poll() is not None:
@@ -83,6 +116,7 @@ class LocalEngineProcess:
         """SIGTERM, then SIGKILL after `timeout_s`; closes the log."""
         if self.proc.poll() is None:
             self.proc.terminate()
+            self.proc.send_signal(signal.SIGCONT)  # a stopped engine handles the SIGTERM only once continued
             try:
                 self.proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:

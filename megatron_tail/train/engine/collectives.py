@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_tail.algorithms.metrics import reduce_op_of
-from megatron_tail.utils.errors import UserError, announce
+from megatron_tail.utils.errors import OutsideFailure, UserError, announce
 
 from .parallel import ParallelGroups, comm_device
 
@@ -37,28 +37,30 @@ def on_rank0(fn: Callable[[], T], *, wait_group: dist.ProcessGroup | None = None
     watchdog would kill the job at the world group's timeout.
 
     If `fn` raises on rank 0, every rank raises (rank 0 its own exception, the others a RuntimeError that
-    quotes it, or a `UserError` with the same message for a user error, which only rank 0 prints) instead of
-    the other ranks waiting in the next collective until the process-group timeout.
+    quotes it, or for a user error or an outside failure a `UserError` or `OutsideFailure` with the same
+    message, which only rank 0 prints) instead of the other ranks waiting in the next collective until the
+    process-group timeout.
     """
-    result, error, raised, user_error = None, None, None, False
+    result, error, raised, kind = None, None, None, None
     if dist.get_rank() == 0:
         try:
             result = fn()
         except Exception as e:
-            raised, error, user_error = e, f"{type(e).__name__}: {e}", isinstance(e, UserError)
-            if user_error:
+            raised, error = e, f"{type(e).__name__}: {e}"
+            kind = next((c for c in (UserError, OutsideFailure) if isinstance(e, c)), None)
+            if kind is not None:  # a one-line error (`utils.errors`): the other ranks raise its base class
                 error = str(e)
                 announce(e)  # now: the other ranks exit as soon as they hear of it
     if wait_group is not None:
         dist.barrier(group=wait_group)
-    box = [(result, error, user_error)]
+    box = [(result, error, kind)]
     dist.broadcast_object_list(box, src=0)
-    result, error, user_error = box[0]
+    result, error, kind = box[0]
     if raised is not None:
         raise raised
     if error is not None:
-        if user_error:
-            raise UserError(error)
+        if kind is not None:
+            raise kind(error)
         raise RuntimeError(f"global rank 0 failed: {error}")
     return result
 

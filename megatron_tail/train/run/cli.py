@@ -5,7 +5,8 @@ CONFIG.yaml`; `python -m megatron_tail.train.run.torchrun ...` takes the same ar
 signal stopped the workers cleanly), or run it plainly for a world of one. Exit codes: 0 also after a
 graceful stop (SIGTERM / SIGUSR1 / SIGINT: the step finishes, a checkpoint is written; rerunning resumes at
 the next step); 2 a user error (one line naming it; MT_TRACEBACK=1 shows the traceback); 3 a step abandoned
-on a second stop signal (the last checkpoint is kept); 1 an internal error (traceback).
+on a second stop signal (the last checkpoint is kept); 4 an outside failure (one line naming it, e.g. an
+engine killed by a signal, with its log; the last checkpoint is kept); 1 an internal error (traceback).
 """
 
 from __future__ import annotations

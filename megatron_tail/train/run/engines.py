@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import aiohttp
+
 from megatron_tail.config import RunConfig
 from megatron_tail.model.hf_config import load_hf_config
 from megatron_tail.rewards.pass_at_k import eval_statistics
@@ -30,15 +32,29 @@ from megatron_tail.rollout import (
     wait_until_healthy,
 )
 from megatron_tail.rollout.batch import token_versions_of
+from megatron_tail.rollout.client import NoHealthyServerError
 from megatron_tail.rollout.local_engine.process import LocalEngineProcess
 from megatron_tail.rollout.manager import GroupResult, RolloutManager, groups_to_batch
 from megatron_tail.rollout.processor import DVPLogitProcessor
-from megatron_tail.rollout.protocol import sample_keys
-from megatron_tail.utils.errors import UserError
+from megatron_tail.rollout.protocol import RetryableServerError, sample_keys
+from megatron_tail.utils.errors import OutsideFailure, UserError
 from megatron_tail.utils.net import free_port
 
 EVAL_SEED = 987_654_321
 """`base_seed` of every sampled evaluation: the same seeds each time, so evaluations differ by the weights."""
+
+ENGINE_POLL_S = 0.5
+"""While waiting for the engines, how often to check that the local engine process is still there: its
+requests cannot come back once it is gone, and the client would otherwise probe a dead port for a minute."""
+
+
+class EngineFailure(OutsideFailure):
+    """An engine died, is stopped, or failed to answer: the message names it, how, the limit that expired and
+    the local engine's log."""
+
+
+_ENGINE_ERRORS = (RetryableServerError, NoHealthyServerError, TimeoutError, aiohttp.ClientError)
+"""What an engine that died or stopped answering makes the client raise (transport failures, not bugs)."""
 
 
 class RolloutEngines:
@@ -113,7 +129,7 @@ class RolloutEngines:
         with in-memory sync, then form the weight group with them."""
         self._wait_healthy()
         if self.in_memory_sync:
-            self._run(self.weight_sync.init_group(), "the weight-sync group")
+            self._run(self.weight_sync.init_group(), "the weight-sync group", limit="sync_timeout_s")
 
     def _wait_healthy(self) -> None:
         timeout = self.cfg.rollout.startup_timeout_s
@@ -128,14 +144,19 @@ class RolloutEngines:
                 except TimeoutError:
                     now = time.monotonic()
                     if now - started > timeout:
-                        raise
+                        raise EngineFailure(
+                            f"{self.engine.describe()} did not answer /health within "
+                            f"{self._limit('startup_timeout_s')}; its log: {self.engine.log_path}"
+                        ) from None
                     if now - reported >= self.cfg.rollout.wait_report_s:
                         reported = now
                         self.note(
                             f"waiting for the local engine on {self.urls[0]} to load: {now - started:.0f} s "
                             f"so far (rollout.startup_timeout_s={timeout:g}; log: {self.engine.log_path})"
                         )
-        self._run(wait_until_healthy(self.urls, timeout_s=timeout), "the engines' /health")
+        self._run(
+            wait_until_healthy(self.urls, timeout_s=timeout), "the engines' /health", "startup_timeout_s"
+        )
 
     def _sampling(self, base_seed: int) -> SamplingConfig:
         r, n = self.cfg.rollout, self.cfg.algorithm.group_size
@@ -349,7 +370,9 @@ class RolloutEngines:
         `model.iter_hf_tensors` ("distributed"). Returns seconds."""
         started = time.perf_counter()
         self._run(
-            self.weight_sync.update(source, weight_version=str(version)), f"weight sync to version {version}"
+            self.weight_sync.update(source, weight_version=str(version)),
+            f"weight sync to version {version}",
+            limit="sync_timeout_s" if self.in_memory_sync else "request_timeout_s",
         )
         return time.perf_counter() - started
 
@@ -358,7 +381,9 @@ class RolloutEngines:
         the engines' dtype on the sender)."""
         r = self.cfg.rollout
         if r.weight_sync == "disk":
-            return DiskWeightSync(self.urls, timeout_s=r.request_timeout_s)
+            return DiskWeightSync(
+                self.urls, timeout_s=r.request_timeout_s, timeout_name="rollout.request_timeout_s"
+            )
         import os
         import socket
 
@@ -375,6 +400,7 @@ class RolloutEngines:
             master_port=r.sync_master_port or free_port(),
             backend="nccl" if torch.cuda.is_available() else "gloo",
             timeout_s=r.sync_timeout_s,
+            timeout_name="rollout.sync_timeout_s",
             bucket_mb=r.sync_bucket_mb,
             dtype=getattr(torch, engine_dtype),
         )
@@ -409,30 +435,82 @@ class RolloutEngines:
                 f"(vocab_size {self.vocab_size}); is the engine serving another model?"
             )
 
-    def _run(self, coro, waiting_for: str = ""):
-        """Run `coro` on the private loop; with `waiting_for`, every `rollout.wait_report_s` while it waits,
-        say what for and for how long."""
+    def _run(self, coro, waiting_for: str = "", limit: str = "request_timeout_s"):
+        """Run `coro` on the private loop. With `waiting_for` (what the engines are asked for): every
+        `rollout.wait_report_s` say what for and for how long, and raise an engine's failure as an
+        `EngineFailure` naming the engine, how it failed and the limit `rollout.<limit>` that applies."""
         if self._cancelled.is_set():  # a cancelled rollout must not start its next round of requests
             coro.close()
             raise asyncio.CancelledError("the engines' requests were cancelled")
-        if waiting_for:
-            coro = self._reporting(coro, waiting_for)
+        if not waiting_for:
+            return self._drive(coro)
+        try:
+            return self._drive(self._watching(coro, waiting_for))
+        except Exception as error:
+            failure = self._engine_failure(error, waiting_for, limit)
+            if failure is None:
+                raise
+            raise failure from error
+
+    def _drive(self, coro):
         if self._thread is not None:
             return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
         return self.loop.run_until_complete(coro)
 
-    async def _reporting(self, coro, waiting_for: str):
+    async def _watching(self, coro, waiting_for: str):
+        """Await `coro`, saying every `rollout.wait_report_s` what for and how long; stop waiting when the
+        local engine ends (every `ENGINE_POLL_S`)."""
         task = asyncio.ensure_future(coro)
-        started = time.monotonic()
+        started = reported = time.monotonic()
+        poll_s = self.cfg.rollout.wait_report_s
+        if self.engine is not None:
+            poll_s = min(poll_s, ENGINE_POLL_S)
         try:
             while True:
-                done, _ = await asyncio.wait({task}, timeout=self.cfg.rollout.wait_report_s)
+                done, _ = await asyncio.wait({task}, timeout=poll_s)
                 if done:
                     return task.result()
-                self.note(self._waiting_line(waiting_for, time.monotonic() - started))
+                if self.engine is not None and (how := self.engine.ended()) is not None:
+                    raise self._engine_ended(how, waiting_for)
+                now = time.monotonic()
+                if now - reported >= self.cfg.rollout.wait_report_s:
+                    reported = now
+                    self.note(self._waiting_line(waiting_for, now - started))
         finally:
             if not task.done():
                 task.cancel()
+
+    def _engine_failure(self, error: Exception, waiting_for: str, limit: str) -> OutsideFailure | None:
+        """The outside failure behind `error`, raised while waiting for `waiting_for`: the local engine
+        ended or is stopped, or an engine failed to answer. None when `error` is something else (a user's
+        error, a bug) or already names the engine that failed (`WeightSyncError`)."""
+        if isinstance(error, (UserError, EngineFailure)):
+            return None
+        if self.engine is not None:
+            how = self.engine.ended(grace_s=1.0)  # the dropped connection can come before the exit status
+            if how is not None:
+                return self._engine_ended(how, waiting_for)
+            if isinstance(error, (*_ENGINE_ERRORS, OutsideFailure)) and self.engine.stopped():
+                return EngineFailure(
+                    f"{self.engine.describe()} is stopped (SIGSTOP, SIGTSTP or a debugger) and did not "
+                    f"answer within {self._limit(limit)} while the trainer waited for {waiting_for}; its "
+                    f"log: {self.engine.log_path}"
+                )
+        if isinstance(error, _ENGINE_ERRORS):
+            return EngineFailure(
+                f"{waiting_for} failed: {str(error) or type(error).__name__} ({self._limit(limit)})"
+            )
+        return None
+
+    def _engine_ended(self, how: str, waiting_for: str) -> EngineFailure:
+        return EngineFailure(
+            f"{self.engine.describe()} {how} while the trainer waited for {waiting_for}; its log: "
+            f"{self.engine.log_path}"
+        )
+
+    def _limit(self, key: str) -> str:
+        """`rollout.<key>=<value> s`: a limit of the engines, as the config names it."""
+        return f"rollout.{key}={getattr(self.cfg.rollout, key):g} s"
 
     def _waiting_line(self, waiting_for: str, waited_s: float) -> str:
         r = self.cfg.rollout

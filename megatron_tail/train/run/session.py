@@ -260,9 +260,8 @@ class RunSession:
         """Every rank takes part in gathering the HF tensors (TP gathers, PP sends to rank 0); rank 0 streams
         them to the engines as they come. If rank 0's side fails (a dead or hung engine: the weight group's
         `rollout.sync_timeout_s`), it still drains the gather so no rank waits forever, then every rank
-        raises `WeightSyncError`."""
+        raises `WeightSyncError` (an outside failure; rank 0 prints it), or a bug's own error on rank 0."""
         from megatron_tail.model import iter_hf_tensors
-        from megatron_tail.rollout.weight_sync import WeightSyncError
 
         from ..engine.collectives import any_rank
 
@@ -277,8 +276,7 @@ class RunSession:
         for _ in tensors:  # rank ≠ 0: the whole gather; rank 0: what a failure left undone
             pass
         if any_rank(error is not None):
-            why = f"{type(error).__name__}: {error}" if error is not None else "see global rank 0"
-            raise WeightSyncError(f"in-memory weight sync to version {version} failed: {why}")
+            raise _sync_failure(error, version)
         return time.perf_counter() - started
 
     def evaluate(self) -> dict[str, float]:
@@ -367,6 +365,23 @@ class RunSession:
             multiple=multiple,
             cursor=self.data_cursor,
         )
+
+
+def _sync_failure(error: Exception | None, version: int) -> Exception:
+    """What each rank raises after a failed in-memory weight sync, given its own error (rank 0's, or None).
+    Collective. A bug on rank 0: its own error (with its traceback), a RuntimeError elsewhere; else a
+    `WeightSyncError` (an outside failure), which rank 0 prints now, before the other ranks exit."""
+    from megatron_tail.rollout.weight_sync import WeightSyncError
+    from megatron_tail.utils.errors import OutsideFailure, announce
+
+    from ..engine.collectives import any_rank
+
+    if any_rank(error is not None and not isinstance(error, OutsideFailure)):
+        return error or RuntimeError(f"in-memory weight sync to version {version}: global rank 0 failed")
+    why = error or "see global rank 0"
+    failure = WeightSyncError(f"in-memory weight sync to version {version} failed: {why}")
+    announce(failure)
+    return failure
 
 
 def newest_intact_checkpoint(root: Path, note) -> Path | None:

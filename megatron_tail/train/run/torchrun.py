@@ -11,9 +11,9 @@ own `main` and maps the outcome:
 - signalled, and every worker of this node finished `megatron-tail train` (`mark_worker("done")`: the
   stop checkpoint is written) → exit 0 (`EXIT_OK`; rerunning resumes);
 - signalled otherwise → 128 + the signal number, as a shell reports a death by that signal;
-- workers failed, all with `EXIT_USER_ERROR` (2) or all with `EXIT_ABANDONED` (3) (or killed by the
-  SIGTERM torchrun sends the others once one exits) → that code, without torchrun's report (global rank 0
-  already printed the one line);
+- workers failed, all with `EXIT_USER_ERROR` (2), all with `EXIT_ABANDONED` (3) or all with
+  `EXIT_OUTSIDE_FAILURE` (4) (or killed by the SIGTERM torchrun sends the others once one exits) → that
+  code, without torchrun's report (global rank 0 already printed the one line);
 - anything else → torchrun's own behaviour (its report, exit 1).
 
 Workers learn where to leave their marks from `MT_WORKER_MARKS` (a fresh temporary directory per launch).
@@ -27,9 +27,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from megatron_tail.utils.errors import EXIT_ABANDONED, EXIT_OK, EXIT_USER_ERROR
+from megatron_tail.utils.errors import EXIT_ABANDONED, EXIT_OK, EXIT_OUTSIDE_FAILURE, EXIT_USER_ERROR
 
 MARKS_ENV = "MT_WORKER_MARKS"
+ONE_LINE_CODES = (EXIT_USER_ERROR, EXIT_ABANDONED, EXIT_OUTSIDE_FAILURE)
+"""Worker exit codes whose cause global rank 0 already printed as one line: passed on without torchrun's
+report when every failed worker exited with the same one."""
 
 
 def mark_worker(state: str) -> None:
@@ -67,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     except ChildFailedError as e:
         # torchrun stops the other workers with SIGTERM once one exits: negative codes (killed by a signal)
         codes = {failure.exitcode for failure in e.failures.values() if failure.exitcode >= 0}
-        if codes in ({EXIT_USER_ERROR}, {EXIT_ABANDONED}):
+        if len(codes) == 1 and codes <= set(ONE_LINE_CODES):
             return codes.pop()
         raise
     finally:

@@ -1,0 +1,197 @@
+"""An engine that fails under the trainer is an outside failure: one line naming the engine, how it failed
+(the signal, or the limit and its config key) and its log, exit `EXIT_OUTSIDE_FAILURE`, no traceback, and the
+last checkpoint kept. Before: exit 1 (an internal error) with a ~40-line traceback that named neither the
+signal nor the log, after a minute of /health probes of a dead port; a stopped engine ended in a bare
+`TimeoutError`."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_tail.rollout.client import NoHealthyServerError
+from megatron_tail.rollout.local_engine.process import LocalEngineProcess
+from megatron_tail.rollout.weight_sync import DiskWeightSync, WeightSyncError
+from megatron_tail.train.run.engines import EngineFailure, RolloutEngines
+from megatron_tail.utils.errors import EXIT_OUTSIDE_FAILURE, OutsideFailure, UserError
+from tests.loop.conftest import loop_overrides
+from tests.loop.engine_faults import SIGNAL_ENV
+from tests.loop.test_reliability import ENV, _train
+from tests.rollout.servers import serving_app
+
+
+@pytest.fixture
+def sleeper(tmp_path):
+    """A `LocalEngineProcess` around a process that only sleeps (the engine's process handling, no model)."""
+    engine = LocalEngineProcess.__new__(LocalEngineProcess)
+    engine.url, engine.log_path = "http://127.0.0.1:1", tmp_path / "logs" / "local_engine.log"
+    engine.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        yield engine
+    finally:
+        engine.proc.kill()
+        engine.proc.wait()
+
+
+def _engines(engine: LocalEngineProcess | None) -> RolloutEngines:
+    """Rank 0's `RolloutEngines` as far as `_run` needs it: the local engine (or None), limits, a loop."""
+    engines = RolloutEngines.__new__(RolloutEngines)
+    engines.cfg = SimpleNamespace(
+        rollout=SimpleNamespace(wait_report_s=60.0, request_timeout_s=7.0, sync_timeout_s=9.0)
+    )
+    engines.engine, engines.note, engines.urls = engine, print, ["http://127.0.0.1:1"]
+    engines.loop, engines._thread, engines._cancelled = asyncio.new_event_loop(), None, threading.Event()
+    return engines
+
+
+def test_a_local_engine_killed_while_the_trainer_waits_is_named_at_once(sleeper):
+    """Before: the client probed the dead port's /health for 60 s, then a NoHealthyServerError traceback."""
+    engines = _engines(sleeper)
+    threading.Timer(0.3, sleeper.proc.send_signal, (signal.SIGKILL,)).start()
+    started = time.monotonic()
+    with pytest.raises(EngineFailure) as info:
+        engines._run(asyncio.sleep(3600), "samples of 4 prompts × 4")  # requests that never come back
+    assert time.monotonic() - started < 5
+    assert str(info.value) == (
+        f"the local engine on http://127.0.0.1:1 (pid {sleeper.proc.pid}) was killed by SIGKILL while the "
+        f"trainer waited for samples of 4 prompts × 4; its log: {sleeper.log_path}"
+    )
+
+
+def test_a_stopped_local_engine_is_named_with_the_limit_that_expired(sleeper):
+    engines = _engines(sleeper)
+    sleeper.proc.send_signal(signal.SIGSTOP)
+
+    async def sync():
+        raise WeightSyncError(
+            "http://127.0.0.1:1/pause_generation: no answer within rollout.sync_timeout_s=9 s"
+        )
+
+    with pytest.raises(EngineFailure) as info:
+        engines._run(sync(), "weight sync to version 2", limit="sync_timeout_s")
+    assert str(info.value) == (
+        f"the local engine on http://127.0.0.1:1 (pid {sleeper.proc.pid}) is stopped (SIGSTOP, SIGTSTP or a "
+        "debugger) and did not answer within rollout.sync_timeout_s=9 s while the trainer waited for weight "
+        f"sync to version 2; its log: {sleeper.log_path}"
+    )
+
+
+def test_a_remote_engine_failure_is_an_outside_failure_and_other_errors_stay_as_they_are():
+    engines = _engines(None)
+
+    async def fail(error):
+        raise error
+
+    with pytest.raises(EngineFailure, match=r"^samples of 1 prompts × 1 failed: no healthy server among "):
+        engines._run(fail(NoHealthyServerError("no healthy server among [...]")), "samples of 1 prompts × 1")
+    with pytest.raises(EngineFailure, match=r"\(rollout.request_timeout_s=7 s\)$"):
+        engines._run(fail(NoHealthyServerError("no healthy server")), "samples of 1 prompts × 1")
+    for error in (UserError("a reward's mistake"), KeyError("a bug")):
+        with pytest.raises(type(error)):
+            engines._run(fail(error), "samples of 1 prompts × 1")
+
+
+def test_a_weight_sync_timeout_names_its_limit():
+    """Before: "http://…/pause_generation: TimeoutError", naming no limit."""
+    from aiohttp import web
+
+    async def hang(_request):
+        await asyncio.sleep(1.0)  # past the limit; short, so that stopping the server does not wait for it
+        return web.json_response({"success": True})
+
+    async def scenario():
+        app = web.Application()
+        app.router.add_post("/{path}", hang)
+        async with serving_app(app) as url:
+            sync = DiskWeightSync([url], timeout_s=0.3, timeout_name="rollout.request_timeout_s")
+            with pytest.raises(WeightSyncError) as info:
+                await sync.update("/nowhere", weight_version="2")
+        return url, info.value
+
+    url, error = asyncio.run(scenario())
+    assert isinstance(error, OutsideFailure)
+    assert str(error) == f"{url}/pause_generation: no answer within rollout.request_timeout_s=0.3 s"
+
+
+def test_torchrun_passes_on_an_outside_failure_of_every_worker(tmp_path):
+    """Before: exit 1 and torchrun's ChildFailedError report after the workers' one line."""
+    script = tmp_path / "worker.py"
+    script.write_text(f"import sys\nsys.exit({EXIT_OUTSIDE_FAILURE})\n")
+    cmd = [sys.executable, "-m", "megatron_tail.train.run.torchrun", "--standalone", "--nproc-per-node=2"]
+    proc = subprocess.run([*cmd, str(script)], env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == EXIT_OUTSIDE_FAILURE, proc.stderr[-3000:]
+    assert "ChildFailedError" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("fault", "extra", "waited_for"),
+    [
+        # scoring step 1's batch; rollout ahead then generates step 2's batch from the dead engine
+        ("KILL@1", {"rollout.max_staleness": 1}, "samples of 4 prompts × 4"),
+        ("KILL@17", {}, "weight sync to version 2"),  # scoring step 2's batch: the next call is its sync
+    ],
+    ids=["generation", "weight-sync"],
+)
+def test_a_local_engine_killed_under_the_trainer_is_one_line_exit_4(
+    tiny_model_dir, prompt_file, tmp_path, fault, extra, waited_for
+):
+    output, code, run_dir = _run_with_fault(tiny_model_dir, prompt_file, tmp_path, fault, extra)
+    assert code == EXIT_OUTSIDE_FAILURE, output[-4000:]
+    log = run_dir / "logs" / "local_engine.log"
+    pattern = (
+        rf"megatron-tail train: error: the local engine on http://127\.0\.0\.1:\d+ \(pid \d+\) was killed by "
+        rf"SIGKILL while the trainer waited for {waited_for}; its log: {re.escape(str(log))}"
+    )
+    assert [line for line in output.splitlines() if "error:" in line] == [_match(pattern, output)], output
+    assert "Traceback" not in output, output[-4000:]
+    if fault == "KILL@17":  # nothing lost: step 1's checkpoint is complete
+        from megatron_tail.train.run.run_dir import complete_checkpoints
+
+        assert [step for step, _ in complete_checkpoints(run_dir)] == [1]
+
+
+def test_a_stopped_local_engine_names_the_limit_that_expired(tiny_model_dir, prompt_file, tmp_path):
+    """SIGSTOP while step 2's batch is scored: the weight sync's /pause_generation is never answered."""
+    extra = {"rollout.request_timeout_s": 2}
+    output, code, run_dir = _run_with_fault(tiny_model_dir, prompt_file, tmp_path, "STOP@17", extra)
+    assert code == EXIT_OUTSIDE_FAILURE, output[-4000:]
+    log = run_dir / "logs" / "local_engine.log"
+    pattern = (
+        r"megatron-tail train: error: the local engine on http://127\.0\.0\.1:\d+ \(pid \d+\) is stopped "
+        r"\(SIGSTOP, SIGTSTP or a debugger\) and did not answer within rollout\.request_timeout_s=2 s while "
+        rf"the trainer waited for weight sync to version 2; its log: {re.escape(str(log))}"
+    )
+    assert [line for line in output.splitlines() if "error:" in line] == [_match(pattern, output)], output
+    assert "Traceback" not in output, output[-4000:]
+
+
+def _run_with_fault(model_dir, prompt_file, tmp_path, fault: str, extra: dict) -> tuple[str, int, Path]:
+    """`megatron-tail train` (TP = 1, its own local engine) whose reward signals the engine (`fault`)."""
+    run_dir = tmp_path / "run"
+    settings = {
+        "parallel.tensor_parallel": 1,
+        "rollout.engine": "local",
+        "data.reward": "tests.loop.engine_faults:signals_the_engine",
+        "train.steps": 4,
+        "train.checkpoint_every": 1,
+        **extra,
+    }
+    overrides = loop_overrides(model_dir, prompt_file, run_dir, settings)
+    env = {**ENV, SIGNAL_ENV: fault}
+    proc = subprocess.run(_train(overrides), env=env, capture_output=True, text=True, timeout=300)
+    return proc.stdout + proc.stderr, proc.returncode, run_dir
+
+
+def _match(pattern: str, output: str) -> str:
+    found = re.search(pattern, output)
+    assert found, output[-4000:]
+    return found.group(0)
