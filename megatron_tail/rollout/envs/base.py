@@ -79,11 +79,14 @@ class ToolEnvironment(Environment):
 
 
 def check_step_result(value: Any, where: str) -> StepResult:
-    """`value` if it is a well-formed `StepResult`; else TypeError naming `where` and what was wrong."""
+    """`value` if it is a well-formed `StepResult`; else TypeError (ValueError for an observation that is
+    not UTF-8 text) naming `where` and what was wrong."""
     if not isinstance(value, StepResult):
         raise TypeError(f"{where} returned {type(value).__name__} {value!r:.100}; expected a StepResult")
     if value.observation is not None and not isinstance(value.observation, str):
         raise TypeError(f"{where} returned observation {value.observation!r:.100}; expected str or None")
+    if value.observation is not None:
+        _check_utf8(value.observation, f"{where} returned observation")
     reward = value.reward
     if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(reward):
         raise TypeError(f"{where} returned reward {reward!r}; expected a finite real number")
@@ -94,3 +97,15 @@ def check_step_result(value: Any, where: str) -> StepResult:
     if not isinstance(value.done, bool):
         raise TypeError(f"{where} returned done={value.done!r}; expected a bool")
     return value
+
+
+def _check_utf8(text: str, what: str) -> None:
+    """ValueError naming `what` if `text` holds a lone surrogate (e.g. "\\ud800"), which no tokenizer can
+    encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"{what} {text!r:.100} with a lone surrogate {text[e.start : e.end]!r} at position {e.start}; "
+            "expected text that encodes as UTF-8"
+        ) from None

@@ -85,7 +85,7 @@ class EpisodeTable:
             result = self._call("step", env.step, payload)
             try:
                 result = check_step_result(result, f"environment {self.spec!r} step")
-            except TypeError as e:
+            except (TypeError, ValueError) as e:
                 raise EnvironmentError_(str(e)) from None
             if result.done or result.observation is None:
                 self.episodes.pop(episode, None)

@@ -46,6 +46,11 @@ class StepReturnsNaN(Environment):
         return StepResult("x", reward=float("nan"))
 
 
+class StepReturnsLoneSurrogate(Environment):
+    def step(self, turn):
+        return StepResult("ok \ud800")
+
+
 NotAClass = 3
 
 

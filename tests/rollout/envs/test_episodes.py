@@ -176,6 +176,12 @@ def test_the_step_rewards_add_up(scorer):
             r"returned dict .*StepResult",
         ),
         ("tests.rollout.envs.fault_envs:StepReturnsNaN", EnvironmentError_, r"reward nan; expected a finite"),
+        (  # before: the tokenizer's TypeError on the host, naming no environment
+            "tests.rollout.envs.fault_envs:StepReturnsLoneSurrogate",
+            EnvironmentError_,
+            r"step returned observation 'ok \\ud800' with a lone surrogate '\\ud800' at position 3; expected "
+            "text that encodes as UTF-8",
+        ),
         ("tests.rollout.envs.fault_envs:StepHangs", EnvironmentTimeoutError, r"StepHangs' \(step of episode"),
     ],
 )
