@@ -26,21 +26,36 @@ IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 """Buffers some exporters save; the model recomputes them."""
 
 
-def check_model_dir(path: str | Path, key: str = "model.hf_path", *, tokenizer: bool = True) -> HFArch:
-    """`load_hf_config(path)` once `path` is a readable HF checkpoint of that architecture: config.json,
-    (with `tokenizer`) tokenizer files, every safetensors file whole, and exactly the expected tensors with
-    the expected shapes. UserError naming `key`, the path and the culprit otherwise."""
+def load_model_config(path: str | Path, key: str = "model.hf_path") -> HFArch:
+    """`load_hf_config(path)` of a HF checkpoint directory, reading only its config.json; UserError naming
+    `key`, the path and the culprit (no such directory, a file, no config.json, not JSON, a missing field,
+    an unsupported architecture)."""
     where = Path(path)
     if not where.exists():
         raise UserError(f"{key}: model directory {str(where)!r} not found")
     if not where.is_dir():
         raise UserError(f"{key}: {str(where)!r} is not a directory (expected a HF checkpoint directory)")
-    if not (where / "config.json").is_file():
+    config = where / "config.json"
+    if not config.is_file():
         raise UserError(f"{key}: {where} has no config.json (expected a HF checkpoint directory)")
     try:
-        arch = load_hf_config(where)
-    except (ValueError, KeyError, TypeError) as e:
-        raise UserError(f"{key}: {where / 'config.json'}: {e}") from None
+        return load_hf_config(where)
+    except UnicodeDecodeError as e:
+        raise UserError(f"{key}: {config} is not JSON text ({e})") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"{key}: {config} is not valid JSON: {e}") from None
+    except KeyError as e:  # a field the architecture needs (`num_attention_heads`, `hidden_size`, ...)
+        raise UserError(f"{key}: {config} has no {e.args[0]!r}, a field its architecture needs") from None
+    except (ValueError, TypeError) as e:
+        raise UserError(f"{key}: {config}: {e}") from None
+
+
+def check_model_dir(path: str | Path, key: str = "model.hf_path", *, tokenizer: bool = True) -> HFArch:
+    """`load_model_config(path)` once `path` is a readable HF checkpoint of that architecture: config.json,
+    (with `tokenizer`) tokenizer files, every safetensors file whole, and exactly the expected tensors with
+    the expected shapes. UserError naming `key`, the path and the culprit otherwise."""
+    where = Path(path)
+    arch = load_model_config(where, key)
     if tokenizer and not any((where / name).is_file() for name in TOKENIZER_FILES):
         raise UserError(
             f"{key}: {where} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); copy the tokenizer "

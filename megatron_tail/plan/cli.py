@@ -64,17 +64,19 @@ def cluster_from_args(args: argparse.Namespace):
 
 def run_plan(args: argparse.Namespace) -> int:
     from megatron_tail.config import load_config
-    from megatron_tail.config.loader import ConfigError
+    from megatron_tail.rollout.envs.registry import load_env_class
+    from megatron_tail.utils.errors import UserError
 
     from .planner import make_plan
     from .report import format_plan, plan_json
 
     try:
         config = load_config(args.config, args.set)
+        if config.rollout.env is not None:  # as `train` does: the environment fails here, by name
+            load_env_class(config.rollout.env)
         plan = make_plan(config, cluster_from_args(args))
-    except (ConfigError, ValueError, FileNotFoundError) as exc:
-        print(f"megatron-tail plan: {exc}", file=sys.stderr)
-        return 2
+    except (ValueError, FileNotFoundError) as exc:  # one line, exit 2 (`megatron_tail.cli.main`)
+        raise UserError(str(exc)) from exc
     print(json.dumps(plan_json(plan), indent=2) if args.json else format_plan(plan))
     if not plan.fits:
         for problem in plan.problems:

@@ -4,10 +4,9 @@ verdict. Reads the model's `config.json` only (never weights, prompts or a GPU),
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 from megatron_tail.config.schema import RunConfig
-from megatron_tail.model.hf_config import load_hf_config
+from megatron_tail.model.directory import load_model_config
 
 from .rollout import ENGINE_DTYPE_BYTES, KV_DTYPE_BYTES, RolloutLayout, RolloutMemory, rollout_memory
 from .shapes import ModelShape
@@ -135,9 +134,7 @@ def make_plan(config: RunConfig, cluster: Cluster) -> Plan:
     hf_path = config.model.hf_path
     if not hf_path:
         raise ValueError("model.hf_path is empty: the plan needs the model's config.json")
-    if not (Path(hf_path) / "config.json").is_file() and not Path(hf_path).is_file():
-        raise ValueError(f"model.hf_path={hf_path!r} has no config.json (the plan reads only that file)")
-    arch = load_hf_config(hf_path)
+    arch = load_model_config(hf_path)  # train's reader of it: a UserError naming the file and the problem
     shape = ModelShape.from_arch(arch, config.model.vocab_pad_multiple)
     tp, pp = config.parallel.tensor_parallel, config.parallel.pipeline_parallel
     cp = config.parallel.context_parallel

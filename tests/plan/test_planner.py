@@ -144,7 +144,51 @@ def test_bad_layout_is_one_clear_error(capsys):
         and "not a multiple of tensor_parallel × pipeline_parallel × context_parallel = 4 × 3 × 1" in err
     )
     rc = main(["plan", str(EXAMPLE_8B)])  # models/Qwen3-8B is not in the repository
-    assert rc == 2 and "has no config.json" in capsys.readouterr().err
+    assert rc == 2 and "model.hf_path: model directory 'models/Qwen3-8B' not found" in capsys.readouterr().err
+
+
+def _bad_model_dirs(tmp_path) -> dict[str, tuple[Path, str]]:
+    """Broken model directories → (model.hf_path, what `plan` must say about it)."""
+    no_heads = tmp_path / "no_heads"
+    no_heads.mkdir()
+    config = json.loads((QWEN3_8B / "config.json").read_text())
+    del config["num_attention_heads"]
+    (no_heads / "config.json").write_text(json.dumps(config))
+    bad_json = tmp_path / "bad_json"
+    bad_json.mkdir()
+    (bad_json / "config.json").write_text("{\n")
+    a_file = tmp_path / "model.safetensors"
+    a_file.write_bytes(b"\xb8\x01")
+    return {
+        "missing field": (
+            no_heads,
+            f"{no_heads}/config.json has no 'num_attention_heads', a field its architecture needs",
+        ),
+        "bad JSON": (bad_json, f"{bad_json}/config.json is not valid JSON: Expecting property name"),
+        "a file": (a_file, f"'{a_file}' is not a directory (expected a HF checkpoint directory)"),
+    }
+
+
+def test_a_bad_model_directory_is_one_line_naming_the_file(tmp_path, capsys):
+    """Before: a KeyError traceback for a config.json without num_attention_heads, and "Expecting value…"
+    without a path for a file or bad JSON; now the reader `train` uses, with its messages."""
+    for hf_path, message in _bad_model_dirs(tmp_path).values():
+        rc = main(["plan", str(EXAMPLE_8B), "--set", f"model.hf_path={hf_path}"])
+        err = capsys.readouterr().err
+        assert rc == 2 and err.startswith(f"megatron-tail plan: error: model.hf_path: {message}"), err
+        assert len(err.splitlines()) == 1, err
+
+
+def test_plan_checks_that_the_environment_imports(capsys):
+    """Before: `plan` passed a `rollout.env` that `train` then refused."""
+    rc = main(
+        ["plan", str(EXAMPLE_8B), "--set", f"model.hf_path={QWEN3_8B}", "--set", "rollout.env=nowhere:Env"]
+    )
+    assert rc == 2
+    assert capsys.readouterr().err == (
+        "megatron-tail plan: error: rollout.env 'nowhere:Env': cannot import module 'nowhere': No module "
+        "named 'nowhere'\n"
+    )
 
 
 def test_reads_only_config_json_and_imports_no_megatron(tmp_path):
