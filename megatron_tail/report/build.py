@@ -14,6 +14,8 @@ from megatron_tail.report.events import RunEvents, load_run
 from megatron_tail.report.figures import FIGURES
 from megatron_tail.report.labels import run_labels
 from megatron_tail.report.plotting import FigureResult
+from megatron_tail.train.run.run_dir import tensorboard_dir
+from megatron_tail.utils.errors import UserError
 
 REPORT_NAME = "report.md"
 COLOUR_NAMES = ("blue", "orange", "green", "red", "purple", "brown", "pink", "grey", "olive", "cyan")
@@ -49,16 +51,28 @@ def write_report(
     path of `report.md`.
 
     `out_dir` defaults to `<run_dir>/report` for one run and `<common parent>/report` for several. `labels`
-    (one per run) default to the config keys that differ between the runs (`labels.run_labels`).
+    (one per run) default to the config keys that differ between the runs (`labels.run_labels`). A
+    `UserError` when no run has any TensorBoard events (nothing to report) or `out_dir` is a file.
     """
     if not run_dirs:
         raise ValueError("write_report needs at least one run directory")
     if labels is not None and len(labels) != len(run_dirs):
         raise ValueError(f"{len(labels)} labels for {len(run_dirs)} runs: give one label per run")
     runs = [load_run(d) for d in run_dirs]
+    if not any(r.scalars or r.histograms for r in runs):
+        where = ", ".join(str(tensorboard_dir(d)) for d in run_dirs)
+        raise UserError(
+            f"no run found: no TensorBoard events in {where}; each RUN_DIR must be the run_dir of a "
+            "`megatron-tail train` run that has logged a step"
+        )
     if labels is None:
         labels = run_labels([r.config for r in runs], run_names(run_dirs))
     out = Path(out_dir) if out_dir is not None else default_out_dir(run_dirs)
+    if out.exists() and not out.is_dir():
+        raise UserError(
+            f"output directory {str(out)!r} is a file; expected a directory (--out) for the figures and "
+            f"{REPORT_NAME}"
+        )
     out.mkdir(parents=True, exist_ok=True)
     results = [figure(runs, list(labels), out) for figure in FIGURES]
     path = out / REPORT_NAME

@@ -51,7 +51,10 @@ def report_command(args: argparse.Namespace) -> int:
             )
 
     if args.labels is not None and len(args.labels) != len(args.run_dirs):
-        raise SystemExit(f"--labels: got {len(args.labels)} labels for {len(args.run_dirs)} run directories")
+        raise UserError(
+            f"--labels: got {len(args.labels)} labels for {len(args.run_dirs)} run directories; give one "
+            "label per run directory, in order"
+        )
     path = write_report(args.run_dirs, out_dir=args.out, labels=args.labels)
     print(f"report: {path.resolve()}", flush=True)
     return 0

@@ -208,8 +208,42 @@ def test_cli_writes_the_report(run_dirs, tmp_path, capsys):
     assert main(["report", *map(str, run_dirs), "--out", str(out), "--labels", "A", "B"]) == 0
     assert f"report: {(out / 'report.md').resolve()}" in capsys.readouterr().out
     assert "| A |" in (out / "report.md").read_text()
-    with pytest.raises(SystemExit, match="1 labels for 2 run directories"):
-        main(["report", *map(str, run_dirs), "--labels", "A"])
+
+
+def test_cli_refusals_are_one_line(tmp_path, capsys):
+    """Before: `--out` naming a file gave a FileExistsError traceback, `--labels` of the wrong count printed
+    its message without `megatron-tail report: error:`, and a directory without events exited 0 with an
+    empty report."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    from megatron_tail.cli import main
+
+    run_dir, empty, a_file = tmp_path / "run", tmp_path / "empty", tmp_path / "out.txt"
+    writer = SummaryWriter(str(run_dir / "tensorboard"))
+    writer.add_scalar("reward/mean", 0.5, 1)
+    writer.close()
+    empty.mkdir()
+    a_file.write_text("x")
+    refusals = [
+        (
+            ["--out", str(a_file)],
+            f"output directory '{a_file}' is a file; expected a directory (--out) for the figures and "
+            "report.md",
+        ),
+        (
+            [str(run_dir), "--labels", "A"],
+            "--labels: got 1 labels for 2 run directories; give one label per run directory, in order",
+        ),
+    ]
+    for extra, message in refusals:
+        assert main(["report", str(run_dir), *extra]) == EXIT_USER_ERROR
+        assert capsys.readouterr().err == f"megatron-tail report: error: {message}\n"
+    assert main(["report", str(empty)]) == EXIT_USER_ERROR
+    assert capsys.readouterr().err == (
+        f"megatron-tail report: error: no run found: no TensorBoard events in {empty / 'tensorboard'}; each "
+        "RUN_DIR must be the run_dir of a `megatron-tail train` run that has logged a step\n"
+    )
+    assert list(empty.iterdir()) == []  # no empty report written
 
 
 def test_the_report_imports_no_megatron():
