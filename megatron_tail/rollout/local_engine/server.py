@@ -85,6 +85,23 @@ async def _json_body(request: web.Request) -> Any:
         raise BadRequest(f"body is not valid JSON: {e}") from e
 
 
+async def _object_body(request: web.Request, expected: str) -> dict[str, Any]:
+    """The JSON object a weight or control endpoint takes; BadRequest naming `expected` (its fields, as
+    SGLang's request class has them) for any other JSON (an array, a string, ...)."""
+    body = await _json_body(request)
+    if not isinstance(body, dict):
+        raise BadRequest(
+            f"{request.path} body must be a JSON object {expected}; got a JSON {_json_type(body)}"
+        )
+    return body
+
+
+def _json_type(value: Any) -> str:
+    """JSON's name for the type of a parsed value ("array", "string", ...)."""
+    names = {list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
+
+
 async def generate(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
     try:
@@ -166,9 +183,10 @@ async def server_info(request: web.Request) -> web.Response:
 async def pause_generation(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
     try:
-        mode = (await _json_body(request)).get("mode", "abort")
+        body = await _object_body(request, '{"mode": "abort" | "retract" | "in_place"}')
+        mode = body.get("mode", "abort")
         engine.control.pause(mode)
-    except (BadRequest, ValueError, AttributeError) as e:
+    except (BadRequest, ValueError) as e:
         return _error(str(e))
     if mode == "abort":
         while engine.control.active:
@@ -184,7 +202,7 @@ async def continue_generation(request: web.Request) -> web.Response:
 async def update_weights_from_disk(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
     try:
-        body = await _json_body(request)
+        body = await _object_body(request, '{"model_path": str, "weight_version": str, ...}')
         model_path = body["model_path"]
         message = await asyncio.to_thread(
             engine.update_weights_from_disk, model_path, body.get("weight_version")
@@ -199,7 +217,7 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
 async def update_weight_version(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
     try:
-        new_version = str((await _json_body(request))["new_version"])
+        new_version = str((await _object_body(request, '{"new_version": str}'))["new_version"])
     except (BadRequest, KeyError, TypeError) as e:
         return _result(False, f"Failed to update weight version: {e}")
     engine.weight_version = new_version
@@ -210,7 +228,9 @@ async def update_weight_version(request: web.Request) -> web.Response:
 
 async def init_weights_update_group(request: web.Request) -> web.Response:
     try:
-        body = await _json_body(request)
+        body = await _object_body(
+            request, '{"master_address": str, "master_port": int, "rank_offset": int, "world_size": int, ...}'
+        )
         name = body.get("group_name", "weight_update_group")
         group = await asyncio.to_thread(
             init_custom_process_group,
@@ -252,7 +272,7 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
             "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()",
         )
     try:
-        body = await _json_body(request)
+        body = await _object_body(request, '{"names": [...], "dtypes": [...], "shapes": [...], ...}')
         group = request.app[GROUPS_KEY][body.get("group_name", "weight_update_group")]
         specs = list(zip(body["names"], body["dtypes"], body["shapes"], strict=True))
         await asyncio.to_thread(_receive_and_load, engine, group, specs, body.get("weight_version"))
@@ -274,7 +294,10 @@ def _receive_and_load(engine: LocalEngine, group, specs, weight_version) -> None
 
 
 async def destroy_weights_update_group(request: web.Request) -> web.Response:
-    name = (await _json_body(request)).get("group_name", "weight_update_group")
+    try:
+        name = (await _object_body(request, '{"group_name": str}')).get("group_name", "weight_update_group")
+    except BadRequest as e:
+        return _result(False, str(e))
     group = request.app[GROUPS_KEY].pop(name, None)
     if group is None:
         return _result(False, f"Group {name} not found.")
