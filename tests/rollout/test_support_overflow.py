@@ -123,3 +123,25 @@ def test_a_group_that_keeps_overflowing_fails_after_max_attempts_naming_the_cap(
         asyncio.run(run())
     original = [key.seed for key in sample_keys(0, SAMPLING)]
     assert seeds[0] == original and len({tuple(s) for s in seeds}) == 3, "each regeneration: fresh seeds"
+
+
+def test_a_step_logs_the_overflows_and_retries_since_the_last_batch():
+    """`rollout/support_overflows` and `rollout/request_retries` in TensorBoard are per step: what the
+    client's counters added since the previous batch (with the engines' occupancy beside them)."""
+    from types import SimpleNamespace
+
+    from megatron_tail.rollout.client import ClientStats
+    from megatron_tail.rollout.occupancy import EngineOccupancy
+    from megatron_tail.train.run.engines import RolloutEngines
+
+    engines = object.__new__(RolloutEngines)  # the counters only: no engine, client or scorer
+    engines._counted = {}
+    engines.client = SimpleNamespace(
+        stats=ClientStats(retries=2, support_overflows=1), occupancy=EngineOccupancy()
+    )
+    first = engines._client_metrics()
+    assert first["rollout/support_overflows"] == 1.0 and first["rollout/request_retries"] == 2.0
+    assert "perf/engine_idle_fraction" in first
+    engines.client.stats.support_overflows += 3
+    second = engines._client_metrics()
+    assert second["rollout/support_overflows"] == 3.0 and second["rollout/request_retries"] == 0.0

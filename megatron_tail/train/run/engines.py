@@ -67,6 +67,8 @@ class RolloutEngines:
         self.note = note
         """Where the wait-progress lines go (rank 0's console)."""
         self.vocab_size = load_hf_config(cfg.model.hf_path).vocab_size
+        self._counted: dict[str, int] = {}
+        """The client's counters at the last batch (`_client_metrics` logs what they added since)."""
         # in a worker process, bounded by data.reward_timeout_s per batch; started here, on the main thread
         self.score = RewardScorer(cfg.data.reward, timeout_s=cfg.data.reward_timeout_s)
         try:
@@ -192,8 +194,18 @@ class RolloutEngines:
         completions = [self._decode(s.output_ids) for s in samples]
         sample_answers = [answers[i] for i in range(len(grouped)) for _ in range(n)]
         batch = self._batch(samples, self.score(completions, sample_answers), elapsed)
-        batch.metrics.update(self.client.occupancy.read())
+        batch.metrics.update(self._client_metrics())
         return batch
+
+    def _client_metrics(self) -> dict[str, float]:
+        """The engines' occupancy since the last batch, and the client's counters over the same span:
+        `rollout/request_retries` (attempts after a failure) and `rollout/support_overflows` (requests
+        generated again because a token's support exceeded the servers' mask cap)."""
+        stats = self.client.stats
+        now = {"rollout/request_retries": stats.retries, "rollout/support_overflows": stats.support_overflows}
+        since = {k: float(v - self._counted.get(k, 0)) for k, v in now.items()}
+        self._counted = now
+        return {**self.client.occupancy.read(), **since}
 
     def _batch(self, samples, rewards: list[float], elapsed: float) -> RolloutBatch:
         versions = [token_versions_of(s.output_versions) for s in samples]
@@ -272,7 +284,7 @@ class RolloutEngines:
         batch = groups_to_batch(groups)
         batch.data_cursor = self.manager.next_index
         batch.metrics.update(metrics)
-        batch.metrics.update(self.client.occupancy.read())
+        batch.metrics.update(self._client_metrics())
         # generation overlapped training: what the trainer waited is what the step's rollout cost it
         batch.stats["rollout_time_s"] = time.perf_counter() - started
         return batch
