@@ -476,7 +476,10 @@ def check_sampling_support(
         bad = (support < -1) | (support >= vocab_size)
         message = f"sampling_support must hold token ids in [0, vocab_size={vocab_size}) or -1 (padding)"
         assert_none(bad, support, message)
-    return support.reshape(-1, support.shape[-1])  # its own dtype: blocks widen to int64 as they index
+    # `targets.numel()`, not −1: a micro-batch whose rows carry no id (an empty one, a CP shard without
+    # response tokens) has K = 0, and reshape cannot infer −1 for 0 elements. Its own dtype: blocks widen
+    # the ids to int64 as they index.
+    return support.reshape(targets.numel(), support.shape[-1])
 
 
 def function_outputs(ctx, out: dict[str, torch.Tensor], log_rho: float | None, count: bool) -> tuple:

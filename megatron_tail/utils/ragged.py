@@ -47,13 +47,14 @@ class Ragged:
         return cls(dense[keep].to(ID_DTYPE), _offsets(sizes), int(sizes.max()) if len(sizes) else 0)
 
     @classmethod
-    def from_dict(cls, state: dict | Ragged) -> Ragged:
-        """From `dataclasses.asdict(ragged)` (a checkpoint's plain dict); a `Ragged` passes through."""
-        return (
-            state
-            if isinstance(state, Ragged)
-            else cls(state["values"], state["offsets"], int(state["width"]))
-        )
+    def from_dict(cls, state: dict | Ragged | torch.Tensor) -> Ragged:
+        """From `dataclasses.asdict(ragged)` (a checkpoint's plain dict); a `Ragged` passes through, and a
+        `[rows, K]` tensor padded with −1 (the dense layout checkpoints held before) is converted."""
+        if isinstance(state, Ragged):
+            return state
+        if isinstance(state, torch.Tensor):
+            return cls.from_dense(state)
+        return cls(state["values"], state["offsets"], int(state["width"]))
 
     @classmethod
     def empty_rows(cls, rows: int) -> Ragged:

@@ -117,6 +117,7 @@ def test_closing_cancels_a_rollout_in_flight_on_the_engines_event_loop():
     from megatron_tail.train.run.engines import RolloutEngines
 
     engines = SimpleNamespace(loop=asyncio.new_event_loop(), _cancelled=threading.Event(), _thread=None)
+    engines._drive = lambda coro: RolloutEngines._drive(engines, coro)
     rounds = []
 
     def rollout():

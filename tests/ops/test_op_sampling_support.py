@@ -262,3 +262,28 @@ def test_bad_support_is_one_clear_error(support, error, pattern):
         vocab_parallel_masked_logprobs(
             torch.randn(4, 9), torch.zeros(4, dtype=torch.long), sampling_support=support
         )
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["op", "fused-op"])
+def test_a_support_without_ids_is_the_safe_set(fused):
+    """K = 0 (a micro-batch whose rows carry no support: an empty one, a CP shard without response tokens):
+    every row keeps the safe set's normaliser, outputs and gradient as without a support."""
+    logits, targets, _, _ = problem()
+    empty = torch.zeros((*targets.shape, 0), dtype=torch.int32)
+    outs = []
+    for support in (None, empty):
+        if fused:
+            g = torch.Generator().manual_seed(3)
+            h = torch.randn(targets.shape[0], 8, generator=g, dtype=torch.float64).requires_grad_()
+            w = torch.randn(37, 8, generator=g, dtype=torch.float64)
+            out = vocab_parallel_linear_masked_logprobs(h, w, targets, log_rho=-2.0, sampling_support=support)
+            leaf = h
+        else:
+            leaf = logits[:, :37].clone().requires_grad_()
+            out = vocab_parallel_masked_logprobs(leaf, targets, log_rho=-2.0, sampling_support=support)
+        (out.logprobs.sum() + out.entropy.sum()).backward()
+        outs.append((out, leaf.grad))
+    (plain, g_plain), (zero, g_zero) = outs
+    for name in ("logprobs", "entropy", "safe_mass"):
+        torch.testing.assert_close(getattr(zero, name), getattr(plain, name), rtol=0, atol=0)
+    torch.testing.assert_close(g_zero, g_plain, rtol=0, atol=0)

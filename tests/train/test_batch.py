@@ -178,3 +178,28 @@ def test_a_ragged_field_lands_row_by_position_at_the_micro_batchs_width():
         assert bool((whole[shard.cp.index, width:] == -1).all())
     with pytest.raises(ValueError, match="ragged field 'support' has 1 rows, expected 2"):
         make_micro_batches([Sample([1], [2, 3], {"support": Ragged.from_lists([[2]])})], micro_batch_size=1)
+
+
+def test_micro_batches_without_a_support_id_reach_the_op():
+    """A DP rank's empty micro-batch and a CP shard holding no response token densify to K = 0, and the op
+    takes that: its rows keep the safe set (before, reshape(-1, 0) raised in the op)."""
+    from megatron_tail.ops import vocab_parallel_masked_logprobs
+    from megatron_tail.train.engine.context_parallel import split_for_context_parallel
+    from megatron_tail.train.engine.forward import SAMPLING_SUPPORT_FIELD, sampling_support
+    from megatron_tail.utils.ragged import Ragged
+
+    one = [Sample([1, 2, 3, 4, 5, 6, 7], [8], {SAMPLING_SUPPORT_FIELD: Ragged.from_lists([[8, 9]])})]
+    (empty,) = pack_micro_batches(
+        one, max_tokens=8, dp_rank=1, dp_size=2, pad_to_multiple=4, sequence_multiple=4
+    )
+    (whole,) = pack_micro_batches(one, max_tokens=8, pad_to_multiple=4, sequence_multiple=4)
+    shards = [split_for_context_parallel(whole, r, 2) for r in range(2)]
+    without = [mb for mb in (empty, *shards) if not mb.num_loss_tokens]
+    assert len(without) == 2  # the empty micro-batch and the shard without the response token
+    for mb in without:
+        support = sampling_support(mb)
+        assert support.shape == (*mb.shape, 0)
+        logits = torch.randn(*mb.shape, 16)
+        out = vocab_parallel_masked_logprobs(logits, mb.targets, log_rho=-2.0, sampling_support=support)
+        plain = vocab_parallel_masked_logprobs(logits, mb.targets, log_rho=-2.0)
+        assert torch.equal(out.logprobs, plain.logprobs)

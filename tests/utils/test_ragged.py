@@ -83,6 +83,9 @@ def test_a_checkpoint_round_trip():
     back = Ragged.from_dict(state)
     assert torch.equal(back.values, ragged.values) and torch.equal(back.offsets, ragged.offsets)
     assert back.width == ragged.width and Ragged.from_dict(back) is back
+    # a checkpoint written before the ragged layout held `[rows, K]` int32 ids padded with −1
+    old = Ragged.from_dict(_dense_reference(_rows(5, 10), 12))
+    assert torch.equal(old.values, ragged.values) and torch.equal(old.offsets, ragged.offsets)
 
 
 def test_dense_reads_nothing_back():
