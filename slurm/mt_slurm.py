@@ -111,6 +111,8 @@ def serve(args: argparse.Namespace) -> int:
             num_threads=args.num_threads,
             quantization=args.quantization,
             sampling_mask_max_tokens=args.sampling_mask_max_tokens,
+            # as SGLang: --enable-deterministic-inference forces its PyTorch sampler (train/run/engines.py)
+            sampling_backend="pytorch" if args.deterministic else "flashinfer",
         )
         cmd = build_local_engine_command(cfg, python=sys.executable)
     else:
@@ -222,7 +224,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--sampling-mask-max-tokens", type=int, default=None, help="rollout.sampling_mask_max_tokens"
     )
-    p.add_argument("--deterministic", action="store_true", help="--enable-deterministic-inference")
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="SGLang: --enable-deterministic-inference; local: --sampling-backend pytorch",
+    )
     p.add_argument("--server-python", default="", help="the Python that runs SGLang [this one]")
     p.set_defaults(func=serve)
 

@@ -71,6 +71,9 @@ def test_dry_run_prints_the_plan_and_the_new_settings(tmp_path):
     assert "--deterministic" not in out
     det = _run(tmp_path, "--set", "rollout.deterministic=true", dry=True)
     assert "--deterministic" in det.stdout
+    # the local engines too (they map it to their PyTorch sampler, as SGLang does)
+    local = _run(tmp_path, "--set", "rollout.deterministic=true", dry=True, MT_ROLLOUT_BACKEND="local")
+    assert "--backend local" in local.stdout and "--deterministic" in local.stdout
 
 
 def test_a_run_that_does_not_fit_stops_before_starting_anything(tmp_path):

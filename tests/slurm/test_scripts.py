@@ -110,3 +110,23 @@ class socket_port:
 
     def __exit__(self, *exc) -> None:
         self.sock.close()
+
+
+@pytest.mark.parametrize(("flag", "backend"), [([], None), (["--deterministic"], "pytorch")])
+def test_serve_local_maps_deterministic_to_the_pytorch_sampler(monkeypatch, flag, backend):
+    """`rollout.deterministic` reaches local engines as SGLang's flag reaches SGLang: their sampler keeps
+    exactly top_k ranks (the config's headroom rule relies on it), not flashinfer's ties."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("mt_slurm_under_test", HELPER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    started = []
+    monkeypatch.setattr(os, "execv", lambda _path, cmd: started.append(cmd))
+    argv = ["serve", "--backend", "local", "--model-path", "/m", "--port-base", "9000", "--host", "127.0.0.1"]
+    module.main([*argv, *flag])
+    (cmd,) = started
+    if backend is None:
+        assert "--sampling-backend" not in cmd  # the local engine's default: flashinfer, as SGLang on CUDA
+    else:
+        assert cmd[cmd.index("--sampling-backend") + 1] == backend
