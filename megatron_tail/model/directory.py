@@ -16,7 +16,7 @@ from pathlib import Path
 
 from megatron_tail.utils.errors import UserError
 
-from .hf_config import HFArch, load_hf_config
+from .hf_config import HFArch, json_type, load_hf_config
 from .naming import hf_tensor_shapes
 from .safetensors_io import INDEX_FILE
 
@@ -28,8 +28,8 @@ IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 def load_model_config(path: str | Path, key: str = "model.hf_path") -> HFArch:
     """`load_hf_config(path)` of a HF checkpoint directory, reading only its config.json; UserError naming
-    `key`, the path and the culprit (no such directory, a file, no config.json, not JSON, a missing field,
-    an unsupported architecture)."""
+    `key`, the path and the culprit (no such directory, a file, no config.json, not JSON, JSON but not an
+    object, a missing field, an unsupported architecture)."""
     where = Path(path)
     if not where.exists():
         raise UserError(f"{key}: model directory {str(where)!r} not found")
@@ -39,11 +39,18 @@ def load_model_config(path: str | Path, key: str = "model.hf_path") -> HFArch:
     if not config.is_file():
         raise UserError(f"{key}: {where} has no config.json (expected a HF checkpoint directory)")
     try:
-        return load_hf_config(where)
+        settings = json.loads(config.read_bytes())
     except UnicodeDecodeError as e:
         raise UserError(f"{key}: {config} is not JSON text ({e})") from None
     except json.JSONDecodeError as e:
         raise UserError(f"{key}: {config} is not valid JSON: {e}") from None
+    if not isinstance(settings, dict):
+        raise UserError(
+            f"{key}: {config} holds a JSON {json_type(settings)}; expected a JSON object (the model's "
+            "config: architectures, hidden_size, ...)"
+        )
+    try:
+        return load_hf_config(settings)
     except KeyError as e:  # a field the architecture needs (`num_attention_heads`, `hidden_size`, ...)
         raise UserError(f"{key}: {config} has no {e.args[0]!r}, a field its architecture needs") from None
     except (ValueError, TypeError) as e:

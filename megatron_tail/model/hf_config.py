@@ -146,7 +146,18 @@ def _read_dict(source: str | Path | dict[str, Any]) -> dict[str, Any]:
         path = path / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"no HF config.json at {path}")
-    return json.loads(path.read_text())
+    cfg = json.loads(path.read_text())
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path} holds a JSON {json_type(cfg)}; expected a JSON object")
+    return cfg
+
+
+def json_type(value: Any) -> str:
+    """JSON's name for the type of a parsed value ("array", "string", "null", ...)."""
+    if value is None:
+        return "null"
+    names = {list: "array", str: "string", bool: "boolean", int: "number", float: "number", dict: "object"}
+    return names.get(type(value), type(value).__name__)
 
 
 def _architecture(cfg: dict[str, Any]) -> str:

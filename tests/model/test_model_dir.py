@@ -78,3 +78,17 @@ def test_a_tensor_of_the_wrong_shape_is_named(model_dir):
         UserError, match=r"tensor model.layers.0.mlp.gate_proj.weight .* has shape \(64, 32\), "
     ):
         check_model_dir(model_dir)
+
+
+@pytest.mark.parametrize(
+    ("text", "kind"), [("[]", "array"), ("null", "null"), ('"x"', "string"), ("3", "number")]
+)
+def test_a_config_json_that_is_not_an_object_is_named(model_dir, text, kind):
+    """Before: AttributeError: 'list' object has no attribute 'get' (a traceback, in `plan` and `train`)."""
+    (model_dir / "config.json").write_text(text)
+    with pytest.raises(UserError) as info:
+        check_model_dir(model_dir)
+    assert str(info.value) == (
+        f"model.hf_path: {model_dir}/config.json holds a JSON {kind}; expected a JSON object (the model's "
+        "config: architectures, hidden_size, ...)"
+    )

@@ -159,6 +159,11 @@ def _bad_model_dirs(tmp_path) -> dict[str, tuple[Path, str]]:
     (bad_json / "config.json").write_text("{\n")
     a_file = tmp_path / "model.safetensors"
     a_file.write_bytes(b"\xb8\x01")
+    not_objects = {}
+    for kind, text in (("array", "[]"), ("null", "null"), ("string", '"x"')):
+        not_objects[kind] = tmp_path / f"json_{kind}"
+        not_objects[kind].mkdir()
+        (not_objects[kind] / "config.json").write_text(text)
     return {
         "missing field": (
             no_heads,
@@ -166,6 +171,10 @@ def _bad_model_dirs(tmp_path) -> dict[str, tuple[Path, str]]:
         ),
         "bad JSON": (bad_json, f"{bad_json}/config.json is not valid JSON: Expecting property name"),
         "a file": (a_file, f"'{a_file}' is not a directory (expected a HF checkpoint directory)"),
+        **{
+            f"JSON {kind}": (where, f"{where}/config.json holds a JSON {kind}; expected a JSON object")
+            for kind, where in not_objects.items()
+        },
     }
 
 
