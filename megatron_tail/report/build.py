@@ -52,18 +52,20 @@ def write_report(
 
     `out_dir` defaults to `<run_dir>/report` for one run and `<common parent>/report` for several. `labels`
     (one per run) default to the config keys that differ between the runs (`labels.run_labels`). A
-    `UserError` when no run has any TensorBoard events (nothing to report) or `out_dir` is a file.
+    `UserError` naming each run directory without TensorBoard events (nothing to report of it) and when
+    `out_dir` is a file.
     """
     if not run_dirs:
         raise ValueError("write_report needs at least one run directory")
     if labels is not None and len(labels) != len(run_dirs):
         raise ValueError(f"{len(labels)} labels for {len(run_dirs)} runs: give one label per run")
     runs = [load_run(d) for d in run_dirs]
-    if not any(r.scalars or r.histograms for r in runs):
-        where = ", ".join(str(tensorboard_dir(d)) for d in run_dirs)
+    empty = [d for d, r in zip(run_dirs, runs, strict=True) if not (r.scalars or r.histograms)]
+    if empty:  # one left out would leave the report a run short without a word
+        where = ", ".join(str(tensorboard_dir(d)) for d in empty)
         raise UserError(
-            f"no run found: no TensorBoard events in {where}; each RUN_DIR must be the run_dir of a "
-            "`megatron-tail train` run that has logged a step"
+            f"{'no run found: ' if len(empty) == len(runs) else ''}no TensorBoard events in {where}; each "
+            "RUN_DIR must be the run_dir of a `megatron-tail train` run that has logged a step"
         )
     if labels is None:
         labels = run_labels([r.config for r in runs], run_names(run_dirs))
@@ -142,7 +144,7 @@ def summary_table(runs: Sequence[RunEvents], labels: Sequence[str]) -> list[str]
 def _step_range(run: RunEvents) -> str:
     steps = [s for s, _ in run.scalars.values() if s.size]
     if not steps:
-        return "none (no TensorBoard events)"
+        return "none (no scalars)"  # histograms only
     return f"{min(int(s.min()) for s in steps)}–{max(int(s.max()) for s in steps)}"
 
 

@@ -130,16 +130,14 @@ def test_missing_tags_are_reported_not_fatal(tmp_path):
     for step in (1, 2, 3):
         writer.add_scalar("reward/mean", 0.1 * step, step)
     writer.close()
-    empty = tmp_path / "no_events"  # a run directory without any events yet
-    empty.mkdir()
-    report = write_report([run_dir, empty], out_dir=tmp_path / "out")
+    report = write_report([run_dir], out_dir=tmp_path / "out")
     text = report.read_text()
     _assert_png_not_blank(tmp_path / "out" / "reward_accuracy.png")
     assert sorted(p.name for p in (tmp_path / "out").glob("*.png")) == ["reward_accuracy.png"]
     assert "Not logged by any run (left out): `reward/accuracy`" in text
     assert "Skipped: no run logged any of its tags: `train/grad_norm`, `train/grad_norm_max`." in text
     assert "`mismatch/abs_delta/<label>`" in text  # bucket families are named once, as a pattern
-    assert "`mismatch/tail_delta`" in text and "none (no TensorBoard events)" in text
+    assert "`mismatch/tail_delta`" in text
     with pytest.raises(FileNotFoundError, match="does_not_exist"):
         write_report([tmp_path / "does_not_exist"])
 
@@ -212,8 +210,8 @@ def test_cli_writes_the_report(run_dirs, tmp_path, capsys):
 
 def test_cli_refusals_are_one_line(tmp_path, capsys):
     """Before: `--out` naming a file gave a FileExistsError traceback, `--labels` of the wrong count printed
-    its message without `megatron-tail report: error:`, and a directory without events exited 0 with an
-    empty report."""
+    its message without `megatron-tail report: error:`, a directory without events exited 0 with an
+    empty report, and one beside a run with events was left out of the report without a word."""
     from torch.utils.tensorboard import SummaryWriter
 
     from megatron_tail.cli import main
@@ -244,6 +242,13 @@ def test_cli_refusals_are_one_line(tmp_path, capsys):
         "RUN_DIR must be the run_dir of a `megatron-tail train` run that has logged a step\n"
     )
     assert list(empty.iterdir()) == []  # no empty report written
+    # one run with events and one without: before, a report of the first alone (exit 0)
+    assert main(["report", str(run_dir), str(empty)]) == EXIT_USER_ERROR
+    assert capsys.readouterr().err == (
+        f"megatron-tail report: error: no TensorBoard events in {empty / 'tensorboard'}; each RUN_DIR must "
+        "be the run_dir of a `megatron-tail train` run that has logged a step\n"
+    )
+    assert list(empty.iterdir()) == [] and not (tmp_path / "report").exists()
 
 
 def test_the_report_imports_no_megatron():
