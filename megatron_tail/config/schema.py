@@ -28,6 +28,7 @@ from megatron_tail.data.prompts import PromptFormat
 from megatron_tail.model.settings import ModelSettings
 from megatron_tail.train.engine.settings import OptimizerSettings
 from megatron_tail.utils.errors import UserError
+from megatron_tail.utils.net import base_url_problem
 
 RolloutEngine = Literal["local", "remote"]
 WeightSyncMode = Literal["disk", "distributed"]
@@ -298,6 +299,22 @@ class RolloutSection:
                 f"{self.top_k * TOP_K_HEADROOM}, lower top_k, or set rollout.deterministic (no ties kept)",
             )
 
+    def _check_server_urls(self) -> None:
+        """Each a base URL aiohttp can use (`utils.net.base_url_problem`), none twice: a typo is refused here,
+        by name, instead of surfacing as engines that never answer."""
+        seen = set()
+        for url in self.server_urls:
+            if (why := base_url_problem(url)) is not None:
+                _bad(
+                    "rollout",
+                    "server_urls",
+                    url,
+                    f"must hold the engines' base URLs, http(s)://HOST[:PORT]: {why}",
+                )
+            if url.rstrip("/") in seen:
+                _bad("rollout", "server_urls", list(self.server_urls), f"names {url.rstrip('/')} twice")
+            seen.add(url.rstrip("/"))
+
     @property
     def max_response_tokens(self) -> int:
         """Longest response of a sample: `max_new_tokens`, or with `env` every turn and the observations
@@ -359,9 +376,7 @@ class RolloutSection:
             _bad(
                 "rollout", "server_urls", self.server_urls, 'must name at least one URL with engine="remote"'
             )
-        bad = [u for u in self.server_urls if not str(u).startswith(("http://", "https://"))]
-        if bad:
-            _bad("rollout", "server_urls", bad, "must be http(s):// base URLs")
+        self._check_server_urls()
         for name in ("local_port", "sync_master_port"):
             port = getattr(self, name)
             if port is not None and not 0 < port < 65536:

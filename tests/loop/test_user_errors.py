@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -34,6 +35,34 @@ def test_server_urls_with_the_local_engine_is_refused():
         load_config(None, ["rollout.engine=remote", "rollout.server_urls=[http://a:1]"]).rollout.engine
         == "remote"
     )
+
+
+@pytest.mark.parametrize(
+    ("url", "why"),
+    [
+        ("http://host:port", "it does not parse (Invalid URL: port can't be converted to integer)"),
+        ("http://127.0.0.1:99999", "it does not parse (Port out of range 0-65535)"),
+        ("http://:8000", "it does not parse (Invalid URL: host is required for absolute urls with the http"),
+        ("http://", "it names no host"),
+        ("localhost:8000", "it is not an http:// or https:// URL"),
+        ("http://a:1?x=1", "it has a query or fragment"),
+        ("http://a :1", "it contains whitespace"),
+    ],
+)
+def test_a_server_url_that_aiohttp_cannot_use_is_refused_at_load(url, why):
+    """Before: `http://host:port` (and the others aiohttp raises `InvalidURL` for) passed the config, the
+    health probes failed for rollout.startup_timeout_s, and the run exited 4 as if the engines had failed;
+    now exit 2, naming the key and the URL."""
+    start = "rollout.server_urls must hold the engines' base URLs, http(s)://HOST[:PORT]: "
+    pattern = rf"{re.escape(start + why)}.*; got {re.escape(repr(url))}$"
+    with pytest.raises(ConfigError, match=pattern):
+        load_config(None, ["rollout.engine=remote", f"rollout.server_urls=[http://b:2, '{url}']"])
+
+
+def test_the_same_server_url_twice_is_refused_at_load():
+    """Before: the client's ValueError traceback (exit 1)."""
+    with pytest.raises(ConfigError, match=r"rollout.server_urls names http://a:1 twice"):
+        load_config(None, ["rollout.engine=remote", "rollout.server_urls=[http://a:1, http://a:1/]"])
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "rloo"])
