@@ -228,7 +228,8 @@ class RolloutSection:
     SGLang's flashinfer sampler keeps every tie at the top-k cutoff, so a support can exceed top_k, and SGLang
     rejects the request when it exceeds this cap: it must be ≥ `TOP_K_HEADROOM` × `top_k`, or ≥ `top_k` with
     `deterministic` (the PyTorch sampler keeps exactly top_k ranks). A rejected group is generated again and
-    counted (`rollout.client.SupportOverflowError`)."""
+    counted (`rollout.client.SupportOverflowError`); one rejected on every attempt is a user error naming
+    both keys (`rollout.client.SupportOverflowsExhausted`)."""
     max_staleness: int = 0
     """How many weight versions a step's samples may lag the policy they train: 0, each step samples with
     the weights it trains (rollout and training alternate); 1, step k+1's batch is generated while step k

@@ -25,6 +25,7 @@ _EXPORTS = {
     "SamplingConfig": "megatron_tail.rollout.protocol",
     "StaleWeightsError": "megatron_tail.rollout.client",
     "SupportOverflowError": "megatron_tail.rollout.client",
+    "SupportOverflowsExhausted": "megatron_tail.rollout.client",
     "WeightSync": "megatron_tail.rollout.weight_sync",
     "WeightSyncError": "megatron_tail.rollout.weight_sync",
     "build_local_engine_command": "megatron_tail.rollout.launch",

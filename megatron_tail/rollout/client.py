@@ -4,7 +4,8 @@ Every sample has a stable `SampleKey` (prompt index, sample index, seed). One re
 samples of one prompt; a request that fails (connection error, timeout, HTTP 5xx, a sample aborted by
 a weight-update pause) is retried, on another healthy server when there is one, with the *same* keys
 and seeds; a request whose sampling support overflowed the servers' mask cap is generated again with
-fresh seeds under the same keys, and counted (`SupportOverflowError`). Results are collected into a dict
+fresh seeds under the same keys, and counted (`SupportOverflowError`; `SupportOverflowsExhausted` when every
+attempt overflowed). Results are collected into a dict
 keyed by `SampleKey`: a key returned twice or never returned raises, so a batch either comes back complete
 and duplicate-free or not at all.
 """
@@ -65,7 +66,26 @@ top-k cutoff, so a support can be larger than top_k."""
 class SupportOverflowError(RetryableServerError):
     """The server aborted the request because a token's sampling support exceeded its mask cap. It says
     nothing against the server: the group is generated again with fresh seeds (it is that random draw,
-    not the request, that overflowed) and counted in `ClientStats.support_overflows`."""
+    not the request, that overflowed) and counted in `ClientStats.support_overflows`; when every attempt
+    overflows, `SupportOverflowsExhausted`. `message` is the server's (SGLang's) text."""
+
+    def __init__(self, url: str, message: str):
+        self.message = message
+        super().__init__(f"{url}/generate: {message}")
+
+
+class SupportOverflowsExhausted(RolloutError):
+    """Every attempt of a request overflowed the servers' mask cap, each with fresh seeds. Not retryable: a
+    first token's support depends on the prompt alone, so a rerun overflows again; the settings must change
+    (a larger cap, a smaller top_k). `message` is the server's last answer."""
+
+    def __init__(self, prompt_index: int, attempts: int, last: SupportOverflowError):
+        self.prompt_index, self.attempts = prompt_index, attempts
+        self.message = last.message
+        super().__init__(
+            f"the samples of prompt {prompt_index} overflowed the servers' sampling-mask cap on all "
+            f"{attempts} attempts, with fresh seeds each time; last: {last}"
+        )
 
 
 @dataclass(frozen=True)
@@ -321,6 +341,8 @@ class RolloutClient:
                 logger.warning("attempt %d of %s failed on %s: %s", attempt, keys[0].rid, url, e)
                 if not isinstance(e, SampleAbortedError):
                     self.healthy[url] = await self._probe(url)
+        if overflows and overflows == tried:  # the settings, not the servers: say so, do not retry again
+            raise SupportOverflowsExhausted(keys[0].prompt_index, tried, last_error) from last_error
         timed_out = (
             f" ({timeouts} timed out after request_timeout_s={self.config.request_timeout_s:g} s)"
             if timeouts
@@ -358,7 +380,7 @@ class RolloutClient:
                 if resp.status >= 500:
                     raise RetryableServerError(f"{url}/generate answered HTTP {resp.status}: {_message(raw)}")
                 if resp.status == 400 and _message(raw).startswith(SUPPORT_OVERFLOW):
-                    raise SupportOverflowError(f"{url}/generate: {_message(raw)}")
+                    raise SupportOverflowError(url, _message(raw))
                 if resp.status != 200:
                     raise RequestRejectedError(
                         f"{url}/generate rejected the request (HTTP {resp.status}): {_message(raw)}"

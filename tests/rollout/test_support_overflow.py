@@ -10,7 +10,7 @@ import pytest
 from aiohttp import web
 
 from megatron_tail.rollout import ClientConfig, RetryableServerError, RolloutClient, SamplingConfig
-from megatron_tail.rollout.client import SUPPORT_OVERFLOW
+from megatron_tail.rollout.client import SUPPORT_OVERFLOW, SupportOverflowsExhausted
 from megatron_tail.rollout.local_engine.engine import LocalEngine
 from megatron_tail.rollout.local_engine.requests import parse_generate_body
 from megatron_tail.rollout.local_engine.server import build_app
@@ -96,6 +96,8 @@ def test_the_client_regenerates_an_overflowing_group_with_fresh_seeds(tiny_model
 
 
 def test_a_group_that_keeps_overflowing_fails_after_max_attempts_naming_the_cap():
+    """Every attempt overflowed: a `SupportOverflowsExhausted` (not retryable: a rerun draws the same way),
+    not the `RetryableServerError` of a server that failed."""
     seeds: list[list[int]] = []
 
     async def overflow(request: web.Request) -> web.Response:
@@ -117,10 +119,14 @@ def test_a_group_that_keeps_overflowing_fails_after_max_attempts_naming_the_cap(
             finally:
                 assert client.stats.support_overflows == 3
 
-    with pytest.raises(
-        RetryableServerError, match=r"failed 3 attempts; last: .*--sampling-mask-max-tokens=4"
-    ):
+    with pytest.raises(SupportOverflowsExhausted) as info:
         asyncio.run(run())
+    assert not isinstance(info.value, RetryableServerError)
+    assert (info.value.prompt_index, info.value.attempts, info.value.message) == (0, 3, MESSAGE)
+    assert str(info.value) == (
+        f"the samples of prompt 0 overflowed the servers' sampling-mask cap on all 3 attempts, with fresh "
+        f"seeds each time; last: {info.value.__cause__}"
+    )
     original = [key.seed for key in sample_keys(0, SAMPLING)]
     assert seeds[0] == original and len({tuple(s) for s in seeds}) == 3, "each regeneration: fresh seeds"
 
@@ -145,3 +151,53 @@ def test_a_step_logs_the_overflows_and_retries_since_the_last_batch():
     engines.client.stats.support_overflows += 3
     second = engines._client_metrics()
     assert second["rollout/support_overflows"] == 3.0 and second["rollout/request_retries"] == 0.0
+
+
+def test_a_group_that_overflows_on_every_attempt_is_a_user_error_naming_the_keys():
+    """Before: `EngineFailure "… (rollout.request_timeout_s=… s)"`, exit 4 "rerun resumes", yet a rerun
+    overflows again (a first token's support depends on the prompt alone). Now one line naming rollout.top_k,
+    rollout.sampling_mask_max_tokens and the headroom rule, exit 2."""
+    import threading
+    from types import SimpleNamespace
+
+    from megatron_tail.config.schema import TOP_K_HEADROOM
+    from megatron_tail.train.run.engines import RolloutEngines
+    from megatron_tail.utils.errors import UserError
+
+    async def overflow(_request):
+        return web.json_response({"error": {"message": MESSAGE}}, status=400)
+
+    async def healthy(_request):
+        return web.Response(status=200)
+
+    app = web.Application()
+    app.router.add_post("/generate", overflow)
+    app.router.add_get("/health", healthy)
+    engines = object.__new__(RolloutEngines)  # `_run` alone, on a remote engine
+    engines.cfg = SimpleNamespace(
+        rollout=SimpleNamespace(
+            wait_report_s=60.0, request_timeout_s=7.0, top_k=2, sampling_mask_max_tokens=4
+        )
+    )
+    engines.engine, engines.note = None, print
+    engines.loop, engines._thread, engines._cancelled = asyncio.new_event_loop(), None, threading.Event()
+
+    async def generate():
+        config = ClientConfig(max_attempts=2, retry_backoff_s=0.01, request_timeout_s=10)
+        async with serving_app(app) as url, RolloutClient([url], config, processor=None) as client:
+            await client.generate([PROMPT], SAMPLING)
+
+    try:
+        with pytest.raises(UserError) as info:
+            engines._run(generate(), "samples of 1 prompts × 2")
+    finally:
+        engines.loop.close()
+    assert TOP_K_HEADROOM == 2
+    assert str(info.value) == (
+        "rollout.top_k=2 with rollout.sampling_mask_max_tokens=4: the samples of prompt 0 overflowed the "
+        "engines' sampling-mask cap on all 2 attempts, with fresh seeds each time (the engine: "
+        f'"{MESSAGE}"); a rerun repeats this (a first token\'s support depends on the prompt alone), since '
+        "the ties at the top-k cutoff that SGLang's flashinfer sampler keeps need more than the ×2 headroom "
+        "the config requires (config.schema.TOP_K_HEADROOM): raise rollout.sampling_mask_max_tokens or lower "
+        "rollout.top_k"
+    )

@@ -18,6 +18,7 @@ from pathlib import Path
 import aiohttp
 
 from megatron_tail.config import RunConfig
+from megatron_tail.config.schema import TOP_K_HEADROOM
 from megatron_tail.model.hf_config import load_hf_config
 from megatron_tail.rewards.pass_at_k import eval_statistics
 from megatron_tail.rewards.scorer import RewardScorer
@@ -32,7 +33,7 @@ from megatron_tail.rollout import (
     wait_until_healthy,
 )
 from megatron_tail.rollout.batch import token_versions_of
-from megatron_tail.rollout.client import NoHealthyServerError
+from megatron_tail.rollout.client import NoHealthyServerError, SupportOverflowsExhausted
 from megatron_tail.rollout.local_engine.process import LocalEngineProcess
 from megatron_tail.rollout.manager import GroupResult, RolloutManager, groups_to_batch
 from megatron_tail.rollout.processor import DVPLogitProcessor
@@ -458,6 +459,8 @@ class RolloutEngines:
             return self._drive(coro)
         try:
             return self._drive(self._watching(coro, waiting_for))
+        except SupportOverflowsExhausted as error:
+            raise self._overflows_exhausted(error) from error
         except Exception as error:
             failure = self._engine_failure(error, waiting_for, limit)
             if failure is None:
@@ -513,6 +516,20 @@ class RolloutEngines:
                 f"{waiting_for} failed: {str(error) or type(error).__name__} ({self._limit(limit)})"
             )
         return None
+
+    def _overflows_exhausted(self, error: SupportOverflowsExhausted) -> UserError:
+        """Every attempt overflowed the engines' mask cap: the settings' doing, not the engines' (a rerun
+        overflows again), so a user error naming the two keys and the headroom rule."""
+        r = self.cfg.rollout
+        return UserError(
+            f"rollout.top_k={r.top_k} with rollout.sampling_mask_max_tokens={r.sampling_mask_max_tokens}: "
+            f"the samples of prompt {error.prompt_index} overflowed the engines' sampling-mask cap on all "
+            f'{error.attempts} attempts, with fresh seeds each time (the engine: "{error.message}"); a '
+            "rerun repeats this (a first token's support depends on the prompt alone), since the ties at the "
+            "top-k cutoff that SGLang's flashinfer sampler keeps need more than the "
+            f"×{TOP_K_HEADROOM} headroom the config requires (config.schema.TOP_K_HEADROOM): raise "
+            "rollout.sampling_mask_max_tokens or lower rollout.top_k"
+        )
 
     def _engine_ended(self, how: str, waiting_for: str) -> EngineFailure:
         return EngineFailure(
