@@ -46,7 +46,9 @@ def _engines(engine: LocalEngineProcess | None) -> RolloutEngines:
     """Rank 0's `RolloutEngines` as far as `_run` needs it: the local engine (or None), limits, a loop."""
     engines = RolloutEngines.__new__(RolloutEngines)
     engines.cfg = SimpleNamespace(
-        rollout=SimpleNamespace(wait_report_s=60.0, request_timeout_s=7.0, sync_timeout_s=9.0)
+        rollout=SimpleNamespace(
+            wait_report_s=60.0, request_timeout_s=7.0, sync_timeout_s=9.0, startup_timeout_s=60.0
+        )
     )
     engines.engine, engines.note, engines.urls = engine, print, ["http://127.0.0.1:1"]
     engines.loop, engines._thread, engines._cancelled = asyncio.new_event_loop(), None, threading.Event()
@@ -64,6 +66,23 @@ def test_a_local_engine_killed_while_the_trainer_waits_is_named_at_once(sleeper)
     assert str(info.value) == (
         f"the local engine on http://127.0.0.1:1 (pid {sleeper.proc.pid}) was killed by SIGKILL while the "
         f"trainer waited for samples of 4 prompts × 4; its log: {sleeper.log_path}"
+    )
+
+
+def test_a_local_engine_killed_while_it_loads_is_named_with_its_signal_and_the_end_of_its_log(sleeper):
+    """Before: `check_alive`'s RuntimeError, a traceback (exit 1) with 3000 characters of log; an OOM kill
+    while the model loads is an outside failure (exit 4) like one under the trainer, in one line."""
+    sleeper.log_path.parent.mkdir(parents=True)
+    sleeper.log_path.write_text("starting\nLoading weights: 50%\n\n")
+    engines = _engines(sleeper)
+    threading.Timer(0.3, sleeper.proc.send_signal, (signal.SIGKILL,)).start()
+    started = time.monotonic()
+    with pytest.raises(EngineFailure) as info:
+        engines._wait_healthy()
+    assert time.monotonic() - started < 10
+    assert str(info.value) == (
+        f"the local engine on http://127.0.0.1:1 (pid {sleeper.proc.pid}) was killed by SIGKILL while the "
+        f"trainer waited for it to load; its log: {sleeper.log_path}, ending 'Loading weights: 50%'"
     )
 
 
@@ -169,6 +188,31 @@ def test_a_stopped_local_engine_names_the_limit_that_expired(tiny_model_dir, pro
         r"megatron-tail train: error: the local engine on http://127\.0\.0\.1:\d+ \(pid \d+\) is stopped "
         r"\(SIGSTOP, SIGTSTP or a debugger\) and did not answer within rollout\.request_timeout_s=2 s while "
         rf"the trainer waited for weight sync to version 2; its log: {re.escape(str(log))}"
+    )
+    assert [line for line in output.splitlines() if "error:" in line] == [_match(pattern, output)], output
+    assert "Traceback" not in output, output[-4000:]
+
+
+def test_a_local_engine_that_exits_while_it_loads_is_one_line_exit_4(tiny_model_dir, prompt_file, tmp_path):
+    """The engine loads the model, then cannot bind `rollout.local_port` (another socket holds it) and exits
+    1: before, a RuntimeError traceback with the log's last 3000 characters (exit 1); now one line naming
+    the exit code, the log and its last line, which holds the engine's own error."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))  # bound, not listening: the engine's bind fails, probes are refused
+        port = taken.getsockname()[1]
+        run_dir = tmp_path / "run"
+        settings = {"parallel.tensor_parallel": 1, "rollout.local_port": port, "train.steps": 1}
+        overrides = loop_overrides(tiny_model_dir, prompt_file, run_dir, settings)
+        proc = subprocess.run(_train(overrides), env=ENV, capture_output=True, text=True, timeout=300)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == EXIT_OUTSIDE_FAILURE, output[-4000:]
+    log = run_dir / "logs" / "local_engine.log"
+    pattern = (
+        rf"megatron-tail train: error: the local engine on http://127\.0\.0\.1:{port} \(pid \d+\) exited "
+        rf"with code 1 while the trainer waited for it to load; its log: {re.escape(str(log))}, ending "
+        r"\"OSError: \[Errno 98\] .*address already in use\""  # the engine's own error
     )
     assert [line for line in output.splitlines() if "error:" in line] == [_match(pattern, output)], output
     assert "Traceback" not in output, output[-4000:]

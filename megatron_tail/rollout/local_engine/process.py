@@ -85,6 +85,18 @@ class LocalEngineProcess:
         except psutil.Error:
             return False
 
+    def last_log_line(self, limit: int = 300) -> str:
+        """The last non-blank line of the log (its engine's own last words, e.g. the error it exited with),
+        shortened to `limit` characters; "" if there is none."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - 8192))
+                lines = f.read().decode("utf-8", errors="replace").splitlines()
+        except OSError:
+            return ""
+        line = next((x.strip() for x in reversed(lines) if x.strip()), "")
+        return line if len(line) <= limit else line[: limit - 1] + "…"
+
     def check_alive(self) -> None:
         """RuntimeError with the log tail if the process has exited."""
         if self.proc.poll() is not None:

@@ -128,8 +128,9 @@ class RolloutEngines:
             self.on_result(result)
 
     def wait_ready(self) -> None:
-        """Block until every engine answers `/health` (raises with the engine log if the local one died);
-        with in-memory sync, then form the weight group with them."""
+        """Block until every engine answers `/health` (an `EngineFailure` naming the local engine, how it
+        ended, its log and the log's last line if it ends meanwhile); with in-memory sync, then form the
+        weight group with them."""
         self._wait_healthy()
         if self.in_memory_sync:
             self._run(self.weight_sync.init_group(), "the weight-sync group", limit="sync_timeout_s")
@@ -140,7 +141,11 @@ class RolloutEngines:
             started = time.monotonic()
             reported = started
             while True:
-                self.engine.check_alive()
+                # a signal (the OOM killer) or an exit code: either is an outside failure, the engine's own
+                # error is in its log (its last line goes in the message), not in this process's stack, and
+                # train checked the model directory before starting it: left are memory, disk, a port in use
+                if (how := self.engine.ended()) is not None:
+                    raise self._engine_ended(how, "it to load", last_words=True)
                 try:
                     self._run(wait_until_healthy(self.urls, timeout_s=2.0, interval_s=0.2))
                     return
@@ -531,10 +536,13 @@ class RolloutEngines:
             "rollout.sampling_mask_max_tokens or lower rollout.top_k"
         )
 
-    def _engine_ended(self, how: str, waiting_for: str) -> EngineFailure:
+    def _engine_ended(self, how: str, waiting_for: str, last_words: bool = False) -> EngineFailure:
+        """The local engine ended (`how`: its signal or exit code); with `last_words`, the log's last line
+        too (while loading, that line is usually the engine's own error: a traceback's last line)."""
+        ending = self.engine.last_log_line() if last_words else ""
         return EngineFailure(
             f"{self.engine.describe()} {how} while the trainer waited for {waiting_for}; its log: "
-            f"{self.engine.log_path}"
+            f"{self.engine.log_path}" + (f", ending {ending!r}" if ending else "")
         )
 
     def _limit(self, key: str) -> str:
