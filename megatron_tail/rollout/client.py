@@ -49,6 +49,14 @@ class NoHealthyServerError(RolloutError):
     """No server passed a health check within the client's `unhealthy_wait_s`."""
 
 
+class ServerHTTPError(RetryableServerError):
+    """The server answered HTTP 5xx (`http_status`)."""
+
+    def __init__(self, message: str, http_status: int):
+        super().__init__(message)
+        self.http_status = http_status
+
+
 class RequestTimedOutError(RetryableServerError):
     """A request took longer than `request_timeout_s`."""
 
@@ -378,7 +386,9 @@ class RolloutClient:
             async with self.session.post(f"{url}/generate", json=payload, timeout=timeout) as resp:
                 raw = await _read_limited(resp, self.config.max_response_bytes, url)
                 if resp.status >= 500:
-                    raise RetryableServerError(f"{url}/generate answered HTTP {resp.status}: {_message(raw)}")
+                    raise ServerHTTPError(
+                        f"{url}/generate answered HTTP {resp.status}: {_message(raw)}", resp.status
+                    )
                 if resp.status == 400 and _message(raw).startswith(SUPPORT_OVERFLOW):
                     raise SupportOverflowError(url, _message(raw))
                 if resp.status != 200:

@@ -82,7 +82,13 @@ class WeightSync(Protocol):
 
 class WeightSyncError(OutsideFailure):
     """A server failed a weight-sync step; the message names each server and its answer (an outside
-    failure: the servers are not ours, and a rerun resumes from the last checkpoint)."""
+    failure: the servers are not ours, and a rerun resumes from the last checkpoint). `http_status`: the
+    server's HTTP status, where one answered with an error status (the error for all servers is raised
+    from the first server's)."""
+
+    def __init__(self, message: str, http_status: int | None = None):
+        super().__init__(message)
+        self.http_status = http_status
 
 
 class _Servers:
@@ -119,7 +125,8 @@ class _Servers:
             if isinstance(answer, BaseException) or answer.get("success") is False
         ]
         if failures:
-            raise WeightSyncError("; ".join(failures))
+            first = next((a for a in answers if isinstance(a, BaseException)), None)
+            raise WeightSyncError("; ".join(failures)) from first
         return answers
 
     async def in_time(self, request):
@@ -137,7 +144,7 @@ class _Servers:
         async with session.post(f"{url}{path}", json=body, timeout=self.timeout) as resp:
             text = await resp.text()
             if resp.status != 200:
-                raise WeightSyncError(f"HTTP {resp.status}: {text[:500]}")
+                raise WeightSyncError(f"HTTP {resp.status}: {text[:500]}", resp.status)
             try:
                 return await resp.json(content_type=None)
             except ValueError:
@@ -150,7 +157,7 @@ class _Servers:
         async def reported(url: str):
             async with session.get(f"{url}/model_info", timeout=self.timeout) as resp:
                 if resp.status != 200:
-                    raise WeightSyncError(f"HTTP {resp.status}")
+                    raise WeightSyncError(f"HTTP {resp.status}", resp.status)
                 return (await resp.json(content_type=None)).get("weight_version")
 
         answers = await asyncio.gather(
@@ -164,7 +171,9 @@ class _Servers:
             if isinstance(answer, BaseException) or str(answer) != version
         ]
         if wrong:
-            raise WeightSyncError(f"after the update to weight_version {version!r}: " + "; ".join(wrong))
+            first = next((a for a in answers if isinstance(a, BaseException)), None)
+            message = f"after the update to weight_version {version!r}: " + "; ".join(wrong)
+            raise WeightSyncError(message) from first
 
     async def in_session(self, session, update):
         """Run `await update()` inside SGLang's weight-update session (`/begin_weight_update` …

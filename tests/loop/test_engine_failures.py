@@ -20,8 +20,9 @@ import pytest
 
 from megatron_tail.rollout.client import NoHealthyServerError
 from megatron_tail.rollout.local_engine.process import LocalEngineProcess
+from megatron_tail.rollout.protocol import RetryableServerError
 from megatron_tail.rollout.weight_sync import DiskWeightSync, WeightSyncError
-from megatron_tail.train.run.engines import EngineFailure, RolloutEngines
+from megatron_tail.train.run.engines import EngineFailure, LocalEngineError, RolloutEngines
 from megatron_tail.utils.errors import EXIT_OUTSIDE_FAILURE, OutsideFailure, UserError
 from tests.loop.conftest import loop_overrides
 from tests.loop.engine_faults import SIGNAL_ENV
@@ -117,6 +118,80 @@ def test_a_remote_engine_failure_is_an_outside_failure_and_other_errors_stay_as_
     for error in (UserError("a reward's mistake"), KeyError("a bug")):
         with pytest.raises(type(error)):
             engines._run(fail(error), "samples of 1 prompts × 1")
+
+
+def test_a_live_local_engine_that_fails_every_attempt_is_named_with_its_log(sleeper):
+    """Before: "samples of 1 prompts × 1 failed: … (rollout.request_timeout_s=7 s)", naming neither the local
+    engine nor its log, and a weight sync's failure named only its URL."""
+    engines = _engines(sleeper)
+
+    async def fail(error):
+        raise error
+
+    exhausted = RetryableServerError("samples of prompt 0 failed 4 attempts; last: ServerDisconnected")
+    with pytest.raises(EngineFailure) as info:
+        engines._run(fail(exhausted), "samples of 1 prompts × 1")
+    assert str(info.value) == (
+        "samples of 1 prompts × 1 failed on the local engine on http://127.0.0.1:1 "
+        f"(pid {sleeper.proc.pid}): samples of prompt 0 failed 4 attempts; last: ServerDisconnected "
+        f"(rollout.request_timeout_s=7 s); its log: {sleeper.log_path}"
+    )
+    refused = WeightSyncError("http://127.0.0.1:1/update_weights_from_disk: HTTP 400: no such file", 400)
+    with pytest.raises(EngineFailure) as info:
+        engines._run(fail(refused), "weight sync to version 2", limit="sync_timeout_s")
+    assert str(info.value) == (
+        "weight sync to version 2 failed on the local engine on http://127.0.0.1:1 "
+        f"(pid {sleeper.proc.pid}): http://127.0.0.1:1/update_weights_from_disk: HTTP 400: no such file; its "
+        f"log: {sleeper.log_path}"
+    )
+
+
+def _crashing_app():
+    """An engine stand-in whose handlers raise, as a bug in the local engine's would: aiohttp answers 500."""
+    from aiohttp import web
+
+    async def crash(_request):
+        raise ZeroDivisionError("a bug in a handler")
+
+    async def healthy(_request):
+        return web.Response(status=200)
+
+    app = web.Application()
+    app.router.add_get("/health", healthy)
+    app.router.add_post("/{path}", crash)
+    return app
+
+
+@pytest.mark.parametrize("what", ["samples", "weight sync"])
+def test_an_http_500_from_the_local_engine_stays_an_internal_error(sleeper, what):
+    """A 500 from our own engine is an unhandled exception in it, a bug: exit 1 with the traceback and the
+    log that holds the engine's, not exit 4 "rerun resumes" (before: an EngineFailure, or the
+    WeightSyncError itself, both outside failures)."""
+    from megatron_tail.rollout import ClientConfig, RolloutClient, SamplingConfig
+
+    engines = _engines(sleeper)
+    waiting_for = "samples of 1 prompts × 1" if what == "samples" else "weight sync to version 2"
+
+    async def request():
+        async with serving_app(_crashing_app()) as url:
+            if what == "samples":
+                config = ClientConfig(max_attempts=2, retry_backoff_s=0.01, request_timeout_s=10)
+                async with RolloutClient([url], config, processor=None) as client:
+                    sampling = SamplingConfig(n_samples=1, max_new_tokens=2, temperature=1.0, log_rho=None)
+                    await client.generate([[1, 2]], sampling)
+            else:
+                sync = DiskWeightSync([url], timeout_s=10, timeout_name="rollout.request_timeout_s")
+                await sync.update("/nowhere", weight_version="2")
+
+    with pytest.raises(LocalEngineError) as info:
+        engines._run(request(), waiting_for)
+    assert not isinstance(info.value, OutsideFailure)
+    assert str(info.value) == (
+        f"the local engine on http://127.0.0.1:1 (pid {sleeper.proc.pid}) answered HTTP 500, an unhandled "
+        f"exception in it (a bug), while the trainer waited for {waiting_for}; its traceback is in its log: "
+        f"{sleeper.log_path}"
+    )
+    assert "HTTP 500" in str(info.value.__cause__)
 
 
 def test_a_weight_sync_timeout_names_its_limit():

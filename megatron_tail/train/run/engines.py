@@ -54,8 +54,41 @@ class EngineFailure(OutsideFailure):
     the local engine's log."""
 
 
-_ENGINE_ERRORS = (RetryableServerError, NoHealthyServerError, TimeoutError, aiohttp.ClientError)
-"""What an engine that died or stopped answering makes the client raise (transport failures, not bugs)."""
+class LocalEngineError(RuntimeError):
+    """The local engine answered HTTP 500: an unhandled exception in one of its handlers, a bug in it. An
+    internal error (exit 1, with the traceback), not an outside failure; the message names its log, which
+    holds the engine's own traceback."""
+
+
+_ENGINE_ERRORS = (
+    RetryableServerError,
+    NoHealthyServerError,
+    TimeoutError,
+    aiohttp.ClientConnectionError,
+    aiohttp.ClientPayloadError,
+)
+"""What an engine that died or stopped answering makes the client raise (transport failures, not bugs; not
+`aiohttp.InvalidURL`, a URL that the config refuses at load)."""
+
+_UNHANDLED = 500
+"""The HTTP status aiohttp (the local engine's server) answers when a handler raises."""
+
+
+def _http_status(error: BaseException | None) -> int | None:
+    """The HTTP status an engine answered with, on `error` or an error it was raised from
+    (`ServerHTTPError`, `WeightSyncError`: `http_status`); None when no engine answered one."""
+    for _ in range(8):  # a chain of a few wrappers (retries exhausted, a failed pause), never a cycle
+        if error is None:
+            return None
+        if (status := getattr(error, "http_status", None)) is not None:
+            return status
+        error = error.__cause__
+    return None
+
+
+def _what(error: BaseException) -> str:
+    """An error's message, or its type where it has none (aiohttp's TimeoutError)."""
+    return str(error) or type(error).__name__
 
 
 class RolloutEngines:
@@ -456,7 +489,9 @@ class RolloutEngines:
     def _run(self, coro, waiting_for: str = "", limit: str = "request_timeout_s"):
         """Run `coro` on the private loop. With `waiting_for` (what the engines are asked for): every
         `rollout.wait_report_s` say what for and for how long, and raise an engine's failure as an
-        `EngineFailure` naming the engine, how it failed and the limit `rollout.<limit>` that applies."""
+        `EngineFailure` naming the engine, how it failed and the limit `rollout.<limit>` that applies (a
+        500 from the local engine as a `LocalEngineError`; support overflows on every attempt as a
+        `UserError`, `_overflows_exhausted`)."""
         if self._cancelled.is_set():  # a cancelled rollout must not start its next round of requests
             coro.close()
             raise asyncio.CancelledError("the engines' requests were cancelled")
@@ -500,10 +535,12 @@ class RolloutEngines:
             if not task.done():
                 task.cancel()
 
-    def _engine_failure(self, error: Exception, waiting_for: str, limit: str) -> OutsideFailure | None:
-        """The outside failure behind `error`, raised while waiting for `waiting_for`: the local engine
-        ended or is stopped, or an engine failed to answer. None when `error` is something else (a user's
-        error, a bug) or already names the engine that failed (`WeightSyncError`)."""
+    def _engine_failure(self, error: Exception, waiting_for: str, limit: str) -> Exception | None:
+        """What `error`, raised while waiting for `waiting_for`, is reported as: an `EngineFailure` (outside)
+        when the local engine ended or is stopped or an engine failed to answer, naming the local engine
+        and its log; a `LocalEngineError` (internal) for an HTTP 500 from the live local engine, a bug in
+        it. None when `error` is something else (a user's error, a bug) or is a remote engine's failure that
+        already names it (`WeightSyncError`)."""
         if isinstance(error, (UserError, EngineFailure)):
             return None
         if self.engine is not None:
@@ -516,10 +553,22 @@ class RolloutEngines:
                     f"answer within {self._limit(limit)} while the trainer waited for {waiting_for}; its "
                     f"log: {self.engine.log_path}"
                 )
+            if _http_status(error) == _UNHANDLED:
+                return LocalEngineError(
+                    f"{self.engine.describe()} answered HTTP 500, an unhandled exception in it (a bug), "
+                    f"while the trainer waited for {waiting_for}; its traceback is in its log: "
+                    f"{self.engine.log_path}"
+                )
+            failed = f"{waiting_for} failed on {self.engine.describe()}"
+            if isinstance(error, _ENGINE_ERRORS):
+                return EngineFailure(
+                    f"{failed}: {_what(error)} ({self._limit(limit)}); its log: {self.engine.log_path}"
+                )
+            # a `WeightSyncError`: it names its own limit if one expired
+            if isinstance(error, OutsideFailure):
+                return EngineFailure(f"{failed}: {error}; its log: {self.engine.log_path}")
         if isinstance(error, _ENGINE_ERRORS):
-            return EngineFailure(
-                f"{waiting_for} failed: {str(error) or type(error).__name__} ({self._limit(limit)})"
-            )
+            return EngineFailure(f"{waiting_for} failed: {_what(error)} ({self._limit(limit)})")
         return None
 
     def _overflows_exhausted(self, error: SupportOverflowsExhausted) -> UserError:
