@@ -116,3 +116,20 @@ def sample(sg, sampler, logits: torch.Tensor, info) -> tuple[torch.Tensor, torch
         output, info, True, [0] * batch, [None] * batch, torch.zeros(batch, dtype=torch.long)
     )
     return ids.long(), output.next_token_logprobs
+
+
+def sample_with_masks(sg, logits: torch.Tensor, info, backend: str):
+    """`Sampler.forward` on `[B, V]` logits under `--sampling-backend backend`, every row of `info` asking for
+    its sampling mask: `(token ids [B] int64, SGLang's sampling_mask_output)`."""
+    batch = logits.shape[0]
+    tp_group = types.SimpleNamespace(device_group=None)
+    with (
+        sg.get_context().override_server_args(device="cpu", sampling_backend=backend),
+        sg.get_parallel().override(tp_group=tp_group),
+    ):
+        sampler = sg.sampler.Sampler()
+        output = sg.LogitsProcessorOutput(next_token_logits=logits.clone())
+        ids = sampler.forward(
+            output, info, False, [0] * batch, [None] * batch, torch.zeros(batch, dtype=torch.long)
+        )
+    return ids.long(), output.sampling_mask_output

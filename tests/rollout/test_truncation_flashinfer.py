@@ -7,7 +7,6 @@ min_p > 0, as DVP's ρ always is, top-p is measured on the top-k-renormalised di
 from __future__ import annotations
 
 import math
-import types
 
 import pytest
 import torch
@@ -27,7 +26,7 @@ pytest.importorskip(
 )
 
 from tests.rollout.flashinfer_reference import STAND_INS
-from tests.rollout.sglang_sampler import import_sglang_sampler
+from tests.rollout.sglang_sampler import import_sglang_sampler, sample_with_masks
 
 RHO = math.exp(-13.0)
 
@@ -66,20 +65,10 @@ def sglang_masks(sg, logits: torch.Tensor, params: list[Truncation], backend: st
         sampling_mask_top_ks=[p.top_k for p in params],
         device="cpu",
     )
-    tp_group = types.SimpleNamespace(device_group=None)
-    with (
-        sg.get_context().override_server_args(device="cpu", sampling_backend=backend),
-        sg.get_parallel().override(tp_group=tp_group),
-    ):
-        sampler = sg.sampler.Sampler()
-        output = sg.LogitsProcessorOutput(next_token_logits=logits.clone())
-        ids = sampler.forward(
-            output, info, False, [0] * batch, [None] * batch, torch.zeros(batch, dtype=torch.long)
-        )
-    mask = output.sampling_mask_output
+    ids, mask = sample_with_masks(sg, logits, info, backend)
     assert mask.statuses.tolist() == [0] * batch, "SGLang's status OK: its token is in its support"
     supports = [sorted(mask.token_ids[i, : int(mask.lengths[i])].tolist()) for i in range(batch)]
-    return ids.long(), supports, mask.selected_logprobs
+    return ids, supports, mask.selected_logprobs
 
 
 def rows_of(params: list[Truncation], temperature: float = 1.0) -> list[Row]:

@@ -4,8 +4,6 @@ log-prob of the token SGLang drew; and the trainer op replays that log-prob from
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 
@@ -16,7 +14,7 @@ pytest.importorskip(
     "sglang", reason="sglang (installed with --no-deps, see pyproject's sglang-cpu) is needed"
 )
 
-from tests.rollout.sglang_sampler import import_sglang_sampler
+from tests.rollout.sglang_sampler import import_sglang_sampler, sample_with_masks
 
 
 @pytest.fixture(scope="module")
@@ -44,20 +42,10 @@ def sglang_masks(sg, logits, temperature, top_k, top_p, min_p):
         sampling_mask_top_ks=[top_k] * batch,
         device="cpu",
     )
-    tp_group = types.SimpleNamespace(device_group=None)
-    with (
-        sg.get_context().override_server_args(device="cpu", sampling_backend="pytorch"),
-        sg.get_parallel().override(tp_group=tp_group),
-    ):
-        sampler = sg.sampler.Sampler()
-        output = sg.LogitsProcessorOutput(next_token_logits=logits.clone())
-        ids = sampler.forward(
-            output, info, False, [0] * batch, [None] * batch, torch.zeros(batch, dtype=torch.long)
-        )
-    mask = output.sampling_mask_output
+    ids, mask = sample_with_masks(sg, logits, info, "pytorch")
     assert bool((mask.statuses == 0).all()), "SGLang's status OK"
     supports = [mask.token_ids[i, : int(mask.lengths[i])].long().tolist() for i in range(batch)]
-    return ids.long(), supports, mask.selected_logprobs
+    return ids, supports, mask.selected_logprobs
 
 
 CASES = [  # (top_k, top_p, min_p, temperature)
