@@ -22,7 +22,8 @@ from megatron_tail.rollout.client import NoHealthyServerError
 from megatron_tail.rollout.local_engine.process import LocalEngineProcess
 from megatron_tail.rollout.protocol import RetryableServerError
 from megatron_tail.rollout.weight_sync import DiskWeightSync, WeightSyncError
-from megatron_tail.train.run.engines import EngineFailure, LocalEngineError, RolloutEngines
+from megatron_tail.train.run.engine_failures import EngineFailure, LocalEngineError
+from megatron_tail.train.run.engines import RolloutEngines
 from megatron_tail.utils.errors import EXIT_OUTSIDE_FAILURE, OutsideFailure, UserError
 from tests.loop.conftest import loop_overrides
 from tests.loop.engine_faults import SIGNAL_ENV

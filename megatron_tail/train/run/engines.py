@@ -15,10 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import aiohttp
-
 from megatron_tail.config import RunConfig
-from megatron_tail.config.schema import TOP_K_HEADROOM
 from megatron_tail.model.hf_config import load_hf_config
 from megatron_tail.rewards.pass_at_k import eval_statistics
 from megatron_tail.rewards.scorer import RewardScorer
@@ -33,13 +30,21 @@ from megatron_tail.rollout import (
     wait_until_healthy,
 )
 from megatron_tail.rollout.batch import token_versions_of
-from megatron_tail.rollout.client import NoHealthyServerError, SupportOverflowsExhausted
+from megatron_tail.rollout.client import SupportOverflowsExhausted
 from megatron_tail.rollout.local_engine.process import LocalEngineProcess
 from megatron_tail.rollout.manager import GroupResult, RolloutManager, groups_to_batch
 from megatron_tail.rollout.processor import DVPLogitProcessor
-from megatron_tail.rollout.protocol import RetryableServerError, sample_keys
-from megatron_tail.utils.errors import OutsideFailure, UserError
+from megatron_tail.rollout.protocol import sample_keys
+from megatron_tail.utils.errors import UserError
 from megatron_tail.utils.net import free_port
+
+from .engine_failures import (
+    EngineFailure,
+    classify,
+    engine_ended,
+    limit_text,
+    overflows_exhausted,
+)
 
 EVAL_SEED = 987_654_321
 """`base_seed` of every sampled evaluation: the same seeds each time, so evaluations differ by the weights."""
@@ -47,48 +52,6 @@ EVAL_SEED = 987_654_321
 ENGINE_POLL_S = 0.5
 """While waiting for the engines, how often to check that the local engine process is still there: its
 requests cannot come back once it is gone, and the client would otherwise probe a dead port for a minute."""
-
-
-class EngineFailure(OutsideFailure):
-    """An engine died, is stopped, or failed to answer: the message names it, how, the limit that expired and
-    the local engine's log."""
-
-
-class LocalEngineError(RuntimeError):
-    """The local engine answered HTTP 500: an unhandled exception in one of its handlers, a bug in it. An
-    internal error (exit 1, with the traceback), not an outside failure; the message names its log, which
-    holds the engine's own traceback."""
-
-
-_ENGINE_ERRORS = (
-    RetryableServerError,
-    NoHealthyServerError,
-    TimeoutError,
-    aiohttp.ClientConnectionError,
-    aiohttp.ClientPayloadError,
-)
-"""What an engine that died or stopped answering makes the client raise (transport failures, not bugs; not
-`aiohttp.InvalidURL`, a URL that the config refuses at load)."""
-
-_UNHANDLED = 500
-"""The HTTP status aiohttp (the local engine's server) answers when a handler raises."""
-
-
-def _http_status(error: BaseException | None) -> int | None:
-    """The HTTP status an engine answered with, on `error` or an error it was raised from
-    (`ServerHTTPError`, `WeightSyncError`: `http_status`); None when no engine answered one."""
-    for _ in range(8):  # a chain of a few wrappers (retries exhausted, a failed pause), never a cycle
-        if error is None:
-            return None
-        if (status := getattr(error, "http_status", None)) is not None:
-            return status
-        error = error.__cause__
-    return None
-
-
-def _what(error: BaseException) -> str:
-    """An error's message, or its type where it has none (aiohttp's TimeoutError)."""
-    return str(error) or type(error).__name__
 
 
 class RolloutEngines:
@@ -178,16 +141,17 @@ class RolloutEngines:
                 # error is in its log (its last line goes in the message), not in this process's stack, and
                 # train checked the model directory before starting it: left are memory, disk, a port in use
                 if (how := self.engine.ended()) is not None:
-                    raise self._engine_ended(how, "it to load", last_words=True)
+                    raise engine_ended(self.engine, how, "it to load", last_words=True)
                 try:
                     self._run(wait_until_healthy(self.urls, timeout_s=2.0, interval_s=0.2))
                     return
                 except TimeoutError:
                     now = time.monotonic()
                     if now - started > timeout:
+                        limit = limit_text(self.cfg.rollout, "startup_timeout_s")
                         raise EngineFailure(
-                            f"{self.engine.describe()} did not answer /health within "
-                            f"{self._limit('startup_timeout_s')}; its log: {self.engine.log_path}"
+                            f"{self.engine.describe()} did not answer /health within {limit}; its log: "
+                            f"{self.engine.log_path}"
                         ) from None
                     if now - reported >= self.cfg.rollout.wait_report_s:
                         reported = now
@@ -491,7 +455,7 @@ class RolloutEngines:
         `rollout.wait_report_s` say what for and for how long, and raise an engine's failure as an
         `EngineFailure` naming the engine, how it failed and the limit `rollout.<limit>` that applies (a
         500 from the local engine as a `LocalEngineError`; support overflows on every attempt as a
-        `UserError`, `_overflows_exhausted`)."""
+        `UserError`, `engine_failures.overflows_exhausted`); which is which: `engine_failures.classify`."""
         if self._cancelled.is_set():  # a cancelled rollout must not start its next round of requests
             coro.close()
             raise asyncio.CancelledError("the engines' requests were cancelled")
@@ -500,9 +464,9 @@ class RolloutEngines:
         try:
             return self._drive(self._watching(coro, waiting_for))
         except SupportOverflowsExhausted as error:
-            raise self._overflows_exhausted(error) from error
+            raise overflows_exhausted(error, self.cfg.rollout) from error
         except Exception as error:
-            failure = self._engine_failure(error, waiting_for, limit)
+            failure = classify(error, self.engine, self.cfg.rollout, waiting_for, limit)
             if failure is None:
                 raise
             raise failure from error
@@ -526,7 +490,7 @@ class RolloutEngines:
                 if done:
                     return task.result()
                 if self.engine is not None and (how := self.engine.ended()) is not None:
-                    raise self._engine_ended(how, waiting_for)
+                    raise engine_ended(self.engine, how, waiting_for)
                 now = time.monotonic()
                 if now - reported >= self.cfg.rollout.wait_report_s:
                     reported = now
@@ -534,69 +498,6 @@ class RolloutEngines:
         finally:
             if not task.done():
                 task.cancel()
-
-    def _engine_failure(self, error: Exception, waiting_for: str, limit: str) -> Exception | None:
-        """What `error`, raised while waiting for `waiting_for`, is reported as: an `EngineFailure` (outside)
-        when the local engine ended or is stopped or an engine failed to answer, naming the local engine
-        and its log; a `LocalEngineError` (internal) for an HTTP 500 from the live local engine, a bug in
-        it. None when `error` is something else (a user's error, a bug) or is a remote engine's failure that
-        already names it (`WeightSyncError`)."""
-        if isinstance(error, (UserError, EngineFailure)):
-            return None
-        if self.engine is not None:
-            how = self.engine.ended(grace_s=1.0)  # the dropped connection can come before the exit status
-            if how is not None:
-                return self._engine_ended(how, waiting_for)
-            if isinstance(error, (*_ENGINE_ERRORS, OutsideFailure)) and self.engine.stopped():
-                return EngineFailure(
-                    f"{self.engine.describe()} is stopped (SIGSTOP, SIGTSTP or a debugger) and did not "
-                    f"answer within {self._limit(limit)} while the trainer waited for {waiting_for}; its "
-                    f"log: {self.engine.log_path}"
-                )
-            if _http_status(error) == _UNHANDLED:
-                return LocalEngineError(
-                    f"{self.engine.describe()} answered HTTP 500, an unhandled exception in it (a bug), "
-                    f"while the trainer waited for {waiting_for}; its traceback is in its log: "
-                    f"{self.engine.log_path}"
-                )
-            failed = f"{waiting_for} failed on {self.engine.describe()}"
-            if isinstance(error, _ENGINE_ERRORS):
-                return EngineFailure(
-                    f"{failed}: {_what(error)} ({self._limit(limit)}); its log: {self.engine.log_path}"
-                )
-            # a `WeightSyncError`: it names its own limit if one expired
-            if isinstance(error, OutsideFailure):
-                return EngineFailure(f"{failed}: {error}; its log: {self.engine.log_path}")
-        if isinstance(error, _ENGINE_ERRORS):
-            return EngineFailure(f"{waiting_for} failed: {_what(error)} ({self._limit(limit)})")
-        return None
-
-    def _overflows_exhausted(self, error: SupportOverflowsExhausted) -> UserError:
-        """Every attempt overflowed the engines' mask cap: the settings' doing, not the engines' (a rerun
-        overflows again), so a user error naming the two keys and the headroom rule."""
-        r = self.cfg.rollout
-        return UserError(
-            f"rollout.top_k={r.top_k} with rollout.sampling_mask_max_tokens={r.sampling_mask_max_tokens}: "
-            f"the samples of prompt {error.prompt_index} overflowed the engines' sampling-mask cap on all "
-            f'{error.attempts} attempts, with fresh seeds each time (the engine: "{error.message}"); a '
-            "rerun repeats this (a first token's support depends on the prompt alone), since the ties at the "
-            "top-k cutoff that SGLang's flashinfer sampler keeps need more than the "
-            f"×{TOP_K_HEADROOM} headroom the config requires (config.schema.TOP_K_HEADROOM): raise "
-            "rollout.sampling_mask_max_tokens or lower rollout.top_k"
-        )
-
-    def _engine_ended(self, how: str, waiting_for: str, last_words: bool = False) -> EngineFailure:
-        """The local engine ended (`how`: its signal or exit code); with `last_words`, the log's last line
-        too (while loading, that line is usually the engine's own error: a traceback's last line)."""
-        ending = self.engine.last_log_line() if last_words else ""
-        return EngineFailure(
-            f"{self.engine.describe()} {how} while the trainer waited for {waiting_for}; its log: "
-            f"{self.engine.log_path}" + (f", ending {ending!r}" if ending else "")
-        )
-
-    def _limit(self, key: str) -> str:
-        """`rollout.<key>=<value> s`: a limit of the engines, as the config names it."""
-        return f"rollout.{key}={getattr(self.cfg.rollout, key):g} s"
 
     def _waiting_line(self, waiting_for: str, waited_s: float) -> str:
         r = self.cfg.rollout
