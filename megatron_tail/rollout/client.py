@@ -39,7 +39,7 @@ from megatron_tail.rollout.protocol import (
     sample_keys,
     sample_seed,
 )
-from megatron_tail.utils.net import base_url_problem
+from megatron_tail.utils.net import base_urls
 from megatron_tail.utils.ragged import cat_rows
 
 logger = logging.getLogger(__name__)
@@ -163,16 +163,7 @@ class RolloutClient:
         processor: str | None = DVPLogitProcessor.to_str(),
         on_result: Callable[[SampleResult], None] | None = None,
     ):
-        urls = [u.rstrip("/") for u in ([server_urls] if isinstance(server_urls, str) else server_urls)]
-        bad = [f"{u!r}: {why}" for u in urls if (why := base_url_problem(u)) is not None]
-        if not urls or bad:
-            raise ValueError(
-                f"server_urls must be non-empty http(s) base URLs; got {list(server_urls)!r}"
-                + "".join(f"; {b}" for b in bad)
-            )
-        if len(set(urls)) != len(urls):
-            raise ValueError(f"server_urls has duplicates: {urls!r}")
-        self.urls = urls
+        self.urls = urls = base_urls(server_urls)
         self.config = config or ClientConfig()
         self.processor = processor
         self.on_result = on_result

@@ -63,7 +63,7 @@ import torch
 
 from megatron_tail.rollout.process_group import init_custom_process_group
 from megatron_tail.utils.errors import OutsideFailure
-from megatron_tail.utils.net import base_url_problem
+from megatron_tail.utils.net import base_urls
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 
@@ -97,13 +97,7 @@ class _Servers:
     key for it)."""
 
     def __init__(self, server_urls: Sequence[str], timeout_s: float, pause_mode: str, timeout_name: str):
-        urls = [u.rstrip("/") for u in ([server_urls] if isinstance(server_urls, str) else server_urls)]
-        bad = [f"{u!r}: {why}" for u in urls if (why := base_url_problem(u)) is not None]
-        if not urls or bad or len(set(urls)) != len(urls):
-            raise ValueError(
-                f"server_urls must be distinct, non-empty http(s) base URLs; got {list(server_urls)!r}"
-                + "".join(f"; {b}" for b in bad)
-            )
+        urls = base_urls(server_urls)
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {PAUSE_MODES}; got {pause_mode!r}")
         if not timeout_s > 0:

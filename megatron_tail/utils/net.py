@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from collections.abc import Sequence
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -35,3 +36,16 @@ def base_url_problem(url: object) -> str | None:
     if parsed.explicit_port == 0:
         return "its port is 0"
     return None
+
+
+def base_urls(server_urls: str | Sequence[str]) -> list[str]:
+    """`server_urls` (one URL or several) without trailing slashes; ValueError naming each unusable one
+    (`base_url_problem`) and any URL given twice, or when there is none."""
+    urls = [u.rstrip("/") for u in ([server_urls] if isinstance(server_urls, str) else server_urls)]
+    bad = [f"{u!r}: {why}" for u in urls if (why := base_url_problem(u)) is not None]
+    if not urls or bad or len(set(urls)) != len(urls):
+        raise ValueError(
+            f"server_urls must be distinct, non-empty http(s) base URLs; got {list(urls)!r}"
+            + "".join(f"; {b}" for b in bad)
+        )
+    return urls
