@@ -17,6 +17,10 @@ from .adaptive_rho import AUTO
 SafeSetOn = Literal["sampled", "raw_logits"]
 AdvantageEstimator = Literal["grpo", "rloo"]
 ADVANTAGE_ESTIMATORS: tuple[str, ...] = get_args(AdvantageEstimator)
+SamplingSupport = Literal["replay", "ignore"]
+SAMPLING_SUPPORT_MODES: tuple[str, ...] = get_args(SamplingSupport)
+OldLogprobs = Literal["recompute", "engine"]
+OLD_LOGPROBS_SOURCES: tuple[str, ...] = get_args(OldLogprobs)
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,20 @@ class AlgorithmConfig:
     """τ_h, absolute entropy threshold in nats (≥ 0); None = use `stapo_tau_h_quantile`."""
     stapo_tau_h_quantile: float = 0.05
     """Quantile of the valid tokens' entropy used as τ_h when `stapo_tau_h` is None, in [0, 1]."""
+
+    # --- truncated sampling (rollout.top_k / top_p / min_p) and θ_old: ablation switches
+    sampling_support: SamplingSupport = "replay"
+    """How the trainer scores samples drawn from a truncated distribution: "replay" (θ_old, the update and
+    the reference normalise over the support the engine sampled each token from, so π_train and the
+    engine's π_infer are the same truncated distribution); "ignore" scores over the full vocabulary, as
+    stacks without replay do: every sampled token's engine probability is then inflated by 1/Z_support
+    over the trainer's. "ignore" exists to reproduce that failure (`experiment collapse --suite
+    truncation`) and warns when set."""
+    old_logprobs: OldLogprobs = "recompute"
+    """θ_old of the PPO ratio and the importance weights: "recompute" (the trainer's forward pass before the
+    update) or "engine" (the engine's behaviour log-probs, as stacks that skip the recompute do: the PPO
+    ratio then starts at π_train/π_infer and the clip acts on the mismatch; the IS weights are 1). The
+    recompute still runs for the diagnostics. For ablations."""
 
     # --- Advantage Reweighting and Lopti (arXiv 2505.12929)
     advantage_reweighting: bool = False
@@ -165,6 +183,8 @@ class AlgorithmConfig:
             _bad("overlong_buffer", self.overlong_buffer, "must be ≥ 0 (0 = off)")
         _check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         _check_choice("safe_set_on", self.safe_set_on, SAFE_SET_ON)
+        _check_choice("sampling_support", self.sampling_support, SAMPLING_SUPPORT_MODES)
+        _check_choice("old_logprobs", self.old_logprobs, OLD_LOGPROBS_SOURCES)
         _check_choice("loss_aggregation", self.loss_aggregation, AGGREGATION_MODES)
         if self.loss_max_len is not None and self.loss_max_len < 1:
             _bad("loss_max_len", self.loss_max_len, "must be ≥ 1")
@@ -219,6 +239,8 @@ _STR_FIELDS = (
     "is_level",
     "kl_estimator",
     "loss_aggregation",
+    "sampling_support",
+    "old_logprobs",
 )
 
 

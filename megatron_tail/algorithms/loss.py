@@ -64,7 +64,7 @@ from megatron_tail.algorithms.aggregation import LossCounts, aggregate, local_co
 from megatron_tail.algorithms.config import AlgorithmConfig
 from megatron_tail.algorithms.importance import importance_weights
 from megatron_tail.algorithms.metrics import metric
-from megatron_tail.algorithms.policy_loss import kl_penalty, ppo_clip_loss
+from megatron_tail.algorithms.policy_loss import LOG_RATIO_CLAMP, kl_penalty, ppo_clip_loss
 from megatron_tail.algorithms.token_masks import (
     LoptiPhase,
     advantage_reweighting,
@@ -138,6 +138,9 @@ def prepare_tokens(
             raise ValueError(f"{name} must be finite at valid positions (NaN or ±inf found)")
     check_no_nan("advantages", advantages, valid)
     old_logprobs, rollout_logprobs = old_logprobs.detach(), rollout_logprobs.detach()
+    raw_log_ratio = torch.clamp(old_logprobs - rollout_logprobs, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    if cfg.old_logprobs == "engine":  # θ_old := the behaviour policy (no recompute): PPO's ratio meets the bias
+        old_logprobs = rollout_logprobs
 
     if cfg.advantage_reweighting:
         advantages = advantage_reweighting(advantages, old_logprobs, cfg.ar_alpha)
@@ -176,6 +179,10 @@ def prepare_tokens(
     metrics = _batch_metrics(
         cfg, valid, loss_mask, spurious, iw.weights, iw.vetoed, old_logprobs, old_in_safe_set
     )
+    # the recomputed θ_old against the engine, whatever θ_old the loss uses: the bias a one-sided truncation
+    # puts into every importance weight shows here as a negative mean log-ratio (log Z_support)
+    metrics["is_log_ratio_sum"] = metric(torch.where(valid, raw_log_ratio, 0).sum())
+    metrics["is_ratio_sum"] = metric(torch.where(valid, raw_log_ratio.exp(), 0).sum())
     metrics["loss_sequences"] = metric(loss_mask.any(dim=-1).sum())
     metrics["counted_tokens"] = metric(counts.tokens)
     metrics["counted_sequences"] = metric(counts.sequences)
@@ -253,6 +260,9 @@ def rl_loss(
         "clipped_tokens": metric((pg.clipped & contributes).sum()),
         "dual_clipped_tokens": metric((pg.dual_clipped & contributes).sum()),
     }
+    for sign, side in (("pos", current.advantages > 0), ("neg", current.advantages < 0)):
+        metrics[f"clipped_{sign}_tokens"] = metric((pg.clipped & contributes & side).sum())
+        metrics[f"phase_{sign}_tokens"] = metric((phase_mask & side).sum())
     loss = pg_loss
     if ref_logprobs is not None and cfg.kl_coef > 0:
         kl = keep(kl_penalty(lp, keep(ref_logprobs.to(lp.dtype)), cfg.kl_estimator))

@@ -13,10 +13,12 @@ across ranks. Typical flow in the trainer:
 Keys written by `prepare_tokens` (batch-level, once per micro-batch):
     valid_tokens, sequences, loss_tokens, loss_sequences, stapo_masked_tokens, vetoed_sequences,
     is_weight_sum, is_weight_max, is_zero_weight_tokens, lopti_low_tokens, lopti_high_tokens,
-    old_safe_set_violations
+    old_safe_set_violations, is_log_ratio_sum, is_ratio_sum (the raw log π_θold − log π_infer over the valid
+    tokens, by the recomputed θ_old even with `old_logprobs="engine"`)
 Keys written by `rl_loss` (per phase and micro-batch):
     loss, pg_loss, kl_loss, entropy_loss (this piece's share of the globally normalised loss: sum them),
-    phase_tokens, clipped_tokens, dual_clipped_tokens, safe_set_violations, entropy_sum, kl_sum
+    phase_tokens, clipped_tokens, dual_clipped_tokens, safe_set_violations, entropy_sum, kl_sum,
+    clipped_pos_tokens, phase_pos_tokens, clipped_neg_tokens, phase_neg_tokens (by the advantage's sign)
 """
 
 from __future__ import annotations
@@ -42,6 +44,10 @@ def reduce_op_of(key: str) -> str:
 _RATIOS: dict[str, tuple[str, str]] = {
     "clip_fraction": ("clipped_tokens", "phase_tokens"),
     "dual_clip_fraction": ("dual_clipped_tokens", "phase_tokens"),
+    "clip_fraction_pos": ("clipped_pos_tokens", "phase_pos_tokens"),
+    "clip_fraction_neg": ("clipped_neg_tokens", "phase_neg_tokens"),
+    "is_log_ratio_mean": ("is_log_ratio_sum", "valid_tokens"),
+    "is_ratio_mean": ("is_ratio_sum", "valid_tokens"),
     "safe_set_violation_fraction": ("safe_set_violations", "phase_tokens"),
     "entropy_mean": ("entropy_sum", "phase_tokens"),
     "kl_mean": ("kl_sum", "kl_tokens"),  # over the tokens the KL term covers (not vetoed / rejected ones)

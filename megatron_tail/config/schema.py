@@ -626,6 +626,15 @@ class RunConfig:
                 f"{self.algorithm.log_rho} sent as min-p with rollout.top_k/top_p): SGLang's seeded PyTorch "
                 "sampler asserts against min-p (top_k_top_p_min_p_sampling_from_probs_torch)",
             )
+        if self.algorithm.sampling_support == "ignore" and dvp:
+            _bad(
+                "algorithm",
+                "sampling_support",
+                "ignore",
+                f"cannot combine with DVP (algorithm.log_rho={self.algorithm.log_rho}): DVP prunes both sides "
+                "with one rule, while ignore is the one-sided ablation; set algorithm.log_rho=null, or "
+                "sampling_support=replay",
+            )
         if self.data.prompts_per_step % self.train.mini_batches:
             _bad(
                 "train",
@@ -701,6 +710,24 @@ class RunConfig:
                 f"does not divide the world size {world_size}; launch with `torchrun --nproc-per-node "
                 f"{model_parallel} -m megatron_tail.cli train CONFIG.yaml` (or a multiple of it)"
             )
+
+    def warnings(self) -> list[str]:
+        """Valid settings a user should still be told about at the start of a run, one line each."""
+        out = []
+        if self.algorithm.sampling_support == "ignore":
+            out.append(
+                "algorithm.sampling_support=ignore: samples drawn with rollout.top_k/top_p/min_p are scored over "
+                "the full vocabulary, so every importance weight is biased by the mass the sampler cut "
+                "(mismatch/outside_support_mass); an ablation that reproduces stacks without replay, not a "
+                "setting to train with"
+                + ("" if self.rollout.truncates else " (no truncation is on: it changes nothing here)")
+            )
+        if self.algorithm.old_logprobs == "engine":
+            out.append(
+                "algorithm.old_logprobs=engine: θ_old is the engine's log-probs, so PPO's ratio starts at "
+                "π_train/π_infer and the importance weights are 1; an ablation"
+            )
+        return out
 
     def check_runnable(self) -> None:
         """What a run needs beyond a valid config: the required paths. ValueError naming the key."""

@@ -11,8 +11,9 @@ included). Writes a results table (results.md), every run's TensorBoard logs and
 
 collapse: the same model and task over 100 steps with a mismatch dial (engine formats, then a synthetic
 tail-shaped logit noise); --suite arms (default: six arms × seeds at --level), dose (the naive arm at each
-level) or rho (DVP+MIS at log ρ -3 … -20 and auto). Into runs/collapse by default; see
-megatron_tail/experiments/collapse.py and docs/results/collapse/.
+level), rho (DVP+MIS at log ρ -3 … -20 and auto) or truncation (engine top-p 0.98 … 0.5 and min-p at ρ,
+scored one-sided, replayed or with DVP, 200 steps; --quick: a 3-step subset). Into runs/collapse by default;
+see megatron_tail/experiments/collapse.py, truncation.py and docs/results/collapse/.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 
 from megatron_tail.config.arguments import add_overrides_argument
+from megatron_tail.utils.errors import UserError
 
 EXPERIMENTS = ("tail-mismatch", "collapse")
 
@@ -50,7 +52,22 @@ def add_experiment_parser(subparsers) -> argparse.ArgumentParser:
         help="(default runs/tail_mismatch; runs/tail_mismatch_fp8 with --variant fp8; runs/collapse)",
     )
     parser.add_argument(
-        "--suite", default="arms", choices=["arms", "dose", "rho"], help="collapse only (default arms)"
+        "--suite",
+        default="arms",
+        choices=["arms", "dose", "rho", "truncation"],
+        help="collapse only (default arms)",
+    )
+    parser.add_argument(
+        "--dials",
+        nargs="+",
+        default=None,
+        help="collapse --suite truncation: engine dials (default all: top_p0.98 top_p0.9 top_p0.7 top_p0.5 "
+        "min_p_rho)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="collapse --suite truncation: one dial, two arms, one seed, 3 steps (a smoke run)",
     )
     parser.add_argument("--level", default=None, help="collapse only: the mismatch level of arms/rho")
     parser.add_argument(
@@ -66,8 +83,10 @@ def add_experiment_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument(
         "--cache-dir", default="runs/tail_cache", help="pretrained model + prompts (default runs/tail_cache)"
     )
-    parser.add_argument("--seeds", type=int, nargs="+", default=None, help="(default 0 1 2)")
-    parser.add_argument("--arms", nargs="+", default=None, help="a subset of the arms (default: all six)")
+    parser.add_argument(
+        "--seeds", type=int, nargs="+", default=None, help="(default 0 1 2; 1 2 3 for --suite truncation)"
+    )
+    parser.add_argument("--arms", nargs="+", default=None, help="a subset of the arms (default: all)")
     add_overrides_argument(parser, "a config override for every run, e.g. train.steps=40")
     parser.set_defaults(func=_run)
     return parser
@@ -100,18 +119,26 @@ def _run_collapse(args) -> int:
         RHO_GRID,
         run_collapse,
     )
+    from megatron_tail.experiments import truncation
     from megatron_tail.experiments.tail_mismatch import ARMS
 
+    if args.quick and args.suite != "truncation":
+        raise UserError(f"--quick is for --suite truncation; got --suite {args.suite}")
+    quick = truncation.QUICK if args.quick else {}
+    default_arms = truncation.ARMS if args.suite == "truncation" else ARMS
     results = run_collapse(
         args.out or DEFAULT_OUT,
         args.cache_dir,
         suite=args.suite,
         level=args.level or DEFAULT_LEVEL,
-        arms=args.arms or tuple(ARMS),
+        arms=args.arms or quick.get("arms") or tuple(default_arms),
         levels=args.levels or tuple(LEVELS),
         rhos=args.rhos or RHO_GRID,
-        seeds=args.seeds or DEFAULT_SEEDS,
-        overrides=args.overrides,
+        dials=args.dials or quick.get("dials") or tuple(truncation.DIALS),
+        seeds=args.seeds
+        or quick.get("seeds")
+        or (truncation.SEEDS if args.suite == "truncation" else DEFAULT_SEEDS),
+        overrides=[*quick.get("overrides", ()), *args.overrides],
         jobs=args.jobs,
     )
     print(results.read_text())

@@ -14,7 +14,9 @@ tail-shaped logit noise). Suites:
   `<out>/<arm>/seed<k>/`;
 - "dose": the naive arm at every level (`--levels`, default all), into `<out>/naive@<level>/seed<k>/`;
 - "rho": DVP+MIS at log ρ ∈ `RHO_GRID` and "auto" (`algorithm.log_rho: auto`) at `--level`, into
-  `<out>/dvp_mis@rho<v>/seed<k>/` ("off" is the MIS arm: the same remedy without DVP).
+  `<out>/dvp_mis@rho<v>/seed<k>/` ("off" is the MIS arm: the same remedy without DVP);
+- "truncation": one-sided truncated sampling against replay and DVP (`truncation.py`: `--dials` × `--arms`,
+  on the bf16 engine, 200 steps), into `<out>/<arm>@<dial>/seed<k>/`.
 Each suite writes `results.md` / `results.json` (mean ± std over seeds, and the collapse verdict of each
 run, `report.collapse.collapse_verdict`) and a `megatron-tail report` (with the early-warning figure).
 Finished runs are reused, so an interrupted suite resumes where it stopped.
@@ -29,7 +31,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from megatron_tail.demo.run import read_scalars, summarise
+from megatron_tail.utils.errors import UserError
 
+from . import truncation
 from .tail_mismatch import ARMS, _cell, _mean_std, run_grid
 
 COLLAPSE_SETTINGS: list[str] = [
@@ -61,7 +65,7 @@ DEFAULT_LEVEL = "noise2"
 """The level of the arms and ρ suites (the write-up says how it was chosen from the dose suite)."""
 RHO_GRID: tuple[str, ...] = ("-3", "-5", "-9", "-13", "-20", "auto")
 DEFAULT_SEEDS = (0, 1, 2)
-SUITES = ("arms", "dose", "rho")
+SUITES = ("arms", "dose", "rho", "truncation")
 DEFAULT_OUT = "runs/collapse"
 
 # (column, tag, how over steps, format)
@@ -80,23 +84,31 @@ COLUMNS: list[tuple[str, str, str, str]] = [
 
 
 def suite_groups(
-    suite: str, level: str, arms: Sequence[str], levels: Sequence[str], rhos: Sequence[str] = RHO_GRID
+    suite: str,
+    level: str,
+    arms: Sequence[str],
+    levels: Sequence[str],
+    rhos: Sequence[str] = RHO_GRID,
+    dials: Sequence[str] = tuple(truncation.DIALS),
 ) -> dict[str, list[str]]:
-    """group name → its overrides (after `COLLAPSE_SETTINGS`) for `suite`."""
+    """group name → its overrides (after `COLLAPSE_SETTINGS`) for `suite`. The truncation suite runs on the
+    bf16 engine (`level` does not apply) with its own `arms` (`truncation.ARMS`)."""
+    if suite == "truncation":
+        return truncation.truncation_groups(dials, arms)
     for name in [level, *levels]:
         if name not in LEVELS:
-            raise ValueError(f"unknown level {name!r}; the levels are {list(LEVELS)}")
+            raise UserError(f"unknown level {name!r}; the levels are {list(LEVELS)}")
     if suite == "arms":
         unknown = sorted(set(arms) - set(ARMS))
         if unknown:
-            raise ValueError(f"unknown arm(s) {unknown}; the arms are {list(ARMS)}")
+            raise UserError(f"unknown arm(s) {unknown}; the arms are {list(ARMS)}")
         return {arm: [*LEVELS[level], *ARMS[arm]] for arm in arms}
     if suite == "dose":
         return {f"naive@{lv}": list(LEVELS[lv]) for lv in levels}
     if suite == "rho":
         dvp = [k for k in ARMS["dvp_mis"] if not k.startswith("algorithm.log_rho=")]
         return {f"dvp_mis@rho{v}": [*LEVELS[level], *dvp, f"algorithm.log_rho={v}"] for v in rhos}
-    raise ValueError(f"unknown suite {suite!r}; the suites are {list(SUITES)}")
+    raise UserError(f"unknown suite {suite!r}; the suites are {list(SUITES)}")
 
 
 def run_collapse(
@@ -108,6 +120,7 @@ def run_collapse(
     arms: Sequence[str] = tuple(ARMS),
     levels: Sequence[str] = tuple(LEVELS),
     rhos: Sequence[str] = RHO_GRID,
+    dials: Sequence[str] = tuple(truncation.DIALS),
     seeds: Sequence[int] = DEFAULT_SEEDS,
     overrides: Sequence[str] = (),
     jobs: int = 2,
@@ -118,14 +131,20 @@ def run_collapse(
     out = Path(out_dir)
     groups = {
         name: [*COLLAPSE_SETTINGS, *knobs, *overrides]
-        for name, knobs in suite_groups(suite, level, arms, levels, rhos).items()
+        for name, knobs in suite_groups(suite, level, arms, levels, rhos, dials).items()
     }
+    columns = truncation.COLUMNS if suite == "truncation" else COLUMNS
     started = time.monotonic()
     runs = run_grid(out, Path(cache_dir), groups, seeds=seeds, jobs=jobs, model_size=model_size, log=log)
-    table = summarise_groups(runs)
-    title = f"Collapse experiment, suite {suite!r}" + ("" if suite == "dose" else f" at level {level!r}")
+    table = summarise_groups(runs, columns)
+    at = "" if suite == "dose" else " on the bf16 engine" if suite == "truncation" else f" at level {level!r}"
     results = write_collapse_results(
-        out, table, title=title, seeds=seeds, minutes=(time.monotonic() - started) / 60
+        out,
+        table,
+        title=f"Collapse experiment, suite {suite!r}{at}",
+        seeds=seeds,
+        minutes=(time.monotonic() - started) / 60,
+        columns=columns,
     )
     from megatron_tail.report.build import write_report
 
@@ -134,8 +153,8 @@ def run_collapse(
     return results
 
 
-def summarise_run(path: Path) -> dict:
-    """One run: `COLUMNS` summaries and its collapse verdict."""
+def summarise_run(path: Path, columns: Sequence[tuple[str, str, str, str]] = COLUMNS) -> dict:
+    """One run: the `columns` summaries (`COLUMNS` by default) and its collapse verdict."""
     from megatron_tail.report.collapse import collapse_verdict, window_means
 
     scalars = read_scalars(path)
@@ -144,10 +163,11 @@ def summarise_run(path: Path) -> dict:
         [s for s, _ in scalars.get("reward/mean", [])], reward, [v for _, v in scalars.get("train/loss", [])]
     )
     row = {}
-    for col, tag, how, _ in COLUMNS:
+    for col, tag, how, _ in columns:
         values = [v for _, v in scalars.get(tag, [])]
-        if how == "last10":
-            row[col] = sum(values[-10:]) / len(values[-10:]) if values else math.nan
+        if how in ("last10", "first10"):
+            window = values[-10:] if how == "last10" else values[:10]
+            row[col] = sum(window) / len(window) if window else math.nan
         elif how == "best10":
             means = window_means(values)
             row[col] = float(means.max()) if means.size else math.nan
@@ -158,13 +178,15 @@ def summarise_run(path: Path) -> dict:
     return {"summary": row, "collapsed": verdict.collapsed, "reason": verdict.reason, "steps": len(reward)}
 
 
-def summarise_groups(runs: dict[str, list[Path]]) -> dict[str, dict]:
+def summarise_groups(
+    runs: dict[str, list[Path]], columns: Sequence[tuple[str, str, str, str]] = COLUMNS
+) -> dict[str, dict]:
     """group → {"columns": column → (mean, std over seeds), "collapsed": k of n, "runs": per-run dicts}."""
     table = {}
     for name, paths in runs.items():
-        per_run = [summarise_run(p) for p in paths]
+        per_run = [summarise_run(p, columns) for p in paths]
         table[name] = {
-            "columns": {c[0]: _mean_std([r["summary"][c[0]] for r in per_run]) for c in COLUMNS},
+            "columns": {c[0]: _mean_std([r["summary"][c[0]] for r in per_run]) for c in columns},
             "collapsed": sum(r["collapsed"] for r in per_run),
             "seeds": len(per_run),
             "runs": per_run,
@@ -173,9 +195,15 @@ def summarise_groups(runs: dict[str, list[Path]]) -> dict[str, dict]:
 
 
 def write_collapse_results(
-    out: Path, table: dict, *, title: str, seeds: Sequence[int], minutes: float
+    out: Path,
+    table: dict,
+    *,
+    title: str,
+    seeds: Sequence[int],
+    minutes: float,
+    columns: Sequence[tuple[str, str, str, str]] = COLUMNS,
 ) -> Path:
-    header = ["run", "collapsed", *(c[0] for c in COLUMNS)]
+    header = ["run", "collapsed", *(c[0] for c in columns)]
     lines = [
         f"# {title}: {len(table)} groups × {len(seeds)} seeds ({minutes:.1f} min)",
         "",
@@ -190,7 +218,7 @@ def write_collapse_results(
     ]
     for name, entry in table.items():
         cells = [name, f"{entry['collapsed']}/{entry['seeds']}"]
-        cells += [_cell(*entry["columns"][c[0]], c[3]) for c in COLUMNS]
+        cells += [_cell(*entry["columns"][c[0]], c[3]) for c in columns]
         lines.append("| " + " | ".join(cells) + " |")
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(

@@ -44,7 +44,8 @@ OnOutputs = Callable[[MaskedLogprobs, MicroBatch], tuple[torch.Tensor, Any]]
 SAMPLING_SUPPORT_FIELD = "sampling_support"
 """Ragged per-token field of a micro-batch (`utils.ragged.Ragged`, `b·s` rows in position order): the token
 ids of the sampling support the engine drew each target from, no row off the response. When present, every
-pass (θ_old, the update, the reference) hands it to the op as `sampling_support`, densified on the device."""
+pass (θ_old, the update, the reference) hands it to the op as `sampling_support`, densified on the device,
+unless `OpSettings.replay_support` is off."""
 
 
 def sampling_support(mb: MicroBatch) -> torch.Tensor | None:
@@ -68,6 +69,9 @@ class OpSettings:
     """Also compute the entropy of π^mp."""
     compute_safe_set_size: bool = False
     """Also count |V_S| per position (in the same pass)."""
+    replay_support: bool = True
+    """Hand a micro-batch's sampling support (`SAMPLING_SUPPORT_FIELD`) to the op; False scores over the
+    full vocabulary (or V_S) although the samples were truncated (`algorithm.sampling_support: ignore`)."""
 
 
 def run_micro_batches(
@@ -116,7 +120,7 @@ def run_micro_batches(
             tp_group=tp_group,
             compute_entropy=op.compute_entropy,
             compute_safe_set_size=op.compute_safe_set_size,
-            sampling_support=sampling_support(mb),
+            sampling_support=sampling_support(mb) if op.replay_support else None,
         )
         if getattr(model, "fused_output_layer", False):
             out = _fused_logprobs(model, output, mb.targets, settings)

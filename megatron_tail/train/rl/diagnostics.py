@@ -46,6 +46,9 @@ metrics (`megatron_tail.algorithms.combine_metrics`: `*_min` keys by min, the re
   support) by the trainer's θ_old: the per-token error of every importance log-ratio had the trainer scored
   the full softmax instead of replaying the sampler's support; `mismatch/kl_infer_train_k3` should stay far
   below it.
+- `mismatch/outside_support_mass` (truncated sampling only): mean of 1 − Z_support, the trainer's θ_old mass
+  outside the support each token was sampled from: what a trainer that ignores the support scores but the
+  engine never samples (and so never pushes down).
 An empty bucket logs 0 for its means (its `tokens` count says it was empty), so every scalar is finite.
 """
 
@@ -239,6 +242,7 @@ def finalize_diagnostics(
                 out[f"mismatch/signed_delta{x}/{label}"] = _ratio(s[f"delta_sum{x}/{label}"], count)
     if "truncation_bias_sum" in s:
         out["mismatch/truncation_bias"] = _ratio(s["truncation_bias_sum"], s.get("tokens", 0.0))
+        out["mismatch/outside_support_mass"] = _ratio(s["outside_support_mass_sum"], s.get("tokens", 0.0))
     if "logit_error_max" in s:
         out["mismatch/logit_error_max"] = s["logit_error_max"]
         for label in bucket_labels(prob_buckets):

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import torch
+
 from megatron_tail.algorithms import combine_metrics
 from megatron_tail.config import RunConfig
 from megatron_tail.ops import MaskedLogprobs
@@ -46,12 +48,25 @@ def op_settings(cfg: RunConfig) -> OpSettings:
         log_rho=cfg.algorithm.rule_log_rho(cfg.rollout.temperature),
         temperature=cfg.rollout.temperature,
         compute_entropy=True,
+        replay_support=cfg.algorithm.sampling_support == "replay",
     )
 
 
 def old_policy_op(cfg: RunConfig) -> OpSettings:
-    """The θ_old pass's op: `op_settings` that also counts |V_S| (a diagnostic; the update needs none)."""
-    return replace(op_settings(cfg), compute_safe_set_size=True)
+    """The θ_old pass's op: `op_settings` that also counts |V_S| (a diagnostic; the update needs none), and
+    that always replays a sampling support: with `sampling_support: ignore` its full-vocabulary log-probs
+    (`logprobs_full`) become θ_old (`scored`), and the support's mass is the `mismatch/outside_support_mass`
+    diagnostic, from the same pass."""
+    return replace(op_settings(cfg), compute_safe_set_size=True, replay_support=True)
+
+
+def scored(cfg: RunConfig, out: MaskedLogprobs) -> MaskedLogprobs:
+    """θ_old as the objective uses it: `out` itself, or with `sampling_support: ignore` its log-probs over the
+    full vocabulary (the config keeps DVP off there, so `logprobs_full` is the unpruned π the update scores;
+    the entropy stays the support's, the same quantity in every arm)."""
+    if cfg.algorithm.sampling_support == "ignore":
+        return replace(out, logprobs=out.logprobs_full)
+    return out
 
 
 def score_old_policy(trainer: Trainer, cfg: RunConfig, layout: MicroBatchLayout) -> OldPolicy:
@@ -81,6 +96,7 @@ def score_old_policy(trainer: Trainer, cfg: RunConfig, layout: MicroBatchLayout)
     )
     if r_max is None:
         scalars.pop("dvp/bias_bound", None)
+    outputs = [scored(cfg, out) for out in outputs]
     return OldPolicy(outputs, scalars, diagnostics.tail_delta_histograms(totals))
 
 
@@ -105,8 +121,11 @@ def reward_max_abs(cfg: RunConfig) -> float | None:
 
 
 def _sums(cfg: RunConfig, mb, out: MaskedLogprobs):
-    """Sum-reducible diagnostics of one micro-batch (its sampled response tokens)."""
+    """Sum-reducible diagnostics of one micro-batch (its sampled response tokens); `out` is the θ_old pass's
+    (with the support replayed), the mismatch is measured on what the objective scores (`scored`)."""
     s, valid = mb.to_samples, mb.sample_valid
+    support_logprobs = out.logprobs
+    out = scored(cfg, out)
     engine_top = mb.fields.get("rollout_top_logprobs")
     piece = diagnostics.mismatch_sums(
         s(out.logprobs),
@@ -127,7 +146,9 @@ def _sums(cfg: RunConfig, mb, out: MaskedLogprobs):
         )
     )
     if SAMPLING_SUPPORT_FIELD in mb.fields:  # −log(mass the support keeps), by the trainer's full softmax
-        piece["truncation_bias_sum"] = diagnostics.masked_sum(s(out.logprobs) - s(out.logprobs_full), valid)
+        log_z = s(out.logprobs_full) - s(support_logprobs)
+        piece["truncation_bias_sum"] = diagnostics.masked_sum(-log_z, valid)
+        piece["outside_support_mass_sum"] = diagnostics.masked_sum(-torch.expm1(log_z), valid)
     return piece
 
 

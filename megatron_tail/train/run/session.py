@@ -72,6 +72,8 @@ class RunSession:
         self.rank = dist.get_rank()
         self.run_dir = Path(cfg.run_dir)
         self.console = Console(enabled=self.rank == 0, bars=progress_enabled(cfg.logging.progress))
+        for warning in cfg.warnings():
+            self.console.note(f"warning: {warning}")
         self.engines: RolloutEngines | None = None
         self.batches = None
         self.eval_examples: list = []

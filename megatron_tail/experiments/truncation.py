@@ -1,0 +1,100 @@
+"""The collapse experiment's "truncation" suite (issue 37): truncated sampling that the trainer does not
+replay, against the replay and DVP, over a dial of how much the engine cuts.
+
+    megatron-tail experiment collapse --suite truncation [--dials ...] [--arms ...] [--seeds 1 2 3] [--quick]
+
+The engine samples with top-p (`DIALS`: 0.98 … 0.5) or with min-p at DVP's ρ ("min_p_rho": DVP's rule on
+the engine's side only). Each arm (`ARMS`) scores those samples its own way:
+- "ignore": over the full vocabulary (`algorithm.sampling_support: ignore`), the naive objective, as a stack
+  without replay does: every sampled token's engine probability is inflated by 1/Z_support over the
+  trainer's;
+- "ignore_tis": the same with truncated IS (weights π_θold/π_infer = Z_support, capped at 2);
+- "ignore_engine": the same with θ_old := the engine's log-probs (`algorithm.old_logprobs: engine`), as stacks
+  that skip the recompute do: PPO's ratio then starts at Z_support, so below top-p 1 − ε_low = 0.8 every
+  token with a negative advantage is clipped away ("phantom clipping"), where the literature's collapses
+  are;
+- "replay": the trainer normalises over the engine's support (the default);
+- "dvp_replay": replay with DVP at log ρ = −9 (the tail-mismatch experiment's ρ; the engine then also gets
+  min-p ρ).
+`TRUNCATION_SETTINGS` (on top of the collapse settings) set a top-k of the whole vocabulary, so that top-p
+alone decides the support, and the mask cap that SGLang's sampler needs for it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from megatron_tail.utils.errors import UserError
+
+VOCAB = 8192
+"""The tail model's vocabulary (`zipf_language`)."""
+LOG_RHO = -9.0
+"""DVP's log ρ in this experiment (as `tail_mismatch.ARMS["dvp_mis"]`, and why there)."""
+
+TRUNCATION_SETTINGS: list[str] = [
+    f"rollout.top_k={VOCAB}",
+    f"rollout.sampling_mask_max_tokens={2 * VOCAB}",
+    "train.steps=200",
+    "train.checkpoint_every=50",
+]
+"""Every run of the suite: top-k = the vocabulary (SGLang returns a support only under a finite top-k; at the
+whole vocabulary it cuts nothing, so top-p / min-p alone set the support) with the mask cap 2 × top-k that
+the config requires; 200 steps, so that a gap that grows with training has time to show."""
+
+DIALS: dict[str, list[str]] = {
+    "top_p0.98": ["rollout.top_p=0.98"],
+    "top_p0.9": ["rollout.top_p=0.9"],
+    "top_p0.7": ["rollout.top_p=0.7"],
+    "top_p0.5": ["rollout.top_p=0.5"],
+    "min_p_rho": [f"rollout.min_p={math.exp(LOG_RHO):.6g}"],
+}
+"""How much the engine cuts, in order: top-p from 0.98 to 0.5, then min-p at ρ = e^−9 (DVP's rule applied on
+the engine's side only)."""
+
+ARMS: dict[str, list[str]] = {
+    "ignore": ["algorithm.sampling_support=ignore"],
+    "ignore_tis": ["algorithm.sampling_support=ignore", "algorithm.is_mode=tis"],
+    "ignore_engine": ["algorithm.sampling_support=ignore", "algorithm.old_logprobs=engine"],
+    "replay": [],
+    "dvp_replay": [f"algorithm.log_rho={LOG_RHO:g}"],
+}
+"""The arms (module docstring), each on top of the tail config's naive objective (no IS, no veto)."""
+
+SEEDS = (1, 2, 3)
+"""The reported seeds; seed 0 is the one the settings were chosen on (never reported)."""
+
+QUICK: dict[str, object] = {
+    "dials": ("top_p0.5",),
+    "arms": ("ignore_engine", "replay"),
+    "seeds": (0,),
+    "overrides": ("train.steps=3", "train.checkpoint_every=3"),
+}
+"""`--quick`: one dial, the one-sided arm that clips and the replay, one seed, 3 steps (CI's slow tests)."""
+
+# (column, tag, how over steps, format)
+COLUMNS: list[tuple[str, str, str, str]] = [
+    ("reward, last 10", "reward/mean", "last10", ".3f"),
+    ("reward, best 10-step window", "reward/mean", "best10", ".3f"),
+    ("1 − Z_support, first 10", "mismatch/outside_support_mass", "first10", ".3g"),
+    ("1 − Z_support, last 10", "mismatch/outside_support_mass", "last10", ".3g"),
+    ("clip fraction A>0 (mean)", "train/clip_fraction_pos_adv", "mean", ".3g"),
+    ("clip fraction A<0 (mean)", "train/clip_fraction_neg_adv", "mean", ".3g"),
+    ("IS ratio π_old/π_infer (mean)", "is/raw_ratio_mean", "mean", ".3g"),
+    ("IS log-bias (mean)", "is/raw_log_ratio_mean", "mean", ".3g"),
+    ("KL(π_infer‖π_train) k3 (mean)", "mismatch/kl_infer_train_k3", "mean", ".2e"),
+    ("grad-norm peak", "train/grad_norm", "max", ".3g"),
+    ("entropy, last 10", "policy/entropy", "last10", ".3g"),
+]
+"""The suite's table (`collapse.summarise_run` computes each column)."""
+
+
+def truncation_groups(dials: Sequence[str], arms: Sequence[str]) -> dict[str, list[str]]:
+    """`<arm>@<dial>` → its overrides (after the collapse settings), dial-major."""
+    for kind, names, known in (("dial", dials, DIALS), ("arm", arms, ARMS)):
+        unknown = sorted(set(names) - set(known))
+        if unknown:
+            raise UserError(f"unknown {kind}(s) {unknown}; the {kind}s are {list(known)}")
+    return {
+        f"{arm}@{dial}": [*TRUNCATION_SETTINGS, *DIALS[dial], *ARMS[arm]] for dial in dials for arm in arms
+    }
