@@ -631,9 +631,9 @@ class RunConfig:
                 "algorithm",
                 "sampling_support",
                 "ignore",
-                f"cannot combine with DVP (algorithm.log_rho={self.algorithm.log_rho}): DVP prunes both sides "
-                "with one rule, while ignore is the one-sided ablation; set algorithm.log_rho=null, or "
-                "sampling_support=replay",
+                f"cannot combine with DVP (algorithm.log_rho={self.algorithm.log_rho}): DVP prunes both "
+                "sides with one rule, while ignore is the one-sided ablation; set algorithm.log_rho=null, "
+                "or sampling_support=replay",
             )
         if self.data.prompts_per_step % self.train.mini_batches:
             _bad(
@@ -716,8 +716,8 @@ class RunConfig:
         out = []
         if self.algorithm.sampling_support == "ignore":
             out.append(
-                "algorithm.sampling_support=ignore: samples drawn with rollout.top_k/top_p/min_p are scored over "
-                "the full vocabulary, so every importance weight is biased by the mass the sampler cut "
+                "algorithm.sampling_support=ignore: samples drawn with rollout.top_k/top_p/min_p are scored "
+                "over the full vocabulary, so every importance weight is biased by the mass the sampler cut "
                 "(mismatch/outside_support_mass); an ablation that reproduces stacks without replay, not a "
                 "setting to train with"
                 + ("" if self.rollout.truncates else " (no truncation is on: it changes nothing here)")

@@ -111,6 +111,7 @@ def _run(args) -> int:
 
 
 def _run_collapse(args) -> int:
+    from megatron_tail.experiments import truncation
     from megatron_tail.experiments.collapse import (
         DEFAULT_LEVEL,
         DEFAULT_OUT,
@@ -119,7 +120,6 @@ def _run_collapse(args) -> int:
         RHO_GRID,
         run_collapse,
     )
-    from megatron_tail.experiments import truncation
     from megatron_tail.experiments.tail_mismatch import ARMS
 
     if args.quick and args.suite != "truncation":

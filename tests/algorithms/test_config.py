@@ -19,6 +19,8 @@ def test_defaults_come_from_the_papers():
     assert cfg.lopti_reverse is False
     assert cfg.num_phases == 1
     assert AlgorithmConfig(lopti=True).num_phases == 2
+    assert cfg.sampling_support == "replay"  # the ablation switches default to today's behaviour
+    assert cfg.old_logprobs == "recompute"
 
 
 def test_every_field_has_a_doc_line():
@@ -69,6 +71,8 @@ BAD = [
     ("kl_estimator", "k2"),
     ("loss_aggregation", "sum"),
     ("loss_max_len", 0),
+    ("sampling_support", "full"),
+    ("old_logprobs", "rollout"),
 ]
 
 

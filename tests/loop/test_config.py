@@ -174,6 +174,28 @@ def test_top_k_leaves_the_mask_cap_headroom_for_ties():
     assert load_config(None, on_pytorch).rollout.top_k == 4096
 
 
+def test_ignored_support_is_refused_with_dvp_and_warned_otherwise():
+    """`algorithm.sampling_support: ignore` is the one-sided ablation: DVP prunes both sides with one rule,
+    so the two are refused together, by name; alone, it is a valid config that warns."""
+    pattern = (
+        r"algorithm\.sampling_support cannot combine with DVP \(algorithm\.log_rho=-9\.0\).*set "
+        r"algorithm\.log_rho=null, or sampling_support=replay; got 'ignore'$"
+    )
+    with pytest.raises(ConfigError, match=pattern):
+        load_config(None, ["algorithm.sampling_support=ignore", "algorithm.log_rho=-9"])
+    assert load_config(None, []).warnings() == []
+    cfg = load_config(
+        None, ["algorithm.sampling_support=ignore", "algorithm.log_rho=null", "rollout.top_k=20"]
+    )
+    (warning,) = cfg.warnings()
+    assert (
+        warning.startswith("algorithm.sampling_support=ignore: samples drawn with")
+        and "no truncation" not in warning
+    )
+    untruncated = load_config(None, ["algorithm.sampling_support=ignore", "algorithm.log_rho=null"])
+    assert untruncated.warnings()[0].endswith("(no truncation is on: it changes nothing here)")
+
+
 def test_cross_section_checks():
     with pytest.raises(ConfigError, match=r"vocab_pad_multiple.*divisible by parallel\.tensor_parallel=4"):
         load_config(None, ["parallel.tensor_parallel=4", "model.vocab_pad_multiple=6"])

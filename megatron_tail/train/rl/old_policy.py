@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from megatron_tail.algorithms import combine_metrics
+from megatron_tail.algorithms import AlgorithmConfig, combine_metrics
 from megatron_tail.config import RunConfig
 from megatron_tail.ops import MaskedLogprobs
 from megatron_tail.rewards import load_reward_fn, reward_bound
@@ -60,11 +60,11 @@ def old_policy_op(cfg: RunConfig) -> OpSettings:
     return replace(op_settings(cfg), compute_safe_set_size=True, replay_support=True)
 
 
-def scored(cfg: RunConfig, out: MaskedLogprobs) -> MaskedLogprobs:
+def scored(cfg: AlgorithmConfig, out: MaskedLogprobs) -> MaskedLogprobs:
     """θ_old as the objective uses it: `out` itself, or with `sampling_support: ignore` its log-probs over the
     full vocabulary (the config keeps DVP off there, so `logprobs_full` is the unpruned π the update scores;
     the entropy stays the support's, the same quantity in every arm)."""
-    if cfg.algorithm.sampling_support == "ignore":
+    if cfg.sampling_support == "ignore":
         return replace(out, logprobs=out.logprobs_full)
     return out
 
@@ -96,7 +96,7 @@ def score_old_policy(trainer: Trainer, cfg: RunConfig, layout: MicroBatchLayout)
     )
     if r_max is None:
         scalars.pop("dvp/bias_bound", None)
-    outputs = [scored(cfg, out) for out in outputs]
+    outputs = [scored(cfg.algorithm, out) for out in outputs]
     return OldPolicy(outputs, scalars, diagnostics.tail_delta_histograms(totals))
 
 
@@ -125,7 +125,7 @@ def _sums(cfg: RunConfig, mb, out: MaskedLogprobs):
     (with the support replayed), the mismatch is measured on what the objective scores (`scored`)."""
     s, valid = mb.to_samples, mb.sample_valid
     support_logprobs = out.logprobs
-    out = scored(cfg, out)
+    out = scored(cfg.algorithm, out)
     engine_top = mb.fields.get("rollout_top_logprobs")
     piece = diagnostics.mismatch_sums(
         s(out.logprobs),
