@@ -61,8 +61,8 @@ def add_experiment_parser(subparsers) -> argparse.ArgumentParser:
         "--dials",
         nargs="+",
         default=None,
-        help="collapse --suite truncation: engine dials (default all: top_p0.98 top_p0.9 top_p0.7 top_p0.5 "
-        "min_p_rho)",
+        help="collapse --suite truncation: engine dials (top_p0.98 top_p0.9 top_p0.7 top_p0.5 min_p_rho); "
+        "with --arms, every arm at every dial (default: the 19-group grid of truncation.DEFAULT_GRID)",
     )
     parser.add_argument(
         "--quick",
@@ -120,21 +120,19 @@ def _run_collapse(args) -> int:
         RHO_GRID,
         run_collapse,
     )
-    from megatron_tail.experiments.tail_mismatch import ARMS
 
     if args.quick and args.suite != "truncation":
         raise UserError(f"--quick is for --suite truncation; got --suite {args.suite}")
     quick = truncation.QUICK if args.quick else {}
-    default_arms = truncation.ARMS if args.suite == "truncation" else ARMS
     results = run_collapse(
         args.out or DEFAULT_OUT,
         args.cache_dir,
         suite=args.suite,
         level=args.level or DEFAULT_LEVEL,
-        arms=args.arms or quick.get("arms") or tuple(default_arms),
+        arms=args.arms or quick.get("arms"),  # None: the suite's default (truncation: its grid)
         levels=args.levels or tuple(LEVELS),
         rhos=args.rhos or RHO_GRID,
-        dials=args.dials or quick.get("dials") or tuple(truncation.DIALS),
+        dials=args.dials or quick.get("dials"),
         seeds=args.seeds
         or quick.get("seeds")
         or (truncation.SEEDS if args.suite == "truncation" else DEFAULT_SEEDS),

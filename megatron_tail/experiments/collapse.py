@@ -86,15 +86,16 @@ COLUMNS: list[tuple[str, str, str, str]] = [
 def suite_groups(
     suite: str,
     level: str,
-    arms: Sequence[str],
+    arms: Sequence[str] | None,
     levels: Sequence[str],
     rhos: Sequence[str] = RHO_GRID,
-    dials: Sequence[str] = tuple(truncation.DIALS),
+    dials: Sequence[str] | None = None,
 ) -> dict[str, list[str]]:
     """group name → its overrides (after `COLLAPSE_SETTINGS`) for `suite`. The truncation suite runs on the
     bf16 engine (`level` does not apply) with its own `arms` (`truncation.ARMS`)."""
     if suite == "truncation":
         return truncation.truncation_groups(dials, arms)
+    arms = tuple(ARMS) if arms is None else arms
     for name in [level, *levels]:
         if name not in LEVELS:
             raise UserError(f"unknown level {name!r}; the levels are {list(LEVELS)}")
@@ -117,10 +118,10 @@ def run_collapse(
     *,
     suite: str = "arms",
     level: str = DEFAULT_LEVEL,
-    arms: Sequence[str] = tuple(ARMS),
+    arms: Sequence[str] | None = None,
     levels: Sequence[str] = tuple(LEVELS),
     rhos: Sequence[str] = RHO_GRID,
-    dials: Sequence[str] = tuple(truncation.DIALS),
+    dials: Sequence[str] | None = None,
     seeds: Sequence[int] = DEFAULT_SEEDS,
     overrides: Sequence[str] = (),
     jobs: int = 2,

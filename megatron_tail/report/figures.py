@@ -195,6 +195,39 @@ def safe_set_size_figure(runs: Sequence[RunEvents], labels: Sequence[str], out_d
     )
 
 
+def truncation_figure(runs: Sequence[RunEvents], labels: Sequence[str], out_dir: Path) -> FigureResult:
+    fraction = "fraction"
+    panels = [
+        Series(
+            "trainer mass outside the engine's support 1 − Z_support",
+            ("mismatch/outside_support_mass",),
+            ylabel="1 − Z",
+            from_zero=True,
+        ),
+        Series("PPO clip, A > 0", ("train/clip_fraction_pos_adv",), ylabel=fraction, from_zero=True),
+        Series("PPO clip, A < 0", ("train/clip_fraction_neg_adv",), ylabel=fraction, from_zero=True),
+        Series("raw IS ratio π_old/π_infer (mean)", ("is/raw_ratio_mean",), scale="auto"),
+        Series("IS log-bias E[log π_old − log π_infer]", ("is/raw_log_ratio_mean",), scale="auto"),
+        Series("entropy (θ_old, over the op's normaliser)", ("policy/entropy",), ylabel="nats", scale="auto"),
+    ]
+    caption = (
+        "Truncated sampling (rollout.top_k/top_p/min_p): the trainer's mass the engine never samples, PPO's "
+        "clip per sign of the advantage, and the importance ratio before any IS rule. Replayed, the ratio is "
+        "1 whatever 1 − Z_support is; ignored (algorithm.sampling_support: ignore), its log is log Z_support."
+    )
+    return draw_figure(
+        "truncation",
+        "Truncated sampling: support mass, clipping, IS bias",
+        panels,
+        runs,
+        labels,
+        out_dir,
+        caption=caption,
+        ncols=3,
+        panel_size=(4.6, 3.2),
+    )
+
+
 FIGURES = (
     reward_figure,
     grad_norm_figure,
@@ -204,6 +237,7 @@ FIGURES = (
     safe_mass_figure,
     importance_figure,
     safe_set_size_figure,
+    truncation_figure,
     early_warning_figure,
 )
 """Every figure of the report, in its order."""

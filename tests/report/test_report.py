@@ -31,6 +31,7 @@ FIGURE_NAMES = [
     "safe_mass",
     "is_veto_masks",
     "safe_set_size",
+    "truncation",
 ]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
