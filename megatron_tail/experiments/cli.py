@@ -138,6 +138,7 @@ def _run_collapse(args) -> int:
         or (truncation.SEEDS if args.suite == "truncation" else DEFAULT_SEEDS),
         overrides=[*quick.get("overrides", ()), *args.overrides],
         jobs=args.jobs,
+        model_size=args.model_size,
     )
     print(results.read_text())
     return 0
