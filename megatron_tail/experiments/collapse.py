@@ -151,6 +151,13 @@ def run_collapse(
 
     report = write_report([paths[0] for paths in runs.values()], out / "report", labels=list(runs))
     log(f"results: {results}\nreport (seed {seeds[0]} of each group): {report}")
+    if suite == "truncation":  # a report per dial (its arms side by side), and the dose–response figure
+        for dial in truncation.DIALS:
+            names = [name for name in runs if name.endswith(f"@{dial}")]
+            if len(names) > 1:
+                write_report([runs[n][0] for n in names], out / f"report_{dial}", labels=names)
+        dose = truncation.dose_figure(table, out)
+        log(f"per-dial reports: {out}/report_<dial>/; dose–response: {dose}")
     return results
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from pathlib import Path
 
 from megatron_tail.utils.errors import UserError
 
@@ -114,3 +115,44 @@ def truncation_groups(
     else:
         pairs = tuple((arm, dial) for dial in dials or DIALS for arm in arms or ARMS)
     return {f"{arm}@{dial}": [*TRUNCATION_SETTINGS, *DIALS[dial], *ARMS[arm]] for arm, dial in pairs}
+
+
+DOSE_PANELS: tuple[tuple[str, str], ...] = (
+    ("reward, last 10", "reward, mean of the last 10 steps"),
+    ("1 − Z_support, last 10", "1 − Z_support, last 10 steps"),
+    ("clip fraction A<0 (mean)", "PPO clip fraction, A < 0"),
+    ("KL(π_infer‖π_train) k3 (mean)", "KL(π_infer‖π_train), k3"),
+)
+"""The dose–response figure's panels: (table column, panel title)."""
+
+
+def dose_figure(table: dict, out: Path) -> Path | None:
+    """`<out>/dose_response.png`: each `DOSE_PANELS` column (mean ± std over seeds) against the dial, one line
+    per arm, from `collapse.summarise_groups`' table of `<arm>@<dial>` groups; None if no group is."""
+    from matplotlib.figure import Figure
+
+    cells: dict[str, dict[str, dict]] = {}
+    for name, entry in table.items():
+        arm, _, dial = name.partition("@")
+        if arm in ARMS and dial in DIALS:
+            cells.setdefault(arm, {})[dial] = entry["columns"]
+    if not cells:
+        return None
+    dials = [d for d in DIALS if any(d in by_dial for by_dial in cells.values())]
+    fig = Figure(figsize=(11, 7.5), layout="constrained")
+    axes = fig.subplots(2, 2).ravel()
+    for ax, (column, title) in zip(axes, DOSE_PANELS, strict=True):
+        for k, (arm, by_dial) in enumerate(cells.items()):
+            xs = [i for i, d in enumerate(dials) if d in by_dial]
+            mean = [by_dial[dials[i]][column][0] for i in xs]
+            std = [by_dial[dials[i]][column][1] for i in xs]
+            ax.errorbar(xs, mean, yerr=std, marker="o", capsize=3, color=f"C{k}", label=arm)
+        ax.set_xticks(range(len(dials)), dials)
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("Truncation suite: dose–response over the engine's dial (mean ± std over seeds)")
+    path = Path(out) / "dose_response.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return path

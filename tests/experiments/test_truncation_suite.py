@@ -56,6 +56,9 @@ def _check_quick(out, steps: int) -> None:
         abs(replay_first["is/raw_log_ratio_mean"]) < 0.01
         and replay_first["train/clip_fraction_neg_adv"] == 0.0
     )
+    assert (out / "dose_response.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    per_dial = (out / "report_top_p0.5" / "report.md").read_text()
+    assert "](truncation.png)" in per_dial and "ignore_engine@top_p0.5" in per_dial
     text = (out / "results.md").read_text()
     assert "| ignore_engine@top_p0.5 | 0/1 |" in text and "1 − Z_support, last 10" in text
 
