@@ -62,7 +62,7 @@ def add_experiment_parser(subparsers) -> argparse.ArgumentParser:
         nargs="+",
         default=None,
         help="collapse --suite truncation: engine dials (top_p0.98 top_p0.9 top_p0.7 top_p0.5 min_p_rho); "
-        "with --arms, every arm at every dial (default: the 19-group grid of truncation.DEFAULT_GRID)",
+        "with --arms, every arm at every dial (default: the 16-group grid of truncation.DEFAULT_GRID)",
     )
     parser.add_argument(
         "--quick",

@@ -82,10 +82,15 @@ def test_quick_subset_on_the_ci_model(tmp_path):
 
 def test_default_grid_and_names():
     groups = truncation.truncation_groups()
-    assert len(groups) == 19 and len(truncation.DEFAULT_GRID) == 19
-    for dial in truncation.DIALS:  # the dose–response: the one-sided arms and the replay at every dial
-        for arm in ("ignore", "ignore_engine", "replay"):
+    assert len(groups) == 16 and len(set(truncation.DEFAULT_GRID)) == 16
+    for dial in truncation.DIALS:  # the dose–response: the one-sided arm and the replay at every dial
+        for arm in ("ignore", "replay"):
             assert f"{arm}@{dial}" in groups
+    assert {name for name in groups if name.startswith("ignore_engine@")} == {
+        "ignore_engine@top_p0.7",
+        "ignore_engine@top_p0.5",
+        "ignore_engine@min_p_rho",
+    }
     assert groups["dvp_replay@min_p_rho"][-1] == "algorithm.log_rho=-9"
     assert "rollout.min_p=0.00012341" in groups["ignore@min_p_rho"]
     assert len(truncation.truncation_groups(["top_p0.7"], None)) == len(truncation.ARMS)

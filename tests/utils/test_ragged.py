@@ -37,6 +37,9 @@ def test_from_lists_dense_and_rows_match_the_lists():
     assert ragged.nbytes == 4 * ragged.nnz + 8 * 41
     with pytest.raises(ValueError, match=f"width 2 cannot hold the longest row \\({ragged.width} ids\\)"):
         ragged.dense(2)
+    assert ragged.values.dtype == torch.int32 and len(Ragged.from_lists([])) == 0
+    with pytest.raises(OverflowError):  # an id past int32 is refused, not wrapped
+        Ragged.from_lists([[1, 2**31]])
 
 
 def test_from_dense_drops_the_padding():
