@@ -138,7 +138,8 @@ class RolloutManager:
     async def next_batch(self, step: int) -> tuple[list[GroupResult], dict[str, float]]:
         """G groups for step `step` (the trainer's weights are version `step`), each with its oldest token
         at least `step − η`, in prompt-stream order; and the counters since the last batch
-        (`rollout/dropped_stale` samples, `rollout/filtered_groups`, `rollout/buffered_groups` left)."""
+        (`rollout/dropped_stale` samples, `rollout/filtered_groups`, `rollout/buffered_groups` left,
+        `rollout/batch_fill`: the groups taken ÷ G, 0 when dynamic sampling filtered every group)."""
         floor = step - self.eta
         async with self._changed:
             while True:
@@ -159,6 +160,7 @@ class RolloutManager:
         self._fill()
         metrics = {f"rollout/{k}": float(v) for k, v in self._counts.items()}
         metrics["rollout/buffered_groups"] = float(len(self.buffer))
+        metrics["rollout/batch_fill"] = len(taken) / self.groups  # as the step-wise dynamic sampling logs it
         self._counts = dict.fromkeys(self._counts, 0)
         return sorted(taken, key=lambda g: g.index), metrics
 

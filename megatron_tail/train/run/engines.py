@@ -54,6 +54,21 @@ ENGINE_POLL_S = 0.5
 requests cannot come back once it is gone, and the client would otherwise probe a dead port for a minute."""
 
 
+def manager_batch(
+    groups: list[GroupResult], metrics: dict[str, float], data_cursor: int, waited_s: float
+) -> RolloutBatch:
+    """A step's batch from the manager's `groups` (possibly none: dynamic sampling filtered every group,
+    and the loop skips the step), with the manager's `metrics`, the stream's cursor, and the stats the loop
+    logs: `rollout_time_s` is `waited_s` (generation overlapped training: what the trainer waited is what
+    the step's rollout cost it), `generated_tokens` the trained groups' response tokens."""
+    batch = groups_to_batch(groups)
+    batch.data_cursor = data_cursor
+    batch.metrics.update(metrics)
+    batch.stats["rollout_time_s"] = waited_s
+    batch.stats["generated_tokens"] = float(sum(len(r) for r in batch.response_ids))
+    return batch
+
+
 class RolloutEngines:
     """Engines, client and rewards on global rank 0. Made early (a local engine loads meanwhile),
     then `wait_ready()`, `generate(...)`, `evaluate(...)`, `sync_weights(...)`, and `close()`."""
@@ -284,13 +299,8 @@ class RolloutEngines:
         """Step `step`'s batch from the manager (blocks until G groups within the staleness bound)."""
         started = time.perf_counter()
         groups, metrics = self._run(self.manager.next_batch(step), f"the batch of step {step + 1}")
-        batch = groups_to_batch(groups)
-        batch.data_cursor = self.manager.next_index
-        batch.metrics.update(metrics)
-        batch.metrics.update(self._client_metrics())
-        # generation overlapped training: what the trainer waited is what the step's rollout cost it
-        batch.stats["rollout_time_s"] = time.perf_counter() - started
-        return batch
+        metrics = {**metrics, **self._client_metrics()}
+        return manager_batch(groups, metrics, self.manager.next_index, time.perf_counter() - started)
 
     def before_weight_update(self) -> None:
         """Without partial rollouts, let the groups in flight finish under the weights they began with."""

@@ -124,13 +124,13 @@ def rl_step(
     sync_s = s.sync_weights(version=done)  # weight sync: the engines load θ_new as version `done`
     if cadence.eval_after(done):
         metrics.update(s.evaluate())  # eval
-    rollout_s = batch.stats["rollout_time_s"]
+    rollout_s = batch.stats.get("rollout_time_s", 0.0)  # a skipped step may have generated nothing
     metrics.update(
         {
             "perf/rollout_time_s": rollout_s,
             "perf/train_time_s": train_s,
             "perf/weight_sync_time_s": sync_s,
-            "perf/rollout_tokens_per_s": batch.stats["generated_tokens"] / max(rollout_s, 1e-9),
+            "perf/rollout_tokens_per_s": batch.stats.get("generated_tokens", 0.0) / max(rollout_s, 1e-9),
             "perf/train_tokens_per_s": tokens / max(train_s, 1e-9),
             "perf/step_time_s": time.perf_counter() - started,
         }
