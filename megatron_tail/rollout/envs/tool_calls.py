@@ -14,6 +14,11 @@ renders:
 "parameters"). Where the detector silently drops a block (bad JSON, unknown tool), this parser reports an
 error instead, and it also reports attempts the detector does not see (a `<tool_call>` without its newline or
 never closed): the environment answers those with an error observation, so the model learns the format.
+
+Reasoning is not a turn's calls: as SGLang's chat path runs its reasoning parser (`--reasoning-parser qwen3`)
+before the detector, `parse_tool_calls` reads only the text after the last `</think>`. A call drafted while
+thinking is never executed; a turn whose `<think>` is never closed (cut off while reasoning) is all
+reasoning and calls nothing; a turn without a think block is parsed whole.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ _BLOCK = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.DOTALL)
 """Qwen25Detector's pattern: `bot_token` "<tool_call>\\n", `eot_token` "\\n</tool_call>", non-greedy."""
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 EMPTY_THINK = "<think>\n\n</think>\n\n"
 
 
@@ -43,7 +49,8 @@ class ParsedTurn:
     """The tool calls of one model turn, in order, and the malformed attempts (one message each)."""
 
     content: str
-    """Text before the first `<tool_call>` (stripped), as the detector's `normal_text`."""
+    """Text after the reasoning and before the first `<tool_call>` (stripped), as the detector's
+    `normal_text`."""
     calls: list[ToolCall] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
@@ -54,7 +61,9 @@ class ParsedTurn:
 
 
 def parse_tool_calls(text: str, tool_names: Collection[str]) -> ParsedTurn:
-    """The calls in `text` (a decoded model turn) of the tools `tool_names`; never raises on model text."""
+    """The calls in `text` (a decoded model turn) of the tools `tool_names`, after its reasoning (module
+    docstring); never raises on model text."""
+    text = after_reasoning(text)
     start = text.find(CALL_OPEN + "\n")
     content = (text[:start] if start != -1 else text).strip()
     calls: list[ToolCall] = []
@@ -72,6 +81,15 @@ def parse_tool_calls(text: str, tool_names: Collection[str]) -> ParsedTurn:
             '<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>'
         )
     return ParsedTurn(content, calls, errors)
+
+
+def after_reasoning(text: str) -> str:
+    """What of a model turn is not reasoning: the text after the last `</think>`; "" if a `<think>` is
+    never closed (the turn ended while reasoning); the whole text without a think block."""
+    end = text.rfind(THINK_CLOSE)
+    if end != -1:
+        return text[end + len(THINK_CLOSE) :]
+    return "" if THINK_OPEN in text else text
 
 
 def _parse_block(body: str, tool_names: Collection[str]) -> tuple[list[ToolCall], list[str]]:
