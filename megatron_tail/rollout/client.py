@@ -468,6 +468,21 @@ def _reseeded(keys: list[SampleKey], overflows: int) -> list[SampleKey]:
     return [SampleKey(k.prompt_index, k.sample_index, sample_seed(k.seed, overflows, -1)) for k in keys]
 
 
+def regeneration_keys(prompt_index: int, sampling: SamplingConfig, attempt: int) -> list[SampleKey]:
+    """The sample keys of a prompt's group when it is generated for the `attempt`-th time (the rollout
+    manager's count of regenerations: dropped as stale, or in flight at a checkpoint and regenerated on
+    resume). Attempt 0 is `sample_keys`; each later attempt gets fresh seeds derived from (seed, attempt),
+    so a regenerated group does not replay the samples it replaces. A retry after an engine failure is
+    not a new attempt: it reuses its keys (exactly-once)."""
+    if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 0:
+        raise ValueError(f"attempt must be an int ≥ 0; got {attempt!r}")
+    keys = sample_keys(prompt_index, sampling)
+    if not attempt:
+        return keys
+    # sample index −2: a stream neither support-overflow reseeding (−1) nor continued segments (≥ 1) use
+    return [SampleKey(k.prompt_index, k.sample_index, sample_seed(k.seed, attempt, -2)) for k in keys]
+
+
 def _check_prompt(index: int, prompt: Sequence[int]) -> list[int]:
     ids = list(prompt)
     if not ids or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):

@@ -9,10 +9,11 @@ batches whose oldest token is at most η versions behind (`rollout.max_staleness
     manager.set_version(step + 1)                # after it
 
 Units of work. A *group* is one prompt's `group_size` samples; its identity is its position `index` in
-the prompt stream (the prompts are `stream.take(index, 1)`, seeds a function of the index). `work(index,
-version)` is a coroutine that generates, scores and returns the group (`GroupResult`); it may issue any
-number of `/generate` calls (a multi-turn episode is one unit of work), and with partial rollouts a
-weight-update pause aborts its requests, which it continues from their tokens under the new weights.
+the prompt stream (the prompts are `stream.take(index, 1)`, seeds a function of the index and its
+attempt). `work(index, version, attempt)` is a coroutine that generates, scores and returns the group
+(`GroupResult`); it may issue any number of `/generate` calls (a multi-turn episode is one unit of work),
+and with partial rollouts a weight-update pause aborts its requests, which it continues from their tokens
+under the new weights.
 
 Admission (AReaL's staleness control, arXiv 2505.24298 §4): with the engines at version v, the manager
 admits a new group only while `admitted < (v − v0 + η + 1) · G + wasted`, where `wasted` counts groups that
@@ -28,6 +29,12 @@ token has version ≥ k − η, oldest first. A completed group older than that 
 `rollout/dropped_stale` (samples), and its prompt is queued again (regenerated with the current weights),
 so no prompt is lost and none is trained on twice.
 
+Attempts. A prompt the manager generates again after throwing its samples away (dropped as stale) or after
+losing them (in flight at a checkpoint, regenerated on resume) gets the next `attempt`, and `work` derives
+fresh seeds from it (`client.regeneration_keys`): with the same seeds, a regenerated group would nearly
+replay the one it replaces. A retry after an engine failure is not a new attempt (the client reuses the
+keys: exactly-once). The attempts of prompts not yet trained are checkpointed.
+
 Exactly-once, and where it is decided:
 - Retries after an engine failure reuse the group's sample keys (`RolloutClient`): a group completes once.
 - Dynamic sampling (`keep`): a filtered group is consumed (it is DAPO's filter, not a loss) and replaced.
@@ -36,7 +43,8 @@ Exactly-once, and where it is decided:
   exact after the resume), the indices in flight (regenerated first on resume: their partial tokens lived
   in the engines, which do not survive the process, and regenerating a whole group under the resumed
   weights is the only choice that keeps every token's version and log-prob true), the stale prompts
-  queued again, and the counters. A resumed run trains on exactly the prompts the stopped run had not.
+  queued again, their attempts, and the counters. A resumed run trains on exactly the prompts the stopped
+  run had not.
 """
 
 from __future__ import annotations
@@ -75,8 +83,9 @@ class GroupResult:
         return cls(state["index"], RolloutBatch.from_dict(state["batch"]), state["version"])
 
 
-Work = Callable[[int, int], Awaitable[GroupResult]]
-"""`work(index, version) -> GroupResult`: generate and score group `index` (admitted at `version`)."""
+Work = Callable[[int, int, int], Awaitable[GroupResult]]
+"""`work(index, version, attempt) -> GroupResult`: generate and score group `index` (admitted at `version`)
+for the `attempt`-th time (0 the first; module docstring, "Attempts")."""
 
 
 class RolloutManager:
@@ -122,6 +131,9 @@ class RolloutManager:
         were in flight."""
         self.admitted = 0
         self.wasted = 0
+        self.attempts: dict[int, int] = {}
+        """Prompt position → its attempts so far that were thrown away or lost (absent: 0); dropped once
+        the prompt is trained or filtered."""
         self.buffer: dict[int, GroupResult] = {}
         self.in_flight: dict[int, asyncio.Task] = {}
         self.held = False
@@ -157,6 +169,7 @@ class RolloutManager:
                 await self._changed.wait()
         for group in taken:
             del self.buffer[group.index]
+            self.attempts.pop(group.index, None)
         self._fill()
         metrics = {f"rollout/{k}": float(v) for k, v in self._counts.items()}
         metrics["rollout/buffered_groups"] = float(len(self.buffer))
@@ -210,11 +223,13 @@ class RolloutManager:
             else:
                 index, self.next_index = self.next_index, self.next_index + 1
             self.admitted += 1
-            self.in_flight[index] = asyncio.get_running_loop().create_task(self._run(index, self.version))
+            attempt = self.attempts.get(index, 0)
+            task = self._run(index, self.version, attempt)
+            self.in_flight[index] = asyncio.get_running_loop().create_task(task)
 
-    async def _run(self, index: int, version: int) -> None:
+    async def _run(self, index: int, version: int, attempt: int) -> None:
         try:
-            result = await self.work(index, version)
+            result = await self.work(index, version, attempt)
         except asyncio.CancelledError:  # closing, or a second stop signal: regenerated if resumed from here
             self.in_flight.pop(index, None)
             self.queued.appendleft(index)
@@ -230,6 +245,7 @@ class RolloutManager:
             if self.keep is not None and not self.keep(result):
                 self.wasted += 1
                 self._counts["filtered_groups"] += 1
+                self.attempts.pop(index, None)
             else:
                 self.buffer[index] = result
         async with self._changed:
@@ -242,12 +258,16 @@ class RolloutManager:
             self.wasted += 1
             self._counts["dropped_stale"] += len(group.batch)
             self.queued.append(group.index)
+            self.attempts[group.index] = self.attempts.get(group.index, 0) + 1  # fresh seeds
 
     # --- checkpoint -----------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
         """What a resumed run needs to continue exactly (module docstring). Call between steps."""
         in_flight = sorted(self.in_flight)
+        attempts = dict(self.attempts)
+        for index in in_flight:  # lost with the process: regenerated on resume, with fresh seeds
+            attempts[index] = attempts.get(index, 0) + 1
         return {
             "next_index": self.next_index,
             "queued": [*in_flight, *self.queued],
@@ -255,6 +275,7 @@ class RolloutManager:
             "wasted": self.wasted,
             "base_version": self.base_version,
             "buffer": [g.to_state() for g in sorted(self.buffer.values(), key=lambda g: g.index)],
+            "attempts": [[index, n] for index, n in sorted(attempts.items())],
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -265,6 +286,7 @@ class RolloutManager:
         self.wasted = int(state["wasted"])
         self.base_version = int(state["base_version"])
         self.buffer = {g["index"]: GroupResult.from_state(g) for g in state["buffer"]}
+        self.attempts = {int(i): int(n) for i, n in state.get("attempts", [])}  # none before attempts
 
 
 def groups_to_batch(groups: list[GroupResult]) -> RolloutBatch:

@@ -48,7 +48,7 @@ def _stepwise_batch() -> RolloutBatch:
 def _manager_batch(eta: int) -> RolloutBatch:
     """η ≥ 2: the manager's batch when every group it generates is filtered."""
 
-    async def work(index: int, version: int) -> GroupResult:
+    async def work(index: int, version: int, _attempt: int) -> GroupResult:
         await asyncio.sleep(0)
         return GroupResult(index, _flat_group(index), version)
 

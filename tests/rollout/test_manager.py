@@ -13,12 +13,17 @@ import asyncio
 import pytest
 
 from megatron_tail.rollout.batch import RolloutBatch, rollout_metrics
+from megatron_tail.rollout.client import regeneration_keys
 from megatron_tail.rollout.manager import GroupResult, RolloutManager, groups_to_batch
+from megatron_tail.rollout.protocol import SamplingConfig, sample_keys
+
+SAMPLING = SamplingConfig(n_samples=2, max_new_tokens=8, base_seed=1234)
 
 
 class SimulatedEngines:
-    """`work(index, version)` for the manager: `ticks` sleeps per group, 3 tokens per tick, each token
-    tagged with the version current when it was made; the rewards are `reward(index)`."""
+    """`work(index, version, attempt)` for the manager: `ticks` sleeps per group, 3 tokens per tick, each
+    token tagged with the version current when it was made; the rewards are `reward(index)`. `attempts`
+    records (index, attempt) per call, `seeds` the group's sample seeds as the engines derive them."""
 
     def __init__(self, ticks, reward=lambda _index: [0.0, 1.0], fail_at: set[int] | None = None):
         self.version = 0
@@ -26,11 +31,15 @@ class SimulatedEngines:
         self.reward = reward
         self.fail_at = fail_at or set()
         self.started: list[int] = []
+        self.attempts: list[tuple[int, int]] = []
+        self.seeds: list[tuple[int, list[int]]] = []
         self.max_ahead = 0
 
-    async def work(self, index: int, version: int) -> GroupResult:
+    async def work(self, index: int, version: int, attempt: int) -> GroupResult:
         assert version == self.version
         self.started.append(index)
+        self.attempts.append((index, attempt))
+        self.seeds.append((index, [k.seed for k in regeneration_keys(index, SAMPLING, attempt)]))
         if index in self.fail_at:
             self.fail_at.discard(index)
             raise ConnectionError(f"engine died generating group {index}")
@@ -206,9 +215,9 @@ def test_checkpoint_mid_run_resumes_with_the_buffer_and_its_versions():
 
 def test_bad_settings_name_the_value():
     with pytest.raises(ValueError, match="max_staleness must be an int ≥ 0; got -1"):
-        RolloutManager(lambda _i, _v: None, groups_per_step=2, max_staleness=-1, version=0)
+        RolloutManager(lambda _i, _v, _a: None, groups_per_step=2, max_staleness=-1, version=0)
     with pytest.raises(ValueError, match="groups_per_step must be an int ≥ 1; got 0"):
-        RolloutManager(lambda _i, _v: None, groups_per_step=0, max_staleness=1, version=0)
+        RolloutManager(lambda _i, _v, _a: None, groups_per_step=0, max_staleness=1, version=0)
 
 
 @pytest.mark.parametrize("cap", [1, 2, 5])
@@ -224,9 +233,9 @@ def test_at_most_max_in_flight_groups_generate_and_none_is_lost(cap):
         peak = [0]
         inner = engines.work
 
-        async def work(index, version):
+        async def work(index, version, attempt):
             peak[0] = max(peak[0], len(manager.in_flight))
-            return await inner(index, version)
+            return await inner(index, version, attempt)
 
         manager.work = work
         manager.start()
@@ -270,3 +279,94 @@ def test_a_buffered_groups_ragged_supports_survive_the_checkpoint():
     for got, want in zip(back.batch.rollout_supports, supports, strict=True):
         assert isinstance(got, Ragged) and got.width == want.width
         assert [got.row(j).tolist() for j in range(3)] == [want.row(j).tolist() for j in range(3)]
+
+
+def test_regeneration_keys_are_the_first_keys_then_fresh_seeds_per_attempt():
+    first = regeneration_keys(5, SAMPLING, 0)
+    assert first == sample_keys(5, SAMPLING)
+    later = [regeneration_keys(5, SAMPLING, a) for a in (1, 2, 3)]
+    seeds = [k.seed for keys in [first, *later] for k in keys]
+    assert len(set(seeds)) == len(seeds) == 8  # every attempt's 2 seeds are new
+    assert all([(k.prompt_index, k.sample_index) for k in keys] == [(5, 0), (5, 1)] for keys in later)
+    assert regeneration_keys(5, SAMPLING, 2) == later[1]  # a function of (seed, index, attempt)
+    with pytest.raises(ValueError, match="attempt must be an int ≥ 0; got -1"):
+        regeneration_keys(5, SAMPLING, -1)
+
+
+def test_a_stale_group_is_regenerated_with_fresh_seeds():
+    """The stale group of `test_a_stale_group_is_dropped_...`: its second generation is attempt 1, with
+    seeds unlike the first's; every other group is generated once, at attempt 0."""
+
+    async def main():
+        engines = SimulatedEngines(lambda i: 30 if i == 1 and engines.started.count(1) == 1 else 1)
+        manager = RolloutManager(engines.work, groups_per_step=2, max_staleness=1, version=0)
+        manager.start()
+        await _train(manager, engines, 8)
+        await manager.close()
+        return engines, manager
+
+    engines, manager = asyncio.run(main())
+    assert [a for i, a in engines.attempts if i == 1] == [0, 1]
+    assert all(a == 0 for i, a in engines.attempts if i != 1)
+    first, again = [seeds for i, seeds in engines.seeds if i == 1]
+    assert first == [k.seed for k in sample_keys(1, SAMPLING)] and not set(first) & set(again)
+    assert 1 not in manager.attempts  # trained: forgotten
+
+
+def test_groups_in_flight_at_a_checkpoint_get_fresh_seeds_on_resume_and_attempts_survive_it():
+    async def main():
+        engines = SimulatedEngines(_long_tail)
+        manager = RolloutManager(engines.work, groups_per_step=2, max_staleness=2, version=0)
+        manager.start()
+        await _train(manager, engines, 2)
+        manager.attempts[manager.next_index + 50] = 3  # as if dropped three times (not admitted yet)
+        state = manager.state_dict()
+        in_flight = sorted(manager.in_flight)
+        await manager.close()
+        again = RolloutManager(engines.work, groups_per_step=2, max_staleness=2, version=2)
+        again.load_state_dict(state)
+        assert again.attempts == {**dict.fromkeys(in_flight, 1), manager.next_index + 50: 3}
+        before = len(engines.attempts)
+        again.start()
+        await _train(again, engines, 2, first_step=2)
+        await again.close()
+        return engines.attempts[before:], engines.seeds, in_flight
+
+    resumed, seeds, in_flight = asyncio.run(main())
+    assert in_flight and all((i, 1) in resumed for i in in_flight)
+    started = [i for i in in_flight if sum(j == i for j, _ in seeds) == 2]  # some were admitted, not begun
+    assert started
+    for index in started:  # the lost generation and the regenerated one share no seed
+        first, again = [s for i, s in seeds if i == index]
+        assert not set(first) & set(again)
+
+
+def test_an_engine_failure_is_not_a_new_attempt_its_group_keeps_its_seeds():
+    """Group 7's work raises (the client's retries exhausted): a checkpoint taken then lists it at attempt 0,
+    so the resumed run generates it with the keys of the failed try (exactly-once)."""
+
+    async def main():
+        engines = SimulatedEngines(lambda _i: 1, fail_at={7})
+        manager = RolloutManager(engines.work, groups_per_step=2, max_staleness=2, version=0)
+        manager.start()
+        step = 0
+        with pytest.raises(ConnectionError, match="group 7"):
+            for step in range(10):  # the step that raised is where the run resumes
+                await _train(manager, engines, 1, first_step=step)
+        while manager.in_flight:  # let the other groups finish: only the failure is left to regenerate
+            await asyncio.sleep(0)
+        state = manager.state_dict()
+        await manager.close()
+        engines.version = step
+        again = RolloutManager(engines.work, groups_per_step=2, max_staleness=2, version=step)
+        again.load_state_dict(state)
+        again.start()
+        await _train(again, engines, 2, first_step=step)
+        await again.close()
+        return engines, state
+
+    engines, state = asyncio.run(main())
+    assert 7 in state["queued"] and [7, 1] not in state["attempts"]
+    assert [a for i, a in engines.attempts if i == 7] == [0, 0]
+    first, again = [s for i, s in engines.seeds if i == 7]
+    assert first == again == [k.seed for k in sample_keys(7, SAMPLING)]

@@ -30,11 +30,10 @@ from megatron_tail.rollout import (
     wait_until_healthy,
 )
 from megatron_tail.rollout.batch import token_versions_of
-from megatron_tail.rollout.client import SupportOverflowsExhausted
+from megatron_tail.rollout.client import SupportOverflowsExhausted, regeneration_keys
 from megatron_tail.rollout.local_engine.process import LocalEngineProcess
 from megatron_tail.rollout.manager import GroupResult, RolloutManager, groups_to_batch
 from megatron_tail.rollout.processor import DVPLogitProcessor
-from megatron_tail.rollout.protocol import sample_keys
 from megatron_tail.utils.errors import UserError
 from megatron_tail.utils.net import free_port
 
@@ -253,11 +252,12 @@ class RolloutEngines:
         sampling = self._sampling(base_seed=cfg.seed * 1_000_003 - 1)  # rollout_seed(seed, -1): no step's
         score_lock = asyncio.Lock()
 
-        async def work(index: int, admitted: int) -> GroupResult:
+        async def work(index: int, admitted: int, attempt: int) -> GroupResult:
             example = prompt_at(index)
             started = time.perf_counter()
+            keys = regeneration_keys(index, sampling, attempt)  # a regenerated group: fresh seeds
             samples = await self.client.generate_group(
-                example.prompt_ids, sample_keys(index, sampling), sampling, partial=r.partial_rollouts
+                example.prompt_ids, keys, sampling, partial=r.partial_rollouts
             )
             elapsed = time.perf_counter() - started
             self._check_token_ids(samples)
