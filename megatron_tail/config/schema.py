@@ -235,8 +235,14 @@ class RolloutSection:
     the weights it trains (rollout and training alternate); 1, step k+1's batch is generated while step k
     trains, with the weights step k started from (one version behind; the IS corrections weigh by
     π_old/π_infer, the decoupled PPO objective; see the README); η ≥ 2, a rollout manager
-    (`rollout/manager.py`) keeps the engines generating with up to η versions in flight and a step trains
-    on samples whose oldest token is at most η versions behind (older ones are dropped and counted)."""
+    (`rollout/manager.py`) keeps the engines generating and admits a group only while at most η + 1 steps
+    of groups are ahead of the trainer (AReaL's capacity rule); a straggler trains at its true staleness,
+    logged in `rollout/staleness_max` (see `stale_groups`)."""
+    stale_groups: str = "train"
+    """Under the rollout manager, a completed group whose oldest token is more than `max_staleness`
+    versions behind the step: "train" (the default, AReaL's rule) trains it at its true staleness, the IS
+    weights correcting it; "drop" drops it (counted in `rollout/dropped_stale`) and regenerates its prompt
+    with fresh seeds, at most twice per prompt, which biases training against long responses."""
     partial_rollouts: bool = False
     """At a weight update, requests in flight are aborted (`/pause_generation` mode abort) and continued
     from their tokens under the new weights, each token keeping the log-prob and version of the weights
@@ -373,6 +379,8 @@ class RolloutSection:
             )
         if not isinstance(self.partial_rollouts, bool):
             _bad("rollout", "partial_rollouts", self.partial_rollouts, "must be true or false")
+        if self.stale_groups not in ("train", "drop"):
+            _bad("rollout", "stale_groups", self.stale_groups, 'must be "train" or "drop"')
         if self.engine == "remote" and not self.server_urls:
             _bad(
                 "rollout", "server_urls", self.server_urls, 'must name at least one URL with engine="remote"'

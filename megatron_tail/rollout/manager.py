@@ -1,6 +1,6 @@
-"""The rollout manager: keeps the engines busy with up to η weight versions in flight, and hands the trainer
-batches whose oldest token is at most η versions behind (`rollout.max_staleness` = η ≥ 2, or
-`rollout.partial_rollouts`).
+"""The rollout manager: keeps the engines busy with up to η weight versions in flight, admits a group only
+while the staleness bound allows it, and hands the trainer batches of completed groups, oldest first
+(`rollout.max_staleness` = η ≥ 2, or `rollout.partial_rollouts`).
 
     manager = RolloutManager(work, groups_per_step=G, max_staleness=η, version=v0)
     manager.start()                              # on the engines' event loop
@@ -17,17 +17,22 @@ under the new weights.
 
 Admission (AReaL's staleness control, arXiv 2505.24298 §4): with the engines at version v, the manager
 admits a new group only while `admitted < (v − v0 + η + 1) · G + wasted`, where `wasted` counts groups that
-will never be trained on (dropped as stale, filtered by dynamic sampling). So at most (η + 1) · G useful
+will never be trained on (filtered by dynamic sampling, or dropped as stale). So at most (η + 1) · G useful
 groups exist ahead of the trainer: η = 0 is the synchronous loop, η = 1 one step ahead. Independently, at
 most `max_in_flight` groups generate at once (AReaL's `max_concurrent_rollouts`, `rollout.max_concurrency`):
 staleness bounds how far ahead the engines may run, concurrency how many sequences share them. Past the
 engines' saturation point more sequences do not raise their throughput, they only slow each sequence
-down, so a long group spans more versions and is more often dropped as stale.
+down, so a long group spans more versions.
 
-Staleness bound. Step k (training θ_k, the engines at version k) takes G completed groups whose oldest
-token has version ≥ k − η, oldest first. A completed group older than that is dropped, counted in
-`rollout/dropped_stale` (samples), and its prompt is queued again (regenerated with the current weights),
-so no prompt is lost and none is trained on twice.
+Staleness is bounded at admission only (AReaL's rule, `staleness_manager.get_capacity`): step k (training
+θ_k, the engines at version k) takes G completed groups, oldest token first, and a completed group is never
+dropped for its age (`stale_groups="train"`, the default). A straggler (a long group admitted versions ago)
+trains at its true staleness, k − its oldest token's version, which the step logs (`rollout/staleness_max`,
+`rollout/staleness_mean`, `batch.rollout_metrics`) and the IS weights correct (decoupled PPO). Dropping
+would bias training against long responses, the ones that span versions. `stale_groups="drop"` keeps the
+older rule as an option: a group whose oldest token is below k − η is dropped, counted in
+`rollout/dropped_stale` (samples), and its prompt regenerated, at most `max_regenerations` times per prompt;
+past that it trains at its staleness.
 
 Attempts. A prompt the manager generates again after throwing its samples away (dropped as stale) or after
 losing them (in flight at a checkpoint, regenerated on resume) gets the next `attempt`, and `work` derives
@@ -103,16 +108,21 @@ class RolloutManager:
         max_filtered_per_batch: int | None = None,
         multiple: int = 1,
         max_in_flight: int | None = None,
+        stale_groups: str = "train",
+        max_regenerations: int = 2,
     ):
         for name, value, low, optional in (
             ("groups_per_step", groups_per_step, 1, False),
             ("max_staleness", max_staleness, 0, False),
             ("max_in_flight", max_in_flight, 1, True),
+            ("max_regenerations", max_regenerations, 0, False),
         ):
             if optional and value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an int ≥ {low}{' or None' * optional}; got {value!r}")
+        if stale_groups not in ("train", "drop"):
+            raise ValueError(f'stale_groups must be "train" or "drop"; got {stale_groups!r}')
         self.work = work
         self.groups = groups_per_step
         self.eta = max_staleness
@@ -124,6 +134,11 @@ class RolloutManager:
         """Groups generating at once at most (None: only the staleness bound limits admission)."""
         self.multiple = multiple
         """A batch cut short by dynamic sampling has a multiple of this many groups."""
+        self.stale_groups = stale_groups
+        """"train": a completed group is never dropped for its age; "drop": older than step − η is dropped
+        and regenerated (module docstring)."""
+        self.max_regenerations = max_regenerations
+        """With "drop": how many times one prompt may be dropped as stale and regenerated."""
         self.next_index = 0
         """The first prompt-stream position never admitted (the data cursor)."""
         self.queued: deque[int] = deque()
@@ -148,8 +163,9 @@ class RolloutManager:
         self._fill()
 
     async def next_batch(self, step: int) -> tuple[list[GroupResult], dict[str, float]]:
-        """G groups for step `step` (the trainer's weights are version `step`), each with its oldest token
-        at least `step − η`, in prompt-stream order; and the counters since the last batch
+        """G groups for step `step` (the trainer's weights are version `step`), the oldest first (with
+        `stale_groups="drop"`, each with its oldest token at least `step − η`), returned in prompt-stream
+        order; and the counters since the last batch
         (`rollout/dropped_stale` samples, `rollout/filtered_groups`, `rollout/buffered_groups` left,
         `rollout/batch_fill`: the groups taken ÷ G, 0 when dynamic sampling filtered every group)."""
         floor = step - self.eta
@@ -157,7 +173,8 @@ class RolloutManager:
             while True:
                 if self.error is not None:
                     raise self.error
-                self._drop_older_than(floor)
+                if self.stale_groups == "drop":
+                    self._drop_older_than(floor)
                 self._fill()
                 ready = sorted(self.buffer.values(), key=lambda g: (g.oldest_version, g.index))
                 if len(ready) >= self.groups:
@@ -253,7 +270,10 @@ class RolloutManager:
         self._fill()
 
     def _drop_older_than(self, floor: int) -> None:
-        for group in [g for g in self.buffer.values() if g.oldest_version < floor]:
+        """`stale_groups="drop"`: regenerate the buffered groups older than `floor`, each prompt at most
+        `max_regenerations` times (then it trains at its staleness)."""
+        stale = [g for g in self.buffer.values() if g.oldest_version < floor]
+        for group in [g for g in stale if self.attempts.get(g.index, 0) < self.max_regenerations]:
             del self.buffer[group.index]
             self.wasted += 1
             self._counts["dropped_stale"] += len(group.batch)

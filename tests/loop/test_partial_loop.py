@@ -1,6 +1,7 @@
 """The RL loop with the rollout manager (`rollout.max_staleness: 2`, `rollout.partial_rollouts: true`) at
-TP = 2 against a real engine, with disk and with in-memory weight sync: every step's samples are at most 2
-versions old (by their oldest token), the staleness and engine metrics are logged, and a SIGTERM'd run
+TP = 2 against a real engine, with disk and with in-memory weight sync: no group is dropped for its age
+(staleness is bounded at admission; a straggler trains at its true staleness), the staleness and engine
+metrics are logged, and a SIGTERM'd run
 resumes from its checkpoint, which holds the manager's buffer with per-token versions."""
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ def _overrides(tiny_model_dir, prompt_file, engine, run_dir, extra):
 
 def _check_history(history):
     for h in history:
-        assert 0 <= h["rollout/staleness_max"] <= 2
+        assert h["rollout/staleness_max"] >= 0 and h["rollout/dropped_stale"] == 0
         assert h["rollout/staleness_mean"] <= h["rollout/staleness_max"]
         assert 0.0 <= h["perf/engine_idle_fraction"] <= 1.0
         assert h["rollout/versions_per_sample_mean"] >= 1.0
@@ -47,7 +48,7 @@ def test_sigterm_then_resume_with_the_manager_disk_sync(tiny_model_dir, prompt_f
     second = run_distributed(run_rank, 2, overrides, -1, timeout=600)
     assert [r[:3] for r in second] == [(3, 4, None), (3, 4, None)]
     _check_history(first[0][3])
-    assert second[0][3][0]["rollout/staleness_max"] <= 2
+    assert second[0][3][0]["rollout/dropped_stale"] == 0
 
 
 @pytest.mark.slow

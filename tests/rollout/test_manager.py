@@ -82,10 +82,13 @@ def _long_tail(index: int) -> int:
 
 
 @pytest.mark.parametrize("eta", [0, 1, 2, 4])
-def test_staleness_bound_admission_bound_and_exactly_once(eta):
+def test_stale_groups_drop_staleness_bound_admission_bound_and_exactly_once(eta):
     async def main():
         engines = SimulatedEngines(_long_tail)
-        manager = RolloutManager(engines.work, groups_per_step=3, max_staleness=eta, version=0)
+        manager = RolloutManager(
+            engines.work, groups_per_step=3, max_staleness=eta, version=0, stale_groups="drop",
+            max_regenerations=100,
+        )  # fmt: skip
         manager.start()
         seen = []
 
@@ -122,7 +125,9 @@ def test_a_stale_group_is_dropped_counted_and_its_prompt_regenerated():
 
     async def main():
         engines = SimulatedEngines(lambda i: 30 if i == 1 and engines.started.count(1) == 1 else 1)
-        manager = RolloutManager(engines.work, groups_per_step=2, max_staleness=1, version=0)
+        manager = RolloutManager(
+            engines.work, groups_per_step=2, max_staleness=1, version=0, stale_groups="drop"
+        )
         manager.start()
         metrics_seen = []
         trained = await _train(manager, engines, 8, on_batch=lambda _s, _g, m: metrics_seen.append(m))
@@ -193,13 +198,17 @@ def test_checkpoint_mid_run_resumes_with_the_buffer_and_its_versions():
 
     async def main():
         engines = SimulatedEngines(_long_tail)
-        manager = RolloutManager(engines.work, groups_per_step=2, max_staleness=4, version=0)
+        manager = RolloutManager(
+            engines.work, groups_per_step=2, max_staleness=4, version=0, stale_groups="drop"
+        )
         manager.start()
         first = await _train(manager, engines, 3)
         state = manager.state_dict()
         await manager.close()
         assert state["buffer"] and all(g["batch"]["token_versions"] for g in state["buffer"])
-        again = RolloutManager(engines.work, groups_per_step=2, max_staleness=4, version=3)
+        again = RolloutManager(
+            engines.work, groups_per_step=2, max_staleness=4, version=3, stale_groups="drop"
+        )
         again.load_state_dict(state)
         again.start()
         second = await _train(again, engines, 5, first_step=3)
@@ -299,7 +308,9 @@ def test_a_stale_group_is_regenerated_with_fresh_seeds():
 
     async def main():
         engines = SimulatedEngines(lambda i: 30 if i == 1 and engines.started.count(1) == 1 else 1)
-        manager = RolloutManager(engines.work, groups_per_step=2, max_staleness=1, version=0)
+        manager = RolloutManager(
+            engines.work, groups_per_step=2, max_staleness=1, version=0, stale_groups="drop"
+        )
         manager.start()
         await _train(manager, engines, 8)
         await manager.close()
@@ -370,3 +381,67 @@ def test_an_engine_failure_is_not_a_new_attempt_its_group_keeps_its_seeds():
     assert [a for i, a in engines.attempts if i == 7] == [0, 0]
     first, again = [s for i, s in engines.seeds if i == 7]
     assert first == again == [k.seed for k in sample_keys(7, SAMPLING)]
+
+
+@pytest.mark.parametrize("eta", [0, 1, 2, 4])
+def test_by_default_no_group_is_dropped_for_age_and_a_straggler_logs_its_true_staleness(eta):
+    """AReaL's rule: staleness is bounded at admission only. The long groups (one in five takes 40 ticks)
+    finish versions after they were admitted; each is trained once, at its true staleness (the step minus
+    its admission version, its oldest token's), which `rollout/staleness_max` logs."""
+    from megatron_tail.train.run.engines import manager_batch
+
+    async def main():
+        engines = SimulatedEngines(_long_tail)
+        manager = RolloutManager(engines.work, groups_per_step=3, max_staleness=eta, version=0)
+        manager.start()
+        seen = {}
+
+        def check(step, groups, metrics):
+            m = rollout_metrics(manager_batch(groups, metrics, manager.next_index, 0.0), policy_version=step)
+            seen[step] = (m, {g.index: g.oldest_version for g in groups})
+
+        trained = await _train(manager, engines, 12, on_batch=check)
+        await manager.close()
+        return trained, engines, seen
+
+    trained, engines, seen = asyncio.run(main())
+    flat = [i for step in trained for i in step]
+    assert len(flat) == len(set(flat)) == 36 and len(engines.started) == len(set(engines.started))
+    assert all(m["rollout/dropped_stale"] == 0 for m, _ in seen.values())
+    assert engines.max_ahead <= (eta + 1) * 3  # admission still bounds how far the engines run ahead
+    step, index = next((k, i) for k, row in enumerate(trained) for i in row if i == 0)  # 40 ticks
+    m, oldest = seen[step]
+    assert oldest[index] == 0
+    assert (step > eta) == (eta > 0)  # a straggler, older than η when it trains (η = 0: the step waits)
+    assert m["rollout/staleness_max"] == step  # logged at its true value, not capped at η
+    want_mean = sum(step - v for v in oldest.values()) / len(oldest)  # 2 samples per group, equal weights
+    assert m["rollout/staleness_mean"] == pytest.approx(want_mean)
+
+
+def test_stale_groups_drop_regenerates_a_prompt_at_most_max_regenerations_times():
+    """With "drop", a group that is always too slow is regenerated `max_regenerations` times, then trained
+    at its staleness; its prompt is trained once."""
+
+    async def main():
+        engines = SimulatedEngines(lambda i: 30 if i == 1 else 1)
+        manager = RolloutManager(
+            engines.work, groups_per_step=2, max_staleness=1, version=0, stale_groups="drop",
+            max_regenerations=2,
+        )  # fmt: skip
+        manager.start()
+        metrics_seen = []
+        trained = await _train(manager, engines, 20, on_batch=lambda _s, _g, m: metrics_seen.append(m))
+        await manager.close()
+        return trained, engines, metrics_seen
+
+    trained, engines, metrics_seen = asyncio.run(main())
+    flat = [i for step in trained for i in step]
+    assert flat.count(1) == 1 and len(flat) == len(set(flat))
+    assert [a for i, a in engines.attempts if i == 1] == [0, 1, 2]  # the first try and two regenerations
+    assert sum(m["rollout/dropped_stale"] for m in metrics_seen) == 2 * 2  # two drops of 2 samples
+
+
+def test_stale_groups_must_be_train_or_drop():
+    with pytest.raises(ValueError, match='stale_groups must be "train" or "drop"; got \'keep\''):
+        RolloutManager(lambda _i, _v, _a: None, groups_per_step=1, max_staleness=2, version=0,
+                       stale_groups="keep")  # fmt: skip

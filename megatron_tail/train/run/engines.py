@@ -284,6 +284,7 @@ class RolloutEngines:
             keep=keep,
             max_filtered_per_batch=cfg.data.prompts_per_step * cfg.data.max_sampling_rounds,
             max_in_flight=r.max_concurrency,
+            stale_groups=r.stale_groups,
         )
         if state is not None:
             self.manager.load_state_dict(state)
@@ -296,7 +297,8 @@ class RolloutEngines:
         return fn(*args)
 
     def next_batch(self, step: int) -> RolloutBatch:
-        """Step `step`'s batch from the manager (blocks until G groups within the staleness bound)."""
+        """Step `step`'s batch from the manager (blocks until G groups are completed, or dynamic sampling
+        gave up)."""
         started = time.perf_counter()
         groups, metrics = self._run(self.manager.next_batch(step), f"the batch of step {step + 1}")
         metrics = {**metrics, **self._client_metrics()}

@@ -15,7 +15,8 @@ With `rollout.max_staleness: 1` the next step's rollout runs on rank 0 in the ba
 start until before its weight sync, so step k+1 samples with the weights step k trained from; that batch
 is held, and checkpointed with the step, so a resumed run trains on the same samples. With
 `rollout.max_staleness ≥ 2` or `rollout.partial_rollouts`, a rollout manager on rank 0 generates
-continuously and each step takes a batch at most η versions old from it (`RunSession.start_manager`).
+continuously, admitting groups at most η + 1 steps ahead, and each step takes its batch from it, oldest groups
+first (`RunSession.start_manager`).
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ rank, where it is held (and checkpointed with the step) until `rollout(k + 1)` t
 
 Rollout manager (`rollout.max_staleness ≥ 2` or `rollout.partial_rollouts`, `rollout/manager.py`): after the
 first weight sync, `start_manager` has rank 0's engines generate continuously in their own thread;
-`rollout(k)` takes step k's batch from it (oldest token ≥ k − η), `sync_weights` drains it first without
+`rollout(k)` takes step k's batch from it (oldest groups first; staleness is bounded when a group is
+admitted, and a straggler trains at its true staleness), `sync_weights` drains it first without
 partial rollouts (with them, the update's abort-pause interrupts the requests, which continue under the new
 weights), and `checkpoint` saves its state (the completed groups with their versions; what was in flight is
 regenerated on resume).
