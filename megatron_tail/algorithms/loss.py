@@ -139,9 +139,7 @@ def prepare_tokens(
     check_no_nan("advantages", advantages, valid)
     old_logprobs, rollout_logprobs = old_logprobs.detach(), rollout_logprobs.detach()
     raw_log_ratio = torch.clamp(old_logprobs - rollout_logprobs, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    if (
-        cfg.old_logprobs == "engine"
-    ):  # θ_old := the behaviour policy (no recompute): PPO's ratio meets the bias
+    if cfg.old_logprobs == "engine":  # θ_old := the behaviour policy: PPO's ratio then carries the bias
         old_logprobs = rollout_logprobs
 
     if cfg.advantage_reweighting:
