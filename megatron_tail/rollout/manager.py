@@ -115,6 +115,7 @@ class RolloutManager:
             ("groups_per_step", groups_per_step, 1, False),
             ("max_staleness", max_staleness, 0, False),
             ("max_in_flight", max_in_flight, 1, True),
+            ("multiple", multiple, 1, False),
             ("max_regenerations", max_regenerations, 0, False),
         ):
             if optional and value is None:

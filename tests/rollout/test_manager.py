@@ -445,3 +445,33 @@ def test_stale_groups_must_be_train_or_drop():
     with pytest.raises(ValueError, match='stale_groups must be "train" or "drop"; got \'keep\''):
         RolloutManager(lambda _i, _v, _a: None, groups_per_step=1, max_staleness=2, version=0,
                        stale_groups="keep")  # fmt: skip
+
+
+@pytest.mark.parametrize(("multiple", "taken"), [(1, [0, 1, 2]), (2, [0, 1]), (4, [])])
+def test_a_batch_cut_short_by_dynamic_sampling_is_a_multiple_of_multiple(multiple, taken):
+    """Only groups 0, 1, 2 have a reward signal; after 5 filtered groups dynamic sampling gives up and the
+    step trains on a multiple of `multiple` of the 3 it has; the rest stays buffered for the next step."""
+
+    async def main():
+        engines = SimulatedEngines(lambda _i: 1, reward=lambda i: [0.0, 1.0] if i < 3 else [1.0, 1.0])
+        manager = RolloutManager(
+            engines.work, groups_per_step=4, max_staleness=0, version=0,
+            keep=lambda g: max(g.batch.rewards) != min(g.batch.rewards), max_filtered_per_batch=5,
+            multiple=multiple,
+        )  # fmt: skip
+        manager.start()
+        groups, metrics = await manager.next_batch(0)
+        buffered = sorted(manager.buffer)
+        await manager.close()
+        return [g.index for g in groups], metrics, buffered
+
+    got, metrics, buffered = asyncio.run(main())
+    assert got == taken
+    assert buffered == [i for i in range(3) if i not in taken]
+    assert metrics["rollout/batch_fill"] == len(taken) / 4
+    assert metrics["rollout/buffered_groups"] == 3 - len(taken)
+
+
+def test_multiple_must_be_a_positive_int():
+    with pytest.raises(ValueError, match="multiple must be an int ≥ 1; got 0"):
+        RolloutManager(lambda _i, _v, _a: None, groups_per_step=2, max_staleness=2, version=0, multiple=0)

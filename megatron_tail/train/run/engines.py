@@ -245,9 +245,12 @@ class RolloutEngines:
 
     # --- the rollout manager (rollout.max_staleness ≥ 2 or rollout.partial_rollouts) -------------------
 
-    def start_manager(self, prompt_at: Callable[[int], object], version: int, state: dict | None) -> None:
+    def start_manager(
+        self, prompt_at: Callable[[int], object], version: int, state: dict | None, *, multiple: int = 1
+    ) -> None:
         """Run the engines' event loop in its own thread from now on, with a `RolloutManager` on it that
-        generates group `index` from `prompt_at(index)` (an example with `prompt_ids` and `answer`)."""
+        generates group `index` from `prompt_at(index)` (an example with `prompt_ids` and `answer`); a batch
+        that dynamic sampling cuts short has a multiple of `multiple` groups (what the trainer splits)."""
         r, cfg = self.cfg.rollout, self.cfg
         sampling = self._sampling(base_seed=cfg.seed * 1_000_003 - 1)  # rollout_seed(seed, -1): no step's
         score_lock = asyncio.Lock()
@@ -283,6 +286,7 @@ class RolloutEngines:
             version=version,
             keep=keep,
             max_filtered_per_batch=cfg.data.prompts_per_step * cfg.data.max_sampling_rounds,
+            multiple=multiple,
             max_in_flight=r.max_concurrency,
             stale_groups=r.stale_groups,
         )

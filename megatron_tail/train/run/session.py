@@ -56,6 +56,14 @@ def with_log_rho(cfg: RunConfig, log_rho: float) -> RunConfig:
     return dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, log_rho=float(log_rho)))
 
 
+def group_multiple(group_size: int, mini_batches: int, dp_size: int) -> int:
+    """How many groups a batch cut short by dynamic sampling must be a multiple of: the trainer splits a
+    step's samples into `mini_batches` × `dp_size` equal shares, so (groups × `group_size`) must divide by
+    that split."""
+    split = mini_batches * dp_size
+    return split // math.gcd(group_size, split)
+
+
 def rollout_seed(seed: int, step: int) -> int:
     """`SamplingConfig.base_seed` of a step: a function of (seed, step) only (resumed runs resample alike)."""
     return seed * 1_000_003 + step
@@ -199,7 +207,9 @@ class RunSession:
             if state is None and self.data_cursor:  # a checkpoint of the step-wise loop: continue its stream
                 state = {"next_index": self.data_cursor, "queued": [], "admitted": 0, "wasted": 0,
                          "base_version": version, "buffer": []}  # fmt: skip
-            self.engines.start_manager(lambda index: self.stream.take(index, 1)[0][0], version, state)
+            self.engines.start_manager(
+                lambda index: self.stream.take(index, 1)[0][0], version, state, multiple=self._multiple()
+            )
 
         on_rank0(start, wait_group=self._wait)
 
@@ -327,6 +337,12 @@ class RunSession:
 
     # --- rank 0 ---------------------------------------------------------------------------------------
 
+    def _multiple(self) -> int:
+        """The groups a batch cut short by dynamic sampling is a multiple of (`group_multiple`), for the
+        step-wise rounds and the rollout manager alike."""
+        cfg = self.cfg
+        return group_multiple(cfg.algorithm.group_size, cfg.train.mini_batches, self.trainer.groups.dp_size)
+
     def _generate(self, step: int, progress: bool = True) -> RolloutBatch:
         if self.cfg.data.filter_zero_variance_groups:
             return self._generate_dynamic(step, progress)
@@ -354,9 +370,6 @@ class RunSession:
         from megatron_tail.rollout.dynamic_sampling import sample_until_full
 
         cfg, n = self.cfg, self.cfg.algorithm.group_size
-        split = cfg.train.mini_batches * self.trainer.groups.dp_size  # the trainer splits samples this way
-        multiple = split // math.gcd(n, split)
-
         return sample_until_full(
             self.stream.take,
             lambda chosen, round_: self._generate_for(
@@ -365,7 +378,7 @@ class RunSession:
             target_groups=cfg.data.prompts_per_step,
             group_size=n,
             max_rounds=cfg.data.max_sampling_rounds,
-            multiple=multiple,
+            multiple=self._multiple(),
             cursor=self.data_cursor,
         )
 
