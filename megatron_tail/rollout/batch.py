@@ -23,6 +23,11 @@ class RolloutBatch:
     `policy_mask` (multi-turn episodes, `rollout.env`; None for single-turn batches): per response token, True
     where the policy generated it, False for the environment's observation tokens (their log-probs above are
     0.0 placeholders: they are context, never scored or trained).
+    `sampled_log_rho` (None where unknown): per sample, the DVP log ρ the engine pruned with when it sampled
+    the sample's first tokens (None: no pruning). With `algorithm.log_rho: auto` it can differ from the
+    log ρ the trainer prunes with at the step that trains it (`log_rho_metrics`): a sample generated ahead
+    (η ≥ 1) was sent under an earlier step's ρ. A partial rollout's later segments are sent under the ρ in
+    force then; like its staleness, a sample counts as old as its oldest tokens.
     `stats`: rollout time and token counts. `metrics`: TensorBoard scalars of how the batch was drawn
     (dynamic sampling), logged with the step's. `data_cursor`: the prompt stream's position after this
     batch (dynamic sampling; None when prompts are a function of the step).
@@ -39,6 +44,7 @@ class RolloutBatch:
     rollout_supports: list[Ragged] | None = None
     token_versions: list[list[int]] | None = None
     policy_mask: list[list[bool]] | None = None
+    sampled_log_rho: list[float | None] | None = None
     stats: dict[str, float] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
     data_cursor: int | None = None
@@ -93,6 +99,21 @@ def rollout_metrics(batch: RolloutBatch, *, policy_version: int) -> dict[str, fl
         **support,
         **episode_metrics(batch.stats),
         **batch.metrics,
+    }
+
+
+def log_rho_metrics(batch: RolloutBatch, log_rho: float | None) -> dict[str, float]:
+    """How far the log ρ the samples were drawn with is from `log_rho`, the one the trainer prunes with at
+    the step that trains them (both the rule's log ρ, `AlgorithmConfig.rule_log_rho`):
+    `rollout/sampled_log_rho_mean` (mean over the samples of `batch.sampled_log_rho`) and
+    `rollout/log_rho_lag_max` (the largest |`log_rho` − a sample's|; 0 when every sample was drawn at the
+    step's ρ). Empty when the trainer does not prune (`log_rho` None) or no sample knows its ρ."""
+    sampled = [r for r in batch.sampled_log_rho or [] if r is not None]
+    if log_rho is None or not sampled:
+        return {}
+    return {
+        "rollout/sampled_log_rho_mean": sum(sampled) / len(sampled),
+        "rollout/log_rho_lag_max": max(abs(log_rho - r) for r in sampled),
     }
 
 

@@ -257,19 +257,30 @@ class RolloutClient:
         return grouped
 
     async def generate_group(
-        self, prompt: Sequence[int], keys: Sequence[SampleKey], sampling: SamplingConfig, *, partial: bool
+        self,
+        prompt: Sequence[int],
+        keys: Sequence[SampleKey],
+        sampling: SamplingConfig,
+        *,
+        partial: bool,
+        log_rho: Callable[[], float | None] | None = None,
     ) -> list[SampleResult]:
         """The samples `keys` of one prompt, one request (with retries), in key order: the rollout manager's
         unit of work. With `partial`, a sample that a weight-update pause aborts (`/pause_generation` mode
         "abort") is continued from its tokens: prompt + tokens so far are sent again with the remaining
         `max_new_tokens` and a seed derived from (seed, tokens so far), until it stops or hits its length;
         the segments are joined, each token keeping the log-prob and version of the request that sampled
-        it. Without `partial`, an aborted sample is generated again from the start (as `generate`)."""
+        it. Without `partial`, an aborted sample is generated again from the start (as `generate`).
+        `log_rho` (adaptive ρ): the DVP log ρ in force, read when each continued segment is sent, so a
+        segment after a weight update prunes at the ρ then in force (the first request uses
+        `sampling.log_rho`; a retry resends its request unchanged)."""
         prompt = _check_prompt(keys[0].prompt_index if keys else 0, prompt)
         first = await self._request_with_retries(prompt, list(keys), sampling, allow_abort=partial)
-        return list(await asyncio.gather(*(self._continue(r, sampling) for r in first)))
+        return list(await asyncio.gather(*(self._continue(r, sampling, log_rho) for r in first)))
 
-    async def _continue(self, sample: SampleResult, sampling: SamplingConfig) -> SampleResult:
+    async def _continue(
+        self, sample: SampleResult, sampling: SamplingConfig, log_rho: Callable[[], float | None] | None
+    ) -> SampleResult:
         while sample.aborted:
             remaining = sampling.max_new_tokens - len(sample.output_ids)
             if remaining <= 0:  # aborted after its last token: it ended by length
@@ -281,6 +292,8 @@ class RolloutClient:
                 sample_seed(sample.key.seed, len(sample.output_ids), sample.segments),
             )
             rest = dataclasses.replace(sampling, n_samples=1, max_new_tokens=remaining)
+            if log_rho is not None:
+                rest = dataclasses.replace(rest, log_rho=log_rho())
             (segment,) = await self._request_with_retries(
                 sample.prompt_ids + sample.output_ids, [key], rest, allow_abort=True
             )

@@ -311,5 +311,10 @@ class RolloutManager:
 
 
 def groups_to_batch(groups: list[GroupResult]) -> RolloutBatch:
-    """The groups' samples as one step's batch, groups contiguous in the given order."""
-    return concat_batches([g.batch for g in groups])
+    """The groups' samples as one step's batch, groups contiguous in the given order (with the log ρ each
+    sample was drawn with, `RolloutBatch.sampled_log_rho`, where every group has it)."""
+    batch = concat_batches([g.batch for g in groups])
+    rhos = [g.batch.sampled_log_rho for g in groups]
+    if groups and all(r is not None for r in rhos):
+        batch.sampled_log_rho = [x for r in rhos for x in r]
+    return batch

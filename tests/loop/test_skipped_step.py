@@ -77,6 +77,7 @@ class FakeSession:
         self.batch = batch
         self.synced: list[int] = []
         self.launched: list[int] = []
+        self.sampling_log_rho = None  # no DVP
 
     def rollout(self, _step):
         return self.batch

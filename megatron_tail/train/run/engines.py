@@ -10,6 +10,7 @@ thread trains and leaves the engines alone).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -183,7 +184,7 @@ class RolloutEngines:
             n_samples=n,
             max_new_tokens=r.max_new_tokens,
             temperature=r.temperature,
-            log_rho=self._rule_log_rho() if self.client.processor is not None else None,
+            log_rho=self.sampling_log_rho(),
             base_seed=base_seed,
             top_logprob=True,  # ε̂ of the mismatch diagnostics (DVP Prop. 4.2)
             top_k=r.top_k,
@@ -210,7 +211,7 @@ class RolloutEngines:
         self._check_token_ids(samples)
         completions = [self._decode(s.output_ids) for s in samples]
         sample_answers = [answers[i] for i in range(len(grouped)) for _ in range(n)]
-        batch = self._batch(samples, self.score(completions, sample_answers), elapsed)
+        batch = self._batch(samples, self.score(completions, sample_answers), elapsed, sampling.log_rho)
         batch.metrics.update(self._client_metrics())
         return batch
 
@@ -224,7 +225,8 @@ class RolloutEngines:
         self._counted = now
         return {**self.client.occupancy.read(), **since}
 
-    def _batch(self, samples, rewards: list[float], elapsed: float) -> RolloutBatch:
+    def _batch(self, samples, rewards: list[float], elapsed: float, log_rho: float | None) -> RolloutBatch:
+        """One-turn `samples`, scored `rewards`, drawn with DVP's `log_rho` (None: no pruning)."""
         versions = [token_versions_of(s.output_versions) for s in samples]
         return RolloutBatch(
             prompt_ids=[list(s.prompt_ids) for s in samples],
@@ -237,6 +239,7 @@ class RolloutEngines:
             rollout_top_logprobs=[list(s.output_top_logprobs) for s in samples],
             rollout_supports=[s.output_supports for s in samples] if self.cfg.rollout.truncates else None,
             token_versions=None if any(v is None for v in versions) else versions,
+            sampled_log_rho=[log_rho] * len(samples),
             stats={
                 "rollout_time_s": elapsed,
                 "generated_tokens": float(sum(len(s.output_ids) for s in samples)),
@@ -259,15 +262,17 @@ class RolloutEngines:
             example = prompt_at(index)
             started = time.perf_counter()
             keys = regeneration_keys(index, sampling, attempt)  # a regenerated group: fresh seeds
+            # adaptive ρ: each request prunes at the ρ in force when it is sent (continued segments too)
+            now = dataclasses.replace(sampling, log_rho=self.sampling_log_rho())
             samples = await self.client.generate_group(
-                example.prompt_ids, keys, sampling, partial=r.partial_rollouts
+                example.prompt_ids, keys, now, partial=r.partial_rollouts, log_rho=self.sampling_log_rho
             )
             elapsed = time.perf_counter() - started
             self._check_token_ids(samples)
             completions = [self._decode(s.output_ids) for s in samples]
             async with score_lock:  # one reward worker: one batch at a time
                 rewards = await asyncio.to_thread(self.score, completions, [example.answer] * len(samples))
-            batch = self._batch(samples, rewards, elapsed)
+            batch = self._batch(samples, rewards, elapsed, now.log_rho)
             if batch.token_versions is None:
                 raise UserError(
                     f"engine {samples[0].server_url} reported weight version {samples[0].weight_version!r}, "
@@ -330,7 +335,7 @@ class RolloutEngines:
             n_samples=n,
             max_new_tokens=r.max_new_tokens,
             temperature=r.temperature,
-            log_rho=self._rule_log_rho() if self.client.processor is not None else None,
+            log_rho=self.sampling_log_rho(),
             base_seed=EVAL_SEED,
             top_k=r.top_k,
             top_p=r.top_p,
@@ -391,9 +396,11 @@ class RolloutEngines:
         rewards = self.score(
             [e.final_text for e in episodes], [a for a in answers for _ in range(sampling.n_samples)]
         )
-        return episodes_to_batch(
+        batch = episodes_to_batch(
             episodes, rewards, correct_reward=self.cfg.data.correct_reward, elapsed_s=elapsed
         )
+        batch.sampled_log_rho = [sampling.log_rho] * len(batch)
+        return batch
 
     def sync_weights(self, source, version: int | str) -> float:
         """Load new weights on every engine as `weight_version=str(version)`: `source` is an exported HF
@@ -440,8 +447,12 @@ class RolloutEngines:
     def in_memory_sync(self) -> bool:
         return isinstance(self.weight_sync, DistributedWeightSync)
 
-    def _rule_log_rho(self) -> float | None:
-        """log ρ as the processor applies it (the same the trainer's op gets; `algorithm.safe_set_on`)."""
+    def sampling_log_rho(self) -> float | None:
+        """The log ρ the engines prune with now (None without DVP): as the processor applies it, the same
+        the trainer's op gets (`algorithm.safe_set_on`). Read when each request is built, so with
+        `algorithm.log_rho: auto` (the session replaces `cfg` each step) requests go out at the current ρ."""
+        if self.client.processor is None:
+            return None
         return self.cfg.algorithm.rule_log_rho(self.cfg.rollout.temperature)
 
     def _decode(self, ids: Sequence[int]) -> str:

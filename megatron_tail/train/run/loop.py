@@ -17,6 +17,12 @@ is held, and checkpointed with the step, so a resumed run trains on the same sam
 `rollout.max_staleness ≥ 2` or `rollout.partial_rollouts`, a rollout manager on rank 0 generates
 continuously, admitting groups at most η + 1 steps ahead, and each step takes its batch from it, oldest groups
 first (`RunSession.start_manager`).
+
+With `algorithm.log_rho: auto`, a step sets the next step's ρ after its update and before its weight sync;
+every request the engines get from then on prunes at it (the manager's new groups and continued segments,
+evaluation, the next step's rollout). A batch generated ahead was drawn at an earlier step's ρ: each sample
+carries the ρ it was drawn with (`RolloutBatch.sampled_log_rho`), logged against the step's as
+`rollout/sampled_log_rho_mean` and `rollout/log_rho_lag_max` (`batch.log_rho_metrics`).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import torch.distributed as dist
 from megatron_tail.config import RunConfig, TrainSection, save_resolved_config
 from megatron_tail.config.schema import ParallelSection
 from megatron_tail.rollout import rollout_metrics
+from megatron_tail.rollout.batch import log_rho_metrics
 from megatron_tail.utils.net import free_port
 
 from ..engine.collectives import all_reduce_scalars, on_rank0
@@ -109,6 +116,7 @@ def rl_step(
     if ahead:
         s.launch_rollout(done)  # the next step's batch, with the weights this step trains from
     metrics, histograms, tokens = rollout_metrics(batch, policy_version=step), {}, 0
+    metrics.update(log_rho_metrics(batch, s.sampling_log_rho))  # drawn at another step's ρ (auto, η ≥ 1)
     metrics["perf/rollout_wait_s"] = trained - started
     # the LR schedule counts RL steps, trained or not: every update of this step uses this rate
     metrics["train/lr"] = advance(s.trainer.scheduler)
@@ -122,6 +130,9 @@ def rl_step(
         collected = s.collect_rollout(done)
         metrics["perf/overlap_s"] = collected["perf/overlap_s"]
         metrics["perf/rollout_wait_s"] += collected["perf/rollout_wait_s"]
+    # log_rho auto: the next step's ρ, before the engines' next requests (the manager admits new groups
+    # after the weight sync) and before the checkpoint keeps it
+    s.adapt_log_rho(metrics)
     sync_s = s.sync_weights(version=done)  # weight sync: the engines load θ_new as version `done`
     if cadence.eval_after(done):
         metrics.update(s.evaluate())  # eval
@@ -136,7 +147,6 @@ def rl_step(
             "perf/step_time_s": time.perf_counter() - started,
         }
     )
-    s.adapt_log_rho(metrics)  # log_rho auto: the next step's ρ, before the checkpoint keeps it
     stopping = stop.agreed()
     if cadence.checkpoint_after(done, stopping=stopping):
         metrics["perf/checkpoint_time_s"] = s.checkpoint(done)  # checkpoint

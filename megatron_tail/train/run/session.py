@@ -149,9 +149,21 @@ class RunSession:
         """The log ρ that the step about to run uses (a number, also with `algorithm.log_rho: auto`)."""
         return self.cfg.algorithm.log_rho
 
+    @property
+    def sampling_log_rho(self) -> float | None:
+        """The rule's log ρ of the step about to run (`AlgorithmConfig.rule_log_rho`), which the trainer
+        prunes with and the engines send with every request from now on (`RolloutEngines.sampling_log_rho`,
+        the same `cfg`); None without DVP."""
+        a = self.cfg.algorithm
+        if a.log_rho is None or a.log_rho == float("-inf"):
+            return None
+        return a.rule_log_rho(self.cfg.rollout.temperature)
+
     def adapt_log_rho(self, metrics: dict[str, float]) -> None:
         """`algorithm.log_rho: auto`: log `dvp/log_rho` (this step's) into `metrics` and set the next step's
-        from this step's `dvp/safe_mass_min` (identical on every rank, so every rank moves alike)."""
+        from this step's `dvp/safe_mass_min` (identical on every rank, so every rank moves alike). From then
+        on the engines' requests carry the new ρ: the rollout manager's next requests (new groups and
+        continued segments) and the next step-wise rollout."""
         if self.rho is None:
             return
         metrics["dvp/log_rho"] = self.log_rho

@@ -1,0 +1,215 @@
+"""Adaptive ρ under the rollout manager: a ρ change between steps reaches the next requests the manager
+sends (new groups and continued partial-rollout segments), and every sample carries the ρ it was drawn
+with (`RolloutBatch.sampled_log_rho`, checkpointed with the manager's buffer, logged by `log_rho_metrics`).
+`RolloutEngines` runs its real manager and `RolloutClient.generate_group` against a recording fake of the
+client's request method: no engine, no model."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_tail.config import load_config
+from megatron_tail.rollout import RolloutClient
+from megatron_tail.rollout.batch import RolloutBatch, log_rho_metrics
+from megatron_tail.rollout.manager import GroupResult, groups_to_batch
+from megatron_tail.rollout.protocol import SampleResult
+from megatron_tail.train.run.engines import RolloutEngines
+from megatron_tail.train.run.session import with_log_rho
+
+INITIAL, LATER = -13.0, -10.5
+
+
+class RecordingClient(RolloutClient):
+    """Answers every request at once from the engines' current version (one token per request), recording
+    (prompt index, log ρ sent, continued?) per request. With `abort_first`, a group's first request is
+    aborted after its token, as a weight-update pause aborts it, and `on_abort` runs meanwhile."""
+
+    def __init__(self, engines_version, abort_first=False, on_abort=None):
+        super().__init__(["http://recording:1"])
+        self.version = engines_version
+        self.abort_first, self.on_abort = abort_first, on_abort
+        self.sent: list[tuple[int, float | None, bool]] = []
+
+    async def _request_with_retries(self, prompt, keys, sampling, allow_abort=False):  # noqa: ARG002
+        continued = len(prompt) > 2
+        self.sent.append((keys[0].prompt_index, sampling.log_rho, continued))
+        abort = self.abort_first and not continued
+        if abort and self.on_abort is not None:
+            self.on_abort()
+        version = str(self.version())
+        finish = {"type": "abort" if abort else "stop"}
+        return [
+            SampleResult(
+                key=k,
+                prompt_ids=list(prompt),
+                output_ids=[5],
+                output_logprobs=[-0.5],
+                output_top_logprobs=[-0.1],
+                finish_reason=finish,
+                weight_version=version,
+                server_url="http://recording:1",
+                output_versions=[version],
+            )
+            for k in keys
+        ]
+
+
+def _engines(overrides, **client_kw) -> RolloutEngines:
+    cfg = load_config(None, ["algorithm.log_rho=auto", "algorithm.group_size=2", "data.prompts_per_step=2",
+                             *overrides])  # fmt: skip
+    e = RolloutEngines.__new__(RolloutEngines)
+    e.cfg = with_log_rho(cfg, INITIAL)  # as `RunSession` resolves "auto"
+    e.note, e.vocab_size, e._counted, e.engine, e.manager, e._thread = print, 100, {}, None, None, None
+    e.tokenizer = SimpleNamespace(decode=lambda _ids, **_kw: "x")
+    e.score = lambda completions, _answers: [float(i % 2) for i in range(len(completions))]
+    e.loop, e._cancelled = asyncio.new_event_loop(), threading.Event()
+    e.client = RecordingClient(lambda: e.manager.version if e.manager is not None else 0, **client_kw)
+    return e
+
+
+def _set_rho(e: RolloutEngines, log_rho: float) -> None:
+    e.cfg = with_log_rho(e.cfg, log_rho)  # what `RunSession._use_log_rho` does on rank 0
+
+
+def _stop(e: RolloutEngines) -> None:
+    asyncio.run_coroutine_threadsafe(e.manager.close(), e.loop).result(timeout=10)
+    e.loop.call_soon_threadsafe(e.loop.stop)
+    e._thread.join(timeout=10)
+    e.loop.close()
+
+
+def test_a_rho_change_between_steps_reaches_the_next_requests_and_samples_carry_their_rho():
+    e = _engines(["rollout.max_staleness=2"])
+    prompt = SimpleNamespace(prompt_ids=[1, 2], answer="a")
+    e.start_manager(lambda _index: prompt, version=0, state=None)
+    try:
+        first = e.next_batch(0)  # (η + 1) · G = 6 groups admitted and sent at the initial ρ
+        assert e.client.sent == [(i, INITIAL, False) for i in range(6)]
+        assert first.sampled_log_rho == [INITIAL] * 4
+        assert log_rho_metrics(first, INITIAL) == {
+            "rollout/sampled_log_rho_mean": INITIAL,
+            "rollout/log_rho_lag_max": 0.0,
+        }
+        _set_rho(e, LATER)  # step 0's rule moved ρ; then the weight update admits G new groups
+        e.after_weight_update(1)
+        second = e.next_batch(1)
+        assert e.client.sent[6:] == [(6, LATER, False), (7, LATER, False)]
+        # the groups it trains were generated ahead, at the old ρ: the step logs the lag
+        assert second.sampled_log_rho == [INITIAL] * 4
+        assert log_rho_metrics(second, LATER) == {
+            "rollout/sampled_log_rho_mean": INITIAL,
+            "rollout/log_rho_lag_max": pytest.approx(2.5),
+        }
+        # the buffer is checkpointed with each sample's ρ (once the 4 groups left have completed)
+        deadline = time.monotonic() + 30
+        while len((state := e.manager_state())["buffer"]) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        kept = [GroupResult.from_state(g) for g in state["buffer"]]
+        assert [g.index for g in kept] == [4, 5, 6, 7]
+        assert groups_to_batch(kept).sampled_log_rho == [INITIAL] * 4 + [LATER] * 4
+        e.after_weight_update(2)
+        e.next_batch(2)
+        e.after_weight_update(3)
+        fourth = e.next_batch(3)  # groups 6 and 7, drawn at the new ρ: no lag
+        assert fourth.sampled_log_rho == [LATER] * 4
+        assert log_rho_metrics(fourth, LATER)["rollout/log_rho_lag_max"] == 0.0
+    finally:
+        _stop(e)
+
+
+def test_a_continued_partial_segment_is_sent_at_the_rho_in_force_then():
+    e = None
+
+    def weight_update_meanwhile():  # the pause aborts the first segment; the step's rule moved ρ
+        _set_rho(e, LATER)
+
+    e = _engines(
+        ["rollout.max_staleness=0", "rollout.partial_rollouts=true"],
+        abort_first=True,
+        on_abort=weight_update_meanwhile,
+    )
+    prompt = SimpleNamespace(prompt_ids=[1, 2], answer="a")
+    e.start_manager(lambda _index: prompt, version=0, state=None)
+    try:
+        batch = e.next_batch(0)
+        # group 0: first request at the initial ρ, aborted; its two samples continue at the new ρ;
+        # group 1 is first sent after the change
+        assert [x for x in e.client.sent if x[0] == 0] == [
+            (0, INITIAL, False),
+            (0, LATER, True),
+            (0, LATER, True),
+        ]
+        assert [x for x in e.client.sent if x[0] == 1] == [
+            (1, LATER, False),
+            (1, LATER, True),
+            (1, LATER, True),
+        ]
+        assert batch.response_ids == [[5, 5]] * 4
+        # a sample carries the ρ of its first (oldest) tokens
+        assert sorted(batch.sampled_log_rho) == [INITIAL, INITIAL, LATER, LATER]
+    finally:
+        _stop(e)
+
+
+def test_without_dvp_samples_carry_no_rho_and_nothing_is_logged():
+    batch = RolloutBatch([[1]], [[2]], [[-1.0]], [1.0], [True], [False], ["0"], sampled_log_rho=[None])
+    assert log_rho_metrics(batch, None) == {}
+    assert log_rho_metrics(batch, -13.0) == {}
+    old = RolloutBatch.from_dict({k: v for k, v in vars(batch).items() if k != "sampled_log_rho"})
+    assert old.sampled_log_rho is None  # a checkpoint from before the field
+
+
+def test_rl_step_sets_the_next_rho_before_the_weight_sync_and_logs_the_samples_lag(monkeypatch):
+    """The manager admits new groups at the weight sync: the next step's ρ must be in force by then."""
+    from megatron_tail.config.schema import TrainSection
+    from megatron_tail.train.run import loop
+
+    calls = []
+    batch = RolloutBatch([[1]] * 2, [[2]] * 2, [[-1.0]] * 2, [1.0, 0.0], [True, False], [False] * 2,
+                         ["0"] * 2, sampled_log_rho=[-13.0, -12.0])  # fmt: skip
+
+    class Session:
+        cfg = SimpleNamespace(
+            rollout=SimpleNamespace(max_staleness=2, uses_manager=True),
+            train=TrainSection(steps=3, checkpoint_every=100),
+        )
+        trainer = SimpleNamespace(scheduler=None)
+        sampling_log_rho = -11.5
+
+        def rollout(self, _step):
+            return batch
+
+        def adapt_log_rho(self, metrics):
+            calls.append(("adapt", metrics["dvp/safe_mass_min"]))
+
+        def sync_weights(self, version):
+            calls.append(("sync", version))
+            return 0.0
+
+    monkeypatch.setattr(loop, "advance", lambda _scheduler: 1e-3)
+    monkeypatch.setattr(loop, "_train_on", lambda *_a: ({"dvp/safe_mass_min": 0.75}, {}, 2))
+    metrics, _, _ = loop.rl_step(Session(), 0, loop.Cadence(Session.cfg.train), SimpleNamespace(agreed=bool))
+    assert calls == [("adapt", 0.75), ("sync", 1)]
+    assert metrics["rollout/sampled_log_rho_mean"] == -12.5
+    assert metrics["rollout/log_rho_lag_max"] == 1.5
+
+
+@pytest.mark.parametrize(
+    ("overrides", "want"),
+    [
+        (["algorithm.log_rho=-9"], -9.0),
+        (["algorithm.log_rho=-9", "algorithm.safe_set_on=raw_logits", "rollout.temperature=0.5"], -18.0),
+        (["algorithm.log_rho=-inf"], None),
+    ],
+)
+def test_the_sessions_sampling_log_rho_is_the_rule_the_engines_send(overrides, want):
+    from megatron_tail.train.run.session import RunSession
+
+    s = RunSession.__new__(RunSession)
+    s.cfg = load_config(None, overrides)
+    assert s.sampling_log_rho == want
