@@ -64,6 +64,33 @@ def group_multiple(group_size: int, mini_batches: int, dp_size: int) -> int:
     return split // math.gcd(group_size, split)
 
 
+def stepwise_cursor(batches, steps: int) -> int:
+    """The position in the prompt stream (`data.PromptStream`) right after the prompts of the first `steps`
+    step-wise batches (`data.PromptBatches.batch(0 .. steps − 1)`, a `PromptBatches`): both walk the same
+    permutation per epoch (from (seed, epoch)), and the step-wise batches skip an epoch's last partial batch,
+    so an epoch of them ends at a multiple of the number of prompts."""
+    epoch, position = divmod(steps, batches.batches_per_epoch)
+    return epoch * len(batches.examples) + position * batches.batch_size
+
+
+def manager_start_state(
+    state: dict | None, *, version: int, data_cursor: int, stepwise_steps: int, batches
+) -> dict | None:
+    """The rollout manager's state when it starts at weight `version`: its own checkpointed `state` when
+    there is one; else (a fresh run, or a run checkpointed by the step-wise loop, η ≤ 1 without partial
+    rollouts) a state whose prompt stream starts where the step-wise loop stopped: at `data_cursor` (the
+    stream's position, which the step-wise dynamic sampling keeps), or, where that is 0, after the prompts of
+    the `stepwise_steps` step-wise batches the run used (`stepwise_cursor` of `batches`). None (the
+    manager's own start, index 0) when nothing was used."""
+    if state is not None:
+        return state
+    cursor = data_cursor or stepwise_cursor(batches, stepwise_steps)
+    if not cursor:
+        return None
+    return {"next_index": cursor, "queued": [], "admitted": 0, "wasted": 0, "base_version": version,
+            "buffer": []}  # fmt: skip
+
+
 def rollout_seed(seed: int, step: int) -> int:
     """`SamplingConfig.base_seed` of a step: a function of (seed, step) only (resumed runs resample alike)."""
     return seed * 1_000_003 + step
@@ -89,6 +116,8 @@ class RunSession:
         self.reference = None
         self.data_cursor = 0
         """With dynamic sampling: the prompt stream's position (every rank; checkpointed)."""
+        self.resumed_step = 0
+        """The completed steps of the checkpoint the run resumed from (0: a fresh run)."""
         self.held: tuple[int, RolloutBatch] | None = None
         """(step, batch) generated ahead and not trained on yet (every rank; checkpointed)."""
         self._ahead: BackgroundJob[RolloutBatch] | None = None
@@ -203,22 +232,29 @@ class RunSession:
             self.trainer.scheduler, rl_state.get("lr_scheduler", {"num_steps": rl_state["step"]})
         )
         self.console.note(f"resumed from {path} (step {rl_state['step']})")
-        return int(rl_state["step"])
+        self.resumed_step = int(rl_state["step"])
+        return self.resumed_step
 
     def wait_ready(self) -> None:
         on_rank0(lambda: self.engines.wait_ready(), wait_group=self._wait)
 
     def start_manager(self, version: int) -> None:
         """With `rollout.uses_manager`: rank 0's engines start generating continuously (the engines hold
-        weights `version`); group `index` is the prompt stream's prompt at `index`."""
+        weights `version`); group `index` is the prompt stream's prompt at `index`. Resumed from a
+        checkpoint of the step-wise loop, the stream continues after the prompts that loop used
+        (`manager_start_state`; a batch it generated ahead, held for the next step, counts as used)."""
         if not self.cfg.rollout.uses_manager:
             return
 
         def start() -> None:
-            state, self._manager_state = self._manager_state, None
-            if state is None and self.data_cursor:  # a checkpoint of the step-wise loop: continue its stream
-                state = {"next_index": self.data_cursor, "queued": [], "admitted": 0, "wasted": 0,
-                         "base_version": version, "buffer": []}  # fmt: skip
+            state = manager_start_state(
+                self._manager_state,
+                version=version,
+                data_cursor=self.data_cursor,
+                stepwise_steps=self.resumed_step + (self.held is not None),
+                batches=self.batches,
+            )
+            self._manager_state = None
             self.engines.start_manager(
                 lambda index: self.stream.take(index, 1)[0][0], version, state, multiple=self._multiple()
             )
