@@ -172,6 +172,10 @@ class RolloutSection:
     """Model turns per episode at most (with `env`)."""
     max_observation_tokens: int = 512
     """Longest observation (environment reply), in tokens; a longer one ends the episode before it."""
+    max_env_failure_fraction: float = 0.5
+    """With `env`: the fraction of a step's episodes whose environment may fail (raise, or exceed
+    `data.reward_timeout_s`); each failure regenerates its group with fresh seeds (`rollout/env_failures`);
+    past the fraction the run stops with one error naming the environment and its last exception."""
     temperature: float = 1.0
     """Sampling temperature T (> 0); the trainer scores log-probs at the same T."""
     max_concurrency: int = 64
@@ -396,6 +400,9 @@ class RolloutSection:
         self._check_truncation()
         _positive_int("rollout", "max_turns", self.max_turns)
         _positive_int("rollout", "max_observation_tokens", self.max_observation_tokens)
+        f = self.max_env_failure_fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:
+            _bad("rollout", "max_env_failure_fraction", f, "must be a number in [0, 1]")
         if self.env is not None and (not isinstance(self.env, str) or not self.env.strip()):
             _bad("rollout", "env", self.env, "must be 'calculator', 'package.module:Class' or null")
         if self.env is None and self.max_turns > 1:

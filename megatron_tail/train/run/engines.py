@@ -368,13 +368,16 @@ class RolloutEngines:
 
     def _episodes(self, client, prompt_ids, answers, sampling: SamplingConfig, what: str) -> RolloutBatch:
         """Multi-turn episodes (`rollout.env`) of every prompt, scored: the run's reward of each last turn
-        plus the environment's rewards (`train.run.episodes`)."""
+        plus the environment's rewards (`train.run.episodes`). An environment's failure fails its episode's
+        group only, generated again with fresh seeds (`rollout/env_failures`), until more than
+        `rollout.max_env_failure_fraction` of the episodes failed (`episodes.EnvironmentFailures`)."""
         from megatron_tail.rollout.envs import EpisodeLimits, Tokens
 
-        from .episodes import episodes_to_batch, run_episodes, turn_sampling
+        from .episodes import FailureCount, episodes_to_batch, run_episodes, turn_sampling
 
         r = self.cfg.rollout
         started = time.perf_counter()
+        failures = FailureCount(r.env, len(prompt_ids) * sampling.n_samples, r.max_env_failure_fraction)
         episodes = self._run(
             run_episodes(
                 client,
@@ -387,6 +390,7 @@ class RolloutEngines:
                 Tokens(decode=self._decode, encode=self._encode),
                 max_concurrency=r.max_concurrency,
                 on_episode=self._on_result,
+                failures=failures,
             ),
             what,
         )
@@ -400,6 +404,7 @@ class RolloutEngines:
             episodes, rewards, correct_reward=self.cfg.data.correct_reward, elapsed_s=elapsed
         )
         batch.sampled_log_rho = [sampling.log_rho] * len(batch)
+        batch.metrics.update(failures.metrics())  # rollout/env_failures: each regenerated its group
         return batch
 
     def sync_weights(self, source, version: int | str) -> float:

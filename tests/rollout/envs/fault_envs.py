@@ -64,3 +64,25 @@ class ShortObservation(Environment):
     def step(self, turn):
         self.steps += 1
         return StepResult("\nok\n", reward=0.5, done=self.steps >= 3, tool_calls=1)
+
+
+class FailsOnce(Environment):
+    """Row answer "raise:<marker>" raises, "hang:<marker>" hangs, on the first step of the first episode to
+    get there while <marker> does not exist (it creates it first: the group generated again succeeds);
+    "always" raises on every step; any other answer, and every later episode, ends at once with reward 1."""
+
+    def reset(self, row):
+        self.answer = row["answer"]
+
+    def step(self, turn):
+        import os
+
+        if self.answer == "always":
+            raise ValueError("scripted failure, every time")
+        how, _, marker = self.answer.partition(":")
+        if marker and not os.path.exists(marker):
+            open(marker, "w").close()
+            if how == "raise":
+                raise ValueError("scripted failure")
+            time.sleep(3600)
+        return StepResult(None, reward=1.0, done=True)

@@ -1,0 +1,161 @@
+"""Environments fail alone (`train.run.episodes.run_episodes`): an environment that raises, or hangs past
+`data.reward_timeout_s`, fails its episode; the episode's group is generated again with fresh seeds and the
+step goes on, counting `rollout/env_failures`; more than `rollout.max_env_failure_fraction` of the step's
+episodes failing stops it with one line naming the environment and the last exception. Real reward worker,
+environments from `fault_envs`, a recording fake client (no engine)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_tail.rewards.scorer import RewardScorer
+from megatron_tail.rollout import SamplingConfig
+from megatron_tail.rollout.envs import EpisodeLimits, Tokens
+from megatron_tail.train.run.episodes import EnvironmentFailures, FailureCount, run_episodes, turn_key
+from tests.rollout.envs import fault_envs
+
+FAILS_ONCE = "tests.rollout.envs.fault_envs:FailsOnce"
+RAISES = "tests.rollout.envs.fault_envs:StepRaises"
+PROMPTS, N = 3, 2
+
+
+class RecordingClient:
+    """Answers every turn with tokens [7, 2] at once; records (prompt index, sample index, seed) per key."""
+
+    def __init__(self):
+        self.keys: list[tuple[int, int, int]] = []
+
+    async def check_health(self):
+        return {}
+
+    async def generate_turn(self, _input_ids, keys, _sampling):
+        await asyncio.sleep(0)
+        self.keys += [(k.prompt_index, k.sample_index, k.seed) for k in keys]
+        return [
+            SimpleNamespace(output_ids=[7, 2], output_logprobs=[-0.5, -0.25], finish_reason={"type": "stop"},
+                            weight_version="0", output_top_logprobs=None)
+            for _ in keys
+        ]  # fmt: skip
+
+
+def _line_of(text: str) -> int:
+    """The line of `fault_envs` that raises with `text`."""
+    with open(fault_envs.__file__) as f:
+        lines = f.read().splitlines()
+    return next(n for n, line in enumerate(lines, 1) if "raise" in line and text in line)
+
+
+@pytest.fixture
+def scorer():
+    # one per test: a worker restarted after a timeout is spawned from an executor thread of the test's
+    # event loop, and dies with that thread (`utils.parent_watch`) when `asyncio.run` ends
+    s = RewardScorer("arithmetic", timeout_s=2.0)
+    yield s
+    s.close()
+
+
+def _run(scorer, spec, answers, *, fraction=0.5, concurrency=64):
+    client = RecordingClient()
+    count = FailureCount(spec, len(answers) * N, fraction)
+    episodes = asyncio.run(
+        run_episodes(
+            client, scorer, spec, [[1, 2, 3]] * len(answers), answers,
+            SamplingConfig(n_samples=N, max_new_tokens=4, log_rho=None, base_seed=11),
+            EpisodeLimits(max_turns=2, max_observation_tokens=8),
+            Tokens(decode=lambda _ids: "x", encode=lambda _text: [1]),
+            max_concurrency=concurrency, failures=count,
+        )
+    )  # fmt: skip
+    return episodes, count, client
+
+
+@pytest.mark.parametrize("how", ["raise", "hang"])
+def test_a_failing_environment_fails_one_episode_and_the_step_goes_on(scorer, tmp_path, how):
+    answers = ["a", f"{how}:{tmp_path / 'marker'}", "c"]  # prompt 1's first episode to step fails
+    episodes, count, client = _run(scorer, FAILS_ONCE, answers, concurrency=1 if how == "hang" else 64)
+    assert count.failures == 1 and count.lost == 0
+    assert count.metrics() == {"rollout/env_failures": 1.0, "rollout/env_episodes_lost": 0.0}
+    assert len(episodes) == PROMPTS * N  # every group is there, in prompt order
+    assert [e.env_reward for e in episodes] == [1.0] * (PROMPTS * N)
+    assert [e.turns for e in episodes] == [1] * (PROMPTS * N)
+    # prompt 1 was generated twice, the second time with fresh seeds; the others once
+    seeds = {
+        (i, j): [s for p, q, s in client.keys if (p, q) == (i, j)] for i in range(PROMPTS) for j in range(N)
+    }
+    for j in range(N):
+        assert seeds[0, j] == [turn_key(11, 0, j, 0).seed] and seeds[2, j] == [turn_key(11, 2, j, 0).seed]
+        assert seeds[1, j] == [turn_key(11, 1, j, 0).seed, turn_key(11, 1, j, 0, attempt=1).seed]
+        assert turn_key(11, 1, j, 0, attempt=1).seed != turn_key(11, 1, j, 0).seed
+
+
+def test_too_many_failures_stop_the_step_with_one_line_naming_the_environment(scorer):
+    # 2 prompts × 2 episodes, all raising: the third failure is more than half of the 4
+    with pytest.raises(EnvironmentFailures) as info:
+        _run(scorer, RAISES, ["a", "b"])
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(
+        f"environment {RAISES!r}: 3 of the step's 4 episodes failed, more than "
+        "rollout.max_env_failure_fraction=0.5; last: EnvironmentError_:"
+    )
+    assert "StepRaises' step raised KeyError: 'boom'" in message
+
+
+def test_a_group_that_fails_on_every_attempt_stops_the_step(scorer):
+    # 6 failures (2 episodes × 3 attempts) of 8 episodes: within the fraction, but prompt 0 never succeeds
+    with pytest.raises(EnvironmentFailures) as info:
+        _run(scorer, FAILS_ONCE, ["always", "b", "c", "d"], fraction=1.0)
+    assert str(info.value) == (
+        f"environment {FAILS_ONCE!r}: the episodes of prompt 0 failed on all 3 attempts; last: "
+        f"EnvironmentError_: environment {FAILS_ONCE!r} step raised ValueError: scripted failure, every "
+        f"time at {fault_envs.__file__}:{_line_of('every time')}"
+    )
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, True, "half"])
+def test_max_env_failure_fraction_is_a_fraction(bad):
+    from megatron_tail.config import load_config
+    from megatron_tail.utils.errors import UserError
+
+    with pytest.raises(UserError, match=r"rollout\.max_env_failure_fraction must be a number"):
+        load_config(None, [f"rollout.max_env_failure_fraction={bad}"])
+    assert load_config(None, []).rollout.max_env_failure_fraction == 0.5
+
+
+class ScorerRestartedMeanwhile:
+    """A scorer whose worker (pid 100) is replaced (pid 101) before the episode's step: the new worker does
+    not know the episode."""
+
+    def __init__(self):
+        self.worker_pid = 100
+
+    def call(self, _handler, request, *, error, **_kw):
+        _spec, op, episode, _payload = request
+        if op == "step":
+            self.worker_pid = 101
+            raise error(f"environment 'env': step of unknown episode {episode!r}")
+
+
+@pytest.mark.parametrize(("restarted", "lost"), [(True, 1), (False, 0)])
+def test_an_episode_whose_state_died_with_the_worker_is_lost_not_failed(restarted, lost):
+    from megatron_tail.rollout.envs import EnvironmentError_
+    from megatron_tail.rollout.envs.host import EnvironmentLostError, WorkerEnv
+
+    scorer = ScorerRestartedMeanwhile()
+    env = WorkerEnv(scorer, "env", "e1")
+
+    async def episode():
+        await env.reset({})
+        if not restarted:
+            scorer.call = lambda *_a, error, **_kw: (_ for _ in ()).throw(error("step raised"))
+        await env.step("x")
+
+    with pytest.raises(EnvironmentError_) as info:
+        asyncio.run(episode())
+    assert isinstance(info.value, EnvironmentLostError) is bool(lost)
+    count = FailureCount("env", 4, 0.5)
+    count.add(info.value)
+    assert (count.failures, count.lost) == (1 - lost, lost)
