@@ -172,9 +172,18 @@ class RolloutSection:
     """Model turns per episode at most (with `env`)."""
     max_observation_tokens: int = 512
     """Longest observation (environment reply), in tokens; a longer one ends the episode before it."""
+    env_workers: int = 4
+    """With `env`: worker processes that run the environments (`rollout/envs/pool.py`); each runs one call at
+    a time, so this many tool calls run at once, and a call past the time limit stops its own worker only
+    (its episodes are generated again). 4: environment calls are short or wait on something outside, and a
+    few processes keep one stuck call from stalling the rest at little memory on rank 0; raise it (up to
+    `max_concurrency`) for slow tools."""
+    env_timeout_s: float | None = None
+    """With `env`: seconds one environment call (reset, step) may take in its worker before the worker is
+    stopped and the episode fails; None: `data.reward_timeout_s`."""
     max_env_failure_fraction: float = 0.5
     """With `env`: the fraction of a step's episodes whose environment may fail (raise, or exceed
-    `data.reward_timeout_s`); each failure regenerates its group with fresh seeds (`rollout/env_failures`);
+    `env_timeout_s`); each failure regenerates its group with fresh seeds (`rollout/env_failures`);
     past the fraction the run stops with one error naming the environment and its last exception."""
     temperature: float = 1.0
     """Sampling temperature T (> 0); the trainer scores log-probs at the same T."""
@@ -400,6 +409,10 @@ class RolloutSection:
         self._check_truncation()
         _positive_int("rollout", "max_turns", self.max_turns)
         _positive_int("rollout", "max_observation_tokens", self.max_observation_tokens)
+        _positive_int("rollout", "env_workers", self.env_workers)
+        t = self.env_timeout_s
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
+            _bad("rollout", "env_timeout_s", t, "must be > 0 (seconds per environment call) or null")
         f = self.max_env_failure_fraction
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:
             _bad("rollout", "max_env_failure_fraction", f, "must be a number in [0, 1]")

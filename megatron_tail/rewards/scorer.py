@@ -16,10 +16,9 @@ signals (the trainer decides what a stop means) and dies with the trainer (`util
 `kill -9` of the trainer leaves no worker behind. After a timeout it is killed and a new one starts with
 the next batch.
 
-Environments of multi-turn rollouts (`rollout.env`, `megatron_tail.rollout.envs`) run in the same worker
-for the same reasons (`call`, with the environments' handler): their episodes live there, each request
-bounded by the same `timeout_s`, and an environment that raises or returns garbage fails the step with an
-error naming it.
+Environments of multi-turn rollouts (`rollout.env`) run in workers of the same kind for the same reasons,
+a pool of their own (`megatron_tail.rollout.envs.pool`, `rollout.env_workers`), without a reward loaded
+(`_Worker(None)`); `call` runs any handler in this scorer's worker.
 """
 
 from __future__ import annotations
@@ -138,9 +137,10 @@ _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, s
 
 
 class _Worker:
-    """One spawned process scoring batches sent over a pipe, one at a time."""
+    """One spawned process scoring batches sent over a pipe, one at a time (`spec` None: no reward loaded,
+    only handlers' calls)."""
 
-    def __init__(self, spec: str):
+    def __init__(self, spec: str | None):
         spawn = multiprocessing.get_context("spawn")
         self._conn, child = spawn.Pipe(duplex=True)
         # blocked in this thread while the worker and multiprocessing's resource tracker start, so both
@@ -183,7 +183,7 @@ class _Worker:
         self.kill()
 
 
-def _serve(spec: str, conn, parent_pid: int) -> None:
+def _serve(spec: str | None, conn, parent_pid: int) -> None:
     """The worker's main: ignore the stop signals, die with the trainer, score batches until told to stop."""
     from megatron_tail.utils.parent_watch import die_with_parent
 
@@ -191,7 +191,7 @@ def _serve(spec: str, conn, parent_pid: int) -> None:
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
     die_with_parent(parent_pid)
-    fn = load_reward_fn(spec)
+    fn = None if spec is None else load_reward_fn(spec)  # None: environments only (`rollout.envs.pool`)
     states: dict[str, dict] = {}  # handler → the state it keeps between requests (`RewardScorer.call`)
     while True:
         try:

@@ -1,6 +1,7 @@
 """The environment interface of multi-turn rollouts.
 
-An environment lives in the reward worker process (`rewards/scorer.py`), one instance per episode:
+An environment lives in an environment worker process (`pool.py`, `rollout.env_workers`), one instance per
+episode:
 
     env = MyEnv()                       # no arguments
     env.reset(row)                      # the episode's dataset row: {"answer": ..., "index": ...}

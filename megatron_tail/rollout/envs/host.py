@@ -1,57 +1,73 @@
-"""The rollout side of an environment: one episode's requests sent to the reward worker process, where the
-environment instances live (`RewardScorer.call` with `registry.handle_env_request`: same worker, same time
-limit, errors naming the environment)."""
+"""The rollout side of an environment: one episode's requests sent to the environment worker that holds its
+state (`pool.EnvWorkers`, `registry.handle_env_request`: each call under the pool's time limit, errors
+naming the environment)."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from .base import StepResult
-from .registry import ENV_HANDLER, EnvironmentError_, EnvironmentTimeoutError
+from .pool import EnvWorkers, LostState
+from .registry import EnvironmentError_
 
 
 class EnvironmentLostError(EnvironmentError_):
-    """An episode's environment state died with the worker that another episode's timeout stopped: not this
+    """An episode's environment state died with its worker, which another episode's timeout stopped: not this
     environment's failure (the episode is generated again, `train.run.episodes`)."""
 
 
 class WorkerEnv:
-    """`EnvSession` of episode `episode` of environment `spec`, run by `scorer`'s worker. The (blocking) pipe
-    round trip runs in a thread, so the other episodes' `/generate` calls go on meanwhile. A step that fails
-    because the worker holding the episode's state was stopped meanwhile (another episode's timeout) raises
-    `EnvironmentLostError`."""
+    """`EnvSession` of episode `episode` of environment `spec`, run by one worker of `pool` (picked at
+    `reset`, `EnvWorkers.assign`). The pipe round trip runs in the worker's thread, so the other episodes'
+    `/generate` calls, and the other workers' calls, go on meanwhile. A step after that worker was stopped
+    (another episode's timeout on it) raises `EnvironmentLostError` without being sent."""
 
-    def __init__(self, scorer, spec: str, episode: str):
-        self.scorer, self.spec, self.episode = scorer, spec, episode
-        self.worker: int | None = None
-        """The pid of the worker that holds this episode's state (set by `reset`)."""
+    def __init__(self, pool: EnvWorkers, spec: str, episode: str):
+        self.pool, self.spec, self.episode = pool, spec, episode
+        self.slot = None
+        """The pool's worker that holds this episode's state (set by `reset`)."""
+        self.generation: int | None = None
 
-    async def _call(self, op: str, payload: Any):
-        return await asyncio.to_thread(
-            self.scorer.call,
-            ENV_HANDLER,
-            (self.spec, op, self.episode, payload),
-            what=f"environment {self.spec!r} ({op} of episode {self.episode})",
-            error=EnvironmentError_,
-            timeout_error=EnvironmentTimeoutError,
-            start=op != "close",  # an episode's state died with a killed worker: nothing to close
-        )
+    def _what(self, op: str) -> str:
+        return f"environment {self.spec!r} ({op} of episode {self.episode})"
 
     async def reset(self, row: dict[str, Any]) -> None:
-        await self._call("reset", row)
-        self.worker = getattr(self.scorer, "worker_pid", None)
+        self.slot = self.pool.assign()
+        try:
+            _, self.generation = await self.pool.call(
+                self.slot, (self.spec, "reset", self.episode, row), what=self._what("reset")
+            )
+        except BaseException:
+            self.pool.release(self.slot)
+            self.slot = None
+            raise
 
     async def step(self, turn: str) -> StepResult:
         try:
-            return await self._call("step", turn)
-        except EnvironmentError_ as error:
-            if self.worker is not None and getattr(self.scorer, "worker_pid", None) != self.worker:
-                raise EnvironmentLostError(
-                    f"environment {self.spec!r}: episode {self.episode} lost its state with the worker "
-                    f"another episode's timeout stopped ({error})"
-                ) from error
-            raise
+            result, _ = await self.pool.call(
+                self.slot,
+                (self.spec, "step", self.episode, turn),
+                what=self._what("step"),
+                generation=self.generation,
+            )
+        except LostState as lost:
+            raise EnvironmentLostError(
+                f"environment {self.spec!r}: episode {self.episode} lost its state with worker "
+                f"{lost.args[0]}, which another episode's timeout stopped"
+            ) from None
+        return result
 
     async def close(self) -> None:
-        await self._call("close", [self.episode])
+        if self.slot is None:
+            return
+        slot, self.slot = self.slot, None
+        self.pool.release(slot)
+        try:  # nothing to close when the state died with the worker
+            await self.pool.call(
+                slot,
+                (self.spec, "close", self.episode, [self.episode]),
+                what=self._what("close"),
+                generation=self.generation,
+            )
+        except LostState:
+            pass

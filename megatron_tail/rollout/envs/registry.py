@@ -1,5 +1,6 @@
 """Environments by name (`rollout.env`): the built-in `calculator`, or a user's class `package.module:Class`;
-and the worker-side table of live episodes (`EpisodeTable`, run inside the reward worker process)."""
+and the worker-side table of live episodes (`EpisodeTable`, run inside each environment
+worker process, `pool.EnvWorkers`)."""
 
 from __future__ import annotations
 
@@ -43,11 +44,12 @@ def load_env_class(spec: str) -> type[Environment]:
 
 
 class EnvironmentTimeoutError(UserError):
-    """An environment did not answer a request within `data.reward_timeout_s`."""
+    """An environment did not answer a request within its limit (`rollout.env_timeout_s`, else
+    `data.reward_timeout_s`)."""
 
 
 ENV_HANDLER = "megatron_tail.rollout.envs.registry:handle_env_request"
-"""The reward worker's handler of environment requests (`RewardScorer.call`)."""
+"""The environment workers' handler of environment requests (`pool.EnvWorkers.call`)."""
 
 
 def handle_env_request(state: dict, request: tuple) -> Any:

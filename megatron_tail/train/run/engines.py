@@ -83,15 +83,26 @@ class RolloutEngines:
         """The client's counters at the last batch (`_client_metrics` logs what they added since)."""
         # in a worker process, bounded by data.reward_timeout_s per batch; started here, on the main thread
         self.score = RewardScorer(cfg.data.reward, timeout_s=cfg.data.reward_timeout_s)
+        self.envs = None
+        """The environments' workers (`rollout.env_workers`, `rollout.envs.pool`), with `rollout.env`."""
         try:
-            # the environment fails here, by name, if the spec is bad (the worker loads it too)
+            # the environment fails here, by name, if the spec is bad (the workers load it too)
             if cfg.rollout.env is not None:
                 from megatron_tail.rollout.envs import load_env_class
+                from megatron_tail.rollout.envs.pool import EnvWorkers
 
                 load_env_class(cfg.rollout.env)
+                r = cfg.rollout
+                self.envs = EnvWorkers(
+                    r.env_workers,
+                    timeout_s=r.env_timeout_s or cfg.data.reward_timeout_s,
+                    timeout_name="rollout.env_timeout_s" if r.env_timeout_s else "data.reward_timeout_s",
+                )
             self._connect(cfg, run_dir)
         except BaseException:
             self.score.close()
+            if self.envs is not None:
+                self.envs.close()
             raise
 
     def _connect(self, cfg: RunConfig, run_dir: Path) -> None:
@@ -381,7 +392,7 @@ class RolloutEngines:
         episodes = self._run(
             run_episodes(
                 client,
-                self.score,
+                self.envs,
                 r.env,
                 prompt_ids,
                 answers,
@@ -574,5 +585,7 @@ class RolloutEngines:
         finally:
             self.loop.close()
             self.score.close()
+            if self.envs is not None:
+                self.envs.close()
             if self.engine is not None:
                 self.engine.stop()

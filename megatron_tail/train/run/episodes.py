@@ -23,6 +23,7 @@ from megatron_tail.rollout import RolloutBatch, RolloutClient, SampleKey, Sampli
 from megatron_tail.rollout.batch import episode_stats
 from megatron_tail.rollout.envs import Episode, EpisodeLimits, Tokens, TurnOutput, run_episode
 from megatron_tail.rollout.envs.host import EnvironmentLostError, WorkerEnv
+from megatron_tail.rollout.envs.pool import EnvWorkers
 from megatron_tail.rollout.envs.registry import EnvironmentError_, EnvironmentTimeoutError
 from megatron_tail.rollout.protocol import sample_seed
 from megatron_tail.utils.errors import UserError
@@ -65,7 +66,8 @@ class FailureCount:
         self.failures = 0
         """Episodes whose environment raised or timed out (`rollout/env_failures`)."""
         self.lost = 0
-        """Episodes whose environment state another episode's timeout took (`rollout/env_episodes_lost`)."""
+        """Episodes whose environment state died with their worker, stopped by another episode's timeout
+        (`rollout/env_episodes_lost`)."""
         self.last: BaseException | None = None
 
     def add(self, error: BaseException) -> None:
@@ -100,7 +102,7 @@ def turn_sampling(sampling: SamplingConfig, tokenizer, max_turns: int) -> Sampli
 
 async def run_episodes(
     client: RolloutClient,
-    scorer,
+    envs: EnvWorkers,
     env_spec: str,
     prompts: Sequence[Sequence[int]],
     answers: Sequence[str],
@@ -113,7 +115,8 @@ async def run_episodes(
     max_failure_fraction: float = 0.5,
     failures: FailureCount | None = None,
 ) -> list[Episode]:
-    """`sampling.n_samples` episodes per prompt, prompt-major (groups contiguous).
+    """`sampling.n_samples` episodes per prompt, prompt-major (groups contiguous); their environments run in
+    `envs`' workers (`rollout.env_workers`), each call under its time limit, many at once.
 
     An environment that raises or times out (`EnvironmentError_`, `EnvironmentTimeoutError`) fails its
     episode, and its group is generated again with fresh seeds (`turn_key`'s attempt), at most
@@ -155,7 +158,7 @@ async def run_episodes(
             )
 
         name = f"b{sampling.base_seed}-p{i}-s{j}" + (f"-a{attempt}" if attempt else "")
-        env = WorkerEnv(scorer, env_spec, name)
+        env = WorkerEnv(envs, env_spec, name)
         async with semaphore:
             row = {"answer": answers[i], "index": i}
             return await run_episode(generate, env, prompts[i], row, limits, tokens)

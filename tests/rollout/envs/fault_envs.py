@@ -86,3 +86,15 @@ class FailsOnce(Environment):
                 raise ValueError("scripted failure")
             time.sleep(3600)
         return StepResult(None, reward=1.0, done=True)
+
+
+class Sleeper(Environment):
+    """Turn "sleep <s>" sleeps s seconds, "hang" an hour; answers "<start> <end> <pid>" (wall-clock times of
+    the sleep in the worker) and never ends."""
+
+    def step(self, turn):
+        import os
+
+        start = time.time()
+        time.sleep(3600 if turn == "hang" else float(turn.split()[1]))
+        return StepResult(f"{start} {time.time()} {os.getpid()}")

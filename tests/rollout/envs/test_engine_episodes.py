@@ -9,9 +9,9 @@ import asyncio
 import pytest
 import torch
 
-from megatron_tail.rewards.scorer import RewardScorer
 from megatron_tail.rollout import ClientConfig, RolloutClient, SamplingConfig
 from megatron_tail.rollout.envs import EpisodeLimits, Tokens
+from megatron_tail.rollout.envs.pool import EnvWorkers
 from megatron_tail.train.run.episodes import run_episodes
 from tests.rollout.servers import start_servers
 
@@ -52,7 +52,7 @@ def test_every_turn_sees_the_concatenated_ids(fp32_server, tiny_model_dir, token
     )
 
     async def go():
-        scorer = RewardScorer("arithmetic", timeout_s=30)
+        scorer = EnvWorkers(2, timeout_s=30, timeout_name="data.reward_timeout_s")
         try:
             async with RolloutClient(
                 [fp32_server.url], ClientConfig(request_timeout_s=60), processor=None

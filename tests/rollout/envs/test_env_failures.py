@@ -1,8 +1,8 @@
 """Environments fail alone (`train.run.episodes.run_episodes`): an environment that raises, or hangs past
 `data.reward_timeout_s`, fails its episode; the episode's group is generated again with fresh seeds and the
 step goes on, counting `rollout/env_failures`; more than `rollout.max_env_failure_fraction` of the step's
-episodes failing stops it with one line naming the environment and the last exception. Real reward worker,
-environments from `fault_envs`, a recording fake client (no engine)."""
+episodes failing stops it with one line naming the environment and the last exception. Real environment
+workers (`rollout.envs.pool`), environments from `fault_envs`, a recording fake client (no engine)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_tail.rewards.scorer import RewardScorer
 from megatron_tail.rollout import SamplingConfig
 from megatron_tail.rollout.envs import EpisodeLimits, Tokens
+from megatron_tail.rollout.envs.pool import EnvWorkers
 from megatron_tail.train.run.episodes import EnvironmentFailures, FailureCount, run_episodes, turn_key
 from tests.rollout.envs import fault_envs
 
 FAILS_ONCE = "tests.rollout.envs.fault_envs:FailsOnce"
 RAISES = "tests.rollout.envs.fault_envs:StepRaises"
+SLEEPER = "tests.rollout.envs.fault_envs:Sleeper"
 PROMPTS, N = 3, 2
 
 
@@ -50,9 +51,7 @@ def _line_of(text: str) -> int:
 
 @pytest.fixture
 def scorer():
-    # one per test: a worker restarted after a timeout is spawned from an executor thread of the test's
-    # event loop, and dies with that thread (`utils.parent_watch`) when `asyncio.run` ends
-    s = RewardScorer("arithmetic", timeout_s=2.0)
+    s = EnvWorkers(1, timeout_s=2.0, timeout_name="data.reward_timeout_s")
     yield s
     s.close()
 
@@ -125,37 +124,37 @@ def test_max_env_failure_fraction_is_a_fraction(bad):
     assert load_config(None, []).rollout.max_env_failure_fraction == 0.5
 
 
-class ScorerRestartedMeanwhile:
-    """A scorer whose worker (pid 100) is replaced (pid 101) before the episode's step: the new worker does
-    not know the episode."""
-
-    def __init__(self):
-        self.worker_pid = 100
-
-    def call(self, _handler, request, *, error, **_kw):
-        _spec, op, episode, _payload = request
-        if op == "step":
-            self.worker_pid = 101
-            raise error(f"environment 'env': step of unknown episode {episode!r}")
-
-
-@pytest.mark.parametrize(("restarted", "lost"), [(True, 1), (False, 0)])
-def test_an_episode_whose_state_died_with_the_worker_is_lost_not_failed(restarted, lost):
-    from megatron_tail.rollout.envs import EnvironmentError_
+def test_an_episode_whose_state_died_with_the_worker_is_lost_not_failed():
+    """Episode A hangs and its timeout stops worker 0, where episode B lives too: B's next step is lost (not
+    sent, not the environment's failure); C, on worker 1, goes on."""
     from megatron_tail.rollout.envs.host import EnvironmentLostError, WorkerEnv
+    from megatron_tail.rollout.envs.registry import EnvironmentTimeoutError
 
-    scorer = ScorerRestartedMeanwhile()
-    env = WorkerEnv(scorer, "env", "e1")
+    pool = EnvWorkers(2, timeout_s=2.0, timeout_name="rollout.env_timeout_s")
+    a, c, b = (WorkerEnv(pool, SLEEPER, name) for name in "acb")
 
-    async def episode():
-        await env.reset({})
-        if not restarted:
-            scorer.call = lambda *_a, error, **_kw: (_ for _ in ()).throw(error("step raised"))
-        await env.step("x")
+    async def episodes():
+        for env in (a, c, b):  # fewest live episodes first: a → 0, c → 1, b → 0
+            await env.reset({})
+        assert [e.slot.index for e in (a, b, c)] == [0, 0, 1]
+        pids = pool.pids
+        return pids, await asyncio.gather(
+            a.step("hang"), b.step("sleep 0"), c.step("sleep 0"), return_exceptions=True
+        )
 
-    with pytest.raises(EnvironmentError_) as info:
-        asyncio.run(episode())
-    assert isinstance(info.value, EnvironmentLostError) is bool(lost)
+    try:
+        pids, (hung, lost, fine) = asyncio.run(episodes())
+        after = pool.pids
+    finally:
+        pool.close()
+    assert isinstance(hung, EnvironmentTimeoutError) and not isinstance(hung, EnvironmentLostError)
+    assert str(hung).startswith(
+        f"environment {SLEEPER!r} (step of episode a) did not answer within rollout.env_timeout_s=2 s; its "
+        "worker 0 was stopped (with the state of its 1 other live episode(s), generated again)"
+    )
+    assert isinstance(lost, EnvironmentLostError) and "lost its state with worker 0" in str(lost)
+    assert int(fine.observation.split()[2]) == pids[1] == after[1]  # worker 1 untouched
     count = FailureCount("env", 4, 0.5)
-    count.add(info.value)
-    assert (count.failures, count.lost) == (1 - lost, lost)
+    for error in (hung, lost):
+        count.add(error)
+    assert (count.failures, count.lost) == (1, 1)

@@ -1,5 +1,5 @@
 """The episode runner: token ids in and out across turns, the policy mask, the limits, and environments that
-raise, time out or return garbage (run in the reward worker, as rewards are)."""
+raise, time out or return garbage (run in the environments' worker processes, `rollout.envs.pool`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import asyncio
 
 import pytest
 
-from megatron_tail.rewards.scorer import RewardScorer
 from megatron_tail.rollout.envs import (
     Environment,
     EnvironmentError_,
@@ -19,6 +18,7 @@ from megatron_tail.rollout.envs import (
     run_episode,
 )
 from megatron_tail.rollout.envs.host import WorkerEnv
+from megatron_tail.rollout.envs.pool import EnvWorkers
 from megatron_tail.rollout.envs.registry import EnvironmentTimeoutError
 from megatron_tail.utils.errors import UserError
 
@@ -131,12 +131,12 @@ def test_one_turn_episode_is_the_single_turn_sample():
     assert episode.logprobs == [-0.5, -0.51, -0.52] and episode.env_tokens == 0
 
 
-# --- environments in the reward worker ----------------------------------------------------------------
+# --- environments in their workers -------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def scorer():
-    s = RewardScorer("arithmetic", timeout_s=2.0)
+    s = EnvWorkers(1, timeout_s=2.0, timeout_name="data.reward_timeout_s")
     yield s
     s.close()
 
@@ -146,7 +146,7 @@ def worker_episode(scorer, spec, turns):
     return run(ScriptedEngine(turns), WorkerEnv(scorer, spec, f"test-{spec}"), limits)
 
 
-def test_calculator_runs_in_the_reward_worker(scorer):
+def test_calculator_runs_in_an_environment_worker(scorer):
     call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12+34"}}\n</tool_call>'
     turns = [([*TOKENS.encode(call), 2], "stop"), ([*TOKENS.encode("46"), 2], "stop")]
     episode = worker_episode(scorer, "calculator", turns)
@@ -191,8 +191,9 @@ def test_a_broken_environment_fails_with_an_error_naming_it(scorer, spec, error,
     assert spec in str(info.value)
     if error is EnvironmentTimeoutError:
         assert "data.reward_timeout_s=2" in str(info.value)
-    # the worker goes on (or restarts): rewards and environments still work
-    assert scorer(["5"], ["5"]) == [1.0]
+    # the worker goes on (or restarts): environments still work
+    episode = worker_episode(scorer, "tests.rollout.envs.fault_envs:AlwaysContinues", [([60, 2], "stop")] * 3)
+    assert episode.env_reward == 0.75
 
 
 @pytest.mark.parametrize(

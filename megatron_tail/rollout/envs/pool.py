@@ -1,0 +1,171 @@
+"""`EnvWorkers`: the environments' own pool of worker processes (`rollout.env_workers`), each call under its
+own time limit.
+
+    pool = EnvWorkers(4, timeout_s=600.0)      # starts the workers
+    env = WorkerEnv(pool, "calculator", "b0-p3-s1")   # host.WorkerEnv: one episode, pinned to one worker
+    pool.close()
+
+Why a pool of processes, not the reward scorer's one worker:
+- parallel tool calls: each worker runs one call at a time, so with N workers N calls run at once (a tool
+  that waits on I/O, a sandbox, a slow parser no longer queues every other episode behind it);
+- failures stay local: a call that exceeds the limit kills its own worker only (a thread cannot be killed,
+  a process can); the next call on that slot starts a new one. The episodes whose state lived in the killed
+  worker are lost (`host.EnvironmentLostError`, generated again by `train.run.episodes`); the other workers'
+  episodes never notice.
+An episode lives in one worker from `reset` to `close` (its environment instance is state in that process),
+so episodes are spread at `reset`, to the worker holding the fewest live episodes.
+
+Each worker slot has its own single thread that talks to its process: calls for one worker queue there
+without holding a thread another worker needs, the time limit starts when the call is sent (not while it
+queues), and a worker restarted after a timeout is started from that long-lived thread (a worker dies with
+the thread that started it, `PR_SET_PDEATHSIG`, `utils.parent_watch`). The workers are the reward scorer's
+kind (`rewards.scorer._Worker`: spawned, ignoring the job's stop signals, dying with the trainer) without a
+reward function loaded.
+
+Default N = 4 (`rollout.env_workers`): environment calls are short, CPU-light Python (the calculator parses
+in microseconds) or wait on something outside (a sandbox, a service), so a few processes give the
+parallelism that matters — one stuck call no longer stalls the rest — at ~50 MB and one interpreter start
+each on rank 0, which also runs the engines' client and the trainer; a run whose tools are slow raises it
+up to `rollout.max_concurrency` (one worker per episode in flight: calls never queue).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_tail.utils.errors import UserError
+
+from .registry import ENV_HANDLER, EnvironmentError_, EnvironmentTimeoutError
+
+DEFAULT_ENV_WORKERS = 4
+"""`rollout.env_workers`'s default; see the module docstring for why."""
+
+
+@dataclass
+class Busy:
+    """What a worker runs now: `what` (environment, operation, episode) since `since` (`time.monotonic`)."""
+
+    what: str
+    spec: str
+    episode: str
+    since: float
+
+
+class _Slot:
+    """One worker of the pool: its process (None before the first call and after a timeout), its thread, the
+    generation (bumped each time its process is stopped: the state of its episodes died with it), and its
+    live episodes."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"env-worker-{index}")
+        self.process = None
+        self.generation = 0
+        self.episodes = 0
+        self.busy: Busy | None = None
+
+
+class EnvWorkers:
+    """`workers` environment worker processes; each call bounded by `timeout_s` (named `timeout_name` in
+    errors: `rollout.env_timeout_s`, or `data.reward_timeout_s` when that key is unset)."""
+
+    def __init__(self, workers: int = DEFAULT_ENV_WORKERS, *, timeout_s: float, timeout_name: str):
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise UserError(f"rollout.env_workers must be an integer ≥ 1; got {workers!r}")
+        if not timeout_s > 0:
+            raise UserError(f"{timeout_name} must be > 0; got {timeout_s!r}")
+        self.timeout_s, self.timeout_name = float(timeout_s), timeout_name
+        self.slots = [_Slot(k) for k in range(workers)]
+        for slot in self.slots:  # all start at once, each from its own thread
+            slot.thread.submit(self._start, slot)
+
+    def assign(self) -> _Slot:
+        """The worker a new episode lives in: the one with the fewest live episodes (the first of equals)."""
+        slot = min(self.slots, key=lambda s: s.episodes)
+        slot.episodes += 1
+        return slot
+
+    def release(self, slot: _Slot) -> None:
+        slot.episodes -= 1
+
+    async def call(
+        self, slot: _Slot, request: tuple, *, what: str, generation: int | None = None
+    ) -> tuple[Any, int]:
+        """`registry.handle_env_request(request)` in `slot`'s worker; returns (answer, the worker's
+        generation). With `generation`, the call is for state made under it: when the worker was stopped
+        since, `LostState` is raised without sending. `EnvironmentError_` when the environment failed or
+        the worker died, `EnvironmentTimeoutError` after the limit (the worker is stopped)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(slot.thread, self._call, slot, request, what, generation)
+
+    def _start(self, slot: _Slot) -> None:
+        from megatron_tail.rewards.scorer import _Worker
+
+        if slot.process is None:
+            slot.process = _Worker(None)
+
+    def _stop(self, slot: _Slot) -> None:
+        slot.process.kill()
+        slot.process = None
+        slot.generation += 1
+
+    def _call(self, slot: _Slot, request: tuple, what: str, generation: int | None):
+        if generation is not None and generation != slot.generation:
+            raise LostState(slot.index)
+        self._start(slot)
+        spec, _op, episode, _payload = request
+        slot.busy = Busy(what, spec, episode, time.monotonic())
+        try:
+            reply = slot.process.request(("call", ENV_HANDLER, request), self.timeout_s)
+        except TimeoutError:
+            others = slot.episodes - 1
+            self._stop(slot)
+            raise EnvironmentTimeoutError(
+                f"{what} did not answer within {self.timeout_name}={self.timeout_s:g} s; its worker "
+                f"{slot.index} was stopped (with the state of its {others} other live episode(s), generated "
+                "again). Make it faster or bounded, or raise the limit"
+            ) from None
+        except EOFError:  # the worker died (killed, out of memory): a new one starts with the next call
+            code = slot.process.exitcode
+            self._stop(slot)
+            raise EnvironmentError_(f"the worker running {what} died (exit code {code})") from None
+        finally:
+            slot.busy = None
+        status, payload = reply
+        if status == "user_error":
+            raise EnvironmentError_(payload)
+        if status == "error":
+            raise RuntimeError(f"environment worker failed:\n{payload}")
+        return payload, slot.generation
+
+    def busy(self) -> list[Busy]:
+        """The calls running now, oldest first (the periodic wait report names them)."""
+        return sorted((s.busy for s in self.slots if s.busy is not None), key=lambda b: b.since)
+
+    @property
+    def pids(self) -> list[int | None]:
+        """Each worker's process id (None while it is not running)."""
+        return [None if s.process is None else s.process.pid for s in self.slots]
+
+    def close(self) -> None:
+        """Stop every worker; a call still running (a hang) is not waited for: its process is killed."""
+        for slot in self.slots:
+            process = slot.process
+            if slot.busy is not None and process is not None:
+                process.kill()  # its thread's call ends at once (the worker "died")
+            slot.thread.submit(self._close, slot)
+            slot.thread.shutdown(wait=True)
+
+    @staticmethod
+    def _close(slot: _Slot) -> None:
+        if slot.process is not None:
+            slot.process.stop()
+            slot.process = None
+
+
+class LostState(Exception):
+    """The worker holding an episode's state was stopped since the state was made (`EnvWorkers.call`)."""
