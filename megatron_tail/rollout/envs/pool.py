@@ -47,12 +47,14 @@ DEFAULT_ENV_WORKERS = 4
 
 @dataclass
 class Busy:
-    """What a worker runs now: `what` (environment, operation, episode) since `since` (`time.monotonic`)."""
+    """What worker `worker` runs now: `what` (environment, operation, episode) since `since`
+    (`time.monotonic`)."""
 
     what: str
     spec: str
     episode: str
     since: float
+    worker: int
 
 
 class _Slot:
@@ -118,7 +120,7 @@ class EnvWorkers:
             raise LostState(slot.index)
         self._start(slot)
         spec, _op, episode, _payload = request
-        slot.busy = Busy(what, spec, episode, time.monotonic())
+        slot.busy = Busy(what, spec, episode, time.monotonic(), slot.index)
         try:
             reply = slot.process.request(("call", ENV_HANDLER, request), self.timeout_s)
         except TimeoutError:

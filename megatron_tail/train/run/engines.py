@@ -53,6 +53,10 @@ ENGINE_POLL_S = 0.5
 """While waiting for the engines, how often to check that the local engine process is still there: its
 requests cannot come back once it is gone, and the client would otherwise probe a dead port for a minute."""
 
+SLOW_ENV_CALL_S = 1.0
+"""An environment call running this long at a wait report is what the report names (tool calls take
+milliseconds to seconds; the engines' requests are named otherwise)."""
+
 
 def manager_batch(
     groups: list[GroupResult], metrics: dict[str, float], data_cursor: int, waited_s: float
@@ -543,9 +547,25 @@ class RolloutEngines:
                 task.cancel()
 
     def _waiting_line(self, waiting_for: str, waited_s: float) -> str:
+        """What the trainer waits for: an environment call that has run `SLOW_ENV_CALL_S` or more (the
+        oldest, its worker and the limit that stops it), else the engines' requests in flight."""
         r = self.cfg.rollout
         in_flight = {u: n for c in (self.client, self.eval_client) for u, n in c.in_flight.items() if n}
         where = ", ".join(f"{u}: {n}" for u, n in sorted(in_flight.items())) or ", ".join(self.urls)
+        busy = [] if self.envs is None else self.envs.busy()
+        now = time.monotonic()
+        if busy and now - busy[0].since >= SLOW_ENV_CALL_S:
+            call, more = busy[0], len(busy) - 1
+            others = f"; {more} more environment call{'s' if more > 1 else ''} running" if more else ""
+            engines = (
+                f"{sum(in_flight.values())} engine requests in flight" if in_flight else "no engine requests"
+            )
+            return (
+                f"waiting for {waiting_for}: {waited_s:.0f} s so far; {call.what} has run "
+                f"{now - call.since:.0f} s in environment worker {call.worker}, stopped at "
+                f"{self.envs.timeout_name}={self.envs.timeout_s:g} s{others}; {engines}; send SIGTERM twice "
+                "to stop now"
+            )
         return (
             f"waiting for {waiting_for} from the engines ({where} requests in flight): {waited_s:.0f} s so "
             f"far; a request is retried after rollout.request_timeout_s={r.request_timeout_s:g} s; send "
