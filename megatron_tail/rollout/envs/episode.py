@@ -55,6 +55,10 @@ class EpisodeLimits:
     """Model turns at most (`rollout.max_turns`)."""
     max_observation_tokens: int
     """An observation longer than this ends the episode before it (it is not appended)."""
+    max_input_tokens: int | None = None
+    """The longest input a turn may send: the engine's context length − `max_new_tokens` (SGLang and the local
+    engine answer a longer prompt + `max_new_tokens` with a 400). An observation that would make the next
+    turn's input longer ends the episode before it (`context_overflow`); None: no check."""
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,9 @@ class Episode:
     """`max_turns` ended the episode while the environment would have continued."""
     observation_overflow: bool = False
     """An observation longer than `max_observation_tokens` ended the episode."""
+    context_overflow: bool = False
+    """The next turn's input would not fit the engine's context (`EpisodeLimits.max_input_tokens`): the
+    episode ended before that observation, instead of a request the engine rejects."""
     turn_versions: list[str | None] = field(default_factory=list)
     """The weight version each turn was sampled with."""
 
@@ -116,7 +123,8 @@ async def run_episode(
     tokens: Tokens,
 ) -> Episode:
     """Run one episode to its end: the environment says done, a turn hits `max_new_tokens`, `max_turns`
-    turns, or an observation overflows. The environment is closed on every path."""
+    turns, an observation overflows, or the next turn would not fit the engine's context. The environment
+    is closed on every path."""
     episode = Episode(list(prompt_ids))
     await env.reset(row)
     try:
@@ -141,6 +149,10 @@ async def run_episode(
             ids = tokens.encode(result.observation)
             if len(ids) > limits.max_observation_tokens:
                 episode.observation_overflow = True
+                break
+            next_input = len(episode.prompt_ids) + len(episode.response_ids) + len(ids)
+            if limits.max_input_tokens is not None and next_input > limits.max_input_tokens:
+                episode.context_overflow = True
                 break
             episode.add(ids, policy=False)
     finally:

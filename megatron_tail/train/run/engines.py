@@ -82,7 +82,11 @@ class RolloutEngines:
         self.tokenizer = tokenizer
         self.note = note
         """Where the wait-progress lines go (rank 0's console)."""
-        self.vocab_size = load_hf_config(cfg.model.hf_path).vocab_size
+        arch = load_hf_config(cfg.model.hf_path)
+        self.vocab_size = arch.vocab_size
+        self.context_length = arch.max_position_embeddings
+        """The engines' context length: the model's (as the local engine and SGLang without
+        `--context-length` use it); a multi-turn episode whose next turn would exceed it ends."""
         self._counted: dict[str, int] = {}
         """The client's counters at the last batch (`_client_metrics` logs what they added since)."""
         # in a worker process, bounded by data.reward_timeout_s per batch; started here, on the main thread
@@ -401,7 +405,11 @@ class RolloutEngines:
                 prompt_ids,
                 answers,
                 turn_sampling(sampling, self.tokenizer, r.max_turns),
-                EpisodeLimits(max_turns=r.max_turns, max_observation_tokens=r.max_observation_tokens),
+                EpisodeLimits(
+                    max_turns=r.max_turns,
+                    max_observation_tokens=r.max_observation_tokens,
+                    max_input_tokens=self.context_length - sampling.max_new_tokens,
+                ),
                 Tokens(decode=self._decode, encode=self._encode),
                 max_concurrency=r.max_concurrency,
                 on_episode=self._on_result,

@@ -213,4 +213,6 @@ def episodes_to_batch(
         rollout_top_logprobs=None if any(t is None for t in tops) else [list(t) for t in tops],
         policy_mask=[list(e.policy_mask) for e in episodes],
         stats={"rollout_time_s": elapsed_s, "generated_tokens": float(generated), **episode_stats(episodes)},
+        # episodes ended because their next turn would not fit the engine's context (`EpisodeLimits`)
+        metrics={"rollout/context_overflows": float(sum(e.context_overflow for e in episodes))},
     )
