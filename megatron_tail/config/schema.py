@@ -167,7 +167,8 @@ class RolloutSection:
     env: str | None = None
     """Multi-turn episodes with an environment (`megatron_tail.rollout.envs`): the built-in "calculator" or a
     class "package.module:Class"; None: single-turn samples. Each model turn is one `/generate` call with the
-    token ids of everything before it; the environment's observations are context (no loss, no log-prob)."""
+    token ids of everything before it; the environment's observations are context (no loss, no log-prob).
+    Runs step-wise and under the rollout manager (η ≥ 2, partial rollouts), with or without truncation."""
     max_turns: int = 1
     """Model turns per episode at most (with `env`)."""
     max_observation_tokens: int = 512
@@ -189,7 +190,8 @@ class RolloutSection:
     """Sampling temperature T (> 0); the trainer scores log-probs at the same T."""
     max_concurrency: int = 64
     """Requests (one prompt's n samples each) in flight at once; under the rollout manager, the groups
-    generating at once (AReaL's `max_concurrent_rollouts`, `rollout/manager.py`)."""
+    generating at once (AReaL's `max_concurrent_rollouts`, `rollout/manager.py`). With `env`: episodes in
+    flight at once (under the manager, ⌈max_concurrency / group_size⌉ groups)."""
     request_timeout_s: float = 600.0
     """Time one request (one prompt's n samples) may take before it is retried; a request may time out twice
     (`ClientConfig.timeout_attempts`), so an engine that accepts and never answers fails the step after
@@ -420,16 +422,6 @@ class RolloutSection:
             _bad("rollout", "env", self.env, "must be 'calculator', 'package.module:Class' or null")
         if self.env is None and self.max_turns > 1:
             _bad("rollout", "max_turns", self.max_turns, "needs an environment (rollout.env) when > 1")
-        if self.env is not None and self.uses_manager:  # episodes do not run in the manager yet
-            _bad(
-                "rollout",
-                "env",
-                self.env,
-                "runs episodes in the step-wise rollout only (rollout.max_staleness 0 or 1, "
-                "rollout.partial_rollouts false)",
-            )
-        if self.env is not None and self.truncates:  # episodes do not carry sampling supports yet
-            _bad("rollout", "env", self.env, "samples untruncated only (rollout.top_k/top_p/min_p off)")
         _positive_int("rollout", "max_concurrency", self.max_concurrency)
         if not self.temperature > 0:
             _bad(

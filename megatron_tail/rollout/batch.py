@@ -75,7 +75,8 @@ def rollout_metrics(batch: RolloutBatch, *, policy_version: int) -> dict[str, fl
     are left out, and both are absent if none has one). With `token_versions`, also
     `rollout/partial_fraction` (samples whose tokens span more than one version: they crossed a weight
     update) and `rollout/versions_per_sample_mean`.
-    With truncated sampling, `rollout/support_size_mean`: the mean support size per response token.
+    With truncated sampling, `rollout/support_size_mean`: the mean support size per token the policy sampled
+    (a multi-turn sample's observation tokens have none).
     """
     n = len(batch)
     if n == 0:
@@ -83,9 +84,10 @@ def rollout_metrics(batch: RolloutBatch, *, policy_version: int) -> dict[str, fl
     staleness = _staleness_metrics(batch, policy_version)
     lengths = [len(r) for r in batch.response_ids]
     support = {}
-    if batch.rollout_supports is not None:  # mean |support| over the response tokens
+    if batch.rollout_supports is not None:  # mean |support| over the policy's tokens (not observations')
         kept = sum(s.nnz for s in batch.rollout_supports)
-        support["rollout/support_size_mean"] = kept / max(sum(lengths), 1)
+        sampled = sum(lengths) if batch.policy_mask is None else sum(sum(m) for m in batch.policy_mask)
+        support["rollout/support_size_mean"] = kept / max(sampled, 1)
     mean_reward = sum(batch.rewards) / n
     return {
         "reward/mean": mean_reward,

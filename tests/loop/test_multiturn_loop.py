@@ -1,6 +1,7 @@
 """`megatron-tail train` with multi-turn episodes (`rollout.env`) under torchrun (TP = 2, gloo, packed THD)
 against its local engine: the run finishes, logs the episode metrics and the usual ones finite, evaluates
-with episodes, and resumes from its checkpoint mid-run."""
+with episodes, and resumes from its checkpoint mid-run; step-wise, and under the rollout manager with
+partial rollouts and top-p/top-k (the episodes' supports and per-token versions reach the step)."""
 
 from __future__ import annotations
 
@@ -43,7 +44,16 @@ def chatty_model_dir(tmp_path_factory):
     return save_hf(model, tokenizer, tmp_path_factory.mktemp("chatty") / "tiny_qwen3")
 
 
-def _train(model_dir, prompt_file, run_dir, steps):
+MANAGED = {
+    "rollout.max_staleness": 2,
+    "rollout.partial_rollouts": True,
+    "rollout.top_p": 0.95,
+    "rollout.top_k": 20,
+}
+"""The issue's agentic run: episodes under the rollout manager, partial rollouts, truncated sampling."""
+
+
+def _train(model_dir, prompt_file, run_dir, steps, managed=False):
     extra = {
         "rollout.env": "tests.rollout.envs.fault_envs:ShortObservation",
         "rollout.max_turns": 3,
@@ -56,6 +66,7 @@ def _train(model_dir, prompt_file, run_dir, steps):
         "data.eval_prompts": 4,
         "train.eval_every": 2,
         "train.eval_samples_per_prompt": 2,
+        **(MANAGED if managed else {}),
     }
     overrides = loop_overrides(model_dir, prompt_file, run_dir, extra)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
@@ -69,11 +80,12 @@ def _train(model_dir, prompt_file, run_dir, steps):
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
 
 
-def test_multiturn_run_trains_logs_episodes_and_resumes(chatty_model_dir, prompt_file, tmp_path):
+@pytest.mark.parametrize("managed", [False, True], ids=["stepwise", "manager_partial_top_p"])
+def test_multiturn_run_trains_logs_episodes_and_resumes(chatty_model_dir, prompt_file, tmp_path, managed):
     run_dir = tmp_path / "run"
-    first = _train(chatty_model_dir, prompt_file, run_dir, steps=1)
+    first = _train(chatty_model_dir, prompt_file, run_dir, steps=1, managed=managed)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    second = _train(chatty_model_dir, prompt_file, run_dir, steps=2)  # resumes at step 1
+    second = _train(chatty_model_dir, prompt_file, run_dir, steps=2, managed=managed)  # resumes at step 1
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert "resumed from" in second.stdout + second.stderr
     scalars = read_scalars(run_dir)
@@ -86,3 +98,7 @@ def test_multiturn_run_trains_logs_episodes_and_resumes(chatty_model_dir, prompt
     assert {"eval/greedy_accuracy", "eval/sampled_accuracy", "eval/pass@2"} <= set(scalars)
     fractions = [v for _, v in scalars["rollout/env_token_fraction"]]
     assert all(0.0 <= v < 1.0 for v in fractions) and fractions[0] > 0.0, fractions
+    if managed:  # the episodes carried their supports and per-token versions into the step
+        for tag in ("rollout/support_size_mean", "rollout/staleness_max", "rollout/env_failures"):
+            assert [s for s, _ in scalars[tag]] == [1, 2], tag
+        assert all(0.0 < v <= 20.0 for _, v in scalars["rollout/support_size_mean"])

@@ -9,17 +9,24 @@ so the sample is exactly the concatenation the engine saw. Only observations are
 response is `turn_0 ids + obs_0 ids + turn_1 ids + ...`, with `policy_mask` True on the generated ids.
 
 The coroutine only awaits `generate` and the environment, so any scheduler can run many of them: rank 0's
-engines do today (`train/run/engines.py`), a rollout manager with partial rollouts can tomorrow (it passes
-its own `generate`, and a turn's `weight_version` is kept per turn in `turn_versions`).
+step-wise rollout and the rollout manager both do (`train/run/episodes.py`, `EpisodeGroups`). Per-token
+fields ride with the ids: each policy token keeps the weight version that sampled it (`token_versions`; a
+turn that a weight update interrupted and the manager continued spans two) and, with truncated sampling,
+its sampling support (`supports`); an observation's tokens are context (`policy_mask` False, log-prob 0.0,
+an empty support row, and the version of the policy token before them, so a sample's oldest version is its
+oldest policy token's).
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .base import StepResult
+
+if TYPE_CHECKING:  # not at import: the environment workers import this package and need no torch
+    from megatron_tail.utils.ragged import Ragged
 
 
 @dataclass(frozen=True)
@@ -33,6 +40,11 @@ class TurnOutput:
     """"stop" (EOS or a stop token: the id is the last of `output_ids`) or "length"."""
     weight_version: str | None = None
     top_logprobs: list[float] | None = None
+    token_versions: list[str | None] | None = None
+    """Per output id: the weight version that sampled it (a turn continued after a weight update spans
+    two); None: `weight_version` for every id."""
+    support: Ragged | None = None
+    """With truncated sampling: per output id, the ids of the support it was drawn from."""
 
 
 Generate = Callable[[list[int], int], Awaitable[TurnOutput]]
@@ -97,21 +109,50 @@ class Episode:
     """The next turn's input would not fit the engine's context (`EpisodeLimits.max_input_tokens`): the
     episode ended before that observation, instead of a request the engine rejects."""
     turn_versions: list[str | None] = field(default_factory=list)
-    """The weight version each turn was sampled with."""
+    """The weight version each turn reported (a continued turn: its last segment's)."""
+    token_versions: list[str | None] = field(default_factory=list)
+    """Per response id: the weight version that sampled it; an environment id has the version of the
+    policy id before it (context: it never makes the sample older than its oldest policy token)."""
+    support_rows: list[Ragged] | None = field(default_factory=list)
+    """The sampling supports, one `Ragged` per turn and observation (empty rows for an observation); None
+    once a turn came without one (untruncated sampling). `supports` joins them."""
+
+    @property
+    def supports(self) -> Ragged | None:
+        """Per response id, its sampling support's ids (a `Ragged` of `len(response_ids)` rows), or None."""
+        from megatron_tail.utils.ragged import cat_rows
+
+        return None if self.support_rows is None else cat_rows(self.support_rows)
 
     @property
     def env_tokens(self) -> int:
         return len(self.policy_mask) - sum(self.policy_mask)
 
-    def add(self, ids: Sequence[int], *, policy: bool, logprobs=None, top=None) -> None:
+    def add(self, ids: Sequence[int], *, policy: bool, logprobs=None, top=None, versions=None, support=None):
+        """Append a turn's `ids` (`policy`: with their `logprobs`, `top` log-probs, per-id `versions` and
+        `support`) or an observation's (context: no log-prob, no support, the last policy id's version)."""
+        n = len(ids)
         self.response_ids.extend(ids)
-        self.policy_mask.extend([policy] * len(ids))
-        self.logprobs.extend(logprobs if policy else [0.0] * len(ids))
+        self.policy_mask.extend([policy] * n)
+        self.logprobs.extend(logprobs if policy else [0.0] * n)
+        if policy:
+            self.token_versions.extend(versions if versions is not None else [None] * n)
+        else:
+            self.token_versions.extend([self.token_versions[-1] if self.token_versions else None] * n)
         if self.top_logprobs is not None:
             if policy and top is None:
                 self.top_logprobs = None
             else:
-                self.top_logprobs.extend(top if policy else [0.0] * len(ids))
+                self.top_logprobs.extend(top if policy else [0.0] * n)
+        if self.support_rows is not None:
+            if policy and support is None:
+                self.support_rows = None
+            elif policy:
+                self.support_rows.append(support)
+            else:
+                from megatron_tail.utils.ragged import Ragged
+
+                self.support_rows.append(Ragged.empty_rows(n))
 
 
 async def run_episode(
@@ -130,7 +171,17 @@ async def run_episode(
     try:
         for turn in range(limits.max_turns):
             out = await generate([*episode.prompt_ids, *episode.response_ids], turn)
-            episode.add(out.output_ids, policy=True, logprobs=out.logprobs, top=out.top_logprobs)
+            versions = out.token_versions
+            if versions is None:
+                versions = [out.weight_version] * len(out.output_ids)
+            episode.add(
+                out.output_ids,
+                policy=True,
+                logprobs=out.logprobs,
+                top=out.top_logprobs,
+                versions=versions,
+                support=out.support,
+            )
             episode.turns += 1
             episode.turn_versions.append(out.weight_version)
             episode.final_text = tokens.decode(out.output_ids)

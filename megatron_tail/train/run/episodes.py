@@ -1,8 +1,14 @@
-"""Rank 0's multi-turn rollouts (`rollout.env`): one `envs.run_episode` coroutine per sample over today's
-engines, each turn one `RolloutClient.generate_turn` call (the first turns of a prompt's n episodes in one
-request, as the single-turn path sends them, which lets SGLang share the prompt's KV cache), at most
-`rollout.max_concurrency` episodes in flight; then the episodes as a `RolloutBatch` with its per-token
-`policy_mask`.
+"""Rank 0's multi-turn rollouts (`rollout.env`): one `envs.run_episode` coroutine per sample over the
+engines, each turn one request (the first turns of a prompt's n episodes in one request, as the single-turn
+path sends them, which lets SGLang share the prompt's KV cache), at most `rollout.max_concurrency` episodes in
+flight; then the episodes as a `RolloutBatch` with its per-token `policy_mask`, `token_versions` and
+(truncated sampling) `rollout_supports`.
+
+One runner, two schedulers: `EpisodeGroups.group` runs one prompt's group; the step-wise rollout
+(`run_episodes`) runs a step's groups with it over `RolloutClient.generate_turn`, and the rollout manager
+(`RolloutEngines.start_manager`, η ≥ 2 or partial rollouts) runs one group per unit of work over
+`RolloutClient.generate_group`, which continues a turn that a weight-update pause aborted under the new
+weights.
 
 Seeds: turn 0 of sample (i, j) has exactly the single-turn sample's key (`sample_seed(base_seed, i, j)`), so a
 one-turn episode asks the engine for exactly what a single-turn rollout asks; turn t > 0 mixes t into it.
@@ -16,16 +22,16 @@ still splits over mini-batches × DP), counted in `rollout/env_failures`; more t
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
-from dataclasses import replace
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, replace
 
 from megatron_tail.rollout import RolloutBatch, RolloutClient, SampleKey, SamplingConfig
-from megatron_tail.rollout.batch import episode_stats
+from megatron_tail.rollout.batch import episode_stats, token_versions_of
 from megatron_tail.rollout.envs import Episode, EpisodeLimits, Tokens, TurnOutput, run_episode
 from megatron_tail.rollout.envs.host import EnvironmentLostError, WorkerEnv
 from megatron_tail.rollout.envs.pool import EnvWorkers
 from megatron_tail.rollout.envs.registry import EnvironmentError_, EnvironmentTimeoutError
-from megatron_tail.rollout.protocol import sample_seed
+from megatron_tail.rollout.protocol import SampleResult, sample_seed
 from megatron_tail.utils.errors import UserError
 
 ENV_FAILURES = (EnvironmentError_, EnvironmentTimeoutError)
@@ -100,6 +106,99 @@ def turn_sampling(sampling: SamplingConfig, tokenizer, max_turns: int) -> Sampli
     return replace(sampling, stop_token_ids=tuple(stops))
 
 
+Request = Callable[[list[int], list[SampleKey]], Awaitable[list[SampleResult]]]
+"""`request(input_ids, keys) -> results`: one `/generate` request for the samples `keys` of one input (a turn
+of one episode, or the first turns of a prompt's group), in key order. The step-wise rollout sends
+`RolloutClient.generate_turn`; the rollout manager `generate_group`, which continues a turn that a
+weight-update pause aborted under the new weights (partial rollouts)."""
+
+
+def turn_output(result: SampleResult) -> TurnOutput:
+    """What an episode keeps of one sample's turn: ids, log-probs, per-token versions and supports."""
+    return TurnOutput(
+        output_ids=list(result.output_ids),
+        logprobs=list(result.output_logprobs),
+        finish_reason=result.finish_reason.get("type", "stop"),
+        weight_version=result.weight_version,
+        top_logprobs=None if result.output_top_logprobs is None else list(result.output_top_logprobs),
+        token_versions=list(result.output_versions) or None,
+        support=result.output_supports,
+    )
+
+
+@dataclass
+class EpisodeGroups:
+    """Runs one prompt's group of `n` episodes (`group`), the unit of both the step-wise rollout
+    (`run_episodes`, every prompt of a step) and the rollout manager (`RolloutEngines.start_manager`, one
+    group per unit of work). Environments run in `envs`' workers; at most `semaphore`'s count of episodes
+    run at once over every group sharing it (`rollout.max_concurrency` counts episodes)."""
+
+    request: Request
+    envs: EnvWorkers
+    env_spec: str
+    base_seed: int
+    n: int
+    limits: EpisodeLimits
+    tokens: Tokens
+    semaphore: asyncio.Semaphore
+    failures: FailureCount
+    """Where environment failures are counted (and the stop rule checked); the manager swaps in a new one
+    per batch."""
+    on_episode: Callable[[Episode], None] | None = None
+
+    async def group(self, i: int, prompt: Sequence[int], answer: str, *, first_attempt: int = 0):
+        """The `n` episodes of prompt `i` (`prompt`, scored against `answer`), in sample order. An
+        environment that raises or times out (`EnvironmentError_`, `EnvironmentTimeoutError`) fails its
+        episode, and the group is generated again with fresh seeds (`turn_key`'s attempt, from
+        `first_attempt`), at most `MAX_ENV_ATTEMPTS` times; the group's other episodes of that attempt are
+        discarded. An episode whose environment state another episode's timeout took
+        (`EnvironmentLostError`) regenerates its group too but is not the environment's failure. Failures
+        are counted in `failures`; a group failing on every attempt raises `EnvironmentFailures`. Any other
+        error (the engines') is raised."""
+        first_turns: dict[int, asyncio.Task] = {}  # attempt → its n first turns, one request (as single-turn)
+        try:
+            for attempt in range(first_attempt, first_attempt + MAX_ENV_ATTEMPTS):
+                runs = (self._one(i, j, attempt, prompt, answer, first_turns) for j in range(self.n))
+                results = await asyncio.gather(*runs, return_exceptions=True)
+                failed = [r for r in results if isinstance(r, BaseException)]
+                for error in failed:
+                    if not isinstance(error, ENV_FAILURES):
+                        raise error
+                for error in failed:
+                    self.failures.add(error)
+                if not failed:
+                    if self.on_episode is not None:
+                        for episode in results:
+                            self.on_episode(episode)
+                    return results
+        finally:
+            pending = [t for t in first_turns.values() if not t.done()]
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        last = self.failures.last or failed[-1]
+        raise EnvironmentFailures(
+            f"environment {self.env_spec!r}: the episodes of prompt {i} failed on all {MAX_ENV_ATTEMPTS} "
+            f"attempts; last: {_one_line(last)}"
+        )
+
+    async def _one(self, i, j, attempt, prompt, answer, first_turns) -> Episode:
+        async def generate(input_ids: list[int], turn: int) -> TurnOutput:
+            if turn == 0:
+                if attempt not in first_turns:
+                    keys = [turn_key(self.base_seed, i, k, 0, attempt) for k in range(self.n)]
+                    first_turns[attempt] = asyncio.ensure_future(self.request(list(prompt), keys))
+                return turn_output((await asyncio.shield(first_turns[attempt]))[j])
+            (result,) = await self.request(input_ids, [turn_key(self.base_seed, i, j, turn, attempt)])
+            return turn_output(result)
+
+        name = f"b{self.base_seed}-p{i}-s{j}" + (f"-a{attempt}" if attempt else "")
+        env = WorkerEnv(self.envs, self.env_spec, name)
+        async with self.semaphore:
+            row = {"answer": answer, "index": i}
+            return await run_episode(generate, env, prompt, row, self.limits, self.tokens)
+
+
 async def run_episodes(
     client: RolloutClient,
     envs: EnvWorkers,
@@ -115,92 +214,64 @@ async def run_episodes(
     max_failure_fraction: float = 0.5,
     failures: FailureCount | None = None,
 ) -> list[Episode]:
-    """`sampling.n_samples` episodes per prompt, prompt-major (groups contiguous); their environments run in
-    `envs`' workers (`rollout.env_workers`), each call under its time limit, many at once.
-
-    An environment that raises or times out (`EnvironmentError_`, `EnvironmentTimeoutError`) fails its
-    episode, and its group is generated again with fresh seeds (`turn_key`'s attempt), at most
-    `MAX_ENV_ATTEMPTS` times; the group's other episodes of that attempt are discarded. An episode whose
-    environment state another episode's timeout took (`EnvironmentLostError`) regenerates its group too but
-    is not the environment's failure. Failures are counted in `failures` (a `FailureCount`, or a new one);
-    when more than `max_failure_fraction` of the step's episodes have failed, or a group failed on every
-    attempt, `EnvironmentFailures` stops the step with one line naming the environment and the last error.
-    Any other error (the engines') fails the step as before."""
+    """`sampling.n_samples` episodes per prompt, prompt-major (groups contiguous), each group by
+    `EpisodeGroups.group` (environment failures regenerate their group); their environments run in `envs`'
+    workers (`rollout.env_workers`), each call under its time limit, many at once. Failures are counted in
+    `failures` (a `FailureCount`, or a new one); when more than `max_failure_fraction` of the step's
+    episodes have failed, or a group failed on every attempt, `EnvironmentFailures` stops the step with one
+    line naming the environment and the last error. Any other error (the engines') fails the step."""
     await client.check_health()
     per_turn = replace(sampling, n_samples=1)
     n = sampling.n_samples
     count = (
         failures if failures is not None else FailureCount(env_spec, len(prompts) * n, max_failure_fraction)
     )
-    semaphore = asyncio.Semaphore(max_concurrency)
-    # (prompt, attempt) → its n first turns, one request (as single-turn)
-    first_turns: dict[tuple[int, int], asyncio.Task] = {}
 
-    def first_turn(i: int, attempt: int) -> asyncio.Future:
-        if (i, attempt) not in first_turns:
-            keys = [turn_key(sampling.base_seed, i, j, 0, attempt) for j in range(n)]
-            first_turns[i, attempt] = asyncio.ensure_future(client.generate_turn(prompts[i], keys, per_turn))
-        return asyncio.shield(first_turns[i, attempt])
+    async def request(input_ids: list[int], keys: list[SampleKey]) -> list[SampleResult]:
+        return await client.generate_turn(input_ids, keys, per_turn)
 
-    async def one(i: int, j: int, attempt: int) -> Episode:
-        async def generate(input_ids: list[int], turn: int) -> TurnOutput:
-            if turn == 0:
-                r = (await first_turn(i, attempt))[j]
-            else:
-                key = turn_key(sampling.base_seed, i, j, turn, attempt)
-                (r,) = await client.generate_turn(input_ids, [key], per_turn)
-            return TurnOutput(
-                output_ids=list(r.output_ids),
-                logprobs=list(r.output_logprobs),
-                finish_reason=r.finish_reason.get("type", "stop"),
-                weight_version=r.weight_version,
-                top_logprobs=None if r.output_top_logprobs is None else list(r.output_top_logprobs),
-            )
-
-        name = f"b{sampling.base_seed}-p{i}-s{j}" + (f"-a{attempt}" if attempt else "")
-        env = WorkerEnv(envs, env_spec, name)
-        async with semaphore:
-            row = {"answer": answers[i], "index": i}
-            return await run_episode(generate, env, prompts[i], row, limits, tokens)
-
-    async def group(i: int) -> list[Episode]:
-        for attempt in range(MAX_ENV_ATTEMPTS):
-            results = await asyncio.gather(*(one(i, j, attempt) for j in range(n)), return_exceptions=True)
-            failed = [r for r in results if isinstance(r, BaseException)]
-            for error in failed:
-                if not isinstance(error, ENV_FAILURES):
-                    raise error
-            for error in failed:
-                count.add(error)
-            if not failed:
-                if on_episode is not None:
-                    for episode in results:
-                        on_episode(episode)
-                return results
-        last = count.last or failed[-1]
-        raise EnvironmentFailures(
-            f"environment {env_spec!r}: the episodes of prompt {i} failed on all {MAX_ENV_ATTEMPTS} "
-            f"attempts; last: {_one_line(last)}"
-        )
-
-    tasks = [asyncio.create_task(group(i)) for i in range(len(prompts))]
+    runner = EpisodeGroups(
+        request,
+        envs,
+        env_spec,
+        sampling.base_seed,
+        n,
+        limits,
+        tokens,
+        asyncio.Semaphore(max_concurrency),
+        count,
+        on_episode,
+    )
+    tasks = [asyncio.create_task(runner.group(i, prompts[i], answers[i])) for i in range(len(prompts))]
     try:
         return [episode for grouped in await asyncio.gather(*tasks) for episode in grouped]
     except BaseException:
-        for task in [*tasks, *first_turns.values()]:
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, *first_turns.values(), return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         raise
 
 
 def episodes_to_batch(
-    episodes: Sequence[Episode], rewards: Sequence[float], *, correct_reward: float, elapsed_s: float
+    episodes: Sequence[Episode],
+    rewards: Sequence[float],
+    *,
+    correct_reward: float,
+    elapsed_s: float,
+    supports: bool = False,
 ) -> RolloutBatch:
     """The episodes as samples: response = turns and observations back to back, `policy_mask` marking the
-    turns; reward = the run's reward of the last turn (`rewards`) + the environment's step rewards."""
+    turns; reward = the run's reward of the last turn (`rewards`) + the environment's step rewards. Per
+    token: the engine's log-probs, the version that sampled each token (`token_versions`, None where an
+    engine reported a non-integer version) and, with `supports` (truncated sampling), each token's sampling
+    support (`rollout_supports`; empty rows at the environment's tokens, which are context)."""
     total = [r + e.env_reward for r, e in zip(rewards, episodes, strict=True)]
     tops = [e.top_logprobs for e in episodes]
     generated = sum(sum(e.policy_mask) for e in episodes)
+    versions = [token_versions_of(e.token_versions) for e in episodes]
+    rows = [e.supports for e in episodes] if supports else None
+    if rows is not None and any(r is None for r in rows):
+        raise ValueError("truncated sampling, but an engine returned a turn without its sampling support")
     return RolloutBatch(
         prompt_ids=[list(e.prompt_ids) for e in episodes],
         response_ids=[list(e.response_ids) for e in episodes],
@@ -208,9 +279,11 @@ def episodes_to_batch(
         rewards=total,
         correct=[x >= correct_reward for x in total],
         truncated=[e.truncated for e in episodes],
-        # every turn of an episode comes from one `generate` call, between two weight syncs: one version
+        # the first turn's version (the manager: a later turn may be newer, `token_versions` has each)
         weight_versions=[e.turn_versions[0] for e in episodes],
         rollout_top_logprobs=None if any(t is None for t in tops) else [list(t) for t in tops],
+        rollout_supports=rows,
+        token_versions=None if any(v is None for v in versions) else versions,
         policy_mask=[list(e.policy_mask) for e in episodes],
         stats={"rollout_time_s": elapsed_s, "generated_tokens": float(generated), **episode_stats(episodes)},
         # episodes ended because their next turn would not fit the engine's context (`EpisodeLimits`)

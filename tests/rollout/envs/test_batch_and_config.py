@@ -1,5 +1,6 @@
 """Multi-turn batches around the trainer: the logged episode metrics, dynamic sampling's select/concat and
-the checkpointed batch keep the policy mask, and the config's multi-turn keys (limits, token budget)."""
+the checkpointed batch keep the policy mask, and the config's multi-turn keys (limits, token budget; with the
+rollout manager and truncated sampling)."""
 
 from __future__ import annotations
 
@@ -94,6 +95,41 @@ def test_multiturn_config_keys():
             "data.max_prompt_tokens=100",
             "train.max_tokens_per_micro_batch=256",
         )
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["rollout.max_staleness=2"],
+        ["rollout.partial_rollouts=true"],
+        ["rollout.top_p=0.95", "rollout.top_k=20"],
+        ["rollout.min_p=0.05", "rollout.top_k=20"],
+        [
+            "rollout.max_staleness=2",
+            "rollout.partial_rollouts=true",
+            "rollout.top_p=0.95",
+            "rollout.top_k=20",
+        ],
+    ],
+    ids=["eta2", "partial", "top_p", "min_p", "all"],
+)
+def test_environments_load_with_the_manager_and_truncation(overrides):
+    """Episodes run under the rollout manager and carry sampling supports: nothing refuses the pair."""
+    cfg = _cfg("rollout.env=calculator", "rollout.max_turns=3", *overrides)
+    assert cfg.rollout.env == "calculator"
+    assert cfg.rollout.uses_manager == any("staleness" in o or "partial" in o for o in overrides)
+    assert cfg.rollout.truncates == any("_p=" in o for o in overrides)
+
+
+def test_the_environment_workers_import_no_torch():
+    """The environment package (imported by every environment worker) leaves torch out: a worker restarted
+    after a timeout must answer its next call within the limit, not spend seconds importing torch."""
+    import subprocess
+    import sys
+
+    code = "import sys, megatron_tail.rollout.envs.calculator; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
 
 
 def test_the_calculator_example_lists_the_tool_as_qwen3s_template_does():

@@ -88,7 +88,8 @@ class Client:
         _check(input_ids, sampling.max_new_tokens)
         return [
             SimpleNamespace(output_ids=[60, 2], output_logprobs=[-0.5, -0.25], finish_reason={"type": "stop"},
-                            weight_version="0", output_top_logprobs=None)
+                            weight_version="0", output_top_logprobs=None, output_versions=["0", "0"],
+                            output_supports=None)
             for _ in keys
         ]  # fmt: skip
 

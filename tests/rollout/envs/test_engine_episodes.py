@@ -111,10 +111,16 @@ def _engines(cfg_overrides, url, model_dir, run_dir, tokenizer):
     return engines
 
 
-def test_one_turn_episode_is_the_single_turn_sample(fp32_server, tiny_model_dir, tokenizer, tmp_path):
+TOP_P = ["rollout.top_p=0.95", "rollout.top_k=20"]
+
+
+@pytest.mark.parametrize("truncation", [[], TOP_P], ids=["full", "top_p"])
+def test_one_turn_episode_is_the_single_turn_sample(
+    fp32_server, tiny_model_dir, tokenizer, tmp_path, truncation
+):
     batches = {}
     for name, extra in (("single", []), ("episode", ["rollout.env=calculator", "rollout.max_turns=1"])):
-        engines = _engines(extra, fp32_server.url, tiny_model_dir, tmp_path / name, tokenizer)
+        engines = _engines([*extra, *truncation], fp32_server.url, tiny_model_dir, tmp_path / name, tokenizer)
         try:
             batches[name] = engines.generate(PROMPTS, ANSWERS, base_seed=11)
         finally:
@@ -127,9 +133,59 @@ def test_one_turn_episode_is_the_single_turn_sample(fp32_server, tiny_model_dir,
         "rollout_top_logprobs",
         "rewards",
         "truncated",
+        "token_versions",
     ):
         assert getattr(episode, name) == getattr(single, name), name
+    # with truncated sampling, the episode carries the single-turn sample's supports, token for token
+    if truncation:
+        assert single.rollout_supports is not None and episode.rollout_supports is not None
+        for a, b in zip(episode.rollout_supports, single.rollout_supports, strict=True):
+            assert torch.equal(a.values, b.values) and torch.equal(a.offsets, b.offsets)
+    else:
+        assert single.rollout_supports is None and episode.rollout_supports is None
     assert single.policy_mask is None and episode.policy_mask == [
         [True] * len(r) for r in single.response_ids
     ]
     assert episode.stats["turns"] == episode.stats["episodes"] == 4 and episode.stats["env_tokens"] == 0
+
+
+def test_multi_turn_episodes_carry_their_supports_under_top_p(fp32_server, tokenizer):
+    """Every policy token lies in its own support row, every environment token has an empty row."""
+    from megatron_tail.train.run.episodes import episodes_to_batch
+
+    sampling = SamplingConfig(
+        n_samples=2,
+        max_new_tokens=6,
+        temperature=1.0,
+        log_rho=None,
+        base_seed=3,
+        stop_token_ids=tuple(range(4, 100)),  # short turns: the episodes reach their third turn
+        top_k=20,
+        top_p=0.95,
+    )
+    tokens = Tokens(
+        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        encode=lambda text: tokenizer(text, add_special_tokens=False)["input_ids"],
+    )
+
+    async def go():
+        pool = EnvWorkers(2, timeout_s=30, timeout_name="data.reward_timeout_s")
+        try:
+            async with RolloutClient(
+                [fp32_server.url], ClientConfig(request_timeout_s=60), processor=None
+            ) as c:
+                return await run_episodes(
+                    c, pool, "tests.rollout.envs.fault_envs:AlwaysContinues", PROMPTS, ANSWERS, sampling,
+                    EpisodeLimits(max_turns=3, max_observation_tokens=64), tokens, max_concurrency=4,
+                )  # fmt: skip
+        finally:
+            pool.close()
+
+    episodes = asyncio.run(go())
+    batch = episodes_to_batch(episodes, [0.0] * 4, correct_reward=1.0, elapsed_s=0.0, supports=True)
+    assert batch.rollout_supports is not None and all(e.turns == 3 for e in episodes)
+    for ids, mask, rows in zip(batch.response_ids, batch.policy_mask, batch.rollout_supports, strict=True):
+        assert len(rows) == len(ids) and not all(mask)
+        for j, (token, policy) in enumerate(zip(ids, mask, strict=True)):
+            row = rows.row(j).tolist()
+            assert (token in row and 0 < len(row) <= 20) if policy else row == []

@@ -37,7 +37,8 @@ class RecordingClient:
         self.keys += [(k.prompt_index, k.sample_index, k.seed) for k in keys]
         return [
             SimpleNamespace(output_ids=[7, 2], output_logprobs=[-0.5, -0.25], finish_reason={"type": "stop"},
-                            weight_version="0", output_top_logprobs=None)
+                            weight_version="0", output_top_logprobs=None, output_versions=["0", "0"],
+                            output_supports=None)
             for _ in keys
         ]  # fmt: skip
 

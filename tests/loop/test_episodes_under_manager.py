@@ -1,0 +1,163 @@
+"""Multi-turn episodes (`rollout.env`) under the rollout manager, with partial rollouts and truncated
+sampling: `RolloutEngines` runs its real manager, the episode runner (`episodes.EpisodeGroups`) with a real
+environment worker, and `RolloutClient.generate_group` against a scripted fake of the client's request
+method (no engine, no model). A weight update during a turn aborts it; the turn continues under the new
+weights, and every policy token keeps the version and log-prob of the request that sampled it, every
+environment token stays context, and the sample's staleness is its oldest policy token's."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_tail.config import load_config
+from megatron_tail.rollout import RolloutClient
+from megatron_tail.rollout.batch import rollout_metrics
+from megatron_tail.rollout.envs.pool import EnvWorkers
+from megatron_tail.rollout.protocol import SampleResult
+from megatron_tail.train.run.engines import RolloutEngines
+from megatron_tail.train.run.episodes import turn_key
+from megatron_tail.utils.ragged import Ragged
+
+PROMPT = [1, 2]
+ENV = "tests.rollout.envs.fault_envs:AlwaysContinues"
+OBSERVATION = [90, 91]  # what the fake tokenizer encodes any observation to
+TURN = [10, 11, 12]  # what every turn generates (one token per request segment, or all three)
+
+
+def logprob(version: int, position: int) -> float:
+    """The fake engine's log-prob of the token at `position` of a turn under weights `version`."""
+    return -0.1 * (version + 1) - 0.01 * position
+
+
+def support(token: int) -> list[int]:
+    return [token, 40, 41]
+
+
+class TurnEngine(RolloutClient):
+    """Generates `TURN` for every sample of every request at the engines' current `version`. The first
+    request of sample 0's second turn is aborted after one token, and the weights move to version 1
+    meanwhile (a weight update's pause, `/pause_generation` mode abort); the client continues it."""
+
+    def __init__(self):
+        super().__init__(["http://turns:1"])
+        self.version = 0
+        self.sent: list[tuple[int, list[int], int, int]] = []  # (len input, sample indices, seed, version)
+
+    async def _request_with_retries(self, prompt, keys, sampling, allow_abort=False):  # noqa: ARG002
+        self.sent.append((len(prompt), [k.sample_index for k in keys], keys[0].seed, self.version))
+        second_turn = len(prompt) == len(PROMPT) + len(TURN) + len(OBSERVATION)
+        out = []
+        for k in keys:
+            abort = second_turn and k.sample_index == 0 and self.version == 0
+            done = len(prompt) - len(PROMPT) - len(TURN) - len(OBSERVATION) if len(prompt) > 7 else 0
+            ids = TURN[done : done + 1] if abort else TURN[done:]
+            version = str(self.version)
+            out.append(
+                SampleResult(
+                    key=k,
+                    prompt_ids=list(prompt),
+                    output_ids=ids,
+                    output_logprobs=[logprob(self.version, done + p) for p in range(len(ids))],
+                    output_top_logprobs=[-0.05] * len(ids),
+                    finish_reason={"type": "abort" if abort else "stop"},
+                    weight_version=version,
+                    server_url="http://turns:1",
+                    output_supports=Ragged.from_lists([support(t) for t in ids]),
+                    output_versions=[version] * len(ids),
+                )
+            )
+            if abort:
+                self.version = 1  # the weights are updated while the turn waits to continue
+        return out
+
+
+class Tokenizer:
+    def get_vocab(self):
+        return {}
+
+    def decode(self, _ids, **_kw):
+        return "turn"
+
+    def __call__(self, _text, **_kw):
+        return {"input_ids": list(OBSERVATION)}
+
+
+@pytest.fixture
+def engines():
+    cfg = load_config(None, [
+        "algorithm.group_size=2", "data.prompts_per_step=1", "rollout.env=" + ENV, "rollout.max_turns=2",
+        "rollout.max_staleness=2", "rollout.partial_rollouts=true", "rollout.top_p=0.95", "rollout.top_k=20",
+        "rollout.max_concurrency=2",
+    ])  # fmt: skip
+    e = RolloutEngines.__new__(RolloutEngines)
+    e.cfg, e.note, e.vocab_size, e._counted, e.engine, e._thread = cfg, print, 100, {}, None, None
+    e.manager, e._manager_episodes, e.on_result, e.context_length = None, None, None, 1000
+    e.tokenizer, e.urls = Tokenizer(), ["http://turns:1"]
+    e.score = lambda completions, _answers: [float(i % 2) for i in range(len(completions))]
+    e.loop, e._cancelled = asyncio.new_event_loop(), threading.Event()
+    e.client = TurnEngine()
+    e.envs = EnvWorkers(1, timeout_s=60.0, timeout_name="data.reward_timeout_s")
+    yield e
+    if e._thread is not None:
+        asyncio.run_coroutine_threadsafe(e.manager.close(), e.loop).result(timeout=30)
+        e.loop.call_soon_threadsafe(e.loop.stop)
+        e._thread.join(timeout=10)
+    e.loop.close()
+    e.envs.close()
+
+
+def test_a_turn_interrupted_by_a_weight_update_continues_and_every_token_keeps_its_version(engines):
+    e = engines
+    example = SimpleNamespace(prompt_ids=PROMPT, answer="a")
+    e.start_manager(lambda _index: example, version=0, state=None)
+    # rollout.max_concurrency counts episodes: 2 episodes of groups of 2 are one group at a time
+    assert e.manager.max_in_flight == 1 and e._manager_episodes.semaphore._bound_value == 2
+    batch = e.next_batch(0)  # the first group completed (sample 0's second turn crossed the update)
+
+    assert len(batch) == 2 and batch.policy_mask is not None
+    policy = [True] * 3 + [False] * 2 + [True] * 3
+    assert batch.policy_mask == [policy, policy]  # environment tokens are context
+    assert batch.response_ids == [TURN + OBSERVATION + TURN] * 2
+    # sample 0: turn 0 under v0; its second turn's first token under v0, the rest under v1 after the
+    # update; the observation takes the version of the policy token before it
+    assert batch.token_versions[0] == [0, 0, 0, 0, 0, 0, 1, 1]
+    # behaviour log-probs: each policy token the log-prob of the request that sampled it; 0.0 at the
+    # environment's tokens
+    turn0 = [logprob(0, p) for p in range(3)]
+    turn1 = [logprob(0, 0), logprob(1, 1), logprob(1, 2)]
+    assert batch.rollout_logprobs[0] == pytest.approx([*turn0, 0.0, 0.0, *turn1])
+    # the supports ride with their tokens: one row per response token, empty at the environment's
+    rows = [r.tolist() for r in (batch.rollout_supports[0].row(i) for i in range(8))]
+    assert rows == [support(t) for t in TURN] + [[], []] + [support(t) for t in TURN]
+    assert all(len(s) == len(r) for s, r in zip(batch.rollout_supports, batch.response_ids, strict=True))
+    # the turn was continued from its tokens: input + the aborted segment's token, under the new weights
+    continued = [s for s in e.client.sent if s[0] == 8]
+    assert continued and continued[0][1] == [0] and continued[0][3] == 1
+    # first turns of the group's episodes in one request, with the single-turn keys' seeds
+    first = [s for s in e.client.sent if s[0] == len(PROMPT)]
+    seed = turn_key(e.cfg.seed * 1_000_003 - 1, 0, 0, 0).seed
+    assert first[0][1] == [0, 1] and first[0][2] == seed
+    # the sample's staleness is its oldest policy token's
+    metrics = rollout_metrics(batch, policy_version=1)
+    assert metrics["rollout/staleness_max"] == 1.0
+    # sample 1's second turn went out before or after the update
+    assert batch.token_versions[1] in ([0] * 8, [0] * 5 + [1] * 3)
+    assert metrics["rollout/turns_mean"] == 2.0
+    assert metrics["rollout/support_size_mean"] == 3.0  # per policy token: observations have no support
+    assert metrics["rollout/env_failures"] == 0.0
+
+    # the trainer lays them out: environment tokens off the loss mask, each policy token's support at the
+    # position that predicts it, empty rows elsewhere
+    from megatron_tail.train import pack_micro_batches
+    from megatron_tail.train.engine.forward import SAMPLING_SUPPORT_FIELD
+    from megatron_tail.train.rl.samples import build_samples
+
+    (mb,) = pack_micro_batches(build_samples(e.cfg, batch).samples, max_tokens=64)
+    first = slice(len(PROMPT) - 1, len(PROMPT) - 1 + 8)  # sample 0's positions predicting its response
+    assert mb.loss_mask[0, first].tolist() == policy
+    laid = mb.fields[SAMPLING_SUPPORT_FIELD]
+    assert [laid.row(r).tolist() for r in range(first.start, first.stop)] == rows
