@@ -1,7 +1,7 @@
 """A step where dynamic sampling filters every group is skipped and logged (`train/skipped_step` 1, nothing
 trained, the LR schedule still counted), under every η: η = 0 and η = 1 get their batch from the step-wise
 dynamic sampling (`sample_until_full`; at η = 1 it is the batch generated ahead), η ≥ 2 from the rollout
-manager (`RolloutManager.next_batch` → `engines.manager_batch`). `rl_step` runs on a fake session: no model,
+manager (`RolloutManager.next_batch` → `managed.manager_batch`). `rl_step` runs on a fake session: no model,
 no engines, no process group."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from megatron_tail.rollout.batch import RolloutBatch
 from megatron_tail.rollout.dynamic_sampling import sample_until_full
 from megatron_tail.rollout.manager import GroupResult, RolloutManager
 from megatron_tail.train.run import loop
-from megatron_tail.train.run.engines import manager_batch
+from megatron_tail.train.run.managed import manager_batch
 
 GROUPS, ROUNDS = 2, 3
 

@@ -4,13 +4,13 @@ generating a step's samples and scoring them with the reward, eval, and pushing 
 Only global rank 0 makes `RolloutEngines`; the other ranks receive the `RolloutBatch` by broadcast
 (`engine.collectives.on_rank0`). All HTTP work runs on one private asyncio event loop, so the RL loop stays
 synchronous; one thread at a time drives it (the main thread, or the rollout-ahead worker while the main
-thread trains and leaves the engines alone).
+thread trains and leaves the engines alone). The rollout manager's side (η ≥ 2, partial rollouts: the loop in
+its own thread, one prompt's group per unit of work) is the `managed.ManagedRollout` mixin.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -31,9 +31,9 @@ from megatron_tail.rollout import (
     wait_until_healthy,
 )
 from megatron_tail.rollout.batch import token_versions_of
-from megatron_tail.rollout.client import SupportOverflowsExhausted, regeneration_keys
+from megatron_tail.rollout.client import SupportOverflowsExhausted
 from megatron_tail.rollout.local_engine.process import LocalEngineProcess
-from megatron_tail.rollout.manager import GroupResult, RolloutManager, groups_to_batch
+from megatron_tail.rollout.manager import RolloutManager
 from megatron_tail.rollout.processor import DVPLogitProcessor
 from megatron_tail.utils.errors import UserError
 from megatron_tail.utils.net import free_port
@@ -45,6 +45,7 @@ from .engine_failures import (
     limit_text,
     overflows_exhausted,
 )
+from .managed import ManagedRollout
 
 EVAL_SEED = 987_654_321
 """`base_seed` of every sampled evaluation: the same seeds each time, so evaluations differ by the weights."""
@@ -58,26 +59,7 @@ SLOW_ENV_CALL_S = 1.0
 milliseconds to seconds; the engines' requests are named otherwise)."""
 
 
-def manager_batch(
-    groups: list[GroupResult], metrics: dict[str, float], data_cursor: int, waited_s: float
-) -> RolloutBatch:
-    """A step's batch from the manager's `groups` (possibly none: dynamic sampling filtered every group,
-    and the loop skips the step), with the manager's `metrics`, the stream's cursor, and the stats the loop
-    logs: `rollout_time_s` is `waited_s` (generation overlapped training: what the trainer waited is what
-    the step's rollout cost it), `generated_tokens` the trained groups' response tokens. A group's own
-    metrics are counts (an episode group's `rollout/context_overflows`), summed over the groups."""
-    batch = groups_to_batch(groups)
-    batch.data_cursor = data_cursor
-    for group in groups:
-        for key, value in group.batch.metrics.items():
-            batch.metrics[key] = batch.metrics.get(key, 0.0) + value
-    batch.metrics.update(metrics)
-    batch.stats["rollout_time_s"] = waited_s
-    batch.stats["generated_tokens"] = float(sum(len(r) for r in batch.response_ids))
-    return batch
-
-
-class RolloutEngines:
+class RolloutEngines(ManagedRollout):
     """Engines, client and rewards on global rank 0. Made early (a local engine loads meanwhile),
     then `wait_ready()`, `generate(...)`, `evaluate(...)`, `sync_weights(...)`, and `close()`."""
 
@@ -270,173 +252,6 @@ class RolloutEngines:
                 "generated_tokens": float(sum(len(s.output_ids) for s in samples)),
             },
         )
-
-    # --- the rollout manager (rollout.max_staleness ≥ 2 or rollout.partial_rollouts) -------------------
-
-    def start_manager(
-        self, prompt_at: Callable[[int], object], version: int, state: dict | None, *, multiple: int = 1
-    ) -> None:
-        """Run the engines' event loop in its own thread from now on, with a `RolloutManager` on it that
-        generates group `index` from `prompt_at(index)` (an example with `prompt_ids` and `answer`); a batch
-        that dynamic sampling cuts short has a multiple of `multiple` groups (what the trainer splits)."""
-        r, cfg = self.cfg.rollout, self.cfg
-        sampling = self._sampling(base_seed=cfg.seed * 1_000_003 - 1)  # rollout_seed(seed, -1): no step's
-        score_lock = asyncio.Lock()
-
-        episodes = self._manager_episodes = self._episode_groups(sampling) if r.env is not None else None
-
-        async def work(index: int, admitted: int, attempt: int) -> GroupResult:
-            example = prompt_at(index)
-            if episodes is not None:  # a multi-turn group: one unit of work, however many turns
-                batch = await self._episode_group(episodes, index, example, attempt, score_lock)
-            else:
-                batch = await self._sample_group(sampling, index, example, attempt, score_lock)
-            if batch.token_versions is None:
-                raise UserError(
-                    f"an engine reported weight version {batch.weight_versions[0]!r}, not an integer; "
-                    "rollout.max_staleness ≥ 2 and rollout.partial_rollouts need the versions the trainer "
-                    "sets"
-                )
-            return GroupResult(index, batch, admitted)
-
-        keep = None
-        if cfg.data.filter_zero_variance_groups:
-            keep = lambda g: max(g.batch.rewards) != min(g.batch.rewards)  # noqa: E731 - DAPO's filter
-        self.manager = RolloutManager(
-            work,
-            groups_per_step=cfg.data.prompts_per_step,
-            max_staleness=r.max_staleness,
-            version=version,
-            keep=keep,
-            max_filtered_per_batch=cfg.data.prompts_per_step * cfg.data.max_sampling_rounds,
-            multiple=multiple,
-            # rollout.max_concurrency counts sequences: episodes with an environment (`_episode_groups`)
-            max_in_flight=r.max_concurrency if r.env is None else -(-r.max_concurrency // sampling.n_samples),
-            stale_groups=r.stale_groups,
-        )
-        if state is not None:
-            self.manager.load_state_dict(state)
-        self._thread = threading.Thread(target=self.loop.run_forever, name="rollout-manager", daemon=True)
-        self._thread.start()
-        self._run(self._call(self.manager.start))
-
-    async def _sample_group(self, sampling, index, example, attempt, score_lock) -> RolloutBatch:
-        """Group `index` of single-turn samples, scored (the manager's unit of work without `rollout.env`)."""
-        started = time.perf_counter()
-        keys = regeneration_keys(index, sampling, attempt)  # a regenerated group: fresh seeds
-        # adaptive ρ: each request prunes at the ρ in force when it is sent (continued segments too)
-        now = dataclasses.replace(sampling, log_rho=self.sampling_log_rho())
-        samples = await self.client.generate_group(
-            example.prompt_ids,
-            keys,
-            now,
-            partial=self.cfg.rollout.partial_rollouts,
-            log_rho=self.sampling_log_rho,
-        )
-        elapsed = time.perf_counter() - started
-        self._check_token_ids(samples)
-        completions = [self._decode(s.output_ids) for s in samples]
-        async with score_lock:  # one reward worker: one batch at a time
-            rewards = await asyncio.to_thread(self.score, completions, [example.answer] * len(samples))
-        return self._batch(samples, rewards, elapsed, now.log_rho)
-
-    def _episode_groups(self, sampling: SamplingConfig):
-        """The manager's runner of multi-turn groups (`episodes.EpisodeGroups`): each turn one
-        `generate_group` request at the ρ in force when it is sent, which with partial rollouts continues a
-        turn that a weight-update pause aborted under the new weights; at most `rollout.max_concurrency`
-        episodes at once over all groups; environment failures counted per batch (`next_batch`)."""
-        from megatron_tail.rollout.envs import EpisodeLimits, Tokens
-
-        from .episodes import EpisodeGroups, FailureCount, turn_sampling
-
-        r = self.cfg.rollout
-        per_turn = dataclasses.replace(turn_sampling(sampling, self.tokenizer, r.max_turns), n_samples=1)
-
-        async def request(input_ids, keys):
-            now = dataclasses.replace(per_turn, log_rho=self.sampling_log_rho())
-            return await self.client.generate_group(
-                input_ids, keys, now, partial=r.partial_rollouts, log_rho=self.sampling_log_rho
-            )
-
-        episodes = self.cfg.data.prompts_per_step * sampling.n_samples  # per batch, as a step-wise step's
-        return EpisodeGroups(
-            request,
-            self.envs,
-            r.env,
-            sampling.base_seed,
-            sampling.n_samples,
-            EpisodeLimits(
-                r.max_turns, r.max_observation_tokens, self.context_length - sampling.max_new_tokens
-            ),
-            Tokens(decode=self._decode, encode=self._encode),
-            asyncio.BoundedSemaphore(r.max_concurrency),
-            FailureCount(r.env, episodes, r.max_env_failure_fraction),
-            on_episode=self._on_result,
-        )
-
-    async def _episode_group(self, episodes, index, example, attempt, score_lock) -> RolloutBatch:
-        """Group `index`'s episodes, scored (the manager's unit of work with `rollout.env`): the manager's
-        `attempt` a runs environment attempts a·`MAX_ENV_ATTEMPTS` onwards, so every regeneration, by the
-        manager or after an environment failure, has fresh seeds."""
-        from .episodes import MAX_ENV_ATTEMPTS, episodes_to_batch
-
-        started = time.perf_counter()
-        # the ρ of its first turns: a sample counts as old as its oldest tokens
-        log_rho = self.sampling_log_rho()
-        done = await episodes.group(
-            index, example.prompt_ids, example.answer, first_attempt=attempt * MAX_ENV_ATTEMPTS
-        )
-        elapsed = time.perf_counter() - started
-        for j, e in enumerate(done):
-            self._check_ids(e.response_ids, f"episode {j} of prompt {index}", self.urls[0])
-        async with score_lock:
-            rewards = await asyncio.to_thread(
-                self.score, [e.final_text for e in done], [example.answer] * len(done)
-            )
-        batch = episodes_to_batch(
-            done,
-            rewards,
-            correct_reward=self.cfg.data.correct_reward,
-            elapsed_s=elapsed,
-            supports=self.cfg.rollout.truncates,
-        )
-        batch.sampled_log_rho = [log_rho] * len(batch)
-        return batch
-
-    def _episode_failures(self) -> dict[str, float]:
-        """The manager's environment failures since the last batch (`rollout/env_failures`,
-        `rollout/env_episodes_lost`); the next batch's count starts at 0 (call on the engines' loop)."""
-        from .episodes import FailureCount
-
-        old = self._manager_episodes.failures
-        self._manager_episodes.failures = FailureCount(old.spec, old.episodes, old.max_fraction)
-        return old.metrics()
-
-    @staticmethod
-    async def _call(fn, *args):
-        return fn(*args)
-
-    def next_batch(self, step: int) -> RolloutBatch:
-        """Step `step`'s batch from the manager (blocks until G groups are completed, or dynamic sampling
-        gave up)."""
-        started = time.perf_counter()
-        groups, metrics = self._run(self.manager.next_batch(step), f"the batch of step {step + 1}")
-        metrics = {**metrics, **self._client_metrics()}
-        if self._manager_episodes is not None:
-            metrics.update(self._run(self._call(self._episode_failures)))
-        return manager_batch(groups, metrics, self.manager.next_index, time.perf_counter() - started)
-
-    def before_weight_update(self) -> None:
-        """Without partial rollouts, let the groups in flight finish under the weights they began with."""
-        if self.manager is not None and not self.cfg.rollout.partial_rollouts:
-            self._run(self.manager.drain(), "the groups in flight to finish before the weight update")
-
-    def after_weight_update(self, version: int) -> None:
-        if self.manager is not None:
-            self._run(self._call(self.manager.set_version, version))
-
-    def manager_state(self) -> dict | None:
-        return None if self.manager is None else self._run(self._call(self.manager.state_dict))
 
     def evaluate(self, prompt_ids: Sequence[Sequence[int]], answers: Sequence[str]) -> dict[str, float]:
         """`train.eval_samples_per_prompt` = n samples per prompt at the training temperature (with DVP if on:
