@@ -8,6 +8,7 @@ environment token stays context, and the sample's staleness is its oldest policy
 from __future__ import annotations
 
 import asyncio
+import tempfile
 import threading
 from types import SimpleNamespace
 
@@ -89,6 +90,7 @@ class Tokenizer:
 def _engines(*overrides, score=None):
     """`RolloutEngines` without an engine or a model: `TurnEngine` answers, one real environment worker."""
     base = ["algorithm.group_size=2", "data.prompts_per_step=1", "rollout.max_turns=2"]
+    base.append(f"run_dir={tempfile.mkdtemp()}")  # the manager records the prompts each step trains there
     cfg = load_config(None, [*base, "rollout.partial_rollouts=true", "rollout.max_concurrency=2", *overrides])
     e = RolloutEngines.__new__(RolloutEngines)
     e.cfg, e.note, e.vocab_size, e._counted, e.engine, e._thread = cfg, print, 100, {}, None, None

@@ -7,6 +7,7 @@ client's request method: no engine, no model."""
 from __future__ import annotations
 
 import asyncio
+import tempfile
 import threading
 import time
 from types import SimpleNamespace
@@ -61,7 +62,7 @@ class RecordingClient(RolloutClient):
 
 def _engines(overrides, **client_kw) -> RolloutEngines:
     cfg = load_config(None, ["algorithm.log_rho=auto", "algorithm.group_size=2", "data.prompts_per_step=2",
-                             *overrides])  # fmt: skip
+                             f"run_dir={tempfile.mkdtemp()}", *overrides])  # fmt: skip
     e = RolloutEngines.__new__(RolloutEngines)
     e.cfg = with_log_rho(cfg, INITIAL)  # as `RunSession` resolves "auto"
     e.note, e.vocab_size, e._counted, e.engine, e.manager, e._thread = print, 100, {}, None, None, None

@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from megatron_tail.rollout import RolloutBatch, SamplingConfig
 from megatron_tail.rollout.client import regeneration_keys
 from megatron_tail.rollout.manager import GroupResult, RolloutManager, groups_to_batch
 from megatron_tail.utils.errors import UserError
+
+from . import run_dir
 
 
 def manager_batch(
@@ -37,6 +41,26 @@ def manager_batch(
     batch.stats["rollout_time_s"] = waited_s
     batch.stats["generated_tokens"] = float(sum(len(r) for r in batch.response_ids))
     return batch
+
+
+def record_trained_prompts(root: str | Path, step: int, indices: list[int]) -> None:
+    """Append `{"step": step, "prompts": indices}` (1-based step, the prompt-stream indices of the groups the
+    manager hands it, in the batch's order) to `<run_dir>/logs/trained_prompts.jsonl`. A step that a resumed
+    run trains again (it was handed over after the last checkpoint) has a later line: the last line of a step
+    is what its checkpoint holds."""
+    path = run_dir.trained_prompts_path(root)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(json.dumps({"step": step, "prompts": indices}) + "\n")
+
+
+def read_trained_prompts(root: str | Path) -> dict[int, list[int]]:
+    """Step → the prompt indices it trained (the last record of each step: see `record_trained_prompts`)."""
+    steps = {}
+    for line in run_dir.trained_prompts_path(root).read_text().splitlines():
+        record = json.loads(line)
+        steps[int(record["step"])] = [int(i) for i in record["prompts"]]
+    return steps
 
 
 class ManagedRollout:
@@ -193,6 +217,7 @@ class ManagedRollout:
         metrics = {**metrics, **self._client_metrics()}
         if self._manager_episodes is not None:
             metrics.update(self._run(self._call(self._episode_failures)))
+        record_trained_prompts(self.cfg.run_dir, step + 1, [g.index for g in groups])
         return manager_batch(groups, metrics, self.manager.next_index, time.perf_counter() - started)
 
     def before_weight_update(self) -> None:
