@@ -98,3 +98,26 @@ class Sleeper(Environment):
         start = time.time()
         time.sleep(3600 if turn == "hang" else float(turn.split()[1]))
         return StepResult(f"{start} {time.time()} {os.getpid()}")
+
+
+class BlocksOneCall(Environment):
+    """Row answer "<dir>": the first step to get there (of any episode) creates `<dir>/calling` and waits
+    for `<dir>/release` (at most 60 s); then, and for every other step or answer "", the observation of
+    `AlwaysContinues` (a tool call in flight that the test pauses the trainer's world around)."""
+
+    def reset(self, row):
+        self.dir = row["answer"]
+
+    def step(self, turn):
+        import os
+
+        if self.dir:
+            try:
+                os.close(os.open(os.path.join(self.dir, "calling"), os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                pass
+            else:
+                deadline = time.monotonic() + 60
+                while not os.path.exists(os.path.join(self.dir, "release")) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+        return StepResult(OBSERVATION, reward=0.25, tool_calls=1)
