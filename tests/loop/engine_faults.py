@@ -23,7 +23,11 @@ def signals_the_engine(completion: str, answer: str) -> float:
     name, at = os.environ[SIGNAL_ENV].split("@")
     if _scored == int(at):
         for child in psutil.Process(os.getppid()).children():
-            if "serve-local" in child.cmdline():
+            try:
+                cmdline = child.cmdline()
+            except (psutil.ZombieProcess, psutil.NoSuchProcess):  # a child that ended, not reaped yet
+                continue
+            if "serve-local" in cmdline:
                 child.send_signal(signal.Signals[f"SIG{name}"])
     return digit_fraction(completion, answer)
 
