@@ -33,11 +33,10 @@ def tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(str(tiny_model_dir))
 
 
-def test_every_turn_sees_the_concatenated_ids(fp32_server, tiny_model_dir, tokenizer):
-    from transformers import AutoModelForCausalLM
-
-    # every non-special token ends a turn by "stop", so the (random) model's turns are short and episodes
-    # run to max_turns with the scripted environment
+def _three_turn_episodes(server, tokenizer, **truncation) -> list:
+    """Two episodes for each of `PROMPTS` with the scripted environment, up to 3 turns each: every
+    non-special token ends a turn by "stop", so the (random) model's turns are short and episodes run to
+    max_turns. `truncation`: SamplingConfig's top_k / top_p."""
     sampling = SamplingConfig(
         n_samples=2,
         max_new_tokens=6,
@@ -45,6 +44,7 @@ def test_every_turn_sees_the_concatenated_ids(fp32_server, tiny_model_dir, token
         log_rho=None,
         base_seed=3,
         stop_token_ids=tuple(range(4, 100)),
+        **truncation,
     )
     tokens = Tokens(
         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
@@ -52,26 +52,23 @@ def test_every_turn_sees_the_concatenated_ids(fp32_server, tiny_model_dir, token
     )
 
     async def go():
-        scorer = EnvWorkers(2, timeout_s=30, timeout_name="data.reward_timeout_s")
+        pool = EnvWorkers(2, timeout_s=30, timeout_name="data.reward_timeout_s")
         try:
-            async with RolloutClient(
-                [fp32_server.url], ClientConfig(request_timeout_s=60), processor=None
-            ) as c:
+            async with RolloutClient([server.url], ClientConfig(request_timeout_s=60), processor=None) as c:
                 return await run_episodes(
-                    c,
-                    scorer,
-                    "tests.rollout.envs.fault_envs:AlwaysContinues",
-                    PROMPTS,
-                    ANSWERS,
-                    sampling,
-                    EpisodeLimits(max_turns=3, max_observation_tokens=64),
-                    tokens,
-                    max_concurrency=4,
-                )
+                    c, pool, "tests.rollout.envs.fault_envs:AlwaysContinues", PROMPTS, ANSWERS, sampling,
+                    EpisodeLimits(max_turns=3, max_observation_tokens=64), tokens, max_concurrency=4,
+                )  # fmt: skip
         finally:
-            scorer.close()
+            pool.close()
 
-    episodes = asyncio.run(go())
+    return asyncio.run(go())
+
+
+def test_every_turn_sees_the_concatenated_ids(fp32_server, tiny_model_dir, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    episodes = _three_turn_episodes(fp32_server, tokenizer)
     assert len(episodes) == 4 and all(e.turns == 3 and e.truncated_by_turns for e in episodes)
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
     for e in episodes:
@@ -153,35 +150,7 @@ def test_multi_turn_episodes_carry_their_supports_under_top_p(fp32_server, token
     """Every policy token lies in its own support row, every environment token has an empty row."""
     from megatron_tail.train.run.episodes import episodes_to_batch
 
-    sampling = SamplingConfig(
-        n_samples=2,
-        max_new_tokens=6,
-        temperature=1.0,
-        log_rho=None,
-        base_seed=3,
-        stop_token_ids=tuple(range(4, 100)),  # short turns: the episodes reach their third turn
-        top_k=20,
-        top_p=0.95,
-    )
-    tokens = Tokens(
-        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-        encode=lambda text: tokenizer(text, add_special_tokens=False)["input_ids"],
-    )
-
-    async def go():
-        pool = EnvWorkers(2, timeout_s=30, timeout_name="data.reward_timeout_s")
-        try:
-            async with RolloutClient(
-                [fp32_server.url], ClientConfig(request_timeout_s=60), processor=None
-            ) as c:
-                return await run_episodes(
-                    c, pool, "tests.rollout.envs.fault_envs:AlwaysContinues", PROMPTS, ANSWERS, sampling,
-                    EpisodeLimits(max_turns=3, max_observation_tokens=64), tokens, max_concurrency=4,
-                )  # fmt: skip
-        finally:
-            pool.close()
-
-    episodes = asyncio.run(go())
+    episodes = _three_turn_episodes(fp32_server, tokenizer, top_k=20, top_p=0.95)
     batch = episodes_to_batch(episodes, [0.0] * 4, correct_reward=1.0, elapsed_s=0.0, supports=True)
     assert batch.rollout_supports is not None and all(e.turns == 3 for e in episodes)
     for ids, mask, rows in zip(batch.response_ids, batch.policy_mask, batch.rollout_supports, strict=True):
