@@ -12,7 +12,7 @@ included). Writes a results table (results.md), every run's TensorBoard logs and
 collapse: the same model and task over 100 steps with a mismatch dial (engine formats, then a synthetic
 tail-shaped logit noise); --suite arms (default: six arms × seeds at --level), dose (the naive arm at each
 level), rho (DVP+MIS at log ρ -3 … -20 and auto) or truncation (engine top-p 0.98 … 0.5 and min-p at ρ,
-scored one-sided, replayed or with DVP, 200 steps; --quick: a 3-step subset). Into runs/collapse by default;
+scored one-sided, replayed or with DVP, 80 steps; --quick: a 3-step subset). Into runs/collapse by default;
 see megatron_tail/experiments/collapse.py, truncation.py and docs/results/collapse/.
 """
 

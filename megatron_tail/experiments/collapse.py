@@ -16,7 +16,7 @@ tail-shaped logit noise). Suites:
 - "rho": DVP+MIS at log ρ ∈ `RHO_GRID` and "auto" (`algorithm.log_rho: auto`) at `--level`, into
   `<out>/dvp_mis@rho<v>/seed<k>/` ("off" is the MIS arm: the same remedy without DVP);
 - "truncation": one-sided truncated sampling against replay and DVP (`truncation.py`: `--dials` × `--arms`,
-  on the bf16 engine, 200 steps), into `<out>/<arm>@<dial>/seed<k>/`.
+  on the bf16 engine, 80 steps), into `<out>/<arm>@<dial>/seed<k>/`.
 Each suite writes `results.md` / `results.json` (mean ± std over seeds, and the collapse verdict of each
 run, `report.collapse.collapse_verdict`) and a `megatron-tail report` (with the early-warning figure).
 Finished runs are reused, so an interrupted suite resumes where it stopped.

@@ -26,6 +26,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from megatron_tail.config.schema import TOP_K_HEADROOM
 from megatron_tail.utils.errors import UserError
 
 VOCAB = 8192
@@ -35,13 +36,13 @@ LOG_RHO = -9.0
 
 TRUNCATION_SETTINGS: list[str] = [
     f"rollout.top_k={VOCAB}",
-    f"rollout.sampling_mask_max_tokens={2 * VOCAB}",
+    f"rollout.sampling_mask_max_tokens={TOP_K_HEADROOM * VOCAB}",
     "train.steps=80",
     "train.checkpoint_every=40",
 ]
 """Every run of the suite: top-k = the vocabulary (SGLang returns a support only under a finite top-k; at the
-whole vocabulary it cuts nothing, so top-p / min-p alone set the support) with the mask cap 2 × top-k that
-the config requires; 80 steps (chosen on seed 0, whose 200-step runs at top-p 0.5 had the arms apart by step
+whole vocabulary it cuts nothing, so top-p / min-p alone set the support) with the mask cap
+TOP_K_HEADROOM × top-k that the config requires; 80 steps (chosen on seed 0, whose 200-step runs at top-p 0.5 had the arms apart by step
 60 and the support gap shrinking from the first step to the last; the write-up shows them)."""
 
 DIALS: dict[str, list[str]] = {
