@@ -40,10 +40,11 @@ TRUNCATION_SETTINGS: list[str] = [
     "train.steps=80",
     "train.checkpoint_every=40",
 ]
-"""Every run of the suite: top-k = the vocabulary (SGLang returns a support only under a finite top-k; at the
-whole vocabulary it cuts nothing, so top-p / min-p alone set the support) with the mask cap
-TOP_K_HEADROOM × top-k that the config requires; 80 steps (chosen on seed 0, whose 200-step runs at top-p 0.5 had the arms apart by step
-60 and the support gap shrinking from the first step to the last; the write-up shows them)."""
+"""Every run of the suite: top-k = the vocabulary (SGLang returns a support only under a finite top-k; at
+the whole vocabulary it cuts nothing, so top-p / min-p alone set the support) with the mask cap
+TOP_K_HEADROOM × top-k that the config requires; 80 steps (chosen on seed 0, whose 200-step runs at top-p 0.5
+had the arms apart by step 60 and the support gap shrinking from the first step to the last; the write-up
+shows them)."""
 
 DIALS: dict[str, list[str]] = {
     "top_p0.98": ["rollout.top_p=0.98"],
