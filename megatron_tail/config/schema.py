@@ -36,11 +36,13 @@ EngineDtype = Literal["bfloat16", "float16", "float32"]
 RolloutQuantization = Literal["none", "fp8", "fp8_tensor", "nvfp4_a16"]
 KvCacheDtype = Literal["auto", "fp8_e4m3"]
 ProgressMode = Literal["auto", "always", "never"]
+PauseMode = Literal["abort", "in_place", "retract"]
 ROLLOUT_ENGINES: tuple[str, ...] = get_args(RolloutEngine)
 WEIGHT_SYNC_MODES: tuple[str, ...] = get_args(WeightSyncMode)
 LOCAL_DTYPES: tuple[str, ...] = get_args(EngineDtype)
 ROLLOUT_QUANTIZATIONS: tuple[str, ...] = get_args(RolloutQuantization)
 KV_CACHE_DTYPES: tuple[str, ...] = get_args(KvCacheDtype)
+PAUSE_MODES: tuple[str, ...] = get_args(PauseMode)
 LOCAL_ONLY_QUANTIZATIONS = ("fp8_tensor", "nvfp4_a16")
 TOP_K_HEADROOM = 2
 """`rollout.sampling_mask_max_tokens` ≥ this × `rollout.top_k` (without `rollout.deterministic`). SGLang's
@@ -259,10 +261,19 @@ class RolloutSection:
     weights correcting it; "drop" drops it (counted in `rollout/dropped_stale`) and regenerates its prompt
     with fresh seeds, at most twice per prompt, which biases training against long responses."""
     partial_rollouts: bool = False
-    """At a weight update, requests in flight are aborted (`/pause_generation` mode abort) and continued
-    from their tokens under the new weights, each token keeping the log-prob and version of the weights
-    that sampled it (AReaL's interruptible rollouts). Uses the rollout manager, also with max_staleness
-    0 or 1. False: without it, the manager lets the requests in flight finish before a weight update."""
+    """At a weight update, requests in flight are paused (`pause_mode`) and continued from their tokens
+    under the new weights, each token keeping the log-prob and version of the weights that sampled it
+    (AReaL's interruptible rollouts). Uses the rollout manager, also with max_staleness 0 or 1. False:
+    without it, the manager lets the requests in flight finish before a weight update."""
+    pause_mode: PauseMode = "abort"
+    """How a weight update pauses the engines (SGLang's `/pause_generation` modes, `PauseGenerationReqInput`
+    in `srt/managers/io_struct.py`): "abort" ends the requests in flight, the client continues each from its
+    tokens (one re-prefill under the new weights, AReaL); "in_place" holds them with their KV cache, computed
+    by the older weights, and they go on decoding under the new ones (PipelineRL, verl v1 async); "retract"
+    puts them back in the engine's queue without their KV, recomputed under the new weights when they resume
+    (abort's re-prefill without the round trip through the client). Each token keeps the version and
+    log-prob of the weights that sampled it in every mode (see the README). It matters only with
+    `partial_rollouts`: without them the manager drains the requests in flight before an update."""
 
     @property
     def uses_manager(self) -> bool:
@@ -394,6 +405,7 @@ class RolloutSection:
             )
         if not isinstance(self.partial_rollouts, bool):
             _bad("rollout", "partial_rollouts", self.partial_rollouts, "must be true or false")
+        _choice("rollout", "pause_mode", self.pause_mode, PAUSE_MODES)
         if self.stale_groups not in ("train", "drop"):
             _bad("rollout", "stale_groups", self.stale_groups, 'must be "train" or "drop"')
         if self.engine == "remote" and not self.server_urls:
