@@ -361,7 +361,10 @@ class RolloutEngines(ManagedRollout):
         r = self.cfg.rollout
         if r.weight_sync == "disk":
             return DiskWeightSync(
-                self.urls, timeout_s=r.request_timeout_s, timeout_name="rollout.request_timeout_s"
+                self.urls,
+                timeout_s=r.request_timeout_s,
+                pause_mode=r.pause_mode,
+                timeout_name="rollout.request_timeout_s",
             )
         import os
         import socket
@@ -382,6 +385,7 @@ class RolloutEngines(ManagedRollout):
             timeout_name="rollout.sync_timeout_s",
             bucket_mb=r.sync_bucket_mb,
             dtype=getattr(torch, engine_dtype),
+            pause_mode=r.pause_mode,
         )
 
     @property
