@@ -1,0 +1,102 @@
+"""`rollout.pause_mode` end to end on the local engine (fp32, in-process server): a weight update in the
+middle of a partial rollout pauses the engine in each of SGLang 0.5.23's modes (`PauseGenerationReqInput`,
+`srt/managers/io_struct.py`; `Scheduler.pause_generation`, `srt/managers/scheduler.py`), and every token
+keeps the version and the behaviour log-prob of what sampled it, checked against independent HF forwards:
+
+- abort: the client continues the sample from its tokens (a second request, a re-prefill under the new
+  weights): tokens after the update are the new model's on the whole sequence;
+- retract: the engine re-prefills the sequence under the new weights itself: the same log-probs, one request;
+- in_place: the engine keeps the KV cache the old weights computed: tokens after the update are the new
+  model's *given the old model's keys and values* for the earlier positions (a mixed-cache forward), not a
+  full forward of either model. The engine reports what it sampled with, so the IS weights stay exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from megatron_tail.config import load_config
+from megatron_tail.ops import vocab_parallel_masked_logprobs
+from megatron_tail.rollout import DiskWeightSync, RolloutClient, SamplingConfig
+from megatron_tail.rollout.batch import token_versions_of
+from megatron_tail.rollout.local_engine.engine import LocalEngine
+from megatron_tail.rollout.local_engine.server import build_app
+from megatron_tail.rollout.processor import DVPLogitProcessor
+from megatron_tail.rollout.protocol import sample_keys
+from megatron_tail.utils.errors import UserError
+from tests.rollout.servers import serving_app
+from tests.rollout.test_local_engine import reference_logprobs
+from tests.rollout.test_partial_rollouts import LOG_RHO, PROMPT, _hold, _model, _wait_for_tokens
+
+N_TOKENS = 30
+
+
+def _mixed_cache_logprobs(old, new, prompt, output_ids, cut):
+    """log π^mp of output tokens cut.. as an in-place pause samples them: the old model's KV for the prompt
+    and outputs[:cut − 1] (what the engine had fed before the pause; outputs[cut − 1] was sampled, not yet
+    fed), then the new model fed outputs[cut − 1:] on top of that cache. Shape [len(output_ids) − cut]."""
+    with torch.no_grad():
+        past = old(input_ids=torch.tensor([prompt + output_ids[: cut - 1]]), use_cache=True).past_key_values
+        logits = new(input_ids=torch.tensor([output_ids[cut - 1 : -1]]), past_key_values=past).logits[0]
+    return vocab_parallel_masked_logprobs(
+        logits.float(), torch.tensor(output_ids[cut:]), log_rho=LOG_RHO, temperature=1.0
+    ).logprobs
+
+
+@pytest.mark.parametrize("mode", ["abort", "retract", "in_place"])
+def test_each_pause_mode_keeps_versions_and_behaviour_logprobs_exact(
+    tiny_model_dir, perturbed_model_dir, mode
+):
+    old, new = _model(tiny_model_dir), _model(perturbed_model_dir)
+    engine = LocalEngine(tiny_model_dir, dtype="float32", weight_version="0")
+    sampling = SamplingConfig(
+        n_samples=4, max_new_tokens=N_TOKENS, temperature=1.0, log_rho=LOG_RHO, ignore_eos=True, base_seed=7
+    )
+    held_at: list[int] = []
+
+    async def main():
+        async with serving_app(build_app(engine)) as url:
+            client = RolloutClient([url], processor=DVPLogitProcessor.to_str())
+            task = asyncio.ensure_future(
+                client.generate_group(PROMPT, sample_keys(0, sampling), sampling, partial=True)
+            )
+            await asyncio.to_thread(_wait_for_tokens, engine, 6)
+            # hold the batch between two steps first (no sample can finish before the update: the test
+            # cannot race the engine); the update then pauses again in `mode`, as the trainer's sync does
+            await asyncio.to_thread(_hold, engine, "in_place")
+            held_at.extend(len(r.outputs) for r in engine.batcher.running)
+            await DiskWeightSync([url], pause_mode=mode).update(str(perturbed_model_dir), weight_version="1")
+            samples = await task
+            await client.close()
+            return samples
+
+    try:
+        samples = asyncio.run(main())
+    finally:
+        engine.close()
+    assert len(held_at) == 4 and min(held_at) >= 6
+    for s in samples:
+        assert len(s.output_ids) == N_TOKENS and s.finish_reason["type"] == "length"
+        versions = token_versions_of(s.output_versions)
+        cut = versions.index(1)
+        assert cut in held_at and versions == [0] * cut + [1] * (N_TOKENS - cut)
+        # abort is the only mode that ends the request: the client continues it in a second segment
+        assert s.segments == (2 if mode == "abort" else 1)
+        got = torch.tensor(s.output_logprobs)
+        before = reference_logprobs(old, PROMPT, s.output_ids, log_rho=LOG_RHO, temperature=1.0).logprobs
+        torch.testing.assert_close(got[:cut], before[:cut], rtol=1e-4, atol=1e-4)
+        full_new = reference_logprobs(new, PROMPT, s.output_ids, log_rho=LOG_RHO, temperature=1.0).logprobs
+        mixed = _mixed_cache_logprobs(old, new, PROMPT, s.output_ids, cut)
+        # the two references differ, so the test tells in-place from a re-prefill
+        assert float((mixed - full_new[cut:]).abs().max()) > 1e-3
+        want = mixed if mode == "in_place" else full_new[cut:]
+        torch.testing.assert_close(got[cut:], want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_bad_pause_mode_is_refused_by_name():
+    assert load_config(None, ["rollout.pause_mode=retract"]).rollout.pause_mode == "retract"
+    with pytest.raises(UserError, match=r"rollout.pause_mode must be one of .*'in_place'.*; got 'inplace'"):
+        load_config(None, ["rollout.pause_mode=inplace"])
