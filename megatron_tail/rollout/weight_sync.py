@@ -107,6 +107,13 @@ class _Servers:
         self.limit = f"{timeout_name}={timeout_s:g} s"
         """Every request's time limit, named as the caller knows it (e.g. `rollout.sync_timeout_s=600 s`)."""
         self.pause_mode = pause_mode
+        # SGLang 0.5.23 fails an update whose cache flush it refuses (`flush_cache_after_weight_update`,
+        # srt/managers/scheduler_components/weight_updater.py), and `Scheduler.flush_cache` refuses while the
+        # running batch holds requests (`is_fully_idle(ignore_waiting=self._engine_paused)`): after an abort
+        # or a retract pause nothing runs, so the flush succeeds; an in-place pause keeps the running batch
+        # and its old-weights KV, so it must not ask for one (the radix cache's prefixes stay the older
+        # weights' too, as PipelineRL's and verl's in-place updates keep them)
+        self.flush_cache = pause_mode != "in_place"
 
     async def post_all(self, session, path: str, bodies: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         answers = await asyncio.gather(
@@ -240,7 +247,7 @@ class DiskWeightSync:
         body = {
             "model_path": str(model_path),
             "weight_version": version,
-            "flush_cache": True,
+            "flush_cache": self.servers.flush_cache,
             "load_format": "auto",
         }
         async with aiohttp.ClientSession() as session:
@@ -393,7 +400,7 @@ class DistributedWeightSync:
                     "shapes": [list(t.shape) for _, t in bucket],
                     "group_name": self.group_name,
                     "weight_version": version if last else None,
-                    "flush_cache": last,
+                    "flush_cache": last and self.servers.flush_cache,
                 }
                 broadcast = asyncio.to_thread(_broadcast_in_order, bucket, self.group)
                 posts = self.servers.post_all(
