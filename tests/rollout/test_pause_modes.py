@@ -100,3 +100,36 @@ def test_a_bad_pause_mode_is_refused_by_name():
     assert load_config(None, ["rollout.pause_mode=retract"]).rollout.pause_mode == "retract"
     with pytest.raises(UserError, match=r"rollout.pause_mode must be one of .*'in_place'.*; got 'inplace'"):
         load_config(None, ["rollout.pause_mode=inplace"])
+
+
+@pytest.mark.parametrize(("mode", "flush"), [("abort", True), ("retract", True), ("in_place", False)])
+def test_an_in_place_update_asks_for_no_cache_flush(mode, flush):
+    """SGLang 0.5.23 fails an update whose flush it refuses, and refuses one while the running batch holds
+    requests (`Scheduler.flush_cache`): the in-place pause keeps them there, abort and retract empty it."""
+    from aiohttp import web
+
+    bodies: list[tuple[str, dict]] = []
+
+    async def ok(request):
+        bodies.append((request.path, await request.json()))
+        return web.json_response({"success": True, "message": "ok"})
+
+    async def model_info(_request):
+        return web.json_response({"model_path": "x", "weight_version": "4"})
+
+    async def scenario():
+        app = web.Application()
+        for path in ("/pause_generation", "/continue_generation", "/update_weights_from_disk"):
+            app.router.add_post(path, ok)
+        app.router.add_get("/model_info", model_info)
+        async with serving_app(app) as url:
+            await DiskWeightSync([url], initial_version="3", pause_mode=mode).update("/some/checkpoint")
+
+    asyncio.run(scenario())
+    assert [path for path, _ in bodies] == [
+        "/pause_generation",
+        "/update_weights_from_disk",
+        "/continue_generation",
+    ]
+    assert bodies[0][1] == {"mode": mode}
+    assert bodies[1][1]["flush_cache"] is flush
