@@ -1,0 +1,117 @@
+"""Record (or re-run) the first steps of small η = 0 / η = 1 runs: each step's batch as the trainer gets it
+and the step's training metrics, as JSON. `tests/loop/data/stepwise_*.json` were recorded by the
+step-wise rollout (before the rollout manager became the only generation path, commit 4cb3238);
+`test_one_generation_path` runs the same cases through today's path and compares.
+
+    python -m tests.loop.stepwise_record CASE OUT.json     # in a fresh process (megatron's global state)
+
+The models are the loop tests' seeded tiny random Qwen3s (`tests/loop/conftest.py`), built here in a
+temporary directory; one process, TP = 1, the local engine.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+CASES = {
+    # name: (model, steps, overrides)
+    "single_turn_eta0": ("tiny", 2, {}),
+    "single_turn_eta1": ("tiny", 2, {"rollout.max_staleness": 1}),
+    "agentic_eta0": (
+        "chatty",
+        2,
+        {
+            "rollout.env": "tests.rollout.envs.fault_envs:ShortObservation",
+            "rollout.max_turns": 3,
+            "rollout.max_observation_tokens": 8,
+            "rollout.top_p": 0.95,
+            "rollout.top_k": 20,
+            "algorithm.is_mode": "mis",
+            "optimizer.lr": 1e-5,
+        },
+    ),
+}
+
+TRAINED_PREFIXES = ("train/", "policy/", "mismatch/", "is/", "reward/", "response/", "dvp/", "loss/")
+"""The step metrics that are functions of the batch and the weights (not of timing)."""
+
+
+def tiny_model(root: Path, chatty: bool) -> Path:
+    """`tests/loop/conftest.py`'s `tiny_model_dir` (chatty: `test_multiturn_loop.chatty_model_dir`)."""
+    from megatron_tail.demo.model import new_tiny_qwen3, save_hf
+
+    model, tokenizer = new_tiny_qwen3(
+        0, hidden_size=32, intermediate_size=64, num_hidden_layers=2, head_dim=8, max_position_embeddings=32
+    )
+    if chatty:
+        torch.manual_seed(0)
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0.0, 0.3)
+        if chatty:
+            h = model.model(torch.randint(4, 100, (64, 20))).last_hidden_state.reshape(-1, 32)
+            m = h.mean(0)
+            model.lm_head.weight[tokenizer.eos_token_id] = 3.0 * m / m.dot(m)
+    return save_hf(model, tokenizer, root / ("chatty" if chatty else "tiny"))
+
+
+def record(case: str) -> dict:
+    from megatron_tail.config import load_config
+    from megatron_tail.data.toy_arithmetic import make_arithmetic_examples
+    from megatron_tail.train.run import session as session_module
+    from megatron_tail.train.run.loop import LoopHooks, run
+    from tests.loop.conftest import loop_overrides
+
+    model, steps, extra = CASES[case]
+    root = Path(tempfile.mkdtemp(prefix=f"stepwise_{case}_"))
+    prompts = root / "prompts.jsonl"
+    rows = make_arithmetic_examples(16, max_digits=2, seed=0)
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    settings = {
+        "parallel.tensor_parallel": 1,
+        "train.steps": steps,
+        "train.checkpoint_every": 100,
+        "logging.tensorboard": False,
+        **extra,
+    }
+    cfg = load_config(None, loop_overrides(tiny_model(root, model == "chatty"), prompts, root / "run", settings))
+    batches, metrics = [], []
+    original = session_module.RunSession.rollout
+
+    def recording(self, step):
+        batch = original(self, step)
+        batches.append(
+            {
+                "prompt_ids": batch.prompt_ids,
+                "response_ids": batch.response_ids,
+                "rollout_logprobs": batch.rollout_logprobs,
+                "rewards": batch.rewards,
+                "token_versions": batch.token_versions,
+                "policy_mask": batch.policy_mask,
+                "supports": None
+                if batch.rollout_supports is None
+                else [[s.values.tolist(), s.offsets.tolist()] for s in batch.rollout_supports],
+            }
+        )
+        return batch
+
+    session_module.RunSession.rollout = recording
+    try:
+        run(cfg, LoopHooks(on_step_end=lambda step, m: metrics.append(_trained(m))))
+    finally:
+        session_module.RunSession.rollout = original
+    return {"case": case, "batches": batches, "metrics": metrics}
+
+
+def _trained(metrics: dict[str, float]) -> dict[str, float]:
+    return {k: float(v) for k, v in sorted(metrics.items()) if k.startswith(TRAINED_PREFIXES)}
+
+
+if __name__ == "__main__":
+    case, out = sys.argv[1], Path(sys.argv[2])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record(case)))
