@@ -33,6 +33,9 @@ CASES = {
             "rollout.top_k": 20,
             "algorithm.is_mode": "mis",
             "optimizer.lr": 1e-5,
+            # one episode at a time: the local engine's later turns are then batched alone, so their
+            # numbers do not depend on which other turns share the engine's batch (timing)
+            "rollout.max_concurrency": 1,
         },
     ),
 }
