@@ -20,6 +20,7 @@ from .megatron_checkpoint import (
     torch_adam_load_fixes,
     use_in_process_results_queue,
 )
+from .moe_te_gemm import apply_moe_te_gemm_shim, moe_te_gemm_shim_applied, remove_moe_te_gemm_shim
 from .pinning import PatchVersionError, check_pinned
 from .recompute_rng import apply_recompute_rng_shims, remove_recompute_rng_shims
 
@@ -28,13 +29,16 @@ __all__ = [
     "UnsteppedOptimizerSaveError",
     "apply_cpu_patches",
     "apply_cuda_shims",
+    "apply_moe_te_gemm_shim",
     "apply_recompute_rng_shims",
     "check_pinned",
     "cpu_device_scope",
     "cuda_shims_applied",
     "init_fresh_optimizer_state",
     "init_unstepped_adam_state",
+    "moe_te_gemm_shim_applied",
     "remove_cuda_shims",
+    "remove_moe_te_gemm_shim",
     "remove_recompute_rng_shims",
     "torch_adam_load_fixes",
     "use_in_process_results_queue",
@@ -42,6 +46,8 @@ __all__ = [
 
 
 def apply_cpu_patches() -> bool:
-    """Apply every process-wide CPU patch. True if anything is patched (False where CUDA is present)."""
+    """Apply every process-wide CPU patch. True if anything is patched (False where CUDA is present).
+    Also binds megatron's MoE `te_general_gemm` where TE is absent (`moe_te_gemm.py`; CUDA or not)."""
+    apply_moe_te_gemm_shim()
     shims = apply_cuda_shims()
     return apply_recompute_rng_shims() or shims

@@ -15,6 +15,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from .hf_config import HFArch
+from .moe import check_cpu_moe_layout, moe_config_fields
+from .moe_arch import check_expert_layout
 from .settings import DEFAULT_VOCAB_PAD_MULTIPLE, ModelSettings
 
 
@@ -42,6 +44,17 @@ def transformer_config(arch: HFArch, settings: ModelSettings | None = None) -> T
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     cp = parallel_state.get_context_parallel_world_size()
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    etp = parallel_state.get_expert_tensor_parallel_world_size()
+    # megatron's parallel state knows no "unset": ETP = TP is its default (initialize_model_parallel)
+    check_expert_layout(
+        arch.moe,
+        arch.architecture,
+        tensor_parallel=tp,
+        expert_parallel=ep,
+        expert_tensor_parallel=None if etp == tp else etp,
+    )
+    check_cpu_moe_layout(arch, settings, pp)
     _check_divisible(arch, tp, pp)
     precision = settings.resolved_precision()
     dtype = settings.resolved_dtype()
@@ -95,7 +108,8 @@ def transformer_config(arch: HFArch, settings: ModelSettings | None = None) -> T
         variable_seq_lengths=pp > 1,
         # TransformerConfig refuses variable lengths with the default "allgather" MoE dispatcher even for a
         # dense model (transformer_config.py `__post_init__`); no MoE layer exists here, so any other does.
-        moe_token_dispatcher_type="alltoall" if pp > 1 else "allgather",
+        **({"moe_token_dispatcher_type": "alltoall" if pp > 1 else "allgather"} if arch.moe is None else {}),
+        **moe_config_fields(arch, settings, ep=ep, etp=etp),
         **_recompute_fields(settings),
     )
 
@@ -141,7 +155,7 @@ def _check_divisible(arch: HFArch, tp: int, pp: int) -> None:
             f"num_key_value_heads={arch.num_key_value_heads} and tensor_parallel={tp}: "
             "one must divide the other"
         )
-    if arch.intermediate_size % tp:
+    if (arch.moe is None or arch.moe.has_dense_layers) and arch.intermediate_size % tp:
         raise ValueError(
             f"intermediate_size={arch.intermediate_size} is not divisible by tensor_parallel={tp}"
         )

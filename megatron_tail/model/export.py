@@ -5,6 +5,11 @@ rank 0 only) all-gather their shards; TP rank 0 turns the full tensor into HF te
 the writer rank (global rank 0), which streams each into its place in the output files. No rank ever
 holds more than one full parameter (plus its TP shards) at a time, so a 14B export never holds two copies
 of the model anywhere. The output appears atomically: written to `<out>.tmp-<pid>`, then renamed.
+
+Expert weights (MoE) are held by the EP ranks of the first expert-data-parallel replica, each sharded over
+its expert-TP group: those ranks gather a weight over expert-TP, then all-gather it over EP (one local
+expert's weight from every EP rank at a time), so the stage's sender (its first rank: TP, CP, DP, expert-TP,
+EP and expert-DP rank 0 in megatron's rank orders) holds every expert of that weight.
 """
 
 from __future__ import annotations
@@ -21,8 +26,8 @@ from megatron.core import parallel_state
 from megatron.core.utils import unwrap_model
 
 from .hf_config import HFArch
-from .load import global_layer_map
-from .naming import ParamMapping, hf_tensor_shapes, megatron_to_hf
+from .load import expert_offset, global_layer_map
+from .naming import ParamMapping, expert_hf_names, hf_tensor_shapes, megatron_to_hf
 from .safetensors_io import INDEX_FILE, StreamingSafetensorsWriter
 from .sharding import fc1_unshard, split_qkv
 
@@ -48,22 +53,28 @@ def iter_hf_tensors(
     first = next(iter(chunks[0].parameters()))
     dtype = dtype or first.dtype
     # the first of the replicas: DP rank 0 and, under context parallelism (same weights, other tokens),
-    # CP rank 0
+    # CP rank 0; for expert weights the first expert-DP replica
     dp_rank = parallel_state.get_data_parallel_rank() + parallel_state.get_context_parallel_rank()
+    edp_rank = parallel_state.get_expert_data_parallel_rank() if arch.moe is not None else dp_rank
     sender = dp_rank == 0 and parallel_state.get_tensor_model_parallel_rank() == 0
     # Rank 0 learns, per pipeline stage, the order in which that stage's sender will send.
     plans: list = [None] * dist.get_world_size()
-    dist.all_gather_object(plans, [m.hf_names for m, _ in params] if sender else None)
+    dist.all_gather_object(
+        plans, [names for m, _ in params for names in _sent_names(m, arch)] if sender else None
+    )
     pp_ranks = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
     rank = dist.get_rank()
-    if dp_rank == 0:
-        for mapping, param in params:
-            tensors = _gather_hf_tensors(mapping, param, arch)
-            for name, t in zip(mapping.hf_names, tensors, strict=True):
-                if rank == _DST:
-                    yield name, t.to(dtype)
-                elif sender:
-                    dist.send(t.to(dtype).contiguous(), dst=_DST)
+    for mapping, param in params:
+        if (edp_rank if mapping.expert is not None else dp_rank) != 0:
+            continue
+        named = _gather_hf_tensors(mapping, param, arch)
+        if not sender:
+            continue
+        for name, t in named:
+            if rank == _DST:
+                yield name, t.to(dtype)
+            else:
+                dist.send(t.to(dtype).contiguous(), dst=_DST)
     if rank == _DST:
         shapes = hf_tensor_shapes(arch)
         for src in pp_ranks[1:]:
@@ -120,21 +131,53 @@ def export_hf(
 def _exported_params(chunks: list[torch.nn.Module], arch: HFArch) -> list[tuple[ParamMapping, torch.Tensor]]:
     """(mapping, parameter) of this stage in export order; a tied output layer is skipped (= embedding)."""
     out = []
+    offset = expert_offset(arch)
     for chunk in chunks:
         layers = global_layer_map(chunk)
         for name, param in chunk.named_parameters():
-            mapping = megatron_to_hf(name, arch, layers)
+            mapping = megatron_to_hf(name, arch, layers, offset)
             if name == "output_layer.weight" and arch.tie_word_embeddings:
                 continue
             out.append((mapping, param))
     return out
 
 
-def _gather_hf_tensors(m: ParamMapping, param: torch.Tensor, arch: HFArch) -> list[torch.Tensor]:
-    """Collective over the TP group: the full HF tensor(s) of `param` (valid on every TP rank)."""
+def _sent_names(m: ParamMapping, arch: HFArch) -> list[tuple[str, ...]]:
+    """The HF names the sender sends for `m`, in order: an expert weight's for every EP rank's expert."""
+    if m.expert is None:
+        return [m.hf_names]
+    here = expert_offset(arch)
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    return [_at_expert(m, m.expert - here + expert_offset(arch, r)).hf_names for r in range(ep)]
+
+
+def _at_expert(m: ParamMapping, expert: int) -> ParamMapping:
+    """`m` (a local expert's weight) for global `expert` instead."""
+    kind = "fc1" if m.layout == "fc1" else "fc2"
+    return ParamMapping(m.megatron_name, expert_hf_names(m.layer, expert, kind), m.layout, m.layer, expert)
+
+
+def _gather_hf_tensors(m: ParamMapping, param: torch.Tensor, arch: HFArch) -> list[tuple[str, torch.Tensor]]:
+    """Collective: the full HF tensors `(name, tensor)` of `param`. Over the TP group (valid on every TP
+    rank); an expert weight over expert-TP, then over EP (every EP rank's expert of this local index)."""
+    if m.expert is None:
+        return list(zip(m.hf_names, _gather_tp(m, param, arch), strict=True))
+    tensors = _gather_tp(m, param, arch, parallel_state.get_expert_tensor_parallel_group())
+    ep_group = parallel_state.get_expert_model_parallel_group()
+    out = []
+    names = _sent_names(m, arch)
+    for t in tensors:
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size(ep_group))]
+        dist.all_gather(parts, t.contiguous(), group=ep_group)
+        out.append(parts)
+    return [(names[r][i], out[i][r]) for r in range(len(names)) for i in range(len(tensors))]
+
+
+def _gather_tp(m: ParamMapping, param: torch.Tensor, arch: HFArch, group=None) -> list[torch.Tensor]:
+    """Collective over `group` (default TP): the full HF tensor(s) of `param` (valid on every rank)."""
     if m.layout == "replicated":
         return [param.data]
-    group = parallel_state.get_tensor_model_parallel_group()
+    group = group or parallel_state.get_tensor_model_parallel_group()
     shards = [torch.empty_like(param.data) for _ in range(dist.get_world_size(group))]
     dist.all_gather(shards, param.data.contiguous(), group=group)
     if m.layout == "vocab":

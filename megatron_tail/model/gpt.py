@@ -15,11 +15,12 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
-from megatron_tail.patches import cpu_device_scope
+from megatron_tail.patches import apply_moe_te_gemm_shim, cpu_device_scope
 
 from .config import ModelSettings, layer_spec, padded_vocab_size, transformer_config
 from .hf_config import HFArch
 from .local_spec import local_block_spec
+from .moe import moe_block_spec
 
 
 class TailGPTModel(GPTModel):
@@ -67,6 +68,9 @@ def build_gpt_model(
     sync through the embedding group.
     """
     settings = settings or ModelSettings()
+    if arch.moe is not None:
+        # megatron's router reads an undefined name without TE (patches/moe_te_gemm.py)
+        apply_moe_te_gemm_shim()
     config = transformer_config(arch, settings)
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage()
@@ -85,9 +89,12 @@ def build_gpt_model(
 
 def _construct(arch, settings, config, pre_process, post_process) -> TailGPTModel:
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    spec = layer_spec(arch, settings)
-    if not settings.resolved_use_te():
-        spec = local_block_spec(spec, get_num_layers_to_build(config))
+    if arch.moe is not None:
+        spec = moe_block_spec(arch, settings, config)
+    else:
+        spec = layer_spec(arch, settings)
+        if not settings.resolved_use_te():
+            spec = local_block_spec(spec, get_num_layers_to_build(config))
     return TailGPTModel(
         config=config,
         transformer_layer_spec=spec,

@@ -2,8 +2,9 @@
 
 Supported: Qwen3 dense (`Qwen3ForCausalLM`: QK-norm, GQA, SwiGLU, RMSNorm, RoPE, tied or untied
 embeddings), Qwen2 / Qwen2.5 (`Qwen2ForCausalLM`: as Qwen3 without QK-norm, with q/k/v biases) and
-Llama 3 (`LlamaForCausalLM`, incl. the "llama3" RoPE scaling of Llama 3.1+). Everything else is refused
-with a `ValueError` that lists what is supported.
+Llama 3 (`LlamaForCausalLM`, incl. the "llama3" RoPE scaling of Llama 3.1+) and Qwen3-MoE
+(`Qwen3MoeForCausalLM`: Qwen3 attention, routed experts and dense layers mixed as the config says;
+`moe_arch.py`). Everything else is refused with a `ValueError` that lists what is supported.
 
 Both HF config generations are read: transformers 4.x (`rope_theta`, `rope_scaling` at the top level)
 and 5.x (`rope_parameters = {"rope_theta", "rope_type", ...}`).
@@ -16,14 +17,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .moe_arch import MoEArch, read_moe
+
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen2ForCausalLM": "qwen2",
     "LlamaForCausalLM": "llama",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 """HF `architectures[0]` → family name. Qwen2.5 checkpoints declare `Qwen2ForCausalLM`."""
 
-_MODEL_TYPES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+_MODEL_TYPES = {
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
 
 # Llama 3.1's RoPE scaling parameters; megatron-core's `rope_scaling` hard-codes all but `factor`.
 _LLAMA3_ROPE_DEFAULTS = {
@@ -44,13 +53,13 @@ class HFArch:
     architecture: str
     """HF class name, e.g. "Qwen3ForCausalLM"."""
     family: str
-    """"qwen3", "qwen2" or "llama"."""
+    """"qwen3", "qwen2", "llama" or "qwen3_moe"."""
     vocab_size: int
     """True vocabulary size (rows of `embed_tokens`); Megatron pads beyond it."""
     hidden_size: int
     """Model width."""
     intermediate_size: int
-    """SwiGLU inner width (of gate and of up, each)."""
+    """SwiGLU inner width (of gate and of up, each) of the dense MLPs (MoE: of the `mlp_only_layers`)."""
     num_layers: int
     """Number of decoder layers."""
     num_attention_heads: int
@@ -77,6 +86,8 @@ class HFArch:
     """Std of the HF initialiser (used for Megatron's random init)."""
     torch_dtype: str | None = None
     """The checkpoint's dtype as written in config.json ("bfloat16", ...), if any."""
+    moe: MoEArch | None = None
+    """The routed experts (Qwen3-MoE), None for a dense model."""
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     """The config.json dict as read, written back (updated) on export."""
 
@@ -115,13 +126,15 @@ def load_hf_config(source: str | Path | dict[str, Any]) -> HFArch:
             f"{architecture} with use_sliding_window=True is not supported (full attention only)"
         )
     rope_theta, rope_factor = _rope(cfg, architecture)
+    num_layers = int(cfg["num_hidden_layers"])
+    moe = read_moe(cfg, num_layers, architecture) if family == "qwen3_moe" else None
     return HFArch(
         architecture=architecture,
         family=family,
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=hidden,
         intermediate_size=int(cfg["intermediate_size"]),
-        num_layers=int(cfg["num_hidden_layers"]),
+        num_layers=num_layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=int(head_dim),
@@ -129,11 +142,12 @@ def load_hf_config(source: str | Path | dict[str, Any]) -> HFArch:
         rope_theta=rope_theta,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-        qk_norm=family == "qwen3",
+        qk_norm=family in ("qwen3", "qwen3_moe"),
         qkv_bias=family == "qwen2",
         rope_scaling_factor=rope_factor,
         initializer_range=float(cfg.get("initializer_range", 0.02)),
         torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+        moe=moe,
         raw=cfg,
     )
 

@@ -1,4 +1,6 @@
-"""Load a HF safetensors checkpoint into this rank's TP×PP shard of the Megatron model.
+"""Load a HF safetensors checkpoint into this rank's TP×PP(×EP) shard of the Megatron model.
+
+Expert weights (MoE): this rank reads only its EP rank's experts, sharded over the expert-TP group.
 
 Every rank reads only the HF tensors its own parameters are made of, one parameter at a time (row-sliced
 reads for the vocab-sharded embedding / output layer), so peak extra memory is one layer's q/k/v.
@@ -24,6 +26,29 @@ def global_layer_map(model: torch.nn.Module) -> dict[int, int]:
     return {i: layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)}
 
 
+def expert_offset(arch: HFArch, ep_rank: int | None = None) -> int:
+    """Global index of the first expert EP rank `ep_rank` (default: this rank's) holds; 0 for dense models."""
+    if arch.moe is None:
+        return 0
+    if ep_rank is None:
+        ep_rank = parallel_state.get_expert_model_parallel_rank()
+    return ep_rank * (arch.moe.num_experts // parallel_state.get_expert_model_parallel_world_size())
+
+
+def shard_coords(expert: bool) -> tuple[int, int]:
+    """(size, rank) of the tensor-parallel group a parameter is sharded over: expert-TP for expert
+    weights, TP for everything else."""
+    if expert:
+        return (
+            parallel_state.get_expert_tensor_parallel_world_size(),
+            parallel_state.get_expert_tensor_parallel_rank(),
+        )
+    return (
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_tensor_model_parallel_rank(),
+    )
+
+
 @torch.no_grad()
 def load_hf_weights(
     model: torch.nn.Module | list[torch.nn.Module],
@@ -42,27 +67,28 @@ def load_hf_weights(
     """
     settings = settings or ModelSettings()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
     padded = padded_vocab_size(arch.vocab_size, tp_size, settings.vocab_pad_multiple)
     chunks = model if isinstance(model, list) else [model]
     expected = hf_tensor_shapes(arch)
+    offset = expert_offset(arch)
     with SafetensorsReader(hf_dir) as reader:
         for chunk in chunks:
             inner = unwrap_model(chunk)
             layers = global_layer_map(inner)
             for name, param in inner.named_parameters():
-                mapping = megatron_to_hf(name, arch, layers)
+                mapping = megatron_to_hf(name, arch, layers, offset)
                 for hf_name in mapping.hf_names:
                     if reader.shape(hf_name) != expected[hf_name]:
                         raise ValueError(
                             f"HF tensor {hf_name} has shape {reader.shape(hf_name)}, config.json "
                             f"({arch.architecture}) implies {expected[hf_name]}"
                         )
-                shard = _read_shard(reader, mapping, arch, tp_size, tp_rank, padded)
+                size, rank = shard_coords(mapping.expert is not None)
+                shard = _read_shard(reader, mapping, arch, size, rank, padded)
                 if shard.shape != param.shape:
                     raise ValueError(
                         f"{name}: HF {mapping.hf_names} give shape {tuple(shard.shape)} at TP rank "
-                        f"{tp_rank}/{tp_size}, the model has {tuple(param.shape)}; does the checkpoint match "
+                        f"{rank}/{size}, the model has {tuple(param.shape)}; does the checkpoint match "
                         f"config.json ({arch.architecture})?"
                     )
                 param.data.copy_(shard)

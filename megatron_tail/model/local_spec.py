@@ -39,11 +39,15 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = config.sequence_parallel
 
 
-def local_layer_spec(*, qk_layernorm: bool) -> ModuleSpec:
-    """The decoder layer spec of the local path (RMSNorm, causal self-attention, SwiGLU MLP)."""
+def local_layer_spec(*, qk_layernorm: bool, num_experts: int | None = None) -> ModuleSpec:
+    """The decoder layer spec of the local path (RMSNorm, causal self-attention, SwiGLU MLP, or with
+    `num_experts` megatron's `MoELayer` of `SequentialMLP` experts: `get_gpt_layer_local_spec(num_experts=,
+    moe_grouped_gemm=False)`, models/gpt/gpt_layer_specs.py)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(
+        num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk_layernorm, normalization="RMSNorm"
+    )
     attention = spec.submodules.self_attention
     norm = SequenceParallelRMSNorm
     attention_sub = dataclasses.replace(

@@ -59,7 +59,20 @@ class ModelSettings:
     "layernorm". Default core attention and the MLP: with flash attention the MLP (SwiGLU's gate, up and
     product, 3·ffn values per token) is most of a layer's saved activations."""
 
+    moe_aux_loss_coeff: float | None = None
+    """Mixture-of-experts models: the load-balancing auxiliary loss coefficient (megatron's
+    `moe_aux_loss_coeff`, its "aux_loss" per layer and micro-batch). None: the HF config's
+    `router_aux_loss_coef`. 0 turns the loss off. Ignored for dense models."""
+
     def __post_init__(self) -> None:
+        if self.moe_aux_loss_coeff is not None and (
+            isinstance(self.moe_aux_loss_coeff, bool)
+            or not isinstance(self.moe_aux_loss_coeff, int | float)
+            or not self.moe_aux_loss_coeff >= 0
+        ):
+            raise ValueError(
+                f"moe_aux_loss_coeff must be a number ≥ 0 or null; got {self.moe_aux_loss_coeff!r}"
+            )
         if self.precision is not None and self.precision not in ("bf16", "fp16", "fp32"):
             raise ValueError(f"precision must be 'bf16', 'fp16' or 'fp32'; got {self.precision!r}")
         if self.precision is not None and self.bf16 is not None and self.bf16 != (self.precision == "bf16"):

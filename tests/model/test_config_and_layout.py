@@ -44,7 +44,7 @@ def test_llama3_rope_scaling_is_read_and_others_refused():
         load_hf_config(cfg)
 
 
-@pytest.mark.parametrize("arch", ["Qwen3MoeForCausalLM", "MistralForCausalLM"])
+@pytest.mark.parametrize("arch", ["Qwen2MoeForCausalLM", "MistralForCausalLM"])
 def test_unsupported_architecture_lists_supported(arch):
     with pytest.raises(ValueError, match=arch) as err:
         load_hf_config({"architectures": [arch], "hidden_size": 8, "num_attention_heads": 2})

@@ -1,0 +1,102 @@
+"""Qwen3-MoE in megatron-core: the `TransformerConfig` fields of the experts and the decoder block spec.
+
+Router (HF `Qwen3MoeTopKRouter.forward`, transformers `models/qwen3_moe/modeling_qwen3_moe.py`):
+p = softmax(x·Wᵀ) over all experts in fp32, top-k of p, divided by their sum when `norm_topk_prob`.
+megatron's `topk_routing_with_score_function` (transformer/moe/moe_utils.py), score "softmax":
+- `moe_router_pre_softmax=True`: softmax over all experts, then top-k, no renormalisation = HF with
+  `norm_topk_prob=False`, exactly;
+- `moe_router_pre_softmax=False`: top-k of the logits, then softmax over those k = softmax(z)_i / Σ_topk
+  softmax(z)_j, i.e. HF with `norm_topk_prob=True` (same experts: softmax is monotone; same weights up to
+  rounding). So `moe_router_pre_softmax = not norm_topk_prob`, no scaling factor.
+
+Experts and dispatcher, per device:
+- CPU (local spec): `SequentialMLP` experts (a loop of megatron `MLP`s; `moe_grouped_gemm=False`: the
+  grouped variants need TE's `TEGroupedMLP` or the CUDA `grouped_gemm` package) and the "allgather"
+  dispatcher: "alltoall" creates a `torch.cuda.Stream` in `MoEAlltoAllTokenDispatcher.__init__`
+  (transformer/moe/token_dispatcher.py), which a CPU build cannot. allgather refuses
+  `variable_seq_lengths` (transformer_config.py `__post_init__`), which pipeline stages with packed
+  micro-batches need, so MoE at PP > 1 on CPU is refused (`check_cpu_moe_layout`).
+- GPU (TE spec): `get_gpt_decoder_block_spec(config, use_transformer_engine=True)`
+  (models/gpt/gpt_layer_specs.py) with `moe_grouped_gemm=True` → `TEGroupedMLP` (all local experts in one
+  grouped GEMM rather than a Python loop of small GEMMs) and the "alltoall" dispatcher: each EP rank sends
+  only its tokens' routed copies to the experts' owners (k/E of the tokens per expert rank) where allgather
+  gathers every token of the EP×TP group on every rank, and alltoall takes variable sequence lengths.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+from megatron_tail.utils.errors import UserError
+
+from .hf_config import HFArch
+from .settings import ModelSettings
+
+
+def moe_dispatcher(settings: ModelSettings) -> str:
+    """ "alltoall" where CUDA is, "allgather" on CPU (see the module docstring)."""
+    del settings  # one rule for both specs today; the argument keeps the call sites stable
+    return "alltoall" if torch.cuda.is_available() else "allgather"
+
+
+def moe_config_fields(arch: HFArch, settings: ModelSettings, *, ep: int, etp: int) -> dict:
+    """The MoE fields of the `TransformerConfig` of `arch` (empty for a dense model)."""
+    moe = arch.moe
+    if moe is None:
+        return {}
+    coeff = settings.moe_aux_loss_coeff
+    return {
+        "num_moe_experts": moe.num_experts,
+        "moe_ffn_hidden_size": moe.moe_intermediate_size,
+        "moe_router_topk": moe.top_k,
+        "moe_router_score_function": "softmax",
+        "moe_router_pre_softmax": not moe.norm_topk_prob,
+        "moe_layer_freq": moe.moe_layer_pattern,
+        "moe_router_load_balancing_type": "aux_loss",
+        "moe_aux_loss_coeff": moe.router_aux_loss_coef if coeff is None else coeff,
+        "moe_grouped_gemm": settings.resolved_use_te(),
+        "moe_token_dispatcher_type": moe_dispatcher(settings),
+        "expert_model_parallel_size": ep,
+        "expert_tensor_parallel_size": etp,
+    }
+
+
+def check_cpu_moe_layout(arch: HFArch, settings: ModelSettings, pp: int) -> None:
+    """UserError for MoE at PP > 1 with the allgather dispatcher (it refuses variable sequence lengths)."""
+    if arch.moe is not None and pp > 1 and moe_dispatcher(settings) == "allgather":
+        raise UserError(
+            f"parallel.pipeline_parallel={pp} with {arch.architecture}: MoE pipeline stages need megatron's "
+            "alltoall dispatcher (allgather refuses variable sequence lengths), which needs CUDA (it creates "
+            "a torch.cuda.Stream); use pipeline_parallel=1 on CPU"
+        )
+
+
+def moe_block_spec(
+    arch: HFArch, settings: ModelSettings, config: TransformerConfig
+) -> TransformerBlockSubmodules:
+    """This pipeline stage's decoder block: a MoE or a dense layer spec per layer as `arch.moe` says.
+
+    TE: megatron's own `get_gpt_decoder_block_spec` (models/gpt/gpt_layer_specs.py), which reads
+    `config.moe_layer_freq`, `num_moe_experts` and `moe_grouped_gemm`. Local: `local_layer_spec` with or
+    without experts (megatron's `get_gpt_layer_local_spec(num_experts=...)` underneath), sliced to this
+    stage like megatron's (`get_transformer_layer_offset`, `get_num_layers_to_build`).
+    """
+    if settings.resolved_use_te():
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        return get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization="RMSNorm")
+    from .local_spec import SequenceParallelRMSNorm, local_layer_spec
+
+    dense: ModuleSpec = local_layer_spec(qk_layernorm=arch.qk_norm)
+    sparse: ModuleSpec = local_layer_spec(qk_layernorm=arch.qk_norm, num_experts=arch.moe.num_experts)
+    specs = [sparse if m else dense for m in arch.moe.layer_is_moe]
+    offset = get_transformer_layer_offset(config)
+    stage = specs[offset : offset + get_num_layers_to_build(config)]
+    return TransformerBlockSubmodules(layer_specs=stage, layer_norm=SequenceParallelRMSNorm)

@@ -1,0 +1,115 @@
+"""Qwen3-MoE config → `MoEArch` → megatron's TransformerConfig and modules; the expert-layout refusals."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_tail.model import ModelSettings, load_hf_config
+from megatron_tail.model.moe_arch import check_expert_layout, read_moe
+from megatron_tail.utils.errors import UserError
+from tests.harness import run_distributed
+from tests.model.hf_moe import TINY_MOE
+
+
+def _moe_cfg(**overrides) -> dict:
+    return {**TINY_MOE, "architectures": ["Qwen3MoeForCausalLM"], "norm_topk_prob": True, **overrides}
+
+
+def test_sparse_layers_follow_hf_rule():
+    """HF: layer i is sparse iff i ∉ mlp_only_layers and (i + 1) % decoder_sparse_step == 0."""
+    moe = read_moe({**_moe_cfg(), "decoder_sparse_step": 2, "mlp_only_layers": [3]}, 6, "Qwen3MoeForCausalLM")
+    assert moe.layer_is_moe == (False, True, False, False, False, True)
+    assert moe.moe_layer_pattern == [0, 1, 0, 0, 0, 1]
+
+
+def test_transformers5_key_num_local_experts_is_read():
+    cfg = _moe_cfg()
+    cfg["num_local_experts"] = cfg.pop("num_experts")
+    arch = load_hf_config(cfg)
+    assert arch.family == "qwen3_moe" and arch.qk_norm and not arch.qkv_bias
+    assert arch.moe.num_experts == 4 and arch.moe.top_k == 2 and arch.moe.moe_intermediate_size == 32
+    assert arch.moe.router_aux_loss_coef == 0.001  # transformers' default, absent from this dict
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"num_experts_per_tok": 5}, "num_experts_per_tok=5"),
+        ({"mlp_only_layers": [0, 1, 2]}, "no layer has experts"),
+        ({"shared_expert_intermediate_size": 64}, "shared experts"),
+    ],
+)
+def test_unrepresentable_moe_configs_are_refused(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        load_hf_config(_moe_cfg(**overrides))
+
+
+def test_expert_layout_refusals_name_the_values():
+    moe = load_hf_config(_moe_cfg()).moe
+    with pytest.raises(UserError, match=r"expert_parallel=2, parallel.expert_tensor_parallel=None: Qwen3Fo"):
+        check_expert_layout(
+            None, "Qwen3ForCausalLM", tensor_parallel=1, expert_parallel=2, expert_tensor_parallel=None
+        )
+    with pytest.raises(UserError, match="expert_tensor_parallel=1: Qwen3ForCausalLM is a dense model"):
+        check_expert_layout(
+            None, "Qwen3ForCausalLM", tensor_parallel=1, expert_parallel=1, expert_tensor_parallel=1
+        )
+    with pytest.raises(UserError, match=r"expert_parallel=3 does not divide the model's num_experts=4"):
+        check_expert_layout(moe, "x", tensor_parallel=1, expert_parallel=3, expert_tensor_parallel=None)
+    with pytest.raises(
+        UserError, match=r"moe_intermediate_size=32 is not divisible by the expert tensor parallel size 3"
+    ):
+        check_expert_layout(moe, "x", tensor_parallel=3, expert_parallel=1, expert_tensor_parallel=None)
+    check_expert_layout(moe, "x", tensor_parallel=3, expert_parallel=4, expert_tensor_parallel=2)  # accepted
+    check_expert_layout(None, "x", tensor_parallel=2, expert_parallel=1, expert_tensor_parallel=None)
+
+
+def test_cpu_moe_pipeline_is_refused():
+    from megatron_tail.model.moe import check_cpu_moe_layout
+
+    arch = load_hf_config(_moe_cfg())
+    with pytest.raises(UserError, match="pipeline_parallel=2 with Qwen3MoeForCausalLM"):
+        check_cpu_moe_layout(arch, ModelSettings(use_te=False), 2)
+    check_cpu_moe_layout(arch, ModelSettings(use_te=False), 1)
+
+
+def _config_and_modules(rank, world, cfg, coeff):  # noqa: ARG001 - harness signature
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from megatron_tail.model import build_gpt_model
+    from tests.model.hf_moe import init_megatron_ep
+
+    init_megatron_ep(ep=2)
+    model = build_gpt_model(load_hf_config(cfg), ModelSettings(moe_aux_loss_coeff=coeff))
+    c = model.config
+    mlps = [layer.mlp for layer in model.decoder.layers]
+    return {
+        "fields": (c.num_moe_experts, c.moe_router_topk, c.moe_ffn_hidden_size, c.ffn_hidden_size),
+        "pre_softmax": c.moe_router_pre_softmax,
+        "freq": c.moe_layer_freq,
+        "coeff": c.moe_aux_loss_coeff,
+        "dispatcher": c.moe_token_dispatcher_type,
+        "kinds": [type(m).__name__ for m in mlps],
+        "sequential": [isinstance(m.experts, SequentialMLP) for m in mlps if isinstance(m, MoELayer)],
+        "local_experts": [m.num_local_experts for m in mlps if isinstance(m, MoELayer)],
+        "shared": [m.shared_experts for m in mlps if isinstance(m, MoELayer)],
+    }
+
+
+@pytest.mark.parametrize(("norm", "coeff"), [(True, None), (False, 0.0)])
+def test_transformer_config_and_modules(norm, coeff):
+    got = run_distributed(
+        _config_and_modules, 2, _moe_cfg(norm_topk_prob=norm, router_aux_loss_coef=0.02), coeff
+    )[0]
+    assert got["fields"] == (4, 2, 32, 96)
+    assert got["pre_softmax"] is (
+        not norm
+    )  # megatron renormalises the top-k iff it takes top-k of the logits
+    assert got["freq"] == [1, 0, 1]
+    assert got["coeff"] == (0.02 if coeff is None else coeff)
+    assert got["dispatcher"] == "allgather"
+    assert got["kinds"] == ["MoELayer", "MLP", "MoELayer"]
+    assert (
+        got["sequential"] == [True, True] and got["local_experts"] == [2, 2] and got["shared"] == [None, None]
+    )
