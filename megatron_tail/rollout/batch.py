@@ -2,9 +2,32 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
 
 from megatron_tail.utils.ragged import Ragged
+
+
+def _all_true(response: list[int]) -> list[bool]:
+    return [True] * len(response)
+
+
+def _unknown(_response: list[int]) -> None:
+    return None
+
+
+PER_SAMPLE = {"per_sample": True, "fill": None}
+"""Field metadata of a `RolloutBatch` field with one entry per sample (a per-token field: one list or
+`Ragged` per sample). Every stage that moves samples (`select_samples`, `concat_batches`, the checkpointed
+buffers) moves all such fields by this declaration, so a new per-token field costs one line in the class.
+Required (`default_factory=list`) or optional (default None: where a batch lacks it, a concatenation with
+it lacks it too, as it cannot be made up). With a `fill(response_ids) -> entry` instead, a batch that lacks
+it gets it made up per sample when concatenated with one that has it (`with_fill`)."""
+
+
+def with_fill(fill) -> dict:
+    """`PER_SAMPLE` with `fill`: a single-turn sample's policy mask is all True, an unknown ρ None."""
+    return {**PER_SAMPLE, "fill": fill}
 
 
 @dataclass
@@ -33,18 +56,18 @@ class RolloutBatch:
     batch (dynamic sampling; None when prompts are a function of the step).
     """
 
-    prompt_ids: list[list[int]]
-    response_ids: list[list[int]]
-    rollout_logprobs: list[list[float]]
-    rewards: list[float]
-    correct: list[bool]
-    truncated: list[bool]
-    weight_versions: list[str | None]
-    rollout_top_logprobs: list[list[float]] | None = None
-    rollout_supports: list[Ragged] | None = None
-    token_versions: list[list[int]] | None = None
-    policy_mask: list[list[bool]] | None = None
-    sampled_log_rho: list[float | None] | None = None
+    prompt_ids: list[list[int]] = field(default_factory=list, metadata=PER_SAMPLE)
+    response_ids: list[list[int]] = field(default_factory=list, metadata=PER_SAMPLE)
+    rollout_logprobs: list[list[float]] = field(default_factory=list, metadata=PER_SAMPLE)
+    rewards: list[float] = field(default_factory=list, metadata=PER_SAMPLE)
+    correct: list[bool] = field(default_factory=list, metadata=PER_SAMPLE)
+    truncated: list[bool] = field(default_factory=list, metadata=PER_SAMPLE)
+    weight_versions: list[str | None] = field(default_factory=list, metadata=PER_SAMPLE)
+    rollout_top_logprobs: list[list[float]] | None = field(default=None, metadata=PER_SAMPLE)
+    rollout_supports: list[Ragged] | None = field(default=None, metadata=PER_SAMPLE)
+    token_versions: list[list[int]] | None = field(default=None, metadata=PER_SAMPLE)
+    policy_mask: list[list[bool]] | None = field(default=None, metadata=with_fill(_all_true))
+    sampled_log_rho: list[float | None] | None = field(default=None, metadata=with_fill(_unknown))
     stats: dict[str, float] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
     data_cursor: int | None = None
@@ -59,6 +82,55 @@ class RolloutBatch:
         if supports is not None:
             state = {**state, "rollout_supports": [Ragged.from_dict(s) for s in supports]}
         return cls(**state)
+
+
+PER_SAMPLE_FIELDS: tuple[str, ...] = tuple(
+    f.name for f in fields(RolloutBatch) if f.metadata.get("per_sample")
+)
+"""The fields of `RolloutBatch` with one entry per sample (`PER_SAMPLE`)."""
+_FILL = {f.name: f.metadata["fill"] for f in fields(RolloutBatch) if f.metadata.get("per_sample")}
+
+
+def select_samples(batch: RolloutBatch, rows: Sequence[int]) -> RolloutBatch:
+    """The samples `rows` of `batch` (in that order), every per-sample field alike; stats, metrics and the
+    data cursor kept."""
+    picked = {
+        name: None if (values := getattr(batch, name)) is None else [values[i] for i in rows]
+        for name in PER_SAMPLE_FIELDS
+    }
+    return RolloutBatch(
+        **picked, stats=dict(batch.stats), metrics=dict(batch.metrics), data_cursor=batch.data_cursor
+    )
+
+
+def select_groups(batch: RolloutBatch, groups: Sequence[int], group_size: int) -> RolloutBatch:
+    """The groups `groups` (of `group_size` contiguous samples each) of `batch`, in that order."""
+    return select_samples(batch, [g * group_size + j for g in groups for j in range(group_size)])
+
+
+def concat_batches(batches: Sequence[RolloutBatch]) -> RolloutBatch:
+    """The samples of `batches` in order, every per-sample field alike (`PER_SAMPLE`: a field some batches
+    lack is filled where it has a `fill`, else dropped); numeric stats summed (times, token and episode
+    counts). Metrics and data cursor: not carried (they describe one batch's drawing)."""
+    out = {}
+    for name in PER_SAMPLE_FIELDS:
+        parts = [getattr(b, name) for b in batches]
+        fill = _FILL[name]
+        if all(p is not None for p in parts):
+            out[name] = [x for p in parts for x in p]
+        elif fill is not None and any(p is not None for p in parts):
+            out[name] = [
+                x
+                for b, p in zip(batches, parts, strict=True)
+                for x in (p if p is not None else [fill(r) for r in b.response_ids])
+            ]
+        else:
+            out[name] = None
+    stats: dict[str, float] = {}
+    for b in batches:
+        for key, value in b.stats.items():
+            stats[key] = stats.get(key, 0.0) + value
+    return RolloutBatch(**out, stats=stats)
 
 
 def rollout_metrics(batch: RolloutBatch, *, policy_version: int) -> dict[str, float]:

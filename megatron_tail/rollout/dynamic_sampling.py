@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .batch import RolloutBatch
+from .batch import RolloutBatch, concat_batches, select_groups
 
 Take = Callable[[int, int], tuple[list[Any], int]]
 """`take(cursor, n) -> (n prompts, cursor after them)`."""
@@ -33,59 +33,6 @@ def equal_reward_groups(rewards: Sequence[float], group_size: int) -> list[bool]
         raise ValueError(f"{len(rewards)} rewards do not form groups of {group_size}")
     groups = [rewards[i : i + group_size] for i in range(0, len(rewards), group_size)]
     return [max(g) == min(g) for g in groups]
-
-
-def select_groups(batch: RolloutBatch, groups: Sequence[int], group_size: int) -> RolloutBatch:
-    """The batch restricted to the groups with indices `groups` (in that order); stats and metrics kept."""
-    rows = [g * group_size + j for g in groups for j in range(group_size)]
-
-    def pick(values):
-        return None if values is None else [values[i] for i in rows]
-
-    return RolloutBatch(
-        prompt_ids=pick(batch.prompt_ids),
-        response_ids=pick(batch.response_ids),
-        rollout_logprobs=pick(batch.rollout_logprobs),
-        rewards=pick(batch.rewards),
-        correct=pick(batch.correct),
-        truncated=pick(batch.truncated),
-        weight_versions=pick(batch.weight_versions),
-        rollout_top_logprobs=pick(batch.rollout_top_logprobs),
-        rollout_supports=pick(batch.rollout_supports),
-        token_versions=pick(batch.token_versions),
-        policy_mask=pick(batch.policy_mask),
-        stats=dict(batch.stats),
-        metrics=dict(batch.metrics),
-        data_cursor=batch.data_cursor,
-    )
-
-
-def concat_batches(batches: Sequence[RolloutBatch]) -> RolloutBatch:
-    """The samples of `batches` in order; numeric stats summed (times, token counts)."""
-    out = RolloutBatch([], [], [], [], [], [], [])
-    for b in batches:
-        for name in ("prompt_ids", "response_ids", "rollout_logprobs", "rewards", "correct", "truncated"):
-            getattr(out, name).extend(getattr(b, name))
-        out.weight_versions.extend(b.weight_versions)
-        for key, value in b.stats.items():
-            out.stats[key] = out.stats.get(key, 0.0) + value
-    tops = [b.rollout_top_logprobs for b in batches]
-    out.rollout_top_logprobs = None if any(t is None for t in tops) else [x for t in tops for x in t]
-    supports = [b.rollout_supports for b in batches]
-    out.rollout_supports = None if any(s is None for s in supports) else [x for s in supports for x in s]
-    versions = [b.token_versions for b in batches]
-    out.token_versions = None if any(v is None for v in versions) else [x for v in versions for x in v]
-    masks = [b.policy_mask for b in batches]
-    out.policy_mask = (
-        None
-        if all(m is None for m in masks)
-        else [
-            x
-            for b, m in zip(batches, masks, strict=True)
-            for x in (m if m is not None else [[True] * len(r) for r in b.response_ids])
-        ]
-    )
-    return out
 
 
 def sample_until_full(

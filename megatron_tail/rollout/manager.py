@@ -1,6 +1,7 @@
-"""The rollout manager: keeps the engines busy with up to η weight versions in flight, admits a group only
-while the staleness bound allows it, and hands the trainer batches of completed groups, oldest first
-(`rollout.max_staleness` = η ≥ 2, or `rollout.partial_rollouts`).
+"""The rollout manager, the only thing that makes the trainer's batches: keeps the engines busy with up to η
+weight versions in flight, admits a group only while the staleness bound allows it, and hands the trainer
+batches of completed groups, oldest first (`rollout.max_staleness` = η; η = 0 is the synchronous loop and
+η = 1 one step ahead, the same rule at small η).
 
     manager = RolloutManager(work, groups_per_step=G, max_staleness=η, version=v0)
     manager.start()                              # on the engines' event loop
@@ -34,6 +35,13 @@ older rule as an option: a group whose oldest token is below k − η is dropped
 `rollout/dropped_stale` (samples), and its prompt regenerated, at most `max_regenerations` times per prompt;
 past that it trains at its staleness.
 
+Order. At η ≤ 1 (`in_order`) a batch is the first G groups admitted, in prompt-stream order, once all of
+them are complete: the synchronous loop (η = 0) and the loop one step ahead (η = 1) that the step-wise
+rollout ran, batch for batch. It costs no throughput there: without partial rollouts every update waits
+for the groups in flight anyway, and at most one step's groups are ahead. At η ≥ 2 a batch is the first G
+groups completed, oldest token first, so a long group does not hold the trainer; it trains a step later at
+its true staleness.
+
 Attempts. A prompt the manager generates again after throwing its samples away (dropped as stale) or after
 losing them (in flight at a checkpoint, regenerated on resume) gets the next `attempt`, and `work` derives
 fresh seeds from it (`client.regeneration_keys`): with the same seeds, a regenerated group would nearly
@@ -60,8 +68,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from .batch import RolloutBatch
-from .dynamic_sampling import concat_batches
+from .batch import RolloutBatch, concat_batches
 
 
 @dataclass
@@ -110,6 +117,7 @@ class RolloutManager:
         max_in_flight: int | None = None,
         stale_groups: str = "train",
         max_regenerations: int = 2,
+        in_order: bool | None = None,
     ):
         for name, value, low, optional in (
             ("groups_per_step", groups_per_step, 1, False),
@@ -139,6 +147,9 @@ class RolloutManager:
         """"train": a completed group is never dropped for its age; "drop": older than step − η is dropped
         and regenerated (module docstring)."""
         self.max_regenerations = max_regenerations
+        self.in_order = max_staleness <= 1 if in_order is None else in_order
+        """A batch is the first G groups admitted (lowest prompt-stream index), waiting for each of them
+        (default at η ≤ 1); else the first G completed, oldest token first (module docstring, "Order")."""
         """With "drop": how many times one prompt may be dropped as stale and regenerated."""
         self.next_index = 0
         """The first prompt-stream position never admitted (the data cursor)."""
@@ -156,6 +167,9 @@ class RolloutManager:
         self.error: BaseException | None = None
         self._changed: asyncio.Condition | None = None
         self._counts = {"dropped_stale": 0, "filtered_groups": 0}
+        self._generated = [0.0, 0.0, 0]
+        """Reward sum, correct count and samples of the groups completed since the last batch, kept or
+        filtered (`reward/generated_mean`: what the policy scores before DAPO's filter)."""
 
     # --- the trainer's side ---------------------------------------------------------------------------
 
@@ -168,7 +182,9 @@ class RolloutManager:
         `stale_groups="drop"`, each with its oldest token at least `step − η`), returned in prompt-stream
         order; and the counters since the last batch
         (`rollout/dropped_stale` samples, `rollout/filtered_groups`, `rollout/buffered_groups` left,
-        `rollout/batch_fill`: the groups taken ÷ G, 0 when dynamic sampling filtered every group)."""
+        `rollout/batch_fill`: the groups taken ÷ G, 0 when dynamic sampling filtered every group;
+        `reward/generated_mean` and `reward/generated_accuracy` over every group completed since, kept or
+        filtered)."""
         floor = step - self.eta
         async with self._changed:
             while True:
@@ -178,7 +194,12 @@ class RolloutManager:
                     self._drop_older_than(floor)
                 self._fill()
                 ready = sorted(self.buffer.values(), key=lambda g: (g.oldest_version, g.index))
-                if len(ready) >= self.groups:
+                if self.in_order:  # the first G groups admitted, once every one of them is complete
+                    first = sorted([*self.buffer, *self.in_flight])[: self.groups]
+                    if len(first) == self.groups and all(i in self.buffer for i in first):
+                        taken = [self.buffer[i] for i in first]
+                        break
+                elif len(ready) >= self.groups:
                     taken = ready[: self.groups]
                     break
                 if self._filter_exhausted():  # train on what there is, cut to what the trainer splits
@@ -191,8 +212,13 @@ class RolloutManager:
         self._fill()
         metrics = {f"rollout/{k}": float(v) for k, v in self._counts.items()}
         metrics["rollout/buffered_groups"] = float(len(self.buffer))
-        metrics["rollout/batch_fill"] = len(taken) / self.groups  # as the step-wise dynamic sampling logs it
+        metrics["rollout/batch_fill"] = len(taken) / self.groups
+        rewards, correct, samples = self._generated
+        if samples:
+            metrics["reward/generated_mean"] = rewards / samples
+            metrics["reward/generated_accuracy"] = correct / samples
         self._counts = dict.fromkeys(self._counts, 0)
+        self._generated = [0.0, 0.0, 0]
         return sorted(taken, key=lambda g: g.index), metrics
 
     def _filter_exhausted(self) -> bool:
@@ -260,6 +286,9 @@ class RolloutManager:
             result = None
         self.in_flight.pop(index, None)
         if result is not None:
+            self._generated[0] += sum(result.batch.rewards)
+            self._generated[1] += sum(result.batch.correct)
+            self._generated[2] += len(result.batch)
             if self.keep is not None and not self.keep(result):
                 self.wasted += 1
                 self._counts["filtered_groups"] += 1
@@ -311,10 +340,6 @@ class RolloutManager:
 
 
 def groups_to_batch(groups: list[GroupResult]) -> RolloutBatch:
-    """The groups' samples as one step's batch, groups contiguous in the given order (with the log ρ each
-    sample was drawn with, `RolloutBatch.sampled_log_rho`, where every group has it)."""
-    batch = concat_batches([g.batch for g in groups])
-    rhos = [g.batch.sampled_log_rho for g in groups]
-    if groups and all(r is not None for r in rhos):
-        batch.sampled_log_rho = [x for r in rhos for x in r]
-    return batch
+    """The groups' samples as one step's batch, groups contiguous in the given order (every per-sample
+    field alike, `batch.concat_batches`)."""
+    return concat_batches([g.batch for g in groups])

@@ -1,11 +1,12 @@
 """The trainer's rank-0 side of rollout: the engines (a local CPU engine it starts, or remote SGLang servers),
-generating a step's samples and scoring them with the reward, eval, and pushing new weights to the engines.
+the rollout manager that generates every training batch on them and scores it with the reward, eval, and
+pushing new weights to the engines.
 
 Only global rank 0 makes `RolloutEngines`; the other ranks receive the `RolloutBatch` by broadcast
 (`engine.collectives.on_rank0`). All HTTP work runs on one private asyncio event loop, so the RL loop stays
-synchronous; one thread at a time drives it (the main thread, or the rollout-ahead worker while the main
-thread trains and leaves the engines alone). The rollout manager's side (η ≥ 2, partial rollouts: the loop in
-its own thread, one prompt's group per unit of work) is the `managed.ManagedRollout` mixin.
+synchronous: until the rollout manager starts, the caller's thread runs it; from then on it runs in its own
+thread (the manager's units of work, one prompt's group each, are the `managed.ManagedRollout` mixin) and
+callers hand it coroutines.
 """
 
 from __future__ import annotations
@@ -199,29 +200,6 @@ class RolloutEngines(ManagedRollout):
             min_p=r.min_p,
         )
 
-    def generate(
-        self, prompt_ids: Sequence[Sequence[int]], answers: Sequence[str], *, base_seed: int
-    ) -> RolloutBatch:
-        """`group_size` samples per prompt, scored by the reward; groups contiguous in prompt order."""
-        n = self.cfg.algorithm.group_size
-        sampling = self._sampling(base_seed)
-        if self.cfg.rollout.env is not None:
-            return self._episodes(
-                self.client, prompt_ids, answers, sampling, f"episodes of {len(prompt_ids)} prompts × {n}"
-            )
-        started = time.perf_counter()
-        grouped = self._run(
-            self.client.generate(prompt_ids, sampling), f"samples of {len(prompt_ids)} prompts × {n}"
-        )
-        elapsed = time.perf_counter() - started
-        samples = [s for group in grouped for s in group]
-        self._check_token_ids(samples)
-        completions = [self._decode(s.output_ids) for s in samples]
-        sample_answers = [answers[i] for i in range(len(grouped)) for _ in range(n)]
-        batch = self._batch(samples, self.score(completions, sample_answers), elapsed, sampling.log_rho)
-        batch.metrics.update(self._client_metrics())
-        return batch
-
     def _client_metrics(self) -> dict[str, float]:
         """The engines' occupancy since the last batch, and the client's counters over the same span:
         `rollout/request_retries` (attempts after a failure) and `rollout/support_overflows` (requests
@@ -278,7 +256,7 @@ class RolloutEngines(ManagedRollout):
         ):
             what = f"{name} eval samples of {len(prompt_ids)} prompts"
             if r.env is not None:
-                rewards = self._episodes(client, prompt_ids, answers, sampling, what).rewards
+                rewards = self._eval_episodes(client, prompt_ids, answers, sampling, what)
             else:
                 grouped = self._run(client.generate(prompt_ids, sampling), what)
                 self._check_token_ids([s for g in grouped for s in g])
@@ -294,17 +272,16 @@ class RolloutEngines(ManagedRollout):
                 out.update({f"eval/{tag}": v for tag, v in eval_statistics(rows).items()})
         return out
 
-    def _episodes(self, client, prompt_ids, answers, sampling: SamplingConfig, what: str) -> RolloutBatch:
-        """Multi-turn episodes (`rollout.env`) of every prompt, scored: the run's reward of each last turn
-        plus the environment's rewards (`train.run.episodes`). An environment's failure fails its episode's
-        group only, generated again with fresh seeds (`rollout/env_failures`), until more than
-        `rollout.max_env_failure_fraction` of the episodes failed (`episodes.EnvironmentFailures`)."""
+    def _eval_episodes(self, client, prompt_ids, answers, sampling: SamplingConfig, what: str) -> list[float]:
+        """The rewards of evaluation episodes (`rollout.env`) of every prompt, sample-major in prompt order:
+        the run's reward of each last turn plus the environment's rewards (`train.run.episodes`). An
+        environment's failure fails its episode's group only, generated again with fresh seeds, until more
+        than `rollout.max_env_failure_fraction` of the episodes failed (`episodes.EnvironmentFailures`)."""
         from megatron_tail.rollout.envs import EpisodeLimits, Tokens
 
-        from .episodes import FailureCount, episodes_to_batch, run_episodes, turn_sampling
+        from .episodes import FailureCount, run_episodes, turn_sampling
 
         r = self.cfg.rollout
-        started = time.perf_counter()
         failures = FailureCount(r.env, len(prompt_ids) * sampling.n_samples, r.max_env_failure_fraction)
         episodes = self._run(
             run_episodes(
@@ -321,27 +298,16 @@ class RolloutEngines(ManagedRollout):
                 ),
                 Tokens(decode=self._decode, encode=self._encode),
                 max_concurrency=r.max_concurrency,
-                on_episode=self._on_result,
                 failures=failures,
             ),
             what,
         )
-        elapsed = time.perf_counter() - started
         for i, e in enumerate(episodes):
-            self._check_ids(e.response_ids, f"episode {i}", self.urls[0])
+            self._check_ids(e.response_ids, f"evaluation episode {i}", self.urls[0])
         rewards = self.score(
             [e.final_text for e in episodes], [a for a in answers for _ in range(sampling.n_samples)]
         )
-        batch = episodes_to_batch(
-            episodes,
-            rewards,
-            correct_reward=self.cfg.data.correct_reward,
-            elapsed_s=elapsed,
-            supports=sampling.truncates,  # greedy evaluation samples untruncated
-        )
-        batch.sampled_log_rho = [sampling.log_rho] * len(batch)
-        batch.metrics.update(failures.metrics())  # rollout/env_failures: each regenerated its group
-        return batch
+        return [r + e.env_reward for r, e in zip(rewards, episodes, strict=True)]
 
     def sync_weights(self, source, version: int | str) -> float:
         """Load new weights on every engine as `weight_version=str(version)`: `source` is an exported HF

@@ -136,7 +136,6 @@ class EpisodeGroups:
     request: Request
     envs: EnvWorkers
     env_spec: str
-    base_seed: int
     n: int
     limits: EpisodeLimits
     tokens: Tokens
@@ -146,8 +145,11 @@ class EpisodeGroups:
     per batch."""
     on_episode: Callable[[Episode], None] | None = None
 
-    async def group(self, i: int, prompt: Sequence[int], answer: str, *, first_attempt: int = 0):
-        """The `n` episodes of prompt `i` (`prompt`, scored against `answer`), in sample order. An
+    async def group(
+        self, i: int, prompt: Sequence[int], answer: str, *, base_seed: int, first_attempt: int = 0
+    ):
+        """The `n` episodes of prompt `i` (`prompt`, scored against `answer`; its turns' seeds `turn_key` of
+        (`base_seed`, `i`)), in sample order. An
         environment that raises or times out (`EnvironmentError_`, `EnvironmentTimeoutError`) fails its
         episode, and the group is generated again with fresh seeds (`turn_key`'s attempt, from
         `first_attempt`), at most `MAX_ENV_ATTEMPTS` times; the group's other episodes of that attempt are
@@ -158,7 +160,9 @@ class EpisodeGroups:
         first_turns: dict[int, asyncio.Task] = {}  # attempt → its n first turns, one request (as single-turn)
         try:
             for attempt in range(first_attempt, first_attempt + MAX_ENV_ATTEMPTS):
-                runs = (self._one(i, j, attempt, prompt, answer, first_turns) for j in range(self.n))
+                runs = (
+                    self._one(i, j, attempt, base_seed, prompt, answer, first_turns) for j in range(self.n)
+                )
                 results = await asyncio.gather(*runs, return_exceptions=True)
                 failed = [r for r in results if isinstance(r, BaseException)]
                 for error in failed:
@@ -182,17 +186,17 @@ class EpisodeGroups:
             f"attempts; last: {_one_line(last)}"
         )
 
-    async def _one(self, i, j, attempt, prompt, answer, first_turns) -> Episode:
+    async def _one(self, i, j, attempt, base_seed, prompt, answer, first_turns) -> Episode:
         async def generate(input_ids: list[int], turn: int) -> TurnOutput:
             if turn == 0:
                 if attempt not in first_turns:
-                    keys = [turn_key(self.base_seed, i, k, 0, attempt) for k in range(self.n)]
+                    keys = [turn_key(base_seed, i, k, 0, attempt) for k in range(self.n)]
                     first_turns[attempt] = asyncio.ensure_future(self.request(list(prompt), keys))
                 return turn_output((await asyncio.shield(first_turns[attempt]))[j])
-            (result,) = await self.request(input_ids, [turn_key(self.base_seed, i, j, turn, attempt)])
+            (result,) = await self.request(input_ids, [turn_key(base_seed, i, j, turn, attempt)])
             return turn_output(result)
 
-        name = f"b{self.base_seed}-p{i}-s{j}" + (f"-a{attempt}" if attempt else "")
+        name = f"b{base_seed}-p{i}-s{j}" + (f"-a{attempt}" if attempt else "")
         env = WorkerEnv(self.envs, self.env_spec, name)
         async with self.semaphore:
             row = {"answer": answer, "index": i}
@@ -234,7 +238,6 @@ async def run_episodes(
         request,
         envs,
         env_spec,
-        sampling.base_seed,
         n,
         limits,
         tokens,
@@ -242,7 +245,10 @@ async def run_episodes(
         count,
         on_episode,
     )
-    tasks = [asyncio.create_task(runner.group(i, prompts[i], answers[i])) for i in range(len(prompts))]
+    tasks = [
+        asyncio.create_task(runner.group(i, prompts[i], answers[i], base_seed=sampling.base_seed))
+        for i in range(len(prompts))
+    ]
     try:
         return [episode for grouped in await asyncio.gather(*tasks) for episode in grouped]
     except BaseException:

@@ -11,12 +11,11 @@ SIGTERM / SIGUSR1 / SIGINT the current step finishes, a checkpoint is written, a
 Global rank 0 holds `<run_dir>/.lock` for the whole run (`run_dir_lock`): a second trainer on the same
 directory is refused.
 
-With `rollout.max_staleness: 1` the next step's rollout runs on rank 0 in the background from the step's
-start until before its weight sync, so step k+1 samples with the weights step k trained from; that batch
-is held, and checkpointed with the step, so a resumed run trains on the same samples. With
-`rollout.max_staleness ≥ 2` or `rollout.partial_rollouts`, a rollout manager on rank 0 generates
-continuously, admitting groups at most η + 1 steps ahead, and each step takes its batch from it, oldest groups
-first (`RunSession.start_manager`).
+Every batch comes from the rollout manager on rank 0 (`RunSession.start_manager`), which generates
+continuously, admitting groups at most η + 1 steps ahead (η = `rollout.max_staleness`): at η = 0 a step
+waits for its own groups, generated with the weights it trains; at η = 1 step k+1's groups generate while
+step k trains. Each step takes its batch, oldest groups first; the manager's groups not trained yet are
+checkpointed with the step, so a resumed run trains on the same samples.
 
 With `algorithm.log_rho: auto`, a step sets the next step's ρ after its update and before its weight sync;
 every request the engines get from then on prunes at it (the manager's new groups and continued segments,
@@ -109,12 +108,8 @@ def rl_step(
     bucket limits, counts)) and whether a stop was agreed."""
     done = step + 1
     started = time.perf_counter()
-    batch = s.rollout(step)  # rollout + reward: rank 0 generates and scores (or it was generated ahead)
+    batch = s.rollout(step)  # rollout + reward: the manager's groups, generated and scored on rank 0
     trained = time.perf_counter()
-    # the rollout manager generates continuously on its own; else one step ahead with max_staleness 1
-    ahead = s.cfg.rollout.max_staleness == 1 and not s.cfg.rollout.uses_manager and done < s.cfg.train.steps
-    if ahead:
-        s.launch_rollout(done)  # the next step's batch, with the weights this step trains from
     metrics, histograms, tokens = rollout_metrics(batch, policy_version=step), {}, 0
     metrics.update(log_rho_metrics(batch, s.sampling_log_rho))  # drawn at another step's ρ (auto, η ≥ 1)
     metrics["perf/rollout_wait_s"] = trained - started
@@ -126,14 +121,11 @@ def rl_step(
     # an empty batch: dynamic sampling kept no group with a reward signal, nothing to learn from this step
     metrics["train/skipped_step"] = 0.0 if len(batch) else 1.0
     train_s = time.perf_counter() - trained
-    if ahead:  # the engines must be idle before they take new weights: wait for the batch, hold it
-        collected = s.collect_rollout(done)
-        metrics["perf/overlap_s"] = collected["perf/overlap_s"]
-        metrics["perf/rollout_wait_s"] += collected["perf/rollout_wait_s"]
     # log_rho auto: the next step's ρ, before the engines' next requests (the manager admits new groups
     # after the weight sync) and before the checkpoint keeps it
     s.adapt_log_rho(metrics)
     sync_s = s.sync_weights(version=done)  # weight sync: the engines load θ_new as version `done`
+    metrics["perf/rollout_wait_s"] += s.drain_s  # η ≥ 1 without partial rollouts: the next step's groups
     if cadence.eval_after(done):
         metrics.update(s.evaluate())  # eval
     rollout_s = batch.stats.get("rollout_time_s", 0.0)  # a skipped step may have generated nothing

@@ -1,8 +1,16 @@
-"""Rank 0's rollout manager side of `RolloutEngines` (`rollout.max_staleness ≥ 2` or
-`rollout.partial_rollouts`): the engines' event loop runs in its own thread with a `RolloutManager` on it,
-whose unit of work is one prompt's group: single-turn samples (`_sample_group`), or with `rollout.env` the
-group's multi-turn episodes, run by the step-wise rollout's own runner (`episodes.EpisodeGroups`,
-`_episode_group`).
+"""Rank 0's rollout manager side of `RolloutEngines`, the only way a training batch is made: the engines'
+event loop runs in its own thread with a `RolloutManager` on it (η = `rollout.max_staleness`; η = 0 the
+synchronous loop, η = 1 one step ahead), whose unit of work is one prompt's group: single-turn samples
+(`_sample_group`), or with `rollout.env` the group's multi-turn episodes (`episodes.EpisodeGroups`,
+`_episode_group`). A single-turn sample asks the engines exactly what a one-turn episode asks.
+
+Seeds (`group_seeds`): group `index` (the prompt stream's position) is the `index % G`-th prompt of step
+`index // G` (G = `data.prompts_per_step`), and its samples' seeds are those of the step-wise rollout this
+path replaced: base seed `rollout_seed(seed, index // G)`, prompt position `index % G`. So at η = 0 and
+η = 1 a run draws the same tokens as before (`tests/loop/test_one_generation_path.py` holds it to batches
+recorded from that path). The prompt stream uses every prompt of an epoch; the step-wise batches dropped an
+epoch's last partial batch, so the two part after the first epoch when G does not divide the prompts.
+
 A mixin of `RolloutEngines` (`engines.py`): it uses the engines' client, scorer, loop and checks.
 """
 
@@ -22,6 +30,18 @@ from megatron_tail.rollout.manager import GroupResult, RolloutManager, groups_to
 from megatron_tail.utils.errors import UserError
 
 from . import run_dir
+
+
+def rollout_seed(seed: int, step: int) -> int:
+    """The base seed of step `step`'s groups: a function of (seed, step) only (resumed runs resample
+    alike)."""
+    return seed * 1_000_003 + step
+
+
+def group_seeds(seed: int, index: int, groups_per_step: int) -> tuple[int, int]:
+    """(base seed, prompt position) of group `index`'s sample keys (module docstring, "Seeds")."""
+    step, position = divmod(index, groups_per_step)
+    return rollout_seed(seed, step), position
 
 
 def manager_batch(
@@ -73,21 +93,27 @@ class ManagedRollout:
         generates group `index` from `prompt_at(index)` (an example with `prompt_ids` and `answer`); a batch
         that dynamic sampling cuts short has a multiple of `multiple` groups (what the trainer splits)."""
         r, cfg = self.cfg.rollout, self.cfg
-        sampling = self._sampling(base_seed=cfg.seed * 1_000_003 - 1)  # rollout_seed(seed, -1): no step's
+        sampling = self._sampling(base_seed=0)  # each group's base seed: `group_seeds`
         score_lock = asyncio.Lock()
+        # the versions of a group's tokens decide what is stale only when groups may span or be dropped
+        needs_versions = r.partial_rollouts or r.stale_groups == "drop"
 
         episodes = self._manager_episodes = self._episode_groups(sampling) if r.env is not None else None
 
         async def work(index: int, admitted: int, attempt: int) -> GroupResult:
             example = prompt_at(index)
+            base_seed, position = group_seeds(cfg.seed, index, cfg.data.prompts_per_step)
+            seeded = dataclasses.replace(sampling, base_seed=base_seed)
             if episodes is not None:  # a multi-turn group: one unit of work, however many turns
-                batch = await self._episode_group(episodes, index, example, attempt, score_lock)
+                batch = await self._episode_group(
+                    episodes, index, position, base_seed, example, attempt, score_lock
+                )
             else:
-                batch = await self._sample_group(sampling, index, example, attempt, score_lock)
-            if batch.token_versions is None:
+                batch = await self._sample_group(seeded, position, example, attempt, score_lock)
+            if batch.token_versions is None and needs_versions:
                 raise UserError(
                     f"an engine reported weight version {batch.weight_versions[0]!r}, not an integer; "
-                    "rollout.max_staleness ≥ 2 and rollout.partial_rollouts need the versions the trainer "
+                    "rollout.partial_rollouts and rollout.stale_groups=drop need the versions the trainer "
                     "sets"
                 )
             return GroupResult(index, batch, admitted)
@@ -113,10 +139,11 @@ class ManagedRollout:
         self._thread.start()
         self._run(self._call(self.manager.start))
 
-    async def _sample_group(self, sampling, index, example, attempt, score_lock) -> RolloutBatch:
-        """Group `index` of single-turn samples, scored (the manager's unit of work without `rollout.env`)."""
+    async def _sample_group(self, sampling, position, example, attempt, score_lock) -> RolloutBatch:
+        """A group of single-turn samples, scored (the manager's unit of work without `rollout.env`): the
+        keys of prompt `position` under `sampling.base_seed` (`group_seeds`)."""
         started = time.perf_counter()
-        keys = regeneration_keys(index, sampling, attempt)  # a regenerated group: fresh seeds
+        keys = regeneration_keys(position, sampling, attempt)  # a regenerated group: fresh seeds
         # adaptive ρ: each request prunes at the ρ in force when it is sent (continued segments too)
         now = dataclasses.replace(sampling, log_rho=self.sampling_log_rho())
         samples = await self.client.generate_group(
@@ -156,7 +183,6 @@ class ManagedRollout:
             request,
             self.envs,
             r.env,
-            sampling.base_seed,
             sampling.n_samples,
             EpisodeLimits(
                 r.max_turns, r.max_observation_tokens, self.context_length - sampling.max_new_tokens
@@ -167,17 +193,24 @@ class ManagedRollout:
             on_episode=self._on_result,
         )
 
-    async def _episode_group(self, episodes, index, example, attempt, score_lock) -> RolloutBatch:
-        """Group `index`'s episodes, scored (the manager's unit of work with `rollout.env`): the manager's
-        `attempt` a runs environment attempts a·`MAX_ENV_ATTEMPTS` onwards, so every regeneration, by the
-        manager or after an environment failure, has fresh seeds."""
+    async def _episode_group(
+        self, episodes, index, position, base_seed, example, attempt, score_lock
+    ) -> RolloutBatch:
+        """Group `index`'s episodes, scored (the manager's unit of work with `rollout.env`), seeded as prompt
+        `position` under `base_seed` (`group_seeds`): the manager's `attempt` a runs environment attempts
+        a·`MAX_ENV_ATTEMPTS` onwards, so every regeneration, by the manager or after an environment
+        failure, has fresh seeds."""
         from .episodes import MAX_ENV_ATTEMPTS, episodes_to_batch
 
         started = time.perf_counter()
         # the ρ of its first turns: a sample counts as old as its oldest tokens
         log_rho = self.sampling_log_rho()
         done = await episodes.group(
-            index, example.prompt_ids, example.answer, first_attempt=attempt * MAX_ENV_ATTEMPTS
+            position,
+            example.prompt_ids,
+            example.answer,
+            base_seed=base_seed,
+            first_attempt=attempt * MAX_ENV_ATTEMPTS,
         )
         elapsed = time.perf_counter() - started
         for j, e in enumerate(done):

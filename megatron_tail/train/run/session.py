@@ -1,22 +1,19 @@
 """`RunSession`: what one RL run holds (the trainer, rank 0's rollout engines and prompts) and one
 collective method per thing the loop does with them.
 
-Collective methods (every rank calls them): `resume`, `wait_ready`, `rollout`, `collect_rollout`,
+Collective methods (every rank calls them): `resume`, `wait_ready`, `start_manager`, `rollout`,
 `sync_weights`, `evaluate`, `checkpoint`. Rank 0 alone owns the engines, the tokenizer and the prompts; what
 it produces reaches every rank through `on_rank0`, so a failure there raises on every rank instead of
 hanging them.
 
-Rollout ahead (`rollout.max_staleness: 1`): `launch_rollout(k + 1)` starts step k+1's batch on rank 0 in the
-background with the engines' current weights; `collect_rollout(k + 1)` waits for it and hands it to every
-rank, where it is held (and checkpointed with the step) until `rollout(k + 1)` takes it.
-
-Rollout manager (`rollout.max_staleness ≥ 2` or `rollout.partial_rollouts`, `rollout/manager.py`): after the
-first weight sync, `start_manager` has rank 0's engines generate continuously in their own thread;
-`rollout(k)` takes step k's batch from it (oldest groups first; staleness is bounded when a group is
-admitted, and a straggler trains at its true staleness), `sync_weights` drains it first without
-partial rollouts (with them, the update's abort-pause interrupts the requests, which continue under the new
-weights), and `checkpoint` saves its state (the completed groups with their versions; what was in flight is
-regenerated on resume).
+Every batch comes from the rollout manager (`rollout/manager.py`, `managed.py`): after the first weight
+sync, `start_manager` has rank 0's engines generate in their own thread, admitting groups up to η =
+`rollout.max_staleness` versions ahead (η = 0: the step's groups, then the trainer waits for them; η = 1: the
+next step's too); `rollout(k)` takes step k's batch from it (oldest groups first; a straggler trains at its
+true staleness), `sync_weights` drains it first without partial rollouts (with them, the update's pause
+interrupts the requests, which continue under the new weights), and `checkpoint` saves its state (the
+completed groups with their versions; what was in flight is regenerated on resume). The loop asks for a
+batch and knows nothing about how it was made.
 """
 
 from __future__ import annotations
@@ -41,7 +38,6 @@ from ..engine.setup import build_trainer
 from . import run_dir
 from .console import Console, progress_enabled
 from .engines import RolloutEngines
-from .rollout_ahead import BackgroundJob
 
 
 def adaptive_rho_rule(cfg: RunConfig) -> AdaptiveRho | None:
@@ -77,11 +73,11 @@ def manager_start_state(
     state: dict | None, *, version: int, data_cursor: int, stepwise_steps: int, batches
 ) -> dict | None:
     """The rollout manager's state when it starts at weight `version`: its own checkpointed `state` when
-    there is one; else (a fresh run, or a run checkpointed by the step-wise loop, η ≤ 1 without partial
-    rollouts) a state whose prompt stream starts where the step-wise loop stopped: at `data_cursor` (the
-    stream's position, which the step-wise dynamic sampling keeps), or, where that is 0, after the prompts of
-    the `stepwise_steps` step-wise batches the run used (`stepwise_cursor` of `batches`). None (the
-    manager's own start, index 0) when nothing was used."""
+    there is one; else (a fresh run, or a run checkpointed before the manager made every batch, by the
+    step-wise rollout) a state whose prompt stream starts where that run stopped: at `data_cursor` (the
+    stream's position, which its dynamic sampling kept), or, where that is 0, after the prompts of the
+    `stepwise_steps` step-wise batches it trained (`stepwise_cursor` of `batches`). None (the manager's
+    own start, index 0) when nothing was used."""
     if state is not None:
         return state
     cursor = data_cursor or stepwise_cursor(batches, stepwise_steps)
@@ -89,11 +85,6 @@ def manager_start_state(
         return None
     return {"next_index": cursor, "queued": [], "admitted": 0, "wasted": 0, "base_version": version,
             "buffer": []}  # fmt: skip
-
-
-def rollout_seed(seed: int, step: int) -> int:
-    """`SamplingConfig.base_seed` of a step: a function of (seed, step) only (resumed runs resample alike)."""
-    return seed * 1_000_003 + step
 
 
 class RunSession:
@@ -118,9 +109,8 @@ class RunSession:
         """With dynamic sampling: the prompt stream's position (every rank; checkpointed)."""
         self.resumed_step = 0
         """The completed steps of the checkpoint the run resumed from (0: a fresh run)."""
-        self.held: tuple[int, RolloutBatch] | None = None
-        """(step, batch) generated ahead and not trained on yet (every rank; checkpointed)."""
-        self._ahead: BackgroundJob[RolloutBatch] | None = None
+        self.drain_s = 0.0
+        """Seconds the last `sync_weights` waited for the groups in flight to finish."""
         self._manager_state: dict | None = None
         """Rank 0: the rollout manager's checkpointed state, until `start_manager` takes it."""
         self._wait = host_wait_group()
@@ -221,12 +211,10 @@ class RunSession:
         self.data_cursor = int(rl_state.get("data_cursor", 0))
         if self.rho is not None and rl_state.get("log_rho") is not None:
             self._use_log_rho(float(rl_state["log_rho"]))
-        if self.rank == 0 and self.cfg.rollout.uses_manager:
+        if self.rank == 0:
+            # a checkpoint of the step-wise rollout has none; the batch it generated ahead for the next step
+            # ("rollout_ahead") is not read: its prompts are generated again (`start_manager`)
             self._manager_state = read_rank0_object(path, "rollout_manager")
-        ahead = on_rank0(lambda: read_rank0_object(path, "rollout_ahead"), wait_group=self._wait)
-        if ahead is not None and ahead["step"] == rl_state["step"]:
-            # the batch that was generated for the next step: train on it, as the stopped run would have
-            self.held = (ahead["step"], RolloutBatch.from_dict(ahead["batch"]))
         # a checkpoint from before the schedule existed: the schedule is at its completed steps
         restore_progress(
             self.trainer.scheduler, rl_state.get("lr_scheduler", {"num_steps": rl_state["step"]})
@@ -239,19 +227,16 @@ class RunSession:
         on_rank0(lambda: self.engines.wait_ready(), wait_group=self._wait)
 
     def start_manager(self, version: int) -> None:
-        """With `rollout.uses_manager`: rank 0's engines start generating continuously (the engines hold
-        weights `version`); group `index` is the prompt stream's prompt at `index`. Resumed from a
-        checkpoint of the step-wise loop, the stream continues after the prompts that loop used
-        (`manager_start_state`; a batch it generated ahead, held for the next step, counts as used)."""
-        if not self.cfg.rollout.uses_manager:
-            return
+        """Rank 0's engines start generating continuously (they hold weights `version`); group `index` is
+        the prompt stream's prompt at `index`. Resumed from a checkpoint of the step-wise rollout, the stream
+        continues after the prompts of the steps it trained (`manager_start_state`)."""
 
         def start() -> None:
             state = manager_start_state(
                 self._manager_state,
                 version=version,
                 data_cursor=self.data_cursor,
-                stepwise_steps=self.resumed_step + (self.held is not None),
+                stepwise_steps=self.resumed_step,
                 batches=self.batches,
             )
             self._manager_state = None
@@ -262,49 +247,25 @@ class RunSession:
         on_rank0(start, wait_group=self._wait)
 
     def rollout(self, step: int) -> RolloutBatch:
-        """Step `step`'s prompts (a function of seed and step; with dynamic sampling, of the stream's cursor),
-        `group_size` responses each from the engines, scored by the reward; generated on rank 0, identical on
-        every rank (which all advance the cursor). A batch held for `step` (generated ahead) is taken
-        instead, without a collective."""
-        if self.held is not None:
-            held_step, batch = self.held
-            if held_step != step:
-                raise RuntimeError(f"the batch generated ahead is for step {held_step}, not step {step}")
-            self.held = None
-            return batch
-        if self.cfg.rollout.uses_manager:
-            return self._receive(on_rank0(lambda: self.engines.next_batch(step), wait_group=self._wait))
-        return self._receive(on_rank0(lambda: self._generate(step), wait_group=self._wait))
-
-    def launch_rollout(self, step: int) -> None:
-        """Rank 0 starts generating step `step`'s batch in the background with the engines' current weights
-        (other ranks: nothing). Not collective; `collect_rollout` is."""
-        if self.rank == 0:
-            if self._ahead is None:
-                self._ahead = BackgroundJob("rollout-ahead")
-            self._ahead.launch(lambda: self._generate(step, progress=False))
-
-    def collect_rollout(self, step: int) -> dict[str, float]:
-        """Wait for the batch `launch_rollout(step)` started and hold it on every rank for `step`. Returns
-        `perf/overlap_s` (seconds it generated while the trainer worked) and `perf/rollout_wait_s` (seconds
-        waited now)."""
-        collected = on_rank0(lambda: self._ahead.wait(), wait_group=self._wait)
-        self.held = (step, self._receive(collected.result))
-        return {"perf/overlap_s": collected.overlap_s, "perf/rollout_wait_s": collected.wait_s}
-
-    def _receive(self, batch: RolloutBatch) -> RolloutBatch:
+        """Step `step`'s batch from the rollout manager: `group_size` responses to each of
+        `prompts_per_step` prompts, scored by the reward (fewer groups where dynamic sampling gave up;
+        none when it filtered every group); made on rank 0, identical on every rank."""
+        batch = on_rank0(lambda: self.engines.next_batch(step), wait_group=self._wait)
         if batch.data_cursor is not None:
             self.data_cursor = batch.data_cursor
         return batch
 
     def sync_weights(self, version: int) -> float:
         """Export the trainer's weights as a HF checkpoint and load it on every engine, or with
-        `rollout.weight_sync: distributed` stream them to the engines in memory. Returns seconds."""
+        `rollout.weight_sync: distributed` stream them to the engines in memory. Returns seconds; the wait
+        for the groups in flight to finish first (without partial rollouts) is not in them: `drain_s`."""
         from megatron_tail.model import export_hf
 
-        managed = self.cfg.rollout.uses_manager
-        if managed:  # without partial rollouts: the groups in flight finish under their weights first
-            on_rank0(lambda: self.engines.before_weight_update(), wait_group=self._wait)
+        # without partial rollouts: the groups in flight finish under their weights first (the trainer waits
+        # for the rollout: `drain_s`)
+        draining = time.perf_counter()
+        on_rank0(lambda: self.engines.before_weight_update(), wait_group=self._wait)
+        self.drain_s = time.perf_counter() - draining
         if self.cfg.rollout.weight_sync == "distributed":
             seconds = self._stream_weights(version)
         else:
@@ -313,8 +274,7 @@ class RunSession:
             export_hf(self.trainer.chunks, out, self.trainer.arch, copy_files_from=self.cfg.model.hf_path)
             on_rank0(lambda: self.engines.sync_weights(out, version), wait_group=self._wait)
             seconds = time.perf_counter() - started
-        if managed:
-            on_rank0(lambda: self.engines.after_weight_update(version), wait_group=self._wait)
+        on_rank0(lambda: self.engines.after_weight_update(version), wait_group=self._wait)
         return seconds
 
     def _stream_weights(self, version: int) -> float:
@@ -360,15 +320,12 @@ class RunSession:
             "data_cursor": self.data_cursor,
             "log_rho": self.log_rho if self.rho is not None else None,
         }
-        # generated ahead for step `done` + 1, so a resumed run trains on the same samples (rank 0 writes
-        # it: the held batch is identical on every rank, and large)
+        # the manager's groups generated ahead, so a resumed run trains on the same samples (rank 0 writes
+        # them: they live on rank 0 only, and are large)
         objects = {}
-        if self.cfg.rollout.uses_manager:
-            state = on_rank0(lambda: self.engines.manager_state(), wait_group=self._wait)
-            if self.rank == 0 and state is not None:
-                objects["rollout_manager"] = state
-        if self.held is not None:
-            objects["rollout_ahead"] = {"step": self.held[0], "batch": dataclasses.asdict(self.held[1])}
+        state = on_rank0(lambda: self.engines.manager_state(), wait_group=self._wait)
+        if self.rank == 0 and state is not None:
+            objects["rollout_manager"] = state
         save_checkpoint(path, self.trainer, rl_state, overwrite=True, rank0_objects=objects)
         if self.rank == 0:
             run_dir.prune_checkpoints(self.run_dir, self.cfg.train.keep_checkpoints)
@@ -376,59 +333,15 @@ class RunSession:
         return time.perf_counter() - started
 
     def close(self) -> None:
-        try:
-            if self._ahead is not None:
-                self._ahead.close(cancel=self.engines.cancel)
-        finally:
-            if self.engines is not None:
-                self.engines.close()
+        if self.engines is not None:
+            self.engines.close()
 
     # --- rank 0 ---------------------------------------------------------------------------------------
 
     def _multiple(self) -> int:
-        """The groups a batch cut short by dynamic sampling is a multiple of (`group_multiple`), for the
-        step-wise rounds and the rollout manager alike."""
+        """The groups a batch cut short by dynamic sampling is a multiple of (`group_multiple`)."""
         cfg = self.cfg
         return group_multiple(cfg.algorithm.group_size, cfg.train.mini_batches, self.trainer.groups.dp_size)
-
-    def _generate(self, step: int, progress: bool = True) -> RolloutBatch:
-        if self.cfg.data.filter_zero_variance_groups:
-            return self._generate_dynamic(step, progress)
-        return self._generate_for(self.batches.batch(step), rollout_seed(self.cfg.seed, step), progress)
-
-    def _generate_for(self, chosen, base_seed: int, progress: bool = True) -> RolloutBatch:
-        """`group_size` samples of each prompt in `chosen` from the engines, with a progress bar unless
-        generating in the background."""
-        bar = self.console.rollout_bar(len(chosen) * self.cfg.algorithm.group_size) if progress else None
-        self.engines.on_result = None if bar is None else (lambda _result: bar.update(1))
-        try:
-            return self.engines.generate(
-                [e.prompt_ids for e in chosen],
-                [e.answer for e in chosen],
-                base_seed=base_seed,
-            )
-        finally:
-            self.engines.on_result = None
-            if bar is not None:
-                bar.close()
-
-    def _generate_dynamic(self, step: int, progress: bool) -> RolloutBatch:
-        """DAPO's dynamic sampling: rounds from the prompt stream until `prompts_per_step` groups with a
-        reward signal; each round's seeds are a function of (seed, step, round)."""
-        from megatron_tail.rollout.dynamic_sampling import sample_until_full
-
-        cfg, n = self.cfg, self.cfg.algorithm.group_size
-        return sample_until_full(
-            self.stream.take,
-            lambda chosen, round_: self._generate_for(
-                chosen, rollout_seed(cfg.seed, step) * 64 + round_, progress
-            ),
-            target_groups=cfg.data.prompts_per_step,
-            group_size=n,
-            max_rounds=cfg.data.max_sampling_rounds,
-            multiple=self._multiple(),
-            cursor=self.data_cursor,
-        )
 
 
 def _sync_failure(error: Exception | None, version: int) -> Exception:
