@@ -26,6 +26,7 @@ from megatron_tail.rollout.occupancy import EngineOccupancy
 from megatron_tail.rollout.processor import DVPLogitProcessor
 from megatron_tail.rollout.protocol import (
     MalformedResponseError,
+    MissingRoutesError,
     RequestRejectedError,
     ResponseTooLargeError,
     RetryableServerError,
@@ -39,6 +40,7 @@ from megatron_tail.rollout.protocol import (
     sample_keys,
     sample_seed,
 )
+from megatron_tail.rollout.routes import SERVER_FLAG, join_routes, route_rows
 from megatron_tail.utils.net import base_urls
 from megatron_tail.utils.ragged import cat_rows
 
@@ -292,12 +294,17 @@ class RolloutClient:
                 sample_seed(sample.key.seed, len(sample.output_ids), sample.segments),
             )
             rest = dataclasses.replace(sampling, n_samples=1, max_new_tokens=remaining)
+            if sampling.return_routed_experts:  # only the rows not held yet (`routes.join_routes`)
+                held = 0 if sample.routed_experts is None else len(sample.routed_experts)
+                rest = dataclasses.replace(rest, routed_experts_start_len=held)
             if log_rho is not None:
                 rest = dataclasses.replace(rest, log_rho=log_rho())
             (segment,) = await self._request_with_retries(
                 sample.prompt_ids + sample.output_ids, [key], rest, allow_abort=True
             )
             sample = join_segments(sample, segment)
+        if sampling.return_routed_experts:
+            _check_joined_routes(sample)
         return sample
 
     async def generate_turn(
@@ -447,7 +454,9 @@ def _message(raw: bytes, limit: int = 1000) -> str:
 
 def join_segments(first: SampleResult, then: SampleResult) -> SampleResult:
     """`first` (aborted) continued by `then` (a request on `first`'s prompt + tokens): one sample with
-    `first`'s key and prompt, the tokens, log-probs and versions of both, `then`'s finish and version."""
+    `first`'s key and prompt, the tokens, log-probs and versions of both, `then`'s finish and version.
+    Routes: `then` was requested from `routed_experts_start_len` = the rows `first` holds (0 when it holds
+    none), so position p keeps the route of the request that sampled token p + 1 (`routes.join_routes`)."""
     top = None
     if first.output_top_logprobs is not None and then.output_top_logprobs is not None:
         top = first.output_top_logprobs + then.output_top_logprobs
@@ -468,7 +477,28 @@ def join_segments(first: SampleResult, then: SampleResult) -> SampleResult:
         output_versions=first.output_versions + then.output_versions,
         segments=first.segments + then.segments,
         text=None,
+        routed_experts=_joined_routes(first, then),
     )
+
+
+def _joined_routes(first: SampleResult, then: SampleResult):
+    if first.routed_experts is None:  # none held: `then` was asked for every position (start 0)
+        return then.routed_experts
+    if then.routed_experts is None:  # `then` aborted without routes: the next segment asks from the same row
+        return first.routed_experts
+    return join_routes(first.routed_experts, then.routed_experts)
+
+
+def _check_joined_routes(sample: SampleResult) -> None:
+    """A finished partial rollout holds one route row per position but its last (`routes.route_rows`)."""
+    rows = route_rows(len(sample.prompt_ids), len(sample.output_ids))
+    held = None if sample.routed_experts is None else len(sample.routed_experts)
+    if held != rows:
+        raise MissingRoutesError(
+            f"{sample.server_url}/generate sample {sample.key.rid}: {held} route rows after joining "
+            f"{sample.segments} segments, expected {rows} (prompt + output − 1); are all servers started "
+            f"with {SERVER_FLAG}?"
+        )
 
 
 def _reseeded(keys: list[SampleKey], overflows: int) -> list[SampleKey]:

@@ -20,6 +20,11 @@ top-k-renormalised distribution, with DVP off (min_p = 0 throughout) on the full
 (`--enable-deterministic-inference`) measures it on the full distribution either way and applies min-p last.
 The local engine follows either (`local_engine/truncation.py`). The trainer replays the returned support, so
 its importance weights are exact either way.
+
+MoE routes (routing replay R3): with `SamplingConfig.return_routed_experts` the request sets SGLang's
+`return_routed_experts` (and `routed_experts_start_len` when not 0) and each sample's
+`meta_info.routed_experts` is decoded into `SampleResult.routed_experts`; the format and what SGLang covers
+are in `rollout/routes.py`.
 """
 
 from __future__ import annotations
@@ -28,7 +33,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from megatron_tail.rollout.processor import dvp_custom_params
+from megatron_tail.rollout.routes import SERVER_FLAG, RoutesError, decode_routes, route_rows
 from megatron_tail.utils.ragged import Ragged
 
 _MASK63 = (1 << 63) - 1
@@ -56,6 +64,12 @@ class RetryableServerError(RolloutError):
 
 class SampleAbortedError(RetryableServerError):
     """The server aborted a sample (`finish_reason.type == "abort"`, e.g. a weight-update pause)."""
+
+
+class MissingRoutesError(MalformedResponseError):
+    """Routes were requested and a finished sample came back without `meta_info.routed_experts`: the server
+    was started without `--enable-return-routed-experts` (SGLang then ignores the request field). Not
+    retried: every sample of that server would miss them."""
 
 
 @dataclass(frozen=True, order=True)
@@ -102,6 +116,12 @@ class SampleResult:
     `output_token_sampling_logprobs` (log-prob under the truncated distribution). None otherwise."""
     output_versions: list[str | None] = field(default_factory=list)
     segments: int = 1
+    routed_experts: np.ndarray | None = None
+    """With `SamplingConfig.return_routed_experts`: int32 `[len(prompt_ids) + len(output_ids) − 1 − start,
+    layers, top_k]`, row p the experts each MoE layer routed token `start + p` to, as the input of the
+    forward that sampled token `start + p + 1` (`rollout/routes.py`; `start` is the request's
+    `routed_experts_start_len`, 0 unless set; a joined partial rollout starts at 0). Columns of layers without
+    a router are 0, as SGLang's. None when not requested (or an aborted segment that returned none)."""
 
     @property
     def aborted(self) -> bool:
@@ -138,6 +158,16 @@ class SamplingConfig:
     flashinfer sampler, of the top-k mass when any request of the batch has min_p > 0 (module docstring)."""
     min_p: float = 0.0
     """SGLang's min_p: drop tokens below min_p × the top probability; 0 off."""
+    return_routed_experts: bool = False
+    """Ask for each token's MoE routes (SGLang's `return_routed_experts`; routing replay R3). The servers
+    need `--enable-return-routed-experts`; a sample without routes fails with `MissingRoutesError`."""
+    routes_shape: tuple[int, int] | None = None
+    """(num_hidden_layers, num_experts_per_tok) of the served model: the layout the returned routes must
+    have. Required with `return_routed_experts`."""
+    routed_experts_start_len: int = 0
+    """First position whose route is returned (SGLang's `routed_experts_start_len`, ≤ the prompt length).
+    0: the prompt's routes too, which R3 needs (the trainer's forward routes prompt tokens as well); the
+    client's continued partial-rollout segments set it so no row is shipped twice (`routes.join_routes`)."""
 
     @property
     def truncates(self) -> bool:
@@ -162,6 +192,7 @@ class SamplingConfig:
         if bad:
             raise ValueError(f"stop_token_ids must be non-negative ints; got {bad!r}")
         check_truncation(self.top_k, self.top_p, self.min_p)
+        _check_routes(self.return_routed_experts, self.routes_shape, self.routed_experts_start_len)
         if self.truncates and self.top_k == -1:
             raise ValueError(
                 f"top_p={self.top_p} / min_p={self.min_p} need a finite top_k: SGLang returns a sampling "
@@ -177,6 +208,21 @@ def check_truncation(top_k: Any, top_p: Any, min_p: Any) -> None:
         raise ValueError(f"top_p must be in (0, 1]; got {top_p!r}")
     if isinstance(min_p, bool) or not isinstance(min_p, (int, float)) or not 0.0 <= min_p <= 1.0:
         raise ValueError(f"min_p must be in [0, 1]; got {min_p!r}")
+
+
+def _check_routes(requested: Any, shape: Any, start: Any) -> None:
+    if not isinstance(requested, bool):
+        raise ValueError(f"return_routed_experts must be a bool; got {requested!r}")
+    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+        raise ValueError(f"routed_experts_start_len must be an int ≥ 0; got {start!r}")
+    if not requested:
+        return
+    ok = isinstance(shape, tuple) and len(shape) == 2
+    if not ok or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in shape):
+        raise ValueError(
+            f"routes_shape must be (num_hidden_layers, num_experts_per_tok), two ints ≥ 1, when "
+            f"return_routed_experts is set; got {shape!r}"
+        )
 
 
 def sample_seed(base_seed: int, prompt_index: int, sample_index: int) -> int:
@@ -239,6 +285,10 @@ def build_generate_payload(
         payload["custom_logit_processor"] = [processor for _ in keys]
     if config.truncates:
         payload["return_sampling_mask"] = True  # SGLang's GenerateReqInput; "selected" log-prob mode
+    if config.return_routed_experts:  # SGLang's GenerateReqInput: one value for the whole batch request
+        payload["return_routed_experts"] = True
+        if config.routed_experts_start_len:
+            payload["routed_experts_start_len"] = config.routed_experts_start_len
     return payload
 
 
@@ -332,7 +382,33 @@ def _parse_one(
         output_top_logprobs=top,
         output_supports=supports,
         output_versions=_token_versions(meta, len(output_ids), version, where),
+        routed_experts=_parse_routes(meta, len(prompt_ids), len(output_ids), config, finish, where),
     )
+
+
+def _parse_routes(
+    meta: dict, prompt_len: int, output_len: int, config: SamplingConfig, finish: dict, where: str
+) -> np.ndarray | None:
+    """`meta_info.routed_experts` as int32 `[rows, layers, top_k]` (`routes.decode_routes`); the string leaves
+    `meta` (at 48 layers × top-8 it is ≈ 2 KB per token). An aborted sample may come without: SGLang collects
+    routes only for a request that ends in a forward batch, not one aborted in the waiting queue."""
+    if not config.return_routed_experts:
+        return None
+    encoded = meta.pop("routed_experts", None)
+    if encoded is None:
+        if finish.get("type") == "abort":
+            return None
+        raise MissingRoutesError(
+            f"{where}: the reply has no meta_info.routed_experts though the request set "
+            f"return_routed_experts (routing replay r3): start the servers with {SERVER_FLAG} "
+            f"(SGLang's flag; the local engine's `megatron-tail serve-local {SERVER_FLAG}`)"
+        )
+    layers, top_k = config.routes_shape
+    rows = route_rows(prompt_len, output_len, config.routed_experts_start_len)
+    try:
+        return decode_routes(encoded, rows, layers, top_k, where)
+    except RoutesError as e:
+        raise MalformedResponseError(str(e)) from None
 
 
 def _token_versions(meta: dict, n: int, version: str | None, where: str) -> list[str | None]:

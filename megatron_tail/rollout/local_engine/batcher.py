@@ -36,6 +36,7 @@ from megatron_tail.rollout.local_engine.control import PauseControl
 from megatron_tail.rollout.local_engine.kv_cache import Fp8KVCache
 from megatron_tail.rollout.local_engine.logit_noise import add_tail_logit_noise_
 from megatron_tail.rollout.local_engine.requests import GenerateItem
+from megatron_tail.rollout.local_engine.routes import RouteRecorder
 from megatron_tail.rollout.local_engine.truncation import (
     DEFAULT_SAMPLING_MASK_MAX_TOKENS,
     batch_rule,
@@ -69,6 +70,9 @@ class Row:
         self.spans: list[list] = []
         """`[[weight_version, first output index], ...]`: which weights sampled which tokens (a row held by
         an in-place or retract pause across a weight update spans two), as SGLang's `WeightVersionSpan`s."""
+        self.routes: list[torch.Tensor] = []
+        """With a route recorder: int32 `[n, layers, top_k]` chunks, together one row per position fed to a
+        forward so far (prompt + outputs but the last; `rollout/routes.py`). A prefill replaces them."""
         self.finish_reason: dict | None = None
         self.error: str | None = None
         """Why the engine could not generate this row (its request is refused with it)."""
@@ -143,8 +147,11 @@ class ContinuousBatcher:
     def __init__(self, model, vocab_size: int, eos_ids: frozenset[int], model_lock, control: PauseControl,
                  max_running: int = 256, *, device: torch.device | None = None, fp8_kv_cache: bool = False,
                  logit_noise: float = 0.0, sampling_backend: str = "flashinfer",
-                 sampling_mask_max_tokens: int = DEFAULT_SAMPLING_MASK_MAX_TOKENS):  # fmt: skip
+                 sampling_mask_max_tokens: int = DEFAULT_SAMPLING_MASK_MAX_TOKENS,
+                 recorder: RouteRecorder | None = None):  # fmt: skip
         self.model = model
+        self.recorder = recorder
+        """`--enable-return-routed-experts`: every forward's MoE routes go to its rows (`Row.routes`)."""
         self.device = torch.device("cpu") if device is None else device
         """The model's device: inputs, KV cache and logits live there; sampling runs on the host."""
         self.fp8_kv_cache = fp8_kv_cache
@@ -312,6 +319,10 @@ class ContinuousBatcher:
                 past_key_values=past,
                 use_cache=True,
             )
+        if self.recorder is not None:  # every position of the sequence is (re)routed by this forward
+            routed = self.recorder.take(len(rows), length)
+            for i, (row, s) in enumerate(zip(rows, sequences, strict=True)):
+                row.routes = [routed[i, length - len(s) :]]
         self._sample_into(rows, out.logits[:, -1, : self.vocab_size].float())
         alive = [i for i, r in enumerate(rows) if not r.finished]
         if not alive:
@@ -348,6 +359,11 @@ class ContinuousBatcher:
             )
         self._cache = out.past_key_values
         self.steps += 1
+        if self.recorder is not None:  # the route of each row's last token, the input of this step
+            routed = self.recorder.take(len(rows), 1)
+            for i, row in enumerate(rows):
+                if not row.finished:
+                    row.routes.append(routed[i])
         logits = out.logits[:, -1, : self.vocab_size].float()
         with self.control.cond:  # a row finishing wakes its waiter: under the lock, like every state change
             live = [i for i, r in enumerate(rows) if not r.finished]

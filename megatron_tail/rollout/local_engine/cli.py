@@ -66,6 +66,12 @@ def add_serve_local_parser(subparsers) -> argparse.ArgumentParser:
         "anywhere in a batch, top-p is measured after top-k's renormalisation) or pytorch (what "
         "--enable-deterministic-inference forces; top-p on the full distribution) (default flashinfer)",
     )
+    parser.add_argument(
+        "--enable-return-routed-experts",
+        action="store_true",
+        help="SGLang's flag: record an MoE model's routed experts per token and layer and return them when a "
+        "request sets return_routed_experts (without it such requests get no routes, as with SGLang)",
+    )
     parser.set_defaults(func=serve_local)
     return parser
 
@@ -96,6 +102,7 @@ def serve_local(args: argparse.Namespace) -> int:
         kv_cache_dtype=args.kv_cache_dtype,
         logit_noise=args.logit_noise,
         sampling_backend=args.sampling_backend,
+        enable_return_routed_experts=args.enable_return_routed_experts,
     )
     app = build_app(engine, max_batch=args.max_batch)
     print(

@@ -16,6 +16,8 @@ SGLang's `--quantization fp8` does (`local_engine/fp8.py`), re-quantized after e
 "fp8_tensor" and "nvfp4_a16" (`local_engine/fp4.py`) are SGLang's per-tensor FP8 and NVFP4 weight formats,
 `kv_cache_dtype="fp8_e4m3"` its FP8 KV cache (`local_engine/kv_cache.py`), and `logit_noise` a synthetic
 mismatch (`local_engine/logit_noise.py`) added to the raw logits before the processor.
+`enable_return_routed_experts` (SGLang's `--enable-return-routed-experts`) records an MoE model's routes in
+every forward (`local_engine/routes.py`) and returns them as SGLang's `meta_info.routed_experts`.
 """
 
 from __future__ import annotations
@@ -32,8 +34,10 @@ from megatron_tail.rollout.local_engine.control import PauseControl
 from megatron_tail.rollout.local_engine.formats import QUANTIZATIONS, quantize_linears_, requantize_
 from megatron_tail.rollout.local_engine.kv_cache import KV_CACHE_DTYPES
 from megatron_tail.rollout.local_engine.requests import GenerateItem
+from megatron_tail.rollout.local_engine.routes import RouteRecorder
 from megatron_tail.rollout.local_engine.truncation import DEFAULT_SAMPLING_MASK_MAX_TOKENS, SAMPLING_BACKENDS
 from megatron_tail.rollout.local_engine.weights import load_named_tensors_, read_safetensors_dir
+from megatron_tail.rollout.routes import encode_routes
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -58,6 +62,7 @@ class LocalEngine:
         logit_noise: float = 0.0,
         max_running: int = 256,
         sampling_backend: str = "flashinfer",
+        enable_return_routed_experts: bool = False,
     ):
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -105,6 +110,7 @@ class LocalEngine:
             logit_noise=float(logit_noise),
             sampling_backend=sampling_backend,
             sampling_mask_max_tokens=sampling_mask_max_tokens,
+            recorder=RouteRecorder(self.model) if enable_return_routed_experts else None,
         )
         self.weight_version = str(weight_version)
 
@@ -184,6 +190,10 @@ class LocalEngine:
             meta["output_token_sampling_mask"] = [support for support, _ in row.masks]
             meta["output_token_sampling_logprobs"] = [selected for _, selected in row.masks]
             meta["output_token_sampling_mask_length"] = len(row.masks)
+        if item.return_routed_experts and self.batcher.recorder is not None:
+            routes = _routes_of(row)
+            if routes is not None:
+                meta["routed_experts"] = encode_routes(routes)
         text = None
         if self.tokenizer is not None:
             text = self.tokenizer.decode(output_ids, skip_special_tokens=item.skip_special_tokens)
@@ -210,6 +220,18 @@ class LocalEngine:
                 requantize_(self.model, [name for name, _ in named_tensors])
             if weight_version is not None:
                 self.weight_version = str(weight_version)
+
+
+def _routes_of(row: Row):
+    """int32 `[seqlen − 1 − start, layers, k]` for SGLang's `meta_info.routed_experts` (start clamped to
+    seqlen − 1, as `BaseTopkCapturer.get_topk`); None for a row aborted before its first forward (SGLang
+    returns none for a request aborted in its waiting queue)."""
+    seqlen = len(row.item.input_ids) + len(row.outputs)
+    routes = torch.cat(row.routes) if row.routes else None
+    if routes is None or len(routes) != seqlen - 1:
+        return None
+    start = min(row.item.routed_experts_start_len, seqlen - 1)
+    return routes[start:].numpy()
 
 
 def raise_row_errors(rows: list[Row]) -> None:

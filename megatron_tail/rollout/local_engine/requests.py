@@ -63,6 +63,8 @@ SUPPORTED_TOP_LEVEL_KEYS = frozenset(
         "return_text_in_logprobs",
         "return_sampling_mask",
         "sampling_logprobs_mode",
+        "return_routed_experts",
+        "routed_experts_start_len",
         "stream",
         "log_metrics",
     }
@@ -95,6 +97,11 @@ class GenerateItem:
     """top_k / top_p / min_p as SGLang normalises them (`truncation.Truncation`)."""
     return_sampling_mask: bool = False
     """Return `output_token_sampling_mask` and `output_token_sampling_logprobs` ("selected" mode)."""
+    return_routed_experts: bool = False
+    """Return `meta_info.routed_experts` (only a server started with `--enable-return-routed-experts` has
+    them: without it the field is left out, as SGLang does)."""
+    routed_experts_start_len: int = 0
+    """First position whose route is returned (SGLang's `routed_experts_start_len`)."""
 
 
 @dataclass
@@ -141,6 +148,8 @@ def parse_generate_body(
     processors = _per_item(body.get("custom_logit_processor"), n, "custom_logit_processor")
     masks = _per_item(body.get("return_sampling_mask") or False, n, "return_sampling_mask")
     modes = _per_item(body.get("sampling_logprobs_mode"), n, "sampling_logprobs_mode")
+    routes = _per_item(body.get("return_routed_experts") or False, n, "return_routed_experts")
+    starts = _per_item(body.get("routed_experts_start_len") or 0, n, "routed_experts_start_len")
     items = []
     for i in range(n):
         where = f"item {i}" if batched else "request"
@@ -167,6 +176,8 @@ def parse_generate_body(
                 return_logprob=bool(return_logprob[i]),
                 top_logprobs_num=_top_logprobs_num(top_logprobs[i], vocab_size, where),
                 return_sampling_mask=bool(masks[i]),
+                return_routed_experts=bool(routes[i]),
+                routed_experts_start_len=_routes_start(bool(routes[i]), starts[i], len(ids), where),
                 **params,
             )
         )
@@ -258,6 +269,26 @@ def _sampling_params(params: Any, where: str) -> dict[str, Any]:
         "skip_special_tokens": bool(params.get("skip_special_tokens", True)),
         "custom_params": custom,
     }
+
+
+def _routes_start(requested: bool, start: Any, prompt_len: int, where: str) -> int:
+    """SGLang's checks of `routed_experts_start_len` (`Scheduler.handle_generate_request`, with its
+    messages), made only when routes are asked for, as there."""
+    if isinstance(start, bool) or not isinstance(start, int):
+        raise BadRequest(f"{where}: routed_experts_start_len must be an int; got {start!r}")
+    if not requested:
+        return 0
+    if start < 0:
+        raise BadRequest(
+            f"{where}: routed_experts_start_len={start} is lower than 0. "
+            "Please use a non-negative routed_experts_start_len."
+        )
+    if start > prompt_len:
+        raise BadRequest(
+            f"{where}: routed_experts_start_len={start} is higher than the number of input tokens "
+            f"len(req.origin_input_ids)={prompt_len}. Please use a smaller routed_experts_start_len."
+        )
+    return start
 
 
 def _require_default(body: dict, key: str, allowed: tuple) -> None:
