@@ -66,6 +66,9 @@ class SGLangServerConfig:
     mask; requests with `return_sampling_mask` need 1 ≤ top_k ≤ it (`srt/managers/scheduler.py`) and abort
     when a realised support exceeds it (`batch_result_processor.get_sampling_mask_finish_reason`).
     `rollout.sampling_mask_max_tokens`."""
+    return_routed_experts: bool = False
+    """`--enable-return-routed-experts`: the server captures each token's MoE routes and returns them to
+    requests that set `return_routed_experts` (`rollout/routes.py`); routing replay r3 needs it."""
     extra_args: tuple[str, ...] = ()
     """Further SGLang flags, passed through verbatim."""
 
@@ -108,6 +111,8 @@ def build_sglang_server_command(cfg: SGLangServerConfig, python: str = sys.execu
         cmd += ["--quantization", "fp8", "--load-format", "flash_rl"]
     if cfg.sampling_mask_max_tokens is not None:
         cmd += ["--sampling-mask-max-tokens", str(cfg.sampling_mask_max_tokens)]
+    if cfg.return_routed_experts:
+        cmd.append("--enable-return-routed-experts")
     return cmd + list(cfg.extra_args)
 
 
@@ -165,6 +170,8 @@ class LocalEngineConfig:
     sampling_backend: str = "flashinfer"
     """Whose truncation the engine follows: SGLang's CUDA default "flashinfer", or "pytorch", the backend
     `--enable-deterministic-inference` forces (`rollout.deterministic`); `local_engine/truncation.py`."""
+    return_routed_experts: bool = False
+    """SGLang's `--enable-return-routed-experts`, same meaning (`local_engine/routes.py`; MoE models only)."""
 
     def __post_init__(self):
         _check_port(self.port)
@@ -208,6 +215,8 @@ def build_local_engine_command(cfg: LocalEngineConfig, python: str = sys.executa
         cmd += ["--logit-noise", repr(float(cfg.logit_noise))]
     if cfg.sampling_backend != "flashinfer":
         cmd += ["--sampling-backend", cfg.sampling_backend]
+    if cfg.return_routed_experts:
+        cmd.append("--enable-return-routed-experts")
     return cmd
 
 
