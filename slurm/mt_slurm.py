@@ -113,6 +113,7 @@ def serve(args: argparse.Namespace) -> int:
             sampling_mask_max_tokens=args.sampling_mask_max_tokens,
             # as SGLang: --enable-deterministic-inference forces its PyTorch sampler (train/run/engines.py)
             sampling_backend="pytorch" if args.deterministic else "flashinfer",
+            return_routed_experts=args.return_routed_experts,
         )
         cmd = build_local_engine_command(cfg, python=sys.executable)
     else:
@@ -129,6 +130,7 @@ def serve(args: argparse.Namespace) -> int:
             quantization=args.quantization,
             deterministic_inference=args.deterministic,
             sampling_mask_max_tokens=args.sampling_mask_max_tokens,
+            return_routed_experts=args.return_routed_experts,
             extra_args=tuple(args.extra_args.split()),
         )
         cmd = build_sglang_server_command(cfg, python=args.server_python or sys.executable)
@@ -228,6 +230,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--deterministic",
         action="store_true",
         help="SGLang: --enable-deterministic-inference; local: --sampling-backend pytorch",
+    )
+    p.add_argument(
+        "--return-routed-experts",
+        action="store_true",
+        help="--enable-return-routed-experts on either backend (algorithm.routing_replay r3)",
     )
     p.add_argument("--server-python", default="", help="the Python that runs SGLang [this one]")
     p.set_defaults(func=serve)
