@@ -248,13 +248,14 @@ class RolloutSection:
     counted (`rollout.client.SupportOverflowError`); one rejected on every attempt is a user error naming
     both keys (`rollout.client.SupportOverflowsExhausted`)."""
     max_staleness: int = 0
-    """How many weight versions a step's samples may lag the policy they train: 0, each step samples with
-    the weights it trains (rollout and training alternate); 1, step k+1's batch is generated while step k
-    trains, with the weights step k started from (one version behind; the IS corrections weigh by
-    π_old/π_infer, the decoupled PPO objective; see the README); η ≥ 2, a rollout manager
-    (`rollout/manager.py`) keeps the engines generating and admits a group only while at most η + 1 steps
-    of groups are ahead of the trainer (AReaL's capacity rule); a straggler trains at its true staleness,
-    logged in `rollout/staleness_max` (see `stale_groups`)."""
+    """η, how many weight versions a step's samples may lag the policy they train. The rollout manager
+    (`rollout/manager.py`) makes every batch and admits a group only while at most η + 1 steps of groups
+    are ahead of the trainer (AReaL's capacity rule): 0, each step samples with the weights it trains
+    (rollout and training alternate); 1, step k+1's groups generate while step k trains, with the weights
+    step k started from (one version behind; the IS corrections weigh by π_old/π_infer, the decoupled PPO
+    objective; see the README); at η ≤ 1 a batch is the step's own groups, in prompt order. η ≥ 2: a
+    batch is the first groups completed, oldest first; a straggler trains at its true staleness, logged in
+    `rollout/staleness_max` (see `stale_groups`)."""
     stale_groups: str = "train"
     """Under the rollout manager, a completed group whose oldest token is more than `max_staleness`
     versions behind the step: "train" (the default, AReaL's rule) trains it at its true staleness, the IS
@@ -263,8 +264,8 @@ class RolloutSection:
     partial_rollouts: bool = False
     """At a weight update, requests in flight are paused (`pause_mode`) and continued from their tokens
     under the new weights, each token keeping the log-prob and version of the weights that sampled it
-    (AReaL's interruptible rollouts). Uses the rollout manager, also with max_staleness 0 or 1. False:
-    without it, the manager lets the requests in flight finish before a weight update."""
+    (AReaL's interruptible rollouts), at any `max_staleness`. False: the manager lets the requests in
+    flight finish before a weight update."""
     pause_mode: PauseMode = "abort"
     """How a weight update pauses the engines (SGLang's `/pause_generation` modes, `PauseGenerationReqInput`
     in `srt/managers/io_struct.py`): "abort" ends the requests in flight, the client continues each from its
@@ -274,11 +275,6 @@ class RolloutSection:
     (abort's re-prefill without the round trip through the client). Each token keeps the version and
     log-prob of the weights that sampled it in every mode (see the README). It matters only with
     `partial_rollouts`: without them the manager drains the requests in flight before an update."""
-
-    @property
-    def uses_manager(self) -> bool:
-        """The rollout manager drives generation (η ≥ 2 or partial rollouts); else the step-wise loop."""
-        return self.max_staleness >= 2 or self.partial_rollouts
 
     @property
     def truncates(self) -> bool:
@@ -493,13 +489,14 @@ class DataSection(PromptFormat):
     bound is not logged."""
 
     filter_zero_variance_groups: bool = False
-    """DAPO's dynamic sampling: drop groups whose rewards are all equal (zero advantages) and draw more
-    prompts, up to `max_sampling_rounds` rounds, until the step has `prompts_per_step` groups
-    (`megatron_tail.rollout.dynamic_sampling`). Prompts then come from a stream whose position is
-    checkpointed; `reward/mean` is over the trained groups, `reward/generated_mean` over all drawn."""
+    """DAPO's dynamic sampling, a filter on finished groups: the rollout manager drops a group whose rewards
+    are all equal (zero advantages; `rollout/filtered_groups`) and admits the next prompt of the stream in
+    its place at once, until the step has `prompts_per_step` groups. `reward/mean` is over the trained
+    groups, `reward/generated_mean` over every group completed."""
     max_sampling_rounds: int = 4
-    """Rounds of generation per step with `filter_zero_variance_groups` (1..64); after them the step trains
-    on the groups it has (`rollout/batch_fill` < 1)."""
+    """With `filter_zero_variance_groups` (1..64): after `max_sampling_rounds × prompts_per_step` groups
+    filtered for one batch (as many as that many rounds of a full step would draw) the step trains on the
+    groups it has, cut to what the trainer splits (`rollout/batch_fill` < 1; none: a skipped step)."""
 
     def __post_init__(self) -> None:
         _positive_int("data", "prompts_per_step", self.prompts_per_step)
