@@ -1,4 +1,4 @@
-"""Process groups for training: torch.distributed + megatron's TP × PP × DP parallel state + RNG.
+"""Process groups for training: torch.distributed + megatron's TP × PP × DP (× EP) parallel state + RNG.
 
     init_distributed()                           # from torchrun env vars (no-op if already initialised)
     wait = host_wait_group()                     # gloo, world-wide: where ranks wait for rank 0's phases
@@ -16,6 +16,14 @@ get_data_parallel_group(with_context_parallel=True)`; `DistributedDataParallel._
 on `intra_dp_cp_group`), and the distributed optimizer shards its state over the same ranks
 (`get_megatron_optimizer`, optimizer/__init__.py: `data_parallel_group=intra_dp_cp_group`). CP ranks hold
 the same parameters and different tokens, so their gradients are partial sums like DP ranks' are.
+
+Expert parallelism (EP, mixture-of-experts models): megatron lays the expert weights out on the same world
+in a second rank order, expert-TP × EP × expert-DP × PP (`initialize_model_parallel(
+expert_model_parallel_size=EP, expert_tensor_parallel_size=ETP)`; parallel_state.py builds
+`expert_decoder_rank_generator` with cp=1), so the world must be a multiple of ETP × EP × PP as well as of
+TP × CP × PP; expert-DP = world / (ETP × EP × PP) replicas of each expert. ETP defaults to TP (megatron's
+default). Expert weights' gradients reduce over expert-DP, not DP (`DistributedDataParallel`'s
+`expt_dp_group` buffers, distributed/distributed_data_parallel.py).
 """
 
 from __future__ import annotations
@@ -44,6 +52,10 @@ class ParallelConfig:
     context_parallel: int = 1
     """CP size: splits every packed sequence into 2·CP chunks, rank r keeping chunks r and 2·CP−1−r
     (megatron's `context_parallel_size`); gradients then reduce over data parallel × CP."""
+    expert_parallel: int = 1
+    """EP size (mixture-of-experts models): each rank of an EP group holds num_experts / EP experts."""
+    expert_tensor_parallel: int | None = None
+    """Expert-TP size: splits each expert's FFN (megatron's `expert_tensor_parallel_size`); None = TP."""
     seed: int = 1234
     """Seed of torch's RNG and megatron's model-parallel RNG trackers."""
     distributed_timeout_minutes: float = 120.0
@@ -51,10 +63,18 @@ class ParallelConfig:
     whole minutes, rounded up); `init_distributed` takes the same for the world group."""
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel", "pipeline_parallel", "context_parallel"):
+        for name in ("tensor_parallel", "pipeline_parallel", "context_parallel", "expert_parallel"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int ≥ 1; got {value!r}")
+        etp = self.expert_tensor_parallel
+        if etp is not None and (isinstance(etp, bool) or not isinstance(etp, int) or etp < 1):
+            raise ValueError(f"expert_tensor_parallel must be an int ≥ 1 or None; got {etp!r}")
+
+    @property
+    def resolved_expert_tensor_parallel(self) -> int:
+        """Expert-TP size: `expert_tensor_parallel`, else TP (megatron's default)."""
+        return self.expert_tensor_parallel or self.tensor_parallel
 
 
 @dataclass(frozen=True)
@@ -78,6 +98,18 @@ class ParallelGroups:
     per-token sums reduce (megatron's `get_data_parallel_group(with_context_parallel=True)`)."""
     cp_rank: int = 0
     cp_size: int = 1
+    ep: dist.ProcessGroup | None = None
+    """Expert parallel: the ranks whose experts together make every expert of a layer (None: not recorded)."""
+    etp: dist.ProcessGroup | None = None
+    """Expert tensor parallel: the ranks that split each of their experts' FFN."""
+    edp: dist.ProcessGroup | None = None
+    """Expert data parallel: the replicas of the same experts, over which expert gradients reduce."""
+    ep_rank: int = 0
+    ep_size: int = 1
+    etp_rank: int = 0
+    etp_size: int = 1
+    edp_rank: int = 0
+    edp_size: int = 1
 
     @property
     def dp_cp_group(self) -> dist.ProcessGroup:
@@ -142,6 +174,8 @@ def init_parallel(config: ParallelConfig) -> ParallelGroups:
         tensor_model_parallel_size=config.tensor_parallel,
         pipeline_model_parallel_size=config.pipeline_parallel,
         context_parallel_size=config.context_parallel,
+        expert_model_parallel_size=config.expert_parallel,
+        expert_tensor_parallel_size=config.resolved_expert_tensor_parallel,
         distributed_timeout_minutes=math.ceil(config.distributed_timeout_minutes),
     )
     torch.manual_seed(config.seed)
@@ -151,13 +185,22 @@ def init_parallel(config: ParallelConfig) -> ParallelGroups:
 
 
 def check_world_size(world: int, config: ParallelConfig) -> None:
-    """ValueError naming the sizes unless `world` = TP × PP × CP × DP for some whole DP ≥ 1."""
+    """ValueError naming the sizes unless `world` = TP × PP × CP × DP for some whole DP ≥ 1 and, with
+    experts, `world` = ETP × EP × PP × expert-DP for some whole expert-DP ≥ 1."""
     model_parallel = config.tensor_parallel * config.pipeline_parallel * config.context_parallel
     if world % model_parallel:
         raise ValueError(
             f"world size {world} is not a multiple of tensor_parallel × pipeline_parallel × "
             f"context_parallel = {config.tensor_parallel} × {config.pipeline_parallel} × "
             f"{config.context_parallel} = {model_parallel}"
+        )
+    etp = config.resolved_expert_tensor_parallel
+    expert_parallel = etp * config.expert_parallel * config.pipeline_parallel
+    if world % expert_parallel:
+        raise ValueError(
+            f"world size {world} is not a multiple of expert_tensor_parallel × expert_parallel × "
+            f"pipeline_parallel = {etp} × {config.expert_parallel} × {config.pipeline_parallel} = "
+            f"{expert_parallel}"
         )
 
 
@@ -177,6 +220,15 @@ def current_groups() -> ParallelGroups:
         dp_cp=parallel_state.get_data_parallel_group(with_context_parallel=True),
         cp_rank=parallel_state.get_context_parallel_rank(),
         cp_size=parallel_state.get_context_parallel_world_size(),
+        ep=parallel_state.get_expert_model_parallel_group(),
+        etp=parallel_state.get_expert_tensor_parallel_group(),
+        edp=parallel_state.get_expert_data_parallel_group(),
+        ep_rank=parallel_state.get_expert_model_parallel_rank(),
+        ep_size=parallel_state.get_expert_model_parallel_world_size(),
+        etp_rank=parallel_state.get_expert_tensor_parallel_rank(),
+        etp_size=parallel_state.get_expert_tensor_parallel_world_size(),
+        edp_rank=parallel_state.get_expert_data_parallel_rank(),
+        edp_size=parallel_state.get_expert_data_parallel_world_size(),
     )
 
 
