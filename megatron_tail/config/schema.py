@@ -97,6 +97,13 @@ class ParallelSection:
     """CP size: every packed sequence is padded to a multiple of 2·CP and split into 2·CP chunks, CP rank r
     computing chunks r and 2·CP−1−r, so activations and logits per GPU shrink by CP (long responses).
     Needs packed micro-batches (`train.max_tokens_per_micro_batch`). Gradients reduce over DP × CP."""
+    expert_parallel: int = 1
+    """EP size, mixture-of-experts models only: each rank of an EP group holds num_experts / EP experts of
+    every MoE layer (megatron's `expert_model_parallel_size`); must divide the model's num_experts."""
+    expert_tensor_parallel: int | None = None
+    """Expert-TP size, MoE models only: splits each expert's FFN (megatron's `expert_tensor_parallel_size`).
+    None: tensor_parallel. The world must be a multiple of expert_tensor_parallel × expert_parallel ×
+    pipeline_parallel; expert data parallel is what is left."""
     distributed_timeout_minutes: float = 120.0
     """Timeout of every trainer process group: the world group (`init_process_group`; without one NCCL
     kills a collective after 10 minutes) and megatron's TP/PP/DP groups. 120: ranks no longer wait for rank
@@ -114,10 +121,25 @@ class ParallelSection:
     def wait_timeout_minutes(self) -> float:
         return self.rank0_wait_timeout_minutes or self.distributed_timeout_minutes
 
+    def check_expert_world(self, world_size: int) -> None:
+        """UserError naming the values unless `world_size` is a multiple of ETP × EP × PP (megatron's expert
+        layout, `initialize_model_parallel`); nothing to check without expert options."""
+        etp = self.expert_tensor_parallel or self.tensor_parallel
+        experts = etp * self.expert_parallel * self.pipeline_parallel
+        if world_size % experts:
+            raise UserError(
+                f"parallel.expert_tensor_parallel × parallel.expert_parallel × parallel.pipeline_parallel = "
+                f"{etp} × {self.expert_parallel} × {self.pipeline_parallel} = {experts} does not divide the "
+                f"world size {world_size}"
+            )
+
     def __post_init__(self) -> None:
         _positive_int("parallel", "tensor_parallel", self.tensor_parallel)
         _positive_int("parallel", "pipeline_parallel", self.pipeline_parallel)
         _positive_int("parallel", "context_parallel", self.context_parallel)
+        _positive_int("parallel", "expert_parallel", self.expert_parallel)
+        if self.expert_tensor_parallel is not None:
+            _positive_int("parallel", "expert_tensor_parallel", self.expert_tensor_parallel)
         for name in ("distributed_timeout_minutes", "rank0_wait_timeout_minutes"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not value > 0):
@@ -739,6 +761,7 @@ class RunConfig:
                 f"does not divide the world size {world_size}; launch with `torchrun --nproc-per-node "
                 f"{model_parallel} -m megatron_tail.cli train CONFIG.yaml` (or a multiple of it)"
             )
+        p.check_expert_world(world_size)
 
     def warnings(self) -> list[str]:
         """Valid settings a user should still be told about at the start of a run, one line each."""
