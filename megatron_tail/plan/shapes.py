@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 from megatron_tail.model.hf_config import HFArch
+from megatron_tail.utils.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,12 @@ class ModelShape:
 
     @classmethod
     def from_arch(cls, arch: HFArch, vocab_pad_multiple: int) -> ModelShape:
+        if arch.moe is not None:
+            # counting only the dense MLP would under-count every expert's weights, gradients and state
+            raise UserError(
+                f"megatron-tail plan does not count mixture-of-experts models yet ({arch.architecture}, "
+                f"{arch.moe.num_experts} experts): its terms cover dense models only"
+            )
         padded = math.ceil(arch.vocab_size / vocab_pad_multiple) * vocab_pad_multiple
         return cls(
             hidden=arch.hidden_size,

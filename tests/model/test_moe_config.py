@@ -113,3 +113,24 @@ def test_transformer_config_and_modules(norm, coeff):
     assert (
         got["sequential"] == [True, True] and got["local_experts"] == [2, 2] and got["shared"] == [None, None]
     )
+
+
+def test_run_config_refusals_are_one_line_user_errors():
+    from megatron_tail.config.schema import ParallelSection, RunConfig
+
+    with pytest.raises(UserError, match=r"^parallel.expert_parallel must be an int ≥ 1; got 0$"):
+        ParallelSection(expert_parallel=0)
+    config = RunConfig(
+        parallel=ParallelSection(tensor_parallel=2, expert_parallel=4, expert_tensor_parallel=1)
+    )
+    with pytest.raises(UserError, match=r"= 1 × 4 × 1 = 4 does not divide the world size 2$") as err:
+        config.check_world(2)
+    assert "\n" not in str(err.value)
+    config.check_world(4)
+
+
+def test_plan_refuses_moe_instead_of_counting_it_dense():
+    from megatron_tail.plan.shapes import ModelShape
+
+    with pytest.raises(UserError, match="does not count mixture-of-experts models yet"):
+        ModelShape.from_arch(load_hf_config(_moe_cfg()), 128)
