@@ -1,4 +1,4 @@
-"""Qwen3 / Qwen2.5 / Llama-3 as megatron-core `GPTModel`, and the HF ⇄ Megatron weight bridge.
+"""Qwen3 / Qwen2.5 / Llama-3 / Qwen3-MoE as megatron-core `GPTModel`, and the HF ⇄ Megatron weight bridge.
 
     arch = load_hf_config(hf_dir)                       # refuses unsupported architectures
     model = build_gpt_model(arch, ModelSettings())      # this rank's TP×PP stage; needs parallel_state
@@ -30,5 +30,7 @@ __getattr__, __dir__, __all__ = lazy_exports(
         "ParamMapping": ".naming",
         "hf_tensor_shapes": ".naming",
         "megatron_to_hf": ".naming",
+        "router_replays": ".moe",
+        "MoEArch": ".moe_arch",
     },
 )

@@ -34,8 +34,13 @@ def padded_vocab_size(vocab_size: int, tp_size: int, multiple: int = DEFAULT_VOC
     return padded
 
 
-def transformer_config(arch: HFArch, settings: ModelSettings | None = None) -> TransformerConfig:
+def transformer_config(
+    arch: HFArch, settings: ModelSettings | None = None, *, routing_replay: bool = False
+) -> TransformerConfig:
     """The megatron-core `TransformerConfig` of `arch` at the current TP/PP sizes.
+
+    `routing_replay` (MoE only): megatron's `moe_enable_routing_replay`, a `RouterReplay` per router
+    (transformer/moe/router_replay.py) that can record and replay the top-k choice.
 
     `calculate_per_token_loss=True`: the training step normalises the loss itself by a global token count,
     so megatron must neither divide by the number of micro-batches nor average over DP.
@@ -109,7 +114,7 @@ def transformer_config(arch: HFArch, settings: ModelSettings | None = None) -> T
         # TransformerConfig refuses variable lengths with the default "allgather" MoE dispatcher even for a
         # dense model (transformer_config.py `__post_init__`); no MoE layer exists here, so any other does.
         **({"moe_token_dispatcher_type": "alltoall" if pp > 1 else "allgather"} if arch.moe is None else {}),
-        **moe_config_fields(arch, settings, ep=ep, etp=etp),
+        **moe_config_fields(arch, settings, ep=ep, etp=etp, routing_replay=routing_replay),
         **_recompute_fields(settings),
     )
 

@@ -58,6 +58,7 @@ def build_gpt_model(
     *,
     pre_process: bool | None = None,
     post_process: bool | None = None,
+    routing_replay: bool = False,
 ) -> TailGPTModel:
     """This rank's stage of the Megatron model of `arch` (randomly initialised; load weights with the bridge).
 
@@ -65,13 +66,14 @@ def build_gpt_model(
     over `padded_vocab_size(arch.vocab_size, tp, settings.vocab_pad_multiple)` columns; columns at and
     beyond `arch.vocab_size` are padding (zero weights) that the log-prob op masks via `vocab_size`.
     On PP > 1 the tied output layer of the last stage is a copy of the embedding that megatron keeps in
-    sync through the embedding group.
+    sync through the embedding group. `routing_replay` (MoE): each router gets megatron's `RouterReplay`
+    (`moe.router_replays(model)` lists them in layer order).
     """
     settings = settings or ModelSettings()
     if arch.moe is not None:
         # megatron's router reads an undefined name without TE (patches/moe_te_gemm.py)
         apply_moe_te_gemm_shim()
-    config = transformer_config(arch, settings)
+    config = transformer_config(arch, settings, routing_replay=routing_replay)
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage()
     if post_process is None:

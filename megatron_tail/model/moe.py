@@ -46,10 +46,14 @@ def moe_dispatcher(settings: ModelSettings) -> str:
     return "alltoall" if torch.cuda.is_available() else "allgather"
 
 
-def moe_config_fields(arch: HFArch, settings: ModelSettings, *, ep: int, etp: int) -> dict:
+def moe_config_fields(
+    arch: HFArch, settings: ModelSettings, *, ep: int, etp: int, routing_replay: bool = False
+) -> dict:
     """The MoE fields of the `TransformerConfig` of `arch` (empty for a dense model)."""
     moe = arch.moe
     if moe is None:
+        if routing_replay:
+            raise UserError(f"routing replay needs a mixture-of-experts model; {arch.architecture} is dense")
         return {}
     coeff = settings.moe_aux_loss_coeff
     return {
@@ -65,7 +69,22 @@ def moe_config_fields(arch: HFArch, settings: ModelSettings, *, ep: int, etp: in
         "moe_token_dispatcher_type": moe_dispatcher(settings),
         "expert_model_parallel_size": ep,
         "expert_tensor_parallel_size": etp,
+        "moe_enable_routing_replay": routing_replay,
     }
+
+
+def router_replays(model: torch.nn.Module) -> list:
+    """This model chunk's `RouterReplay` instances, one per MoE layer of its stage, in layer order (empty
+    without `routing_replay`). megatron keeps every instance of the process in one class-level list
+    (`RouterReplay.global_router_replay_instances`), which a second model (a reference policy) extends:
+    drive a model's own instances through this list rather than the global one."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    out = []
+    for layer in model.decoder.layers:
+        if isinstance(layer.mlp, MoELayer) and layer.mlp.router.router_replay is not None:
+            out.append(layer.mlp.router.router_replay)
+    return out
 
 
 def check_cpu_moe_layout(arch: HFArch, settings: ModelSettings, pp: int) -> None:
