@@ -5,20 +5,26 @@ in-memory weight sync.
                                        [--workdir DIR] [--json]
 
 Suite "loop": the real RL loop (`train.run.loop.run`, TP = 1) with one continuously batching local engine,
-each arm in a fresh process: synchronous (`rollout.max_staleness: 0`), one step ahead (η = 1), and the
-rollout manager at η = 2 and η = 4 with `rollout.partial_rollouts`. The trainer and the engine get one
-torch thread each (one core each on a 2-core machine); the trainer packs its micro-batches (THD, a token
-budget), and the manager keeps at most `LOOP_MAX_CONCURRENCY` groups generating. `--set KEY=VALUE`
-overrides any of these for every arm. Steps/s and seconds per step by phase are means over
-steps 2..N−1 (step 1 waits for a first batch in every arm).
+each arm in a fresh process (`ARMS`). Single-turn: synchronous (`rollout.max_staleness: 0`), one step ahead
+(η = 1), and the rollout manager at η = 2 and η = 4 with `rollout.partial_rollouts`, the η = 2 arm once per
+`rollout.pause_mode` (abort / in_place / retract). Agentic: the calculator environment, ≤ 3 turns, top-p 0.95
+and top-k 20, synchronous and at η = 2 / 4 with partial rollouts. The trainer and the engine get one torch
+thread each (one core each on a 2-core machine); the trainer packs its micro-batches (THD, a token budget),
+and the manager keeps at most `LOOP_MAX_CONCURRENCY` groups generating. `--set KEY=VALUE` overrides any of
+these for every arm. Steps/s and seconds per step by phase are means over steps 2..N−1 (step 1 waits for a
+first batch in every arm); `speedup_vs_sync` is against the synchronous arm of the same workload.
 
-The long-tail response-length mix: a tiny random Qwen3 (hidden 64, 2 layers) whose end-of-sequence token
-has the same probability `LONG_TAIL_EOS_P` at every position whatever the context (every token's embedding
-carries one large constant coordinate, which the final norm maps to a near-constant feature; the EOS row of
-the LM head reads it, the other rows ignore it), so response lengths are geometric, capped at
-`max_new_tokens`: mean ≈ 1/p, most responses short, and in a step of 64 samples the longest usually near
-the cap. This is the shape RL produces (a few long chains of thought); a synchronous step waits for its
-longest response while the continuously batching engine runs nearly empty.
+The workload (`loop_model`): a tiny random Qwen3 (hidden 64, 2 layers) whose response length is driven by
+the prompt's difficulty, by construction of its weights: half the prompts end with a "hard" marker, and a
+response continues in its prompt's mode, where the end-of-sequence token has probability 0.01 per token
+(hard) or 0.04 (easy), whatever else the context holds. Lengths are geometric per mode, capped at
+`max_new_tokens`: most responses short, hard prompts ≈ 4× longer, and in a step of 64 samples the longest
+usually near the cap. This is the shape RL produces (a few long chains of thought, on the hard problems); a
+synchronous step waits for its longest response while the continuously batching engine runs nearly empty,
+and an asynchronous one could train the short (easy) ones first. So each arm also reports, over every
+trained sample of the run, the mean length of the longest decile and the fraction from hard prompts: they
+should match the synchronous arm's (the trained distribution is not biased against long responses), and
+`dropped_samples` (the sum of `rollout/dropped_stale`) should be 0.
 
 Suite "sync": a synthetic Qwen3 of ~200M parameters (hidden 1024, 12 layers, vocab 32768) served by one bf16
 local engine; its HF tensors (what `model.iter_hf_tensors` yields on rank 0: bf16 from a bf16 trainer, fp32
@@ -49,44 +55,77 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+from .loop_model import (
+    EASY_EOS_P,
+    HARD_EOS_P,
+    length_stats,
+    record_trained_samples,
+    save_long_tail_model,
+    write_prompt_mix,
+)
 from .memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 
 SYNC_MODEL = dict(
     hidden_size=1024, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=16,
     num_key_value_heads=8, head_dim=64, vocab_size=32768, max_position_embeddings=256,
 )  # fmt: skip
-LOOP_MODEL = dict(
-    hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-    head_dim=16, max_position_embeddings=320,
-)  # fmt: skip
-LONG_TAIL_EOS_P = 0.02
-"""Probability of the end-of-sequence token at every response position (lengths ~ geometric, mean ≈ 50)."""
 LONG_TAIL_MAX_NEW_TOKENS = 256
+AGENTIC_MAX_NEW_TOKENS = 96
+"""The agentic arm's longest model turn (3 turns, observations of ≤ `AGENTIC_MAX_OBSERVATION_TOKENS`)."""
+AGENTIC_MAX_TURNS = 3
+AGENTIC_MAX_OBSERVATION_TOKENS = 160
+"""The calculator's error observation (with the chat tags around it) is ≈ 120 tokens."""
 LOOP_TOKENS_PER_MICRO_BATCH = 4096
-"""The trainer's packed micro-batch (`train.max_tokens_per_micro_batch`): a step's ~3.5k tokens, one or
+"""The trainer's packed micro-batch (`train.max_tokens_per_micro_batch`): a step's ~4k tokens, one or
 two micro-batches."""
 LOOP_MAX_CONCURRENCY = 32
 """Groups generating at once under the rollout manager (`rollout.max_concurrency`): 4 steps' worth, which
-keeps ≈ 40–80 sequences decoding; more only slows each sequence (more of them dropped as stale), fewer
-leaves the engine's batch small. Chosen by measurement (16 / 24 / 32 / 48: the partial-rollouts bench
-write-up in docs/results)."""
+keeps ≈ 40–80 sequences decoding; more only slows each sequence, fewer leaves the engine's batch small.
+Chosen by measurement (16 / 24 / 32 / 48: the partial-rollouts bench write-up in docs/results). With an
+environment it counts episodes: the agentic arms get `LOOP_MAX_CONCURRENCY × group_size`, the same groups."""
+GROUP_SIZE = 8
+
+
+@dataclass(frozen=True)
+class Arm:
+    staleness: int
+    """`rollout.max_staleness` (η)."""
+    partial: bool = False
+    """`rollout.partial_rollouts`."""
+    env: str | None = None
+    """`rollout.env` (the agentic workload) or None (single-turn)."""
+    pause_mode: str = "abort"
+    """`rollout.pause_mode` (matters with `partial` only)."""
+    baseline: str = "sync"
+    """The synchronous arm of the same workload: `speedup_vs_sync` is against it."""
+
+    def label(self) -> str:
+        extra = [", partial" if self.partial else "", f", {self.pause_mode}" if self.partial else ""]
+        return f"η={self.staleness}{''.join(extra)}"
+
+
 ARMS = {
-    # name: (rollout.max_staleness, rollout.partial_rollouts)
-    "sync": (0, False),
-    "eta1": (1, False),
-    "eta2_partial": (2, True),
-    "eta4_partial": (4, True),
+    "sync": Arm(0),
+    "eta1": Arm(1),
+    "eta2_partial": Arm(2, True),
+    "eta2_in_place": Arm(2, True, pause_mode="in_place"),
+    "eta2_retract": Arm(2, True, pause_mode="retract"),
+    "eta4_partial": Arm(4, True),
+    "agentic_sync": Arm(0, env="calculator", baseline="agentic_sync"),
+    "agentic_eta2_partial": Arm(2, True, env="calculator", baseline="agentic_sync"),
+    "agentic_eta4_partial": Arm(4, True, env="calculator", baseline="agentic_sync"),
 }
+"""The loop suite's arms. The η = 2 arms differ only in `rollout.pause_mode`; the agentic arms run the
+calculator environment, multi-turn, with Qwen3's recommended truncation (top-p 0.95, top-k 20)."""
 
 
 # --- suite "loop" -------------------------------------------------------------------------------------
 
 
-def loop_overrides(
-    model_dir: Path, prompts: Path, run_dir: Path, staleness: int, steps: int, partial: bool = False
-) -> list[str]:
+def loop_overrides(model_dir: Path, prompts: Path, run_dir: Path, arm: Arm, steps: int) -> list[str]:
     settings = {
         "run_dir": run_dir,
         "seed": 3,
@@ -96,9 +135,10 @@ def loop_overrides(
         "rollout.engine": "local",
         "rollout.local_num_threads": 1,
         "rollout.max_new_tokens": LONG_TAIL_MAX_NEW_TOKENS,
-        "rollout.max_staleness": staleness,
-        "rollout.partial_rollouts": partial,
-        "algorithm.group_size": 8,
+        "rollout.max_staleness": arm.staleness,
+        "rollout.partial_rollouts": arm.partial,
+        "rollout.pause_mode": arm.pause_mode,
+        "algorithm.group_size": GROUP_SIZE,
         "algorithm.log_rho": -13.0,
         "algorithm.is_mode": "mis",
         "optimizer.lr": 1e-4,
@@ -117,25 +157,37 @@ def loop_overrides(
         "logging.progress": "never",
         "logging.tensorboard": False,
     }
+    if arm.env is not None:
+        settings.update({
+            "rollout.env": arm.env,
+            "rollout.max_turns": AGENTIC_MAX_TURNS,
+            "rollout.max_new_tokens": AGENTIC_MAX_NEW_TOKENS,
+            "rollout.max_observation_tokens": AGENTIC_MAX_OBSERVATION_TOKENS,
+            "rollout.top_p": 0.95,
+            "rollout.top_k": 20,
+            "rollout.max_concurrency": LOOP_MAX_CONCURRENCY * GROUP_SIZE,  # episodes: the same groups
+        })  # fmt: skip
     return [f"{k}={v}" for k, v in settings.items()]
 
 
-def loop_arm(
-    model_dir: str, prompts: str, run_dir: str, staleness: int, steps: int, partial: bool, extra: list[str]
-) -> dict:
-    """In this (fresh) process: the loop with one trainer thread; its per-step perf history. `extra`:
-    `--set` overrides, after the benchmark's own."""
+def loop_arm(model_dir: str, prompts: str, run_dir: str, arm: Arm, steps: int, extra: list[str]) -> dict:
+    """In this (fresh) process: the loop with one trainer thread; its per-step perf history and, per step,
+    the trained samples' (hard prompt?, response tokens). `extra`: `--set` overrides, after the benchmark's
+    own."""
     import torch
 
     from megatron_tail.config import load_config
     from megatron_tail.train.run.loop import run
 
     torch.set_num_threads(1)
-    overrides = loop_overrides(Path(model_dir), Path(prompts), Path(run_dir), staleness, steps, partial)
-    cfg = load_config(None, [*overrides, *extra])
+    trained: list[list[tuple[bool, int]]] = []
+    record_trained_samples(trained)
+    cfg = load_config(
+        None, [*loop_overrides(Path(model_dir), Path(prompts), Path(run_dir), arm, steps), *extra]
+    )
     started = time.perf_counter()
     result = run(cfg)
-    return {"history": result.history, "wall_s": time.perf_counter() - started}
+    return {"history": result.history, "wall_s": time.perf_counter() - started, "trained": trained}
 
 
 PHASES = [
@@ -155,68 +207,91 @@ ROLLOUT = [
     ("partial fraction", "rollout/partial_fraction", ".2f"),
     ("versions per sample", "rollout/versions_per_sample_mean", ".2f"),
     ("dropped stale (samples / step)", "rollout/dropped_stale", ".1f"),
+    ("model turns per episode", "rollout/turns_mean", ".2f"),
+]
+TRAINED = [
+    ("dropped samples (all steps)", "dropped_samples", ".0f"),
+    ("trained length, longest-decile mean (all steps)", "length_top_decile_mean", ".1f"),
+    ("trained length mean (all steps)", "length_trained_mean", ".1f"),
+    ("hard-prompt fraction of trained samples", "hard_fraction", ".3f"),
 ]
 
 
-def summarize_loop(history: list[dict]) -> dict[str, float]:
+def summarize_loop(history: list[dict], trained: list[list] | None = None) -> dict[str, float]:
     """Means over the steady steps 2..N−1 (step 1 waits for a first batch in every arm; after the last
     step an ahead-running arm's generation is thrown away); steps/s = 1 / mean step time;
-    `rollout/staleness_max` is the maximum over them."""
+    `rollout/staleness_max` is the maximum over them. Over all steps: `dropped_samples` (the sum of
+    `rollout/dropped_stale`) and, given `trained` (per step, the trained samples' (hard?, length)), the
+    trained lengths' statistics (`loop_model.length_stats`)."""
     if len(history) < 3:
         raise ValueError(f"need ≥ 3 steps for steady-state means; got {len(history)}")
     steady = history[1:-1]
-    keys = {key for _, key in PHASES} | {key for _, key, _ in ROLLOUT}
+    # a rollout metric no steady step logged (turns without an environment) stays out: the table shows "–"
+    keys = {key for _, key in PHASES} | {key for _, key, _ in ROLLOUT if any(key in h for h in steady)}
     out = {key: statistics.fmean(h.get(key, 0.0) for h in steady) for key in keys}
     out["rollout/staleness_max"] = max(h.get("rollout/staleness_max", 0.0) for h in steady)
     out["steps_per_s"] = 1.0 / out["perf/step_time_s"]
     out["engine_idle_s"] = out["perf/engine_idle_fraction"] * out["perf/step_time_s"]
+    out["dropped_samples"] = float(sum(h.get("rollout/dropped_stale", 0.0) for h in history))
+    if trained is not None:
+        out.update(length_stats([(bool(h), int(n)) for step in trained for h, n in step]))
     return out
 
 
 def arms_json(arms: dict[str, dict[str, float]]) -> dict:
-    """The `--json` line: per arm its settings, steps/s, speedup over the synchronous arm, and the rest."""
-    sync = arms["sync"]["steps_per_s"]
+    """The `--json` line: per arm its settings (`env`, `max_staleness`, `partial_rollouts`, `pause_mode`),
+    steps/s, `speedup_vs_sync` against the synchronous arm of its workload (null if that arm did not run),
+    `dropped_samples`, and the rest."""
     out = {}
     for name, summary in arms.items():
-        staleness, partial = ARMS[name]
+        arm = ARMS[name]
+        base = arms.get(arm.baseline)
         out[name] = {
-            "max_staleness": staleness,
-            "partial_rollouts": partial,
+            "env": arm.env,
+            "max_staleness": arm.staleness,
+            "partial_rollouts": arm.partial,
+            "pause_mode": arm.pause_mode,
             "steps_per_s": summary["steps_per_s"],
-            "speedup_vs_sync": summary["steps_per_s"] / sync,
+            "speedup_vs_sync": None if base is None else summary["steps_per_s"] / base["steps_per_s"],
             **{k: v for k, v in summary.items() if k != "steps_per_s"},
         }
     return {"arms": out}
 
 
 def format_loop(arms: dict[str, dict[str, float]], cores: str) -> str:
-    names = list(arms)
-    sync = arms["sync"]
-    header = " | ".join(f"{n} (η={ARMS[n][0]}{', partial' if ARMS[n][1] else ''})" for n in names)
+    """One table per workload (single-turn, then agentic), each arm against its workload's synchronous arm."""
     lines = [
         "Loop (tiny Qwen3 hidden 64 × 2 layers, TP = 1, trainer and engine one torch thread each; "
         f"{cores}; packed micro-batches of {LOOP_TOKENS_PER_MICRO_BATCH} tokens; ≤ {LOOP_MAX_CONCURRENCY} "
-        "groups generating at once under the manager), "
-        f"long-tail lengths (EOS p = {LONG_TAIL_EOS_P} per token, max_new_tokens "
-        f"{LONG_TAIL_MAX_NEW_TOKENS}), 8 prompts × 8 samples per step; means of steps 2..N−1:",
-        "",
-        f"| seconds per step | {header} |",
-        "|---|" + "---|" * len(names),
+        "groups generating at once under the manager), prompt-driven lengths (half the prompts hard: EOS "
+        f"p = {EASY_EOS_P} per token on easy prompts, {HARD_EOS_P} on hard ones, `bench/loop_model.py`), "
+        f"{GROUP_SIZE} samples × 8 prompts per step; single-turn max_new_tokens {LONG_TAIL_MAX_NEW_TOKENS}; "
+        f"agentic: calculator, ≤ {AGENTIC_MAX_TURNS} turns of ≤ {AGENTIC_MAX_NEW_TOKENS} tokens, top-p 0.95, "
+        "top-k 20; means of steps 2..N−1 unless marked:",
     ]
+    for baseline in dict.fromkeys(ARMS[n].baseline for n in arms):
+        names = [n for n in arms if ARMS[n].baseline == baseline]
+        lines += ["", _table(arms, names, arms.get(baseline))]
+    return "\n".join(lines)
+
+
+def _table(arms: dict[str, dict[str, float]], names: list[str], base: dict | None) -> str:
+    header = " | ".join(f"{n} ({ARMS[n].label()})" for n in names)
+    lines = [f"| seconds per step | {header} |", "|---|" + "---|" * len(names)]
     lines += [
-        f"| {label} | " + " | ".join(f"{arms[n][key]:.3f}" for n in names) + " |" for label, key in PHASES
+        f"| {label} | " + " | ".join(f"{arms[n].get(key, 0.0):.3f}" for n in names) + " |"
+        for label, key in PHASES
     ]
-    lines += [
-        f"| {label} | " + " | ".join(format(arms[n][key], fmt) for n in names) + " |"
-        for label, key, fmt in ROLLOUT
-    ]
+    for label, key, fmt in ROLLOUT + TRAINED:
+        cells = [format(arms[n][key], fmt) if key in arms[n] else "–" for n in names]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines += [
         "| engine idle s per step | " + " | ".join(f"{arms[n]['engine_idle_s']:.3f}" for n in names) + " |",
         "| **steps/s** | " + " | ".join(f"{arms[n]['steps_per_s']:.3f}" for n in names) + " |",
-        "| **speedup vs sync** | "
-        + " | ".join(f"**{arms[n]['steps_per_s'] / sync['steps_per_s']:.2f}×**" for n in names)
-        + " |",
     ]
+    if base is not None:
+        speedups = [f"**{arms[n]['steps_per_s'] / base['steps_per_s']:.2f}×**" for n in names]
+        lines.append("| **speedup vs sync** | " + " | ".join(speedups) + " |")
     return "\n".join(lines)
 
 
@@ -236,7 +311,8 @@ def project_staleness(arms: dict[str, dict[str, float]]) -> str:
     sync = arms["sync"]
     busy = max(1.0 - sync["perf/engine_idle_fraction"], 1e-9)
     seq_sync = sync["perf/engine_sequences_mean"] / busy
-    best = max((n for n in arms if ARMS[n][1]), key=lambda n: arms[n]["steps_per_s"], default=None)
+    singles = [n for n in arms if ARMS[n].partial and ARMS[n].env is None]
+    best = max(singles, key=lambda n: arms[n]["steps_per_s"], default=None)
     if best is None:
         return ""
     a = arms[best]
@@ -472,42 +548,14 @@ def _save_model(config_overrides: dict, path: Path) -> int:
     return sum(math.prod(s) for s in _shapes(path).values())
 
 
-def save_long_tail_model(path: Path, eos_p: float = LONG_TAIL_EOS_P) -> None:
-    """The benchmark's model (module docstring): a seeded random tiny Qwen3 whose EOS probability is `eos_p`
-    at every position. Coordinate 0 of every embedding is 50, so after the final RMSNorm it is ≈ √hidden
-    whatever the context; the LM head's column 0 is zero except the EOS row, set so that the EOS logit is
-    logit(p) above the log-sum-exp of the others (calibrated on random token sequences)."""
-    import math
-
-    import torch
-    from transformers import Qwen3ForCausalLM
-
-    from megatron_tail.data.char_tokenizer import build_char_tokenizer
-    from megatron_tail.demo.model import save_hf, tiny_qwen3_config
-
-    if (path / "config.json").is_file():
-        return
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(tiny_qwen3_config(**LOOP_MODEL)).eval()
-    tokenizer = build_char_tokenizer()
-    eos = tokenizer.eos_token_id
-    with torch.no_grad():
-        model.model.embed_tokens.weight[:, 0] = 50.0
-        model.lm_head.weight[:, 0] = 0.0
-        hidden = model.model(input_ids=torch.randint(2, len(tokenizer), (16, 40))).last_hidden_state
-        logits = model.lm_head(hidden)
-        others = torch.cat([logits[..., :eos], logits[..., eos + 1 :]], dim=-1).logsumexp(-1)
-        target = (math.log(eos_p / (1 - eos_p)) + others).mean()
-        model.lm_head.weight[eos, 0] = target / hidden[..., 0].mean()
-    save_hf(model, tokenizer, path)
-
-
-def _check_overrides(parser: argparse.ArgumentParser, work: Path, overrides: list[str]) -> None:
+def _check_overrides(
+    parser: argparse.ArgumentParser, work: Path, arms: list[str], overrides: list[str]
+) -> None:
     """A bad `--set` is refused here, in one line, before any arm starts its subprocess."""
     from megatron_tail.config import load_config
 
-    for name, (staleness, partial) in ARMS.items():
-        arm = loop_overrides(work, work / "prompts.jsonl", work / f"run_{name}", staleness, 3, partial)
+    for name in arms:
+        arm = loop_overrides(work, work / "prompts.jsonl", work / f"run_{name}", ARMS[name], 3)
         try:
             load_config(None, [*arm, *overrides])
         except ValueError as e:
@@ -517,27 +565,18 @@ def _check_overrides(parser: argparse.ArgumentParser, work: Path, overrides: lis
 def run_loop_suite(
     work: Path, steps: int, arms: list[str], extra: list[str] = ()
 ) -> dict[str, dict[str, float]]:
-    from megatron_tail.data.toy_arithmetic import make_arithmetic_examples, write_jsonl
-
-    model = work / "long_tail_model"
-    save_long_tail_model(model)
+    models = {None: work / "long_tail_model", "calculator": work / "agentic_model"}
     prompts = work / "prompts.jsonl"
-    write_jsonl(make_arithmetic_examples(256, seed=0), prompts)
+    write_prompt_mix(prompts)
     out = {}
     for name in arms:
-        staleness, partial = ARMS[name]
+        arm = ARMS[name]
+        save_long_tail_model(models[arm.env], tool_calls=arm.env is not None)
         # a kept --workdir holds the last run's checkpoint, which the loop would resume from
         shutil.rmtree(work / f"run_{name}", ignore_errors=True)
-        args = [
-            str(model),
-            str(prompts),
-            str(work / f"run_{name}"),
-            str(staleness),
-            str(steps),
-            str(int(partial)),
-            json.dumps(list(extra)),
-        ]
-        out[name] = summarize_loop(_subprocess_json(["--loop-arm", *args])["history"])
+        args = [str(models[arm.env]), str(prompts), str(work / f"run_{name}"), name, str(steps)]
+        result = _subprocess_json(["--loop-arm", *args, json.dumps(list(extra))])
+        out[name] = summarize_loop(result["history"], result["trained"])
         print(f"loop {name}: {out[name]['steps_per_s']:.3f} steps/s", file=sys.stderr, flush=True)
     return out
 
@@ -576,14 +615,12 @@ def main(argv: list[str] | None = None) -> None:
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
         help="config override for every loop arm, after the benchmark's own (repeatable)",
     )  # fmt: skip
-    parser.add_argument("--loop-arm", nargs=7, help=argparse.SUPPRESS)
+    parser.add_argument("--loop-arm", nargs=6, help=argparse.SUPPRESS)
     parser.add_argument("--sync-probe", nargs=7, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.loop_arm:
-        model, prompts, run_dir, staleness, steps, partial, extra = args.loop_arm
-        result = loop_arm(
-            model, prompts, run_dir, int(staleness), int(steps), bool(int(partial)), json.loads(extra)
-        )
+        model, prompts, run_dir, name, steps, extra = args.loop_arm
+        result = loop_arm(model, prompts, run_dir, ARMS[name], int(steps), json.loads(extra))
         print(json.dumps(result))
         return
     if args.sync_probe:
@@ -595,9 +632,12 @@ def main(argv: list[str] | None = None) -> None:
         work.mkdir(parents=True, exist_ok=True)
         arms = None
         if "loop" in args.suites:
-            if "sync" not in args.arms:
-                parser.error("--arms must include sync (the baseline of every ratio)")
-            _check_overrides(parser, work, args.overrides)
+            missing = sorted({ARMS[n].baseline for n in args.arms} - set(args.arms))
+            if missing:
+                parser.error(
+                    f"--arms must include {', '.join(missing)} (the baseline of their workload's ratios)"
+                )
+            _check_overrides(parser, work, args.arms, args.overrides)
             arms = run_loop_suite(work, args.steps, args.arms, args.overrides)
             cores = f"{os.cpu_count()} cores"
             print(format_loop(arms, cores), flush=True)
