@@ -42,11 +42,13 @@ for the groups in flight anyway, and at most one step's groups are ahead. At η 
 groups completed, oldest token first, so a long group does not hold the trainer; it trains a step later at
 its true staleness.
 
-Attempts. A prompt the manager generates again after throwing its samples away (dropped as stale) or after
-losing them (in flight at a checkpoint, regenerated on resume) gets the next `attempt`, and `work` derives
-fresh seeds from it (`client.regeneration_keys`): with the same seeds, a regenerated group would nearly
-replay the one it replaces. A retry after an engine failure is not a new attempt (the client reuses the
-keys: exactly-once). The attempts of prompts not yet trained are checkpointed.
+Attempts. A prompt the manager generates again after throwing its samples away (dropped as stale) gets the
+next `attempt`, and `work` derives fresh seeds from it (`client.regeneration_keys`): with the same seeds, a
+regenerated group would nearly replay the one it replaces, long again. A group lost in flight at a
+checkpoint is not a new attempt: nobody saw its samples, and regenerated on resume with the same keys under
+the same weights it draws what the uninterrupted run drew (a resumed run equals an uninterrupted one at
+η ≤ 1). Nor is a retry after an engine failure (the client reuses the keys: exactly-once). The attempts of
+prompts not yet trained are checkpointed.
 
 Exactly-once, and where it is decided:
 - Retries after an engine failure reuse the group's sample keys (`RolloutClient`): a group completes once.
@@ -167,9 +169,9 @@ class RolloutManager:
         self.error: BaseException | None = None
         self._changed: asyncio.Condition | None = None
         self._counts = {"dropped_stale": 0, "filtered_groups": 0}
-        self._generated = [0.0, 0.0, 0]
-        """Reward sum, correct count and samples of the groups completed since the last batch, kept or
-        filtered (`reward/generated_mean`: what the policy scores before DAPO's filter)."""
+        self._generated = [0.0, 0.0, 0, 0]
+        """Reward sum, correct count, samples and groups completed since the last batch, kept or filtered
+        (`reward/generated_mean`: what the policy scores before DAPO's filter)."""
 
     # --- the trainer's side ---------------------------------------------------------------------------
 
@@ -184,7 +186,7 @@ class RolloutManager:
         (`rollout/dropped_stale` samples, `rollout/filtered_groups`, `rollout/buffered_groups` left,
         `rollout/batch_fill`: the groups taken ÷ G, 0 when dynamic sampling filtered every group;
         `reward/generated_mean` and `reward/generated_accuracy` over every group completed since, kept or
-        filtered)."""
+        filtered, and with a filter `rollout/filtered_groups_fraction` of them)."""
         floor = step - self.eta
         async with self._changed:
             while True:
@@ -209,16 +211,19 @@ class RolloutManager:
         for group in taken:
             del self.buffer[group.index]
             self.attempts.pop(group.index, None)
-        self._fill()
         metrics = {f"rollout/{k}": float(v) for k, v in self._counts.items()}
         metrics["rollout/buffered_groups"] = float(len(self.buffer))
         metrics["rollout/batch_fill"] = len(taken) / self.groups
-        rewards, correct, samples = self._generated
+        rewards, correct, samples, _ = self._generated
         if samples:
             metrics["reward/generated_mean"] = rewards / samples
             metrics["reward/generated_accuracy"] = correct / samples
+        if self.keep is not None:  # of the groups completed since the last batch
+            completed = self._generated[3]
+            metrics["rollout/filtered_groups_fraction"] = self._counts["filtered_groups"] / max(completed, 1)
         self._counts = dict.fromkeys(self._counts, 0)
-        self._generated = [0.0, 0.0, 0]
+        self._generated = [0.0, 0.0, 0, 0]
+        self._fill()  # the next batch's groups (a filter that gave up on this one starts again)
         return sorted(taken, key=lambda g: g.index), metrics
 
     def _filter_exhausted(self) -> bool:
@@ -261,6 +266,7 @@ class RolloutManager:
             and self.error is None
             and self.admitted < self._allowed()
             and (self.max_in_flight is None or len(self.in_flight) < self.max_in_flight)
+            and not self._filter_exhausted()  # dynamic sampling gave up on this batch: no more replacements
         ):
             if self.queued:
                 index = self.queued.popleft()
@@ -289,6 +295,7 @@ class RolloutManager:
             self._generated[0] += sum(result.batch.rewards)
             self._generated[1] += sum(result.batch.correct)
             self._generated[2] += len(result.batch)
+            self._generated[3] += 1
             if self.keep is not None and not self.keep(result):
                 self.wasted += 1
                 self._counts["filtered_groups"] += 1
@@ -314,10 +321,8 @@ class RolloutManager:
 
     def state_dict(self) -> dict:
         """What a resumed run needs to continue exactly (module docstring). Call between steps."""
-        in_flight = sorted(self.in_flight)
+        in_flight = sorted(self.in_flight)  # lost with the process: regenerated on resume, same keys
         attempts = dict(self.attempts)
-        for index in in_flight:  # lost with the process: regenerated on resume, with fresh seeds
-            attempts[index] = attempts.get(index, 0) + 1
         return {
             "next_index": self.next_index,
             "queued": [*in_flight, *self.queued],

@@ -11,7 +11,7 @@ from tests.loop.conftest import loop_overrides
 
 COMPARED = [
     "train/loss", "train/grad_norm", "reward/mean", "mismatch/kl_infer_train_k3", "policy/entropy",
-    "train/lr", "train/kl_ref", "rollout/filtered_groups_fraction", "rollout/sampling_rounds",
+    "train/lr", "train/kl_ref", "rollout/filtered_groups_fraction", "rollout/filtered_groups",
     "rollout/batch_fill", "train/entropy_loss", "reward/overlong_penalty_mean",
 ]  # fmt: skip
 # warm-up over 2 steps to 2e-3, cosine to 5e-4 at step 4: RL steps 1..4 train at

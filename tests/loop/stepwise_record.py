@@ -81,7 +81,8 @@ def record(case: str) -> dict:
         "logging.tensorboard": False,
         **extra,
     }
-    cfg = load_config(None, loop_overrides(tiny_model(root, model == "chatty"), prompts, root / "run", settings))
+    model_dir = tiny_model(root, model == "chatty")
+    cfg = load_config(None, loop_overrides(model_dir, prompts, root / "run", settings))
     batches, metrics = [], []
     original = session_module.RunSession.rollout
 
@@ -104,7 +105,7 @@ def record(case: str) -> dict:
 
     session_module.RunSession.rollout = recording
     try:
-        run(cfg, LoopHooks(on_step_end=lambda step, m: metrics.append(_trained(m))))
+        run(cfg, LoopHooks(on_step_end=lambda _step, m: metrics.append(_trained(m))))
     finally:
         session_module.RunSession.rollout = original
     return {"case": case, "batches": batches, "metrics": metrics}

@@ -51,19 +51,17 @@ class FakeEngines:
         self.states.append(state)
 
 
-@pytest.mark.parametrize(("held", "want"), [(False, 13), (True, 16)])
-def test_a_run_resumed_into_the_manager_from_a_stepwise_checkpoint_continues_its_stream(
-    held, want, monkeypatch
-):
-    """Step-wise at η = 1 (no dynamic sampling) for 4 steps, resumed at η = 2; with `held`, the checkpoint
-    also held step 5's batch (generated ahead), which the resumed run trains first."""
+def test_a_run_resumed_into_the_manager_from_a_stepwise_checkpoint_continues_its_stream(monkeypatch):
+    """Step-wise at η = 1 (no dynamic sampling) for 4 steps, resumed under the manager at η = 2: the stream
+    continues after the 4 steps' prompts (a batch that checkpoint held for step 5, generated ahead, is not
+    read: its prompts are generated again, so none is lost or trained twice)."""
     monkeypatch.setattr(session_module, "on_rank0", lambda fn, **_kw: fn())
     cfg = load_config(None, ["rollout.max_staleness=2", f"data.prompts_per_step={PER_STEP}"])
     s = RunSession.__new__(RunSession)
     s.cfg, s.engines, s._manager_state, s._wait = cfg, FakeEngines(), None, None
-    s.data_cursor, s.resumed_step, s.held = 0, 4, ((4, object()) if held else None)
+    s.data_cursor, s.resumed_step = 0, 4
     s.batches = PromptBatches(list(range(PROMPTS)), PER_STEP, seed=SEED)
     s.trainer = SimpleNamespace(groups=SimpleNamespace(dp_size=1))
     s.start_manager(version=4)
     (state,) = s.engines.states
-    assert state["next_index"] == want and state["base_version"] == 4 and state["buffer"] == []
+    assert state["next_index"] == 13 and state["base_version"] == 4 and state["buffer"] == []

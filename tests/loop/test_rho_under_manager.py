@@ -176,11 +176,12 @@ def test_rl_step_sets_the_next_rho_before_the_weight_sync_and_logs_the_samples_l
 
     class Session:
         cfg = SimpleNamespace(
-            rollout=SimpleNamespace(max_staleness=2, uses_manager=True),
+            rollout=SimpleNamespace(max_staleness=2),
             train=TrainSection(steps=3, checkpoint_every=100),
         )
         trainer = SimpleNamespace(scheduler=None)
         sampling_log_rho = -11.5
+        drain_s = 0.0
 
         def rollout(self, _step):
             return batch

@@ -10,10 +10,11 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from megatron_tail.demo.run import read_scalars
-from megatron_tail.utils.ragged import Ragged
+from megatron_tail.rollout import RolloutBatch
+from megatron_tail.train.engine.checkpoint import read_rank0_object
+from megatron_tail.train.run.run_dir import complete_checkpoints
 from tests.loop.conftest import loop_overrides
 
 
@@ -61,11 +62,11 @@ def test_truncated_sampling_trains_with_exact_importance_weights(tiny_model_dir,
     assert abs(scalars["is/raw_ratio_mean"][1] - 1.0) < 0.01
     for sign in ("pos", "neg"):
         assert 0.0 <= scalars[f"train/clip_fraction_{sign}_adv"][1] <= 1.0
-    # the checkpoint holds the batch generated ahead, with its per-token supports
-    (ckpt,) = sorted(run_dir.glob("checkpoints/*/rollout_ahead.pt"))[-1:]
-    ahead = torch.load(ckpt, weights_only=True)
-    supports = [Ragged.from_dict(s) for s in ahead["batch"]["rollout_supports"]]  # ragged, not padded
-    responses = ahead["batch"]["response_ids"]
+    # the checkpoint holds the groups generated ahead, with their per-token supports
+    (_, ckpt), *_ = reversed(complete_checkpoints(run_dir))
+    ahead = [RolloutBatch.from_dict(g["batch"]) for g in read_rank0_object(ckpt, "rollout_manager")["buffer"]]
+    supports = [s for batch in ahead for s in batch.rollout_supports]  # ragged, not padded
+    responses = [r for batch in ahead for r in batch.response_ids]
     assert len(supports) == len(responses) == 16
     for support, response in zip(supports, responses, strict=True):
         assert len(support) == len(response) and support.width <= 12

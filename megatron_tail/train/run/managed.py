@@ -26,6 +26,7 @@ from pathlib import Path
 
 from megatron_tail.rollout import RolloutBatch, SamplingConfig
 from megatron_tail.rollout.client import regeneration_keys
+from megatron_tail.rollout.dynamic_sampling import has_reward_signal
 from megatron_tail.rollout.manager import GroupResult, RolloutManager, groups_to_batch
 from megatron_tail.utils.errors import UserError
 
@@ -120,7 +121,7 @@ class ManagedRollout:
 
         keep = None
         if cfg.data.filter_zero_variance_groups:
-            keep = lambda g: max(g.batch.rewards) != min(g.batch.rewards)  # noqa: E731 - DAPO's filter
+            keep = lambda g: has_reward_signal(g.batch.rewards)  # noqa: E731 - DAPO's filter
         self.manager = RolloutManager(
             work,
             groups_per_step=cfg.data.prompts_per_step,

@@ -10,7 +10,7 @@ import pytest
 
 from megatron_tail.config import load_config
 from megatron_tail.rollout import RolloutBatch, rollout_metrics
-from megatron_tail.rollout.dynamic_sampling import concat_batches, select_groups
+from megatron_tail.rollout.batch import concat_batches, select_groups
 from megatron_tail.rollout.envs import Episode
 from megatron_tail.train.run.episodes import episodes_to_batch
 from megatron_tail.utils.errors import UserError
@@ -117,7 +117,7 @@ def test_environments_load_with_the_manager_and_truncation(overrides):
     """Episodes run under the rollout manager and carry sampling supports: nothing refuses the pair."""
     cfg = _cfg("rollout.env=calculator", "rollout.max_turns=3", *overrides)
     assert cfg.rollout.env == "calculator"
-    assert cfg.rollout.uses_manager == any("staleness" in o or "partial" in o for o in overrides)
+    assert cfg.rollout.partial_rollouts == any("partial" in o for o in overrides)
     assert cfg.rollout.truncates == any("_p=" in o for o in overrides)
 
 

@@ -1,10 +1,12 @@
 """Episodes over a real local engine (a subprocess speaking SGLang's `/generate`): the engine's log-probs of
 every policy token equal an independent HF forward over the finished sample, so each turn saw exactly the
-concatenated ids; and through rank 0's `RolloutEngines`, a one-turn episode is today's single-turn sample."""
+concatenated ids; and through rank 0's `RolloutEngines` (its rollout manager), a one-turn episode is the
+single-turn sample."""
 
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -99,6 +101,8 @@ def _engines(cfg_overrides, url, model_dir, run_dir, tokenizer):
             "rollout.max_concurrency=1",
             "algorithm.group_size=2",
             "algorithm.log_rho=-4.0",
+            f"data.prompts_per_step={len(PROMPTS)}",
+            f"run_dir={run_dir}",
             "data.reward=arithmetic",
             *cfg_overrides,
         ],
@@ -119,7 +123,9 @@ def test_one_turn_episode_is_the_single_turn_sample(
     for name, extra in (("single", []), ("episode", ["rollout.env=calculator", "rollout.max_turns=1"])):
         engines = _engines([*extra, *truncation], fp32_server.url, tiny_model_dir, tmp_path / name, tokenizer)
         try:
-            batches[name] = engines.generate(PROMPTS, ANSWERS, base_seed=11)
+            examples = [SimpleNamespace(prompt_ids=p, answer=a) for p, a in zip(PROMPTS, ANSWERS, strict=True)]
+            engines.start_manager(examples.__getitem__, 0, None)  # η = 0: the first step's 2 groups
+            batches[name] = engines.next_batch(0)
         finally:
             engines.close()
     single, episode = batches["single"], batches["episode"]
