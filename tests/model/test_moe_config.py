@@ -134,3 +134,24 @@ def test_plan_refuses_moe_instead_of_counting_it_dense():
 
     with pytest.raises(UserError, match="does not count mixture-of-experts models yet"):
         ModelShape.from_arch(load_hf_config(_moe_cfg()), 128)
+
+
+def test_te_grouped_and_local_sequential_expert_names_map_to_the_same_hf_experts():
+    """TEGroupedMLP (TE spec) names local expert i `linear_fc1.weight<i>` (transformer_engine.py
+    `TEGroupedLinear._sharded_state_dict_grouped`: `weight{gemm_idx}`); SequentialMLP `local_experts.<i>`."""
+    from megatron_tail.model.naming import megatron_to_hf
+
+    arch = load_hf_config(_moe_cfg())
+    layers = {0: 2}
+    for fc, hf in [("fc1", ("gate_proj", "up_proj")), ("fc2", ("down_proj",))]:
+        seq = megatron_to_hf(
+            f"decoder.layers.0.mlp.experts.local_experts.1.linear_{fc}.weight", arch, layers, 2
+        )
+        te = megatron_to_hf(f"decoder.layers.0.mlp.experts.linear_{fc}.weight1", arch, layers, 2)
+        assert seq.hf_names == te.hf_names == tuple(f"model.layers.2.mlp.experts.3.{h}.weight" for h in hf)
+        assert seq.expert == te.expert == 3 and seq.layout == te.layout == ("fc1" if fc == "fc1" else "row")
+    router = megatron_to_hf("decoder.layers.0.mlp.router.weight", arch, layers, 2)
+    assert router.hf_names == ("model.layers.2.mlp.gate.weight",) and router.expert is None
+    assert megatron_to_hf("decoder.layers.0.pre_mlp_layernorm.weight", arch, layers).hf_names == (
+        "model.layers.2.post_attention_layernorm.weight",
+    )
