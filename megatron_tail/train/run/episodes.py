@@ -1,14 +1,14 @@
 """Rank 0's multi-turn rollouts (`rollout.env`): one `envs.run_episode` coroutine per sample over the
-engines, each turn one request (the first turns of a prompt's n episodes in one request, as the single-turn
-path sends them, which lets SGLang share the prompt's KV cache), at most `rollout.max_concurrency` episodes in
+engines, each turn one request (the first turns of a prompt's n episodes in one request, as a single-turn
+group is sent, which lets SGLang share the prompt's KV cache), at most `rollout.max_concurrency` episodes in
 flight; then the episodes as a `RolloutBatch` with its per-token `policy_mask`, `token_versions` and
 (truncated sampling) `rollout_supports`.
 
-One runner, two schedulers: `EpisodeGroups.group` runs one prompt's group; the step-wise rollout
-(`run_episodes`) runs a step's groups with it over `RolloutClient.generate_turn`, and the rollout manager
-(`RolloutEngines.start_manager`, η ≥ 2 or partial rollouts) runs one group per unit of work over
-`RolloutClient.generate_group`, which continues a turn that a weight-update pause aborted under the new
-weights.
+One runner, two users: `EpisodeGroups.group` runs one prompt's group. The rollout manager
+(`RolloutEngines.start_manager`, every training batch) runs one group per unit of work over
+`RolloutClient.generate_group`, which with partial rollouts continues a turn that a weight-update pause
+aborted under the new weights; evaluation (`run_episodes`) runs every prompt's group over
+`RolloutClient.generate_turn`.
 
 Seeds: turn 0 of sample (i, j) has exactly the single-turn sample's key (`sample_seed(base_seed, i, j)`), so a
 one-turn episode asks the engine for exactly what a single-turn rollout asks; turn t > 0 mixes t into it.
@@ -16,7 +16,7 @@ one-turn episode asks the engine for exactly what a single-turn rollout asks; tu
 Environments fail alone: an episode whose environment raises or times out fails its group only, which is
 generated again with fresh seeds (not skipped: the step keeps its `prompts_per_step` groups, so its batch
 still splits over mini-batches × DP), counted in `rollout/env_failures`; more than
-`rollout.max_env_failure_fraction` of a step's episodes failing stops the run (`run_episodes`).
+`rollout.max_env_failure_fraction` of a batch's episodes failing stops the run (`FailureCount`).
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def turn_sampling(sampling: SamplingConfig, tokenizer, max_turns: int) -> Sampli
 
 Request = Callable[[list[int], list[SampleKey]], Awaitable[list[SampleResult]]]
 """`request(input_ids, keys) -> results`: one `/generate` request for the samples `keys` of one input (a turn
-of one episode, or the first turns of a prompt's group), in key order. The step-wise rollout sends
+of one episode, or the first turns of a prompt's group), in key order. Evaluation sends
 `RolloutClient.generate_turn`; the rollout manager `generate_group`, which continues a turn that a
 weight-update pause aborted under the new weights (partial rollouts)."""
 
@@ -128,9 +128,9 @@ def turn_output(result: SampleResult) -> TurnOutput:
 
 @dataclass
 class EpisodeGroups:
-    """Runs one prompt's group of `n` episodes (`group`), the unit of both the step-wise rollout
-    (`run_episodes`, every prompt of a step) and the rollout manager (`RolloutEngines.start_manager`, one
-    group per unit of work). Environments run in `envs`' workers; at most `semaphore`'s count of episodes
+    """Runs one prompt's group of `n` episodes (`group`), the unit of both the rollout manager
+    (`RolloutEngines.start_manager`, one group per unit of work) and evaluation (`run_episodes`, every
+    prompt). Environments run in `envs`' workers; at most `semaphore`'s count of episodes
     run at once over every group sharing it (`rollout.max_concurrency` counts episodes)."""
 
     request: Request

@@ -179,7 +179,7 @@ class ManagedRollout:
                 input_ids, keys, now, partial=r.partial_rollouts, log_rho=self.sampling_log_rho
             )
 
-        episodes = self.cfg.data.prompts_per_step * sampling.n_samples  # per batch, as a step-wise step's
+        episodes = self.cfg.data.prompts_per_step * sampling.n_samples  # per batch: a step's episodes
         return EpisodeGroups(
             request,
             self.envs,
