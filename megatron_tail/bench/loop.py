@@ -308,6 +308,8 @@ def project_staleness(arms: dict[str, dict[str, float]]) -> str:
     step time is nearly flat in the batch: generating a step's tokens takes ≈ `seq_sync / seq_async` of the
     synchronous time. With generation a share g of the synchronous step and training the rest (overlapped
     when asynchronous), the projected speedup is 1 / max(g · seq_sync / seq_async, 1 − g)."""
+    if "sync" not in arms:
+        return ""
     sync = arms["sync"]
     busy = max(1.0 - sync["perf/engine_idle_fraction"], 1e-9)
     seq_sync = sync["perf/engine_sequences_mean"] / busy
