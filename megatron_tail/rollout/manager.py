@@ -179,14 +179,17 @@ class RolloutManager:
         self._changed = asyncio.Condition()
         self._fill()
 
-    async def next_batch(self, step: int) -> tuple[list[GroupResult], dict[str, float]]:
+    async def next_batch(
+        self, step: int, progress: Callable[[int], None] | None = None
+    ) -> tuple[list[GroupResult], dict[str, float]]:
         """G groups for step `step` (the trainer's weights are version `step`), the oldest first (with
         `stale_groups="drop"`, each with its oldest token at least `step − η`), returned in prompt-stream
         order; and the counters since the last batch
         (`rollout/dropped_stale` samples, `rollout/filtered_groups`, `rollout/buffered_groups` left,
         `rollout/batch_fill`: the groups taken ÷ G, 0 when dynamic sampling filtered every group;
         `reward/generated_mean` and `reward/generated_accuracy` over every group completed since, kept or
-        filtered, and with a filter `rollout/filtered_groups_fraction` of them)."""
+        filtered, and with a filter `rollout/filtered_groups_fraction` of them). `progress(n)`: called
+        whenever it checks, with the groups of the batch complete so far (a progress bar)."""
         floor = step - self.eta
         async with self._changed:
             while True:
@@ -198,12 +201,18 @@ class RolloutManager:
                 ready = sorted(self.buffer.values(), key=lambda g: (g.oldest_version, g.index))
                 if self.in_order:  # the first G groups admitted, once every one of them is complete
                     first = sorted([*self.buffer, *self.in_flight])[: self.groups]
-                    if len(first) == self.groups and all(i in self.buffer for i in first):
+                    complete = sum(i in self.buffer for i in first)
+                    if progress is not None:
+                        progress(complete)
+                    if len(first) == complete == self.groups:
                         taken = [self.buffer[i] for i in first]
                         break
-                elif len(ready) >= self.groups:
-                    taken = ready[: self.groups]
-                    break
+                else:
+                    if progress is not None:
+                        progress(min(len(ready), self.groups))
+                    if len(ready) >= self.groups:
+                        taken = ready[: self.groups]
+                        break
                 if self._filter_exhausted():  # train on what there is, cut to what the trainer splits
                     taken = ready[: len(ready) - len(ready) % self.multiple]
                     break

@@ -479,3 +479,22 @@ def test_a_batch_cut_short_by_dynamic_sampling_is_a_multiple_of_multiple(multipl
 def test_multiple_must_be_a_positive_int():
     with pytest.raises(ValueError, match="multiple must be an int ≥ 1; got 0"):
         RolloutManager(lambda _i, _v, _a: None, groups_per_step=2, max_staleness=2, version=0, multiple=0)
+
+
+@pytest.mark.parametrize("eta", [0, 2])
+def test_progress_counts_the_batchs_groups_as_they_complete(eta):
+    """The progress bar's counts: never above G, rising to G when the batch is handed over."""
+
+    async def main():
+        engines = SimulatedEngines(_long_tail)
+        manager = RolloutManager(engines.work, groups_per_step=3, max_staleness=eta, version=0)
+        manager.start()
+        seen = []
+        groups, _ = await manager.next_batch(0, seen.append)
+        await manager.close()
+        return seen, groups
+
+    seen, groups = asyncio.run(main())
+    assert len(groups) == 3 and seen[-1] == 3 and max(seen) == 3 and min(seen) >= 0
+    if eta == 0:  # in order: a group counts once complete, and never stops counting
+        assert seen == sorted(seen)

@@ -25,12 +25,13 @@ class Console:
 
             self._bar = tqdm(total=total, initial=start, desc="RL steps", unit="step", dynamic_ncols=True)
 
-    def rollout_bar(self, total: int):
+    def rollout_bar(self, groups: int):
+        """A bar of the step's `groups` completing (None where bars are off)."""
         if not (self.enabled and self.bars):
             return None
         from tqdm import tqdm
 
-        return tqdm(total=total, desc="rollout", unit="sample", leave=False, dynamic_ncols=True)
+        return tqdm(total=groups, desc="rollout", unit="group", leave=False, dynamic_ncols=True)
 
     def note(self, text: str) -> None:
         if not self.enabled:

@@ -243,11 +243,11 @@ class ManagedRollout:
     async def _call(fn, *args):
         return fn(*args)
 
-    def next_batch(self, step: int) -> RolloutBatch:
+    def next_batch(self, step: int, progress: Callable[[int], None] | None = None) -> RolloutBatch:
         """Step `step`'s batch from the manager (blocks until G groups are completed, or dynamic sampling
-        gave up)."""
+        gave up); `progress(groups complete)` as they complete (called on the engines' thread)."""
         started = time.perf_counter()
-        groups, metrics = self._run(self.manager.next_batch(step), f"the batch of step {step + 1}")
+        groups, metrics = self._run(self.manager.next_batch(step, progress), f"the batch of step {step + 1}")
         metrics = {**metrics, **self._client_metrics()}
         if self._manager_episodes is not None:
             metrics.update(self._run(self._call(self._episode_failures)))

@@ -250,7 +250,17 @@ class RunSession:
         """Step `step`'s batch from the rollout manager: `group_size` responses to each of
         `prompts_per_step` prompts, scored by the reward (fewer groups where dynamic sampling gave up;
         none when it filtered every group); made on rank 0, identical on every rank."""
-        batch = on_rank0(lambda: self.engines.next_batch(step), wait_group=self._wait)
+
+        def take() -> RolloutBatch:
+            bar = self.console.rollout_bar(self.cfg.data.prompts_per_step)
+            if bar is None:
+                return self.engines.next_batch(step)
+            try:
+                return self.engines.next_batch(step, lambda n: bar.update(n - bar.n))
+            finally:
+                bar.close()
+
+        batch = on_rank0(take, wait_group=self._wait)
         if batch.data_cursor is not None:
             self.data_cursor = batch.data_cursor
         return batch
