@@ -66,16 +66,16 @@ def init_megatron_ep(tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = No
     model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)
 
 
-def moe_logits_rank(rank, world_size, hf_dir, layout, tokens):  # noqa: ARG001 - harness signature
-    """Inside a rank: build the Megatron Qwen3-MoE at `layout` (tp, ep), load `hf_dir`, return the full
-    fp32 logits `[b, s, V]` (None on ranks of a non-last pipeline stage)."""
+def moe_logits_rank(rank, world_size, hf_dir, layout, tokens, settings=None):  # noqa: ARG001 - harness signature
+    """Inside a rank: build the Megatron Qwen3-MoE at `layout` (tp, ep, etp) with `settings` (ModelSettings
+    fields), load `hf_dir`, return the full fp32 logits `[b, s, V]` (None on a non-last pipeline stage)."""
     from megatron.core import parallel_state
 
-    from megatron_tail.model import build_gpt_model, load_hf_config, load_hf_weights
+    from megatron_tail.model import ModelSettings, build_gpt_model, load_hf_config, load_hf_weights
 
     init_megatron_ep(**layout)
     arch = load_hf_config(hf_dir)
-    model = build_gpt_model(arch)
+    model = build_gpt_model(arch, ModelSettings(**(settings or {})))
     load_hf_weights(model, hf_dir, arch)
     model.eval()
     with torch.no_grad():

@@ -32,6 +32,14 @@ def moe_models(tmp_path_factory):
 TOKENS = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(1))
 
 
+def test_sequence_parallel_moe_logits_equal_hf(moe_models):
+    """Sequence parallelism at TP 2 × EP 2: the dispatcher gathers the TP ranks' sequence shards too."""
+    hf_dir, hf = moe_models[True]
+    expected = hf_logits(hf, TOKENS)
+    got = run_distributed(moe_logits_rank, 4, hf_dir, {"tp": 2, "ep": 2}, TOKENS, {"sequence_parallel": True})
+    assert max(_rel_err(g, expected) for g in got) <= REL_TOL
+
+
 def test_router_rule_matters_for_these_logits(moe_models):
     """The tolerance tells the two router rules apart: the same weights with and without `norm_topk_prob`
     differ by far more than REL_TOL, so matching HF's logits pins the rule, not only the weights."""
