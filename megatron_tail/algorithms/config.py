@@ -21,6 +21,8 @@ SamplingSupport = Literal["replay", "ignore"]
 SAMPLING_SUPPORT_MODES: tuple[str, ...] = get_args(SamplingSupport)
 OldLogprobs = Literal["recompute", "engine"]
 OLD_LOGPROBS_SOURCES: tuple[str, ...] = get_args(OldLogprobs)
+RoutingReplay = Literal["none", "r2", "r3"]
+ROUTING_REPLAY_MODES: tuple[str, ...] = get_args(RoutingReplay)
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,13 @@ class AlgorithmConfig:
     update) or "engine" (the engine's behaviour log-probs, as stacks that skip the recompute do: the PPO
     ratio then starts at π_train/π_infer and the clip acts on the mismatch; the IS weights are 1). The
     recompute still runs for the diagnostics. For ablations."""
+
+    # --- mixture-of-experts routing replay (R3: arXiv 2510.11370)
+    routing_replay: RoutingReplay = "none"
+    """Which experts the trainer's MoE routers use: "none" (each pass routes freely), "r2" (the update
+    passes replay the routes θ_old's recompute chose, so the ratio π_θ/π_old compares the same experts) or
+    "r3" (θ_old, the update and the reference replay the routes the rollout engine used for every token,
+    returned with `--enable-return-routed-experts`). Mixture-of-experts models only."""
 
     # --- Advantage Reweighting and Lopti (arXiv 2505.12929)
     advantage_reweighting: bool = False
@@ -185,6 +194,7 @@ class AlgorithmConfig:
         _check_choice("safe_set_on", self.safe_set_on, SAFE_SET_ON)
         _check_choice("sampling_support", self.sampling_support, SAMPLING_SUPPORT_MODES)
         _check_choice("old_logprobs", self.old_logprobs, OLD_LOGPROBS_SOURCES)
+        _check_choice("routing_replay", self.routing_replay, ROUTING_REPLAY_MODES)
         _check_choice("loss_aggregation", self.loss_aggregation, AGGREGATION_MODES)
         if self.loss_max_len is not None and self.loss_max_len < 1:
             _bad("loss_max_len", self.loss_max_len, "must be ≥ 1")
@@ -241,6 +251,7 @@ _STR_FIELDS = (
     "loss_aggregation",
     "sampling_support",
     "old_logprobs",
+    "routing_replay",
 )
 
 
