@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
+import torch
+
 from megatron_tail.utils.ragged import Ragged
 
 
@@ -51,6 +53,11 @@ class RolloutBatch:
     log ρ the trainer prunes with at the step that trains it (`log_rho_metrics`): a sample generated ahead
     (η ≥ 1) was sent under an earlier step's ρ. A partial rollout's later segments are sent under the ρ in
     force then; like its staleness, a sample counts as old as its oldest tokens.
+    `routed_experts` (MoE engines asked for routes, routing replay R3; None otherwise): per sample an integer
+    tensor `[prompt + response − 1, num_hidden_layers, top_k]` of expert ids, row p the route of token p as
+    a forward's input (`rollout.routes`; dense layers' columns 0), stored as the smallest unsigned/int dtype
+    that holds the ids (uint8 up to 256 experts); a torch tensor, so a checkpointed buffer round-trips
+    through `torch.save`/`torch.load(weights_only=True)`.
     `stats`: rollout time and token counts. `metrics`: TensorBoard scalars of how the batch was drawn
     (dynamic sampling), logged with the step's. `data_cursor`: the prompt stream's position after this
     batch (dynamic sampling; None when prompts are a function of the step).
@@ -68,6 +75,7 @@ class RolloutBatch:
     token_versions: list[list[int]] | None = field(default=None, metadata=PER_SAMPLE)
     policy_mask: list[list[bool]] | None = field(default=None, metadata=with_fill(_all_true))
     sampled_log_rho: list[float | None] | None = field(default=None, metadata=with_fill(_unknown))
+    routed_experts: list[torch.Tensor] | None = field(default=None, metadata=PER_SAMPLE)
     stats: dict[str, float] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
     data_cursor: int | None = None
