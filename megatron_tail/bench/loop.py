@@ -97,8 +97,9 @@ class Arm:
     """`rollout.partial_rollouts`."""
     env: str | None = None
     """`rollout.env` (the agentic workload) or None (single-turn)."""
-    pause_mode: str = "abort"
-    """`rollout.pause_mode` (matters with `partial` only)."""
+    pause_mode: str = "retract"
+    """`rollout.pause_mode` (matters with `partial` only): the config's default unless the arm compares
+    modes."""
     baseline: str = "sync"
     """The synchronous arm of the same workload: `speedup_vs_sync` is against it."""
 
@@ -110,7 +111,7 @@ class Arm:
 ARMS = {
     "sync": Arm(0),
     "eta1": Arm(1),
-    "eta2_partial": Arm(2, True),
+    "eta2_abort": Arm(2, True, pause_mode="abort"),
     "eta2_in_place": Arm(2, True, pause_mode="in_place"),
     "eta2_retract": Arm(2, True, pause_mode="retract"),
     "eta4_partial": Arm(4, True),
@@ -118,8 +119,9 @@ ARMS = {
     "agentic_eta2_partial": Arm(2, True, env="calculator", baseline="agentic_sync"),
     "agentic_eta4_partial": Arm(4, True, env="calculator", baseline="agentic_sync"),
 }
-"""The loop suite's arms. The η = 2 arms differ only in `rollout.pause_mode`; the agentic arms run the
-calculator environment, multi-turn, with Qwen3's recommended truncation (top-p 0.95, top-k 20)."""
+"""The loop suite's arms. The η = 2 arms differ only in `rollout.pause_mode` (the others use the config's
+default, retract); the agentic arms run the calculator environment, multi-turn, with Qwen3's recommended
+truncation (top-p 0.95, top-k 20)."""
 
 
 # --- suite "loop" -------------------------------------------------------------------------------------
