@@ -17,7 +17,7 @@ import pytest
 from megatron_tail.rollout.envs.pool import EnvWorkers
 from megatron_tail.rollout.protocol import SampleResult
 from megatron_tail.train.run.episodes import MAX_ENV_ATTEMPTS, turn_key
-from megatron_tail.train.run.managed import read_trained_prompts
+from megatron_tail.train.run.managed import group_seeds, read_trained_prompts
 from megatron_tail.utils.ragged import Ragged
 from tests.loop.test_episodes_under_manager import (
     OBSERVATION,
@@ -123,9 +123,9 @@ def paused_mid_call(tmp_path):
 
 def test_a_weight_update_and_a_checkpoint_during_a_tool_call_lose_nothing(paused_mid_call, tmp_path):
     e, state, batches, after = paused_mid_call
-    # the checkpoint lists the group as in flight (regenerated on resume with its next attempt), not done
+    # the checkpoint lists the group as in flight (regenerated on resume with the same keys), not done
     assert 1 in state["queued"] and 1 not in [g["index"] for g in state["buffer"]]
-    assert [1, 1] in state["attempts"]
+    assert 1 not in [i for i, _ in state["attempts"]]
     # the live run: the episode came back from its tool call and finished its next turn under version 1
     group = batches[1]
     assert group.response_ids == [TURN + OBSERVATION + TURN] * 2
@@ -147,7 +147,7 @@ def test_a_weight_update_and_a_checkpoint_during_a_tool_call_lose_nothing(paused
     assert sorted(trained + untrained) == list(range(after["next_index"])), (trained, after)
     assert 1 not in [i for i, _ in after["attempts"]]  # forgotten once trained
 
-    # a run resumed from the checkpoint taken during the call: prompt 1 is regenerated with fresh seeds and
+    # a run resumed from the checkpoint taken during the call: prompt 1 is regenerated with its seeds and
     # trained once; what the checkpoint held completed is trained as it was, nothing twice
     resumed = _start(
         tmp_path, "rollout.partial_rollouts=true", "data.prompts_per_step=1", state=state, version=1
@@ -156,10 +156,11 @@ def test_a_weight_update_and_a_checkpoint_during_a_tool_call_lose_nothing(paused
         again = {}
         _wait_until(lambda: 1 in resumed.manager.buffer)  # regenerated first: it was in flight
         _train_until(resumed, 1, 1, again)
-        base = resumed.cfg.seed * 1_000_003 - 1
+        base, position = group_seeds(resumed.cfg.seed, 1, 1)
         first_turns = {s[2] for s in resumed.client.sent if s[0] == len(PROMPT)}
-        assert turn_key(base, 1, 0, 0, attempt=MAX_ENV_ATTEMPTS).seed in first_turns
-        assert turn_key(base, 1, 0, 0).seed not in first_turns  # not the seeds of the lost attempt
+        # the seeds of the lost attempt (nobody saw it): what the uninterrupted run drew
+        assert turn_key(base, position, 0, 0).seed in first_turns
+        assert turn_key(base, position, 0, 0, attempt=MAX_ENV_ATTEMPTS).seed not in first_turns
         # regenerated under the resumed weights
         assert all(len(v) == 8 and min(v) >= 1 for v in again[1].token_versions), again[1].token_versions
         later = [p for _, ps in sorted(read_trained_prompts(resumed.cfg.run_dir).items()) for p in ps]

@@ -18,8 +18,9 @@ from megatron_tail.config import load_config
 from megatron_tail.rollout import RolloutClient
 from megatron_tail.rollout.batch import RolloutBatch, log_rho_metrics
 from megatron_tail.rollout.manager import GroupResult, groups_to_batch
-from megatron_tail.rollout.protocol import SampleResult
+from megatron_tail.rollout.protocol import SampleResult, sample_seed
 from megatron_tail.train.run.engines import RolloutEngines
+from megatron_tail.train.run.managed import group_seeds
 from megatron_tail.train.run.session import with_log_rho
 
 INITIAL, LATER = -13.0, -10.5
@@ -30,15 +31,16 @@ class RecordingClient(RolloutClient):
     (prompt index, log ρ sent, continued?) per request. With `abort_first`, a group's first request is
     aborted after its token, as a weight-update pause aborts it, and `on_abort` runs meanwhile."""
 
-    def __init__(self, engines_version, abort_first=False, on_abort=None):
+    def __init__(self, engines_version, abort_first=False, on_abort=None, index_of=None):
         super().__init__(["http://recording:1"])
         self.version = engines_version
+        self.index_of = index_of or (lambda key: key.prompt_index)
         self.abort_first, self.on_abort = abort_first, on_abort
         self.sent: list[tuple[int, float | None, bool]] = []
 
     async def _request_with_retries(self, prompt, keys, sampling, allow_abort=False):  # noqa: ARG002
         continued = len(prompt) > 2
-        self.sent.append((keys[0].prompt_index, sampling.log_rho, continued))
+        self.sent.append((self.index_of(keys[0]), sampling.log_rho, continued))
         abort = self.abort_first and not continued
         if abort and self.on_abort is not None:
             self.on_abort()
@@ -69,7 +71,14 @@ def _engines(overrides, **client_kw) -> RolloutEngines:
     e.tokenizer = SimpleNamespace(decode=lambda _ids, **_kw: "x")
     e.score = lambda completions, _answers: [float(i % 2) for i in range(len(completions))]
     e.loop, e._cancelled = asyncio.new_event_loop(), threading.Event()
-    e.client = RecordingClient(lambda: e.manager.version if e.manager is not None else 0, **client_kw)
+    # a request's group: the prompt-stream index whose first sample has this seed (a continued segment's
+    # derived seed is no group's: its key's prompt position, which is the index in the first step)
+    first_seeds = {sample_seed(*group_seeds(cfg.seed, i, 2), 0): i for i in range(64)}
+    e.client = RecordingClient(
+        lambda: e.manager.version if e.manager is not None else 0,
+        index_of=lambda key: first_seeds.get(key.seed, key.prompt_index),
+        **client_kw,
+    )
     return e
 
 
