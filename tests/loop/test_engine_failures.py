@@ -53,7 +53,7 @@ def _engines(engine: LocalEngineProcess | None) -> RolloutEngines:
         )
     )
     engines.engine, engines.note, engines.urls = engine, print, ["http://127.0.0.1:1"]
-    engines.loop, engines._thread, engines._cancelled = asyncio.new_event_loop(), None, threading.Event()
+    engines.loop, engines._thread = asyncio.new_event_loop(), None
     return engines
 
 
@@ -231,7 +231,7 @@ def test_torchrun_passes_on_an_outside_failure_of_every_worker(tmp_path):
     ("fault", "extra", "waited_for"),
     [
         # scoring step 1's batch; rollout ahead then generates step 2's batch from the dead engine
-        ("KILL@1", {"rollout.max_staleness": 1}, "samples of 4 prompts × 4"),
+        ("KILL@1", {"rollout.max_staleness": 1}, "the batch of step 1"),
         ("KILL@17", {}, "weight sync to version 2"),  # scoring step 2's batch: the next call is its sync
     ],
     ids=["generation", "weight-sync"],

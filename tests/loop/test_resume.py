@@ -46,9 +46,9 @@ def test_sigterm_then_resume_equals_uninterrupted(
     # lengths: ratio 1 and zero-mean advantages; its gradient is not)
     assert min(h["train/grad_norm"] for h in uninterrupted) > 1e-3
     assert [h["train/lr"] for h in uninterrupted] == pytest.approx(LR_BY_STEP, rel=1e-12)
-    # groups were filtered and rounds repeated, so the prompts a step used depend on the restored cursor
+    # groups were filtered and replaced, so the prompts a step used depend on the restored stream position
     assert max(h["rollout/filtered_groups_fraction"] for h in uninterrupted) > 0
-    assert max(h["rollout/sampling_rounds"] for h in uninterrupted) > 1
+    assert sum(h["rollout/filtered_groups"] for h in uninterrupted) >= 1
     assert len({h["train/grad_norm"] for h in uninterrupted}) == 4
 
     # TensorBoard of the interrupted + resumed run: each step once, equal to the uninterrupted run's
@@ -97,7 +97,7 @@ def test_a_failure_on_rank0_fails_every_rank_promptly(tiny_model_dir, prompt_fil
 
 
 def test_a_step_whose_groups_all_lack_a_signal_is_skipped(tiny_model_dir, prompt_file, engine, tmp_path):
-    """Dynamic sampling with a reward that never varies: every round is filtered, the step trains on nothing
+    """Dynamic sampling with a reward that never varies: every group is filtered, the step trains on nothing
     (logged as skipped, weights unchanged), and the run goes on, checkpoints and keeps its cursor."""
     overrides = _overrides(tiny_model_dir, prompt_file, engine, tmp_path / "flat")
     overrides = [o for o in overrides if not o.startswith(("data.reward=", "train.steps="))]
@@ -105,7 +105,8 @@ def test_a_step_whose_groups_all_lack_a_signal_is_skipped(tiny_model_dir, prompt
     results = run_distributed(_run_rank, 2, overrides, -1, timeout=600)
     history = results[0][3]
     assert [h["train/skipped_step"] for h in history] == [1.0, 1.0]
-    assert [h["rollout/sampling_rounds"] for h in history] == [3.0, 3.0]  # max_sampling_rounds
+    # max_sampling_rounds × prompts_per_step filtered, then the manager gave up on the batch
+    assert all(h["rollout/filtered_groups"] >= 3 * 4 for h in history), history
     assert all(h["rollout/batch_fill"] == 0 and h["rollout/filtered_groups_fraction"] == 1 for h in history)
     assert "train/loss" not in history[0]
     # the LR schedule still counts the skipped RL steps (warm-up of 2 to 2e-3: steps 1, 2 at 1e-3, 2e-3)

@@ -157,7 +157,6 @@ def test_a_group_that_overflows_on_every_attempt_is_a_user_error_naming_the_keys
     """Before: `EngineFailure "… (rollout.request_timeout_s=… s)"`, exit 4 "rerun resumes", yet a rerun
     overflows again (a first token's support depends on the prompt alone). Now one line naming rollout.top_k,
     rollout.sampling_mask_max_tokens and the headroom rule, exit 2."""
-    import threading
     from types import SimpleNamespace
 
     from megatron_tail.config.schema import TOP_K_HEADROOM
@@ -180,7 +179,7 @@ def test_a_group_that_overflows_on_every_attempt_is_a_user_error_naming_the_keys
         )
     )
     engines.engine, engines.note = None, print
-    engines.loop, engines._thread, engines._cancelled = asyncio.new_event_loop(), None, threading.Event()
+    engines.loop, engines._thread = asyncio.new_event_loop(), None
 
     async def generate():
         config = ClientConfig(max_attempts=2, retry_backoff_s=0.01, request_timeout_s=10)

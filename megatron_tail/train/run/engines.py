@@ -138,7 +138,6 @@ class RolloutEngines(ManagedRollout):
         self.manager: RolloutManager | None = None
         self._manager_episodes = None
         """With `rollout.env`, the manager's runner of episode groups (`episodes.EpisodeGroups`)."""
-        self._cancelled = threading.Event()
         if local is not None:  # last: nothing after it can fail and leave the process behind
             self.engine = LocalEngineProcess(local, run_dir / "logs" / "local_engine.log")
 
@@ -394,9 +393,6 @@ class RolloutEngines(ManagedRollout):
         `EngineFailure` naming the engine, how it failed and the limit `rollout.<limit>` that applies (a
         500 from the local engine as a `LocalEngineError`; support overflows on every attempt as a
         `UserError`, `engine_failures.overflows_exhausted`); which is which: `engine_failures.classify`."""
-        if self._cancelled.is_set():  # a cancelled rollout must not start its next round of requests
-            coro.close()
-            raise asyncio.CancelledError("the engines' requests were cancelled")
         if not waiting_for:
             return self._drive(coro)
         try:
@@ -472,17 +468,7 @@ class RolloutEngines(ManagedRollout):
         if pending:
             self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
 
-    def cancel(self) -> None:
-        """Cancel the requests in flight, from any thread: a `generate` running in another thread raises
-        `CancelledError` there soon after, and so does any later request until `close`."""
-        self._cancelled.set()
-        if self.loop.is_closed():
-            return
-        for task in asyncio.all_tasks(self.loop):  # safe off the loop's thread: it copies with retries
-            self.loop.call_soon_threadsafe(task.cancel)
-
     def close(self) -> None:
-        self._cancelled.clear()  # the worker is done by now (`BackgroundJob.close` waited): shut down cleanly
         try:
             if self.manager is not None and self._thread is not None and self._thread.is_alive():
                 asyncio.run_coroutine_threadsafe(self.manager.close(), self.loop).result(timeout=60)

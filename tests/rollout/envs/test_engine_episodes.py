@@ -123,7 +123,8 @@ def test_one_turn_episode_is_the_single_turn_sample(
     for name, extra in (("single", []), ("episode", ["rollout.env=calculator", "rollout.max_turns=1"])):
         engines = _engines([*extra, *truncation], fp32_server.url, tiny_model_dir, tmp_path / name, tokenizer)
         try:
-            examples = [SimpleNamespace(prompt_ids=p, answer=a) for p, a in zip(PROMPTS, ANSWERS, strict=True)]
+            pairs = zip(PROMPTS, ANSWERS, strict=True)
+            examples = [SimpleNamespace(prompt_ids=p, answer=a) for p, a in pairs]
             engines.start_manager(examples.__getitem__, 0, None)  # η = 0: the first step's 2 groups
             batches[name] = engines.next_batch(0)
         finally:
