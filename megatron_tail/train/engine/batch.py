@@ -22,6 +22,10 @@ Layout of a `MicroBatch` (b rows, s positions; every tensor CPU until `.to(devic
   `utils.ragged`) becomes a `Ragged` of `b·s` rows in position order (row `r·s + t` at position t of row
   r), empty off the response: each token keeps its own ids, and a consumer densifies it at the
   micro-batch's widest row (`Ragged.dense`).
+- Per-position fields (`Sample.position_fields`, e.g. the engine's MoE routes `[len(sample), layers, k]`):
+  one value per token of the sample, prompt included, placed at the token's own position (not at the
+  position that predicts it) in `fields` as `[b, s, ...]`, 0 at padding. They ride with `fields` through
+  the CP split and `.to(device)`.
 - `extras`: free-form per-micro-batch objects for the loss callback (e.g. the algorithms' PreparedTokens).
 - Per-sample layout `[n, T]` (n samples of this micro-batch in order, T = their longest response):
   `to_samples(x)` gathers any per-token `[b, s]` tensor (differentiably) so that row k holds sample
@@ -55,7 +59,8 @@ from .packing import balance_over_data_parallel, pack_by_token_budget
 
 @dataclass(frozen=True)
 class Sample:
-    """One (prompt, response) pair of token ids, with optional per-response-token fields `[len(response)]`."""
+    """One (prompt, response) pair of token ids, with optional per-response-token fields `[len(response)]`
+    and per-position fields `[len(prompt) + len(response), ...]`."""
 
     prompt: Sequence[int]
     response: Sequence[int]
@@ -64,6 +69,9 @@ class Sample:
     """Per response token: True where the policy generated it, False for a multi-turn episode's environment
     tokens (observations), which stay in the sequence as context but leave the loss mask, and with it every
     per-token quantity (loss, log-probs, IS weights, safe-set checks, masks, metrics). None: all True."""
+    position_fields: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    """Per token of prompt + response (row p belongs to token p itself), e.g. MoE routes; names distinct
+    from `fields`'."""
 
     def __len__(self) -> int:
         return len(self.prompt) + len(self.response)
@@ -297,6 +305,12 @@ def _check_sample(i: int, s: Sample) -> None:
             )
         if not any(s.policy_mask):
             raise ValueError(f"sample {i} has no policy token (policy_mask is all False)")
+    for name, value in s.position_fields.items():
+        if value.dim() < 1 or value.shape[0] != len(s):
+            raise ValueError(
+                f"sample {i}: position field {name!r} has shape {tuple(value.shape)}, expected "
+                f"({len(s)}, ...)"
+            )
     for name, value in s.fields.items():
         if isinstance(value, Ragged):
             if len(value) != len(s.response):
@@ -328,6 +342,10 @@ def _build(samples, rows, seq_len, pad_id, *, packed: bool = False, slots=None) 
         )
         for name in field_names
     }
+    position_names = sorted(samples[0].position_fields)
+    for name in position_names:
+        value = samples[0].position_fields[name]
+        fields[name] = torch.zeros((b, seq_len, *value.shape[1:]), dtype=value.dtype)
     for r, members in enumerate(rows):
         start = 0
         for i in members:
@@ -350,6 +368,8 @@ def _build(samples, rows, seq_len, pad_id, *, packed: bool = False, slots=None) 
                 fields[name][corner] = value.to(fields[name].dtype)
             for name in ragged_names:
                 ragged_parts[name].append((r * seq_len + resp.start, s.fields[name]))
+            for name in position_names:
+                fields[name][r, start : start + n] = s.position_fields[name].to(fields[name].dtype)
             start += n if slots is None else slots[i]
     for name, parts in ragged_parts.items():
         fields[name] = scatter_rows(parts, b * seq_len)

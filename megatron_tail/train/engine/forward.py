@@ -16,6 +16,7 @@ causal attention. On the last pipeline stage, either
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -37,6 +38,7 @@ from megatron_tail.ops import (
 from megatron_tail.patches import cpu_device_scope
 
 from .batch import MicroBatch
+from .routing import RoutingPass
 
 # (op outputs [b, s] of one micro-batch, the micro-batch) -> (0-d loss tensor, extra object to return)
 OnOutputs = Callable[[MaskedLogprobs, MicroBatch], tuple[torch.Tensor, Any]]
@@ -82,11 +84,14 @@ def run_micro_batches(
     vocab_size: int,
     op: OpSettings,
     forward_only: bool,
+    routing: RoutingPass | None = None,
 ) -> list[Any]:
     """Run the forward(-backward) schedule; return `on_outputs`' extra objects (last stage; [] elsewhere).
 
     Micro-batches may differ in shape: on PP > 1 the model config's `variable_seq_lengths` (set by
-    `model.transformer_config`) makes the stages exchange each activation's shape first.
+    `model.transformer_config`) makes the stages exchange each activation's shape first. `routing` (MoE):
+    what the routers do in this pass (`routing.RoutingPass`: record, replay, observe), around each
+    micro-batch's forward.
     """
     if not micro_batches:
         raise ValueError("no micro-batches")
@@ -109,7 +114,11 @@ def run_micro_batches(
     def forward_step(data_iterator, model):
         mb = next(data_iterator).to(device)
         kwargs = {"fp32_output": False} if half else {}
+        if routing is not None:
+            routing.before(model, mb)
         output = model(mb.tokens, None, None, packed_seq_params=thd_params(mb), **kwargs)
+        if routing is not None:
+            routing.after(model, mb, output)
         return output, partial(_loss_func, mb, unwrap_model(model))
 
     def _loss_func(mb: MicroBatch, model, output: torch.Tensor):
@@ -137,7 +146,7 @@ def run_micro_batches(
         num_tokens = torch.full((), mb.num_loss_tokens, dtype=torch.int, device=loss.device)
         return loss, num_tokens, extra
 
-    with cpu_device_scope():
+    with cpu_device_scope(), routing if routing is not None else contextlib.nullcontext():
         return get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=iter(micro_batches),

@@ -19,6 +19,7 @@ from megatron_tail.ops import MaskedLogprobs
 from .batch import MicroBatch
 from .collectives import broadcast_from_last_stage
 from .forward import OpSettings, run_micro_batches
+from .routing import RoutingPass
 from .setup import Trainer
 
 
@@ -30,13 +31,15 @@ def recompute_logprobs(
     op: OpSettings | None = None,
     broadcast: bool = True,
     chunks: Sequence[torch.nn.Module] | None = None,
+    routing: RoutingPass | None = None,
 ) -> list[MaskedLogprobs] | None:
     """Per-micro-batch op outputs (`[b, s]` tensors, CPU, detached) of the current parameters, or of `chunks`
     (another model sharded like the trainer's, e.g. the frozen reference policy).
 
     Collective over all ranks. The outputs exist on the last pipeline stage; with `broadcast` they are
     sent to every stage (so any rank can use them), otherwise other stages get None. Positions off the
-    loss mask hold the op's values for the pad/next-token there and are meaningless.
+    loss mask hold the op's values for the pad/next-token there and are meaningless. `routing`: the MoE
+    routers' action in this pass (`routing.RoutingPass`, built on the same `chunks`).
     """
     op = op or OpSettings()
     chunks = list(trainer.chunks if chunks is None else chunks)
@@ -50,7 +53,13 @@ def recompute_logprobs(
         return torch.zeros((), device=out.logprobs.device), detached
 
     outs = run_micro_batches(
-        chunks, micro_batches, on_outputs, vocab_size=trainer.vocab_size, op=op, forward_only=True
+        chunks,
+        micro_batches,
+        on_outputs,
+        vocab_size=trainer.vocab_size,
+        op=op,
+        forward_only=True,
+        routing=routing,
     )
     groups = trainer.groups
     mine = list(outs) if groups.is_last_stage else None

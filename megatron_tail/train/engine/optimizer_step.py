@@ -24,6 +24,7 @@ from megatron_tail.patches import cpu_device_scope
 from .batch import MicroBatch
 from .collectives import all_reduce_scalars, broadcast_from_last_stage
 from .forward import OpSettings, run_micro_batches
+from .routing import RoutingPass
 from .setup import Trainer
 
 LossFn = Callable[[MaskedLogprobs, MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -47,11 +48,13 @@ def train_step(
     loss_fn: LossFn,
     *,
     op: OpSettings | None = None,
+    routing: RoutingPass | None = None,
 ) -> TrainStepResult:
     """Forward + backward over `micro_batches` (gradients summed), then one optimizer step.
 
     Collective over all ranks; every rank passes its own DP share of micro-batches (same count and shape
-    on every rank of a pipeline). Returns the same `TrainStepResult` on every rank.
+    on every rank of a pipeline). Returns the same `TrainStepResult` on every rank. `routing`: the MoE
+    routers' action (`routing.RoutingPass` on `trainer.chunks`; replays also in the backward's recompute).
     """
     op = op or OpSettings()
     for chunk in trainer.chunks:
@@ -64,7 +67,13 @@ def train_step(
         return loss, {k: v.detach() for k, v in metrics.items()}
 
     per_mb = run_micro_batches(
-        trainer.chunks, micro_batches, on_outputs, vocab_size=trainer.vocab_size, op=op, forward_only=False
+        trainer.chunks,
+        micro_batches,
+        on_outputs,
+        vocab_size=trainer.vocab_size,
+        op=op,
+        forward_only=False,
+        routing=routing,
     )
     with cpu_device_scope():
         update_successful, grad_norm, _ = trainer.optimizer.step()

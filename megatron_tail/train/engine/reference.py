@@ -53,7 +53,7 @@ class ReferenceModel:
 def build_reference(trainer: Trainer, hf_dir: str | Path, *, offload: bool = False) -> ReferenceModel:
     """π_ref = the HF checkpoint in `hf_dir`, built with the trainer's architecture and model settings on
     this rank's stage; frozen. With `offload`, parameters move to pinned host memory now."""
-    model = build_gpt_model(trainer.arch, trainer.model_settings)
+    model = build_gpt_model(trainer.arch, trainer.model_settings, routing_replay=trainer.arch.moe is not None)
     load_hf_weights(model, hf_dir, trainer.arch, trainer.model_settings)
     if model.config.bf16 or model.config.fp16:
         model = Float16Module(model.config, model)

@@ -69,7 +69,8 @@ def build_trainer(
     Needs `init_parallel` first. On CPU the whole construction runs in `cpu_device_scope`.
     """
     model_settings, optim = model_settings or ModelSettings(), optim or OptimizerSettings()
-    model = build_gpt_model(arch, model_settings)
+    # every MoE router gets megatron's RouterReplay (idle unless a pass drives it, `routing.RoutingPass`)
+    model = build_gpt_model(arch, model_settings, routing_replay=arch.moe is not None)
     if hf_dir is not None:
         load_hf_weights(model, hf_dir, arch, model_settings)
     config = model.config

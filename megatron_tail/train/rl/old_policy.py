@@ -5,6 +5,8 @@ the same pass, and the training–inference mismatch and DVP diagnostics of that
     old.outputs[i]      # MaskedLogprobs of layout.all[i].whole ([b, s], CPU; under CP gathered), every stage
     old.diagnostics     # {tag: float}, identical on every rank
     old.histograms      # {tag: (limits, counts)} of the tail Δ, for TensorBoard
+    (MoE: the pass records, replays or routes freely by `algorithm.routing_replay`, `routing`, and adds the
+    `moe/routing_agreement` and `moe/load_imbalance_cv` scalars to `old.diagnostics`)
     score_reference(trainer, reference, cfg, layout)   # KL: log π_ref of the same tokens → mb.extras
 """
 
@@ -26,6 +28,7 @@ from ..engine.reference import ReferenceModel
 from ..engine.setup import Trainer
 from . import diagnostics
 from .objective import whole_outputs
+from .routing import OLD_ACTION, REFERENCE_ACTION, routing_pass
 from .samples import MicroBatchLayout
 
 
@@ -72,8 +75,10 @@ def scored(cfg: AlgorithmConfig, out: MaskedLogprobs) -> MaskedLogprobs:
 def score_old_policy(trainer: Trainer, cfg: RunConfig, layout: MicroBatchLayout) -> OldPolicy:
     """Collective over all ranks: one forward-only pass over `layout.all` (no gradients)."""
     mbs = layout.all
-    outputs = recompute_logprobs(trainer, mbs, op=old_policy_op(cfg))
+    routing = routing_pass(trainer.chunks, OLD_ACTION[cfg.algorithm.routing_replay], observe=True)
+    outputs = recompute_logprobs(trainer, mbs, op=old_policy_op(cfg), routing=routing)
     groups = trainer.groups
+    moe = {} if routing is None else routing.stats.reduce(groups).scalars()
     # under CP: one all-gather per micro-batch; every CP rank then has the whole rows (and the diagnostics
     # below reduce over DP only, like the counts of the objective)
     outputs = [whole_outputs(mb, out, groups.cp) for mb, out in zip(mbs, outputs, strict=True)]
@@ -96,6 +101,7 @@ def score_old_policy(trainer: Trainer, cfg: RunConfig, layout: MicroBatchLayout)
     )
     if r_max is None:
         scalars.pop("dvp/bias_bound", None)
+    scalars.update(moe)
     outputs = [scored(cfg.algorithm, out) for out in outputs]
     return OldPolicy(outputs, scalars, diagnostics.tail_delta_histograms(totals))
 
@@ -106,8 +112,11 @@ def score_reference(
     """Collective: log π_ref^mp of the same tokens with the same op (the DVP rule of the run), one
     forward-only pass of the frozen reference; stored as `mb.extras["ref_logprobs"]` (`[b, s]`, CPU) on
     every micro-batch of `layout.all`, where the objective's KL term reads it."""
+    routing = routing_pass(reference.chunks, REFERENCE_ACTION[cfg.algorithm.routing_replay])
     with reference.on_device():
-        outs = recompute_logprobs(trainer, layout.all, op=op_settings(cfg), chunks=reference.chunks)
+        outs = recompute_logprobs(
+            trainer, layout.all, op=op_settings(cfg), chunks=reference.chunks, routing=routing
+        )
     for mb, out in zip(layout.all, outs, strict=True):
         mb.extras["ref_logprobs"] = out.logprobs
 

@@ -28,6 +28,7 @@ from ..engine.batch import (
 from ..engine.context_parallel import split_for_context_parallel
 from ..engine.forward import SAMPLING_SUPPORT_FIELD
 from ..engine.parallel import ParallelGroups
+from .routing import missing_routes, route_fields
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,8 @@ def build_samples(cfg: RunConfig, batch: RolloutBatch) -> RolloutSamples:
     `algorithm.mask_truncated` `trainable` (0 on every token of a response cut at `rollout.max_new_tokens`:
     it leaves the loss).
     A multi-turn batch's `policy_mask` goes to each `Sample.policy_mask`: its environment tokens are context.
+    The engines' MoE routes (`batch.routed_experts`) become per-position fields (`routing.route_fields`);
+    `algorithm.routing_replay: r3` without them is a UserError naming the server flag.
 
     The shaped reward is the task reward plus DAPO's overlong penalty when `algorithm.overlong_buffer` > 0;
     `reward/*` tags keep logging the task reward, `reward/overlong_penalty_mean` the added term.
@@ -108,7 +111,21 @@ def build_samples(cfg: RunConfig, batch: RolloutBatch) -> RolloutSamples:
         if algo.mask_truncated:
             fields["trainable"] = torch.full((n,), 0.0 if batch.truncated[i] else 1.0)
         mask = None if batch.policy_mask is None else batch.policy_mask[i]
-        samples.append(Sample(batch.prompt_ids[i], batch.response_ids[i], fields, policy_mask=mask))
+        positions = {}
+        if batch.routed_experts is not None:
+            n_all = len(batch.prompt_ids[i]) + n
+            positions = route_fields(batch.routed_experts[i], n_all, f"sample {i}")
+        elif algo.routing_replay == "r3":
+            raise missing_routes(algo.routing_replay)
+        samples.append(
+            Sample(
+                batch.prompt_ids[i],
+                batch.response_ids[i],
+                fields,
+                policy_mask=mask,
+                position_fields=positions,
+            )
+        )
     return RolloutSamples(samples, metrics)
 
 

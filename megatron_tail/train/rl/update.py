@@ -9,6 +9,9 @@ phase loop is outside the mini-batch loop: with Lopti the
 whole batch is first updated on its low-probability tokens (mb1-low, mb2-low, ...), then on the rest
 (mb1-high, mb2-high, ...), as in the paper and its authors' trainer; the order is the mechanism
 (arXiv 2505.12929).
+
+MoE (`algorithm.routing_replay`, `routing`): r2 replays the routes θ_old's pass recorded on the same
+micro-batches, r3 the engine's; `moe/aux_loss` is megatron's load-balancing loss over these passes.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from ..engine.optimizer_step import train_step
 from ..engine.setup import Trainer
 from .objective import prepare_rl_micro_batches, rl_loss_fn
 from .old_policy import OldPolicy
+from .routing import UPDATE_ACTION, aux_loss_scalars, clear_aux_loss, routing_pass
 from .samples import MicroBatchLayout
 
 # The algorithms' finalized metric → TensorBoard tag.
@@ -72,9 +76,14 @@ def update_policy(
         start += len(mbs)
     summed: list[dict[str, torch.Tensor]] = []
     grad_norms, skipped = [], 0
+    moe = trainer.arch.moe
+    if moe is not None:
+        clear_aux_loss()
     for phase in range(cfg.num_phases):
         for mbs, mini_counts in zip(layout.per_mini_batch, counts, strict=True):
-            result = train_step(trainer, mbs, rl_loss_fn(cfg, mini_counts, phase=phase), op=op)
+            routing = routing_pass(trainer.chunks, UPDATE_ACTION[cfg.routing_replay])
+            loss_fn = rl_loss_fn(cfg, mini_counts, phase=phase)
+            result = train_step(trainer, mbs, loss_fn, op=op, routing=routing)
             summed.append({k: torch.tensor(v, dtype=torch.float64) for k, v in result.metrics.items()})
             skipped += 0 if result.update_successful else 1
             if result.grad_norm is not None:
@@ -90,6 +99,9 @@ def update_policy(
     if trainer.config.fp16:  # the dynamic loss scale after this step's updates (one host read per step)
         metrics["train/loss_scale"] = float(trainer.optimizer.get_loss_scale())
     metrics["train/grad_norm_max"] = max(grad_norms, default=0.0)
+    if moe is not None:
+        forwards = cfg.num_phases * len(layout.all)
+        metrics.update(aux_loss_scalars(sum(moe.layer_is_moe), forwards))
     metrics["train/updates"] = float(updates)
     metrics["train/skipped_updates"] = float(skipped)
     return PolicyUpdate(metrics, updates)

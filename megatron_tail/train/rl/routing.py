@@ -1,0 +1,114 @@
+"""Routing replay in the RL step (`algorithm.routing_replay`): which pass records, replays or routes freely,
+the engine's routes as per-position sample fields, and the `moe/*` scalars.
+
+| pass       | none | r2                          | r3                      |
+|------------|------|-----------------------------|-------------------------|
+| θ_old      | free | RECORD (its own choice)     | replay the engine's     |
+| update     | free | replay θ_old's recorded     | replay the engine's     |
+| reference  | free | free                        | replay the engine's     |
+
+Under r2 the reference routes freely: it is another model, whose own routing is what π_ref means.
+
+The engine's routes (`RolloutBatch.routed_experts`, `[prompt + response − 1, num_hidden_layers, k]`, row p =
+token p's route as a forward's input) become two per-position fields of the sample
+(`engine.routing.ROUTES_FIELD` / `ROUTED_FIELD`): the last token gets an all-0 row and `routed` False (it was
+sampled but never fed to the engine; its outputs predict nothing in the loss). From there they follow their
+tokens through packing, the CP split and micro-batches like any other per-token field (`engine.batch`).
+
+Scalars: `moe/routing_agreement` (+ `/layer_{i}`) and `moe/load_imbalance_cv` from the θ_old pass (whenever
+the batch has engine routes: the agreement of the trainer's *own* router with the engine's, even while it
+replays them), `moe/aux_loss` from megatron's tracker over the update passes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from megatron_tail.utils.errors import UserError
+
+from ..engine.routing import ROUTED_FIELD, ROUTES_FIELD, RoutingPass
+
+OLD_ACTION = {"none": "free", "r2": "record", "r3": "replay_field"}
+UPDATE_ACTION = {"none": None, "r2": "replay_recorded", "r3": "replay_field"}
+REFERENCE_ACTION = {"none": None, "r2": None, "r3": "replay_field"}
+SERVER_FLAG = "--enable-return-routed-experts"
+
+
+def check_routing_replay(mode: str, arch) -> None:
+    """UserError (one line) for r2/r3 on a dense model."""
+    if mode != "none" and arch.moe is None:
+        raise UserError(
+            f"algorithm.routing_replay={mode} needs a mixture-of-experts model; {arch.architecture} is dense "
+            "(use algorithm.routing_replay=none)"
+        )
+
+
+def compact_routes(routes) -> torch.Tensor:
+    """An engine's int32 `[rows, layers, k]` (numpy or torch) → a torch tensor in the smallest dtype that
+    holds the ids: uint8 below 256 experts (Qwen3-MoE has 128), int16 below 32768, else int32. The
+    rollout buffer holds layers × k bytes per token instead of 4×."""
+    t = torch.from_numpy(np.ascontiguousarray(routes)) if isinstance(routes, np.ndarray) else routes
+    top = int(t.max()) if t.numel() else 0
+    dtype = torch.uint8 if top < 256 else torch.int16 if top < 32768 else torch.int32
+    return t.to(dtype)
+
+
+def route_fields(routes: torch.Tensor, n: int, where: str) -> dict[str, torch.Tensor]:
+    """A sample's engine routes `[n − 1, layers, k]` (n = prompt + response tokens) → its per-position
+    fields: routes `[n, layers, k]` (the last row 0) and `routed [n]` bool. ValueError naming `where` when
+    the rows do not cover the sample."""
+    if routes.dim() != 3 or routes.shape[0] != n - 1:
+        raise ValueError(
+            f"{where}: routed_experts has shape {tuple(routes.shape)}, expected ({n - 1}, layers, top_k) for "
+            f"{n} tokens (one route per position but the last)"
+        )
+    last = torch.zeros((1, *routes.shape[1:]), dtype=routes.dtype)
+    routed = torch.ones(n, dtype=torch.bool)
+    routed[-1] = False
+    return {ROUTES_FIELD: torch.cat([routes, last]), ROUTED_FIELD: routed}
+
+
+def missing_routes(mode: str) -> UserError:
+    return UserError(
+        f"algorithm.routing_replay={mode} replays the engine's routes, but the rollout batch has none: start "
+        f"the servers with {SERVER_FLAG} (the local engine: serve-local {SERVER_FLAG})"
+    )
+
+
+def routing_pass(chunks, action: str | None, *, observe: bool = False) -> RoutingPass | None:
+    """A `RoutingPass` on `chunks` for `action` (None: routers free and unobserved → no pass at all), or
+    None for a model without routers."""
+    if action is None and not observe:
+        return None
+    routing = RoutingPass(chunks, action or "free", observe=observe)
+    return routing if routing.active else None
+
+
+def aux_loss_scalars(num_moe_layers: int, forwards: int) -> dict[str, float]:
+    """`moe/aux_loss`: megatron's load-balancing loss (without its coefficient) per MoE layer and forward,
+    averaged over the MoE layers and this step's training forwards (`forwards` micro-batches per rank), from
+    megatron's tracker (`moe_utils.get_moe_layer_wise_logging_tracker`, filled by the router's
+    `attach_and_log_load_balancing_loss` in training forwards), reduced by megatron's own
+    `reduce_aux_losses_tracker_across_ranks` (sum over PP and TP × CP, mean over DP) as its
+    `track_moe_metrics` does; the tracker is cleared. Collective. {} when nothing was tracked."""
+    from megatron.core.transformer.moe.moe_utils import (
+        clear_aux_losses_tracker,
+        get_moe_layer_wise_logging_tracker,
+        reduce_aux_losses_tracker_across_ranks,
+    )
+
+    tracker = get_moe_layer_wise_logging_tracker()
+    if "load_balancing_loss" not in tracker or forwards == 0:
+        return {}
+    reduce_aux_losses_tracker_across_ranks(["load_balancing_loss"])
+    values = tracker["load_balancing_loss"]["values"].double().cpu()
+    clear_aux_losses_tracker()
+    return {"moe/aux_loss": float(values.sum()) / max(num_moe_layers, 1) / forwards}
+
+
+def clear_aux_loss() -> None:
+    """Zero megatron's aux-loss tracker (before the update passes it should cover)."""
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+    clear_aux_losses_tracker()
