@@ -250,3 +250,10 @@ def test_packed_cp_and_sequence_parallel_replay_give_the_unpacked_step(hf_dir, w
     assert step.grad_norm == pytest.approx(ref_step.grad_norm, rel=1e-5)
     for name in ref_state:
         torch.testing.assert_close(state[name], ref_state[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_route_field_names_agree():
+    from megatron_tail.train.engine import routing as engine
+    from megatron_tail.train.rl import routing as rl
+
+    assert (rl.ROUTES_FIELD, rl.ROUTED_FIELD) == (engine.ROUTES_FIELD, engine.ROUTED_FIELD)

@@ -22,12 +22,20 @@ replays them), `moe/aux_loss` from megatron's tracker over the update passes.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
 from megatron_tail.utils.errors import UserError
 
-from ..engine.routing import ROUTED_FIELD, ROUTES_FIELD, RoutingPass
+if TYPE_CHECKING:
+    from ..engine.routing import RoutingPass
+
+# the names of `engine.routing.ROUTES_FIELD` / `ROUTED_FIELD`, here without importing megatron (the rollout
+# side builds batches with `compact_routes` on rank 0 before any model exists)
+ROUTES_FIELD = "routed_experts"
+ROUTED_FIELD = "routed"
 
 OLD_ACTION = {"none": "free", "r2": "record", "r3": "replay_field"}
 UPDATE_ACTION = {"none": None, "r2": "replay_recorded", "r3": "replay_field"}
@@ -35,13 +43,32 @@ REFERENCE_ACTION = {"none": None, "r2": None, "r3": "replay_field"}
 SERVER_FLAG = "--enable-return-routed-experts"
 
 
-def check_routing_replay(mode: str, arch) -> None:
-    """UserError (one line) for r2/r3 on a dense model."""
+def check_routing_replay(cfg, arch) -> None:
+    """UserError (one line) for r2/r3 on a dense model, and for r3 with multi-turn episodes (`rollout.env`),
+    whose turns do not carry routes yet."""
+    mode = cfg.algorithm.routing_replay
     if mode != "none" and arch.moe is None:
         raise UserError(
             f"algorithm.routing_replay={mode} needs a mixture-of-experts model; {arch.architecture} is dense "
             "(use algorithm.routing_replay=none)"
         )
+    if mode == "r3" and cfg.rollout.env is not None:
+        raise UserError(
+            f"algorithm.routing_replay=r3 with rollout.env={cfg.rollout.env!r}: multi-turn episodes do not "
+            "carry the engines' routes yet; use r2 or none"
+        )
+
+
+def engine_routes_shape(cfg, arch) -> tuple[int, int] | None:
+    """`(num_hidden_layers, top_k)` when the engines should return routes, else None: under r3 (replayed),
+    and for a MoE model on the local engine (for `moe/routing_agreement`: free there) with single-turn
+    samples. SGLang servers return them only when started with the flag, which the launchers pass under
+    r3."""
+    if arch.moe is None or cfg.rollout.env is not None:
+        return None
+    if cfg.algorithm.routing_replay == "r3" or cfg.rollout.engine == "local":
+        return (arch.num_layers, arch.moe.top_k)
+    return None
 
 
 def compact_routes(routes) -> torch.Tensor:
@@ -81,6 +108,8 @@ def routing_pass(chunks, action: str | None, *, observe: bool = False) -> Routin
     None for a model without routers."""
     if action is None and not observe:
         return None
+    from ..engine.routing import RoutingPass
+
     routing = RoutingPass(chunks, action or "free", observe=observe)
     return routing if routing.active else None
 
