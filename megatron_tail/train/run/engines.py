@@ -39,6 +39,7 @@ from megatron_tail.rollout.processor import DVPLogitProcessor
 from megatron_tail.utils.errors import UserError
 from megatron_tail.utils.net import free_port
 
+from ..rl.routing import compact_routes, engine_routes_shape
 from .engine_failures import (
     EngineFailure,
     classify,
@@ -71,6 +72,8 @@ class RolloutEngines(ManagedRollout):
         """Where the wait-progress lines go (rank 0's console)."""
         arch = load_hf_config(cfg.model.hf_path)
         self.vocab_size = arch.vocab_size
+        self.routes_shape = engine_routes_shape(cfg, arch)
+        """MoE: `(layers, top_k)` of the routes the engines return (routing replay), else None."""
         self.context_length = arch.max_position_embeddings
         """The engines' context length: the model's (as the local engine and SGLang without
         `--context-length` use it); a multi-turn episode whose next turn would exceed it ends."""
@@ -115,6 +118,7 @@ class RolloutEngines(ManagedRollout):
                 kv_cache_dtype=r.kv_cache_dtype,
                 logit_noise=r.local_logit_noise,
                 sampling_backend="pytorch" if r.deterministic else "flashinfer",  # as SGLang picks it
+                return_routed_experts=self.routes_shape is not None,
             )
             self.urls = [local.url]
         else:
@@ -197,6 +201,8 @@ class RolloutEngines(ManagedRollout):
             top_k=r.top_k,
             top_p=r.top_p,
             min_p=r.min_p,
+            return_routed_experts=self.routes_shape is not None,
+            routes_shape=self.routes_shape,
         )
 
     def _client_metrics(self) -> dict[str, float]:
@@ -224,6 +230,9 @@ class RolloutEngines(ManagedRollout):
             rollout_supports=[s.output_supports for s in samples] if self.cfg.rollout.truncates else None,
             token_versions=None if any(v is None for v in versions) else versions,
             sampled_log_rho=[log_rho] * len(samples),
+            routed_experts=None
+            if self.routes_shape is None
+            else [compact_routes(s.routed_experts) for s in samples],
             stats={
                 "rollout_time_s": elapsed,
                 "generated_tokens": float(sum(len(s.output_ids) for s in samples)),
