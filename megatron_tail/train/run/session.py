@@ -35,6 +35,7 @@ from ..engine.lr_schedule import restore_progress
 from ..engine.parallel import ParallelConfig, host_wait_group, init_parallel
 from ..engine.reference import build_reference
 from ..engine.setup import build_trainer
+from ..rl.routing import check_routing_replay
 from . import run_dir
 from .console import Console, progress_enabled
 from .engines import RolloutEngines
@@ -132,12 +133,16 @@ class RunSession:
                     tensor_parallel=cfg.parallel.tensor_parallel,
                     pipeline_parallel=cfg.parallel.pipeline_parallel,
                     context_parallel=cfg.parallel.context_parallel,
+                    expert_parallel=cfg.parallel.expert_parallel,
+                    expert_tensor_parallel=cfg.parallel.expert_tensor_parallel,
                     seed=cfg.seed,
                     distributed_timeout_minutes=cfg.parallel.distributed_timeout_minutes,
                 )
             )
+            arch = load_hf_config(cfg.model.hf_path)
+            check_routing_replay(cfg, arch)  # r2/r3 on a dense model: one line
             self.trainer = build_trainer(
-                load_hf_config(cfg.model.hf_path),
+                arch,
                 hf_dir=cfg.model.hf_path,
                 model_settings=cfg.model,
                 optim=cfg.optimizer,
