@@ -36,6 +36,7 @@ from megatron_tail.rollout.client import SupportOverflowsExhausted
 from megatron_tail.rollout.local_engine.process import LocalEngineProcess
 from megatron_tail.rollout.manager import RolloutManager
 from megatron_tail.rollout.processor import DVPLogitProcessor
+from megatron_tail.rollout.protocol import MissingRoutesError
 from megatron_tail.utils.errors import UserError
 from megatron_tail.utils.net import free_port
 
@@ -408,6 +409,8 @@ class RolloutEngines(ManagedRollout):
             return self._drive(self._watching(coro, waiting_for))
         except SupportOverflowsExhausted as error:
             raise overflows_exhausted(error, self.cfg.rollout) from error
+        except MissingRoutesError as error:  # a server without the routes flag: the launch's doing, one line
+            raise UserError(f"routing replay: {error}") from None
         except Exception as error:
             failure = classify(error, self.engine, self.cfg.rollout, waiting_for, limit)
             if failure is None:
