@@ -37,6 +37,31 @@ score matrix. Dropout is 0 (nothing saved). The saved-tensor test (`tests/plan/t
 every term but the core's against what autograd saves in a training forward of a small Qwen3 (on CPU, where
 torch's composite RMSNorm saves a view as it is: the test adds that path's differences explicitly).
 
+A MoE layer (Qwen3-MoE, megatron-core 0.16.1 `transformer/moe/`) keeps the same attention and norm terms;
+its MLP terms are replaced by the router's and the experts'. E = experts, k = top-k, I' = I / ETP:
+
+    router_scores (fp32)   E          (SP: E/TP)     the softmax over all experts that the load-balancing
+                                                      loss keeps (`compute_routing_scores_for_aux_loss`,
+                                                      router.py): the router logits' [tokens, E] shape
+    router_topk            k·(b + 8)  (SP: /TP)       the top-k probabilities and int64 indices
+    expert_input           m·h                        the permuted token copies, linear_fc1's saved input
+                                                      (`TEGroupedMLP.forward`, experts.py)
+    expert_fc1_output      m·2I'                      SiLU's input (the gate half, a view of it)
+    expert_up_copy         m·I'                       `x_linear + glu_linear_offset` (a new tensor)
+    expert_silu_output     m·I'                       the GLU product's other factor
+    expert_glu_output      m·I'                       multiplied by the routing probability (saved)
+    expert_weighted        m·I'                       the probability-weighted output, linear_fc2's input
+    expert_probs           m·b                        the permuted probabilities (saved by the product)
+
+m = k·ETP/TP routed copies per token of the micro-batch on one GPU: a rank's t/TP tokens (sequence
+parallelism; megatron's MoE with TP > 1 runs SP) go to their k experts' EP ranks by the alltoall
+(`MoEAlltoAllTokenDispatcher.token_permutation`, token_dispatcher.py: t/TP·k copies received on average,
+balanced routing assumed: dropless, no capacity factor) and are gathered over the expert-TP group (× ETP).
+The dispatcher's permute/alltoall/sort keep nothing for backward (their backward needs only the indices
+and splits); their buffers are transient, one layer at a time: `dispatch_bytes` counts the alltoall's
+input and output copies (m·h each, "in and out") once per stage. Selective recompute's "mlp" recomputes
+only the dense layers' MLPs (megatron's `TransformerLayer.__init__`: `if not self.is_moe_layer`).
+
 Recompute (`model.recompute` → megatron's `recompute_granularity`, `model/config.py::_recompute_fields`):
 - "selective" over `model.recompute_modules` (`TransformerLayer.__init__`, transformer_layer.py):
   "core_attn" checkpoints the core attention: its q, k, v are still kept (as the checkpoint's inputs) and
@@ -117,6 +142,62 @@ def layer_activation_terms(
     return LayerActivations(terms)
 
 
+DENSE_MLP_TERMS = ("fc1_output", "up_copy", "silu_output", "swiglu_output")
+
+
+def routed_copies(shape: ModelShape, *, tp: int, etp: int) -> float:
+    """m: routed token copies per token of the micro-batch on one GPU, k·ETP/TP (module docstring)."""
+    return shape.top_k * etp / tp
+
+
+def moe_layer_activation_terms(
+    shape: ModelShape,
+    *,
+    tp: int,
+    etp: int,
+    sequence_parallel: bool,
+    dtype_bytes: int,
+    recompute: str = "none",
+    recompute_modules: tuple[str, ...] = ("core_attn", "mlp"),
+) -> LayerActivations:
+    """Per-token bytes one MoE layer keeps for backward on one GPU: the dense layer's attention and norm
+    terms, the router's and the experts' (module docstring). Selective "mlp" does not touch MoE layers."""
+    dense = layer_activation_terms(
+        shape,
+        tp=tp,
+        sequence_parallel=sequence_parallel,
+        dtype_bytes=dtype_bytes,
+        recompute=recompute,
+        recompute_modules=tuple(m for m in recompute_modules if m != "mlp"),
+    ).terms
+    b, e, k, i = dtype_bytes, shape.experts, shape.top_k, shape.moe_ffn // etp
+    m = routed_copies(shape, tp=tp, etp=etp)
+    router_share = tp if sequence_parallel else 1
+    terms = {name: v for name, v in dense.items() if name not in DENSE_MLP_TERMS}
+    terms.update(
+        {
+            "router_scores": e * FP32 // router_share,
+            "router_topk": k * (b + 8) // router_share,
+            "expert_input": round(m * shape.hidden * b),
+            "expert_fc1_output": round(m * 2 * i * b),
+            "expert_up_copy": round(m * i * b),
+            "expert_silu_output": round(m * i * b),
+            "expert_glu_output": round(m * i * b),
+            "expert_weighted": round(m * i * b),
+            "expert_probs": round(m * b),
+        }
+    )
+    return LayerActivations(terms)
+
+
+def dispatch_bytes(shape: ModelShape, *, tp: int, etp: int, tokens: int, dtype_bytes: int) -> int:
+    """The alltoall dispatcher's transient buffers at one MoE layer: its input and output token copies,
+    m·h each per token (`MoEAlltoAllTokenDispatcher.token_permutation`/`token_unpermutation`)."""
+    if not shape.is_moe:
+        return 0
+    return round(2 * routed_copies(shape, tp=tp, etp=etp) * shape.hidden * dtype_bytes * tokens)
+
+
 def stage_activation_bytes(
     shape: ModelShape,
     *,
@@ -129,23 +210,33 @@ def stage_activation_bytes(
     recompute: str,
     recompute_num_layers: int | None,
     recompute_modules: tuple[str, ...] = ("core_attn", "mlp"),
+    stage_moe_layers: int = 0,
+    etp: int = 1,
 ) -> int:
     """Activation bytes one pipeline stage holds at its peak: `in_flight` micro-batches of `tokens` tokens
-    through its `stage_layers` layers (1F1B: stage s of PP keeps min(PP − s, micro-batches) in flight)."""
-    per_layer = layer_activation_terms(
-        shape,
-        tp=tp,
-        sequence_parallel=sequence_parallel,
-        dtype_bytes=dtype_bytes,
-        recompute=recompute,
-        recompute_modules=recompute_modules,
-    ).total
+    through its `stage_layers` layers, `stage_moe_layers` of them MoE layers (1F1B: stage s of PP keeps
+    min(PP − s, micro-batches) in flight), plus one MoE layer's dispatch buffers."""
+    common = dict(sequence_parallel=sequence_parallel, dtype_bytes=dtype_bytes, recompute=recompute)
+    per_layer = layer_activation_terms(shape, tp=tp, recompute_modules=recompute_modules, **common).total
+    per_moe_layer = (
+        moe_layer_activation_terms(shape, tp=tp, etp=etp, recompute_modules=recompute_modules, **common).total
+        if stage_moe_layers
+        else 0
+    )
+    dispatch = (
+        dispatch_bytes(shape, tp=tp, etp=etp, tokens=tokens, dtype_bytes=dtype_bytes)
+        if stage_moe_layers
+        else 0
+    )
     if recompute != "full":
-        return per_layer * stage_layers * tokens * in_flight
+        kept = per_layer * (stage_layers - stage_moe_layers) + per_moe_layer * stage_moe_layers
+        return kept * tokens * in_flight + dispatch
     chunk = min(recompute_num_layers or 1, stage_layers)
     h_kept = shape.hidden // tp if sequence_parallel else shape.hidden
     kept_inputs = math.ceil(stage_layers / chunk) * h_kept * dtype_bytes * tokens * in_flight
-    return kept_inputs + chunk * per_layer * tokens
+    # the chunk recomputed for its backward: at worst all MoE layers
+    recomputed = min(chunk, stage_moe_layers) * per_moe_layer + max(0, chunk - stage_moe_layers) * per_layer
+    return kept_inputs + recomputed * tokens + dispatch
 
 
 UNFUSED_CHUNK_ELEMENTS = 1 << 25

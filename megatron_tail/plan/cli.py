@@ -2,7 +2,8 @@
 
 Exit 0 when the run fits, 1 when a term does not (the message names it and by how much), 2 for a config or
 layout that cannot be planned. The rollout settings default to `slurm/rl.sbatch`'s environment variables
-(`MT_ROLLOUT_NODES`, `MT_SGLANG_TP`, `MT_SGLANG_MEM_FRACTION`), so the script and a login-node check agree.
+(`MT_ROLLOUT_NODES`, `MT_SGLANG_TP`, `MT_SGLANG_MEM_FRACTION`, and SGLang's `--ep-size` inside
+`MT_SGLANG_EXTRA_ARGS`), so the script and a login-node check agree.
 """
 
 from __future__ import annotations
@@ -10,12 +11,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 
 
 def _env(name: str, default, cast):
     value = os.environ.get(name)
     return cast(value) if value not in (None, "") else default
+
+
+def sglang_ep_size(extra_args: str) -> int:
+    """SGLang's `--ep-size N` (or `--ep-size=N`, `--ep N`) in `MT_SGLANG_EXTRA_ARGS`; 1 without one."""
+    match = re.search(r"--ep(?:-size)?[= ](\d+)", extra_args or "")
+    return int(match.group(1)) if match else 1
 
 
 def add_plan_parser(subparsers) -> None:
@@ -31,6 +39,12 @@ def add_plan_parser(subparsers) -> None:
     p.add_argument("--gpu-memory-gib", type=float, default=80.0, help="per GPU [80: H100 80GB]")
     p.add_argument("--rollout-nodes", type=int, default=_env("MT_ROLLOUT_NODES", 1, int))
     p.add_argument("--rollout-tp", type=int, default=_env("MT_SGLANG_TP", 1, int))
+    p.add_argument(
+        "--rollout-ep",
+        type=int,
+        default=sglang_ep_size(os.environ.get("MT_SGLANG_EXTRA_ARGS", "")),
+        help="SGLang --ep-size (MoE) [--ep-size in MT_SGLANG_EXTRA_ARGS, else 1]",
+    )
     p.add_argument("--mem-fraction", type=float, default=_env("MT_SGLANG_MEM_FRACTION", 0.85, float))
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument(
@@ -54,6 +68,7 @@ def cluster_from_args(args: argparse.Namespace):
         gpu_memory_gib=args.gpu_memory_gib,
         rollout_nodes=args.rollout_nodes,
         rollout_tp=args.rollout_tp,
+        rollout_ep=args.rollout_ep,
         mem_fraction=args.mem_fraction,
         kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization,

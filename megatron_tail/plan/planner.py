@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 
 from megatron_tail.config.schema import RunConfig
 from megatron_tail.model.directory import load_model_config
+from megatron_tail.model.moe_arch import check_expert_layout
 
 from .rollout import ENGINE_DTYPE_BYTES, KV_DTYPE_BYTES, RolloutLayout, RolloutMemory, rollout_memory
 from .shapes import ModelShape
@@ -15,6 +16,7 @@ from .trainer import (
     TrainerLayout,
     activation_per_token_per_layer,
     checkpoint_bytes_per_rank,
+    routes_host_bytes,
     support_host_bytes,
     trainer_peak,
 )
@@ -34,6 +36,9 @@ class Cluster:
     """`MT_ROLLOUT_NODES` of `slurm/rl.sbatch`."""
     rollout_tp: int = 1
     """`MT_SGLANG_TP`: GPUs per SGLang server."""
+    rollout_ep: int = 1
+    """SGLang's `--ep-size` (MoE; in `MT_SGLANG_EXTRA_ARGS`): expert-parallel ranks of a server, dividing
+    its TP."""
     mem_fraction: float = 0.85
     """`MT_SGLANG_MEM_FRACTION`: SGLang's `--mem-fraction-static`."""
     kv_cache_dtype: str = "auto"
@@ -49,7 +54,7 @@ class Cluster:
     """Assumed filesystem write bandwidth per node, GB/s (for the checkpoint's save time)."""
 
     def __post_init__(self) -> None:
-        for name in ("nodes", "gpus_per_node", "rollout_nodes", "rollout_tp"):
+        for name in ("nodes", "gpus_per_node", "rollout_nodes", "rollout_tp", "rollout_ep"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int ≥ 1; got {value!r}")
@@ -59,6 +64,10 @@ class Cluster:
             )
         if self.gpus_per_node % self.rollout_tp:
             raise ValueError(f"rollout_tp={self.rollout_tp} must divide gpus_per_node={self.gpus_per_node}")
+        if self.rollout_tp % self.rollout_ep:
+            raise ValueError(
+                f"rollout_ep={self.rollout_ep} (SGLang --ep-size) must divide rollout_tp={self.rollout_tp}"
+            )
         for name in ("gpu_memory_gib", "fs_write_gbps", "host_memory_gib"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0; got {getattr(self, name)!r}")
@@ -91,6 +100,8 @@ class Plan:
     support_host_bytes_per_rank: int = 0
     """Truncated sampling: the step's supports in each trainer rank's host memory, at most (`supports`
     of `plan.trainer`)."""
+    routes_host_bytes_per_rank: int = 0
+    """Routing replay r3: the step's engine routes in each trainer rank's host memory, at most."""
 
     @property
     def fits(self) -> bool:
@@ -138,14 +149,26 @@ def make_plan(config: RunConfig, cluster: Cluster) -> Plan:
     shape = ModelShape.from_arch(arch, config.model.vocab_pad_multiple)
     tp, pp = config.parallel.tensor_parallel, config.parallel.pipeline_parallel
     cp = config.parallel.context_parallel
+    ep, etp = config.parallel.expert_parallel, config.parallel.expert_tensor_parallel
+    # one line naming the values: expert options on a dense model, EP ∤ experts, ETP ∤ moe_intermediate_size
+    check_expert_layout(
+        arch.moe, arch.architecture, tensor_parallel=tp, expert_parallel=ep, expert_tensor_parallel=etp
+    )
+    etp = etp or tp
     trainer_gpus = (cluster.nodes - cluster.rollout_nodes) * cluster.gpus_per_node
     if trainer_gpus % (tp * pp * cp):
         raise ValueError(
             f"{trainer_gpus} trainer GPUs are not a multiple of "
             f"tensor_parallel × pipeline_parallel × context_parallel = {tp} × {pp} × {cp}"
         )
+    if trainer_gpus % (etp * ep * pp):
+        raise ValueError(
+            f"{trainer_gpus} trainer GPUs are not a multiple of "
+            f"expert_tensor_parallel × expert_parallel × pipeline_parallel = {etp} × {ep} × {pp}"
+        )
     if shape.layers % pp:
         raise ValueError(f"num_hidden_layers={shape.layers} is not divisible by pipeline_parallel={pp}")
+    _check_moe_layout(shape, config, cluster)
     dp = trainer_gpus // (tp * pp * cp)
     precision = config.model.precision or ("fp32" if config.model.bf16 is False else "bf16")
     longest = sequence_tokens(config, arch.max_position_embeddings)
@@ -180,6 +203,10 @@ def make_plan(config: RunConfig, cluster: Cluster) -> Plan:
         context_parallel=cp,
         support_width=config.rollout.top_k if config.rollout.truncates else 0,
         support_dense_width=_support_dense_width(config),
+        expert_parallel=ep,
+        expert_tensor_parallel=etp,
+        expert_data_parallel=trainer_gpus // (etp * ep * pp),
+        routing_replay=routing_replay(config) if shape.is_moe else "none",
     )
     peak = trainer_peak(shape, layout)
     engine_dtype = config.rollout.dtype or "bfloat16"
@@ -187,6 +214,8 @@ def make_plan(config: RunConfig, cluster: Cluster) -> Plan:
     rollout_layout = RolloutLayout(
         servers=cluster.rollout_nodes * cluster.gpus_per_node // cluster.rollout_tp,
         tp_per_server=cluster.rollout_tp,
+        ep_per_server=cluster.rollout_ep,
+        routes=layout.routing_replay == "r3",
         mem_fraction=cluster.mem_fraction,
         weight_bytes_per_param=ENGINE_DTYPE_BYTES[engine_dtype],
         fp8_linear=quantization == "fp8",
@@ -204,6 +233,8 @@ def make_plan(config: RunConfig, cluster: Cluster) -> Plan:
     warnings += _context_parallel_warnings(shape, layout, peak)
     host_supports = support_host_bytes(layout.support_width, samples, config.rollout.max_response_tokens)
     warnings += _support_host_warnings(host_supports, layout.support_width, cluster)
+    host_routes = routes_host_bytes(shape, layout, samples, longest)
+    warnings += _routes_host_warnings(host_routes, rollout, cluster)
     return Plan(
         shape=shape,
         cluster=cluster,
@@ -218,7 +249,35 @@ def make_plan(config: RunConfig, cluster: Cluster) -> Plan:
         warnings=warnings,
         episode=episode_line(config),
         support_host_bytes_per_rank=host_supports,
+        routes_host_bytes_per_rank=host_routes,
     )
+
+
+def routing_replay(config: RunConfig) -> str:
+    """`algorithm.routing_replay` ("none" while the key does not exist)."""
+    return getattr(config.algorithm, "routing_replay", None) or "none"
+
+
+def _check_moe_layout(shape: ModelShape, config: RunConfig, cluster: Cluster) -> None:
+    """ValueError for a MoE layout megatron or SGLang refuses."""
+    tp = config.parallel.tensor_parallel
+    if not shape.is_moe:
+        if cluster.rollout_ep > 1:
+            raise ValueError(
+                f"rollout_ep={cluster.rollout_ep} (SGLang --ep-size) needs a mixture-of-experts model"
+            )
+        return
+    if tp > 1 and not config.model.sequence_parallel:
+        # megatron-core 0.16.1 MoELayer.forward raises in training with TP > 1 and no SP
+        raise ValueError(
+            f"parallel.tensor_parallel={tp} with a mixture-of-experts model needs "
+            "model.sequence_parallel=true "
+            "(megatron's MoELayer refuses TP without SP in training)"
+        )
+    if shape.experts % cluster.rollout_ep:
+        raise ValueError(
+            f"rollout_ep={cluster.rollout_ep} (SGLang --ep-size) does not divide num_experts={shape.experts}"
+        )
 
 
 RECOMPUTE_COST = ("none", "selective", "full")
@@ -273,6 +332,26 @@ def _support_host_warnings(per_rank: int, width: int, cluster: Cluster) -> list[
         f"{cluster.host_memory_gib:g} GiB); the real size is rollout/support_size_mean x 4 B per token: "
         "watch it, or lower rollout.top_k"
     ]
+
+
+def _routes_host_warnings(per_rank: int, rollout: RolloutMemory, cluster: Cluster) -> list[str]:
+    """r3: warn where a trainer node's copies of the step's routes, or a rollout node's SGLang host caches,
+    could need over a quarter of its host memory."""
+    out = []
+    quarter = cluster.host_memory_gib * GIB / 4
+    if per_rank * cluster.gpus_per_node > quarter:
+        out.append(
+            f"routing replay r3: up to {_gib(per_rank)} of routes per trainer rank, "
+            f"{_gib(per_rank * cluster.gpus_per_node)} per node of host memory (over a quarter of the "
+            f"assumed {cluster.host_memory_gib:g} GiB)"
+        )
+    if rollout.routes_host_bytes * cluster.gpus_per_node > quarter:
+        out.append(
+            f"routing replay r3: SGLang's routed-experts host caches take "
+            f"{_gib(rollout.routes_host_bytes * cluster.gpus_per_node)} per rollout node (over a quarter of "
+            f"the assumed {cluster.host_memory_gib:g} GiB)"
+        )
+    return out
 
 
 def _gib(n: float) -> str:

@@ -4,6 +4,14 @@ SGLang 0.5.23 gives `--mem-fraction-static` of the GPU to weights plus the KV po
 (`srt/model_executor/model_runner.py::profile_max_num_token`: the pool is the fraction's memory minus what
 the weights took); the rest is activations, CUDA graphs and the context. With TP per server, each GPU holds
 1/TP of the weights and g/TP of the K/V heads (one when TP > g, replicated).
+
+MoE (Qwen3-MoE): every expert of every layer is on the server's GPUs, 1/TP of them per GPU whichever way
+SGLang splits them: `--ep-size` = EP gives each GPU E/EP whole experts split TP/EP ways along the
+intermediate dimension (SGLang's `moe_tp_size = tp_size // ep_size`), so a GPU holds total / TP either
+way. Routing replay r3 (`--enable-return-routed-experts`, SGLang 0.5.23 `srt/state_capturer/
+routed_experts.py`, `_RoutedExpertsCapturerReal` built by each TP rank's model runner) adds a device
+buffer [max(chunked_prefill_size, max_running_requests), L, k] int32 and a pinned host cache [KV pool
+tokens, L, k] int32: L·k·4 B per token the pool can hold.
 """
 
 from __future__ import annotations
@@ -35,6 +43,10 @@ class RolloutLayout:
     max_concurrency: int
     """Requests (one prompt's group each) in flight over all servers."""
     group_size: int
+    ep_per_server: int = 1
+    """SGLang's `--ep-size` (MoE): experts split over EP ranks of a server's TP GPUs."""
+    routes: bool = False
+    """Routing replay r3: the servers run `--enable-return-routed-experts`."""
 
     @property
     def in_flight_sequences(self) -> int:
@@ -54,11 +66,32 @@ class RolloutMemory:
     in_flight_per_server: int
     budget_bytes: int
     """mem_fraction × capacity: weights + KV pool."""
+    routes_device_bytes: int = 0
+    """r3: the routed-experts device buffer per GPU (counted inside the static budget, before the KV pool)."""
+    routes_host_bytes: int = 0
+    """r3: the pinned host cache per GPU of a server (one per TP rank's model runner)."""
+
+
+ROUTES_CHUNKED_PREFILL_TOKENS = 8192
+"""SGLang's `--chunked-prefill-size` assumed for the routes' device buffer (its default on 80 GB GPUs in
+`server_args.py`; set per GPU class there)."""
+ROUTE_ID_BYTES = 4
+"""int32 expert ids (SGLang's capture buffers and `meta_info.routed_experts`)."""
+
+
+def route_bytes_per_token(shape: ModelShape) -> int:
+    """r3: layers × k × 4 B per token (every layer: SGLang captures [tokens, num_hidden_layers, k])."""
+    return shape.layers * shape.top_k * ROUTE_ID_BYTES
 
 
 def rollout_memory(shape: ModelShape, layout: RolloutLayout) -> RolloutMemory:
     tp = layout.tp_per_server
     weights = -(-shape.total_params() * layout.weight_bytes_per_param // tp)
+    if layout.fp8_linear and shape.is_moe:
+        raise ValueError(
+            "rollout.quantization=fp8 with a mixture-of-experts model: the plan counts SGLang's fp8 weights "
+            "of dense linear layers only, not its fp8 experts (Fp8MoEMethod); plan without quantization"
+        )
     if layout.fp8_linear:
         linear = shape.layer_params(1) - 2 * shape.hidden - (2 * shape.head_dim if shape.qk_norm else 0)
         channels = (shape.heads + 2 * shape.kv_heads) * shape.head_dim + 2 * shape.hidden + 2 * shape.ffn
@@ -67,8 +100,14 @@ def rollout_memory(shape: ModelShape, layout: RolloutLayout) -> RolloutMemory:
         weights = -(-(fp8 + rest) // tp)
     kv_per_token = 2 * shape.layers * shape.kv_heads_per_rank(tp) * shape.head_dim * layout.kv_dtype_bytes
     budget = int(layout.mem_fraction * layout.capacity_bytes)
-    kv_tokens = max(0, budget - weights) // kv_per_token
+    routes_device = 0
+    if layout.routes and shape.is_moe:
+        rows = max(ROUTES_CHUNKED_PREFILL_TOKENS, -(-layout.in_flight_sequences // max(layout.servers, 1)))
+        routes_device = rows * route_bytes_per_token(shape)
+    kv_tokens = max(0, budget - weights - routes_device) // kv_per_token
     return RolloutMemory(
+        routes_device_bytes=routes_device,
+        routes_host_bytes=kv_tokens * route_bytes_per_token(shape) if routes_device else 0,
         weights_bytes=weights,
         kv_bytes_per_token=kv_per_token,
         kv_tokens_per_server=kv_tokens,

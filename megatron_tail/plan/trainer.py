@@ -1,12 +1,19 @@
 """Bytes per trainer GPU, term by term, for one pipeline stage at its training peak.
 
-weights      the stage's parameters on this TP rank, in the model dtype (megatron's `Float16Module`)
+weights      the stage's parameters on this TP rank, in the model dtype (megatron's `Float16Module`);
+             MoE: a MoE layer's experts split over EP × expert-TP (`shapes.ModelShape.stage_params`)
 grads        the same count in the main-grad dtype: fp32 (`grad_reduce_in_fp32=True`,
-             `train/engine/setup.py`), never sharded (megatron's DDP grad buffer)
+             `train/engine/setup.py`), never sharded (megatron's DDP grad buffer, experts' included)
 optimizer    Adam: fp32 master params (half precision only) + m + v; SGD: master + momentum;
-             divided by DP under the distributed optimizer
+             divided by DP × CP under the distributed optimizer, the experts' share by the expert-data-
+             parallel size instead: world / (ETP × EP × PP). megatron's DDP puts expert parameters in
+             their own buffers (`DistributedDataParallel.__init__`: `expert_parallel_buffers` over the
+             expert-DP group, `parallel_state.get_expert_data_parallel_group()`; dense ones over DP × CP),
+             and `DistributedOptimizer` shards each bucket over its buffer's `data_parallel_group`
+             (`_build_gbuf_range_map`, optimizer/distrib_optimizer.py)
 activations  `activations.stage_activation_bytes` (1F1B: stage s keeps min(PP − s, M) micro-batches),
-             of this CP rank's tokens: tokens per micro-batch / CP under context parallelism
+             of this CP rank's tokens: tokens per micro-batch / CP under context parallelism; MoE layers
+             add the router, the top-k experts' MLPs and one layer's alltoall dispatch buffers
 logits       the last stage's logits (or the fused op's blocks) for one micro-batch (its tokens / CP)
 reference    π_ref's weights (model dtype), when `algorithm.kl_coef` > 0 and it is not offloaded; an
              offloaded reference is on the GPU only for its forward-only pass, when no training
@@ -17,6 +24,10 @@ supports     truncated sampling (`rollout.top_k/top_p/min_p`): each micro-batch 
              backward (`train.engine.forward.sampling_support`), W the micro-batch's widest support: one
              token whose top-k cutoff ties (SGLang's flashinfer sampler keeps ties) can make it the mask
              cap `rollout.sampling_mask_max_tokens`; `rollout.top_k` under `rollout.deterministic`
+routes       routing replay (MoE, `algorithm.routing_replay` r2/r3): megatron's `RouterReplay` holds each
+             MoE layer's [tokens, k] expert indices (int64, as `torch.topk` returns them; router_replay.py)
+             for every micro-batch in flight, of this GPU's router tokens (tokens / TP under SP); only
+             present for a MoE model with replay
 reserve      CUDA context, NCCL communicators and buffers, allocator fragmentation (an assumption)
 """
 
@@ -24,7 +35,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .activations import layer_activation_terms, logits_bytes, stage_activation_bytes
+from .activations import (
+    layer_activation_terms,
+    logits_bytes,
+    moe_layer_activation_terms,
+    stage_activation_bytes,
+)
 from .shapes import ModelShape
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -64,6 +80,14 @@ class TrainerLayout:
     """Truncated sampling: support ids per token, all but a few tied tokens (`rollout.top_k`); 0 without."""
     support_dense_width: int = 0
     """Truncated sampling: the widest one token's support can be, the op's dense width (module docstring)."""
+    expert_parallel: int = 1
+    """EP: each rank holds num_experts / EP experts of every MoE layer."""
+    expert_tensor_parallel: int = 1
+    """ETP: each expert's intermediate dimension split over ETP ranks."""
+    expert_data_parallel: int = 1
+    """Expert DP: world / (ETP × EP × PP), the group the distributed optimizer shards expert state over."""
+    routing_replay: str = "none"
+    """MoE: "none", "r2" or "r3" (`algorithm.routing_replay`)."""
 
     @property
     def tokens_per_gpu(self) -> int:
@@ -78,6 +102,8 @@ class StageMemory:
     stage: int
     params: int
     terms: dict[str, int]
+    expert_params: int = 0
+    """Of `params`, the MoE experts' (sharded over EP × ETP; optimizer state over expert DP)."""
 
     @property
     def total(self) -> int:
@@ -96,7 +122,10 @@ def stage_memory(shape: ModelShape, layout: TrainerLayout, stage: int) -> StageM
     """Bytes per GPU of pipeline stage `stage` at its training peak."""
     tp, pp = layout.tensor_parallel, layout.pipeline_parallel
     b = DTYPE_BYTES[layout.precision]
-    params = shape.stage_params(tp, pp, stage)
+    ep, etp = layout.expert_parallel, layout.expert_tensor_parallel
+    params = shape.stage_params(tp, pp, stage, ep=ep, etp=etp)
+    experts = shape.stage_expert_params(pp, stage, ep=ep, etp=etp)
+    per_stage = shape.layers // pp
     in_flight = min(pp - stage, max(layout.micro_batches, 1))
     activations = stage_activation_bytes(
         shape,
@@ -109,6 +138,8 @@ def stage_memory(shape: ModelShape, layout: TrainerLayout, stage: int) -> StageM
         recompute=layout.recompute,
         recompute_num_layers=layout.recompute_num_layers,
         recompute_modules=layout.recompute_modules,
+        stage_moe_layers=shape.moe_layers(stage * per_stage, per_stage) if shape.is_moe else 0,
+        etp=etp,
     )
     last = stage == pp - 1
     logits = (
@@ -123,9 +154,7 @@ def stage_memory(shape: ModelShape, layout: TrainerLayout, stage: int) -> StageM
         if last
         else 0
     )
-    optimizer = params * optimizer_bytes_per_param(layout)
-    if layout.distributed_optimizer:
-        optimizer = -(-optimizer // (layout.data_parallel * layout.context_parallel))
+    optimizer = optimizer_state_bytes(layout, params - experts, experts)
     terms = {
         "weights": params * b,
         "grads": params * 4,
@@ -136,13 +165,45 @@ def stage_memory(shape: ModelShape, layout: TrainerLayout, stage: int) -> StageM
         "supports": support_device_bytes(layout, in_flight, last),
         "reserve": layout.reserve_bytes,
     }
-    return StageMemory(stage=stage, params=params, terms=terms)
+    if shape.is_moe and layout.routing_replay != "none":
+        moe_layers = shape.moe_layers(stage * per_stage, per_stage)
+        router_tokens = layout.tokens_per_gpu // (tp if layout.sequence_parallel else 1)
+        routes = in_flight * router_tokens * moe_layers * shape.top_k * REPLAY_INDEX_BYTES
+        terms = {
+            **{k: v for k, v in terms.items() if k != "reserve"},
+            "routes": routes,
+            "reserve": terms["reserve"],
+        }
+    return StageMemory(stage=stage, params=params, terms=terms, expert_params=experts)
+
+
+REPLAY_INDEX_BYTES = 8
+"""int64 expert indices per (token, k) in megatron's `RouterReplay` (trainer GPU)."""
+
+
+def routes_host_bytes(shape: ModelShape, layout: TrainerLayout, samples: int, sequence_tokens: int) -> int:
+    """r3: the step's engine routes in one trainer rank's host memory (every rank holds the whole batch),
+    int32 [tokens, layers, k] per sample at the longest sample (SGLang's `meta_info.routed_experts`)."""
+    if not shape.is_moe or layout.routing_replay != "r3":
+        return 0
+    return samples * sequence_tokens * shape.layers * shape.top_k * 4
 
 
 SUPPORT_OFFSET_BYTES = 8
 """One int64 offset per token of a ragged support (`utils.ragged.Ragged.offsets`)."""
 SUPPORT_ID_BYTES = 4
 """int32 ids, ragged and dense."""
+
+
+def optimizer_state_bytes(layout: TrainerLayout, dense: int, experts: int) -> int:
+    """Optimizer state of `dense` + `experts` parameters on one rank: the dense share over DP × CP, the
+    experts' over the expert-data-parallel group (distributed optimizer; else not sharded)."""
+    per = optimizer_bytes_per_param(layout)
+    if not layout.distributed_optimizer:
+        return (dense + experts) * per
+    return -(-dense * per // (layout.data_parallel * layout.context_parallel)) + -(
+        -experts * per // layout.expert_data_parallel
+    )
 
 
 def support_device_bytes(layout: TrainerLayout, in_flight: int, last: bool) -> int:
@@ -183,23 +244,51 @@ def activation_per_token_per_layer(shape: ModelShape, layout: TrainerLayout) -> 
             recompute_modules=layout.recompute_modules,
         ).total
 
-    return {
+    out = {
         "none": per(False, "none"),
         "selective": per(False, "selective"),
         "full_kept": shape.hidden * b,
         "none_sp": per(True, "none"),
         "full_kept_sp": shape.hidden // tp * b,
     }
+    if shape.is_moe:
+
+        def moe(sp: bool, recompute: str) -> int:
+            return moe_layer_activation_terms(
+                shape,
+                tp=tp,
+                etp=layout.expert_tensor_parallel,
+                sequence_parallel=sp,
+                dtype_bytes=b,
+                recompute=recompute,
+                recompute_modules=layout.recompute_modules,
+            ).total
+
+        out.update(
+            moe_none=moe(False, "none"), moe_selective=moe(False, "selective"), moe_none_sp=moe(True, "none")
+        )
+    return out
 
 
 def checkpoint_bytes_per_rank(shape: ModelShape, layout: TrainerLayout) -> int:
     """Bytes one rank writes per save: its share of the model (weights in the model dtype) and of the
     fp32 optimizer state (master + moments), both split over DP × CP (megatron's fully parallel save
-    distributes each TP×PP shard's writes over its replicas; CP ranks hold the same weights)."""
+    distributes each TP×PP shard's writes over its replicas; CP ranks hold the same weights); the experts'
+    share over the expert-data-parallel group (their replicas)."""
     b = DTYPE_BYTES[layout.precision]
-    params = max(
-        shape.stage_params(layout.tensor_parallel, layout.pipeline_parallel, s)
-        for s in range(layout.pipeline_parallel)
+    per = b + optimizer_bytes_per_param(layout)
+    tp, pp, ep, etp = (
+        layout.tensor_parallel,
+        layout.pipeline_parallel,
+        layout.expert_parallel,
+        layout.expert_tensor_parallel,
     )
-    per_shard = params * (b + optimizer_bytes_per_param(layout))
-    return -(-per_shard // (layout.data_parallel * layout.context_parallel))
+
+    def stage_bytes(s: int) -> int:
+        experts = shape.stage_expert_params(pp, s, ep=ep, etp=etp)
+        dense = shape.stage_params(tp, pp, s, ep=ep, etp=etp) - experts
+        return -(-dense * per // (layout.data_parallel * layout.context_parallel)) + -(
+            -experts * per // layout.expert_data_parallel
+        )
+
+    return max(stage_bytes(s) for s in range(pp))

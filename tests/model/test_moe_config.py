@@ -129,11 +129,12 @@ def test_run_config_refusals_are_one_line_user_errors():
     config.check_world(4)
 
 
-def test_plan_refuses_moe_instead_of_counting_it_dense():
+def test_plan_counts_the_experts_not_only_the_dense_mlp():
+    """The plan counts MoE models (tests/plan/test_moe_plan.py checks it against the modules)."""
     from megatron_tail.plan.shapes import ModelShape
 
-    with pytest.raises(UserError, match="does not count mixture-of-experts models yet"):
-        ModelShape.from_arch(load_hf_config(_moe_cfg()), 128)
+    shape = ModelShape.from_arch(load_hf_config(_moe_cfg()), 128)
+    assert shape.expert_layer_params() == 4 * 3 * 64 * 32 and shape.moe_layers() == 2
 
 
 def test_te_grouped_and_local_sequential_expert_names_map_to_the_same_hf_experts():

@@ -15,7 +15,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("qwen3_*.yaml"))
-MODEL_CONFIGS = {"Qwen3-8B": "qwen3_8b", "Qwen3-14B": "qwen3_14b"}
+MODEL_CONFIGS = {
+    "Qwen3-8B": "qwen3_8b",
+    "Qwen3-14B": "qwen3_14b",
+    "Qwen3-30B-A3B": "qwen3_30b_a3b",
+    "Qwen3-235B-A22B": "qwen3_235b_a22b",
+}
 START = "# Memory plan"
 
 
@@ -32,6 +37,12 @@ def launch_args(text: str) -> list[str]:
     ):
         if var in env:
             args += [flag, env[var]]
+    extra = re.search(r"MT_SGLANG_EXTRA_ARGS=(['\"])(.*?)\1", line)
+    if extra:
+        from megatron_tail.plan.cli import sglang_ep_size
+
+        if sglang_ep_size(extra.group(2)) > 1:
+            args += ["--rollout-ep", str(sglang_ep_size(extra.group(2)))]
     return args
 
 
