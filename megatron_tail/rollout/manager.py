@@ -33,7 +33,9 @@ trains at its true staleness, k − its oldest token's version, which the step l
 would bias training against long responses, the ones that span versions. `stale_groups="drop"` keeps the
 older rule as an option: a group whose oldest token is below k − η is dropped, counted in
 `rollout/dropped_stale` (samples), and its prompt regenerated, at most `max_regenerations` times per prompt;
-past that it trains at its staleness.
+past that it trains at its staleness. A group still generating that is certain to be dropped (admitted at a
+version below k − η: its tokens can be no newer) is cancelled at once instead of holding its slot
+(`rollout/cancelled_stale`, groups), and regenerated the same way.
 
 Order. At η ≤ 1 (`in_order`) a batch is the first G groups admitted, in prompt-stream order, once all of
 them are complete: the synchronous loop (η = 0) and the loop one step ahead (η = 1) that the step-wise
@@ -168,7 +170,11 @@ class RolloutManager:
         self.held = False
         self.error: BaseException | None = None
         self._changed: asyncio.Condition | None = None
-        self._counts = {"dropped_stale": 0, "filtered_groups": 0}
+        self._counts = {"dropped_stale": 0, "cancelled_stale": 0, "filtered_groups": 0}
+        self._admitted_at: dict[int, int] = {}
+        """Group index in flight → the engines' version when it was admitted."""
+        self._dropping: set[int] = set()
+        """Groups in flight cancelled as stale (`_drop_older_than`), not yet finished cancelling."""
         self._generated = [0.0, 0.0, 0, 0]
         """Reward sum, correct count, samples and groups completed since the last batch, kept or filtered
         (`reward/generated_mean`: what the policy scores before DAPO's filter)."""
@@ -185,7 +191,8 @@ class RolloutManager:
         """G groups for step `step` (the trainer's weights are version `step`), the oldest first (with
         `stale_groups="drop"`, each with its oldest token at least `step − η`), returned in prompt-stream
         order; and the counters since the last batch
-        (`rollout/dropped_stale` samples, `rollout/filtered_groups`, `rollout/buffered_groups` left,
+        (`rollout/dropped_stale` samples, `rollout/cancelled_stale` groups, `rollout/filtered_groups`,
+        `rollout/buffered_groups` left,
         `rollout/batch_fill`: the groups taken ÷ G, 0 when dynamic sampling filtered every group;
         `reward/generated_mean` and `reward/generated_accuracy` over every group completed since, kept or
         filtered, and with a filter `rollout/filtered_groups_fraction` of them). `progress(n)`: called
@@ -283,18 +290,30 @@ class RolloutManager:
                 index, self.next_index = self.next_index, self.next_index + 1
             self.admitted += 1
             attempt = self.attempts.get(index, 0)
+            self._admitted_at[index] = self.version
             task = self._run(index, self.version, attempt)
             self.in_flight[index] = asyncio.get_running_loop().create_task(task)
 
     async def _run(self, index: int, version: int, attempt: int) -> None:
         try:
             result = await self.work(index, version, attempt)
-        except asyncio.CancelledError:  # closing, or a second stop signal: regenerated if resumed from here
+            self._admitted_at.pop(index, None)
+        except asyncio.CancelledError:
             self.in_flight.pop(index, None)
-            self.queued.appendleft(index)
+            self._admitted_at.pop(index, None)
+            if index in self._dropping:  # stale before it completed (`_drop_older_than`): regenerated
+                self._dropping.discard(index)
+                self._drop(index)
+                self._counts["cancelled_stale"] += 1
+                async with self._changed:
+                    self._changed.notify_all()
+                self._fill()
+                return
+            self.queued.appendleft(index)  # closing, or a second stop signal: regenerated if resumed
             self.admitted -= 1
             raise
         except BaseException as e:  # the trainer's next call raises it; a checkpoint still lists the group
+            self._admitted_at.pop(index, None)
             self.error = e
             self.queued.appendleft(index)
             self.admitted -= 1
@@ -321,10 +340,21 @@ class RolloutManager:
         stale = [g for g in self.buffer.values() if g.oldest_version < floor]
         for group in [g for g in stale if self.attempts.get(g.index, 0) < self.max_regenerations]:
             del self.buffer[group.index]
-            self.wasted += 1
             self._counts["dropped_stale"] += len(group.batch)
-            self.queued.append(group.index)
-            self.attempts[group.index] = self.attempts.get(group.index, 0) + 1  # fresh seeds
+            self._drop(group.index)
+        # in flight and certain to be dropped when it completes (its tokens are no older than its admission,
+        # which is already below the floor): cancelled now, so it does not hold a slot of the engines
+        for index, task in self.in_flight.items():
+            doomed = self._admitted_at.get(index, floor) < floor and index not in self._dropping
+            if doomed and self.attempts.get(index, 0) < self.max_regenerations:
+                self._dropping.add(index)
+                task.cancel()
+
+    def _drop(self, index: int) -> None:
+        """Group `index` will not be trained: its prompt is generated again, with fresh seeds."""
+        self.wasted += 1
+        self.queued.append(index)
+        self.attempts[index] = self.attempts.get(index, 0) + 1
 
     # --- checkpoint -----------------------------------------------------------------------------------
 

@@ -120,8 +120,9 @@ def test_stale_groups_drop_staleness_bound_admission_bound_and_exactly_once(eta)
 
 
 def test_a_stale_group_is_dropped_counted_and_its_prompt_regenerated():
-    """η = 1 and a group that takes several steps the first time: it completes too old, is dropped (its 2
-    samples counted) and generated again with the current weights; it is trained once, fresh."""
+    """η = 1 and a group that takes several steps the first time: once it is certain to complete too old (its
+    admission is below the step's floor) it is cancelled in flight, counted, and generated again with the
+    current weights; it is trained once, fresh."""
 
     async def main():
         engines = SimulatedEngines(lambda i: 30 if i == 1 and engines.started.count(1) == 1 else 1)
@@ -138,7 +139,8 @@ def test_a_stale_group_is_dropped_counted_and_its_prompt_regenerated():
     flat = [i for step in trained for i in step]
     assert flat.count(1) == 1 and len(flat) == len(set(flat))
     assert engines.started.count(1) == 2  # generated twice, trained once
-    assert sum(m["rollout/dropped_stale"] for m in metrics_seen) == 2
+    assert sum(m["rollout/cancelled_stale"] for m in metrics_seen) == 1  # while it generated
+    assert sum(m["rollout/dropped_stale"] for m in metrics_seen) == 0  # nothing completed too old
 
 
 def test_dynamic_sampling_filters_and_replaces_groups():
@@ -442,7 +444,7 @@ def test_stale_groups_drop_regenerates_a_prompt_at_most_max_regenerations_times(
     flat = [i for step in trained for i in step]
     assert flat.count(1) == 1 and len(flat) == len(set(flat))
     assert [a for i, a in engines.attempts if i == 1] == [0, 1, 2]  # the first try and two regenerations
-    assert sum(m["rollout/dropped_stale"] for m in metrics_seen) == 2 * 2  # two drops of 2 samples
+    assert sum(m["rollout/cancelled_stale"] for m in metrics_seen) == 2  # two drops, each in flight
 
 
 def test_stale_groups_must_be_train_or_drop():
