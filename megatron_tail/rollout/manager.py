@@ -122,6 +122,7 @@ class RolloutManager:
         stale_groups: str = "train",
         max_regenerations: int = 2,
         in_order: bool | None = None,
+        total_steps: int | None = None,
     ):
         for name, value, low, optional in (
             ("groups_per_step", groups_per_step, 1, False),
@@ -151,6 +152,8 @@ class RolloutManager:
         """"train": a completed group is never dropped for its age; "drop": older than step − η is dropped
         and regenerated (module docstring)."""
         self.max_regenerations = max_regenerations
+        self.total_steps = total_steps
+        """The run's steps (`train.steps`): no group is admitted that no step would train (None: no end)."""
         self.in_order = max_staleness <= 1 if in_order is None else in_order
         """A batch is the first G groups admitted (lowest prompt-stream index), waiting for each of them
         (default at η ≤ 1); else the first G completed, oldest token first (module docstring, "Order")."""
@@ -272,7 +275,10 @@ class RolloutManager:
     # --- admission and completion -------------------------------------------------------------------
 
     def _allowed(self) -> int:
-        return (self.version - self.base_version + self.eta + 1) * self.groups + self.wasted
+        steps = self.version - self.base_version + self.eta + 1
+        if self.total_steps is not None:  # the last steps: nothing ahead of the run's end
+            steps = min(steps, self.total_steps - self.base_version)
+        return max(steps, 0) * self.groups + self.wasted
 
     def _fill(self) -> None:
         if self._changed is None:

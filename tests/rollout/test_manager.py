@@ -500,3 +500,22 @@ def test_progress_counts_the_batchs_groups_as_they_complete(eta):
     assert len(groups) == 3 and seen[-1] == 3 and max(seen) == 3 and min(seen) >= 0
     if eta == 0:  # in order: a group counts once complete, and never stops counting
         assert seen == sorted(seen)
+
+
+@pytest.mark.parametrize("eta", [1, 2])
+def test_nothing_is_generated_past_the_runs_last_step(eta):
+    """`total_steps`: the engines run η steps ahead until the last steps, then generate only what the
+    remaining steps train (a synchronous final weight update waits for no group the run throws away)."""
+
+    async def main():
+        engines = SimulatedEngines(lambda _i: 1)
+        manager = RolloutManager(engines.work, groups_per_step=2, max_staleness=eta, version=0, total_steps=3)
+        manager.start()
+        trained = await _train(manager, engines, 3)
+        await asyncio.sleep(0.05)  # anything admitted after the last batch would have started by now
+        await manager.close()
+        return trained, engines
+
+    trained, engines = asyncio.run(main())
+    assert [i for step in trained for i in step] == list(range(6))
+    assert sorted(engines.started) == list(range(6))

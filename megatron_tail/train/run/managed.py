@@ -133,6 +133,7 @@ class ManagedRollout:
             # rollout.max_concurrency counts sequences: episodes with an environment (`_episode_groups`)
             max_in_flight=r.max_concurrency if r.env is None else -(-r.max_concurrency // sampling.n_samples),
             stale_groups=r.stale_groups,
+            total_steps=cfg.train.steps,
         )
         if state is not None:
             self.manager.load_state_dict(state)
