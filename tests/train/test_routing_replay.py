@@ -50,14 +50,14 @@ def hf_dir(tmp_path_factory):
     return str(path)
 
 
-def _trainer(hf_dir, tp=1, cp=1, sp=False, aux_loss=None):
+def _trainer(hf_dir, tp=1, cp=1, sp=False, aux_loss=None, **model):
     from megatron_tail.model import ModelSettings, load_hf_config
     from megatron_tail.train import OptimizerSettings, ParallelConfig, build_trainer, init_parallel
 
     torch.set_num_threads(1)
     groups = init_parallel(ParallelConfig(tensor_parallel=tp, context_parallel=cp))
     settings = ModelSettings(
-        vocab_pad_multiple=PAD_MULTIPLE, sequence_parallel=sp, moe_aux_loss_coeff=aux_loss
+        vocab_pad_multiple=PAD_MULTIPLE, sequence_parallel=sp, moe_aux_loss_coeff=aux_loss, **model
     )
     optim = OptimizerSettings(lr=0.5, adam_eps=1.0, clip_grad=1e9)
     return groups, build_trainer(load_hf_config(hf_dir), hf_dir=hf_dir, model_settings=settings, optim=optim)
@@ -210,7 +210,7 @@ def test_r3_routers_route_every_token_as_the_engine_did(hf_dir):
     assert got["replay"]["moe/load_imbalance_cv"] > 0.0
 
 
-def _rl_step(rank, world, hf_dir, samples, tp, cp, sp, packed):  # noqa: ARG001
+def _rl_step(rank, world, hf_dir, samples, tp, cp, sp, packed, model=None):  # noqa: ARG001
     from megatron_tail.algorithms import AlgorithmConfig
     from megatron_tail.train import (
         OpSettings,
@@ -224,7 +224,7 @@ def _rl_step(rank, world, hf_dir, samples, tp, cp, sp, packed):  # noqa: ARG001
 
     # megatron's load-balancing loss counts every token slot of a micro-batch, padding included (the router
     # gets no padding mask), so its gradient depends on the layout: off here, the policy loss is compared
-    groups, trainer = _trainer(hf_dir, tp=tp, cp=cp, sp=sp, aux_loss=0.0)
+    groups, trainer = _trainer(hf_dir, tp=tp, cp=cp, sp=sp, aux_loss=0.0, **(model or {}))
     mbs = _layout(samples, groups, packed=packed, tp=tp, cp=cp, sp=sp)
     cfg = AlgorithmConfig(log_rho=None, is_mode="none", veto_threshold=0.0, routing_replay="r3")
     op = OpSettings(log_rho=None)
@@ -257,3 +257,149 @@ def test_route_field_names_agree():
     from megatron_tail.train.rl import routing as rl
 
     assert (rl.ROUTES_FIELD, rl.ROUTED_FIELD) == (engine.ROUTES_FIELD, engine.ROUTED_FIELD)
+
+
+def _interleaved_grads(rank, world, hf_dir, samples, recompute):  # noqa: ARG001
+    """Both micro-batches' forwards, then both backwards (the order of a 1F1B pipeline schedule, which on
+    CPU's one-stage MoE megatron never runs), replaying each one's routes; the gradients."""
+    from megatron.core.utils import unwrap_model
+
+    from megatron_tail.train import make_micro_batches
+    from megatron_tail.train.engine.routing import RoutingPass
+
+    model = {"recompute": "full", "recompute_num_layers": 1} if recompute else {}
+    _, trainer = _trainer(hf_dir, aux_loss=0.0, **model)
+    chunk = trainer.chunks[0]
+    chunk.train()
+    mbs = make_micro_batches(samples, micro_batch_size=2, seq_len=16)  # same shapes: a stale route would fit
+    routing = RoutingPass(trainer.chunks, "replay_field")
+    weights = torch.randn(16, 2, 256, generator=torch.Generator().manual_seed(0))
+    with routing:
+        outs = []
+        for mb in mbs:
+            routing.before(chunk, mb)
+            out = chunk(mb.tokens, None, None)
+            routing.after(chunk, mb, out)
+            outs.append(out)
+        for out in outs:
+            (out.transpose(0, 1) * weights).sum().backward()
+    params = unwrap_model(chunk).named_parameters()
+    return {n: p.main_grad.clone() for n, p in params if getattr(p, "main_grad", None) is not None}
+
+
+def test_recompute_in_backward_replays_each_micro_batchs_routes(hf_dir):
+    """Full activation recompute re-runs every layer's forward inside backward; the routers must replay the
+    routes of the micro-batch being recomputed (REPLAY_BACKWARD), not the last forward's: with both forwards
+    before both backwards, the gradients equal those without recompute."""
+    samples = _samples(4, n=4)
+    ref = run_distributed(_interleaved_grads, 1, hf_dir, samples, False)[0]
+    got = run_distributed(_interleaved_grads, 1, hf_dir, samples, True)[0]
+    assert ref.keys() == got.keys() and any("router" in n for n in ref)
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _r2_maps(rank, world, hf_dir, samples):  # noqa: ARG001
+    """R2: a RECORD pass, then the routers' weights change (as an update would), then a pass that replays the
+    recorded routes and one that routes freely; the routing maps of each."""
+    from megatron.core.utils import unwrap_model
+
+    from megatron_tail.train import recompute_logprobs
+    from megatron_tail.train.engine.routing import RECORDED, RoutingPass
+
+    groups, trainer = _trainer(hf_dir)
+    mbs = _layout(samples, groups, packed=False)
+    recompute_logprobs(trainer, mbs, routing=RoutingPass(trainer.chunks, "record"))
+    model = unwrap_model(trainer.chunks[0])
+    routers = [layer.mlp.router for layer in model.decoder.layers if hasattr(layer.mlp, "router")]
+    with torch.no_grad():
+        for r in routers:
+            r.weight.add_(torch.randn_like(r.weight, generator=torch.Generator().manual_seed(0)) * 3)
+    out = {}
+    for action in ("replay_recorded", "free"):
+        maps = []
+        hooks = [
+            r.register_forward_hook(lambda _m, _i, o, maps=maps: maps.append(o[1].clone())) for r in routers
+        ]
+        recompute_logprobs(trainer, mbs, routing=RoutingPass(trainer.chunks, action))
+        for h in hooks:
+            h.remove()
+        out[action] = maps
+    recorded = [t for mb in mbs for t in mb.extras[RECORDED][0]]
+    return out, recorded
+
+
+def test_r2_update_passes_replay_the_routes_theta_old_chose(hf_dir):
+    out, recorded = run_distributed(_r2_maps, 1, hf_dir, _samples(5))[0]
+    assert len(recorded) == len(out["replay_recorded"]) == len(MOE_LAYERS) * 3  # 3 micro-batches
+    differ = 0
+    for rec, replayed, free in zip(recorded, out["replay_recorded"], out["free"], strict=True):
+        assert torch.equal(replayed, torch.zeros_like(replayed).scatter(1, rec, True))
+        differ += int((free != replayed).any(-1).sum())
+    assert differ > 0  # the moved routers alone would route otherwise
+
+
+def test_routes_survive_the_rollout_buffers_checkpoint(tmp_path):
+    """Engine routes → RolloutBatch (compact) → the manager's checkpointed group (torch.save, weights_only
+    load) → samples: each position keeps its route; select/concat move them with their samples."""
+    import numpy as np
+
+    from megatron_tail.config import config_from_dict
+    from megatron_tail.rollout.batch import RolloutBatch, concat_batches, select_samples
+    from megatron_tail.rollout.manager import GroupResult
+    from megatron_tail.train.rl.routing import ROUTED_FIELD, ROUTES_FIELD, compact_routes
+    from megatron_tail.train.rl.samples import build_samples
+
+    g = torch.Generator().manual_seed(0)
+    prompts, responses = [[5, 6, 7], [8, 9]], [[10, 11], [12, 13, 14]]
+    engine = [_routes(len(p) + len(r), g).numpy() for p, r in zip(prompts, responses, strict=True)]
+    batch = RolloutBatch(
+        prompt_ids=prompts,
+        response_ids=responses,
+        rollout_logprobs=[[-1.0] * len(r) for r in responses],
+        rewards=[1.0, 0.0],
+        correct=[True, False],
+        truncated=[False, False],
+        weight_versions=["0", "0"],
+        token_versions=[[0] * len(r) for r in responses],
+        routed_experts=[compact_routes(r) for r in engine],
+    )
+    assert batch.routed_experts[0].dtype == torch.uint8
+    torch.save(GroupResult(3, batch, 0).to_state(), tmp_path / "group.pt")
+    resumed = GroupResult.from_state(torch.load(tmp_path / "group.pt", weights_only=True)).batch
+    both = concat_batches([select_samples(resumed, [1]), select_samples(resumed, [0])])
+    cfg = config_from_dict({"algorithm": {"group_size": 2, "routing_replay": "r3"}})
+    samples = build_samples(cfg, both).samples
+    for sample, want in zip(samples, [engine[1], engine[0]], strict=True):
+        routes = sample.position_fields[ROUTES_FIELD]
+        assert np.array_equal(routes[:-1].numpy(), want) and not routes[-1].any()
+        assert sample.position_fields[ROUTED_FIELD].tolist() == [True] * len(want) + [False]
+
+
+def test_refusals_are_one_line(tmp_path):
+    from megatron_tail.config import config_from_dict
+    from megatron_tail.model import load_hf_config
+    from megatron_tail.rollout.batch import RolloutBatch
+    from megatron_tail.train.rl.routing import check_routing_replay, route_fields
+    from megatron_tail.train.rl.samples import build_samples
+    from megatron_tail.utils.errors import UserError
+    from tests.model.hf_models import make_hf_model
+
+    make_hf_model("qwen3", tmp_path)
+    dense = load_hf_config(tmp_path)
+    for mode in ("r2", "r3"):
+        with pytest.raises(
+            UserError, match=f"algorithm.routing_replay={mode} needs a mixture-of-experts"
+        ) as e:
+            check_routing_replay(config_from_dict({"algorithm": {"routing_replay": mode}}), dense)
+        assert "\n" not in str(e.value)
+    check_routing_replay(config_from_dict({}), dense)  # none: nothing to refuse
+    cfg = config_from_dict({"algorithm": {"group_size": 2, "routing_replay": "r3"}})
+    batch = RolloutBatch(
+        [[1, 2]] * 2, [[3]] * 2, [[-1.0]] * 2, [1.0, 0.0], [True, False], [False] * 2, ["0"] * 2
+    )
+    with pytest.raises(UserError, match="--enable-return-routed-experts") as e:
+        build_samples(cfg, batch)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match=r"sample 0: routed_experts has shape \(3, 3, 2\), expected \(2, "):
+        route_fields(torch.zeros(3, 3, 2), 3, "sample 0")
