@@ -44,6 +44,9 @@ its MLP terms are replaced by the router's and the experts'. E = experts, k = to
                                                       loss keeps (`compute_routing_scores_for_aux_loss`,
                                                       router.py): the router logits' [tokens, E] shape
     router_topk            k·(b + 8)  (SP: /TP)       the top-k probabilities and int64 indices
+    router_probs           E·b        (SP: E·b/TP)    the dense [tokens, E] probabilities, kept by the
+                                                      `masked_select` of `moe_utils.permute` (its backward
+                                                      saves its input) when the dispatcher permutes them
     expert_input           m·h                        the permuted token copies, linear_fc1's saved input
                                                       (`TEGroupedMLP.forward`, experts.py)
     expert_fc1_output      m·2I'                      SiLU's input (the gate half, a view of it)
@@ -178,6 +181,7 @@ def moe_layer_activation_terms(
         {
             "router_scores": e * FP32 // router_share,
             "router_topk": k * (b + 8) // router_share,
+            "router_probs": e * b // router_share,
             "expert_input": round(m * shape.hidden * b),
             "expert_fc1_output": round(m * 2 * i * b),
             "expert_up_copy": round(m * i * b),
