@@ -23,6 +23,13 @@ ARCH = {
                      head_dim=128, intermediate_size=12288),
     "qwen3_14b": dict(num_hidden_layers=40, hidden_size=5120, num_attention_heads=40, num_key_value_heads=8,
                       head_dim=128, intermediate_size=17408),
+    # Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B: 128 experts, top-8, no dense layers
+    "qwen3_30b": dict(num_hidden_layers=48, hidden_size=2048, num_attention_heads=32, num_key_value_heads=4,
+                      head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                      num_experts_per_tok=8),
+    "qwen3_235b": dict(num_hidden_layers=94, hidden_size=4096, num_attention_heads=64, num_key_value_heads=4,
+                       head_dim=128, intermediate_size=12288, moe_intermediate_size=1536, num_experts=128,
+                       num_experts_per_tok=8),
 }  # fmt: skip
 GPUS_PER_NODE = 8
 
@@ -154,16 +161,19 @@ def test_launch_line_gives_the_stated_layout(path, tmp_path):
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
 def test_memory_estimate_uses_the_real_parameter_count_and_kv_bytes(path):
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
 
     arch = ARCH[model_key(path)]
-    config = Qwen3Config(vocab_size=151936, tie_word_embeddings=False, **arch)
+    config_class = Qwen3MoeConfig if "num_experts" in arch else Qwen3Config
+    config = config_class(vocab_size=151936, tie_word_embeddings=False, **arch)
     with torch.device("meta"):
-        params = sum(p.numel() for p in Qwen3ForCausalLM(config).parameters())
+        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
     text = header(path)  # the planner's output (tests/plan/test_example_headers.py keeps it so)
     assert f"model: {params:,} params" in text
-    kv = 2 * arch["num_hidden_layers"] * arch["num_key_value_heads"] * arch["head_dim"] * 2
-    assert f"{kv // lay_sglang_tp(path):,} B/token" in text
+    # each SGLang GPU holds kv_heads / TP heads, one (replicated) when TP exceeds them
+    kv_heads = max(1, arch["num_key_value_heads"] // lay_sglang_tp(path))
+    kv = 2 * arch["num_hidden_layers"] * kv_heads * arch["head_dim"] * 2
+    assert f"{kv:,} B/token" in text
     for item in ("weights", "grads", "optimizer", "activations", "logits", "KV cache", "checkpoint"):
         assert item in text, f"{path.name}: the memory plan lacks {item!r}"
 
