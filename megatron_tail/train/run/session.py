@@ -121,6 +121,7 @@ class RunSession:
             from megatron_tail.model.directory import check_model_dir
 
             check_model_dir(cfg.model.hf_path)  # one named error before any library meets a bad directory
+            check_routing_replay(cfg, load_hf_config(cfg.model.hf_path))  # before a local engine starts
             tokenizer = load_tokenizer(cfg.model.hf_path)
             self._load_data(tokenizer)
             # a local engine starts loading now
@@ -140,7 +141,6 @@ class RunSession:
                 )
             )
             arch = load_hf_config(cfg.model.hf_path)
-            check_routing_replay(cfg, arch)  # r2/r3 on a dense model: one line
             self.trainer = build_trainer(
                 arch,
                 hf_dir=cfg.model.hf_path,
