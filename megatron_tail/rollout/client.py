@@ -296,7 +296,8 @@ class RolloutClient:
             rest = dataclasses.replace(sampling, n_samples=1, max_new_tokens=remaining)
             if sampling.return_routed_experts:  # only the rows not held yet (`routes.join_routes`)
                 held = 0 if sample.routed_experts is None else len(sample.routed_experts)
-                rest = dataclasses.replace(rest, routed_experts_start_len=held)
+                start = sampling.routed_experts_start_len + held  # the rows held start at the first's start
+                rest = dataclasses.replace(rest, routed_experts_start_len=start)
             if log_rho is not None:
                 rest = dataclasses.replace(rest, log_rho=log_rho())
             (segment,) = await self._request_with_retries(
@@ -304,7 +305,7 @@ class RolloutClient:
             )
             sample = join_segments(sample, segment)
         if sampling.return_routed_experts:
-            _check_joined_routes(sample)
+            _check_joined_routes(sample, sampling.routed_experts_start_len)
         return sample
 
     async def generate_turn(
@@ -455,8 +456,8 @@ def _message(raw: bytes, limit: int = 1000) -> str:
 def join_segments(first: SampleResult, then: SampleResult) -> SampleResult:
     """`first` (aborted) continued by `then` (a request on `first`'s prompt + tokens): one sample with
     `first`'s key and prompt, the tokens, log-probs and versions of both, `then`'s finish and version.
-    Routes: `then` was requested from `routed_experts_start_len` = the rows `first` holds (0 when it holds
-    none), so position p keeps the route of the request that sampled token p + 1 (`routes.join_routes`)."""
+    Routes: `then` was requested from `routed_experts_start_len` = `first`'s start + the rows it holds, so
+    position p keeps the route of the request that sampled token p + 1 (`routes.join_routes`)."""
     top = None
     if first.output_top_logprobs is not None and then.output_top_logprobs is not None:
         top = first.output_top_logprobs + then.output_top_logprobs
@@ -489,15 +490,16 @@ def _joined_routes(first: SampleResult, then: SampleResult):
     return join_routes(first.routed_experts, then.routed_experts)
 
 
-def _check_joined_routes(sample: SampleResult) -> None:
-    """A finished partial rollout holds one route row per position but its last (`routes.route_rows`)."""
-    rows = route_rows(len(sample.prompt_ids), len(sample.output_ids))
+def _check_joined_routes(sample: SampleResult, start: int) -> None:
+    """A finished partial rollout holds one route row per position from `start` (the first request's
+    `routed_experts_start_len`) but its last (`routes.route_rows`)."""
+    rows = route_rows(len(sample.prompt_ids), len(sample.output_ids), start)
     held = None if sample.routed_experts is None else len(sample.routed_experts)
     if held != rows:
         raise MissingRoutesError(
             f"{sample.server_url}/generate sample {sample.key.rid}: {held} route rows after joining "
-            f"{sample.segments} segments, expected {rows} (prompt + output − 1); are all servers started "
-            f"with {SERVER_FLAG}?"
+            f"{sample.segments} segments, expected {rows} (prompt + output − 1 − {start}); are all servers "
+            f"started with {SERVER_FLAG}?"
         )
 
 
