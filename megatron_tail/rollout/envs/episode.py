@@ -15,6 +15,34 @@ turn that a weight update interrupted and the manager continued spans two) and, 
 its sampling support (`supports`); an observation's tokens are context (`policy_mask` False, log-prob 0.0,
 an empty support row, and the version of the policy token before them, so a sample's oldest version is its
 oldest policy token's).
+
+MoE routes (routing replay R3). Every turn's reply returns int32 rows `[input + output − 1 − start, layers,
+k]` (`rollout/routes.py`): row p is the routing of token p as the input of one of that request's forwards. The
+final sample has one trainer forward, so one row per position; the rule (`Episode.add_routes`): **each
+position keeps the row of the first request that fed it to a forward**:
+
+- prompt tokens: turn 0's prefill;
+- turn t's policy tokens but its last: turn t's decode steps;
+- turn t's last token and the observation after it: turn t + 1's prefill.
+
+Why this one. Row p produced the logits at p, which sampled token p + 1; for every policy token that forward
+was its own turn's request (first-fed = "the request that sampled the next token", the rule partial rollouts
+follow inside a turn, `routes.join_routes`). So the trainer's θ_old forward replays, at each policy token's
+predicting position, exactly the routes the engine sampled it with. The context: turn t's forwards attended to
+the KV of earlier positions as that KV was computed. With SGLang's radix cache a later turn's prefix is served
+from the KV the earlier requests computed, and the capturer returns those same rows for cached slots
+(`srt/state_capturer/base.py`, `BaseTopkCapturer.get_topk` reads the host buffer through `req_to_token`), so
+the first request's rows are what every later turn attended to: exact. The approximation: a prefix that was
+not cached (evicted, served by another engine, or the local engine, which recomputes every request) is
+re-prefilled by turn t, possibly under newer weights (a weight update between turns); turn t's tokens then
+attended to KV built with routes the trainer does not replay, and one forward cannot replay both. The first
+rule confines that to the attention context of later turns; keeping the last request's rows instead would
+replace each policy token's own routing by a later prefill's, which sampled nothing.
+
+Each turn asks only for the rows not held yet: `routed_experts_start_len` = the rows held = the previous
+turn's input + output − 1 (`train/run/episodes.py`, `EpisodeGroups`), so no row is shipped twice (and a
+continued partial-rollout segment asks from there on, `RolloutClient.generate_group`); rows a reply returns
+for positions already held are dropped.
 """
 
 from __future__ import annotations
@@ -26,6 +54,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from .base import StepResult
 
 if TYPE_CHECKING:  # not at import: the environment workers import this package and need no torch
+    import numpy as np
+
     from megatron_tail.utils.ragged import Ragged
 
 
@@ -45,6 +75,12 @@ class TurnOutput:
     two); None: `weight_version` for every id."""
     support: Ragged | None = None
     """With truncated sampling: per output id, the ids of the support it was drawn from."""
+    routed_experts: np.ndarray | None = None
+    """MoE routes (R3): int32 `[input + output − 1 − routes_start, layers, k]`, row r the route of position
+    `routes_start + r` of the turn's input + output as the input of one of this request's forwards
+    (`rollout/routes.py`); None when not requested."""
+    routes_start: int = 0
+    """The first position `routed_experts` covers (the request's `routed_experts_start_len`)."""
 
 
 Generate = Callable[[list[int], int], Awaitable[TurnOutput]]
@@ -116,6 +152,42 @@ class Episode:
     support_rows: list[Ragged] | None = field(default_factory=list)
     """The sampling supports, one `Ragged` per turn and observation (empty rows for an observation); None
     once a turn came without one (untruncated sampling). `supports` joins them."""
+    route_rows: list[np.ndarray] | None = field(default_factory=list)
+    """The MoE routes held, one int32 `[rows, layers, k]` block per turn, covering positions
+    `[0, routes_held)` of prompt + response (module docstring: each position's first request); None once a
+    turn came without them (not requested). `routed_experts` joins them."""
+
+    @property
+    def routes_held(self) -> int:
+        """Positions of prompt + response whose route is held (the next turn's `routed_experts_start_len`)."""
+        return 0 if self.route_rows is None else sum(len(r) for r in self.route_rows)
+
+    @property
+    def routed_experts(self) -> np.ndarray | None:
+        """int32 `[len(prompt_ids) + len(response_ids) − 1, layers, k]`: per position but the last (sampled,
+        never fed), the route of the first request that fed it to a forward; None without routes."""
+        if self.route_rows is None or not self.route_rows:
+            return None
+        import numpy as np
+
+        return np.concatenate(self.route_rows, axis=0)
+
+    def add_routes(self, routes: np.ndarray | None, start: int) -> None:
+        """Keep a turn's `routes` (rows for positions `[start, start + len(routes))`) for the positions not
+        held yet: a position already held keeps its first request's row. None (a turn without routes) drops
+        every route. ValueError when the rows start after the held ones (a position nobody routed)."""
+        if self.route_rows is None:
+            return
+        if routes is None:
+            self.route_rows = None
+            return
+        held = self.routes_held
+        if start > held:
+            raise ValueError(
+                f"a turn's routes start at position {start}, but the episode holds routes for positions "
+                f"[0, {held}) only (routed_experts_start_len must be at most the rows held)"
+            )
+        self.route_rows.append(routes[held - start :])
 
     @property
     def supports(self) -> Ragged | None:
@@ -182,6 +254,13 @@ async def run_episode(
                 versions=versions,
                 support=out.support,
             )
+            episode.add_routes(out.routed_experts, out.routes_start)
+            routable = len(episode.prompt_ids) + len(episode.response_ids) - 1  # all but the unfed last
+            if episode.route_rows is not None and episode.routes_held != routable:
+                raise ValueError(
+                    f"turn {turn}'s routes end at position {episode.routes_held}; expected {routable} "
+                    "(one route per position of prompt + response but the last)"
+                )
             episode.turns += 1
             episode.turn_versions.append(out.weight_version)
             episode.final_text = tokens.decode(out.output_ids)

@@ -34,6 +34,8 @@ from megatron_tail.rollout.envs.registry import EnvironmentError_, EnvironmentTi
 from megatron_tail.rollout.protocol import SampleResult, sample_seed
 from megatron_tail.utils.errors import UserError
 
+from ..rl.routing import compact_routes
+
 ENV_FAILURES = (EnvironmentError_, EnvironmentTimeoutError)
 """An environment's failure (raised, malformed result, timed out, its state lost): one episode's, not the
 step's."""
@@ -106,15 +108,27 @@ def turn_sampling(sampling: SamplingConfig, tokenizer, max_turns: int) -> Sampli
     return replace(sampling, stop_token_ids=tuple(stops))
 
 
-Request = Callable[[list[int], list[SampleKey]], Awaitable[list[SampleResult]]]
-"""`request(input_ids, keys) -> results`: one `/generate` request for the samples `keys` of one input (a turn
-of one episode, or the first turns of a prompt's group), in key order. Evaluation sends
-`RolloutClient.generate_turn`; the rollout manager `generate_group`, which continues a turn that a
-weight-update pause aborted under the new weights (partial rollouts)."""
+Request = Callable[..., Awaitable[list[SampleResult]]]
+"""`request(input_ids, keys, routes_from) -> results`: one `/generate` request for the samples `keys` of one
+input (a turn of one episode, or the first turns of a prompt's group), in key order; `routes_from`: the
+`routed_experts_start_len` to send when the sampling asks for MoE routes (the rows the episode holds,
+`envs.episode`'s rule; 0 for a first turn). Evaluation sends `RolloutClient.generate_turn`; the rollout
+manager `generate_group`, which continues a turn that a weight-update pause aborted under the new weights
+(partial rollouts)."""
+
+
+def with_routes_from(sampling: SamplingConfig, routes_from: int) -> SamplingConfig:
+    """`sampling` asking for MoE routes from position `routes_from` on (unchanged when it asks for none)."""
+    if not sampling.return_routed_experts:
+        return sampling
+    return replace(sampling, routed_experts_start_len=routes_from)
 
 
 def turn_output(result: SampleResult) -> TurnOutput:
-    """What an episode keeps of one sample's turn: ids, log-probs, per-token versions and supports."""
+    """What an episode keeps of one sample's turn: ids, log-probs, per-token versions, supports and MoE
+    routes (with the position they start at: the reply holds input + output − 1 − start rows)."""
+    routes = getattr(result, "routed_experts", None)  # a result without the field (a stand-in): none
+    start = 0 if routes is None else len(result.prompt_ids) + len(result.output_ids) - 1 - len(routes)
     return TurnOutput(
         output_ids=list(result.output_ids),
         logprobs=list(result.output_logprobs),
@@ -123,6 +137,8 @@ def turn_output(result: SampleResult) -> TurnOutput:
         top_logprobs=None if result.output_top_logprobs is None else list(result.output_top_logprobs),
         token_versions=list(result.output_versions) or None,
         support=result.output_supports,
+        routed_experts=routes,
+        routes_start=start,
     )
 
 
@@ -187,13 +203,19 @@ class EpisodeGroups:
         )
 
     async def _one(self, i, j, attempt, base_seed, prompt, answer, first_turns) -> Episode:
+        held = 0  # routes: positions the episode holds after the last turn (its input + output − 1)
+
         async def generate(input_ids: list[int], turn: int) -> TurnOutput:
+            nonlocal held
             if turn == 0:
                 if attempt not in first_turns:
                     keys = [turn_key(base_seed, i, k, 0, attempt) for k in range(self.n)]
-                    first_turns[attempt] = asyncio.ensure_future(self.request(list(prompt), keys))
-                return turn_output((await asyncio.shield(first_turns[attempt]))[j])
-            (result,) = await self.request(input_ids, [turn_key(base_seed, i, j, turn, attempt)])
+                    first_turns[attempt] = asyncio.ensure_future(self.request(list(prompt), keys, 0))
+                result = (await asyncio.shield(first_turns[attempt]))[j]
+            else:
+                key = turn_key(base_seed, i, j, turn, attempt)
+                (result,) = await self.request(input_ids, [key], held)
+            held = len(input_ids) + len(result.output_ids) - 1
             return turn_output(result)
 
         name = f"b{base_seed}-p{i}-s{j}" + (f"-a{attempt}" if attempt else "")
@@ -231,8 +253,8 @@ async def run_episodes(
         failures if failures is not None else FailureCount(env_spec, len(prompts) * n, max_failure_fraction)
     )
 
-    async def request(input_ids: list[int], keys: list[SampleKey]) -> list[SampleResult]:
-        return await client.generate_turn(input_ids, keys, per_turn)
+    async def request(input_ids: list[int], keys: list[SampleKey], routes_from: int) -> list[SampleResult]:
+        return await client.generate_turn(input_ids, keys, with_routes_from(per_turn, routes_from))
 
     runner = EpisodeGroups(
         request,
@@ -270,7 +292,10 @@ def episodes_to_batch(
     turns; reward = the run's reward of the last turn (`rewards`) + the environment's step rewards. Per
     token: the engine's log-probs, the version that sampled each token (`token_versions`, None where an
     engine reported a non-integer version) and, with `supports` (truncated sampling), each token's sampling
-    support (`rollout_supports`; empty rows at the environment's tokens, which are context)."""
+    support (`rollout_supports`; empty rows at the environment's tokens, which are context). MoE routes
+    (`routed_experts`, when every episode has them): per sample `[prompt + response − 1, layers, k]` in the
+    smallest integer dtype (`rl.routing.compact_routes`), each position's row from the first request that fed
+    it (`envs.episode`), as the single-turn batch carries them."""
     total = [r + e.env_reward for r, e in zip(rewards, episodes, strict=True)]
     tops = [e.top_logprobs for e in episodes]
     generated = sum(sum(e.policy_mask) for e in episodes)
@@ -278,6 +303,7 @@ def episodes_to_batch(
     rows = [e.supports for e in episodes] if supports else None
     if rows is not None and any(r is None for r in rows):
         raise ValueError("truncated sampling, but an engine returned a turn without its sampling support")
+    routes = [e.routed_experts for e in episodes]
     return RolloutBatch(
         prompt_ids=[list(e.prompt_ids) for e in episodes],
         response_ids=[list(e.response_ids) for e in episodes],
@@ -291,6 +317,7 @@ def episodes_to_batch(
         rollout_supports=rows,
         token_versions=None if any(v is None for v in versions) else versions,
         policy_mask=[list(e.policy_mask) for e in episodes],
+        routed_experts=None if any(r is None for r in routes) else [compact_routes(r) for r in routes],
         stats={"rollout_time_s": elapsed_s, "generated_tokens": float(generated), **episode_stats(episodes)},
         # episodes ended because their next turn would not fit the engine's context (`EpisodeLimits`)
         metrics={"rollout/context_overflows": float(sum(e.context_overflow for e in episodes))},

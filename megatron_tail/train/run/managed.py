@@ -169,13 +169,15 @@ class ManagedRollout:
         episodes at once over all groups; environment failures counted per batch (`next_batch`)."""
         from megatron_tail.rollout.envs import EpisodeLimits, Tokens
 
-        from .episodes import EpisodeGroups, FailureCount, turn_sampling
+        from .episodes import EpisodeGroups, FailureCount, turn_sampling, with_routes_from
 
         r = self.cfg.rollout
         per_turn = dataclasses.replace(turn_sampling(sampling, self.tokenizer, r.max_turns), n_samples=1)
 
-        async def request(input_ids, keys):
-            now = dataclasses.replace(per_turn, log_rho=self.sampling_log_rho())
+        async def request(input_ids, keys, routes_from):  # routes: only the rows the episode lacks
+            now = dataclasses.replace(
+                with_routes_from(per_turn, routes_from), log_rho=self.sampling_log_rho()
+            )
             return await self.client.generate_group(
                 input_ids, keys, now, partial=r.partial_rollouts, log_rho=self.sampling_log_rho
             )
