@@ -44,27 +44,22 @@ SERVER_FLAG = "--enable-return-routed-experts"
 
 
 def check_routing_replay(cfg, arch) -> None:
-    """UserError (one line) for r2/r3 on a dense model, and for r3 with multi-turn episodes (`rollout.env`),
-    whose turns do not carry routes yet."""
+    """UserError (one line) for r2/r3 on a dense model. Multi-turn episodes (`rollout.env`) carry their
+    turns' routes (`rollout/envs/episode.py`: each position's row from the first request that fed it)."""
     mode = cfg.algorithm.routing_replay
     if mode != "none" and arch.moe is None:
         raise UserError(
             f"algorithm.routing_replay={mode} needs a mixture-of-experts model; {arch.architecture} is dense "
             "(use algorithm.routing_replay=none)"
         )
-    if mode == "r3" and cfg.rollout.env is not None:
-        raise UserError(
-            f"algorithm.routing_replay=r3 with rollout.env={cfg.rollout.env!r}: multi-turn episodes do not "
-            "carry the engines' routes yet; use r2 or none"
-        )
 
 
 def engine_routes_shape(cfg, arch) -> tuple[int, int] | None:
     """`(num_hidden_layers, top_k)` when the engines should return routes, else None: under r3 (replayed),
-    and for a MoE model on the local engine (for `moe/routing_agreement`: free there) with single-turn
-    samples. SGLang servers return them only when started with the flag, which the launchers pass under
-    r3."""
-    if arch.moe is None or cfg.rollout.env is not None:
+    and for a MoE model on the local engine (for `moe/routing_agreement`: free there), for single-turn
+    samples and multi-turn episodes alike. SGLang servers return them only when started with the flag, which
+    the launchers pass under r3."""
+    if arch.moe is None:
         return None
     if cfg.algorithm.routing_replay == "r3" or cfg.rollout.engine == "local":
         return (arch.num_layers, arch.moe.top_k)
