@@ -120,8 +120,9 @@ class SampleResult:
     """With `SamplingConfig.return_routed_experts`: int32 `[len(prompt_ids) + len(output_ids) − 1 − start,
     layers, top_k]`, row p the experts each MoE layer routed token `start + p` to, as the input of the
     forward that sampled token `start + p + 1` (`rollout/routes.py`; `start` is the request's
-    `routed_experts_start_len`, 0 unless set; a joined partial rollout starts at 0). Columns of layers without
-    a router are 0, as SGLang's. None when not requested (or an aborted segment that returned none)."""
+    `routed_experts_start_len`, 0 unless set; a joined partial rollout starts at its first request's
+    start). Columns of layers without a router are 0, as SGLang's. None when not requested (or an aborted
+    segment that returned none)."""
 
     @property
     def aborted(self) -> bool:
