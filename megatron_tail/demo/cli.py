@@ -7,6 +7,10 @@
    remedy), and FP8 rollouts with DVP + MIS (`rollout.quantization=fp8`), their stability metrics side by
    side, and a report with figures of the four runs.
 
+`--moe`: a tiny Qwen3-MoE (8 experts, top-2, pretrained the same way in its own cache directory) with
+routing replay r3 (the engine's routes replayed by the trainer); `--moe --compare`: routing replay none, r2
+and r3 from the same seed, routing agreement, mismatch KL, grad norm and reward side by side.
+
 `--set rollout.env=calculator --set rollout.max_turns=3`: multi-turn episodes with the calculator tool. The
 tiny model is pretrained (once, in its own cache directory) on transcripts that call the tool in Qwen3's
 format half of the time; RL rewards the right final answer, which the tool's reply makes easy.
@@ -19,6 +23,7 @@ import argparse
 from megatron_tail.config.arguments import add_overrides_argument
 
 DEFAULT_RUN_DIR = "runs/demo"
+DEFAULT_MOE_RUN_DIR = "runs/demo_moe"
 DEFAULT_CACHE_DIR = "runs/demo_cache"
 
 
@@ -34,7 +39,16 @@ def add_demo_parser(subparsers) -> argparse.ArgumentParser:
         action="store_true",
         help="run naive, DVP+MIS, fp16 and FP8 rollouts + DVP+MIS from the same seed; compare stability",
     )
-    parser.add_argument("--run-dir", default=DEFAULT_RUN_DIR, help=f"(default {DEFAULT_RUN_DIR})")
+    parser.add_argument(
+        "--moe",
+        action="store_true",
+        help="a tiny Qwen3-MoE (8 experts, top-2) with routing replay r3; with --compare: none vs r2 vs r3",
+    )
+    parser.add_argument(
+        "--run-dir",
+        default=None,
+        help=f"(default {DEFAULT_RUN_DIR}, with --moe {DEFAULT_MOE_RUN_DIR})",
+    )
     parser.add_argument(
         "--cache-dir",
         default=DEFAULT_CACHE_DIR,
@@ -51,10 +65,12 @@ def add_demo_parser(subparsers) -> argparse.ArgumentParser:
 def demo_command(args: argparse.Namespace) -> int:
     from megatron_tail.demo.run import run_demo
 
+    default = DEFAULT_MOE_RUN_DIR if args.moe else DEFAULT_RUN_DIR
     return run_demo(
-        run_dir=args.run_dir,
+        run_dir=args.run_dir or default,
         cache_dir=args.cache_dir,
         overrides=args.overrides,
         compare=args.compare,
         fresh=args.fresh,
+        moe=args.moe,
     )

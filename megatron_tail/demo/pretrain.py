@@ -59,6 +59,10 @@ class PretrainSettings(FitSettings):
     def model_overrides(self) -> dict:
         return {"tool_tokens": True, "max_position_embeddings": 128} if self.tool_prob > 0 else {}
 
+    def new_model(self):
+        """The freshly initialised model and its tokenizer (the MoE demo's settings override this)."""
+        return new_tiny_qwen3(self.seed, **self.model_overrides)
+
 
 def encode(tokenizer, prompt: str, target: str) -> tuple[list[int], int]:
     """Token ids of prompt + target + EOS, and the prompt length."""
@@ -131,7 +135,7 @@ def pretrain(
     """Train and save the HF checkpoint to `out_dir`; return (and save as `pretrain.json`) its summary."""
     settings = settings or PretrainSettings()
     torch.set_num_threads(settings.threads)
-    model, tokenizer = new_tiny_qwen3(settings.seed, **settings.model_overrides)
+    model, tokenizer = settings.new_model()
     started = time.perf_counter()
     fit_causal_lm(model, make_batches(tokenizer, settings), settings, log=log)
     summary = {"settings": asdict(settings), "train_time_s": time.perf_counter() - started}
@@ -147,21 +151,27 @@ def fit_causal_lm(model, data, settings: FitSettings, *, log=print, log_every: i
 
     `data`: (`ids [N, L]`, `loss mask [N, L−1]` of the targets to learn, `attention mask [N, L]`).
     `settings`: `steps`, `batch_size`, `lr` (peak; linear warm-up over `warmup` steps, then cosine to
-    10%), `weight_decay`, `seed` (batch order). Gradients are clipped to norm 1.
+    10%), `weight_decay`, `seed` (batch order). Gradients are clipped to norm 1. A mixture of experts
+    (`config.num_experts`) adds HF's load-balancing loss × `config.router_aux_loss_coef`, as Qwen3-MoE
+    was pretrained: balanced routers, whose top-k is a real decision between experts.
     """
     ids, loss_mask, attention = data
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
     gen = torch.Generator().manual_seed(settings.seed)
     model.train()
     loss = torch.zeros(())
+    moe = bool(getattr(model.config, "num_experts", 0))
     for step in range(settings.steps):
         for group in optimizer.param_groups:
             group["lr"] = _lr(step, settings)
         rows = torch.randint(0, ids.shape[0], (settings.batch_size,), generator=gen)
         x, m, a = ids[rows], loss_mask[rows], attention[rows]
-        logits = model(input_ids=x, attention_mask=a).logits[:, :-1].float()
+        out = model(input_ids=x, attention_mask=a, **({"output_router_logits": True} if moe else {}))
+        logits = out.logits[:, :-1].float()
         nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), x[:, 1:], reduction="none")
         loss = (nll * m).sum() / m.sum()
+        if moe:
+            loss = loss + model.config.router_aux_loss_coef * out.aux_loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -97,21 +97,35 @@ STABILITY_ROWS: list[tuple[str, str, str]] = [
 
 
 def run_demo(
-    *, run_dir: str, cache_dir: str, overrides: Sequence[str] = (), compare: bool = False, fresh: bool = False
+    *,
+    run_dir: str,
+    cache_dir: str,
+    overrides: Sequence[str] = (),
+    compare: bool = False,
+    fresh: bool = False,
+    moe: bool = False,
 ) -> int:
+    """`moe`: the tiny Qwen3-MoE demo (`demo.moe_compare`): r3 alone, or none / r2 / r3 under `compare`."""
+    from megatron_tail.demo import moe_compare
+
     started = time.monotonic()
     cache = Path(cache_dir)
     tools = uses_environment(overrides)
+    if moe and (refusal := moe_compare.moe_refusals(overrides)):
+        _say(refusal)
+        return 2
     if tools:
         overrides = [*CALCULATOR_OVERRIDES, *overrides]
-    model_dir = ensure_pretrained(cache, tools=tools)
+    if moe:
+        overrides = [*moe_compare.MOE_OVERRIDES, *overrides]
+    model_dir = ensure_moe_pretrained(cache) if moe else ensure_pretrained(cache, tools=tools)
     train_file, test_file = ensure_data(cache)
     base = [
         f"model.hf_path={model_dir}",
         f"data.train_path={train_file}",
         f"data.eval_path={test_file}",
     ]
-    variants = COMPARE_VARIANTS if compare else {"": []}
+    variants = (moe_compare.MOE_COMPARE_VARIANTS if moe else COMPARE_VARIANTS) if compare else {"": []}
     dirs = {}
     for name, knobs in variants.items():
         target = Path(run_dir) / name if name else Path(run_dir)
@@ -126,7 +140,9 @@ def run_demo(
         dirs[name or "run"] = target
     for name, target in dirs.items():
         _print_accuracy(name, target)
-    if compare:
+    if compare and moe:
+        moe_compare.print_moe_comparison(dirs, say=_say)
+    elif compare:
         print_comparison(dirs)
         _say(f"report, figures of the compared runs: {_write_report(list(dirs.values()))}")
     for name, target in dirs.items():
@@ -179,6 +195,34 @@ def ensure_pretrained(cache: Path, *, tools: bool = False) -> Path:
     summary = pretrain(model_dir, settings, eval_rows=rows, log=_say)
     direct = " (answering directly, without the tool)" if tools else ""
     _say(f"  greedy accuracy after pretraining{direct}: {summary['greedy_accuracy']:.3f}")
+    return model_dir
+
+
+def ensure_moe_pretrained(cache: Path) -> Path:
+    """The MoE demo's pretrained tiny Qwen3-MoE in `cache` (`demo.moe_compare.MOE_PRETRAIN`, trained now if
+    absent or pretrained with other settings); prints its bf16-vs-fp32 routing agreement on test prompts."""
+    from megatron_tail.demo.moe import CLOSE_GAP, MoePretrainSettings, load_routing_stats
+    from megatron_tail.demo.moe_compare import MOE_PRETRAIN, MOE_PRETRAIN_DIR_NAME
+    from megatron_tail.demo.pretrain import pretrain
+
+    model_dir = cache / MOE_PRETRAIN_DIR_NAME
+    summary_file = model_dir / "pretrain.json"
+    settings = MoePretrainSettings(**MOE_PRETRAIN)
+    _, test_file = ensure_data(cache)
+    summary = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
+    if summary.get("settings") != _settings_dict(settings):
+        rows = [json.loads(line) for line in test_file.read_text().splitlines() if line.strip()]
+        _say(f"pretraining the tiny Qwen3-MoE on toy addition ({settings.steps} steps, one-off): {model_dir}")
+        summary = pretrain(model_dir, settings, eval_rows=rows, log=_say)
+    if "routing" not in summary:
+        summary["routing"] = load_routing_stats(model_dir, test_file)
+        summary_file.write_text(json.dumps(summary, indent=2))
+    r = summary["routing"]
+    _say(
+        f"pretrained tiny Qwen3-MoE: {model_dir} (greedy accuracy {summary['greedy_accuracy']:.3f}; routing "
+        f"bf16 vs fp32 agrees on {r['agreement']:.4f} of {r['pairs']} (token, layer); router-logit gap "
+        f"k-th to (k+1)-th: median {r['median_gap']:.3f}, {r['close_fraction']:.3f} of them < {CLOSE_GAP})"
+    )
     return model_dir
 
 
