@@ -119,3 +119,32 @@ def moe_block_spec(
     offset = get_transformer_layer_offset(config)
     stage = specs[offset : offset + get_num_layers_to_build(config)]
     return TransformerBlockSubmodules(layer_specs=stage, layer_norm=SequenceParallelRMSNorm)
+
+
+def mark_expert_params(model: torch.nn.Module) -> int:
+    """Give every expert parameter `allreduce = False` at every EP size; return how many were marked.
+
+    megatron marks expert weights `allreduce = not expert_parallel` (`SequentialMLP`'s `ColumnParallelLinear`
+    / `RowParallelLinear` with `is_expert=True`, tensor_parallel/layers.py; `TEGroupedLinear`,
+    extensions/transformer_engine.py), so at EP = 1 they are dense parameters. That flag decides the
+    optimizer's structure: `_get_param_groups` (optimizer/__init__.py) keys the groups by
+    `is_expert_parallel = not allreduce` and `get_megatron_optimizer` builds a second optimizer for the
+    expert groups, chained after the dense one. An EP = 2 checkpoint then holds two optimizers' states and an
+    EP = 1 trainer one, and neither loads the other. Marked here, the chain is [dense, expert] at every EP
+    and the sharded optimizer state (keyed by the model's sharded keys, global expert indices) reshards
+    like the weights. The numerics are megatron's: DDP reduces these gradients over the expert data-parallel
+    group (`DistributedDataParallel.__init__`, `expert_parallel_buffers` over `intra_expt_dp_group`), which
+    at EP = 1 and expert-TP = TP is the dense DP × CP group itself, and the expert optimizer's grad norm
+    runs over `expt_tp_pp_group`, which is then TP × PP. (With expert-TP < TP at EP = 1 the expert replicas
+    span TP ranks too, each fed its own tokens under sequence parallelism, which `MoELayer.forward` requires
+    for training at TP > 1: only the expert DP group reduces over all of them.)
+    """
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    marked = 0
+    for module in model.modules():
+        if isinstance(module, MoELayer):
+            for param in module.experts.parameters():
+                param.allreduce = False
+                marked += 1
+    return marked

@@ -8,8 +8,12 @@
   The padded vocab must match: it does across TP sizes with the default `vocab_pad_multiple` (1024).
 - `rl_state` is any picklable dict, identical on all ranks (step, data cursor, ...); it is returned as is.
 - RNG states (python, numpy, torch, CUDA, megatron's model-parallel trackers) are saved per (PP, TP)
-  rank and restored when the layout is unchanged (with a different layout they cannot map 1:1 and the
+  rank (per rank with EP > 1: the expert trackers differ by EP rank) and restored when the layout
+  (TP, PP, DP, CP, EP, expert-TP) is unchanged (with a different layout they cannot map 1:1 and the
   current RNG is kept; dropout is 0 in this trainer, so only user code could depend on them).
+- Mixture-of-experts: a checkpoint saved at one EP loads at another. The experts are expert-parallel
+  parameters at every EP (`model.moe.mark_expert_params`), so the optimizer is the same chain (dense,
+  expert) at every EP and its state is saved in model space like the weights (global expert indices).
 - Atomic: written to `.<name>.tmp` beside `path`, renamed into place when complete. An existing `path`
   is never replaced unless `overwrite=True`.
 - Loading first compares the checkpoint's model signature with the trainer's and raises a ValueError
@@ -258,7 +262,7 @@ def load_checkpoint(
             f"checkpoint {path} has format {meta['format']}, expected {FORMAT_VERSION}"
         )
     _check_signature(path, meta["model"], model_signature(trainer))
-    same_layout = meta["layout"] == _layout(trainer)
+    same_layout = _same_layout(meta["layout"], _layout(trainer))
     with cpu_device_scope():
         if load_optimizer:
             init_fresh_optimizer_state(trainer.optimizer)
@@ -295,20 +299,45 @@ def _sharded_state(
             is_loading=is_loading,
             metadata=dict(optim_metadata),
         )
-        if state["optimizer"].get("param_state", {}) is None:
-            # memory-efficient save: only DP rank 0 holds the gathered state; the others' None would make
-            # their common state differ from rank 0's (megatron logs that at every save)
-            del state["optimizer"]["param_state"]
+        _drop_unheld_param_state(state["optimizer"])
     if with_rng:
-        g = trainer.groups
-        state["rng_state"] = ShardedObject(
+        state["rng_state"] = _rng_object(trainer)
+    return state
+
+
+def _drop_unheld_param_state(optim_state: dict) -> None:
+    """Memory-efficient save: only each shard's DP rank 0 holds the gathered state, the others a None that
+    would make their common state differ from rank 0's (megatron logs that at every save). A
+    `ChainedOptimizer` (dense + expert) gives one such dict per optimizer, keyed 0, 1
+    (`ChainedOptimizer.sharded_state_dict`, optimizer/optimizer.py)."""
+    subs = [v for k, v in optim_state.items() if isinstance(k, int)] or [optim_state]
+    for sub in subs:
+        if isinstance(sub, dict) and "param_state" in sub and sub["param_state"] is None:
+            del sub["param_state"]
+
+
+def _rng_object(trainer: Trainer) -> ShardedObject:
+    """This rank's RNG states as one shard of "rng_state". Dense: one per (PP, TP) rank, DP × CP ranks are
+    replicas (same trackers). With EP > 1 the ranks of one (PP, TP) shard hold different experts and
+    megatron seeds each one's expert tracker by its EP and expert-TP rank
+    (`model_parallel_cuda_manual_seed`, tensor_parallel/random.py), so every DP × CP rank saves its own."""
+    g = trainer.groups
+    dp_cp_rank = g.dp_rank * g.cp_size + g.cp_rank  # CP ranks are replicas too
+    if g.ep_size == 1:
+        return ShardedObject(
             "rng_state",
             _get_rng_state(),
             (g.pp_size, g.tp_size),
             (g.pp_rank, g.tp_rank),
-            replica_id=g.dp_rank * g.cp_size + g.cp_rank,  # CP ranks are replicas too
+            replica_id=dp_cp_rank,
         )
-    return state
+    return ShardedObject(
+        "rng_state",
+        _get_rng_state(),
+        (g.pp_size, g.tp_size, g.dp_size * g.cp_size),
+        (g.pp_rank, g.tp_rank, dp_cp_rank),
+        replica_id=0,
+    )
 
 
 def _as_list(model_state):
@@ -317,7 +346,20 @@ def _as_list(model_state):
 
 def _layout(trainer: Trainer) -> dict[str, int]:
     g = trainer.groups
-    return {"tp": g.tp_size, "pp": g.pp_size, "dp": g.dp_size}
+    return {
+        "tp": g.tp_size,
+        "pp": g.pp_size,
+        "dp": g.dp_size,
+        "cp": g.cp_size,
+        "ep": g.ep_size,
+        "etp": g.etp_size,
+    }
+
+
+def _same_layout(saved: Mapping[str, int], current: Mapping[str, int]) -> bool:
+    """The RNG states map 1:1. Checkpoints older than the CP / EP fields were saved without them, i.e. at
+    CP = EP = 1 and expert-TP = TP."""
+    return {"cp": 1, "ep": 1, "etp": saved["tp"], **saved} == current
 
 
 def _check_signature(path: Path, saved: dict[str, Any], current: dict[str, Any]) -> None:

@@ -24,6 +24,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import Float16Module
 
 from megatron_tail.model import HFArch, ModelSettings, build_gpt_model, load_hf_weights
+from megatron_tail.model.moe import mark_expert_params
 from megatron_tail.patches import cpu_device_scope
 
 from .lr_schedule import build_lr_scheduler
@@ -71,6 +72,9 @@ def build_trainer(
     model_settings, optim = model_settings or ModelSettings(), optim or OptimizerSettings()
     # every MoE router gets megatron's RouterReplay (idle unless a pass drives it, `routing.RoutingPass`)
     model = build_gpt_model(arch, model_settings, routing_replay=arch.moe is not None)
+    # experts are expert-parallel parameters at every EP (megatron: only at EP > 1), so DDP's buffers and
+    # the optimizer chain [dense, expert] have one structure and a checkpoint resumes at another EP
+    mark_expert_params(model)
     if hf_dir is not None:
         load_hf_weights(model, hf_dir, arch, model_settings)
     config = model.config
