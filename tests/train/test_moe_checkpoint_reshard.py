@@ -124,3 +124,31 @@ def test_bf16_main_params_reshard_from_ep2_to_ep1(hf_dir, tmp_path):
     saved = _plain(tmp_path / "ep2" / "step1")
     assert any(k.startswith("optimizer.state.param.") and ".experts." in k for k in saved)
     _assert_equal(saved, _plain(tmp_path / "ep1" / "reload"))
+
+
+def _rng_rank(rank, world, hf_dir, ckpt):  # noqa: ARG001
+    import random
+
+    from megatron_tail.model import ModelSettings, load_hf_config
+    from megatron_tail.train import build_trainer, load_checkpoint, save_checkpoint
+    from megatron_tail.train.engine.parallel import ParallelConfig, init_parallel
+
+    init_parallel(ParallelConfig(expert_parallel=2, seed=1234))
+    settings = ModelSettings(vocab_pad_multiple=PAD_MULTIPLE)
+    trainer = build_trainer(load_hf_config(hf_dir), hf_dir=hf_dir, model_settings=settings)
+    random.seed(rank)  # a state of this rank's own, like its expert tracker on a GPU
+    save_checkpoint(ckpt, trainer, {"step": 0})
+    saved = random.random()
+    random.seed(99)
+    load_checkpoint(ckpt, trainer)
+    return saved, random.random()
+
+
+def test_each_ep_rank_restores_its_own_rng_state(hf_dir, tmp_path):
+    """EP 2, world 2: the two ranks are dense-DP replicas, but their expert RNG trackers differ (megatron
+    seeds them by EP rank, `model_parallel_cuda_manual_seed`), so each rank's RNG states must be saved,
+    not rank 0's alone. On CPU the tracker is megatron's inference tracker, which keeps no states, so a
+    per-rank Python RNG state stands for it: the same object carries both."""
+    (saved0, loaded0), (saved1, loaded1) = run_distributed(_rng_rank, 2, hf_dir, str(tmp_path / "ckpt"))
+    assert saved0 != saved1
+    assert (loaded0, loaded1) == (saved0, saved1)
