@@ -125,7 +125,10 @@ def run_demo(
         f"data.train_path={train_file}",
         f"data.eval_path={test_file}",
     ]
-    variants = (moe_compare.MOE_COMPARE_VARIANTS if moe else COMPARE_VARIANTS) if compare else {"": []}
+    if moe:
+        variants = moe_compare.MOE_COMPARE_VARIANTS if compare else moe_compare.MOE_SINGLE
+    else:
+        variants = COMPARE_VARIANTS if compare else {"": []}
     dirs = {}
     for name, knobs in variants.items():
         target = Path(run_dir) / name if name else Path(run_dir)

@@ -18,11 +18,14 @@ def test_moe_variants_differ_only_in_routing_replay(tmp_path):
     path = tmp_path / "demo.yaml"
     path.write_text(DEMO_CONFIG_YAML)
     base = [*moe_compare.MOE_OVERRIDES, "model.hf_path=x", "data.train_path=y.jsonl"]
-    single = load_config(path, base)
+    single = load_config(path, [*moe_compare.MOE_SINGLE[""], *base])  # run_demo's order: knobs, overrides
     single.check_runnable()
     assert single.algorithm.routing_replay == "r3" and single.parallel.tensor_parallel == 1
     assert single.rollout.local_dtype == "bfloat16" and single.model.precision == "fp32"
-    arms = {n: load_config(path, [*base, *k]) for n, k in moe_compare.MOE_COMPARE_VARIANTS.items()}
+    assert single.train.mini_batches == 2  # r2 replays θ_old's routes in the second update too
+    mine = load_config(path, [*moe_compare.MOE_SINGLE[""], *base, "algorithm.routing_replay=none"])
+    assert mine.algorithm.routing_replay == "none"  # the user's --set wins
+    arms = {n: load_config(path, [*k, *base]) for n, k in moe_compare.MOE_COMPARE_VARIANTS.items()}
     assert {n: c.algorithm.routing_replay for n, c in arms.items()} == {
         "none": "none",
         "r2": "r2",
