@@ -7,7 +7,8 @@ Time (measured, one run of this module): `megatron-tail train` on a random CPU-s
 top-4, 4 layers; bf16 local engine, fp32 trainer, TP 1) once per arm and repeat, interleaved (none, r2, r3,
 r3, r2, none, ...) because the machine is shared. Per arm: the mean over steps after the first of
 `perf/logprob_time_s` (θ_old's recompute: under r2 it records, under r3 it replays) and `perf/train_time_s`
-minus it (the update: r2 and r3 replay), and their sum; each as a ratio to `none`'s.
+minus it (the update: r2 and r3 replay), and their sum; each as a ratio to `none`'s, with the standard error
+of the sum over the timed steps (the spread a shared machine adds).
 
 Bytes (arithmetic, not measurement, except the tiny model's row, which is checked against
 `rollout.routes.encode_routes` and `train.rl.routing.compact_routes` on a real array): a token's route is
@@ -34,6 +35,9 @@ BENCH_MODEL = {
     "num_hidden_layers": 4,
 }
 """`demo.moe.tiny_qwen3_moe_config` overrides: big enough that the trainer's passes take measurable time."""
+
+PROMPTS_PER_STEP = 64
+"""× group size 8 = 512 samples per step: the trainer's passes take long enough to time."""
 
 MODELS = [
     # (name, MoE layers, k, experts, how the row is known)
@@ -93,20 +97,35 @@ def bytes_lines(rows: list[RouteBytes], response_tokens: int = 32768) -> list[st
 def time_lines(times: dict[str, dict[str, list[float]]]) -> list[str]:
     """The time table. `times`: arm → {"old": [s per step], "update": [...]} (one list entry per measured
     step over every repeat), arms with `none` first; ratios to `none`'s mean."""
-    means = {a: {p: sum(v) / len(v) if v else float("nan") for p, v in t.items()} for a, t in times.items()}
-    for m in means.values():
+    means = {a: {p: _mean(v) for p, v in t.items()} for a, t in times.items()}
+    for arm, m in means.items():
         m["step"] = m["old"] + m["update"]
+        totals = [o + u for o, u in zip(times[arm]["old"], times[arm]["update"], strict=True)]
+        m["se"] = _stderr(totals)
     base = means["none"]
     lines = [f"{'arm':<6}{'θ_old s':>10}{'update s':>10}{'total s':>10}{'θ_old ×':>10}{'update ×':>10}"
-             f"{'total ×':>10}{'steps':>7}"]  # fmt: skip
+             f"{'total ×':>10}{'steps':>7}{'total s.e.':>12}"]  # fmt: skip
     for arm, m in means.items():
         ratios = [m[p] / base[p] if base[p] > 0 else float("nan") for p in ("old", "update", "step")]
         lines.append(
             f"{arm:<6}{m['old']:>10.3f}{m['update']:>10.3f}{m['step']:>10.3f}"
             + "".join(f"{r:>10.3f}" for r in ratios)
-            + f"{len(times[arm]['old']):>7d}"
+            + f"{len(times[arm]['old']):>7d}{m['se']:>12.3f}"
         )
     return lines
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def _stderr(values: list[float]) -> float:
+    """Standard error of the mean (sample standard deviation / √n); nan below 2 values."""
+    n = len(values)
+    if n < 2:
+        return float("nan")
+    mean = _mean(values)
+    return (sum((v - mean) ** 2 for v in values) / (n - 1) / n) ** 0.5
 
 
 def _bench_model(root: Path) -> Path:
@@ -132,7 +151,7 @@ def measure_times(steps: int, repeats: int, *, log=print) -> dict[str, dict[str,
             f"data.train_path={train_file}",
             "data.eval_path=null",
             "parallel.tensor_parallel=1",
-            "data.prompts_per_step=16",
+            f"data.prompts_per_step={PROMPTS_PER_STEP}",
             f"train.steps={steps}",
             "train.eval_every=0",
             f"train.checkpoint_every={steps}",

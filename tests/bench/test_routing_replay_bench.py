@@ -16,10 +16,10 @@ def test_time_table_ratios_against_none():
     }
     lines = bench.time_lines(times)
     rows = {line.split()[0]: [float(x) for x in line.split()[1:]] for line in lines[1:]}
-    # θ_old s, update s, total s, θ_old ×, update ×, total ×, steps
-    assert rows["none"] == [2.0, 4.0, 6.0, 1.0, 1.0, 1.0, 2.0]
-    assert rows["r2"] == [3.0, 5.0, 8.0, 1.5, 1.25, pytest.approx(8 / 6, abs=1e-3), 2.0]
-    assert rows["r3"] == [2.0, 6.0, 8.0, 1.0, 1.5, pytest.approx(8 / 6, abs=1e-3), 2.0]
+    # θ_old s, update s, total s, θ_old ×, update ×, total ×, steps, s.e. of the total (5, 7 → 1; 8, 8 → 0)
+    assert rows["none"] == [2.0, 4.0, 6.0, 1.0, 1.0, 1.0, 2.0, 1.0]
+    assert rows["r2"] == [3.0, 5.0, 8.0, 1.5, 1.25, pytest.approx(8 / 6, abs=1e-3), 2.0, 0.0]
+    assert rows["r3"] == [2.0, 6.0, 8.0, 1.0, 1.5, pytest.approx(8 / 6, abs=1e-3), 2.0, 0.0]
 
 
 def test_route_bytes_of_the_qwen3_moe_models():

@@ -23,6 +23,7 @@ def test_moe_variants_differ_only_in_routing_replay(tmp_path):
     assert single.algorithm.routing_replay == "r3" and single.parallel.tensor_parallel == 1
     assert single.rollout.local_dtype == "bfloat16" and single.model.precision == "fp32"
     assert single.train.mini_batches == 2  # r2 replays θ_old's routes in the second update too
+    assert single.model.moe_aux_loss_coeff == 0  # RL without the load-balancing loss (moe_compare's comment)
     mine = load_config(path, [*moe_compare.MOE_SINGLE[""], *base, "algorithm.routing_replay=none"])
     assert mine.algorithm.routing_replay == "none"  # the user's --set wins
     arms = {n: load_config(path, [*k, *base]) for n, k in moe_compare.MOE_COMPARE_VARIANTS.items()}
