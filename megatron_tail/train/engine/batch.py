@@ -51,8 +51,9 @@ from itertools import accumulate
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from megatron_tail.utils.ragged import Ragged, scatter_rows
+from megatron_tail.utils.ragged import Ragged, cat_rows, scatter_rows
 
 from .packing import balance_over_data_parallel, pack_by_token_budget
 
@@ -280,6 +281,67 @@ def pack_micro_batches(
         length = _round_up(max(sum(lengths[i] for i in members), 1), pad_to_multiple)
         out.append(_build(samples, [members], length, pad_id, packed=True, slots=lengths))
     return out
+
+
+def equalize_micro_batch_shapes(
+    mbs: Sequence[MicroBatch], group: dist.ProcessGroup, device: torch.device, *, pad_id: int = 0
+) -> list[MicroBatch]:
+    """`mbs` padded so that every rank of `group` has the same `[b, s]` for each micro-batch index.
+
+    Why: megatron-core 0.16.1's allgather MoE dispatcher (`MoEAllGatherTokenDispatcher.token_dispatch`,
+    transformer/moe/token_dispatcher.py) gathers the `[s·b, h]` tokens over the TP×EP group with
+    `gather_from_sequence_parallel_region` → `all_gather_into_tensor`, without split sizes: every rank of
+    that group must run the same shapes in the same order, and its ranks may hold different samples (EP
+    spans dense DP). One collective for all the micro-batches (a MAX of their `[n, 2]` shapes over
+    `group`, on `device`, e.g. `parallel.comm_device()`); the caller guarantees the same count `n` on every
+    rank (the builders give every DP rank the same count). Whole micro-batches only (before the CP split,
+    whose shards then have equal shapes too). `pad_micro_batch` says how the padding is laid out.
+    """
+    shapes = torch.tensor([mb.shape for mb in mbs], dtype=torch.int64, device=device).reshape(-1, 2)
+    dist.all_reduce(shapes, op=dist.ReduceOp.MAX, group=group)
+    return [pad_micro_batch(mb, b, s, pad_id=pad_id) for mb, (b, s) in zip(mbs, shapes.tolist(), strict=True)]
+
+
+def pad_micro_batch(mb: MicroBatch, rows: int, length: int, *, pad_id: int = 0) -> MicroBatch:
+    """`mb` grown to `[rows, length]` with padding, as the builders pad: pad tokens off the loss mask,
+    `sample_index` -1, fields 0 (MoE routes: expert 0, `ROUTED_FIELD` False; a ragged field's rows empty).
+    Padded layout: new empty rows and positions after each row's end (causal attention: no real token
+    sees them). Packed (THD, one row): the new positions are one more causal block of their own at the end
+    of `cu_seqlens`, so the samples' blocks are unchanged (a multiple of `pad_to_multiple` when both lengths
+    are, which keeps a CP split's 2·CP chunks). The per-sample layout (row, column of each target) stays."""
+    b, s = mb.shape
+    if (b, s) == (rows, length):
+        return mb
+    if mb.cp is not None or rows < b or length < s or (mb.packed and rows != 1):
+        raise ValueError(
+            f"cannot pad a micro-batch of shape {(b, s)} (cp={mb.cp is not None}) to {(rows, length)}"
+        )
+
+    def grow(x: torch.Tensor, fill) -> torch.Tensor:
+        out = torch.full((rows, length, *x.shape[2:]), fill, dtype=x.dtype, device=x.device)
+        out[:b, :s] = x
+        return out
+
+    fields = {}
+    for name, value in mb.fields.items():
+        if isinstance(value, Ragged):  # row r·s + t → r·length + t
+            parts = []
+            for r in range(b):
+                parts += [value.index_select(torch.arange(r * s, (r + 1) * s)), Ragged.empty_rows(length - s)]
+            parts.append(Ragged.empty_rows((rows - b) * length))
+            fields[name] = cat_rows(parts)
+        else:
+            fields[name] = grow(value, 0)
+    cu = None if mb.cu_seqlens is None else (*mb.cu_seqlens, length)
+    return replace(
+        mb,
+        tokens=grow(mb.tokens, pad_id),
+        targets=grow(mb.targets, 0),
+        loss_mask=grow(mb.loss_mask, False),
+        sample_index=grow(mb.sample_index, -1),
+        fields=fields,
+        cu_seqlens=cu,
+    )
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -21,13 +21,14 @@ from megatron_tail.rollout import RolloutBatch
 from ..engine.batch import (
     MicroBatch,
     Sample,
+    equalize_micro_batch_shapes,
     make_micro_batches,
     pack_micro_batches,
     split_for_data_parallel,
 )
 from ..engine.context_parallel import split_for_context_parallel
 from ..engine.forward import SAMPLING_SUPPORT_FIELD
-from ..engine.parallel import ParallelGroups
+from ..engine.parallel import ParallelGroups, comm_device
 from .routing import missing_routes, route_fields
 
 
@@ -134,7 +135,9 @@ def layout_micro_batches(
 ) -> MicroBatchLayout:
     """`train.mini_batches` contiguous shares of the samples (whole groups), each laid out for this DP rank:
     packed (THD) into micro-batches of ≤ `train.max_tokens_per_micro_batch` tokens balanced over DP (every
-    rank the same count), or padded: a contiguous DP share in micro-batches of `train.micro_batch_size`."""
+    rank the same count), or padded: a contiguous DP share in micro-batches of `train.micro_batch_size`.
+    Where the MoE dispatcher needs it (`moe_shape_group`), micro-batch i has the same `[b, s]` on every rank
+    of the TP×EP group (one all-reduce of the shapes per layout)."""
     k = cfg.train.mini_batches
     per = len(samples) // k
     multiple = cfg.micro_batch_multiple
@@ -151,7 +154,6 @@ def layout_micro_batches(
                 pad_id=pad_id,
                 sequence_multiple=cfg.sequence_multiple,
             )
-            mbs = [split_for_context_parallel(mb, groups.cp_rank, groups.cp_size) for mb in mbs]
         else:
             mbs = make_micro_batches(
                 split_for_data_parallel(share, groups.dp_rank, groups.dp_size),
@@ -161,4 +163,29 @@ def layout_micro_batches(
                 pad_id=pad_id,
             )
         out.append(mbs)
+    shape_group = moe_shape_group(groups)
+    if shape_group is not None:  # one shape exchange for the whole layout, before the CP split
+        flat = equalize_micro_batch_shapes(
+            [mb for mbs in out for mb in mbs], shape_group, comm_device(), pad_id=pad_id
+        )
+        sizes = [len(mbs) for mbs in out]
+        out = [flat[sum(sizes[:j]) : sum(sizes[: j + 1])] for j in range(k)]
+    if cfg.train.is_packed:
+        out = [[split_for_context_parallel(mb, groups.cp_rank, groups.cp_size) for mb in mbs] for mbs in out]
     return MicroBatchLayout(out, samples)
+
+
+def moe_shape_group(groups: ParallelGroups):
+    """The group whose ranks must run equal micro-batch shapes, or None: megatron's TP×EP group
+    (`get_expert_tensor_and_model_parallel_group`, over which the allgather MoE dispatcher gathers tokens,
+    `engine.batch.equalize_micro_batch_shapes`) where the allgather dispatcher runs (no CUDA,
+    `model.moe.moe_dispatcher`) and that group reaches beyond the TP group (EP > 1, or expert-TP ≠ TP),
+    i.e. holds ranks with different samples. Dense models have EP = 1 and expert-TP = TP (the config
+    refuses expert options on them)."""
+    if groups.ep_size == 1 and groups.etp_size == groups.tp_size:
+        return None
+    if torch.cuda.is_available():  # alltoall dispatcher: variable lengths (model.moe)
+        return None
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_tensor_and_model_parallel_group()
