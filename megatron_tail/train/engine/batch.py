@@ -37,6 +37,10 @@ Layout of a `MicroBatch` (b rows, s positions; every tensor CPU until `.to(devic
 An empty micro-batch (no samples; `pad_to_multiple` pad tokens) is what a DP rank with fewer packed
 micro-batches than the others runs, so that every rank runs the same count.
 
+Equal shapes across ranks (MoE on CPU): `equalize_micro_batch_shapes` pads micro-batch i of every rank of a
+group to the group's largest `[b, s]` (`pad_micro_batch`: more padding, a packed row's as one more causal
+block), as megatron's allgather MoE dispatcher needs over its TP×EP group.
+
 Context parallelism (`context_parallel.split_for_context_parallel`): a packed micro-batch is built whole,
 each sample padded to `sequence_multiple` (2·CP) tokens, then every CP rank keeps its chunks of each
 sequence; the shard's `cp` (a `CpShard`) keeps the whole micro-batch, and its `to_samples` places the
