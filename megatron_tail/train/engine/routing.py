@@ -229,18 +229,25 @@ class RoutingPass:
         if not has_routes:
             return
         sp = self.sequence_parallel
-        valid = router_order(mb.fields[ROUTED_FIELD], sequence_parallel=sp).cpu()
-        engine = router_order(mb.fields[ROUTES_FIELD], sequence_parallel=sp).cpu().long()
+        sums = self._sums
+        # counted on the model's device with fixed-size ops (no boolean-mask indexing, no bincount, no
+        # .item()): no host sync per micro-batch and layer; `RoutingStats.reduce` reads them once per pass
+        valid = router_order(mb.fields[ROUTED_FIELD], sequence_parallel=sp)
+        engine = router_order(mb.fields[ROUTES_FIELD], sequence_parallel=sp)
         for g, replay in layers:
-            own = replay._mt_own.cpu()  # set by _observe
-            theirs = engine[:, g]
+            own = replay._mt_own  # set by _observe
+            if sums.agree.device != own.device:
+                sums.agree, sums.tokens = sums.agree.to(own.device), sums.tokens.to(own.device)
+                sums.per_expert = sums.per_expert.to(own.device)
+            counted = valid.to(own.device).bool()
+            theirs = engine[:, g].to(device=own.device, dtype=own.dtype)
             same = (own.sort(-1).values == theirs.sort(-1).values).all(-1)
             used = theirs if self.action == "replay_field" else own
             j = self.row[g]
-            self._sums.agree[j] += float((same & valid).sum())
-            self._sums.tokens[j] += float(valid.sum())
-            picked = used[valid].reshape(-1)
-            self._sums.per_expert[j] += torch.bincount(picked, minlength=self.num_experts).double()
+            sums.agree[j] += (same & counted).sum(dtype=torch.float64)
+            sums.tokens[j] += counted.sum(dtype=torch.float64)
+            weight = counted[:, None].expand_as(used).reshape(-1).double()
+            sums.per_expert[j].scatter_add_(0, used.reshape(-1).long(), weight)
 
     @property
     def stats(self) -> RoutingStats | None:
