@@ -4,7 +4,9 @@ expert layout does not divide, and one training step at EP = 2 (DP = 2) equals t
 On CPU the allgather dispatcher (`MoEAllGatherTokenDispatcher.dispatch_preprocess`/`token_dispatch`,
 transformer/moe/token_dispatcher.py: `gather_from_sequence_parallel_region` over the TP×EP group, no split
 sizes) needs every EP rank's micro-batch to have the same shape, and every EP rank to run the same number
-of forwards: the step below uses equal-length samples. A mismatch is a gloo size error, not a wrong result.
+of forwards. The step below uses equal-length samples and builds its micro-batches itself; the trainer's
+layout pads uneven ones to the EP group's shape (`train.engine.batch.equalize_micro_batch_shapes`,
+`tests/train/test_moe_uneven_shapes.py`).
 """
 
 from __future__ import annotations
@@ -66,7 +68,8 @@ def _one_step_rank(rank, world_size, hf_dir, ep):  # noqa: ARG001 - harness sign
     settings = ModelSettings(vocab_pad_multiple=PAD_MULTIPLE, moe_aux_loss_coeff=0.0)
     trainer = build_trainer(arch, hf_dir=hf_dir, model_settings=settings, optim=optim)
     # equal lengths: the allgather dispatcher (CPU) all-gathers [s·b, h] over the EP group without split
-    # sizes, so the EP ranks' micro-batches must have one shape (see the module docstring)
+    # sizes, so the EP ranks' micro-batches must have one shape (see the module docstring; the layout this
+    # test skips pads them)
     samples = make_samples(8, seed=7, min_len=5, max_len=5)
     samples = split_for_data_parallel(samples, groups.dp_rank, groups.dp_size)
     mbs = make_micro_batches(samples, micro_batch_size=2)
