@@ -12,6 +12,10 @@ causal attention. On the last pipeline stage, either
   weight go into `vocab_parallel_linear_masked_logprobs`, and the logits never exist. A tied weight is the
   embedding's (on PP > 1 the last stage's copy, whose gradient megatron's `finalize_model_grads` sums with
   the first stage's, as for its own output layer).
+
+MoE load-balancing loss: the loss callback's loss is already normalised by a global token count and
+megatron's 1/num_tokens gradient scaling is off (`setup.py`), so a training pass sets the aux losses'
+backward scale itself (`moe_aux_loss_scale`, applied by a hook on each micro-batch's model output).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.core.utils import unwrap_model
 
 from megatron_tail.model.thd_attention import HostPackedSeqParams, thd_packed_seq_params
@@ -38,6 +43,7 @@ from megatron_tail.ops import (
 from megatron_tail.patches import cpu_device_scope
 
 from .batch import MicroBatch
+from .collectives import all_reduce_scalars
 from .routing import RoutingPass
 
 # (op outputs [b, s] of one micro-batch, the micro-batch) -> (0-d loss tensor, extra object to return)
@@ -95,9 +101,9 @@ def run_micro_batches(
     """
     if not micro_batches:
         raise ValueError("no micro-batches")
+    config = unwrap_model(chunks[0]).config
     shapes = {mb.shape for mb in micro_batches}
     if len(shapes) != 1 and parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        config = unwrap_model(chunks[0]).config
         if not config.variable_seq_lengths:
             raise ValueError(
                 f"micro-batches differ in shape {sorted(shapes)} but variable_seq_lengths is off"
@@ -110,6 +116,15 @@ def run_micro_batches(
     device = next(chunks[0].parameters()).device
     tp_group = parallel_state.get_tensor_model_parallel_group()
     half = _has_float16_module(chunks[0])
+    aux_scale = None if forward_only else moe_aux_loss_scale(config, micro_batches)
+
+    def set_aux_loss_scale(grad: torch.Tensor) -> None:
+        # Runs when the backward reaches the micro-batch's output, before its routers' `MoEAuxLossAutoScaler`
+        # backward: megatron's `forward_step` (pipeline_parallel/schedules.py, "Set the loss scale for the
+        # auxiliary loss of the MoE layer") has just reset the scale to the bare optimizer loss scale.
+        one = torch.ones(1, device=grad.device)
+        loss_scale = config.grad_scale_func(one) if config.grad_scale_func is not None else one
+        MoEAuxLossAutoScaler.set_loss_scale(loss_scale * aux_scale)
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator).to(device)
@@ -119,6 +134,8 @@ def run_micro_batches(
         output = model(mb.tokens, None, None, packed_seq_params=thd_params(mb), **kwargs)
         if routing is not None:
             routing.after(model, mb, output)
+        if aux_scale is not None and output.requires_grad:
+            output.register_hook(set_aux_loss_scale)
         return output, partial(_loss_func, mb, unwrap_model(model))
 
     def _loss_func(mb: MicroBatch, model, output: torch.Tensor):
@@ -156,6 +173,30 @@ def run_micro_batches(
             micro_batch_size=rows,
             forward_only=forward_only,
         )
+
+
+def moe_aux_loss_scale(config, micro_batches: Sequence[MicroBatch]) -> float | None:
+    """The MoE aux losses' backward scale of a training pass (before the optimizer's loss scale): 1 / the
+    router-token count of the step, or None for a dense model. Collective over the DP group (not CP).
+
+    megatron's router (transformer/moe/router.py, `attach_and_log_load_balancing_loss`) attaches each
+    micro-batch's aux loss times its local token count n (`routing_map.shape[0]`, padding included: no
+    padding mask reaches the router) under `calculate_per_token_loss`, expecting `finalize_model_grads` to
+    divide every gradient by the step's token count; our finalize does not (`setup.py`). Each TP (under
+    sequence parallelism) and CP shard's aux loss is its share of the micro-batch's loss (probabilities of
+    its own tokens, counts over the TP × CP group: `get_tokens_per_expert_and_token_count`), its n is the
+    micro-batch's tokens T / (tp_sp·cp), and the router's gradients are summed over TP (`sequence_parallel`
+    weights) and DP × CP; so a scale of 1 / Σ n over micro-batches and DP ranks (= tp_sp·cp / Σ T) makes the
+    gradient coeff · ∇ of Σ T·aux / Σ T, the token-weighted mean of the per-micro-batch losses of the step.
+    (megatron's own divisor is the loss-token count; ours are the tokens the router saw.) Also the z-loss's,
+    which the router attaches the same way.
+    """
+    if not getattr(config, "num_moe_experts", None):
+        return None
+    tp_sp = parallel_state.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1
+    local = sum(mb.tokens.numel() for mb in micro_batches) / tp_sp
+    total = all_reduce_scalars({"router_tokens": local}, parallel_state.get_data_parallel_group())
+    return 1.0 / max(total["router_tokens"], 1.0)
 
 
 def thd_params(mb: MicroBatch) -> HostPackedSeqParams | None:
