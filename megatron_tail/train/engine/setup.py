@@ -5,7 +5,9 @@
 
 Gradients: the loss callback returns each micro-batch's share of a loss already normalised by a *global*
 token count, so megatron must only sum: `calculate_per_token_loss=True` (no division by the number of
-micro-batches, no DP pre-scaling) and `finalize_model_grads` runs without its own token scaling.
+micro-batches, no DP pre-scaling) and `finalize_model_grads` runs without its own token scaling. The MoE
+router's aux losses, which megatron scales for that division, get their scale from the training pass instead
+(`forward.moe_aux_loss_scale`).
 """
 
 from __future__ import annotations
