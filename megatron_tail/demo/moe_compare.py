@@ -15,10 +15,9 @@ accuracy 0.47 after it, 0.15 after 200 steps)."""
 
 MOE_OVERRIDES = [
     "parallel.tensor_parallel=1",  # one trainer rank: the MoE layers (8 experts each) cost the CPU time
-    # no load-balancing loss in RL (the pretrained routers are what the engine serves); also, megatron_tail's
-    # trainer currently applies megatron's aux loss ×(micro-batch tokens) too strongly (reported: megatron's
-    # router scales it by the token count for a 1/num_tokens that `_finalize_grads_without_token_scaling`
-    # never applies), which swamped the policy gradient and lowered greedy accuracy 0.44 → 0.2 in 20 steps
+    # no load-balancing loss in RL: the pretrained routers are what the engine serves, and the comparison is
+    # of routing replay alone (the tables in docs/results/moe were measured so; before 8413e10 the trainer
+    # also over-weighted that loss by the micro-batch's token count)
     "model.moe_aux_loss_coeff=0",
     "train.mini_batches=2",  # two optimizer steps per batch: the second one's routers have moved (r2 ≠ none)
     "data.eval_prompts=100",
