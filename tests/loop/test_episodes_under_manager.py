@@ -97,7 +97,7 @@ def _engines(*overrides, score=None):
     e.manager, e._manager_episodes, e.on_result, e.context_length = None, None, None, 1000
     e.tokenizer, e.urls = Tokenizer(), ["http://turns:1"]
     e.score = score or (lambda completions, _answers: [float(i % 2) for i in range(len(completions))])
-    e.loop = asyncio.new_event_loop()
+    e.loop, e.routes_shape = asyncio.new_event_loop(), None  # a dense model: no MoE routes
     e.client = TurnEngine()
     e.envs = EnvWorkers(1, timeout_s=60.0, timeout_name="data.reward_timeout_s")
     return e

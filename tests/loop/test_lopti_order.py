@@ -27,7 +27,7 @@ def _recording_rank(rank, world, overrides):  # noqa: ARG001
         fn.phase = phase
         return fn
 
-    def recording_train_step(trainer, mbs, loss_fn, *, op):
+    def recording_train_step(trainer, mbs, loss_fn, *, op, **kw):
         seen = []
         for mb in mbs:
             prepared = mb.extras["prepared"]
@@ -39,7 +39,7 @@ def _recording_rank(rank, world, overrides):  # noqa: ARG001
         name = mbs[0].extras["prepared"].phases[loss_fn.phase].name
         low, high = (float(probs.min()), float(probs.max())) if probs.numel() else (math.inf, 0.0)
         steps.append((mini, name, probs.numel(), low, high))
-        return real_train_step(trainer, mbs, loss_fn, op=op)
+        return real_train_step(trainer, mbs, loss_fn, op=op, **kw)
 
     update.train_step, update.rl_loss_fn = recording_train_step, loss_fn_with_phase
     run(load_config(None, overrides))
