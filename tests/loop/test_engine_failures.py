@@ -230,8 +230,8 @@ def test_torchrun_passes_on_an_outside_failure_of_every_worker(tmp_path):
 @pytest.mark.parametrize(
     ("fault", "extra", "waited_for"),
     [
-        # scoring step 1's batch; rollout ahead then generates step 2's batch from the dead engine
-        ("KILL@1", {"rollout.max_staleness": 1}, "the batch of step 1"),
+        # scoring the first group: one group generates at a time, so step 1's next group asks the dead engine
+        ("KILL@1", {"rollout.max_staleness": 1, "rollout.max_concurrency": 1}, "the batch of step 1"),
         ("KILL@17", {}, "weight sync to version 2"),  # scoring step 2's batch: the next call is its sync
     ],
     ids=["generation", "weight-sync"],
