@@ -63,7 +63,8 @@ PER_STEP_TAGS: list[tuple[str, str]] = [
 def comparison_lines(scalars: Mapping[str, Mapping[str, list[tuple[int, float]]]]) -> list[str]:
     """The summary table, then one per-step table per `PER_STEP_TAGS` entry. `scalars`: arm → tag →
     [(step, value)] (as `run.read_scalars`), arms in column order. A missing value prints as —."""
-    from megatron_tail.demo.run import _fmt, summarise
+    from megatron_tail.demo.scalars import fmt as _fmt
+    from megatron_tail.demo.scalars import summarise
 
     arms = list(scalars)
     width = max(len(label) for _, _, label in MOE_ROWS) + 2
@@ -85,7 +86,7 @@ def comparison_lines(scalars: Mapping[str, Mapping[str, list[tuple[int, float]]]
 
 def print_moe_comparison(dirs: Mapping[str, Path], *, say=print) -> None:
     """Read each run's TensorBoard scalars and print `comparison_lines`."""
-    from megatron_tail.demo.run import read_scalars
+    from megatron_tail.demo.scalars import read_scalars
 
     say("\n== MoE routing replay, same seed: " + " vs ".join(dirs) + "  (bf16 engine, fp32 trainer)")
     for line in comparison_lines({name: read_scalars(path) for name, path in dirs.items()}):
@@ -94,7 +95,7 @@ def print_moe_comparison(dirs: Mapping[str, Path], *, say=print) -> None:
 
 def moe_refusals(overrides: Sequence[str]) -> str | None:
     """Why `--moe` cannot run with these overrides (a one-line message), or None."""
-    from megatron_tail.demo.run import uses_environment
+    from megatron_tail.demo.scalars import uses_environment
 
     if uses_environment(overrides):
         return "demo --moe with rollout.env: the MoE demo model is pretrained without the calculator tool"

@@ -13,6 +13,10 @@ from pathlib import Path
 
 from megatron_tail.demo.defaults import DATA_DIR_NAME, DEMO_CONFIG_YAML, PRETRAIN_DIR_NAME
 
+# read_scalars is re-exported: tests and tools read runs with `demo.run.read_scalars`
+from megatron_tail.demo.scalars import fmt as _fmt
+from megatron_tail.demo.scalars import read_scalars, summarise, uses_environment
+
 DEMO_MAX_DIGITS = 2
 TOOL_PRETRAIN = {
     "tool_prob": 0.5,
@@ -60,12 +64,6 @@ CALCULATOR_OVERRIDES = [
 ]
 """With `rollout.env` set (`--set rollout.env=calculator`): the tool demo's lengths and a shorter run (its
 episodes are ~5× the tokens of the plain demo's answers); the user's own `--set`s come after and win."""
-
-
-def uses_environment(overrides: Sequence[str]) -> bool:
-    """The overrides set `rollout.env` (to anything but null)."""
-    values = [o.partition("=")[2].strip() for o in overrides if o.partition("=")[0].strip() == "rollout.env"]
-    return bool(values) and values[-1] not in ("", "null", "None", "~")
 
 
 # (tag, how to summarise it over the steps, label)
@@ -276,33 +274,6 @@ def launch_training(
         return subprocess.call(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
-def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar of the run's TensorBoard events: tag → [(step, value)] in step order."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(Path(run_dir) / "tensorboard"), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
-
-
-def summarise(values: list[float], how: str) -> float:
-    if not values:
-        return float("nan")
-    if how == "last":
-        return values[-1]
-    if how == "last5":
-        return sum(values[-5:]) / len(values[-5:])
-    if how == "mean":
-        return sum(values) / len(values)
-    if how == "max":
-        return max(values)
-    if how == "min":
-        return min(values)
-    if how == "sum":
-        return sum(values)
-    raise ValueError(f"unknown summary {how!r}")
-
-
 def print_comparison(dirs: dict[str, Path]) -> None:
     scalars = {name: read_scalars(path) for name, path in dirs.items()}
     names = list(dirs)
@@ -330,14 +301,6 @@ def _settings_dict(settings) -> dict:
     from dataclasses import asdict
 
     return asdict(settings)
-
-
-def _fmt(x: float) -> str:
-    if x != x:
-        return "—"
-    if 0.999 < x < 1:
-        return f"{x:.7f}"  # safe masses: the distance from 1 is the point
-    return f"{x:.3g}" if abs(x) >= 1e-3 or x == 0 else f"{x:.2e}"
 
 
 def _say(text: str) -> None:

@@ -1,0 +1,51 @@
+"""What the demo's runs are read back and printed with: TensorBoard scalars, their per-run summaries, and
+the table cells (shared by the dense `--compare` in `run.py` and the MoE one in `moe_compare.py`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def uses_environment(overrides: Sequence[str]) -> bool:
+    """The overrides set `rollout.env` (to anything but null)."""
+    values = [o.partition("=")[2].strip() for o in overrides if o.partition("=")[0].strip() == "rollout.env"]
+    return bool(values) and values[-1] not in ("", "null", "None", "~")
+
+
+def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar of the run's TensorBoard events: tag → [(step, value)] in step order."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(Path(run_dir) / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def summarise(values: list[float], how: str) -> float:
+    """One number of a run's per-step `values`: "last", "last5" (mean of the last 5), "mean", "max", "min",
+    "sum"; NaN for none."""
+    if not values:
+        return float("nan")
+    if how == "last":
+        return values[-1]
+    if how == "last5":
+        return sum(values[-5:]) / len(values[-5:])
+    if how == "mean":
+        return sum(values) / len(values)
+    if how == "max":
+        return max(values)
+    if how == "min":
+        return min(values)
+    if how == "sum":
+        return sum(values)
+    raise ValueError(f"unknown summary {how!r}")
+
+
+def fmt(x: float) -> str:
+    """A table cell: — for NaN, 7 decimals just below 1, else 3 significant digits."""
+    if x != x:
+        return "—"
+    if 0.999 < x < 1:
+        return f"{x:.7f}"  # safe masses: the distance from 1 is the point
+    return f"{x:.3g}" if abs(x) >= 1e-3 or x == 0 else f"{x:.2e}"
