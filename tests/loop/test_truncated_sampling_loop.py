@@ -62,8 +62,9 @@ def test_truncated_sampling_trains_with_exact_importance_weights(tiny_model_dir,
     assert abs(scalars["is/raw_ratio_mean"][1] - 1.0) < 0.01
     for sign in ("pos", "neg"):
         assert 0.0 <= scalars[f"train/clip_fraction_{sign}_adv"][1] <= 1.0
-    # the checkpoint holds the groups generated ahead, with their per-token supports
-    (_, ckpt), *_ = reversed(complete_checkpoints(run_dir))
+    # step 1's checkpoint holds step 2's groups, generated ahead, with their per-token supports (after the
+    # last step nothing is ahead: the manager generates no group the run does not train)
+    (_, ckpt), *_ = complete_checkpoints(run_dir)
     ahead = [RolloutBatch.from_dict(g["batch"]) for g in read_rank0_object(ckpt, "rollout_manager")["buffer"]]
     supports = [s for batch in ahead for s in batch.rollout_supports]  # ragged, not padded
     responses = [r for batch in ahead for r in batch.response_ids]
