@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_tail.rollout import DiskWeightSync, RolloutClient, SamplingConfig
+from megatron_tail.rollout import RolloutClient, SamplingConfig
 from megatron_tail.rollout.client import join_segments
 from megatron_tail.rollout.local_engine.engine import LocalEngine
 from megatron_tail.rollout.local_engine.requests import BadRequest, parse_generate_body
@@ -23,16 +23,15 @@ from megatron_tail.rollout.protocol import (
     SampleResult,
     build_generate_payload,
     parse_generate_response,
-    sample_keys,
 )
 from megatron_tail.rollout.routes import decode_routes, encode_routes
 from tests.rollout.servers import serving_app
 from tests.rollout.test_local_engine import item
-from tests.rollout.test_partial_rollouts import _hold, _wait_for_tokens
 from tests.rollout.tiny_moe import (
     DENSE_LAYER,
     NUM_LAYERS,
     TOP_K,
+    generate_across_an_update,
     perturbed_moe_copy,
     reference_routes,
     write_tiny_qwen3_moe,
@@ -213,20 +212,7 @@ def test_partial_rollout_keeps_each_positions_route_from_the_weights_that_sample
         return_routed_experts=True, routes_shape=SHAPE,
     )  # fmt: skip
 
-    async def main():
-        async with serving_app(build_app(engine)) as url, RolloutClient([url], processor=None) as client:
-            task = asyncio.ensure_future(
-                client.generate_group(PROMPT, sample_keys(0, sampling), sampling, partial=True)
-            )
-            await asyncio.to_thread(_wait_for_tokens, engine, 5)
-            await asyncio.to_thread(_hold, engine, "in_place")
-            await DiskWeightSync([url]).update(str(moe_step1_dir), weight_version="1")
-            return await task
-
-    try:
-        samples = asyncio.run(main())
-    finally:
-        engine.close()
+    samples = generate_across_an_update(engine, PROMPT, sampling, moe_step1_dir)
     differ = 0
     for s in samples:
         ids = PROMPT + s.output_ids

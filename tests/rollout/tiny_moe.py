@@ -85,3 +85,31 @@ def reference_routes(model_dir: Path, ids: list[int]) -> torch.Tensor:
     for hook in hooks:
         hook.remove()
     return routes
+
+
+def generate_across_an_update(engine, prompt: list[int], sampling, new_weights: Path) -> list:
+    """`sampling`'s samples of `prompt` (`RolloutClient.generate_group`, partial rollouts) from the local
+    `engine` served over HTTP: held in place after 5 tokens while `new_weights` load as version 1, then
+    continued. Closes `engine`."""
+    import asyncio
+
+    from megatron_tail.rollout import DiskWeightSync, RolloutClient
+    from megatron_tail.rollout.local_engine.server import build_app
+    from megatron_tail.rollout.protocol import sample_keys
+    from tests.rollout.servers import serving_app
+    from tests.rollout.test_partial_rollouts import _hold, _wait_for_tokens
+
+    async def main():
+        async with serving_app(build_app(engine)) as url, RolloutClient([url], processor=None) as client:
+            task = asyncio.ensure_future(
+                client.generate_group(prompt, sample_keys(0, sampling), sampling, partial=True)
+            )
+            await asyncio.to_thread(_wait_for_tokens, engine, 5)
+            await asyncio.to_thread(_hold, engine, "in_place")
+            await DiskWeightSync([url]).update(str(new_weights), weight_version="1")
+            return await task
+
+    try:
+        return asyncio.run(main())
+    finally:
+        engine.close()

@@ -19,7 +19,6 @@ from megatron_tail.rollout.envs import Episode, EpisodeLimits, Tokens
 from megatron_tail.rollout.envs.pool import EnvWorkers
 from megatron_tail.rollout.local_engine.engine import LocalEngine
 from megatron_tail.rollout.local_engine.server import build_app
-from megatron_tail.rollout.protocol import sample_keys
 from megatron_tail.train.rl.routing import ROUTED_FIELD, ROUTES_FIELD
 from megatron_tail.train.rl.samples import build_samples
 from megatron_tail.train.run.episodes import (
@@ -29,11 +28,11 @@ from megatron_tail.train.run.episodes import (
     with_routes_from,
 )
 from tests.rollout.servers import serving_app
-from tests.rollout.test_partial_rollouts import _hold, _wait_for_tokens
 from tests.rollout.tiny_moe import (
     DENSE_LAYER,
     NUM_LAYERS,
     TOP_K,
+    generate_across_an_update,
     perturbed_moe_copy,
     reference_routes,
     write_tiny_qwen3_moe,
@@ -169,20 +168,7 @@ def test_a_turn_continued_after_an_abort_joins_its_rows_from_the_rows_held(moe_d
         return_routed_experts=True, routes_shape=SHAPE, routed_experts_start_len=held,
     )  # fmt: skip
 
-    async def main():
-        async with serving_app(build_app(engine)) as url, RolloutClient([url], processor=None) as client:
-            task = asyncio.ensure_future(
-                client.generate_group(turn_input, sample_keys(0, sampling), sampling, partial=True)
-            )
-            await asyncio.to_thread(_wait_for_tokens, engine, 5)
-            await asyncio.to_thread(_hold, engine, "in_place")
-            await DiskWeightSync([url]).update(str(moe_step1_dir), weight_version="1")
-            return await task
-
-    try:
-        samples = asyncio.run(main())
-    finally:
-        engine.close()
+    samples = generate_across_an_update(engine, turn_input, sampling, moe_step1_dir)
     for s in samples:
         ids = turn_input + s.output_ids
         cut = s.output_versions.index("1")
