@@ -12,28 +12,30 @@ VOCAB_SIZE = len(SPECIAL_TOKENS) + len(CHARACTERS)
 """100: the character tokenizer's vocabulary, exactly (no unused rows)."""
 
 
+TINY_SHAPE = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=96,
+    intermediate_size=256,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=24,
+    max_position_embeddings=64,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    pad_token_id=0,
+    eos_token_id=1,
+    bos_token_id=None,
+    torch_dtype="float32",
+)
+"""The demo models' HF config fields shared by the dense model and the MoE one (`demo.moe`)."""
+
+
 def tiny_qwen3_config(**overrides):
     """A Qwen3 small enough to pretrain on 2 CPU cores in about a minute; heads/FFN divisible by TP = 2."""
     from transformers import Qwen3Config
 
-    settings = dict(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=96,
-        intermediate_size=256,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=24,
-        max_position_embeddings=64,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=None,
-        torch_dtype="float32",
-    )
-    settings.update(overrides)
-    return Qwen3Config(**settings)
+    return Qwen3Config(**{**TINY_SHAPE, **overrides})
 
 
 def new_tiny_qwen3(seed: int, *, tool_tokens: bool = False, **overrides):

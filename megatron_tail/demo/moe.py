@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_tail.data.char_tokenizer import build_char_tokenizer
-from megatron_tail.demo.model import VOCAB_SIZE
+from megatron_tail.demo.model import TINY_SHAPE
 
 NUM_EXPERTS = 8
 TOP_K = 2
@@ -28,31 +28,16 @@ def tiny_qwen3_moe_config(**overrides):
     by TP = 2."""
     from transformers import Qwen3MoeConfig
 
-    settings = dict(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=96,
-        intermediate_size=256,  # unused: no dense layer (mlp_only_layers empty)
+    experts = dict(
         moe_intermediate_size=64,
         num_experts=NUM_EXPERTS,
         num_experts_per_tok=TOP_K,
         norm_topk_prob=True,
         decoder_sparse_step=1,
-        mlp_only_layers=[],
+        mlp_only_layers=[],  # so TINY_SHAPE's intermediate_size is unused: no dense layer
         router_aux_loss_coef=1e-3,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=24,
-        max_position_embeddings=64,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=None,
-        torch_dtype="float32",
     )
-    settings.update(overrides)
-    return Qwen3MoeConfig(**settings)
+    return Qwen3MoeConfig(**{**TINY_SHAPE, **experts, **overrides})
 
 
 def new_tiny_qwen3_moe(seed: int, **overrides):
