@@ -73,3 +73,21 @@ def loop_overrides(model_dir, prompt_file, run_dir, extra: dict | None = None) -
     }
     settings.update(extra or {})
     return [f"{k}={v}" for k, v in settings.items()]
+
+
+def train_with_torchrun(model_dir, prompt_file, root, extra: dict, *, nproc: int = 1):
+    """`megatron-tail train` under torchrun (`nproc` ranks) with `loop_overrides` + `extra` and a config file
+    of seed 7 and temperature 1; returns the finished process and the run directory `root/run`."""
+    import os
+    import subprocess
+    import sys
+
+    run_dir = root / "run"
+    config = root / "run.yaml"
+    config.write_text("seed: 7\nrollout:\n  temperature: 1.0\n")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    cmd += ["-m", "megatron_tail.cli", "train", str(config)]
+    for item in loop_overrides(model_dir, prompt_file, run_dir, extra):
+        cmd += ["--set", item]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300), run_dir

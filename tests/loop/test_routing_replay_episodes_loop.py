@@ -5,14 +5,11 @@ replays them, two steps complete with several turns per episode and `moe/routing
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 
 import torch
 
 from megatron_tail.demo.run import read_scalars
-from tests.loop.conftest import loop_overrides
+from tests.loop.conftest import train_with_torchrun
 
 
 def _chatty_moe(path):
@@ -37,7 +34,6 @@ def _chatty_moe(path):
 
 def test_r3_with_episodes_trains_and_replays_the_episodes_routes(prompt_file, tmp_path):
     model_dir = _chatty_moe(tmp_path / "tiny_moe")
-    run_dir = tmp_path / "run"
     extra = {
         "parallel.tensor_parallel": 1,
         "train.steps": 2,
@@ -49,14 +45,7 @@ def test_r3_with_episodes_trains_and_replays_the_episodes_routes(prompt_file, tm
         "algorithm.group_size": 2,
         "data.prompts_per_step": 2,
     }
-    config = tmp_path / "run.yaml"
-    config.write_text("seed: 7\nrollout:\n  temperature: 1.0\n")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1"]
-    cmd += ["-m", "megatron_tail.cli", "train", str(config)]
-    for item in loop_overrides(model_dir, prompt_file, run_dir, extra):
-        cmd += ["--set", item]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc, run_dir = train_with_torchrun(model_dir, prompt_file, tmp_path, extra)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     scalars = read_scalars(run_dir)
     assert [step for step, _ in scalars["moe/routing_agreement"]] == [1, 2]

@@ -5,14 +5,11 @@ engine returns its routes, the trainer replays them for θ_old and the update, t
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 
 from megatron_tail.demo.run import read_scalars
-from tests.loop.conftest import loop_overrides
+from tests.loop.conftest import train_with_torchrun
 
 
 @pytest.fixture(scope="module")
@@ -21,21 +18,13 @@ def r3_run(prompt_file, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("moe_loop")
     model_dir = write_tiny_qwen3_moe(root / "tiny_moe")
-    run_dir = root / "run"
     extra = {
         "parallel.tensor_parallel": 1,
         "train.steps": 2,
         "rollout.max_new_tokens": 8,
         "algorithm.routing_replay": "r3",
     }
-    config = root / "run.yaml"
-    config.write_text("seed: 7\nrollout:\n  temperature: 1.0\n")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1"]
-    cmd += ["-m", "megatron_tail.cli", "train", str(config)]
-    for item in loop_overrides(model_dir, prompt_file, run_dir, extra):
-        cmd += ["--set", item]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc, run_dir = train_with_torchrun(model_dir, prompt_file, root, extra)
     return proc, run_dir
 
 
