@@ -94,7 +94,7 @@ def _engines(*overrides, score=None):
     cfg = load_config(None, [*base, "rollout.partial_rollouts=true", "rollout.max_concurrency=2", *overrides])
     e = RolloutEngines.__new__(RolloutEngines)
     e.cfg, e.note, e.vocab_size, e._counted, e.engine, e._thread = cfg, print, 100, {}, None, None
-    e.manager, e._manager_episodes, e.on_result, e.context_length = None, None, None, 1000
+    e.manager, e._manager_episodes, e.context_length = None, None, 1000
     e.tokenizer, e.urls = Tokenizer(), ["http://turns:1"]
     e.score = score or (lambda completions, _answers: [float(i % 2) for i in range(len(completions))])
     e.loop, e.routes_shape = asyncio.new_event_loop(), None  # a dense model: no MoE routes

@@ -129,12 +129,8 @@ class RolloutEngines(ManagedRollout):
             max_concurrency=cfg.rollout.max_concurrency, request_timeout_s=cfg.rollout.request_timeout_s
         )
         dvp = cfg.algorithm.log_rho is not None and cfg.algorithm.log_rho != float("-inf")
-        self.on_result: Callable[[object], None] | None = None
         self.client = RolloutClient(
-            self.urls,
-            client_cfg,
-            processor=DVPLogitProcessor.to_str() if dvp else None,
-            on_result=self._on_result,
+            self.urls, client_cfg, processor=DVPLogitProcessor.to_str() if dvp else None
         )
         self.eval_client = RolloutClient(self.urls, client_cfg, processor=None)
         self.loop = asyncio.new_event_loop()
@@ -145,10 +141,6 @@ class RolloutEngines(ManagedRollout):
         """With `rollout.env`, the manager's runner of episode groups (`episodes.EpisodeGroups`)."""
         if local is not None:  # last: nothing after it can fail and leave the process behind
             self.engine = LocalEngineProcess(local, run_dir / "logs" / "local_engine.log")
-
-    def _on_result(self, result) -> None:
-        if self.on_result is not None:
-            self.on_result(result)
 
     def wait_ready(self) -> None:
         """Block until every engine answers `/health` (an `EngineFailure` naming the local engine, how it

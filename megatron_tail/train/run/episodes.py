@@ -159,7 +159,6 @@ class EpisodeGroups:
     failures: FailureCount
     """Where environment failures are counted (and the stop rule checked); the manager swaps in a new one
     per batch."""
-    on_episode: Callable[[Episode], None] | None = None
 
     async def group(
         self, i: int, prompt: Sequence[int], answer: str, *, base_seed: int, first_attempt: int = 0
@@ -187,9 +186,6 @@ class EpisodeGroups:
                 for error in failed:
                     self.failures.add(error)
                 if not failed:
-                    if self.on_episode is not None:
-                        for episode in results:
-                            self.on_episode(episode)
                     return results
         finally:
             pending = [t for t in first_turns.values() if not t.done()]
@@ -236,7 +232,6 @@ async def run_episodes(
     tokens: Tokens,
     *,
     max_concurrency: int,
-    on_episode: Callable[[Episode], None] | None = None,
     max_failure_fraction: float = 0.5,
     failures: FailureCount | None = None,
 ) -> list[Episode]:
@@ -265,7 +260,6 @@ async def run_episodes(
         tokens,
         asyncio.Semaphore(max_concurrency),
         count,
-        on_episode,
     )
     tasks = [
         asyncio.create_task(runner.group(i, prompts[i], answers[i], base_seed=sampling.base_seed))

@@ -194,7 +194,6 @@ class ManagedRollout:
             Tokens(decode=self._decode, encode=self._encode),
             asyncio.BoundedSemaphore(r.max_concurrency),
             FailureCount(r.env, episodes, r.max_env_failure_fraction),
-            on_episode=self._on_result,
         )
 
     async def _episode_group(
