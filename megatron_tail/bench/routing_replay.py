@@ -139,7 +139,7 @@ def _bench_model(root: Path) -> Path:
 def measure_times(steps: int, repeats: int, *, log=print) -> dict[str, dict[str, list[float]]]:
     """Train `steps` steps per arm and repeat (interleaved, order reversed every other repeat); return the
     per-step θ_old and update seconds of every step but each run's first (warm-up)."""
-    from megatron_tail.demo.run import ensure_data, launch_training, read_scalars
+    from megatron_tail.demo.run import ensure_data, launch_training, read_scalars, training_failed
 
     times = {a: {"old": [], "update": []} for a in ARMS}
     with tempfile.TemporaryDirectory(prefix="bench_routing_") as tmp:
@@ -162,9 +162,9 @@ def measure_times(steps: int, repeats: int, *, log=print) -> dict[str, dict[str,
                 run_dir = root / f"{arm}_{rep}"
                 log(f"  {arm} (repeat {rep + 1}/{repeats}) ...")
                 knobs = [f"run_dir={run_dir}", f"algorithm.routing_replay={arm}"]
-                code = launch_training(run_dir, [*base, *knobs], quiet=True)
-                if code != 0:
-                    raise RuntimeError(f"{arm}: training failed ({code}); see {run_dir / 'train.log'}")
+                outcome = launch_training(run_dir, [*base, *knobs], quiet=True)
+                if (code := training_failed(outcome, f" {arm}, see {run_dir / 'train.log'},")) is not None:
+                    raise SystemExit(code)
                 scalars = read_scalars(run_dir)
                 old = dict(scalars["perf/logprob_time_s"])
                 train = dict(scalars["perf/train_time_s"])

@@ -20,6 +20,7 @@ refuses what the loop cannot run.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -120,6 +121,14 @@ class ParallelSection:
     @property
     def wait_timeout_minutes(self) -> float:
         return self.rank0_wait_timeout_minutes or self.distributed_timeout_minutes
+
+    @property
+    def min_world_size(self) -> int:
+        """The fewest ranks this layout runs on: a multiple of TP × PP × CP (`check_world`) and of
+        ETP × EP × PP (`check_expert_world`), their least common multiple."""
+        etp = self.expert_tensor_parallel or self.tensor_parallel
+        dense = self.tensor_parallel * self.pipeline_parallel * self.context_parallel
+        return math.lcm(dense, etp * self.expert_parallel * self.pipeline_parallel)
 
     def check_expert_world(self, world_size: int) -> None:
         """UserError naming the values unless `world_size` is a multiple of ETP × EP × PP (megatron's expert

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,6 +14,7 @@ from megatron_tail.demo.defaults import DATA_DIR_NAME, DEMO_CONFIG_YAML, PRETRAI
 # read_scalars is re-exported: tests and tools read runs with `demo.run.read_scalars`
 from megatron_tail.demo.scalars import fmt as _fmt
 from megatron_tail.demo.scalars import read_scalars, summarise, uses_environment
+from megatron_tail.train.run.supervise import TrainingOutcome
 
 DEMO_MAX_DIGITS = 2
 TOOL_PRETRAIN = {
@@ -134,9 +133,8 @@ def run_demo(
             shutil.rmtree(target)  # a finished demo run starts over; a stopped one resumes
         label = f" [{name}]" if name else ""
         _say(f"\n== RL{label}: {target}  (SIGTERM to the trainers stops after the step; rerun resumes)")
-        code = launch_training(target, [*base, f"run_dir={target}", *knobs, *overrides])
-        if code != 0:
-            _say(f"training{label} failed with exit code {code}")
+        outcome = launch_training(target, [*base, f"run_dir={target}", *knobs, *overrides])
+        if (code := training_failed(outcome, label)) is not None:
             return code
         dirs[name or "run"] = target
     for name, target in dirs.items():
@@ -245,10 +243,13 @@ def ensure_data(cache: Path) -> tuple[Path, Path]:
 
 def launch_training(
     run_dir: Path, overrides: Sequence[str], *, base_yaml: str = DEMO_CONFIG_YAML, quiet: bool = False
-) -> int:
-    """`torchrun --standalone --nproc-per-node <TP×PP×CP> -m megatron_tail.cli train <config>` (a subprocess)
-    on `base_yaml` with `overrides`; `quiet` sends its output to `<run_dir>/train.log` instead."""
+) -> TrainingOutcome:
+    """`megatron-tail train` on `base_yaml` with `overrides`, under our torchrun wrapper on as many local
+    ranks as the layout needs (`ParallelSection.min_world_size`: TP × PP × CP and the experts'
+    ETP × EP × PP), through `supervise.run_training`: a stop signal to this process stops the run after its
+    step, with a checkpoint; `quiet` sends its output to `<run_dir>/train.log` instead of the console."""
     from megatron_tail.config import load_config, save_resolved_config
+    from megatron_tail.train.run.supervise import run_training
 
     run_dir.mkdir(parents=True, exist_ok=True)
     base = run_dir / "demo_base.yaml"
@@ -256,10 +257,7 @@ def launch_training(
     cfg = load_config(base, overrides)
     cfg.check_runnable()
     resolved = save_resolved_config(cfg, run_dir)
-    p = cfg.parallel
-    nproc = p.tensor_parallel * p.pipeline_parallel * p.context_parallel
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    cmd += ["-m", "megatron_tail.cli", "train", str(resolved)]
+    torchrun = ["--standalone", f"--nproc-per-node={cfg.parallel.min_world_size}"]
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
@@ -269,9 +267,27 @@ def launch_training(
         "PYTHONWARNINGS": "ignore",  # megatron's and torch's import-time warnings would bury the step lines
     }
     if not quiet:
-        return subprocess.call(cmd, env=env)
+        return run_training(torchrun, resolved, env=env, say=_say)
     with open(run_dir / "train.log", "ab") as log:
-        return subprocess.call(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        return run_training(torchrun, resolved, env=env, stdout=log, say=_say)
+
+
+def training_failed(outcome: TrainingOutcome, label: str = "") -> int | None:
+    """None when the run finished; else the exit code to end with, having said why (`label` names the run):
+    after a stop signal, the run's code, or 128 + the signal's number where the run checkpointed and exited
+    0 (as a shell reports a command a signal ended: the demo did not finish); a failure's own code, without
+    a second line where the run already printed its one line (`ONE_LINE_CODES`)."""
+    from megatron_tail.train.run.torchrun import ONE_LINE_CODES
+
+    if outcome.stopped_by is not None:
+        how = "saved a checkpoint" if outcome.code == 0 else f"exited with code {outcome.code}"
+        _say(f"training{label} stopped on {outcome.stopped_by.name} and {how}; rerun the command to resume")
+        return outcome.code if outcome.code != 0 else 128 + int(outcome.stopped_by)
+    if outcome.code == 0:
+        return None
+    if outcome.code not in ONE_LINE_CODES:
+        _say(f"training{label} failed with exit code {outcome.code}")
+    return outcome.code
 
 
 def print_comparison(dirs: dict[str, Path]) -> None:

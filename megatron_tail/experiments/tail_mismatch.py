@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from megatron_tail.demo.run import finished_run, launch_training, read_scalars, summarise
+from megatron_tail.demo.run import finished_run, launch_training, read_scalars, summarise, training_failed
 
 from .tail_config import TAIL_CONFIG_YAML
 from .tail_model import ensure_tail_model, ensure_tail_prompts
@@ -130,9 +130,9 @@ def run_grid(
     def train(job: tuple[str, int, Path, list[str]]) -> None:
         name, seed, target, overrides = job
         t0 = time.monotonic()
-        code = launch_training(target, overrides, base_yaml=base_yaml, quiet=True)
-        if code != 0:
-            raise RuntimeError(f"[{name} seed {seed}] training failed (exit {code}); see {target}/train.log")
+        outcome = launch_training(target, overrides, base_yaml=base_yaml, quiet=True)
+        if (code := training_failed(outcome, f" [{name} seed {seed}], see {target}/train.log,")) is not None:
+            raise SystemExit(code)
         log(f"[{name} seed {seed}] {time.monotonic() - t0:.0f} s: {target}")
 
     if jobs <= 1:

@@ -61,3 +61,28 @@ def die_with_parent_from_env() -> None:
     pid = os.environ.get(PARENT_PID_ENV)
     if pid:
         die_with_parent(int(pid))
+
+
+def stop_with_parent_from_env(sig: int = signal.SIGTERM, interval_s: float = 1.0) -> None:
+    """A launcher started by a supervisor (`train.run.supervise`, which sets `$MT_PARENT_PID`): when that
+    parent dies, even by SIGKILL, this process receives `sig` once, so it stops its own children the way
+    it would on that signal (torchrun forwards it to its workers, which checkpoint) instead of living on
+    under PID 1. Removes the variable from the environment, so this process's own children do not inherit
+    a parent that is not theirs. No-op without the variable."""
+    pid = os.environ.pop(PARENT_PID_ENV, None)
+    if not pid:
+        return
+    parent_pid = int(pid)
+    by_kernel = set_parent_death_signal(sig)
+    if os.getppid() != parent_pid:  # the parent died before the death signal was set
+        os.kill(os.getpid(), sig)
+        return
+    if by_kernel:
+        return
+
+    def watch() -> None:  # where PR_SET_PDEATHSIG does not exist
+        while os.getppid() == parent_pid:
+            threading.Event().wait(interval_s)
+        os.kill(os.getpid(), sig)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()

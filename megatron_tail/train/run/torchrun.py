@@ -17,6 +17,8 @@ own `main` and maps the outcome:
 - anything else → torchrun's own behaviour (its report, exit 1).
 
 Workers learn where to leave their marks from `MT_WORKER_MARKS` (a fresh temporary directory per launch).
+Programs that launch training themselves (the demo, experiments, benchmarks) go through
+`train.run.supervise.run_training`, which passes their stop signals on and stops this launcher if they die.
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    from megatron_tail.utils.parent_watch import stop_with_parent_from_env
+
+    stop_with_parent_from_env()  # started by `supervise.run_training`: stop (SIGTERM) when it dies
     args = parse_args(sys.argv[1:] if argv is None else argv)
     marks = Path(tempfile.mkdtemp(prefix="mt-workers-"))
     os.environ[MARKS_ENV] = str(marks)  # the agent starts its workers with this environment
