@@ -13,13 +13,17 @@ from megatron_tail.utils.errors import EXIT_ABANDONED
 _PROGRAM = """
 import ctypes, os, signal, sys, threading, time
 from megatron_tail.utils.errors import StepAbandoned
-from megatron_tail.train.run.signals import GracefulStop
+from megatron_tail.train.run.signals import GracefulStop, checkpoint_kept, stop_hint, waiting
 
 mode = sys.argv[1]
 with GracefulStop(hard_exit_after_s=1.0) as stop:
-    os.kill(os.getpid(), signal.SIGTERM)
-    os.kill(os.getpid(), signal.SIGTERM)  # the same request, delivered twice
-    time.sleep(0.1)
+    checkpoint_kept("run/checkpoints/step_000003")
+    print(stop_hint(), flush=True)
+    with waiting("the batch of step 4"):
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)  # the same request, delivered twice
+        time.sleep(0.1)
+    print(stop_hint(), flush=True)
     print("count", stop.count, stop.received.name, flush=True)
     if mode == "python":
         try:
@@ -46,14 +50,26 @@ def _run(mode):
 def test_a_repeat_is_one_request_and_a_later_signal_abandons_the_step():
     proc, _ = _run("python")
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.splitlines() == ["count 1 SIGTERM", "abandoned", "left the block"]
-    assert "SIGTERM: stopping after the current step" in proc.stderr
-    assert "SIGUSR1 again: abandoning the current step now; the last checkpoint is kept" in proc.stderr
+    assert proc.stdout.splitlines() == [
+        "send SIGTERM twice to stop now",
+        "SIGTERM received: stopping after this step; send it again to stop now",  # what wait reports say
+        "count 1 SIGTERM",
+        "abandoned",
+        "left the block",
+    ]
+    assert (
+        "SIGTERM: stopping after the current step (a checkpoint is saved); waiting for the batch of step 4; "
+        "send it again to stop at once"
+    ) in proc.stderr
+    assert (
+        "SIGUSR1 again: abandoning the current step now; the last complete checkpoint, "
+        "run/checkpoints/step_000003, is kept (a rerun resumes from it)"
+    ) in proc.stderr
 
 
 def test_a_main_thread_blocked_in_c_still_exits_after_the_second_signal():
     proc, elapsed = _run("blocked")
     assert proc.returncode == EXIT_ABANDONED, proc.stdout + proc.stderr
-    assert proc.stdout.splitlines() == ["count 1 SIGTERM"]
+    assert proc.stdout.splitlines()[-1] == "count 1 SIGTERM"
     assert "1 s after the second stop signal: exiting now" in proc.stderr
     assert elapsed < 30

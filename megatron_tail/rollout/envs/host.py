@@ -4,6 +4,7 @@ naming the environment)."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from .base import StepResult
@@ -62,12 +63,26 @@ class WorkerEnv:
             return
         slot, self.slot = self.slot, None
         self.pool.release(slot)
+        call = self.pool.call(
+            slot,
+            (self.spec, "close", self.episode, [self.episode]),
+            what=self._what("close"),
+            generation=self.generation,
+        )
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            # The episode is being cancelled (a stop signal, a dropped group): its close still runs on the
+            # worker, after the call ahead of it, but is not waited for; that call may hang for its whole
+            # limit, and the cancellation (a second SIGTERM) must not.
+            asyncio.ensure_future(call).add_done_callback(_retrieved)
+            return
         try:  # nothing to close when the state died with the worker
-            await self.pool.call(
-                slot,
-                (self.spec, "close", self.episode, [self.episode]),
-                what=self._what("close"),
-                generation=self.generation,
-            )
+            await call
         except LostState:
             pass
+
+
+def _retrieved(task: asyncio.Task) -> None:
+    """Mark a close nobody awaits as looked at: its failure (a closing pool, a lost state) is not news."""
+    if not task.cancelled():
+        task.exception()

@@ -82,6 +82,7 @@ class EnvWorkers:
             raise UserError(f"{timeout_name} must be > 0; got {timeout_s!r}")
         self.timeout_s, self.timeout_name = float(timeout_s), timeout_name
         self.slots = [_Slot(k) for k in range(workers)]
+        self._closing = False
         for slot in self.slots:  # all start at once, each from its own thread
             slot.thread.submit(self._start, slot)
 
@@ -121,6 +122,9 @@ class EnvWorkers:
         self._start(slot)
         spec, _op, episode, _payload = request
         slot.busy = Busy(what, spec, episode, time.monotonic(), slot.index)
+        if self._closing:  # `close` looked at `busy` before this call set it: the call must not start
+            slot.busy = None
+            raise EnvironmentError_(f"{what} was not sent: the environment workers are closing")
         try:
             reply = slot.process.request(("call", ENV_HANDLER, request), self.timeout_s)
         except TimeoutError:
@@ -154,13 +158,20 @@ class EnvWorkers:
         return [None if s.process is None else s.process.pid for s in self.slots]
 
     def close(self) -> None:
-        """Stop every worker; a call still running (a hang) is not waited for: its process is killed."""
+        """Stop every worker without waiting for environment calls: a call queued behind a worker's running
+        one never starts, and a worker in a call (a hang) is killed, so closing (a stop signal abandoning
+        a step) takes a worker's stop, not a call's limit. Before, a call queued behind a killed one then
+        ran, and its worker was waited for 5 s before it was killed, slot after slot."""
+        self._closing = True
+        for slot in self.slots:
+            slot.thread.shutdown(wait=False, cancel_futures=True)
         for slot in self.slots:
             process = slot.process
             if slot.busy is not None and process is not None:
                 process.kill()  # its thread's call ends at once (the worker "died")
-            slot.thread.submit(self._close, slot)
+        for slot in self.slots:
             slot.thread.shutdown(wait=True)
+            self._close(slot)
 
     @staticmethod
     def _close(slot: _Slot) -> None:

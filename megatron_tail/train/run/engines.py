@@ -12,6 +12,7 @@ callers hand it coroutines.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -41,6 +42,7 @@ from megatron_tail.utils.errors import UserError
 from megatron_tail.utils.net import free_port
 
 from ..rl.routing import compact_routes, engine_routes_shape
+from . import signals
 from .engine_failures import (
     EngineFailure,
     classify,
@@ -60,6 +62,9 @@ requests cannot come back once it is gone, and the client would otherwise probe 
 SLOW_ENV_CALL_S = 1.0
 """An environment call running this long at a wait report is what the report names (tool calls take
 milliseconds to seconds; the engines' requests are named otherwise)."""
+SIGNAL_CHECK_S = 0.2
+"""The main thread, waiting for the rollout thread, returns to Python this often: a stop signal is
+acknowledged (and a second one acted on) within it."""
 
 
 class RolloutEngines(ManagedRollout):
@@ -398,7 +403,8 @@ class RolloutEngines(ManagedRollout):
         if not waiting_for:
             return self._drive(coro)
         try:
-            return self._drive(self._watching(coro, waiting_for))
+            with signals.waiting(waiting_for):
+                return self._drive(self._watching(coro, waiting_for))
         except SupportOverflowsExhausted as error:
             raise overflows_exhausted(error, self.cfg.rollout) from error
         except MissingRoutesError as error:  # a server without the routes flag: the launch's doing, one line
@@ -410,9 +416,20 @@ class RolloutEngines(ManagedRollout):
             raise failure from error
 
     def _drive(self, coro):
-        if self._thread is not None:
-            return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
-        return self.loop.run_until_complete(coro)
+        if self._thread is None:
+            return self.loop.run_until_complete(coro)
+        # A timed wait, not `future.result()`: an untimed lock wait does not return to Python when a signal
+        # arrives (the handlers ask for SA_RESTART), so a stop signal was neither acknowledged nor acted on
+        # until the whole rollout returned. Each timed wait ends in Python, where the handlers run; a second
+        # signal's StepAbandoned then cancels the rollout's task.
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            while not future.done():
+                concurrent.futures.wait([future], timeout=SIGNAL_CHECK_S)
+        except BaseException:
+            future.cancel()
+            raise
+        return future.result()
 
     async def _watching(self, coro, waiting_for: str):
         """Await `coro`, saying every `rollout.wait_report_s` what for and how long; stop waiting when the
@@ -454,13 +471,13 @@ class RolloutEngines(ManagedRollout):
             return (
                 f"waiting for {waiting_for}: {waited_s:.0f} s so far; {call.what} has run "
                 f"{now - call.since:.0f} s in environment worker {call.worker}, stopped at "
-                f"{self.envs.timeout_name}={self.envs.timeout_s:g} s{others}; {engines}; send SIGTERM twice "
-                "to stop now"
+                f"{self.envs.timeout_name}={self.envs.timeout_s:g} s{others}; {engines}; "
+                f"{signals.stop_hint()}"
             )
         return (
             f"waiting for {waiting_for} from the engines ({where} requests in flight): {waited_s:.0f} s so "
-            f"far; a request is retried after rollout.request_timeout_s={r.request_timeout_s:g} s; send "
-            "SIGTERM twice to stop now"
+            f"far; a request is retried after rollout.request_timeout_s={r.request_timeout_s:g} s; "
+            f"{signals.stop_hint()}"
         )
 
     def _drain(self) -> None:

@@ -36,7 +36,7 @@ from ..engine.parallel import ParallelConfig, host_wait_group, init_parallel
 from ..engine.reference import build_reference
 from ..engine.setup import build_trainer
 from ..rl.routing import check_routing_replay
-from . import run_dir
+from . import run_dir, signals
 from .console import Console, progress_enabled
 from .engines import RolloutEngines
 
@@ -225,6 +225,7 @@ class RunSession:
             self.trainer.scheduler, rl_state.get("lr_scheduler", {"num_steps": rl_state["step"]})
         )
         self.console.note(f"resumed from {path} (step {rl_state['step']})")
+        signals.checkpoint_kept(path)
         self.resumed_step = int(rl_state["step"])
         return self.resumed_step
 
@@ -345,6 +346,7 @@ class RunSession:
         if self.rank == 0:
             run_dir.prune_checkpoints(self.run_dir, self.cfg.train.keep_checkpoints)
         dist.barrier()
+        signals.checkpoint_kept(path)
         return time.perf_counter() - started
 
     def close(self) -> None:

@@ -29,6 +29,7 @@ Under Slurm or torchrun, send the signal to the trainer's worker processes (e.g.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -61,9 +62,43 @@ def _say(text: str) -> None:
             pass
 
 
+_active: GracefulStop | None = None
+"""The `GracefulStop` installed in this process (signal handlers are per process), for `waiting` and
+`checkpoint_kept`, which lower code calls without holding it."""
+
+
+@contextlib.contextmanager
+def waiting(what: str):
+    """Around a wait of the main thread (rank 0 waiting for the engines): a stop signal meanwhile says what
+    the step still waits for. Nests; a no-op without an installed `GracefulStop`."""
+    stop = _active
+    if stop is None:
+        yield
+        return
+    outer, stop.waiting_for = stop.waiting_for, what
+    try:
+        yield
+    finally:
+        stop.waiting_for = outer
+
+
+def checkpoint_kept(path) -> None:
+    """The newest complete checkpoint is now `path` (saved, or resumed from): a second signal names it."""
+    if _active is not None:
+        _active.last_checkpoint = str(path)
+
+
+def stop_hint() -> str:
+    """How to stop now, for a line that reports a long wait: before any stop signal, send one twice; after
+    one, that the run stops after this step and a second one stops it now."""
+    if _active is None or _active.received is None:
+        return "send SIGTERM twice to stop now"
+    return f"{_active.received.name} received: stopping after this step; send it again to stop now"
+
+
 class GracefulStop:
     """Context manager: flag-setting handlers for `signals` (the second signal abandons the step), the
-    previous handlers restored on exit. Install from the main thread."""
+    previous handlers restored on exit. Install from the main thread; one at a time per process."""
 
     def __init__(
         self, signals: Sequence[signal.Signals] = STOP_SIGNALS, hard_exit_after_s: float | None = None
@@ -75,8 +110,14 @@ class GracefulStop:
         self._first_at = 0.0
         self._previous: dict[signal.Signals, object] = {}
         self._watcher: _SignalWatcher | None = None
+        self.waiting_for: str | None = None
+        """What the main thread waits for now (`waiting`), said when a first stop signal arrives."""
+        self.last_checkpoint: str | None = None
+        """The newest complete checkpoint (`checkpoint_kept`), named when a second signal abandons a step."""
 
     def __enter__(self) -> GracefulStop:
+        global _active
+        _active = self
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
             signal.siginterrupt(sig, False)
@@ -84,6 +125,8 @@ class GracefulStop:
         return self
 
     def __exit__(self, *exc) -> None:
+        global _active
+        _active = None
         if self._watcher is not None:
             self._watcher.close()
             self._watcher = None
@@ -99,13 +142,19 @@ class GracefulStop:
         self.count += 1
         if self.received is None:
             self.received, self._first_at = sig, now
+            waits = f"; waiting for {self.waiting_for}" if self.waiting_for else ""
             _say(
-                f"{sig.name}: stopping after the current step (a checkpoint is saved); "
+                f"{sig.name}: stopping after the current step (a checkpoint is saved){waits}; "
                 "send it again to stop at once"
             )
             return
         if self.count == 2:
-            _say(f"{sig.name} again: abandoning the current step now; the last checkpoint is kept")
+            kept = (
+                f"the last complete checkpoint, {self.last_checkpoint}, is kept (a rerun resumes from it)"
+                if self.last_checkpoint
+                else "no checkpoint was saved yet (a rerun starts from the beginning)"
+            )
+            _say(f"{sig.name} again: abandoning the current step now; {kept}")
             raise StepAbandoned(f"{sig.name} again: the step in progress was abandoned")
 
     @property
