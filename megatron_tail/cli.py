@@ -46,8 +46,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     Ctrl-C outside a run's stop handler exits 130 without a traceback; anything else keeps Python's traceback
     (exit 1)."""
     from megatron_tail.utils import errors
+    from megatron_tail.utils.expected_warnings import silence_expected_warnings
 
     args = build_parser().parse_args(argv)
+    silence_expected_warnings()
     errors.PROG = f"megatron-tail {args.command}"
     try:
         return int(args.func(args) or 0)

@@ -801,3 +801,23 @@ class RunConfig:
             _bad("model", "hf_path", self.model.hf_path, "is required (a HF checkpoint directory)")
         if not self.data.train_path:
             _bad("data", "train_path", self.data.train_path, "is required (a jsonl/json/parquet file)")
+
+    def check_inputs(self) -> None:
+        """`check_runnable`, and what the run reads on this machine, as far as it can be told without
+        megatron-core (`train` calls this before importing it, so a user's mistake is one line, not one
+        after megatron's start-up): the environment and the reward, imported by name; the prompt files; the
+        model directory (config.json, tokenizer, safetensors headers). UserError naming the key and the
+        culprit."""
+        self.check_runnable()
+        from megatron_tail.data.prompts import check_prompt_file
+        from megatron_tail.model.directory import check_model_dir
+        from megatron_tail.rewards.registry import load_reward_fn
+        from megatron_tail.rollout.envs.registry import load_env_class
+
+        if self.rollout.env is not None:
+            load_env_class(self.rollout.env)
+        load_reward_fn(self.data.reward)
+        check_prompt_file(self.data.train_path, "data.train_path")
+        if self.data.eval_path:
+            check_prompt_file(self.data.eval_path, "data.eval_path")
+        check_model_dir(self.model.hf_path)

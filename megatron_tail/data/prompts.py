@@ -82,18 +82,26 @@ class PromptExample:
     answer: str
 
 
+def check_prompt_file(path: str | Path, key: str | None = None) -> Path:
+    """What can be told of a prompt file without reading it: its suffix, that it exists, that it is not
+    empty. UserError naming the file (and the config `key` that names it)."""
+    path = Path(path)
+    named = f"{key}: " if key else ""
+    if path.suffix not in SUFFIXES:
+        raise UserError(f"{named}prompt file must end in one of {sorted(SUFFIXES)}; got {str(path)!r}")
+    if not path.is_file():
+        raise UserError(f"{named}prompt file {str(path)!r} does not exist")
+    if path.stat().st_size == 0:
+        raise UserError(f"{named}prompt file {path} is empty (expected one record per prompt)")
+    return path
+
+
 def read_records(path: str | Path, cache_dir: str | None = None):
     """A `datasets.Dataset` of the rows of a local jsonl/json/parquet file (no network). UserError naming
     the file (and for JSON the line) if it is missing, empty, or not what its suffix says."""
     import datasets
 
-    path = Path(path)
-    if path.suffix not in SUFFIXES:
-        raise UserError(f"prompt file must end in one of {sorted(SUFFIXES)}; got {str(path)!r}")
-    if not path.is_file():
-        raise UserError(f"prompt file {str(path)!r} does not exist")
-    if path.stat().st_size == 0:
-        raise UserError(f"prompt file {path} is empty (expected one record per prompt)")
+    path = check_prompt_file(path)
     kind = SUFFIXES[path.suffix]
     reader = datasets.Dataset.from_json if kind == "json" else datasets.Dataset.from_parquet
     try:

@@ -255,7 +255,7 @@ def launch_training(
     base = run_dir / "demo_base.yaml"
     base.write_text(base_yaml)
     cfg = load_config(base, overrides)
-    cfg.check_runnable()
+    cfg.check_inputs()
     resolved = save_resolved_config(cfg, run_dir)
     torchrun = ["--standalone", f"--nproc-per-node={cfg.parallel.min_world_size}"]
     env = {

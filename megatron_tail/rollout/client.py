@@ -63,6 +63,14 @@ class RequestTimedOutError(RetryableServerError):
     """A request took longer than `request_timeout_s`."""
 
 
+class ServerEndedError(RetryableServerError):
+    """A request failed because its server's process ended (`RolloutClient.server_ended`); not retried."""
+
+    def __init__(self, url: str, how: str):
+        self.url, self.how = url, how
+        super().__init__(f"the server on {url} {how}")
+
+
 class StaleWeightsError(RolloutError):
     """A sample came from a policy version other than the one `generate` required."""
 
@@ -154,6 +162,10 @@ class RolloutClient:
         processor: serialized custom logit processor sent with every request; defaults to DVP's.
             Pass None to send none (then `SamplingConfig.log_rho` is ignored).
         on_result: called with each `SampleResult` as soon as its request completes (progress hooks).
+        server_ended: for servers whose process the caller owns (the local engine), URL → how that process
+            ended ("was killed by SIGKILL") or None while it runs; may block briefly (it runs in a thread).
+            A request that fails on an ended server is not retried, nor logged as an attempt: it raises
+            `ServerEndedError` at once, for the caller to report the death in one line.
     Use as `async with RolloutClient(urls) as client: await client.generate(prompts, sampling)`.
     """
 
@@ -164,11 +176,13 @@ class RolloutClient:
         *,
         processor: str | None = DVPLogitProcessor.to_str(),
         on_result: Callable[[SampleResult], None] | None = None,
+        server_ended: Callable[[str], str | None] | None = None,
     ):
         self.urls = urls = base_urls(server_urls)
         self.config = config or ClientConfig()
         self.processor = processor
         self.on_result = on_result
+        self.server_ended = server_ended
         self.healthy = dict.fromkeys(urls, True)
         self.in_flight = dict.fromkeys(urls, 0)
         self.stats = ClientStats(failures_by_server=dict.fromkeys(urls, 0))
@@ -358,6 +372,10 @@ class RolloutClient:
                 last_error, avoid = e, url
                 timeouts += isinstance(e, RequestTimedOutError)
                 self.stats.failures_by_server[url] += 1
+                if self.server_ended is not None and not isinstance(e, SampleAbortedError):
+                    how = await asyncio.get_running_loop().run_in_executor(None, self.server_ended, url)
+                    if how is not None:
+                        raise ServerEndedError(url, how) from e
                 logger.warning("attempt %d of %s failed on %s: %s", attempt, keys[0].rid, url, e)
                 if not isinstance(e, SampleAbortedError):
                     self.healthy[url] = await self._probe(url)

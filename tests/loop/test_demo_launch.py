@@ -131,7 +131,10 @@ def test_a_user_error_in_the_run_ends_the_demo_with_its_one_line_and_exit_2(demo
         ({"expert_parallel": 2}, 2),
         ({"tensor_parallel": 2, "expert_parallel": 2}, 4),  # expert-TP = TP: 2 × 2 expert ranks
         ({"tensor_parallel": 2, "expert_parallel": 2, "expert_tensor_parallel": 1}, 2),
-        ({"tensor_parallel": 2, "pipeline_parallel": 2, "expert_parallel": 3, "expert_tensor_parallel": 1}, 12),
+        (
+            {"tensor_parallel": 2, "pipeline_parallel": 2, "expert_parallel": 3, "expert_tensor_parallel": 1},
+            12,  # lcm(TP × PP = 4, ETP × EP × PP = 6)
+        ),
     ],
 )
 def test_the_fewest_ranks_count_every_parallel_dimension(layout, ranks):

@@ -248,6 +248,7 @@ def test_a_local_engine_killed_under_the_trainer_is_one_line_exit_4(
     )
     assert [line for line in output.splitlines() if "error:" in line] == [_match(pattern, output)], output
     assert "Traceback" not in output, output[-4000:]
+    assert " failed on http" not in output, output[-4000:]  # no retries against the dead engine before it
     if fault == "KILL@17":  # nothing lost: step 1's checkpoint is complete
         from megatron_tail.train.run.run_dir import complete_checkpoints
 

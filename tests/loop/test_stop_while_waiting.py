@@ -1,5 +1,5 @@
-"""A stop signal is heard whatever rank 0 waits for. During an environment call that hangs, and during an engine
-request that is never answered (a SIGSTOPped engine), the first SIGTERM is acknowledged at once, naming what
+"""A stop signal is heard whatever rank 0 waits for. During an environment call that hangs, and during an
+engine request that is never answered (a SIGSTOPped engine), the first SIGTERM is acknowledged at once, naming what
 the step waits for; the wait reports then say the run is stopping; a second SIGTERM ends the run within
 seconds (exit 3), naming the last complete checkpoint, and leaves no process behind.
 

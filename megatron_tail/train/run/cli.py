@@ -39,7 +39,7 @@ def train_command(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)  # a UserError: one line (megatron_tail.cli.main)
     if not args.print_config:
-        cfg.check_runnable()
+        cfg.check_inputs()
     if args.print_config:
         print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False, allow_unicode=True), end="")
         return 0

@@ -135,9 +135,14 @@ class RolloutEngines(ManagedRollout):
         )
         dvp = cfg.algorithm.log_rho is not None and cfg.algorithm.log_rho != float("-inf")
         self.client = RolloutClient(
-            self.urls, client_cfg, processor=DVPLogitProcessor.to_str() if dvp else None
+            self.urls,
+            client_cfg,
+            processor=DVPLogitProcessor.to_str() if dvp else None,
+            server_ended=self._local_engine_ended,
         )
-        self.eval_client = RolloutClient(self.urls, client_cfg, processor=None)
+        self.eval_client = RolloutClient(
+            self.urls, client_cfg, processor=None, server_ended=self._local_engine_ended
+        )
         self.loop = asyncio.new_event_loop()
         self._thread: threading.Thread | None = None
         """Runs `loop` forever once the rollout manager starts; before, callers run it in turn."""
@@ -384,6 +389,13 @@ class RolloutEngines(ManagedRollout):
         would otherwise fail the trainer's embedding lookup without naming the sample)."""
         for sample in samples:
             self._check_ids(sample.output_ids, f"sample {sample.key.rid}", sample.server_url)
+
+    def _local_engine_ended(self, url: str) -> str | None:
+        """How the local engine serving `url` ended, or None (alive, or not ours: a remote server). The
+        grace: its dropped connection can arrive before its exit status (`LocalEngineProcess.ended`)."""
+        if self.engine is None or url != self.engine.url:
+            return None
+        return self.engine.ended(grace_s=1.0)
 
     def _check_ids(self, ids: Sequence[int], what: str, url: str) -> None:
         if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):  # builtins: C speed over long responses
