@@ -1,11 +1,11 @@
 """A stop signal is heard whatever rank 0 waits for. During an environment call that hangs, and during an
-engine request that is never answered (a SIGSTOPped engine), the first SIGTERM is acknowledged at once, naming what
-the step waits for; the wait reports then say the run is stopping; a second SIGTERM ends the run within
-seconds (exit 3), naming the last complete checkpoint, and leaves no process behind.
+engine request that is never answered (a SIGSTOPped engine), the first SIGTERM is acknowledged at once,
+naming what the step waits for; the wait reports then say the run is stopping; a second SIGTERM ends the run
+within seconds (exit 3), naming the last complete checkpoint, and leaves no process behind.
 
-Before: the main thread waited on the rollout thread's future without a timeout, where no signal handler runs;
-the first SIGTERM printed nothing until the environment call's limit (30 s), the reports kept saying "send
-SIGTERM twice", and the second SIGTERM was only acted on by the watchdog's hard exit."""
+Before: the main thread waited on the rollout thread's future without a timeout, where no signal handler
+runs; the first SIGTERM printed nothing until the environment call's limit (30 s), the reports kept saying
+"send SIGTERM twice", and the second SIGTERM was only acted on by the watchdog's hard exit."""
 
 from __future__ import annotations
 
