@@ -42,7 +42,9 @@ class Console:
             print(text, flush=True)
 
     def eval_note(self, done: int, scalars: dict[str, float]) -> None:
-        """One line with an evaluation's accuracies."""
+        """One line with an evaluation's accuracies (none where nothing was evaluated: no eval prompts)."""
+        if "eval/sampled_accuracy" not in scalars:
+            return
         self.note(
             f"step {done}: eval accuracy {scalars.get('eval/sampled_accuracy', float('nan')):.3f} sampled, "
             f"{scalars.get('eval/greedy_accuracy', float('nan')):.3f} greedy"

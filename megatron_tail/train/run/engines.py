@@ -267,7 +267,16 @@ class RolloutEngines(ManagedRollout):
         ):
             what = f"{name} eval samples of {len(prompt_ids)} prompts"
             if r.env is not None:
-                rewards = self._eval_episodes(client, prompt_ids, answers, sampling, what)
+                rewards, failures = self._eval_episodes(client, prompt_ids, answers, sampling, what)
+                for tag, count in failures.metrics().items():  # rollout/env_failures → eval/env_failures
+                    key = "eval/" + tag.split("/", 1)[1]
+                    out[key] = out.get(key, 0.0) + count
+                if failures.failures or failures.lost:
+                    self.note(
+                        f"evaluation ({name}): {failures.failures} episode(s) failed in environment "
+                        f"{r.env!r} and {failures.lost} lost their worker, each group generated again"
+                        + (f"; last: {failures.last_line()}" if failures.last is not None else "")
+                    )
             else:
                 grouped = self._run(client.generate(prompt_ids, sampling), what)
                 self._check_token_ids([s for g in grouped for s in g])
@@ -283,11 +292,12 @@ class RolloutEngines(ManagedRollout):
                 out.update({f"eval/{tag}": v for tag, v in eval_statistics(rows).items()})
         return out
 
-    def _eval_episodes(self, client, prompt_ids, answers, sampling: SamplingConfig, what: str) -> list[float]:
-        """The rewards of evaluation episodes (`rollout.env`) of every prompt, sample-major in prompt order:
-        the run's reward of each last turn plus the environment's rewards (`train.run.episodes`). An
-        environment's failure fails its episode's group only, generated again with fresh seeds, until more
-        than `rollout.max_env_failure_fraction` of the episodes failed (`episodes.EnvironmentFailures`)."""
+    def _eval_episodes(self, client, prompt_ids, answers, sampling: SamplingConfig, what: str):
+        """`(rewards, failures)`: the rewards of evaluation episodes (`rollout.env`) of every prompt,
+        sample-major in prompt order (the run's reward of each last turn plus the environment's rewards,
+        `train.run.episodes`), and the `episodes.FailureCount` of the evaluation. An environment's failure
+        fails its episode's group only, generated again with fresh seeds, until more than
+        `rollout.max_env_failure_fraction` of the episodes failed (`episodes.EnvironmentFailures`)."""
         from megatron_tail.rollout.envs import EpisodeLimits, Tokens
 
         from .episodes import FailureCount, run_episodes, turn_sampling
@@ -318,7 +328,7 @@ class RolloutEngines(ManagedRollout):
         rewards = self.score(
             [e.final_text for e in episodes], [a for a in answers for _ in range(sampling.n_samples)]
         )
-        return [r + e.env_reward for r, e in zip(rewards, episodes, strict=True)]
+        return [r + e.env_reward for r, e in zip(rewards, episodes, strict=True)], failures
 
     def sync_weights(self, source, version: int | str) -> float:
         """Load new weights on every engine as `weight_version=str(version)`: `source` is an exported HF

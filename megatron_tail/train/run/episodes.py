@@ -93,6 +93,10 @@ class FailureCount:
     def metrics(self) -> dict[str, float]:
         return {"rollout/env_failures": float(self.failures), "rollout/env_episodes_lost": float(self.lost)}
 
+    def last_line(self) -> str:
+        """The last failure, on one line ("" before any)."""
+        return "" if self.last is None else _one_line(self.last)
+
 
 def _one_line(error: BaseException) -> str:
     return " ".join(f"{type(error).__name__}: {error}".split())

@@ -88,13 +88,15 @@ class Cadence:
     `train.checkpoint_every`, `train.steps`)."""
 
     train: TrainSection
+    eval_data: bool = True
+    """The run has eval prompts (`data.eval_path`); without them `train.eval_every` evaluates nothing."""
 
     def eval_at_start(self, start: int) -> bool:
         """Evaluate the initial weights (a fresh run with eval on)."""
-        return bool(self.train.eval_every) and start == 0
+        return self.eval_data and bool(self.train.eval_every) and start == 0
 
     def eval_after(self, done: int) -> bool:
-        return bool(self.train.eval_every) and done % self.train.eval_every == 0
+        return self.eval_data and bool(self.train.eval_every) and done % self.train.eval_every == 0
 
     def checkpoint_after(self, done: int, *, stopping: bool) -> bool:
         """Every `checkpoint_every` steps, at the last step, and when a stop signal was agreed."""
@@ -198,7 +200,8 @@ def run(cfg: RunConfig, hooks: LoopHooks | None = None) -> RunResult:
 
 
 def _loop(s: RunSession, stop: GracefulStop, hooks: LoopHooks) -> RunResult:
-    cfg, rank, cadence = s.cfg, dist.get_rank(), Cadence(s.cfg.train)
+    cfg, rank = s.cfg, dist.get_rank()
+    cadence = Cadence(cfg.train, eval_data=bool(cfg.data.eval_path))
     start = s.resume()
     result = RunResult(s.run_dir, start, start)
     tb = ScalarLog(

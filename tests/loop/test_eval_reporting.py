@@ -1,0 +1,62 @@
+"""Evaluation says what happened, and nothing where there is none: an environment failure during an
+evaluation is counted under its own tags (`eval/env_failures`, `eval/env_episodes_lost`, read back from
+TensorBoard) and said on the console; a run without eval prompts prints no eval line. Before: the failure
+vanished (no metric, no line), and `data.eval_path: null` printed "step 0: eval accuracy nan sampled, nan
+greedy"."""
+
+from __future__ import annotations
+
+import json
+
+from megatron_tail.demo.run import read_scalars
+from tests.loop.conftest import loop_overrides
+from tests.loop.test_reliability import ENV, _train
+
+
+def _run(tmp_path, overrides):
+    import subprocess
+
+    proc = subprocess.run(_train(overrides), env=ENV, capture_output=True, text=True, timeout=300)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def test_an_environment_failure_in_evaluation_is_counted_and_said(tiny_model_dir, prompt_file, tmp_path):
+    marker = tmp_path / "failed_once"
+    eval_file = tmp_path / "eval.jsonl"
+    rows = [json.loads(line) for line in prompt_file.read_text().splitlines()][:2]
+    rows[0]["answer"] = f"raise:{marker}"  # the first episode to get there raises, once
+    eval_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_dir = tmp_path / "run"
+    settings = {
+        "parallel.tensor_parallel": 1,
+        "rollout.env": "tests.rollout.envs.fault_envs:FailsOnce",
+        "rollout.max_turns": 2,
+        "data.eval_path": eval_file,
+        "data.eval_prompts": 2,
+        "train.eval_every": 1,
+        "train.eval_samples_per_prompt": 2,
+        "train.steps": 1,
+        "logging.tensorboard": True,
+    }
+    code, output = _run(tmp_path, loop_overrides(tiny_model_dir, prompt_file, run_dir, settings))
+    assert code == 0, output[-4000:]
+    assert marker.exists()
+    said = [line for line in output.splitlines() if line.startswith("evaluation (sampled): ")]
+    assert len(said) == 1, output[-4000:]
+    assert said[0].startswith(
+        "evaluation (sampled): 1 episode(s) failed in environment 'tests.rollout.envs.fault_envs:FailsOnce' "
+        "and 0 lost their worker, each group generated again; last: "
+    ), said
+    assert "ValueError: scripted failure" in said[0]
+    scalars = read_scalars(run_dir)
+    assert scalars["eval/env_failures"] == [(0, 1.0), (1, 0.0)]  # the initial evaluation, then step 1's
+    assert scalars["eval/env_episodes_lost"] == [(0, 0.0), (1, 0.0)]
+    assert "rollout/env_failures" in scalars  # the training batches' own count, apart
+
+
+def test_without_eval_prompts_nothing_is_said_about_evaluation(tiny_model_dir, prompt_file, tmp_path):
+    settings = {"parallel.tensor_parallel": 1, "train.eval_every": 1, "train.steps": 1}
+    code, output = _run(tmp_path, loop_overrides(tiny_model_dir, prompt_file, tmp_path / "run", settings))
+    assert code == 0, output[-4000:]
+    assert "eval accuracy" not in output and "eval_acc" not in output, output[-4000:]
+    assert "step 1 " in output
