@@ -13,7 +13,7 @@ from tests.loop.conftest import loop_overrides
 from tests.loop.test_reliability import ENV, _train
 
 
-def _run(tmp_path, overrides):
+def _run(overrides):
     import subprocess
 
     proc = subprocess.run(_train(overrides), env=ENV, capture_output=True, text=True, timeout=300)
@@ -38,7 +38,7 @@ def test_an_environment_failure_in_evaluation_is_counted_and_said(tiny_model_dir
         "train.steps": 1,
         "logging.tensorboard": True,
     }
-    code, output = _run(tmp_path, loop_overrides(tiny_model_dir, prompt_file, run_dir, settings))
+    code, output = _run(loop_overrides(tiny_model_dir, prompt_file, run_dir, settings))
     assert code == 0, output[-4000:]
     assert marker.exists()
     said = [line for line in output.splitlines() if line.startswith("evaluation (sampled): ")]
@@ -56,7 +56,7 @@ def test_an_environment_failure_in_evaluation_is_counted_and_said(tiny_model_dir
 
 def test_without_eval_prompts_nothing_is_said_about_evaluation(tiny_model_dir, prompt_file, tmp_path):
     settings = {"parallel.tensor_parallel": 1, "train.eval_every": 1, "train.steps": 1}
-    code, output = _run(tmp_path, loop_overrides(tiny_model_dir, prompt_file, tmp_path / "run", settings))
+    code, output = _run(loop_overrides(tiny_model_dir, prompt_file, tmp_path / "run", settings))
     assert code == 0, output[-4000:]
     assert "eval accuracy" not in output and "eval_acc" not in output, output[-4000:]
     assert "step 1 " in output
