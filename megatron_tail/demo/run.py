@@ -156,7 +156,7 @@ def _write_report(run_dirs: list[Path]) -> Path:
     keys they differ in."""
     from megatron_tail.report.build import write_report
 
-    return write_report(run_dirs).resolve()
+    return write_report(run_dirs, say=_say).resolve()
 
 
 def finished_run(run_dir: Path, overrides: Sequence[str], *, base_yaml: str = DEMO_CONFIG_YAML) -> bool:

@@ -14,12 +14,12 @@ def uses_environment(overrides: Sequence[str]) -> bool:
 
 
 def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar of the run's TensorBoard events: tag → [(step, value)] in step order."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    """Every scalar of the run's TensorBoard events: tag → [(step, value)] in step order, a resumed run's
+    values where it logged steps again (`report.events.read_events`)."""
+    from megatron_tail.report.events import read_events
 
-    acc = EventAccumulator(str(Path(run_dir) / "tensorboard"), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    logged = read_events(Path(run_dir) / "tensorboard")
+    return {tag: sorted(by_step.items()) for tag, by_step in logged.scalars.items()}
 
 
 def summarise(values: list[float], how: str) -> float:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -45,11 +45,15 @@ SUMMARY_TAGS: tuple[str, ...] = (
 
 
 def write_report(
-    run_dirs: Sequence[str | Path], out_dir: str | Path | None = None, labels: Sequence[str] | None = None
+    run_dirs: Sequence[str | Path],
+    out_dir: str | Path | None = None,
+    labels: Sequence[str] | None = None,
+    say: Callable[[str], None] | None = None,
 ) -> Path:
     """Read each run's events and config, write the figures and `report.md` into `out_dir`; return the
     path of `report.md`.
 
+    `say`: where to say, once per run, that a resume rewound its log (`RunEvents.rewound_to`).
     `out_dir` defaults to `<run_dir>/report` for one run and `<common parent>/report` for several. `labels`
     (one per run) default to the config keys that differ between the runs (`labels.run_labels`). A
     `UserError` naming each run directory without TensorBoard events (nothing to report of it) and when
@@ -60,6 +64,13 @@ def write_report(
     if labels is not None and len(labels) != len(run_dirs):
         raise ValueError(f"{len(labels)} labels for {len(run_dirs)} runs: give one label per run")
     runs = [load_run(d) for d in run_dirs]
+    for run in runs:
+        if run.rewound_to and say is not None:
+            steps = ", ".join(str(s) for s in run.rewound_to)
+            say(
+                f"{run.run_dir}: resumed, its log rewound to step {steps}; the steps it logged again are "
+                "reported with the resumed run's values"
+            )
     empty = [d for d, r in zip(run_dirs, runs, strict=True) if not (r.scalars or r.histograms)]
     if empty:  # one left out would leave the report a run short without a word
         where = ", ".join(str(tensorboard_dir(d)) for d in empty)

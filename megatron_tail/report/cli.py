@@ -55,6 +55,6 @@ def report_command(args: argparse.Namespace) -> int:
             f"--labels: got {len(args.labels)} labels for {len(args.run_dirs)} run directories; give one "
             "label per run directory, in order"
         )
-    path = write_report(args.run_dirs, out_dir=args.out, labels=args.labels)
+    path = write_report(args.run_dirs, out_dir=args.out, labels=args.labels, say=print)
     print(f"report: {path.resolve()}", flush=True)
     return 0

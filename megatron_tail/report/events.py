@@ -32,13 +32,80 @@ class RunEvents:
     """tag → one `Histogram` per logged step, ascending steps."""
     config: dict[str, Any] = field(default_factory=dict)
     """`<run_dir>/config.yaml` as nested dicts (`{}` when the file is absent)."""
+    rewound_to: list[int] = field(default_factory=list)
+    """The steps a resumed run logged again from (its checkpoint's step + 1), one per resume that went back
+    over logged steps; their values are the resumed run's (`read_events`)."""
 
     def has(self, tag: str) -> bool:
         return tag in self.scalars or tag in self.histograms
 
 
+@dataclass
+class LoggedEvents:
+    """A run's events as a resume leaves them (`read_events`)."""
+
+    scalars: dict[str, dict[int, float]] = field(default_factory=dict)
+    """tag → {step: value}."""
+    histograms: dict[str, dict[int, Any]] = field(default_factory=dict)
+    """tag → {step: TensorBoard's HistogramValue}."""
+    rewound_to: list[int] = field(default_factory=list)
+    """See `RunEvents.rewound_to`."""
+
+
+def read_events(events_dir: str | Path) -> LoggedEvents:
+    """Every scalar and histogram in `events_dir`, read the way a resume writes them.
+
+    Each `megatron-tail train` process writes its own event file (`train.run.tensorboard.ScalarLog`), and a
+    resumed one starts at its checkpoint's step + 1 (the writer's `purge_step`): its values replace those
+    of that step and later from the files before it, which a crash or a stop may have logged past the
+    checkpoint. The files are read one by one in the order they were created and each one's first step
+    drops the later steps read so far. TensorBoard's own `EventAccumulator` over the whole directory
+    purges by wall time instead, and says "Detected out of order event.step ... Removing N scalars" for
+    every resume; each file here is its own accumulator with that purge off.
+    """
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logged = LoggedEvents()
+    seen_up_to = -1
+    for path in sorted(Path(events_dir).glob("events.out.tfevents.*"), key=_created_at):
+        # 0 = keep every event (the defaults subsample scalars and keep one histogram per tag)
+        acc = EventAccumulator(
+            str(path), size_guidance={"scalars": 0, "histograms": 0}, purge_orphaned_data=False
+        )
+        acc.Reload()
+        tags = acc.Tags()
+        scalars = {tag: [(int(e.step), float(e.value)) for e in acc.Scalars(tag)] for tag in tags["scalars"]}
+        histograms = {
+            tag: [(int(e.step), e.histogram_value) for e in acc.Histograms(tag)] for tag in tags["histograms"]
+        }
+        steps = [step for series in (*scalars.values(), *histograms.values()) for step, _ in series]
+        if not steps:
+            continue
+        first = min(steps)
+        if first <= seen_up_to:
+            logged.rewound_to.append(first)
+            for by_step in (*logged.scalars.values(), *logged.histograms.values()):
+                for step in [s for s in by_step if s >= first]:
+                    del by_step[step]
+        seen_up_to = max(seen_up_to, max(steps))
+        for into, series in ((logged.scalars, scalars), (logged.histograms, histograms)):
+            for tag, pairs in series.items():
+                into.setdefault(tag, {}).update(pairs)  # within one file, the last write of a step wins
+    return logged
+
+
+def _created_at(path: Path) -> float:
+    """The wall time of a file's first event (its header), to order files made within one second (their
+    names hold whole seconds and then the pid); a file without one sorts first."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    for event in EventFileLoader(str(path)).Load():
+        return event.wall_time
+    return float("-inf")
+
+
 def load_run(run_dir: str | Path) -> RunEvents:
-    """Every scalar and histogram under `tensorboard_dir(run_dir)`, and the resolved config.
+    """Every scalar and histogram under `tensorboard_dir(run_dir)` (`read_events`), and the resolved config.
 
     A run without events (no TensorBoard directory yet) gives empty dicts, so its figures report the tags
     as missing; a path that is not a directory raises `FileNotFoundError` naming it.
@@ -50,20 +117,20 @@ def load_run(run_dir: str | Path) -> RunEvents:
     events_dir = tensorboard_dir(run_dir)
     if not events_dir.is_dir():
         return run
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    # 0 = keep every event; the defaults subsample scalars and keep one histogram per tag.
-    acc = EventAccumulator(str(events_dir), size_guidance={"scalars": 0, "histograms": 0})
-    acc.Reload()
-    tags = acc.Tags()
-    for tag in tags["scalars"]:
-        steps, values = _last_per_step([(e.step, e.value) for e in acc.Scalars(tag)])
+    logged = read_events(events_dir)
+    run.rewound_to = logged.rewound_to
+    for tag, by_step in logged.scalars.items():
+        steps = sorted(by_step)
+        values = [by_step[s] for s in steps]
         run.scalars[tag] = (np.asarray(steps, dtype=np.int64), np.asarray(values, dtype=np.float64))
-    for tag in tags["histograms"]:
-        pairs = [(e.step, e.histogram_value) for e in acc.Histograms(tag)]
+    for tag, by_step in logged.histograms.items():
         run.histograms[tag] = [
-            (step, np.asarray(h.bucket_limit, np.float64), np.asarray(h.bucket, np.float64))
-            for step, h in zip(*_last_per_step(pairs), strict=True)
+            (
+                step,
+                np.asarray(by_step[step].bucket_limit, np.float64),
+                np.asarray(by_step[step].bucket, np.float64),
+            )
+            for step in sorted(by_step)
         ]
     return run
 
@@ -75,13 +142,3 @@ def load_config_dict(run_dir: str | Path) -> dict[str, Any]:
         return {}
     loaded = yaml.safe_load(path.read_text())
     return loaded if isinstance(loaded, dict) else {}
-
-
-def _last_per_step(pairs: list[tuple[int, Any]]) -> tuple[list[int], list[Any]]:
-    """Ascending steps, the last-written value of each: a resumed run re-logs the steps after its
-    checkpoint, and TensorBoard's purge only covers event files it saw in order."""
-    by_step: dict[int, Any] = {}
-    for step, value in pairs:
-        by_step[int(step)] = value
-    steps = sorted(by_step)
-    return steps, [by_step[s] for s in steps]
