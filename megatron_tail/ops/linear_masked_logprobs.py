@@ -29,6 +29,8 @@ import torch.distributed as dist
 
 from . import masked_logprobs_math as chunk_math
 from . import sampling_support_math as support_math
+from . import triton_grad
+from .backend import load_kernels, resolve_backend
 from .masked_logprobs import (
     MaskedLogprobs,
     as_outputs,
@@ -50,17 +52,27 @@ upcast, z, e^z, the safe indicator). CPU: 512 × 512 blocks, 1 MiB each; the op'
 benchmark case is ~0.07× the logits besides the weight gradient, at the speed of 4× larger blocks.
 CUDA: 64 MiB each, ~0.3 GB in all (a 16k-token micro-batch at Qwen3's 76k vocabulary per TP = 2 rank is
 ~75 blocks per pass)."""
+TRITON_CHUNK_ELEMENTS = {"cpu": 1 << 16, "cuda": 1 << 28}
+"""With the Triton kernels: logits per token chunk, whose rows span this rank's whole vocabulary (the
+kernels walk a row's columns themselves). CUDA: 0.5 GB of bf16, ~1,800 rows at Qwen3's 152k vocabulary, so
+each GEMM is large; CPU (the interpreter, tests only): small."""
 ONE_PASS_MIN_ROWS = 128
 """With TP = 1, a block that holds the whole vocabulary needs no separate max pass (one matmul fewer); it
 is used when such a block still has this many token rows, else blocks stay square for efficient GEMMs."""
 
 
-def _blocks(num_rows: int, num_cols: int, device: torch.device, tp_size: int) -> tuple[int, int]:
+def _blocks(
+    num_rows: int, num_cols: int, device: torch.device, tp_size: int, backend: str = "torch"
+) -> tuple[int, int]:
     """(rows, columns) of a block. Square-ish blocks (√budget on a side) keep every GEMM's inner dimension
     large: the weight-gradient GEMM sums over a block's rows, the hidden-gradient one over its columns,
-    so thin blocks would turn both into memory-bound passes over the weight."""
-    budget = BLOCK_ELEMENTS.get(device.type, BLOCK_ELEMENTS["cuda"])
+    so thin blocks would turn both into memory-bound passes over the weight. The Triton kernels take token
+    chunks of whole rows (`TRITON_CHUNK_ELEMENTS`)."""
     num_rows, num_cols = max(num_rows, 1), max(num_cols, 1)
+    if backend == "triton":
+        budget = TRITON_CHUNK_ELEMENTS.get(device.type, TRITON_CHUNK_ELEMENTS["cuda"])
+        return min(num_rows, max(1, budget // num_cols)), num_cols
+    budget = BLOCK_ELEMENTS.get(device.type, BLOCK_ELEMENTS["cuda"])
     if tp_size == 1 and budget // num_cols >= min(num_rows, ONE_PASS_MIN_ROWS):
         return min(num_rows, budget // num_cols), num_cols
     rows = min(num_rows, math.isqrt(budget))
@@ -99,6 +111,8 @@ class _Settings(NamedTuple):
     """All-reduce the hidden gradient over TP (off at TP = 1 and with SP, whose gather reduce-scatters it)."""
     into_main_grad: bool
     """megatron's gradient-accumulation fusion: add the weight gradient into `weight.main_grad`."""
+    backend: str
+    """"triton" or "torch" (resolved, `ops.backend`)."""
 
 
 class _LinearMaskedLogprobsFunction(torch.autograd.Function):
@@ -109,15 +123,21 @@ class _LinearMaskedLogprobsFunction(torch.autograd.Function):
         vocab_start, num_valid = valid_columns(v_local, vocab_size, tp_rank)
         n = hidden2d.shape[0]
         dtype = rule_dtype(hidden2d.dtype)
-        rows, cols = _blocks(n, num_valid, hidden2d.device, tp_size)
+        rows, cols = _blocks(n, num_valid, hidden2d.device, tp_size, settings.backend)
         w = weight[:num_valid]  # padded rows excluded by a view
         one_pass = tp_size == 1 and cols >= num_valid
         partials = torch.zeros((n, chunk_math.NUM_PARTIALS), dtype=dtype, device=hidden2d.device)
+        kernels = load_kernels(hidden2d.device) if settings.backend == "triton" else None
+
+        def row_max(x):
+            return x.amax(dim=1).to(dtype) if kernels is None else kernels.row_max(x, dtype)
 
         def block_sums(x, max_logit, threshold, local_target, owned, r, start, width):
-            sums = chunk_math.chunk_partial_sums(
-                x, max_logit, threshold, 1.0 / temperature, local_target, owned, entropy, with_count=count
-            )
+            args = (x, max_logit, threshold, 1.0 / temperature, local_target, owned, entropy)
+            if kernels is None:
+                sums = chunk_math.chunk_partial_sums(*args, with_count=count)
+            else:
+                sums = kernels.partial_sums(*args, count)
             if support2d is not None:  # the block's share of the support sums, in the same SUM
                 # per block: `[rows, K]` temporaries only, so the extra memory stays below the support's
                 local, sup_owned = support_math.support_columns(support2d[r], start, width)
@@ -132,7 +152,7 @@ class _LinearMaskedLogprobsFunction(torch.autograd.Function):
             local_target, owned = chunk_math.target_columns(targets1d, vocab_start, num_valid)
             for r in spans(n, rows):
                 x = hidden2d[r] @ w.t()
-                max_logit[r] = x.amax(dim=1).to(dtype)  # TP = 1: the whole (non-empty) vocabulary
+                max_logit[r] = row_max(x)  # TP = 1: the whole (non-empty) vocabulary
                 threshold[r] = op_threshold(max_logit[r], log_rho, temperature)
                 partials[r] = block_sums(
                     x, max_logit[r], threshold[r], local_target[r], owned[r], r, vocab_start, num_valid
@@ -142,7 +162,7 @@ class _LinearMaskedLogprobsFunction(torch.autograd.Function):
             for r in spans(n, rows):
                 for c in spans(num_valid, cols):
                     x = hidden2d[r] @ w[c].t()
-                    local_max[r] = torch.maximum(local_max[r], x.amax(dim=1).to(dtype))
+                    local_max[r] = torch.maximum(local_max[r], row_max(x))
             max_logit = global_max_logit(local_max, v_local, vocab_size, tp_group, tp_size)
             threshold = op_threshold(max_logit, log_rho, temperature)
             for c in spans(num_valid, cols):
@@ -209,7 +229,7 @@ class _LinearMaskedLogprobsFunction(torch.autograd.Function):
             for r in spans(n, rows):
                 x = hidden2d[r] @ w[c].t()
                 sparse = None
-                if support2d is not None:  # read the support's logits before the block turns into dlogits
+                if support2d is not None and settings.backend == "torch":  # read before x turns into dlogits
                     ids = support_math.with_forced_target(support2d[r], targets1d[r], forced[r])
                     sup_local, sup_owned = support_math.support_columns(
                         ids, ctx.vocab_start + c.start, c.stop - c.start
@@ -228,22 +248,46 @@ class _LinearMaskedLogprobsFunction(torch.autograd.Function):
                             None if sparse_scale_h is None else sparse_scale_h[r],
                         ),
                     )
-                chunk_math.chunk_grad(
-                    x,
-                    x,  # dlogits over the logits: each block is read (upcast) before it is written
-                    out_holds_exp=False,
-                    max_logit=max_logit[r],
-                    threshold=threshold[r],
-                    inv_temperature=inv_t,
-                    log_norm=log_norm[r],
-                    local_target=local_target[r],
-                    owned=owned[r],
-                    bias=bias[r],
-                    scale_h=None if scale_h is None else scale_h[r],
-                    target_add=target_add[r],
-                )
-                if sparse is not None:
-                    support_math.add_at_columns_(x, *sparse)
+                if settings.backend == "triton":
+                    support = None
+                    if support2d is not None:
+                        start = ctx.vocab_start + c.start
+                        support = (support2d[r], targets1d[r], forced[r], rows_with_support[r], start)
+                    _triton_block_grad(
+                        x,
+                        dict(max_logit=max_logit[r], log_norm=log_norm[r], inv_temperature=inv_t),
+                        dict(
+                            threshold=threshold[r],
+                            bias=bias[r],
+                            scale_h=None if scale_h is None else scale_h[r],
+                        ),
+                        dict(
+                            local_target=local_target[r],
+                            owned=owned[r],
+                            bias=sparse_bias[r],
+                            scale_h=None if sparse_scale_h is None else sparse_scale_h[r],
+                            target_add=target_add[r],
+                            support=support,
+                            num_valid=c.stop - c.start,
+                        ),
+                    )
+                else:
+                    chunk_math.chunk_grad(
+                        x,
+                        x,  # dlogits over the logits: each block is read (upcast) before it is written
+                        out_holds_exp=False,
+                        max_logit=max_logit[r],
+                        threshold=threshold[r],
+                        inv_temperature=inv_t,
+                        log_norm=log_norm[r],
+                        local_target=local_target[r],
+                        owned=owned[r],
+                        bias=bias[r],
+                        scale_h=None if scale_h is None else scale_h[r],
+                        target_add=target_add[r],
+                    )
+                    if sparse is not None:
+                        support_math.add_at_columns_(x, *sparse)
                 grad_hidden[r] += (x @ w[c]).to(grad_hidden.dtype)
                 w_grad += (x.t() @ hidden2d[r]).to(w_grad.dtype)
             if settings.into_main_grad:  # straight into the fp32 main_grad, as megatron's fusion does
@@ -256,6 +300,15 @@ class _LinearMaskedLogprobsFunction(torch.autograd.Function):
         if settings.into_main_grad:
             grad_weight = _dummy_weight_grad(weight)
         return grad_hidden, grad_weight, None, None, None
+
+
+def _triton_block_grad(x: torch.Tensor, per_row: dict, dense: dict, sparse: dict) -> None:
+    """One token chunk's logits `x` (`[rows, V]`, every column of this rank's vocabulary) turned into dlogits
+    in place by the kernels: the target and support columns read first (`triton_grad.special_columns`), the
+    dense pass, those columns written once each (see `triton_grad`)."""
+    cols, values, keep = triton_grad.special_columns(x, **per_row, **sparse)
+    load_kernels(x.device).write_grad(x, x, **per_row, **dense)
+    triton_grad.write_columns_(x, cols, values, keep)
 
 
 def _dummy_weight_grad(weight: torch.Tensor) -> torch.Tensor | None:
@@ -281,6 +334,7 @@ def vocab_parallel_linear_masked_logprobs(
     sequence_parallel: bool = False,
     gradient_accumulation_fusion: bool = False,
     sampling_support: torch.Tensor | None = None,
+    backend: str = "auto",
 ) -> MaskedLogprobs:
     """`vocab_parallel_masked_logprobs(hidden @ weight_shard.T, targets, ...)` without the logits.
 
@@ -301,6 +355,9 @@ def vocab_parallel_linear_masked_logprobs(
             `grad_added_to_main_grad` set (or None without that attribute), exactly as megatron's.
         sampling_support: `[..., K]` ids (−1 padding), as in `vocab_parallel_masked_logprobs`; each column
             block gathers the support ids it holds from the block's logits.
+        backend: as in `vocab_parallel_masked_logprobs`; "triton": token chunks of whole rows, each one GEMM
+            into a chunk buffer and the kernels' passes over it (backward: the GEMM again, the gradient
+            kernel in place, then dX = dL·W and dW += dLᵀ·X).
     Returns:
         `MaskedLogprobs` of `[...]` tensors. Gradients reach `hidden` (all-reduced over TP, the full
         gradient on every rank; reduce-scattered to the shard with SP) and `weight_shard` (this rank's
@@ -346,6 +403,7 @@ def vocab_parallel_linear_masked_logprobs(
         count=bool(compute_safe_set_size),
         all_reduce_grad=tp_size > 1 and not sequence_parallel,
         into_main_grad=bool(gradient_accumulation_fusion),
+        backend=resolve_backend(backend, hidden.device),
     )
     support2d = check_sampling_support(sampling_support, targets, vocab_size)
     outs = _LinearMaskedLogprobsFunction.apply(

@@ -21,6 +21,8 @@ import torch.distributed as dist
 
 from . import masked_logprobs_math as chunk_math
 from . import sampling_support_math as support_math
+from . import triton_grad
+from .backend import load_kernels, resolve_backend
 from .safe_vocab import DEFAULT_LOG_RHO, check_log_rho, check_temperature, rule_dtype, safe_threshold
 
 CHUNK_ELEMENTS = {"cpu": 1 << 18, "cuda": 1 << 25}
@@ -152,9 +154,11 @@ def safe_set_threshold(
     temperature: float,
     tp_group,
     tp_size: int,
+    backend: str = "torch",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The global max logit and the safe-set threshold of each row of vocab-parallel logits (the fused op
-    computes the same max blockwise and takes θ from `op_threshold` too).
+    computes the same max blockwise and takes θ from `op_threshold` too); `backend` "triton": the local
+    max by the kernel (pass 1), else by torch.
 
     Args:
         x: `[N, V_valid]` this shard's real (unpadded) columns; V_valid may be 0 on a shard of padding.
@@ -166,11 +170,12 @@ def safe_set_threshold(
     Collective 1 of the op: a MAX over `tp_group` (shard sizes piggy-backed to check consistency).
     """
     compute_dtype = rule_dtype(x.dtype)
-    local_max = (
-        x.amax(dim=1).to(compute_dtype)  # exact in the logits' dtype: no upcast copy needed
-        if x.shape[1]
-        else torch.full((x.shape[0],), -math.inf, dtype=compute_dtype, device=x.device)
-    )
+    if not x.shape[1]:
+        local_max = torch.full((x.shape[0],), -math.inf, dtype=compute_dtype, device=x.device)
+    elif backend == "triton":
+        local_max = load_kernels(x.device).row_max(x, compute_dtype)
+    else:
+        local_max = x.amax(dim=1).to(compute_dtype)  # exact in the logits' dtype: no upcast copy needed
     max_logit = global_max_logit(local_max, v_local, vocab_size, tp_group, tp_size)
     return max_logit, op_threshold(max_logit, log_rho, temperature)
 
@@ -269,6 +274,7 @@ class _MaskedLogprobsFunction(torch.autograd.Function):
         count,
         inplace,
         support2d,
+        backend,
     ):
         v_local = logits2d.shape[1]
         vocab_start, num_valid = valid_columns(v_local, vocab_size, tp_rank)
@@ -283,16 +289,24 @@ class _MaskedLogprobsFunction(torch.autograd.Function):
             temperature=temperature,
             tp_group=tp_group,
             tp_size=tp_size,
+            backend=backend,
         )
         inv_t = 1.0 / temperature
         local_target, owned = chunk_math.target_columns(targets1d, vocab_start, num_valid)
 
-        keep_exp = ctx.needs_input_grad[0] and logits2d.dtype == compute_dtype and not inplace
+        # the Triton backward recomputes p from the logits in one pass: nothing kept for it
+        keep_exp = (
+            ctx.needs_input_grad[0] and logits2d.dtype == compute_dtype and not inplace and backend == "torch"
+        )
         grad_buffer = torch.empty_like(logits2d) if keep_exp else None
         if grad_buffer is not None:
             grad_buffer[:, num_valid:].zero_()  # padded columns never receive gradient
         partials = torch.empty((num_rows, chunk_math.NUM_PARTIALS), dtype=compute_dtype, device=x.device)
-        for rows in row_chunks(num_rows, v_local, x.device):
+        if backend == "triton":
+            partials = load_kernels(x.device).partial_sums(
+                x, max_logit, threshold, inv_t, local_target, owned, entropy, count
+            )
+        for rows in row_chunks(num_rows, v_local, x.device) if backend == "torch" else ():
             partials[rows] = chunk_math.chunk_partial_sums(
                 x[rows],
                 max_logit[rows],
@@ -322,6 +336,7 @@ class _MaskedLogprobsFunction(torch.autograd.Function):
             logits2d, max_logit, threshold, out["log_norm"], local_target, owned, out["entropy"]
         )
         ctx.grad_buffer, ctx.num_valid, ctx.inv_t, ctx.inplace = grad_buffer, num_valid, inv_t, inplace
+        ctx.backend = backend
         ctx.support = None
         if support2d is not None:  # the support is the caller's tensor: kept by reference, not copied
             ctx.support = (support2d, targets1d, out["forced_support"], rows_with_support, vocab_start)
@@ -330,7 +345,7 @@ class _MaskedLogprobsFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy, *_):
         logits2d, max_logit, threshold, log_norm, local_target, owned, entropy = ctx.saved_tensors
-        no_grads = (None,) * 11
+        no_grads = (None,) * 12
         if grad_logprobs is None and grad_entropy is None:
             return (None, *no_grads)
         # The kept exponentials become this gradient in place; a second backward through the same
@@ -349,6 +364,15 @@ class _MaskedLogprobsFunction(torch.autograd.Function):
         if ctx.support is not None:
             support2d, targets1d, forced, rows_with_support, vocab_start = ctx.support
             bias, scale_h = support_math.dense_coefficients(rows_with_support, bias, scale_h)
+        if ctx.backend == "triton":
+            per_row = dict(max_logit=max_logit, log_norm=log_norm, inv_temperature=ctx.inv_t)
+            dense = dict(threshold=threshold, bias=bias, scale_h=scale_h)
+            sparse = dict(
+                local_target=local_target, owned=owned, bias=sparse_bias, scale_h=sparse_scale_h,
+                target_add=target_add, support=ctx.support, num_valid=ctx.num_valid,
+            )  # fmt: skip
+            _triton_backward(x, g, per_row, dense, sparse)
+            return (grad, *no_grads)
         blocks = support_blocks(x.shape[0], logits2d.shape[1], x.device) if ctx.num_valid else ()
         for block in blocks:  # none on a shard of padding only: its gradient is all zero
             sparse = None
@@ -386,6 +410,25 @@ class _MaskedLogprobsFunction(torch.autograd.Function):
         return (grad, *no_grads)
 
 
+def _triton_backward(x: torch.Tensor, g: torch.Tensor, per_row: dict, dense: dict, sparse: dict) -> None:
+    """The Triton backend's backward (`triton_grad`): the target and support columns' values from the logits
+    as they are, block by block; then the dense pass over every row (g may be x: in place); then those
+    columns written once each. `per_row`: max_logit, log_norm, inv_temperature; `dense`: the dense pass's
+    threshold and coefficients; `sparse`: `triton_grad.special_columns`'s own arguments, whole rows."""
+    support = sparse.pop("support")
+    columns = []
+    for block in support_blocks(x.shape[0], x.shape[1], x.device) if x.shape[1] else ():
+        rows = {k: v[block] if isinstance(v, torch.Tensor) else v for k, v in {**per_row, **sparse}.items()}
+        block_support = None
+        if support is not None:
+            ids, targets, forced, rows_with_support, vocab_start = support
+            block_support = (ids[block], targets[block], forced[block], rows_with_support[block], vocab_start)
+        columns.append((block, triton_grad.special_columns(x[block], support=block_support, **rows)))
+    load_kernels(x.device).write_grad(x, g, **per_row, **dense)
+    for block, (cols, values, keep) in columns:
+        triton_grad.write_columns_(g[block], cols, values, keep)
+
+
 def vocab_parallel_masked_logprobs(
     logits: torch.Tensor,
     targets: torch.Tensor,
@@ -398,6 +441,7 @@ def vocab_parallel_masked_logprobs(
     compute_safe_set_size: bool = False,
     inplace_backward: bool = False,
     sampling_support: torch.Tensor | None = None,
+    backend: str = "auto",
 ) -> MaskedLogprobs:
     """Log-probs and entropy of the min-p-pruned policy π^mp on vocab-parallel logits.
 
@@ -425,6 +469,8 @@ def vocab_parallel_masked_logprobs(
             normaliser and entropy are over that support (plus the target, force-kept if absent) instead
             of V_S; a row of −1 keeps V_S. `in_safe_set`, `safe_mass`, `logprobs_full` keep their DVP
             meaning. Each shard gathers the ids in its range: no logits gathered, still one SUM.
+        backend: "auto" (Triton kernels on CUDA, the chunked PyTorch code elsewhere), "triton" (the kernels
+            on any device; on CPU under Triton's interpreter, `ops.backend.load_kernels`) or "torch".
     Returns:
         `MaskedLogprobs` of `[...]` float32 tensors (float64 for float64 logits); gradients reach
         `logits` (in its dtype) through `logprobs` and `entropy`. Reduced over the vocab (all
@@ -450,6 +496,7 @@ def vocab_parallel_masked_logprobs(
         bool(compute_safe_set_size),
         bool(inplace_backward),
         support2d,
+        resolve_backend(backend, logits.device),
     )
     return as_outputs(outs, lead_shape)
 

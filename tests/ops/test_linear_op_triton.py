@@ -1,0 +1,149 @@
+"""The fused output layer + DVP op on the Triton backend (token chunks of whole rows: one GEMM into a chunk
+buffer, the kernels' passes over it; backward the GEMM again, the gradient kernel in place, then the two
+matmuls), under Triton's interpreter: against the float64 reference at TP = 1 over several chunks, with a
+sampling support, sharded over TP = 2 with and without sequence parallelism (the same collectives as the
+PyTorch backend), and with megatron's gradient-accumulation fusion."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is imported (lazily, by the first call)
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import megatron_tail.ops.linear_masked_logprobs as fused_impl
+from megatron_tail.ops import vocab_parallel_linear_masked_logprobs
+from megatron_tail.ops.reference import reference_masked_logprobs
+from tests.harness import run_distributed
+from tests.ops.test_linear_op import TOL, H, as_dict, backward_of, problem, reference
+
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy's 0·inf
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk_rows", [3, 64], ids=["several-chunks", "one-chunk"])
+def test_equals_the_float64_reference(monkeypatch, dtype, chunk_rows):
+    vocab_size, padded = 61, 64
+    monkeypatch.setitem(fused_impl.TRITON_CHUNK_ELEMENTS, "cpu", chunk_rows * vocab_size)
+    hidden, weight, targets, grads = problem(10, vocab_size, padded, dtype, seed=2)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    out = vocab_parallel_linear_masked_logprobs(
+        h, w, targets, log_rho=-3.0, temperature=0.8, vocab_size=vocab_size, backend="triton"
+    )
+    backward_of(as_dict(out), grads).backward()
+    ref, h_ref, w_ref = reference(hidden, weight, targets, vocab_size, -3.0, 0.8)
+    backward_of(ref, grads).backward()
+    tol = TOL[dtype]
+    for key in ref:
+        torch.testing.assert_close(out_value(out, key), ref[key], rtol=tol, atol=tol, msg=key)
+    scale = float(h_ref.grad.abs().max())
+    torch.testing.assert_close(h.grad.double(), h_ref.grad, rtol=tol, atol=tol * scale)
+    torch.testing.assert_close(w.grad.double(), w_ref.grad, rtol=tol, atol=tol * scale)
+    assert torch.count_nonzero(w.grad[vocab_size:]) == 0  # padded rows of the weight: no gradient
+
+
+def out_value(out, key):
+    value = getattr(out, key)
+    return value if value.dtype == torch.bool else value.double()
+
+
+def test_a_sampling_support_in_the_fused_triton_op():
+    vocab_size = 50
+    hidden, weight, targets, grads = problem(8, vocab_size, vocab_size, torch.float32, seed=4)
+    logits = hidden.double() @ weight.double().T
+    support = torch.full((8, 5), -1, dtype=torch.int32)
+    support[:6, :4] = logits[:6].topk(4).indices.int()
+    targets[2] = logits[2].argmin()  # outside its support: force-kept
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    out = vocab_parallel_linear_masked_logprobs(
+        h, w, targets, log_rho=-4.0, vocab_size=vocab_size, sampling_support=support, backend="triton"
+    )
+    backward_of(as_dict(out), grads).backward()
+    hr, wr = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    ref = reference_masked_logprobs(hr @ wr.T, targets, log_rho=-4.0, sampling_support=support.long())
+    backward_of(ref, grads).backward()
+    for key in ("logprobs", "entropy", "safe_mass", "logprobs_full"):
+        torch.testing.assert_close(getattr(out, key).double(), ref[key], rtol=2e-5, atol=2e-5, msg=key)
+    torch.testing.assert_close(h.grad.double(), hr.grad, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(w.grad.double(), wr.grad, rtol=2e-5, atol=2e-5)
+
+
+def _sharded_rank(rank, world, dtype, sequence_parallel):
+    s, b, vocab_size, padded = 6, 2, 61, 64
+    hidden, weight, targets, grads = problem(s * b, vocab_size, padded, dtype, seed=5)
+    hidden, targets, grads = hidden.view(s, b, H), targets.view(s, b), grads.view(2, s, b)
+    v_local = padded // world
+    w = weight[rank * v_local : (rank + 1) * v_local].clone().requires_grad_()
+    h = (hidden.chunk(world, dim=0)[rank] if sequence_parallel else hidden).clone().requires_grad_()
+    calls = []
+    real = dist.all_reduce
+
+    def counting(*args, **kwargs):
+        calls.append("all_reduce")
+        return real(*args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        out = vocab_parallel_linear_masked_logprobs(
+            h, w, targets, log_rho=-4.0, temperature=0.9, vocab_size=vocab_size, tp_group=dist.group.WORLD,
+            sequence_parallel=sequence_parallel, backend="triton",
+        )  # fmt: skip
+        forward = len(calls)
+        backward_of(as_dict(out), grads).backward()
+    finally:
+        dist.all_reduce = real
+    return as_dict(out) | {"h_grad": h.grad, "w_grad": w.grad, "reduces": (forward, len(calls) - forward)}
+
+
+@pytest.mark.parametrize(
+    ("dtype", "sequence_parallel"), [(torch.float32, False), (torch.bfloat16, True)], ids=["tp2", "tp2-sp"]
+)
+def test_tp2_with_and_without_sequence_parallelism_equals_the_reference(dtype, sequence_parallel):
+    results = run_distributed(_sharded_rank, 2, dtype, sequence_parallel)
+    s, b, vocab_size, padded = 6, 2, 61, 64
+    hidden, weight, targets, grads = problem(s * b, vocab_size, padded, dtype, seed=5)
+    ref, h_ref, w_ref = reference(hidden, weight, targets, vocab_size, -4.0, 0.9)
+    backward_of(ref, grads).backward()
+    tol, scale = TOL[dtype], float(h_ref.grad.abs().max())
+    for rank, got in enumerate(results):
+        for key in ref:
+            torch.testing.assert_close(out_value_flat(got[key]), ref[key], rtol=tol, atol=tol, msg=key)
+        h_grad = h_ref.grad.view(s, b, H)
+        want_h = h_grad.chunk(2, dim=0)[rank] if sequence_parallel else h_grad
+        torch.testing.assert_close(got["h_grad"].double(), want_h, rtol=tol, atol=tol * scale)
+        want_w = w_ref.grad[rank * 32 : (rank + 1) * 32]  # the padded rows' gradient: zero in both
+        torch.testing.assert_close(got["w_grad"].double(), want_w, rtol=tol, atol=tol * scale)
+        # MAX and SUM forward; backward the hidden gradient's all-reduce (SP: a reduce-scatter instead)
+        assert got["reduces"] == (2, 0 if sequence_parallel else 1)
+
+
+def out_value_flat(value):
+    return value.reshape(-1) if value.dtype == torch.bool else value.reshape(-1).double()
+
+
+def test_gradient_accumulation_fusion_adds_into_main_grad():
+    vocab_size = 40
+    hidden, weight, targets, grads = problem(9, vocab_size, vocab_size, torch.bfloat16)
+    h = hidden.clone().requires_grad_()
+    w = torch.nn.Parameter(weight.clone())
+    w.main_grad = torch.full(w.shape, 0.5, dtype=torch.float32)
+    w.grad_added_to_main_grad = False
+    out = vocab_parallel_linear_masked_logprobs(
+        h,
+        w,
+        targets,
+        log_rho=-4.0,
+        vocab_size=vocab_size,
+        gradient_accumulation_fusion=True,
+        backend="triton",
+    )
+    backward_of(as_dict(out), grads).backward()
+    ref, _, w_ref = reference(hidden, weight, targets, vocab_size, -4.0, 1.0)
+    backward_of(ref, grads).backward()
+    scale = float(w_ref.grad.abs().max())
+    torch.testing.assert_close(w.main_grad.double(), 0.5 + w_ref.grad, rtol=3e-2, atol=3e-2 * scale)
+    assert w.main_grad.dtype == torch.float32
+    assert w.grad_added_to_main_grad and torch.count_nonzero(w.grad) == 0

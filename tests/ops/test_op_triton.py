@@ -1,0 +1,189 @@
+"""The op's Triton kernels (`ops.triton_kernels`, `backend="triton"`) on CPU under Triton's interpreter: the
+same kernels the GPU runs, against the float64 reference and against the PyTorch backend, forward and
+gradient, read-only and in place, with temperature, padded vocab, NaN rows, −inf logits, sampling supports
+(−1 padding, a forced target) and TP = 2 over gloo with uneven valid columns. Small shapes: the interpreter
+is slow.
+
+Tolerances: the interpreter truncates float32 → bf16 stores (the GPU rounds), so bf16 gradients are compared
+within one bf16 ulp relative (2^-7 < 1e-2), as the PyTorch backend's are."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is imported (lazily, by the first call)
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_tail.ops import vocab_parallel_masked_logprobs
+from megatron_tail.ops.reference import reference_masked_logprobs
+from tests.harness import run_distributed
+
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy's 0·inf
+OUTPUTS = ("logprobs", "entropy", "safe_mass", "logprobs_full", "top_logprob")
+GRAD_TOL = {torch.float64: 1e-12, torch.float32: 2e-5, torch.bfloat16: 1e-2}
+OUT_TOL = {torch.float64: 1e-12, torch.float32: 2e-5, torch.bfloat16: 2e-5}
+
+
+def make_problem(n=12, v=300, vocab_size=290, scale=4.0, seed=0, dtype=torch.float32):
+    """Logits `[n, v]` whose last `v − vocab_size` columns are padding holding large values (megatron's padded
+    columns may hold anything), peaked rows, an argmin target (outside V_S), upstream gradients."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n, v, generator=gen, dtype=torch.float64) * scale
+    logits[: n // 3] *= 3.0
+    logits[:, vocab_size:] = 60.0
+    targets = torch.randint(0, vocab_size, (n,), generator=gen)
+    targets[0] = logits[0, :vocab_size].argmin()
+    g_l, g_h = torch.randn(2, n, generator=gen)
+    return logits.to(dtype), targets, g_l, g_h
+
+
+def run_op(logits, targets, g_l, g_h, *, inplace=False, **kw):
+    x = logits.detach().clone().requires_grad_()
+    source = x * 1 if inplace else x  # in place needs a non-leaf: the gradient is written over it
+    out = vocab_parallel_masked_logprobs(
+        source, targets, inplace_backward=inplace, compute_safe_set_size=True, **kw
+    )
+    ((out.logprobs * g_l).sum() + (out.entropy * g_h).sum()).backward()
+    return out, x.grad
+
+
+def reference(logits, targets, g_l, g_h, vocab_size, **kw):
+    x = logits[:, :vocab_size].detach().double().requires_grad_()
+    ref = reference_masked_logprobs(x, targets, **kw)
+    ((ref["logprobs"] * g_l.double()).sum() + (ref["entropy"] * g_h.double()).sum()).backward()
+    return ref, x.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize(("log_rho", "temperature"), [(-13.0, 1.0), (-2.0, 0.6), (None, 0.8)])
+@pytest.mark.parametrize("inplace", [False, True], ids=["read-only", "in-place"])
+def test_kernels_match_the_float64_reference(dtype, log_rho, temperature, inplace):
+    logits, targets, g_l, g_h = make_problem(dtype=dtype)
+    kw = dict(log_rho=log_rho, temperature=temperature)
+    out, grad = run_op(logits, targets, g_l, g_h, inplace=inplace, vocab_size=290, backend="triton", **kw)
+    ref, ref_grad = reference(logits, targets, g_l, g_h, 290, **kw)
+    for name in OUTPUTS:
+        tol = OUT_TOL[dtype]
+        torch.testing.assert_close(getattr(out, name).double(), ref[name], rtol=tol, atol=tol, msg=name)
+    assert torch.equal(out.in_safe_set, ref["in_safe_set"])
+    if log_rho is not None:
+        assert not out.in_safe_set[0]  # the argmin target was force-kept
+    assert grad.dtype == dtype
+    tol = GRAD_TOL[dtype]
+    torch.testing.assert_close(grad[:, :290].double(), ref_grad, rtol=tol, atol=tol)
+    assert torch.count_nonzero(grad[:, 290:]) == 0  # padded columns: no gradient
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernels_equal_the_torch_backend(dtype):
+    """Same sets, counts and flags exactly; floats to float32 rounding; the gradient of the PyTorch backend
+    within a bf16 ulp (it adds g_L/T to the target's bf16 value, the kernels write it once in float32)."""
+    logits, targets, g_l, g_h = make_problem(n=9, dtype=dtype, seed=3)
+    kw = dict(log_rho=-3.0, temperature=0.7, vocab_size=290)
+    a, grad_a = run_op(logits, targets, g_l, g_h, backend="torch", **kw)
+    b, grad_b = run_op(logits, targets, g_l, g_h, backend="triton", **kw)
+    assert torch.equal(a.in_safe_set, b.in_safe_set) and torch.equal(a.safe_set_size, b.safe_set_size)
+    for name in OUTPUTS:
+        torch.testing.assert_close(getattr(a, name), getattr(b, name), rtol=2e-6, atol=2e-6, msg=name)
+    torch.testing.assert_close(grad_a.float(), grad_b.float(), rtol=GRAD_TOL[dtype], atol=GRAD_TOL[dtype])
+
+
+def test_nan_poisons_its_row_and_minus_inf_is_probability_zero():
+    logits, targets, g_l, g_h = make_problem(n=6)
+    logits[2, 17] = float("nan")
+    logits[4, :100] = float("-inf")  # probability-zero tokens
+    targets[4] = 150
+    out, grad = run_op(logits, targets, g_l, g_h, log_rho=-4.0, vocab_size=290, backend="triton")
+    torch_out, torch_grad = run_op(logits, targets, g_l, g_h, log_rho=-4.0, vocab_size=290, backend="torch")
+    for name in OUTPUTS:
+        value = getattr(out, name)
+        assert torch.isnan(value[2]), name
+        assert torch.isfinite(value[[0, 1, 3, 4, 5]]).all(), name
+        torch.testing.assert_close(value, getattr(torch_out, name), equal_nan=True, rtol=2e-6, atol=2e-6)
+    assert torch.isnan(grad[2, :290]).all()
+    assert torch.isfinite(grad[[0, 1, 3, 4, 5]]).all()
+    assert torch.count_nonzero(grad[4, :100]) == 0
+    torch.testing.assert_close(grad, torch_grad, equal_nan=True, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["read-only", "in-place"])
+def test_sampling_support_with_padding_and_a_forced_target(inplace):
+    logits, targets, g_l, g_h = make_problem(n=8, dtype=torch.bfloat16, seed=5)
+    support = torch.full((8, 6), -1, dtype=torch.int32)
+    for row in range(6):  # rows 6 and 7: no support, the safe set
+        ids = logits[row, :290].float().topk(5).indices
+        support[row, : 5 - row % 2] = ids[: 5 - row % 2].int()
+    support[0, 0] = targets[0]  # the target in its support, among others
+    targets[1] = logits[1, :290].argmin()  # a target outside its support: force-kept
+    kw = dict(log_rho=-5.0, temperature=0.9)
+    out, grad = run_op(
+        logits,
+        targets,
+        g_l,
+        g_h,
+        inplace=inplace,
+        vocab_size=290,
+        sampling_support=support,
+        backend="triton",
+        **kw,
+    )
+    ref, ref_grad = reference(logits, targets, g_l, g_h, 290, sampling_support=support.long(), **kw)
+    for name in OUTPUTS:
+        torch.testing.assert_close(getattr(out, name).double(), ref[name], rtol=2e-5, atol=2e-5, msg=name)
+    torch.testing.assert_close(grad[:, :290].double(), ref_grad, rtol=1e-2, atol=1e-2)
+
+
+def _sharded(rank, _world, backend):
+    logits, targets, g_l, g_h = make_problem(n=7, v=128, vocab_size=121, dtype=torch.bfloat16, seed=7)
+    shard = logits[:, rank * 64 : (rank + 1) * 64].clone().requires_grad_()
+    out = vocab_parallel_masked_logprobs(
+        shard,
+        targets,
+        log_rho=-4.0,
+        temperature=0.7,
+        vocab_size=121,
+        tp_group=dist.group.WORLD,
+        backend=backend,
+    )
+    ((out.logprobs * g_l).sum() + (out.entropy * g_h).sum()).backward()
+    return {name: getattr(out, name) for name in OUTPUTS} | {"grad": shard.grad}
+
+
+def test_tp2_over_gloo_with_uneven_valid_columns_equals_one_rank():
+    """Shard 1 holds 57 real columns and 7 padded ones; the same kernels on each shard, the op's collectives
+    between them."""
+    ranks = run_distributed(_sharded, 2, "triton")
+    logits, targets, g_l, g_h = make_problem(n=7, v=128, vocab_size=121, dtype=torch.bfloat16, seed=7)
+    out, grad = run_op(
+        logits, targets, g_l, g_h, log_rho=-4.0, temperature=0.7, vocab_size=121, backend="torch"
+    )
+    for rank, result in enumerate(ranks):
+        for name in OUTPUTS:
+            torch.testing.assert_close(result[name], getattr(out, name), rtol=2e-6, atol=2e-6, msg=name)
+        expected = grad[:, rank * 64 : (rank + 1) * 64].float()
+        torch.testing.assert_close(result["grad"].float(), expected, rtol=1e-2, atol=1e-2)
+
+
+def test_backend_names_are_checked_and_cpu_kernels_need_the_interpreter():
+    logits, targets, *_ = make_problem(n=2)
+    with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'triton', 'torch'\); got 'cuda'"):
+        vocab_parallel_masked_logprobs(logits, targets, backend="cuda")
+    program = (
+        "import torch\n"
+        "from megatron_tail.ops import vocab_parallel_masked_logprobs as op\n"
+        "try:\n"
+        "    op(torch.randn(2, 8), torch.tensor([1, 2]), backend='triton')\n"
+        "except RuntimeError as e:\n"
+        "    print(e)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.stdout.startswith("backend='triton' on a cpu tensor needs Triton's interpreter"), proc.stderr
