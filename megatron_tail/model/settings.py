@@ -9,6 +9,8 @@ from typing import Literal
 
 import torch
 
+from megatron_tail.ops.backend import BACKENDS
+
 Precision = Literal["bf16", "fp16", "fp32"]
 Recompute = Literal["none", "selective", "full"]
 RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
@@ -43,6 +45,10 @@ class ModelSettings:
     """The last stage returns the final-norm hidden states instead of logits, and the trainer computes
     log-probs with the output layer fused into the DVP op, so the [tokens, V/TP] logits never exist
     (`megatron_tail.ops.vocab_parallel_linear_masked_logprobs`)."""
+    op_backend: str = "auto"
+    """The DVP op's implementation (`megatron_tail.ops.backend`): "auto" (Triton kernels on CUDA, the
+    chunked PyTorch code on CPU), "triton" or "torch" (the PyTorch code on the GPU too: an ablation, or a
+    fallback). Both compute the same outputs and gradients up to float32 rounding."""
     sequence_parallel: bool = False
     """megatron's sequence parallelism (with TP > 1): norms, residuals and dropout run on `s/tp` tokens per
     rank, so their activations are split over TP; packed micro-batches are padded to a multiple of TP."""
@@ -77,6 +83,8 @@ class ModelSettings:
             raise ValueError(f"precision must be 'bf16', 'fp16' or 'fp32'; got {self.precision!r}")
         if self.precision is not None and self.bf16 is not None and self.bf16 != (self.precision == "bf16"):
             raise ValueError(f"bf16={self.bf16} contradicts precision={self.precision!r}; set only precision")
+        if self.op_backend not in BACKENDS:
+            raise ValueError(f"op_backend must be one of {BACKENDS}; got {self.op_backend!r}")
         if self.vocab_pad_multiple < 1:
             raise ValueError(f"vocab_pad_multiple must be ≥ 1; got {self.vocab_pad_multiple}")
         if self.recompute not in ("none", "selective", "full"):

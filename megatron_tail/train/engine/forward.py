@@ -77,6 +77,8 @@ class OpSettings:
     """Also compute the entropy of π^mp."""
     compute_safe_set_size: bool = False
     """Also count |V_S| per position (in the same pass)."""
+    backend: str = "auto"
+    """The op's implementation (`ops.backend`; `model.op_backend`)."""
     replay_support: bool = True
     """Hand a micro-batch's sampling support (`SAMPLING_SUPPORT_FIELD`) to the op; False scores over the
     full vocabulary (or V_S) although the samples were truncated (`algorithm.sampling_support: ignore`)."""
@@ -147,6 +149,7 @@ def run_micro_batches(
             compute_entropy=op.compute_entropy,
             compute_safe_set_size=op.compute_safe_set_size,
             sampling_support=sampling_support(mb) if op.replay_support else None,
+            backend=op.backend,
         )
         if getattr(model, "fused_output_layer", False):
             out = _fused_logprobs(model, output, mb.targets, settings)

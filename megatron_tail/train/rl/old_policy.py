@@ -52,6 +52,7 @@ def op_settings(cfg: RunConfig) -> OpSettings:
         temperature=cfg.rollout.temperature,
         compute_entropy=True,
         replay_support=cfg.algorithm.sampling_support == "replay",
+        backend=cfg.model.op_backend,
     )
 
 
