@@ -269,12 +269,22 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--no-memory", action="store_true", help="skip the per-variant memory subprocesses")
     parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cuda: the op's backends against torch / megatron / Liger cross entropy on one GPU "
+        "(`bench.op_peers`; --tokens and --vocab default to 16384 × 151936 there)",
+    )
+    parser.add_argument(
         "--memory-probe", nargs=3, metavar=("SUITE", "VARIANT", "DTYPE"), help=argparse.SUPPRESS
     )
     args = parser.parse_args(argv)
     for name in list(DTYPES):
         if name not in args.dtypes:
             del DTYPES[name]  # forked ranks and probe subprocesses see the same selection
+    if args.device == "cuda":
+        _peers_on_cuda(parser, argv, args)
+        return
     if args.memory_probe:
         print(json.dumps(memory_probe(*args.memory_probe, args.tokens, args.vocab, args.hidden)))
         return
@@ -291,6 +301,29 @@ def main(argv: list[str] | None = None) -> None:
         else:
             print(format_output_layer_tables(args.tokens, args.vocab, args.hidden, times, memory), flush=True)
         print(flush=True)
+
+
+def _peers_on_cuda(parser, argv, args) -> None:
+    """`--device cuda`: `bench.op_peers`' table at Qwen3's vocabulary unless --tokens / --vocab say otherwise,
+    with megatron's TP = 1 state on NCCL (its cross entropy reads the TP group from it)."""
+    from megatron.core import parallel_state
+
+    from .op_peers import QWEN3_VOCAB, format_rows, peer_rows
+
+    if not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here")
+    given = argv if argv is not None else sys.argv[1:]
+    tokens = args.tokens if "--tokens" in given else 16384
+    vocab = args.vocab if "--vocab" in given else QWEN3_VOCAB
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    try:
+        rows = peer_rows(tokens, vocab, device="cuda", repeats=args.repeats)
+        print(format_rows(rows, tokens, vocab, torch.cuda.get_device_name()), flush=True)
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -6,10 +6,9 @@ Nothing here runs at import (the CPU suite collects these modules and skips the 
 
 from __future__ import annotations
 
-import statistics
-from collections.abc import Callable
-
 import torch
+
+from megatron_tail.bench.op_peers import measure  # noqa: F401 - re-exported: the tests' timer
 
 QWEN3_VOCAB = 151_936
 """Qwen3-8B's vocabulary (`config.json` `vocab_size`, also 1.7B–14B): the real width of a TP = 1 shard."""
@@ -20,22 +19,11 @@ TOKEN_COUNTS = (4096, 16384)
 
 
 def real_logits(tokens: int, vocab: int = QWEN3_VOCAB, *, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """bf16 logits `[tokens, vocab]` on the GPU and int64 targets `[tokens]`.
+    """bf16 logits `[tokens, vocab]` on the GPU and int64 targets `[tokens]`: `bench.op_peers.make_logits`
+    (flat, long-tail and peaked rows; argmax and uniform targets)."""
+    from megatron_tail.bench.op_peers import make_logits
 
-    Three kinds of rows (row % 3), each N(0, 2²) plus 3 raised tokens: flat (+0: DVP at log ρ = −13 keeps
-    nearly everything), long tail (+14: the ~150k tail tokens below max − 13 hold a few % of the mass, the
-    case DVP is for), peaked (+25: V_S is the 3 raised tokens). Targets (row % 4): the argmax, or a uniform
-    id (then often outside V_S on the last two kinds, force-kept by the op).
-    """
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    logits = torch.randn(tokens, vocab, device="cuda", dtype=torch.bfloat16, generator=g) * 2
-    rows = torch.arange(tokens, device="cuda")
-    raised = torch.randint(0, vocab, (tokens, 3), device="cuda", generator=g)
-    bump = torch.tensor([0.0, 14.0, 25.0], device="cuda", dtype=torch.bfloat16)[rows % 3]
-    logits.scatter_add_(1, raised, bump[:, None].expand(-1, 3).contiguous())
-    uniform = torch.randint(0, vocab, (tokens,), device="cuda", generator=g)
-    targets = torch.where(rows % 4 < 2, logits.argmax(dim=1), uniform)
-    return logits, targets
+    return make_logits(tokens, vocab, device="cuda", seed=seed)
 
 
 def slice_rows(tokens: int, per_end: int = 32) -> torch.Tensor:
@@ -65,31 +53,6 @@ class megatron_tp1:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
         return False
-
-
-def measure(
-    run: Callable[[], None], *, repeats: int = 5, prepare: Callable[[], object] | None = None
-) -> dict:
-    """Median milliseconds (CUDA events) and peak extra memory (bytes above what was allocated before, by
-    `torch.cuda.max_memory_allocated`) of `run()`, after one warm-up call. `prepare()` runs before each call,
-    outside the timed region (a fresh clone for the variants that take their input over)."""
-    times = []
-    peak = 0
-    for i in range(repeats + 1):
-        held = prepare() if prepare is not None else None
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run() if held is None else run(held)
-        end.record()
-        torch.cuda.synchronize()
-        if i:  # the first call warms kernels and the caching allocator up
-            times.append(start.elapsed_time(end))
-            peak = max(peak, torch.cuda.max_memory_allocated() - base)
-        del held
-    return {"ms": statistics.median(times), "peak_bytes": peak}
 
 
 def ratio_row(what: str, shape: str, ours: dict, baseline: dict, baseline_name: str) -> dict:

@@ -52,6 +52,7 @@ WHEELS = (
     Wheel("dill", "0.4.1", "the DVP logit processor is serialized with dill (local engine test)"),
     Wheel("packaging", "26.3", "megatron-core needs packaging>=24.2", ">=24.2"),
     Wheel("pytest", "9.2.0", "runs the tests", ">=8"),
+    Wheel("liger-kernel", "0.8.5", "Liger's cross entropy: the op's speed baseline (needs torch, triton)"),
     Wheel("pluggy", "1.7.0", "pytest's dependency", ">=1.6", with_pytest=True),
     Wheel("iniconfig", "2.3.1", "pytest's dependency", "any", with_pytest=True),
     Wheel("pygments", "2.21.0", "pytest's dependency", ">=2.15", with_pytest=True),

@@ -80,3 +80,23 @@ def test_fused_output_layer_equals_matmul_then_op(record_property):
         ("matmul + op, in place", lambda: _run(False, *problem, inplace=True)),
     ):
         record_property("gpu_table", ratio_row(name, shape, measure(run), baseline, "matmul + op"))
+    liger = _liger_fused(*problem)
+    if liger is not None:  # the target: the fused op no slower than Liger's fused linear cross entropy
+        fused = measure(lambda: _run(True, *problem))
+        row = ratio_row("fused output layer + op", shape, fused, measure(liger), "Liger fused linear CE")
+        record_property("gpu_table", row)
+
+
+def _liger_fused(hidden, weight, targets, *_):
+    """Liger-Kernel's fused linear cross entropy on the same inputs (None where it is not installed)."""
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    except ImportError:
+        return None
+    loss = LigerFusedLinearCrossEntropyLoss()
+
+    def run():
+        h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+        loss(w, h, targets).backward()
+
+    return run

@@ -1,0 +1,40 @@
+"""The CPU half of the op's peer table (`bench.op_peers`, what `bench.op --device cuda` and the GPU check
+print): the same variants on a tiny shape, the Triton rows under Triton's interpreter. It checks the code
+path and the table's arithmetic (ratios to the baseline row, bandwidth shares from the bytes each pass must
+move), not speed."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is imported (lazily, by the first call)
+
+import pytest
+
+from megatron_tail.bench.op_peers import format_rows, peer_rows
+
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+
+
+def test_the_peer_table_runs_every_variant_and_relates_it_to_the_baseline():
+    rows = peer_rows(6, 256, device="cpu", repeats=1, megatron=False)
+    names = [r["what"] for r in rows]
+    assert names[:4] == [
+        "op, Triton, DVP + entropy, in place, fwd+bwd",
+        "op, PyTorch, DVP + entropy, in place, fwd+bwd",
+        "op, Triton, forward only",
+        "op, PyTorch, forward only",
+    ]
+    liger = next(r for r in rows if r["what"].startswith("Liger"))
+    baseline = liger if liger["ms"] is not None else rows[4]  # torch's CE where Liger is not installed
+    for r in rows:
+        if r["ms"] is None:
+            assert r["note"] == "not installed"
+            continue
+        assert r["ms"] > 0 and r["baseline"] == baseline["what"]
+        assert r["ratio"] == pytest.approx(r["ms"] / baseline["ms"])
+        assert (r["bandwidth"] is None) == (not r["what"].startswith("op,"))  # ours only: we count its passes
+    assert rows[0]["bandwidth"] > 0
+    text = format_rows(rows, 6, 256, "cpu")
+    assert text.splitlines()[0] == "The op against its peers: 6 × 256 bf16 logits on cpu"
+    assert f"baseline: {baseline['what']}" in text
