@@ -247,6 +247,12 @@ UNFUSED_CHUNK_ELEMENTS = 1 << 25
 """`megatron_tail.ops.masked_logprobs.CHUNK_ELEMENTS["cuda"]`: logits per fp32 working chunk of the op."""
 FUSED_BLOCK_ELEMENTS = 1 << 24
 """`megatron_tail.ops.linear_masked_logprobs.BLOCK_ELEMENTS["cuda"]`: logits per block of the fused op."""
+TRITON_CHUNK_ELEMENTS = 1 << 28
+"""`megatron_tail.ops.linear_masked_logprobs.TRITON_CHUNK_ELEMENTS["cuda"]`: logits per token chunk of the
+fused op on the Triton backend (held in the activation dtype)."""
+NUM_PARTIALS = 7
+"""`megatron_tail.ops.masked_logprobs_math.NUM_PARTIALS`: fp32 partial sums per token (the Triton backend's
+only per-call working memory beyond the logits and their in-place gradient)."""
 OP_TEMPORARY_COPIES = 4
 """fp32 temporaries per chunk/block (the upcast, z, e^z, the safe indicator; the ops' docstrings)."""
 OP_SAVED_PER_TOKEN = 4 * FP32
@@ -262,6 +268,7 @@ def logits_bytes(
     dtype_bytes: int,
     fused_output_layer: bool,
     sequence_parallel: bool = False,
+    op_backend: str = "torch",
 ) -> int:
     """The last stage's logits term for one training micro-batch.
 
@@ -269,16 +276,24 @@ def logits_bytes(
     (`inplace_backward=True`, `train/engine/forward.py`), plus the op's fp32 working chunks. Fused
     (`model.fused_output_layer`): no logits, only the op's blocks. Both add the final norm's saved input
     and output (h per token each, h/TP with SP; the output is the output layer's input), its 1/rms and the
-    op's per-token state.
+    op's per-token state. The op's working memory is its backend's (`ops.backend`): the PyTorch code's
+    fp32 chunks; the Triton kernels' per-row partial sums only, unfused, and fused one token chunk of whole
+    rows in the activation dtype (`ops.linear_masked_logprobs.TRITON_CHUNK_ELEMENTS`).
     """
     h_kept = shape.hidden // tp if sequence_parallel else shape.hidden
     norm_stat = FP32 // tp if sequence_parallel else FP32
     final_norm = (2 * h_kept * dtype_bytes + norm_stat + OP_SAVED_PER_TOKEN) * tokens
     v_local = shape.padded_vocab // tp
+    triton = op_backend == "triton"
     if fused_output_layer:
         # with SP the op gathers the hidden states and keeps the gathered [tokens, h] for backward
         gathered = shape.hidden * dtype_bytes * tokens if sequence_parallel and tp > 1 else 0
-        blocks = OP_TEMPORARY_COPIES * FP32 * min(tokens * v_local, FUSED_BLOCK_ELEMENTS)
+        if triton:
+            blocks = dtype_bytes * min(tokens * v_local, TRITON_CHUNK_ELEMENTS)
+        else:
+            blocks = OP_TEMPORARY_COPIES * FP32 * min(tokens * v_local, FUSED_BLOCK_ELEMENTS)
         return final_norm + gathered + blocks
     logits = tokens * v_local * dtype_bytes
+    if triton:
+        return final_norm + logits + NUM_PARTIALS * FP32 * tokens
     return final_norm + logits + OP_TEMPORARY_COPIES * FP32 * min(tokens * v_local, UNFUSED_CHUNK_ELEMENTS)

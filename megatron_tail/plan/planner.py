@@ -191,6 +191,7 @@ def make_plan(config: RunConfig, cluster: Cluster) -> Plan:
         recompute_modules=tuple(config.model.recompute_modules),
         sequence_parallel=config.model.sequence_parallel and tp > 1,
         fused_output_layer=config.model.fused_output_layer,
+        op_backend="torch" if config.model.op_backend == "torch" else "triton",  # "auto": Triton on CUDA
         reference=(
             "none"
             if config.algorithm.kl_coef == 0

@@ -56,10 +56,11 @@ def _notes(plan: Plan) -> dict[str, str]:
     if plan.trainer.stage != lay.pipeline_parallel - 1:
         logits = "(last stage only)"
     elif lay.fused_output_layer:
-        logits = "fused op: final norm + fp32 blocks, no logits"
+        chunk = f"{b} B token chunks" if lay.op_backend == "triton" else "fp32 blocks"
+        logits = f"fused op ({lay.op_backend}): final norm + {chunk}, no logits"
     else:
         v_local = shape.padded_vocab // lay.tensor_parallel
-        logits = f"[{lay.tokens_per_gpu}, {v_local}] x {b} B, grad in place"
+        logits = f"[{lay.tokens_per_gpu}, {v_local}] x {b} B, grad in place; op backend {lay.op_backend}"
     ref_gib = f"{plan.trainer.params * b / GIB:.1f} GiB"
     ref = {
         "none": "no reference policy (kl_coef 0)",

@@ -76,6 +76,9 @@ class TrainerLayout:
     context_parallel: int = 1
     """CP: each GPU holds 1/CP of every sequence's tokens (activations, logits); the distributed optimizer
     shards over DP × CP."""
+    op_backend: str = "triton"
+    """The op's backend on the GPU (`model.op_backend`: "auto" is Triton there): its working memory differs
+    (`activations.logits_bytes`)."""
     support_width: int = 0
     """Truncated sampling: support ids per token, all but a few tied tokens (`rollout.top_k`); 0 without."""
     support_dense_width: int = 0
@@ -150,6 +153,7 @@ def stage_memory(shape: ModelShape, layout: TrainerLayout, stage: int) -> StageM
             dtype_bytes=b,
             fused_output_layer=layout.fused_output_layer,
             sequence_parallel=layout.sequence_parallel,
+            op_backend=layout.op_backend,
         )
         if last
         else 0

@@ -48,8 +48,8 @@ def test_qwen3_8b_example_by_hand(capsys):
     assert per_token_layer_sp == 99_476 == t["activation_bytes_per_token_per_layer"]["none_sp"]
     assert t["activations_bytes"] == per_token_layer_sp * 36 * 5120  # one 5120-token THD micro-batch
     # logits [5120, 76288] bf16 (gradient in place) + final norm in/out 2·2048·2 and its 1/rms 4/2 (SP) +
-    # the op's 4 fp32 per token + the op's fp32 working chunks 4 · 4 B · 2^25
-    assert t["logits_bytes"] == 5120 * 76288 * 2 + 5120 * (8192 + 2 + 16) + 16 * 2**25
+    # the op's 4 fp32 per token + the Triton kernels' 7 fp32 partial sums per token ("auto" on CUDA)
+    assert t["logits_bytes"] == 5120 * 76288 * 2 + 5120 * (8192 + 2 + 16) + 7 * 4 * 5120
     assert t["reference_bytes"] == 0
     assert t["capacity_bytes"] == 80 * GIB
     assert t["supports_bytes"] == 0 and out["supports"]["host_bytes_per_rank"] == 0  # no truncated sampling
@@ -239,8 +239,8 @@ def test_context_parallel_divides_activations_and_logits_per_gpu(capsys):
     assert t2["tokens_per_gpu"] == t1["tokens_per_micro_batch"] // 2 == 2560
     per = t1["activation_bytes_per_token_per_layer"]["none_sp"]
     assert t2["activations_bytes"] == per * 36 * 2560 == t1["activations_bytes"] // 2
-    # logits [2560, 76288] bf16 + final norm and the op's state for 2560 tokens + the same fp32 chunks
-    assert t2["logits_bytes"] == 2560 * 76288 * 2 + 2560 * (8192 + 2 + 16) + 16 * 2**25
+    # logits [2560, 76288] bf16 + final norm and the op's state for 2560 tokens + its partial sums
+    assert t2["logits_bytes"] == 2560 * 76288 * 2 + 2560 * (8192 + 2 + 16) + 7 * 4 * 2560
     assert t2["optimizer_bytes"] == t1["optimizer_bytes"]  # DP=2 × CP=2 shards as DP=4 did
     text = main(["plan", *map(str, base), "--set", "parallel.context_parallel=2"])
     out = capsys.readouterr().out
@@ -280,3 +280,29 @@ def test_sampling_supports_are_counted_ragged_at_the_top_k_bound(capsys):
     exact.append("--set=algorithm.log_rho=null")
     _, deterministic = _plan_json(capsys, *base, *exact)
     assert deterministic["supports"]["dense_width"] == 20  # the PyTorch sampler keeps exactly top_k ranks
+
+
+def test_the_op_backends_working_memory_is_what_the_op_allocates():
+    """The planner's copies of the ops' chunk sizes are the ops' own, and its logits term follows the backend:
+    the PyTorch code's fp32 chunks, the Triton kernels' per-row sums (unfused) or one bf16 token chunk
+    (fused)."""
+    from megatron_tail.model.hf_config import load_hf_config
+    from megatron_tail.ops import linear_masked_logprobs, masked_logprobs, masked_logprobs_math
+    from megatron_tail.plan import activations
+    from megatron_tail.plan.shapes import ModelShape
+
+    assert activations.UNFUSED_CHUNK_ELEMENTS == masked_logprobs.CHUNK_ELEMENTS["cuda"]
+    assert activations.FUSED_BLOCK_ELEMENTS == linear_masked_logprobs.BLOCK_ELEMENTS["cuda"]
+    assert activations.TRITON_CHUNK_ELEMENTS == linear_masked_logprobs.TRITON_CHUNK_ELEMENTS["cuda"]
+    assert activations.NUM_PARTIALS == masked_logprobs_math.NUM_PARTIALS
+    shape = ModelShape.from_arch(load_hf_config(QWEN3_8B), 128)
+    kw = dict(tp=2, tokens=16384, dtype_bytes=2, sequence_parallel=False)
+    v_local, fp32 = shape.padded_vocab // 2, 4
+    for fused in (False, True):
+        torch_term = activations.logits_bytes(shape, fused_output_layer=fused, op_backend="torch", **kw)
+        triton_term = activations.logits_bytes(shape, fused_output_layer=fused, op_backend="triton", **kw)
+        if fused:  # 4 fp32 copies of a 2^24 block against one bf16 chunk of 2^28 logits (capped by the call)
+            chunk = min(16384 * v_local, 1 << 28)
+            assert torch_term - triton_term == 4 * fp32 * (1 << 24) - 2 * chunk
+        else:  # 4 fp32 copies of a 2^25 chunk against 7 fp32 sums per token
+            assert torch_term - triton_term == 4 * fp32 * (1 << 25) - 7 * fp32 * 16384
