@@ -64,6 +64,8 @@ def test_sglang_constraints_hold_the_wheels_own_pins():
 def test_trainer_constraints_agree_and_need_their_own_environment():
     cpu, gpu = pins(ROOT / "constraints.txt"), pins(ROOT / "constraints-gpu.txt")
     assert cpu["torch"] == gpu["torch"] and cpu["megatron-core"] == gpu["megatron-core"]
+    assert cpu["triton"] == gpu["triton"] == "3.7.1"  # torch 2.13.0's CUDA wheel: Requires-Dist triton==3.7.1
+    assert metadata.version("triton") == cpu["triton"]  # the kernels' CPU tests run this Triton's interpreter
     assert metadata.version("torch").split("+")[0] == cpu["torch"]
     assert metadata.version("megatron-core") == cpu["megatron-core"]
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
