@@ -246,6 +246,17 @@ def support_blocks(num_rows: int, v_local: int, device: torch.device):
     return spans(num_rows, step * max(1, SUPPORT_BLOCK_ROWS // step))
 
 
+SPECIAL_ELEMENTS = 1 << 24
+"""The Triton backend's `[rows, J, J]` merge of a block's special gradient columns (`triton_grad`; J = K + 2
+with a support) holds at most this many elements; its `[rows, K]` support sums likewise. Few, large blocks:
+each is a handful of small kernels, and a 16k-token call without a support is one block."""
+
+
+def special_blocks(num_rows: int, width: int):
+    """Row blocks of the Triton backend's `[rows, width]`-sized torch work (`width`: J·J, or K)."""
+    return spans(num_rows, max(1, SPECIAL_ELEMENTS // max(width, 1)))
+
+
 class _MaskedLogprobsFunction(torch.autograd.Function):
     """Forward keeps, when the logits are float32/float64 and need a gradient, the masked exponentials
     in a buffer that backward turns into the gradient in place (the gradient must be written anyway, so
@@ -321,7 +332,12 @@ class _MaskedLogprobsFunction(torch.autograd.Function):
         rows_with_support = in_support = None
         if support2d is not None:  # its sums fill the partials' support columns: still one SUM
             rows_with_support = support_math.support_rows(support2d)
-            for rows in support_blocks(num_rows, v_local, x.device):
+            blocks = (
+                special_blocks(num_rows, support2d.shape[1])
+                if backend == "triton"
+                else support_blocks(num_rows, v_local, x.device)
+            )
+            for rows in blocks:
                 local, sup_owned = support_math.support_columns(support2d[rows], vocab_start, num_valid)
                 partials[rows, chunk_math.S_SUPPORT :] = support_math.support_partials(
                     x[rows], local, sup_owned, max_logit[rows], inv_t
@@ -417,7 +433,8 @@ def _triton_backward(x: torch.Tensor, g: torch.Tensor, per_row: dict, dense: dic
     threshold and coefficients; `sparse`: `triton_grad.special_columns`'s own arguments, whole rows."""
     support = sparse.pop("support")
     columns = []
-    for block in support_blocks(x.shape[0], x.shape[1], x.device) if x.shape[1] else ():
+    width = 1 if support is None else (support[0].shape[1] + 2) ** 2  # the merge's [J, J] per row
+    for block in special_blocks(x.shape[0], width) if x.shape[1] else ():
         rows = {k: v[block] if isinstance(v, torch.Tensor) else v for k, v in {**per_row, **sparse}.items()}
         block_support = None
         if support is not None:

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_tail.ops import vocab_parallel_masked_logprobs
+from megatron_tail.ops import masked_logprobs, vocab_parallel_masked_logprobs
 from megatron_tail.ops.reference import reference_masked_logprobs
 from tests.harness import run_distributed
 
@@ -113,7 +113,10 @@ def test_nan_poisons_its_row_and_minus_inf_is_probability_zero():
 
 
 @pytest.mark.parametrize("inplace", [False, True], ids=["read-only", "in-place"])
-def test_sampling_support_with_padding_and_a_forced_target(inplace):
+@pytest.mark.parametrize("block_rows", [None, 3], ids=["one-block", "blocks-of-3"])
+def test_sampling_support_with_padding_and_a_forced_target(monkeypatch, inplace, block_rows):
+    if block_rows is not None:  # the support's torch work in several row blocks, as on a long call
+        monkeypatch.setattr(masked_logprobs, "SPECIAL_ELEMENTS", block_rows * 8 * 8)
     logits, targets, g_l, g_h = make_problem(n=8, dtype=torch.bfloat16, seed=5)
     support = torch.full((8, 6), -1, dtype=torch.int32)
     for row in range(6):  # rows 6 and 7: no support, the safe set
