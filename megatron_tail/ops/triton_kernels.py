@@ -141,7 +141,7 @@ def _grad_kernel(
     threshold = tl.load(THRESHOLD + row)
     log_norm = tl.load(LOG_NORM + row)
     bias = tl.load(BIAS + row)
-    scale_h = 0.0
+    scale_h = bias * 0.0  # a tensor like bias in both branches (NaN with a NaN bias: poisoned anyway)
     if HAS_SCALE_H:
         scale_h = tl.load(SCALE_H + row)
     # the torch path's NaN semantics: a NaN max (a NaN logit), norm or upstream gradient poisons the row
