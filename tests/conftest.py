@@ -1,7 +1,13 @@
-"""Shared pytest set-up: GPU tests skip with a reason where no CUDA device is present."""
+"""Shared pytest set-up: GPU tests skip with a reason where no CUDA device is present; without one, Triton's
+interpreter is on for the session (`tests/triton_interpreter.py` says why it must be set this early)."""
+
+import os
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 def pytest_collection_modifyitems(config, items):  # noqa: ARG001 - pytest hook signature

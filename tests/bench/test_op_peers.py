@@ -5,15 +5,12 @@ move), not speed."""
 
 from __future__ import annotations
 
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is imported (lazily, by the first call)
-
 import pytest
 
 from megatron_tail.bench.op_peers import format_rows, peer_rows
+from tests.triton_interpreter import UNDER_INTERPRETER
 
-pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+pytestmark = UNDER_INTERPRETER
 
 
 def test_the_peer_table_runs_every_variant_and_relates_it_to_the_baseline():

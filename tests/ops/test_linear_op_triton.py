@@ -6,10 +6,6 @@ PyTorch backend), and with megatron's gradient-accumulation fusion."""
 
 from __future__ import annotations
 
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is imported (lazily, by the first call)
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -19,8 +15,9 @@ from megatron_tail.ops import vocab_parallel_linear_masked_logprobs
 from megatron_tail.ops.reference import reference_masked_logprobs
 from tests.harness import run_distributed
 from tests.ops.test_linear_op import TOL, H, as_dict, backward_of, problem, reference
+from tests.triton_interpreter import UNDER_INTERPRETER
 
-pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy's 0·inf
+pytestmark = UNDER_INTERPRETER
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

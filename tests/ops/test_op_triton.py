@@ -10,9 +10,6 @@ within one bf16 ulp relative (2^-7 < 1e-2), as the PyTorch backend's are."""
 from __future__ import annotations
 
 import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is imported (lazily, by the first call)
-
 import subprocess
 import sys
 
@@ -23,8 +20,9 @@ import torch.distributed as dist
 from megatron_tail.ops import masked_logprobs, vocab_parallel_masked_logprobs
 from megatron_tail.ops.reference import reference_masked_logprobs
 from tests.harness import run_distributed
+from tests.triton_interpreter import UNDER_INTERPRETER
 
-pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy's 0·inf
+pytestmark = UNDER_INTERPRETER
 OUTPUTS = ("logprobs", "entropy", "safe_mass", "logprobs_full", "top_logprob")
 GRAD_TOL = {torch.float64: 1e-12, torch.float32: 2e-5, torch.bfloat16: 1e-2}
 OUT_TOL = {torch.float64: 1e-12, torch.float32: 2e-5, torch.bfloat16: 2e-5}

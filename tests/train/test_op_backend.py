@@ -4,18 +4,15 @@ and give what the PyTorch backend gives, log-probs, loss and gradient norm."""
 
 from __future__ import annotations
 
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is imported (lazily, by the first call)
-
 import pytest
 import torch
 
 from tests.harness import run_distributed
 from tests.model.hf_models import make_hf_model
 from tests.train.common import PAD_MULTIPLE, init_rank, make_samples, masked_nll_loss, per_sample
+from tests.triton_interpreter import UNDER_INTERPRETER
 
-pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy's 0·inf
+pytestmark = UNDER_INTERPRETER
 
 
 def _step_rank(rank, world_size, hf_dir, samples, fused):  # noqa: ARG001
