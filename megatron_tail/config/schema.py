@@ -21,6 +21,7 @@ refuses what the loop cannot run.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -195,6 +196,10 @@ class RolloutSection:
     """Port of the local engine; None picks a free one."""
     local_num_threads: int | None = 1
     """torch threads of the local engine (None: torch's default)."""
+    local_device: str = "cpu"
+    """torch device of the local engine's model, e.g. "cuda" or "cuda:0" (its sampling stays on the host, so
+    a seed draws the same tokens as on CPU). On one GPU beside the trainer, sync weights by disk
+    (`weight_sync: disk`): NCCL refuses a second rank on the same device."""
     max_new_tokens: int = 128
     """Longest response, in tokens (with `env`: longest model turn)."""
     env: str | None = None
@@ -451,6 +456,8 @@ class RolloutSection:
                 _bad("rollout", name, port, "must be in 1..65535")
         if self.local_num_threads is not None:
             _positive_int("rollout", "local_num_threads", self.local_num_threads)
+        if not isinstance(self.local_device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.local_device):
+            _bad("rollout", "local_device", self.local_device, 'must be "cpu", "cuda" or "cuda:N"')
         _positive_int("rollout", "max_new_tokens", self.max_new_tokens)
         self._check_truncation()
         _positive_int("rollout", "max_turns", self.max_turns)

@@ -172,6 +172,8 @@ class LocalEngineConfig:
     `--enable-deterministic-inference` forces (`rollout.deterministic`); `local_engine/truncation.py`."""
     return_routed_experts: bool = False
     """SGLang's `--enable-return-routed-experts`, same meaning (`local_engine/routes.py`; MoE models only)."""
+    device: str = "cpu"
+    """torch device of the engine's model (`serve-local --device`; `rollout.local_device`)."""
 
     def __post_init__(self):
         _check_port(self.port)
@@ -217,6 +219,8 @@ def build_local_engine_command(cfg: LocalEngineConfig, python: str = sys.executa
         cmd += ["--sampling-backend", cfg.sampling_backend]
     if cfg.return_routed_experts:
         cmd.append("--enable-return-routed-experts")
+    if cfg.device != "cpu":
+        cmd += ["--device", cfg.device]
     return cmd
 
 

@@ -125,6 +125,7 @@ class RolloutEngines(ManagedRollout):
                 logit_noise=r.local_logit_noise,
                 sampling_backend="pytorch" if r.deterministic else "flashinfer",  # as SGLang picks it
                 return_routed_experts=self.routes_shape is not None,
+                device=r.local_device,
             )
             self.urls = [local.url]
         else:
