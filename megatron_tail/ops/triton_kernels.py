@@ -28,11 +28,14 @@ from .masked_logprobs_math import NUM_PARTIALS, S_ALL, S_SAFE, S_SAFE_EZ, SAFE_C
 
 MAX_BLOCK = 8192
 """Columns per tile at most: 32 KiB of float32 per program on the GPU (16 warps: 16 values per thread);
-a 152k vocabulary is 19 tiles per row. Untuned: no GPU has timed it yet."""
+a 152k vocabulary is 19 tiles per row. A quarter of it for float64 logits (the gradcheck dtype), whose
+doubled registers would spill at the full tile (`tests/ops/test_kernels_compile.py`). Untuned: no GPU has
+timed it yet."""
 
 
-def _block(n_cols: int) -> int:
-    return max(16, min(MAX_BLOCK, triton.next_power_of_2(max(n_cols, 1))))
+def _block(n_cols: int, float64: bool = False) -> int:
+    limit = MAX_BLOCK // 4 if float64 else MAX_BLOCK
+    return max(16, min(limit, triton.next_power_of_2(max(n_cols, 1))))
 
 
 def _warps(block: int) -> int:
@@ -168,7 +171,7 @@ def row_max(x: torch.Tensor, compute_dtype: torch.dtype) -> torch.Tensor:
     """`[N]` max of each row of `x` (`[N, V]`, unit column stride), NaN where the row holds a NaN."""
     out = torch.empty(x.shape[0], dtype=compute_dtype, device=x.device)
     if x.shape[0]:
-        block = _block(x.shape[1])
+        block = _block(x.shape[1], x.dtype == torch.float64)
         _row_max_kernel[(x.shape[0],)](
             x, x.stride(0), x.shape[1], out, BLOCK=block, COMPUTE=_compute_dtype(x), num_warps=_warps(block)
         )
@@ -189,7 +192,7 @@ def partial_sums(
     dtype, the support's columns left 0."""
     out = torch.zeros((x.shape[0], NUM_PARTIALS), dtype=max_logit.dtype, device=x.device)
     if x.shape[0] and x.shape[1]:
-        block = _block(x.shape[1])
+        block = _block(x.shape[1], x.dtype == torch.float64)
         _partials_kernel[(x.shape[0],)](
             x,
             x.stride(0),
@@ -231,7 +234,7 @@ def write_grad(
     overwrite (`masked_logprobs_triton`)."""
     if not (x.shape[0] and x.shape[1]):
         return
-    block = _block(x.shape[1])
+    block = _block(x.shape[1], x.dtype == torch.float64)
     _grad_kernel[(x.shape[0],)](
         x,
         x.stride(0),
