@@ -372,7 +372,11 @@ class RolloutClient:
                 last_error, avoid = e, url
                 timeouts += isinstance(e, RequestTimedOutError)
                 self.stats.failures_by_server[url] += 1
-                if self.server_ended is not None and not isinstance(e, SampleAbortedError):
+                # a dead process drops or refuses the connection; a timeout means a live one did not answer
+                # (stopped, or slow), for which waiting out the exit status's grace would only add delay
+                if self.server_ended is not None and not isinstance(
+                    e, (SampleAbortedError, RequestTimedOutError)
+                ):
                     how = await asyncio.get_running_loop().run_in_executor(None, self.server_ended, url)
                     if how is not None:
                         raise ServerEndedError(url, how) from e
