@@ -29,7 +29,6 @@ import torch.distributed as dist
 
 from . import masked_logprobs_math as chunk_math
 from . import sampling_support_math as support_math
-from . import triton_grad
 from .backend import load_kernels, resolve_backend
 from .masked_logprobs import (
     MaskedLogprobs,
@@ -42,6 +41,7 @@ from .masked_logprobs import (
     group_size_and_rank,
     op_threshold,
     spans,
+    triton_backward,
     valid_columns,
 )
 from .safe_vocab import DEFAULT_LOG_RHO, check_log_rho, check_temperature, rule_dtype
@@ -253,8 +253,9 @@ class _LinearMaskedLogprobsFunction(torch.autograd.Function):
                     if support2d is not None:
                         start = ctx.vocab_start + c.start
                         support = (support2d[r], targets1d[r], forced[r], rows_with_support[r], start)
-                    _triton_block_grad(
+                    triton_backward(
                         x,
+                        x,  # dlogits over the logits: the kernels read each tile before writing it
                         dict(max_logit=max_logit[r], log_norm=log_norm[r], inv_temperature=inv_t),
                         dict(
                             threshold=threshold[r],
@@ -300,15 +301,6 @@ class _LinearMaskedLogprobsFunction(torch.autograd.Function):
         if settings.into_main_grad:
             grad_weight = _dummy_weight_grad(weight)
         return grad_hidden, grad_weight, None, None, None
-
-
-def _triton_block_grad(x: torch.Tensor, per_row: dict, dense: dict, sparse: dict) -> None:
-    """One token chunk's logits `x` (`[rows, V]`, every column of this rank's vocabulary) turned into dlogits
-    in place by the kernels: the target and support columns read first (`triton_grad.special_columns`), the
-    dense pass, those columns written once each (see `triton_grad`)."""
-    cols, values, keep = triton_grad.special_columns(x, **per_row, **sparse)
-    load_kernels(x.device).write_grad(x, x, **per_row, **dense)
-    triton_grad.write_columns_(x, cols, values, keep)
 
 
 def _dummy_weight_grad(weight: torch.Tensor) -> torch.Tensor | None:

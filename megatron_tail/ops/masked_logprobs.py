@@ -312,11 +312,12 @@ class _MaskedLogprobsFunction(torch.autograd.Function):
         grad_buffer = torch.empty_like(logits2d) if keep_exp else None
         if grad_buffer is not None:
             grad_buffer[:, num_valid:].zero_()  # padded columns never receive gradient
-        partials = torch.empty((num_rows, chunk_math.NUM_PARTIALS), dtype=compute_dtype, device=x.device)
         if backend == "triton":
             partials = load_kernels(x.device).partial_sums(
                 x, max_logit, threshold, inv_t, local_target, owned, entropy, count
             )
+        else:
+            partials = torch.empty((num_rows, chunk_math.NUM_PARTIALS), dtype=compute_dtype, device=x.device)
         for rows in row_chunks(num_rows, v_local, x.device) if backend == "torch" else ():
             partials[rows] = chunk_math.chunk_partial_sums(
                 x[rows],
@@ -387,7 +388,7 @@ class _MaskedLogprobsFunction(torch.autograd.Function):
                 local_target=local_target, owned=owned, bias=sparse_bias, scale_h=sparse_scale_h,
                 target_add=target_add, support=ctx.support, num_valid=ctx.num_valid,
             )  # fmt: skip
-            _triton_backward(x, g, per_row, dense, sparse)
+            triton_backward(x, g, per_row, dense, sparse)
             return (grad, *no_grads)
         blocks = support_blocks(x.shape[0], logits2d.shape[1], x.device) if ctx.num_valid else ()
         for block in blocks:  # none on a shard of padding only: its gradient is all zero
@@ -426,16 +427,18 @@ class _MaskedLogprobsFunction(torch.autograd.Function):
         return (grad, *no_grads)
 
 
-def _triton_backward(x: torch.Tensor, g: torch.Tensor, per_row: dict, dense: dict, sparse: dict) -> None:
-    """The Triton backend's backward (`triton_grad`): the target and support columns' values from the logits
-    as they are, block by block; then the dense pass over every row (g may be x: in place); then those
-    columns written once each. `per_row`: max_logit, log_norm, inv_temperature; `dense`: the dense pass's
-    threshold and coefficients; `sparse`: `triton_grad.special_columns`'s own arguments, whole rows."""
-    support = sparse.pop("support")
+def triton_backward(x: torch.Tensor, g: torch.Tensor, per_row: dict, dense: dict, sparse: dict) -> None:
+    """The Triton backend's backward (`triton_grad`), of this op and of each token chunk of the fused one:
+    the target and support columns' values from the logits as they are, block by block; then the dense pass
+    over every row (g may be x: in place); then those columns written once each. `per_row`: max_logit,
+    log_norm, inv_temperature; `dense`: the dense pass's threshold and coefficients; `sparse`:
+    `triton_grad.special_columns`'s own arguments, whole rows (`support` with its columns' vocab start)."""
+    support = sparse["support"]
     columns = []
     width = 1 if support is None else (support[0].shape[1] + 2) ** 2  # the merge's [J, J] per row
+    other = {k: v for k, v in {**per_row, **sparse}.items() if k != "support"}
     for block in special_blocks(x.shape[0], width) if x.shape[1] else ():
-        rows = {k: v[block] if isinstance(v, torch.Tensor) else v for k, v in {**per_row, **sparse}.items()}
+        rows = {k: v[block] if isinstance(v, torch.Tensor) else v for k, v in other.items()}
         block_support = None
         if support is not None:
             ids, targets, forced, rows_with_support, vocab_start = support
