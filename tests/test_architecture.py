@@ -193,7 +193,7 @@ def test_the_graph_sees_function_level_and_lazy_imports():
         "megatron_tail.train.engine.collectives" in GRAPH["megatron_tail.train.run.signals"]
     )  # in a function
     assert "megatron_tail.train.run.loop" in GRAPH["megatron_tail.train.run"]  # a lazy export
-    assert "megatron_tail.rollout.batch" in GRAPH["megatron_tail.train.run.engines"]  # through a facade
+    assert "megatron_tail.rollout.batch" in GRAPH["megatron_tail.train.run.session"]  # through a facade
     assert "megatron_tail.train.engine.settings" in GRAPH["megatron_tail.config.schema"]
     assert layer_of("megatron_tail.train.rl.update") > layer_of("megatron_tail.config.schema")
 

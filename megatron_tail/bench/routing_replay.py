@@ -11,7 +11,7 @@ minus it (the update: r2 and r3 replay), and their sum; each as a ratio to `none
 of the sum over the timed steps (the spread a shared machine adds).
 
 Bytes (arithmetic, not measurement, except the tiny model's row, which is checked against
-`rollout.routes.encode_routes` and `train.rl.routing.compact_routes` on a real array): a token's route is
+`rollout.routes.encode_routes` and `rollout.routes.compact_routes` on a real array): a token's route is
 layers × k expert ids. SGLang's `meta_info.routed_experts` is base64 of int32, 4/3 × 4 bytes per id on the
 wire; the trainer's buffer keeps uint8 below 256 experts (Qwen3-MoE has 128), 1 byte per id.
 """
@@ -74,8 +74,7 @@ def measured_route_bytes(layers: int, k: int, experts: int, tokens: int = 3000) 
     routes `[tokens, layers, k]` over `experts` experts."""
     import numpy as np
 
-    from megatron_tail.rollout.routes import encode_routes
-    from megatron_tail.train.rl.routing import compact_routes
+    from megatron_tail.rollout.routes import compact_routes, encode_routes
 
     routes = np.random.default_rng(0).integers(0, experts, (tokens, layers, k), dtype=np.int32)
     return len(encode_routes(routes)) / tokens, compact_routes(routes).nbytes // tokens

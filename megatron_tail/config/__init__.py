@@ -1,8 +1,8 @@
 """Typed run configuration: YAML + `--set a.b=v` overrides → `RunConfig` (see `schema` and `loader`).
 
-The settings classes live near their owners (algorithms, model, data, train.engine) in modules that import
-no megatron; this package only assembles them, and never imports the run layer. Names are imported lazily,
-so that the `megatron-tail` command line (which imports `config.arguments`) does not pull in torch for
+The settings classes live near their owners (algorithms, model, data, rollout, train.engine) in modules that
+import no megatron; this package only assembles them, and never imports the run layer. Names are imported
+lazily, so that the `megatron-tail` command line (which imports `config.arguments`) does not pull in torch for
 `megatron-tail --help`.
 """
 
@@ -24,7 +24,7 @@ __getattr__, __dir__, __all__ = lazy_exports(
         "LoggingSection": ".schema",
         "ModelSection": ".schema",
         "ParallelSection": ".schema",
-        "RolloutSection": ".schema",
+        "RolloutSection": "megatron_tail.rollout.settings",
         "RunConfig": ".schema",
         "TrainSection": ".schema",
     },

@@ -26,7 +26,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from megatron_tail.config.schema import TOP_K_HEADROOM
+from megatron_tail.rollout.settings import TOP_K_HEADROOM
 from megatron_tail.utils.errors import UserError
 
 VOCAB = 8192

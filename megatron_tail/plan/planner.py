@@ -314,7 +314,7 @@ def _context_parallel_warnings(shape: ModelShape, layout: TrainerLayout, peak: S
 
 def _support_dense_width(config: RunConfig) -> int:
     """The op's dense support width at worst: SGLang's mask cap, since flashinfer keeps ties at the top-k
-    cutoff (`config.schema.TOP_K_HEADROOM`); top_k with the PyTorch sampler (`rollout.deterministic`)."""
+    cutoff (`rollout.settings.TOP_K_HEADROOM`); top_k with the PyTorch sampler (`rollout.deterministic`)."""
     r = config.rollout
     if not r.truncates:
         return 0

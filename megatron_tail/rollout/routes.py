@@ -57,6 +57,26 @@ class RoutesError(ValueError):
     """A reply's `meta_info.routed_experts` does not decode to the shape that was asked for."""
 
 
+ROUTES_FIELD = "routed_experts"
+"""The routes' name everywhere after the engine: `RolloutBatch.routed_experts` and the per-position sample
+field (`[n, num_layers, k]` integer, column = layer id) that the trainer's routers replay
+(`train.engine.routing`)."""
+ROUTED_FIELD = "routed"
+"""Per-position field beside `ROUTES_FIELD`: bool, True where it holds a real route (not the last token)."""
+
+
+def compact_routes(routes):
+    """An engine's int32 `[rows, layers, k]` (numpy or torch) → a torch tensor in the smallest dtype that
+    holds the ids: uint8 below 256 experts (Qwen3-MoE has 128), int16 below 32768, else int32. The
+    rollout buffer holds layers × k bytes per token instead of 4×."""
+    import torch
+
+    t = torch.from_numpy(np.ascontiguousarray(routes)) if isinstance(routes, np.ndarray) else routes
+    top = int(t.max()) if t.numel() else 0
+    dtype = torch.uint8 if top < 256 else torch.int16 if top < 32768 else torch.int32
+    return t.to(dtype)
+
+
 def route_rows(prompt_len: int, output_len: int, start_len: int = 0) -> int:
     """Rows SGLang returns: positions `[start_len, prompt_len + output_len - 1)` (0 if that is empty)."""
     return max(0, prompt_len + output_len - 1 - start_len)

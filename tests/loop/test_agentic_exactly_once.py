@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import subprocess
 
+from megatron_tail.rollout.service.managed import read_trained_prompts
 from megatron_tail.train.engine.checkpoint import read_rank0_object
-from megatron_tail.train.run.managed import read_trained_prompts
 from megatron_tail.train.run.run_dir import complete_checkpoints
 from megatron_tail.utils.errors import EXIT_OUTSIDE_FAILURE
 from tests.loop.conftest import loop_overrides

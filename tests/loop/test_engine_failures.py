@@ -21,9 +21,9 @@ import pytest
 from megatron_tail.rollout.client import NoHealthyServerError
 from megatron_tail.rollout.local_engine.process import LocalEngineProcess
 from megatron_tail.rollout.protocol import RetryableServerError
+from megatron_tail.rollout.service.failures import EngineFailure, LocalEngineError
+from megatron_tail.rollout.service.service import RolloutService
 from megatron_tail.rollout.weight_sync import DiskWeightSync, WeightSyncError
-from megatron_tail.train.run.engine_failures import EngineFailure, LocalEngineError
-from megatron_tail.train.run.engines import RolloutEngines
 from megatron_tail.utils.errors import EXIT_OUTSIDE_FAILURE, OutsideFailure, UserError
 from tests.loop.conftest import loop_overrides
 from tests.loop.engine_faults import SIGNAL_ENV
@@ -44,13 +44,11 @@ def sleeper(tmp_path):
         engine.proc.wait()
 
 
-def _engines(engine: LocalEngineProcess | None) -> RolloutEngines:
-    """Rank 0's `RolloutEngines` as far as `_run` needs it: the local engine (or None), limits, a loop."""
-    engines = RolloutEngines.__new__(RolloutEngines)
-    engines.cfg = SimpleNamespace(
-        rollout=SimpleNamespace(
-            wait_report_s=60.0, request_timeout_s=7.0, sync_timeout_s=9.0, startup_timeout_s=60.0
-        )
+def _engines(engine: LocalEngineProcess | None) -> RolloutService:
+    """Rank 0's `RolloutService` as far as `_run` needs it: the local engine (or None), limits, a loop."""
+    engines = RolloutService.__new__(RolloutService)
+    engines.settings = SimpleNamespace(
+        wait_report_s=60.0, request_timeout_s=7.0, sync_timeout_s=9.0, startup_timeout_s=60.0
     )
     engines.engine, engines.note, engines.urls = engine, print, ["http://127.0.0.1:1"]
     engines.loop, engines._thread = asyncio.new_event_loop(), None

@@ -1,6 +1,6 @@
 """The periodic wait report names what rank 0 waits for: an environment call stuck in its worker is reported
 as that (environment, operation, episode, worker, the limit that stops it), not as the engines' requests
-with `rollout.request_timeout_s` (`RolloutEngines._waiting_line`)."""
+with `rollout.request_timeout_s` (`RolloutService._waiting_line`)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,17 @@ from types import SimpleNamespace
 
 from megatron_tail.rollout.envs.host import WorkerEnv
 from megatron_tail.rollout.envs.pool import Busy, EnvWorkers
-from megatron_tail.train.run.engines import RolloutEngines
+from megatron_tail.rollout.service.plan import Reporting
+from megatron_tail.rollout.service.service import RolloutService
+from megatron_tail.train.run import signals
 
 SLEEPER = "tests.rollout.envs.fault_envs:Sleeper"
 
 
 def _engines(envs, in_flight=None):
     return SimpleNamespace(
-        cfg=SimpleNamespace(rollout=SimpleNamespace(request_timeout_s=600.0)),
+        settings=SimpleNamespace(request_timeout_s=600.0),
+        reporting=Reporting(stop_hint=signals.stop_hint),
         client=SimpleNamespace(in_flight=in_flight or {}),
         eval_client=SimpleNamespace(in_flight={}),
         urls=["http://e0:30000"],
@@ -38,7 +41,7 @@ def test_a_stuck_environment_step_is_named_with_its_episode_worker_and_limit():
     other = Busy(
         "environment 'calculator' (step of episode b1-p0-s1)", "calculator", "b1-p0-s1", now - 5.0, 0
     )
-    line = RolloutEngines._waiting_line(
+    line = RolloutService._waiting_line(
         _engines(_pool(stuck, other), {"http://e0:30000": 3}), "episodes of 4 prompts × 2", 61.0
     )
     assert line == (
@@ -52,7 +55,7 @@ def test_a_stuck_environment_step_is_named_with_its_episode_worker_and_limit():
 def test_without_a_slow_environment_call_the_engines_are_named():
     quick = Busy("environment 'calculator' (step of episode e)", "calculator", "e", time.monotonic(), 0)
     for envs in (None, _pool(), _pool(quick)):
-        line = RolloutEngines._waiting_line(
+        line = RolloutService._waiting_line(
             _engines(envs, {"http://e0:30000": 3}), "episodes of 4 prompts × 2", 61.0
         )
         assert line == (
@@ -70,7 +73,7 @@ def test_a_step_hanging_in_a_real_worker_is_what_the_report_names():
         await env.reset({})
         step = asyncio.ensure_future(env.step("hang"))
         await asyncio.sleep(2.5)
-        line = RolloutEngines._waiting_line(_engines(pool), "episodes of 2 prompts × 2", 3.0)
+        line = RolloutService._waiting_line(_engines(pool), "episodes of 2 prompts × 2", 3.0)
         step.cancel()
         return line
 

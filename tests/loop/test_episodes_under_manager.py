@@ -1,5 +1,5 @@
 """Multi-turn episodes (`rollout.env`) under the rollout manager, with partial rollouts and truncated
-sampling: `RolloutEngines` runs its real manager, the episode runner (`episodes.EpisodeGroups`) with a real
+sampling: `RolloutService` runs its real manager, the episode runner (`episodes.EpisodeGroups`) with a real
 environment worker, and `RolloutClient.generate_group` against a scripted fake of the client's request
 method (no engine, no model). A weight update during a turn aborts it; the turn continues under the new
 weights, and every policy token keeps the version and log-prob of the request that sampled it, every
@@ -18,9 +18,10 @@ from megatron_tail.rollout import RolloutClient
 from megatron_tail.rollout.batch import rollout_metrics
 from megatron_tail.rollout.envs.pool import EnvWorkers
 from megatron_tail.rollout.protocol import SampleResult
-from megatron_tail.train.run.engines import RolloutEngines
-from megatron_tail.train.run.episodes import turn_key
-from megatron_tail.train.run.managed import group_seeds
+from megatron_tail.rollout.service.episodes import turn_key
+from megatron_tail.rollout.service.managed import group_seeds
+from megatron_tail.rollout.service.service import RolloutService
+from megatron_tail.train.run.rollout_plan import plan_from
 from megatron_tail.utils.ragged import Ragged
 
 PROMPT = [1, 2]
@@ -88,12 +89,15 @@ class Tokenizer:
 
 
 def _engines(*overrides, score=None):
-    """`RolloutEngines` without an engine or a model: `TurnEngine` answers, one real environment worker."""
+    """`RolloutService` without an engine or a model: `TurnEngine` answers, one real environment worker."""
     base = ["algorithm.group_size=2", "data.prompts_per_step=1", "rollout.max_turns=2"]
     base.append(f"run_dir={tempfile.mkdtemp()}")  # the manager records the prompts each step trains there
     cfg = load_config(None, [*base, "rollout.partial_rollouts=true", "rollout.max_concurrency=2", *overrides])
-    e = RolloutEngines.__new__(RolloutEngines)
-    e.cfg, e.note, e.vocab_size, e._counted, e.engine, e._thread = cfg, print, 100, {}, None, None
+    e = RolloutService.__new__(RolloutService)
+    e.cfg = cfg  # the run's config, for the trainer's side of the checks below
+    e.settings, e.plan = cfg.rollout, plan_from(cfg, vocab_size=100, context_length=1000)
+    e._log_rho, e.note, e.vocab_size, e._counted = e.plan.log_rho, print, 100, {}
+    e.engine, e._thread = None, None
     e.manager, e._manager_episodes, e.context_length = None, None, 1000
     e.tokenizer, e.urls = Tokenizer(), ["http://turns:1"]
     e.score = score or (lambda completions, _answers: [float(i % 2) for i in range(len(completions))])
@@ -103,7 +107,7 @@ def _engines(*overrides, score=None):
     return e
 
 
-def _stop(e: RolloutEngines) -> None:
+def _stop(e: RolloutService) -> None:
     if e._thread is not None:
         asyncio.run_coroutine_threadsafe(e.manager.close(), e.loop).result(timeout=30)
         e.loop.call_soon_threadsafe(e.loop.stop)
@@ -188,7 +192,7 @@ def test_an_environment_failure_under_the_manager_regenerates_its_group_with_fre
     """Counted in the batch's `rollout/env_failures`; the group runs again inside its unit of work with the
     next environment attempt's seeds, and a group the manager regenerates (attempt a) starts at environment
     attempt a · MAX_ENV_ATTEMPTS: no two attempts share seeds."""
-    from megatron_tail.train.run.episodes import MAX_ENV_ATTEMPTS
+    from megatron_tail.rollout.service.episodes import MAX_ENV_ATTEMPTS
 
     e, marker = failing
     examples = {1: SimpleNamespace(prompt_ids=PROMPT, answer=f"raise:{marker}")}

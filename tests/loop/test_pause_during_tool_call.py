@@ -3,7 +3,7 @@ the rollout manager with partial rollouts the episode waits in its tool call acr
 turn is sampled under the new weights, and the group trains once with every token's version and log-prob;
 the checkpoint taken meanwhile lists the group as in flight, so a run resumed from it regenerates it (fresh
 seeds) and trains it once too. Without partial rollouts the update waits for the tool call and the episode.
-`RolloutEngines` with its real manager, the episode runner and four real environment workers; the engines
+`RolloutService` with its real manager, the episode runner and four real environment workers; the engines
 are a scripted fake of the client's request method (as in `test_episodes_under_manager`)."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import pytest
 
 from megatron_tail.rollout.envs.pool import EnvWorkers
 from megatron_tail.rollout.protocol import SampleResult
-from megatron_tail.train.run.episodes import MAX_ENV_ATTEMPTS, turn_key
-from megatron_tail.train.run.managed import group_seeds, read_trained_prompts
+from megatron_tail.rollout.service.episodes import MAX_ENV_ATTEMPTS, turn_key
+from megatron_tail.rollout.service.managed import group_seeds, read_trained_prompts
 from megatron_tail.utils.ragged import Ragged
 from tests.loop.test_episodes_under_manager import (
     OBSERVATION,

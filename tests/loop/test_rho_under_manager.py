@@ -1,7 +1,7 @@
 """Adaptive ρ under the rollout manager: a ρ change between steps reaches the next requests the manager
 sends (new groups and continued partial-rollout segments), and every sample carries the ρ it was drawn
 with (`RolloutBatch.sampled_log_rho`, checkpointed with the manager's buffer, logged by `log_rho_metrics`).
-`RolloutEngines` runs its real manager and `RolloutClient.generate_group` against a recording fake of the
+`RolloutService` runs its real manager and `RolloutClient.generate_group` against a recording fake of the
 client's request method: no engine, no model."""
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from megatron_tail.rollout import RolloutClient
 from megatron_tail.rollout.batch import RolloutBatch, log_rho_metrics
 from megatron_tail.rollout.manager import GroupResult, groups_to_batch
 from megatron_tail.rollout.protocol import SampleResult, sample_seed
-from megatron_tail.train.run.engines import RolloutEngines
-from megatron_tail.train.run.managed import group_seeds
+from megatron_tail.rollout.service.managed import group_seeds
+from megatron_tail.rollout.service.service import RolloutService
+from megatron_tail.train.run.rollout_plan import plan_from
 from megatron_tail.train.run.session import with_log_rho
 
 INITIAL, LATER = -13.0, -10.5
@@ -61,11 +62,13 @@ class RecordingClient(RolloutClient):
         ]
 
 
-def _engines(overrides, **client_kw) -> RolloutEngines:
+def _engines(overrides, **client_kw) -> RolloutService:
     cfg = load_config(None, ["algorithm.log_rho=auto", "algorithm.group_size=2", "data.prompts_per_step=2",
                              f"run_dir={tempfile.mkdtemp()}", *overrides])  # fmt: skip
-    e = RolloutEngines.__new__(RolloutEngines)
-    e.cfg = with_log_rho(cfg, INITIAL)  # as `RunSession` resolves "auto"
+    e = RolloutService.__new__(RolloutService)
+    cfg = with_log_rho(cfg, INITIAL)  # as `RunSession` resolves "auto"
+    e.settings, e.plan = cfg.rollout, plan_from(cfg, vocab_size=100, context_length=1000)
+    e._log_rho = e.plan.log_rho
     e.note, e.vocab_size, e._counted, e.engine, e.manager, e._thread = print, 100, {}, None, None, None
     e.tokenizer = SimpleNamespace(decode=lambda _ids, **_kw: "x")
     e.score = lambda completions, _answers: [float(i % 2) for i in range(len(completions))]
@@ -81,11 +84,11 @@ def _engines(overrides, **client_kw) -> RolloutEngines:
     return e
 
 
-def _set_rho(e: RolloutEngines, log_rho: float) -> None:
-    e.cfg = with_log_rho(e.cfg, log_rho)  # what `RunSession._use_log_rho` does on rank 0
+def _set_rho(e: RolloutService, log_rho: float) -> None:
+    e.set_log_rho(log_rho)  # what `RunSession._use_log_rho` does on rank 0
 
 
-def _stop(e: RolloutEngines) -> None:
+def _stop(e: RolloutService) -> None:
     asyncio.run_coroutine_threadsafe(e.manager.close(), e.loop).result(timeout=10)
     e.loop.call_soon_threadsafe(e.loop.stop)
     e._thread.join(timeout=10)

@@ -13,8 +13,8 @@ import pytest
 from megatron_tail.config.schema import TrainSection
 from megatron_tail.rollout.batch import RolloutBatch
 from megatron_tail.rollout.manager import GroupResult, RolloutManager
+from megatron_tail.rollout.service.managed import manager_batch
 from megatron_tail.train.run import loop
-from megatron_tail.train.run.managed import manager_batch
 
 GROUPS, ROUNDS = 2, 3
 

@@ -393,7 +393,7 @@ def test_by_default_no_group_is_dropped_for_age_and_a_straggler_logs_its_true_st
     """AReaL's rule: staleness is bounded at admission only. The long groups (one in five takes 40 ticks)
     finish versions after they were admitted; each is trained once, at its true staleness (the step minus
     its admission version, its oldest token's), which `rollout/staleness_max` logs."""
-    from megatron_tail.train.run.managed import manager_batch
+    from megatron_tail.rollout.service.managed import manager_batch
 
     async def main():
         engines = SimulatedEngines(_long_tail)

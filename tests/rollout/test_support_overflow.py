@@ -138,9 +138,9 @@ def test_a_step_logs_the_overflows_and_retries_since_the_last_batch():
 
     from megatron_tail.rollout.client import ClientStats
     from megatron_tail.rollout.occupancy import EngineOccupancy
-    from megatron_tail.train.run.engines import RolloutEngines
+    from megatron_tail.rollout.service.service import RolloutService
 
-    engines = object.__new__(RolloutEngines)  # the counters only: no engine, client or scorer
+    engines = object.__new__(RolloutService)  # the counters only: no engine, client or scorer
     engines._counted = {}
     engines.client = SimpleNamespace(
         stats=ClientStats(retries=2, support_overflows=1), occupancy=EngineOccupancy()
@@ -159,8 +159,8 @@ def test_a_group_that_overflows_on_every_attempt_is_a_user_error_naming_the_keys
     rollout.sampling_mask_max_tokens and the headroom rule, exit 2."""
     from types import SimpleNamespace
 
-    from megatron_tail.config.schema import TOP_K_HEADROOM
-    from megatron_tail.train.run.engines import RolloutEngines
+    from megatron_tail.rollout.service.service import RolloutService
+    from megatron_tail.rollout.settings import TOP_K_HEADROOM
     from megatron_tail.utils.errors import UserError
 
     async def overflow(_request):
@@ -172,11 +172,9 @@ def test_a_group_that_overflows_on_every_attempt_is_a_user_error_naming_the_keys
     app = web.Application()
     app.router.add_post("/generate", overflow)
     app.router.add_get("/health", healthy)
-    engines = object.__new__(RolloutEngines)  # `_run` alone, on a remote engine
-    engines.cfg = SimpleNamespace(
-        rollout=SimpleNamespace(
-            wait_report_s=60.0, request_timeout_s=7.0, top_k=2, sampling_mask_max_tokens=4
-        )
+    engines = object.__new__(RolloutService)  # `_run` alone, on a remote engine
+    engines.settings = SimpleNamespace(
+        wait_report_s=60.0, request_timeout_s=7.0, top_k=2, sampling_mask_max_tokens=4
     )
     engines.engine, engines.note = None, print
     engines.loop, engines._thread = asyncio.new_event_loop(), None
@@ -197,6 +195,6 @@ def test_a_group_that_overflows_on_every_attempt_is_a_user_error_naming_the_keys
         "engines' sampling-mask cap on all 2 attempts, with fresh seeds each time (the engine: "
         f'"{MESSAGE}"); a rerun repeats this (a first token\'s support depends on the prompt alone), since '
         "the ties at the top-k cutoff that SGLang's flashinfer sampler keeps need more than the ×2 headroom "
-        "the config requires (config.schema.TOP_K_HEADROOM): raise rollout.sampling_mask_max_tokens or lower "
+        "the config requires (rollout.settings.TOP_K_HEADROOM): raise rollout.sampling_mask_max_tokens or lower "
         "rollout.top_k"
     )

@@ -18,7 +18,8 @@ def session_of(cfg):
     s = RunSession.__new__(RunSession)
     s.rho = adaptive_rho_rule(cfg)
     s.cfg = with_log_rho(cfg, s.rho.initial) if s.rho is not None else cfg
-    s.engines = SimpleNamespace(cfg=s.cfg)
+    s.engines = SimpleNamespace(log_rho=None)  # rank 0's rollout service: the ρ its requests go out at
+    s.engines.set_log_rho = lambda log_rho: setattr(s.engines, "log_rho", log_rho)
     return s
 
 
@@ -32,7 +33,7 @@ def test_auto_starts_at_the_initial_value_and_follows_the_rule():
     metrics = {"dvp/safe_mass_min": 1.0 - 0.1 / 8 * math.e}  # pruned e × the budget: one nat down
     s.adapt_log_rho(metrics)
     assert metrics["dvp/log_rho"] == -13.0
-    assert s.log_rho == pytest.approx(-14.0) and s.engines.cfg.algorithm.log_rho == pytest.approx(-14.0)
+    assert s.log_rho == pytest.approx(-14.0) and s.engines.log_rho == pytest.approx(-14.0)
     metrics = {}  # an empty batch: no Z_min, ρ kept
     s.adapt_log_rho(metrics)
     assert metrics["dvp/log_rho"] == pytest.approx(-14.0) and s.log_rho == pytest.approx(-14.0)

@@ -347,7 +347,7 @@ def test_routes_survive_the_rollout_buffers_checkpoint(tmp_path):
     from megatron_tail.config import config_from_dict
     from megatron_tail.rollout.batch import RolloutBatch, concat_batches, select_samples
     from megatron_tail.rollout.manager import GroupResult
-    from megatron_tail.train.rl.routing import ROUTED_FIELD, ROUTES_FIELD, compact_routes
+    from megatron_tail.rollout.routes import ROUTED_FIELD, ROUTES_FIELD, compact_routes
     from megatron_tail.train.rl.samples import build_samples
 
     g = torch.Generator().manual_seed(0)
@@ -413,7 +413,7 @@ def test_an_engine_without_routes_fails_the_step_with_one_line():
 
     from megatron_tail.config import config_from_dict
     from megatron_tail.rollout.protocol import MissingRoutesError
-    from megatron_tail.train.run.engines import RolloutEngines
+    from megatron_tail.rollout.service.service import RolloutService
     from megatron_tail.utils.errors import UserError
 
     async def generate():
@@ -421,8 +421,8 @@ def test_an_engine_without_routes_fails_the_step_with_one_line():
             "http://x/generate sample 0: no meta_info.routed_experts (--enable-return-routed-experts?)"
         )
 
-    engines = object.__new__(RolloutEngines)
-    engines.cfg, engines.engine, engines._thread = config_from_dict({}), None, None
+    engines = object.__new__(RolloutService)
+    engines.settings, engines.engine, engines._thread = config_from_dict({}).rollout, None, None
     engines.loop, engines.note = asyncio.new_event_loop(), print
     engines.__dict__["_watching"] = types.MethodType(lambda _self, coro, _what: coro, engines)
     try:

@@ -45,14 +45,11 @@ from megatron.core.transformer.moe.router_replay import RouterReplayAction
 from megatron.core.utils import unwrap_model
 
 from megatron_tail.model.moe import router_replays
+from megatron_tail.rollout.routes import ROUTED_FIELD, ROUTES_FIELD
 
 from .batch import MicroBatch
 from .parallel import comm_device
 
-ROUTES_FIELD = "routed_experts"
-"""Per-position field: the engine's expert ids `[b, s, num_layers, k]` (integer), column = layer id."""
-ROUTED_FIELD = "routed"
-"""Per-position field: `[b, s]` bool, True where `ROUTES_FIELD` holds a real route."""
 RECORDED = "recorded_routes"
 """`MicroBatch.extras` key: a RECORD pass's routes, {chunk index: one `[s·b, k]` int64 per MoE layer of the
 chunk}, in router token order."""

@@ -11,7 +11,7 @@ Under r2 the reference routes freely: it is another model, whose own routing is 
 
 The engine's routes (`RolloutBatch.routed_experts`, `[prompt + response − 1, num_hidden_layers, k]`, row p =
 token p's route as a forward's input) become two per-position fields of the sample
-(`engine.routing.ROUTES_FIELD` / `ROUTED_FIELD`): the last token gets an all-0 row and `routed` False (it was
+(`rollout.routes.ROUTES_FIELD` / `ROUTED_FIELD`): the last token gets an all-0 row and `routed` False (it was
 sampled but never fed to the engine; its outputs predict nothing in the loss). From there they follow their
 tokens through packing, the CP split and micro-batches like any other per-token field (`engine.batch`).
 
@@ -24,23 +24,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
+from megatron_tail.rollout.routes import ROUTED_FIELD, ROUTES_FIELD, SERVER_FLAG
 from megatron_tail.utils.errors import UserError
 
 if TYPE_CHECKING:
     from ..engine.routing import RoutingPass
 
-# the names of `engine.routing.ROUTES_FIELD` / `ROUTED_FIELD`, here without importing megatron (the rollout
-# side builds batches with `compact_routes` on rank 0 before any model exists)
-ROUTES_FIELD = "routed_experts"
-ROUTED_FIELD = "routed"
-
 OLD_ACTION = {"none": "free", "r2": "record", "r3": "replay_field"}
 UPDATE_ACTION = {"none": None, "r2": "replay_recorded", "r3": "replay_field"}
 REFERENCE_ACTION = {"none": None, "r2": None, "r3": "replay_field"}
-SERVER_FLAG = "--enable-return-routed-experts"
 
 
 def check_routing_replay(cfg, arch) -> None:
@@ -64,16 +58,6 @@ def engine_routes_shape(cfg, arch) -> tuple[int, int] | None:
     if cfg.algorithm.routing_replay == "r3" or cfg.rollout.engine == "local":
         return (arch.num_layers, arch.moe.top_k)
     return None
-
-
-def compact_routes(routes) -> torch.Tensor:
-    """An engine's int32 `[rows, layers, k]` (numpy or torch) → a torch tensor in the smallest dtype that
-    holds the ids: uint8 below 256 experts (Qwen3-MoE has 128), int16 below 32768, else int32. The
-    rollout buffer holds layers × k bytes per token instead of 4×."""
-    t = torch.from_numpy(np.ascontiguousarray(routes)) if isinstance(routes, np.ndarray) else routes
-    top = int(t.max()) if t.numel() else 0
-    dtype = torch.uint8 if top < 256 else torch.int16 if top < 32768 else torch.int32
-    return t.to(dtype)
 
 
 def route_fields(routes: torch.Tensor, n: int, where: str) -> dict[str, torch.Tensor]:

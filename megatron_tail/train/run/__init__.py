@@ -1,5 +1,6 @@
-"""The RL run: the loop and its step (`loop`), what a run holds (`session`), rank 0's rollout engines
-(`engines`), the run directory, stop signals, TensorBoard, the console, and the `train` CLI (`cli`).
+"""The RL run: the loop and its step (`loop`), what a run holds (`session`), what it tells rank 0's rollout
+service (`rollout_plan`; the service is `megatron_tail.rollout.service`), the run directory, stop signals,
+TensorBoard, the console, and the `train` CLI (`cli`).
 
     result = run(load_config("examples/demo/demo.yaml"))
 """
@@ -15,7 +16,7 @@ __getattr__, __dir__, __all__ = lazy_exports(
         "rl_step": ".loop",
         "run": ".loop",
         "RunSession": ".session",
-        "RolloutEngines": ".engines",
+        "start_rollout": ".rollout_plan",
         "GracefulStop": ".signals",
         "ScalarLog": ".tensorboard",
     },

@@ -1,5 +1,5 @@
 """Offline evaluation of a checkpoint or an exported model on the config's eval set, exactly as the loop
-evaluates (`RolloutEngines.evaluate`: pass@k, mean@n, greedy accuracy, same seeds).
+evaluates (`RolloutService.evaluate`: pass@k, mean@n, greedy accuracy, same seeds).
 
     scalars = evaluate_offline(cfg, hf_dir="runs/x/rollout_weights")
     scalars = evaluate_offline(cfg, checkpoint="runs/x/checkpoints/step_000100")   # exported first
@@ -85,13 +85,13 @@ def export_checkpoint(cfg: RunConfig, checkpoint: Path) -> Path:
 def _evaluate(cfg: RunConfig, model_dir: Path, out: Path) -> dict[str, float]:
     from megatron_tail.model.directory import check_model_dir
 
-    from .engines import RolloutEngines
+    from .rollout_plan import start_rollout
     from .session import load_eval_examples, load_tokenizer
 
     check_model_dir(model_dir, key="the model to evaluate")
     tokenizer = load_tokenizer(str(model_dir))
     examples = load_eval_examples(cfg.data, tokenizer)
-    engines = RolloutEngines(cfg, out, tokenizer)
+    engines = start_rollout(cfg, out, tokenizer)
     try:
         engines.wait_ready()
         if cfg.rollout.engine != "local":

@@ -4,8 +4,8 @@
 <run_dir>/tensorboard/           TensorBoard events
 <run_dir>/checkpoints/step_000010/   dist checkpoints (model, optimizer, RNG, rl_state), atomic
 <run_dir>/rollout_weights/       the latest HF export the engines load (also the final model)
-<run_dir>/logs/                  the local engine's log; trained_prompts.jsonl (under the rollout manager:
-                                 the prompt-stream indices each step trained)
+<run_dir>/logs/                  the local engine's log; trained_prompts.jsonl (the prompt-stream indices
+                                 each step trained: `rollout.service.plan.trained_prompts_path`)
 """
 
 from __future__ import annotations
@@ -19,11 +19,6 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 def tensorboard_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "tensorboard"
-
-
-def trained_prompts_path(run_dir: str | Path) -> Path:
-    """The rollout manager's record of the prompt-stream indices each step trained (`managed.py`)."""
-    return Path(run_dir) / "logs" / "trained_prompts.jsonl"
 
 
 def checkpoints_dir(run_dir: str | Path) -> Path:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from megatron_tail.algorithms.adaptive_rho import AdaptiveRho
 from megatron_tail.config import RunConfig
 from megatron_tail.rollout import RolloutBatch
+from megatron_tail.rollout.service import RolloutService
 
 from ..engine.checkpoint import load_checkpoint, read_rank0_object, save_checkpoint
 from ..engine.collectives import on_rank0
@@ -38,7 +39,7 @@ from ..engine.setup import build_trainer
 from ..rl.routing import check_routing_replay
 from . import run_dir, signals
 from .console import Console, progress_enabled
-from .engines import RolloutEngines
+from .rollout_plan import start_rollout
 
 
 def adaptive_rho_rule(cfg: RunConfig) -> AdaptiveRho | None:
@@ -102,7 +103,7 @@ class RunSession:
         self.console = Console(enabled=self.rank == 0, bars=progress_enabled(cfg.logging.progress))
         for warning in cfg.warnings():
             self.console.note(f"warning: {warning}")
-        self.engines: RolloutEngines | None = None
+        self.engines: RolloutService | None = None
         self.batches = None
         self.eval_examples: list = []
         self.reference = None
@@ -125,7 +126,7 @@ class RunSession:
             tokenizer = load_tokenizer(cfg.model.hf_path)
             self._load_data(tokenizer)
             # a local engine starts loading now
-            self.engines = RolloutEngines(cfg, self.run_dir, tokenizer, note=self.console.note)
+            self.engines = start_rollout(cfg, self.run_dir, tokenizer, note=self.console.note)
 
         on_rank0(start_engines, wait_group=self._wait)
         try:
@@ -176,7 +177,7 @@ class RunSession:
     @property
     def sampling_log_rho(self) -> float | None:
         """The rule's log ρ of the step about to run (`AlgorithmConfig.rule_log_rho`), which the trainer
-        prunes with and the engines send with every request from now on (`RolloutEngines.sampling_log_rho`,
+        prunes with and the engines send with every request from now on (`RolloutService.sampling_log_rho`,
         the same `cfg`); None without DVP."""
         a = self.cfg.algorithm
         if a.log_rho is None or a.log_rho == float("-inf"):
@@ -196,7 +197,7 @@ class RunSession:
     def _use_log_rho(self, log_rho: float) -> None:
         self.cfg = with_log_rho(self.cfg, log_rho)
         if self.engines is not None:
-            self.engines.cfg = self.cfg
+            self.engines.set_log_rho(self.sampling_log_rho)
 
     # --- collective methods ---------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ from megatron_tail.config import load_config
 from megatron_tail.rollout import RolloutBatch, rollout_metrics
 from megatron_tail.rollout.batch import concat_batches, select_groups
 from megatron_tail.rollout.envs import Episode
-from megatron_tail.train.run.episodes import episodes_to_batch
+from megatron_tail.rollout.service.episodes import episodes_to_batch
 from megatron_tail.utils.errors import UserError
 
 

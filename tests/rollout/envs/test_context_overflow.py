@@ -13,7 +13,7 @@ import pytest
 from megatron_tail.rollout import SamplingConfig
 from megatron_tail.rollout.envs import EpisodeLimits, Tokens, TurnOutput, run_episode
 from megatron_tail.rollout.envs.pool import EnvWorkers
-from megatron_tail.train.run.episodes import episodes_to_batch, run_episodes
+from megatron_tail.rollout.service.episodes import episodes_to_batch, run_episodes
 
 CONTEXT, MAX_NEW = 16, 4
 PROMPT = [11, 12, 13]

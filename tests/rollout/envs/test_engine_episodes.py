@@ -1,6 +1,6 @@
 """Episodes over a real local engine (a subprocess speaking SGLang's `/generate`): the engine's log-probs of
 every policy token equal an independent HF forward over the finished sample, so each turn saw exactly the
-concatenated ids; and through rank 0's `RolloutEngines` (its rollout manager), a one-turn episode is the
+concatenated ids; and through rank 0's `RolloutService` (its rollout manager), a one-turn episode is the
 single-turn sample."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from megatron_tail.rollout import ClientConfig, RolloutClient, SamplingConfig
 from megatron_tail.rollout.envs import EpisodeLimits, Tokens
 from megatron_tail.rollout.envs.pool import EnvWorkers
-from megatron_tail.train.run.episodes import run_episodes
+from megatron_tail.rollout.service.episodes import run_episodes
 from tests.rollout.servers import start_servers
 
 PROMPTS = [[5, 6, 76, 7, 84], [8, 9, 76, 10, 84]]
@@ -89,7 +89,7 @@ def test_every_turn_sees_the_concatenated_ids(fp32_server, tiny_model_dir, token
 
 def _engines(cfg_overrides, url, model_dir, run_dir, tokenizer):
     from megatron_tail.config import load_config
-    from megatron_tail.train.run.engines import RolloutEngines
+    from megatron_tail.train.run.rollout_plan import start_rollout
 
     cfg = load_config(
         None,
@@ -107,7 +107,7 @@ def _engines(cfg_overrides, url, model_dir, run_dir, tokenizer):
             *cfg_overrides,
         ],
     )
-    engines = RolloutEngines(cfg, run_dir, tokenizer)
+    engines = start_rollout(cfg, run_dir, tokenizer)
     engines.wait_ready()
     return engines
 
@@ -155,7 +155,7 @@ def test_one_turn_episode_is_the_single_turn_sample(
 
 def test_multi_turn_episodes_carry_their_supports_under_top_p(fp32_server, tokenizer):
     """Every policy token lies in its own support row, every environment token has an empty row."""
-    from megatron_tail.train.run.episodes import episodes_to_batch
+    from megatron_tail.rollout.service.episodes import episodes_to_batch
 
     episodes = _three_turn_episodes(fp32_server, tokenizer, top_k=20, top_p=0.95)
     batch = episodes_to_batch(episodes, [0.0] * 4, correct_reward=1.0, elapsed_s=0.0, supports=True)

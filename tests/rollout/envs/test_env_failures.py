@@ -1,6 +1,6 @@
-"""Environments fail alone (`train.run.episodes.run_episodes`): an environment that raises, or hangs past
-`data.reward_timeout_s`, fails its episode; the episode's group is generated again with fresh seeds and the
-step goes on, counting `rollout/env_failures`; more than `rollout.max_env_failure_fraction` of the step's
+"""Environments fail alone (`rollout.service.episodes.run_episodes`): an environment that raises, or hangs
+past `data.reward_timeout_s`, fails its episode; the episode's group is generated again with fresh seeds and
+the step goes on, counting `rollout/env_failures`; more than `rollout.max_env_failure_fraction` of the step's
 episodes failing stops it with one line naming the environment and the last exception. Real environment
 workers (`rollout.envs.pool`), environments from `fault_envs`, a recording fake client (no engine)."""
 
@@ -14,7 +14,7 @@ import pytest
 from megatron_tail.rollout import SamplingConfig
 from megatron_tail.rollout.envs import EpisodeLimits, Tokens
 from megatron_tail.rollout.envs.pool import EnvWorkers
-from megatron_tail.train.run.episodes import EnvironmentFailures, FailureCount, run_episodes, turn_key
+from megatron_tail.rollout.service.episodes import EnvironmentFailures, FailureCount, run_episodes, turn_key
 from tests.rollout.envs import fault_envs
 
 FAILS_ONCE = "tests.rollout.envs.fault_envs:FailsOnce"

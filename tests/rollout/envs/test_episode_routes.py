@@ -19,14 +19,14 @@ from megatron_tail.rollout.envs import Episode, EpisodeLimits, Tokens
 from megatron_tail.rollout.envs.pool import EnvWorkers
 from megatron_tail.rollout.local_engine.engine import LocalEngine
 from megatron_tail.rollout.local_engine.server import build_app
-from megatron_tail.train.rl.routing import ROUTED_FIELD, ROUTES_FIELD
-from megatron_tail.train.rl.samples import build_samples
-from megatron_tail.train.run.episodes import (
+from megatron_tail.rollout.service.episodes import (
     EpisodeGroups,
     FailureCount,
     episodes_to_batch,
     with_routes_from,
 )
+from megatron_tail.train.rl.routing import ROUTED_FIELD, ROUTES_FIELD
+from megatron_tail.train.rl.samples import build_samples
 from tests.rollout.servers import serving_app
 from tests.rollout.tiny_moe import (
     DENSE_LAYER,

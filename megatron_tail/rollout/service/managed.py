@@ -1,17 +1,18 @@
-"""Rank 0's rollout manager side of `RolloutEngines`, the only way a training batch is made: the engines'
+"""Rank 0's rollout manager side of `RolloutService`, the only way a training batch is made: the engines'
 event loop runs in its own thread with a `RolloutManager` on it (η = `rollout.max_staleness`; η = 0 the
 synchronous loop, η = 1 one step ahead), whose unit of work is one prompt's group: single-turn samples
 (`_sample_group`), or with `rollout.env` the group's multi-turn episodes (`episodes.EpisodeGroups`,
 `_episode_group`). A single-turn sample asks the engines exactly what a one-turn episode asks.
 
 Seeds (`group_seeds`): group `index` (the prompt stream's position) is the `index % G`-th prompt of step
-`index // G` (G = `data.prompts_per_step`), and its samples' seeds are those of the step-wise rollout this
-path replaced: base seed `rollout_seed(seed, index // G)`, prompt position `index % G`. So at η = 0 and
-η = 1 a run draws the same tokens as before (`tests/loop/test_one_generation_path.py` holds it to batches
-recorded from that path). The prompt stream uses every prompt of an epoch; the step-wise batches dropped an
-epoch's last partial batch, so the two part after the first epoch when G does not divide the prompts.
+`index // G` (G = `plan.groups_per_step`, `data.prompts_per_step`), and its samples' seeds are those of the
+step-wise rollout this path replaced: base seed `rollout_seed(seed, index // G)`, prompt position `index % G`.
+So at η = 0 and η = 1 a run draws the same tokens as before (`tests/loop/test_one_generation_path.py` holds it
+to batches recorded from that path). The prompt stream uses every prompt of an epoch; the step-wise batches
+dropped an epoch's last partial batch, so the two part after the first epoch when G does not divide the
+prompts.
 
-A mixin of `RolloutEngines` (`engines.py`): it uses the engines' client, scorer, loop and checks.
+A mixin of `RolloutService` (`service.py`): it uses the service's client, scorer, loop and checks.
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from megatron_tail.rollout import RolloutBatch, SamplingConfig
-from megatron_tail.rollout.client import regeneration_keys
-from megatron_tail.rollout.dynamic_sampling import has_reward_signal
-from megatron_tail.rollout.manager import GroupResult, RolloutManager, groups_to_batch
 from megatron_tail.utils.errors import UserError
 
-from . import run_dir
+from ..batch import RolloutBatch
+from ..client import regeneration_keys
+from ..dynamic_sampling import has_reward_signal
+from ..manager import GroupResult, RolloutManager, groups_to_batch
+from ..protocol import SamplingConfig
+from .plan import trained_prompts_path
 
 
 def rollout_seed(seed: int, step: int) -> int:
@@ -69,7 +71,7 @@ def record_trained_prompts(root: str | Path, step: int, indices: list[int]) -> N
     manager hands it, in the batch's order) to `<run_dir>/logs/trained_prompts.jsonl`. A step that a resumed
     run trains again (it was handed over after the last checkpoint) has a later line: the last line of a step
     is what its checkpoint holds."""
-    path = run_dir.trained_prompts_path(root)
+    path = trained_prompts_path(root)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as f:
         f.write(json.dumps({"step": step, "prompts": indices}) + "\n")
@@ -78,14 +80,14 @@ def record_trained_prompts(root: str | Path, step: int, indices: list[int]) -> N
 def read_trained_prompts(root: str | Path) -> dict[int, list[int]]:
     """Step → the prompt indices it trained (the last record of each step: see `record_trained_prompts`)."""
     steps = {}
-    for line in run_dir.trained_prompts_path(root).read_text().splitlines():
+    for line in trained_prompts_path(root).read_text().splitlines():
         record = json.loads(line)
         steps[int(record["step"])] = [int(i) for i in record["prompts"]]
     return steps
 
 
 class ManagedRollout:
-    """The rollout-manager methods of `RolloutEngines`."""
+    """The rollout-manager methods of `RolloutService`."""
 
     def start_manager(
         self, prompt_at: Callable[[int], object], version: int, state: dict | None, *, multiple: int = 1
@@ -93,7 +95,7 @@ class ManagedRollout:
         """Run the engines' event loop in its own thread from now on, with a `RolloutManager` on it that
         generates group `index` from `prompt_at(index)` (an example with `prompt_ids` and `answer`); a batch
         that dynamic sampling cuts short has a multiple of `multiple` groups (what the trainer splits)."""
-        r, cfg = self.cfg.rollout, self.cfg
+        r, plan = self.settings, self.plan
         sampling = self._sampling(base_seed=0)  # each group's base seed: `group_seeds`
         score_lock = asyncio.Lock()
         # the versions of a group's tokens decide what is stale only when groups may span or be dropped
@@ -103,7 +105,7 @@ class ManagedRollout:
 
         async def work(index: int, admitted: int, attempt: int) -> GroupResult:
             example = prompt_at(index)
-            base_seed, position = group_seeds(cfg.seed, index, cfg.data.prompts_per_step)
+            base_seed, position = group_seeds(plan.seed, index, plan.groups_per_step)
             seeded = dataclasses.replace(sampling, base_seed=base_seed)
             if episodes is not None:  # a multi-turn group: one unit of work, however many turns
                 batch = await self._episode_group(
@@ -120,20 +122,20 @@ class ManagedRollout:
             return GroupResult(index, batch, admitted)
 
         keep = None
-        if cfg.data.filter_zero_variance_groups:
+        if plan.filter_zero_variance_groups:
             keep = lambda g: has_reward_signal(g.batch.rewards)  # noqa: E731 - DAPO's filter
         self.manager = RolloutManager(
             work,
-            groups_per_step=cfg.data.prompts_per_step,
+            groups_per_step=plan.groups_per_step,
             max_staleness=r.max_staleness,
             version=version,
             keep=keep,
-            max_filtered_per_batch=cfg.data.prompts_per_step * cfg.data.max_sampling_rounds,
+            max_filtered_per_batch=plan.groups_per_step * plan.max_sampling_rounds,
             multiple=multiple,
             # rollout.max_concurrency counts sequences: episodes with an environment (`_episode_groups`)
             max_in_flight=r.max_concurrency if r.env is None else -(-r.max_concurrency // sampling.n_samples),
             stale_groups=r.stale_groups,
-            total_steps=cfg.train.steps,
+            total_steps=plan.total_steps,
         )
         if state is not None:
             self.manager.load_state_dict(state)
@@ -152,7 +154,7 @@ class ManagedRollout:
             example.prompt_ids,
             keys,
             now,
-            partial=self.cfg.rollout.partial_rollouts,
+            partial=self.settings.partial_rollouts,
             log_rho=self.sampling_log_rho,
         )
         elapsed = time.perf_counter() - started
@@ -171,7 +173,7 @@ class ManagedRollout:
 
         from .episodes import EpisodeGroups, FailureCount, turn_sampling, with_routes_from
 
-        r = self.cfg.rollout
+        r = self.settings
         per_turn = dataclasses.replace(turn_sampling(sampling, self.tokenizer, r.max_turns), n_samples=1)
 
         async def request(input_ids, keys, routes_from):  # routes: only the rows the episode lacks
@@ -182,7 +184,7 @@ class ManagedRollout:
                 input_ids, keys, now, partial=r.partial_rollouts, log_rho=self.sampling_log_rho
             )
 
-        episodes = self.cfg.data.prompts_per_step * sampling.n_samples  # per batch: a step's episodes
+        episodes = self.plan.groups_per_step * sampling.n_samples  # per batch: a step's episodes
         return EpisodeGroups(
             request,
             self.envs,
@@ -225,9 +227,9 @@ class ManagedRollout:
         batch = episodes_to_batch(
             done,
             rewards,
-            correct_reward=self.cfg.data.correct_reward,
+            correct_reward=self.plan.reward.correct_reward,
             elapsed_s=elapsed,
-            supports=self.cfg.rollout.truncates,
+            supports=self.settings.truncates,
         )
         batch.sampled_log_rho = [log_rho] * len(batch)
         return batch
@@ -253,12 +255,13 @@ class ManagedRollout:
         metrics = {**metrics, **self._client_metrics()}
         if self._manager_episodes is not None:
             metrics.update(self._run(self._call(self._episode_failures)))
-        record_trained_prompts(self.cfg.run_dir, step + 1, [g.index for g in groups])
+        if self.plan.run_dir is not None:
+            record_trained_prompts(self.plan.run_dir, step + 1, [g.index for g in groups])
         return manager_batch(groups, metrics, self.manager.next_index, time.perf_counter() - started)
 
     def before_weight_update(self) -> None:
         """Without partial rollouts, let the groups in flight finish under the weights they began with."""
-        if self.manager is not None and not self.cfg.rollout.partial_rollouts:
+        if self.manager is not None and not self.settings.partial_rollouts:
             self._run(self.manager.drain(), "the groups in flight to finish before the weight update")
 
     def after_weight_update(self, version: int) -> None:

@@ -5,7 +5,7 @@ flight; then the episodes as a `RolloutBatch` with its per-token `policy_mask`, 
 (truncated sampling) `rollout_supports`.
 
 One runner, two users: `EpisodeGroups.group` runs one prompt's group. The rollout manager
-(`RolloutEngines.start_manager`, every training batch) runs one group per unit of work over
+(`RolloutService.start_manager`, every training batch) runs one group per unit of work over
 `RolloutClient.generate_group`, which with partial rollouts continues a turn that a weight-update pause
 aborted under the new weights; evaluation (`run_episodes`) runs every prompt's group over
 `RolloutClient.generate_turn`.
@@ -25,16 +25,16 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 
-from megatron_tail.rollout import RolloutBatch, RolloutClient, SampleKey, SamplingConfig
-from megatron_tail.rollout.batch import episode_stats, token_versions_of
-from megatron_tail.rollout.envs import Episode, EpisodeLimits, Tokens, TurnOutput, run_episode
-from megatron_tail.rollout.envs.host import EnvironmentLostError, WorkerEnv
-from megatron_tail.rollout.envs.pool import EnvWorkers
-from megatron_tail.rollout.envs.registry import EnvironmentError_, EnvironmentTimeoutError
-from megatron_tail.rollout.protocol import SampleResult, sample_seed
 from megatron_tail.utils.errors import UserError
 
-from ..rl.routing import compact_routes
+from ..batch import RolloutBatch, episode_stats, token_versions_of
+from ..client import RolloutClient
+from ..envs import Episode, EpisodeLimits, Tokens, TurnOutput, run_episode
+from ..envs.host import EnvironmentLostError, WorkerEnv
+from ..envs.pool import EnvWorkers
+from ..envs.registry import EnvironmentError_, EnvironmentTimeoutError
+from ..protocol import SampleKey, SampleResult, SamplingConfig, sample_seed
+from ..routes import compact_routes
 
 ENV_FAILURES = (EnvironmentError_, EnvironmentTimeoutError)
 """An environment's failure (raised, malformed result, timed out, its state lost): one episode's, not the
@@ -149,7 +149,7 @@ def turn_output(result: SampleResult) -> TurnOutput:
 @dataclass
 class EpisodeGroups:
     """Runs one prompt's group of `n` episodes (`group`), the unit of both the rollout manager
-    (`RolloutEngines.start_manager`, one group per unit of work) and evaluation (`run_episodes`, every
+    (`RolloutService.start_manager`, one group per unit of work) and evaluation (`run_episodes`, every
     prompt). Environments run in `envs`' workers; at most `semaphore`'s count of episodes
     run at once over every group sharing it (`rollout.max_concurrency` counts episodes)."""
 
@@ -287,13 +287,13 @@ def episodes_to_batch(
     supports: bool = False,
 ) -> RolloutBatch:
     """The episodes as samples: response = turns and observations back to back, `policy_mask` marking the
-    turns; reward = the run's reward of the last turn (`rewards`) + the environment's step rewards. Per
-    token: the engine's log-probs, the version that sampled each token (`token_versions`, None where an
-    engine reported a non-integer version) and, with `supports` (truncated sampling), each token's sampling
-    support (`rollout_supports`; empty rows at the environment's tokens, which are context). MoE routes
+    turns; reward = the run's reward of the last turn (`rewards`) + the environment's step rewards. Per token:
+    the engine's log-probs, the version that sampled each token (`token_versions`, None where an engine
+    reported a non-integer version) and, with `supports` (truncated sampling), each token's sampling support
+    (`rollout_supports`; empty rows at the environment's tokens, which are context). MoE routes
     (`routed_experts`, when every episode has them): per sample `[prompt + response − 1, layers, k]` in the
-    smallest integer dtype (`rl.routing.compact_routes`), each position's row from the first request that fed
-    it (`envs.episode`), as the single-turn batch carries them."""
+    smallest integer dtype (`rollout.routes.compact_routes`), each position's row from the first request that
+    fed it (`envs.episode`), as the single-turn batch carries them."""
     total = [r + e.env_reward for r, e in zip(rewards, episodes, strict=True)]
     tops = [e.top_logprobs for e in episodes]
     generated = sum(sum(e.policy_mask) for e in episodes)

@@ -1,4 +1,4 @@
-"""What a failure while rank 0 waits for its engines is reported as (`RolloutEngines._run`).
+"""What a failure while rank 0 waits for its engines is reported as (`RolloutService._run`).
 
 - an outside failure (`EngineFailure`, exit 4: the last checkpoint is kept, a rerun resumes): the local engine
   ended (its signal or exit code) or is stopped, or an engine did not answer (transport errors, retries
@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import aiohttp
 
-from megatron_tail.config.schema import TOP_K_HEADROOM
-from megatron_tail.rollout.client import NoHealthyServerError, SupportOverflowsExhausted
-from megatron_tail.rollout.local_engine.process import LocalEngineProcess
-from megatron_tail.rollout.protocol import RetryableServerError
 from megatron_tail.utils.errors import OutsideFailure, UserError
+
+from ..client import NoHealthyServerError, SupportOverflowsExhausted
+from ..local_engine.process import LocalEngineProcess
+from ..protocol import RetryableServerError
+from ..settings import TOP_K_HEADROOM
 
 
 class EngineFailure(OutsideFailure):
@@ -50,10 +51,10 @@ def classify(
     error: Exception, engine: LocalEngineProcess | None, rollout, waiting_for: str, limit: str
 ) -> Exception | None:
     """What `error`, raised while waiting for `waiting_for`, is reported as: an `EngineFailure` (outside)
-    when the local engine `engine` ended or is stopped or an engine failed to answer, naming the local
-    engine and its log; a `LocalEngineError` (internal) for an HTTP 500 from the live local engine, a bug
-    in it. None when `error` is something else (a user's error, a bug) or is a remote engine's failure that
-    already names it (`WeightSyncError`). `rollout`: the config's rollout section, `limit` its key."""
+    when the local engine `engine` ended or is stopped or an engine failed to answer, naming the local engine
+    and its log; a `LocalEngineError` (internal) for an HTTP 500 from the live local engine, a bug in it. None
+    when `error` is something else (a user's error, a bug) or is a remote engine's failure that already names
+    it (`WeightSyncError`). `rollout`: the rollout settings (`RolloutSection`), `limit` its key."""
     if isinstance(error, (UserError, EngineFailure)):
         return None
     if engine is not None:
@@ -94,7 +95,7 @@ def overflows_exhausted(error: SupportOverflowsExhausted, rollout) -> UserError:
         f'{error.attempts} attempts, with fresh seeds each time (the engine: "{error.message}"); a '
         "rerun repeats this (a first token's support depends on the prompt alone), since the ties at the "
         "top-k cutoff that SGLang's flashinfer sampler keeps need more than the "
-        f"×{TOP_K_HEADROOM} headroom the config requires (config.schema.TOP_K_HEADROOM): raise "
+        f"×{TOP_K_HEADROOM} headroom the config requires (rollout.settings.TOP_K_HEADROOM): raise "
         "rollout.sampling_mask_max_tokens or lower rollout.top_k"
     )
 

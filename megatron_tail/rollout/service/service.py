@@ -1,11 +1,12 @@
-"""The trainer's rank-0 side of rollout: the engines (a local CPU engine it starts, or remote SGLang servers),
-the rollout manager that generates every training batch on them and scores it with the reward, eval, and
-pushing new weights to the engines.
+"""The rollout service on the trainer's rank 0: the engines (a local engine it starts, or remote SGLang
+servers), the rollout manager that generates every training batch on them and scores it with the reward,
+evaluation, and pushing new weights to the engines. It reads its settings (`RolloutSection`) and the run's
+decisions (`plan.RolloutPlan`); the trainer asks it for batches, weight syncs and evaluations.
 
-Only global rank 0 makes `RolloutEngines`; the other ranks receive the `RolloutBatch` by broadcast
-(`engine.collectives.on_rank0`). All HTTP work runs on one private asyncio event loop, so the RL loop stays
-synchronous: until the rollout manager starts, the caller's thread runs it; from then on it runs in its own
-thread (the manager's units of work, one prompt's group each, are the `managed.ManagedRollout` mixin) and
+Only global rank 0 makes a `RolloutService`; the other ranks receive the `RolloutBatch` by broadcast
+(`train.engine.collectives.on_rank0`). All HTTP work runs on one private asyncio event loop, so the RL loop
+stays synchronous: until the rollout manager starts, the caller's thread runs it; from then on it runs in its
+own thread (the manager's units of work, one prompt's group each, are the `managed.ManagedRollout` mixin) and
 callers hand it coroutines.
 """
 
@@ -15,35 +16,24 @@ import asyncio
 import concurrent.futures
 import threading
 import time
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 
-from megatron_tail.config import RunConfig
-from megatron_tail.model.hf_config import load_hf_config
 from megatron_tail.rewards.pass_at_k import eval_statistics
 from megatron_tail.rewards.scorer import RewardScorer
-from megatron_tail.rollout import (
-    ClientConfig,
-    DiskWeightSync,
-    DistributedWeightSync,
-    LocalEngineConfig,
-    RolloutBatch,
-    RolloutClient,
-    SamplingConfig,
-    wait_until_healthy,
-)
-from megatron_tail.rollout.batch import token_versions_of
-from megatron_tail.rollout.client import SupportOverflowsExhausted
-from megatron_tail.rollout.local_engine.process import LocalEngineProcess
-from megatron_tail.rollout.manager import RolloutManager
-from megatron_tail.rollout.processor import DVPLogitProcessor
-from megatron_tail.rollout.protocol import MissingRoutesError
 from megatron_tail.utils.errors import UserError
 from megatron_tail.utils.net import free_port
 
-from ..rl.routing import compact_routes, engine_routes_shape
-from . import signals
-from .engine_failures import (
+from ..batch import RolloutBatch, token_versions_of
+from ..client import RolloutClient, SupportOverflowsExhausted
+from ..launch import LocalEngineConfig, wait_until_healthy
+from ..local_engine.process import LocalEngineProcess
+from ..manager import RolloutManager
+from ..processor import DVPLogitProcessor
+from ..protocol import MissingRoutesError, SamplingConfig
+from ..routes import compact_routes
+from ..settings import RolloutSection
+from ..weight_sync import DiskWeightSync, DistributedWeightSync
+from .failures import (
     EngineFailure,
     classify,
     engine_ended,
@@ -51,6 +41,7 @@ from .engine_failures import (
     overflows_exhausted,
 )
 from .managed import ManagedRollout
+from .plan import Reporting, RolloutPlan
 
 EVAL_SEED = 987_654_321
 """`base_seed` of every sampled evaluation: the same seeds each time, so evaluations differ by the weights."""
@@ -67,78 +58,74 @@ SIGNAL_CHECK_S = 0.2
 acknowledged (and a second one acted on) within it."""
 
 
-class RolloutEngines(ManagedRollout):
+class RolloutService(ManagedRollout):
     """Engines, client and rewards on global rank 0. Made early (a local engine loads meanwhile),
-    then `wait_ready()`, `generate(...)`, `evaluate(...)`, `sync_weights(...)`, and `close()`."""
+    then `wait_ready()`, `start_manager(...)`, `next_batch(...)`, `evaluate(...)`, `sync_weights(...)`,
+    and `close()`."""
 
-    def __init__(self, cfg: RunConfig, run_dir: Path, tokenizer, note: Callable[[str], None] = print):
-        self.cfg = cfg
+    reporting: Reporting = Reporting()
+    """Where wait reports go and what a stop signal is told (the plan's; this default: print, nothing)."""
+
+    def __init__(self, settings: RolloutSection, plan: RolloutPlan, tokenizer):
+        self.settings = settings
+        self.plan = plan
         self.tokenizer = tokenizer
-        self.note = note
+        self.reporting = plan.reporting
+        self.note = plan.reporting.note
         """Where the wait-progress lines go (rank 0's console)."""
-        arch = load_hf_config(cfg.model.hf_path)
-        self.vocab_size = arch.vocab_size
-        self.routes_shape = engine_routes_shape(cfg, arch)
+        self.vocab_size = plan.vocab_size
+        self.routes_shape = plan.routes_shape
         """MoE: `(layers, top_k)` of the routes the engines return (routing replay), else None."""
-        self.context_length = arch.max_position_embeddings
+        self.context_length = plan.context_length
         """The engines' context length: the model's (as the local engine and SGLang without
         `--context-length` use it); a multi-turn episode whose next turn would exceed it ends."""
+        self._log_rho = plan.log_rho
+        """DVP's log ρ of the requests sent from now on (`set_log_rho`); None without DVP."""
         self._counted: dict[str, int] = {}
         """The client's counters at the last batch (`_client_metrics` logs what they added since)."""
         # in a worker process, bounded by data.reward_timeout_s per batch; started here, on the main thread
-        self.score = RewardScorer(cfg.data.reward, timeout_s=cfg.data.reward_timeout_s)
+        self.score = RewardScorer(plan.reward.name, timeout_s=plan.reward.timeout_s)
         self.envs = None
         """The environments' workers (`rollout.env_workers`, `rollout.envs.pool`), with `rollout.env`."""
         try:
             # the environment fails here, by name, if the spec is bad (the workers load it too)
-            if cfg.rollout.env is not None:
-                from megatron_tail.rollout.envs import load_env_class
-                from megatron_tail.rollout.envs.pool import EnvWorkers
+            if settings.env is not None:
+                from ..envs import load_env_class
+                from ..envs.pool import EnvWorkers
 
-                load_env_class(cfg.rollout.env)
-                r = cfg.rollout
+                load_env_class(settings.env)
+                r = settings
                 self.envs = EnvWorkers(
                     r.env_workers,
-                    timeout_s=r.env_timeout_s or cfg.data.reward_timeout_s,
+                    timeout_s=r.env_timeout_s or plan.reward.timeout_s,
                     timeout_name="rollout.env_timeout_s" if r.env_timeout_s else "data.reward_timeout_s",
                 )
-            self._connect(cfg, run_dir)
+            self._connect()
         except BaseException:
             self.score.close()
             if self.envs is not None:
                 self.envs.close()
             raise
 
-    def _connect(self, cfg: RunConfig, run_dir: Path) -> None:
+    def _connect(self) -> None:
         self.engine: LocalEngineProcess | None = None
         local: LocalEngineConfig | None = None
-        if cfg.rollout.engine == "local":
-            r = cfg.rollout
-            local = LocalEngineConfig(
-                model_path=cfg.model.hf_path,
+        r = self.settings
+        if r.engine == "local":
+            local = r.local_engine_config(
+                self.plan.model_path,
                 port=r.local_port or free_port(),
-                dtype=r.local_engine_dtype,
-                num_threads=r.local_num_threads,
-                quantization=r.quantization,
-                sampling_mask_max_tokens=r.sampling_mask_max_tokens,
-                kv_cache_dtype=r.kv_cache_dtype,
-                logit_noise=r.local_logit_noise,
-                sampling_backend="pytorch" if r.deterministic else "flashinfer",  # as SGLang picks it
                 return_routed_experts=self.routes_shape is not None,
-                device=r.local_device,
             )
             self.urls = [local.url]
         else:
-            self.urls = list(cfg.rollout.server_urls)
+            self.urls = list(r.server_urls)
         self.weight_sync = self._weight_sync(local is not None)
-        client_cfg = ClientConfig(
-            max_concurrency=cfg.rollout.max_concurrency, request_timeout_s=cfg.rollout.request_timeout_s
-        )
-        dvp = cfg.algorithm.log_rho is not None and cfg.algorithm.log_rho != float("-inf")
+        client_cfg = r.client_config()
         self.client = RolloutClient(
             self.urls,
             client_cfg,
-            processor=DVPLogitProcessor.to_str() if dvp else None,
+            processor=DVPLogitProcessor.to_str() if self.plan.log_rho is not None else None,
             server_ended=self._local_engine_ended,
         )
         self.eval_client = RolloutClient(
@@ -151,7 +138,7 @@ class RolloutEngines(ManagedRollout):
         self._manager_episodes = None
         """With `rollout.env`, the manager's runner of episode groups (`episodes.EpisodeGroups`)."""
         if local is not None:  # last: nothing after it can fail and leave the process behind
-            self.engine = LocalEngineProcess(local, run_dir / "logs" / "local_engine.log")
+            self.engine = LocalEngineProcess(local, self.plan.local_engine_log)
 
     def wait_ready(self) -> None:
         """Block until every engine answers `/health` (an `EngineFailure` naming the local engine, how it
@@ -162,7 +149,7 @@ class RolloutEngines(ManagedRollout):
             self._run(self.weight_sync.init_group(), "the weight-sync group", limit="sync_timeout_s")
 
     def _wait_healthy(self) -> None:
-        timeout = self.cfg.rollout.startup_timeout_s
+        timeout = self.settings.startup_timeout_s
         if self.engine is not None:
             started = time.monotonic()
             reported = started
@@ -178,12 +165,12 @@ class RolloutEngines(ManagedRollout):
                 except TimeoutError:
                     now = time.monotonic()
                     if now - started > timeout:
-                        limit = limit_text(self.cfg.rollout, "startup_timeout_s")
+                        limit = limit_text(self.settings, "startup_timeout_s")
                         raise EngineFailure(
                             f"{self.engine.describe()} did not answer /health within {limit}; its log: "
                             f"{self.engine.log_path}"
                         ) from None
-                    if now - reported >= self.cfg.rollout.wait_report_s:
+                    if now - reported >= self.settings.wait_report_s:
                         reported = now
                         self.note(
                             f"waiting for the local engine on {self.urls[0]} to load: {now - started:.0f} s "
@@ -194,19 +181,12 @@ class RolloutEngines(ManagedRollout):
         )
 
     def _sampling(self, base_seed: int) -> SamplingConfig:
-        r, n = self.cfg.rollout, self.cfg.algorithm.group_size
-        return SamplingConfig(
-            n_samples=n,
-            max_new_tokens=r.max_new_tokens,
-            temperature=r.temperature,
+        return self.settings.sampling(
+            self.plan.group_size,
             log_rho=self.sampling_log_rho(),
             base_seed=base_seed,
-            top_logprob=True,  # ε̂ of the mismatch diagnostics (DVP Prop. 4.2)
-            top_k=r.top_k,
-            top_p=r.top_p,
-            min_p=r.min_p,
-            return_routed_experts=self.routes_shape is not None,
             routes_shape=self.routes_shape,
+            top_logprob=True,  # ε̂ of the mismatch diagnostics (DVP Prop. 4.2)
         )
 
     def _client_metrics(self) -> dict[str, float]:
@@ -227,11 +207,11 @@ class RolloutEngines(ManagedRollout):
             response_ids=[list(s.output_ids) for s in samples],
             rollout_logprobs=[list(s.output_logprobs) for s in samples],
             rewards=rewards,
-            correct=[x >= self.cfg.data.correct_reward for x in rewards],
+            correct=[x >= self.plan.reward.correct_reward for x in rewards],
             truncated=[s.finish_reason.get("type") == "length" for s in samples],
             weight_versions=[s.weight_version for s in samples],
             rollout_top_logprobs=[list(s.output_top_logprobs) for s in samples],
-            rollout_supports=[s.output_supports for s in samples] if self.cfg.rollout.truncates else None,
+            rollout_supports=[s.output_supports for s in samples] if self.settings.truncates else None,
             token_versions=None if any(v is None for v in versions) else versions,
             sampled_log_rho=[log_rho] * len(samples),
             routed_experts=None
@@ -248,19 +228,11 @@ class RolloutEngines(ManagedRollout):
         the policy being trained; fixed seeds, so evaluations differ only by the weights) → `eval/pass@k`
         (unbiased), `eval/mean@n` (= `eval/sampled_accuracy`), `eval/sampled_reward`; and greedy decoding →
         `eval/greedy_accuracy`, `eval/greedy_reward`."""
-        r, n = self.cfg.rollout, self.cfg.train.eval_samples_per_prompt
-        sampled = SamplingConfig(
-            n_samples=n,
-            max_new_tokens=r.max_new_tokens,
-            temperature=r.temperature,
-            log_rho=self.sampling_log_rho(),
-            base_seed=EVAL_SEED,
-            top_k=r.top_k,
-            top_p=r.top_p,
-            min_p=r.min_p,
+        r = self.settings
+        sampled = r.sampling(
+            self.plan.eval_samples_per_prompt, log_rho=self.sampling_log_rho(), base_seed=EVAL_SEED
         )
-        # greedy: no pruning needed (the argmax is always in the safe set)
-        greedy = SamplingConfig(n_samples=1, max_new_tokens=r.max_new_tokens, temperature=0.0, log_rho=None)
+        greedy = r.greedy_sampling()
         out = {}
         for name, client, sampling in (
             ("sampled", self.client, sampled),
@@ -284,7 +256,7 @@ class RolloutEngines(ManagedRollout):
                 completions = [self._decode(s.output_ids) for g in grouped for s in g]
                 per_sample_answers = [a for a in answers for _ in range(sampling.n_samples)]
                 rewards = self.score(completions, per_sample_answers)
-            correct = [x >= self.cfg.data.correct_reward for x in rewards]
+            correct = [x >= self.plan.reward.correct_reward for x in rewards]
             out[f"eval/{name}_accuracy"] = sum(correct) / len(correct)
             out[f"eval/{name}_reward"] = sum(rewards) / len(rewards)
             if name == "sampled":
@@ -303,7 +275,7 @@ class RolloutEngines(ManagedRollout):
 
         from .episodes import FailureCount, run_episodes, turn_sampling
 
-        r = self.cfg.rollout
+        r = self.settings
         failures = FailureCount(r.env, len(prompt_ids) * sampling.n_samples, r.max_env_failure_fraction)
         episodes = self._run(
             run_episodes(
@@ -346,7 +318,7 @@ class RolloutEngines(ManagedRollout):
     def _weight_sync(self, local: bool):
         """`rollout.weight_sync`: disk, or in memory over a process group with the engines (tensors cast to
         the engines' dtype on the sender)."""
-        r = self.cfg.rollout
+        r = self.settings
         if r.weight_sync == "disk":
             return DiskWeightSync(
                 self.urls,
@@ -383,10 +355,15 @@ class RolloutEngines(ManagedRollout):
     def sampling_log_rho(self) -> float | None:
         """The log ρ the engines prune with now (None without DVP): as the processor applies it, the same
         the trainer's op gets (`algorithm.safe_set_on`). Read when each request is built, so with
-        `algorithm.log_rho: auto` (the session replaces `cfg` each step) requests go out at the current ρ."""
+        `algorithm.log_rho: auto` (the session calls `set_log_rho` each step) requests go out at the current
+        ρ."""
         if self.client.processor is None:
             return None
-        return self.cfg.algorithm.rule_log_rho(self.cfg.rollout.temperature)
+        return self._log_rho
+
+    def set_log_rho(self, log_rho: float) -> None:
+        """The log ρ of the requests sent from now on (new groups and continued segments)."""
+        self._log_rho = log_rho
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
@@ -413,7 +390,7 @@ class RolloutEngines(ManagedRollout):
             position, token = next((p, t) for p, t in enumerate(ids) if not 0 <= t < self.vocab_size)
             raise UserError(
                 f"engine {url} returned token id {token} (response position {position}) in "
-                f"{what}, outside the vocabulary of {self.cfg.model.hf_path} "
+                f"{what}, outside the vocabulary of {self.plan.model_path} "
                 f"(vocab_size {self.vocab_size}); is the engine serving another model?"
             )
 
@@ -426,14 +403,14 @@ class RolloutEngines(ManagedRollout):
         if not waiting_for:
             return self._drive(coro)
         try:
-            with signals.waiting(waiting_for):
+            with self.reporting.waiting(waiting_for):
                 return self._drive(self._watching(coro, waiting_for))
         except SupportOverflowsExhausted as error:
-            raise overflows_exhausted(error, self.cfg.rollout) from error
+            raise overflows_exhausted(error, self.settings) from error
         except MissingRoutesError as error:  # a server without the routes flag: the launch's doing, one line
             raise UserError(f"routing replay: {error}") from None
         except Exception as error:
-            failure = classify(error, self.engine, self.cfg.rollout, waiting_for, limit)
+            failure = classify(error, self.engine, self.settings, waiting_for, limit)
             if failure is None:
                 raise
             raise failure from error
@@ -459,7 +436,7 @@ class RolloutEngines(ManagedRollout):
         local engine ends (every `ENGINE_POLL_S`)."""
         task = asyncio.ensure_future(coro)
         started = reported = time.monotonic()
-        poll_s = self.cfg.rollout.wait_report_s
+        poll_s = self.settings.wait_report_s
         if self.engine is not None:
             poll_s = min(poll_s, ENGINE_POLL_S)
         try:
@@ -470,7 +447,7 @@ class RolloutEngines(ManagedRollout):
                 if self.engine is not None and (how := self.engine.ended()) is not None:
                     raise engine_ended(self.engine, how, waiting_for)
                 now = time.monotonic()
-                if now - reported >= self.cfg.rollout.wait_report_s:
+                if now - reported >= self.settings.wait_report_s:
                     reported = now
                     self.note(self._waiting_line(waiting_for, now - started))
         finally:
@@ -480,7 +457,7 @@ class RolloutEngines(ManagedRollout):
     def _waiting_line(self, waiting_for: str, waited_s: float) -> str:
         """What the trainer waits for: an environment call that has run `SLOW_ENV_CALL_S` or more (the
         oldest, its worker and the limit that stops it), else the engines' requests in flight."""
-        r = self.cfg.rollout
+        r = self.settings
         in_flight = {u: n for c in (self.client, self.eval_client) for u, n in c.in_flight.items() if n}
         where = ", ".join(f"{u}: {n}" for u, n in sorted(in_flight.items())) or ", ".join(self.urls)
         busy = [] if self.envs is None else self.envs.busy()
@@ -495,12 +472,12 @@ class RolloutEngines(ManagedRollout):
                 f"waiting for {waiting_for}: {waited_s:.0f} s so far; {call.what} has run "
                 f"{now - call.since:.0f} s in environment worker {call.worker}, stopped at "
                 f"{self.envs.timeout_name}={self.envs.timeout_s:g} s{others}; {engines}; "
-                f"{signals.stop_hint()}"
+                f"{self.reporting.stop_hint()}"
             )
         return (
             f"waiting for {waiting_for} from the engines ({where} requests in flight): {waited_s:.0f} s so "
             f"far; a request is retried after rollout.request_timeout_s={r.request_timeout_s:g} s; "
-            f"{signals.stop_hint()}"
+            f"{self.reporting.stop_hint()}"
         )
 
     def _drain(self) -> None:
