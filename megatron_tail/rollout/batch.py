@@ -58,6 +58,9 @@ class RolloutBatch:
     a forward's input (`rollout.routes`; dense layers' columns 0), stored as the smallest unsigned/int dtype
     that holds the ids (uint8 up to 256 experts); a torch tensor, so a checkpointed buffer round-trips
     through `torch.save`/`torch.load(weights_only=True)`.
+    `token_fields` (None where no per-token field is declared): per sample, each declared field
+    (`rollout.token_fields`) as a tensor of one value per response token; the trainer's sample fields of
+    those names.
     `stats`: rollout time and token counts. `metrics`: TensorBoard scalars of how the batch was drawn
     (dynamic sampling), logged with the step's. `data_cursor`: the prompt stream's position after this
     batch (dynamic sampling; None when prompts are a function of the step).
@@ -76,6 +79,7 @@ class RolloutBatch:
     policy_mask: list[list[bool]] | None = field(default=None, metadata=with_fill(_all_true))
     sampled_log_rho: list[float | None] | None = field(default=None, metadata=with_fill(_unknown))
     routed_experts: list[torch.Tensor] | None = field(default=None, metadata=PER_SAMPLE)
+    token_fields: list[dict[str, torch.Tensor]] | None = field(default=None, metadata=PER_SAMPLE)
     stats: dict[str, float] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
     data_cursor: int | None = None

@@ -41,6 +41,7 @@ from megatron_tail.rollout.protocol import (
     sample_seed,
 )
 from megatron_tail.rollout.routes import SERVER_FLAG, join_routes, route_rows
+from megatron_tail.rollout.token_fields import join_token_fields
 from megatron_tail.utils.net import base_urls
 from megatron_tail.utils.ragged import cat_rows
 
@@ -292,6 +293,8 @@ class RolloutClient:
         `sampling.log_rho`; a retry resends its request unchanged)."""
         prompt = _check_prompt(keys[0].prompt_index if keys else 0, prompt)
         first = await self._request_with_retries(prompt, list(keys), sampling, allow_abort=partial)
+        for result in first:
+            result.log_rho = sampling.log_rho
         return list(await asyncio.gather(*(self._continue(r, sampling, log_rho) for r in first)))
 
     async def _continue(
@@ -330,7 +333,10 @@ class RolloutClient:
         ids (SGLang's `GenerateReqInput.input_ids`, `srt/managers/io_struct.py`) and retried like
         `generate`'s requests. `sampling.n_samples` is ignored; the caller bounds what is in flight."""
         ids = _check_prompt(keys[0].prompt_index, input_ids)
-        return await self._request_with_retries(ids, list(keys), sampling)
+        results = await self._request_with_retries(ids, list(keys), sampling)
+        for result in results:
+            result.log_rho = sampling.log_rho
+        return results
 
     async def _run_group(self, prompt, keys, sampling, semaphore, collected) -> None:
         async with semaphore:
@@ -499,6 +505,8 @@ def join_segments(first: SampleResult, then: SampleResult) -> SampleResult:
         output_supports=supports,
         output_versions=first.output_versions + then.output_versions,
         segments=first.segments + then.segments,
+        log_rho=first.log_rho,
+        token_fields=join_token_fields(first.token_fields, then.token_fields),
         text=None,
         routed_experts=_joined_routes(first, then),
     )

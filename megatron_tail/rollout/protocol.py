@@ -37,6 +37,7 @@ import numpy as np
 
 from megatron_tail.rollout.processor import dvp_custom_params
 from megatron_tail.rollout.routes import SERVER_FLAG, RoutesError, decode_routes, route_rows
+from megatron_tail.rollout.token_fields import parse_token_fields
 from megatron_tail.utils.ragged import Ragged
 
 _MASK63 = (1 << 63) - 1
@@ -116,6 +117,12 @@ class SampleResult:
     `output_token_sampling_logprobs` (log-prob under the truncated distribution). None otherwise."""
     output_versions: list[str | None] = field(default_factory=list)
     segments: int = 1
+    token_fields: dict[str, list[float]] = field(default_factory=dict)
+    """The declared per-token fields (`token_fields.TOKEN_FIELDS`): name → one value per output token."""
+    log_rho: float | None = None
+    """DVP's log ρ the sample's first request was sent with (None: no pruning); its continued segments keep
+    the first's (a sample counts as old as its oldest tokens). Set by `RolloutClient.generate_group` and
+    `generate_turn`."""
     routed_experts: np.ndarray | None = None
     """With `SamplingConfig.return_routed_experts`: int32 `[len(prompt_ids) + len(output_ids) − 1 − start,
     layers, top_k]`, row p the experts each MoE layer routed token `start + p` to, as the input of the
@@ -383,8 +390,17 @@ def _parse_one(
         output_top_logprobs=top,
         output_supports=supports,
         output_versions=_token_versions(meta, len(output_ids), version, where),
+        token_fields=_declared_fields(meta, output_ids, finish, where),
         routed_experts=_parse_routes(meta, len(prompt_ids), len(output_ids), config, finish, where),
     )
+
+
+def _declared_fields(meta: dict, output_ids: list[int], finish: dict, where: str) -> dict[str, list[float]]:
+    try:
+        aborted_empty = not output_ids and finish.get("type") == "abort"
+        return parse_token_fields(meta, len(output_ids), aborted_empty, where)
+    except ValueError as e:
+        raise MalformedResponseError(str(e)) from None
 
 
 def _parse_routes(

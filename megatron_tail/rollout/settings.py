@@ -85,7 +85,7 @@ class RolloutSection:
     """Multi-turn episodes with an environment (`megatron_tail.rollout.envs`): the built-in "calculator" or a
     class "package.module:Class"; None: single-turn samples. Each model turn is one `/generate` call with the
     token ids of everything before it; the environment's observations are context (no loss, no log-prob).
-    Runs step-wise and under the rollout manager (η ≥ 2, partial rollouts), with or without truncation."""
+    Runs under the rollout manager at any η, with or without partial rollouts and truncation."""
     max_turns: int = 1
     """Model turns per episode at most (with `env`)."""
     max_observation_tokens: int = 512

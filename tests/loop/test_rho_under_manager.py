@@ -73,6 +73,7 @@ def _engines(overrides, **client_kw) -> RolloutService:
     e.tokenizer = SimpleNamespace(decode=lambda _ids, **_kw: "x")
     e.score = lambda completions, _answers: [float(i % 2) for i in range(len(completions))]
     e.loop, e.routes_shape = asyncio.new_event_loop(), None  # a dense model: no MoE routes
+    e.envs, e.context_length = None, 1000  # single-turn: one-turn episodes without an environment
     # a request's group: the prompt-stream index whose first sample has this seed (a continued segment's
     # derived seed is no group's: its key's prompt position, which is the index in the first step)
     first_seeds = {sample_seed(*group_seeds(cfg.seed, i, 2), 0): i for i in range(64)}

@@ -8,8 +8,8 @@ appends the ids it returns unchanged: generated text is decoded for the environm
 so the sample is exactly the concatenation the engine saw. Only observations are tokenized. The episode's
 response is `turn_0 ids + obs_0 ids + turn_1 ids + ...`, with `policy_mask` True on the generated ids.
 
-The coroutine only awaits `generate` and the environment, so any scheduler can run many of them: rank 0's
-step-wise rollout and the rollout manager both do (`rollout/service/episodes.py`, `EpisodeGroups`). Per-token
+The coroutine only awaits `generate` and the environment, so any scheduler can run many of them: the rollout
+manager and evaluation both do (`rollout/service/episodes.py`, `EpisodeGroups`). Per-token
 fields ride with the ids: each policy token keeps the weight version that sampled it (`token_versions`; a
 turn that a weight update interrupted and the manager continued spans two) and, with truncated sampling,
 its sampling support (`supports`); an observation's tokens are context (`policy_mask` False, log-prob 0.0,
@@ -81,6 +81,10 @@ class TurnOutput:
     (`rollout/routes.py`); None when not requested."""
     routes_start: int = 0
     """The first position `routed_experts` covers (the request's `routed_experts_start_len`)."""
+    log_rho: float | None = None
+    """DVP's log ρ the turn's first request was sent with (None: no pruning)."""
+    token_fields: dict[str, list[float]] = field(default_factory=dict)
+    """The declared per-token fields (`rollout.token_fields`): name → one value per output id."""
 
 
 Generate = Callable[[list[int], int], Awaitable[TurnOutput]]
@@ -144,6 +148,11 @@ class Episode:
     context_overflow: bool = False
     """The next turn's input would not fit the engine's context (`EpisodeLimits.max_input_tokens`): the
     episode ended before that observation, instead of a request the engine rejects."""
+    log_rho: float | None = None
+    """DVP's log ρ of the first turn's request: an episode counts as old as its oldest tokens."""
+    token_fields: dict[str, list[float]] = field(default_factory=dict)
+    """The declared per-token fields (`rollout.token_fields`), per response id: a turn's values, each
+    field's `context_value` at environment ids."""
     turn_versions: list[str | None] = field(default_factory=list)
     """The weight version each turn reported (a continued turn: its last segment's)."""
     token_versions: list[str | None] = field(default_factory=list)
@@ -200,10 +209,26 @@ class Episode:
     def env_tokens(self) -> int:
         return len(self.policy_mask) - sum(self.policy_mask)
 
-    def add(self, ids: Sequence[int], *, policy: bool, logprobs=None, top=None, versions=None, support=None):
-        """Append a turn's `ids` (`policy`: with their `logprobs`, `top` log-probs, per-id `versions` and
-        `support`) or an observation's (context: no log-prob, no support, the last policy id's version)."""
+    def add(
+        self,
+        ids: Sequence[int],
+        *,
+        policy: bool,
+        logprobs=None,
+        top=None,
+        versions=None,
+        support=None,
+        fields: dict[str, list[float]] | None = None,
+    ):
+        """Append a turn's `ids` (`policy`: with their `logprobs`, `top` log-probs, per-id `versions`,
+        `support` and declared token `fields`) or an observation's (context: no log-prob, no support, the
+        last policy id's version, each declared field's context value)."""
+        from megatron_tail.rollout.token_fields import context_fields, join_token_fields
+
         n = len(ids)
+        added = (fields or {}) if policy else context_fields(n)
+        if added or self.token_fields:
+            self.token_fields = join_token_fields(self.token_fields, added)
         self.response_ids.extend(ids)
         self.policy_mask.extend([policy] * n)
         self.logprobs.extend(logprobs if policy else [0.0] * n)
@@ -253,6 +278,7 @@ async def run_episode(
                 top=out.top_logprobs,
                 versions=versions,
                 support=out.support,
+                fields=out.token_fields,
             )
             episode.add_routes(out.routed_experts, out.routes_start)
             routable = len(episode.prompt_ids) + len(episode.response_ids) - 1  # all but the unfed last
@@ -261,6 +287,8 @@ async def run_episode(
                     f"turn {turn}'s routes end at position {episode.routes_held}; expected {routable} "
                     "(one route per position of prompt + response but the last)"
                 )
+            if turn == 0:
+                episode.log_rho = out.log_rho
             episode.turns += 1
             episode.turn_versions.append(out.weight_version)
             episode.final_text = tokens.decode(out.output_ids)

@@ -1,8 +1,10 @@
-"""Rank 0's multi-turn rollouts (`rollout.env`): one `envs.run_episode` coroutine per sample over the
-engines, each turn one request (the first turns of a prompt's n episodes in one request, as a single-turn
-group is sent, which lets SGLang share the prompt's KV cache), at most `rollout.max_concurrency` episodes in
-flight; then the episodes as a `RolloutBatch` with its per-token `policy_mask`, `token_versions` and
-(truncated sampling) `rollout_supports`.
+"""The one rollout workflow: every sample is an episode. One `envs.run_episode` coroutine per sample over
+the engines, each turn one request (the first turns of a prompt's n episodes in one request, which lets
+SGLang share the prompt's KV cache), at most `rollout.max_concurrency` episodes in flight; then the episodes
+as a `RolloutBatch` (`episodes_to_batch`) with their per-token log-probs, `token_versions`, (truncated
+sampling) `rollout_supports`, (MoE) routes, and with an environment the `policy_mask`. A single-turn sample
+is a one-turn episode whose environment is `NoEnvironment`: the same request and seeds as before, and the
+same batch (no `policy_mask`, no episode counters).
 
 One runner, two users: `EpisodeGroups.group` runs one prompt's group. The rollout manager
 (`RolloutService.start_manager`, every training batch) runs one group per unit of work over
@@ -10,8 +12,8 @@ One runner, two users: `EpisodeGroups.group` runs one prompt's group. The rollou
 aborted under the new weights; evaluation (`run_episodes`) runs every prompt's group over
 `RolloutClient.generate_turn`.
 
-Seeds: turn 0 of sample (i, j) has exactly the single-turn sample's key (`sample_seed(base_seed, i, j)`), so a
-one-turn episode asks the engine for exactly what a single-turn rollout asks; turn t > 0 mixes t into it.
+Seeds: turn 0 of sample (i, j) has exactly the single-turn sample's key (`sample_seed(base_seed, i, j)`), so
+a one-turn episode asks the engine for exactly what a single-turn rollout asked; turn t > 0 mixes t into it.
 
 Environments fail alone: an episode whose environment raises or times out fails its group only, which is
 generated again with fresh seeds (not skipped: the step keeps its `prompts_per_step` groups, so its batch
@@ -29,12 +31,30 @@ from megatron_tail.utils.errors import UserError
 
 from ..batch import RolloutBatch, episode_stats, token_versions_of
 from ..client import RolloutClient
-from ..envs import Episode, EpisodeLimits, Tokens, TurnOutput, run_episode
+from ..envs import Episode, EpisodeLimits, StepResult, Tokens, TurnOutput, run_episode
 from ..envs.host import EnvironmentLostError, WorkerEnv
 from ..envs.pool import EnvWorkers
 from ..envs.registry import EnvironmentError_, EnvironmentTimeoutError
 from ..protocol import SampleKey, SampleResult, SamplingConfig, sample_seed
 from ..routes import compact_routes
+from ..token_fields import to_tensors
+
+
+class NoEnvironment:
+    """The environment of a single-turn sample: nothing to reset, and its first turn ends the episode. A
+    single-turn sample is a one-turn episode in the code as on the wire (the same request, the same
+    seeds), so one workflow makes every sample (`EpisodeGroups`) and one converter every batch
+    (`episodes_to_batch`)."""
+
+    async def reset(self, row) -> None:  # noqa: ARG002 - the `EnvSession` protocol
+        return None
+
+    async def step(self, turn: str) -> StepResult:  # noqa: ARG002
+        return StepResult(observation=None, done=True)
+
+    async def close(self) -> None:
+        return None
+
 
 ENV_FAILURES = (EnvironmentError_, EnvironmentTimeoutError)
 """An environment's failure (raised, malformed result, timed out, its state lost): one episode's, not the
@@ -105,9 +125,11 @@ def _one_line(error: BaseException) -> str:
 def turn_sampling(sampling: SamplingConfig, tokenizer, max_turns: int) -> SamplingConfig:
     """`sampling` for the turns: with more than one turn, `<|im_end|>` added to the stop tokens where the
     vocabulary has it (a one-turn episode asks exactly what a single-turn sample does)."""
+    if max_turns <= 1:
+        return sampling
     stops = list(sampling.stop_token_ids)
     im_end = tokenizer.convert_tokens_to_ids(IM_END) if IM_END in tokenizer.get_vocab() else None
-    if max_turns > 1 and im_end is not None and im_end not in stops:
+    if im_end is not None and im_end not in stops:
         stops.append(im_end)
     return replace(sampling, stop_token_ids=tuple(stops))
 
@@ -143,6 +165,8 @@ def turn_output(result: SampleResult) -> TurnOutput:
         support=result.output_supports,
         routed_experts=routes,
         routes_start=start,
+        log_rho=getattr(result, "log_rho", None),
+        token_fields=dict(getattr(result, "token_fields", {})),
     )
 
 
@@ -154,8 +178,9 @@ class EpisodeGroups:
     run at once over every group sharing it (`rollout.max_concurrency` counts episodes)."""
 
     request: Request
-    envs: EnvWorkers
-    env_spec: str
+    envs: EnvWorkers | None
+    """The environments' workers; None with `env_spec` None (single-turn samples: `NoEnvironment`)."""
+    env_spec: str | None
     n: int
     limits: EpisodeLimits
     tokens: Tokens
@@ -219,7 +244,7 @@ class EpisodeGroups:
             return turn_output(result)
 
         name = f"b{base_seed}-p{i}-s{j}" + (f"-a{attempt}" if attempt else "")
-        env = WorkerEnv(self.envs, self.env_spec, name)
+        env = NoEnvironment() if self.env_spec is None else WorkerEnv(self.envs, self.env_spec, name)
         async with self.semaphore:
             row = {"answer": answer, "index": i}
             return await run_episode(generate, env, prompt, row, self.limits, self.tokens)
@@ -227,8 +252,8 @@ class EpisodeGroups:
 
 async def run_episodes(
     client: RolloutClient,
-    envs: EnvWorkers,
-    env_spec: str,
+    envs: EnvWorkers | None,
+    env_spec: str | None,
     prompts: Sequence[Sequence[int]],
     answers: Sequence[str],
     sampling: SamplingConfig,
@@ -285,6 +310,7 @@ def episodes_to_batch(
     correct_reward: float,
     elapsed_s: float,
     supports: bool = False,
+    environment: bool = True,
 ) -> RolloutBatch:
     """The episodes as samples: response = turns and observations back to back, `policy_mask` marking the
     turns; reward = the run's reward of the last turn (`rewards`) + the environment's step rewards. Per token:
@@ -293,7 +319,8 @@ def episodes_to_batch(
     (`rollout_supports`; empty rows at the environment's tokens, which are context). MoE routes
     (`routed_experts`, when every episode has them): per sample `[prompt + response − 1, layers, k]` in the
     smallest integer dtype (`rollout.routes.compact_routes`), each position's row from the first request that
-    fed it (`envs.episode`), as the single-turn batch carries them."""
+    fed it (`envs.episode`). Without an `environment` (single-turn samples, one-turn episodes of
+    `NoEnvironment`): no `policy_mask` (every token is the policy's) and no episode counters."""
     total = [r + e.env_reward for r, e in zip(rewards, episodes, strict=True)]
     tops = [e.top_logprobs for e in episodes]
     generated = sum(sum(e.policy_mask) for e in episodes)
@@ -314,9 +341,19 @@ def episodes_to_batch(
         rollout_top_logprobs=None if any(t is None for t in tops) else [list(t) for t in tops],
         rollout_supports=rows,
         token_versions=None if any(v is None for v in versions) else versions,
-        policy_mask=[list(e.policy_mask) for e in episodes],
+        policy_mask=[list(e.policy_mask) for e in episodes] if environment else None,
+        sampled_log_rho=[e.log_rho for e in episodes],
+        token_fields=[to_tensors(e.token_fields) for e in episodes]
+        if any(e.token_fields for e in episodes)
+        else None,
         routed_experts=None if any(r is None for r in routes) else [compact_routes(r) for r in routes],
-        stats={"rollout_time_s": elapsed_s, "generated_tokens": float(generated), **episode_stats(episodes)},
+        stats={
+            "rollout_time_s": elapsed_s,
+            "generated_tokens": float(generated),
+            **(episode_stats(episodes) if environment else {}),
+        },
         # episodes ended because their next turn would not fit the engine's context (`EpisodeLimits`)
-        metrics={"rollout/context_overflows": float(sum(e.context_overflow for e in episodes))},
+        metrics={"rollout/context_overflows": float(sum(e.context_overflow for e in episodes))}
+        if environment
+        else {},
     )

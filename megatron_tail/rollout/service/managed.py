@@ -1,8 +1,8 @@
 """Rank 0's rollout manager side of `RolloutService`, the only way a training batch is made: the engines'
 event loop runs in its own thread with a `RolloutManager` on it (η = `rollout.max_staleness`; η = 0 the
-synchronous loop, η = 1 one step ahead), whose unit of work is one prompt's group: single-turn samples
-(`_sample_group`), or with `rollout.env` the group's multi-turn episodes (`episodes.EpisodeGroups`,
-`_episode_group`). A single-turn sample asks the engines exactly what a one-turn episode asks.
+synchronous loop, η = 1 one step ahead), whose unit of work is one prompt's group of episodes
+(`_episode_group` over `episodes.EpisodeGroups`): multi-turn with `rollout.env`, else one-turn episodes
+without an environment, which ask the engines exactly what single-turn samples asked.
 
 Seeds (`group_seeds`): group `index` (the prompt stream's position) is the `index % G`-th prompt of step
 `index // G` (G = `plan.groups_per_step`, `data.prompts_per_step`), and its samples' seeds are those of the
@@ -28,7 +28,6 @@ from pathlib import Path
 from megatron_tail.utils.errors import UserError
 
 from ..batch import RolloutBatch
-from ..client import regeneration_keys
 from ..dynamic_sampling import has_reward_signal
 from ..manager import GroupResult, RolloutManager, groups_to_batch
 from ..protocol import SamplingConfig
@@ -100,19 +99,12 @@ class ManagedRollout:
         score_lock = asyncio.Lock()
         # the versions of a group's tokens decide what is stale only when groups may span or be dropped
         needs_versions = r.partial_rollouts or r.stale_groups == "drop"
-
-        episodes = self._manager_episodes = self._episode_groups(sampling) if r.env is not None else None
+        episodes = self._manager_episodes = self._episode_groups(sampling)
 
         async def work(index: int, admitted: int, attempt: int) -> GroupResult:
             example = prompt_at(index)
             base_seed, position = group_seeds(plan.seed, index, plan.groups_per_step)
-            seeded = dataclasses.replace(sampling, base_seed=base_seed)
-            if episodes is not None:  # a multi-turn group: one unit of work, however many turns
-                batch = await self._episode_group(
-                    episodes, index, position, base_seed, example, attempt, score_lock
-                )
-            else:
-                batch = await self._sample_group(seeded, position, example, attempt, score_lock)
+            batch = await self._episode_group(episodes, position, base_seed, example, attempt, score_lock)
             if batch.token_versions is None and needs_versions:
                 raise UserError(
                     f"an engine reported weight version {batch.weight_versions[0]!r}, not an integer; "
@@ -132,7 +124,8 @@ class ManagedRollout:
             keep=keep,
             max_filtered_per_batch=plan.groups_per_step * plan.max_sampling_rounds,
             multiple=multiple,
-            # rollout.max_concurrency counts sequences: episodes with an environment (`_episode_groups`)
+            # rollout.max_concurrency counts requests (one group's first turns each), with `rollout.env`
+            # episodes (`_episode_groups`)
             max_in_flight=r.max_concurrency if r.env is None else -(-r.max_concurrency // sampling.n_samples),
             stale_groups=r.stale_groups,
             total_steps=plan.total_steps,
@@ -143,32 +136,13 @@ class ManagedRollout:
         self._thread.start()
         self._run(self._call(self.manager.start))
 
-    async def _sample_group(self, sampling, position, example, attempt, score_lock) -> RolloutBatch:
-        """A group of single-turn samples, scored (the manager's unit of work without `rollout.env`): the
-        keys of prompt `position` under `sampling.base_seed` (`group_seeds`)."""
-        started = time.perf_counter()
-        keys = regeneration_keys(position, sampling, attempt)  # a regenerated group: fresh seeds
-        # adaptive ρ: each request prunes at the ρ in force when it is sent (continued segments too)
-        now = dataclasses.replace(sampling, log_rho=self.sampling_log_rho())
-        samples = await self.client.generate_group(
-            example.prompt_ids,
-            keys,
-            now,
-            partial=self.settings.partial_rollouts,
-            log_rho=self.sampling_log_rho,
-        )
-        elapsed = time.perf_counter() - started
-        self._check_token_ids(samples)
-        completions = [self._decode(s.output_ids) for s in samples]
-        async with score_lock:  # one reward worker: one batch at a time
-            rewards = await asyncio.to_thread(self.score, completions, [example.answer] * len(samples))
-        return self._batch(samples, rewards, elapsed, now.log_rho)
-
     def _episode_groups(self, sampling: SamplingConfig):
-        """The manager's runner of multi-turn groups (`episodes.EpisodeGroups`): each turn one
-        `generate_group` request at the ρ in force when it is sent, which with partial rollouts continues a
-        turn that a weight-update pause aborted under the new weights; at most `rollout.max_concurrency`
-        episodes at once over all groups; environment failures counted per batch (`next_batch`)."""
+        """The manager's runner of groups (`episodes.EpisodeGroups`): each turn one `generate_group` request
+        at the ρ in force when it is sent (adaptive ρ), which with partial rollouts continues a turn that a
+        weight-update pause aborted under the new weights; every generated id checked against the
+        vocabulary. With `rollout.env`: at most `rollout.max_concurrency` episodes at once over all groups,
+        environment failures counted per batch (`next_batch`); without, one-turn episodes of
+        `NoEnvironment` (single-turn samples), bounded by the manager's groups in flight alone."""
         from megatron_tail.rollout.envs import EpisodeLimits, Tokens
 
         from .episodes import EpisodeGroups, FailureCount, turn_sampling, with_routes_from
@@ -180,11 +154,14 @@ class ManagedRollout:
             now = dataclasses.replace(
                 with_routes_from(per_turn, routes_from), log_rho=self.sampling_log_rho()
             )
-            return await self.client.generate_group(
+            results = await self.client.generate_group(
                 input_ids, keys, now, partial=r.partial_rollouts, log_rho=self.sampling_log_rho
             )
+            self._check_token_ids(results)
+            return results
 
         episodes = self.plan.groups_per_step * sampling.n_samples  # per batch: a step's episodes
+        at_once = r.max_concurrency if r.env is not None else r.max_concurrency * sampling.n_samples
         return EpisodeGroups(
             request,
             self.envs,
@@ -194,45 +171,41 @@ class ManagedRollout:
                 r.max_turns, r.max_observation_tokens, self.context_length - sampling.max_new_tokens
             ),
             Tokens(decode=self._decode, encode=self._encode),
-            asyncio.BoundedSemaphore(r.max_concurrency),
-            FailureCount(r.env, episodes, r.max_env_failure_fraction),
+            asyncio.BoundedSemaphore(at_once),
+            FailureCount(r.env or "none", episodes, r.max_env_failure_fraction),
         )
 
     async def _episode_group(
-        self, episodes, index, position, base_seed, example, attempt, score_lock
+        self, episodes, position, base_seed, example, attempt, score_lock
     ) -> RolloutBatch:
-        """Group `index`'s episodes, scored (the manager's unit of work with `rollout.env`), seeded as prompt
-        `position` under `base_seed` (`group_seeds`): the manager's `attempt` a runs environment attempts
-        a·`MAX_ENV_ATTEMPTS` onwards, so every regeneration, by the manager or after an environment
-        failure, has fresh seeds."""
+        """A group's episodes, scored (the manager's unit of work), seeded as prompt `position` under
+        `base_seed` (`group_seeds`). The manager's `attempt` a: without an environment, the keys of
+        `client.regeneration_keys(..., a)`; with one, environment attempts a·`MAX_ENV_ATTEMPTS` onwards, so
+        every regeneration, by the manager or after an environment failure, has fresh seeds."""
         from .episodes import MAX_ENV_ATTEMPTS, episodes_to_batch
 
+        environment = self.settings.env is not None
         started = time.perf_counter()
-        # the ρ of its first turns: a sample counts as old as its oldest tokens
-        log_rho = self.sampling_log_rho()
         done = await episodes.group(
             position,
             example.prompt_ids,
             example.answer,
             base_seed=base_seed,
-            first_attempt=attempt * MAX_ENV_ATTEMPTS,
+            first_attempt=attempt * MAX_ENV_ATTEMPTS if environment else attempt,
         )
         elapsed = time.perf_counter() - started
-        for j, e in enumerate(done):
-            self._check_ids(e.response_ids, f"episode {j} of prompt {index}", self.urls[0])
-        async with score_lock:
+        async with score_lock:  # one reward worker: one batch at a time
             rewards = await asyncio.to_thread(
                 self.score, [e.final_text for e in done], [example.answer] * len(done)
             )
-        batch = episodes_to_batch(
+        return episodes_to_batch(
             done,
             rewards,
             correct_reward=self.plan.reward.correct_reward,
             elapsed_s=elapsed,
             supports=self.settings.truncates,
+            environment=environment,
         )
-        batch.sampled_log_rho = [log_rho] * len(batch)
-        return batch
 
     def _episode_failures(self) -> dict[str, float]:
         """The manager's environment failures since the last batch (`rollout/env_failures`,
@@ -253,7 +226,7 @@ class ManagedRollout:
         started = time.perf_counter()
         groups, metrics = self._run(self.manager.next_batch(step, progress), f"the batch of step {step + 1}")
         metrics = {**metrics, **self._client_metrics()}
-        if self._manager_episodes is not None:
+        if self.settings.env is not None:
             metrics.update(self._run(self._call(self._episode_failures)))
         if self.plan.run_dir is not None:
             record_trained_prompts(self.plan.run_dir, step + 1, [g.index for g in groups])

@@ -23,14 +23,12 @@ from megatron_tail.rewards.scorer import RewardScorer
 from megatron_tail.utils.errors import UserError
 from megatron_tail.utils.net import free_port
 
-from ..batch import RolloutBatch, token_versions_of
 from ..client import RolloutClient, SupportOverflowsExhausted
 from ..launch import LocalEngineConfig, wait_until_healthy
 from ..local_engine.process import LocalEngineProcess
 from ..manager import RolloutManager
 from ..processor import DVPLogitProcessor
 from ..protocol import MissingRoutesError, SamplingConfig
-from ..routes import compact_routes
 from ..settings import RolloutSection
 from ..weight_sync import DiskWeightSync, DistributedWeightSync
 from .failures import (
@@ -199,30 +197,6 @@ class RolloutService(ManagedRollout):
         self._counted = now
         return {**self.client.occupancy.read(), **since}
 
-    def _batch(self, samples, rewards: list[float], elapsed: float, log_rho: float | None) -> RolloutBatch:
-        """One-turn `samples`, scored `rewards`, drawn with DVP's `log_rho` (None: no pruning)."""
-        versions = [token_versions_of(s.output_versions) for s in samples]
-        return RolloutBatch(
-            prompt_ids=[list(s.prompt_ids) for s in samples],
-            response_ids=[list(s.output_ids) for s in samples],
-            rollout_logprobs=[list(s.output_logprobs) for s in samples],
-            rewards=rewards,
-            correct=[x >= self.plan.reward.correct_reward for x in rewards],
-            truncated=[s.finish_reason.get("type") == "length" for s in samples],
-            weight_versions=[s.weight_version for s in samples],
-            rollout_top_logprobs=[list(s.output_top_logprobs) for s in samples],
-            rollout_supports=[s.output_supports for s in samples] if self.settings.truncates else None,
-            token_versions=None if any(v is None for v in versions) else versions,
-            sampled_log_rho=[log_rho] * len(samples),
-            routed_experts=None
-            if self.routes_shape is None
-            else [compact_routes(s.routed_experts) for s in samples],
-            stats={
-                "rollout_time_s": elapsed,
-                "generated_tokens": float(sum(len(s.output_ids) for s in samples)),
-            },
-        )
-
     def evaluate(self, prompt_ids: Sequence[Sequence[int]], answers: Sequence[str]) -> dict[str, float]:
         """`train.eval_samples_per_prompt` = n samples per prompt at the training temperature (with DVP if on:
         the policy being trained; fixed seeds, so evaluations differ only by the weights) → `eval/pass@k`
@@ -239,8 +213,8 @@ class RolloutService(ManagedRollout):
             ("greedy", self.eval_client, greedy),
         ):
             what = f"{name} eval samples of {len(prompt_ids)} prompts"
+            rewards, failures = self._eval_episodes(client, prompt_ids, answers, sampling, what)
             if r.env is not None:
-                rewards, failures = self._eval_episodes(client, prompt_ids, answers, sampling, what)
                 for tag, count in failures.metrics().items():  # rollout/env_failures → eval/env_failures
                     key = "eval/" + tag.split("/", 1)[1]
                     out[key] = out.get(key, 0.0) + count
@@ -250,12 +224,6 @@ class RolloutService(ManagedRollout):
                         f"{r.env!r} and {failures.lost} lost their worker, each group generated again"
                         + (f"; last: {failures.last_line()}" if failures.last is not None else "")
                     )
-            else:
-                grouped = self._run(client.generate(prompt_ids, sampling), what)
-                self._check_token_ids([s for g in grouped for s in g])
-                completions = [self._decode(s.output_ids) for g in grouped for s in g]
-                per_sample_answers = [a for a in answers for _ in range(sampling.n_samples)]
-                rewards = self.score(completions, per_sample_answers)
             correct = [x >= self.plan.reward.correct_reward for x in rewards]
             out[f"eval/{name}_accuracy"] = sum(correct) / len(correct)
             out[f"eval/{name}_reward"] = sum(rewards) / len(rewards)
@@ -266,17 +234,19 @@ class RolloutService(ManagedRollout):
         return out
 
     def _eval_episodes(self, client, prompt_ids, answers, sampling: SamplingConfig, what: str):
-        """`(rewards, failures)`: the rewards of evaluation episodes (`rollout.env`) of every prompt,
-        sample-major in prompt order (the run's reward of each last turn plus the environment's rewards,
-        `train.run.episodes`), and the `episodes.FailureCount` of the evaluation. An environment's failure
-        fails its episode's group only, generated again with fresh seeds, until more than
-        `rollout.max_env_failure_fraction` of the episodes failed (`episodes.EnvironmentFailures`)."""
+        """`(rewards, failures)`: the rewards of every prompt's evaluation episodes, sample-major in prompt
+        order (the run's reward of each last turn plus the environment's rewards), by the one workflow
+        (`episodes.run_episodes`; without `rollout.env`, one-turn episodes: the single-turn samples), and the
+        `episodes.FailureCount` of the evaluation. An environment's failure fails its episode's group only,
+        generated again with fresh seeds, until more than `rollout.max_env_failure_fraction` of the episodes
+        failed (`episodes.EnvironmentFailures`)."""
         from megatron_tail.rollout.envs import EpisodeLimits, Tokens
 
         from .episodes import FailureCount, run_episodes, turn_sampling
 
         r = self.settings
-        failures = FailureCount(r.env, len(prompt_ids) * sampling.n_samples, r.max_env_failure_fraction)
+        n = sampling.n_samples
+        failures = FailureCount(r.env or "none", len(prompt_ids) * n, r.max_env_failure_fraction)
         episodes = self._run(
             run_episodes(
                 client,
@@ -291,16 +261,15 @@ class RolloutService(ManagedRollout):
                     max_input_tokens=self.context_length - sampling.max_new_tokens,
                 ),
                 Tokens(decode=self._decode, encode=self._encode),
-                max_concurrency=r.max_concurrency,
+                # counts episodes with an environment, else requests (one prompt's n samples each)
+                max_concurrency=r.max_concurrency if r.env is not None else r.max_concurrency * n,
                 failures=failures,
             ),
             what,
         )
         for i, e in enumerate(episodes):
             self._check_ids(e.response_ids, f"evaluation episode {i}", self.urls[0])
-        rewards = self.score(
-            [e.final_text for e in episodes], [a for a in answers for _ in range(sampling.n_samples)]
-        )
+        rewards = self.score([e.final_text for e in episodes], [a for a in answers for _ in range(n)])
         return [r + e.env_reward for r, e in zip(rewards, episodes, strict=True)], failures
 
     def sync_weights(self, source, version: int | str) -> float:

@@ -111,6 +111,8 @@ def build_samples(cfg: RunConfig, batch: RolloutBatch) -> RolloutSamples:
             fields[SAMPLING_SUPPORT_FIELD] = batch.rollout_supports[i]
         if algo.mask_truncated:
             fields["trainable"] = torch.full((n,), 0.0 if batch.truncated[i] else 1.0)
+        if batch.token_fields is not None:  # the engine's declared per-token fields (`rollout.token_fields`)
+            fields.update(batch.token_fields[i])
         mask = None if batch.policy_mask is None else batch.policy_mask[i]
         positions = {}
         if batch.routed_experts is not None:
@@ -186,6 +188,4 @@ def moe_shape_group(groups: ParallelGroups):
         return None
     if torch.cuda.is_available():  # alltoall dispatcher: variable lengths (model.moe)
         return None
-    from megatron.core import parallel_state
-
-    return parallel_state.get_expert_tensor_and_model_parallel_group()
+    return groups.etp_ep
