@@ -1,7 +1,7 @@
 """The trainer's own collectives, in one place: rank-0 work, the pipeline's last-stage broadcast, and one
 all-reduce-like exchange of scalar metrics.
 
-    batch = on_rank0(lambda: engines.generate(...))           # rank 0 works, every rank gets the result
+    batch = on_rank0(lambda: service.next_batch(step))         # rank 0 works, every rank gets the result
     outs = broadcast_from_last_stage(outs, groups)             # last pipeline stage → every stage
     totals = all_reduce_scalars({"tokens": t, "w_max": m}, groups.dp)   # sum, max for *_max, min for *_min
 

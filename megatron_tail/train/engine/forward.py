@@ -27,7 +27,6 @@ from functools import partial
 from typing import Any
 
 import torch
-from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
@@ -44,6 +43,7 @@ from megatron_tail.patches import cpu_device_scope
 
 from .batch import MicroBatch
 from .collectives import all_reduce_scalars
+from .parallel import ParallelGroups
 from .routing import RoutingPass
 
 # (op outputs [b, s] of one micro-batch, the micro-batch) -> (0-d loss tensor, extra object to return)
@@ -89,6 +89,7 @@ def run_micro_batches(
     micro_batches: Sequence[MicroBatch],
     on_outputs: OnOutputs,
     *,
+    groups: ParallelGroups,
     vocab_size: int,
     op: OpSettings,
     forward_only: bool,
@@ -99,13 +100,13 @@ def run_micro_batches(
     Micro-batches may differ in shape: on PP > 1 the model config's `variable_seq_lengths` (set by
     `model.transformer_config`) makes the stages exchange each activation's shape first. `routing` (MoE):
     what the routers do in this pass (`routing.RoutingPass`: record, replay, observe), around each
-    micro-batch's forward.
+    micro-batch's forward. `groups`: the trainer's process groups (the op's TP group, the aux loss's DP).
     """
     if not micro_batches:
         raise ValueError("no micro-batches")
     config = unwrap_model(chunks[0]).config
     shapes = {mb.shape for mb in micro_batches}
-    if len(shapes) != 1 and parallel_state.get_pipeline_model_parallel_world_size() > 1:
+    if len(shapes) != 1 and groups.pp_size > 1:
         if not config.variable_seq_lengths:
             raise ValueError(
                 f"micro-batches differ in shape {sorted(shapes)} but variable_seq_lengths is off"
@@ -116,9 +117,9 @@ def run_micro_batches(
     # the stages' activations when `variable_seq_lengths` is off.
     seq_len = max(mb.whole.shape[1] for mb in micro_batches)
     device = next(chunks[0].parameters()).device
-    tp_group = parallel_state.get_tensor_model_parallel_group()
+    tp_group = groups.tp
     half = _has_float16_module(chunks[0])
-    aux_scale = None if forward_only else moe_aux_loss_scale(config, micro_batches)
+    aux_scale = None if forward_only else moe_aux_loss_scale(config, micro_batches, groups)
 
     def set_aux_loss_scale(grad: torch.Tensor) -> None:
         # Runs when the backward reaches the micro-batch's output, before its routers' `MoEAuxLossAutoScaler`
@@ -178,7 +179,7 @@ def run_micro_batches(
         )
 
 
-def moe_aux_loss_scale(config, micro_batches: Sequence[MicroBatch]) -> float | None:
+def moe_aux_loss_scale(config, micro_batches: Sequence[MicroBatch], groups: ParallelGroups) -> float | None:
     """The MoE aux losses' backward scale of a training pass (before the optimizer's loss scale): 1 / the
     router-token count of the step, or None for a dense model. Collective over the DP group (not CP).
 
@@ -196,9 +197,9 @@ def moe_aux_loss_scale(config, micro_batches: Sequence[MicroBatch]) -> float | N
     """
     if not getattr(config, "num_moe_experts", None):
         return None
-    tp_sp = parallel_state.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1
+    tp_sp = groups.tp_size if config.sequence_parallel else 1
     local = sum(mb.tokens.numel() for mb in micro_batches) / tp_sp
-    total = all_reduce_scalars({"router_tokens": local}, parallel_state.get_data_parallel_group())
+    total = all_reduce_scalars({"router_tokens": local}, groups.dp)
     return 1.0 / max(total["router_tokens"], 1.0)
 
 

@@ -56,6 +56,7 @@ def recompute_logprobs(
         chunks,
         micro_batches,
         on_outputs,
+        groups=trainer.groups,
         vocab_size=trainer.vocab_size,
         op=op,
         forward_only=True,

@@ -70,6 +70,7 @@ def train_step(
         trainer.chunks,
         micro_batches,
         on_outputs,
+        groups=trainer.groups,
         vocab_size=trainer.vocab_size,
         op=op,
         forward_only=False,

@@ -104,6 +104,9 @@ class ParallelGroups:
     """Expert tensor parallel: the ranks that split each of their experts' FFN."""
     edp: dist.ProcessGroup | None = None
     """Expert data parallel: the replicas of the same experts, over which expert gradients reduce."""
+    etp_ep: dist.ProcessGroup | None = None
+    """Expert tensor × expert parallel (megatron's `get_expert_tensor_and_model_parallel_group`): the ranks
+    among which the allgather MoE dispatcher gathers tokens."""
     ep_rank: int = 0
     ep_size: int = 1
     etp_rank: int = 0
@@ -223,6 +226,7 @@ def current_groups() -> ParallelGroups:
         ep=parallel_state.get_expert_model_parallel_group(),
         etp=parallel_state.get_expert_tensor_parallel_group(),
         edp=parallel_state.get_expert_data_parallel_group(),
+        etp_ep=parallel_state.get_expert_tensor_and_model_parallel_group(),
         ep_rank=parallel_state.get_expert_model_parallel_rank(),
         ep_size=parallel_state.get_expert_model_parallel_world_size(),
         etp_rank=parallel_state.get_expert_tensor_parallel_rank(),

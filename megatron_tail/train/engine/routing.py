@@ -45,6 +45,11 @@ from megatron.core.transformer.moe.router_replay import RouterReplayAction
 from megatron.core.utils import unwrap_model
 
 from megatron_tail.model.moe import router_replays
+from megatron_tail.patches.router_replay_observe import (
+    observe_router_replay,
+    own_topk,
+    unobserve_router_replay,
+)
 from megatron_tail.rollout.routes import ROUTED_FIELD, ROUTES_FIELD
 
 from .batch import MicroBatch
@@ -170,7 +175,7 @@ class RoutingPass:
                 replay.clear_indices()
                 replay.set_router_replay_action(_ACTIONS[self.action])
                 if self.observe:
-                    _observe(replay)
+                    observe_router_replay(replay)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -178,7 +183,7 @@ class RoutingPass:
             for _, replay in layers:
                 replay.clear_indices()
                 replay.clear_router_replay_action()
-                _unobserve(replay)
+                unobserve_router_replay(replay)
 
     def before(self, model: torch.nn.Module, mb: MicroBatch) -> None:
         """Before micro-batch `mb`'s forward on `model` (one of the chunks)."""
@@ -232,7 +237,7 @@ class RoutingPass:
         valid = router_order(mb.fields[ROUTED_FIELD], sequence_parallel=sp)
         engine = router_order(mb.fields[ROUTES_FIELD], sequence_parallel=sp)
         for g, replay in layers:
-            own = replay._mt_own  # set by _observe
+            own = own_topk(replay)  # kept by the observing patch
             if sums.agree.device != own.device:
                 sums.agree, sums.tokens = sums.agree.to(own.device), sums.tokens.to(own.device)
                 sums.per_expert = sums.per_expert.to(own.device)
@@ -258,26 +263,3 @@ _ACTIONS = {
     "replay_field": RouterReplayAction.REPLAY_FORWARD,
     "replay_recorded": RouterReplayAction.REPLAY_FORWARD,
 }
-
-
-def _observe(replay) -> None:
-    """Make `replay` also keep the router's own top-k choice (`_mt_own`) when it replays or routes freely:
-    the same `default_compute_topk` megatron calls, on the same scores, in the same call (no second
-    forward). An instance attribute shadowing the class's method, removed by `_unobserve`."""
-    original = type(replay).get_replay_topk.__get__(replay)
-
-    def get_replay_topk(scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
-        own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
-        replay._mt_own = own[1].detach()
-        if replay.router_replay_action in (None, RouterReplayAction.RECORD):
-            if replay.router_replay_action is not None:
-                replay.record_indices(own[1])
-            return own
-        return original(scores, topk, num_groups, group_topk, default_compute_topk)
-
-    replay.get_replay_topk = get_replay_topk
-
-
-def _unobserve(replay) -> None:
-    replay.__dict__.pop("get_replay_topk", None)
-    replay.__dict__.pop("_mt_own", None)
