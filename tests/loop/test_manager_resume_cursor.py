@@ -11,7 +11,8 @@ import pytest
 from megatron_tail.config import load_config
 from megatron_tail.data import PromptBatches, PromptStream
 from megatron_tail.train.run import session as session_module
-from megatron_tail.train.run.session import RunSession, manager_start_state, stepwise_cursor
+from megatron_tail.train.run.pre_manager_checkpoints import manager_start_state, stepwise_cursor
+from megatron_tail.train.run.session import RunSession
 
 PROMPTS, PER_STEP, SEED = 10, 3, 5  # 3 step-wise batches per epoch, the 10th prompt skipped each epoch
 

@@ -39,6 +39,7 @@ from ..engine.setup import build_trainer
 from ..rl.routing import check_routing_replay
 from . import run_dir, signals
 from .console import Console, progress_enabled
+from .pre_manager_checkpoints import manager_start_state
 from .rollout_plan import start_rollout
 
 
@@ -60,33 +61,6 @@ def group_multiple(group_size: int, mini_batches: int, dp_size: int) -> int:
     that split."""
     split = mini_batches * dp_size
     return split // math.gcd(group_size, split)
-
-
-def stepwise_cursor(batches, steps: int) -> int:
-    """The position in the prompt stream (`data.PromptStream`) right after the prompts of the first `steps`
-    step-wise batches (`data.PromptBatches.batch(0 .. steps − 1)`, a `PromptBatches`): both walk the same
-    permutation per epoch (from (seed, epoch)), and the step-wise batches skip an epoch's last partial batch,
-    so an epoch of them ends at a multiple of the number of prompts."""
-    epoch, position = divmod(steps, batches.batches_per_epoch)
-    return epoch * len(batches.examples) + position * batches.batch_size
-
-
-def manager_start_state(
-    state: dict | None, *, version: int, data_cursor: int, stepwise_steps: int, batches
-) -> dict | None:
-    """The rollout manager's state when it starts at weight `version`: its own checkpointed `state` when
-    there is one; else (a fresh run, or a run checkpointed before the manager made every batch, by the
-    step-wise rollout) a state whose prompt stream starts where that run stopped: at `data_cursor` (the
-    stream's position, which its dynamic sampling kept), or, where that is 0, after the prompts of the
-    `stepwise_steps` step-wise batches it trained (`stepwise_cursor` of `batches`). None (the manager's
-    own start, index 0) when nothing was used."""
-    if state is not None:
-        return state
-    cursor = data_cursor or stepwise_cursor(batches, stepwise_steps)
-    if not cursor:
-        return None
-    return {"next_index": cursor, "queued": [], "admitted": 0, "wasted": 0, "base_version": version,
-            "buffer": []}  # fmt: skip
 
 
 class RunSession:
@@ -188,7 +162,7 @@ class RunSession:
         """`algorithm.log_rho: auto`: log `dvp/log_rho` (this step's) into `metrics` and set the next step's
         from this step's `dvp/safe_mass_min` (identical on every rank, so every rank moves alike). From then
         on the engines' requests carry the new ρ: the rollout manager's next requests (new groups and
-        continued segments) and the next step-wise rollout."""
+        continued segments; `RolloutService.set_log_rho`)."""
         if self.rho is None:
             return
         metrics["dvp/log_rho"] = self.log_rho
