@@ -26,7 +26,6 @@ _EXPORTS = {
     "SampleKey": "megatron_tail.rollout.protocol",
     "SampleResult": "megatron_tail.rollout.protocol",
     "SamplingConfig": "megatron_tail.rollout.protocol",
-    "StaleWeightsError": "megatron_tail.rollout.client",
     "SupportOverflowError": "megatron_tail.rollout.client",
     "SupportOverflowsExhausted": "megatron_tail.rollout.client",
     "WeightSync": "megatron_tail.rollout.weight_sync",

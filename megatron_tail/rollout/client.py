@@ -72,10 +72,6 @@ class ServerEndedError(RetryableServerError):
         super().__init__(f"the server on {url} {how}")
 
 
-class StaleWeightsError(RolloutError):
-    """A sample came from a policy version other than the one `generate` required."""
-
-
 SUPPORT_OVERFLOW = "Sampling support exceeds --sampling-mask-max-tokens"
 """How SGLang 0.5.23's HTTP 400 begins when one token's realised support exceeded the mask cap (status
 OVERFLOW, `batch_result_processor.get_sampling_mask_finish_reason`): flashinfer keeps every tie at the
@@ -162,7 +158,6 @@ class RolloutClient:
         config: transport settings.
         processor: serialized custom logit processor sent with every request; defaults to DVP's.
             Pass None to send none (then `SamplingConfig.log_rho` is ignored).
-        on_result: called with each `SampleResult` as soon as its request completes (progress hooks).
         server_ended: for servers whose process the caller owns (the local engine), URL → how that process
             ended ("was killed by SIGKILL") or None while it runs; may block briefly (it runs in a thread).
             A request that fails on an ended server is not retried, nor logged as an attempt: it raises
@@ -176,13 +171,11 @@ class RolloutClient:
         config: ClientConfig | None = None,
         *,
         processor: str | None = DVPLogitProcessor.to_str(),
-        on_result: Callable[[SampleResult], None] | None = None,
         server_ended: Callable[[str], str | None] | None = None,
     ):
         self.urls = urls = base_urls(server_urls)
         self.config = config or ClientConfig()
         self.processor = processor
-        self.on_result = on_result
         self.server_ended = server_ended
         self.healthy = dict.fromkeys(urls, True)
         self.in_flight = dict.fromkeys(urls, 0)
@@ -227,15 +220,11 @@ class RolloutClient:
         self,
         prompts: Sequence[Sequence[int]],
         sampling: SamplingConfig,
-        *,
-        require_weight_version: str | None = None,
     ) -> list[list[SampleResult]]:
         """Sample `sampling.n_samples` completions for every prompt (token ids).
 
         Returns `results[prompt_index][sample_index]`. Raises `RolloutError` subclasses: a request
         rejected (4xx) or malformed response at once, `RetryableServerError` after `max_attempts`.
-        With `require_weight_version`, a sample produced under another policy version raises
-        `StaleWeightsError` (a server the last weight sync did not reach).
         """
         prompts = [_check_prompt(i, p) for i, p in enumerate(prompts)]
         await self.check_health()  # once per call: a restarted server rejoins at the next step
@@ -260,14 +249,6 @@ class RolloutClient:
         missing = sorted(set(expected) - set(collected))
         if missing:
             raise RolloutError(f"{len(missing)} samples never came back, e.g. {[k.rid for k in missing[:5]]}")
-        if require_weight_version is not None:
-            stale = {(r.server_url, r.weight_version) for r in collected.values()}
-            stale = sorted(s for s in stale if s[1] != str(require_weight_version))
-            if stale:
-                raise StaleWeightsError(
-                    f"samples from policy versions other than {require_weight_version!r}: "
-                    f"(server, version) {stale}"
-                )
         grouped: list[list[SampleResult]] = [[] for _ in prompts]
         for key in sorted(collected):
             grouped[key.prompt_index].append(collected[key])
@@ -345,8 +326,6 @@ class RolloutClient:
             if result.key in collected:
                 raise RolloutError(f"sample {result.key.rid} returned twice")
             collected[result.key] = result
-            if self.on_result is not None:
-                self.on_result(result)
 
     async def _request_with_retries(self, prompt, keys, sampling, allow_abort=False) -> list[SampleResult]:
         last_error: Exception | None = None

@@ -26,9 +26,24 @@ def run(coro):
     return asyncio.run(coro)
 
 
-async def generate(urls, prompts, sampling, config=None, **kwargs):
-    async with RolloutClient(urls, config or ClientConfig(request_timeout_s=60), **kwargs) as client:
+async def generate(urls, prompts, sampling, config=None, client_class=None, **kwargs):
+    client_class = client_class or RolloutClient
+    async with client_class(urls, config or ClientConfig(request_timeout_s=60), **kwargs) as client:
         return await client.generate(prompts, sampling), client
+
+
+class Watched(RolloutClient):
+    """A client that calls `on_result(result)` as each request's results come back."""
+
+    def __init__(self, *args, on_result, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.on_result = on_result
+
+    async def _request_with_retries(self, *args, **kwargs):
+        results = await super()._request_with_retries(*args, **kwargs)
+        for result in results:
+            self.on_result(result)
+        return results
 
 
 def test_n_samples_come_back_with_distinct_seeds(server_pair):
@@ -77,7 +92,7 @@ def test_server_killed_mid_batch_completes_on_the_other_server_exactly_once(
         prompts = [[5 + i, 76, 6 + i, 84] for i in range(8)]
         config = ClientConfig(request_timeout_s=60, retry_backoff_s=0.05)
         results, client = run(
-            generate([doomed.url, survivor.url], prompts, sampling, config, on_result=on_result)
+            generate([doomed.url, survivor.url], prompts, sampling, config, Watched, on_result=on_result)
         )
     finally:
         doomed.stop()

@@ -195,6 +195,6 @@ def test_a_group_that_overflows_on_every_attempt_is_a_user_error_naming_the_keys
         "engines' sampling-mask cap on all 2 attempts, with fresh seeds each time (the engine: "
         f'"{MESSAGE}"); a rerun repeats this (a first token\'s support depends on the prompt alone), since '
         "the ties at the top-k cutoff that SGLang's flashinfer sampler keeps need more than the ×2 headroom "
-        "the config requires (rollout.settings.TOP_K_HEADROOM): raise rollout.sampling_mask_max_tokens or lower "
-        "rollout.top_k"
+        "the config requires (rollout.settings.TOP_K_HEADROOM): raise rollout.sampling_mask_max_tokens or "
+        "lower rollout.top_k"
     )
