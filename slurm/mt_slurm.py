@@ -111,7 +111,7 @@ def serve(args: argparse.Namespace) -> int:
             num_threads=args.num_threads,
             quantization=args.quantization,
             sampling_mask_max_tokens=args.sampling_mask_max_tokens,
-            # as SGLang: --enable-deterministic-inference forces its PyTorch sampler (train/run/engines.py)
+            # as SGLang: --enable-deterministic-inference forces its PyTorch sampler (rollout/settings.py)
             sampling_backend="pytorch" if args.deterministic else "flashinfer",
             return_routed_experts=args.return_routed_experts,
         )
