@@ -155,6 +155,7 @@ class _Worker:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         child.close()
         self.pid = self._proc.pid
+        self._closing = threading.Lock()
 
     @property
     def exitcode(self) -> int | None:
@@ -162,17 +163,30 @@ class _Worker:
 
     def request(self, message: tuple, timeout_s: float):
         """The worker's reply to `message` ("score" or "env", see `_serve`); TimeoutError after `timeout_s`,
-        EOFError if the worker died."""
-        self._conn.send(message)
-        if not self._conn.poll(timeout_s):
-            raise TimeoutError
-        return self._conn.recv()
+        EOFError if the worker died (a worker killed mid-call resets the socket pair instead of closing it:
+        ConnectionResetError, or BrokenPipeError on the send, are its death too)."""
+        try:
+            self._conn.send(message)
+            if not self._conn.poll(timeout_s):
+                raise TimeoutError
+            return self._conn.recv()
+        except (ConnectionResetError, BrokenPipeError) as e:
+            raise EOFError(f"the worker's pipe: {e}") from None
 
-    def kill(self) -> None:
+    def kill_process(self) -> None:
+        """SIGKILL the worker and leave the pipe alone: a thread waiting in `request` (another thread than
+        the caller's) then reads EOF and ends its call itself. Closing the pipe under that thread instead
+        raced its own close (EBADF) or left its `poll` on a closed descriptor (a hang)."""
         if self._proc.is_alive():
             self._proc.kill()
+
+    def kill(self) -> None:
+        """Kill the worker and close the pipe (by the thread that uses it; idempotent)."""
+        self.kill_process()
         self._proc.join(timeout=10)
-        self._conn.close()
+        with self._closing:
+            if not self._conn.closed:
+                self._conn.close()
 
     def stop(self) -> None:
         try:

@@ -168,7 +168,7 @@ class EnvWorkers:
         for slot in self.slots:
             process = slot.process
             if slot.busy is not None and process is not None:
-                process.kill()  # its thread's call ends at once (the worker "died")
+                process.kill_process()  # its thread's call ends at once (the worker "died")
         for slot in self.slots:
             slot.thread.shutdown(wait=True)
             self._close(slot)

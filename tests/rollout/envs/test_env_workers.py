@@ -81,3 +81,45 @@ def test_env_timeout_s_is_positive_seconds_or_null(bad):
     with pytest.raises(UserError, match=r"rollout\.env_timeout_s must be"):
         load_config(None, [f"rollout.env_timeout_s={bad}"])
     assert load_config(None, ["rollout.env_timeout_s=30"]).rollout.env_timeout_s == 30
+
+
+def test_closing_during_a_hanging_call_ends_it_from_the_calls_own_thread():
+    """`close` (a second stop signal abandoning the step) kills a worker stuck in a call, and the call's own
+    thread, not the closing one, closes that worker's pipe: the two closing it at once raised EBADF in
+    `close`, or left the call's thread polling a closed descriptor (a hang), in about a third of the runs of
+    `tests/loop/test_stop_while_waiting.py`'s hanging-environment case."""
+    import threading
+
+    from megatron_tail.rollout.envs.registry import EnvironmentError_
+
+    pool = EnvWorkers(1, timeout_s=60.0, timeout_name="rollout.env_timeout_s")
+    env = WorkerEnv(pool, "tests.rollout.envs.fault_envs:StepHangs", "e0")
+    raised: list[BaseException] = []
+
+    def episode():
+        async def run():
+            await env.reset({})
+            await env.step("hang")
+
+        try:
+            asyncio.run(run())
+        except BaseException as e:
+            raised.append(e)
+
+    caller = threading.Thread(target=episode)
+    caller.start()
+    deadline = time.monotonic() + 60
+    while not pool.busy():
+        assert time.monotonic() < deadline, "the hanging step never started"
+        time.sleep(0.01)
+    worker = pool.slots[0].process
+    closed_by = []
+    close = worker._conn.close
+    worker._conn.close = lambda: (closed_by.append(threading.current_thread().name), close())[1]
+    started = time.monotonic()
+    pool.close()
+    caller.join(timeout=30)
+    assert not caller.is_alive() and time.monotonic() - started < 15
+    assert len(raised) == 1 and isinstance(raised[0], EnvironmentError_) and "died" in str(raised[0])
+    assert closed_by and "MainThread" not in closed_by, closed_by
+    assert worker._proc.exitcode is not None
