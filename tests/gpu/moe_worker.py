@@ -21,9 +21,10 @@ aux-check tensors and the dispatcher.
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
+
+from tests.gpu.trainer_worker import single_rank_environment
 
 AUX_COEFF = 0.01
 """megatron's `moe_aux_loss_coeff` here (Qwen3-MoE's config says 0.001): large enough that the aux loss's
@@ -175,13 +176,7 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
     args = parser.parse_args()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        from megatron_tail.utils.net import free_port
-
-        os.environ["MASTER_PORT"] = str(free_port())
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    torch.set_num_threads(min(4, torch.get_num_threads()))
+    single_rank_environment()
 
     from megatron.core.utils import unwrap_model
 

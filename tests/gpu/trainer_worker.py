@@ -25,6 +25,18 @@ MAX_TOKENS = 48
 """Token budget of a packed micro-batch: 16 samples of 6–14 tokens make several THD rows of 3–7 sequences."""
 
 
+def single_rank_environment() -> None:
+    """This process as rank 0 of a world of 1 (torch.distributed's env:// variables, a free port unless
+    one is set) with at most 4 torch threads."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        from megatron_tail.utils.net import free_port
+
+        os.environ["MASTER_PORT"] = str(free_port())
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    torch.set_num_threads(min(4, torch.get_num_threads()))
+
+
 def training_state(trainer) -> dict[str, torch.Tensor]:
     """Every tensor a resume must restore, bitwise, on the host: model parameters (their own dtype) and, per
     inner optimizer, each parameter group's fp32 main parameters and Adam state (`exp_avg`, `exp_avg_sq`,
@@ -77,13 +89,7 @@ def main() -> None:
     parser.add_argument("--save", default=None, help="after the two steps: save here, then one more step")
     parser.add_argument("--load", default=None, help="instead of the two steps: load this, then one step")
     args = parser.parse_args()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        from megatron_tail.utils.net import free_port
-
-        os.environ["MASTER_PORT"] = str(free_port())
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    torch.set_num_threads(min(4, torch.get_num_threads()))
+    single_rank_environment()
 
     from megatron_tail.algorithms import AlgorithmConfig
     from megatron_tail.model import ModelSettings, load_hf_config
