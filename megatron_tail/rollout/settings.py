@@ -278,6 +278,11 @@ class RolloutSection:
         bound)."""
         return self.max_turns * self.max_new_tokens
 
+    def episodes_at_once(self, group_size: int) -> int:
+        """Episodes in flight at most: `max_concurrency` counts episodes with `env`, else requests (one
+        prompt's `group_size` samples each)."""
+        return self.max_concurrency if self.env is not None else self.max_concurrency * group_size
+
     @property
     def local_engine_dtype(self) -> str:
         """The local engine's dtype: `dtype`, else `local_dtype`."""

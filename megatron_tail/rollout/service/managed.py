@@ -124,9 +124,7 @@ class ManagedRollout:
             keep=keep,
             max_filtered_per_batch=plan.groups_per_step * plan.max_sampling_rounds,
             multiple=multiple,
-            # rollout.max_concurrency counts requests (one group's first turns each), with `rollout.env`
-            # episodes (`_episode_groups`)
-            max_in_flight=r.max_concurrency if r.env is None else -(-r.max_concurrency // sampling.n_samples),
+            max_in_flight=-(-r.episodes_at_once(sampling.n_samples) // sampling.n_samples),  # groups
             stale_groups=r.stale_groups,
             total_steps=plan.total_steps,
         )
@@ -143,8 +141,6 @@ class ManagedRollout:
         vocabulary. With `rollout.env`: at most `rollout.max_concurrency` episodes at once over all groups,
         environment failures counted per batch (`next_batch`); without, one-turn episodes of
         `NoEnvironment` (single-turn samples), bounded by the manager's groups in flight alone."""
-        from megatron_tail.rollout.envs import EpisodeLimits, Tokens
-
         from .episodes import EpisodeGroups, FailureCount, turn_sampling, with_routes_from
 
         r = self.settings
@@ -161,17 +157,14 @@ class ManagedRollout:
             return results
 
         episodes = self.plan.groups_per_step * sampling.n_samples  # per batch: a step's episodes
-        at_once = r.max_concurrency if r.env is not None else r.max_concurrency * sampling.n_samples
         return EpisodeGroups(
             request,
             self.envs,
             r.env,
             sampling.n_samples,
-            EpisodeLimits(
-                r.max_turns, r.max_observation_tokens, self.context_length - sampling.max_new_tokens
-            ),
-            Tokens(decode=self._decode, encode=self._encode),
-            asyncio.BoundedSemaphore(at_once),
+            self._episode_limits(sampling),
+            self._tokens(),
+            asyncio.BoundedSemaphore(r.episodes_at_once(sampling.n_samples)),
             FailureCount(r.env or "none", episodes, r.max_env_failure_fraction),
         )
 

@@ -240,8 +240,6 @@ class RolloutService(ManagedRollout):
         `episodes.FailureCount` of the evaluation. An environment's failure fails its episode's group only,
         generated again with fresh seeds, until more than `rollout.max_env_failure_fraction` of the episodes
         failed (`episodes.EnvironmentFailures`)."""
-        from megatron_tail.rollout.envs import EpisodeLimits, Tokens
-
         from .episodes import FailureCount, run_episodes, turn_sampling
 
         r = self.settings
@@ -255,14 +253,9 @@ class RolloutService(ManagedRollout):
                 prompt_ids,
                 answers,
                 turn_sampling(sampling, self.tokenizer, r.max_turns),
-                EpisodeLimits(
-                    max_turns=r.max_turns,
-                    max_observation_tokens=r.max_observation_tokens,
-                    max_input_tokens=self.context_length - sampling.max_new_tokens,
-                ),
-                Tokens(decode=self._decode, encode=self._encode),
-                # counts episodes with an environment, else requests (one prompt's n samples each)
-                max_concurrency=r.max_concurrency if r.env is not None else r.max_concurrency * n,
+                self._episode_limits(sampling),
+                self._tokens(),
+                max_concurrency=r.episodes_at_once(n),
                 failures=failures,
             ),
             what,
@@ -333,6 +326,22 @@ class RolloutService(ManagedRollout):
     def set_log_rho(self, log_rho: float) -> None:
         """The log ρ of the requests sent from now on (new groups and continued segments)."""
         self._log_rho = log_rho
+
+    def _episode_limits(self, sampling: SamplingConfig):
+        """An episode's limits under `sampling`: the settings' turns and observation length, and the longest
+        input the engines' context leaves room for before `sampling.max_new_tokens`."""
+        from ..envs import EpisodeLimits
+
+        r = self.settings
+        return EpisodeLimits(
+            r.max_turns, r.max_observation_tokens, self.context_length - sampling.max_new_tokens
+        )
+
+    def _tokens(self):
+        """How episodes decode turns and encode observations: this model's tokenizer."""
+        from ..envs import Tokens
+
+        return Tokens(decode=self._decode, encode=self._encode)
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
