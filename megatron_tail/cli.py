@@ -42,8 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one sub-command. A `UserError` prints one line (global rank 0 only; `MT_TRACEBACK=1` adds the
     traceback) and exits `EXIT_USER_ERROR`, an `OutsideFailure` likewise with `EXIT_OUTSIDE_FAILURE`; a step
-    abandoned on a second stop signal exits `EXIT_ABANDONED`;
-    Ctrl-C outside a run's stop handler exits 130 without a traceback; anything else keeps Python's traceback
+    abandoned on a second stop signal exits `EXIT_ABANDONED`; a collective that failed because another rank
+    died exits `EXIT_PEER_LOST` (quietly under our launcher, which names the rank; else one line); Ctrl-C
+    outside a run's stop handler exits 130 without a traceback; anything else keeps Python's traceback
     (exit 1)."""
     from megatron_tail.utils import errors
     from megatron_tail.utils.expected_warnings import silence_expected_warnings
@@ -55,8 +56,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except (errors.UserError, errors.OutsideFailure) as e:
         return errors.report_user_error(e)
-    except errors.StepAbandoned as e:
+    except (errors.StepAbandoned, errors.PeerLost) as e:
         return e.exit_code
+    except Exception as e:
+        if not errors.lost_peer(e):
+            raise
+        from megatron_tail.train.run.launch_marks import report_lost_peer
+
+        return report_lost_peer(e)
     except KeyboardInterrupt:  # Ctrl-C before the run's own handler is installed (or after it is gone)
         print(f"{errors.PROG}: interrupted", file=sys.stderr, flush=True)
         return 128 + signal.SIGINT

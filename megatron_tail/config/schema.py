@@ -210,6 +210,11 @@ class TrainSection:
     """Keep only the newest this many checkpoints."""
     resume: bool = True
     """Resume from the newest checkpoint in `<run_dir>/checkpoints` if there is one."""
+    allow_config_change: bool = False
+    """Resume even where the config changes what the checkpoint was trained with (the model, algorithm,
+    optimizer, data, sampling); each changed key is logged with both values. False: such a resume is
+    refused, naming them. Steps, cadence, logging, timeouts and the layout may change either way
+    (`megatron_tail.train.run.config_change.CHANGEABLE_KEYS`, `RESHARDABLE_KEYS`)."""
     eval_every: int = 0
     """Evaluate on the eval prompts every this many steps (and before the first); 0: never."""
     eval_samples_per_prompt: int = 1
@@ -230,6 +235,8 @@ class TrainSection:
             _positive_int("train", "max_tokens_per_micro_batch", self.max_tokens_per_micro_batch, minimum=2)
         if self.packed is not None and not isinstance(self.packed, bool):
             _bad("train", "packed", self.packed, "must be true, false or null")
+        if not isinstance(self.allow_config_change, bool):
+            _bad("train", "allow_config_change", self.allow_config_change, "must be true or false")
         if self.packed and self.max_tokens_per_micro_batch is None:
             _bad("train", "max_tokens_per_micro_batch", None, "is required when train.packed is true")
         if self.is_packed and self.seq_len is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -285,6 +286,13 @@ def training_failed(outcome: TrainingOutcome, label: str = "") -> int | None:
         return outcome.code if outcome.code != 0 else 128 + int(outcome.stopped_by)
     if outcome.code == 0:
         return None
+    if outcome.code < 0:  # the launcher itself died; its ranks stop as on SIGTERM (`launch_marks`)
+        sig = signal.Signals(-outcome.code)
+        _say(
+            f"the training{label} launcher was killed by {sig.name}; its ranks stop after their current step "
+            "and save a checkpoint (rerun the command to resume)"
+        )
+        return 128 + int(sig)
     if outcome.code not in ONE_LINE_CODES:
         _say(f"training{label} failed with exit code {outcome.code}")
     return outcome.code

@@ -31,6 +31,10 @@ EXIT_ABANDONED = 3
 EXIT_OUTSIDE_FAILURE = 4
 """An outside failure (one line naming it, e.g. an engine killed by a signal, with its log); the last
 checkpoint is kept: rerun resumes once what failed is back."""
+EXIT_PEER_LOST = 5
+"""A trainer rank died (killed by a signal: `kill -9`, the OOM killer, a node failure) and the others stopped
+without saving: the launcher prints one line naming the rank, how it died and the last complete checkpoint,
+which is kept (rerun resumes). A worker that lost its connection to the dead rank exits with it quietly."""
 
 PROG = "megatron-tail"
 """The command's name in error lines (`megatron_tail.cli.main` sets it to e.g. "megatron-tail train")."""
@@ -89,6 +93,42 @@ def report_user_error(error: BaseException) -> int:
         traceback.print_exception(error, file=sys.stderr)
     announce(error)
     return EXIT_OUTSIDE_FAILURE if isinstance(error, OutsideFailure) else EXIT_USER_ERROR
+
+
+class PeerLost(BaseException):
+    """This worker's run cannot go on: another rank died (its connection closed under a collective, or
+    torchrun stopped the group after it died). The launcher names the rank in one line; this worker exits
+    `EXIT_PEER_LOST` without one. A BaseException, so recovery code (`except Exception`) does not retry."""
+
+    exit_code = EXIT_PEER_LOST
+
+
+_GLOO_PEER_GONE = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Broken pipe",
+    "Connection refused",
+)
+"""How gloo's TCP transport (`third_party/gloo/gloo/transport/tcp/pair.cc`, raised as a RuntimeError) says
+the other end's process is gone; its timeouts (a peer alive but stuck) are not among them."""
+_NCCL_PEER_GONE = ("remote process exited or there was a network error", "NCCL communicator was aborted")
+"""The same from NCCL's error handling (`ProcessGroupNCCL.cpp`, a `DistBackendError`)."""
+
+
+def lost_peer(error: BaseException | None) -> bool:
+    """`error`, or an exception it was raised from, is a collective that failed because a peer died."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, PeerLost):
+            return True
+        text = str(error) if isinstance(error, RuntimeError) else ""
+        if "gloo/transport/" in text and any(m in text for m in _GLOO_PEER_GONE):
+            return True
+        if any(m in text for m in _NCCL_PEER_GONE):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 class StepAbandoned(BaseException):

@@ -70,9 +70,14 @@ def stop_with_parent_from_env(sig: int = signal.SIGTERM, interval_s: float = 1.0
     under PID 1. Removes the variable from the environment, so this process's own children do not inherit
     a parent that is not theirs. No-op without the variable."""
     pid = os.environ.pop(PARENT_PID_ENV, None)
-    if not pid:
-        return
-    parent_pid = int(pid)
+    if pid:
+        stop_when_parent_dies(int(pid), sig, interval_s)
+
+
+def stop_when_parent_dies(parent_pid: int, sig: int = signal.SIGTERM, interval_s: float = 1.0) -> None:
+    """Deliver `sig` to this process once when `parent_pid`, its parent, dies however it dies: the kernel's
+    death signal, or (where `PR_SET_PDEATHSIG` does not exist) a thread polling `os.getppid()`. If the
+    parent is already gone, the signal comes at once."""
     by_kernel = set_parent_death_signal(sig)
     if os.getppid() != parent_pid:  # the parent died before the death signal was set
         os.kill(os.getpid(), sig)
@@ -80,7 +85,7 @@ def stop_with_parent_from_env(sig: int = signal.SIGTERM, interval_s: float = 1.0
     if by_kernel:
         return
 
-    def watch() -> None:  # where PR_SET_PDEATHSIG does not exist
+    def watch() -> None:
         while os.getppid() == parent_pid:
             threading.Event().wait(interval_s)
         os.kill(os.getpid(), sig)

@@ -103,6 +103,7 @@ def save_checkpoint(
     *,
     overwrite: bool = False,
     rank0_objects: Mapping[str, Any] | None = None,
+    rank0_files: Mapping[str, str] | None = None,
     gather_optimizer_on_every_rank: bool = False,
 ) -> Path:
     """Save model, optimizer, `rl_state` and RNG to the directory `path`. Collective; atomic.
@@ -111,6 +112,9 @@ def save_checkpoint(
     written beside the checkpoint as `<name>.pt` inside the same atomic rename; read back with
     `read_rank0_object`. Unlike `rl_state`, which every rank saves and megatron compares across ranks,
     only rank 0's copy is written.
+
+    `rank0_files`: file name → text, written by global rank 0 into the checkpoint directory inside the same
+    atomic rename (the run's resolved config, `config.yaml`: a published checkpoint always has it).
 
     `gather_optimizer_on_every_rank`: megatron's default all-gather of the optimizer state to every rank
     (the memory benchmark's baseline); by default only each shard's DP rank 0 gathers it.
@@ -143,6 +147,8 @@ def save_checkpoint(
         if dist.get_rank() == 0:
             for name, obj in (rank0_objects or {}).items():
                 torch.save(obj, tmp / f"{name}.pt")
+            for name, text in (rank0_files or {}).items():
+                (tmp / name).write_text(text)
     except (Exception, CheckpointException) as e:  # torch's CheckpointException is a BaseException
         if dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # a full disk keeps no half-written checkpoint

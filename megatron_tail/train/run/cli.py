@@ -3,10 +3,12 @@
 Launch one process per rank with torchrun (`torchrun --nproc-per-node 2 -m megatron_tail.cli train
 CONFIG.yaml`; `python -m megatron_tail.train.run.torchrun ...` takes the same arguments and exits 0 when a
 signal stopped the workers cleanly), or run it plainly for a world of one. Exit codes: 0 also after a
-graceful stop (SIGTERM / SIGUSR1 / SIGINT: the step finishes, a checkpoint is written; rerunning resumes at
-the next step); 2 a user error (one line naming it; MT_TRACEBACK=1 shows the traceback); 3 a step abandoned
-on a second stop signal (the last checkpoint is kept); 4 an outside failure (one line naming it, e.g. an
-engine killed by a signal, with its log; the last checkpoint is kept); 1 an internal error (traceback).
+graceful stop (SIGTERM / SIGUSR1 / SIGINT / SIGHUP / SIGQUIT / SIGUSR2, or the launcher's death: the step
+finishes, a checkpoint is written; rerunning resumes at the next step); 2 a user error (one line naming it;
+MT_TRACEBACK=1 shows the traceback); 3 a step abandoned on a second stop signal (the last checkpoint is kept);
+4 an outside failure (one line naming it, e.g. an engine killed by a signal, with its log; the last
+checkpoint is kept); 5 another rank died (the launcher names it; the last checkpoint is kept); 1 an
+internal error (traceback).
 """
 
 from __future__ import annotations
@@ -45,16 +47,18 @@ def train_command(args: argparse.Namespace) -> int:
         return 0
     import torch.distributed as dist
 
+    from megatron_tail.train.run import launch_marks
     from megatron_tail.train.run.loop import run
-    from megatron_tail.train.run.torchrun import mark_worker
 
-    mark_worker("started")
+    launch_marks.watch_launcher()  # a launcher that dies (kill -9) stops this worker as a SIGTERM would
+    launch_marks.mark_worker("started")
     try:
         run(cfg)
     finally:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
-    mark_worker("done")  # finished or stopped cleanly: the launcher wrapper exits 0 after a signal
+    launch_marks.mark_worker("done")  # finished or stopped cleanly: after a signal the launcher exits 0
+    launch_marks.forget_marks_of_dead_launcher()
     return 0
 
 

@@ -9,7 +9,8 @@ sampling seeds are functions of (seed, step), so a resumed run sees the same dat
 SIGTERM / SIGUSR1 / SIGINT the current step finishes, a checkpoint is written, and `run` returns normally
 (exit code 0); the next run resumes at the following step. A second signal abandons the step (`signals`).
 Global rank 0 holds `<run_dir>/.lock` for the whole run (`run_dir_lock`): a second trainer on the same
-directory is refused.
+directory is refused. A resume first compares the config with the one its checkpoint was trained with and
+refuses a change of what is trained (`config_change`); each start's config is kept in `<run_dir>/configs/`.
 
 Every batch comes from the rollout manager on rank 0 (`RunSession.start_manager`), which generates
 continuously, admitting groups at most η + 1 steps ahead (η = `rollout.max_staleness`): at η = 0 a step
@@ -47,8 +48,9 @@ from ..rl.old_policy import op_settings, score_old_policy, score_reference
 from ..rl.samples import build_samples, layout_micro_batches
 from ..rl.update import update_policy
 from . import run_dir
+from .config_change import config_text, read_checkpoint_config, resume_notes
 from .run_dir_lock import claim_run_dir
-from .session import RunSession
+from .session import RunSession, newest_intact_checkpoint
 from .signals import GracefulStop, stop_lead_s, stop_lead_warning
 from .tensorboard import ScalarLog
 
@@ -184,7 +186,13 @@ def run(cfg: RunConfig, hooks: LoopHooks | None = None) -> RunResult:
 
     def claim() -> None:
         held.append(claim_run_dir(cfg.run_dir, resume=cfg.train.resume))
+        # before the engines start and the trainer is built: a refused change costs seconds, and the
+        # run's record (config.yaml, configs/) stays as it was
+        resumed = check_resume_config(cfg, note=lambda text: print(text, flush=True))
         save_resolved_config(cfg, cfg.run_dir)
+        run_dir.save_start_config(
+            cfg.run_dir, config_text(cfg), run_dir.checkpoint_step(resumed) if resumed else 0
+        )
 
     try:
         on_rank0(claim)
@@ -197,6 +205,19 @@ def run(cfg: RunConfig, hooks: LoopHooks | None = None) -> RunResult:
     finally:
         for lock in held:
             lock.release()
+
+
+def check_resume_config(cfg: RunConfig, note: Callable[[str], None]) -> Path | None:
+    """Global rank 0, with the run directory locked and before the trainer is built: the checkpoint a
+    resume will load (`newest_intact_checkpoint`; None for a fresh start), its config compared with `cfg`
+    (`config_change.resume_notes`, each line to `note`). Raises `ConfigChangeRefused`."""
+    if not cfg.train.resume:
+        return None
+    checkpoint = newest_intact_checkpoint(Path(cfg.run_dir), note)
+    if checkpoint is not None:
+        for line in resume_notes(read_checkpoint_config(checkpoint), cfg, checkpoint):
+            note(line)
+    return checkpoint
 
 
 def _loop(s: RunSession, stop: GracefulStop, hooks: LoopHooks) -> RunResult:

@@ -1,8 +1,11 @@
 """Layout of a run directory and its checkpoints.
 
-<run_dir>/config.yaml            the resolved config (every field)
+<run_dir>/config.yaml            the resolved config (every field) of the latest start
+<run_dir>/configs/start_0002_step_000010.yaml   the config of every start, never overwritten: here the
+                                 second, which resumed after 10 completed steps
 <run_dir>/tensorboard/           TensorBoard events
-<run_dir>/checkpoints/step_000010/   dist checkpoints (model, optimizer, RNG, rl_state), atomic
+<run_dir>/checkpoints/step_000010/   dist checkpoints (model, optimizer, RNG, rl_state, and config.yaml: the
+                                 resolved config they were trained with), atomic
 <run_dir>/rollout_weights/       the latest HF export the engines load (also the final model)
 <run_dir>/logs/                  the local engine's log; trained_prompts.jsonl (the prompt-stream indices
                                  each step trained: `rollout.service.plan.trained_prompts_path`)
@@ -15,6 +18,28 @@ import shutil
 from pathlib import Path
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_START_FILE = re.compile(r"^start_(\d+)_step_\d+\.yaml$")
+
+CONFIG_NAME = "config.yaml"
+"""The resolved config's file name, in the run directory and in each checkpoint."""
+
+
+def configs_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "configs"
+
+
+def save_start_config(run_dir: str | Path, text: str, resumed_step: int) -> Path:
+    """Write `text` (a resolved config, YAML) as `configs/start_NNNN_step_SSSSSS.yaml`: NNNN this start's
+    number (1 for the first), SSSSSS the completed steps it resumed after (0: a fresh start). Never replaces
+    a file; global rank 0 with the run directory locked, so no other start picks the same number."""
+    root = configs_dir(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    starts = [int(m.group(1)) for m in map(_START_FILE.match, (p.name for p in root.iterdir())) if m]
+    path = root / f"start_{max(starts, default=0) + 1:04d}_step_{resumed_step:06d}.yaml"
+    tmp = root / f".{path.name}.tmp"
+    tmp.write_text(text)
+    tmp.rename(path)
+    return path
 
 
 def tensorboard_dir(run_dir: str | Path) -> Path:
@@ -44,6 +69,14 @@ def complete_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
         if match and (path / "metadata.json").is_file():
             found.append((int(match.group(1)), path))
     return sorted(found)
+
+
+def checkpoint_step(path: str | Path) -> int:
+    """The completed steps of checkpoint directory `path` (`step_NNNNNN`)."""
+    match = _STEP_DIR.match(Path(path).name)
+    if match is None:
+        raise ValueError(f"{path} is not a checkpoint directory (step_NNNNNN)")
+    return int(match.group(1))
 
 
 def latest_checkpoint(run_dir: str | Path) -> tuple[int, Path] | None:

@@ -38,6 +38,7 @@ from ..engine.reference import build_reference
 from ..engine.setup import build_trainer
 from ..rl.routing import check_routing_replay
 from . import run_dir, signals
+from .config_change import config_text
 from .console import Console, progress_enabled
 from .pre_manager_checkpoints import manager_start_state
 from .rollout_plan import start_rollout
@@ -67,6 +68,8 @@ class RunSession:
     def __init__(self, cfg: RunConfig):
         from megatron_tail.model import load_hf_config
 
+        self.config_text = config_text(cfg)
+        """The resolved config as given (`log_rho: auto` kept), YAML: each checkpoint stores it."""
         self.rho = adaptive_rho_rule(cfg)
         """`algorithm.log_rho: auto`: the rule that sets each step's log ρ (None for a fixed one)."""
         if self.rho is not None:
@@ -317,7 +320,10 @@ class RunSession:
         state = on_rank0(lambda: self.engines.manager_state(), wait_group=self._wait)
         if self.rank == 0 and state is not None:
             objects["rollout_manager"] = state
-        save_checkpoint(path, self.trainer, rl_state, overwrite=True, rank0_objects=objects)
+        files = {run_dir.CONFIG_NAME: self.config_text}  # what a resume compares its config with
+        save_checkpoint(
+            path, self.trainer, rl_state, overwrite=True, rank0_objects=objects, rank0_files=files
+        )
         if self.rank == 0:
             run_dir.prune_checkpoints(self.run_dir, self.cfg.train.keep_checkpoints)
         dist.barrier()

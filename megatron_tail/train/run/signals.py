@@ -1,5 +1,7 @@
-"""Graceful stop: SIGTERM / SIGUSR1 / SIGINT set a flag that the RL loop checks between steps; a second one
-abandons the step in progress.
+"""Graceful stop: a stop signal (`STOP_SIGNALS`: SIGTERM, SIGUSR1, SIGINT, SIGHUP, SIGQUIT, SIGUSR2) or the
+launcher's death sets a flag that the RL loop checks between steps; a second signal abandons the step in
+progress; one that comes because another rank died (torchrun stopping the survivors) ends this process
+quietly (`PeerLost`: the launcher names the dead rank).
 
     with GracefulStop() as stop:
         for step in ...:
@@ -39,10 +41,22 @@ from collections.abc import Sequence
 
 import torch.distributed as dist
 
+from megatron_tail.train.run import launch_marks
 from megatron_tail.utils import errors
-from megatron_tail.utils.errors import EXIT_ABANDONED, StepAbandoned, global_rank
+from megatron_tail.utils.errors import EXIT_ABANDONED, PeerLost, StepAbandoned, global_rank
 
-STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+STOP_SIGNALS: tuple[signal.Signals, ...] = (
+    signal.SIGTERM,
+    signal.SIGUSR1,
+    signal.SIGINT,
+    signal.SIGHUP,
+    signal.SIGQUIT,
+    signal.SIGUSR2,
+)
+"""Every signal a terminal (Ctrl-C, Ctrl-\\, a closed terminal), a shell (`kill`) or a scheduler (Slurm's
+`--signal`, `scancel`) sends to stop a job. torchrun forwards SIGTERM, SIGINT, SIGHUP and SIGQUIT to its
+workers (`TORCHELASTIC_SIGNALS_TO_HANDLE`'s default, `multiprocessing/api.py`), so a worker must treat each
+as a stop, not die of its default action without a checkpoint."""
 
 REPEAT_AFTER_S = 2.0
 """A stop signal this soon after the first is the same request delivered twice, not a second one."""
@@ -50,6 +64,15 @@ REPEAT_AFTER_S = 2.0
 HARD_EXIT_AFTER_S = 10.0
 """After a second signal, the process ends by `os._exit` within this many seconds even if its main thread
 is blocked in C (a collective): long enough for the clean path (stop the engine: ≤ a few seconds)."""
+
+
+def same_request_line(sig: signal.Signals, since_first_s: float) -> str:
+    """What a stop signal within `REPEAT_AFTER_S` of the first one says: heard, taken as the same request,
+    and when a repeat will count."""
+    return (
+        f"{sig.name} again {since_first_s:.1f} s after the first: the same stop request (one is often "
+        f"delivered twice); a repeat from {REPEAT_AFTER_S:.0f} s after the first stops at once"
+    )
 
 
 def _say(text: str) -> None:
@@ -83,7 +106,9 @@ def waiting(what: str):
 
 
 def checkpoint_kept(path) -> None:
-    """The newest complete checkpoint is now `path` (saved, or resumed from): a second signal names it."""
+    """The newest complete checkpoint is now `path` (saved, or resumed from): a second signal names it, and
+    so does the launcher when a rank dies (`launch_marks.record_checkpoint`)."""
+    launch_marks.record_checkpoint(path)
     if _active is not None:
         _active.last_checkpoint = str(path)
 
@@ -118,7 +143,7 @@ class GracefulStop:
     def __enter__(self) -> GracefulStop:
         global _active
         _active = self
-        for sig in self.signals:
+        for sig in (*self.signals, launch_marks.LAUNCHER_GONE_SIGNAL):
             self._previous[sig] = signal.signal(sig, self._handle)
             signal.siginterrupt(sig, False)
         self._watcher = _SignalWatcher(set(self.signals), self.hard_exit_after_s)
@@ -135,13 +160,26 @@ class GracefulStop:
         self._previous.clear()
 
     def _handle(self, signum: int, frame) -> None:  # noqa: ARG002 - signal handler signature
-        sig = signal.Signals(signum)
         now = time.monotonic()
+        if signum == launch_marks.LAUNCHER_GONE_SIGNAL:
+            if self.received is None:  # one death arrives several times (launch_marks): heard once
+                self.received, self._first_at, self.count = signal.SIGTERM, now, 1
+                _say(
+                    f"SIGTERM: the launcher (pid {launch_marks.launcher_pid()}) is gone; stopping after the "
+                    "current step (a checkpoint is saved)"
+                )
+            return
+        sig = signal.Signals(signum)
         if self.received is not None and now - self._first_at < REPEAT_AFTER_S:
-            return  # the same request, delivered twice
+            _say(same_request_line(sig, now - self._first_at))
+            return
         self.count += 1
         if self.received is None:
             self.received, self._first_at = sig, now
+            lost = launch_marks.lost_peers()
+            if lost:  # torchrun stops the survivors of a dead rank: no checkpoint can be saved without it
+                errors.failing = True  # the launcher's one line names the rank; this process stays quiet
+                raise PeerLost(f"trainer rank {lost[0]} died")
             waits = f"; waiting for {self.waiting_for}" if self.waiting_for else ""
             _say(
                 f"{sig.name}: stopping after the current step (a checkpoint is saved){waits}; "

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from megatron_tail.train.run.signals import REPEAT_AFTER_S, STOP_SIGNALS
+from megatron_tail.train.run.signals import REPEAT_AFTER_S, STOP_SIGNALS, same_request_line
 from megatron_tail.utils.parent_watch import PARENT_PID_ENV
 
 LAUNCHER = "megatron_tail.train.run.torchrun"
@@ -103,7 +103,9 @@ class _SignalRelay:
                 f"{sig.name}: passed to the training run, which stops after its current step and saves a "
                 "checkpoint (rerun the same command to resume); send it again to stop at once"
             )
-        elif now - self._first_at >= REPEAT_AFTER_S and not self._passed_to_workers:
+        elif now - self._first_at < REPEAT_AFTER_S:
+            self.say(same_request_line(sig, now - self._first_at))
+        elif not self._passed_to_workers:
             self._passed_to_workers = True
             for pid in _children(self.proc.pid):
                 _send(pid, sig)

@@ -16,39 +16,55 @@ own `main` and maps the outcome:
   code, without torchrun's report (global rank 0 already printed the one line);
 - anything else → torchrun's own behaviour (its report, exit 1).
 
-Workers learn where to leave their marks from `MT_WORKER_MARKS` (a fresh temporary directory per launch).
-Programs that launch training themselves (the demo, experiments, benchmarks) go through
-`train.run.supervise.run_training`, which passes their stop signals on and stops this launcher if they die.
+- a worker died by a signal (`kill -9`, the OOM killer), or every failed worker lost its connection to a
+  dead peer (`EXIT_PEER_LOST`, quiet) → one line naming the rank, how it died and the last complete
+  checkpoint, and `EXIT_PEER_LOST` (5), instead of the survivors' collective errors and torchrun's report;
+- anything else → torchrun's own behaviour (its report, exit 1).
+
+Workers and this launcher talk through marks (`train.run.launch_marks`); a worker stops (as on SIGTERM)
+when this launcher dies, however it dies. Programs that launch training themselves (the demo, experiments,
+benchmarks) go through `train.run.supervise.run_training`, which passes their stop signals on and stops this
+launcher if they die.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
+import signal
+import socket
 import sys
 import tempfile
 from pathlib import Path
 
-from megatron_tail.utils.errors import EXIT_ABANDONED, EXIT_OK, EXIT_OUTSIDE_FAILURE, EXIT_USER_ERROR
+from megatron_tail.train.run.launch_marks import LAUNCHER_PID_ENV, MARKS_ENV, last_checkpoint, workers_done
+from megatron_tail.utils.errors import (
+    EXIT_ABANDONED,
+    EXIT_OK,
+    EXIT_OUTSIDE_FAILURE,
+    EXIT_PEER_LOST,
+    EXIT_USER_ERROR,
+)
 
-MARKS_ENV = "MT_WORKER_MARKS"
-ONE_LINE_CODES = (EXIT_USER_ERROR, EXIT_ABANDONED, EXIT_OUTSIDE_FAILURE)
-"""Worker exit codes whose cause global rank 0 already printed as one line: passed on without torchrun's
-report when every failed worker exited with the same one."""
+ONE_LINE_CODES = (EXIT_USER_ERROR, EXIT_ABANDONED, EXIT_OUTSIDE_FAILURE, EXIT_PEER_LOST)
+"""Exit codes whose cause was already printed as one line (by global rank 0, or by this launcher for
+`EXIT_PEER_LOST`): callers pass them on without a line of their own."""
+
+_REPLACED_RECORDS = (
+    "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s",
+    "Sending process %s closing signal %s",
+)
+"""torchrun's log lines about a failed worker (`multiprocessing/api.py`, `SubprocessContext._poll` and
+`_close`) that `lost_rank_line` replaces with one line."""
 
 
-def mark_worker(state: str) -> None:
-    """In a worker under this wrapper: record `state` ("started", "done") for its global rank."""
-    where = os.environ.get(MARKS_ENV)
-    if where and os.path.isdir(where):
-        Path(where, f"rank{os.environ.get('RANK', '0')}.{state}").touch()
+TORCHRUN_DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 
 
-def workers_done(marks: Path) -> bool:
-    """Every worker that started also finished (and at least one started)."""
-    started = {p.stem for p in marks.glob("*.started")}
-    done = {p.stem for p in marks.glob("*.done")}
-    return bool(started) and started <= done
+class _DropReplacedRecords(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg not in _REPLACED_RECORDS
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,8 +76,11 @@ def main(argv: list[str] | None = None) -> int:
 
     stop_with_parent_from_env()  # started by `supervise.run_training`: stop (SIGTERM) when it dies
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    _handle_every_stop_signal(args)
     marks = Path(tempfile.mkdtemp(prefix="mt-workers-"))
     os.environ[MARKS_ENV] = str(marks)  # the agent starts its workers with this environment
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_DropReplacedRecords())
     try:
         run(args)
         return EXIT_OK
@@ -75,11 +94,56 @@ def main(argv: list[str] | None = None) -> int:
     except ChildFailedError as e:
         # torchrun stops the other workers with SIGTERM once one exits: negative codes (killed by a signal)
         codes = {failure.exitcode for failure in e.failures.values() if failure.exitcode >= 0}
-        if len(codes) == 1 and codes <= set(ONE_LINE_CODES):
+        if len(codes) == 1 and codes <= set(ONE_LINE_CODES) - {EXIT_PEER_LOST}:
             return codes.pop()
-        raise
+        line = lost_rank_line({rank: (f.exitcode, f.pid) for rank, f in e.failures.items()}, marks)
+        if line is None:
+            raise
+        print(f"megatron-tail: {line}", file=sys.stderr, flush=True)
+        return EXIT_PEER_LOST
     finally:
         shutil.rmtree(marks, ignore_errors=True)
+
+
+def _handle_every_stop_signal(args) -> None:
+    """Unless told otherwise (`--signals-to-handle`), the agent forwards every one of our stop signals to its
+    workers (`signals.STOP_SIGNALS`) instead of dying of SIGUSR1's or SIGUSR2's default action: torchrun's
+    default list is SIGTERM, SIGINT, SIGHUP and SIGQUIT (`torch/distributed/run.py`, `launch_agent` puts it
+    in `TORCHELASTIC_SIGNALS_TO_HANDLE`, which `PContext.start` reads)."""
+    from megatron_tail.train.run.signals import STOP_SIGNALS
+
+    if getattr(args, "signals_to_handle", None) == TORCHRUN_DEFAULT_SIGNALS:
+        args.signals_to_handle = ",".join(sig.name for sig in STOP_SIGNALS)
+
+
+def lost_rank_line(failures: dict[int, tuple[int, int]], marks: Path) -> str | None:
+    """The one line for a run that stopped because a worker died, or None if it did not.
+
+    `failures`: global rank → (exit code, PID) of every worker torchrun saw fail. The ranks that died are
+    those killed by a signal other than the SIGTERM torchrun sends the survivors; the survivors exit
+    `EXIT_PEER_LOST` (their collective with the dead rank failed) or by that SIGTERM. If no rank of this
+    node died and every failure is a survivor's, the dead rank was on another node."""
+    survivor_codes = {EXIT_PEER_LOST, -int(signal.SIGTERM)}
+    died = {rank: f for rank, f in failures.items() if f[0] < 0 and f[0] != -int(signal.SIGTERM)}
+    if died:
+        rank, (code, pid) = min(died.items())
+        how = f"was killed by {signal.Signals(-code).name}" if -code in signal.valid_signals() else "died"
+        what = f"trainer rank {rank} (pid {pid} on {socket.gethostname()}) {how}"
+    elif (
+        failures
+        and {f[0] for f in failures.values()} <= survivor_codes
+        and any(f[0] == EXIT_PEER_LOST for f in failures.values())
+    ):
+        what = "a trainer rank on another node died (this node's ranks lost their connection to it)"
+    else:
+        return None
+    kept = last_checkpoint(marks)
+    kept = (
+        f"the last complete checkpoint, {kept}, is kept (rerun the same command to resume)"
+        if kept
+        else "no checkpoint was saved yet (a rerun starts from the beginning)"
+    )
+    return f"{what}, so the run stopped without saving; {kept}"
 
 
 if __name__ == "__main__":

@@ -1,0 +1,141 @@
+"""Deaths from outside, on a real 2-rank launch of `megatron-tail demo` (the tiny Qwen3, the local engine):
+
+- `kill -9` of the torchrun launcher: its ranks stop as on SIGTERM (finish the step, checkpoint, exit) and
+  no process of the run remains; the run directory's lock is free for the rerun;
+- `kill -9` of trainer rank 1: one line naming the rank, how it died and the last complete checkpoint, exit
+  `EXIT_PEER_LOST`, no traceback or torchrun report, and no process left.
+
+The run's processes are found by their environment (a marker only they inherit), not by name.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import uuid
+
+import psutil
+import pytest
+
+from megatron_tail.train.run.run_dir_lock import claim_run_dir
+from megatron_tail.utils.errors import EXIT_PEER_LOST
+from tests.loop.test_demo_launch import ENV, _demo, _gone, demo_cache  # noqa: F401 - demo_cache: a fixture
+
+MARKER = "MT_TEST_RUN_MARKER"
+
+
+def _run_processes(marker: str) -> list[psutil.Process]:
+    """Every live process whose environment carries `marker` (the demo and all it started)."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get(MARKER) == marker and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except psutil.Error:
+            pass
+    return found
+
+
+def _workers(processes: list[psutil.Process]) -> dict[int, psutil.Process]:
+    """Global rank → trainer worker: torchrun's agent gives each its `RANK` and `TORCHELASTIC_RUN_ID`, and our
+    wrapper its own PID as `MT_LAUNCHER_PID` (the workers' children, e.g. rank 0's engine, inherit all three,
+    but their parent is a worker)."""
+    workers = {}
+    for proc in processes:
+        try:
+            env = proc.environ()
+            if "TORCHELASTIC_RUN_ID" in env and proc.ppid() == int(env.get("MT_LAUNCHER_PID", -1)):
+                workers[int(env["RANK"])] = proc
+        except psutil.Error:
+            continue
+    return workers
+
+
+def _start(demo_cache, run_dir, *overrides):
+    marker = uuid.uuid4().hex
+    proc = subprocess.Popen(
+        _demo(demo_cache, run_dir, "train.steps=200", *overrides),
+        env={**ENV, MARKER: marker},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    return proc, marker
+
+
+def _read_until(proc, prefix: str) -> list[str]:
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith(prefix):
+            return lines
+    raise AssertionError("the demo ended before " + repr(prefix) + ":\n" + "".join(lines)[-5000:])
+
+
+def _finish(proc, marker: str, lines: list[str]) -> tuple[int, str, list[psutil.Process]]:
+    """Read the rest of the output (until every process holding the pipe is gone), the demo's exit code,
+    and the run's processes still alive 20 s after that."""
+    try:
+        rest, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    lines += rest.splitlines(keepends=True)
+    left = _gone(_run_processes(marker), 20)
+    for p in left:  # do not leave them to the next test
+        p.kill()
+    return proc.returncode, "".join(lines), left
+
+
+def test_a_killed_launcher_stops_its_ranks_with_a_checkpoint_and_leaves_nothing(demo_cache, tmp_path):
+    run_dir = tmp_path / "run"
+    proc, marker = _start(demo_cache, run_dir, "train.checkpoint_every=1000")
+    lines = _read_until(proc, "step 1 ")
+    workers = _workers(_run_processes(marker))
+    assert sorted(workers) == [0, 1], lines
+    launcher = psutil.Process(int(workers[0].environ()["MT_LAUNCHER_PID"]))
+    launcher.send_signal(signal.SIGKILL)
+    code, output, left = _finish(proc, marker, lines)
+
+    assert left == [], output[-5000:]
+    assert f"SIGTERM: the launcher (pid {launcher.pid}) is gone; stopping after the current step" in output, output[-5000:]
+    stopped = [line for line in output.splitlines() if "SIGTERM: stopped after step" in line]
+    assert len(stopped) == 1, output[-5000:]
+    step = int(stopped[0].split("stopped after step")[1].split(";")[0])
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"step_{step:06d}"]
+    assert code != 0  # the demo saw its launcher die: it did not finish
+    claim_run_dir(run_dir, resume=True).release()  # the ranks let go of the run directory
+
+
+def test_a_killed_rank_is_one_line_naming_it_and_the_checkpoint_kept(demo_cache, tmp_path):
+    run_dir = tmp_path / "run"
+    proc, marker = _start(demo_cache, run_dir, "train.checkpoint_every=1")
+    lines = _read_until(proc, "step 2 ")
+    workers = _workers(_run_processes(marker))
+    assert sorted(workers) == [0, 1], lines
+    victim = workers[1]
+    victim.send_signal(signal.SIGKILL)
+    before = len(lines)
+    code, output, left = _finish(proc, marker, lines)
+
+    assert left == [], output[-5000:]
+    assert code == EXIT_PEER_LOST, output[-5000:]
+    after = [line.rstrip("\n") for line in output.splitlines(keepends=True)[before:]]
+    after = [line for line in after if line.strip() and not line.startswith("step ")]  # a step in flight
+    kept = sorted(p.name for p in (run_dir / "checkpoints").iterdir())[-1]
+    assert len(after) == 1, "\n".join(after)
+    assert after[0].startswith(f"megatron-tail: trainer rank 1 (pid {victim.pid} on "), after[0]
+    assert "was killed by SIGKILL, so the run stopped without saving; the last complete checkpoint, " in after[0]
+    assert after[0].endswith(f"{kept}, is kept (rerun the same command to resume)"), after[0]
+
+
+@pytest.fixture(autouse=True)
+def _no_strays():
+    """A failed assertion above must not leave a training run behind for the next test."""
+    yield
+    for proc in psutil.process_iter():
+        try:
+            if MARKER in proc.environ():
+                proc.kill()
+        except psutil.Error:
+            pass
