@@ -13,8 +13,12 @@ itself improves slowly. Accuracy therefore starts well above zero and has room t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
+import signal
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -129,24 +133,59 @@ def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int = 6)
     return sum(arithmetic_reward(t, r["answer"]) for t, r in zip(texts, rows, strict=True)) / len(rows)
 
 
+class PretrainStopped(Exception):
+    """A stop signal ended pretraining after a step; its progress is saved and the next run continues."""
+
+    def __init__(self, sig: signal.Signals, step: int, steps: int, progress: Path):
+        self.sig, self.step, self.steps, self.progress = sig, step, steps, progress
+        super().__init__(
+            f"{sig.name}: pretraining stopped after step {step}/{steps}; its progress is saved in {progress} "
+            "and the next run continues from there"
+        )
+
+
+def progress_file(out_dir: str | Path) -> Path:
+    """Where an interrupted pretraining of `out_dir` keeps its progress (beside it, not in it: `out_dir` holds
+    only a finished model)."""
+    out = Path(out_dir)
+    return out.parent / f".{out.name}.pretrain_progress.pt"
+
+
 def pretrain(
     out_dir: str | Path, settings: PretrainSettings | None = None, *, eval_rows=None, log=print
 ) -> dict:
-    """Train and save the HF checkpoint to `out_dir`; return (and save as `pretrain.json`) its summary."""
+    """Train and save the HF checkpoint to `out_dir`; return (and save as `pretrain.json`) its summary.
+
+    A stop signal (`train.run.signals.STOP_SIGNALS`) ends it after the current step with `PretrainStopped`,
+    its progress saved (`progress_file`); the next call with the same settings continues from there and
+    ends with the same model as an uninterrupted one."""
     settings = settings or PretrainSettings()
     torch.set_num_threads(settings.threads)
-    model, tokenizer = settings.new_model()
-    started = time.perf_counter()
-    fit_causal_lm(model, make_batches(tokenizer, settings), settings, log=log)
+    progress = progress_file(out_dir)
+    with StopRequests() as stop:  # from the start: a signal while the data is made ends after step 1
+        model, tokenizer = settings.new_model()
+        started = time.perf_counter()
+        data = make_batches(tokenizer, settings)
+        fit_causal_lm(model, data, settings, log=log, progress=progress, stop=stop)
     summary = {"settings": asdict(settings), "train_time_s": time.perf_counter() - started}
     if eval_rows:
         summary["greedy_accuracy"] = greedy_accuracy(model, tokenizer, eval_rows)
     save_hf(model, tokenizer, out_dir)
     (Path(out_dir) / "pretrain.json").write_text(json.dumps(summary, indent=2))
+    progress.unlink(missing_ok=True)
     return summary
 
 
-def fit_causal_lm(model, data, settings: FitSettings, *, log=print, log_every: int = 200) -> float:
+def fit_causal_lm(
+    model,
+    data,
+    settings: FitSettings,
+    *,
+    log=print,
+    log_every: int = 200,
+    progress: Path | None = None,
+    stop: StopRequests | None = None,
+) -> float:
     """AdamW on the masked next-token NLL, in place; returns the last batch's loss.
 
     `data`: (`ids [N, L]`, `loss mask [N, L−1]` of the targets to learn, `attention mask [N, L]`).
@@ -154,31 +193,94 @@ def fit_causal_lm(model, data, settings: FitSettings, *, log=print, log_every: i
     10%), `weight_decay`, `seed` (batch order). Gradients are clipped to norm 1. A mixture of experts
     (`config.num_experts`) adds HF's load-balancing loss × `config.router_aux_loss_coef`, as Qwen3-MoE
     was pretrained: balanced routers, whose top-k is a real decision between experts.
+    `progress`: a file to continue from (if it holds these settings' progress) and, on a stop signal, to
+    save to before raising `PretrainStopped` (the model, AdamW's state and the batch order's generator);
+    `stop`: the caller's `StopRequests` (default: installed here when `progress` is given).
     """
     ids, loss_mask, attention = data
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
     gen = torch.Generator().manual_seed(settings.seed)
+    first = 0 if progress is None else _resume(progress, settings, model, optimizer, gen, log)
     model.train()
     loss = torch.zeros(())
     moe = bool(getattr(model.config, "num_experts", 0))
-    for step in range(settings.steps):
-        for group in optimizer.param_groups:
-            group["lr"] = _lr(step, settings)
-        rows = torch.randint(0, ids.shape[0], (settings.batch_size,), generator=gen)
-        x, m, a = ids[rows], loss_mask[rows], attention[rows]
-        out = model(input_ids=x, attention_mask=a, **({"output_router_logits": True} if moe else {}))
-        logits = out.logits[:, :-1].float()
-        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), x[:, 1:], reduction="none")
-        loss = (nll * m).sum() / m.sum()
-        if moe:
-            loss = loss + model.config.router_aux_loss_coef * out.aux_loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        if log is not None and (step + 1) % log_every == 0:
-            log(f"  pretrain step {step + 1}/{settings.steps}  loss {loss.item():.3f}")
+    with contextlib.nullcontext(stop) if stop is not None else StopRequests(progress is not None) as stop:
+        for step in range(first, settings.steps):
+            for group in optimizer.param_groups:
+                group["lr"] = _lr(step, settings)
+            rows = torch.randint(0, ids.shape[0], (settings.batch_size,), generator=gen)
+            x, m, a = ids[rows], loss_mask[rows], attention[rows]
+            out = model(input_ids=x, attention_mask=a, **({"output_router_logits": True} if moe else {}))
+            logits = out.logits[:, :-1].float()
+            nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), x[:, 1:], reduction="none")
+            loss = (nll * m).sum() / m.sum()
+            if moe:
+                loss = loss + model.config.router_aux_loss_coef * out.aux_loss
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            if log is not None and (step + 1) % log_every == 0:
+                log(f"  pretrain step {step + 1}/{settings.steps}  loss {loss.item():.3f}")
+            if stop.received is not None and progress is not None and step + 1 < settings.steps:
+                _save_progress(progress, settings, step + 1, model, optimizer, gen)
+                raise PretrainStopped(stop.received, step + 1, settings.steps, progress)
     return float(loss.detach())
+
+
+def _resume(progress: Path, settings, model, optimizer, gen, log) -> int:
+    """The step to start from: the saved one if `progress` holds these settings' progress, else 0."""
+    if not progress.is_file():
+        return 0
+    state = torch.load(progress, weights_only=False)
+    if state.get("settings") != asdict(settings):
+        return 0
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    gen.set_state(state["generator"])
+    if log is not None:
+        log(f"  pretraining continues from step {state['step']}/{settings.steps} ({progress})")
+    return int(state["step"])
+
+
+def _save_progress(progress: Path, settings, step: int, model, optimizer, gen) -> None:
+    state = {
+        "settings": asdict(settings),
+        "step": step,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "generator": gen.get_state(),
+    }
+    progress.parent.mkdir(parents=True, exist_ok=True)
+    tmp = progress.with_name(progress.name + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, progress)  # a kill during the save leaves the previous progress whole
+
+
+class StopRequests:
+    """Flag-setting handlers for the stop signals around a loop (main thread only; elsewhere, and when not
+    `enabled`, a no-op): the loop ends after its step instead of dying mid-step without a word."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled and threading.current_thread() is threading.main_thread()
+        self.received: signal.Signals | None = None
+        self._previous: dict = {}
+
+    def __enter__(self) -> StopRequests:
+        if self.enabled:
+            from megatron_tail.train.run.signals import STOP_SIGNALS
+
+            for sig in STOP_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, _frame) -> None:
+        if self.received is None:
+            self.received = signal.Signals(signum)
 
 
 def _lr(step: int, s) -> float:

@@ -116,7 +116,13 @@ def run_demo(
         overrides = [*CALCULATOR_OVERRIDES, *overrides]
     if moe:
         overrides = [*moe_compare.MOE_OVERRIDES, *overrides]
-    model_dir = ensure_moe_pretrained(cache) if moe else ensure_pretrained(cache, tools=tools)
+    from megatron_tail.demo.pretrain import PretrainStopped
+
+    try:
+        model_dir = ensure_moe_pretrained(cache) if moe else ensure_pretrained(cache, tools=tools)
+    except PretrainStopped as stopped:
+        _say(f"{stopped}: rerun the demo to continue")
+        return 128 + int(stopped.sig)
     train_file, test_file = ensure_data(cache)
     base = [
         f"model.hf_path={model_dir}",

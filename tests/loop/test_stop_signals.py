@@ -4,10 +4,14 @@ torchrun deliver it twice), a later one abandons the step, and a process whose m
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import time
 
+import pytest
+
+from megatron_tail.train.run.signals import STOP_SIGNALS
 from megatron_tail.utils.errors import EXIT_ABANDONED
 
 _PROGRAM = """
@@ -61,6 +65,10 @@ def test_a_repeat_is_one_request_and_a_later_signal_abandons_the_step():
         "SIGTERM: stopping after the current step (a checkpoint is saved); waiting for the batch of step 4; "
         "send it again to stop at once"
     ) in proc.stderr
+    assert (  # the repeat within 2 s is heard and said, not silently dropped
+        "SIGTERM again 0.0 s after the first: the same stop request (one is often delivered twice); a repeat "
+        "from 2 s after the first stops at once"
+    ) in proc.stderr
     assert (
         "SIGUSR1 again: abandoning the current step now; the last complete checkpoint, "
         "run/checkpoints/step_000003, is kept (a rerun resumes from it)"
@@ -73,3 +81,34 @@ def test_a_main_thread_blocked_in_c_still_exits_after_the_second_signal():
     assert proc.stdout.splitlines()[-1] == "count 1 SIGTERM"
     assert "1 s after the second stop signal: exiting now" in proc.stderr
     assert elapsed < 30
+
+
+TERMINAL_SHELL_SCHEDULER = [
+    signal.SIGTERM,  # kill, scancel, torchrun
+    signal.SIGINT,  # Ctrl-C
+    signal.SIGHUP,  # a closed terminal or ssh session
+    signal.SIGQUIT,  # Ctrl-\\
+    signal.SIGUSR1,  # Slurm's --signal
+    signal.SIGUSR2,  # Slurm's --signal, other schedulers' warnings
+]
+
+
+def test_the_stop_signals_are_those_a_terminal_shell_or_scheduler_sends():
+    assert set(STOP_SIGNALS) == set(TERMINAL_SHELL_SCHEDULER)
+
+
+@pytest.mark.parametrize("sig", TERMINAL_SHELL_SCHEDULER, ids=[s.name for s in TERMINAL_SHELL_SCHEDULER])
+def test_every_signal_a_terminal_shell_or_scheduler_sends_is_a_stop(sig):
+    """SIGHUP (a closed terminal), SIGQUIT (Ctrl-\\) and SIGUSR2 too: torchrun forwards SIGHUP and SIGQUIT to
+    its workers, whose default action would end them without a checkpoint."""
+    code = (
+        "import os, signal\n"
+        "from megatron_tail.train.run.signals import GracefulStop\n"
+        "with GracefulStop() as stop:\n"
+        f"    os.kill(os.getpid(), {int(sig)})\n"
+        "    print('stop requested:', stop.requested, stop.received.name, flush=True)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"stop requested: True {sig.name}"
+    assert f"{sig.name}: stopping after the current step (a checkpoint is saved)" in proc.stderr
