@@ -4,6 +4,7 @@ torchrun deliver it twice), a later one abandons the step, and a process whose m
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import time
 import pytest
 
 from megatron_tail.train.run.signals import STOP_SIGNALS
-from megatron_tail.utils.errors import EXIT_ABANDONED
+from megatron_tail.utils.errors import EXIT_ABANDONED, EXIT_PEER_LOST
 
 _PROGRAM = """
 import ctypes, os, signal, sys, threading, time
@@ -112,3 +113,38 @@ def test_every_signal_a_terminal_shell_or_scheduler_sends_is_a_stop(sig):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == f"stop requested: True {sig.name}"
     assert f"{sig.name}: stopping after the current step (a checkpoint is saved)" in proc.stderr
+
+
+_PEER_LOST = """
+import ctypes, os, signal, subprocess, sys, threading
+from megatron_tail.utils.errors import PeerLost
+from megatron_tail.train.run.signals import GracefulStop
+
+dead = subprocess.Popen([sys.executable, "-c", "pass"]); dead.wait()  # a peer rank, gone
+open(os.path.join(os.environ["MT_WORKER_MARKS"], "rank1.started"), "w").write(str(dead.pid))
+with GracefulStop(hard_exit_after_s=1.0):
+    if sys.argv[1] == "python":
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            signal.pause()
+        except PeerLost as e:
+            print("peer lost:", e, flush=True)
+            sys.exit(e.exit_code)
+    # torchrun stopping the survivors while the main thread is in C (a collective), where no handler runs
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    r, _w = os.pipe()
+    ctypes.CDLL(None).read(r, ctypes.create_string_buffer(1), 1)
+"""
+
+
+@pytest.mark.parametrize("mode", ["python", "blocked"])
+def test_a_stop_that_finds_a_dead_peer_ends_the_rank_quietly(tmp_path, mode):
+    """torchrun stops the survivors of a dead rank with SIGTERM: no "checkpoint is saved" promise (none can
+    be), exit `EXIT_PEER_LOST`, also from a main thread blocked in a collective (the watcher's `os._exit`)."""
+    env = {**os.environ, "MT_WORKER_MARKS": str(tmp_path), "RANK": "0"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _PEER_LOST, mode], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == EXIT_PEER_LOST, proc.stdout + proc.stderr
+    assert proc.stderr == ""
+    assert proc.stdout == ("peer lost: trainer rank 1 died\n" if mode == "python" else "")

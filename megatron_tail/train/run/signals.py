@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from megatron_tail.train.run import launch_marks
 from megatron_tail.utils import errors
-from megatron_tail.utils.errors import EXIT_ABANDONED, PeerLost, StepAbandoned, global_rank
+from megatron_tail.utils.errors import EXIT_ABANDONED, EXIT_PEER_LOST, PeerLost, StepAbandoned, global_rank
 
 STOP_SIGNALS: tuple[signal.Signals, ...] = (
     signal.SIGTERM,
@@ -215,7 +215,8 @@ class GracefulStop:
 
 class _SignalWatcher:
     """A daemon thread that reads the signal numbers the C-level handler writes to a wakeup socket (it runs
-    even while the main thread is blocked in C) and, at the second stop signal, arms `os._exit`."""
+    even while the main thread is blocked in C) and arms `os._exit` at the second stop signal, or at a first
+    one that finds a dead peer (`launch_marks.lost_peers`)."""
 
     def __init__(self, signals: set[signal.Signals], hard_exit_after_s: float):
         self.signals = {int(s) for s in signals}
@@ -241,13 +242,24 @@ class _SignalWatcher:
             now = time.monotonic()
             if first_at is None:
                 first_at = now
+                if launch_marks.lost_peers():  # torchrun stopping the survivors of a dead rank
+                    self._exit_unless_closed(EXIT_PEER_LOST, None)
+                    return
             elif now - first_at >= REPEAT_AFTER_S:
-                if not self._closed.wait(self.hard_exit_after_s):
-                    _say(
-                        f"still here {self.hard_exit_after_s:.0f} s after the second stop signal: exiting now"
-                    )
-                    os._exit(EXIT_ABANDONED)
+                self._exit_unless_closed(
+                    EXIT_ABANDONED,
+                    f"still here {self.hard_exit_after_s:.0f} s after the second stop signal: exiting now",
+                )
                 return
+
+    def _exit_unless_closed(self, code: int, say: str | None) -> None:
+        """`os._exit(code)` `hard_exit_after_s` from now, unless the main thread left the `GracefulStop`
+        meanwhile (the clean path): a main thread blocked in a collective with a dead rank (NCCL waits out
+        its timeout) runs no Python handler."""
+        if not self._closed.wait(self.hard_exit_after_s):
+            if say:
+                _say(say)
+            os._exit(code)
 
     def close(self) -> None:
         self._closed.set()

@@ -96,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         codes = {failure.exitcode for failure in e.failures.values() if failure.exitcode >= 0}
         if len(codes) == 1 and codes <= set(ONE_LINE_CODES) - {EXIT_PEER_LOST}:
             return codes.pop()
-        line = lost_rank_line({rank: (f.exitcode, f.pid) for rank, f in e.failures.items()}, marks)
+        failures = {rank: (f.exitcode, f.pid, f.timestamp) for rank, f in e.failures.items()}
+        line = lost_rank_line(failures, marks)
         if line is None:
             raise
         print(f"megatron-tail: {line}", file=sys.stderr, flush=True)
@@ -116,17 +117,18 @@ def _handle_every_stop_signal(args) -> None:
         args.signals_to_handle = ",".join(sig.name for sig in STOP_SIGNALS)
 
 
-def lost_rank_line(failures: dict[int, tuple[int, int]], marks: Path) -> str | None:
+def lost_rank_line(failures: dict[int, tuple[int, int, int]], marks: Path) -> str | None:
     """The one line for a run that stopped because a worker died, or None if it did not.
 
-    `failures`: global rank → (exit code, PID) of every worker torchrun saw fail. The ranks that died are
-    those killed by a signal other than the SIGTERM torchrun sends the survivors; the survivors exit
-    `EXIT_PEER_LOST` (their collective with the dead rank failed) or by that SIGTERM. If no rank of this
-    node died and every failure is a survivor's, the dead rank was on another node."""
+    `failures`: global rank → (exit code, PID, the time torchrun saw it fail) of every worker that failed.
+    The ranks that died are those killed by a signal other than the SIGTERM torchrun sends the survivors;
+    the survivors exit `EXIT_PEER_LOST` (their collective with the dead rank failed) or by that SIGTERM, or
+    by torchrun's SIGKILL later (a rank blocked in a collective): the first to die is the one named. If no
+    rank of this node died and every failure is a survivor's, the dead rank was on another node."""
     survivor_codes = {EXIT_PEER_LOST, -int(signal.SIGTERM)}
     died = {rank: f for rank, f in failures.items() if f[0] < 0 and f[0] != -int(signal.SIGTERM)}
     if died:
-        rank, (code, pid) = min(died.items())
+        rank, (code, pid, _) = min(died.items(), key=lambda item: (item[1][2], item[0]))
         how = f"was killed by {signal.Signals(-code).name}" if -code in signal.valid_signals() else "died"
         what = f"trainer rank {rank} (pid {pid} on {socket.gethostname()}) {how}"
     elif (
