@@ -143,6 +143,9 @@ def run_demo(
         outcome = launch_training(target, [*base, f"run_dir={target}", *knobs, *overrides])
         if (code := training_failed(outcome, label)) is not None:
             return code
+        if not finished_run(target, [*base, *knobs, *overrides]):  # its ranks were stopped, not this process
+            _say(f"training{label} stopped before its last step (its ranks were signalled); rerun to resume")
+            return 0
         dirs[name or "run"] = target
     for name, target in dirs.items():
         _print_accuracy(name, target)
