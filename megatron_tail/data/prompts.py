@@ -8,6 +8,10 @@ Field names are configurable and may be dotted paths into nested records, so bot
 A string prompt becomes one user message (after `prompt_template`); a list of `{"role", "content"}`
 messages is used as is. With `apply_chat_template`, the tokenizer's chat template renders the messages
 with the generation prompt appended; without it (toy tasks), the string prompt is tokenized raw.
+
+Errors name a record as an editor would find it, counting from 1: `line N` of a .jsonl file (blank lines
+count, as they do in an editor, though they hold no record), `record N` of a .json array, `row N` of a
+parquet file.
 """
 
 from __future__ import annotations
@@ -42,7 +46,8 @@ class PromptFormat:
     system_prompt: str | None = None
     """Prepended as a system message (chat template only) unless the prompt already has one."""
     max_prompt_tokens: int | None = None
-    """Longer prompts are dropped (and counted in the log); None keeps all."""
+    """Longer prompts are dropped (and counted in the log); None keeps all. A kept prompt that leaves no room
+    for the response in the model's context is refused at load, naming its file and line (`PromptLimit`)."""
 
     def __post_init__(self):
         if "{prompt}" not in self.prompt_template:
@@ -74,7 +79,8 @@ class PromptDataConfig(PromptFormat):
 
 @dataclass(frozen=True)
 class PromptExample:
-    """One prompt ready for rollout: `index` is its row in the file."""
+    """One prompt ready for rollout: `index` is its record's position in the file, from 0 (`record_place`
+    names it as an editor counts)."""
 
     index: int
     prompt_ids: list[int]
@@ -103,6 +109,10 @@ def read_records(path: str | Path, cache_dir: str | None = None):
 
     path = check_prompt_file(path)
     kind = SUFFIXES[path.suffix]
+    if kind == "json":
+        # pyarrow reads undecodable bytes into the table and the error surfaces only when a row is read,
+        # naming neither the file nor the line
+        _check_utf8(path)
     reader = datasets.Dataset.from_json if kind == "json" else datasets.Dataset.from_parquet
     try:
         dataset = reader(str(path), cache_dir=cache_dir, keep_in_memory=True)
@@ -117,6 +127,26 @@ def read_records(path: str | Path, cache_dir: str | None = None):
     return dataset
 
 
+def _check_utf8(path: Path) -> None:
+    """UserError naming the first line of `path` that is not UTF-8, and where in it."""
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise UserError(
+                    f"prompt file {path} line {number}: not UTF-8 text (byte 0x{raw[e.start]:02x}, byte "
+                    f"{e.start + 1} of the line); prompt files must be UTF-8: convert it, e.g. with iconv"
+                ) from None
+
+
+def record_place(path: str | Path, index: int) -> str:
+    """`<path> line N` (jsonl), `record N` (a .json array) or `row N` (parquet) of the record at position
+    `index` (from 0) of a prompt file, counted from 1 as an editor does. Rereads a JSON file, so it is
+    meant for error messages."""
+    return _place(path, index, _record_lines(path))
+
+
 def _check_json(path: Path) -> None:
     """UserError naming the first line of `path` that is not a JSON object (a .jsonl line, or the .json
     document), or that the file holds no records."""
@@ -129,7 +159,9 @@ def _check_json(path: Path) -> None:
         except ValueError as e:
             raise UserError(f"prompt file {path} line {e.lineno}: invalid JSON: {e.msg}") from None
         return
-    for number, line in enumerate(text.splitlines(), start=1):
+    # split at "\n" only: `splitlines` also splits at characters that a JSON string may hold raw (U+2028,
+    # form feeds), and would then count lines an editor does not
+    for number, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         try:
@@ -171,8 +203,9 @@ def load_prompts(config: PromptDataConfig, tokenizer) -> list[PromptExample]:
                 f"{sorted(dataset.column_names)}"
             )
     examples, dropped = [], 0
+    lines = _record_lines(config.path)
     for index, record in enumerate(dataset):
-        where = f"{config.path} row {index}"
+        where = _place(config.path, index, lines)
         answer = get_field(record, config.answer_key, where)
         if answer is None or (isinstance(answer, str) and not answer.strip()):
             state = "empty" if answer is not None else "missing or null"
@@ -199,6 +232,72 @@ def load_prompts(config: PromptDataConfig, tokenizer) -> list[PromptExample]:
             f"{config.path}: no prompts left (rows: {len(dataset)}, dropped as too long: {dropped})"
         )
     return examples
+
+
+def _record_lines(path: str | Path) -> list[int] | None:
+    """The line of each record of a JSON-lines file, from 1 (None for parquet and a .json array), so that
+    per-row messages cost no rereading."""
+    path = Path(path)
+    if SUFFIXES.get(path.suffix) != "json":
+        return None
+    with path.open("rb") as f:
+        lines = [number for number, raw in enumerate(f, start=1) if raw.strip()]
+    if lines and _line(path, lines[0]).lstrip().startswith(b"["):
+        return None
+    return lines
+
+
+def _line(path: Path, number: int) -> bytes:
+    with path.open("rb") as f:
+        for n, raw in enumerate(f, start=1):
+            if n == number:
+                return raw
+    return b""
+
+
+def _place(path: str | Path, index: int, lines: list[int] | None) -> str:
+    if lines is not None and index < len(lines):
+        return f"{path} line {lines[index]}"
+    kind = "record" if SUFFIXES.get(Path(path).suffix) == "json" else "row"
+    return f"{path} {kind} {index + 1}"
+
+
+@dataclass(frozen=True)
+class PromptLimit:
+    """The longest prompt the engines accept: a request asks for `new_tokens` more and must fit in the
+    model's `context` (SGLang and the local engine answer HTTP 400 otherwise)."""
+
+    context: int
+    context_source: str
+    """Where `context` comes from, for messages (e.g. "max_position_embeddings in <dir>/config.json")."""
+    new_tokens: int
+    new_tokens_key: str = "rollout.max_new_tokens"
+
+    @property
+    def longest_prompt(self) -> int:
+        return self.context - self.new_tokens
+
+    def check(self, examples: list[PromptExample], path: str | Path) -> None:
+        """UserError naming the first of `examples` (read from `path`) longer than `longest_prompt`, and how
+        many more are."""
+        if self.longest_prompt < 1:
+            raise UserError(
+                f"{self.new_tokens_key}={self.new_tokens} leaves no room for a prompt in the model's context "
+                f"of {self.context} tokens ({self.context_source})"
+            )
+        over = [e for e in examples if len(e.prompt_ids) > self.longest_prompt]
+        if not over:
+            return
+        first, n = over[0], len(over[0].prompt_ids)
+        k = len(over) - 1
+        more = f" (and {k} more prompt{'s' if k > 1 else ''} too long)" if k else ""
+        raise UserError(
+            f"{record_place(path, first.index)}: the prompt is {n} tokens; with {self.new_tokens_key}="
+            f"{self.new_tokens} that is {n + self.new_tokens}, more than the model's context of "
+            f"{self.context} tokens ({self.context_source}), which the engines refuse{more}. Shorten it, "
+            f"drop such prompts with data.max_prompt_tokens={self.longest_prompt}, or lower "
+            f"{self.new_tokens_key}"
+        )
 
 
 def tokenize_known(tokenizer, text: str, where: str) -> list[int]:

@@ -54,15 +54,68 @@ def test_a_record_without_an_answer_is_refused_at_load_naming_file_and_row(token
         del rows[1]["answer"]
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(UserError, match=rf"{path} row 1: no answer \('answer' is (missing or null|empty)\)"):
+    with pytest.raises(UserError, match=rf"{path} line 2: no answer \('answer' is (missing or null|empty)\)"):
         _load(path, tokenizer, tmp_path)
 
 
 def test_characters_the_demo_tokenizer_lacks_are_named(tokenizer, tmp_path):
     path = tmp_path / "rows.jsonl"
     path.write_text(json.dumps({"prompt": "1+1=2 ✓ é", "answer": "2"}) + "\n")
-    with pytest.raises(UserError, match=rf"{path} row 0: the tokenizer has no token for 'é', '✓'"):
+    with pytest.raises(UserError, match=rf"{path} line 1: the tokenizer has no token for 'é', '✓'"):
         _load(path, tokenizer, tmp_path)
     # the pad token written out is a token, not an unknown character
     path.write_text(json.dumps({"prompt": "1+1=<|pad|>", "answer": "2"}) + "\n")
     assert len(_load(path, tokenizer, tmp_path)) == 1
+
+
+def test_bytes_that_are_not_utf8_are_named_by_file_and_line(tokenizer, tmp_path):
+    """Before: a `UnicodeDecodeError` traceback from pyarrow when the row was read, naming neither."""
+    path = tmp_path / "latin1.jsonl"
+    good = json.dumps({"prompt": "1+1=", "answer": "2"}).encode()
+    path.write_bytes(good + b"\n\n" + '{"prompt": "caf\xe9", "answer": "2"}\n'.encode("latin-1"))
+    with pytest.raises(
+        UserError, match=rf"^prompt file {path} line 3: not UTF-8 text \(byte 0xe9, byte 16 of"
+    ):
+        _load(path, tokenizer, tmp_path)
+
+
+def test_rows_are_counted_as_an_editor_counts_lines(tokenizer, tmp_path):
+    """Before: "row 1" (from 0, blank lines skipped) for what an editor shows as line 4."""
+    path = tmp_path / "gaps.jsonl"
+    good, bad = json.dumps({"prompt": "1+1=", "answer": "2"}), json.dumps({"prompt": "2+2=", "answer": None})
+    path.write_text(f"{good}\n\n   \n{bad}\n")
+    with pytest.raises(UserError, match=rf"^{path} line 4: no answer"):
+        _load(path, tokenizer, tmp_path)
+    array = tmp_path / "array.json"
+    array.write_text(json.dumps([json.loads(good), json.loads(bad)], indent=2))
+    with pytest.raises(UserError, match=rf"^{array} record 2: no answer"):
+        _load(array, tokenizer, tmp_path)
+    import datasets
+
+    table = tmp_path / "rows.parquet"
+    datasets.Dataset.from_list([json.loads(good), json.loads(good), json.loads(bad)]).to_parquet(table)
+    with pytest.raises(UserError, match=rf"^{table} row 3: no answer"):
+        _load(table, tokenizer, tmp_path)
+
+
+def test_a_prompt_longer_than_the_context_is_named_with_the_limit_and_the_remedies(tokenizer, tmp_path):
+    """Before: the engine's HTTP 400 at the step that first drew the prompt, 80 lines, no file or row."""
+    from megatron_tail.data.prompts import PromptLimit
+
+    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "1+1=" * 5, "answer": "2"}]
+    rows.append(dict(rows[1]))
+    path = tmp_path / "long.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    examples = _load(path, tokenizer, tmp_path)
+    limit = PromptLimit(context=24, context_source="max_position_embeddings in m/config.json", new_tokens=5)
+    with pytest.raises(UserError) as caught:
+        limit.check(examples, path)
+    assert str(caught.value) == (
+        f"{path} line 2: the prompt is 20 tokens; with rollout.max_new_tokens=5 that is 25, more than the "
+        "model's context of 24 tokens (max_position_embeddings in m/config.json), which the engines refuse "
+        "(and 1 more prompt too long). Shorten it, drop such prompts with data.max_prompt_tokens=19, or "
+        "lower rollout.max_new_tokens"
+    )
+    PromptLimit(context=25, context_source="m", new_tokens=5).check(examples, path)  # exactly full: accepted
+    with pytest.raises(UserError, match=r"rollout.max_new_tokens=24 leaves no room for a prompt"):
+        PromptLimit(context=24, context_source="m", new_tokens=24).check(examples, path)

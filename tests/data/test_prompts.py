@@ -107,8 +107,8 @@ def test_custom_field_names_and_raw_prompts(tokenizer, tmp_path, fmt):
         (
             [{"prompt": "x", "reward_model": {"style": "rule"}}],
             {"answer_key": "reward_model.ground_truth"},
-            r"row 0: field 'reward_model.ground_truth' not found: no 'ground_truth' at reward_model; "
-            r"fields there: \['style'\]",
+            r"bad.jsonl line 1: field 'reward_model.ground_truth' not found: no 'ground_truth' at "
+            r"reward_model; fields there: \['style'\]",
         ),
         ([{"prompt": 7, "answer": "1"}], {}, "the prompt must be a string or a non-empty list of"),
         (
