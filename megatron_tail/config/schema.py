@@ -361,23 +361,9 @@ class RunConfig:
                     "needs packed micro-batches (train.max_tokens_per_micro_batch; train.packed not false)",
                 )
             return
-        response = self.rollout.max_response_tokens
-        longest = None if self.data.max_prompt_tokens is None else self.data.max_prompt_tokens + response
-        padded = None if longest is None else -(-longest // self.sequence_multiple) * self.sequence_multiple
-        if padded is not None and budget < padded:
-            what = (
-                f"rollout.max_new_tokens={response}"
-                if self.rollout.env is None
-                else f"the longest episode's response ({response}: rollout.max_turns × max_new_tokens + "
-                "(max_turns − 1) × max_observation_tokens)"
-            )
-            _bad(
-                "train",
-                "max_tokens_per_micro_batch",
-                budget,
-                f"must hold the longest sample: data.max_prompt_tokens={self.data.max_prompt_tokens} + "
-                f"{what} = {longest}"
-                + (f", padded to a multiple of 2·context_parallel = {padded}" if padded != longest else ""),
+        if self.data.max_prompt_tokens is not None:
+            self.check_longest_prompt(
+                self.data.max_prompt_tokens, f"data.max_prompt_tokens={self.data.max_prompt_tokens}"
             )
         if budget % self.micro_batch_multiple:
             tp = self.parallel.tensor_parallel
@@ -389,6 +375,36 @@ class RunConfig:
                 else f"must be a multiple of {sp}"
             )
             _bad("train", "max_tokens_per_micro_batch", budget, why)
+
+    def check_longest_prompt(self, tokens: int, prompt: str, context: int | None = None) -> None:
+        """With packed micro-batches: UserError unless one holds the longest sample, a prompt of `tokens`
+        tokens (`prompt` says which, for the message) and the longest response, at most `context` tokens in
+        all (the engines end an episode at the model's context), padded to `sequence_multiple`."""
+        budget = self.train.max_tokens_per_micro_batch
+        if not self.train.is_packed or budget is None:
+            return
+        response = self.rollout.max_response_tokens
+        longest = tokens + response
+        capped = context is not None and longest > context
+        if capped:
+            longest = context
+        padded = -(-longest // self.sequence_multiple) * self.sequence_multiple
+        if budget >= padded:
+            return
+        what = (
+            f"rollout.max_new_tokens={response}"
+            if self.rollout.env is None
+            else f"the longest episode's response ({response}: rollout.max_turns × max_new_tokens + "
+            "(max_turns − 1) × max_observation_tokens)"
+        )
+        total = f"the model's context, {context}" if capped else str(longest)
+        _bad(
+            "train",
+            "max_tokens_per_micro_batch",
+            budget,
+            f"must hold the longest sample: {prompt} + {what} = {total}"
+            + (f", padded to a multiple of 2·context_parallel = {padded}" if padded != longest else ""),
+        )
 
     @property
     def sequence_multiple(self) -> int:
@@ -444,14 +460,22 @@ class RunConfig:
     def check_inputs(self) -> None:
         """`check_runnable`, and what the run reads on this machine, as far as it can be told without
         megatron-core (`train` calls this before importing it, so a user's mistake is one line, not one
-        after megatron's start-up): the environment and the reward, imported by name; the prompt files; the
-        model directory (config.json, tokenizer, safetensors headers). UserError naming the key and the
-        culprit."""
+        after megatron's start-up): what the settings need of this machine (CUDA for the Triton op or a
+        CUDA local engine); that the run directory is writable; the environment and the reward, imported by
+        name; the prompt files; the model directory (config.json, tokenizer, safetensors headers); and on
+        global rank 0, which reads them, every prompt (`run_inputs.run_prompts`: each one fits the model's
+        context and the token budget, named by file and line). UserError naming the key and the culprit."""
         self.check_runnable()
         from megatron_tail.data.prompts import check_prompt_file
         from megatron_tail.model.directory import check_model_dir
         from megatron_tail.rewards.registry import load_reward_fn
         from megatron_tail.rollout.envs.registry import load_env_class
+        from megatron_tail.utils.errors import global_rank
+        from megatron_tail.utils.paths import check_run_dir
+
+        self.model.check_host()
+        self.rollout.check_host()
+        check_run_dir(self.run_dir)
 
         if self.rollout.env is not None:
             load_env_class(self.rollout.env)
@@ -460,3 +484,8 @@ class RunConfig:
         if self.data.eval_path:
             check_prompt_file(self.data.eval_path, "data.eval_path")
         check_model_dir(self.model.hf_path)
+        # only rank 0 reads the prompts: the other ranks would hold a copy of the tokenized set for nothing
+        if global_rank() == 0:
+            from megatron_tail.config.run_inputs import run_prompts
+
+            run_prompts(self)

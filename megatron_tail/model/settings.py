@@ -9,7 +9,8 @@ from typing import Literal
 
 import torch
 
-from megatron_tail.ops.backend import BACKENDS
+from megatron_tail.ops.backend import BACKENDS, triton_unavailable
+from megatron_tail.utils.errors import UserError
 
 Precision = Literal["bf16", "fp16", "fp32"]
 Recompute = Literal["none", "selective", "full"]
@@ -106,6 +107,17 @@ class ModelSettings:
             )
         if self.max_sequence_length is not None and self.max_sequence_length < 1:
             raise ValueError(f"max_sequence_length must be ≥ 1; got {self.max_sequence_length}")
+
+    def check_host(self) -> None:
+        """What these settings need of this machine, checked before megatron starts: UserError naming the
+        run config's key (the trainer's tensors are on CUDA when it has a device, else on the CPU)."""
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.op_backend == "triton" and (problem := triton_unavailable(device)):
+            here = ", and this machine has no CUDA device" if device == "cpu" else ""
+            raise UserError(
+                f"model.op_backend=triton {problem}{here}; use op_backend auto (the Triton kernels on CUDA, "
+                "the PyTorch code elsewhere) or torch"
+            )
 
     def resolved_precision(self) -> Precision:
         """`precision`, else `bf16`, else the host default (bf16 on CUDA, fp32 elsewhere)."""

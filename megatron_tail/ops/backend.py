@@ -10,6 +10,7 @@ threshold rule, same outputs and gradients up to float32 rounding.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import torch
@@ -31,6 +32,19 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     if check_backend(backend) != "auto":
         return backend
     return "triton" if device.type == "cuda" else "torch"
+
+
+def triton_unavailable(device_type: str) -> str | None:
+    """Why the kernels cannot run on `device_type` tensors here (a clause starting "needs"), or None when
+    they can: off CUDA only under Triton's interpreter, and with the triton package installed."""
+    if device_type != "cuda" and os.environ.get(INTERPRET_ENV) != "1":
+        return (
+            f"needs CUDA tensors (on {device_type}, Triton runs kernels only under its interpreter, "
+            f"{INTERPRET_ENV}=1, for tests)"
+        )
+    if importlib.util.find_spec("triton") is None:
+        return "needs the triton package, which is not installed (constraints.txt pins its version)"
+    return None
 
 
 def load_kernels(device: torch.device):

@@ -385,6 +385,32 @@ class RolloutSection:
 
     # --- views: what each rollout component is configured with, read from these fields ------------------
 
+    def check_host(self) -> None:
+        """What these settings need of this machine, where the trainer starts the local engine: UserError
+        naming the key, before the engine is started (it would fail in its log, read as the engine's
+        failure)."""
+        if self.engine != "local" or not self.local_device.startswith("cuda"):
+            return
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = int(self.local_device.partition(":")[2] or 0)
+        if count == 0:
+            _bad(
+                "rollout",
+                "local_device",
+                self.local_device,
+                "needs a CUDA device, and this machine has none (torch.cuda.is_available() is false); "
+                'use "cpu"',
+            )
+        if index >= count:
+            _bad(
+                "rollout",
+                "local_device",
+                self.local_device,
+                f"names CUDA device {index}, and this machine has {count} (cuda:0 to cuda:{count - 1})",
+            )
+
     def client_config(self):
         """The HTTP client's `rollout.client.ClientConfig`: concurrency and the per-request limit."""
         from .client import ClientConfig

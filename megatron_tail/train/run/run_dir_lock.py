@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from megatron_tail.utils.errors import UserError
+from megatron_tail.utils.paths import run_dir_unwritable
 
 from . import run_dir as layout
 
@@ -35,8 +36,11 @@ class RunDirLock:
 
     def __init__(self, run_dir: str | Path):
         self.path = Path(run_dir) / LOCK_NAME
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:  # a read-only mount, permissions: the user's to fix, not a traceback
+            raise run_dir_unwritable(run_dir, f"{e.strerror}: {e.filename}") from None
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from megatron_tail.algorithms.adaptive_rho import AdaptiveRho
 from megatron_tail.config import RunConfig
+from megatron_tail.config.run_inputs import RunPrompts, run_prompts
 from megatron_tail.rollout import RolloutBatch
 from megatron_tail.rollout.service import RolloutService
 
@@ -100,8 +101,9 @@ class RunSession:
 
             check_model_dir(cfg.model.hf_path)  # one named error before any library meets a bad directory
             check_routing_replay(cfg, load_hf_config(cfg.model.hf_path))  # before a local engine starts
-            tokenizer = load_tokenizer(cfg.model.hf_path)
-            self._load_data(tokenizer)
+            prompts = run_prompts(cfg)  # read before megatron by `check_inputs` in this process, else now
+            tokenizer = prompts.tokenizer
+            self._load_data(prompts)
             # a local engine starts loading now
             self.engines = start_rollout(cfg, self.run_dir, tokenizer, note=self.console.note)
 
@@ -136,15 +138,13 @@ class RunSession:
             self.close()  # never leave a local engine process behind
             raise
 
-    def _load_data(self, tokenizer) -> None:
-        from megatron_tail.data import PromptBatches, PromptDataConfig, PromptStream, load_prompts
+    def _load_data(self, prompts: RunPrompts) -> None:
+        from megatron_tail.data import PromptBatches, PromptStream
 
-        d = self.cfg.data
-        train = load_prompts(PromptDataConfig.of(d.train_path, d), tokenizer)
+        d, train = self.cfg.data, prompts.train
         self.batches = PromptBatches(train, d.prompts_per_step, seed=self.cfg.seed, shuffle=d.shuffle)
         self.stream = PromptStream(train, seed=self.cfg.seed, shuffle=d.shuffle)
-        if d.eval_path is not None and self.cfg.train.eval_every:
-            self.eval_examples = load_eval_examples(d, tokenizer)
+        self.eval_examples = prompts.eval
 
     @property
     def log_rho(self) -> float | None:

@@ -1,0 +1,92 @@
+"""What a run reads before it trains, on global rank 0: the tokenizer and the prompt sets, every prompt
+tokenized and checked against what the engines and the trainer accept.
+
+    prompts = run_prompts(cfg)    # .tokenizer, .train, .eval; UserError naming the file and line
+
+`RunConfig.check_inputs` calls it before megatron is imported, so a mistake in the data (a prompt the engines
+would refuse, one the token budget cannot hold, bytes that are not UTF-8) is one line at load, not a
+traceback at the step that first meets it; the session, in the same process, takes the same objects instead
+of reading the files again. Every prompt is tokenized once, at load, as verl and slime filter over-long
+prompts at load: the run tokenizes them all anyway, and seconds at load are cheap next to a run that fails at
+step 1000 on the one prompt that is too long.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from megatron_tail.data.prompts import (
+    PromptDataConfig,
+    PromptExample,
+    PromptLimit,
+    load_prompts,
+    record_place,
+)
+
+if TYPE_CHECKING:
+    from megatron_tail.config.schema import RunConfig
+
+
+@dataclass(frozen=True)
+class RunPrompts:
+    tokenizer: Any
+    train: list[PromptExample]
+    eval: list[PromptExample]
+    """The first `data.eval_prompts` of `data.eval_path` when the run evaluates (`train.eval_every`), else
+    none."""
+
+
+_loaded: tuple[tuple, RunPrompts] | None = None
+"""The last load and what it was loaded from: `check_inputs` and the session share it."""
+
+
+def run_prompts(cfg: RunConfig) -> RunPrompts:
+    """The tokenizer and prompts of `cfg` (loaded once per process for the same settings and files)."""
+    global _loaded
+    key = _key(cfg)
+    if _loaded is None or _loaded[0] != key:
+        _loaded = None  # a failed load keeps nothing
+        _loaded = (key, _load(cfg))
+    return _loaded[1]
+
+
+def _key(cfg: RunConfig) -> tuple:
+    # `algorithm` is left out: the session rewrites log ρ (`log_rho: auto`), which no prompt depends on
+    files = tuple(_stat(p) for p in (cfg.data.train_path, cfg.data.eval_path))
+    return (cfg.model, cfg.data, cfg.rollout, cfg.train, cfg.parallel, files)
+
+
+def _stat(path: str | None) -> tuple | None:
+    try:
+        st = Path(path).stat() if path else None
+    except OSError:
+        return None
+    return None if st is None else (path, st.st_mtime_ns, st.st_size)
+
+
+def _load(cfg: RunConfig) -> RunPrompts:
+    from transformers import AutoTokenizer
+
+    from megatron_tail.model.hf_config import load_hf_config
+
+    hf_path, d = cfg.model.hf_path, cfg.data
+    tokenizer = AutoTokenizer.from_pretrained(hf_path, local_files_only=True)
+    limit = PromptLimit(
+        context=load_hf_config(hf_path).max_position_embeddings,
+        context_source=f"max_position_embeddings in {Path(hf_path) / 'config.json'}",
+        new_tokens=cfg.rollout.max_new_tokens,
+    )
+    train = load_prompts(PromptDataConfig.of(d.train_path, d), tokenizer)
+    limit.check(train, d.train_path)
+    longest = max(train, key=lambda e: len(e.prompt_ids))
+    n = len(longest.prompt_ids)
+    cfg.check_longest_prompt(
+        n, f"the longest prompt ({n} tokens, {record_place(d.train_path, longest.index)})", limit.context
+    )
+    evaluated: list[PromptExample] = []
+    if d.eval_path is not None and cfg.train.eval_every:
+        evaluated = load_prompts(PromptDataConfig.of(d.eval_path, d), tokenizer)[: d.eval_prompts]
+        limit.check(evaluated, d.eval_path)
+    return RunPrompts(tokenizer, train, evaluated)

@@ -1,0 +1,39 @@
+"""Whether this process can write a directory it is told to use, asked before anything is written there."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from megatron_tail.utils.errors import UserError
+
+
+def unwritable_reason(path: str | Path) -> str | None:
+    """Why this process cannot make files in directory `path` (or, where `path` does not exist yet, in the
+    directory above it where it would be made): a clause naming that directory; None when it can. Writes
+    nothing: `access(2)` answers, and it refuses a read-only mount even to root."""
+    probe = Path(path).absolute()
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{probe} is not a directory"
+    if os.access(probe, os.W_OK | os.X_OK):
+        return None
+    if os.statvfs(probe).f_flag & os.ST_RDONLY:
+        return f"{probe} is on a read-only file system"
+    return f"{probe} is not writable by this user"
+
+
+def run_dir_unwritable(run_dir: str | Path, reason: str) -> UserError:
+    """The one line for a run directory this process cannot write (`reason` says why)."""
+    return UserError(
+        f"run_dir {Path(run_dir)} must be a writable directory (the run writes its lock, config, "
+        f"checkpoints and logs there): {reason}"
+    )
+
+
+def check_run_dir(run_dir: str | Path) -> None:
+    """UserError unless this process can write `run_dir` (or make it)."""
+    reason = unwritable_reason(run_dir)
+    if reason is not None:
+        raise run_dir_unwritable(run_dir, reason)

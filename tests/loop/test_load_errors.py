@@ -1,0 +1,218 @@
+"""Mistakes in the data and the config that the run met late (issue 50, items 4 and 7) are one line at load,
+before megatron-core is imported, naming the file and line or the key, and what was expected (exit 2).
+
+Before, on the tiny model of these tests (a context of 32 tokens):
+- a prompt longer than the context: the engine's HTTP 400 at step 1, 83 lines, exit 1;
+- `train.max_tokens_per_micro_batch` below one sample: a ValueError traceback at step 1, exit 1;
+- `model.op_backend=triton` without CUDA: a RuntimeError traceback at the first step, 62 lines, exit 1;
+- a run directory on a read-only mount: an `OSError` traceback, exit 1;
+- `rollout.local_device=cuda` without CUDA: exit 4, blaming the engine, the key unnamed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_tail.config import load_config
+from megatron_tail.train.run.run_dir_lock import claim_run_dir
+from megatron_tail.utils.errors import EXIT_USER_ERROR, UserError
+
+from .conftest import loop_overrides
+
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="the mistake is CUDA's absence")
+
+
+def _config(model_dir, prompt_file, run_dir, **extra):
+    return load_config(None, loop_overrides(model_dir, prompt_file, run_dir, extra))
+
+
+@pytest.fixture(scope="module")
+def long_prompts(tmp_path_factory):
+    """Line 3 holds a prompt of 32 tokens: with 5 new tokens, more than the tiny model's context of 32."""
+    path = tmp_path_factory.mktemp("long") / "long.jsonl"
+    rows = [{"prompt": "1+2=", "answer": "3"}, {"prompt": "1+2=" * 8, "answer": "3"}]
+    path.write_text(json.dumps(rows[0]) + "\n\n" + json.dumps(rows[1]) + "\n")
+    return path
+
+
+def _too_long(path) -> str:
+    return (
+        f"{path} line 3: the prompt is 32 tokens; with rollout.max_new_tokens=5 that is 37, more than the "
+        "model's context of 32 tokens (max_position_embeddings in "
+    )
+
+
+def test_a_prompt_longer_than_the_context_is_named_by_file_and_line(tiny_model_dir, long_prompts, tmp_path):
+    cfg = _config(tiny_model_dir, long_prompts, tmp_path / "run")
+    with pytest.raises(UserError) as caught:
+        cfg.check_inputs()
+    assert str(caught.value).startswith(_too_long(long_prompts))
+    assert str(caught.value).endswith(
+        "drop such prompts with data.max_prompt_tokens=27, or lower rollout.max_new_tokens"
+    )
+    # dropping them as the message says is a run that starts
+    _config(tiny_model_dir, long_prompts, tmp_path / "run", **{"data.max_prompt_tokens": 27}).check_inputs()
+
+
+def test_eval_prompts_are_checked_only_when_the_run_evaluates(
+    tiny_model_dir, prompt_file, long_prompts, tmp_path
+):
+    evaluated = {"data.eval_path": long_prompts, "train.eval_every": 1}
+    with pytest.raises(UserError, match=rf"^{long_prompts} line 3: the prompt is 32 tokens"):
+        _config(tiny_model_dir, prompt_file, tmp_path / "run", **evaluated).check_inputs()
+    _config(tiny_model_dir, prompt_file, tmp_path / "run", **{"data.eval_path": long_prompts}).check_inputs()
+
+
+def test_a_token_budget_below_the_longest_sample_is_refused_at_load(tiny_model_dir, prompt_file, tmp_path):
+    prompts = [json.loads(line)["prompt"] for line in prompt_file.read_text().splitlines()]
+    longest = max(prompts, key=len)  # the tiny model's tokenizer: one token per character
+    line = prompts.index(longest) + 1
+    cfg = _config(tiny_model_dir, prompt_file, tmp_path / "run", **{"train.max_tokens_per_micro_batch": 8})
+    with pytest.raises(UserError) as caught:
+        cfg.check_inputs()
+    assert str(caught.value) == (
+        f"train.max_tokens_per_micro_batch must hold the longest sample: the longest prompt ({len(longest)} "
+        f"tokens, {prompt_file} line {line}) + rollout.max_new_tokens=5 = {len(longest) + 5}; got 8"
+    )
+    # an episode ends at the model's context (32), however long its turns and observations could add up to
+    episodes = {"rollout.env": "calculator", "rollout.max_turns": 3, "algorithm.overlong_buffer": 0}
+    with pytest.raises(
+        UserError, match=r"\(max_turns − 1\) × max_observation_tokens\) = the model's context, 32; got 24$"
+    ):
+        _config(
+            tiny_model_dir,
+            prompt_file,
+            tmp_path / "run",
+            **episodes,
+            **{"train.max_tokens_per_micro_batch": 24},
+        ).check_inputs()
+    _config(tiny_model_dir, prompt_file, tmp_path / "run", **episodes).check_inputs()
+
+
+def test_the_prompts_are_read_once_per_process_and_again_when_the_file_changes(
+    tiny_model_dir, prompt_file, tmp_path
+):
+    """`check_inputs` reads them before megatron; the session in the same process takes the same objects."""
+    from megatron_tail.config.run_inputs import run_prompts
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(prompt_file.read_text())
+    cfg = _config(tiny_model_dir, data, tmp_path / "run")
+    first = run_prompts(cfg)
+    assert run_prompts(cfg) is first
+    data.write_text(prompt_file.read_text().splitlines(keepends=True)[0])
+    assert len(run_prompts(cfg).train) == 1
+
+
+@no_cuda
+def test_the_triton_op_without_cuda_is_refused_naming_the_key_and_the_interpreter_still_runs_it(
+    tiny_model_dir, prompt_file, tmp_path, monkeypatch
+):
+    cfg = _config(tiny_model_dir, prompt_file, tmp_path / "run", **{"model.op_backend": "triton"})
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(
+        UserError, match=r"^model.op_backend=triton needs CUDA tensors .* and this machine has no CUDA"
+    ):
+        cfg.check_inputs()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the kernels' tests on CPU
+    cfg.check_inputs()
+
+
+@no_cuda
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+def test_a_cuda_local_engine_without_cuda_is_refused_naming_the_key(
+    tiny_model_dir, prompt_file, tmp_path, device
+):
+    cfg = _config(tiny_model_dir, prompt_file, tmp_path / "run", **{"rollout.local_device": device})
+    with pytest.raises(UserError, match=rf"^rollout.local_device needs a CUDA device, .*; got '{device}'$"):
+        cfg.check_inputs()
+
+
+@pytest.fixture
+def read_only(tmp_path):
+    """A directory holding `locked/.lock` (a run directory used before), on a read-only mount (as root, whom
+    permissions do not stop) or without write permission."""
+    source = tmp_path / "source"
+    (source / "locked").mkdir(parents=True)
+    (source / "locked" / ".lock").write_text("{}")
+    if os.geteuid() != 0:
+        os.chmod(source / "locked", 0o555)
+        os.chmod(source, 0o555)
+        yield source
+        os.chmod(source, 0o755)
+        os.chmod(source / "locked", 0o755)
+        return
+    target = tmp_path / "ro"
+    target.mkdir()
+    mounted = subprocess.run(["mount", "--bind", str(source), str(target)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot bind-mount here: {mounted.stderr.decode().strip()}")
+    try:
+        subprocess.run(["mount", "-o", "remount,ro,bind", str(target)], check=True, capture_output=True)
+        yield target
+    finally:
+        subprocess.run(["umount", str(target)], check=True)
+
+
+@pytest.mark.parametrize("name", ["new", "locked"])
+def test_a_run_directory_that_cannot_be_written_is_named(tiny_model_dir, prompt_file, read_only, name):
+    run_dir = read_only / name
+    why = "read-only file system" if os.geteuid() == 0 else "not writable by this user"
+    expected = (
+        rf"^run_dir {run_dir} must be a writable directory \(the run writes its lock, config, checkpoints "
+        rf"and logs there\): {read_only if name == 'new' else run_dir} is (on a )?{why}$"
+    )
+    with pytest.raises(UserError, match=expected):
+        _config(tiny_model_dir, prompt_file, run_dir).check_inputs()
+    # the lock itself, for callers that skip `check_inputs`
+    with pytest.raises(
+        UserError, match=rf"^run_dir {run_dir} must be a writable directory .*: \S.*: {run_dir}"
+    ):
+        claim_run_dir(run_dir, resume=True)
+
+
+def _cli(tmp_path, overrides, env=None):
+    """`megatron-tail train` with a `megatron` package that fails to import: a refusal printed came first."""
+    fake = tmp_path / "fake" / "megatron"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text('raise ImportError("megatron-core was imported")\n')
+    config = tmp_path / "run.yaml"
+    config.write_text("seed: 7\n")
+    cmd = [sys.executable, "-m", "megatron_tail.cli", "train", str(config)]
+    for item in overrides:
+        cmd += ["--set", item]
+    env = {**(env or os.environ), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+    env["PYTHONPATH"] = os.pathsep.join([str(fake.parent), os.getcwd(), env.get("PYTHONPATH", "")])
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_the_command_line_refuses_a_long_prompt_in_one_line_before_megatron(
+    tiny_model_dir, long_prompts, tmp_path
+):
+    proc = _cli(tmp_path, loop_overrides(tiny_model_dir, long_prompts, tmp_path / "run"))
+    assert proc.returncode == EXIT_USER_ERROR, proc.stdout + proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if "Generating train split" not in line]
+    assert len(lines) == 1 and lines[0].startswith(
+        f"megatron-tail train: error: {_too_long(long_prompts)}"
+    ), lines
+
+
+@no_cuda
+def test_the_command_line_refuses_a_cuda_local_engine_with_exit_2_naming_the_key(
+    tiny_model_dir, prompt_file, tmp_path
+):
+    overrides = loop_overrides(
+        tiny_model_dir, prompt_file, tmp_path / "run", {"rollout.local_device": "cuda"}
+    )
+    proc = _cli(tmp_path, overrides)
+    assert proc.returncode == EXIT_USER_ERROR, proc.stdout + proc.stderr
+    assert proc.stderr.strip() == (
+        "megatron-tail train: error: rollout.local_device needs a CUDA device, and this machine has none "
+        "(torch.cuda.is_available() is false); use \"cpu\"; got 'cuda'"
+    )
