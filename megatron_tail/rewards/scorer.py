@@ -28,8 +28,10 @@ import multiprocessing
 import os
 import signal
 import threading
+import time
 import traceback
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from megatron_tail.rewards.registry import RewardFunctionError, compute_rewards, load_reward_fn
 from megatron_tail.utils.errors import UserError
@@ -42,8 +44,20 @@ class RewardTimeoutError(UserError):
     """The reward function did not score a batch within the time limit."""
 
 
+@dataclass(frozen=True)
+class Busy:
+    """What the worker is doing now, for wait reports: `what` (e.g. "a batch of 4 completions"), since
+    `since` (`time.monotonic()`)."""
+
+    what: str
+    since: float
+
+
 class RewardScorer:
     """`scorer(completions, answers) -> rewards` for the reward named `spec` (see `load_reward_fn`)."""
+
+    busy: Busy | None = None
+    """The request in the worker now (None when it is idle): a wait report names it."""
 
     def __init__(self, spec: str, timeout_s: float = DEFAULT_TIMEOUT_S):
         if not timeout_s > 0:
@@ -59,6 +73,7 @@ class RewardScorer:
         n = len(completions)
         return self._request(
             ("score", list(completions), list(answers)),
+            doing=f"a batch of {n} completions",
             timed_out=f"reward function {self.spec!r} did not score a batch of {n} completions",
             died=f"the reward worker scoring {self.spec!r} died",
             while_=f" while scoring a batch of {n} completions",
@@ -87,6 +102,7 @@ class RewardScorer:
             return None
         return self._request(
             ("call", handler, request),
+            doing=what,
             timed_out=f"{what} did not answer",
             died=f"the worker running {what} died",
             while_="",
@@ -94,11 +110,14 @@ class RewardScorer:
             timeout_error=timeout_error,
         )
 
-    def _request(self, message, *, timed_out: str, died: str, while_: str, error, timeout_error=None):
+    def _request(
+        self, message, *, doing: str, timed_out: str, died: str, while_: str, error, timeout_error=None
+    ):
         with self._lock:
             if self._worker is None:
                 self._worker = _Worker(self.spec)
             worker = self._worker
+            self.busy = Busy(doing, time.monotonic())
             try:
                 reply = worker.request(message, self.timeout_s)
             except TimeoutError:
@@ -112,6 +131,8 @@ class RewardScorer:
                 worker.kill()
                 self._worker = None
                 raise error(f"{died} (exit code {worker.exitcode}){while_}") from None
+            finally:
+                self.busy = None
         status, payload = reply
         if status == "user_error":
             raise error(payload)

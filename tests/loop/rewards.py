@@ -24,3 +24,11 @@ def always_zero(completion: str, answer: str) -> float:  # noqa: ARG001 - reward
 
 
 always_zero.reward_range = (0.0, 1.0)
+
+
+def hangs(completion: str, answer: str) -> float:  # noqa: ARG001 - reward signature
+    """Never returns (a reward stuck on a lock or a network call): the run names it after its time limit."""
+    import time
+
+    while True:
+        time.sleep(60)

@@ -26,6 +26,8 @@ def _engines(envs, in_flight=None):
         eval_client=SimpleNamespace(in_flight={}),
         urls=["http://e0:30000"],
         envs=envs,
+        score=SimpleNamespace(busy=None),
+        groups_to_score=0,
     )
 
 

@@ -88,6 +88,10 @@ def read_trained_prompts(root: str | Path) -> dict[int, list[int]]:
 class ManagedRollout:
     """The rollout-manager methods of `RolloutService`."""
 
+    groups_to_score: int = 0
+    """Finished groups waiting for the reward worker or being scored (on the engines' loop); a wait report
+    names them."""
+
     def start_manager(
         self, prompt_at: Callable[[int], object], version: int, state: dict | None, *, multiple: int = 1
     ) -> None:
@@ -187,10 +191,14 @@ class ManagedRollout:
             first_attempt=attempt * MAX_ENV_ATTEMPTS if environment else attempt,
         )
         elapsed = time.perf_counter() - started
-        async with score_lock:  # one reward worker: one batch at a time
-            rewards = await asyncio.to_thread(
-                self.score, [e.final_text for e in done], [example.answer] * len(done)
-            )
+        self.groups_to_score += 1
+        try:
+            async with score_lock:  # one reward worker: one batch at a time
+                rewards = await asyncio.to_thread(
+                    self.score, [e.final_text for e in done], [example.answer] * len(done)
+                )
+        finally:
+            self.groups_to_score -= 1
         return episodes_to_batch(
             done,
             rewards,

@@ -48,9 +48,10 @@ ENGINE_POLL_S = 0.5
 """While waiting for the engines, how often to check that the local engine process is still there: its
 requests cannot come back once it is gone, and the client would otherwise probe a dead port for a minute."""
 
-SLOW_ENV_CALL_S = 1.0
-"""An environment call running this long at a wait report is what the report names (tool calls take
-milliseconds to seconds; the engines' requests are named otherwise)."""
+SLOW_CALL_S = 1.0
+"""A reward batch or an environment call running this long at a wait report is what the report names (a
+batch scores and a tool call answers in milliseconds to seconds; the engines' requests are named
+otherwise)."""
 SIGNAL_CHECK_S = 0.2
 """The main thread, waiting for the rollout thread, returns to Python this often: a stop signal is
 acknowledged (and a second one acted on) within it."""
@@ -433,23 +434,22 @@ class RolloutService(ManagedRollout):
                 task.cancel()
 
     def _waiting_line(self, waiting_for: str, waited_s: float) -> str:
-        """What the trainer waits for: an environment call that has run `SLOW_ENV_CALL_S` or more (the
-        oldest, its worker and the limit that stops it), else the engines' requests in flight."""
+        """What the trainer waits for: the reward worker scoring a batch for `SLOW_CALL_S` or more, or an
+        environment call that has run that long (the oldest, its worker and the limit that stops it), else
+        the engines' requests in flight."""
         r = self.settings
         in_flight = {u: n for c in (self.client, self.eval_client) for u, n in c.in_flight.items() if n}
         where = ", ".join(f"{u}: {n}" for u, n in sorted(in_flight.items())) or ", ".join(self.urls)
-        busy = [] if self.envs is None else self.envs.busy()
         now = time.monotonic()
-        if busy and now - busy[0].since >= SLOW_ENV_CALL_S:
-            call, more = busy[0], len(busy) - 1
-            others = f"; {more} more environment call{'s' if more > 1 else ''} running" if more else ""
+        slow = [
+            c for c in (reward_clause(self.score, self.groups_to_score, now), env_clause(self.envs, now)) if c
+        ]
+        if slow:
             engines = (
                 f"{sum(in_flight.values())} engine requests in flight" if in_flight else "no engine requests"
             )
             return (
-                f"waiting for {waiting_for}: {waited_s:.0f} s so far; {call.what} has run "
-                f"{now - call.since:.0f} s in environment worker {call.worker}, stopped at "
-                f"{self.envs.timeout_name}={self.envs.timeout_s:g} s{others}; {engines}; "
+                f"waiting for {waiting_for}: {waited_s:.0f} s so far; {'; '.join(slow)}; {engines}; "
                 f"{self.reporting.stop_hint()}"
             )
         return (
@@ -485,3 +485,30 @@ class RolloutService(ManagedRollout):
                 self.envs.close()
             if self.engine is not None:
                 self.engine.stop()
+
+
+def reward_clause(score: RewardScorer, groups: int, now: float) -> str | None:
+    """The reward worker, when it has scored one batch (of `groups` finished groups, that one included)
+    for `SLOW_CALL_S` or more at `now`."""
+    busy = score.busy
+    if busy is None or now - busy.since < SLOW_CALL_S:
+        return None
+    more = f"; finished groups waiting for it: {groups - 1}" if groups > 1 else ""
+    return (
+        f"the reward worker has been scoring {busy.what} with {score.spec!r} for {now - busy.since:.0f} s, "
+        f"stopped at data.reward_timeout_s={score.timeout_s:g} s{more}"
+    )
+
+
+def env_clause(envs, now: float) -> str | None:
+    """The oldest environment call of `envs` (an `EnvWorkers`, or None), when it has run `SLOW_CALL_S` or
+    more at `now`: its worker and the limit that stops it."""
+    busy = [] if envs is None else envs.busy()
+    if not busy or now - busy[0].since < SLOW_CALL_S:
+        return None
+    call, more = busy[0], len(busy) - 1
+    others = f"; {more} more environment call{'s' if more > 1 else ''} running" if more else ""
+    return (
+        f"{call.what} has run {now - call.since:.0f} s in environment worker {call.worker}, stopped at "
+        f"{envs.timeout_name}={envs.timeout_s:g} s{others}"
+    )
