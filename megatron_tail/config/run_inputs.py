@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from megatron_tail.data.prompts import (
     PromptDataConfig,
@@ -25,8 +25,9 @@ from megatron_tail.data.prompts import (
     record_place,
 )
 
-if TYPE_CHECKING:
-    from megatron_tail.config.schema import RunConfig
+RunConfig = Any
+"""`config.schema.RunConfig`, not imported: schema's `check_inputs` imports this module (no cycle, not even
+for type checkers, as `tests/test_architecture.py` counts them)."""
 
 
 @dataclass(frozen=True)
