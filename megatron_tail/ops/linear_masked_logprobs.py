@@ -17,6 +17,28 @@ Passes over the blocks (each one matmul per block):
   hidden-state and weight gradients. The hidden gradient is then all-reduced over TP (what megatron's
   `copy_to_tensor_model_parallel_region` does before a `ColumnParallelLinear`), or reduce-scattered with
   sequence parallelism.
+
+Memory (both backends, the same discipline). The layer exists to hold less than `hidden @ weight.T` then
+the op, so besides its inputs it holds, at any time, one block of logits (`[rows, cols]` in the inputs'
+dtype, turned into dlogits in place), the PyTorch backend's float32 temporaries of that block, `[N]`
+per-token state, the hidden gradient (`[N, H]`; in float32 too while it is summed over vocabulary blocks),
+and the weight gradient: nothing else of the weight's size. Each block's dlogitsᵀ·hidden goes straight
+into the gradient (`matmul_accumulate.add_matmul_`): into megatron's float32 `main_grad` under
+gradient-accumulation fusion (on CUDA one cuBLAS `addmm` with `out_dtype=float32` per block), else into
+the returned gradient in the weight's dtype, `addmm` in place per token block (BLAS accumulates each
+product in float32; a bf16 gradient is rounded once per token block, 5–10 times at 8–16k tokens). A
+float32 accumulator of the returned gradient would be twice a bf16 weight again (on an H200 at
+8,192 × 4,096 @ 151,936: 7.58 GiB extra with it and a per-chunk product, 1.29 GiB for Liger's fused
+linear cross entropy; measured 2026-11-28, `research/op-kernels.md`), and exact float32 accumulation is
+what gradient-accumulation fusion is for.
+
+Under TP > 1 each rank holds `[V/TP, H]` rows and walks the same token chunks over its own columns. The
+MAX collective sits between the forward's two passes, so a chunk's logits are computed twice: pass 1 (GEMM,
+row max) over every chunk, the call's one MAX, pass 2 (GEMM again, partial sums) over every chunk, the one
+SUM. Nothing is reused across the collective: keeping every chunk's logits from pass 1 to pass 2 would be
+the materialized op's memory, and a chunk (0.5 GB on CUDA) is far larger than any L2, so its kernels read
+it from HBM right after its GEMM wrote it. At TP = 1 the forward is one pass (a block of the whole
+vocabulary holds the global max). The backward needs no collective before the hidden gradient's.
 """
 
 from __future__ import annotations
@@ -44,6 +66,7 @@ from .masked_logprobs import (
     triton_backward,
     valid_columns,
 )
+from .matmul_accumulate import add_matmul_
 from .safe_vocab import DEFAULT_LOG_RHO, check_log_rho, check_temperature, rule_dtype
 
 BLOCK_ELEMENTS = {"cpu": 1 << 18, "cuda": 1 << 24}
@@ -157,12 +180,14 @@ class _LinearMaskedLogprobsFunction(torch.autograd.Function):
                 partials[r] = block_sums(
                     x, max_logit[r], threshold[r], local_target[r], owned[r], r, vocab_start, num_valid
                 )
+                del x  # before the next block's GEMM allocates: one block alive, not two
         else:
             local_max = torch.full((n,), -math.inf, dtype=dtype, device=hidden2d.device)
             for r in spans(n, rows):
                 for c in spans(num_valid, cols):
                     x = hidden2d[r] @ w[c].t()
                     local_max[r] = torch.maximum(local_max[r], row_max(x))
+                    del x
             max_logit = global_max_logit(local_max, v_local, vocab_size, tp_group, tp_size)
             threshold = op_threshold(max_logit, log_rho, temperature)
             for c in spans(num_valid, cols):
@@ -175,6 +200,7 @@ class _LinearMaskedLogprobsFunction(torch.autograd.Function):
                     partials[r] += block_sums(
                         x, max_logit[r], threshold[r], local_target[r], owned[r], r, start, width
                     )
+                    del x
             if tp_size > 1:
                 dist.all_reduce(partials, op=dist.ReduceOp.SUM, group=tp_group)
         rows_with_support = in_support = None
@@ -208,99 +234,108 @@ class _LinearMaskedLogprobsFunction(torch.autograd.Function):
         bias, scale_h, target_add = chunk_math.grad_coefficients(
             log_norm, inv_t, grad_logprobs, grad_entropy, entropy
         )
-        support2d = rows_with_support = None
-        sparse_bias, sparse_scale_h = bias, scale_h
+        support = None
+        dense_bias, dense_scale_h = bias, scale_h
         if ctx.support is not None:
             support2d, forced, rows_with_support = ctx.support
-            bias, scale_h = support_math.dense_coefficients(rows_with_support, bias, scale_h)
+            support = (support2d, forced, rows_with_support)
+            dense_bias, dense_scale_h = support_math.dense_coefficients(rows_with_support, bias, scale_h)
+        rows_state = _RowState(
+            targets1d, max_logit, threshold, log_norm, inv_t, dense_bias, dense_scale_h, bias, scale_h,
+            target_add, support, ctx.vocab_start,
+        )  # fmt: skip
         num_valid, (rows, cols) = ctx.num_valid, ctx.block
         n = hidden2d.shape[0]
         w = weight[:num_valid]
-        # fp32 accumulators: the hidden gradient sums over vocabulary blocks, the weight's over token blocks
-        grad_hidden = torch.zeros(hidden2d.shape, dtype=rule_dtype(hidden2d.dtype), device=hidden2d.device)
-        grad_weight = None if settings.into_main_grad else torch.zeros_like(weight)
+        # A block of the whole vocabulary gives each token's hidden gradient whole, in the hidden states'
+        # dtype; narrower blocks sum it over vocabulary blocks in the compute dtype.
+        one_block = cols >= num_valid
+        hidden_dtype = hidden2d.dtype if one_block else rule_dtype(hidden2d.dtype)
+        grad_hidden = torch.zeros(hidden2d.shape, dtype=hidden_dtype, device=hidden2d.device)
+        # the gradient itself is the only [V, H] tensor (module docstring, "Memory")
+        grad_weight = weight.main_grad if settings.into_main_grad else torch.zeros_like(weight)
         for c in spans(num_valid, cols):
-            local_target, owned = chunk_math.target_columns(
-                targets1d, ctx.vocab_start + c.start, c.stop - c.start
-            )
-            w_grad = torch.zeros(
-                (c.stop - c.start, weight.shape[1]), dtype=grad_hidden.dtype, device=weight.device
-            )
             for r in spans(n, rows):
                 x = hidden2d[r] @ w[c].t()
-                sparse = None
-                if support2d is not None and settings.backend == "torch":  # read before x turns into dlogits
-                    ids = support_math.with_forced_target(support2d[r], targets1d[r], forced[r])
-                    sup_local, sup_owned = support_math.support_columns(
-                        ids, ctx.vocab_start + c.start, c.stop - c.start
-                    )
-                    sparse = (
-                        sup_local,
-                        support_math.support_grad_terms(
-                            x,
-                            sup_local,
-                            sup_owned,
-                            rows_with_support[r],
-                            max_logit[r],
-                            inv_t,
-                            log_norm[r],
-                            sparse_bias[r],
-                            None if sparse_scale_h is None else sparse_scale_h[r],
-                        ),
-                    )
-                if settings.backend == "triton":
-                    support = None
-                    if support2d is not None:
-                        start = ctx.vocab_start + c.start
-                        support = (support2d[r], targets1d[r], forced[r], rows_with_support[r], start)
-                    triton_backward(
-                        x,
-                        x,  # dlogits over the logits: the kernels read each tile before writing it
-                        dict(max_logit=max_logit[r], log_norm=log_norm[r], inv_temperature=inv_t),
-                        dict(
-                            threshold=threshold[r],
-                            bias=bias[r],
-                            scale_h=None if scale_h is None else scale_h[r],
-                        ),
-                        dict(
-                            local_target=local_target[r],
-                            owned=owned[r],
-                            bias=sparse_bias[r],
-                            scale_h=None if sparse_scale_h is None else sparse_scale_h[r],
-                            target_add=target_add[r],
-                            support=support,
-                            num_valid=c.stop - c.start,
-                        ),
-                    )
-                else:
-                    chunk_math.chunk_grad(
-                        x,
-                        x,  # dlogits over the logits: each block is read (upcast) before it is written
-                        out_holds_exp=False,
-                        max_logit=max_logit[r],
-                        threshold=threshold[r],
-                        inv_temperature=inv_t,
-                        log_norm=log_norm[r],
-                        local_target=local_target[r],
-                        owned=owned[r],
-                        bias=bias[r],
-                        scale_h=None if scale_h is None else scale_h[r],
-                        target_add=target_add[r],
-                    )
-                    if sparse is not None:
-                        support_math.add_at_columns_(x, *sparse)
-                grad_hidden[r] += (x @ w[c]).to(grad_hidden.dtype)
-                w_grad += (x.t() @ hidden2d[r]).to(w_grad.dtype)
-            if settings.into_main_grad:  # straight into the fp32 main_grad, as megatron's fusion does
-                weight.main_grad[c] += w_grad.to(weight.main_grad.dtype)
-            else:
-                grad_weight[c] = w_grad.to(weight.dtype)
+                _dlogits_(x, rows_state, r, c, settings.backend)
+                add_matmul_(grad_hidden[r], x, w[c])
+                add_matmul_(grad_weight[c], x.t(), hidden2d[r])
+                del x  # before the next block's GEMM allocates: one block alive, not two
         grad_hidden = grad_hidden.to(hidden2d.dtype)
         if settings.all_reduce_grad:
             dist.all_reduce(grad_hidden, group=settings.tp_group)
         if settings.into_main_grad:
             grad_weight = _dummy_weight_grad(weight)
         return grad_hidden, grad_weight, None, None, None
+
+
+class _RowState(NamedTuple):
+    """Per-token (`[N]`) state of the fused op's backward, shared by its blocks (`_dlogits_`)."""
+
+    targets: torch.Tensor
+    max_logit: torch.Tensor
+    threshold: torch.Tensor
+    log_norm: torch.Tensor
+    inv_t: float
+    dense_bias: torch.Tensor
+    """The dense coefficients: zero on rows with a sampling support (the support carries their p terms)."""
+    dense_scale_h: torch.Tensor | None
+    bias: torch.Tensor
+    """The coefficients of the support's (and the forced target's) own terms."""
+    scale_h: torch.Tensor | None
+    target_add: torch.Tensor
+    support: tuple | None
+    """None, or (support `[N, K]`, forced `[N]`, rows_with_support `[N]`)."""
+    vocab_start: int
+
+
+def _dlogits_(x: torch.Tensor, s: _RowState, r: slice, c: slice, backend: str) -> None:
+    """Turn one block of logits `x` (`[rows r, columns c]` of this shard's valid vocabulary) into
+    dloss/dlogits in place, with the materialized op's math (`masked_logprobs_math.chunk_grad`, or the
+    Triton backward)."""
+    start, width = s.vocab_start + c.start, c.stop - c.start
+    local_target, owned = chunk_math.target_columns(s.targets[r], start, width)
+    scale_h = None if s.scale_h is None else s.scale_h[r]
+    dense_scale_h = None if s.dense_scale_h is None else s.dense_scale_h[r]
+    if backend == "triton":
+        support = None
+        if s.support is not None:
+            support2d, forced, rows_with_support = s.support
+            support = (support2d[r], s.targets[r], forced[r], rows_with_support[r], start)
+        per_row = dict(max_logit=s.max_logit[r], log_norm=s.log_norm[r], inv_temperature=s.inv_t)
+        dense = dict(threshold=s.threshold[r], bias=s.dense_bias[r], scale_h=dense_scale_h)
+        sparse = dict(
+            local_target=local_target, owned=owned, bias=s.bias[r], scale_h=scale_h,
+            target_add=s.target_add[r], support=support, num_valid=width,
+        )  # fmt: skip
+        triton_backward(x, x, per_row, dense, sparse)  # x over itself: each tile is read before written
+        return
+    sparse = None
+    if s.support is not None:  # the support's logits, read before x turns into dlogits
+        support2d, forced, rows_with_support = s.support
+        ids = support_math.with_forced_target(support2d[r], s.targets[r], forced[r])
+        sup_local, sup_owned = support_math.support_columns(ids, start, width)
+        terms = support_math.support_grad_terms(
+            x, sup_local, sup_owned, rows_with_support[r], s.max_logit[r], s.inv_t, s.log_norm[r],
+            s.bias[r], scale_h,
+        )  # fmt: skip
+        sparse = (sup_local, terms)
+    chunk_math.chunk_grad(
+        x,
+        x,  # dlogits over the logits: each block is read (upcast) before it is written
+        out_holds_exp=False,
+        max_logit=s.max_logit[r],
+        threshold=s.threshold[r],
+        inv_temperature=s.inv_t,
+        log_norm=s.log_norm[r],
+        local_target=local_target,
+        owned=owned,
+        bias=s.dense_bias[r],
+        scale_h=dense_scale_h,
+        target_add=s.target_add[r],
+    )
+    if sparse is not None:
+        support_math.add_at_columns_(x, *sparse)
 
 
 def _dummy_weight_grad(weight: torch.Tensor) -> torch.Tensor | None:

@@ -68,12 +68,14 @@ def test_a_sampling_support_in_the_fused_triton_op():
     torch.testing.assert_close(w.grad.double(), wr.grad, rtol=2e-5, atol=2e-5)
 
 
-def _sharded_rank(rank, world, dtype, sequence_parallel):
+def _sharded_rank(rank, world, dtype, sequence_parallel, fusion=False):
     s, b, vocab_size, padded = 6, 2, 61, 64
     hidden, weight, targets, grads = problem(s * b, vocab_size, padded, dtype, seed=5)
     hidden, targets, grads = hidden.view(s, b, H), targets.view(s, b), grads.view(2, s, b)
     v_local = padded // world
-    w = weight[rank * v_local : (rank + 1) * v_local].clone().requires_grad_()
+    w = torch.nn.Parameter(weight[rank * v_local : (rank + 1) * v_local].clone())
+    if fusion:  # megatron's float32 main_grad, holding an earlier micro-batch's gradient
+        w.main_grad = torch.full(w.shape, 0.5, dtype=torch.float32)
     h = (hidden.chunk(world, dim=0)[rank] if sequence_parallel else hidden).clone().requires_grad_()
     calls = []
     real = dist.all_reduce
@@ -86,20 +88,23 @@ def _sharded_rank(rank, world, dtype, sequence_parallel):
     try:
         out = vocab_parallel_linear_masked_logprobs(
             h, w, targets, log_rho=-4.0, temperature=0.9, vocab_size=vocab_size, tp_group=dist.group.WORLD,
-            sequence_parallel=sequence_parallel, backend="triton",
+            sequence_parallel=sequence_parallel, gradient_accumulation_fusion=fusion, backend="triton",
         )  # fmt: skip
         forward = len(calls)
         backward_of(as_dict(out), grads).backward()
     finally:
         dist.all_reduce = real
-    return as_dict(out) | {"h_grad": h.grad, "w_grad": w.grad, "reduces": (forward, len(calls) - forward)}
+    w_grad = w.main_grad - 0.5 if fusion else w.grad
+    return as_dict(out) | {"h_grad": h.grad, "w_grad": w_grad, "reduces": (forward, len(calls) - forward)}
 
 
 @pytest.mark.parametrize(
-    ("dtype", "sequence_parallel"), [(torch.float32, False), (torch.bfloat16, True)], ids=["tp2", "tp2-sp"]
+    ("dtype", "sequence_parallel", "fusion"),
+    [(torch.float32, False, False), (torch.bfloat16, True, False), (torch.bfloat16, True, True)],
+    ids=["tp2", "tp2-sp", "tp2-sp-main_grad"],
 )
-def test_tp2_with_and_without_sequence_parallelism_equals_the_reference(dtype, sequence_parallel):
-    results = run_distributed(_sharded_rank, 2, dtype, sequence_parallel)
+def test_tp2_with_and_without_sequence_parallelism_equals_the_reference(dtype, sequence_parallel, fusion):
+    results = run_distributed(_sharded_rank, 2, dtype, sequence_parallel, fusion)
     s, b, vocab_size, padded = 6, 2, 61, 64
     hidden, weight, targets, grads = problem(s * b, vocab_size, padded, dtype, seed=5)
     ref, h_ref, w_ref = reference(hidden, weight, targets, vocab_size, -4.0, 0.9)
