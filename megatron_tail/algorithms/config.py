@@ -206,6 +206,16 @@ class AlgorithmConfig:
         """log_rho is "auto" (`algorithms/adaptive_rho.py`)."""
         return self.log_rho == AUTO
 
+    @property
+    def dvp(self) -> bool:
+        """Is DVP on: `log_rho` prunes (a number above −inf, or "auto"); None or −inf: no pruning."""
+        return self.log_rho is not None and self.log_rho != float("-inf")
+
+    def sampling_log_rho(self, temperature: float) -> float | None:
+        """The rule's log ρ at sampling `temperature` (`rule_log_rho`) that the trainer prunes with and the
+        engines send with every request; None without DVP (`dvp`)."""
+        return self.rule_log_rho(temperature) if self.dvp else None
+
     def rule_log_rho(self, temperature: float) -> float | None:
         """The log ρ that the op and the rollout processor apply at sampling temperature `temperature`
         (`megatron_tail.ops.safe_vocab.rule_log_rho`)."""

@@ -320,7 +320,7 @@ class RunConfig:
                 "must be 0 with rollout.env (the overlong penalty is for single-turn lengths)",
             )
         self._check_token_budget()
-        dvp = self.algorithm.log_rho is not None and self.algorithm.log_rho != float("-inf")
+        dvp = self.algorithm.dvp
         if self.rollout.deterministic and self.rollout.truncates and (dvp or self.rollout.min_p > 0):
             _bad(
                 "rollout",

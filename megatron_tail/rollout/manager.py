@@ -378,6 +378,14 @@ class RolloutManager:
             "attempts": [[index, n] for index, n in sorted(attempts.items())],
         }
 
+    @staticmethod
+    def start_state(next_index: int, version: int) -> dict:
+        """The state (`load_state_dict`) of a manager that starts at prompt-stream position `next_index` and
+        weight `version`, with nothing queued, admitted, wasted or buffered (a run whose checkpoint predates
+        the manager continues the stream there)."""
+        return {"next_index": next_index, "queued": [], "admitted": 0, "wasted": 0, "base_version": version,
+                "buffer": []}  # fmt: skip
+
     def load_state_dict(self, state: dict) -> None:
         """Before `start`."""
         self.next_index = int(state["next_index"])

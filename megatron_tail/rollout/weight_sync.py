@@ -55,7 +55,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Protocol
 
 import aiohttp
@@ -78,6 +80,41 @@ class WeightSync(Protocol):
     weight_version: str
 
     async def update(self, source: Any, weight_version: str | None = None) -> str: ...
+
+
+class WeightSource(Protocol):
+    """The weights a sync sends, in the form `rollout.weight_sync` picks (`RolloutService.sync_weights`):
+    `export(directory)` writes them as a HF checkpoint and returns the directory the engines load (disk
+    sync); `tensors()` yields `(hf_name, tensor)` pairs (in-memory sync). A trainer's weights are gathered
+    across its ranks, so every rank takes part in the call rank 0 makes (`train.run.rank_weights`)."""
+
+    def export(self, directory: Path) -> Path: ...
+
+    def tensors(self) -> Iterable[tuple[str, torch.Tensor]]: ...
+
+
+@dataclass(frozen=True)
+class HFDirectory:
+    """Weights already exported as a HF checkpoint at `path` (an offline evaluation's model): a disk sync
+    loads them from there."""
+
+    path: Path
+
+    def export(self, directory: Path) -> Path:  # noqa: ARG002 - exported already
+        return self.path
+
+    def tensors(self) -> Iterable[tuple[str, torch.Tensor]]:
+        raise ValueError(f"{self.path} is a HF checkpoint on disk: load it with rollout.weight_sync=disk")
+
+
+@dataclass(frozen=True)
+class SyncTimes:
+    """Seconds of one `RolloutService.sync_weights`: `drain_s` waiting for the groups in flight to finish
+    first (without partial rollouts), `sync_s` exporting (disk) or gathering and sending the weights and the
+    engines loading them."""
+
+    drain_s: float
+    sync_s: float
 
 
 class WeightSyncError(OutsideFailure):

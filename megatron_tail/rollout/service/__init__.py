@@ -3,7 +3,7 @@
     service = RolloutService(cfg.rollout, plan, tokenizer)   # plan: `RolloutPlan`, the run's decisions
     service.wait_ready(); service.start_manager(prompt_at, version, state)
     batch = service.next_batch(step)                          # a `RolloutBatch`, scored
-    service.sync_weights(source, version); service.evaluate(prompts, answers); service.close()
+    service.sync_weights(weights, version); service.evaluate(prompts, answers); service.close()
 
 `service.py` owns the engines, clients, reward scorer, environments and weight sync; `managed.py` the rollout
 manager's units of work; `episodes.py` multi-turn episodes; `failures.py` what an engine's failure is

@@ -238,7 +238,7 @@ class ManagedRollout:
         if self.manager is not None and not self.settings.partial_rollouts:
             self._run(self.manager.drain(), "the groups in flight to finish before the weight update")
 
-    def after_weight_update(self, version: int) -> None:
+    def after_weight_update(self, version: int | str) -> None:
         if self.manager is not None:
             self._run(self._call(self.manager.set_version, version))
 

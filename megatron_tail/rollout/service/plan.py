@@ -1,14 +1,15 @@
 """What a run decides for its rollout service, beyond the `rollout:` settings (`rollout.settings`): the model,
 group size and groups per step, seeds, the reward, the DVP ρ, the model's vocabulary, context and MoE routes'
 shape, where the trained prompts are logged, and how the service reports waits. The trainer's run layer
-builds it (`train.run.rollout_plan`); tests build one directly.
+builds it in one function (`train.run.rollout_plan.plan_from`), tests too: every field is required, so a
+plan states each decision instead of inheriting a default that disagrees with the run's.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -16,16 +17,16 @@ def _no_stop_hint() -> str:
     return "send SIGTERM twice to stop now"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RewardPlan:
     """The reward every sample is scored with (`rewards.scorer.RewardScorer`, in a worker process)."""
 
-    name: str = "arithmetic"
+    name: str
     """`data.reward`: a built-in reward's name or "package.module:function"."""
-    timeout_s: float = 60.0
+    timeout_s: float
     """`data.reward_timeout_s`: per batch; with an environment, its calls' limit too unless
     `rollout.env_timeout_s` is set."""
-    correct_reward: float = 1.0
+    correct_reward: float
     """`data.correct_reward`: a sample is correct when its reward is at least this."""
 
 
@@ -42,7 +43,7 @@ class Reporting:
     """How to stop now, for a line that reports a long wait (`train.run.signals.stop_hint`)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RolloutPlan:
     """The run's decisions the rollout service follows (the settings are `RolloutSection`'s)."""
 
@@ -61,20 +62,23 @@ class RolloutPlan:
     log_rho: float | None
     """DVP's log ρ the engines prune with at the start (the trainer's rule at the rollout temperature,
     `AlgorithmConfig.rule_log_rho`); None: no DVP. `RolloutService.set_log_rho` changes it (log ρ auto)."""
-    reward: RewardPlan = field(default_factory=RewardPlan)
-    routes_shape: tuple[int, int] | None = None
+    reward: RewardPlan
+    routes_shape: tuple[int, int] | None
     """MoE: `(num_hidden_layers, top_k)` of the routes the engines return (routing replay), else None."""
-    filter_zero_variance_groups: bool = False
+    filter_zero_variance_groups: bool
     """Dynamic sampling: drop groups whose rewards are all equal (DAPO)."""
-    max_sampling_rounds: int = 1
+    max_sampling_rounds: int
     """Dynamic sampling: at most this many × `groups_per_step` groups filtered per batch."""
-    total_steps: int = 1
+    total_steps: int
     """Training steps of the run: the manager generates no group past the last step's."""
-    eval_samples_per_prompt: int = 1
+    eval_samples_per_prompt: int
     """Sampled evaluation: n samples per prompt (pass@k, mean@n)."""
-    run_dir: Path | None = None
+    run_dir: Path | None
     """Where `logs/local_engine.log` and `logs/trained_prompts.jsonl` go (None: nowhere, tests)."""
-    reporting: Reporting = field(default_factory=Reporting)
+    weight_sync_dir: Path
+    """Disk weight sync: where the trainer's weights are exported for the engines to load
+    (`rollout.weight_sync_dir`, else `<run_dir>/rollout_weights`)."""
+    reporting: Reporting
 
     @property
     def local_engine_log(self) -> Path:

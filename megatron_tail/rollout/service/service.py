@@ -30,7 +30,7 @@ from ..manager import RolloutManager
 from ..processor import DVPLogitProcessor
 from ..protocol import MissingRoutesError, SamplingConfig
 from ..settings import RolloutSection
-from ..weight_sync import DiskWeightSync, DistributedWeightSync
+from ..weight_sync import DiskWeightSync, DistributedWeightSync, SyncTimes, WeightSource
 from .failures import (
     EngineFailure,
     classify,
@@ -266,17 +266,27 @@ class RolloutService(ManagedRollout):
         rewards = self.score([e.final_text for e in episodes], [a for a in answers for _ in range(n)])
         return [r + e.env_reward for r, e in zip(rewards, episodes, strict=True)], failures
 
-    def sync_weights(self, source, version: int | str) -> float:
-        """Load new weights on every engine as `weight_version=str(version)`: `source` is an exported HF
-        checkpoint directory ("disk" sync) or `(hf_name, tensor)` pairs, e.g. rank 0's side of
-        `model.iter_hf_tensors` ("distributed"). Returns seconds."""
+    def sync_weights(self, weights: WeightSource, version: int | str) -> SyncTimes:
+        """Every engine loads `weights` as `weight_version=str(version)`, and the rollout manager admits the
+        groups from now on at `version`. First, without partial rollouts, the groups in flight finish under
+        the weights they began with (`drain_s`); then `rollout.weight_sync` decides the form: "disk",
+        `weights.export(plan.weight_sync_dir)` and the engines load that directory; "distributed",
+        `weights.tensors()` streamed to them in memory (`sync_s`)."""
+        draining = time.perf_counter()
+        self.before_weight_update()
         started = time.perf_counter()
+        if self.in_memory_sync:
+            source = weights.tensors()
+        else:
+            source = weights.export(self.plan.weight_sync_dir)
         self._run(
             self.weight_sync.update(source, weight_version=str(version)),
             f"weight sync to version {version}",
             limit="sync_timeout_s" if self.in_memory_sync else "request_timeout_s",
         )
-        return time.perf_counter() - started
+        sync_s = time.perf_counter() - started
+        self.after_weight_update(version)
+        return SyncTimes(drain_s=started - draining, sync_s=sync_s)
 
     def _weight_sync(self, local: bool):
         """`rollout.weight_sync`: disk, or in memory over a process group with the engines (tensors cast to

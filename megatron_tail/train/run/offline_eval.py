@@ -84,6 +84,7 @@ def export_checkpoint(cfg: RunConfig, checkpoint: Path) -> Path:
 
 def _evaluate(cfg: RunConfig, model_dir: Path, out: Path) -> dict[str, float]:
     from megatron_tail.model.directory import check_model_dir
+    from megatron_tail.rollout.weight_sync import HFDirectory
 
     from .rollout_plan import start_rollout
     from .session import load_eval_examples, load_tokenizer
@@ -95,7 +96,7 @@ def _evaluate(cfg: RunConfig, model_dir: Path, out: Path) -> dict[str, float]:
     try:
         engines.wait_ready()
         if cfg.rollout.engine != "local":
-            engines.sync_weights(model_dir, EVAL_WEIGHT_VERSION)
+            engines.sync_weights(HFDirectory(model_dir), EVAL_WEIGHT_VERSION)
         return engines.evaluate([e.prompt_ids for e in examples], [e.answer for e in examples])
     finally:
         engines.close()

@@ -6,6 +6,8 @@ the release after 0.2.0.
 
 from __future__ import annotations
 
+from megatron_tail.rollout.manager import RolloutManager
+
 
 def stepwise_cursor(batches, steps: int) -> int:
     """The position in the prompt stream (`data.PromptStream`) right after the prompts of the first `steps`
@@ -30,5 +32,4 @@ def manager_start_state(
     cursor = data_cursor or stepwise_cursor(batches, stepwise_steps)
     if not cursor:
         return None
-    return {"next_index": cursor, "queued": [], "admitted": 0, "wasted": 0, "base_version": version,
-            "buffer": []}  # fmt: skip
+    return RolloutManager.start_state(cursor, version)

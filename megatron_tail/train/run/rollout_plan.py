@@ -40,10 +40,11 @@ def plan_from(
 ) -> RolloutPlan:
     """The plan of `cfg` for a model of `vocab_size` tokens and `context_length` positions: group size and
     groups per step, seeds, the reward, DVP's log ρ at the rollout temperature (None without DVP), the
-    routes' shape (MoE), the run directory (`run_dir`, None: `cfg.run_dir`); wait reports go to `note` and
-    name the stop signals (`signals`)."""
+    routes' shape (MoE), the run directory (`run_dir`, None: `cfg.run_dir`) and the disk weight sync's
+    export directory in it; wait reports go to `note` and name the stop signals (`signals`). The one place
+    the run's config becomes the service's: every field of the plan is required."""
     a, d = cfg.algorithm, cfg.data
-    dvp = a.log_rho is not None and a.log_rho != float("-inf")
+    run_dir = Path(run_dir if run_dir is not None else cfg.run_dir)
     return RolloutPlan(
         model_path=cfg.model.hf_path,
         vocab_size=vocab_size,
@@ -51,14 +52,15 @@ def plan_from(
         group_size=a.group_size,
         groups_per_step=d.prompts_per_step,
         seed=cfg.seed,
-        log_rho=a.rule_log_rho(cfg.rollout.temperature) if dvp else None,
-        reward=RewardPlan(d.reward, timeout_s=d.reward_timeout_s, correct_reward=d.correct_reward),
+        log_rho=a.sampling_log_rho(cfg.rollout.temperature),
+        reward=RewardPlan(name=d.reward, timeout_s=d.reward_timeout_s, correct_reward=d.correct_reward),
         routes_shape=routes_shape,
         filter_zero_variance_groups=d.filter_zero_variance_groups,
         max_sampling_rounds=d.max_sampling_rounds,
         total_steps=cfg.train.steps,
         eval_samples_per_prompt=cfg.train.eval_samples_per_prompt,
-        run_dir=Path(run_dir if run_dir is not None else cfg.run_dir),
+        run_dir=run_dir,
+        weight_sync_dir=Path(cfg.rollout.weight_sync_dir or run_dir / "rollout_weights"),
         reporting=Reporting(note=note, waiting=signals.waiting, stop_hint=signals.stop_hint),
     )
 

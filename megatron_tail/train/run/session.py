@@ -156,10 +156,7 @@ class RunSession:
         """The rule's log ρ of the step about to run (`AlgorithmConfig.rule_log_rho`), which the trainer
         prunes with and the engines send with every request from now on (`RolloutService.sampling_log_rho`,
         the same `cfg`); None without DVP."""
-        a = self.cfg.algorithm
-        if a.log_rho is None or a.log_rho == float("-inf"):
-            return None
-        return a.rule_log_rho(self.cfg.rollout.temperature)
+        return self.cfg.algorithm.sampling_log_rho(self.cfg.rollout.temperature)
 
     def adapt_log_rho(self, metrics: dict[str, float]) -> None:
         """`algorithm.log_rho: auto`: log `dvp/log_rho` (this step's) into `metrics` and set the next step's
@@ -250,49 +247,24 @@ class RunSession:
         return batch
 
     def sync_weights(self, version: int) -> float:
-        """Export the trainer's weights as a HF checkpoint and load it on every engine, or with
-        `rollout.weight_sync: distributed` stream them to the engines in memory. Returns seconds; the wait
-        for the groups in flight to finish first (without partial rollouts) is not in them: `drain_s`."""
-        from megatron_tail.model import export_hf
+        """The engines load the trainer's weights as `version`: rank 0's rollout service runs the sync
+        (`RolloutService.sync_weights` decides how: the drain first, disk or in memory, the version after),
+        every rank takes part in the gathers it asks for (`rank_weights.RankWeights`). Returns seconds; the
+        wait for the groups in flight to finish first (without partial rollouts) is not in them: `drain_s`."""
+        from .rank_weights import RankWeights
 
-        # without partial rollouts: the groups in flight finish under their weights first (the trainer waits
-        # for the rollout: `drain_s`)
-        draining = time.perf_counter()
-        on_rank0(lambda: self.engines.before_weight_update(), wait_group=self._wait)
-        self.drain_s = time.perf_counter() - draining
-        if self.cfg.rollout.weight_sync == "distributed":
-            seconds = self._stream_weights(version)
+        weights = RankWeights(self.trainer, self.cfg.model.hf_path, self._wait)
+        if self.rank != 0:
+            times = weights.follow(version)
         else:
-            started = time.perf_counter()
-            out = Path(self.cfg.rollout.weight_sync_dir or self.run_dir / "rollout_weights")
-            export_hf(self.trainer.chunks, out, self.trainer.arch, copy_files_from=self.cfg.model.hf_path)
-            on_rank0(lambda: self.engines.sync_weights(out, version), wait_group=self._wait)
-            seconds = time.perf_counter() - started
-        on_rank0(lambda: self.engines.after_weight_update(version), wait_group=self._wait)
-        return seconds
-
-    def _stream_weights(self, version: int) -> float:
-        """Every rank takes part in gathering the HF tensors (TP gathers, PP sends to rank 0); rank 0 streams
-        them to the engines as they come. If rank 0's side fails (a dead or hung engine: the weight group's
-        `rollout.sync_timeout_s`), it still drains the gather so no rank waits forever, then every rank
-        raises `WeightSyncError` (an outside failure; rank 0 prints it), or a bug's own error on rank 0."""
-        from megatron_tail.model import iter_hf_tensors
-
-        from ..engine.collectives import any_rank
-
-        started = time.perf_counter()
-        tensors = iter_hf_tensors(self.trainer.chunks, self.trainer.arch)
-        error: BaseException | None = None
-        if self.rank == 0:
+            times, error = None, None
             try:
-                self.engines.sync_weights(tensors, version)
+                times = self.engines.sync_weights(weights, version)
             except Exception as e:
                 error = e
-        for _ in tensors:  # rank ≠ 0: the whole gather; rank 0: what a failure left undone
-            pass
-        if any_rank(error is not None):
-            raise _sync_failure(error, version)
-        return time.perf_counter() - started
+            times = weights.finish(times, error, version)
+        self.drain_s = times.drain_s
+        return times.sync_s
 
     def evaluate(self) -> dict[str, float]:
         """Sampled and greedy accuracy on the eval prompts (rank 0 asks the engines; every rank gets it)."""
@@ -340,23 +312,6 @@ class RunSession:
         """The groups a batch cut short by dynamic sampling is a multiple of (`group_multiple`)."""
         cfg = self.cfg
         return group_multiple(cfg.algorithm.group_size, cfg.train.mini_batches, self.trainer.groups.dp_size)
-
-
-def _sync_failure(error: Exception | None, version: int) -> Exception:
-    """What each rank raises after a failed in-memory weight sync, given its own error (rank 0's, or None).
-    Collective. A bug on rank 0: its own error (with its traceback), a RuntimeError elsewhere; else a
-    `WeightSyncError` (an outside failure), which rank 0 prints now, before the other ranks exit."""
-    from megatron_tail.rollout.weight_sync import WeightSyncError
-    from megatron_tail.utils.errors import OutsideFailure, announce
-
-    from ..engine.collectives import any_rank
-
-    if any_rank(error is not None and not isinstance(error, OutsideFailure)):
-        return error or RuntimeError(f"in-memory weight sync to version {version}: global rank 0 failed")
-    why = error or "see global rank 0"
-    failure = WeightSyncError(f"in-memory weight sync to version {version} failed: {why}")
-    announce(failure)
-    return failure
 
 
 def newest_intact_checkpoint(root: Path, note) -> Path | None:
