@@ -5,12 +5,12 @@
 #   scripts/gpu_check.sh --dry-run                       what it would run and which wheels it needs; exit 0
 #   scripts/gpu_check.sh --download [--python-version V] pip download the wheels into DIR (needs the registry)
 #
-# The node brings Python >= 3.11, PyTorch >= 2.11 built with CUDA, transformers, safetensors and tensorboard.
-# megatron-core 0.16.1 and the few packages the tests import beyond those travel as wheels (the list and the
-# reasons: tests/gpu/node.py); the ones the node lacks are installed with `pip install --no-index --no-deps`
-# into .gpu_check/site, which goes on PYTHONPATH with the checkout: nothing resolves packages, nothing
-# reaches the network, the node's environment is left as it was. Environment: MT_PYTHON (default python3),
-# MT_GPU_WHEELS (default wheels/gpu_check), MT_GPU_LIMIT_S (default 450: pytest's share of the 8 minutes).
+# The node brings Python >= 3.11, PyTorch >= 2.11 built with CUDA, transformers, safetensors, tensorboard,
+# pandas and pyarrow. megatron-core 0.16.1, datasets and the few packages the tests import beyond those
+# travel as wheels (list and reasons: tests/gpu/node.py); the ones the node lacks are installed with `pip
+# install --no-index --no-deps` into .gpu_check/site, on PYTHONPATH with the checkout: nothing resolves
+# packages or reaches the network, the node's environment is left as it was. Environment: MT_PYTHON
+# (python3), MT_GPU_WHEELS (wheels/gpu_check), MT_GPU_LIMIT_S (450: pytest's share of the 8 minutes).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -29,7 +29,7 @@ while [[ $# -gt 0 ]]; do
         --platform) DOWNLOAD_ARGS+=(--platform "$2"); shift ;;
         --wheels) WHEELS="$2"; shift ;;
         --limit-s) LIMIT_S="$2"; shift ;;
-        -h|--help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "gpu_check: unknown argument '$1' (see --help)" >&2; exit 2 ;;
     esac
     shift
@@ -63,7 +63,7 @@ PATCHES_LINK="megatron_tail/patches"
 echo "== megatron_tail GPU check ($ROOT)"
 if [[ "$MODE" == dry ]]; then
     echo "-- dry run: nothing is installed or run"
-    "$PY" tests/gpu/node.py check "$WHEELS" || true
+    "$PY" tests/gpu/node.py check "$WHEELS" --site "$WORK/site" || true
     [[ -e "$PATCHES_LINK" ]] || echo "Would link $PATCHES_LINK -> ../patches (what an install maps; git-ignored)"
     echo "Tests it would run (pytest -m gpu tests/gpu, limit ${LIMIT_S} s):"
     list_tests "$ROOT"
@@ -71,7 +71,7 @@ if [[ "$MODE" == dry ]]; then
     exit 0
 fi
 
-if ! "$PY" tests/gpu/node.py check "$WHEELS"; then
+if ! "$PY" tests/gpu/node.py check "$WHEELS" --site "$WORK/site"; then
     echo "gpu_check: the node is not ready (see above); nothing was run" >&2
     exit 2
 fi

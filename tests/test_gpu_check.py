@@ -4,10 +4,12 @@ and table of the real run report them so. (The GPU run itself: README, "Checking
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -84,3 +86,65 @@ def test_gpu_tests_are_skipped_with_a_reason_and_the_table_says_so(gpu_test_ids)
         assert t["outcome"] == "skipped" and t["reason"].startswith("needs a CUDA GPU; this host has none"), t
     text, ok = render(data)
     assert ok and f"{len(ids)} skipped" in text and "needs a CUDA GPU" in text
+
+
+def _wheel(folder: Path, dist: str, version: str, requires: list[str]) -> Path:
+    """A wheel file holding only its METADATA, with `requires` as Requires-Dist lines."""
+    path = folder / f"{dist}-{version}-py3-none-any.whl"
+    lines = [
+        f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n",
+        *(f"Requires-Dist: {r}\n" for r in requires),
+    ]
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr(f"{dist}-{version}.dist-info/METADATA", "".join(lines))
+    return path
+
+
+@pytest.mark.parametrize("node_versions", ["the 2026-11-28 node", "an older node"])
+def test_the_node_check_holds_the_carried_wheels_to_their_own_requirements(
+    tmp_path, monkeypatch, capsys, node_versions
+):
+    """`--no-deps` installs a wheel as it is, so the check reads each one's Requires-Dist (datasets 5.2.0's
+    own, from this environment's metadata) against the node and the other carried wheels: the H200 node of
+    2026-11-28 (pyarrow 25.0.1, fsspec 2026.7.0, huggingface_hub 1.33.0) meets datasets'; one with an older
+    pyarrow and huggingface_hub, and no pandas, is told so, by name, before anything runs."""
+    versions = {"pyarrow": "25.0.1", "fsspec": "2026.7.0", "huggingface-hub": "1.33.0", "pandas": "2.2.3"}
+    if node_versions == "an older node":
+        versions = {"pyarrow": "19.0.1", "fsspec": "2026.7.0", "huggingface-hub": "0.35.3"}
+    versions |= {
+        "numpy": "2.1.0",
+        "tqdm": "4.67.1",
+        "pyyaml": "6.0.2",
+        "filelock": "3.16.1",
+        "packaging": "26.3",
+    }
+    monkeypatch.setattr(node, "installed", lambda dist: versions.get(dist.lower().replace("_", "-")))
+    datasets = next(w for w in node.WHEELS if w.dist == "datasets")
+    _wheel(tmp_path, "datasets", datasets.version, importlib.metadata.requires("datasets"))
+    for wheel in node.WHEELS:
+        if wheel.dist != "datasets":
+            _wheel(tmp_path, wheel.dist, wheel.version, [])
+    unmet = node.unmet_requirements(tmp_path)
+    if node_versions == "the 2026-11-28 node":
+        assert unmet == []
+        return
+    assert sorted(unmet) == [
+        "  datasets==5.2.0 needs huggingface-hub<3.0,>=1.31.0; the node has 0.35.3",
+        "  datasets==5.2.0 needs pandas; the node has none",
+        "  datasets==5.2.0 needs pyarrow>=24.0.0; the node has 19.0.1",
+    ]
+    assert node.check(tmp_path) is False
+    assert "what to do when the node's packages are older" in capsys.readouterr().out
+
+
+def test_an_expected_failure_is_its_own_outcome_in_the_table():
+    data = {
+        "tests": [
+            {"test": "tests/gpu/test_a.py::test_x", "outcome": "passed", "seconds": 1.0, "reason": "",
+             "rows": []},
+            {"test": "tests/gpu/test_a.py::test_y", "outcome": "xfailed", "seconds": 2.0,
+             "reason": "known failure: issue 51: ...", "rows": []},
+        ]
+    }  # fmt: skip
+    text, ok = render(data)
+    assert ok and "1 passed, 1 xfailed" in text and "known failure: issue 51" in text

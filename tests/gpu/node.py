@@ -4,21 +4,28 @@
     python tests/gpu/node.py install WHEELS_DIR DIR  # the needed wheels into DIR, --no-index --no-deps
     python tests/gpu/node.py download WHEELS_DIR [--python-version 3.12]  # where the registry is reachable
 
-Expected on the node (not installed by us: they decide the CUDA stack): Python ≥ 3.11, PyTorch ≥ 2.11 built
-with CUDA (any CUDA 12/13 build), transformers, safetensors, tensorboard (and what they pull in: numpy,
-pyyaml, tqdm). Everything else the GPU tests import travels as a wheel in WHEELS_DIR and is installed with
-`pip install --no-index --no-deps` into a folder of the checkout that goes on PYTHONPATH, only where the
-node lacks it: nothing is resolved, nothing reaches the network, nothing of the node's environment changes.
-Stdlib only (plus pip's vendored `packaging` for wheel tags), so it runs before anything is installed.
+Expected on the node (not installed by us: they decide the CUDA stack, or are compiled against numpy):
+Python ≥ 3.11, PyTorch ≥ 2.11 built with CUDA (any CUDA 12/13 build, with the triton it requires),
+transformers, safetensors, tensorboard, pandas and pyarrow (and what they pull in: numpy, pyyaml, tqdm,
+huggingface_hub, fsspec). Everything else the GPU tests import travels as a wheel in WHEELS_DIR and is
+installed with `pip install --no-index --no-deps` into a folder of the checkout that goes on PYTHONPATH,
+only where the node lacks it: nothing is resolved, nothing reaches the network, nothing of the node's
+environment changes. Because nothing is resolved, `check` reads each carried wheel's own Requires-Dist and
+says which the node does not meet (datasets 5.2.0 needs pyarrow ≥ 24 and huggingface_hub ≥ 1.31, say).
+That the two lists cover every import of the GPU tests is checked on CPU: tests/test_gpu_cpu_halves.py
+runs the GPU tests' CPU halves with every other distribution refused (tests/gpu/node_imports.py).
+Stdlib only (plus pip's vendored `packaging`), so it runs before anything is installed.
 """
 
 from __future__ import annotations
 
 import argparse
+import email.parser
 import importlib.metadata as md
 import re
 import subprocess
 import sys
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,8 +63,24 @@ WHEELS = (
     Wheel("pluggy", "1.7.0", "pytest's dependency", ">=1.6", with_pytest=True),
     Wheel("iniconfig", "2.3.1", "pytest's dependency", "any", with_pytest=True),
     Wheel("pygments", "2.21.0", "pytest's dependency", ">=2.15", with_pytest=True),
+    Wheel("datasets", "5.2.0", "megatron_tail.data reads the prompts with it (the whole-loop test)"),
+    Wheel("multiprocess", "0.70.19", "datasets' dependency (datasets 5.2.0 needs < 0.70.20)"),
+    Wheel("xxhash", "4.1.0", "datasets' dependency (its fingerprints)"),
+    Wheel("aiohttp", "3.14.5", "the rollout client and the local engine's server speak HTTP with it"),
+    Wheel("aiohappyeyeballs", "2.7.1", "aiohttp's dependency"),
+    Wheel("aiosignal", "1.4.0", "aiohttp's dependency"),
+    Wheel("attrs", "26.1.0", "aiohttp's dependency"),
+    Wheel("frozenlist", "1.8.0", "aiohttp's and aiosignal's dependency"),
+    Wheel("multidict", "7.2.1", "aiohttp's and yarl's dependency"),
+    Wheel("propcache", "0.5.4", "aiohttp's and yarl's dependency"),
+    Wheel("yarl", "1.25.1", "aiohttp's dependency (URLs)"),
 )
-NODE_PACKAGES = ("torch", "transformers", "safetensors", "tensorboard", "numpy", "pyyaml", "tqdm")
+NODE_PACKAGES = (
+    "torch", "transformers", "safetensors", "tensorboard", "numpy", "pyyaml", "tqdm", "triton", "pandas",
+    "pyarrow",
+)  # fmt: skip
+"""The node's own (its CUDA stack, or compiled against its numpy), with what they require. triton comes
+with torch's CUDA wheel; pandas and pyarrow are datasets' (it imports both when imported)."""
 
 
 def _version_tuple(text: str) -> tuple[int, ...]:
@@ -121,6 +144,49 @@ def _tag_checker():
     return lambda name: any(tag in supported for tag in parse_wheel_filename(name)[3])
 
 
+def use_site(site: Path | None) -> None:
+    """Count what is already installed in the check's own folder (`.gpu_check/site`, first on the tests'
+    PYTHONPATH) as on the node: the tests will see it, and a wheel put there by hand counts."""
+    if site is not None and site.is_dir() and str(site) not in sys.path:
+        sys.path.insert(0, str(site))
+
+
+def wheel_requirements(path: Path) -> list[str] | None:
+    """The Requires-Dist lines of a wheel file's METADATA (None: not a readable wheel)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            name = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
+            text = archive.read(name).decode("utf-8")
+    except (zipfile.BadZipFile, StopIteration, OSError, UnicodeDecodeError):
+        return None
+    return email.parser.Parser().parsestr(text).get_all("Requires-Dist") or []
+
+
+def unmet_requirements(folder: Path) -> list[str]:
+    """A line per requirement of a wheel to be installed that neither the node nor another carried wheel
+    meets (`--no-deps` installs them as they are, so nothing else would notice), and per unreadable wheel."""
+    try:
+        from pip._vendor.packaging.requirements import Requirement
+    except ImportError:
+        return ["  pip is not on the node: the carried wheels' requirements cannot be read (nor installed)"]
+    need = needed()
+    carried = {_normalized(w.dist): w.version for w, _ in need}
+    lines = []
+    for wheel, _ in need:
+        path = find_wheel(folder, wheel)
+        requires = None if path is None else wheel_requirements(path)
+        if path is not None and requires is None:
+            lines.append(f"  {wheel.spec}: {path.name} is not a readable wheel")
+        for raw in requires or []:
+            req = Requirement(raw)
+            if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+                continue
+            have = carried.get(_normalized(req.name)) or installed(req.name)
+            if have is None or not req.specifier.contains(have, prereleases=True):
+                lines.append(f"  {wheel.spec} needs {req.name}{req.specifier}; the node has {have or 'none'}")
+    return lines
+
+
 def node_report() -> tuple[list[str], bool]:
     """Lines about the interpreter, torch/CUDA and the node packages; whether the GPU run can go ahead."""
     lines, ok = [], True
@@ -173,7 +239,12 @@ def check(folder: Path) -> bool:
         print(f"  {wheel.spec:22} {node:17} {state}  ({wheel.why})")
     if not complete:
         print(f"  → with the registry at hand: scripts/gpu_check.sh --download (into {folder}), then copy it")
-    return node_ok and complete
+    unmet = unmet_requirements(folder)
+    print("What the wheels to install require themselves (their Requires-Dist, against the node):")
+    print("\n".join(unmet) if unmet else "  met")
+    if unmet:
+        print('  → README, "Checking a GPU node": what to do when the node\'s packages are older')
+    return node_ok and complete and not unmet
 
 
 def install(folder: Path, target: Path) -> None:
@@ -207,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("check", "install", "download"):
         p = sub.add_parser(name)
         p.add_argument("wheels", type=Path)
+        if name == "check":
+            p.add_argument("--site", type=Path, help="the check's own install folder (.gpu_check/site)")
         if name == "install":
             p.add_argument("target", type=Path)
         if name == "download":
@@ -214,8 +287,10 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--platform", default=PLATFORM)
     args = parser.parse_args(argv)
     if args.command == "check":
+        use_site(args.site)
         return 0 if check(args.wheels) else 1
     if args.command == "install":
+        use_site(args.target)
         install(args.wheels, args.target)
     else:
         download(args.wheels, args.python_version, args.platform)

@@ -16,6 +16,8 @@ _started = time.monotonic()
 
 
 def _reason(report) -> str:
+    if report.skipped and hasattr(report, "wasxfail"):
+        return f"known failure: {report.wasxfail}"[:300]
     if report.skipped and isinstance(report.longrepr, tuple):
         return str(report.longrepr[2]).removeprefix("Skipped: ")
     if report.failed:
@@ -32,6 +34,8 @@ def pytest_runtest_logreport(report):
     entry["seconds"] = round(entry["seconds"] + report.duration, 2)
     if report.outcome != "passed" and entry["outcome"] == "passed":
         entry["outcome"] = "error" if report.failed and report.when != "call" else report.outcome
+        if report.skipped and hasattr(report, "wasxfail"):  # a strict xfail's expected failure
+            entry["outcome"] = "xfailed"
         entry["reason"] = _reason(report)
     entry["rows"] = [value for key, value in report.user_properties if key == "gpu_table"]
     _write()

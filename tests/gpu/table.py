@@ -47,7 +47,8 @@ def render(data: dict, *, limit_s: float | None = None, stopped: bool = False) -
         out += _table(header, ratio_rows)
     if other_rows:
         out += ["", *_table(["measured", "value"], other_rows)]
-    counts = {k: sum(t["outcome"] == k for t in tests) for k in ("passed", "failed", "error", "skipped")}
+    outcomes = ("passed", "failed", "error", "skipped", "xfailed")
+    counts = {k: sum(t["outcome"] == k for t in tests) for k in outcomes}
     summary = ", ".join(f"{v} {k}" for k, v in counts.items() if v) or "nothing ran"
     elapsed = f" in {data.get('elapsed_s', 0):.0f} s" + (f" (limit {limit_s:.0f} s)" if limit_s else "")
     out.append(f"\n{summary}{elapsed}" + (" — STOPPED at the time limit" if stopped else ""))
