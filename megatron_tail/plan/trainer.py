@@ -121,6 +121,15 @@ def optimizer_bytes_per_param(layout: TrainerLayout) -> int:
     return master + (4 if layout.sgd_momentum else 0)
 
 
+def optimizer_moment_bytes(layout: TrainerLayout, optimizer: int) -> int:
+    """Of a stage's `optimizer` term, the moments (Adam's m and v, SGD's momentum). The first
+    `optimizer.step()` allocates them, after that step's activation peak; the fp32 master weights exist
+    from the start. So a run's first step peaks this much lower than every later one."""
+    per = optimizer_bytes_per_param(layout)
+    moments = 8 if layout.optimizer == "adam" else 4 if layout.sgd_momentum else 0
+    return optimizer * moments // per if per else 0
+
+
 def stage_memory(shape: ModelShape, layout: TrainerLayout, stage: int) -> StageMemory:
     """Bytes per GPU of pipeline stage `stage` at its training peak."""
     tp, pp = layout.tensor_parallel, layout.pipeline_parallel
