@@ -18,6 +18,8 @@ from collections.abc import Callable
 
 import torch
 
+from .tensor_memory import LiveTensorBytes
+
 LOG_RHO = -13.0
 QWEN3_VOCAB = 151_936
 
@@ -49,7 +51,8 @@ def measure(
     """Median milliseconds and peak extra memory (bytes above what was allocated before) of `run()`, after one
     warm-up call; `prepare()` runs before each call, outside the timed region (a fresh clone for a variant
     that takes its input over), and its result is passed to `run`. On CUDA: CUDA events and
-    `torch.cuda.max_memory_allocated`; elsewhere wall time, and no memory figure (0)."""
+    `torch.cuda.max_memory_allocated`; elsewhere wall time, and the peak of the tensor storage one more
+    call creates (`tensor_memory.LiveTensorBytes`, outside the timed calls: it slows every op)."""
     cuda = torch.cuda.is_available()
     times, peak = [], 0
     for i in range(repeats + 1):
@@ -71,6 +74,11 @@ def measure(
             if cuda:
                 peak = max(peak, torch.cuda.max_memory_allocated() - base)
         del held
+    if not cuda:
+        held = prepare() if prepare is not None else None
+        with LiveTensorBytes() as counted:
+            run() if held is None else run(held)
+        peak = counted.peak
     return {"ms": statistics.median(times), "peak_bytes": peak}
 
 

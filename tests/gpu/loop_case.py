@@ -74,7 +74,7 @@ def run_addition_loop(root: Path, model_dir: Path, device: str) -> dict:
         except psutil.Error:
             pass
         time.sleep(0.5)
-    if proc.poll() is None:
+    if proc.poll() is None:  # some runs only: a run that outlived its 300 s (a failure, on any device)
         proc.kill()
     proc.wait()
     output = log.read_text()
@@ -83,7 +83,7 @@ def run_addition_loop(root: Path, model_dir: Path, device: str) -> dict:
         alive = [p for p in started.values() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
         if not alive:
             break
-        time.sleep(0.5)
+        time.sleep(0.5)  # some runs only: a child still stopping after its parent (timing, on any device)
     return {
         "code": proc.returncode,
         "output": output,

@@ -1,18 +1,27 @@
 """The output layer fused with the op on CUDA (Qwen3-8B's hidden size 4096 and vocabulary 151,936, bf16)
 against the materialized path, `hidden @ weight.T` then the op: values and gradients of hidden and weight;
 time and peak memory of both (and of the materialized path with `inplace_backward`, what the trainer's
-unfused path runs) go to the ratio table."""
+unfused path runs) go to the ratio table. The fused layer exists to save memory, so its peak extra memory
+must lie below the materialized path's: its backward holds the weight gradient and O(chunk) blocks, no
+other [V, H] tensor (issue 51; before that fix it held a float32 [V, H] accumulator and per-chunk [V, H]
+products, 7.52 GiB extra at 4,096 × 4,096 @ 151,936 against 2.35 GiB for matmul + op).
+
+Its CPU half, the same code on a tiny shape with H = N as here (several token chunks, the Triton backend
+under Triton's interpreter, the peak counted by `bench.tensor_memory`): tests/ops/test_linear_op_device.py."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 
 from megatron_tail.ops import vocab_parallel_linear_masked_logprobs, vocab_parallel_masked_logprobs
-from tests.gpu.common import QWEN3_8B_HIDDEN, QWEN3_VOCAB, measure, ratio_row
+from tests.gpu.common import QWEN3_8B_HIDDEN, QWEN3_VOCAB, measure, ratio_row, record_rows
 
 pytestmark = pytest.mark.gpu
 
+CPU_HALF = "tests/ops/test_linear_op_device.py"
 TOKENS = 4096
 LOG_RHO = -13.0
 TOL = 3e-2
@@ -25,30 +34,34 @@ token's log-prob by at most that much: per-token values agree to `LAST_BIT` ever
 of the tokens."""
 
 
-def _problem(seed: int = 0):
-    """hidden `[N, H]` and weight `[V, H]` (bf16) whose logits are N(0, 1) with, on every third row, one
-    token raised by 14 (hidden += 14·w_j: |w_j|² ≈ 1): the long tail below max − 13 then holds a few % of
-    the mass, which DVP prunes. Targets: half the argmax of the row, half uniform; per-token weights of
-    log-probs and entropy."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    weight = torch.randn(QWEN3_VOCAB, QWEN3_8B_HIDDEN, device="cuda", generator=g) / 64
-    hidden = torch.randn(TOKENS, QWEN3_8B_HIDDEN, device="cuda", generator=g)
-    raised = torch.randint(0, QWEN3_VOCAB, (TOKENS,), device="cuda", generator=g)
-    tail_rows = torch.arange(TOKENS, device="cuda") % 3 == 1
-    hidden += torch.where(tail_rows[:, None], 14.0 * weight[raised], torch.zeros_like(hidden))
-    hidden, weight = hidden.to(torch.bfloat16), weight.to(torch.bfloat16)
+def make_problem(device: str, tokens: int, hidden: int, vocab: int, seed: int = 0):
+    """hidden `[N, H]` and weight `[V, H]` (bf16, on `device`) whose logits are N(0, 1) with, on every third
+    row, one token raised by 14 (hidden += 14·w_j: |w_j|² ≈ 1): the long tail below max − 13 then holds a
+    few % of the mass at Qwen3's vocabulary (a few ‰ at a tiny one), which DVP prunes. Targets: half the
+    argmax of the row, half uniform; per-token weights of log-probs and entropy."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    weight = torch.randn(vocab, hidden, device=device, generator=g) / math.sqrt(hidden)
+    x = torch.randn(tokens, hidden, device=device, generator=g)
+    raised = torch.randint(0, vocab, (tokens,), device=device, generator=g)
+    tail_rows = torch.arange(tokens, device=device) % 3 == 1
+    x += torch.where(tail_rows[:, None], 14.0 * weight[raised], torch.zeros_like(x))
+    x, weight = x.to(torch.bfloat16), weight.to(torch.bfloat16)
     with torch.no_grad():
-        argmax = (hidden @ weight.T).argmax(dim=1)
-    uniform = torch.randint(0, QWEN3_VOCAB, (TOKENS,), device="cuda", generator=g)
-    targets = torch.where(torch.arange(TOKENS, device="cuda") % 2 == 0, argmax, uniform)
-    w_lp = torch.rand(TOKENS, device="cuda", generator=g) + 0.5
-    w_h = torch.rand(TOKENS, device="cuda", generator=g)
-    return hidden, weight, targets, w_lp, w_h
+        argmax = (x @ weight.T).argmax(dim=1)
+    uniform = torch.randint(0, vocab, (tokens,), device=device, generator=g)
+    targets = torch.where(torch.arange(tokens, device=device) % 2 == 0, argmax, uniform)
+    w_lp = torch.rand(tokens, device=device, generator=g) + 0.5
+    w_h = torch.rand(tokens, device=device, generator=g)
+    return x, weight, targets, w_lp, w_h
 
 
-def _run(fused: bool, hidden, weight, targets, w_lp, w_h, *, inplace: bool = False):
+def run_path(
+    fused: bool, hidden, weight, targets, w_lp, w_h, *, inplace: bool = False, backend: str = "auto"
+):
+    """Forward and backward of the fused op (`fused`) or `hidden @ weight.T` then the op (its gradient in
+    place when `inplace`), on the weighted sum of log-probs and entropies; (outputs, dhidden, dweight)."""
     h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
-    kwargs = dict(log_rho=LOG_RHO, vocab_size=QWEN3_VOCAB)
+    kwargs = dict(log_rho=LOG_RHO, vocab_size=weight.shape[0], backend=backend)
     if fused:
         out = vocab_parallel_linear_masked_logprobs(h, w, targets, **kwargs)
     else:
@@ -57,10 +70,20 @@ def _run(fused: bool, hidden, weight, targets, w_lp, w_h, *, inplace: bool = Fal
     return out, h.grad, w.grad
 
 
-def test_fused_output_layer_equals_matmul_then_op(record_property):
-    problem = _problem()
-    fused, fh, fw = _run(True, *problem)
-    ref, rh, rw = _run(False, *problem)
+def _shape(problem) -> str:
+    hidden, weight = problem[:2]
+    return f"{hidden.shape[0]}×{hidden.shape[1]} @ {weight.shape[0]} bf16"
+
+
+def check_fused_equals_matmul_then_op(
+    problem, record_property, backend: str = "auto", repeats: int = 5
+) -> list[dict]:
+    """Values and gradients agree (module docstring, `LAST_BIT`, `TOL`); time and peak memory of the fused
+    op and of matmul + op in place against matmul + op, and against Liger's fused linear cross entropy where
+    it is installed, into the table (`measure`'s median of `repeats`). The op's `backend` for both paths.
+    Returns the rows."""
+    fused, fh, fw = run_path(True, *problem, backend=backend)
+    ref, rh, rw = run_path(False, *problem, backend=backend)
     assert float(ref.safe_mass.min()) < 0.999 and not bool(ref.in_safe_set.all())  # DVP prunes
     for key in ("logprobs", "entropy", "safe_mass", "logprobs_full", "top_logprob"):
         diff = (getattr(fused, key) - getattr(ref, key)).abs().float()
@@ -73,18 +96,35 @@ def test_fused_output_layer_equals_matmul_then_op(record_property):
         torch.testing.assert_close(got.float(), want.float(), rtol=TOL, atol=TOL * scale)
     del fused, ref, fh, fw, rh, rw
 
-    shape = f"{TOKENS}×{QWEN3_8B_HIDDEN} @ {QWEN3_VOCAB} bf16"
-    baseline = measure(lambda: _run(False, *problem))
-    for name, run in (
-        ("fused output layer + op", lambda: _run(True, *problem)),
-        ("matmul + op, in place", lambda: _run(False, *problem, inplace=True)),
-    ):
-        record_property("gpu_table", ratio_row(name, shape, measure(run), baseline, "matmul + op"))
+    shape = _shape(problem)
+    baseline = measure(lambda: run_path(False, *problem, backend=backend), repeats=repeats)
+    rows = [
+        ratio_row(name, shape, measure(run, repeats=repeats), baseline, "matmul + op")
+        for name, run in (
+            ("fused output layer + op", lambda: run_path(True, *problem, backend=backend)),
+            ("matmul + op, in place", lambda: run_path(False, *problem, inplace=True, backend=backend)),
+        )
+    ]
     liger = _liger_fused(*problem)
-    if liger is not None:  # the target: the fused op no slower than Liger's fused linear cross entropy
-        fused = measure(lambda: _run(True, *problem))
-        row = ratio_row("fused output layer + op", shape, fused, measure(liger), "Liger fused linear CE")
-        record_property("gpu_table", row)
+    if liger is not None:  # gpu only: Liger-Kernel is a CUDA library, not in the CPU environment
+        fused = measure(lambda: run_path(True, *problem, backend=backend))
+        rows.append(
+            ratio_row("fused output layer + op", shape, fused, measure(liger), "Liger fused linear CE")
+        )
+    record_rows(record_property, rows)
+    return rows
+
+
+def check_fused_saves_memory(problem, record_property, backend: str = "auto", repeats: int = 5) -> dict:
+    """The fused op's peak extra memory (forward + backward) below matmul + op's on the same problem, both
+    measured by `measure` (CUDA's allocator; the storage counter elsewhere) with the op's `backend`; the row
+    goes to the table whatever the outcome. Returns both measurements."""
+    matmul = measure(lambda: run_path(False, *problem, backend=backend), repeats=repeats)
+    fused = measure(lambda: run_path(True, *problem, backend=backend), repeats=repeats)
+    row = ratio_row("fused output layer + op, peak memory", _shape(problem), fused, matmul, "matmul + op")
+    record_rows(record_property, [row])
+    assert fused["peak_bytes"] < matmul["peak_bytes"], (fused["peak_bytes"], matmul["peak_bytes"])
+    return {"fused": fused, "matmul": matmul}
 
 
 def _liger_fused(hidden, weight, targets, *_):
@@ -93,10 +133,26 @@ def _liger_fused(hidden, weight, targets, *_):
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
     except ImportError:
         return None
-    loss = LigerFusedLinearCrossEntropyLoss()
+    loss = LigerFusedLinearCrossEntropyLoss()  # gpu only: Liger-Kernel is a CUDA library
+    return _liger_run(loss, hidden, weight, targets)  # gpu only: Liger-Kernel is a CUDA library
 
+
+def _liger_run(loss, hidden, weight, targets):  # gpu only: Liger-Kernel is a CUDA library, not on the CPU
     def run():
         h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
         loss(w, h, targets).backward()
 
     return run
+
+
+@pytest.fixture(scope="module")
+def problem():
+    return make_problem("cuda", TOKENS, QWEN3_8B_HIDDEN, QWEN3_VOCAB)
+
+
+def test_fused_output_layer_equals_matmul_then_op(problem, record_property):
+    check_fused_equals_matmul_then_op(problem, record_property)
+
+
+def test_the_fused_output_layer_takes_less_memory_than_matmul_then_op(problem, record_property):
+    check_fused_saves_memory(problem, record_property)

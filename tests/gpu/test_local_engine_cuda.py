@@ -1,9 +1,12 @@
 """The local engine on CUDA (`LocalEngine(..., device="cuda")`) generates with the DVP logit processor and
 returns log-probs equal to the trainer's op on an independent fp32 forward of the same weights (on the
 host), as `tests/rollout/test_local_engine.py` checks on CPU: the engine/trainer contract holds off CPU.
-Sampling stays on the host with each request's own generator, so a seed draws the same tokens as on CPU."""
+Sampling stays on the host with each request's own generator, so a seed draws the same tokens as on CPU.
+Its CPU half, the same case with the engine on the CPU: `tests/rollout/test_local_engine_device.py`."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,20 +18,23 @@ from tests.rollout.tiny_model import write_tiny_qwen3
 
 pytestmark = pytest.mark.gpu
 
+CPU_HALF = "tests/rollout/test_local_engine_device.py"
 LOG_RHO = -4.0
+TEMPERATURES = [1.0, 0.7, 0.0]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return write_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3_cuda") / "model", seed=0)
+def engine_model(tmp_path_factory) -> Path:
+    """The tiny Qwen3 (seed 0) the engine serves, in a folder of its own."""
+    return write_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3_engine") / "model", seed=0)
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
-def test_cuda_engine_returns_the_trainer_ops_logprobs(model_dir, temperature):
+def check_engine_logprobs(model_dir: Path, device: str, temperature: float) -> None:
+    """The engine on `device` samples the host engine's tokens for the same seeds, and returns the op's
+    log-probs (DVP at `LOG_RHO`) of an fp32 forward on the host, to 1e-4; DVP really prunes."""
     from transformers import AutoModelForCausalLM
 
-    engine = LocalEngine(model_dir, dtype="float32", device="cuda")
-    assert next(engine.model.parameters()).is_cuda
+    engine = LocalEngine(model_dir, dtype="float32", device=device)
+    assert next(engine.model.parameters()).device.type == device
     items = [
         item("a", [5, 6, 76, 7, 84], temperature=temperature, log_rho=LOG_RHO, seed=1),
         item("b", [9, 84], temperature=temperature, log_rho=LOG_RHO, seed=2),
@@ -51,3 +57,13 @@ def test_cuda_engine_returns_the_trainer_ops_logprobs(model_dir, temperature):
         torch.testing.assert_close(returned, ref.logprobs, atol=1e-4, rtol=0)
         pruned |= float(ref.safe_mass.min()) < 0.999
     assert pruned, "log_rho=-4 must really prune on this model"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return engine_model(tmp_path_factory)
+
+
+@pytest.mark.parametrize("temperature", TEMPERATURES)
+def test_cuda_engine_returns_the_trainer_ops_logprobs(model_dir, temperature):
+    check_engine_logprobs(model_dir, "cuda", temperature)

@@ -37,10 +37,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.gpu.common import record_rows
 from tests.gpu.test_trainer_cuda import GRAD_NORM_RTOL, UPDATE_MIN_COSINE, UPDATE_RTOL, _main_update
 
 pytestmark = pytest.mark.gpu
 
+CPU_HALF = "tests/train/test_moe_rl_device.py"
 ROOT = Path(__file__).resolve().parents[2]
 LOSS_RTOL = 1e-3
 """The dense check's loss tolerance, here against the float64 objective of the run's own θ_old."""
@@ -116,7 +118,7 @@ def expected_loss(case: dict, theta_old: dict[int, torch.Tensor]) -> float:
     total, tokens = 0.0, 0
     for i, sample in enumerate(build_samples(cfg, case["batch"]).samples):
         w = torch.exp(theta_old[i] - sample.fields["rollout_logprobs"].double())
-        if bool((w < algo.veto_threshold).any()):
+        if bool((w < algo.veto_threshold).any()):  # some runs only: a vetoed sequence (none in the CPU case)
             continue
         w = torch.where((w >= algo.mis_low) & (w <= algo.mis_high), w, torch.zeros_like(w))
         total += float((-sample.fields["advantages"].double() * w).sum())
@@ -179,6 +181,8 @@ def check_moe_runs(case: dict, reference: dict, run: dict) -> dict[str, float]:
         "update_rel_diff": diff / norm_c,
         "update_cosine": cosine,
         "agreement_float64": expected_agreement,
+        # the lowest a bf16 run's agreement may read: float64's, less the pairs its rounding can tip
+        "agreement_floor": expected_agreement - float((margins < FLIP_MARGIN).double().mean()),
         "agreement_fp32": [s["metrics"]["moe/routing_agreement"] for s in reference["steps"]],
         "agreement_bf16": [s["metrics"]["moe/routing_agreement"] for s in run["steps"]],
         "fp32_logprob_error": logprob_error,
@@ -242,41 +246,60 @@ def check_aux_scale(aux: dict, *, bf16: bool) -> float:
     return errors["own"]
 
 
+def moe_rows(n: dict[str, float], run: dict) -> list[dict]:
+    """The table's rows of `check_moe_runs`'s numbers `n` for the bf16 `run` against the CPU fp32 one."""
+    device = "CUDA" if run["device"].startswith("cuda") else "CPU"
+    value = (
+        f"grad norm rel. diff {n['grad_norm_rel_diff']:.2e}; update rel. diff {n['update_rel_diff']:.2e}, "
+        f"cosine {n['update_cosine']:.6f}"
+    )
+    agreement = ", ".join(f"{a:.4f}" for a in n["agreement_bf16"])
+    fp32 = ", ".join(f"{a:.4f}" for a in n["agreement_fp32"])
+    return [
+        {
+            "what": f"MoE r3 ({run['dispatcher']}, EP 1): 2 RL steps, {device} bf16 vs CPU fp32",
+            "value": value,
+        },
+        {
+            "what": f"MoE routing agreement with the {device} engine, by step",
+            "value": f"bf16 {agreement} (floor {n['agreement_floor']:.4f}); CPU fp32 {fp32}",
+        },
+    ]
+
+
+def check_and_record_steps(runs: tuple[dict, dict, dict], device: str, record_property) -> dict[str, float]:
+    """The engine on `device`, the bf16 run on it, the fp32 run on the CPU: `check_moe_runs`, then its rows
+    into the table; returns the numbers."""
+    case, reference, run = runs
+    assert case["engine_device"] == device and reference["device"] == "cpu"
+    assert run["device"].startswith(device)
+    numbers = check_moe_runs(case, reference, run)
+    record_rows(record_property, moe_rows(numbers, run))
+    return numbers
+
+
+def check_and_record_aux(runs: tuple[dict, dict, dict], record_property) -> tuple[float, float]:
+    """`check_aux_scale` on both runs, and its row; returns the two relative errors (fp32, bf16)."""
+    _, reference, run = runs
+    fp32 = check_aux_scale(reference["aux"], bf16=False)
+    bf16 = check_aux_scale(run["aux"], bf16=True)
+    device = "CUDA" if run["device"].startswith("cuda") else "CPU"
+    row = {
+        "what": "MoE aux-loss gradient vs float64, rel. error",
+        "value": f"{device} bf16 {bf16:.2e}; CPU fp32 {fp32:.2e}",
+    }
+    record_rows(record_property, [row])
+    return fp32, bf16
+
+
 @pytest.fixture(scope="module")
 def cuda_runs(tmp_path_factory):
     return moe_runs(tmp_path_factory.mktemp("moe_cuda"), "cuda")
 
 
 def test_r3_steps_on_cuda_equal_the_cpu_fp32_steps(cuda_runs, record_property):
-    case, reference, run = cuda_runs
-    assert case["engine_device"] == "cuda" and reference["device"] == "cpu"
-    assert run["device"].startswith("cuda") and run["dispatcher"] == "alltoall"
-    n = check_moe_runs(case, reference, run)
-    value = (
-        f"grad norm rel. diff {n['grad_norm_rel_diff']:.2e}; update rel. diff {n['update_rel_diff']:.2e}, "
-        f"cosine {n['update_cosine']:.6f}"
-    )
-    record_property(
-        "gpu_table", {"what": "MoE r3 (alltoall, EP 1): 2 RL steps, CUDA bf16 vs CPU fp32", "value": value}
-    )
-    agreement = ", ".join(f"{a:.4f}" for a in n["agreement_bf16"])
-    record_property(
-        "gpu_table",
-        {
-            "what": "MoE routing agreement with the CUDA engine, by step",
-            "value": f"bf16 {agreement} (floor {n['agreement_floor']:.4f}); CPU fp32 {n['agreement_fp32']}",
-        },
-    )
+    check_and_record_steps(cuda_runs, "cuda", record_property)
 
 
 def test_aux_loss_scale_on_cuda(cuda_runs, record_property):
-    _, reference, run = cuda_runs
-    fp32 = check_aux_scale(reference["aux"], bf16=False)
-    bf16 = check_aux_scale(run["aux"], bf16=True)
-    record_property(
-        "gpu_table",
-        {
-            "what": "MoE aux-loss gradient vs float64, rel. error",
-            "value": f"CUDA bf16 {bf16:.2e}; CPU fp32 {fp32:.2e}",
-        },
-    )
+    check_and_record_aux(cuda_runs, record_property)

@@ -1,7 +1,11 @@
 """The op on CUDA at real shapes (Qwen3 vocabulary 151,936, 4k and 16k tokens per call, TP = 1, bf16 logits):
 equal to the float64 reference on a slice of rows (outputs and gradient), and with DVP off equal to
 megatron-core's `vocab_parallel_cross_entropy` on the same logits (loss and gradient). Time and peak memory
-against megatron's cross entropy go to the ratio table (`gpu_table`), not into assertions."""
+against megatron's cross entropy go to the ratio table (`gpu_table`), not into assertions, and so does the
+op against its peers (`bench.op_peers`).
+
+Its CPU half, the same cases on tiny shapes (the Triton backend under Triton's interpreter, megatron on gloo
+with the CPU patches): `tests/ops/test_op_device.py`."""
 
 from __future__ import annotations
 
@@ -17,43 +21,39 @@ from tests.gpu.common import (
     megatron_tp1,
     ratio_row,
     real_logits,
+    record_rows,
     slice_rows,
 )
 
 pytestmark = pytest.mark.gpu
 
+CPU_HALF = "tests/ops/test_op_device.py"
 LOG_RHO = -13.0
 BF16_GRAD = {"rtol": 1.6e-2, "atol": 1e-6}
 """The op's gradient is float32 math rounded to the logits' bf16: half an ulp is 2^-9 relative."""
 
 
-@pytest.fixture(scope="module")
-def megatron_state():
-    with megatron_tp1():
-        yield
-
-
-def _weights(tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _weights(tokens: int, seed: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token loss weights of log-probs and entropy (a gradient that is not all ones)."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
     return (
-        torch.rand(tokens, device="cuda", generator=g) + 0.5,
-        torch.rand(tokens, device="cuda", generator=g),
+        torch.rand(tokens, device=device, generator=g) + 0.5,
+        torch.rand(tokens, device=device, generator=g),
     )
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
-@pytest.mark.parametrize("tokens", TOKEN_COUNTS)
-def test_op_equals_the_float64_reference_on_a_slice(tokens, backend):
-    logits, targets = real_logits(tokens)
-    w_lp, w_h = _weights(tokens, 1)
+def check_against_float64(device: str, tokens: int, vocab: int, backend: str, log_rho: float) -> None:
+    """The op on `backend` against the float64 reference on the first and last 32 rows: outputs and the
+    bf16 gradient; both in- and out-of-safe-set targets occur and DVP really prunes."""
+    logits, targets = real_logits(tokens, vocab, device=device)
+    w_lp, w_h = _weights(tokens, 1, device)
     x = logits.detach().requires_grad_()
-    out = vocab_parallel_masked_logprobs(x, targets, log_rho=LOG_RHO, vocab_size=QWEN3_VOCAB, backend=backend)
+    out = vocab_parallel_masked_logprobs(x, targets, log_rho=log_rho, vocab_size=vocab, backend=backend)
     (w_lp * out.logprobs + w_h * out.entropy).sum().backward()
 
-    rows = slice_rows(tokens)
+    rows = slice_rows(tokens, device=device)
     ref_x = logits[rows].double().requires_grad_()
-    ref = reference_masked_logprobs(ref_x, targets[rows], log_rho=LOG_RHO)
+    ref = reference_masked_logprobs(ref_x, targets[rows], log_rho=log_rho)
     (w_lp[rows].double() * ref["logprobs"] + w_h[rows].double() * ref["entropy"]).sum().backward()
 
     assert not bool(ref["in_safe_set"].all()) and bool(ref["in_safe_set"].any())  # both cases occur
@@ -68,12 +68,16 @@ def test_op_equals_the_float64_reference_on_a_slice(tokens, backend):
     torch.testing.assert_close(x.grad[rows].double(), ref_x.grad, **BF16_GRAD)
 
 
-@pytest.mark.parametrize("tokens", TOKEN_COUNTS)
-def test_op_without_dvp_equals_megatron_cross_entropy(megatron_state, tokens, record_property):  # noqa: ARG001
+def check_against_megatron_ce(
+    device: str, tokens: int, vocab: int, log_rho: float, record_property, repeats: int = 5
+) -> list[dict]:
+    """With DVP off, the op's loss and gradient equal megatron's cross entropy (in megatron's TP = 1 state);
+    then time and peak memory of the op with DVP at `log_rho` (read-only and in place) against megatron's,
+    into the table. Returns the rows."""
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    logits, targets = real_logits(tokens, seed=2)
-    w, _ = _weights(tokens, 3)
+    logits, targets = real_logits(tokens, vocab, seed=2, device=device)
+    w, _ = _weights(tokens, 3, device)
     x = logits.detach().requires_grad_()
     out = vocab_parallel_masked_logprobs(x, targets, log_rho=None, compute_entropy=False)
     (-w * out.logprobs).sum().backward()
@@ -85,12 +89,11 @@ def test_op_without_dvp_equals_megatron_cross_entropy(megatron_state, tokens, re
     torch.testing.assert_close(x.grad.float(), m.grad.float(), **BF16_GRAD)
     del x, m, out, loss
 
-    # Time and peak memory of forward + backward, against megatron's, in this run (not asserted).
     def ours(inplace: bool):
         def run(fresh=None):
             y = (fresh if inplace else logits.detach()).requires_grad_()
             o = vocab_parallel_masked_logprobs(
-                y, targets, log_rho=LOG_RHO, vocab_size=QWEN3_VOCAB, inplace_backward=inplace
+                y, targets, log_rho=log_rho, vocab_size=vocab, inplace_backward=inplace
             )
             (o.logprobs.sum() + o.entropy.sum()).backward()
 
@@ -100,26 +103,26 @@ def test_op_without_dvp_equals_megatron_cross_entropy(megatron_state, tokens, re
         vocab_parallel_cross_entropy(fresh.requires_grad_(), targets).sum().backward()
 
     fresh = logits.clone
-    baseline = measure(megatron, prepare=fresh)
-    shape = f"{tokens}×{QWEN3_VOCAB} bf16"
+    baseline = measure(megatron, prepare=fresh, repeats=repeats)
+    shape = f"{tokens}×{vocab} bf16"
+    read_only = measure(ours(False), repeats=repeats)
+    in_place = measure(ours(True), prepare=fresh, repeats=repeats)
     rows = [
-        ratio_row("op, DVP + entropy, read-only", shape, measure(ours(False)), baseline, "megatron CE"),
-        ratio_row(
-            "op, DVP + entropy, in place", shape, measure(ours(True), prepare=fresh), baseline, "megatron CE"
-        ),
+        ratio_row("op, DVP + entropy, read-only", shape, read_only, baseline, "megatron CE"),
+        ratio_row("op, DVP + entropy, in place", shape, in_place, baseline, "megatron CE"),
     ]
-    for row in rows:
-        record_property("gpu_table", row)
+    record_rows(record_property, rows)
+    return rows
 
 
-def test_the_op_against_its_peers(megatron_state, record_property):  # noqa: ARG001
+def record_peers(device: str, tokens: int, vocab: int, record_property, repeats: int = 5) -> list[dict]:
     """The Triton and PyTorch backends (fwd + bwd in place, forward only) against torch's, megatron's and
-    Liger-Kernel's cross entropy at 16k × 151,936, with each row's share of the copy rate: `bench.op_peers`,
-    the rows `python -m megatron_tail.bench.op --device cuda` prints. Recorded, not asserted."""
+    Liger-Kernel's cross entropy (`bench.op_peers`, the rows `python -m megatron_tail.bench.op --device
+    cuda` prints), with each row's share of the copy rate, into the table. Recorded, not asserted."""
     from megatron_tail.bench.op_peers import peer_rows
 
-    tokens = max(TOKEN_COUNTS)
-    for r in peer_rows(tokens, QWEN3_VOCAB, device="cuda"):
+    rows = []
+    for r in peer_rows(tokens, vocab, device=device, repeats=repeats):
         if r["ms"] is None:
             value = r["note"]
         else:
@@ -127,4 +130,27 @@ def test_the_op_against_its_peers(megatron_state, record_property):  # noqa: ARG
             value = (
                 f"{r['ms']:.2f} ms = {r['ratio']:.2f}× {r['baseline']}, peak {r['peak_gib']:.2f} GiB{share}"
             )
-        record_property("gpu_table", {"what": f"{r['what']} ({tokens}×{QWEN3_VOCAB} bf16)", "value": value})
+        rows.append({"what": f"{r['what']} ({tokens}×{vocab} bf16)", "value": value})
+    record_rows(record_property, rows)
+    return rows
+
+
+@pytest.fixture(scope="module")
+def megatron_state():
+    with megatron_tp1("cuda"):
+        yield
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("tokens", TOKEN_COUNTS)
+def test_op_equals_the_float64_reference_on_a_slice(tokens, backend):
+    check_against_float64("cuda", tokens, QWEN3_VOCAB, backend, LOG_RHO)
+
+
+@pytest.mark.parametrize("tokens", TOKEN_COUNTS)
+def test_op_without_dvp_equals_megatron_cross_entropy(megatron_state, tokens, record_property):  # noqa: ARG001
+    check_against_megatron_ce("cuda", tokens, QWEN3_VOCAB, LOG_RHO, record_property)
+
+
+def test_the_op_against_its_peers(megatron_state, record_property):  # noqa: ARG001
+    record_peers("cuda", max(TOKEN_COUNTS), QWEN3_VOCAB, record_property)

@@ -5,6 +5,7 @@ checkpoint saved on CUDA restores the whole training state bit for bit in a fres
 
 Each run is a process of its own (`tests.gpu.trainer_worker`): megatron's parallel state is global, and the
 CPU reference runs with `CUDA_VISIBLE_DEVICES=""` so that it takes the CPU path (gloo, patches) on this node.
+Its CPU half, the same case with the bf16 runs on the CPU: `tests/train/test_trainer_device.py`.
 
 Tolerances, calibrated by the same comparison with the bf16 run on CPU (where the rounding is of the same
 size; measured: gradient norms 0.3% apart, fp32 main-parameter updates 1.9% apart, cosine 0.9998):
@@ -20,7 +21,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.gpu.common import record_rows
+
 pytestmark = pytest.mark.gpu
+
+CPU_HALF = "tests/train/test_trainer_device.py"
 
 GRAD_NORM_RTOL = 3e-2
 """Per step: bf16 forward and backward against fp32."""
@@ -46,18 +51,19 @@ def _worker(case: Path, out: Path, *args: str, cuda: bool) -> dict:
     return torch.load(out, weights_only=False)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def trainer_runs(root: Path, device: str) -> tuple[dict, dict, dict]:
+    """(fp32 run on the CPU, bf16 run on `device` that saves a checkpoint, bf16 run on `device` resumed from
+    it): each a `trainer_worker` process of its own, on the RL case built under `root`."""
     from tests.gpu.rl_case import build_case
     from tests.gpu.trainer_worker import CFG_KW
 
-    root = tmp_path_factory.mktemp("trainer_cuda")
     case = root / "case.pt"
     torch.save(build_case(root, CFG_KW["log_rho"]), case)
+    cuda = device == "cuda"
     cpu = _worker(case, root / "cpu.pt", "--precision", "fp32", cuda=False)
-    saved = _worker(case, root / "cuda.pt", "--precision", "bf16", "--save", str(root / "ckpt"), cuda=True)
+    saved = _worker(case, root / "saved.pt", "--precision", "bf16", "--save", str(root / "ckpt"), cuda=cuda)
     resumed = _worker(
-        case, root / "resumed.pt", "--precision", "bf16", "--load", str(root / "ckpt"), cuda=True
+        case, root / "resumed.pt", "--precision", "bf16", "--load", str(root / "ckpt"), cuda=cuda
     )
     return cpu, saved, resumed
 
@@ -70,9 +76,12 @@ def _main_update(run: dict) -> dict[str, torch.Tensor]:
     }
 
 
-def test_two_rl_steps_on_cuda_equal_the_cpu_fp32_steps(runs, record_property):
+def check_two_steps(runs: tuple[dict, dict, dict], device: str, record_property) -> dict[str, float]:
+    """Two RL steps of the bf16 run on `device` equal the CPU fp32 run's within the tolerances above (the
+    same discrete decisions, loss, gradient norms, fp32 main-parameter update), and the table's row.
+    Returns the measured differences."""
     cpu, cuda, _ = runs
-    assert cpu["device"] == "cpu" and cuda["device"].startswith("cuda")
+    assert cpu["device"] == "cpu" and cuda["device"].startswith(device)
     for step, (c, g) in enumerate(zip(cpu["steps"], cuda["steps"], strict=True)):
         assert c["update_successful"] and g["update_successful"]
         # DVP prunes, MIS rejects, and both runs take the same discrete decisions
@@ -90,11 +99,15 @@ def test_two_rl_steps_on_cuda_equal_the_cpu_fp32_steps(runs, record_property):
     pairs = zip(cpu["steps"], cuda["steps"], strict=True)
     grad_diff = max(abs(g["grad_norm"] / c["grad_norm"] - 1) for c, g in pairs)
     value = f"grad norm rel. diff {grad_diff:.2e}; update rel. diff {diff / norm_c:.2e}, cosine {cosine:.6f}"
-    record_property("gpu_table", {"what": "2 RL steps, CUDA bf16 vs CPU fp32", "value": value})
+    record_rows(record_property, [{"what": f"2 RL steps, {device} bf16 vs CPU fp32", "value": value}])
     assert diff / norm_c < UPDATE_RTOL and cosine > UPDATE_MIN_COSINE
+    return {"grad_norm_rel_diff": grad_diff, "update_rel_diff": diff / norm_c, "update_cosine": cosine}
 
 
-def test_a_checkpoint_saved_on_cuda_resumes_bit_exactly(runs, record_property):
+def check_checkpoint(runs: tuple[dict, dict, dict], record_property) -> bool:
+    """The saved run's state restores bit for bit in the resumed process, and its next step equals the
+    saved run's up to the device's run-to-run nondeterminism; the table's row. Returns whether that next
+    step was bitwise equal."""
     _, saved, resumed = runs
     at_save, after_load = saved["state_at_save"], resumed["state_after_load"]
     assert at_save.keys() == after_load.keys()
@@ -111,10 +124,20 @@ def test_a_checkpoint_saved_on_cuda_resumes_bit_exactly(runs, record_property):
     bitwise = all(torch.equal(s3[k], r3[k]) for k in s3)
     for key in s3:
         torch.testing.assert_close(r3[key].double(), s3[key].double(), rtol=1e-3, atol=1e-5, msg=key)
-    record_property(
-        "gpu_table",
-        {
-            "what": "checkpoint saved on CUDA",
-            "value": f"{len(at_save)} tensors restored bitwise; next step bitwise equal: {bitwise}",
-        },
-    )
+    device = "CUDA" if saved["device"].startswith("cuda") else "CPU"
+    value = f"{len(at_save)} tensors restored bitwise; next step bitwise equal: {bitwise}"
+    record_rows(record_property, [{"what": f"checkpoint saved on {device}", "value": value}])
+    return bitwise
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return trainer_runs(tmp_path_factory.mktemp("trainer_cuda"), "cuda")
+
+
+def test_two_rl_steps_on_cuda_equal_the_cpu_fp32_steps(runs, record_property):
+    check_two_steps(runs, "cuda", record_property)
+
+
+def test_a_checkpoint_saved_on_cuda_resumes_bit_exactly(runs, record_property):
+    check_checkpoint(runs, record_property)
