@@ -306,19 +306,6 @@ class RolloutClient:
             _check_joined_routes(sample, sampling.routed_experts_start_len)
         return sample
 
-    async def generate_turn(
-        self, input_ids: Sequence[int], keys: Sequence[SampleKey], sampling: SamplingConfig
-    ) -> list[SampleResult]:
-        """The samples `keys` of one input, in one request: a turn of multi-turn episodes (`rollout.envs`;
-        the first turn of a prompt's n episodes goes as one request, as `generate` sends it), sent as token
-        ids (SGLang's `GenerateReqInput.input_ids`, `srt/managers/io_struct.py`) and retried like
-        `generate`'s requests. `sampling.n_samples` is ignored; the caller bounds what is in flight."""
-        ids = _check_prompt(keys[0].prompt_index, input_ids)
-        results = await self._request_with_retries(ids, list(keys), sampling)
-        for result in results:
-            result.log_rho = sampling.log_rho
-        return results
-
     async def _run_group(self, prompt, keys, sampling, semaphore, collected) -> None:
         async with semaphore:
             results = await self._request_with_retries(prompt, keys, sampling)

@@ -121,8 +121,7 @@ class SampleResult:
     """The declared per-token fields (`token_fields.TOKEN_FIELDS`): name → one value per output token."""
     log_rho: float | None = None
     """DVP's log ρ the sample's first request was sent with (None: no pruning); its continued segments keep
-    the first's (a sample counts as old as its oldest tokens). Set by `RolloutClient.generate_group` and
-    `generate_turn`."""
+    the first's (a sample counts as old as its oldest tokens). Set by `RolloutClient.generate_group`."""
     routed_experts: np.ndarray | None = None
     """With `SamplingConfig.return_routed_experts`: int32 `[len(prompt_ids) + len(output_ids) − 1 − start,
     layers, top_k]`, row p the experts each MoE layer routed token `start + p` to, as the input of the

@@ -21,8 +21,8 @@ import pytest
 from megatron_tail.rollout.client import NoHealthyServerError
 from megatron_tail.rollout.local_engine.process import LocalEngineProcess
 from megatron_tail.rollout.protocol import RetryableServerError
+from megatron_tail.rollout.service.engines import Engines
 from megatron_tail.rollout.service.failures import EngineFailure, LocalEngineError
-from megatron_tail.rollout.service.service import RolloutService
 from megatron_tail.rollout.weight_sync import DiskWeightSync, WeightSyncError
 from megatron_tail.utils.errors import EXIT_OUTSIDE_FAILURE, OutsideFailure, UserError
 from tests.loop.conftest import loop_overrides
@@ -44,9 +44,9 @@ def sleeper(tmp_path):
         engine.proc.wait()
 
 
-def _engines(engine: LocalEngineProcess | None) -> RolloutService:
-    """Rank 0's `RolloutService` as far as `_run` needs it: the local engine (or None), limits, a loop."""
-    engines = RolloutService.__new__(RolloutService)
+def _engines(engine: LocalEngineProcess | None) -> Engines:
+    """Rank 0's `Engines` as far as `run` needs it: the local engine (or None), limits, a loop."""
+    engines = Engines.__new__(Engines)
     engines.settings = SimpleNamespace(
         wait_report_s=60.0, request_timeout_s=7.0, sync_timeout_s=9.0, startup_timeout_s=60.0
     )
@@ -61,7 +61,7 @@ def test_a_local_engine_killed_while_the_trainer_waits_is_named_at_once(sleeper)
     threading.Timer(0.3, sleeper.proc.send_signal, (signal.SIGKILL,)).start()
     started = time.monotonic()
     with pytest.raises(EngineFailure) as info:
-        engines._run(asyncio.sleep(3600), "samples of 4 prompts × 4")  # requests that never come back
+        engines.run(asyncio.sleep(3600), "samples of 4 prompts × 4")  # requests that never come back
     assert time.monotonic() - started < 5
     assert str(info.value) == (
         f"the local engine on http://127.0.0.1:1 (pid {sleeper.proc.pid}) was killed by SIGKILL while the "
@@ -96,7 +96,7 @@ def test_a_stopped_local_engine_is_named_with_the_limit_that_expired(sleeper):
         )
 
     with pytest.raises(EngineFailure) as info:
-        engines._run(sync(), "weight sync to version 2", limit="sync_timeout_s")
+        engines.run(sync(), "weight sync to version 2", limit="sync_timeout_s")
     assert str(info.value) == (
         f"the local engine on http://127.0.0.1:1 (pid {sleeper.proc.pid}) is stopped (SIGSTOP, SIGTSTP or a "
         "debugger) and did not answer within rollout.sync_timeout_s=9 s while the trainer waited for weight "
@@ -111,12 +111,12 @@ def test_a_remote_engine_failure_is_an_outside_failure_and_other_errors_stay_as_
         raise error
 
     with pytest.raises(EngineFailure, match=r"^samples of 1 prompts × 1 failed: no healthy server among "):
-        engines._run(fail(NoHealthyServerError("no healthy server among [...]")), "samples of 1 prompts × 1")
+        engines.run(fail(NoHealthyServerError("no healthy server among [...]")), "samples of 1 prompts × 1")
     with pytest.raises(EngineFailure, match=r"\(rollout.request_timeout_s=7 s\)$"):
-        engines._run(fail(NoHealthyServerError("no healthy server")), "samples of 1 prompts × 1")
+        engines.run(fail(NoHealthyServerError("no healthy server")), "samples of 1 prompts × 1")
     for error in (UserError("a reward's mistake"), KeyError("a bug")):
         with pytest.raises(type(error)):
-            engines._run(fail(error), "samples of 1 prompts × 1")
+            engines.run(fail(error), "samples of 1 prompts × 1")
 
 
 def test_a_live_local_engine_that_fails_every_attempt_is_named_with_its_log(sleeper):
@@ -129,7 +129,7 @@ def test_a_live_local_engine_that_fails_every_attempt_is_named_with_its_log(slee
 
     exhausted = RetryableServerError("samples of prompt 0 failed 4 attempts; last: ServerDisconnected")
     with pytest.raises(EngineFailure) as info:
-        engines._run(fail(exhausted), "samples of 1 prompts × 1")
+        engines.run(fail(exhausted), "samples of 1 prompts × 1")
     assert str(info.value) == (
         "samples of 1 prompts × 1 failed on the local engine on http://127.0.0.1:1 "
         f"(pid {sleeper.proc.pid}): samples of prompt 0 failed 4 attempts; last: ServerDisconnected "
@@ -137,7 +137,7 @@ def test_a_live_local_engine_that_fails_every_attempt_is_named_with_its_log(slee
     )
     refused = WeightSyncError("http://127.0.0.1:1/update_weights_from_disk: HTTP 400: no such file", 400)
     with pytest.raises(EngineFailure) as info:
-        engines._run(fail(refused), "weight sync to version 2", limit="sync_timeout_s")
+        engines.run(fail(refused), "weight sync to version 2", limit="sync_timeout_s")
     assert str(info.value) == (
         "weight sync to version 2 failed on the local engine on http://127.0.0.1:1 "
         f"(pid {sleeper.proc.pid}): http://127.0.0.1:1/update_weights_from_disk: HTTP 400: no such file; its "
@@ -183,7 +183,7 @@ def test_an_http_500_from_the_local_engine_stays_an_internal_error(sleeper, what
                 await sync.update("/nowhere", weight_version="2")
 
     with pytest.raises(LocalEngineError) as info:
-        engines._run(request(), waiting_for)
+        engines.run(request(), waiting_for)
     assert not isinstance(info.value, OutsideFailure)
     assert str(info.value) == (
         f"the local engine on http://127.0.0.1:1 (pid {sleeper.proc.pid}) answered HTTP 500, an unhandled "

@@ -1,18 +1,20 @@
 """The periodic wait report names what rank 0 waits for: an environment call stuck in its worker is reported
 as that (environment, operation, episode, worker, the limit that stops it), not as the engines' requests
-with `rollout.request_timeout_s` (`RolloutService._waiting_line`)."""
+with `rollout.request_timeout_s` (`Engines._waiting_line`)."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 import time
 from types import SimpleNamespace
 
 from megatron_tail.rollout.envs.host import WorkerEnv
 from megatron_tail.rollout.envs.pool import Busy, EnvWorkers
+from megatron_tail.rollout.service.engines import Engines
 from megatron_tail.rollout.service.plan import Reporting
-from megatron_tail.rollout.service.service import RolloutService
+from megatron_tail.rollout.service.service import slow_clauses
 from megatron_tail.train.run import signals
 
 SLEEPER = "tests.rollout.envs.fault_envs:Sleeper"
@@ -25,9 +27,7 @@ def _engines(envs, in_flight=None):
         client=SimpleNamespace(in_flight=in_flight or {}),
         eval_client=SimpleNamespace(in_flight={}),
         urls=["http://e0:30000"],
-        envs=envs,
-        score=SimpleNamespace(busy=None),
-        groups_to_score=0,
+        slow_calls=functools.partial(slow_clauses, SimpleNamespace(busy=None), 0, envs),
     )
 
 
@@ -43,7 +43,7 @@ def test_a_stuck_environment_step_is_named_with_its_episode_worker_and_limit():
     other = Busy(
         "environment 'calculator' (step of episode b1-p0-s1)", "calculator", "b1-p0-s1", now - 5.0, 0
     )
-    line = RolloutService._waiting_line(
+    line = Engines._waiting_line(
         _engines(_pool(stuck, other), {"http://e0:30000": 3}), "episodes of 4 prompts × 2", 61.0
     )
     assert line == (
@@ -57,7 +57,7 @@ def test_a_stuck_environment_step_is_named_with_its_episode_worker_and_limit():
 def test_without_a_slow_environment_call_the_engines_are_named():
     quick = Busy("environment 'calculator' (step of episode e)", "calculator", "e", time.monotonic(), 0)
     for envs in (None, _pool(), _pool(quick)):
-        line = RolloutService._waiting_line(
+        line = Engines._waiting_line(
             _engines(envs, {"http://e0:30000": 3}), "episodes of 4 prompts × 2", 61.0
         )
         assert line == (
@@ -75,7 +75,7 @@ def test_a_step_hanging_in_a_real_worker_is_what_the_report_names():
         await env.reset({})
         step = asyncio.ensure_future(env.step("hang"))
         await asyncio.sleep(2.5)
-        line = RolloutService._waiting_line(_engines(pool), "episodes of 2 prompts × 2", 3.0)
+        line = Engines._waiting_line(_engines(pool), "episodes of 2 prompts × 2", 3.0)
         step.cancel()
         return line
 

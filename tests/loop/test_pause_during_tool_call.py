@@ -59,13 +59,12 @@ class SteadyEngine(TurnEngine):
 def _start(tmp_path, *overrides, state=None, version=0):
     """Engines whose prompt 1 is the one whose first tool call blocks until `tmp_path/release` exists."""
     e = _engines(ENV, *SETTINGS, *overrides)
-    e.client = SteadyEngine()
-    e.client.version = version
+    e.engines.client = e.engines.eval_client = SteadyEngine()  # the wait report reads both
+    e.engines.client.version = version
     e.envs.close()
     # one worker per live episode (2 groups of 2): an episode is pinned to its worker, and only the blocked
     # call's episode may wait for it
     e.envs = EnvWorkers(4, timeout_s=60.0, timeout_name="data.reward_timeout_s")
-    e.eval_client = e.client  # the wait report reads it
     blocking = SimpleNamespace(prompt_ids=PROMPT, answer=str(tmp_path))
     quick = SimpleNamespace(prompt_ids=PROMPT, answer="")
     e.start_manager(lambda index: blocking if index == 1 else quick, version=version, state=state)
@@ -92,7 +91,7 @@ def _train_until(e, index, first_step, batches):
         batch = e.next_batch(step)
         batches[read_trained_prompts(e.cfg.run_dir)[step + 1][0]] = batch
         e.before_weight_update()
-        e.client.version = step + 1
+        e.engines.client.version = step + 1
         e.after_weight_update(step + 1)
         if index in batches:
             return
@@ -108,7 +107,7 @@ def paused_mid_call(tmp_path):
         batches = {0: e.next_batch(0)}  # prompt 0: prompt 2 is admitted only once it is done
         _wait_for(tmp_path / "calling")
         e.before_weight_update()  # partial rollouts: nothing waits for the tool call
-        e.client.version = 1
+        e.engines.client.version = 1
         e.after_weight_update(1)
         state = e.manager_state()  # the checkpoint after step 1, the tool call still in flight
         (tmp_path / "release").touch()
@@ -157,7 +156,7 @@ def test_a_weight_update_and_a_checkpoint_during_a_tool_call_lose_nothing(paused
         _wait_until(lambda: 1 in resumed.manager.buffer)  # regenerated first: it was in flight
         _train_until(resumed, 1, 1, again)
         base, position = group_seeds(resumed.cfg.seed, 1, 1)
-        first_turns = {s[2] for s in resumed.client.sent if s[0] == len(PROMPT)}
+        first_turns = {s[2] for s in resumed.engines.client.sent if s[0] == len(PROMPT)}
         # the seeds of the lost attempt (nobody saw it): what the uninterrupted run drew
         assert turn_key(base, position, 0, 0).seed in first_turns
         assert turn_key(base, position, 0, 0, attempt=MAX_ENV_ATTEMPTS).seed not in first_turns
@@ -184,7 +183,7 @@ def test_without_partial_rollouts_the_update_waits_for_the_tool_call_and_its_epi
         assert time.monotonic() - started >= 0.3
         assert e.manager.in_flight == {} and 1 in e.manager.buffer
         assert e.manager.buffer[1].batch.token_versions == [[0] * 8] * 2
-        e.client.version = 1
+        e.engines.client.version = 1
         e.after_weight_update(1)
         batches = {}
         _train_until(e, 1, 1, batches)

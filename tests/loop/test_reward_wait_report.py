@@ -7,6 +7,7 @@ retried after rollout.request_timeout_s=600 s" until `data.reward_timeout_s` end
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import subprocess
@@ -16,8 +17,9 @@ import time
 from types import SimpleNamespace
 
 from megatron_tail.rewards.scorer import RewardScorer
+from megatron_tail.rollout.service.engines import Engines
 from megatron_tail.rollout.service.plan import Reporting
-from megatron_tail.rollout.service.service import RolloutService
+from megatron_tail.rollout.service.service import slow_clauses
 from megatron_tail.train.run import signals
 from megatron_tail.utils.errors import EXIT_USER_ERROR
 
@@ -34,9 +36,8 @@ def test_a_reward_stuck_in_its_worker_is_what_the_report_names():
         client=SimpleNamespace(in_flight={"http://e0:30000": 2}),
         eval_client=SimpleNamespace(in_flight={}),
         urls=["http://e0:30000"],
-        envs=None,
-        score=scorer,
-        groups_to_score=3,  # the one in the worker and two behind it
+        # the one in the worker and two behind it
+        slow_calls=functools.partial(slow_clauses, scorer, 3, None),
     )
     scoring = threading.Thread(target=lambda: _ignore_errors(scorer, ["1", "2"], ["3", "3"]))
     try:
@@ -46,7 +47,7 @@ def test_a_reward_stuck_in_its_worker_is_what_the_report_names():
             scorer.busy is None or time.monotonic() - scorer.busy.since < 1.5
         ) and time.monotonic() < deadline:
             time.sleep(0.1)
-        line = RolloutService._waiting_line(engines, "the batch of step 1", 12.0)
+        line = Engines._waiting_line(engines, "the batch of step 1", 12.0)
     finally:
         worker = scorer._worker
         if worker is not None:

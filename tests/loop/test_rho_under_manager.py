@@ -6,7 +6,6 @@ client's request method: no engine, no model."""
 
 from __future__ import annotations
 
-import asyncio
 import tempfile
 import time
 from types import SimpleNamespace
@@ -18,6 +17,7 @@ from megatron_tail.rollout import RolloutClient
 from megatron_tail.rollout.batch import RolloutBatch, log_rho_metrics
 from megatron_tail.rollout.manager import GroupResult, groups_to_batch
 from megatron_tail.rollout.protocol import SampleResult, sample_seed
+from megatron_tail.rollout.service.engines import Engines
 from megatron_tail.rollout.service.managed import group_seeds
 from megatron_tail.rollout.service.service import RolloutService
 from megatron_tail.train.run.rollout_plan import plan_from
@@ -65,23 +65,25 @@ class RecordingClient(RolloutClient):
 def _engines(overrides, **client_kw) -> RolloutService:
     cfg = load_config(None, ["algorithm.log_rho=auto", "algorithm.group_size=2", "data.prompts_per_step=2",
                              f"run_dir={tempfile.mkdtemp()}", *overrides])  # fmt: skip
-    e = RolloutService.__new__(RolloutService)
     cfg = with_log_rho(cfg, INITIAL)  # as `RunSession` resolves "auto"
-    e.settings, e.plan = cfg.rollout, plan_from(cfg, vocab_size=100, context_length=1000)
-    e._log_rho = e.plan.log_rho
-    e.note, e.vocab_size, e._counted, e.engine, e.manager, e._thread = print, 100, {}, None, None, None
-    e.tokenizer = SimpleNamespace(decode=lambda _ids, **_kw: "x")
-    e.score = lambda completions, _answers: [float(i % 2) for i in range(len(completions))]
-    e.loop, e.routes_shape = asyncio.new_event_loop(), None  # a dense model: no MoE routes
-    e.envs, e.context_length = None, 1000  # single-turn: one-turn episodes without an environment
+    plan = plan_from(cfg, vocab_size=100, context_length=1000)  # a dense model: no MoE routes
     # a request's group: the prompt-stream index whose first sample has this seed (a continued segment's
     # derived seed is no group's: its key's prompt position, which is the index in the first step)
     first_seeds = {sample_seed(*group_seeds(cfg.seed, i, 2), 0): i for i in range(64)}
-    e.client = RecordingClient(
+    client = RecordingClient(
         lambda: e.manager.version if e.manager is not None else 0,
         index_of=lambda key: first_seeds.get(key.seed, key.prompt_index),
         **client_kw,
     )
+    engines = Engines(
+        cfg.rollout, client.urls, client, client, model_path=plan.model_path, vocab_size=100,
+        log_rho=plan.log_rho, reporting=plan.reporting,
+    )  # fmt: skip
+    e = RolloutService.assemble(
+        cfg.rollout, plan, SimpleNamespace(decode=lambda _ids, **_kw: "x"), engines,
+        score=lambda completions, _answers: [float(i % 2) for i in range(len(completions))],
+        envs=None,  # single-turn: one-turn episodes without an environment
+    )  # fmt: skip
     return e
 
 
@@ -90,10 +92,8 @@ def _set_rho(e: RolloutService, log_rho: float) -> None:
 
 
 def _stop(e: RolloutService) -> None:
-    asyncio.run_coroutine_threadsafe(e.manager.close(), e.loop).result(timeout=10)
-    e.loop.call_soon_threadsafe(e.loop.stop)
-    e._thread.join(timeout=10)
-    e.loop.close()
+    e.engines.stop_thread(e.manager)
+    e.engines.loop.close()
 
 
 def test_a_rho_change_between_steps_reaches_the_next_requests_and_samples_carry_their_rho():
@@ -102,7 +102,7 @@ def test_a_rho_change_between_steps_reaches_the_next_requests_and_samples_carry_
     e.start_manager(lambda _index: prompt, version=0, state=None)
     try:
         first = e.next_batch(0)  # (η + 1) · G = 6 groups admitted and sent at the initial ρ
-        assert e.client.sent == [(i, INITIAL, False) for i in range(6)]
+        assert e.engines.client.sent == [(i, INITIAL, False) for i in range(6)]
         assert first.sampled_log_rho == [INITIAL] * 4
         assert log_rho_metrics(first, INITIAL) == {
             "rollout/sampled_log_rho_mean": INITIAL,
@@ -111,7 +111,7 @@ def test_a_rho_change_between_steps_reaches_the_next_requests_and_samples_carry_
         _set_rho(e, LATER)  # step 0's rule moved ρ; then the weight update admits G new groups
         e.after_weight_update(1)
         second = e.next_batch(1)
-        assert e.client.sent[6:] == [(6, LATER, False), (7, LATER, False)]
+        assert e.engines.client.sent[6:] == [(6, LATER, False), (7, LATER, False)]
         # the groups it trains were generated ahead, at the old ρ: the step logs the lag
         assert second.sampled_log_rho == [INITIAL] * 4
         assert log_rho_metrics(second, LATER) == {
@@ -152,12 +152,12 @@ def test_a_continued_partial_segment_is_sent_at_the_rho_in_force_then():
         batch = e.next_batch(0)
         # group 0: first request at the initial ρ, aborted; its two samples continue at the new ρ;
         # group 1 is first sent after the change
-        assert [x for x in e.client.sent if x[0] == 0] == [
+        assert [x for x in e.engines.client.sent if x[0] == 0] == [
             (0, INITIAL, False),
             (0, LATER, True),
             (0, LATER, True),
         ]
-        assert [x for x in e.client.sent if x[0] == 1] == [
+        assert [x for x in e.engines.client.sent if x[0] == 1] == [
             (1, LATER, False),
             (1, LATER, True),
             (1, LATER, True),

@@ -125,21 +125,21 @@ def test_an_engine_token_id_outside_the_vocabulary_is_named():
     """Before: an embedding IndexError in the trainer, naming neither the sample nor the id."""
     import functools
 
-    from megatron_tail.rollout.service.service import RolloutService
+    from megatron_tail.rollout.service.engines import Engines
 
-    engines = SimpleNamespace(vocab_size=100, plan=SimpleNamespace(model_path="m"))
-    engines._check_ids = functools.partial(RolloutService._check_ids, engines)  # the check it delegates to
+    engines = SimpleNamespace(vocab_size=100, model_path="m")
+    engines._check_ids = functools.partial(Engines._check_ids, engines)  # the check it delegates to
     good = SimpleNamespace(
         output_ids=[1, 99], server_url="http://e:1", key=SimpleNamespace(rid="p0-s0-seed1")
     )
     bad = SimpleNamespace(
         output_ids=[3, 100], server_url="http://e:1", key=SimpleNamespace(rid="p0-s1-seed2")
     )
-    RolloutService._check_token_ids(engines, [good])
+    Engines._check_token_ids(engines, [good])
     with pytest.raises(
         UserError, match=r"returned token id 100 \(response position 1\) in sample p0-s1-seed2, "
     ):
-        RolloutService._check_token_ids(engines, [good, bad])
+        Engines._check_token_ids(engines, [good, bad])
 
 
 def test_a_request_that_times_out_is_tried_twice_not_four_times():

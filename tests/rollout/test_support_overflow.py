@@ -138,18 +138,18 @@ def test_a_step_logs_the_overflows_and_retries_since_the_last_batch():
 
     from megatron_tail.rollout.client import ClientStats
     from megatron_tail.rollout.occupancy import EngineOccupancy
-    from megatron_tail.rollout.service.service import RolloutService
+    from megatron_tail.rollout.service.engines import Engines
 
-    engines = object.__new__(RolloutService)  # the counters only: no engine, client or scorer
+    engines = object.__new__(Engines)  # the counters only: no engine, client or scorer
     engines._counted = {}
     engines.client = SimpleNamespace(
         stats=ClientStats(retries=2, support_overflows=1), occupancy=EngineOccupancy()
     )
-    first = engines._client_metrics()
+    first = engines.client_metrics()
     assert first["rollout/support_overflows"] == 1.0 and first["rollout/request_retries"] == 2.0
     assert "perf/engine_idle_fraction" in first
     engines.client.stats.support_overflows += 3
-    second = engines._client_metrics()
+    second = engines.client_metrics()
     assert second["rollout/support_overflows"] == 3.0 and second["rollout/request_retries"] == 0.0
 
 
@@ -159,7 +159,7 @@ def test_a_group_that_overflows_on_every_attempt_is_a_user_error_naming_the_keys
     rollout.sampling_mask_max_tokens and the headroom rule, exit 2."""
     from types import SimpleNamespace
 
-    from megatron_tail.rollout.service.service import RolloutService
+    from megatron_tail.rollout.service.engines import Engines
     from megatron_tail.rollout.settings import TOP_K_HEADROOM
     from megatron_tail.utils.errors import UserError
 
@@ -172,7 +172,7 @@ def test_a_group_that_overflows_on_every_attempt_is_a_user_error_naming_the_keys
     app = web.Application()
     app.router.add_post("/generate", overflow)
     app.router.add_get("/health", healthy)
-    engines = object.__new__(RolloutService)  # `_run` alone, on a remote engine
+    engines = object.__new__(Engines)  # `run` alone, on a remote engine
     engines.settings = SimpleNamespace(
         wait_report_s=60.0, request_timeout_s=7.0, top_k=2, sampling_mask_max_tokens=4
     )
@@ -186,7 +186,7 @@ def test_a_group_that_overflows_on_every_attempt_is_a_user_error_naming_the_keys
 
     try:
         with pytest.raises(UserError) as info:
-            engines._run(generate(), "samples of 1 prompts × 2")
+            engines.run(generate(), "samples of 1 prompts × 2")
     finally:
         engines.loop.close()
     assert TOP_K_HEADROOM == 2

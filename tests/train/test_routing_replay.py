@@ -406,14 +406,14 @@ def test_refusals_are_one_line(tmp_path):
 
 
 def test_an_engine_without_routes_fails_the_step_with_one_line():
-    """The client's MissingRoutesError (a server started without the flag) leaves the engines' `_run` as one
+    """The client's MissingRoutesError (a server started without the flag) leaves the engines' `run` as one
     UserError line naming the flag, not an engine failure or a traceback."""
     import asyncio
     import types
 
     from megatron_tail.config import config_from_dict
     from megatron_tail.rollout.protocol import MissingRoutesError
-    from megatron_tail.rollout.service.service import RolloutService
+    from megatron_tail.rollout.service.engines import Engines
     from megatron_tail.utils.errors import UserError
 
     async def generate():
@@ -421,13 +421,13 @@ def test_an_engine_without_routes_fails_the_step_with_one_line():
             "http://x/generate sample 0: no meta_info.routed_experts (--enable-return-routed-experts?)"
         )
 
-    engines = object.__new__(RolloutService)
+    engines = object.__new__(Engines)
     engines.settings, engines.engine, engines._thread = config_from_dict({}).rollout, None, None
     engines.loop, engines.note = asyncio.new_event_loop(), print
     engines.__dict__["_watching"] = types.MethodType(lambda _self, coro, _what: coro, engines)
     try:
         with pytest.raises(UserError, match="--enable-return-routed-experts") as e:
-            engines._run(generate(), "the batch of step 1")
+            engines.run(generate(), "the batch of step 1")
     finally:
         engines.loop.close()
     assert "\n" not in str(e.value) and e.value.__cause__ is None

@@ -9,7 +9,7 @@ so the sample is exactly the concatenation the engine saw. Only observations are
 response is `turn_0 ids + obs_0 ids + turn_1 ids + ...`, with `policy_mask` True on the generated ids.
 
 The coroutine only awaits `generate` and the environment, so any scheduler can run many of them: the rollout
-manager and evaluation both do (`rollout/service/episodes.py`, `EpisodeGroups`). Per-token
+manager and evaluation both do (`rollout/service/episodes.py`, `episode_group`). Per-token
 fields ride with the ids: each policy token keeps the weight version that sampled it (`token_versions`; a
 turn that a weight update interrupted and the manager continued spans two) and, with truncated sampling,
 its sampling support (`supports`); an observation's tokens are context (`policy_mask` False, log-prob 0.0,
@@ -40,7 +40,7 @@ rule confines that to the attention context of later turns; keeping the last req
 replace each policy token's own routing by a later prefill's, which sampled nothing.
 
 Each turn asks only for the rows not held yet: `routed_experts_start_len` = the rows held = the previous
-turn's input + output − 1 (`rollout/service/episodes.py`, `EpisodeGroups`), so no row is shipped twice (and a
+turn's input + output − 1 (`rollout/service/episodes.py`, `episode_group`), so no row is shipped twice (and a
 continued partial-rollout segment asks from there on, `RolloutClient.generate_group`); rows a reply returns
 for positions already held are dropped.
 """

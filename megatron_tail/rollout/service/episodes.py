@@ -6,11 +6,12 @@ sampling) `rollout_supports`, (MoE) routes, and with an environment the `policy_
 is a one-turn episode whose environment is `NoEnvironment`: the same request and seeds as before, and the
 same batch (no `policy_mask`, no episode counters).
 
-One runner, two users: `EpisodeGroups.group` runs one prompt's group. The rollout manager
-(`RolloutService.start_manager`, every training batch) runs one group per unit of work over
-`RolloutClient.generate_group`, which with partial rollouts continues a turn that a weight-update pause
-aborted under the new weights; evaluation (`run_episodes`) runs every prompt's group over
-`RolloutClient.generate_turn`.
+One workflow, two users: `episode_group(engines, example, keys, sampling)` makes one prompt's group of
+episodes and scores it (`Reward`, the one scoring path), each turn one `Engines.generate` request; at most
+`EpisodeSampling.slots` episodes run at once (the one concurrency primitive). The rollout manager
+(`RolloutService.start_manager`, every training batch) runs one group per unit of work, continuing a turn
+that a weight-update pause aborted under the new weights with partial rollouts; evaluation maps it over its
+prompts (`evaluate_groups`).
 
 Seeds: turn 0 of sample (i, j) has exactly the single-turn sample's key (`sample_seed(base_seed, i, j)`), so
 a one-turn episode asks the engine for exactly what a single-turn rollout asked; turn t > 0 mixes t into it.
@@ -24,13 +25,13 @@ still splits over mini-batches × DP), counted in `rollout/env_failures`; more t
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from megatron_tail.utils.errors import UserError
 
 from ..batch import RolloutBatch, episode_stats, token_versions_of
-from ..client import RolloutClient
 from ..envs import Episode, EpisodeLimits, StepResult, Tokens, TurnOutput, run_episode
 from ..envs.host import EnvironmentLostError, WorkerEnv
 from ..envs.pool import EnvWorkers
@@ -43,7 +44,7 @@ from ..token_fields import to_tensors
 class NoEnvironment:
     """The environment of a single-turn sample: nothing to reset, and its first turn ends the episode. A
     single-turn sample is a one-turn episode in the code as on the wire (the same request, the same
-    seeds), so one workflow makes every sample (`EpisodeGroups`) and one converter every batch
+    seeds), so one workflow makes every sample (`episode_group`) and one converter every batch
     (`episodes_to_batch`)."""
 
     async def reset(self, row) -> None:  # noqa: ARG002 - the `EnvSession` protocol
@@ -87,7 +88,8 @@ class EnvironmentFailures(UserError):
 
 
 class FailureCount:
-    """The environment failures of one call of `run_episodes`, and its stop rule."""
+    """The environment failures of one batch or one evaluation (`EpisodeSampling.failures`), and its stop
+    rule."""
 
     def __init__(self, spec: str, episodes: int, max_fraction: float):
         self.spec, self.episodes, self.max_fraction = spec, episodes, max_fraction
@@ -134,15 +136,6 @@ def turn_sampling(sampling: SamplingConfig, tokenizer, max_turns: int) -> Sampli
     return replace(sampling, stop_token_ids=tuple(stops))
 
 
-Request = Callable[..., Awaitable[list[SampleResult]]]
-"""`request(input_ids, keys, routes_from) -> results`: one `/generate` request for the samples `keys` of one
-input (a turn of one episode, or the first turns of a prompt's group), in key order; `routes_from`: the
-`routed_experts_start_len` to send when the sampling asks for MoE routes (the rows the episode holds,
-`envs.episode`'s rule; 0 for a first turn). Evaluation sends `RolloutClient.generate_turn`; the rollout
-manager `generate_group`, which continues a turn that a weight-update pause aborted under the new weights
-(partial rollouts)."""
-
-
 def with_routes_from(sampling: SamplingConfig, routes_from: int) -> SamplingConfig:
     """`sampling` asking for MoE routes from position `routes_from` on (unchanged when it asks for none)."""
     if not sampling.return_routed_experts:
@@ -170,137 +163,174 @@ def turn_output(result: SampleResult) -> TurnOutput:
     )
 
 
-@dataclass
-class EpisodeGroups:
-    """Runs one prompt's group of `n` episodes (`group`), the unit of both the rollout manager
-    (`RolloutService.start_manager`, one group per unit of work) and evaluation (`run_episodes`, every
-    prompt). Environments run in `envs`' workers; at most `semaphore`'s count of episodes
-    run at once over every group sharing it (`rollout.max_concurrency` counts episodes)."""
+@dataclass(frozen=True)
+class Example:
+    """A prompt and its reference answer (what the manager's `prompt_at` and evaluation hand the workflow)."""
 
-    request: Request
-    envs: EnvWorkers | None
-    """The environments' workers; None with `env_spec` None (single-turn samples: `NoEnvironment`)."""
-    env_spec: str | None
+    prompt_ids: Sequence[int]
+    answer: str
+
+
+@dataclass(frozen=True)
+class GroupKeys:
+    """Which samples a group is: prompt position `position` under `base_seed` (each turn's key is
+    `turn_key`'s), from environment attempt `first_attempt` on (the manager's regenerations start later)."""
+
+    position: int
+    base_seed: int
+    first_attempt: int
+
+
+class Reward:
+    """The one scoring path: the run's reward of each episode's final text against the answer (`score`, a
+    `rewards.scorer.RewardScorer` in its worker process, or any `(texts, answers) -> rewards`), off the
+    event loop, one batch at a time (one reward worker); `correct_reward` makes a sample correct."""
+
+    def __init__(self, score: Callable[[list[str], list[str]], list[float]], correct_reward: float):
+        self.score, self.correct_reward = score, correct_reward
+        self.waiting = 0
+        """Finished groups waiting for the reward worker or being scored; a wait report names them."""
+        self._one_at_a_time = asyncio.Lock()
+
+    async def __call__(self, texts: list[str], answers: list[str]) -> list[float]:
+        self.waiting += 1
+        try:
+            async with self._one_at_a_time:
+                return await asyncio.to_thread(self.score, texts, answers)
+        finally:
+            self.waiting -= 1
+
+
+@dataclass
+class EpisodeSampling:
+    """What every group of one use shares: the rollout manager's groups (every training batch), or one
+    evaluation's. Each turn is one request of `turn` (one sample per key), with DVP's processor when
+    `pruned` and continuing a turn a weight-update pause aborted when `partial` (`Engines.generate`);
+    `n` episodes a group, their environments `env_spec` in `envs`' workers (None: `NoEnvironment`, one-turn
+    episodes), within `limits`; at most `slots` episodes at once over every group sharing it (the one
+    concurrency primitive); environment failures counted in `failures` (the manager swaps in a new count
+    per batch); scored by `reward`; with `supports`, every turn's sampling support in the batch."""
+
+    turn: SamplingConfig
     n: int
+    pruned: bool
+    partial: bool
+    env_spec: str | None
+    envs: EnvWorkers | None
     limits: EpisodeLimits
     tokens: Tokens
-    semaphore: asyncio.Semaphore
+    slots: asyncio.BoundedSemaphore
     failures: FailureCount
-    """Where environment failures are counted (and the stop rule checked); the manager swaps in a new one
-    per batch."""
-
-    async def group(
-        self, i: int, prompt: Sequence[int], answer: str, *, base_seed: int, first_attempt: int = 0
-    ):
-        """The `n` episodes of prompt `i` (`prompt`, scored against `answer`; its turns' seeds `turn_key` of
-        (`base_seed`, `i`)), in sample order. An
-        environment that raises or times out (`EnvironmentError_`, `EnvironmentTimeoutError`) fails its
-        episode, and the group is generated again with fresh seeds (`turn_key`'s attempt, from
-        `first_attempt`), at most `MAX_ENV_ATTEMPTS` times; the group's other episodes of that attempt are
-        discarded. An episode whose environment state another episode's timeout took
-        (`EnvironmentLostError`) regenerates its group too but is not the environment's failure. Failures
-        are counted in `failures`; a group failing on every attempt raises `EnvironmentFailures`. Any other
-        error (the engines') is raised."""
-        first_turns: dict[int, asyncio.Task] = {}  # attempt → its n first turns, one request (as single-turn)
-        try:
-            for attempt in range(first_attempt, first_attempt + MAX_ENV_ATTEMPTS):
-                runs = (
-                    self._one(i, j, attempt, base_seed, prompt, answer, first_turns) for j in range(self.n)
-                )
-                results = await asyncio.gather(*runs, return_exceptions=True)
-                failed = [r for r in results if isinstance(r, BaseException)]
-                for error in failed:
-                    if not isinstance(error, ENV_FAILURES):
-                        raise error
-                for error in failed:
-                    self.failures.add(error)
-                if not failed:
-                    return results
-        finally:
-            pending = [t for t in first_turns.values() if not t.done()]
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-        last = self.failures.last or failed[-1]
-        raise EnvironmentFailures(
-            f"environment {self.env_spec!r}: the episodes of prompt {i} failed on all {MAX_ENV_ATTEMPTS} "
-            f"attempts; last: {_one_line(last)}"
-        )
-
-    async def _one(self, i, j, attempt, base_seed, prompt, answer, first_turns) -> Episode:
-        held = 0  # routes: positions the episode holds after the last turn (its input + output − 1)
-
-        async def generate(input_ids: list[int], turn: int) -> TurnOutput:
-            nonlocal held
-            if turn == 0:
-                if attempt not in first_turns:
-                    keys = [turn_key(base_seed, i, k, 0, attempt) for k in range(self.n)]
-                    first_turns[attempt] = asyncio.ensure_future(self.request(list(prompt), keys, 0))
-                result = (await asyncio.shield(first_turns[attempt]))[j]
-            else:
-                key = turn_key(base_seed, i, j, turn, attempt)
-                (result,) = await self.request(input_ids, [key], held)
-            held = len(input_ids) + len(result.output_ids) - 1
-            return turn_output(result)
-
-        name = f"b{base_seed}-p{i}-s{j}" + (f"-a{attempt}" if attempt else "")
-        env = NoEnvironment() if self.env_spec is None else WorkerEnv(self.envs, self.env_spec, name)
-        async with self.semaphore:
-            row = {"answer": answer, "index": i}
-            return await run_episode(generate, env, prompt, row, self.limits, self.tokens)
+    reward: Reward
+    supports: bool
 
 
-async def run_episodes(
-    client: RolloutClient,
-    envs: EnvWorkers | None,
-    env_spec: str | None,
-    prompts: Sequence[Sequence[int]],
-    answers: Sequence[str],
-    sampling: SamplingConfig,
-    limits: EpisodeLimits,
-    tokens: Tokens,
-    *,
-    max_concurrency: int,
-    max_failure_fraction: float = 0.5,
-    failures: FailureCount | None = None,
-) -> list[Episode]:
-    """`sampling.n_samples` episodes per prompt, prompt-major (groups contiguous), each group by
-    `EpisodeGroups.group` (environment failures regenerate their group); their environments run in `envs`'
-    workers (`rollout.env_workers`), each call under its time limit, many at once. Failures are counted in
-    `failures` (a `FailureCount`, or a new one); when more than `max_failure_fraction` of the step's
-    episodes have failed, or a group failed on every attempt, `EnvironmentFailures` stops the step with one
-    line naming the environment and the last error. Any other error (the engines') fails the step."""
-    await client.check_health()
-    per_turn = replace(sampling, n_samples=1)
-    n = sampling.n_samples
-    count = (
-        failures if failures is not None else FailureCount(env_spec, len(prompts) * n, max_failure_fraction)
+@dataclass
+class Group:
+    """One prompt's scored group: its episodes in sample order, and the same as a `RolloutBatch`."""
+
+    episodes: list[Episode]
+    batch: RolloutBatch
+
+
+async def episode_group(engines, example, keys: GroupKeys, sampling: EpisodeSampling) -> Group:
+    """The workflow: `sampling.n` episodes of `example` over `engines` (`Engines`, or anything with its
+    `generate`), seeded by `keys`, scored (`Reward`) and as a batch (`episodes_to_batch`: the reward total,
+    correctness, per-token fields). The rollout manager's unit of work, and what evaluation maps over its
+    prompts (`evaluate_groups`)."""
+    started = time.perf_counter()
+    episodes = await _group_episodes(engines, example, keys, sampling)
+    elapsed = time.perf_counter() - started
+    rewards = await sampling.reward([e.final_text for e in episodes], [example.answer] * len(episodes))
+    batch = episodes_to_batch(
+        episodes,
+        rewards,
+        correct_reward=sampling.reward.correct_reward,
+        elapsed_s=elapsed,
+        supports=sampling.supports,
+        environment=sampling.env_spec is not None,
     )
+    return Group(episodes, batch)
 
-    async def request(input_ids: list[int], keys: list[SampleKey], routes_from: int) -> list[SampleResult]:
-        return await client.generate_turn(input_ids, keys, with_routes_from(per_turn, routes_from))
 
-    runner = EpisodeGroups(
-        request,
-        envs,
-        env_spec,
-        n,
-        limits,
-        tokens,
-        asyncio.Semaphore(max_concurrency),
-        count,
-    )
+async def evaluate_groups(engines, examples: Sequence, sampling: EpisodeSampling) -> list[Group]:
+    """`episode_group` of every example, prompt `i` at position `i` under `sampling.turn.base_seed`, all at
+    once within `sampling.slots`; the engines are probed once first. An environment failing too often
+    (`EnvironmentFailures`) or any other error (the engines') fails the evaluation."""
+    await engines.check_health(pruned=sampling.pruned)
+    base_seed = sampling.turn.base_seed
     tasks = [
-        asyncio.create_task(runner.group(i, prompts[i], answers[i], base_seed=sampling.base_seed))
-        for i in range(len(prompts))
+        asyncio.create_task(episode_group(engines, example, GroupKeys(i, base_seed, 0), sampling))
+        for i, example in enumerate(examples)
     ]
     try:
-        return [episode for grouped in await asyncio.gather(*tasks) for episode in grouped]
+        return list(await asyncio.gather(*tasks))
     except BaseException:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
+
+
+async def _group_episodes(engines, example, keys: GroupKeys, s: EpisodeSampling) -> list[Episode]:
+    """The `n` episodes of `example` in sample order. An environment that raises or times out
+    (`EnvironmentError_`, `EnvironmentTimeoutError`) fails its episode, and the group is generated again
+    with fresh seeds (`turn_key`'s attempt, from `keys.first_attempt`), at most `MAX_ENV_ATTEMPTS` times;
+    the group's other episodes of that attempt are discarded. An episode whose environment state another
+    episode's timeout took (`EnvironmentLostError`) regenerates its group too but is not the environment's
+    failure. Failures are counted in `s.failures`; a group failing on every attempt raises
+    `EnvironmentFailures`. Any other error (the engines') is raised."""
+    first_turns: dict[int, asyncio.Task] = {}  # attempt → its n first turns, one request (as single-turn)
+    try:
+        for attempt in range(keys.first_attempt, keys.first_attempt + MAX_ENV_ATTEMPTS):
+            runs = (_episode(engines, example, keys, s, attempt, j, first_turns) for j in range(s.n))
+            results = await asyncio.gather(*runs, return_exceptions=True)
+            failed = [r for r in results if isinstance(r, BaseException)]
+            for error in failed:
+                if not isinstance(error, ENV_FAILURES):
+                    raise error
+            for error in failed:
+                s.failures.add(error)
+            if not failed:
+                return results
+    finally:
+        pending = [t for t in first_turns.values() if not t.done()]
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    last = s.failures.last or failed[-1]
+    raise EnvironmentFailures(
+        f"environment {s.env_spec!r}: the episodes of prompt {keys.position} failed on all "
+        f"{MAX_ENV_ATTEMPTS} attempts; last: {_one_line(last)}"
+    )
+
+
+async def _episode(engines, example, keys: GroupKeys, s: EpisodeSampling, attempt, j, first_turns) -> Episode:
+    i, base_seed, prompt = keys.position, keys.base_seed, list(example.prompt_ids)
+    held = 0  # routes: positions the episode holds after the last turn (its input + output − 1)
+
+    def request(input_ids: list[int], turn_keys: list[SampleKey], routes_from: int):
+        # routes: only the rows the episode lacks (`envs.episode`'s rule; 0 for a first turn)
+        sampling = with_routes_from(s.turn, routes_from)
+        return engines.generate(list(input_ids), turn_keys, sampling, pruned=s.pruned, partial=s.partial)
+
+    async def generate(input_ids: list[int], turn: int) -> TurnOutput:
+        nonlocal held
+        if turn == 0:
+            if attempt not in first_turns:
+                turn_keys = [turn_key(base_seed, i, k, 0, attempt) for k in range(s.n)]
+                first_turns[attempt] = asyncio.ensure_future(request(prompt, turn_keys, 0))
+            result = (await asyncio.shield(first_turns[attempt]))[j]
+        else:
+            (result,) = await request(input_ids, [turn_key(base_seed, i, j, turn, attempt)], held)
+        held = len(input_ids) + len(result.output_ids) - 1
+        return turn_output(result)
+
+    name = f"b{base_seed}-p{i}-s{j}" + (f"-a{attempt}" if attempt else "")
+    env = NoEnvironment() if s.env_spec is None else WorkerEnv(s.envs, s.env_spec, name)
+    async with s.slots:
+        row = {"answer": example.answer, "index": i}
+        return await run_episode(generate, env, prompt, row, s.limits, s.tokens)
 
 
 def episodes_to_batch(

@@ -1,4 +1,4 @@
-"""What a failure while rank 0 waits for its engines is reported as (`RolloutService._run`).
+"""What a failure while rank 0 waits for its engines is reported as (`Engines.run`).
 
 - an outside failure (`EngineFailure`, exit 4: the last checkpoint is kept, a rerun resumes): the local engine
   ended (its signal or exit code) or is stopped, or an engine did not answer (transport errors, retries

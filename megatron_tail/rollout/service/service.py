@@ -1,91 +1,67 @@
-"""The rollout service on the trainer's rank 0: the engines (a local engine it starts, or remote SGLang
-servers), the rollout manager that generates every training batch on them and scores it with the reward,
-evaluation, and pushing new weights to the engines. It reads its settings (`RolloutSection`) and the run's
-decisions (`plan.RolloutPlan`); the trainer asks it for batches, weight syncs and evaluations.
+"""The rollout service on the trainer's rank 0: the engines (`engines.Engines`: a local engine it starts, or
+remote SGLang servers), the rollout manager that generates every training batch on them and scores it with the
+reward, evaluation, and pushing new weights to the engines. It reads its settings (`RolloutSection`) and the
+run's decisions (`plan.RolloutPlan`); the trainer asks it for batches, weight syncs and evaluations.
 
 Only global rank 0 makes a `RolloutService`; the other ranks receive the `RolloutBatch` by broadcast
-(`train.engine.collectives.on_rank0`). All HTTP work runs on one private asyncio event loop, so the RL loop
-stays synchronous: until the rollout manager starts, the caller's thread runs it; from then on it runs in its
-own thread (the manager's units of work, one prompt's group each, are the `managed.ManagedRollout` mixin) and
-callers hand it coroutines.
+(`train.engine.collectives.on_rank0`). Training and evaluation run one workflow (`episodes.episode_group`):
+the manager's unit of work is one prompt's group, evaluation maps it over its prompts.
+
+Seeds (`managed.group_seeds`): group `index` (the prompt stream's position) is the `index % G`-th prompt of
+step `index // G` (G = `plan.groups_per_step`), so at η = 0 and η = 1 a run draws the same tokens as the
+step-wise rollout it replaced (`tests/loop/test_one_generation_path.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import threading
+import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from megatron_tail.rewards.pass_at_k import eval_statistics
 from megatron_tail.rewards.scorer import RewardScorer
 from megatron_tail.utils.errors import UserError
-from megatron_tail.utils.net import free_port
 
-from ..client import RolloutClient, SupportOverflowsExhausted
-from ..launch import LocalEngineConfig, wait_until_healthy
-from ..local_engine.process import LocalEngineProcess
-from ..manager import RolloutManager
-from ..processor import DVPLogitProcessor
-from ..protocol import MissingRoutesError, SamplingConfig
+from ..batch import RolloutBatch
+from ..dynamic_sampling import has_reward_signal
+from ..manager import GroupResult, RolloutManager
+from ..protocol import SamplingConfig
 from ..settings import RolloutSection
-from ..weight_sync import DiskWeightSync, DistributedWeightSync, SyncTimes, WeightSource
-from .failures import (
-    EngineFailure,
-    classify,
-    engine_ended,
-    limit_text,
-    overflows_exhausted,
+from ..weight_sync import SyncTimes, WeightSource
+from .engines import Engines
+from .episodes import (
+    MAX_ENV_ATTEMPTS,
+    EpisodeSampling,
+    Example,
+    FailureCount,
+    GroupKeys,
+    Reward,
+    episode_group,
+    evaluate_groups,
+    turn_sampling,
 )
-from .managed import ManagedRollout
-from .plan import Reporting, RolloutPlan
+from .managed import group_seeds, manager_batch, record_trained_prompts
+from .plan import RolloutPlan
 
 EVAL_SEED = 987_654_321
 """`base_seed` of every sampled evaluation: the same seeds each time, so evaluations differ by the weights."""
-
-ENGINE_POLL_S = 0.5
-"""While waiting for the engines, how often to check that the local engine process is still there: its
-requests cannot come back once it is gone, and the client would otherwise probe a dead port for a minute."""
 
 SLOW_CALL_S = 1.0
 """A reward batch or an environment call running this long at a wait report is what the report names (a
 batch scores and a tool call answers in milliseconds to seconds; the engines' requests are named
 otherwise)."""
-SIGNAL_CHECK_S = 0.2
-"""The main thread, waiting for the rollout thread, returns to Python this often: a stop signal is
-acknowledged (and a second one acted on) within it."""
 
 
-class RolloutService(ManagedRollout):
-    """Engines, client and rewards on global rank 0. Made early (a local engine loads meanwhile),
+class RolloutService:
+    """Engines, rewards and environments on global rank 0. Made early (a local engine loads meanwhile),
     then `wait_ready()`, `start_manager(...)`, `next_batch(...)`, `evaluate(...)`, `sync_weights(...)`,
     and `close()`."""
 
-    reporting: Reporting = Reporting()
-    """Where wait reports go and what a stop signal is told (the plan's; this default: print, nothing)."""
-
     def __init__(self, settings: RolloutSection, plan: RolloutPlan, tokenizer):
-        self.settings = settings
-        self.plan = plan
-        self.tokenizer = tokenizer
-        self.reporting = plan.reporting
-        self.note = plan.reporting.note
-        """Where the wait-progress lines go (rank 0's console)."""
-        self.vocab_size = plan.vocab_size
-        self.routes_shape = plan.routes_shape
-        """MoE: `(layers, top_k)` of the routes the engines return (routing replay), else None."""
-        self.context_length = plan.context_length
-        """The engines' context length: the model's (as the local engine and SGLang without
-        `--context-length` use it); a multi-turn episode whose next turn would exceed it ends."""
-        self._log_rho = plan.log_rho
-        """DVP's log ρ of the requests sent from now on (`set_log_rho`); None without DVP."""
-        self._counted: dict[str, int] = {}
-        """The client's counters at the last batch (`_client_metrics` logs what they added since)."""
         # in a worker process, bounded by data.reward_timeout_s per batch; started here, on the main thread
-        self.score = RewardScorer(plan.reward.name, timeout_s=plan.reward.timeout_s)
-        self.envs = None
-        """The environments' workers (`rollout.env_workers`, `rollout.envs.pool`), with `rollout.env`."""
+        score = RewardScorer(plan.reward.name, timeout_s=plan.reward.timeout_s)
+        envs = None
         try:
             # the environment fails here, by name, if the spec is bad (the workers load it too)
             if settings.env is not None:
@@ -94,249 +70,76 @@ class RolloutService(ManagedRollout):
 
                 load_env_class(settings.env)
                 r = settings
-                self.envs = EnvWorkers(
+                envs = EnvWorkers(
                     r.env_workers,
                     timeout_s=r.env_timeout_s or plan.reward.timeout_s,
                     timeout_name="rollout.env_timeout_s" if r.env_timeout_s else "data.reward_timeout_s",
                 )
-            self._connect()
+            engines = Engines.connect(settings, plan)
         except BaseException:
-            self.score.close()
-            if self.envs is not None:
-                self.envs.close()
+            score.close()
+            if envs is not None:
+                envs.close()
             raise
+        self._assemble(settings, plan, tokenizer, engines, score, envs)
 
-    def _connect(self) -> None:
-        self.engine: LocalEngineProcess | None = None
-        local: LocalEngineConfig | None = None
-        r = self.settings
-        if r.engine == "local":
-            local = r.local_engine_config(
-                self.plan.model_path,
-                port=r.local_port or free_port(),
-                return_routed_experts=self.routes_shape is not None,
-            )
-            self.urls = [local.url]
-        else:
-            self.urls = list(r.server_urls)
-        self.weight_sync = self._weight_sync(local is not None)
-        client_cfg = r.client_config()
-        self.client = RolloutClient(
-            self.urls,
-            client_cfg,
-            processor=DVPLogitProcessor.to_str() if self.plan.log_rho is not None else None,
-            server_ended=self._local_engine_ended,
-        )
-        self.eval_client = RolloutClient(
-            self.urls, client_cfg, processor=None, server_ended=self._local_engine_ended
-        )
-        self.loop = asyncio.new_event_loop()
-        self._thread: threading.Thread | None = None
-        """Runs `loop` forever once the rollout manager starts; before, callers run it in turn."""
+    @classmethod
+    def assemble(cls, settings: RolloutSection, plan: RolloutPlan, tokenizer, engines, score, envs):
+        """A service over `engines` (`Engines`), scoring with `score` (`(texts, answers) -> rewards`), with
+        the environments' workers `envs` (None without `rollout.env`): nothing is started."""
+        self = cls.__new__(cls)
+        self._assemble(settings, plan, tokenizer, engines, score, envs)
+        return self
+
+    def _assemble(self, settings, plan, tokenizer, engines: Engines, score, envs) -> None:
+        self.settings, self.plan, self.tokenizer = settings, plan, tokenizer
+        self.engines, self.score, self.envs = engines, score, envs
+        """`envs`: the environments' workers (`rollout.env_workers`, `rollout.envs.pool`), or None."""
+        self.reward = Reward(score, plan.reward.correct_reward)
+        self.note = plan.reporting.note
+        """Where the wait-progress lines go (rank 0's console)."""
         self.manager: RolloutManager | None = None
-        self._manager_episodes = None
-        """With `rollout.env`, the manager's runner of episode groups (`episodes.EpisodeGroups`)."""
-        if local is not None:  # last: nothing after it can fail and leave the process behind
-            self.engine = LocalEngineProcess(local, self.plan.local_engine_log)
+        self._manager_sampling: EpisodeSampling | None = None
+        """What the manager's groups share (`start_manager`)."""
+        engines.slow_calls = self._slow_calls
 
     def wait_ready(self) -> None:
-        """Block until every engine answers `/health` (an `EngineFailure` naming the local engine, how it
-        ended, its log and the log's last line if it ends meanwhile); with in-memory sync, then form the
-        weight group with them."""
-        self._wait_healthy()
-        if self.in_memory_sync:
-            self._run(self.weight_sync.init_group(), "the weight-sync group", limit="sync_timeout_s")
-
-    def _wait_healthy(self) -> None:
-        timeout = self.settings.startup_timeout_s
-        if self.engine is not None:
-            started = time.monotonic()
-            reported = started
-            while True:
-                # a signal (the OOM killer) or an exit code: either is an outside failure, the engine's own
-                # error is in its log (its last line goes in the message), not in this process's stack, and
-                # train checked the model directory before starting it: left are memory, disk, a port in use
-                if (how := self.engine.ended()) is not None:
-                    raise engine_ended(self.engine, how, "it to load", last_words=True)
-                try:
-                    self._run(wait_until_healthy(self.urls, timeout_s=2.0, interval_s=0.2))
-                    return
-                except TimeoutError:
-                    now = time.monotonic()
-                    if now - started > timeout:
-                        limit = limit_text(self.settings, "startup_timeout_s")
-                        raise EngineFailure(
-                            f"{self.engine.describe()} did not answer /health within {limit}; its log: "
-                            f"{self.engine.log_path}"
-                        ) from None
-                    if now - reported >= self.settings.wait_report_s:
-                        reported = now
-                        self.note(
-                            f"waiting for the local engine on {self.urls[0]} to load: {now - started:.0f} s "
-                            f"so far (rollout.startup_timeout_s={timeout:g}; log: {self.engine.log_path})"
-                        )
-        self._run(
-            wait_until_healthy(self.urls, timeout_s=timeout), "the engines' /health", "startup_timeout_s"
-        )
-
-    def _sampling(self, base_seed: int) -> SamplingConfig:
-        return self.settings.sampling(
-            self.plan.group_size,
-            log_rho=self.sampling_log_rho(),
-            base_seed=base_seed,
-            routes_shape=self.routes_shape,
-            top_logprob=True,  # ε̂ of the mismatch diagnostics (DVP Prop. 4.2)
-        )
-
-    def _client_metrics(self) -> dict[str, float]:
-        """The engines' occupancy since the last batch, and the client's counters over the same span:
-        `rollout/request_retries` (attempts after a failure) and `rollout/support_overflows` (requests
-        generated again because a token's support exceeded the servers' mask cap)."""
-        stats = self.client.stats
-        now = {"rollout/request_retries": stats.retries, "rollout/support_overflows": stats.support_overflows}
-        since = {k: float(v - self._counted.get(k, 0)) for k, v in now.items()}
-        self._counted = now
-        return {**self.client.occupancy.read(), **since}
-
-    def evaluate(self, prompt_ids: Sequence[Sequence[int]], answers: Sequence[str]) -> dict[str, float]:
-        """`train.eval_samples_per_prompt` = n samples per prompt at the training temperature (with DVP if on:
-        the policy being trained; fixed seeds, so evaluations differ only by the weights) → `eval/pass@k`
-        (unbiased), `eval/mean@n` (= `eval/sampled_accuracy`), `eval/sampled_reward`; and greedy decoding →
-        `eval/greedy_accuracy`, `eval/greedy_reward`."""
-        r = self.settings
-        sampled = r.sampling(
-            self.plan.eval_samples_per_prompt, log_rho=self.sampling_log_rho(), base_seed=EVAL_SEED
-        )
-        greedy = r.greedy_sampling()
-        out = {}
-        for name, client, sampling in (
-            ("sampled", self.client, sampled),
-            ("greedy", self.eval_client, greedy),
-        ):
-            what = f"{name} eval samples of {len(prompt_ids)} prompts"
-            rewards, failures = self._eval_episodes(client, prompt_ids, answers, sampling, what)
-            if r.env is not None:
-                for tag, count in failures.metrics().items():  # rollout/env_failures → eval/env_failures
-                    key = "eval/" + tag.split("/", 1)[1]
-                    out[key] = out.get(key, 0.0) + count
-                if failures.failures or failures.lost:
-                    self.note(
-                        f"evaluation ({name}): {failures.failures} episode(s) failed in environment "
-                        f"{r.env!r} and {failures.lost} lost their worker, each group generated again"
-                        + (f"; last: {failures.last_line()}" if failures.last is not None else "")
-                    )
-            correct = [x >= self.plan.reward.correct_reward for x in rewards]
-            out[f"eval/{name}_accuracy"] = sum(correct) / len(correct)
-            out[f"eval/{name}_reward"] = sum(rewards) / len(rewards)
-            if name == "sampled":
-                k = sampling.n_samples
-                rows = [correct[i * k : (i + 1) * k] for i in range(len(prompt_ids))]
-                out.update({f"eval/{tag}": v for tag, v in eval_statistics(rows).items()})
-        return out
-
-    def _eval_episodes(self, client, prompt_ids, answers, sampling: SamplingConfig, what: str):
-        """`(rewards, failures)`: the rewards of every prompt's evaluation episodes, sample-major in prompt
-        order (the run's reward of each last turn plus the environment's rewards), by the one workflow
-        (`episodes.run_episodes`; without `rollout.env`, one-turn episodes: the single-turn samples), and the
-        `episodes.FailureCount` of the evaluation. An environment's failure fails its episode's group only,
-        generated again with fresh seeds, until more than `rollout.max_env_failure_fraction` of the episodes
-        failed (`episodes.EnvironmentFailures`)."""
-        from .episodes import FailureCount, run_episodes, turn_sampling
-
-        r = self.settings
-        n = sampling.n_samples
-        failures = FailureCount(r.env or "none", len(prompt_ids) * n, r.max_env_failure_fraction)
-        episodes = self._run(
-            run_episodes(
-                client,
-                self.envs,
-                r.env,
-                prompt_ids,
-                answers,
-                turn_sampling(sampling, self.tokenizer, r.max_turns),
-                self._episode_limits(sampling),
-                self._tokens(),
-                max_concurrency=r.episodes_at_once(n),
-                failures=failures,
-            ),
-            what,
-        )
-        for i, e in enumerate(episodes):
-            self._check_ids(e.response_ids, f"evaluation episode {i}", self.urls[0])
-        rewards = self.score([e.final_text for e in episodes], [a for a in answers for _ in range(n)])
-        return [r + e.env_reward for r, e in zip(rewards, episodes, strict=True)], failures
-
-    def sync_weights(self, weights: WeightSource, version: int | str) -> SyncTimes:
-        """Every engine loads `weights` as `weight_version=str(version)`, and the rollout manager admits the
-        groups from now on at `version`. First, without partial rollouts, the groups in flight finish under
-        the weights they began with (`drain_s`); then `rollout.weight_sync` decides the form: "disk",
-        `weights.export(plan.weight_sync_dir)` and the engines load that directory; "distributed",
-        `weights.tensors()` streamed to them in memory (`sync_s`)."""
-        draining = time.perf_counter()
-        self.before_weight_update()
-        started = time.perf_counter()
-        if self.in_memory_sync:
-            source = weights.tensors()
-        else:
-            source = weights.export(self.plan.weight_sync_dir)
-        self._run(
-            self.weight_sync.update(source, weight_version=str(version)),
-            f"weight sync to version {version}",
-            limit="sync_timeout_s" if self.in_memory_sync else "request_timeout_s",
-        )
-        sync_s = time.perf_counter() - started
-        self.after_weight_update(version)
-        return SyncTimes(drain_s=started - draining, sync_s=sync_s)
-
-    def _weight_sync(self, local: bool):
-        """`rollout.weight_sync`: disk, or in memory over a process group with the engines (tensors cast to
-        the engines' dtype on the sender)."""
-        r = self.settings
-        if r.weight_sync == "disk":
-            return DiskWeightSync(
-                self.urls,
-                timeout_s=r.request_timeout_s,
-                pause_mode=r.pause_mode,
-                timeout_name="rollout.request_timeout_s",
-            )
-        import os
-        import socket
-
-        import torch
-
-        # rank 0 hosts the group's rendezvous: the engines reach it by the name its node has for Slurm
-        address = r.sync_master_address or (
-            "127.0.0.1" if local else os.environ.get("SLURMD_NODENAME") or socket.getfqdn()
-        )
-        engine_dtype = r.local_engine_dtype if local else (r.dtype or "bfloat16")
-        return DistributedWeightSync(
-            self.urls,
-            master_address=address,
-            master_port=r.sync_master_port or free_port(),
-            backend="nccl" if torch.cuda.is_available() else "gloo",
-            timeout_s=r.sync_timeout_s,
-            timeout_name="rollout.sync_timeout_s",
-            bucket_mb=r.sync_bucket_mb,
-            dtype=getattr(torch, engine_dtype),
-            pause_mode=r.pause_mode,
-        )
-
-    @property
-    def in_memory_sync(self) -> bool:
-        return isinstance(self.weight_sync, DistributedWeightSync)
+        """The engines answer `/health` (`Engines.wait_ready`)."""
+        self.engines.wait_ready()
 
     def sampling_log_rho(self) -> float | None:
-        """The log ρ the engines prune with now (None without DVP): as the processor applies it, the same
-        the trainer's op gets (`algorithm.safe_set_on`). Read when each request is built, so with
-        `algorithm.log_rho: auto` (the session calls `set_log_rho` each step) requests go out at the current
-        ρ."""
-        if self.client.processor is None:
-            return None
-        return self._log_rho
+        """The log ρ the engines prune with now (`Engines.sampling_log_rho`)."""
+        return self.engines.sampling_log_rho()
 
     def set_log_rho(self, log_rho: float) -> None:
         """The log ρ of the requests sent from now on (new groups and continued segments)."""
-        self._log_rho = log_rho
+        self.engines.set_log_rho(log_rho)
+
+    # --- the workflow's shared parts ------------------------------------------------------------------
+
+    def _episode_sampling(
+        self, sampling: SamplingConfig, *, pruned: bool, partial: bool, supports: bool, episodes: int
+    ) -> EpisodeSampling:
+        """What the groups of one use share: `sampling`'s turns (with more than one turn, `<|im_end|>` stops
+        too), at most `rollout.max_concurrency` episodes at once (requests without an environment), an
+        environment failure count over `episodes` episodes, this service's reward."""
+        r = self.settings
+        n = sampling.n_samples
+        per_turn = dataclasses.replace(turn_sampling(sampling, self.tokenizer, r.max_turns), n_samples=1)
+        return EpisodeSampling(
+            turn=per_turn,
+            n=n,
+            pruned=pruned,
+            partial=partial,
+            env_spec=r.env,
+            envs=self.envs,
+            limits=self._episode_limits(sampling),
+            tokens=self._tokens(),
+            slots=asyncio.BoundedSemaphore(r.episodes_at_once(n)),
+            failures=FailureCount(r.env or "none", episodes, r.max_env_failure_fraction),
+            reward=self.reward,
+            supports=supports,
+        )
 
     def _episode_limits(self, sampling: SamplingConfig):
         """An episode's limits under `sampling`: the settings' turns and observation length, and the longest
@@ -345,7 +148,7 @@ class RolloutService(ManagedRollout):
 
         r = self.settings
         return EpisodeLimits(
-            r.max_turns, r.max_observation_tokens, self.context_length - sampling.max_new_tokens
+            r.max_turns, r.max_observation_tokens, self.plan.context_length - sampling.max_new_tokens
         )
 
     def _tokens(self):
@@ -361,140 +164,202 @@ class RolloutService(ManagedRollout):
         """An environment's observation → ids (its special tokens, e.g. `<|im_start|>`, as single ids)."""
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def _check_token_ids(self, samples) -> None:
-        """Every generated id is in the model's vocabulary (an engine serving another model, or a broken one,
-        would otherwise fail the trainer's embedding lookup without naming the sample)."""
-        for sample in samples:
-            self._check_ids(sample.output_ids, f"sample {sample.key.rid}", sample.server_url)
+    # --- training: the rollout manager ----------------------------------------------------------------
 
-    def _local_engine_ended(self, url: str) -> str | None:
-        """How the local engine serving `url` ended, or None (alive, or not ours: a remote server). The
-        grace: its dropped connection can arrive before its exit status (`LocalEngineProcess.ended`)."""
-        if self.engine is None or url != self.engine.url:
-            return None
-        return self.engine.ended(grace_s=1.0)
+    def start_manager(
+        self, prompt_at: Callable[[int], object], version: int, state: dict | None, *, multiple: int = 1
+    ) -> None:
+        """Run the engines' event loop in its own thread from now on, with a `RolloutManager` on it
+        (η = `rollout.max_staleness`; η = 0 the synchronous loop, η = 1 one step ahead) whose unit of work is
+        `episode_group` of group `index`, from `prompt_at(index)` (an example with `prompt_ids` and
+        `answer`), seeded `group_seeds`; a batch that dynamic sampling cuts short has a multiple of
+        `multiple` groups (what the trainer splits). Each turn's request goes at the ρ in force when it is
+        sent (adaptive ρ), and with partial rollouts continues a turn that a weight-update pause aborted
+        under the new weights. The manager's `attempt` a: without an environment, the keys of
+        `client.regeneration_keys(..., a)`; with one, environment attempts a·`MAX_ENV_ATTEMPTS` onwards, so
+        every regeneration, by the manager or after an environment failure, has fresh seeds."""
+        r, plan = self.settings, self.plan
+        sampling = self._training_sampling(base_seed=0)  # each group's base seed: `group_seeds`
+        # the versions of a group's tokens decide what is stale only when groups may span or be dropped
+        needs_versions = r.partial_rollouts or r.stale_groups == "drop"
+        shared = self._manager_sampling = self._episode_sampling(
+            sampling,
+            pruned=True,
+            partial=r.partial_rollouts,
+            supports=r.truncates,
+            episodes=plan.groups_per_step * sampling.n_samples,  # per batch: a step's episodes
+        )
+        environment = r.env is not None
 
-    def _check_ids(self, ids: Sequence[int], what: str, url: str) -> None:
-        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):  # builtins: C speed over long responses
-            position, token = next((p, t) for p, t in enumerate(ids) if not 0 <= t < self.vocab_size)
-            raise UserError(
-                f"engine {url} returned token id {token} (response position {position}) in "
-                f"{what}, outside the vocabulary of {self.plan.model_path} "
-                f"(vocab_size {self.vocab_size}); is the engine serving another model?"
+        async def work(index: int, admitted: int, attempt: int) -> GroupResult:
+            base_seed, position = group_seeds(plan.seed, index, plan.groups_per_step)
+            first = attempt * MAX_ENV_ATTEMPTS if environment else attempt
+            group = await episode_group(
+                self.engines, prompt_at(index), GroupKeys(position, base_seed, first), shared
             )
+            batch = group.batch
+            if batch.token_versions is None and needs_versions:
+                raise UserError(
+                    f"an engine reported weight version {batch.weight_versions[0]!r}, not an integer; "
+                    "rollout.partial_rollouts and rollout.stale_groups=drop need the versions the trainer "
+                    "sets"
+                )
+            return GroupResult(index, batch, admitted)
 
-    def _run(self, coro, waiting_for: str = "", limit: str = "request_timeout_s"):
-        """Run `coro` on the private loop. With `waiting_for` (what the engines are asked for): every
-        `rollout.wait_report_s` say what for and for how long, and raise an engine's failure as an
-        `EngineFailure` naming the engine, how it failed and the limit `rollout.<limit>` that applies (a
-        500 from the local engine as a `LocalEngineError`; support overflows on every attempt as a
-        `UserError`, `engine_failures.overflows_exhausted`); which is which: `engine_failures.classify`."""
-        if not waiting_for:
-            return self._drive(coro)
-        try:
-            with self.reporting.waiting(waiting_for):
-                return self._drive(self._watching(coro, waiting_for))
-        except SupportOverflowsExhausted as error:
-            raise overflows_exhausted(error, self.settings) from error
-        except MissingRoutesError as error:  # a server without the routes flag: the launch's doing, one line
-            raise UserError(f"routing replay: {error}") from None
-        except Exception as error:
-            failure = classify(error, self.engine, self.settings, waiting_for, limit)
-            if failure is None:
-                raise
-            raise failure from error
+        keep = None
+        if plan.filter_zero_variance_groups:
+            keep = lambda g: has_reward_signal(g.batch.rewards)  # noqa: E731 - DAPO's filter
+        self.manager = RolloutManager(
+            work,
+            groups_per_step=plan.groups_per_step,
+            max_staleness=r.max_staleness,
+            version=version,
+            keep=keep,
+            max_filtered_per_batch=plan.groups_per_step * plan.max_sampling_rounds,
+            multiple=multiple,
+            max_in_flight=-(-r.episodes_at_once(sampling.n_samples) // sampling.n_samples),  # groups
+            stale_groups=r.stale_groups,
+            total_steps=plan.total_steps,
+        )
+        if state is not None:
+            self.manager.load_state_dict(state)
+        self.engines.start_thread()
+        self.engines.call(self.manager.start)
 
-    def _drive(self, coro):
-        if self._thread is None:
-            return self.loop.run_until_complete(coro)
-        # A timed wait, not `future.result()`: an untimed lock wait does not return to Python when a signal
-        # arrives (the handlers ask for SA_RESTART), so a stop signal was neither acknowledged nor acted on
-        # until the whole rollout returned. Each timed wait ends in Python, where the handlers run; a second
-        # signal's StepAbandoned then cancels the rollout's task.
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        try:
-            while not future.done():
-                concurrent.futures.wait([future], timeout=SIGNAL_CHECK_S)
-        except BaseException:
-            future.cancel()
-            raise
-        return future.result()
-
-    async def _watching(self, coro, waiting_for: str):
-        """Await `coro`, saying every `rollout.wait_report_s` what for and how long; stop waiting when the
-        local engine ends (every `ENGINE_POLL_S`)."""
-        task = asyncio.ensure_future(coro)
-        started = reported = time.monotonic()
-        poll_s = self.settings.wait_report_s
-        if self.engine is not None:
-            poll_s = min(poll_s, ENGINE_POLL_S)
-        try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=poll_s)
-                if done:
-                    return task.result()
-                if self.engine is not None and (how := self.engine.ended()) is not None:
-                    raise engine_ended(self.engine, how, waiting_for)
-                now = time.monotonic()
-                if now - reported >= self.settings.wait_report_s:
-                    reported = now
-                    self.note(self._waiting_line(waiting_for, now - started))
-        finally:
-            if not task.done():
-                task.cancel()
-
-    def _waiting_line(self, waiting_for: str, waited_s: float) -> str:
-        """What the trainer waits for: the reward worker scoring a batch for `SLOW_CALL_S` or more, or an
-        environment call that has run that long (the oldest, its worker and the limit that stops it), else
-        the engines' requests in flight."""
-        r = self.settings
-        in_flight = {u: n for c in (self.client, self.eval_client) for u, n in c.in_flight.items() if n}
-        where = ", ".join(f"{u}: {n}" for u, n in sorted(in_flight.items())) or ", ".join(self.urls)
-        now = time.monotonic()
-        slow = [
-            c for c in (reward_clause(self.score, self.groups_to_score, now), env_clause(self.envs, now)) if c
-        ]
-        if slow:
-            engines = (
-                f"{sum(in_flight.values())} engine requests in flight" if in_flight else "no engine requests"
-            )
-            return (
-                f"waiting for {waiting_for}: {waited_s:.0f} s so far; {'; '.join(slow)}; {engines}; "
-                f"{self.reporting.stop_hint()}"
-            )
-        return (
-            f"waiting for {waiting_for} from the engines ({where} requests in flight): {waited_s:.0f} s so "
-            f"far; a request is retried after rollout.request_timeout_s={r.request_timeout_s:g} s; "
-            f"{self.reporting.stop_hint()}"
+    def _training_sampling(self, base_seed: int) -> SamplingConfig:
+        """Training's sampling: `algorithm.group_size` samples a prompt at the ρ in force, MoE routes with
+        routing replay, the top log-prob (ε̂ of the mismatch diagnostics, DVP Prop. 4.2)."""
+        return self.settings.sampling(
+            self.plan.group_size,
+            log_rho=self.sampling_log_rho(),
+            base_seed=base_seed,
+            routes_shape=self.plan.routes_shape,
+            top_logprob=True,
         )
 
-    def _drain(self) -> None:
-        """Cancel and finish the tasks a stop left pending (an abandoned step), so closing the loop prints no
-        "Task was destroyed but it is pending" or "Event loop is closed"."""
-        pending = [t for t in asyncio.all_tasks(self.loop) if not t.done()]
-        for task in pending:
-            task.cancel()
-        if pending:
-            self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    def _episode_failures(self) -> dict[str, float]:
+        """The manager's environment failures since the last batch (`rollout/env_failures`,
+        `rollout/env_episodes_lost`); the next batch's count starts at 0 (call on the engines' loop)."""
+        old = self._manager_sampling.failures
+        self._manager_sampling.failures = FailureCount(old.spec, old.episodes, old.max_fraction)
+        return old.metrics()
+
+    def next_batch(self, step: int, progress: Callable[[int], None] | None = None) -> RolloutBatch:
+        """Step `step`'s batch from the manager (blocks until G groups are completed, or dynamic sampling
+        gave up); `progress(groups complete)` as they complete (called on the engines' thread)."""
+        started = time.perf_counter()
+        groups, metrics = self.engines.run(
+            self.manager.next_batch(step, progress), f"the batch of step {step + 1}"
+        )
+        metrics = {**metrics, **self.engines.client_metrics()}
+        if self.settings.env is not None:
+            metrics.update(self.engines.call(self._episode_failures))
+        if self.plan.run_dir is not None:
+            record_trained_prompts(self.plan.run_dir, step + 1, [g.index for g in groups])
+        return manager_batch(groups, metrics, self.manager.next_index, time.perf_counter() - started)
+
+    def manager_state(self) -> dict | None:
+        return None if self.manager is None else self.engines.call(self.manager.state_dict)
+
+    # --- weights --------------------------------------------------------------------------------------
+
+    def sync_weights(self, weights: WeightSource, version: int | str) -> SyncTimes:
+        """Every engine loads `weights` as `weight_version=str(version)`, and the rollout manager admits the
+        groups from now on at `version`. First, without partial rollouts, the groups in flight finish under
+        the weights they began with (`drain_s`); then `rollout.weight_sync` decides the form: "disk",
+        `weights.export(plan.weight_sync_dir)` and the engines load that directory; "distributed",
+        `weights.tensors()` streamed to them in memory (`sync_s`)."""
+        draining = time.perf_counter()
+        self.before_weight_update()
+        started = time.perf_counter()
+        if self.engines.in_memory_sync:
+            source = weights.tensors()
+        else:
+            source = weights.export(self.plan.weight_sync_dir)
+        self.engines.update_weights(source, version)
+        sync_s = time.perf_counter() - started
+        self.after_weight_update(version)
+        return SyncTimes(drain_s=started - draining, sync_s=sync_s)
+
+    def before_weight_update(self) -> None:
+        """Without partial rollouts, let the groups in flight finish under the weights they began with."""
+        if self.manager is not None and not self.settings.partial_rollouts:
+            self.engines.run(self.manager.drain(), "the groups in flight to finish before the weight update")
+
+    def after_weight_update(self, version: int | str) -> None:
+        """The manager admits groups up to the new bound (`RolloutManager.set_version`)."""
+        if self.manager is not None:
+            self.engines.call(self.manager.set_version, version)
+
+    # --- evaluation -----------------------------------------------------------------------------------
+
+    def evaluate(self, prompt_ids: Sequence[Sequence[int]], answers: Sequence[str]) -> dict[str, float]:
+        """`train.eval_samples_per_prompt` = n samples per prompt at the training temperature (with DVP if on:
+        the policy being trained; fixed seeds, so evaluations differ only by the weights) → `eval/pass@k`
+        (unbiased), `eval/mean@n` (= `eval/sampled_accuracy`), `eval/sampled_reward`; and greedy decoding →
+        `eval/greedy_accuracy`, `eval/greedy_reward`. Each by the one workflow over every prompt
+        (`episodes.evaluate_groups`; without `rollout.env`, one-turn episodes: the single-turn samples). An
+        environment's failure fails its episode's group only, generated again with fresh seeds, until more
+        than `rollout.max_env_failure_fraction` of the episodes failed (`episodes.EnvironmentFailures`)."""
+        r = self.settings
+        sampled = r.sampling(
+            self.plan.eval_samples_per_prompt, log_rho=self.sampling_log_rho(), base_seed=EVAL_SEED
+        )
+        examples = [Example(p, a) for p, a in zip(prompt_ids, answers, strict=True)]
+        out = {}
+        for name, pruned, sampling in (("sampled", True, sampled), ("greedy", False, r.greedy_sampling())):
+            what = f"{name} eval samples of {len(prompt_ids)} prompts"
+            shared = self._episode_sampling(
+                sampling,
+                pruned=pruned,
+                partial=False,
+                supports=False,
+                episodes=len(examples) * sampling.n_samples,
+            )
+            groups = self.engines.run(evaluate_groups(self.engines, examples, shared), what)
+            failures = shared.failures
+            if r.env is not None:
+                for tag, count in failures.metrics().items():  # rollout/env_failures → eval/env_failures
+                    key = "eval/" + tag.split("/", 1)[1]
+                    out[key] = out.get(key, 0.0) + count
+                if failures.failures or failures.lost:
+                    self.note(
+                        f"evaluation ({name}): {failures.failures} episode(s) failed in environment "
+                        f"{r.env!r} and {failures.lost} lost their worker, each group generated again"
+                        + (f"; last: {failures.last_line()}" if failures.last is not None else "")
+                    )
+            rewards = [x for g in groups for x in g.batch.rewards]
+            correct = [c for g in groups for c in g.batch.correct]
+            out[f"eval/{name}_accuracy"] = sum(correct) / len(correct)
+            out[f"eval/{name}_reward"] = sum(rewards) / len(rewards)
+            if name == "sampled":
+                out.update(
+                    {
+                        f"eval/{tag}": v
+                        for tag, v in eval_statistics([g.batch.correct for g in groups]).items()
+                    }
+                )
+        return out
+
+    # --- reports, closing -----------------------------------------------------------------------------
+
+    def _slow_calls(self, now: float) -> list[str]:
+        """What a wait report names besides the engines: the reward worker or an environment call that has
+        run `SLOW_CALL_S` or more at `now`."""
+        return slow_clauses(self.score, self.reward.waiting, self.envs, now)
 
     def close(self) -> None:
         try:
-            if self.manager is not None and self._thread is not None and self._thread.is_alive():
-                asyncio.run_coroutine_threadsafe(self.manager.close(), self.loop).result(timeout=60)
-            if self._thread is not None:  # back to one thread driving the loop
-                self.loop.call_soon_threadsafe(self.loop.stop)
-                self._thread.join(timeout=60)
-                self._thread = None
-            self._drain()
-            for client in (self.client, self.eval_client):
-                self._run(client.close())
+            self.engines.close(self.manager)
         finally:
-            self.loop.close()
             self.score.close()
             if self.envs is not None:
                 self.envs.close()
-            if self.engine is not None:
-                self.engine.stop()
+
+
+def slow_clauses(score, groups_to_score: int, envs, now: float) -> list[str]:
+    """The wait report's clauses of `reward_clause` and `env_clause` at `now` that apply."""
+    return [c for c in (reward_clause(score, groups_to_score, now), env_clause(envs, now)) if c]
 
 
 def reward_clause(score: RewardScorer, groups: int, now: float) -> str | None:

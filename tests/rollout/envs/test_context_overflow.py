@@ -13,7 +13,8 @@ import pytest
 from megatron_tail.rollout import SamplingConfig
 from megatron_tail.rollout.envs import EpisodeLimits, Tokens, TurnOutput, run_episode
 from megatron_tail.rollout.envs.pool import EnvWorkers
-from megatron_tail.rollout.service.episodes import episodes_to_batch, run_episodes
+from megatron_tail.rollout.service.episodes import episodes_to_batch
+from tests.rollout.envs.groups import run_groups
 
 CONTEXT, MAX_NEW = 16, 4
 PROMPT = [11, 12, 13]
@@ -79,12 +80,12 @@ def test_a_turn_that_would_not_fit_ends_the_episode_before_its_observation():
 
 
 class Client:
-    """`RolloutClient.generate_turn` that rejects what does not fit, as the engine does."""
+    """`Engines.generate` that rejects what does not fit, as the engine does."""
 
-    async def check_health(self):
-        return {}
+    async def check_health(self, *, pruned):  # noqa: ARG002 - the `Engines` seam
+        return None
 
-    async def generate_turn(self, input_ids, keys, sampling):
+    async def generate(self, input_ids, keys, sampling, *, pruned, partial):  # noqa: ARG002
         _check(input_ids, sampling.max_new_tokens)
         return [
             SimpleNamespace(output_ids=[60, 2], output_logprobs=[-0.5, -0.25], finish_reason={"type": "stop"},
@@ -98,7 +99,7 @@ def test_overflowing_episodes_are_counted_and_the_step_goes_on():
     pool = EnvWorkers(2, timeout_s=30.0, timeout_name="data.reward_timeout_s")
     try:
         episodes = asyncio.run(
-            run_episodes(
+            run_groups(
                 Client(), pool, "tests.rollout.envs.fault_envs:AlwaysContinues", [PROMPT, [*PROMPT, 14, 15]],
                 ["a", "b"], SamplingConfig(n_samples=2, max_new_tokens=MAX_NEW, log_rho=None),
                 EpisodeLimits(max_turns=5, max_observation_tokens=8, max_input_tokens=CONTEXT - MAX_NEW),

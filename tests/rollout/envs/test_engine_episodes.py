@@ -14,7 +14,7 @@ import torch
 from megatron_tail.rollout import ClientConfig, RolloutClient, SamplingConfig
 from megatron_tail.rollout.envs import EpisodeLimits, Tokens
 from megatron_tail.rollout.envs.pool import EnvWorkers
-from megatron_tail.rollout.service.episodes import run_episodes
+from tests.rollout.envs.groups import ClientEngines, run_groups
 from tests.rollout.servers import start_servers
 
 PROMPTS = [[5, 6, 76, 7, 84], [8, 9, 76, 10, 84]]
@@ -57,9 +57,10 @@ def _three_turn_episodes(server, tokenizer, **truncation) -> list:
         pool = EnvWorkers(2, timeout_s=30, timeout_name="data.reward_timeout_s")
         try:
             async with RolloutClient([server.url], ClientConfig(request_timeout_s=60), processor=None) as c:
-                return await run_episodes(
-                    c, pool, "tests.rollout.envs.fault_envs:AlwaysContinues", PROMPTS, ANSWERS, sampling,
-                    EpisodeLimits(max_turns=3, max_observation_tokens=64), tokens, max_concurrency=4,
+                return await run_groups(
+                    ClientEngines(c), pool, "tests.rollout.envs.fault_envs:AlwaysContinues", PROMPTS, ANSWERS,
+                    sampling, EpisodeLimits(max_turns=3, max_observation_tokens=64), tokens,
+                    max_concurrency=4,
                 )  # fmt: skip
         finally:
             pool.close()

@@ -1,4 +1,4 @@
-"""Environments fail alone (`rollout.service.episodes.run_episodes`): an environment that raises, or hangs
+"""Environments fail alone (`rollout.service.episodes.episode_group`): an environment that raises, or hangs
 past `data.reward_timeout_s`, fails its episode; the episode's group is generated again with fresh seeds and
 the step goes on, counting `rollout/env_failures`; more than `rollout.max_env_failure_fraction` of the step's
 episodes failing stops it with one line naming the environment and the last exception. Real environment
@@ -14,8 +14,9 @@ import pytest
 from megatron_tail.rollout import SamplingConfig
 from megatron_tail.rollout.envs import EpisodeLimits, Tokens
 from megatron_tail.rollout.envs.pool import EnvWorkers
-from megatron_tail.rollout.service.episodes import EnvironmentFailures, FailureCount, run_episodes, turn_key
+from megatron_tail.rollout.service.episodes import EnvironmentFailures, FailureCount, turn_key
 from tests.rollout.envs import fault_envs
+from tests.rollout.envs.groups import run_groups
 
 FAILS_ONCE = "tests.rollout.envs.fault_envs:FailsOnce"
 RAISES = "tests.rollout.envs.fault_envs:StepRaises"
@@ -29,10 +30,10 @@ class RecordingClient:
     def __init__(self):
         self.keys: list[tuple[int, int, int]] = []
 
-    async def check_health(self):
-        return {}
+    async def check_health(self, *, pruned):  # noqa: ARG002 - the `Engines` seam
+        return None
 
-    async def generate_turn(self, _input_ids, keys, _sampling):
+    async def generate(self, _input_ids, keys, _sampling, *, pruned, partial):  # noqa: ARG002
         await asyncio.sleep(0)
         self.keys += [(k.prompt_index, k.sample_index, k.seed) for k in keys]
         return [
@@ -61,7 +62,7 @@ def _run(scorer, spec, answers, *, fraction=0.5, concurrency=64):
     client = RecordingClient()
     count = FailureCount(spec, len(answers) * N, fraction)
     episodes = asyncio.run(
-        run_episodes(
+        run_groups(
             client, scorer, spec, [[1, 2, 3]] * len(answers), answers,
             SamplingConfig(n_samples=N, max_new_tokens=4, log_rho=None, base_seed=11),
             EpisodeLimits(max_turns=2, max_observation_tokens=8),

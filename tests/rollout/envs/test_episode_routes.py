@@ -19,14 +19,10 @@ from megatron_tail.rollout.envs import Episode, EpisodeLimits, Tokens
 from megatron_tail.rollout.envs.pool import EnvWorkers
 from megatron_tail.rollout.local_engine.engine import LocalEngine
 from megatron_tail.rollout.local_engine.server import build_app
-from megatron_tail.rollout.service.episodes import (
-    EpisodeGroups,
-    FailureCount,
-    episodes_to_batch,
-    with_routes_from,
-)
+from megatron_tail.rollout.service.episodes import Example, GroupKeys, episode_group, episodes_to_batch
 from megatron_tail.train.rl.routing import ROUTED_FIELD, ROUTES_FIELD
 from megatron_tail.train.rl.samples import build_samples
+from tests.rollout.envs.groups import episode_sampling
 from tests.rollout.servers import serving_app
 from tests.rollout.tiny_moe import (
     DENSE_LAYER,
@@ -89,23 +85,25 @@ def test_each_position_keeps_the_route_of_the_first_request_that_fed_it(moe_dir,
             async with serving_app(build_app(engine)) as url, RolloutClient([url], processor=None) as client:
                 sync = DiskWeightSync([url])
 
-                async def request(input_ids, keys, routes_from):
-                    turn = len(starts)
-                    if turn:  # the weights that serve this turn (a trainer step between turns)
-                        await sync.update(str(models[turn]), weight_version=str(turn))
-                    starts.append(routes_from)
-                    now = with_routes_from(sampling, routes_from)
-                    return await client.generate_group(input_ids, keys, now, partial=True)
+                class Engines:
+                    """Each turn on the weights that serve it (a trainer step between turns)."""
+
+                    async def generate(self, input_ids, keys, now, *, pruned, partial):  # noqa: ARG002
+                        turn = len(starts)
+                        if turn:
+                            await sync.update(str(models[turn]), weight_version=str(turn))
+                        starts.append(now.routed_experts_start_len)
+                        return await client.generate_group(input_ids, keys, now, partial=True)
 
                 episodes = []
                 for seed in (1, 2):
                     starts.clear()
                     await sync.update(str(moe_dir), weight_version="0")
-                    runner = EpisodeGroups(
-                        request, pool, ENV, 1, EpisodeLimits(3, 8), tokens, asyncio.Semaphore(1),
-                        FailureCount(ENV, 1, 0.5),
-                    )  # fmt: skip
-                    (episode,) = await runner.group(0, PROMPT, "", base_seed=seed)
+                    shared = episode_sampling(
+                        sampling, ENV, pool, EpisodeLimits(3, 8), tokens, max_concurrency=1, episodes=1
+                    )
+                    group = await episode_group(Engines(), Example(PROMPT, ""), GroupKeys(0, seed, 0), shared)
+                    (episode,) = group.episodes
                     episodes.append((episode, list(starts)))
                 return episodes
         finally:
