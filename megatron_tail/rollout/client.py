@@ -5,9 +5,8 @@ samples of one prompt; a request that fails (connection error, timeout, HTTP 5xx
 a weight-update pause) is retried, on another healthy server when there is one, with the *same* keys
 and seeds; a request whose sampling support overflowed the servers' mask cap is generated again with
 fresh seeds under the same keys, and counted (`SupportOverflowError`; `SupportOverflowsExhausted` when every
-attempt overflowed). Results are collected into a dict
-keyed by `SampleKey`: a key returned twice or never returned raises, so a batch either comes back complete
-and duplicate-free or not at all.
+attempt overflowed). Each answer must carry its sample's `rid` with the attempt (`parse_generate_response`),
+so a request's samples come back complete, in key order, or not at all.
 """
 
 from __future__ import annotations
@@ -162,7 +161,9 @@ class RolloutClient:
             ended ("was killed by SIGKILL") or None while it runs; may block briefly (it runs in a thread).
             A request that fails on an ended server is not retried, nor logged as an attempt: it raises
             `ServerEndedError` at once, for the caller to report the death in one line.
-    Use as `async with RolloutClient(urls) as client: await client.generate(prompts, sampling)`.
+    Use as `async with RolloutClient(urls) as client: await client.generate_group(prompt, keys, sampling,
+    partial=False)`: the one generation path (`service.episodes.episode_group` sends every request through
+    it, `service.engines.Engines.generate`).
     """
 
     def __init__(
@@ -216,44 +217,6 @@ class RolloutClient:
         except (TimeoutError, aiohttp.ClientError):
             return False
 
-    async def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        sampling: SamplingConfig,
-    ) -> list[list[SampleResult]]:
-        """Sample `sampling.n_samples` completions for every prompt (token ids).
-
-        Returns `results[prompt_index][sample_index]`. Raises `RolloutError` subclasses: a request
-        rejected (4xx) or malformed response at once, `RetryableServerError` after `max_attempts`.
-        """
-        prompts = [_check_prompt(i, p) for i, p in enumerate(prompts)]
-        await self.check_health()  # once per call: a restarted server rejoins at the next step
-        expected = {key: i for i, p in enumerate(prompts) for key in sample_keys(i, sampling)}
-        if len(expected) != len(prompts) * sampling.n_samples:
-            raise RolloutError("derived sample seeds collide; change SamplingConfig.base_seed")
-        collected: dict[SampleKey, SampleResult] = {}
-        semaphore = asyncio.Semaphore(self.config.max_concurrency)
-        tasks = [
-            asyncio.create_task(
-                self._run_group(prompt, sample_keys(i, sampling), sampling, semaphore, collected)
-            )
-            for i, prompt in enumerate(prompts)
-        ]
-        try:
-            await asyncio.gather(*tasks)
-        except BaseException:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
-        missing = sorted(set(expected) - set(collected))
-        if missing:
-            raise RolloutError(f"{len(missing)} samples never came back, e.g. {[k.rid for k in missing[:5]]}")
-        grouped: list[list[SampleResult]] = [[] for _ in prompts]
-        for key in sorted(collected):
-            grouped[key.prompt_index].append(collected[key])
-        return grouped
-
     async def generate_group(
         self,
         prompt: Sequence[int],
@@ -268,7 +231,7 @@ class RolloutClient:
         "abort") is continued from its tokens: prompt + tokens so far are sent again with the remaining
         `max_new_tokens` and a seed derived from (seed, tokens so far), until it stops or hits its length;
         the segments are joined, each token keeping the log-prob and version of the request that sampled
-        it. Without `partial`, an aborted sample is generated again from the start (as `generate`).
+        it. Without `partial`, an aborted sample is generated again from the start.
         `log_rho` (adaptive ρ): the DVP log ρ in force, read when each continued segment is sent, so a
         segment after a weight update prunes at the ρ then in force (the first request uses
         `sampling.log_rho`; a retry resends its request unchanged)."""
@@ -305,14 +268,6 @@ class RolloutClient:
         if sampling.return_routed_experts:
             _check_joined_routes(sample, sampling.routed_experts_start_len)
         return sample
-
-    async def _run_group(self, prompt, keys, sampling, semaphore, collected) -> None:
-        async with semaphore:
-            results = await self._request_with_retries(prompt, keys, sampling)
-        for result in results:
-            if result.key in collected:
-                raise RolloutError(f"sample {result.key.rid} returned twice")
-            collected[result.key] = result
 
     async def _request_with_retries(self, prompt, keys, sampling, allow_abort=False) -> list[SampleResult]:
         last_error: Exception | None = None

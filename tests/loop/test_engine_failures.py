@@ -28,7 +28,7 @@ from megatron_tail.utils.errors import EXIT_OUTSIDE_FAILURE, OutsideFailure, Use
 from tests.loop.conftest import loop_overrides
 from tests.loop.engine_faults import SIGNAL_ENV
 from tests.loop.test_reliability import ENV, _train
-from tests.rollout.servers import serving_app
+from tests.rollout.servers import generate_groups, serving_app
 
 
 @pytest.fixture
@@ -177,7 +177,7 @@ def test_an_http_500_from_the_local_engine_stays_an_internal_error(sleeper, what
                 config = ClientConfig(max_attempts=2, retry_backoff_s=0.01, request_timeout_s=10)
                 async with RolloutClient([url], config, processor=None) as client:
                     sampling = SamplingConfig(n_samples=1, max_new_tokens=2, temperature=1.0, log_rho=None)
-                    await client.generate([[1, 2]], sampling)
+                    await generate_groups(client, [[1, 2]], sampling)
             else:
                 sync = DiskWeightSync([url], timeout_s=10, timeout_name="rollout.request_timeout_s")
                 await sync.update("/nowhere", weight_version="2")

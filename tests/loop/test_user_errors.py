@@ -17,6 +17,7 @@ import pytest
 from megatron_tail.config import ConfigError, load_config
 from megatron_tail.train.run.run_dir_lock import RunDirLocked, claim_run_dir
 from megatron_tail.utils.errors import EXIT_USER_ERROR, UserError
+from tests.rollout.servers import generate_groups
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
 
@@ -166,7 +167,7 @@ def test_a_request_that_times_out_is_tried_twice_not_four_times():
             with pytest.raises(
                 RetryableServerError, match=r"failed 2 attempts \(2 timed out after request_timeout"
             ):
-                await client.generate([[1, 2]], SamplingConfig(n_samples=1, max_new_tokens=2))
+                await generate_groups(client, [[1, 2]], SamplingConfig(n_samples=1, max_new_tokens=2))
         finally:
             await client.close()
             server.close()

@@ -34,3 +34,17 @@ def start_servers(
         for _ in range(count)
     ]
     return start_local_engines(configs, log_dir)
+
+
+async def generate_groups(client, prompts, sampling):
+    """Every prompt's `sampling.n_samples` samples through the one generation path
+    (`RolloutClient.generate_group`: one request a prompt, all at once, keys `sample_keys`), after one probe
+    of the servers: `results[prompt index][sample index]`. A failing request cancels the others."""
+    from megatron_tail.rollout.protocol import sample_keys
+    from megatron_tail.rollout.service.episodes import gather_or_cancel
+
+    await client.check_health()
+    return await gather_or_cancel(
+        client.generate_group(p, sample_keys(i, sampling), sampling, partial=False)
+        for i, p in enumerate(prompts)
+    )

@@ -16,7 +16,7 @@ from megatron_tail.rollout import (
     RolloutClient,
     SamplingConfig,
 )
-from tests.rollout.servers import start_servers
+from tests.rollout.servers import generate_groups, start_servers
 from tests.rollout.tiny_model import CONTEXT_LENGTH
 
 PROMPTS = [[5, 6, 76, 7, 84], [8, 9, 76, 10, 11, 84], [12, 76, 13, 84]]
@@ -29,7 +29,7 @@ def run(coro):
 async def generate(urls, prompts, sampling, config=None, client_class=None, **kwargs):
     client_class = client_class or RolloutClient
     async with client_class(urls, config or ClientConfig(request_timeout_s=60), **kwargs) as client:
-        return await client.generate(prompts, sampling), client
+        return await generate_groups(client, prompts, sampling), client
 
 
 class Watched(RolloutClient):

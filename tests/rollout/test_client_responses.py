@@ -17,7 +17,7 @@ from megatron_tail.rollout import (
     SamplingConfig,
 )
 from megatron_tail.rollout.protocol import sample_keys
-from tests.rollout.servers import serving_app
+from tests.rollout.servers import generate_groups, serving_app
 
 SAMPLING = SamplingConfig(n_samples=2, max_new_tokens=3, log_rho=-13.0)
 
@@ -52,7 +52,7 @@ async def run_against(handler, config: ClientConfig | None = None):
     app.router.add_get("/health", healthy)
     config = config or ClientConfig(max_attempts=2, retry_backoff_s=0.01, request_timeout_s=10)
     async with serving_app(app) as url, RolloutClient([url], config) as client:
-        return await client.generate([[5, 6]], SAMPLING)
+        return await generate_groups(client, [[5, 6]], SAMPLING)
 
 
 def run(handler, config=None):

@@ -25,7 +25,7 @@ from megatron_tail.rollout.protocol import (
     parse_generate_response,
 )
 from megatron_tail.rollout.routes import decode_routes, encode_routes
-from tests.rollout.servers import serving_app
+from tests.rollout.servers import generate_groups, serving_app
 from tests.rollout.test_local_engine import item
 from tests.rollout.tiny_moe import (
     DENSE_LAYER,
@@ -178,7 +178,7 @@ def test_local_engine_without_the_flag_returns_no_routes_and_the_client_names_th
 
     async def main():
         async with serving_app(build_app(engine)) as url, RolloutClient([url], processor=None) as client:
-            await client.generate([PROMPT], cfg)
+            await generate_groups(client, [PROMPT], cfg)
 
     try:
         with pytest.raises(MissingRoutesError, match="start the servers with --enable-return-routed-experts"):

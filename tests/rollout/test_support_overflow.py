@@ -15,7 +15,7 @@ from megatron_tail.rollout.local_engine.engine import LocalEngine
 from megatron_tail.rollout.local_engine.requests import parse_generate_body
 from megatron_tail.rollout.local_engine.server import build_app
 from megatron_tail.rollout.protocol import build_generate_payload, sample_keys
-from tests.rollout.servers import serving_app
+from tests.rollout.servers import generate_groups, serving_app
 
 SAMPLING = SamplingConfig(n_samples=2, max_new_tokens=3, temperature=1.0, top_k=3, log_rho=None)
 PROMPT = [5, 6, 76, 7]
@@ -80,7 +80,7 @@ def test_the_client_regenerates_an_overflowing_group_with_fresh_seeds(tiny_model
         app = build_app(engine)
         config = ClientConfig(max_attempts=3, retry_backoff_s=0.01, request_timeout_s=60)
         async with serving_app(app) as url, RolloutClient([url], config, processor=None) as client:
-            (group,) = await client.generate([PROMPT], SAMPLING)
+            (group,) = await generate_groups(client, [PROMPT], SAMPLING)
             sent.append(dict(client.stats.__dict__))
             return group, client.healthy[url]
 
@@ -115,7 +115,7 @@ def test_a_group_that_keeps_overflowing_fails_after_max_attempts_naming_the_cap(
         config = ClientConfig(max_attempts=3, retry_backoff_s=0.01, request_timeout_s=10)
         async with serving_app(app) as url, RolloutClient([url], config, processor=None) as client:
             try:
-                await client.generate([PROMPT], SAMPLING)
+                await generate_groups(client, [PROMPT], SAMPLING)
             finally:
                 assert client.stats.support_overflows == 3
 
@@ -182,7 +182,7 @@ def test_a_group_that_overflows_on_every_attempt_is_a_user_error_naming_the_keys
     async def generate():
         config = ClientConfig(max_attempts=2, retry_backoff_s=0.01, request_timeout_s=10)
         async with serving_app(app) as url, RolloutClient([url], config, processor=None) as client:
-            await client.generate([PROMPT], SAMPLING)
+            await generate_groups(client, [PROMPT], SAMPLING)
 
     try:
         with pytest.raises(UserError) as info:

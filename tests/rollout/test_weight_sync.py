@@ -19,7 +19,7 @@ from megatron_tail.rollout import (
 )
 from megatron_tail.rollout.local_engine.weights import read_safetensors_dir
 from megatron_tail.utils.net import free_port
-from tests.rollout.servers import serving_app
+from tests.rollout.servers import generate_groups, serving_app
 
 PROMPTS = [[5, 6, 76, 7, 84], [8, 9, 76, 10, 11, 84], [12, 76, 13, 84]]
 SAMPLING = SamplingConfig(n_samples=2, max_new_tokens=10, temperature=1.0, log_rho=-4.0, base_seed=11)
@@ -28,7 +28,7 @@ SAMPLING = SamplingConfig(n_samples=2, max_new_tokens=10, temperature=1.0, log_r
 async def sample(url, sampling=SAMPLING, version=None):
     """Every sample of `PROMPTS` from `url`; with `version`, each must come from that weight version."""
     async with RolloutClient([url], ClientConfig(request_timeout_s=60)) as client:
-        groups = await client.generate(PROMPTS, sampling)
+        groups = await generate_groups(client, PROMPTS, sampling)
     results = [r for group in groups for r in group]
     if version is not None:
         assert {r.weight_version for r in results} == {version}, (url, version)
@@ -92,7 +92,7 @@ def test_update_during_generation_aborts_and_client_retries_on_new_weights(serve
     async def scenario():
         sync = DiskWeightSync(urls, initial_version="100")
         async with RolloutClient(urls, ClientConfig(request_timeout_s=120, retry_backoff_s=0.05)) as client:
-            task = asyncio.create_task(client.generate(PROMPTS[:2] * 2, long_sampling))
+            task = asyncio.create_task(generate_groups(client, PROMPTS[:2] * 2, long_sampling))
             while not all(client.in_flight[u] for u in urls):
                 await asyncio.sleep(0.005)
             version = await sync.update(str(tiny_model_dir))

@@ -259,10 +259,16 @@ async def evaluate_groups(engines, examples: Sequence, sampling: EpisodeSampling
     (`EnvironmentFailures`) or any other error (the engines') fails the evaluation."""
     await engines.check_health(pruned=sampling.pruned)
     base_seed = sampling.turn.base_seed
-    tasks = [
-        asyncio.create_task(episode_group(engines, example, GroupKeys(i, base_seed, 0), sampling))
+    return await gather_or_cancel(
+        episode_group(engines, example, GroupKeys(i, base_seed, 0), sampling)
         for i, example in enumerate(examples)
-    ]
+    )
+
+
+async def gather_or_cancel(coros) -> list:
+    """The results of `coros`, run at once, in order; the first to raise cancels the others (and their end
+    is awaited) before its error is raised."""
+    tasks = [asyncio.create_task(c) for c in coros]
     try:
         return list(await asyncio.gather(*tasks))
     except BaseException:
