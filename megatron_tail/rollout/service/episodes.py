@@ -236,33 +236,47 @@ class Group:
 async def episode_group(engines, example, keys: GroupKeys, sampling: EpisodeSampling) -> Group:
     """The workflow: `sampling.n` episodes of `example` over `engines` (`Engines`, or anything with its
     `generate`), seeded by `keys`, scored (`Reward`) and as a batch (`episodes_to_batch`: the reward total,
-    correctness, per-token fields). The rollout manager's unit of work, and what evaluation maps over its
-    prompts (`evaluate_groups`)."""
+    correctness, per-token fields). The rollout manager's unit of work; evaluation runs the same episodes
+    for every prompt and scores them in one reward batch (`evaluate_groups`)."""
     started = time.perf_counter()
     episodes = await _group_episodes(engines, example, keys, sampling)
-    elapsed = time.perf_counter() - started
-    rewards = await sampling.reward([e.final_text for e in episodes], [example.answer] * len(episodes))
-    batch = episodes_to_batch(
-        episodes,
-        rewards,
-        correct_reward=sampling.reward.correct_reward,
-        elapsed_s=elapsed,
-        supports=sampling.supports,
-        environment=sampling.env_spec is not None,
-    )
-    return Group(episodes, batch)
+    (group,) = await _scored([example], [episodes], sampling, time.perf_counter() - started)
+    return group
 
 
 async def evaluate_groups(engines, examples: Sequence, sampling: EpisodeSampling) -> list[Group]:
     """`episode_group` of every example, prompt `i` at position `i` under `sampling.turn.base_seed`, all at
-    once within `sampling.slots`; the engines are probed once first. An environment failing too often
-    (`EnvironmentFailures`) or any other error (the engines') fails the evaluation."""
+    once within `sampling.slots`, the engines probed once first; every episode scored in one reward batch.
+    An environment failing too often (`EnvironmentFailures`) or any other error (the engines') fails the
+    evaluation."""
     await engines.check_health(pruned=sampling.pruned)
+    started = time.perf_counter()
     base_seed = sampling.turn.base_seed
-    return await gather_or_cancel(
-        episode_group(engines, example, GroupKeys(i, base_seed, 0), sampling)
+    episodes = await gather_or_cancel(
+        _group_episodes(engines, example, GroupKeys(i, base_seed, 0), sampling)
         for i, example in enumerate(examples)
     )
+    return await _scored(examples, episodes, sampling, time.perf_counter() - started)
+
+
+async def _scored(examples: Sequence, episodes: list[list[Episode]], s: EpisodeSampling, elapsed_s: float):
+    """The one scoring path: every group's episodes (`episodes[g]`, of `examples[g]`) scored in one reward
+    batch, then each group as a `Group` (`episodes_to_batch`)."""
+    answers = [example.answer for example, group in zip(examples, episodes, strict=True) for _ in group]
+    rewards = await s.reward([e.final_text for group in episodes for e in group], answers)
+    out, at = [], 0
+    for group in episodes:
+        batch = episodes_to_batch(
+            group,
+            rewards[at : at + len(group)],
+            correct_reward=s.reward.correct_reward,
+            elapsed_s=elapsed_s,
+            supports=s.supports,
+            environment=s.env_spec is not None,
+        )
+        out.append(Group(group, batch))
+        at += len(group)
+    return out
 
 
 async def gather_or_cancel(coros) -> list:
