@@ -1,5 +1,5 @@
 """Multi-turn episodes (`rollout.env`) under the rollout manager, with partial rollouts and truncated
-sampling: `RolloutService` runs its real manager, the episode runner (`episodes.EpisodeGroups`) with a real
+sampling: `RolloutService` runs its real manager, the one workflow (`episodes.episode_group`) with a real
 environment worker, and `RolloutClient.generate_group` against a scripted fake of the client's request
 method (no engine, no model). A weight update during a turn aborts it; the turn continues under the new
 weights, and every policy token keeps the version and log-prob of the request that sampled it, every
