@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 
+import torch
 import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
@@ -26,12 +27,20 @@ TARGETS = {"sm_90a": GPUTarget("cuda", 90, 32), "sm_80": GPUTarget("cuda", 80, 3
 """Hopper (H100, H200) and Ampere (A100)."""
 DTYPES = {"bf16": tl.float32, "fp16": tl.float32, "fp32": tl.float32, "fp64": tl.float64}
 """Logits' dtype → the kernels' compute dtype (`triton_kernels._compute_dtype`)."""
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
 
 
-def kernels(x: str, compute) -> list[tuple[str, object, dict, dict]]:
-    """(name, kernel, signature, constexprs) of every kernel for logits of dtype `x`, as the wrappers launch
-    them at Qwen3's vocabulary (block `triton_kernels._block(151936)`)."""
-    block = k._block(151_936, compute == tl.float64)
+def launch_tile(kernel: str, x: str, target: GPUTarget) -> k.Tile:
+    """The tile `triton_kernels.tile` launches `kernel` with on `target` at Qwen3's vocabulary: the table's
+    entry for that capability, or its default (the capability lookup, without a GPU to ask)."""
+    key = (kernel, k._width_class(TORCH_DTYPES[x]))
+    return k.TILES.get((*key, divmod(target.arch, 10)), k.TILES[(*key, None)])
+
+
+def kernels(x: str, compute, target: GPUTarget) -> list[tuple[str, object, dict, dict, int]]:
+    """(name, kernel, signature, constexprs, warps) of every kernel for logits of dtype `x`, as the wrappers
+    launch them on `target` at Qwen3's vocabulary (`launch_tile`)."""
+    row_max, sums, grad = (launch_tile(name, x, target) for name in k.KERNELS)
     c = "fp64" if compute == tl.float64 else "fp32"
     cols = dict(
         COL_ALL=math_cols.S_ALL, COL_SAFE=math_cols.S_SAFE, COL_SAFE_EZ=math_cols.S_SAFE_EZ,
@@ -39,11 +48,12 @@ def kernels(x: str, compute) -> list[tuple[str, object, dict, dict]]:
     )  # fmt: skip
     out = [
         ("row_max", k._row_max_kernel, {"X": f"*{x}", "stride_x": "i32", "n_cols": "i32", "OUT": f"*{c}"},
-         {"BLOCK": block, "COMPUTE": compute}),
+         {"BLOCK": row_max.block, "COMPUTE": compute}, row_max.num_warps),
         ("partial_sums", k._partials_kernel,
          {"X": f"*{x}", "stride_x": "i32", "n_cols": "i32", "MAX": f"*{c}", "THRESHOLD": f"*{c}",
-          "TARGET_COL": "*i64", "OWNED": "*i8", "inv_t": "fp32", "OUT": f"*{c}", "stride_out": "i32"},
-         {"WITH_ENTROPY": True, "WITH_COUNT": True, "BLOCK": block, "COMPUTE": compute, **cols}),
+          "TARGET_COL": "*i64", "OWNED": "*i8", "exp2_scale": "fp32", "OUT": f"*{c}", "stride_out": "i32"},
+         {"WITH_ENTROPY": True, "WITH_COUNT": True, "BLOCK": sums.block, "COMPUTE": compute, **cols},
+         sums.num_warps),
     ]  # fmt: skip
     for has_scale_h in (True, False):
         out.append(
@@ -51,7 +61,7 @@ def kernels(x: str, compute) -> list[tuple[str, object, dict, dict]]:
              {"X": f"*{x}", "stride_x": "i32", "G": f"*{x}", "stride_g": "i32", "n_cols": "i32",
               "MAX": f"*{c}", "THRESHOLD": f"*{c}", "LOG_NORM": f"*{c}", "BIAS": f"*{c}", "SCALE_H": f"*{c}",
               "inv_t": "fp32"},
-             {"HAS_SCALE_H": has_scale_h, "BLOCK": block, "COMPUTE": compute})
+             {"HAS_SCALE_H": has_scale_h, "BLOCK": grad.block, "COMPUTE": compute}, grad.num_warps)
         )  # fmt: skip
     return out
 
@@ -77,15 +87,14 @@ def main() -> None:
     rows = []
     for arch, target in TARGETS.items():
         for x, compute in DTYPES.items():
-            for name, fn, signature, constexprs in kernels(x, compute):
+            for name, fn, signature, constexprs, warps in kernels(x, compute, target):
                 source = ASTSource(fn=fn, signature={**signature, **dict.fromkeys(constexprs, "constexpr")},
                                    constexprs=constexprs)  # fmt: skip
-                compiled = triton.compile(
-                    source, target=target, options={"num_warps": k._warps(constexprs["BLOCK"])}
-                )
+                compiled = triton.compile(source, target=target, options={"num_warps": warps})
                 rows.append(
-                    {"arch": arch, "dtype": x, "kernel": name, **ptxas_report(compiled.asm["ptx"], arch)}
-                )
+                    {"arch": arch, "dtype": x, "kernel": name, "tile": [constexprs["BLOCK"], warps],
+                     **ptxas_report(compiled.asm["ptx"], arch)}
+                )  # fmt: skip
     print(json.dumps({"triton": triton.__version__, "kernels": rows}))
 
 

@@ -188,3 +188,55 @@ def test_backend_names_are_checked_and_cpu_kernels_need_the_interpreter():
         [sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=120
     )
     assert proc.stdout.startswith("backend='triton' on a cpu tensor needs Triton's interpreter"), proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("valid", "padded"),
+    [(512, 512), (700, 720), (200, 200)],
+    ids=["whole-tiles", "whole-tiles-and-a-tail", "one-narrowed-tile"],
+)
+@pytest.mark.parametrize(("entropy", "count"), [(True, False), (False, True)], ids=["entropy", "count"])
+def test_tile_boundaries_and_optional_sums(valid, padded, entropy, count):
+    """The partial sums walk whole tiles unmasked and the last partial one masked (`INTERPRETER_TILE`: 256
+    columns here): rows that end on a tile boundary, past it, and inside a single narrowed tile; the entropy
+    and |V_S| sums only when asked for. Against float64 and the PyTorch backend."""
+    logits, targets, g_l, g_h = make_problem(n=5, v=padded, vocab_size=valid, seed=11)
+    kw = dict(log_rho=-3.0, temperature=0.8, vocab_size=valid, compute_entropy=entropy)
+    outs = {}
+    for backend in ("triton", "torch"):
+        x = logits.detach().clone().requires_grad_()
+        out = vocab_parallel_masked_logprobs(x, targets, compute_safe_set_size=count, backend=backend, **kw)
+        loss = (out.logprobs * g_l).sum() + ((out.entropy * g_h).sum() if entropy else 0)
+        loss.backward()
+        outs[backend] = (out, x.grad)
+    ref, ref_grad = reference(logits, targets, g_l, g_h if entropy else torch.zeros_like(g_h), valid,
+                              log_rho=-3.0, temperature=0.8)  # fmt: skip
+    out, grad = outs["triton"]
+    names = [n for n in OUTPUTS if entropy or n != "entropy"]
+    for name in names:
+        got = getattr(out, name).double()
+        torch.testing.assert_close(got, ref[name], rtol=2e-5, atol=2e-5, msg=name)
+        torch.testing.assert_close(got, getattr(outs["torch"][0], name).double(), rtol=2e-6, atol=2e-6)
+    assert (out.entropy is None) == (not entropy) and (out.safe_set_size is None) == (not count)
+    if count:
+        assert torch.equal(out.safe_set_size, outs["torch"][0].safe_set_size)
+    torch.testing.assert_close(grad[:, :valid].double(), ref_grad, rtol=2e-5, atol=2e-5)
+    assert torch.count_nonzero(grad[:, valid:]) == 0
+
+
+def test_the_tile_table_picks_the_measured_tiles_and_narrows_them(monkeypatch):
+    from megatron_tail.ops import triton_kernels as k
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(k, "_capability", lambda _index: (9, 0))
+    assert k.tiles(torch.bfloat16, 151_936, cuda) == {
+        "row_max": k.Tile(1024, 4), "partial_sums": k.Tile(1024, 4), "grad": k.Tile(4096, 16),
+    }  # fmt: skip
+    for width in (75_968, 37_984, 18_992):  # the shards at TP = 2, 4, 8: the same tiles
+        assert k.tiles(torch.bfloat16, width, cuda) == k.tiles(torch.bfloat16, 151_936, cuda)
+    assert k.tile("grad", torch.bfloat16, 1000, cuda) == k.Tile(1024, 4)  # one narrowed tile, 8 per thread
+    assert k.tile("grad", torch.float64, 151_936, cuda) == k.Tile(2048, 8)
+    monkeypatch.setattr(k, "_capability", lambda _index: (8, 0))  # unmeasured: the projected default
+    assert k.tile("partial_sums", torch.float32, 151_936, cuda) == k.Tile(1024, 4)
+    assert k.tile("grad", torch.bfloat16, 151_936, torch.device("cpu")) == k.INTERPRETER_TILE
+    assert k.tile("row_max", torch.bfloat16, 61, torch.device("cpu")) == k.Tile(64, 1)
