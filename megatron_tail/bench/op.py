@@ -3,6 +3,9 @@ fused output layer + op against megatron's output layer + cross entropy.
 
     python -m megatron_tail.bench.op [--tokens 2048] [--vocab 32768] [--hidden 1024] [--tp 1 2]
                                      [--suites logits output_layer] [--repeats 3]
+    python -m megatron_tail.bench.op --device cuda     # the GPU report: `bench.op_report` (issue 51)
+    TRITON_INTERPRET=1 python -m megatron_tail.bench.op --peers --tokens 8 --vocab 512 --hidden 32 \
+        --fused-tokens 16 8 --repeats 1                 # the same report on a CPU at a tiny shape
 
 Suite "logits": each variant forward + backward on `[tokens, vocab/TP]` logits per rank:
   ours      `vocab_parallel_masked_logprobs` with DVP (log ρ = −13) and entropy; loss = Σ logprobs + Σ entropy
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -272,8 +276,22 @@ def main(argv: list[str] | None = None) -> None:
         "--device",
         choices=["cpu", "cuda"],
         default="cpu",
-        help="cuda: the op's backends against torch / megatron / Liger cross entropy on one GPU "
-        "(`bench.op_peers`; --tokens and --vocab default to 16384 × 151936 there)",
+        help="cuda: the op at TP = 1 and shard widths and the fused output layer against torch / megatron "
+        "/ Liger on one GPU, with issue 51's targets (`bench.op_report`; --tokens, --vocab and --hidden "
+        "default to 16384, 151936 and 4096 there)",
+    )
+    parser.add_argument(
+        "--peers",
+        action="store_true",
+        help="on a CPU: the same report as --device cuda at the shapes given (tiny: Triton's interpreter, "
+        "TRITON_INTERPRET=1)",
+    )
+    parser.add_argument(
+        "--fused-tokens",
+        type=int,
+        nargs="+",
+        default=[8192, 4096],
+        help="token counts of the fused output layer's rows in the --device cuda / --peers report",
     )
     parser.add_argument(
         "--memory-probe", nargs=3, metavar=("SUITE", "VARIANT", "DTYPE"), help=argparse.SUPPRESS
@@ -282,8 +300,8 @@ def main(argv: list[str] | None = None) -> None:
     for name in list(DTYPES):
         if name not in args.dtypes:
             del DTYPES[name]  # forked ranks and probe subprocesses see the same selection
-    if args.device == "cuda":
-        _peers_on_cuda(parser, argv, args)
+    if args.device == "cuda" or args.peers:
+        _report(parser, argv, args)
         return
     if args.memory_probe:
         print(json.dumps(memory_probe(*args.memory_probe, args.tokens, args.vocab, args.hidden)))
@@ -303,24 +321,45 @@ def main(argv: list[str] | None = None) -> None:
         print(flush=True)
 
 
-def _peers_on_cuda(parser, argv, args) -> None:
-    """`--device cuda`: `bench.op_peers`' table at Qwen3's vocabulary unless --tokens / --vocab say otherwise,
-    with megatron's TP = 1 state on NCCL (its cross entropy reads the TP group from it)."""
+def _report(parser, argv, args) -> None:
+    """`--device cuda` (or `--peers` on this CPU): `bench.op_report`, the one command a GPU run of the op
+    needs. On CUDA its shapes are the issue's unless --tokens / --vocab / --hidden / --fused-tokens say
+    otherwise; megatron's TP = 1 state (its cross entropy reads the TP group from it) on NCCL (gloo on a
+    CPU)."""
     from megatron.core import parallel_state
 
-    from .op_peers import QWEN3_VOCAB, format_rows, peer_rows
+    from .op_peers import QWEN3_VOCAB
+    from .op_report import op_report
 
-    if not torch.cuda.is_available():
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here")
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        parser.error("--peers on a CPU runs the Triton rows under Triton's interpreter: start Python with "
+                     "TRITON_INTERPRET=1 (tiny shapes only)")  # fmt: skip
     given = argv if argv is not None else sys.argv[1:]
     tokens = args.tokens if "--tokens" in given else 16384
     vocab = args.vocab if "--vocab" in given else QWEN3_VOCAB
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    hidden = args.hidden if "--hidden" in given else 4096
+    widths = tuple(dict.fromkeys(max(1, vocab // tp) for tp in (1, 2, 4, 8)))
+    fused = tuple((n, hidden, vocab) for n in args.fused_tokens)
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    backend = "nccl" if device == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    if device == "cpu":
+        from megatron_tail.patches import apply_cpu_patches
+
+        apply_cpu_patches()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    print(
+        f"torch {torch.__version__}, megatron_tail.bench.op on {device}, repeats {args.repeats}\n", flush=True
+    )
     try:
-        rows = peer_rows(tokens, vocab, device="cuda", repeats=args.repeats)
-        print(format_rows(rows, tokens, vocab, torch.cuda.get_device_name()), flush=True)
+        op_report(
+            device=device, tokens=tokens, widths=widths, fused=fused, repeats=args.repeats,
+            print_fn=lambda text: print(text, flush=True),
+        )  # fmt: skip
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()

@@ -101,8 +101,19 @@ def tile(kernel: str, dtype: torch.dtype, n_cols: int, device: torch.device) -> 
 
 
 def tiles(dtype: torch.dtype, n_cols: int, device: torch.device) -> dict[str, Tile]:
-    """Every kernel's launch config for such rows (what `bench.op` prints)."""
+    """Every kernel's launch config for such rows."""
     return {k: tile(k, dtype, n_cols, device) for k in KERNELS}
+
+
+def describe_tiles(dtype: torch.dtype, n_cols: int, device: torch.device) -> str:
+    """The configs `tiles` picks, and where they come from, on one line (what `bench.op` prints)."""
+    configs = " · ".join(f"{k} {t.block}×{t.num_warps}" for k, t in tiles(dtype, n_cols, device).items())
+    if device.type != "cuda":
+        return f"{configs} (Triton's interpreter: one fixed tile)"
+    major, minor = _capability(device.index)
+    measured = all((k, _width_class(dtype), (major, minor)) in TILES for k in KERNELS)
+    source = f"measured table, {MEASURED_H200}" if measured else "projected: no timing on this device"
+    return f"{configs} (sm_{major}{minor}, {source})"
 
 
 _COMPUTE = {torch.float64: tl.float64}
