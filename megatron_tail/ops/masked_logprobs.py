@@ -5,6 +5,17 @@ Public functional API on top, a thin `torch.autograd.Function` under it, and the
 `tp_group` passed in: a MAX of the per-token max logit (with the shard sizes piggy-backed for validation)
 and one SUM of a `[N, 4]` stack of partial sums. Backward needs no collective.
 
+Passes over the logits (the Triton backend; the PyTorch one walks the same passes in row chunks): pass 1
+the local row max, collective 1, pass 2 the partial sums, collective 2; backward one read and one write.
+Under TP > 1 the MAX collective sits between the two passes, so the forward reads this rank's shard twice
+from HBM: at TP = 1 one program could walk its row twice and find it in L2 the second time (132 rows in
+flight × 297 KB = 39 MB, under an H200's ~60 MB L2; research/op-kernels.md), but a collective cannot sit
+inside a program. Its analogue, pass 1 over a block of rows sized to L2, that block's MAX, pass 2 while it
+is cached, costs one collective per block, about what it saves (projected, not measured): at 16,384 tokens
+and TP = 2 a shard is 2.49 GB of bf16 (the second read 0.6 ms at 4.2 TB/s), and ~40 blocks of ~390 rows of
+152 KB fill 60 MB, 0.4–0.8 ms of collectives at 10–20 µs each; at TP = 8 the read is 0.15 ms against ~10
+blocks. So each call keeps one MAX and one SUM, and the forward two HBM reads of the shard.
+
 Non-finite logits: a NaN anywhere in a token's row (on any shard) makes every output of that token NaN
 and its gradient NaN; +inf likewise gives NaN (inf − inf). Nothing non-finite is ever turned into a
 finite value. −inf logits are ordinary probability-zero tokens: never in the safe set, zero gradient;
