@@ -352,9 +352,10 @@ def _report(parser, argv, args) -> None:
 
         apply_cpu_patches()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
-    print(
-        f"torch {torch.__version__}, megatron_tail.bench.op on {device}, repeats {args.repeats}\n", flush=True
-    )
+    import triton
+
+    versions = f"torch {torch.__version__}, triton {triton.__version__}"
+    print(f"{versions}, megatron_tail.bench.op on {device}, repeats {args.repeats}\n", flush=True)
     try:
         op_report(
             device=device, tokens=tokens, widths=widths, fused=fused, repeats=args.repeats,
