@@ -33,9 +33,10 @@ def _child(fn, rank, world_size, port, args, conn) -> None:
     status, payload = "ok", None
     try:
         torch.set_num_threads(1)
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
-        )
+        if port is not None:
+            dist.init_process_group(
+                "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+            )
         payload = fn(rank, world_size, *args)
     except BaseException:
         status, payload = "error", traceback.format_exc()
@@ -46,10 +47,18 @@ def _child(fn, rank, world_size, port, args, conn) -> None:
         os._exit(0)  # skip pytest's atexit hooks and process-group teardown races in the child
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0) -> list[Any]:
+def run_forked(fn: Callable[..., Any], *args: Any, timeout: float = 300.0) -> Any:
+    """Run `fn(0, 1, *args)` in one forked child without a process group (it may make and destroy its own,
+    which leaves this process free of gloo's state); return its result."""
+    return run_distributed(fn, 1, *args, timeout=timeout, process_group=False)[0]
+
+
+def run_distributed(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0, process_group: bool = True
+) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` forked gloo ranks; return the results by rank."""
     ctx = mp.get_context("fork")
-    port = free_port()
+    port = free_port() if process_group else None
     pipes, procs = [], []
     for rank in range(world_size):
         parent_end, child_end = ctx.Pipe(duplex=False)

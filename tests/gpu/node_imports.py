@@ -155,9 +155,21 @@ def record_lines(folder: Path, under: Path = GPU_DIR) -> None:
         data = {name: sorted(found) for name, found in lines.items()}
         (folder / f"{os.getpid()}.json").write_text(json.dumps(data))
 
+    global _write_lines
+    _write_lines = write
     atexit.register(write)
     threading.settrace(global_)
     sys.settrace(global_)
+
+
+_write_lines = None
+"""`record_lines`'s writer, where it runs (a forked child that ends by `os._exit` runs no atexit hook)."""
+
+
+def flush_recorded_lines() -> None:
+    """In a forked child about to `os._exit`: write the lines recorded so far (a no-op unless recording)."""
+    if _write_lines is not None:
+        _write_lines()
 
 
 def install_from_environment() -> None:
