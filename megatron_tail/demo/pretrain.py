@@ -259,7 +259,11 @@ def _save_progress(progress: Path, settings, step: int, model, optimizer, gen) -
 
 class StopRequests:
     """Flag-setting handlers for the stop signals around a loop (main thread only; elsewhere, and when not
-    `enabled`, a no-op): the loop ends after its step instead of dying mid-step without a word."""
+    `enabled`, a no-op): the loop ends after its step instead of dying mid-step without a word. Nested, the
+    outermost one stands (`with` gives it), so a caller can hold the signals from before it announces the
+    work: a signal between the announcement and the loop's own handlers would otherwise kill the process."""
+
+    _outermost: StopRequests | None = None
 
     def __init__(self, enabled: bool = True):
         self.enabled = enabled and threading.current_thread() is threading.main_thread()
@@ -267,16 +271,22 @@ class StopRequests:
         self._previous: dict = {}
 
     def __enter__(self) -> StopRequests:
+        if StopRequests._outermost is not None:
+            return StopRequests._outermost
         if self.enabled:
             from megatron_tail.train.run.signals import STOP_SIGNALS
 
             for sig in STOP_SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
+            StopRequests._outermost = self
         return self
 
     def __exit__(self, *exc) -> None:
+        if StopRequests._outermost is self:
+            StopRequests._outermost = None
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        self._previous.clear()
 
     def _handle(self, signum: int, _frame) -> None:
         if self.received is None:

@@ -116,13 +116,17 @@ def run_demo(
         overrides = [*CALCULATOR_OVERRIDES, *overrides]
     if moe:
         overrides = [*moe_compare.MOE_OVERRIDES, *overrides]
-    from megatron_tail.demo.pretrain import PretrainStopped
+    from megatron_tail.demo.pretrain import PretrainStopped, StopRequests
 
-    try:
-        model_dir = ensure_moe_pretrained(cache) if moe else ensure_pretrained(cache, tools=tools)
-    except PretrainStopped as stopped:
-        _say(f"{stopped}: rerun the demo to continue")
-        return 128 + int(stopped.sig)
+    with StopRequests() as stop:  # from here: a stop while the model is made or checked is heard too
+        try:
+            model_dir = ensure_moe_pretrained(cache) if moe else ensure_pretrained(cache, tools=tools)
+        except PretrainStopped as stopped:
+            _say(f"{stopped}: rerun the demo to continue")
+            return 128 + int(stopped.sig)
+    if stop.received is not None:
+        _say(f"{stop.received.name}: stopped before training (the pretrained model is saved)")
+        return 128 + int(stop.received)
     train_file, test_file = ensure_data(cache)
     base = [
         f"model.hf_path={model_dir}",
