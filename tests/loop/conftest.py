@@ -91,3 +91,20 @@ def train_with_torchrun(model_dir, prompt_file, root, extra: dict, *, nproc: int
         cmd += ["--set", item]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300), run_dir
+
+
+@pytest.fixture
+def demo_cache(tiny_model_dir, tmp_path):
+    """A demo cache whose "pretrained" model is the tiny random Qwen3 (`demo.run.ensure_pretrained` takes a
+    model whose pretrain.json names the default settings)."""
+    import shutil
+    from dataclasses import asdict
+
+    from megatron_tail.demo.defaults import PRETRAIN_DIR_NAME
+    from megatron_tail.demo.pretrain import PretrainSettings
+
+    cache = tmp_path / "cache"
+    model = shutil.copytree(tiny_model_dir, cache / PRETRAIN_DIR_NAME)
+    summary = {"settings": asdict(PretrainSettings()), "greedy_accuracy": 0.0}
+    (model / "pretrain.json").write_text(json.dumps(summary))
+    return cache

@@ -8,21 +8,16 @@ step (4 prompts × 4 samples, no evaluation)."""
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict
 
 import psutil
 import pytest
 
 from megatron_tail.config.schema import ParallelSection
-from megatron_tail.demo.defaults import PRETRAIN_DIR_NAME
-from megatron_tail.demo.pretrain import PretrainSettings
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
 SHORT = [
@@ -32,17 +27,6 @@ SHORT = [
     "train.checkpoint_every=1000",
     "logging.progress=never",
 ]
-
-
-@pytest.fixture
-def demo_cache(tiny_model_dir, tmp_path):
-    """A demo cache whose "pretrained" model is the tiny random Qwen3 (`demo.run.ensure_pretrained` takes a
-    model whose pretrain.json names the default settings)."""
-    cache = tmp_path / "cache"
-    model = shutil.copytree(tiny_model_dir, cache / PRETRAIN_DIR_NAME)
-    summary = {"settings": asdict(PretrainSettings()), "greedy_accuracy": 0.0}
-    (model / "pretrain.json").write_text(json.dumps(summary))
-    return cache
 
 
 def _demo(cache, run_dir, *overrides):

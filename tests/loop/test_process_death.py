@@ -18,8 +18,9 @@ import psutil
 import pytest
 
 from megatron_tail.train.run.run_dir_lock import claim_run_dir
+from megatron_tail.train.run.torchrun import failure_outcome
 from megatron_tail.utils.errors import EXIT_PEER_LOST
-from tests.loop.test_demo_launch import ENV, _demo, _gone, demo_cache  # noqa: F401 - demo_cache: a fixture
+from tests.loop.test_demo_launch import ENV, _demo, _gone
 
 MARKER = "MT_TEST_RUN_MARKER"
 
@@ -98,7 +99,9 @@ def test_a_killed_launcher_stops_its_ranks_with_a_checkpoint_and_leaves_nothing(
     code, output, left = _finish(proc, marker, lines)
 
     assert left == [], output[-5000:]
-    assert f"SIGTERM: the launcher (pid {launcher.pid}) is gone; stopping after the current step" in output, output[-5000:]
+    assert f"SIGTERM: the launcher (pid {launcher.pid}) is gone; stopping after the current step" in output, (
+        output[-5000:]
+    )
     stopped = [line for line in output.splitlines() if "SIGTERM: stopped after step" in line]
     assert len(stopped) == 1, output[-5000:]
     step = int(stopped[0].split("stopped after step")[1].split(";")[0])
@@ -125,7 +128,9 @@ def test_a_killed_rank_is_one_line_naming_it_and_the_checkpoint_kept(demo_cache,
     kept = sorted(p.name for p in (run_dir / "checkpoints").iterdir())[-1]
     assert len(after) == 1, "\n".join(after)
     assert after[0].startswith(f"megatron-tail: trainer rank 1 (pid {victim.pid} on "), after[0]
-    assert "was killed by SIGKILL, so the run stopped without saving; the last complete checkpoint, " in after[0]
+    assert (
+        "was killed by SIGKILL, so the run stopped without saving; the last complete checkpoint, " in after[0]
+    )
     assert after[0].endswith(f"{kept}, is kept (rerun the same command to resume)"), after[0]
 
 
@@ -139,3 +144,33 @@ def _no_strays():
                 proc.kill()
         except psutil.Error:
             pass
+
+
+@pytest.mark.parametrize(
+    ("failures", "code", "says"),
+    [
+        # rank 1 killed; rank 0 lost its connection (5) or was stopped by torchrun (SIGTERM)
+        ({1: (-9, 11, 100), 0: (5, 10, 100)}, 5, "trainer rank 1 (pid 11 on "),
+        ({1: (-9, 11, 100), 0: (-15, 10, 100)}, 5, "was killed by SIGKILL"),
+        # rank 0 blocked in a collective, SIGKILLed by torchrun later: the first to die is named
+        ({0: (-9, 10, 130), 1: (-9, 11, 100)}, 5, "trainer rank 1 (pid 11 on "),
+        # the dead rank was on another node: this node's ranks all lost their connection
+        ({2: (5, 12, 100), 3: (5, 13, 100)}, 5, "a trainer rank on another node died"),
+        # one rank's user error (its one line printed); its peer found it gone and exited 5
+        ({1: (2, 11, 100), 0: (5, 10, 100)}, 2, None),
+        ({0: (2, 10, 100), 1: (-15, 11, 100)}, 2, None),
+        # an internal error (a traceback): torchrun's own report
+        ({0: (1, 10, 100), 1: (-15, 11, 100)}, None, None),
+    ],
+)
+def test_the_launchers_outcome_names_the_cause(tmp_path, failures, code, says):
+    (tmp_path / "checkpoint").write_text("/runs/x/checkpoints/step_000002")
+    got_code, line = failure_outcome(failures, tmp_path)
+    assert got_code == code
+    if says is None:
+        assert line is None
+    else:
+        assert says in line and line.endswith(
+            "so the run stopped without saving; the last complete checkpoint, "
+            "/runs/x/checkpoints/step_000002, is kept (rerun the same command to resume)"
+        )

@@ -92,16 +92,13 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_OK
         return 128 + int(e.sigval)
     except ChildFailedError as e:
-        # torchrun stops the other workers with SIGTERM once one exits: negative codes (killed by a signal)
-        codes = {failure.exitcode for failure in e.failures.values() if failure.exitcode >= 0}
-        if len(codes) == 1 and codes <= set(ONE_LINE_CODES) - {EXIT_PEER_LOST}:
-            return codes.pop()
         failures = {rank: (f.exitcode, f.pid, f.timestamp) for rank, f in e.failures.items()}
-        line = lost_rank_line(failures, marks)
-        if line is None:
+        code, line = failure_outcome(failures, marks)
+        if code is None:
             raise
-        print(f"megatron-tail: {line}", file=sys.stderr, flush=True)
-        return EXIT_PEER_LOST
+        if line is not None:
+            print(f"megatron-tail: {line}", file=sys.stderr, flush=True)
+        return code
     finally:
         shutil.rmtree(marks, ignore_errors=True)
 
@@ -115,6 +112,19 @@ def _handle_every_stop_signal(args) -> None:
 
     if getattr(args, "signals_to_handle", None) == TORCHRUN_DEFAULT_SIGNALS:
         args.signals_to_handle = ",".join(sig.name for sig in STOP_SIGNALS)
+
+
+def failure_outcome(failures: dict[int, tuple[int, int, int]], marks: Path) -> tuple[int | None, str | None]:
+    """(exit code, the line to print) for workers that failed (`lost_rank_line`'s `failures`), or (None,
+    None) for torchrun's own report. torchrun stops the others with SIGTERM once one exits (negative codes:
+    killed by a signal), and a survivor that finds its peer gone exits `EXIT_PEER_LOST`: neither is a cause.
+    The cause's one line was printed by global rank 0 when every failed worker shares a one-line code;
+    a rank killed by a signal gets this launcher's line."""
+    causes = {code for code, _, _ in failures.values() if code >= 0} - {EXIT_PEER_LOST}
+    if len(causes) == 1 and causes <= set(ONE_LINE_CODES):
+        return causes.pop(), None
+    line = lost_rank_line(failures, marks)
+    return (None, None) if line is None else (EXIT_PEER_LOST, line)
 
 
 def lost_rank_line(failures: dict[int, tuple[int, int, int]], marks: Path) -> str | None:
