@@ -44,9 +44,28 @@ def _wait_for_tokens(engine: LocalEngine, n: int, timeout_s: float = 60.0) -> No
     raise TimeoutError(f"the engine did not generate {n} tokens in {timeout_s} s")
 
 
-def _hold(engine: LocalEngine, mode: str, timeout_s: float = 60.0) -> None:
-    """Pause the engine (`mode`) and wait until its batcher is held between two decoding steps."""
-    engine.control.pause(mode)
+def _pause_at_tokens(engine: LocalEngine, n: int, mode: str) -> None:
+    """Pause the engine (`mode`) from its own batcher thread, right after the decoding step at which every
+    running sequence has `n` tokens: the hold lands at that step on a loaded machine too, where a test
+    thread that polls for `n` tokens and then pauses can be overtaken by the rest of a short generation."""
+    batcher = engine.batcher
+    step = batcher._decode_step
+
+    def step_then_pause() -> None:
+        step()
+        rows = list(batcher.running)
+        if rows and all(len(r.outputs) >= n for r in rows):
+            del batcher._decode_step  # once: the class's method again
+            engine.control.pause(mode)
+
+    batcher._decode_step = step_then_pause
+
+
+def _hold(engine: LocalEngine, mode: str | None, timeout_s: float = 60.0) -> None:
+    """Pause the engine (`mode`; None: a pause already asked for, e.g. by `_pause_at_tokens`) and wait until
+    its batcher is held between two decoding steps."""
+    if mode is not None:
+        engine.control.pause(mode)
     deadline = time.monotonic() + timeout_s
     while not engine.batcher.held:
         if time.monotonic() > deadline:

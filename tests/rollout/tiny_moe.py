@@ -97,15 +97,15 @@ def generate_across_an_update(engine, prompt: list[int], sampling, new_weights: 
     from megatron_tail.rollout.local_engine.server import build_app
     from megatron_tail.rollout.protocol import sample_keys
     from tests.rollout.servers import serving_app
-    from tests.rollout.test_partial_rollouts import _hold, _wait_for_tokens
+    from tests.rollout.test_partial_rollouts import _hold, _pause_at_tokens
 
     async def main():
         async with serving_app(build_app(engine)) as url, RolloutClient([url], processor=None) as client:
+            _pause_at_tokens(engine, 5, "in_place")
             task = asyncio.ensure_future(
                 client.generate_group(prompt, sample_keys(0, sampling), sampling, partial=True)
             )
-            await asyncio.to_thread(_wait_for_tokens, engine, 5)
-            await asyncio.to_thread(_hold, engine, "in_place")
+            await asyncio.to_thread(_hold, engine, None)  # the pause at 5 tokens, held
             await DiskWeightSync([url]).update(str(new_weights), weight_version="1")
             return await task
 
