@@ -1,7 +1,7 @@
 """Rollout, everything before the trainer: the rollout service that makes every training batch
 (`service`: engines, the rollout manager, one episode workflow for training and evaluation, the reward),
-its settings (`settings.RolloutSection`), the `/generate` client and its protocol, per-token fields declared
-once (`token_fields`), the DVP logit processor for SGLang, weight sync, environments (`envs`), launch
+its settings (`settings.RolloutSection`), the `/generate` client and its protocol, one table of per-token
+columns (`columns`), the DVP logit processor for SGLang, weight sync, environments (`envs`), launch
 helpers, and (in `local_engine`) a CPU/GPU engine that speaks SGLang's HTTP API."""
 
 from megatron_tail.utils.lazy import lazy_exports

@@ -5,9 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
-import torch
-
-from megatron_tail.utils.ragged import Ragged
+from .columns import BUILTIN_COLUMNS, LOGPROBS, ROUTES, SUPPORT, TOP_LOGPROBS, VERSIONS, ColumnTable
 
 
 def _all_true(response: list[int]) -> list[bool]:
@@ -21,7 +19,7 @@ def _unknown(_response: list[int]) -> None:
 PER_SAMPLE = {"per_sample": True, "fill": None}
 """Field metadata of a `RolloutBatch` field with one entry per sample (a per-token field: one list or
 `Ragged` per sample). Every stage that moves samples (`select_samples`, `concat_batches`, the checkpointed
-buffers) moves all such fields by this declaration, so a new per-token field costs one line in the class.
+buffers) moves all such fields by this declaration (per-token columns of the engine's live in `columns`).
 Required (`default_factory=list`) or optional (default None: where a batch lacks it, a concatenation with
 it lacks it too, as it cannot be made up). With a `fill(response_ids) -> entry` instead, a batch that lacks
 it gets it made up per sample when concatenated with one that has it (`with_fill`)."""
@@ -32,35 +30,30 @@ def with_fill(fill) -> dict:
     return {**PER_SAMPLE, "fill": fill}
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RolloutBatch:
     """One step's samples, groups of `group_size` contiguous (prompt-major), identical on every rank.
 
-    Per sample: `prompt_ids`, `response_ids`, `rollout_logprobs` (the engine's log π_infer^mp of each
-    response token), `reward`, `truncated` (hit `max_new_tokens`), `weight_version` the engine reported,
-    `rollout_top_logprobs` (the engine's log-prob of its most probable token at each response position;
-    None where the engine was not asked for it), `token_versions` (the weight version that sampled each
-    response token: a partial rollout spans several; None where an engine reported a non-integer
-    version), and with truncated sampling `rollout_supports`: per sample a `Ragged` of `len(response)`
-    rows, row j the token ids of the support the engine drew response token j from (`utils.ragged`: each
-    token costs its own ids, not the widest token's; `rollout_logprobs` are then log-probs under that
-    truncated distribution).
+    Per sample: `prompt_ids`, `response_ids`, `reward`, `truncated` (hit `max_new_tokens`), `weight_version`
+    the engine reported, and its per-token `columns` (`rollout.columns`): column name → one entry per
+    sample. The built-in ones (`columns.builtin`): `rollout_logprobs` (the engine's log π_infer^mp of each
+    response token), where requested `rollout_top_logprobs` (the engine's log-prob of its most probable token
+    at each position), `token_versions` (the weight version that sampled each response token: a partial
+    rollout spans several; absent where an engine reported a non-integer version), with truncated sampling
+    `sampling_support` (per sample a `Ragged` of `len(response)` rows, row j the token ids of the support
+    the engine drew token j from; `rollout_logprobs` are then log-probs under that truncated distribution)
+    and with routing replay `routed_experts` (per sample an integer tensor `[prompt + response − 1,
+    num_hidden_layers, top_k]` of expert ids, row p the route of token p as a forward's input; the smallest
+    integer dtype that holds the ids; a torch tensor, so a checkpointed buffer round-trips through
+    `torch.save`/`torch.load(weights_only=True)`); and any column the run declared.
     `policy_mask` (multi-turn episodes, `rollout.env`; None for single-turn batches): per response token, True
-    where the policy generated it, False for the environment's observation tokens (their log-probs above are
+    where the policy generated it, False for the environment's observation tokens (their log-probs are
     0.0 placeholders: they are context, never scored or trained).
     `sampled_log_rho` (None where unknown): per sample, the DVP log ρ the engine pruned with when it sampled
     the sample's first tokens (None: no pruning). With `algorithm.log_rho: auto` it can differ from the
     log ρ the trainer prunes with at the step that trains it (`log_rho_metrics`): a sample generated ahead
     (η ≥ 1) was sent under an earlier step's ρ. A partial rollout's later segments are sent under the ρ in
     force then; like its staleness, a sample counts as old as its oldest tokens.
-    `routed_experts` (MoE engines asked for routes, routing replay R3; None otherwise): per sample an integer
-    tensor `[prompt + response − 1, num_hidden_layers, top_k]` of expert ids, row p the route of token p as
-    a forward's input (`rollout.routes`; dense layers' columns 0), stored as the smallest unsigned/int dtype
-    that holds the ids (uint8 up to 256 experts); a torch tensor, so a checkpointed buffer round-trips
-    through `torch.save`/`torch.load(weights_only=True)`.
-    `token_fields` (None where no per-token field is declared): per sample, each declared field
-    (`rollout.token_fields`) as a tensor of one value per response token; the trainer's sample fields of
-    those names.
     `stats`: rollout time and token counts. `metrics`: TensorBoard scalars of how the batch was drawn
     (dynamic sampling), logged with the step's. `data_cursor`: the prompt stream's position after this
     batch (dynamic sampling; None when prompts are a function of the step).
@@ -68,18 +61,15 @@ class RolloutBatch:
 
     prompt_ids: list[list[int]] = field(default_factory=list, metadata=PER_SAMPLE)
     response_ids: list[list[int]] = field(default_factory=list, metadata=PER_SAMPLE)
-    rollout_logprobs: list[list[float]] = field(default_factory=list, metadata=PER_SAMPLE)
     rewards: list[float] = field(default_factory=list, metadata=PER_SAMPLE)
     correct: list[bool] = field(default_factory=list, metadata=PER_SAMPLE)
     truncated: list[bool] = field(default_factory=list, metadata=PER_SAMPLE)
     weight_versions: list[str | None] = field(default_factory=list, metadata=PER_SAMPLE)
-    rollout_top_logprobs: list[list[float]] | None = field(default=None, metadata=PER_SAMPLE)
-    rollout_supports: list[Ragged] | None = field(default=None, metadata=PER_SAMPLE)
-    token_versions: list[list[int]] | None = field(default=None, metadata=PER_SAMPLE)
     policy_mask: list[list[bool]] | None = field(default=None, metadata=with_fill(_all_true))
     sampled_log_rho: list[float | None] | None = field(default=None, metadata=with_fill(_unknown))
-    routed_experts: list[torch.Tensor] | None = field(default=None, metadata=PER_SAMPLE)
-    token_fields: list[dict[str, torch.Tensor]] | None = field(default=None, metadata=PER_SAMPLE)
+    columns: dict[str, list] = field(default_factory=dict)
+    """Per-token column name → one entry per sample (`rollout.columns`); every stage that moves samples
+    moves each column alike (a column some batches of a concatenation lack is dropped)."""
     stats: dict[str, float] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
     data_cursor: int | None = None
@@ -87,31 +77,59 @@ class RolloutBatch:
     def __len__(self) -> int:
         return len(self.response_ids)
 
+    def column(self, name: str) -> list | None:
+        """The entries of column `name`, one per sample, or None where the batch does not carry it."""
+        return self.columns.get(name)
+
     @classmethod
-    def from_dict(cls, state: dict) -> RolloutBatch:
-        """From `dataclasses.asdict(batch)` (a checkpoint's plain dicts, `Ragged` supports included)."""
-        supports = state.get("rollout_supports")
-        if supports is not None:
-            state = {**state, "rollout_supports": [Ragged.from_dict(s) for s in supports]}
-        return cls(**state)
+    def from_dict(cls, state: dict, table: ColumnTable = BUILTIN_COLUMNS) -> RolloutBatch:
+        """From `dataclasses.asdict(batch)` (a checkpoint's plain dicts; each column's entries through its
+        `restore`, `Ragged` supports included). A checkpoint of the layout before `columns` (one field per
+        built-in column, declared ones in `token_fields`) is read into columns by the same names."""
+        state = dict(state)
+        columns = dict(state.pop("columns", None) or {})
+        for old, name in _FIELDS_BEFORE_COLUMNS.items():
+            entries = state.pop(old, None)
+            if entries is not None:
+                columns[name] = entries
+        declared = state.pop("token_fields", None)
+        if declared is not None:
+            for name in declared[0] if declared else ():
+                columns[name] = [sample[name] for sample in declared]
+        return cls(**state, columns=table.restore(columns))
+
+
+_FIELDS_BEFORE_COLUMNS = {
+    "rollout_logprobs": LOGPROBS,
+    "rollout_top_logprobs": TOP_LOGPROBS,
+    "rollout_supports": SUPPORT,
+    "token_versions": VERSIONS,
+    "routed_experts": ROUTES,
+}
+"""A checkpoint's fields of the layout before `columns` → their columns."""
 
 
 PER_SAMPLE_FIELDS: tuple[str, ...] = tuple(
     f.name for f in fields(RolloutBatch) if f.metadata.get("per_sample")
 )
-"""The fields of `RolloutBatch` with one entry per sample (`PER_SAMPLE`)."""
+"""The fields of `RolloutBatch` with one entry per sample (`PER_SAMPLE`), besides `columns`."""
 _FILL = {f.name: f.metadata["fill"] for f in fields(RolloutBatch) if f.metadata.get("per_sample")}
 
 
 def select_samples(batch: RolloutBatch, rows: Sequence[int]) -> RolloutBatch:
-    """The samples `rows` of `batch` (in that order), every per-sample field alike; stats, metrics and the
-    data cursor kept."""
+    """The samples `rows` of `batch` (in that order), every per-sample field and column alike; stats,
+    metrics and the data cursor kept."""
     picked = {
         name: None if (values := getattr(batch, name)) is None else [values[i] for i in rows]
         for name in PER_SAMPLE_FIELDS
     }
+    columns = {name: [entries[i] for i in rows] for name, entries in batch.columns.items()}
     return RolloutBatch(
-        **picked, stats=dict(batch.stats), metrics=dict(batch.metrics), data_cursor=batch.data_cursor
+        **picked,
+        columns=columns,
+        stats=dict(batch.stats),
+        metrics=dict(batch.metrics),
+        data_cursor=batch.data_cursor,
     )
 
 
@@ -122,8 +140,9 @@ def select_groups(batch: RolloutBatch, groups: Sequence[int], group_size: int) -
 
 def concat_batches(batches: Sequence[RolloutBatch]) -> RolloutBatch:
     """The samples of `batches` in order, every per-sample field alike (`PER_SAMPLE`: a field some batches
-    lack is filled where it has a `fill`, else dropped); numeric stats summed (times, token and episode
-    counts). Metrics and data cursor: not carried (they describe one batch's drawing)."""
+    lack is filled where it has a `fill`, else dropped) and every column all of them carry; numeric stats
+    summed (times, token and episode counts). Metrics and data cursor: not carried (they describe one
+    batch's drawing)."""
     out = {}
     for name in PER_SAMPLE_FIELDS:
         parts = [getattr(b, name) for b in batches]
@@ -138,11 +157,13 @@ def concat_batches(batches: Sequence[RolloutBatch]) -> RolloutBatch:
             ]
         else:
             out[name] = None
+    common = [n for n in batches[0].columns if all(n in b.columns for b in batches)] if batches else []
+    columns = {n: [x for b in batches for x in b.columns[n]] for n in common}
     stats: dict[str, float] = {}
     for b in batches:
         for key, value in b.stats.items():
             stats[key] = stats.get(key, 0.0) + value
-    return RolloutBatch(**out, stats=stats)
+    return RolloutBatch(**out, columns=columns, stats=stats)
 
 
 def rollout_metrics(batch: RolloutBatch, *, policy_version: int) -> dict[str, float]:
@@ -168,8 +189,9 @@ def rollout_metrics(batch: RolloutBatch, *, policy_version: int) -> dict[str, fl
     staleness = _staleness_metrics(batch, policy_version)
     lengths = [len(r) for r in batch.response_ids]
     support = {}
-    if batch.rollout_supports is not None:  # mean |support| over the policy's tokens (not observations')
-        kept = sum(s.nnz for s in batch.rollout_supports)
+    supports = batch.column(SUPPORT)
+    if supports is not None:  # mean |support| over the policy's tokens (not observations')
+        kept = sum(s.nnz for s in supports)
         sampled = sum(lengths) if batch.policy_mask is None else sum(sum(m) for m in batch.policy_mask)
         support["rollout/support_size_mean"] = kept / max(sampled, 1)
     mean_reward = sum(batch.rewards) / n
@@ -204,8 +226,9 @@ def log_rho_metrics(batch: RolloutBatch, log_rho: float | None) -> dict[str, flo
 
 
 def _staleness_metrics(batch: RolloutBatch, policy_version: int) -> dict[str, float]:
-    if batch.token_versions is not None:
-        per_sample = [sorted(set(v)) for v in batch.token_versions]
+    token_versions = batch.column(VERSIONS)
+    if token_versions is not None:
+        per_sample = [sorted(set(v)) for v in token_versions]
         oldest = [v[0] if v else None for v in per_sample]
         # a sample with no response tokens: its reported version
         lags = [
@@ -228,11 +251,6 @@ def _staleness_metrics(batch: RolloutBatch, policy_version: int) -> dict[str, fl
 
 def _is_int(version: str | None) -> bool:
     return version is not None and version.lstrip("-").isdigit()
-
-
-def token_versions_of(versions: list[str | None]) -> list[int] | None:
-    """Per-token versions as ints, or None if any is not an integer (an engine's "default" version)."""
-    return [int(v) for v in versions] if all(_is_int(v) for v in versions) else None
 
 
 EPISODE_COUNTERS = (

@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from megatron_tail.rollout.columns import BUILTIN_COLUMNS, ColumnTable
 from megatron_tail.rollout.occupancy import EngineOccupancy
 from megatron_tail.rollout.processor import DVPLogitProcessor
 from megatron_tail.rollout.protocol import (
     MalformedResponseError,
-    MissingRoutesError,
     RequestRejectedError,
     ResponseTooLargeError,
     RetryableServerError,
@@ -39,10 +39,7 @@ from megatron_tail.rollout.protocol import (
     sample_keys,
     sample_seed,
 )
-from megatron_tail.rollout.routes import SERVER_FLAG, join_routes, route_rows
-from megatron_tail.rollout.token_fields import join_token_fields
 from megatron_tail.utils.net import base_urls
-from megatron_tail.utils.ragged import cat_rows
 
 logger = logging.getLogger(__name__)
 
@@ -173,8 +170,11 @@ class RolloutClient:
         *,
         processor: str | None = DVPLogitProcessor.to_str(),
         server_ended: Callable[[str], str | None] | None = None,
+        table: ColumnTable = BUILTIN_COLUMNS,
     ):
         self.urls = urls = base_urls(server_urls)
+        self.table = table
+        """The per-token columns the replies are parsed into (`rollout.columns`)."""
         self.config = config or ClientConfig()
         self.processor = processor
         self.server_ended = server_ended
@@ -255,18 +255,16 @@ class RolloutClient:
                 sample_seed(sample.key.seed, len(sample.output_ids), sample.segments),
             )
             rest = dataclasses.replace(sampling, n_samples=1, max_new_tokens=remaining)
-            if sampling.return_routed_experts:  # only the rows not held yet (`routes.join_routes`)
-                held = 0 if sample.routed_experts is None else len(sample.routed_experts)
-                start = sampling.routed_experts_start_len + held  # the rows held start at the first's start
-                rest = dataclasses.replace(rest, routed_experts_start_len=start)
+            rest = sample.columns.next_request(rest)  # only what is not held (MoE routes' rows)
             if log_rho is not None:
                 rest = dataclasses.replace(rest, log_rho=log_rho())
             (segment,) = await self._request_with_retries(
                 sample.prompt_ids + sample.output_ids, [key], rest, allow_abort=True
             )
             sample = join_segments(sample, segment)
-        if sampling.return_routed_experts:
-            _check_joined_routes(sample, sampling.routed_experts_start_len)
+        if sample.segments > 1:
+            where = f"{sample.server_url}/generate sample {sample.key.rid} ({sample.segments} segments)"
+            sample.columns.check_complete(len(sample.prompt_ids), len(sample.output_ids), where)
         return sample
 
     async def _request_with_retries(self, prompt, keys, sampling, allow_abort=False) -> list[SampleResult]:
@@ -286,7 +284,7 @@ class RolloutClient:
             try:
                 body = await self._post_generate(url, payload)
                 results = parse_generate_response(
-                    body, prompt, sent, sampling, attempt, url, allow_abort=allow_abort
+                    body, prompt, sent, sampling, attempt, url, allow_abort=allow_abort, table=self.table
                 )
                 if sent is keys:
                     return results
@@ -404,54 +402,19 @@ def _message(raw: bytes, limit: int = 1000) -> str:
 
 def join_segments(first: SampleResult, then: SampleResult) -> SampleResult:
     """`first` (aborted) continued by `then` (a request on `first`'s prompt + tokens): one sample with
-    `first`'s key and prompt, the tokens, log-probs and versions of both, `then`'s finish and version.
-    Routes: `then` was requested from `routed_experts_start_len` = `first`'s start + the rows it holds, so
-    position p keeps the route of the request that sampled token p + 1 (`routes.join_routes`)."""
-    top = None
-    if first.output_top_logprobs is not None and then.output_top_logprobs is not None:
-        top = first.output_top_logprobs + then.output_top_logprobs
-    logprobs = None
-    if first.output_logprobs is not None and then.output_logprobs is not None:
-        logprobs = first.output_logprobs + then.output_logprobs
-    supports = None
-    if first.output_supports is not None and then.output_supports is not None:
-        supports = cat_rows([first.output_supports, then.output_supports])
+    `first`'s key and prompt, the tokens and per-token columns of both (each token keeps the log-prob and
+    version of the request that sampled it; MoE routes: `then` was asked from the first position `first`
+    does not hold, `columns.builtin`), `then`'s finish and version."""
     return dataclasses.replace(
         then,
         key=first.key,
         prompt_ids=first.prompt_ids,
         output_ids=first.output_ids + then.output_ids,
-        output_logprobs=logprobs,
-        output_top_logprobs=top,
-        output_supports=supports,
-        output_versions=first.output_versions + then.output_versions,
+        columns=first.columns.then(then.columns),
         segments=first.segments + then.segments,
         log_rho=first.log_rho,
-        token_fields=join_token_fields(first.token_fields, then.token_fields),
         text=None,
-        routed_experts=_joined_routes(first, then),
     )
-
-
-def _joined_routes(first: SampleResult, then: SampleResult):
-    if first.routed_experts is None:  # none held: `then` was asked for every position (start 0)
-        return then.routed_experts
-    if then.routed_experts is None:  # `then` aborted without routes: the next segment asks from the same row
-        return first.routed_experts
-    return join_routes(first.routed_experts, then.routed_experts)
-
-
-def _check_joined_routes(sample: SampleResult, start: int) -> None:
-    """A finished partial rollout holds one route row per position from `start` (the first request's
-    `routed_experts_start_len`) but its last (`routes.route_rows`)."""
-    rows = route_rows(len(sample.prompt_ids), len(sample.output_ids), start)
-    held = None if sample.routed_experts is None else len(sample.routed_experts)
-    if held != rows:
-        raise MissingRoutesError(
-            f"{sample.server_url}/generate sample {sample.key.rid}: {held} route rows after joining "
-            f"{sample.segments} segments, expected {rows} (prompt + output − 1 − {start}); are all servers "
-            f"started with {SERVER_FLAG}?"
-        )
 
 
 def _reseeded(keys: list[SampleKey], overflows: int) -> list[SampleKey]:

@@ -73,6 +73,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from .batch import RolloutBatch, concat_batches
+from .columns import VERSIONS
 
 
 @dataclass
@@ -87,7 +88,7 @@ class GroupResult:
     @property
     def oldest_version(self) -> int:
         """The version of its oldest token (the admission version for a group without tokens)."""
-        versions = [v for sample in self.batch.token_versions or [] for v in sample]
+        versions = [v for sample in self.batch.column(VERSIONS) or [] for v in sample]
         return min(versions, default=self.admitted_version)
 
     def to_state(self) -> dict:

@@ -23,8 +23,11 @@ its importance weights are exact either way.
 
 MoE routes (routing replay R3): with `SamplingConfig.return_routed_experts` the request sets SGLang's
 `return_routed_experts` (and `routed_experts_start_len` when not 0) and each sample's
-`meta_info.routed_experts` is decoded into `SampleResult.routed_experts`; the format and what SGLang covers
-are in `rollout/routes.py`.
+`meta_info.routed_experts` is decoded into the sample's `routed_experts` column (`rollout.columns`); the
+format and what SGLang covers are in `rollout/routes.py`.
+
+Every per-token quantity of a reply is a column of the table the client was given (`rollout.columns`): the
+parser validates the sample and hands `meta_info` to each wanted column's parser.
 """
 
 from __future__ import annotations
@@ -33,44 +36,20 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
+from megatron_tail.rollout.columns import BUILTIN_COLUMNS, ColumnTable, Reply, TokenColumns
+from megatron_tail.rollout.columns.builtin import clip as _clip
+from megatron_tail.rollout.errors import (  # noqa: F401 - the client's errors, importable from here too
+    MalformedResponseError,
+    MissingRoutesError,
+    RequestRejectedError,
+    ResponseTooLargeError,
+    RetryableServerError,
+    RolloutError,
+    SampleAbortedError,
+)
 from megatron_tail.rollout.processor import dvp_custom_params
-from megatron_tail.rollout.routes import SERVER_FLAG, RoutesError, decode_routes, route_rows
-from megatron_tail.rollout.token_fields import parse_token_fields
-from megatron_tail.utils.ragged import Ragged
 
 _MASK63 = (1 << 63) - 1
-
-
-class RolloutError(RuntimeError):
-    """Base class of rollout client errors."""
-
-
-class MalformedResponseError(RolloutError):
-    """A server answered 200 with a body that does not match the `/generate` contract. Not retried."""
-
-
-class ResponseTooLargeError(MalformedResponseError):
-    """A response body exceeded the client's `max_response_bytes`."""
-
-
-class RequestRejectedError(RolloutError):
-    """The server rejected the request (HTTP 4xx): retrying elsewhere would not help."""
-
-
-class RetryableServerError(RolloutError):
-    """A failure another attempt may fix: connection error, timeout, HTTP 5xx, aborted sample."""
-
-
-class SampleAbortedError(RetryableServerError):
-    """The server aborted a sample (`finish_reason.type == "abort"`, e.g. a weight-update pause)."""
-
-
-class MissingRoutesError(MalformedResponseError):
-    """Routes were requested and a finished sample came back without `meta_info.routed_experts`: the server
-    was started without `--enable-return-routed-experts` (SGLang then ignores the request field). Not
-    retried: every sample of that server would miss them."""
 
 
 @dataclass(frozen=True, order=True)
@@ -90,45 +69,28 @@ class SampleKey:
 class SampleResult:
     """One generated sample.
 
-    `output_logprobs[i]` is the engine's log-prob of `output_ids[i]` (with DVP: log π^mp, float);
-    `output_top_logprobs[i]` the log-prob of the most probable token at that position, of the same
-    distribution (None unless `SamplingConfig.top_logprob`).
-    `weight_version` is the policy version the server reported when it returned the sample;
-    `output_versions[i]` the version that sampled `output_ids[i]` (SGLang 0.5.23's `meta_info.weight_versions`
-    spans where the server sends them, else `weight_version` for every token; a partial rollout continued
-    after a weight update concatenates its segments' versions). `segments`: requests the sample took (1, or
-    more when a weight-update pause aborted it and it was continued from its tokens).
+    `columns`: its per-token columns (`rollout.columns`, the table the client was given): by default
+    `rollout_logprobs` (the engine's log-prob of each output token; with DVP log π^mp), `token_versions`
+    (the weight version that sampled each token), and where the request wanted them
+    `rollout_top_logprobs`, `sampling_support` and `routed_experts`.
+    `weight_version` is the policy version the server reported when it returned the sample. `segments`:
+    requests the sample took (1, or more when a weight-update pause aborted it and it was continued from
+    its tokens, `client.join_segments`).
     """
 
     key: SampleKey
     prompt_ids: list[int]
     output_ids: list[int]
-    output_logprobs: list[float] | None
     finish_reason: dict[str, Any]
     weight_version: str | None
     server_url: str
+    columns: TokenColumns
     text: str | None = None
     meta_info: dict[str, Any] = field(default_factory=dict, repr=False)
-    output_top_logprobs: list[float] | None = None
-    output_supports: Ragged | None = None
-    """With truncated sampling: `len(output_ids)` rows, row i the ids of token i's sampling support
-    (SGLang's `output_token_sampling_mask`, in its order; `utils.ragged`, not padded); `output_logprobs`
-    then holds SGLang's
-    `output_token_sampling_logprobs` (log-prob under the truncated distribution). None otherwise."""
-    output_versions: list[str | None] = field(default_factory=list)
     segments: int = 1
-    token_fields: dict[str, list[float]] = field(default_factory=dict)
-    """The declared per-token fields (`token_fields.TOKEN_FIELDS`): name → one value per output token."""
     log_rho: float | None = None
     """DVP's log ρ the sample's first request was sent with (None: no pruning); its continued segments keep
     the first's (a sample counts as old as its oldest tokens). Set by `RolloutClient.generate_group`."""
-    routed_experts: np.ndarray | None = None
-    """With `SamplingConfig.return_routed_experts`: int32 `[len(prompt_ids) + len(output_ids) − 1 − start,
-    layers, top_k]`, row p the experts each MoE layer routed token `start + p` to, as the input of the
-    forward that sampled token `start + p + 1` (`rollout/routes.py`; `start` is the request's
-    `routed_experts_start_len`, 0 unless set; a joined partial rollout starts at its first request's
-    start). Columns of layers without a router are 0, as SGLang's. None when not requested (or an aborted
-    segment that returned none)."""
 
     @property
     def aborted(self) -> bool:
@@ -172,9 +134,10 @@ class SamplingConfig:
     """(num_hidden_layers, num_experts_per_tok) of the served model: the layout the returned routes must
     have. Required with `return_routed_experts`."""
     routed_experts_start_len: int = 0
-    """First position whose route is returned (SGLang's `routed_experts_start_len`, ≤ the prompt length).
-    0: the prompt's routes too, which R3 needs (the trainer's forward routes prompt tokens as well); the
-    client's continued partial-rollout segments set it so no row is shipped twice (`routes.join_routes`)."""
+    """First position whose route is returned (SGLang's `routed_experts_start_len`, ≤ the prompt length). 0:
+    the prompt's routes too, which R3 needs (the trainer's forward routes prompt tokens as well); the client's
+    continued partial-rollout segments set it so no row is shipped twice (`columns.builtin`, the routes'
+    `request` hook)."""
 
     @property
     def truncates(self) -> bool:
@@ -308,6 +271,7 @@ def parse_generate_response(
     server_url: str,
     *,
     allow_abort: bool = False,
+    table: ColumnTable = BUILTIN_COLUMNS,
 ) -> list[SampleResult]:
     """Validate a batch `/generate` response against what was asked; return one `SampleResult` per key.
 
@@ -323,13 +287,20 @@ def parse_generate_response(
             f"{server_url}/generate: expected a JSON list of {len(keys)} samples, got {got}: {_clip(body)}"
         )
     return [
-        _parse_one(item, prompt_ids, key, config, attempt, server_url, allow_abort)
+        _parse_one(item, prompt_ids, key, config, attempt, server_url, allow_abort, table)
         for item, key in zip(body, keys, strict=True)
     ]
 
 
 def _parse_one(
-    item, prompt_ids, key: SampleKey, config: SamplingConfig, attempt: int, url: str, allow_abort: bool
+    item,
+    prompt_ids,
+    key: SampleKey,
+    config: SamplingConfig,
+    attempt: int,
+    url: str,
+    allow_abort: bool,
+    table: ColumnTable,
 ) -> SampleResult:
     where = f"{url}/generate sample {key.rid}"
     if not isinstance(item, dict):
@@ -360,175 +331,22 @@ def _parse_one(
         raise MalformedResponseError(
             f"{where}: {len(output_ids)} output tokens exceed max_new_tokens={config.max_new_tokens}"
         )
-    if config.return_logprob and not output_ids and finish["type"] == "abort":
-        logprobs = []
-    else:
-        logprobs = _parse_logprobs(meta, output_ids, where) if config.return_logprob else None
-    top = None
-    if logprobs is not None and config.top_logprob:
-        top = _parse_top_logprobs(meta, logprobs, where) if logprobs else []
-    supports = None
-    if config.truncates and output_ids:
-        supports, selected = _parse_sampling_masks(meta, output_ids, where)
-        if top is not None:  # the same shift as the sampled token's: onto the truncated normaliser
-            top = [t + s - f for t, s, f in zip(top, selected, logprobs, strict=True)]
-        logprobs = selected
-    elif config.truncates:  # aborted before its first token
-        supports = Ragged.empty_rows(0)
     version = None if meta.get("weight_version") is None else str(meta["weight_version"])
+    reply = Reply(meta, output_ids, len(prompt_ids), config, finish, version, where)
+    try:
+        columns = table.parse(reply)
+    except MalformedResponseError:
+        raise
+    except ValueError as e:
+        raise MalformedResponseError(str(e)) from None
     return SampleResult(
         key=key,
         prompt_ids=list(prompt_ids),
         output_ids=output_ids,
-        output_logprobs=logprobs,
         finish_reason=finish,
         weight_version=version,
         server_url=url,
+        columns=columns,
         text=item.get("text"),
         meta_info=meta,
-        output_top_logprobs=top,
-        output_supports=supports,
-        output_versions=_token_versions(meta, len(output_ids), version, where),
-        token_fields=_declared_fields(meta, output_ids, finish, where),
-        routed_experts=_parse_routes(meta, len(prompt_ids), len(output_ids), config, finish, where),
     )
-
-
-def _declared_fields(meta: dict, output_ids: list[int], finish: dict, where: str) -> dict[str, list[float]]:
-    try:
-        aborted_empty = not output_ids and finish.get("type") == "abort"
-        return parse_token_fields(meta, len(output_ids), aborted_empty, where)
-    except ValueError as e:
-        raise MalformedResponseError(str(e)) from None
-
-
-def _parse_routes(
-    meta: dict, prompt_len: int, output_len: int, config: SamplingConfig, finish: dict, where: str
-) -> np.ndarray | None:
-    """`meta_info.routed_experts` as int32 `[rows, layers, top_k]` (`routes.decode_routes`); the string leaves
-    `meta` (at 48 layers × top-8 it is ≈ 2 KB per token). An aborted sample may come without: SGLang collects
-    routes only for a request that ends in a forward batch, not one aborted in the waiting queue."""
-    if not config.return_routed_experts:
-        return None
-    encoded = meta.pop("routed_experts", None)
-    if encoded is None:
-        if finish.get("type") == "abort":
-            return None
-        raise MissingRoutesError(
-            f"{where}: the reply has no meta_info.routed_experts though the request set "
-            f"return_routed_experts (routing replay r3): start the servers with {SERVER_FLAG} "
-            f"(SGLang's flag; the local engine's `megatron-tail serve-local {SERVER_FLAG}`)"
-        )
-    layers, top_k = config.routes_shape
-    rows = route_rows(prompt_len, output_len, config.routed_experts_start_len)
-    try:
-        return decode_routes(encoded, rows, layers, top_k, where)
-    except RoutesError as e:
-        raise MalformedResponseError(str(e)) from None
-
-
-def _token_versions(meta: dict, n: int, version: str | None, where: str) -> list[str | None]:
-    """Per output token, the weight version that sampled it: SGLang 0.5.23 sends
-    `meta_info.weight_versions = [{"version", "start", "end"}, ...]` (`utils/weight_versions.py`,
-    `add_weight_versions_to_meta_info`) when the version changed while the request ran (an in-place or
-    retract pause); otherwise every token has `weight_version`."""
-    spans = meta.get("weight_versions")
-    if not spans:
-        return [version] * n
-    out: list[str | None] = [version] * n
-    for span in spans:
-        try:
-            start, end, value = int(span["start"]), int(span["end"]), str(span["version"])
-        except (KeyError, TypeError, ValueError) as e:
-            bad = f"{where}: meta_info.weight_versions entry {_clip(span)}"
-            raise MalformedResponseError(f"{bad}: {e}") from e
-        out[max(start, 0) : min(end, n)] = [value] * max(0, min(end, n) - max(start, 0))
-    return out
-
-
-def _parse_sampling_masks(meta: dict, output_ids: list[int], where: str) -> tuple[Ragged, list[float]]:
-    """`(n rows of support ids, ragged; n selected log-probs)` from SGLang's sampling-mask fields. The raw
-    lists leave `meta` once parsed: at top_k in the thousands they are the response's largest part."""
-    masks = meta.get("output_token_sampling_mask")
-    selected = meta.get("output_token_sampling_logprobs")
-    for name, value in (("output_token_sampling_mask", masks), ("output_token_sampling_logprobs", selected)):
-        if not isinstance(value, list) or len(value) != len(output_ids):
-            n = len(value) if isinstance(value, list) else _clip(value)
-            raise MalformedResponseError(
-                f"{where}: meta_info.{name} must hold one entry per output token ({len(output_ids)}); "
-                f"got {n} (an SGLang without return_sampling_mask support?)"
-            )
-    for i, (mask, value, token) in enumerate(zip(masks, selected, output_ids, strict=True)):
-        if (
-            not isinstance(mask, list)
-            or token not in mask
-            or not all(isinstance(t, int) and t >= 0 for t in mask)
-        ):
-            raise MalformedResponseError(
-                f"{where}: output_token_sampling_mask[{i}] = {_clip(mask)} is not a list of token ids "
-                f"holding the sampled token {token}"
-            )
-        if not isinstance(value, (int, float)) or math.isnan(value) or value > 1e-4:
-            raise MalformedResponseError(
-                f"{where}: output_token_sampling_logprobs[{i}] = {_clip(value)} is not ≤ 0"
-            )
-    del meta["output_token_sampling_mask"]
-    return Ragged.from_lists(masks), [float(v) for v in selected]
-
-
-def _parse_logprobs(meta: dict, output_ids: list[int], where: str) -> list[float]:
-    triples = meta.get("output_token_logprobs")
-    if not isinstance(triples, list) or len(triples) != len(output_ids):
-        n = len(triples) if isinstance(triples, list) else _clip(triples)
-        raise MalformedResponseError(
-            f"{where}: meta_info.output_token_logprobs must hold one [logprob, token_id, text] "
-            "per output token "
-            f"({len(output_ids)}); got {n}"
-        )
-    logprobs = []
-    for i, (triple, token) in enumerate(zip(triples, output_ids, strict=True)):
-        ok = isinstance(triple, (list, tuple)) and len(triple) >= 2 and triple[1] == token
-        value = triple[0] if ok else None
-        if not ok or not isinstance(value, (int, float)) or math.isnan(value) or value > 1e-4:
-            raise MalformedResponseError(
-                f"{where}: output_token_logprobs[{i}] = {_clip(triple)} is not [logprob ≤ 0, {token}, text]"
-            )
-        logprobs.append(float(value))
-    return logprobs
-
-
-_TOP_TOLERANCE = 1e-4
-"""The top-1 log-prob may fall short of the sampled token's by rounding only (both come from one
-log-softmax on the server)."""
-
-
-def _parse_top_logprobs(meta: dict, logprobs: list[float], where: str) -> list[float]:
-    """The top-1 log-prob per output position from SGLang's nested `output_top_logprobs`
-    (`[[[logprob, token_id, text], ...], ...]`, one list per output token)."""
-    rows = meta.get("output_top_logprobs")
-    if not isinstance(rows, list) or len(rows) != len(logprobs):
-        n = len(rows) if isinstance(rows, list) else _clip(rows)
-        raise MalformedResponseError(
-            f"{where}: meta_info.output_top_logprobs must hold one list of [logprob, token_id, text] per "
-            f"output token ({len(logprobs)}); got {n}"
-        )
-    top = []
-    for i, (row, own) in enumerate(zip(rows, logprobs, strict=True)):
-        first = row[0] if isinstance(row, list) and row else None
-        value = first[0] if isinstance(first, (list, tuple)) and len(first) >= 2 else None
-        if (
-            not isinstance(value, (int, float))
-            or math.isnan(value)
-            or not own - _TOP_TOLERANCE <= value <= _TOP_TOLERANCE
-        ):
-            raise MalformedResponseError(
-                f"{where}: output_top_logprobs[{i}] = {_clip(row)} does not start with "
-                f"[logprob in [{own:.6g}, 0], token_id, text] (the sampled token's log-prob is {own:.6g})"
-            )
-        top.append(float(value))
-    return top
-
-
-def _clip(value: Any, limit: int = 200) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} chars)"

@@ -31,13 +31,13 @@ What SGLang 0.5.23 returns, read from its source (`.venv/.../sglang/srt/`):
   same way on the skip-tokenizer path). SGLang's own decoder, `extract_routed_experts_from_meta_info`
   (`state_capturer/routed_experts.py`), returns the flat int32 vector: the shape is the caller's to know.
 
-Partial rollouts (`join_routes`): row p pairs with the sampling of token p + 1, so a joined sample keeps, for
-every position, the row of the request that sampled the next token. An aborted segment that returned r rows
-(positions [0, r)) is continued by a request for prompt + tokens so far with `routed_experts_start_len = r`:
-it returns positions [r, seqlen - 1), which its own forwards computed (its prefill re-routes position r,
-the previously unfed last token, and its decode steps the rest). Rows [0, r) stay those of the first
-segment, whose forwards sampled tokens 1..r. The continuation's re-routing of positions < r (under new
-weights) is not shipped (nor replayable: one forward has one route per position).
+Partial rollouts (the `routed_experts` column's `join`, `columns.builtin`): row p pairs with the sampling of
+token p + 1, so a joined sample keeps, for every position, the row of the request that sampled the next token.
+An aborted segment that returned r rows (positions [0, r)) is continued by a request for prompt + tokens so
+far with `routed_experts_start_len = r`: it returns positions [r, seqlen - 1), which its own forwards computed
+(its prefill re-routes position r, the previously unfed last token, and its decode steps the rest). Rows [0,
+r) stay those of the first segment, whose forwards sampled tokens 1..r. The continuation's re-routing of
+positions < r (under new weights) is not shipped (nor replayable: one forward has one route per position).
 """
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ class RoutesError(ValueError):
 
 
 ROUTES_FIELD = "routed_experts"
-"""The routes' name everywhere after the engine: `RolloutBatch.routed_experts` and the per-position sample
-field (`[n, num_layers, k]` integer, column = layer id) that the trainer's routers replay
+"""The routes' name everywhere after the engine: the `routed_experts` column (`rollout.columns`) and the
+per-position sample field (`[n, num_layers, k]` integer, column = layer id) that the trainer's routers replay
 (`train.engine.routing`)."""
 ROUTED_FIELD = "routed"
 """Per-position field beside `ROUTES_FIELD`: bool, True where it holds a real route (not the last token)."""
@@ -111,9 +111,18 @@ def decode_routes(encoded: object, rows: int, layers: int, top_k: int, where: st
     return np.frombuffer(raw, dtype=ROUTES_DTYPE).reshape(rows, layers, top_k).copy()
 
 
-def join_routes(first: np.ndarray | None, then: np.ndarray | None) -> np.ndarray | None:
-    """The routes of a sample continued after an abort: `first`'s rows (positions [0, r)) then `then`'s,
-    requested from `routed_experts_start_len = r` (module docstring). None when either is None."""
-    if first is None or then is None:
-        return None
-    return np.concatenate([first, then], axis=0)
+def route_fields(routes, n: int, where: str) -> dict:
+    """A sample's engine routes `[n − 1, layers, k]` (n = prompt + response tokens) → its per-position
+    fields: routes `[n, layers, k]` (the last row 0) and `routed [n]` bool. ValueError naming `where` when
+    the rows do not cover the sample."""
+    if routes.dim() != 3 or routes.shape[0] != n - 1:
+        raise ValueError(
+            f"{where}: routed_experts has shape {tuple(routes.shape)}, expected ({n - 1}, layers, top_k) for "
+            f"{n} tokens (one route per position but the last)"
+        )
+    import torch
+
+    last = torch.zeros((1, *routes.shape[1:]), dtype=routes.dtype)
+    routed = torch.ones(n, dtype=torch.bool)
+    routed[-1] = False
+    return {ROUTES_FIELD: torch.cat([routes, last]), ROUTED_FIELD: routed}

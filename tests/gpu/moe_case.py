@@ -47,6 +47,7 @@ def build_moe_case(root: Path, device: str) -> dict:
     (routed (position, MoE layer) pairs, each checked against the float64 routers), and `forced_reference`'s
     'reference_logprobs', 'own_agrees', 'margins'}."""
     from megatron_tail.rollout.batch import RolloutBatch
+    from megatron_tail.rollout.columns import LOGPROBS, ROUTES
     from megatron_tail.rollout.local_engine.engine import LocalEngine
     from megatron_tail.rollout.routes import compact_routes, decode_routes
     from tests.rollout.test_local_engine import item
@@ -96,12 +97,11 @@ def build_moe_case(root: Path, device: str) -> dict:
     batch = RolloutBatch(
         prompt_ids=[it.input_ids for it in items],
         response_ids=[out["output_ids"] for out in outs],
-        rollout_logprobs=logprobs,
         rewards=rewards,
         correct=[r > 0.5 for r in rewards],
         truncated=[len(out["output_ids"]) == MAX_NEW_TOKENS for out in outs],
         weight_versions=["0"] * len(items),
-        routed_experts=routes,
+        columns={LOGPROBS: logprobs, ROUTES: routes},
     )
     case = {
         "hf_dir": str(model_dir),
@@ -143,6 +143,7 @@ def forced_reference(model_dir: Path, batch) -> dict:
     are off by less than half of it picks the same set)."""
     from transformers import Qwen3MoeForCausalLM
 
+    from megatron_tail.rollout.columns import ROUTES
     from tests.rollout.tiny_moe import TOP_K
 
     model = Qwen3MoeForCausalLM.from_pretrained(
@@ -152,7 +153,7 @@ def forced_reference(model_dir: Path, batch) -> dict:
     logits_of: dict[int, torch.Tensor] = {}
     logprobs, agrees, margins = {}, [], []
     for s, (prompt, response) in enumerate(zip(batch.prompt_ids, batch.response_ids, strict=True)):
-        routes = batch.routed_experts[s].long()  # [n − 1, layers, k]; the last token: any distinct experts
+        routes = batch.column(ROUTES)[s].long()  # [n − 1, layers, k]; the last token: any distinct experts
         routes = torch.cat([routes, torch.arange(TOP_K).expand(1, routes.shape[1], TOP_K)])
         for i, gate in gates.items():
 

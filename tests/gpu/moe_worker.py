@@ -116,9 +116,10 @@ def rl_step(trainer, cfg, batch, maps: RouterMaps) -> dict:
     from megatron_tail.train.rl.old_policy import op_settings, score_old_policy
     from megatron_tail.train.rl.samples import build_samples, layout_micro_batches
     from megatron_tail.train.rl.update import update_policy
+    from megatron_tail.train.run.rollout_plan import token_columns
 
     advance(trainer.scheduler)
-    built = build_samples(cfg, batch)
+    built = build_samples(cfg, batch, token_columns(cfg))
     layout = layout_micro_batches(cfg, built.samples, trainer.groups)
     assert len(layout.all) > 1 and all(mb.packed for mb in layout.all)
     maps.clear()
@@ -148,8 +149,9 @@ def aux_step(trainer, cfg, batch, maps: RouterMaps) -> dict:
     routing maps (`[T_m, E]` bool, this pass's forwards, not their recomputes), and its `main_grad` (fp32)."""
     from megatron_tail.train import train_step
     from megatron_tail.train.rl.samples import build_samples, layout_micro_batches
+    from megatron_tail.train.run.rollout_plan import token_columns
 
-    layout = layout_micro_batches(cfg, build_samples(cfg, batch).samples, trainer.groups)
+    layout = layout_micro_batches(cfg, build_samples(cfg, batch, token_columns(cfg)).samples, trainer.groups)
     router = maps.last_router
     weight = router.weight.detach().double().cpu().clone()
     maps.clear()

@@ -65,6 +65,7 @@ def tiny_model(root: Path, chatty: bool) -> Path:
 def record(case: str) -> dict:
     from megatron_tail.config import load_config
     from megatron_tail.data.toy_arithmetic import make_arithmetic_examples
+    from megatron_tail.rollout.columns import LOGPROBS, SUPPORT, VERSIONS
     from megatron_tail.train.run import session as session_module
     from megatron_tail.train.run.loop import LoopHooks, run
     from tests.loop.conftest import loop_overrides
@@ -88,17 +89,18 @@ def record(case: str) -> dict:
 
     def recording(self, step):
         batch = original(self, step)
-        batches.append(
+        supports = batch.column(SUPPORT)
+        batches.append(  # the recorded JSON keeps the field names of the step-wise rollout's batches
             {
                 "prompt_ids": batch.prompt_ids,
                 "response_ids": batch.response_ids,
-                "rollout_logprobs": batch.rollout_logprobs,
+                "rollout_logprobs": batch.column(LOGPROBS),
                 "rewards": batch.rewards,
-                "token_versions": batch.token_versions,
+                "token_versions": batch.column(VERSIONS),
                 "policy_mask": batch.policy_mask,
                 "supports": None
-                if batch.rollout_supports is None
-                else [[s.values.tolist(), s.offsets.tolist()] for s in batch.rollout_supports],
+                if supports is None
+                else [[s.values.tolist(), s.offsets.tolist()] for s in supports],
             }
         )
         return batch

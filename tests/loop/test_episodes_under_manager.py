@@ -15,6 +15,14 @@ import pytest
 from megatron_tail.config import load_config
 from megatron_tail.rollout import RolloutClient
 from megatron_tail.rollout.batch import rollout_metrics
+from megatron_tail.rollout.columns import (
+    BUILTIN_COLUMNS,
+    LOGPROBS,
+    SUPPORT,
+    TOP_LOGPROBS,
+    VERSIONS,
+    TokenColumns,
+)
 from megatron_tail.rollout.envs.pool import EnvWorkers
 from megatron_tail.rollout.protocol import SampleResult
 from megatron_tail.rollout.service.engines import Engines
@@ -63,13 +71,18 @@ class TurnEngine(RolloutClient):
                     key=k,
                     prompt_ids=list(prompt),
                     output_ids=ids,
-                    output_logprobs=[logprob(self.version, done + p) for p in range(len(ids))],
-                    output_top_logprobs=[-0.05] * len(ids),
                     finish_reason={"type": "abort" if abort else "stop"},
                     weight_version=version,
                     server_url="http://turns:1",
-                    output_supports=Ragged.from_lists([support(t) for t in ids]),
-                    output_versions=[version] * len(ids),
+                    columns=TokenColumns(
+                        BUILTIN_COLUMNS,
+                        {
+                            LOGPROBS: [logprob(self.version, done + p) for p in range(len(ids))],
+                            TOP_LOGPROBS: [-0.05] * len(ids),
+                            SUPPORT: Ragged.from_lists([support(t) for t in ids]),
+                            VERSIONS: [version] * len(ids),
+                        },
+                    ),
                 )
             )
             if abort:
@@ -135,16 +148,16 @@ def test_a_turn_interrupted_by_a_weight_update_continues_and_every_token_keeps_i
     assert batch.response_ids == [TURN + OBSERVATION + TURN] * 2
     # sample 0: turn 0 under v0; its second turn's first token under v0, the rest under v1 after the
     # update; the observation takes the version of the policy token before it
-    assert batch.token_versions[0] == [0, 0, 0, 0, 0, 0, 1, 1]
+    assert batch.column(VERSIONS)[0] == [0, 0, 0, 0, 0, 0, 1, 1]
     # behaviour log-probs: each policy token the log-prob of the request that sampled it; 0.0 at the
     # environment's tokens
     turn0 = [logprob(0, p) for p in range(3)]
     turn1 = [logprob(0, 0), logprob(1, 1), logprob(1, 2)]
-    assert batch.rollout_logprobs[0] == pytest.approx([*turn0, 0.0, 0.0, *turn1])
+    assert batch.column(LOGPROBS)[0] == pytest.approx([*turn0, 0.0, 0.0, *turn1])
     # the supports ride with their tokens: one row per response token, empty at the environment's
-    rows = [r.tolist() for r in (batch.rollout_supports[0].row(i) for i in range(8))]
+    rows = [r.tolist() for r in (batch.column(SUPPORT)[0].row(i) for i in range(8))]
     assert rows == [support(t) for t in TURN] + [[], []] + [support(t) for t in TURN]
-    assert all(len(s) == len(r) for s, r in zip(batch.rollout_supports, batch.response_ids, strict=True))
+    assert all(len(s) == len(r) for s, r in zip(batch.column(SUPPORT), batch.response_ids, strict=True))
     # the turn was continued from its tokens: input + the aborted segment's token, under the new weights
     continued = [s for s in e.engines.client.sent if s[0] == 8]
     assert continued and continued[0][1] == [0] and continued[0][3] == 1
@@ -156,7 +169,7 @@ def test_a_turn_interrupted_by_a_weight_update_continues_and_every_token_keeps_i
     metrics = rollout_metrics(batch, policy_version=1)
     assert metrics["rollout/staleness_max"] == 1.0
     # sample 1's second turn went out before or after the update
-    assert batch.token_versions[1] in ([0] * 8, [0] * 5 + [1] * 3)
+    assert batch.column(VERSIONS)[1] in ([0] * 8, [0] * 5 + [1] * 3)
     assert metrics["rollout/turns_mean"] == 2.0
     assert metrics["rollout/support_size_mean"] == 3.0  # per policy token: observations have no support
     assert metrics["rollout/env_failures"] == 0.0

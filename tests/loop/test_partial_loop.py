@@ -34,6 +34,8 @@ def _check_history(history):
 
 
 def test_sigterm_then_resume_with_the_manager_disk_sync(tiny_model_dir, prompt_file, engine, tmp_path):
+    from megatron_tail.rollout.batch import RolloutBatch
+    from megatron_tail.rollout.columns import VERSIONS
     from megatron_tail.train.engine.checkpoint import read_rank0_object
     from megatron_tail.train.run.run_dir import complete_checkpoints
 
@@ -44,7 +46,8 @@ def test_sigterm_then_resume_with_the_manager_disk_sync(tiny_model_dir, prompt_f
     state = read_rank0_object(checkpoint, "rollout_manager")
     assert state["next_index"] >= 3 * 4  # three steps of 4 groups were admitted, and more ahead
     for group in state["buffer"]:
-        assert len(group["batch"]["token_versions"]) == 4 and all(group["batch"]["token_versions"])
+        versions = RolloutBatch.from_dict(group["batch"]).column(VERSIONS)
+        assert len(versions) == 4 and all(versions)
     second = run_distributed(run_rank, 2, overrides, -1, timeout=600)
     assert [r[:3] for r in second] == [(3, 4, None), (3, 4, None)]
     _check_history(first[0][3])

@@ -14,6 +14,14 @@ from types import SimpleNamespace
 
 import pytest
 
+from megatron_tail.rollout.columns import (
+    BUILTIN_COLUMNS,
+    LOGPROBS,
+    SUPPORT,
+    TOP_LOGPROBS,
+    VERSIONS,
+    TokenColumns,
+)
 from megatron_tail.rollout.envs.pool import EnvWorkers
 from megatron_tail.rollout.protocol import SampleResult
 from megatron_tail.rollout.service.episodes import MAX_ENV_ATTEMPTS, turn_key
@@ -44,13 +52,18 @@ class SteadyEngine(TurnEngine):
                 key=k,
                 prompt_ids=list(prompt),
                 output_ids=list(TURN),
-                output_logprobs=[logprob(self.version, p) for p in range(len(TURN))],
-                output_top_logprobs=[-0.05] * len(TURN),
                 finish_reason={"type": "stop"},
                 weight_version=str(self.version),
                 server_url="http://turns:1",
-                output_supports=Ragged.from_lists([support(t) for t in TURN]),
-                output_versions=[str(self.version)] * len(TURN),
+                columns=TokenColumns(
+                    BUILTIN_COLUMNS,
+                    {
+                        LOGPROBS: [logprob(self.version, p) for p in range(len(TURN))],
+                        TOP_LOGPROBS: [-0.05] * len(TURN),
+                        SUPPORT: Ragged.from_lists([support(t) for t in TURN]),
+                        VERSIONS: [str(self.version)] * len(TURN),
+                    },
+                ),
             )
             for k in keys
         ]
@@ -133,11 +146,12 @@ def test_a_weight_update_and_a_checkpoint_during_a_tool_call_lose_nothing(paused
     # the episode in the tool call (either sample): its second turn sampled by the new weights; the other
     # episode's tool call returned at once, its second turn went out before or after the update
     crossing = [0] * 5 + [1] * 3
-    assert crossing in group.token_versions and all(v in (crossing, [0] * 8) for v in group.token_versions)
-    crossed = group.token_versions.index(crossing)
+    versions = group.column(VERSIONS)
+    assert crossing in versions and all(v in (crossing, [0] * 8) for v in versions)
+    crossed = versions.index(crossing)
     turn0, turn1 = [logprob(0, p) for p in range(3)], [logprob(1, p) for p in range(3)]
-    assert group.rollout_logprobs[crossed] == pytest.approx([*turn0, 0.0, 0.0, *turn1])
-    rows = [r.tolist() for r in (group.rollout_supports[crossed].row(i) for i in range(8))]
+    assert group.column(LOGPROBS)[crossed] == pytest.approx([*turn0, 0.0, 0.0, *turn1])
+    rows = [r.tolist() for r in (group.column(SUPPORT)[crossed].row(i) for i in range(8))]
     assert rows == [support(t) for t in TURN] + [[], []] + [support(t) for t in TURN]
     # trained once each: the steps' prompts are distinct, and nothing trained is still owed
     trained = [p for s, ps in sorted(read_trained_prompts(e.cfg.run_dir).items()) for p in ps]
@@ -161,7 +175,8 @@ def test_a_weight_update_and_a_checkpoint_during_a_tool_call_lose_nothing(paused
         assert turn_key(base, position, 0, 0).seed in first_turns
         assert turn_key(base, position, 0, 0, attempt=MAX_ENV_ATTEMPTS).seed not in first_turns
         # regenerated under the resumed weights
-        assert all(len(v) == 8 and min(v) >= 1 for v in again[1].token_versions), again[1].token_versions
+        regenerated = again[1].column(VERSIONS)
+        assert all(len(v) == 8 and min(v) >= 1 for v in regenerated), regenerated
         later = [p for _, ps in sorted(read_trained_prompts(resumed.cfg.run_dir).items()) for p in ps]
         history = [0, *later]  # step 1 trained prompt 0 before the checkpoint
         assert len(history) == len(set(history)), history
@@ -182,7 +197,7 @@ def test_without_partial_rollouts_the_update_waits_for_the_tool_call_and_its_epi
         e.before_weight_update()  # drains: the tool call returns, the episode's last turn runs under v0
         assert time.monotonic() - started >= 0.3
         assert e.manager.in_flight == {} and 1 in e.manager.buffer
-        assert e.manager.buffer[1].batch.token_versions == [[0] * 8] * 2
+        assert e.manager.buffer[1].batch.column(VERSIONS) == [[0] * 8] * 2
         e.engines.client.version = 1
         e.after_weight_update(1)
         batches = {}

@@ -15,6 +15,7 @@ import pytest
 from megatron_tail.config import load_config
 from megatron_tail.rollout import RolloutClient
 from megatron_tail.rollout.batch import RolloutBatch, log_rho_metrics
+from megatron_tail.rollout.columns import BUILTIN_COLUMNS, LOGPROBS, TOP_LOGPROBS, VERSIONS, TokenColumns
 from megatron_tail.rollout.manager import GroupResult, groups_to_batch
 from megatron_tail.rollout.protocol import SampleResult, sample_seed
 from megatron_tail.rollout.service.engines import Engines
@@ -51,20 +52,28 @@ class RecordingClient(RolloutClient):
                 key=k,
                 prompt_ids=list(prompt),
                 output_ids=[5],
-                output_logprobs=[-0.5],
-                output_top_logprobs=[-0.1],
                 finish_reason=finish,
                 weight_version=version,
                 server_url="http://recording:1",
-                output_versions=[version],
+                columns=TokenColumns(
+                    BUILTIN_COLUMNS, {LOGPROBS: [-0.5], TOP_LOGPROBS: [-0.1], VERSIONS: [version]}
+                ),
             )
             for k in keys
         ]
 
 
 def _engines(overrides, **client_kw) -> RolloutService:
-    cfg = load_config(None, ["algorithm.log_rho=auto", "algorithm.group_size=2", "data.prompts_per_step=2",
-                             f"run_dir={tempfile.mkdtemp()}", *overrides])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            "algorithm.log_rho=auto",
+            "algorithm.group_size=2",
+            "data.prompts_per_step=2",
+            f"run_dir={tempfile.mkdtemp()}",
+            *overrides,
+        ],
+    )
     cfg = with_log_rho(cfg, INITIAL)  # as `RunSession` resolves "auto"
     plan = plan_from(cfg, vocab_size=100, context_length=1000)  # a dense model: no MoE routes
     # a request's group: the prompt-stream index whose first sample has this seed (a continued segment's
@@ -76,14 +85,23 @@ def _engines(overrides, **client_kw) -> RolloutService:
         **client_kw,
     )
     engines = Engines(
-        cfg.rollout, client.urls, client, client, model_path=plan.model_path, vocab_size=100,
-        log_rho=plan.log_rho, reporting=plan.reporting,
-    )  # fmt: skip
+        cfg.rollout,
+        client.urls,
+        client,
+        client,
+        model_path=plan.model_path,
+        vocab_size=100,
+        log_rho=plan.log_rho,
+        reporting=plan.reporting,
+    )
     e = RolloutService.assemble(
-        cfg.rollout, plan, SimpleNamespace(decode=lambda _ids, **_kw: "x"), engines,
+        cfg.rollout,
+        plan,
+        SimpleNamespace(decode=lambda _ids, **_kw: "x"),
+        engines,
         score=lambda completions, _answers: [float(i % 2) for i in range(len(completions))],
         envs=None,  # single-turn: one-turn episodes without an environment
-    )  # fmt: skip
+    )
     return e
 
 
@@ -170,7 +188,16 @@ def test_a_continued_partial_segment_is_sent_at_the_rho_in_force_then():
 
 
 def test_without_dvp_samples_carry_no_rho_and_nothing_is_logged():
-    batch = RolloutBatch([[1]], [[2]], [[-1.0]], [1.0], [True], [False], ["0"], sampled_log_rho=[None])
+    batch = RolloutBatch(
+        prompt_ids=[[1]],
+        response_ids=[[2]],
+        rewards=[1.0],
+        correct=[True],
+        truncated=[False],
+        weight_versions=["0"],
+        sampled_log_rho=[None],
+        columns={LOGPROBS: [[-1.0]]},
+    )
     assert log_rho_metrics(batch, None) == {}
     assert log_rho_metrics(batch, -13.0) == {}
     old = RolloutBatch.from_dict({k: v for k, v in vars(batch).items() if k != "sampled_log_rho"})
@@ -183,8 +210,16 @@ def test_rl_step_sets_the_next_rho_before_the_weight_sync_and_logs_the_samples_l
     from megatron_tail.train.run import loop
 
     calls = []
-    batch = RolloutBatch([[1]] * 2, [[2]] * 2, [[-1.0]] * 2, [1.0, 0.0], [True, False], [False] * 2,
-                         ["0"] * 2, sampled_log_rho=[-13.0, -12.0])  # fmt: skip
+    batch = RolloutBatch(
+        prompt_ids=[[1]] * 2,
+        response_ids=[[2]] * 2,
+        rewards=[1.0, 0.0],
+        correct=[True, False],
+        truncated=[False] * 2,
+        weight_versions=["0"] * 2,
+        sampled_log_rho=[-13.0, -12.0],
+        columns={LOGPROBS: [[-1.0]] * 2},
+    )
 
     class Session:
         cfg = SimpleNamespace(

@@ -12,6 +12,7 @@ import pytest
 
 from megatron_tail.config.schema import TrainSection
 from megatron_tail.rollout.batch import RolloutBatch
+from megatron_tail.rollout.columns import LOGPROBS, VERSIONS
 from megatron_tail.rollout.manager import GroupResult, RolloutManager
 from megatron_tail.rollout.service.managed import manager_batch
 from megatron_tail.train.run import loop
@@ -22,9 +23,10 @@ GROUPS, ROUNDS = 2, 3
 def _flat_group(index: int, tokens: int = 4) -> RolloutBatch:
     """A group of 2 samples whose rewards are equal: dynamic sampling filters it."""
     return RolloutBatch(
-        prompt_ids=[[index]] * 2, response_ids=[[7] * tokens] * 2, rollout_logprobs=[[-1.0] * tokens] * 2,
+        prompt_ids=[[index]] * 2, response_ids=[[7] * tokens] * 2,
         rewards=[0.0, 0.0], correct=[False] * 2, truncated=[False] * 2, weight_versions=["0"] * 2,
-        token_versions=[[0] * tokens] * 2, stats={"rollout_time_s": 0.5, "generated_tokens": 2.0 * tokens},
+        columns={LOGPROBS: [[-1.0] * tokens] * 2, VERSIONS: [[0] * tokens] * 2},
+        stats={"rollout_time_s": 0.5, "generated_tokens": 2.0 * tokens},
     )  # fmt: skip
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from megatron_tail.demo.run import read_scalars
 from megatron_tail.rollout import RolloutBatch
+from megatron_tail.rollout.columns import SUPPORT
 from megatron_tail.train.engine.checkpoint import read_rank0_object
 from megatron_tail.train.run.run_dir import complete_checkpoints
 from tests.loop.conftest import loop_overrides
@@ -66,7 +67,7 @@ def test_truncated_sampling_trains_with_exact_importance_weights(tiny_model_dir,
     # last step nothing is ahead: the manager generates no group the run does not train)
     (_, ckpt), *_ = complete_checkpoints(run_dir)
     ahead = [RolloutBatch.from_dict(g["batch"]) for g in read_rank0_object(ckpt, "rollout_manager")["buffer"]]
-    supports = [s for batch in ahead for s in batch.rollout_supports]  # ragged, not padded
+    supports = [s for batch in ahead for s in batch.column(SUPPORT)]  # ragged, not padded
     responses = [r for batch in ahead for r in batch.response_ids]
     assert len(supports) == len(responses) == 16
     for support, response in zip(supports, responses, strict=True):

@@ -59,8 +59,8 @@ def test_n_samples_come_back_with_distinct_seeds(server_pair):
         assert all(r.prompt_ids == PROMPTS[p] for r in group)
         assert len({tuple(r.output_ids) for r in group}) == 4, "distinct seeds must give distinct samples"
         for r in group:
-            assert 1 <= len(r.output_ids) <= 12 and len(r.output_logprobs) == len(r.output_ids)
-            assert all(lp <= 0.0 for lp in r.output_logprobs)
+            assert 1 <= len(r.output_ids) <= 12 and len(r.columns["rollout_logprobs"]) == len(r.output_ids)
+            assert all(lp <= 0.0 for lp in r.columns["rollout_logprobs"])
             assert r.weight_version == "default" and r.server_url in urls
     assert {r.server_url for group in results for r in group} == set(urls), "both servers should serve"
     assert client.stats.retries == 0

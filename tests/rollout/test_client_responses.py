@@ -62,7 +62,7 @@ def run(handler, config=None):
 def test_good_response_parses():
     (group,) = run(answer_with(json_body))
     assert [r.output_ids for r in group] == [[7, 8], [7, 8]]
-    assert [r.output_logprobs for r in group] == [[-0.5, -0.5]] * 2
+    assert [r.columns["rollout_logprobs"] for r in group] == [[-0.5, -0.5]] * 2
     assert {r.weight_version for r in group} == {"5"}
 
 

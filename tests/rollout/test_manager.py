@@ -50,9 +50,9 @@ class SimulatedEngines:
         rewards = self.reward(index)
         batch = RolloutBatch(
             prompt_ids=[[index]] * 2, response_ids=[[7] * len(versions)] * 2,
-            rollout_logprobs=[[-1.0] * len(versions)] * 2, rewards=rewards,
-            correct=[r > 0.5 for r in rewards], truncated=[False] * 2,
-            weight_versions=[str(self.version)] * 2, token_versions=[versions] * 2,
+            rewards=rewards, correct=[r > 0.5 for r in rewards], truncated=[False] * 2,
+            weight_versions=[str(self.version)] * 2,
+            columns={"rollout_logprobs": [[-1.0] * len(versions)] * 2, "token_versions": [versions] * 2},
         )  # fmt: skip
         return GroupResult(index, batch, version)
 
@@ -207,7 +207,7 @@ def test_checkpoint_mid_run_resumes_with_the_buffer_and_its_versions():
         first = await _train(manager, engines, 3)
         state = manager.state_dict()
         await manager.close()
-        assert state["buffer"] and all(g["batch"]["token_versions"] for g in state["buffer"])
+        assert state["buffer"] and all(g["batch"]["columns"]["token_versions"] for g in state["buffer"])
         again = RolloutManager(
             engines.work, groups_per_step=2, max_staleness=4, version=3, stale_groups="drop"
         )
@@ -279,17 +279,62 @@ def test_a_buffered_groups_ragged_supports_survive_the_checkpoint():
 
     supports = [Ragged.from_lists([[7, 3], [7], [7, 1, 2, 9]]), Ragged.from_lists([[7], [7, 4], [7]])]
     batch = RolloutBatch(
-        prompt_ids=[[1]] * 2, response_ids=[[7, 7, 7]] * 2, rollout_logprobs=[[-1.0] * 3] * 2,
+        prompt_ids=[[1]] * 2, response_ids=[[7, 7, 7]] * 2,
         rewards=[0.0, 1.0], correct=[False, True], truncated=[False] * 2, weight_versions=["0"] * 2,
-        rollout_supports=supports, token_versions=[[0, 0, 0]] * 2,
+        columns={"rollout_logprobs": [[-1.0] * 3] * 2, "sampling_support": supports,
+                 "token_versions": [[0, 0, 0]] * 2},
     )  # fmt: skip
     buffer = io.BytesIO()
     torch.save(GroupResult(5, batch, 0).to_state(), buffer)
     buffer.seek(0)
     back = GroupResult.from_state(torch.load(buffer, weights_only=True))
-    for got, want in zip(back.batch.rollout_supports, supports, strict=True):
+    for got, want in zip(back.batch.column("sampling_support"), supports, strict=True):
         assert isinstance(got, Ragged) and got.width == want.width
         assert [got.row(j).tolist() for j in range(3)] == [want.row(j).tolist() for j in range(3)]
+
+
+def test_a_checkpoint_from_before_the_column_table_resumes_into_the_same_columns():
+    """A buffered group as checkpoints held it before `RolloutBatch.columns` (one field per built-in
+    per-token quantity, declared ones in `token_fields`), saved and loaded as a resume does: every value
+    comes back under its column's name, and the staleness metrics read its versions."""
+    import dataclasses
+    import io
+
+    import torch
+
+    from megatron_tail.utils.ragged import Ragged
+
+    supports = [Ragged.from_lists([[7, 3], [7], [7, 1]]), Ragged.from_lists([[7], [7, 4], [7]])]
+    routes = [torch.full((3, 2, 1), 5, dtype=torch.uint8), torch.full((3, 2, 1), 6, dtype=torch.uint8)]
+    old_state = {
+        "index": 5,
+        "version": 0,
+        "batch": {
+            "prompt_ids": [[1]] * 2, "response_ids": [[7, 7, 7]] * 2,
+            "rollout_logprobs": [[-1.0, -2.0, -3.0], [-0.5] * 3],
+            "rewards": [0.0, 1.0], "correct": [False, True], "truncated": [False] * 2,
+            "weight_versions": ["0"] * 2, "rollout_top_logprobs": None,
+            "rollout_supports": [dataclasses.asdict(s) for s in supports],
+            "token_versions": [[0, 0, 1], [0, 0, 0]], "policy_mask": None, "sampled_log_rho": [None, None],
+            "routed_experts": routes,
+            "token_fields": [{"entropy": torch.tensor([0.1, 0.2, 0.3])},
+                             {"entropy": torch.tensor([1.0] * 3)}],
+            "stats": {"rollout_time_s": 1.0}, "metrics": {}, "data_cursor": None,
+        },
+    }  # fmt: skip
+    buffer = io.BytesIO()
+    torch.save(old_state, buffer)
+    buffer.seek(0)
+    back = GroupResult.from_state(torch.load(buffer, weights_only=True)).batch
+    assert set(back.columns) == {
+        "rollout_logprobs", "sampling_support", "token_versions", "routed_experts", "entropy"
+    }  # fmt: skip
+    assert back.column("rollout_logprobs") == [[-1.0, -2.0, -3.0], [-0.5] * 3]
+    assert back.column("token_versions") == [[0, 0, 1], [0, 0, 0]]
+    assert [s.row(0).tolist() for s in back.column("sampling_support")] == [[7, 3], [7]]
+    assert all(torch.equal(a, b) for a, b in zip(back.column("routed_experts"), routes, strict=True))
+    assert back.column("entropy")[1].tolist() == [1.0] * 3
+    assert rollout_metrics(back, policy_version=1)["rollout/staleness_max"] == 1.0
 
 
 def test_regeneration_keys_are_the_first_keys_then_fresh_seeds_per_attempt():

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from megatron_tail.rollout import DiskWeightSync, RolloutClient, SamplingConfig
-from megatron_tail.rollout.batch import RolloutBatch, rollout_metrics, token_versions_of
+from megatron_tail.rollout.batch import RolloutBatch, rollout_metrics
 from megatron_tail.rollout.local_engine.engine import LocalEngine
 from megatron_tail.rollout.local_engine.server import build_app
 from megatron_tail.rollout.processor import DVPLogitProcessor
@@ -101,22 +101,23 @@ def test_partial_rollout_keeps_each_tokens_version_and_behaviour_logprob(tiny_mo
         engine.close()
     for s in samples:
         assert len(s.output_ids) == 40 and s.finish_reason["type"] == "length"
-        versions = token_versions_of(s.output_versions)
+        versions = [int(v) for v in s.columns["token_versions"]]
         cut = versions.index(1)
         assert cut >= 6 and versions == [0] * cut + [1] * (40 - cut) and s.segments == 2
         for model, part in ((old, slice(0, cut)), (new, slice(cut, 40))):
             want = reference_logprobs(model, PROMPT, s.output_ids, log_rho=LOG_RHO, temperature=1.0)
-            got = torch.tensor(s.output_logprobs)[part]
+            got = torch.tensor(s.columns["rollout_logprobs"])[part]
             torch.testing.assert_close(got, want.logprobs[part], rtol=1e-4, atol=1e-4)
         # the old tokens are not the new model's: the test can tell the versions apart
         new_lp = reference_logprobs(new, PROMPT, s.output_ids, log_rho=LOG_RHO, temperature=1.0).logprobs
-        assert float((torch.tensor(s.output_logprobs)[:cut] - new_lp[:cut]).abs().max()) > 1e-2
-    batch_versions = [token_versions_of(s.output_versions) for s in samples]
+        assert float((torch.tensor(s.columns["rollout_logprobs"])[:cut] - new_lp[:cut]).abs().max()) > 1e-2
+    batch_versions = [[int(v) for v in s.columns["token_versions"]] for s in samples]
     batch = RolloutBatch(
         prompt_ids=[PROMPT] * 8, response_ids=[s.output_ids for s in samples],
-        rollout_logprobs=[s.output_logprobs for s in samples], rewards=[0.0] * 8, correct=[False] * 8,
+        rewards=[0.0] * 8, correct=[False] * 8,
         truncated=[True] * 8, weight_versions=[s.weight_version for s in samples],
-        token_versions=batch_versions,
+        columns={"rollout_logprobs": [s.columns["rollout_logprobs"] for s in samples],
+                 "token_versions": batch_versions},
     )  # fmt: skip
     metrics = rollout_metrics(batch, policy_version=1)
     assert metrics["rollout/partial_fraction"] == 1.0

@@ -21,7 +21,6 @@ import torch
 from megatron_tail.config import load_config
 from megatron_tail.ops import vocab_parallel_masked_logprobs
 from megatron_tail.rollout import DiskWeightSync, RolloutClient, SamplingConfig
-from megatron_tail.rollout.batch import token_versions_of
 from megatron_tail.rollout.local_engine.engine import LocalEngine
 from megatron_tail.rollout.local_engine.server import build_app
 from megatron_tail.rollout.processor import DVPLogitProcessor
@@ -80,12 +79,12 @@ def test_each_pause_mode_keeps_versions_and_behaviour_logprobs_exact(
     assert len(held_at) == 4 and min(held_at) >= 6
     for s in samples:
         assert len(s.output_ids) == N_TOKENS and s.finish_reason["type"] == "length"
-        versions = token_versions_of(s.output_versions)
+        versions = [int(v) for v in s.columns["token_versions"]]
         cut = versions.index(1)
         assert cut in held_at and versions == [0] * cut + [1] * (N_TOKENS - cut)
         # abort is the only mode that ends the request: the client continues it in a second segment
         assert s.segments == (2 if mode == "abort" else 1)
-        got = torch.tensor(s.output_logprobs)
+        got = torch.tensor(s.columns["rollout_logprobs"])
         before = reference_logprobs(old, PROMPT, s.output_ids, log_rho=LOG_RHO, temperature=1.0).logprobs
         torch.testing.assert_close(got[:cut], before[:cut], rtol=1e-4, atol=1e-4)
         full_new = reference_logprobs(new, PROMPT, s.output_ids, log_rho=LOG_RHO, temperature=1.0).logprobs

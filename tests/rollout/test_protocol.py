@@ -86,7 +86,10 @@ def test_top_logprob_is_asked_for_and_parsed_in_sglangs_nested_format():
 
     top = [[[-0.5, 7, None]], [[-0.1, 3, None]]]  # the sampled token was the top one at position 0
     (got,) = parse_generate_response(_response(keys, top=top), [1], keys, config, 1, "http://s")
-    assert got.output_top_logprobs == [-0.5, -0.1] and got.output_logprobs == [-0.5, -2.0]
+    assert got.columns["rollout_top_logprobs"] == [-0.5, -0.1] and got.columns["rollout_logprobs"] == [
+        -0.5,
+        -2.0,
+    ]
     for bad, message in [
         (None, "output_top_logprobs must hold one list"),
         ([[[-0.5, 7, None]]], "got 1"),

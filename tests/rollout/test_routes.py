@@ -13,6 +13,7 @@ import torch
 
 from megatron_tail.rollout import RolloutClient, SamplingConfig
 from megatron_tail.rollout.client import join_segments
+from megatron_tail.rollout.columns import BUILTIN_COLUMNS, Routes, TokenColumns
 from megatron_tail.rollout.local_engine.engine import LocalEngine
 from megatron_tail.rollout.local_engine.requests import BadRequest, parse_generate_body
 from megatron_tail.rollout.local_engine.server import build_app
@@ -105,7 +106,8 @@ def test_parse_decodes_routes_and_refuses_a_wrong_shape_naming_server_and_sample
     key = SampleKey(0, 0, 1)
     routes = np.arange((4 + 3 - 1) * NUM_LAYERS * TOP_K, dtype=np.int32).reshape(6, NUM_LAYERS, TOP_K)
     (got,) = parse_generate_response(_reply(3, encode_routes(routes)), PROMPT, [key], cfg, 1, "http://h:1")
-    np.testing.assert_array_equal(got.routed_experts, routes)
+    assert got.columns["routed_experts"].start == 0
+    np.testing.assert_array_equal(got.columns["routed_experts"].rows, routes)
     assert "routed_experts" not in got.meta_info  # the string is dropped once decoded
     short = encode_routes(routes[:-1])  # a server covering one position less
     with pytest.raises(
@@ -122,26 +124,29 @@ def test_a_finished_sample_without_routes_fails_naming_the_server_flag_an_aborte
     (aborted,) = parse_generate_response(
         _reply(0, None, finish="abort"), PROMPT, [key], cfg, 1, "http://h:1", allow_abort=True
     )
-    assert aborted.routed_experts is None
+    assert aborted.columns["routed_experts"] is None
 
 
 def test_join_segments_keeps_each_positions_route_from_the_request_that_sampled_the_next_token():
     def sample(prompt, out, routes, finish="abort"):
-        return SampleResult(
-            SampleKey(0, 0, 1), prompt, out, None, {"type": finish}, "0", "u", routed_experts=routes
-        )
+        columns = TokenColumns(BUILTIN_COLUMNS, {"routed_experts": routes})
+        return SampleResult(SampleKey(0, 0, 1), prompt, out, {"type": finish}, "0", "u", columns)
 
-    first_routes = np.full((4 + 2 - 1, NUM_LAYERS, TOP_K), 7, np.int32)
-    then_routes = np.full((3, NUM_LAYERS, TOP_K), 9, np.int32)  # asked from start 5: positions 5..7
+    first_routes = Routes(0, np.full((4 + 2 - 1, NUM_LAYERS, TOP_K), 7, np.int32))
+    then_routes = Routes(5, np.full((3, NUM_LAYERS, TOP_K), 9, np.int32))  # asked from 5: positions 5..7
     joined = join_segments(
         sample(PROMPT, [1, 2], first_routes), sample([*PROMPT, 1, 2], [3, 4, 5], then_routes, "stop")
     )
-    assert joined.routed_experts.shape == (4 + 5 - 1, NUM_LAYERS, TOP_K)
-    assert (joined.routed_experts[:5] == 7).all() and (joined.routed_experts[5:] == 9).all()
+    rows = joined.columns["routed_experts"].rows
+    assert rows.shape == (4 + 5 - 1, NUM_LAYERS, TOP_K)
+    assert (rows[:5] == 7).all() and (rows[5:] == 9).all()
+    # the next request of the joined sample asks from the first position it does not hold
+    asked = joined.columns.next_request(SamplingConfig(return_routed_experts=True, routes_shape=SHAPE))
+    assert asked.routed_experts_start_len == 4 + 5 - 1
     # a first segment aborted without routes: the continuation was asked for all of them (start 0)
-    full = np.full((8, NUM_LAYERS, TOP_K), 3, np.int32)
+    full = Routes(0, np.full((8, NUM_LAYERS, TOP_K), 3, np.int32))
     alone = join_segments(sample(PROMPT, [], None), sample(PROMPT, [1, 2, 3, 4, 5], full, "stop"))
-    np.testing.assert_array_equal(alone.routed_experts, full)
+    np.testing.assert_array_equal(alone.columns["routed_experts"].rows, full.rows)
 
 
 # --- the local engine ---------------------------------------------------------------------------------
@@ -216,14 +221,15 @@ def test_partial_rollout_keeps_each_positions_route_from_the_weights_that_sample
     differ = 0
     for s in samples:
         ids = PROMPT + s.output_ids
-        cut = s.output_versions.index("1")  # output tokens sampled by the old weights
-        assert s.segments == 2 and cut >= 5 and s.routed_experts.shape == (len(ids) - 1, NUM_LAYERS, TOP_K)
+        cut = s.columns["token_versions"].index("1")  # output tokens sampled by the old weights
+        routes = s.columns["routed_experts"].rows
+        assert s.segments == 2 and cut >= 5 and routes.shape == (len(ids) - 1, NUM_LAYERS, TOP_K)
         edge = len(PROMPT) + cut - 1  # positions < edge: inputs of the forwards that sampled old tokens
         old, new = (
             reference_routes(moe_dir, ids)[:-1].numpy(),
             reference_routes(moe_step1_dir, ids)[:-1].numpy(),
         )
-        got = np.sort(s.routed_experts, axis=-1)
+        got = np.sort(routes, axis=-1)
         np.testing.assert_array_equal(got[:edge], old[:edge])
         np.testing.assert_array_equal(got[edge:], new[edge:])
         differ += int((old != new).any(axis=(1, 2)).sum())

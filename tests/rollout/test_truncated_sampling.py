@@ -75,14 +75,14 @@ def test_response_gives_supports_and_the_truncated_logprobs():
     config = SamplingConfig(max_new_tokens=2, top_k=4, top_logprob=True)
     body, keys = _response(config, [[7, 3], [3, 9, 2]], [-0.5, -1.0], [-0.9, -1.2], [-0.2, -0.1])
     (result,) = parse_generate_response(body, [1], keys, config, 0, "http://x")
-    supports = result.output_supports  # ragged: each token its own ids, in the engine's order
+    supports = result.columns["sampling_support"]  # ragged: each token its own ids, in the engine's order
     assert supports.offsets.tolist() == [0, 2, 5] and supports.values.tolist() == [7, 3, 3, 9, 2]
     assert supports.width == 3 and supports.values.dtype == torch.int32
     assert torch.equal(supports.dense(), torch.tensor([[7, 3, -1], [3, 9, 2]], dtype=torch.int32))
     assert "output_token_sampling_mask" not in result.meta_info, "the raw lists are dropped once parsed"
-    assert result.output_logprobs == [-0.5, -1.0]
+    assert result.columns["rollout_logprobs"] == [-0.5, -1.0]
     # the top-1 log-prob moves onto the truncated normaliser with the sampled token's
-    assert result.output_top_logprobs == pytest.approx([-0.2 + 0.4, -0.1 + 0.2])
+    assert result.columns["rollout_top_logprobs"] == pytest.approx([-0.2 + 0.4, -0.1 + 0.2])
     body, keys = _response(config, [[3], [9]], [-0.5, -1.0], [-0.9, -1.2], [-0.2, -0.1])
     with pytest.raises(MalformedResponseError, match=r"sampling_mask\[0\] = \[3\] .* sampled token 7"):
         parse_generate_response(body, [1], keys, config, 0, "http://x")
@@ -100,8 +100,13 @@ def test_a_partial_rollouts_segments_join_their_supports_row_by_row():
     body, keys = _response(config, [[7], [9, 8]], [-0.1, -0.2], [-0.3, -0.4], [-0.2, -0.1])
     (then,) = parse_generate_response(body, [1], keys, config, 0, "http://x")
     joined = join_segments(first, then)
-    assert joined.output_ids == [7, 9, 7, 9] and joined.output_logprobs == [-0.5, -1.0, -0.1, -0.2]
-    supports = joined.output_supports
+    assert joined.output_ids == [7, 9, 7, 9] and joined.columns["rollout_logprobs"] == [
+        -0.5,
+        -1.0,
+        -0.1,
+        -0.2,
+    ]
+    supports = joined.columns["sampling_support"]
     assert [supports.row(j).tolist() for j in range(4)] == [[7, 3], [3, 9, 2, 5], [7], [9, 8]]
     assert supports.width == 4 and supports.nnz == 9
 
@@ -127,7 +132,7 @@ def test_local_engine_support_is_replayed_by_the_trainer_op(tiny_model_dir, temp
         ids = torch.tensor([prompt + result.output_ids])
         with torch.no_grad():
             logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
-        support = result.output_supports.dense()  # int32, as the trainer hands it to the op
+        support = result.columns["sampling_support"].dense()  # int32, as the trainer hands it to the op
         sizes += (support >= 0).sum(dim=1).tolist()
         op = vocab_parallel_masked_logprobs(
             logits,
@@ -136,7 +141,9 @@ def test_local_engine_support_is_replayed_by_the_trainer_op(tiny_model_dir, temp
             temperature=temperature,
             sampling_support=support,
         )
-        torch.testing.assert_close(op.logprobs, torch.tensor(result.output_logprobs), atol=2e-5, rtol=0)
+        torch.testing.assert_close(
+            op.logprobs, torch.tensor(result.columns["rollout_logprobs"]), atol=2e-5, rtol=0
+        )
         full = vocab_parallel_masked_logprobs(
             logits, torch.tensor(result.output_ids), temperature=temperature
         )

@@ -36,7 +36,7 @@ async def sample(url, sampling=SAMPLING, version=None):
 
 
 def outputs(results):
-    return [(r.output_ids, r.output_logprobs) for r in results]
+    return [(r.output_ids, r.columns["rollout_logprobs"]) for r in results]
 
 
 async def model_info_version(url):
@@ -79,7 +79,7 @@ def test_disk_and_distributed_updates_change_outputs_and_bump_weight_version(
         "the broadcast path must load exactly what the disk path loads"
     )
     for old, new in zip(before, after_a, strict=True):
-        assert old.output_logprobs[0] != new.output_logprobs[0], (
+        assert old.columns["rollout_logprobs"][0] != new.columns["rollout_logprobs"][0], (
             "new weights change the first-step distribution"
         )
     assert outputs(restored) == outputs(before) and {r.weight_version for r in restored} == {"12"}

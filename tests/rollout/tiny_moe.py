@@ -87,7 +87,7 @@ def reference_routes(model_dir: Path, ids: list[int]) -> torch.Tensor:
     return routes
 
 
-def generate_across_an_update(engine, prompt: list[int], sampling, new_weights: Path) -> list:
+def generate_across_an_update(engine, prompt: list[int], sampling, new_weights: Path, table=None) -> list:
     """`sampling`'s samples of `prompt` (`RolloutClient.generate_group`, partial rollouts) from the local
     `engine` served over HTTP: held in place after 5 tokens while `new_weights` load as version 1, then
     continued. Closes `engine`."""
@@ -100,7 +100,10 @@ def generate_across_an_update(engine, prompt: list[int], sampling, new_weights: 
     from tests.rollout.test_partial_rollouts import _hold, _pause_at_tokens
 
     async def main():
-        async with serving_app(build_app(engine)) as url, RolloutClient([url], processor=None) as client:
+        async with (
+            serving_app(build_app(engine)) as url,
+            RolloutClient([url], processor=None, **({} if table is None else {"table": table})) as client,
+        ):
             _pause_at_tokens(engine, 5, "in_place")
             task = asyncio.ensure_future(
                 client.generate_group(prompt, sample_keys(0, sampling), sampling, partial=True)

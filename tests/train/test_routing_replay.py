@@ -27,7 +27,7 @@ def _routes(n: int, g: torch.Generator) -> torch.Tensor:
 
 
 def _samples(seed: int, n: int = 6) -> list[Sample]:
-    from megatron_tail.train.rl.routing import route_fields
+    from megatron_tail.rollout.routes import route_fields
 
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -252,13 +252,6 @@ def test_packed_cp_and_sequence_parallel_replay_give_the_unpacked_step(hf_dir, w
         torch.testing.assert_close(state[name], ref_state[name], rtol=1e-5, atol=1e-5, msg=name)
 
 
-def test_route_field_names_agree():
-    from megatron_tail.train.engine import routing as engine
-    from megatron_tail.train.rl import routing as rl
-
-    assert (rl.ROUTES_FIELD, rl.ROUTED_FIELD) == (engine.ROUTES_FIELD, engine.ROUTED_FIELD)
-
-
 def _interleaved_grads(rank, world, hf_dir, samples, recompute):  # noqa: ARG001
     """Both micro-batches' forwards, then both backwards (the order of a 1F1B pipeline schedule, which on
     CPU's one-stage MoE megatron never runs), replaying each one's routes; the gradients."""
@@ -346,6 +339,7 @@ def test_routes_survive_the_rollout_buffers_checkpoint(tmp_path):
 
     from megatron_tail.config import config_from_dict
     from megatron_tail.rollout.batch import RolloutBatch, concat_batches, select_samples
+    from megatron_tail.rollout.columns import LOGPROBS, ROUTES, VERSIONS
     from megatron_tail.rollout.manager import GroupResult
     from megatron_tail.rollout.routes import ROUTED_FIELD, ROUTES_FIELD, compact_routes
     from megatron_tail.train.rl.samples import build_samples
@@ -356,15 +350,17 @@ def test_routes_survive_the_rollout_buffers_checkpoint(tmp_path):
     batch = RolloutBatch(
         prompt_ids=prompts,
         response_ids=responses,
-        rollout_logprobs=[[-1.0] * len(r) for r in responses],
         rewards=[1.0, 0.0],
         correct=[True, False],
         truncated=[False, False],
         weight_versions=["0", "0"],
-        token_versions=[[0] * len(r) for r in responses],
-        routed_experts=[compact_routes(r) for r in engine],
+        columns={
+            LOGPROBS: [[-1.0] * len(r) for r in responses],
+            VERSIONS: [[0] * len(r) for r in responses],
+            ROUTES: [compact_routes(r) for r in engine],
+        },
     )
-    assert batch.routed_experts[0].dtype == torch.uint8
+    assert batch.column(ROUTES)[0].dtype == torch.uint8
     torch.save(GroupResult(3, batch, 0).to_state(), tmp_path / "group.pt")
     resumed = GroupResult.from_state(torch.load(tmp_path / "group.pt", weights_only=True)).batch
     both = concat_batches([select_samples(resumed, [1]), select_samples(resumed, [0])])
@@ -380,7 +376,9 @@ def test_refusals_are_one_line(tmp_path):
     from megatron_tail.config import config_from_dict
     from megatron_tail.model import load_hf_config
     from megatron_tail.rollout.batch import RolloutBatch
-    from megatron_tail.train.rl.routing import check_routing_replay, route_fields
+    from megatron_tail.rollout.columns import LOGPROBS
+    from megatron_tail.rollout.routes import route_fields
+    from megatron_tail.train.rl.routing import check_routing_replay
     from megatron_tail.train.rl.samples import build_samples
     from megatron_tail.utils.errors import UserError
     from tests.model.hf_models import make_hf_model
@@ -396,8 +394,10 @@ def test_refusals_are_one_line(tmp_path):
     check_routing_replay(config_from_dict({}), dense)  # none: nothing to refuse
     cfg = config_from_dict({"algorithm": {"group_size": 2, "routing_replay": "r3"}})
     batch = RolloutBatch(
-        [[1, 2]] * 2, [[3]] * 2, [[-1.0]] * 2, [1.0, 0.0], [True, False], [False] * 2, ["0"] * 2
-    )
+        prompt_ids=[[1, 2]] * 2, response_ids=[[3]] * 2, rewards=[1.0, 0.0], correct=[True, False],
+        truncated=[False] * 2, weight_versions=["0"] * 2,
+        columns={LOGPROBS: [[-1.0]] * 2},
+    )  # fmt: skip
     with pytest.raises(UserError, match="--enable-return-routed-experts") as e:
         build_samples(cfg, batch)
     assert "\n" not in str(e.value)

@@ -7,6 +7,7 @@ import pytest
 
 from megatron_tail.config import load_config
 from megatron_tail.rollout import RolloutBatch
+from megatron_tail.rollout.columns import LOGPROBS
 from megatron_tail.train.rl.samples import build_samples
 
 
@@ -16,11 +17,11 @@ def _batch():
     return RolloutBatch(
         prompt_ids=[[1, 2]] * 4,
         response_ids=[[5] * n for n in lengths],
-        rollout_logprobs=[[-1.0] * n for n in lengths],
         rewards=[1.0, 0.0, 1.0, 1.0],
         correct=[True, False, True, True],
         truncated=[True, False, False, False],
         weight_versions=["0"] * 4,
+        columns={LOGPROBS: [[-1.0] * n for n in lengths]},
     )
 
 

@@ -9,17 +9,17 @@ so the sample is exactly the concatenation the engine saw. Only observations are
 response is `turn_0 ids + obs_0 ids + turn_1 ids + ...`, with `policy_mask` True on the generated ids.
 
 The coroutine only awaits `generate` and the environment, so any scheduler can run many of them: the rollout
-manager and evaluation both do (`rollout/service/episodes.py`, `episode_group`). Per-token
-fields ride with the ids: each policy token keeps the weight version that sampled it (`token_versions`; a
-turn that a weight update interrupted and the manager continued spans two) and, with truncated sampling,
-its sampling support (`supports`); an observation's tokens are context (`policy_mask` False, log-prob 0.0,
-an empty support row, and the version of the policy token before them, so a sample's oldest version is its
-oldest policy token's).
+manager and evaluation both do (`rollout/service/episodes.py`, `episode_group`). Per-token columns
+(`rollout.columns`) ride with the ids: each policy token keeps the weight version that sampled it
+(`token_versions`; a turn that a weight update interrupted and the manager continued spans two) and, with
+truncated sampling, its `sampling_support`; an observation's tokens are context (`policy_mask` False, log-prob
+0.0, an empty support row, and the version of the policy token before them, so a sample's oldest version is
+its oldest policy token's).
 
 MoE routes (routing replay R3). Every turn's reply returns int32 rows `[input + output − 1 − start, layers,
 k]` (`rollout/routes.py`): row p is the routing of token p as the input of one of that request's forwards. The
-final sample has one trainer forward, so one row per position; the rule (`Episode.add_routes`): **each
-position keeps the row of the first request that fed it to a forward**:
+final sample has one trainer forward, so one row per position; the rule (the `routed_experts` column's `join`,
+`columns.builtin`): **each position keeps the row of the first request that fed it to a forward**:
 
 - prompt tokens: turn 0's prefill;
 - turn t's policy tokens but its last: turn t's decode steps;
@@ -27,7 +27,7 @@ position keeps the row of the first request that fed it to a forward**:
 
 Why this one. Row p produced the logits at p, which sampled token p + 1; for every policy token that forward
 was its own turn's request (first-fed = "the request that sampled the next token", the rule partial rollouts
-follow inside a turn, `routes.join_routes`). So the trainer's θ_old forward replays, at each policy token's
+follow inside a turn, `client.join_segments`). So the trainer's θ_old forward replays, at each policy token's
 predicting position, exactly the routes the engine sampled it with. The context: turn t's forwards attended to
 the KV of earlier positions as that KV was computed. With SGLang's radix cache a later turn's prefix is served
 from the KV the earlier requests computed, and the capturer returns those same rows for cached slots
@@ -40,9 +40,9 @@ rule confines that to the attention context of later turns; keeping the last req
 replace each policy token's own routing by a later prefill's, which sampled nothing.
 
 Each turn asks only for the rows not held yet: `routed_experts_start_len` = the rows held = the previous
-turn's input + output − 1 (`rollout/service/episodes.py`, `episode_group`), so no row is shipped twice (and a
-continued partial-rollout segment asks from there on, `RolloutClient.generate_group`); rows a reply returns
-for positions already held are dropped.
+turn's input + output − 1 (the column's `request` hook, `rollout/service/episodes.py`), so no row is shipped
+twice (and a continued partial-rollout segment asks from there on, `RolloutClient.generate_group`); rows a
+reply returns for positions already held are dropped.
 """
 
 from __future__ import annotations
@@ -54,9 +54,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from .base import StepResult
 
 if TYPE_CHECKING:  # not at import: the environment workers import this package and need no torch
-    import numpy as np
-
-    from megatron_tail.utils.ragged import Ragged
+    from megatron_tail.rollout.columns import TokenColumns
 
 
 @dataclass(frozen=True)
@@ -64,27 +62,16 @@ class TurnOutput:
     """What one `/generate` call returned for one sample (a `protocol.SampleResult`, reduced)."""
 
     output_ids: list[int]
-    logprobs: list[float]
-    """The engine's log-prob of each generated id (log π^mp with DVP)."""
     finish_reason: str
     """"stop" (EOS or a stop token: the id is the last of `output_ids`) or "length"."""
+    columns: TokenColumns
+    """The turn's per-token columns (`rollout.columns`): the engine's log-prob of each generated id (log π^mp
+    with DVP), the version that sampled it (a turn continued after a weight update spans two), with
+    truncated sampling its support, and MoE routes of the positions from the request's
+    `routed_experts_start_len` on (`rollout/routes.py`), where requested."""
     weight_version: str | None = None
-    top_logprobs: list[float] | None = None
-    token_versions: list[str | None] | None = None
-    """Per output id: the weight version that sampled it (a turn continued after a weight update spans
-    two); None: `weight_version` for every id."""
-    support: Ragged | None = None
-    """With truncated sampling: per output id, the ids of the support it was drawn from."""
-    routed_experts: np.ndarray | None = None
-    """MoE routes (R3): int32 `[input + output − 1 − routes_start, layers, k]`, row r the route of position
-    `routes_start + r` of the turn's input + output as the input of one of this request's forwards
-    (`rollout/routes.py`); None when not requested."""
-    routes_start: int = 0
-    """The first position `routed_experts` covers (the request's `routed_experts_start_len`)."""
     log_rho: float | None = None
     """DVP's log ρ the turn's first request was sent with (None: no pruning)."""
-    token_fields: dict[str, list[float]] = field(default_factory=dict)
-    """The declared per-token fields (`rollout.token_fields`): name → one value per output id."""
 
 
 Generate = Callable[[list[int], int], Awaitable[TurnOutput]]
@@ -129,9 +116,12 @@ class Episode:
     response_ids: list[int] = field(default_factory=list)
     policy_mask: list[bool] = field(default_factory=list)
     """Per response id: True where the policy generated it, False for environment (observation) ids."""
-    logprobs: list[float] = field(default_factory=list)
-    """Per response id: the engine's log-prob; 0.0 at environment ids (they have none)."""
-    top_logprobs: list[float] | None = field(default_factory=list)
+    columns: TokenColumns | None = None
+    """The per-token columns of the response (`rollout.columns`; None before the first turn): each turn's
+    values, and at environment ids each column's context value (log-prob 0.0, an empty support row, the
+    version of the policy id before them, so a sample's oldest version is its oldest policy token's). A
+    column a later turn lacks is dropped. MoE routes cover prompt + response positions but the last, each
+    position's row from the first request that fed it (module docstring)."""
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
@@ -150,106 +140,22 @@ class Episode:
     episode ended before that observation, instead of a request the engine rejects."""
     log_rho: float | None = None
     """DVP's log ρ of the first turn's request: an episode counts as old as its oldest tokens."""
-    token_fields: dict[str, list[float]] = field(default_factory=dict)
-    """The declared per-token fields (`rollout.token_fields`), per response id: a turn's values, each
-    field's `context_value` at environment ids."""
     turn_versions: list[str | None] = field(default_factory=list)
     """The weight version each turn reported (a continued turn: its last segment's)."""
-    token_versions: list[str | None] = field(default_factory=list)
-    """Per response id: the weight version that sampled it; an environment id has the version of the
-    policy id before it (context: it never makes the sample older than its oldest policy token)."""
-    support_rows: list[Ragged] | None = field(default_factory=list)
-    """The sampling supports, one `Ragged` per turn and observation (empty rows for an observation); None
-    once a turn came without one (untruncated sampling). `supports` joins them."""
-    route_rows: list[np.ndarray] | None = field(default_factory=list)
-    """The MoE routes held, one int32 `[rows, layers, k]` block per turn, covering positions
-    `[0, routes_held)` of prompt + response (module docstring: each position's first request); None once a
-    turn came without them (not requested). `routed_experts` joins them."""
-
-    @property
-    def routes_held(self) -> int:
-        """Positions of prompt + response whose route is held (the next turn's `routed_experts_start_len`)."""
-        return 0 if self.route_rows is None else sum(len(r) for r in self.route_rows)
-
-    @property
-    def routed_experts(self) -> np.ndarray | None:
-        """int32 `[len(prompt_ids) + len(response_ids) − 1, layers, k]`: per position but the last (sampled,
-        never fed), the route of the first request that fed it to a forward; None without routes."""
-        if self.route_rows is None or not self.route_rows:
-            return None
-        import numpy as np
-
-        return np.concatenate(self.route_rows, axis=0)
-
-    def add_routes(self, routes: np.ndarray | None, start: int) -> None:
-        """Keep a turn's `routes` (rows for positions `[start, start + len(routes))`) for the positions not
-        held yet: a position already held keeps its first request's row. None (a turn without routes) drops
-        every route. ValueError when the rows start after the held ones (a position nobody routed)."""
-        if self.route_rows is None:
-            return
-        if routes is None:
-            self.route_rows = None
-            return
-        held = self.routes_held
-        if start > held:
-            raise ValueError(
-                f"a turn's routes start at position {start}, but the episode holds routes for positions "
-                f"[0, {held}) only (routed_experts_start_len must be at most the rows held)"
-            )
-        self.route_rows.append(routes[held - start :])
-
-    @property
-    def supports(self) -> Ragged | None:
-        """Per response id, its sampling support's ids (a `Ragged` of `len(response_ids)` rows), or None."""
-        from megatron_tail.utils.ragged import cat_rows
-
-        return None if self.support_rows is None else cat_rows(self.support_rows)
 
     @property
     def env_tokens(self) -> int:
         return len(self.policy_mask) - sum(self.policy_mask)
 
-    def add(
-        self,
-        ids: Sequence[int],
-        *,
-        policy: bool,
-        logprobs=None,
-        top=None,
-        versions=None,
-        support=None,
-        fields: dict[str, list[float]] | None = None,
-    ):
-        """Append a turn's `ids` (`policy`: with their `logprobs`, `top` log-probs, per-id `versions`,
-        `support` and declared token `fields`) or an observation's (context: no log-prob, no support, the
-        last policy id's version, each declared field's context value)."""
-        from megatron_tail.rollout.token_fields import context_fields, join_token_fields
-
-        n = len(ids)
-        added = (fields or {}) if policy else context_fields(n)
-        if added or self.token_fields:
-            self.token_fields = join_token_fields(self.token_fields, added)
-        self.response_ids.extend(ids)
-        self.policy_mask.extend([policy] * n)
-        self.logprobs.extend(logprobs if policy else [0.0] * n)
+    def add(self, ids: Sequence[int], *, policy: bool, columns: TokenColumns | None = None) -> None:
+        """Append a turn's `ids` with its `columns` (`policy`), or an observation's (context: each column's
+        context value)."""
         if policy:
-            self.token_versions.extend(versions if versions is not None else [None] * n)
-        else:
-            self.token_versions.extend([self.token_versions[-1] if self.token_versions else None] * n)
-        if self.top_logprobs is not None:
-            if policy and top is None:
-                self.top_logprobs = None
-            else:
-                self.top_logprobs.extend(top if policy else [0.0] * n)
-        if self.support_rows is not None:
-            if policy and support is None:
-                self.support_rows = None
-            elif policy:
-                self.support_rows.append(support)
-            else:
-                from megatron_tail.utils.ragged import Ragged
-
-                self.support_rows.append(Ragged.empty_rows(n))
+            self.columns = columns if self.columns is None else self.columns.then(columns)
+        elif self.columns is not None:
+            self.columns = self.columns.with_context(len(ids))
+        self.response_ids.extend(ids)
+        self.policy_mask.extend([policy] * len(ids))
 
 
 async def run_episode(
@@ -268,25 +174,9 @@ async def run_episode(
     try:
         for turn in range(limits.max_turns):
             out = await generate([*episode.prompt_ids, *episode.response_ids], turn)
-            versions = out.token_versions
-            if versions is None:
-                versions = [out.weight_version] * len(out.output_ids)
-            episode.add(
-                out.output_ids,
-                policy=True,
-                logprobs=out.logprobs,
-                top=out.top_logprobs,
-                versions=versions,
-                support=out.support,
-                fields=out.token_fields,
-            )
-            episode.add_routes(out.routed_experts, out.routes_start)
-            routable = len(episode.prompt_ids) + len(episode.response_ids) - 1  # all but the unfed last
-            if episode.route_rows is not None and episode.routes_held != routable:
-                raise ValueError(
-                    f"turn {turn}'s routes end at position {episode.routes_held}; expected {routable} "
-                    "(one route per position of prompt + response but the last)"
-                )
+            episode.add(out.output_ids, policy=True, columns=out.columns)
+            where = f"turn {turn}"
+            episode.columns.check_complete(len(episode.prompt_ids), len(episode.response_ids), where)
             if turn == 0:
                 episode.log_rho = out.log_rho
             episode.turns += 1

@@ -102,8 +102,8 @@ class Engines:
         engines = cls(
             settings,
             urls,
-            RolloutClient(urls, client_cfg, processor=processor),
-            RolloutClient(urls, client_cfg, processor=None),
+            RolloutClient(urls, client_cfg, processor=processor, table=plan.columns),
+            RolloutClient(urls, client_cfg, processor=None, table=plan.columns),
             model_path=plan.model_path,
             vocab_size=plan.vocab_size,
             log_rho=plan.log_rho,

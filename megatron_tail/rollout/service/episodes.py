@@ -1,10 +1,10 @@
-"""The one rollout workflow: every sample is an episode. One `envs.run_episode` coroutine per sample over
-the engines, each turn one request (the first turns of a prompt's n episodes in one request, which lets
-SGLang share the prompt's KV cache), at most `rollout.max_concurrency` episodes in flight; then the episodes
-as a `RolloutBatch` (`episodes_to_batch`) with their per-token log-probs, `token_versions`, (truncated
-sampling) `rollout_supports`, (MoE) routes, and with an environment the `policy_mask`. A single-turn sample
-is a one-turn episode whose environment is `NoEnvironment`: the same request and seeds as before, and the
-same batch (no `policy_mask`, no episode counters).
+"""The one rollout workflow: every sample is an episode. One `envs.run_episode` coroutine per sample over the
+engines, each turn one request (the first turns of a prompt's n episodes in one request, which lets SGLang
+share the prompt's KV cache), at most `rollout.max_concurrency` episodes in flight; then the episodes as a
+`RolloutBatch` (`episodes_to_batch`) with their per-token columns (`rollout.columns`: log-probs, versions,
+with truncated sampling the supports, MoE routes) and with an environment the `policy_mask`. A single-turn
+sample is a one-turn episode whose environment is `NoEnvironment`: the same request and seeds as before, and
+the same batch (no `policy_mask`, no episode counters).
 
 One workflow, two users: `episode_group(engines, example, keys, sampling)` makes one prompt's group of
 episodes and scores it (`Reward`, the one scoring path), each turn one `Engines.generate` request; at most
@@ -31,14 +31,12 @@ from dataclasses import dataclass, replace
 
 from megatron_tail.utils.errors import UserError
 
-from ..batch import RolloutBatch, episode_stats, token_versions_of
+from ..batch import RolloutBatch, episode_stats
 from ..envs import Episode, EpisodeLimits, StepResult, Tokens, TurnOutput, run_episode
 from ..envs.host import EnvironmentLostError, WorkerEnv
 from ..envs.pool import EnvWorkers
 from ..envs.registry import EnvironmentError_, EnvironmentTimeoutError
 from ..protocol import SampleKey, SampleResult, SamplingConfig, sample_seed
-from ..routes import compact_routes
-from ..token_fields import to_tensors
 
 
 class NoEnvironment:
@@ -136,30 +134,15 @@ def turn_sampling(sampling: SamplingConfig, tokenizer, max_turns: int) -> Sampli
     return replace(sampling, stop_token_ids=tuple(stops))
 
 
-def with_routes_from(sampling: SamplingConfig, routes_from: int) -> SamplingConfig:
-    """`sampling` asking for MoE routes from position `routes_from` on (unchanged when it asks for none)."""
-    if not sampling.return_routed_experts:
-        return sampling
-    return replace(sampling, routed_experts_start_len=routes_from)
-
-
 def turn_output(result: SampleResult) -> TurnOutput:
-    """What an episode keeps of one sample's turn: ids, log-probs, per-token versions, supports and MoE
-    routes (with the position they start at: the reply holds input + output − 1 − start rows)."""
-    routes = getattr(result, "routed_experts", None)  # a result without the field (a stand-in): none
-    start = 0 if routes is None else len(result.prompt_ids) + len(result.output_ids) - 1 - len(routes)
+    """What an episode keeps of one sample's turn: its ids, finish, version, DVP log ρ and per-token
+    columns."""
     return TurnOutput(
         output_ids=list(result.output_ids),
-        logprobs=list(result.output_logprobs),
         finish_reason=result.finish_reason.get("type", "stop"),
+        columns=result.columns,
         weight_version=result.weight_version,
-        top_logprobs=None if result.output_top_logprobs is None else list(result.output_top_logprobs),
-        token_versions=list(result.output_versions) or None,
-        support=result.output_supports,
-        routed_experts=routes,
-        routes_start=start,
-        log_rho=getattr(result, "log_rho", None),
-        token_fields=dict(getattr(result, "token_fields", {})),
+        log_rho=result.log_rho,
     )
 
 
@@ -209,7 +192,7 @@ class EpisodeSampling:
     `n` episodes a group, their environments `env_spec` in `envs`' workers (None: `NoEnvironment`, one-turn
     episodes), within `limits`; at most `slots` episodes at once over every group sharing it (the one
     concurrency primitive); environment failures counted in `failures` (the manager swaps in a new count
-    per batch); scored by `reward`; with `supports`, every turn's sampling support in the batch."""
+    per batch); scored by `reward`."""
 
     turn: SamplingConfig
     n: int
@@ -222,7 +205,6 @@ class EpisodeSampling:
     slots: asyncio.BoundedSemaphore
     failures: FailureCount
     reward: Reward
-    supports: bool
 
 
 @dataclass
@@ -271,7 +253,7 @@ async def _scored(examples: Sequence, episodes: list[list[Episode]], s: EpisodeS
             rewards[at : at + len(group)],
             correct_reward=s.reward.correct_reward,
             elapsed_s=elapsed_s,
-            supports=s.supports,
+            required=group[0].columns.table.wanted(s.turn) if group else (),
             environment=s.env_spec is not None,
         )
         out.append(Group(group, batch))
@@ -327,23 +309,24 @@ async def _group_episodes(engines, example, keys: GroupKeys, s: EpisodeSampling)
 
 async def _episode(engines, example, keys: GroupKeys, s: EpisodeSampling, attempt, j, first_turns) -> Episode:
     i, base_seed, prompt = keys.position, keys.base_seed, list(example.prompt_ids)
-    held = 0  # routes: positions the episode holds after the last turn (its input + output − 1)
+    last: SampleResult | None = None  # the episode's last turn: the next asks only for what it lacks
 
-    def request(input_ids: list[int], turn_keys: list[SampleKey], routes_from: int):
-        # routes: only the rows the episode lacks (`envs.episode`'s rule; 0 for a first turn)
-        sampling = with_routes_from(s.turn, routes_from)
+    def request(input_ids: list[int], turn_keys: list[SampleKey]):
+        # a later turn asks only for what the episode lacks (MoE routes: from the rows held, `envs.episode`'s
+        # rule; the last turn's routes end where the episode's do)
+        sampling = s.turn if last is None else last.columns.next_request(s.turn)
         return engines.generate(list(input_ids), turn_keys, sampling, pruned=s.pruned, partial=s.partial)
 
     async def generate(input_ids: list[int], turn: int) -> TurnOutput:
-        nonlocal held
+        nonlocal last
         if turn == 0:
             if attempt not in first_turns:
                 turn_keys = [turn_key(base_seed, i, k, 0, attempt) for k in range(s.n)]
-                first_turns[attempt] = asyncio.ensure_future(request(prompt, turn_keys, 0))
+                first_turns[attempt] = asyncio.ensure_future(request(prompt, turn_keys))
             result = (await asyncio.shield(first_turns[attempt]))[j]
         else:
-            (result,) = await request(input_ids, [turn_key(base_seed, i, j, turn, attempt)], held)
-        held = len(input_ids) + len(result.output_ids) - 1
+            (result,) = await request(input_ids, [turn_key(base_seed, i, j, turn, attempt)])
+        last = result
         return turn_output(result)
 
     name = f"b{base_seed}-p{i}-s{j}" + (f"-a{attempt}" if attempt else "")
@@ -359,44 +342,31 @@ def episodes_to_batch(
     *,
     correct_reward: float,
     elapsed_s: float,
-    supports: bool = False,
+    required: Sequence[str] = (),
     environment: bool = True,
 ) -> RolloutBatch:
     """The episodes as samples: response = turns and observations back to back, `policy_mask` marking the
     turns; reward = the run's reward of the last turn (`rewards`) + the environment's step rewards. Per token:
-    the engine's log-probs, the version that sampled each token (`token_versions`, None where an engine
-    reported a non-integer version) and, with `supports` (truncated sampling), each token's sampling support
-    (`rollout_supports`; empty rows at the environment's tokens, which are context). MoE routes
-    (`routed_experts`, when every episode has them): per sample `[prompt + response − 1, layers, k]` in the
-    smallest integer dtype (`rollout.routes.compact_routes`), each position's row from the first request that
-    fed it (`envs.episode`). Without an `environment` (single-turn samples, one-turn episodes of
-    `NoEnvironment`): no `policy_mask` (every token is the policy's) and no episode counters."""
+    the columns every episode carries (`rollout.columns`, each through its `to_batch`: log-probs as lists,
+    the versions as ints or not at all where an engine reported a non-integer version, the supports with
+    empty rows at the environment's tokens, MoE routes per sample `[prompt + response − 1, layers, k]` in
+    the smallest integer dtype); ValueError when an episode lacks one of `required` (the columns its
+    requests wanted). Without an `environment` (single-turn samples, one-turn episodes of `NoEnvironment`):
+    no `policy_mask` (every token is the policy's) and no episode counters."""
     total = [r + e.env_reward for r, e in zip(rewards, episodes, strict=True)]
-    tops = [e.top_logprobs for e in episodes]
     generated = sum(sum(e.policy_mask) for e in episodes)
-    versions = [token_versions_of(e.token_versions) for e in episodes]
-    rows = [e.supports for e in episodes] if supports else None
-    if rows is not None and any(r is None for r in rows):
-        raise ValueError("truncated sampling, but an engine returned a turn without its sampling support")
-    routes = [e.routed_experts for e in episodes]
+    columns = episodes[0].columns.table.to_batch([e.columns for e in episodes], required) if episodes else {}
     return RolloutBatch(
         prompt_ids=[list(e.prompt_ids) for e in episodes],
         response_ids=[list(e.response_ids) for e in episodes],
-        rollout_logprobs=[list(e.logprobs) for e in episodes],
         rewards=total,
         correct=[x >= correct_reward for x in total],
         truncated=[e.truncated for e in episodes],
         # the first turn's version (the manager: a later turn may be newer, `token_versions` has each)
         weight_versions=[e.turn_versions[0] for e in episodes],
-        rollout_top_logprobs=None if any(t is None for t in tops) else [list(t) for t in tops],
-        rollout_supports=rows,
-        token_versions=None if any(v is None for v in versions) else versions,
         policy_mask=[list(e.policy_mask) for e in episodes] if environment else None,
         sampled_log_rho=[e.log_rho for e in episodes],
-        token_fields=[to_tensors(e.token_fields) for e in episodes]
-        if any(e.token_fields for e in episodes)
-        else None,
-        routed_experts=None if any(r is None for r in routes) else [compact_routes(r) for r in routes],
+        columns=columns,
         stats={
             "rollout_time_s": elapsed_s,
             "generated_tokens": float(generated),

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..columns import ColumnTable
+
 
 def _no_stop_hint() -> str:
     return "send SIGTERM twice to stop now"
@@ -65,6 +67,8 @@ class RolloutPlan:
     reward: RewardPlan
     routes_shape: tuple[int, int] | None
     """MoE: `(num_hidden_layers, top_k)` of the routes the engines return (routing replay), else None."""
+    columns: ColumnTable
+    """The per-token columns the replies are parsed into (`rollout.columns`; the trainer's table too)."""
     filter_zero_variance_groups: bool
     """Dynamic sampling: drop groups whose rewards are all equal (DAPO)."""
     max_sampling_rounds: int

@@ -24,6 +24,7 @@ from megatron_tail.rewards.scorer import RewardScorer
 from megatron_tail.utils.errors import UserError
 
 from ..batch import RolloutBatch
+from ..columns import VERSIONS
 from ..dynamic_sampling import has_reward_signal
 from ..manager import GroupResult, RolloutManager
 from ..protocol import SamplingConfig
@@ -118,7 +119,7 @@ class RolloutService:
     # --- the workflow's shared parts ------------------------------------------------------------------
 
     def _episode_sampling(
-        self, sampling: SamplingConfig, *, pruned: bool, partial: bool, supports: bool, episodes: int
+        self, sampling: SamplingConfig, *, pruned: bool, partial: bool, episodes: int
     ) -> EpisodeSampling:
         """What the groups of one use share: `sampling`'s turns (with more than one turn, `<|im_end|>` stops
         too), at most `rollout.max_concurrency` episodes at once (requests without an environment), an
@@ -138,7 +139,6 @@ class RolloutService:
             slots=asyncio.BoundedSemaphore(r.episodes_at_once(n)),
             failures=FailureCount(r.env or "none", episodes, r.max_env_failure_fraction),
             reward=self.reward,
-            supports=supports,
         )
 
     def _episode_limits(self, sampling: SamplingConfig):
@@ -186,7 +186,6 @@ class RolloutService:
             sampling,
             pruned=True,
             partial=r.partial_rollouts,
-            supports=r.truncates,
             episodes=plan.groups_per_step * sampling.n_samples,  # per batch: a step's episodes
         )
         environment = r.env is not None
@@ -198,7 +197,7 @@ class RolloutService:
                 self.engines, prompt_at(index), GroupKeys(position, base_seed, first), shared
             )
             batch = group.batch
-            if batch.token_versions is None and needs_versions:
+            if batch.column(VERSIONS) is None and needs_versions:
                 raise UserError(
                     f"an engine reported weight version {batch.weight_versions[0]!r}, not an integer; "
                     "rollout.partial_rollouts and rollout.stale_groups=drop need the versions the trainer "
@@ -313,7 +312,6 @@ class RolloutService:
                 sampling,
                 pruned=pruned,
                 partial=False,
-                supports=False,
                 episodes=len(examples) * sampling.n_samples,
             )
             groups = self.engines.run(evaluate_groups(self.engines, examples, shared), what)

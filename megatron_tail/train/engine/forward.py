@@ -40,6 +40,7 @@ from megatron_tail.ops import (
     vocab_parallel_masked_logprobs,
 )
 from megatron_tail.patches import cpu_device_scope
+from megatron_tail.rollout.columns import SUPPORT
 
 from .batch import MicroBatch
 from .collectives import all_reduce_scalars
@@ -49,9 +50,10 @@ from .routing import RoutingPass
 # (op outputs [b, s] of one micro-batch, the micro-batch) -> (0-d loss tensor, extra object to return)
 OnOutputs = Callable[[MaskedLogprobs, MicroBatch], tuple[torch.Tensor, Any]]
 
-SAMPLING_SUPPORT_FIELD = "sampling_support"
-"""Ragged per-token field of a micro-batch (`utils.ragged.Ragged`, `b·s` rows in position order): the token
-ids of the sampling support the engine drew each target from, no row off the response. When present, every
+SAMPLING_SUPPORT_FIELD = SUPPORT
+"""The `sampling_support` column (`rollout.columns`) as a ragged per-token field of a micro-batch
+(`utils.ragged.Ragged`, `b·s` rows in position order): the token ids of the sampling support the engine drew
+each target from, no row off the response. When present, every
 pass (θ_old, the update, the reference) hands it to the op as `sampling_support`, densified on the device,
 unless `OpSettings.replay_support` is off."""
 

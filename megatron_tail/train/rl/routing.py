@@ -9,11 +9,11 @@ the engine's routes as per-position sample fields, and the `moe/*` scalars.
 
 Under r2 the reference routes freely: it is another model, whose own routing is what π_ref means.
 
-The engine's routes (`RolloutBatch.routed_experts`, `[prompt + response − 1, num_hidden_layers, k]`, row p =
-token p's route as a forward's input) become two per-position fields of the sample
-(`rollout.routes.ROUTES_FIELD` / `ROUTED_FIELD`): the last token gets an all-0 row and `routed` False (it was
-sampled but never fed to the engine; its outputs predict nothing in the loss). From there they follow their
-tokens through packing, the CP split and micro-batches like any other per-token field (`engine.batch`).
+The engine's routes (the `routed_experts` column of a `RolloutBatch`, `[prompt + response − 1,
+num_hidden_layers, k]`, row p = token p's route as a forward's input) become two per-position fields of the
+sample (`rollout.routes.ROUTES_FIELD` / `ROUTED_FIELD`): the last token gets an all-0 row and `routed` False
+(it was sampled but never fed to the engine; its outputs predict nothing in the loss). From there they follow
+their tokens through packing, the CP split and micro-batches like any other per-token field (`engine.batch`).
 
 Scalars: `moe/routing_agreement` (+ `/layer_{i}`) and `moe/load_imbalance_cv` from the θ_old pass (whenever
 the batch has engine routes: the agreement of the trainer's *own* router with the engine's, even while it
@@ -24,9 +24,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
-
-from megatron_tail.rollout.routes import ROUTED_FIELD, ROUTES_FIELD, SERVER_FLAG
+from megatron_tail.rollout.routes import SERVER_FLAG
 from megatron_tail.utils.errors import UserError
 
 if TYPE_CHECKING:
@@ -58,21 +56,6 @@ def engine_routes_shape(cfg, arch) -> tuple[int, int] | None:
     if cfg.algorithm.routing_replay == "r3" or cfg.rollout.engine == "local":
         return (arch.num_layers, arch.moe.top_k)
     return None
-
-
-def route_fields(routes: torch.Tensor, n: int, where: str) -> dict[str, torch.Tensor]:
-    """A sample's engine routes `[n − 1, layers, k]` (n = prompt + response tokens) → its per-position
-    fields: routes `[n, layers, k]` (the last row 0) and `routed [n]` bool. ValueError naming `where` when
-    the rows do not cover the sample."""
-    if routes.dim() != 3 or routes.shape[0] != n - 1:
-        raise ValueError(
-            f"{where}: routed_experts has shape {tuple(routes.shape)}, expected ({n - 1}, layers, top_k) for "
-            f"{n} tokens (one route per position but the last)"
-        )
-    last = torch.zeros((1, *routes.shape[1:]), dtype=routes.dtype)
-    routed = torch.ones(n, dtype=torch.bool)
-    routed[-1] = False
-    return {ROUTES_FIELD: torch.cat([routes, last]), ROUTED_FIELD: routed}
 
 
 def missing_routes(mode: str) -> UserError:

@@ -17,6 +17,7 @@ from megatron_tail.algorithms import compute_advantages
 from megatron_tail.algorithms.overlong import overlong_penalty
 from megatron_tail.config import RunConfig
 from megatron_tail.rollout import RolloutBatch
+from megatron_tail.rollout.columns import BUILTIN_COLUMNS, ROUTES, ColumnTable, SampleShape
 
 from ..engine.batch import (
     MicroBatch,
@@ -27,9 +28,8 @@ from ..engine.batch import (
     split_for_data_parallel,
 )
 from ..engine.context_parallel import split_for_context_parallel
-from ..engine.forward import SAMPLING_SUPPORT_FIELD
 from ..engine.parallel import ParallelGroups, comm_device
-from .routing import missing_routes, route_fields
+from .routing import missing_routes
 
 
 @dataclass(frozen=True)
@@ -68,15 +68,17 @@ class RolloutSamples:
     """Reward shaping and masking of the step (overlong penalty, truncated responses masked)."""
 
 
-def build_samples(cfg: RunConfig, batch: RolloutBatch) -> RolloutSamples:
-    """Samples with per-response-token fields `rollout_logprobs`, `advantages` (the group advantage of the
-    shaped reward), where the batch has them `rollout_top_logprobs` and (truncated sampling) the sampling
-    support (`engine.forward.SAMPLING_SUPPORT_FIELD`, a `Ragged` of `len(response)` rows), and with
-    `algorithm.mask_truncated` `trainable` (0 on every token of a response cut at `rollout.max_new_tokens`:
-    it leaves the loss).
+def build_samples(
+    cfg: RunConfig, batch: RolloutBatch, table: ColumnTable = BUILTIN_COLUMNS
+) -> RolloutSamples:
+    """Samples with the batch's per-token columns as their fields (`table`'s `to_sample` hooks,
+    `rollout.columns`: `rollout_logprobs`, where the batch has them `rollout_top_logprobs`, the sampling
+    support (`engine.forward.SAMPLING_SUPPORT_FIELD`, a `Ragged` of `len(response)` rows), any declared
+    column, and the MoE routes as per-position fields, `rollout.routes.route_fields`), `advantages` (the
+    group advantage of the shaped reward), and with `algorithm.mask_truncated` `trainable` (0 on every token
+    of a response cut at `rollout.max_new_tokens`: it leaves the loss).
     A multi-turn batch's `policy_mask` goes to each `Sample.policy_mask`: its environment tokens are context.
-    The engines' MoE routes (`batch.routed_experts`) become per-position fields (`routing.route_fields`);
-    `algorithm.routing_replay: r3` without them is a UserError naming the server flag.
+    `algorithm.routing_replay: r3` without routes is a UserError naming the server flag.
 
     The shaped reward is the task reward plus DAPO's overlong penalty when `algorithm.overlong_buffer` > 0;
     `reward/*` tags keep logging the task reward, `reward/overlong_penalty_mean` the added term.
@@ -98,28 +100,17 @@ def build_samples(cfg: RunConfig, batch: RolloutBatch) -> RolloutSamples:
     if algo.mask_truncated:
         metrics["response/masked_truncated_fraction"] = sum(batch.truncated) / len(batch)
     advantages = compute_advantages(algo, rewards).to(torch.float32)
+    if algo.routing_replay == "r3" and batch.column(ROUTES) is None:
+        raise missing_routes(algo.routing_replay)
     samples = []
     for i in range(len(batch)):
         n = len(batch.response_ids[i])
-        fields = {
-            "rollout_logprobs": torch.tensor(batch.rollout_logprobs[i], dtype=torch.float32),
-            "advantages": torch.full((n,), float(advantages[i]), dtype=torch.float32),
-        }
-        if batch.rollout_top_logprobs is not None:
-            fields["rollout_top_logprobs"] = torch.tensor(batch.rollout_top_logprobs[i], dtype=torch.float32)
-        if batch.rollout_supports is not None:
-            fields[SAMPLING_SUPPORT_FIELD] = batch.rollout_supports[i]
+        shape = SampleShape(len(batch.prompt_ids[i]), n, f"sample {i}")
+        fields, positions = table.sample_fields(batch.columns, i, shape)  # the per-token columns
+        fields["advantages"] = torch.full((n,), float(advantages[i]), dtype=torch.float32)
         if algo.mask_truncated:
             fields["trainable"] = torch.full((n,), 0.0 if batch.truncated[i] else 1.0)
-        if batch.token_fields is not None:  # the engine's declared per-token fields (`rollout.token_fields`)
-            fields.update(batch.token_fields[i])
         mask = None if batch.policy_mask is None else batch.policy_mask[i]
-        positions = {}
-        if batch.routed_experts is not None:
-            n_all = len(batch.prompt_ids[i]) + n
-            positions = route_fields(batch.routed_experts[i], n_all, f"sample {i}")
-        elif algo.routing_replay == "r3":
-            raise missing_routes(algo.routing_replay)
         samples.append(
             Sample(
                 batch.prompt_ids[i],

@@ -49,6 +49,7 @@ from ..rl.samples import build_samples, layout_micro_batches
 from ..rl.update import update_policy
 from . import run_dir
 from .config_change import config_text, read_checkpoint_config, resume_notes
+from .rollout_plan import token_columns
 from .run_dir_lock import claim_run_dir
 from .session import RunSession, newest_intact_checkpoint
 from .signals import GracefulStop, stop_lead_s, stop_lead_warning
@@ -152,7 +153,7 @@ def rl_step(
 def _train_on(s: RunSession, batch) -> tuple[dict[str, float], dict, int]:
     """The trainer's part of a step on a non-empty batch: scalars, histograms, tokens trained on."""
     cfg, trainer = s.cfg, s.trainer
-    built = build_samples(cfg, batch)  # reward shaping, advantages (GRPO / RLOO), per response token
+    built = build_samples(cfg, batch, token_columns(cfg))  # reward shaping, advantages, per-token columns
     layout = layout_micro_batches(cfg, built.samples, trainer.groups)  # mini-batches × DP × micro-batches
     scoring = time.perf_counter()
     old = score_old_policy(trainer, cfg, layout)  # θ_old log-probs, |V_S|, mismatch diagnostics

@@ -9,10 +9,18 @@ from pathlib import Path
 
 from megatron_tail.config import RunConfig
 from megatron_tail.model.hf_config import load_hf_config
+from megatron_tail.rollout.columns import BUILTIN_COLUMNS, ColumnTable
 from megatron_tail.rollout.service import Reporting, RewardPlan, RolloutPlan, RolloutService
 
 from ..rl.routing import engine_routes_shape
 from . import signals
+
+
+def token_columns(cfg: RunConfig) -> ColumnTable:  # noqa: ARG001 - the one place a run adds its columns
+    """The per-token columns of `cfg`'s run (`rollout.columns`), one table for the rollout service's parser
+    and the trainer's samples: the built-in ones (each request carries those it wants). A run that reads
+    more from its engines' replies adds them here (`BUILTIN_COLUMNS.with_columns(declared(...))`)."""
+    return BUILTIN_COLUMNS
 
 
 def rollout_plan(cfg: RunConfig, run_dir: Path, note: Callable[[str], None] = print) -> RolloutPlan:
@@ -55,6 +63,7 @@ def plan_from(
         log_rho=a.sampling_log_rho(cfg.rollout.temperature),
         reward=RewardPlan(name=d.reward, timeout_s=d.reward_timeout_s, correct_reward=d.correct_reward),
         routes_shape=routes_shape,
+        columns=token_columns(cfg),
         filter_zero_variance_groups=d.filter_zero_variance_groups,
         max_sampling_rounds=d.max_sampling_rounds,
         total_steps=cfg.train.steps,

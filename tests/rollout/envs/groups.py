@@ -47,7 +47,6 @@ def episode_sampling(
         slots=asyncio.BoundedSemaphore(max_concurrency),
         failures=failures if failures is not None else FailureCount(env_spec, episodes, fraction),
         reward=Reward(lambda texts, _answers: [0.0] * len(texts), correct_reward=1.0),
-        supports=False,
     )
 
 

@@ -11,6 +11,7 @@ import pytest
 from megatron_tail.config import load_config
 from megatron_tail.rollout import RolloutBatch, rollout_metrics
 from megatron_tail.rollout.batch import concat_batches, select_groups
+from megatron_tail.rollout.columns import BUILTIN_COLUMNS
 from megatron_tail.rollout.envs import Episode
 from megatron_tail.rollout.service.episodes import episodes_to_batch
 from megatron_tail.utils.errors import UserError
@@ -19,7 +20,12 @@ from megatron_tail.utils.errors import UserError
 def _episode(turns, env_tokens, *, by_turns=False, calls=0, errors=0):
     e = Episode([1, 2])
     for t in range(turns):
-        e.add([5, 6], policy=True, logprobs=[-1.0, -1.0], top=[-0.5, -0.5])
+        turn = {
+            "rollout_logprobs": [-1.0] * 2,
+            "rollout_top_logprobs": [-0.5] * 2,
+            "token_versions": ["3"] * 2,
+        }
+        e.add([5, 6], policy=True, columns=BUILTIN_COLUMNS.values(**turn))
         if t < turns - 1:
             e.add([7] * env_tokens, policy=False)
     e.turns, e.tool_calls, e.tool_errors, e.truncated_by_turns = turns, calls, errors, by_turns
@@ -46,8 +52,16 @@ def test_episode_metrics_are_logged():
     assert m["rollout/stale_fraction"] == 0.0
     assert batch.stats["generated_tokens"] == sum(2 * e.turns for e in episodes)
     assert batch.policy_mask[2] == [True, True, False, False, False, False, True, True]
-    assert batch.rollout_logprobs[2] == [-1.0, -1.0, 0.0, 0.0, 0.0, 0.0, -1.0, -1.0]
-    single = RolloutBatch([[1]], [[2]], [[-1.0]], [1.0], [True], [False], ["3"])
+    assert batch.column("rollout_logprobs")[2] == [-1.0, -1.0, 0.0, 0.0, 0.0, 0.0, -1.0, -1.0]
+    single = RolloutBatch(
+        prompt_ids=[[1]],
+        response_ids=[[2]],
+        rewards=[1.0],
+        correct=[True],
+        truncated=[False],
+        weight_versions=["3"],
+        columns={"rollout_logprobs": [[-1.0]]},
+    )
     assert "rollout/turns_mean" not in rollout_metrics(single, policy_version=3)
 
 
@@ -58,7 +72,15 @@ def test_dynamic_sampling_and_the_checkpointed_batch_keep_the_mask():
     joined = concat_batches([picked, select_groups(batch, [0], group_size=2)])
     assert joined.policy_mask == batch.policy_mask[2:] + batch.policy_mask[:2]
     assert rollout_metrics(concat_batches([batch, batch]), policy_version=3)["rollout/turns_mean"] == 2.0
-    single = RolloutBatch([[1]], [[2, 3]], [[-1.0, -1.0]], [1.0], [True], [False], ["3"])
+    single = RolloutBatch(
+        prompt_ids=[[1]],
+        response_ids=[[2, 3]],
+        rewards=[1.0],
+        correct=[True],
+        truncated=[False],
+        weight_versions=["3"],
+        columns={"rollout_logprobs": [[-1.0, -1.0]]},
+    )
     mixed = concat_batches([single, picked])
     assert mixed.policy_mask == [[True, True], *batch.policy_mask[2:]]
     # what a checkpoint keeps of a batch generated ahead (`RunSession`: dataclasses.asdict → RolloutBatch(**))

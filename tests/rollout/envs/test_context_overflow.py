@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_tail.rollout import SamplingConfig
+from megatron_tail.rollout.columns import BUILTIN_COLUMNS
 from megatron_tail.rollout.envs import EpisodeLimits, Tokens, TurnOutput, run_episode
 from megatron_tail.rollout.envs.pool import EnvWorkers
 from megatron_tail.rollout.service.episodes import episodes_to_batch
@@ -19,6 +20,10 @@ from tests.rollout.envs.groups import run_groups
 CONTEXT, MAX_NEW = 16, 4
 PROMPT = [11, 12, 13]
 TOKENS = Tokens(decode=lambda _ids: "x", encode=lambda _text: [1, 1, 1])  # every observation: 3 ids
+
+
+def _columns():
+    return BUILTIN_COLUMNS.values(rollout_logprobs=[-0.5, -0.25], token_versions=["0", "0"])
 
 
 class Rejected(Exception):
@@ -40,7 +45,7 @@ class Engine:
     async def __call__(self, input_ids, _turn):
         _check(input_ids, MAX_NEW)
         self.inputs.append(len(input_ids))
-        return TurnOutput([60, 2], [-0.5, -0.25], "stop", "0")
+        return TurnOutput([60, 2], "stop", _columns(), "0")
 
 
 class Continues:
@@ -88,9 +93,8 @@ class Client:
     async def generate(self, input_ids, keys, sampling, *, pruned, partial):  # noqa: ARG002
         _check(input_ids, sampling.max_new_tokens)
         return [
-            SimpleNamespace(output_ids=[60, 2], output_logprobs=[-0.5, -0.25], finish_reason={"type": "stop"},
-                            weight_version="0", output_top_logprobs=None, output_versions=["0", "0"],
-                            output_supports=None)
+            SimpleNamespace(output_ids=[60, 2], finish_reason={"type": "stop"}, weight_version="0",
+                            log_rho=None, columns=_columns())
             for _ in keys
         ]  # fmt: skip
 

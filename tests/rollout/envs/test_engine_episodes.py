@@ -82,10 +82,11 @@ def test_every_turn_sees_the_concatenated_ids(fp32_server, tiny_model_dir, token
         hf = logp[p - 1 :].gather(-1, ids[0, p:, None])[:, 0]
         mask = torch.tensor(e.policy_mask)
         assert 0 < int((~mask).sum()) and e.env_tokens == int((~mask).sum())
+        logprobs = e.columns["rollout_logprobs"]
         torch.testing.assert_close(
-            torch.tensor(e.logprobs, dtype=torch.float64)[mask], hf[mask], rtol=0, atol=1e-4
+            torch.tensor(logprobs, dtype=torch.float64)[mask], hf[mask], rtol=0, atol=1e-4
         )
-        assert all(x == 0.0 for x, m in zip(e.logprobs, e.policy_mask, strict=True) if not m)
+        assert all(x == 0.0 for x, m in zip(logprobs, e.policy_mask, strict=True) if not m)
 
 
 def _engines(cfg_overrides, url, model_dir, run_dir, tokenizer):
@@ -131,23 +132,18 @@ def test_one_turn_episode_is_the_single_turn_sample(
         finally:
             engines.close()
     single, episode = batches["single"], batches["episode"]
-    for name in (
-        "prompt_ids",
-        "response_ids",
-        "rollout_logprobs",
-        "rollout_top_logprobs",
-        "rewards",
-        "truncated",
-        "token_versions",
-    ):
+    for name in ("prompt_ids", "response_ids", "rewards", "truncated"):
         assert getattr(episode, name) == getattr(single, name), name
+    for name in ("rollout_logprobs", "rollout_top_logprobs", "token_versions"):
+        assert episode.column(name) == single.column(name), name
     # with truncated sampling, the episode carries the single-turn sample's supports, token for token
     if truncation:
-        assert single.rollout_supports is not None and episode.rollout_supports is not None
-        for a, b in zip(episode.rollout_supports, single.rollout_supports, strict=True):
+        supports = single.column("sampling_support"), episode.column("sampling_support")
+        assert supports[0] is not None and supports[1] is not None
+        for a, b in zip(*supports, strict=True):
             assert torch.equal(a.values, b.values) and torch.equal(a.offsets, b.offsets)
     else:
-        assert single.rollout_supports is None and episode.rollout_supports is None
+        assert single.column("sampling_support") is None and episode.column("sampling_support") is None
     assert single.policy_mask is None and episode.policy_mask == [
         [True] * len(r) for r in single.response_ids
     ]
@@ -159,9 +155,12 @@ def test_multi_turn_episodes_carry_their_supports_under_top_p(fp32_server, token
     from megatron_tail.rollout.service.episodes import episodes_to_batch
 
     episodes = _three_turn_episodes(fp32_server, tokenizer, top_k=20, top_p=0.95)
-    batch = episodes_to_batch(episodes, [0.0] * 4, correct_reward=1.0, elapsed_s=0.0, supports=True)
-    assert batch.rollout_supports is not None and all(e.turns == 3 for e in episodes)
-    for ids, mask, rows in zip(batch.response_ids, batch.policy_mask, batch.rollout_supports, strict=True):
+    batch = episodes_to_batch(
+        episodes, [0.0] * 4, correct_reward=1.0, elapsed_s=0.0, required=("sampling_support",)
+    )
+    supports = batch.column("sampling_support")
+    assert supports is not None and all(e.turns == 3 for e in episodes)
+    for ids, mask, rows in zip(batch.response_ids, batch.policy_mask, supports, strict=True):
         assert len(rows) == len(ids) and not all(mask)
         for j, (token, policy) in enumerate(zip(ids, mask, strict=True)):
             row = rows.row(j).tolist()

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_tail.rollout import SamplingConfig
+from megatron_tail.rollout.columns import BUILTIN_COLUMNS
 from megatron_tail.rollout.envs import EpisodeLimits, Tokens
 from megatron_tail.rollout.envs.pool import EnvWorkers
 from megatron_tail.rollout.service.episodes import EnvironmentFailures, FailureCount, turn_key
@@ -37,9 +38,9 @@ class RecordingClient:
         await asyncio.sleep(0)
         self.keys += [(k.prompt_index, k.sample_index, k.seed) for k in keys]
         return [
-            SimpleNamespace(output_ids=[7, 2], output_logprobs=[-0.5, -0.25], finish_reason={"type": "stop"},
-                            weight_version="0", output_top_logprobs=None, output_versions=["0", "0"],
-                            output_supports=None)
+            SimpleNamespace(output_ids=[7, 2], finish_reason={"type": "stop"}, weight_version="0",
+                            log_rho=None, columns=BUILTIN_COLUMNS.values(rollout_logprobs=[-0.5, -0.25],
+                                                                         token_versions=["0", "0"]))
             for _ in keys
         ]  # fmt: skip
 

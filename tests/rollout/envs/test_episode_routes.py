@@ -15,12 +15,13 @@ import torch
 
 from megatron_tail.config import config_from_dict
 from megatron_tail.rollout import DiskWeightSync, RolloutClient, SamplingConfig
+from megatron_tail.rollout.columns import BUILTIN_COLUMNS, Routes
 from megatron_tail.rollout.envs import Episode, EpisodeLimits, Tokens
 from megatron_tail.rollout.envs.pool import EnvWorkers
 from megatron_tail.rollout.local_engine.engine import LocalEngine
 from megatron_tail.rollout.local_engine.server import build_app
+from megatron_tail.rollout.routes import ROUTED_FIELD, ROUTES_FIELD
 from megatron_tail.rollout.service.episodes import Example, GroupKeys, episode_group, episodes_to_batch
-from megatron_tail.train.rl.routing import ROUTED_FIELD, ROUTES_FIELD
 from megatron_tail.train.rl.samples import build_samples
 from tests.rollout.envs.groups import episode_sampling
 from tests.rollout.servers import serving_app
@@ -49,18 +50,24 @@ def moe_step1_dir(moe_dir, tmp_path_factory):
     return perturbed_moe_copy(moe_dir, tmp_path_factory.mktemp("tiny_moe_step1") / "model", seed=1)
 
 
-def test_add_routes_keeps_the_first_requests_row_and_refuses_a_gap():
+def test_added_routes_keep_the_first_requests_row_and_refuse_a_gap():
+    def turn(routes):
+        return BUILTIN_COLUMNS.values(routed_experts=routes)
+
     e = Episode([1, 2, 3])
     first = np.arange(2 * 3 * 2, dtype=np.int32).reshape(2, 3, 2)
-    e.add_routes(first, 0)
-    e.add_routes(np.full((4, 3, 2), 7, np.int32), 1)  # positions 1..4: 1 is held, 2..4 are new
-    np.testing.assert_array_equal(e.routed_experts, np.concatenate([first, np.full((3, 3, 2), 7)]))
+    e.add([4], policy=True, columns=turn(Routes(0, first)))
+    e.add([5], policy=False)  # an observation: its positions are routed by the next turn's prefill
+    e.add([6], policy=True, columns=turn(Routes(1, np.full((4, 3, 2), 7, np.int32))))  # 1 held, 2..4 new
+    held = e.columns["routed_experts"]
+    assert held.start == 0 and held.end == 5
+    np.testing.assert_array_equal(held.rows, np.concatenate([first, np.full((3, 3, 2), 7)]))
     with pytest.raises(
-        ValueError, match=r"start at position 6, but the episode holds routes for positions \[0, 5\)"
+        ValueError, match=r"start at position 6, but the sample holds routes for positions \[0, 5\)"
     ):
-        e.add_routes(np.zeros((1, 3, 2), np.int32), 6)
-    e.add_routes(None, 5)  # a turn without routes: the episode has none
-    assert e.routed_experts is None and e.routes_held == 0
+        e.add([7], policy=True, columns=turn(Routes(6, np.zeros((1, 3, 2), np.int32))))
+    e.add([7], policy=True, columns=BUILTIN_COLUMNS.values())  # a turn without routes: the episode has none
+    assert "routed_experts" not in e.columns
 
 
 def test_each_position_keeps_the_route_of_the_first_request_that_fed_it(moe_dir, moe_step1_dir):
@@ -117,7 +124,7 @@ def test_each_position_keeps_the_route_of_the_first_request_that_fed_it(moe_dir,
     for episode, asked in episodes:
         assert episode.turns == 3 and not episode.truncated, episode
         ids = [*episode.prompt_ids, *episode.response_ids]
-        routes = episode.routed_experts
+        routes = episode.columns["routed_experts"].rows
         assert routes.dtype == np.int32 and routes.shape == (len(ids) - 1, NUM_LAYERS, TOP_K)
         mask = episode.policy_mask
         # each turn's last token (position in prompt + response): the first position the next turn feeds
@@ -139,9 +146,9 @@ def test_each_position_keeps_the_route_of_the_first_request_that_fed_it(moe_dir,
 
     # the batch carries them as the single-turn path does: uint8 [prompt + response − 1, layers, k]
     batch = episodes_to_batch([e for e, _ in episodes], [0.0, 1.0], correct_reward=1.0, elapsed_s=0.0)
-    for (episode, _), got in zip(episodes, batch.routed_experts, strict=True):
+    for (episode, _), got in zip(episodes, batch.column("routed_experts"), strict=True):
         assert got.dtype == torch.uint8
-        np.testing.assert_array_equal(got.numpy(), episode.routed_experts)
+        np.testing.assert_array_equal(got.numpy(), episode.columns["routed_experts"].rows)
     cfg = config_from_dict({"algorithm": {"group_size": 2, "routing_replay": "r3"}})
     samples = build_samples(cfg, batch)
     for (episode, _), sample in zip(episodes, samples.samples, strict=True):
@@ -150,7 +157,9 @@ def test_each_position_keeps_the_route_of_the_first_request_that_fed_it(moe_dir,
         assert fields[ROUTES_FIELD].shape == (n, NUM_LAYERS, TOP_K) and fields[ROUTED_FIELD].tolist() == [
             True
         ] * (n - 1) + [False]
-        np.testing.assert_array_equal(fields[ROUTES_FIELD][:-1].numpy(), episode.routed_experts)
+        np.testing.assert_array_equal(
+            fields[ROUTES_FIELD][:-1].numpy(), episode.columns["routed_experts"].rows
+        )
 
 
 def test_a_turn_continued_after_an_abort_joins_its_rows_from_the_rows_held(moe_dir, moe_step1_dir):
@@ -169,13 +178,14 @@ def test_a_turn_continued_after_an_abort_joins_its_rows_from_the_rows_held(moe_d
     samples = generate_across_an_update(engine, turn_input, sampling, moe_step1_dir)
     for s in samples:
         ids = turn_input + s.output_ids
-        cut = s.output_versions.index("1")
-        assert s.segments == 2 and cut >= 5
-        assert s.routed_experts.shape == (len(ids) - 1 - held, NUM_LAYERS, TOP_K)
+        cut = s.columns["token_versions"].index("1")
+        routes = s.columns["routed_experts"]
+        assert s.segments == 2 and cut >= 5 and routes.start == held
+        assert routes.rows.shape == (len(ids) - 1 - held, NUM_LAYERS, TOP_K)
         edge = len(turn_input) + cut - 1  # positions < edge fed the forwards that sampled old tokens
         old = reference_routes(moe_dir, ids)[:-1].numpy()
         new = reference_routes(moe_step1_dir, ids)[:-1].numpy()
-        got = np.sort(s.routed_experts, axis=-1)
+        got = np.sort(routes.rows, axis=-1)
         np.testing.assert_array_equal(got[: edge - held], old[held:edge])
         np.testing.assert_array_equal(got[edge - held :], new[edge:])
         assert (old[edge:] != new[edge:]).any()

@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 
+from megatron_tail.rollout.columns import BUILTIN_COLUMNS
 from megatron_tail.rollout.envs import (
     Environment,
     EnvironmentError_,
@@ -51,7 +52,12 @@ class ScriptedEngine:
     async def __call__(self, input_ids, turn):
         self.inputs.append(list(input_ids))
         ids, finish = self.turns[turn]
-        return TurnOutput(ids, [-0.5 - 0.01 * k for k in range(len(ids))], finish, "7", [-0.1] * len(ids))
+        columns = BUILTIN_COLUMNS.values(
+            rollout_logprobs=[-0.5 - 0.01 * k for k in range(len(ids))],
+            rollout_top_logprobs=[-0.1] * len(ids),
+            token_versions=["7"] * len(ids),
+        )
+        return TurnOutput(ids, finish, columns, "7")
 
 
 class InProcess:
@@ -97,8 +103,8 @@ def test_each_turn_sends_every_earlier_id_unchanged_and_the_sample_is_that_conca
     mask = [True] * 3 + [False] * 2 + [True] * 3 + [False] + [True] * 2
     assert episode.policy_mask == mask
     lp = [-0.5, -0.51, -0.52]
-    assert episode.logprobs == [*lp, 0.0, 0.0, *lp, 0.0, *lp[:2]]
-    assert episode.top_logprobs == [-0.1] * 3 + [0.0] * 2 + [-0.1] * 3 + [0.0] + [-0.1] * 2
+    assert episode.columns["rollout_logprobs"] == [*lp, 0.0, 0.0, *lp, 0.0, *lp[:2]]
+    assert episode.columns["rollout_top_logprobs"] == [-0.1] * 3 + [0.0] * 2 + [-0.1] * 3 + [0.0] + [-0.1] * 2
     assert (episode.turns, episode.tool_calls, episode.env_reward, episode.env_tokens) == (3, 2, 3.0, 3)
     assert env.steps == ["~!\x02", "~~\x02", "(\x02"] and env.closed
     assert episode.final_text == "(\x02" and not episode.truncated and not episode.truncated_by_turns
@@ -128,7 +134,7 @@ def test_an_observation_longer_than_its_limit_ends_the_episode_before_it():
 def test_one_turn_episode_is_the_single_turn_sample():
     episode = run(ScriptedEngine([([60, 61, 2], "stop")]), InProcess(Script([None])))
     assert episode.response_ids == [60, 61, 2] and all(episode.policy_mask) and episode.turns == 1
-    assert episode.logprobs == [-0.5, -0.51, -0.52] and episode.env_tokens == 0
+    assert episode.columns["rollout_logprobs"] == [-0.5, -0.51, -0.52] and episode.env_tokens == 0
 
 
 # --- environments in their workers -------------------------------------------------------------------
