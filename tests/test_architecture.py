@@ -35,7 +35,7 @@ LAYERS: list[tuple[str, ...]] = [
 ]
 
 PARALLEL_STATE_OWNERS = ("megatron_tail.model", "megatron_tail.train", "megatron_tail.utils.forked")
-"""Only these read megatron's global parallel state (DESIGN.md); the rest receive process groups. (The op
+"""Only these read megatron's global parallel state (`docs/architecture.md`); the rest receive process groups. (The op
 benchmark sets it up for megatron's own cross-entropy, its baseline.)"""
 
 

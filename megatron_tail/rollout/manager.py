@@ -153,12 +153,12 @@ class RolloutManager:
         """"train": a completed group is never dropped for its age; "drop": older than step − η is dropped
         and regenerated (module docstring)."""
         self.max_regenerations = max_regenerations
+        """With "drop": how many times one prompt may be dropped as stale and regenerated."""
         self.total_steps = total_steps
         """The run's steps (`train.steps`): no group is admitted that no step would train (None: no end)."""
         self.in_order = max_staleness <= 1 if in_order is None else in_order
         """A batch is the first G groups admitted (lowest prompt-stream index), waiting for each of them
         (default at η ≤ 1); else the first G completed, oldest token first (module docstring, "Order")."""
-        """With "drop": how many times one prompt may be dropped as stale and regenerated."""
         self.next_index = 0
         """The first prompt-stream position never admitted (the data cursor)."""
         self.queued: deque[int] = deque()

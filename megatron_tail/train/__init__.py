@@ -13,9 +13,9 @@
 (`megatron_tail.config` sits between engine and rl: it assembles the engine's `OptimizerSettings` with
 the other packages' settings into `RunConfig`.) One RL step on every rank, as `run.loop.rl_step` writes it:
 
-    batch   = session.rollout(step)                         # rank 0: prompts(seed, step) → engines →
-                                                            #   reward; broadcast to every rank
-    built   = build_samples(cfg, batch)                     # rl.samples: reward shaping, advantages per token
+    batch   = session.rollout(step)                         # rank 0: the rollout manager's groups (prompt
+                                                            #   stream, engines, reward); broadcast to all
+    built   = build_samples(cfg, batch, columns)            # rl.samples: reward shaping, advantages, columns
     layout  = layout_micro_batches(cfg, built.samples, groups)  # rl.samples: mini-batches × DP × micro-b.
     old     = score_old_policy(trainer, cfg, layout) # rl.old_policy: θ_old via engine.logprobs,
                                                             #   |V_S|, mismatch/DVP diagnostics

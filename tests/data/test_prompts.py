@@ -10,7 +10,6 @@ import pytest
 from megatron_tail.data import (
     DAPO_MATH_FIELDS,
     DEEPSCALER_FIELDS,
-    PromptBatches,
     PromptDataConfig,
     build_char_tokenizer,
     load_prompts,
@@ -143,17 +142,6 @@ def test_long_prompts_are_dropped(tokenizer, tmp_path):
         path=str(path), apply_chat_template=False, max_prompt_tokens=5, cache_dir=str(tmp_path)
     )
     assert [e.index for e in load_prompts(cfg, tokenizer)] == [0]
-
-
-def test_batches_are_deterministic_per_step_and_cover_each_epoch():
-    batches = PromptBatches(list(range(10)), 3, seed=4)
-    assert batches.batches_per_epoch == 3
-    epoch0 = [x for step in range(3) for x in batches.batch(step)]
-    assert len(set(epoch0)) == 9 and epoch0 != list(range(9))
-    assert batches.batch(4) == PromptBatches(list(range(10)), 3, seed=4).batch(4)
-    assert batches.batch(3) != batches.batch(0)
-    with pytest.raises(ValueError, match="batch_size 11 exceeds the 10 prompts"):
-        PromptBatches(list(range(10)), 11)
 
 
 def test_shipped_math_solutions_score_one_with_the_math_reward():

@@ -9,7 +9,6 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_tail.config import load_config
-from megatron_tail.data import PromptBatches
 from megatron_tail.train.run import session as session_module
 from megatron_tail.train.run.session import RunSession, group_multiple
 
@@ -44,7 +43,7 @@ def test_start_manager_passes_the_trainers_multiple(group_size, mini_batches, dp
     )
     s = RunSession.__new__(RunSession)
     s.cfg, s.engines, s._manager_state, s.data_cursor, s._wait = cfg, FakeEngines(), None, 0, None
-    s.resumed_step, s.held, s.batches = 0, None, PromptBatches(list(range(8)), 2)  # a fresh run
+    s.resumed_step, s.held = 0, None  # a fresh run
     s.trainer = SimpleNamespace(groups=SimpleNamespace(dp_size=dp))
     s.start_manager(version=3)
     assert s.engines.calls == [{"version": 3, "state": None, "multiple": want}]

@@ -117,3 +117,16 @@ def test_a_full_disk_during_a_save_names_the_path_and_leaves_no_partial_checkpoi
     assert message is not None and message.startswith(f"no space left on {path.parent} while saving")
     assert "previous checkpoints are kept" in message
     assert sorted(p.name for p in path.parent.iterdir()) == ["step_000001", "step_000002"]
+
+
+def test_a_checkpoint_of_another_format_is_refused_in_one_line_before_anything_loads(monkeypatch, tmp_path):
+    from megatron_tail.train.engine import checkpoint
+
+    monkeypatch.setattr(checkpoint, "read_checkpoint_meta", lambda _path: {"format": 0})
+    with pytest.raises(checkpoint.CheckpointMismatchError) as refused:
+        checkpoint.load_checkpoint(tmp_path / "step_000004", trainer=None)  # nothing touches the trainer
+    line = str(refused.value)
+    assert line == (
+        f"checkpoint {tmp_path / 'step_000004'} has format 0; this megatron_tail reads format "
+        f"{checkpoint.FORMAT_VERSION}: resume it with the release that wrote it, or start a new run"
+    )

@@ -53,6 +53,9 @@ from megatron_tail.utils.errors import UserError
 from .setup import Trainer
 
 FORMAT_VERSION = 1
+"""The checkpoint layout 0.1.0 writes (megatron's distributed model and optimizer, `rl_state`, rank 0's
+objects and `config.yaml`); `load_checkpoint` refuses any other in one line. Bump it with any change a
+resume cannot read, rather than keeping code for older trees."""
 # "fully_reshardable": optimizer state in model-param shapes (gathered over DP at save), so it reshards
 # over TP/PP/DP; megatron 0.16's "fully_sharded_model_space" fails ("flattened_range is not supported"), and
 # "dp_reshardable" reshards over DP only. The memory-efficient variant gathers each TP×PP shard's state
@@ -265,7 +268,8 @@ def load_checkpoint(
     meta = read_checkpoint_meta(path)
     if meta["format"] != FORMAT_VERSION:
         raise CheckpointMismatchError(
-            f"checkpoint {path} has format {meta['format']}, expected {FORMAT_VERSION}"
+            f"checkpoint {path} has format {meta['format']}; this megatron_tail reads format "
+            f"{FORMAT_VERSION}: resume it with the release that wrote it, or start a new run"
         )
     _check_signature(path, meta["model"], model_signature(trainer))
     same_layout = _same_layout(meta["layout"], _layout(trainer))

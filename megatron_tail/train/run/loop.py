@@ -4,8 +4,9 @@
 
 `rl_step` is one RL step, one line per phase: rollout + reward → advantages → θ_old → update → weight
 sync → (eval) → checkpoint → log. `Cadence` names when eval and checkpoints happen. Global rank 0 drives
-the engines and computes rewards; the batch reaches every rank by broadcast. Each step's prompts and
-sampling seeds are functions of (seed, step), so a resumed run sees the same data in the same order. On
+the engines and computes rewards; the batch reaches every rank by broadcast. Group i is prompt i of the
+prompt stream with seeds of (seed, i), and the rollout manager's state (stream position, groups generated
+ahead) is checkpointed, so a resumed run sees the same data in the same order. On
 SIGTERM / SIGUSR1 / SIGINT the current step finishes, a checkpoint is written, and `run` returns normally
 (exit code 0); the next run resumes at the following step. A second signal abandons the step (`signals`).
 Global rank 0 holds `<run_dir>/.lock` for the whole run (`run_dir_lock`): a second trainer on the same

@@ -30,6 +30,7 @@ from megatron_tail.config import RunConfig
 from megatron_tail.config.run_inputs import RunPrompts, run_prompts
 from megatron_tail.rollout import RolloutBatch
 from megatron_tail.rollout.service import RolloutService
+from megatron_tail.utils.errors import UserError
 
 from ..engine.checkpoint import load_checkpoint, read_rank0_object, save_checkpoint
 from ..engine.collectives import on_rank0
@@ -41,7 +42,6 @@ from ..rl.routing import check_routing_replay
 from . import run_dir, signals
 from .config_change import config_text
 from .console import Console, progress_enabled
-from .pre_manager_checkpoints import manager_start_state
 from .rollout_plan import start_rollout
 
 
@@ -139,10 +139,9 @@ class RunSession:
             raise
 
     def _load_data(self, prompts: RunPrompts) -> None:
-        from megatron_tail.data import PromptBatches, PromptStream
+        from megatron_tail.data import PromptStream
 
         d, train = self.cfg.data, prompts.train
-        self.batches = PromptBatches(train, d.prompts_per_step, seed=self.cfg.seed, shuffle=d.shuffle)
         self.stream = PromptStream(train, seed=self.cfg.seed, shuffle=d.shuffle)
         self.eval_examples = prompts.eval
 
@@ -191,10 +190,19 @@ class RunSession:
         self.data_cursor = int(rl_state.get("data_cursor", 0))
         if self.rho is not None and rl_state.get("log_rho") is not None:
             self._use_log_rho(float(rl_state["log_rho"]))
-        if self.rank == 0:
-            # a checkpoint of the step-wise rollout has none; the batch it generated ahead for the next step
-            # ("rollout_ahead") is not read: its prompts are generated again (`start_manager`)
+        step = int(rl_state["step"])
+
+        def read_manager_state() -> None:  # rank 0's: large, never broadcast
             self._manager_state = read_rank0_object(path, "rollout_manager")
+            if self._manager_state is None and step > 0:
+                raise StepwiseCheckpointError(
+                    f"checkpoint {path} (step {step}) holds no rollout manager state: it was saved by the "
+                    "step-wise rollout of a megatron_tail before 0.1.0, whose place in the prompt stream "
+                    "this release does not read; start a new run (another run_dir, or "
+                    "train.resume: false)"
+                )
+
+        on_rank0(read_manager_state, wait_group=self._wait)
         # a checkpoint from before the schedule existed: the schedule is at its completed steps
         restore_progress(
             self.trainer.scheduler, rl_state.get("lr_scheduler", {"num_steps": rl_state["step"]})
@@ -209,18 +217,11 @@ class RunSession:
 
     def start_manager(self, version: int) -> None:
         """Rank 0's engines start generating continuously (they hold weights `version`); group `index` is
-        the prompt stream's prompt at `index`. Resumed from a checkpoint of the step-wise rollout, the stream
-        continues after the prompts of the steps it trained (`manager_start_state`)."""
+        the prompt stream's prompt at `index`. Resumed, the manager continues from its checkpointed state
+        (its groups generated ahead, the stream's position)."""
 
         def start() -> None:
-            state = manager_start_state(
-                self._manager_state,
-                version=version,
-                data_cursor=self.data_cursor,
-                stepwise_steps=self.resumed_step,
-                batches=self.batches,
-            )
-            self._manager_state = None
+            state, self._manager_state = self._manager_state, None
             self.engines.start_manager(
                 lambda index: self.stream.take(index, 1)[0][0], version, state, multiple=self._multiple()
             )
@@ -312,6 +313,10 @@ class RunSession:
         """The groups a batch cut short by dynamic sampling is a multiple of (`group_multiple`)."""
         cfg = self.cfg
         return group_multiple(cfg.algorithm.group_size, cfg.train.mini_batches, self.trainer.groups.dp_size)
+
+
+class StepwiseCheckpointError(UserError):
+    """A checkpoint saved before the rollout manager made every batch (megatron_tail before 0.1.0)."""
 
 
 def newest_intact_checkpoint(root: Path, note) -> Path | None:
