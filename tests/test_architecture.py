@@ -35,8 +35,8 @@ LAYERS: list[tuple[str, ...]] = [
 ]
 
 PARALLEL_STATE_OWNERS = ("megatron_tail.model", "megatron_tail.train", "megatron_tail.utils.forked")
-"""Only these read megatron's global parallel state (`docs/architecture.md`); the rest receive process groups. (The op
-benchmark sets it up for megatron's own cross-entropy, its baseline.)"""
+"""Only these read megatron's global parallel state (`docs/architecture.md`); the rest receive process
+groups. (The op benchmark sets it up for megatron's own cross-entropy, its baseline.)"""
 
 
 def _modules() -> dict[str, Path]:
