@@ -290,8 +290,17 @@ def _check_path(cls: type, parts: list[str]) -> None:
         )
 
 
+MOVED_KEYS = {
+    "model.bf16": "model.precision (bf16: true → precision: bf16; bf16: false → precision: fp32)",
+}
+"""Keys of an earlier spelling → where they live now: such a key is refused in one line naming its new
+place, instead of being read under two names."""
+
+
 def _unknown_key_message(cls: type, prefix: str, name: str) -> str:
     key = f"{prefix}{name}"
+    if key in MOVED_KEYS:
+        return f"config key {key!r} has moved: set {MOVED_KEYS[key]}"
     siblings = list(_hints(cls))
     close = difflib.get_close_matches(name, siblings, n=1, cutoff=0.6)
     if close:

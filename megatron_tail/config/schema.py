@@ -41,7 +41,8 @@ PROGRESS_MODES: tuple[str, ...] = get_args(ProgressMode)
 @dataclass(frozen=True)
 class ModelSection(ModelSettings):
     """The policy: a HF checkpoint directory (Qwen3 / Qwen2.5 / Llama-3) and how the trainer builds it (the
-    `ModelSettings` fields: bf16, use_te, vocab_pad_multiple, use_cpu_initialization, max_sequence_length)."""
+    `ModelSettings` fields: precision, use_te, vocab_pad_multiple, use_cpu_initialization,
+    max_sequence_length)."""
 
     hf_path: str = ""
     """HF checkpoint dir (config.json, *.safetensors, tokenizer files); required."""

@@ -26,14 +26,11 @@ reshard across TP sizes) and 128-aligned GEMMs."""
 class ModelSettings:
     """How to build the model (everything that is not the HF architecture). `None` = decide by the host."""
 
-    bf16: bool | None = None
-    """Train in bf16 via megatron's `Float16Module` (fp32 main params in the optimizer). Default: CUDA.
-    The older spelling of `precision: bf16` (true) / `fp32` (false)."""
     precision: Precision | None = None
     """"bf16", "fp16" (megatron's dynamic loss scaling; `optimizer.initial_loss_scale` etc.) or "fp32"; both
-    half precisions keep fp32 main params in the optimizer. None: from `bf16`, else bf16 on CUDA, fp32
-    elsewhere. fp16 trainer + fp16 engine is the simplest remedy for training–inference mismatch (its
-    10-bit mantissa rounds 8× finer than bf16's 7 bits)."""
+    half precisions (megatron's `Float16Module`) keep fp32 main params in the optimizer. None: bf16 on CUDA,
+    fp32 elsewhere (`precision_on`). fp16 trainer + fp16 engine is the simplest remedy for training–inference
+    mismatch (its 10-bit mantissa rounds 8× finer than bf16's 7 bits)."""
     use_te: bool | None = None
     """Transformer Engine layer spec. Default: TE importable and CUDA present; else the local spec."""
     vocab_pad_multiple: int = DEFAULT_VOCAB_PAD_MULTIPLE
@@ -82,8 +79,6 @@ class ModelSettings:
             )
         if self.precision is not None and self.precision not in ("bf16", "fp16", "fp32"):
             raise ValueError(f"precision must be 'bf16', 'fp16' or 'fp32'; got {self.precision!r}")
-        if self.precision is not None and self.bf16 is not None and self.bf16 != (self.precision == "bf16"):
-            raise ValueError(f"bf16={self.bf16} contradicts precision={self.precision!r}; set only precision")
         if self.op_backend not in BACKENDS:
             raise ValueError(f"op_backend must be one of {BACKENDS}; got {self.op_backend!r}")
         if self.vocab_pad_multiple < 1:
@@ -119,15 +114,16 @@ class ModelSettings:
                 "the PyTorch code elsewhere) or torch"
             )
 
-    def resolved_precision(self) -> Precision:
-        """`precision`, else `bf16`, else the host default (bf16 on CUDA, fp32 elsewhere)."""
+    def precision_on(self, cuda: bool) -> Precision:
+        """`precision`, else the default of a host with (`cuda`) or without a CUDA device: bf16 or fp32. The
+        one place the default is decided: the trainer asks for this host, the planner for a GPU's."""
         if self.precision is not None:
             return self.precision
-        bf16 = torch.cuda.is_available() if self.bf16 is None else self.bf16
-        return "bf16" if bf16 else "fp32"
+        return "bf16" if cuda else "fp32"
 
-    def resolved_bf16(self) -> bool:
-        return self.resolved_precision() == "bf16"
+    def resolved_precision(self) -> Precision:
+        """`precision` on this host (`precision_on`)."""
+        return self.precision_on(torch.cuda.is_available())
 
     def resolved_dtype(self) -> torch.dtype:
         """The parameters' (and activations') dtype."""

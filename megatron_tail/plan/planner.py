@@ -170,7 +170,7 @@ def make_plan(config: RunConfig, cluster: Cluster) -> Plan:
         raise ValueError(f"num_hidden_layers={shape.layers} is not divisible by pipeline_parallel={pp}")
     _check_moe_layout(shape, config, cluster)
     dp = trainer_gpus // (tp * pp * cp)
-    precision = config.model.precision or ("fp32" if config.model.bf16 is False else "bf16")
+    precision = config.model.precision_on(cuda=True)  # the plan is of GPUs
     longest = sequence_tokens(config, arch.max_position_embeddings)
     tokens = tokens_per_micro_batch(config, longest)
     samples = config.data.prompts_per_step * config.algorithm.group_size

@@ -65,7 +65,7 @@ def test_overrides_are_coerced_to_the_field_types(tmp_path):
             "rollout.server_urls=[http://a:1, http://b:2]",
             "logging.prob_buckets=0.5,0.01",
             "run_dir=1234",  # a str field keeps the raw text
-            "model.bf16=none",
+            "model.precision=none",
         ],
     )
     assert cfg.algorithm.log_rho == -math.inf
@@ -77,7 +77,7 @@ def test_overrides_are_coerced_to_the_field_types(tmp_path):
     assert cfg.rollout.server_urls == ("http://a:1", "http://b:2")
     assert cfg.logging.prob_buckets == (0.5, 0.01)
     assert cfg.run_dir == "1234"
-    assert cfg.model.bf16 is None
+    assert cfg.model.precision is None
 
 
 def test_later_override_wins_and_overrides_beat_the_file(tmp_path):
@@ -108,6 +108,15 @@ def test_typo_in_yaml_file_names_dotted_key_and_nearest(tmp_path):
     expected = r"'algorithm\.stapo_tau_pp'.*did you mean algorithm\.stapo_tau_p\?"
     with pytest.raises(ConfigError, match=expected):
         load_config(path)
+
+
+def test_a_moved_key_is_refused_in_one_line_naming_its_new_place(tmp_path):
+    """`model.bf16`, the earlier spelling of `model.precision`: one name per setting, read once."""
+    want = r"^config key 'model\.bf16' has moved: set model\.precision \(bf16: true → precision: bf16; "
+    with pytest.raises(ConfigError, match=want):
+        load_config(None, ["model.bf16=false"])
+    with pytest.raises(ConfigError, match=want):
+        load_config(write_yaml(tmp_path, {"model": {"bf16": True}}))
 
 
 def test_unknown_key_without_near_match_lists_valid_keys():
@@ -215,11 +224,12 @@ def test_sections_are_their_owners_settings():
     from megatron_tail.train.engine.settings import OptimizerSettings
 
     cfg = load_config(
-        None, ["optimizer.lr=0.25", "optimizer.clip_grad=0", "model.bf16=false", "data.prompt_key=problem"]
+        None,
+        ["optimizer.lr=0.25", "optimizer.clip_grad=0", "model.precision=fp32", "data.prompt_key=problem"],
     )
     assert type(cfg.optimizer) is OptimizerSettings
     assert cfg.optimizer.lr == 0.25 and cfg.optimizer.clip_grad == 0.0
-    assert isinstance(cfg.model, ModelSettings) and cfg.model.bf16 is False
+    assert isinstance(cfg.model, ModelSettings) and cfg.model.precision == "fp32"
     assert isinstance(cfg.data, PromptFormat)
     prompts = PromptDataConfig.of("x.jsonl", cfg.data)
     assert prompts.path == "x.jsonl" and prompts.prompt_key == "problem"

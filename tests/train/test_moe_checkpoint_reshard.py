@@ -38,7 +38,9 @@ def _run_rank(rank, world, hf_dir, ep, distopt, ckpt_in, out_dir, steps, bf16): 
 
     groups = init_parallel(ParallelConfig(expert_parallel=ep, seed=1234))
     arch = load_hf_config(hf_dir)
-    settings = ModelSettings(vocab_pad_multiple=PAD_MULTIPLE, moe_aux_loss_coeff=0.0, bf16=bf16)
+    settings = ModelSettings(
+        vocab_pad_multiple=PAD_MULTIPLE, moe_aux_loss_coeff=0.0, precision="bf16" if bf16 else "fp32"
+    )
     optim = OptimizerSettings(lr=1e-2, clip_grad=1e9, use_distributed_optimizer=distopt)
     trainer = build_trainer(
         arch, hf_dir=hf_dir if ckpt_in is None else None, model_settings=settings, optim=optim

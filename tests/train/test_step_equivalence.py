@@ -137,9 +137,8 @@ def _bf16_step_rank(rank, world_size, hf_dir):  # noqa: ARG001
     init_rank(2, 1)
     out = {}
     for bf16 in (False, True):
-        trainer = build_trainer(
-            load_hf_config(hf_dir), hf_dir=hf_dir, model_settings=ModelSettings(bf16=bf16)
-        )
+        settings = ModelSettings(precision="bf16" if bf16 else "fp32")
+        trainer = build_trainer(load_hf_config(hf_dir), hf_dir=hf_dir, model_settings=settings)
         mbs = make_micro_batches(make_samples(4, seed=1), micro_batch_size=2, seq_len=16)
         old = recompute_logprobs(trainer, mbs)
         result = train_step(trainer, mbs, masked_nll_loss(sum(mb.num_loss_tokens for mb in mbs)))
