@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
 from .columns import BUILTIN_COLUMNS, LOGPROBS, ROUTES, SUPPORT, TOP_LOGPROBS, VERSIONS, ColumnTable
+from .columns.builtin import is_int_version
 
 
 def _all_true(response: list[int]) -> list[bool]:
@@ -234,23 +235,19 @@ def _staleness_metrics(batch: RolloutBatch, policy_version: int) -> dict[str, fl
         lags = [
             policy_version - (o if o is not None else int(w))
             for o, w in zip(oldest, batch.weight_versions, strict=True)
-            if o is not None or _is_int(w)
+            if o is not None or is_int_version(w)
         ]
         extra = {
             "rollout/partial_fraction": sum(len(v) > 1 for v in per_sample) / len(per_sample),
             "rollout/versions_per_sample_mean": sum(max(len(v), 1) for v in per_sample) / len(per_sample),
         }
     else:
-        lags = [policy_version - int(v) for v in batch.weight_versions if _is_int(v)]
+        lags = [policy_version - int(v) for v in batch.weight_versions if is_int_version(v)]
         extra = {}
     if not lags:
         return extra
     mean, worst = sum(lags) / len(lags), float(max(lags))
     return {"rollout/staleness_mean": mean, "rollout/staleness_max": worst, **extra}
-
-
-def _is_int(version: str | None) -> bool:
-    return version is not None and version.lstrip("-").isdigit()
 
 
 EPISODE_COUNTERS = (

@@ -335,9 +335,7 @@ def _parse_one(
     reply = Reply(meta, output_ids, len(prompt_ids), config, finish, version, where)
     try:
         columns = table.parse(reply)
-    except MalformedResponseError:
-        raise
-    except ValueError as e:
+    except ValueError as e:  # a declared column's parser's own error
         raise MalformedResponseError(str(e)) from None
     return SampleResult(
         key=key,

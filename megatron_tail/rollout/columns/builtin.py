@@ -204,6 +204,7 @@ def _last_version(held: list, n: int) -> list:
 
 
 def is_int_version(version: str | None) -> bool:
+    """An engine's weight version that is an integer (ours are; an engine's own default is "default")."""
     return version is not None and version.lstrip("-").isdigit()
 
 
@@ -302,10 +303,6 @@ def _route_positions(entry, shape: SampleShape) -> tuple[dict, dict]:
     return {}, route_fields(entry, shape.prompt_len + shape.response_len, shape.where)
 
 
-def _restore_as_is(entry):
-    return entry
-
-
 BUILTIN_COLUMNS = ColumnTable(
     (
         TokenColumn(LOGPROBS, _parse_logprobs, wanted=lambda s: s.return_logprob),
@@ -334,7 +331,6 @@ BUILTIN_COLUMNS = ColumnTable(
             join=_join_routes,
             context=_no_route_context,
             to_batch=_compact,
-            restore=_restore_as_is,
             to_sample=_route_positions,
             request=_routes_from_held,
             complete=_check_routes,

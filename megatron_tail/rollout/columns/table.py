@@ -77,19 +77,17 @@ def _restore(entry):
     return entry
 
 
-def _response_field(name: str, dtype: str) -> Callable[[Any, SampleShape], tuple[dict, dict]]:
-    def to_sample(entry, shape: SampleShape) -> tuple[dict, dict]:
-        import torch
+def _response_field(name: str, dtype: str, entry, shape: SampleShape) -> tuple[dict, dict]:
+    """The default `to_sample`: `entry` as the per-response-token field `name` of torch dtype `dtype`."""
+    import torch
 
-        value = torch.as_tensor(entry, dtype=getattr(torch, dtype))
-        if value.shape != (shape.response_len,):
-            raise ValueError(
-                f"{shape.where}: column {name!r} has shape {tuple(value.shape)}, expected "
-                f"({shape.response_len},) (one value per response token)"
-            )
-        return {name: value}, {}
-
-    return to_sample
+    value = torch.as_tensor(entry, dtype=getattr(torch, dtype))
+    if value.shape != (shape.response_len,):
+        raise ValueError(
+            f"{shape.where}: column {name!r} has shape {tuple(value.shape)}, expected "
+            f"({shape.response_len},) (one value per response token)"
+        )
+    return {name: value}, {}
 
 
 def filled(value: float) -> Callable[[Any, int], list[float]]:
@@ -131,7 +129,7 @@ class TokenColumn:
     """One entry as `dataclasses.asdict` left it in a checkpoint → the entry."""
     to_sample: Callable[[Any, SampleShape], tuple[dict, dict]] | None = None
     """One entry → the trainer sample's (per-response-token fields, per-position fields). Default: the
-    entry as the per-response-token field `name` of `dtype`. `NOT_TRAINED`: not a sample field."""
+    entry as the per-response-token field `name` of `dtype`. `not_trained`: not a sample field."""
     request: Callable[[Any, Any], Any] | None = None
     """(sampling, held value) → the sampling of the next request of the same sample, which asks only for
     what is not held yet (MoE routes). None: the request does not depend on it."""
@@ -143,7 +141,7 @@ class TokenColumn:
 
     def sample_fields(self, entry, shape: SampleShape) -> tuple[dict, dict]:
         if self.to_sample is None:
-            return _response_field(self.name, self.dtype)(entry, shape)
+            return _response_field(self.name, self.dtype, entry, shape)
         return self.to_sample(entry, shape)
 
 
@@ -230,8 +228,10 @@ class ColumnTable:
         fields: dict = {}
         positions: dict = {}
         for name, entries in columns.items():
-            column = self[name] if name in self else TokenColumn(name, parse=_unparsed)
-            f, p = column.sample_fields(entries[i], shape)
+            if name in self:
+                f, p = self[name].sample_fields(entries[i], shape)
+            else:
+                f, p = _response_field(name, "float32", entries[i], shape)
             fields.update(f)
             positions.update(p)
         return fields, positions
@@ -242,10 +242,6 @@ class ColumnTable:
             name: [self[name].restore(e) for e in entries] if name in self else list(entries)
             for name, entries in columns.items()
         }
-
-
-def _unparsed(reply: Reply, _parsed) -> Any:
-    raise AssertionError(f"{reply.where}: a column outside the table is never parsed")
 
 
 @dataclass(frozen=True)

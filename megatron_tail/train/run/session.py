@@ -82,7 +82,6 @@ class RunSession:
         for warning in cfg.warnings():
             self.console.note(f"warning: {warning}")
         self.engines: RolloutService | None = None
-        self.batches = None
         self.eval_examples: list = []
         self.reference = None
         self.data_cursor = 0
@@ -204,13 +203,11 @@ class RunSession:
 
         on_rank0(read_manager_state, wait_group=self._wait)
         # a checkpoint from before the schedule existed: the schedule is at its completed steps
-        restore_progress(
-            self.trainer.scheduler, rl_state.get("lr_scheduler", {"num_steps": rl_state["step"]})
-        )
-        self.console.note(f"resumed from {path} (step {rl_state['step']})")
+        restore_progress(self.trainer.scheduler, rl_state.get("lr_scheduler", {"num_steps": step}))
+        self.console.note(f"resumed from {path} (step {step})")
         signals.checkpoint_kept(path)
-        self.resumed_step = int(rl_state["step"])
-        return self.resumed_step
+        self.resumed_step = step
+        return step
 
     def wait_ready(self) -> None:
         on_rank0(lambda: self.engines.wait_ready(), wait_group=self._wait)
