@@ -193,8 +193,14 @@ class LocalEngineConfig:
         return f"http://{self.host}:{self.port}"
 
 
-def build_local_engine_command(cfg: LocalEngineConfig, python: str = sys.executable) -> list[str]:
+def build_local_engine_command(
+    cfg: LocalEngineConfig, python: str = sys.executable, listen_fd: int | None = None
+) -> list[str]:
+    """The `serve-local` command line of `cfg`; `listen_fd`: a socket it inherits, bound to cfg's host and
+    port, to listen on (`LocalEngineProcess` reserves the port so before starting it)."""
     cmd = [python, "-m", "megatron_tail.cli", "serve-local", "--model-path", cfg.model_path]
+    if listen_fd is not None:
+        cmd += ["--listen-fd", str(listen_fd)]
     cmd += [
         "--host",
         cfg.host,

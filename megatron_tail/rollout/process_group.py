@@ -8,9 +8,12 @@ group while each side keeps its own default process group. NCCL on GPU clusters;
 
 from __future__ import annotations
 
+import socket
 from datetime import timedelta
 
 import torch.distributed as dist
+
+from megatron_tail.utils.net import listen_on
 
 
 def init_custom_process_group(
@@ -21,10 +24,12 @@ def init_custom_process_group(
     rank: int,
     group_name: str,
     timeout: timedelta | None = None,
+    listen_fd: int | None = None,
 ) -> dist.ProcessGroup:
     """Create (rendezvous and build) a process group of `world_size` ranks; this process is `rank`.
 
-    Blocks until all ranks joined or `timeout` passed. `init_method` is `tcp://host:port`.
+    Blocks until all ranks joined or `timeout` passed. `init_method` is `tcp://host:port`. `listen_fd`
+    (rank 0 only): a socket already bound to that port, which the store listens on and then owns (closes).
     """
     from torch.distributed.distributed_c10d import (
         Backend,
@@ -39,7 +44,7 @@ def init_custom_process_group(
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, world_size={world_size}); got {rank}")
     timeout = timeout or default_pg_timeout
-    store = _tcp_store(init_method, rank, world_size, timeout)
+    store = _tcp_store(init_method, rank, world_size, timeout, listen_fd)
     store = PrefixStore(group_name, store)
     pg, _ = _new_process_group_helper(
         world_size,
@@ -55,7 +60,9 @@ def init_custom_process_group(
     return pg
 
 
-def _tcp_store(init_method: str, rank: int, world_size: int, timeout: timedelta) -> dist.TCPStore:
+def _tcp_store(
+    init_method: str, rank: int, world_size: int, timeout: timedelta, listen_fd: int | None
+) -> dist.TCPStore:
     """The group's store, hosted by rank 0 at `init_method` = `tcp://host:port`.
 
     Built here rather than by `torch.distributed.rendezvous`: under torchrun (TORCHELASTIC_USE_AGENT_STORE)
@@ -66,6 +73,16 @@ def _tcp_store(init_method: str, rank: int, world_size: int, timeout: timedelta)
     url = urlparse(init_method)
     if url.scheme != "tcp" or not url.hostname or url.port is None:
         raise ValueError(f"init_method must be tcp://host:port; got {init_method!r}")
+    if listen_fd is not None and rank != 0:
+        raise ValueError("listen_fd is rank 0's: only it hosts the store")
+    if listen_fd is not None:
+        listen_on(socket.socket(fileno=listen_fd)).detach()
     return dist.TCPStore(
-        url.hostname, url.port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
+        url.hostname,
+        url.port,
+        world_size,
+        is_master=rank == 0,
+        timeout=timeout,
+        wait_for_workers=False,
+        master_listen_fd=listen_fd,
     )

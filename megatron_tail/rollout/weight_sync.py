@@ -54,6 +54,7 @@ The disk path sends `load_format: "auto"`: the request's default is the server's
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -307,6 +308,9 @@ class DistributedWeightSync:
         server_urls: the engines (not a router).
         master_address / master_port: where this process (rank 0) hosts the group's TCP rendezvous;
             must be reachable from the engines.
+        listen_socket: instead of `master_port`, a socket bound to the port (`utils.net.reserve_port`,
+            every interface), which the rendezvous listens on (TCPStore's `master_listen_fd`): the port is
+            held from construction, not free for any other socket until `init_group`, seconds later.
         engine_tp_sizes: TP size of each engine (its ranks are `rank_offset + tp_rank`, SGLang's
             `ModelRunner.init_weights_update_group`); None: `init_group` asks each server's `/server_info`
             for its `tp_size`.
@@ -326,7 +330,8 @@ class DistributedWeightSync:
         server_urls: Sequence[str],
         *,
         master_address: str,
-        master_port: int,
+        master_port: int | None = None,
+        listen_socket: socket.socket | None = None,
         engine_tp_sizes: Sequence[int] | None = None,
         group_name: str = "weight_update_group",
         backend: str = "nccl",
@@ -346,6 +351,11 @@ class DistributedWeightSync:
         """Of the last `update`: `buckets` sent, `tensors`, and `peak_bytes` the sender held at once."""
         if engine_tp_sizes is not None:
             self._set_layout(list(engine_tp_sizes))
+        if (master_port is None) == (listen_socket is None):
+            raise ValueError("give master_port or listen_socket (bound to the port), not both or neither")
+        if listen_socket is not None:
+            master_port = listen_socket.getsockname()[1]
+        self._listen_socket = listen_socket
         if not 0 < int(master_port) < 65536:
             raise ValueError(f"master_port must be in 1..65535; got {master_port!r}")
         self.engine_tp_sizes: list[int] | None = None if engine_tp_sizes is None else list(engine_tp_sizes)
@@ -399,6 +409,9 @@ class DistributedWeightSync:
             }
             for offset in self.rank_offsets
         ]
+        # the store owns the descriptor from here (it closes it); a group formed again binds the port anew
+        listen_fd = self._listen_socket.detach() if self._listen_socket is not None else None
+        self._listen_socket = None
         join = asyncio.to_thread(
             init_custom_process_group,
             backend=self.backend,
@@ -407,6 +420,7 @@ class DistributedWeightSync:
             rank=0,
             group_name=self.group_name,
             timeout=timedelta(seconds=self.timeout_s),
+            listen_fd=listen_fd,
         )
         async with aiohttp.ClientSession() as session:
             group, _ = await asyncio.gather(

@@ -7,10 +7,52 @@ from collections.abc import Sequence
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on `host` that is free right now (the OS picks it; another process may take it later)."""
+    """A TCP port on `host` that is free right now (the OS picks it; another process may take it later:
+    only for a port bound at once, such as torch's `MASTER_PORT`; else `reserve_port`)."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def reserve_port(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
+    """A TCP socket bound to `host`:`port` (0: a port the OS picks; "": every interface, IPv6 and IPv4 where
+    the host has IPv6, as torch's TCPStore binds), not yet listening. The port is held from now on, so a
+    server that listens only after seconds of loading (`serve-local --listen-fd`, a TCPStore given it as
+    `master_listen_fd`) cannot lose it to another process meanwhile, as it can after `free_port`.
+    OSError (EADDRINUSE) when the port is taken.
+
+    SO_REUSEADDR only for a given port, as servers bind theirs: a restarted run then takes its port at once
+    although the last run's connections linger in TIME_WAIT. For a port the OS picks it is left off: a
+    port so held could otherwise be bound again by another SO_REUSEADDR socket until it listens. A server
+    sets it before it listens (`listen_on`)."""
+    reuse = port != 0
+    if host == "" and socket.has_ipv6:
+        try:
+            return _bound(socket.AF_INET6, ("::", port), reuse, dual_stack=True)
+        except OSError:
+            pass  # no IPv6 on this host after all: IPv4's every interface
+    return _bound(socket.AF_INET6 if ":" in host else socket.AF_INET, (host or "0.0.0.0", port), reuse)
+
+
+def listen_on(sock: socket.socket) -> socket.socket:
+    """`sock` (from `reserve_port`), with SO_REUSEADDR set as a server is about to listen on it: the TIME_WAIT
+    its connections leave must not keep the next run off a port given by the user."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    return sock
+
+
+def _bound(family: int, address: tuple, reuse: bool, dual_stack: bool = False) -> socket.socket:
+    s = socket.socket(family)
+    try:
+        if dual_stack:
+            s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        if reuse:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(address)
+    except OSError:
+        s.close()
+        raise
+    return s
 
 
 def base_url_problem(url: object) -> str | None:

@@ -7,6 +7,7 @@ signal nor the log, after a minute of /health probes of a dead port; a stopped e
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import signal
 import subprocess
@@ -24,7 +25,7 @@ from megatron_tail.rollout.protocol import RetryableServerError
 from megatron_tail.rollout.service.engines import Engines
 from megatron_tail.rollout.service.failures import EngineFailure, LocalEngineError
 from megatron_tail.rollout.weight_sync import DiskWeightSync, WeightSyncError
-from megatron_tail.utils.errors import EXIT_OUTSIDE_FAILURE, OutsideFailure, UserError
+from megatron_tail.utils.errors import EXIT_OUTSIDE_FAILURE, EXIT_USER_ERROR, OutsideFailure, UserError
 from tests.loop.conftest import loop_overrides
 from tests.loop.engine_faults import SIGNAL_ENV
 from tests.loop.test_reliability import ENV, _train
@@ -269,28 +270,50 @@ def test_a_stopped_local_engine_names_the_limit_that_expired(tiny_model_dir, pro
 
 
 def test_a_local_engine_that_exits_while_it_loads_is_one_line_exit_4(tiny_model_dir, prompt_file, tmp_path):
-    """The engine loads the model, then cannot bind `rollout.local_port` (another socket holds it) and exits
-    1: before, a RuntimeError traceback with the log's last 3000 characters (exit 1); now one line naming
-    the exit code, the log and its last line, which holds the engine's own error."""
+    """The engine exits 1 as it loads (`engine_fails_to_load/sitecustomize.py`: as out of memory): before,
+    a RuntimeError traceback with the log's last 3000 characters (exit 1); now one line naming the exit
+    code, the log and its last line, which holds the engine's own error."""
+    run_dir = tmp_path / "run"
+    settings = {"parallel.tensor_parallel": 1, "train.steps": 1}
+    overrides = loop_overrides(tiny_model_dir, prompt_file, run_dir, settings)
+    fault = Path(__file__).parent / "engine_fails_to_load"
+    env = {**ENV, "PYTHONPATH": os.pathsep.join(filter(None, [str(fault), ENV.get("PYTHONPATH")]))}
+    proc = subprocess.run(_train(overrides), env=env, capture_output=True, text=True, timeout=300)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == EXIT_OUTSIDE_FAILURE, output[-4000:]
+    log = run_dir / "logs" / "local_engine.log"
+    pattern = (
+        r"megatron-tail train: error: the local engine on http://127\.0\.0\.1:\d+ \(pid \d+\) exited "
+        rf"with code 1 while the trainer waited for it to load; its log: {re.escape(str(log))}, ending "
+        r"\"torch\.OutOfMemoryError: out of memory while loading the model \(this test's fault\)\""
+    )
+    assert [line for line in output.splitlines() if "error:" in line] == [_match(pattern, output)], output
+    assert "Traceback" not in output, output[-4000:]
+
+
+def test_a_local_port_in_use_is_refused_in_one_line_before_the_engine_starts(
+    tiny_model_dir, prompt_file, tmp_path
+):
+    """`rollout.local_port` held by another socket: the trainer, which holds the engine's port from its
+    choice until the engine listens (`utils.net.reserve_port`), cannot take it and says so, naming the key;
+    before, the engine loaded the model, failed to bind and exited (exit 4, naming its log)."""
     import socket
 
     with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))  # bound, not listening: the engine's bind fails, probes are refused
+        taken.bind(("127.0.0.1", 0))
         port = taken.getsockname()[1]
         run_dir = tmp_path / "run"
         settings = {"parallel.tensor_parallel": 1, "rollout.local_port": port, "train.steps": 1}
         overrides = loop_overrides(tiny_model_dir, prompt_file, run_dir, settings)
         proc = subprocess.run(_train(overrides), env=ENV, capture_output=True, text=True, timeout=300)
     output = proc.stdout + proc.stderr
-    assert proc.returncode == EXIT_OUTSIDE_FAILURE, output[-4000:]
-    log = run_dir / "logs" / "local_engine.log"
-    pattern = (
-        rf"megatron-tail train: error: the local engine on http://127\.0\.0\.1:{port} \(pid \d+\) exited "
-        rf"with code 1 while the trainer waited for it to load; its log: {re.escape(str(log))}, ending "
-        r"\"OSError: \[Errno 98\] .*address already in use\""  # the engine's own error
+    assert proc.returncode == EXIT_USER_ERROR, output[-4000:]
+    expected = (
+        f"megatron-tail train: error: rollout.local_port: port {port} is in use on this host "
+        "(Address already in use); choose another"
     )
-    assert [line for line in output.splitlines() if "error:" in line] == [_match(pattern, output)], output
-    assert "Traceback" not in output, output[-4000:]
+    assert [line for line in output.splitlines() if "error:" in line] == [expected], output
+    assert not (run_dir / "logs" / "local_engine.log").exists()  # no engine was started
 
 
 def _run_with_fault(model_dir, prompt_file, tmp_path, fault: str, extra: dict) -> tuple[str, int, Path]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from megatron_tail.rollout.launch import LocalEngineConfig
 from megatron_tail.rollout.local_engine.process import LocalEngineProcess, start_local_engines
-from megatron_tail.utils.net import free_port
+from megatron_tail.utils.net import reserve_port
 
 
 @contextlib.asynccontextmanager
@@ -18,8 +18,9 @@ async def serving_app(app):
 
     runner = web.AppRunner(app)
     await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    sock = reserve_port()
+    port = sock.getsockname()[1]
+    await web.SockSite(runner, sock).start()
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -29,11 +30,12 @@ async def serving_app(app):
 def start_servers(
     model_dir: Path, log_dir: Path, count: int, dtype: str = "bfloat16"
 ) -> list[LocalEngineProcess]:
+    sockets = [reserve_port() for _ in range(count)]
     configs = [
-        LocalEngineConfig(model_path=str(model_dir), port=free_port(), dtype=dtype, num_threads=1)
-        for _ in range(count)
+        LocalEngineConfig(model_path=str(model_dir), port=s.getsockname()[1], dtype=dtype, num_threads=1)
+        for s in sockets
     ]
-    return start_local_engines(configs, log_dir)
+    return start_local_engines(configs, log_dir, sockets)
 
 
 async def generate_groups(client, prompts, sampling):

@@ -18,7 +18,7 @@ from megatron_tail.rollout import (
     SamplingConfig,
 )
 from megatron_tail.rollout.local_engine.weights import read_safetensors_dir
-from megatron_tail.utils.net import free_port
+from megatron_tail.utils.net import free_port, reserve_port
 from tests.rollout.servers import generate_groups, serving_app
 
 PROMPTS = [[5, 6, 76, 7, 84], [8, 9, 76, 10, 11, 84], [12, 76, 13, 84]]
@@ -55,8 +55,12 @@ def test_disk_and_distributed_updates_change_outputs_and_bump_weight_version(
 
         disk = DiskWeightSync([b])
         assert await disk.update(str(perturbed_model_dir)) == "1" == disk.weight_version
-        nccl_like = DistributedWeightSync(
-            [a], master_address="127.0.0.1", master_port=free_port(), backend="gloo", initial_version="10"
+        nccl_like = DistributedWeightSync(  # on a held port, as the trainer forms it (`Engines.connect`)
+            [a],
+            master_address="127.0.0.1",
+            listen_socket=reserve_port(""),
+            backend="gloo",
+            initial_version="10",
         )
         await nccl_like.init_group()
         tensors = read_safetensors_dir(perturbed_model_dir)

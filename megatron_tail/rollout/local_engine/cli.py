@@ -23,6 +23,13 @@ def add_serve_local_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument(
         "--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST}: this host only)"
     )
+    parser.add_argument(
+        "--listen-fd",
+        type=int,
+        default=None,
+        help="listen on this inherited socket, already bound to --host:--port, instead of binding the port "
+        "once the model is loaded (how a trainer starts it: the port is held while the model loads)",
+    )
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument(
         "--quantization",
@@ -90,6 +97,7 @@ def serve_local(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if not 0 < args.port < 65536:
         raise SystemExit(f"--port must be in 1..65535; got {args.port}")
+    sock = None if args.listen_fd is None else _inherited_socket(args)
     if args.num_threads is not None:
         torch.set_num_threads(args.num_threads)
     engine = LocalEngine(
@@ -108,5 +116,24 @@ def serve_local(args: argparse.Namespace) -> int:
     print(
         f"megatron-tail local engine serving {args.model_path} on http://{args.host}:{args.port}", flush=True
     )
-    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
+    if sock is None:
+        web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
+    else:  # aiohttp's SockSite: `loop.create_server(sock=...)` listens on the socket as bound
+        web.run_app(app, sock=sock, print=None, access_log=None)
     return 0
+
+
+def _inherited_socket(args: argparse.Namespace):
+    """The socket of `--listen-fd`; SystemExit naming it when it is not a socket bound to `--port`."""
+    import socket
+
+    from megatron_tail.utils.net import listen_on
+
+    try:
+        sock = socket.socket(fileno=args.listen_fd)
+        port = sock.getsockname()[1]
+    except OSError as e:
+        raise SystemExit(f"--listen-fd {args.listen_fd} is not an open socket ({e})") from None
+    if port != args.port:
+        raise SystemExit(f"--listen-fd {args.listen_fd} is bound to port {port}, not --port {args.port}")
+    return listen_on(sock)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -11,6 +12,7 @@ import urllib.request
 from pathlib import Path
 
 from megatron_tail.rollout.launch import LocalEngineConfig, build_local_engine_command
+from megatron_tail.utils.net import reserve_port
 from megatron_tail.utils.parent_watch import PARENT_PID_ENV
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -26,9 +28,26 @@ class LocalEngineProcess:
     `config.num_threads` also sets its OMP_NUM_THREADS. It dies with the process that started it
     (`utils.parent_watch`, through `MT_PARENT_PID`), even when that one is killed with SIGKILL; start it
     from a thread that lives as long as it should (the main thread).
+
+    The port is held from before the child starts until it exits: `listen_socket` (`utils.net.
+    reserve_port`, bound to the config's host and port), or one bound here (OSError when the port is
+    taken), is inherited by the child, which listens on it once its model is loaded. Bound by the engine
+    itself after loading, the port could go meanwhile to any socket the OS numbers (a connection, gloo's
+    listeners) and the engine would exit "address already in use".
     """
 
-    def __init__(self, config: LocalEngineConfig, log_path: str | Path):
+    def __init__(
+        self, config: LocalEngineConfig, log_path: str | Path, listen_socket: socket.socket | None = None
+    ):
+        if listen_socket is not None and (bound := listen_socket.getsockname()[1]) != config.port:
+            raise ValueError(f"listen_socket is bound to port {bound}, the config to {config.port}")
+        sock = listen_socket or reserve_port(config.host, config.port)
+        try:
+            self._start(config, log_path, sock)
+        finally:
+            sock.close()  # the child holds the port now (or nothing was started)
+
+    def _start(self, config: LocalEngineConfig, log_path: str | Path, sock: socket.socket) -> None:
         self.config = config
         self.url = config.url
         self.log_path = Path(log_path)
@@ -45,11 +64,12 @@ class LocalEngineProcess:
         if config.num_threads is not None:
             env["OMP_NUM_THREADS"] = str(config.num_threads)
         self.proc = subprocess.Popen(
-            build_local_engine_command(config, python=sys.executable),
+            build_local_engine_command(config, python=sys.executable, listen_fd=sock.fileno()),
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,
+            pass_fds=(sock.fileno(),),
         )
 
     def describe(self) -> str:
@@ -147,12 +167,19 @@ class LocalEngineProcess:
         return self.log_path.read_text()[-chars:]
 
 
-def start_local_engines(configs: list[LocalEngineConfig], log_dir: str | Path) -> list[LocalEngineProcess]:
-    """Start every engine, then wait for all to be healthy; on any failure stop them all and re-raise."""
+def start_local_engines(
+    configs: list[LocalEngineConfig],
+    log_dir: str | Path,
+    listen_sockets: list[socket.socket] | None = None,
+) -> list[LocalEngineProcess]:
+    """Start every engine (on its socket of `listen_sockets`, `LocalEngineProcess`), then wait for all to be
+    healthy; on any failure stop them all and re-raise."""
     engines: list[LocalEngineProcess] = []
+    sockets = listen_sockets or [None] * len(configs)
     try:
-        for cfg in configs:
-            engines.append(LocalEngineProcess(cfg, Path(log_dir) / f"local-engine-{cfg.port}.log"))
+        for cfg, sock in zip(configs, sockets, strict=True):
+            log = Path(log_dir) / f"local-engine-{cfg.port}.log"
+            engines.append(LocalEngineProcess(cfg, log, listen_socket=sock))
         for engine in engines:
             engine.wait_healthy()
     except BaseException:

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from megatron_tail.utils.errors import UserError
-from megatron_tail.utils.net import free_port
+from megatron_tail.utils.net import reserve_port
 
 from ..client import RolloutClient, SupportOverflowsExhausted
 from ..launch import LocalEngineConfig, wait_until_healthy
@@ -89,9 +89,10 @@ class Engines:
         r = settings
         local: LocalEngineConfig | None = None
         if r.engine == "local":
+            port = _reserved("rollout.local_port", "127.0.0.1", r.local_port)
             local = r.local_engine_config(
                 plan.model_path,
-                port=r.local_port or free_port(),
+                port=port.getsockname()[1],
                 return_routed_experts=plan.routes_shape is not None,
             )
             urls = [local.url]
@@ -113,7 +114,7 @@ class Engines:
         for client in (engines.client, engines.eval_client):  # a request on a dead local engine: one line
             client.server_ended = engines._local_engine_ended
         if local is not None:  # last: nothing after it can fail and leave the process behind
-            engines.engine = LocalEngineProcess(local, plan.local_engine_log)
+            engines.engine = LocalEngineProcess(local, plan.local_engine_log, listen_socket=port)
         return engines
 
     # --- readiness, weights, ρ -------------------------------------------------------------------------
@@ -400,7 +401,7 @@ def _weight_sync(settings: RolloutSection, urls: list[str], local: bool):
     return DistributedWeightSync(
         urls,
         master_address=address,
-        master_port=r.sync_master_port or free_port(),
+        listen_socket=_reserved("rollout.sync_master_port", "", r.sync_master_port),
         backend="nccl" if torch.cuda.is_available() else "gloo",
         timeout_s=r.sync_timeout_s,
         timeout_name="rollout.sync_timeout_s",
@@ -408,3 +409,12 @@ def _weight_sync(settings: RolloutSection, urls: list[str], local: bool):
         dtype=getattr(torch, engine_dtype),
         pause_mode=r.pause_mode,
     )
+
+
+def _reserved(key: str, host: str, port: int | None):
+    """A socket holding `port` (None: one the OS picks) on `host` until its server listens on it
+    (`utils.net.reserve_port`); a `UserError` naming `key` when the port is taken."""
+    try:
+        return reserve_port(host, port or 0)
+    except OSError as e:
+        raise UserError(f"{key}: port {port} is in use on this host ({e.strerror}); choose another") from None
