@@ -33,21 +33,11 @@ def _model(path):
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
 
 
-def _wait_for_tokens(engine: LocalEngine, n: int, timeout_s: float = 60.0) -> None:
-    """Until every running sequence has generated at least `n` tokens."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        rows = list(engine.batcher.running)
-        if rows and all(len(r.outputs) >= n for r in rows):
-            return
-        time.sleep(0.002)
-    raise TimeoutError(f"the engine did not generate {n} tokens in {timeout_s} s")
-
-
 def _pause_at_tokens(engine: LocalEngine, n: int, mode: str) -> None:
     """Pause the engine (`mode`) from its own batcher thread, right after the decoding step at which every
     running sequence has `n` tokens: the hold lands at that step on a loaded machine too, where a test
-    thread that polls for `n` tokens and then pauses can be overtaken by the rest of a short generation."""
+    thread that polls for `n` tokens and then pauses can be overtaken by the rest of a short generation.
+    Install it before the generation starts."""
     batcher = engine.batcher
     step = batcher._decode_step
 
@@ -83,13 +73,13 @@ def test_partial_rollout_keeps_each_tokens_version_and_behaviour_logprob(tiny_mo
     async def main():
         async with serving_app(build_app(engine)) as url:
             client = RolloutClient([url], processor=DVPLogitProcessor.to_str())
+            # the batch held where it is at 6 tokens (by the engine's own thread: never finished first),
+            # then the weight update a trainer step ends with: pause (abort) → load → continue
+            _pause_at_tokens(engine, 6, "in_place")
             task = asyncio.ensure_future(
                 client.generate_group(PROMPT, sample_keys(0, sampling), sampling, partial=True)
             )
-            await asyncio.to_thread(_wait_for_tokens, engine, 6)
-            # hold the batch where it is (≥ 6 tokens, never finished: the test cannot race the engine), then
-            # the weight update a trainer step ends with: pause (abort) → load → continue
-            await asyncio.to_thread(_hold, engine, "in_place")
+            await asyncio.to_thread(_hold, engine, None)
             await DiskWeightSync([url]).update(str(perturbed_model_dir), weight_version="1")
             samples = await task
             await client.close()
@@ -134,10 +124,10 @@ def test_a_sequence_joining_a_running_batch_gets_what_it_gets_alone(tiny_model_d
         )
         alone = [engine.generate([first])[0], engine.generate([second])[0]]
         out: dict[str, dict] = {}
+        _pause_at_tokens(engine, 10, "in_place")  # "b" then surely joins a running "a" (10 tokens in)
         thread = threading.Thread(target=lambda: out.update(a=engine.generate([first])[0]))
         thread.start()
-        _wait_for_tokens(engine, 10)
-        _hold(engine, "in_place")  # "b" then surely joins a running "a" (≥ 10 tokens in, not finished)
+        _hold(engine, None)
         joining = threading.Thread(target=lambda: out.update(b=engine.generate([second])[0]))
         joining.start()
         engine.control.resume()
@@ -162,10 +152,10 @@ def test_retract_recomputes_the_kv_cache_in_place_keeps_it(tiny_model_dir, pertu
     try:
         request = item("r", PROMPT, temperature=1.0, log_rho=LOG_RHO, seed=5, max_new_tokens=30)
         out: dict[str, dict] = {}
+        _pause_at_tokens(engine, 8, mode)
         thread = threading.Thread(target=lambda: out.update(r=engine.generate([request])[0]))
         thread.start()
-        _wait_for_tokens(engine, 8)
-        _hold(engine, mode)
+        _hold(engine, None)
         done_before = len(
             next(iter(engine.batcher.waiting if mode == "retract" else engine.batcher.running)).outputs
         )

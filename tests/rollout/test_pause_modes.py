@@ -28,7 +28,7 @@ from megatron_tail.rollout.protocol import sample_keys
 from megatron_tail.utils.errors import UserError
 from tests.rollout.servers import serving_app
 from tests.rollout.test_local_engine import reference_logprobs
-from tests.rollout.test_partial_rollouts import LOG_RHO, PROMPT, _hold, _model, _wait_for_tokens
+from tests.rollout.test_partial_rollouts import LOG_RHO, PROMPT, _hold, _model, _pause_at_tokens
 
 N_TOKENS = 30
 
@@ -59,13 +59,13 @@ def test_each_pause_mode_keeps_versions_and_behaviour_logprobs_exact(
     async def main():
         async with serving_app(build_app(engine)) as url:
             client = RolloutClient([url], processor=DVPLogitProcessor.to_str())
+            # the batch held between two steps at 6 tokens first, by the engine's own thread (no sample can
+            # finish before the update); the update then pauses again in `mode`, as the trainer's sync does
+            _pause_at_tokens(engine, 6, "in_place")
             task = asyncio.ensure_future(
                 client.generate_group(PROMPT, sample_keys(0, sampling), sampling, partial=True)
             )
-            await asyncio.to_thread(_wait_for_tokens, engine, 6)
-            # hold the batch between two steps first (no sample can finish before the update: the test
-            # cannot race the engine); the update then pauses again in `mode`, as the trainer's sync does
-            await asyncio.to_thread(_hold, engine, "in_place")
+            await asyncio.to_thread(_hold, engine, None)
             held_at.extend(len(r.outputs) for r in engine.batcher.running)
             await DiskWeightSync([url], pause_mode=mode).update(str(perturbed_model_dir), weight_version="1")
             samples = await task
