@@ -22,11 +22,12 @@ from .memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 
 
 def _save_rank(_rank, _world, shape: dict, out: str, gather_all: bool) -> dict:
+    from megatron_tail.config.parallel import ParallelSection
     from megatron_tail.model import ModelSettings, load_hf_config
-    from megatron_tail.train import OptimizerSettings, ParallelConfig, build_trainer, init_parallel
+    from megatron_tail.train import OptimizerSettings, build_trainer, init_parallel
     from megatron_tail.train.engine.checkpoint import save_checkpoint
 
-    init_parallel(ParallelConfig(tensor_parallel=1, pipeline_parallel=1))
+    init_parallel(ParallelSection(tensor_parallel=1, pipeline_parallel=1))
     arch = load_hf_config({"architectures": ["Qwen3ForCausalLM"], **shape})
     trainer = build_trainer(
         arch,

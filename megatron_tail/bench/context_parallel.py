@@ -37,10 +37,10 @@ PROMPT = 64
 
 
 def _arm_rank(rank, world_size, hf_dir, tokens, repeats):  # noqa: ARG001
+    from megatron_tail.config.parallel import ParallelSection
     from megatron_tail.model import ModelSettings, load_hf_config
     from megatron_tail.train import (
         OptimizerSettings,
-        ParallelConfig,
         Sample,
         build_trainer,
         init_parallel,
@@ -51,7 +51,7 @@ def _arm_rank(rank, world_size, hf_dir, tokens, repeats):  # noqa: ARG001
 
     torch.set_num_threads(1)
     cp = world_size
-    groups = init_parallel(ParallelConfig(context_parallel=cp, seed=1))
+    groups = init_parallel(ParallelSection(context_parallel=cp), seed=1)
     arch = load_hf_config(hf_dir)
     trainer = build_trainer(
         arch, hf_dir=hf_dir, model_settings=ModelSettings(), optim=OptimizerSettings(lr=1e-5)

@@ -55,7 +55,6 @@ def _arm_rank(rank, world_size, hf_dir, lengths, packed, budget, repeats):  # no
     from megatron_tail.model import ModelSettings, load_hf_config
     from megatron_tail.train import (
         OptimizerSettings,
-        ParallelConfig,
         Sample,
         build_trainer,
         init_parallel,
@@ -65,7 +64,7 @@ def _arm_rank(rank, world_size, hf_dir, lengths, packed, budget, repeats):  # no
     )
 
     torch.set_num_threads(1)
-    init_parallel(ParallelConfig(seed=1))
+    init_parallel(seed=1)
     arch = load_hf_config(hf_dir)
     trainer = build_trainer(
         arch, hf_dir=hf_dir, model_settings=ModelSettings(), optim=OptimizerSettings(lr=1e-5)

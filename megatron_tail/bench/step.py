@@ -153,9 +153,9 @@ def predicted_bytes(cfg, gpu_memory_gib: float) -> tuple[int, dict[str, int], in
 def build_step(cfg):
     """The trainer of `cfg` on this process (a world of one) and its micro-batches: `cfg`'s samples of
     random tokens (prompt + response), packed. Returns (trainer, micro-batches, op settings, loss_fn)."""
+    from megatron_tail.config.parallel import ParallelSection
     from megatron_tail.model import load_hf_config
     from megatron_tail.train import (
-        ParallelConfig,
         Sample,
         build_trainer,
         init_parallel,
@@ -165,7 +165,7 @@ def build_step(cfg):
     from megatron_tail.train.run.loop import init_torch_distributed
 
     init_torch_distributed(cfg.parallel)
-    init_parallel(ParallelConfig(tensor_parallel=1, seed=cfg.seed))
+    init_parallel(ParallelSection(tensor_parallel=1), seed=cfg.seed)
     arch = load_hf_config(cfg.model.hf_path)
     trainer = build_trainer(arch, model_settings=cfg.model, optim=cfg.optimizer)
     g = torch.Generator().manual_seed(0)

@@ -1,7 +1,8 @@
 """Typed run configuration: YAML + `--set a.b=v` overrides → `RunConfig` (see `schema` and `loader`).
 
-The settings classes live near their owners (algorithms, model, data, rollout, train.engine) in modules that
-import no megatron; this package only assembles them, and never imports the run layer. Names are imported
+The settings classes live near their owners (algorithms, model, data, rollout) in modules that import no
+megatron; this package assembles them and owns the trainer's (`parallel`, `optimizer`: `train.engine` takes
+them as they are), and never imports the trainer. Names are imported
 lazily, so that the `megatron-tail` command line (which imports `config.arguments`) does not pull in torch for
 `megatron-tail --help`.
 """
@@ -23,7 +24,8 @@ __getattr__, __dir__, __all__ = lazy_exports(
         "DataSection": ".schema",
         "LoggingSection": ".schema",
         "ModelSection": ".schema",
-        "ParallelSection": ".schema",
+        "OptimizerSettings": ".optimizer",
+        "ParallelSection": ".parallel",
         "RolloutSection": "megatron_tail.rollout.settings",
         "RunConfig": ".schema",
         "TrainSection": ".schema",

@@ -11,16 +11,17 @@
     logging:    LoggingSection         TensorBoard, progress bars, the mismatch diagnostics' buckets
 
 Settings are defined once, near their owners, in modules that import no megatron: `algorithm` is the
-algorithms' `AlgorithmConfig`, `optimizer` the engine's `OptimizerSettings`, and `model` / `data` extend the
+algorithms' `AlgorithmConfig`, `rollout` the rollout's `RolloutSection`, and `model` / `data` extend the
 model's `ModelSettings` and the data's `PromptFormat` with what only a run needs (paths, batch sizes), so the
-trainer and the data loader take these sections as they are. Every section validates on construction
+trainer and the data loader take these sections as they are. The trainer's own sections, `parallel`
+(`config.parallel`) and `optimizer` (`config.optimizer`), live in this package, below the trainer
+(`train.engine` takes them as they are). Every section validates on construction
 (ValueError naming the field and the value); `RunConfig.__post_init__` checks what spans sections and
 refuses what the loop cannot run.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -28,11 +29,12 @@ from megatron_tail.algorithms.config import AlgorithmConfig
 from megatron_tail.data.prompts import PromptFormat
 from megatron_tail.model.settings import ModelSettings
 from megatron_tail.rollout.settings import RolloutSection
-from megatron_tail.train.engine.settings import OptimizerSettings
-from megatron_tail.utils.errors import UserError
 from megatron_tail.utils.settings_checks import bad as _bad
 from megatron_tail.utils.settings_checks import choice as _choice
 from megatron_tail.utils.settings_checks import positive_int as _positive_int
+
+from .optimizer import OptimizerSettings
+from .parallel import ParallelSection
 
 ProgressMode = Literal["auto", "always", "never"]
 PROGRESS_MODES: tuple[str, ...] = get_args(ProgressMode)
@@ -55,75 +57,6 @@ class ModelSection(ModelSettings):
         if self.max_sequence_length is not None:
             _positive_int("model", "max_sequence_length", self.max_sequence_length)
         super().__post_init__()
-
-
-@dataclass(frozen=True)
-class ParallelSection:
-    """Trainer layout; world size = tensor_parallel × pipeline_parallel × context_parallel × data parallel."""
-
-    tensor_parallel: int = 1
-    """TP size (heads, FFN and vocab are split)."""
-    pipeline_parallel: int = 1
-    """PP size (layers are split into stages)."""
-    context_parallel: int = 1
-    """CP size: every packed sequence is padded to a multiple of 2·CP and split into 2·CP chunks, CP rank r
-    computing chunks r and 2·CP−1−r, so activations and logits per GPU shrink by CP (long responses).
-    Needs packed micro-batches (`train.max_tokens_per_micro_batch`). Gradients reduce over DP × CP."""
-    expert_parallel: int = 1
-    """EP size, mixture-of-experts models only: each rank of an EP group holds num_experts / EP experts of
-    every MoE layer (megatron's `expert_model_parallel_size`); must divide the model's num_experts."""
-    expert_tensor_parallel: int | None = None
-    """Expert-TP size, MoE models only: splits each expert's FFN (megatron's `expert_tensor_parallel_size`).
-    None: tensor_parallel. The world must be a multiple of expert_tensor_parallel × expert_parallel ×
-    pipeline_parallel; expert data parallel is what is left."""
-    distributed_timeout_minutes: float = 120.0
-    """Timeout of every trainer process group: the world group (`init_process_group`; without one NCCL
-    kills a collective after 10 minutes) and megatron's TP/PP/DP groups. 120: ranks no longer wait for rank
-    0's rollout inside a collective (they wait in a CPU barrier, `rank0_wait_timeout_minutes`), but rank 0
-    still writes the HF export (16 GB for 8B) and its share of a checkpoint (~115 GB per node) while the
-    others wait in the next collective; 120 minutes covers those at a slow 0.1 GB/s with room to spare and
-    still ends a real hang the same day."""
-    rank0_wait_timeout_minutes: float | None = None
-    """How long the other ranks wait (in a gloo barrier, on CPU) for one of rank 0's phases: a rollout with
-    its dynamic-sampling rounds, scoring, eval, the disk weight sync. None: `distributed_timeout_minutes`.
-    A Qwen3-8B step (1024 samples of up to 4096 tokens, up to 3 rounds, 8 SGLang servers) is ~10-30 minutes
-    of rollout (projected)."""
-
-    @property
-    def wait_timeout_minutes(self) -> float:
-        return self.rank0_wait_timeout_minutes or self.distributed_timeout_minutes
-
-    @property
-    def min_world_size(self) -> int:
-        """The fewest ranks this layout runs on: a multiple of TP × PP × CP (`check_world`) and of
-        ETP × EP × PP (`check_expert_world`), their least common multiple."""
-        etp = self.expert_tensor_parallel or self.tensor_parallel
-        dense = self.tensor_parallel * self.pipeline_parallel * self.context_parallel
-        return math.lcm(dense, etp * self.expert_parallel * self.pipeline_parallel)
-
-    def check_expert_world(self, world_size: int) -> None:
-        """UserError naming the values unless `world_size` is a multiple of ETP × EP × PP (megatron's expert
-        layout, `initialize_model_parallel`); nothing to check without expert options."""
-        etp = self.expert_tensor_parallel or self.tensor_parallel
-        experts = etp * self.expert_parallel * self.pipeline_parallel
-        if world_size % experts:
-            raise UserError(
-                f"parallel.expert_tensor_parallel × parallel.expert_parallel × parallel.pipeline_parallel = "
-                f"{etp} × {self.expert_parallel} × {self.pipeline_parallel} = {experts} does not divide the "
-                f"world size {world_size}"
-            )
-
-    def __post_init__(self) -> None:
-        _positive_int("parallel", "tensor_parallel", self.tensor_parallel)
-        _positive_int("parallel", "pipeline_parallel", self.pipeline_parallel)
-        _positive_int("parallel", "context_parallel", self.context_parallel)
-        _positive_int("parallel", "expert_parallel", self.expert_parallel)
-        if self.expert_tensor_parallel is not None:
-            _positive_int("parallel", "expert_tensor_parallel", self.expert_tensor_parallel)
-        for name in ("distributed_timeout_minutes", "rank0_wait_timeout_minutes"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not value > 0):
-                _bad("parallel", name, value, "must be a number of minutes > 0")
 
 
 @dataclass(frozen=True)
@@ -419,19 +352,6 @@ class RunConfig:
         parallelism (megatron splits each CP rank's tokens over TP ranks), else 1."""
         tp = self.parallel.tensor_parallel
         return self.sequence_multiple * (tp if self.model.sequence_parallel and tp > 1 else 1)
-
-    def check_world(self, world_size: int) -> None:
-        """Before any process group: `world_size` must be TP × PP × CP × DP. UserError naming the values."""
-        p = self.parallel
-        model_parallel = p.tensor_parallel * p.pipeline_parallel * p.context_parallel
-        if world_size % model_parallel:
-            raise UserError(
-                f"parallel.tensor_parallel × parallel.pipeline_parallel × parallel.context_parallel = "
-                f"{p.tensor_parallel} × {p.pipeline_parallel} × {p.context_parallel} = {model_parallel} "
-                f"does not divide the world size {world_size}; launch with `torchrun --nproc-per-node "
-                f"{model_parallel} -m megatron_tail.cli train CONFIG.yaml` (or a multiple of it)"
-            )
-        p.check_expert_world(world_size)
 
     def warnings(self) -> list[str]:
         """Valid settings a user should still be told about at the start of a run, one line each."""

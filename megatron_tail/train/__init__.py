@@ -10,8 +10,8 @@
               the forward/backward schedule with the DVP op, log-prob recompute, optimizer_step,
               checkpoints, and the trainer's collectives
 
-(`megatron_tail.config` sits between engine and rl: it assembles the engine's `OptimizerSettings` with
-the other packages' settings into `RunConfig`.) One RL step on every rank, as `run.loop.rl_step` writes it:
+(`megatron_tail.config` sits below all three: the engine takes its `parallel` and `optimizer` sections as
+they are, rl and run the whole `RunConfig`.) One RL step on every rank, as `run.loop.rl_step` writes it:
 
     batch   = session.rollout(step)                         # rank 0: the rollout manager's groups (prompt
                                                             #   stream, engines, reward); broadcast to all
@@ -40,7 +40,6 @@ __getattr__, __dir__, __all__ = lazy_exports(
         "MicroBatch": ".engine",
         "OpSettings": ".engine",
         "OptimizerSettings": ".engine",
-        "ParallelConfig": ".engine",
         "ParallelGroups": ".engine",
         "Sample": ".engine",
         "TrainStepResult": ".engine",

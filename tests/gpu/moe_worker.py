@@ -183,13 +183,13 @@ def main() -> None:
     from megatron.core.utils import unwrap_model
 
     from megatron_tail.model import load_hf_config
-    from megatron_tail.train import ParallelConfig, build_trainer, init_distributed, init_parallel
+    from megatron_tail.train import build_trainer, init_distributed, init_parallel
     from tests.gpu.trainer_worker import training_state
 
     case = torch.load(args.case, weights_only=False)
     cfg = run_config(case["hf_dir"], args.precision)
     init_distributed()  # NCCL where CUDA is visible, gloo otherwise
-    init_parallel(ParallelConfig(seed=cfg.seed))
+    init_parallel(seed=cfg.seed)
     trainer = build_trainer(
         load_hf_config(case["hf_dir"]),
         hf_dir=case["hf_dir"],

@@ -95,7 +95,6 @@ def main() -> None:
     from megatron_tail.model import ModelSettings, load_hf_config
     from megatron_tail.train import (
         OptimizerSettings,
-        ParallelConfig,
         build_trainer,
         init_distributed,
         init_parallel,
@@ -106,7 +105,7 @@ def main() -> None:
 
     case = torch.load(args.case, weights_only=False)
     init_distributed()  # NCCL where CUDA is visible, gloo otherwise
-    groups = init_parallel(ParallelConfig(seed=1234))
+    groups = init_parallel(seed=1234)
     cfg = AlgorithmConfig(**CFG_KW)
     trainer = build_trainer(
         load_hf_config(case["hf_dir"]),

@@ -219,9 +219,9 @@ def test_cross_section_checks():
 
 def test_sections_are_their_owners_settings():
     """One class per setting: the config's sections are (or extend) the owners' dataclasses."""
+    from megatron_tail.config.optimizer import OptimizerSettings
     from megatron_tail.data.prompts import PromptDataConfig, PromptFormat
     from megatron_tail.model.settings import ModelSettings
-    from megatron_tail.train.engine.settings import OptimizerSettings
 
     cfg = load_config(
         None,

@@ -116,17 +116,21 @@ def test_transformer_config_and_modules(norm, coeff):
 
 
 def test_run_config_refusals_are_one_line_user_errors():
-    from megatron_tail.config.schema import ParallelSection, RunConfig
+    from megatron_tail.config.parallel import ParallelSection
 
     with pytest.raises(UserError, match=r"^parallel.expert_parallel must be an int ≥ 1; got 0$"):
         ParallelSection(expert_parallel=0)
-    config = RunConfig(
-        parallel=ParallelSection(tensor_parallel=2, expert_parallel=4, expert_tensor_parallel=1)
+    # the one world check: the launcher's before any process group, and `train.engine.init_parallel`'s
+    layout = ParallelSection(tensor_parallel=2, expert_parallel=4, expert_tensor_parallel=1)
+    expected = (
+        r"^parallel.expert_tensor_parallel × parallel.expert_parallel × parallel.pipeline_parallel = "
+        r"1 × 4 × 1 = 4 does not divide the world size 2$"
     )
-    with pytest.raises(UserError, match=r"= 1 × 4 × 1 = 4 does not divide the world size 2$") as err:
-        config.check_world(2)
+    with pytest.raises(UserError, match=expected) as err:
+        layout.check_world(2)
     assert "\n" not in str(err.value)
-    config.check_world(4)
+    layout.check_world(4)
+    assert layout.min_world_size == 4
 
 
 def test_plan_counts_the_experts_not_only_the_dense_mlp():

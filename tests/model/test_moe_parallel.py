@@ -19,24 +19,11 @@ from tests.model.hf_moe import make_hf_moe
 from tests.train.common import PAD_MULTIPLE, full_hf_state, global_loss_tokens, make_samples, masked_nll_loss
 
 
-def test_expert_world_refusal_names_the_sizes():
-    from megatron_tail.train.engine.parallel import ParallelConfig, check_world_size
-
-    check_world_size(4, ParallelConfig(tensor_parallel=2, expert_parallel=2, expert_tensor_parallel=1))
-    with pytest.raises(
-        ValueError,
-        match=r"world size 2 is not a multiple of expert_tensor_parallel × "
-        r"expert_parallel × pipeline_parallel = 1 × 4 × 1 = 4",
-    ):
-        check_world_size(2, ParallelConfig(expert_parallel=4, expert_tensor_parallel=1))
-    with pytest.raises(ValueError, match="expert_parallel must be an int ≥ 1; got 0"):
-        ParallelConfig(expert_parallel=0)
-
-
 def _groups_rank(rank, world):  # noqa: ARG001 - harness signature
-    from megatron_tail.train.engine.parallel import ParallelConfig, init_parallel
+    from megatron_tail.config.parallel import ParallelSection
+    from megatron_tail.train.engine.parallel import init_parallel
 
-    g = init_parallel(ParallelConfig(tensor_parallel=2, expert_parallel=2, expert_tensor_parallel=1))
+    g = init_parallel(ParallelSection(tensor_parallel=2, expert_parallel=2, expert_tensor_parallel=1))
     return (g.tp_size, g.dp_size, g.ep_size, g.etp_size, g.edp_size, g.ep_rank, g.tp_rank)
 
 
@@ -49,6 +36,7 @@ def test_init_parallel_builds_expert_groups():
 
 
 def _one_step_rank(rank, world_size, hf_dir, ep):  # noqa: ARG001 - harness signature
+    from megatron_tail.config.parallel import ParallelSection
     from megatron_tail.model import ModelSettings, load_hf_config
     from megatron_tail.train import (
         OpSettings,
@@ -58,9 +46,9 @@ def _one_step_rank(rank, world_size, hf_dir, ep):  # noqa: ARG001 - harness sign
         split_for_data_parallel,
         train_step,
     )
-    from megatron_tail.train.engine.parallel import ParallelConfig, init_parallel
+    from megatron_tail.train.engine.parallel import init_parallel
 
-    groups = init_parallel(ParallelConfig(expert_parallel=ep, seed=1234))
+    groups = init_parallel(ParallelSection(expert_parallel=ep), seed=1234)
     arch = load_hf_config(hf_dir)
     # Adam with ε = 1: the first update ≈ lr·g, smooth in g (see test_step_equivalence); no aux loss, whose
     # value depends on how tokens are split into micro-batches

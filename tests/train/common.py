@@ -30,9 +30,10 @@ def make_samples(n: int, seed: int, *, min_len: int = 3, max_len: int = 7) -> li
 
 def init_rank(tp: int = 1, pp: int = 1, seed: int = 1234):
     """Inside a forked rank: megatron parallel state via the trainer's own init."""
-    from megatron_tail.train import ParallelConfig, init_parallel
+    from megatron_tail.config.parallel import ParallelSection
+    from megatron_tail.train import init_parallel
 
-    return init_parallel(ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, seed=seed))
+    return init_parallel(ParallelSection(tensor_parallel=tp, pipeline_parallel=pp), seed=seed)
 
 
 def full_hf_state(trainer) -> dict[str, torch.Tensor] | None:

@@ -176,11 +176,11 @@ def _samples(seed: int) -> list[Sample]:
 
 
 def _rl_rank(rank, world_size, hf_dir, tp, pp, cp, samples, cfg, model, max_tokens, fixed_shape=False):  # noqa: ARG001
+    from megatron_tail.config.parallel import ParallelSection
     from megatron_tail.model import ModelSettings, load_hf_config
     from megatron_tail.train import (
         OpSettings,
         OptimizerSettings,
-        ParallelConfig,
         build_trainer,
         init_parallel,
         pack_micro_batches,
@@ -192,7 +192,7 @@ def _rl_rank(rank, world_size, hf_dir, tp, pp, cp, samples, cfg, model, max_toke
     from megatron_tail.train.engine.context_parallel import split_for_context_parallel
 
     torch.set_num_threads(1)
-    groups = init_parallel(ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, context_parallel=cp))
+    groups = init_parallel(ParallelSection(tensor_parallel=tp, pipeline_parallel=pp, context_parallel=cp))
     settings = ModelSettings(vocab_pad_multiple=PAD_MULTIPLE, **(model or {}))
     trainer = build_trainer(
         load_hf_config(hf_dir),
@@ -365,9 +365,9 @@ def test_layouts_that_cannot_exist_are_refused_naming_the_values():
         "parallel.context_parallel=2", "parallel.tensor_parallel=2", "train.max_tokens_per_micro_batch=8"
     )
     assert (cfg.sequence_multiple, cfg.micro_batch_multiple) == (4, 4)
-    cfg.check_world(8)
+    cfg.parallel.check_world(8)
     with pytest.raises(UserError, match=r"2 × 1 × 2 = 4 does not divide the world size 6"):
-        cfg.check_world(6)
+        cfg.parallel.check_world(6)
     sp = _config(
         "parallel.context_parallel=2",
         "parallel.tensor_parallel=2",

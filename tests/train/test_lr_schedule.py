@@ -8,8 +8,8 @@ import math
 
 import pytest
 
+from megatron_tail.config.optimizer import OptimizerSettings
 from megatron_tail.train.engine.lr_schedule import advance, build_lr_scheduler, current_lr, restore_progress
-from megatron_tail.train.engine.settings import OptimizerSettings
 
 
 class _Groups:

@@ -32,12 +32,13 @@ def _switch_aux(x: torch.Tensor, weight: torch.Tensor, topk: int) -> torch.Tenso
 def _aux_grad_rank(rank, world_size, hf_dir, tp, micro_batch_sizes):  # noqa: ARG001 - harness signature
     from megatron.core.transformer.moe.router import TopKRouter
 
+    from megatron_tail.config.parallel import ParallelSection
     from megatron_tail.model import ModelSettings, load_hf_config
     from megatron_tail.train import OptimizerSettings, build_trainer, split_for_data_parallel, train_step
     from megatron_tail.train.engine.batch import make_micro_batches
-    from megatron_tail.train.engine.parallel import ParallelConfig, init_parallel
+    from megatron_tail.train.engine.parallel import init_parallel
 
-    groups = init_parallel(ParallelConfig(tensor_parallel=tp, seed=1234))
+    groups = init_parallel(ParallelSection(tensor_parallel=tp), seed=1234)
     arch = load_hf_config(hf_dir)
     settings = ModelSettings(
         vocab_pad_multiple=PAD_MULTIPLE, precision="fp32", moe_aux_loss_coeff=COEFF, sequence_parallel=tp > 1

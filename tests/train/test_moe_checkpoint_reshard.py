@@ -24,6 +24,7 @@ BATCH = 4
 
 
 def _run_rank(rank, world, hf_dir, ep, distopt, ckpt_in, out_dir, steps, bf16):  # noqa: ARG001
+    from megatron_tail.config.parallel import ParallelSection
     from megatron_tail.model import ModelSettings, load_hf_config
     from megatron_tail.train import (
         OptimizerSettings,
@@ -34,9 +35,9 @@ def _run_rank(rank, world, hf_dir, ep, distopt, ckpt_in, out_dir, steps, bf16): 
         split_for_data_parallel,
         train_step,
     )
-    from megatron_tail.train.engine.parallel import ParallelConfig, init_parallel
+    from megatron_tail.train.engine.parallel import init_parallel
 
-    groups = init_parallel(ParallelConfig(expert_parallel=ep, seed=1234))
+    groups = init_parallel(ParallelSection(expert_parallel=ep), seed=1234)
     arch = load_hf_config(hf_dir)
     settings = ModelSettings(
         vocab_pad_multiple=PAD_MULTIPLE, moe_aux_loss_coeff=0.0, precision="bf16" if bf16 else "fp32"
@@ -131,11 +132,12 @@ def test_bf16_main_params_reshard_from_ep2_to_ep1(hf_dir, tmp_path):
 def _rng_rank(rank, world, hf_dir, ckpt):  # noqa: ARG001
     import random
 
+    from megatron_tail.config.parallel import ParallelSection
     from megatron_tail.model import ModelSettings, load_hf_config
     from megatron_tail.train import build_trainer, load_checkpoint, save_checkpoint
-    from megatron_tail.train.engine.parallel import ParallelConfig, init_parallel
+    from megatron_tail.train.engine.parallel import init_parallel
 
-    init_parallel(ParallelConfig(expert_parallel=2, seed=1234))
+    init_parallel(ParallelSection(expert_parallel=2), seed=1234)
     settings = ModelSettings(vocab_pad_multiple=PAD_MULTIPLE)
     trainer = build_trainer(load_hf_config(hf_dir), hf_dir=hf_dir, model_settings=settings)
     random.seed(rank)  # a state of this rank's own, like its expert tracker on a GPU

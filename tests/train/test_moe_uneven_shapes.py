@@ -31,13 +31,14 @@ def _micro_batches(samples, groups, packed: bool):
 
 
 def _one_step_rank(rank, world_size, hf_dir, ep, packed):  # noqa: ARG001 - harness signature
+    from megatron_tail.config.parallel import ParallelSection
     from megatron_tail.model import ModelSettings, load_hf_config
     from megatron_tail.train import OpSettings, OptimizerSettings, build_trainer, train_step
     from megatron_tail.train.engine.batch import equalize_micro_batch_shapes
-    from megatron_tail.train.engine.parallel import ParallelConfig, comm_device, init_parallel
+    from megatron_tail.train.engine.parallel import comm_device, init_parallel
     from megatron_tail.train.rl.samples import moe_shape_group
 
-    groups = init_parallel(ParallelConfig(expert_parallel=ep, seed=1234))
+    groups = init_parallel(ParallelSection(expert_parallel=ep), seed=1234)
     arch = load_hf_config(hf_dir)
     # as tests/model/test_moe_parallel.py: Adam with ε = 1 (first update ≈ lr·g), no aux loss (it depends on
     # how tokens are split into micro-batches)

@@ -51,11 +51,12 @@ def hf_dir(tmp_path_factory):
 
 
 def _trainer(hf_dir, tp=1, cp=1, sp=False, aux_loss=None, **model):
+    from megatron_tail.config.parallel import ParallelSection
     from megatron_tail.model import ModelSettings, load_hf_config
-    from megatron_tail.train import OptimizerSettings, ParallelConfig, build_trainer, init_parallel
+    from megatron_tail.train import OptimizerSettings, build_trainer, init_parallel
 
     torch.set_num_threads(1)
-    groups = init_parallel(ParallelConfig(tensor_parallel=tp, context_parallel=cp))
+    groups = init_parallel(ParallelSection(tensor_parallel=tp, context_parallel=cp))
     settings = ModelSettings(
         vocab_pad_multiple=PAD_MULTIPLE, sequence_parallel=sp, moe_aux_loss_coeff=aux_loss, **model
     )

@@ -66,7 +66,8 @@ def test_ranks_wait_through_a_rank0_phase_longer_than_the_collective_timeout():
 def _megatron_timeout(_rank, _world):
     from megatron.core import parallel_state
 
-    from megatron_tail.train.engine.parallel import ParallelConfig, init_parallel
+    from megatron_tail.config.parallel import ParallelSection
+    from megatron_tail.train.engine.parallel import init_parallel
 
     seen = {}
     original = parallel_state.initialize_model_parallel
@@ -77,7 +78,7 @@ def _megatron_timeout(_rank, _world):
 
     parallel_state.initialize_model_parallel = recording
     try:
-        init_parallel(ParallelConfig(distributed_timeout_minutes=7.5))
+        init_parallel(ParallelSection(distributed_timeout_minutes=7.5))
     finally:
         parallel_state.initialize_model_parallel = original
     return seen["distributed_timeout_minutes"]

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler, get_canonical_lr_for_logging
 
-from .settings import OptimizerSettings
+from megatron_tail.config.optimizer import OptimizerSettings
 
 
 def build_lr_scheduler(optimizer, settings: OptimizerSettings, *, run_steps: int) -> OptimizerParamScheduler:

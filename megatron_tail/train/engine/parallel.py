@@ -2,7 +2,7 @@
 
     init_distributed()                           # from torchrun env vars (no-op if already initialised)
     wait = host_wait_group()                     # gloo, world-wide: where ranks wait for rank 0's phases
-    groups = init_parallel(ParallelConfig(tensor_parallel=2, pipeline_parallel=1, seed=1234))
+    groups = init_parallel(ParallelSection(tensor_parallel=2), seed=1234)   # the run config's `parallel:`
     ... groups.tp, groups.pp, groups.cp, groups.dp   # hand these to code outside model/ and train/
     destroy_parallel()
 
@@ -38,43 +38,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+from megatron_tail.config.parallel import ParallelSection
 from megatron_tail.patches import apply_cpu_patches
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    """Model-parallel layout; data parallel is whatever is left: world = TP × PP × CP × DP."""
-
-    tensor_parallel: int = 1
-    """TP size: splits heads, FFN and vocab."""
-    pipeline_parallel: int = 1
-    """PP size: splits the layers into stages."""
-    context_parallel: int = 1
-    """CP size: splits every packed sequence into 2·CP chunks, rank r keeping chunks r and 2·CP−1−r
-    (megatron's `context_parallel_size`); gradients then reduce over data parallel × CP."""
-    expert_parallel: int = 1
-    """EP size (mixture-of-experts models): each rank of an EP group holds num_experts / EP experts."""
-    expert_tensor_parallel: int | None = None
-    """Expert-TP size: splits each expert's FFN (megatron's `expert_tensor_parallel_size`); None = TP."""
-    seed: int = 1234
-    """Seed of torch's RNG and megatron's model-parallel RNG trackers."""
-    distributed_timeout_minutes: float = 120.0
-    """Timeout of megatron's process groups (`initialize_model_parallel(distributed_timeout_minutes=)`,
-    whole minutes, rounded up); `init_distributed` takes the same for the world group."""
-
-    def __post_init__(self) -> None:
-        for name in ("tensor_parallel", "pipeline_parallel", "context_parallel", "expert_parallel"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int ≥ 1; got {value!r}")
-        etp = self.expert_tensor_parallel
-        if etp is not None and (isinstance(etp, bool) or not isinstance(etp, int) or etp < 1):
-            raise ValueError(f"expert_tensor_parallel must be an int ≥ 1 or None; got {etp!r}")
-
-    @property
-    def resolved_expert_tensor_parallel(self) -> int:
-        """Expert-TP size: `expert_tensor_parallel`, else TP (megatron's default)."""
-        return self.expert_tensor_parallel or self.tensor_parallel
 
 
 @dataclass(frozen=True)
@@ -160,51 +125,34 @@ def host_wait_group() -> dist.ProcessGroup | None:
     return _host_wait_group
 
 
-def init_parallel(config: ParallelConfig) -> ParallelGroups:
-    """Apply the CPU patches (no-op with CUDA), build megatron's parallel state and seed the RNGs.
+def init_parallel(layout: ParallelSection | None = None, *, seed: int = 1234) -> ParallelGroups:
+    """Apply the CPU patches (no-op with CUDA), build megatron's parallel state for `layout` (the run
+    config's `parallel:`; None: one rank of everything) and seed torch's RNG and megatron's model-parallel
+    RNG trackers with `seed`.
 
     Raises:
         RuntimeError: torch.distributed is not initialised.
-        ValueError: the world size is not a multiple of TP × PP × CP.
+        UserError: the world is no multiple of TP × PP × CP or of ETP × EP × PP (`check_world`).
     """
+    layout = layout or ParallelSection()
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised; call init_distributed() first")
-    check_world_size(dist.get_world_size(), config)
+    layout.check_world(dist.get_world_size())
     apply_cpu_patches()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=config.tensor_parallel,
-        pipeline_model_parallel_size=config.pipeline_parallel,
-        context_parallel_size=config.context_parallel,
-        expert_model_parallel_size=config.expert_parallel,
-        expert_tensor_parallel_size=config.resolved_expert_tensor_parallel,
-        distributed_timeout_minutes=math.ceil(config.distributed_timeout_minutes),
+        tensor_model_parallel_size=layout.tensor_parallel,
+        pipeline_model_parallel_size=layout.pipeline_parallel,
+        context_parallel_size=layout.context_parallel,
+        expert_model_parallel_size=layout.expert_parallel,
+        expert_tensor_parallel_size=layout.resolved_expert_tensor_parallel,
+        distributed_timeout_minutes=math.ceil(layout.distributed_timeout_minutes),
     )
-    torch.manual_seed(config.seed)
+    torch.manual_seed(seed)
     # inference_rng_tracker: megatron's default CUDA RNG tracker cannot run on CPU; this one can.
-    model_parallel_cuda_manual_seed(config.seed, inference_rng_tracker=not torch.cuda.is_available())
+    model_parallel_cuda_manual_seed(seed, inference_rng_tracker=not torch.cuda.is_available())
     return current_groups()
-
-
-def check_world_size(world: int, config: ParallelConfig) -> None:
-    """ValueError naming the sizes unless `world` = TP × PP × CP × DP for some whole DP ≥ 1 and, with
-    experts, `world` = ETP × EP × PP × expert-DP for some whole expert-DP ≥ 1."""
-    model_parallel = config.tensor_parallel * config.pipeline_parallel * config.context_parallel
-    if world % model_parallel:
-        raise ValueError(
-            f"world size {world} is not a multiple of tensor_parallel × pipeline_parallel × "
-            f"context_parallel = {config.tensor_parallel} × {config.pipeline_parallel} × "
-            f"{config.context_parallel} = {model_parallel}"
-        )
-    etp = config.resolved_expert_tensor_parallel
-    expert_parallel = etp * config.expert_parallel * config.pipeline_parallel
-    if world % expert_parallel:
-        raise ValueError(
-            f"world size {world} is not a multiple of expert_tensor_parallel × expert_parallel × "
-            f"pipeline_parallel = {etp} × {config.expert_parallel} × {config.pipeline_parallel} = "
-            f"{expert_parallel}"
-        )
 
 
 def current_groups() -> ParallelGroups:

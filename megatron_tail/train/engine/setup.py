@@ -25,13 +25,13 @@ from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_mega
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import Float16Module
 
+from megatron_tail.config.optimizer import OptimizerSettings
 from megatron_tail.model import HFArch, ModelSettings, build_gpt_model, load_hf_weights
 from megatron_tail.model.moe import mark_expert_params
 from megatron_tail.patches import cpu_device_scope
 
 from .lr_schedule import build_lr_scheduler
 from .parallel import ParallelGroups, current_groups
-from .settings import OptimizerSettings
 
 
 @dataclass

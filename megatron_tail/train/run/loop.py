@@ -38,7 +38,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megatron_tail.config import RunConfig, TrainSection, save_resolved_config
-from megatron_tail.config.schema import ParallelSection
+from megatron_tail.config.parallel import ParallelSection
 from megatron_tail.rollout import rollout_metrics
 from megatron_tail.rollout.batch import log_rho_metrics
 from megatron_tail.utils.net import free_port
@@ -309,6 +309,6 @@ def ensure_distributed(cfg: RunConfig) -> None:
     """`init_torch_distributed`, after checking the config's layout against the world size torchrun gives
     (`WORLD_SIZE`), so an impossible layout stops before any process group exists."""
     if not (dist.is_available() and dist.is_initialized()):
-        cfg.check_world(int(os.environ.get("WORLD_SIZE", "1")))
+        cfg.parallel.check_world(int(os.environ.get("WORLD_SIZE", "1")))
     world = init_torch_distributed(cfg.parallel)
-    cfg.check_world(world)
+    cfg.parallel.check_world(world)

@@ -57,10 +57,11 @@ def export_checkpoint(cfg: RunConfig, checkpoint: Path) -> Path:
     """Load `checkpoint` into a TP = PP = 1 trainer on this process and export it to `<checkpoint>/hf`."""
     import torch.distributed as dist
 
+    from megatron_tail.config.parallel import ParallelSection
     from megatron_tail.model import export_hf, load_hf_config
 
     from ..engine.checkpoint import check_checkpoint, load_checkpoint
-    from ..engine.parallel import ParallelConfig, init_parallel
+    from ..engine.parallel import init_parallel
     from ..engine.setup import build_trainer
     from .loop import init_torch_distributed
 
@@ -69,7 +70,7 @@ def export_checkpoint(cfg: RunConfig, checkpoint: Path) -> Path:
     check_checkpoint(checkpoint)
     if init_torch_distributed() != 1:
         raise UserError(f"offline evaluation runs in one process; the world has {dist.get_world_size()}")
-    init_parallel(ParallelConfig(tensor_parallel=1, pipeline_parallel=1, seed=cfg.seed))
+    init_parallel(ParallelSection(tensor_parallel=1, pipeline_parallel=1), seed=cfg.seed)
     trainer = build_trainer(
         load_hf_config(cfg.model.hf_path),
         model_settings=cfg.model,

@@ -35,7 +35,7 @@ from megatron_tail.utils.errors import UserError
 from ..engine.checkpoint import load_checkpoint, read_rank0_object, save_checkpoint
 from ..engine.collectives import on_rank0
 from ..engine.lr_schedule import restore_progress
-from ..engine.parallel import ParallelConfig, host_wait_group, init_parallel
+from ..engine.parallel import host_wait_group, init_parallel
 from ..engine.reference import build_reference
 from ..engine.setup import build_trainer
 from ..rl.routing import check_routing_replay
@@ -108,17 +108,7 @@ class RunSession:
 
         on_rank0(start_engines, wait_group=self._wait)
         try:
-            self.groups = init_parallel(
-                ParallelConfig(
-                    tensor_parallel=cfg.parallel.tensor_parallel,
-                    pipeline_parallel=cfg.parallel.pipeline_parallel,
-                    context_parallel=cfg.parallel.context_parallel,
-                    expert_parallel=cfg.parallel.expert_parallel,
-                    expert_tensor_parallel=cfg.parallel.expert_tensor_parallel,
-                    seed=cfg.seed,
-                    distributed_timeout_minutes=cfg.parallel.distributed_timeout_minutes,
-                )
-            )
+            self.groups = init_parallel(cfg.parallel, seed=cfg.seed)
             arch = load_hf_config(cfg.model.hf_path)
             self.trainer = build_trainer(
                 arch,

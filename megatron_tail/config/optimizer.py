@@ -1,5 +1,6 @@
-"""The engine's settings that `megatron_tail.config` assembles into a run config: plain dataclasses that
-import no megatron, so that loading and validating a config stays light."""
+"""The trainer's optimizer and learning-rate schedule (`optimizer:` of the run config): a plain dataclass that
+imports no megatron, so that loading and validating a config stays light. `train.engine.setup` turns it into
+megatron's `OptimizerConfig`, `train.engine.lr_schedule` into its scheduler."""
 
 from __future__ import annotations
 
