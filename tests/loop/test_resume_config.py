@@ -105,6 +105,21 @@ def test_a_key_an_older_config_lacks_compares_with_its_default_and_a_removed_key
     assert [c.key for c in config_changes(saved, _now("algorithm.lopti=true"))] == ["algorithm.lopti"]
 
 
+@pytest.mark.parametrize(("bf16", "precision"), [(False, "fp32"), (True, "bf16")])
+def test_a_checkpoint_of_the_earlier_bf16_key_compares_as_the_precision_it_trained_in(bf16, precision):
+    """`model.bf16` moved to `model.precision` (`config.loader.MOVED_KEYS`). A checkpoint that set it and left
+    precision null trained in `precision`; resuming with null (bf16 on a GPU, fp32 elsewhere) is a change
+    of what is trained, named, not a removed key ignored."""
+    saved = _saved()
+    saved["model"]["bf16"] = bf16
+    refused = rf"now\): model.precision \"{precision}\" → null\. Restore"
+    with pytest.raises(ConfigChangeRefused, match=refused):
+        resume_notes(saved, _now(), CKPT)
+    assert resume_notes(saved, _now(f"model.precision={precision}"), CKPT) == []
+    saved["model"]["precision"] = "fp16"  # an explicit precision was what trained
+    assert config_changes(saved, _now("model.precision=fp16")) == []
+
+
 def test_the_documented_lists_name_real_keys_and_the_model_algorithm_and_data_are_not_on_them():
     keys = set(all_keys())
     assert CHANGEABLE_KEYS <= keys and RESHARDABLE_KEYS <= keys

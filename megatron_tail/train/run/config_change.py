@@ -15,7 +15,8 @@ Each changed key is one of three kinds:
   `train.allow_config_change` is true; then accepted, and each key is logged with both values.
 
 A key the checkpoint's config lacks (saved by an older megatron_tail) compares with its default, the value
-an older run used; a key only the checkpoint's config has (since removed) is ignored.
+an older run used; a key only the checkpoint's config has (since removed) is ignored, unless it moved
+(`config.loader.MOVED_KEYS`): then its value compares under its new name (`_renamed`).
 """
 
 from __future__ import annotations
@@ -150,7 +151,7 @@ def config_changes(saved: Mapping[str, Any], cfg: RunConfig) -> list[ConfigChang
     """The keys (in schema order) where `cfg` differs from `saved`, a checkpoint's config as nested plain
     dicts (`yaml.safe_load` of its config.yaml)."""
     new = _effective(_flat(yaml.safe_load(config_text(cfg))))
-    old = _effective({**_flat(yaml.safe_load(config_text(RunConfig()))), **_flat(saved)})
+    old = _effective({**_flat(yaml.safe_load(config_text(RunConfig()))), **_renamed(_flat(saved))})
     return [ConfigChange(key, old[key], value, _kind(key)) for key, value in new.items() if old[key] != value]
 
 
@@ -204,6 +205,17 @@ def read_checkpoint_config(checkpoint: Path) -> dict[str, Any] | None:
     if not isinstance(data, dict):
         raise UserError(f"checkpoint file {file} is not a config (a YAML mapping); got {type(data).__name__}")
     return data
+
+
+def _renamed(flat: dict[str, Any]) -> dict[str, Any]:
+    """`flat` with the keys that moved since (`config.loader.MOVED_KEYS`) under their new names: `model.bf16`
+    true / false is `model.precision` bf16 / fp32 where precision was left null. Ignored as a removed key,
+    a checkpoint of `bf16: false` would resume in bf16 on a GPU (null's default there) without a word."""
+    flat = dict(flat)
+    bf16 = flat.pop("model.bf16", None)
+    if bf16 is not None and flat.get("model.precision") is None:
+        flat["model.precision"] = "bf16" if bf16 else "fp32"
+    return flat
 
 
 def _kind(key: str) -> Kind:
