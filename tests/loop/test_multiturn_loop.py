@@ -1,7 +1,7 @@
 """`megatron-tail train` with multi-turn episodes (`rollout.env`) under torchrun (TP = 2, gloo, packed THD)
 against its local engine: the run finishes, logs the episode metrics and the usual ones finite, evaluates
-with episodes, and resumes from its checkpoint mid-run; step-wise, and under the rollout manager with
-partial rollouts and top-p/top-k (the episodes' supports and per-token versions reach the step)."""
+with episodes, and resumes from its checkpoint mid-run; at η = 0, and at η = 2 with partial rollouts and
+top-p/top-k (the episodes' supports and per-token versions reach the step)."""
 
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def _train(model_dir, prompt_file, run_dir, steps, managed=False):
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.parametrize("managed", [False, True], ids=["stepwise", "manager_partial_top_p"])
+@pytest.mark.parametrize("managed", [False, True], ids=["eta0", "eta2_partial_top_p"])
 def test_multiturn_run_trains_logs_episodes_and_resumes(chatty_model_dir, prompt_file, tmp_path, managed):
     run_dir = tmp_path / "run"
     first = _train(chatty_model_dir, prompt_file, run_dir, steps=1, managed=managed)

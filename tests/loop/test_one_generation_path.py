@@ -17,6 +17,13 @@ sampling supports. The floats are not, because the recording was made on another
   agrees exactly, δ = 0 and the metrics must agree to fp32 precision.
 A sampled token could only flip between machines where two candidates' p/q (the Gumbel-max draw) lie within
 a factor e^(2δ) of each other; the cases' tokens agree on both CPU families seen so far.
+
+Kept, after the step-wise path was deleted, as the regression anchor of the loop's numbers (issue 54): a
+determinism property (same seed → same tokens across η, resume and ranks) holds as well for a loop that
+changed what it draws or trains (a seed's derivation, a prompt's order, an advantage), and these files
+catch exactly that. Re-record them (`python -m tests.loop.stepwise_record CASE
+tests/loop/data/stepwise_CASE.json`) only for a change that moves the numbers on purpose, and say which in
+its commit.
 """
 
 from __future__ import annotations
