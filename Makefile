@@ -43,9 +43,9 @@ lint: install
 cluster-envs:
 	bash scripts/setup_envs.sh
 
-# A GPU node, bare but for CUDA torch, transformers, safetensors and tensorboard (README, "Checking a GPU
-# node"): `make gpu-wheels` where the registry is reachable (GPU_PYTHON_VERSION: the node's Python), copy
-# wheels/gpu_check to the node, then `make gpu-check` there (no venv, no network).
+# A GPU node, bare but for CUDA torch, transformers, safetensors and tensorboard (docs/operations.md,
+# "Checking a GPU node"): `make gpu-wheels` where the registry is reachable (GPU_PYTHON_VERSION: the node's
+# Python), copy wheels/gpu_check to the node, then `make gpu-check` there (no venv, no network).
 GPU_PYTHON_VERSION ?= 3.11
 
 gpu-wheels:

@@ -1,6 +1,6 @@
 """`scripts/gpu_check.sh` on a CPU host: `--dry-run` exits 0, lists every gpu test (collected by pytest) and
 the wheels, saying which the folder lacks; the gpu tests are skipped with a reason, and the results plugin
-and table of the real run report them so. (The GPU run itself: README, "Checking a GPU node".)"""
+and table of the real run report them so. (The GPU run itself: docs/operations.md, "Checking a GPU node".)"""
 
 from __future__ import annotations
 

@@ -151,10 +151,12 @@ class RolloutSection:
     top_p: float = 1.0
     """SGLang's top_p in (0, 1] (1 off): keep the most probable tokens until their mass reaches top_p. On
     SGLang's default (flashinfer) sampler, the mass is of the top-k tokens renormalised when any request of
-    the engine's batch has min_p > 0, which DVP's min-p always is: so DVP on/off also moves top-p (README)."""
+    the engine's batch has min_p > 0, which DVP's min-p always is: so DVP on/off also moves top-p
+    (docs/rollouts.md, "Truncated sampling")."""
     min_p: float = 0.0
     """SGLang's min_p in [0, 1] (0 off): drop tokens below min_p × the top probability. With DVP on and
-    truncation, the engine gets max(min_p, ρ): DVP's safe set is min-p at ρ (see the README)."""
+    truncation, the engine gets max(min_p, ρ): DVP's safe set is min-p at ρ (docs/rollouts.md, "Truncated
+    sampling", "DVP as min-p")."""
     sampling_mask_max_tokens: int = 4096
     """The engines' `--sampling-mask-max-tokens` (SGLang's default): the most ids in one token's support.
     SGLang's flashinfer sampler keeps every tie at the top-k cutoff, so a support can exceed top_k, and SGLang
@@ -168,9 +170,9 @@ class RolloutSection:
     are ahead of the trainer (AReaL's capacity rule): 0, each step samples with the weights it trains
     (rollout and training alternate); 1, step k+1's groups generate while step k trains, with the weights
     step k started from (one version behind; the IS corrections weigh by π_old/π_infer, the decoupled PPO
-    objective; see the README); at η ≤ 1 a batch is the step's own groups, in prompt order. η ≥ 2: a
-    batch is the first groups completed, oldest first; a straggler trains at its true staleness, logged in
-    `rollout/staleness_max` (see `stale_groups`)."""
+    objective; docs/rollouts.md, "Staleness"); at η ≤ 1 a batch is the step's own groups, in prompt order.
+    η ≥ 2: a batch is the first groups completed, oldest first; a straggler trains at its true staleness,
+    logged in `rollout/staleness_max` (see `stale_groups`)."""
     stale_groups: str = "train"
     """Under the rollout manager, a completed group whose oldest token is more than `max_staleness`
     versions behind the step: "train" (the default, AReaL's rule) trains it at its true staleness, the IS
@@ -188,13 +190,14 @@ class RolloutSection:
     without their KV, recomputed under the new weights when they resume (abort's re-prefill without the
     round trip through the client); "in_place" holds them with their KV cache, computed by the older
     weights, and they go on decoding under the new ones on top of it (PipelineRL, verl v1 async), with no
-    cache flush. Each token keeps the version and log-prob of the weights that sampled it in every mode (see
-    the README). It matters only with `partial_rollouts`: without them the manager drains the requests in
-    flight before an update. Default "retract": in the loop benchmark (`bench.loop`, η = 2 with partial
-    rollouts, two runs on a shared 2-core machine) it ran 2.27× / 2.33× the synchronous loop against
-    abort's 1.42× / 1.81× (its update waits for no aborted request to come back: weight sync 0.02–0.03 s
-    against 0.14–0.15 s), with abort's exactness: every token after an update is the new weights' on a
-    recomputed cache. in_place was as fast or faster (2.22× / 2.96×) but samples on the older weights' KV."""
+    cache flush. Each token keeps the version and log-prob of the weights that sampled it in every mode
+    (docs/rollouts.md, "One generation path", "Partial rollouts"). It matters only with `partial_rollouts`:
+    without them the manager drains the requests in flight before an update. Default "retract": in the loop
+    benchmark (`bench.loop`, η = 2 with partial rollouts, two runs on a shared 2-core machine) it ran
+    2.27× / 2.33× the synchronous loop against abort's 1.42× / 1.81× (its update waits for no aborted
+    request to come back: weight sync 0.02–0.03 s against 0.14–0.15 s), with abort's exactness: every token
+    after an update is the new weights' on a recomputed cache. in_place was as fast or faster (2.22× /
+    2.96×) but samples on the older weights' KV."""
 
     @property
     def truncates(self) -> bool:

@@ -1,6 +1,7 @@
 """The whole tail-mismatch experiment from the command line (6 arms × 3 seeds, pretraining included; about
 20 min on 2 cores): slow. It checks that the experiment ran and reports what it should, not the papers'
-claims (those are read off its table and figures, see the README)."""
+claims (those are read off its table and figures: docs/experiments.md, "The tail experiment", and
+docs/results/tail_mismatch)."""
 
 from __future__ import annotations
 

@@ -243,7 +243,7 @@ def check(folder: Path) -> bool:
     print("What the wheels to install require themselves (their Requires-Dist, against the node):")
     print("\n".join(unmet) if unmet else "  met")
     if unmet:
-        print('  → README, "Checking a GPU node": what to do when the node\'s packages are older')
+        print('  → docs/operations.md, "Checking a GPU node": what to do when the node\'s packages are older')
     return node_ok and complete and not unmet
 
 
