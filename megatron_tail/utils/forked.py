@@ -2,7 +2,9 @@
 
     results = run_distributed(fn, world_size, *args)   # fn(rank, world_size, *args) -> picklable
 
-Each rank is a forked child with one intra-op thread and a gloo process group on a free TCP port.
+Each rank is a forked child with one intra-op thread and a gloo process group whose rendezvous port the
+parent holds from before the fork (`utils.net.reserve_port`; rank 0's TCPStore listens on the inherited
+socket), so no other socket can take it meanwhile.
 Results come back pickled through a pipe, in rank order; an exception in any rank is re-raised in the
 parent with every failing rank's traceback (the first one listed is usually the cause; the others
 tend to be peers losing their gloo connection). Forking after the (≈3 s) megatron import costs ≈0.4 s
@@ -22,21 +24,27 @@ import megatron.core.parallel_state  # noqa: F401 - imported before fork so chil
 import torch
 import torch.distributed as dist
 
-from megatron_tail.utils.net import free_port
+from megatron_tail.utils.net import listen_on, reserve_port
 
 
 class RankFailed(RuntimeError):
     """A rank of `run_distributed` raised; the message carries its traceback."""
 
 
-def _child(fn, rank, world_size, port, args, conn) -> None:
+def _child(fn, rank, world_size, sock, args, conn) -> None:
     status, payload = "ok", None
     try:
         torch.set_num_threads(1)
-        if port is not None:
-            dist.init_process_group(
-                "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+        if sock is not None:
+            port = sock.getsockname()[1]
+            store = dist.TCPStore(
+                "127.0.0.1",
+                port,
+                world_size,
+                is_master=rank == 0,
+                master_listen_fd=listen_on(sock).detach() if rank == 0 else None,  # the store owns it now
             )
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
         payload = fn(rank, world_size, *args)
     except BaseException:
         status, payload = "error", traceback.format_exc()
@@ -58,17 +66,19 @@ def run_distributed(
 ) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` forked gloo ranks; return the results by rank."""
     ctx = mp.get_context("fork")
-    port = free_port() if process_group else None
+    sock = reserve_port() if process_group else None
     pipes, procs = [], []
     for rank in range(world_size):
         parent_end, child_end = ctx.Pipe(duplex=False)
         # Not daemonic: a rank may start processes of its own (megatron's checkpoint writers); the
         # finally-block below joins or kills every rank instead.
-        proc = ctx.Process(target=_child, args=(fn, rank, world_size, port, args, child_end))
+        proc = ctx.Process(target=_child, args=(fn, rank, world_size, sock, args, child_end))
         proc.start()
         child_end.close()
         pipes.append(parent_end)
         procs.append(proc)
+    if sock is not None:
+        sock.close()  # rank 0 holds the port now
     results, errors = [None] * world_size, []
     try:
         for rank, conn in enumerate(pipes):

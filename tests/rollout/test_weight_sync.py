@@ -194,13 +194,15 @@ def test_the_weight_group_forms_in_a_trainer_launched_by_torchrun():
     import subprocess
     import sys
 
-    port = free_port()
+    held = reserve_port()  # rank 0 listens on it, as the trainer does (`Engines.connect`)
+    port = held.getsockname()[1]
     script = (
         "import sys, datetime, torch, torch.distributed as dist\n"
         "from megatron_tail.rollout.process_group import init_custom_process_group\n"
         "rank = int(sys.argv[1])\n"
         f"pg = init_custom_process_group(backend='gloo', init_method='tcp://127.0.0.1:{port}',\n"
-        "    world_size=2, rank=rank, group_name='weights', timeout=datetime.timedelta(seconds=20))\n"
+        "    world_size=2, rank=rank, group_name='weights', timeout=datetime.timedelta(seconds=20),\n"
+        "    listen_fd=int(sys.argv[2]) if rank == 0 else None)\n"
         "t = torch.full((3,), 7.0) if rank == 0 else torch.zeros(3)\n"
         "dist.broadcast(t, src=0, group=pg)\n"
         "print(t.tolist(), flush=True)\n"
@@ -212,14 +214,16 @@ def test_the_weight_group_forms_in_a_trainer_launched_by_torchrun():
     trainer_env = {**os.environ, "TORCHELASTIC_USE_AGENT_STORE": "True"}  # as torchrun's workers have it
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", script, str(rank)],
+            [sys.executable, "-c", script, str(rank), str(held.fileno())],
             env=trainer_env if rank == 0 else dict(os.environ),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            pass_fds=(held.fileno(),) if rank == 0 else (),
         )
         for rank in (0, 1)
     ]
+    held.close()
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     assert [o[0].strip() for o in outs] == ["[7.0, 7.0, 7.0]"] * 2
