@@ -341,6 +341,8 @@ class RolloutSection:
             port = getattr(self, name)
             if port is not None and not 0 < port < 65536:
                 _bad("rollout", name, port, "must be in 1..65535")
+        if self.local_port is not None and self.local_port == self.sync_master_port:
+            _bad("rollout", "sync_master_port", self.sync_master_port, "must differ from rollout.local_port")
         if self.local_num_threads is not None:
             _positive_int("rollout", "local_num_threads", self.local_num_threads)
         if not isinstance(self.local_device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.local_device):

@@ -23,6 +23,7 @@ from typing import Any
 import megatron.core.parallel_state  # noqa: F401 - imported before fork so children don't pay for it
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import default_pg_timeout
 
 from megatron_tail.utils.net import listen_on, reserve_port
 
@@ -37,11 +38,14 @@ def _child(fn, rank, world_size, sock, args, conn) -> None:
         torch.set_num_threads(1)
         if sock is not None:
             port = sock.getsockname()[1]
+            if rank != 0:
+                sock.close()  # rank 0's alone: a store that dies must leave the port refusing, not queueing
             store = dist.TCPStore(
                 "127.0.0.1",
                 port,
                 world_size,
                 is_master=rank == 0,
+                timeout=default_pg_timeout,  # init_process_group's own default for a store it makes
                 master_listen_fd=listen_on(sock).detach() if rank == 0 else None,  # the store owns it now
             )
             dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import socket
 from collections.abc import Sequence
 
@@ -16,22 +17,28 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def reserve_port(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
     """A TCP socket bound to `host`:`port` (0: a port the OS picks; "": every interface, IPv6 and IPv4 where
-    the host has IPv6, as torch's TCPStore binds), not yet listening. The port is held from now on, so a
-    server that listens only after seconds of loading (`serve-local --listen-fd`, a TCPStore given it as
-    `master_listen_fd`) cannot lose it to another process meanwhile, as it can after `free_port`.
-    OSError (EADDRINUSE) when the port is taken.
+    the host has IPv6, as torch's TCPStore binds). The port is held from now on, so a server that starts
+    listening only after seconds of loading (`serve-local --listen-fd`, a TCPStore given it as
+    `master_listen_fd`) cannot lose it to another process meanwhile, as it can after `free_port`. OSError
+    (EADDRINUSE) when the port is taken.
 
-    SO_REUSEADDR only for a given port, as servers bind theirs: a restarted run then takes its port at once
-    although the last run's connections linger in TIME_WAIT. For a port the OS picks it is left off: a
-    port so held could otherwise be bound again by another SO_REUSEADDR socket until it listens. A server
-    sets it before it listens (`listen_on`)."""
-    reuse = port != 0
+    A port the OS picks is bound, not listened on: connections are refused until its server listens, and
+    no other socket binds it (the OS skips it for `bind(0)` and outgoing connections; SO_REUSEADDR is left
+    off, which would let another such socket share it until one listens; `listen_on` sets it then).
+
+    A given port is bound with SO_REUSEADDR, as servers bind theirs, so that a restarted run takes it at
+    once although the last run's connections linger in TIME_WAIT; and it is listened on at once, since a
+    socket with SO_REUSEADDR keeps others with it off only while it listens. Connections then wait in its
+    backlog (a probe times out rather than being refused) until the server accepts."""
+    given = port != 0
     if host == "" and socket.has_ipv6:
         try:
-            return _bound(socket.AF_INET6, ("::", port), reuse, dual_stack=True)
-        except OSError:
-            pass  # no IPv6 on this host after all: IPv4's every interface
-    return _bound(socket.AF_INET6 if ":" in host else socket.AF_INET, (host or "0.0.0.0", port), reuse)
+            return _held(socket.AF_INET6, ("::", port), given, dual_stack=True)
+        except OSError as e:
+            if e.errno not in (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL):
+                raise
+            # no IPv6 on this host after all: IPv4's every interface
+    return _held(socket.AF_INET6 if ":" in host else socket.AF_INET, (host or "0.0.0.0", port), given)
 
 
 def listen_on(sock: socket.socket) -> socket.socket:
@@ -41,14 +48,16 @@ def listen_on(sock: socket.socket) -> socket.socket:
     return sock
 
 
-def _bound(family: int, address: tuple, reuse: bool, dual_stack: bool = False) -> socket.socket:
+def _held(family: int, address: tuple, given: bool, dual_stack: bool = False) -> socket.socket:
     s = socket.socket(family)
     try:
         if dual_stack:
             s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        if reuse:
+        if given:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(address)
+        if given:
+            s.listen()
     except OSError:
         s.close()
         raise

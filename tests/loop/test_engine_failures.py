@@ -231,7 +231,9 @@ def test_torchrun_passes_on_an_outside_failure_of_every_worker(tmp_path):
     [
         # scoring the first group: one group generates at a time, so step 1's next group asks the dead engine
         ("KILL@1", {"rollout.max_staleness": 1, "rollout.max_concurrency": 1}, "the batch of step 1"),
-        ("KILL@17", {}, "weight sync to version 2"),  # scoring step 2's batch: the next call is its sync
+        # scoring step 2's last completion (16 a step): every group of the step has generated, so the next
+        # call is the step's sync (at the first, other groups could still be generating under load)
+        ("KILL@32", {}, "weight sync to version 2"),
     ],
     ids=["generation", "weight-sync"],
 )
@@ -248,16 +250,18 @@ def test_a_local_engine_killed_under_the_trainer_is_one_line_exit_4(
     assert [line for line in output.splitlines() if "error:" in line] == [_match(pattern, output)], output
     assert "Traceback" not in output, output[-4000:]
     assert " failed on http" not in output, output[-4000:]  # no retries against the dead engine before it
-    if fault == "KILL@17":  # nothing lost: step 1's checkpoint is complete
+    if fault == "KILL@32":  # nothing lost: step 1's checkpoint is complete
         from megatron_tail.train.run.run_dir import complete_checkpoints
 
         assert [step for step, _ in complete_checkpoints(run_dir)] == [1]
 
 
 def test_a_stopped_local_engine_names_the_limit_that_expired(tiny_model_dir, prompt_file, tmp_path):
-    """SIGSTOP while step 2's batch is scored: the weight sync's /pause_generation is never answered."""
+    """SIGSTOP at step 2's last completion, when every group of the step has generated: the weight sync's
+    /pause_generation is never answered. (At the step's first completion, as before, a loaded machine could
+    still be generating the step's other groups, and the stop was met there: "the batch of step 2".)"""
     extra = {"rollout.request_timeout_s": 2}
-    output, code, run_dir = _run_with_fault(tiny_model_dir, prompt_file, tmp_path, "STOP@17", extra)
+    output, code, run_dir = _run_with_fault(tiny_model_dir, prompt_file, tmp_path, "STOP@32", extra)
     assert code == EXIT_OUTSIDE_FAILURE, output[-4000:]
     log = run_dir / "logs" / "local_engine.log"
     pattern = (
@@ -309,8 +313,7 @@ def test_a_local_port_in_use_is_refused_in_one_line_before_the_engine_starts(
     output = proc.stdout + proc.stderr
     assert proc.returncode == EXIT_USER_ERROR, output[-4000:]
     expected = (
-        f"megatron-tail train: error: rollout.local_port: port {port} is in use on this host "
-        "(Address already in use); choose another"
+        f"megatron-tail train: error: rollout.local_port: port {port} is in use on this host; choose another"
     )
     assert [line for line in output.splitlines() if "error:" in line] == [expected], output
     assert not (run_dir / "logs" / "local_engine.log").exists()  # no engine was started

@@ -17,11 +17,14 @@ from megatron_tail.rollout.launch import LocalEngineConfig
 from megatron_tail.rollout.local_engine.cli import _inherited_socket
 from megatron_tail.rollout.local_engine.process import LocalEngineProcess
 from megatron_tail.rollout.weight_sync import DistributedWeightSync
-from megatron_tail.utils.net import reserve_port
+from megatron_tail.utils.net import listen_on, reserve_port
 
 
-def _bind_fails(port: int, host: str = "127.0.0.1") -> bool:
+def _bind_fails(port: int, host: str = "127.0.0.1", reuse: bool = False) -> bool:
+    """Whether another socket fails to bind `port`; with `reuse`, one with SO_REUSEADDR, as servers bind."""
     with socket.socket() as other:
+        if reuse:
+            other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             other.bind((host, port))
         except OSError as e:
@@ -34,12 +37,30 @@ def test_a_reserved_port_is_taken_by_no_other_socket_and_refuses_connections_unt
     held = reserve_port()
     port = held.getsockname()[1]
     try:
-        assert _bind_fails(port)
+        assert _bind_fails(port) and _bind_fails(port, reuse=True)
         with socket.socket() as probe, pytest.raises(ConnectionRefusedError):  # as /health while loading
             probe.connect(("127.0.0.1", port))
     finally:
         held.close()
     assert not _bind_fails(port)
+
+
+def test_a_given_port_is_held_against_servers_too_and_taken_again_at_once_after_its_last_run():
+    """A given port (`rollout.local_port`, `rollout.sync_master_port`) is bound with SO_REUSEADDR, so that a
+    rerun takes it although the last run's connections wait in TIME_WAIT, and is listened on at once: with
+    SO_REUSEADDR, only a listening socket keeps another server's socket off it."""
+    server = reserve_port()  # the last run: served a connection and closed it first (TIME_WAIT on its side)
+    port = server.getsockname()[1]
+    listen_on(server).listen()
+    with socket.create_connection(("127.0.0.1", port)):
+        accepted, _ = server.accept()
+        accepted.close()
+    server.close()
+    held = reserve_port("127.0.0.1", port)
+    try:
+        assert _bind_fails(port) and _bind_fails(port, reuse=True)
+    finally:
+        held.close()
 
 
 def test_a_port_reserved_on_every_interface_is_held_on_the_loopback_too():
@@ -59,7 +80,7 @@ def test_the_local_engine_holds_its_port_while_it_loads_and_serves_on_it(tiny_mo
     engine = LocalEngineProcess(config, tmp_path / "engine.log", listen_socket=held)
     try:
         assert held.fileno() == -1  # handed to the child: the launcher keeps no copy
-        assert _bind_fails(port)  # the child holds it from its start, loading or serving
+        assert _bind_fails(port) and _bind_fails(port, reuse=True)  # from the child's start, loading or not
         engine.wait_healthy(timeout_s=300)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30) as resp:
             assert resp.status == 200
@@ -92,6 +113,16 @@ def test_a_socket_of_another_port_is_refused():
             _inherited_socket(args)
     with pytest.raises(SystemExit, match="--listen-fd 987 is not an open socket"):
         _inherited_socket(argparse.Namespace(listen_fd=987, port=1))
+
+
+def test_the_engine_and_the_weight_group_cannot_be_given_one_port():
+    from megatron_tail.config import load_config
+    from megatron_tail.utils.errors import UserError
+
+    with pytest.raises(
+        UserError, match=r"rollout.sync_master_port must differ from rollout.local_port; got 30000$"
+    ):
+        load_config(None, ["rollout.local_port=30000", "rollout.sync_master_port=30000"])
 
 
 def test_the_weight_group_takes_a_port_or_a_socket_bound_to_one():

@@ -18,7 +18,7 @@ from megatron_tail.rollout import (
     SamplingConfig,
 )
 from megatron_tail.rollout.local_engine.weights import read_safetensors_dir
-from megatron_tail.utils.net import free_port, reserve_port
+from megatron_tail.utils.net import reserve_port
 from tests.rollout.servers import generate_groups, serving_app
 
 PROMPTS = [[5, 6, 76, 7, 84], [8, 9, 76, 10, 11, 84], [12, 76, 13, 84]]
@@ -133,8 +133,8 @@ def test_distributed_update_streams_buckets_and_casts_on_the_sender(
     async def scenario():
         bf16_dir_sync = DiskWeightSync([b])
         sync = DistributedWeightSync(
-            [a], master_address="127.0.0.1", master_port=free_port(), backend="gloo", initial_version="0",
-            bucket_mb=0.01, dtype=torch.bfloat16,
+            [a], master_address="127.0.0.1", listen_socket=reserve_port(""), backend="gloo",
+            initial_version="0", bucket_mb=0.01, dtype=torch.bfloat16,
         )  # fmt: skip
         await sync.init_group()
         await sync.update(stream(), weight_version="7")
@@ -257,7 +257,11 @@ def test_the_group_is_laid_out_from_each_servers_tp_size():
         async with contextlib.AsyncExitStack() as servers:
             urls = [await servers.enter_async_context(serving_app(app_with(*layout))) for layout in layouts]
             sync = DistributedWeightSync(
-                urls, master_address="127.0.0.1", master_port=free_port(), backend="gloo", timeout_s=1.0
+                urls,
+                master_address="127.0.0.1",
+                listen_socket=reserve_port(""),
+                backend="gloo",
+                timeout_s=1.0,
             )
             with pytest.raises(WeightSyncError) as info:
                 await sync.init_group()

@@ -90,6 +90,7 @@ def serve_local(args: argparse.Namespace) -> int:
     from megatron_tail.model.directory import check_model_dir
     from megatron_tail.rollout.local_engine.engine import LocalEngine
     from megatron_tail.rollout.local_engine.server import build_app
+    from megatron_tail.utils.net import listen_on
     from megatron_tail.utils.parent_watch import die_with_parent_from_env
 
     die_with_parent_from_env()  # started by a trainer: never outlive it (not even its kill -9)
@@ -119,15 +120,14 @@ def serve_local(args: argparse.Namespace) -> int:
     if sock is None:
         web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
     else:  # aiohttp's SockSite: `loop.create_server(sock=...)` listens on the socket as bound
-        web.run_app(app, sock=sock, print=None, access_log=None)
+        sock.set_inheritable(False)  # a process the engine starts must not keep its port
+        web.run_app(app, sock=listen_on(sock), print=None, access_log=None)
     return 0
 
 
 def _inherited_socket(args: argparse.Namespace):
     """The socket of `--listen-fd`; SystemExit naming it when it is not a socket bound to `--port`."""
     import socket
-
-    from megatron_tail.utils.net import listen_on
 
     try:
         sock = socket.socket(fileno=args.listen_fd)
@@ -136,4 +136,4 @@ def _inherited_socket(args: argparse.Namespace):
         raise SystemExit(f"--listen-fd {args.listen_fd} is not an open socket ({e})") from None
     if port != args.port:
         raise SystemExit(f"--listen-fd {args.listen_fd} is bound to port {port}, not --port {args.port}")
-    return listen_on(sock)
+    return sock

@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import errno
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -86,10 +88,20 @@ class Engines:
     def connect(cls, settings: RolloutSection, plan: RolloutPlan) -> Engines:
         """The engines of `settings` for `plan`: a local engine starts loading now (`rollout.engine`), else
         the servers of `rollout.server_urls`; the weight transport of `rollout.weight_sync`."""
+        local = settings.engine == "local"
+        port = _reserved("rollout.local_port", "127.0.0.1", settings.local_port) if local else None
+        try:
+            return cls._connect(settings, plan, port)
+        except BaseException:
+            if port is not None:
+                port.close()  # not handed to an engine: no port left held
+            raise
+
+    @classmethod
+    def _connect(cls, settings: RolloutSection, plan: RolloutPlan, port: socket.socket | None) -> Engines:
         r = settings
         local: LocalEngineConfig | None = None
         if r.engine == "local":
-            port = _reserved("rollout.local_port", "127.0.0.1", r.local_port)
             local = r.local_engine_config(
                 plan.model_path,
                 port=port.getsockname()[1],
@@ -389,7 +401,6 @@ def _weight_sync(settings: RolloutSection, urls: list[str], local: bool):
             timeout_name="rollout.request_timeout_s",
         )
     import os
-    import socket
 
     import torch
 
@@ -413,8 +424,11 @@ def _weight_sync(settings: RolloutSection, urls: list[str], local: bool):
 
 def _reserved(key: str, host: str, port: int | None):
     """A socket holding `port` (None: one the OS picks) on `host` until its server listens on it
-    (`utils.net.reserve_port`); a `UserError` naming `key` when the port is taken."""
+    (`utils.net.reserve_port`); a `UserError` naming `key` when the port is taken or cannot be bound."""
     try:
         return reserve_port(host, port or 0)
     except OSError as e:
-        raise UserError(f"{key}: port {port} is in use on this host ({e.strerror}); choose another") from None
+        if e.errno == errno.EADDRINUSE:
+            raise UserError(f"{key}: port {port} is in use on this host; choose another") from None
+        what = f"port {port}" if port else "a free port"
+        raise UserError(f"{key}: cannot bind {what} on this host ({e.strerror})") from None
