@@ -78,7 +78,7 @@ class ParallelSection:
                 f"parallel.tensor_parallel × parallel.pipeline_parallel × parallel.context_parallel = "
                 f"{self.tensor_parallel} × {self.pipeline_parallel} × {self.context_parallel} = "
                 f"{self.model_parallel} does not divide the world size {world_size}; launch with `torchrun "
-                f"--nproc-per-node {self.model_parallel} -m megatron_tail.cli train CONFIG.yaml` (or a "
+                f"--nproc-per-node {self.min_world_size} -m megatron_tail.cli train CONFIG.yaml` (or a "
                 "multiple of it)"
             )
         if world_size % self.expert_model_parallel:

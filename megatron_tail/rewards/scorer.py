@@ -9,7 +9,7 @@ Why a worker process, for every batch:
   killed after `timeout_s` and the step fails with an error naming the reward and the limit, instead of
   blocking every trainer rank without a word. A thread cannot be killed; a process can.
 - math-verify's timeouts use `signal.alarm`, which only a main thread may set: the worker scores on its
-  main thread whichever trainer thread asks (rank 0's rollout-ahead worker, `rollout.max_staleness: 1`),
+  main thread whichever trainer thread asks (rank 0's rollout manager thread, `rollout.max_staleness` ≥ 1),
   and a pure-Python reward there does not take the GIL from rank 0's training.
 The worker is spawned (no forked copy of the trainer's threads and CUDA state), ignores the job's stop
 signals (the trainer decides what a stop means) and dies with the trainer (`utils.parent_watch`), so a

@@ -110,6 +110,9 @@ def test_a_checkpoint_of_the_earlier_bf16_key_compares_as_the_precision_it_train
     """`model.bf16` moved to `model.precision` (`config.loader.MOVED_KEYS`). A checkpoint that set it and left
     precision null trained in `precision`; resuming with null (bf16 on a GPU, fp32 elsewhere) is a change
     of what is trained, named, not a removed key ignored."""
+    from megatron_tail.config.loader import MOVED_KEYS
+
+    assert set(MOVED_KEYS) == {"model.bf16"}  # another moved key: `config_change._renamed` must read it too
     saved = _saved()
     saved["model"]["bf16"] = bf16
     refused = rf"now\): model.precision \"{precision}\" → null\. Restore"

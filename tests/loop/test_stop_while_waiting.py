@@ -33,10 +33,11 @@ CASES = {
         "the batch of step 1",
         None,
     ),
-    # the engine SIGSTOPped while step 2's batch is scored: the weight sync's request is never answered
+    # the engine SIGSTOPped at step 2's last completion (16 a step), when every group of the step has
+    # generated: the weight sync's request is never answered
     "stuck-engine-request": (
         {"data.reward": "tests.loop.engine_faults:signals_the_engine", "rollout.request_timeout_s": 120},
-        {SIGNAL_ENV: "STOP@17"},
+        {SIGNAL_ENV: "STOP@32"},
         "weight sync to version 2",
         "step_000001",
     ),

@@ -131,6 +131,11 @@ def test_run_config_refusals_are_one_line_user_errors():
     assert "\n" not in str(err.value)
     layout.check_world(4)
     assert layout.min_world_size == 4
+    # the launch hint names a world both checks accept: lcm(TP × PP × CP = 2, ETP × EP × PP = 3) = 6
+    uneven = ParallelSection(tensor_parallel=2, expert_parallel=3, expert_tensor_parallel=1)
+    with pytest.raises(UserError, match=r"world size 3; launch with `torchrun --nproc-per-node 6 -m "):
+        uneven.check_world(3)
+    uneven.check_world(6)
 
 
 def test_plan_counts_the_experts_not_only_the_dense_mlp():
