@@ -40,9 +40,10 @@ version below k − η: its tokens can be no newer) is cancelled at once instead
 Order. At η ≤ 1 (`in_order`) a batch is the first G groups admitted, in prompt-stream order, once all of
 them are complete: the synchronous loop (η = 0) and the loop one step ahead (η = 1) that the step-wise
 rollout ran, batch for batch. It costs no throughput there: without partial rollouts every update waits
-for the groups in flight anyway, and at most one step's groups are ahead. At η ≥ 2 a batch is the first G
-groups completed, oldest token first, so a long group does not hold the trainer; it trains a step later at
-its true staleness.
+for the groups in flight anyway, and at most one step's groups are ahead. An update there also waits for
+every group the bound admits (`drain`), so that each step's groups come from one version on any machine.
+At η ≥ 2 a batch is the first G groups completed, oldest token first, so a long group does not hold the
+trainer; it trains a step later at its true staleness.
 
 Attempts. A prompt the manager generates again after throwing its samples away (dropped as stale) gets the
 next `attempt`, and `work` derives fresh seeds from it (`client.regeneration_keys`): with the same seeds, a
@@ -252,12 +253,21 @@ class RolloutManager:
         return self.max_filtered is not None and self._counts["filtered_groups"] >= self.max_filtered
 
     async def drain(self) -> None:
-        """Admit nothing more and wait until no group is in flight (a weight update without partial
-        rollouts: every sample then comes from one version)."""
-        self.held = True
+        """Wait until no group is in flight (a weight update without partial rollouts: every sample then
+        comes from one version), then admit nothing until `set_version`. At η ≥ 2 admission stops at once.
+        At η ≤ 1 (`in_order`) every group the current bound admits is generated first, a filtered group's
+        replacement and groups past `max_in_flight` included: which version generates a step's groups is
+        then a function of the step alone, whatever the machine's speed, and a resumed run equals an
+        uninterrupted one. (Stopping at once, a loaded machine generated some of them after the update, one
+        version newer: `tests/loop/test_rollout_ahead.py` beside a CPU hog.)"""
+        self.held = not self.in_order
         async with self._changed:
-            while self.in_flight and self.error is None:
+            while self.error is None:
+                self._fill()
+                if not self.in_flight:
+                    break
                 await self._changed.wait()
+        self.held = True
         if self.error is not None:
             raise self.error
 

@@ -163,6 +163,37 @@ def test_dynamic_sampling_filters_and_replaces_groups():
     assert sum(m["rollout/filtered_groups"] for m in metrics) >= 4
 
 
+def test_one_step_ahead_each_steps_groups_come_from_the_weights_one_step_behind_however_slow_the_engines():
+    """η = 1 without partial rollouts, with dynamic sampling and one group at a time: groups take longer
+    than a step trains, so when an update comes some of the next step's groups (a filtered group's
+    replacement, the ones past `max_in_flight`) have not started. The update waits for them (`drain`):
+    every step after the first trains on groups of the weights one step behind, exactly, as a fast machine
+    gives. Before, they started after the update, one version newer (staleness 0.5 at some steps)."""
+
+    async def main():
+        engines = SimulatedEngines(lambda _i: 10, reward=lambda i: [1.0, 1.0] if i % 3 == 0 else [0.0, 1.0])
+        manager = RolloutManager(
+            engines.work, groups_per_step=2, max_staleness=1, version=0, max_in_flight=1,
+            keep=lambda g: max(g.batch.rewards) != min(g.batch.rewards),
+        )  # fmt: skip
+        manager.start()
+        staleness = []
+
+        def check(step, groups, _metrics):
+            staleness.append(
+                rollout_metrics(groups_to_batch(groups), policy_version=step)["rollout/staleness_mean"]
+            )
+
+        trained = await _train(manager, engines, 6, partial=False, on_batch=check)
+        await manager.close()
+        return trained, staleness
+
+    trained, staleness = asyncio.run(main())
+    assert staleness == [0.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    flat = [i for step in trained for i in step]
+    assert len(flat) == len(set(flat)) == 12 and not any(i % 3 == 0 for i in flat)
+
+
 def test_an_engine_failure_fails_the_next_batch_and_a_resume_loses_nothing():
     """Group 4's work raises (the client's retries exhausted): the trainer's next call raises it. The last
     checkpoint's state, loaded into a new manager, trains every prompt not yet trained exactly once."""
