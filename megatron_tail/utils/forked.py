@@ -2,9 +2,9 @@
 
     results = run_distributed(fn, world_size, *args)   # fn(rank, world_size, *args) -> picklable
 
-Each rank is a forked child with one intra-op thread and a gloo process group whose rendezvous port the
-parent holds from before the fork (`utils.net.reserve_port`; rank 0's TCPStore listens on the inherited
-socket), so no other socket can take it meanwhile.
+Each rank is a forked child with one intra-op thread and a gloo process group whose store the parent
+hosts, on a port it holds from before the fork (`utils.net.reserve_port`), so no other socket can take the
+port meanwhile and the store outlives every rank.
 Results come back pickled through a pipe, in rank order; an exception in any rank is re-raised in the
 parent with every failing rank's traceback (the first one listed is usually the cause; the others
 tend to be peers losing their gloo connection). Forking after the (≈3 s) megatron import costs ≈0.4 s
@@ -38,16 +38,9 @@ def _child(fn, rank, world_size, sock, args, conn) -> None:
         torch.set_num_threads(1)
         if sock is not None:
             port = sock.getsockname()[1]
-            if rank != 0:
-                sock.close()  # rank 0's alone: a store that dies must leave the port refusing, not queueing
-            store = dist.TCPStore(
-                "127.0.0.1",
-                port,
-                world_size,
-                is_master=rank == 0,
-                timeout=default_pg_timeout,  # init_process_group's own default for a store it makes
-                master_listen_fd=listen_on(sock).detach() if rank == 0 else None,  # the store owns it now
-            )
+            sock.close()  # the parent's: it hosts the store (`run_distributed`)
+            # a client of the parent's store (refused, and retried, until the parent listens)
+            store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=default_pg_timeout)
             dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
         payload = fn(rank, world_size, *args)
     except BaseException:
@@ -81,10 +74,22 @@ def run_distributed(
         child_end.close()
         pipes.append(parent_end)
         procs.append(proc)
-    if sock is not None:
-        sock.close()  # rank 0 holds the port now
+    # The parent hosts the ranks' store, on the port it held since before the fork, so the store outlives
+    # every rank: hosted by rank 0, it went with rank 0's exit while a slower rank still rendezvoused
+    # through it ("Connection reset by peer" in gloo's `connectFullMesh`, seen beside a CPU hog).
+    store = None
     results, errors = [None] * world_size, []
     try:
+        if sock is not None:
+            store = dist.TCPStore(
+                "127.0.0.1",
+                sock.getsockname()[1],
+                None,
+                is_master=True,
+                timeout=default_pg_timeout,  # init_process_group's own default for a store it makes
+                wait_for_workers=False,
+                master_listen_fd=listen_on(sock).detach(),  # the store owns it now
+            )
         for rank, conn in enumerate(pipes):
             if not conn.poll(timeout):
                 raise TimeoutError(f"rank {rank} of {world_size} sent nothing within {timeout} s")
@@ -101,6 +106,7 @@ def run_distributed(
             proc.join(timeout=5)
             if proc.is_alive():
                 proc.kill()
+        del store  # after every rank: its server stops with it
     if errors:
         raise RankFailed("\n".join(errors))
     return results

@@ -207,15 +207,20 @@ def test_the_weight_group_forms_in_a_trainer_launched_by_torchrun():
         "dist.broadcast(t, src=0, group=pg)\n"
         "print(t.tolist(), flush=True)\n"
         # leave together and tear the group down, as the trainer's sync does on close: a rank whose peer
-        # (the store's host) has already exited can abort in gloo's destructors ('terminate called ...')
+        # (the store's host) has already exited can abort in gloo's destructors ('terminate called ...');
+        # the store's host then leaves last, when the test says so (stdin), as the trainer outlives the
+        # engines' groups (beside a CPU hog, rank 1 still tore down after rank 0 had gone)
         "dist.barrier(group=pg)\n"
         "dist.destroy_process_group(pg)\n"
+        "if rank == 0:\n"
+        "    sys.stdin.read()\n"
     )
     trainer_env = {**os.environ, "TORCHELASTIC_USE_AGENT_STORE": "True"}  # as torchrun's workers have it
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", script, str(rank), str(held.fileno())],
             env=trainer_env if rank == 0 else dict(os.environ),
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -224,7 +229,8 @@ def test_the_weight_group_forms_in_a_trainer_launched_by_torchrun():
         for rank in (0, 1)
     ]
     held.close()
-    outs = [p.communicate(timeout=120) for p in procs]
+    last = procs[1].communicate(timeout=120)
+    outs = [procs[0].communicate(input="", timeout=120), last]
     assert [p.returncode for p in procs] == [0, 0], outs
     assert [o[0].strip() for o in outs] == ["[7.0, 7.0, 7.0]"] * 2
 
