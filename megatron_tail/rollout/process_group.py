@@ -24,12 +24,13 @@ def init_custom_process_group(
     rank: int,
     group_name: str,
     timeout: timedelta | None = None,
-    listen_fd: int | None = None,
+    listen_socket: socket.socket | None = None,
 ) -> dist.ProcessGroup:
     """Create (rendezvous and build) a process group of `world_size` ranks; this process is `rank`.
 
-    Blocks until all ranks joined or `timeout` passed. `init_method` is `tcp://host:port`. `listen_fd`
-    (rank 0 only): a socket already bound to that port, which the store listens on and then owns (closes).
+    Blocks until all ranks joined or `timeout` passed. `init_method` is `tcp://host:port`.
+    `listen_socket` (rank 0 only): a socket already bound to that port (`utils.net.reserve_port`), which the
+    store listens on and then owns (closes).
     """
     from torch.distributed.distributed_c10d import (
         Backend,
@@ -44,7 +45,7 @@ def init_custom_process_group(
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, world_size={world_size}); got {rank}")
     timeout = timeout or default_pg_timeout
-    store = _tcp_store(init_method, rank, world_size, timeout, listen_fd)
+    store = _tcp_store(init_method, rank, world_size, timeout, listen_socket)
     store = PrefixStore(group_name, store)
     pg, _ = _new_process_group_helper(
         world_size,
@@ -61,7 +62,7 @@ def init_custom_process_group(
 
 
 def _tcp_store(
-    init_method: str, rank: int, world_size: int, timeout: timedelta, listen_fd: int | None
+    init_method: str, rank: int, world_size: int, timeout: timedelta, listen_socket: socket.socket | None
 ) -> dist.TCPStore:
     """The group's store, hosted by rank 0 at `init_method` = `tcp://host:port`.
 
@@ -73,10 +74,8 @@ def _tcp_store(
     url = urlparse(init_method)
     if url.scheme != "tcp" or not url.hostname or url.port is None:
         raise ValueError(f"init_method must be tcp://host:port; got {init_method!r}")
-    if listen_fd is not None and rank != 0:
-        raise ValueError("listen_fd is rank 0's: only it hosts the store")
-    if listen_fd is not None:
-        listen_on(socket.socket(fileno=listen_fd)).detach()
+    if listen_socket is not None and rank != 0:
+        raise ValueError("listen_socket is rank 0's: only it hosts the store")
     return dist.TCPStore(
         url.hostname,
         url.port,
@@ -84,5 +83,5 @@ def _tcp_store(
         is_master=rank == 0,
         timeout=timeout,
         wait_for_workers=False,
-        master_listen_fd=listen_fd,
+        master_listen_fd=None if listen_socket is None else listen_on(listen_socket).detach(),  # owned now
     )

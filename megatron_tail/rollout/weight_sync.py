@@ -409,9 +409,8 @@ class DistributedWeightSync:
             }
             for offset in self.rank_offsets
         ]
-        # the store owns the descriptor from here (it closes it); a group formed again binds the port anew
-        listen_fd = self._listen_socket.detach() if self._listen_socket is not None else None
-        self._listen_socket = None
+        # the store owns the socket from here (it closes it); a group formed again binds the port anew
+        listen_socket, self._listen_socket = self._listen_socket, None
         join = asyncio.to_thread(
             init_custom_process_group,
             backend=self.backend,
@@ -420,7 +419,7 @@ class DistributedWeightSync:
             rank=0,
             group_name=self.group_name,
             timeout=timedelta(seconds=self.timeout_s),
-            listen_fd=listen_fd,
+            listen_socket=listen_socket,
         )
         async with aiohttp.ClientSession() as session:
             group, _ = await asyncio.gather(

@@ -247,8 +247,7 @@ def test_a_local_engine_killed_under_the_trainer_is_one_line_exit_4(
         rf"megatron-tail train: error: the local engine on http://127\.0\.0\.1:\d+ \(pid \d+\) was killed by "
         rf"SIGKILL while the trainer waited for {waited_for}; its log: {re.escape(str(log))}"
     )
-    assert [line for line in output.splitlines() if "error:" in line] == [_match(pattern, output)], output
-    assert "Traceback" not in output, output[-4000:]
+    _the_one_error_line(pattern, output)
     assert " failed on http" not in output, output[-4000:]  # no retries against the dead engine before it
     if fault == "KILL@32":  # nothing lost: step 1's checkpoint is complete
         from megatron_tail.train.run.run_dir import complete_checkpoints
@@ -269,8 +268,7 @@ def test_a_stopped_local_engine_names_the_limit_that_expired(tiny_model_dir, pro
         r"\(SIGSTOP, SIGTSTP or a debugger\) and did not answer within rollout\.request_timeout_s=2 s while "
         rf"the trainer waited for weight sync to version 2; its log: {re.escape(str(log))}"
     )
-    assert [line for line in output.splitlines() if "error:" in line] == [_match(pattern, output)], output
-    assert "Traceback" not in output, output[-4000:]
+    _the_one_error_line(pattern, output)
 
 
 def test_a_local_engine_that_exits_while_it_loads_is_one_line_exit_4(tiny_model_dir, prompt_file, tmp_path):
@@ -291,8 +289,7 @@ def test_a_local_engine_that_exits_while_it_loads_is_one_line_exit_4(tiny_model_
         rf"with code 1 while the trainer waited for it to load; its log: {re.escape(str(log))}, ending "
         r"\"torch\.OutOfMemoryError: out of memory while loading the model \(this test's fault\)\""
     )
-    assert [line for line in output.splitlines() if "error:" in line] == [_match(pattern, output)], output
-    assert "Traceback" not in output, output[-4000:]
+    _the_one_error_line(pattern, output)
 
 
 def test_a_local_port_in_use_is_refused_in_one_line_before_the_engine_starts(
@@ -336,7 +333,9 @@ def _run_with_fault(model_dir, prompt_file, tmp_path, fault: str, extra: dict) -
     return proc.stdout + proc.stderr, proc.returncode, run_dir
 
 
-def _match(pattern: str, output: str) -> str:
+def _the_one_error_line(pattern: str, output: str) -> None:
+    """The run's output has one error line, which `pattern` matches, and no traceback."""
     found = re.search(pattern, output)
     assert found, output[-4000:]
-    return found.group(0)
+    assert [line for line in output.splitlines() if "error:" in line] == [found.group(0)], output
+    assert "Traceback" not in output, output[-4000:]

@@ -197,12 +197,12 @@ def test_the_weight_group_forms_in_a_trainer_launched_by_torchrun():
     held = reserve_port()  # rank 0 listens on it, as the trainer does (`Engines.connect`)
     port = held.getsockname()[1]
     script = (
-        "import sys, datetime, torch, torch.distributed as dist\n"
+        "import sys, datetime, socket, torch, torch.distributed as dist\n"
         "from megatron_tail.rollout.process_group import init_custom_process_group\n"
         "rank = int(sys.argv[1])\n"
         f"pg = init_custom_process_group(backend='gloo', init_method='tcp://127.0.0.1:{port}',\n"
         "    world_size=2, rank=rank, group_name='weights', timeout=datetime.timedelta(seconds=20),\n"
-        "    listen_fd=int(sys.argv[2]) if rank == 0 else None)\n"
+        "    listen_socket=socket.socket(fileno=int(sys.argv[2])) if rank == 0 else None)\n"
         "t = torch.full((3,), 7.0) if rank == 0 else torch.zeros(3)\n"
         "dist.broadcast(t, src=0, group=pg)\n"
         "print(t.tolist(), flush=True)\n"
