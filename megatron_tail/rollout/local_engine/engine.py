@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from megatron_tail.rollout.local_engine.attention import ROW_INVARIANT_SDPA
 from megatron_tail.rollout.local_engine.batcher import ContinuousBatcher, Row
 from megatron_tail.rollout.local_engine.control import PauseControl
 from megatron_tail.rollout.local_engine.formats import QUANTIZATIONS, quantize_linears_, requantize_
@@ -86,7 +87,11 @@ class LocalEngine:
         self.dtype_name = dtype
         config = AutoConfig.from_pretrained(self.model_path, local_files_only=True)
         self.model = AutoModelForCausalLM.from_pretrained(
-            self.model_path, config=config, dtype=DTYPES[dtype], local_files_only=True
+            self.model_path,
+            config=config,
+            dtype=DTYPES[dtype],
+            local_files_only=True,
+            attn_implementation=ROW_INVARIANT_SDPA,  # a row's tokens do not depend on its batch
         ).eval()
         self.model.to(self.device)
         self.quantization = quantization

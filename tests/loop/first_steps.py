@@ -1,9 +1,9 @@
-"""Record (or re-run) the first steps of small η = 0 / η = 1 runs: each step's batch as the trainer gets it
-and the step's training metrics, as JSON. `tests/loop/data/stepwise_*.json` were recorded by the
-step-wise rollout (before the rollout manager became the only generation path, commit 4cb3238);
-`test_one_generation_path` runs the same cases through today's path and compares.
+"""The first steps of small η = 0 / η = 1 runs: each step's batch as the trainer gets it and the step's
+training metrics, as JSON (`test_one_generation_path` compares two runs of a case).
 
-    python -m tests.loop.stepwise_record CASE OUT.json     # in a fresh process (megatron's global state)
+    python -m tests.loop.first_steps CASE OUT.json [KEY=VALUE ...]   # in a fresh process (megatron's state)
+
+KEY=VALUE are config overrides on top of the case's.
 
 The models are the loop tests' seeded tiny random Qwen3s (`tests/loop/conftest.py`), built here in a
 temporary directory; one process, TP = 1, the local engine.
@@ -33,15 +33,15 @@ CASES = {
             "rollout.top_k": 20,
             "algorithm.is_mode": "mis",
             "optimizer.lr": 1e-5,
-            # one episode at a time: the local engine's later turns are then batched alone, so their
-            # numbers do not depend on which other turns share the engine's batch (timing)
-            "rollout.max_concurrency": 1,
         },
     ),
 }
 
 TRAINED_PREFIXES = ("train/", "policy/", "mismatch/", "is/", "reward/", "response/", "dvp/", "loss/")
 """The step metrics that are functions of the batch and the weights (not of timing)."""
+PACE_METRICS = ("reward/generated_",)
+"""Left out: they average every group completed since the last batch (`RolloutManager`), which at η ≥ 1 or
+with groups filtered depends on how far the engines got by then."""
 
 
 def tiny_model(root: Path, chatty: bool) -> Path:
@@ -62,7 +62,7 @@ def tiny_model(root: Path, chatty: bool) -> Path:
     return save_hf(model, tokenizer, root / ("chatty" if chatty else "tiny"))
 
 
-def record(case: str) -> dict:
+def record(case: str, overrides: dict[str, str] | None = None) -> dict:
     from megatron_tail.config import load_config
     from megatron_tail.data.toy_arithmetic import make_arithmetic_examples
     from megatron_tail.rollout.columns import LOGPROBS, SUPPORT, VERSIONS
@@ -81,6 +81,7 @@ def record(case: str) -> dict:
         "train.checkpoint_every": 100,
         "logging.tensorboard": False,
         **extra,
+        **(overrides or {}),
     }
     model_dir = tiny_model(root, model == "chatty")
     cfg = load_config(None, loop_overrides(model_dir, prompts, root / "run", settings))
@@ -90,7 +91,7 @@ def record(case: str) -> dict:
     def recording(self, step):
         batch = original(self, step)
         supports = batch.column(SUPPORT)
-        batches.append(  # the recorded JSON keeps the field names of the step-wise rollout's batches
+        batches.append(
             {
                 "prompt_ids": batch.prompt_ids,
                 "response_ids": batch.response_ids,
@@ -114,10 +115,15 @@ def record(case: str) -> dict:
 
 
 def _trained(metrics: dict[str, float]) -> dict[str, float]:
-    return {k: float(v) for k, v in sorted(metrics.items()) if k.startswith(TRAINED_PREFIXES)}
+    return {
+        k: float(v)
+        for k, v in sorted(metrics.items())
+        if k.startswith(TRAINED_PREFIXES) and not k.startswith(PACE_METRICS)
+    }
 
 
 if __name__ == "__main__":
     case, out = sys.argv[1], Path(sys.argv[2])
+    overrides = dict(item.split("=", 1) for item in sys.argv[3:])
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record(case)))
+    out.write_text(json.dumps(record(case, overrides)))
