@@ -8,6 +8,9 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 PIN    := -c constraints.txt
 STAMP  := $(VENV)/.installed
+# pytest-xdist workers of `make test`; each test file is one unit of work (tests/conftest.py says why).
+# 2: CI's 2 cores; the suite's own processes (ranks, engines) fill more cores on a larger machine.
+TEST_WORKERS ?= 2
 
 .PHONY: install demo test test-all bench lint clean cluster-envs gpu-check gpu-wheels
 
@@ -26,10 +29,10 @@ demo: install
 	$(VENV)/bin/megatron-tail demo
 
 test: install
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadgroup
 
 test-all: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 bench: install
 	$(PY) -m megatron_tail.bench.op
