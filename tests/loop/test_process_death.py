@@ -70,7 +70,8 @@ def _read_until(proc, prefix: str) -> list[str]:
         lines.append(line)
         if line.startswith(prefix):
             return lines
-    raise AssertionError("the demo ended before " + repr(prefix) + ":\n" + "".join(lines)[-5000:])
+    code = proc.wait(timeout=60)  # its output ended: so did it, or it closed its output
+    raise AssertionError(f"the demo ended (exit {code}) before {prefix!r}:\n" + "".join(lines)[-5000:])
 
 
 def _finish(proc, marker: str, lines: list[str]) -> tuple[int, str, list[psutil.Process]]:
