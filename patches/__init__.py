@@ -13,6 +13,7 @@ See README.md beside this file for what each patch does, why, and when to drop i
 
 from .cpu_device_scope import cpu_device_scope
 from .cuda_shims import apply_cuda_shims, cuda_shims_applied, remove_cuda_shims
+from .lazy_compile import import_megatron_deferring_compile
 from .megatron_checkpoint import (
     UnsteppedOptimizerSaveError,
     init_fresh_optimizer_state,
@@ -34,6 +35,7 @@ __all__ = [
     "check_pinned",
     "cpu_device_scope",
     "cuda_shims_applied",
+    "import_megatron_deferring_compile",
     "init_fresh_optimizer_state",
     "init_unstepped_adam_state",
     "moe_te_gemm_shim_applied",
