@@ -29,10 +29,10 @@ demo: install
 	$(VENV)/bin/megatron-tail demo
 
 test: install
-	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadgroup
+	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 test-all: install
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 bench: install
 	$(PY) -m megatron_tail.bench.op

@@ -4,7 +4,9 @@ interpreter is on for the session (`tests/triton_interpreter.py` says why it mus
 `make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`). Each test file is one unit
 of work, kept on one worker, so a module-scoped set-up (an engine, a trained run) is made once, as in a
 serial run; the Slurm tests are one unit, since their session-scoped local cluster is one per machine
-(fixed daemons and ports, `tests/slurm/local_slurm.sh`)."""
+(fixed daemons and ports, `tests/slurm/local_slurm.sh`). Units start in collection order
+(`--no-loadscope-reorder`), the Slurm unit first: it is the longest (4–5 min on 2 cores), and started last
+it would run alone at the end."""
 
 import os
 
@@ -17,6 +19,8 @@ if not torch.cuda.is_available():
 
 SERIAL_GROUPS = {"tests/slurm/": "slurm"}
 """Folders whose tests share one worker whatever their file: a set-up that exists once per machine."""
+FIRST_GROUPS = ("slurm",)
+"""Units of work started first (the longest)."""
 
 
 def xdist_group_of(nodeid: str) -> str:
@@ -32,6 +36,7 @@ def xdist_group_of(nodeid: str) -> str:
 def pytest_collection_modifyitems(config, items):  # noqa: ARG001 - pytest hook signature
     for item in items:
         item.add_marker(pytest.mark.xdist_group(xdist_group_of(item.nodeid)))
+    items.sort(key=lambda item: xdist_group_of(item.nodeid) not in FIRST_GROUPS)  # stable: files keep order
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(
