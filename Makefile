@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 PIN    := -c constraints.txt
 STAMP  := $(VENV)/.installed
-# pytest-xdist workers of `make test`; each test file is one unit of work (tests/conftest.py says why).
+# pytest-xdist workers of `make test`; each test file is one unit of work (tests/conftest.py's scheduler).
 # 2: CI's 2 cores; the suite's own processes (ranks, engines) fill more cores on a larger machine.
 TEST_WORKERS ?= 2
 
@@ -29,10 +29,10 @@ demo: install
 	$(VENV)/bin/megatron-tail demo
 
 test: install
-	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --no-loadscope-reorder
 
 test-all: install
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --no-loadscope-reorder
 
 bench: install
 	$(PY) -m megatron_tail.bench.op

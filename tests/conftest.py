@@ -1,12 +1,14 @@
 """Shared pytest set-up: GPU tests skip with a reason where no CUDA device is present; without one, Triton's
 interpreter is on for the session (`tests/triton_interpreter.py` says why it must be set this early).
 
-`make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`). Each test file is one unit
-of work, kept on one worker, so a module-scoped set-up (an engine, a trained run) is made once, as in a
-serial run; the Slurm tests are one unit, since their session-scoped local cluster is one per machine
+`make test` runs the suite on two pytest-xdist workers (`-n 2`) with the scheduler below: each test file is
+one unit of work, kept on one worker, so a module-scoped set-up (an engine, a trained run) is made once, as
+in a serial run; the Slurm tests are one unit, since their session-scoped local cluster is one per machine
 (fixed daemons and ports, `tests/slurm/local_slurm.sh`). Units start in collection order
 (`--no-loadscope-reorder`), the Slurm unit first: it is the longest (4–5 min on 2 cores), and started last
-it would run alone at the end."""
+it would run alone at the end. (xdist's own `--dist loadgroup` cannot group here: it renames the items'
+`_nodeid`, which pytest 9.2's `Node.nodeid` no longer reads, so each test became its own unit and module
+fixtures were made once per worker.)"""
 
 import os
 
@@ -23,8 +25,8 @@ FIRST_GROUPS = ("slurm",)
 """Units of work started first (the longest)."""
 
 
-def xdist_group_of(nodeid: str) -> str:
-    """The xdist group of a test: its folder's in `SERIAL_GROUPS`, else its file's."""
+def unit_of_work(nodeid: str) -> str:
+    """The xdist unit of work of a test: its folder's in `SERIAL_GROUPS`, else its file."""
     path = nodeid.split("::", 1)[0]
     for folder, group in SERIAL_GROUPS.items():
         if path.startswith(folder):
@@ -32,11 +34,23 @@ def xdist_group_of(nodeid: str) -> str:
     return path
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's worker hook, which reads the groups into the node ids
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: unknown where xdist is not installed
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's file scheduler (`LoadScopeScheduling`) with `unit_of_work` as the scope, for `-n N` (another
+    `--dist` mode asked for by name keeps its own scheduler)."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class UnitScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return unit_of_work(nodeid)
+
+    return UnitScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):  # noqa: ARG001 - pytest hook signature
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(xdist_group_of(item.nodeid)))
-    items.sort(key=lambda item: xdist_group_of(item.nodeid) not in FIRST_GROUPS)  # stable: files keep order
+    items.sort(key=lambda item: unit_of_work(item.nodeid) not in FIRST_GROUPS)  # stable: files keep order
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(
