@@ -110,8 +110,10 @@ def test_a_bf16_sequence_gets_the_same_tokens_and_logprobs_alone_as_in_a_padded_
     moved by up to 0.03 nats in bf16 on an AMD EPYC (AVX2)."""
     engine = LocalEngine(tiny_model_dir, dtype="bfloat16")
     try:
+        # rows of every length from 1 to 6, two of length 3 (a group: one prompt, two seeds)
         prompts = [[5, 6, 84], [9, 10, 11, 12, 13, 14], [7, 8], [20, 21, 22, 23], [30, 31, 32, 33, 34], [40]]
         items = [item(str(i), p, temperature=1.0, log_rho=-4.0, seed=i) for i, p in enumerate(prompts)]
+        items.append(item("6", prompts[0], temperature=1.0, log_rho=-4.0, seed=6))
         together = engine.generate(items)
         alone = [engine.generate([it])[0] for it in items]
     finally:

@@ -9,10 +9,11 @@ heads (`repeat_kv`). The two round differently in bf16. On an AMD EPYC (AVX2) a 
 by up to 0.013 nats when a sequence ran beside others instead of alone, so two runs of the same seeds
 sampled different tokens wherever the requests' arrival (timing) batched them differently.
 
-Here every row attends alone: its own keys (the suffix the left padding leaves, `ContinuousBatcher`), its
-own queries, no mask, exactly the call a batch of that one sequence makes. The projections and MLPs stay
-batched (row-wise matmuls, batch-invariant on the CPUs we test; checked in
-`tests/rollout/test_local_engine.py`). The cost is one SDPA call per row per layer.
+Here every row attends as if alone: its own keys (the suffix the left padding leaves, `ContinuousBatcher`),
+its own queries, no mask, the call a batch of that one sequence makes. Rows of the same length share one
+call (SDPA computes each batch row on its own; a group's samples grow in step, so they usually do). The
+projections and MLPs stay batched (row-wise matmuls, batch-invariant on the CPUs we test). Checked in
+`tests/rollout/test_local_engine.py`.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def row_invariant_sdpa(
     """HF's attention-function signature. `query` `[B, heads, q, head_dim]`, `key` / `value`
     `[B, kv_heads, T, head_dim]`, `attention_mask` bool `[B, 1, q, T]` (True: attend; None: no padding and
     causal). Left padding: a row's keys are the last `n` of T, its real queries the last `min(q, n)`.
-    Returns `[B, q, heads, head_dim]`; padded query positions are zeros (their outputs are never read)."""
+    Returns `[B, q, heads, head_dim]`; padded query positions are zeros (their outputs are never read).
+    One SDPA call per distinct row length."""
     batch, _, q_len, _ = query.shape
     if attention_mask is None:
         lengths = [key.shape[2]] * batch
@@ -45,20 +47,24 @@ def row_invariant_sdpa(
         lengths = attention_mask[:, 0, -1].sum(-1).tolist()
     windowed = kwargs.get("sliding_window") is not None
     out = query.new_zeros(batch, q_len, query.shape[1], value.shape[-1])
+    rows_of: dict[int, list[int]] = {}
     for b, n in enumerate(lengths):
+        rows_of.setdefault(n, []).append(b)
+    for n, rows in rows_of.items():  # rows of one length: the same call, row by row independent
         n_q = min(q_len, n)
+        index = torch.tensor(rows, device=query.device)
         row_mask = None
         if windowed and attention_mask is not None:  # a window is not the plain causal mask: keep it
-            row_mask = attention_mask[b : b + 1, :, q_len - n_q :, key.shape[2] - n :]
-        row, _ = sdpa_attention_forward(
+            row_mask = attention_mask[index][:, :, q_len - n_q :, key.shape[2] - n :]
+        result, _ = sdpa_attention_forward(
             module,
-            query[b : b + 1, :, q_len - n_q :],
-            key[b : b + 1, :, key.shape[2] - n :],
-            value[b : b + 1, :, value.shape[2] - n :],
+            query[index][:, :, q_len - n_q :],
+            key[index][:, :, key.shape[2] - n :],
+            value[index][:, :, value.shape[2] - n :],
             row_mask,
             **kwargs,
         )
-        out[b, q_len - n_q :] = row[0]
+        out[index, q_len - n_q :] = result
     return out, None
 
 
