@@ -11,6 +11,7 @@ STAMP  := $(VENV)/.installed
 # pytest-xdist workers of `make test`; each test file is one unit of work (tests/conftest.py's scheduler).
 # 2: CI's 2 cores; the suite's own processes (ranks, engines) fill more cores on a larger machine.
 TEST_WORKERS ?= 2
+XDIST  := -n $(TEST_WORKERS) --no-loadscope-reorder
 
 .PHONY: install demo test test-all bench lint clean cluster-envs gpu-check gpu-wheels
 
@@ -29,10 +30,10 @@ demo: install
 	$(VENV)/bin/megatron-tail demo
 
 test: install
-	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --no-loadscope-reorder
+	$(PY) -m pytest -q -m "not slow" $(XDIST)
 
 test-all: install
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --no-loadscope-reorder
+	$(PY) -m pytest -q $(XDIST)
 
 bench: install
 	$(PY) -m megatron_tail.bench.op

@@ -20,9 +20,8 @@ if not torch.cuda.is_available():
 
 
 SERIAL_GROUPS = {"tests/slurm/": "slurm"}
-"""Folders whose tests share one worker whatever their file: a set-up that exists once per machine."""
-FIRST_GROUPS = ("slurm",)
-"""Units of work started first (the longest)."""
+"""Folders whose tests share one worker whatever their file: a set-up that exists once per machine. They
+are the longest units of work, so they start first."""
 
 
 def unit_of_work(nodeid: str) -> str:
@@ -50,7 +49,8 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_collection_modifyitems(config, items):  # noqa: ARG001 - pytest hook signature
-    items.sort(key=lambda item: unit_of_work(item.nodeid) not in FIRST_GROUPS)  # stable: files keep order
+    first = set(SERIAL_GROUPS.values())
+    items.sort(key=lambda item: unit_of_work(item.nodeid) not in first)  # stable: files keep their order
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(

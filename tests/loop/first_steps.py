@@ -5,15 +5,14 @@ training metrics, as JSON (`test_one_generation_path` compares two runs of a cas
 
 KEY=VALUE are config overrides on top of the case's.
 
-The models are the loop tests' seeded tiny random Qwen3s (`tests/loop/conftest.py`), built here in a
-temporary directory; one process, TP = 1, the local engine.
+The models are the loop tests' seeded tiny random Qwen3s (`tests/loop/conftest.py`), built beside OUT.json
+(in `OUT_run/`, so a test's tmp_path holds them); one process, TP = 1, the local engine.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -62,7 +61,8 @@ def tiny_model(root: Path, chatty: bool) -> Path:
     return save_hf(model, tokenizer, root / ("chatty" if chatty else "tiny"))
 
 
-def record(case: str, overrides: dict[str, str] | None = None) -> dict:
+def record(case: str, root: Path, overrides: dict[str, str] | None = None) -> dict:
+    """Run `case` (+ `overrides`) in `root`, a new directory; its batches and trained metrics."""
     from megatron_tail.config import load_config
     from megatron_tail.data.toy_arithmetic import make_arithmetic_examples
     from megatron_tail.rollout.columns import LOGPROBS, SUPPORT, VERSIONS
@@ -71,7 +71,7 @@ def record(case: str, overrides: dict[str, str] | None = None) -> dict:
     from tests.loop.conftest import loop_overrides
 
     model, steps, extra = CASES[case]
-    root = Path(tempfile.mkdtemp(prefix=f"stepwise_{case}_"))
+    root.mkdir(parents=True)
     prompts = root / "prompts.jsonl"
     rows = make_arithmetic_examples(16, max_digits=2, seed=0)
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -126,4 +126,4 @@ if __name__ == "__main__":
     case, out = sys.argv[1], Path(sys.argv[2])
     overrides = dict(item.split("=", 1) for item in sys.argv[3:])
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record(case, overrides)))
+    out.write_text(json.dumps(record(case, out.parent / f"{out.stem}_run", overrides)))

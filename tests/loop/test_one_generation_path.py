@@ -24,8 +24,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.loop.first_steps import TRAINED_PREFIXES
-
 
 def first_steps(case: str, out: Path, *overrides: str) -> dict:
     cmd = [sys.executable, "-m", "tests.loop.first_steps", case, str(out), *overrides]
@@ -43,10 +41,9 @@ def test_the_same_seed_draws_and_trains_the_same_whatever_the_engine_batched(cas
         assert a.keys() == b.keys(), step
         for key in a:
             assert a[key] == b[key], (step, key)
-    # the runs drew something to compare: different responses, and each step trained on its batch
+    # the runs drew something to compare: different responses, and a step that moved the weights
     assert len({tuple(r) for r in batched["batches"][0]["response_ids"]}) > 1
     for step, (a, b) in enumerate(zip(batched["metrics"], alone["metrics"], strict=True)):
         assert a.keys() == b.keys(), step
-        assert all(k.startswith(TRAINED_PREFIXES) for k in a)
         assert a == b, step
     assert max(m["train/grad_norm"] for m in batched["metrics"]) > 0

@@ -70,7 +70,10 @@ def _read_until(proc, prefix: str) -> list[str]:
         lines.append(line)
         if line.startswith(prefix):
             return lines
-    code = proc.wait(timeout=60)  # its output ended: so did it, or it closed its output
+    try:  # its output ended: so did it, or it closed its output
+        code = proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        code = "none: it still runs"
     raise AssertionError(f"the demo ended (exit {code}) before {prefix!r}:\n" + "".join(lines)[-5000:])
 
 

@@ -6,7 +6,7 @@ HF's SDPA attention (`transformers/integrations/sdpa_attention.py: sdpa_attentio
 kernel path for the same row when the batch is left-padded: with no mask it runs GQA inside SDPA
 (`enable_gqa`), with a padding mask it packs the query heads (`pack_gqa`, one query) or repeats the key/value
 heads (`repeat_kv`). The two round differently in bf16. On an AMD EPYC (AVX2) a tiny Qwen3's log-probs moved
-by up to 0.013 nats when a sequence ran beside others instead of alone, so two runs of the same seeds
+by up to 0.03 nats when a sequence ran beside others instead of alone, so two runs of the same seeds
 sampled different tokens wherever the requests' arrival (timing) batched them differently.
 
 Here every row attends as if alone: its own keys (the suffix the left padding leaves, `ContinuousBatcher`),
@@ -52,19 +52,20 @@ def row_invariant_sdpa(
         rows_of.setdefault(n, []).append(b)
     for n, rows in rows_of.items():  # rows of one length: the same call, row by row independent
         n_q = min(q_len, n)
-        index = torch.tensor(rows, device=query.device)
+        # every row (one length: a row alone, a group in step): views, not copies of the KV cache
+        pick = slice(None) if len(rows) == batch else torch.tensor(rows, device=query.device)
         row_mask = None
         if windowed and attention_mask is not None:  # a window is not the plain causal mask: keep it
-            row_mask = attention_mask[index][:, :, q_len - n_q :, key.shape[2] - n :]
+            row_mask = attention_mask[pick][:, :, q_len - n_q :, key.shape[2] - n :]
         result, _ = sdpa_attention_forward(
             module,
-            query[index][:, :, q_len - n_q :],
-            key[index][:, :, key.shape[2] - n :],
-            value[index][:, :, value.shape[2] - n :],
+            query[pick][:, :, q_len - n_q :],
+            key[pick][:, :, key.shape[2] - n :],
+            value[pick][:, :, value.shape[2] - n :],
             row_mask,
             **kwargs,
         )
-        out[index, q_len - n_q :] = result
+        out[pick, q_len - n_q :] = result
     return out, None
 
 

@@ -49,7 +49,7 @@ def train_command(args: argparse.Namespace) -> int:
 
     from megatron_tail.patches import import_megatron_deferring_compile
 
-    import_megatron_deferring_compile()  # before the trainer imports it: 2.3 s less per rank on a CPU
+    import_megatron_deferring_compile()  # before the trainer imports it (patches/lazy_compile.py says why)
     from megatron_tail.train.run import launch_marks
     from megatron_tail.train.run.loop import run
 
