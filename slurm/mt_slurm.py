@@ -1,6 +1,8 @@
 """Helpers that `slurm/rl.sbatch` runs with the job's Python (the one that has megatron_tail installed).
 
     mt_slurm.py config-get CONFIG KEY... [--set a.b=v ...]  print resolved config values, one per line
+                                                             (refuses the layout variables of earlier
+                                                             versions: `config.cluster.MOVED_ENVIRONMENT`)
     mt_slurm.py serve --backend {sglang,local} --model-path DIR --port-base P [--tp N] [...]
                                                              exec one rollout server (one per srun task)
     mt_slurm.py router --port P URL...                       exec the SGLang router in front of URL...
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import socket
 import sys
 import time
@@ -70,24 +73,34 @@ def bind_host(requested: str = "") -> str:
     return name
 
 
-def _format_value(value) -> str:
+def _format_value(key: str, value) -> str:
     if value is None:
         return ""
     if isinstance(value, (list, tuple)):
+        if key.endswith("extra_args"):  # argv items: `serve --extra-args` splits them back (shlex)
+            return shlex.join(str(v) for v in value)
         return ",".join(str(v) for v in value)
     return str(value)
 
 
 def config_get(args: argparse.Namespace) -> int:
-    """One line per key: the resolved value ("" for None, lists comma-separated)."""
+    """One line per key: the resolved value ("" for None, lists comma-separated, `*.extra_args` as one
+    shell-quoted command line). A bad config or a moved environment variable: one line on stderr, exit 2."""
     from megatron_tail.config import load_config
+    from megatron_tail.config.cluster import refuse_moved_environment
+    from megatron_tail.utils.errors import UserError
 
-    cfg = load_config(args.config, args.set)
+    try:
+        refuse_moved_environment()
+        cfg = load_config(args.config, args.set)
+    except UserError as exc:
+        print(f"mt_slurm.py config-get: {exc}", file=sys.stderr)
+        return 2
     for key in args.keys:
         value = cfg
         for part in key.split("."):
             value = getattr(value, part)
-        print(_format_value(value))
+        print(_format_value(key, value))
     return 0
 
 
@@ -122,6 +135,7 @@ def serve(args: argparse.Namespace) -> int:
             host=host,
             port=port,
             tp_size=args.tp,
+            ep_size=args.ep,
             dtype=args.dtype,
             mem_fraction_static=args.mem_fraction_static,
             context_length=args.context_length,
@@ -131,7 +145,7 @@ def serve(args: argparse.Namespace) -> int:
             deterministic_inference=args.deterministic,
             sampling_mask_max_tokens=args.sampling_mask_max_tokens,
             return_routed_experts=args.return_routed_experts,
-            extra_args=tuple(args.extra_args.split()),
+            extra_args=tuple(shlex.split(args.extra_args)),
         )
         cmd = build_sglang_server_command(cfg, python=args.server_python or sys.executable)
     print(f"[mt_slurm] {_node_host()} task {local_id}: {' '.join(cmd)}", flush=True)
@@ -214,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port-base", type=int, required=True, help="task i listens on port_base + i")
     p.add_argument("--host", default="", help="address to bind (default: this node's Slurm name)")
     p.add_argument("--tp", type=int, default=1, help="SGLang tensor parallel size (GPUs per server)")
+    p.add_argument("--ep", type=int, default=1, help="SGLang expert parallel size (cluster.sglang.ep)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--mem-fraction-static", type=float, default=None)
     p.add_argument("--context-length", type=int, default=None)
@@ -222,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--quantization", choices=("none", "fp8"), default="none", help="rollout.quantization (default none)"
     )
-    p.add_argument("--extra-args", default="", help="further SGLang flags, one string")
+    p.add_argument("--extra-args", default="", help="further SGLang flags, one shell-quoted string")
     p.add_argument(
         "--sampling-mask-max-tokens", type=int, default=None, help="rollout.sampling_mask_max_tokens"
     )

@@ -2,7 +2,7 @@
 
 The settings classes live near their owners (algorithms, model, data, rollout) in modules that import no
 megatron; this package assembles them and owns the trainer's (`parallel`, `optimizer`: `train.engine` takes
-them as they are), and never imports the trainer. Names are imported
+them as they are) and the job's `cluster` layout, and never imports the trainer. Names are imported
 lazily, so that the `megatron-tail` command line (which imports `config.arguments`) does not pull in torch for
 `megatron-tail --help`.
 """
@@ -21,6 +21,7 @@ __getattr__, __dir__, __all__ = lazy_exports(
         "config_to_dict": ".loader",
         "load_config": ".loader",
         "save_resolved_config": ".loader",
+        "ClusterSection": ".cluster",
         "DataSection": ".schema",
         "LoggingSection": ".schema",
         "ModelSection": ".schema",

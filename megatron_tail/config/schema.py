@@ -9,13 +9,15 @@
     data:       DataSection            prompts, their order, the reward
     train:      TrainSection           steps, micro-batches, checkpoints
     logging:    LoggingSection         TensorBoard, progress bars, the mismatch diagnostics' buckets
+    cluster:    ClusterSection         the Slurm layout `slurm/rl.sbatch` starts and `plan` checks
 
 Settings are defined once, near their owners, in modules that import no megatron: `algorithm` is the
 algorithms' `AlgorithmConfig`, `rollout` the rollout's `RolloutSection`, and `model` / `data` extend the
 model's `ModelSettings` and the data's `PromptFormat` with what only a run needs (paths, batch sizes), so the
 trainer and the data loader take these sections as they are. The trainer's own sections, `parallel`
 (`config.parallel`) and `optimizer` (`config.optimizer`), live in this package, below the trainer
-(`train.engine` takes them as they are). Every section validates on construction
+(`train.engine` takes them as they are), with the job's Slurm layout (`cluster`, `config.cluster`). Every
+section validates on construction
 (ValueError naming the field and the value); `RunConfig.__post_init__` checks what spans sections and
 refuses what the loop cannot run.
 """
@@ -33,6 +35,7 @@ from megatron_tail.utils.settings_checks import bad as _bad
 from megatron_tail.utils.settings_checks import choice as _choice
 from megatron_tail.utils.settings_checks import positive_int as _positive_int
 
+from .cluster import ClusterSection
 from .optimizer import OptimizerSettings
 from .parallel import ParallelSection
 
@@ -226,6 +229,7 @@ class RunConfig:
     data: DataSection = field(default_factory=DataSection)
     train: TrainSection = field(default_factory=TrainSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
+    cluster: ClusterSection = field(default_factory=ClusterSection)
 
     def __post_init__(self) -> None:
         if not self.run_dir:

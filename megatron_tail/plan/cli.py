@@ -1,29 +1,29 @@
-"""`megatron-tail plan CONFIG [--nodes N --gpus-per-node G --gpu-memory-gib M] [--set k=v ...] [--json]`.
+"""`megatron-tail plan CONFIG [--set k=v ...] [--nodes N --gpus-per-node G ...] [--json]`.
 
 Exit 0 when the run fits, 1 when a term does not (the message names it and by how much), 2 for a config or
-layout that cannot be planned. The rollout settings default to `slurm/rl.sbatch`'s environment variables
-(`MT_ROLLOUT_NODES`, `MT_SGLANG_TP`, `MT_SGLANG_MEM_FRACTION`, and SGLang's `--ep-size` inside
-`MT_SGLANG_EXTRA_ARGS`), so the script and a login-node check agree.
+layout that cannot be planned. The layout is the config's `cluster:` section, the one `slurm/rl.sbatch`
+starts (`config.cluster`); the flags below override a key of it for one check (`--rollout-tp 2` is
+`--set cluster.sglang.tp=2`), and where the section leaves a value unset the plan assumes 2 nodes of
+8 GPUs and SGLang's memory fraction 0.85 (`config.cluster.PLAN_*`). The environment variables that
+carried the layout before are refused by name (`config.cluster.MOVED_ENVIRONMENT`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
 import sys
 
-
-def _env(name: str, default, cast):
-    value = os.environ.get(name)
-    return cast(value) if value not in (None, "") else default
-
-
-def sglang_ep_size(extra_args: str) -> int:
-    """SGLang's `--ep-size N` (or `--ep-size=N`, `--ep N`) in `MT_SGLANG_EXTRA_ARGS`; 1 without one."""
-    match = re.search(r"--ep(?:-size)?[= ](\d+)", extra_args or "")
-    return int(match.group(1)) if match else 1
+_CLUSTER_FLAGS = {
+    "nodes": "cluster.nodes",
+    "gpus_per_node": "cluster.gpus_per_node",
+    "gpu_memory_gib": "cluster.gpu_memory_gib",
+    "rollout_nodes": "cluster.rollout_nodes",
+    "rollout_tp": "cluster.sglang.tp",
+    "rollout_ep": "cluster.sglang.ep",
+    "mem_fraction": "cluster.sglang.mem_fraction",
+}
+"""Each layout flag → the config key it overrides."""
 
 
 def add_plan_parser(subparsers) -> None:
@@ -34,18 +34,15 @@ def add_plan_parser(subparsers) -> None:
     )
     p.add_argument("config")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
-    p.add_argument("--nodes", type=int, default=2)
-    p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--gpu-memory-gib", type=float, default=80.0, help="per GPU [80: H100 80GB]")
-    p.add_argument("--rollout-nodes", type=int, default=_env("MT_ROLLOUT_NODES", 1, int))
-    p.add_argument("--rollout-tp", type=int, default=_env("MT_SGLANG_TP", 1, int))
+    p.add_argument("--nodes", type=int, default=None, help="[cluster.nodes, else 2]")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="[cluster.gpus_per_node, else 8]")
+    p.add_argument("--gpu-memory-gib", type=float, default=None, help="per GPU [cluster.gpu_memory_gib]")
+    p.add_argument("--rollout-nodes", type=int, default=None, help="[cluster.rollout_nodes]")
+    p.add_argument("--rollout-tp", type=int, default=None, help="GPUs per SGLang server [cluster.sglang.tp]")
+    p.add_argument("--rollout-ep", type=int, default=None, help="SGLang --ep-size (MoE) [cluster.sglang.ep]")
     p.add_argument(
-        "--rollout-ep",
-        type=int,
-        default=sglang_ep_size(os.environ.get("MT_SGLANG_EXTRA_ARGS", "")),
-        help="SGLang --ep-size (MoE) [--ep-size in MT_SGLANG_EXTRA_ARGS, else 1]",
+        "--mem-fraction", type=float, default=None, help="[cluster.sglang.mem_fraction, else 0.85]"
     )
-    p.add_argument("--mem-fraction", type=float, default=_env("MT_SGLANG_MEM_FRACTION", 0.85, float))
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument(
         "--quantization",
@@ -58,18 +55,33 @@ def add_plan_parser(subparsers) -> None:
     p.set_defaults(func=run_plan)
 
 
-def cluster_from_args(args: argparse.Namespace):
-    """The `Cluster` the parsed `plan` arguments describe (ValueError naming a bad value)."""
+def cluster_from_args(args: argparse.Namespace, section=None):
+    """The `Cluster` of the config's `cluster:` section (`config.cluster.ClusterSection`; None: its
+    defaults) with the parsed `plan` flags over it (ValueError naming a bad value)."""
+    from megatron_tail.config.cluster import (
+        PLAN_GPUS_PER_NODE,
+        PLAN_MEM_FRACTION,
+        PLAN_NODES,
+        ClusterSection,
+    )
+
     from .planner import Cluster
 
+    section = section or ClusterSection()
+    from_section = {
+        "nodes": section.nodes or PLAN_NODES,
+        "gpus_per_node": PLAN_GPUS_PER_NODE if section.gpus_per_node is None else section.gpus_per_node,
+        "gpu_memory_gib": section.gpu_memory_gib,
+        "rollout_nodes": section.rollout_nodes,
+        "rollout_tp": section.sglang.tp,
+        "rollout_ep": section.sglang.ep,
+        "mem_fraction": section.sglang.mem_fraction or PLAN_MEM_FRACTION,
+    }
+    given = {name: getattr(args, name) for name in _CLUSTER_FLAGS if getattr(args, name) is not None}
     return Cluster(
-        nodes=args.nodes,
-        gpus_per_node=args.gpus_per_node,
-        gpu_memory_gib=args.gpu_memory_gib,
-        rollout_nodes=args.rollout_nodes,
-        rollout_tp=args.rollout_tp,
-        rollout_ep=args.rollout_ep,
-        mem_fraction=args.mem_fraction,
+        **{**from_section, **given},
+        servers_per_node=section.servers_per_node,
+        trainer_procs_per_node=section.trainer_procs_per_node,
         kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization,
         reserve_gib=args.reserve_gib,
@@ -79,17 +91,19 @@ def cluster_from_args(args: argparse.Namespace):
 
 def run_plan(args: argparse.Namespace) -> int:
     from megatron_tail.config import load_config
+    from megatron_tail.config.cluster import refuse_moved_environment
     from megatron_tail.rollout.envs.registry import load_env_class
     from megatron_tail.utils.errors import UserError
 
     from .planner import make_plan
     from .report import format_plan, plan_json
 
+    refuse_moved_environment()  # a layout variable of earlier versions would be ignored here
     try:
         config = load_config(args.config, args.set)
         if config.rollout.env is not None:  # as `train` does: the environment fails here, by name
             load_env_class(config.rollout.env)
-        plan = make_plan(config, cluster_from_args(args))
+        plan = make_plan(config, cluster_from_args(args, config.cluster))
     except (ValueError, FileNotFoundError) as exc:  # one line, exit 2 (`megatron_tail.cli.main`)
         raise UserError(str(exc)) from exc
     print(json.dumps(plan_json(plan), indent=2) if args.json else format_plan(plan))

@@ -26,21 +26,27 @@ GIB = 1 << 30
 
 @dataclass(frozen=True)
 class Cluster:
-    """The allocation (`--nodes`, `--gpus-per-node`) and the assumptions the plan rests on."""
+    """The allocation and the assumptions the plan rests on: the run's `cluster:` section
+    (`config.cluster.ClusterSection`) with the plan's defaults where it leaves a value unset
+    (`plan.cli.cluster_from_args`)."""
 
     nodes: int = 2
     gpus_per_node: int = 8
     gpu_memory_gib: float = 80.0
     """Capacity of one GPU (an H100 "80GB" has 80 GiB)."""
     rollout_nodes: int = 1
-    """`MT_ROLLOUT_NODES` of `slurm/rl.sbatch`."""
+    """`cluster.rollout_nodes`."""
     rollout_tp: int = 1
-    """`MT_SGLANG_TP`: GPUs per SGLang server."""
+    """`cluster.sglang.tp`: GPUs per SGLang server."""
     rollout_ep: int = 1
-    """SGLang's `--ep-size` (MoE; in `MT_SGLANG_EXTRA_ARGS`): expert-parallel ranks of a server, dividing
-    its TP."""
+    """`cluster.sglang.ep`, SGLang's `--ep-size` (MoE): expert-parallel ranks of a server, dividing its
+    TP."""
+    servers_per_node: int | None = None
+    """`cluster.servers_per_node`; None: gpus_per_node / rollout_tp."""
+    trainer_procs_per_node: int | None = None
+    """`cluster.trainer_procs_per_node`: trainer GPUs per trainer node; None: gpus_per_node."""
     mem_fraction: float = 0.85
-    """`MT_SGLANG_MEM_FRACTION`: SGLang's `--mem-fraction-static`."""
+    """`cluster.sglang.mem_fraction`: SGLang's `--mem-fraction-static`."""
     kv_cache_dtype: str = "auto"
     """SGLang's `--kv-cache-dtype` ("auto": the model dtype)."""
     quantization: str | None = None
@@ -54,25 +60,39 @@ class Cluster:
     """Assumed filesystem write bandwidth per node, GB/s (for the checkpoint's save time)."""
 
     def __post_init__(self) -> None:
-        for name in ("nodes", "gpus_per_node", "rollout_nodes", "rollout_tp", "rollout_ep"):
+        for name in (
+            "nodes",
+            "gpus_per_node",
+            "rollout_nodes",
+            "rollout_tp",
+            "rollout_ep",
+            "servers_per_node",
+            "trainer_procs_per_node",
+        ):
             value = getattr(self, name)
+            if value is None and name in ("servers_per_node", "trainer_procs_per_node"):
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int ≥ 1; got {value!r}")
         if self.rollout_nodes >= self.nodes:
             raise ValueError(
-                f"rollout_nodes={self.rollout_nodes} leaves no trainer node of nodes={self.nodes}"
+                f"cluster.rollout_nodes={self.rollout_nodes} leaves no trainer node of "
+                f"cluster.nodes={self.nodes}"
             )
         if self.gpus_per_node % self.rollout_tp:
-            raise ValueError(f"rollout_tp={self.rollout_tp} must divide gpus_per_node={self.gpus_per_node}")
+            raise ValueError(
+                f"cluster.sglang.tp={self.rollout_tp} must divide cluster.gpus_per_node={self.gpus_per_node}"
+            )
         if self.rollout_tp % self.rollout_ep:
             raise ValueError(
-                f"rollout_ep={self.rollout_ep} (SGLang --ep-size) must divide rollout_tp={self.rollout_tp}"
+                f"cluster.sglang.ep={self.rollout_ep} (SGLang --ep-size) must divide "
+                f"cluster.sglang.tp={self.rollout_tp}"
             )
         for name in ("gpu_memory_gib", "fs_write_gbps", "host_memory_gib"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0; got {getattr(self, name)!r}")
         if not 0 < self.mem_fraction < 1:
-            raise ValueError(f"mem_fraction must be in (0, 1); got {self.mem_fraction!r}")
+            raise ValueError(f"cluster.sglang.mem_fraction must be in (0, 1); got {self.mem_fraction!r}")
         if self.reserve_gib < 0:
             raise ValueError(f"reserve_gib must be ≥ 0; got {self.reserve_gib!r}")
         if self.kv_cache_dtype not in KV_DTYPE_BYTES:
@@ -155,7 +175,9 @@ def make_plan(config: RunConfig, cluster: Cluster) -> Plan:
         arch.moe, arch.architecture, tensor_parallel=tp, expert_parallel=ep, expert_tensor_parallel=etp
     )
     etp = etp or tp
-    trainer_gpus = (cluster.nodes - cluster.rollout_nodes) * cluster.gpus_per_node
+    trainer_gpus = (cluster.nodes - cluster.rollout_nodes) * (
+        cluster.trainer_procs_per_node or cluster.gpus_per_node
+    )
     if trainer_gpus % (tp * pp * cp):
         raise ValueError(
             f"{trainer_gpus} trainer GPUs are not a multiple of "
@@ -213,7 +235,8 @@ def make_plan(config: RunConfig, cluster: Cluster) -> Plan:
     engine_dtype = config.rollout.dtype or "bfloat16"
     quantization = cluster.quantization or getattr(config.rollout, "quantization", None)
     rollout_layout = RolloutLayout(
-        servers=cluster.rollout_nodes * cluster.gpus_per_node // cluster.rollout_tp,
+        servers=cluster.rollout_nodes
+        * (cluster.servers_per_node or cluster.gpus_per_node // cluster.rollout_tp),
         tp_per_server=cluster.rollout_tp,
         ep_per_server=cluster.rollout_ep,
         routes=layout.routing_replay == "r3",
@@ -265,7 +288,7 @@ def _check_moe_layout(shape: ModelShape, config: RunConfig, cluster: Cluster) ->
     if not shape.is_moe:
         if cluster.rollout_ep > 1:
             raise ValueError(
-                f"rollout_ep={cluster.rollout_ep} (SGLang --ep-size) needs a mixture-of-experts model"
+                f"cluster.sglang.ep={cluster.rollout_ep} (SGLang --ep-size) needs a mixture-of-experts model"
             )
         return
     if tp > 1 and not config.model.sequence_parallel:
@@ -277,7 +300,8 @@ def _check_moe_layout(shape: ModelShape, config: RunConfig, cluster: Cluster) ->
         )
     if shape.experts % cluster.rollout_ep:
         raise ValueError(
-            f"rollout_ep={cluster.rollout_ep} (SGLang --ep-size) does not divide num_experts={shape.experts}"
+            f"cluster.sglang.ep={cluster.rollout_ep} (SGLang --ep-size) does not divide "
+            f"num_experts={shape.experts}"
         )
 
 

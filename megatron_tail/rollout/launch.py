@@ -38,6 +38,8 @@ class SGLangServerConfig:
     """HTTP port."""
     tp_size: int = 1
     """Tensor-parallel GPUs per server."""
+    ep_size: int = 1
+    """Expert-parallel ranks among them (`--ep-size`, MoE; must divide tp_size); 1: the flag is left out."""
     dtype: str = "bfloat16"
     """Weights/activations dtype (SGLang's --dtype)."""
     mem_fraction_static: float | None = None
@@ -76,6 +78,8 @@ class SGLangServerConfig:
         _check_port(self.port)
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be ≥ 1; got {self.tp_size!r}")
+        if self.ep_size < 1 or self.tp_size % self.ep_size:
+            raise ValueError(f"ep_size must be ≥ 1 and divide tp_size={self.tp_size}; got {self.ep_size!r}")
         if self.dtype not in SGLANG_DTYPES:
             raise ValueError(f"dtype must be one of {SGLANG_DTYPES}; got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:
@@ -99,6 +103,8 @@ def build_sglang_server_command(cfg: SGLangServerConfig, python: str = sys.execu
     cmd += ["--host", cfg.host, "--port", str(cfg.port), "--tp-size", str(cfg.tp_size), "--dtype", cfg.dtype]
     cmd += ["--enable-custom-logit-processor", "--weight-version", cfg.weight_version]
     cmd += ["--base-gpu-id", str(cfg.base_gpu_id)]
+    if cfg.ep_size > 1:
+        cmd += ["--ep-size", str(cfg.ep_size)]  # sglang/srt/arg_groups/expert_pack_hook.py names it so
     if cfg.deterministic_inference:
         cmd.append("--enable-deterministic-inference")
     if cfg.mem_fraction_static is not None:

@@ -46,7 +46,7 @@ class RolloutSection:
     """Base URLs (`http://host:port`) of the engines; required with engine="remote"."""
     dtype: EngineDtype | None = None
     """dtype of the rollout engines: the local engine's, and under `slurm/rl.sbatch` the servers' `--dtype`
-    (an explicit `MT_SGLANG_DTYPE` / `MT_LOCAL_DTYPE` still wins there). "float16" with
+    (SGLang's, or the local engine's with `cluster.rollout_backend: local`). "float16" with
     `model.precision: fp16` is the fp16 remedy. None: `local_dtype` for the local engine the trainer
     starts, bfloat16 for servers that `rl.sbatch` starts."""
     local_dtype: EngineDtype = "bfloat16"
@@ -74,7 +74,8 @@ class RolloutSection:
     local_port: int | None = None
     """Port of the local engine; None picks a free one."""
     local_num_threads: int | None = 1
-    """torch threads of the local engine (None: torch's default)."""
+    """torch threads of the local engine (None: torch's default), also of those `slurm/rl.sbatch` starts
+    with `cluster.rollout_backend: local`."""
     local_device: str = "cpu"
     """torch device of the local engine's model, e.g. "cuda" or "cuda:0" (its sampling stays on the host, so
     a seed draws the same tokens as on CPU). On one GPU beside the trainer, sync weights by disk

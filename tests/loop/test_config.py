@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 import sys
 
@@ -17,6 +18,7 @@ from megatron_tail.config import (
     load_config,
     save_resolved_config,
 )
+from megatron_tail.utils.errors import UserError
 
 
 def write_yaml(tmp_path, data) -> str:
@@ -344,3 +346,45 @@ def test_packed_false_overrides_a_token_budget():
     cfg = load_config(None, ["train.max_tokens_per_micro_batch=512", "train.packed=false"])
     assert not cfg.train.is_packed and cfg.train.micro_batch_size == 8
     assert not load_config(None).train.is_packed  # no budget: padded, as before
+
+
+@pytest.mark.parametrize(
+    ("overrides", "pattern"),
+    [
+        (["cluster.rollout_backend=k8s"], r"cluster\.rollout_backend must be one of \('sglang', 'local'\)"),
+        (["cluster.nodes=2", "cluster.rollout_nodes=2"], r"cluster\.rollout_nodes must leave a trainer node"),
+        (
+            ["cluster.sglang.tp=3", "cluster.gpus_per_node=8"],
+            r"cluster\.gpus_per_node must be a multiple of ",
+        ),
+        (
+            ["cluster.sglang.tp=2", "cluster.sglang.ep=4"],
+            r"cluster\.sglang\.ep must divide cluster\.sglang\.tp=2",
+        ),
+        (["cluster.sglang.mem_fraction=1.2"], r"cluster\.sglang\.mem_fraction must be in \(0, 1\)"),
+        (["cluster.servers_per_node=9"], r"cluster\.servers_per_node must be ≤ 8 \(ports\); got 9"),
+        (["cluster.health_timeout_s=0"], r"cluster\.health_timeout_s must be > 0; got 0"),
+        (
+            ["cluster.sglang.extra_args=[--ep-size, '2']"],
+            r"cluster\.sglang\.extra_args must not set --ep-size: cluster\.sglang\.ep sets it",
+        ),
+        (["cluster.sglang.extra_args=[--dtype=half]"], r"must not set --dtype: rollout\.dtype sets it"),
+        (
+            ["cluster.sglang.tp_size=2"],
+            r"unknown config key 'cluster\.sglang\.tp_size' in cluster\.sglang; valid keys here: tp, ep",
+        ),
+    ],
+)
+def test_the_cluster_layout_is_checked_at_load(overrides, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        load_config(None, overrides)
+
+
+def test_the_layout_variables_of_earlier_versions_are_refused_by_name():
+    from megatron_tail.config.cluster import MOVED_ENVIRONMENT, refuse_moved_environment
+
+    refuse_moved_environment({"MT_PYTHON": "/x/python", "MT_SGLANG_TP": ""})  # the machine's; unset
+    for name, key in MOVED_ENVIRONMENT.items():
+        assert key.split(" ")[0] in all_keys() or key.split(" ")[0] == "run_dir", key
+        with pytest.raises(UserError, match=rf"^{name}=7 is no longer read: .* set {re.escape(key)} there"):
+            refuse_moved_environment({name: "7"})

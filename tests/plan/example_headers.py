@@ -1,8 +1,8 @@
 """The examples' memory headers are the planner's output: build, check and (`--write`) rewrite them.
 
 Each `examples/qwen3_*.yaml` carries, between `# Memory plan` and the first YAML key, the table that
-`megatron-tail plan` prints for it on the layout of its own launch line (nodes, MT_ROLLOUT_NODES,
-MT_SGLANG_TP, MT_SGLANG_MEM_FRACTION), with the model's config.json from `tests/plan/configs/`.
+`megatron-tail plan` prints for it on the layout of its own `cluster:` section (the one its launch line
+starts), with the model's config.json from `tests/plan/configs/`.
 
     python -m tests.plan.example_headers --write    # after changing the planner or an example
 """
@@ -24,28 +24,6 @@ MODEL_CONFIGS = {
 START = "# Memory plan"
 
 
-def launch_args(text: str) -> list[str]:
-    """`megatron-tail plan` arguments for the layout of the example's `sbatch` line."""
-    line = next(ln for ln in text.splitlines() if " sbatch " in ln)
-    env = dict(re.findall(r"(MT_\w+)=(\S+)", line))
-    args = ["--nodes", re.search(r"--nodes=(\d+)", line).group(1)]
-    args += ["--gpus-per-node", re.search(r"--gpus-per-node=(\d+)", line).group(1)]
-    for var, flag in (
-        ("MT_ROLLOUT_NODES", "--rollout-nodes"),
-        ("MT_SGLANG_TP", "--rollout-tp"),
-        ("MT_SGLANG_MEM_FRACTION", "--mem-fraction"),
-    ):
-        if var in env:
-            args += [flag, env[var]]
-    extra = re.search(r"MT_SGLANG_EXTRA_ARGS=(['\"])(.*?)\1", line)
-    if extra:
-        from megatron_tail.plan.cli import sglang_ep_size
-
-        if sglang_ep_size(extra.group(2)) > 1:
-            args += ["--rollout-ep", str(sglang_ep_size(extra.group(2)))]
-    return args
-
-
 def model_override(text: str) -> str:
     name = re.search(r"hf_path: models/(\S+)", text).group(1)
     return f"model.hf_path={ROOT / 'tests/plan/configs' / MODEL_CONFIGS[name]}"
@@ -62,11 +40,11 @@ def expected_header(path: Path) -> str:
     text = path.read_text()
     parser = argparse.ArgumentParser()
     add_plan_parser(parser.add_subparsers())
-    args = parser.parse_args(["plan", str(path), *launch_args(text)])
-    plan = make_plan(load_config(path, [model_override(text)]), cluster_from_args(args))
-    shown = " ".join(launch_args(text))
+    args = parser.parse_args(["plan", str(path)])
+    config = load_config(path, [model_override(text)])
+    plan = make_plan(config, cluster_from_args(args, config.cluster))
     lines = [
-        f"{START} (`megatron-tail plan examples/{path.name} {shown}`; it reads only the model's config.json;",
+        f"{START} (`megatron-tail plan examples/{path.name}`; it reads only the model's config.json;",
         "# tests/plan/test_example_headers.py keeps this block equal to its output). GiB = 2^30 bytes:",
         *(f"#   {ln}" for ln in format_plan(plan).splitlines()),
     ]

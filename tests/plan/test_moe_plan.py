@@ -218,7 +218,7 @@ def test_dense_model_plan_is_unchanged_by_the_moe_terms(capsys):
             "16 trainer GPUs are not a multiple of expert_tensor_parallel × expert_parallel × "
             "pipeline_parallel = 1 × 32 × 1",
         ),
-        (["--rollout-ep", "4"], "rollout_ep=4 (SGLang --ep-size) must divide rollout_tp=2"),
+        (["--rollout-ep", "4"], "cluster.sglang.ep=4 (SGLang --ep-size) must divide cluster.sglang.tp=2"),
         (["--quantization", "fp8"], "rollout.quantization=fp8 with a mixture-of-experts model"),
     ],
     ids=["tp_without_sp", "ep_not_dividing_experts", "world", "sglang_ep", "fp8"],
@@ -229,12 +229,13 @@ def test_moe_refusals_are_one_line(capsys, overrides, message):
     assert rc == 2 and message in err and len(err.splitlines()) == 1, err
 
 
-def test_sglang_ep_size_is_read_from_the_extra_args(capsys, monkeypatch):
-    from megatron_tail.plan.cli import sglang_ep_size
-
-    assert [sglang_ep_size(a) for a in ("", "--ep-size 2", "--foo 1 --ep-size=4", "--ep 8")] == [1, 2, 4, 8]
-    monkeypatch.setenv("MT_SGLANG_EXTRA_ARGS", "--ep-size 2")
-    rc = main(["plan", str(RECIPE_30B), *SET_30B, *LAUNCH_30B])
+def test_sglang_ep_is_read_from_the_cluster_section(capsys, monkeypatch):
+    rc = main(["plan", str(RECIPE_30B), *SET_30B, *LAUNCH_30B, "--set", "cluster.sglang.ep=2"])
     out = capsys.readouterr().out
     # EP moves whole experts between a server's GPUs: the weights per GPU stay total / TP
     assert rc == 0 and "4 SGLang servers x TP=2 EP=2" in out and "weights        28.4 GiB" in out
+    # the variable that carried it before is refused by name, not read and not ignored
+    monkeypatch.setenv("MT_SGLANG_EXTRA_ARGS", "--ep-size 2")
+    assert main(["plan", str(RECIPE_30B), *SET_30B, *LAUNCH_30B]) == 2
+    err = capsys.readouterr().err
+    assert "MT_SGLANG_EXTRA_ARGS=--ep-size 2 is no longer read" in err and "cluster.sglang.ep" in err, err

@@ -22,9 +22,9 @@ def test_sglang_command_parses_with_sglangs_own_arguments():
         "sglang.srt.server_args", reason="sglang (sglang-cpu extra) parses its flags"
     )
     cfg = SGLangServerConfig(
-        model_path="/ckpt/qwen3-8b", host="10.0.0.5", port=31000, tp_size=2, mem_fraction_static=0.8,
-        weight_version="0", random_seed=7, base_gpu_id=2, extra_args=("--log-level", "warning"),
-        deterministic_inference=True, sampling_mask_max_tokens=1024,
+        model_path="/ckpt/qwen3-8b", host="10.0.0.5", port=31000, tp_size=2, ep_size=2,
+        mem_fraction_static=0.8, weight_version="0", random_seed=7, base_gpu_id=2,
+        extra_args=("--log-level", "warning"), deterministic_inference=True, sampling_mask_max_tokens=1024,
     )  # fmt: skip
     cmd = build_sglang_server_command(cfg, python="python")
     assert cmd[:3] == ["python", "-m", "sglang.launch_server"]
@@ -34,12 +34,12 @@ def test_sglang_command_parses_with_sglangs_own_arguments():
     assert args.enable_custom_logit_processor is True
     assert args.enable_deterministic_inference is True
     assert (args.model_path, args.host, args.port, args.tp_size) == ("/ckpt/qwen3-8b", "10.0.0.5", 31000, 2)
+    assert args.ep_size == 2  # cluster.sglang.ep
     assert (args.dtype, args.mem_fraction_static, args.weight_version) == ("bfloat16", 0.8, "0")
     assert (args.random_seed, args.base_gpu_id, args.log_level) == (7, 2, "warning")
     assert args.sampling_mask_max_tokens == 1024  # rollout.sampling_mask_max_tokens
-    assert "--sampling-mask-max-tokens" not in build_sglang_server_command(
-        SGLangServerConfig(model_path="/m")
-    )
+    plain = build_sglang_server_command(SGLangServerConfig(model_path="/m"))
+    assert "--sampling-mask-max-tokens" not in plain and "--ep-size" not in plain
 
 
 def test_fp8_servers_quantize_online_with_the_rl_loader_and_parse_with_sglangs_arguments():
@@ -125,6 +125,10 @@ def test_local_engine_command_parses_with_the_cli_and_binds_localhost_by_default
                 model_path="m", quantization="fp8", extra_args=("--load-format", "auto")
             ),
             "must not repeat them",
+        ),
+        (
+            lambda: SGLangServerConfig(model_path="m", tp_size=2, ep_size=4),
+            r"ep_size must be ≥ 1 and divide tp_size=2; got 4",
         ),
     ],
 )

@@ -101,7 +101,6 @@ def stated_layout(path: Path) -> dict[str, int]:
 
 def dry_run(argv: list[str], tmp_path: Path) -> str:
     """rl.sbatch as the launch line would start it, with MT_DRY_RUN=1 and a stand-in `scontrol`."""
-    env_assign = [a for a in argv[: argv.index("sbatch")] if "=" in a]
     sbatch_opts = argv[argv.index("sbatch") + 1 : argv.index("slurm/rl.sbatch")]
     script_args = argv[argv.index("slurm/rl.sbatch") + 1 :]
     opts = dict(o.lstrip("-").split("=", 1) for o in sbatch_opts if "=" in o)
@@ -113,7 +112,6 @@ def dry_run(argv: list[str], tmp_path: Path) -> str:
     scontrol.chmod(0o755)
     env = {
         **os.environ,
-        **dict(a.split("=", 1) for a in env_assign),
         "PATH": f"{bindir}:{os.environ['PATH']}",
         "MT_DRY_RUN": "1",
         "MT_ROOT": str(REPO),
@@ -132,7 +130,7 @@ def dry_run(argv: list[str], tmp_path: Path) -> str:
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
 def test_launch_line_gives_the_stated_layout(path, tmp_path):
     argv = launch_line(path)
-    assert argv[-1] == f"examples/{path.name}"
+    assert argv[0] == "sbatch" and argv[-1] == f"examples/{path.name}"  # the layout is the config's
     assert "--exclusive" in argv and any(a.startswith("--signal=B:USR1@") for a in argv)
     lay = stated_layout(path)
     cfg = load_config(path)
@@ -140,6 +138,10 @@ def test_launch_line_gives_the_stated_layout(path, tmp_path):
     assert (p.tensor_parallel, p.pipeline_parallel, p.context_parallel) == (lay["tp"], lay["pp"], lay["cp"])
     assert lay["train_nodes"] * lay["gpus"] == lay["tp"] * lay["pp"] * lay["cp"] * lay["dp"]
     assert lay["servers_per_node"] * lay["sglang_tp"] == GPUS_PER_NODE
+    c = cfg.cluster  # what rl.sbatch starts and the header's plan checked
+    assert (c.nodes, c.gpus_per_node) == (lay["rollout_nodes"] + lay["train_nodes"], lay["gpus"])
+    assert (c.rollout_nodes, c.sglang.tp) == (lay["rollout_nodes"], lay["sglang_tp"])
+    assert f"--nodes={c.nodes}" in argv and f"--gpus-per-node={c.gpus_per_node}" in argv
 
     out = dry_run(argv, tmp_path)
     rollout = " ".join(f"gpu{i}" for i in range(1, lay["rollout_nodes"] + 1))
@@ -151,6 +153,8 @@ def test_launch_line_gives_the_stated_layout(path, tmp_path):
     )
     assert expected in out, out
     assert f"--tp {lay['sglang_tp']} " in out, out
+    if c.sglang.mem_fraction is not None:
+        assert f"--mem-fraction-static {c.sglang.mem_fraction}" in out, out
     assert f"--quantization {cfg.rollout.quantization}" in out, out
     urls = re.search(r"^urls: (.*)$", out, re.M).group(1).split()
     assert len(urls) == lay["rollout_nodes"] * lay["servers_per_node"] == len(set(urls))

@@ -1,6 +1,7 @@
 """rl.sbatch runs `megatron-tail plan` before it starts anything on GPUs and stops with the plan's message
-when the run does not fit; MT_SKIP_PLAN=1 skips it. Also: the port block, the stop budget, SGLang's own
-Python, GPU ids and bind addresses of the helper."""
+when the run does not fit; MT_SKIP_PLAN=1 skips it. The layout is the config's `cluster:` section, checked
+against the allocation; the environment variables that carried it before are refused by name. Also: the
+port block, the stop budget, SGLang's own Python, GPU ids and bind addresses of the helper."""
 
 from __future__ import annotations
 
@@ -30,14 +31,12 @@ def _run(tmp_path: Path, *args: str, dry: bool, **env_over: str) -> subprocess.C
         (bindir / name).write_text(f'#!/bin/sh\necho "{name} $*" >> {calls}\n')
     for f in bindir.iterdir():
         f.chmod(0o755)
+    where = ["--set", f"run_dir={tmp_path / 'run'}", "--set", f"model.hf_path={QWEN3_8B}"]
     env = {
         **os.environ,
         "PATH": f"{bindir}:{os.environ['PATH']}",
         "MT_ROOT": str(REPO),
         "MT_PYTHON": sys.executable,
-        "MT_RUN_DIR": str(tmp_path / "run"),
-        "MT_MODEL_PATH": str(QWEN3_8B),
-        "MT_SGLANG_MEM_FRACTION": "0.85",
         "SLURM_JOB_ID": "4242",
         "SLURM_JOB_NODELIST": "gpu1,gpu2",
         "SLURM_GPUS_ON_NODE": "8",
@@ -45,7 +44,7 @@ def _run(tmp_path: Path, *args: str, dry: bool, **env_over: str) -> subprocess.C
         **env_over,
     }
     proc = subprocess.run(
-        ["bash", str(RL_SBATCH), EXAMPLE, *args],
+        ["bash", str(RL_SBATCH), EXAMPLE, *where, *args],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -72,8 +71,40 @@ def test_dry_run_prints_the_plan_and_the_new_settings(tmp_path):
     det = _run(tmp_path, "--set", "rollout.deterministic=true", dry=True)
     assert "--deterministic" in det.stdout
     # the local engines too (they map it to their PyTorch sampler, as SGLang does)
-    local = _run(tmp_path, "--set", "rollout.deterministic=true", dry=True, MT_ROLLOUT_BACKEND="local")
+    local_engines = ("--set", "rollout.deterministic=true", "--set", "cluster.rollout_backend=local")
+    local = _run(tmp_path, *local_engines, dry=True)
     assert "--backend local" in local.stdout and "--deterministic" in local.stdout
+
+
+def test_the_layout_is_the_configs_and_checked_against_the_allocation(tmp_path):
+    moe_servers = (
+        "--set", "cluster.sglang.tp=4", "--set", "cluster.sglang.ep=2",
+        "--set", "cluster.sglang.router=false",
+        "--set", "cluster.sglang.extra_args=[--chunked-prefill-size, '8192']",
+    )  # fmt: skip
+    proc = _run(tmp_path, *moe_servers, dry=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "layout: rollout gpu1 (sglang, 2/node), trainer gpu2 (1 x 8, TP 2 PP 1)" in out, out
+    assert "--tp 4 --ep 2 --dtype bfloat16 --extra-args --chunked-prefill-size 8192" in out, out
+    assert "router:" not in out and "--mem-fraction-static 0.85" in out  # the example's mem_fraction
+    # the plan read the same section (through the same --set): EP on the dense 8B is refused by its key
+    assert "plan: error: cluster.sglang.ep=2 (SGLang --ep-size) needs a mixture-of-experts model" in out, out
+    # the allocation disagrees with the config: one line naming the key, nothing started
+    wrong = _run(tmp_path, "--set", "cluster.nodes=3", dry=False)
+    assert wrong.returncode == 1 and wrong.srun_calls == []
+    assert "ERROR: cluster.nodes=3, but the job has 2 nodes (sbatch --nodes)" in wrong.stdout, wrong.stdout
+    gpus = _run(tmp_path, dry=False, SLURM_GPUS_ON_NODE="4")
+    assert "ERROR: cluster.gpus_per_node=8, but the job has 4 GPUs per node" in gpus.stdout, gpus.stdout
+
+
+def test_a_layout_variable_of_an_earlier_version_is_refused_by_name(tmp_path):
+    proc = _run(tmp_path, dry=True, MT_SGLANG_TP="2")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert (
+        "MT_SGLANG_TP=2 is no longer read: the run's layout is in its config; set cluster.sglang.tp there "
+        "(or pass --set cluster.sglang.tp=...) and unset MT_SGLANG_TP"
+    ) in proc.stderr, proc.stderr
 
 
 def test_a_run_that_does_not_fit_stops_before_starting_anything(tmp_path):

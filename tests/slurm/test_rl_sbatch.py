@@ -1,6 +1,6 @@
 """`sbatch --wait slurm/rl.sbatch` on a real local Slurm cluster with the tiny CPU config.
 
-node1 runs the local CPU engine (`megatron-tail serve-local`, MT_ROLLOUT_BACKEND=local) as the rollout
+node1 runs the local CPU engine (`megatron-tail serve-local`, cluster.rollout_backend: local) as the rollout
 server; node2 runs the trainer (`srun torchrun`, 2 ranks, TP = 2, gloo, c10d rendezvous).
 - The first test runs a job to the end with weights synced in memory (node1's engine joins the group on
   node2's rank 0 at the job's port) and rollout one step ahead.
@@ -46,6 +46,7 @@ def write_config(directory: Path, model_dir: Path, prompt_file: Path, *, steps: 
         },
         "train": {"steps": steps, "micro_batch_size": 8, **train},
         "logging": {"progress": "never"},
+        "cluster": {"nodes": 2, "rollout_backend": "local", "trainer_procs_per_node": 2},
     }
     path = directory / "tiny.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
@@ -56,8 +57,6 @@ def job_env() -> dict[str, str]:
     """What the job inherits from sbatch (--export=ALL): tiny-CPU mode and quiet, offline Python."""
     return {
         **os.environ,
-        "MT_ROLLOUT_BACKEND": "local",
-        "MT_TRAIN_NPROC_PER_NODE": "2",
         "MT_PYTHON": sys.executable,
         "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
@@ -235,9 +234,7 @@ def test_gpu_example_layout_under_sbatch(slurm_cluster, tmp_path):
         f"--time={JOB_TIME_MIN}", f"--chdir={REPO}", f"--output={tmp_path}/job-%j.out", str(RL_SBATCH),
         "examples/qwen3_8b_grpo_dvp.yaml",
     ]  # fmt: skip
-    env = {**job_env(), "MT_DRY_RUN": "1", "MT_SGLANG_MEM_FRACTION": "0.85"}
-    for key in ("MT_ROLLOUT_BACKEND", "MT_TRAIN_NPROC_PER_NODE"):
-        env.pop(key)
+    env = {**job_env(), "MT_DRY_RUN": "1"}
     proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     job_id = proc.stdout.split(";")[0].strip()
     out = read_text(tmp_path / f"job-{job_id}.out")

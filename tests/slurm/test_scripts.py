@@ -61,13 +61,16 @@ def test_config_get_prints_resolved_values_one_per_line(tmp_path):
     config.write_text("run_dir: runs/x\nmodel:\n  hf_path: m\nparallel:\n  tensor_parallel: 2\n")
     proc = helper(
         "config-get", str(config), "run_dir", "model.hf_path", "parallel.tensor_parallel",
-        "data.eval_path", "rollout.server_urls", "--set", "run_dir=/abs/run",
+        "data.eval_path", "rollout.server_urls", "cluster.sglang.extra_args", "--set", "run_dir=/abs/run",
         "--set", "rollout.server_urls=http://a:1,http://b:2", "--set", "rollout.engine=remote",
+        "--set", "cluster.sglang.extra_args=[--json-model-override-args, '{\"a\": 1}']",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.splitlines() == ["/abs/run", "m", "2", "", "http://a:1,http://b:2"]
+    assert proc.stdout.splitlines() == [
+        "/abs/run", "m", "2", "", "http://a:1,http://b:2", "--json-model-override-args '{\"a\": 1}'",
+    ]  # fmt: skip
     bad = helper("config-get", str(config), "run_dir", "--set", "parallel.tensor_paralel=2")
-    assert bad.returncode != 0 and "tensor_parallel" in bad.stderr
+    assert bad.returncode == 2 and "tensor_parallel" in bad.stderr and len(bad.stderr.splitlines()) == 1
 
 
 class _Health(http.server.BaseHTTPRequestHandler):

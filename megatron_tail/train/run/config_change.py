@@ -89,6 +89,22 @@ CHANGEABLE_KEYS: frozenset[str] = frozenset(
         "model.use_cpu_initialization",
         "model.op_backend",
         "model.fused_output_layer",
+        # the job's Slurm layout (`config.cluster`): where the rollout servers and the trainer run, and the
+        # plan's assumptions; a requeued job may get other nodes (the trainer's own layout is `parallel.*`)
+        "cluster.nodes",
+        "cluster.gpus_per_node",
+        "cluster.gpu_memory_gib",
+        "cluster.rollout_nodes",
+        "cluster.rollout_backend",
+        "cluster.servers_per_node",
+        "cluster.trainer_procs_per_node",
+        "cluster.health_timeout_s",
+        "cluster.sglang.tp",
+        "cluster.sglang.ep",
+        "cluster.sglang.mem_fraction",
+        "cluster.sglang.extra_args",
+        "cluster.sglang.router",
+        "cluster.sglang.router_policy",
     }
 )
 """Keys a resume may change without `train.allow_config_change`: none of them changes what is trained.

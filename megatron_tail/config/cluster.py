@@ -1,0 +1,199 @@
+"""The job's layout on a Slurm cluster (the `cluster:` section of a run's YAML): which nodes roll out and
+which train, how the rollout servers split their GPUs, what one GPU holds. `slurm/rl.sbatch` starts that
+layout (it reads this section through `slurm/mt_slurm.py job-config`) and `megatron-tail plan` checks the
+same section, so the script and a check on the login node agree. `megatron-tail train` itself does not
+read it: under rl.sbatch the trainer gets its engines' URLs, and a run on one host starts its own engine.
+
+    cluster:
+      nodes: 3                 # checked against the allocation (sbatch --nodes)
+      gpus_per_node: 8
+      rollout_nodes: 1
+      sglang: {tp: 2, ep: 2, mem_fraction: 0.85}
+
+What belongs to the machine rather than the run (virtualenvs, the socket interface, debug switches, the
+port block) stays in `MT_*` environment variables (`slurm/README.md`). Each variable that used to carry a
+key of this section is refused by name (`MOVED_ENVIRONMENT`), never read under two names.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+from megatron_tail.utils.errors import UserError
+from megatron_tail.utils.settings_checks import bad as _bad
+from megatron_tail.utils.settings_checks import choice as _choice
+from megatron_tail.utils.settings_checks import positive_int as _positive_int
+
+RolloutBackend = Literal["sglang", "local"]
+ROLLOUT_BACKENDS: tuple[str, ...] = get_args(RolloutBackend)
+MAX_SERVERS_PER_NODE = 8
+"""rl.sbatch's port block holds 8 server ports per node (`slurm/lib.sh`: 16 ports, +3..+10)."""
+PLAN_NODES, PLAN_GPUS_PER_NODE, PLAN_MEM_FRACTION = 2, 8, 0.85
+"""What `megatron-tail plan` assumes where the section leaves `nodes`, `gpus_per_node` or
+`sglang.mem_fraction` unset (rl.sbatch takes the allocation's, and SGLang picks its own fraction)."""
+
+OWNED_SGLANG_FLAGS: Mapping[str, str] = {
+    "--tp-size": "cluster.sglang.tp",
+    "--tp": "cluster.sglang.tp",
+    "--ep-size": "cluster.sglang.ep",
+    "--ep": "cluster.sglang.ep",
+    "--mem-fraction-static": "cluster.sglang.mem_fraction",
+    "--dtype": "rollout.dtype",
+    "--quantization": "rollout.quantization",
+    "--model-path": "model.hf_path",
+    "--sampling-mask-max-tokens": "rollout.sampling_mask_max_tokens",
+    "--enable-deterministic-inference": "rollout.deterministic",
+    "--host": "MT_BIND_HOST (the machine's)",
+    "--port": "the job's port block (MT_PORT_BASE)",
+}
+"""SGLang flags that rl.sbatch sets from a key (`rollout.launch.build_sglang_server_command`): in
+`sglang.extra_args` they would be given twice, and SGLang's argparse keeps the last one silently."""
+
+MOVED_ENVIRONMENT: Mapping[str, str] = {
+    "MT_ROLLOUT_NODES": "cluster.rollout_nodes",
+    "MT_ROLLOUT_BACKEND": "cluster.rollout_backend",
+    "MT_GPUS_PER_NODE": "cluster.gpus_per_node",
+    "MT_SERVERS_PER_NODE": "cluster.servers_per_node",
+    "MT_TRAIN_NPROC_PER_NODE": "cluster.trainer_procs_per_node",
+    "MT_GPU_MEMORY_GIB": "cluster.gpu_memory_gib",
+    "MT_HEALTH_TIMEOUT": "cluster.health_timeout_s",
+    "MT_SGLANG_TP": "cluster.sglang.tp",
+    "MT_SGLANG_MEM_FRACTION": "cluster.sglang.mem_fraction",
+    "MT_SGLANG_EXTRA_ARGS": "cluster.sglang.extra_args (and --ep-size: cluster.sglang.ep)",
+    "MT_ROUTER": "cluster.sglang.router",
+    "MT_ROUTER_POLICY": "cluster.sglang.router_policy",
+    "MT_SGLANG_DTYPE": "rollout.dtype",
+    "MT_LOCAL_DTYPE": "rollout.dtype",
+    "MT_LOCAL_THREADS": "rollout.local_num_threads",
+    "MT_MODEL_PATH": "model.hf_path",
+    "MT_RUN_DIR": "run_dir",
+}
+"""`slurm/rl.sbatch`'s environment variables of earlier versions → the config key that holds the setting
+now. Set, such a variable is refused in one line naming its key (`refuse_moved_environment`): read
+silently it would be a second home, ignored it would change a layout without a word."""
+
+
+def refuse_moved_environment(environ: Mapping[str, str] | None = None) -> None:
+    """UserError naming the first moved variable that is set (non-empty) and the key to set instead."""
+    environ = os.environ if environ is None else environ
+    for name, key in MOVED_ENVIRONMENT.items():
+        if environ.get(name, "") != "":
+            leaf = key.split(" ")[0]
+            raise UserError(
+                f"{name}={environ[name]} is no longer read: the run's layout is in its config; set {key} "
+                f"there (or pass --set {leaf}=...) and unset {name}"
+            )
+
+
+@dataclass(frozen=True)
+class SGLangServers:
+    """How each SGLang server of the rollout nodes is started (`cluster.rollout_backend: sglang`)."""
+
+    tp: int = 1
+    """GPUs per server (SGLang's `--tp-size`); servers per node = GPUs per node / tp."""
+    ep: int = 1
+    """Expert-parallel ranks of a server (SGLang's `--ep-size`, MoE only): a GPU holds 1/ep of the experts,
+    each split tp/ep ways (SGLang's `moe_tp_size = tp_size // ep_size`); must divide `tp`."""
+    mem_fraction: float | None = None
+    """SGLang's `--mem-fraction-static`: the fraction of a GPU for weights and KV cache; None: SGLang's own
+    choice (the plan then assumes 0.85)."""
+    extra_args: tuple[str, ...] = ()
+    """Further SGLang flags, one argv item per list item (e.g. [--chunked-prefill-size, "8192"]). Flags
+    that a key sets (`OWNED_SGLANG_FLAGS`: --tp-size, --ep-size, --dtype, ...) are refused here."""
+    router: bool = True
+    """Start an SGLang router on the first rollout node (for inspection and external clients; the trainer
+    talks to the servers itself)."""
+    router_policy: str = "cache_aware"
+    """The router's `--policy` (sglang-router: cache_aware, round_robin, random, power_of_two)."""
+
+    def __post_init__(self) -> None:
+        _positive_int("cluster.sglang", "tp", self.tp)
+        _positive_int("cluster.sglang", "ep", self.ep)
+        if self.tp % self.ep:
+            _bad(
+                "cluster.sglang",
+                "ep",
+                self.ep,
+                f"must divide cluster.sglang.tp={self.tp} (SGLang's --ep-size)",
+            )
+        f = self.mem_fraction
+        if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f < 1):
+            _bad("cluster.sglang", "mem_fraction", f, "must be in (0, 1) or null (SGLang's choice)")
+        if not isinstance(self.router, bool):
+            _bad("cluster.sglang", "router", self.router, "must be true or false")
+        if not isinstance(self.router_policy, str) or not self.router_policy.strip():
+            _bad("cluster.sglang", "router_policy", self.router_policy, "must name a router policy")
+        for item in self.extra_args:
+            flag = item.split("=", 1)[0]
+            if flag in OWNED_SGLANG_FLAGS:
+                _bad(
+                    "cluster.sglang",
+                    "extra_args",
+                    list(self.extra_args),
+                    f"must not set {flag}: {OWNED_SGLANG_FLAGS[flag]} sets it",
+                )
+
+
+@dataclass(frozen=True)
+class ClusterSection:
+    """The Slurm layout of the run: `slurm/rl.sbatch` starts it, `megatron-tail plan` checks it."""
+
+    nodes: int | None = None
+    """Nodes of the job, rollout and trainer together; rl.sbatch stops when the allocation (`sbatch --nodes`)
+    has another number. None: the allocation's (the plan assumes 2)."""
+    gpus_per_node: int | None = None
+    """GPUs of each node; rl.sbatch stops when Slurm's `SLURM_GPUS_ON_NODE` says otherwise. None: Slurm's
+    (0 without GPUs; the plan assumes 8)."""
+    gpu_memory_gib: float = 80.0
+    """Memory of one GPU, GiB, for the plan (an H100 "80GB" has 80, an H200 141)."""
+    rollout_nodes: int = 1
+    """The first this many nodes of the job run the rollout servers; the others train."""
+    rollout_backend: RolloutBackend = "sglang"
+    """What the rollout nodes run: "sglang" servers, or "local", the CPU engine `megatron-tail serve-local`
+    (tests, and clusters without GPUs)."""
+    servers_per_node: int | None = None
+    """Rollout servers per rollout node (at most 8: the port block). None: GPUs per node / sglang.tp with
+    sglang, 1 with local."""
+    trainer_procs_per_node: int | None = None
+    """Trainer processes (torchrun's `--nproc-per-node`) per trainer node. None: GPUs per node."""
+    health_timeout_s: float = 900.0
+    """How long rl.sbatch waits for every server's `/health` before it stops the job (loading a large
+    checkpoint and capturing CUDA graphs takes minutes)."""
+    sglang: SGLangServers = field(default_factory=SGLangServers)
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "gpus_per_node", "servers_per_node", "trainer_procs_per_node"):
+            if getattr(self, name) is not None:
+                _positive_int(
+                    "cluster", name, getattr(self, name), minimum=0 if name == "gpus_per_node" else 1
+                )
+        _positive_int("cluster", "rollout_nodes", self.rollout_nodes)
+        _choice("cluster", "rollout_backend", self.rollout_backend, ROLLOUT_BACKENDS)
+        if self.nodes is not None and self.rollout_nodes >= self.nodes:
+            _bad(
+                "cluster",
+                "rollout_nodes",
+                self.rollout_nodes,
+                f"must leave a trainer node of cluster.nodes={self.nodes}",
+            )
+        if self.servers_per_node is not None and self.servers_per_node > MAX_SERVERS_PER_NODE:
+            _bad(
+                "cluster",
+                "servers_per_node",
+                self.servers_per_node,
+                f"must be ≤ {MAX_SERVERS_PER_NODE} (ports)",
+            )
+        if self.rollout_backend == "sglang" and self.gpus_per_node and self.gpus_per_node % self.sglang.tp:
+            _bad(
+                "cluster",
+                "gpus_per_node",
+                self.gpus_per_node,
+                f"must be a multiple of cluster.sglang.tp={self.sglang.tp} (GPUs per server)",
+            )
+        for name in ("gpu_memory_gib", "health_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                _bad("cluster", name, value, "must be > 0")
