@@ -8,6 +8,8 @@
     mt_slurm.py router --port P URL...                       exec the SGLang router in front of URL...
     mt_slurm.py wait-healthy --timeout S [--watch-pid PID] URL...
                                                              poll GET URL/health until all answer 200
+    mt_slurm.py torchrun-flags NAME...                       print those of --NAME... that this Python's
+                                                             torchrun accepts, one per line
 
 `serve` is meant to run as an srun task: task `SLURM_LOCALID` = i on a node listens on `port_base + i`
 and drives tp GPUs: the GPUs `[i·tp, (i+1)·tp)` of those it sees, or, where the site binds GPUs per task
@@ -101,6 +103,28 @@ def config_get(args: argparse.Namespace) -> int:
         for part in key.split("."):
             value = getattr(value, part)
         print(_format_value(key, value))
+    return 0
+
+
+def torchrun_flags(args: argparse.Namespace) -> int:
+    """Each `--NAME` of `args.names` that `torch.distributed.run` defines, read from its source: its
+    argparse spells each flag out (`add_argument("--signals-to-handle", ...)`, torch/distributed/run.py
+    `get_args_parser`). `python -m torch.distributed.run --help` tells the same after importing torch
+    (3 s of CPU per job start here); `find_spec` locates the package without importing it."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    source = ""
+    for location in locations:
+        path = os.path.join(location, "distributed", "run.py")
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                source = f.read()
+            break
+    for name in args.names:
+        if f'"--{name}"' in source:
+            print(f"--{name}")
     return 0
 
 
@@ -262,6 +286,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--server-python", default="", help="the Python that runs the router [this one]")
     p.add_argument("urls", nargs="+")
     p.set_defaults(func=router)
+
+    p = sub.add_parser("torchrun-flags", help="which of --NAME... this Python's torchrun accepts")
+    p.add_argument("names", nargs="+", metavar="NAME", help="a flag without its dashes")
+    p.set_defaults(func=torchrun_flags)
 
     p = sub.add_parser("wait-healthy", help="wait until every URL answers GET /health with 200")
     p.add_argument("--timeout", type=float, default=900.0)

@@ -1,5 +1,5 @@
 """Every shell script of slurm/ and tests/slurm/ is shellcheck-clean; the Python helper behind rl.sbatch
-(config-get, wait-healthy) does what the script relies on. No cluster needed."""
+(config-get, torchrun-flags, wait-healthy) does what the script relies on. No cluster needed."""
 
 from __future__ import annotations
 
@@ -71,6 +71,17 @@ def test_config_get_prints_resolved_values_one_per_line(tmp_path):
     ]  # fmt: skip
     bad = helper("config-get", str(config), "run_dir", "--set", "parallel.tensor_paralel=2")
     assert bad.returncode == 2 and "tensor_parallel" in bad.stderr and len(bad.stderr.splitlines()) == 1
+
+
+def test_torchrun_flags_agree_with_torchruns_own_parser():
+    from torch.distributed.run import get_args_parser
+
+    defined = {o for action in get_args_parser()._actions for o in action.option_strings}
+    names = ("signals-to-handle", "shutdown-timeout", "nproc-per-node", "no-such-flag")
+    proc = helper("torchrun-flags", *names)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == [f"--{n}" for n in names if f"--{n}" in defined]
+    assert "--nproc-per-node" in proc.stdout and "--no-such-flag" not in proc.stdout
 
 
 class _Health(http.server.BaseHTTPRequestHandler):
