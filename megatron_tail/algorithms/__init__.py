@@ -10,50 +10,42 @@ Pure tensor code: no collectives, no megatron imports. Modules:
 - `metrics`      sum-reducible metrics and their final ratios.
 - `config`       `AlgorithmConfig`.
 - `loss`         `prepare_tokens` + `rl_loss` (and `compute_loss`, both at once).
+
+Exports are lazy (`utils.lazy`): loading a run's config (`config.schema` → `AlgorithmConfig`) imports no
+torch, so `megatron-tail plan` and rl.sbatch's `config-get` start in a fraction of a second.
 """
 
-from megatron_tail.algorithms.advantages import compute_advantages, grpo, rloo, to_tokens
-from megatron_tail.algorithms.aggregation import AGGREGATION_MODES, LossCounts, aggregate, local_counts
-from megatron_tail.algorithms.config import AlgorithmConfig
-from megatron_tail.algorithms.importance import ImportanceWeights, importance_weights
-from megatron_tail.algorithms.loss import PreparedTokens, compute_loss, prepare_tokens, rl_loss
-from megatron_tail.algorithms.metrics import combine_metrics, finalize_metrics, reduce_op_of
-from megatron_tail.algorithms.policy_loss import PPOTerms, kl_penalty, ppo_clip_loss
-from megatron_tail.algorithms.token_masks import (
-    LoptiPhase,
-    advantage_reweighting,
-    lopti_phases,
-    lopti_split,
-    masked_quantile,
-    stapo_mask,
-)
+from megatron_tail.utils.lazy import lazy_exports
 
-__all__ = [
-    "AGGREGATION_MODES",
-    "AlgorithmConfig",
-    "ImportanceWeights",
-    "LoptiPhase",
-    "LossCounts",
-    "PPOTerms",
-    "PreparedTokens",
-    "advantage_reweighting",
-    "aggregate",
-    "combine_metrics",
-    "compute_advantages",
-    "compute_loss",
-    "finalize_metrics",
-    "grpo",
-    "importance_weights",
-    "kl_penalty",
-    "local_counts",
-    "lopti_phases",
-    "lopti_split",
-    "masked_quantile",
-    "ppo_clip_loss",
-    "prepare_tokens",
-    "reduce_op_of",
-    "rl_loss",
-    "rloo",
-    "stapo_mask",
-    "to_tokens",
-]
+__getattr__, __dir__, __all__ = lazy_exports(
+    __name__,
+    {
+        "AGGREGATION_MODES": ".aggregation",
+        "AlgorithmConfig": ".config",
+        "ImportanceWeights": ".importance",
+        "LoptiPhase": ".token_masks",
+        "LossCounts": ".aggregation",
+        "PPOTerms": ".policy_loss",
+        "PreparedTokens": ".loss",
+        "advantage_reweighting": ".token_masks",
+        "aggregate": ".aggregation",
+        "combine_metrics": ".metrics",
+        "compute_advantages": ".advantages",
+        "compute_loss": ".loss",
+        "finalize_metrics": ".metrics",
+        "grpo": ".advantages",
+        "importance_weights": ".importance",
+        "kl_penalty": ".policy_loss",
+        "local_counts": ".aggregation",
+        "lopti_phases": ".token_masks",
+        "lopti_split": ".token_masks",
+        "masked_quantile": ".token_masks",
+        "ppo_clip_loss": ".policy_loss",
+        "prepare_tokens": ".loss",
+        "reduce_op_of": ".metrics",
+        "rl_loss": ".loss",
+        "rloo": ".advantages",
+        "stapo_mask": ".token_masks",
+        "to_tokens": ".advantages",
+    },
+)

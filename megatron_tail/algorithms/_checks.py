@@ -7,9 +7,10 @@ differentiable log-probs of the training forward pass.
 
 from __future__ import annotations
 
-import math
-
 import torch
+
+# the scalar check lives beside the settings' choices (torch-free, `AlgorithmConfig` runs it at load)
+from megatron_tail.algorithms.options import check_number  # noqa: F401
 
 
 def check_tensor(name: str, value: object) -> torch.Tensor:
@@ -74,26 +75,3 @@ def check_group_size(group_size: object, batch: int) -> int:
             "(groups must be contiguous and complete)"
         )
     return group_size
-
-
-def check_number(
-    name: str,
-    value: object,
-    *,
-    low: float = -math.inf,
-    high: float = math.inf,
-    low_inclusive: bool = True,
-    high_inclusive: bool = True,
-) -> float:
-    """A finite real number (not bool) in the interval given; returned as float."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a real number; got {value!r}")
-    value = float(value)
-    ok = math.isfinite(value)
-    ok = ok and (value >= low if low_inclusive else value > low)
-    ok = ok and (value <= high if high_inclusive else value < high)
-    if not ok:
-        lb = "[" if low_inclusive else "("
-        hb = "]" if high_inclusive else ")"
-        raise ValueError(f"{name} must be finite and in {lb}{low}, {high}{hb}; got {value!r}")
-    return value

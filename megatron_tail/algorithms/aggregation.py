@@ -18,14 +18,11 @@ Counts of 0 are treated as 1 (an all-masked batch gives loss 0 and zero gradient
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, get_args
 
 import torch
 
 from megatron_tail.algorithms._checks import check_2d, check_bool_mask, check_float, check_same_shape
-
-AggregationMode = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
-AGGREGATION_MODES: tuple[str, ...] = get_args(AggregationMode)
+from megatron_tail.algorithms.options import AGGREGATION_MODES
 
 Count = int | float | torch.Tensor
 

@@ -6,11 +6,17 @@ import math
 from dataclasses import dataclass, fields
 from typing import Literal, get_args
 
-from megatron_tail.algorithms._checks import check_number
-from megatron_tail.algorithms.aggregation import AGGREGATION_MODES, AggregationMode
-from megatron_tail.algorithms.importance import IsLevel, IsMode, check_is_params
-from megatron_tail.algorithms.policy_loss import KL_ESTIMATORS, KlEstimator
-from megatron_tail.ops.safe_vocab import SAFE_SET_ON, rule_log_rho
+from megatron_tail.algorithms.options import (
+    AGGREGATION_MODES,
+    KL_ESTIMATORS,
+    AggregationMode,
+    IsLevel,
+    IsMode,
+    KlEstimator,
+    check_is_params,
+    check_number,
+)
+from megatron_tail.ops.log_rho import SAFE_SET_ON, rule_log_rho
 
 from .adaptive_rho import AUTO
 
@@ -218,7 +224,7 @@ class AlgorithmConfig:
 
     def rule_log_rho(self, temperature: float) -> float | None:
         """The log ρ that the op and the rollout processor apply at sampling temperature `temperature`
-        (`megatron_tail.ops.safe_vocab.rule_log_rho`)."""
+        (`megatron_tail.ops.log_rho.rule_log_rho`)."""
         if self.adaptive_rho:
             raise ValueError('log_rho "auto" must be resolved to a number (the loop does) before use')
         return rule_log_rho(self.log_rho, temperature, self.safe_set_on)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, get_args
 
 import torch
 
@@ -35,14 +34,9 @@ from megatron_tail.algorithms._checks import (
     check_2d,
     check_bool_mask,
     check_float,
-    check_number,
     check_same_shape,
 )
-
-IsMode = Literal["none", "tis", "mis"]
-IsLevel = Literal["token", "sequence_product", "sequence_geomean"]
-IS_MODES: tuple[str, ...] = get_args(IsMode)
-IS_LEVELS: tuple[str, ...] = get_args(IsLevel)
+from megatron_tail.algorithms.options import IS_MODES, check_is_params
 
 
 @dataclass(frozen=True)
@@ -59,30 +53,6 @@ class ImportanceWeights:
     weights: torch.Tensor
     log_ratio: torch.Tensor
     vetoed: torch.Tensor
-
-
-def check_is_params(
-    mode: str,
-    level: str,
-    tis_cap: float,
-    mis_low: float,
-    mis_high: float,
-    veto_threshold: float,
-    prefix: str = "",
-) -> None:
-    """Raise `ValueError` naming the parameter if an importance-correction setting is out of range."""
-    if mode not in IS_MODES:
-        raise ValueError(f"{prefix}is_mode must be one of {IS_MODES}; got {mode!r}")
-    if level not in IS_LEVELS:
-        raise ValueError(f"{prefix}is_level must be one of {IS_LEVELS}; got {level!r}")
-    check_number(f"{prefix}tis_cap", tis_cap, low=1.0)
-    check_number(f"{prefix}mis_low", mis_low, low=0.0, high=1.0)
-    check_number(f"{prefix}mis_high", mis_high, low=1.0)
-    if not mis_low < mis_high:
-        raise ValueError(
-            f"{prefix}mis_low must be < mis_high; got mis_low={mis_low!r}, mis_high={mis_high!r}"
-        )
-    check_number(f"{prefix}veto_threshold", veto_threshold, low=0.0, high=1.0, high_inclusive=False)
 
 
 def log_importance_ratio(

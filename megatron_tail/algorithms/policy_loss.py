@@ -9,17 +9,15 @@ Ratios are of π^mp, the DVP-pruned policy, exactly as returned by the op: r = e
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple, get_args
+from typing import NamedTuple
 
 import torch
 
-from megatron_tail.algorithms._checks import check_float, check_number, check_same_shape
+from megatron_tail.algorithms._checks import check_float, check_same_shape
+from megatron_tail.algorithms.options import KL_ESTIMATORS, check_number
 
 LOG_RATIO_CLAMP = 20.0
 """|log r| and |log π/π_ref| are clamped at 20 before exp, so exp never overflows (gradient is 0 beyond)."""
-
-KlEstimator = Literal["k1", "k3"]
-KL_ESTIMATORS: tuple[str, ...] = get_args(KlEstimator)
 
 
 class PPOTerms(NamedTuple):

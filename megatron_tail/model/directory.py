@@ -18,12 +18,15 @@ from megatron_tail.utils.errors import UserError
 
 from .hf_config import HFArch, json_type, load_hf_config
 from .naming import hf_tensor_shapes
-from .safetensors_io import INDEX_FILE
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 """At least one of these holds the vocabulary (fast tokenizer, sentencepiece, BPE)."""
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 """Buffers some exporters save; the model recomputes them."""
+
+
+INDEX_FILE = "model.safetensors.index.json"
+"""HF's index of a sharded checkpoint (tensor name → file); `safetensors_io` writes and reads it."""
 
 
 def load_model_config(path: str | Path, key: str = "model.hf_path") -> HFArch:

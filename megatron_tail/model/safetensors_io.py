@@ -19,8 +19,9 @@ from typing import BinaryIO
 import torch
 from safetensors import safe_open
 
+from .directory import INDEX_FILE
+
 _DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
-INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
 

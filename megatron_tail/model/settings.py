@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
-from typing import Literal
-
-import torch
+from typing import TYPE_CHECKING, Literal
 
 from megatron_tail.ops.backend import BACKENDS, triton_unavailable
 from megatron_tail.utils.errors import UserError
+
+if TYPE_CHECKING:  # the methods import torch where they ask the host: loading a run's config does not
+    import torch
 
 Precision = Literal["bf16", "fp16", "fp32"]
 Recompute = Literal["none", "selective", "full"]
@@ -106,6 +107,8 @@ class ModelSettings:
     def check_host(self) -> None:
         """What these settings need of this machine, checked before megatron starts: UserError naming the
         run config's key (the trainer's tensors are on CUDA when it has a device, else on the CPU)."""
+        import torch
+
         device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.op_backend == "triton" and (problem := triton_unavailable(device)):
             here = ", and this machine has no CUDA device" if device == "cpu" else ""
@@ -123,10 +126,14 @@ class ModelSettings:
 
     def resolved_precision(self) -> Precision:
         """`precision` on this host (`precision_on`)."""
+        import torch
+
         return self.precision_on(torch.cuda.is_available())
 
     def resolved_dtype(self) -> torch.dtype:
         """The parameters' (and activations') dtype."""
+        import torch
+
         return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
             self.resolved_precision()
         ]
@@ -135,6 +142,8 @@ class ModelSettings:
         """`use_te` with the host default applied; raises if TE was asked for but is not installed."""
         have_te = importlib.util.find_spec("transformer_engine") is not None
         if self.use_te is None:
+            import torch
+
             return have_te and torch.cuda.is_available()
         if self.use_te and not have_te:
             raise ValueError(

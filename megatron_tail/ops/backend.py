@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # annotations only: a run's config checks `BACKENDS` without importing torch
+    import torch
 
 BACKENDS = ("auto", "triton", "torch")
 """`backend=` of both public ops (and `model.op_backend` of a run)."""

@@ -52,6 +52,7 @@ import torch.distributed as dist
 from . import masked_logprobs_math as chunk_math
 from . import sampling_support_math as support_math
 from .backend import load_kernels, resolve_backend
+from .log_rho import DEFAULT_LOG_RHO, check_log_rho, check_temperature
 from .masked_logprobs import (
     MaskedLogprobs,
     as_outputs,
@@ -67,7 +68,7 @@ from .masked_logprobs import (
     valid_columns,
 )
 from .matmul_accumulate import add_matmul_
-from .safe_vocab import DEFAULT_LOG_RHO, check_log_rho, check_temperature, rule_dtype
+from .safe_vocab import rule_dtype
 
 BLOCK_ELEMENTS = {"cpu": 1 << 18, "cuda": 1 << 24}
 """Logits per block (rows × vocabulary columns). A block's temporaries are a few float32 copies of it (the

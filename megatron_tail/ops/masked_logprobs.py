@@ -34,7 +34,8 @@ from . import masked_logprobs_math as chunk_math
 from . import sampling_support_math as support_math
 from . import triton_grad
 from .backend import load_kernels, resolve_backend
-from .safe_vocab import DEFAULT_LOG_RHO, check_log_rho, check_temperature, rule_dtype, safe_threshold
+from .log_rho import DEFAULT_LOG_RHO, check_log_rho, check_temperature
+from .safe_vocab import rule_dtype, safe_threshold
 
 CHUNK_ELEMENTS = {"cpu": 1 << 18, "cuda": 1 << 25}
 """Elements per chunk of tokens (rows = max(1, elements // V_local)); extra memory is O(chunk), never another
@@ -484,7 +485,7 @@ def vocab_parallel_masked_logprobs(
             then `-logprobs` equals megatron's `vocab_parallel_cross_entropy`.
         temperature: T > 0; logits are divided by T before the softmax, and the rule is applied on the
             same temperature-scaled distribution π_T (raw-logit window T·|log ρ|; see `safe_vocab`). For a
-            safe set on the raw logits instead, pass `safe_vocab.rule_log_rho(log ρ, T, "raw_logits")`.
+            safe set on the raw logits instead, pass `log_rho.rule_log_rho(log ρ, T, "raw_logits")`.
         vocab_size: true vocab size; columns at global ids ≥ vocab_size (megatron's padding) are excluded.
             Default: V_local · tp (no padding).
         tp_group: the tensor-parallel process group the vocab is sharded over; None: unsharded.

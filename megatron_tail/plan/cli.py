@@ -52,7 +52,7 @@ def add_plan_parser(subparsers) -> None:
     p.add_argument("--reserve-gib", type=float, default=6.0, help="per trainer GPU: context, NCCL, allocator")
     p.add_argument("--fs-write-gbps", type=float, default=2.0, help="assumed write bandwidth per node (GB/s)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    p.set_defaults(func=run_plan)
+    p.set_defaults(func=run_plan, uses_megatron=False)  # nor torch: it reads config.json files
 
 
 def cluster_from_args(args: argparse.Namespace, section=None):

@@ -26,7 +26,8 @@ from typing import Any
 import dill
 import torch
 
-from megatron_tail.ops.safe_vocab import apply_safe_vocab_, check_log_rho, check_temperature
+from megatron_tail.ops.log_rho import check_log_rho, check_temperature
+from megatron_tail.ops.safe_vocab import apply_safe_vocab_
 
 LOG_RHO_KEY = "log_rho"
 TEMPERATURE_KEY = "temperature"

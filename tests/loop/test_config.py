@@ -6,6 +6,7 @@ import math
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -19,6 +20,8 @@ from megatron_tail.config import (
     save_resolved_config,
 )
 from megatron_tail.utils.errors import UserError
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def write_yaml(tmp_path, data) -> str:
@@ -248,6 +251,24 @@ def test_loading_a_config_and_the_command_line_import_no_megatron():
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_loading_a_config_and_planning_a_run_import_no_torch():
+    """rl.sbatch reads the config (`mt_slurm.py config-get`) and plans the run on every job start, and
+    `megatron-tail plan` runs on login nodes: neither pays torch's import (1.5 s of CPU here)."""
+    code = (
+        "import sys; from megatron_tail.config import load_config; "
+        "cfg = load_config('examples/qwen3_8b_grpo_dvp.yaml', ['algorithm.log_rho=auto']); "
+        "from megatron_tail.cli import main; "
+        "rc = main(['plan', 'examples/qwen3_30b_a3b_grpo_dvp_r3.yaml', "
+        "'--set', 'model.hf_path=tests/plan/configs/qwen3_30b_a3b']); "
+        "assert rc == 0, rc; "
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton', 'megatron')); "
+        "assert not bad, bad[:5]"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "fits" in proc.stdout
 
 
 @pytest.mark.parametrize(

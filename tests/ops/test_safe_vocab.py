@@ -48,7 +48,7 @@ def test_safe_set_on_raw_logits_is_the_papers_max_plus_log_rho_on_both_sides():
     |log ρ|); with `rule_log_rho(..., "raw_logits")` the op, the fused op and the rollout processor all
     apply z ≥ max z + log ρ, and agree with each other."""
     from megatron_tail.ops import vocab_parallel_linear_masked_logprobs
-    from megatron_tail.ops.safe_vocab import rule_log_rho
+    from megatron_tail.ops.log_rho import rule_log_rho
 
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(6, 32, generator=g)

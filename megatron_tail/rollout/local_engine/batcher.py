@@ -37,11 +37,8 @@ from megatron_tail.rollout.local_engine.kv_cache import Fp8KVCache
 from megatron_tail.rollout.local_engine.logit_noise import add_tail_logit_noise_
 from megatron_tail.rollout.local_engine.requests import GenerateItem
 from megatron_tail.rollout.local_engine.routes import RouteRecorder
-from megatron_tail.rollout.local_engine.truncation import (
-    DEFAULT_SAMPLING_MASK_MAX_TOKENS,
-    batch_rule,
-    sample_truncated,
-)
+from megatron_tail.rollout.local_engine.sglang_defaults import DEFAULT_SAMPLING_MASK_MAX_TOKENS
+from megatron_tail.rollout.local_engine.truncation import batch_rule, sample_truncated
 from megatron_tail.rollout.processor import load_custom_logit_processor
 
 logger = logging.getLogger(__name__)

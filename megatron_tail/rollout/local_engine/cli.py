@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import logging
 
-from megatron_tail.rollout.local_engine.truncation import DEFAULT_SAMPLING_MASK_MAX_TOKENS, SAMPLING_BACKENDS
+from megatron_tail.rollout.local_engine.sglang_defaults import (
+    DEFAULT_SAMPLING_MASK_MAX_TOKENS,
+    SAMPLING_BACKENDS,
+)
 
 DEFAULT_HOST = "127.0.0.1"
 

@@ -36,7 +36,10 @@ from megatron_tail.rollout.local_engine.formats import QUANTIZATIONS, quantize_l
 from megatron_tail.rollout.local_engine.kv_cache import KV_CACHE_DTYPES
 from megatron_tail.rollout.local_engine.requests import GenerateItem
 from megatron_tail.rollout.local_engine.routes import RouteRecorder
-from megatron_tail.rollout.local_engine.truncation import DEFAULT_SAMPLING_MASK_MAX_TOKENS, SAMPLING_BACKENDS
+from megatron_tail.rollout.local_engine.sglang_defaults import (
+    DEFAULT_SAMPLING_MASK_MAX_TOKENS,
+    SAMPLING_BACKENDS,
+)
 from megatron_tail.rollout.local_engine.weights import load_named_tensors_, read_safetensors_dir
 from megatron_tail.rollout.routes import encode_routes
 

@@ -12,11 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_tail.rollout.local_engine.truncation import (
-    DEFAULT_SAMPLING_MASK_MAX_TOKENS,
-    TOP_K_ALL,
-    Truncation,
-)
+from megatron_tail.rollout.local_engine.sglang_defaults import DEFAULT_SAMPLING_MASK_MAX_TOKENS
+from megatron_tail.rollout.local_engine.truncation import TOP_K_ALL, Truncation
 
 
 class BadRequest(ValueError):

@@ -38,13 +38,10 @@ from dataclasses import dataclass
 
 import torch
 
-SAMPLING_BACKENDS = ("flashinfer", "pytorch")
-"""SGLang's sampling backends on CUDA (`srt/arg_groups/overrides.py`: flashinfer by default,
-`_deterministic_sampling_backend` forces pytorch)."""
+from .sglang_defaults import SAMPLING_BACKENDS
+
 TOP_K_ALL = 1 << 30
 """SGLang's `sampling_params.TOP_K_ALL`: top_k = -1 (the whole vocabulary)."""
-DEFAULT_SAMPLING_MASK_MAX_TOKENS = 4096
-"""SGLang's `--sampling-mask-max-tokens` default (`srt/arg_groups/fields/exec_.py`)."""
 
 
 @dataclass(frozen=True)
