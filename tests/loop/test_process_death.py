@@ -10,6 +10,7 @@ The run's processes are found by their environment (a marker only they inherit),
 
 from __future__ import annotations
 
+import logging
 import signal
 import subprocess
 import uuid
@@ -17,6 +18,7 @@ import uuid
 import psutil
 import pytest
 
+from megatron_tail.train.run import torchrun
 from megatron_tail.train.run.run_dir_lock import claim_run_dir
 from megatron_tail.train.run.torchrun import failure_outcome
 from megatron_tail.utils.errors import EXIT_PEER_LOST
@@ -178,3 +180,27 @@ def test_the_launchers_outcome_names_the_cause(tmp_path, failures, code, says):
             "so the run stopped without saving; the last complete checkpoint, "
             "/runs/x/checkpoints/step_000002, is kept (rerun the same command to resume)"
         )
+
+
+def test_torchruns_lines_about_a_death_are_dropped_and_a_forced_stop_only_after_one():
+    """The records are torchrun's own (`multiprocessing/api.py`, read here: a torch that rewords one
+    fails this test); a forced SIGKILL is one more line about a worker's death, and the one line about a
+    stop signal whose workers outlived `--shutdown-timeout`."""
+    import inspect
+
+    from torch.distributed.elastic.multiprocessing import api
+
+    source = inspect.getsource(api)
+    for msg in (*torchrun._REPLACED_RECORDS, torchrun._FORCED_RECORD):
+        assert f'"{msg}"' in source, msg
+
+    def shown(filt, msg, *args):
+        return filt.filter(logging.LogRecord(api.logger.name, logging.WARNING, "api.py", 1, msg, args, None))
+
+    stop = torchrun._DropReplacedRecords()  # a stop signal, no worker failed: the forced stop is news
+    assert not shown(stop, "Sending process %s closing signal %s", 11, "SIGTERM")
+    assert shown(stop, torchrun._FORCED_RECORD, 11, "SIGTERM", "SIGKILL")
+    death = torchrun._DropReplacedRecords()  # a worker died: every line about it is replaced by ours
+    assert not shown(death, torchrun._FAILED_RECORD, -9, 1, 12, "python")
+    assert not shown(death, torchrun._FORCED_RECORD, 11, "SIGTERM", "SIGKILL")
+    assert shown(death, "Starting elastic_operator with launch configs:")

@@ -51,19 +51,33 @@ ONE_LINE_CODES = (EXIT_USER_ERROR, EXIT_ABANDONED, EXIT_OUTSIDE_FAILURE, EXIT_PE
 """Exit codes whose cause was already printed as one line (by global rank 0, or by this launcher for
 `EXIT_PEER_LOST`): callers pass them on without a line of their own."""
 
-_REPLACED_RECORDS = (
-    "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s",
-    "Sending process %s closing signal %s",
-)
+_FAILED_RECORD = "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s"
+_REPLACED_RECORDS = (_FAILED_RECORD, "Sending process %s closing signal %s")
 """torchrun's log lines about a failed worker (`multiprocessing/api.py`, `SubprocessContext._poll` and
 `_close`) that `lost_rank_line` replaces with one line."""
+_FORCED_RECORD = "Unable to shutdown process %s via %s, forcefully exiting via %s"
+"""`SubprocessContext._close`: a survivor that had not exited 30 s after torchrun's SIGTERM gets SIGKILL.
+After a worker failed this is one more line about the same death (a survivor still computing on a loaded
+host reaches its next collective, which finds the peer gone, only later; `failure_outcome` names the first
+to die), so it is replaced as well. Without a failure (a stop signal) it stays: there it says a worker did
+not checkpoint within `--shutdown-timeout`."""
 
 
 TORCHRUN_DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 
 
 class _DropReplacedRecords(logging.Filter):
+    """Drops `_REPLACED_RECORDS`, and `_FORCED_RECORD` once a worker has failed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.worker_failed = False
+
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg == _FAILED_RECORD:
+            self.worker_failed = True
+        if record.msg == _FORCED_RECORD:
+            return not self.worker_failed
         return record.msg not in _REPLACED_RECORDS
 
 
