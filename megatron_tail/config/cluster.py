@@ -1,8 +1,9 @@
 """The job's layout on a Slurm cluster (the `cluster:` section of a run's YAML): which nodes roll out and
 which train, how the rollout servers split their GPUs, what one GPU holds. `slurm/rl.sbatch` starts that
 layout (it reads this section through `slurm/mt_slurm.py job-config`) and `megatron-tail plan` checks the
-same section, so the script and a check on the login node agree. `megatron-tail train` itself does not
-read it: under rl.sbatch the trainer gets its engines' URLs, and a run on one host starts its own engine.
+same section, so the script and a check on the login node agree. `megatron-tail train` checks it at load
+and saves it with the run's config, but does not use it: under rl.sbatch the trainer gets its engines'
+URLs, and a run on one host starts its own engine.
 
     cluster:
       nodes: 3                 # checked against the allocation (sbatch --nodes)
