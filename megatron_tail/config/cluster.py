@@ -1,6 +1,6 @@
 """The job's layout on a Slurm cluster (the `cluster:` section of a run's YAML): which nodes roll out and
 which train, how the rollout servers split their GPUs, what one GPU holds. `slurm/rl.sbatch` starts that
-layout (it reads this section through `slurm/mt_slurm.py job-config`) and `megatron-tail plan` checks the
+layout (it reads this section through `slurm/mt_slurm.py config-get`) and `megatron-tail plan` checks the
 same section, so the script and a check on the login node agree. `megatron-tail train` checks it at load
 and saves it with the run's config, but does not use it: under rl.sbatch the trainer gets its engines'
 URLs, and a run on one host starts its own engine.
@@ -18,6 +18,7 @@ key of this section is refused by name (`MOVED_ENVIRONMENT`), never read under t
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -38,20 +39,29 @@ PLAN_NODES, PLAN_GPUS_PER_NODE, PLAN_MEM_FRACTION = 2, 8, 0.85
 
 OWNED_SGLANG_FLAGS: Mapping[str, str] = {
     "--tp-size": "cluster.sglang.tp",
-    "--tp": "cluster.sglang.tp",
+    "--tensor-parallel-size": "cluster.sglang.tp",
     "--ep-size": "cluster.sglang.ep",
+    "--expert-parallel-size": "cluster.sglang.ep",
     "--ep": "cluster.sglang.ep",
     "--mem-fraction-static": "cluster.sglang.mem_fraction",
     "--dtype": "rollout.dtype",
     "--quantization": "rollout.quantization",
+    "--load-format": "rollout.quantization (fp8: flash_rl)",
     "--model-path": "model.hf_path",
+    "--model": "model.hf_path",
     "--sampling-mask-max-tokens": "rollout.sampling_mask_max_tokens",
     "--enable-deterministic-inference": "rollout.deterministic",
+    "--enable-return-routed-experts": "algorithm.routing_replay (r3)",
+    "--enable-custom-logit-processor": "rl.sbatch (DVP's logit processor)",
+    "--weight-version": "rl.sbatch (the trainer's weight versions)",
+    "--base-gpu-id": "rl.sbatch (each server task's GPUs)",
     "--host": "MT_BIND_HOST (the machine's)",
     "--port": "the job's port block (MT_PORT_BASE)",
 }
-"""SGLang flags that rl.sbatch sets from a key (`rollout.launch.build_sglang_server_command`): in
-`sglang.extra_args` they would be given twice, and SGLang's argparse keeps the last one silently."""
+"""SGLang flags that rl.sbatch sets (`rollout.launch.build_sglang_server_command`; a test keeps this
+table a superset of what it can emit, with SGLang's aliases): in `sglang.extra_args` they would be given
+twice, and SGLang's argparse keeps the last one silently. Its abbreviations (`--mem-fraction` for
+`--mem-fraction-static`) are refused too."""
 
 MOVED_ENVIRONMENT: Mapping[str, str] = {
     "MT_ROLLOUT_NODES": "cluster.rollout_nodes",
@@ -67,7 +77,7 @@ MOVED_ENVIRONMENT: Mapping[str, str] = {
     "MT_ROUTER": "cluster.sglang.router",
     "MT_ROUTER_POLICY": "cluster.sglang.router_policy",
     "MT_SGLANG_DTYPE": "rollout.dtype",
-    "MT_LOCAL_DTYPE": "rollout.dtype",
+    "MT_LOCAL_DTYPE": "rollout.dtype (local engines: else rollout.local_dtype)",
     "MT_LOCAL_THREADS": "rollout.local_num_threads",
     "MT_MODEL_PATH": "model.hf_path",
     "MT_RUN_DIR": "run_dir",
@@ -128,14 +138,30 @@ class SGLangServers:
         if not isinstance(self.router_policy, str) or not self.router_policy.strip():
             _bad("cluster.sglang", "router_policy", self.router_policy, "must name a router policy")
         for item in self.extra_args:
-            flag = item.split("=", 1)[0]
-            if flag in OWNED_SGLANG_FLAGS:
-                _bad(
-                    "cluster.sglang",
-                    "extra_args",
-                    list(self.extra_args),
-                    f"must not set {flag}: {OWNED_SGLANG_FLAGS[flag]} sets it",
-                )
+            self._check_extra_arg(item)
+
+    def _check_extra_arg(self, item: str) -> None:
+        """One argv item: not a flag a key owns (nor its abbreviation), not a flag with its value in one
+        item (SGLang would get "--x 2" as one token), no line break (rl.sbatch reads values by line)."""
+        args = list(self.extra_args)
+        if "\n" in item or "\r" in item:
+            _bad("cluster.sglang", "extra_args", args, "must not contain a line break")
+        if not item.startswith("--"):
+            return
+        flag = item.split("=", 1)[0]
+        if any(c.isspace() for c in flag):
+            _bad(
+                "cluster.sglang",
+                "extra_args",
+                args,
+                f"holds {item!r}: one argv item per list item, e.g. [{flag.split()[0]}, "
+                f"{' '.join(flag.split()[1:])!r}]",
+            )
+        owner = OWNED_SGLANG_FLAGS.get(flag) or next(
+            (OWNED_SGLANG_FLAGS[f] for f in OWNED_SGLANG_FLAGS if len(flag) > 3 and f.startswith(flag)), None
+        )
+        if owner is not None:
+            _bad("cluster.sglang", "extra_args", args, f"must not set {flag}: {owner} sets it")
 
 
 @dataclass(frozen=True)
@@ -187,14 +213,34 @@ class ClusterSection:
                 self.servers_per_node,
                 f"must be ≤ {MAX_SERVERS_PER_NODE} (ports)",
             )
-        if self.rollout_backend == "sglang" and self.gpus_per_node and self.gpus_per_node % self.sglang.tp:
+        if self.gpus_per_node:
+            self._check_gpus(self.gpus_per_node)
+        for name in ("gpu_memory_gib", "health_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                _bad("cluster", name, value, "must be a finite number > 0")
+
+    def _check_gpus(self, gpus: int) -> None:
+        """What `gpus` GPUs per node must hold: the servers' GPUs (with sglang) and the trainer's ranks."""
+        tp, servers = self.sglang.tp, self.servers_per_node
+        if self.rollout_backend == "sglang" and gpus % tp:
             _bad(
                 "cluster",
                 "gpus_per_node",
-                self.gpus_per_node,
-                f"must be a multiple of cluster.sglang.tp={self.sglang.tp} (GPUs per server)",
+                gpus,
+                f"must be a multiple of cluster.sglang.tp={tp} (GPUs per server)",
             )
-        for name in ("gpu_memory_gib", "health_timeout_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                _bad("cluster", name, value, "must be > 0")
+        if self.rollout_backend == "sglang" and servers is not None and servers * tp > gpus:
+            _bad(
+                "cluster",
+                "servers_per_node",
+                servers,
+                f"× cluster.sglang.tp={tp} must fit cluster.gpus_per_node={gpus}",
+            )
+        if self.trainer_procs_per_node is not None and self.trainer_procs_per_node > gpus:
+            _bad(
+                "cluster",
+                "trainer_procs_per_node",
+                self.trainer_procs_per_node,
+                f"must be ≤ cluster.gpus_per_node={gpus} (one trainer rank per GPU)",
+            )

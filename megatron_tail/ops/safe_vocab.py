@@ -12,9 +12,9 @@ logits), so that the same logits give bitwise the same safe set on both sides.
 Temperature convention: the safe set is defined on π_T, the distribution actually sampled, so the
 raw-logit window is T·|log ρ| (the default, `safe_set_on="sampled"`). The paper's text applies
 `max_logits + log ρ` without naming a temperature; `safe_set_on="raw_logits"` reads it on the raw logits
-(a window of |log ρ| whatever T), by handing the rule log ρ / T (`rule_log_rho`). Both sides get the same
-(log ρ, T), so they still agree bitwise. At T = 0.6 the two differ greatly (174 against 1129 tokens in a
-synthetic case).
+(a window of |log ρ| whatever T), by handing the rule log ρ / T (`log_rho.rule_log_rho`). Both sides get
+the same (log ρ, T), so they still agree bitwise. At T = 0.6 the two differ greatly (174 against 1129
+tokens in a synthetic case).
 """
 
 from __future__ import annotations

@@ -101,6 +101,11 @@ def run_plan(args: argparse.Namespace) -> int:
     refuse_moved_environment()  # a layout variable of earlier versions would be ignored here
     try:
         config = load_config(args.config, args.set)
+        if config.cluster.rollout_backend != "sglang":  # rl.sbatch skips the plan there too
+            raise UserError(
+                f"cluster.rollout_backend={config.cluster.rollout_backend}: the plan is of GPUs and SGLang "
+                "servers; the local CPU engines are not planned (rl.sbatch starts them without a plan)"
+            )
         if config.rollout.env is not None:  # as `train` does: the environment fails here, by name
             load_env_class(config.rollout.env)
         plan = make_plan(config, cluster_from_args(args, config.cluster))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from megatron_tail.config.cluster import PLAN_GPUS_PER_NODE, PLAN_MEM_FRACTION, PLAN_NODES
 from megatron_tail.config.schema import RunConfig
 from megatron_tail.model.directory import load_model_config
 from megatron_tail.model.moe_arch import check_expert_layout
@@ -30,8 +31,8 @@ class Cluster:
     (`config.cluster.ClusterSection`) with the plan's defaults where it leaves a value unset
     (`plan.cli.cluster_from_args`)."""
 
-    nodes: int = 2
-    gpus_per_node: int = 8
+    nodes: int = PLAN_NODES
+    gpus_per_node: int = PLAN_GPUS_PER_NODE
     gpu_memory_gib: float = 80.0
     """Capacity of one GPU (an H100 "80GB" has 80 GiB)."""
     rollout_nodes: int = 1
@@ -45,7 +46,7 @@ class Cluster:
     """`cluster.servers_per_node`; None: gpus_per_node / rollout_tp."""
     trainer_procs_per_node: int | None = None
     """`cluster.trainer_procs_per_node`: trainer GPUs per trainer node; None: gpus_per_node."""
-    mem_fraction: float = 0.85
+    mem_fraction: float = PLAN_MEM_FRACTION
     """`cluster.sglang.mem_fraction`: SGLang's `--mem-fraction-static`."""
     kv_cache_dtype: str = "auto"
     """SGLang's `--kv-cache-dtype` ("auto": the model dtype)."""
@@ -78,6 +79,16 @@ class Cluster:
             raise ValueError(
                 f"cluster.rollout_nodes={self.rollout_nodes} leaves no trainer node of "
                 f"cluster.nodes={self.nodes}"
+            )
+        if self.servers_per_node is not None and self.servers_per_node * self.rollout_tp > self.gpus_per_node:
+            raise ValueError(
+                f"cluster.servers_per_node={self.servers_per_node} × cluster.sglang.tp={self.rollout_tp} "
+                f"must fit cluster.gpus_per_node={self.gpus_per_node}"
+            )
+        if self.trainer_procs_per_node is not None and self.trainer_procs_per_node > self.gpus_per_node:
+            raise ValueError(
+                f"cluster.trainer_procs_per_node={self.trainer_procs_per_node} must be ≤ "
+                f"cluster.gpus_per_node={self.gpus_per_node} (one trainer rank per GPU)"
             )
         if self.gpus_per_node % self.rollout_tp:
             raise ValueError(

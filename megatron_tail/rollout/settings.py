@@ -47,8 +47,8 @@ class RolloutSection:
     dtype: EngineDtype | None = None
     """dtype of the rollout engines: the local engine's, and under `slurm/rl.sbatch` the servers' `--dtype`
     (SGLang's, or the local engine's with `cluster.rollout_backend: local`). "float16" with
-    `model.precision: fp16` is the fp16 remedy. None: `local_dtype` for the local engine the trainer
-    starts, bfloat16 for servers that `rl.sbatch` starts."""
+    `model.precision: fp16` is the fp16 remedy. None: `local_dtype` for local engines (the one the trainer
+    starts, and those of `rl.sbatch`'s local backend), bfloat16 for the SGLang servers `rl.sbatch` starts."""
     local_dtype: EngineDtype = "bfloat16"
     """dtype of the local engine when `dtype` is None (bf16: its log-probs differ from an fp32 trainer's,
     as on GPUs)."""

@@ -384,12 +384,33 @@ def test_packed_false_overrides_a_token_budget():
         ),
         (["cluster.sglang.mem_fraction=1.2"], r"cluster\.sglang\.mem_fraction must be in \(0, 1\)"),
         (["cluster.servers_per_node=9"], r"cluster\.servers_per_node must be ≤ 8 \(ports\); got 9"),
-        (["cluster.health_timeout_s=0"], r"cluster\.health_timeout_s must be > 0; got 0"),
+        (["cluster.health_timeout_s=0"], r"cluster\.health_timeout_s must be a finite number > 0; got 0"),
         (
             ["cluster.sglang.extra_args=[--ep-size, '2']"],
             r"cluster\.sglang\.extra_args must not set --ep-size: cluster\.sglang\.ep sets it",
         ),
         (["cluster.sglang.extra_args=[--dtype=half]"], r"must not set --dtype: rollout\.dtype sets it"),
+        (
+            ["cluster.sglang.extra_args=[--mem-fraction, '0.5']"],
+            r"must not set --mem-fraction: cluster\.sglang",
+        ),
+        (
+            ["cluster.sglang.extra_args=[--tensor-parallel-size, '2']"],
+            r"--tensor-parallel-size: cluster\.sglang\.tp",
+        ),
+        (
+            ["cluster.sglang.extra_args=--chunked-prefill-size 8192"],
+            r"one argv item per list item, e\.g\. \[",
+        ),
+        (
+            ["cluster.gpus_per_node=8", "cluster.servers_per_node=8", "cluster.sglang.tp=2"],
+            r"must fit cluster\.gpus",
+        ),
+        (
+            ["cluster.gpus_per_node=8", "cluster.trainer_procs_per_node=9"],
+            r"must be ≤ cluster\.gpus_per_node=8",
+        ),
+        (["cluster.health_timeout_s=inf"], r"cluster\.health_timeout_s must be a finite number > 0; got inf"),
         (
             ["cluster.sglang.tp_size=2"],
             r"unknown config key 'cluster\.sglang\.tp_size' in cluster\.sglang; valid keys here: tp, ep",

@@ -182,25 +182,32 @@ def test_the_launchers_outcome_names_the_cause(tmp_path, failures, code, says):
         )
 
 
-def test_torchruns_lines_about_a_death_are_dropped_and_a_forced_stop_only_after_one():
-    """The records are torchrun's own (`multiprocessing/api.py`, read here: a torch that rewords one
-    fails this test); a forced SIGKILL is one more line about a worker's death, and the one line about a
-    stop signal whose workers outlived `--shutdown-timeout`."""
+def test_torchruns_lines_about_a_death_are_dropped_and_a_forced_stop_only_after_a_stop_signal():
+    """The records are torchrun's own, in torchrun's order (read from its source: a torch that rewords or
+    reorders them fails this test); a forced SIGKILL is one more line about a worker's death, and the one
+    line about a stop signal whose workers outlived `--shutdown-timeout`."""
     import inspect
 
+    from torch.distributed.elastic.agent.server import api as agent
     from torch.distributed.elastic.multiprocessing import api
 
     source = inspect.getsource(api)
     for msg in (*torchrun._REPLACED_RECORDS, torchrun._FORCED_RECORD):
         assert f'"{msg}"' in source, msg
+    poll = inspect.getsource(api.SubprocessContext._poll)  # closes the others, then logs the failure
+    assert poll.index("self.close()") < poll.index(f'"{torchrun._FAILED_RECORD}"')
+    run = inspect.getsource(agent.SimpleElasticAgent.run)  # logs the signal, then closes the workers
+    assert run.index(f'"{torchrun._STOP_RECORD}"') < run.index("self._shutdown(e.sigval")
 
     def shown(filt, msg, *args):
         return filt.filter(logging.LogRecord(api.logger.name, logging.WARNING, "api.py", 1, msg, args, None))
 
-    stop = torchrun._DropReplacedRecords()  # a stop signal, no worker failed: the forced stop is news
-    assert not shown(stop, "Sending process %s closing signal %s", 11, "SIGTERM")
-    assert shown(stop, torchrun._FORCED_RECORD, 11, "SIGTERM", "SIGKILL")
     death = torchrun._DropReplacedRecords()  # a worker died: every line about it is replaced by ours
-    assert not shown(death, torchrun._FAILED_RECORD, -9, 1, 12, "python")
+    assert not shown(death, "Sending process %s closing signal %s", 11, "SIGTERM")
     assert not shown(death, torchrun._FORCED_RECORD, 11, "SIGTERM", "SIGKILL")
+    assert not shown(death, torchrun._FAILED_RECORD, -9, 1, 12, "python")
     assert shown(death, "Starting elastic_operator with launch configs:")
+    stop = torchrun._DropReplacedRecords()  # a stop signal: a worker that outlived the timeout is news
+    assert shown(stop, torchrun._STOP_RECORD, "SIGUSR1")
+    assert not shown(stop, "Sending process %s closing signal %s", 11, "SIGUSR1")
+    assert shown(stop, torchrun._FORCED_RECORD, 11, "SIGUSR1", "SIGKILL")

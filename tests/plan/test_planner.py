@@ -306,3 +306,28 @@ def test_the_op_backends_working_memory_is_what_the_op_allocates():
             assert torch_term - triton_term == 4 * fp32 * (1 << 24) - 2 * chunk
         else:  # 4 fp32 copies of a 2^25 chunk against 7 fp32 sums per token
             assert torch_term - triton_term == 4 * fp32 * (1 << 25) - 7 * fp32 * 16384
+
+
+def test_the_plan_refuses_a_layout_the_job_cannot_start(capsys):
+    """The section's layout as rl.sbatch would start it: servers and trainer ranks on the node's GPUs, and
+    only SGLang servers are planned (rl.sbatch starts local CPU engines without a plan)."""
+    model = ("--set", f"model.hf_path={QWEN3_8B}")
+    cases = [
+        (
+            ("--set", "cluster.servers_per_node=8", "--set", "cluster.sglang.tp=2"),
+            "cluster.servers_per_node × cluster.sglang.tp=2 must fit cluster.gpus_per_node=8",
+        ),
+        (
+            ("--set", "cluster.trainer_procs_per_node=16"),
+            "trainer_procs_per_node must be ≤ cluster.gpus_per_node=8",
+        ),
+        (
+            ("--gpus-per-node", "4", "--set", "cluster.trainer_procs_per_node=8"),
+            "must be ≤ cluster.gpus_per_node=4",
+        ),
+        (("--set", "cluster.rollout_backend=local"), "cluster.rollout_backend=local: the plan is of GPUs"),
+    ]
+    for args, says in cases:
+        rc = main(["plan", str(EXAMPLE_8B), *model, *args])
+        err = capsys.readouterr().err
+        assert rc == 2 and says in err and len(err.strip().splitlines()) == 1, (args, err)

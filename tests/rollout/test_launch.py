@@ -149,3 +149,25 @@ def test_deterministic_inference_is_opt_in():
     assert "--enable-deterministic-inference" not in build_sglang_server_command(cfg, python="python")
     det = SGLangServerConfig(model_path="/ckpt", port=31000, deterministic_inference=True)
     assert "--enable-deterministic-inference" in build_sglang_server_command(det, python="python")
+
+
+def test_the_flags_rl_sbatch_sets_are_refused_in_extra_args_under_every_sglang_spelling():
+    """`config.cluster.OWNED_SGLANG_FLAGS` holds every flag the server command can carry, with each alias
+    SGLang's own parser gives it: what `cluster.sglang.extra_args` refuses cannot drift from what is set."""
+    server_args = pytest.importorskip(
+        "sglang.srt.server_args", reason="sglang (sglang-cpu extra) parses its flags"
+    )
+    from megatron_tail.config.cluster import OWNED_SGLANG_FLAGS
+
+    everything = SGLangServerConfig(
+        model_path="/m", tp_size=2, ep_size=2, mem_fraction_static=0.8, deterministic_inference=True,
+        quantization="fp8", sampling_mask_max_tokens=64, return_routed_experts=True,
+    )  # fmt: skip
+    emitted = {a for a in build_sglang_server_command(everything, python="python") if a.startswith("--")}
+    # context length and the seed are the Python API's (rl.sbatch leaves them to extra_args)
+    assert emitted - {"--context-length", "--random-seed"} <= set(OWNED_SGLANG_FLAGS), emitted
+    parser = argparse.ArgumentParser()
+    server_args.ServerArgs.add_cli_args(parser)
+    for action in parser._actions:
+        if set(action.option_strings) & emitted:
+            assert set(action.option_strings) <= set(OWNED_SGLANG_FLAGS), action.option_strings

@@ -96,6 +96,11 @@ def test_the_layout_is_the_configs_and_checked_against_the_allocation(tmp_path):
     assert "ERROR: cluster.nodes=3, but the job has 2 nodes (sbatch --nodes)" in wrong.stdout, wrong.stdout
     gpus = _run(tmp_path, dry=False, SLURM_GPUS_ON_NODE="4")
     assert "ERROR: cluster.gpus_per_node=8, but the job has 4 GPUs per node" in gpus.stdout, gpus.stdout
+    # GPUs from Slurm alone (no cluster.gpus_per_node): the servers must still fit them
+    slurm_gpus = ("--set", "cluster.gpus_per_node=null", "--set", "cluster.sglang.tp=2")
+    crowded = _run(tmp_path, *slurm_gpus, "--set", "cluster.servers_per_node=8", dry=False)
+    assert "ERROR: 8 servers x cluster.sglang.tp=2 need more than the node's 8 GPUs" in crowded.stdout
+    assert crowded.returncode == 1 and crowded.srun_calls == []
 
 
 def test_a_layout_variable_of_an_earlier_version_is_refused_by_name(tmp_path):

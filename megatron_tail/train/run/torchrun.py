@@ -56,28 +56,32 @@ _REPLACED_RECORDS = (_FAILED_RECORD, "Sending process %s closing signal %s")
 """torchrun's log lines about a failed worker (`multiprocessing/api.py`, `SubprocessContext._poll` and
 `_close`) that `lost_rank_line` replaces with one line."""
 _FORCED_RECORD = "Unable to shutdown process %s via %s, forcefully exiting via %s"
-"""`SubprocessContext._close`: a survivor that had not exited 30 s after torchrun's SIGTERM gets SIGKILL.
-After a worker failed this is one more line about the same death (a survivor still computing on a loaded
-host reaches its next collective, which finds the peer gone, only later; `failure_outcome` names the first
-to die), so it is replaced as well. Without a failure (a stop signal) it stays: there it says a worker did
-not checkpoint within `--shutdown-timeout`."""
+"""`SubprocessContext._close`: a worker that had not exited 30 s (after a stop signal: `--shutdown-timeout`)
+after torchrun's signal gets SIGKILL. After a stop signal this says a worker did not checkpoint in time,
+and it stays. Otherwise torchrun is closing the survivors of a failed worker (`_poll` calls `close()`
+before it logs `_FAILED_RECORD`): a survivor still computing on a loaded host reaches the collective that
+finds its peer gone only later, and `failure_outcome` names the first to die, so the line is replaced too."""
+_STOP_RECORD = "Received %s death signal, shutting down workers"
+"""The agent's (`agent/server/api.py`, `SimpleElasticAgent.run`) before it closes the workers on a stop
+signal."""
 
 
 TORCHRUN_DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 
 
 class _DropReplacedRecords(logging.Filter):
-    """Drops `_REPLACED_RECORDS`, and `_FORCED_RECORD` once a worker has failed."""
+    """On torchrun's agent and process loggers: drops `_REPLACED_RECORDS`, and `_FORCED_RECORD` unless
+    a stop signal came first (`_STOP_RECORD`)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.worker_failed = False
+        self.stop_signalled = False
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.msg == _FAILED_RECORD:
-            self.worker_failed = True
+        if record.msg == _STOP_RECORD:
+            self.stop_signalled = True
         if record.msg == _FORCED_RECORD:
-            return not self.worker_failed
+            return self.stop_signalled
         return record.msg not in _REPLACED_RECORDS
 
 
@@ -94,7 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     marks = Path(tempfile.mkdtemp(prefix="mt-workers-"))
     os.environ[MARKS_ENV] = str(marks)  # the agent starts its workers with this environment
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_DropReplacedRecords())
+    lines = _DropReplacedRecords()
+    for name in ("agent.server.api", "multiprocessing.api"):
+        logging.getLogger(f"torch.distributed.elastic.{name}").addFilter(lines)
     try:
         run(args)
         return EXIT_OK
