@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -314,6 +315,11 @@ class DistributedWeightSync:
         engine_tp_sizes: TP size of each engine (its ranks are `rank_offset + tp_rank`, SGLang's
             `ModelRunner.init_weights_update_group`); None: `init_group` asks each server's `/server_info`
             for its `tp_size`.
+        group_name: the group's name on every engine and here; None: a new one per instance. An SGLang
+            server refuses a second group under a name it holds (torch's `_new_process_group_helper`:
+            "The specified group name has already been created", via SGLang's `init_custom_process_group`),
+            and a trainer that died without `destroy_group` leaves its group on a server that outlives it
+            (`rollout.engine: remote`): the resumed trainer's group gets a name of its own.
         backend: "nccl" on GPU clusters (tensors must be on this rank's GPU), "gloo" on CPU.
         bucket_mb: tensors are streamed in buckets of at most this size (one
             `/update_weights_from_distributed` per bucket), so the sender holds one bucket plus the tensor
@@ -333,7 +339,7 @@ class DistributedWeightSync:
         master_port: int | None = None,
         listen_socket: socket.socket | None = None,
         engine_tp_sizes: Sequence[int] | None = None,
-        group_name: str = "weight_update_group",
+        group_name: str | None = None,
         backend: str = "nccl",
         initial_version: str = "default",
         timeout_s: float = 1800.0,
@@ -360,7 +366,8 @@ class DistributedWeightSync:
             raise ValueError(f"master_port must be in 1..65535; got {master_port!r}")
         self.engine_tp_sizes: list[int] | None = None if engine_tp_sizes is None else list(engine_tp_sizes)
         self.master_address, self.master_port = master_address, int(master_port)
-        self.group_name, self.backend = group_name, backend
+        self.group_name = group_name or f"megatron_tail_weights_{uuid.uuid4().hex[:12]}"
+        self.backend = backend
         self.timeout_s = timeout_s
         self.weight_version = str(initial_version)
         self.group = None

@@ -89,6 +89,38 @@ def test_disk_and_distributed_updates_change_outputs_and_bump_weight_version(
     assert outputs(restored) == outputs(before) and {r.weight_version for r in restored} == {"12"}
 
 
+def test_a_resumed_trainer_forms_its_group_on_an_engine_a_dead_run_left_one_on(
+    server_pair, perturbed_model_dir
+):
+    """`rollout.engine: remote` engines outlive a trainer: one that died (no `destroy_group`) leaves its group
+    on them. The next trainer's group has a name of its own, so the engine takes it and its weights, where
+    the old name is refused as SGLang refuses it (torch: "group name has already been created")."""
+    a, _ = (s.url for s in server_pair)
+    tensors = sorted(read_safetensors_dir(perturbed_model_dir).items())
+
+    def sync(**kwargs):
+        return DistributedWeightSync(
+            [a], master_address="127.0.0.1", listen_socket=reserve_port(""), backend="gloo", **kwargs
+        )
+
+    async def scenario():
+        dead = sync(initial_version="30")
+        await dead.init_group()  # ...and its trainer dies: the engine keeps the group
+        same_name = sync(group_name=dead.group_name)
+        with pytest.raises(Exception, match="has already been created"):
+            await same_name.init_group()
+        resumed = sync(initial_version="40")
+        await resumed.init_group()
+        assert await resumed.update(tensors) == "41"
+        after = await sample(a, version="41")
+        for group in (resumed, dead):
+            await group.destroy_group()
+        return dead.group_name, resumed.group_name, after
+
+    dead_name, resumed_name, after = asyncio.run(scenario())
+    assert dead_name != resumed_name and len(after) == len(PROMPTS) * SAMPLING.n_samples
+
+
 def test_update_during_generation_aborts_and_client_retries_on_new_weights(server_pair, tiny_model_dir):
     urls = [s.url for s in server_pair]
     long_sampling = SamplingConfig(n_samples=2, max_new_tokens=80, ignore_eos=True, log_rho=-4.0, base_seed=5)

@@ -14,6 +14,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import errno
+import logging
 import socket
 import threading
 import time
@@ -31,6 +32,8 @@ from ..settings import RolloutSection
 from ..weight_sync import DiskWeightSync, DistributedWeightSync
 from .failures import EngineFailure, classify, engine_ended, limit_text, overflows_exhausted
 from .plan import Reporting, RolloutPlan
+
+logger = logging.getLogger(__name__)
 
 ENGINE_POLL_S = 0.5
 """While waiting for the engines, how often to check that the local engine process is still there: its
@@ -379,10 +382,23 @@ class Engines:
             self._drain()
             for client in (self.client, self.eval_client):
                 self.run(client.close())
+            self._leave_weight_group()
         finally:
             self.loop.close()
             if self.engine is not None:
                 self.engine.stop()
+
+    def _leave_weight_group(self) -> None:
+        """Remote engines outlive this run: ask them to drop its weight group (best effort, 10 s; a group
+        left behind by a run that died costs the server a little memory, not the next run's group, which
+        has a name of its own: `DistributedWeightSync.group_name`)."""
+        sync = self.weight_sync
+        if self.engine is not None or not isinstance(sync, DistributedWeightSync) or sync.group is None:
+            return
+        try:
+            self.run(asyncio.wait_for(sync.destroy_group(), timeout=10))
+        except Exception as error:  # leaving is a courtesy: the run's outcome stands
+            logger.warning("could not drop the weight-sync group on the engines: %s", error)
 
 
 async def _call(fn, *args):
