@@ -423,3 +423,38 @@ def test_the_local_engine_refuses_a_distributed_update_outside_a_session(tiny_mo
         return answers
 
     assert asyncio.run(scenario()) == [False, True, False, True, False]
+
+
+def test_the_service_drops_its_weight_group_on_remote_engines_only(caplog):
+    """`Engines.close` asks remote engines (which outlive the run) to drop the run's group, once it was
+    formed; a local engine dies with the run; a failure to drop is a warning, not the run's outcome."""
+    from types import SimpleNamespace
+
+    from megatron_tail.rollout.service.engines import Engines
+
+    class Recording(DistributedWeightSync):
+        def __init__(self, fail=False):
+            super().__init__(["http://127.0.0.1:1"], master_address="127.0.0.1", master_port=1)
+            self.dropped, self.fail = 0, fail
+
+        async def destroy_group(self):
+            self.dropped += 1
+            if self.fail:
+                raise aiohttp.ClientConnectionError("engine gone")
+
+    def close(engine, sync):
+        Engines._leave_weight_group(SimpleNamespace(engine=engine, weight_sync=sync, run=asyncio.run))
+        return sync.dropped
+
+    formed = Recording()
+    formed.group = object()
+    assert close(None, formed) == 1  # remote engines: dropped
+    local = Recording()
+    local.group = object()
+    assert close(object(), local) == 0  # the local engine goes with the run
+    assert close(None, Recording()) == 0  # never formed
+    gone = Recording(fail=True)
+    gone.group = object()
+    with caplog.at_level("WARNING"):
+        assert close(None, gone) == 1
+    assert "could not drop the weight-sync group on the engines: engine gone" in caplog.text
