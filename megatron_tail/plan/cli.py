@@ -14,16 +14,18 @@ import argparse
 import json
 import sys
 
-_CLUSTER_FLAGS = {
-    "nodes": "cluster.nodes",
-    "gpus_per_node": "cluster.gpus_per_node",
-    "gpu_memory_gib": "cluster.gpu_memory_gib",
-    "rollout_nodes": "cluster.rollout_nodes",
-    "rollout_tp": "cluster.sglang.tp",
-    "rollout_ep": "cluster.sglang.ep",
-    "mem_fraction": "cluster.sglang.mem_fraction",
-}
-"""Each layout flag → the config key it overrides."""
+from megatron_tail.config.cluster import PLAN_GPUS_PER_NODE, PLAN_MEM_FRACTION, PLAN_NODES
+
+_CLUSTER_FLAGS = (
+    "nodes",
+    "gpus_per_node",
+    "gpu_memory_gib",
+    "rollout_nodes",
+    "rollout_tp",
+    "rollout_ep",
+    "mem_fraction",
+)
+"""The layout flags (argparse names); each overrides the `cluster.*` key its help names."""
 
 
 def add_plan_parser(subparsers) -> None:
@@ -34,14 +36,19 @@ def add_plan_parser(subparsers) -> None:
     )
     p.add_argument("config")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
-    p.add_argument("--nodes", type=int, default=None, help="[cluster.nodes, else 2]")
-    p.add_argument("--gpus-per-node", type=int, default=None, help="[cluster.gpus_per_node, else 8]")
+    p.add_argument("--nodes", type=int, default=None, help=f"[cluster.nodes, else {PLAN_NODES}]")
+    p.add_argument(
+        "--gpus-per-node", type=int, default=None, help=f"[cluster.gpus_per_node, else {PLAN_GPUS_PER_NODE}]"
+    )
     p.add_argument("--gpu-memory-gib", type=float, default=None, help="per GPU [cluster.gpu_memory_gib]")
     p.add_argument("--rollout-nodes", type=int, default=None, help="[cluster.rollout_nodes]")
     p.add_argument("--rollout-tp", type=int, default=None, help="GPUs per SGLang server [cluster.sglang.tp]")
     p.add_argument("--rollout-ep", type=int, default=None, help="SGLang --ep-size (MoE) [cluster.sglang.ep]")
     p.add_argument(
-        "--mem-fraction", type=float, default=None, help="[cluster.sglang.mem_fraction, else 0.85]"
+        "--mem-fraction",
+        type=float,
+        default=None,
+        help=f"[cluster.sglang.mem_fraction, else {PLAN_MEM_FRACTION}]",
     )
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument(
@@ -58,12 +65,7 @@ def add_plan_parser(subparsers) -> None:
 def cluster_from_args(args: argparse.Namespace, section=None):
     """The `Cluster` of the config's `cluster:` section (`config.cluster.ClusterSection`; None: its
     defaults) with the parsed `plan` flags over it (ValueError naming a bad value)."""
-    from megatron_tail.config.cluster import (
-        PLAN_GPUS_PER_NODE,
-        PLAN_MEM_FRACTION,
-        PLAN_NODES,
-        ClusterSection,
-    )
+    from megatron_tail.config.cluster import ClusterSection
 
     from .planner import Cluster
 
