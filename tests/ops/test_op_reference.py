@@ -88,7 +88,8 @@ def test_gradcheck_float64(log_rho):
 def test_padded_columns_are_excluded_and_get_zero_gradient():
     logits, targets = make_logits(n=10, v=50)
     padded = torch.cat([logits, torch.full((10, 14), 100.0)], dim=1)  # garbage in megatron's padding
-    g_l, g_h = torch.randn(10), torch.randn(10)
+    gen = torch.Generator().manual_seed(1)  # not the global RNG: its state is whatever ran before here
+    g_l, g_h = torch.randn(10, generator=gen), torch.randn(10, generator=gen)
     out, grad = ours_and_grads(padded, targets, g_l, g_h, vocab_size=50)
     ref, ref_grad = reference_and_grads(logits, targets, g_l, g_h, log_rho=-13.0)
     for name in OUTPUTS:
@@ -212,7 +213,7 @@ def test_chunking_does_not_change_results(monkeypatch):
     import megatron_tail.ops.masked_logprobs as impl
 
     logits, targets = make_logits(n=37, v=64)
-    g = torch.randn(37)
+    g = torch.randn(37, generator=torch.Generator().manual_seed(1))
     base, base_grad = ours_and_grads(logits, targets, g, g)
     monkeypatch.setitem(impl.CHUNK_ELEMENTS, "cpu", 64 * 5)  # 5 rows per chunk, a ragged last chunk
     small, small_grad = ours_and_grads(logits, targets, g, g)
