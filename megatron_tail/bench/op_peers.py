@@ -51,11 +51,18 @@ def measure(
     """Median milliseconds and peak extra memory (bytes above what was allocated before) of `run()`, after one
     warm-up call; `prepare()` runs before each call, outside the timed region (a fresh clone for a variant
     that takes its input over), and its result is passed to `run`. On CUDA: CUDA events and
-    `torch.cuda.max_memory_allocated`; elsewhere wall time, and the peak of the tensor storage one more
-    call creates (`tensor_memory.LiveTensorBytes`, outside the timed calls: it slows every op)."""
+    `torch.cuda.max_memory_allocated`; elsewhere wall time, and the peak of the tensor storage of the warm-up
+    call (`tensor_memory.LiveTensorBytes`, which slows every op, so never a timed call): `repeats` + 1 calls
+    in all, as on CUDA."""
     cuda = torch.cuda.is_available()
     times, peak = [], 0
-    for i in range(repeats + 1):
+    if not cuda:  # the warm-up: nothing to compile or cache off CUDA that one untimed call would not
+        held = prepare() if prepare is not None else None
+        with LiveTensorBytes() as counted:
+            run() if held is None else run(held)
+        peak = counted.peak
+        del held
+    for i in range(repeats + 1 if cuda else repeats):
         held = prepare() if prepare is not None else None
         if cuda:
             torch.cuda.synchronize()
@@ -69,16 +76,11 @@ def measure(
             end.record()
             torch.cuda.synchronize()
         elapsed = start.elapsed_time(end) if cuda else (time.perf_counter() - t0) * 1e3
-        if i:  # the first call warms kernels and the caching allocator up
+        if i or not cuda:  # CUDA's first call warms kernels and the caching allocator up
             times.append(elapsed)
             if cuda:
                 peak = max(peak, torch.cuda.max_memory_allocated() - base)
         del held
-    if not cuda:
-        held = prepare() if prepare is not None else None
-        with LiveTensorBytes() as counted:
-            run() if held is None else run(held)
-        peak = counted.peak
     return {"ms": statistics.median(times), "peak_bytes": peak}
 
 

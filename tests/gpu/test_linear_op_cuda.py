@@ -76,12 +76,13 @@ def _shape(problem) -> str:
 
 
 def check_fused_equals_matmul_then_op(
-    problem, record_property, backend: str = "auto", repeats: int = 5
+    problem, record_property, backend: str = "auto", repeats: int = 5, measured: dict | None = None
 ) -> list[dict]:
     """Values and gradients agree (module docstring, `LAST_BIT`, `TOL`); time and peak memory of the fused
     op and of matmul + op in place against matmul + op, and against Liger's fused linear cross entropy where
     it is installed, into the table (`measure`'s median of `repeats`). The op's `backend` for both paths.
-    Returns the rows."""
+    Returns the rows; `measured` (a module's dict) keeps the fused op's and matmul + op's measurements for
+    `check_fused_saves_memory`, which would otherwise make the same two."""
     fused, fh, fw = run_path(True, *problem, backend=backend)
     ref, rh, rw = run_path(False, *problem, backend=backend)
     assert float(ref.safe_mass.min()) < 0.999 and not bool(ref.in_safe_set.all())  # DVP prunes
@@ -98,16 +99,16 @@ def check_fused_equals_matmul_then_op(
 
     shape = _shape(problem)
     baseline = measure(lambda: run_path(False, *problem, backend=backend), repeats=repeats)
+    fused = measure(lambda: run_path(True, *problem, backend=backend), repeats=repeats)
+    inplace = measure(lambda: run_path(False, *problem, inplace=True, backend=backend), repeats=repeats)
+    if measured is not None:
+        measured.update(fused=fused, matmul=baseline)
     rows = [
-        ratio_row(name, shape, measure(run, repeats=repeats), baseline, "matmul + op")
-        for name, run in (
-            ("fused output layer + op", lambda: run_path(True, *problem, backend=backend)),
-            ("matmul + op, in place", lambda: run_path(False, *problem, inplace=True, backend=backend)),
-        )
+        ratio_row("fused output layer + op", shape, fused, baseline, "matmul + op"),
+        ratio_row("matmul + op, in place", shape, inplace, baseline, "matmul + op"),
     ]
     liger = _liger_fused(*problem)
     if liger is not None:  # gpu only: Liger-Kernel is a CUDA library, not in the CPU environment
-        fused = measure(lambda: run_path(True, *problem, backend=backend))
         rows.append(
             ratio_row("fused output layer + op", shape, fused, measure(liger), "Liger fused linear CE")
         )
@@ -115,12 +116,18 @@ def check_fused_equals_matmul_then_op(
     return rows
 
 
-def check_fused_saves_memory(problem, record_property, backend: str = "auto", repeats: int = 5) -> dict:
+def check_fused_saves_memory(
+    problem, record_property, backend: str = "auto", repeats: int = 5, measured: dict | None = None
+) -> dict:
     """The fused op's peak extra memory (forward + backward) below matmul + op's on the same problem, both
-    measured by `measure` (CUDA's allocator; the storage counter elsewhere) with the op's `backend`; the row
-    goes to the table whatever the outcome. Returns both measurements."""
-    matmul = measure(lambda: run_path(False, *problem, backend=backend), repeats=repeats)
-    fused = measure(lambda: run_path(True, *problem, backend=backend), repeats=repeats)
+    measured by `measure` (CUDA's allocator; the storage counter elsewhere) with the op's `backend`, or taken
+    from `measured` where `check_fused_equals_matmul_then_op` left them; the row goes to the table whatever
+    the outcome. Returns both measurements."""
+    if measured and {"fused", "matmul"} <= measured.keys():
+        matmul, fused = measured["matmul"], measured["fused"]
+    else:
+        matmul = measure(lambda: run_path(False, *problem, backend=backend), repeats=repeats)
+        fused = measure(lambda: run_path(True, *problem, backend=backend), repeats=repeats)
     row = ratio_row("fused output layer + op, peak memory", _shape(problem), fused, matmul, "matmul + op")
     record_rows(record_property, [row])
     assert fused["peak_bytes"] < matmul["peak_bytes"], (fused["peak_bytes"], matmul["peak_bytes"])
@@ -150,9 +157,14 @@ def problem():
     return make_problem("cuda", TOKENS, QWEN3_8B_HIDDEN, QWEN3_VOCAB)
 
 
-def test_fused_output_layer_equals_matmul_then_op(problem, record_property):
-    check_fused_equals_matmul_then_op(problem, record_property)
+@pytest.fixture(scope="module")
+def measured() -> dict:
+    return {}
 
 
-def test_the_fused_output_layer_takes_less_memory_than_matmul_then_op(problem, record_property):
-    check_fused_saves_memory(problem, record_property)
+def test_fused_output_layer_equals_matmul_then_op(problem, record_property, measured):
+    check_fused_equals_matmul_then_op(problem, record_property, measured=measured)
+
+
+def test_the_fused_output_layer_takes_less_memory_than_matmul_then_op(problem, record_property, measured):
+    check_fused_saves_memory(problem, record_property, measured=measured)

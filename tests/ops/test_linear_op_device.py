@@ -30,11 +30,17 @@ def problem():
     return make_problem("cpu", TOKENS, HIDDEN, VOCAB)
 
 
-def test_fused_output_layer_equals_matmul_then_op(problem, record_property):
-    rows = check_fused_equals_matmul_then_op(problem, record_property, BACKEND, repeats=1)
+@pytest.fixture(scope="module")
+def measured() -> dict:
+    """The two measurements both tests need, made once (by the first; the second alone makes its own)."""
+    return {}
+
+
+def test_fused_output_layer_equals_matmul_then_op(problem, record_property, measured):
+    rows = check_fused_equals_matmul_then_op(problem, record_property, BACKEND, repeats=1, measured=measured)
     assert [r["what"] for r in rows] == ["fused output layer + op", "matmul + op, in place"]
     assert all(r["memory_ratio"] > 0 for r in rows)  # the CPU counts storage: both peaks are real
 
 
-def test_the_fused_output_layer_takes_less_memory_than_matmul_then_op(problem, record_property):
-    check_fused_saves_memory(problem, record_property, BACKEND, repeats=1)
+def test_the_fused_output_layer_takes_less_memory_than_matmul_then_op(problem, record_property, measured):
+    check_fused_saves_memory(problem, record_property, BACKEND, repeats=1, measured=measured)
