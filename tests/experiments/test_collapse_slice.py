@@ -19,11 +19,12 @@ SLICE = [
     "data.prompts_per_step=4",
     "rollout.max_new_tokens=4",
     "rollout.local_logit_noise=1.0",
+    "rollout.local_in_process=true",  # a test of the experiment, not of the engine's process
 ]
 
 
-def test_two_arms_two_steps_write_events_table_and_verdicts(tmp_path):
-    cache = tmp_path / "cache"
+def test_two_arms_two_steps_write_events_table_and_verdicts(tmp_path, ci_tail_cache):
+    cache = ci_tail_cache
 
     def run(out, arms=("naive", "dvp_mis")):
         return run_collapse(

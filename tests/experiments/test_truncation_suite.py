@@ -63,16 +63,20 @@ def _check_quick(out, steps: int) -> None:
     assert "| ignore_engine@top_p0.5 | 0/1 |" in text and "1 − Z_support, last 10" in text
 
 
-def test_quick_subset_on_the_ci_model(tmp_path):
+def test_quick_subset_on_the_ci_model(tmp_path, ci_tail_cache):
     out = tmp_path / "trunc"
     run_collapse(
         out,
-        tmp_path / "cache",
+        ci_tail_cache,
         suite="truncation",
         dials=truncation.QUICK["dials"],
         arms=truncation.QUICK["arms"],
         seeds=truncation.QUICK["seeds"],
-        overrides=[*truncation.QUICK["overrides"], "data.prompts_per_step=4"],
+        overrides=[
+            *truncation.QUICK["overrides"],
+            "data.prompts_per_step=4",
+            "rollout.local_in_process=true",  # a test of the experiment, not of the engine's process
+        ],
         jobs=1,
         model_size="ci",
         log=lambda _: None,
