@@ -80,6 +80,12 @@ class RolloutSection:
     """torch device of the local engine's model, e.g. "cuda" or "cuda:0" (its sampling stays on the host, so
     a seed draws the same tokens as on CPU). On one GPU beside the trainer, sync weights by disk
     (`weight_sync: disk`): NCCL refuses a second rank on the same device."""
+    local_in_process: bool = False
+    """Serve the local engine from a thread of the trainer's rank 0 instead of its own process
+    (`local_engine/in_process.py`): the same engine and HTTP server, without the ~7 s a CPU spends
+    importing torch and transformers into a new process, and without its isolation (it shares the trainer's
+    torch threads, so `local_num_threads` does not apply, and its memory). For tests and laptops; needs
+    `weight_sync: disk`."""
     max_new_tokens: int = 128
     """Longest response, in tokens (with `env`: longest model turn)."""
     env: str | None = None
@@ -348,6 +354,16 @@ class RolloutSection:
             _positive_int("rollout", "local_num_threads", self.local_num_threads)
         if not isinstance(self.local_device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.local_device):
             _bad("rollout", "local_device", self.local_device, 'must be "cpu", "cuda" or "cuda:N"')
+        if not isinstance(self.local_in_process, bool):
+            _bad("rollout", "local_in_process", self.local_in_process, "must be true or false")
+        if self.local_in_process and self.weight_sync != "disk":
+            _bad(
+                "rollout",
+                "local_in_process",
+                self.local_in_process,
+                f"needs rollout.weight_sync: disk (got {self.weight_sync!r}: the in-memory group's two ends "
+                "would be one process)",
+            )
         _positive_int("rollout", "max_new_tokens", self.max_new_tokens)
         self._check_truncation()
         _positive_int("rollout", "max_turns", self.max_turns)

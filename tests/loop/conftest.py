@@ -51,6 +51,13 @@ def engine(tiny_model_dir, tmp_path_factory):
         yield server
 
 
+ENGINE_IN_PROCESS = {"rollout.local_in_process": True}
+"""For a test about the run and not the engine's process: the local engine served by a thread of rank 0
+(`rollout/local_engine/in_process.py`; it draws what the process draws, `tests/rollout/
+test_client_local_engine.py`), which spares each run the ~7 s a new process spends importing torch and
+transformers. Tests about the process (its death, its log, what a stop leaves behind) keep the process."""
+
+
 def loop_overrides(model_dir, prompt_file, run_dir, extra: dict | None = None) -> list[str]:
     """A small, fast run: TP = 2, 4 prompts × 4 samples per step, ≤ 5 new tokens, 3 steps."""
     settings = {
@@ -76,8 +83,9 @@ def loop_overrides(model_dir, prompt_file, run_dir, extra: dict | None = None) -
 
 
 def train_with_torchrun(model_dir, prompt_file, root, extra: dict, *, nproc: int = 1):
-    """`megatron-tail train` under torchrun (`nproc` ranks) with `loop_overrides` + `extra` and a config file
-    of seed 7 and temperature 1; returns the finished process and the run directory `root/run`."""
+    """`megatron-tail train` under torchrun (`nproc` ranks) with `loop_overrides` + `ENGINE_IN_PROCESS` +
+    `extra` and a config file of seed 7 and temperature 1; returns the finished process and the run directory
+    `root/run`."""
     import os
     import subprocess
     import sys
@@ -87,7 +95,7 @@ def train_with_torchrun(model_dir, prompt_file, root, extra: dict, *, nproc: int
     config.write_text("seed: 7\nrollout:\n  temperature: 1.0\n")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     cmd += ["-m", "megatron_tail.cli", "train", str(config)]
-    for item in loop_overrides(model_dir, prompt_file, run_dir, extra):
+    for item in loop_overrides(model_dir, prompt_file, run_dir, {**ENGINE_IN_PROCESS, **extra}):
         cmd += ["--set", item]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300), run_dir

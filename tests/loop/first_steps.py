@@ -68,7 +68,7 @@ def record(case: str, root: Path, overrides: dict[str, str] | None = None) -> di
     from megatron_tail.rollout.columns import LOGPROBS, SUPPORT, VERSIONS
     from megatron_tail.train.run import session as session_module
     from megatron_tail.train.run.loop import LoopHooks, run
-    from tests.loop.conftest import loop_overrides
+    from tests.loop.conftest import ENGINE_IN_PROCESS, loop_overrides
 
     model, steps, extra = CASES[case]
     root.mkdir(parents=True)
@@ -80,6 +80,7 @@ def record(case: str, root: Path, overrides: dict[str, str] | None = None) -> di
         "train.steps": steps,
         "train.checkpoint_every": 100,
         "logging.tensorboard": False,
+        **ENGINE_IN_PROCESS,  # batching is the engine's, whichever way it is served
         **extra,
         **(overrides or {}),
     }

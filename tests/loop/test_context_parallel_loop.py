@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from megatron_tail.demo.run import read_scalars
-from tests.loop.conftest import loop_overrides
+from tests.loop.conftest import ENGINE_IN_PROCESS, loop_overrides
 
 pytestmark = pytest.mark.slow  # two torchrun runs (~1-2 min); CI runs the engine-level CP tests
 
@@ -30,7 +30,7 @@ def _run(tiny_model_dir, prompt_file, run_dir, cp: int):
         "algorithm.lopti": True,
         "algorithm.kl_coef": 0.05,  # the reference pass on CP shards, its log-probs in the loss
     }
-    overrides = loop_overrides(tiny_model_dir, prompt_file, run_dir, extra)
+    overrides = loop_overrides(tiny_model_dir, prompt_file, run_dir, {**ENGINE_IN_PROCESS, **extra})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cp}"]
     config = run_dir.parent / f"run_cp{cp}.yaml"
     config.write_text("seed: 7\nrollout:\n  temperature: 1.0\n")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 from megatron_tail.demo.run import read_scalars
-from tests.loop.conftest import loop_overrides
+from tests.loop.conftest import ENGINE_IN_PROCESS, loop_overrides
 from tests.loop.test_reliability import ENV, _train
 
 
@@ -37,6 +37,7 @@ def test_an_environment_failure_in_evaluation_is_counted_and_said(tiny_model_dir
         "train.eval_samples_per_prompt": 2,
         "train.steps": 1,
         "logging.tensorboard": True,
+        **ENGINE_IN_PROCESS,
     }
     code, output = _run(loop_overrides(tiny_model_dir, prompt_file, run_dir, settings))
     assert code == 0, output[-4000:]
@@ -55,7 +56,7 @@ def test_an_environment_failure_in_evaluation_is_counted_and_said(tiny_model_dir
 
 
 def test_without_eval_prompts_nothing_is_said_about_evaluation(tiny_model_dir, prompt_file, tmp_path):
-    settings = {"parallel.tensor_parallel": 1, "train.eval_every": 1, "train.steps": 1}
+    settings = {"parallel.tensor_parallel": 1, "train.eval_every": 1, "train.steps": 1, **ENGINE_IN_PROCESS}
     code, output = _run(loop_overrides(tiny_model_dir, prompt_file, tmp_path / "run", settings))
     assert code == 0, output[-4000:]
     assert "eval accuracy" not in output and "eval_acc" not in output, output[-4000:]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megatron_tail.demo.run import read_scalars
-from tests.loop.conftest import loop_overrides
+from tests.loop.conftest import ENGINE_IN_PROCESS, loop_overrides
 
 EPISODE_TAGS = [
     "rollout/turns_mean",
@@ -68,7 +68,7 @@ def _train(model_dir, prompt_file, run_dir, steps, managed=False):
         "train.eval_samples_per_prompt": 2,
         **(MANAGED if managed else {}),
     }
-    overrides = loop_overrides(model_dir, prompt_file, run_dir, extra)
+    overrides = loop_overrides(model_dir, prompt_file, run_dir, {**ENGINE_IN_PROCESS, **extra})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     cmd += ["-m", "megatron_tail.cli", "train", "-"]
     config = run_dir.parent / f"{run_dir.name}.yaml"

@@ -16,7 +16,7 @@ from megatron_tail.rollout import RolloutBatch
 from megatron_tail.rollout.columns import SUPPORT
 from megatron_tail.train.engine.checkpoint import read_rank0_object
 from megatron_tail.train.run.run_dir import complete_checkpoints
-from tests.loop.conftest import loop_overrides
+from tests.loop.conftest import ENGINE_IN_PROCESS, loop_overrides
 
 
 def _train(tiny_model_dir, prompt_file, tmp_path, extra: dict) -> tuple[subprocess.CompletedProcess, dict]:
@@ -26,7 +26,7 @@ def _train(tiny_model_dir, prompt_file, tmp_path, extra: dict) -> tuple[subproce
     config = tmp_path / "run.yaml"
     config.write_text("seed: 7\n")  # the rest comes from --set
     cmd += ["-m", "megatron_tail.cli", "train", str(config)]
-    for item in loop_overrides(tiny_model_dir, prompt_file, run_dir, extra):
+    for item in loop_overrides(tiny_model_dir, prompt_file, run_dir, {**ENGINE_IN_PROCESS, **extra}):
         cmd += ["--set", str(item)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)

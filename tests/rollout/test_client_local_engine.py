@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import threading
 
 import aiohttp
 import pytest
+import torch
 
 from megatron_tail.rollout import (
     ClientConfig,
@@ -16,6 +18,9 @@ from megatron_tail.rollout import (
     RolloutClient,
     SamplingConfig,
 )
+from megatron_tail.rollout.launch import LocalEngineConfig
+from megatron_tail.rollout.local_engine.in_process import LocalEngineThread
+from megatron_tail.utils.net import reserve_port
 from tests.rollout.servers import generate_groups, start_servers
 from tests.rollout.tiny_model import CONTEXT_LENGTH
 
@@ -70,6 +75,58 @@ def test_n_samples_come_back_with_distinct_seeds(server_pair):
     assert [[r.output_ids for r in g] for g in again] == [[r.output_ids for r in g] for g in results]
     other, _ = run(generate(urls[:1], PROMPTS, SamplingConfig(**{**sampling.__dict__, "base_seed": 8})))
     assert [[r.output_ids for r in g] for g in other] != [[r.output_ids for r in g] for g in results]
+
+
+def _flat(results):
+    return [
+        (r.key, r.output_ids, r.columns["rollout_logprobs"], r.weight_version) for g in results for r in g
+    ]
+
+
+def test_an_in_process_engine_draws_what_the_process_draws_and_leaves_nothing(
+    tiny_model_dir, server_pair, tmp_path
+):
+    """`rollout.local_in_process`: the same requests to the engine served by a thread of this process and to
+    a `serve-local` process (one torch thread each, bf16) come back the same, token for token and log-prob
+    for log-prob; once stopped, its threads are gone and its port is free."""
+    sampling = SamplingConfig(n_samples=4, max_new_tokens=12, temperature=1.0, log_rho=-4.0, base_seed=7)
+    sock = reserve_port()
+    port = sock.getsockname()[1]
+    config = LocalEngineConfig(model_path=str(tiny_model_dir), port=port, dtype="bfloat16", num_threads=1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the process's; a thread engine shares its process's
+    try:
+        with LocalEngineThread(config, tmp_path / "engine.log", listen_socket=sock) as engine:
+            ours, _ = run(generate([engine.url], PROMPTS, sampling))
+            assert engine.ended() is None and engine.describe().startswith(
+                f"the local engine on {engine.url}"
+            )
+    finally:
+        torch.set_num_threads(threads)
+    theirs, _ = run(generate([server_pair[0].url], PROMPTS, sampling))
+    assert [x[:2] for x in _flat(ours)] == [x[:2] for x in _flat(theirs)]
+    assert [x[2:] for x in _flat(ours)] == [x[2:] for x in _flat(theirs)]
+    assert len({tuple(x[1]) for x in _flat(ours)}) > 4  # they drew something to compare
+
+    assert engine.ended() == "was stopped"
+    alive = {t.name for t in threading.enumerate()}
+    assert not {f"local-engine-{port}", "local-engine-batcher"} & alive, alive
+    reserve_port("127.0.0.1", port).close()  # free again
+    assert engine.last_log_line().startswith("megatron-tail local engine serving")
+
+
+def test_an_in_process_engine_that_cannot_load_says_why(tmp_path):
+    sock = reserve_port()
+    config = LocalEngineConfig(model_path=str(tmp_path / "nowhere"), port=sock.getsockname()[1])
+    engine = LocalEngineThread(config, tmp_path / "engine.log", listen_socket=sock)
+    said = (
+        r"\(in this process, pid \d+\) failed: UserError: --model-path: model directory .* not found; log: "
+    )
+    with pytest.raises(RuntimeError, match=said):
+        engine.wait_healthy(timeout_s=60)
+    assert engine.ended().startswith("failed: UserError: --model-path: model directory ")
+    assert "UserError" in engine.last_log_line()
+    engine.stop()  # idempotent on an ended engine
 
 
 def test_server_killed_mid_batch_completes_on_the_other_server_exactly_once(

@@ -90,21 +90,38 @@ def serve_local(args: argparse.Namespace) -> int:
     import torch
     from aiohttp import web
 
-    from megatron_tail.model.directory import check_model_dir
-    from megatron_tail.rollout.local_engine.engine import LocalEngine
     from megatron_tail.rollout.local_engine.server import build_app
     from megatron_tail.utils.net import listen_on
     from megatron_tail.utils.parent_watch import die_with_parent_from_env
 
     die_with_parent_from_env()  # started by a trainer: never outlive it (not even its kill -9)
-    check_model_dir(args.model_path, key="--model-path")  # one named error, not a Hugging Face one
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if not 0 < args.port < 65536:
         raise SystemExit(f"--port must be in 1..65535; got {args.port}")
     sock = None if args.listen_fd is None else _inherited_socket(args)
     if args.num_threads is not None:
         torch.set_num_threads(args.num_threads)
-    engine = LocalEngine(
+    app = build_app(make_engine(args), max_batch=args.max_batch)
+    print(
+        f"megatron-tail local engine serving {args.model_path} on http://{args.host}:{args.port}", flush=True
+    )
+    if sock is None:
+        web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
+    else:  # aiohttp's SockSite: `loop.create_server(sock=...)` listens on the socket as bound
+        sock.set_inheritable(False)  # a process the engine starts must not keep its port
+        web.run_app(app, sock=listen_on(sock), print=None, access_log=None)
+    return 0
+
+
+def make_engine(args: argparse.Namespace):
+    """The `LocalEngine` of `serve-local`'s arguments (its model loaded): what the server process serves, and
+    what `in_process.LocalEngineThread` serves in the trainer's process."""
+    from megatron_tail.model.directory import check_model_dir
+    from megatron_tail.rollout.local_engine.engine import LocalEngine
+
+    check_model_dir(args.model_path, key="--model-path")  # one named error, not a Hugging Face one
+
+    return LocalEngine(
         args.model_path,
         dtype=args.dtype,
         weight_version=args.weight_version,
@@ -116,16 +133,11 @@ def serve_local(args: argparse.Namespace) -> int:
         sampling_backend=args.sampling_backend,
         enable_return_routed_experts=args.enable_return_routed_experts,
     )
-    app = build_app(engine, max_batch=args.max_batch)
-    print(
-        f"megatron-tail local engine serving {args.model_path} on http://{args.host}:{args.port}", flush=True
-    )
-    if sock is None:
-        web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
-    else:  # aiohttp's SockSite: `loop.create_server(sock=...)` listens on the socket as bound
-        sock.set_inheritable(False)  # a process the engine starts must not keep its port
-        web.run_app(app, sock=listen_on(sock), print=None, access_log=None)
-    return 0
+
+
+def parse_serve_local(argv: list[str]) -> argparse.Namespace:
+    """`serve-local`'s arguments `argv` (after `serve-local`) as its parser reads them, defaults included."""
+    return add_serve_local_parser(argparse.ArgumentParser().add_subparsers()).parse_args(argv)
 
 
 def _inherited_socket(args: argparse.Namespace):

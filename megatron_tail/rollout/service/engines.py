@@ -25,6 +25,7 @@ from megatron_tail.utils.net import reserve_port
 
 from ..client import RolloutClient, SupportOverflowsExhausted
 from ..launch import LocalEngineConfig, wait_until_healthy
+from ..local_engine.in_process import LocalEngineThread
 from ..local_engine.process import LocalEngineProcess
 from ..processor import DVPLogitProcessor
 from ..protocol import MissingRoutesError, SampleKey, SampleResult, SamplingConfig
@@ -63,7 +64,7 @@ class Engines:
         vocab_size: int,
         log_rho: float | None,
         reporting: Reporting,
-        engine: LocalEngineProcess | None = None,
+        engine: LocalEngineProcess | LocalEngineThread | None = None,
         weight_sync=None,
     ):
         self.settings, self.urls = settings, list(urls)
@@ -76,7 +77,7 @@ class Engines:
         """DVP's log ρ of the requests sent from now on (`set_log_rho`); None without DVP."""
         self.reporting, self.note = reporting, reporting.note
         self.engine = engine
-        """The local engine's process, or None (remote servers)."""
+        """The local engine's process (or thread: `rollout.local_in_process`), or None (remote servers)."""
         self.weight_sync = weight_sync
         self._counted: dict[str, int] = {}
         """The client's counters at the last batch (`client_metrics` logs what they added since)."""
@@ -129,7 +130,8 @@ class Engines:
         for client in (engines.client, engines.eval_client):  # a request on a dead local engine: one line
             client.server_ended = engines._local_engine_ended
         if local is not None:  # last: nothing after it can fail and leave the process behind
-            engines.engine = LocalEngineProcess(local, plan.local_engine_log, listen_socket=port)
+            serve = LocalEngineThread if r.local_in_process else LocalEngineProcess
+            engines.engine = serve(local, plan.local_engine_log, listen_socket=port)
         return engines
 
     # --- readiness, weights, ρ -------------------------------------------------------------------------
