@@ -301,6 +301,7 @@ def test_loading_a_config_and_planning_a_run_import_no_torch():
         ("rollout.weight_sync=nccl", r"rollout\.weight_sync must be one of \('disk', 'distributed'\)"),
         ("rollout.max_staleness=-1", r"rollout\.max_staleness must be an int ≥ 0 .*; got -1"),
         ("rollout.partial_rollouts=maybe", r"rollout\.partial_rollouts must be true or false; got 'maybe'"),
+        ("rollout.local_in_process=maybe", r"rollout\.local_in_process must be true or false; got 'maybe'"),
         ("data.max_sampling_rounds=0", r"data\.max_sampling_rounds must be an int ≥ 1; got 0"),
         ("data.max_sampling_rounds=65", r"data\.max_sampling_rounds must be ≤ 64; got 65"),
         ("algorithm.safe_set_on=probs", r"algorithm\.safe_set_on must be one of \('sampled', 'raw_logits'\)"),
@@ -354,6 +355,10 @@ def _get(data, dotted):
         ),
         (["model.recompute_num_layers=2"], r"recompute_num_layers.*recompute 'full'.*got 2"),
         (["model.recompute_modules=[attn]"], r"recompute_modules must be a non-empty subset"),
+        (
+            ["rollout.local_in_process=true", "rollout.weight_sync=distributed"],
+            r"rollout\.local_in_process needs rollout\.weight_sync: disk \(got .distributed.: .*\); got True$",
+        ),
     ],
 )
 def test_packing_and_recompute_settings_are_checked_at_load(overrides, pattern):
