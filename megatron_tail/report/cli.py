@@ -32,7 +32,7 @@ def add_report_parser(subparsers) -> argparse.ArgumentParser:
         metavar="LABEL",
         help="one legend label per run, in order, instead of their config differences (put after RUN_DIRs)",
     )
-    parser.set_defaults(func=report_command)
+    parser.set_defaults(func=report_command, uses_megatron=False)  # a missing directory: no torch import
     return parser
 
 
