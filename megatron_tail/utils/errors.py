@@ -55,7 +55,7 @@ class UserError(ValueError):
 
 def global_rank() -> int:
     """This process's global rank: torch.distributed's if initialised, else torchrun's `RANK`, else 0."""
-    if "torch.distributed" not in sys.modules:  # nothing initialised it (and a user's error need not wait 2 s)
+    if "torch.distributed" not in sys.modules:  # nothing initialised it; a user error need not wait 2 s
         return int(os.environ.get("RANK", "0") or 0)
     try:
         import torch.distributed as dist

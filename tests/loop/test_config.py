@@ -357,7 +357,8 @@ def _get(data, dotted):
         (["model.recompute_modules=[attn]"], r"recompute_modules must be a non-empty subset"),
         (
             ["rollout.local_in_process=true", "rollout.weight_sync=distributed"],
-            r"rollout\.local_in_process needs rollout\.weight_sync: disk \(got .distributed.: .*\); got True$",
+            r"rollout\.local_in_process needs rollout\.weight_sync: disk \(got .distributed.: .*\); "
+            r"got True$",
         ),
     ],
 )
