@@ -5,8 +5,8 @@ interpreter is on for the session (`tests/triton_interpreter.py` says why it mus
 one unit of work, kept on one worker, so a module-scoped set-up (an engine, a trained run) is made once, as
 in a serial run; the Slurm tests are one unit, since their session-scoped local cluster is one per machine
 (fixed daemons and ports, `tests/slurm/local_slurm.sh`). Units start in collection order
-(`--no-loadscope-reorder`), the Slurm unit first: it is the longest (4–5 min on 2 cores), and started last
-it would run alone at the end. (xdist's own `--dist loadgroup` cannot group here: it renames the items'
+(`--no-loadscope-reorder`), the Slurm unit first, then the longest files (`LONGEST_FIRST`): started last,
+one would run alone at the end. (xdist's own `--dist loadgroup` cannot group here: it renames the items'
 `_nodeid`, which pytest 9.2's `Node.nodeid` no longer reads, so each test became its own unit and module
 fixtures were made once per worker.)"""
 
@@ -22,6 +22,29 @@ if not torch.cuda.is_available():
 SERIAL_GROUPS = {"tests/slurm/": "slurm"}
 """Folders whose tests share one worker whatever their file: a set-up that exists once per machine. They
 are the longest units of work, so they start first."""
+
+
+LONGEST_FIRST = (
+    "tests/loop/test_one_generation_path.py",
+    "tests/loop/test_demo_launch.py",
+    "tests/loop/test_engine_failures.py",
+    "tests/experiments/test_truncation_suite.py",
+    "tests/ops/test_linear_op_device.py",
+    "tests/loop/test_end_to_end.py",
+    "tests/train/test_moe_checkpoint_reshard.py",
+    "tests/loop/test_process_death.py",
+    "tests/loop/test_cli_signal.py",
+    "tests/loop/test_agentic_exactly_once.py",
+    "tests/loop/test_multiturn_loop.py",
+    "tests/experiments/test_collapse_slice.py",
+    "tests/report/test_report.py",
+    "tests/loop/test_resume_config.py",
+    "tests/loop/test_reliability.py",
+    "tests/loop/test_resume.py",
+)
+"""The longest units after `SERIAL_GROUPS`, longest first (`--durations` of a `make test` run on 2 cores): a
+worker that starts one of them last would run alone at the end. Only the order depends on it: a file it
+does not name (a new or renamed one) runs after these, in collection order."""
 
 
 def unit_of_work(nodeid: str) -> str:
@@ -49,8 +72,8 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_collection_modifyitems(config, items):  # noqa: ARG001 - pytest hook signature
-    first = set(SERIAL_GROUPS.values())
-    items.sort(key=lambda item: unit_of_work(item.nodeid) not in first)  # stable: files keep their order
+    rank = {unit: i for i, unit in enumerate([*SERIAL_GROUPS.values(), *LONGEST_FIRST])}
+    items.sort(key=lambda item: rank.get(unit_of_work(item.nodeid), len(rank)))  # stable: the rest in order
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(
