@@ -13,6 +13,7 @@ from tests.gpu.test_linear_op_cuda import (
     check_fused_equals_matmul_then_op,
     check_fused_saves_memory,
     make_problem,
+    shared_measurements,
 )
 from tests.triton_interpreter import UNDER_INTERPRETER
 
@@ -33,7 +34,7 @@ def problem():
 @pytest.fixture(scope="module")
 def measured() -> dict:
     """The two measurements both tests need, made once (by the first; the second alone makes its own)."""
-    return {}
+    return shared_measurements()
 
 
 def test_fused_output_layer_equals_matmul_then_op(problem, record_property, measured):
