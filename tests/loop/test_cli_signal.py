@@ -1,5 +1,7 @@
 """The real launcher: SIGUSR1 to the torchrun workers (as Slurm's `--signal` sends it) → the step finishes, a
-checkpoint is written, every process exits 0; rerunning the same command resumes at the next step."""
+checkpoint is written, every process exits 0; rerunning the same command resumes at the next step. The
+local engine is served in process (`ENGINE_IN_PROCESS`): that its process goes with the run on a stop is
+`test_demo_launch`'s and `test_process_death`'s to show."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import sys
 
 import psutil
 
-from tests.loop.conftest import loop_overrides
+from tests.loop.conftest import ENGINE_IN_PROCESS, loop_overrides
 
 
 def _command(config, overrides):
@@ -29,7 +31,10 @@ def test_sigusr1_to_workers_checkpoints_exits_0_and_resumes(tiny_model_dir, prom
     config = tmp_path / "run.yaml"
     config.write_text("seed: 3\n")
     overrides = loop_overrides(
-        tiny_model_dir, prompt_file, run_dir, {"train.steps": 200, "train.checkpoint_every": 1000}
+        tiny_model_dir,
+        prompt_file,
+        run_dir,
+        {"train.steps": 200, "train.checkpoint_every": 1000, **ENGINE_IN_PROCESS},
     )
     proc = subprocess.Popen(
         _command(config, overrides), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
