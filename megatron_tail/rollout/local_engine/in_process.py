@@ -19,15 +19,14 @@ import asyncio
 import os
 import socket
 import threading
-import time
 import traceback
-import urllib.request
 from pathlib import Path
 
 from megatron_tail.rollout.launch import LocalEngineConfig, build_local_engine_command
 from megatron_tail.utils.net import listen_on, reserve_port
 
 from .cli import make_engine, parse_serve_local
+from .process import answers_health
 
 
 class LocalEngineThread:
@@ -128,15 +127,8 @@ class LocalEngineThread:
 
     def wait_healthy(self, timeout_s: float = 120.0) -> LocalEngineThread:
         """Block until `/health` answers 200; RuntimeError if the thread ends first."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            self.check_alive()
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=1) as resp:
-                    if resp.status == 200:
-                        return self
-            except OSError:
-                time.sleep(0.05)
+        if answers_health(self.url, self.check_alive, timeout_s, interval_s=0.05):
+            return self
         raise TimeoutError(f"{self.describe()} not healthy after {timeout_s} s; log: {self.log_path}")
 
     def stop(self, timeout_s: float = 15.0) -> None:

@@ -127,15 +127,8 @@ class LocalEngineProcess:
 
     def wait_healthy(self, timeout_s: float = 120.0) -> LocalEngineProcess:
         """Block until `/health` answers 200; RuntimeError (with the log tail) if the process exits."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            self.check_alive()
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=1) as resp:
-                    if resp.status == 200:
-                        return self
-            except OSError:
-                time.sleep(0.2)
+        if answers_health(self.url, self.check_alive, timeout_s, interval_s=0.2):
+            return self
         raise TimeoutError(f"local engine on {self.url} not healthy after {timeout_s} s:\n{self._log_tail()}")
 
     def kill(self) -> None:
@@ -165,6 +158,21 @@ class LocalEngineProcess:
     def _log_tail(self, chars: int = 3000) -> str:
         self._log.flush()
         return self.log_path.read_text()[-chars:]
+
+
+def answers_health(url: str, check_alive, timeout_s: float, *, interval_s: float) -> bool:
+    """Whether `url`/health answers 200 within `timeout_s`, asked every `interval_s`; `check_alive()` runs
+    before each try and raises when the engine has ended (no waiting out the limit on a dead engine)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        check_alive()
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=1) as resp:
+                if resp.status == 200:
+                    return True
+        except OSError:
+            time.sleep(interval_s)
+    return False
 
 
 def start_local_engines(
