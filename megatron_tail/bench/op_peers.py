@@ -62,7 +62,8 @@ def measure(
             run() if held is None else run(held)
         peak = counted.peak
         del held
-    for i in range(repeats + 1 if cuda else repeats):
+    warm_ups = 1 if cuda else 0  # CUDA's first call warms kernels and the caching allocator up
+    for i in range(warm_ups + repeats):
         held = prepare() if prepare is not None else None
         if cuda:
             torch.cuda.synchronize()
@@ -76,7 +77,7 @@ def measure(
             end.record()
             torch.cuda.synchronize()
         elapsed = start.elapsed_time(end) if cuda else (time.perf_counter() - t0) * 1e3
-        if i or not cuda:  # CUDA's first call warms kernels and the caching allocator up
+        if i >= warm_ups:
             times.append(elapsed)
             if cuda:
                 peak = max(peak, torch.cuda.max_memory_allocated() - base)

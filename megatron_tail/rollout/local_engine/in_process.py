@@ -26,7 +26,7 @@ from megatron_tail.rollout.launch import LocalEngineConfig, build_local_engine_c
 from megatron_tail.utils.net import listen_on, reserve_port
 
 from .cli import make_engine, parse_serve_local
-from .process import answers_health
+from .process import answers_health, last_line_of
 
 
 class LocalEngineThread:
@@ -100,7 +100,7 @@ class LocalEngineThread:
     def ended(self, grace_s: float = 0.0) -> str | None:
         """How the serving thread ended ("failed: ...", "was stopped"), waiting up to `grace_s`; None while
         it serves."""
-        self._thread.join(timeout=grace_s if grace_s > 0 else 0)
+        self._thread.join(timeout=grace_s)
         if self._thread.is_alive():
             return None
         if self._error is not None:
@@ -113,12 +113,7 @@ class LocalEngineThread:
 
     def last_log_line(self, limit: int = 300) -> str:
         """The last non-blank line of the log; "" if there is none."""
-        try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return ""
-        line = next((x.strip() for x in reversed(lines) if x.strip()), "")
-        return line if len(line) <= limit else line[: limit - 1] + "…"
+        return last_line_of(self.log_path, limit)
 
     def check_alive(self) -> None:
         """RuntimeError with the log's last line if the thread has ended."""

@@ -108,14 +108,7 @@ class LocalEngineProcess:
     def last_log_line(self, limit: int = 300) -> str:
         """The last non-blank line of the log (its engine's own last words, e.g. the error it exited with),
         shortened to `limit` characters; "" if there is none."""
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(max(0, f.seek(0, os.SEEK_END) - 8192))
-                lines = f.read().decode("utf-8", errors="replace").splitlines()
-        except OSError:
-            return ""
-        line = next((x.strip() for x in reversed(lines) if x.strip()), "")
-        return line if len(line) <= limit else line[: limit - 1] + "…"
+        return last_line_of(self.log_path, limit)
 
     def check_alive(self) -> None:
         """RuntimeError with the log tail if the process has exited."""
@@ -158,6 +151,19 @@ class LocalEngineProcess:
     def _log_tail(self, chars: int = 3000) -> str:
         self._log.flush()
         return self.log_path.read_text()[-chars:]
+
+
+def last_line_of(path: Path, limit: int = 300) -> str:
+    """The last non-blank line of the file `path` (read from its last 8 KiB), shortened to `limit`
+    characters; "" if there is none or no file."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 8192))
+            lines = f.read().decode("utf-8", errors="replace").splitlines()
+    except OSError:
+        return ""
+    line = next((x.strip() for x in reversed(lines) if x.strip()), "")
+    return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
 def answers_health(url: str, check_alive, timeout_s: float, *, interval_s: float) -> bool:
