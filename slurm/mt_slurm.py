@@ -148,7 +148,7 @@ def serve(args: argparse.Namespace) -> int:
             num_threads=args.num_threads,
             quantization=args.quantization,
             sampling_mask_max_tokens=args.sampling_mask_max_tokens,
-            # as SGLang: --enable-deterministic-inference forces its PyTorch sampler (rollout/settings.py)
+            # as SGLang: --enable-deterministic-inference forces its PyTorch sampler (rollout.deterministic)
             sampling_backend="pytorch" if args.deterministic else "flashinfer",
             return_routed_experts=args.return_routed_experts,
         )
@@ -263,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--extra-args", default="", help="further SGLang flags, one shell-quoted string")
     p.add_argument(
-        "--sampling-mask-max-tokens", type=int, default=None, help="rollout.sampling_mask_max_tokens"
+        "--sampling-mask-max-tokens", type=int, default=None, help="rollout.sampling.mask_max_tokens"
     )
     p.add_argument(
         "--deterministic",

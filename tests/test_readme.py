@@ -118,8 +118,10 @@ def config_keys(text: str) -> list[str]:
 
 
 def key_problems(text: str) -> list[str]:
+    """Dotted names in `text` that are neither a config key nor a section of keys (`rollout.sampling`)."""
     keys = set(all_keys())
-    return sorted({key for key in config_keys(text) if key not in keys})
+    sections = {key.rsplit(".", n)[0] for key in keys for n in range(1, key.count("."))}
+    return sorted({key for key in config_keys(text) if key not in keys | sections})
 
 
 def slug(heading: str) -> str:
@@ -201,6 +203,9 @@ def test_key_check_catches_a_made_up_key_and_skips_paths():
         "train.run.torchrun",
     ]
     assert key_problems(sample) == ["train.run.torchrun"]
+    assert key_problems("the `rollout.sampling` section, `cluster.sglang`, `rollout.samplin`") == [
+        "rollout.samplin"
+    ]
     assert key_problems("`algorithm.log_rhoo` and `model.bf16` (moved to model.precision)") == [
         "algorithm.log_rhoo",
         "model.bf16",

@@ -86,7 +86,7 @@ class AlgorithmConfig:
     stapo_tau_h_quantile: float = 0.05
     """Quantile of the valid tokens' entropy used as τ_h when `stapo_tau_h` is None, in [0, 1]."""
 
-    # --- truncated sampling (rollout.top_k / top_p / min_p) and θ_old: ablation switches
+    # --- truncated sampling (rollout.sampling.top_k / top_p / min_p) and θ_old: ablation switches
     sampling_support: SamplingSupport = "replay"
     """How the trainer scores samples drawn from a truncated distribution: "replay" (θ_old, the update and
     the reference normalise over the support the engine sampled each token from, so π_train and the

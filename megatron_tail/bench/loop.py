@@ -96,7 +96,7 @@ class Arm:
     partial: bool = False
     """`rollout.partial_rollouts`."""
     env: str | None = None
-    """`rollout.env` (the agentic workload) or None (single-turn)."""
+    """`rollout.env.name` (the agentic workload) or None (single-turn)."""
     pause_mode: str = "retract"
     """`rollout.pause_mode` (matters with `partial` only): the config's default unless the arm compares
     modes."""
@@ -135,7 +135,7 @@ def loop_overrides(model_dir: Path, prompts: Path, run_dir: Path, arm: Arm, step
         "model.precision": "fp32",
         "model.vocab_pad_multiple": 128,
         "rollout.engine": "local",
-        "rollout.local_num_threads": 1,
+        "rollout.local.num_threads": 1,
         "rollout.max_new_tokens": LONG_TAIL_MAX_NEW_TOKENS,
         "rollout.max_staleness": arm.staleness,
         "rollout.partial_rollouts": arm.partial,
@@ -161,12 +161,12 @@ def loop_overrides(model_dir: Path, prompts: Path, run_dir: Path, arm: Arm, step
     }
     if arm.env is not None:
         settings.update({
-            "rollout.env": arm.env,
-            "rollout.max_turns": AGENTIC_MAX_TURNS,
+            "rollout.env.name": arm.env,
+            "rollout.env.max_turns": AGENTIC_MAX_TURNS,
             "rollout.max_new_tokens": AGENTIC_MAX_NEW_TOKENS,
-            "rollout.max_observation_tokens": AGENTIC_MAX_OBSERVATION_TOKENS,
-            "rollout.top_p": 0.95,
-            "rollout.top_k": 20,
+            "rollout.env.max_observation_tokens": AGENTIC_MAX_OBSERVATION_TOKENS,
+            "rollout.sampling.top_p": 0.95,
+            "rollout.sampling.top_k": 20,
             "rollout.max_concurrency": LOOP_MAX_CONCURRENCY * GROUP_SIZE,  # episodes: the same groups
         })  # fmt: skip
     return [f"{k}={v}" for k, v in settings.items()]

@@ -16,7 +16,7 @@ Lengths are therefore geometric per mode, capped at `max_new_tokens`: easy promp
 `EASY_MARKER`) mean ≈ 1/`EASY_EOS_P`, hard ones (`HARD_MARKER`) ≈ 4× longer. Half the prompts are hard
 (`write_prompt_mix`). A "hard sample" is one whose prompt ends with the hard marker.
 
-Multi-turn (the agentic arm, `rollout.env: calculator`): `<tool_call>` is emitted with probability
+Multi-turn (the agentic arm, `rollout.env.name: calculator`): `<tool_call>` is emitted with probability
 `TOOL_CALL_P` per token in either mode; a turn with one is a (malformed) tool-call attempt, which the
 calculator environment answers with an error observation, so the episode goes on to another turn. The newline
 (the last token of every observation: `<|im_start|>assistant\\n`) and `<tool_call>` are neutral (coordinate 1

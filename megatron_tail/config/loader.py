@@ -25,6 +25,7 @@ from typing import Any, Literal, Union
 import yaml
 
 from megatron_tail.config.schema import RunConfig
+from megatron_tail.rollout.settings import MOVED_KEYS as ROLLOUT_MOVED_KEYS
 from megatron_tail.utils.errors import UserError
 
 RESOLVED_CONFIG_NAME = "config.yaml"
@@ -127,6 +128,9 @@ def all_keys(cls: type = RunConfig, prefix: str = "") -> list[str]:
 
 def _build(cls: type, data: Any, prefix: str) -> Any:
     where = prefix.rstrip(".") or "the top level"
+    if where in MOVED_KEYS and (isinstance(data, _CliValue) or not isinstance(data, Mapping | None)):
+        value = data.raw if isinstance(data, _CliValue) else data
+        raise ConfigError(f"config key {where!r} is a section now: set {MOVED_KEYS[where]}: {value!r}")
     if isinstance(data, _CliValue):
         raise ConfigError(f"{where} is a section; set its keys ({where}.<key>=...) instead of {data.raw!r}")
     if data is None:
@@ -284,6 +288,8 @@ def _check_path(cls: type, parts: list[str]) -> None:
             raise ConfigError(_unknown_key_message(node, prefix, part))
         node = _dataclass_in(hints[part])
     if node is not None:
+        if (dotted := ".".join(parts)) in MOVED_KEYS:
+            raise ConfigError(f"config key {dotted!r} is a section now: set {MOVED_KEYS[dotted]}")
         raise ConfigError(
             f"{'.'.join(parts)} is a section; set one of its keys, "
             f"e.g. {all_keys(node, '.'.join(parts) + '.')[0]}"
@@ -292,9 +298,11 @@ def _check_path(cls: type, parts: list[str]) -> None:
 
 MOVED_KEYS = {
     "model.bf16": "model.precision (bf16: true → precision: bf16; bf16: false → precision: fp32)",
+    **ROLLOUT_MOVED_KEYS,
 }
 """Keys of an earlier spelling → where they live now: such a key is refused in one line naming its new
-place, instead of being read under two names."""
+place, instead of being read under two names. A key that is now a section's name (`rollout.weight_sync`)
+is refused the same way when it is given a value instead of keys (`_build`)."""
 
 
 def _unknown_key_message(cls: type, prefix: str, name: str) -> str:

@@ -250,23 +250,28 @@ class RunConfig:
                 self.algorithm.overlong_buffer,
                 f"must be ≤ rollout.max_new_tokens={self.rollout.max_new_tokens} (it ends at the limit)",
             )
-        if self.rollout.env is not None and self.algorithm.overlong_buffer > 0:
+        if self.rollout.env.name is not None and self.algorithm.overlong_buffer > 0:
             _bad(
                 "algorithm",
                 "overlong_buffer",
                 self.algorithm.overlong_buffer,
-                "must be 0 with rollout.env (the overlong penalty is for single-turn lengths)",
+                "must be 0 with rollout.env.name (the overlong penalty is for single-turn lengths)",
             )
         self._check_token_budget()
         dvp = self.algorithm.dvp
-        if self.rollout.deterministic and self.rollout.truncates and (dvp or self.rollout.min_p > 0):
+        if (
+            self.rollout.deterministic
+            and self.rollout.sampling.truncates
+            and (dvp or self.rollout.sampling.min_p > 0)
+        ):
             _bad(
                 "rollout",
                 "deterministic",
                 True,
-                f"cannot combine with min-p (rollout.min_p={self.rollout.min_p}, or DVP's log_rho="
-                f"{self.algorithm.log_rho} sent as min-p with rollout.top_k/top_p): SGLang's seeded PyTorch "
-                "sampler asserts against min-p (top_k_top_p_min_p_sampling_from_probs_torch)",
+                f"cannot combine with min-p (rollout.sampling.min_p={self.rollout.sampling.min_p}, or DVP's "
+                f"log_rho={self.algorithm.log_rho} sent as min-p with rollout.sampling.top_k/top_p): "
+                "SGLang's seeded PyTorch sampler asserts against min-p "
+                "(top_k_top_p_min_p_sampling_from_probs_torch)",
             )
         if self.algorithm.sampling_support == "ignore" and dvp:
             _bad(
@@ -331,8 +336,8 @@ class RunConfig:
             return
         what = (
             f"rollout.max_new_tokens={response}"
-            if self.rollout.env is None
-            else f"the longest episode's response ({response}: rollout.max_turns × max_new_tokens + "
+            if self.rollout.env.name is None
+            else f"the longest episode's response ({response}: rollout.env.max_turns × max_new_tokens + "
             "(max_turns − 1) × max_observation_tokens)"
         )
         total = f"the model's context, {context}" if capped else str(longest)
@@ -362,11 +367,15 @@ class RunConfig:
         out = []
         if self.algorithm.sampling_support == "ignore":
             out.append(
-                "algorithm.sampling_support=ignore: samples drawn with rollout.top_k/top_p/min_p are scored "
-                "over the full vocabulary, so every importance weight is biased by the mass the sampler cut "
-                "(mismatch/outside_support_mass); an ablation that reproduces stacks without replay, not a "
-                "setting to train with"
-                + ("" if self.rollout.truncates else " (no truncation is on: it changes nothing here)")
+                "algorithm.sampling_support=ignore: samples drawn with rollout.sampling.top_k/top_p/min_p "
+                "are scored over the full vocabulary, so every importance weight is biased by the mass the "
+                "sampler cut (mismatch/outside_support_mass); an ablation that reproduces stacks without "
+                "replay, not a setting to train with"
+                + (
+                    ""
+                    if self.rollout.sampling.truncates
+                    else " (no truncation is on: it changes nothing here)"
+                )
             )
         if self.algorithm.old_logprobs == "engine":
             out.append(
@@ -402,8 +411,8 @@ class RunConfig:
         self.rollout.check_host()
         check_run_dir(self.run_dir)
 
-        if self.rollout.env is not None:
-            load_env_class(self.rollout.env)
+        if self.rollout.env.name is not None:
+            load_env_class(self.rollout.env.name)
         load_reward_fn(self.data.reward)
         check_prompt_file(self.data.train_path, "data.train_path")
         if self.data.eval_path:

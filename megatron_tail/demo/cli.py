@@ -11,9 +11,9 @@
 routing replay r3 (the engine's routes replayed by the trainer); `--moe --compare`: routing replay none, r2
 and r3 from the same seed, routing agreement, mismatch KL, grad norm and reward side by side.
 
-`--set rollout.env=calculator --set rollout.max_turns=3`: multi-turn episodes with the calculator tool. The
-tiny model is pretrained (once, in its own cache directory) on transcripts that call the tool in Qwen3's
-format half of the time; RL rewards the right final answer, which the tool's reply makes easy.
+`--set rollout.env.name=calculator --set rollout.env.max_turns=3`: multi-turn episodes with the calculator
+tool. The tiny model is pretrained (once, in its own cache directory) on transcripts that call the tool in
+Qwen3's format half of the time; RL rewards the right final answer, which the tool's reply makes easy.
 """
 
 from __future__ import annotations

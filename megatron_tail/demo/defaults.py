@@ -19,10 +19,12 @@ parallel:
   tensor_parallel: 2
 rollout:
   engine: local
-  local_dtype: bfloat16     # the engine in bf16: a real training–inference mismatch
-  local_num_threads: 1
   max_new_tokens: 6
-  temperature: 1.0
+  local:
+    dtype: bfloat16             # the engine in bf16: a real training–inference mismatch
+    num_threads: 1
+  sampling:
+    temperature: 1.0
 algorithm:
   advantage_estimator: grpo
   group_size: 8

@@ -98,5 +98,7 @@ def moe_refusals(overrides: Sequence[str]) -> str | None:
     from megatron_tail.demo.scalars import uses_environment
 
     if uses_environment(overrides):
-        return "demo --moe with rollout.env: the MoE demo model is pretrained without the calculator tool"
+        return (
+            "demo --moe with rollout.env.name: the MoE demo model is pretrained without the calculator tool"
+        )
     return None

@@ -56,14 +56,15 @@ COMPARE_VARIANTS: dict[str, list[str]] = {
 
 CALCULATOR_OVERRIDES = [
     "rollout.max_new_tokens=20",  # a call turn is 15-17 tokens (`TOOL_TOKENS`), an answer 2-4
-    "rollout.max_observation_tokens=24",  # a tool response is 14-16; 6 + 3 × 20 + 2 × 24 ≤ 128 positions
+    "rollout.env.max_observation_tokens=24",  # a tool response is 14-16; 6 + 3 × 20 + 2 × 24 ≤ 128 positions
     "data.prompts_per_step=16",
     "data.eval_prompts=64",
     "train.eval_every=5",
     "train.steps=20",
 ]
-"""With `rollout.env` set (`--set rollout.env=calculator`): the tool demo's lengths and a shorter run (its
-episodes are ~5× the tokens of the plain demo's answers); the user's own `--set`s come after and win."""
+"""With `rollout.env.name` set (`--set rollout.env.name=calculator`): the tool demo's lengths and a shorter
+run (its episodes are ~5× the tokens of the plain demo's answers); the user's own `--set`s come after and
+win."""
 
 
 # (tag, how to summarise it over the steps, label)

@@ -8,8 +8,10 @@ from pathlib import Path
 
 
 def uses_environment(overrides: Sequence[str]) -> bool:
-    """The overrides set `rollout.env` (to anything but null)."""
-    values = [o.partition("=")[2].strip() for o in overrides if o.partition("=")[0].strip() == "rollout.env"]
+    """The overrides set `rollout.env.name` (to anything but null)."""
+    values = [
+        o.partition("=")[2].strip() for o in overrides if o.partition("=")[0].strip() == "rollout.env.name"
+    ]
     return bool(values) and values[-1] not in ("", "null", "None", "~")
 
 

@@ -1,7 +1,7 @@
 """The tool-use transcripts of the calculator demo's pretraining (`megatron-tail demo --set
-rollout.env=calculator`): "12+34=" → a Qwen3-format call of the calculator, the tool response as the episode
-runner appends it, then the answer. Token by token what an episode's sample is, so the pretrained model
-starts RL calling the tool."""
+rollout.env.name=calculator`): "12+34=" → a Qwen3-format call of the calculator, the tool response as the
+episode runner appends it, then the answer. Token by token what an episode's sample is, so the pretrained
+model starts RL calling the tool."""
 
 from __future__ import annotations
 

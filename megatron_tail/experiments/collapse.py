@@ -51,12 +51,12 @@ LEVELS: dict[str, list[str]] = {
     "bf16": [],
     "fp8": ["rollout.quantization=fp8"],
     "fp8_tensor": ["rollout.quantization=fp8_tensor"],
-    "fp8_kv": ["rollout.kv_cache_dtype=fp8_e4m3"],
+    "fp8_kv": ["rollout.local.kv_cache_dtype=fp8_e4m3"],
     "nvfp4": ["rollout.quantization=nvfp4_a16"],
-    "noise0.5": ["rollout.local_logit_noise=0.5"],
-    "noise1": ["rollout.local_logit_noise=1.0"],
-    "noise2": ["rollout.local_logit_noise=2.0"],
-    "noise4": ["rollout.local_logit_noise=4.0"],
+    "noise0.5": ["rollout.local.logit_noise=0.5"],
+    "noise1": ["rollout.local.logit_noise=1.0"],
+    "noise2": ["rollout.local.logit_noise=2.0"],
+    "noise4": ["rollout.local.logit_noise=4.0"],
 }
 """The mismatch dial, in order: the real engine formats (all on a bf16 engine: FP8 per-channel and per-tensor
 linear layers, an FP8 KV cache, NVFP4 weights; `rollout/local_engine/`), then the SYNTHETIC tail-shaped

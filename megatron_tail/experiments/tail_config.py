@@ -22,10 +22,12 @@ parallel:
   tensor_parallel: 2
 rollout:
   engine: local
-  local_dtype: bfloat16     # the engine in bf16: the training–inference mismatch under study
-  local_num_threads: 1
   max_new_tokens: 8
-  temperature: 1.0
+  local:
+    dtype: bfloat16             # the engine in bf16: the training–inference mismatch under study
+    num_threads: 1
+  sampling:
+    temperature: 1.0
 algorithm:
   advantage_estimator: grpo
   group_size: 8

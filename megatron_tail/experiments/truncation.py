@@ -35,8 +35,8 @@ LOG_RHO = -9.0
 """DVP's log ρ in this experiment (as `tail_mismatch.ARMS["dvp_mis"]`, and why there)."""
 
 TRUNCATION_SETTINGS: list[str] = [
-    f"rollout.top_k={VOCAB}",
-    f"rollout.sampling_mask_max_tokens={TOP_K_HEADROOM * VOCAB}",
+    f"rollout.sampling.top_k={VOCAB}",
+    f"rollout.sampling.mask_max_tokens={TOP_K_HEADROOM * VOCAB}",
     "train.steps=80",
     "train.checkpoint_every=40",
 ]
@@ -47,11 +47,11 @@ had the arms apart by step 60 and the support gap shrinking from the first step 
 shows them)."""
 
 DIALS: dict[str, list[str]] = {
-    "top_p0.98": ["rollout.top_p=0.98"],
-    "top_p0.9": ["rollout.top_p=0.9"],
-    "top_p0.7": ["rollout.top_p=0.7"],
-    "top_p0.5": ["rollout.top_p=0.5"],
-    "min_p_rho": [f"rollout.min_p={math.exp(LOG_RHO):.6g}"],
+    "top_p0.98": ["rollout.sampling.top_p=0.98"],
+    "top_p0.9": ["rollout.sampling.top_p=0.9"],
+    "top_p0.7": ["rollout.sampling.top_p=0.7"],
+    "top_p0.5": ["rollout.sampling.top_p=0.5"],
+    "min_p_rho": [f"rollout.sampling.min_p={math.exp(LOG_RHO):.6g}"],
 }
 """How much the engine cuts, in order: top-p from 0.98 to 0.5, then min-p at ρ = e^−9 (DVP's rule applied on
 the engine's side only)."""

@@ -108,8 +108,8 @@ def run_plan(args: argparse.Namespace) -> int:
                 f"cluster.rollout_backend={config.cluster.rollout_backend}: the plan is of GPUs and SGLang "
                 "servers; the local CPU engines are not planned (rl.sbatch starts them without a plan)"
             )
-        if config.rollout.env is not None:  # as `train` does: the environment fails here, by name
-            load_env_class(config.rollout.env)
+        if config.rollout.env.name is not None:  # as `train` does: the environment fails here, by name
+            load_env_class(config.rollout.env.name)
         plan = make_plan(config, cluster_from_args(args, config.cluster))
     except (ValueError, FileNotFoundError) as exc:  # one line, exit 2 (`megatron_tail.cli.main`)
         raise UserError(str(exc)) from exc

@@ -127,7 +127,7 @@ class Plan:
     """Why it does not fit (empty: it fits)."""
     warnings: list[str] = field(default_factory=list)
     episode: str = ""
-    """With `rollout.env`: how the longest sample is counted (turns and observations)."""
+    """With `rollout.env.name`: how the longest sample is counted (turns and observations)."""
     support_host_bytes_per_rank: int = 0
     """Truncated sampling: the step's supports in each trainer rank's host memory, at most (`supports`
     of `plan.trainer`)."""
@@ -140,22 +140,22 @@ class Plan:
 
 
 def episode_line(config: RunConfig) -> str:
-    """The longest multi-turn sample, term by term ("" without `rollout.env`)."""
+    """The longest multi-turn sample, term by term ("" without `rollout.env.name`)."""
     r = config.rollout
-    if r.env is None:
+    if not r.env.on:
         return ""
     prompt = config.data.max_prompt_tokens
     total = "?" if prompt is None else prompt + r.max_response_tokens
     return (
-        f"episode: prompt {'?' if prompt is None else prompt} + {r.max_turns} turns x {r.max_new_tokens} + "
-        f"{r.max_turns - 1} observations x {r.max_observation_tokens} = {total} tokens per sample "
-        f"({r.max_policy_tokens} of them the policy's; env {r.env})"
+        f"episode: prompt {'?' if prompt is None else prompt} + {r.env.max_turns} turns x {r.max_new_tokens} "
+        f"+ {r.env.max_turns - 1} observations x {r.env.max_observation_tokens} = {total} tokens per sample "
+        f"({r.max_policy_tokens} of them the policy's; env {r.env.name})"
     )
 
 
 def sequence_tokens(config: RunConfig, max_positions: int) -> int:
-    """Longest sample: prompt + response (with `rollout.env`, every turn and the observations between them:
-    `rollout.max_response_tokens`), capped by the model's context."""
+    """Longest sample: prompt + response (with `rollout.env.name`, every turn and the observations between
+    them: `rollout.max_response_tokens`), capped by the model's context."""
     limit = config.model.max_sequence_length or max_positions
     if config.data.max_prompt_tokens is None:
         return limit
@@ -235,7 +235,7 @@ def make_plan(config: RunConfig, cluster: Cluster) -> Plan:
         reserve_bytes=int(cluster.reserve_gib * GIB),
         capacity_bytes=capacity,
         context_parallel=cp,
-        support_width=config.rollout.top_k if config.rollout.truncates else 0,
+        support_width=config.rollout.sampling.top_k if config.rollout.sampling.truncates else 0,
         support_dense_width=_support_dense_width(config),
         expert_parallel=ep,
         expert_tensor_parallel=etp,
@@ -259,7 +259,7 @@ def make_plan(config: RunConfig, cluster: Cluster) -> Plan:
         sequence_tokens=longest,
         max_concurrency=config.rollout.max_concurrency,
         # multi-turn: `max_concurrency` bounds episodes (sequences), not requests of a prompt's group
-        group_size=1 if config.rollout.env is not None else config.algorithm.group_size,
+        group_size=1 if config.rollout.env.name is not None else config.algorithm.group_size,
     )
     rollout = rollout_memory(shape, rollout_layout)
     ckpt = checkpoint_bytes_per_rank(shape, layout)
@@ -350,10 +350,10 @@ def _context_parallel_warnings(shape: ModelShape, layout: TrainerLayout, peak: S
 def _support_dense_width(config: RunConfig) -> int:
     """The op's dense support width at worst: SGLang's mask cap, since flashinfer keeps ties at the top-k
     cutoff (`rollout.settings.TOP_K_HEADROOM`); top_k with the PyTorch sampler (`rollout.deterministic`)."""
-    r = config.rollout
-    if not r.truncates:
+    s = config.rollout.sampling
+    if not s.truncates:
         return 0
-    return r.top_k if r.deterministic else r.sampling_mask_max_tokens
+    return s.top_k if config.rollout.deterministic else s.mask_max_tokens
 
 
 def _support_host_warnings(per_rank: int, width: int, cluster: Cluster) -> list[str]:
@@ -364,9 +364,9 @@ def _support_host_warnings(per_rank: int, width: int, cluster: Cluster) -> list[
         return []
     return [
         f"sampling supports: up to {_gib(per_rank)} per rank, {_gib(per_node)} per node of host memory if "
-        f"every response token kept rollout.top_k={width} ids (over a quarter of the assumed "
+        f"every response token kept rollout.sampling.top_k={width} ids (over a quarter of the assumed "
         f"{cluster.host_memory_gib:g} GiB); the real size is rollout/support_size_mean x 4 B per token: "
-        "watch it, or lower rollout.top_k"
+        "watch it, or lower rollout.sampling.top_k"
     ]
 
 

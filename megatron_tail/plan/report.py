@@ -93,7 +93,7 @@ def _notes(plan: Plan) -> dict[str, str]:
 def _supports_note(plan: Plan, in_flight: int) -> str:
     lay = plan.trainer_layout
     if not lay.support_width:
-        return "no truncated sampling (rollout.top_k/top_p/min_p off)"
+        return "no truncated sampling (rollout.sampling.top_k/top_p/min_p off)"
     k, tokens, w = lay.support_width, lay.tokens_per_gpu, lay.support_dense_width
     dense = (
         f" + dense [{tokens}, <= {w}] int32 for the op"

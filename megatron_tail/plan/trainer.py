@@ -18,12 +18,12 @@ logits       the last stage's logits (or the fused op's blocks) for one micro-ba
 reference    π_ref's weights (model dtype), when `algorithm.kl_coef` > 0 and it is not offloaded; an
              offloaded reference is on the GPU only for its forward-only pass, when no training
              activations are alive, so it adds nothing to the training peak
-supports     truncated sampling (`rollout.top_k/top_p/min_p`): each micro-batch in flight carries its
+supports     truncated sampling (`rollout.sampling.top_k/top_p/min_p`): each micro-batch in flight carries its
              supports ragged (≤ K int32 ids + one int64 offset per token, `utils.ragged`; K = `rollout.
              top_k`); the last stage also holds the op's dense int32 `[tokens/CP, W]` copy from forward to
              backward (`train.engine.forward.sampling_support`), W the micro-batch's widest support: one
              token whose top-k cutoff ties (SGLang's flashinfer sampler keeps ties) can make it the mask
-             cap `rollout.sampling_mask_max_tokens`; `rollout.top_k` under `rollout.deterministic`
+             cap `rollout.sampling.mask_max_tokens`; `rollout.sampling.top_k` under `rollout.deterministic`
 routes       routing replay (MoE, `algorithm.routing_replay` r2/r3): megatron's `RouterReplay` holds each
              MoE layer's [tokens, k] expert indices (int64, as `torch.topk` returns them; router_replay.py)
              for every micro-batch in flight, of this GPU's router tokens (tokens / TP under SP); only
@@ -80,7 +80,8 @@ class TrainerLayout:
     """The op's backend on the GPU (`model.op_backend`: "auto" is Triton there): its working memory differs
     (`activations.logits_bytes`)."""
     support_width: int = 0
-    """Truncated sampling: support ids per token, all but a few tied tokens (`rollout.top_k`); 0 without."""
+    """Truncated sampling: support ids per token, all but a few tied tokens (`rollout.sampling.top_k`); 0
+    without."""
     support_dense_width: int = 0
     """Truncated sampling: the widest one token's support can be, the op's dense width (module docstring)."""
     expert_parallel: int = 1

@@ -211,9 +211,10 @@ def truncation_figure(runs: Sequence[RunEvents], labels: Sequence[str], out_dir:
         Series("entropy (θ_old, over the op's normaliser)", ("policy/entropy",), ylabel="nats", scale="auto"),
     ]
     caption = (
-        "Truncated sampling (rollout.top_k/top_p/min_p): the trainer's mass the engine never samples, PPO's "
-        "clip per sign of the advantage, and the importance ratio before any IS rule. Replayed, the ratio is "
-        "1 whatever 1 − Z_support is; ignored (algorithm.sampling_support: ignore), its log is log Z_support."
+        "Truncated sampling (rollout.sampling.top_k/top_p/min_p): the trainer's mass the engine never "
+        "samples, PPO's clip per sign of the advantage, and the importance ratio before any IS rule. "
+        "Replayed, the ratio is 1 whatever 1 − Z_support is; ignored (algorithm.sampling_support: ignore), "
+        "its log is log Z_support."
     )
     return draw_figure(
         "truncation",

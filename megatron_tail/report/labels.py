@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-PER_RUN_KEYS = frozenset({"run_dir", "rollout.weight_sync_dir", "rollout.local_port"})
+PER_RUN_KEYS = frozenset({"run_dir", "rollout.weight_sync.dir", "rollout.local.port"})
 """Dotted keys that differ between any two runs by construction (where a run writes), not by design."""
 
 _ABSENT = object()

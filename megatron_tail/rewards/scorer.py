@@ -16,8 +16,8 @@ signals (the trainer decides what a stop means) and dies with the trainer (`util
 `kill -9` of the trainer leaves no worker behind. After a timeout it is killed and a new one starts with
 the next batch.
 
-Environments of multi-turn rollouts (`rollout.env`) run in workers of the same kind for the same reasons,
-a pool of their own (`megatron_tail.rollout.envs.pool`, `rollout.env_workers`), without a reward loaded
+Environments of multi-turn rollouts (`rollout.env.name`) run in workers of the same kind for the same reasons,
+a pool of their own (`megatron_tail.rollout.envs.pool`, `rollout.env.workers`), without a reward loaded
 (`_Worker(None)`); `call` runs any handler in this scorer's worker.
 """
 

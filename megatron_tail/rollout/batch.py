@@ -47,8 +47,8 @@ class RolloutBatch:
     num_hidden_layers, top_k]` of expert ids, row p the route of token p as a forward's input; the smallest
     integer dtype that holds the ids; a torch tensor, so a checkpointed buffer round-trips through
     `torch.save`/`torch.load(weights_only=True)`); and any column the run declared.
-    `policy_mask` (multi-turn episodes, `rollout.env`; None for single-turn batches): per response token, True
-    where the policy generated it, False for the environment's observation tokens (their log-probs are
+    `policy_mask` (multi-turn episodes, `rollout.env.name`; None for single-turn batches): per response token,
+    True where the policy generated it, False for the environment's observation tokens (their log-probs are
     0.0 placeholders: they are context, never scored or trained).
     `sampled_log_rho` (None where unknown): per sample, the DVP log ρ the engine pruned with when it sampled
     the sample's first tokens (None: no pruning). With `algorithm.log_rho: auto` it can differ from the
@@ -173,7 +173,7 @@ def rollout_metrics(batch: RolloutBatch, *, policy_version: int) -> dict[str, fl
     With episode counters in `batch.stats` (multi-turn, `episode_stats`), also `rollout/turns_mean`,
     `rollout/tool_calls_mean` (per episode), `rollout/tool_errors` (malformed or failed calls, total),
     `rollout/env_token_fraction` (share of response tokens that came from the environment: no loss) and
-    `rollout/truncated_by_turns` (fraction of episodes that `rollout.max_turns` ended).
+    `rollout/truncated_by_turns` (fraction of episodes that `rollout.env.max_turns` ended).
     `policy_version`: the weight version being trained (the step's θ_old). `rollout/stale_fraction` is the
     fraction of samples another version produced. A sample's staleness is `policy_version` minus the
     version of its oldest token (`token_versions`; without them, of its reported `weight_version`):

@@ -67,7 +67,7 @@ class SGLangServerConfig:
     """`--sampling-mask-max-tokens` (SGLang's default 4096 when None): the most ids in a returned sampling
     mask; requests with `return_sampling_mask` need 1 ≤ top_k ≤ it (`srt/managers/scheduler.py`) and abort
     when a realised support exceeds it (`batch_result_processor.get_sampling_mask_finish_reason`).
-    `rollout.sampling_mask_max_tokens`."""
+    `rollout.sampling.mask_max_tokens`."""
     return_routed_experts: bool = False
     """`--enable-return-routed-experts`: the server captures each token's MoE routes and returns them to
     requests that set `return_routed_experts` (`rollout/routes.py`); routing replay r3 needs it."""
@@ -179,7 +179,7 @@ class LocalEngineConfig:
     return_routed_experts: bool = False
     """SGLang's `--enable-return-routed-experts`, same meaning (`local_engine/routes.py`; MoE models only)."""
     device: str = "cpu"
-    """torch device of the engine's model (`serve-local --device`; `rollout.local_device`)."""
+    """torch device of the engine's model (`serve-local --device`; `rollout.local.device`)."""
 
     def __post_init__(self):
         _check_port(self.port)

@@ -85,7 +85,7 @@ class WeightSync(Protocol):
 
 
 class WeightSource(Protocol):
-    """The weights a sync sends, in the form `rollout.weight_sync` picks (`RolloutService.sync_weights`):
+    """The weights a sync sends, in the form `rollout.weight_sync.mode` picks (`RolloutService.sync_weights`):
     `export(directory)` writes them as a HF checkpoint and returns the directory the engines load (disk
     sync); `tensors()` yields `(hf_name, tensor)` pairs (in-memory sync). A trainer's weights are gathered
     across its ranks, so every rank takes part in the call rank 0 makes (`train.run.rank_weights`)."""
@@ -106,7 +106,9 @@ class HFDirectory:
         return self.path
 
     def tensors(self) -> Iterable[tuple[str, torch.Tensor]]:
-        raise ValueError(f"{self.path} is a HF checkpoint on disk: load it with rollout.weight_sync=disk")
+        raise ValueError(
+            f"{self.path} is a HF checkpoint on disk: load it with rollout.weight_sync.mode=disk"
+        )
 
 
 @dataclass(frozen=True)
@@ -144,7 +146,8 @@ class _Servers:
         self.urls = urls
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.limit = f"{timeout_name}={timeout_s:g} s"
-        """Every request's time limit, named as the caller knows it (e.g. `rollout.sync_timeout_s=600 s`)."""
+        """Every request's time limit, named as the caller knows it (e.g.
+        `rollout.weight_sync.timeout_s=600 s`)."""
         self.pause_mode = pause_mode
         # SGLang 0.5.23 fails an update whose cache flush it refuses (`flush_cache_after_weight_update`,
         # srt/managers/scheduler_components/weight_updater.py), and `Scheduler.flush_cache` refuses while the
@@ -328,7 +331,7 @@ class DistributedWeightSync:
         dtype: cast each tensor to this dtype on the sender as it joins a bucket (e.g. fp32 master weights
             to bf16 engines); None: as given.
         timeout_s: the limit of each HTTP request and of the process group; `timeout_name` names it in
-            errors (the caller's config key, e.g. "rollout.sync_timeout_s").
+            errors (the caller's config key, e.g. "rollout.weight_sync.timeout_s").
     """
 
     def __init__(
@@ -392,7 +395,7 @@ class DistributedWeightSync:
                 if int(info.get(key, 1)) != 1:  # their ranks would repeat `rank_offset + tp_rank`
                     raise WeightSyncError(
                         f"{url} runs {what} ({key}={info[key]}); in-memory weight sync supports TP engines "
-                        "only (one server per DP replica), or use rollout.weight_sync: disk"
+                        "only (one server per DP replica), or use rollout.weight_sync.mode: disk"
                     )
             return int(info["tp_size"])
 

@@ -79,13 +79,13 @@ def test_every_arm_loads_as_a_valid_config_with_packing_and_the_concurrency_cap(
         overrides = loop.loop_overrides(tmp_path, tmp_path / "p.jsonl", tmp_path / name, arm, 5)
         cfg = load_config(None, [*overrides, "rollout.max_concurrency=7"])
         r = cfg.rollout
-        assert (r.max_staleness, r.partial_rollouts, r.pause_mode, r.env) == (
+        assert (r.max_staleness, r.partial_rollouts, r.pause_mode, r.env.name) == (
             arm.staleness, arm.partial, arm.pause_mode, arm.env,
         )  # fmt: skip
         assert cfg.train.max_tokens_per_micro_batch == loop.LOOP_TOKENS_PER_MICRO_BATCH
         assert r.max_concurrency == 7  # --set comes after the benchmark's own settings
         if arm.env is not None:
-            assert (r.top_p, r.top_k, r.max_turns) == (0.95, 20, loop.AGENTIC_MAX_TURNS)
+            assert (r.sampling.top_p, r.sampling.top_k, r.env.max_turns) == (0.95, 20, loop.AGENTIC_MAX_TURNS)
     assert {a.pause_mode for n, a in loop.ARMS.items() if n.startswith("eta2")} == {
         "abort",
         "in_place",

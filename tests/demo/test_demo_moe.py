@@ -21,7 +21,7 @@ def test_moe_variants_differ_only_in_routing_replay(tmp_path):
     single = load_config(path, [*moe_compare.MOE_SINGLE[""], *base])  # run_demo's order: knobs, overrides
     single.check_runnable()
     assert single.algorithm.routing_replay == "r3" and single.parallel.tensor_parallel == 1
-    assert single.rollout.local_dtype == "bfloat16" and single.model.precision == "fp32"
+    assert single.rollout.local.dtype == "bfloat16" and single.model.precision == "fp32"
     assert single.train.mini_batches == 2  # r2 replays θ_old's routes in the second update too
     assert single.model.moe_aux_loss_coeff == 0  # RL without the load-balancing loss (moe_compare's comment)
     mine = load_config(path, [*moe_compare.MOE_SINGLE[""], *base, "algorithm.routing_replay=none"])
@@ -132,11 +132,11 @@ def test_moe_with_an_environment_is_refused_in_one_line(tmp_path, capsys):
     code = run_demo(
         run_dir=str(tmp_path / "r"),
         cache_dir=str(tmp_path / "c"),
-        overrides=["rollout.env=calculator"],
+        overrides=["rollout.env.name=calculator"],
         moe=True,
     )
     assert code == 2 and not (tmp_path / "c").exists()
     out = capsys.readouterr().out.strip().splitlines()
     assert out == [
-        "demo --moe with rollout.env: the MoE demo model is pretrained without the calculator tool"
+        "demo --moe with rollout.env.name: the MoE demo model is pretrained without the calculator tool"
     ]

@@ -18,8 +18,8 @@ SLICE = [
     "train.checkpoint_every=2",
     "data.prompts_per_step=4",
     "rollout.max_new_tokens=4",
-    "rollout.local_logit_noise=1.0",
-    "rollout.local_in_process=true",  # a test of the experiment, not of the engine's process
+    "rollout.local.logit_noise=1.0",
+    "rollout.local.in_process=true",  # a test of the experiment, not of the engine's process
 ]
 
 

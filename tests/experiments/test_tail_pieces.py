@@ -99,7 +99,7 @@ def test_example_config_is_the_experiments_and_loads():
     assert path.read_text() == TAIL_CONFIG_YAML
     cfg = load_config(path, ["model.hf_path=x", "data.train_path=y"])
     assert cfg.algorithm.log_rho is None and cfg.algorithm.is_mode == "none"
-    assert cfg.rollout.local_dtype == "bfloat16" and cfg.model.precision == "fp32"
+    assert cfg.rollout.local.dtype == "bfloat16" and cfg.model.precision == "fp32"
     dvp = load_config(path, ["model.hf_path=x", "data.train_path=y", *tail_mismatch.ARMS["dvp_mis"]])
     assert dvp.algorithm.log_rho == -9.0 and dvp.algorithm.is_mode == "mis"
     for knobs in tail_mismatch.ARMS.values():  # every arm is a valid config (load_config raises otherwise)

@@ -43,7 +43,8 @@ def _check_quick(out, steps: int) -> None:
             values = [v for _, v in scalars[tag]]
             assert len(values) == steps and all(math.isfinite(v) for v in values), (name, tag)
         cfg = yaml.safe_load((out / name / "seed0" / "config.yaml").read_text())
-        assert cfg["rollout"]["top_p"] == 0.5 and cfg["rollout"]["top_k"] == truncation.VOCAB
+        sampling = cfg["rollout"]["sampling"]
+        assert sampling["top_p"] == 0.5 and sampling["top_k"] == truncation.VOCAB
         assert cfg["algorithm"]["sampling_support"] == ("ignore" if name.startswith("ignore") else "replay")
     one_sided, replayed = runs["ignore_engine@top_p0.5"], runs["replay@top_p0.5"]
     first = {tag: dict(one_sided[tag])[1] for tag in WRITE_UP_TAGS}
@@ -75,7 +76,7 @@ def test_quick_subset_on_the_ci_model(tmp_path, ci_tail_cache):
         overrides=[
             *truncation.QUICK["overrides"],
             "data.prompts_per_step=4",
-            "rollout.local_in_process=true",  # a test of the experiment, not of the engine's process
+            "rollout.local.in_process=true",  # a test of the experiment, not of the engine's process
         ],
         jobs=1,
         model_size="ci",
@@ -96,7 +97,7 @@ def test_default_grid_and_names():
         "ignore_engine@min_p_rho",
     }
     assert groups["dvp_replay@min_p_rho"][-1] == "algorithm.log_rho=-9"
-    assert "rollout.min_p=0.00012341" in groups["ignore@min_p_rho"]
+    assert "rollout.sampling.min_p=0.00012341" in groups["ignore@min_p_rho"]
     assert len(truncation.truncation_groups(["top_p0.7"], None)) == len(truncation.ARMS)
     with pytest.raises(ValueError, match=r"unknown dial\(s\) \['top_p0\.3'\]; the dials are"):
         truncation.truncation_groups(["top_p0.3"], None)

@@ -51,7 +51,7 @@ def engine(tiny_model_dir, tmp_path_factory):
         yield server
 
 
-ENGINE_IN_PROCESS = {"rollout.local_in_process": True}
+ENGINE_IN_PROCESS = {"rollout.local.in_process": True}
 """For a test about the run and not the engine's process: the local engine served by a thread of rank 0
 (`rollout/local_engine/in_process.py`; it draws what the process draws, `tests/rollout/
 test_client_local_engine.py`), which spares each run the ~7 s a new process spends importing torch and
@@ -92,7 +92,7 @@ def train_with_torchrun(model_dir, prompt_file, root, extra: dict, *, nproc: int
 
     run_dir = root / "run"
     config = root / "run.yaml"
-    config.write_text("seed: 7\nrollout:\n  temperature: 1.0\n")
+    config.write_text("seed: 7\nrollout:\n  sampling:\n    temperature: 1.0\n")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     cmd += ["-m", "megatron_tail.cli", "train", str(config)]
     for item in loop_overrides(model_dir, prompt_file, run_dir, {**ENGINE_IN_PROCESS, **extra}):

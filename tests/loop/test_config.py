@@ -39,7 +39,7 @@ def test_yaml_sections_map_onto_dataclasses(tmp_path):
             "parallel": {"tensor_parallel": 2},
             "algorithm": {"advantage_estimator": "rloo", "group_size": 4, "log_rho": -10, "is_mode": "tis"},
             "optimizer": {"lr": 3e-4},
-            "rollout": {"max_new_tokens": 5, "temperature": 0.7},
+            "rollout": {"max_new_tokens": 5, "sampling": {"temperature": 0.7}},
             "logging": {"prob_buckets": [0.6, 0.001]},
         },
     )
@@ -49,7 +49,7 @@ def test_yaml_sections_map_onto_dataclasses(tmp_path):
     assert cfg.algorithm.advantage_estimator == "rloo" and cfg.algorithm.group_size == 4
     # YAML's int -10 becomes the float field's float
     assert cfg.algorithm.log_rho == -10.0 and isinstance(cfg.algorithm.log_rho, float)
-    assert cfg.optimizer.lr == 3e-4 and cfg.rollout.temperature == 0.7
+    assert cfg.optimizer.lr == 3e-4 and cfg.rollout.sampling.temperature == 0.7
     assert cfg.logging.prob_buckets == (0.6, 0.001)
     # untouched fields keep their defaults
     assert cfg.algorithm.mis_high == RunConfig().algorithm.mis_high
@@ -124,6 +124,37 @@ def test_a_moved_key_is_refused_in_one_line_naming_its_new_place(tmp_path):
         load_config(write_yaml(tmp_path, {"model": {"bf16": True}}))
 
 
+def test_a_key_of_the_flat_rollout_section_is_refused_naming_its_part(tmp_path):
+    """The rollout section's parts own their keys (`rollout.settings.MOVED_KEYS`): an old flat key, in a
+    file or on the command line, is one line naming where it lives now."""
+    want = r"^config key 'rollout\.local_num_threads' has moved: set rollout\.local\.num_threads$"
+    with pytest.raises(ConfigError, match=want):
+        load_config(None, ["rollout.local_num_threads=2"])
+    with pytest.raises(ConfigError, match=want):
+        load_config(write_yaml(tmp_path, {"rollout": {"local_num_threads": 2}}))
+    with pytest.raises(
+        ConfigError,
+        match=r"'rollout\.sampling_mask_max_tokens' has moved: set rollout\.sampling\.mask_max_tokens$",
+    ):
+        load_config(None, ["rollout.sampling_mask_max_tokens=64"])
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "new"),
+    [("weight_sync", "distributed", "rollout.weight_sync.mode"), ("env", "calculator", "rollout.env.name")],
+)
+def test_a_value_where_a_rollout_part_now_is_names_the_key_to_set(tmp_path, key, value, new):
+    """`rollout.weight_sync: disk` and `rollout.env: calculator` were values; they are sections now."""
+    want = rf"^config key 'rollout\.{key}' is a section now: set {re.escape(new)}"
+    with pytest.raises(ConfigError, match=rf"{want}: '{value}'$"):
+        load_config(write_yaml(tmp_path, {"rollout": {key: value}}))
+    with pytest.raises(ConfigError, match=rf"{want}$"):
+        load_config(None, [f"rollout.{key}={value}"])
+    assert load_config(None, [f"{new}={value}"]) == load_config(
+        write_yaml(tmp_path, {"rollout": {key: {new.rsplit(".", 1)[1]: value}}})
+    )
+
+
 def test_unknown_key_without_near_match_lists_valid_keys():
     with pytest.raises(ConfigError, match="valid keys here: run_dir, seed, model"):
         load_config(None, ["zzzzzz=1"])
@@ -139,10 +170,16 @@ def test_unknown_key_without_near_match_lists_valid_keys():
         ("rollout.engine=cloud", r"rollout\.engine must be one of \('local', 'remote'\); got 'cloud'"),
         ("algorithm=3", r"algorithm is a section"),
         ("train.steps", r"must look like section\.key=value"),
-        ("rollout.top_p=0.8", r"rollout\.top_k must be set with rollout\.top_p=0\.8 .* got -1"),
-        ("rollout.top_k=5000", r"rollout\.top_k must be ≤ rollout\.sampling_mask_max_tokens=4096.*got 5000"),
-        ("rollout.top_k=0", r"rollout\.top_k must be an int ≥ 1; got 0"),
-        ("rollout.min_p=2", r"rollout\.min_p must be in \[0, 1\] \(0: off\); got 2"),
+        (
+            "rollout.sampling.top_p=0.8",
+            r"rollout\.sampling\.top_k must be set with rollout\.sampling\.top_p=0\.8 .* got -1",
+        ),
+        (
+            "rollout.sampling.top_k=5000",
+            r"rollout\.sampling\.top_k must be ≤ rollout\.sampling\.mask_max_tokens=4096.*got 5000",
+        ),
+        ("rollout.sampling.top_k=0", r"rollout\.sampling\.top_k must be an int ≥ 1; got 0"),
+        ("rollout.sampling.min_p=2", r"rollout\.sampling\.min_p must be in \[0, 1\] \(0: off\); got 2"),
     ],
 )
 def test_bad_values_name_the_key(override, pattern):
@@ -173,19 +210,19 @@ def test_resolved_config_round_trips(tmp_path):
 
 def test_top_k_leaves_the_mask_cap_headroom_for_ties():
     """SGLang's flashinfer keeps every tie at the top-k cutoff and rejects a support over the cap: top_k must
-    be at most half of `sampling_mask_max_tokens`, one line naming both values and the fix; the PyTorch
-    sampler (`rollout.deterministic`) keeps exactly top_k ids, so there top_k = the cap is fine."""
+    be at most half of `rollout.sampling.mask_max_tokens`, one line naming both values and the fix; the
+    PyTorch sampler (`rollout.deterministic`) keeps exactly top_k ids, so there top_k = the cap is fine."""
     pattern = (
-        r"rollout\.top_k must be ≤ 2048 with rollout\.sampling_mask_max_tokens=4096 \(headroom ×2\): .* "
-        r"raise rollout\.sampling_mask_max_tokens to 6000, lower top_k, or set rollout\.deterministic "
-        r"\(no ties kept\); got 3000$"
+        r"rollout\.sampling\.top_k must be ≤ 2048 with rollout\.sampling\.mask_max_tokens=4096 \(headroom "
+        r"×2\): .* raise rollout\.sampling\.mask_max_tokens to 6000, lower top_k, or set "
+        r"rollout\.deterministic \(no ties kept\); got 3000$"
     )
     with pytest.raises(ConfigError, match=pattern):
-        load_config(None, ["rollout.top_k=3000"])
-    assert load_config(None, ["rollout.top_k=2048"]).rollout.top_k == 2048
-    assert load_config(None, ["rollout.top_k=3000", "rollout.sampling_mask_max_tokens=6000"])
-    on_pytorch = ["rollout.deterministic=true", "algorithm.log_rho=null", "rollout.top_k=4096"]
-    assert load_config(None, on_pytorch).rollout.top_k == 4096
+        load_config(None, ["rollout.sampling.top_k=3000"])
+    assert load_config(None, ["rollout.sampling.top_k=2048"]).rollout.sampling.top_k == 2048
+    assert load_config(None, ["rollout.sampling.top_k=3000", "rollout.sampling.mask_max_tokens=6000"])
+    on_pytorch = ["rollout.deterministic=true", "algorithm.log_rho=null", "rollout.sampling.top_k=4096"]
+    assert load_config(None, on_pytorch).rollout.sampling.top_k == 4096
 
 
 def test_ignored_support_is_refused_with_dvp_and_warned_otherwise():
@@ -199,7 +236,7 @@ def test_ignored_support_is_refused_with_dvp_and_warned_otherwise():
         load_config(None, ["algorithm.sampling_support=ignore", "algorithm.log_rho=-9"])
     assert load_config(None, []).warnings() == []
     cfg = load_config(
-        None, ["algorithm.sampling_support=ignore", "algorithm.log_rho=null", "rollout.top_k=20"]
+        None, ["algorithm.sampling_support=ignore", "algorithm.log_rho=null", "rollout.sampling.top_k=20"]
     )
     (warning,) = cfg.warnings()
     assert (
@@ -216,8 +253,10 @@ def test_cross_section_checks():
     with pytest.raises(ConfigError, match=r"train\.mini_batches.*must divide data\.prompts_per_step=6"):
         load_config(None, ["data.prompts_per_step=6", "train.mini_batches=4"])
     with pytest.raises(ConfigError, match=r"rollout\.deterministic cannot combine with min-p"):
-        load_config(None, ["rollout.deterministic=true", "rollout.top_k=20"])  # DVP is on by default
-    assert load_config(None, ["rollout.deterministic=true", "rollout.top_k=20", "algorithm.log_rho=null"])
+        load_config(None, ["rollout.deterministic=true", "rollout.sampling.top_k=20"])  # DVP is on by default
+    assert load_config(
+        None, ["rollout.deterministic=true", "rollout.sampling.top_k=20", "algorithm.log_rho=null"]
+    )
     with pytest.raises(ValueError, match=r"model\.hf_path is required"):
         load_config(None).check_runnable()
 
@@ -292,16 +331,19 @@ def test_loading_a_config_and_planning_a_run_import_no_torch():
             r"lr_decay_style must be one of \('constant', 'linear', 'cosine'\)",
         ),
         ("rollout.dtype=int8", r"rollout\.dtype must be one of \('bfloat16', 'float16', 'float32'\)"),
-        ("rollout.sync_bucket_mb=0", r"rollout\.sync_bucket_mb must be > 0; got 0"),
+        ("rollout.weight_sync.bucket_mb=0", r"rollout\.weight_sync\.bucket_mb must be > 0; got 0"),
         (
             "rollout.quantization=int8",
             r"rollout\.quantization must be one of \('none', 'fp8', 'fp8_tensor', 'nvfp4_a16'\); "
             r"got 'int8'",
         ),
-        ("rollout.weight_sync=nccl", r"rollout\.weight_sync must be one of \('disk', 'distributed'\)"),
+        (
+            "rollout.weight_sync.mode=nccl",
+            r"rollout\.weight_sync\.mode must be one of \('disk', 'distributed'\)",
+        ),
         ("rollout.max_staleness=-1", r"rollout\.max_staleness must be an int ≥ 0 .*; got -1"),
         ("rollout.partial_rollouts=maybe", r"rollout\.partial_rollouts must be true or false; got 'maybe'"),
-        ("rollout.local_in_process=maybe", r"rollout\.local_in_process must be true or false; got 'maybe'"),
+        ("rollout.local.in_process=maybe", r"rollout\.local\.in_process must be true or false; got 'maybe'"),
         ("data.max_sampling_rounds=0", r"data\.max_sampling_rounds must be an int ≥ 1; got 0"),
         ("data.max_sampling_rounds=65", r"data\.max_sampling_rounds must be ≤ 64; got 65"),
         ("algorithm.safe_set_on=probs", r"algorithm\.safe_set_on must be one of \('sampled', 'raw_logits'\)"),
@@ -356,8 +398,8 @@ def _get(data, dotted):
         (["model.recompute_num_layers=2"], r"recompute_num_layers.*recompute 'full'.*got 2"),
         (["model.recompute_modules=[attn]"], r"recompute_modules must be a non-empty subset"),
         (
-            ["rollout.local_in_process=true", "rollout.weight_sync=distributed"],
-            r"rollout\.local_in_process needs rollout\.weight_sync: disk \(got .distributed.: .*\); "
+            ["rollout.local.in_process=true", "rollout.weight_sync.mode=distributed"],
+            r"rollout\.local\.in_process needs rollout\.weight_sync\.mode: disk \(got .distributed.: .*\); "
             r"got True$",
         ),
     ],

@@ -32,7 +32,7 @@ def test_demo_config_is_the_issue_setup(tmp_path):
     cfg.check_runnable()
     assert cfg.parallel.tensor_parallel == 2 and cfg.rollout.engine == "local"
     assert (
-        cfg.rollout.local_dtype == "bfloat16" and cfg.model.precision == "fp32"
+        cfg.rollout.local.dtype == "bfloat16" and cfg.model.precision == "fp32"
     )  # bf16 engine, fp32 trainer
     assert cfg.algorithm.log_rho == -13.0 and cfg.algorithm.is_mode == "mis"  # DVP + MIS (+ veto)
     naive = load_config(path, demo_run.COMPARE_VARIANTS["naive"])

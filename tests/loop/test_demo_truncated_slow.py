@@ -1,5 +1,6 @@
-"""The demo with `--set rollout.top_p=0.8 --set rollout.top_k=20` against the untruncated demo (3 RL steps
-each, one pretraining shared through the cache): slow. Its cheap CI slice is `test_truncated_sampling_loop`.
+"""The demo with `--set rollout.sampling.top_p=0.8 --set rollout.sampling.top_k=20` against the untruncated
+demo (3 RL steps each, one pretraining shared through the cache): slow. Its cheap CI slice is
+`test_truncated_sampling_loop`.
 
 Scoring truncated samples with the full distribution would put the mismatch KL near −log(kept mass)
 (`mismatch/truncation_bias`); replaying the support keeps it at the untruncated demo's bf16 level."""
@@ -28,7 +29,7 @@ def _demo(tmp_path, name: str, *sets: str) -> dict[str, dict[int, float]]:
 @pytest.mark.slow
 def test_truncated_demo_keeps_the_untruncated_mismatch(tmp_path):
     plain = _demo(tmp_path, "plain")
-    truncated = _demo(tmp_path, "truncated", "rollout.top_p=0.8", "rollout.top_k=20")
+    truncated = _demo(tmp_path, "truncated", "rollout.sampling.top_p=0.8", "rollout.sampling.top_k=20")
     steps = (1, 2, 3)
     kl_plain = max(plain["mismatch/kl_infer_train_k3"][s] for s in steps)
     kl_truncated = max(truncated["mismatch/kl_infer_train_k3"][s] for s in steps)

@@ -63,7 +63,7 @@ def cli_run(tiny_model_dir, prompt_file, tmp_path_factory):
     overrides = loop_overrides(tiny_model_dir, prompt_file, run_dir, extra)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     config = run_dir.parent / "run.yaml"
-    config.write_text("seed: 7\nrollout:\n  temperature: 1.0\n")  # the rest comes from --set
+    config.write_text("seed: 7\nrollout:\n  sampling:\n    temperature: 1.0\n")  # the rest comes from --set
     cmd += ["-m", "megatron_tail.cli", "train", str(config)]
     for item in overrides:
         cmd += ["--set", str(item)]

@@ -49,7 +49,10 @@ def _engines(engine: LocalEngineProcess | None) -> Engines:
     """Rank 0's `Engines` as far as `run` needs it: the local engine (or None), limits, a loop."""
     engines = Engines.__new__(Engines)
     engines.settings = SimpleNamespace(
-        wait_report_s=60.0, request_timeout_s=7.0, sync_timeout_s=9.0, startup_timeout_s=60.0
+        wait_report_s=60.0,
+        request_timeout_s=7.0,
+        startup_timeout_s=60.0,
+        weight_sync=SimpleNamespace(timeout_s=9.0),
     )
     engines.engine, engines.note, engines.urls = engine, print, ["http://127.0.0.1:1"]
     engines.loop, engines._thread = asyncio.new_event_loop(), None
@@ -93,15 +96,15 @@ def test_a_stopped_local_engine_is_named_with_the_limit_that_expired(sleeper):
 
     async def sync():
         raise WeightSyncError(
-            "http://127.0.0.1:1/pause_generation: no answer within rollout.sync_timeout_s=9 s"
+            "http://127.0.0.1:1/pause_generation: no answer within rollout.weight_sync.timeout_s=9 s"
         )
 
     with pytest.raises(EngineFailure) as info:
-        engines.run(sync(), "weight sync to version 2", limit="sync_timeout_s")
+        engines.run(sync(), "weight sync to version 2", limit="weight_sync.timeout_s")
     assert str(info.value) == (
         f"the local engine on http://127.0.0.1:1 (pid {sleeper.proc.pid}) is stopped (SIGSTOP, SIGTSTP or a "
-        "debugger) and did not answer within rollout.sync_timeout_s=9 s while the trainer waited for weight "
-        f"sync to version 2; its log: {sleeper.log_path}"
+        "debugger) and did not answer within rollout.weight_sync.timeout_s=9 s while the trainer waited for "
+        f"weight sync to version 2; its log: {sleeper.log_path}"
     )
 
 
@@ -138,7 +141,7 @@ def test_a_live_local_engine_that_fails_every_attempt_is_named_with_its_log(slee
     )
     refused = WeightSyncError("http://127.0.0.1:1/update_weights_from_disk: HTTP 400: no such file", 400)
     with pytest.raises(EngineFailure) as info:
-        engines.run(fail(refused), "weight sync to version 2", limit="sync_timeout_s")
+        engines.run(fail(refused), "weight sync to version 2", limit="weight_sync.timeout_s")
     assert str(info.value) == (
         "weight sync to version 2 failed on the local engine on http://127.0.0.1:1 "
         f"(pid {sleeper.proc.pid}): http://127.0.0.1:1/update_weights_from_disk: HTTP 400: no such file; its "
@@ -295,7 +298,7 @@ def test_a_local_engine_that_exits_while_it_loads_is_one_line_exit_4(tiny_model_
 def test_a_local_port_in_use_is_refused_in_one_line_before_the_engine_starts(
     tiny_model_dir, prompt_file, tmp_path
 ):
-    """`rollout.local_port` held by another socket: the trainer, which holds the engine's port from its
+    """`rollout.local.port` held by another socket: the trainer, which holds the engine's port from its
     choice until the engine listens (`utils.net.reserve_port`), cannot take it and says so, naming the key;
     before, the engine loaded the model, failed to bind and exited (exit 4, naming its log)."""
     import socket
@@ -304,13 +307,13 @@ def test_a_local_port_in_use_is_refused_in_one_line_before_the_engine_starts(
         taken.bind(("127.0.0.1", 0))
         port = taken.getsockname()[1]
         run_dir = tmp_path / "run"
-        settings = {"parallel.tensor_parallel": 1, "rollout.local_port": port, "train.steps": 1}
+        settings = {"parallel.tensor_parallel": 1, "rollout.local.port": port, "train.steps": 1}
         overrides = loop_overrides(tiny_model_dir, prompt_file, run_dir, settings)
         proc = subprocess.run(_train(overrides), env=ENV, capture_output=True, text=True, timeout=300)
     output = proc.stdout + proc.stderr
     assert proc.returncode == EXIT_USER_ERROR, output[-4000:]
     expected = (
-        f"megatron-tail train: error: rollout.local_port: port {port} is in use on this host; choose another"
+        f"megatron-tail train: error: rollout.local.port: port {port} is in use on this host; choose another"
     )
     assert [line for line in output.splitlines() if "error:" in line] == [expected], output
     assert not (run_dir / "logs" / "local_engine.log").exists()  # no engine was started

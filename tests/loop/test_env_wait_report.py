@@ -68,7 +68,7 @@ def test_without_a_slow_environment_call_the_engines_are_named():
 
 
 def test_a_step_hanging_in_a_real_worker_is_what_the_report_names():
-    pool = EnvWorkers(2, timeout_s=30.0, timeout_name="rollout.env_timeout_s")
+    pool = EnvWorkers(2, timeout_s=30.0, timeout_name="rollout.env.timeout_s")
     env = WorkerEnv(pool, SLEEPER, "b0-p1-s1")
 
     async def report():
@@ -85,7 +85,7 @@ def test_a_step_hanging_in_a_real_worker_is_what_the_report_names():
         pool.close()  # kills the hanging worker without waiting for its limit
     match = re.fullmatch(
         rf"waiting for episodes of 2 prompts × 2: 3 s so far; environment '{re.escape(SLEEPER)}' \(step of "
-        r"episode b0-p1-s1\) has run (\d+) s in environment worker 0, stopped at rollout.env_timeout_s=30 s; "
+        r"episode b0-p1-s1\) has run (\d+) s in environment worker 0, stopped at rollout.env.timeout_s=30 s; "
         r"no engine requests; send SIGTERM twice to stop now",
         line,
     )

@@ -1,4 +1,4 @@
-"""Multi-turn episodes (`rollout.env`) under the rollout manager, with partial rollouts and truncated
+"""Multi-turn episodes (`rollout.env.name`) under the rollout manager, with partial rollouts and truncated
 sampling: `RolloutService` runs its real manager, the one workflow (`episodes.episode_group`) with a real
 environment worker, and `RolloutClient.generate_group` against a scripted fake of the client's request
 method (no engine, no model). A weight update during a turn aborts it; the turn continues under the new
@@ -103,7 +103,7 @@ class Tokenizer:
 
 def _engines(*overrides, score=None):
     """`RolloutService` without an engine or a model: `TurnEngine` answers, one real environment worker."""
-    base = ["algorithm.group_size=2", "data.prompts_per_step=1", "rollout.max_turns=2"]
+    base = ["algorithm.group_size=2", "data.prompts_per_step=1", "rollout.env.max_turns=2"]
     base.append(f"run_dir={tempfile.mkdtemp()}")  # the manager records the prompts each step trains there
     cfg = load_config(None, [*base, "rollout.partial_rollouts=true", "rollout.max_concurrency=2", *overrides])
     plan = plan_from(cfg, vocab_size=100, context_length=1000)  # a dense model: no MoE routes
@@ -129,7 +129,12 @@ def _stop(e: RolloutService) -> None:
 
 @pytest.fixture
 def engines():
-    e = _engines("rollout.env=" + ENV, "rollout.max_staleness=2", "rollout.top_p=0.95", "rollout.top_k=20")
+    e = _engines(
+        "rollout.env.name=" + ENV,
+        "rollout.max_staleness=2",
+        "rollout.sampling.top_p=0.95",
+        "rollout.sampling.top_k=20",
+    )
     yield e
     _stop(e)
 
@@ -191,7 +196,7 @@ def test_a_turn_interrupted_by_a_weight_update_continues_and_every_token_keeps_i
 def failing(tmp_path):
     """Engines whose environment fails the first episode of prompt 0 to step once (`fault_envs.FailsOnce`)."""
     e = _engines(
-        "rollout.env=tests.rollout.envs.fault_envs:FailsOnce",
+        "rollout.env.name=tests.rollout.envs.fault_envs:FailsOnce",
         "rollout.max_staleness=0",
         score=lambda completions, _answers: [0.0] * len(completions),
     )

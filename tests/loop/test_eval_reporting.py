@@ -29,8 +29,8 @@ def test_an_environment_failure_in_evaluation_is_counted_and_said(tiny_model_dir
     run_dir = tmp_path / "run"
     settings = {
         "parallel.tensor_parallel": 1,
-        "rollout.env": "tests.rollout.envs.fault_envs:FailsOnce",
-        "rollout.max_turns": 2,
+        "rollout.env.name": "tests.rollout.envs.fault_envs:FailsOnce",
+        "rollout.env.max_turns": 2,
         "data.eval_path": eval_file,
         "data.eval_prompts": 2,
         "train.eval_every": 1,

@@ -6,7 +6,7 @@ Before, on the tiny model of these tests (a context of 32 tokens):
 - `train.max_tokens_per_micro_batch` below one sample: a ValueError traceback at step 1, exit 1;
 - `model.op_backend=triton` without CUDA: a RuntimeError traceback at the first step, 62 lines, exit 1;
 - a run directory on a read-only mount: an `OSError` traceback, exit 1;
-- `rollout.local_device=cuda` without CUDA: exit 4, blaming the engine, the key unnamed.
+- `rollout.local.device=cuda` without CUDA: exit 4, blaming the engine, the key unnamed.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def test_a_token_budget_below_the_longest_sample_is_refused_at_load(tiny_model_d
         f"tokens, {prompt_file} line {line}) + rollout.max_new_tokens=5 = {len(longest) + 5}; got 8"
     )
     # an episode ends at the model's context (32), however long its turns and observations could add up to
-    episodes = {"rollout.env": "calculator", "rollout.max_turns": 3, "algorithm.overlong_buffer": 0}
+    episodes = {"rollout.env.name": "calculator", "rollout.env.max_turns": 3, "algorithm.overlong_buffer": 0}
     with pytest.raises(
         UserError, match=r"\(max_turns − 1\) × max_observation_tokens\) = the model's context, 32; got 24$"
     ):
@@ -129,8 +129,8 @@ def test_the_triton_op_without_cuda_is_refused_naming_the_key_and_the_interprete
 def test_a_cuda_local_engine_without_cuda_is_refused_naming_the_key(
     tiny_model_dir, prompt_file, tmp_path, device
 ):
-    cfg = _config(tiny_model_dir, prompt_file, tmp_path / "run", **{"rollout.local_device": device})
-    with pytest.raises(UserError, match=rf"^rollout.local_device needs a CUDA device, .*; got '{device}'$"):
+    cfg = _config(tiny_model_dir, prompt_file, tmp_path / "run", **{"rollout.local.device": device})
+    with pytest.raises(UserError, match=rf"^rollout.local.device needs a CUDA device, .*; got '{device}'$"):
         cfg.check_inputs()
 
 
@@ -208,11 +208,11 @@ def test_the_command_line_refuses_a_cuda_local_engine_with_exit_2_naming_the_key
     tiny_model_dir, prompt_file, tmp_path
 ):
     overrides = loop_overrides(
-        tiny_model_dir, prompt_file, tmp_path / "run", {"rollout.local_device": "cuda"}
+        tiny_model_dir, prompt_file, tmp_path / "run", {"rollout.local.device": "cuda"}
     )
     proc = _cli(tmp_path, overrides)
     assert proc.returncode == EXIT_USER_ERROR, proc.stdout + proc.stderr
     assert proc.stderr.strip() == (
-        "megatron-tail train: error: rollout.local_device needs a CUDA device, and this machine has none "
+        "megatron-tail train: error: rollout.local.device needs a CUDA device, and this machine has none "
         "(torch.cuda.is_available() is false); use \"cpu\"; got 'cuda'"
     )

@@ -1,5 +1,5 @@
-"""`megatron-tail train` with multi-turn episodes (`rollout.env`) under torchrun (TP = 2, gloo, packed THD)
-against its local engine: the run finishes, logs the episode metrics and the usual ones finite, evaluates
+"""`megatron-tail train` with multi-turn episodes (`rollout.env.name`) under torchrun (TP = 2, gloo, packed
+THD) against its local engine: the run finishes, logs the episode metrics and the usual ones finite, evaluates
 with episodes, and resumes from its checkpoint mid-run; at η = 0, and at η = 2 with partial rollouts and
 top-p/top-k (the episodes' supports and per-token versions reach the step)."""
 
@@ -47,17 +47,17 @@ def chatty_model_dir(tmp_path_factory):
 MANAGED = {
     "rollout.max_staleness": 2,
     "rollout.partial_rollouts": True,
-    "rollout.top_p": 0.95,
-    "rollout.top_k": 20,
+    "rollout.sampling.top_p": 0.95,
+    "rollout.sampling.top_k": 20,
 }
 """The issue's agentic run: episodes under the rollout manager, partial rollouts, truncated sampling."""
 
 
 def _train(model_dir, prompt_file, run_dir, steps, managed=False):
     extra = {
-        "rollout.env": "tests.rollout.envs.fault_envs:ShortObservation",
-        "rollout.max_turns": 3,
-        "rollout.max_observation_tokens": 8,
+        "rollout.env.name": "tests.rollout.envs.fault_envs:ShortObservation",
+        "rollout.env.max_turns": 3,
+        "rollout.env.max_observation_tokens": 8,
         "algorithm.is_mode": "mis",
         "optimizer.lr": 1e-5,  # keep the EOS-heavy behaviour over the two steps
         "train.steps": steps,

@@ -57,7 +57,7 @@ def test_sigterm_then_resume_with_the_manager_disk_sync(tiny_model_dir, prompt_f
 @pytest.mark.slow
 def test_in_memory_sync_with_the_manager(tiny_model_dir, prompt_file, engine, tmp_path):
     overrides = _overrides(
-        tiny_model_dir, prompt_file, engine, tmp_path / "run", {"rollout.weight_sync": "distributed"}
+        tiny_model_dir, prompt_file, engine, tmp_path / "run", {"rollout.weight_sync.mode": "distributed"}
     )
     result = run_distributed(run_rank, 2, overrides, -1, timeout=600)
     assert [r[:3] for r in result] == [(0, 4, None), (0, 4, None)]

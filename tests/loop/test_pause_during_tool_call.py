@@ -38,8 +38,13 @@ from tests.loop.test_episodes_under_manager import (
     support,
 )
 
-ENV = "rollout.env=tests.rollout.envs.fault_envs:BlocksOneCall"
-SETTINGS = ["rollout.max_staleness=2", "rollout.top_p=0.95", "rollout.top_k=20", "rollout.max_concurrency=4"]
+ENV = "rollout.env.name=tests.rollout.envs.fault_envs:BlocksOneCall"
+SETTINGS = [
+    "rollout.max_staleness=2",
+    "rollout.sampling.top_p=0.95",
+    "rollout.sampling.top_k=20",
+    "rollout.max_concurrency=4",
+]
 
 
 class SteadyEngine(TurnEngine):

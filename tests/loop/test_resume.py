@@ -142,16 +142,16 @@ def test_fp16_trainer_runs_the_loop_and_logs_its_loss_scale(
 def test_in_memory_weight_sync_gives_the_disk_runs_steps(
     tiny_model_dir, prompt_file, engine, uninterrupted, tmp_path
 ):
-    """`rollout.weight_sync: distributed` at TP = 2: rank 0 streams the gathered HF tensors to the engine in
-    small buckets (cast to its bf16 on the sender) instead of exporting a checkpoint; step 2 samples from
+    """`rollout.weight_sync.mode: distributed` at TP = 2: rank 0 streams the gathered HF tensors to the engine
+    in small buckets (cast to its bf16 on the sender) instead of exporting a checkpoint; step 2 samples from
     the synced weights, so its numbers equal the disk-synced run's only if the engine got the same bits."""
     overrides = _overrides(tiny_model_dir, prompt_file, engine, tmp_path / "in_memory")
     overrides = [o for o in overrides if not o.startswith("train.steps=")]
     overrides += [
         "train.steps=2",
-        "rollout.weight_sync=distributed",
-        "rollout.sync_bucket_mb=0.01",
-        "rollout.sync_master_address=127.0.0.1",
+        "rollout.weight_sync.mode=distributed",
+        "rollout.weight_sync.bucket_mb=0.01",
+        "rollout.weight_sync.master_address=127.0.0.1",
     ]
     history = run_distributed(_run_rank, 2, overrides, -1, timeout=600)[0][3]
     reference = uninterrupted[0][0][3][:2]

@@ -111,8 +111,10 @@ def test_a_checkpoint_of_the_earlier_bf16_key_compares_as_the_precision_it_train
     precision null trained in `precision`; resuming with null (bf16 on a GPU, fp32 elsewhere) is a change
     of what is trained, named, not a removed key ignored."""
     from megatron_tail.config.loader import MOVED_KEYS
+    from megatron_tail.rollout.settings import MOVED_KEYS as ROLLOUT_MOVED_KEYS
 
-    assert set(MOVED_KEYS) == {"model.bf16"}  # another moved key: `config_change._renamed` must read it too
+    # another moved key: `config_change._renamed` must read it too
+    assert set(MOVED_KEYS) == {"model.bf16", *ROLLOUT_MOVED_KEYS}
     saved = _saved()
     saved["model"]["bf16"] = bf16
     refused = rf"now\): model.precision \"{precision}\" → null\. Restore"
@@ -121,6 +123,33 @@ def test_a_checkpoint_of_the_earlier_bf16_key_compares_as_the_precision_it_train
     assert resume_notes(saved, _now(f"model.precision={precision}"), CKPT) == []
     saved["model"]["precision"] = "fp16"  # an explicit precision was what trained
     assert config_changes(saved, _now("model.precision=fp16")) == []
+
+
+def _flat_rollout(saved: dict) -> dict:
+    """`saved` with its rollout section as the flat section before its parts had their own: every key of
+    `rollout.settings.MOVED_KEYS` at its old name."""
+    from megatron_tail.rollout.settings import MOVED_KEYS as ROLLOUT_MOVED_KEYS
+
+    rollout = dict(saved["rollout"])
+    parts = {name: rollout.pop(name) for name in ("local", "weight_sync", "env", "sampling")}
+    for old, new in ROLLOUT_MOVED_KEYS.items():
+        _, part, leaf = new.split(".")
+        rollout[old.split(".", 1)[1]] = parts[part].pop(leaf)
+    assert not any(parts.values()), parts  # every key of the parts has an old name
+    return {**saved, "rollout": rollout}
+
+
+def test_a_checkpoint_of_the_flat_rollout_section_compares_under_the_new_names():
+    """A checkpoint written before the rollout section was nested (`rollout.top_k`, `rollout.weight_sync:
+    disk`) resumes as the same run, and a change is named under the key a user sets now."""
+    saved = _flat_rollout(_saved("rollout.sampling.top_k=8", "rollout.env.name=calculator"))
+    assert saved["rollout"]["top_k"] == 8 and saved["rollout"]["weight_sync"] == "disk"
+    now = _now("rollout.sampling.top_k=8", "rollout.env.name=calculator")
+    assert config_changes(saved, now) == []
+    changes = config_changes(saved, _now("rollout.sampling.top_k=16", "rollout.env.name=calculator"))
+    assert [(c.key, c.old, c.new) for c in changes] == [("rollout.sampling.top_k", 8, 16)]
+    assert resume_notes(saved, _now("rollout.sampling.top_k=8", "rollout.env.name=calculator",
+                                    "rollout.env.workers=2"), CKPT)  # fmt: skip
 
 
 def test_the_documented_lists_name_real_keys_and_the_model_algorithm_and_data_are_not_on_them():

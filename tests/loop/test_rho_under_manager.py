@@ -252,7 +252,10 @@ def test_rl_step_sets_the_next_rho_before_the_weight_sync_and_logs_the_samples_l
     ("overrides", "want"),
     [
         (["algorithm.log_rho=-9"], -9.0),
-        (["algorithm.log_rho=-9", "algorithm.safe_set_on=raw_logits", "rollout.temperature=0.5"], -18.0),
+        (
+            ["algorithm.log_rho=-9", "algorithm.safe_set_on=raw_logits", "rollout.sampling.temperature=0.5"],
+            -18.0,
+        ),
         (["algorithm.log_rho=-inf"], None),
     ],
 )

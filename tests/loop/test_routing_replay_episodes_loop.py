@@ -1,6 +1,7 @@
 """`megatron-tail train` with a tiny Qwen3-MoE, `algorithm.routing_replay=r3` and multi-turn episodes
-(`rollout.env`) on the local engine: no longer refused; the episodes carry their turns' routes, the trainer
-replays them, two steps complete with several turns per episode and `moe/routing_agreement` in range."""
+(`rollout.env.name`) on the local engine: no longer refused; the episodes carry their turns' routes, the
+trainer replays them, two steps complete with several turns per episode and `moe/routing_agreement` in
+range."""
 
 from __future__ import annotations
 
@@ -38,9 +39,9 @@ def test_r3_with_episodes_trains_and_replays_the_episodes_routes(prompt_file, tm
         "parallel.tensor_parallel": 1,
         "train.steps": 2,
         "rollout.max_new_tokens": 6,
-        "rollout.env": "tests.rollout.envs.fault_envs:ShortObservation",
-        "rollout.max_turns": 3,
-        "rollout.max_observation_tokens": 8,
+        "rollout.env.name": "tests.rollout.envs.fault_envs:ShortObservation",
+        "rollout.env.max_turns": 3,
+        "rollout.env.max_observation_tokens": 8,
         "algorithm.routing_replay": "r3",
         "algorithm.group_size": 2,
         "data.prompts_per_step": 2,

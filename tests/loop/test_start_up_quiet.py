@@ -2,7 +2,8 @@
 environment and the reward by name, the prompt files, the model directory) is refused before megatron-core
 is imported, in one line and in that order; megatron-core's and torch's expected start-up warnings (no TE, no
 apex, deprecations it raises itself) are silenced in one place (`utils.expected_warnings`), others still
-show. Before: about 14 warning lines first, and a bad `rollout.env` reported after the model directory."""
+show. Before: about 14 warning lines first, and a bad `rollout.env.name` reported after the model
+directory."""
 
 from __future__ import annotations
 
@@ -40,8 +41,9 @@ def _train(tmp_path, *overrides):
     ("bad", "line"),
     [
         (
-            ["rollout.env=no_such_env_xyz", "model.hf_path=/nonexistent/model"],
-            "rollout.env 'no_such_env_xyz' is neither a built-in ['calculator'] nor 'package.module:Class'",
+            ["rollout.env.name=no_such_env_xyz", "model.hf_path=/nonexistent/model"],
+            "rollout.env.name 'no_such_env_xyz' is neither a built-in ['calculator'] nor "
+            "'package.module:Class'",
         ),
         (
             ["data.reward=no_such_module_xyz:score", "model.hf_path=/nonexistent/model"],

@@ -25,9 +25,9 @@ CASES = {
     # an environment step that sleeps an hour, under a 120 s limit: step 1 never completes
     "hanging-environment": (
         {
-            "rollout.env": "tests.rollout.envs.fault_envs:StepHangs",
-            "rollout.env_timeout_s": 120,
-            "rollout.max_turns": 2,
+            "rollout.env.name": "tests.rollout.envs.fault_envs:StepHangs",
+            "rollout.env.timeout_s": 120,
+            "rollout.env.max_turns": 2,
         },
         {},
         "the batch of step 1",

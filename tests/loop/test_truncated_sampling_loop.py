@@ -1,6 +1,6 @@
-"""`megatron-tail train` with `rollout.top_k` / `rollout.top_p` (torchrun, TP = 2, a local engine): the
-supports reach θ_old, the update and the reference (fused output layer, one step ahead, checkpointed), and
-the engine–trainer mismatch stays at the bf16 level instead of −log(kept mass)."""
+"""`megatron-tail train` with `rollout.sampling.top_k` / `rollout.sampling.top_p` (torchrun, TP = 2, a local
+engine): the supports reach θ_old, the update and the reference (fused output layer, one step ahead,
+checkpointed), and the engine–trainer mismatch stays at the bf16 level instead of −log(kept mass)."""
 
 from __future__ import annotations
 
@@ -37,8 +37,8 @@ def _train(tiny_model_dir, prompt_file, tmp_path, extra: dict) -> tuple[subproce
 def test_truncated_sampling_trains_with_exact_importance_weights(tiny_model_dir, prompt_file, tmp_path):
     run_dir = tmp_path / "run"
     extra = {
-        "rollout.top_k": 12,
-        "rollout.top_p": 0.8,
+        "rollout.sampling.top_k": 12,
+        "rollout.sampling.top_p": 0.8,
         "rollout.max_staleness": 1,  # the batch generated ahead is checkpointed with its supports
         "model.fused_output_layer": True,
         "algorithm.is_mode": "mis",
@@ -84,8 +84,8 @@ def test_ignored_support_scores_the_full_vocabulary(tiny_model_dir, prompt_file,
     (π_train/π_infer = Z_support up to the bf16 engine), so with top-p 0.5 PPO clips tokens with a
     negative advantage and none with a positive one, and the logged scalars agree with each other."""
     extra = {
-        "rollout.top_k": 12,
-        "rollout.top_p": 0.5,
+        "rollout.sampling.top_k": 12,
+        "rollout.sampling.top_p": 0.5,
         "algorithm.log_rho": None,
         "algorithm.is_mode": "tis",
         "algorithm.sampling_support": "ignore",

@@ -57,10 +57,10 @@ def test_an_engine_dying_mid_sync_fails_every_rank_with_a_named_error(tiny_model
             {
                 "rollout.engine": "remote",
                 "rollout.server_urls": f"[{urls}]",
-                "rollout.weight_sync": "distributed",
-                "rollout.sync_bucket_mb": 0.01,
-                "rollout.sync_master_address": "127.0.0.1",
-                "rollout.sync_timeout_s": SYNC_TIMEOUT_S,
+                "rollout.weight_sync.mode": "distributed",
+                "rollout.weight_sync.bucket_mb": 0.01,
+                "rollout.weight_sync.master_address": "127.0.0.1",
+                "rollout.weight_sync.timeout_s": SYNC_TIMEOUT_S,
                 "train.checkpoint_every": 1,
             },
         )

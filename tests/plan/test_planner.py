@@ -189,14 +189,21 @@ def test_a_bad_model_directory_is_one_line_naming_the_file(tmp_path, capsys):
 
 
 def test_plan_checks_that_the_environment_imports(capsys):
-    """Before: `plan` passed a `rollout.env` that `train` then refused."""
+    """Before: `plan` passed a `rollout.env.name` that `train` then refused."""
     rc = main(
-        ["plan", str(EXAMPLE_8B), "--set", f"model.hf_path={QWEN3_8B}", "--set", "rollout.env=nowhere:Env"]
+        [
+            "plan",
+            str(EXAMPLE_8B),
+            "--set",
+            f"model.hf_path={QWEN3_8B}",
+            "--set",
+            "rollout.env.name=nowhere:Env",
+        ]
     )
     assert rc == 2
     assert capsys.readouterr().err == (
-        "megatron-tail plan: error: rollout.env 'nowhere:Env': cannot import module 'nowhere': No module "
-        "named 'nowhere'\n"
+        "megatron-tail plan: error: rollout.env.name 'nowhere:Env': cannot import module 'nowhere': "
+        "No module named 'nowhere'\n"
     )
 
 
@@ -254,8 +261,8 @@ def test_sampling_supports_are_counted_ragged_at_the_top_k_bound(capsys):
     every stage, the op's dense int32 [tokens, K] on the last; every rank's host copy of the step's batch."""
     base = (EXAMPLE_8B, "--set", f"model.hf_path={QWEN3_8B}", "--nodes", 2)
     _, plain = _plan_json(capsys, *base)
-    truncated = ("--set", "rollout.top_k=4096", "--set", "rollout.top_p=0.95")
-    truncated += ("--set", "rollout.sampling_mask_max_tokens=8192")  # top_k's headroom for flashinfer's ties
+    truncated = ("--set", "rollout.sampling.top_k=4096", "--set", "rollout.sampling.top_p=0.95")
+    truncated += ("--set", "rollout.sampling.mask_max_tokens=8192")  # top_k's headroom for flashinfer's ties
     rc, out = _plan_json(capsys, *base, *truncated)
     t = out["trainer"]
     tokens, k, cap = 5120, 4096, 8192  # one THD micro-batch, the last stage (PP = 1: one in flight)
@@ -268,15 +275,20 @@ def test_sampling_supports_are_counted_ragged_at_the_top_k_bound(capsys):
     assert out["supports"] == {"width": k, "dense_width": cap, "host_bytes_per_rank": host}
     # 8 ranks per node x 64 GiB is over a quarter of the assumed 1 TiB of host memory per node: warned
     (warning,) = [w for w in out["warnings"] if "sampling supports" in w]
-    assert "512.2 GiB per node" in warning and "rollout.top_k=4096" in warning
+    assert "512.2 GiB per node" in warning and "rollout.sampling.top_k=4096" in warning
     main(["plan", *map(str, base), *truncated])
     text = capsys.readouterr().out
     assert "supports" in text and "ids ragged" in text and "GiB of host memory per trainer rank" in text
     assert rc == 0
-    _, small = _plan_json(capsys, *base, "--set", "rollout.top_k=20", "--set", "rollout.top_p=0.95")
+    _, small = _plan_json(
+        capsys, *base, "--set", "rollout.sampling.top_k=20", "--set", "rollout.sampling.top_p=0.95"
+    )
     assert not [w for w in small["warnings"] if "sampling supports" in w]
     # the seeded PyTorch sampler refuses min-p, and with it DVP's safe set sent as min-p
-    exact = [f"--set={kv}" for kv in ("rollout.top_k=20", "rollout.top_p=0.95", "rollout.deterministic=true")]
+    exact = [
+        f"--set={kv}"
+        for kv in ("rollout.sampling.top_k=20", "rollout.sampling.top_p=0.95", "rollout.deterministic=true")
+    ]
     exact.append("--set=algorithm.log_rho=null")
     _, deterministic = _plan_json(capsys, *base, *exact)
     assert deterministic["supports"]["dense_width"] == 20  # the PyTorch sampler keeps exactly top_k ranks

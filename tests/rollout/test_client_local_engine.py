@@ -86,7 +86,7 @@ def _flat(results):
 def test_an_in_process_engine_draws_what_the_process_draws_and_leaves_nothing(
     tiny_model_dir, server_pair, tmp_path
 ):
-    """`rollout.local_in_process`: the same requests to the engine served by a thread of this process and to
+    """`rollout.local.in_process`: the same requests to the engine served by a thread of this process and to
     a `serve-local` process (one torch thread each, bf16) come back the same, token for token and log-prob
     for log-prob; once stopped, its threads are gone and its port is free."""
     sampling = SamplingConfig(n_samples=4, max_new_tokens=12, temperature=1.0, log_rho=-4.0, base_seed=7)

@@ -154,12 +154,12 @@ def test_local_engine_command_and_config_carry_the_dial():
     assert cmd[cmd.index("--kv-cache-dtype") + 1] == "fp8_e4m3"
     assert float(cmd[cmd.index("--logit-noise") + 1]) == 2.0
     assert "--kv-cache-dtype" not in build_local_engine_command(LocalEngineConfig(model_path="m"))
-    cfg = load_config(None, ["rollout.local_logit_noise=1.5", "rollout.kv_cache_dtype=fp8_e4m3"])
-    assert cfg.rollout.local_logit_noise == 1.5
+    cfg = load_config(None, ["rollout.local.logit_noise=1.5", "rollout.local.kv_cache_dtype=fp8_e4m3"])
+    assert cfg.rollout.local.logit_noise == 1.5
     remote = ["rollout.engine=remote", "rollout.server_urls=[http://h:1]"]
     with pytest.raises(UserError, match="local-engine emulation"):
         load_config(None, [*remote, "rollout.quantization=nvfp4_a16"])
     with pytest.raises(UserError, match="local engine only"):
-        load_config(None, [*remote, "rollout.local_logit_noise=1.0"])
-    with pytest.raises(UserError, match="local_logit_noise"):
-        load_config(None, ["rollout.local_logit_noise=-1"])
+        load_config(None, [*remote, "rollout.local.logit_noise=1.0"])
+    with pytest.raises(UserError, match=r"rollout\.local\.logit_noise must be a number ≥ 0"):
+        load_config(None, ["rollout.local.logit_noise=-1"])

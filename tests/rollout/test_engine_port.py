@@ -46,9 +46,9 @@ def test_a_reserved_port_is_taken_by_no_other_socket_and_refuses_connections_unt
 
 
 def test_a_given_port_is_held_against_servers_too_and_taken_again_at_once_after_its_last_run():
-    """A given port (`rollout.local_port`, `rollout.sync_master_port`) is bound with SO_REUSEADDR, so that a
-    rerun takes it although the last run's connections wait in TIME_WAIT, and is listened on at once: with
-    SO_REUSEADDR, only a listening socket keeps another server's socket off it."""
+    """A given port (`rollout.local.port`, `rollout.weight_sync.master_port`) is bound with SO_REUSEADDR, so
+    that a rerun takes it although the last run's connections wait in TIME_WAIT, and is listened on at once:
+    with SO_REUSEADDR, only a listening socket keeps another server's socket off it."""
     server = reserve_port()  # the last run: served a connection and closed it first (TIME_WAIT on its side)
     port = server.getsockname()[1]
     listen_on(server).listen()
@@ -64,8 +64,8 @@ def test_a_given_port_is_held_against_servers_too_and_taken_again_at_once_after_
 
 
 def test_a_port_reserved_on_every_interface_is_held_on_the_loopback_too():
-    """The weight group's rendezvous port (`rollout.sync_master_port`) is held on every interface, where the
-    trainer's TCPStore listens."""
+    """The weight group's rendezvous port (`rollout.weight_sync.master_port`) is held on every interface,
+    where the trainer's TCPStore listens."""
     held = reserve_port("")
     try:
         assert _bind_fails(held.getsockname()[1], "127.0.0.1")
@@ -87,7 +87,7 @@ def test_the_local_engine_holds_its_port_while_it_loads_and_serves_on_it(tiny_mo
         assert _bind_fails(port)
     finally:
         engine.stop()
-    # released with the engine: a run restarted on this port (`rollout.local_port`) takes it at once, though
+    # released with the engine: a run restarted on this port (`rollout.local.port`) takes it at once, though
     # the connections it served linger in TIME_WAIT
     reserve_port("127.0.0.1", port).close()
 
@@ -120,9 +120,9 @@ def test_the_engine_and_the_weight_group_cannot_be_given_one_port():
     from megatron_tail.utils.errors import UserError
 
     with pytest.raises(
-        UserError, match=r"rollout.sync_master_port must differ from rollout.local_port; got 30000$"
+        UserError, match=r"rollout.weight_sync.master_port must differ from rollout.local.port; got 30000$"
     ):
-        load_config(None, ["rollout.local_port=30000", "rollout.sync_master_port=30000"])
+        load_config(None, ["rollout.local.port=30000", "rollout.weight_sync.master_port=30000"])
 
 
 def test_the_weight_group_takes_a_port_or_a_socket_bound_to_one():

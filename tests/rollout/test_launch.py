@@ -37,7 +37,7 @@ def test_sglang_command_parses_with_sglangs_own_arguments():
     assert args.ep_size == 2  # cluster.sglang.ep
     assert (args.dtype, args.mem_fraction_static, args.weight_version) == ("bfloat16", 0.8, "0")
     assert (args.random_seed, args.base_gpu_id, args.log_level) == (7, 2, "warning")
-    assert args.sampling_mask_max_tokens == 1024  # rollout.sampling_mask_max_tokens
+    assert args.sampling_mask_max_tokens == 1024  # rollout.sampling.mask_max_tokens
     plain = build_sglang_server_command(SGLangServerConfig(model_path="/m"))
     assert "--sampling-mask-max-tokens" not in plain and "--ep-size" not in plain
 

@@ -155,8 +155,8 @@ def test_a_step_logs_the_overflows_and_retries_since_the_last_batch():
 
 def test_a_group_that_overflows_on_every_attempt_is_a_user_error_naming_the_keys():
     """Before: `EngineFailure "… (rollout.request_timeout_s=… s)"`, exit 4 "rerun resumes", yet a rerun
-    overflows again (a first token's support depends on the prompt alone). Now one line naming rollout.top_k,
-    rollout.sampling_mask_max_tokens and the headroom rule, exit 2."""
+    overflows again (a first token's support depends on the prompt alone). Now one line naming
+    rollout.sampling.top_k, rollout.sampling.mask_max_tokens and the headroom rule, exit 2."""
     from types import SimpleNamespace
 
     from megatron_tail.rollout.service.engines import Engines
@@ -174,7 +174,7 @@ def test_a_group_that_overflows_on_every_attempt_is_a_user_error_naming_the_keys
     app.router.add_get("/health", healthy)
     engines = object.__new__(Engines)  # `run` alone, on a remote engine
     engines.settings = SimpleNamespace(
-        wait_report_s=60.0, request_timeout_s=7.0, top_k=2, sampling_mask_max_tokens=4
+        wait_report_s=60.0, request_timeout_s=7.0, sampling=SimpleNamespace(top_k=2, mask_max_tokens=4)
     )
     engines.engine, engines.note = None, print
     engines.loop, engines._thread = asyncio.new_event_loop(), None
@@ -191,10 +191,10 @@ def test_a_group_that_overflows_on_every_attempt_is_a_user_error_naming_the_keys
         engines.loop.close()
     assert TOP_K_HEADROOM == 2
     assert str(info.value) == (
-        "rollout.top_k=2 with rollout.sampling_mask_max_tokens=4: the samples of prompt 0 overflowed the "
-        "engines' sampling-mask cap on all 2 attempts, with fresh seeds each time (the engine: "
-        f'"{MESSAGE}"); a rerun repeats this (a first token\'s support depends on the prompt alone), since '
-        "the ties at the top-k cutoff that SGLang's flashinfer sampler keeps need more than the ×2 headroom "
-        "the config requires (rollout.settings.TOP_K_HEADROOM): raise rollout.sampling_mask_max_tokens or "
-        "lower rollout.top_k"
+        "rollout.sampling.top_k=2 with rollout.sampling.mask_max_tokens=4: the samples of prompt 0 "
+        "overflowed the engines' sampling-mask cap on all 2 attempts, with fresh seeds each time (the "
+        f'engine: "{MESSAGE}"); a rerun repeats this (a first token\'s support depends on the prompt '
+        "alone), since the ties at the top-k cutoff that SGLang's flashinfer sampler keeps need more than "
+        "the ×2 headroom the config requires (rollout.settings.TOP_K_HEADROOM): raise "
+        "rollout.sampling.mask_max_tokens or lower rollout.sampling.top_k"
     )

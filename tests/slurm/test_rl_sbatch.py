@@ -113,7 +113,12 @@ def test_rl_job_runs_to_the_end(slurm_cluster, tiny_model_dir, prompt_file, tmp_
     job_id = None
     try:
         ahead = ["--set", "rollout.max_staleness=1"]
-        in_memory = ["--set", "rollout.weight_sync=distributed", "--set", "rollout.sync_timeout_s=60"]
+        in_memory = [
+            "--set",
+            "rollout.weight_sync.mode=distributed",
+            "--set",
+            "rollout.weight_sync.timeout_s=60",
+        ]
         argv = sbatch_argv(config, tmp_path, *in_memory, *ahead)
         proc = subprocess.run(
             argv, cwd=tmp_path, env=job_env(), capture_output=True, text=True, timeout=WAIT_S
@@ -141,8 +146,8 @@ def test_rl_job_runs_to_the_end(slurm_cluster, tiny_model_dir, prompt_file, tmp_
     urls = resolved["rollout"]["server_urls"]
     assert len(urls) == 1 and re.fullmatch(r"http://node1:\d+", urls[0]), urls
     # weights went in memory over the job's sync port (port block +2; servers from +3), nothing on disk
-    assert resolved["rollout"]["weight_sync"] == "distributed"
-    assert resolved["rollout"]["sync_master_port"] == int(urls[0].rsplit(":", 1)[1]) - 1
+    assert resolved["rollout"]["weight_sync"]["mode"] == "distributed"
+    assert resolved["rollout"]["weight_sync"]["master_port"] == int(urls[0].rsplit(":", 1)[1]) - 1
     assert not (run_dir / "rollout_weights").exists()
     trainer = read_text(logs / "trainer.log")
     assert re.search(r"^step 3 ", trainer, re.M), report

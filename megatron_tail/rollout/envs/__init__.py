@@ -1,6 +1,6 @@
-"""Environments of multi-turn rollouts (`rollout.env`, `rollout.max_turns`): the interface (`Environment`,
-`StepResult`, `ToolEnvironment`), the built-in `calculator`, Qwen3's tool-call format, and the episode
-runner (`run_episode`: token ids in, token ids out, a per-token policy mask)."""
+"""Environments of multi-turn rollouts (`rollout.env.name`, `rollout.env.max_turns`): the interface
+(`Environment`, `StepResult`, `ToolEnvironment`), the built-in `calculator`, Qwen3's tool-call format, and the
+episode runner (`run_episode`: token ids in, token ids out, a per-token policy mask)."""
 
 from .base import Environment, StepResult, ToolEnvironment, check_step_result
 from .episode import Episode, EpisodeLimits, Tokens, TurnOutput, run_episode

@@ -1,6 +1,6 @@
 """The environment interface of multi-turn rollouts.
 
-An environment lives in an environment worker process (`pool.py`, `rollout.env_workers`), one instance per
+An environment lives in an environment worker process (`pool.py`, `rollout.env.workers`), one instance per
 episode:
 
     env = MyEnv()                       # no arguments

@@ -1,5 +1,6 @@
-"""The built-in `calculator` environment (`rollout.env: calculator`): one tool, `calculator`, that evaluates
-an arithmetic expression with `arithmetic.evaluate` (its own parser; model text is never run as code)."""
+"""The built-in `calculator` environment (`rollout.env.name: calculator`): one tool, `calculator`, that
+evaluates an arithmetic expression with `arithmetic.evaluate` (its own parser; model text is never run as
+code)."""
 
 from __future__ import annotations
 

@@ -91,7 +91,7 @@ class EnvSession(Protocol):
 @dataclass(frozen=True)
 class EpisodeLimits:
     max_turns: int
-    """Model turns at most (`rollout.max_turns`)."""
+    """Model turns at most (`rollout.env.max_turns`)."""
     max_observation_tokens: int
     """An observation longer than this ends the episode before it (it is not appended)."""
     max_input_tokens: int | None = None

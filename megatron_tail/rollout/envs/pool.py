@@ -1,4 +1,4 @@
-"""`EnvWorkers`: the environments' own pool of worker processes (`rollout.env_workers`), each call under its
+"""`EnvWorkers`: the environments' own pool of worker processes (`rollout.env.workers`), each call under its
 own time limit.
 
     pool = EnvWorkers(4, timeout_s=600.0)      # starts the workers
@@ -22,7 +22,7 @@ the thread that started it, `PR_SET_PDEATHSIG`, `utils.parent_watch`). The worke
 kind (`rewards.scorer._Worker`: spawned, ignoring the job's stop signals, dying with the trainer) without a
 reward function loaded.
 
-Default N = 4 (`rollout.env_workers`): environment calls are short, CPU-light Python (the calculator parses
+Default N = 4 (`rollout.env.workers`): environment calls are short, CPU-light Python (the calculator parses
 in microseconds) or wait on something outside (a sandbox, a service), so a few processes give the
 parallelism that matters — one stuck call no longer stalls the rest — at ~50 MB and one interpreter start
 each on rank 0, which also runs the engines' client and the trainer; a run whose tools are slow raises it
@@ -42,7 +42,7 @@ from megatron_tail.utils.errors import UserError
 from .registry import ENV_HANDLER, EnvironmentError_, EnvironmentTimeoutError
 
 DEFAULT_ENV_WORKERS = 4
-"""`rollout.env_workers`'s default; see the module docstring for why."""
+"""`rollout.env.workers`'s default; see the module docstring for why."""
 
 
 @dataclass
@@ -73,11 +73,11 @@ class _Slot:
 
 class EnvWorkers:
     """`workers` environment worker processes; each call bounded by `timeout_s` (named `timeout_name` in
-    errors: `rollout.env_timeout_s`, or `data.reward_timeout_s` when that key is unset)."""
+    errors: `rollout.env.timeout_s`, or `data.reward_timeout_s` when that key is unset)."""
 
     def __init__(self, workers: int = DEFAULT_ENV_WORKERS, *, timeout_s: float, timeout_name: str):
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-            raise UserError(f"rollout.env_workers must be an integer ≥ 1; got {workers!r}")
+            raise UserError(f"rollout.env.workers must be an integer ≥ 1; got {workers!r}")
         if not timeout_s > 0:
             raise UserError(f"{timeout_name} must be > 0; got {timeout_s!r}")
         self.timeout_s, self.timeout_name = float(timeout_s), timeout_name

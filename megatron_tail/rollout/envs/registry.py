@@ -1,6 +1,6 @@
-"""Environments by name (`rollout.env`): the built-in `calculator`, or a user's class `package.module:Class`;
-and the worker-side table of live episodes (`EpisodeTable`, run inside each environment
-worker process, `pool.EnvWorkers`)."""
+"""Environments by name (`rollout.env.name`): the built-in `calculator`, or a user's class
+`package.module:Class`; and the worker-side table of live episodes (`EpisodeTable`, run inside each
+environment worker process, `pool.EnvWorkers`)."""
 
 from __future__ import annotations
 
@@ -23,28 +23,29 @@ def load_env_class(spec: str) -> type[Environment]:
     """The environment class named by a built-in (`calculator`) or `package.module:Class`."""
     if not isinstance(spec, str) or not spec.strip():
         raise UserError(
-            f"rollout.env must be a built-in {sorted(BUILTIN_ENVS)} or 'module:Class'; got {spec!r}"
+            f"rollout.env.name must be a built-in {sorted(BUILTIN_ENVS)} or 'module:Class'; got {spec!r}"
         )
     path = BUILTIN_ENVS.get(spec, spec)
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
         raise UserError(
-            f"rollout.env {spec!r} is neither a built-in {sorted(BUILTIN_ENVS)} nor 'package.module:Class'"
+            f"rollout.env.name {spec!r} is neither a built-in {sorted(BUILTIN_ENVS)} nor "
+            "'package.module:Class'"
         )
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise UserError(f"rollout.env {spec!r}: cannot import module {module_name!r}: {e}") from e
+        raise UserError(f"rollout.env.name {spec!r}: cannot import module {module_name!r}: {e}") from e
     cls = getattr(module, attr, None)
     if not isinstance(cls, type) or not callable(getattr(cls, "step", None)):
         raise UserError(
-            f"rollout.env {spec!r}: {module_name!r} has no class {attr!r} with a step(turn) method"
+            f"rollout.env.name {spec!r}: {module_name!r} has no class {attr!r} with a step(turn) method"
         )
     return cls
 
 
 class EnvironmentTimeoutError(UserError):
-    """An environment did not answer a request within its limit (`rollout.env_timeout_s`, else
+    """An environment did not answer a request within its limit (`rollout.env.timeout_s`, else
     `data.reward_timeout_s`)."""
 
 

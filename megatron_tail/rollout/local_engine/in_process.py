@@ -1,11 +1,11 @@
-"""The local engine in the trainer's own process (`rollout.local_in_process: true`): the `LocalEngine` and the
+"""The local engine in the trainer's own process (`rollout.local.in_process: true`): the `LocalEngine` and the
 HTTP app that `megatron-tail serve-local` runs (`cli.make_engine`, `server.build_app`, from the same
 command line `launch.build_local_engine_command` writes), served by a thread on its own event loop, on the
 port the trainer reserved. The client talks to it over HTTP exactly as to the process.
 
 What it saves is a process: on a CPU, the engine process spends about 7 s importing torch and
 transformers before it loads a model of a few MB, which the trainer has imported already. What it gives up
-is the process's isolation: the engine shares the trainer's torch threads (`rollout.local_num_threads` does
+is the process's isolation: the engine shares the trainer's torch threads (`rollout.local.num_threads` does
 not apply), its memory and its fate (it cannot be killed alone, so none of `service/failures`'s "the engine
 died" cases arise). For tests and laptops; the default is the process.
 

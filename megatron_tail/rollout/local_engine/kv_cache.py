@@ -1,4 +1,4 @@
-"""An FP8 (e4m3) KV cache on CPU: `rollout.kv_cache_dtype: fp8_e4m3` on the local engine.
+"""An FP8 (e4m3) KV cache on CPU: `rollout.local.kv_cache_dtype: fp8_e4m3` on the local engine.
 
 What SGLang 0.5.23 does with `--kv-cache-dtype fp8_e4m3`: the attention layer writes each token's key and
 value into the pool through `MHATokenToKVPool.set_kv_buffer` (srt/mem_cache/memory_pool.py), which divides by
@@ -19,7 +19,7 @@ from transformers import DynamicCache
 from .fp8 import E4M3, E4M3_MAX
 
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
-"""`rollout.kv_cache_dtype`: "auto" (the engine's dtype) or "fp8_e4m3"."""
+"""`rollout.local.kv_cache_dtype`: "auto" (the engine's dtype) or "fp8_e4m3"."""
 
 
 def e4m3_round_trip(x: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """A SYNTHETIC mismatch knob: Gaussian noise on the local engine's logits, growing toward the tail.
 
-`rollout.local_logit_noise: σ` (local engine only; 0 = off). It stands for no real engine format: it is the
+`rollout.local.logit_noise: σ` (local engine only; 0 = off). It stands for no real engine format: it is the
 dial that lets the collapse experiment (`megatron_tail/experiments/collapse.py`) go beyond the mismatch that
 bf16/FP8/FP4 produce on a tiny model. Per decoding step and sample, the engine's raw logits z (fp32, `[V]`)
 become

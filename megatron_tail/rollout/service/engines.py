@@ -77,7 +77,7 @@ class Engines:
         """DVP's log ρ of the requests sent from now on (`set_log_rho`); None without DVP."""
         self.reporting, self.note = reporting, reporting.note
         self.engine = engine
-        """The local engine's process (or thread: `rollout.local_in_process`), or None (remote servers)."""
+        """The local engine's process (or thread: `rollout.local.in_process`), or None (remote servers)."""
         self.weight_sync = weight_sync
         self._counted: dict[str, int] = {}
         """The client's counters at the last batch (`client_metrics` logs what they added since)."""
@@ -91,9 +91,9 @@ class Engines:
     @classmethod
     def connect(cls, settings: RolloutSection, plan: RolloutPlan) -> Engines:
         """The engines of `settings` for `plan`: a local engine starts loading now (`rollout.engine`), else
-        the servers of `rollout.server_urls`; the weight transport of `rollout.weight_sync`."""
+        the servers of `rollout.server_urls`; the weight transport of `rollout.weight_sync.mode`."""
         local = settings.engine == "local"
-        port = _reserved("rollout.local_port", "127.0.0.1", settings.local_port) if local else None
+        port = _reserved("rollout.local.port", "127.0.0.1", settings.local.port) if local else None
         try:
             return cls._connect(settings, plan, port)
         except BaseException:
@@ -130,7 +130,7 @@ class Engines:
         for client in (engines.client, engines.eval_client):  # a request on a dead local engine: one line
             client.server_ended = engines._local_engine_ended
         if local is not None:  # last: nothing after it can fail and leave the process behind
-            serve = LocalEngineThread if r.local_in_process else LocalEngineProcess
+            serve = LocalEngineThread if r.local.in_process else LocalEngineProcess
             engines.engine = serve(local, plan.local_engine_log, listen_socket=port)
         return engines
 
@@ -142,7 +142,7 @@ class Engines:
         weight group with them."""
         self._wait_healthy()
         if self.in_memory_sync:
-            self.run(self.weight_sync.init_group(), "the weight-sync group", limit="sync_timeout_s")
+            self.run(self.weight_sync.init_group(), "the weight-sync group", limit="weight_sync.timeout_s")
 
     def _wait_healthy(self) -> None:
         timeout = self.settings.startup_timeout_s
@@ -186,7 +186,7 @@ class Engines:
         self.run(
             self.weight_sync.update(source, weight_version=str(version)),
             f"weight sync to version {version}",
-            limit="sync_timeout_s" if self.in_memory_sync else "request_timeout_s",
+            limit="weight_sync.timeout_s" if self.in_memory_sync else "request_timeout_s",
         )
 
     def sampling_log_rho(self) -> float | None:
@@ -408,10 +408,10 @@ async def _call(fn, *args):
 
 
 def _weight_sync(settings: RolloutSection, urls: list[str], local: bool):
-    """`rollout.weight_sync`: disk, or in memory over a process group with the engines (tensors cast to the
-    engines' dtype on the sender)."""
+    """`rollout.weight_sync.mode`: disk, or in memory over a process group with the engines (tensors cast to
+    the engines' dtype on the sender)."""
     r = settings
-    if r.weight_sync == "disk":
+    if not r.weight_sync.in_memory:
         return DiskWeightSync(
             urls,
             timeout_s=r.request_timeout_s,
@@ -423,18 +423,18 @@ def _weight_sync(settings: RolloutSection, urls: list[str], local: bool):
     import torch
 
     # rank 0 hosts the group's rendezvous: the engines reach it by the name its node has for Slurm
-    address = r.sync_master_address or (
+    address = r.weight_sync.master_address or (
         "127.0.0.1" if local else os.environ.get("SLURMD_NODENAME") or socket.getfqdn()
     )
     engine_dtype = r.local_engine_dtype if local else (r.dtype or "bfloat16")
     return DistributedWeightSync(
         urls,
         master_address=address,
-        listen_socket=_reserved("rollout.sync_master_port", "", r.sync_master_port),
+        listen_socket=_reserved("rollout.weight_sync.master_port", "", r.weight_sync.master_port),
         backend="nccl" if torch.cuda.is_available() else "gloo",
-        timeout_s=r.sync_timeout_s,
-        timeout_name="rollout.sync_timeout_s",
-        bucket_mb=r.sync_bucket_mb,
+        timeout_s=r.weight_sync.timeout_s,
+        timeout_name="rollout.weight_sync.timeout_s",
+        bucket_mb=r.weight_sync.bucket_mb,
         dtype=getattr(torch, engine_dtype),
         pause_mode=r.pause_mode,
     )

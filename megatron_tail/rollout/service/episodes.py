@@ -19,7 +19,7 @@ a one-turn episode asks the engine for exactly what a single-turn rollout asked;
 Environments fail alone: an episode whose environment raises or times out fails its group only, which is
 generated again with fresh seeds (not skipped: the step keeps its `prompts_per_step` groups, so its batch
 still splits over mini-batches × DP), counted in `rollout/env_failures`; more than
-`rollout.max_env_failure_fraction` of a batch's episodes failing stops the run (`FailureCount`).
+`rollout.env.max_failure_fraction` of a batch's episodes failing stops the run (`FailureCount`).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ each stops the run (`EnvironmentFailures`)."""
 
 
 class EnvironmentFailures(UserError):
-    """Too many episodes' environments failed in one step (`rollout.max_env_failure_fraction`), or one
+    """Too many episodes' environments failed in one step (`rollout.env.max_failure_fraction`), or one
     prompt's on every attempt."""
 
 
@@ -107,7 +107,7 @@ class FailureCount:
         if self.failures > self.max_fraction * self.episodes:
             raise EnvironmentFailures(
                 f"environment {self.spec!r}: {self.failures} of the step's {self.episodes} episodes failed, "
-                f"more than rollout.max_env_failure_fraction={self.max_fraction:g}; last: {_one_line(error)}"
+                f"more than rollout.env.max_failure_fraction={self.max_fraction:g}; last: {_one_line(error)}"
             )
 
     def metrics(self) -> dict[str, float]:

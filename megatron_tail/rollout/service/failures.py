@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import operator
+
 import aiohttp
 
 from megatron_tail.utils.errors import OutsideFailure, UserError
@@ -88,15 +90,15 @@ def classify(
 def overflows_exhausted(error: SupportOverflowsExhausted, rollout) -> UserError:
     """Every attempt overflowed the engines' mask cap: the settings' doing, not the engines' (a rerun
     overflows again), so a user error naming the two keys and the headroom rule."""
-    cap = rollout.sampling_mask_max_tokens
+    cap = rollout.sampling.mask_max_tokens
     return UserError(
-        f"rollout.top_k={rollout.top_k} with rollout.sampling_mask_max_tokens={cap}: the samples of prompt "
-        f"{error.prompt_index} overflowed the engines' sampling-mask cap on all "
+        f"rollout.sampling.top_k={rollout.sampling.top_k} with rollout.sampling.mask_max_tokens={cap}: the "
+        f"samples of prompt {error.prompt_index} overflowed the engines' sampling-mask cap on all "
         f'{error.attempts} attempts, with fresh seeds each time (the engine: "{error.message}"); a '
         "rerun repeats this (a first token's support depends on the prompt alone), since the ties at the "
         "top-k cutoff that SGLang's flashinfer sampler keeps need more than the "
         f"×{TOP_K_HEADROOM} headroom the config requires (rollout.settings.TOP_K_HEADROOM): raise "
-        "rollout.sampling_mask_max_tokens or lower rollout.top_k"
+        "rollout.sampling.mask_max_tokens or lower rollout.sampling.top_k"
     )
 
 
@@ -113,8 +115,9 @@ def engine_ended(
 
 
 def limit_text(rollout, key: str) -> str:
-    """`rollout.<key>=<value> s`: a limit of the engines, as the config names it."""
-    return f"rollout.{key}={getattr(rollout, key):g} s"
+    """`rollout.<key>=<value> s`: a limit of the engines, as the config names it (`key` may be dotted:
+    "weight_sync.timeout_s")."""
+    return f"rollout.{key}={operator.attrgetter(key)(rollout):g} s"
 
 
 def _http_status(error: BaseException | None) -> int | None:

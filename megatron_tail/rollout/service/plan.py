@@ -27,7 +27,7 @@ class RewardPlan:
     """`data.reward`: a built-in reward's name or "package.module:function"."""
     timeout_s: float
     """`data.reward_timeout_s`: per batch; with an environment, its calls' limit too unless
-    `rollout.env_timeout_s` is set."""
+    `rollout.env.timeout_s` is set."""
     correct_reward: float
     """`data.correct_reward`: a sample is correct when its reward is at least this."""
 
@@ -81,7 +81,7 @@ class RolloutPlan:
     """Where `logs/local_engine.log` and `logs/trained_prompts.jsonl` go (None: nowhere, tests)."""
     weight_sync_dir: Path
     """Disk weight sync: where the trainer's weights are exported for the engines to load
-    (`rollout.weight_sync_dir`, else `<run_dir>/rollout_weights`)."""
+    (`rollout.weight_sync.dir`, else `<run_dir>/rollout_weights`)."""
     reporting: Reporting
 
     @property

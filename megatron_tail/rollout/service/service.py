@@ -65,16 +65,16 @@ class RolloutService:
         envs = None
         try:
             # the environment fails here, by name, if the spec is bad (the workers load it too)
-            if settings.env is not None:
+            if settings.env.on:
                 from ..envs import load_env_class
                 from ..envs.pool import EnvWorkers
 
-                load_env_class(settings.env)
-                r = settings
+                env = settings.env
+                load_env_class(env.name)
                 envs = EnvWorkers(
-                    r.env_workers,
-                    timeout_s=r.env_timeout_s or plan.reward.timeout_s,
-                    timeout_name="rollout.env_timeout_s" if r.env_timeout_s else "data.reward_timeout_s",
+                    env.workers,
+                    timeout_s=env.timeout_s or plan.reward.timeout_s,
+                    timeout_name="rollout.env.timeout_s" if env.timeout_s else "data.reward_timeout_s",
                 )
             engines = Engines.connect(settings, plan)
         except BaseException:
@@ -87,7 +87,7 @@ class RolloutService:
     @classmethod
     def assemble(cls, settings: RolloutSection, plan: RolloutPlan, tokenizer, engines, score, envs):
         """A service over `engines` (`Engines`), scoring with `score` (`(texts, answers) -> rewards`), with
-        the environments' workers `envs` (None without `rollout.env`): nothing is started."""
+        the environments' workers `envs` (None without `rollout.env.name`): nothing is started."""
         self = cls.__new__(cls)
         self._assemble(settings, plan, tokenizer, engines, score, envs)
         return self
@@ -95,7 +95,7 @@ class RolloutService:
     def _assemble(self, settings, plan, tokenizer, engines: Engines, score, envs) -> None:
         self.settings, self.plan, self.tokenizer = settings, plan, tokenizer
         self.engines, self.score, self.envs = engines, score, envs
-        """`envs`: the environments' workers (`rollout.env_workers`, `rollout.envs.pool`), or None."""
+        """`envs`: the environments' workers (`rollout.env.workers`, `rollout.envs.pool`), or None."""
         self.reward = Reward(score, plan.reward.correct_reward)
         self.note = plan.reporting.note
         """Where the wait-progress lines go (rank 0's console)."""
@@ -126,18 +126,18 @@ class RolloutService:
         environment failure count over `episodes` episodes, this service's reward."""
         r = self.settings
         n = sampling.n_samples
-        per_turn = dataclasses.replace(turn_sampling(sampling, self.tokenizer, r.max_turns), n_samples=1)
+        per_turn = dataclasses.replace(turn_sampling(sampling, self.tokenizer, r.env.max_turns), n_samples=1)
         return EpisodeSampling(
             turn=per_turn,
             n=n,
             pruned=pruned,
             partial=partial,
-            env_spec=r.env,
+            env_spec=r.env.name,
             envs=self.envs,
             limits=self._episode_limits(sampling),
             tokens=self._tokens(),
             slots=asyncio.BoundedSemaphore(r.episodes_at_once(n)),
-            failures=FailureCount(r.env or "none", episodes, r.max_env_failure_fraction),
+            failures=FailureCount(r.env.name or "none", episodes, r.env.max_failure_fraction),
             reward=self.reward,
         )
 
@@ -148,7 +148,7 @@ class RolloutService:
 
         r = self.settings
         return EpisodeLimits(
-            r.max_turns, r.max_observation_tokens, self.plan.context_length - sampling.max_new_tokens
+            r.env.max_turns, r.env.max_observation_tokens, self.plan.context_length - sampling.max_new_tokens
         )
 
     def _tokens(self):
@@ -188,7 +188,7 @@ class RolloutService:
             partial=r.partial_rollouts,
             episodes=plan.groups_per_step * sampling.n_samples,  # per batch: a step's episodes
         )
-        environment = r.env is not None
+        environment = r.env.on
 
         async def work(index: int, admitted: int, attempt: int) -> GroupResult:
             base_seed, position = group_seeds(plan.seed, index, plan.groups_per_step)
@@ -228,7 +228,7 @@ class RolloutService:
     def _training_sampling(self, base_seed: int) -> SamplingConfig:
         """Training's sampling: `algorithm.group_size` samples a prompt at the ρ in force, MoE routes with
         routing replay, the top log-prob (ε̂ of the mismatch diagnostics, DVP Prop. 4.2)."""
-        return self.settings.sampling(
+        return self.settings.sampling_config(
             self.plan.group_size,
             log_rho=self.sampling_log_rho(),
             base_seed=base_seed,
@@ -251,7 +251,7 @@ class RolloutService:
             self.manager.next_batch(step, progress), f"the batch of step {step + 1}"
         )
         metrics = {**metrics, **self.engines.client_metrics()}
-        if self.settings.env is not None:
+        if self.settings.env.on:
             metrics.update(self.engines.call(self._episode_failures))
         if self.plan.run_dir is not None:
             record_trained_prompts(self.plan.run_dir, step + 1, [g.index for g in groups])
@@ -265,7 +265,7 @@ class RolloutService:
     def sync_weights(self, weights: WeightSource, version: int | str) -> SyncTimes:
         """Every engine loads `weights` as `weight_version=str(version)`, and the rollout manager admits the
         groups from now on at `version`. First, without partial rollouts, the groups in flight finish under
-        the weights they began with (`drain_s`); then `rollout.weight_sync` decides the form: "disk",
+        the weights they began with (`drain_s`); then `rollout.weight_sync.mode` decides the form: "disk",
         `weights.export(plan.weight_sync_dir)` and the engines load that directory; "distributed",
         `weights.tensors()` streamed to them in memory (`sync_s`)."""
         draining = time.perf_counter()
@@ -297,11 +297,11 @@ class RolloutService:
         the policy being trained; fixed seeds, so evaluations differ only by the weights) → `eval/pass@k`
         (unbiased), `eval/mean@n` (= `eval/sampled_accuracy`), `eval/sampled_reward`; and greedy decoding →
         `eval/greedy_accuracy`, `eval/greedy_reward`. Each by the one workflow over every prompt
-        (`episodes.evaluate_groups`; without `rollout.env`, one-turn episodes: the single-turn samples). An
-        environment's failure fails its episode's group only, generated again with fresh seeds, until more
-        than `rollout.max_env_failure_fraction` of the episodes failed (`episodes.EnvironmentFailures`)."""
+        (`episodes.evaluate_groups`; without `rollout.env.name`, one-turn episodes: the single-turn samples).
+        An environment's failure fails its episode's group only, generated again with fresh seeds, until more
+        than `rollout.env.max_failure_fraction` of the episodes failed (`episodes.EnvironmentFailures`)."""
         r = self.settings
-        sampled = r.sampling(
+        sampled = r.sampling_config(
             self.plan.eval_samples_per_prompt, log_rho=self.sampling_log_rho(), base_seed=EVAL_SEED
         )
         examples = [Example(p, a) for p, a in zip(prompt_ids, answers, strict=True)]
@@ -316,14 +316,14 @@ class RolloutService:
             )
             groups = self.engines.run(evaluate_groups(self.engines, examples, shared), what)
             failures = shared.failures
-            if r.env is not None:
+            if r.env.on:
                 for tag, count in failures.metrics().items():  # rollout/env_failures → eval/env_failures
                     key = "eval/" + tag.split("/", 1)[1]
                     out[key] = out.get(key, 0.0) + count
                 if failures.failures or failures.lost:
                     self.note(
                         f"evaluation ({name}): {failures.failures} episode(s) failed in environment "
-                        f"{r.env!r} and {failures.lost} lost their worker, each group generated again"
+                        f"{r.env.name!r} and {failures.lost} lost their worker, each group generated again"
                         + (f"; last: {failures.last_line()}" if failures.last is not None else "")
                     )
             rewards = [x for g in groups for x in g.batch.rewards]

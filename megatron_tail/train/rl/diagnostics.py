@@ -38,7 +38,7 @@ metrics (`megatron_tail.algorithms.combine_metrics`: `*_min` keys by min, the re
   contradict it.
 - `dvp/safe_set_size_mean|min`, `dvp/safe_mass_mean`, `dvp/safe_mass_min` (Z_min of Prop. 5.5 over every
   scored response position, whose bias bound R_max·T·(1 − Z_min) is `dvp/bias_bound`, with R_max the
-  reward's declared bound and T = `rollout.max_new_tokens` (× `rollout.max_turns` with an environment),
+  reward's declared bound and T = `rollout.max_new_tokens` (× `rollout.env.max_turns` with an environment),
   `dvp/out_of_safe_set_fraction` (sampled
   tokens outside the trainer's V_S).
 - `policy/entropy`: mean entropy over sampled positions.

@@ -48,8 +48,8 @@ def op_settings(cfg: RunConfig) -> OpSettings:
     """The op as the RL step runs it: the algorithm's rule (log ρ, `safe_set_on`) at the rollout
     temperature, with entropy; the rollout processor gets the same (log ρ, T)."""
     return OpSettings(
-        log_rho=cfg.algorithm.rule_log_rho(cfg.rollout.temperature),
-        temperature=cfg.rollout.temperature,
+        log_rho=cfg.algorithm.rule_log_rho(cfg.rollout.sampling.temperature),
+        temperature=cfg.rollout.sampling.temperature,
         compute_entropy=True,
         replay_support=cfg.algorithm.sampling_support == "replay",
         backend=cfg.model.op_backend,

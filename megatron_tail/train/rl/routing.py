@@ -36,7 +36,7 @@ REFERENCE_ACTION = {"none": None, "r2": None, "r3": "replay_field"}
 
 
 def check_routing_replay(cfg, arch) -> None:
-    """UserError (one line) for r2/r3 on a dense model. Multi-turn episodes (`rollout.env`) carry their
+    """UserError (one line) for r2/r3 on a dense model. Multi-turn episodes (`rollout.env.name`) carry their
     turns' routes (`rollout/envs/episode.py`: each position's row from the first request that fed it)."""
     mode = cfg.algorithm.routing_replay
     if mode != "none" and arch.moe is None:

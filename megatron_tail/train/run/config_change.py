@@ -30,6 +30,7 @@ from typing import Any, Literal
 import yaml
 
 from megatron_tail.config import RunConfig, config_to_dict
+from megatron_tail.rollout.settings import MOVED_KEYS as ROLLOUT_MOVED_KEYS
 from megatron_tail.utils.errors import UserError
 
 from . import run_dir
@@ -61,23 +62,23 @@ CHANGEABLE_KEYS: frozenset[str] = frozenset(
         "rollout.request_timeout_s",
         "rollout.wait_report_s",
         "rollout.startup_timeout_s",
-        "rollout.sync_timeout_s",
-        "rollout.env_timeout_s",
+        "rollout.weight_sync.timeout_s",
+        "rollout.env.timeout_s",
         # where things are: a moved run directory, this job's engines, ports and export directory
         "run_dir",
         "rollout.server_urls",
-        "rollout.local_port",
-        "rollout.sync_master_address",
-        "rollout.sync_master_port",
-        "rollout.weight_sync_dir",
+        "rollout.local.port",
+        "rollout.weight_sync.master_address",
+        "rollout.weight_sync.master_port",
+        "rollout.weight_sync.dir",
         # throughput and memory of the same computation: the loss is normalised by the global token count,
         # so micro-batching does not change an update; recompute is exact; the op backends and the fused
         # output layer compute the same log-probs; weight sync moves the same weights either way
         "rollout.max_concurrency",
-        "rollout.local_num_threads",
-        "rollout.env_workers",
-        "rollout.weight_sync",
-        "rollout.sync_bucket_mb",
+        "rollout.local.num_threads",
+        "rollout.env.workers",
+        "rollout.weight_sync.mode",
+        "rollout.weight_sync.bucket_mb",
         "train.max_tokens_per_micro_batch",
         "train.packed",
         "train.micro_batch_size",
@@ -224,10 +225,11 @@ def read_checkpoint_config(checkpoint: Path) -> dict[str, Any] | None:
 
 
 def _renamed(flat: dict[str, Any]) -> dict[str, Any]:
-    """`flat` with the keys that moved since (`config.loader.MOVED_KEYS`) under their new names: `model.bf16`
+    """`flat` with the keys that moved since (`config.loader.MOVED_KEYS`) under their new names: the rollout
+    section's flat keys under its parts (`rollout.settings.MOVED_KEYS`), and `model.bf16`
     true / false is `model.precision` bf16 / fp32 where precision was left null. Ignored as a removed key,
     a checkpoint of `bf16: false` would resume in bf16 on a GPU (null's default there) without a word."""
-    flat = dict(flat)
+    flat = {ROLLOUT_MOVED_KEYS.get(key, key): value for key, value in flat.items()}
     bf16 = flat.pop("model.bf16", None)
     if bf16 is not None and flat.get("model.precision") is None:
         flat["model.precision"] = "bf16" if bf16 else "fp32"

@@ -42,11 +42,11 @@ def evaluate_offline(
         raise FileNotFoundError(f"{model_dir} is not a HF checkpoint directory (no config.json)")
     out = Path(out_dir) if out_dir is not None else model_dir
     out.mkdir(parents=True, exist_ok=True)
-    # the engines load the HF directory itself: from disk, whatever the run's `rollout.weight_sync`
+    # the engines load the HF directory itself: from disk, whatever the run's `rollout.weight_sync.mode`
     served = replace(
         cfg,
         model=replace(cfg.model, hf_path=str(model_dir)),
-        rollout=replace(cfg.rollout, weight_sync="disk"),
+        rollout=replace(cfg.rollout, weight_sync=replace(cfg.rollout.weight_sync, mode="disk")),
     )
     scalars = _evaluate(served, model_dir, out)
     (out / "eval.json").write_text(json.dumps(scalars, indent=2, sort_keys=True))

@@ -8,8 +8,9 @@ other ranks run it alike (`follow`) until rank 0 says the sync is done, or faile
 - a failure on rank 0 outside the gathers (the drain, an engine loading from disk, the version after) raises
   on every rank as `on_rank0` raises it;
 - a failure while the weights stream in memory (a dead or hung engine: the weight group's
-  `rollout.sync_timeout_s`): rank 0 still drains the gather so no rank waits forever, then every rank raises
-  `WeightSyncError` (an outside failure; rank 0 prints it), or a bug's own error on rank 0 (`_sync_failure`);
+  `rollout.weight_sync.timeout_s`): rank 0 still drains the gather so no rank waits forever, then every rank
+  raises `WeightSyncError` (an outside failure; rank 0 prints it), or a bug's own error on rank 0
+  (`_sync_failure`);
 - a gather itself failing on rank 0 raises there at once (the other ranks' gathers fail with it).
 """
 

@@ -60,7 +60,7 @@ def plan_from(
         group_size=a.group_size,
         groups_per_step=d.prompts_per_step,
         seed=cfg.seed,
-        log_rho=a.sampling_log_rho(cfg.rollout.temperature),
+        log_rho=a.sampling_log_rho(cfg.rollout.sampling.temperature),
         reward=RewardPlan(name=d.reward, timeout_s=d.reward_timeout_s, correct_reward=d.correct_reward),
         routes_shape=routes_shape,
         columns=token_columns(cfg),
@@ -69,7 +69,7 @@ def plan_from(
         total_steps=cfg.train.steps,
         eval_samples_per_prompt=cfg.train.eval_samples_per_prompt,
         run_dir=run_dir,
-        weight_sync_dir=Path(cfg.rollout.weight_sync_dir or run_dir / "rollout_weights"),
+        weight_sync_dir=Path(cfg.rollout.weight_sync.dir or run_dir / "rollout_weights"),
         reporting=Reporting(note=note, waiting=signals.waiting, stop_hint=signals.stop_hint),
     )
 

@@ -144,7 +144,7 @@ class RunSession:
         """The rule's log ρ of the step about to run (`AlgorithmConfig.rule_log_rho`), which the trainer
         prunes with and the engines send with every request from now on (`RolloutService.sampling_log_rho`,
         the same `cfg`); None without DVP."""
-        return self.cfg.algorithm.sampling_log_rho(self.cfg.rollout.temperature)
+        return self.cfg.algorithm.sampling_log_rho(self.cfg.rollout.sampling.temperature)
 
     def adapt_log_rho(self, metrics: dict[str, float]) -> None:
         """`algorithm.log_rho: auto`: log `dvp/log_rho` (this step's) into `metrics` and set the next step's

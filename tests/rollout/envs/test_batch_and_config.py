@@ -95,25 +95,25 @@ def _cfg(*overrides):
 
 def test_multiturn_config_keys():
     cfg = _cfg(
-        "rollout.env=calculator",
-        "rollout.max_turns=3",
+        "rollout.env.name=calculator",
+        "rollout.env.max_turns=3",
         "rollout.max_new_tokens=100",
-        "rollout.max_observation_tokens=50",
+        "rollout.env.max_observation_tokens=50",
     )
     assert cfg.rollout.max_response_tokens == 3 * 100 + 2 * 50 and cfg.rollout.max_policy_tokens == 300
-    assert _cfg().rollout.max_response_tokens == 128 and _cfg().rollout.env is None
-    with pytest.raises(UserError, match=r"rollout\.max_turns needs an environment"):
-        _cfg("rollout.max_turns=2")
-    with pytest.raises(UserError, match=r"rollout\.max_turns must be an int ≥ 1"):
-        _cfg("rollout.env=calculator", "rollout.max_turns=0")
+    assert _cfg().rollout.max_response_tokens == 128 and _cfg().rollout.env.name is None
+    with pytest.raises(UserError, match=r"rollout\.env\.max_turns needs an environment"):
+        _cfg("rollout.env.max_turns=2")
+    with pytest.raises(UserError, match=r"rollout\.env\.max_turns must be an int ≥ 1"):
+        _cfg("rollout.env.name=calculator", "rollout.env.max_turns=0")
     with pytest.raises(UserError, match=r"algorithm\.overlong_buffer must be 0 with rollout\.env"):
-        _cfg("rollout.env=calculator", "algorithm.overlong_buffer=4")
-    with pytest.raises(UserError, match=r"longest episode's response \(400: rollout.max_turns"):
+        _cfg("rollout.env.name=calculator", "algorithm.overlong_buffer=4")
+    with pytest.raises(UserError, match=r"longest episode's response \(400: rollout.env.max_turns"):
         _cfg(
-            "rollout.env=calculator",
-            "rollout.max_turns=3",
+            "rollout.env.name=calculator",
+            "rollout.env.max_turns=3",
             "rollout.max_new_tokens=100",
-            "rollout.max_observation_tokens=50",
+            "rollout.env.max_observation_tokens=50",
             "data.max_prompt_tokens=100",
             "train.max_tokens_per_micro_batch=256",
         )
@@ -124,23 +124,23 @@ def test_multiturn_config_keys():
     [
         ["rollout.max_staleness=2"],
         ["rollout.partial_rollouts=true"],
-        ["rollout.top_p=0.95", "rollout.top_k=20"],
-        ["rollout.min_p=0.05", "rollout.top_k=20"],
+        ["rollout.sampling.top_p=0.95", "rollout.sampling.top_k=20"],
+        ["rollout.sampling.min_p=0.05", "rollout.sampling.top_k=20"],
         [
             "rollout.max_staleness=2",
             "rollout.partial_rollouts=true",
-            "rollout.top_p=0.95",
-            "rollout.top_k=20",
+            "rollout.sampling.top_p=0.95",
+            "rollout.sampling.top_k=20",
         ],
     ],
     ids=["eta2", "partial", "top_p", "min_p", "all"],
 )
 def test_environments_load_with_the_manager_and_truncation(overrides):
     """Episodes run under the rollout manager and carry sampling supports: nothing refuses the pair."""
-    cfg = _cfg("rollout.env=calculator", "rollout.max_turns=3", *overrides)
-    assert cfg.rollout.env == "calculator"
+    cfg = _cfg("rollout.env.name=calculator", "rollout.env.max_turns=3", *overrides)
+    assert cfg.rollout.env.name == "calculator"
     assert cfg.rollout.partial_rollouts == any("partial" in o for o in overrides)
-    assert cfg.rollout.truncates == any("_p=" in o for o in overrides)
+    assert cfg.rollout.sampling.truncates == any("_p=" in o for o in overrides)
 
 
 def test_the_environment_workers_import_no_torch():
@@ -162,7 +162,7 @@ def test_the_calculator_example_lists_the_tool_as_qwen3s_template_does():
 
     path = Path(__file__).resolve().parents[3] / "examples" / "qwen3_8b_grpo_dvp_calculator.yaml"
     cfg = load_config(path)
-    assert cfg.rollout.env == "calculator" and cfg.rollout.max_turns == 4
+    assert cfg.rollout.env.name == "calculator" and cfg.rollout.env.max_turns == 4
     system = cfg.data.system_prompt.split("\n\n# Tools")[0]
     assert cfg.data.system_prompt == tools_system_prompt([CALCULATOR_SCHEMA], system)
     assert (
@@ -175,11 +175,13 @@ def test_the_demo_switches_to_the_calculator_model_and_lengths_with_an_environme
     from megatron_tail.demo.pretrain import PretrainSettings
     from megatron_tail.demo.run import CALCULATOR_OVERRIDES, TOOL_PRETRAIN, uses_environment
 
-    assert uses_environment(["rollout.env=calculator", "rollout.max_turns=3"])
-    assert not uses_environment(["rollout.max_new_tokens=8"]) and not uses_environment(["rollout.env=null"])
+    assert uses_environment(["rollout.env.name=calculator", "rollout.env.max_turns=3"])
+    assert not uses_environment(["rollout.max_new_tokens=8"]) and not uses_environment(
+        ["rollout.env.name=null"]
+    )
     base = tmp_path / "demo.yaml"  # the overrides load on the demo's own config
     base.write_text(DEMO_CONFIG_YAML)
-    cfg = load_config(base, [*CALCULATOR_OVERRIDES, "rollout.env=calculator", "rollout.max_turns=3"])
+    cfg = load_config(base, [*CALCULATOR_OVERRIDES, "rollout.env.name=calculator", "rollout.env.max_turns=3"])
     settings = PretrainSettings(**TOOL_PRETRAIN)
     positions = settings.model_overrides["max_position_embeddings"]
     assert 6 + cfg.rollout.max_response_tokens <= positions  # "12+34=" is at most 6 tokens

@@ -114,7 +114,7 @@ def _engines(cfg_overrides, url, model_dir, run_dir, tokenizer):
     return engines
 
 
-TOP_P = ["rollout.top_p=0.95", "rollout.top_k=20"]
+TOP_P = ["rollout.sampling.top_p=0.95", "rollout.sampling.top_k=20"]
 
 
 @pytest.mark.parametrize("truncation", [[], TOP_P], ids=["full", "top_p"])
@@ -122,7 +122,10 @@ def test_one_turn_episode_is_the_single_turn_sample(
     fp32_server, tiny_model_dir, tokenizer, tmp_path, truncation
 ):
     batches = {}
-    for name, extra in (("single", []), ("episode", ["rollout.env=calculator", "rollout.max_turns=1"])):
+    for name, extra in (
+        ("single", []),
+        ("episode", ["rollout.env.name=calculator", "rollout.env.max_turns=1"]),
+    ):
         engines = _engines([*extra, *truncation], fp32_server.url, tiny_model_dir, tmp_path / name, tokenizer)
         try:
             pairs = zip(PROMPTS, ANSWERS, strict=True)

@@ -1,6 +1,6 @@
 """Environments fail alone (`rollout.service.episodes.episode_group`): an environment that raises, or hangs
 past `data.reward_timeout_s`, fails its episode; the episode's group is generated again with fresh seeds and
-the step goes on, counting `rollout/env_failures`; more than `rollout.max_env_failure_fraction` of the step's
+the step goes on, counting `rollout/env_failures`; more than `rollout.env.max_failure_fraction` of the step's
 episodes failing stops it with one line naming the environment and the last exception. Real environment
 workers (`rollout.envs.pool`), environments from `fault_envs`, a recording fake client (no engine)."""
 
@@ -101,7 +101,7 @@ def test_too_many_failures_stop_the_step_with_one_line_naming_the_environment(sc
     assert "\n" not in message
     assert message.startswith(
         f"environment {RAISES!r}: 3 of the step's 4 episodes failed, more than "
-        "rollout.max_env_failure_fraction=0.5; last: EnvironmentError_:"
+        "rollout.env.max_failure_fraction=0.5; last: EnvironmentError_:"
     )
     assert "StepRaises' step raised KeyError: 'boom'" in message
 
@@ -122,9 +122,9 @@ def test_max_env_failure_fraction_is_a_fraction(bad):
     from megatron_tail.config import load_config
     from megatron_tail.utils.errors import UserError
 
-    with pytest.raises(UserError, match=r"rollout\.max_env_failure_fraction must be a number"):
-        load_config(None, [f"rollout.max_env_failure_fraction={bad}"])
-    assert load_config(None, []).rollout.max_env_failure_fraction == 0.5
+    with pytest.raises(UserError, match=r"rollout\.env\.max_failure_fraction must be a number"):
+        load_config(None, [f"rollout.env.max_failure_fraction={bad}"])
+    assert load_config(None, []).rollout.env.max_failure_fraction == 0.5
 
 
 def test_an_episode_whose_state_died_with_the_worker_is_lost_not_failed():
@@ -133,7 +133,7 @@ def test_an_episode_whose_state_died_with_the_worker_is_lost_not_failed():
     from megatron_tail.rollout.envs.host import EnvironmentLostError, WorkerEnv
     from megatron_tail.rollout.envs.registry import EnvironmentTimeoutError
 
-    pool = EnvWorkers(2, timeout_s=2.0, timeout_name="rollout.env_timeout_s")
+    pool = EnvWorkers(2, timeout_s=2.0, timeout_name="rollout.env.timeout_s")
     a, c, b = (WorkerEnv(pool, SLEEPER, name) for name in "acb")
 
     async def episodes():
@@ -152,7 +152,7 @@ def test_an_episode_whose_state_died_with_the_worker_is_lost_not_failed():
         pool.close()
     assert isinstance(hung, EnvironmentTimeoutError) and not isinstance(hung, EnvironmentLostError)
     assert str(hung).startswith(
-        f"environment {SLEEPER!r} (step of episode a) did not answer within rollout.env_timeout_s=2 s; its "
+        f"environment {SLEEPER!r} (step of episode a) did not answer within rollout.env.timeout_s=2 s; its "
         "worker 0 was stopped (with the state of its 1 other live episode(s), generated again)"
     )
     assert isinstance(lost, EnvironmentLostError) and "lost its state with worker 0" in str(lost)

@@ -1,4 +1,4 @@
-"""`rollout.env_workers`: environment calls run in a pool of worker processes, one call at a time per worker,
+"""`rollout.env.workers`: environment calls run in a pool of worker processes, one call at a time per worker,
 so N workers run N calls at once (`rollout.envs.pool.EnvWorkers`). Real workers, `fault_envs.Sleeper`."""
 
 from __future__ import annotations
@@ -69,18 +69,18 @@ def test_episodes_go_to_the_worker_with_the_fewest_live_episodes():
 def test_env_workers_is_a_positive_int(bad):
     from megatron_tail.config import load_config
 
-    with pytest.raises(UserError, match=r"rollout\.env_workers must be an int"):
-        load_config(None, [f"rollout.env_workers={bad}"])
-    assert load_config(None, []).rollout.env_workers == 4
+    with pytest.raises(UserError, match=r"rollout\.env\.workers must be an int"):
+        load_config(None, [f"rollout.env.workers={bad}"])
+    assert load_config(None, []).rollout.env.workers == 4
 
 
 @pytest.mark.parametrize("bad", [0, -2.5, True, "soon"])
 def test_env_timeout_s_is_positive_seconds_or_null(bad):
     from megatron_tail.config import load_config
 
-    with pytest.raises(UserError, match=r"rollout\.env_timeout_s must be"):
-        load_config(None, [f"rollout.env_timeout_s={bad}"])
-    assert load_config(None, ["rollout.env_timeout_s=30"]).rollout.env_timeout_s == 30
+    with pytest.raises(UserError, match=r"rollout\.env\.timeout_s must be"):
+        load_config(None, [f"rollout.env.timeout_s={bad}"])
+    assert load_config(None, ["rollout.env.timeout_s=30"]).rollout.env.timeout_s == 30
 
 
 def test_closing_during_a_hanging_call_ends_it_from_the_calls_own_thread():
@@ -92,7 +92,7 @@ def test_closing_during_a_hanging_call_ends_it_from_the_calls_own_thread():
 
     from megatron_tail.rollout.envs.registry import EnvironmentError_
 
-    pool = EnvWorkers(1, timeout_s=60.0, timeout_name="rollout.env_timeout_s")
+    pool = EnvWorkers(1, timeout_s=60.0, timeout_name="rollout.env.timeout_s")
     env = WorkerEnv(pool, "tests.rollout.envs.fault_envs:StepHangs", "e0")
     raised: list[BaseException] = []
 

@@ -1,0 +1,51 @@
+"""`rollout.weight_sync`: how the trainer's new weights reach the engines after each step
+(`rollout/weight_sync.py`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from megatron_tail.utils.settings_checks import bad as _bad
+from megatron_tail.utils.settings_checks import choice as _choice
+
+WeightSyncMode = Literal["disk", "distributed"]
+WEIGHT_SYNC_MODES: tuple[str, ...] = get_args(WeightSyncMode)
+SECTION = "rollout.weight_sync"
+
+
+@dataclass(frozen=True)
+class WeightSyncSection:
+    """By disk or in memory, and the in-memory group's bucket, limit and rendezvous."""
+
+    mode: WeightSyncMode = "disk"
+    """"disk" (export a HF checkpoint, `/update_weights_from_disk`) or "distributed" (in memory: rank 0
+    broadcasts the HF tensors bucket by bucket over a process group it shares with the engines, SGLang's
+    `/init_weights_update_group` + `/update_weights_from_distributed`; NCCL on GPU, gloo on CPU)."""
+    dir: str | None = None
+    """"disk": where the exported weights go; null: `<run_dir>/rollout_weights`. Must be visible to remote
+    engines."""
+    bucket_mb: float = 512.0
+    """"distributed": the bucket size; the sender holds one bucket plus one full parameter at a time."""
+    timeout_s: float = 600.0
+    """"distributed": the weight group's timeout; a server that dies mid-sync fails the step after it."""
+    master_address: str | None = None
+    """"distributed": the address at which the engines reach the trainer's rank 0 (it hosts the group's
+    rendezvous); null: 127.0.0.1 for the local engine, else rank 0's Slurm node name (`SLURMD_NODENAME`),
+    else its host name."""
+    master_port: int | None = None
+    """"distributed": the port of that rendezvous on rank 0's host; null: a free one. `slurm/rl.sbatch`
+    sets it from the job's port block."""
+
+    @property
+    def in_memory(self) -> bool:
+        return self.mode == "distributed"
+
+    def __post_init__(self) -> None:
+        _choice(SECTION, "mode", self.mode, WEIGHT_SYNC_MODES)
+        for name in ("bucket_mb", "timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                _bad(SECTION, name, value, "must be > 0")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            _bad(SECTION, "master_port", self.master_port, "must be in 1..65535")
