@@ -175,14 +175,18 @@ class RolloutManager:
         self.held = False
         self.error: BaseException | None = None
         self._changed: asyncio.Condition | None = None
-        self._counts = {"dropped_stale": 0, "cancelled_stale": 0, "filtered_groups": 0}
+        self._counts = {"dropped_stale": 0, "cancelled_stale": 0}
+        self._filtered_this_batch = 0
+        """Groups filtered since the last batch: when `max_filtered_per_batch` is reached, dynamic sampling
+        gives up on the batch (`_filter_exhausted`)."""
         self._admitted_at: dict[int, int] = {}
         """Group index in flight → the engines' version when it was admitted."""
         self._dropping: set[int] = set()
         """Groups in flight cancelled as stale (`_drop_older_than`), not yet finished cancelling."""
-        self._generated = [0.0, 0.0, 0, 0]
-        """Reward sum, correct count, samples and groups completed since the last batch, kept or filtered
-        (`reward/generated_mean`: what the policy scores before DAPO's filter)."""
+        self._done: list[list] = []
+        """Groups completed and not yet reported, kept or filtered: [index, reward sum, correct count,
+        samples, filtered] each (`reward/generated_mean`: what the policy scores before DAPO's filter;
+        `_report_done`)."""
 
     # --- the trainer's side ---------------------------------------------------------------------------
 
@@ -199,9 +203,10 @@ class RolloutManager:
         (`rollout/dropped_stale` samples, `rollout/cancelled_stale` groups, `rollout/filtered_groups`,
         `rollout/buffered_groups` left,
         `rollout/batch_fill`: the groups taken ÷ G, 0 when dynamic sampling filtered every group;
-        `reward/generated_mean` and `reward/generated_accuracy` over every group completed since, kept or
-        filtered, and with a filter `rollout/filtered_groups_fraction` of them). `progress(n)`: called
-        whenever it checks, with the groups of the batch complete so far (a progress bar)."""
+        `reward/generated_mean` and `reward/generated_accuracy` over the completed groups the batch reports,
+        kept or filtered, and with a filter `rollout/filtered_groups_fraction` of them: `_report_done`).
+        `progress(n)`: called whenever it checks, with the groups of the batch complete so far (a progress
+        bar)."""
         floor = step - self.eta
         async with self._changed:
             while True:
@@ -235,22 +240,40 @@ class RolloutManager:
         metrics = {f"rollout/{k}": float(v) for k, v in self._counts.items()}
         metrics["rollout/buffered_groups"] = float(len(self.buffer))
         metrics["rollout/batch_fill"] = len(taken) / self.groups
-        rewards, correct, samples, _ = self._generated
-        if samples:
-            metrics["reward/generated_mean"] = rewards / samples
-            metrics["reward/generated_accuracy"] = correct / samples
-        if self.keep is not None:  # of the groups completed since the last batch
-            completed = self._generated[3]
-            metrics["rollout/filtered_groups_fraction"] = self._counts["filtered_groups"] / max(completed, 1)
+        metrics.update(self._report_done(taken))
         self._counts = dict.fromkeys(self._counts, 0)
-        self._generated = [0.0, 0.0, 0, 0]
+        self._filtered_this_batch = 0
         self._fill()  # the next batch's groups (a filter that gave up on this one starts again)
         return sorted(taken, key=lambda g: g.index), metrics
+
+    def _report_done(self, taken: list[GroupResult]) -> dict[str, float]:
+        """`rollout/filtered_groups`, `reward/generated_mean` / `_accuracy` and, with a filter,
+        `rollout/filtered_groups_fraction`, over the completed groups this batch reports. At η ≤ 1
+        (`in_order`) those are the groups up to the batch's last one in the prompt stream: every one of them
+        is complete when the batch is, and a group generated ahead for the next step waits for that step's
+        report, so the numbers are a function of the step, whatever the machine's speed (a resumed run
+        equals an uninterrupted one; counted as they completed, they moved between steps on a loaded
+        machine). At η ≥ 2, every group completed since the last batch."""
+        if self.in_order and taken:
+            last = max(g.index for g in taken)
+            due = [d for d in self._done if d[0] <= last]
+            self._done = [d for d in self._done if d[0] > last]
+        else:
+            due, self._done = self._done, []
+        filtered = sum(1 for d in due if d[4])
+        metrics = {"rollout/filtered_groups": float(filtered)}
+        samples = sum(d[3] for d in due)
+        if samples:
+            metrics["reward/generated_mean"] = sum(d[1] for d in due) / samples
+            metrics["reward/generated_accuracy"] = sum(d[2] for d in due) / samples
+        if self.keep is not None:
+            metrics["rollout/filtered_groups_fraction"] = filtered / max(len(due), 1)
+        return metrics
 
     def _filter_exhausted(self) -> bool:
         """Dynamic sampling gave up for this batch (`max_filtered_per_batch` groups filtered): train on what
         there is."""
-        return self.max_filtered is not None and self._counts["filtered_groups"] >= self.max_filtered
+        return self.max_filtered is not None and self._filtered_this_batch >= self.max_filtered
 
     async def drain(self) -> None:
         """Wait until no group is in flight (a weight update without partial rollouts: every sample then
@@ -337,13 +360,14 @@ class RolloutManager:
             result = None
         self.in_flight.pop(index, None)
         if result is not None:
-            self._generated[0] += sum(result.batch.rewards)
-            self._generated[1] += sum(result.batch.correct)
-            self._generated[2] += len(result.batch)
-            self._generated[3] += 1
-            if self.keep is not None and not self.keep(result):
+            filtered = self.keep is not None and not self.keep(result)
+            batch = result.batch
+            self._done.append(
+                [index, float(sum(batch.rewards)), float(sum(batch.correct)), len(batch), filtered]
+            )
+            if filtered:
                 self.wasted += 1
-                self._counts["filtered_groups"] += 1
+                self._filtered_this_batch += 1
                 self.attempts.pop(index, None)
             else:
                 self.buffer[index] = result
@@ -387,6 +411,7 @@ class RolloutManager:
             "base_version": self.base_version,
             "buffer": [g.to_state() for g in sorted(self.buffer.values(), key=lambda g: g.index)],
             "attempts": [[index, n] for index, n in sorted(attempts.items())],
+            "done": [list(d) for d in self._done],
         }
 
     @staticmethod
@@ -406,6 +431,9 @@ class RolloutManager:
         self.base_version = int(state["base_version"])
         self.buffer = {g["index"]: GroupResult.from_state(g) for g in state["buffer"]}
         self.attempts = {int(i): int(n) for i, n in state.get("attempts", [])}  # none before attempts
+        self._done = [
+            [int(i), float(r), float(c), int(n), bool(f)] for i, r, c, n, f in state.get("done", [])
+        ]
 
 
 def groups_to_batch(groups: list[GroupResult]) -> RolloutBatch:

@@ -595,3 +595,60 @@ def test_nothing_is_generated_past_the_runs_last_step(eta):
     trained, engines = asyncio.run(main())
     assert [i for step in trained for i in step] == list(range(6))
     assert sorted(engines.started) == list(range(6))
+
+
+def _filtered_run(ticks, train_ticks: int, stop_after: int | None = None) -> list[dict[str, float]]:
+    """Six steps at η = 1 with dynamic sampling (every third prompt's group has equal rewards): the
+    per-step metrics of the groups the manager reports; with `stop_after`, checkpointed after that many
+    steps and resumed by a new manager."""
+    keys = ("rollout/filtered_groups", "rollout/filtered_groups_fraction", "reward/generated_mean")
+
+    def new_manager(engines, version):
+        return RolloutManager(
+            engines.work, groups_per_step=3, max_staleness=1, version=version, total_steps=6,
+            keep=lambda g: max(g.batch.rewards) != min(g.batch.rewards),
+        )  # fmt: skip
+
+    async def steps(manager, engines, first, last, out):
+        for step in range(first, last):
+            _, metrics = await manager.next_batch(step)
+            out.append({k: metrics[k] for k in keys})
+            for _ in range(train_ticks):
+                await asyncio.sleep(0)
+            await manager.drain()
+            engines.version = step + 1
+            manager.set_version(step + 1)
+
+    async def main():
+        engines = SimulatedEngines(ticks, reward=lambda i: [1.0, 1.0] if i % 3 == 0 else [0.0, 1.0])
+        out: list[dict[str, float]] = []
+        manager = new_manager(engines, 0)
+        manager.start()
+        await steps(manager, engines, 0, stop_after or 6, out)
+        if stop_after is not None:
+            state = manager.state_dict()
+            await manager.close()
+            manager = new_manager(engines, stop_after)
+            manager.load_state_dict(state)
+            manager.start()
+            await steps(manager, engines, stop_after, 6, out)
+        await manager.close()
+        return out
+
+    return asyncio.run(main())
+
+
+def test_the_generated_and_filtered_counts_of_a_step_do_not_depend_on_the_machines_speed():
+    """At η ≤ 1 a step reports the groups up to its batch's last prompt, kept or filtered. Counted as they
+    completed, a group generated ahead for the next step fell into this step's numbers when it finished
+    before the batch did: `test_rollout_ahead`'s resumed run differed from the uninterrupted one in
+    `rollout/filtered_groups_fraction` (0.33 against 0.4 at step 4) on a loaded machine."""
+    even = _filtered_run(lambda _i: 2, train_ticks=4)
+    # 18 groups trained: prompts 0..26, 9 of them filtered (0, 3, ..., 24)
+    assert [m["rollout/filtered_groups"] for m in even] == [2, 1, 2, 1, 2, 1]
+    assert all(0 < m["rollout/filtered_groups_fraction"] < 1 for m in even)
+    # the next step's groups first (fast), this step's last (slow), and a slow trainer
+    assert _filtered_run(lambda i: 1 + 5 * (i % 3 == 2), train_ticks=0) == even
+    assert _filtered_run(lambda i: 6 - 5 * (i % 3 == 2), train_ticks=40) == even
+    # a group completed ahead and still to be reported is in the checkpoint
+    assert _filtered_run(lambda i: 1 + 5 * (i % 3 == 2), train_ticks=0, stop_after=3) == even
