@@ -260,6 +260,7 @@ class RolloutManager:
             self._done = [d for d in self._done if d[0] > last]
         else:
             due, self._done = self._done, []
+        due.sort(key=lambda d: d[0])  # sums in prompt order: the same floats however the groups finished
         filtered = sum(1 for d in due if d[4])
         metrics = {"rollout/filtered_groups": float(filtered)}
         samples = sum(d[3] for d in due)

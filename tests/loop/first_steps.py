@@ -1,9 +1,11 @@
 """The first steps of small η = 0 / η = 1 runs: each step's batch as the trainer gets it and the step's
 training metrics, as JSON (`test_one_generation_path` compares two runs of a case).
 
-    python -m tests.loop.first_steps CASE OUT.json [KEY=VALUE ...]   # in a fresh process (megatron's state)
+    python -m tests.loop.first_steps CASE OUT.json [KEY=VALUE ...] [-- OUT2.json [KEY=VALUE ...] ...]
 
-KEY=VALUE are config overrides on top of the case's.
+KEY=VALUE are config overrides on top of the case's. Runs after `--` follow in the same process (a fresh one
+for the first: megatron's state), each after the last has torn its own down, as a run in a new process
+would start: one start of torch and megatron-core for all of them.
 
 The models are the loop tests' seeded tiny random Qwen3s (`tests/loop/conftest.py`), built beside OUT.json
 (in `OUT_run/`, so a test's tmp_path holds them); one process, TP = 1, the local engine.
@@ -37,10 +39,9 @@ CASES = {
 }
 
 TRAINED_PREFIXES = ("train/", "policy/", "mismatch/", "is/", "reward/", "response/", "dvp/", "loss/")
-"""The step metrics that are functions of the batch and the weights (not of timing)."""
-PACE_METRICS = ("reward/generated_",)
-"""Left out: they average every group completed since the last batch (`RolloutManager`), which at η ≥ 1 or
-with groups filtered depends on how far the engines got by then."""
+"""The step metrics that are functions of the batch and the weights (not of timing): at η ≤ 1 the generated
+rewards (`reward/generated_*`) too, being those of the groups up to the batch's last prompt
+(`RolloutManager._report_done`)."""
 
 
 def tiny_model(root: Path, chatty: bool) -> Path:
@@ -116,15 +117,18 @@ def record(case: str, root: Path, overrides: dict[str, str] | None = None) -> di
 
 
 def _trained(metrics: dict[str, float]) -> dict[str, float]:
-    return {
-        k: float(v)
-        for k, v in sorted(metrics.items())
-        if k.startswith(TRAINED_PREFIXES) and not k.startswith(PACE_METRICS)
-    }
+    return {k: float(v) for k, v in sorted(metrics.items()) if k.startswith(TRAINED_PREFIXES)}
+
+
+def main(argv: list[str]) -> None:
+    case, rest = argv[0], " ".join(argv[1:]).split(" -- ")
+    for run_args in rest:
+        out, *items = run_args.split()
+        out = Path(out)
+        overrides = dict(item.split("=", 1) for item in items)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(record(case, out.parent / f"{out.stem}_run", overrides)))
 
 
 if __name__ == "__main__":
-    case, out = sys.argv[1], Path(sys.argv[2])
-    overrides = dict(item.split("=", 1) for item in sys.argv[3:])
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record(case, out.parent / f"{out.stem}_run", overrides)))
+    main(sys.argv[1:])

@@ -1,8 +1,8 @@
 """Same seed, same numbers, however the engine batched the requests: the rollout manager at η = 0 and η = 1
 (single turns, and episodes of an environment) draws the same tokens with the same log-probs, and trains the
 same first two steps, whether up to 64 requests share the local engine's batch or each runs alone
-(`rollout.max_concurrency: 1`). Each run is `tests/loop/first_steps.py` in a fresh process; everything in
-each step's batch and every training metric is compared exactly.
+(`rollout.max_concurrency: 1`). The two runs are `tests/loop/first_steps.py`, one after the other in one
+fresh process; everything in each step's batch and every training metric is compared exactly.
 
 It holds because a sequence's numbers do not depend on its batch (`rollout/local_engine/attention.py`) and
 the manager's batches at η ≤ 1 are the step's own groups in prompt order, each sample seeded by its prompt
@@ -25,17 +25,20 @@ from pathlib import Path
 import pytest
 
 
-def first_steps(case: str, out: Path, *overrides: str) -> dict:
-    cmd = [sys.executable, "-m", "tests.loop.first_steps", case, str(out), *overrides]
+def first_steps(case: str, *runs: tuple[Path, ...]) -> list[dict]:
+    """`case`'s runs, each `(out, override, ...)`, one after the other in one process."""
+    args = " -- ".join(" ".join(map(str, run)) for run in runs).split()
+    cmd = [sys.executable, "-m", "tests.loop.first_steps", case, *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[2])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(out.read_text())
+    return [json.loads(Path(run[0]).read_text()) for run in runs]
 
 
 @pytest.mark.parametrize("case", ["single_turn_eta0", "single_turn_eta1", "agentic_eta0"])
 def test_the_same_seed_draws_and_trains_the_same_whatever_the_engine_batched(case, tmp_path):
-    batched = first_steps(case, tmp_path / "batched.json")
-    alone = first_steps(case, tmp_path / "alone.json", "rollout.max_concurrency=1")
+    batched, alone = first_steps(
+        case, (tmp_path / "batched.json",), (tmp_path / "alone.json", "rollout.max_concurrency=1")
+    )
     assert len(batched["batches"]) == len(alone["batches"]) == 2
     for step, (a, b) in enumerate(zip(batched["batches"], alone["batches"], strict=True)):
         assert a.keys() == b.keys(), step
