@@ -192,6 +192,8 @@ def test_offline_eval_of_the_checkpoint_equals_the_exported_models(cli_run, tmp_
         ("--hf", run_dir / "rollout_weights"),
     ):
         cmd = [sys.executable, "-m", "megatron_tail.cli", "eval", config, flag, str(path)]
+        # the engine in the evaluating process: the evaluations are compared here, not the engine's process
+        cmd += ["--set", "rollout.local.in_process=true"]
         out = (
             path / "hf" if flag == "--checkpoint" else tmp_path / "hf_eval"
         )  # --out: elsewhere than the model

@@ -23,7 +23,7 @@ from megatron_tail.rollout.service.service import slow_clauses
 from megatron_tail.train.run import signals
 from megatron_tail.utils.errors import EXIT_USER_ERROR
 
-from .conftest import loop_overrides
+from .conftest import ENGINE_IN_PROCESS, loop_overrides
 
 HANGS = "tests.loop.rewards:hangs"
 
@@ -80,6 +80,7 @@ def test_a_hanging_reward_in_a_run_is_reported_as_the_reward_until_its_limit(
         "data.reward_timeout_s": 4,
         "rollout.wait_report_s": 1,
         "train.steps": 1,
+        **ENGINE_IN_PROCESS,  # the test is about the reward worker
     }
     config = tmp_path / "run.yaml"
     config.write_text("seed: 7\n")
