@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 
 from megatron_tail.config.arguments import add_config_arguments
-from megatron_tail.utils.errors import UserError
 
 
 def add_train_parser(subparsers) -> argparse.ArgumentParser:
@@ -94,6 +93,9 @@ def eval_command(args: argparse.Namespace) -> int:
     from megatron_tail.config import load_config
 
     cfg = load_config(args.config, args.overrides)
+    from megatron_tail.train.run.offline_eval import check_inputs
+
+    check_inputs(cfg, hf_dir=args.hf, checkpoint=args.checkpoint)  # a user's mistake before 5 s of imports
     import torch.distributed as dist
 
     from megatron_tail.patches import import_megatron_deferring_compile
@@ -103,8 +105,6 @@ def eval_command(args: argparse.Namespace) -> int:
 
     try:
         scalars = evaluate_offline(cfg, hf_dir=args.hf, checkpoint=args.checkpoint, out_dir=args.out)
-    except FileNotFoundError as e:
-        raise UserError(str(e)) from None
     finally:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()

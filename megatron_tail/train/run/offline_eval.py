@@ -31,15 +31,8 @@ def evaluate_offline(
     """Exactly one of `hf_dir` / `checkpoint`; `cfg.data.eval_path` must be set. Returns the `eval/*`
     scalars and writes them to `<out_dir>/eval.json` (default: the model directory), the local engine's
     log to `<out_dir>/logs/` (so a read-only model directory needs `out_dir`)."""
-    if (hf_dir is None) == (checkpoint is None):
-        raise UserError(
-            f"evaluate_offline needs exactly one of hf_dir, checkpoint; got {hf_dir=}, {checkpoint=}"
-        )
-    if cfg.data.eval_path is None:
-        raise UserError("data.eval_path is required to evaluate (a jsonl/json/parquet file of prompts)")
+    check_inputs(cfg, hf_dir=hf_dir, checkpoint=checkpoint)
     model_dir = Path(hf_dir) if hf_dir is not None else export_checkpoint(cfg, Path(checkpoint))
-    if not (model_dir / "config.json").is_file():
-        raise FileNotFoundError(f"{model_dir} is not a HF checkpoint directory (no config.json)")
     out = Path(out_dir) if out_dir is not None else model_dir
     out.mkdir(parents=True, exist_ok=True)
     # the engines load the HF directory itself: from disk, whatever the run's `rollout.weight_sync.mode`
@@ -51,6 +44,24 @@ def evaluate_offline(
     scalars = _evaluate(served, model_dir, out)
     (out / "eval.json").write_text(json.dumps(scalars, indent=2, sort_keys=True))
     return scalars
+
+
+def check_inputs(
+    cfg: RunConfig, *, hf_dir: str | Path | None = None, checkpoint: str | Path | None = None
+) -> None:
+    """What `evaluate_offline` needs that can be told without torch or megatron-core (`megatron-tail eval`
+    checks it before importing them): exactly one model, an eval set, a model directory that is one.
+    UserError naming the bad input."""
+    if (hf_dir is None) == (checkpoint is None):
+        raise UserError(
+            f"evaluate_offline needs exactly one of hf_dir, checkpoint; got {hf_dir=}, {checkpoint=}"
+        )
+    if cfg.data.eval_path is None:
+        raise UserError("data.eval_path is required to evaluate (a jsonl/json/parquet file of prompts)")
+    if checkpoint is not None and not (Path(checkpoint) / "metadata.json").is_file():
+        raise UserError(f"--checkpoint {checkpoint} is not a complete checkpoint (no metadata.json)")
+    if hf_dir is not None and not (Path(hf_dir) / "config.json").is_file():
+        raise UserError(f"{hf_dir} is not a HF checkpoint directory (no config.json)")
 
 
 def export_checkpoint(cfg: RunConfig, checkpoint: Path) -> Path:
@@ -65,8 +76,6 @@ def export_checkpoint(cfg: RunConfig, checkpoint: Path) -> Path:
     from ..engine.setup import build_trainer
     from .loop import init_torch_distributed
 
-    if not (checkpoint / "metadata.json").is_file():
-        raise UserError(f"--checkpoint {checkpoint} is not a complete checkpoint (no metadata.json)")
     check_checkpoint(checkpoint)
     if init_torch_distributed() != 1:
         raise UserError(f"offline evaluation runs in one process; the world has {dist.get_world_size()}")
