@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from megatron_tail.rollout.settings import with_moved_keys_renamed
+
 PER_RUN_KEYS = frozenset({"run_dir", "rollout.weight_sync.dir", "rollout.local.port"})
 """Dotted keys that differ between any two runs by construction (where a run writes), not by design."""
 
@@ -16,7 +18,9 @@ _ABSENT = object()
 
 
 def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Nested dicts → {dotted key: leaf value}; lists and scalars are leaves."""
+    """Nested dicts → {dotted key: leaf value}; lists and scalars are leaves. A key that has moved since the
+    run wrote its config is under its new name (`rollout.settings.with_moved_keys_renamed`), so that a run
+    of before the move labels as the same settings."""
     flat: dict[str, Any] = {}
     for key, value in config.items():
         dotted = f"{prefix}{key}"
@@ -24,7 +28,7 @@ def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
             flat.update(flatten(value, dotted + "."))
         else:
             flat[dotted] = value
-    return flat
+    return with_moved_keys_renamed(flat) if not prefix else flat
 
 
 def differing_keys(configs: Sequence[Mapping[str, Any]], ignore=PER_RUN_KEYS) -> list[str]:

@@ -200,6 +200,16 @@ def test_labels_from_config_differences():
     assert run_labels(three, ["a", "b", "c"])[0].startswith("a: algorithm.is_mode=mis")
 
 
+def test_a_run_of_the_flat_rollout_section_labels_under_the_new_keys():
+    """A run directory written before the rollout section had its parts (`rollout.top_k`,
+    `rollout.local_port`) beside a new one: the same settings are not a difference, the others are named as
+    a user sets them now, and the engine's port is still one a run picks for itself."""
+    old = {"run_dir": "/a", "rollout": {"top_k": 20, "local_port": 5000, "weight_sync": "disk"}}
+    new = {"run_dir": "/b", "rollout": {"sampling": {"top_k": 40}, "local": {"port": 6000}}}
+    new["rollout"]["weight_sync"] = {"mode": "disk"}
+    assert run_labels([old, new], ["a", "b"]) == ["rollout.sampling.top_k=20", "rollout.sampling.top_k=40"]
+
+
 def test_cli_writes_the_report(run_dirs, tmp_path, capsys):
     from megatron_tail.cli import main
 

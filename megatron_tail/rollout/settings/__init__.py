@@ -17,8 +17,9 @@ not copies kept in step by hand."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 from megatron_tail.utils.net import base_url_problem
 from megatron_tail.utils.settings_checks import bad as _bad
@@ -38,6 +39,7 @@ __all__ = [
     "RolloutSection",
     "SamplingSection",
     "WeightSyncSection",
+    "with_moved_keys_renamed",
 ]
 
 RolloutEngine = Literal["local", "remote"]
@@ -69,6 +71,12 @@ MOVED_KEYS: dict[str, str] = {
 refuses an old key in one line naming its new place (`config.loader.MOVED_KEYS`), and a resume compares a
 checkpoint's config under the new names (`train.run.config_change`). Two old keys are now sections'
 names: `rollout.weight_sync: disk` and `rollout.env: calculator` are refused, naming `.mode` / `.name`."""
+
+
+def with_moved_keys_renamed(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """A flat config (`{"rollout.top_k": 20, ...}`, as a run directory or checkpoint of before the parts
+    stores it) with each moved key under its new name (`MOVED_KEYS`): the same run compares equal."""
+    return {MOVED_KEYS.get(key, key): value for key, value in flat.items()}
 
 
 @dataclass(frozen=True)

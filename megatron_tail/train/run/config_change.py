@@ -30,7 +30,7 @@ from typing import Any, Literal
 import yaml
 
 from megatron_tail.config import RunConfig, config_to_dict
-from megatron_tail.rollout.settings import MOVED_KEYS as ROLLOUT_MOVED_KEYS
+from megatron_tail.rollout.settings import with_moved_keys_renamed
 from megatron_tail.utils.errors import UserError
 
 from . import run_dir
@@ -229,7 +229,7 @@ def _renamed(flat: dict[str, Any]) -> dict[str, Any]:
     section's flat keys under its parts (`rollout.settings.MOVED_KEYS`), and `model.bf16`
     true / false is `model.precision` bf16 / fp32 where precision was left null. Ignored as a removed key,
     a checkpoint of `bf16: false` would resume in bf16 on a GPU (null's default there) without a word."""
-    flat = {ROLLOUT_MOVED_KEYS.get(key, key): value for key, value in flat.items()}
+    flat = with_moved_keys_renamed(flat)
     bf16 = flat.pop("model.bf16", None)
     if bf16 is not None and flat.get("model.precision") is None:
         flat["model.precision"] = "bf16" if bf16 else "fp32"
