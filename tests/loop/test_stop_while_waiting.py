@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from megatron_tail.utils.errors import EXIT_ABANDONED
-from tests.loop.conftest import loop_overrides
+from tests.loop.conftest import ENGINE_IN_PROCESS, loop_overrides
 from tests.loop.engine_faults import SIGNAL_ENV
 from tests.loop.test_reliability import ENV, _train
 
@@ -28,6 +28,7 @@ CASES = {
             "rollout.env.name": "tests.rollout.envs.fault_envs:StepHangs",
             "rollout.env.timeout_s": 120,
             "rollout.env.max_turns": 2,
+            **ENGINE_IN_PROCESS,  # the wait is the environment's; the engine's process is the other case's
         },
         {},
         "the batch of step 1",
