@@ -35,6 +35,7 @@ import contextlib
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -135,6 +136,7 @@ class GracefulStop:
         self._first_at = 0.0
         self._previous: dict[signal.Signals, object] = {}
         self._watcher: _SignalWatcher | None = None
+        self._previous_unraisable = sys.unraisablehook
         self.waiting_for: str | None = None
         """What the main thread waits for now (`waiting`), said when a first stop signal arrives."""
         self.last_checkpoint: str | None = None
@@ -147,6 +149,10 @@ class GracefulStop:
             self._previous[sig] = signal.signal(sig, self._handle)
             signal.siginterrupt(sig, False)
         self._watcher = _SignalWatcher(set(self.signals), self.hard_exit_after_s)
+        self._previous_unraisable, sys.unraisablehook = (
+            sys.unraisablehook,
+            _stop_raised_where_python_ignores_it,
+        )
         return self
 
     def __exit__(self, *exc) -> None:
@@ -158,6 +164,7 @@ class GracefulStop:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+        sys.unraisablehook = self._previous_unraisable
 
     def _handle(self, signum: int, frame) -> None:  # noqa: ARG002 - signal handler signature
         now = time.monotonic()
@@ -211,6 +218,23 @@ class GracefulStop:
         from ..engine.collectives import any_rank  # megatron-free callers (tests, tools) stay light
 
         return any_rank(self.requested, group)
+
+
+def _stop_raised_where_python_ignores_it(unraisable) -> None:
+    """`sys.unraisablehook` under a `GracefulStop`. A handler that raises (`PeerLost`, `StepAbandoned`) while
+    the main thread runs a `__del__` or a GC callback (an aiohttp session collected as rank 0 stops) has its
+    exception printed as "Exception ignored in ..." with a traceback, and the main thread goes on as if no
+    signal came: the rank would print a traceback it promised not to, then train until the watcher's
+    `os._exit`. Instead the process ends at once with the stop's exit code, as the watcher would end it,
+    quietly (`PeerLost`: the launcher names the dead rank; `StepAbandoned`: its line was said); its children
+    go with it (`utils.parent_watch`). Anything else goes to the hook that was there before."""
+    error = unraisable.exc_value
+    if isinstance(error, PeerLost | StepAbandoned):
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(error.exit_code)
+    (_active._previous_unraisable if _active is not None else sys.__unraisablehook__)(unraisable)
 
 
 class _SignalWatcher:
