@@ -48,11 +48,6 @@ class LocalEngineSection:
     torch threads, so `num_threads` does not apply, and its memory). For tests and laptops; needs
     `rollout.weight_sync.mode: disk`."""
 
-    @property
-    def is_default(self) -> bool:
-        """Every field at its default: nothing here asks for a local engine."""
-        return self == LocalEngineSection()
-
     def __post_init__(self) -> None:
         _choice(SECTION, "dtype", self.dtype, LOCAL_DTYPES)
         _choice(SECTION, "kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
