@@ -10,6 +10,7 @@ one would run alone at the end. (xdist's own `--dist loadgroup` cannot group her
 `_nodeid`, which pytest 9.2's `Node.nodeid` no longer reads, so each test became its own unit and module
 fixtures were made once per worker.)"""
 
+import gc
 import os
 
 import pytest
@@ -69,6 +70,13 @@ def pytest_xdist_make_scheduler(config, log):
             return unit_of_work(nodeid)
 
     return UnitScheduling(config, log)
+
+
+def pytest_collection_finish(session):  # noqa: ARG001 - pytest hook signature
+    """What collection imported (torch, megatron-core, transformers, sglang, every test module) lives as long
+    as the worker: frozen out of the collector's full collections, which would walk it again and again
+    (`megatron_tail/utils/start_up.py` does the same for a run's processes, and says what it costs)."""
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(config, items):  # noqa: ARG001 - pytest hook signature

@@ -87,21 +87,24 @@ def add_serve_local_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def serve_local(args: argparse.Namespace) -> int:
-    import torch
-    from aiohttp import web
-
-    from megatron_tail.rollout.local_engine.server import build_app
-    from megatron_tail.utils.net import listen_on
     from megatron_tail.utils.parent_watch import die_with_parent_from_env
+    from megatron_tail.utils.start_up import collector_paused
 
     die_with_parent_from_env()  # started by a trainer: never outlive it (not even its kill -9)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if not 0 < args.port < 65536:
-        raise SystemExit(f"--port must be in 1..65535; got {args.port}")
-    sock = None if args.listen_fd is None else _inherited_socket(args)
-    if args.num_threads is not None:
-        torch.set_num_threads(args.num_threads)
-    app = build_app(make_engine(args), max_batch=args.max_batch)
+    with collector_paused():  # the imports and the model the process serves for its life
+        import torch
+        from aiohttp import web
+
+        from megatron_tail.rollout.local_engine.server import build_app
+        from megatron_tail.utils.net import listen_on
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        if not 0 < args.port < 65536:
+            raise SystemExit(f"--port must be in 1..65535; got {args.port}")
+        sock = None if args.listen_fd is None else _inherited_socket(args)
+        if args.num_threads is not None:
+            torch.set_num_threads(args.num_threads)
+        app = build_app(make_engine(args), max_batch=args.max_batch)
     print(
         f"megatron-tail local engine serving {args.model_path} on http://{args.host}:{args.port}", flush=True
     )

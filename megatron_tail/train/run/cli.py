@@ -37,20 +37,22 @@ def train_command(args: argparse.Namespace) -> int:
     import yaml
 
     from megatron_tail.config import config_to_dict, load_config
+    from megatron_tail.utils.start_up import collector_paused
 
-    cfg = load_config(args.config, args.overrides)  # a UserError: one line (megatron_tail.cli.main)
-    if not args.print_config:
-        cfg.check_inputs()
-    if args.print_config:
-        print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False, allow_unicode=True), end="")
-        return 0
-    import torch.distributed as dist
+    with collector_paused():
+        cfg = load_config(args.config, args.overrides)  # a UserError: one line (megatron_tail.cli.main)
+        if not args.print_config:
+            cfg.check_inputs()
+        if args.print_config:
+            print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False, allow_unicode=True), end="")
+            return 0
+        import torch.distributed as dist
 
-    from megatron_tail.patches import import_megatron_deferring_compile
+        from megatron_tail.patches import import_megatron_deferring_compile
 
-    import_megatron_deferring_compile()  # before the trainer imports it (patches/lazy_compile.py says why)
-    from megatron_tail.train.run import launch_marks
-    from megatron_tail.train.run.loop import run
+        import_megatron_deferring_compile()  # before the trainer imports it (patches/lazy_compile.py: why)
+        from megatron_tail.train.run import launch_marks
+        from megatron_tail.train.run.loop import run
 
     launch_marks.watch_launcher()  # a launcher that dies (kill -9) stops this worker as a SIGTERM would
     launch_marks.mark_worker("started")
@@ -91,17 +93,19 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
 
 def eval_command(args: argparse.Namespace) -> int:
     from megatron_tail.config import load_config
+    from megatron_tail.utils.start_up import collector_paused
 
-    cfg = load_config(args.config, args.overrides)
-    from megatron_tail.train.run.offline_eval import check_inputs
+    with collector_paused():
+        cfg = load_config(args.config, args.overrides)
+        from megatron_tail.train.run.offline_eval import check_inputs
 
-    check_inputs(cfg, hf_dir=args.hf, checkpoint=args.checkpoint)  # a user's mistake before 5 s of imports
-    import torch.distributed as dist
+        check_inputs(cfg, hf_dir=args.hf, checkpoint=args.checkpoint)  # a user's mistake before the imports
+        import torch.distributed as dist
 
-    from megatron_tail.patches import import_megatron_deferring_compile
+        from megatron_tail.patches import import_megatron_deferring_compile
 
-    import_megatron_deferring_compile()
-    from megatron_tail.train.run.offline_eval import evaluate_offline
+        import_megatron_deferring_compile()
+        from megatron_tail.train.run.offline_eval import evaluate_offline
 
     try:
         scalars = evaluate_offline(cfg, hf_dir=args.hf, checkpoint=args.checkpoint, out_dir=args.out)

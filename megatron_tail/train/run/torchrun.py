@@ -86,9 +86,12 @@ class _DropReplacedRecords(logging.Filter):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
+    from megatron_tail.utils.start_up import collector_paused
+
+    with collector_paused():
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.run import parse_args, run
 
     from megatron_tail.utils.parent_watch import stop_with_parent_from_env
 
