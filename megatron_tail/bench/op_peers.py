@@ -46,16 +46,21 @@ def make_logits(
 
 
 def measure(
-    run: Callable[..., None], *, repeats: int = 5, prepare: Callable[[], object] | None = None
+    run: Callable[..., object],
+    *,
+    repeats: int = 5,
+    prepare: Callable[[], object] | None = None,
+    keep_result: bool = False,
 ) -> dict:
     """Median milliseconds and peak extra memory (bytes above what was allocated before) of `run()`, after one
     warm-up call; `prepare()` runs before each call, outside the timed region (a fresh clone for a variant
     that takes its input over), and its result is passed to `run`. On CUDA: CUDA events and
     `torch.cuda.max_memory_allocated`; elsewhere wall time, and the peak of the tensor storage of the warm-up
     call (`tensor_memory.LiveTensorBytes`, which slows every op, so never a timed call): `repeats` + 1 calls
-    in all, as on CUDA."""
+    in all, as on CUDA. `keep_result`: what the last call returned, under "result" (a caller that checks the
+    values too need not run it once more; held only after the last call, so no measured peak includes it)."""
     cuda = torch.cuda.is_available()
-    times, peak = [], 0
+    times, peak, result = [], 0, None
     if not cuda:  # the warm-up: nothing to compile or cache off CUDA that one untimed call would not
         held = prepare() if prepare is not None else None
         with LiveTensorBytes() as counted:
@@ -64,6 +69,7 @@ def measure(
         del held
     warm_ups = 1 if cuda else 0  # CUDA's first call warms kernels and the caching allocator up
     for i in range(warm_ups + repeats):
+        result = None  # the previous call's: freed before this one's base memory is read
         held = prepare() if prepare is not None else None
         if cuda:
             torch.cuda.synchronize()
@@ -72,7 +78,7 @@ def measure(
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
         t0 = time.perf_counter()
-        run() if held is None else run(held)
+        result = run() if held is None else run(held)
         if cuda:
             end.record()
             torch.cuda.synchronize()
@@ -82,7 +88,10 @@ def measure(
             if cuda:
                 peak = max(peak, torch.cuda.max_memory_allocated() - base)
         del held
-    return {"ms": statistics.median(times), "peak_bytes": peak}
+    if not keep_result:
+        result = None
+    measured = {"ms": statistics.median(times), "peak_bytes": peak}
+    return {**measured, "result": result} if keep_result else measured
 
 
 def copy_rate(logits: torch.Tensor) -> float:

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_tail.bench.op_peers import format_rows, peer_rows
+import torch
+
+from megatron_tail.bench.op_peers import format_rows, measure, peer_rows
 from tests.triton_interpreter import UNDER_INTERPRETER
 
 pytestmark = UNDER_INTERPRETER
@@ -35,3 +37,16 @@ def test_the_peer_table_runs_every_variant_and_relates_it_to_the_baseline():
     text = format_rows(rows, 6, 256, "cpu")
     assert text.splitlines()[0] == "The op against its peers: 6 × 256 bf16 logits on cpu"
     assert f"baseline: {baseline['what']}" in text
+
+
+def test_measure_keeps_the_last_calls_result_only_when_asked():
+    calls = []
+
+    def run():
+        calls.append(torch.full((256,), float(len(calls))))
+        return calls[-1]
+
+    kept = measure(run, repeats=2, keep_result=True)
+    assert len(calls) == 3 and kept["result"] is calls[-1]  # the counted call, then 2 timed ones
+    assert kept["peak_bytes"] == 256 * 4  # the counted call's tensor, not one held from another call
+    assert "result" not in measure(run, repeats=1)

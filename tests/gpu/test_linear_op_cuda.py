@@ -82,24 +82,15 @@ def check_fused_equals_matmul_then_op(
     op and of matmul + op in place against matmul + op, and against Liger's fused linear cross entropy where
     it is installed, into the table (`measure`'s median of `repeats`). The op's `backend` for both paths.
     Returns the rows; `measured` (a module's dict) keeps the fused op's and matmul + op's measurements for
-    `check_fused_saves_memory`, which would otherwise make the same two."""
-    fused, fh, fw = run_path(True, *problem, backend=backend)
-    ref, rh, rw = run_path(False, *problem, backend=backend)
-    assert float(ref.safe_mass.min()) < 0.999 and not bool(ref.in_safe_set.all())  # DVP prunes
-    for key in ("logprobs", "entropy", "safe_mass", "logprobs_full", "top_logprob"):
-        diff = (getattr(fused, key) - getattr(ref, key)).abs().float()
-        assert float(diff.max()) < LAST_BIT, (key, float(diff.max()))
-        assert float(torch.quantile(diff, 0.999)) < 1e-2, (key, float(torch.quantile(diff, 0.999)))
-    mismatched = (fused.in_safe_set != ref.in_safe_set).float().mean().item()
-    assert mismatched < 1e-3  # a target exactly at the threshold may flip with its last bf16 bit
-    for got, want in ((fh, rh), (fw, rw)):
-        scale = float(want.float().abs().max())
-        torch.testing.assert_close(got.float(), want.float(), rtol=TOL, atol=TOL * scale)
-    del fused, ref, fh, fw, rh, rw
+    `check_fused_saves_memory`, which would otherwise make the same two. The values compared are those of
+    the measured calls (`keep_result`), so each path runs only as often as it is measured."""
+    baseline = measure(lambda: run_path(False, *problem, backend=backend), repeats=repeats, keep_result=True)
+    fused = measure(lambda: run_path(True, *problem, backend=backend), repeats=repeats, keep_result=True)
+    (ref, rh, rw), (fused_out, fh, fw) = baseline.pop("result"), fused.pop("result")
+    _check_equal(fused_out, fh, fw, ref, rh, rw)
+    del fused_out, ref, fh, fw, rh, rw
 
     shape = _shape(problem)
-    baseline = measure(lambda: run_path(False, *problem, backend=backend), repeats=repeats)
-    fused = measure(lambda: run_path(True, *problem, backend=backend), repeats=repeats)
     inplace = measure(lambda: run_path(False, *problem, inplace=True, backend=backend), repeats=repeats)
     if measured is not None:
         measured.update(fused=fused, matmul=baseline)
@@ -114,6 +105,21 @@ def check_fused_equals_matmul_then_op(
         )
     record_rows(record_property, rows)
     return rows
+
+
+def _check_equal(fused, fh, fw, ref, rh, rw) -> None:
+    """The fused op's outputs and gradients (`fused`, d hidden, d weight) against matmul + op's (`ref`, ...),
+    to the module docstring's tolerances; DVP prunes part of the vocabulary on the problem."""
+    assert float(ref.safe_mass.min()) < 0.999 and not bool(ref.in_safe_set.all())  # DVP prunes
+    for key in ("logprobs", "entropy", "safe_mass", "logprobs_full", "top_logprob"):
+        diff = (getattr(fused, key) - getattr(ref, key)).abs().float()
+        assert float(diff.max()) < LAST_BIT, (key, float(diff.max()))
+        assert float(torch.quantile(diff, 0.999)) < 1e-2, (key, float(torch.quantile(diff, 0.999)))
+    mismatched = (fused.in_safe_set != ref.in_safe_set).float().mean().item()
+    assert mismatched < 1e-3  # a target exactly at the threshold may flip with its last bf16 bit
+    for got, want in ((fh, rh), (fw, rw)):
+        scale = float(want.float().abs().max())
+        torch.testing.assert_close(got.float(), want.float(), rtol=TOL, atol=TOL * scale)
 
 
 def shared_measurements() -> dict:

@@ -174,7 +174,10 @@ def wait_for(predicate, timeout_s: float, what: str, proc: subprocess.Popen, rep
 
 
 def test_usr1_checkpoints_requeues_and_resumes(slurm_cluster, tiny_model_dir, prompt_file, tmp_path):  # noqa: ARG001
-    steps = 40  # long enough (≈ 0.3 s per step) that USR1 after step 1 lands mid-run
+    # USR1 goes out once step 1 is logged and lands after step 2 here (batch shell → trainer, under a second);
+    # the 14 steps after it (≈ 0.3 s each, ≈ 0.6 s on a loaded machine) leave it ample time to land mid-run,
+    # and each one more is paid again by the requeued job, which runs to the end
+    steps = 16
     config = write_config(tmp_path, tiny_model_dir, prompt_file, steps=steps, checkpoint_every=1000)
     run_dir = tmp_path / "run"
     argv = sbatch_argv(config, tmp_path, "--set", "rollout.max_staleness=1")  # a batch is held at the stop
