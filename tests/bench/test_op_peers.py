@@ -6,7 +6,6 @@ move), not speed."""
 from __future__ import annotations
 
 import pytest
-
 import torch
 
 from megatron_tail.bench.op_peers import format_rows, measure, peer_rows
