@@ -179,12 +179,14 @@ def main() -> None:
     parser.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
     args = parser.parse_args()
     single_rank_environment()
+    from megatron_tail.utils.start_up import collector_paused
 
-    from megatron.core.utils import unwrap_model
+    with collector_paused():  # as `megatron-tail train` starts (train/run/cli.py)
+        from megatron.core.utils import unwrap_model
 
-    from megatron_tail.model import load_hf_config
-    from megatron_tail.train import build_trainer, init_distributed, init_parallel
-    from tests.gpu.trainer_worker import training_state
+        from megatron_tail.model import load_hf_config
+        from megatron_tail.train import build_trainer, init_distributed, init_parallel
+        from tests.gpu.trainer_worker import training_state
 
     case = torch.load(args.case, weights_only=False)
     cfg = run_config(case["hf_dir"], args.precision)

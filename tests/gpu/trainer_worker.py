@@ -90,18 +90,20 @@ def main() -> None:
     parser.add_argument("--load", default=None, help="instead of the two steps: load this, then one step")
     args = parser.parse_args()
     single_rank_environment()
+    from megatron_tail.utils.start_up import collector_paused
 
-    from megatron_tail.algorithms import AlgorithmConfig
-    from megatron_tail.model import ModelSettings, load_hf_config
-    from megatron_tail.train import (
-        OptimizerSettings,
-        build_trainer,
-        init_distributed,
-        init_parallel,
-        load_checkpoint,
-        pack_micro_batches,
-        save_checkpoint,
-    )
+    with collector_paused():  # as `megatron-tail train` starts (train/run/cli.py)
+        from megatron_tail.algorithms import AlgorithmConfig
+        from megatron_tail.model import ModelSettings, load_hf_config
+        from megatron_tail.train import (
+            OptimizerSettings,
+            build_trainer,
+            init_distributed,
+            init_parallel,
+            load_checkpoint,
+            pack_micro_batches,
+            save_checkpoint,
+        )
 
     case = torch.load(args.case, weights_only=False)
     init_distributed()  # NCCL where CUDA is visible, gloo otherwise

@@ -121,6 +121,12 @@ def _trained(metrics: dict[str, float]) -> dict[str, float]:
 
 
 def main(argv: list[str]) -> None:
+    from megatron_tail.patches import import_megatron_deferring_compile
+    from megatron_tail.utils.start_up import collector_paused
+
+    with collector_paused():  # as `megatron-tail train` starts (train/run/cli.py)
+        import_megatron_deferring_compile()
+        import megatron_tail.train.run.loop  # noqa: F401 - imported here, with the collector off
     case, rest = argv[0], " ".join(argv[1:]).split(" -- ")
     for run_args in rest:
         out, *items = run_args.split()
