@@ -115,6 +115,32 @@ def test_an_in_process_engine_draws_what_the_process_draws_and_leaves_nothing(
     assert engine.last_log_line().startswith("megatron-tail local engine serving")
 
 
+def test_an_in_process_engine_loads_its_model_before_the_trainer_can_build_beside_it(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """transformers' `from_pretrained` switches torch's process-wide default dtype to the engine's while it
+    loads: every switch happens in the thread that starts the engine, before its constructor returns, so
+    the trainer's model build that follows (session.RunSession) never runs beside it. Before: the serving
+    thread loaded the model while the main thread built megatron's, and a layer norm of the bf16 trainer
+    came out float32 (its first checkpoint failed megatron's sharding validation)."""
+    switches = []
+    real = torch.set_default_dtype
+
+    def recording(dtype):
+        switches.append((threading.current_thread(), dtype))
+        real(dtype)
+
+    monkeypatch.setattr(torch, "set_default_dtype", recording)
+    sock = reserve_port()
+    config = LocalEngineConfig(model_path=str(tiny_model_dir), port=sock.getsockname()[1], dtype="bfloat16")
+    with LocalEngineThread(config, tmp_path / "engine.log", listen_socket=sock) as engine:
+        during_start = list(switches)
+        engine.wait_healthy(timeout_s=60)
+    assert (threading.current_thread(), torch.bfloat16) in during_start  # the load happened, and here
+    assert switches == during_start and {t for t, _ in switches} == {threading.current_thread()}
+    assert torch.get_default_dtype() == torch.float32
+
+
 def test_an_in_process_engine_that_cannot_load_says_why(tmp_path):
     sock = reserve_port()
     config = LocalEngineConfig(model_path=str(tmp_path / "nowhere"), port=sock.getsockname()[1])

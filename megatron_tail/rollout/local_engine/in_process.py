@@ -9,6 +9,14 @@ is the process's isolation: the engine shares the trainer's torch threads (`roll
 not apply), its memory and its fate (it cannot be killed alone, so none of `service/failures`'s "the engine
 died" cases arise). For tests and laptops; the default is the process.
 
+It also shares torch's process-wide settings, so the model is loaded in the thread that starts the engine,
+before the serving thread exists, never beside the trainer's own model build: transformers' `from_pretrained`
+sets torch's default dtype to the engine's for the length of the load (`modeling_utils.local_torch_dtype`,
+`torch.set_default_dtype`, then the old one back), and megatron-core, building the trainer's model in the
+main thread meanwhile, made some of its parameters in that dtype. The run then failed at its first
+checkpoint (megatron-core's `validate_sharding_integrity`: one layer's `layer_norm_weight` float32, the
+other's bfloat16), in 5 of 17 runs once the engine's modules were imported before it started (2026-11-29).
+
 `LocalEngineThread` has `LocalEngineProcess`'s interface, so `service.Engines` and `service.failures` treat
 both alike.
 """
@@ -53,23 +61,34 @@ class LocalEngineThread:
         self._stop = threading.Event()
         self._wake: asyncio.Event | None = None
         """Set on the loop by `stop()`; made on the loop once the app serves."""
+        self._engine = None
+        try:
+            self._engine = make_engine(self.args)  # here, not in the thread (the module docstring says why)
+        except Exception as error:  # a failed load ends the engine as one in its process does: ended() says
+            self._failed(error)
+        except BaseException:  # a stop signal's exception while it loads: the caller's to handle
+            self._sock.close()
+            self._loop.close()
+            raise
         self._thread = threading.Thread(target=self._serve, name=f"local-engine-{config.port}", daemon=True)
         self._thread.start()
 
     def _serve(self) -> None:
-        engine = None
+        engine = self._engine
         try:
-            engine = make_engine(self.args)
-            if not self._stop.is_set():
+            if engine is not None and not self._stop.is_set():
                 self._loop.run_until_complete(self._serve_until_stopped(engine))
         except BaseException as error:  # the thread's end is reported by ended(), not raised
-            self._error = error
-            self._write("".join(traceback.format_exception(error)).rstrip())
+            self._failed(error)
         finally:
             if engine is not None:
                 engine.close()
             self._sock.close()
             self._loop.close()
+
+    def _failed(self, error: BaseException) -> None:
+        self._error = error
+        self._write("".join(traceback.format_exception(error)).rstrip())
 
     async def _serve_until_stopped(self, engine) -> None:
         from aiohttp import web
