@@ -128,9 +128,9 @@ def all_keys(cls: type = RunConfig, prefix: str = "") -> list[str]:
 
 def _build(cls: type, data: Any, prefix: str) -> Any:
     where = prefix.rstrip(".") or "the top level"
-    if where in MOVED_KEYS and (isinstance(data, _CliValue) or not isinstance(data, Mapping | None)):
-        value = data.raw if isinstance(data, _CliValue) else data
-        raise ConfigError(f"config key {where!r} is a section now: set {MOVED_KEYS[where]}: {value!r}")
+    # from a file (`--set` refuses it in `_check_path`, before a value reaches here)
+    if where in MOVED_KEYS and not isinstance(data, Mapping | None | _CliValue):
+        raise ConfigError(f"config key {where!r} is a section now: set {MOVED_KEYS[where]}: {data!r}")
     if isinstance(data, _CliValue):
         raise ConfigError(f"{where} is a section; set its keys ({where}.<key>=...) instead of {data.raw!r}")
     if data is None:

@@ -72,6 +72,7 @@ import dataclasses
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .batch import RolloutBatch, concat_batches
 from .columns import VERSIONS
@@ -99,6 +100,22 @@ class GroupResult:
     @classmethod
     def from_state(cls, state: dict) -> GroupResult:
         return cls(state["index"], RolloutBatch.from_dict(state["batch"]), state["version"])
+
+
+class DoneGroup(NamedTuple):
+    """A completed group as the step that reports it counts it (`RolloutManager._report_done`): kept in
+    checkpoints as the list of its fields."""
+
+    index: int
+    reward_sum: float
+    correct_sum: float
+    samples: int
+    filtered: bool
+
+    @classmethod
+    def from_state(cls, fields: list) -> DoneGroup:
+        index, reward_sum, correct_sum, samples, filtered = fields
+        return cls(int(index), float(reward_sum), float(correct_sum), int(samples), bool(filtered))
 
 
 Work = Callable[[int, int, int], Awaitable[GroupResult]]
@@ -183,10 +200,9 @@ class RolloutManager:
         """Group index in flight → the engines' version when it was admitted."""
         self._dropping: set[int] = set()
         """Groups in flight cancelled as stale (`_drop_older_than`), not yet finished cancelling."""
-        self._done: list[list] = []
-        """Groups completed and not yet reported, kept or filtered: [index, reward sum, correct count,
-        samples, filtered] each (`reward/generated_mean`: what the policy scores before DAPO's filter;
-        `_report_done`)."""
+        self._done: list[DoneGroup] = []
+        """Groups completed and not yet reported, kept or filtered (`reward/generated_mean`: what the policy
+        scores before DAPO's filter; `_report_done`)."""
 
     # --- the trainer's side ---------------------------------------------------------------------------
 
@@ -256,17 +272,17 @@ class RolloutManager:
         machine). At η ≥ 2, every group completed since the last batch."""
         if self.in_order and taken:
             last = max(g.index for g in taken)
-            due = [d for d in self._done if d[0] <= last]
-            self._done = [d for d in self._done if d[0] > last]
+            due = [d for d in self._done if d.index <= last]
+            self._done = [d for d in self._done if d.index > last]
         else:
             due, self._done = self._done, []
-        due.sort(key=lambda d: d[0])  # sums in prompt order: the same floats however the groups finished
-        filtered = sum(1 for d in due if d[4])
+        due.sort(key=lambda d: d.index)  # sums in prompt order: the same floats however the groups finished
+        filtered = sum(1 for d in due if d.filtered)
         metrics = {"rollout/filtered_groups": float(filtered)}
-        samples = sum(d[3] for d in due)
+        samples = sum(d.samples for d in due)
         if samples:
-            metrics["reward/generated_mean"] = sum(d[1] for d in due) / samples
-            metrics["reward/generated_accuracy"] = sum(d[2] for d in due) / samples
+            metrics["reward/generated_mean"] = sum(d.reward_sum for d in due) / samples
+            metrics["reward/generated_accuracy"] = sum(d.correct_sum for d in due) / samples
         if self.keep is not None:
             metrics["rollout/filtered_groups_fraction"] = filtered / max(len(due), 1)
         return metrics
@@ -364,7 +380,7 @@ class RolloutManager:
             filtered = self.keep is not None and not self.keep(result)
             batch = result.batch
             self._done.append(
-                [index, float(sum(batch.rewards)), float(sum(batch.correct)), len(batch), filtered]
+                DoneGroup(index, float(sum(batch.rewards)), float(sum(batch.correct)), len(batch), filtered)
             )
             if filtered:
                 self.wasted += 1
@@ -432,9 +448,7 @@ class RolloutManager:
         self.base_version = int(state["base_version"])
         self.buffer = {g["index"]: GroupResult.from_state(g) for g in state["buffer"]}
         self.attempts = {int(i): int(n) for i, n in state.get("attempts", [])}  # none before attempts
-        self._done = [
-            [int(i), float(r), float(c), int(n), bool(f)] for i, r, c, n, f in state.get("done", [])
-        ]
+        self._done = [DoneGroup.from_state(d) for d in state.get("done", [])]
 
 
 def groups_to_batch(groups: list[GroupResult]) -> RolloutBatch:

@@ -54,8 +54,8 @@ def train_command(args: argparse.Namespace) -> int:
         from megatron_tail.train.run import launch_marks
         from megatron_tail.train.run.loop import run
 
-        if cfg.rollout.engine == "local" and cfg.rollout.local.in_process:  # its thread would import them
-            import megatron_tail.rollout.local_engine.engine  # noqa: F401
+        if cfg.rollout.engine == "local" and cfg.rollout.local.in_process:  # the session would, collector on
+            import megatron_tail.rollout.local_engine.engine
             import megatron_tail.rollout.local_engine.server  # noqa: F401
 
     launch_marks.watch_launcher()  # a launcher that dies (kill -9) stops this worker as a SIGTERM would
