@@ -22,6 +22,11 @@ class _Cycle:
         self.me = self
 
 
+def test_the_collector_is_on_for_the_tests_and_what_collection_imported_is_frozen():
+    """tests/conftest.py keeps it off while collection imports, then freezes and switches it on."""
+    assert gc.isenabled() and gc.get_freeze_count() > 100_000
+
+
 def test_inside_the_collector_is_off_and_what_was_made_is_frozen_after():
     gc.enable()
     frozen = gc.get_freeze_count()
