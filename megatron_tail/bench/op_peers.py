@@ -60,7 +60,7 @@ def measure(
     in all, as on CUDA. `keep_result`: what the last call returned, under "result" (a caller that checks the
     values too need not run it once more; held only after the last call, so no measured peak includes it)."""
     cuda = torch.cuda.is_available()
-    times, peak, result = [], 0, None
+    times, peak = [], 0
     if not cuda:  # the warm-up: nothing to compile or cache off CUDA that one untimed call would not
         held = prepare() if prepare is not None else None
         with LiveTensorBytes() as counted:
@@ -88,8 +88,6 @@ def measure(
             if cuda:
                 peak = max(peak, torch.cuda.max_memory_allocated() - base)
         del held
-    if not keep_result:
-        result = None
     measured = {"ms": statistics.median(times), "peak_bytes": peak}
     return {**measured, "result": result} if keep_result else measured
 
