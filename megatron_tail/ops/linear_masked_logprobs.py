@@ -65,6 +65,7 @@ from .masked_logprobs import (
     op_threshold,
     spans,
     triton_backward,
+    triton_forward_one_program,
     valid_columns,
 )
 from .matmul_accumulate import add_matmul_
@@ -156,12 +157,7 @@ class _LinearMaskedLogprobsFunction(torch.autograd.Function):
         def row_max(x):
             return x.amax(dim=1).to(dtype) if kernels is None else kernels.row_max(x, dtype)
 
-        def block_sums(x, max_logit, threshold, local_target, owned, r, start, width):
-            args = (x, max_logit, threshold, 1.0 / temperature, local_target, owned, entropy)
-            if kernels is None:
-                sums = chunk_math.chunk_partial_sums(*args, with_count=count)
-            else:
-                sums = kernels.partial_sums(*args, count)
+        def with_support_sums(sums, x, max_logit, r, start, width):
             if support2d is not None:  # the block's share of the support sums, in the same SUM
                 # per block: `[rows, K]` temporaries only, so the extra memory stays below the support's
                 local, sup_owned = support_math.support_columns(support2d[r], start, width)
@@ -170,17 +166,35 @@ class _LinearMaskedLogprobsFunction(torch.autograd.Function):
                 )
             return sums
 
+        def block_sums(x, max_logit, threshold, local_target, owned, r, start, width):
+            args = (x, max_logit, threshold, 1.0 / temperature, local_target, owned, entropy)
+            if kernels is None:
+                sums = chunk_math.chunk_partial_sums(*args, with_count=count)
+            else:
+                sums = kernels.partial_sums(*args, count)
+            return with_support_sums(sums, x, max_logit, r, start, width)
+
         if one_pass:
             max_logit = torch.empty(n, dtype=dtype, device=hidden2d.device)
             threshold = torch.empty_like(max_logit)
             local_target, owned = chunk_math.target_columns(targets1d, vocab_start, num_valid)
             for r in spans(n, rows):
                 x = hidden2d[r] @ w.t()
-                max_logit[r] = row_max(x)  # TP = 1: the whole (non-empty) vocabulary
-                threshold[r] = op_threshold(max_logit[r], log_rho, temperature)
-                partials[r] = block_sums(
-                    x, max_logit[r], threshold[r], local_target[r], owned[r], r, vocab_start, num_valid
-                )
+                # TP = 1: the block holds the whole (non-empty) vocabulary, so its row max is the global max
+                one_program = None
+                if kernels is not None:
+                    one_program = triton_forward_one_program(
+                        kernels, x, log_rho, temperature, local_target[r], owned[r], entropy, count
+                    )
+                if one_program is not None:
+                    max_logit[r], threshold[r], sums = one_program
+                    partials[r] = with_support_sums(sums, x, max_logit[r], r, vocab_start, num_valid)
+                else:
+                    max_logit[r] = row_max(x)
+                    threshold[r] = op_threshold(max_logit[r], log_rho, temperature)
+                    partials[r] = block_sums(
+                        x, max_logit[r], threshold[r], local_target[r], owned[r], r, vocab_start, num_valid
+                    )
                 del x  # before the next block's GEMM allocates: one block alive, not two
         else:
             local_max = torch.full((n,), -math.inf, dtype=dtype, device=hidden2d.device)

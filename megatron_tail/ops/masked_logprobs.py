@@ -200,6 +200,32 @@ def op_threshold(max_logit: torch.Tensor, log_rho: float | None, temperature: fl
     return safe_threshold(max_logit, log_rho, temperature)
 
 
+def threshold_offset(log_rho: float | None, temperature: float, dtype: torch.dtype) -> tuple[float, bool]:
+    """What `op_threshold` adds to each row's max, for a kernel that computes θ itself (`triton_kernels.
+    max_and_sums`): (T·log ρ, True) as `safe_vocab.safe_threshold` adds it, or without pruning
+    (−max_float of `dtype`, the compute dtype, False: θ is that constant)."""
+    if log_rho is None:
+        return -torch.finfo(dtype).max, False
+    return temperature * log_rho, True
+
+
+def triton_forward_one_program(
+    kernels, x: torch.Tensor, log_rho, temperature: float, local_target, owned, entropy: bool, count: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The forward of a TP = 1 call on the Triton backend as one kernel (`triton_kernels.max_and_sums`):
+    (`[N]` max, `[N]` θ, `[N, NUM_PARTIALS]` partials), or None where the two kernels run instead
+    (`triton_kernels.one_program`; no columns)."""
+    launch = kernels.one_program(x.dtype, x.device)
+    if launch is None or not x.shape[1]:
+        return None
+    compute_dtype = rule_dtype(x.dtype)
+    offset, prune = threshold_offset(log_rho, temperature, compute_dtype)
+    return kernels.max_and_sums(
+        x, compute_dtype, offset=offset, prune=prune, inv_temperature=1.0 / temperature,
+        local_target=local_target, owned=owned, with_entropy=entropy, with_count=count, launch=launch,
+    )  # fmt: skip
+
+
 def global_max_logit(
     max_logit: torch.Tensor, v_local: int, vocab_size: int, tp_group, tp_size: int
 ) -> torch.Tensor:
@@ -304,18 +330,34 @@ class _MaskedLogprobsFunction(torch.autograd.Function):
         x = logits2d[:, :num_valid]  # padded columns excluded by a view: no copy
         num_rows = x.shape[0]
         compute_dtype = rule_dtype(x.dtype)
-        max_logit, threshold = safe_set_threshold(
-            x,
-            v_local=v_local,
-            vocab_size=vocab_size,
-            log_rho=log_rho,
-            temperature=temperature,
-            tp_group=tp_group,
-            tp_size=tp_size,
-            backend=backend,
-        )
         inv_t = 1.0 / temperature
         local_target, owned = chunk_math.target_columns(targets1d, vocab_start, num_valid)
+        one_program = None
+        if backend == "triton" and tp_size == 1:  # nothing between the passes: maybe one kernel
+            one_program = triton_forward_one_program(
+                load_kernels(x.device), x, log_rho, temperature, local_target, owned, entropy, count
+            )
+        if one_program is not None:
+            max_logit, threshold, partials = one_program
+        else:
+            max_logit, threshold = safe_set_threshold(
+                x,
+                v_local=v_local,
+                vocab_size=vocab_size,
+                log_rho=log_rho,
+                temperature=temperature,
+                tp_group=tp_group,
+                tp_size=tp_size,
+                backend=backend,
+            )
+            if backend == "triton":
+                partials = load_kernels(x.device).partial_sums(
+                    x, max_logit, threshold, inv_t, local_target, owned, entropy, count
+                )
+            else:
+                partials = torch.empty(
+                    (num_rows, chunk_math.NUM_PARTIALS), dtype=compute_dtype, device=x.device
+                )
 
         # the Triton backward recomputes p from the logits in one pass: nothing kept for it
         keep_exp = (
@@ -324,12 +366,6 @@ class _MaskedLogprobsFunction(torch.autograd.Function):
         grad_buffer = torch.empty_like(logits2d) if keep_exp else None
         if grad_buffer is not None:
             grad_buffer[:, num_valid:].zero_()  # padded columns never receive gradient
-        if backend == "triton":
-            partials = load_kernels(x.device).partial_sums(
-                x, max_logit, threshold, inv_t, local_target, owned, entropy, count
-            )
-        else:
-            partials = torch.empty((num_rows, chunk_math.NUM_PARTIALS), dtype=compute_dtype, device=x.device)
         for rows in row_chunks(num_rows, v_local, x.device) if backend == "torch" else ():
             partials[rows] = chunk_math.chunk_partial_sums(
                 x[rows],

@@ -2,13 +2,16 @@
 
     row_max(x)                                   pass 1: `[N]` max over the valid columns (NaN if any NaN)
     partial_sums(x, max, θ, 1/T, cols, owned)    pass 2: `[N, NUM_PARTIALS]` the dense partial sums
+    max_and_sums(x, …, offset, launch)           TP = 1: both passes and θ in one program per row
     write_grad(x, out, max, θ, log S_K, bias, scale_h, 1/T)
                                                  backward: p·(bias + scale_h·log p) on V_S, 0 elsewhere
 
 The math is `masked_logprobs_math`'s (its docstring has the notation); the collectives, the threshold rule
 (`safe_vocab`, in torch so that the comparison is the sampler's bit for bit), the sampling support and the
 target / support columns of the gradient stay in torch (`[N]`, `[N, K]` work), so these kernels are the
-only `[N, V]` passes. Each program walks its row in `BLOCK`-column tiles, whose size and warps per kernel come
+only `[N, V]` passes. At TP = 1 nothing sits between the passes, and where a GPU run measured it faster
+(`ONE_PROGRAM`) one persistent kernel does both and θ in between, with `safe_threshold`'s one rounding of
+the same two values. Each program walks its row in `BLOCK`-column tiles, whose size and warps per kernel come
 from one table of measured (H200) and projected configs (`TILES`, `tile`); the logits are read in their own
 dtype and upcast to the compute dtype (float32, float64 for float64 logits) right after each load, which is
 also what Triton's interpreter needs (it holds bf16 as bit patterns). `tl.max` drops NaN, so pass 1 carries a
@@ -21,6 +24,8 @@ Importing this module compiles nothing; on a CPU tensor the kernels run only und
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 from typing import NamedTuple
 
@@ -78,6 +83,92 @@ hundred columns span several tiles, the last one partial, as a GPU's rows do, at
 afford (the interpreter runs each tile as numpy calls)."""
 
 
+class OneProgram(NamedTuple):
+    """The one-program forward's launch (`max_and_sums`): its tile, and how many programs per SM the
+    persistent grid starts, which is how many rows are in flight at once."""
+
+    tile: Tile
+    programs_per_sm: int
+
+
+ONE_PROGRAM: dict[tuple[str, tuple[int, int]], OneProgram] = {}
+"""Where the forward of the TP = 1 op runs as one program per row (pass 1, θ, then pass 2 over the same row:
+`max_and_sums`) instead of two kernels with θ computed between them, keyed by (logits dtype width, device
+capability): only devices where a GPU run measured it faster. Empty: no GPU run has timed it yet
+(`python -m megatron_tail.bench.op --device cuda` sweeps `ONE_PROGRAM_CANDIDATES` against the two kernels
+and prints the entry to add here).
+
+Why it can be faster (projected from the 2026-11-28 H200 timings, `research/op-kernels.md`): the two kernels
+are 1.10 ms (a read, at the copy rate) + 1.81 ms (bound by instructions per element, the memory half idle).
+One program reads its row for pass 1 and again for pass 2, which then comes from L2 when the rows in flight
+fit it (a 151,936-column bf16 row is 297 KB: about 170 rows in 50 MB, the L2 of an H100 and of the H200,
+the same GH100 die), so HBM sees one read, and the SMs overlap one program's memory-bound pass 1 with
+another's instruction-bound pass 2. The grid is persistent (programs × SMs rows in flight) because a grid of
+one program per row keeps every resident program's row in flight, several times L2. Pass 2 walks its row
+backwards, the tiles pass 1 read last first.
+Not under TP > 1: the MAX collective sits between the passes there."""
+
+ONE_PROGRAM_CANDIDATES: tuple[OneProgram, ...] = (
+    OneProgram(Tile(2048, 8), 2),
+    OneProgram(Tile(2048, 8), 4),
+    OneProgram(Tile(4096, 16), 1),
+    OneProgram(Tile(4096, 16), 2),
+    OneProgram(Tile(8192, 32), 1),
+)
+"""The launches `bench.op` times on a GPU: 8 values per thread (as every measured tile), 16–32 warps per SM
+(fewer would not keep the reads of pass 1 in flight), 130–260 rows in flight on an H100 / H200 (39–78 MB of
+bf16 rows at 151,936 columns, around their 50 MB L2)."""
+
+INTERPRETER_ONE_PROGRAM = OneProgram(INTERPRETER_TILE, 1)
+"""Under Triton's interpreter: the fixed tile, and a grid of `INTERPRETER_PROGRAMS` programs."""
+INTERPRETER_PROGRAMS = 3
+"""So that a test's program walks several rows (rows pid, pid + 3, …), as a GPU's persistent grid does."""
+
+TWO_KERNELS = "two kernels"
+_FORWARD_CHOICE: contextvars.ContextVar[OneProgram | str | None] = contextvars.ContextVar(
+    "forward_choice", default=None
+)
+
+
+@contextlib.contextmanager
+def forward_design(choice: OneProgram | str):
+    """Within the block, the TP = 1 forward runs as `choice` (a `OneProgram` launch or `TWO_KERNELS`)
+    whatever `ONE_PROGRAM` says: what `bench.op` compares, and the tests run both ways."""
+    if not isinstance(choice, OneProgram) and choice != TWO_KERNELS:
+        raise ValueError(f"forward_design takes a OneProgram or {TWO_KERNELS!r}; got {choice!r}")
+    token = _FORWARD_CHOICE.set(choice)
+    try:
+        yield
+    finally:
+        _FORWARD_CHOICE.reset(token)
+
+
+def one_program(dtype: torch.dtype, device: torch.device) -> OneProgram | None:
+    """The one-program launch of the TP = 1 forward on `dtype` logits on `device`, or None for the two
+    kernels (`ONE_PROGRAM`, or the `forward_design` in force)."""
+    choice = _FORWARD_CHOICE.get()
+    if choice is not None:
+        if choice == TWO_KERNELS:
+            return None
+        return choice if device.type == "cuda" else INTERPRETER_ONE_PROGRAM
+    if device.type != "cuda":
+        return None  # as an unmeasured GPU: the two kernels
+    return ONE_PROGRAM.get((_width_class(dtype), _capability(device.index)))
+
+
+def one_program_tile(launch: OneProgram, dtype: torch.dtype, n_cols: int) -> Tile:
+    """The tile `max_and_sums` runs `launch` with on a GPU, over rows of `n_cols` columns of `dtype`: its own,
+    but float64 logits (the gradcheck dtype) keep the two kernels' 8 × 256 columns (`TILES`): four float64
+    accumulators at 32 warps would spill (`tests/ops/test_kernels_compile.py`)."""
+    base = launch.tile if _width_class(dtype) != "64-bit" else TILES[("partial_sums", "64-bit", None)]
+    return _narrowed(base, n_cols)
+
+
+@functools.cache
+def _multiprocessors(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _width_class(dtype: torch.dtype) -> str:
     return f"{min(max(torch.finfo(dtype).bits, 16), 64)}-bit"
 
@@ -95,6 +186,11 @@ def tile(kernel: str, dtype: torch.dtype, n_cols: int, device: torch.device) -> 
     else:
         key = (kernel, _width_class(dtype))
         base = TILES.get((*key, _capability(device.index)), TILES[(*key, None)])
+    return _narrowed(base, n_cols)
+
+
+def _narrowed(base: Tile, n_cols: int) -> Tile:
+    """`base`, or for a row narrower than it one tile of `next_power_of_2(n_cols)` columns."""
     block = max(16, min(base.block, triton.next_power_of_2(max(n_cols, 1))))
     # a narrowed tile keeps 8 values per thread (256 columns per warp), as every tile of the table does
     return Tile(block, max(1, min(base.num_warps, block // 256)))
@@ -113,7 +209,14 @@ def describe_tiles(dtype: torch.dtype, n_cols: int, device: torch.device) -> str
     major, minor = _capability(device.index)
     measured = all((k, _width_class(dtype), (major, minor)) in TILES for k in KERNELS)
     source = f"measured table, {MEASURED_H200}" if measured else "projected: no timing on this device"
-    return f"{configs} (sm_{major}{minor}, {source})"
+    launch = one_program(dtype, device)
+    forward = (
+        "TP = 1 forward: two kernels"
+        if launch is None
+        else f"TP = 1 forward: one program, {launch.tile.block}×{launch.tile.num_warps}, "
+        f"{launch.programs_per_sm} per SM"
+    )
+    return f"{configs} (sm_{major}{minor}, {source}); {forward}"
 
 
 _COMPUTE = {torch.float64: tl.float64}
@@ -125,20 +228,28 @@ def _compute_dtype(x: torch.Tensor):
 
 
 @triton.jit
-def _row_max_kernel(X, stride_x, n_cols, OUT, BLOCK: tl.constexpr, COMPUTE: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    base = X + row * stride_x
+def _walk_max(base, n_cols, BLOCK: tl.constexpr, COMPUTE: tl.constexpr):
+    # pass 1 of one row: its max over the valid columns, NaN if any is NaN
     cols = tl.arange(0, BLOCK)
     best = tl.full([BLOCK], float("-inf"), COMPUTE)
-    nan = tl.zeros([BLOCK], tl.int32)
-    for start in range(0, n_cols, BLOCK):
-        c = start + cols
-        x = tl.load(base + c, mask=c < n_cols, other=float("-inf")).to(COMPUTE)
-        best = tl.maximum(best, x)
-        nan = tl.maximum(nan, (x != x).to(tl.int32))
-    row_max = tl.max(best, axis=0)
-    row_max = tl.where(tl.max(nan, axis=0) > 0, float("nan"), row_max)
-    tl.store(OUT + row, row_max)
+    whole = n_cols - n_cols % BLOCK
+    for start in range(0, whole, BLOCK):
+        # max.NaN on sm_80+: a NaN sticks in its lane, one instruction per element (a separate NaN flag
+        # was three); the masked tail's lanes read −inf, which no max keeps
+        x = tl.load(base + start + cols).to(COMPUTE)
+        best = tl.maximum(best, x, propagate_nan=tl.PropagateNan.ALL)
+    for start in range(whole, n_cols, BLOCK):
+        x = tl.load(base + start + cols, mask=start + cols < n_cols, other=float("-inf")).to(COMPUTE)
+        best = tl.maximum(best, x, propagate_nan=tl.PropagateNan.ALL)
+    # `tl.max` drops NaN (PropagateNan.NONE): a NaN lane makes the row's max NaN explicitly
+    has_nan = tl.max((best != best).to(tl.int32), axis=0) > 0
+    return tl.where(has_nan, float("nan"), tl.max(best, axis=0))
+
+
+@triton.jit
+def _row_max_kernel(X, stride_x, n_cols, OUT, BLOCK: tl.constexpr, COMPUTE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    tl.store(OUT + row, _walk_max(X + row * stride_x, n_cols, BLOCK, COMPUTE))
 
 
 @triton.jit
@@ -150,12 +261,78 @@ def _sums_tile(x, m, threshold, exp2_scale, s_all, s_safe, s_ez, count, WITH_ENT
     e = tl.exp2(z2)
     s_all += e
     safe = x >= threshold  # θ is finite: −inf logits (and the tail's masked lanes) are never safe
-    s_safe += tl.where(safe, e, 0.0)
-    if WITH_ENTROPY:
-        s_ez += tl.where(safe, e * z2, 0.0)  # after the product: 0·(−inf) is NaN on −inf logits
+    # Instructions per element are this pass's cost (`ONE_PROGRAM`), so each sum is one FMA where it can
+    # be. e ∈ [0, 1] wherever the row is not poisoned (x ≤ m), so e·0 = 0 off V_S; a poisoned row (NaN or
+    # ±inf max) is NaN either way.
     if WITH_COUNT:
-        count += safe.to(s_all.dtype)
+        safe_f = safe.to(s_all.dtype)
+        s_safe += e * safe_f
+        count += safe_f
+    else:
+        s_safe += tl.where(safe, e, 0.0)
+    if WITH_ENTROPY:
+        s_ez += e * tl.where(safe, z2, 0.0)  # select before the product: z2 = −inf on −inf logits
     return s_all, s_safe, s_ez, count
+
+
+@triton.jit
+def _walk_sums(base, n_cols, m, threshold, exp2_scale, BACKWARDS: tl.constexpr, WITH_ENTROPY: tl.constexpr,
+               WITH_COUNT: tl.constexpr, BLOCK: tl.constexpr, COMPUTE: tl.constexpr):  # fmt: skip
+    # pass 2 of one row: (S_all, S_safe, Σ_safe e^z·z, |V_S|) over its valid columns. `BACKWARDS`: the last
+    # tile first, so that right after pass 1 walked the row forwards the most recently read tiles (the ones
+    # an L2 still holds) come first.
+    cols = tl.arange(0, BLOCK)
+    s_all = tl.zeros([BLOCK], COMPUTE)
+    s_safe = tl.zeros([BLOCK], COMPUTE)
+    s_ez = tl.zeros([BLOCK], COMPUTE)
+    count = tl.zeros([BLOCK], COMPUTE)
+    # This pass is bound by instructions per element, not by memory: whole tiles load without a mask,
+    # and only the last, partial one (0 or 1 iterations of its loop) pays for it.
+    n_whole = n_cols // BLOCK
+    whole = n_whole * BLOCK
+    if BACKWARDS:
+        for start in range(whole, n_cols, BLOCK):
+            x = tl.load(base + start + cols, mask=start + cols < n_cols, other=float("-inf")).to(COMPUTE)
+            s_all, s_safe, s_ez, count = _sums_tile(
+                x, m, threshold, exp2_scale, s_all, s_safe, s_ez, count, WITH_ENTROPY, WITH_COUNT
+            )
+        for i in range(0, n_whole):
+            x = tl.load(base + (whole - BLOCK - i * BLOCK) + cols).to(COMPUTE)
+            s_all, s_safe, s_ez, count = _sums_tile(
+                x, m, threshold, exp2_scale, s_all, s_safe, s_ez, count, WITH_ENTROPY, WITH_COUNT
+            )
+    else:
+        for start in range(0, whole, BLOCK):
+            x = tl.load(base + start + cols).to(COMPUTE)
+            s_all, s_safe, s_ez, count = _sums_tile(
+                x, m, threshold, exp2_scale, s_all, s_safe, s_ez, count, WITH_ENTROPY, WITH_COUNT
+            )
+        for start in range(whole, n_cols, BLOCK):
+            # masked lanes read −inf: e = 0, never safe (m = ±inf or NaN makes the row's valid lanes NaN too)
+            x = tl.load(base + start + cols, mask=start + cols < n_cols, other=float("-inf")).to(COMPUTE)
+            s_all, s_safe, s_ez, count = _sums_tile(
+                x, m, threshold, exp2_scale, s_all, s_safe, s_ez, count, WITH_ENTROPY, WITH_COUNT
+            )
+    # Σ e^z·z was summed in base 2 (z/ln 2): × ln 2 back to e
+    return (
+        tl.sum(s_all, axis=0),
+        tl.sum(s_safe, axis=0),
+        tl.sum(s_ez, axis=0) * 0.6931471805599453,
+        tl.sum(count, axis=0),
+    )
+
+
+@triton.jit
+def _store_partials(out, base, s_all, s_safe, s_ez, count, TARGET_COL, OWNED, row, COMPUTE: tl.constexpr,
+                    COL_ALL: tl.constexpr, COL_SAFE: tl.constexpr, COL_SAFE_EZ: tl.constexpr,
+                    COL_TARGET: tl.constexpr, COL_COUNT: tl.constexpr):  # fmt: skip
+    tl.store(out + COL_ALL, s_all)
+    tl.store(out + COL_SAFE, s_safe)
+    tl.store(out + COL_SAFE_EZ, s_ez)
+    tl.store(out + COL_COUNT, count)
+    owned = tl.load(OWNED + row) != 0
+    target = tl.load(base + tl.load(TARGET_COL + row), mask=owned, other=0.0).to(COMPUTE)
+    tl.store(out + COL_TARGET, target)
 
 
 @triton.jit
@@ -184,33 +361,56 @@ def _partials_kernel(
     base = X + row * stride_x
     m = tl.load(MAX + row)
     threshold = tl.load(THRESHOLD + row)
-    cols = tl.arange(0, BLOCK)
-    s_all = tl.zeros([BLOCK], COMPUTE)
-    s_safe = tl.zeros([BLOCK], COMPUTE)
-    s_ez = tl.zeros([BLOCK], COMPUTE)
-    count = tl.zeros([BLOCK], COMPUTE)
-    # This pass is bound by instructions per element, not by memory: whole tiles load without a mask,
-    # and only the last, partial one (0 or 1 iterations of the second loop) pays for it.
-    whole = n_cols - n_cols % BLOCK
-    for start in range(0, whole, BLOCK):
-        x = tl.load(base + start + cols).to(COMPUTE)
-        s_all, s_safe, s_ez, count = _sums_tile(
-            x, m, threshold, exp2_scale, s_all, s_safe, s_ez, count, WITH_ENTROPY, WITH_COUNT
+    s_all, s_safe, s_ez, count = _walk_sums(
+        base, n_cols, m, threshold, exp2_scale, False, WITH_ENTROPY, WITH_COUNT, BLOCK, COMPUTE
+    )
+    _store_partials(OUT + row * stride_out, base, s_all, s_safe, s_ez, count, TARGET_COL, OWNED, row,
+                    COMPUTE, COL_ALL, COL_SAFE, COL_SAFE_EZ, COL_TARGET, COL_COUNT)  # fmt: skip
+
+
+@triton.jit
+def _max_and_sums_kernel(
+    X,
+    stride_x,
+    n_rows,
+    n_cols,
+    OFFSET,
+    TARGET_COL,
+    OWNED,
+    exp2_scale,
+    MAX,
+    THRESHOLD,
+    OUT,
+    stride_out,
+    PRUNE: tl.constexpr,
+    WITH_ENTROPY: tl.constexpr,
+    WITH_COUNT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    COL_ALL: tl.constexpr,
+    COL_SAFE: tl.constexpr,
+    COL_SAFE_EZ: tl.constexpr,
+    COL_TARGET: tl.constexpr,
+    COL_COUNT: tl.constexpr,
+):
+    # Persistent: the grid is the rows in flight (`max_and_sums`), each program walks rows pid, pid + grid, …
+    offset = tl.load(OFFSET)
+    for row in range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):
+        base = X + row * stride_x
+        m = _walk_max(base, n_cols, BLOCK, COMPUTE)
+        # θ = m + T·log ρ as `safe_vocab.safe_threshold` adds it (one rounding in the compute dtype of the
+        # same two values): the sampler's comparison, bit for bit; without pruning θ = −max_float
+        if PRUNE:
+            threshold = m + offset
+        else:
+            threshold = offset
+        s_all, s_safe, s_ez, count = _walk_sums(
+            base, n_cols, m, threshold, exp2_scale, True, WITH_ENTROPY, WITH_COUNT, BLOCK, COMPUTE
         )
-    for start in range(whole, n_cols, BLOCK):
-        # masked lanes read −inf: e = 0, never safe (m = ±inf or NaN makes the row's valid lanes NaN too)
-        x = tl.load(base + start + cols, mask=start + cols < n_cols, other=float("-inf")).to(COMPUTE)
-        s_all, s_safe, s_ez, count = _sums_tile(
-            x, m, threshold, exp2_scale, s_all, s_safe, s_ez, count, WITH_ENTROPY, WITH_COUNT
-        )
-    out = OUT + row * stride_out
-    tl.store(out + COL_ALL, tl.sum(s_all, axis=0))
-    tl.store(out + COL_SAFE, tl.sum(s_safe, axis=0))
-    tl.store(out + COL_SAFE_EZ, tl.sum(s_ez, axis=0) * 0.6931471805599453)  # base 2 back to e: × ln 2
-    tl.store(out + COL_COUNT, tl.sum(count, axis=0))
-    owned = tl.load(OWNED + row) != 0
-    target = tl.load(base + tl.load(TARGET_COL + row), mask=owned, other=0.0).to(COMPUTE)
-    tl.store(out + COL_TARGET, target)
+        tl.store(MAX + row, m)
+        tl.store(THRESHOLD + row, threshold)
+        _store_partials(OUT + row * stride_out, base, s_all, s_safe, s_ez, count, TARGET_COL, OWNED, row,
+                        COMPUTE, COL_ALL, COL_SAFE, COL_SAFE_EZ, COL_TARGET, COL_COUNT)  # fmt: skip
 
 
 @triton.jit
@@ -309,6 +509,72 @@ def partial_sums(
             num_warps=t.num_warps,
         )
     return out
+
+
+def max_and_sums(
+    x: torch.Tensor,
+    compute_dtype: torch.dtype,
+    *,
+    offset: float,
+    prune: bool,
+    inv_temperature: float,
+    local_target: torch.Tensor,
+    owned: torch.Tensor,
+    with_entropy: bool,
+    with_count: bool,
+    launch: OneProgram,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Both forward passes of a TP = 1 call in one kernel: each row's max (`row_max`), θ = max + `offset`
+    (`prune`; else θ = `offset`), and its `partial_sums` against that θ.
+
+    Args:
+        x: `[N, V]` logits, V ≥ 1 valid columns (the whole vocabulary: its max is the global max), unit
+            column stride.
+        offset: T·log ρ with pruning, else −max_float of `compute_dtype` (`masked_logprobs.threshold_offset`).
+        launch: the tile and programs per SM (`one_program`).
+    Returns:
+        (`[N]` max, `[N]` θ, `[N, NUM_PARTIALS]` partial sums, the support's columns 0), in `compute_dtype`.
+    """
+    n = x.shape[0]
+    max_logit = torch.empty(n, dtype=compute_dtype, device=x.device)
+    threshold = torch.empty_like(max_logit)
+    out = torch.zeros((n, NUM_PARTIALS), dtype=compute_dtype, device=x.device)
+    if not n:
+        return max_logit, threshold, out
+    if x.device.type == "cuda":
+        t = one_program_tile(launch, x.dtype, x.shape[1])
+        programs = launch.programs_per_sm * _multiprocessors(x.device.index)
+    else:
+        t, programs = tile("partial_sums", x.dtype, x.shape[1], x.device), INTERPRETER_PROGRAMS
+    # a one-element tensor, not a scalar argument: Triton passes a Python float as float32, and float64
+    # logits need θ's offset in float64 (filled on the device: no host→device copy)
+    offset_t = torch.full((1,), offset, dtype=compute_dtype, device=x.device)
+    _max_and_sums_kernel[(min(n, programs),)](
+        x,
+        x.stride(0),
+        n,
+        x.shape[1],
+        offset_t,
+        local_target.contiguous(),
+        owned.to(torch.int8).contiguous(),
+        inv_temperature * LOG2_E,
+        max_logit,
+        threshold,
+        out,
+        out.stride(0),
+        PRUNE=prune,
+        WITH_ENTROPY=with_entropy,
+        WITH_COUNT=with_count,
+        BLOCK=t.block,
+        COMPUTE=_compute_dtype(x),
+        COL_ALL=S_ALL,
+        COL_SAFE=S_SAFE,
+        COL_SAFE_EZ=S_SAFE_EZ,
+        COL_TARGET=TARGET_LOGIT,
+        COL_COUNT=SAFE_COUNT,
+        num_warps=t.num_warps,
+    )
+    return max_logit, threshold, out
 
 
 def write_grad(

@@ -9,6 +9,8 @@ with the CPU patches): `tests/ops/test_op_device.py`."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -42,13 +44,30 @@ def _weights(tokens: int, seed: int, device: str) -> tuple[torch.Tensor, torch.T
     )
 
 
+BACKENDS = ("triton", "triton-one-program", "torch")
+"""The op's backends, and the Triton backend with its TP = 1 forward as one program per row (the first of
+`triton_kernels.ONE_PROGRAM_CANDIDATES` on a GPU, whatever `ONE_PROGRAM` says; the interpreter's launch on a
+CPU)."""
+
+
+def _forward_design(backend: str):
+    if backend != "triton-one-program":
+        return contextlib.nullcontext()
+    from megatron_tail.ops import triton_kernels
+
+    return triton_kernels.forward_design(triton_kernels.ONE_PROGRAM_CANDIDATES[0])
+
+
 def check_against_float64(device: str, tokens: int, vocab: int, backend: str, log_rho: float) -> None:
-    """The op on `backend` against the float64 reference on the first and last 32 rows: outputs and the
-    bf16 gradient; both in- and out-of-safe-set targets occur and DVP really prunes."""
+    """The op on `backend` (`BACKENDS`) against the float64 reference on the first and last 32 rows: outputs
+    and the bf16 gradient; both in- and out-of-safe-set targets occur and DVP really prunes."""
     logits, targets = real_logits(tokens, vocab, device=device)
     w_lp, w_h = _weights(tokens, 1, device)
     x = logits.detach().requires_grad_()
-    out = vocab_parallel_masked_logprobs(x, targets, log_rho=log_rho, vocab_size=vocab, backend=backend)
+    with _forward_design(backend):
+        out = vocab_parallel_masked_logprobs(
+            x, targets, log_rho=log_rho, vocab_size=vocab, backend=backend.split("-")[0]
+        )
     (w_lp * out.logprobs + w_h * out.entropy).sum().backward()
 
     rows = slice_rows(tokens, device=device)
@@ -141,7 +160,7 @@ def megatron_state():
         yield
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("tokens", TOKEN_COUNTS)
 def test_op_equals_the_float64_reference_on_a_slice(tokens, backend):
     check_against_float64("cuda", tokens, QWEN3_VOCAB, backend, LOG_RHO)

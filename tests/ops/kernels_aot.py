@@ -37,6 +37,15 @@ def launch_tile(kernel: str, x: str, target: GPUTarget) -> k.Tile:
     return k.TILES.get((*key, divmod(target.arch, 10)), k.TILES[(*key, None)])
 
 
+def one_program_launch(x: str, target: GPUTarget) -> k.Tile:
+    """The one-program forward's tile on `target` at Qwen3's vocabulary: the table's entry, or while none is
+    measured the candidate with the most threads per program (`ONE_PROGRAM_CANDIDATES`), which leaves each
+    the fewest registers."""
+    measured = k.ONE_PROGRAM.get((k._width_class(TORCH_DTYPES[x]), divmod(target.arch, 10)))
+    launch = measured or max(k.ONE_PROGRAM_CANDIDATES, key=lambda c: c.tile.num_warps)
+    return k.one_program_tile(launch, TORCH_DTYPES[x], 151_936)
+
+
 def kernels(x: str, compute, target: GPUTarget) -> list[tuple[str, object, dict, dict, int]]:
     """(name, kernel, signature, constexprs, warps) of every kernel for logits of dtype `x`, as the wrappers
     launch them on `target` at Qwen3's vocabulary (`launch_tile`)."""
@@ -55,6 +64,16 @@ def kernels(x: str, compute, target: GPUTarget) -> list[tuple[str, object, dict,
          {"WITH_ENTROPY": True, "WITH_COUNT": True, "BLOCK": sums.block, "COMPUTE": compute, **cols},
          sums.num_warps),
     ]  # fmt: skip
+    launch = one_program_launch(x, target)
+    out.append(
+        ("max_and_sums", k._max_and_sums_kernel,
+         {"X": f"*{x}", "stride_x": "i32", "n_rows": "i32", "n_cols": "i32", "OFFSET": f"*{c}",
+          "TARGET_COL": "*i64", "OWNED": "*i8", "exp2_scale": "fp32", "MAX": f"*{c}", "THRESHOLD": f"*{c}",
+          "OUT": f"*{c}", "stride_out": "i32"},
+         {"PRUNE": True, "WITH_ENTROPY": True, "WITH_COUNT": True, "BLOCK": launch.block,
+          "COMPUTE": compute, **cols},
+         launch.num_warps)
+    )  # fmt: skip
     for has_scale_h in (True, False):
         out.append(
             (f"write_grad{'' if has_scale_h else ' (no entropy gradient)'}", k._grad_kernel,
@@ -64,6 +83,26 @@ def kernels(x: str, compute, target: GPUTarget) -> list[tuple[str, object, dict,
              {"HAS_SCALE_H": has_scale_h, "BLOCK": grad.block, "COMPUTE": compute}, grad.num_warps)
         )  # fmt: skip
     return out
+
+
+ALIGNED_INTS = ("stride_x", "stride_g", "n_cols")
+"""Integer arguments that are multiples of 16 at Qwen3's vocabulary (151,936 columns, whole or split over
+TP = 2, 4, 8): the JIT specializes them, and every pointer from torch's allocator, as 16-divisible
+(`BaseBackend.get_int_specialization`), which is what lets it vectorize the loads."""
+
+
+def compile_kernel(fn, signature: dict, constexprs: dict, warps: int, target: GPUTarget):
+    """`triton.compile` of one kernel for `target` as the JIT compiles it for Qwen3-sized rows (`ALIGNED_INTS`
+    and the pointers divisible by 16)."""
+    names = list(signature)
+    attrs = {
+        (fn.arg_names.index(name),): [["tt.divisibility", 16]]
+        for name in names
+        if signature[name].startswith("*") or name in ALIGNED_INTS
+    }
+    source = ASTSource(fn=fn, signature={**signature, **dict.fromkeys(constexprs, "constexpr")},
+                       constexprs=constexprs, attrs=attrs)  # fmt: skip
+    return triton.compile(source, target=target, options={"num_warps": warps})
 
 
 def ptxas_report(ptx: str, arch: str) -> dict:
@@ -88,9 +127,7 @@ def main() -> None:
     for arch, target in TARGETS.items():
         for x, compute in DTYPES.items():
             for name, fn, signature, constexprs, warps in kernels(x, compute, target):
-                source = ASTSource(fn=fn, signature={**signature, **dict.fromkeys(constexprs, "constexpr")},
-                                   constexprs=constexprs)  # fmt: skip
-                compiled = triton.compile(source, target=target, options={"num_warps": warps})
+                compiled = compile_kernel(fn, signature, constexprs, warps, target)
                 rows.append(
                     {"arch": arch, "dtype": x, "kernel": name, "tile": [constexprs["BLOCK"], warps],
                      **ptxas_report(compiled.asm["ptx"], arch)}

@@ -1,8 +1,9 @@
 """The fused output layer + DVP op on the Triton backend (token chunks of whole rows: one GEMM into a chunk
 buffer, the kernels' passes over it; backward the GEMM again, the gradient kernel in place, then the two
-matmuls), under Triton's interpreter: against the float64 reference at TP = 1 over several chunks, with a
-sampling support, sharded over TP = 2 with and without sequence parallelism (the same collectives as the
-PyTorch backend), and with megatron's gradient-accumulation fusion."""
+matmuls), under Triton's interpreter: against the float64 reference at TP = 1 over several chunks (each
+design of the forward's kernels, `tests/ops/conftest.py`), with a sampling support, sharded over TP = 2
+with and without sequence parallelism (the same collectives as the PyTorch backend), and with megatron's
+gradient-accumulation fusion."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from tests.triton_interpreter import UNDER_INTERPRETER
 pytestmark = UNDER_INTERPRETER
 
 
+@pytest.mark.usefixtures("forward")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("chunk_rows", [3, 64], ids=["several-chunks", "one-chunk"])
 def test_equals_the_float64_reference(monkeypatch, dtype, chunk_rows):
@@ -47,6 +49,7 @@ def out_value(out, key):
     return value if value.dtype == torch.bool else value.double()
 
 
+@pytest.mark.usefixtures("forward")
 def test_a_sampling_support_in_the_fused_triton_op():
     vocab_size = 50
     hidden, weight, targets, grads = problem(8, vocab_size, vocab_size, torch.float32, seed=4)

@@ -9,7 +9,7 @@ import pytest
 
 from tests.gpu.common import megatron_tp1
 from tests.gpu.node_imports import flush_recorded_lines
-from tests.gpu.test_op_cuda import check_against_float64, check_against_megatron_ce, record_peers
+from tests.gpu.test_op_cuda import BACKENDS, check_against_float64, check_against_megatron_ce, record_peers
 from tests.harness import run_forked
 from tests.triton_interpreter import UNDER_INTERPRETER
 
@@ -17,7 +17,7 @@ pytestmark = UNDER_INTERPRETER
 TOKENS, VOCAB, LOG_RHO = 96, 512, -4.0
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_op_equals_the_float64_reference_on_a_slice(backend):
     check_against_float64("cpu", TOKENS, VOCAB, backend, LOG_RHO)
 

@@ -58,6 +58,7 @@ def reference(logits, targets, g_l, g_h, vocab_size, **kw):
     return ref, x.grad
 
 
+@pytest.mark.usefixtures("forward")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize(("log_rho", "temperature"), [(-13.0, 1.0), (-2.0, 0.6), (None, 0.8)])
 @pytest.mark.parametrize("inplace", [False, True], ids=["read-only", "in-place"])
@@ -78,6 +79,7 @@ def test_kernels_match_the_float64_reference(dtype, log_rho, temperature, inplac
     assert torch.count_nonzero(grad[:, 290:]) == 0  # padded columns: no gradient
 
 
+@pytest.mark.usefixtures("forward")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernels_equal_the_torch_backend(dtype):
     """Same sets, counts and flags exactly; floats to float32 rounding; the gradient of the PyTorch backend
@@ -92,6 +94,7 @@ def test_kernels_equal_the_torch_backend(dtype):
     torch.testing.assert_close(grad_a.float(), grad_b.float(), rtol=GRAD_TOL[dtype], atol=GRAD_TOL[dtype])
 
 
+@pytest.mark.usefixtures("forward")
 def test_nan_poisons_its_row_and_minus_inf_is_probability_zero():
     logits, targets, g_l, g_h = make_problem(n=6)
     logits[2, 17] = float("nan")
@@ -110,6 +113,7 @@ def test_nan_poisons_its_row_and_minus_inf_is_probability_zero():
     torch.testing.assert_close(grad, torch_grad, equal_nan=True, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.usefixtures("forward")
 @pytest.mark.parametrize("inplace", [False, True], ids=["read-only", "in-place"])
 @pytest.mark.parametrize("block_rows", [None, 3], ids=["one-block", "blocks-of-3"])
 def test_sampling_support_with_padding_and_a_forced_target(monkeypatch, inplace, block_rows):
@@ -195,6 +199,7 @@ def test_backend_names_are_checked_and_cpu_kernels_need_the_interpreter():
     [(512, 512), (700, 720), (200, 200)],
     ids=["whole-tiles", "whole-tiles-and-a-tail", "one-narrowed-tile"],
 )
+@pytest.mark.usefixtures("forward")
 @pytest.mark.parametrize(("entropy", "count"), [(True, False), (False, True)], ids=["entropy", "count"])
 def test_tile_boundaries_and_optional_sums(valid, padded, entropy, count):
     """The partial sums walk whole tiles unmasked and the last partial one masked (`INTERPRETER_TILE`: 256
@@ -240,3 +245,62 @@ def test_the_tile_table_picks_the_measured_tiles_and_narrows_them(monkeypatch):
     assert k.tile("partial_sums", torch.float32, 151_936, cuda) == k.Tile(1024, 4)
     assert k.tile("grad", torch.bfloat16, 151_936, torch.device("cpu")) == k.INTERPRETER_TILE
     assert k.tile("row_max", torch.bfloat16, 61, torch.device("cpu")) == k.Tile(64, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_the_one_program_forward_takes_the_samplers_safe_set_bit_for_bit(dtype):
+    """`max_and_sums` computes each row's max and θ itself: the max equals torch's, θ equals `op_threshold`
+    of it bit for bit, so its safe set is the one the rollout sampler applies (`safe_vocab.safe_mask`) for
+    ρ and T whose product is not exact in the compute dtype; its partial sums equal the two kernels'."""
+    from megatron_tail.ops import triton_kernels as k
+    from megatron_tail.ops.masked_logprobs import op_threshold, threshold_offset
+    from megatron_tail.ops.masked_logprobs_math import S_SUPPORT, target_columns
+    from megatron_tail.ops.safe_vocab import rule_dtype, safe_mask
+
+    gen = torch.Generator().manual_seed(13)
+    x = (torch.randn(11, 700, generator=gen, dtype=torch.float64) * 9 + 37).to(dtype)  # large, near-tied
+    targets = torch.randint(0, 700, (11,), generator=gen)
+    local, owned = target_columns(targets, 0, 700)
+    compute = rule_dtype(dtype)
+    for log_rho, temperature in [(-2.302585092994046, 0.7), (-13.0, 1.3), (-0.1, 0.6), (None, 0.9)]:
+        offset, prune = threshold_offset(log_rho, temperature, compute)
+        kw = dict(inv_temperature=1 / temperature, local_target=local, owned=owned, with_entropy=True,
+                  with_count=True)  # fmt: skip
+        m, theta, sums = k.max_and_sums(
+            x, compute, offset=offset, prune=prune, launch=k.INTERPRETER_ONE_PROGRAM, **kw
+        )
+        assert torch.equal(m, x.amax(dim=1).to(compute))
+        assert torch.equal(theta, op_threshold(m, log_rho, temperature))
+        if log_rho is not None:
+            assert torch.equal(x.to(compute) >= theta[:, None], safe_mask(x, log_rho, temperature))
+        two = k.partial_sums(x, m, theta, 1 / temperature, local, owned, True, True)
+        torch.testing.assert_close(sums, two, rtol=1e-12 if dtype == torch.float64 else 2e-6, atol=0)
+        assert torch.equal(sums[:, S_SUPPORT:], torch.zeros_like(sums[:, S_SUPPORT:]))
+
+
+def test_the_forward_design_is_the_measured_table_or_the_one_asked_for(monkeypatch):
+    from megatron_tail.ops import triton_kernels as k
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    monkeypatch.setattr(k, "_capability", lambda _index: (9, 0))
+    assert k.one_program(torch.bfloat16, cpu) is None  # the interpreter runs as an unmeasured GPU
+    launch = k.ONE_PROGRAM_CANDIDATES[0]
+    monkeypatch.setattr(k, "ONE_PROGRAM", {("16-bit", (9, 0)): launch})
+    assert k.one_program(torch.bfloat16, cuda) == launch
+    assert k.one_program(torch.float32, cuda) is None  # measured for 16-bit logits only
+    assert "one program, 2048×8, 2 per SM" in k.describe_tiles(torch.bfloat16, 151_936, cuda)
+    with k.forward_design(k.TWO_KERNELS):
+        assert k.one_program(torch.bfloat16, cuda) is None
+        assert "TP = 1 forward: two kernels" in k.describe_tiles(torch.bfloat16, 151_936, cuda)
+    other = k.ONE_PROGRAM_CANDIDATES[-1]
+    with k.forward_design(other):
+        assert k.one_program(torch.float32, cuda) == other
+        assert k.one_program(torch.float32, cpu) == k.INTERPRETER_ONE_PROGRAM
+    assert k.one_program(torch.bfloat16, cuda) == launch  # the block's choice ended with it
+    with pytest.raises(ValueError, match="forward_design takes a OneProgram or 'two kernels'; got 'fast'"):
+        with k.forward_design("fast"):
+            pass
+    # float64 (gradcheck) keeps 8 × 256 columns per program whatever the launch: 32 warps would spill
+    assert k.one_program_tile(other, torch.float64, 151_936) == k.Tile(2048, 8)
+    assert k.one_program_tile(other, torch.bfloat16, 151_936) == k.Tile(8192, 32)
+    assert k.one_program_tile(other, torch.bfloat16, 1000) == k.Tile(1024, 4)
