@@ -99,7 +99,9 @@ def copy_rate(logits: torch.Tensor) -> float:
     return 2 * logits.numel() * logits.element_size() / ms
 
 
-def _ours(logits, targets, backend: str, forward_only: bool):
+def op_run(logits, targets, backend: str, forward_only: bool):
+    """One call of the op as the rows time it: forward only (no graph), or fwd + bwd in place on a fresh clone
+    (`run(fresh)`), DVP at `LOG_RHO` + entropy."""
     from megatron_tail.ops import vocab_parallel_masked_logprobs
 
     def run(fresh=None):
@@ -153,10 +155,10 @@ def peer_rows(tokens: int, vocab: int, *, device: str, repeats: int = 5, megatro
     rate = copy_rate(logits)
     fresh = logits.clone
     variants: list[tuple[str, Callable | None, Callable | None, float | None]] = [
-        ("op, Triton, DVP + entropy, in place, fwd+bwd", _ours(logits, targets, "triton", False), fresh, 4),
-        ("op, PyTorch, DVP + entropy, in place, fwd+bwd", _ours(logits, targets, "torch", False), fresh, 4),
-        ("op, Triton, forward only", _ours(logits, targets, "triton", True), None, 2),
-        ("op, PyTorch, forward only", _ours(logits, targets, "torch", True), None, 2),
+        ("op, Triton, DVP + entropy, in place, fwd+bwd", op_run(logits, targets, "triton", False), fresh, 4),
+        ("op, PyTorch, DVP + entropy, in place, fwd+bwd", op_run(logits, targets, "torch", False), fresh, 4),
+        ("op, Triton, forward only", op_run(logits, targets, "triton", True), None, 2),
+        ("op, PyTorch, forward only", op_run(logits, targets, "torch", True), None, 2),
         ("torch cross_entropy, fwd+bwd", _torch_ce(targets), fresh, None),
         ("Liger-Kernel CE, fwd+bwd (gradient in place)", _liger_ce(targets), fresh, None),
     ]

@@ -18,9 +18,21 @@ def test_the_report_prints_every_width_the_fused_shapes_their_tiles_and_the_targ
         device="cpu", tokens=4, widths=(256, 64), fused=((8, 16, 256),), repeats=1, megatron=False,
         print_fn=printed.append,
     )  # fmt: skip
-    assert len(printed) == 4  # two widths, one fused shape, the targets
+    assert (
+        len(printed) == 5
+    )  # two widths, the TP = 1 forward's designs after the first, one fused shape, targets
     assert "tiles: row_max 256×1 · partial_sums 256×1 · grad 256×1 (Triton's interpreter" in printed[0]
-    assert "tiles: row_max 64×1" in printed[1]  # a narrower row: one narrowed tile
+    assert printed[1].startswith("The TP = 1 forward's designs: 4 × 256 bf16 logits on cpu")
+    assert "ONE_PROGRAM: no entry from Triton's interpreter" in printed[1]
+    designs = result["designs"]
+    assert [r["what"] for r in designs] == [
+        "two kernels (row max; θ; partial sums)", "one program (Triton's interpreter)",
+    ]  # fmt: skip
+    op_baseline = next(r for r in result["op"][256] if r["what"] == designs[0]["baseline"])
+    for row in designs:
+        assert row["ratio"] == pytest.approx(row["ms"] / op_baseline["ms"])
+        assert row["forward_ratio"] == pytest.approx(row["forward_ms"] / op_baseline["ms"])
+    assert "tiles: row_max 64×1" in printed[2]  # a narrower row: one narrowed tile
     fused = result["fused"][(8, 16, 256)]
     assert [r["what"] for r in fused] == [
         "fused + op, Triton, bf16 weight gradient",
@@ -36,17 +48,47 @@ def test_the_report_prints_every_width_the_fused_shapes_their_tiles_and_the_targ
             continue
         assert row["baseline"] == baseline["what"] and row["peak_mib"] > 0
         assert row["ratio"] == pytest.approx(row["ms"] / baseline["ms"])
-    assert "float32 main_grad blocks (ops.matmul_accumulate)" in printed[2]  # a CPU has no out_dtype addmm
-    assert "token chunks of 256 rows" in printed[2]  # the interpreter's chunk: 65,536 elements of 256 columns
+    assert "float32 main_grad blocks (ops.matmul_accumulate)" in printed[3]  # a CPU has no out_dtype addmm
+    assert "token chunks of 256 rows" in printed[3]  # the interpreter's chunk: 65,536 elements of 256 columns
     targets = [row[0] for row in result["targets"]]
+    fastest = min(designs, key=lambda r: r["ms"])["what"]
+    quickest = min(designs, key=lambda r: r["forward_ms"])["what"]
     assert targets == [
         "op fwd+bwd in place at 256 columns (TP = 1) ≤ 1.0× Liger CE",
         "op forward only at 256 columns (TP = 1) ≤ 0.55× Liger CE fwd+bwd",
+        f"op fwd+bwd in place at 256 columns (TP = 1), fastest design ({fastest}) ≤ 1.0× Liger CE",
+        f"op forward only at 256 columns (TP = 1), fastest design ({quickest}) ≤ 0.55× Liger CE fwd+bwd",
         "op fwd+bwd in place at 64 columns (TP = 4) ≤ 1.0× Liger CE",
         "fused time at 8 × 16 @ 256 ≤ 1.0× Liger fused linear CE",
         "fused peak memory at 8 × 16 @ 256 ≤ 1.0× Liger fused linear CE",
         "fused peak memory at 8 × 16 @ 256 below matmul + op in place's",
     ]
     liger = result["op"][256][0]["baseline"].startswith("Liger")
-    assert all(row[2].startswith("no verdict") for row in result["targets"][:5]) != liger
-    assert printed[3].splitlines()[0] == "Issue 51's targets, measured in this run:"
+    assert all(row[2].startswith("no verdict") for row in result["targets"][:7]) != liger
+    assert printed[4].splitlines()[0] == "Issue 51's targets, measured in this run:"
+
+
+def test_the_designs_table_names_the_one_program_entry_a_gpu_run_supports(monkeypatch):
+    """`op_designs.recommendation` on a GPU's rows (made up here: no GPU): the fastest one-program launch
+    enters `ONE_PROGRAM` only if it beats the two kernels by 2%, and the line is the entry to paste."""
+    from megatron_tail.bench import op_designs
+    from megatron_tail.ops import triton_kernels as k
+
+    monkeypatch.setattr(op_designs.torch.cuda, "get_device_capability", lambda: (9, 0))
+    slow, fast = k.ONE_PROGRAM_CANDIDATES[0], k.ONE_PROGRAM_CANDIDATES[3]
+
+    def rows(two_ms, fast_ms):
+        made = [(k.TWO_KERNELS, two_ms, 2.9), (slow, two_ms * 1.2, 2.5), (fast, fast_ms, 2.1)]
+        return [{"what": op_designs.describe(d), "design": d, "ms": ms, "forward_ms": f} for d, ms, f in made]
+
+    line = op_designs.recommendation(rows(5.4, 5.2), "cuda")
+    assert line == (
+        'ONE_PROGRAM[("16-bit", (9, 0))] = OneProgram(Tile(4096, 16), 2)  # measured: fwd+bwd 5.20 ms '
+        "against the two kernels' 5.40 ms, forward 2.10 against 2.90 ms"
+    )
+    assert eval(line.split(" = ")[1].split("  #")[0], vars(k)) == fast  # the line is code
+    line = op_designs.recommendation(rows(5.4, 5.35), "cuda")
+    assert line == (
+        "ONE_PROGRAM: no entry for sm_90; the fastest one-program launch (one program, 4096×16, 2 per SM, "
+        "5.35 ms) is not 2% faster than the two kernels (5.40 ms)"
+    )

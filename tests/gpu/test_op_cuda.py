@@ -137,11 +137,15 @@ def check_against_megatron_ce(
 def record_peers(device: str, tokens: int, vocab: int, record_property, repeats: int = 5) -> list[dict]:
     """The Triton and PyTorch backends (fwd + bwd in place, forward only) against torch's, megatron's and
     Liger-Kernel's cross entropy (`bench.op_peers`, the rows `python -m megatron_tail.bench.op --device
-    cuda` prints), with each row's share of the copy rate, into the table. Recorded, not asserted."""
+    cuda` prints), with each row's share of the copy rate, then the TP = 1 forward's designs against the
+    same baseline and the `ONE_PROGRAM` entry they support (`bench.op_designs`), into the table. Recorded,
+    not asserted."""
+    from megatron_tail.bench.op_designs import design_rows, recommendation
     from megatron_tail.bench.op_peers import peer_rows
 
     rows = []
-    for r in peer_rows(tokens, vocab, device=device, repeats=repeats):
+    peers = peer_rows(tokens, vocab, device=device, repeats=repeats)
+    for r in peers:
         if r["ms"] is None:
             value = r["note"]
         else:
@@ -150,6 +154,15 @@ def record_peers(device: str, tokens: int, vocab: int, record_property, repeats:
                 f"{r['ms']:.2f} ms = {r['ratio']:.2f}× {r['baseline']}, peak {r['peak_gib']:.2f} GiB{share}"
             )
         rows.append({"what": f"{r['what']} ({tokens}×{vocab} bf16)", "value": value})
+    baseline = next(r for r in peers if r["what"] == peers[0]["baseline"])
+    designs = design_rows(tokens, vocab, baseline, device=device, repeats=repeats)
+    for r in designs:
+        value = (
+            f"forward {r['forward_ms']:.2f} ms = {r['forward_ratio']:.2f}×, fwd+bwd in place "
+            f"{r['ms']:.2f} ms = {r['ratio']:.2f}× {r['baseline']}"
+        )
+        rows.append({"what": f"TP = 1 forward: {r['what']} ({tokens}×{vocab} bf16)", "value": value})
+    rows.append({"what": "TP = 1 forward: the ONE_PROGRAM entry", "value": recommendation(designs, device)})
     record_rows(record_property, rows)
     return rows
 

@@ -51,6 +51,12 @@ def test_the_op_against_its_peers(record_property):
     for key, value in recorded:
         record_property(key, value)
     assert any("megatron-core CE" in r["what"] for r in rows)
+    designs = [r["what"] for r in rows if r["what"].startswith("TP = 1 forward")]
+    assert designs == [
+        f"TP = 1 forward: two kernels (row max; θ; partial sums) ({TOKENS}×{VOCAB} bf16)",
+        f"TP = 1 forward: one program (Triton's interpreter) ({TOKENS}×{VOCAB} bf16)",
+        "TP = 1 forward: the ONE_PROGRAM entry",
+    ]
 
 
 def _megatron_ce(record):

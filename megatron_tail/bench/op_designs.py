@@ -1,0 +1,98 @@
+"""The TP = 1 forward's two designs, timed against each other and against the baseline in one run: the two
+kernels (row max, θ in torch, partial sums) and each one-program launch of `triton_kernels.
+ONE_PROGRAM_CANDIDATES` (`triton_kernels.max_and_sums`), forward only and fwd + bwd in place, on the same
+bf16 logits as `bench.op_peers`. It ends with the `ONE_PROGRAM` entry the run supports, or why none.
+
+Part of `python -m megatron_tail.bench.op --device cuda` (`op_report`). Off CUDA every one-program launch
+runs as the interpreter's, so one row stands for them (a check of the code path, not a measurement).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .op_peers import make_logits, measure, op_run
+
+GAIN_NEEDED = 0.98
+"""A one-program launch enters `ONE_PROGRAM` only if its fwd + bwd takes at most this share of the two
+kernels' in the same run: 2%, about the spread of repeated medians on the 2026-11-28 H200 run."""
+
+
+def candidates(device: str) -> list:
+    """The designs to time on `device`: the two kernels, then the one-program launches."""
+    from megatron_tail.ops import triton_kernels as k
+
+    if torch.device(device).type == "cuda":
+        return [k.TWO_KERNELS, *k.ONE_PROGRAM_CANDIDATES]
+    return [k.TWO_KERNELS, k.INTERPRETER_ONE_PROGRAM]
+
+
+def describe(design) -> str:
+    from megatron_tail.ops import triton_kernels as k
+
+    if design == k.TWO_KERNELS:
+        return "two kernels (row max; θ; partial sums)"
+    if design == k.INTERPRETER_ONE_PROGRAM:
+        return "one program (Triton's interpreter)"
+    return f"one program, {design.tile.block}×{design.tile.num_warps}, {design.programs_per_sm} per SM"
+
+
+def design_rows(tokens: int, width: int, baseline: dict, *, device: str, repeats: int = 5) -> list[dict]:
+    """One row per design: `what`, `design`, `forward_ms`, `ms` (fwd + bwd in place), and both over
+    `baseline["ms"]` (the op table's baseline row at this width: Liger's CE where installed)."""
+    from megatron_tail.ops import triton_kernels as k
+
+    logits, targets = make_logits(tokens, width, device=device)
+    rows = []
+    for design in candidates(device):
+        with k.forward_design(design):
+            forward = measure(op_run(logits, targets, "triton", True), repeats=repeats)
+            both = measure(op_run(logits, targets, "triton", False), repeats=repeats, prepare=logits.clone)
+        rows.append(
+            {"what": describe(design), "design": design, "forward_ms": forward["ms"], "ms": both["ms"]}
+        )
+    for row in rows:
+        row["baseline"] = baseline["what"]
+        row["ratio"] = row["ms"] / baseline["ms"]
+        row["forward_ratio"] = row["forward_ms"] / baseline["ms"]
+    return rows
+
+
+def recommendation(rows: list[dict], device: str) -> str:
+    """The `ONE_PROGRAM` entry these rows support (the fastest one-program launch, if it beats the two
+    kernels by `GAIN_NEEDED`), or why none, on one line."""
+    if torch.device(device).type != "cuda":
+        return "ONE_PROGRAM: no entry from Triton's interpreter (a check of the code path, not a measurement)"
+    two = rows[0]
+    best = min(rows[1:], key=lambda r: r["ms"])
+    major, minor = torch.cuda.get_device_capability()
+    if best["ms"] > GAIN_NEEDED * two["ms"]:
+        return (
+            f"ONE_PROGRAM: no entry for sm_{major}{minor}; the fastest one-program launch ({best['what']}, "
+            f"{best['ms']:.2f} ms) is not {100 * (1 - GAIN_NEEDED):.0f}% faster than the two kernels "
+            f"({two['ms']:.2f} ms)"
+        )
+    launch = best["design"]
+    entry = f"OneProgram(Tile({launch.tile.block}, {launch.tile.num_warps}), {launch.programs_per_sm})"
+    return (
+        f'ONE_PROGRAM[("16-bit", ({major}, {minor}))] = {entry}  # measured: fwd+bwd {best["ms"]:.2f} ms '
+        f"against the two kernels' {two['ms']:.2f} ms, forward {best['forward_ms']:.2f} against "
+        f"{two['forward_ms']:.2f} ms"
+    )
+
+
+def format_design_rows(rows: list[dict], tokens: int, width: int, device_name: str, device: str) -> str:
+    lines = [
+        f"The TP = 1 forward's designs: {tokens} × {width} bf16 logits on {device_name}, DVP + entropy "
+        "(op, Triton)",
+        "",
+        "| design | forward ms | × baseline | fwd+bwd in place ms | × baseline |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['what']} | {r['forward_ms']:.2f} | {r['forward_ratio']:.2f} | {r['ms']:.2f} | "
+            f"{r['ratio']:.2f} |"
+        )
+    lines += ["", f"baseline: {rows[0]['baseline']}", recommendation(rows, device)]
+    return "\n".join(lines)
