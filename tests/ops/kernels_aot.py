@@ -1,5 +1,6 @@
 """Compile the op's Triton kernels ahead of time for NVIDIA targets, without a GPU (Triton's own compiler and
-its bundled `ptxas`), and report `ptxas -v`'s registers and spills per kernel, as one JSON line.
+its bundled `ptxas`), and report `ptxas -v`'s registers and spills per kernel, and for bf16 on Hopper the
+SASS instructions per element of each inner loop (`inner_loops`), as one JSON line.
 
     python -m tests.ops.kernels_aot          # TRITON_INTERPRET unset: the compiled path, not the interpreter
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -120,6 +122,43 @@ def ptxas_report(ptx: str, arch: str) -> dict:
     return {"registers": regs, "spill_bytes": sum(spills)}
 
 
+LOOPS_OF = ("sm_90a", "bf16")
+"""The target and logits dtype whose SASS loops are reported: the measured GPU and the training dtype
+(`cuobjdump` takes half a second a kernel)."""
+LOAD_BYTES = {"128": 16, "64": 8, "U16": 2, "S16": 2, "U8": 1, "S8": 1}
+"""Bytes one thread loads per `LDG.E[.suffix]` (no suffix: 4)."""
+SASS_LINE = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+
+
+def inner_loops(cubin: bytes, element_bytes: int) -> list[dict]:
+    """The innermost loops of a kernel's SASS (`cuobjdump -sass`; a loop is a branch back to an earlier
+    address, innermost when no other loop lies inside it): `instructions` per iteration, the logits
+    `elements` one thread loads per iteration (its `LDG`s' bytes over `element_bytes`), and
+    `per_element`. In a pass bound by instructions, not memory, `per_element` is its cost."""
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    code = [(int(m[1], 16), m[2], m[3]) for m in SASS_LINE.finditer(sass)]
+    loops = []
+    for address, op, rest in code:
+        target = re.search(r"0x([0-9a-f]+)", rest) if op.startswith("BRA") else None
+        if target and int(target[1], 16) < address:
+            loops.append((int(target[1], 16), address))
+    out = []
+    for start, end in loops:
+        if any(start <= s and e <= end and (s, e) != (start, end) for s, e in loops):
+            continue  # an outer loop
+        body = [op for address, op, _ in code if start <= address <= end]
+        loaded = sum(LOAD_BYTES.get(op.split(".")[-1], 4) for op in body if op.startswith("LDG"))
+        elements = loaded // element_bytes
+        if elements:
+            out.append({"instructions": len(body), "elements": elements,
+                        "per_element": round(len(body) / elements, 3)})  # fmt: skip
+    return out
+
+
 def main() -> None:
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("kernels_aot: unset TRITON_INTERPRET (the interpreter's functions cannot be compiled)")
@@ -128,10 +167,11 @@ def main() -> None:
         for x, compute in DTYPES.items():
             for name, fn, signature, constexprs, warps in kernels(x, compute, target):
                 compiled = compile_kernel(fn, signature, constexprs, warps, target)
-                rows.append(
-                    {"arch": arch, "dtype": x, "kernel": name, "tile": [constexprs["BLOCK"], warps],
-                     **ptxas_report(compiled.asm["ptx"], arch)}
-                )  # fmt: skip
+                row = {"arch": arch, "dtype": x, "kernel": name, "tile": [constexprs["BLOCK"], warps],
+                       **ptxas_report(compiled.asm["ptx"], arch)}  # fmt: skip
+                if (arch, x) == LOOPS_OF:
+                    row["loops"] = inner_loops(compiled.asm["cubin"], TORCH_DTYPES[x].itemsize)
+                rows.append(row)
     print(json.dumps({"triton": triton.__version__, "kernels": rows}))
 
 
