@@ -10,7 +10,8 @@ plus `[N]`-sized per-token state. The math per block is the materialized op's (`
 so both ops agree to rounding.
 
 Passes over the blocks (each one matmul per block):
-- forward, TP = 1 with the whole vocabulary in one block: one pass (the block's row max is the global max);
+- forward, TP = 1 with the whole vocabulary in one block: one pass (the block's row max is the global max;
+  on Triton one kernel per block where `triton_kernels.ONE_PROGRAM` says so);
 - forward otherwise: pass 1 finds the row max, then the MAX collective, then pass 2 sums the partials,
   then the SUM collective (the two collectives of the materialized op, nothing more);
 - backward: recompute each block's logits, turn them into dlogits in place, and multiply into the
