@@ -18,6 +18,14 @@ GAIN_NEEDED = 0.98
 kernels' in the same run: 2%, about the spread of repeated medians on the 2026-11-28 H200 run."""
 
 
+def as_a_tp_rank():
+    """Within the block the op's forward runs as a rank's under TP > 1 does, whatever `ONE_PROGRAM` says: the
+    two kernels (a world-size-1 call on a shard's width would otherwise take the TP = 1 design)."""
+    from megatron_tail.ops import triton_kernels as k
+
+    return k.forward_design(k.TWO_KERNELS)
+
+
 def candidates(device: str) -> list:
     """The designs to time on `device`: the two kernels, then the one-program launches."""
     from megatron_tail.ops import triton_kernels as k

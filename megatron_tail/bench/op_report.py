@@ -5,7 +5,8 @@ issue 51's targets, measured in one run (`op_report`).
    shard a rank holds under TP = 2, 4, 8 (75,968, 37,984, 18,992 columns; world size 1, so the collectives
    are no-ops and the rows time what one rank's kernels do), `bench.op_peers`' rows, each against
    Liger-Kernel's cross entropy on the same logits in the same run (torch's where Liger is not installed),
-   with the kernels' tiles (`ops.triton_kernels.describe_tiles`).
+   with the kernels' tiles (`ops.triton_kernels.describe_tiles`); at a shard's width the forward runs as
+   a TP > 1 rank's does (the two kernels, whatever `ONE_PROGRAM` says).
 2. The fused output layer + op, fwd + bwd from hidden states `[tokens, H]` and the weight `[V, H]` (bf16):
    into a returned bf16 weight gradient and into a float32 `main_grad` (gradient-accumulation fusion), on both
    backends, against matmul + op in place (what the unfused trainer runs) and Liger's fused linear cross
@@ -22,12 +23,13 @@ Liger-Kernel is optional: its rows say "not installed" without it.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 
 import torch
 
-from .op_designs import design_rows, format_design_rows
+from .op_designs import as_a_tp_rank, design_rows, format_design_rows
 from .op_peers import QWEN3_VOCAB, format_rows, measure, peer_rows
 
 SHARD_WIDTHS = (QWEN3_VOCAB, QWEN3_VOCAB // 2, QWEN3_VOCAB // 4, QWEN3_VOCAB // 8)
@@ -237,7 +239,9 @@ def op_report(
     op: dict[int, list[dict]] = {}
     designs: list[dict] = []
     for width in widths:
-        op[width] = peer_rows(tokens, width, device=device, repeats=repeats, megatron=megatron)
+        # a shard's rows time what a TP > 1 rank runs: the two kernels, the MAX collective between them
+        with contextlib.nullcontext() if width == max(widths) else as_a_tp_rank():
+            op[width] = peer_rows(tokens, width, device=device, repeats=repeats, megatron=megatron)
         print_fn(format_rows(op[width], tokens, width, name, f"; {tile_note(width, device)}") + "\n")
         _free(device)
         if width == max(widths):  # TP = 1: the one width whose forward may be one program

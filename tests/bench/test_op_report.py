@@ -12,12 +12,19 @@ from tests.triton_interpreter import UNDER_INTERPRETER
 pytestmark = UNDER_INTERPRETER
 
 
-def test_the_report_prints_every_width_the_fused_shapes_their_tiles_and_the_targets():
+def test_the_report_prints_every_width_the_fused_shapes_their_tiles_and_the_targets(monkeypatch):
+    from megatron_tail.ops import triton_kernels as k
+
+    widths = []  # of the one-program forward's calls: TP = 1 (256 columns) only, never a shard's (64)
+    real = k.max_and_sums
+    monkeypatch.setattr(k, "max_and_sums", lambda x, *a, **kw: widths.append(x.shape[1]) or real(x, *a, **kw))
     printed: list[str] = []
-    result = op_report.op_report(
-        device="cpu", tokens=4, widths=(256, 64), fused=((8, 16, 256),), repeats=1, megatron=False,
-        print_fn=printed.append,
-    )  # fmt: skip
+    with k.forward_design(k.INTERPRETER_ONE_PROGRAM):  # as if ONE_PROGRAM had an entry for this device
+        result = op_report.op_report(
+            device="cpu", tokens=4, widths=(256, 64), fused=((8, 16, 256),), repeats=1, megatron=False,
+            print_fn=printed.append,
+        )  # fmt: skip
+    assert widths and set(widths) == {256}
     assert (
         len(printed) == 5
     )  # two widths, the TP = 1 forward's designs after the first, one fused shape, targets
