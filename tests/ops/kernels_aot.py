@@ -122,6 +122,8 @@ def ptxas_report(ptx: str, arch: str) -> dict:
     return {"registers": regs, "spill_bytes": sum(spills)}
 
 
+HOPPER_SM = {"threads": 2048, "registers": 65_536, "shared_bytes": 228 * 1024}
+"""What one H100 / H200 SM holds at once (CUDA C Programming Guide, compute capability 9.0)."""
 LOOPS_OF = ("sm_90a", "bf16")
 """The target and logits dtype whose SASS loops are reported: the measured GPU and the training dtype
 (`cuobjdump` takes half a second a kernel)."""
@@ -172,7 +174,32 @@ def main() -> None:
                 if (arch, x) == LOOPS_OF:
                     row["loops"] = inner_loops(compiled.asm["cubin"], TORCH_DTYPES[x].itemsize)
                 rows.append(row)
-    print(json.dumps({"triton": triton.__version__, "kernels": rows}))
+    print(json.dumps({"triton": triton.__version__, "kernels": rows, "one_program": one_program_rows()}))
+
+
+def one_program_rows() -> list[dict]:
+    """Each `ONE_PROGRAM_CANDIDATES` launch of the one-program forward, compiled for Hopper at bf16: its
+    registers and shared memory, and whether `programs_per_sm` of its programs fit one SM at once (registers
+    allocated per thread in multiples of 8, `HOPPER_SM`). A persistent grid whose programs do not all fit runs
+    as two waves: twice the time, and the rows in flight are not what the launch says."""
+    _, fn, signature, constexprs, _ = next(
+        r for r in kernels("bf16", DTYPES["bf16"], TARGETS["sm_90a"]) if r[0] == "max_and_sums"
+    )
+    rows = []
+    for launch in k.ONE_PROGRAM_CANDIDATES:
+        tile = k.one_program_tile(launch, torch.bfloat16, 151_936)
+        compiled = compile_kernel(fn, signature, {**constexprs, "BLOCK": tile.block}, tile.num_warps,
+                                  TARGETS["sm_90a"])  # fmt: skip
+        report = ptxas_report(compiled.asm["ptx"], "sm_90a")
+        threads = 32 * tile.num_warps * launch.programs_per_sm
+        registers = -(-report["registers"] // 8) * 8 * threads
+        shared = compiled.metadata.shared * launch.programs_per_sm
+        rows.append(
+            {"launch": [tile.block, tile.num_warps, launch.programs_per_sm], **report,
+             "fits": threads <= HOPPER_SM["threads"] and registers <= HOPPER_SM["registers"]
+             and shared <= HOPPER_SM["shared_bytes"]}
+        )  # fmt: skip
+    return rows
 
 
 if __name__ == "__main__":

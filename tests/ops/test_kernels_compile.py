@@ -46,4 +46,7 @@ def test_the_kernels_compile_for_hopper_and_ampere_without_spills():
     assert cheapest["row_max"] <= MAX_WALK_BUDGET, hopper["row_max"]
     assert cheapest["partial_sums"] <= SUMS_WALK_BUDGET, hopper["partial_sums"]
     one_program = sorted(loop["per_element"] for loop in hopper["max_and_sums"])
+    # every launch bench.op times runs its persistent grid in one wave: all its programs resident at once
+    launches = report["one_program"]
+    assert len(launches) == 5 and all(r["fits"] and r["spill_bytes"] == 0 for r in launches), launches
     assert one_program[0] <= MAX_WALK_BUDGET and one_program[2] <= SUMS_WALK_BUDGET, hopper["max_and_sums"]
