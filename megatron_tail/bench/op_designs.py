@@ -68,7 +68,8 @@ def design_rows(tokens: int, width: int, baseline: dict, *, device: str, repeats
 
 def recommendation(rows: list[dict], device: str) -> str:
     """The `ONE_PROGRAM` entry these rows support (the fastest one-program launch, if it beats the two
-    kernels by `GAIN_NEEDED`), or why none, on one line."""
+    kernels by `GAIN_NEEDED`), or why none, on one line. The rows are bf16's; the entry's key is the 16-bit
+    class, so fp16 logits (the same bytes and instructions per element) take it too."""
     if torch.device(device).type != "cuda":
         return "ONE_PROGRAM: no entry from Triton's interpreter (a check of the code path, not a measurement)"
     two = rows[0]

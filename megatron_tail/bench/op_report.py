@@ -242,7 +242,8 @@ def op_report(
         # a shard's rows time what a TP > 1 rank runs: the two kernels, the MAX collective between them
         with contextlib.nullcontext() if width == max(widths) else as_a_tp_rank():
             op[width] = peer_rows(tokens, width, device=device, repeats=repeats, megatron=megatron)
-        print_fn(format_rows(op[width], tokens, width, name, f"; {tile_note(width, device)}") + "\n")
+            note = tile_note(width, device)  # the design these rows ran
+        print_fn(format_rows(op[width], tokens, width, name, f"; {note}") + "\n")
         _free(device)
         if width == max(widths):  # TP = 1: the one width whose forward may be one program
             baseline = next(r for r in op[width] if r["what"] == op[width][0]["baseline"])

@@ -194,10 +194,13 @@ def safe_set_threshold(
 
 def op_threshold(max_logit: torch.Tensor, log_rho: float | None, temperature: float) -> torch.Tensor:
     """θ of each row from its global max (compute dtype): the rule's `safe_threshold`, or −max_float with
-    pruning off, which drops only −inf logits (probability zero either way)."""
+    pruning off, which drops only −inf logits (probability zero either way). θ is never below −max_float:
+    where max + T·log ρ overflows to −inf (|T·log ρ| beyond the dtype's range) it is −max_float too, the
+    same safe set of finite logits, so −inf logits, and the kernels' masked tail lanes, are never safe."""
+    lowest = -torch.finfo(max_logit.dtype).max
     if log_rho is None:
-        return torch.full_like(max_logit, -torch.finfo(max_logit.dtype).max)
-    return safe_threshold(max_logit, log_rho, temperature)
+        return torch.full_like(max_logit, lowest)
+    return safe_threshold(max_logit, log_rho, temperature).clamp_(min=lowest)
 
 
 def threshold_offset(log_rho: float | None, temperature: float, dtype: torch.dtype) -> tuple[float, bool]:

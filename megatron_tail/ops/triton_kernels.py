@@ -14,9 +14,9 @@ only `[N, V]` passes. At TP = 1 nothing sits between the passes, and where a GPU
 the same two values. Each program walks its row in `BLOCK`-column tiles, whose size and warps per kernel come
 from one table of measured (H200) and projected configs (`TILES`, `tile`); the logits are read in their own
 dtype and upcast to the compute dtype (float32, float64 for float64 logits) right after each load, which is
-also what Triton's interpreter needs (it holds bf16 as bit patterns). `tl.max` drops NaN, so pass 1 carries a
-NaN flag: a NaN anywhere in a row makes its max NaN, and from there every output and gradient of the row,
-as in the torch path.
+also what Triton's interpreter needs (it holds bf16 as bit patterns). `tl.max` drops NaN, so pass 1 keeps a
+NaN-propagating max per lane and checks its lanes once: a NaN anywhere in a row makes its max NaN, and from
+there every output and gradient of the row, as in the torch path.
 
 Importing this module compiles nothing; on a CPU tensor the kernels run only under Triton's interpreter,
 `TRITON_INTERPRET=1` set before this module is imported (`ops.backend.load_kernels` checks).
@@ -392,6 +392,7 @@ def _max_and_sums_kernel(
     COL_SAFE_EZ: tl.constexpr,
     COL_TARGET: tl.constexpr,
     COL_COUNT: tl.constexpr,
+    MAX_FLOAT: tl.constexpr,
 ):
     # Persistent: the grid is the rows in flight (`max_and_sums`), each program walks rows pid, pid + grid, …
     offset = tl.load(OFFSET)
@@ -399,9 +400,11 @@ def _max_and_sums_kernel(
         base = X + row * stride_x
         m = _walk_max(base, n_cols, BLOCK, COMPUTE)
         # θ = m + T·log ρ as `safe_vocab.safe_threshold` adds it (one rounding in the compute dtype of the
-        # same two values): the sampler's comparison, bit for bit; without pruning θ = −max_float
+        # same two values): the sampler's comparison, bit for bit, and never below −max_float, as
+        # `masked_logprobs.op_threshold` clamps it (a NaN max stays NaN); without pruning θ = −max_float
         if PRUNE:
-            threshold = m + offset
+            lowest = tl.full([], -MAX_FLOAT, COMPUTE)
+            threshold = tl.maximum(m + offset, lowest, propagate_nan=tl.PropagateNan.ALL)
         else:
             threshold = offset
         s_all, s_safe, s_ez, count = _walk_sums(
@@ -547,8 +550,9 @@ def max_and_sums(
     else:
         t, programs = tile("partial_sums", x.dtype, x.shape[1], x.device), INTERPRETER_PROGRAMS
     # a one-element tensor, not a scalar argument: Triton passes a Python float as float32, and float64
-    # logits need θ's offset in float64 (filled on the device: no host→device copy)
-    offset_t = torch.full((1,), offset, dtype=compute_dtype, device=x.device)
+    # logits need θ's offset in float64. Made as `max_logit + offset` converts it (0 + offset on the device,
+    # no host→device copy): an offset beyond float32's range is −inf there too, where `torch.full` raises.
+    offset_t = torch.zeros(1, dtype=compute_dtype, device=x.device).add_(offset)
     _max_and_sums_kernel[(min(n, programs),)](
         x,
         x.stride(0),
@@ -572,6 +576,7 @@ def max_and_sums(
         COL_SAFE_EZ=S_SAFE_EZ,
         COL_TARGET=TARGET_LOGIT,
         COL_COUNT=SAFE_COUNT,
+        MAX_FLOAT=torch.finfo(compute_dtype).max,
         num_warps=t.num_warps,
     )
     return max_logit, threshold, out

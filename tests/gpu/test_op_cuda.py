@@ -1,8 +1,9 @@
 """The op on CUDA at real shapes (Qwen3 vocabulary 151,936, 4k and 16k tokens per call, TP = 1, bf16 logits):
-equal to the float64 reference on a slice of rows (outputs and gradient), and with DVP off equal to
+equal to the float64 reference on a slice of rows (outputs and gradient), a NaN row poisoned and −inf
+logits of probability zero (both with each design of the Triton forward), and with DVP off equal to
 megatron-core's `vocab_parallel_cross_entropy` on the same logits (loss and gradient). Time and peak memory
 against megatron's cross entropy go to the ratio table (`gpu_table`), not into assertions, and so does the
-op against its peers (`bench.op_peers`).
+op against its peers (`bench.op_peers`) and the TP = 1 forward's designs (`bench.op_designs`).
 
 Its CPU half, the same cases on tiny shapes (the Triton backend under Triton's interpreter, megatron on gloo
 with the CPU patches): `tests/ops/test_op_device.py`."""
@@ -16,6 +17,7 @@ import torch
 
 from megatron_tail.ops import vocab_parallel_masked_logprobs
 from megatron_tail.ops.reference import reference_masked_logprobs
+from megatron_tail.ops.triton_kernels import ONE_PROGRAM_CANDIDATES
 from tests.gpu.common import (
     QWEN3_VOCAB,
     TOKEN_COUNTS,
@@ -44,18 +46,19 @@ def _weights(tokens: int, seed: int, device: str) -> tuple[torch.Tensor, torch.T
     )
 
 
-BACKENDS = ("triton", "triton-one-program", "torch")
-"""The op's backends, and the Triton backend with its TP = 1 forward as one program per row (the first of
-`triton_kernels.ONE_PROGRAM_CANDIDATES` on a GPU, whatever `ONE_PROGRAM` says; the interpreter's launch on a
-CPU)."""
+BACKENDS = ("triton", "torch", *(f"triton-one-program-{i}" for i in range(len(ONE_PROGRAM_CANDIDATES))))
+"""The op's backends, and the Triton backend with its TP = 1 forward as one program per row in each launch
+`bench.op` may recommend (`triton_kernels.ONE_PROGRAM_CANDIDATES[i]`, whatever `ONE_PROGRAM` says; on a CPU
+the interpreter's launch, so the CPU half takes one of them)."""
 
 
 def _forward_design(backend: str):
-    if backend != "triton-one-program":
+    if not backend.startswith("triton-one-program-"):
         return contextlib.nullcontext()
     from megatron_tail.ops import triton_kernels
 
-    return triton_kernels.forward_design(triton_kernels.ONE_PROGRAM_CANDIDATES[0])
+    launch = ONE_PROGRAM_CANDIDATES[int(backend.rsplit("-", 1)[1])]
+    return triton_kernels.forward_design(launch)
 
 
 def check_against_float64(device: str, tokens: int, vocab: int, backend: str, log_rho: float) -> None:
@@ -85,6 +88,31 @@ def check_against_float64(device: str, tokens: int, vocab: int, backend: str, lo
     torch.testing.assert_close(out.safe_mass[rows].double(), ref["safe_mass"], rtol=1e-5, atol=1e-6)
     assert x.grad.dtype == torch.bfloat16
     torch.testing.assert_close(x.grad[rows].double(), ref_x.grad, **BF16_GRAD)
+
+
+def check_nan_and_minus_inf_rows(device: str, vocab: int, backend: str) -> None:
+    """A NaN logit poisons every output and the gradient of its row; a row whose first half is −inf keeps
+    finite outputs, with a zero gradient there. The contract on the compiled kernels: Triton's interpreter
+    propagates NaN through any max, so only a GPU shows that pass 1 keeps it (`max.NaN`)."""
+    logits, targets = real_logits(64, vocab, device=device)
+    logits[5, vocab // 3] = float("nan")
+    logits[9, : vocab // 2] = float("-inf")
+    targets[9] = vocab - 1
+    x = logits.requires_grad_()
+    with _forward_design(backend):
+        out = vocab_parallel_masked_logprobs(
+            x, targets, log_rho=LOG_RHO, vocab_size=vocab, backend=backend.split("-")[0]
+        )
+    (out.logprobs.sum() + out.entropy.sum()).backward()
+    others = torch.ones(64, dtype=torch.bool, device=device)
+    others[5] = False
+    for key in ("logprobs", "entropy", "safe_mass", "logprobs_full", "top_logprob"):
+        value = getattr(out, key)
+        assert bool(torch.isnan(value[5])), key
+        assert bool(torch.isfinite(value[others]).all()), key
+    assert bool(torch.isnan(x.grad[5]).all())
+    assert bool(torch.isfinite(x.grad[others]).all())
+    assert int(torch.count_nonzero(x.grad[9, : vocab // 2])) == 0
 
 
 def check_against_megatron_ce(
@@ -177,6 +205,11 @@ def megatron_state():
 @pytest.mark.parametrize("tokens", TOKEN_COUNTS)
 def test_op_equals_the_float64_reference_on_a_slice(tokens, backend):
     check_against_float64("cuda", tokens, QWEN3_VOCAB, backend, LOG_RHO)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_nan_poisons_its_row_and_minus_inf_is_probability_zero(backend):
+    check_nan_and_minus_inf_rows("cuda", QWEN3_VOCAB, backend)
 
 
 @pytest.mark.parametrize("tokens", TOKEN_COUNTS)

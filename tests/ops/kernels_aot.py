@@ -73,7 +73,7 @@ def kernels(x: str, compute, target: GPUTarget) -> list[tuple[str, object, dict,
           "TARGET_COL": "*i64", "OWNED": "*i8", "exp2_scale": "fp32", "MAX": f"*{c}", "THRESHOLD": f"*{c}",
           "OUT": f"*{c}", "stride_out": "i32"},
          {"PRUNE": True, "WITH_ENTROPY": True, "WITH_COUNT": True, "BLOCK": launch.block,
-          "COMPUTE": compute, **cols},
+          "COMPUTE": compute, **cols, "MAX_FLOAT": torch.finfo(TORCH_DTYPES[c]).max},
          launch.num_warps)
     )  # fmt: skip
     for has_scale_h in (True, False):
@@ -135,8 +135,9 @@ SASS_LINE = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-
 def inner_loops(cubin: bytes, element_bytes: int) -> list[dict]:
     """The innermost loops of a kernel's SASS (`cuobjdump -sass`; a loop is a branch back to an earlier
     address, innermost when no other loop lies inside it): `instructions` per iteration, the logits
-    `elements` one thread loads per iteration (its `LDG`s' bytes over `element_bytes`), and
-    `per_element`. In a pass bound by instructions, not memory, `per_element` is its cost."""
+    `elements` one thread loads per iteration (its `LDG`s' bytes over `element_bytes`), `per_element`, and
+    its `exp`onentials (`MUFU.EX2`: pass 2's loops have them, pass 1's do not). In a pass bound by
+    instructions, not memory, `per_element` is its cost."""
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
@@ -157,7 +158,8 @@ def inner_loops(cubin: bytes, element_bytes: int) -> list[dict]:
         elements = loaded // element_bytes
         if elements:
             out.append({"instructions": len(body), "elements": elements,
-                        "per_element": round(len(body) / elements, 3)})  # fmt: skip
+                        "per_element": round(len(body) / elements, 3),
+                        "exp": sum(op.startswith("MUFU.EX2") for op in body)})  # fmt: skip
     return out
 
 
@@ -171,6 +173,8 @@ def main() -> None:
                 compiled = compile_kernel(fn, signature, constexprs, warps, target)
                 row = {"arch": arch, "dtype": x, "kernel": name, "tile": [constexprs["BLOCK"], warps],
                        **ptxas_report(compiled.asm["ptx"], arch)}  # fmt: skip
+                if name in ("row_max", "max_and_sums"):  # pass 1's max keeps a NaN (`_walk_max`)
+                    row["max_nan"] = "max.NaN." in compiled.asm["ptx"]
                 if (arch, x) == LOOPS_OF:
                     row["loops"] = inner_loops(compiled.asm["cubin"], TORCH_DTYPES[x].itemsize)
                 rows.append(row)

@@ -37,16 +37,23 @@ def test_the_kernels_compile_for_hopper_and_ampere_without_spills():
     for row in rows:
         assert row["spill_bytes"] == 0, row
         assert 0 < row["registers"] <= 255, row
+        # pass 1 propagates NaN with PTX's max.NaN (Triton's interpreter propagates it whatever the flag, so
+        # only the compiled code can show it); float64 has no max.NaN: LLVM expands `maximum` there
+        if "max_nan" in row and row["dtype"] != "fp64":
+            assert row["max_nan"], row
     # The instruction budgets of the two walks over a row, bf16 on Hopper (the measured GPU): pass 2 is bound
     # by instructions per element on an H200 (1.81 ms against 1.10 for a read, research/op-kernels.md), and
     # in the one-program forward both walks' instructions share the SMs. At fceb974 the whole-tile loops
     # took 6.6 (row max: a mask on every tile, a NaN flag) and 14.25 (sums); now 3.06 and 12.875.
     hopper = {r["kernel"]: r["loops"] for r in rows if r["arch"] == "sm_90a" and r["dtype"] == "bf16"}
-    cheapest = {name: min(loop["per_element"] for loop in loops) for name, loops in hopper.items()}
-    assert cheapest["row_max"] <= MAX_WALK_BUDGET, hopper["row_max"]
-    assert cheapest["partial_sums"] <= SUMS_WALK_BUDGET, hopper["partial_sums"]
-    one_program = sorted(loop["per_element"] for loop in hopper["max_and_sums"])
+
+    def cheapest(kernel: str, with_exp: bool) -> float:  # pass 2's loops exponentiate, pass 1's do not
+        return min(loop["per_element"] for loop in hopper[kernel] if (loop["exp"] > 0) == with_exp)
+
+    assert cheapest("row_max", False) <= MAX_WALK_BUDGET, hopper["row_max"]
+    assert cheapest("partial_sums", True) <= SUMS_WALK_BUDGET, hopper["partial_sums"]
+    assert cheapest("max_and_sums", False) <= MAX_WALK_BUDGET, hopper["max_and_sums"]
+    assert cheapest("max_and_sums", True) <= SUMS_WALK_BUDGET, hopper["max_and_sums"]
     # every launch bench.op times runs its persistent grid in one wave: all its programs resident at once
     launches = report["one_program"]
     assert len(launches) == 5 and all(r["fits"] and r["spill_bytes"] == 0 for r in launches), launches
-    assert one_program[0] <= MAX_WALK_BUDGET and one_program[2] <= SUMS_WALK_BUDGET, hopper["max_and_sums"]

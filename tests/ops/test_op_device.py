@@ -9,7 +9,13 @@ import pytest
 
 from tests.gpu.common import megatron_tp1
 from tests.gpu.node_imports import flush_recorded_lines
-from tests.gpu.test_op_cuda import BACKENDS, check_against_float64, check_against_megatron_ce, record_peers
+from tests.gpu.test_op_cuda import (
+    BACKENDS,
+    check_against_float64,
+    check_against_megatron_ce,
+    check_nan_and_minus_inf_rows,
+    record_peers,
+)
 from tests.harness import run_forked
 from tests.triton_interpreter import UNDER_INTERPRETER
 
@@ -17,9 +23,18 @@ pytestmark = UNDER_INTERPRETER
 TOKENS, VOCAB, LOG_RHO = 96, 512, -4.0
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+CPU_BACKENDS = BACKENDS[:3]
+"""Every launch of the one-program forward is the interpreter's on a CPU: one of them runs its code."""
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_op_equals_the_float64_reference_on_a_slice(backend):
     check_against_float64("cpu", TOKENS, VOCAB, backend, LOG_RHO)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_a_nan_poisons_its_row_and_minus_inf_is_probability_zero(backend):
+    check_nan_and_minus_inf_rows("cpu", VOCAB, backend)
 
 
 def _in_megatron_tp1(check, *args) -> list[tuple[str, object]]:

@@ -254,7 +254,7 @@ def test_the_one_program_forward_takes_the_samplers_safe_set_bit_for_bit(dtype):
     ρ and T whose product is not exact in the compute dtype; its partial sums equal the two kernels'."""
     from megatron_tail.ops import triton_kernels as k
     from megatron_tail.ops.masked_logprobs import op_threshold, threshold_offset
-    from megatron_tail.ops.masked_logprobs_math import S_SUPPORT, target_columns
+    from megatron_tail.ops.masked_logprobs_math import S_SUPPORT, SAFE_COUNT, target_columns
     from megatron_tail.ops.safe_vocab import rule_dtype, safe_mask
 
     gen = torch.Generator().manual_seed(13)
@@ -262,7 +262,14 @@ def test_the_one_program_forward_takes_the_samplers_safe_set_bit_for_bit(dtype):
     targets = torch.randint(0, 700, (11,), generator=gen)
     local, owned = target_columns(targets, 0, 700)
     compute = rule_dtype(dtype)
-    for log_rho, temperature in [(-2.302585092994046, 0.7), (-13.0, 1.3), (-0.1, 0.6), (None, 0.9)]:
+    # −1e39: T·log ρ beyond float32's range, which `max_logit + T·log ρ` takes as −inf (float64: finite)
+    for log_rho, temperature in [
+        (-2.302585092994046, 0.7),
+        (-13.0, 1.3),
+        (-0.1, 0.6),
+        (-1e39, 1.0),
+        (None, 0.9),
+    ]:
         offset, prune = threshold_offset(log_rho, temperature, compute)
         kw = dict(inv_temperature=1 / temperature, local_target=local, owned=owned, with_entropy=True,
                   with_count=True)  # fmt: skip
@@ -276,6 +283,9 @@ def test_the_one_program_forward_takes_the_samplers_safe_set_bit_for_bit(dtype):
         two = k.partial_sums(x, m, theta, 1 / temperature, local, owned, True, True)
         torch.testing.assert_close(sums, two, rtol=1e-12 if dtype == torch.float64 else 2e-6, atol=0)
         assert torch.equal(sums[:, S_SUPPORT:], torch.zeros_like(sums[:, S_SUPPORT:]))
+        if log_rho == -1e39 and dtype != torch.float64:  # θ = −max_float: every finite logit, no masked lane
+            assert torch.equal(theta, torch.full_like(theta, -torch.finfo(compute).max))
+            assert torch.equal(sums[:, SAFE_COUNT], torch.full_like(theta, 700))
 
 
 def test_the_forward_design_is_the_measured_table_or_the_one_asked_for(monkeypatch):
