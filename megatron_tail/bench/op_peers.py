@@ -183,6 +183,11 @@ def peer_rows(tokens: int, vocab: int, *, device: str, repeats: int = 5, megatro
     return rows
 
 
+def baseline_row(rows: list[dict]) -> dict:
+    """The row `peer_rows` took as its baseline (each row names it under "baseline")."""
+    return next(r for r in rows if r["what"] == rows[0]["baseline"])
+
+
 def format_rows(rows: list[dict], tokens: int, vocab: int, device: str, backend_note: str = "") -> str:
     header = "| what | ms | × baseline | peak GiB | share of copy rate |"
     lines = [

@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 
 from .op_designs import as_a_tp_rank, design_rows, format_design_rows
-from .op_peers import QWEN3_VOCAB, format_rows, measure, peer_rows
+from .op_peers import QWEN3_VOCAB, baseline_row, format_rows, measure, peer_rows
 
 SHARD_WIDTHS = (QWEN3_VOCAB, QWEN3_VOCAB // 2, QWEN3_VOCAB // 4, QWEN3_VOCAB // 8)
 """Columns per rank at TP = 1, 2, 4, 8 (151,936, 75,968, 37,984, 18,992)."""
@@ -246,8 +246,7 @@ def op_report(
         print_fn(format_rows(op[width], tokens, width, name, f"; {note}") + "\n")
         _free(device)
         if width == max(widths):  # TP = 1: the one width whose forward may be one program
-            baseline = next(r for r in op[width] if r["what"] == op[width][0]["baseline"])
-            designs = design_rows(tokens, width, baseline, device=device, repeats=repeats)
+            designs = design_rows(tokens, width, baseline_row(op[width]), device=device, repeats=repeats)
             print_fn(format_design_rows(designs, tokens, width, name, device) + "\n")
             _free(device)
     fused_out: dict[tuple, list[dict]] = {}

@@ -219,6 +219,11 @@ def describe_tiles(dtype: torch.dtype, n_cols: int, device: torch.device) -> str
     return f"{configs} (sm_{major}{minor}, {source}); {forward}"
 
 
+PARTIAL_COLUMNS = dict(
+    COL_ALL=S_ALL, COL_SAFE=S_SAFE, COL_SAFE_EZ=S_SAFE_EZ, COL_TARGET=TARGET_LOGIT, COL_COUNT=SAFE_COUNT
+)
+"""The partials' columns (`masked_logprobs_math`) as the constexprs of both kernels that write them."""
+
 _COMPUTE = {torch.float64: tl.float64}
 LOG2_E = 1.4426950408889634
 
@@ -504,11 +509,7 @@ def partial_sums(
             WITH_COUNT=with_count,
             BLOCK=t.block,
             COMPUTE=_compute_dtype(x),
-            COL_ALL=S_ALL,
-            COL_SAFE=S_SAFE,
-            COL_SAFE_EZ=S_SAFE_EZ,
-            COL_TARGET=TARGET_LOGIT,
-            COL_COUNT=SAFE_COUNT,
+            **PARTIAL_COLUMNS,
             num_warps=t.num_warps,
         )
     return out
@@ -571,11 +572,7 @@ def max_and_sums(
         WITH_COUNT=with_count,
         BLOCK=t.block,
         COMPUTE=_compute_dtype(x),
-        COL_ALL=S_ALL,
-        COL_SAFE=S_SAFE,
-        COL_SAFE_EZ=S_SAFE_EZ,
-        COL_TARGET=TARGET_LOGIT,
-        COL_COUNT=SAFE_COUNT,
+        **PARTIAL_COLUMNS,
         MAX_FLOAT=torch.finfo(compute_dtype).max,
         num_warps=t.num_warps,
     )

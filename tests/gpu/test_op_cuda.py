@@ -169,7 +169,7 @@ def record_peers(device: str, tokens: int, vocab: int, record_property, repeats:
     same baseline and the `ONE_PROGRAM` entry they support (`bench.op_designs`), into the table. Recorded,
     not asserted."""
     from megatron_tail.bench.op_designs import design_rows, recommendation
-    from megatron_tail.bench.op_peers import peer_rows
+    from megatron_tail.bench.op_peers import baseline_row, peer_rows
 
     rows = []
     peers = peer_rows(tokens, vocab, device=device, repeats=repeats)
@@ -182,8 +182,7 @@ def record_peers(device: str, tokens: int, vocab: int, record_property, repeats:
                 f"{r['ms']:.2f} ms = {r['ratio']:.2f}× {r['baseline']}, peak {r['peak_gib']:.2f} GiB{share}"
             )
         rows.append({"what": f"{r['what']} ({tokens}×{vocab} bf16)", "value": value})
-    baseline = next(r for r in peers if r["what"] == peers[0]["baseline"])
-    designs = design_rows(tokens, vocab, baseline, device=device, repeats=repeats)
+    designs = design_rows(tokens, vocab, baseline_row(peers), device=device, repeats=repeats)
     for r in designs:
         value = (
             f"forward {r['forward_ms']:.2f} ms = {r['forward_ratio']:.2f}×, fwd+bwd in place "

@@ -22,7 +22,6 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from megatron_tail.ops import masked_logprobs_math as math_cols
 from megatron_tail.ops import triton_kernels as k
 
 TARGETS = {"sm_90a": GPUTarget("cuda", 90, 32), "sm_80": GPUTarget("cuda", 80, 32)}
@@ -53,10 +52,7 @@ def kernels(x: str, compute, target: GPUTarget) -> list[tuple[str, object, dict,
     launch them on `target` at Qwen3's vocabulary (`launch_tile`)."""
     row_max, sums, grad = (launch_tile(name, x, target) for name in k.KERNELS)
     c = "fp64" if compute == tl.float64 else "fp32"
-    cols = dict(
-        COL_ALL=math_cols.S_ALL, COL_SAFE=math_cols.S_SAFE, COL_SAFE_EZ=math_cols.S_SAFE_EZ,
-        COL_TARGET=math_cols.TARGET_LOGIT, COL_COUNT=math_cols.SAFE_COUNT,
-    )  # fmt: skip
+    cols = k.PARTIAL_COLUMNS
     out = [
         ("row_max", k._row_max_kernel, {"X": f"*{x}", "stride_x": "i32", "n_cols": "i32", "OUT": f"*{c}"},
          {"BLOCK": row_max.block, "COMPUTE": compute}, row_max.num_warps),
