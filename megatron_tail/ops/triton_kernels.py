@@ -233,6 +233,17 @@ def _compute_dtype(x: torch.Tensor):
 
 
 @triton.jit
+def _as_compute(scalar, COMPUTE: tl.constexpr):
+    # A float argument of these kernels is annotated `tl.float64`: the JIT passes an unannotated Python float
+    # as float32 (`triton.runtime.jit.mangle_type`), which would round float64 logits' 1/T to float32 on a
+    # GPU; annotated, the launcher packs a double (`backends/nvidia/driver.c`, `extractFP64`). Rounded here,
+    # once per program, to the compute dtype (float32 for 16- and 32-bit logits: the value the float32
+    # argument had). The product with a one of that dtype (exact, folded by the compiler) is what makes this
+    # run under Triton's interpreter too, which ignores the annotation and hands the kernel the Python float.
+    return (scalar * tl.full([], 1, COMPUTE)).to(COMPUTE)
+
+
+@triton.jit
 def _walk_max(base, n_cols, BLOCK: tl.constexpr, COMPUTE: tl.constexpr):
     # pass 1 of one row: its max over the valid columns, NaN if any is NaN
     cols = tl.arange(0, BLOCK)
@@ -349,7 +360,7 @@ def _partials_kernel(
     THRESHOLD,
     TARGET_COL,
     OWNED,
-    exp2_scale,
+    exp2_scale: tl.float64,
     OUT,
     stride_out,
     WITH_ENTROPY: tl.constexpr,
@@ -366,6 +377,7 @@ def _partials_kernel(
     base = X + row * stride_x
     m = tl.load(MAX + row)
     threshold = tl.load(THRESHOLD + row)
+    exp2_scale = _as_compute(exp2_scale, COMPUTE)
     s_all, s_safe, s_ez, count = _walk_sums(
         base, n_cols, m, threshold, exp2_scale, False, WITH_ENTROPY, WITH_COUNT, BLOCK, COMPUTE
     )
@@ -379,10 +391,10 @@ def _max_and_sums_kernel(
     stride_x,
     n_rows,
     n_cols,
-    OFFSET,
+    offset: tl.float64,
     TARGET_COL,
     OWNED,
-    exp2_scale,
+    exp2_scale: tl.float64,
     MAX,
     THRESHOLD,
     OUT,
@@ -400,7 +412,9 @@ def _max_and_sums_kernel(
     MAX_FLOAT: tl.constexpr,
 ):
     # Persistent: the grid is the rows in flight (`max_and_sums`), each program walks rows pid, pid + grid, …
-    offset = tl.load(OFFSET)
+    # rounded to the compute dtype as `max_logit + offset` converts it in torch: beyond float32's range, −inf
+    offset = _as_compute(offset, COMPUTE)
+    exp2_scale = _as_compute(exp2_scale, COMPUTE)
     for row in range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):
         base = X + row * stride_x
         m = _walk_max(base, n_cols, BLOCK, COMPUTE)
@@ -433,12 +447,13 @@ def _grad_kernel(
     LOG_NORM,
     BIAS,
     SCALE_H,
-    inv_t,
+    inv_t: tl.float64,
     HAS_SCALE_H: tl.constexpr,
     BLOCK: tl.constexpr,
     COMPUTE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    inv_t = _as_compute(inv_t, COMPUTE)
     base_x = X + row * stride_x
     base_g = G + row * stride_g
     m = tl.load(MAX + row)
@@ -550,16 +565,12 @@ def max_and_sums(
         programs = launch.programs_per_sm * _multiprocessors(x.device.index)
     else:
         t, programs = tile("partial_sums", x.dtype, x.shape[1], x.device), INTERPRETER_PROGRAMS
-    # a one-element tensor, not a scalar argument: Triton passes a Python float as float32, and float64
-    # logits need θ's offset in float64. Made as `max_logit + offset` converts it (0 + offset on the device,
-    # no host→device copy): an offset beyond float32's range is −inf there too, where `torch.full` raises.
-    offset_t = torch.zeros(1, dtype=compute_dtype, device=x.device).add_(offset)
     _max_and_sums_kernel[(min(n, programs),)](
         x,
         x.stride(0),
         n,
         x.shape[1],
-        offset_t,
+        offset,
         local_target.contiguous(),
         owned.to(torch.int8).contiguous(),
         inv_temperature * LOG2_E,

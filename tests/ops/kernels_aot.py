@@ -18,16 +18,14 @@ import tempfile
 
 import torch
 import triton
-import triton.language as tl
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import create_function_from_signature
 
 from megatron_tail.ops import triton_kernels as k
 
 TARGETS = {"sm_90a": GPUTarget("cuda", 90, 32), "sm_80": GPUTarget("cuda", 80, 32)}
 """Hopper (H100, H200) and Ampere (A100)."""
-DTYPES = {"bf16": tl.float32, "fp16": tl.float32, "fp32": tl.float32, "fp64": tl.float64}
-"""Logits' dtype → the kernels' compute dtype (`triton_kernels._compute_dtype`)."""
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
 
 
@@ -47,39 +45,92 @@ def one_program_launch(x: str, target: GPUTarget) -> k.Tile:
     return k.one_program_tile(launch, TORCH_DTYPES[x], 151_936)
 
 
-def kernels(x: str, compute, target: GPUTarget) -> list[tuple[str, object, dict, dict, int]]:
+SAMPLE_ROWS, SAMPLE_COLS = 6, 160
+"""The wrappers' sample launch (`launches`): no integer argument is 1 (the JIT would make it a constexpr)."""
+WRAPPERS = {"row_max": "_row_max_kernel", "partial_sums": "_partials_kernel",
+            "max_and_sums": "_max_and_sums_kernel", "write_grad": "_grad_kernel"}  # fmt: skip
+
+
+class _Recorded:
+    """A recording stand-in for one JIT kernel: `kernel[grid](*args, **kwargs)` keeps the call."""
+
+    def __init__(self, calls: list):
+        self.calls = calls
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((args, kwargs))
+
+
+def launches(x: str, target: GPUTarget) -> dict[str, tuple[object, dict, dict]]:
+    """What each wrapper of `triton_kernels` launches for `x` logits, as `JITFunction.run` would specialize it
+    on `target`: {name: (kernel, signature, constexprs)}. The wrappers run on CPU tensors with each kernel
+    replaced by a recording stand-in, and the recorded call goes through Triton's own binder
+    (`triton.runtime.jit.create_function_from_signature`, what `JITFunction.run` calls first), so the
+    signature is the launch's (a float argument's type included), not one written here."""
+    dtype = TORCH_DTYPES[x]
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    n, v = SAMPLE_ROWS, SAMPLE_COLS
+    logits = torch.randn(n, v, dtype=torch.float32).to(dtype)
+    rows = torch.zeros(n, dtype=compute)
+    target_col, owned = torch.zeros(n, dtype=torch.int64), torch.ones(n, dtype=torch.bool)
+    calls: dict[str, list] = {name: [] for name in WRAPPERS}
+    saved = {name: getattr(k, fn) for name, fn in WRAPPERS.items()}
+    try:
+        for name, fn in WRAPPERS.items():
+            setattr(k, fn, _Recorded(calls[name]))
+        k.row_max(logits, compute)
+        k.partial_sums(logits, rows, rows, 0.7, target_col, owned, True, True)
+        k.max_and_sums(
+            logits,
+            compute,
+            offset=-1.5,
+            prune=True,
+            inv_temperature=0.7,
+            local_target=target_col,
+            owned=owned,
+            with_entropy=True,
+            with_count=True,
+            launch=k.ONE_PROGRAM_CANDIDATES[0],
+        )
+        k.write_grad(logits, logits, max_logit=rows, threshold=rows, log_norm=rows, bias=rows, scale_h=rows,
+                     inv_temperature=0.7)  # fmt: skip
+    finally:
+        for name, fn in WRAPPERS.items():
+            setattr(k, fn, saved[name])
+    backend = make_backend(target)
+    out = {}
+    for name in WRAPPERS:
+        [(args, kwargs)] = calls[name]
+        kernel = saved[name]
+        binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+        _, specialization, _ = binder(*args, **kwargs)
+        signature, constexprs = {}, {}
+        for param, (ty, value) in zip(kernel.params, specialization, strict=True):
+            if ty == "constexpr":
+                constexprs[param.name] = value
+            else:
+                signature[param.name] = ty
+        out[name] = (kernel, signature, constexprs)
+    return out
+
+
+def kernels(x: str, target: GPUTarget) -> list[tuple[str, object, dict, dict, int]]:
     """(name, kernel, signature, constexprs, warps) of every kernel for logits of dtype `x`, as the wrappers
-    launch them on `target` at Qwen3's vocabulary (`launch_tile`)."""
-    row_max, sums, grad = (launch_tile(name, x, target) for name in k.KERNELS)
-    c = "fp64" if compute == tl.float64 else "fp32"
-    cols = k.PARTIAL_COLUMNS
-    out = [
-        ("row_max", k._row_max_kernel, {"X": f"*{x}", "stride_x": "i32", "n_cols": "i32", "OUT": f"*{c}"},
-         {"BLOCK": row_max.block, "COMPUTE": compute}, row_max.num_warps),
-        ("partial_sums", k._partials_kernel,
-         {"X": f"*{x}", "stride_x": "i32", "n_cols": "i32", "MAX": f"*{c}", "THRESHOLD": f"*{c}",
-          "TARGET_COL": "*i64", "OWNED": "*i8", "exp2_scale": "fp32", "OUT": f"*{c}", "stride_out": "i32"},
-         {"WITH_ENTROPY": True, "WITH_COUNT": True, "BLOCK": sums.block, "COMPUTE": compute, **cols},
-         sums.num_warps),
-    ]  # fmt: skip
-    launch = one_program_launch(x, target)
-    out.append(
-        ("max_and_sums", k._max_and_sums_kernel,
-         {"X": f"*{x}", "stride_x": "i32", "n_rows": "i32", "n_cols": "i32", "OFFSET": f"*{c}",
-          "TARGET_COL": "*i64", "OWNED": "*i8", "exp2_scale": "fp32", "MAX": f"*{c}", "THRESHOLD": f"*{c}",
-          "OUT": f"*{c}", "stride_out": "i32"},
-         {"PRUNE": True, "WITH_ENTROPY": True, "WITH_COUNT": True, "BLOCK": launch.block,
-          "COMPUTE": compute, **cols, "MAX_FLOAT": torch.finfo(TORCH_DTYPES[c]).max},
-         launch.num_warps)
-    )  # fmt: skip
-    for has_scale_h in (True, False):
-        out.append(
-            (f"write_grad{'' if has_scale_h else ' (no entropy gradient)'}", k._grad_kernel,
-             {"X": f"*{x}", "stride_x": "i32", "G": f"*{x}", "stride_g": "i32", "n_cols": "i32",
-              "MAX": f"*{c}", "THRESHOLD": f"*{c}", "LOG_NORM": f"*{c}", "BIAS": f"*{c}", "SCALE_H": f"*{c}",
-              "inv_t": "fp32"},
-             {"HAS_SCALE_H": has_scale_h, "BLOCK": grad.block, "COMPUTE": compute}, grad.num_warps)
-        )  # fmt: skip
+    launch them (`launches`) on `target` at Qwen3's vocabulary (`launch_tile`, `one_program_launch`)."""
+    launched = launches(x, target)
+    out = []
+    for name, (fn, signature, constexprs) in launched.items():
+        if name == "max_and_sums":
+            tile = one_program_launch(x, target)
+        else:
+            tile = launch_tile("grad" if name == "write_grad" else name, x, target)
+        constexprs = {**constexprs, "BLOCK": tile.block}
+        if name != "write_grad":
+            out.append((name, fn, signature, constexprs, tile.num_warps))
+            continue
+        for has_scale_h in (True, False):
+            out.append((f"write_grad{'' if has_scale_h else ' (no entropy gradient)'}", fn, signature,
+                        {**constexprs, "HAS_SCALE_H": has_scale_h}, tile.num_warps))  # fmt: skip
     return out
 
 
@@ -125,6 +176,8 @@ LOOPS_OF = ("sm_90a", "bf16")
 (`cuobjdump` takes half a second a kernel)."""
 LOAD_BYTES = {"128": 16, "64": 8, "U16": 2, "S16": 2, "U8": 1, "S8": 1}
 """Bytes one thread loads per `LDG.E[.suffix]` (no suffix: 4)."""
+F64_OP = re.compile(r"^\s*(?!ld\.param|cvt\.)[a-z][\w.]*\.f64\b", re.M)
+"""A PTX instruction on float64 values other than a parameter load or a conversion."""
 SASS_LINE = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 
 
@@ -164,13 +217,17 @@ def main() -> None:
         sys.exit("kernels_aot: unset TRITON_INTERPRET (the interpreter's functions cannot be compiled)")
     rows = []
     for arch, target in TARGETS.items():
-        for x, compute in DTYPES.items():
-            for name, fn, signature, constexprs, warps in kernels(x, compute, target):
+        for x in TORCH_DTYPES:
+            for name, fn, signature, constexprs, warps in kernels(x, target):
                 compiled = compile_kernel(fn, signature, constexprs, warps, target)
                 row = {"arch": arch, "dtype": x, "kernel": name, "tile": [constexprs["BLOCK"], warps],
                        **ptxas_report(compiled.asm["ptx"], arch)}  # fmt: skip
                 if name in ("row_max", "max_and_sums"):  # pass 1's max keeps a NaN (`_walk_max`)
                     row["max_nan"] = "max.NaN." in compiled.asm["ptx"]
+                # a float64 scalar argument (`triton_kernels._as_compute`) must not turn a 16- / 32-bit
+                # kernel's arithmetic into float64: only its load and the one conversion may name f64
+                row["f64_ops"] = len(F64_OP.findall(compiled.asm["ptx"]))
+                row["float_args"] = {n: t for n, t in signature.items() if t[:2] in ("fp", "bf")}
                 if (arch, x) == LOOPS_OF:
                     row["loops"] = inner_loops(compiled.asm["cubin"], TORCH_DTYPES[x].itemsize)
                 rows.append(row)
@@ -183,7 +240,7 @@ def one_program_rows() -> list[dict]:
     allocated per thread in multiples of 8, `HOPPER_SM`). A persistent grid whose programs do not all fit runs
     as two waves: twice the time, and the rows in flight are not what the launch says."""
     _, fn, signature, constexprs, _ = next(
-        r for r in kernels("bf16", DTYPES["bf16"], TARGETS["sm_90a"]) if r[0] == "max_and_sums"
+        r for r in kernels("bf16", TARGETS["sm_90a"]) if r[0] == "max_and_sums"
     )
     rows = []
     for launch in k.ONE_PROGRAM_CANDIDATES:

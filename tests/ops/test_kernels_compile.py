@@ -41,6 +41,15 @@ def test_the_kernels_compile_for_hopper_and_ampere_without_spills():
         # only the compiled code can show it); float64 has no max.NaN: LLVM expands `maximum` there
         if "max_nan" in row and row["dtype"] != "fp64":
             assert row["max_nan"], row
+        # 1/T travels as a double whatever the logits (`triton_kernels._as_compute`): a Python float would be
+        # float32 (Triton's `mangle_type`), float64 logits' scaling rounded to it. The signatures are the
+        # wrappers' launches as Triton's binder specializes them (`kernels_aot.launches`).
+        assert set(row["float_args"].values()) <= {"fp64"}, row
+        if row["kernel"] in ("partial_sums", "max_and_sums") or row["kernel"].startswith("write_grad"):
+            assert row["float_args"], row
+        # … and is rounded once to the compute dtype: no float64 arithmetic in a 16- or 32-bit kernel
+        if row["dtype"] != "fp64":
+            assert row["f64_ops"] == 0, row
     # The instruction budgets of the two walks over a row, bf16 on Hopper (the measured GPU): pass 2 is bound
     # by instructions per element on an H200 (1.81 ms against 1.10 for a read, research/op-kernels.md), and
     # in the one-program forward both walks' instructions share the SMs. At fceb974 the whole-tile loops
