@@ -247,6 +247,8 @@ def test_the_tile_table_picks_the_measured_tiles_and_narrows_them(monkeypatch):
     assert k.tile("row_max", torch.bfloat16, 61, torch.device("cpu")) == k.Tile(64, 1)
 
 
+# −1e39 rounds to −inf in float32: numpy says so where the interpreter makes the kernel's offset a float32
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
 def test_the_one_program_forward_takes_the_samplers_safe_set_bit_for_bit(dtype):
     """`max_and_sums` computes each row's max and θ itself: the max equals torch's, θ equals `op_threshold`
