@@ -176,8 +176,9 @@ LOOPS_OF = ("sm_90a", "bf16")
 (`cuobjdump` takes half a second a kernel)."""
 LOAD_BYTES = {"128": 16, "64": 8, "U16": 2, "S16": 2, "U8": 1, "S8": 1}
 """Bytes one thread loads per `LDG.E[.suffix]` (no suffix: 4)."""
-F64_OP = re.compile(r"^\s*(?!ld\.param|cvt\.)[a-z][\w.]*\.f64\b", re.M)
-"""A PTX instruction on float64 values other than a parameter load or a conversion."""
+F64_OP = re.compile(r"^\s*(?:@!?%\w+\s+)?(?!cvt\.rn\.f32\.f64)[a-z][\w.]*\.f64\b", re.M)
+"""A PTX instruction on float64 values, predicated or not, other than the one rounding of a float64 argument to
+float32 (`cvt.rn.f32.f64`; the argument's own load is `ld.param.b64`)."""
 SASS_LINE = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 
 
@@ -225,7 +226,7 @@ def main() -> None:
                 if name in ("row_max", "max_and_sums"):  # pass 1's max keeps a NaN (`_walk_max`)
                     row["max_nan"] = "max.NaN." in compiled.asm["ptx"]
                 # a float64 scalar argument (`triton_kernels._as_compute`) must not turn a 16- / 32-bit
-                # kernel's arithmetic into float64: only its load and the one conversion may name f64
+                # kernel's arithmetic into float64: only its rounding to float32 may name f64
                 row["f64_ops"] = len(F64_OP.findall(compiled.asm["ptx"]))
                 row["float_args"] = {n: t for n, t in signature.items() if t[:2] in ("fp", "bf")}
                 if (arch, x) == LOOPS_OF:
