@@ -177,8 +177,8 @@ LOOPS_OF = ("sm_90a", "bf16")
 LOAD_BYTES = {"128": 16, "64": 8, "U16": 2, "S16": 2, "U8": 1, "S8": 1}
 """Bytes one thread loads per `LDG.E[.suffix]` (no suffix: 4)."""
 F64_OP = re.compile(r"^\s*(?:@!?%\w+\s+)?(?!cvt\.rn\.f32\.f64)[a-z][\w.]*\.f64\b", re.M)
-"""A PTX instruction on float64 values, predicated or not, other than the one rounding of a float64 argument to
-float32 (`cvt.rn.f32.f64`; the argument's own load is `ld.param.b64`)."""
+"""A PTX instruction on float64 values, predicated or not, other than the one rounding of a float64 argument
+to float32 (`cvt.rn.f32.f64`; the argument's own load is `ld.param.b64`)."""
 SASS_LINE = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 
 
