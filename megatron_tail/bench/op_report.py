@@ -12,7 +12,8 @@ issue 51's targets, measured in one run (`op_report`).
    backends, against matmul + op in place (what the unfused trainer runs) and Liger's fused linear cross
    entropy, at 8,192 × 4,096 @ 151,936 and 4,096 × 4,096 @ 151,936.
 3. The TP = 1 forward's designs (`bench.op_designs`): the two kernels and each one-program launch, forward
-   and fwd + bwd, against the same baseline, and the `triton_kernels.ONE_PROGRAM` entry the run supports.
+   and fwd + bwd, against the same baseline, and the `triton_kernels.ONE_PROGRAM` entry the run supports;
+   then where each design's time goes (`bench.op_split`): its `[N, V]` kernels timed alone, and the rest.
 4. The targets, each with its measured ratio: with the op as configured, and with its fastest design.
 
 Times: `op_peers.measure`'s median after one warm-up call; peak extra memory: on CUDA the allocator's peak
@@ -31,6 +32,7 @@ import torch
 
 from .op_designs import as_a_tp_rank, design_rows, format_design_rows
 from .op_peers import QWEN3_VOCAB, baseline_row, format_rows, measure, peer_rows
+from .op_split import format_split_rows, split_rows
 
 SHARD_WIDTHS = (QWEN3_VOCAB, QWEN3_VOCAB // 2, QWEN3_VOCAB // 4, QWEN3_VOCAB // 8)
 """Columns per rank at TP = 1, 2, 4, 8 (151,936, 75,968, 37,984, 18,992)."""
@@ -232,12 +234,13 @@ def op_report(
     print_fn: Callable[[str], None] = print,
 ) -> dict:
     """Measure and print (`print_fn`, one table at a time, as each is done) the op's rows at each width, the
-    TP = 1 forward's designs, the fused layer's rows at each shape, then the targets. Returns {"op": {width:
-    rows}, "designs": rows, "fused": {shape: rows}, "targets": rows}. `megatron`: include megatron-core's
-    cross entropy (needs its TP = 1 state)."""
+    TP = 1 forward's designs and where their time goes, the fused layer's rows at each shape, then the
+    targets. Returns {"op": {width: rows}, "designs": rows, "split": rows, "fused": {shape: rows}, "targets":
+    rows}. `megatron`: include megatron-core's cross entropy (needs its TP = 1 state)."""
     name = torch.cuda.get_device_name() if device == "cuda" else device
     op: dict[int, list[dict]] = {}
     designs: list[dict] = []
+    split: list[dict] = []
     for width in widths:
         # a shard's rows time what a TP > 1 rank runs: the two kernels, the MAX collective between them
         with contextlib.nullcontext() if width == max(widths) else as_a_tp_rank():
@@ -248,6 +251,9 @@ def op_report(
         if width == max(widths):  # TP = 1: the one width whose forward may be one program
             designs = design_rows(tokens, width, baseline_row(op[width]), device=device, repeats=repeats)
             print_fn(format_design_rows(designs, tokens, width, name, device) + "\n")
+            _free(device)
+            split = split_rows(designs, tokens, width, device=device, repeats=repeats)
+            print_fn(format_split_rows(split, tokens, width, name) + "\n")
             _free(device)
     fused_out: dict[tuple, list[dict]] = {}
     for shape in fused:
@@ -263,7 +269,7 @@ def op_report(
     ]
     lines += [f"| {' | '.join(row)} |" for row in targets]
     print_fn("\n".join(lines))
-    return {"op": op, "fused": fused_out, "designs": designs, "targets": targets}
+    return {"op": op, "fused": fused_out, "designs": designs, "split": split, "targets": targets}
 
 
 def _free(device: str) -> None:

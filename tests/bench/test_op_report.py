@@ -25,9 +25,8 @@ def test_the_report_prints_every_width_the_fused_shapes_their_tiles_and_the_targ
             print_fn=printed.append,
         )  # fmt: skip
     assert widths and set(widths) == {256}
-    assert (
-        len(printed) == 5
-    )  # two widths, the TP = 1 forward's designs after the first, one fused shape, targets
+    # two widths, the TP = 1 forward's designs and their split after the first, one fused shape, targets
+    assert len(printed) == 6
     assert "tiles: row_max 256×1 · partial_sums 256×1 · grad 256×1 (Triton's interpreter" in printed[0]
     assert printed[1].startswith("The TP = 1 forward's designs: 4 × 256 bf16 logits on cpu")
     assert "ONE_PROGRAM: no entry from Triton's interpreter" in printed[1]
@@ -39,7 +38,18 @@ def test_the_report_prints_every_width_the_fused_shapes_their_tiles_and_the_targ
     for row in designs:
         assert row["ratio"] == pytest.approx(row["ms"] / op_baseline["ms"])
         assert row["forward_ratio"] == pytest.approx(row["forward_ms"] / op_baseline["ms"])
-    assert "tiles: row_max 64×1" in printed[2]  # a narrower row: one narrowed tile
+    # where each design's time goes: its own kernels alone beside the op's times from the designs table
+    assert printed[2].startswith("Where the TP = 1 op's time goes: 4 × 256 bf16 logits on cpu")
+    split = result["split"]
+    assert [r["what"] for r in split] == [r["what"] for r in designs]
+    for row, design in zip(split, designs, strict=True):
+        assert (row["forward_ms"], row["ms"]) == (design["forward_ms"], design["ms"])
+        assert row["forward_kernels_ms"] > 0 and row["grad_kernel_ms"] > 0
+        assert row["forward_outside_ms"] == pytest.approx(row["forward_ms"] - row["forward_kernels_ms"])
+        kernels = row["forward_kernels_ms"] + row["grad_kernel_ms"]
+        assert row["outside_ms"] == pytest.approx(row["ms"] - kernels)
+    assert len({r["grad_kernel_ms"] for r in split}) == 1  # one backward for every forward design
+    assert "tiles: row_max 64×1" in printed[3]  # a narrower row: one narrowed tile
     fused = result["fused"][(8, 16, 256)]
     assert [r["what"] for r in fused] == [
         "fused + op, Triton, bf16 weight gradient",
@@ -55,8 +65,8 @@ def test_the_report_prints_every_width_the_fused_shapes_their_tiles_and_the_targ
             continue
         assert row["baseline"] == baseline["what"] and row["peak_mib"] > 0
         assert row["ratio"] == pytest.approx(row["ms"] / baseline["ms"])
-    assert "float32 main_grad blocks (ops.matmul_accumulate)" in printed[3]  # a CPU has no out_dtype addmm
-    assert "token chunks of 256 rows" in printed[3]  # the interpreter's chunk: 65,536 elements of 256 columns
+    assert "float32 main_grad blocks (ops.matmul_accumulate)" in printed[4]  # a CPU has no out_dtype addmm
+    assert "token chunks of 256 rows" in printed[4]  # the interpreter's chunk: 65,536 elements of 256 columns
     targets = [row[0] for row in result["targets"]]
     fastest = min(designs, key=lambda r: r["ms"])["what"]
     quickest = min(designs, key=lambda r: r["forward_ms"])["what"]
@@ -72,7 +82,7 @@ def test_the_report_prints_every_width_the_fused_shapes_their_tiles_and_the_targ
     ]
     liger = result["op"][256][0]["baseline"].startswith("Liger")
     assert all(row[2].startswith("no verdict") for row in result["targets"][:7]) != liger
-    assert printed[4].splitlines()[0] == "Issue 51's targets, measured in this run:"
+    assert printed[5].splitlines()[0] == "Issue 51's targets, measured in this run:"
 
 
 def test_the_designs_table_names_the_one_program_entry_a_gpu_run_supports(monkeypatch):
