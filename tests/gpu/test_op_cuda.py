@@ -166,10 +166,11 @@ def record_peers(device: str, tokens: int, vocab: int, record_property, repeats:
     """The Triton and PyTorch backends (fwd + bwd in place, forward only) against torch's, megatron's and
     Liger-Kernel's cross entropy (`bench.op_peers`, the rows `python -m megatron_tail.bench.op --device
     cuda` prints), with each row's share of the copy rate, then the TP = 1 forward's designs against the
-    same baseline and the `ONE_PROGRAM` entry they support (`bench.op_designs`), into the table. Recorded,
-    not asserted."""
+    same baseline and the `ONE_PROGRAM` entry they support (`bench.op_designs`), and where each design's
+    time goes (`bench.op_split`), into the table. Recorded, not asserted."""
     from megatron_tail.bench.op_designs import design_rows, recommendation
     from megatron_tail.bench.op_peers import baseline_row, peer_rows
+    from megatron_tail.bench.op_split import split_rows
 
     rows = []
     peers = peer_rows(tokens, vocab, device=device, repeats=repeats)
@@ -190,6 +191,13 @@ def record_peers(device: str, tokens: int, vocab: int, record_property, repeats:
         )
         rows.append({"what": f"TP = 1 forward: {r['what']} ({tokens}×{vocab} bf16)", "value": value})
     rows.append({"what": "TP = 1 forward: the ONE_PROGRAM entry", "value": recommendation(designs, device)})
+    for r in split_rows(designs, tokens, vocab, device=device, repeats=repeats):
+        value = (
+            f"forward {r['forward_ms']:.2f} ms, its kernels alone {r['forward_kernels_ms']:.2f} ms, outside "
+            f"them {r['forward_outside_ms']:.2f} ms; fwd+bwd {r['ms']:.2f} ms, gradient kernel alone "
+            f"{r['grad_kernel_ms']:.2f} ms, outside the kernels {r['outside_ms']:.2f} ms"
+        )
+        rows.append({"what": f"TP = 1 time split: {r['what']} ({tokens}×{vocab} bf16)", "value": value})
     record_rows(record_property, rows)
     return rows
 

@@ -72,6 +72,11 @@ def test_the_op_against_its_peers(record_property):
         f"TP = 1 forward: one program (Triton's interpreter) ({TOKENS}×{VOCAB} bf16)",
         "TP = 1 forward: the ONE_PROGRAM entry",
     ]
+    split = [r["what"] for r in rows if r["what"].startswith("TP = 1 time split")]
+    assert split == [
+        f"TP = 1 time split: two kernels (row max; θ; partial sums) ({TOKENS}×{VOCAB} bf16)",
+        f"TP = 1 time split: one program (Triton's interpreter) ({TOKENS}×{VOCAB} bf16)",
+    ]
 
 
 def _megatron_ce(record):
