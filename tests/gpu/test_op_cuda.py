@@ -52,13 +52,16 @@ BACKENDS = ("triton", "torch", *(f"triton-one-program-{i}" for i in range(len(ON
 the interpreter's launch, so the CPU half takes one of them)."""
 
 
-def _forward_design(backend: str):
-    if not backend.startswith("triton-one-program-"):
-        return contextlib.nullcontext()
-    from megatron_tail.ops import triton_kernels
+def _op_on(backend: str, logits, targets, **kwargs):
+    """`vocab_parallel_masked_logprobs` on `backend`, one of `BACKENDS`: a one-program name runs the Triton
+    backend with its TP = 1 forward as that candidate launch."""
+    design = contextlib.nullcontext()
+    if backend.startswith("triton-one-program-"):
+        from megatron_tail.ops import triton_kernels
 
-    launch = ONE_PROGRAM_CANDIDATES[int(backend.rsplit("-", 1)[1])]
-    return triton_kernels.forward_design(launch)
+        design = triton_kernels.forward_design(ONE_PROGRAM_CANDIDATES[int(backend.rsplit("-", 1)[1])])
+    with design:
+        return vocab_parallel_masked_logprobs(logits, targets, backend=backend.split("-")[0], **kwargs)
 
 
 def check_against_float64(device: str, tokens: int, vocab: int, backend: str, log_rho: float) -> None:
@@ -67,10 +70,7 @@ def check_against_float64(device: str, tokens: int, vocab: int, backend: str, lo
     logits, targets = real_logits(tokens, vocab, device=device)
     w_lp, w_h = _weights(tokens, 1, device)
     x = logits.detach().requires_grad_()
-    with _forward_design(backend):
-        out = vocab_parallel_masked_logprobs(
-            x, targets, log_rho=log_rho, vocab_size=vocab, backend=backend.split("-")[0]
-        )
+    out = _op_on(backend, x, targets, log_rho=log_rho, vocab_size=vocab)
     (w_lp * out.logprobs + w_h * out.entropy).sum().backward()
 
     rows = slice_rows(tokens, device=device)
@@ -99,10 +99,7 @@ def check_nan_and_minus_inf_rows(device: str, vocab: int, backend: str) -> None:
     logits[9, : vocab // 2] = float("-inf")
     targets[9] = vocab - 1
     x = logits.requires_grad_()
-    with _forward_design(backend):
-        out = vocab_parallel_masked_logprobs(
-            x, targets, log_rho=LOG_RHO, vocab_size=vocab, backend=backend.split("-")[0]
-        )
+    out = _op_on(backend, x, targets, log_rho=LOG_RHO, vocab_size=vocab)
     (out.logprobs.sum() + out.entropy.sum()).backward()
     others = torch.ones(64, dtype=torch.bool, device=device)
     others[5] = False
