@@ -39,11 +39,21 @@ def rule_log_rho(log_rho: float | None, temperature: float, safe_set_on: str = "
     return log_rho / check_temperature(temperature)
 
 
+MIN_TEMPERATURE = 1.0 / 3.4028234663852886e38
+"""≈ 2.94e-39, 1 / float32's largest value: below it 1/T is inf in float32, the op's compute dtype and its
+kernels' scale, and the row max's own z = (x − max)·(1/T) = 0·inf is NaN on every row. From it up, a
+vanishing T only sends the other tokens' z to −inf (greedy-like, finite outputs)."""
+
+
 def check_temperature(temperature: float) -> float:
-    """Validate a sampling temperature: a finite float > 0."""
+    """Validate a sampling temperature: a finite float ≥ `MIN_TEMPERATURE` (> 0)."""
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
         raise TypeError(f"temperature must be a float > 0; got {temperature!r}")
     temperature = float(temperature)
     if not math.isfinite(temperature) or temperature <= 0:
         raise ValueError(f"temperature must be finite and > 0; got {temperature!r}")
+    if temperature < MIN_TEMPERATURE:
+        raise ValueError(
+            f"temperature must be ≥ {MIN_TEMPERATURE:.3g} (1/T finite in float32); got {temperature!r}"
+        )
     return temperature

@@ -179,6 +179,13 @@ def test_unknown_key_without_near_match_lists_valid_keys():
             r"rollout\.sampling\.top_k must be ≤ rollout\.sampling\.mask_max_tokens=4096.*got 5000",
         ),
         ("rollout.sampling.top_k=0", r"rollout\.sampling\.top_k must be an int ≥ 1; got 0"),
+        ("rollout.sampling.temperature=0", r"rollout\.sampling\.temperature must be > 0 .*; got 0"),
+        (  # 1/T overflows float32: the op's every row would be NaN
+            "rollout.sampling.temperature=1e-320",
+            r"rollout\.sampling\.temperature must be finite and ≥ 2\.94e-39 \(1/T finite in float32\); "
+            r"got 1e-320",
+        ),
+        ("rollout.sampling.temperature=inf", r"rollout\.sampling\.temperature must be finite .*; got inf"),
         ("rollout.sampling.min_p=2", r"rollout\.sampling\.min_p must be in \[0, 1\] \(0: off\); got 2"),
     ],
 )

@@ -20,6 +20,12 @@ TARGETS = torch.tensor([1, 2, 3])
         ({"temperature": 0.0}, ValueError, r"temperature.*> 0.*0\.0"),
         ({"temperature": -1.0}, ValueError, r"temperature.*-1\.0"),
         ({"temperature": math.inf}, ValueError, r"temperature.*inf"),
+        # 1/T = inf in float32: before, every output NaN, no error
+        (
+            {"temperature": 1e-320},
+            ValueError,
+            r"temperature must be ≥ 2\.94e-39 \(1/T finite in float32\); got 1e-320",
+        ),
         ({"vocab_size": 11}, ValueError, r"vocab_size must be an int in \[1, .*10\]; got 11"),
         ({"vocab_size": 0}, ValueError, r"vocab_size.*got 0"),
         ({"vocab_size": 9.5}, ValueError, r"vocab_size.*9\.5"),

@@ -3,8 +3,10 @@ temperature and truncation), and the cap on the per-token support they return.""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+from megatron_tail.ops.log_rho import MIN_TEMPERATURE
 from megatron_tail.utils.settings_checks import bad as _bad
 from megatron_tail.utils.settings_checks import positive_int as _positive_int
 
@@ -56,6 +58,13 @@ class SamplingSection:
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
             _bad(SECTION, "temperature", t, "must be > 0 (training samples; greedy is eval only)")
+        if not MIN_TEMPERATURE <= t < math.inf:  # what the op checks (`ops.log_rho.check_temperature`)
+            _bad(
+                SECTION,
+                "temperature",
+                t,
+                f"must be finite and ≥ {MIN_TEMPERATURE:.3g} (1/T finite in float32)",
+            )
         _positive_int(SECTION, "mask_max_tokens", self.mask_max_tokens)
         if self.top_k != -1:
             _positive_int(SECTION, "top_k", self.top_k)
