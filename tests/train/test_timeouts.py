@@ -22,6 +22,10 @@ def _fresh_world(rank: int, world: int, port: int) -> None:
     """Replace the harness's world group by one that `init_distributed` makes, with short timeouts."""
     from megatron_tail.train.engine import parallel
 
+    # Both ranks reach the new rendezvous together: its store connect waits only the 1 s collective timeout
+    # (`init_process_group` gives the rendezvous its `timeout`), and a rank still importing `parallel` on a
+    # loaded host missed it once (rank 1: "timed out after 1000ms while trying to connect").
+    dist.barrier()
     dist.destroy_process_group()
     os.environ.update(
         {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world)}
