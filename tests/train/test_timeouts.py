@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -16,34 +17,45 @@ from tests.harness import run_distributed
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=1)
 RANK0_PHASE_S = 2.5  # longer than the collective timeout
+# Rank 0's late arrival: longer than the TCPStore client's whole connect window under the collective timeout
+# (a 1 s try, a random back-off of about a second, a second 1 s try: "retrying (try=0, ...)"), so the old
+# start-up fails every time rather than sometimes.
+RANK0_ARRIVES_LATE_S = 5.0
 
 
-def _fresh_world(rank: int, world: int, port: int) -> None:
-    """Replace the harness's world group by one that `init_distributed` makes, with short timeouts."""
+def _fresh_world(rank: int, world: int, port: int, marker: Path) -> float:
+    """Replace the harness's world group by one that `init_distributed` makes, with short timeouts; rank 0
+    arrives at the new rendezvous RANK0_ARRIVES_LATE_S after rank 1 is in it. Returns the seconds this rank
+    spent from then to a working group."""
     from megatron_tail.train.engine import parallel
 
-    # Both ranks reach the new rendezvous together: its store connect waits only the 1 s collective timeout
-    # (`init_process_group` gives the rendezvous its `timeout`), and a rank still importing `parallel` on a
-    # loaded host missed it once (rank 1: "timed out after 1000ms while trying to connect").
     dist.barrier()
     dist.destroy_process_group()
     os.environ.update(
         {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world)}
     )
     parallel._host_wait_group = None
+    if rank == 0:
+        while not marker.exists():
+            time.sleep(0.01)
+        time.sleep(RANK0_ARRIVES_LATE_S)  # e.g. still importing on a slow shared filesystem
+    else:
+        marker.touch()
+    started = time.monotonic()
     parallel.init_distributed("gloo", timeout=COLLECTIVE_TIMEOUT, wait_timeout=timedelta(seconds=60))
+    return time.monotonic() - started
 
 
-def _wait_through_rank0_phase(rank, world, port):
+def _wait_through_rank0_phase(rank, world, port, marker):
     from megatron_tail.train.engine.collectives import on_rank0
     from megatron_tail.train.engine.parallel import host_wait_group
 
-    _fresh_world(rank, world, port)
+    arrival = _fresh_world(rank, world, port, marker)
     started = time.monotonic()
     value = on_rank0(lambda: time.sleep(RANK0_PHASE_S) or 42, wait_group=host_wait_group())
     waited = time.monotonic() - started
     # the same phase without the CPU barrier: the rank waiting inside the broadcast hits the world group's
-    # 2 s timeout (so that timeout is the one the group got)
+    # 1 s timeout (so that timeout is the one the group got)
     failed_without_barrier = None
     if rank == 1:
         try:
@@ -56,14 +68,19 @@ def _wait_through_rank0_phase(rank, world, port):
             on_rank0(lambda: time.sleep(RANK0_PHASE_S))
         except RuntimeError:
             pass  # rank 1 left; whatever gloo says here does not matter
-    return value, waited, failed_without_barrier
+    return value, arrival, waited, failed_without_barrier
 
 
-def test_ranks_wait_through_a_rank0_phase_longer_than_the_collective_timeout():
-    results = run_distributed(_wait_through_rank0_phase, 2, free_port(), timeout=60)
-    (v0, _, _), (v1, waited1, failed1) = results
+def test_ranks_wait_through_a_rank0_phase_longer_than_the_collective_timeout(tmp_path):
+    results = run_distributed(
+        _wait_through_rank0_phase, 2, free_port(), tmp_path / "rank1_arrived", timeout=60
+    )
+    (v0, _, _, _), (v1, arrival1, waited1, failed1) = results
     assert v0 == v1 == 42
-    assert waited1 >= RANK0_PHASE_S > COLLECTIVE_TIMEOUT.total_seconds()
+    # rank 1 was in the rendezvous before rank 0 slept: arriving waits the wait timeout, where
+    # `init_process_group` alone waited the 1 s collective timeout ("timed out ... trying to connect")
+    assert arrival1 >= RANK0_ARRIVES_LATE_S
+    assert waited1 >= RANK0_PHASE_S
     assert failed1 is True, "rank 1 should time out in the broadcast without the barrier"
 
 

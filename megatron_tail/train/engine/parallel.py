@@ -107,13 +107,30 @@ def init_distributed(
     group over the whole world with `wait_timeout` (default: `timeout`) for `host_wait_group()`.
 
     Backend: NCCL with CUDA (and `LOCAL_RANK` selects the GPU), gloo otherwise.
+
+    Ranks meet with the longer of the two timeouts. Arriving is a wait, not a collective: rank 0 still
+    loading its modules on a slow shared filesystem is a phase the others wait through, like its rollouts.
+    `init_process_group` would give its env rendezvous the collective `timeout` (distributed_c10d.py,
+    `init_process_group`: `rendezvous(init_method, rank, world_size, timeout=timeout)`, then
+    `store.set_timeout(timeout)`), so a rank that connects before rank 0's store is up, by more than that,
+    fails. The rendezvous here is that same call (`torch.distributed.rendezvous`, which also takes
+    torchrun's agent store), and the store gets the `PrefixStore("default_pg", ...)` it would have made.
     """
     global _host_wait_group
     if dist.is_initialized():
         return
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"), timeout=timeout)
+    arrival_timeout = max(timeout, wait_timeout or timeout)
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=arrival_timeout))
+    store.set_timeout(arrival_timeout)
+    dist.init_process_group(
+        backend or ("nccl" if torch.cuda.is_available() else "gloo"),
+        store=dist.PrefixStore("default_pg", store),
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+    )
     # Every rank creates it, in the same order (new_group is collective); a CPU barrier on it is how ranks
     # wait for rank 0's rollout without an NCCL collective (and its watchdog) in flight.
     _host_wait_group = dist.new_group(backend="gloo", timeout=wait_timeout or timeout)
