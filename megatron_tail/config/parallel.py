@@ -40,7 +40,8 @@ class ParallelSection:
     still ends a real hang the same day."""
     rank0_wait_timeout_minutes: float | None = None
     """How long the other ranks wait (in a gloo barrier, on CPU) for one of rank 0's phases: a rollout with
-    its dynamic-sampling rounds, scoring, eval, the disk weight sync. None: `distributed_timeout_minutes`.
+    its dynamic-sampling rounds, scoring, eval, the disk weight sync; at start-up, ranks wait for each other
+    the longer of this and `distributed_timeout_minutes`. None: `distributed_timeout_minutes`.
     A Qwen3-8B step (1024 samples of up to 4096 tokens, up to 3 rounds, 8 SGLang servers) is ~10-30 minutes
     of rollout (projected)."""
 
