@@ -170,8 +170,8 @@ class AlgorithmConfig:
             and (math.isnan(self.log_rho) or self.log_rho > 0)
         ):
             _bad("log_rho", self.log_rho, 'must be ≤ 0 (or -inf / None for no pruning, or "auto")')
-        if not self.rho_bias_budget > 0:
-            _bad("rho_bias_budget", self.rho_bias_budget, "must be > 0")
+        if not 0 < self.rho_bias_budget < float("inf"):
+            _bad("rho_bias_budget", self.rho_bias_budget, "must be finite and > 0")
         check_is_params(
             self.is_mode,
             self.is_level,

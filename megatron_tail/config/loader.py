@@ -55,7 +55,15 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
         try:
-            loaded = yaml.safe_load(path.read_text())
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(
+                f"{path}: not UTF-8 text (byte {e.start}); a YAML config file is expected"
+            ) from None
+        except OSError as e:
+            raise ConfigError(f"config file {str(path)!r} cannot be read: {e.strerror}") from None
+        try:
+            loaded = yaml.load(text, Loader=_UniqueKeyLoader)
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: {_yaml_problem(e)}") from None
         if loaded is not None and not isinstance(loaded, Mapping):
@@ -81,12 +89,15 @@ def apply_overrides(
             )
         parts = key.split(".")
         _check_path(cls, parts)
+        if not raw.strip():  # an unset shell variable: null would silently switch the feature off
+            raise ConfigError(f"override {item!r} has no value; give one, or {key}=null to unset the key")
         node = out
-        for part in parts[:-1]:
+        for i, part in enumerate(parts[:-1]):
             child = node.get(part)
-            if not isinstance(child, dict):
-                child = {}
-                node[part] = child
+            if child is None:
+                child = node[part] = {}
+            elif not isinstance(child, dict):  # the file's bad section: refused, not replaced
+                _build(_section_type(cls, parts[: i + 1]), child, ".".join(parts[: i + 1]) + ".")
             node = child
         node[parts[-1]] = _CliValue(raw.strip())
     return out
@@ -234,8 +245,8 @@ def _coerce_int(value: Any, key: str) -> int:
 
 
 def _coerce_float(value: Any, key: str) -> float:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value):
+        return float(value)  # YAML's .nan is refused here; ±inf is left to each field's own check
     if isinstance(value, str):
         try:
             parsed = float(value.strip())  # "1e-4", "-inf", "inf" (YAML leaves these as strings)
@@ -256,6 +267,27 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
     return f"line {mark.line + 1}, column {mark.column + 1}: invalid YAML: {problem}"
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        first_line: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<:` merges; its keys may be overridden
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                if key in first_line:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} is given twice (first on line {first_line[key]})",
+                        key_node.start_mark,
+                    )  # fmt: skip
+                first_line[key] = key_node.start_mark.line + 1
+            except TypeError:  # an unhashable key: the base class says so
+                break
+        return super().construct_mapping(node, deep=deep)
+
+
 def _parse_cli(raw: str) -> Any:
     """A `--set` value as YAML would read it ("[1, 2]" → list, "true" → True, "-13" → -13)."""
     try:
@@ -274,6 +306,13 @@ def _hints(cls: type) -> dict[str, Any]:
 
 def _dataclass_in(tp: Any) -> type | None:
     return tp if isinstance(tp, type) and dataclasses.is_dataclass(tp) else None
+
+
+def _section_type(cls: type, parts: list[str]) -> type:
+    """The dataclass of the section at `parts` (a path `_check_path` accepted)."""
+    for part in parts:
+        cls = _dataclass_in(_hints(cls)[part])
+    return cls
 
 
 def _check_path(cls: type, parts: list[str]) -> None:

@@ -4,6 +4,7 @@ megatron's `OptimizerConfig`, `train.engine.lr_schedule` into its scheduler."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -64,12 +65,17 @@ class OptimizerSettings:
                 "optimizer='sgd' needs use_distributed_optimizer=False "
                 "(megatron's DistributedOptimizer is Adam-only)"
             )
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0; got {self.lr}")
-        if self.clip_grad < 0:
-            raise ValueError(f"clip_grad must be ≥ 0; got {self.clip_grad}")
-        if not self.initial_loss_scale >= 1:
-            raise ValueError(f"initial_loss_scale must be ≥ 1; got {self.initial_loss_scale}")
+        if not 0 < self.lr < math.inf:
+            raise ValueError(f"lr must be finite and > 0; got {self.lr}")
+        if not 0 <= self.clip_grad < math.inf:
+            raise ValueError(f"clip_grad must be finite and ≥ 0 (0: no clipping); got {self.clip_grad}")
+        for name in ("adam_beta1", "adam_beta2", "sgd_momentum"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name} must be in [0, 1); got {getattr(self, name)}")
+        if not 0 < self.adam_eps < math.inf:
+            raise ValueError(f"adam_eps must be finite and > 0; got {self.adam_eps}")
+        if not 1 <= self.initial_loss_scale < math.inf:
+            raise ValueError(f"initial_loss_scale must be finite and ≥ 1; got {self.initial_loss_scale}")
         for name in ("loss_scale_window", "loss_scale_hysteresis"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an int ≥ 1; got {getattr(self, name)!r}")
@@ -89,8 +95,10 @@ class OptimizerSettings:
             )
         if not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"min_lr must be in [0, lr = {self.lr}]; got {self.min_lr}")
-        if self.weight_decay < 0:
-            raise ValueError(f"weight_decay must be ≥ 0; got {self.weight_decay}")
+        if not 0 <= self.weight_decay < math.inf:
+            raise ValueError(f"weight_decay must be finite and ≥ 0; got {self.weight_decay}")
+        if self.weight_decay_end is not None and not math.isfinite(self.weight_decay_end):
+            raise ValueError(f"weight_decay_end must be finite or null; got {self.weight_decay_end}")
         if (
             self.weight_decay_end is not None
             and self.weight_decay_end != self.weight_decay

@@ -187,6 +187,19 @@ def test_unknown_key_without_near_match_lists_valid_keys():
         ),
         ("rollout.sampling.temperature=inf", r"rollout\.sampling\.temperature must be finite .*; got inf"),
         ("rollout.sampling.min_p=2", r"rollout\.sampling\.min_p must be in \[0, 1\] \(0: off\); got 2"),
+        # an unset shell variable (`--set algorithm.log_rho=$RHO`): before, null, so DVP was silently off
+        ("algorithm.log_rho=", r"override 'algorithm.log_rho=' has no value; .* algorithm\.log_rho=null"),
+        ("data.correct_reward=.nan", r"data\.correct_reward must be a number; got nan"),  # YAML's NaN
+        ("algorithm.rho_bias_budget=inf", r"rho_bias_budget must be finite and > 0; got inf"),
+        ("seed=-1", r"seed must be an integer in \[0, 2\^32\); got -1"),  # numpy refused it at step 1
+        ("seed=4294967296", r"seed must be an integer in \[0, 2\^32\); got 4294967296"),
+        ("optimizer.adam_beta1=1.5", r"adam_beta1 must be in \[0, 1\); got 1\.5"),
+        ("optimizer.adam_beta2=-1", r"adam_beta2 must be in \[0, 1\); got -1"),
+        ("optimizer.sgd_momentum=-2", r"sgd_momentum must be in \[0, 1\); got -2"),
+        ("optimizer.adam_eps=0", r"adam_eps must be finite and > 0; got 0"),  # torch's AdamW refused -1
+        ("optimizer.lr=inf", r"lr must be finite and > 0; got inf"),
+        ("optimizer.clip_grad=.nan", r"optimizer\.clip_grad must be a number; got nan"),
+        ("optimizer.weight_decay=inf", r"weight_decay must be finite and ≥ 0; got inf"),
     ],
 )
 def test_bad_values_name_the_key(override, pattern):
@@ -201,6 +214,27 @@ def test_missing_file_and_non_mapping_file(tmp_path):
     bad.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="must be a mapping"):
         load_config(bad)
+
+
+def test_a_file_that_is_no_utf8_text_or_repeats_a_key_is_refused_naming_it(tmp_path):
+    binary = tmp_path / "utf16.yaml"
+    binary.write_bytes("seed: 1\n".encode("utf-16"))
+    with pytest.raises(ConfigError, match=r"utf16\.yaml: not UTF-8 text \(byte 0\)"):
+        load_config(binary)
+    twice = tmp_path / "twice.yaml"  # PyYAML alone keeps the last one
+    twice.write_text("seed: 1\noptimizer:\n  lr: 1.0e-5\n  lr: 1.0e-3\n")
+    with pytest.raises(ConfigError, match=r"line 4, column 3: .*key 'lr' is given twice \(first on line 3\)"):
+        load_config(twice)
+    merged = tmp_path / "merged.yaml"  # a merge key's keys may be overridden: that is no repeat
+    merged.write_text("optimizer:\n  <<: {lr: 1.0e-5, clip_grad: 0.5}\n  lr: 2.0e-5\n")
+    assert (load_config(merged).optimizer.lr, load_config(merged).optimizer.clip_grad) == (2.0e-5, 0.5)
+
+
+def test_an_override_does_not_hide_the_files_bad_section(tmp_path):
+    path = tmp_path / "scalar.yaml"
+    path.write_text("model: 5\n")
+    with pytest.raises(ConfigError, match=r"^model must be a mapping of keys; got int 5$"):
+        load_config(path, ["model.precision=fp32"])  # before: the 5 was replaced by {precision: fp32}
 
 
 def test_resolved_config_round_trips(tmp_path):
@@ -328,7 +362,7 @@ def test_loading_a_config_and_planning_a_run_import_no_torch():
             "algorithm.is_mode=bogus",
             r"algorithm\.is_mode must be one of \('none', 'tis', 'mis'\); got 'bogus'",
         ),
-        ("optimizer.lr=0", r"lr must be > 0; got 0"),
+        ("optimizer.lr=0", r"lr must be finite and > 0; got 0"),
         (
             "algorithm.entropy_coef=-0.1",
             r"AlgorithmConfig\.entropy_coef must be finite and in \[0\.0, inf\]; got -0\.1",

@@ -1,6 +1,7 @@
 """Evaluation says what happened, and nothing where there is none: an environment failure during an
 evaluation is counted under its own tags (`eval/env_failures`, `eval/env_episodes_lost`, read back from
-TensorBoard) and said on the console; a run without eval prompts prints no eval line. Before: the failure
+TensorBoard) and said on the console; a run without eval prompts prints no eval line, and one line that
+its `train.eval_every` evaluates nothing. Before: the failure
 vanished (no metric, no line), and `data.eval_path: null` printed "step 0: eval accuracy nan sampled, nan
 greedy"."""
 
@@ -61,3 +62,5 @@ def test_without_eval_prompts_nothing_is_said_about_evaluation(tiny_model_dir, p
     assert code == 0, output[-4000:]
     assert "eval accuracy" not in output and "eval_acc" not in output, output[-4000:]
     assert "step 1 " in output
+    # the cadence the config asked for is named once, where it goes unused (a forgotten eval set)
+    assert output.count("train.eval_every=1 evaluates nothing: data.eval_path is null") == 1, output[-4000:]

@@ -161,5 +161,8 @@ def test_local_engine_command_and_config_carry_the_dial():
         load_config(None, [*remote, "rollout.quantization=nvfp4_a16"])
     with pytest.raises(UserError, match="local engine only"):
         load_config(None, [*remote, "rollout.local.logit_noise=1.0"])
-    with pytest.raises(UserError, match=r"rollout\.local\.logit_noise must be a number ≥ 0"):
-        load_config(None, ["rollout.local.logit_noise=-1"])
+    for bad in ("-1", "inf"):
+        with pytest.raises(
+            UserError, match=rf"rollout\.local\.logit_noise must be a finite number ≥ 0.*{bad}"
+        ):
+            load_config(None, [f"rollout.local.logit_noise={bad}"])

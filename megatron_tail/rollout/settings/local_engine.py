@@ -52,8 +52,8 @@ class LocalEngineSection:
         _choice(SECTION, "dtype", self.dtype, LOCAL_DTYPES)
         _choice(SECTION, "kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         noise = self.logit_noise
-        if isinstance(noise, bool) or not isinstance(noise, (int, float)) or not noise >= 0:
-            _bad(SECTION, "logit_noise", noise, "must be a number ≥ 0 (0 = off)")
+        if isinstance(noise, bool) or not isinstance(noise, (int, float)) or not 0 <= noise < float("inf"):
+            _bad(SECTION, "logit_noise", noise, "must be a finite number ≥ 0 (0 = off)")
         if self.port is not None and not 0 < self.port < 65536:
             _bad(SECTION, "port", self.port, "must be in 1..65535")
         if self.num_threads is not None:

@@ -233,6 +233,8 @@ def _loop(s: RunSession, stop: GracefulStop, hooks: LoopHooks) -> RunResult:
         purge_step=start + 1 if start else 0,
     )
     console = s.console
+    if cfg.train.eval_every and not cfg.data.eval_path:  # a template's cadence, or a forgotten eval set
+        console.note(f"train.eval_every={cfg.train.eval_every} evaluates nothing: data.eval_path is null")
     try:
         s.wait_ready()
         s.sync_weights(version=start)
