@@ -3,12 +3,14 @@ verdict. Reads the model's `config.json` only (never weights, prompts or a GPU),
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from megatron_tail.config.cluster import PLAN_GPUS_PER_NODE, PLAN_MEM_FRACTION, PLAN_NODES
 from megatron_tail.config.schema import RunConfig
 from megatron_tail.model.directory import load_model_config
 from megatron_tail.model.moe_arch import check_expert_layout
+from megatron_tail.train.rl.routing import check_routing_replay
 
 from .rollout import ENGINE_DTYPE_BYTES, KV_DTYPE_BYTES, RolloutLayout, RolloutMemory, rollout_memory
 from .shapes import ModelShape
@@ -24,6 +26,10 @@ from .trainer import (
 
 GIB = 1 << 30
 
+
+PLANNED_QUANTIZATIONS = (None, "none", "fp8")
+"""`plan --quantization` values: SGLang's own ("fp8": e4m3 linear weights), or none. The local engine's
+emulated formats (`rollout.quantization`'s fp8_tensor, nvfp4_a16) have no SGLang server to plan."""
 
 @dataclass(frozen=True)
 class Cluster:
@@ -100,12 +106,17 @@ class Cluster:
                 f"cluster.sglang.tp={self.rollout_tp}"
             )
         for name in ("gpu_memory_gib", "fs_write_gbps", "host_memory_gib"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0; got {getattr(self, name)!r}")
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be finite and > 0; got {getattr(self, name)!r}")
         if not 0 < self.mem_fraction < 1:
             raise ValueError(f"cluster.sglang.mem_fraction must be in (0, 1); got {self.mem_fraction!r}")
-        if self.reserve_gib < 0:
-            raise ValueError(f"reserve_gib must be ≥ 0; got {self.reserve_gib!r}")
+        if not 0 <= self.reserve_gib < math.inf:
+            raise ValueError(f"reserve_gib must be finite and ≥ 0; got {self.reserve_gib!r}")
+        if self.quantization not in PLANNED_QUANTIZATIONS:
+            raise ValueError(
+                "quantization must be 'none' or 'fp8' (the SGLang weights the plan counts); "
+                f"got {self.quantization!r}"
+            )
         if self.kv_cache_dtype not in KV_DTYPE_BYTES:
             raise ValueError(
                 f"kv_cache_dtype must be one of {sorted(KV_DTYPE_BYTES)}; got {self.kv_cache_dtype!r}"
@@ -185,6 +196,7 @@ def make_plan(config: RunConfig, cluster: Cluster) -> Plan:
     check_expert_layout(
         arch.moe, arch.architecture, tensor_parallel=tp, expert_parallel=ep, expert_tensor_parallel=etp
     )
+    check_routing_replay(config, arch)  # as `train` refuses it, at its engines' start
     etp = etp or tp
     trainer_gpus = (cluster.nodes - cluster.rollout_nodes) * (
         cluster.trainer_procs_per_node or cluster.gpus_per_node

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from megatron_tail.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -145,6 +147,28 @@ def test_bad_layout_is_one_clear_error(capsys):
     )
     rc = main(["plan", str(EXAMPLE_8B)])  # models/Qwen3-8B is not in the repository
     assert rc == 2 and "model.hf_path: model directory 'models/Qwen3-8B' not found" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [  # before: an OverflowError traceback, an unclear "cannot convert float NaN", or a plan printed
+        (["--gpu-memory-gib", "inf"], "gpu_memory_gib must be finite and > 0; got inf"),
+        (["--reserve-gib", "nan"], "reserve_gib must be finite and ≥ 0; got nan"),
+        (
+            ["--quantization", "int3"],
+            "quantization must be 'none' or 'fp8' (the SGLang weights the plan counts)",
+        ),
+        (  # `train` refuses it too, but only once its engines start
+            ["--set", "algorithm.routing_replay=r3"],
+            "algorithm.routing_replay=r3 needs a mixture-of-experts model; Qwen3ForCausalLM is dense",
+        ),
+    ],
+    ids=["inf_memory", "nan_reserve", "quantization", "replay_on_dense"],
+)
+def test_a_bad_flag_or_setting_is_one_line(capsys, flags, message):
+    rc = main(["plan", str(EXAMPLE_8B), "--set", f"model.hf_path={QWEN3_8B}", *flags])
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err and len(err.splitlines()) == 1, err
 
 
 def _bad_model_dirs(tmp_path) -> dict[str, tuple[Path, str]]:
