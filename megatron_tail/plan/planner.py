@@ -31,6 +31,7 @@ PLANNED_QUANTIZATIONS = (None, "none", "fp8")
 """`plan --quantization` values: SGLang's own ("fp8": e4m3 linear weights), or none. The local engine's
 emulated formats (`rollout.quantization`'s fp8_tensor, nvfp4_a16) have no SGLang server to plan."""
 
+
 @dataclass(frozen=True)
 class Cluster:
     """The allocation and the assumptions the plan rests on: the run's `cluster:` section
