@@ -110,6 +110,12 @@ class ModelSettings:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.use_te and (importlib.util.find_spec("transformer_engine") is None or device == "cpu"):
+            lacks = "no CUDA device" if device == "cpu" else "no transformer_engine installed"
+            raise UserError(
+                f"model.use_te=true needs Transformer Engine on CUDA (a GPU extra), and this machine has "
+                f"{lacks}; use model.use_te=false (megatron-core's local spec) or null (TE where it can run)"
+            )
         if self.op_backend == "triton" and (problem := triton_unavailable(device)):
             here = ", and this machine has no CUDA device" if device == "cpu" else ""
             raise UserError(

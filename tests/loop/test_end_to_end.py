@@ -223,6 +223,10 @@ def test_offline_eval_refuses_bad_input_with_a_message(cli_run, tmp_path):
     cmd = [sys.executable, "-m", "megatron_tail.cli", "eval", str(run_dir / "config.yaml"), "--checkpoint"]
     proc = subprocess.run([*cmd, str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "is not a complete checkpoint (no metadata.json)" in proc.stderr
+    proc = subprocess.run([*cmd, str(tmp_path / "step_000009")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.endswith(
+        "step_000009 does not exist (a run's checkpoints/step_NNNNNN directory)\n"
+    ), proc.stderr
     proc = subprocess.run(
         [*cmd[:-1], "--hf", str(tmp_path), "--set", "data.eval_path=null"],
         capture_output=True,

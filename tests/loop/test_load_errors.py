@@ -6,7 +6,8 @@ Before, on the tiny model of these tests (a context of 32 tokens):
 - `train.max_tokens_per_micro_batch` below one sample: a ValueError traceback at step 1, exit 1;
 - `model.op_backend=triton` without CUDA: a RuntimeError traceback at the first step, 62 lines, exit 1;
 - a run directory on a read-only mount: an `OSError` traceback, exit 1;
-- `rollout.local.device=cuda` without CUDA: exit 4, blaming the engine, the key unnamed.
+- `rollout.local.device=cuda` without CUDA: exit 4, blaming the engine, the key unnamed;
+- `model.use_te=true` without Transformer Engine or CUDA: a ValueError traceback after megatron started.
 """
 
 from __future__ import annotations
@@ -122,6 +123,29 @@ def test_the_triton_op_without_cuda_is_refused_naming_the_key_and_the_interprete
         cfg.check_inputs()
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the kernels' tests on CPU
     cfg.check_inputs()
+
+
+def test_offline_eval_refuses_an_output_path_that_is_a_file(tiny_model_dir, prompt_file, tmp_path):
+    """Before: `FileExistsError` traceback from `out.mkdir`, after the model was loaded."""
+    from megatron_tail.train.run.offline_eval import check_inputs
+
+    cfg = _config(tiny_model_dir, prompt_file, tmp_path / "run", **{"data.eval_path": prompt_file})
+    (a_file := tmp_path / "results").write_text("")
+    with pytest.raises(UserError, match=rf"^--out {a_file} is a file; a directory .* is expected$"):
+        check_inputs(cfg, hf_dir=tiny_model_dir, out_dir=a_file)
+    check_inputs(cfg, hf_dir=tiny_model_dir, out_dir=tmp_path / "new")
+
+
+@no_cuda
+def test_transformer_engine_where_it_cannot_run_is_refused_naming_the_key(
+    tiny_model_dir, prompt_file, tmp_path
+):
+    """Before: megatron started, then a 28-line ValueError traceback from `resolved_use_te`, exit 1."""
+    cfg = _config(tiny_model_dir, prompt_file, tmp_path / "run", **{"model.use_te": True})
+    with pytest.raises(
+        UserError, match=r"^model.use_te=true needs Transformer Engine on CUDA .* no CUDA device;"
+    ):
+        cfg.check_inputs()
 
 
 @no_cuda

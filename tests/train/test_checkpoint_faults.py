@@ -73,6 +73,16 @@ def _truncate(file, keep=0.5):
     file.write_bytes(data[: int(len(data) * keep)])
 
 
+def test_a_missing_common_file_is_named_missing(run):
+    """Before: "common.pt is unreadable (TypeError: CheckpointingConfig.__init__() missing ...)"."""
+    from megatron_tail.train.engine.checkpoint import CheckpointCorruptError, check_checkpoint
+
+    newest = run / "checkpoints" / "step_000002"
+    (newest / "common.pt").unlink()
+    with pytest.raises(CheckpointCorruptError, match=f"^checkpoint file {newest / 'common.pt'} is missing$"):
+        check_checkpoint(newest)
+
+
 @pytest.mark.parametrize(
     ("victim", "why"),
     [

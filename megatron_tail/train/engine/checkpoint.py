@@ -210,6 +210,8 @@ def check_checkpoint(path: str | Path) -> None:
         json.loads((path / "metadata.json").read_text())
     except (OSError, ValueError) as e:
         raise corrupt(path / "metadata.json", f"unreadable ({type(e).__name__}: {e})") from None
+    if not (path / "common.pt").is_file():
+        raise corrupt(path / "common.pt", "missing")
     try:
         read_checkpoint_meta(path)
     except Exception as e:  # torch.load of a truncated file: EOFError, UnpicklingError, RuntimeError, ...

@@ -31,7 +31,7 @@ def evaluate_offline(
     """Exactly one of `hf_dir` / `checkpoint`; `cfg.data.eval_path` must be set. Returns the `eval/*`
     scalars and writes them to `<out_dir>/eval.json` (default: the model directory), the local engine's
     log to `<out_dir>/logs/` (so a read-only model directory needs `out_dir`)."""
-    check_inputs(cfg, hf_dir=hf_dir, checkpoint=checkpoint)
+    check_inputs(cfg, hf_dir=hf_dir, checkpoint=checkpoint, out_dir=out_dir)
     model_dir = Path(hf_dir) if hf_dir is not None else export_checkpoint(cfg, Path(checkpoint))
     out = Path(out_dir) if out_dir is not None else model_dir
     out.mkdir(parents=True, exist_ok=True)
@@ -47,7 +47,11 @@ def evaluate_offline(
 
 
 def check_inputs(
-    cfg: RunConfig, *, hf_dir: str | Path | None = None, checkpoint: str | Path | None = None
+    cfg: RunConfig,
+    *,
+    hf_dir: str | Path | None = None,
+    checkpoint: str | Path | None = None,
+    out_dir: str | Path | None = None,
 ) -> None:
     """What `evaluate_offline` needs that can be told without torch or megatron-core (`megatron-tail eval`
     checks it before importing them): exactly one model, an eval set, a model directory that is one.
@@ -58,10 +62,18 @@ def check_inputs(
         )
     if cfg.data.eval_path is None:
         raise UserError("data.eval_path is required to evaluate (a jsonl/json/parquet file of prompts)")
+    if checkpoint is not None and not Path(checkpoint).is_dir():
+        raise UserError(
+            f"--checkpoint {checkpoint} does not exist (a run's checkpoints/step_NNNNNN directory)"
+        )
     if checkpoint is not None and not (Path(checkpoint) / "metadata.json").is_file():
         raise UserError(f"--checkpoint {checkpoint} is not a complete checkpoint (no metadata.json)")
     if hf_dir is not None and not (Path(hf_dir) / "config.json").is_file():
         raise UserError(f"{hf_dir} is not a HF checkpoint directory (no config.json)")
+    if out_dir is not None and Path(out_dir).exists() and not Path(out_dir).is_dir():
+        raise UserError(
+            f"--out {out_dir} is a file; a directory for eval.json and the engine's logs is expected"
+        )
 
 
 def export_checkpoint(cfg: RunConfig, checkpoint: Path) -> Path:
