@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from megatron_tail.demo.run import finished_run, launch_training, read_scalars, summarise, training_failed
+from megatron_tail.utils.errors import UserError
 
 from .tail_config import TAIL_CONFIG_YAML
 from .tail_model import ensure_tail_model, ensure_tail_prompts
@@ -78,9 +79,9 @@ def run_experiment(
     """
     unknown = sorted(set(arms) - set(ARMS))
     if unknown:
-        raise ValueError(f"unknown arm(s) {unknown}; the arms are {list(ARMS)}")
+        raise UserError(f"unknown arm(s) {unknown}; the arms are {list(ARMS)}")
     if variant not in VARIANTS:
-        raise ValueError(f"unknown variant {variant!r}; the variants are {list(VARIANTS)}")
+        raise UserError(f"unknown variant {variant!r}; the variants are {list(VARIANTS)}")
     out, cache = Path(out_dir), Path(cache_dir)
     started = time.monotonic()
     groups = {arm: [*ARMS[arm], *VARIANTS[variant], *overrides] for arm in arms}

@@ -16,6 +16,7 @@ import yaml
 
 from megatron_tail.config.loader import RESOLVED_CONFIG_NAME
 from megatron_tail.train.run.run_dir import tensorboard_dir
+from megatron_tail.utils.errors import UserError
 
 Histogram = tuple[int, np.ndarray, np.ndarray]
 """(step, bucket right edges `[B]` float64, counts `[B]` float64), TensorBoard's `bucket_limit`/`bucket`."""
@@ -140,5 +141,12 @@ def load_config_dict(run_dir: str | Path) -> dict[str, Any]:
     path = Path(run_dir) / RESOLVED_CONFIG_NAME
     if not path.is_file():
         return {}
-    loaded = yaml.safe_load(path.read_text())
+    try:
+        loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        where = getattr(e, "problem_mark", None)
+        at = f" (line {where.line + 1}, column {where.column + 1})" if where is not None else ""
+        raise UserError(
+            f"{path} is not the YAML a run writes{at}: {getattr(e, 'problem', None) or e}"
+        ) from None
     return loaded if isinstance(loaded, dict) else {}

@@ -19,6 +19,7 @@ from megatron_tail.experiments.zipf_language import (
     target_fraction_reward,
     target_words,
 )
+from megatron_tail.utils.errors import UserError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -86,9 +87,10 @@ def test_results_table_is_mean_and_sample_std_over_seeds(tmp_path):
 
 
 def test_unknown_arm_is_refused_by_name(tmp_path):
-    with pytest.raises(ValueError, match=r"unknown arm\(s\) \['nope'\]"):
+    # a UserError: one line and exit 2 at the command line (was a ValueError traceback, exit 1)
+    with pytest.raises(UserError, match=r"unknown arm\(s\) \['nope'\]"):
         tail_mismatch.run_experiment(tmp_path, tmp_path, arms=["nope"])
-    with pytest.raises(ValueError, match=r"unknown variant 'int4'; the variants are \['bf16', 'fp8'\]"):
+    with pytest.raises(UserError, match=r"unknown variant 'int4'; the variants are \['bf16', 'fp8'\]"):
         tail_mismatch.run_experiment(tmp_path, tmp_path, variant="int4")
 
 

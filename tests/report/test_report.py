@@ -260,6 +260,14 @@ def test_cli_refusals_are_one_line(tmp_path, capsys):
         "be the run_dir of a `megatron-tail train` run that has logged a step\n"
     )
     assert list(empty.iterdir()) == [] and not (tmp_path / "report").exists()
+    # a run whose config.yaml was edited into bad YAML: before, a 62-line yaml.parser traceback
+    (run_dir / "config.yaml").write_text("algorithm: {log_rho: -13\n")
+    assert main(["report", str(run_dir), "--out", str(tmp_path / "r")]) == EXIT_USER_ERROR
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"megatron-tail report: error: {run_dir / 'config.yaml'} is not the YAML a run writes (line "
+    )
+    assert len(err.splitlines()) == 1, err
 
 
 def test_the_report_imports_no_megatron():
