@@ -13,6 +13,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from megatron_tail.config import ConfigError, load_config
 from megatron_tail.train.run.run_dir_lock import RunDirLocked, claim_run_dir
@@ -209,6 +210,34 @@ def test_serve_local_names_a_missing_model_directory(tmp_path):
     assert proc.returncode == EXIT_USER_ERROR
     assert proc.stderr.splitlines() == [
         f"megatron-tail serve-local: error: --model-path: model directory '{tmp_path / 'nope'}' not found"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [  # before: ValueError / RuntimeError tracebacks from the engine or torch (exit 1), or a bare SystemExit
+        (["--port", "70000"], "--port must be in 1..65535; got 70000"),
+        (["--device", "gpu"], "--device must be cpu, cuda or cuda:N; got 'gpu'"),
+        (["--logit-noise", "-1"], "--logit-noise must be a finite number ≥ 0 (0: off); got -1.0"),
+        (["--logit-noise", "inf"], "--logit-noise must be a finite number ≥ 0 (0: off); got inf"),
+        (["--num-threads", "0"], "--num-threads must be ≥ 1; got 0"),
+        (["--max-batch", "0"], "--max-batch must be ≥ 1; got 0"),
+    ],
+)
+def test_serve_local_refuses_a_bad_flag_by_name_before_loading(flags, message):
+    from megatron_tail.rollout.local_engine.cli import check_serve_args, parse_serve_local
+
+    with pytest.raises(UserError, match=f"^{re.escape(message)}$"):
+        check_serve_args(parse_serve_local(["--model-path", "/m", "--port", "1", *flags]))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a CUDA device needs a host without one")
+def test_serve_local_on_a_cuda_device_without_cuda_is_one_line(tiny_model_dir):
+    proc = _cli("serve-local", "--model-path", str(tiny_model_dir), "--port", "1", "--device", "cuda:0")
+    assert proc.returncode == EXIT_USER_ERROR
+    assert proc.stderr.splitlines() == [
+        "megatron-tail serve-local: error: --device cuda:0 needs CUDA, and this machine has none; "
+        "use --device cpu"
     ]
 
 

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
+import re
 
 from megatron_tail.rollout.local_engine.sglang_defaults import (
     DEFAULT_SAMPLING_MASK_MAX_TOKENS,
     SAMPLING_BACKENDS,
 )
+from megatron_tail.utils.errors import UserError
 
 DEFAULT_HOST = "127.0.0.1"
 
@@ -91,6 +94,7 @@ def serve_local(args: argparse.Namespace) -> int:
     from megatron_tail.utils.start_up import collector_paused
 
     die_with_parent_from_env()  # started by a trainer: never outlive it (not even its kill -9)
+    check_serve_args(args)
     with collector_paused():  # the imports and the model the process serves for its life
         import torch
         from aiohttp import web
@@ -99,8 +103,8 @@ def serve_local(args: argparse.Namespace) -> int:
         from megatron_tail.utils.net import listen_on
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-        if not 0 < args.port < 65536:
-            raise SystemExit(f"--port must be in 1..65535; got {args.port}")
+        if args.device.startswith("cuda") and not torch.cuda.is_available():
+            raise UserError(f"--device {args.device} needs CUDA, and this machine has none; use --device cpu")
         sock = None if args.listen_fd is None else _inherited_socket(args)
         if args.num_threads is not None:
             torch.set_num_threads(args.num_threads)
@@ -114,6 +118,21 @@ def serve_local(args: argparse.Namespace) -> int:
         sock.set_inheritable(False)  # a process the engine starts must not keep its port
         web.run_app(app, sock=listen_on(sock), print=None, access_log=None)
     return 0
+
+
+def check_serve_args(args: argparse.Namespace) -> None:
+    """UserError naming the flag, before torch is imported or the model loaded (`LocalEngine` and torch
+    refuse these too, with a traceback)."""
+    if not 0 < args.port < 65536:
+        raise UserError(f"--port must be in 1..65535; got {args.port}")
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
+        raise UserError(f"--device must be cpu, cuda or cuda:N; got {args.device!r}")
+    if not 0 <= args.logit_noise < math.inf:
+        raise UserError(f"--logit-noise must be a finite number ≥ 0 (0: off); got {args.logit_noise}")
+    for flag in ("num_threads", "max_batch", "sampling_mask_max_tokens"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise UserError(f"--{flag.replace('_', '-')} must be ≥ 1; got {value}")
 
 
 def make_engine(args: argparse.Namespace):
