@@ -16,6 +16,7 @@ parquet file.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from dataclasses import dataclass, field, fields
@@ -102,6 +103,22 @@ def check_prompt_file(path: str | Path, key: str | None = None) -> Path:
     return path
 
 
+@contextlib.contextmanager
+def _datasets_quiet(datasets):
+    """Without `datasets`' "Generating train split" bar and its own error log of a bad file ("Failed to
+    load JSON from file ..."): the file is named once, by the UserError below, and a run's console is its
+    progress lines."""
+    bars_were_off, verbosity = datasets.are_progress_bars_disabled(), datasets.logging.get_verbosity()
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    try:
+        yield
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+        if not bars_were_off:
+            datasets.enable_progress_bars()
+
+
 def read_records(path: str | Path, cache_dir: str | None = None):
     """A `datasets.Dataset` of the rows of a local jsonl/json/parquet file (no network). UserError naming
     the file (and for JSON the line) if it is missing, empty, or not what its suffix says."""
@@ -115,7 +132,8 @@ def read_records(path: str | Path, cache_dir: str | None = None):
         _check_utf8(path)
     reader = datasets.Dataset.from_json if kind == "json" else datasets.Dataset.from_parquet
     try:
-        dataset = reader(str(path), cache_dir=cache_dir, keep_in_memory=True)
+        with _datasets_quiet(datasets):
+            dataset = reader(str(path), cache_dir=cache_dir, keep_in_memory=True)
     except Exception as e:  # datasets/pyarrow errors name neither the file nor the row: find them
         if kind == "json":
             _check_json(path)

@@ -33,11 +33,21 @@ def test_an_empty_file_is_named(tokenizer, tmp_path):
             _load(path, tokenizer, tmp_path)
 
 
-def test_a_malformed_json_line_is_named(tokenizer, tmp_path):
+def test_a_malformed_json_line_is_named_and_nothing_else_is_said(tokenizer, tmp_path, capfd):
+    import datasets
+
     path = tmp_path / "bad.jsonl"
     path.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": 4\n')
+    bars, verbosity = datasets.are_progress_bars_disabled(), datasets.logging.get_verbosity()
     with pytest.raises(UserError, match=rf"prompt file {path} line 2: invalid JSON: Expecting ',' delimiter"):
         _load(path, tokenizer, tmp_path)
+    path.write_text("not json\n")
+    with pytest.raises(UserError, match=rf"prompt file {path} line 1: invalid JSON: Expecting value"):
+        _load(path, tokenizer, tmp_path)
+    # before: datasets' "Generating train split" bar and "Failed to load JSON from file ... pyarrow ..." too
+    said = capfd.readouterr()
+    assert "Generating" not in said.err + said.out and "Failed to load" not in said.err + said.out, said
+    assert (datasets.are_progress_bars_disabled(), datasets.logging.get_verbosity()) == (bars, verbosity)
 
 
 def test_a_parquet_file_that_is_not_parquet_is_named(tokenizer, tmp_path):
