@@ -117,6 +117,16 @@ def run_demo(
         overrides = [*CALCULATOR_OVERRIDES, *overrides]
     if moe:
         overrides = [*moe_compare.MOE_OVERRIDES, *overrides]
+    if moe:
+        variants = moe_compare.MOE_COMPARE_VARIANTS if compare else moe_compare.MOE_SINGLE
+    else:
+        variants = COMPARE_VARIANTS if compare else {"": []}
+    import yaml
+
+    from megatron_tail.config.loader import apply_overrides, config_from_dict
+
+    for knobs in variants.values():  # a typo in --set: one line now, not after minutes of pretraining
+        config_from_dict(apply_overrides(yaml.safe_load(DEMO_CONFIG_YAML), [*knobs, *overrides]))
     from megatron_tail.demo.pretrain import PretrainStopped, StopRequests
 
     with StopRequests() as stop:  # from here: a stop while the model is made or checked is heard too
@@ -134,10 +144,6 @@ def run_demo(
         f"data.train_path={train_file}",
         f"data.eval_path={test_file}",
     ]
-    if moe:
-        variants = moe_compare.MOE_COMPARE_VARIANTS if compare else moe_compare.MOE_SINGLE
-    else:
-        variants = COMPARE_VARIANTS if compare else {"": []}
     dirs = {}
     for name, knobs in variants.items():
         target = Path(run_dir) / name if name else Path(run_dir)

@@ -140,3 +140,16 @@ def test_moe_with_an_environment_is_refused_in_one_line(tmp_path, capsys):
     assert out == [
         "demo --moe with rollout.env.name: the MoE demo model is pretrained without the calculator tool"
     ]
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_a_bad_override_is_refused_before_the_model_is_pretrained(tmp_path, moe):
+    """Before: on a fresh cache the typo surfaced only when training started, minutes of pretraining later."""
+    from megatron_tail.config import ConfigError
+    from megatron_tail.demo.run import run_demo
+
+    with pytest.raises(ConfigError, match=r"train\.steps must be an integer; got 'abc'"):
+        run_demo(
+            run_dir=str(tmp_path / "r"), cache_dir=str(tmp_path / "c"), overrides=["train.steps=abc"], moe=moe
+        )
+    assert not (tmp_path / "c").exists()
