@@ -73,6 +73,17 @@ def read_moe(cfg: dict[str, Any], num_layers: int, architecture: str) -> MoEArch
     )
 
 
+def check_routing_replay(mode: str, moe: MoEArch | None, architecture: str) -> None:
+    """UserError (one line) for `algorithm.routing_replay` r2/r3 on a dense model. Multi-turn episodes
+    (`rollout.env.name`) carry their turns' routes (`rollout/envs/episode.py`: each position's row from the
+    first request that fed it)."""
+    if mode != "none" and moe is None:
+        raise UserError(
+            f"algorithm.routing_replay={mode} needs a mixture-of-experts model; {architecture} is dense "
+            "(use algorithm.routing_replay=none)"
+        )
+
+
 def check_expert_layout(
     moe: MoEArch | None,
     architecture: str,

@@ -9,8 +9,7 @@ from dataclasses import dataclass, field, replace
 from megatron_tail.config.cluster import PLAN_GPUS_PER_NODE, PLAN_MEM_FRACTION, PLAN_NODES
 from megatron_tail.config.schema import RunConfig
 from megatron_tail.model.directory import load_model_config
-from megatron_tail.model.moe_arch import check_expert_layout
-from megatron_tail.train.rl.routing import check_routing_replay
+from megatron_tail.model.moe_arch import check_expert_layout, check_routing_replay
 
 from .rollout import ENGINE_DTYPE_BYTES, KV_DTYPE_BYTES, RolloutLayout, RolloutMemory, rollout_memory
 from .shapes import ModelShape
@@ -197,7 +196,7 @@ def make_plan(config: RunConfig, cluster: Cluster) -> Plan:
     check_expert_layout(
         arch.moe, arch.architecture, tensor_parallel=tp, expert_parallel=ep, expert_tensor_parallel=etp
     )
-    check_routing_replay(config, arch)  # as `train` refuses it, at its engines' start
+    check_routing_replay(routing_replay(config), arch.moe, arch.architecture)  # as `train` refuses it
     etp = etp or tp
     trainer_gpus = (cluster.nodes - cluster.rollout_nodes) * (
         cluster.trainer_procs_per_node or cluster.gpus_per_node

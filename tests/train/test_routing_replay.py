@@ -376,10 +376,10 @@ def test_routes_survive_the_rollout_buffers_checkpoint(tmp_path):
 def test_refusals_are_one_line(tmp_path):
     from megatron_tail.config import config_from_dict
     from megatron_tail.model import load_hf_config
+    from megatron_tail.model.moe_arch import check_routing_replay
     from megatron_tail.rollout.batch import RolloutBatch
     from megatron_tail.rollout.columns import LOGPROBS
     from megatron_tail.rollout.routes import route_fields
-    from megatron_tail.train.rl.routing import check_routing_replay
     from megatron_tail.train.rl.samples import build_samples
     from megatron_tail.utils.errors import UserError
     from tests.model.hf_models import make_hf_model
@@ -390,9 +390,9 @@ def test_refusals_are_one_line(tmp_path):
         with pytest.raises(
             UserError, match=f"algorithm.routing_replay={mode} needs a mixture-of-experts"
         ) as e:
-            check_routing_replay(config_from_dict({"algorithm": {"routing_replay": mode}}), dense)
+            check_routing_replay(mode, dense.moe, dense.architecture)
         assert "\n" not in str(e.value)
-    check_routing_replay(config_from_dict({}), dense)  # none: nothing to refuse
+    check_routing_replay(config_from_dict({}).algorithm.routing_replay, dense.moe, dense.architecture)
     cfg = config_from_dict({"algorithm": {"group_size": 2, "routing_replay": "r3"}})
     batch = RolloutBatch(
         prompt_ids=[[1, 2]] * 2, response_ids=[[3]] * 2, rewards=[1.0, 0.0], correct=[True, False],

@@ -35,17 +35,6 @@ UPDATE_ACTION = {"none": None, "r2": "replay_recorded", "r3": "replay_field"}
 REFERENCE_ACTION = {"none": None, "r2": None, "r3": "replay_field"}
 
 
-def check_routing_replay(cfg, arch) -> None:
-    """UserError (one line) for r2/r3 on a dense model. Multi-turn episodes (`rollout.env.name`) carry their
-    turns' routes (`rollout/envs/episode.py`: each position's row from the first request that fed it)."""
-    mode = cfg.algorithm.routing_replay
-    if mode != "none" and arch.moe is None:
-        raise UserError(
-            f"algorithm.routing_replay={mode} needs a mixture-of-experts model; {arch.architecture} is dense "
-            "(use algorithm.routing_replay=none)"
-        )
-
-
 def engine_routes_shape(cfg, arch) -> tuple[int, int] | None:
     """`(num_hidden_layers, top_k)` when the engines should return routes, else None: under r3 (replayed),
     and for a MoE model on the local engine (for `moe/routing_agreement`: free there), for single-turn

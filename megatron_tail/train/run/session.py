@@ -28,6 +28,7 @@ import torch.distributed as dist
 from megatron_tail.algorithms.adaptive_rho import AdaptiveRho
 from megatron_tail.config import RunConfig
 from megatron_tail.config.run_inputs import RunPrompts, run_prompts
+from megatron_tail.model.moe_arch import check_routing_replay
 from megatron_tail.rollout import RolloutBatch
 from megatron_tail.rollout.service import RolloutService
 from megatron_tail.utils.errors import UserError
@@ -38,7 +39,6 @@ from ..engine.lr_schedule import restore_progress
 from ..engine.parallel import host_wait_group, init_parallel
 from ..engine.reference import build_reference
 from ..engine.setup import build_trainer
-from ..rl.routing import check_routing_replay
 from . import run_dir, signals
 from .config_change import config_text
 from .console import Console, progress_enabled
@@ -99,7 +99,8 @@ class RunSession:
             from megatron_tail.model.directory import check_model_dir
 
             check_model_dir(cfg.model.hf_path)  # one named error before any library meets a bad directory
-            check_routing_replay(cfg, load_hf_config(cfg.model.hf_path))  # before a local engine starts
+            arch = load_hf_config(cfg.model.hf_path)  # before a local engine starts
+            check_routing_replay(cfg.algorithm.routing_replay, arch.moe, arch.architecture)
             prompts = run_prompts(cfg)  # read before megatron by `check_inputs` in this process, else now
             tokenizer = prompts.tokenizer
             self._load_data(prompts)
