@@ -13,20 +13,20 @@ import torch.distributed as dist
 
 from megatron_tail.config import load_config
 from megatron_tail.utils.net import free_port
-from tests.harness import run_distributed
+from tests.harness import run_distributed, run_forked
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=1)
 RANK0_PHASE_S = 2.5  # longer than the collective timeout
-# Rank 0's late arrival: longer than the TCPStore client's whole connect window under the collective timeout
+# A rank's late arrival: longer than the TCPStore client's whole connect window under the collective timeout
 # (a 1 s try, a random back-off of about a second, a second 1 s try: "retrying (try=0, ...)"), so the old
 # start-up fails every time rather than sometimes.
-RANK0_ARRIVES_LATE_S = 5.0
+ARRIVES_LATE_S = 5.0
 
 
-def _fresh_world(rank: int, world: int, port: int, marker: Path) -> float:
-    """Replace the harness's world group by one that `init_distributed` makes, with short timeouts; rank 0
-    arrives at the new rendezvous RANK0_ARRIVES_LATE_S after rank 1 is in it. Returns the seconds this rank
-    spent from then to a working group."""
+def _fresh_world(rank: int, world: int, port: int, markers: Path, late: int = 0) -> float:
+    """Replace the harness's world group by one that `init_distributed` makes, with short timeouts; rank
+    `late` arrives at the new rendezvous ARRIVES_LATE_S after every other rank is in it. Returns the seconds
+    this rank spent from then to a working group."""
     from megatron_tail.train.engine import parallel
 
     dist.barrier()
@@ -35,22 +35,22 @@ def _fresh_world(rank: int, world: int, port: int, marker: Path) -> float:
         {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world)}
     )
     parallel._host_wait_group = None
-    if rank == 0:
-        while not marker.exists():
+    if rank == late:
+        while len(list(markers.iterdir())) < world - 1:
             time.sleep(0.01)
-        time.sleep(RANK0_ARRIVES_LATE_S)  # e.g. still importing on a slow shared filesystem
+        time.sleep(ARRIVES_LATE_S)  # e.g. still importing on a slow shared filesystem
     else:
-        marker.touch()
+        (markers / str(rank)).touch()
     started = time.monotonic()
     parallel.init_distributed("gloo", timeout=COLLECTIVE_TIMEOUT, wait_timeout=timedelta(seconds=60))
     return time.monotonic() - started
 
 
-def _wait_through_rank0_phase(rank, world, port, marker):
+def _wait_through_rank0_phase(rank, world, port, markers):
     from megatron_tail.train.engine.collectives import on_rank0
     from megatron_tail.train.engine.parallel import host_wait_group
 
-    arrival = _fresh_world(rank, world, port, marker)
+    arrival = _fresh_world(rank, world, port, markers)
     started = time.monotonic()
     value = on_rank0(lambda: time.sleep(RANK0_PHASE_S) or 42, wait_group=host_wait_group())
     waited = time.monotonic() - started
@@ -72,16 +72,56 @@ def _wait_through_rank0_phase(rank, world, port, marker):
 
 
 def test_ranks_wait_through_a_rank0_phase_longer_than_the_collective_timeout(tmp_path):
-    results = run_distributed(
-        _wait_through_rank0_phase, 2, free_port(), tmp_path / "rank1_arrived", timeout=60
-    )
+    results = run_distributed(_wait_through_rank0_phase, 2, free_port(), tmp_path, timeout=60)
     (v0, _, _, _), (v1, arrival1, waited1, failed1) = results
     assert v0 == v1 == 42
     # rank 1 was in the rendezvous before rank 0 slept: arriving waits the wait timeout, where
     # `init_process_group` alone waited the 1 s collective timeout ("timed out ... trying to connect")
-    assert arrival1 >= RANK0_ARRIVES_LATE_S
+    assert arrival1 >= ARRIVES_LATE_S
     assert waited1 >= RANK0_PHASE_S
     assert failed1 is True, "rank 1 should time out in the broadcast without the barrier"
+
+
+def _late_under_an_agent_store(rank, world, port, markers):
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # as torchrun sets it: every rank a store client
+    arrival = _fresh_world(rank, world, port, markers, late=world - 1)
+    dist.barrier()
+    return arrival
+
+
+def test_a_late_rank_under_torchruns_agent_store_is_waited_for(tmp_path):
+    """Under torchrun the agent hosts the store before any rank starts, so connecting never waits; before, the
+    early ranks' world group then timed out in gloo's connect after the 1 s collective timeout."""
+    port = free_port()
+    agent_store = dist.TCPStore("127.0.0.1", port, 3, is_master=True, wait_for_workers=False)
+    arrivals = run_distributed(_late_under_an_agent_store, 3, port, tmp_path, timeout=60)
+    assert min(arrivals[:2]) >= ARRIVES_LATE_S, arrivals
+    del agent_store
+
+
+def _never_complete(_rank, _world, port):
+    from megatron_tail.train.engine import parallel
+    from megatron_tail.utils.errors import OutsideFailure
+
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "2"})
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+    try:
+        parallel.init_distributed("gloo", timeout=COLLECTIVE_TIMEOUT, wait_timeout=timedelta(seconds=2))
+    except OutsideFailure as e:
+        return str(e)
+    return None
+
+
+def test_a_rank_that_never_arrives_is_named_by_count_after_the_longer_timeout():
+    port = free_port()
+    agent_store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False)
+    said = run_forked(_never_complete, port, timeout=60)
+    assert said == (
+        f"start-up: 1 of 2 trainer ranks reached the rendezvous at 127.0.0.1:{port} within 0:00:02 "
+        "(the longer of parallel.distributed_timeout_minutes and rank0_wait_timeout_minutes); the others did "
+        "not start, or cannot reach it"
+    )
+    del agent_store
 
 
 def _megatron_timeout(_rank, _world):

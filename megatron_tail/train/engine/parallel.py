@@ -40,6 +40,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from megatron_tail.config.parallel import ParallelSection
 from megatron_tail.patches import apply_cpu_patches
+from megatron_tail.utils.errors import OutsideFailure
 
 
 @dataclass(frozen=True)
@@ -108,13 +109,19 @@ def init_distributed(
 
     Backend: NCCL with CUDA (and `LOCAL_RANK` selects the GPU), gloo otherwise.
 
-    Ranks meet with the longer of the two timeouts. Arriving is a wait, not a collective: rank 0 still
-    loading its modules on a slow shared filesystem is a phase the others wait through, like its rollouts.
-    `init_process_group` would give its env rendezvous the collective `timeout` (distributed_c10d.py,
-    `init_process_group`: `rendezvous(init_method, rank, world_size, timeout=timeout)`, then
-    `store.set_timeout(timeout)`), so a rank that connects before rank 0's store is up, by more than that,
-    fails. The rendezvous here is that same call (`torch.distributed.rendezvous`, which also takes
-    torchrun's agent store), and the store gets the `PrefixStore("default_pg", ...)` it would have made.
+    Ranks meet with the longer of the two timeouts. Arriving is a wait, not a collective: a node still loading
+    its modules from a slow shared filesystem is a phase the others wait through, like rank 0's rollouts.
+    Torch alone gives arriving the collective `timeout` twice over: the env rendezvous's store connect
+    (distributed_c10d.py, `init_process_group`: `rendezvous(init_method, rank, world_size, timeout=timeout)`),
+    and the world group's own connect through the store (gloo's `connectFullMesh`, NCCL's unique-id
+    exchange), which under torchrun is the only wait: its agent hosts the store before any rank starts
+    (rendezvous.py, `_create_c10d_store`: every rank a client when `TORCHELASTIC_USE_AGENT_STORE`). So the
+    ranks rendezvous here (`torch.distributed.rendezvous`, that same call) and meet on the store
+    (`_wait_for_every_rank`) with the longer timeout; then the store gets the collective timeout and the
+    `PrefixStore("default_pg", ...)` that `init_process_group` would have given it.
+
+    Raises:
+        OutsideFailure: not every rank arrived within the longer timeout (naming how many did).
     """
     global _host_wait_group
     if dist.is_initialized():
@@ -123,7 +130,8 @@ def init_distributed(
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     arrival_timeout = max(timeout, wait_timeout or timeout)
     store, rank, world_size = next(dist.rendezvous("env://", timeout=arrival_timeout))
-    store.set_timeout(arrival_timeout)
+    _wait_for_every_rank(store, world_size, arrival_timeout)
+    store.set_timeout(timeout)
     dist.init_process_group(
         backend or ("nccl" if torch.cuda.is_available() else "gloo"),
         store=dist.PrefixStore("default_pg", store),
@@ -134,6 +142,24 @@ def init_distributed(
     # Every rank creates it, in the same order (new_group is collective); a CPU barrier on it is how ranks
     # wait for rank 0's rollout without an NCCL collective (and its watchdog) in flight.
     _host_wait_group = dist.new_group(backend="gloo", timeout=wait_timeout or timeout)
+
+
+def _wait_for_every_rank(store: dist.Store, world_size: int, timeout: timedelta) -> None:
+    """Return once all `world_size` ranks have called this on `store` (a count and a flag, keyed by torchrun's
+    restart count: an agent's store outlives a restart); OutsideFailure after `timeout`."""
+    key = f"megatron_tail/arrived/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    if store.add(key, 1) == world_size:
+        store.set(f"{key}/all", "1")
+    try:
+        store.wait([f"{key}/all"], timeout)
+    except dist.DistStoreError:
+        arrived = store.add(key, 0)
+        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        raise OutsideFailure(
+            f"start-up: {arrived} of {world_size} trainer ranks reached the rendezvous at {where} within "
+            f"{timeout} (the longer of parallel.distributed_timeout_minutes and rank0_wait_timeout_minutes); "
+            "the others did not start, or cannot reach it"
+        ) from None
 
 
 def host_wait_group() -> dist.ProcessGroup | None:
