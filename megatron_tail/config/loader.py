@@ -90,7 +90,8 @@ def apply_overrides(
         parts = key.split(".")
         _check_path(cls, parts)
         if not raw.strip():  # an unset shell variable: null would silently switch the feature off
-            raise ConfigError(f"override {item!r} has no value; give one, or {key}=null to unset the key")
+            unset = f", or {key}=null to unset the key" if _accepts_null(cls, parts) else ""
+            raise ConfigError(f"override {item!r} has no value; give one{unset}")
         node = out
         for i, part in enumerate(parts[:-1]):
             child = node.get(part)
@@ -270,22 +271,30 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
 class _UniqueKeyLoader(yaml.SafeLoader):
     """YAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last silently)."""
 
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        first_line: dict[Any, int] = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<:` merges; its keys may be overridden
-                continue
-            key = self.construct_object(key_node, deep=deep)
-            try:
-                if key in first_line:
-                    raise yaml.constructor.ConstructorError(
-                        None, None, f"key {key!r} is given twice (first on line {first_line[key]})",
-                        key_node.start_mark,
-                    )  # fmt: skip
-                first_line[key] = key_node.start_mark.line + 1
-            except TypeError:  # an unhashable key: the base class says so
-                break
-        return super().construct_mapping(node, deep=deep)
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._checked: set[int] = set()
+
+    def flatten_mapping(self, node: yaml.MappingNode) -> None:
+        # Checked here, before PyYAML merges `<<:` keys into the node in place (a merge source is flattened
+        # too, and may be, as an alias, before its own turn): a node's own keys once, never merged ones.
+        if id(node) not in self._checked:
+            self._checked.add(id(node))
+            first_line: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node)
+                try:
+                    if key in first_line:
+                        raise yaml.constructor.ConstructorError(
+                            None, None, f"key {key!r} is given twice (first on line {first_line[key]})",
+                            key_node.start_mark,
+                        )  # fmt: skip
+                    first_line[key] = key_node.start_mark.line + 1
+                except TypeError:  # an unhashable key: the base class says so
+                    break
+        super().flatten_mapping(node)
 
 
 def _parse_cli(raw: str) -> Any:
@@ -306,6 +315,12 @@ def _hints(cls: type) -> dict[str, Any]:
 
 def _dataclass_in(tp: Any) -> type | None:
     return tp if isinstance(tp, type) and dataclasses.is_dataclass(tp) else None
+
+
+def _accepts_null(cls: type, parts: list[str]) -> bool:
+    """The leaf at `parts` (a path `_check_path` accepted) may be null."""
+    tp = _hints(_section_type(cls, parts[:-1]))[parts[-1]]
+    return typing.get_origin(tp) in (Union, types.UnionType) and type(None) in typing.get_args(tp)
 
 
 def _section_type(cls: type, parts: list[str]) -> type:

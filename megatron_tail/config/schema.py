@@ -221,7 +221,7 @@ class RunConfig:
     run_dir: str = "runs/default"
     """Checkpoints, TensorBoard events, the resolved config and the rollout weights go here."""
     seed: int = 1234
-    """Seeds the data order, the rollout seeds and the trainer's RNGs; an integer in [0, 2^32)."""
+    """Seeds the data order, the rollout seeds and the trainer's RNGs; an integer in [0, 2^63)."""
     model: ModelSection = field(default_factory=ModelSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
@@ -235,10 +235,9 @@ class RunConfig:
     def __post_init__(self) -> None:
         if not self.run_dir:
             _bad("run", "run_dir", self.run_dir, "must be a directory path")
-        # numpy refuses a negative seed; below 2^32 the derived ones (`rollout.service.managed`'s per-step
-        # seed × 1,000,003 + step) stay within SGLang's and torch's int64 sampling seeds
-        if not 0 <= self.seed < 2**32:
-            raise UserError(f"seed must be an integer in [0, 2^32); got {self.seed!r}")
+        # numpy refuses a negative seed; torch.manual_seed one of 2^64 or more (megatron adds offsets to it)
+        if not 0 <= self.seed < 2**63:
+            raise UserError(f"seed must be an integer in [0, 2^63); got {self.seed!r}")
         if self.algorithm.loss_aggregation == "seq_mean_token_sum" and self.algorithm.loss_max_len is None:
             _bad("algorithm", "loss_max_len", None, "is required with seq_mean_token_sum")
         if self.model.vocab_pad_multiple % self.parallel.tensor_parallel:
