@@ -7,7 +7,6 @@ gives a built-in; `load_reward_fn("my_pkg.rewards:format_and_answer")` (or the a
 
 from __future__ import annotations
 
-import importlib
 import math
 import numbers
 from collections.abc import Callable, Sequence
@@ -15,6 +14,7 @@ from collections.abc import Callable, Sequence
 from megatron_tail.rewards.arithmetic import arithmetic_reward
 from megatron_tail.rewards.math_answer import math_reward
 from megatron_tail.utils.errors import UserError
+from megatron_tail.utils.user_code import check_call_shape, import_user_module
 
 RewardFn = Callable[[str, str], float]
 
@@ -34,15 +34,25 @@ for _fn in BUILTIN_REWARDS.values():
 
 def reward_bound(fn: RewardFn) -> float | None:
     """R_max = max |reward| that `fn` declares through `fn.reward_range`, or None if it declares none."""
+    low, high = declared_range(fn) or (None, None)
+    return None if low is None else max(abs(low), abs(high))
+
+
+def declared_range(fn: RewardFn) -> tuple[float, float] | None:
+    """`fn.reward_range` as floats (low ≤ high, both finite), or None if `fn` declares none."""
     declared = getattr(fn, REWARD_RANGE_ATTR, None)
     if declared is None:
         return None
-    low, high = (float(v) for v in declared)
+    try:
+        low, high = (float(v) for v in declared)
+    except (TypeError, ValueError):
+        low = high = math.nan
     if not (math.isfinite(low) and math.isfinite(high)) or low > high:
         raise UserError(
-            f"reward_range of {getattr(fn, '__name__', fn)!r} must be finite (low, high); got {declared!r}"
+            f"reward_range of {getattr(fn, '__name__', fn)!r} must be two finite numbers (low, high), "
+            f"low ≤ high; got {declared!r}"
         )
-    return max(abs(low), abs(high))
+    return low, high
 
 
 def load_reward_fn(spec: str) -> RewardFn:
@@ -59,13 +69,12 @@ def load_reward_fn(spec: str) -> RewardFn:
             f"reward {spec!r} is neither a built-in {sorted(BUILTIN_REWARDS)} "
             "nor a dotted path 'package.module:function'"
         )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise UserError(f"reward {spec!r}: cannot import module {module_name!r}: {e}") from e
+    module = import_user_module(module_name, f"reward {spec!r}")
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise UserError(f"reward {spec!r}: module {module_name!r} has no callable {attr!r}")
+    check_call_shape(fn, ("completion", "answer"), f"reward {spec!r}")
+    reward_bound(fn)  # a malformed reward_range: refused at load, not at the first step's bound
     return fn
 
 
@@ -78,6 +87,7 @@ def compute_rewards(fn: RewardFn, completions: Sequence[str], answers: Sequence[
     if len(completions) != len(answers):
         raise ValueError(f"{len(completions)} completions but {len(answers)} answers")
     name = getattr(fn, "__name__", repr(fn))
+    bounds = declared_range(fn)
     rewards = []
     for i, (completion, answer) in enumerate(zip(completions, answers, strict=True)):
         try:
@@ -89,6 +99,11 @@ def compute_rewards(fn: RewardFn, completions: Sequence[str], answers: Sequence[
             raise RewardFunctionError(
                 f"reward function {name!r} returned {value!r} ({type(value).__name__}) for sample {i}; "
                 "expected a finite real number (int, float or a NumPy scalar)"
+            )
+        if bounds is not None and not bounds[0] <= value <= bounds[1]:  # DVP's bias bound takes R_max from it
+            raise RewardFunctionError(
+                f"reward function {name!r} returned {value!r} for sample {i}, outside its declared "
+                f"reward_range {tuple(bounds)}"
             )
         rewards.append(float(value))
     return rewards

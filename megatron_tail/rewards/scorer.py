@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from megatron_tail.rewards.registry import RewardFunctionError, compute_rewards, load_reward_fn
 from megatron_tail.utils.errors import UserError
+from megatron_tail.utils.user_code import raised_at
 
 DEFAULT_TIMEOUT_S = 600.0
 """`data.reward_timeout_s`'s default, per batch; see `DataSection.reward_timeout_s` for why."""
@@ -261,8 +262,7 @@ def _answer(request: tuple, fn, spec: str, states: dict) -> tuple[str, object]:
 
 
 def _raised_message(spec: str, error: Exception) -> str:
-    frames = traceback.extract_tb(error.__traceback__)
-    where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    where = raised_at(error)
     sample = getattr(error, "mt_sample", None)
     on = f" on sample {sample}" if sample is not None else ""
     return f"reward function {spec!r} raised {type(error).__name__}: {error}{on}{where}"

@@ -6,3 +6,22 @@ def ends_with_answer(completion: str, answer: str) -> float:
 
 
 NOT_CALLABLE = 3
+
+
+def one_argument(completion: str) -> float:
+    """A reward of the wrong shape: the run calls `fn(completion, answer)`."""
+    return float(bool(completion))
+
+
+def out_of_range(completion: str, answer: str) -> float:  # noqa: ARG001
+    return 5.0
+
+
+out_of_range.reward_range = (0.0, 1.0)
+
+
+def badly_declared(completion: str, answer: str) -> float:  # noqa: ARG001
+    return 0.0
+
+
+badly_declared.reward_range = (1.0,)

@@ -122,11 +122,53 @@ def test_plugin_rewards_load_by_dotted_path():
         ("no_such_pkg.mod:fn", "cannot import module 'no_such_pkg.mod'"),
         ("tests.rewards.plugin_reward:missing", "has no callable 'missing'"),
         ("tests.rewards.plugin_reward:NOT_CALLABLE", "has no callable 'NOT_CALLABLE'"),
+        # before: a failure at step 1 pointing into our registry, or a ValueError from unpacking the range
+        (
+            "tests.rewards.plugin_reward:one_argument",
+            r"reward 'tests.rewards.plugin_reward:one_argument' must take \(completion, answer\); its "
+            r"signature is \(completion: str\) -> float$",
+        ),
+        (
+            "tests.rewards.plugin_reward:badly_declared",
+            r"reward_range of 'badly_declared' must be two finite numbers \(low, high\), low ≤ high; got "
+            r"\(1.0,\)$",
+        ),
     ],
 )
 def test_bad_reward_specs_are_clear_errors(spec, message):
     with pytest.raises(ValueError, match=message):
         load_reward_fn(spec)
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        ("def score(completion, answer)\n    return 0.0\n", r"raised SyntaxError: .*user_reward\.py:1$"),
+        (
+            'raise RuntimeError("no API key for the judge")\n',
+            r"raised RuntimeError: no API key .*user_reward\.py:1$",
+        ),
+    ],
+    ids=["syntax", "raises"],
+)
+def test_a_reward_module_that_fails_to_import_names_its_file_and_line(tmp_path, monkeypatch, source, message):
+    """Before: a SyntaxError or RuntimeError traceback at load (only ImportError was caught)."""
+    (tmp_path / "user_reward.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(
+        ValueError, match=rf"^reward 'user_reward:score': importing module 'user_reward' {message}"
+    ):
+        load_reward_fn("user_reward:score")
+
+
+def test_a_reward_outside_its_declared_range_is_refused_naming_it():
+    """Before: 5.0 trained while DVP's bias bound took R_max = 1 from the declared range."""
+    fn = load_reward_fn("tests.rewards.plugin_reward:out_of_range")
+    with pytest.raises(
+        ValueError, match=r"^reward function 'out_of_range' returned 5.0 for sample 0, outside its declared "
+        r"reward_range \(0.0, 1.0\)$",
+    ):  # fmt: skip
+        compute_rewards(fn, ["x"], ["y"])
 
 
 @pytest.mark.parametrize("bad", [math.nan, None, "1", True])
@@ -151,7 +193,9 @@ def test_reward_bound_comes_from_the_declared_range_or_the_config():
     assert reward_bound(signed) == 2.5
     signed.reward_range = (1.0, -1.0)
     with pytest.raises(
-        ValueError, match=r"reward_range of 'signed' must be finite \(low, high\); got \(1.0, -1.0\)"
+        ValueError,
+        match=r"reward_range of 'signed' must be two finite numbers \(low, high\), low ≤ high; "
+        r"got \(1.0, -1.0\)",
     ):
         reward_bound(signed)
     assert reward_max_abs(load_config(None, ["data.reward=math"])) == 1.0

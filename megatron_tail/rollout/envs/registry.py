@@ -4,11 +4,10 @@ environment worker process, `pool.EnvWorkers`)."""
 
 from __future__ import annotations
 
-import importlib
-import traceback
 from typing import Any
 
 from megatron_tail.utils.errors import UserError
+from megatron_tail.utils.user_code import check_call_shape, import_user_module, raised_at
 
 from .base import Environment, check_step_result
 
@@ -32,15 +31,13 @@ def load_env_class(spec: str) -> type[Environment]:
             f"rollout.env.name {spec!r} is neither a built-in {sorted(BUILTIN_ENVS)} nor "
             "'package.module:Class'"
         )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise UserError(f"rollout.env.name {spec!r}: cannot import module {module_name!r}: {e}") from e
+    module = import_user_module(module_name, f"rollout.env.name {spec!r}")
     cls = getattr(module, attr, None)
     if not isinstance(cls, type) or not callable(getattr(cls, "step", None)):
         raise UserError(
             f"rollout.env.name {spec!r}: {module_name!r} has no class {attr!r} with a step(turn) method"
         )
+    check_call_shape(cls, (), f"rollout.env.name {spec!r}: its class")  # each episode: `cls()`
     return cls
 
 
@@ -103,8 +100,6 @@ class EpisodeTable:
         try:
             return fn(*args)
         except Exception as e:
-            frames = traceback.extract_tb(e.__traceback__)
-            where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
             raise EnvironmentError_(
-                f"environment {self.spec!r} {method} raised {type(e).__name__}: {e}{where}"
+                f"environment {self.spec!r} {method} raised {type(e).__name__}: {e}{raised_at(e)}"
             ) from None

@@ -54,6 +54,16 @@ class StepReturnsLoneSurrogate(Environment):
 NotAClass = 3
 
 
+class NeedsAnArgument(Environment):
+    """Built with `cls()` for each episode: an argument it requires fails every episode."""
+
+    def __init__(self, url: str):
+        self.url = url
+
+    def step(self, turn):
+        raise AssertionError("never built")
+
+
 class ShortObservation(Environment):
     """A 4-token observation every turn and a 0.5 reward per step; ends after the third step (for tiny models
     of 32 positions)."""

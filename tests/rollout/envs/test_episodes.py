@@ -208,6 +208,11 @@ def test_a_broken_environment_fails_with_an_error_naming_it(scorer, spec, error,
         ("nonexistent_module_xyz:Env", "cannot import module"),
         ("tests.rollout.envs.fault_envs:NotAClass", "has no class 'NotAClass'"),
         ("calculat0r", "neither a built-in"),
+        (  # before: accepted, then every episode failed "at .../rollout/envs/registry.py"
+            "tests.rollout.envs.fault_envs:NeedsAnArgument",
+            r"^rollout.env.name 'tests.rollout.envs.fault_envs:NeedsAnArgument': its class must take no "
+            r"arguments; its signature is \(url: str\)$",
+        ),
     ],
 )
 def test_a_bad_env_name_is_one_clear_error(spec, match):
