@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from megatron_tail.algorithms.config import AlgorithmConfig
-from megatron_tail.data.prompts import PromptFormat
+from megatron_tail.data.prompts import PromptFormat, prompt_template_problem
 from megatron_tail.model.settings import ModelSettings
 from megatron_tail.rollout.settings import RolloutSection
 from megatron_tail.utils.errors import UserError
@@ -114,8 +114,8 @@ class DataSection(PromptFormat):
             _bad("data", "reward_timeout_s", self.reward_timeout_s, "must be > 0 (seconds per batch)")
         if self.max_prompt_tokens is not None:
             _positive_int("data", "max_prompt_tokens", self.max_prompt_tokens)
-        if "{prompt}" not in self.prompt_template:
-            _bad("data", "prompt_template", self.prompt_template, "must contain '{prompt}'")
+        if problem := prompt_template_problem(self.prompt_template):
+            _bad("data", "prompt_template", self.prompt_template, problem)
         if self.reward_max_abs is not None and not 0 <= self.reward_max_abs < float("inf"):
             _bad("data", "reward_max_abs", self.reward_max_abs, "must be a finite number ≥ 0 or null")
         super().__post_init__()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import string
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -51,10 +52,27 @@ class PromptFormat:
     for the response in the model's context is refused at load, naming its file and line (`PromptLimit`)."""
 
     def __post_init__(self):
-        if "{prompt}" not in self.prompt_template:
-            raise UserError(f"prompt_template must contain '{{prompt}}'; got {self.prompt_template!r}")
+        if problem := prompt_template_problem(self.prompt_template):
+            raise UserError(f"prompt_template {problem}; got {self.prompt_template!r}")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             raise UserError(f"max_prompt_tokens must be ≥ 1 or None; got {self.max_prompt_tokens!r}")
+
+
+def prompt_template_problem(template: str) -> str | None:
+    """Why `template` cannot format a prompt (`str.format(prompt=...)`), or None: it must name `{prompt}` and
+    no other field, with literal braces doubled."""
+    try:
+        fields = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+    except ValueError as e:  # a lone "{" or "}"
+        return f"is no format string ({e}): write a literal brace as {{{{ or }}}}, e.g. \\boxed{{{{}}}}"
+    if "prompt" not in fields:
+        return "must contain '{prompt}'"
+    if other := sorted(fields - {"prompt"}):
+        return (
+            f"may name only {{prompt}}, not {{{other[0]}}}: write a literal brace as {{{{ or }}}}, "
+            "e.g. \\boxed{{}}"
+        )
+    return None
 
 
 @dataclass(frozen=True)
@@ -355,6 +373,11 @@ def render_prompt(prompt: Any, config: PromptDataConfig, tokenizer, where: str) 
             raise UserError(
                 f"{where}: without a chat template the prompt must be a string; got {type(prompt).__name__}"
             )
+    if (
+        isinstance(prompt, str) and not prompt.strip()
+    ):  # before: accepted, then the engine refused it at step 1
+        raise UserError(f"{where}: the prompt is empty")
+    if not config.apply_chat_template:
         return config.prompt_template.format(prompt=prompt)
     messages = _messages(prompt, config, where)
     if getattr(tokenizer, "chat_template", None) is None:

@@ -25,6 +25,15 @@ def _load(path, tokenizer, tmp_path, **fields):
     return load_prompts(cfg, tokenizer)
 
 
+def test_an_empty_prompt_is_named_by_file_and_line(tokenizer, tmp_path):
+    """Before: accepted at load; at step 1 the engine refused "prompt 3 must be a non-empty list of token
+    ids"."""
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "1+1=", "answer": "2"}\n\n{"prompt": "  ", "answer": "4"}\n')
+    with pytest.raises(UserError, match=rf"^{path} line 3: the prompt is empty$"):
+        _load(path, tokenizer, tmp_path)
+
+
 def test_an_empty_file_is_named(tokenizer, tmp_path):
     for text in ("", "\n\n"):
         path = tmp_path / "empty.jsonl"

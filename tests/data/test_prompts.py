@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -132,6 +133,30 @@ def test_bad_paths_and_configs(tmp_path):
         read_records(tmp_path / "missing.jsonl")
     with pytest.raises(ValueError, match="prompt_template must contain"):
         PromptDataConfig(path="a.jsonl", prompt_template="no placeholder")
+
+
+@pytest.mark.parametrize(
+    ("template", "problem"),
+    [  # before: accepted, then IndexError / KeyError / ValueError tracebacks at the first prompt
+        (
+            "{prompt} Put it in \\boxed{}.",
+            "may name only {prompt}, not {}: write a literal brace as {{ or }}",
+        ),
+        ("{prompt} (answer: {answer})", "may name only {prompt}, not {answer}"),
+        ("{prompt}}", "is no format string (Single '}' encountered in format string)"),
+    ],
+)
+def test_a_prompt_template_str_format_cannot_run_is_refused_at_load(template, problem):
+    from megatron_tail.config import load_config
+
+    with pytest.raises(UserError, match=re.escape(f"prompt_template {problem}")):
+        PromptDataConfig(path="a.jsonl", prompt_template=template)
+    with pytest.raises(UserError, match=re.escape(f"data.prompt_template {problem}")):
+        load_config(None, [f"data.prompt_template={template}"])
+    doubled = "{prompt} Put it in \\boxed{{}}."  # the documented spelling (examples/data/README.md)
+    assert PromptDataConfig(path="a.jsonl", prompt_template=doubled).prompt_template.format(prompt="Q") == (
+        "Q Put it in \\boxed{}."
+    )
 
 
 def test_long_prompts_are_dropped(tokenizer, tmp_path):
