@@ -92,7 +92,7 @@ def compute_rewards(fn: RewardFn, completions: Sequence[str], answers: Sequence[
     for i, (completion, answer) in enumerate(zip(completions, answers, strict=True)):
         try:
             value = fn(completion, answer)
-        except Exception as e:
+        except (Exception, SystemExit) as e:
             e.mt_sample = i
             raise
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):

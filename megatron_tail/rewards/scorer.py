@@ -129,6 +129,9 @@ class RewardScorer:
                     "faster or bounded, or raise data.reward_timeout_s"
                 ) from None
             except EOFError:  # the worker died (killed, out of memory): start a new one next time
+                worker.wait_exit(
+                    2.0
+                )  # its own exit code (-9 of the OOM killer, -11, os._exit's), not our kill's
                 worker.kill()
                 self._worker = None
                 raise error(f"{died} (exit code {worker.exitcode}){while_}") from None
@@ -195,6 +198,10 @@ class _Worker:
         except (ConnectionResetError, BrokenPipeError) as e:
             raise EOFError(f"the worker's pipe: {e}") from None
 
+    def wait_exit(self, timeout_s: float) -> None:
+        """Give a worker whose pipe closed up to `timeout_s` to finish exiting, so `exitcode` is its own."""
+        self._proc.join(timeout=timeout_s)
+
     def kill_process(self) -> None:
         """SIGKILL the worker and leave the pipe alone: a thread waiting in `request` (another thread than
         the caller's) then reads EOF and ends its call itself. Closing the pipe under that thread instead
@@ -257,7 +264,7 @@ def _answer(request: tuple, fn, spec: str, states: dict) -> tuple[str, object]:
         return ("ok", compute_rewards(fn, completions, answers))
     except RewardFunctionError as e:
         return ("user_error", str(e))
-    except Exception as e:  # the user's function raised: name it, the sample, and where
+    except (Exception, SystemExit) as e:  # the user's function raised (or exited): name it, the sample, where
         return ("user_error", _raised_message(spec, e))
 
 
@@ -265,4 +272,8 @@ def _raised_message(spec: str, error: Exception) -> str:
     where = raised_at(error)
     sample = getattr(error, "mt_sample", None)
     on = f" on sample {sample}" if sample is not None else ""
+    if isinstance(error, SystemExit):  # not the worker's death: what the function did, and where
+        return (
+            f"reward function {spec!r} called sys.exit({error.code!r}){on}{where}; a reward returns a number"
+        )
     return f"reward function {spec!r} raised {type(error).__name__}: {error}{on}{where}"

@@ -1,6 +1,8 @@
 """Rewards for the reliability tests: one that never returns, one that returns a NumPy scalar, one that
 raises."""
 
+import os
+import sys
 import time
 
 import numpy as np
@@ -21,3 +23,11 @@ def raises(completion: str, answer: str) -> float:  # noqa: ARG001 - reward sign
 
 def returns_text(completion: str, answer: str) -> float:  # noqa: ARG001 - reward signature
     return "1.0"
+
+
+def exits(completion: str, answer: str) -> float:  # noqa: ARG001 - reward signature
+    sys.exit(3)
+
+
+def exits_hard(completion: str, answer: str) -> float:  # noqa: ARG001 - reward signature
+    os._exit(3)  # no exception to catch: the worker dies, with its own exit code

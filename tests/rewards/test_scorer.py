@@ -106,6 +106,26 @@ def test_numpy_scalars_are_rewards_and_bad_values_are_named():
         scorer.close()
 
 
+def test_a_reward_that_exits_is_named_with_its_own_exit():
+    """Before: "the reward worker ... died (exit code -9)", our kill's code, for a sys.exit(3) in the reward,
+    which reads as the OOM killer."""
+    scorer = RewardScorer("tests.rewards.fault_rewards:exits")
+    try:
+        with pytest.raises(
+            RewardFunctionError, match=r"exits' called sys.exit\(3\) on sample 0 at .*fault_rewards"
+        ):
+            scorer(["a"], ["1"])
+        assert scorer.worker_pid is not None  # the worker reported it and lives on
+    finally:
+        scorer.close()
+    scorer = RewardScorer("tests.rewards.fault_rewards:exits_hard")  # os._exit: no exception to catch
+    try:
+        with pytest.raises(UserError, match=r"\(exit code 3\)"):
+            scorer(["a"], ["1"])
+    finally:
+        scorer.close()
+
+
 _HOLDER = """
 import sys, time
 from megatron_tail.rewards.scorer import RewardScorer
