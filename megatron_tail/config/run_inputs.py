@@ -24,6 +24,7 @@ from megatron_tail.data.prompts import (
     load_prompts,
     record_place,
 )
+from megatron_tail.utils.errors import UserError
 
 RunConfig = Any
 """`config.schema.RunConfig`, not imported: schema's `check_inputs` imports this module (no cycle, not even
@@ -73,14 +74,21 @@ def _load(cfg: RunConfig) -> RunPrompts:
     from megatron_tail.model.hf_config import load_hf_config
 
     hf_path, d = cfg.model.hf_path, cfg.data
-    tokenizer = AutoTokenizer.from_pretrained(hf_path, local_files_only=True)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(hf_path, local_files_only=True)
+    except Exception as e:  # transformers names neither the directory nor the file (JSONDecodeError, ...)
+        raise UserError(
+            f"model.hf_path: the tokenizer of {hf_path} does not load: {type(e).__name__}: {str(e)[:300]}"
+        ) from None
+    arch = load_hf_config(hf_path)
     limit = PromptLimit(
-        context=load_hf_config(hf_path).max_position_embeddings,
+        context=arch.max_position_embeddings,
         context_source=f"max_position_embeddings in {Path(hf_path) / 'config.json'}",
         new_tokens=cfg.rollout.max_new_tokens,
     )
     train = load_prompts(PromptDataConfig.of(d.train_path, d), tokenizer)
     limit.check(train, d.train_path)
+    _check_ids_in_vocab(train, d.train_path, arch.vocab_size, hf_path)
     longest = max(train, key=lambda e: len(e.prompt_ids))
     n = len(longest.prompt_ids)
     cfg.check_longest_prompt(
@@ -90,4 +98,16 @@ def _load(cfg: RunConfig) -> RunPrompts:
     if d.eval_path is not None and cfg.train.eval_every:
         evaluated = load_prompts(PromptDataConfig.of(d.eval_path, d), tokenizer)[: d.eval_prompts]
         limit.check(evaluated, d.eval_path)
+        _check_ids_in_vocab(evaluated, d.eval_path, arch.vocab_size, hf_path)
     return RunPrompts(tokenizer, train, evaluated)
+
+
+def _check_ids_in_vocab(examples: list[PromptExample], path: str, vocab_size: int, hf_path: str) -> None:
+    """UserError naming the first prompt whose token ids reach past the model's vocabulary (a tokenizer that
+    is not the model's); before, the engine refused it at step 1."""
+    for example in examples:
+        if (top := max(example.prompt_ids)) >= vocab_size:
+            raise UserError(
+                f"{record_place(path, example.index)}: the tokenizer gives token id {top}, and the model has "
+                f"vocab_size={vocab_size} ({hf_path}/config.json): are the tokenizer files the model's?"
+            )

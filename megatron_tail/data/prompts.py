@@ -54,6 +54,11 @@ class PromptFormat:
     def __post_init__(self):
         if problem := prompt_template_problem(self.prompt_template):
             raise UserError(f"prompt_template {problem}; got {self.prompt_template!r}")
+        if self.system_prompt is not None and not self.apply_chat_template:  # before: silently dropped
+            raise UserError(
+                "system_prompt is a chat message: it needs apply_chat_template=true (without a chat "
+                "template, put the instructions in prompt_template)"
+            )
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             raise UserError(f"max_prompt_tokens must be ≥ 1 or None; got {self.max_prompt_tokens!r}")
 
@@ -381,8 +386,14 @@ def render_prompt(prompt: Any, config: PromptDataConfig, tokenizer, where: str) 
         return config.prompt_template.format(prompt=prompt)
     messages = _messages(prompt, config, where)
     if getattr(tokenizer, "chat_template", None) is None:
-        raise UserError("apply_chat_template=True but the tokenizer has no chat_template")
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        raise UserError(
+            f"data.apply_chat_template is true, and the tokenizer of {tokenizer.name_or_path} has no "
+            "chat_template; set data.apply_chat_template=false for raw string prompts"
+        )
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as e:  # jinja2's TemplateError ("Unexpected message role."), naming no row
+        raise UserError(f"{where}: the chat template refused the messages: {type(e).__name__}: {e}") from None
 
 
 def _messages(prompt: Any, config: PromptDataConfig, where: str) -> list[dict[str, str]]:

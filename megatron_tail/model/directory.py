@@ -58,6 +58,10 @@ def load_model_config(path: str | Path, key: str = "model.hf_path") -> HFArch:
         raise UserError(f"{key}: {config} has no {e.args[0]!r}, a field its architecture needs") from None
     except (ValueError, TypeError) as e:
         raise UserError(f"{key}: {config}: {e}") from None
+    except ZeroDivisionError:  # a size of 0 the others are divided by (num_attention_heads: 0, no head_dim)
+        raise UserError(
+            f"{key}: {config}: a size field is 0 (num_attention_heads, head counts, ...)"
+        ) from None
 
 
 def check_model_dir(path: str | Path, key: str = "model.hf_path", *, tokenizer: bool = True) -> HFArch:

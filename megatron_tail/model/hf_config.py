@@ -176,6 +176,10 @@ def json_type(value: Any) -> str:
 
 def _architecture(cfg: dict[str, Any]) -> str:
     archs = cfg.get("architectures") or []
+    if not isinstance(archs, list):  # "Qwen3ForCausalLM" alone: its [0] was "Q"
+        raise ValueError(
+            f'architectures must be a list of class names, e.g. ["Qwen3ForCausalLM"]; got {archs!r}'
+        )
     arch = archs[0] if archs else _MODEL_TYPES.get(cfg.get("model_type", ""))
     if arch not in SUPPORTED_ARCHITECTURES:
         got = arch or f"model_type={cfg.get('model_type')!r}"

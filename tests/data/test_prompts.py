@@ -185,3 +185,30 @@ def test_shipped_toy_files_match_the_generator_and_the_reward():
             int(row["answer"]) == int(a) + int(b) and arithmetic_reward(row["answer"], row["answer"]) == 1.0
         )
     assert max(len(r["prompt"]) for r in rows) <= len("999+999=")
+
+
+def test_a_chat_template_that_refuses_a_row_is_named_by_it(tokenizer, tmp_path, monkeypatch):
+    """Before: jinja2's "TemplateError: Unexpected message role." traceback, naming no file or row."""
+    path = write_jsonl(
+        tmp_path / "chat.jsonl", [{"prompt": [{"role": "human", "content": "1+1="}], "answer": "2"}]
+    )
+    monkeypatch.setattr(
+        tokenizer,
+        "chat_template",
+        "{% for m in messages %}{% if m.role not in ['system', 'user'] %}"
+        "{{ raise_exception('Unexpected message role.') }}{% endif %}{{ m.content }}{% endfor %}",
+    )
+    with pytest.raises(
+        UserError,
+        match=rf"^{re.escape(str(path))} line 1: the chat template refused the messages: TemplateError: "
+        "Unexpected message role.$",
+    ):
+        load_prompts(PromptDataConfig(path=str(path), cache_dir=str(tmp_path)), tokenizer)
+
+
+def test_a_system_prompt_without_a_chat_template_is_refused():
+    """Before: accepted and silently dropped: a raw string prompt has no place for a system message."""
+    with pytest.raises(
+        UserError, match=r"^system_prompt is a chat message: it needs apply_chat_template=true"
+    ):
+        PromptDataConfig(path="a.jsonl", apply_chat_template=False, system_prompt="Be brief.")

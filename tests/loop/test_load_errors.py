@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -123,6 +124,27 @@ def test_the_triton_op_without_cuda_is_refused_naming_the_key_and_the_interprete
         cfg.check_inputs()
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the kernels' tests on CPU
     cfg.check_inputs()
+
+
+def test_a_tokenizer_that_does_not_load_or_is_not_the_models_is_named(tiny_model_dir, prompt_file, tmp_path):
+    """Before: a JSONDecodeError traceback from transformers, and a tokenizer whose ids reach past the model's
+    vocabulary passed load, then the engine refused the prompt at step 1."""
+    from megatron_tail.config.run_inputs import _check_ids_in_vocab
+    from megatron_tail.data.prompts import PromptExample
+
+    broken = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, broken)
+    (broken / "tokenizer.json").write_text("{")
+    cfg = _config(broken, prompt_file, tmp_path / "run")
+    with pytest.raises(UserError, match=rf"^model.hf_path: the tokenizer of {broken} does not load: "):
+        cfg.check_inputs()
+    examples = [PromptExample(0, [1, 2], "ab", "1"), PromptExample(1, [3, 100], "cd", "2")]
+    with pytest.raises(
+        UserError,
+        match=rf"^{prompt_file} line 2: the tokenizer gives token id 100, and the model has vocab_size=100 ",
+    ):
+        _check_ids_in_vocab(examples, str(prompt_file), 100, str(tiny_model_dir))
+    _check_ids_in_vocab(examples, str(prompt_file), 101, str(tiny_model_dir))
 
 
 def test_offline_eval_refuses_an_output_path_that_is_a_file(tiny_model_dir, prompt_file, tmp_path):

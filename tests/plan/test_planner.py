@@ -178,6 +178,15 @@ def _bad_model_dirs(tmp_path) -> dict[str, tuple[Path, str]]:
     config = json.loads((QWEN3_8B / "config.json").read_text())
     del config["num_attention_heads"]
     (no_heads / "config.json").write_text(json.dumps(config))
+    edited = {}  # before: "unsupported architecture Q", and a ZeroDivisionError traceback
+    for name, change in (
+        ("arch_string", {"architectures": "Qwen3ForCausalLM"}),
+        ("zero_heads", {"num_attention_heads": 0}),
+    ):
+        edited[name] = tmp_path / name
+        edited[name].mkdir()
+        changed = {k: v for k, v in config.items() if not (name == "zero_heads" and k == "head_dim")}
+        (edited[name] / "config.json").write_text(json.dumps({**changed, **change}))
     bad_json = tmp_path / "bad_json"
     bad_json.mkdir()
     (bad_json / "config.json").write_text("{\n")
@@ -194,6 +203,15 @@ def _bad_model_dirs(tmp_path) -> dict[str, tuple[Path, str]]:
             f"{no_heads}/config.json has no 'num_attention_heads', a field its architecture needs",
         ),
         "bad JSON": (bad_json, f"{bad_json}/config.json is not valid JSON: Expecting property name"),
+        "architectures a string": (
+            edited["arch_string"],
+            f"{edited['arch_string']}/config.json: architectures must be a list of class names, "
+            "e.g. [\"Qwen3ForCausalLM\"]; got 'Qwen3ForCausalLM'",
+        ),
+        "zero heads": (
+            edited["zero_heads"],
+            f"{edited['zero_heads']}/config.json: a size field is 0 (num_attention_heads, head counts, ...)",
+        ),
         "a file": (a_file, f"'{a_file}' is not a directory (expected a HF checkpoint directory)"),
         **{
             f"JSON {kind}": (where, f"{where}/config.json holds a JSON {kind}; expected a JSON object")
