@@ -96,6 +96,30 @@ def run_experiment(
     return results
 
 
+def check_grid(
+    out: Path, cache: Path, groups: dict[str, list[str]], *, seeds: Sequence[int], base_yaml: str, jobs: int
+) -> None:
+    """UserError for what `run_grid` would otherwise find only after pretraining, or never: every group's
+    config (`base_yaml` + its overrides) loads, the seeds are distinct, `jobs` ≥ 1, and neither `out` nor
+    `cache` is a file."""
+    import yaml
+
+    from megatron_tail.config.loader import apply_overrides, config_from_dict
+
+    for name, knobs in groups.items():
+        try:
+            config_from_dict(apply_overrides(yaml.safe_load(base_yaml), knobs))
+        except UserError as e:
+            raise UserError(f"arm {name!r}: {e}") from None
+    if len(set(seeds)) != len(seeds):  # one run directory per seed: a repeat would train it twice over
+        raise UserError(f"--seeds must be distinct; got {list(seeds)}")
+    if jobs < 1:
+        raise UserError(f"--jobs must be ≥ 1; got {jobs}")
+    for flag, path in (("--out", out), ("--cache-dir", cache)):
+        if Path(path).exists() and not Path(path).is_dir():
+            raise UserError(f"{flag} {path} is a file; a directory is expected")
+
+
 def run_grid(
     out: Path,
     cache: Path,
@@ -111,8 +135,10 @@ def run_grid(
     model and prompts + the group's overrides); returns group → its run directories in seed order.
     Finished runs are reused, so an interrupted grid resumes where it stopped; `jobs` runs train at once.
 
-    Raises `RuntimeError` naming the run and its log if a training run fails.
+    Raises `RuntimeError` naming the run and its log if a training run fails, and UserError, before the tail
+    model is made (minutes of pretraining on a fresh cache), for a bad override, seed list, job count or path.
     """
+    check_grid(out, cache, groups, seeds=seeds, base_yaml=base_yaml, jobs=jobs)
     model_dir = ensure_tail_model(cache, log=log, size=model_size)
     train_file, _ = ensure_tail_prompts(cache)
     base = [f"model.hf_path={model_dir}", f"data.train_path={train_file}"]

@@ -94,6 +94,33 @@ def test_unknown_arm_is_refused_by_name(tmp_path):
         tail_mismatch.run_experiment(tmp_path, tmp_path, variant="int4")
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [  # before: found after the tail model's pretraining (a bad --set), or never (repeated seeds, --jobs 0)
+        ({"overrides": ["train.steps=abc"]}, r"^arm 'naive': train\.steps must be an integer; got 'abc'$"),
+        ({"seeds": (0, 0)}, r"^--seeds must be distinct; got \[0, 0\]$"),
+        ({"jobs": 0}, r"^--jobs must be ≥ 1; got 0$"),
+    ],
+)
+def test_a_bad_grid_is_refused_before_the_tail_model_is_made(tmp_path, monkeypatch, kwargs, message):
+    def never(*_args, **_kwargs):
+        raise AssertionError("the tail model was made before the grid was checked")
+
+    monkeypatch.setattr(tail_mismatch, "ensure_tail_model", never)
+    groups = {"naive": [*tail_mismatch.ARMS["naive"], *kwargs.get("overrides", ())]}
+    with pytest.raises(UserError, match=message):
+        tail_mismatch.run_grid(
+            tmp_path / "out",
+            tmp_path / "cache",
+            groups,
+            seeds=kwargs.get("seeds", (0,)),
+            jobs=kwargs.get("jobs", 1),
+        )
+    (a_file := tmp_path / "a_file").write_text("")
+    with pytest.raises(UserError, match=rf"^--out {a_file} is a file; a directory is expected$"):
+        tail_mismatch.run_grid(a_file, tmp_path / "cache", {"naive": []}, seeds=(0,))
+
+
 def test_example_config_is_the_experiments_and_loads():
     from megatron_tail.config import load_config
 
