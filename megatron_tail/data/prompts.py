@@ -120,7 +120,8 @@ def check_prompt_file(path: str | Path, key: str | None = None) -> Path:
     if path.suffix not in SUFFIXES:
         raise UserError(f"{named}prompt file must end in one of {sorted(SUFFIXES)}; got {str(path)!r}")
     if not path.is_file():
-        raise UserError(f"{named}prompt file {str(path)!r} does not exist")
+        what = "is a directory; a file of records is expected" if path.is_dir() else "does not exist"
+        raise UserError(f"{named}prompt file {str(path)!r} {what}")
     if path.stat().st_size == 0:
         raise UserError(f"{named}prompt file {path} is empty (expected one record per prompt)")
     return path

@@ -131,6 +131,11 @@ def test_bad_paths_and_configs(tmp_path):
         PromptDataConfig(path="data.csv")
     with pytest.raises(UserError, match="does not exist"):
         read_records(tmp_path / "missing.jsonl")
+    (a_dir := tmp_path / "prompts.jsonl").mkdir()  # before: "does not exist"
+    with pytest.raises(
+        UserError, match=rf"prompt file '{a_dir}' is a directory; a file of records is expected"
+    ):
+        read_records(a_dir)
     with pytest.raises(ValueError, match="prompt_template must contain"):
         PromptDataConfig(path="a.jsonl", prompt_template="no placeholder")
 
