@@ -106,7 +106,7 @@ def _check_ids_in_vocab(examples: list[PromptExample], path: str, vocab_size: in
     """UserError naming the first prompt whose token ids reach past the model's vocabulary (a tokenizer that
     is not the model's); before, the engine refused it at step 1."""
     for example in examples:
-        if (top := max(example.prompt_ids)) >= vocab_size:
+        if (top := max(example.prompt_ids, default=-1)) >= vocab_size:
             raise UserError(
                 f"{record_place(path, example.index)}: the tokenizer gives token id {top}, and the model has "
                 f"vocab_size={vocab_size} ({hf_path}/config.json): are the tokenizer files the model's?"

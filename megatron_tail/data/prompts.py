@@ -379,17 +379,17 @@ def render_prompt(prompt: Any, config: PromptDataConfig, tokenizer, where: str) 
             raise UserError(
                 f"{where}: without a chat template the prompt must be a string; got {type(prompt).__name__}"
             )
-    if (
-        isinstance(prompt, str) and not prompt.strip()
-    ):  # before: accepted, then the engine refused it at step 1
+    # before: accepted, then the engine refused it at step 1
+    if isinstance(prompt, str) and not prompt.strip():
         raise UserError(f"{where}: the prompt is empty")
     if not config.apply_chat_template:
         return config.prompt_template.format(prompt=prompt)
     messages = _messages(prompt, config, where)
     if getattr(tokenizer, "chat_template", None) is None:
+        model = getattr(tokenizer, "name_or_path", "?")
         raise UserError(
-            f"data.apply_chat_template is true, and the tokenizer of {tokenizer.name_or_path} has no "
-            "chat_template; set data.apply_chat_template=false for raw string prompts"
+            f"data.apply_chat_template is true, and the tokenizer of {model} has no chat_template; set "
+            "data.apply_chat_template=false for raw string prompts"
         )
     try:
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
