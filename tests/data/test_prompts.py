@@ -211,6 +211,16 @@ def test_a_chat_template_that_refuses_a_row_is_named_by_it(tokenizer, tmp_path, 
         load_prompts(PromptDataConfig(path=str(path), cache_dir=str(tmp_path)), tokenizer)
 
 
+def test_a_chat_template_asked_of_a_tokenizer_without_one_names_the_key(tokenizer, tmp_path, monkeypatch):
+    """Before: "apply_chat_template=True but the tokenizer has no chat_template", naming neither."""
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "1+1=", "answer": "2"}])
+    monkeypatch.setattr(tokenizer, "chat_template", None)
+    with pytest.raises(
+        UserError, match=r"^data.apply_chat_template is true, and the tokenizer of .* has no "
+    ):
+        load_prompts(PromptDataConfig(path=str(path), cache_dir=str(tmp_path)), tokenizer)
+
+
 def test_a_system_prompt_without_a_chat_template_is_refused():
     """Before: accepted and silently dropped: a raw string prompt has no place for a system message."""
     with pytest.raises(
