@@ -92,7 +92,35 @@ def add_experiment_parser(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
+FLAG_SCOPES = {
+    "suite": ("collapse", None, "arms"),
+    "level": ("collapse", ("arms", "rho"), None),
+    "levels": ("collapse", ("dose",), None),
+    "rhos": ("collapse", ("rho",), None),
+    "dials": ("collapse", ("truncation",), None),
+    "quick": ("collapse", ("truncation",), False),
+    "jobs": ("collapse", None, 2),
+    "variant": ("tail-mismatch", None, "bf16"),
+    "arms": (None, ("arms", "truncation"), None),
+}
+"""A flag's destination → (the experiment it is for, None: both; the collapse suites it is for, None: all; its
+default): a flag given where it does nothing is refused (`suite_groups` reads each only for its suites)."""
+
+
+def check_flag_scopes(args) -> None:
+    """UserError naming a flag given to an experiment or suite that ignores it."""
+    for dest, (experiment, suites, default) in FLAG_SCOPES.items():
+        if getattr(args, dest) == default:
+            continue
+        flag = f"--{dest}"
+        if experiment is not None and args.name != experiment:
+            raise UserError(f"{flag} is for `experiment {experiment}`; `experiment {args.name}` ignores it")
+        if args.name == "collapse" and suites is not None and args.suite not in suites:
+            raise UserError(f"{flag} is for --suite {' or '.join(suites)}; --suite {args.suite} ignores it")
+
+
 def _run(args) -> int:
+    check_flag_scopes(args)
     if args.name == "collapse":
         return _run_collapse(args)
     from megatron_tail.experiments.tail_mismatch import ARMS, DEFAULT_OUT, DEFAULT_SEEDS, run_experiment
@@ -121,8 +149,6 @@ def _run_collapse(args) -> int:
         run_collapse,
     )
 
-    if args.quick and args.suite != "truncation":
-        raise UserError(f"--quick is for --suite truncation; got --suite {args.suite}")
     quick = truncation.QUICK if args.quick else {}
     results = run_collapse(
         args.out or DEFAULT_OUT,
