@@ -156,6 +156,9 @@ def test_offline_eval_refuses_an_output_path_that_is_a_file(tiny_model_dir, prom
     with pytest.raises(UserError, match=rf"^--out {a_file} is a file; a directory .* is expected$"):
         check_inputs(cfg, hf_dir=tiny_model_dir, out_dir=a_file)
     check_inputs(cfg, hf_dir=tiny_model_dir, out_dir=tmp_path / "new")
+    # a --checkpoint that is a file: before, "does not exist", though it does
+    with pytest.raises(UserError, match=rf"^--checkpoint {a_file} is not a directory \(a run's checkpoints/"):
+        check_inputs(cfg, checkpoint=a_file)
 
 
 @no_cuda

@@ -63,9 +63,8 @@ def check_inputs(
     if cfg.data.eval_path is None:
         raise UserError("data.eval_path is required to evaluate (a jsonl/json/parquet file of prompts)")
     if checkpoint is not None and not Path(checkpoint).is_dir():
-        raise UserError(
-            f"--checkpoint {checkpoint} does not exist (a run's checkpoints/step_NNNNNN directory)"
-        )
+        what = "is not a directory" if Path(checkpoint).exists() else "does not exist"
+        raise UserError(f"--checkpoint {checkpoint} {what} (a run's checkpoints/step_NNNNNN directory)")
     if checkpoint is not None and not (Path(checkpoint) / "metadata.json").is_file():
         raise UserError(f"--checkpoint {checkpoint} is not a complete checkpoint (no metadata.json)")
     if hf_dir is not None and not (Path(hf_dir) / "config.json").is_file():
