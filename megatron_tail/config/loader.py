@@ -47,32 +47,36 @@ class _CliValue:
 
 def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> RunConfig:
     """Read the YAML at `path` (None: all defaults), apply `key=value` overrides, build the `RunConfig`."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if path.is_dir():
-            raise ConfigError(f"{str(path)!r} is a directory; a YAML config file is expected")
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise ConfigError(
-                f"{path}: not UTF-8 text (byte {e.start}); a YAML config file is expected"
-            ) from None
-        except OSError as e:
-            raise ConfigError(f"config file {str(path)!r} cannot be read: {e.strerror}") from None
-        try:
-            loaded = yaml.load(text, Loader=_UniqueKeyLoader)
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: {_yaml_problem(e)}") from None
-        if loaded is not None and not isinstance(loaded, Mapping):
-            raise ConfigError(
-                f"{path}: the top level must be a mapping of sections; got {type(loaded).__name__}"
-            )
-        data = dict(loaded or {})
-    data = apply_overrides(data, overrides)
-    return config_from_dict(data)
+    if path is None:
+        return config_from_yaml("", overrides)
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{str(path)!r} is a directory; a YAML config file is expected")
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{path}: not UTF-8 text (byte {e.start}); a YAML config file is expected"
+        ) from None
+    except OSError as e:
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {e.strerror}") from None
+    return config_from_yaml(text, overrides, source=str(path))
+
+
+def config_from_yaml(text: str, overrides: Iterable[str] = (), *, source: str = "the config") -> RunConfig:
+    """`load_config` of YAML `text` already in hand (an embedded base config such as the demo's); errors
+    name `source`."""
+    try:
+        loaded = yaml.load(text, Loader=_UniqueKeyLoader)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source}: {_yaml_problem(e)}") from None
+    if loaded is not None and not isinstance(loaded, Mapping):
+        raise ConfigError(
+            f"{source}: the top level must be a mapping of sections; got {type(loaded).__name__}"
+        )
+    return config_from_dict(apply_overrides(dict(loaded or {}), overrides))
 
 
 def apply_overrides(

@@ -374,15 +374,14 @@ def unknown_token(tokenizer) -> str | None:
 
 def render_prompt(prompt: Any, config: PromptDataConfig, tokenizer, where: str) -> str:
     """The prompt text the model sees: chat-templated messages, or the formatted raw string."""
+    # before: accepted, then the engine refused it at step 1
+    if isinstance(prompt, str) and not prompt.strip():
+        raise UserError(f"{where}: the prompt is empty")
     if not config.apply_chat_template:
         if not isinstance(prompt, str):
             raise UserError(
                 f"{where}: without a chat template the prompt must be a string; got {type(prompt).__name__}"
             )
-    # before: accepted, then the engine refused it at step 1
-    if isinstance(prompt, str) and not prompt.strip():
-        raise UserError(f"{where}: the prompt is empty")
-    if not config.apply_chat_template:
         return config.prompt_template.format(prompt=prompt)
     messages = _messages(prompt, config, where)
     if getattr(tokenizer, "chat_template", None) is None:

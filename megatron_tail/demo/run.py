@@ -117,16 +117,13 @@ def run_demo(
         overrides = [*CALCULATOR_OVERRIDES, *overrides]
     if moe:
         overrides = [*moe_compare.MOE_OVERRIDES, *overrides]
-    if moe:
         variants = moe_compare.MOE_COMPARE_VARIANTS if compare else moe_compare.MOE_SINGLE
     else:
         variants = COMPARE_VARIANTS if compare else {"": []}
-    import yaml
-
-    from megatron_tail.config.loader import apply_overrides, config_from_dict
+    from megatron_tail.config.loader import config_from_yaml
 
     for knobs in variants.values():  # a typo in --set: one line now, not after minutes of pretraining
-        config_from_dict(apply_overrides(yaml.safe_load(DEMO_CONFIG_YAML), [*knobs, *overrides]))
+        config_from_yaml(DEMO_CONFIG_YAML, [*knobs, *overrides])
     from megatron_tail.demo.pretrain import PretrainStopped, StopRequests
 
     with StopRequests() as stop:  # from here: a stop while the model is made or checked is heard too
@@ -182,15 +179,13 @@ def _write_report(run_dirs: list[Path]) -> Path:
 
 def finished_run(run_dir: Path, overrides: Sequence[str], *, base_yaml: str = DEMO_CONFIG_YAML) -> bool:
     """The run in `run_dir` has a checkpoint at its last step."""
-    from megatron_tail.config import load_config
+    from megatron_tail.config.loader import config_from_yaml
     from megatron_tail.train.run.run_dir import latest_checkpoint
 
     latest = latest_checkpoint(run_dir)
     if latest is None:
         return False
-    base = run_dir / "demo_base.yaml"
-    base.write_text(base_yaml)
-    return latest[0] >= load_config(base, overrides).train.steps
+    return latest[0] >= config_from_yaml(base_yaml, overrides).train.steps
 
 
 def ensure_pretrained(cache: Path, *, tools: bool = False) -> Path:

@@ -102,13 +102,11 @@ def check_grid(
     """UserError for what `run_grid` would otherwise find only after pretraining, or never: every group's
     config (`base_yaml` + its overrides) loads, the seeds are distinct, `jobs` ≥ 1, and neither `out` nor
     `cache` is a file."""
-    import yaml
-
-    from megatron_tail.config.loader import apply_overrides, config_from_dict
+    from megatron_tail.config.loader import config_from_yaml
 
     for name, knobs in groups.items():
         try:
-            config_from_dict(apply_overrides(yaml.safe_load(base_yaml), knobs))
+            config_from_yaml(base_yaml, knobs)
         except UserError as e:
             raise UserError(f"arm {name!r}: {e}") from None
     if len(set(seeds)) != len(seeds):  # one run directory per seed: a repeat would train it twice over

@@ -110,7 +110,7 @@ class ModelSettings:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        if self.use_te and (importlib.util.find_spec("transformer_engine") is None or device == "cpu"):
+        if self.use_te and (not _have_transformer_engine() or device == "cpu"):
             lacks = "no CUDA device" if device == "cpu" else "no transformer_engine installed"
             raise UserError(
                 f"model.use_te=true needs Transformer Engine on CUDA (a GPU extra), and this machine has "
@@ -146,7 +146,7 @@ class ModelSettings:
 
     def resolved_use_te(self) -> bool:
         """`use_te` with the host default applied; raises if TE was asked for but is not installed."""
-        have_te = importlib.util.find_spec("transformer_engine") is not None
+        have_te = _have_transformer_engine()
         if self.use_te is None:
             import torch
 
@@ -156,3 +156,8 @@ class ModelSettings:
                 "use_te=True but transformer_engine is not installed; use_te=False picks the local spec"
             )
         return self.use_te
+
+
+def _have_transformer_engine() -> bool:
+    """Transformer Engine is installed (found, not imported: importing it needs CUDA's libraries)."""
+    return importlib.util.find_spec("transformer_engine") is not None

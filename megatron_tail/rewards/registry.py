@@ -34,8 +34,8 @@ for _fn in BUILTIN_REWARDS.values():
 
 def reward_bound(fn: RewardFn) -> float | None:
     """R_max = max |reward| that `fn` declares through `fn.reward_range`, or None if it declares none."""
-    low, high = declared_range(fn) or (None, None)
-    return None if low is None else max(abs(low), abs(high))
+    bounds = declared_range(fn)
+    return None if bounds is None else max(abs(bound) for bound in bounds)
 
 
 def declared_range(fn: RewardFn) -> tuple[float, float] | None:
@@ -74,7 +74,7 @@ def load_reward_fn(spec: str) -> RewardFn:
     if not callable(fn):
         raise UserError(f"reward {spec!r}: module {module_name!r} has no callable {attr!r}")
     check_call_shape(fn, ("completion", "answer"), f"reward {spec!r}")
-    reward_bound(fn)  # a malformed reward_range: refused at load, not at the first step's bound
+    declared_range(fn)  # a malformed reward_range: refused at load, not at the first step's bound
     return fn
 
 
@@ -103,7 +103,7 @@ def compute_rewards(fn: RewardFn, completions: Sequence[str], answers: Sequence[
         if bounds is not None and not bounds[0] <= value <= bounds[1]:  # DVP's bias bound takes R_max from it
             raise RewardFunctionError(
                 f"reward function {name!r} returned {value!r} for sample {i}, outside its declared "
-                f"reward_range {tuple(bounds)}"
+                f"reward_range {bounds}"
             )
         rewards.append(float(value))
     return rewards

@@ -129,9 +129,8 @@ class RewardScorer:
                     "faster or bounded, or raise data.reward_timeout_s"
                 ) from None
             except EOFError:  # the worker died (killed, out of memory): start a new one next time
-                worker.wait_exit(
-                    2.0
-                )  # its own exit code (-9 of the OOM killer, -11, os._exit's), not our kill's
+                # its own exit code (-9 of the OOM killer, -11, os._exit's), not our kill's
+                worker.wait_exit(2.0)
                 worker.kill()
                 self._worker = None
                 raise error(f"{died} (exit code {worker.exitcode}){while_}") from None

@@ -103,9 +103,8 @@ def eval_command(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, args.overrides)
         from megatron_tail.train.run.offline_eval import check_inputs
 
-        check_inputs(
-            cfg, hf_dir=args.hf, checkpoint=args.checkpoint, out_dir=args.out
-        )  # a user's mistake before the imports
+        # a user's mistake before the imports
+        check_inputs(cfg, hf_dir=args.hf, checkpoint=args.checkpoint, out_dir=args.out)
         import torch.distributed as dist
 
         from megatron_tail.patches import import_megatron_deferring_compile
