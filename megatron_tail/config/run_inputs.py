@@ -13,6 +13,7 @@ step 1000 on the one prompt that is too long.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -89,6 +90,7 @@ def _load(cfg: RunConfig) -> RunPrompts:
     train = load_prompts(PromptDataConfig.of(d.train_path, d), tokenizer)
     limit.check(train, d.train_path)
     _check_ids_in_vocab(train, d.train_path, arch.vocab_size, hf_path)
+    _check_eos_in_vocab(tokenizer, arch.raw, hf_path, arch.vocab_size)
     longest = max(train, key=lambda e: len(e.prompt_ids))
     n = len(longest.prompt_ids)
     cfg.check_longest_prompt(
@@ -111,3 +113,24 @@ def _check_ids_in_vocab(examples: list[PromptExample], path: str, vocab_size: in
                 f"{record_place(path, example.index)}: the tokenizer gives token id {top}, and the model has "
                 f"vocab_size={vocab_size} ({hf_path}/config.json): are the tokenizer files the model's?"
             )
+
+
+def _check_eos_in_vocab(tokenizer: Any, config: dict, hf_path: str, vocab_size: int) -> None:
+    """UserError where an end-of-sequence id that an engine stops on (the tokenizer's, `config.json`'s,
+    `generation_config.json`'s, as `local_engine.engine._eos_ids` and SGLang read them) is not a token of the
+    model: the model cannot emit it, so every completion would silently run to `rollout.max_new_tokens`."""
+    sources: dict[str, Any] = {"the tokenizer": tokenizer.eos_token_id}
+    sources["config.json"] = config.get("eos_token_id")
+    generation = Path(hf_path) / "generation_config.json"
+    if generation.is_file():
+        try:
+            sources[generation.name] = json.loads(generation.read_text()).get("eos_token_id")
+        except (ValueError, AttributeError, OSError) as e:
+            raise UserError(f"{generation} is not a JSON object ({type(e).__name__}: {e})") from None
+    for source, value in sources.items():
+        for token in value if isinstance(value, list) else [value]:
+            if token is not None and not (isinstance(token, int) and 0 <= token < vocab_size):
+                raise UserError(
+                    f"model.hf_path: eos_token_id {token!r} of {source} ({hf_path}) is not a token of the "
+                    f"model (0 ≤ id < vocab_size={vocab_size}): the model could never end a completion"
+                )

@@ -3,7 +3,7 @@ evaluation is counted under its own tags (`eval/env_failures`, `eval/env_episode
 TensorBoard) and said on the console; a run without eval prompts prints no eval line, and one line that
 its `train.eval_every` evaluates nothing. Before: the failure
 vanished (no metric, no line), and `data.eval_path: null` printed "step 0: eval accuracy nan sampled, nan
-greedy"."""
+greedy". The same run, on a prompt file smaller than a step, says that too (before: nothing)."""
 
 from __future__ import annotations
 
@@ -58,9 +58,18 @@ def test_an_environment_failure_in_evaluation_is_counted_and_said(tiny_model_dir
 
 def test_without_eval_prompts_nothing_is_said_about_evaluation(tiny_model_dir, prompt_file, tmp_path):
     settings = {"parallel.tensor_parallel": 1, "train.eval_every": 1, "train.steps": 1, **ENGINE_IN_PROCESS}
-    code, output = _run(loop_overrides(tiny_model_dir, prompt_file, tmp_path / "run", settings))
+    (few := tmp_path / "three.jsonl").write_text("".join(prompt_file.read_text().splitlines(True)[:3]))
+    code, output = _run(loop_overrides(tiny_model_dir, few, tmp_path / "run", settings))
     assert code == 0, output[-4000:]
     assert "eval accuracy" not in output and "eval_acc" not in output, output[-4000:]
     assert "step 1 " in output
     # the cadence the config asked for is named once, where it goes unused (a forgotten eval set)
     assert output.count("train.eval_every=1 evaluates nothing: data.eval_path is null") == 1, output[-4000:]
+    # a prompt set smaller than a step's (prompts_per_step=4): it trains, and says so once
+    assert (
+        output.count(
+            f"{few} holds 3 prompt(s), fewer than data.prompts_per_step=4: each step trains on some prompts more "
+            "than once, as separate groups"
+        )
+        == 1
+    ), output[-4000:]

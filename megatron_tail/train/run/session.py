@@ -133,6 +133,11 @@ class RunSession:
 
         d, train = self.cfg.data, prompts.train
         self.stream = PromptStream(train, seed=self.cfg.seed, shuffle=d.shuffle)
+        if len(train) < d.prompts_per_step:  # a debugging set, or the wrong file: trains, said once
+            self.console.note(
+                f"{d.train_path} holds {len(train)} prompt(s), fewer than data.prompts_per_step="
+                f"{d.prompts_per_step}: each step trains on some prompts more than once, as separate groups"
+            )
         self.eval_examples = prompts.eval
 
     @property
