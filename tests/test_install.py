@@ -61,6 +61,14 @@ def test_sglang_constraints_hold_the_wheels_own_pins():
             )
 
 
+def test_the_router_policies_the_config_accepts_are_those_of_the_pinned_router():
+    """`ROUTER_POLICIES` were read from sglang-router 0.3.2's `--policy` choices: a new pin, a new read."""
+    from megatron_tail.config.cluster import ROUTER_POLICIES, ROUTER_VERSION
+
+    assert pins(ROOT / "constraints-sglang.txt")["sglang-router"] == ROUTER_VERSION
+    assert "cache_aware" in ROUTER_POLICIES  # the default of `cluster.sglang.router_policy`
+
+
 def test_trainer_constraints_agree_and_need_their_own_environment():
     cpu, gpu = pins(ROOT / "constraints.txt"), pins(ROOT / "constraints-gpu.txt")
     assert cpu["torch"] == gpu["torch"] and cpu["megatron-core"] == gpu["megatron-core"]

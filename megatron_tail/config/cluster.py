@@ -37,6 +37,12 @@ PLAN_NODES, PLAN_GPUS_PER_NODE, PLAN_MEM_FRACTION = 2, 8, 0.85
 """What `megatron-tail plan` assumes where the section leaves `nodes`, `gpus_per_node` or
 `sglang.mem_fraction` unset (rl.sbatch takes the allocation's, and SGLang picks its own fraction)."""
 
+ROUTER_VERSION = "0.3.2"
+"""The sglang-router that `constraints-sglang.txt` pins (the servers' environment, `setup_envs.sh`)."""
+ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two", "manual")
+"""Its `--policy` choices (sglang_router 0.3.2, `router_args.py`, `RouterArgs.add_cli_args`): another name
+would end the router at start, in `router.log` only, since the run goes on without it."""
+
 OWNED_SGLANG_FLAGS: Mapping[str, str] = {
     "--tp-size": "cluster.sglang.tp",
     "--tensor-parallel-size": "cluster.sglang.tp",
@@ -118,7 +124,7 @@ class SGLangServers:
     """Start an SGLang router on the first rollout node (for inspection and external clients; the trainer
     talks to the servers itself)."""
     router_policy: str = "cache_aware"
-    """The router's `--policy` (sglang-router: cache_aware, round_robin, random, power_of_two)."""
+    """The router's `--policy`, one of `ROUTER_POLICIES` (those of the pinned sglang-router)."""
 
     def __post_init__(self) -> None:
         _positive_int("cluster.sglang", "tp", self.tp)
@@ -135,8 +141,13 @@ class SGLangServers:
             _bad("cluster.sglang", "mem_fraction", f, "must be in (0, 1) or null (SGLang's choice)")
         if not isinstance(self.router, bool):
             _bad("cluster.sglang", "router", self.router, "must be true or false")
-        if not isinstance(self.router_policy, str) or not self.router_policy.strip():
-            _bad("cluster.sglang", "router_policy", self.router_policy, "must name a router policy")
+        if self.router_policy not in ROUTER_POLICIES:
+            _bad(
+                "cluster.sglang",
+                "router_policy",
+                self.router_policy,
+                f"must be one of {ROUTER_POLICIES} (the --policy of sglang-router {ROUTER_VERSION})",
+            )
         for item in self.extra_args:
             self._check_extra_arg(item)
 

@@ -478,6 +478,11 @@ def test_packed_false_overrides_a_token_budget():
             r"cluster\.sglang\.ep must divide cluster\.sglang\.tp=2",
         ),
         (["cluster.sglang.mem_fraction=1.2"], r"cluster\.sglang\.mem_fraction must be in \(0, 1\)"),
+        (
+            ["cluster.sglang.router_policy=cache-aware"],
+            r"cluster\.sglang\.router_policy must be one of \('cache_aware', .* \(the --policy of "
+            r"sglang-router 0\.3\.2\); got 'cache-aware'",
+        ),
         (["cluster.servers_per_node=9"], r"cluster\.servers_per_node must be ≤ 8 \(ports\); got 9"),
         (["cluster.health_timeout_s=0"], r"cluster\.health_timeout_s must be a finite number > 0; got 0"),
         (

@@ -66,10 +66,8 @@ def test_without_eval_prompts_nothing_is_said_about_evaluation(tiny_model_dir, p
     # the cadence the config asked for is named once, where it goes unused (a forgotten eval set)
     assert output.count("train.eval_every=1 evaluates nothing: data.eval_path is null") == 1, output[-4000:]
     # a prompt set smaller than a step's (prompts_per_step=4): it trains, and says so once
-    assert (
-        output.count(
-            f"{few} holds 3 prompt(s), fewer than data.prompts_per_step=4: each step trains on some prompts more "
-            "than once, as separate groups"
-        )
-        == 1
-    ), output[-4000:]
+    said = (
+        f"{few} holds 3 prompt(s), fewer than data.prompts_per_step=4: each step trains on some prompts "
+        "more than once, as separate groups"
+    )
+    assert output.count(said) == 1, output[-4000:]
