@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import string
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -40,7 +41,7 @@ class PromptFormat:
     prompt_key: str = "prompt"
     """Field (dotted path) holding the prompt: a string, or a list of chat messages."""
     answer_key: str = "answer"
-    """Field (dotted path) holding the ground-truth answer (stringified)."""
+    """Field (dotted path) holding the ground-truth answer: a string, or a number (`answer_text`)."""
     apply_chat_template: bool = True
     """Render messages with the tokenizer's chat template (False: raw string prompts, e.g. the toy task)."""
     prompt_template: str = "{prompt}"
@@ -235,6 +236,33 @@ def get_field(record: dict[str, Any], dotted: str, where: str) -> Any:
     return value
 
 
+def answer_text(value: Any, key: str, where: str) -> str:
+    """The answer a reward gets, `(completion, answer: str)`, as the file spells it: a string as is; an
+    integer, or a float that is one, as digits (`12`, `12.0` → "12": a JSON reader turns a column of integers
+    and decimals into floats, so a file's `12` arrives as 12.0, which an integer reward refuses); another
+    finite float as its shortest repr ("3.5"); true/false as JSON writes them (not Python's "True").
+    UserError naming the row for what no reward can compare with: a missing or empty answer, a non-finite
+    number, a list or a record."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        state = "empty" if value is not None else "missing or null"
+        raise UserError(
+            f"{where}: no answer ({key!r} is {state}); every prompt needs the ground truth its reward "
+            "compares with"
+        )
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        return json.dumps(value)
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float) and math.isfinite(value):
+        return str(int(value)) if value.is_integer() else repr(value)
+    raise UserError(
+        f"{where}: the answer ({key!r}) is {json.dumps(value, default=str)[:80]}; a reward takes a string "
+        "or a finite number (write the one string, quoted, that the reward compares with)"
+    )
+
+
 def load_prompts(config: PromptDataConfig, tokenizer) -> list[PromptExample]:
     """Read, render and tokenize every row of `config.path` (dropping over-long prompts if configured)."""
     dataset = read_records(config.path, config.cache_dir)
@@ -248,19 +276,13 @@ def load_prompts(config: PromptDataConfig, tokenizer) -> list[PromptExample]:
     lines = _record_lines(config.path)
     for index, record in enumerate(dataset):
         where = _place(config.path, index, lines)
-        answer = get_field(record, config.answer_key, where)
-        if answer is None or (isinstance(answer, str) and not answer.strip()):
-            state = "empty" if answer is not None else "missing or null"
-            raise UserError(
-                f"{where}: no answer ({config.answer_key!r} is {state}); "
-                "every prompt needs the ground truth its reward compares with"
-            )
+        answer = answer_text(get_field(record, config.answer_key, where), config.answer_key, where)
         text = render_prompt(get_field(record, config.prompt_key, where), config, tokenizer, where)
         ids = tokenize_known(tokenizer, text, where)
         if config.max_prompt_tokens is not None and len(ids) > config.max_prompt_tokens:
             dropped += 1
             continue
-        examples.append(PromptExample(index, ids, text, str(answer)))
+        examples.append(PromptExample(index, ids, text, answer))
     if dropped:
         logger.warning(
             "%s: dropped %d of %d prompts longer than %d tokens",

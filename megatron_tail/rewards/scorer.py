@@ -264,13 +264,14 @@ def _answer(request: tuple, fn, spec: str, states: dict) -> tuple[str, object]:
     except RewardFunctionError as e:
         return ("user_error", str(e))
     except (Exception, SystemExit) as e:  # the user's function raised (or exited): name it, the sample, where
-        return ("user_error", _raised_message(spec, e))
+        return ("user_error", _raised_message(spec, e, answers))
 
 
-def _raised_message(spec: str, error: Exception) -> str:
+def _raised_message(spec: str, error: Exception, answers: list[str]) -> str:
     where = raised_at(error)
     sample = getattr(error, "mt_sample", None)
-    on = f" on sample {sample}" if sample is not None else ""
+    # the answer finds the row in the prompt file, which the batch's sample index does not
+    on = f" on sample {sample} (answer {str(answers[sample])[:80]!r})" if sample is not None else ""
     if isinstance(error, SystemExit):  # not the worker's death: what the function did, and where
         return (
             f"reward function {spec!r} called sys.exit({error.code!r}){on}{where}; a reward returns a number"

@@ -77,6 +77,46 @@ def test_a_record_without_an_answer_is_refused_at_load_naming_file_and_row(token
         _load(path, tokenizer, tmp_path)
 
 
+def test_numeric_answers_reach_the_reward_as_the_file_spells_them(tokenizer, tmp_path):
+    """A column of integers and decimals is read as floats (pyarrow), so line 1's 12 arrived as "12.0",
+    which the arithmetic reward refused at step 1 without naming the row; true reached a reward as "True"."""
+    from megatron_tail.rewards.arithmetic import arithmetic_reward
+
+    path = tmp_path / "numbers.jsonl"
+    rows = [(12, "12"), (3.5, "3.5"), (-7, "-7"), (0.1, "0.1"), (2e20, "200000000000000000000")]
+    path.write_text(
+        "".join(json.dumps({"prompt": f"{i}=", "answer": a}) + "\n" for i, (a, _) in enumerate(rows))
+    )
+    answers = [e.answer for e in _load(path, tokenizer, tmp_path)]
+    assert answers == [text for _, text in rows]
+    assert arithmetic_reward(" 12", answers[0]) == 1.0
+    path.write_text('{"prompt": "1=", "answer": true}\n{"prompt": "2=", "answer": false}\n')
+    assert [e.answer for e in _load(path, tokenizer, tmp_path)] == ["true", "false"]
+
+
+@pytest.mark.parametrize(("answer", "said"), [([1, 2], r"\[1, 2\]"), ({"a": 1}, r'\{"a": 1\}')])
+def test_an_answer_no_reward_can_compare_with_is_refused_naming_the_row(tokenizer, tmp_path, answer, said):
+    """Before: the list reached the reward as the string "[1, 2]"."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text(
+        '{"prompt": "1+1=", "answer": "2"}\n' + json.dumps({"prompt": "2+2=", "answer": answer}) + "\n"
+    )
+    with pytest.raises(
+        UserError,
+        match=rf"^{path} line 2: the answer \('answer'\) is {said}; a reward takes a string or a finite",
+    ):
+        _load(path, tokenizer, tmp_path)
+
+
+def test_a_number_that_is_not_finite_is_not_an_answer():
+    """JSON readers give NaN as null ("no answer"); a parquet float column can hold either."""
+    from megatron_tail.data.prompts import answer_text
+
+    for value, said in ((float("nan"), "NaN"), (float("-inf"), "-Infinity")):
+        with pytest.raises(UserError, match=rf"^f row 1: the answer \('a'\) is {said}; a reward takes"):
+            answer_text(value, "a", "f row 1")
+
+
 def test_characters_the_demo_tokenizer_lacks_are_named(tokenizer, tmp_path):
     path = tmp_path / "rows.jsonl"
     path.write_text(json.dumps({"prompt": "1+1=2 ✓ é", "answer": "2"}) + "\n")

@@ -99,7 +99,7 @@ def test_numpy_scalars_are_rewards_and_bad_values_are_named():
         compute_rewards(fault_rewards.returns_text, ["a"], ["1"])
     scorer = RewardScorer("tests.rewards.fault_rewards:raises")
     try:
-        raised = r"raises' raised KeyError: 'boom' on sample 0 at .*fault_rewards.py:"
+        raised = r"raises' raised KeyError: 'boom' on sample 0 \(answer '1'\) at .*fault_rewards.py:"
         with pytest.raises(RewardFunctionError, match=raised):
             scorer(["a"], ["1"])
     finally:
@@ -112,7 +112,7 @@ def test_a_reward_that_exits_is_named_with_its_own_exit():
     scorer = RewardScorer("tests.rewards.fault_rewards:exits")
     try:
         with pytest.raises(
-            RewardFunctionError, match=r"exits' called sys.exit\(3\) on sample 0 at .*fault_rewards"
+            RewardFunctionError, match=r"exits' called sys.exit\(3\) on sample 0 \(answer '1'\) at .*fault_rewards"
         ):
             scorer(["a"], ["1"])
         assert scorer.worker_pid is not None  # the worker reported it and lives on
