@@ -112,7 +112,8 @@ def test_a_reward_that_exits_is_named_with_its_own_exit():
     scorer = RewardScorer("tests.rewards.fault_rewards:exits")
     try:
         with pytest.raises(
-            RewardFunctionError, match=r"exits' called sys.exit\(3\) on sample 0 \(answer '1'\) at .*fault_rewards"
+            RewardFunctionError,
+            match=r"exits' called sys.exit\(3\) on sample 0 \(answer '1'\) at .*fault_rewards",
         ):
             scorer(["a"], ["1"])
         assert scorer.worker_pid is not None  # the worker reported it and lives on
