@@ -15,7 +15,7 @@ from megatron_tail.demo.defaults import DATA_DIR_NAME, DEMO_CONFIG_YAML, PRETRAI
 # read_scalars is re-exported: tests and tools read runs with `demo.run.read_scalars`
 from megatron_tail.demo.scalars import fmt as _fmt
 from megatron_tail.demo.scalars import read_scalars, summarise, uses_environment
-from megatron_tail.train.run.supervise import TrainingOutcome
+from megatron_tail.train.run.supervise import StopRelay, TrainingOutcome
 
 DEMO_MAX_DIGITS = 2
 TOOL_PRETRAIN = {
@@ -258,12 +258,18 @@ def ensure_data(cache: Path) -> tuple[Path, Path]:
 
 
 def launch_training(
-    run_dir: Path, overrides: Sequence[str], *, base_yaml: str = DEMO_CONFIG_YAML, quiet: bool = False
+    run_dir: Path,
+    overrides: Sequence[str],
+    *,
+    base_yaml: str = DEMO_CONFIG_YAML,
+    quiet: bool = False,
+    relay: StopRelay | None = None,
 ) -> TrainingOutcome:
     """`megatron-tail train` on `base_yaml` with `overrides`, under our torchrun wrapper on as many local
     ranks as the layout needs (`ParallelSection.min_world_size`: TP × PP × CP and the experts'
     ETP × EP × PP), through `supervise.run_training`: a stop signal to this process stops the run after its
-    step, with a checkpoint; `quiet` sends its output to `<run_dir>/train.log` instead of the console."""
+    step, with a checkpoint; `quiet` sends its output to `<run_dir>/train.log` instead of the console;
+    `relay`: the stop-signal relay of runs at once (`supervise.run_at_once`)."""
     from megatron_tail.config import load_config, save_resolved_config
     from megatron_tail.train.run.supervise import run_training
 
@@ -283,9 +289,9 @@ def launch_training(
         "PYTHONWARNINGS": "ignore",  # megatron's and torch's import-time warnings would bury the step lines
     }
     if not quiet:
-        return run_training(torchrun, resolved, env=env, say=_say)
+        return run_training(torchrun, resolved, env=env, say=_say, relay=relay)
     with open(run_dir / "train.log", "ab") as log:
-        return run_training(torchrun, resolved, env=env, stdout=log, say=_say)
+        return run_training(torchrun, resolved, env=env, stdout=log, say=_say, relay=relay)
 
 
 def training_failed(outcome: TrainingOutcome, label: str = "") -> int | None:

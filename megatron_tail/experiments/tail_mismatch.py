@@ -10,14 +10,15 @@ runs are reused, so an interrupted experiment resumes where it stopped.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from megatron_tail.demo.run import finished_run, launch_training, read_scalars, summarise, training_failed
+from megatron_tail.train.run.supervise import StopRelay, run_at_once
 from megatron_tail.utils.errors import UserError
 
 from .tail_config import TAIL_CONFIG_YAML
@@ -152,10 +153,10 @@ def run_grid(
             else:
                 pending.append((name, seed, target, overrides))
 
-    def train(job: tuple[str, int, Path, list[str]]) -> None:
+    def train(job: tuple[str, int, Path, list[str]], relay: StopRelay | None = None) -> None:
         name, seed, target, overrides = job
         t0 = time.monotonic()
-        outcome = launch_training(target, overrides, base_yaml=base_yaml, quiet=True)
+        outcome = launch_training(target, overrides, base_yaml=base_yaml, quiet=True, relay=relay)
         if (code := training_failed(outcome, f" [{name} seed {seed}], see {target}/train.log,")) is not None:
             raise SystemExit(code)
         log(f"[{name} seed {seed}] {time.monotonic() - t0:.0f} s: {target}")
@@ -163,10 +164,8 @@ def run_grid(
     if jobs <= 1:
         for job in pending:
             train(job)
-    else:  # each run is its own torchrun process tree; the threads only wait for them
-        with ThreadPoolExecutor(max_workers=jobs) as pool:
-            for future in [pool.submit(train, job) for job in pending]:
-                future.result()
+    else:  # each run is its own torchrun process tree; threads wait for them, stop signals reach them all
+        run_at_once([functools.partial(train, job) for job in pending], workers=jobs)
     return runs
 
 

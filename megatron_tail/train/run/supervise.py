@@ -16,17 +16,26 @@ session, so a Ctrl-C at the terminal reaches only this process, which passes eac
   for the workers it just signalled (`torch/distributed/elastic/multiprocessing/api.py`, `_close`).
 If this process dies without a word (SIGKILL), the launcher gets SIGTERM from the kernel
 (`parent_watch.stop_with_parent_from_env`) and stops its workers as on a first signal.
+
+Several runs at once (the experiments' `--jobs`): `run_at_once` holds them all in one `StopRelay`, whose
+handlers run in the main thread while the runs are waited for in others. A stop signal reaches every running
+launcher and no further run starts; when a run fails, the others stop after their step with a checkpoint
+and the failure is raised once they have exited. Before, a Ctrl-C reached none of them (each launcher has
+its own session, and Python runs handlers in the main thread only): the grid went on, queued runs included,
+and a failed run was reported when the whole grid had trained.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -57,59 +66,166 @@ def run_training(
     env: dict[str, str],
     stdout: IO | None = None,
     say: Callable[[str], None] | None = None,
+    relay: StopRelay | None = None,
 ) -> TrainingOutcome:
     """Run the training command to its end, passing stop signals on (module docstring). `stdout`: where the
     run's output goes (stderr with it), None to inherit; `say`: where the acknowledgement of a stop signal
-    goes (default: stderr). Called from the main thread, it installs its handlers for the run's duration
-    and restores the previous ones."""
-    say = say or _to_stderr
+    goes (default: stderr). Without `relay`, called from the main thread, it installs its own for the run's
+    duration and restores the previous handlers; `relay`: the one `run_at_once` shares between runs."""
+    own = relay is None
+    relay = relay or StopRelay(say or _to_stderr)
     err = None if stdout is None else subprocess.STDOUT
-    proc = subprocess.Popen(
-        training_command(torchrun_args, config),
-        env={**env, PARENT_PID_ENV: str(os.getpid())},
-        stdout=stdout,
-        stderr=err,
-        start_new_session=True,
-    )
-    relay = _SignalRelay(proc, say)
-    # Python runs signal handlers in the main thread only; from another thread (an experiment's parallel
-    # runs) the main thread's own handling stands, and the launcher still stops when this process dies.
-    main = threading.current_thread() is threading.main_thread()
-    previous = {sig: signal.signal(sig, relay.handle) for sig in STOP_SIGNALS} if main else {}
-    try:
-        code = proc.wait()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        if proc.poll() is None:  # this process is failing for its own reason: do not leave the run behind
-            _stop(proc)
+    with relay.installed() if own else contextlib.nullcontext():
+        proc = subprocess.Popen(
+            training_command(torchrun_args, config),
+            env={**env, PARENT_PID_ENV: str(os.getpid())},
+            stdout=stdout,
+            stderr=err,
+            start_new_session=True,
+        )
+        relay.add(proc)
+        try:
+            code = proc.wait()
+        finally:
+            relay.discard(proc)
+            if proc.poll() is None:  # this process is failing for its own reason: do not leave the run behind
+                _stop(proc)
     return TrainingOutcome(code=code, stopped_by=relay.first)
 
 
-class _SignalRelay:
-    def __init__(self, proc: subprocess.Popen, say: Callable[[str], None]):
-        self.proc, self.say = proc, say
+class StopRelay:
+    """Passes the stop signals this process receives to every training launcher it holds: the first to the
+    launchers (their workers finish the step, checkpoint and exit), a second one at least `REPEAT_AFTER_S`
+    later to the launchers' workers (they abandon the step). Once it is `stopping` (a stop signal, `stop_all`
+    or `no_more_runs`), a launcher added is sent the stop at once. A launcher is sent at most one stop: a
+    second signal to torchrun would end its shutdown without waiting for its workers (module docstring)."""
+
+    def __init__(self, say: Callable[[str], None]):
+        self.say = say
         self.first: signal.Signals | None = None
+        self.stopping = False
+        """No further run is wanted: a stop signal came, `stop_all` or `no_more_runs`."""
         self._first_at = 0.0
         self._passed_to_workers = False
+        self._procs: list[subprocess.Popen] = []
+        self._stopped: set[int] = set()
+        """The launchers sent a stop, by pid."""
+        # reentrant: the handler runs in the main thread, which may hold the lock (`add` in `run_training`)
+        self._lock = threading.RLock()
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[StopRelay]:
+        """Its handler for `STOP_SIGNALS` while the block runs, in the main thread (Python runs handlers
+        there only; from another thread nothing is installed, and a launcher still stops when this process
+        dies)."""
+        main = threading.current_thread() is threading.main_thread()
+        previous = {sig: signal.signal(sig, self.handle) for sig in STOP_SIGNALS} if main else {}
+        try:
+            yield self
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def add(self, proc: subprocess.Popen) -> None:
+        with self._lock:
+            self._procs.append(proc)
+            if self.stopping:
+                self._stop_once(proc, self.first or signal.SIGTERM)
+
+    def discard(self, proc: subprocess.Popen) -> None:
+        with self._lock:
+            self._procs = [p for p in self._procs if p is not proc]
+
+    def no_more_runs(self) -> None:
+        """A run failed: none starts after this (`run_at_once`'s threads ask `stopping` first)."""
+        self.stopping = True
+
+    def stop_all(self) -> int:
+        """SIGTERM to every launcher held (each run stops after its step, with a checkpoint); how many."""
+        with self._lock:
+            self.stopping = True
+            for proc in self._procs:
+                self._stop_once(proc, signal.SIGTERM)
+            return len(self._procs)
+
+    def _stop_once(self, proc: subprocess.Popen, sig: signal.Signals) -> None:
+        if proc.pid not in self._stopped:
+            self._stopped.add(proc.pid)
+            _send(proc.pid, sig)
 
     def handle(self, signum: int, _frame) -> None:
         sig = signal.Signals(signum)
         now = time.monotonic()
-        if self.first is None:
-            self.first, self._first_at = sig, now
-            _send(self.proc.pid, sig)
-            self.say(
-                f"{sig.name}: passed to the training run, which stops after its current step and saves a "
-                "checkpoint (rerun the same command to resume); send it again to stop at once"
+        with self._lock:
+            procs = list(self._procs)
+            if self.first is None:
+                self.first, self._first_at, self.stopping = sig, now, True
+                for proc in procs:
+                    self._stop_once(proc, sig)
+                runs = (
+                    "the training run, which stops after its current step and saves a checkpoint"
+                    if len(procs) <= 1
+                    else f"the {len(procs)} training runs, which stop after their current step and save a "
+                    "checkpoint; no further run starts"
+                )
+                self.say(
+                    f"{sig.name}: passed to {runs} (rerun the same command to resume); send it again to "
+                    "stop at once"
+                )
+            elif now - self._first_at < REPEAT_AFTER_S:
+                self.say(same_request_line(sig, now - self._first_at))
+            elif not self._passed_to_workers:
+                self._passed_to_workers = True
+                for proc in procs:
+                    for pid in _children(proc.pid):
+                        _send(pid, sig)
+                runs = (
+                    "the training run abandons its step; its last checkpoint is kept"
+                    if len(procs) <= 1
+                    else "the training runs abandon their step; their last checkpoints are kept"
+                )
+                self.say(f"{sig.name} again: {runs}")
+
+
+def run_at_once(
+    runs: Sequence[Callable[[StopRelay], None]], workers: int, say: Callable[[str], None] | None = None
+) -> None:
+    """Each of `runs` (a function that trains through `run_training(..., relay=relay)` and raises if the run
+    failed or was stopped), at most `workers` at once, under one `StopRelay` installed in this (the main)
+    thread. After the first failure (a stop signal makes each run raise too) no further run starts, the
+    running ones are stopped after their step with a checkpoint, and the failure is raised once every run
+    has exited."""
+    say = say or _to_stderr
+    relay = StopRelay(say)
+
+    def unless_stopping(run: Callable[[StopRelay], None]) -> None:
+        if relay.stopping:
+            return
+        try:
+            run(relay)
+        except BaseException:
+            relay.no_more_runs()  # before this thread takes the next run
+            raise
+
+    with relay.installed(), ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = [pool.submit(unless_stopping, run) for run in runs]
+        wait(futures, return_when=FIRST_EXCEPTION)
+        failed = next((f for f in futures if _failed(f)), None)
+        if failed is None:
+            return
+        for future in futures:
+            future.cancel()
+        if relay.first is None and (running := relay.stop_all()):
+            say(
+                f"a run failed: the {running} other run(s) stop after their current step and save a "
+                "checkpoint; no further run starts (rerun the same command to resume)"
             )
-        elif now - self._first_at < REPEAT_AFTER_S:
-            self.say(same_request_line(sig, now - self._first_at))
-        elif not self._passed_to_workers:
-            self._passed_to_workers = True
-            for pid in _children(self.proc.pid):
-                _send(pid, sig)
-            self.say(f"{sig.name} again: the training run abandons its step; its last checkpoint is kept")
+        wait(futures)
+        raise failed.exception()
+
+
+def _failed(future: Future) -> bool:
+    return future.done() and not future.cancelled() and future.exception() is not None
 
 
 def _children(pid: int) -> list[int]:
