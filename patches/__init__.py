@@ -20,6 +20,7 @@ from .megatron_checkpoint import (
     init_unstepped_adam_state,
     torch_adam_load_fixes,
     use_in_process_results_queue,
+    use_watched_checkpoint_writers,
 )
 from .moe_te_gemm import apply_moe_te_gemm_shim, moe_te_gemm_shim_applied, remove_moe_te_gemm_shim
 from .pinning import PatchVersionError, check_pinned
@@ -44,6 +45,7 @@ __all__ = [
     "remove_recompute_rng_shims",
     "torch_adam_load_fixes",
     "use_in_process_results_queue",
+    "use_watched_checkpoint_writers",
 ]
 
 

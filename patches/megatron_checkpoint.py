@@ -8,7 +8,10 @@ run, and GPU runs without those extras). See README.md for the table and when to
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
+import os
 import queue
+import signal
 
 import torch
 
@@ -29,6 +32,94 @@ def use_in_process_results_queue() -> None:
     check_pinned()
     if filesystem_async._results_queue is None:
         filesystem_async._results_queue = queue.Queue()
+
+
+def use_watched_checkpoint_writers() -> None:
+    """megatron-core 0.16's torch_dist writer (`filesystem_async.py`,
+    `FileSystemWriterAsync.write_preloaded_data_multiproc`) forks one writer process per bucket (2 per rank
+    by default) and waits for them with `count_queue.join()`, which has no timeout. A writer the kernel kills
+    (the out-of-memory killer, on a node whose memory the save itself fills) never marks its task done, so
+    the rank waits forever, silently, and its peers until the collective timeout; and a rank killed mid-save
+    leaves its writers writing, with no parent. `_write_buckets` takes its place: the same processes and
+    per-writer protocol (`FileSystemWriterAsync.write_preloaded_data`, unchanged), each writer dying with its
+    rank (`PR_SET_PDEATHSIG`), and a writer that exits without its result an error naming it, its file and
+    its exit code. Idempotent; GPUs too (the saves are synchronous there as here). Drop when megatron's
+    writers die with their rank and the wait notices a dead writer."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    check_pinned()
+    if FileSystemWriterAsync.__dict__["write_preloaded_data_multiproc"].__func__ is not _write_buckets:
+        FileSystemWriterAsync.write_preloaded_data_multiproc = staticmethod(_write_buckets)
+
+
+WRITER_POLL_S = 1.0
+"""How long the wait for the writers' results blocks before it checks that each writer still lives."""
+
+
+def _write_buckets(transform_list, use_msc, rank, write_buckets, global_results_queue) -> None:
+    """`write_preloaded_data_multiproc`'s contract: write each of `write_buckets` ([file, storage key,
+    (bytes items, CPU tensor items)]) in a forked process of its own, then put {bucket index: its
+    `WriteResult`s} into `global_results_queue`, or the first writer's exception."""
+    from megatron.core.dist_checkpointing.strategies.async_utils import _disable_gc
+
+    # upstream's reason for no collections while the writers fork: a collection in a child would free CUDA
+    # tensors the parent owns
+    with _disable_gc():
+        global_results_queue.put(_run_writers(transform_list, use_msc, rank, write_buckets))
+
+
+def _run_writers(transform_list, use_msc, rank, write_buckets) -> dict | Exception:
+    ctx = multiprocessing.get_context("fork")
+    results, count = ctx.Queue(), ctx.JoinableQueue()
+    writers = []
+    for index, bucket in enumerate(write_buckets):
+        count.put(index)  # each writer takes one and marks it done (upstream's protocol)
+        kwargs = {"local_proc_idx": index, "write_bucket": bucket, "results_queue": results}
+        kwargs |= {"count_queue": count, "use_fsync": True, **({"use_msc": True} if use_msc else {})}
+        writers.append(ctx.Process(target=_writer, args=(os.getpid(), transform_list), kwargs=kwargs))
+    for writer in writers:
+        writer.start()
+    written: dict = {}
+    try:
+        while len(written) < len(writers):
+            try:
+                index, outcome = results.get(timeout=WRITER_POLL_S)
+            except queue.Empty:
+                # a writer that has exited put its result before (the queue's feeder flushes at exit): take
+                # what is there, then any writer gone without one died
+                while not results.empty():
+                    index, outcome = results.get()
+                    written[index] = outcome
+                if dead := [i for i, w in enumerate(writers) if i not in written and w.exitcode is not None]:
+                    return _writer_died(rank, dead[0], write_buckets[dead[0]][0], writers[dead[0]].exitcode)
+                continue
+            written[index] = outcome
+        errors = [outcome for outcome in written.values() if isinstance(outcome, Exception)]
+        return errors[0] if errors else written
+    finally:
+        grace_s = 60.0 if len(written) == len(writers) else 0.0  # a writer that reported exits at once
+        for writer in writers:
+            writer.join(grace_s)
+            if writer.exitcode is None:  # the save failed: the rest of its files are not wanted
+                writer.kill()
+                writer.join()
+
+
+def _writer(rank_pid: int, transform_list, **kwargs) -> None:
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    from megatron_tail.utils.parent_watch import die_with_parent
+
+    die_with_parent(rank_pid)
+    FileSystemWriterAsync.write_preloaded_data(transform_list, **kwargs)
+
+
+def _writer_died(rank: int, index: int, file: str, code: int) -> RuntimeError:
+    how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+    hint = " (the out-of-memory killer sends SIGKILL)" if code == -signal.SIGKILL else ""
+    return RuntimeError(
+        f"checkpoint writer {index} of rank {rank} ended by {how}{hint} before it finished writing {file}"
+    )
 
 
 def init_fresh_optimizer_state(optimizer) -> None:

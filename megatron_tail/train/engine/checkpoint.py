@@ -47,6 +47,7 @@ from megatron_tail.patches import (
     init_unstepped_adam_state,
     torch_adam_load_fixes,
     use_in_process_results_queue,
+    use_watched_checkpoint_writers,
 )
 from megatron_tail.utils.errors import UserError
 
@@ -134,6 +135,7 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     dist.barrier()
     use_in_process_results_queue()
+    use_watched_checkpoint_writers()
     init_unstepped_adam_state(trainer.optimizer)  # a run whose steps were all skipped can still save
     try:
         # cpu_device_scope: the distributed optimizer gathers its state with `.cuda()` / device="cuda".

@@ -1,0 +1,85 @@
+"""`use_watched_checkpoint_writers`: megatron-core 0.16's checkpoint writer processes die with their rank,
+and a writer the kernel kills is an error naming it. Unpatched, the rank waits forever on
+`count_queue.join()` for the killed writer, and a killed rank's writers write on without a parent."""
+
+from __future__ import annotations
+
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+from megatron_tail.patches import use_watched_checkpoint_writers
+from tests.patches import checkpoint_writers
+
+WRITERS = Path(checkpoint_writers.__file__)
+
+
+@pytest.fixture
+def patched(monkeypatch):
+    original = FileSystemWriterAsync.__dict__["write_preloaded_data_multiproc"]
+    use_watched_checkpoint_writers()
+    use_watched_checkpoint_writers()  # idempotent
+    yield
+    monkeypatch.setattr(FileSystemWriterAsync, "write_preloaded_data_multiproc", original)
+
+
+def _write(buckets) -> object:
+    """What the (patched) writer puts in its results queue; fails, rather than hangs, if it never does."""
+    results: queue.Queue = queue.Queue()
+    args = ([], False, 3, buckets, results)
+    target = FileSystemWriterAsync.write_preloaded_data_multiproc
+    thread = threading.Thread(target=target, args=args, daemon=True)
+    thread.start()
+    thread.join(120)
+    assert not thread.is_alive(), "the rank still waits for its writers after 120 s"
+    return results.get_nowait()
+
+
+@pytest.mark.usefixtures("patched")
+def test_a_killed_writer_is_an_error_naming_it_its_file_and_the_signal(monkeypatch):
+    monkeypatch.setattr(
+        FileSystemWriterAsync, "write_preloaded_data", staticmethod(checkpoint_writers.first_one_killed)
+    )
+    error = _write(checkpoint_writers.BUCKETS)
+    assert isinstance(error, RuntimeError)
+    assert str(error) == (
+        "checkpoint writer 0 of rank 3 ended by signal SIGKILL (the out-of-memory killer sends SIGKILL) "
+        "before it finished writing file0"
+    )
+
+
+@pytest.mark.usefixtures("patched")
+def test_writers_that_finish_report_every_bucket(monkeypatch):
+    writes = staticmethod(checkpoint_writers.writes)
+    monkeypatch.setattr(FileSystemWriterAsync, "write_preloaded_data", writes)
+    assert _write(checkpoint_writers.BUCKETS) == {0: ["wrote file0"], 1: ["wrote file1"]}
+
+
+def test_a_killed_ranks_writers_die_with_it(tmp_path):
+    env = {**os.environ, "MT_TEST_PATCHED": "1", "PYTHONPATH": os.getcwd()}
+    rank = subprocess.Popen([sys.executable, str(WRITERS), str(tmp_path)], env=env)
+    pid_files = [tmp_path / "file0", tmp_path / "file1"]
+    writers: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not all(f.exists() and f.read_text() for f in pid_files):
+            assert rank.poll() is None and time.monotonic() < deadline, "the writers did not start"
+            time.sleep(0.05)
+        writers = [psutil.Process(int(f.read_text())) for f in pid_files]
+        rank.kill()
+        rank.wait()
+        _, alive = psutil.wait_procs(writers, timeout=30)
+        assert not alive, f"writers {[p.pid for p in alive]} outlived their rank"
+    finally:
+        rank.kill()
+        for writer in writers:
+            if writer.is_running():
+                writer.kill()
