@@ -67,8 +67,9 @@ def global_rank() -> int:
     return int(os.environ.get("RANK", "0") or 0)
 
 
-def announce(error: BaseException) -> None:
-    """Print `PROG: error: <message>` now, on global rank 0 only (other ranks stay quiet), once per error.
+def announce(error: BaseException, speaker: int = 0) -> None:
+    """Print `PROG: error: <message>` now, on global rank `speaker` only (other ranks stay quiet), once per
+    error. The speaker is rank 0, except where rank 0 is the one held up (`on_rank0`'s wait: rank 1).
 
     Called where a user error or an outside failure is found on rank 0 before the other ranks learn of it
     (`on_rank0`): they then exit at once, and torchrun stops rank 0 while it still cleans up, before the
@@ -79,7 +80,7 @@ def announce(error: BaseException) -> None:
     if getattr(error, "announced", False):
         return
     error.announced = True
-    if global_rank() == 0:
+    if global_rank() == speaker:
         print(f"{PROG}: error: {error}", file=sys.stderr, flush=True)
 
 

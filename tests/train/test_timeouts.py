@@ -23,10 +23,13 @@ RANK0_PHASE_S = 2.5  # longer than the collective timeout
 ARRIVES_LATE_S = 5.0
 
 
-def _fresh_world(rank: int, world: int, port: int, markers: Path, late: int = 0) -> float:
-    """Replace the harness's world group by one that `init_distributed` makes, with short timeouts; rank
-    `late` arrives at the new rendezvous ARRIVES_LATE_S after every other rank is in it. Returns the seconds
-    this rank spent from then to a working group."""
+def _fresh_world(
+    rank: int, world: int, port: int, markers: Path, late: int = 0, wait_timeout: float = 60.0
+) -> float:
+    """Replace the harness's world group by one that `init_distributed` makes, with short timeouts (the
+    rank-0 wait's `wait_timeout` seconds); rank `late` (-1: none) arrives at the new rendezvous
+    ARRIVES_LATE_S after every other rank is in it. Returns the seconds this rank spent from then to a
+    working group."""
     from megatron_tail.train.engine import parallel
 
     dist.barrier()
@@ -42,7 +45,8 @@ def _fresh_world(rank: int, world: int, port: int, markers: Path, late: int = 0)
     else:
         (markers / str(rank)).touch()
     started = time.monotonic()
-    parallel.init_distributed("gloo", timeout=COLLECTIVE_TIMEOUT, wait_timeout=timedelta(seconds=60))
+    waits = timedelta(seconds=wait_timeout)
+    parallel.init_distributed("gloo", timeout=COLLECTIVE_TIMEOUT, wait_timeout=waits)
     return time.monotonic() - started
 
 
@@ -80,6 +84,48 @@ def test_ranks_wait_through_a_rank0_phase_longer_than_the_collective_timeout(tmp
     assert arrival1 >= ARRIVES_LATE_S
     assert waited1 >= RANK0_PHASE_S
     assert failed1 is True, "rank 1 should time out in the broadcast without the barrier"
+
+
+def _held_up(rank, world, port, markers, told):
+    """Rank 0's phase lasts until rank 1 has given up waiting for it (past the 2 s wait timeout)."""
+    import contextlib
+    import io
+
+    from megatron_tail.train.engine.collectives import on_rank0
+    from megatron_tail.train.engine.parallel import host_wait_group
+    from megatron_tail.utils.errors import OutsideFailure
+
+    _fresh_world(rank, world, port, markers, late=-1, wait_timeout=2.0)
+    said, raised = io.StringIO(), None
+
+    def phase():
+        deadline = time.monotonic() + 60
+        while not told.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    with contextlib.redirect_stderr(said):
+        try:
+            on_rank0(phase, wait_group=host_wait_group(), what="the step's rollout")
+        except OutsideFailure as e:
+            raised = str(e)
+            told.write_text(raised)
+        except RuntimeError:
+            pass  # rank 0, whose peer left: what gloo says here does not matter
+    return raised, said.getvalue()
+
+
+def test_a_rank0_phase_past_the_wait_timeout_is_one_line_naming_the_phase_and_the_setting(tmp_path):
+    """Before: gloo's "Timed out waiting 2000ms for recv operation" traceback, on every other rank."""
+    (markers := tmp_path / "markers").mkdir()
+    results = run_distributed(_held_up, 2, free_port(), markers, tmp_path / "told", timeout=60)
+    line = (
+        "global rank 0 did not finish the step's rollout within 0:00:02 "
+        "(parallel.rank0_wait_timeout_minutes, or distributed_timeout_minutes where it is null); the other "
+        "ranks stopped waiting for it. Rank 0's lines above say what it was waiting for; if the phase was "
+        "slow but alive, raise the limit and rerun to resume from the last checkpoint"
+    )
+    assert results[1] == (line, f"megatron-tail: error: {line}\n")  # said once, by rank 1
+    assert results[0] == (None, "")
 
 
 def _late_under_an_agent_store(rank, world, port, markers):

@@ -19,22 +19,26 @@ import torch
 import torch.distributed as dist
 
 from megatron_tail.algorithms.metrics import reduce_op_of
-from megatron_tail.utils.errors import OutsideFailure, UserError, announce
+from megatron_tail.utils.errors import OutsideFailure, UserError, announce, lost_peer
 
-from .parallel import ParallelGroups, comm_device
+from .parallel import ParallelGroups, comm_device, host_wait_group, host_wait_timeout
 
 T = TypeVar("T")
 
 _TORCH_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
-def on_rank0(fn: Callable[[], T], *, wait_group: dist.ProcessGroup | None = None) -> T:
+def on_rank0(
+    fn: Callable[[], T], *, wait_group: dist.ProcessGroup | None = None, what: str = "its phase"
+) -> T:
     """Run `fn()` on global rank 0 only and hand its result to every rank. Collective (one broadcast).
 
     With `wait_group` (a gloo group over the whole world, `parallel.host_wait_group()`), the other ranks
     wait for `fn` in a CPU barrier on it, under that group's timeout, and the broadcast starts only when
     every rank is there: a long rank-0 phase (a rollout) never sits inside an NCCL collective, whose
-    watchdog would kill the job at the world group's timeout.
+    watchdog would kill the job at the world group's timeout. A wait past that group's timeout is an
+    `OutsideFailure` naming `what` rank 0 was doing and the setting, said once by global rank 1 (rank 0 is
+    the one held up); before, gloo's "Timed out waiting ...ms for recv" traceback on every other rank.
 
     If `fn` raises on rank 0, every rank raises (rank 0 its own exception, the others a RuntimeError that
     quotes it, or for a user error or an outside failure a `UserError` or `OutsideFailure` with the same
@@ -52,7 +56,12 @@ def on_rank0(fn: Callable[[], T], *, wait_group: dist.ProcessGroup | None = None
                 error = str(e)
                 announce(e)  # now: the other ranks exit as soon as they hear of it
     if wait_group is not None:
-        dist.barrier(group=wait_group)
+        try:
+            dist.barrier(group=wait_group)
+        except RuntimeError as e:  # gloo's timeout, or a peer gone (`lost_peer`: the launcher names it)
+            if dist.get_rank() == 0 or lost_peer(e) or "timed out" not in str(e).lower():
+                raise
+            raise _rank0_held_up(what, wait_group) from None
     box = [(result, error, kind)]
     dist.broadcast_object_list(box, src=0)
     result, error, kind = box[0]
@@ -63,6 +72,19 @@ def on_rank0(fn: Callable[[], T], *, wait_group: dist.ProcessGroup | None = None
             raise kind(error)
         raise RuntimeError(f"global rank 0 failed: {error}")
     return result
+
+
+def _rank0_held_up(what: str, wait_group: dist.ProcessGroup) -> OutsideFailure:
+    timeout = host_wait_timeout() if wait_group is host_wait_group() else None
+    within = f"within {timeout} " if timeout is not None else ""
+    failure = OutsideFailure(
+        f"global rank 0 did not finish {what} {within}(parallel.rank0_wait_timeout_minutes, or "
+        "distributed_timeout_minutes where it is null); the other ranks stopped waiting for it. Rank 0's "
+        "lines above say what it was waiting for; if the phase was slow but alive, raise the limit and rerun "
+        "to resume from the last checkpoint"
+    )
+    announce(failure, speaker=1)
+    return failure
 
 
 def broadcast_from_last_stage(obj: T, groups: ParallelGroups) -> T:

@@ -95,6 +95,7 @@ DEFAULT_TIMEOUT = timedelta(minutes=120)
 """Default collective timeout (`parallel.distributed_timeout_minutes`), see `RunConfig`'s `parallel`."""
 
 _host_wait_group: dist.ProcessGroup | None = None
+_host_wait_timeout: timedelta | None = None
 
 
 def init_distributed(
@@ -123,7 +124,7 @@ def init_distributed(
     Raises:
         OutsideFailure: not every rank arrived within the longer timeout (naming how many did).
     """
-    global _host_wait_group
+    global _host_wait_group, _host_wait_timeout
     if dist.is_initialized():
         return
     if torch.cuda.is_available():
@@ -141,7 +142,8 @@ def init_distributed(
     )
     # Every rank creates it, in the same order (new_group is collective); a CPU barrier on it is how ranks
     # wait for rank 0's rollout without an NCCL collective (and its watchdog) in flight.
-    _host_wait_group = dist.new_group(backend="gloo", timeout=wait_timeout or timeout)
+    _host_wait_timeout = wait_timeout or timeout
+    _host_wait_group = dist.new_group(backend="gloo", timeout=_host_wait_timeout)
 
 
 def _wait_for_every_rank(store: dist.Store, world_size: int, timeout: timedelta) -> None:
@@ -166,6 +168,11 @@ def host_wait_group() -> dist.ProcessGroup | None:
     """The world-wide gloo group `init_distributed` made (None if torch.distributed was set up elsewhere,
     e.g. by the test harness)."""
     return _host_wait_group
+
+
+def host_wait_timeout() -> timedelta | None:
+    """The timeout `host_wait_group()` was made with (`parallel.wait_timeout_minutes`), or None."""
+    return _host_wait_timeout if _host_wait_group is not None else None
 
 
 def init_parallel(layout: ParallelSection | None = None, *, seed: int = 1234) -> ParallelGroups:

@@ -57,7 +57,7 @@ class RankWeights:
     def finish(self, times, error: Exception | None, version: int):
         """Rank 0, after the service's `sync_weights`: its `times`, or its `error` raised on every rank."""
         if error is None:
-            return on_rank0(lambda: (DONE, times), wait_group=self.wait_group)[1]
+            return on_rank0(lambda: (DONE, times), wait_group=self.wait_group, what="the weight sync")[1]
         if self.gather_failed:
             raise error
         if self.streamed:
@@ -69,14 +69,14 @@ class RankWeights:
         def fail():
             raise error
 
-        return on_rank0(fail, wait_group=self.wait_group)
+        return on_rank0(fail, wait_group=self.wait_group, what="the weight sync")
 
     # --- the other ranks ----------------------------------------------------------------------------
 
     def follow(self, version: int):
         """Run the gathers rank 0 announces until it is done (its times) or failed (raised here too)."""
         while True:
-            what, arg = on_rank0(lambda: None, wait_group=self.wait_group)
+            what, arg = on_rank0(lambda: None, wait_group=self.wait_group, what="the weight sync")
             if what == DONE:
                 return arg
             if what == EXPORT:
@@ -90,7 +90,7 @@ class RankWeights:
     # --- every rank ---------------------------------------------------------------------------------
 
     def _announce(self, what: str, arg) -> None:
-        on_rank0(lambda: (what, arg), wait_group=self.wait_group)
+        on_rank0(lambda: (what, arg), wait_group=self.wait_group, what="the weight sync")
 
     def _export(self, directory: Path) -> None:
         from megatron_tail.model import export_hf

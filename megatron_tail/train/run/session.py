@@ -107,7 +107,7 @@ class RunSession:
             # a local engine starts loading now
             self.engines = start_rollout(cfg, self.run_dir, tokenizer, note=self.console.note)
 
-        on_rank0(start_engines, wait_group=self._wait)
+        on_rank0(start_engines, wait_group=self._wait, what="reading the prompts and starting its engines")
         try:
             self.groups = init_parallel(cfg.parallel, seed=cfg.seed)
             arch = load_hf_config(cfg.model.hf_path)
@@ -178,7 +178,7 @@ class RunSession:
             )
             return None if intact is None else str(intact)
 
-        path = on_rank0(newest, wait_group=self._wait)
+        path = on_rank0(newest, wait_group=self._wait, what="finding the newest checkpoint")
         if path is None:
             return 0
         rl_state = load_checkpoint(path, self.trainer)
@@ -197,7 +197,7 @@ class RunSession:
                     "train.resume: false)"
                 )
 
-        on_rank0(read_manager_state, wait_group=self._wait)
+        on_rank0(read_manager_state, wait_group=self._wait, what="reading the rollout state")
         # a checkpoint from before the schedule existed: the schedule is at its completed steps
         restore_progress(self.trainer.scheduler, rl_state.get("lr_scheduler", {"num_steps": step}))
         self.console.note(f"resumed from {path} (step {step})")
@@ -206,7 +206,7 @@ class RunSession:
         return step
 
     def wait_ready(self) -> None:
-        on_rank0(lambda: self.engines.wait_ready(), wait_group=self._wait)
+        on_rank0(lambda: self.engines.wait_ready(), wait_group=self._wait, what="waiting for its engines")
 
     def start_manager(self, version: int) -> None:
         """Rank 0's engines start generating continuously (they hold weights `version`); group `index` is
@@ -219,7 +219,7 @@ class RunSession:
                 lambda index: self.stream.take(index, 1)[0][0], version, state, multiple=self._multiple()
             )
 
-        on_rank0(start, wait_group=self._wait)
+        on_rank0(start, wait_group=self._wait, what="starting the rollout manager")
 
     def rollout(self, step: int) -> RolloutBatch:
         """Step `step`'s batch from the rollout manager: `group_size` responses to each of
@@ -235,7 +235,7 @@ class RunSession:
             finally:
                 bar.close()
 
-        batch = on_rank0(take, wait_group=self._wait)
+        batch = on_rank0(take, wait_group=self._wait, what="the step's rollout")
         if batch.data_cursor is not None:
             self.data_cursor = batch.data_cursor
         return batch
@@ -267,7 +267,7 @@ class RunSession:
             ex = self.eval_examples
             return self.engines.evaluate([e.prompt_ids for e in ex], [e.answer for e in ex]) if ex else {}
 
-        return on_rank0(evaluate, wait_group=self._wait)
+        return on_rank0(evaluate, wait_group=self._wait, what="the evaluation")
 
     def checkpoint(self, done: int) -> float:
         """Save after `done` completed steps; keep the newest `train.keep_checkpoints`. Returns seconds."""
@@ -283,7 +283,9 @@ class RunSession:
         # the manager's groups generated ahead, so a resumed run trains on the same samples (rank 0 writes
         # them: they live on rank 0 only, and are large)
         objects = {}
-        state = on_rank0(lambda: self.engines.manager_state(), wait_group=self._wait)
+        state = on_rank0(
+            lambda: self.engines.manager_state(), wait_group=self._wait, what="saving the rollout state"
+        )
         if self.rank == 0 and state is not None:
             objects["rollout_manager"] = state
         files = {run_dir.CONFIG_NAME: self.config_text}  # what a resume compares its config with
