@@ -149,6 +149,12 @@ class RewardScorer:
         return None if self._worker is None else self._worker.pid
 
     def close(self) -> None:
+        """Stop the worker. A batch being scored on another thread is not waited for: the worker is killed
+        first, so that thread's call ends at once ("the worker ... died") and closing (a run failing, or a
+        stop abandoning its step) takes a kill, not up to `data.reward_timeout_s` for the lock."""
+        worker = self._worker
+        if self.busy is not None and worker is not None:
+            worker.kill_process()
         with self._lock:
             if self._worker is not None:
                 self._worker.stop()

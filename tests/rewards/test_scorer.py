@@ -3,6 +3,7 @@ equal the main thread's), bounded per batch, and the worker dies with the traine
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import signal
 import subprocess
@@ -86,6 +87,22 @@ def test_a_reward_that_never_returns_fails_the_batch_within_the_timeout_naming_i
         assert scorer.worker_pid is None
     finally:
         scorer.close()
+
+
+def test_closing_while_a_batch_is_scored_does_not_wait_for_the_reward():
+    """Before: `close` waited for the scoring thread's lock, up to data.reward_timeout_s (here an hour),
+    silently: a run failing or abandoning its step while a batch was scored hung that long."""
+    scorer = RewardScorer("tests.rewards.fault_rewards:never_returns", timeout_s=3600.0)
+    scoring = concurrent.futures.ThreadPoolExecutor(1).submit(scorer, ["x"], ["1"])
+    while scorer.busy is None and not scoring.done():
+        time.sleep(0.01)
+    closing = threading.Thread(target=scorer.close, daemon=True)
+    closing.start()
+    closing.join(120)
+    assert not closing.is_alive(), "close still waits for the reward"
+    died = r"the reward worker scoring .* died \(exit code -9\) while scoring"
+    with pytest.raises(RewardFunctionError, match=died):
+        scoring.result(timeout=60)
 
 
 def test_numpy_scalars_are_rewards_and_bad_values_are_named():
