@@ -26,15 +26,17 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import default_pg_timeout
 
 from megatron_tail.utils.net import listen_on, reserve_port
+from megatron_tail.utils.parent_watch import die_with_parent
 
 
 class RankFailed(RuntimeError):
     """A rank of `run_distributed` raised; the message carries its traceback."""
 
 
-def _child(fn, rank, world_size, sock, args, conn) -> None:
+def _child(fn, rank, world_size, sock, args, conn, parent_pid) -> None:
     status, payload = "ok", None
     try:
+        die_with_parent(parent_pid)  # a benchmark or test process killed takes its ranks along
         torch.set_num_threads(1)
         if sock is not None:
             port = sock.getsockname()[1]
@@ -69,7 +71,7 @@ def run_distributed(
         parent_end, child_end = ctx.Pipe(duplex=False)
         # Not daemonic: a rank may start processes of its own (megatron's checkpoint writers); the
         # finally-block below joins or kills every rank instead.
-        proc = ctx.Process(target=_child, args=(fn, rank, world_size, sock, args, child_end))
+        proc = ctx.Process(target=_child, args=(fn, rank, world_size, sock, args, child_end, os.getpid()))
         proc.start()
         child_end.close()
         pipes.append(parent_end)
