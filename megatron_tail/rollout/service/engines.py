@@ -44,6 +44,10 @@ SIGNAL_CHECK_S = 0.2
 """The main thread, waiting for the rollout thread, returns to Python this often: a stop signal is
 acknowledged (and a second one acted on) within it."""
 
+CLOSE_TIMEOUT_S = 60
+"""Closing: how long the rollout manager's close, then the loop's thread, are waited for (each said if it
+runs out; the run goes on closing)."""
+
 
 class Engines:
     """The rollout engines as one connection (`connect` starts a local engine; the constructor wires
@@ -361,10 +365,17 @@ class Engines:
     def stop_thread(self, manager=None) -> None:
         """Close `manager` on the loop (when it runs there), then back to one thread driving the loop."""
         if manager is not None and self._thread is not None and self._thread.is_alive():
-            asyncio.run_coroutine_threadsafe(manager.close(), self.loop).result(timeout=60)
+            closing = asyncio.run_coroutine_threadsafe(manager.close(), self.loop)
+            try:
+                closing.result(timeout=CLOSE_TIMEOUT_S)
+            except concurrent.futures.TimeoutError:  # no message of its own
+                closing.cancel()
+                self.note(f"the rollout manager did not close within {CLOSE_TIMEOUT_S} s; stopping its loop")
         if self._thread is not None:
             self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(timeout=60)
+            self._thread.join(timeout=CLOSE_TIMEOUT_S)
+            if self._thread.is_alive():
+                self.note(f"the rollout loop's thread did not stop within {CLOSE_TIMEOUT_S} s; left to exit")
             self._thread = None
 
     def _drain(self) -> None:
