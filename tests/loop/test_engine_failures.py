@@ -66,7 +66,7 @@ def test_a_local_engine_killed_while_the_trainer_waits_is_named_at_once(sleeper)
     started = time.monotonic()
     with pytest.raises(EngineFailure) as info:
         engines.run(asyncio.sleep(3600), "samples of 4 prompts × 4")  # requests that never come back
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 30  # not the 60 s of probing the dead port; loose for a loaded host
     assert str(info.value) == (
         f"the local engine on http://127.0.0.1:1 (pid {sleeper.proc.pid}) was killed by SIGKILL while the "
         f"trainer waited for samples of 4 prompts × 4; its log: {sleeper.log_path}"
@@ -83,7 +83,7 @@ def test_a_local_engine_killed_while_it_loads_is_named_with_its_signal_and_the_e
     started = time.monotonic()
     with pytest.raises(EngineFailure) as info:
         engines._wait_healthy()
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < 30  # not the 60 s of probing; loose for a loaded host
     assert str(info.value) == (
         f"the local engine on http://127.0.0.1:1 (pid {sleeper.proc.pid}) was killed by SIGKILL while the "
         f"trainer waited for it to load; its log: {sleeper.log_path}, ending 'Loading weights: 50%'"

@@ -175,7 +175,9 @@ def test_a_request_that_times_out_is_tried_twice_not_four_times():
         return time.monotonic() - started, client.stats.requests
 
     elapsed, requests = asyncio.run(main())
-    assert requests == 2 and elapsed < 1.9
+    # the attempts are counted; the time only shows the limit applied (a hang would be request_timeout_s's
+    # default, 600 s): a bound near 2 × 0.5 s failed on a loaded host
+    assert requests == 2 and elapsed < 60
 
 
 def _cli(*args, env=None):
