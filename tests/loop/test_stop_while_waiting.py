@@ -104,8 +104,10 @@ def test_sigterm_is_heard_while_rank0_waits_and_a_second_one_stops_within_second
         if proc.poll() is None:
             proc.kill()
     output = "".join(out.lines)
-    assert acknowledged_s < 3, output[-4000:]
-    assert code == EXIT_ABANDONED and stopped_s < 10, (code, stopped_s, output[-4000:])
+    # heard while rank 0 waits, not when the wait ends (minutes: the request's limit); bounds loose enough
+    # for a loaded host, where the hard exit alone is 10 s after the second signal
+    assert acknowledged_s < 10, output[-4000:]
+    assert code == EXIT_ABANDONED and stopped_s < 30, (code, stopped_s, output[-4000:])
     if checkpoint is None:
         assert "no checkpoint was saved yet" in abandoned, abandoned
     else:
