@@ -33,8 +33,14 @@ def test_sigterm_then_resume_equals_uninterrupted(
     # both ranks stopped after finishing step 2 (index 1); only rank 0 got the signal
     assert [r[:3] for r in first] == [(0, 2, "SIGTERM"), (0, 2, "signal on another rank")]
     assert sorted(p.name for p in (interrupted_dir / "checkpoints").iterdir()) == ["step_000002"]
+    # what a kill would have left (a save's and an export's temporary directories): the resume removes them
+    leftovers = [interrupted_dir / "checkpoints" / ".step_000003.tmp"]
+    leftovers.append(interrupted_dir / "rollout_weights.tmp-1")
+    for path in leftovers:
+        path.mkdir()
     second = run_distributed(_run_rank, 2, overrides, -1, timeout=600)
     assert [r[:3] for r in second] == [(2, 4, None), (2, 4, None)]
+    assert not any(path.exists() for path in leftovers)
 
     uninterrupted = full[0][3]
     resumed = first[0][3] + second[0][3]

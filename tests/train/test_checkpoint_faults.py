@@ -140,3 +140,36 @@ def test_a_checkpoint_of_another_format_is_refused_in_one_line_before_anything_l
         f"checkpoint {tmp_path / 'step_000004'} has format 0; this megatron_tail reads format "
         f"{checkpoint.FORMAT_VERSION}: resume it with the release that wrote it, or start a new run"
     )
+
+
+def test_an_interrupted_prune_leaves_a_name_the_next_start_removes(tmp_path, monkeypatch):
+    """Before: a kill inside the prune's `rmtree` could leave `step_N` without its metadata.json, no longer
+    listed as a checkpoint, so never pruned: its shards on disk for good."""
+    from megatron_tail.train.run import run_dir
+
+    for step in (1, 2, 3):
+        (path := run_dir.checkpoint_path(tmp_path, step)).mkdir(parents=True)
+        (path / "metadata.json").write_text("{}")
+        (path / "shard.distcp").write_bytes(b"x" * 10)
+
+    def killed_midway(path, ignore_errors=False):  # noqa: ARG001 - shutil.rmtree's signature
+        (path / "metadata.json").unlink()  # the removal's first file; then the process dies
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_dir.shutil, "rmtree", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        run_dir.prune_checkpoints(tmp_path, keep=1)
+    monkeypatch.undo()
+    left = tmp_path / "checkpoints" / ".step_000001.deleting"
+    assert left.is_dir() and [s for s, _ in run_dir.complete_checkpoints(tmp_path)] == [2, 3]
+    # what the next start sweeps: that, a save's temporary directory, the weight export's temporary one and
+    # the one it replaced; never a checkpoint, the export itself, or a save's `.old` (its only copy then)
+    weights = tmp_path / "rollout_weights"
+    leftovers = [left, tmp_path / "checkpoints" / ".step_000004.tmp"]
+    leftovers += [tmp_path / "rollout_weights.tmp-1234", tmp_path / "rollout_weights.old-99"]
+    kept = [weights, tmp_path / "checkpoints" / ".step_000003.old", tmp_path / "rollout_weights_other"]
+    for path in [*leftovers, *kept]:
+        path.mkdir(exist_ok=True)
+    assert run_dir.sweep_leftovers(tmp_path, weights) == sorted(leftovers)
+    assert not any(path.exists() for path in leftovers) and all(path.is_dir() for path in kept)
+    assert [s for s, _ in run_dir.complete_checkpoints(tmp_path)] == [2, 3]

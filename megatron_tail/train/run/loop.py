@@ -50,7 +50,7 @@ from ..rl.samples import build_samples, layout_micro_batches
 from ..rl.update import update_policy
 from . import run_dir
 from .config_change import config_text, read_checkpoint_config, resume_notes
-from .rollout_plan import token_columns
+from .rollout_plan import token_columns, weight_sync_dir
 from .run_dir_lock import claim_run_dir
 from .session import RunSession, newest_intact_checkpoint
 from .signals import GracefulStop, stop_lead_s, stop_lead_warning
@@ -188,6 +188,9 @@ def run(cfg: RunConfig, hooks: LoopHooks | None = None) -> RunResult:
 
     def claim() -> None:
         held.append(claim_run_dir(cfg.run_dir, resume=cfg.train.resume))
+        if swept := run_dir.sweep_leftovers(cfg.run_dir, weight_sync_dir(cfg, cfg.run_dir)):
+            names = ", ".join(path.name for path in swept)
+            print(f"removed what an interrupted run left: {names}", flush=True)
         # before the engines start and the trainer is built: a refused change costs seconds, and the
         # run's record (config.yaml, configs/) stays as it was
         resumed = check_resume_config(cfg, note=lambda text: print(text, flush=True))

@@ -69,9 +69,14 @@ def plan_from(
         total_steps=cfg.train.steps,
         eval_samples_per_prompt=cfg.train.eval_samples_per_prompt,
         run_dir=run_dir,
-        weight_sync_dir=Path(cfg.rollout.weight_sync.dir or run_dir / "rollout_weights"),
+        weight_sync_dir=weight_sync_dir(cfg, run_dir),
         reporting=Reporting(note=note, waiting=signals.waiting, stop_hint=signals.stop_hint),
     )
+
+
+def weight_sync_dir(cfg: RunConfig, run_dir: str | Path) -> Path:
+    """Where the disk weight sync exports: `rollout.weight_sync.dir`, else `<run_dir>/rollout_weights`."""
+    return Path(cfg.rollout.weight_sync.dir or Path(run_dir) / "rollout_weights")
 
 
 def start_rollout(

@@ -85,9 +85,32 @@ def latest_checkpoint(run_dir: str | Path) -> tuple[int, Path] | None:
 
 
 def prune_checkpoints(run_dir: str | Path, keep: int) -> list[Path]:
-    """Delete all but the newest `keep` complete checkpoints; return the deleted paths."""
+    """Delete all but the newest `keep` complete checkpoints; return the deleted paths.
+
+    Each is renamed `.step_N.deleting` (atomic), then removed: a kill midway leaves that name, which the
+    next start removes (`sweep_leftovers`). Removed in place, it left a step directory whose metadata.json
+    might be gone already, no longer listed as a checkpoint and so never pruned: a model and its optimizer
+    state on disk for good."""
     found = complete_checkpoints(run_dir)
     doomed = [path for _, path in found[:-keep]] if keep > 0 else []
     for path in doomed:
-        shutil.rmtree(path, ignore_errors=True)
+        going = path.with_name(f".{path.name}.deleting")
+        path.rename(going)
+        shutil.rmtree(going, ignore_errors=True)
     return doomed
+
+
+def sweep_leftovers(run_dir: str | Path, weights_dir: str | Path) -> list[Path]:
+    """Remove what an interrupted run left that nothing else would ever remove, each as large as a model:
+    a checkpoint save's temporary directory (`checkpoints/.step_N.tmp`: `train.engine.checkpoint`), a
+    pruned checkpoint half removed (`checkpoints/.step_N.deleting`), the disk weight sync's export in
+    progress or the one it replaced (`<weights_dir>.tmp-PID`, `<weights_dir>.old-PID`: `model.export`;
+    re-exported from the checkpoint at start). For global rank 0 at start, with the run directory locked;
+    returns what it removed."""
+    checkpoints, weights = checkpoints_dir(run_dir), Path(weights_dir)
+    patterns = [(checkpoints, ".step_*.tmp"), (checkpoints, ".step_*.deleting")]
+    patterns += [(weights.parent, f"{weights.name}.tmp-*"), (weights.parent, f"{weights.name}.old-*")]
+    found = [path for folder, pattern in patterns if folder.is_dir() for path in folder.glob(pattern)]
+    for path in found:
+        shutil.rmtree(path, ignore_errors=True)
+    return sorted(found)
