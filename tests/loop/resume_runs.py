@@ -51,3 +51,19 @@ def resume_overrides(tiny_model_dir, prompt_file, engine, run_dir):
         "algorithm.overlong_buffer": 2,
     }
     return loop_overrides(tiny_model_dir, prompt_file, run_dir, extra)
+
+
+def run_rank_killed_in_save(rank, world, overrides, killed_at):
+    """`run_rank`, the rank killed (exit 9, as by the scheduler's SIGKILL) as the checkpoint of step
+    `killed_at` starts."""
+    from megatron_tail.train.run import session
+
+    original = session.RunSession.checkpoint
+
+    def checkpoint(self, done):
+        if done == killed_at:
+            os._exit(9)
+        return original(self, done)
+
+    session.RunSession.checkpoint = checkpoint
+    return run_rank(rank, world, overrides, -1)

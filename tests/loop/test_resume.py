@@ -64,6 +64,21 @@ def test_sigterm_then_resume_equals_uninterrupted(
         assert [v for _, v in logged[tag]] == pytest.approx([v for _, v in reference[tag]], rel=1e-6), tag
 
 
+def test_a_kill_during_a_checkpoint_keeps_the_steps_scalars(tiny_model_dir, prompt_file, engine, tmp_path):
+    """Before: a step's scalars were written after its checkpoint, so a kill during the save lost them for
+    good (the resume, from the previous checkpoint or this one, logs from the next step on)."""
+    from tests.loop.resume_runs import run_rank_killed_in_save
+
+    run_dir = tmp_path / "killed"
+    overrides = _overrides(tiny_model_dir, prompt_file, engine, run_dir)
+    overrides = [o for o in overrides if not o.startswith("train.checkpoint_every=")]
+    with pytest.raises(RankFailed, match="exit code 9"):
+        run_distributed(run_rank_killed_in_save, 2, [*overrides, "train.checkpoint_every=2"], 2, timeout=600)
+    logged = read_scalars(run_dir)
+    assert [step for step, _ in logged["train/grad_norm"]] == [1, 2]
+    assert "perf/checkpoint_time_s" not in logged  # the save never finished
+
+
 @pytest.mark.parametrize("layout", ["dp2", "pp2"])
 def test_other_layouts_give_the_same_first_step(
     tiny_model_dir, prompt_file, engine, uninterrupted, tmp_path, layout

@@ -111,7 +111,8 @@ def rl_step(
     s: RunSession, step: int, cadence: Cadence, stop: GracefulStop
 ) -> tuple[dict[str, float], dict[str, tuple[list[float], list[float]]], bool]:
     """RL step `step` (0-based) on every rank. Returns the step's scalars, its histograms (tag → (upper
-    bucket limits, counts)) and whether a stop was agreed."""
+    bucket limits, counts)) and whether a stop was agreed. Its checkpoint is the caller's (`_loop`), once
+    the step's scalars are on disk."""
     done = step + 1
     started = time.perf_counter()
     batch = s.rollout(step)  # rollout + reward: the manager's groups, generated and scored on rank 0
@@ -145,10 +146,7 @@ def rl_step(
             "perf/step_time_s": time.perf_counter() - started,
         }
     )
-    stopping = stop.agreed()
-    if cadence.checkpoint_after(done, stopping=stopping):
-        metrics["perf/checkpoint_time_s"] = s.checkpoint(done)  # checkpoint
-    return metrics, histograms, stopping
+    return metrics, histograms, stop.agreed()
 
 
 def _train_on(s: RunSession, batch) -> tuple[dict[str, float], dict, int]:
@@ -260,9 +258,16 @@ def _loop(s: RunSession, stop: GracefulStop, hooks: LoopHooks) -> RunResult:
                 hooks.on_step_start(step)
             metrics, histograms, stopping = rl_step(s, step, cadence, stop)
             done = result.completed_steps = step + 1
+            # the step's scalars on disk before its checkpoint: a kill during the save then loses none
+            # (a resume from an older checkpoint purges them, `purge_step`); after it, a kill in the save
+            # lost this step's scalars for good, since the resume starts logging after it
             tb.write(done, metrics)  # log
             tb.write_histograms(done, histograms)
             tb.flush()
+            if cadence.checkpoint_after(done, stopping=stopping):
+                metrics["perf/checkpoint_time_s"] = s.checkpoint(done)  # checkpoint
+                tb.write(done, {"perf/checkpoint_time_s": metrics["perf/checkpoint_time_s"]})
+                tb.flush()
             if rank == 0:
                 result.history.append({"step": float(done), **metrics})
             console.step(done, metrics)
