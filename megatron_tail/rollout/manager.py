@@ -429,6 +429,10 @@ class RolloutManager:
             "buffer": [g.to_state() for g in sorted(self.buffer.values(), key=lambda g: g.index)],
             "attempts": [[index, n] for index, n in sorted(attempts.items())],
             "done": [list(d) for d in self._done],
+            # the next batch's groups start generating at the weight sync, before the checkpoint: what they
+            # counted so far (where dynamic sampling gives up, the step's stale counts) continues on resume
+            "filtered_this_batch": self._filtered_this_batch,
+            "counts": dict(self._counts),
         }
 
     @staticmethod
@@ -449,6 +453,8 @@ class RolloutManager:
         self.buffer = {g["index"]: GroupResult.from_state(g) for g in state["buffer"]}
         self.attempts = {int(i): int(n) for i, n in state.get("attempts", [])}  # none before attempts
         self._done = [DoneGroup.from_state(d) for d in state.get("done", [])]
+        self._filtered_this_batch = int(state.get("filtered_this_batch", 0))  # none before: 0
+        self._counts.update({k: int(v) for k, v in state.get("counts", {}).items()})
 
 
 def groups_to_batch(groups: list[GroupResult]) -> RolloutBatch:

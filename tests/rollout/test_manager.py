@@ -255,6 +255,38 @@ def test_checkpoint_mid_run_resumes_with_the_buffer_and_its_versions():
     assert set(flat) | pending == set(range(again.next_index))
 
 
+def test_what_the_next_batch_counted_before_a_checkpoint_survives_it():
+    """The next step's groups start generating at the weight sync, before the checkpoint: groups filtered
+    then count towards where dynamic sampling gives up on that batch, and stale ones towards its metrics.
+    Before, a resumed manager counted from 0, so it filtered longer than the uninterrupted run (another batch,
+    and every later prompt position shifted) and the step's stale counts were lost."""
+    manager = RolloutManager(
+        lambda _i, _v, _a: None,
+        groups_per_step=2,
+        max_staleness=1,
+        version=0,
+        keep=lambda _g: False,
+        max_filtered_per_batch=3,
+    )
+    manager._filtered_this_batch = 3
+    manager._counts.update({"dropped_stale": 4, "cancelled_stale": 1})
+    again = RolloutManager(
+        lambda _i, _v, _a: None,
+        groups_per_step=2,
+        max_staleness=1,
+        version=0,
+        keep=lambda _g: False,
+        max_filtered_per_batch=3,
+    )
+    again.load_state_dict(manager.state_dict())
+    assert again._filter_exhausted()
+    assert again._counts == {"dropped_stale": 4, "cancelled_stale": 1}
+    older = {k: v for k, v in manager.state_dict().items() if k not in ("filtered_this_batch", "counts")}
+    fresh = RolloutManager(lambda _i, _v, _a: None, groups_per_step=2, max_staleness=1, version=0)
+    fresh.load_state_dict(older)  # a checkpoint from before these were kept
+    assert fresh._filtered_this_batch == 0 and fresh._counts == {"dropped_stale": 0, "cancelled_stale": 0}
+
+
 def test_bad_settings_name_the_value():
     with pytest.raises(ValueError, match="max_staleness must be an int ≥ 0; got -1"):
         RolloutManager(lambda _i, _v, _a: None, groups_per_step=2, max_staleness=-1, version=0)
