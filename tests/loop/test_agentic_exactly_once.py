@@ -6,9 +6,11 @@ index once."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 
 from megatron_tail.rollout.service.managed import read_trained_prompts
+from megatron_tail.rollout.service.plan import trained_prompts_path
 from megatron_tail.train.engine.checkpoint import read_rank0_object
 from megatron_tail.train.run.run_dir import complete_checkpoints
 from megatron_tail.utils.errors import EXIT_OUTSIDE_FAILURE
@@ -63,6 +65,10 @@ def test_an_agentic_run_trains_every_prompt_exactly_once_across_an_engine_kill_a
 
     trained = read_trained_prompts(run_dir)
     assert sorted(trained) == list(range(1, STEPS + 1)), trained
+    # one record per step: the resume forgot the steps handed over after the checkpoint (before, they stayed,
+    # and a run stopped for good before training them again listed steps nobody trained)
+    lines = trained_prompts_path(run_dir).read_text().splitlines()
+    assert sorted(json.loads(line)["step"] for line in lines) == list(range(1, STEPS + 1)), lines
     for step in range(1, max(killed_after) + 1):  # checkpointed steps are not trained again
         assert trained[step] == before[step], (step, before, trained)
     assert all(len(p) == GROUPS for p in trained.values()), trained

@@ -9,6 +9,7 @@ import math
 import pytest
 
 from megatron_tail.demo.run import read_scalars
+from megatron_tail.rollout.service.managed import read_trained_prompts
 from tests.harness import RankFailed, run_distributed
 from tests.loop.resume_runs import COMPARED, LR_BY_STEP
 from tests.loop.resume_runs import resume_overrides as _overrides
@@ -77,6 +78,13 @@ def test_a_kill_during_a_checkpoint_keeps_the_steps_scalars(tiny_model_dir, prom
     logged = read_scalars(run_dir)
     assert [step for step, _ in logged["train/grad_norm"]] == [1, 2]
     assert "perf/checkpoint_time_s" not in logged  # the save never finished
+    assert sorted(read_trained_prompts(run_dir)) == [1, 2]
+    # no checkpoint: a rerun starts over, here for one step; what the killed run logged and trained after
+    # that is forgotten (before, `trained_prompts.jsonl` still listed step 2, which no run has trained)
+    rerun = [*overrides, "train.checkpoint_every=2", "train.steps=1"]
+    assert [r[:3] for r in run_distributed(_run_rank, 2, rerun, -1, timeout=600)] == [(0, 1, None)] * 2
+    assert sorted(read_trained_prompts(run_dir)) == [1]
+    assert [step for step, _ in read_scalars(run_dir)["train/grad_norm"]] == [1]
 
 
 @pytest.mark.parametrize("layout", ["dp2", "pp2"])

@@ -684,3 +684,22 @@ def test_the_generated_and_filtered_counts_of_a_step_do_not_depend_on_the_machin
     assert _filtered_run(lambda i: 6 - 5 * (i % 3 == 2), train_ticks=40) == even
     # a group completed ahead and still to be reported is in the checkpoint
     assert _filtered_run(lambda i: 1 + 5 * (i % 3 == 2), train_ticks=0, stop_after=3) == even
+
+
+def test_a_start_forgets_the_trained_prompts_of_steps_its_checkpoint_does_not_hold(tmp_path):
+    """Records of steps after the checkpoint a run starts from go, and a line a kill tore mid-append too."""
+    from megatron_tail.rollout.service.managed import (
+        forget_untrained_prompts,
+        read_trained_prompts,
+        record_trained_prompts,
+    )
+    from megatron_tail.rollout.service.plan import trained_prompts_path
+
+    for step in (1, 2, 3):
+        record_trained_prompts(tmp_path, step, [2 * step, 2 * step + 1])
+    with trained_prompts_path(tmp_path).open("a") as f:
+        f.write('{"step": 4, "prom')  # torn
+    forget_untrained_prompts(tmp_path, 2)
+    assert read_trained_prompts(tmp_path) == {1: [2, 3], 2: [4, 5]}
+    forget_untrained_prompts(tmp_path, 0)  # a fresh start
+    assert read_trained_prompts(tmp_path) == {}

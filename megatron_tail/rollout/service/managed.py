@@ -54,17 +54,36 @@ def manager_batch(
 
 def record_trained_prompts(root: str | Path, step: int, indices: list[int]) -> None:
     """Append `{"step": step, "prompts": indices}` (1-based step, the prompt-stream indices of the groups the
-    manager hands it, in the batch's order) to `<run_dir>/logs/trained_prompts.jsonl`. A step that a resumed
-    run trains again (it was handed over after the last checkpoint) has a later line: the last line of a step
-    is what its checkpoint holds."""
+    manager hands it, in the batch's order) to `<run_dir>/logs/trained_prompts.jsonl`. A start forgets the
+    steps after its checkpoint (`forget_untrained_prompts`), so each step has one line: what it trained."""
     path = trained_prompts_path(root)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as f:
         f.write(json.dumps({"step": step, "prompts": indices}) + "\n")
 
 
+def forget_untrained_prompts(root: str | Path, step: int) -> None:
+    """Keep the records of steps ≤ `step` only, at a start from that step's checkpoint (0: none): later steps
+    were handed over by a run that stopped before it checkpointed them, and this one may stop for good
+    before it trains them again; a line torn by a kill mid-append goes too. Atomic (a new file, renamed)."""
+    path = trained_prompts_path(root)
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if int(json.loads(line)["step"]) <= step:
+                kept.append(line + "\n")
+        except (ValueError, KeyError, TypeError):
+            continue
+    fresh = path.with_name(f".{path.name}.tmp")
+    fresh.write_text("".join(kept))
+    fresh.replace(path)
+
+
 def read_trained_prompts(root: str | Path) -> dict[int, list[int]]:
-    """Step → the prompt indices it trained (the last record of each step: see `record_trained_prompts`)."""
+    """Step → the prompt indices it trained (`record_trained_prompts`; the last record of a step, as a run
+    directory from before `forget_untrained_prompts` may hold two)."""
     steps = {}
     for line in trained_prompts_path(root).read_text().splitlines():
         record = json.loads(line)

@@ -41,6 +41,7 @@ from megatron_tail.config import RunConfig, TrainSection, save_resolved_config
 from megatron_tail.config.parallel import ParallelSection
 from megatron_tail.rollout import rollout_metrics
 from megatron_tail.rollout.batch import log_rho_metrics
+from megatron_tail.rollout.service.managed import forget_untrained_prompts
 from megatron_tail.utils.net import free_port
 
 from ..engine.collectives import all_reduce_scalars, on_rank0
@@ -192,10 +193,10 @@ def run(cfg: RunConfig, hooks: LoopHooks | None = None) -> RunResult:
         # before the engines start and the trainer is built: a refused change costs seconds, and the
         # run's record (config.yaml, configs/) stays as it was
         resumed = check_resume_config(cfg, note=lambda text: print(text, flush=True))
+        resumed_step = run_dir.checkpoint_step(resumed) if resumed else 0
         save_resolved_config(cfg, cfg.run_dir)
-        run_dir.save_start_config(
-            cfg.run_dir, config_text(cfg), run_dir.checkpoint_step(resumed) if resumed else 0
-        )
+        run_dir.save_start_config(cfg.run_dir, config_text(cfg), resumed_step)
+        forget_untrained_prompts(cfg.run_dir, resumed_step)
 
     try:
         on_rank0(claim)
