@@ -6,6 +6,7 @@ from __future__ import annotations
 import resource
 import shutil
 import signal
+from pathlib import Path
 
 import pytest
 
@@ -173,3 +174,42 @@ def test_an_interrupted_prune_leaves_a_name_the_next_start_removes(tmp_path, mon
     assert run_dir.sweep_leftovers(tmp_path, weights) == sorted(leftovers)
     assert not any(path.exists() for path in leftovers) and all(path.is_dir() for path in kept)
     assert [s for s, _ in run_dir.complete_checkpoints(tmp_path)] == [2, 3]
+
+
+def _save_recording_fsyncs(rank, world_size, hf_dir, path):  # noqa: ARG001
+    """Save with `os.fsync` and `Path.rename` recorded in order: [("fsync", path) | ("rename", from, to)]."""
+    import os
+    from pathlib import Path
+
+    from megatron_tail.train.engine import checkpoint
+
+    trainer = _trainer(hf_dir)
+    events, fsync, rename = [], os.fsync, Path.rename
+
+    def recorded_fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return fsync(fd)
+
+    def recorded_rename(self, target):
+        events.append(("rename", str(self), str(target)))
+        return rename(self, target)
+
+    os.fsync, Path.rename = recorded_fsync, recorded_rename
+    try:
+        checkpoint.save_checkpoint(path, trainer, {"step": 1}, rank0_objects={"x": [1]})
+    finally:
+        os.fsync, Path.rename = fsync, rename
+    return events
+
+
+def test_a_save_is_on_disk_before_its_rename_publishes_it(saved, tmp_path):
+    """Before: nothing rank 0 wrote (`.metadata`, `common.pt`, the rank-0 objects), nor the directory, was
+    fsynced before the rename, so after a node's crash the rename could persist without the data."""
+    path = tmp_path / "checkpoints" / "step_000001"
+    (events,) = run_distributed(_save_recording_fsyncs, 1, str(saved / "hf"), str(path))
+    tmp = str(path.with_name(".step_000001.tmp"))
+    published = events.index(("rename", tmp, str(path)))
+    before = {p for kind, p, *_ in events[:published] if kind == "fsync"}
+    files = {str(f).replace(str(path), tmp) for f in path.iterdir() if f.is_file() and f.suffix != ".distcp"}
+    assert {tmp, *files} <= before and {".metadata", "common.pt", "x.pt"} <= {Path(f).name for f in files}
+    assert ("fsync", str(path.parent)) in events[published:]  # the rename itself

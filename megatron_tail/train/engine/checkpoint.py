@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import json
+import os
 import random
 import shutil
 import zipfile
@@ -168,6 +169,7 @@ def save_checkpoint(
         raise
     dist.barrier()
     if dist.get_rank() == 0:
+        make_durable(tmp)
         if path.exists():
             old = path.with_name(f".{path.name}.old")
             shutil.rmtree(old, ignore_errors=True)
@@ -176,8 +178,29 @@ def save_checkpoint(
             shutil.rmtree(old)
         else:
             tmp.rename(path)
+        _fsync(path.parent)  # the rename itself
     dist.barrier()
     return path
+
+
+def make_durable(directory: Path) -> None:
+    """Global rank 0, before the rename that publishes a save: fsync the files of `directory` it wrote
+    (torch's `.metadata`, megatron's `common.pt` and `metadata.json`, the rank-0 objects and files; the
+    shards' writers fsync their own, `write_preloaded_data(use_fsync=True)`), then the directory. Otherwise,
+    after a node's crash, the rename can be on disk and the data not (ext4's delayed allocation, Lustre),
+    and the run prunes the previous checkpoint right after the save."""
+    for entry in directory.iterdir():
+        if entry.is_file() and entry.suffix != ".distcp":
+            _fsync(entry)
+    _fsync(directory)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 _SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
