@@ -213,3 +213,21 @@ def test_a_save_is_on_disk_before_its_rename_publishes_it(saved, tmp_path):
     files = {str(f).replace(str(path), tmp) for f in path.iterdir() if f.is_file() and f.suffix != ".distcp"}
     assert {tmp, *files} <= before and {".metadata", "common.pt", "x.pt"} <= {Path(f).name for f in files}
     assert ("fsync", str(path.parent)) in events[published:]  # the rename itself
+
+
+def test_a_filesystem_that_cannot_fsync_a_directory_still_saves(tmp_path, monkeypatch):
+    """Some (FUSE mounts) answer EINVAL to a directory's fsync: the save goes on; a file's failure does not."""
+    import errno
+    import os
+
+    from megatron_tail.train.engine import checkpoint
+
+    def refuse(_fd):
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(checkpoint.os, "fsync", refuse)
+    (file := tmp_path / "common.pt").write_bytes(b"x")
+    checkpoint._fsync(tmp_path)
+    with pytest.raises(OSError, match="Invalid argument"):
+        checkpoint._fsync(file)
+    assert os.listdir(tmp_path) == ["common.pt"]

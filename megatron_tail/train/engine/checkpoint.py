@@ -199,6 +199,11 @@ def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as e:
+        # some filesystems (FUSE mounts among them) cannot fsync a directory: their rename is as durable
+        # as they make it, and the save goes on
+        if not (path.is_dir() and e.errno in (errno.EINVAL, errno.ENOTSUP, errno.EBADF)):
+            raise
     finally:
         os.close(fd)
 
