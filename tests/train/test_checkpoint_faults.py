@@ -216,7 +216,7 @@ def test_a_save_is_on_disk_before_its_rename_publishes_it(saved, tmp_path):
 
 
 def test_a_filesystem_that_cannot_fsync_a_directory_still_saves(tmp_path, monkeypatch):
-    """Some (FUSE mounts) answer EINVAL to a directory's fsync: the save goes on; a file's failure does not."""
+    """FUSE mounts may refuse a directory's fsync (EINVAL): the save goes on; a file's refusal fails it."""
     import errno
     import os
 
