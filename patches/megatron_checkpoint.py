@@ -115,11 +115,19 @@ def _writer(rank_pid: int, transform_list, **kwargs) -> None:
 
 
 def _writer_died(rank: int, index: int, file: str, code: int) -> RuntimeError:
-    how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+    writer = f"checkpoint writer {index} of rank {rank}"
+    if code >= 0:  # 0: it returned without putting its result (one that does not pickle)
+        return RuntimeError(f"{writer} exited with code {code} without reporting its write of {file}")
     hint = " (the out-of-memory killer sends SIGKILL)" if code == -signal.SIGKILL else ""
-    return RuntimeError(
-        f"checkpoint writer {index} of rank {rank} ended by {how}{hint} before it finished writing {file}"
-    )
+    how = f"signal {_signal_name(-code)}{hint}"
+    return RuntimeError(f"{writer} ended by {how} before it finished writing {file}")
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:  # a real-time signal has no name
+        return str(number)
 
 
 def init_fresh_optimizer_state(optimizer) -> None:

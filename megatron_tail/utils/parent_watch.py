@@ -16,7 +16,7 @@ Both check first that the parent is still the expected one: it may have died bef
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import functools
 import os
 import signal
 import sys
@@ -33,10 +33,17 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
     if not sys.platform.startswith("linux"):
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        return libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+        return _process_symbols().prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
+
+
+@functools.cache
+def _process_symbols() -> ctypes.CDLL:
+    """The symbols this process has loaded, libc's among them (`dlopen(NULL)`): no `ctypes.util.find_library`,
+    which runs `ldconfig -p` in a subprocess, each time, in each process that called it (a checkpoint's
+    writers fork from a large rank on every save)."""
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def die_with_parent(parent_pid: int | None = None, interval_s: float = 1.0) -> None:
