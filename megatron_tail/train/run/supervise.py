@@ -90,7 +90,7 @@ def run_training(
             relay.discard(proc)
             if proc.poll() is None:  # this process is failing for its own reason: do not leave the run behind
                 _stop(proc)
-    return TrainingOutcome(code=code, stopped_by=relay.first)
+    return TrainingOutcome(code=code, stopped_by=relay.sent(proc))
 
 
 class StopRelay:
@@ -100,16 +100,18 @@ class StopRelay:
     or `no_more_runs`), a launcher added is sent the stop at once. A launcher is sent at most one stop: a
     second signal to torchrun would end its shutdown without waiting for its workers (module docstring)."""
 
-    def __init__(self, say: Callable[[str], None]):
+    def __init__(self, say: Callable[[str], None], *, several: bool = False):
         self.say = say
+        self.several = several
+        """Runs come and go (`run_at_once`): between two, a stop signal reaches none, and says so."""
         self.first: signal.Signals | None = None
         self.stopping = False
         """No further run is wanted: a stop signal came, `stop_all` or `no_more_runs`."""
         self._first_at = 0.0
         self._passed_to_workers = False
         self._procs: list[subprocess.Popen] = []
-        self._stopped: set[int] = set()
-        """The launchers sent a stop, by pid."""
+        self._stopped: dict[subprocess.Popen, signal.Signals] = {}
+        """Each launcher sent a stop, and which (a pid could be reused once its launcher is gone)."""
         # reentrant: the handler runs in the main thread, which may hold the lock (`add` in `run_training`)
         self._lock = threading.RLock()
 
@@ -148,9 +150,13 @@ class StopRelay:
                 self._stop_once(proc, signal.SIGTERM)
             return len(self._procs)
 
+    def sent(self, proc: subprocess.Popen) -> signal.Signals | None:
+        """The stop this relay sent `proc`'s launcher, if any: its run's `TrainingOutcome.stopped_by`."""
+        return self._stopped.get(proc)
+
     def _stop_once(self, proc: subprocess.Popen, sig: signal.Signals) -> None:
-        if proc.pid not in self._stopped:
-            self._stopped.add(proc.pid)
+        if proc not in self._stopped:
+            self._stopped[proc] = sig
             _send(proc.pid, sig)
 
     def handle(self, signum: int, _frame) -> None:
@@ -162,15 +168,18 @@ class StopRelay:
                 self.first, self._first_at, self.stopping = sig, now, True
                 for proc in procs:
                     self._stop_once(proc, sig)
-                runs = (
-                    "the training run, which stops after its current step and saves a checkpoint"
-                    if len(procs) <= 1
-                    else f"the {len(procs)} training runs, which stop after their current step and save a "
-                    "checkpoint; no further run starts"
-                )
+                if not self.several:
+                    runs = "passed to the training run, which stops after its current step and saves a "
+                    runs += "checkpoint"
+                elif procs:
+                    runs = (
+                        f"passed to the {len(procs)} training run(s) running, which stop after their current "
+                        "step and save a checkpoint; no further run starts"
+                    )
+                else:
+                    runs = "no training run is running; no further run starts"
                 self.say(
-                    f"{sig.name}: passed to {runs} (rerun the same command to resume); send it again to "
-                    "stop at once"
+                    f"{sig.name}: {runs} (rerun the same command to resume); send it again to stop at once"
                 )
             elif now - self._first_at < REPEAT_AFTER_S:
                 self.say(same_request_line(sig, now - self._first_at))
@@ -194,9 +203,10 @@ def run_at_once(
     failed or was stopped), at most `workers` at once, under one `StopRelay` installed in this (the main)
     thread. After the first failure (a stop signal makes each run raise too) no further run starts, the
     running ones are stopped after their step with a checkpoint, and the failure is raised once every run
-    has exited."""
+    has exited; a stop signal that found no run running ends it as SystemExit(128 + the signal's number)
+    once the running ones have."""
     say = say or _to_stderr
-    relay = StopRelay(say)
+    relay = StopRelay(say, several=True)
 
     def unless_stopping(run: Callable[[StopRelay], None]) -> None:
         if relay.stopping:
@@ -211,17 +221,22 @@ def run_at_once(
         futures = [pool.submit(unless_stopping, run) for run in runs]
         wait(futures, return_when=FIRST_EXCEPTION)
         failed = next((f for f in futures if _failed(f)), None)
-        if failed is None:
-            return
-        for future in futures:
-            future.cancel()
-        if relay.first is None and (running := relay.stop_all()):
-            say(
-                f"a run failed: the {running} other run(s) stop after their current step and save a "
-                "checkpoint; no further run starts (rerun the same command to resume)"
-            )
+        if failed is not None:
+            for future in futures:
+                future.cancel()
+            if relay.first is None:
+                running = relay.stop_all()
+                others = (
+                    f"; the {running} other run(s) running stop after their step and save a checkpoint"
+                    if running
+                    else ""
+                )
+                say(f"a run failed: no further run starts{others} (rerun the same command to resume)")
         wait(futures)
+    if failed is not None:
         raise failed.exception()
+    if relay.first is not None:  # it reached no run (a stopped run raises, as `failed`)
+        raise SystemExit(128 + int(relay.first))
 
 
 def _failed(future: Future) -> bool:
