@@ -231,3 +231,34 @@ def test_a_filesystem_that_cannot_fsync_a_directory_still_saves(tmp_path, monkey
     with pytest.raises(OSError, match="Invalid argument"):
         checkpoint._fsync(file)
     assert os.listdir(tmp_path) == ["common.pt"]
+
+
+def _save_with_fsync_out_of_space(rank, world_size, hf_dir, path):  # noqa: ARG001
+    import errno
+    import os
+
+    from megatron_tail.train.engine import checkpoint
+
+    trainer = _trainer(hf_dir)
+    fsync = os.fsync
+
+    def full(fd):  # the late report, for a rank-0 object (which only `make_durable` fsyncs)
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("x.pt"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return fsync(fd)
+
+    os.fsync = full
+    try:
+        checkpoint.save_checkpoint(path, trainer, {"step": 1}, rank0_objects={"x": [1]})
+    except checkpoint.CheckpointSpaceError as e:
+        return str(e)
+    return None
+
+
+def test_a_full_disk_reported_at_fsync_is_a_full_disk(saved, tmp_path):
+    """NFS and Lustre may report ENOSPC or a quota only at fsync: the same one line, and no partial save."""
+    path = tmp_path / "checkpoints" / "step_000001"
+    (said,) = run_distributed(_save_with_fsync_out_of_space, 1, str(saved / "hf"), str(path))
+    assert said is not None, "the save went through"
+    assert said.startswith(f"no space left on {path.parent} while saving checkpoint"), said
+    assert list(path.parent.iterdir()) == []

@@ -155,6 +155,7 @@ def save_checkpoint(
                 torch.save(obj, tmp / f"{name}.pt")
             for name, text in (rank0_files or {}).items():
                 (tmp / name).write_text(text)
+            make_durable(tmp)  # where a filesystem reports a full disk or quota late (NFS, Lustre)
     except (Exception, CheckpointException) as e:  # torch's CheckpointException is a BaseException
         if dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # a full disk keeps no half-written checkpoint
@@ -169,7 +170,6 @@ def save_checkpoint(
         raise
     dist.barrier()
     if dist.get_rank() == 0:
-        make_durable(tmp)
         if path.exists():
             old = path.with_name(f".{path.name}.old")
             shutil.rmtree(old, ignore_errors=True)
