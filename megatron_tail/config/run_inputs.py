@@ -116,9 +116,10 @@ def _check_ids_in_vocab(examples: list[PromptExample], path: str, vocab_size: in
 
 
 def _check_eos_in_vocab(tokenizer: Any, config: dict, hf_path: str, vocab_size: int) -> None:
-    """UserError where an end-of-sequence id that an engine stops on (the tokenizer's, `config.json`'s,
-    `generation_config.json`'s, as `local_engine.engine._eos_ids` and SGLang read them) is not a token of the
-    model: the model cannot emit it, so every completion would silently run to `rollout.max_new_tokens`."""
+    """UserError where no end-of-sequence id an engine stops on (the tokenizer's, `config.json`'s,
+    `generation_config.json`'s: the engines stop on any of them, `local_engine.engine._eos_ids` and SGLang
+    alike) is a token of the model: it could never emit one, so every completion would silently run to
+    `rollout.max_new_tokens`. One valid id among invalid ones still ends completions."""
     sources: dict[str, Any] = {"the tokenizer": tokenizer.eos_token_id}
     sources["config.json"] = config.get("eos_token_id")
     generation = Path(hf_path) / "generation_config.json"
@@ -127,10 +128,15 @@ def _check_eos_in_vocab(tokenizer: Any, config: dict, hf_path: str, vocab_size: 
             sources[generation.name] = json.loads(generation.read_text()).get("eos_token_id")
         except (ValueError, AttributeError, OSError) as e:
             raise UserError(f"{generation} is not a JSON object ({type(e).__name__}: {e})") from None
-    for source, value in sources.items():
-        for token in value if isinstance(value, list) else [value]:
-            if token is not None and not (isinstance(token, int) and 0 <= token < vocab_size):
-                raise UserError(
-                    f"model.hf_path: eos_token_id {token!r} of {source} ({hf_path}) is not a token of the "
-                    f"model (0 ≤ id < vocab_size={vocab_size}): the model could never end a completion"
-                )
+    given = [
+        (t, where)
+        for where, v in sources.items()
+        for t in (v if isinstance(v, list) else [v])
+        if t is not None
+    ]
+    if given and not any(isinstance(t, int) and 0 <= t < vocab_size for t, _ in given):
+        named = ", ".join(f"{t!r} ({where})" for t, where in given)
+        raise UserError(
+            f"model.hf_path: no eos_token_id of {hf_path} is a token of the model (0 ≤ id < vocab_size="
+            f"{vocab_size}): {named}; the model could never end a completion"
+        )

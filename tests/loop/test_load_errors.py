@@ -147,27 +147,28 @@ def test_a_tokenizer_that_does_not_load_or_is_not_the_models_is_named(tiny_model
     _check_ids_in_vocab(examples, str(prompt_file), 101, str(tiny_model_dir))
 
 
-def test_an_eos_token_the_model_cannot_emit_is_refused(tiny_model_dir, prompt_file, tmp_path):
-    """Before: accepted, and every completion ran to `rollout.max_new_tokens` (transformers only warns)."""
+def test_a_model_none_of_whose_eos_tokens_it_can_emit_is_refused(tiny_model_dir, prompt_file, tmp_path):
+    """Before: accepted, and every completion ran to `rollout.max_new_tokens` (transformers only warns). The
+    engines stop on any of the ids, so one the model can emit is enough."""
+    from types import SimpleNamespace
+
+    from megatron_tail.config.run_inputs import _check_eos_in_vocab
+
     model = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model)
     config = json.loads((model / "config.json").read_text())
     vocab = config["vocab_size"]
-    cfg = _config(model, prompt_file, tmp_path / "run")
     eos = [config["eos_token_id"], vocab]
     (model / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    _config(model, prompt_file, tmp_path / "run").check_inputs()  # one valid id among them
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [vocab, vocab + 1]}))
     with pytest.raises(
         UserError,
-        match=rf"^model.hf_path: eos_token_id {vocab} of generation_config.json \({model}\) is not a token "
-        rf"of the model \(0 ≤ id < vocab_size={vocab}\)",
+        match=rf"^model.hf_path: no eos_token_id of {model} is a token of the model \(0 ≤ id < "
+        rf"vocab_size={vocab}\): {vocab} \(the tokenizer\), -1 \(config.json\), {vocab} "
+        rf"\(generation_config.json\), {vocab + 1} \(generation_config.json\); the model could never end",
     ):
-        cfg.check_inputs()
-    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": vocab - 1}))
-    cfg.check_inputs()
-    shutil.copytree(tiny_model_dir, other := tmp_path / "other")  # a new directory: the load above is cached
-    (other / "config.json").write_text(json.dumps({**config, "eos_token_id": -1}))
-    with pytest.raises(UserError, match=r"^model.hf_path: eos_token_id -1 of config.json "):
-        _config(other, prompt_file, tmp_path / "run").check_inputs()
+        _check_eos_in_vocab(SimpleNamespace(eos_token_id=vocab), {"eos_token_id": -1}, str(model), vocab)
 
 
 def test_offline_eval_refuses_an_output_path_that_is_a_file(tiny_model_dir, prompt_file, tmp_path):
