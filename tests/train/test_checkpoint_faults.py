@@ -154,6 +154,8 @@ def test_an_interrupted_prune_leaves_a_name_the_next_start_removes(tmp_path, mon
         (path / "shard.distcp").write_bytes(b"x" * 10)
 
     def killed_midway(path, ignore_errors=False):  # noqa: ARG001 - shutil.rmtree's signature
+        if not path.exists():  # no earlier leftover to clear first
+            return
         (path / "metadata.json").unlink()  # the removal's first file; then the process dies
         raise KeyboardInterrupt
 
@@ -169,6 +171,8 @@ def test_an_interrupted_prune_leaves_a_name_the_next_start_removes(tmp_path, mon
     leftovers = [left, tmp_path / "checkpoints" / ".step_000004.tmp"]
     leftovers += [tmp_path / "rollout_weights.tmp-1234", tmp_path / "rollout_weights.old-99"]
     kept = [weights, tmp_path / "checkpoints" / ".step_000003.old", tmp_path / "rollout_weights_other"]
+    # a save replacing step_5, killed between its renames: its .tmp is the new copy, the .old the previous
+    kept += [tmp_path / "checkpoints" / ".step_000005.tmp", tmp_path / "checkpoints" / ".step_000005.old"]
     for path in [*leftovers, *kept]:
         path.mkdir(exist_ok=True)
     assert run_dir.sweep_leftovers(tmp_path, weights) == sorted(leftovers)
@@ -262,3 +266,19 @@ def test_a_full_disk_reported_at_fsync_is_a_full_disk(saved, tmp_path):
     assert said is not None, "the save went through"
     assert said.startswith(f"no space left on {path.parent} while saving checkpoint"), said
     assert list(path.parent.iterdir()) == []
+
+
+def test_a_prune_whose_rename_fails_removes_in_place(tmp_path, monkeypatch):
+    """Never fail a run over a prune, right after a good save (the review: a rename error now raised)."""
+    from megatron_tail.train.run import run_dir
+
+    for step in (1, 2):
+        (path := run_dir.checkpoint_path(tmp_path, step)).mkdir(parents=True)
+        (path / "metadata.json").write_text("{}")
+
+    def refused(_self, _target):
+        raise OSError(18, "Invalid cross-device link")
+
+    monkeypatch.setattr(Path, "rename", refused)
+    assert run_dir.prune_checkpoints(tmp_path, keep=1) == [run_dir.checkpoint_path(tmp_path, 1)]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000002"]

@@ -71,6 +71,14 @@ def complete_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def _only_copy(path: Path) -> bool:
+    """`.step_N.tmp` where `step_N` is gone and `.step_N.old` is there (`save_checkpoint(overwrite=True)`)."""
+    if not (path.name.startswith(".step_") and path.name.endswith(".tmp")):
+        return False
+    name = path.name[1 : -len(".tmp")]
+    return not (path.parent / name).exists() and (path.parent / f".{name}.old").exists()
+
+
 def checkpoint_step(path: str | Path) -> int:
     """The completed steps of checkpoint directory `path` (`step_NNNNNN`)."""
     match = _STEP_DIR.match(Path(path).name)
@@ -95,7 +103,11 @@ def prune_checkpoints(run_dir: str | Path, keep: int) -> list[Path]:
     doomed = [path for _, path in found[:-keep]] if keep > 0 else []
     for path in doomed:
         going = path.with_name(f".{path.name}.deleting")
-        path.rename(going)
+        shutil.rmtree(going, ignore_errors=True)  # one an earlier removal left
+        try:
+            path.rename(going)
+        except OSError:  # never fail a run over a prune: remove it in place, as before
+            going = path
         shutil.rmtree(going, ignore_errors=True)
     return doomed
 
@@ -111,6 +123,8 @@ def sweep_leftovers(run_dir: str | Path, weights_dir: str | Path) -> list[Path]:
     patterns = [(checkpoints, ".step_*.tmp"), (checkpoints, ".step_*.deleting")]
     patterns += [(weights.parent, f"{weights.name}.tmp-*"), (weights.parent, f"{weights.name}.old-*")]
     found = [path for folder, pattern in patterns if folder.is_dir() for path in folder.glob(pattern)]
+    # a save that replaced step_N, killed between its two renames: `.step_N.tmp` is then the new copy, whole
+    found = [path for path in found if not _only_copy(path)]
     for path in found:
         shutil.rmtree(path, ignore_errors=True)
     return sorted(found)
