@@ -120,10 +120,11 @@ def test_a_rank0_phase_past_the_wait_timeout_is_one_line_naming_the_phase_and_th
     (markers := tmp_path / "markers").mkdir()
     results = run_distributed(_held_up, 2, free_port(), markers, tmp_path / "told", timeout=60)
     line = (
-        "global rank 0 did not finish the step's rollout within 0:00:02 "
-        "(parallel.rank0_wait_timeout_minutes, or distributed_timeout_minutes where it is null); the other "
-        "ranks stopped waiting for it. Rank 0's lines above say what it was waiting for; if the phase was "
-        "slow but alive, raise the limit and rerun to resume from the last checkpoint"
+        "the ranks waited for global rank 0 to finish the step's rollout within 0:00:02 "
+        "(parallel.rank0_wait_timeout_minutes, or distributed_timeout_minutes where it is null), and not "
+        "every rank came: rank 0 still in it, or another rank stuck before it. Rank 0's lines above say what "
+        "it was waiting for; if the phase was slow but alive, raise the limit and rerun to resume from the "
+        "last checkpoint"
     )
     assert results[1] == (line, f"PROG: error: {line}\n")  # said once, by rank 1
     assert results[0] == (None, "")

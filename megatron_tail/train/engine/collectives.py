@@ -38,7 +38,7 @@ def on_rank0(
     every rank is there: a long rank-0 phase (a rollout) never sits inside an NCCL collective, whose
     watchdog would kill the job at the world group's timeout. A wait past that group's timeout is an
     `OutsideFailure` naming `what` rank 0 was doing and the setting, said once by global rank 1 (rank 0 is
-    the one held up); before, gloo's "Timed out waiting ...ms for recv" traceback on every other rank.
+    likely the one held up); before, gloo's "Timed out waiting ...ms for recv" traceback on every other rank.
 
     If `fn` raises on rank 0, every rank raises (rank 0 its own exception, the others a RuntimeError that
     quotes it, or for a user error or an outside failure a `UserError` or `OutsideFailure` with the same
@@ -77,11 +77,12 @@ def on_rank0(
 def _rank0_held_up(what: str, wait_group: dist.ProcessGroup) -> OutsideFailure:
     timeout = host_wait_timeout() if wait_group is host_wait_group() else None
     within = f"within {timeout} " if timeout is not None else ""
+    # a barrier knows only that some rank did not come: rank 0, the one with the long phases, or another
     failure = OutsideFailure(
-        f"global rank 0 did not finish {what} {within}(parallel.rank0_wait_timeout_minutes, or "
-        "distributed_timeout_minutes where it is null); the other ranks stopped waiting for it. Rank 0's "
-        "lines above say what it was waiting for; if the phase was slow but alive, raise the limit and rerun "
-        "to resume from the last checkpoint"
+        f"the ranks waited for global rank 0 to finish {what} {within}(parallel.rank0_wait_timeout_minutes, "
+        "or distributed_timeout_minutes where it is null), and not every rank came: rank 0 still in it, or "
+        "another rank stuck before it. Rank 0's lines above say what it was waiting for; if the phase was "
+        "slow but alive, raise the limit and rerun to resume from the last checkpoint"
     )
     announce(failure, speaker=1)
     return failure
