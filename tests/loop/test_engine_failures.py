@@ -342,3 +342,24 @@ def _the_one_error_line(pattern: str, output: str) -> None:
     assert found, output[-4000:]
     assert [line for line in output.splitlines() if "error:" in line] == [found.group(0)], output
     assert "Traceback" not in output, output[-4000:]
+
+
+def test_closing_with_a_loop_thread_that_does_not_stop_still_stops_the_engine(monkeypatch):
+    """Before: after "did not stop ... left to exit", `close` drove and closed the loop still running in
+    that thread: a RuntimeError, and the local engine's stop (in the same `finally`) skipped."""
+    from megatron_tail.rollout.service import engines as engines_module
+
+    monkeypatch.setattr(engines_module, "CLOSE_TIMEOUT_S", 0.5)
+    stopped, said = [], []
+    engines = _engines(SimpleNamespace(stop=lambda: stopped.append(True)))
+    engines.note = said.append
+    release = threading.Event()
+    engines._thread = threading.Thread(target=engines.loop.run_forever, daemon=True)
+    engines._thread.start()
+    engines.loop.call_soon_threadsafe(release.wait, 60)  # a callback that holds the loop's thread
+    try:
+        engines.close()
+        assert stopped == [True]
+        assert said == ["the rollout loop's thread did not stop within 0.5 s; left to exit"]
+    finally:
+        release.set()

@@ -56,6 +56,8 @@ class Engines:
 
     reporting: Reporting = Reporting()
     """Where wait reports go and what a stop signal is told (the plan's; this default: print, nothing)."""
+    _loop_stuck: bool = False
+    """The loop's thread did not stop within `CLOSE_TIMEOUT_S` (`stop_thread`): `close` leaves the loop."""
 
     def __init__(
         self,
@@ -376,6 +378,7 @@ class Engines:
             self._thread.join(timeout=CLOSE_TIMEOUT_S)
             if self._thread.is_alive():
                 self.note(f"the rollout loop's thread did not stop within {CLOSE_TIMEOUT_S} s; left to exit")
+                self._loop_stuck = True  # still running there: `close` neither drives nor closes it
             self._thread = None
 
     def _drain(self) -> None:
@@ -389,17 +392,21 @@ class Engines:
 
     def close(self, manager=None) -> None:
         """Stop the loop's thread (closing `manager` on it first), the clients, the loop and the local
-        engine."""
+        engine (that one whatever else failed)."""
         try:
             self.stop_thread(manager)
-            self._drain()
-            for client in (self.client, self.eval_client):
-                self.run(client.close())
-            self._leave_weight_group()
+            if not self._loop_stuck:
+                self._drain()
+                for client in (self.client, self.eval_client):
+                    self.run(client.close())
+                self._leave_weight_group()
         finally:
-            self.loop.close()
-            if self.engine is not None:
-                self.engine.stop()
+            try:
+                if not self._loop_stuck:
+                    self.loop.close()
+            finally:
+                if self.engine is not None:
+                    self.engine.stop()
 
     def _leave_weight_group(self) -> None:
         """Remote engines outlive this run: ask them to drop its weight group (best effort, 10 s; a group
