@@ -9,15 +9,14 @@ import queue
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
 from megatron_tail.patches import use_watched_checkpoint_writers
 from tests.patches import checkpoint_writers
+from tests.process_checks import children_outliving
 
 WRITERS = Path(checkpoint_writers.__file__)
 
@@ -66,20 +65,5 @@ def test_writers_that_finish_report_every_bucket(monkeypatch):
 def test_a_killed_ranks_writers_die_with_it(tmp_path):
     env = {**os.environ, "MT_TEST_PATCHED": "1", "PYTHONPATH": os.getcwd()}
     rank = subprocess.Popen([sys.executable, str(WRITERS), str(tmp_path)], env=env)
-    pid_files = [tmp_path / "file0", tmp_path / "file1"]
-    writers: list[psutil.Process] = []
-    try:
-        deadline = time.monotonic() + 120
-        while not all(f.exists() and f.read_text() for f in pid_files):
-            assert rank.poll() is None and time.monotonic() < deadline, "the writers did not start"
-            time.sleep(0.05)
-        writers = [psutil.Process(int(f.read_text())) for f in pid_files]
-        rank.kill()
-        rank.wait()
-        _, alive = psutil.wait_procs(writers, timeout=30)
-        assert not alive, f"writers {[p.pid for p in alive]} outlived their rank"
-    finally:
-        rank.kill()
-        for writer in writers:
-            if writer.is_running():
-                writer.kill()
+    alive = children_outliving(rank, [tmp_path / "file0", tmp_path / "file1"])
+    assert not alive, f"writers {alive} outlived their rank"

@@ -260,24 +260,20 @@ def test_what_the_next_batch_counted_before_a_checkpoint_survives_it():
     then count towards where dynamic sampling gives up on that batch, and stale ones towards its metrics.
     Before, a resumed manager counted from 0, so it filtered longer than the uninterrupted run (another batch,
     and every later prompt position shifted) and the step's stale counts were lost."""
-    manager = RolloutManager(
-        lambda _i, _v, _a: None,
-        groups_per_step=2,
-        max_staleness=1,
-        version=0,
-        keep=lambda _g: False,
-        max_filtered_per_batch=3,
-    )
+    def filtering() -> RolloutManager:  # gives up on a batch after 3 filtered groups
+        return RolloutManager(
+            lambda _i, _v, _a: None,
+            groups_per_step=2,
+            max_staleness=1,
+            version=0,
+            keep=lambda _g: False,
+            max_filtered_per_batch=3,
+        )
+
+    manager = filtering()
     manager._filtered_this_batch = 3
     manager._counts.update({"dropped_stale": 4, "cancelled_stale": 1})
-    again = RolloutManager(
-        lambda _i, _v, _a: None,
-        groups_per_step=2,
-        max_staleness=1,
-        version=0,
-        keep=lambda _g: False,
-        max_filtered_per_batch=3,
-    )
+    again = filtering()
     again.load_state_dict(manager.state_dict())
     assert again._filter_exhausted()
     assert again._counts == {"dropped_stale": 4, "cancelled_stale": 1}
