@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import threading
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -422,7 +421,7 @@ class DistributedWeightSync:
         ]
         # the store owns the socket from here (it closes it); a group formed again binds the port anew
         listen_socket, self._listen_socket = self._listen_socket, None
-        join = _on_own_thread(
+        join = asyncio.to_thread(
             init_custom_process_group,
             backend=self.backend,
             init_method=f"tcp://{self.master_address}:{self.master_port}",
@@ -463,7 +462,7 @@ class DistributedWeightSync:
                     "weight_version": version if last else None,
                     "flush_cache": last and self.servers.flush_cache,
                 }
-                broadcast = _on_own_thread(_broadcast_in_order, bucket, self.group)
+                broadcast = asyncio.to_thread(_broadcast_in_order, bucket, self.group)
                 posts = self.servers.post_all(
                     session, "/update_weights_from_distributed", [body] * len(self.servers.urls)
                 )
@@ -504,37 +503,6 @@ class DistributedWeightSync:
         if self.group is not None:
             torch.distributed.destroy_process_group(self.group)
             self.group = None
-
-
-async def _on_own_thread(fn, /, *args, **kwargs):
-    """`fn(*args, **kwargs)` on a daemon thread of its own, awaited: not `asyncio.to_thread`, whose executor
-    threads are joined at interpreter exit. A group's rendezvous or broadcast blocks in C until every engine
-    joins or the group's timeout passes, and cannot be cancelled: when the engines' side failed first (its
-    POST refused), the run's error was said, and the process then waited out `rollout.weight_sync.timeout_s`
-    before it exited, silently."""
-    loop = asyncio.get_running_loop()
-    done = loop.create_future()
-
-    def settle(result, error) -> None:
-        if done.done():  # cancelled meanwhile (the run stopped waiting)
-            return
-        if error is not None:
-            done.set_exception(error)
-        else:
-            done.set_result(result)
-
-    def run() -> None:
-        try:
-            outcome = (fn(*args, **kwargs), None)
-        except BaseException as e:  # handed to the awaiting task
-            outcome = (None, e)
-        try:
-            loop.call_soon_threadsafe(settle, *outcome)
-        except RuntimeError:  # the loop closed: nobody waits for it any more
-            pass
-
-    threading.Thread(target=run, name=f"weight-sync-{fn.__name__}", daemon=True).start()
-    return await done
 
 
 def _broadcast_in_order(pairs: list[tuple[str, torch.Tensor]], group) -> None:

@@ -317,27 +317,6 @@ def test_the_group_is_laid_out_from_each_servers_tp_size():
     assert joined == []  # refused before anything joined
 
 
-def test_a_run_whose_weight_group_an_engine_refused_exits_without_waiting_out_the_group():
-    """The group's rendezvous (in C, not cancellable) still waits for the engine that refused to join: it
-    now runs on a daemon thread. Before, `asyncio.to_thread`'s executor thread was joined at exit, so the
-    process waited out `rollout.weight_sync.timeout_s` (here an hour) after its error, silently."""
-    import subprocess
-    import sys
-
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.rollout.refused_weight_group"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        output, _ = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    assert proc.returncode == 0, output
-    assert "refused: " in output and "Failed to init the group (as a test)" in output, output
-
-
 def _recording_app(calls: list[tuple[str, dict]], *, version: str, fail: str | None = None):
     """A stand-in SGLang server that records every POST (path, body), answers success except on `fail`,
     and reports `version` in /model_info."""
