@@ -56,8 +56,6 @@ class Engines:
 
     reporting: Reporting = Reporting()
     """Where wait reports go and what a stop signal is told (the plan's; this default: print, nothing)."""
-    _loop_stuck: bool = False
-    """The loop's thread did not stop within `CLOSE_TIMEOUT_S` (`stop_thread`): `close` leaves the loop."""
 
     def __init__(
         self,
@@ -378,7 +376,6 @@ class Engines:
             self._thread.join(timeout=CLOSE_TIMEOUT_S)
             if self._thread.is_alive():
                 self.note(f"the rollout loop's thread did not stop within {CLOSE_TIMEOUT_S} s; left to exit")
-                self._loop_stuck = True  # still running there: `close` neither drives nor closes it
             self._thread = None
 
     def _drain(self) -> None:
@@ -395,14 +392,15 @@ class Engines:
         engine (that one whatever else failed)."""
         try:
             self.stop_thread(manager)
-            if not self._loop_stuck:
+            # still running: its thread did not stop (`stop_thread` said so); neither drive nor close it
+            if not self.loop.is_running():
                 self._drain()
                 for client in (self.client, self.eval_client):
                     self.run(client.close())
                 self._leave_weight_group()
         finally:
             try:
-                if not self._loop_stuck:
+                if not self.loop.is_running():
                     self.loop.close()
             finally:
                 if self.engine is not None:
