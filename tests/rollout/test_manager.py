@@ -260,6 +260,7 @@ def test_what_the_next_batch_counted_before_a_checkpoint_survives_it():
     then count towards where dynamic sampling gives up on that batch, and stale ones towards its metrics.
     Before, a resumed manager counted from 0, so it filtered longer than the uninterrupted run (another batch,
     and every later prompt position shifted) and the step's stale counts were lost."""
+
     def filtering() -> RolloutManager:  # gives up on a batch after 3 filtered groups
         return RolloutManager(
             lambda _i, _v, _a: None,
