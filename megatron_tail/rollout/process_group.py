@@ -4,11 +4,17 @@ The same construction SGLang uses for `init_weights_update_group` (`sglang.srt.u
 init_custom_process_group`): a TCP rendezvous and a `PrefixStore` named after the group, so that the
 trainer's rank 0 (rank 0 here) and every engine's TP ranks (ranks `rank_offset + tp_rank`) form a
 group while each side keeps its own default process group. NCCL on GPU clusters; gloo works on CPU.
+
+Rank 0 can give up its join from another thread (`abandon`): an engine that refuses the group answers its
+HTTP request at once, while rank 0 would otherwise wait in gloo's connect for that engine's address until
+the group's timeout, in C, where no Python cancellation reaches it.
 """
 
 from __future__ import annotations
 
 import socket
+import threading
+import time
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -25,12 +31,17 @@ def init_custom_process_group(
     group_name: str,
     timeout: timedelta | None = None,
     listen_socket: socket.socket | None = None,
+    abandon: threading.Event | None = None,
 ) -> dist.ProcessGroup:
     """Create (rendezvous and build) a process group of `world_size` ranks; this process is `rank`.
 
     Blocks until all ranks joined or `timeout` passed. `init_method` is `tcp://host:port`.
     `listen_socket` (rank 0 only): a socket already bound to that port (`utils.net.reserve_port`), which the
     store listens on and then owns (closes).
+    `abandon` (gloo only): once another thread sets it, a wait for the other ranks raises
+    `RendezvousAbandoned` within `ABANDON_POLL_S`. NCCL needs none: its communicator forms lazily, at the
+    first collective (torch's `_new_process_group_helper` connects eagerly only with a `device_id`, and
+    `ProcessGroupNCCL`'s sequence number needs no store), so this call returns without waiting for peers.
     """
     from torch.distributed.distributed_c10d import (
         Backend,
@@ -46,6 +57,9 @@ def init_custom_process_group(
         raise ValueError(f"rank must be in [0, world_size={world_size}); got {rank}")
     timeout = timeout or default_pg_timeout
     store = _tcp_store(init_method, rank, world_size, timeout, listen_socket)
+    abandonable = None
+    if abandon is not None and Backend(backend) == Backend.GLOO:
+        store = abandonable = AbandonableStore(store, abandon)
     store = PrefixStore(group_name, store)
     pg, _ = _new_process_group_helper(
         world_size,
@@ -58,7 +72,22 @@ def init_custom_process_group(
         timeout=timeout,
     )
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    if abandonable is not None:
+        _PYTHON_STORES[pg] = abandonable
     return pg
+
+
+def destroy_custom_process_group(pg: dist.ProcessGroup) -> None:
+    """Destroy a group `init_custom_process_group` made, and drop what was kept for it."""
+    dist.destroy_process_group(pg)
+    _PYTHON_STORES.pop(pg, None)
+
+
+_PYTHON_STORES: dict[dist.ProcessGroup, AbandonableStore] = {}
+"""Each group's Python store, kept while the group lives: the group holds the store's C++ half only, and
+pybind reaches the Python methods through the Python object, which dies with its last Python reference
+(the group's next call into it then fails: `fn INTERNAL ASSERT FAILED ... Not implemented`). It also keeps
+rank 0's `TCPStore` server up as the plain store's group does, for the engines still reading it."""
 
 
 def _tcp_store(
@@ -85,3 +114,74 @@ def _tcp_store(
         wait_for_workers=False,
         master_listen_fd=None if listen_socket is None else listen_on(listen_socket).detach(),  # owned now
     )
+
+
+ABANDON_POLL_S = 0.05
+"""How often a wait in `AbandonableStore` looks at its event: the join's lag after the keys it waits for
+arrive, and its lag after being abandoned."""
+
+
+class RendezvousAbandoned(RuntimeError):
+    """Raised inside a rank's wait for its peers once its `abandon` event is set."""
+
+
+class AbandonableStore(dist.Store):
+    """`inner` whose blocking reads (`wait`, `get`, `multi_get`) poll `inner.check` every `ABANDON_POLL_S`
+    and raise `RendezvousAbandoned` once `abandon` is set; every other call goes straight to `inner`.
+
+    A Python store (torch's `PythonStore` trampoline, which gloo's `GlooStore` adapter calls through: its
+    connect uses `set`, `wait` and `get`; without `has_extended_api`, the base class's False, gloo asks for
+    nothing more). A gloo group holds it for its life, but gloo reads the store only
+    while it connects and sets its sequence number; no background thread of gloo's calls into Python.
+    """
+
+    def __init__(self, inner: dist.Store, abandon: threading.Event):
+        super().__init__()
+        self.inner, self.abandon = inner, abandon
+        dist.Store.set_timeout(self, inner.timeout)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        limit = (timeout or self.inner.timeout).total_seconds()
+        deadline = time.monotonic() + limit
+        while not self.inner.check(keys):
+            if self.abandon.is_set():
+                raise RendezvousAbandoned(f"the rendezvous was abandoned while waiting for {keys}")
+            if time.monotonic() > deadline:
+                raise dist.DistStoreError(f"the peers' keys {keys} did not come within {limit:g} s")
+            self.abandon.wait(ABANDON_POLL_S)
+
+    def get(self, key: str) -> bytes:
+        self.wait([key])
+        return self.inner.get(key)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        self.wait(keys)
+        return self.inner.multi_get(keys)
+
+    def set(self, key: str, value) -> None:
+        self.inner.set(key, value)
+
+    def multi_set(self, keys: list[str], values: list) -> None:
+        self.inner.multi_set(keys, values)
+
+    def add(self, key: str, amount: int) -> int:
+        return self.inner.add(key, amount)
+
+    def compare_set(self, key: str, expected, desired) -> bytes:
+        return self.inner.compare_set(key, expected, desired)
+
+    def append(self, key: str, value) -> None:
+        self.inner.append(key, value)
+
+    def check(self, keys: list[str]) -> bool:
+        return self.inner.check(keys)
+
+    def delete_key(self, key: str) -> bool:
+        return self.inner.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self.inner.num_keys()
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self.inner.set_timeout(timeout)
+        dist.Store.set_timeout(self, timeout)

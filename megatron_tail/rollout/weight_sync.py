@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -65,7 +66,7 @@ from typing import Any, Protocol
 import aiohttp
 import torch
 
-from megatron_tail.rollout.process_group import init_custom_process_group
+from megatron_tail.rollout.process_group import destroy_custom_process_group, init_custom_process_group
 from megatron_tail.utils.errors import OutsideFailure
 from megatron_tail.utils.net import base_urls
 
@@ -421,21 +422,39 @@ class DistributedWeightSync:
         ]
         # the store owns the socket from here (it closes it); a group formed again binds the port anew
         listen_socket, self._listen_socket = self._listen_socket, None
-        join = asyncio.to_thread(
-            init_custom_process_group,
-            backend=self.backend,
-            init_method=f"tcp://{self.master_address}:{self.master_port}",
-            world_size=self.world_size,
-            rank=0,
-            group_name=self.group_name,
-            timeout=timedelta(seconds=self.timeout_s),
-            listen_socket=listen_socket,
+        abandon = threading.Event()
+        join = asyncio.ensure_future(
+            asyncio.to_thread(
+                init_custom_process_group,
+                backend=self.backend,
+                init_method=f"tcp://{self.master_address}:{self.master_port}",
+                world_size=self.world_size,
+                rank=0,
+                group_name=self.group_name,
+                timeout=timedelta(seconds=self.timeout_s),
+                listen_socket=listen_socket,
+                abandon=abandon,
+            )
         )
         async with aiohttp.ClientSession() as session:
-            group, _ = await asyncio.gather(
-                join, self.servers.post_all(session, "/init_weights_update_group", bodies)
+            posts = asyncio.ensure_future(
+                self.servers.post_all(session, "/init_weights_update_group", bodies)
             )
-        self.group = group
+            try:
+                await asyncio.wait((join, posts), return_when=asyncio.FIRST_EXCEPTION)
+                # an engine's refusal is the cause; rank 0's wait, abandoned or timed out, its consequence
+                for step in (posts, join):
+                    if step.done() and step.exception() is not None:
+                        raise step.exception()
+            finally:
+                if not (join.done() and posts.done()):
+                    # rank 0 no longer waits out the group's timeout for an engine that refused (nor
+                    # does the process at exit, which joins the thread): its wait ends within
+                    # `ABANDON_POLL_S`
+                    abandon.set()
+                    posts.cancel()
+                    await asyncio.gather(join, posts, return_exceptions=True)
+        self.group = join.result()
 
     async def update(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | None = None
@@ -501,7 +520,7 @@ class DistributedWeightSync:
             bodies = [{"group_name": self.group_name}] * len(self.servers.urls)
             await self.servers.post_all(session, "/destroy_weights_update_group", bodies)
         if self.group is not None:
-            torch.distributed.destroy_process_group(self.group)
+            destroy_custom_process_group(self.group)
             self.group = None
 
 

@@ -459,3 +459,83 @@ def test_the_service_drops_its_weight_group_on_remote_engines_only(caplog):
     with caplog.at_level("WARNING"):
         assert close(None, gone) == 1
     assert "could not drop the weight-sync group on the engines: engine gone" in caplog.text
+
+
+def test_a_trainer_stops_waiting_for_an_engine_that_refused_its_group(server_pair, monkeypatch):
+    """An engine that refuses the weight group answers at once (here: a group of that name is held on it by
+    another trainer, as a second run under a fixed `group_name` meets). The trainer's rank 0 must stop
+    waiting for that engine's ranks then, not when the group's timeout runs out: its wait is in gloo's
+    connect, in C, on a thread the process joins at exit, so the run used to end only after
+    `rollout.weight_sync.timeout_s` more, silently."""
+    import subprocess
+    import sys
+
+    from megatron_tail.rollout import WeightSyncError, weight_sync
+    from megatron_tail.rollout.process_group import RendezvousAbandoned
+
+    a, _ = (s.url for s in server_pair)
+    holder = subprocess.Popen(  # the other trainer: holds its group on `a` until told to leave
+        [sys.executable, "-c", (
+            "import asyncio, sys\n"
+            "from megatron_tail.rollout import DistributedWeightSync\n"
+            "from megatron_tail.utils.net import reserve_port\n"
+            f"sync = DistributedWeightSync([{a!r}], master_address='127.0.0.1',\n"
+            "    listen_socket=reserve_port(), backend='gloo', group_name='taken')\n"
+            "asyncio.run(sync.init_group())\n"
+            "print('joined', flush=True)\n"
+            "sys.stdin.read()\n"
+            "asyncio.run(sync.destroy_group())\n"
+        )],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    ended = []  # how this trainer's own join ended, recorded as it ends
+    join = weight_sync.init_custom_process_group
+
+    def recorded_join(**kwargs):
+        try:
+            return join(**kwargs)
+        except BaseException as error:
+            ended.append(error)
+            raise
+
+    try:
+        assert holder.stdout.readline().strip() == "joined", holder.stderr.read()
+        sync = DistributedWeightSync(
+            [a], master_address="127.0.0.1", listen_socket=reserve_port(), backend="gloo",
+            group_name="taken", timeout_s=120,
+        )  # fmt: skip
+        monkeypatch.setattr(weight_sync, "init_custom_process_group", recorded_join)
+        with pytest.raises(WeightSyncError, match="has already been created"):
+            asyncio.run(sync.init_group())
+    finally:
+        out = holder.communicate(input="", timeout=120)
+    assert holder.returncode == 0, out
+    assert len(ended) == 1 and isinstance(ended[0], RendezvousAbandoned), ended
+
+
+def test_rank_0_gives_up_its_join_when_abandoned():
+    """`abandon` set while rank 0 waits for a peer that never comes: the join raises at once, far inside
+    the group's own timeout."""
+    import threading
+    from datetime import timedelta
+
+    from megatron_tail.rollout.process_group import RendezvousAbandoned, init_custom_process_group
+
+    held = reserve_port()
+    abandon, outcome = threading.Event(), []
+
+    def join():
+        try:
+            init_custom_process_group(
+                backend="gloo", init_method=f"tcp://127.0.0.1:{held.getsockname()[1]}", world_size=2, rank=0,
+                group_name="alone", timeout=timedelta(seconds=600), listen_socket=held, abandon=abandon,
+            )  # fmt: skip
+        except Exception as error:
+            outcome.append(error)
+
+    thread = threading.Thread(target=join, daemon=True)
+    thread.start()
+    abandon.set()
+    thread.join(timeout=120)
+    assert not thread.is_alive() and len(outcome) == 1
+    assert isinstance(outcome[0], RendezvousAbandoned) and "abandoned" in str(outcome[0])
