@@ -375,6 +375,7 @@ class DistributedWeightSync:
         self.timeout_s = timeout_s
         self.weight_version = str(initial_version)
         self.group = None
+        self._broadcast_ended: threading.Event | None = None
 
     def _set_layout(self, tp_sizes: list[int]) -> None:
         if len(tp_sizes) != len(self.servers.urls) or any(
@@ -481,7 +482,8 @@ class DistributedWeightSync:
                     "weight_version": version if last else None,
                     "flush_cache": last and self.servers.flush_cache,
                 }
-                broadcast = asyncio.to_thread(_broadcast_in_order, bucket, self.group)
+                self._broadcast_ended = ended = threading.Event()
+                broadcast = asyncio.to_thread(_broadcast_in_order, bucket, self.group, ended)
                 posts = self.servers.post_all(
                     session, "/update_weights_from_distributed", [body] * len(self.servers.urls)
                 )
@@ -515,15 +517,28 @@ class DistributedWeightSync:
         self.last_update = stats
         return version
 
+    def broadcast_waiting(self) -> bool:
+        """Whether a bucket's broadcast still runs on its thread after its update failed. An engine that
+        refused the bucket before receiving it leaves the broadcast waiting in gloo for that engine's ranks
+        until the group's timeout (`timeout_s`): a gloo collective cannot be cancelled
+        (`ProcessGroupGloo.abort` does not end one in torch 2.13), and the process joins that thread at
+        exit. An NCCL broadcast returns once queued on its stream."""
+        return self._broadcast_ended is not None and not self._broadcast_ended.is_set()
+
     async def destroy_group(self) -> None:
+        """Ask every engine to drop the group, then drop it here (kept while a broadcast still runs in it:
+        `broadcast_waiting`; destroying a gloo group under a running collective can abort the process)."""
         async with aiohttp.ClientSession() as session:
             bodies = [{"group_name": self.group_name}] * len(self.servers.urls)
             await self.servers.post_all(session, "/destroy_weights_update_group", bodies)
-        if self.group is not None:
+        if self.group is not None and not self.broadcast_waiting():
             destroy_custom_process_group(self.group)
             self.group = None
 
 
-def _broadcast_in_order(pairs: list[tuple[str, torch.Tensor]], group) -> None:
-    for _, tensor in pairs:
-        torch.distributed.broadcast(tensor.contiguous(), src=0, group=group)
+def _broadcast_in_order(pairs: list[tuple[str, torch.Tensor]], group, ended: threading.Event) -> None:
+    try:
+        for _, tensor in pairs:
+            torch.distributed.broadcast(tensor.contiguous(), src=0, group=group)
+    finally:
+        ended.set()

@@ -345,7 +345,7 @@ def test_distributed_buckets_run_inside_sglangs_weight_update_session(monkeypatc
 
     from megatron_tail.rollout import WeightSyncError, weight_sync
 
-    monkeypatch.setattr(weight_sync, "_broadcast_in_order", lambda _pairs, _group: None)
+    monkeypatch.setattr(weight_sync, "_broadcast_in_order", lambda _pairs, _group, ended: ended.set())
     tensors = [(f"w{i}", torch.zeros(256, 1024)) for i in range(3)]  # 1 MiB each in fp32
 
     async def scenario(fail):
@@ -539,3 +539,47 @@ def test_rank_0_gives_up_its_join_when_abandoned():
     thread.join(timeout=120)
     assert not thread.is_alive() and len(outcome) == 1
     assert isinstance(outcome[0], RendezvousAbandoned) and "abandoned" in str(outcome[0])
+
+
+def test_a_bucket_an_engine_refused_leaves_its_broadcast_waiting_and_closing_says_so(
+    server_pair, perturbed_model_dir
+):
+    """An engine that refuses a bucket before receiving it (here: the update names a group the engine does
+    not hold) leaves rank 0's gloo broadcast waiting for its ranks until the group's timeout, which nothing
+    cancels. Closing the engines says what the process still waits for, and keeps the group (destroying a
+    gloo group under a running collective can abort the process)."""
+    from types import SimpleNamespace
+
+    from megatron_tail.rollout import WeightSyncError
+    from megatron_tail.rollout.service.engines import Engines
+
+    class Client:
+        async def close(self):
+            pass
+
+    a, _ = (s.url for s in server_pair)
+    sync = DistributedWeightSync(
+        [a], master_address="127.0.0.1", listen_socket=reserve_port(), backend="gloo", timeout_s=10
+    )
+    notes = []
+    engines = Engines(  # remote engines, as the trainer drives them: on a loop of its own
+        SimpleNamespace(weight_sync=SimpleNamespace(timeout_s=10)), [a], Client(), Client(),
+        model_path="unused", vocab_size=1, log_rho=None, reporting=SimpleNamespace(note=notes.append),
+        weight_sync=sync,
+    )  # fmt: skip
+    engines.run(sync.init_group())
+    held_name, sync.group_name = sync.group_name, "not-on-the-engine"
+    with pytest.raises(WeightSyncError, match=r"missing .* \(group not initialized\?\)"):
+        engines.run(sync.update(sorted(read_safetensors_dir(perturbed_model_dir).items())[:1]))
+    assert sync.broadcast_waiting()
+    engines.close()
+    assert notes == [
+        "the last weight-sync broadcast still waits for an engine that did not take its bucket; this process "
+        "ends when gloo gives it up, within rollout.weight_sync.timeout_s=10 s"
+    ]
+    assert sync.group is not None, "kept while the broadcast runs in it"
+    assert sync._broadcast_ended.wait(timeout=120)  # gloo's own timeout ends it
+    assert not sync.broadcast_waiting()
+    sync.group_name = held_name  # the engine's group, and then this side's
+    asyncio.run(sync.destroy_group())
+    assert sync.group is None

@@ -405,6 +405,13 @@ class Engines:
             finally:
                 if self.engine is not None:
                     self.engine.stop()
+                # a local engine's stop ends the broadcast (gloo: the peer closed); a remote one's may not
+                if self.engine is None and self.in_memory_sync and self.weight_sync.broadcast_waiting():
+                    self.note(
+                        "the last weight-sync broadcast still waits for an engine that did not take its "
+                        "bucket; this process ends when gloo gives it up, within "
+                        f"{limit_text(self.settings, 'weight_sync.timeout_s')}"
+                    )
 
     def _leave_weight_group(self) -> None:
         """Remote engines outlive this run: ask them to drop its weight group (best effort, 10 s; a group
