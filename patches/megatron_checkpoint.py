@@ -15,6 +15,8 @@ import signal
 
 import torch
 
+from megatron_tail.utils.errors import signal_name
+
 from .pinning import check_pinned
 
 
@@ -119,15 +121,8 @@ def _writer_died(rank: int, index: int, file: str, code: int) -> RuntimeError:
     if code >= 0:  # 0: it returned without putting its result (one that does not pickle)
         return RuntimeError(f"{writer} exited with code {code} without reporting its write of {file}")
     hint = " (the out-of-memory killer sends SIGKILL)" if code == -signal.SIGKILL else ""
-    how = f"signal {_signal_name(-code)}{hint}"
+    how = f"{signal_name(-code)}{hint}"
     return RuntimeError(f"{writer} ended by {how} before it finished writing {file}")
-
-
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:  # a real-time signal has no name
-        return str(number)
 
 
 def init_fresh_optimizer_state(optimizer) -> None:

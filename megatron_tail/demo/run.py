@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,6 +15,7 @@ from megatron_tail.demo.defaults import DATA_DIR_NAME, DEMO_CONFIG_YAML, PRETRAI
 from megatron_tail.demo.scalars import fmt as _fmt
 from megatron_tail.demo.scalars import read_scalars, summarise, uses_environment
 from megatron_tail.train.run.supervise import StopRelay, TrainingOutcome
+from megatron_tail.utils.errors import signal_name
 
 DEMO_MAX_DIGITS = 2
 TOOL_PRETRAIN = {
@@ -308,12 +308,11 @@ def training_failed(outcome: TrainingOutcome, label: str = "") -> int | None:
     if outcome.code == 0:
         return None
     if outcome.code < 0:  # the launcher itself died; its ranks stop as on SIGTERM (`launch_marks`)
-        sig = signal.Signals(-outcome.code)
         _say(
-            f"the training{label} launcher was killed by {sig.name}; its ranks stop after their current step "
-            "and save a checkpoint (rerun the command to resume)"
+            f"the training{label} launcher was killed by {signal_name(-outcome.code)}; its ranks stop after "
+            "their current step and save a checkpoint (rerun the command to resume)"
         )
-        return 128 + int(sig)
+        return 128 - outcome.code
     if outcome.code not in ONE_LINE_CODES:
         _say(f"training{label} failed with exit code {outcome.code}")
     return outcome.code

@@ -17,6 +17,7 @@ follows).
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import traceback
 
@@ -45,6 +46,19 @@ lines stay quiet)."""
 
 TRACEBACK_ENV = "MT_TRACEBACK"
 """Set to 1 to print the traceback of user errors too (debugging)."""
+
+
+def signal_name(number: int) -> str:
+    """A signal's name for a message about how a process ended ("SIGKILL"); a real-time signal, which
+    `signal.Signals` does not name, as "SIGRTMIN+3"; a number no signal has as "signal 99"."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        pass
+    low, high = getattr(signal, "SIGRTMIN", None), getattr(signal, "SIGRTMAX", None)
+    if low is not None and low <= number <= high:
+        return f"SIGRTMIN+{number - low}"
+    return f"signal {number}"
 
 
 class UserError(ValueError):

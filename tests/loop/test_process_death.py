@@ -158,6 +158,8 @@ def _no_strays():
         # rank 1 killed; rank 0 lost its connection (5) or was stopped by torchrun (SIGTERM)
         ({1: (-9, 11, 100), 0: (5, 10, 100)}, 5, "trainer rank 1 (pid 11 on "),
         ({1: (-9, 11, 100), 0: (-15, 10, 100)}, 5, "was killed by SIGKILL"),
+        # a real-time signal, which `signal.Signals` does not name
+        ({1: (-(signal.SIGRTMIN + 3), 11, 100), 0: (5, 10, 100)}, 5, "was killed by SIGRTMIN+3"),
         # rank 0 blocked in a collective, SIGKILLed by torchrun later: the first to die is named
         ({0: (-9, 10, 130), 1: (-9, 11, 100)}, 5, "trainer rank 1 (pid 11 on "),
         # the dead rank was on another node: this node's ranks all lost their connection

@@ -50,7 +50,7 @@ def test_a_killed_writer_is_an_error_naming_it_its_file_and_the_signal(monkeypat
     error = _write(checkpoint_writers.BUCKETS)
     assert isinstance(error, RuntimeError)
     assert str(error) == (
-        "checkpoint writer 0 of rank 3 ended by signal SIGKILL (the out-of-memory killer sends SIGKILL) "
+        "checkpoint writer 0 of rank 3 ended by SIGKILL (the out-of-memory killer sends SIGKILL) "
         "before it finished writing file0"
     )
 

@@ -12,6 +12,7 @@ import urllib.request
 from pathlib import Path
 
 from megatron_tail.rollout.launch import LocalEngineConfig, build_local_engine_command
+from megatron_tail.utils.errors import signal_name
 from megatron_tail.utils.net import reserve_port
 from megatron_tail.utils.parent_watch import PARENT_PID_ENV
 
@@ -87,10 +88,7 @@ class LocalEngineProcess:
         if code is None:
             return None
         if code < 0:  # Popen's way of saying "killed by signal -code"
-            try:
-                return f"was killed by {signal.Signals(-code).name}"
-            except ValueError:
-                return f"was killed by signal {-code}"
+            return f"was killed by {signal_name(-code)}"
         return f"exited with code {code}"
 
     def stopped(self) -> bool:

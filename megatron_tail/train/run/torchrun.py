@@ -45,6 +45,7 @@ from megatron_tail.utils.errors import (
     EXIT_OUTSIDE_FAILURE,
     EXIT_PEER_LOST,
     EXIT_USER_ERROR,
+    signal_name,
 )
 
 ONE_LINE_CODES = (EXIT_USER_ERROR, EXIT_ABANDONED, EXIT_OUTSIDE_FAILURE, EXIT_PEER_LOST)
@@ -162,7 +163,7 @@ def lost_rank_line(failures: dict[int, tuple[int, int, int]], marks: Path) -> st
     died = {rank: f for rank, f in failures.items() if f[0] < 0 and f[0] != -int(signal.SIGTERM)}
     if died:
         rank, (code, pid, _) = min(died.items(), key=lambda item: (item[1][2], item[0]))
-        how = f"was killed by {signal.Signals(-code).name}" if -code in signal.valid_signals() else "died"
+        how = f"was killed by {signal_name(-code)}"
         what = f"trainer rank {rank} (pid {pid} on {socket.gethostname()}) {how}"
     elif (
         failures
