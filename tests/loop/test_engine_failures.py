@@ -363,3 +363,25 @@ def test_closing_with_a_loop_thread_that_does_not_stop_still_stops_the_engine(mo
         assert said == ["the rollout loop's thread did not stop within 0.5 s; left to exit"]
     finally:
         release.set()
+
+
+def test_a_manager_that_does_not_close_in_time_is_said_and_its_loop_still_stops(monkeypatch):
+    """The rollout manager's close waited for at most `CLOSE_TIMEOUT_S`: past it, one line says so, the
+    close is cancelled, and the loop's thread stops (the run goes on closing)."""
+    from megatron_tail.rollout.service import engines as engines_module
+
+    monkeypatch.setattr(engines_module, "CLOSE_TIMEOUT_S", 0.5)
+    engines, said = _engines(None), []
+    engines.note = said.append
+
+    class StuckManager:
+        async def close(self):
+            await asyncio.Event().wait()  # never set
+
+    engines.start_thread()
+    engines.stop_thread(StuckManager())
+    assert said == ["the rollout manager did not close within 0.5 s; stopping its loop"]
+    assert engines._thread is None and not engines.loop.is_running()
+    engines._drain()  # the cancelled close ends here; nothing left pending
+    assert not [task for task in asyncio.all_tasks(engines.loop) if not task.done()]
+    engines.loop.close()
