@@ -379,9 +379,13 @@ def test_a_manager_that_does_not_close_in_time_is_said_and_its_loop_still_stops(
             await asyncio.Event().wait()  # never set
 
     engines.start_thread()
+    thread = engines._thread
     engines.stop_thread(StuckManager())
-    assert said == ["the rollout manager did not close within 0.5 s; stopping its loop"]
-    assert engines._thread is None and not engines.loop.is_running()
+    assert said[0] == "the rollout manager did not close within 0.5 s; stopping its loop"
+    # the thread's own 0.5 s can run out on a loaded host (said, then left to exit): it stops all the same
+    assert said[1:] in ([], ["the rollout loop's thread did not stop within 0.5 s; left to exit"])
+    thread.join(timeout=60)
+    assert engines._thread is None and not thread.is_alive() and not engines.loop.is_running()
     engines._drain()  # the cancelled close ends here; nothing left pending
     assert not [task for task in asyncio.all_tasks(engines.loop) if not task.done()]
     engines.loop.close()
