@@ -12,9 +12,11 @@ the group's timeout, in C, where no Python cancellation reaches it.
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
+import traceback
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -41,7 +43,9 @@ def init_custom_process_group(
     `abandon` (gloo only): once another thread sets it, a wait for the other ranks raises
     `RendezvousAbandoned` within `ABANDON_POLL_S`. NCCL needs none: its communicator forms lazily, at the
     first collective (torch's `_new_process_group_helper` connects eagerly only with a `device_id`, and
-    `ProcessGroupNCCL`'s sequence number needs no store), so this call returns without waiting for peers.
+    `ProcessGroupNCCL`'s sequence number needs no store), so this call returns without waiting for peers;
+    nor does gloo under `TORCH_GLOO_LAZY_INIT` (it connects at the first collective, from a thread of its
+    own, where a Python store must not run), which therefore keeps the plain store.
     """
     from torch.distributed.distributed_c10d import (
         Backend,
@@ -58,19 +62,26 @@ def init_custom_process_group(
     timeout = timeout or default_pg_timeout
     store = _tcp_store(init_method, rank, world_size, timeout, listen_socket)
     abandonable = None
-    if abandon is not None and Backend(backend) == Backend.GLOO:
+    if abandon is not None and Backend(backend) == Backend.GLOO and not _gloo_connects_lazily():
         store = abandonable = AbandonableStore(store, abandon)
     store = PrefixStore(group_name, store)
-    pg, _ = _new_process_group_helper(
-        world_size,
-        rank,
-        [],
-        Backend(backend),
-        store,
-        group_name=group_name,
-        backend_options=None,
-        timeout=timeout,
-    )
+    try:
+        pg, _ = _new_process_group_helper(
+            world_size,
+            rank,
+            [],
+            Backend(backend),
+            store,
+            group_name=group_name,
+            backend_options=None,
+            timeout=timeout,
+        )
+    except BaseException as error:
+        # its frames (torch's, and this one) hold the store, and with it rank 0's store server, for as long
+        # as the error lives: without them the server closes now, and peers waiting on it fail at once
+        traceback.clear_frames(error.__traceback__)
+        del store, abandonable
+        raise
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     if abandonable is not None:
         _PYTHON_STORES[pg] = abandonable
@@ -79,8 +90,15 @@ def init_custom_process_group(
 
 def destroy_custom_process_group(pg: dist.ProcessGroup) -> None:
     """Destroy a group `init_custom_process_group` made, and drop what was kept for it."""
-    dist.destroy_process_group(pg)
-    _PYTHON_STORES.pop(pg, None)
+    try:
+        dist.destroy_process_group(pg)
+    finally:
+        _PYTHON_STORES.pop(pg, None)
+
+
+def _gloo_connects_lazily() -> bool:
+    """`TORCH_GLOO_LAZY_INIT` set true, as torch's `getCvarBool` reads it (c10d/Utils.hpp)."""
+    return os.environ.get("TORCH_GLOO_LAZY_INIT", "").strip().lower() in ("1", "y", "yes", "t", "true")
 
 
 _PYTHON_STORES: dict[dist.ProcessGroup, AbandonableStore] = {}
@@ -131,8 +149,9 @@ class AbandonableStore(dist.Store):
 
     A Python store (torch's `PythonStore` trampoline, which gloo's `GlooStore` adapter calls through: its
     connect uses `set`, `wait` and `get`; without `has_extended_api`, the base class's False, gloo asks for
-    nothing more). A gloo group holds it for its life, but gloo reads the store only
-    while it connects and sets its sequence number; no background thread of gloo's calls into Python.
+    nothing more). A gloo group holds it for its life, but gloo reads the store only while it connects and
+    sets its sequence number, both in the constructing thread (not so under `TORCH_GLOO_LAZY_INIT`, where
+    `init_custom_process_group` does not use this store).
     """
 
     def __init__(self, inner: dist.Store, abandon: threading.Event):

@@ -173,6 +173,19 @@ class _Servers:
             raise WeightSyncError("; ".join(failures)) from first
         return answers
 
+    async def post_one(self, session, url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """`url`'s answer to `path`; a `WeightSyncError` naming it, the path and its answer where it failed
+        (as `post_all` names each)."""
+        try:
+            answer = await self._post(session, url, path, body)
+        except WeightSyncError as error:
+            raise WeightSyncError(f"{url}{path}: {_describe(error)}", error.http_status) from error
+        except aiohttp.ClientError as error:
+            raise WeightSyncError(f"{url}{path}: {_describe(error)}") from error
+        if answer.get("success") is False:
+            raise WeightSyncError(f"{url}{path}: {_describe(answer)}")
+        return answer
+
     async def in_time(self, request):
         """`await request` (one request under `self.timeout`); WeightSyncError naming the limit if it
         expires (aiohttp's TimeoutError has no text)."""
@@ -438,24 +451,42 @@ class DistributedWeightSync:
             )
         )
         async with aiohttp.ClientSession() as session:
-            posts = asyncio.ensure_future(
-                self.servers.post_all(session, "/init_weights_update_group", bodies)
-            )
+            posts = [
+                asyncio.ensure_future(self.servers.post_one(session, url, "/init_weights_update_group", body))
+                for url, body in zip(self.servers.urls, bodies, strict=True)
+            ]
+            formed = False
             try:
-                await asyncio.wait((join, posts), return_when=asyncio.FIRST_EXCEPTION)
-                # an engine's refusal is the cause; rank 0's wait, abandoned or timed out, its consequence
-                for step in (posts, join):
-                    if step.done() and step.exception() is not None:
-                        raise step.exception()
+                await self._first_failure(join, posts)
+                formed = True
             finally:
-                if not (join.done() and posts.done()):
-                    # rank 0 no longer waits out the group's timeout for an engine that refused (nor
-                    # does the process at exit, which joins the thread): its wait ends within
-                    # `ABANDON_POLL_S`
+                if not formed:
+                    # rank 0 stops waiting for engines one of which refused (an engine that accepted waits
+                    # for the refused one's ranks, so its answer comes only at its timeout): its wait ends
+                    # within `ABANDON_POLL_S`, and so no thread stays in gloo's connect for the process to
+                    # join at exit, silently, until `timeout_s`
                     abandon.set()
-                    posts.cancel()
-                    await asyncio.gather(join, posts, return_exceptions=True)
+                    for post in posts:
+                        post.cancel()
+                    await asyncio.gather(join, *posts, return_exceptions=True)
+                    if not join.cancelled() and join.exception() is None:  # formed here, refused there
+                        destroy_custom_process_group(join.result())
         self.group = join.result()
+
+    async def _first_failure(self, join: asyncio.Future, posts: list[asyncio.Future]) -> None:
+        """Return once rank 0's join and every engine's answer succeeded; raise at the first failure: an
+        engine's refusal (the cause, named), else the join's own (a `WeightSyncError` naming the limit)."""
+        pending = {join, *posts}
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for post in posts:
+                if post in done and post.exception() is not None:
+                    raise post.exception()
+            if join in done and (error := join.exception()) is not None:
+                raise WeightSyncError(
+                    f"rank 0 could not form the weight group with {', '.join(self.servers.urls)} within "
+                    f"{self.servers.limit}: {_describe(error)}"
+                ) from error
 
     async def update(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | None = None
@@ -517,13 +548,15 @@ class DistributedWeightSync:
         self.last_update = stats
         return version
 
-    def broadcast_waiting(self) -> bool:
-        """Whether a bucket's broadcast still runs on its thread after its update failed. An engine that
-        refused the bucket before receiving it leaves the broadcast waiting in gloo for that engine's ranks
-        until the group's timeout (`timeout_s`): a gloo collective cannot be cancelled
+    def broadcast_waiting(self, grace_s: float = 0.0) -> bool:
+        """Whether a bucket's broadcast still runs on its thread after its update failed (asked after
+        waiting up to `grace_s` for it to end). An engine that refused the bucket before receiving it
+        leaves the broadcast waiting in gloo for that engine's ranks until the group's timeout
+        (`timeout_s`): a gloo collective cannot be cancelled
         (`ProcessGroupGloo.abort` does not end one in torch 2.13), and the process joins that thread at
-        exit. An NCCL broadcast returns once queued on its stream."""
-        return self._broadcast_ended is not None and not self._broadcast_ended.is_set()
+        exit. An NCCL broadcast returns once queued on its stream, after the first, which forms the
+        communicator (`ncclCommInitRank` waits for every peer)."""
+        return self._broadcast_ended is not None and not self._broadcast_ended.wait(grace_s)
 
     async def destroy_group(self) -> None:
         """Ask every engine to drop the group, then drop it here (kept while a broadcast still runs in it:

@@ -461,19 +461,20 @@ def test_the_service_drops_its_weight_group_on_remote_engines_only(caplog):
     assert "could not drop the weight-sync group on the engines: engine gone" in caplog.text
 
 
-def test_a_trainer_stops_waiting_for_an_engine_that_refused_its_group(server_pair, monkeypatch):
-    """An engine that refuses the weight group answers at once (here: a group of that name is held on it by
-    another trainer, as a second run under a fixed `group_name` meets). The trainer's rank 0 must stop
-    waiting for that engine's ranks then, not when the group's timeout runs out: its wait is in gloo's
-    connect, in C, on a thread the process joins at exit, so the run used to end only after
-    `rollout.weight_sync.timeout_s` more, silently."""
+def test_a_trainer_stops_waiting_at_once_for_engines_one_of_which_refused_its_group(server_pair, monkeypatch):
+    """One engine refuses the weight group at once (here: a group of that name is held on it by another
+    trainer, as a second run under a fixed `group_name` meets); the other accepts, and waits for the first
+    one's ranks, so its answer would come only at its own timeout. The trainer's rank 0 must stop waiting
+    at the refusal and say it: its wait is in gloo's connect, in C, on a thread the process joins at exit,
+    so the run used to end only after `rollout.weight_sync.timeout_s` more, silently (and with two engines,
+    with rank 0's own timeout in place of the refusal)."""
     import subprocess
     import sys
 
     from megatron_tail.rollout import WeightSyncError, weight_sync
     from megatron_tail.rollout.process_group import RendezvousAbandoned
 
-    a, _ = (s.url for s in server_pair)
+    a, b = (s.url for s in server_pair)
     holder = subprocess.Popen(  # the other trainer: holds its group on `a` until told to leave
         [sys.executable, "-c", (
             "import asyncio, sys\n"
@@ -501,33 +502,40 @@ def test_a_trainer_stops_waiting_for_an_engine_that_refused_its_group(server_pai
     try:
         assert holder.stdout.readline().strip() == "joined", holder.stderr.read()
         sync = DistributedWeightSync(
-            [a], master_address="127.0.0.1", listen_socket=reserve_port(), backend="gloo",
-            group_name="taken", timeout_s=120,
+            [a, b], master_address="127.0.0.1", listen_socket=reserve_port(), backend="gloo",
+            group_name="taken", timeout_s=600,
         )  # fmt: skip
         monkeypatch.setattr(weight_sync, "init_custom_process_group", recorded_join)
-        with pytest.raises(WeightSyncError, match="has already been created"):
+        with pytest.raises(WeightSyncError) as refused:
             asyncio.run(sync.init_group())
     finally:
         out = holder.communicate(input="", timeout=120)
     assert holder.returncode == 0, out
+    assert re.fullmatch(
+        rf"{re.escape(a)}/init_weights_update_group: HTTP 400: .*has already been created.*",
+        str(refused.value),
+    ), str(refused.value)
     assert len(ended) == 1 and isinstance(ended[0], RendezvousAbandoned), ended
+    assert sync.group is None
 
 
 def test_rank_0_gives_up_its_join_when_abandoned():
     """`abandon` set while rank 0 waits for a peer that never comes: the join raises at once, far inside
     the group's own timeout."""
+    import socket
     import threading
     from datetime import timedelta
 
     from megatron_tail.rollout.process_group import RendezvousAbandoned, init_custom_process_group
 
     held = reserve_port()
+    port = held.getsockname()[1]
     abandon, outcome = threading.Event(), []
 
     def join():
         try:
             init_custom_process_group(
-                backend="gloo", init_method=f"tcp://127.0.0.1:{held.getsockname()[1]}", world_size=2, rank=0,
+                backend="gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=0,
                 group_name="alone", timeout=timedelta(seconds=600), listen_socket=held, abandon=abandon,
             )  # fmt: skip
         except Exception as error:
@@ -539,15 +547,23 @@ def test_rank_0_gives_up_its_join_when_abandoned():
     thread.join(timeout=120)
     assert not thread.is_alive() and len(outcome) == 1
     assert isinstance(outcome[0], RendezvousAbandoned) and "abandoned" in str(outcome[0])
+    # the store's server is gone with the join, though its error lives on: peers that reached it fail now
+    probe = socket.socket()
+    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past the closed connections' TIME_WAIT
+    try:
+        probe.bind(("127.0.0.1", port))  # refused while a socket still listens on the port
+    finally:
+        probe.close()
 
 
 def test_a_bucket_an_engine_refused_leaves_its_broadcast_waiting_and_closing_says_so(
-    server_pair, perturbed_model_dir
+    server_pair, tiny_model_dir
 ):
     """An engine that refuses a bucket before receiving it (here: the update names a group the engine does
     not hold) leaves rank 0's gloo broadcast waiting for its ranks until the group's timeout, which nothing
     cancels. Closing the engines says what the process still waits for, and keeps the group (destroying a
-    gloo group under a running collective can abort the process)."""
+    gloo group under a running collective can abort the process). The test then ends the broadcast as an
+    engine would, by receiving it."""
     from types import SimpleNamespace
 
     from megatron_tail.rollout import WeightSyncError
@@ -559,27 +575,39 @@ def test_a_bucket_an_engine_refused_leaves_its_broadcast_waiting_and_closing_say
 
     a, _ = (s.url for s in server_pair)
     sync = DistributedWeightSync(
-        [a], master_address="127.0.0.1", listen_socket=reserve_port(), backend="gloo", timeout_s=10
+        [a], master_address="127.0.0.1", listen_socket=reserve_port(), backend="gloo", timeout_s=600
     )
     notes = []
     engines = Engines(  # remote engines, as the trainer drives them: on a loop of its own
-        SimpleNamespace(weight_sync=SimpleNamespace(timeout_s=10)), [a], Client(), Client(),
+        SimpleNamespace(weight_sync=SimpleNamespace(timeout_s=600)), [a], Client(), Client(),
         model_path="unused", vocab_size=1, log_rho=None, reporting=SimpleNamespace(note=notes.append),
         weight_sync=sync,
     )  # fmt: skip
     engines.run(sync.init_group())
     held_name, sync.group_name = sync.group_name, "not-on-the-engine"
+    bucket = sorted(read_safetensors_dir(tiny_model_dir).items())[:1]  # the engine's own weights: no change
     with pytest.raises(WeightSyncError, match=r"missing .* \(group not initialized\?\)"):
-        engines.run(sync.update(sorted(read_safetensors_dir(perturbed_model_dir).items())[:1]))
+        engines.run(sync.update(bucket))
     assert sync.broadcast_waiting()
     engines.close()
     assert notes == [
         "the last weight-sync broadcast still waits for an engine that did not take its bucket; this process "
-        "ends when gloo gives it up, within rollout.weight_sync.timeout_s=10 s"
+        "ends when gloo gives it up, within rollout.weight_sync.timeout_s=600 s"
     ]
     assert sync.group is not None, "kept while the broadcast runs in it"
-    assert sync._broadcast_ended.wait(timeout=120)  # gloo's own timeout ends it
-    assert not sync.broadcast_waiting()
+
+    async def receive_it():  # what the engine refused, under the group it holds
+        ((name, tensor),) = bucket
+        body = {"names": [name], "dtypes": [str(tensor.dtype).removeprefix("torch.")],
+                "shapes": [list(tensor.shape)], "group_name": held_name}  # fmt: skip
+        async with aiohttp.ClientSession() as session:
+            for path, sent in (("/begin_weight_update", {}), ("/update_weights_from_distributed", body),
+                               ("/end_weight_update", {})):  # fmt: skip
+                async with session.post(f"{a}{path}", json=sent) as resp:
+                    assert resp.status == 200, (path, await resp.text())
+
+    asyncio.run(receive_it())
+    assert sync._broadcast_ended.wait(timeout=120) and not sync.broadcast_waiting()
     sync.group_name = held_name  # the engine's group, and then this side's
     asyncio.run(sync.destroy_group())
     assert sync.group is None

@@ -44,6 +44,10 @@ SIGNAL_CHECK_S = 0.2
 """The main thread, waiting for the rollout thread, returns to Python this often: a stop signal is
 acknowledged (and a second one acted on) within it."""
 
+BROADCAST_GRACE_S = 2.0
+"""Closing: how long a weight-sync broadcast left running by a failed update may take to end before the
+close says that the process waits for it."""
+
 CLOSE_TIMEOUT_S = 60
 """Closing: how long the rollout manager's close, then the loop's thread, are waited for (each said if it
 runs out; the run goes on closing)."""
@@ -405,8 +409,13 @@ class Engines:
             finally:
                 if self.engine is not None:
                     self.engine.stop()
-                # a local engine's stop ends the broadcast (gloo: the peer closed); a remote one's may not
-                if self.engine is None and self.in_memory_sync and self.weight_sync.broadcast_waiting():
+                # a local engine's stop ends the broadcast (gloo: the peer closed); remote engines asked
+                # to leave the group (`_leave_weight_group`) may end it too, a moment later
+                if (
+                    self.engine is None
+                    and self.in_memory_sync
+                    and self.weight_sync.broadcast_waiting(grace_s=BROADCAST_GRACE_S)
+                ):
                     self.note(
                         "the last weight-sync broadcast still waits for an engine that did not take its "
                         "bucket; this process ends when gloo gives it up, within "
