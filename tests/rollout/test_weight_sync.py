@@ -624,3 +624,29 @@ def test_a_bucket_an_engine_refused_leaves_its_broadcast_waiting_and_closing_say
     sync.group_name = held_name  # the engine's group, and then this side's
     asyncio.run(sync.destroy_group())
     assert sync.group is None
+
+
+@pytest.mark.parametrize("lazy", [None, "1", "false"])
+def test_rank_0_keeps_a_python_store_for_its_gloo_group_unless_gloo_connects_lazily(monkeypatch, lazy):
+    """Under `TORCH_GLOO_LAZY_INIT` gloo connects at the first collective, from a thread of its own, where a
+    Python store must not run: the group keeps the plain store (and the join has nothing to abandon). The
+    Python store is kept while its group lives, and dropped with it."""
+    import threading
+    from datetime import timedelta
+
+    from megatron_tail.rollout import process_group
+
+    if lazy is None:
+        monkeypatch.delenv("TORCH_GLOO_LAZY_INIT", raising=False)
+    else:
+        monkeypatch.setenv("TORCH_GLOO_LAZY_INIT", lazy)
+    held = reserve_port()
+    group = process_group.init_custom_process_group(
+        backend="gloo", init_method=f"tcp://127.0.0.1:{held.getsockname()[1]}", world_size=1, rank=0,
+        group_name=f"alone-{lazy}", timeout=timedelta(seconds=60), listen_socket=held,
+        abandon=threading.Event(),
+    )  # fmt: skip
+    kept = process_group._PYTHON_STORES.get(group)
+    assert (kept is None) == (lazy == "1")
+    process_group.destroy_custom_process_group(group)
+    assert group not in process_group._PYTHON_STORES
