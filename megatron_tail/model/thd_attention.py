@@ -31,6 +31,8 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_tail.utils.device_copy import to_device
+
 from .cp_attention import context_parallel_attention
 
 
@@ -65,7 +67,7 @@ def thd_packed_seq_params(bounds: Sequence[int], device: torch.device | str) -> 
     covered: TE's fused THD RoPE leaves uncovered rows uninitialised. (TE commit d0067d0, 2.20.0.dev0.)
     """
     longest = max(b - a for a, b in pairwise(bounds))
-    cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=device)
+    cu_seqlens = to_device(torch.tensor(bounds, dtype=torch.int32), device)  # not a blocking copy
     return HostPackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=cu_seqlens,

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from megatron_tail.utils.device_copy import to_device
+
 ID_DTYPE = torch.int32
 """Ids are token ids: int32 holds any vocabulary, at half the bytes of int64."""
 
@@ -85,7 +87,7 @@ class Ragged:
         return self.values.numel() * self.values.element_size() + self.offsets.numel() * 8
 
     def to(self, device: torch.device | str) -> Ragged:
-        return Ragged(self.values.to(device), self.offsets.to(device), self.width)
+        return Ragged(to_device(self.values, device), to_device(self.offsets, device), self.width)
 
     def row(self, r: int) -> torch.Tensor:
         """Row r's ids `[size]` (reads two offsets: for tests and host code, not hot loops)."""

@@ -57,6 +57,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_tail.utils.device_copy import to_device
 from megatron_tail.utils.ragged import Ragged, cat_rows, scatter_rows
 
 from .packing import balance_over_data_parallel, pack_by_token_budget
@@ -139,9 +140,12 @@ class MicroBatch:
     def to(self, device: torch.device | str) -> MicroBatch:
         """Tensors moved to `device` (extras untouched), a CP shard's index and sample layout included, so
         the loss's many `to_samples` calls find them there instead of copying them from the host each time."""
-        move = {name: getattr(self, name).to(device) for name in _TENSORS if getattr(self, name) is not None}
+        move = {
+            name: _moved(getattr(self, name), device) for name in _TENSORS if getattr(self, name) is not None
+        }
         cp = None if self.cp is None else self.cp.to(device)
-        return replace(self, **move, fields={k: v.to(device) for k, v in self.fields.items()}, cp=cp)
+        fields = {k: _moved(v, device) for k, v in self.fields.items()}
+        return replace(self, **move, fields=fields, cp=cp)
 
     def to_samples(self, x: torch.Tensor) -> torch.Tensor:
         """Per-token `[b, s]` → per-sample `[n, T]` (row k = sample `sample_ids[k]`'s response targets,
@@ -152,6 +156,10 @@ class MicroBatch:
         rows, cols = self.sample_rows.to(x.device), self.sample_cols.to(x.device)
         valid = self.sample_valid.to(x.device)
         return torch.where(valid, x[rows, cols], torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def _moved(value: torch.Tensor | Ragged, device: torch.device | str) -> torch.Tensor | Ragged:
+    return value.to(device) if isinstance(value, Ragged) else to_device(value, device)
 
 
 _SAMPLE_LAYOUT = ("sample_ids", "sample_rows", "sample_cols", "sample_valid")
@@ -186,10 +194,13 @@ class CpShard:
         """What `to_samples` reads on the device: the index, the owned mask and the whole micro-batch's sample
         layout (its tokens and fields stay where they are: the shard never reads their values). `indices`
         stay on the host, where `context_parallel.gather_whole_row` assembles the whole row."""
-        layout = {name: getattr(self.whole, name).to(device) for name in _SAMPLE_LAYOUT}
+        layout = {name: to_device(getattr(self.whole, name), device) for name in _SAMPLE_LAYOUT}
         whole = replace(self.whole, **layout)
         return replace(
-            self, whole=whole, index=self.index.to(device), sample_owned=self.sample_owned.to(device)
+            self,
+            whole=whole,
+            index=to_device(self.index, device),
+            sample_owned=to_device(self.sample_owned, device),
         )
 
     def to_whole_row(self, x: torch.Tensor) -> torch.Tensor:

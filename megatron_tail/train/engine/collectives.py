@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_tail.algorithms.metrics import reduce_op_of
+from megatron_tail.utils.device_copy import to_device
 from megatron_tail.utils.errors import OutsideFailure, UserError, announce, lost_peer
 
 from .parallel import ParallelGroups, comm_device, host_wait_group, host_wait_timeout
@@ -115,9 +116,11 @@ def all_reduce_scalars(
     if not keys:
         return {}
     device = comm_device()
-    local = torch.stack(
-        [torch.as_tensor(values[k]).detach().reshape(()).to(device, torch.float64) for k in keys]
-    )
+    scalars = [torch.as_tensor(values[k]).detach().reshape(()).to(torch.float64) for k in keys]
+    if all(s.device.type == "cpu" for s in scalars):  # host metrics (θ_old's diagnostics: hundreds): one copy
+        local = to_device(torch.stack(scalars), device)
+    else:
+        local = torch.stack([to_device(s, device) for s in scalars])
     world = 1 if group is None and not dist.is_initialized() else dist.get_world_size(group)
     if world > 1:
         gathered = [torch.empty_like(local) for _ in range(world)]

@@ -47,9 +47,9 @@ def recompute_logprobs(
         chunk.eval()
 
     def on_outputs(out: MaskedLogprobs, mb: MicroBatch):  # noqa: ARG001 - callback signature
-        detached = MaskedLogprobs(
-            **{k: None if v is None else v.detach().cpu() for k, v in vars(out).items()}
-        )
+        # kept on the device until the pass is queued: a read back per micro-batch would drain the GPU's
+        # queue each time (`_on_host`)
+        detached = MaskedLogprobs(**{k: None if v is None else v.detach() for k, v in vars(out).items()})
         return torch.zeros((), device=out.logprobs.device), detached
 
     outs = run_micro_batches(
@@ -63,5 +63,11 @@ def recompute_logprobs(
         routing=routing,
     )
     groups = trainer.groups
-    mine = list(outs) if groups.is_last_stage else None
+    mine = [_on_host(out) for out in outs] if groups.is_last_stage else None
     return broadcast_from_last_stage(mine, groups) if broadcast else mine
+
+
+def _on_host(out: MaskedLogprobs) -> MaskedLogprobs:
+    """A micro-batch's outputs on the host, read after the whole pass was queued: the first read waits for
+    the pass, the others find the device idle."""
+    return MaskedLogprobs(**{k: None if v is None else v.cpu() for k, v in vars(out).items()})

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from megatron_tail.algorithms import AlgorithmConfig, LossCounts, masked_quantile, prepare_tokens, rl_loss
 from megatron_tail.algorithms.metrics import reduce_op_of
 from megatron_tail.ops import MaskedLogprobs
+from megatron_tail.utils.device_copy import to_device
 
 from ..engine.batch import MicroBatch
 from ..engine.collectives import all_reduce_sum_, gather_objects
@@ -88,8 +89,8 @@ def prepare_rl_micro_batches(
         )
         shard.extras["prepared"] = prepared
         counts = prepared.counts if counts is None else counts + prepared.counts
-    total = all_reduce_sum_(counts.to_tensor(comm_device()), dp_group)
-    return LossCounts.from_tensor(total.cpu())
+    # kept where the all-reduce left it (the model's GPU under NCCL): the loss divides by it on the device
+    return LossCounts.from_tensor(all_reduce_sum_(counts.to_tensor(comm_device()), dp_group))
 
 
 def whole_outputs(mb: MicroBatch, out: MaskedLogprobs, cp_group: dist.ProcessGroup | None) -> MaskedLogprobs:
@@ -109,7 +110,7 @@ def _ref_logprobs(mb: MicroBatch, cfg: AlgorithmConfig, device: torch.device) ->
     ref = mb.extras.get("ref_logprobs")
     if ref is None:
         raise ValueError("algorithm.kl_coef > 0 needs reference log-probs: call score_reference first")
-    return mb.to_samples(ref.to(device))
+    return mb.to_samples(to_device(ref, device))
 
 
 def _trainable(mb: MicroBatch) -> torch.Tensor:
@@ -167,7 +168,7 @@ def _to(prepared, device):
 
     def move(x):
         if isinstance(x, torch.Tensor):
-            return x.to(device)
+            return to_device(x, device)
         if dataclasses.is_dataclass(x) and not isinstance(x, type):
             return type(x)(**{f.name: move(getattr(x, f.name)) for f in dataclasses.fields(x)})
         if isinstance(x, tuple):

@@ -1,0 +1,21 @@
+"""Host-to-device copies that do not wait for the device.
+
+`tensor.to(cuda)` from host memory blocks until the GPU has run everything queued before it: torch copies
+with `c10::cuda::memcpy_and_sync` unless asked `non_blocking` (c10/cuda/CUDAFunctions.h: the copy, then a
+sync of the current stream; `torch.cuda.set_sync_debug_mode` reports it as a sync). Once per micro-batch,
+that drains the GPU's queue and leaves it idle while the host queues the next forward. With
+`non_blocking=True` from pageable memory, CUDA copies the host buffer to a staging buffer before returning
+and synchronizes nothing (CUDA Runtime API, "API synchronization behavior": asynchronous memcpy from
+pageable host memory), so the source may be freed or changed at once; the kernels that read the copy run
+after it in stream order. A device-to-host copy stays blocking: the host reads it next.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """`tensor` on `device`; from the host without waiting for the device (the module's docstring), any
+    other way as `Tensor.to` does it (a no-op where it is already there)."""
+    return tensor.to(device, non_blocking=tensor.device.type == "cpu")
