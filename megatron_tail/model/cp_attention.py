@@ -23,6 +23,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from megatron_tail.utils.device_copy import to_device
+
 
 def context_parallel_index(bounds, cp_rank: int, cp_size: int) -> torch.Tensor:
     """`[T/CP]` int64: the positions of a packed row (causal blocks `[bounds[i], bounds[i+1])`, each a
@@ -105,7 +107,7 @@ def context_parallel_attention(
     order = torch.cat([context_parallel_index(bounds, r, size) for r in range(size)])
     whole = torch.empty_like(order)
     whole[order] = torch.arange(order.numel())  # whole-row position → row of `kv`
-    kv = kv[whole.to(kv.device)]  # [T, 2, hkv, d] in sequence order
+    kv = kv[to_device(whole, kv.device)]  # [T, 2, hkv, d] in sequence order (index made on the host)
     pieces, start = [], 0
     for a, b in pairwise(bounds):
         seg = (b - a) // (2 * size)
