@@ -25,6 +25,7 @@ from .megatron_checkpoint import (
 from .moe_te_gemm import apply_moe_te_gemm_shim, moe_te_gemm_shim_applied, remove_moe_te_gemm_shim
 from .pinning import PatchVersionError, check_pinned
 from .recompute_rng import apply_recompute_rng_shims, remove_recompute_rng_shims
+from .thd_rope_host_bounds import stop_using_host_rope_bounds, use_host_rope_bounds
 
 __all__ = [
     "PatchVersionError",
@@ -43,7 +44,9 @@ __all__ = [
     "remove_cuda_shims",
     "remove_moe_te_gemm_shim",
     "remove_recompute_rng_shims",
+    "stop_using_host_rope_bounds",
     "torch_adam_load_fixes",
+    "use_host_rope_bounds",
     "use_in_process_results_queue",
     "use_watched_checkpoint_writers",
 ]

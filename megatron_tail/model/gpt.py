@@ -15,7 +15,7 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
-from megatron_tail.patches import apply_moe_te_gemm_shim, cpu_device_scope
+from megatron_tail.patches import apply_moe_te_gemm_shim, cpu_device_scope, use_host_rope_bounds
 
 from .config import ModelSettings, layer_spec, padded_vocab_size, transformer_config
 from .hf_config import HFArch
@@ -74,6 +74,8 @@ def build_gpt_model(
         # megatron's router reads an undefined name without TE (patches/moe_te_gemm.py)
         apply_moe_te_gemm_shim()
     config = transformer_config(arch, settings, routing_replay=routing_replay)
+    if not config.apply_rope_fusion:  # megatron's unfused THD RoPE reads the boundaries back per layer
+        use_host_rope_bounds()
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage()
     if post_process is None:

@@ -31,6 +31,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_tail.patches.thd_rope_host_bounds import HOST_BOUNDS
 from megatron_tail.utils.device_copy import to_device
 
 from .cp_attention import context_parallel_attention
@@ -68,6 +69,7 @@ def thd_packed_seq_params(bounds: Sequence[int], device: torch.device | str) -> 
     """
     longest = max(b - a for a, b in pairwise(bounds))
     cu_seqlens = to_device(torch.tensor(bounds, dtype=torch.int32), device)  # not a blocking copy
+    setattr(cu_seqlens, HOST_BOUNDS, tuple(bounds))  # megatron's unfused RoPE reads them from here
     return HostPackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=cu_seqlens,
