@@ -144,6 +144,33 @@ def check_no_host_sync(
     assert any(float(x.grad.float().abs().max()) > 0 for x in inputs)
 
 
+def check_trainer_copies_make_no_sync(device: str) -> None:
+    """The trainer's moves of a micro-batch built on the host, as `forward_step` and the RL loss make them:
+    the micro-batch (`MicroBatch.to`), its THD boundaries (`thd_params`) and the θ_old side of its loss
+    (`objective._to`), under `syncs_are_errors`: on CUDA a blocking host→device copy raises."""
+    from megatron_tail.train import Sample, pack_micro_batches
+    from megatron_tail.train.engine.forward import thd_params
+    from megatron_tail.train.rl import objective
+
+    g = torch.Generator().manual_seed(11)
+    samples = [
+        Sample(list(range(3 + i)), list(range(5 + i)), {"advantages": torch.randn(5 + i, generator=g)})
+        for i in range(4)
+    ]
+    [mb] = pack_micro_batches(samples, max_tokens=64)
+    old = -torch.rand(4, 8, generator=g, dtype=torch.float64)
+    prepared = prepare_tokens(
+        CFG, old_logprobs=old, rollout_logprobs=old - 0.1, advantages=torch.randn(4, 8, generator=g),
+        valid=torch.ones(4, 8, dtype=torch.bool),
+    )  # fmt: skip
+    with syncs_are_errors(device):
+        moved = mb.to(device)
+        params = thd_params(moved)
+        on_device = objective._to(prepared, torch.device(device))
+    assert moved.tokens.device.type == params.cu_seqlens_q.device.type == on_device.loss_mask.device.type
+    assert moved.tokens.device.type == device
+
+
 def test_sync_debug_mode_catches_a_sync():
     check_the_mode_catches_a_sync("cuda")
 
@@ -154,3 +181,7 @@ def test_op_and_rl_loss_make_no_host_sync(fused, with_support):
     check_no_host_sync(
         "cuda", fused, with_support, seqs=SEQS, length=LEN, vocab=QWEN3_VOCAB, hidden=QWEN3_8B_HIDDEN
     )
+
+
+def test_the_trainers_copies_of_a_micro_batch_make_no_host_sync():
+    check_trainer_copies_make_no_sync("cuda")
