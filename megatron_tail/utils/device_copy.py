@@ -4,10 +4,12 @@
 with `c10::cuda::memcpy_and_sync` unless asked `non_blocking` (c10/cuda/CUDAFunctions.h: the copy, then a
 sync of the current stream; `torch.cuda.set_sync_debug_mode` reports it as a sync). Once per micro-batch,
 that drains the GPU's queue and leaves it idle while the host queues the next forward. With
-`non_blocking=True` from pageable memory, CUDA copies the host buffer to a staging buffer before returning
-and synchronizes nothing (CUDA Runtime API, "API synchronization behavior": asynchronous memcpy from
-pageable host memory), so the source may be freed or changed at once; the kernels that read the copy run
-after it in stream order. A device-to-host copy stays blocking: the host reads it next.
+`non_blocking=True` from pageable memory, torch makes no sync of its own, and CUDA stages the host buffer
+before returning (CUDA Runtime API, "API synchronization behavior", asynchronous memcpy), so the source may
+be freed or changed at once; the kernels that read the copy run after it in stream order. The driver may
+still wait on the stream while it stages pageable memory (same page), which torch's sync debug mode cannot
+see: pinned staging buffers would remove that too (measure with nsys first). A device-to-host copy stays
+blocking: the host reads it next.
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ DEVICE = torch.device("meta")
 
 
 class RecordedMoves(TorchFunctionMode):
-    """Each `Tensor.to` that names a device: (source device, target device, non_blocking)."""
+    """Each `Tensor.to` that names a device, and each `torch.tensor` / `torch.as_tensor` made on one:
+    (source device, target device, non_blocking)."""
 
     def __init__(self):
         super().__init__()
@@ -33,7 +34,12 @@ class RecordedMoves(TorchFunctionMode):
         if func is torch.Tensor.to:
             target = kwargs.get("device", args[1] if len(args) > 1 else None)
             if isinstance(target, str | torch.device):
-                self.moves.append((args[0].device, torch.device(target), bool(kwargs.get("non_blocking"))))
+                # to(device, dtype, non_blocking, copy) by position too
+                blocking = kwargs.get("non_blocking", args[3] if len(args) > 3 else False)
+                self.moves.append((args[0].device, torch.device(target), bool(blocking)))
+        elif func in (torch.tensor, torch.as_tensor) and kwargs.get("device") is not None:
+            # from host data: a blocking copy wherever the device is not the host
+            self.moves.append((torch.device("cpu"), torch.device(kwargs["device"]), False))
         return func(*args, **kwargs)
 
     def blocking(self) -> list[tuple[torch.device, torch.device, bool]]:
@@ -98,3 +104,11 @@ def test_host_scalars_reduce_through_one_copy(monkeypatch):
     with RecordedMoves() as recorded, pytest.raises(NotImplementedError, match="meta"):
         collectives.all_reduce_scalars(host, None)  # to its last line: reading the results back
     assert [(str(s), str(d), nb) for s, d, nb in recorded.moves] == [("cpu", "meta", True)]
+
+
+def test_a_python_float_is_reduced_in_float64():
+    """Before: `torch.as_tensor(16777217.0)` made a float32 tensor, 16777216, before the float64 cast."""
+    from megatron_tail.train.engine.collectives import all_reduce_scalars
+
+    values = {"tokens": 16777217.0, "loss": 0.1}
+    assert all_reduce_scalars(values, None) == values

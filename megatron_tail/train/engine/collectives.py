@@ -116,7 +116,8 @@ def all_reduce_scalars(
     if not keys:
         return {}
     device = comm_device()
-    scalars = [torch.as_tensor(values[k]).detach().reshape(()).to(torch.float64) for k in keys]
+    # float64 from the start: a Python float made a float32 tensor first (16777217.0 → 16777216)
+    scalars = [torch.as_tensor(values[k], dtype=torch.float64).detach().reshape(()) for k in keys]
     if all(s.device.type == "cpu" for s in scalars):  # host metrics (θ_old's diagnostics: hundreds): one copy
         local = to_device(torch.stack(scalars), device)
     else:
