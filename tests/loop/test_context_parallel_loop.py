@@ -33,7 +33,7 @@ def _run(tiny_model_dir, prompt_file, run_dir, cp: int):
     overrides = loop_overrides(tiny_model_dir, prompt_file, run_dir, {**ENGINE_IN_PROCESS, **extra})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cp}"]
     config = run_dir.parent / f"run_cp{cp}.yaml"
-    config.write_text("seed: 7\nrollout:\n  temperature: 1.0\n")
+    config.write_text("seed: 7\nrollout:\n  sampling:\n    temperature: 1.0\n")
     cmd += ["-m", "megatron_tail.cli", "train", str(config)]
     for item in overrides:
         cmd += ["--set", str(item)]
