@@ -159,29 +159,26 @@ class _Servers:
         self.flush_cache = pause_mode != "in_place"
 
     async def post_all(self, session, path: str, bodies: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Every server's answer to `path` (`post_one` each, at once); one `WeightSyncError` naming each
+        server that failed, raised from the first of them."""
         answers = await asyncio.gather(
-            *(self._post(session, url, path, body) for url, body in zip(self.urls, bodies, strict=True)),
+            *(self.post_one(session, url, path, body) for url, body in zip(self.urls, bodies, strict=True)),
             return_exceptions=True,
         )
-        failures = [
-            f"{url}{path}: {_describe(answer)}"
-            for url, answer in zip(self.urls, answers, strict=True)
-            if isinstance(answer, BaseException) or answer.get("success") is False
-        ]
+        failures = [answer for answer in answers if isinstance(answer, BaseException)]
         if failures:
-            first = next((a for a in answers if isinstance(a, BaseException)), None)
-            raise WeightSyncError("; ".join(failures)) from first
+            raise WeightSyncError("; ".join(map(str, failures))) from failures[0]
         return answers
 
     async def post_one(self, session, url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """`url`'s answer to `path`; a `WeightSyncError` naming it, the path and its answer where it failed
-        (as `post_all` names each)."""
+        (an error answer, `success: false`, no answer within the limit, or any other error on the way)."""
         try:
             answer = await self._post(session, url, path, body)
-        except WeightSyncError as error:
-            raise WeightSyncError(f"{url}{path}: {_describe(error)}", error.http_status) from error
-        except aiohttp.ClientError as error:
-            raise WeightSyncError(f"{url}{path}: {_describe(error)}") from error
+        except Exception as error:
+            raise WeightSyncError(
+                f"{url}{path}: {_describe(error)}", getattr(error, "http_status", None)
+            ) from error
         if answer.get("success") is False:
             raise WeightSyncError(f"{url}{path}: {_describe(answer)}")
         return answer
