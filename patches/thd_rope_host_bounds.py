@@ -25,17 +25,19 @@ HOST_BOUNDS = "_mt_host_bounds"
 _MODULE = "megatron.core.models.common.embeddings.rope_utils"
 _NAME = "_apply_rotary_pos_emb_thd"
 _original = None
+_rope = None
+"""megatron's module, bound once: the patched function runs in every layer."""
 
 
 def use_host_rope_bounds() -> None:
     """Route megatron's unfused THD RoPE through `_from_host_bounds`. Idempotent."""
-    global _original
+    global _original, _rope
     if _original is not None:
         return
     check_pinned()
-    module = importlib.import_module(_MODULE)
-    _original = getattr(module, _NAME)
-    setattr(module, _NAME, _from_host_bounds)
+    _rope = importlib.import_module(_MODULE)
+    _original = getattr(_rope, _NAME)
+    setattr(_rope, _NAME, _from_host_bounds)
 
 
 def stop_using_host_rope_bounds() -> None:
@@ -60,7 +62,7 @@ def _from_host_bounds(
     bounds = getattr(cu_seqlens, HOST_BOUNDS, None)
     if bounds is None or cp_group is None:
         return _original(t, cu_seqlens, freqs, rotary_interleaved, multi_latent_attention, mscale, cp_group)
-    rope = importlib.import_module(_MODULE)
+    rope = _rope
     cp_size, cp_rank = cp_group.size(), cp_group.rank()
     seqlens = [(b - a) // cp_size for a, b in pairwise(bounds)]
     splits = torch.split(t, seqlens)
