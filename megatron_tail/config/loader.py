@@ -27,6 +27,7 @@ import yaml
 from megatron_tail.config.schema import RunConfig
 from megatron_tail.rollout.settings import MOVED_KEYS as ROLLOUT_MOVED_KEYS
 from megatron_tail.utils.errors import UserError
+from megatron_tail.utils.paths import write_text_atomically
 
 RESOLVED_CONFIG_NAME = "config.yaml"
 _NULL_WORDS = ("none", "null", "~", "")
@@ -122,11 +123,8 @@ def save_resolved_config(cfg: RunConfig, run_dir: str | Path) -> Path:
     """Write the fully resolved config to `<run_dir>/config.yaml`; loading it gives back an equal config."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / RESOLVED_CONFIG_NAME
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False, allow_unicode=True))
-    tmp.replace(path)
-    return path
+    text = yaml.safe_dump(config_to_dict(cfg), sort_keys=False, allow_unicode=True)
+    return write_text_atomically(run_dir / RESOLVED_CONFIG_NAME, text)
 
 
 def all_keys(cls: type = RunConfig, prefix: str = "") -> list[str]:

@@ -1,4 +1,5 @@
-"""Whether this process can write a directory it is told to use, asked before anything is written there."""
+"""Whether this process can write a directory it is told to use, asked before anything is written there;
+and writing a file whole or not at all."""
 
 from __future__ import annotations
 
@@ -37,3 +38,13 @@ def check_run_dir(run_dir: str | Path) -> None:
     reason = unwritable_reason(run_dir)
     if reason is not None:
         raise run_dir_unwritable(run_dir, reason)
+
+
+def write_text_atomically(path: str | Path, text: str) -> Path:
+    """`text` into `path` through `.<name>.tmp` beside it, renamed over it: a reader or a kill mid-write
+    never leaves a half-written `path`."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+    return path

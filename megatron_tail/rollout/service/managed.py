@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from megatron_tail.utils.paths import write_text_atomically
+
 from ..batch import RolloutBatch
 from ..manager import GroupResult, groups_to_batch
 from .plan import trained_prompts_path
@@ -76,9 +78,7 @@ def forget_untrained_prompts(root: str | Path, step: int) -> None:
                 kept.append(line + "\n")
         except (ValueError, KeyError, TypeError):
             continue
-    fresh = path.with_name(f".{path.name}.tmp")
-    fresh.write_text("".join(kept))
-    fresh.replace(path)
+    write_text_atomically(path, "".join(kept))
 
 
 def read_trained_prompts(root: str | Path) -> dict[int, list[int]]:
