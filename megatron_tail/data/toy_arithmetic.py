@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron_tail.utils.paths import STAGING, beside
+
 TRAIN_SEED, TEST_SEED = 1234, 5678
 TRAIN_SIZE, TEST_SIZE = 2000, 200
 MAX_DIGITS = 3
@@ -37,7 +39,7 @@ def write_jsonl(rows: list[dict], path: str | Path) -> None:
     """One JSON object per line, written atomically (a temp file renamed into place), so a cache that checks
     for the file never finds a half-written one."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = beside(path, STAGING)
     with open(tmp, "w") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")

@@ -40,11 +40,25 @@ def check_run_dir(run_dir: str | Path) -> None:
         raise run_dir_unwritable(run_dir, reason)
 
 
+STAGING, REPLACED, DELETING = "tmp", "old", "deleting"
+"""The roles of `beside`'s hidden names: being written (renamed into place once whole), the copy a write
+replaces (until its rename), being removed (`run_dir.prune_checkpoints`)."""
+
+
+def beside(path: str | Path, role: str) -> Path:
+    """`.<name>.<role>` beside `path` (`role` one of STAGING, REPLACED, DELETING): the hidden names of a
+    whole-or-nothing write or removal, which `run_dir.sweep_leftovers` finds after a kill."""
+    if role not in (STAGING, REPLACED, DELETING):
+        raise ValueError(f"role must be one of {(STAGING, REPLACED, DELETING)}; got {role!r}")
+    path = Path(path)
+    return path.with_name(f".{path.name}.{role}")
+
+
 def write_text_atomically(path: str | Path, text: str) -> Path:
-    """`text` into `path` through `.<name>.tmp` beside it, renamed over it: a reader or a kill mid-write
+    """`text` into `path` through `beside(path, STAGING)`, renamed over it: a reader or a kill mid-write
     never leaves a half-written `path`."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = beside(path, STAGING)
     tmp.write_text(text)
     tmp.replace(path)
     return path

@@ -51,6 +51,7 @@ from megatron_tail.patches import (
     use_watched_checkpoint_writers,
 )
 from megatron_tail.utils.errors import UserError
+from megatron_tail.utils.paths import REPLACED, STAGING, beside
 
 from .setup import Trainer
 
@@ -130,7 +131,7 @@ def save_checkpoint(
     path = Path(path)
     if path.exists() and not overwrite:
         raise FileExistsError(f"checkpoint {path} exists; pass overwrite=True to replace it")
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = beside(path, STAGING)
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted save
         tmp.mkdir(parents=True)
@@ -171,7 +172,7 @@ def save_checkpoint(
     dist.barrier()
     if dist.get_rank() == 0:
         if path.exists():
-            old = path.with_name(f".{path.name}.old")
+            old = beside(path, REPLACED)
             shutil.rmtree(old, ignore_errors=True)
             path.rename(old)
             tmp.rename(path)

@@ -17,7 +17,10 @@ import re
 import shutil
 from pathlib import Path
 
+from megatron_tail.utils.paths import DELETING, REPLACED, STAGING, beside
+
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_STAGED_STEP = re.compile(rf"^\.(step_\d+)\.{STAGING}$")
 _START_FILE = re.compile(r"^start_(\d+)_step_\d+\.yaml$")
 
 CONFIG_NAME = "config.yaml"
@@ -36,7 +39,7 @@ def save_start_config(run_dir: str | Path, text: str, resumed_step: int) -> Path
     root.mkdir(parents=True, exist_ok=True)
     starts = [int(m.group(1)) for m in map(_START_FILE.match, (p.name for p in root.iterdir())) if m]
     path = root / f"start_{max(starts, default=0) + 1:04d}_step_{resumed_step:06d}.yaml"
-    tmp = root / f".{path.name}.tmp"
+    tmp = beside(path, STAGING)
     tmp.write_text(text)
     tmp.rename(path)
     return path
@@ -73,10 +76,11 @@ def complete_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
 
 def _only_copy(path: Path) -> bool:
     """`.step_N.tmp` where `step_N` is gone and `.step_N.old` is there (`save_checkpoint(overwrite=True)`)."""
-    if not (path.name.startswith(".step_") and path.name.endswith(".tmp")):
+    match = _STAGED_STEP.match(path.name)
+    if match is None:
         return False
-    name = path.name[1 : -len(".tmp")]
-    return not (path.parent / name).exists() and (path.parent / f".{name}.old").exists()
+    step = path.parent / match.group(1)
+    return not step.exists() and beside(step, REPLACED).exists()
 
 
 def checkpoint_step(path: str | Path) -> int:
@@ -102,7 +106,7 @@ def prune_checkpoints(run_dir: str | Path, keep: int) -> list[Path]:
     found = complete_checkpoints(run_dir)
     doomed = [path for _, path in found[:-keep]] if keep > 0 else []
     for path in doomed:
-        going = path.with_name(f".{path.name}.deleting")
+        going = beside(path, DELETING)
         shutil.rmtree(going, ignore_errors=True)  # one an earlier removal left
         try:
             path.rename(going)
@@ -120,7 +124,7 @@ def sweep_leftovers(run_dir: str | Path, weights_dir: str | Path) -> list[Path]:
     re-exported from the checkpoint at start). For global rank 0 at start, with the run directory locked;
     returns what it removed."""
     checkpoints, weights = checkpoints_dir(run_dir), Path(weights_dir)
-    patterns = [(checkpoints, ".step_*.tmp"), (checkpoints, ".step_*.deleting")]
+    patterns = [(checkpoints, beside("step_*", STAGING).name), (checkpoints, beside("step_*", DELETING).name)]
     patterns += [(weights.parent, f"{weights.name}.tmp-*"), (weights.parent, f"{weights.name}.old-*")]
     found = [path for folder, pattern in patterns if folder.is_dir() for path in folder.glob(pattern)]
     # a save that replaced step_N, killed between its two renames: `.step_N.tmp` is then the new copy, whole
