@@ -25,6 +25,7 @@ from megatron_tail.data.prompts import (
     load_prompts,
     record_place,
 )
+from megatron_tail.utils.eos import eos_id_entries
 from megatron_tail.utils.errors import UserError
 
 RunConfig = Any
@@ -128,12 +129,7 @@ def _check_eos_in_vocab(tokenizer: Any, config: dict, hf_path: str, vocab_size: 
             sources[generation.name] = json.loads(generation.read_text()).get("eos_token_id")
         except (ValueError, AttributeError, OSError) as e:
             raise UserError(f"{generation} is not a JSON object ({type(e).__name__}: {e})") from None
-    given = [
-        (t, where)
-        for where, v in sources.items()
-        for t in (v if isinstance(v, list) else [v])
-        if t is not None
-    ]
+    given = [(t, where) for where, v in sources.items() for t in eos_id_entries(v)]
     if given and not any(isinstance(t, int) and 0 <= t < vocab_size for t, _ in given):
         named = ", ".join(f"{t!r} ({where})" for t, where in given)
         raise UserError(

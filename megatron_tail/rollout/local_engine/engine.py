@@ -42,6 +42,7 @@ from megatron_tail.rollout.local_engine.sglang_defaults import (
 )
 from megatron_tail.rollout.local_engine.weights import load_named_tensors_, read_safetensors_dir
 from megatron_tail.rollout.routes import encode_routes
+from megatron_tail.utils.eos import eos_id_entries
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -262,10 +263,7 @@ def _eos_ids(model, tokenizer) -> frozenset[int]:
     ids: set[int] = set()
     for source in (getattr(model, "generation_config", None), model.config, tokenizer):
         value = getattr(source, "eos_token_id", None) if source is not None else None
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(int(v) for v in value)
+        ids.update(int(v) for v in eos_id_entries(value))
     return frozenset(ids)
 
 

@@ -1,0 +1,14 @@
+"""Reading an `eos_token_id` the way transformers stores it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def eos_id_entries(value: Any) -> list[Any]:
+    """The entries of an `eos_token_id` (a tokenizer's, a `PretrainedConfig`'s, a `GenerationConfig`'s or
+    their JSON files'): None → [], one id → [id], a list or tuple of ids → its items. Entries are not
+    checked: the caller decides what a non-int entry means."""
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
