@@ -39,7 +39,8 @@ class AdaptiveRho:
     bias_budget: float = 0.1
     """δ: the target of Prop. 5.5's bound, as a fraction of the largest |reward|."""
     max_response_len: int = 1
-    """T of the bound (`rollout.max_new_tokens`)."""
+    """T of the bound: the most tokens the policy samples in one response (`rollout.max_policy_tokens`,
+    `env.max_turns × max_new_tokens`)."""
     initial: float = -13.0
     max_step: float = 1.0
     log_rho_min: float = -30.0

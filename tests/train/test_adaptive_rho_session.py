@@ -44,3 +44,31 @@ def test_fixed_log_rho_is_left_alone():
     metrics = {"dvp/safe_mass_min": 0.5}
     s.adapt_log_rho(metrics)
     assert s.rho is None and s.log_rho == -9.0 and "dvp/log_rho" not in metrics
+
+
+def test_the_rules_t_counts_every_turn_of_an_episode():
+    """The rule aims at the bound the run logs (`dvp/bias_bound`, T = `rollout.max_policy_tokens`): with
+    T = max_new_tokens alone, a 4-turn episode's logged bound settled at 4 × the budget."""
+    from megatron_tail.train.rl.diagnostics import finalize_diagnostics
+
+    cfg = load_config(
+        None,
+        [
+            "algorithm.log_rho=auto",
+            "rollout.max_new_tokens=8",
+            "rollout.env.name=calculator",
+            "rollout.env.max_turns=4",
+            "algorithm.rho_bias_budget=0.1",
+        ],
+    )
+    rule = adaptive_rho_rule(cfg)
+    assert rule.max_response_len == 32
+    at_fixed_point = 1.0 - rule.target_pruned_mass
+    sums = {"positions": 1.0, "out_of_safe_set": 0.0, "safe_mass_sum": at_fixed_point}
+    logged = finalize_diagnostics(
+        {**sums, "safe_mass_min": at_fixed_point},
+        prob_buckets=[],
+        max_reward=1.0,
+        max_response_len=cfg.rollout.max_policy_tokens,
+    )
+    assert logged["dvp/bias_bound"] == pytest.approx(0.1)

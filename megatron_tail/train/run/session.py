@@ -46,10 +46,14 @@ from .rollout_plan import start_rollout
 
 
 def adaptive_rho_rule(cfg: RunConfig) -> AdaptiveRho | None:
-    """The adaptive-ρ rule of `cfg` (`algorithm.log_rho: auto`), or None."""
+    """The adaptive-ρ rule of `cfg` (`algorithm.log_rho: auto`), or None. Its T is the T of the bound the
+    run logs (`dvp/bias_bound`, `old_policy`): the most tokens the policy samples in one response, every turn
+    of an episode counted (`rollout.max_policy_tokens`)."""
     if not cfg.algorithm.adaptive_rho:
         return None
-    return AdaptiveRho(bias_budget=cfg.algorithm.rho_bias_budget, max_response_len=cfg.rollout.max_new_tokens)
+    return AdaptiveRho(
+        bias_budget=cfg.algorithm.rho_bias_budget, max_response_len=cfg.rollout.max_policy_tokens
+    )
 
 
 def with_log_rho(cfg: RunConfig, log_rho: float) -> RunConfig:
