@@ -41,6 +41,11 @@ def masked_quantile(values: torch.Tensor, valid: torch.Tensor, q: float) -> torc
     return ordered[below] + (ordered[above] - ordered[below]) * frac
 
 
+def stapo_entropy(entropy: torch.Tensor) -> torch.Tensor:
+    """The entropies STAPO compares with τ_h: `entropy` clamped at 0 (same shape and dtype; NaN kept)."""
+    return entropy.clamp(min=0)
+
+
 def stapo_mask(
     advantages: torch.Tensor,
     probs: torch.Tensor,
@@ -72,6 +77,9 @@ def stapo_mask(
     check_bool_mask("valid", valid)
     check_same_shape("advantages", advantages, probs=probs, entropy=entropy, valid=valid)
     tau_p = check_number("tau_p", tau_p, low=0.0, high=1.0, low_inclusive=False)
+    # H ≥ 0; the op's rounding gives ≈ −3e-8 over a one-token sampling support, which a quantile τ_h would
+    # carry below the range a user's τ_h is checked against (`stapo_entropy` for the global quantile)
+    entropy = stapo_entropy(entropy)
     if tau_h is None:
         check_number("tau_h_quantile", tau_h_quantile, low=0.0, high=1.0)
         threshold = masked_quantile(entropy, valid, tau_h_quantile)

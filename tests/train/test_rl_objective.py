@@ -23,7 +23,7 @@ CFG = AlgorithmConfig(
 )
 
 
-def _rl_step_rank(rank, world_size, hf_dir, tp, samples, packed):  # noqa: ARG001
+def _rl_step_rank(rank, world_size, hf_dir, tp, samples, packed, cfg=CFG):  # noqa: ARG001
     from megatron_tail.model import ModelSettings, load_hf_config
     from megatron_tail.train import (
         OpSettings,
@@ -50,10 +50,10 @@ def _rl_step_rank(rank, world_size, hf_dir, tp, samples, packed):  # noqa: ARG00
     else:
         mine = split_for_data_parallel(samples, groups.dp_rank, groups.dp_size)
         mbs = make_micro_batches(mine, micro_batch_size=2, seq_len=16)
-    op = OpSettings(log_rho=CFG.log_rho)
+    op = OpSettings(log_rho=cfg.log_rho, compute_entropy=cfg.stapo)
     old = recompute_logprobs(trainer, mbs, op=op)
-    counts = prepare_rl_micro_batches(CFG, mbs, old, groups.dp)
-    result = train_step(trainer, mbs, rl_loss_fn(CFG, counts), op=op)
+    counts = prepare_rl_micro_batches(cfg, mbs, old, groups.dp)
+    result = train_step(trainer, mbs, rl_loss_fn(cfg, counts), op=op)
     return result, full_hf_state(trainer)
 
 
@@ -156,3 +156,51 @@ def test_untrainable_samples_leave_the_loss_and_its_counts(case):
     )
     assert result.metrics["loss"] == pytest.approx(float(ref), rel=1e-5)
     assert result.metrics["loss_sequences"] == len(samples) - len(masked)
+
+
+def test_a_mini_batch_with_no_trainable_token_under_stapos_quantile_is_a_zero_step(case):
+    """Every response cut (`mask_truncated`) under STAPO's quantile τ_h: the global quantile of no entropy
+    was −inf and the step raised `tau_h must be finite`; the loss is 0 and so is the gradient, as
+    `compute_loss` gives for an all-masked batch."""
+    import dataclasses
+
+    hf_dir, samples, _, _ = case
+    cut = [
+        Sample(s.prompt, s.response, {**s.fields, "trainable": torch.zeros(len(s.response))}) for s in samples
+    ]
+    cfg = dataclasses.replace(CFG, stapo=True, stapo_tau_h=None)
+    result, _ = run_distributed(_rl_step_rank, 1, hf_dir, 1, cut, False, cfg)[0]
+    assert result.metrics["loss"] == 0.0 and result.grad_norm == 0.0
+    assert result.metrics["loss_sequences"] == 0
+
+
+def _global_tau_h_rank(rank, world_size, entropies):  # noqa: ARG001
+    from types import SimpleNamespace
+
+    from megatron_tail.train.rl.objective import _global_stapo_tau_h
+
+    valid = torch.ones(entropies.shape, dtype=torch.bool)
+    mb = SimpleNamespace(sample_valid=valid, fields={}, to_samples=lambda x: x)
+    cfg = AlgorithmConfig(stapo=True, stapo_tau_h=None, stapo_tau_h_quantile=0.05, group_size=2)
+    return _global_stapo_tau_h(cfg, [mb], [SimpleNamespace(entropy=entropies)], None)
+
+
+def test_the_global_stapo_quantile_is_a_valid_tau_h_where_rounding_made_entropies_negative():
+    """The op's entropy over a one-token sampling support (the engine's runner-up in a near tie) rounds to
+    ≈ −3e-8 about half the time (seen on this CPU with 512 such rows, temperature 0.7); their 5% quantile
+    was a negative τ_h, which the step refused. The entropies are written here, not left to rounding."""
+    from megatron_tail.algorithms import prepare_tokens
+
+    entropies = torch.tensor([[-3.3e-8, 0.0, -2.7e-8, 1e-9] * 64, [0.5, -3.0e-8, 0.0, 2.0] * 64])
+    tau_h = run_distributed(_global_tau_h_rank, 1, entropies)[0]
+    assert tau_h == 0.0
+    logprobs = torch.full((2, 256), -3.0)
+    prepare_tokens(  # accepted (it raised `tau_h must be finite and in [0.0, inf]`)
+        AlgorithmConfig(stapo=True, group_size=2),
+        old_logprobs=logprobs,
+        rollout_logprobs=logprobs,
+        advantages=torch.tensor([1.0, -1.0]),
+        valid=torch.ones(2, 256, dtype=torch.bool),
+        old_entropy=entropies,
+        stapo_tau_h=tau_h,
+    )

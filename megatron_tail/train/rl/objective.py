@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from megatron_tail.algorithms import AlgorithmConfig, LossCounts, masked_quantile, prepare_tokens, rl_loss
 from megatron_tail.algorithms.metrics import reduce_op_of
+from megatron_tail.algorithms.token_masks import stapo_entropy
 from megatron_tail.ops import MaskedLogprobs
 from megatron_tail.utils.device_copy import to_device
 
@@ -190,5 +191,7 @@ def _global_stapo_tau_h(cfg, micro_batches, old, dp_group) -> float | None:
     local = torch.cat(
         [mb.to_samples(o.entropy)[_trainable(mb)].cpu() for mb, o in zip(micro_batches, old, strict=True)]
     )
-    values = torch.cat(gather_objects(local, dp_group))
+    values = stapo_entropy(torch.cat(gather_objects(local, dp_group)))
+    if values.numel() == 0:  # no trainable token on any rank (every response cut, `mask_truncated`)
+        return 0.0  # nothing to mask, and no entropy is below 0: the empty quantile, −inf, is no τ_h
     return float(masked_quantile(values, torch.ones_like(values, dtype=torch.bool), cfg.stapo_tau_h_quantile))
