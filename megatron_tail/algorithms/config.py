@@ -71,8 +71,9 @@ class AlgorithmConfig:
     veto_threshold: float = 1e-4
     """Drop a sequence if any token's raw weight is below this (DVP paper: 1e-4); 0 disables. In [0, 1)."""
     rejected_in_denominator: bool = False
-    """False: tokens whose importance weight is 0 (MIS rejection, unsafe θ_old target, and every token of a
-    vetoed sequence) leave the loss normalisers, so a vetoed sequence is discarded as the DVP paper says and
+    """False: tokens the importance rule weighs 0 (MIS rejection, unsafe θ_old target, and every token of a
+    vetoed sequence; `ImportanceWeights.rejected`, not a weight that only underflows the dtype) leave the loss
+    normalisers, so a vetoed sequence is discarded as the DVP paper says and
     updates do not shrink by the rejected fraction. True: they stay counted (the earlier behaviour; for
     ablations)."""
 

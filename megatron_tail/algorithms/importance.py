@@ -48,11 +48,16 @@ class ImportanceWeights:
             positions, in vetoed sequences and for masked (MIS) or unsafe tokens.
         log_ratio: `[B, T]` raw log w_t; −inf for tokens outside the θ_old safe set, 0 at invalid positions.
         vetoed: `[B]` bool, sequences dropped by the veto.
+        rejected: `[B, T]` bool, valid tokens the rule itself weighs 0: MIS outside [lo, hi], a θ_old target
+            outside the safe set (log w = −inf: its token, or its whole sequence at a sequence level), a
+            vetoed sequence. A weight that is only too small for the dtype (TIS of a long sequence's
+            product, W = e^-104 in float32) is 0 in `weights` and not rejected.
     """
 
     weights: torch.Tensor
     log_ratio: torch.Tensor
     vetoed: torch.Tensor
+    rejected: torch.Tensor
 
 
 def log_importance_ratio(
@@ -89,6 +94,18 @@ def apply_is_mode(
         inside = (log_w >= log_low) & (log_w <= log_high)
         return torch.where(inside, torch.exp(torch.clamp(log_w, max=log_high)), torch.zeros_like(log_w))
     raise ValueError(f"is_mode must be one of {IS_MODES}; got {mode!r}")
+
+
+def rejected_by_mode(
+    log_w: torch.Tensor, mode: str, *, mis_low: float = 0.5, mis_high: float = 2.0
+) -> torch.Tensor:
+    """Elementwise bool: where `apply_is_mode` gives 0 by its rule, not by underflow: log w = −inf (an unsafe
+    target) in every mode, and MIS outside [lo, hi]."""
+    unsafe = log_w == -math.inf
+    if mode != "mis":
+        return unsafe
+    log_low = math.log(mis_low) if mis_low > 0 else -math.inf
+    return unsafe | (log_w < log_low) | (log_w > math.log(mis_high))
 
 
 def sequence_log_weight(log_ratio: torch.Tensor, valid: torch.Tensor, level: str) -> torch.Tensor:
@@ -140,11 +157,14 @@ def importance_weights(
     log_w = log_importance_ratio(old_logprobs, rollout_logprobs, valid, old_in_safe_set)
     if level == "token" or mode == "none":
         weights = apply_is_mode(log_w, mode, tis_cap=tis_cap, mis_low=mis_low, mis_high=mis_high)
+        rejected = rejected_by_mode(log_w, mode, mis_low=mis_low, mis_high=mis_high)
     else:
         seq_log_w = sequence_log_weight(log_w, valid, level)
         seq_w = apply_is_mode(seq_log_w, mode, tis_cap=tis_cap, mis_low=mis_low, mis_high=mis_high)
         weights = seq_w[:, None].expand_as(log_w)
+        rejected = rejected_by_mode(seq_log_w, mode, mis_low=mis_low, mis_high=mis_high)[:, None]
     vetoed = veto_sequences(log_w, valid, veto_threshold)
     keep = valid & ~vetoed[:, None]
     weights = torch.where(keep, weights, torch.zeros_like(weights))
-    return ImportanceWeights(weights=weights, log_ratio=log_w, vetoed=vetoed)
+    rejected = valid & (rejected | vetoed[:, None])
+    return ImportanceWeights(weights=weights, log_ratio=log_w, vetoed=vetoed, rejected=rejected)

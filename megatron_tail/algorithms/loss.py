@@ -174,7 +174,9 @@ def prepare_tokens(
         )
     else:
         phases = (LoptiPhase("all", loss_mask, advantages),)
-    count_mask = loss_mask if cfg.rejected_in_denominator else loss_mask & (iw.weights > 0)
+    # rejected by the rule, not weights == 0: a TIS weight that underflows the dtype is a weight, however
+    # small, and its tokens stay counted (else every other sequence's gradient jumps where W crosses 1e-45)
+    count_mask = loss_mask if cfg.rejected_in_denominator else loss_mask & ~iw.rejected
     counts = local_counts(count_mask)
     metrics = _batch_metrics(
         cfg, valid, loss_mask, spurious, iw.weights, iw.vetoed, old_logprobs, old_in_safe_set

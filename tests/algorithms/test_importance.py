@@ -25,6 +25,9 @@ def _check_against_reference(batch, *, mode, level, cap=2.0, lo=0.5, hi=2.0, vet
     )  # fmt: skip
     torch.testing.assert_close(got.weights, torch.tensor(want_w, dtype=torch.float64), rtol=1e-12, atol=0)
     assert got.vetoed.tolist() == want_veto
+    # no weight here underflows float64: the rule's rejections are exactly the reference's zeros
+    zero = torch.tensor(want_w, dtype=torch.float64) == 0
+    assert got.rejected.tolist() == (batch["valid"] & zero).tolist()
     assert not got.weights.requires_grad
     return got
 

@@ -380,3 +380,37 @@ def test_a_vetoed_sequence_is_discarded_unless_rejected_tokens_stay_counted(mode
         else:
             assert both.item() == pytest.approx(alone.item(), rel=1e-12)
             assert metrics["counted_tokens"].item() == 3 and metrics["counted_sequences"].item() == 1
+
+
+def test_a_tis_weight_that_underflows_float32_stays_counted_as_in_float64():
+    """Sequence-level TIS truncates W = Π w_t, it never rejects: a sequence with log W = −104 (every w_t
+    ≈ 0.95, far above the veto) has W = 7e-46, 0 in float32. Counted as rejected there, it left the token
+    count and doubled the other sequence's loss and gradient against float64."""
+    cfg = AlgorithmConfig(
+        group_size=2,
+        is_mode="tis",
+        is_level="sequence_product",
+        veto_threshold=1e-4,
+        loss_aggregation="token_mean",
+    )
+    valid = torch.ones(2, 2000, dtype=torch.bool)
+    old = torch.full((2, 2000), -0.5, dtype=torch.float64)
+    rollout = old.clone()
+    rollout[1] += 0.052
+    advantages = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    results = {}
+    for dtype in (torch.float64, torch.float32):
+        current = old.to(dtype).clone().requires_grad_(True)
+        loss, metrics = compute_loss(
+            cfg,
+            logprobs=current,
+            old_logprobs=old.to(dtype),
+            rollout_logprobs=rollout.to(dtype),
+            advantages=advantages.to(dtype),
+            valid=valid,
+        )
+        loss.backward()
+        results[dtype] = (int(metrics["counted_tokens"]), float(loss), float(current.grad[0, 0]))
+    assert results[torch.float32][0] == results[torch.float64][0] == 4000
+    assert results[torch.float32][1:] == pytest.approx(results[torch.float64][1:], rel=1e-5)
+    assert results[torch.float64][1] == pytest.approx(-0.5, rel=1e-6)
