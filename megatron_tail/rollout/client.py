@@ -121,6 +121,10 @@ class ClientConfig:
     """How long to keep re-probing when every server is unhealthy."""
     max_response_bytes: int = 64 * 1024 * 1024
     """Larger response bodies are rejected with `ResponseTooLargeError`."""
+    prefix_affinity_slack: int | None = 4
+    """A request whose prefix one server computed (`generate_group(prefix_on=...)`: an episode's next turn)
+    goes to that server unless it has more than this many requests in flight beyond the least loaded healthy
+    server; None: always the least loaded (`rollout.prefix_affinity_slack`)."""
 
     def __post_init__(self):
         for name in ("max_concurrency", "max_attempts", "timeout_attempts", "max_response_bytes"):
@@ -132,6 +136,9 @@ class ClientConfig:
                 raise ValueError(f"{name} must be > 0; got {getattr(self, name)!r}")
         if self.retry_backoff_s < 0:
             raise ValueError(f"retry_backoff_s must be ≥ 0; got {self.retry_backoff_s!r}")
+        slack = self.prefix_affinity_slack
+        if slack is not None and (isinstance(slack, bool) or not isinstance(slack, int) or slack < 0):
+            raise ValueError(f"prefix_affinity_slack must be an int ≥ 0 or None; got {slack!r}")
 
 
 @dataclass
@@ -144,6 +151,10 @@ class ClientStats:
     support_overflows: int = 0
     """Requests regenerated because a token's sampling support exceeded the servers' mask cap
     (`SupportOverflowError`)."""
+    prefix_requests: int = 0
+    """Requests sent with a server that holds their prefix (`generate_group(prefix_on=...)`)."""
+    prefix_hits: int = 0
+    """Of those, the ones sent to that server."""
 
 
 class RolloutClient:
@@ -225,6 +236,7 @@ class RolloutClient:
         *,
         partial: bool,
         log_rho: Callable[[], float | None] | None = None,
+        prefix_on: str | None = None,
     ) -> list[SampleResult]:
         """The samples `keys` of one prompt, one request (with retries), in key order: the rollout manager's
         unit of work. With `partial`, a sample that a weight-update pause aborts (`/pause_generation` mode
@@ -234,9 +246,17 @@ class RolloutClient:
         it. Without `partial`, an aborted sample is generated again from the start.
         `log_rho` (adaptive ρ): the DVP log ρ in force, read when each continued segment is sent, so a
         segment after a weight update prunes at the ρ then in force (the first request uses
-        `sampling.log_rho`; a retry resends its request unchanged)."""
+        `sampling.log_rho`; a retry resends its request unchanged).
+        `prefix_on`: the server whose prefix cache holds most of `prompt` (the one that generated an
+        episode's previous turn: SGLang's radix cache, `RadixCache.match_prefix` in
+        srt/mem_cache/radix_cache.py, reuses the KV of a prefix it computed); the first request goes there
+        within `ClientConfig.prefix_affinity_slack`. A continued segment goes to the least loaded server:
+        the weight update that paused it flushed every server's cache (`flush_cache=True`, SGLang's
+        `UpdateWeights*ReqInput` in srt/managers/io_struct.py)."""
         prompt = _check_prompt(keys[0].prompt_index if keys else 0, prompt)
-        first = await self._request_with_retries(prompt, list(keys), sampling, allow_abort=partial)
+        first = await self._request_with_retries(
+            prompt, list(keys), sampling, allow_abort=partial, prefix_on=prefix_on
+        )
         for result in first:
             result.log_rho = sampling.log_rho
         return list(await asyncio.gather(*(self._continue(r, sampling, log_rho) for r in first)))
@@ -267,7 +287,9 @@ class RolloutClient:
             sample.columns.check_complete(len(sample.prompt_ids), len(sample.output_ids), where)
         return sample
 
-    async def _request_with_retries(self, prompt, keys, sampling, allow_abort=False) -> list[SampleResult]:
+    async def _request_with_retries(
+        self, prompt, keys, sampling, allow_abort=False, prefix_on: str | None = None
+    ) -> list[SampleResult]:
         last_error: Exception | None = None
         avoid: str | None = None
         timeouts = tried = overflows = 0
@@ -278,7 +300,7 @@ class RolloutClient:
             if attempt > 1:
                 self.stats.retries += 1
                 await asyncio.sleep(self.config.retry_backoff_s * (attempt - 1))
-            url = await self._pick_server(avoid)
+            url = await self._pick_server(avoid, prefix_on)
             sent = _reseeded(keys, overflows)
             payload = build_generate_payload(prompt, sent, sampling, self.processor, attempt)
             try:
@@ -319,13 +341,26 @@ class RolloutClient:
             f"samples of prompt {keys[0].prompt_index} failed {tried} attempts{timed_out}; last: {last_error}"
         ) from last_error
 
-    async def _pick_server(self, avoid: str | None) -> str:
+    async def _pick_server(self, avoid: str | None, prefix_on: str | None = None) -> str:
+        """The healthy server with the fewest requests in flight, other than `avoid` (the one the last attempt
+        failed on) where there is another; `prefix_on` instead while it is among those and within
+        `prefix_affinity_slack` of that load. Waits up to `unhealthy_wait_s` for a healthy server."""
         deadline = time.monotonic() + self.config.unhealthy_wait_s
+        if prefix_on is not None:  # a `SampleResult.server_url`: one of `self.urls` as given
+            self.stats.prefix_requests += 1
         while True:
             healthy = [u for u in self.urls if self.healthy[u]]
             preferred = [u for u in healthy if u != avoid] or healthy
             if preferred:
                 url = min(preferred, key=lambda u: self.in_flight[u])
+                slack = self.config.prefix_affinity_slack
+                if (
+                    slack is not None
+                    and prefix_on in preferred
+                    and self.in_flight[prefix_on] <= self.in_flight[url] + slack
+                ):
+                    self.stats.prefix_hits += 1
+                    return prefix_on
                 return url
             if time.monotonic() > deadline:
                 raise NoHealthyServerError(

@@ -225,8 +225,10 @@ class Engines:
         *,
         pruned: bool,
         partial: bool,
+        prefix_on: str | None = None,
     ) -> list[SampleResult]:
-        """The samples `keys` of `input_ids`, one request (`RolloutClient.generate_group`), in key order. With
+        """The samples `keys` of `input_ids`, one request (`RolloutClient.generate_group`: to `prefix_on`, the
+        server holding its prefix, within `rollout.prefix_affinity_slack`), in key order. With
         `pruned`, DVP's processor at the ρ in force when the request is sent (and when each continued segment
         is: adaptive ρ); without, no processor (greedy evaluation). With `partial`, a sample that a
         weight-update pause aborted continues under the new weights. Every generated id is checked against
@@ -235,19 +237,34 @@ class Engines:
         if pruned:
             sampling = dataclasses.replace(sampling, log_rho=self.sampling_log_rho())
         results = await client.generate_group(
-            input_ids, keys, sampling, partial=partial, log_rho=self.sampling_log_rho if pruned else None
+            input_ids,
+            keys,
+            sampling,
+            partial=partial,
+            log_rho=self.sampling_log_rho if pruned else None,
+            prefix_on=prefix_on,
         )
         self._check_token_ids(results)
         return results
 
     def client_metrics(self) -> dict[str, float]:
         """The engines' occupancy since the last batch, and the client's counters over the same span:
-        `rollout/request_retries` (attempts after a failure) and `rollout/support_overflows` (requests
-        generated again because a token's support exceeded the servers' mask cap)."""
+        `rollout/request_retries` (attempts after a failure), `rollout/support_overflows` (requests
+        generated again because a token's support exceeded the servers' mask cap) and, where requests named
+        the server holding their prefix (an episode's later turns), `rollout/prefix_affinity_hits` (the
+        fraction sent there)."""
         stats = self.client.stats
-        now = {"rollout/request_retries": stats.retries, "rollout/support_overflows": stats.support_overflows}
+        now = {
+            "rollout/request_retries": stats.retries,
+            "rollout/support_overflows": stats.support_overflows,
+            "prefix_requests": stats.prefix_requests,
+            "prefix_hits": stats.prefix_hits,
+        }
         since = {k: float(v - self._counted.get(k, 0)) for k, v in now.items()}
         self._counted = now
+        asked, hits = since.pop("prefix_requests"), since.pop("prefix_hits")
+        if asked:
+            since["rollout/prefix_affinity_hits"] = hits / asked
         return {**self.client.occupancy.read(), **since}
 
     def _check_token_ids(self, samples) -> None:

@@ -315,7 +315,12 @@ async def _episode(engines, example, keys: GroupKeys, s: EpisodeSampling, attemp
         # a later turn asks only for what the episode lacks (MoE routes: from the rows held, `envs.episode`'s
         # rule; the last turn's routes end where the episode's do)
         sampling = s.turn if last is None else last.columns.next_request(s.turn)
-        return engines.generate(list(input_ids), turn_keys, sampling, pruned=s.pruned, partial=s.partial)
+        # a later turn goes where the previous one was generated: that server's prefix cache holds the
+        # episode so far (`RolloutClient.generate_group`, `prefix_on`)
+        prefix_on = None if last is None else last.server_url
+        return engines.generate(
+            list(input_ids), turn_keys, sampling, pruned=s.pruned, partial=s.partial, prefix_on=prefix_on
+        )
 
     async def generate(input_ids: list[int], turn: int) -> TurnOutput:
         nonlocal last

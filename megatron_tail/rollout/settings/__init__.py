@@ -116,6 +116,13 @@ class RolloutSection:
     (`ClientConfig.timeout_attempts`), so an engine that accepts and never answers fails the step after
     20 min. 600 s: long-CoT responses (16k–32k tokens at 30–50 tokens/s per sequence under load) need
     minutes; a shorter limit would retry healthy requests."""
+    prefix_affinity_slack: int | None = 4
+    """Multi-turn episodes: a turn goes to the server that generated the episode's previous turn, whose
+    prefix cache holds the episode so far (SGLang's radix cache; another server would prefill all of it
+    again), unless that server has more than this many requests in flight beyond the least loaded one;
+    null: always the least loaded. `rollout/prefix_affinity_hits` logs the fraction kept. 4: a turn is one
+    sample, and the default 64 episodes over 8 servers keep about 8 in flight on each, so a server may run
+    half that above the least loaded before its turns move (a slow or stuck server sheds them)."""
     wait_report_s: float = 60.0
     """While waiting for the engines (samples, weight sync, startup), say what for and how long every this
     many seconds on rank 0's console."""
@@ -194,6 +201,14 @@ class RolloutSection:
             )
         _positive_int("rollout", "max_new_tokens", self.max_new_tokens)
         _positive_int("rollout", "max_concurrency", self.max_concurrency)
+        slack = self.prefix_affinity_slack
+        if slack is not None and (isinstance(slack, bool) or not isinstance(slack, int) or slack < 0):
+            _bad(
+                "rollout",
+                "prefix_affinity_slack",
+                slack,
+                "must be an int ≥ 0, or null (always the least loaded)",
+            )
         for name in ("request_timeout_s", "startup_timeout_s", "wait_report_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
@@ -306,7 +321,11 @@ class RolloutSection:
         """The HTTP client's `rollout.client.ClientConfig`: concurrency and the per-request limit."""
         from ..client import ClientConfig
 
-        return ClientConfig(max_concurrency=self.max_concurrency, request_timeout_s=self.request_timeout_s)
+        return ClientConfig(
+            max_concurrency=self.max_concurrency,
+            request_timeout_s=self.request_timeout_s,
+            prefix_affinity_slack=self.prefix_affinity_slack,
+        )
 
     def local_engine_config(self, model_path: str, *, port: int, return_routed_experts: bool):
         """The `rollout.launch.LocalEngineConfig` of the local engine the trainer starts on `port` for

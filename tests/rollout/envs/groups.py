@@ -25,8 +25,10 @@ class ClientEngines:
     async def check_health(self, *, pruned):  # noqa: ARG002 - one client
         await self.client.check_health()
 
-    async def generate(self, input_ids, keys, sampling, *, pruned, partial):  # noqa: ARG002
-        return await self.client.generate_group(input_ids, keys, sampling, partial=partial)
+    async def generate(self, input_ids, keys, sampling, *, pruned, partial, prefix_on=None):  # noqa: ARG002
+        return await self.client.generate_group(
+            input_ids, keys, sampling, partial=partial, prefix_on=prefix_on
+        )
 
 
 def episode_sampling(

@@ -90,11 +90,11 @@ class Client:
     async def check_health(self, *, pruned):  # noqa: ARG002 - the `Engines` seam
         return None
 
-    async def generate(self, input_ids, keys, sampling, *, pruned, partial):  # noqa: ARG002
+    async def generate(self, input_ids, keys, sampling, *, pruned, partial, prefix_on=None):  # noqa: ARG002
         _check(input_ids, sampling.max_new_tokens)
         return [
             SimpleNamespace(output_ids=[60, 2], finish_reason={"type": "stop"}, weight_version="0",
-                            log_rho=None, columns=_columns())
+                            log_rho=None, columns=_columns(), server_url="http://stand-in:1")
             for _ in keys
         ]  # fmt: skip
 

@@ -34,13 +34,14 @@ class RecordingClient:
     async def check_health(self, *, pruned):  # noqa: ARG002 - the `Engines` seam
         return None
 
-    async def generate(self, _input_ids, keys, _sampling, *, pruned, partial):  # noqa: ARG002
+    async def generate(self, _input_ids, keys, _sampling, *, pruned, partial, prefix_on=None):  # noqa: ARG002
         await asyncio.sleep(0)
         self.keys += [(k.prompt_index, k.sample_index, k.seed) for k in keys]
         return [
             SimpleNamespace(output_ids=[7, 2], finish_reason={"type": "stop"}, weight_version="0",
-                            log_rho=None, columns=BUILTIN_COLUMNS.values(rollout_logprobs=[-0.5, -0.25],
-                                                                         token_versions=["0", "0"]))
+                            log_rho=None, server_url="http://stand-in:1",
+                            columns=BUILTIN_COLUMNS.values(rollout_logprobs=[-0.5, -0.25],
+                                                           token_versions=["0", "0"]))
             for _ in keys
         ]  # fmt: skip
 

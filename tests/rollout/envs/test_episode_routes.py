@@ -95,7 +95,7 @@ def test_each_position_keeps_the_route_of_the_first_request_that_fed_it(moe_dir,
                 class Engines:
                     """Each turn on the weights that serve it (a trainer step between turns)."""
 
-                    async def generate(self, input_ids, keys, now, *, pruned, partial):  # noqa: ARG002
+                    async def generate(self, input_ids, keys, now, *, pruned, partial, prefix_on=None):  # noqa: ARG002
                         turn = len(starts)
                         if turn:
                             await sync.update(str(models[turn]), weight_version=str(turn))

@@ -1,0 +1,124 @@
+"""An episode's later turns go to the server that generated its previous turn (whose prefix cache holds the
+episode so far), within `rollout.prefix_affinity_slack` of the least loaded server: the choice itself, and
+episodes over two real local engines."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_tail.rollout import ClientConfig, RolloutClient, SamplingConfig
+from megatron_tail.rollout.client import ClientStats
+from megatron_tail.rollout.envs import EpisodeLimits, Tokens
+from megatron_tail.rollout.envs.pool import EnvWorkers
+from megatron_tail.rollout.service.engines import Engines
+from tests.rollout.envs.groups import ClientEngines, run_groups
+
+A, B, C = "http://a:1", "http://b:1", "http://c:1"
+
+
+def _pick(in_flight, prefix_on, *, slack=4, avoid=None, unhealthy=()):
+    client = RolloutClient([A, B, C], ClientConfig(prefix_affinity_slack=slack), processor=None)
+    client.in_flight.update(in_flight)
+    client.healthy.update(dict.fromkeys(unhealthy, False))
+    return asyncio.run(client._pick_server(avoid, prefix_on)), client.stats
+
+
+@pytest.mark.parametrize(
+    ("in_flight", "kwargs", "want"),
+    [
+        ({A: 4, B: 0, C: 1}, {}, A),  # 4 above the least loaded: within the slack
+        ({A: 5, B: 0, C: 1}, {}, B),  # 5 above: the least loaded
+        ({A: 1, B: 0, C: 1}, {"slack": 0}, B),
+        ({A: 0, B: 0, C: 0}, {"slack": None}, A),  # off: the least loaded (A by order)
+        ({A: 1, B: 0, C: 0}, {"slack": None}, B),
+        ({A: 0, B: 2, C: 2}, {"unhealthy": (A,)}, B),  # an unhealthy server sheds its turns
+        ({A: 0, B: 2, C: 1}, {"avoid": A}, C),  # the last attempt failed there
+    ],
+    ids=["within", "beyond", "slack0", "off-tie", "off", "unhealthy", "avoided"],
+)
+def test_a_turn_goes_to_its_prefix_server_within_the_slack(in_flight, kwargs, want):
+    got, stats = _pick(in_flight, A, **kwargs)
+    assert got == want
+    kept = want == A and kwargs.get("slack", 4) is not None  # off, A is only the least loaded
+    assert (stats.prefix_requests, stats.prefix_hits) == (1, int(kept))
+
+
+def test_a_request_without_a_prefix_server_is_not_counted():
+    got, stats = _pick({A: 1, B: 0, C: 1}, None)
+    assert got == B and (stats.prefix_requests, stats.prefix_hits) == (0, 0)
+
+
+def test_the_hit_fraction_is_logged_per_batch():
+    engines = Engines.__new__(Engines)
+    stats = ClientStats()
+    engines.client = SimpleNamespace(stats=stats, occupancy=SimpleNamespace(read=dict))
+    engines._counted = {}
+    stats.prefix_requests, stats.prefix_hits = 8, 6
+    assert engines.client_metrics()["rollout/prefix_affinity_hits"] == 0.75
+    stats.prefix_requests, stats.prefix_hits = 10, 6  # this batch: 2 asked, none kept
+    assert engines.client_metrics()["rollout/prefix_affinity_hits"] == 0.0
+    assert "rollout/prefix_affinity_hits" not in engines.client_metrics()  # single-turn: none asked
+
+
+class RecordingEngines(ClientEngines):
+    """Each request's `prefix_on` and the server its samples came from."""
+
+    def __init__(self, client):
+        super().__init__(client)
+        self.calls: list[tuple[str | None, list[str]]] = []
+
+    async def generate(self, input_ids, keys, sampling, *, pruned, partial, prefix_on=None):
+        results = await super().generate(
+            input_ids, keys, sampling, pruned=pruned, partial=partial, prefix_on=prefix_on
+        )
+        self.calls.append((prefix_on, [r.server_url for r in results]))
+        return results
+
+
+@pytest.mark.parametrize("slack", [4, None], ids=["affine", "off"])
+def test_three_turn_episodes_over_two_engines_stay_on_their_server(server_pair, tiny_model_dir, slack):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    sampling = SamplingConfig(
+        n_samples=2,
+        max_new_tokens=4,
+        temperature=1.0,
+        log_rho=None,
+        base_seed=5,
+        stop_token_ids=tuple(range(4, 100)),
+    )
+    tokens = Tokens(
+        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        encode=lambda text: tokenizer(text, add_special_tokens=False)["input_ids"],
+    )
+    urls = [s.url for s in server_pair]
+
+    async def go():
+        pool = EnvWorkers(2, timeout_s=30, timeout_name="data.reward_timeout_s")
+        config = ClientConfig(request_timeout_s=60, prefix_affinity_slack=slack)
+        try:
+            async with RolloutClient(urls, config, processor=None) as client:
+                engines = RecordingEngines(client)
+                episodes = await run_groups(
+                    engines, pool, "tests.rollout.envs.fault_envs:AlwaysContinues", [[5, 6, 7], [8, 9, 10]],
+                    ["1", "2"], sampling, EpisodeLimits(max_turns=3, max_observation_tokens=64), tokens,
+                    max_concurrency=4,
+                )  # fmt: skip
+                return episodes, engines.calls, client.stats
+        finally:
+            pool.close()
+
+    episodes, calls, stats = asyncio.run(go())
+    assert len(episodes) == 4 and all(e.turns == 3 for e in episodes)
+    later = [(prefix_on, servers) for prefix_on, servers in calls if prefix_on is not None]
+    assert len(later) == 4 * 2 and all(p in urls for p, _ in later)  # turns 2 and 3 of each episode
+    assert stats.prefix_requests == 8
+    if slack is not None:  # 4 requests in flight at most: always within the slack
+        assert all(servers == [prefix_on] for prefix_on, servers in later)
+        assert stats.prefix_hits == 8
+    else:
+        assert stats.prefix_hits == 0
