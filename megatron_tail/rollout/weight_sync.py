@@ -138,7 +138,14 @@ class _Servers:
     that does not answer within `timeout_s` is named with the limit as `timeout_name` (the caller's config
     key for it)."""
 
-    def __init__(self, server_urls: Sequence[str], timeout_s: float, pause_mode: str, timeout_name: str):
+    def __init__(
+        self,
+        server_urls: Sequence[str],
+        timeout_s: float,
+        pause_mode: str,
+        timeout_name: str,
+        partial_rollouts: bool = True,
+    ):
         urls = base_urls(server_urls)
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {PAUSE_MODES}; got {pause_mode!r}")
@@ -155,8 +162,10 @@ class _Servers:
         # running batch holds requests (`is_fully_idle(ignore_waiting=self._engine_paused)`): after an abort
         # or a retract pause nothing runs, so the flush succeeds; an in-place pause keeps the running batch
         # and its old-weights KV, so it must not ask for one (the radix cache's prefixes stay the older
-        # weights' too, as PipelineRL's and verl's in-place updates keep them)
-        self.flush_cache = pause_mode != "in_place"
+        # weights' too, as PipelineRL's and verl's in-place updates keep them). Without partial rollouts the
+        # manager lets the requests in flight finish before an update: nothing is held, the flush succeeds
+        # in every mode, and no new request reuses an older version's prefix
+        self.flush_cache = pause_mode != "in_place" or not partial_rollouts
 
     async def post_all(self, session, path: str, bodies: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         """Every server's answer to `path` (`post_one` each, at once); one `WeightSyncError` naming each
@@ -288,8 +297,9 @@ class DiskWeightSync:
         timeout_s: float = 1800.0,
         timeout_name: str = "timeout_s",
         pause_mode: str = "abort",
+        partial_rollouts: bool = True,
     ):
-        self.servers = _Servers(server_urls, timeout_s, pause_mode, timeout_name)
+        self.servers = _Servers(server_urls, timeout_s, pause_mode, timeout_name, partial_rollouts)
         self.weight_version = str(initial_version)
 
     async def update(self, model_path: str, weight_version: str | None = None) -> str:
@@ -359,10 +369,11 @@ class DistributedWeightSync:
         timeout_s: float = 1800.0,
         timeout_name: str = "timeout_s",
         pause_mode: str = "abort",
+        partial_rollouts: bool = True,
         bucket_mb: float = 512.0,
         dtype: torch.dtype | None = None,
     ):
-        self.servers = _Servers(server_urls, timeout_s, pause_mode, timeout_name)
+        self.servers = _Servers(server_urls, timeout_s, pause_mode, timeout_name, partial_rollouts)
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be > 0; got {bucket_mb!r}")
         self.bucket_bytes = int(bucket_mb * 2**20)

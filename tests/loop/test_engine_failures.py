@@ -183,7 +183,7 @@ def test_an_http_500_from_the_local_engine_stays_an_internal_error(sleeper, what
                     sampling = SamplingConfig(n_samples=1, max_new_tokens=2, temperature=1.0, log_rho=None)
                     await generate_groups(client, [[1, 2]], sampling)
             else:
-                sync = DiskWeightSync([url], timeout_s=10, timeout_name="rollout.request_timeout_s")
+                sync = DiskWeightSync([url], timeout_s=10, timeout_name="rollout.weight_sync.timeout_s")
                 await sync.update("/nowhere", weight_version="2")
 
     with pytest.raises(LocalEngineError) as info:

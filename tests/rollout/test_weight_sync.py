@@ -650,3 +650,31 @@ def test_rank_0_keeps_a_python_store_for_its_gloo_group_unless_gloo_connects_laz
     assert (kept is None) == (lazy == "1")
     process_group.destroy_custom_process_group(group)
     assert group not in process_group._PYTHON_STORES
+
+
+@pytest.mark.parametrize(
+    ("pause_mode", "partial", "flush"),
+    [("in_place", True, False), ("in_place", False, True), ("retract", True, True), ("abort", False, True)],
+)
+@pytest.mark.parametrize("mode", ["disk", "distributed"])
+def test_only_requests_held_in_place_keep_the_cache(pause_mode, partial, flush, mode):
+    """An in-place pause keeps the requests in flight with their KV, so it must not ask for a flush; without
+    partial rollouts nothing is in flight at an update (the manager lets it finish), and in_place asked for
+    none either, leaving the older weights' prefixes to every new request. Each request of either sync is
+    bounded by `rollout.weight_sync.timeout_s` (the disk sync used `rollout.request_timeout_s`)."""
+    from megatron_tail.rollout.service.engines import _weight_sync
+    from megatron_tail.rollout.settings import RolloutSection, WeightSyncSection
+
+    settings = RolloutSection(
+        pause_mode=pause_mode,
+        partial_rollouts=partial,
+        request_timeout_s=7.0,
+        weight_sync=WeightSyncSection(mode=mode, timeout_s=42.0, master_address="127.0.0.1"),
+    )
+    sync = _weight_sync(settings, ["http://127.0.0.1:1"], local=True)
+    reserved = getattr(sync, "_listen_socket", None)  # the distributed sync's port, held until a join
+    if reserved is not None:
+        reserved.close()
+    assert sync.servers.flush_cache is flush
+    assert sync.servers.limit == "rollout.weight_sync.timeout_s=42 s"
+    assert sync.servers.timeout.total == 42.0

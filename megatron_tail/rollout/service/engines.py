@@ -463,9 +463,10 @@ def _weight_sync(settings: RolloutSection, urls: list[str], local: bool):
     if not r.weight_sync.in_memory:
         return DiskWeightSync(
             urls,
-            timeout_s=r.request_timeout_s,
+            timeout_s=r.weight_sync.timeout_s,
             pause_mode=r.pause_mode,
-            timeout_name="rollout.request_timeout_s",
+            partial_rollouts=r.partial_rollouts,
+            timeout_name="rollout.weight_sync.timeout_s",
         )
     import os
 
@@ -486,6 +487,7 @@ def _weight_sync(settings: RolloutSection, urls: list[str], local: bool):
         bucket_mb=r.weight_sync.bucket_mb,
         dtype=getattr(torch, engine_dtype),
         pause_mode=r.pause_mode,
+        partial_rollouts=r.partial_rollouts,
     )
 
 

@@ -28,7 +28,9 @@ class WeightSyncSection:
     bucket_mb: float = 512.0
     """"distributed": the bucket size; the sender holds one bucket plus one full parameter at a time."""
     timeout_s: float = 600.0
-    """"distributed": the weight group's timeout; a server that dies mid-sync fails the step after it."""
+    """Each weight-sync request's limit (the pause, the load from disk or the in-memory update, the
+    continue) and, "distributed", the weight group's timeout; a server that dies mid-sync fails the step
+    after it. A disk reload of a large model reads the whole checkpoint: raise it where that takes longer."""
     master_address: str | None = None
     """"distributed": the address at which the engines reach the trainer's rank 0 (it hosts the group's
     rendezvous); null: 127.0.0.1 for the local engine, else rank 0's Slurm node name (`SLURMD_NODENAME`),
