@@ -289,3 +289,27 @@ def test_the_command_line_refuses_a_cuda_local_engine_with_exit_2_naming_the_key
         "megatron-tail train: error: rollout.local.device needs a CUDA device, and this machine has none "
         "(torch.cuda.is_available() is false); use \"cpu\"; got 'cuda'"
     )
+
+
+def test_offline_eval_with_adaptive_rho_uses_the_checkpoints_log_rho(
+    tiny_model_dir, prompt_file, tmp_path, monkeypatch
+):
+    """Before: `ValueError: log_rho "auto" must be resolved to a number` with a traceback, from the engines'
+    start. A checkpoint keeps the log ρ its run had reached; an exported model keeps none."""
+    from megatron_tail.train.engine import checkpoint as checkpoint_module
+    from megatron_tail.train.run.offline_eval import check_inputs, with_checkpoint_log_rho
+
+    extra = {"data.eval_path": prompt_file, "algorithm.log_rho": "auto"}
+    cfg = _config(tiny_model_dir, prompt_file, tmp_path / "run", **extra)
+    assert cfg.algorithm.adaptive_rho
+    with pytest.raises(
+        UserError, match=r"^algorithm.log_rho: auto has no value for .* --set algorithm.log_rho"
+    ):
+        check_inputs(cfg, hf_dir=tiny_model_dir)
+    saved = {"log_rho": -11.5}
+    monkeypatch.setattr(checkpoint_module, "read_checkpoint_meta", lambda _path: {"rl_state": saved})
+    resolved = with_checkpoint_log_rho(cfg, tmp_path / "step_000003")
+    assert resolved.algorithm.log_rho == -11.5 and not resolved.algorithm.adaptive_rho
+    saved["log_rho"] = None  # a run with a fixed log ρ
+    with pytest.raises(UserError, match=r"keeps no log ρ \(its run had a fixed one\)"):
+        with_checkpoint_log_rho(cfg, tmp_path / "step_000003")

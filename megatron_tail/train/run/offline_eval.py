@@ -32,6 +32,8 @@ def evaluate_offline(
     scalars and writes them to `<out_dir>/eval.json` (default: the model directory), the local engine's
     log to `<out_dir>/logs/` (so a read-only model directory needs `out_dir`)."""
     check_inputs(cfg, hf_dir=hf_dir, checkpoint=checkpoint, out_dir=out_dir)
+    if cfg.algorithm.adaptive_rho:
+        cfg = with_checkpoint_log_rho(cfg, Path(checkpoint))
     model_dir = Path(hf_dir) if hf_dir is not None else export_checkpoint(cfg, Path(checkpoint))
     out = Path(out_dir) if out_dir is not None else model_dir
     out.mkdir(parents=True, exist_ok=True)
@@ -69,10 +71,32 @@ def check_inputs(
         raise UserError(f"--checkpoint {checkpoint} is not a complete checkpoint (no metadata.json)")
     if hf_dir is not None and not (Path(hf_dir) / "config.json").is_file():
         raise UserError(f"{hf_dir} is not a HF checkpoint directory (no config.json)")
+    if cfg.algorithm.adaptive_rho and hf_dir is not None:
+        raise UserError(
+            f"algorithm.log_rho: auto has no value for {hf_dir} (an exported model keeps no log ρ): evaluate "
+            "its run's --checkpoint, which keeps the log ρ the run had reached, or pass --set "
+            "algorithm.log_rho=<number> (the run logs dvp/log_rho every step)"
+        )
     if out_dir is not None and Path(out_dir).exists() and not Path(out_dir).is_dir():
         raise UserError(
             f"--out {out_dir} is a file; a directory for eval.json and the engine's logs is expected"
         )
+
+
+def with_checkpoint_log_rho(cfg: RunConfig, checkpoint: Path) -> RunConfig:
+    """`cfg` (`algorithm.log_rho: auto`) at the log ρ the run had reached when it saved `checkpoint` (its
+    `rl_state`, `RunSession.rl_state`): the ρ its next step would have sampled with. UserError where the
+    checkpoint keeps none (its run had a fixed log ρ)."""
+    from ..engine.checkpoint import read_checkpoint_meta
+    from .session import with_log_rho
+
+    log_rho = read_checkpoint_meta(checkpoint)["rl_state"].get("log_rho")
+    if log_rho is None:
+        raise UserError(
+            f"algorithm.log_rho: auto, but checkpoint {checkpoint} keeps no log ρ (its run had a fixed one): "
+            "pass --set algorithm.log_rho=<number>, the run's"
+        )
+    return with_log_rho(cfg, float(log_rho))
 
 
 def export_checkpoint(cfg: RunConfig, checkpoint: Path) -> Path:
