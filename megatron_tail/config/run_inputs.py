@@ -83,11 +83,8 @@ def _load(cfg: RunConfig) -> RunPrompts:
             f"model.hf_path: the tokenizer of {hf_path} does not load: {type(e).__name__}: {str(e)[:300]}"
         ) from None
     arch = load_hf_config(hf_path)
-    limit = PromptLimit(
-        context=arch.max_position_embeddings,
-        context_source=f"max_position_embeddings in {Path(hf_path) / 'config.json'}",
-        new_tokens=cfg.rollout.max_new_tokens,
-    )
+    context, context_source = context_limit(cfg, arch)
+    limit = PromptLimit(context=context, context_source=context_source, new_tokens=cfg.rollout.max_new_tokens)
     train = load_prompts(PromptDataConfig.of(d.train_path, d), tokenizer)
     limit.check(train, d.train_path)
     _check_ids_in_vocab(train, d.train_path, arch.vocab_size, hf_path)
@@ -114,6 +111,24 @@ def _check_ids_in_vocab(examples: list[PromptExample], path: str, vocab_size: in
                 f"{record_place(path, example.index)}: the tokenizer gives token id {top}, and the model has "
                 f"vocab_size={vocab_size} ({hf_path}/config.json): are the tokenizer files the model's?"
             )
+
+
+def context_limit(cfg: Any, arch: Any) -> tuple[int, str]:
+    """The longest sequence the run makes (prompt, every turn and observation): `model.max_sequence_length`
+    where set, else the model's `max_position_embeddings` (`arch`, `model.load_hf_config`), and where that
+    comes from, for messages. UserError where `max_sequence_length` exceeds the model's context, which the
+    engines serve no further."""
+    positions = arch.max_position_embeddings
+    source = f"max_position_embeddings in {Path(cfg.model.hf_path) / 'config.json'}"
+    wanted = cfg.model.max_sequence_length
+    if wanted is None:
+        return positions, source
+    if wanted > positions:
+        raise UserError(
+            f"model.max_sequence_length={wanted} is longer than the model's context ({positions}, {source}), "
+            "past which the engines do not generate; set at most that, or null"
+        )
+    return wanted, "model.max_sequence_length"
 
 
 def _check_eos_in_vocab(tokenizer: Any, config: dict, hf_path: str, vocab_size: int) -> None:

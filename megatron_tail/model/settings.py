@@ -39,7 +39,10 @@ class ModelSettings:
     use_cpu_initialization: bool | None = None
     """Initialise parameters on CPU (megatron's `use_cpu_initialization`). Default: no CUDA."""
     max_sequence_length: int | None = None
-    """Longest sequence to run. Default: the HF `max_position_embeddings`."""
+    """Longest sequence to run, at most the HF `max_position_embeddings` (the default): prompts that leave
+    less than `rollout.max_new_tokens` below it are refused at load, an episode ends before a turn would
+    pass it (`rollout/context_overflows`), and `megatron-tail plan` sizes activations for it
+    (`config.run_inputs.context_limit`)."""
     fused_output_layer: bool = False
     """The last stage returns the final-norm hidden states instead of logits, and the trainer computes
     log-probs with the output layer fused into the DVP op, so the [tokens, V/TP] logits never exist

@@ -313,3 +313,28 @@ def test_offline_eval_with_adaptive_rho_uses_the_checkpoints_log_rho(
     saved["log_rho"] = None  # a run with a fixed log ρ
     with pytest.raises(UserError, match=r"keeps no log ρ \(its run had a fixed one\)"):
         with_checkpoint_log_rho(cfg, tmp_path / "step_000003")
+
+
+def test_model_max_sequence_length_caps_the_runs_sequences(tiny_model_dir, long_prompts, tmp_path):
+    """Before, only `megatron-tail plan` read it: a prompt past it was accepted, an episode ran past it."""
+    from megatron_tail.train.run.rollout_plan import rollout_plan
+
+    # the 4-token first prompt + 5 new tokens fit in 10; the 32-token third one did not fit even the model
+    capped = {"model.max_sequence_length": 8, "data.max_prompt_tokens": 27}
+    cfg = _config(tiny_model_dir, long_prompts, tmp_path / "run", **capped)
+    with pytest.raises(
+        UserError, match=r"more than the model's context of 8 tokens \(model.max_sequence_length\)"
+    ):
+        cfg.check_inputs()
+    cfg = _config(
+        tiny_model_dir, long_prompts, tmp_path / "run", **{**capped, "model.max_sequence_length": 10}
+    )
+    cfg.check_inputs()
+    assert rollout_plan(cfg, tmp_path / "run", note=lambda _: None).context_length == 10
+    too_long = _config(
+        tiny_model_dir, long_prompts, tmp_path / "run", **{**capped, "model.max_sequence_length": 33}
+    )
+    with pytest.raises(
+        UserError, match=r"^model.max_sequence_length=33 is longer than the model's context \(32, "
+    ):
+        too_long.check_inputs()

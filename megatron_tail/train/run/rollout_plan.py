@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from megatron_tail.config import RunConfig
+from megatron_tail.config.run_inputs import context_limit
 from megatron_tail.model.hf_config import load_hf_config
 from megatron_tail.rollout.columns import BUILTIN_COLUMNS, ColumnTable
 from megatron_tail.rollout.service import Reporting, RewardPlan, RolloutPlan, RolloutService
@@ -30,7 +31,7 @@ def rollout_plan(cfg: RunConfig, run_dir: Path, note: Callable[[str], None] = pr
     return plan_from(
         cfg,
         vocab_size=arch.vocab_size,
-        context_length=arch.max_position_embeddings,
+        context_length=context_limit(cfg, arch)[0],
         routes_shape=engine_routes_shape(cfg, arch),
         run_dir=Path(run_dir),
         note=note,
