@@ -146,6 +146,7 @@ def serve(args: argparse.Namespace) -> int:
             port=port,
             dtype=args.dtype,
             num_threads=args.num_threads,
+            device=args.device,
             quantization=args.quantization,
             sampling_mask_max_tokens=args.sampling_mask_max_tokens,
             # as SGLang: --enable-deterministic-inference forces its PyTorch sampler (rollout.deterministic)
@@ -258,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context-length", type=int, default=None)
     p.add_argument("--random-seed", type=int, default=None)
     p.add_argument("--num-threads", type=int, default=None, help="local engine: torch threads")
+    p.add_argument("--device", default="cpu", help="local engine: torch device of its model")
     p.add_argument(
         "--quantization", choices=("none", "fp8"), default="none", help="rollout.quantization (default none)"
     )

@@ -152,9 +152,10 @@ class ClientStats:
     """Requests regenerated because a token's sampling support exceeded the servers' mask cap
     (`SupportOverflowError`)."""
     prefix_requests: int = 0
-    """Requests sent with a server that holds their prefix (`generate_group(prefix_on=...)`)."""
+    """Requests (an episode's turn, retries included in one) that named a server holding their prefix
+    (`generate_group(prefix_on=...)`)."""
     prefix_hits: int = 0
-    """Of those, the ones sent to that server."""
+    """Of those, the ones answered by that server."""
 
 
 class RolloutClient:
@@ -293,6 +294,8 @@ class RolloutClient:
         last_error: Exception | None = None
         avoid: str | None = None
         timeouts = tried = overflows = 0
+        if prefix_on is not None:  # a `SampleResult.server_url`: one of `self.urls` as given
+            self.stats.prefix_requests += 1
         for attempt in range(1, self.config.max_attempts + 1):
             if timeouts >= self.config.timeout_attempts:
                 break
@@ -308,6 +311,7 @@ class RolloutClient:
                 results = parse_generate_response(
                     body, prompt, sent, sampling, attempt, url, allow_abort=allow_abort, table=self.table
                 )
+                self.stats.prefix_hits += prefix_on is not None and url == prefix_on
                 if sent is keys:
                     return results
                 return [dataclasses.replace(r, key=k) for r, k in zip(results, keys, strict=True)]
@@ -346,8 +350,6 @@ class RolloutClient:
         failed on) where there is another; `prefix_on` instead while it is among those and within
         `prefix_affinity_slack` of that load. Waits up to `unhealthy_wait_s` for a healthy server."""
         deadline = time.monotonic() + self.config.unhealthy_wait_s
-        if prefix_on is not None:  # a `SampleResult.server_url`: one of `self.urls` as given
-            self.stats.prefix_requests += 1
         while True:
             healthy = [u for u in self.urls if self.healthy[u]]
             preferred = [u for u in healthy if u != avoid] or healthy
@@ -359,7 +361,6 @@ class RolloutClient:
                     and prefix_on in preferred
                     and self.in_flight[prefix_on] <= self.in_flight[url] + slack
                 ):
-                    self.stats.prefix_hits += 1
                     return prefix_on
                 return url
             if time.monotonic() > deadline:

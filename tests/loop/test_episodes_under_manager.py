@@ -57,7 +57,7 @@ class TurnEngine(RolloutClient):
         self.version = 0
         self.sent: list[tuple[int, list[int], int, int]] = []  # (len input, sample indices, seed, version)
 
-    async def _request_with_retries(self, prompt, keys, sampling, allow_abort=False):  # noqa: ARG002
+    async def _request_with_retries(self, prompt, keys, sampling, allow_abort=False, prefix_on=None):  # noqa: ARG002
         self.sent.append((len(prompt), [k.sample_index for k in keys], keys[0].seed, self.version))
         second_turn = len(prompt) == len(PROMPT) + len(TURN) + len(OBSERVATION)
         out = []

@@ -50,7 +50,7 @@ SETTINGS = [
 class SteadyEngine(TurnEngine):
     """Generates `TURN` for every sample at the engines' current `version`, never aborting."""
 
-    async def _request_with_retries(self, prompt, keys, sampling, allow_abort=False):  # noqa: ARG002
+    async def _request_with_retries(self, prompt, keys, sampling, allow_abort=False, prefix_on=None):  # noqa: ARG002
         self.sent.append((len(prompt), [k.sample_index for k in keys], keys[0].seed, self.version))
         return [
             SampleResult(

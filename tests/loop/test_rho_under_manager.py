@@ -39,7 +39,7 @@ class RecordingClient(RolloutClient):
         self.abort_first, self.on_abort = abort_first, on_abort
         self.sent: list[tuple[int, float | None, bool]] = []
 
-    async def _request_with_retries(self, prompt, keys, sampling, allow_abort=False):  # noqa: ARG002
+    async def _request_with_retries(self, prompt, keys, sampling, allow_abort=False, prefix_on=None):  # noqa: ARG002
         continued = len(prompt) > 2
         self.sent.append((self.index_of(keys[0]), sampling.log_rho, continued))
         abort = self.abort_first and not continued

@@ -263,7 +263,10 @@ def _eos_ids(model, tokenizer) -> frozenset[int]:
     ids: set[int] = set()
     for source in (getattr(model, "generation_config", None), model.config, tokenizer):
         value = getattr(source, "eos_token_id", None) if source is not None else None
-        ids.update(int(v) for v in eos_id_entries(value))
+        if isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in eos_id_entries(value))
+        elif isinstance(value, int):
+            ids.add(value)
     return frozenset(ids)
 
 

@@ -251,8 +251,8 @@ class Engines:
         """The engines' occupancy since the last batch, and the client's counters over the same span:
         `rollout/request_retries` (attempts after a failure), `rollout/support_overflows` (requests
         generated again because a token's support exceeded the servers' mask cap) and, where requests named
-        the server holding their prefix (an episode's later turns), `rollout/prefix_affinity_hits` (the
-        fraction sent there)."""
+        the server holding their prefix (an episode's later turns) and there is more than one server,
+        `rollout/prefix_affinity_hits` (the fraction answered there)."""
         stats = self.client.stats
         now = {
             "rollout/request_retries": stats.retries,
@@ -263,7 +263,7 @@ class Engines:
         since = {k: float(v - self._counted.get(k, 0)) for k, v in now.items()}
         self._counted = now
         asked, hits = since.pop("prefix_requests"), since.pop("prefix_hits")
-        if asked:
+        if asked and len(self.client.urls) > 1:  # one server (or one router URL): nothing to choose
             since["rollout/prefix_affinity_hits"] = hits / asked
         return {**self.client.occupancy.read(), **since}
 

@@ -75,6 +75,7 @@ CHANGEABLE_KEYS: frozenset[str] = frozenset(
         # so micro-batching does not change an update; recompute is exact; the op backends and the fused
         # output layer compute the same log-probs; weight sync moves the same weights either way
         "rollout.max_concurrency",
+        "rollout.prefix_affinity_slack",
         "rollout.local.num_threads",
         "rollout.env.workers",
         "rollout.weight_sync.mode",

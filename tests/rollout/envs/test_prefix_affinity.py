@@ -13,6 +13,8 @@ from megatron_tail.rollout import ClientConfig, RolloutClient, SamplingConfig
 from megatron_tail.rollout.client import ClientStats
 from megatron_tail.rollout.envs import EpisodeLimits, Tokens
 from megatron_tail.rollout.envs.pool import EnvWorkers
+from megatron_tail.rollout.errors import RetryableServerError
+from megatron_tail.rollout.protocol import sample_keys
 from megatron_tail.rollout.service.engines import Engines
 from tests.rollout.envs.groups import ClientEngines, run_groups
 
@@ -23,7 +25,7 @@ def _pick(in_flight, prefix_on, *, slack=4, avoid=None, unhealthy=()):
     client = RolloutClient([A, B, C], ClientConfig(prefix_affinity_slack=slack), processor=None)
     client.in_flight.update(in_flight)
     client.healthy.update(dict.fromkeys(unhealthy, False))
-    return asyncio.run(client._pick_server(avoid, prefix_on)), client.stats
+    return asyncio.run(client._pick_server(avoid, prefix_on))
 
 
 @pytest.mark.parametrize(
@@ -40,21 +42,49 @@ def _pick(in_flight, prefix_on, *, slack=4, avoid=None, unhealthy=()):
     ids=["within", "beyond", "slack0", "off-tie", "off", "unhealthy", "avoided"],
 )
 def test_a_turn_goes_to_its_prefix_server_within_the_slack(in_flight, kwargs, want):
-    got, stats = _pick(in_flight, A, **kwargs)
-    assert got == want
-    kept = want == A and kwargs.get("slack", 4) is not None  # off, A is only the least loaded
-    assert (stats.prefix_requests, stats.prefix_hits) == (1, int(kept))
+    assert _pick(in_flight, A, **kwargs) == want
 
 
-def test_a_request_without_a_prefix_server_is_not_counted():
-    got, stats = _pick({A: 1, B: 0, C: 1}, None)
-    assert got == B and (stats.prefix_requests, stats.prefix_hits) == (0, 0)
+def test_a_request_without_a_prefix_server_goes_to_the_least_loaded():
+    assert _pick({A: 1, B: 0, C: 1}, None) == B
+
+
+class FailsOnce(RolloutClient):
+    """The first attempt fails on its server, the next is answered (no HTTP: the transport is stood in)."""
+
+    async def _post_generate(self, url, payload):  # noqa: ARG002
+        self.sent = [*getattr(self, "sent", []), url]
+        if len(self.sent) == 1:
+            raise RetryableServerError(f"{url}: HTTP 503")
+        return "body"
+
+    async def _probe(self, url):  # noqa: ARG002
+        return True
+
+
+@pytest.mark.parametrize(("fails", "hits"), [(False, 1), (True, 0)], ids=["kept", "moved-by-a-failure"])
+def test_a_turn_is_counted_once_and_kept_only_when_its_server_answered(monkeypatch, fails, hits):
+    """Counted per turn, not per attempt: a turn that failed on its prefix server and was answered by
+    another is one request and no hit (counted per attempt, it read 1 of 2)."""
+    from megatron_tail.rollout import client as client_module
+
+    monkeypatch.setattr(client_module, "parse_generate_response", lambda *_args, **_kwargs: ["sample"])
+    client = (FailsOnce if fails else RolloutClient)([A, B], ClientConfig(retry_backoff_s=0), processor=None)
+    if not fails:
+        client._post_generate = lambda url, payload: asyncio.sleep(0, "body")  # noqa: ARG005
+    sampling = SamplingConfig(n_samples=1, max_new_tokens=2, temperature=1.0, log_rho=None)
+    keys = sample_keys(0, sampling)
+    got = asyncio.run(client._request_with_retries([1, 2], keys, sampling, prefix_on=A))
+    assert got == ["sample"]
+    assert (client.stats.prefix_requests, client.stats.prefix_hits) == (1, hits)
+    if fails:
+        assert client.sent == [A, B]
 
 
 def test_the_hit_fraction_is_logged_per_batch():
     engines = Engines.__new__(Engines)
     stats = ClientStats()
-    engines.client = SimpleNamespace(stats=stats, occupancy=SimpleNamespace(read=dict))
+    engines.client = SimpleNamespace(stats=stats, occupancy=SimpleNamespace(read=dict), urls=[A, B])
     engines._counted = {}
     stats.prefix_requests, stats.prefix_hits = 8, 6
     assert engines.client_metrics()["rollout/prefix_affinity_hits"] == 0.75
@@ -117,8 +147,15 @@ def test_three_turn_episodes_over_two_engines_stay_on_their_server(server_pair, 
     later = [(prefix_on, servers) for prefix_on, servers in calls if prefix_on is not None]
     assert len(later) == 4 * 2 and all(p in urls for p, _ in later)  # turns 2 and 3 of each episode
     assert stats.prefix_requests == 8
+    kept = sum(servers == [prefix_on] for prefix_on, servers in later)
+    assert stats.prefix_hits == kept  # off, the least loaded server is sometimes the prefix's too
     if slack is not None:  # 4 requests in flight at most: always within the slack
-        assert all(servers == [prefix_on] for prefix_on, servers in later)
-        assert stats.prefix_hits == 8
-    else:
-        assert stats.prefix_hits == 0
+        assert kept == 8
+
+
+def test_one_server_logs_no_hit_fraction():
+    engines = Engines.__new__(Engines)
+    stats = ClientStats(prefix_requests=3, prefix_hits=3)
+    engines.client = SimpleNamespace(stats=stats, occupancy=SimpleNamespace(read=dict), urls=[A])
+    engines._counted = {}
+    assert "rollout/prefix_affinity_hits" not in engines.client_metrics()
