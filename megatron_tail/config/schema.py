@@ -139,7 +139,8 @@ class TrainSection:
     micro_batch_size: int = 8
     """Padded micro-batches only: samples (rows) per micro-batch."""
     seq_len: int | None = None
-    """Padded micro-batches only: row length; None: the longest sample of the step."""
+    """Padded micro-batches only: row length; None: the longest sample of each DP rank's share of each
+    mini-batch."""
     mini_batches: int = 1
     """Optimizer steps per rollout batch (contiguous shares of whole groups)."""
     checkpoint_every: int = 10

@@ -21,7 +21,8 @@ int32 buffer per step, little."""
 
 @dataclass(frozen=True)
 class SamplingSection:
-    """Temperature and truncation of training samples (evaluation is greedy)."""
+    """Temperature and truncation of training samples, and of evaluation's sampled half (`eval/pass@k`,
+    `eval/sampled_accuracy`); its greedy half (`eval/greedy_accuracy`) uses neither."""
 
     temperature: float = 1.0
     """Sampling temperature T (> 0); the trainer scores log-probs at the same T."""
