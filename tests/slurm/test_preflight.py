@@ -149,3 +149,16 @@ def test_bind_host_avoids_loopback_names(monkeypatch):
     monkeypatch.setattr(helper.socket, "getaddrinfo", lambda *_a, **_k: [(0, 0, 0, "", ("10.0.0.7", 0))])
     monkeypatch.setenv("SLURMD_NODENAME", "gpu7")
     assert helper.bind_host() == "gpu7"
+
+
+def test_the_local_backend_gets_its_device_and_the_trainers_refusals_come_before_any_server(tmp_path):
+    """Before: rollout.local.device never reached `serve` (a CUDA local engine ran on CPU), and the keys the
+    trainer refuses with rollout.engine=remote (what rl.sbatch gives it) failed only once the servers ran."""
+    local = ("--set", "cluster.rollout_backend=local", "--set", "rollout.local.device=cuda:0")
+    proc = _run(tmp_path, *local, dry=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "--backend local" in proc.stdout and "--device cuda:0" in proc.stdout
+    noisy = _run(tmp_path, *local, "--set", "rollout.local.logit_noise=0.5", dry=False)
+    assert noisy.returncode == 1 and noisy.srun_calls == []
+    assert "local.kv_cache_dtype/local.logit_noise" in noisy.stderr, noisy.stderr
+    assert "as the trainer will, with rollout.engine=remote" in noisy.stdout, noisy.stdout
