@@ -262,14 +262,14 @@ def test_a_stopped_local_engine_names_the_limit_that_expired(tiny_model_dir, pro
     """SIGSTOP at step 2's last completion, when every group of the step has generated: the weight sync's
     /pause_generation is never answered. (At the step's first completion, as before, a loaded machine could
     still be generating the step's other groups, and the stop was met there: "the batch of step 2".)"""
-    extra = {"rollout.request_timeout_s": 2}
+    extra = {"rollout.request_timeout_s": 2, "rollout.weight_sync.timeout_s": 3}
     output, code, run_dir = _run_with_fault(tiny_model_dir, prompt_file, tmp_path, "STOP@32", extra)
     assert code == EXIT_OUTSIDE_FAILURE, output[-4000:]
     log = run_dir / "logs" / "local_engine.log"
-    pattern = (
+    pattern = (  # the weight sync's own limit (the disk sync was bounded by request_timeout_s)
         r"megatron-tail train: error: the local engine on http://127\.0\.0\.1:\d+ \(pid \d+\) is stopped "
-        r"\(SIGSTOP, SIGTSTP or a debugger\) and did not answer within rollout\.request_timeout_s=2 s while "
-        rf"the trainer waited for weight sync to version 2; its log: {re.escape(str(log))}"
+        r"\(SIGSTOP, SIGTSTP or a debugger\) and did not answer within rollout\.weight_sync\.timeout_s=3 s "
+        rf"while the trainer waited for weight sync to version 2; its log: {re.escape(str(log))}"
     )
     _the_one_error_line(pattern, output)
 

@@ -91,3 +91,16 @@ def test_a_step_hanging_in_a_real_worker_is_what_the_report_names():
     )
     assert match is not None, line
     assert 1 <= int(match.group(1)) <= 3
+
+
+def test_a_weight_sync_wait_names_the_sync_limit():
+    """Before: "a request is retried after rollout.request_timeout_s" while the trainer waited for a weight
+    sync, whose requests are bounded by rollout.weight_sync.timeout_s and never retried."""
+    engines = _engines(None, {"http://e0:30000": 1})
+    engines.settings = SimpleNamespace(request_timeout_s=600.0, weight_sync=SimpleNamespace(timeout_s=900.0))
+    line = Engines._waiting_line(engines, "weight sync to version 3", 61.0, "weight_sync.timeout_s")
+    assert line == (
+        "waiting for weight sync to version 3 from the engines (http://e0:30000: 1 requests in flight): "
+        "61 s so far; each sync request may take rollout.weight_sync.timeout_s=900 s; send SIGTERM twice to "
+        "stop now"
+    )

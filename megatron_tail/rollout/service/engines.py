@@ -194,7 +194,7 @@ class Engines:
         self.run(
             self.weight_sync.update(source, weight_version=str(version)),
             f"weight sync to version {version}",
-            limit="weight_sync.timeout_s" if self.in_memory_sync else "request_timeout_s",
+            limit="weight_sync.timeout_s",  # each sync's requests, by disk or in memory (`_weight_sync`)
         )
 
     def sampling_log_rho(self) -> float | None:
@@ -310,7 +310,7 @@ class Engines:
             return self._drive(coro)
         try:
             with self.reporting.waiting(waiting_for):
-                return self._drive(self._watching(coro, waiting_for))
+                return self._drive(self._watching(coro, waiting_for, limit))
         except SupportOverflowsExhausted as error:
             raise overflows_exhausted(error, self.settings) from error
         except MissingRoutesError as error:  # a server without the routes flag: the launch's doing, one line
@@ -337,7 +337,7 @@ class Engines:
             raise
         return future.result()
 
-    async def _watching(self, coro, waiting_for: str):
+    async def _watching(self, coro, waiting_for: str, limit: str = "request_timeout_s"):
         """Await `coro`, saying every `rollout.wait_report_s` what for and how long; stop waiting when the
         local engine ends (every `ENGINE_POLL_S`)."""
         task = asyncio.ensure_future(coro)
@@ -355,14 +355,15 @@ class Engines:
                 now = time.monotonic()
                 if now - reported >= self.settings.wait_report_s:
                     reported = now
-                    self.note(self._waiting_line(waiting_for, now - started))
+                    self.note(self._waiting_line(waiting_for, now - started, limit))
         finally:
             if not task.done():
                 task.cancel()
 
-    def _waiting_line(self, waiting_for: str, waited_s: float) -> str:
+    def _waiting_line(self, waiting_for: str, waited_s: float, limit: str = "request_timeout_s") -> str:
         """What the trainer waits for: what `slow_calls` names (the reward worker scoring a batch, an
-        environment call, for `SLOW_CALL_S` or more), else the engines' requests in flight."""
+        environment call, for `SLOW_CALL_S` or more), else the engines' requests in flight and the limit
+        `rollout.<limit>` that bounds each."""
         r = self.settings
         in_flight = {u: n for c in (self.client, self.eval_client) for u, n in c.in_flight.items() if n}
         where = ", ".join(f"{u}: {n}" for u, n in sorted(in_flight.items())) or ", ".join(self.urls)
@@ -377,8 +378,7 @@ class Engines:
             )
         return (
             f"waiting for {waiting_for} from the engines ({where} requests in flight): {waited_s:.0f} s so "
-            f"far; a request is retried after rollout.request_timeout_s={r.request_timeout_s:g} s; "
-            f"{self.reporting.stop_hint()}"
+            f"far; {_bound(r, limit)}; {self.reporting.stop_hint()}"
         )
 
     # --- closing --------------------------------------------------------------------------------------
@@ -454,6 +454,14 @@ class Engines:
 
 async def _call(fn, *args):
     return fn(*args)
+
+
+def _bound(r: RolloutSection, limit: str) -> str:
+    """What bounds a wait on the engines, for the wait report: a generation request is retried after its
+    limit; a weight sync's request fails the step at its own."""
+    if limit == "weight_sync.timeout_s":
+        return f"each sync request may take rollout.weight_sync.timeout_s={r.weight_sync.timeout_s:g} s"
+    return f"a request is retried after rollout.request_timeout_s={r.request_timeout_s:g} s"
 
 
 def _weight_sync(settings: RolloutSection, urls: list[str], local: bool):
