@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 
+from megatron_tail.rollout.envs import Tokens
 from megatron_tail.rollout.service.episodes import (
     EpisodeSampling,
     Example,
@@ -14,6 +15,14 @@ from megatron_tail.rollout.service.episodes import (
     Reward,
     evaluate_groups,
 )
+
+
+def tokens_of(tokenizer) -> Tokens:
+    """`Tokens` of a HF tokenizer: decode without special tokens, encode without adding any."""
+    return Tokens(
+        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        encode=lambda text: tokenizer(text, add_special_tokens=False)["input_ids"],
+    )
 
 
 class ClientEngines:

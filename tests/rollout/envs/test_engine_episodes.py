@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from megatron_tail.rollout import ClientConfig, RolloutClient, SamplingConfig
-from megatron_tail.rollout.envs import EpisodeLimits, Tokens
+from megatron_tail.rollout.envs import EpisodeLimits
 from megatron_tail.rollout.envs.pool import EnvWorkers
-from tests.rollout.envs.groups import ClientEngines, run_groups
+from tests.rollout.envs.groups import ClientEngines, run_groups, tokens_of
 from tests.rollout.servers import start_servers
 
 PROMPTS = [[5, 6, 76, 7, 84], [8, 9, 76, 10, 84]]
@@ -48,10 +48,7 @@ def _three_turn_episodes(server, tokenizer, **truncation) -> list:
         stop_token_ids=tuple(range(4, 100)),
         **truncation,
     )
-    tokens = Tokens(
-        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-        encode=lambda text: tokenizer(text, add_special_tokens=False)["input_ids"],
-    )
+    tokens = tokens_of(tokenizer)
 
     async def go():
         pool = EnvWorkers(2, timeout_s=30, timeout_name="data.reward_timeout_s")

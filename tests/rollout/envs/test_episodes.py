@@ -22,6 +22,7 @@ from megatron_tail.rollout.envs.host import WorkerEnv
 from megatron_tail.rollout.envs.pool import EnvWorkers
 from megatron_tail.rollout.envs.registry import EnvironmentTimeoutError
 from megatron_tail.utils.errors import UserError
+from tests.rollout.envs.groups import tokens_of
 
 PROMPT = [11, 12, 13]
 LIMITS = EpisodeLimits(max_turns=3, max_observation_tokens=8)
@@ -235,10 +236,7 @@ def test_the_demo_pretrains_on_exactly_what_a_calculator_episode_samples():
     first_end = mask.index(False)
     second_start = first_end + mask[first_end:].index(True)
     turns = [(response[:first_end], "stop"), (response[second_start:], "stop")]
-    tokens = Tokens(
-        decode=lambda x: tokenizer.decode(x, skip_special_tokens=True),
-        encode=lambda text: tokenizer(text, add_special_tokens=False)["input_ids"],
-    )
+    tokens = tokens_of(tokenizer)
     episode = asyncio.run(
         run_episode(
             ScriptedEngine(turns),

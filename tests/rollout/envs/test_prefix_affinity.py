@@ -11,12 +11,12 @@ import pytest
 
 from megatron_tail.rollout import ClientConfig, RolloutClient, SamplingConfig
 from megatron_tail.rollout.client import ClientStats
-from megatron_tail.rollout.envs import EpisodeLimits, Tokens
+from megatron_tail.rollout.envs import EpisodeLimits
 from megatron_tail.rollout.envs.pool import EnvWorkers
 from megatron_tail.rollout.errors import RetryableServerError
 from megatron_tail.rollout.protocol import sample_keys
 from megatron_tail.rollout.service.engines import Engines
-from tests.rollout.envs.groups import ClientEngines, run_groups
+from tests.rollout.envs.groups import ClientEngines, run_groups, tokens_of
 
 A, B, C = "http://a:1", "http://b:1", "http://c:1"
 
@@ -121,10 +121,7 @@ def test_three_turn_episodes_over_two_engines_stay_on_their_server(server_pair, 
         base_seed=5,
         stop_token_ids=tuple(range(4, 100)),
     )
-    tokens = Tokens(
-        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-        encode=lambda text: tokenizer(text, add_special_tokens=False)["input_ids"],
-    )
+    tokens = tokens_of(tokenizer)
     urls = [s.url for s in server_pair]
 
     async def go():
