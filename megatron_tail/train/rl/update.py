@@ -52,8 +52,16 @@ ALGORITHM_TAGS = {
     "kl_mean": "train/kl_ref",
     "entropy_loss": "train/entropy_loss",
 }
-_PER_UPDATE = ("loss", "pg_loss", "kl_loss", "entropy_loss")
-"""Losses are per optimizer update: averaged over the updates of a step (the rest are global sums)."""
+_PER_MINI_BATCH = ("loss", "pg_loss", "kl_loss", "entropy_loss")
+"""Losses are the objective of a mini-batch, averaged over the step's mini-batches (the rest are global
+sums). Lopti's phases are shares of it (each normalised by all the mini-batch's loss tokens): they add up."""
+
+
+def per_mini_batch_losses(combined: dict[str, torch.Tensor], mini_batches: int) -> dict[str, torch.Tensor]:
+    """`combined` (`combine_metrics` over every update: mini-batches × Lopti phases) with the losses as the
+    mean over mini-batches of each mini-batch's objective (its phases summed). Dividing by the updates, as
+    before, logged half the objective under Lopti."""
+    return {k: v / mini_batches if k in _PER_MINI_BATCH else v for k, v in combined.items()}
 
 
 @dataclass(frozen=True)
@@ -89,10 +97,7 @@ def update_policy(
             if result.grad_norm is not None:
                 grad_norms.append(result.grad_norm)
     updates = len(summed)
-    combined = combine_metrics(summed)
-    for key in _PER_UPDATE:
-        if key in combined:
-            combined[key] = combined[key] / updates
+    combined = per_mini_batch_losses(combine_metrics(summed), len(layout.per_mini_batch))
     finalized = finalize_metrics(combined)
     metrics = {tag: finalized[key] for key, tag in ALGORITHM_TAGS.items() if key in finalized}
     metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else 0.0
