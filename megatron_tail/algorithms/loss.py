@@ -261,10 +261,12 @@ def rl_loss(
         "phase_tokens": metric(phase_mask.sum()),
         "clipped_tokens": metric((pg.clipped & contributes).sum()),
         "dual_clipped_tokens": metric((pg.dual_clipped & contributes).sum()),
+        "clippable_tokens": metric(contributes.sum()),
     }
     for sign, side in (("pos", current.advantages > 0), ("neg", current.advantages < 0)):
         metrics[f"clipped_{sign}_tokens"] = metric((pg.clipped & contributes & side).sum())
         metrics[f"phase_{sign}_tokens"] = metric((phase_mask & side).sum())
+        metrics[f"clippable_{sign}_tokens"] = metric((contributes & side).sum())
     loss = pg_loss
     if ref_logprobs is not None and cfg.kl_coef > 0:
         kl = keep(kl_penalty(lp, keep(ref_logprobs.to(lp.dtype)), cfg.kl_estimator))

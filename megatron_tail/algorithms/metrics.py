@@ -18,7 +18,9 @@ Keys written by `prepare_tokens` (batch-level, once per micro-batch):
 Keys written by `rl_loss` (per phase and micro-batch):
     loss, pg_loss, kl_loss, entropy_loss (this piece's share of the globally normalised loss: sum them),
     phase_tokens, clipped_tokens, dual_clipped_tokens, safe_set_violations, entropy_sum, kl_sum,
-    clipped_pos_tokens, phase_pos_tokens, clipped_neg_tokens, phase_neg_tokens (by the advantage's sign)
+    clipped_pos_tokens, phase_pos_tokens, clipped_neg_tokens, phase_neg_tokens (by the advantage's sign),
+    clippable_tokens, clippable_pos_tokens, clippable_neg_tokens (the phase's tokens with a gradient: IS
+    weight above 0, in the current safe set; the clip fractions' denominators, as `kl_tokens` is the KL's)
 """
 
 from __future__ import annotations
@@ -42,10 +44,12 @@ def reduce_op_of(key: str) -> str:
 
 # ratio name -> (numerator key, denominator key)
 _RATIOS: dict[str, tuple[str, str]] = {
-    "clip_fraction": ("clipped_tokens", "phase_tokens"),
-    "dual_clip_fraction": ("dual_clipped_tokens", "phase_tokens"),
-    "clip_fraction_pos": ("clipped_pos_tokens", "phase_pos_tokens"),
-    "clip_fraction_neg": ("clipped_neg_tokens", "phase_neg_tokens"),
+    # over the tokens PPO's clip can touch: a rejected or unsafe token has no gradient to clip, and counting
+    # it made the fraction fall exactly as the mismatch grew
+    "clip_fraction": ("clipped_tokens", "clippable_tokens"),
+    "dual_clip_fraction": ("dual_clipped_tokens", "clippable_tokens"),
+    "clip_fraction_pos": ("clipped_pos_tokens", "clippable_pos_tokens"),
+    "clip_fraction_neg": ("clipped_neg_tokens", "clippable_neg_tokens"),
     "is_log_ratio_mean": ("is_log_ratio_sum", "valid_tokens"),
     "is_ratio_mean": ("is_ratio_sum", "valid_tokens"),
     "safe_set_violation_fraction": ("safe_set_violations", "phase_tokens"),

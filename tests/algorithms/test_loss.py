@@ -264,7 +264,10 @@ def test_metrics_against_reference_counts():
     contrib = torch.tensor(info["contrib"])
     assert m["kl_tokens"].item() == contrib.sum().item() < phase_mask.sum().item()
     assert final["kl_mean"] == pytest.approx(m["kl_sum"].item() / contrib.sum().item(), rel=1e-12)
-    assert final["clip_fraction"] == pytest.approx(info["clipped"] / phase_mask.sum().item())
+    # so are the clip fractions: a token with no gradient cannot be clipped (before: / phase tokens, which
+    # read low by the rejected share)
+    assert m["clippable_tokens"].item() == contrib.sum().item()
+    assert final["clip_fraction"] == pytest.approx(info["clipped"] / contrib.sum().item())
     assert {k for k in m if reduce_op_of(k) != "sum"} == {"is_weight_max"}
     assert reduce_op_of("is_weight_max") == "max"
     # phase 1 of compute_loss reports only per-step metrics (batch ones come with phase 0)
@@ -282,7 +285,7 @@ def test_combine_metrics_sums_and_maxes():
         "kl_sum": 1.0,
     }
     assert (
-        finalize_metrics({"clipped_tokens": torch.tensor(1.0), "phase_tokens": torch.tensor(0.0)})[
+        finalize_metrics({"clipped_tokens": torch.tensor(1.0), "clippable_tokens": torch.tensor(0.0)})[
             "clip_fraction"
         ]
         == 0.0
