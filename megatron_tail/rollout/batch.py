@@ -174,9 +174,12 @@ def rollout_metrics(batch: RolloutBatch, *, policy_version: int) -> dict[str, fl
     `rollout/tool_calls_mean` (per episode), `rollout/tool_errors` (malformed or failed calls, total),
     `rollout/env_token_fraction` (share of response tokens that came from the environment: no loss) and
     `rollout/truncated_by_turns` (fraction of episodes that `rollout.env.max_turns` ended).
-    `policy_version`: the weight version being trained (the step's θ_old). `rollout/stale_fraction` is the
-    fraction of samples another version produced. A sample's staleness is `policy_version` minus the
-    version of its oldest token (`token_versions`; without them, of its reported `weight_version`):
+    `policy_version`: the weight version being trained (the step's θ_old). A sample's staleness is
+    `policy_version` minus the version of its oldest token (`token_versions`; without them, of its reported
+    `weight_version`, which is its last segment's, or an episode's first turn's). `rollout/stale_fraction`
+    is the fraction of samples with a staleness above 0 (without an integer version: reported by another
+    version than `policy_version`), so a partial rollout begun by an older version counts, as it does in
+    `rollout/staleness_mean`;
     `rollout/staleness_mean` and `rollout/staleness_max` over samples (samples without an integer version
     are left out, and both are absent if none has one). With `token_versions`, also
     `rollout/partial_fraction` (samples whose tokens span more than one version: they crossed a weight
@@ -187,7 +190,12 @@ def rollout_metrics(batch: RolloutBatch, *, policy_version: int) -> dict[str, fl
     n = len(batch)
     if n == 0:
         return dict(batch.metrics)
-    staleness = _staleness_metrics(batch, policy_version)
+    lags = _sample_lags(batch, policy_version)
+    staleness = _staleness_metrics(batch, lags)
+    stale = sum(
+        lag > 0 if lag is not None else w != str(policy_version)
+        for lag, w in zip(lags, batch.weight_versions, strict=True)
+    )
     lengths = [len(r) for r in batch.response_ids]
     support = {}
     supports = batch.column(SUPPORT)
@@ -203,7 +211,7 @@ def rollout_metrics(batch: RolloutBatch, *, policy_version: int) -> dict[str, fl
         "response/length_mean": sum(lengths) / n,
         "response/length_max": float(max(lengths)),
         "response/truncated_fraction": sum(batch.truncated) / n,
-        "rollout/stale_fraction": sum(v != str(policy_version) for v in batch.weight_versions) / n,
+        "rollout/stale_fraction": stale / n,
         **staleness,
         **support,
         **episode_metrics(batch.stats),
@@ -226,24 +234,30 @@ def log_rho_metrics(batch: RolloutBatch, log_rho: float | None) -> dict[str, flo
     }
 
 
-def _staleness_metrics(batch: RolloutBatch, policy_version: int) -> dict[str, float]:
+def _sample_lags(batch: RolloutBatch, policy_version: int) -> list[int | None]:
+    """Each sample's staleness: `policy_version` minus its oldest token's version (`token_versions`; a
+    sample with no response tokens, or without them: its reported version); None without an integer one."""
     token_versions = batch.column(VERSIONS)
+    oldest = [min(v) if v else None for v in token_versions] if token_versions is not None else None
+    lags: list[int | None] = []
+    for i, reported in enumerate(batch.weight_versions):
+        version = oldest[i] if oldest is not None and oldest[i] is not None else None
+        if version is None and is_int_version(reported):
+            version = int(reported)
+        lags.append(None if version is None else policy_version - version)
+    return lags
+
+
+def _staleness_metrics(batch: RolloutBatch, lags: list[int | None]) -> dict[str, float]:
+    token_versions = batch.column(VERSIONS)
+    extra = {}
     if token_versions is not None:
         per_sample = [sorted(set(v)) for v in token_versions]
-        oldest = [v[0] if v else None for v in per_sample]
-        # a sample with no response tokens: its reported version
-        lags = [
-            policy_version - (o if o is not None else int(w))
-            for o, w in zip(oldest, batch.weight_versions, strict=True)
-            if o is not None or is_int_version(w)
-        ]
         extra = {
             "rollout/partial_fraction": sum(len(v) > 1 for v in per_sample) / len(per_sample),
             "rollout/versions_per_sample_mean": sum(max(len(v), 1) for v in per_sample) / len(per_sample),
         }
-    else:
-        lags = [policy_version - int(v) for v in batch.weight_versions if is_int_version(v)]
-        extra = {}
+    lags = [lag for lag in lags if lag is not None]
     if not lags:
         return extra
     mean, worst = sum(lags) / len(lags), float(max(lags))

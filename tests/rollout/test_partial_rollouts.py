@@ -113,6 +113,8 @@ def test_partial_rollout_keeps_each_tokens_version_and_behaviour_logprob(tiny_mo
     assert metrics["rollout/partial_fraction"] == 1.0
     assert metrics["rollout/versions_per_sample_mean"] == 2.0
     assert metrics["rollout/staleness_max"] == 1.0
+    # begun by version 0: stale, though version 1 finished each (its reported weight_version); it read 0.0
+    assert {s.weight_version for s in samples} == {"1"} and metrics["rollout/stale_fraction"] == 1.0
 
 
 def test_a_sequence_joining_a_running_batch_gets_what_it_gets_alone(tiny_model_dir):
