@@ -143,7 +143,8 @@ class ClientConfig:
 
 @dataclass
 class ClientStats:
-    """Counters since the client was made: HTTP requests sent, retries, failed attempts per server."""
+    """Counters since the client was made: HTTP requests sent, retries after a server failed an attempt,
+    failed attempts per server."""
 
     requests: int = 0
     retries: int = 0
@@ -301,7 +302,9 @@ class RolloutClient:
                 break
             tried = attempt
             if attempt > 1:
-                self.stats.retries += 1
+                # a regeneration after an overflowed draw is counted in `support_overflows` alone: it says
+                # nothing against the server
+                self.stats.retries += not isinstance(last_error, SupportOverflowError)
                 await asyncio.sleep(self.config.retry_backoff_s * (attempt - 1))
             url = await self._pick_server(avoid, prefix_on)
             sent = _reseeded(keys, overflows)

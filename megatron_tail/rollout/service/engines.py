@@ -249,7 +249,7 @@ class Engines:
 
     def client_metrics(self) -> dict[str, float]:
         """The engines' occupancy since the last batch, and the client's counters over the same span:
-        `rollout/request_retries` (attempts after a failure), `rollout/support_overflows` (requests
+        `rollout/request_retries` (attempts after a server failed one), `rollout/support_overflows` (requests
         generated again because a token's support exceeded the servers' mask cap) and, where requests named
         the server holding their prefix (an episode's later turns) and there is more than one server,
         `rollout/prefix_affinity_hits` (the fraction answered there)."""
