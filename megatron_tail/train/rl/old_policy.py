@@ -67,10 +67,14 @@ def old_policy_op(cfg: RunConfig) -> OpSettings:
 def scored(cfg: AlgorithmConfig, out: MaskedLogprobs) -> MaskedLogprobs:
     """θ_old as the objective uses it: `out` itself, or with `sampling_support: ignore` its log-probs over the
     full vocabulary (the config keeps DVP off there, so `logprobs_full` is the unpruned π the update scores;
-    the entropy stays the support's, the same quantity in every arm)."""
-    if cfg.sampling_support == "ignore":
-        return replace(out, logprobs=out.logprobs_full)
-    return out
+    the entropy stays the support's, the same quantity in every arm). The top log-prob moves to the same
+    normaliser (log-probs over the support are the full ones less log Z_support, the top token's too: every
+    truncation keeps the argmax), so top − target stays the logit gap that ε̂ compares with the engine's."""
+    if cfg.sampling_support != "ignore":
+        return out
+    shift = out.logprobs_full - out.logprobs
+    top = None if out.top_logprob is None else out.top_logprob + shift
+    return replace(out, logprobs=out.logprobs_full, top_logprob=top)
 
 
 def score_old_policy(trainer: Trainer, cfg: RunConfig, layout: MicroBatchLayout) -> OldPolicy:
@@ -163,7 +167,9 @@ def _sums(cfg: RunConfig, mb, out: MaskedLogprobs):
 
 
 def _bound_sums(cfg: RunConfig, mb, out: MaskedLogprobs, epsilon: float):
+    """Prop. 4.2's counts on the log-probs `_sums` bucketed and measured ε̂ on (`scored`)."""
     s = mb.to_samples
+    out = scored(cfg.algorithm, out)
     return diagnostics.bound_sums(
         s(out.logprobs),
         s(mb.fields["rollout_logprobs"]),
