@@ -89,7 +89,7 @@ def combine_metrics(dicts: Iterable[Mapping[str, torch.Tensor]]) -> dict[str, to
 
 def finalize_metrics(summed: Mapping[str, torch.Tensor]) -> dict[str, float]:
     """Global sums/counts -> Python floats: every key as is, plus the ratios whose inputs are present
-    (e.g. clip_fraction = clipped_tokens / phase_tokens; a zero denominator gives 0)."""
+    (e.g. clip_fraction = clipped_tokens / clippable_tokens; a zero denominator gives 0)."""
     out = {key: float(value) for key, value in summed.items()}
     for name, (num, den) in _RATIOS.items():
         if num in out and den in out:

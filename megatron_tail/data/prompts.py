@@ -328,8 +328,8 @@ def _place(path: str | Path, index: int, lines: list[int] | None) -> str:
 
 @dataclass(frozen=True)
 class PromptLimit:
-    """The longest prompt the engines accept: a request asks for `new_tokens` more and must fit in the
-    model's `context` (SGLang and the local engine answer HTTP 400 otherwise)."""
+    """The longest prompt a run takes: a request asks for `new_tokens` more and must fit in `context`, the
+    model's (SGLang and the local engine answer HTTP 400 otherwise) or `model.max_sequence_length`."""
 
     context: int
     context_source: str
@@ -358,7 +358,7 @@ class PromptLimit:
         raise UserError(
             f"{record_place(path, first.index)}: the prompt is {n} tokens; with {self.new_tokens_key}="
             f"{self.new_tokens} that is {n + self.new_tokens}, more than the model's context of "
-            f"{self.context} tokens ({self.context_source}), which the engines refuse{more}. Shorten it, "
+            f"{self.context} tokens ({self.context_source}){more}. Shorten it, "
             f"drop such prompts with data.max_prompt_tokens={self.longest_prompt}, or lower "
             f"{self.new_tokens_key}"
         )

@@ -171,7 +171,7 @@ def test_a_prompt_longer_than_the_context_is_named_with_the_limit_and_the_remedi
         limit.check(examples, path)
     assert str(caught.value) == (
         f"{path} line 2: the prompt is 20 tokens; with rollout.max_new_tokens=5 that is 25, more than the "
-        "model's context of 24 tokens (max_position_embeddings in m/config.json), which the engines refuse "
+        "model's context of 24 tokens (max_position_embeddings in m/config.json) "
         "(and 1 more prompt too long). Shorten it, drop such prompts with data.max_prompt_tokens=19, or "
         "lower rollout.max_new_tokens"
     )

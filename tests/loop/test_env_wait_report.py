@@ -10,6 +10,8 @@ import re
 import time
 from types import SimpleNamespace
 
+import pytest
+
 from megatron_tail.rollout.envs.host import WorkerEnv
 from megatron_tail.rollout.envs.pool import Busy, EnvWorkers
 from megatron_tail.rollout.service.engines import Engines
@@ -93,14 +95,22 @@ def test_a_step_hanging_in_a_real_worker_is_what_the_report_names():
     assert 1 <= int(match.group(1)) <= 3
 
 
-def test_a_weight_sync_wait_names_the_sync_limit():
+@pytest.mark.parametrize(
+    ("waiting_for", "limit", "bound"),
+    [
+        ("weight sync to version 3", "weight_sync.timeout_s", "rollout.weight_sync.timeout_s=900 s"),
+        ("the engines' /health", "startup_timeout_s", "rollout.startup_timeout_s=3600 s"),
+    ],
+)
+def test_a_wait_on_a_sync_or_the_start_names_its_own_limit(waiting_for, limit, bound):
     """Before: "a request is retried after rollout.request_timeout_s" while the trainer waited for a weight
-    sync, whose requests are bounded by rollout.weight_sync.timeout_s and never retried."""
+    sync or the engines' start, which their own limits bound and nothing retries."""
     engines = _engines(None, {"http://e0:30000": 1})
-    engines.settings = SimpleNamespace(request_timeout_s=600.0, weight_sync=SimpleNamespace(timeout_s=900.0))
-    line = Engines._waiting_line(engines, "weight sync to version 3", 61.0, "weight_sync.timeout_s")
+    engines.settings = SimpleNamespace(
+        request_timeout_s=600.0, startup_timeout_s=3600.0, weight_sync=SimpleNamespace(timeout_s=900.0)
+    )
+    line = Engines._waiting_line(engines, waiting_for, 61.0, limit)
     assert line == (
-        "waiting for weight sync to version 3 from the engines (http://e0:30000: 1 requests in flight): "
-        "61 s so far; each sync request may take rollout.weight_sync.timeout_s=900 s; send SIGTERM twice to "
-        "stop now"
+        f"waiting for {waiting_for} from the engines (http://e0:30000: 1 requests in flight): 61 s so far; "
+        f"it may take {bound}; send SIGTERM twice to stop now"
     )

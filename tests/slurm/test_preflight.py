@@ -162,3 +162,14 @@ def test_the_local_backend_gets_its_device_and_the_trainers_refusals_come_before
     assert noisy.returncode == 1 and noisy.srun_calls == []
     assert "local.kv_cache_dtype/local.logit_noise" in noisy.stderr, noisy.stderr
     assert "as the trainer will, with rollout.engine=remote" in noisy.stdout, noisy.stdout
+
+
+def test_setting_what_rl_sbatch_sets_for_the_trainer_is_refused_by_name(tmp_path):
+    """Before: the refusal named the script's placeholder URL and told the user to remove a key they never
+    wrote."""
+    proc = _run(tmp_path, "--set", "rollout.engine=local", dry=False)
+    assert proc.returncode == 1 and proc.srun_calls == []
+    assert (
+        "ERROR: --set rollout.engine=local: rl.sbatch starts the rollout servers and gives the trainer "
+        "rollout.engine=remote and their URLs; drop it"
+    ) in proc.stdout, proc.stdout

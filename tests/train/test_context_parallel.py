@@ -244,11 +244,13 @@ def _assert_same_steps(got, reference):
     assert len(results) == len(ref_results) == 2  # Lopti: two updates
     for r, ref in zip(results, ref_results, strict=True):
         assert r.update_successful
-        for key in ("loss_tokens", "sequences", "vetoed_sequences", "counted_sequences", "phase_tokens"):
+        counts = ("loss_tokens", "sequences", "vetoed_sequences", "counted_sequences", "phase_tokens")
+        for key in (*counts, "clippable_tokens", "clipped_tokens"):
             assert r.metrics.get(key) == ref.metrics.get(key), key
         assert r.metrics["loss"] == pytest.approx(ref.metrics["loss"], rel=1e-5, abs=1e-7)
         assert r.grad_norm == pytest.approx(ref.grad_norm, rel=1e-5)
     assert ref_results[0].metrics["vetoed_sequences"] == 1
+    assert ref_results[0].metrics["clippable_tokens"] > 0  # the CP ranks' owned tokens add up to these
     assert state.keys() == ref_state.keys()
     for name in ref_state:
         torch.testing.assert_close(state[name], ref_state[name], rtol=1e-5, atol=1e-5, msg=name)

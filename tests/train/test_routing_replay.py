@@ -425,7 +425,7 @@ def test_an_engine_without_routes_fails_the_step_with_one_line():
     engines = object.__new__(Engines)
     engines.settings, engines.engine, engines._thread = config_from_dict({}).rollout, None, None
     engines.loop, engines.note = asyncio.new_event_loop(), print
-    engines.__dict__["_watching"] = types.MethodType(lambda _self, coro, _what: coro, engines)
+    engines.__dict__["_watching"] = types.MethodType(lambda _self, coro, *_: coro, engines)
     try:
         with pytest.raises(UserError, match="--enable-return-routed-experts") as e:
             engines.run(generate(), "the batch of step 1")

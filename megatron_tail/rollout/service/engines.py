@@ -458,10 +458,10 @@ async def _call(fn, *args):
 
 def _bound(r: RolloutSection, limit: str) -> str:
     """What bounds a wait on the engines, for the wait report: a generation request is retried after its
-    limit; a weight sync's request fails the step at its own."""
-    if limit == "weight_sync.timeout_s":
-        return f"each sync request may take rollout.weight_sync.timeout_s={r.weight_sync.timeout_s:g} s"
-    return f"a request is retried after rollout.request_timeout_s={r.request_timeout_s:g} s"
+    limit; anything else (a weight sync's requests, the engines' start) fails the step at its own."""
+    if limit == "request_timeout_s":
+        return f"a request is retried after {limit_text(r, limit)}"
+    return f"it may take {limit_text(r, limit)}"
 
 
 def _weight_sync(settings: RolloutSection, urls: list[str], local: bool):
