@@ -80,6 +80,12 @@ def veto_sequences(log_ratio: torch.Tensor, valid: torch.Tensor, threshold: floa
     return (valid & (log_ratio < math.log(threshold))).any(dim=-1)
 
 
+def _inside_mis_window(log_w: torch.Tensor, mis_low: float, mis_high: float) -> torch.Tensor:
+    """Elementwise bool: lo ≤ w ≤ hi (lo = 0: no lower bound, so w = 0 is inside)."""
+    log_low = math.log(mis_low) if mis_low > 0 else -math.inf
+    return (log_w >= log_low) & (log_w <= math.log(mis_high))
+
+
 def apply_is_mode(
     log_w: torch.Tensor, mode: str, *, tis_cap: float = 2.0, mis_low: float = 0.5, mis_high: float = 2.0
 ) -> torch.Tensor:
@@ -89,10 +95,10 @@ def apply_is_mode(
     if mode == "tis":
         return torch.exp(torch.clamp(log_w, max=math.log(tis_cap)))
     if mode == "mis":
-        log_low = math.log(mis_low) if mis_low > 0 else -math.inf
-        log_high = math.log(mis_high)
-        inside = (log_w >= log_low) & (log_w <= log_high)
-        return torch.where(inside, torch.exp(torch.clamp(log_w, max=log_high)), torch.zeros_like(log_w))
+        inside = _inside_mis_window(log_w, mis_low, mis_high)
+        return torch.where(
+            inside, torch.exp(torch.clamp(log_w, max=math.log(mis_high))), torch.zeros_like(log_w)
+        )
     raise ValueError(f"is_mode must be one of {IS_MODES}; got {mode!r}")
 
 
@@ -104,8 +110,7 @@ def rejected_by_mode(
     unsafe = log_w == -math.inf
     if mode != "mis":
         return unsafe
-    log_low = math.log(mis_low) if mis_low > 0 else -math.inf
-    return unsafe | (log_w < log_low) | (log_w > math.log(mis_high))
+    return unsafe | ~_inside_mis_window(log_w, mis_low, mis_high)
 
 
 def sequence_log_weight(log_ratio: torch.Tensor, valid: torch.Tensor, level: str) -> torch.Tensor:

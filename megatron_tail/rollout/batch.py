@@ -237,14 +237,13 @@ def log_rho_metrics(batch: RolloutBatch, log_rho: float | None) -> dict[str, flo
 def _sample_lags(batch: RolloutBatch, policy_version: int) -> list[int | None]:
     """Each sample's staleness: `policy_version` minus its oldest token's version (`token_versions`; a
     sample with no response tokens, or without them: its reported version); None without an integer one."""
-    token_versions = batch.column(VERSIONS)
-    oldest = [min(v) if v else None for v in token_versions] if token_versions is not None else None
+    token_versions = batch.column(VERSIONS) or [()] * len(batch)
     lags: list[int | None] = []
-    for i, reported in enumerate(batch.weight_versions):
-        version = oldest[i] if oldest is not None and oldest[i] is not None else None
-        if version is None and is_int_version(reported):
-            version = int(reported)
-        lags.append(None if version is None else policy_version - version)
+    for versions, reported in zip(token_versions, batch.weight_versions, strict=True):
+        if versions:
+            lags.append(policy_version - min(versions))
+        else:
+            lags.append(policy_version - int(reported) if is_int_version(reported) else None)
     return lags
 
 
