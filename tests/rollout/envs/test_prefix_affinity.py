@@ -156,3 +156,14 @@ def test_one_server_logs_no_hit_fraction():
     engines.client = SimpleNamespace(stats=stats, occupancy=SimpleNamespace(read=dict), urls=[A])
     engines._counted = {}
     assert "rollout/prefix_affinity_hits" not in engines.client_metrics()
+
+
+@pytest.mark.parametrize("value", [-1, True, 2.5])
+def test_a_bad_slack_is_refused_naming_the_key(value):
+    from megatron_tail.rollout.settings import RolloutSection
+    from megatron_tail.utils.errors import UserError
+
+    with pytest.raises(UserError, match=r"^rollout\.prefix_affinity_slack must be an int ≥ 0, or null "):
+        RolloutSection(prefix_affinity_slack=value)
+    with pytest.raises(ValueError, match=r"^prefix_affinity_slack must be an int ≥ 0 or None"):
+        ClientConfig(prefix_affinity_slack=value)
