@@ -184,6 +184,7 @@ class RolloutClient:
         processor: str | None = DVPLogitProcessor.to_str(),
         server_ended: Callable[[str], str | None] | None = None,
         table: ColumnTable = BUILTIN_COLUMNS,
+        occupancy: EngineOccupancy | None = None,
     ):
         self.urls = urls = base_urls(server_urls)
         self.table = table
@@ -194,8 +195,10 @@ class RolloutClient:
         self.healthy = dict.fromkeys(urls, True)
         self.in_flight = dict.fromkeys(urls, 0)
         self.stats = ClientStats(failures_by_server=dict.fromkeys(urls, 0))
-        self.occupancy = EngineOccupancy()
-        """Sequences in flight over time (`read()` → the engines' idle fraction since the last read)."""
+        self.occupancy = EngineOccupancy() if occupancy is None else occupancy
+        """Sequences in flight over time (`read()` → the engines' idle fraction since the last read); one
+        shared by the clients of the same engines (`Engines`: training's and greedy evaluation's) counts
+        both."""
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> RolloutClient:

@@ -146,8 +146,9 @@ def test_a_step_logs_the_overflows_and_retries_since_the_last_batch():
     engines.client = SimpleNamespace(
         stats=ClientStats(retries=2, support_overflows=1), occupancy=EngineOccupancy()
     )
+    engines.eval_client = SimpleNamespace(stats=ClientStats(retries=1))
     first = engines.client_metrics()
-    assert first["rollout/support_overflows"] == 1.0 and first["rollout/request_retries"] == 2.0
+    assert first["rollout/support_overflows"] == 1.0 and first["rollout/request_retries"] == 3.0
     assert "perf/engine_idle_fraction" in first
     engines.client.stats.support_overflows += 3
     second = engines.client_metrics()

@@ -27,6 +27,7 @@ from ..client import RolloutClient, SupportOverflowsExhausted
 from ..launch import LocalEngineConfig, wait_until_healthy
 from ..local_engine.in_process import LocalEngineThread
 from ..local_engine.process import LocalEngineProcess
+from ..occupancy import EngineOccupancy
 from ..processor import DVPLogitProcessor
 from ..protocol import MissingRoutesError, SampleKey, SampleResult, SamplingConfig
 from ..settings import RolloutSection
@@ -124,11 +125,12 @@ class Engines:
             urls = list(r.server_urls)
         client_cfg = r.client_config()
         processor = DVPLogitProcessor.to_str() if plan.log_rho is not None else None
+        busy = EngineOccupancy()  # one for both clients: the engines are busy with either's requests
         engines = cls(
             settings,
             urls,
-            RolloutClient(urls, client_cfg, processor=processor, table=plan.columns),
-            RolloutClient(urls, client_cfg, processor=None, table=plan.columns),
+            RolloutClient(urls, client_cfg, processor=processor, table=plan.columns, occupancy=busy),
+            RolloutClient(urls, client_cfg, processor=None, table=plan.columns, occupancy=busy),
             model_path=plan.model_path,
             vocab_size=plan.vocab_size,
             log_rho=plan.log_rho,
@@ -248,17 +250,22 @@ class Engines:
         return results
 
     def client_metrics(self) -> dict[str, float]:
-        """The engines' occupancy since the last batch, and the client's counters over the same span:
-        `rollout/request_retries` (attempts after a server failed one), `rollout/support_overflows` (requests
-        generated again because a token's support exceeded the servers' mask cap) and, where requests named
-        the server holding their prefix (an episode's later turns) and there is more than one server,
-        `rollout/prefix_affinity_hits` (the fraction answered there)."""
-        stats = self.client.stats
+        """The engines' occupancy since the last batch, and the clients' counters over the same span (both
+        clients': training's and evaluation's requests reach the same engines, so an evaluation between two
+        batches counts in the later one): `rollout/request_retries` (attempts after a server failed one),
+        `rollout/support_overflows` (requests generated again because a token's support exceeded the
+        servers' mask cap) and, where requests named the server holding their prefix (an episode's later
+        turns) and there is more than one server, `rollout/prefix_affinity_hits` (the fraction answered
+        there)."""
+        clients = (self.client, self.eval_client)
         now = {
-            "rollout/request_retries": stats.retries,
-            "rollout/support_overflows": stats.support_overflows,
-            "prefix_requests": stats.prefix_requests,
-            "prefix_hits": stats.prefix_hits,
+            key: sum(getattr(c.stats, field) for c in clients)
+            for key, field in (
+                ("rollout/request_retries", "retries"),
+                ("rollout/support_overflows", "support_overflows"),
+                ("prefix_requests", "prefix_requests"),
+                ("prefix_hits", "prefix_hits"),
+            )
         }
         since = {k: float(v - self._counted.get(k, 0)) for k, v in now.items()}
         self._counted = now

@@ -85,6 +85,7 @@ def test_the_hit_fraction_is_logged_per_batch():
     engines = Engines.__new__(Engines)
     stats = ClientStats()
     engines.client = SimpleNamespace(stats=stats, occupancy=SimpleNamespace(read=dict), urls=[A, B])
+    engines.eval_client = SimpleNamespace(stats=ClientStats())
     engines._counted = {}
     stats.prefix_requests, stats.prefix_hits = 8, 6
     assert engines.client_metrics()["rollout/prefix_affinity_hits"] == 0.75
@@ -154,6 +155,7 @@ def test_one_server_logs_no_hit_fraction():
     engines = Engines.__new__(Engines)
     stats = ClientStats(prefix_requests=3, prefix_hits=3)
     engines.client = SimpleNamespace(stats=stats, occupancy=SimpleNamespace(read=dict), urls=[A])
+    engines.eval_client = SimpleNamespace(stats=ClientStats())
     engines._counted = {}
     assert "rollout/prefix_affinity_hits" not in engines.client_metrics()
 
