@@ -14,6 +14,7 @@
 `serve` is meant to run as an srun task: task `SLURM_LOCALID` = i on a node listens on `port_base + i`
 and drives tp GPUs: the GPUs `[i·tp, (i+1)·tp)` of those it sees, or, where the site binds GPUs per task
 (it sees only tp of them), its own from 0 (SGLang's `--base-gpu-id`, counted in `CUDA_VISIBLE_DEVICES`).
+A local engine on `--device cuda` takes one GPU the same way (tp = 1: `--device cuda:i`).
 It binds `--host`, else this node's Slurm name unless that resolves to a loopback address (some
 clusters map the node's own name to 127.0.1.1 in /etc/hosts), then all interfaces. SGLang itself may
 run in another Python (`--server-python`: its own environment, see `scripts/setup_envs.sh`). The
@@ -128,6 +129,13 @@ def torchrun_flags(args: argparse.Namespace) -> int:
     return 0
 
 
+def local_engine_device(device: str, local_id: int, visible: str | None) -> str:
+    """The torch device of local-engine task `local_id` for `rollout.local.device`: a bare "cuda" is this
+    task's own GPU (one per task, counted as `base_gpu_id` counts them), so the servers of a node do not all
+    load on cuda:0; any other value ("cpu", an explicit "cuda:N") is kept."""
+    return f"cuda:{base_gpu_id(local_id, 1, visible)}" if device == "cuda" else device
+
+
 def serve(args: argparse.Namespace) -> int:
     from megatron_tail.rollout.launch import (
         LocalEngineConfig,
@@ -139,6 +147,13 @@ def serve(args: argparse.Namespace) -> int:
     local_id = int(os.environ.get("SLURM_LOCALID", "0"))
     port = args.port_base + local_id
     host = bind_host(args.host)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    try:
+        device = local_engine_device(args.device, local_id, visible) if args.backend == "local" else None
+        first_gpu = base_gpu_id(local_id, args.tp, visible) if args.backend == "sglang" else 0
+    except ValueError as e:
+        print(f"[mt_slurm] {_node_host()} task {local_id}: ERROR: {e}", file=sys.stderr, flush=True)
+        return 2
     if args.backend == "local":
         cfg = LocalEngineConfig(
             model_path=args.model_path,
@@ -146,7 +161,7 @@ def serve(args: argparse.Namespace) -> int:
             port=port,
             dtype=args.dtype,
             num_threads=args.num_threads,
-            device=args.device,
+            device=device,
             quantization=args.quantization,
             sampling_mask_max_tokens=args.sampling_mask_max_tokens,
             # as SGLang: --enable-deterministic-inference forces its PyTorch sampler (rollout.deterministic)
@@ -165,7 +180,7 @@ def serve(args: argparse.Namespace) -> int:
             mem_fraction_static=args.mem_fraction_static,
             context_length=args.context_length,
             random_seed=args.random_seed,
-            base_gpu_id=base_gpu_id(local_id, args.tp, os.environ.get("CUDA_VISIBLE_DEVICES")),
+            base_gpu_id=first_gpu,
             quantization=args.quantization,
             deterministic_inference=args.deterministic,
             sampling_mask_max_tokens=args.sampling_mask_max_tokens,

@@ -141,6 +141,79 @@ def test_base_gpu_id_follows_what_the_task_sees():
         base_gpu_id(0, 2, "5")
 
 
+@pytest.mark.parametrize(
+    ("local_id", "visible", "device", "want"),
+    [
+        (0, None, "cuda", "cuda:0"),
+        (3, None, "cuda", "cuda:3"),  # before: every task of the node on cuda:0
+        (3, "0,1,2,3,4,5,6,7", "cuda", "cuda:3"),
+        (3, "5", "cuda", "cuda:0"),  # the site bound this task's GPU to it
+        (3, None, "cpu", "cpu"),
+        (1, None, "cuda:2", "cuda:2"),  # explicit: kept (rl.sbatch allows it with one server a node)
+    ],
+)
+def test_each_local_engine_task_gets_its_own_gpu(monkeypatch, local_id, visible, device, want):
+    """`serve --backend local --device cuda` as the srun task SLURM_LOCALID=local_id: the engine's
+    `--device` is that task's GPU."""
+    helper = _helper()
+    started = []
+    monkeypatch.setattr(os, "execv", lambda _path, cmd: started.append(cmd))
+    monkeypatch.setenv("SLURM_LOCALID", str(local_id))
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    helper.main(["serve", "--backend", "local", "--model-path", "/m", "--port-base", "9000", "--host",
+                 "127.0.0.1", "--device", device])  # fmt: skip
+    (cmd,) = started
+    assert cmd[cmd.index("--device") + 1] == want if want != "cpu" else "--device" not in cmd
+    assert cmd[cmd.index("--port") + 1] == str(9000 + local_id)
+
+
+def test_a_server_task_without_its_gpus_is_one_line(monkeypatch, capsys):
+    """Before: a ValueError traceback in the server's log."""
+    helper = _helper()
+    monkeypatch.setattr(os, "execv", lambda *_a: pytest.fail("started without its GPUs"))
+    monkeypatch.setenv("SLURM_LOCALID", "3")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    argv = ["serve", "--model-path", "/m", "--port-base", "9000", "--host", "127.0.0.1"]
+    assert helper.main([*argv, "--backend", "local", "--device", "cuda"]) == 2
+    assert "task 3: ERROR: server task 3 needs GPUs 3..3, but CUDA_VISIBLE_DEVICES='0,1' has 2" in (
+        capsys.readouterr().err
+    )
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    assert helper.main([*argv, "--backend", "sglang", "--tp", "2"]) == 2
+    assert "server task 3 needs GPUs 6..7" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (
+            ("cluster.servers_per_node=2", "rollout.local.device=cuda:0"),
+            "rollout.local.device=cuda:0 would load all 2 local engines of a node on one GPU",
+        ),
+        (
+            ("cluster.servers_per_node=8", "rollout.local.device=cuda", "cluster.gpus_per_node=4"),
+            "8 local engines per node on rollout.local.device=cuda need a GPU each; the node has 4",
+        ),
+    ],
+)
+def test_local_engines_sharing_a_gpu_are_refused_before_any_server(tmp_path, sets, message):
+    sets = (*sets, "cluster.rollout_backend=local")
+    args = [a for s in sets for a in ("--set", s)]
+    proc = _run(tmp_path, *args, dry=False, SLURM_GPUS_ON_NODE="4" if "gpus_per_node=4" in str(sets) else "8")
+    assert proc.returncode == 1 and proc.srun_calls == [], proc.stdout + proc.stderr
+    assert message in proc.stdout + proc.stderr
+
+
+def test_local_engines_on_cuda_one_gpu_each_start(tmp_path):
+    sets = ("cluster.rollout_backend=local", "cluster.servers_per_node=4", "rollout.local.device=cuda")
+    proc = _run(tmp_path, *[a for s in sets for a in ("--set", s)], dry=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "--device cuda " in proc.stdout and "--ntasks-per-node=4" in proc.stdout
+
+
 def test_bind_host_avoids_loopback_names(monkeypatch):
     helper = _helper()
     assert helper.bind_host("10.1.2.3") == "10.1.2.3"

@@ -39,7 +39,8 @@ class LocalEngineSection:
     with `cluster.rollout_backend: local`."""
     device: str = "cpu"
     """torch device of the local engine's model, e.g. "cuda" or "cuda:0" (its sampling stays on the host, so
-    a seed draws the same tokens as on CPU). On one GPU beside the trainer, sync weights by disk
+    a seed draws the same tokens as on CPU; under `slurm/rl.sbatch`, "cuda" is each server task's own GPU).
+    On one GPU beside the trainer, sync weights by disk
     (`rollout.weight_sync.mode: disk`): NCCL refuses a second rank on the same device."""
     in_process: bool = False
     """Serve the local engine from a thread of the trainer's rank 0 instead of its own process
