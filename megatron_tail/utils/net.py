@@ -41,6 +41,22 @@ def reserve_port(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
     return _held(socket.AF_INET6 if ":" in host else socket.AF_INET, (host or "0.0.0.0", port), given)
 
 
+def reserve_named_port(key: str, host: str, port: int | None) -> socket.socket:
+    """`reserve_port(host, port or 0)`, with a `UserError` naming `key` (the setting or flag that chose the
+    port) when the port is taken or `host` cannot be bound (an address not on this host, a name that does not
+    resolve): said at once, not after a model has loaded."""
+    from megatron_tail.utils.errors import UserError
+
+    try:
+        return reserve_port(host, port or 0)
+    except OSError as e:
+        where = f"on {host}" if host else "on this host"
+        if e.errno == errno.EADDRINUSE:
+            raise UserError(f"{key}: port {port} is in use {where}; choose another") from None
+        what = f"port {port}" if port else "a free port"
+        raise UserError(f"{key}: cannot bind {what} {where} ({e.strerror})") from None
+
+
 def listen_on(sock: socket.socket) -> socket.socket:
     """`sock` (from `reserve_port`), with SO_REUSEADDR set as a server is about to listen on it: the TIME_WAIT
     its connections leave must not keep the next run off a port given by the user."""

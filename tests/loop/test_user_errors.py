@@ -215,6 +215,29 @@ def test_serve_local_names_a_missing_model_directory(tmp_path):
     ]
 
 
+def test_serve_local_names_a_taken_port_or_a_bad_host_before_loading(tiny_model_dir):
+    """Before: aiohttp's `OSError: [Errno 98] ... address already in use` (or `socket.gaierror`) traceback,
+    exit 1, once the model had loaded (minutes for a real one)."""
+    from megatron_tail.utils.net import reserve_port
+
+    with reserve_port() as held:
+        port = held.getsockname()[1]
+        held.listen()
+        proc = _cli("serve-local", "--model-path", str(tiny_model_dir), "--port", str(port))
+    assert proc.returncode == EXIT_USER_ERROR
+    assert proc.stderr.splitlines() == [
+        f"megatron-tail serve-local: error: --host 127.0.0.1 --port {port}: port {port} is in use on "
+        "127.0.0.1; choose another"
+    ]
+    assert "serving" not in proc.stdout, "refused before the model loaded and the server announced itself"
+    bad = _cli("serve-local", "--model-path", str(tiny_model_dir), "--port", "1", "--host", "999.1.1.1")
+    assert bad.returncode == EXIT_USER_ERROR
+    (line,) = bad.stderr.splitlines()
+    assert line.startswith(
+        "megatron-tail serve-local: error: --host 999.1.1.1 --port 1: cannot bind port 1 on 999.1.1.1 ("
+    ), line
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [  # before: ValueError / RuntimeError tracebacks from the engine or torch (exit 1), or a bare SystemExit

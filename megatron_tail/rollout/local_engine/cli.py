@@ -33,8 +33,8 @@ def add_serve_local_parser(subparsers) -> argparse.ArgumentParser:
         "--listen-fd",
         type=int,
         default=None,
-        help="listen on this inherited socket, already bound to --host:--port, instead of binding the port "
-        "once the model is loaded (how a trainer starts it: the port is held while the model loads)",
+        help="listen on this inherited socket, already bound to --host:--port, instead of binding it itself "
+        "(how a trainer starts it; either way the port is held while the model loads)",
     )
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument(
@@ -99,24 +99,28 @@ def serve_local(args: argparse.Namespace) -> int:
         import torch
         from aiohttp import web
 
+        from megatron_tail.model.directory import check_model_dir
         from megatron_tail.rollout.local_engine.server import build_app
-        from megatron_tail.utils.net import listen_on
+        from megatron_tail.utils.net import listen_on, reserve_named_port
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         if args.device.startswith("cuda") and not torch.cuda.is_available():
             raise UserError(f"--device {args.device} needs CUDA, and this machine has none; use --device cpu")
-        sock = None if args.listen_fd is None else _inherited_socket(args)
+        check_model_dir(args.model_path, key="--model-path")  # first: a cheaper mistake to name
+        # a taken port (or a host not bound) is said now, not after minutes of loading; held while it loads
+        if args.listen_fd is None:
+            sock = reserve_named_port(f"--host {args.host} --port {args.port}", args.host, args.port)
+        else:
+            sock = _inherited_socket(args)
         if args.num_threads is not None:
             torch.set_num_threads(args.num_threads)
         app = build_app(make_engine(args), max_batch=args.max_batch)
     print(
         f"megatron-tail local engine serving {args.model_path} on http://{args.host}:{args.port}", flush=True
     )
-    if sock is None:
-        web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
-    else:  # aiohttp's SockSite: `loop.create_server(sock=...)` listens on the socket as bound
-        sock.set_inheritable(False)  # a process the engine starts must not keep its port
-        web.run_app(app, sock=listen_on(sock), print=None, access_log=None)
+    # aiohttp's SockSite: `loop.create_server(sock=...)` listens on the socket as bound
+    sock.set_inheritable(False)  # a process the engine starts must not keep its port
+    web.run_app(app, sock=listen_on(sock), print=None, access_log=None)
     return 0
 
 

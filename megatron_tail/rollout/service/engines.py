@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import errno
 import logging
 import socket
 import threading
@@ -21,7 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from megatron_tail.utils.errors import UserError
-from megatron_tail.utils.net import reserve_port
+from megatron_tail.utils.net import reserve_named_port
 
 from ..client import RolloutClient, SupportOverflowsExhausted
 from ..launch import LocalEngineConfig, wait_until_healthy
@@ -102,7 +101,7 @@ class Engines:
         """The engines of `settings` for `plan`: a local engine starts loading now (`rollout.engine`), else
         the servers of `rollout.server_urls`; the weight transport of `rollout.weight_sync.mode`."""
         local = settings.engine == "local"
-        port = _reserved("rollout.local.port", "127.0.0.1", settings.local.port) if local else None
+        port = reserve_named_port("rollout.local.port", "127.0.0.1", settings.local.port) if local else None
         try:
             return cls._connect(settings, plan, port)
         except BaseException:
@@ -495,7 +494,7 @@ def _weight_sync(settings: RolloutSection, urls: list[str], local: bool):
     return DistributedWeightSync(
         urls,
         master_address=address,
-        listen_socket=_reserved("rollout.weight_sync.master_port", "", r.weight_sync.master_port),
+        listen_socket=reserve_named_port("rollout.weight_sync.master_port", "", r.weight_sync.master_port),
         backend="nccl" if torch.cuda.is_available() else "gloo",
         timeout_s=r.weight_sync.timeout_s,
         timeout_name="rollout.weight_sync.timeout_s",
@@ -504,15 +503,3 @@ def _weight_sync(settings: RolloutSection, urls: list[str], local: bool):
         pause_mode=r.pause_mode,
         partial_rollouts=r.partial_rollouts,
     )
-
-
-def _reserved(key: str, host: str, port: int | None):
-    """A socket holding `port` (None: one the OS picks) on `host` until its server listens on it
-    (`utils.net.reserve_port`); a `UserError` naming `key` when the port is taken or cannot be bound."""
-    try:
-        return reserve_port(host, port or 0)
-    except OSError as e:
-        if e.errno == errno.EADDRINUSE:
-            raise UserError(f"{key}: port {port} is in use on this host; choose another") from None
-        what = f"port {port}" if port else "a free port"
-        raise UserError(f"{key}: cannot bind {what} on this host ({e.strerror})") from None
