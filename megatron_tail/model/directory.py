@@ -64,10 +64,12 @@ def load_model_config(path: str | Path, key: str = "model.hf_path") -> HFArch:
         ) from None
 
 
-def check_model_dir(path: str | Path, key: str = "model.hf_path", *, tokenizer: bool = True) -> HFArch:
+def check_model_dir(
+    path: str | Path, key: str = "model.hf_path", *, tokenizer: bool = True, weights: bool = True
+) -> HFArch:
     """`load_model_config(path)` once `path` is a readable HF checkpoint of that architecture: config.json,
-    (with `tokenizer`) tokenizer files, every safetensors file whole, and exactly the expected tensors with
-    the expected shapes. UserError naming `key`, the path and the culprit otherwise."""
+    (with `tokenizer`) tokenizer files, (with `weights`) every safetensors file whole, and exactly the
+    expected tensors with the expected shapes. UserError naming `key`, the path and the culprit otherwise."""
     where = Path(path)
     arch = load_model_config(where, key)
     if tokenizer and not any((where / name).is_file() for name in TOKENIZER_FILES):
@@ -75,6 +77,8 @@ def check_model_dir(path: str | Path, key: str = "model.hf_path", *, tokenizer: 
             f"{key}: {where} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); copy the tokenizer "
             "files from the base model into it"
         )
+    if not weights:  # the architecture and tokenizer alone (a base model whose weights come from elsewhere)
+        return arch
     stored = _stored_shapes(where, key)
     expected = hf_tensor_shapes(arch)
     missing = [n for n in expected if n not in stored]

@@ -236,5 +236,6 @@ def test_offline_eval_refuses_bad_input_with_a_message(cli_run, tmp_path):
     assert proc.returncode != 0 and "data.eval_path is required to evaluate" in proc.stderr
     proc = subprocess.run([*cmd[:-1], "--hf", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr == (
-        f"megatron-tail eval: error: {tmp_path} is not a HF checkpoint directory (no config.json)\n"
+        f"megatron-tail eval: error: --hf: {tmp_path} has no config.json "
+        "(expected a HF checkpoint directory)\n"
     )

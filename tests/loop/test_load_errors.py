@@ -185,6 +185,71 @@ def test_offline_eval_refuses_an_output_path_that_is_a_file(tiny_model_dir, prom
         check_inputs(cfg, checkpoint=a_file)
 
 
+def _complete_checkpoint(tmp_path):
+    step = tmp_path / "ck" / "step_000003"
+    step.mkdir(parents=True)
+    (step / "metadata.json").write_text("{}")
+    return step
+
+
+def test_offline_eval_checks_its_inputs_before_a_checkpoint_is_loaded(tiny_model_dir, prompt_file, tmp_path):
+    """Before, `megatron-tail eval --checkpoint` loaded and exported the checkpoint (minutes for a large
+    model, writing <checkpoint>/hf) and only then met a missing eval set ("prompt file ... does not exist",
+    the key unnamed), a missing model.hf_path (`FileNotFoundError: no HF config.json`, a traceback) or a bad
+    reward."""
+    from megatron_tail.train.run.offline_eval import check_inputs
+
+    step = _complete_checkpoint(tmp_path)
+    good = {"data.eval_path": prompt_file}
+    check_inputs(_config(tiny_model_dir, prompt_file, tmp_path / "run", **good), checkpoint=step)
+    cases = [
+        (
+            {"data.eval_path": tmp_path / "nope.jsonl"},
+            r"^data.eval_path: prompt file .*nope.jsonl.*not exist",
+        ),
+        ({**good, "model.hf_path": tmp_path / "nowhere"}, r"^model.hf_path: model directory .*not found"),
+        ({**good, "data.reward": "no_such_module:fn"}, r"no_such_module"),
+    ]
+    for extra, message in cases:
+        cfg = _config(tiny_model_dir, prompt_file, tmp_path / "run", **extra)
+        with pytest.raises(UserError, match=message):
+            check_inputs(cfg, checkpoint=step)
+
+
+def test_offline_eval_needs_the_base_models_config_not_its_weights(tiny_model_dir, prompt_file, tmp_path):
+    """With --checkpoint the weights come from the checkpoint: model.hf_path needs config.json and the
+    tokenizer (the export copies them), not its safetensors."""
+    from megatron_tail.train.run.offline_eval import check_inputs
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_model_dir, base, ignore=shutil.ignore_patterns("*.safetensors*"))
+    cfg = _config(base, prompt_file, tmp_path / "run", **{"data.eval_path": prompt_file})
+    check_inputs(cfg, checkpoint=_complete_checkpoint(tmp_path))
+    with pytest.raises(UserError, match=r"^--hf: "):  # an --hf model is served as it is: weights needed
+        check_inputs(cfg, hf_dir=base, out_dir=tmp_path / "out")
+
+
+def test_offline_eval_names_where_it_cannot_write(tiny_model_dir, prompt_file, tmp_path, monkeypatch):
+    """Before: a `PermissionError` traceback from `out.mkdir` or the results' write, after the model was
+    loaded (a model in a read-only shared directory, evaluated without --out). `unwritable_reason` itself
+    meets a real read-only mount in the run-directory test below; here it is stood in."""
+    from megatron_tail.train.run.offline_eval import check_inputs
+    from megatron_tail.utils import paths
+
+    readonly = {tiny_model_dir, tmp_path / "ck"}
+    monkeypatch.setattr(
+        paths, "unwritable_reason", lambda p: f"{p} is not writable by this user" if p in readonly else None
+    )
+    cfg = _config(tiny_model_dir, prompt_file, tmp_path / "run", **{"data.eval_path": prompt_file})
+    with pytest.raises(UserError, match=r"^--hf \(no --out\) .* not writable by this user; pass --out DIR$"):
+        check_inputs(cfg, hf_dir=tiny_model_dir)
+    check_inputs(cfg, hf_dir=tiny_model_dir, out_dir=tmp_path / "out")
+    step = _complete_checkpoint(tmp_path)
+    readonly.add(step)
+    with pytest.raises(UserError, match=r"^--checkpoint \(its export, hf/\) .*step_000003: the evaluation"):
+        check_inputs(cfg, checkpoint=step, out_dir=tmp_path / "out")
+
+
 @no_cuda
 def test_transformer_engine_where_it_cannot_run_is_refused_naming_the_key(
     tiny_model_dir, prompt_file, tmp_path

@@ -31,9 +31,15 @@ def evaluate_offline(
     """Exactly one of `hf_dir` / `checkpoint`; `cfg.data.eval_path` must be set. Returns the `eval/*`
     scalars and writes them to `<out_dir>/eval.json` (default: the model directory), the local engine's
     log to `<out_dir>/logs/` (so a read-only model directory needs `out_dir`)."""
+    from .session import load_eval_examples, load_tokenizer
+
     check_inputs(cfg, hf_dir=hf_dir, checkpoint=checkpoint, out_dir=out_dir)
     if cfg.algorithm.adaptive_rho:
         cfg = with_checkpoint_log_rho(cfg, Path(checkpoint))
+    # the prompts before a checkpoint's export (minutes for a large model): a bad row is said first; the
+    # export copies its tokenizer from model.hf_path, so both tokenize alike
+    tokenizer = load_tokenizer(str(hf_dir if hf_dir is not None else cfg.model.hf_path))
+    examples = load_eval_examples(cfg.data, tokenizer)
     model_dir = Path(hf_dir) if hf_dir is not None else export_checkpoint(cfg, Path(checkpoint))
     out = Path(out_dir) if out_dir is not None else model_dir
     out.mkdir(parents=True, exist_ok=True)
@@ -43,7 +49,7 @@ def evaluate_offline(
         model=replace(cfg.model, hf_path=str(model_dir)),
         rollout=replace(cfg.rollout, weight_sync=replace(cfg.rollout.weight_sync, mode="disk")),
     )
-    scalars = _evaluate(served, model_dir, out)
+    scalars = _evaluate(served, model_dir, out, tokenizer, examples)
     (out / "eval.json").write_text(json.dumps(scalars, indent=2, sort_keys=True))
     return scalars
 
@@ -56,21 +62,40 @@ def check_inputs(
     out_dir: str | Path | None = None,
 ) -> None:
     """What `evaluate_offline` needs that can be told without torch or megatron-core (`megatron-tail eval`
-    checks it before importing them): exactly one model, an eval set, a model directory that is one.
-    UserError naming the bad input."""
+    checks it before importing them): exactly one model, an eval set that is a prompt file, the reward and
+    environment it names, a model directory that is one (with a checkpoint: `model.hf_path`'s config and
+    tokenizer, which the export copies), and somewhere writable for the results (`--out`, else the model
+    directory; a checkpoint's export writes `<checkpoint>/hf`). UserError naming the bad input."""
+    from megatron_tail.data.prompts import check_prompt_file
+    from megatron_tail.model.directory import check_model_dir
+    from megatron_tail.rewards.registry import load_reward_fn
+    from megatron_tail.rollout.envs.registry import load_env_class
+    from megatron_tail.utils.paths import unwritable_reason
+
     if (hf_dir is None) == (checkpoint is None):
         raise UserError(
             f"evaluate_offline needs exactly one of hf_dir, checkpoint; got {hf_dir=}, {checkpoint=}"
         )
     if cfg.data.eval_path is None:
         raise UserError("data.eval_path is required to evaluate (a jsonl/json/parquet file of prompts)")
+    check_prompt_file(cfg.data.eval_path, "data.eval_path")
+    load_reward_fn(cfg.data.reward)
+    if cfg.rollout.env.name is not None:
+        load_env_class(cfg.rollout.env.name)
     if checkpoint is not None and not Path(checkpoint).is_dir():
         what = "is not a directory" if Path(checkpoint).exists() else "does not exist"
         raise UserError(f"--checkpoint {checkpoint} {what} (a run's checkpoints/step_NNNNNN directory)")
     if checkpoint is not None and not (Path(checkpoint) / "metadata.json").is_file():
         raise UserError(f"--checkpoint {checkpoint} is not a complete checkpoint (no metadata.json)")
-    if hf_dir is not None and not (Path(hf_dir) / "config.json").is_file():
-        raise UserError(f"{hf_dir} is not a HF checkpoint directory (no config.json)")
+    if hf_dir is not None:
+        check_model_dir(hf_dir, key="--hf")
+    elif not cfg.model.hf_path:
+        raise UserError(
+            "model.hf_path is required with --checkpoint: its export takes the base model's config.json and "
+            "tokenizer from there"
+        )
+    else:
+        check_model_dir(cfg.model.hf_path, weights=False)  # the weights come from the checkpoint
     if cfg.algorithm.adaptive_rho and hf_dir is not None:
         raise UserError(
             f"algorithm.log_rho: auto has no value for {hf_dir} (an exported model keeps no log ρ): evaluate "
@@ -81,6 +106,16 @@ def check_inputs(
         raise UserError(
             f"--out {out_dir} is a file; a directory for eval.json and the engine's logs is expected"
         )
+    writes = [("--out", out_dir)] if out_dir is not None else [("--hf (no --out)", hf_dir)]
+    if checkpoint is not None:
+        writes = [("--checkpoint (its export, hf/)", checkpoint), *([("--out", out_dir)] if out_dir else [])]
+    for flag, where in writes:
+        reason = unwritable_reason(where)
+        if reason is not None:
+            raise UserError(
+                f"{flag} {where}: the evaluation writes there (eval.json, the engine's logs): {reason}"
+                + ("; pass --out DIR" if flag.startswith("--hf") else "")
+            )
 
 
 def with_checkpoint_log_rho(cfg: RunConfig, checkpoint: Path) -> RunConfig:
@@ -127,16 +162,13 @@ def export_checkpoint(cfg: RunConfig, checkpoint: Path) -> Path:
     return out
 
 
-def _evaluate(cfg: RunConfig, model_dir: Path, out: Path) -> dict[str, float]:
+def _evaluate(cfg: RunConfig, model_dir: Path, out: Path, tokenizer, examples) -> dict[str, float]:
     from megatron_tail.model.directory import check_model_dir
     from megatron_tail.rollout.weight_sync import HFDirectory
 
     from .rollout_plan import start_rollout
-    from .session import load_eval_examples, load_tokenizer
 
     check_model_dir(model_dir, key="the model to evaluate")
-    tokenizer = load_tokenizer(str(model_dir))
-    examples = load_eval_examples(cfg.data, tokenizer)
     engines = start_rollout(cfg, out, tokenizer)
     try:
         engines.wait_ready()
