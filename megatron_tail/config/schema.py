@@ -407,6 +407,7 @@ class RunConfig:
         self.check_runnable()
         from megatron_tail.data.prompts import check_prompt_file
         from megatron_tail.model.directory import check_model_dir
+        from megatron_tail.model.layout import check_parallel_layout
         from megatron_tail.rewards.registry import load_reward_fn
         from megatron_tail.rollout.envs.registry import load_env_class
         from megatron_tail.utils.errors import global_rank
@@ -422,7 +423,15 @@ class RunConfig:
         check_prompt_file(self.data.train_path, "data.train_path")
         if self.data.eval_path:
             check_prompt_file(self.data.eval_path, "data.eval_path")
-        check_model_dir(self.model.hf_path)
+        arch = check_model_dir(self.model.hf_path)
+        p = self.parallel
+        check_parallel_layout(
+            arch,
+            tensor_parallel=p.tensor_parallel,
+            pipeline_parallel=p.pipeline_parallel,
+            expert_parallel=p.expert_parallel,
+            expert_tensor_parallel=p.expert_tensor_parallel,
+        )
         # only rank 0 reads the prompts: the other ranks would hold a copy of the tokenized set for nothing
         if global_rank() == 0:
             from megatron_tail.config.run_inputs import run_prompts

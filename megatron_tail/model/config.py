@@ -15,8 +15,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from .hf_config import HFArch
+from .layout import check_parallel_layout
 from .moe import check_cpu_moe_layout, moe_config_fields
-from .moe_arch import check_expert_layout
 from .settings import DEFAULT_VOCAB_PAD_MULTIPLE, ModelSettings
 
 
@@ -52,15 +52,14 @@ def transformer_config(
     ep = parallel_state.get_expert_model_parallel_world_size()
     etp = parallel_state.get_expert_tensor_parallel_world_size()
     # megatron's parallel state knows no "unset": ETP = TP is its default (initialize_model_parallel)
-    check_expert_layout(
-        arch.moe,
-        arch.architecture,
+    check_parallel_layout(
+        arch,
         tensor_parallel=tp,
+        pipeline_parallel=pp,
         expert_parallel=ep,
         expert_tensor_parallel=None if etp == tp else etp,
     )
     check_cpu_moe_layout(arch, settings, pp)
-    _check_divisible(arch, tp, pp)
     precision = settings.resolved_precision()
     dtype = settings.resolved_dtype()
     cpu_init = settings.use_cpu_initialization
@@ -148,21 +147,3 @@ def layer_spec(arch: HFArch, settings: ModelSettings | None = None) -> ModuleSpe
     if settings.resolved_use_te():
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
     return local_layer_spec(qk_layernorm=arch.qk_norm)
-
-
-def _check_divisible(arch: HFArch, tp: int, pp: int) -> None:
-    if arch.num_attention_heads % tp:
-        raise ValueError(
-            f"num_attention_heads={arch.num_attention_heads} is not divisible by tensor_parallel={tp}"
-        )
-    if arch.num_key_value_heads % tp and tp % arch.num_key_value_heads:
-        raise ValueError(
-            f"num_key_value_heads={arch.num_key_value_heads} and tensor_parallel={tp}: "
-            "one must divide the other"
-        )
-    if (arch.moe is None or arch.moe.has_dense_layers) and arch.intermediate_size % tp:
-        raise ValueError(
-            f"intermediate_size={arch.intermediate_size} is not divisible by tensor_parallel={tp}"
-        )
-    if arch.num_layers % pp:
-        raise ValueError(f"num_hidden_layers={arch.num_layers} is not divisible by pipeline_parallel={pp}")

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field, replace
 from megatron_tail.config.cluster import PLAN_GPUS_PER_NODE, PLAN_MEM_FRACTION, PLAN_NODES
 from megatron_tail.config.schema import RunConfig
 from megatron_tail.model.directory import load_model_config
-from megatron_tail.model.moe_arch import check_expert_layout, check_routing_replay
+from megatron_tail.model.layout import check_parallel_layout
+from megatron_tail.model.moe_arch import check_routing_replay
 
 from .rollout import ENGINE_DTYPE_BYTES, KV_DTYPE_BYTES, RolloutLayout, RolloutMemory, rollout_memory
 from .shapes import ModelShape
@@ -192,9 +193,9 @@ def make_plan(config: RunConfig, cluster: Cluster) -> Plan:
     tp, pp = config.parallel.tensor_parallel, config.parallel.pipeline_parallel
     cp = config.parallel.context_parallel
     ep, etp = config.parallel.expert_parallel, config.parallel.expert_tensor_parallel
-    # one line naming the values: expert options on a dense model, EP ∤ experts, ETP ∤ moe_intermediate_size
-    check_expert_layout(
-        arch.moe, arch.architecture, tensor_parallel=tp, expert_parallel=ep, expert_tensor_parallel=etp
+    # one line naming the values, as `train` refuses them: TP ∤ heads or FFN, PP ∤ layers, the expert layout
+    check_parallel_layout(
+        arch, tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep, expert_tensor_parallel=etp
     )
     check_routing_replay(routing_replay(config), arch.moe, arch.architecture)  # as `train` refuses it
     etp = etp or tp
@@ -211,8 +212,6 @@ def make_plan(config: RunConfig, cluster: Cluster) -> Plan:
             f"{trainer_gpus} trainer GPUs are not a multiple of "
             f"expert_tensor_parallel × expert_parallel × pipeline_parallel = {etp} × {ep} × {pp}"
         )
-    if shape.layers % pp:
-        raise ValueError(f"num_hidden_layers={shape.layers} is not divisible by pipeline_parallel={pp}")
     _check_moe_layout(shape, config, cluster)
     dp = trainer_gpus // (tp * pp * cp)
     precision = config.model.precision_on(cuda=True)  # the plan is of GPUs

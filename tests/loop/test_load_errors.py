@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -183,6 +184,40 @@ def test_offline_eval_refuses_an_output_path_that_is_a_file(tiny_model_dir, prom
     # a --checkpoint that is a file: before, "does not exist", though it does
     with pytest.raises(UserError, match=rf"^--checkpoint {a_file} is not a directory \(a run's checkpoints/"):
         check_inputs(cfg, checkpoint=a_file)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            {"parallel.pipeline_parallel": 3},
+            "parallel.pipeline_parallel=3 does not divide the model's num_hidden_layers=2 (equal stages)",
+        ),
+        (
+            {"parallel.tensor_parallel": 3, "model.vocab_pad_multiple": 384},
+            "parallel.tensor_parallel=3 does not divide the model's num_attention_heads=4",
+        ),
+        (
+            {"parallel.tensor_parallel": 4},  # 4 heads, 2 KV heads (replicated): the FFN's 64 divides too
+            None,
+        ),
+        (
+            {"parallel.expert_parallel": 2},
+            "parallel.expert_parallel=2, parallel.expert_tensor_parallel=None: Qwen3ForCausalLM is a dense",
+        ),
+    ],
+)
+def test_a_layout_the_model_cannot_take_is_refused_at_load(
+    tiny_model_dir, prompt_file, tmp_path, extra, message
+):
+    """Before: `ValueError: num_hidden_layers=3 is not divisible by pipeline_parallel=2` as a traceback on
+    every rank, after megatron-core had started (and rank 0 its engine)."""
+    cfg = _config(tiny_model_dir, prompt_file, tmp_path / "run", **extra)
+    if message is None:
+        cfg.check_inputs()
+        return
+    with pytest.raises(UserError, match=re.escape(message)):
+        cfg.check_inputs()
 
 
 def _complete_checkpoint(tmp_path):

@@ -162,8 +162,17 @@ def test_bad_layout_is_one_clear_error(capsys):
             ["--set", "algorithm.routing_replay=r3"],
             "algorithm.routing_replay=r3 needs a mixture-of-experts model; Qwen3ForCausalLM is dense",
         ),
+        (  # before: the plan said nothing of the heads, and `train` raised once megatron had started
+            ["--set", "parallel.tensor_parallel=64", "--nodes", "9"],
+            "parallel.tensor_parallel=64 does not divide the model's num_attention_heads=32 "
+            "(Qwen3ForCausalLM, config.json)",
+        ),
+        (
+            ["--set", "parallel.pipeline_parallel=5", "--nodes", "6"],
+            "parallel.pipeline_parallel=5 does not divide the model's num_hidden_layers=36 (equal stages)",
+        ),
     ],
-    ids=["inf_memory", "nan_reserve", "quantization", "replay_on_dense"],
+    ids=["inf_memory", "nan_reserve", "quantization", "replay_on_dense", "tp_heads", "pp_layers"],
 )
 def test_a_bad_flag_or_setting_is_one_line(capsys, flags, message):
     rc = main(["plan", str(EXAMPLE_8B), "--set", f"model.hf_path={QWEN3_8B}", *flags])
