@@ -221,12 +221,22 @@ def _check_json(path: Path) -> None:
 
 
 def get_field(record: dict[str, Any], dotted: str, where: str) -> Any:
-    """`record["a"]["b"]` for `dotted="a.b"`; ValueError naming the missing field and the fields present."""
+    """`record["a"]["b"]` for `dotted="a.b"`; ValueError naming the missing field and the fields present.
+
+    A null on the way counts as missing, and the fields named are those with a value: `datasets` gives every
+    row each key the file has anywhere, null where the row has none. A null at the end is returned, for the
+    caller to say what it needed (`answer_text`, `prompt_of`)."""
     value: Any = record
     walked = []
-    for part in dotted.split("."):
-        if not isinstance(value, dict) or part not in value:
-            present = sorted(value) if isinstance(value, dict) else f"a {type(value).__name__}, not a record"
+    parts = dotted.split(".")
+    for i, part in enumerate(parts):
+        inside = isinstance(value, dict) and part in value
+        if not inside or (value[part] is None and i < len(parts) - 1):
+            present = (
+                sorted(k for k, v in value.items() if v is not None)
+                if isinstance(value, dict)
+                else f"a {type(value).__name__}, not a record"
+            )
             at = ".".join(walked) or "the top level"
             raise UserError(
                 f"{where}: field {dotted!r} not found: no {part!r} at {at}; fields there: {present}"
@@ -234,6 +244,16 @@ def get_field(record: dict[str, Any], dotted: str, where: str) -> Any:
         value = value[part]
         walked.append(part)
     return value
+
+
+def prompt_of(record: dict[str, Any], key: str, where: str) -> Any:
+    """The prompt field `key` of `record` (`get_field`); UserError naming the row where it is missing or null
+    (a row of a file whose other rows have it: `datasets` fills it with null)."""
+    prompt = get_field(record, key, where)
+    if prompt is None:
+        present = sorted(k for k, v in record.items() if v is not None)
+        raise UserError(f"{where}: no prompt ({key!r} is missing or null); the row's fields: {present}")
+    return prompt
 
 
 def answer_text(value: Any, key: str, where: str) -> str:
@@ -277,7 +297,7 @@ def load_prompts(config: PromptDataConfig, tokenizer) -> list[PromptExample]:
     for index, record in enumerate(dataset):
         where = _place(config.path, index, lines)
         answer = answer_text(get_field(record, config.answer_key, where), config.answer_key, where)
-        text = render_prompt(get_field(record, config.prompt_key, where), config, tokenizer, where)
+        text = render_prompt(prompt_of(record, config.prompt_key, where), config, tokenizer, where)
         ids = tokenize_known(tokenizer, text, where)
         if config.max_prompt_tokens is not None and len(ids) > config.max_prompt_tokens:
             dropped += 1

@@ -77,6 +77,31 @@ def test_a_record_without_an_answer_is_refused_at_load_naming_file_and_row(token
         _load(path, tokenizer, tmp_path)
 
 
+@pytest.mark.parametrize(
+    ("rows", "fields", "message"),
+    [
+        (  # before: "line 2: without a chat template the prompt must be a string; got NoneType"
+            [{"prompt": "1+1=", "answer": "2"}, {"question": "1+2=", "answer": "3"}],
+            {},
+            r"line 2: no prompt \('prompt' is missing or null\); the row's fields: \['answer', 'question'\]",
+        ),
+        (  # before: "no 'ground_truth' at reward_model; fields there: a NoneType, not a record"
+            [{"prompt": "x", "reward_model": {"ground_truth": "1"}}, {"prompt": "y", "answer": "2"}],
+            {"answer_key": "reward_model.ground_truth"},
+            r"line 2: field 'reward_model.ground_truth' not found: no 'reward_model' at the top level; "
+            r"fields there: \['answer', 'prompt'\]",
+        ),
+    ],
+)
+def test_a_field_another_row_has_is_named_as_missing(tokenizer, tmp_path, rows, fields, message):
+    """`datasets` gives a row every key of the file, null where it has none: a missing field read as a null
+    of the wrong type."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(UserError, match=rf"{path} {message}"):
+        _load(path, tokenizer, tmp_path, **fields)
+
+
 def test_numeric_answers_reach_the_reward_as_the_file_spells_them(tokenizer, tmp_path):
     """A column of integers and decimals is read as floats (pyarrow), so line 1's 12 arrived as "12.0",
     which the arithmetic reward refused at step 1 without naming the row; true reached a reward as "True"."""
