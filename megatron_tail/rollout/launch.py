@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from megatron_tail.utils.errors import UserError
+
 SGLANG_DTYPES = ("auto", "bfloat16", "float16", "float32")
 QUANTIZATIONS = ("none", "fp8")
 """`rollout.quantization`: "fp8" = FP8 rollouts from the bf16 checkpoint (see `SGLangServerConfig`)."""
@@ -247,6 +249,12 @@ async def wait_until_healthy(urls: Sequence[str], timeout_s: float = 600.0, inte
                     async with session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=5)) as resp:
                         if resp.status == 200:
                             pending.discard(url)
+                        elif resp.status == 404:  # a server answered, without /health here: not its base
+                            raise UserError(
+                                f"{url}/health answered HTTP 404: {url} is not an SGLang server's base URL "
+                                "(rollout.server_urls takes http://HOST:PORT[/PREFIX], to which /health and "
+                                "/generate are appended)"
+                            )
                 except (TimeoutError, aiohttp.ClientError):
                     pass
             if pending and time.monotonic() > deadline:

@@ -102,7 +102,21 @@ def base_url_problem(url: object) -> str | None:
         return "it names no host"
     if parsed.explicit_port == 0:
         return "its port is 0"
+    last = parsed.path.rstrip("/").rsplit("/", 1)[-1]
+    if last in ENDPOINTS:
+        return (
+            f"it ends in /{last}, an endpoint (give the server's base URL: /generate etc. are appended to it)"
+        )
     return None
+
+
+ENDPOINTS = frozenset(
+    {"generate", "health", "health_generate", "v1", "model_info", "get_model_info", "server_info",
+     "get_server_info", "flush_cache", "update_weights_from_disk", "update_weights_from_distributed",
+     "init_weights_update_group", "pause_generation", "continue_generation", "abort_request"}
+)  # fmt: skip
+"""The SGLang server endpoints (`srt/entrypoints/http_server.py`) the client appends to a base URL: a URL
+ending in one is a copied endpoint, not a base (nothing is served under `/generate/...`)."""
 
 
 def base_urls(server_urls: str | Sequence[str]) -> list[str]:

@@ -49,6 +49,9 @@ def test_server_urls_with_the_local_engine_is_refused():
         ("localhost:8000", "it is not an http:// or https:// URL"),
         ("http://a:1?x=1", "it has a query or fragment"),
         ("http://a :1", "it contains whitespace"),
+        # before: /generate/health answered 404 for rollout.startup_timeout_s, then exit 4 blaming the server
+        ("http://a:1/generate", "it ends in /generate, an endpoint (give the server's base URL"),
+        ("http://a:1/v1/", "it ends in /v1, an endpoint"),
     ],
 )
 def test_a_server_url_that_aiohttp_cannot_use_is_refused_at_load(url, why):
@@ -59,6 +62,26 @@ def test_a_server_url_that_aiohttp_cannot_use_is_refused_at_load(url, why):
     pattern = rf"{re.escape(start + why)}.*; got {re.escape(repr(url))}$"
     with pytest.raises(ConfigError, match=pattern):
         load_config(None, ["rollout.engine=remote", f"rollout.server_urls=[http://b:2, '{url}']"])
+
+
+def test_a_url_that_is_no_servers_base_is_said_at_the_first_probe():
+    """Something answers, but not /health (a proxy's prefix, a copied sub-path): before, the probes went on
+    for rollout.startup_timeout_s (300 s) and the run exited 4, "servers not healthy"."""
+    import asyncio
+
+    from aiohttp import web
+
+    from megatron_tail.rollout.launch import wait_until_healthy
+    from tests.rollout.servers import serving_app
+
+    async def probe():
+        async with serving_app(web.Application()) as url:
+            await wait_until_healthy([f"{url}/sglang"], timeout_s=300.0)
+
+    with pytest.raises(
+        UserError, match=r"/sglang/health answered HTTP 404: .*/sglang is not an SGLang server"
+    ):
+        asyncio.run(asyncio.wait_for(probe(), 60))
 
 
 def test_the_same_server_url_twice_is_refused_at_load():
