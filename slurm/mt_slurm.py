@@ -3,6 +3,8 @@
     mt_slurm.py config-get CONFIG KEY... [--set a.b=v ...]  print resolved config values, one per line
                                                              (refuses the layout variables of earlier
                                                              versions: `config.cluster.MOVED_ENVIRONMENT`)
+    mt_slurm.py check-inputs CONFIG [--set a.b=v ...]       check what the trainer reads (data, reward,
+                                                             model directory, layout) as `train` does
     mt_slurm.py serve --backend {sglang,local} --model-path DIR --port-base P [--tp N] [...]
                                                              exec one rollout server (one per srun task)
     mt_slurm.py router --port P URL...                       exec the SGLang router in front of URL...
@@ -104,6 +106,23 @@ def config_get(args: argparse.Namespace) -> int:
         for part in key.split("."):
             value = getattr(value, part)
         print(_format_value(key, value))
+    return 0
+
+
+def check_inputs(args: argparse.Namespace) -> int:
+    """What the trainer reads, checked as its `train` checks it at load (`RunConfig.check_inputs`: the run
+    directory, the reward and environment, the prompt files and every prompt, the model directory and the
+    layout it can take) but for the machine (CUDA, the local engine's device: that is the trainer nodes'
+    business). rl.sbatch runs it before any server starts, so a user's mistake costs no servers' start-up.
+    A mistake: one line on stderr, exit 2."""
+    from megatron_tail.config import load_config
+    from megatron_tail.utils.errors import UserError
+
+    try:
+        load_config(args.config, args.set).check_inputs(host=False)
+    except UserError as exc:
+        print(f"mt_slurm.py check-inputs: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -303,6 +322,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--server-python", default="", help="the Python that runs the router [this one]")
     p.add_argument("urls", nargs="+")
     p.set_defaults(func=router)
+
+    p = sub.add_parser("check-inputs", help="check what the trainer reads (data, model, reward) as train")
+    p.add_argument("config")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.set_defaults(func=check_inputs)
 
     p = sub.add_parser("torchrun-flags", help="which of --NAME... this Python's torchrun accepts")
     p.add_argument("names", nargs="+", metavar="NAME", help="a flag without its dashes")

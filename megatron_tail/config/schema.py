@@ -396,7 +396,7 @@ class RunConfig:
         if not self.data.train_path:
             _bad("data", "train_path", self.data.train_path, "is required (a jsonl/json/parquet file)")
 
-    def check_inputs(self) -> None:
+    def check_inputs(self, *, host: bool = True) -> None:
         """`check_runnable`, and what the run reads on this machine, as far as it can be told without
         megatron-core (`train` calls this before importing it, so a user's mistake is one line, not one
         after megatron's start-up): what the settings need of this machine (CUDA for the Triton op or a
@@ -413,8 +413,9 @@ class RunConfig:
         from megatron_tail.utils.errors import global_rank
         from megatron_tail.utils.paths import check_run_dir
 
-        self.model.check_host()
-        self.rollout.check_host()
+        if host:  # else: on another machine than the run's (slurm/rl.sbatch's batch step, before the job)
+            self.model.check_host()
+            self.rollout.check_host()
         check_run_dir(self.run_dir)
 
         if self.rollout.env.name is not None:

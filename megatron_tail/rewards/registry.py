@@ -59,21 +59,21 @@ def load_reward_fn(spec: str) -> RewardFn:
     """The reward named by a built-in (`math`, `arithmetic`) or a dotted path `package.module:function`."""
     if not isinstance(spec, str) or not spec.strip():
         raise UserError(
-            f"reward must be a built-in name {sorted(BUILTIN_REWARDS)} or a dotted path; got {spec!r}"
+            f"data.reward must be a built-in name {sorted(BUILTIN_REWARDS)} or a dotted path; got {spec!r}"
         )
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
     module_name, sep, attr = spec.partition(":") if ":" in spec else spec.rpartition(".")
     if not sep or not module_name or not attr:
         raise UserError(
-            f"reward {spec!r} is neither a built-in {sorted(BUILTIN_REWARDS)} "
+            f"data.reward {spec!r} is neither a built-in {sorted(BUILTIN_REWARDS)} "
             "nor a dotted path 'package.module:function'"
         )
-    module = import_user_module(module_name, f"reward {spec!r}")
+    module = import_user_module(module_name, f"data.reward {spec!r}")
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise UserError(f"reward {spec!r}: module {module_name!r} has no callable {attr!r}")
-    check_call_shape(fn, ("completion", "answer"), f"reward {spec!r}")
+        raise UserError(f"data.reward {spec!r}: module {module_name!r} has no callable {attr!r}")
+    check_call_shape(fn, ("completion", "answer"), f"data.reward {spec!r}")
     declared_range(fn)  # a malformed reward_range: refused at load, not at the first step's bound
     return fn
 

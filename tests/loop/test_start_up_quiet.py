@@ -47,7 +47,7 @@ def _train(tmp_path, *overrides):
         ),
         (
             ["data.reward=no_such_module_xyz:score", "model.hf_path=/nonexistent/model"],
-            "reward 'no_such_module_xyz:score': cannot import module 'no_such_module_xyz'",
+            "data.reward 'no_such_module_xyz:score': cannot import module 'no_such_module_xyz'",
         ),
         (["data.train_path=EMPTY", "model.hf_path=/nonexistent/model"], "data.train_path: prompt file "),
         (

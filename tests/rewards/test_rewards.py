@@ -125,7 +125,7 @@ def test_plugin_rewards_load_by_dotted_path():
         # before: a failure at step 1 pointing into our registry, or a ValueError from unpacking the range
         (
             "tests.rewards.plugin_reward:one_argument",
-            r"reward 'tests.rewards.plugin_reward:one_argument' must take \(completion, answer\); its "
+            r"data.reward 'tests.rewards.plugin_reward:one_argument' must take \(completion, answer\); its "
             r"signature is \(completion: str\) -> float$",
         ),
         (
@@ -156,7 +156,7 @@ def test_a_reward_module_that_fails_to_import_names_its_file_and_line(tmp_path, 
     (tmp_path / "user_reward.py").write_text(source)
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(
-        ValueError, match=rf"^reward 'user_reward:score': importing module 'user_reward' {message}"
+        ValueError, match=rf"^data.reward 'user_reward:score': importing module 'user_reward' {message}"
     ):
         load_reward_fn("user_reward:score")
 

@@ -19,7 +19,9 @@ QWEN3_8B = REPO / "tests/plan/configs/qwen3_8b"
 EXAMPLE = "examples/qwen3_8b_grpo_dvp.yaml"
 
 
-def _run(tmp_path: Path, *args: str, dry: bool, **env_over: str) -> subprocess.CompletedProcess:
+def _run(
+    tmp_path: Path, *args: str, dry: bool, config: str | Path = EXAMPLE, **env_over: str
+) -> subprocess.CompletedProcess:
     """rl.sbatch outside Slurm with stand-ins: `scontrol` lists the nodes, `srun`/`squeue` record calls."""
     bindir = tmp_path / "bin"
     bindir.mkdir(exist_ok=True)
@@ -44,7 +46,7 @@ def _run(tmp_path: Path, *args: str, dry: bool, **env_over: str) -> subprocess.C
         **env_over,
     }
     proc = subprocess.run(
-        ["bash", str(RL_SBATCH), EXAMPLE, *where, *args],
+        ["bash", str(RL_SBATCH), str(config), *where, *args],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -235,6 +237,27 @@ def test_the_local_backend_gets_its_device_and_the_trainers_refusals_come_before
     assert noisy.returncode == 1 and noisy.srun_calls == []
     assert "local.kv_cache_dtype/local.logit_noise" in noisy.stderr, noisy.stderr
     assert "as the trainer will, with rollout.engine=remote" in noisy.stdout, noisy.stdout
+
+
+def test_what_the_trainer_reads_is_checked_before_any_server_starts(tmp_path, tiny_model_dir, prompt_file):
+    """Before: the plan read only config.json, so a missing prompt file or reward started the servers, waited
+    for them (up to cluster.health_timeout_s), and failed in the trainer's log."""
+    from tests.slurm.test_rl_sbatch import write_config
+
+    tiny = write_config(tmp_path, tiny_model_dir, prompt_file, steps=1)
+    model = ("--set", f"model.hf_path={tiny_model_dir}")  # after _run's own
+    missing = _run(
+        tmp_path, *model, "--set", f"data.train_path={tmp_path / 'no.jsonl'}", dry=False, config=tiny
+    )
+    assert missing.returncode == 1 and missing.srun_calls == [], missing.stdout + missing.stderr
+    assert "ERROR: the trainer would refuse this run: mt_slurm.py check-inputs: " in missing.stdout
+    assert "data.train_path" in missing.stdout and "no.jsonl" in missing.stdout, missing.stdout
+    reward = _run(tmp_path, *model, "--set", "data.reward=nope:f", dry=False, config=tiny)
+    assert reward.returncode == 1 and reward.srun_calls == [] and "data.reward" in reward.stdout, (
+        reward.stdout
+    )
+    started = _run(tmp_path, *model, dry=False, config=tiny)  # all of it readable: the servers start
+    assert any("mt-servers" in c for c in started.srun_calls), started.stdout + started.stderr
 
 
 def test_setting_what_rl_sbatch_sets_for_the_trainer_is_refused_by_name(tmp_path):
