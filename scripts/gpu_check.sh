@@ -23,6 +23,10 @@ DOWNLOAD_ARGS=()
 
 while [[ $# -gt 0 ]]; do
     case "$1" in
+        --python-version|--platform|--wheels|--limit-s)
+            if [[ $# -lt 2 || "$2" == --* ]]; then echo "gpu_check: $1 needs a value (see --help)" >&2; exit 2; fi ;;
+    esac
+    case "$1" in
         --dry-run) MODE=dry ;;
         --download) MODE=download ;;
         --python-version) DOWNLOAD_ARGS+=(--python-version "$2"); shift ;;

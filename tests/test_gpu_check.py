@@ -148,3 +148,16 @@ def test_an_expected_failure_is_its_own_outcome_in_the_table():
     }  # fmt: skip
     text, ok = render(data)
     assert ok and "1 passed, 1 xfailed" in text and "known failure: issue 51" in text
+
+
+@pytest.mark.parametrize("flag", ["--wheels", "--limit-s", "--platform", "--python-version"])
+def test_a_flag_without_its_value_is_one_line(flag):
+    """Before: bash's "$2: unbound variable", exit 1."""
+    proc = subprocess.run(
+        ["bash", "scripts/gpu_check.sh", "--dry-run", flag],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and proc.stderr == f"gpu_check: {flag} needs a value (see --help)\n"

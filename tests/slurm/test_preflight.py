@@ -260,6 +260,20 @@ def test_what_the_trainer_reads_is_checked_before_any_server_starts(tmp_path, ti
     assert any("mt-servers" in c for c in started.srun_calls), started.stdout + started.stderr
 
 
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [  # before: "30m: value too great for base", "abc: unbound variable"; 70000 passed, ports 70003..
+        ({"MT_STOP_BUDGET": "30m"}, "MT_STOP_BUDGET=30m: expected a whole number"),
+        ({"MT_PORT_BASE": "abc"}, "MT_PORT_BASE=abc: expected a whole number"),
+        ({"MT_STOP_TIMEOUT": "010"}, "MT_STOP_TIMEOUT=010: expected a whole number"),  # bash: octal
+        ({"MT_PORT_BASE": "70000"}, "MT_PORT_BASE=70000: the job's 16 ports must lie in 1024..65535"),
+    ],
+)
+def test_a_bad_environment_number_is_one_line(tmp_path, env, message):
+    proc = _run(tmp_path, dry=True, **env)
+    assert proc.returncode == 1 and message in proc.stdout, proc.stdout + proc.stderr
+
+
 def test_setting_what_rl_sbatch_sets_for_the_trainer_is_refused_by_name(tmp_path):
     """Before: the refusal named the script's placeholder URL and told the user to remove a key they never
     wrote."""
