@@ -15,7 +15,7 @@ from megatron_tail.demo.defaults import DATA_DIR_NAME, DEMO_CONFIG_YAML, PRETRAI
 from megatron_tail.demo.scalars import fmt as _fmt
 from megatron_tail.demo.scalars import read_scalars, summarise, uses_environment
 from megatron_tail.train.run.supervise import StopRelay, TrainingOutcome
-from megatron_tail.utils.errors import signal_name
+from megatron_tail.utils.errors import UserError, signal_name
 
 DEMO_MAX_DIGITS = 2
 TOOL_PRETRAIN = {
@@ -124,6 +124,11 @@ def run_demo(
 
     for knobs in variants.values():  # a typo in --set: one line now, not after minutes of pretraining
         config_from_yaml(DEMO_CONFIG_YAML, [*knobs, *overrides])
+    from megatron_tail.utils.paths import unwritable_reason
+
+    for flag, where in (("--run-dir", run_dir), ("--cache-dir", cache_dir)):  # the demo writes both
+        if (reason := unwritable_reason(where)) is not None:
+            raise UserError(f"{flag} {where}: a writable directory is expected; {reason}")
     from megatron_tail.demo.pretrain import PretrainStopped, StopRequests
 
     with StopRequests() as stop:  # from here: a stop while the model is made or checked is heard too

@@ -101,8 +101,8 @@ def check_grid(
     out: Path, cache: Path, groups: dict[str, list[str]], *, seeds: Sequence[int], base_yaml: str, jobs: int
 ) -> None:
     """UserError for what `run_grid` would otherwise find only after pretraining, or never: every group's
-    config (`base_yaml` + its overrides) loads, the seeds are distinct, `jobs` ≥ 1, and neither `out` nor
-    `cache` is a file."""
+    config (`base_yaml` + its overrides) loads, the seeds are distinct and each a seed the config takes,
+    `jobs` ≥ 1, and neither `out` nor `cache` is a file."""
     from megatron_tail.config.loader import config_from_yaml
 
     for name, knobs in groups.items():
@@ -112,6 +112,11 @@ def check_grid(
             raise UserError(f"arm {name!r}: {e}") from None
     if len(set(seeds)) != len(seeds):  # one run directory per seed: a repeat would train it twice over
         raise UserError(f"--seeds must be distinct; got {list(seeds)}")
+    for seed in seeds:  # each is a run's `seed`: one the config refuses, refused before the pretraining
+        try:
+            config_from_yaml(base_yaml, [f"seed={seed}"])
+        except UserError as e:
+            raise UserError(f"--seeds {seed}: {e}") from None
     if jobs < 1:
         raise UserError(f"--jobs must be ≥ 1; got {jobs}")
     for flag, path in (("--out", out), ("--cache-dir", cache)):

@@ -153,3 +153,19 @@ def test_a_bad_override_is_refused_before_the_model_is_pretrained(tmp_path, moe)
             run_dir=str(tmp_path / "r"), cache_dir=str(tmp_path / "c"), overrides=["train.steps=abc"], moe=moe
         )
     assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("flag", ["run_dir", "cache_dir"])
+def test_a_directory_flag_naming_a_file_is_one_line_before_anything(tmp_path, flag):
+    """Before: `FileExistsError` (--run-dir) or `NotADirectoryError` (--cache-dir) tracebacks, the latter
+    after the data was made."""
+    from megatron_tail.demo.run import run_demo
+    from megatron_tail.utils.errors import UserError
+
+    (a_file := tmp_path / "a_file").write_text("")
+    dirs = {"run_dir": str(tmp_path / "r"), "cache_dir": str(tmp_path / "c"), flag: str(a_file)}
+    with pytest.raises(
+        UserError, match=rf"^--{flag.replace('_', '-')} {a_file}: a writable directory is expected"
+    ):
+        run_demo(**dirs)
+    assert not (tmp_path / "c").exists()

@@ -99,6 +99,7 @@ def test_unknown_arm_is_refused_by_name(tmp_path):
     [  # before: found after the tail model's pretraining (a bad --set), or never (repeated seeds, --jobs 0)
         ({"overrides": ["train.steps=abc"]}, r"^arm 'naive': train\.steps must be an integer; got 'abc'$"),
         ({"seeds": (0, 0)}, r"^--seeds must be distinct; got \[0, 0\]$"),
+        ({"seeds": (0, -1)}, r"^--seeds -1: .*seed must be an integer in \[0, 2\^63\); got -1$"),
         ({"jobs": 0}, r"^--jobs must be ≥ 1; got 0$"),
     ],
 )
