@@ -180,7 +180,7 @@ class AlgorithmConfig:
             self.mis_low,
             self.mis_high,
             self.veto_threshold,
-            prefix="AlgorithmConfig.",
+            prefix="algorithm.",
         )
         _check_range("stapo_tau_p", self.stapo_tau_p, low=0.0, high=1.0, low_inclusive=False)
         if self.stapo_tau_h is not None:
@@ -237,11 +237,11 @@ class AlgorithmConfig:
 
 
 def _bad(name: str, value: object, why: str) -> None:
-    raise ValueError(f"AlgorithmConfig.{name} {why}; got {value!r}")
+    raise ValueError(f"algorithm.{name} {why}; got {value!r}")
 
 
 def _check_range(name: str, value: float, **bounds: float | bool) -> None:
-    check_number(f"AlgorithmConfig.{name}", value, **bounds)
+    check_number(f"algorithm.{name}", value, **bounds)
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:

@@ -59,59 +59,66 @@ class OptimizerSettings:
 
     def __post_init__(self) -> None:
         if self.optimizer not in ("adam", "sgd"):
-            raise ValueError(f"optimizer must be 'adam' or 'sgd'; got {self.optimizer!r}")
+            raise ValueError(f"optimizer.optimizer must be 'adam' or 'sgd'; got {self.optimizer!r}")
         if self.optimizer == "sgd" and self.use_distributed_optimizer:
             raise ValueError(
-                "optimizer='sgd' needs use_distributed_optimizer=False "
+                "optimizer.optimizer='sgd' needs use_distributed_optimizer=False "
                 "(megatron's DistributedOptimizer is Adam-only)"
             )
         if not 0 < self.lr < math.inf:
-            raise ValueError(f"lr must be finite and > 0; got {self.lr}")
+            raise ValueError(f"optimizer.lr must be finite and > 0; got {self.lr}")
         if not 0 <= self.clip_grad < math.inf:
-            raise ValueError(f"clip_grad must be finite and ≥ 0 (0: no clipping); got {self.clip_grad}")
+            raise ValueError(
+                f"optimizer.clip_grad must be finite and ≥ 0 (0: no clipping); got {self.clip_grad}"
+            )
         for name in ("adam_beta1", "adam_beta2", "sgd_momentum"):
             if not 0 <= getattr(self, name) < 1:
-                raise ValueError(f"{name} must be in [0, 1); got {getattr(self, name)}")
+                raise ValueError(f"optimizer.{name} must be in [0, 1); got {getattr(self, name)}")
         if not 0 < self.adam_eps < math.inf:
-            raise ValueError(f"adam_eps must be finite and > 0; got {self.adam_eps}")
+            raise ValueError(f"optimizer.adam_eps must be finite and > 0; got {self.adam_eps}")
         if not 1 <= self.initial_loss_scale < math.inf:
-            raise ValueError(f"initial_loss_scale must be finite and ≥ 1; got {self.initial_loss_scale}")
+            raise ValueError(
+                f"optimizer.initial_loss_scale must be finite and ≥ 1; got {self.initial_loss_scale}"
+            )
         for name in ("loss_scale_window", "loss_scale_hysteresis"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
-                raise ValueError(f"{name} must be an int ≥ 1; got {getattr(self, name)!r}")
+                raise ValueError(f"optimizer.{name} must be an int ≥ 1; got {getattr(self, name)!r}")
         for name in ("lr_decay_style", "weight_decay_incr_style"):
             if getattr(self, name) not in ("constant", "linear", "cosine"):
                 raise ValueError(
-                    f"{name} must be 'constant', 'linear' or 'cosine'; got {getattr(self, name)!r}"
+                    f"optimizer.{name} must be 'constant', 'linear' or 'cosine'; got {getattr(self, name)!r}"
                 )
         if not _is_int(self.lr_warmup_steps) or self.lr_warmup_steps < 0:
-            raise ValueError(f"lr_warmup_steps must be an int ≥ 0; got {self.lr_warmup_steps!r}")
+            raise ValueError(f"optimizer.lr_warmup_steps must be an int ≥ 0; got {self.lr_warmup_steps!r}")
         if self.lr_decay_steps is not None and (
             not _is_int(self.lr_decay_steps) or self.lr_decay_steps <= self.lr_warmup_steps
         ):
             raise ValueError(
-                f"lr_decay_steps must be an int > lr_warmup_steps ({self.lr_warmup_steps}) or None; "
-                f"got {self.lr_decay_steps!r}"
+                f"optimizer.lr_decay_steps must be an int > lr_warmup_steps ({self.lr_warmup_steps}) or "
+                f"None; got {self.lr_decay_steps!r}"
             )
         if not 0 <= self.min_lr <= self.lr:
-            raise ValueError(f"min_lr must be in [0, lr = {self.lr}]; got {self.min_lr}")
+            raise ValueError(f"optimizer.min_lr must be in [0, lr = {self.lr}]; got {self.min_lr}")
         if not 0 <= self.weight_decay < math.inf:
-            raise ValueError(f"weight_decay must be finite and ≥ 0; got {self.weight_decay}")
+            raise ValueError(f"optimizer.weight_decay must be finite and ≥ 0; got {self.weight_decay}")
         if self.weight_decay_end is not None and not math.isfinite(self.weight_decay_end):
-            raise ValueError(f"weight_decay_end must be finite or null; got {self.weight_decay_end}")
+            raise ValueError(
+                f"optimizer.weight_decay_end must be finite or null; got {self.weight_decay_end}"
+            )
         if (
             self.weight_decay_end is not None
             and self.weight_decay_end != self.weight_decay
             and self.weight_decay_incr_style == "constant"
         ):
             raise ValueError(
-                f"weight_decay_end={self.weight_decay_end} differs from weight_decay={self.weight_decay}, "
-                "but weight_decay_incr_style is 'constant': set it to 'linear' or 'cosine' for a ramp"
+                f"optimizer.weight_decay_end={self.weight_decay_end} differs from weight_decay="
+                f"{self.weight_decay}, but weight_decay_incr_style is 'constant': set it to 'linear' or "
+                "'cosine' for a ramp"
             )
         if self.weight_decay_end is not None and self.weight_decay_end < self.weight_decay:
             raise ValueError(
-                f"weight_decay_end must be ≥ weight_decay ({self.weight_decay}) (megatron's schedule only "
-                f"increases it); got {self.weight_decay_end}"
+                f"optimizer.weight_decay_end must be ≥ weight_decay ({self.weight_decay}) (megatron's "
+                f"schedule only increases it); got {self.weight_decay_end}"
             )
 
     def schedule_steps(self, run_steps: int) -> int:

@@ -81,17 +81,17 @@ def test_bad_values_raise_naming_field_and_value(field, value):
     with pytest.raises(ValueError) as err:
         AlgorithmConfig(**{field: value})
     msg = str(err.value)
-    assert f"AlgorithmConfig.{field}" in msg
+    assert f"algorithm.{field}" in msg
     assert f"got {value!r}" in msg
 
 
 def test_mis_bounds_must_be_ordered():
-    with pytest.raises(ValueError, match=r"AlgorithmConfig.mis_low must be < mis_high"):
+    with pytest.raises(ValueError, match=r"algorithm.mis_low must be < mis_high"):
         AlgorithmConfig(mis_low=1.0, mis_high=1.0)
 
 
 def test_seq_mean_token_sum_needs_max_len():
-    with pytest.raises(ValueError, match=r"AlgorithmConfig.loss_max_len is required .*got None"):
+    with pytest.raises(ValueError, match=r"algorithm.loss_max_len is required .*got None"):
         AlgorithmConfig(loss_aggregation="seq_mean_token_sum")
     assert AlgorithmConfig(loss_aggregation="seq_mean_token_sum", loss_max_len=4096).loss_max_len == 4096
 

@@ -371,7 +371,7 @@ def test_loading_a_config_and_planning_a_run_import_no_torch():
         ("optimizer.lr=0", r"lr must be finite and > 0; got 0"),
         (
             "algorithm.entropy_coef=-0.1",
-            r"AlgorithmConfig\.entropy_coef must be finite and in \[0\.0, inf\]; got -0\.1",
+            r"algorithm\.entropy_coef must be finite and in \[0\.0, inf\]; got -0\.1",
         ),
         (
             "optimizer.lr_decay_style=step",

@@ -216,7 +216,7 @@ def test_a_user_error_on_the_command_line_is_one_line_and_mt_traceback_shows_the
     assert proc.returncode == EXIT_USER_ERROR
     assert proc.stdout == ""
     assert proc.stderr.splitlines() == [
-        "megatron-tail train: error: invalid config in algorithm: AlgorithmConfig.group_size must be ≥ 2 for "
+        "megatron-tail train: error: invalid config in algorithm: algorithm.group_size must be ≥ 2 for "
         "'grpo': its advantages compare the responses to one prompt, and with one response per prompt every "
         "advantage (and the loss) is 0; got 1"
     ]
