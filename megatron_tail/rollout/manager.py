@@ -17,9 +17,10 @@ and with partial rollouts a weight-update pause aborts its requests, which it co
 under the new weights.
 
 Admission (AReaL's staleness control, arXiv 2505.24298 §4): with the engines at version v, the manager
-admits a new group only while `admitted < (v − v0 + η + 1) · G + wasted`, where `wasted` counts groups that
-will never be trained on (filtered by dynamic sampling, or dropped as stale). So at most (η + 1) · G useful
-groups exist ahead of the trainer: η = 0 is the synchronous loop, η = 1 one step ahead. Independently, at
+admits a new group only while `admitted < (v − v0 + η + 1) · G + wasted − shortfall`, where `wasted` counts
+groups that will never be trained on (filtered by dynamic sampling, or dropped as stale) and `shortfall` the
+places a batch cut short left unused (dynamic sampling gave up on it). So at most (η + 1) · G useful groups
+exist ahead of the trainer: η = 0 is the synchronous loop, η = 1 one step ahead. Independently, at
 most `max_in_flight` groups generate at once (AReaL's `max_concurrent_rollouts`, `rollout.max_concurrency`):
 staleness bounds how far ahead the engines may run, concurrency how many sequences share them. Past the
 engines' saturation point more sequences do not raise their throughput, they only slow each sequence
@@ -184,6 +185,8 @@ class RolloutManager:
         were in flight."""
         self.admitted = 0
         self.wasted = 0
+        self.shortfall = 0
+        """G less the groups taken, summed over the batches dynamic sampling cut short (`_allowed`)."""
         self.attempts: dict[int, int] = {}
         """Prompt position → its attempts so far that were thrown away or lost (absent: 0); dropped once
         the prompt is trained or filtered."""
@@ -199,6 +202,7 @@ class RolloutManager:
         self._admitted_at: dict[int, int] = {}
         """Group index in flight → the engines' version when it was admitted."""
         self._dropping: set[int] = set()
+        self._wakes: set[asyncio.Future] = set()
         """Groups in flight cancelled as stale (`_drop_older_than`), not yet finished cancelling."""
         self._done: list[DoneGroup] = []
         """Groups completed and not yet reported, kept or filtered (`reward/generated_mean`: what the policy
@@ -240,16 +244,24 @@ class RolloutManager:
                     if len(first) == complete == self.groups:
                         taken = [self.buffer[i] for i in first]
                         break
+                    # dynamic sampling gave up: no replacement comes, but those of the first G still
+                    # generating do (their versions are this step's; left for the next, they were stale)
+                    if self._filter_exhausted() and len(first) == complete:
+                        taken = self._cut([self.buffer[i] for i in first])
+                        break
                 else:
                     if progress is not None:
                         progress(min(len(ready), self.groups))
                     if len(ready) >= self.groups:
                         taken = ready[: self.groups]
                         break
-                if self._filter_exhausted():  # train on what there is, cut to what the trainer splits
-                    taken = ready[: len(ready) - len(ready) % self.multiple]
-                    break
+                    if self._filter_exhausted():  # train on what there is
+                        taken = self._cut(ready)
+                        break
                 await self._changed.wait()
+        # a batch cut short leaves its step's unused places unfilled: admitted later, at newer weights,
+        # they would run the engines ahead of the bound for the rest of the run (`_allowed`)
+        self.shortfall += self.groups - len(taken)
         for group in taken:
             del self.buffer[group.index]
             self.attempts.pop(group.index, None)
@@ -261,6 +273,12 @@ class RolloutManager:
         self._filtered_this_batch = 0
         self._fill()  # the next batch's groups (a filter that gave up on this one starts again)
         return sorted(taken, key=lambda g: g.index), metrics
+
+    def _cut(self, groups: list[GroupResult]) -> list[GroupResult]:
+        """`groups` (fewer than G) cut to a multiple of `multiple` (what the trainer splits), oldest token
+        first; the rest stay buffered for the next step."""
+        groups = sorted(groups, key=lambda g: (g.oldest_version, g.index))
+        return groups[: len(groups) - len(groups) % self.multiple]
 
     def _report_done(self, taken: list[GroupResult]) -> dict[str, float]:
         """`rollout/filtered_groups`, `reward/generated_mean` / `_accuracy` and, with a filter,
@@ -326,10 +344,14 @@ class RolloutManager:
     # --- admission and completion -------------------------------------------------------------------
 
     def _allowed(self) -> int:
+        """Groups admitted so far at most: G per step up to η ahead of the engines' version, plus those that
+        will never train (`wasted`), less the places of batches cut short (`shortfall`: a batch that took
+        fewer than G groups used fewer of its step's places, and the next steps' groups must not take them:
+        at η = 0 they would be generated one version early, every step from then on)."""
         steps = self.version - self.base_version + self.eta + 1
         if self.total_steps is not None:  # the last steps: nothing ahead of the run's end
             steps = min(steps, self.total_steps - self.base_version)
-        return max(steps, 0) * self.groups + self.wasted
+        return max(steps, 0) * self.groups + self.wasted - self.shortfall
 
     def _fill(self) -> None:
         if self._changed is None:
@@ -348,26 +370,18 @@ class RolloutManager:
             self.admitted += 1
             attempt = self.attempts.get(index, 0)
             self._admitted_at[index] = self.version
-            task = self._run(index, self.version, attempt)
-            self.in_flight[index] = asyncio.get_running_loop().create_task(task)
+            task = asyncio.get_running_loop().create_task(self._run(index, self.version, attempt))
+            self.in_flight[index] = task
+            task.add_done_callback(lambda t, i=index: self._cancelled_unstarted(i, t))
 
     async def _run(self, index: int, version: int, attempt: int) -> None:
         try:
             result = await self.work(index, version, attempt)
             self._admitted_at.pop(index, None)
         except asyncio.CancelledError:
-            self.in_flight.pop(index, None)
-            self._admitted_at.pop(index, None)
-            if index in self._dropping:  # stale before it completed (`_drop_older_than`): regenerated
-                self._dropping.discard(index)
-                self._drop(index)
-                self._counts["cancelled_stale"] += 1
-                async with self._changed:
-                    self._changed.notify_all()
-                self._fill()
+            if self._cancelled(index):  # stale before it completed (`_drop_older_than`): regenerated
+                await self._changed_now()
                 return
-            self.queued.appendleft(index)  # closing, or a second stop signal: regenerated if resumed
-            self.admitted -= 1
             raise
         except BaseException as e:  # the trainer's next call raises it; a checkpoint still lists the group
             self._admitted_at.pop(index, None)
@@ -388,6 +402,33 @@ class RolloutManager:
                 self.attempts.pop(index, None)
             else:
                 self.buffer[index] = result
+        await self._changed_now()
+
+    def _cancelled(self, index: int) -> bool:
+        """Group `index`'s task was cancelled: forget it in flight; True if it was dropped as stale (it is
+        regenerated), else (closing, a second stop signal) it is queued again, regenerated if resumed."""
+        self.in_flight.pop(index, None)
+        self._admitted_at.pop(index, None)
+        if index in self._dropping:
+            self._dropping.discard(index)
+            self._drop(index)
+            self._counts["cancelled_stale"] += 1
+            return True
+        self.queued.appendleft(index)
+        self.admitted -= 1
+        return False
+
+    def _cancelled_unstarted(self, index: int, task: asyncio.Task) -> None:
+        """A task's done callback: one cancelled before its coroutine first ran never reached `_run`'s
+        `except`, and would stay in flight for good (the next batch waiting for it at η ≤ 1); settled here."""
+        if task.cancelled() and self.in_flight.get(index) is task:
+            if self._cancelled(index):
+                wake = asyncio.ensure_future(self._changed_now())
+                self._wakes.add(wake)  # held until done (the loop keeps only a weak reference)
+                wake.add_done_callback(self._wakes.discard)
+
+    async def _changed_now(self) -> None:
+        """Wake whoever waits for a change (`next_batch`, `drain`), then admit what the bound allows."""
         async with self._changed:
             self._changed.notify_all()
         self._fill()
@@ -425,6 +466,7 @@ class RolloutManager:
             "queued": [*in_flight, *self.queued],
             "admitted": self.admitted - len(in_flight),
             "wasted": self.wasted,
+            "shortfall": self.shortfall,
             "base_version": self.base_version,
             "buffer": [g.to_state() for g in sorted(self.buffer.values(), key=lambda g: g.index)],
             "attempts": [[index, n] for index, n in sorted(attempts.items())],
@@ -449,6 +491,7 @@ class RolloutManager:
         self.queued = deque(int(i) for i in state["queued"])
         self.admitted = int(state["admitted"])
         self.wasted = int(state["wasted"])
+        self.shortfall = int(state.get("shortfall", 0))  # none before: 0
         self.base_version = int(state["base_version"])
         self.buffer = {g["index"]: GroupResult.from_state(g) for g in state["buffer"]}
         self.attempts = {int(i): int(n) for i, n in state.get("attempts", [])}  # none before attempts

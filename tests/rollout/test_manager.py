@@ -63,7 +63,10 @@ async def _train(manager, engines, steps, first_step=0, partial=True, on_batch=N
     for step in range(first_step, first_step + steps):
         groups, metrics = await manager.next_batch(step)
         assert engines.version == step
-        ahead = manager.admitted - manager.wasted - (step - manager.base_version) * manager.groups
+        # useful groups admitted, less those the steps before this one trained (G each, less the places
+        # of batches dynamic sampling cut short: the shortfall before this batch's own)
+        before = manager.shortfall - (manager.groups - len(groups))
+        ahead = manager.admitted - manager.wasted - (step - manager.base_version) * manager.groups + before
         engines.max_ahead = max(engines.max_ahead, ahead)
         if on_batch is not None:
             on_batch(step, groups, metrics)
@@ -700,3 +703,75 @@ def test_a_start_forgets_the_trained_prompts_of_steps_its_checkpoint_does_not_ho
     assert read_trained_prompts(tmp_path) == {1: [2, 3], 2: [4, 5]}
     forget_untrained_prompts(tmp_path, 0)  # a fresh start
     assert read_trained_prompts(tmp_path) == {}
+
+
+@pytest.mark.parametrize("eta", [0, 1])
+def test_a_batch_dynamic_sampling_gave_up_on_leaves_no_staleness_behind(eta):
+    """Every third group has no reward signal and dynamic sampling gives up after one filtered group a batch.
+    Before: the batch cut short left its places to groups admitted at the old weights, so from then on every
+    step at η = 0 trained groups one version old (η = 1: two), and one step was empty."""
+
+    async def main():
+        engines = SimulatedEngines(lambda _i: 1, reward=lambda i: [1.0, 1.0] if i % 3 == 0 else [0.0, 1.0])
+        manager = RolloutManager(
+            engines.work, groups_per_step=3, max_staleness=eta, version=0,
+            keep=lambda g: max(g.batch.rewards) != min(g.batch.rewards), max_filtered_per_batch=1,
+        )  # fmt: skip
+        manager.start()
+        seen = []
+        await _train(manager, engines, 8, partial=False, on_batch=lambda *a: seen.append(a))
+        await manager.close()
+        return seen, engines.max_ahead
+
+    seen, max_ahead = asyncio.run(main())
+    for step, groups, metrics in seen:
+        assert groups, f"step {step} was empty"
+        assert len(groups) <= 3 and metrics["rollout/batch_fill"] == len(groups) / 3
+        staleness = rollout_metrics(groups_to_batch(groups), policy_version=step)["rollout/staleness_max"]
+        assert staleness <= eta, (step, [g.index for g in groups], staleness)
+    assert max_ahead <= (eta + 1) * 3
+    trained = [g.index for _, groups, _ in seen for g in groups]
+    assert len(trained) == len(set(trained)) and all(i % 3 for i in trained), "exactly once, none filtered"
+
+
+def test_a_batch_dynamic_sampling_gave_up_on_holds_at_most_g_groups_and_waits_for_its_own():
+    """η = 1, G = 3: group 0 is slow and group 1 filtered, dynamic sampling gives up at once. Before: the
+    batch took every group complete, 2, 3, 4 and 5 (4 > G), and left group 0 to the next step."""
+
+    async def main():
+        engines = SimulatedEngines(
+            lambda i: {0: 200, 1: 20}.get(i, 1), reward=lambda i: [1.0] * 2 if i == 1 else [0.0, 1.0]
+        )
+        manager = RolloutManager(
+            engines.work, groups_per_step=3, max_staleness=1, version=0,
+            keep=lambda g: max(g.batch.rewards) != min(g.batch.rewards), max_filtered_per_batch=1,
+        )  # fmt: skip
+        manager.start()
+        groups, metrics = await manager.next_batch(0)
+        await manager.close()
+        return [g.index for g in groups], metrics
+
+    taken, metrics = asyncio.run(main())
+    assert taken == [0, 2, 3] and metrics["rollout/batch_fill"] == 1.0
+
+
+def test_a_group_cancelled_as_stale_before_it_started_is_regenerated_not_left_in_flight():
+    """`stale_groups: drop` cancels a group admitted below the floor; cancelled before its coroutine first
+    ran, its `except CancelledError` never ran, and it stayed in flight for good (η ≤ 1: the next batch
+    waited forever; η ≥ 2: its prompt was never trained)."""
+
+    async def main():
+        engines = SimulatedEngines(lambda _i: 1)
+        manager = RolloutManager(engines.work, groups_per_step=2, max_staleness=0, version=0,
+                                 stale_groups="drop")  # fmt: skip
+        manager.start()  # admits groups 0 and 1 at version 0: tasks created, not yet run
+        engines.version = manager.version = 1  # as if the engines moved on before the tasks ran
+        manager._drop_older_than(1)
+        groups, metrics = await asyncio.wait_for(manager.next_batch(1), 10)
+        await manager.close()
+        return [g.index for g in groups], metrics, manager
+
+    taken, metrics, manager = asyncio.run(main())
+    assert taken == [0, 1] and not manager.in_flight
+    assert metrics["rollout/cancelled_stale"] == 2.0
+    assert manager.attempts == {}, "trained: their attempts forgotten"
