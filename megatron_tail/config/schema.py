@@ -102,7 +102,10 @@ class DataSection(PromptFormat):
     max_sampling_rounds: int = 4
     """With `filter_zero_variance_groups` (1..64): after `max_sampling_rounds × prompts_per_step` groups
     filtered for one batch (as many as that many rounds of a full step would draw) the step trains on the
-    groups it has, cut to what the trainer splits (`rollout/batch_fill` < 1; none: a skipped step)."""
+    groups it has, cut to what the trainer splits (`rollout/batch_fill` < 1; none: a skipped step); at
+    rollout.max_staleness ≤ 1 it first waits for its own groups still generating. The places it left unused
+    are not handed to the next steps' groups, which would then run at older weights than max_staleness
+    allows."""
 
     def __post_init__(self) -> None:
         _positive_int("data", "prompts_per_step", self.prompts_per_step)
