@@ -166,18 +166,29 @@ def test_an_interrupted_prune_leaves_a_name_the_next_start_removes(tmp_path, mon
     left = tmp_path / "checkpoints" / ".step_000001.deleting"
     assert left.is_dir() and [s for s, _ in run_dir.complete_checkpoints(tmp_path)] == [2, 3]
     # what the next start sweeps: that, a save's temporary directory, the weight export's temporary one and
-    # the one it replaced; never a checkpoint, the export itself, or a save's `.old` (its only copy then)
+    # the one it replaced, a replaced checkpoint's old copy once the new one is in place (step 3); never a
+    # checkpoint, the export itself, or what may be a checkpoint's only copy
+    ck = tmp_path / "checkpoints"
     weights = tmp_path / "rollout_weights"
-    leftovers = [left, tmp_path / "checkpoints" / ".step_000004.tmp"]
+    leftovers = [left, ck / ".step_000004.tmp", ck / ".step_000003.old"]
     leftovers += [tmp_path / "rollout_weights.tmp-1234", tmp_path / "rollout_weights.old-99"]
-    kept = [weights, tmp_path / "checkpoints" / ".step_000003.old", tmp_path / "rollout_weights_other"]
-    # a save replacing step_5, killed between its renames: its .tmp is the new copy, the .old the previous
-    kept += [tmp_path / "checkpoints" / ".step_000005.tmp", tmp_path / "checkpoints" / ".step_000005.old"]
+    kept = [weights, tmp_path / "rollout_weights_other"]
+    # a save replacing step_7, killed between its renames, neither copy whole: both kept
+    kept += [ck / ".step_000007.tmp", ck / ".step_000007.old"]
     for path in [*leftovers, *kept]:
         path.mkdir(exist_ok=True)
+    # a save replacing step_5, killed between its renames: its .tmp is the new copy, whole, the .old the
+    # one it replaced. Before, both were kept hidden: the resume fell back to step 3, and neither was removed
+    (ck / ".step_000005.tmp").mkdir()
+    (ck / ".step_000005.tmp" / "metadata.json").write_text('{"new": 1}')
+    (ck / ".step_000005.old").mkdir()
+    (ck / ".step_000005.old" / "metadata.json").write_text('{"new": 0}')
+    assert run_dir.restore_interrupted_replacements(tmp_path) == [ck / "step_000005"]
+    assert (ck / "step_000005" / "metadata.json").read_text() == '{"new": 1}'
+    leftovers.append(ck / ".step_000005.old")
     assert run_dir.sweep_leftovers(tmp_path, weights) == sorted(leftovers)
     assert not any(path.exists() for path in leftovers) and all(path.is_dir() for path in kept)
-    assert [s for s, _ in run_dir.complete_checkpoints(tmp_path)] == [2, 3]
+    assert [s for s, _ in run_dir.complete_checkpoints(tmp_path)] == [2, 3, 5]
 
 
 def _save_recording_fsyncs(rank, world_size, hf_dir, path):  # noqa: ARG001

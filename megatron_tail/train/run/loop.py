@@ -187,6 +187,8 @@ def run(cfg: RunConfig, hooks: LoopHooks | None = None) -> RunResult:
 
     def claim() -> None:
         held.append(claim_run_dir(cfg.run_dir, resume=cfg.train.resume))
+        for step in run_dir.restore_interrupted_replacements(cfg.run_dir):
+            print(f"restored {step.name}: its save was killed between its renames", flush=True)
         if swept := run_dir.sweep_leftovers(cfg.run_dir, weight_sync_dir(cfg, cfg.run_dir)):
             names = ", ".join(path.name for path in swept)
             print(f"removed what an interrupted run left: {names}", flush=True)

@@ -74,8 +74,29 @@ def complete_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def _only_copy(path: Path) -> bool:
-    """`.step_N.tmp` where `step_N` is gone and `.step_N.old` is there (`save_checkpoint(overwrite=True)`)."""
+def restore_interrupted_replacements(run_dir: str | Path) -> list[Path]:
+    """Finish what a save that replaced `step_N` (`save_checkpoint(overwrite=True)`) left when killed between
+    its two renames: `step_N` gone, the new copy whole in `.step_N.tmp`, the one it replaced in `.step_N.old`.
+    The new copy is renamed into place (the old one where the new is not whole: no metadata.json), so the
+    resume finds step N, and `sweep_leftovers` then removes the other. Before, neither was a checkpoint a
+    resume could find, and neither was ever removed. For global rank 0 at start, with the run directory
+    locked, before `sweep_leftovers`; returns the checkpoints restored."""
+    root = checkpoints_dir(run_dir)
+    restored = []
+    for old in sorted(root.glob(beside("step_*", REPLACED).name)) if root.is_dir() else []:
+        step = root / old.name[1 : -len(REPLACED) - 1]
+        if step.exists() or not _STEP_DIR.match(step.name):
+            continue
+        new = beside(step, STAGING)
+        source = next((c for c in (new, old) if (c / "metadata.json").is_file()), None)
+        if source is not None:
+            source.rename(step)
+            restored.append(step)
+    return restored
+
+
+def _beside_only_copy(path: Path) -> bool:
+    """`.step_N.tmp` where `step_N` is gone and `.step_N.old` is there (one of them may be all there is)."""
     match = _STAGED_STEP.match(path.name)
     if match is None:
         return False
@@ -119,7 +140,8 @@ def prune_checkpoints(run_dir: str | Path, keep: int) -> list[Path]:
 def sweep_leftovers(run_dir: str | Path, weights_dir: str | Path) -> list[Path]:
     """Remove what an interrupted run left that nothing else would ever remove, each as large as a model:
     a checkpoint save's temporary directory (`checkpoints/.step_N.tmp`: `train.engine.checkpoint`), a
-    pruned checkpoint half removed (`checkpoints/.step_N.deleting`), the disk weight sync's export in
+    pruned checkpoint half removed (`checkpoints/.step_N.deleting`), a replaced checkpoint's old copy once
+    the new one is in place (`checkpoints/.step_N.old`), the disk weight sync's export in
     progress or the one it replaced (`<weights_dir>.tmp-PID`, `<weights_dir>.old-PID`: `model.export`;
     re-exported from the checkpoint at start). For global rank 0 at start, with the run directory locked;
     returns what it removed."""
@@ -127,8 +149,15 @@ def sweep_leftovers(run_dir: str | Path, weights_dir: str | Path) -> list[Path]:
     patterns = [(checkpoints, beside("step_*", STAGING).name), (checkpoints, beside("step_*", DELETING).name)]
     patterns += [(weights.parent, f"{weights.name}.tmp-*"), (weights.parent, f"{weights.name}.old-*")]
     found = [path for folder, pattern in patterns if folder.is_dir() for path in folder.glob(pattern)]
-    # a save that replaced step_N, killed between its two renames: `.step_N.tmp` is then the new copy, whole
-    found = [path for path in found if not _only_copy(path)]
+    # a replaced checkpoint's old copy once the new one is in place, whole (a kill before its removal);
+    # without `step_N` it may be the only copy (`restore_interrupted_replacements` found none whole): kept
+    found += [
+        old
+        for old in (checkpoints.glob(beside("step_*", REPLACED).name) if checkpoints.is_dir() else [])
+        if (old.parent / old.name[1 : -len(REPLACED) - 1] / "metadata.json").is_file()
+    ]
+    # `.step_N.tmp` beside `.step_N.old` without `step_N`: kept likewise
+    found = [path for path in found if not _beside_only_copy(path)]
     for path in found:
         shutil.rmtree(path, ignore_errors=True)
     return sorted(found)
