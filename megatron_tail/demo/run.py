@@ -29,8 +29,10 @@ TOOL_PRETRAIN = {
 """The calculator demo's pretraining (`PretrainSettings`): half the examples call the tool, half answer
 directly; after these 150 steps greedy decoding calls the tool with the right expression (checked on CPU:
 11 minutes on 2 heavily shared cores)."""
-DEMO_DATA = {"train": (2000, 1234), "test": (200, 5678)}
-"""name → (number of problems, seed) of the demo's prompt files."""
+DEMO_DATA = {"train": (2000, 1234), "heldout": (200, 5678)}
+"""name → (number of problems, seed) of the demo's prompt files; the evaluation's ("heldout") holds no
+training prompt (`make_held_out_examples`; its file's name changed with that, so a cache from before makes
+it anew)."""
 
 COMPARE_VARIANTS: dict[str, list[str]] = {
     "naive": ["algorithm.log_rho=null", "algorithm.is_mode=none", "algorithm.veto_threshold=0"],
@@ -249,15 +251,22 @@ def ensure_moe_pretrained(cache: Path) -> Path:
 def ensure_data(cache: Path) -> tuple[Path, Path]:
     """The demo's prompt files (train, test) in `cache`: additions of 1–2-digit numbers, written by the data
     package's generator with fixed seeds (`DEMO_DATA`)."""
-    from megatron_tail.data.toy_arithmetic import make_arithmetic_examples, write_jsonl
+    from megatron_tail.data.toy_arithmetic import (
+        make_arithmetic_examples,
+        make_held_out_examples,
+        write_jsonl,
+    )
 
     data = cache / DATA_DIR_NAME
+    (n_train, train_seed), (n_test, test_seed) = DEMO_DATA["train"], DEMO_DATA["heldout"]
+    train = make_arithmetic_examples(n_train, max_digits=DEMO_MAX_DIGITS, seed=train_seed)
+    test = make_held_out_examples(n_test, max_digits=DEMO_MAX_DIGITS, seed=test_seed, train=train)
     paths = []
-    for name, (n, seed) in DEMO_DATA.items():
+    for name, rows in (("train", train), ("heldout", test)):
         path = data / f"toy_addition_{name}.jsonl"
         if not path.is_file():
             data.mkdir(parents=True, exist_ok=True)
-            write_jsonl(make_arithmetic_examples(n, max_digits=DEMO_MAX_DIGITS, seed=seed), path)
+            write_jsonl(rows, path)
         paths.append(path)
     return paths[0], paths[1]
 

@@ -17,7 +17,13 @@ from megatron_tail.data import (
     make_arithmetic_examples,
     read_records,
 )
-from megatron_tail.data.toy_arithmetic import TEST_SEED, TEST_SIZE, TRAIN_SEED, TRAIN_SIZE
+from megatron_tail.data.toy_arithmetic import (
+    TEST_SEED,
+    TEST_SIZE,
+    TRAIN_SEED,
+    TRAIN_SIZE,
+    make_held_out_examples,
+)
 from megatron_tail.rewards import arithmetic_reward, math_reward
 from megatron_tail.utils.errors import UserError
 
@@ -181,9 +187,16 @@ def test_shipped_math_solutions_score_one_with_the_math_reward():
 
 
 def test_shipped_toy_files_match_the_generator_and_the_reward():
-    for name, size, seed in (("train", TRAIN_SIZE, TRAIN_SEED), ("test", TEST_SIZE, TEST_SEED)):
-        rows = [json.loads(x) for x in (EXAMPLES / f"toy_arithmetic_{name}.jsonl").read_text().splitlines()]
-        assert rows == make_arithmetic_examples(size, seed=seed)
+    """The test file holds no training prompt: before, 42 of its 200 were training prompts."""
+    read = {
+        name: [json.loads(x) for x in (EXAMPLES / f"toy_arithmetic_{name}.jsonl").read_text().splitlines()]
+        for name in ("train", "test")
+    }
+    assert read["train"] == make_arithmetic_examples(TRAIN_SIZE, seed=TRAIN_SEED)
+    assert read["test"] == make_held_out_examples(TEST_SIZE, seed=TEST_SEED, train=read["train"])
+    held_out = {r["prompt"] for r in read["test"]}
+    assert len(held_out) == TEST_SIZE and not held_out & {r["prompt"] for r in read["train"]}
+    rows = read["test"]
     for row in rows:
         a, b = row["prompt"].rstrip("=").split("+")
         assert (

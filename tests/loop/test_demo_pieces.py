@@ -3,6 +3,7 @@ comparison table from TensorBoard events, graceful-stop handlers, progress-bar s
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from pathlib import Path
@@ -72,6 +73,9 @@ def test_demo_data_files_are_deterministic(tmp_path):
     again = demo_run.ensure_data(tmp_path / "y")
     assert train.read_text() == again[0].read_text() and test.read_text() == again[1].read_text()
     assert len(train.read_text().splitlines()) == 2000 and len(test.read_text().splitlines()) == 200
+    # held out: before, 94 of the 200 evaluation prompts were training prompts
+    prompts = [{json.loads(line)["prompt"] for line in f.read_text().splitlines()} for f in (train, test)]
+    assert len(prompts[1]) == 200 and not prompts[0] & prompts[1]
 
 
 def test_comparison_table_reads_tensorboard(tmp_path, capsys):
