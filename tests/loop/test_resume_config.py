@@ -8,6 +8,8 @@ Before: rerunning a run with `--set algorithm.group_size=8` resumed with exit 0 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -17,6 +19,7 @@ import pytest
 import yaml
 
 from megatron_tail.config import ConfigError, all_keys, load_config
+from megatron_tail.train.run import data_digests
 from megatron_tail.train.run import run_dir as layout
 from megatron_tail.train.run.config_change import (
     CHANGEABLE_KEYS,
@@ -162,6 +165,47 @@ def test_the_documented_lists_name_real_keys_and_the_model_algorithm_and_data_ar
         assert key not in free
 
 
+def _with_file(tmp_path, name: str, text: str) -> str:
+    (path := tmp_path / name).write_text(text)
+    return str(path)
+
+
+def test_a_training_file_changed_under_its_path_is_refused_and_a_moved_one_accepted(tmp_path):
+    """Before: the config names the file, not its rows, so a file regenerated in place resumed silently on
+    other prompts (the stream is read at the checkpoint's cursor)."""
+    train = _with_file(tmp_path, "train.jsonl", '{"prompt": "1+1=", "answer": "2"}\n')
+    saved = _saved(f"data.train_path={train}")
+    digests = data_digests.current(_now(f"data.train_path={train}"))
+    assert resume_notes(saved, _now(f"data.train_path={train}"), CKPT, digests) == []
+    Path(train).write_text('{"prompt": "2+2=", "answer": "4"}\n')
+    with pytest.raises(
+        ConfigChangeRefused, match=r"data\.train_path \(the file's content\) \"[0-9a-f]{12}\" → "
+    ):
+        resume_notes(saved, _now(f"data.train_path={train}"), CKPT, digests)
+    allowed = resume_notes(
+        saved, _now(f"data.train_path={train}", "train.allow_config_change=true"), CKPT, digests
+    )
+    assert "data.train_path (the file's content)" in allowed[0] and "SHA-256 prefixes" in allowed[0]
+    # moved, the same bytes: where things are, not what is trained (before: refused as a changed path)
+    moved = _with_file(tmp_path, "elsewhere.jsonl", '{"prompt": "1+1=", "answer": "2"}\n')
+    (note,) = resume_notes(saved, _now(f"data.train_path={moved}"), CKPT, digests)
+    assert note == (
+        f'resuming from step_000010 with config changes that keep what is trained: data.train_path "{train}" '
+        f'→ "{moved}" (same content)'
+    )
+
+
+def test_an_evaluation_file_changed_under_its_path_is_logged_and_old_checkpoints_compare_nothing(tmp_path):
+    train = _with_file(tmp_path, "train.jsonl", '{"prompt": "1+1=", "answer": "2"}\n')
+    held = _with_file(tmp_path, "eval.jsonl", '{"prompt": "3+4=", "answer": "7"}\n')
+    sets = (f"data.train_path={train}", f"data.eval_path={held}")
+    digests = data_digests.current(_now(*sets))
+    Path(held).write_text('{"prompt": "5+4=", "answer": "9"}\n')
+    (note,) = resume_notes(_saved(*sets), _now(*sets), CKPT, digests)
+    assert "keep what is trained: data.eval_path (the file's content) \"" in note
+    assert resume_notes(_saved(*sets), _now(*sets), CKPT, None) == []  # a checkpoint from before: as before
+
+
 def test_allow_config_change_is_validated():
     with pytest.raises(ConfigError, match=r"train.allow_config_change must be true or false; got 'maybe'"):
         load_config(None, ["train.allow_config_change=maybe"])
@@ -218,6 +262,8 @@ def test_train_refuses_a_changed_group_size_and_resumes_allowed_changes(
     assert first.returncode == 0, first.stderr[-3000:]
     ckpt = layout.checkpoint_path(run_dir, 1)
     assert _group_size(ckpt / "config.yaml") == 4
+    digests = json.loads((ckpt / data_digests.DIGESTS_NAME).read_text())
+    assert digests["data.train_path"] == hashlib.sha256(Path(prompt_file).read_bytes()).hexdigest()
     assert starts() == ["start_0001_step_000000.yaml"]
 
     refused = train(**{"train.steps": 1, "algorithm.group_size": 2})

@@ -33,7 +33,7 @@ from megatron_tail.config import RunConfig, config_to_dict
 from megatron_tail.rollout.settings import with_moved_keys_renamed
 from megatron_tail.utils.errors import UserError
 
-from . import run_dir
+from . import data_digests, run_dir
 
 CHANGEABLE_KEYS: frozenset[str] = frozenset(
     {
@@ -152,11 +152,15 @@ class ConfigChange:
     old: Any
     new: Any
     kind: Kind
+    why: str = ""
+    """Said after the values, in parentheses (e.g. "same content": a data file moved)."""
 
     def __str__(self) -> str:
         text = f"{self.key} {_show(self.old)} → {_show(self.new)}"
         if self.key == _SCHEDULE_STEPS:
             text += " (the LR schedule's length; null follows train.steps)"
+        if self.why:
+            text += f" ({self.why})"
         return text + (" (resharded)" if self.kind == "resharded" else "")
 
 
@@ -173,17 +177,34 @@ def config_changes(saved: Mapping[str, Any], cfg: RunConfig) -> list[ConfigChang
     return [ConfigChange(key, old[key], value, _kind(key)) for key, value in new.items() if old[key] != value]
 
 
-def resume_notes(saved: Mapping[str, Any] | None, cfg: RunConfig, checkpoint: Path) -> list[str]:
+def resume_notes(
+    saved: Mapping[str, Any] | None,
+    cfg: RunConfig,
+    checkpoint: Path,
+    saved_digests: Mapping[str, Any] | None = None,
+) -> list[str]:
     """The lines to log when `cfg` resumes from `checkpoint`, whose config is `saved` (None: a checkpoint
-    from before checkpoints stored one). Raises `ConfigChangeRefused` naming every change of what is
-    trained, unless `cfg.train.allow_config_change`."""
+    from before checkpoints stored one) and whose prompt files' digests are `saved_digests`
+    (`data_digests`; None: not compared). Raises `ConfigChangeRefused` naming every change of what is
+    trained, a training file whose content changed under its path included, unless
+    `cfg.train.allow_config_change`."""
     if saved is None:
         return [
             f"warning: checkpoint {checkpoint} holds no config (saved before checkpoints stored theirs): "
             "the config could not be compared with the one it was trained with"
         ]
+    content, same = data_digests.changes(dict(saved_digests) if saved_digests is not None else None, cfg)
     # a start's own switches are in its config file, not news about the run
-    changes = [c for c in config_changes(saved, cfg) if c.key not in _THIS_START]
+    changes = [
+        # a file moved with its content kept (another cluster's mount): where things are, not what is trained
+        ConfigChange(c.key, c.old, c.new, "changeable", "same content") if c.key in same else c
+        for c in config_changes(saved, cfg)
+        if c.key not in _THIS_START
+    ]
+    changes += [
+        ConfigChange(f"{key} (the file's content)", old, new, _kind(key), "SHA-256 prefixes")
+        for key, (old, new) in content.items()
+    ]
     kept = [c for c in changes if c.kind != "trained"]
     trained = [c for c in changes if c.kind == "trained"]
     if trained and not cfg.train.allow_config_change:

@@ -49,7 +49,7 @@ from ..engine.lr_schedule import advance
 from ..rl.old_policy import op_settings, score_old_policy, score_reference
 from ..rl.samples import build_samples, layout_micro_batches
 from ..rl.update import update_policy
-from . import run_dir
+from . import data_digests, run_dir
 from .config_change import config_text, read_checkpoint_config, resume_notes
 from .rollout_plan import token_columns, weight_sync_dir
 from .run_dir_lock import claim_run_dir
@@ -221,7 +221,8 @@ def check_resume_config(cfg: RunConfig, note: Callable[[str], None]) -> Path | N
         return None
     checkpoint = newest_intact_checkpoint(Path(cfg.run_dir), note)
     if checkpoint is not None:
-        for line in resume_notes(read_checkpoint_config(checkpoint), cfg, checkpoint):
+        saved = read_checkpoint_config(checkpoint)
+        for line in resume_notes(saved, cfg, checkpoint, data_digests.read_checkpoint_digests(checkpoint)):
             note(line)
     return checkpoint
 

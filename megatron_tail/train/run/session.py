@@ -39,7 +39,7 @@ from ..engine.lr_schedule import restore_progress
 from ..engine.parallel import host_wait_group, init_parallel
 from ..engine.reference import build_reference
 from ..engine.setup import build_trainer
-from . import run_dir, signals
+from . import data_digests, run_dir, signals
 from .config_change import config_text
 from .console import Console, progress_enabled
 from .rollout_plan import start_rollout
@@ -293,6 +293,8 @@ class RunSession:
         if self.rank == 0 and state is not None:
             objects["rollout_manager"] = state
         files = {run_dir.CONFIG_NAME: self.config_text}  # what a resume compares its config with
+        if self.rank == 0:  # and the prompt files' content (`data_digests`: hashed once per start)
+            files[data_digests.DIGESTS_NAME] = data_digests.digests_text(self.cfg)
         save_checkpoint(
             path, self.trainer, rl_state, overwrite=True, rank0_objects=objects, rank0_files=files
         )

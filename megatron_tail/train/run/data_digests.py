@@ -1,0 +1,89 @@
+"""What the run's prompt files held, so that a resume tells a file changed under the same path from the file
+the checkpoint was trained on: the config names the files (`data.train_path`, `data.eval_path`), not what
+is in them, and the prompt stream (`data.PromptStream`: shuffled by seed and epoch, read at the
+checkpoint's `data_cursor`) is a function of the file's rows. A file edited, regenerated or replaced in
+place would silently change what the rest of the run trains on.
+
+Every checkpoint holds `data_digests.json`, the SHA-256 of each file's bytes (`session.RunSession
+.checkpoint`); a resume compares them with the files now (`changes`, `loop.check_resume_config`):
+- the training file's content changed: a change of what is trained, refused as a changed key is
+  (`config_change.resume_notes`) unless `train.allow_config_change`;
+- the evaluation file's: accepted and logged, as `data.eval_path` is;
+- a path changed with the content the same (the data moved, e.g. to another cluster's file system): the
+  path's change is accepted and logged instead of refused.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from megatron_tail.config import RunConfig
+from megatron_tail.utils.errors import UserError
+
+DIGESTS_NAME = "data_digests.json"
+KEYS = ("data.train_path", "data.eval_path")
+_CHUNK = 8 << 20
+
+
+def file_digest(path: str | Path) -> str:
+    """SHA-256 (hex) of `path`'s bytes; computed once per (file, size, mtime) in a process (a large file is
+    read once per start, not once per checkpoint)."""
+    stat = Path(path).stat()
+    return _digest(str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _digest(path: str, _size: int, _mtime_ns: int) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def current(cfg: RunConfig) -> dict[str, str | None]:
+    """`KEYS` → the digest of the file each names now (None: no file configured)."""
+    paths = {"data.train_path": cfg.data.train_path, "data.eval_path": cfg.data.eval_path}
+    return {key: file_digest(path) if path else None for key, path in paths.items()}
+
+
+def digests_text(cfg: RunConfig) -> str:
+    """What a checkpoint stores (`DIGESTS_NAME`)."""
+    return json.dumps(current(cfg), indent=2) + "\n"
+
+
+def read_checkpoint_digests(checkpoint: Path) -> dict[str, Any] | None:
+    """The digests `checkpoint` stored, or None (saved before checkpoints stored them). UserError naming the
+    file if it is not a JSON object."""
+    file = checkpoint / DIGESTS_NAME
+    if not file.is_file():
+        return None
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise UserError(f"checkpoint file {file} is unreadable ({type(e).__name__}: {e})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"checkpoint file {file} is not a JSON object; got {type(data).__name__}")
+    return data
+
+
+def changes(saved: dict[str, Any] | None, cfg: RunConfig) -> tuple[dict[str, tuple[str, str]], set[str]]:
+    """(`KEYS` whose file's content changed → (old, new) digest prefixes; `KEYS` whose file holds what the
+    checkpoint's did), against `saved`, a checkpoint's digests (None: nothing to compare)."""
+    if saved is None:
+        return {}, set()
+    now = current(cfg)
+    changed, same = {}, set()
+    for key in KEYS:
+        old, new = saved.get(key), now[key]
+        if old is None or new is None:  # a file added or removed: the config's own change says so
+            continue
+        if old == new:
+            same.add(key)
+        else:
+            changed[key] = (old[:12], new[:12])
+    return changed, same
