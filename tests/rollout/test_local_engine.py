@@ -132,3 +132,23 @@ def test_a_device_that_is_not_there_is_refused_by_name(monkeypatch, tiny_model_d
         LocalEngine(tiny_model_dir, device="cuda:0")
     with pytest.raises(ValueError, match=r"device must be a torch device .* got 'gpu0'"):
         LocalEngine(tiny_model_dir, device="gpu0")
+
+
+def test_a_row_answered_after_an_update_reports_the_version_that_made_it(tiny_model_dir):
+    """SGLang reports a reply's `weight_version` from its spans (`add_weight_versions_to_meta_info`): the
+    version of its last token. Before, the local engine reported its version when the reply was built, so a
+    row finished just before an update and answered after it read as the new weights' (staleness 0)."""
+    import threading
+    import time
+
+    engine = LocalEngine(tiny_model_dir, dtype="float32", weight_version="3")
+    try:
+        done = threading.Event()
+        one = item("r", [5, 6, 7], temperature=1.0, log_rho=None, seed=1, max_new_tokens=4)
+        (row,) = engine.submit([one], engine.control.wait_until_running(), done.set)
+        assert done.wait(60)
+        engine.weight_version = "4"  # the update lands between the row's end and its reply
+        meta = engine.output(row, time.monotonic())["meta_info"]
+    finally:
+        engine.close()
+    assert row.outputs and meta["weight_version"] == "3" and "weight_versions" not in meta

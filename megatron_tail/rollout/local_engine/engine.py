@@ -173,7 +173,10 @@ class LocalEngine:
             "prompt_tokens": len(item.input_ids),
             "completion_tokens": len(output_ids),
             "cached_tokens": 0,
-            "weight_version": self.weight_version,
+            # the version that made its last token, as SGLang's add_weight_versions_to_meta_info reports it
+            # (utils/weight_versions.py); the engine's version now only for a row without tokens. Before, a
+            # row finished just before an update and answered after it read as the new version's
+            "weight_version": row.spans[-1][0] if row.spans else self.weight_version,
             "e2e_latency": time.monotonic() - started,
         }
         if len(row.spans) > 1:  # SGLang's add_weight_versions_to_meta_info (utils/weight_versions.py)
