@@ -313,7 +313,7 @@ def test_a_local_port_in_use_is_refused_in_one_line_before_the_engine_starts(
     output = proc.stdout + proc.stderr
     assert proc.returncode == EXIT_USER_ERROR, output[-4000:]
     expected = (
-        f"megatron-tail train: error: rollout.local.port: port {port} is in use on this host; choose another"
+        f"megatron-tail train: error: rollout.local.port: port {port} is in use on 127.0.0.1; choose another"
     )
     assert [line for line in output.splitlines() if "error:" in line] == [expected], output
     assert not (run_dir / "logs" / "local_engine.log").exists()  # no engine was started
