@@ -27,7 +27,7 @@ import yaml
 from megatron_tail.config.schema import RunConfig
 from megatron_tail.rollout.settings import MOVED_KEYS as ROLLOUT_MOVED_KEYS
 from megatron_tail.utils.errors import UserError
-from megatron_tail.utils.paths import write_text_atomically
+from megatron_tail.utils.paths import tilde_hint, write_text_atomically
 
 RESOLVED_CONFIG_NAME = "config.yaml"
 _NULL_WORDS = ("none", "null", "~", "")
@@ -54,7 +54,7 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
     if path.is_dir():
         raise ConfigError(f"{str(path)!r} is a directory; a YAML config file is expected")
     if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist")
+        raise ConfigError(f"config file {str(path)!r} does not exist{tilde_hint(path)}")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_tail.utils.errors import UserError
+from megatron_tail.utils.paths import tilde_hint
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +123,7 @@ def check_prompt_file(path: str | Path, key: str | None = None) -> Path:
         raise UserError(f"{named}prompt file must end in one of {sorted(SUFFIXES)}; got {str(path)!r}")
     if not path.is_file():
         what = "is a directory; a file of records is expected" if path.is_dir() else "does not exist"
+        what += tilde_hint(path)
         raise UserError(f"{named}prompt file {str(path)!r} {what}")
     if path.stat().st_size == 0:
         raise UserError(f"{named}prompt file {path} is empty (expected one record per prompt)")

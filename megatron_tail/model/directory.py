@@ -15,6 +15,7 @@ import struct
 from pathlib import Path
 
 from megatron_tail.utils.errors import UserError
+from megatron_tail.utils.paths import tilde_hint
 
 from .hf_config import HFArch, json_type, load_hf_config
 from .naming import hf_tensor_shapes
@@ -35,7 +36,7 @@ def load_model_config(path: str | Path, key: str = "model.hf_path") -> HFArch:
     object, a missing field, an unsupported architecture)."""
     where = Path(path)
     if not where.exists():
-        raise UserError(f"{key}: model directory {str(where)!r} not found")
+        raise UserError(f"{key}: model directory {str(where)!r} not found{tilde_hint(where)}")
     if not where.is_dir():
         raise UserError(f"{key}: {str(where)!r} is not a directory (expected a HF checkpoint directory)")
     config = where / "config.json"

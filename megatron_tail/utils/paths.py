@@ -25,6 +25,12 @@ def unwritable_reason(path: str | Path) -> str | None:
     return f"{probe} is not writable by this user"
 
 
+def tilde_hint(path: str | Path) -> str:
+    """For a path not found: a clause saying that `~` is not expanded, where `path` starts with one (a YAML
+    value or a quoted shell word reaches us as written); "" otherwise."""
+    return "; `~` is not expanded here: write the full path" if str(path).startswith("~") else ""
+
+
 def run_dir_unwritable(run_dir: str | Path, reason: str) -> UserError:
     """The one line for a run directory this process cannot write (`reason` says why)."""
     return UserError(

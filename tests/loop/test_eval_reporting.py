@@ -71,3 +71,13 @@ def test_without_eval_prompts_nothing_is_said_about_evaluation(tiny_model_dir, p
         "more than once, as separate groups"
     )
     assert output.count(said) == 1, output[-4000:]
+
+
+def test_an_eval_set_without_a_cadence_is_named_once(tiny_model_dir, prompt_file, tmp_path):
+    """Before: the file was checked at load and never read, without a word."""
+    settings = {"parallel.tensor_parallel": 1, "train.eval_every": 0, "train.steps": 1, **ENGINE_IN_PROCESS}
+    code, output = _run(loop_overrides(tiny_model_dir, prompt_file, tmp_path / "run", {**settings,
+                                       "data.eval_path": str(prompt_file)}))  # fmt: skip
+    assert code == 0, output[-4000:]
+    said = f"data.eval_path={prompt_file} is never evaluated: train.eval_every is 0"
+    assert output.count(said) == 1 and "eval_acc" not in output, output[-4000:]

@@ -298,3 +298,19 @@ def test_train_given_a_directory_says_a_config_file_is_expected(tmp_path):
     assert proc.stderr.strip() == (
         f"megatron-tail train: error: '{tmp_path}' is a directory; a YAML config file is expected"
     )
+
+
+def test_a_path_with_a_tilde_says_it_is_not_expanded():
+    """`~/data/x.jsonl` in a YAML file reaches the run as written; "not found" alone left users puzzled."""
+    from megatron_tail.data.prompts import check_prompt_file
+    from megatron_tail.model.directory import check_model_dir
+
+    hint = "; `~` is not expanded here: write the full path"
+    with pytest.raises(UserError, match=re.escape("prompt file '~/nope.jsonl' does not exist" + hint)):
+        check_prompt_file("~/nope.jsonl", "data.train_path")
+    with pytest.raises(UserError, match=re.escape("model directory '~/models/nope' not found" + hint)):
+        check_model_dir("~/models/nope")
+    with pytest.raises(ConfigError, match=re.escape("config file '~/run.yaml' does not exist" + hint)):
+        load_config("~/run.yaml")
+    with pytest.raises(UserError, match=r"model directory '/nope' not found$"):  # no tilde: no hint
+        check_model_dir("/nope")

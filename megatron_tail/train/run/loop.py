@@ -240,6 +240,8 @@ def _loop(s: RunSession, stop: GracefulStop, hooks: LoopHooks) -> RunResult:
     console = s.console
     if cfg.train.eval_every and not cfg.data.eval_path:  # a template's cadence, or a forgotten eval set
         console.note(f"train.eval_every={cfg.train.eval_every} evaluates nothing: data.eval_path is null")
+    if cfg.data.eval_path and not cfg.train.eval_every:  # an eval set without a cadence: never read
+        console.note(f"data.eval_path={cfg.data.eval_path} is never evaluated: train.eval_every is 0")
     try:
         s.wait_ready()
         s.sync_weights(version=start)
