@@ -13,8 +13,11 @@ Why a worker process, for every batch:
   and a pure-Python reward there does not take the GIL from rank 0's training.
 The worker is spawned (no forked copy of the trainer's threads and CUDA state), ignores the job's stop
 signals (the trainer decides what a stop means) and dies with the trainer (`utils.parent_watch`), so a
-`kill -9` of the trainer leaves no worker behind. After a timeout it is killed and a new one starts with
-the next batch.
+`kill -9` of the trainer leaves no worker behind. It leads a process group of its own, killed whole once it
+is gone (`parent_watch.lead_reaped_group`): a process a reward or an environment tool starts (a sandbox)
+dies with it too. Such a process inherits the ignored stop signals: end it with SIGKILL or a subprocess
+timeout (`subprocess.run(timeout=...)` kills), not SIGTERM. After a timeout the worker is killed and a new
+one starts with the next batch.
 
 Environments of multi-turn rollouts (`rollout.env.name`) run in workers of the same kind for the same reasons,
 a pool of their own (`megatron_tail.rollout.envs.pool`, `rollout.env.workers`), without a reward loaded
@@ -232,9 +235,13 @@ class _Worker:
 
 
 def _serve(spec: str | None, conn, parent_pid: int) -> None:
-    """The worker's main: ignore the stop signals, die with the trainer, score batches until told to stop."""
-    from megatron_tail.utils.parent_watch import die_with_parent
+    """The worker's main: a process group of its own that dies with it (`lead_reaped_group`: a sandbox a
+    reward or an environment tool starts is killed with the worker, after a timeout too), ignore the stop
+    signals (so do the processes it starts: SIGKILL, or a subprocess timeout, stops those), die with the
+    trainer, score batches until told to stop."""
+    from megatron_tail.utils.parent_watch import die_with_parent, lead_reaped_group
 
+    lead_reaped_group()  # first: while the worker has one thread
     for sig in _STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)

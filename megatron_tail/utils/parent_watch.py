@@ -1,6 +1,7 @@
 """Children that die with their parent: the local engine (`serve-local`) and the reward worker.
 
     die_with_parent(expected_parent_pid)      # first thing in the child
+    lead_reaped_group()                       # the reward worker: what it starts dies with it
 
 A trainer killed with SIGKILL (OOM killer, `kill -9`, a node agent) runs no cleanup, so without this its
 local engine lived on under PID 1 holding its port and memory. Two mechanisms, both in the child:
@@ -98,3 +99,36 @@ def stop_when_parent_dies(parent_pid: int, sig: int = signal.SIGTERM, interval_s
         os.kill(os.getpid(), sig)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+REAP_SIGNAL = signal.SIGRTMIN + 3
+"""The reaper's death signal: a real-time one, which no job scheduler or user sends (Slurm's stop signals
+reach every process of a step, the reaper too)."""
+
+
+def lead_reaped_group() -> None:
+    """Make this process the leader of a process group of its own, and fork a reaper that SIGKILLs that
+    group once this process is gone, however it ends (a timeout's kill, its parent's death signal, the
+    OOM killer, a clean exit): what it started (a reward's or an environment tool's sandbox) dies with it
+    instead of living on under PID 1. A process killed by pid leaves its children behind, and the kernel's
+    death signal is not inherited across fork.
+
+    Call first in the process, while it has one thread (a fork copies only the calling thread). The reaper
+    sits in a group of its own (the group it kills must not be its own), holds no descriptor of this
+    process but the standard ones (a pipe to this process still closes when this process dies), and waits
+    in `sigwait` on `REAP_SIGNAL`, its death signal."""
+    os.setpgid(0, 0)
+    group, leader = os.getpgid(0), os.getpid()
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {REAP_SIGNAL})
+    if os.fork() != 0:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+        return
+    try:  # the reaper
+        os.setpgid(0, 0)
+        os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+        set_parent_death_signal(REAP_SIGNAL)
+        if os.getppid() == leader:  # else it died before the death signal was set
+            signal.sigwait({REAP_SIGNAL})
+        os.killpg(group, signal.SIGKILL)
+    finally:
+        os._exit(0)

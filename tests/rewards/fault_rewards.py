@@ -31,3 +31,14 @@ def exits(completion: str, answer: str) -> float:  # noqa: ARG001 - reward signa
 
 def exits_hard(completion: str, answer: str) -> float:  # noqa: ARG001 - reward signature
     os._exit(3)  # no exception to catch: the worker dies, with its own exit code
+
+
+def starts_a_child_and_hangs(completion: str, answer: str) -> float:  # noqa: ARG001 - reward signature
+    """A sandbox-like reward: starts a process (its pid written to $MT_TEST_CHILD_PID), then never returns."""
+    import subprocess
+
+    child = subprocess.Popen(["sleep", "300"])
+    with open(os.environ["MT_TEST_CHILD_PID"], "w") as f:
+        f.write(str(child.pid))
+    time.sleep(3600)
+    return 0.0

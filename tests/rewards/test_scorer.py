@@ -168,3 +168,55 @@ def test_the_worker_dies_with_a_trainer_killed_by_sigkill():
     finally:
         if holder.poll() is None:
             holder.kill()
+
+
+def _gone(pid: int, within_s: float = 15.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _child_of(path, within_s: float = 60.0) -> int:
+    deadline = time.monotonic() + within_s
+    while not (path.is_file() and path.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return int(path.read_text())
+
+
+def test_what_a_reward_starts_dies_with_its_worker_after_a_timeout(tmp_path, monkeypatch):
+    """Before: the worker was killed by pid, and a process the reward had started (a sandbox) lived on
+    under PID 1, ignoring every stop signal (inherited SIG_IGN), holding its pipes."""
+    monkeypatch.setenv("MT_TEST_CHILD_PID", str(tmp_path / "child"))
+    scorer = RewardScorer("tests.rewards.fault_rewards:starts_a_child_and_hangs", timeout_s=5.0)
+    try:
+        with pytest.raises(RewardTimeoutError):
+            scorer(["x"], ["1"])
+        child = _child_of(tmp_path / "child")
+        assert _gone(child), "the reward's child outlived its worker"
+    finally:
+        scorer.close()
+
+
+_CHILD_HOLDER = """
+import sys
+from megatron_tail.rewards.scorer import RewardScorer
+scorer = RewardScorer("tests.rewards.fault_rewards:starts_a_child_and_hangs", timeout_s=3600)
+scorer(["x"], ["1"])
+"""
+
+
+def test_what_a_reward_starts_dies_with_a_trainer_killed_by_sigkill(tmp_path):
+    env = {**os.environ, "MT_TEST_CHILD_PID": str(tmp_path / "child")}
+    holder = subprocess.Popen([sys.executable, "-c", _CHILD_HOLDER], env=env)
+    try:
+        child = _child_of(tmp_path / "child")
+        assert psutil.pid_exists(child)
+        holder.kill()
+        holder.wait(timeout=30)
+        assert _gone(child), "the reward's child outlived its trainer"
+    finally:
+        if holder.poll() is None:
+            holder.kill()
