@@ -160,6 +160,36 @@ def _never_complete(_rank, _world, port):
     return None
 
 
+def _never_complete_reported(_rank, _world, port):
+    import contextlib
+    import io
+
+    from megatron_tail.train.engine import parallel
+    from megatron_tail.utils.errors import OutsideFailure
+
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "2"})
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+    parallel.ARRIVAL_REPORT_S = 0.5
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.suppress(OutsideFailure):
+        parallel.init_distributed("gloo", timeout=COLLECTIVE_TIMEOUT, wait_timeout=timedelta(seconds=3))
+    return out.getvalue()
+
+
+def test_while_a_rank_is_missing_the_first_says_how_many_arrived():
+    """Before: the ranks waited silently up to the longer timeout (120 minutes by default)."""
+    port = free_port()
+    agent_store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False)
+    said = run_forked(_never_complete_reported, port, timeout=60).splitlines()
+    assert len(said) >= 2, said  # every half second over 3 s, on a loaded machine at least twice
+    assert said[0].startswith(f"start-up: 1 of 2 trainer ranks at the rendezvous 127.0.0.1:{port} after ")
+    assert said[0].endswith(
+        " s; waiting for the others up to 0:00:03 (the longer of parallel.distributed_timeout_minutes and "
+        "rank0_wait_timeout_minutes)"
+    )
+    del agent_store
+
+
 def test_a_rank_that_never_arrives_is_named_by_count_after_the_longer_timeout():
     port = free_port()
     agent_store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False)

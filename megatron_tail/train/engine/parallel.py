@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -146,22 +147,42 @@ def init_distributed(
     _host_wait_group = dist.new_group(backend="gloo", timeout=_host_wait_timeout)
 
 
+ARRIVAL_REPORT_S = 60.0
+"""While ranks are missing at start-up, the first rank to arrive says how many have, this often."""
+
+
 def _wait_for_every_rank(store: dist.Store, world_size: int, timeout: timedelta) -> None:
     """Return once all `world_size` ranks have called this on `store` (a count and a flag, keyed by torchrun's
-    restart count: an agent's store outlives a restart); OutsideFailure after `timeout`."""
+    restart count: an agent's store outlives a restart); OutsideFailure after `timeout`. Meanwhile the
+    first rank to arrive says every `ARRIVAL_REPORT_S` how many have, and how long it waits at most: the
+    limit is the longer of two timeouts (120 minutes by default), and a rank stuck before it (an import on
+    a hung shared file system, a stopped process) left the others silent all that time."""
     key = f"megatron_tail/arrived/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    if store.add(key, 1) == world_size:
+    arrived = store.add(key, 1)
+    if arrived == world_size:
         store.set(f"{key}/all", "1")
-    try:
-        store.wait([f"{key}/all"], timeout)
-    except dist.DistStoreError:
-        arrived = store.add(key, 0)
-        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-        raise OutsideFailure(
-            f"start-up: {arrived} of {world_size} trainer ranks reached the rendezvous at {where} within "
-            f"{timeout} (the longer of parallel.distributed_timeout_minutes and rank0_wait_timeout_minutes); "
-            "the others did not start, or cannot reach it"
-        ) from None
+    where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    started = time.monotonic()
+    while True:
+        left = timeout.total_seconds() - (time.monotonic() - started)
+        try:
+            store.wait([f"{key}/all"], timedelta(seconds=max(min(ARRIVAL_REPORT_S, left), 0.01)))
+            return
+        except dist.DistStoreError:
+            count = store.add(key, 0)
+            if time.monotonic() - started >= timeout.total_seconds():
+                raise OutsideFailure(
+                    f"start-up: {count} of {world_size} trainer ranks reached the rendezvous at {where} "
+                    f"within {timeout} (the longer of parallel.distributed_timeout_minutes and "
+                    "rank0_wait_timeout_minutes); the others did not start, or cannot reach it"
+                ) from None
+            if arrived == 1:
+                print(
+                    f"start-up: {count} of {world_size} trainer ranks at the rendezvous {where} after "
+                    f"{time.monotonic() - started:.0f} s; waiting for the others up to {timeout} (the longer "
+                    "of parallel.distributed_timeout_minutes and rank0_wait_timeout_minutes)",
+                    flush=True,
+                )
 
 
 def host_wait_group() -> dist.ProcessGroup | None:
