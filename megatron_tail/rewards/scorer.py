@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import importlib
 import multiprocessing
+import multiprocessing.util
 import os
 import signal
 import threading
@@ -189,6 +190,10 @@ class _Worker:
         child.close()
         self.pid = self._proc.pid
         self._closing = threading.Lock()
+        # killed at interpreter exit before multiprocessing's own exit hook runs (`_exit_function`: it
+        # terminates a daemonic child with SIGTERM, which the worker ignores, then joins it without a
+        # limit): a scorer nobody closed (a run failing at start-up) no longer hangs its process's exit
+        multiprocessing.util.Finalize(self, self._proc.kill, exitpriority=10)
 
     @property
     def exitcode(self) -> int | None:

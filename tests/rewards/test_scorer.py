@@ -220,3 +220,15 @@ def test_what_a_reward_starts_dies_with_a_trainer_killed_by_sigkill(tmp_path):
     finally:
         if holder.poll() is None:
             holder.kill()
+
+
+def test_a_process_that_never_closed_its_scorer_still_exits():
+    """Before: multiprocessing's exit hook sent the worker SIGTERM, which it ignores, then joined it without
+    a limit: a run failing at start-up before closing its scorer hung at exit."""
+    code = (
+        "from megatron_tail.rewards.scorer import RewardScorer\n"
+        "s = RewardScorer('math')\n"
+        "print(s(['x'], ['1']))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "[0.0]", done.stderr[-2000:]

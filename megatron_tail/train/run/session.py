@@ -111,8 +111,10 @@ class RunSession:
             # a local engine starts loading now
             self.engines = start_rollout(cfg, self.run_dir, tokenizer, note=self.console.note)
 
-        on_rank0(start_engines, wait_group=self._wait, what="reading the prompts and starting its engines")
-        try:
+        try:  # rank 0's engines are closed whatever fails from here on, its own barrier's timeout too
+            on_rank0(
+                start_engines, wait_group=self._wait, what="reading the prompts and starting its engines"
+            )
             self.groups = init_parallel(cfg.parallel, seed=cfg.seed)
             arch = load_hf_config(cfg.model.hf_path)
             self.trainer = build_trainer(
