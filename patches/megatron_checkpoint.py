@@ -12,6 +12,7 @@ import multiprocessing
 import os
 import queue
 import signal
+import time
 
 import torch
 
@@ -36,7 +37,7 @@ def use_in_process_results_queue() -> None:
         filesystem_async._results_queue = queue.Queue()
 
 
-def use_watched_checkpoint_writers() -> None:
+def use_watched_checkpoint_writers(limit_s: float | None = None) -> None:
     """megatron-core 0.16's torch_dist writer (`filesystem_async.py`,
     `FileSystemWriterAsync.write_preloaded_data_multiproc`) forks one writer process per bucket (2 per rank
     by default) and waits for them with `count_queue.join()`, which has no timeout. A writer the kernel kills
@@ -45,10 +46,14 @@ def use_watched_checkpoint_writers() -> None:
     leaves its writers writing, with no parent. `_write_buckets` takes its place: the same processes and
     per-writer protocol (`FileSystemWriterAsync.write_preloaded_data`, unchanged), each writer dying with its
     rank (`PR_SET_PDEATHSIG`), and a writer that exits without its result an error naming it, its file and
-    its exit code. Idempotent; GPUs too (the saves are synchronous there as here). Drop when megatron's
-    writers die with their rank and the wait notices a dead writer."""
+    its exit code; one alive but not done (a hung file system) is named every `WRITER_REPORT_S`, and after
+    `limit_s` (`WRITER_LIMIT_S`; None: none) killed, the save failing with its name. Idempotent; GPUs too
+    (the saves are synchronous there as here). Drop when megatron's writers die with their rank and the
+    wait notices a dead or stuck writer."""
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
+    global WRITER_LIMIT_S
+    WRITER_LIMIT_S = limit_s
     check_pinned()
     if FileSystemWriterAsync.__dict__["write_preloaded_data_multiproc"].__func__ is not _write_buckets:
         FileSystemWriterAsync.write_preloaded_data_multiproc = staticmethod(_write_buckets)
@@ -56,6 +61,12 @@ def use_watched_checkpoint_writers() -> None:
 
 WRITER_POLL_S = 1.0
 """How long the wait for the writers' results blocks before it checks that each writer still lives."""
+WRITER_REPORT_S = 60.0
+"""While a writer is alive but not done (a hung NFS or Lustre write), the rank says which, this often."""
+WRITER_LIMIT_S: float | None = None
+"""After this long without every writer done, the live ones are killed and the save fails naming them
+(`train.engine.checkpoint` sets it to the collective timeout, past which the peers' barrier fails anyway);
+None: no limit."""
 
 
 def _write_buckets(transform_list, use_msc, rank, write_buckets, global_results_queue) -> None:
@@ -82,6 +93,7 @@ def _run_writers(transform_list, use_msc, rank, write_buckets) -> dict | Excepti
     for writer in writers:
         writer.start()
     written: dict = {}
+    started = reported = time.monotonic()
     try:
         while len(written) < len(writers):
             try:
@@ -94,6 +106,22 @@ def _run_writers(transform_list, use_msc, rank, write_buckets) -> dict | Excepti
                     written[index] = outcome
                 if dead := [i for i, w in enumerate(writers) if i not in written and w.exitcode is not None]:
                     return _writer_died(rank, dead[0], write_buckets[dead[0]][0], writers[dead[0]].exitcode)
+                now = time.monotonic()
+                pending = [f"{i} ({write_buckets[i][0]})" for i in range(len(writers)) if i not in written]
+                if pending and WRITER_LIMIT_S is not None and now - started > WRITER_LIMIT_S:
+                    return RuntimeError(
+                        f"checkpoint writer(s) {', '.join(pending)} of rank {rank} still writing after "
+                        f"{now - started:.0f} s (parallel.distributed_timeout_minutes); stopped: the file "
+                        "system may hang (NFS, Lustre)"
+                    )
+                if pending and now - reported >= WRITER_REPORT_S:
+                    reported = now
+                    print(
+                        f"checkpoint: rank {rank} waits for its writer(s) {', '.join(pending)} after "
+                        f"{now - started:.0f} s"
+                        + (f" (limit {WRITER_LIMIT_S:.0f} s)" if WRITER_LIMIT_S else ""),
+                        flush=True,
+                    )
                 continue
             written[index] = outcome
         errors = [outcome for outcome in written.values() if isinstance(outcome, Exception)]

@@ -67,3 +67,34 @@ def test_a_killed_ranks_writers_die_with_it(tmp_path):
     rank = subprocess.Popen([sys.executable, str(WRITERS), str(tmp_path)], env=env)
     alive = children_outliving(rank, [tmp_path / "file0", tmp_path / "file1"])
     assert not alive, f"writers {alive} outlived their rank"
+
+
+def test_a_stuck_writer_is_named_while_it_writes_and_stopped_at_the_limit(monkeypatch, tmp_path, capsys):
+    """Before: a writer alive but never done (a hung NFS write) kept its rank waiting forever, silently."""
+    from megatron_tail.patches import megatron_checkpoint
+
+    original = FileSystemWriterAsync.__dict__["write_preloaded_data_multiproc"]
+    use_watched_checkpoint_writers(limit_s=3.0)
+    monkeypatch.setattr(megatron_checkpoint, "WRITER_REPORT_S", 0.5)
+    monkeypatch.setattr(
+        FileSystemWriterAsync, "write_preloaded_data", staticmethod(checkpoint_writers.never_finishes)
+    )
+    try:
+        buckets = [(str(tmp_path / name), *rest) for name, *rest in checkpoint_writers.BUCKETS]
+        error = _write(buckets)
+    finally:
+        monkeypatch.setattr(FileSystemWriterAsync, "write_preloaded_data_multiproc", original)
+        use_watched_checkpoint_writers()  # no limit, as before
+    assert isinstance(error, RuntimeError)
+    assert str(error).startswith(
+        f"checkpoint writer(s) 0 ({tmp_path / 'file0'}), 1 ({tmp_path / 'file1'}) of rank 3"
+    )
+    assert "(parallel.distributed_timeout_minutes); stopped" in str(error)
+    said = capsys.readouterr().out
+    assert (
+        f"checkpoint: rank 3 waits for its writer(s) 0 ({tmp_path / 'file0'})" in said
+        and "(limit 3 s)" in said
+    )
+    for name in ("file0", "file1"):  # killed: the save failed, the rest of its files are not wanted
+        pid = int((tmp_path / name).read_text())
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"

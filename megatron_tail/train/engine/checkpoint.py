@@ -53,6 +53,7 @@ from megatron_tail.patches import (
 from megatron_tail.utils.errors import UserError
 from megatron_tail.utils.paths import REPLACED, STAGING, beside
 
+from .parallel import world_timeout
 from .setup import Trainer
 
 FORMAT_VERSION = 1
@@ -137,7 +138,8 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     dist.barrier()
     use_in_process_results_queue()
-    use_watched_checkpoint_writers()
+    world = world_timeout()  # a writer still busy past it: the peers' barrier has failed anyway
+    use_watched_checkpoint_writers(None if world is None else world.total_seconds())
     init_unstepped_adam_state(trainer.optimizer)  # a run whose steps were all skipped can still save
     try:
         # cpu_device_scope: the distributed optimizer gathers its state with `.cuda()` / device="cuda".

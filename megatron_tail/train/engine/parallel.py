@@ -97,6 +97,7 @@ DEFAULT_TIMEOUT = timedelta(minutes=120)
 
 _host_wait_group: dist.ProcessGroup | None = None
 _host_wait_timeout: timedelta | None = None
+_world_timeout: timedelta | None = None
 
 
 def init_distributed(
@@ -125,7 +126,7 @@ def init_distributed(
     Raises:
         OutsideFailure: not every rank arrived within the longer timeout (naming how many did).
     """
-    global _host_wait_group, _host_wait_timeout
+    global _host_wait_group, _host_wait_timeout, _world_timeout
     if dist.is_initialized():
         return
     if torch.cuda.is_available():
@@ -144,6 +145,7 @@ def init_distributed(
     # Every rank creates it, in the same order (new_group is collective); a CPU barrier on it is how ranks
     # wait for rank 0's rollout without an NCCL collective (and its watchdog) in flight.
     _host_wait_timeout = wait_timeout or timeout
+    _world_timeout = timeout
     _host_wait_group = dist.new_group(backend="gloo", timeout=_host_wait_timeout)
 
 
@@ -183,6 +185,12 @@ def _wait_for_every_rank(store: dist.Store, world_size: int, timeout: timedelta)
                     "of parallel.distributed_timeout_minutes and rank0_wait_timeout_minutes)",
                     flush=True,
                 )
+
+
+def world_timeout() -> timedelta | None:
+    """The collective timeout `init_distributed` gave the world group
+    (`parallel.distributed_timeout_minutes`), or None (torch.distributed set up elsewhere)."""
+    return _world_timeout
 
 
 def host_wait_group() -> dist.ProcessGroup | None:
