@@ -58,6 +58,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_tail.utils.parent_watch import PARENT_PID_ENV, die_with_parent
+
 from .loop_model import (
     EASY_EOS_P,
     HARD_EOS_P,
@@ -528,6 +530,7 @@ def _subprocess_json(args: list[str]) -> dict:
     # returns each freed block, so the peak is what the sync holds at once. (On GPU the buckets live in
     # the CUDA caching allocator, which reuses same-size blocks.)
     env["MALLOC_MMAP_THRESHOLD_"] = str(2**20)
+    env[PARENT_PID_ENV] = str(os.getpid())  # an arm trains with its own engines: it dies with the benchmark
     proc = subprocess.run(
         [sys.executable, "-m", "megatron_tail.bench.loop", *args], capture_output=True, text=True, env=env
     )
@@ -622,6 +625,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--loop-arm", nargs=6, help=argparse.SUPPRESS)
     parser.add_argument("--sync-probe", nargs=7, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if (args.loop_arm or args.sync_probe) and (parent := os.environ.pop(PARENT_PID_ENV, None)):
+        die_with_parent(int(parent))  # a benchmark killed (kill -9, OOM) leaves no arm training under PID 1
     if args.loop_arm:
         model, prompts, run_dir, name, steps, extra = args.loop_arm
         result = loop_arm(model, prompts, run_dir, ARMS[name], int(steps), json.loads(extra))

@@ -3,6 +3,7 @@ the arms' overrides, and the workload's model (`bench.loop_model`): its EOS prob
 from an HF forward."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -136,3 +137,28 @@ def test_the_prompts_marker_sets_the_eos_probability_of_the_whole_response(long_
     assert float(eos.max()) < 2 * want and float(eos.min()) > want / 2  # every position, not just on average
     assert float(probs[..., classes[other]].sum(-1).max()) < 1e-3  # the mode sticks
     assert float(probs[..., classes["never"]].sum(-1).max()) < 1e-9
+
+
+def test_an_arm_dies_with_the_benchmark_that_started_it(monkeypatch):
+    """Before: an arm (a whole training run with its own engine) started without a tie to the benchmark, so
+    a benchmark killed by `kill -9` or the OOM killer left it training under PID 1. Recording stand-ins: the
+    parent's pid goes in the child's environment, and the child's first act is to die with that parent."""
+    from megatron_tail.bench import loop
+    from megatron_tail.utils.parent_watch import PARENT_PID_ENV
+
+    sent = {}
+
+    def run(_cmd, **kwargs):
+        sent.update(kwargs["env"])
+        return type("Done", (), {"returncode": 0, "stdout": '{"ok": 1}\n', "stderr": ""})()
+
+    monkeypatch.setattr(loop.subprocess, "run", run)
+    assert loop._subprocess_json(["--loop-arm"]) == {"ok": 1}
+    assert sent[PARENT_PID_ENV] == str(os.getpid())
+
+    calls = []
+    monkeypatch.setattr(loop, "die_with_parent", lambda pid: calls.append(("die_with", pid)))
+    monkeypatch.setattr(loop, "loop_arm", lambda *_a: calls.append(("arm",)) or {})
+    monkeypatch.setenv(PARENT_PID_ENV, "4242")
+    loop.main(["--loop-arm", "m", "p", "r", next(iter(loop.ARMS)), "1", "[]"])
+    assert calls == [("die_with", 4242), ("arm",)] and PARENT_PID_ENV not in os.environ
