@@ -51,7 +51,8 @@ next `attempt`, and `work` derives fresh seeds from it (`client.regeneration_key
 regenerated group would nearly replay the one it replaces, long again. A group lost in flight at a
 checkpoint is not a new attempt: nobody saw its samples, and regenerated on resume with the same keys under
 the same weights it draws what the uninterrupted run drew (a resumed run equals an uninterrupted one at
-η ≤ 1). Nor is a retry after an engine failure (the client reuses the keys: exactly-once). The attempts of
+η ≤ 1 without partial rollouts; with them, a group in flight at the checkpoint had tokens from the older
+weights, which the resume regenerates whole under the newer ones). Nor is a retry after an engine failure (the client reuses the keys: exactly-once). The attempts of
 prompts not yet trained are checkpointed.
 
 Exactly-once, and where it is decided:
