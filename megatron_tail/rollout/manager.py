@@ -52,8 +52,8 @@ regenerated group would nearly replay the one it replaces, long again. A group l
 checkpoint is not a new attempt: nobody saw its samples, and regenerated on resume with the same keys under
 the same weights it draws what the uninterrupted run drew (a resumed run equals an uninterrupted one at
 η ≤ 1 without partial rollouts; with them, a group in flight at the checkpoint had tokens from the older
-weights, which the resume regenerates whole under the newer ones). Nor is a retry after an engine failure (the client reuses the keys: exactly-once). The attempts of
-prompts not yet trained are checkpointed.
+weights, which the resume regenerates whole under the newer ones). Nor is a retry after an engine failure
+(the client reuses the keys: exactly-once). The attempts of prompts not yet trained are checkpointed.
 
 Exactly-once, and where it is decided:
 - Retries after an engine failure reuse the group's sample keys (`RolloutClient`): a group completes once.
@@ -203,8 +203,9 @@ class RolloutManager:
         self._admitted_at: dict[int, int] = {}
         """Group index in flight → the engines' version when it was admitted."""
         self._dropping: set[int] = set()
-        self._wakes: set[asyncio.Future] = set()
         """Groups in flight cancelled as stale (`_drop_older_than`), not yet finished cancelling."""
+        self._wakes: set[asyncio.Future] = set()
+        """Wake-ups scheduled by `_cancelled_unstarted`, held until they ran."""
         self._done: list[DoneGroup] = []
         """Groups completed and not yet reported, kept or filtered (`reward/generated_mean`: what the policy
         scores before DAPO's filter; `_report_done`)."""
@@ -249,6 +250,7 @@ class RolloutManager:
                     # generating do (their versions are this step's; left for the next, they were stale)
                     if self._filter_exhausted() and len(first) == complete:
                         taken = self._cut([self.buffer[i] for i in first])
+                        self._give_back(sorted(set(first) - {g.index for g in taken}))
                         break
                 else:
                     if progress is not None:
@@ -277,9 +279,23 @@ class RolloutManager:
 
     def _cut(self, groups: list[GroupResult]) -> list[GroupResult]:
         """`groups` (fewer than G) cut to a multiple of `multiple` (what the trainer splits), oldest token
-        first; the rest stay buffered for the next step."""
+        first. At η ≥ 2 the rest stay buffered for the next step (at their true staleness); at η ≤ 1 the
+        caller gives them back (`_give_back`)."""
         groups = sorted(groups, key=lambda g: (g.oldest_version, g.index))
         return groups[: len(groups) - len(groups) % self.multiple]
+
+    def _give_back(self, indices: list[int]) -> None:
+        """At η ≤ 1, the completed groups a batch cut short left out: their prompts are generated again under
+        the next weights, with the same keys (their attempt unchanged, as a group lost in flight at a
+        checkpoint), and their samples go unreported. Buffered for the next step instead, they would train
+        one version older than η allows, and again at every step that is cut (each takes the oldest
+        first)."""
+        for index in reversed(indices):  # the queue's front in prompt-stream order
+            del self.buffer[index]
+            self.admitted -= 1
+            self.queued.appendleft(index)
+        given = set(indices)
+        self._done = [d for d in self._done if d.index not in given]
 
     def _report_done(self, taken: list[GroupResult]) -> dict[str, float]:
         """`rollout/filtered_groups`, `reward/generated_mean` / `_accuracy` and, with a filter,

@@ -564,7 +564,9 @@ def test_stale_groups_must_be_train_or_drop():
 @pytest.mark.parametrize(("multiple", "taken"), [(1, [0, 1, 2]), (2, [0, 1]), (4, [])])
 def test_a_batch_cut_short_by_dynamic_sampling_is_a_multiple_of_multiple(multiple, taken):
     """Only groups 0, 1, 2 have a reward signal; after 5 filtered groups dynamic sampling gives up and the
-    step trains on a multiple of `multiple` of the 3 it has; the rest stays buffered for the next step."""
+    step trains on a multiple of `multiple` of the 3 it has. At η = 0 the rest go back to the queue, to be
+    generated again under the next weights with the same keys (before: buffered, they trained a version
+    older than η allows, at every step so cut)."""
 
     async def main():
         engines = SimulatedEngines(lambda _i: 1, reward=lambda i: [0.0, 1.0] if i < 3 else [1.0, 1.0])
@@ -575,15 +577,20 @@ def test_a_batch_cut_short_by_dynamic_sampling_is_a_multiple_of_multiple(multipl
         )  # fmt: skip
         manager.start()
         groups, metrics = await manager.next_batch(0)
-        buffered = sorted(manager.buffer)
+        buffered, queued, reported = (
+            sorted(manager.buffer),
+            list(manager.queued),
+            [d.index for d in manager._done],
+        )
         await manager.close()
-        return [g.index for g in groups], metrics, buffered
+        return [g.index for g in groups], metrics, buffered, queued, reported
 
-    got, metrics, buffered = asyncio.run(main())
+    got, metrics, buffered, queued, reported = asyncio.run(main())
     assert got == taken
-    assert buffered == [i for i in range(3) if i not in taken]
+    assert buffered == [] and queued == [i for i in range(3) if i not in taken]
+    assert not set(queued) & set(reported), "given back: reported when generated again, not twice"
     assert metrics["rollout/batch_fill"] == len(taken) / 4
-    assert metrics["rollout/buffered_groups"] == 3 - len(taken)
+    assert metrics["rollout/buffered_groups"] == 0
 
 
 def test_multiple_must_be_a_positive_int():
@@ -705,17 +712,20 @@ def test_a_start_forgets_the_trained_prompts_of_steps_its_checkpoint_does_not_ho
     assert read_trained_prompts(tmp_path) == {}
 
 
+@pytest.mark.parametrize("multiple", [1, 2])
 @pytest.mark.parametrize("eta", [0, 1])
-def test_a_batch_dynamic_sampling_gave_up_on_leaves_no_staleness_behind(eta):
-    """Every third group has no reward signal and dynamic sampling gives up after one filtered group a batch.
+def test_a_batch_dynamic_sampling_gave_up_on_leaves_no_staleness_behind(eta, multiple):
+    """Every third group has no reward signal and dynamic sampling gives up after one filtered group a batch
+    (G = 4; cut to a multiple of `multiple`, what the trainer splits).
     Before: the batch cut short left its places to groups admitted at the old weights, so from then on every
     step at η = 0 trained groups one version old (η = 1: two), and one step was empty."""
 
     async def main():
         engines = SimulatedEngines(lambda _i: 1, reward=lambda i: [1.0, 1.0] if i % 3 == 0 else [0.0, 1.0])
         manager = RolloutManager(
-            engines.work, groups_per_step=3, max_staleness=eta, version=0,
+            engines.work, groups_per_step=4, max_staleness=eta, version=0,
             keep=lambda g: max(g.batch.rewards) != min(g.batch.rewards), max_filtered_per_batch=1,
+            multiple=multiple,
         )  # fmt: skip
         manager.start()
         seen = []
@@ -726,10 +736,11 @@ def test_a_batch_dynamic_sampling_gave_up_on_leaves_no_staleness_behind(eta):
     seen, max_ahead = asyncio.run(main())
     for step, groups, metrics in seen:
         assert groups, f"step {step} was empty"
-        assert len(groups) <= 3 and metrics["rollout/batch_fill"] == len(groups) / 3
+        assert len(groups) <= 4 and len(groups) % multiple == 0
+        assert metrics["rollout/batch_fill"] == len(groups) / 4
         staleness = rollout_metrics(groups_to_batch(groups), policy_version=step)["rollout/staleness_max"]
         assert staleness <= eta, (step, [g.index for g in groups], staleness)
-    assert max_ahead <= (eta + 1) * 3
+    assert max_ahead <= (eta + 1) * 4
     trained = [g.index for _, groups, _ in seen for g in groups]
     assert len(trained) == len(set(trained)) and all(i % 3 for i in trained), "exactly once, none filtered"
 
