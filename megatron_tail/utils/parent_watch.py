@@ -115,12 +115,20 @@ def lead_reaped_group() -> None:
 
     Call first in the process, while it has one thread (a fork copies only the calling thread). The reaper
     sits in a group of its own (the group it kills must not be its own), holds no descriptor of this
-    process but the standard ones (a pipe to this process still closes when this process dies), and waits
-    in `sigwait` on `REAP_SIGNAL`, its death signal."""
+    process but the standard ones (a pipe to this process still closes when this process dies), blocks
+    every signal (SIGKILL aside), and waits in `sigwait` on `REAP_SIGNAL`, its death signal. A process
+    that leaves the group (`start_new_session=True`, `setsid`) is not killed with it."""
     os.setpgid(0, 0)
     group, leader = os.getpgid(0), os.getpid()
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, {REAP_SIGNAL})
-    if os.fork() != 0:
+    # every signal blocked across the fork: the reaper must not die of a stop signal (Slurm's reach every
+    # process of a step) before it has killed the group, nor run a Python handler in `sigwait`
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+    try:
+        child = os.fork()
+    except BaseException:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+        raise
+    if child != 0:
         signal.pthread_sigmask(signal.SIG_SETMASK, before)
         return
     try:  # the reaper

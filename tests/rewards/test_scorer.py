@@ -209,11 +209,21 @@ scorer(["x"], ["1"])
 
 
 def test_what_a_reward_starts_dies_with_a_trainer_killed_by_sigkill(tmp_path):
+    """The job's stop signals reach every process of a Slurm step, the worker's reaper too: it must live
+    through them (a first version died of SIGTERM, and the sandbox outlived the worker)."""
     env = {**os.environ, "MT_TEST_CHILD_PID": str(tmp_path / "child")}
     holder = subprocess.Popen([sys.executable, "-c", _CHILD_HOLDER], env=env)
     try:
         child = _child_of(tmp_path / "child")
         assert psutil.pid_exists(child)
+        worker = psutil.Process(child).parent()
+        (reaper,) = [p for p in worker.children() if p.pid != child]
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+            reaper.send_signal(sig)
+        time.sleep(0.5)
+        assert reaper.is_running() and reaper.status() != psutil.STATUS_ZOMBIE, (
+            "the reaper died of a stop signal"
+        )
         holder.kill()
         holder.wait(timeout=30)
         assert _gone(child), "the reward's child outlived its trainer"
