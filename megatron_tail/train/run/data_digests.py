@@ -4,8 +4,9 @@ is in them, and the prompt stream (`data.PromptStream`: shuffled by seed and epo
 checkpoint's `data_cursor`) is a function of the file's rows. A file edited, regenerated or replaced in
 place would silently change what the rest of the run trains on.
 
-Every checkpoint holds `data_digests.json`, the SHA-256 of each file's bytes (`session.RunSession
-.checkpoint`); a resume compares them with the files now (`changes`, `loop.check_resume_config`):
+Every checkpoint holds `data_digests.json`, the SHA-256 of each file's bytes when the run read it (rank 0,
+as it reads the prompts: `session.RunSession`); a resume compares them with the files now (`changes`,
+`loop.check_resume_config`):
 - the training file's content changed: a change of what is trained, refused as a changed key is
   (`config_change.resume_notes`) unless `train.allow_config_change`;
 - the evaluation file's: accepted and logged, as `data.eval_path` is;
@@ -30,8 +31,8 @@ _CHUNK = 8 << 20
 
 
 def file_digest(path: str | Path) -> str:
-    """SHA-256 (hex) of `path`'s bytes; computed once per (file, size, mtime) in a process (a large file is
-    read once per start, not once per checkpoint)."""
+    """SHA-256 (hex) of `path`'s bytes; computed once per (file, size, mtime) in a process (the resume's
+    comparison and the session's record of the same file at start read it once)."""
     stat = Path(path).stat()
     return _digest(str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
 

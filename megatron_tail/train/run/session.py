@@ -74,6 +74,8 @@ class RunSession:
         from megatron_tail.model import load_hf_config
 
         self.config_text = config_text(cfg)
+        self.data_digests_text: str | None = None
+        """The prompt files' digests when rank 0 read them (`data_digests`); None on the other ranks."""
         """The resolved config as given (`log_rho: auto` kept), YAML: each checkpoint stores it."""
         self.rho = adaptive_rho_rule(cfg)
         """`algorithm.log_rho: auto`: the rule that sets each step's log ρ (None for a fixed one)."""
@@ -106,6 +108,9 @@ class RunSession:
             arch = load_hf_config(cfg.model.hf_path)  # before a local engine starts
             check_routing_replay(cfg.algorithm.routing_replay, arch.moe, arch.architecture)
             prompts = run_prompts(cfg)  # read before megatron by `check_inputs` in this process, else now
+            # what the files held when read: every checkpoint stores this, not the files at its time (one
+            # regenerated mid-run would pass a resume's comparison; one moved would fail the save)
+            self.data_digests_text = data_digests.digests_text(cfg)
             tokenizer = prompts.tokenizer
             self._load_data(prompts)
             # a local engine starts loading now
@@ -295,8 +300,8 @@ class RunSession:
         if self.rank == 0 and state is not None:
             objects["rollout_manager"] = state
         files = {run_dir.CONFIG_NAME: self.config_text}  # what a resume compares its config with
-        if self.rank == 0:  # and the prompt files' content (`data_digests`: hashed once per start)
-            files[data_digests.DIGESTS_NAME] = data_digests.digests_text(self.cfg)
+        if self.data_digests_text is not None:  # and the prompt files' content, as rank 0 read them
+            files[data_digests.DIGESTS_NAME] = self.data_digests_text
         save_checkpoint(
             path, self.trainer, rl_state, overwrite=True, rank0_objects=objects, rank0_files=files
         )
