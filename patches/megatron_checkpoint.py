@@ -63,6 +63,9 @@ WRITER_POLL_S = 1.0
 """How long the wait for the writers' results blocks before it checks that each writer still lives."""
 WRITER_REPORT_S = 60.0
 """While a writer is alive but not done (a hung NFS or Lustre write), the rank says which, this often."""
+WRITER_KILL_WAIT_S = 10.0
+"""How long a killed writer is waited for before it is left behind (one in a file system call that cannot be
+interrupted does not die of SIGKILL until the call returns)."""
 WRITER_LIMIT_S: float | None = None
 """After this long without every writer done, the live ones are killed and the save fails naming them
 (`train.engine.checkpoint` sets it to the collective timeout, past which the peers' barrier fails anyway);
@@ -132,7 +135,14 @@ def _run_writers(transform_list, use_msc, rank, write_buckets) -> dict | Excepti
             writer.join(grace_s)
             if writer.exitcode is None:  # the save failed: the rest of its files are not wanted
                 writer.kill()
-                writer.join()
+                writer.join(WRITER_KILL_WAIT_S)
+                if writer.exitcode is None:  # in uninterruptible sleep (a hung NFS or Lustre write)
+                    print(
+                        f"checkpoint: rank {rank}'s writer (pid {writer.pid}) did not die of SIGKILL within "
+                        f"{WRITER_KILL_WAIT_S:.0f} s (a file system call that cannot be interrupted); left "
+                        "behind: it dies with the file system call, or with the rank (PR_SET_PDEATHSIG)",
+                        flush=True,
+                    )
 
 
 def _writer(rank_pid: int, transform_list, **kwargs) -> None:

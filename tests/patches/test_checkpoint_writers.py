@@ -98,3 +98,31 @@ def test_a_stuck_writer_is_named_while_it_writes_and_stopped_at_the_limit(monkey
     for name in ("file0", "file1"):  # killed: the save failed, the rest of its files are not wanted
         pid = int((tmp_path / name).read_text())
         assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+
+
+def test_a_writer_that_survives_its_kill_is_left_behind_not_waited_for(monkeypatch, tmp_path, capsys):
+    """A writer in uninterruptible sleep (a hung NFS or Lustre call) does not die of SIGKILL until the call
+    returns; before, the rank then waited for it forever in an unbounded `join()`. Stand-in: a kill that
+    does nothing."""
+    import multiprocessing.context
+    import signal
+
+    from megatron_tail.patches import megatron_checkpoint
+
+    original = FileSystemWriterAsync.__dict__["write_preloaded_data_multiproc"]
+    use_watched_checkpoint_writers(limit_s=1.0)
+    monkeypatch.setattr(megatron_checkpoint, "WRITER_KILL_WAIT_S", 0.5)
+    monkeypatch.setattr(multiprocessing.context.ForkProcess, "kill", lambda _self: None)
+    never = staticmethod(checkpoint_writers.never_finishes)
+    monkeypatch.setattr(FileSystemWriterAsync, "write_preloaded_data", never)
+    try:
+        buckets = [(str(tmp_path / name), *rest) for name, *rest in checkpoint_writers.BUCKETS]
+        error = _write(buckets)
+    finally:
+        monkeypatch.setattr(FileSystemWriterAsync, "write_preloaded_data_multiproc", original)
+        use_watched_checkpoint_writers()
+        for name in ("file0", "file1"):  # the stand-in's survivors
+            if (tmp_path / name).is_file():
+                os.kill(int((tmp_path / name).read_text()), signal.SIGKILL)
+    assert isinstance(error, RuntimeError) and "still writing after" in str(error)
+    assert "did not die of SIGKILL within 0 s" in capsys.readouterr().out
