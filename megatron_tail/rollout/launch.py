@@ -16,6 +16,9 @@ import aiohttp
 
 from megatron_tail.utils.errors import UserError
 
+NOT_FOUND_GRACE_S = 10.0
+"""`wait_until_healthy`: how long a URL's /health may answer 404 before the URL is refused as no server's."""
+
 SGLANG_DTYPES = ("auto", "bfloat16", "float16", "float32")
 QUANTIZATIONS = ("none", "fp8")
 """`rollout.quantization`: "fp8" = FP8 rollouts from the bf16 checkpoint (see `SGLangServerConfig`)."""
@@ -242,6 +245,7 @@ async def wait_until_healthy(urls: Sequence[str], timeout_s: float = 600.0, inte
     """Poll `GET {url}/health` until every server answers 200; TimeoutError naming the ones that did not."""
     pending = {u.rstrip("/") for u in urls}
     deadline = time.monotonic() + timeout_s
+    not_found: dict[str, float] = {}  # URL → since when its /health has answered 404, every probe
     async with aiohttp.ClientSession() as session:
         while pending:
             for url in list(pending):
@@ -249,14 +253,21 @@ async def wait_until_healthy(urls: Sequence[str], timeout_s: float = 600.0, inte
                     async with session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=5)) as resp:
                         if resp.status == 200:
                             pending.discard(url)
-                        elif resp.status == 404:  # a server answered, without /health here: not its base
+                        if resp.status != 404:
+                            not_found.pop(url, None)
+                        # a server answered, without /health here: not its base URL (a proxy starting up
+                        # may answer 404 a moment; past NOT_FOUND_GRACE_S it is the URL)
+                        elif (
+                            time.monotonic() - not_found.setdefault(url, time.monotonic())
+                            >= NOT_FOUND_GRACE_S
+                        ):
                             raise UserError(
-                                f"{url}/health answered HTTP 404: {url} is not an SGLang server's base URL "
-                                "(rollout.server_urls takes http://HOST:PORT[/PREFIX], to which /health and "
-                                "/generate are appended)"
+                                f"{url}/health answered HTTP 404 for {NOT_FOUND_GRACE_S:.0f} s: {url} is "
+                                "not an SGLang server's base URL (rollout.server_urls takes "
+                                "http://HOST:PORT[/PREFIX], to which /health and /generate are appended)"
                             )
                 except (TimeoutError, aiohttp.ClientError):
-                    pass
+                    not_found.pop(url, None)
             if pending and time.monotonic() > deadline:
                 raise TimeoutError(f"servers not healthy after {timeout_s:.0f} s: {sorted(pending)}")
             if pending:
