@@ -64,7 +64,7 @@ def test_a_server_url_that_aiohttp_cannot_use_is_refused_at_load(url, why):
         load_config(None, ["rollout.engine=remote", f"rollout.server_urls=[http://b:2, '{url}']"])
 
 
-def test_a_url_that_is_no_servers_base_is_said_after_a_short_grace():
+def test_a_url_that_is_no_servers_base_is_said_after_a_short_grace(monkeypatch):
     """Something answers, but not /health (a proxy's prefix, a copied sub-path): before, the probes went on
     for rollout.startup_timeout_s (300 s) and the run exited 4, "servers not healthy". Now after 10 s of
     404s (a proxy starting up may answer 404 a moment)."""
@@ -72,15 +72,18 @@ def test_a_url_that_is_no_servers_base_is_said_after_a_short_grace():
 
     from aiohttp import web
 
+    from megatron_tail.rollout import launch
     from megatron_tail.rollout.launch import wait_until_healthy
     from tests.rollout.servers import serving_app
+
+    monkeypatch.setattr(launch, "NOT_FOUND_GRACE_S", 1.0)  # 10 s in a run
 
     async def probe():
         async with serving_app(web.Application()) as url:
             await wait_until_healthy([f"{url}/sglang"], timeout_s=300.0)
 
     with pytest.raises(
-        UserError, match=r"/sglang/health answered HTTP 404 for 10 s: .*/sglang is not an SGLang server"
+        UserError, match=r"/sglang/health answered HTTP 404 for 1 s: .*/sglang is not an SGLang server"
     ):
         asyncio.run(asyncio.wait_for(probe(), 60))
 
