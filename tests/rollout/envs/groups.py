@@ -8,6 +8,7 @@ import asyncio
 from dataclasses import replace
 
 from megatron_tail.rollout.envs import Tokens
+from megatron_tail.rollout.protocol import SamplingConfig
 from megatron_tail.rollout.service.episodes import (
     EpisodeSampling,
     Example,
@@ -22,6 +23,21 @@ def tokens_of(tokenizer) -> Tokens:
     return Tokens(
         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
         encode=lambda text: tokenizer(text, add_special_tokens=False)["input_ids"],
+    )
+
+
+def short_turn_sampling(*, max_new_tokens: int, base_seed: int, **truncation) -> SamplingConfig:
+    """Two samples a prompt at temperature 1 where every non-special token of the tiny model (ids 4..99)
+    ends a turn by "stop": the (random) model's turns are short, so episodes run to their `max_turns`.
+    `truncation`: SamplingConfig's top_k / top_p."""
+    return SamplingConfig(
+        n_samples=2,
+        max_new_tokens=max_new_tokens,
+        temperature=1.0,
+        log_rho=None,
+        base_seed=base_seed,
+        stop_token_ids=tuple(range(4, 100)),
+        **truncation,
     )
 
 

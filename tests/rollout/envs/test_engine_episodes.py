@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_tail.rollout import ClientConfig, RolloutClient, SamplingConfig
+from megatron_tail.rollout import ClientConfig, RolloutClient
 from megatron_tail.rollout.envs import EpisodeLimits
 from megatron_tail.rollout.envs.pool import EnvWorkers
-from tests.rollout.envs.groups import ClientEngines, run_groups, tokens_of
+from tests.rollout.envs.groups import ClientEngines, run_groups, short_turn_sampling, tokens_of
 from tests.rollout.servers import start_servers
 
 PROMPTS = [[5, 6, 76, 7, 84], [8, 9, 76, 10, 84]]
@@ -39,15 +39,7 @@ def _three_turn_episodes(server, tokenizer, **truncation) -> list:
     """Two episodes for each of `PROMPTS` with the scripted environment, up to 3 turns each: every
     non-special token ends a turn by "stop", so the (random) model's turns are short and episodes run to
     max_turns. `truncation`: SamplingConfig's top_k / top_p."""
-    sampling = SamplingConfig(
-        n_samples=2,
-        max_new_tokens=6,
-        temperature=1.0,
-        log_rho=None,
-        base_seed=3,
-        stop_token_ids=tuple(range(4, 100)),
-        **truncation,
-    )
+    sampling = short_turn_sampling(max_new_tokens=6, base_seed=3, **truncation)
     tokens = tokens_of(tokenizer)
 
     async def go():

@@ -16,7 +16,7 @@ from megatron_tail.rollout.envs.pool import EnvWorkers
 from megatron_tail.rollout.errors import RetryableServerError
 from megatron_tail.rollout.protocol import sample_keys
 from megatron_tail.rollout.service.engines import Engines
-from tests.rollout.envs.groups import ClientEngines, run_groups, tokens_of
+from tests.rollout.envs.groups import ClientEngines, run_groups, short_turn_sampling, tokens_of
 
 A, B, C = "http://a:1", "http://b:1", "http://c:1"
 
@@ -114,14 +114,7 @@ def test_three_turn_episodes_over_two_engines_stay_on_their_server(server_pair, 
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
-    sampling = SamplingConfig(
-        n_samples=2,
-        max_new_tokens=4,
-        temperature=1.0,
-        log_rho=None,
-        base_seed=5,
-        stop_token_ids=tuple(range(4, 100)),
-    )
+    sampling = short_turn_sampling(max_new_tokens=4, base_seed=5)
     tokens = tokens_of(tokenizer)
     urls = [s.url for s in server_pair]
 
