@@ -38,7 +38,8 @@ def make_held_out_examples(
     the demo's 200 test prompts were training prompts, its 1-digit sums nearly all). ValueError when the
     space of problems cannot hold them."""
     seen = {row["prompt"] for row in train}
-    space = sum(_count(da) * _count(db) for da in range(1, max_digits + 1) for db in range(1, max_digits + 1))
+    counts = [high - low for low, high in map(_operand_range, range(1, max_digits + 1))]
+    space = sum(a * b for a in counts for b in counts)
     if n > space - len(seen):
         raise ValueError(f"{n} held-out problems do not fit beside {len(seen)} training prompts in {space}")
     rng = np.random.default_rng(seed)
@@ -51,14 +52,13 @@ def make_held_out_examples(
     return examples
 
 
-def _count(digits: int) -> int:
-    """Operands of `digits` digits (`_operand`'s range)."""
-    return 10 if digits == 1 else 9 * 10 ** (digits - 1)
+def _operand_range(digits: int) -> tuple[int, int]:
+    """[low, high) of the operands of `digits` digits (0..9 for one digit)."""
+    return (0 if digits == 1 else 10 ** (digits - 1)), 10**digits
 
 
 def _operand(rng: np.random.Generator, digits: int) -> int:
-    low = 0 if digits == 1 else 10 ** (digits - 1)
-    return int(rng.integers(low, 10**digits))
+    return int(rng.integers(*_operand_range(digits)))
 
 
 def write_jsonl(rows: list[dict], path: str | Path) -> None:
