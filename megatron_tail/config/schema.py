@@ -399,6 +399,16 @@ class RunConfig:
         if not self.data.train_path:
             _bad("data", "train_path", self.data.train_path, "is required (a jsonl/json/parquet file)")
 
+    def check_plugins(self) -> None:
+        """The reward and the environment the config names (`data.reward`, `rollout.env.name`), imported by
+        name: UserError naming the key and what failed."""
+        from megatron_tail.rewards.registry import load_reward_fn
+        from megatron_tail.rollout.envs.registry import load_env_class
+
+        if self.rollout.env.name is not None:
+            load_env_class(self.rollout.env.name)
+        load_reward_fn(self.data.reward)
+
     def check_inputs(self, *, host: bool = True) -> None:
         """`check_runnable`, and what the run reads on this machine, as far as it can be told without
         megatron-core (`train` calls this before importing it, so a user's mistake is one line, not one
@@ -411,8 +421,6 @@ class RunConfig:
         from megatron_tail.data.prompts import check_prompt_file
         from megatron_tail.model.directory import check_model_dir
         from megatron_tail.model.layout import check_parallel_layout
-        from megatron_tail.rewards.registry import load_reward_fn
-        from megatron_tail.rollout.envs.registry import load_env_class
         from megatron_tail.utils.errors import global_rank
         from megatron_tail.utils.paths import check_run_dir
 
@@ -421,9 +429,7 @@ class RunConfig:
             self.rollout.check_host()
         check_run_dir(self.run_dir)
 
-        if self.rollout.env.name is not None:
-            load_env_class(self.rollout.env.name)
-        load_reward_fn(self.data.reward)
+        self.check_plugins()
         check_prompt_file(self.data.train_path, "data.train_path")
         if self.data.eval_path:
             check_prompt_file(self.data.eval_path, "data.eval_path")

@@ -68,8 +68,6 @@ def check_inputs(
     directory; a checkpoint's export writes `<checkpoint>/hf`). UserError naming the bad input."""
     from megatron_tail.data.prompts import check_prompt_file
     from megatron_tail.model.directory import check_model_dir
-    from megatron_tail.rewards.registry import load_reward_fn
-    from megatron_tail.rollout.envs.registry import load_env_class
     from megatron_tail.utils.paths import unwritable_reason
 
     if (hf_dir is None) == (checkpoint is None):
@@ -79,9 +77,7 @@ def check_inputs(
     if cfg.data.eval_path is None:
         raise UserError("data.eval_path is required to evaluate (a jsonl/json/parquet file of prompts)")
     check_prompt_file(cfg.data.eval_path, "data.eval_path")
-    load_reward_fn(cfg.data.reward)
-    if cfg.rollout.env.name is not None:
-        load_env_class(cfg.rollout.env.name)
+    cfg.check_plugins()
     if checkpoint is not None and not Path(checkpoint).is_dir():
         what = "is not a directory" if Path(checkpoint).exists() else "does not exist"
         raise UserError(f"--checkpoint {checkpoint} {what} (a run's checkpoints/step_NNNNNN directory)")
