@@ -149,6 +149,8 @@ def init_distributed(
     _host_wait_group = dist.new_group(backend="gloo", timeout=_host_wait_timeout)
 
 
+_ARRIVAL_LIMIT = "the longer of parallel.distributed_timeout_minutes and rank0_wait_timeout_minutes"
+"""What bounds the wait for every rank at start-up, as its messages say."""
 ARRIVAL_REPORT_S = 60.0
 """While ranks are missing at start-up, the first rank to arrive says how many have, this often."""
 
@@ -175,14 +177,13 @@ def _wait_for_every_rank(store: dist.Store, world_size: int, timeout: timedelta)
             if time.monotonic() - started >= timeout.total_seconds():
                 raise OutsideFailure(
                     f"start-up: {count} of {world_size} trainer ranks reached the rendezvous at {where} "
-                    f"within {timeout} (the longer of parallel.distributed_timeout_minutes and "
-                    "rank0_wait_timeout_minutes); the others did not start, or cannot reach it"
+                    f"within {timeout} ({_ARRIVAL_LIMIT}); the others did not start, or cannot reach it"
                 ) from None
             if arrived == 1:
                 print(
                     f"start-up: {count} of {world_size} trainer ranks at the rendezvous {where} after "
-                    f"{time.monotonic() - started:.0f} s; waiting for the others up to {timeout} (the longer "
-                    "of parallel.distributed_timeout_minutes and rank0_wait_timeout_minutes)",
+                    f"{time.monotonic() - started:.0f} s; waiting for the others up to {timeout} "
+                    f"({_ARRIVAL_LIMIT})",
                     flush=True,
                 )
 
