@@ -21,6 +21,7 @@ from megatron_tail.utils.paths import DELETING, REPLACED, STAGING, beside
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _STAGED_STEP = re.compile(rf"^\.(step_\d+)\.{STAGING}$")
+_REPLACED_STEP = re.compile(rf"^\.(step_\d+)\.{REPLACED}$")
 _START_FILE = re.compile(r"^start_(\d+)_step_\d+\.yaml$")
 
 CONFIG_NAME = "config.yaml"
@@ -81,11 +82,9 @@ def restore_interrupted_replacements(run_dir: str | Path) -> list[Path]:
     resume finds step N, and `sweep_leftovers` then removes the other. Before, neither was a checkpoint a
     resume could find, and neither was ever removed. For global rank 0 at start, with the run directory
     locked, before `sweep_leftovers`; returns the checkpoints restored."""
-    root = checkpoints_dir(run_dir)
     restored = []
-    for old in sorted(root.glob(beside("step_*", REPLACED).name)) if root.is_dir() else []:
-        step = root / old.name[1 : -len(REPLACED) - 1]
-        if step.exists() or not _STEP_DIR.match(step.name):
+    for old, step in _replaced_copies(checkpoints_dir(run_dir)):
+        if step.exists():
             continue
         new = beside(step, STAGING)
         source = next((c for c in (new, old) if (c / "metadata.json").is_file()), None)
@@ -93,6 +92,14 @@ def restore_interrupted_replacements(run_dir: str | Path) -> list[Path]:
             source.rename(step)
             restored.append(step)
     return restored
+
+
+def _replaced_copies(checkpoints: Path) -> list[tuple[Path, Path]]:
+    """(`.step_N.old`, `step_N`) of every replaced copy a save left in `checkpoints`, in name order."""
+    if not checkpoints.is_dir():
+        return []
+    found = ((path, _REPLACED_STEP.match(path.name)) for path in sorted(checkpoints.iterdir()))
+    return [(path, checkpoints / match.group(1)) for path, match in found if match]
 
 
 def _beside_only_copy(path: Path) -> bool:
@@ -151,11 +158,7 @@ def sweep_leftovers(run_dir: str | Path, weights_dir: str | Path) -> list[Path]:
     found = [path for folder, pattern in patterns if folder.is_dir() for path in folder.glob(pattern)]
     # a replaced checkpoint's old copy once the new one is in place, whole (a kill before its removal);
     # without `step_N` it may be the only copy (`restore_interrupted_replacements` found none whole): kept
-    found += [
-        old
-        for old in (checkpoints.glob(beside("step_*", REPLACED).name) if checkpoints.is_dir() else [])
-        if (old.parent / old.name[1 : -len(REPLACED) - 1] / "metadata.json").is_file()
-    ]
+    found += [old for old, step in _replaced_copies(checkpoints) if (step / "metadata.json").is_file()]
     # `.step_N.tmp` beside `.step_N.old` without `step_N`: kept likewise
     found = [path for path in found if not _beside_only_copy(path)]
     for path in found:
