@@ -292,8 +292,7 @@ class RolloutManager:
         first)."""
         for index in reversed(indices):  # the queue's front in prompt-stream order
             del self.buffer[index]
-            self.admitted -= 1
-            self.queued.appendleft(index)
+            self._requeue(index)
         given = set(indices)
         self._done = [d for d in self._done if d.index not in given]
 
@@ -403,8 +402,7 @@ class RolloutManager:
         except BaseException as e:  # the trainer's next call raises it; a checkpoint still lists the group
             self._admitted_at.pop(index, None)
             self.error = e
-            self.queued.appendleft(index)
-            self.admitted -= 1
+            self._requeue(index)
             result = None
         self.in_flight.pop(index, None)
         if result is not None:
@@ -431,9 +429,14 @@ class RolloutManager:
             self._drop(index)
             self._counts["cancelled_stale"] += 1
             return True
+        self._requeue(index)
+        return False
+
+    def _requeue(self, index: int) -> None:
+        """Group `index` un-admitted, first in the queue, its attempt unchanged: nobody trained on its samples
+        (lost in flight, failed, or given back), so it is generated again with the same keys."""
         self.queued.appendleft(index)
         self.admitted -= 1
-        return False
 
     def _cancelled_unstarted(self, index: int, task: asyncio.Task) -> None:
         """A task's done callback: one cancelled before its coroutine first ran never reached `_run`'s
