@@ -102,9 +102,12 @@ def check_inputs(
         raise UserError(
             f"--out {out_dir} is a file; a directory for eval.json and the engine's logs is expected"
         )
-    writes = [("--out", out_dir)] if out_dir is not None else [("--hf (no --out)", hf_dir)]
-    if checkpoint is not None:
-        writes = [("--checkpoint (its export, hf/)", checkpoint), *([("--out", out_dir)] if out_dir else [])]
+    # a checkpoint's export (<checkpoint>/hf), then the results (--out, else the model directory)
+    writes = [("--checkpoint (its export, hf/)", checkpoint)] if checkpoint is not None else []
+    if out_dir is not None:
+        writes.append(("--out", out_dir))
+    elif hf_dir is not None:
+        writes.append(("--hf (no --out)", hf_dir))
     for flag, where in writes:
         reason = unwritable_reason(where)
         if reason is not None:
