@@ -162,6 +162,13 @@ class TrainSection:
     eval_samples_per_prompt: int = 1
     """n samples per eval prompt at the rollout temperature (plus one greedy): logs `eval/pass@k` (the
     unbiased estimator, k = 1, 2, 4, …, n) and `eval/mean@n`; `eval/sampled_accuracy` is mean@n."""
+    max_nonfinite_updates_in_a_row: int = 3
+    """An optimizer update whose global gradient norm is NaN or ±inf is skipped (the weights and optimizer
+    state stay as they were; said on the console, counted in `train/nonfinite_grad_updates`); the run stops
+    (exit 2) when more than this many follow one another, since its gradients no longer recover. 0: stop at
+    the first. Default 3: one batch whose backward overflows costs its update, not the run, while a run
+    that diverged stops within a step or two, with its checkpoints' weights finite. Not checkpointed: a
+    resume counts afresh."""
 
     def __post_init__(self) -> None:
         _positive_int("train", "steps", self.steps)
@@ -171,6 +178,9 @@ class TrainSection:
         _positive_int("train", "keep_checkpoints", self.keep_checkpoints)
         _positive_int("train", "eval_every", self.eval_every, minimum=0)
         _positive_int("train", "eval_samples_per_prompt", self.eval_samples_per_prompt)
+        _positive_int(
+            "train", "max_nonfinite_updates_in_a_row", self.max_nonfinite_updates_in_a_row, minimum=0
+        )
         if self.seq_len is not None:
             _positive_int("train", "seq_len", self.seq_len, minimum=2)
         if self.max_tokens_per_micro_batch is not None:

@@ -12,10 +12,12 @@ tensors that combine by the metrics convention (`megatron_tail.algorithms.metric
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
 from megatron_tail.algorithms.metrics import combine_metrics
 from megatron_tail.ops import MaskedLogprobs
@@ -35,7 +37,9 @@ class TrainStepResult:
     """Outcome of one `train_step`, identical on every rank."""
 
     update_successful: bool
-    """False if the optimizer skipped the step (inf/NaN gradients)."""
+    """False if the update was skipped: fp16's loss scaler found inf/NaN gradients (`grad_norm` None; the
+    scale drops), or the global gradient norm was NaN or ±inf (`grad_norm` that value): the weights and
+    the optimizer's state are as they were (`step_unless_nonfinite`)."""
     grad_norm: float | None
     """Global gradient norm before clipping (over all TP/PP/DP shards)."""
     metrics: dict[str, float]
@@ -77,9 +81,43 @@ def train_step(
         routing=routing,
     )
     with cpu_device_scope():
-        update_successful, grad_norm, _ = trainer.optimizer.step()
+        update_successful, grad_norm = step_unless_nonfinite(trainer.optimizer)
     metrics = _reduce_metrics(per_mb, trainer)
     return TrainStepResult(bool(update_successful), None if grad_norm is None else float(grad_norm), metrics)
+
+
+@torch.no_grad()
+def step_unless_nonfinite(optimizer) -> tuple[bool, float | None]:
+    """megatron's optimizer step, skipped where the global gradient norm is NaN or ±inf. Collective over the
+    gradients' groups; returns (updated, the norm before clipping; None where fp16's scaler skipped).
+
+    megatron-core 0.16's `ChainedOptimizer.step` (`megatron/core/optimizer/optimizer.py`) with one check
+    added between its norm and its clip: without a loss scaler (bf16, fp32) it applies whatever the norm
+    is, and clipping by a NaN norm clips nothing (`clip_grad_by_total_norm_fp32` scales only when
+    max_norm / norm < 1), so one NaN gradient made every weight NaN, and the next checkpoint saved them.
+    A skip is what megatron's own fp16 skip does (`prepare_grads` found inf): no inner step, no copy to
+    the model's parameters, the gradients cleared by the next step's `zero_grad`. The norm is global
+    (model parallel, and DP for the distributed optimizer), so every rank skips alike. One host read, the
+    norm's `.item()` inside `get_grad_norm_fp32`, as in megatron's step. A finite step equals
+    `optimizer.step()` bit for bit (`tests/train/test_nonfinite_updates.py`).
+    """
+    if optimizer.prepare_grads():  # fp16: the scaler found inf/NaN and lowered the scale
+        return False, None
+    grad_norm = float(optimizer.get_grad_norm())
+    if not math.isfinite(grad_norm):
+        return False, grad_norm
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if getattr(inner, "is_stub_optimizer", False) or inner.config.clip_grad <= 0.0:
+            continue
+        parameters = inner.get_parameters()
+        if parameters:
+            clip_grad_by_total_norm_fp32(
+                parameters,
+                max_norm=inner.config.clip_grad,
+                total_norm=grad_norm,
+                use_decoupled_grad=inner.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
+            )
+    return bool(optimizer.step_with_ready_grads()), grad_norm
 
 
 def _reduce_metrics(per_mb: list[dict[str, torch.Tensor]], trainer: Trainer) -> dict[str, float]:

@@ -16,6 +16,7 @@ micro-batches, r3 the engine's; `moe/aux_loss` is megatron's load-balancing loss
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -70,6 +71,9 @@ class PolicyUpdate:
     """TensorBoard tag → value (identical on every rank)."""
     updates: int
     """Optimizer steps taken (mini-batches × Lopti phases), skipped ones included."""
+    finite: tuple[bool, ...]
+    """Per optimizer step, in order: False where its gradient norm was NaN or ±inf, so it was skipped (the
+    weights and optimizer state kept; `engine.optimizer_step.step_unless_nonfinite`)."""
 
 
 def update_policy(
@@ -83,7 +87,7 @@ def update_policy(
         counts.append(prepare_rl_micro_batches(cfg, mbs, outputs, groups.dp, groups.cp))
         start += len(mbs)
     summed: list[dict[str, torch.Tensor]] = []
-    grad_norms, skipped = [], 0
+    grad_norms, skipped, finite = [], 0, []
     moe = trainer.arch.moe
     if moe is not None:
         clear_aux_loss()
@@ -94,7 +98,8 @@ def update_policy(
             result = train_step(trainer, mbs, loss_fn, op=op, routing=routing)
             summed.append({k: torch.tensor(v, dtype=torch.float64) for k, v in result.metrics.items()})
             skipped += 0 if result.update_successful else 1
-            if result.grad_norm is not None:
+            finite.append(result.grad_norm is None or math.isfinite(result.grad_norm))
+            if result.grad_norm is not None and finite[-1]:
                 grad_norms.append(result.grad_norm)
     updates = len(summed)
     combined = per_mini_batch_losses(combine_metrics(summed), len(layout.per_mini_batch))
@@ -109,4 +114,5 @@ def update_policy(
         metrics.update(aux_loss_scalars(sum(moe.layer_is_moe), forwards))
     metrics["train/updates"] = float(updates)
     metrics["train/skipped_updates"] = float(skipped)
-    return PolicyUpdate(metrics, updates)
+    metrics["train/nonfinite_grad_updates"] = float(finite.count(False))
+    return PolicyUpdate(metrics, updates, tuple(finite))

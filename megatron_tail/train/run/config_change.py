@@ -41,6 +41,7 @@ CHANGEABLE_KEYS: frozenset[str] = frozenset(
         "train.steps",
         "train.checkpoint_every",
         "train.keep_checkpoints",
+        "train.max_nonfinite_updates_in_a_row",
         "train.resume",
         "train.allow_config_change",
         "train.eval_every",

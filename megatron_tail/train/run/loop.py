@@ -124,7 +124,7 @@ def rl_step(
     # the LR schedule counts RL steps, trained or not: every update of this step uses this rate
     metrics["train/lr"] = advance(s.trainer.scheduler)
     if len(batch):
-        trained_metrics, histograms, tokens = _train_on(s, batch)
+        trained_metrics, histograms, tokens = _train_on(s, batch, done)
         metrics.update(trained_metrics)
     # an empty batch: dynamic sampling kept no group with a reward signal, nothing to learn from this step
     metrics["train/skipped_step"] = 0.0 if len(batch) else 1.0
@@ -150,8 +150,9 @@ def rl_step(
     return metrics, histograms, stop.agreed()
 
 
-def _train_on(s: RunSession, batch) -> tuple[dict[str, float], dict, int]:
-    """The trainer's part of a step on a non-empty batch: scalars, histograms, tokens trained on."""
+def _train_on(s: RunSession, batch, done: int) -> tuple[dict[str, float], dict, int]:
+    """The trainer's part of step `done` (1-based) on a non-empty batch: scalars, histograms, tokens
+    trained on. Raises `nonfinite.TrainingDiverged` past `train.max_nonfinite_updates_in_a_row`."""
     cfg, trainer = s.cfg, s.trainer
     built = build_samples(cfg, batch, token_columns(cfg))  # reward shaping, advantages, per-token columns
     layout = layout_micro_batches(cfg, built.samples, trainer.groups)  # mini-batches × DP × micro-batches
@@ -161,6 +162,7 @@ def _train_on(s: RunSession, batch) -> tuple[dict[str, float], dict, int]:
         score_reference(trainer, s.reference, cfg, layout)  # KL: log π_ref of the same tokens
     logprob_s = time.perf_counter() - scoring
     update = update_policy(trainer, cfg.algorithm, layout, old, op=op_settings(cfg))  # optimizer step(s)
+    s.nonfinite.observe(done, update.finite)  # a NaN or ±inf gradient norm skipped its update
     metrics = {**built.metrics, **update.metrics, **old.diagnostics, "perf/logprob_time_s": logprob_s}
     metrics.update(_packing_metrics(layout, trainer.groups.dp))
     return metrics, old.histograms, layout.tokens

@@ -42,6 +42,7 @@ from ..engine.setup import build_trainer
 from . import data_digests, run_dir, signals
 from .config_change import config_text
 from .console import Console, progress_enabled
+from .nonfinite import NonfiniteUpdates
 from .rollout_plan import start_rollout
 
 
@@ -74,9 +75,9 @@ class RunSession:
         from megatron_tail.model import load_hf_config
 
         self.config_text = config_text(cfg)
+        """The resolved config as given (`log_rho: auto` kept), YAML: each checkpoint stores it."""
         self.data_digests_text: str | None = None
         """The prompt files' digests when rank 0 read them (`data_digests`); None on the other ranks."""
-        """The resolved config as given (`log_rho: auto` kept), YAML: each checkpoint stores it."""
         self.rho = adaptive_rho_rule(cfg)
         """`algorithm.log_rho: auto`: the rule that sets each step's log ρ (None for a fixed one)."""
         if self.rho is not None:
@@ -87,6 +88,8 @@ class RunSession:
         self.console = Console(enabled=self.rank == 0, bars=progress_enabled(cfg.logging.progress))
         for warning in cfg.warnings():
             self.console.note(f"warning: {warning}")
+        self.nonfinite = NonfiniteUpdates(cfg.train.max_nonfinite_updates_in_a_row, self.console.note)
+        """Updates skipped for a NaN or ±inf gradient norm, in a row; stops the run past the limit."""
         self.engines: RolloutService | None = None
         self.eval_examples: list = []
         self.reference = None

@@ -1,0 +1,55 @@
+"""Updates skipped for a NaN or ±inf gradient norm, counted across steps: said each time, and the run
+stops once `train.max_nonfinite_updates_in_a_row` is exceeded.
+
+    guard = NonfiniteUpdates(cfg.train.max_nonfinite_updates_in_a_row, note=console.note)
+    guard.observe(done, update.finite)   # after each step's updates; raises TrainingDiverged
+
+The skip itself is the optimizer step's (`engine.optimizer_step.step_unless_nonfinite`): the weights and
+the optimizer's state stay as they were, so every checkpoint holds finite weights. The norm is global, so
+every rank sees the same sequence and raises alike (no rank waits in a collective for one that stopped).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from megatron_tail.utils.errors import UserError
+
+LIMIT_KEY = "train.max_nonfinite_updates_in_a_row"
+
+
+class TrainingDiverged(UserError):
+    """The gradients stayed NaN or ±inf past `train.max_nonfinite_updates_in_a_row`. A user error (exit 2):
+    rerunning as is resumes from a checkpoint whose updates led here, and a setting must change."""
+
+
+class NonfiniteUpdates:
+    """Consecutive skipped updates over the run, in update order (a finite one resets the count)."""
+
+    def __init__(self, limit: int, note: Callable[[str], None]):
+        self.limit = limit
+        self.note = note
+        self.in_a_row = 0
+
+    def observe(self, done: int, finite: Sequence[bool]) -> None:
+        """Step `done` (1-based) ran len(finite) updates; False where one was skipped. Says each skip via
+        `note`; raises `TrainingDiverged` on the update that exceeds the limit."""
+        for index, ok in enumerate(finite):
+            if ok:
+                self.in_a_row = 0
+                continue
+            self.in_a_row += 1
+            where = f"step {done}, update {index + 1} of {len(finite)}"
+            if self.in_a_row > self.limit:
+                raise TrainingDiverged(
+                    f"{where}: the gradient norm was NaN or ±inf in {self.in_a_row} updates in a row "
+                    f"({LIMIT_KEY}={self.limit}), so the run stopped. Each was skipped: the weights, and "
+                    "every checkpoint's, are those of the last finite update. Rerunning as is resumes from "
+                    "the last checkpoint and likely diverges again: lower optimizer.lr (a resume needs "
+                    "train.allow_config_change: true for it), or look at what led here in TensorBoard "
+                    "(train/grad_norm_max, is/weight_max, response/length_mean)"
+                )
+            self.note(
+                f"warning: {where}: the gradient norm is NaN or ±inf; the update is skipped (weights and "
+                f"optimizer state kept; {self.in_a_row} in a row, the run stops at {self.limit + 1})"
+            )

@@ -1,0 +1,72 @@
+"""A run whose updates go NaN (injected into the loss of steps 2, 4 and 5): each is skipped and said, the
+steps after a skip train from finite weights, TensorBoard counts them in `train/nonfinite_grad_updates`, and
+the run stops with one `TrainingDiverged` once more than `train.max_nonfinite_updates_in_a_row` follow one
+another. Before, step 2's update made every weight NaN, and step 3 failed in its θ_old pass."""
+
+from __future__ import annotations
+
+import math
+
+from megatron_tail.demo.run import read_scalars
+from tests.harness import run_distributed
+from tests.loop.conftest import ENGINE_IN_PROCESS, loop_overrides
+
+NAN_AT_STEPS = (2, 4, 5)
+
+
+def _run_rank(rank, world, overrides):  # noqa: ARG001
+    from megatron_tail.config import load_config
+    from megatron_tail.train.rl import update
+    from megatron_tail.train.run.loop import run
+    from megatron_tail.train.run.nonfinite import TrainingDiverged
+
+    real, calls = update.rl_loss_fn, []
+
+    def rl_loss_fn(cfg, counts, *, phase):  # one update a step: the n-th call is step n's
+        calls.append(phase)
+        inner, step = real(cfg, counts, phase=phase), len(calls)
+
+        def loss_fn(out, mb):
+            loss, metrics = inner(out, mb)
+            return (loss * math.nan if step in NAN_AT_STEPS else loss), metrics
+
+        return loss_fn
+
+    update.rl_loss_fn = rl_loss_fn
+    try:
+        run(load_config(None, overrides))
+    except TrainingDiverged as e:
+        return str(e)
+    return None
+
+
+def test_nonfinite_updates_are_skipped_said_counted_and_stop_the_run(
+    tiny_model_dir, prompt_file, tmp_path, capfd
+):
+    run_dir = tmp_path / "run"
+    settings = {
+        "parallel.tensor_parallel": 1,
+        "train.steps": 6,
+        "train.checkpoint_every": 2,
+        "train.max_nonfinite_updates_in_a_row": 1,
+        "logging.tensorboard": True,
+        **ENGINE_IN_PROCESS,
+    }
+    (error,) = run_distributed(_run_rank, 1, loop_overrides(tiny_model_dir, prompt_file, run_dir, settings))
+    assert error is not None and error.startswith(
+        "step 5, update 1 of 1: the gradient norm was NaN or ±inf in 2 updates in a row "
+        "(train.max_nonfinite_updates_in_a_row=1), so the run stopped. Each was skipped"
+    ), error
+    out = capfd.readouterr().out
+    for step, in_a_row in ((2, 1), (4, 1)):
+        assert (
+            f"warning: step {step}, update 1 of 1: the gradient norm is NaN or ±inf; the update is skipped "
+            f"(weights and optimizer state kept; {in_a_row} in a row, the run stops at 2)"
+        ) in out, out[-3000:]
+    scalars = read_scalars(run_dir)
+    assert scalars["train/nonfinite_grad_updates"] == [(1, 0.0), (2, 1.0), (3, 0.0), (4, 1.0)]
+    # step 3 trained from the weights step 1 left (step 2 skipped): its θ_old pass and its update finite
+    assert all(math.isfinite(v) for _, v in scalars["train/grad_norm"])
+    assert math.isfinite(dict(scalars["train/loss"])[3]) and dict(scalars["train/grad_norm"])[3] > 0
+    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert checkpoints[-1] == "step_000004"  # step 5 stopped the run before any save of its own
