@@ -125,12 +125,13 @@ class RewardScorer:
             self.busy = Busy(doing, time.monotonic())
             try:
                 reply = worker.request(message, self.timeout_s)
-            except TimeoutError:
+            except TimeoutError as e:
                 worker.kill()
                 self._worker = None
+                why = f" ({e})" if str(e) else ""
                 raise (timeout_error or RewardTimeoutError)(
-                    f"{timed_out} within data.reward_timeout_s={self.timeout_s:g} s; it was stopped. Make it "
-                    "faster or bounded, or raise data.reward_timeout_s"
+                    f"{timed_out} within data.reward_timeout_s={self.timeout_s:g} s{why}; it was stopped. "
+                    "Make it faster or bounded, or raise data.reward_timeout_s"
                 ) from None
             except EOFError:  # the worker died (killed, out of memory): start a new one next time
                 # its own exit code (-9 of the OOM killer, -11, os._exit's), not our kill's
@@ -189,6 +190,9 @@ class _Worker:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         child.close()
         self.pid = self._proc.pid
+        self._ready = False
+        self._starting = "its worker was still starting" + (" (importing the reward)" if spec else "")
+        """The worker said it is ready (`_serve`'s first message), so it reads every request at once."""
         self._closing = threading.Lock()
         # killed at interpreter exit before multiprocessing's own exit hook runs (`_exit_function`: it
         # terminates a daemonic child with SIGTERM, which the worker ignores, then joins it without a
@@ -202,10 +206,21 @@ class _Worker:
     def request(self, message: tuple, timeout_s: float):
         """The worker's reply to `message` ("score" or "env", see `_serve`); TimeoutError after `timeout_s`,
         EOFError if the worker died (a worker killed mid-call resets the socket pair instead of closing it:
-        ConnectionResetError, or BrokenPipeError on the send, are its death too)."""
+        ConnectionResetError, or BrokenPipeError on the send, are its death too).
+
+        The first request waits, within the same `timeout_s`, for the worker to say it is ready (its reward
+        imported): a send has no time limit, and a batch larger than the socket's buffer (tens of MB of
+        long-CoT completions) blocked in it for as long as the worker's start-up hung. Once ready, the
+        worker reads each request whole before it works on it, so a send only waits for the reading."""
+        deadline = time.monotonic() + timeout_s
         try:
+            if not self._ready:
+                if not self._conn.poll(timeout_s):
+                    raise TimeoutError(self._starting)
+                self._conn.recv()  # ("ready", None)
+                self._ready = True
             self._conn.send(message)
-            if not self._conn.poll(timeout_s):
+            if not self._conn.poll(max(deadline - time.monotonic(), 0.0)):
                 raise TimeoutError
             return self._conn.recv()
         except (ConnectionResetError, BrokenPipeError) as e:
@@ -252,6 +267,7 @@ def _serve(spec: str | None, conn, parent_pid: int) -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
     die_with_parent(parent_pid)
     fn = None if spec is None else load_reward_fn(spec)  # None: environments only (`rollout.envs.pool`)
+    conn.send(("ready", None))  # from now on every request is read whole at once (`_Worker.request`)
     states: dict[str, dict] = {}  # handler → the state it keeps between requests (`RewardScorer.call`)
     while True:
         try:

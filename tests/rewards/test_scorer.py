@@ -89,6 +89,24 @@ def test_a_reward_that_never_returns_fails_the_batch_within_the_timeout_naming_i
         scorer.close()
 
 
+def test_a_large_batch_for_a_worker_stuck_starting_fails_within_the_timeout():
+    """Before: the batch's send had no limit, and 8 MB do not fit a socket's buffer, so a worker whose
+    start-up hung (its reward's import) held the step in the send, past data.reward_timeout_s, silently."""
+    scorer = RewardScorer("tests.rewards.hangs_in_worker:score", timeout_s=2.0)
+    try:
+        completions = [f"{i:04d}" + "x" * 8192 for i in range(1024)]  # distinct: pickle shares equal ones
+        scoring = concurrent.futures.ThreadPoolExecutor(1).submit(scorer, completions, ["1"] * 1024)
+        with pytest.raises(RewardTimeoutError) as caught:
+            scoring.result(timeout=120)
+        assert (
+            "did not score a batch of 1024 completions within data.reward_timeout_s=2 s (its worker was "
+            "still starting (importing the reward)); it was stopped"
+        ) in str(caught.value)
+        assert scorer.worker_pid is None
+    finally:
+        scorer.close()
+
+
 def test_closing_while_a_batch_is_scored_does_not_wait_for_the_reward():
     """Before: `close` waited for the scoring thread's lock, up to data.reward_timeout_s (here an hour),
     silently: a run failing or abandoning its step while a batch was scored hung that long."""
