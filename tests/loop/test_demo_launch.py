@@ -125,3 +125,21 @@ def test_the_fewest_ranks_count_every_parallel_dimension(layout, ranks):
     parallel = ParallelSection(**layout)
     assert parallel.min_world_size == ranks
     parallel.check_world(ranks)  # megatron's layouts accept it (no UserError)
+
+
+def test_the_launcher_gives_its_workers_time_to_checkpoint_after_a_first_stop():
+    """torchrun SIGKILLs its workers `--shutdown-timeout` after it forwards a stop (default 30 s): the demo,
+    the experiments and the benchmarks launch with `SHUTDOWN_TIMEOUT_S`, read back by torch's own parser,
+    unless the caller sets one."""
+    from torch.distributed.run import parse_args
+
+    from megatron_tail.train.run.supervise import LAUNCHER, SHUTDOWN_TIMEOUT_S, training_command
+
+    def torchrun_args(command):
+        start = command.index(LAUNCHER) + 1
+        return command[start : command.index("megatron_tail.cli") - 1]
+
+    ours = parse_args([*torchrun_args(training_command(["--standalone"], "c.yaml")), "x.py"])
+    assert ours.shutdown_timeout == SHUTDOWN_TIMEOUT_S == 900 and ours.standalone
+    theirs = training_command(["--shutdown-timeout=5"], "c.yaml")
+    assert parse_args([*torchrun_args(theirs), "x.py"]).shutdown_timeout == 5

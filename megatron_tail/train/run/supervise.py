@@ -44,6 +44,11 @@ from megatron_tail.train.run.signals import REPEAT_AFTER_S, STOP_SIGNALS, same_r
 from megatron_tail.utils.parent_watch import PARENT_PID_ENV
 
 LAUNCHER = "megatron_tail.train.run.torchrun"
+SHUTDOWN_TIMEOUT_S = 900
+"""torchrun's `--shutdown-timeout`: how long its workers get, after the first stop signal, to finish the
+step, evaluate and checkpoint before torchrun SIGKILLs them. Its default, 30 s (`SimpleElasticAgent`,
+torch/distributed/elastic/agent/server/api.py), killed a longer step mid-save on a first Ctrl-C. A worker
+done sooner exits sooner; a hung one is the second stop signal's to end (it goes to the workers at once)."""
 
 
 @dataclass(frozen=True)
@@ -55,8 +60,24 @@ class TrainingOutcome:
 
 
 def training_command(torchrun_args: Sequence[str], config: str | Path) -> list[str]:
-    """`python -m megatron_tail.train.run.torchrun <torchrun_args> -m megatron_tail.cli train <config>`."""
-    return [sys.executable, "-m", LAUNCHER, *torchrun_args, "-m", "megatron_tail.cli", "train", str(config)]
+    """`python -m megatron_tail.train.run.torchrun <torchrun_args> -m megatron_tail.cli train <config>`, with
+    `--shutdown-timeout=SHUTDOWN_TIMEOUT_S` unless `torchrun_args` set one."""
+    own = (
+        []
+        if any(a.startswith(("--shutdown-timeout", "--shutdown_timeout")) for a in torchrun_args)
+        else [f"--shutdown-timeout={SHUTDOWN_TIMEOUT_S}"]
+    )
+    return [
+        sys.executable,
+        "-m",
+        LAUNCHER,
+        *own,
+        *torchrun_args,
+        "-m",
+        "megatron_tail.cli",
+        "train",
+        str(config),
+    ]
 
 
 def run_training(
