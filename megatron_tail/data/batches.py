@@ -26,6 +26,9 @@ class PromptStream(Generic[T]):
         self.examples = list(examples)
         self.seed = seed
         self.shuffle = shuffle
+        self._cached: tuple[int, np.ndarray] | None = None
+        """The last epoch's order: the manager takes one prompt per group, and a permutation of 1M prompts
+        costs ~13 ms (7 s of rank 0's time per step of 512 groups, when each take drew it anew)."""
 
     def take(self, cursor: int, n: int) -> tuple[list[T], int]:
         """The `n` prompts from `cursor` on, and the cursor after them."""
@@ -41,6 +44,11 @@ class PromptStream(Generic[T]):
         return out, cursor + n
 
     def _order(self, epoch: int) -> np.ndarray:
+        if self._cached is not None and self._cached[0] == epoch:
+            return self._cached[1]
         if not self.shuffle:
-            return np.arange(len(self.examples))
-        return np.random.default_rng([self.seed, epoch]).permutation(len(self.examples))
+            order = np.arange(len(self.examples))
+        else:
+            order = np.random.default_rng([self.seed, epoch]).permutation(len(self.examples))
+        self._cached = (epoch, order)
+        return order
