@@ -52,7 +52,7 @@ def train_command(args: argparse.Namespace) -> int:
 
         import_megatron_deferring_compile()  # before the trainer imports it (patches/lazy_compile.py: why)
         from megatron_tail.train.run import launch_marks
-        from megatron_tail.train.run.loop import run
+        from megatron_tail.train.run.loop import LoopHooks, run
 
         if cfg.rollout.engine == "local" and cfg.rollout.local.in_process:  # the session would, collector on
             import megatron_tail.rollout.local_engine.engine
@@ -61,7 +61,7 @@ def train_command(args: argparse.Namespace) -> int:
     launch_marks.watch_launcher()  # a launcher that dies (kill -9) stops this worker as a SIGTERM would
     launch_marks.mark_worker("started")
     try:
-        run(cfg)
+        run(cfg, LoopHooks(keep_history=False))  # TensorBoard holds them; a long run's list only grows
     finally:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
