@@ -16,8 +16,10 @@ import torch
 
 
 def read_safetensors_dir(model_path: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of the `*.safetensors` files in `model_path` (CPU), keyed by HF parameter name."""
-    from safetensors.torch import load_file
+    """All tensors of the `*.safetensors` files in `model_path` (CPU), keyed by HF parameter name. Read by
+    `read_safetensors_file`, not safetensors' `load_file`, which keeps ~56 bytes per tensor for good: the
+    disk weight sync reads the whole model every step."""
+    from megatron_tail.model.safetensors_io import read_safetensors_file
 
     path = Path(model_path)
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
@@ -25,7 +27,7 @@ def read_safetensors_dir(model_path: str | Path) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"no *.safetensors files in {str(model_path)!r}")
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
-        tensors.update(load_file(str(file)))
+        tensors.update(read_safetensors_file(file))
     return tensors
 
 
