@@ -153,7 +153,7 @@ def test_an_interrupted_prune_leaves_a_name_the_next_start_removes(tmp_path, mon
         (path / "metadata.json").write_text("{}")
         (path / "shard.distcp").write_bytes(b"x" * 10)
 
-    def killed_midway(path, ignore_errors=False):  # noqa: ARG001 - shutil.rmtree's signature
+    def killed_midway(path, ignore_errors=False, onerror=None):  # noqa: ARG001 - shutil.rmtree's signature
         if not path.exists():  # no earlier leftover to clear first
             return
         (path / "metadata.json").unlink()  # the removal's first file; then the process dies
@@ -293,3 +293,38 @@ def test_a_prune_whose_rename_fails_removes_in_place(tmp_path, monkeypatch):
     monkeypatch.setattr(Path, "rename", refused)
     assert run_dir.prune_checkpoints(tmp_path, keep=1) == [run_dir.checkpoint_path(tmp_path, 1)]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000002"]
+
+
+def test_a_prune_that_cannot_remove_says_so_and_the_next_prune_retries(tmp_path, monkeypatch):
+    """Before: `rmtree(ignore_errors=True)`, so a checkpoint that could not be removed (a file held open on
+    NFS) stayed on disk as `.step_N.deleting`, unsaid, until the next start; each failing prune added one."""
+    import shutil
+
+    from megatron_tail.train.run import run_dir
+
+    for step in (1, 2, 3):
+        (path := run_dir.checkpoint_path(tmp_path, step)).mkdir(parents=True)
+        (path / "metadata.json").write_text("{}")
+    real = shutil.rmtree
+
+    def busy(path, ignore_errors=False, onerror=None):  # noqa: ARG001 - shutil.rmtree's signature
+        onerror(None, str(path / ".nfs0001"), (OSError, OSError(16, "Device or resource busy"), None))
+
+    said: list[str] = []
+    monkeypatch.setattr(run_dir.shutil, "rmtree", busy)
+    assert run_dir.prune_checkpoints(tmp_path, keep=2, note=said.append) == [
+        run_dir.checkpoint_path(tmp_path, 1)
+    ]
+    going = tmp_path / "checkpoints" / ".step_000001.deleting"
+    assert said == [
+        f"warning: could not remove the pruned checkpoint {going}: {going}/.nfs0001: [Errno 16] Device or "
+        "resource busy; retried at the next save and at the next start"
+    ]
+    monkeypatch.setattr(run_dir.shutil, "rmtree", real)  # the file was closed since
+    (path := run_dir.checkpoint_path(tmp_path, 4)).mkdir(parents=True)
+    (path / "metadata.json").write_text("{}")
+    assert run_dir.prune_checkpoints(tmp_path, keep=2, note=said.append) == [
+        run_dir.checkpoint_path(tmp_path, 2)
+    ]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000003", "step_000004"]
+    assert len(said) == 1

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from megatron_tail.utils.paths import DELETING, REPLACED, STAGING, beside
@@ -124,24 +125,41 @@ def latest_checkpoint(run_dir: str | Path) -> tuple[int, Path] | None:
     return found[-1] if found else None
 
 
-def prune_checkpoints(run_dir: str | Path, keep: int) -> list[Path]:
+def prune_checkpoints(run_dir: str | Path, keep: int, note: Callable[[str], None] = print) -> list[Path]:
     """Delete all but the newest `keep` complete checkpoints; return the deleted paths.
 
     Each is renamed `.step_N.deleting` (atomic), then removed: a kill midway leaves that name, which the
     next start removes (`sweep_leftovers`). Removed in place, it left a step directory whose metadata.json
     might be gone already, no longer listed as a checkpoint and so never pruned: a model and its optimizer
-    state on disk for good."""
+    state on disk for good. A removal that fails (a file another process holds open on NFS, permissions) is
+    said through `note`, once per directory and prune, and retried at the next prune: before, it was
+    ignored, and each such checkpoint stayed on disk, unsaid, until the next start."""
     found = complete_checkpoints(run_dir)
     doomed = [path for _, path in found[:-keep]] if keep > 0 else []
+    checkpoints = checkpoints_dir(run_dir)
+    earlier = sorted(checkpoints.glob(beside("step_*", DELETING).name)) if checkpoints.is_dir() else []
+    for path in earlier:  # what an earlier prune could not remove
+        _remove(path, note)
     for path in doomed:
         going = beside(path, DELETING)
-        shutil.rmtree(going, ignore_errors=True)  # one an earlier removal left
         try:
             path.rename(going)
         except OSError:  # never fail a run over a prune: remove it in place, as before
             going = path
-        shutil.rmtree(going, ignore_errors=True)
+        _remove(going, note)
     return doomed
+
+
+def _remove(path: Path, note: Callable[[str], None]) -> None:
+    """`shutil.rmtree(path)`, its failures said in one line; never raises."""
+    errors: list[str] = []
+    shutil.rmtree(path, onerror=lambda _fn, where, info: errors.append(f"{where}: {info[1]}"))
+    if errors and path.exists():
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        note(
+            f"warning: could not remove the pruned checkpoint {path}: {errors[0]}{more}; retried at the next "
+            "save and at the next start"
+        )
 
 
 def sweep_leftovers(run_dir: str | Path, weights_dir: str | Path) -> list[Path]:

@@ -309,7 +309,7 @@ class RunSession:
             path, self.trainer, rl_state, overwrite=True, rank0_objects=objects, rank0_files=files
         )
         if self.rank == 0:
-            run_dir.prune_checkpoints(self.run_dir, self.cfg.train.keep_checkpoints)
+            run_dir.prune_checkpoints(self.run_dir, self.cfg.train.keep_checkpoints, self.console.note)
         dist.barrier()
         signals.checkpoint_kept(path)
         return time.perf_counter() - started
