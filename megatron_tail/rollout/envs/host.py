@@ -34,10 +34,18 @@ class WorkerEnv:
 
     async def reset(self, row: dict[str, Any]) -> None:
         self.slot = self.pool.assign()
+        generation = self.slot.generation
         try:
             _, self.generation = await self.pool.call(
                 self.slot, (self.spec, "reset", self.episode, row), what=self._what("reset")
             )
+        except asyncio.CancelledError:
+            # The reset still runs to its end in the worker (the call is in the slot's thread), which then
+            # keeps the instance; before, nothing closed it, and it lived as long as that worker. Its close
+            # is queued behind it, unless the worker is stopped by then (`generation`).
+            self.generation = generation
+            await self.close()
+            raise
         except BaseException:
             self.pool.release(self.slot)
             self.slot = None

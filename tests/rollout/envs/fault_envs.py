@@ -131,3 +131,26 @@ class BlocksOneCall(Environment):
                 while not os.path.exists(os.path.join(self.dir, "release")) and time.monotonic() < deadline:
                     time.sleep(0.01)
         return StepResult(OBSERVATION, reward=0.25, tool_calls=1)
+
+
+class ResetWaits(Environment):
+    """Row answer "<dir>": `reset` creates `<dir>/resetting` and waits for `<dir>/release` (at most 60 s).
+    `live_instances` (a worker handler) counts the instances alive in the worker."""
+
+    def reset(self, row):
+        import os
+
+        self.dir = row["answer"]
+        with open(os.path.join(self.dir, "resetting"), "w"):
+            pass
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.path.join(self.dir, "release")) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
+def live_instances(_state, _request) -> int:
+    """Worker handler: how many `ResetWaits` instances are alive in this worker."""
+    import gc
+
+    gc.collect()
+    return sum(isinstance(o, ResetWaits) for o in gc.get_objects())

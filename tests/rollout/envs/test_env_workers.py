@@ -123,3 +123,30 @@ def test_closing_during_a_hanging_call_ends_it_from_the_calls_own_thread():
     assert len(raised) == 1 and isinstance(raised[0], EnvironmentError_) and "died" in str(raised[0])
     assert closed_by and "MainThread" not in closed_by, closed_by
     assert worker._proc.exitcode is not None
+
+
+def test_an_episode_cancelled_in_its_reset_leaves_no_instance_in_the_worker(tmp_path):
+    """The reset runs to its end in the worker after the episode's task is cancelled (a stop, a dropped
+    group); before, nothing closed the instance it made, which then lived as long as the worker."""
+    pool = EnvWorkers(1, timeout_s=60.0, timeout_name="data.reward_timeout_s")
+    env = WorkerEnv(pool, "tests.rollout.envs.fault_envs:ResetWaits", "e0")
+
+    async def run():
+        reset = asyncio.ensure_future(env.reset({"answer": str(tmp_path)}))
+        while not (tmp_path / "resetting").exists():
+            await asyncio.sleep(0.01)
+        reset.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reset
+        (tmp_path / "release").touch()
+        # one worker, one call at a time: this runs after the reset and the close queued behind it
+        slot = pool.assign()
+        count = "tests.rollout.envs.fault_envs:live_instances"
+        return await asyncio.get_running_loop().run_in_executor(
+            slot.thread, slot.process.request, ("call", count, None), 60.0
+        )
+
+    try:
+        assert asyncio.run(run()) == ("ok", 0)
+    finally:
+        pool.close()
