@@ -327,6 +327,11 @@ def _parse_one(
         raise MalformedResponseError(
             f"{where}: 'output_ids' must be a list of token ids, got {_clip(output_ids)}"
         )
+    if not output_ids and finish["type"] != "abort":  # a stop token or the length limit is a token
+        raise MalformedResponseError(
+            f"{where}: finish_reason {finish['type']!r} with no output tokens (a finished sample holds at "
+            "least the token it ended on)"
+        )
     if len(output_ids) > config.max_new_tokens:
         raise MalformedResponseError(
             f"{where}: {len(output_ids)} output tokens exceed max_new_tokens={config.max_new_tokens}"

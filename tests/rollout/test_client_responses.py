@@ -115,12 +115,22 @@ def _set(index_path, value):
         (
             _set([0, "meta_info", "output_token_logprobs"], [[-0.5, 7, None], [-0.5, 9, None]]),
             MalformedResponseError,
-            r"output_token_logprobs\[1\] = \[-0.5, 9, None\] is not \[logprob ≤ 0, 8, text\]",
+            r"output_token_logprobs\[1\] = \[-0.5, 9, None\] is not \[finite logprob ≤ 0, 8, text\]",
         ),
         (
             _set([0, "meta_info", "output_token_logprobs"], [[0.7, 7, None], [-0.5, 8, None]]),
             MalformedResponseError,
             r"output_token_logprobs\[0\] = \[0.7, 7, None\]",
+        ),
+        (  # the loss refuses a non-finite one: before, the step failed there, after the rollout
+            _set([0, "meta_info", "output_token_logprobs"], [[-0.5, 7, None], [float("-inf"), 8, None]]),
+            MalformedResponseError,
+            r"output_token_logprobs\[1\] = \[-inf, 8, None\] is not \[finite logprob",
+        ),
+        (  # before, accepted, and the step failed laying out its micro-batches ("an empty response")
+            _set([0, "output_ids"], []),
+            MalformedResponseError,
+            "finish_reason 'length' with no output tokens",
         ),
         (
             lambda _items: web.Response(status=400, text='{"error": {"message": "bad key x"}}'),

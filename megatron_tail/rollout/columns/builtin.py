@@ -75,10 +75,11 @@ def _parse_logprobs(reply: Reply, _parsed) -> list[float]:
     for i, (triple, token) in enumerate(zip(triples, output_ids, strict=True)):
         ok = isinstance(triple, (list, tuple)) and len(triple) >= 2 and triple[1] == token
         value = triple[0] if ok else None
-        if not ok or not isinstance(value, (int, float)) or math.isnan(value) or value > 1e-4:
+        # −inf too: a sampled token had a probability above 0, and the loss refuses a non-finite one
+        if not ok or not isinstance(value, (int, float)) or not -math.inf < value <= 1e-4:
             raise MalformedResponseError(
                 f"{reply.where}: output_token_logprobs[{i}] = {clip(triple)} is not "
-                f"[logprob ≤ 0, {token}, text]"
+                f"[finite logprob ≤ 0, {token}, text]"
             )
         logprobs.append(float(value))
     return logprobs
@@ -137,9 +138,9 @@ def _parse_support(reply: Reply, parsed: dict):
                 f"{reply.where}: output_token_sampling_mask[{i}] = {clip(mask)} is not a list of token "
                 f"ids holding the sampled token {token}"
             )
-        if not isinstance(value, (int, float)) or math.isnan(value) or value > 1e-4:
+        if not isinstance(value, (int, float)) or not -math.inf < value <= 1e-4:
             raise MalformedResponseError(
-                f"{reply.where}: output_token_sampling_logprobs[{i}] = {clip(value)} is not ≤ 0"
+                f"{reply.where}: output_token_sampling_logprobs[{i}] = {clip(value)} is not finite and ≤ 0"
             )
     del reply.meta["output_token_sampling_mask"]
     truncated = [float(v) for v in selected]
