@@ -89,9 +89,11 @@ def combine_metrics(dicts: Iterable[Mapping[str, torch.Tensor]]) -> dict[str, to
 
 def finalize_metrics(summed: Mapping[str, torch.Tensor]) -> dict[str, float]:
     """Global sums/counts -> Python floats: every key as is, plus the ratios whose inputs are present
-    (e.g. clip_fraction = clipped_tokens / clippable_tokens; a zero denominator gives 0)."""
+    (e.g. clip_fraction = clipped_tokens / clippable_tokens). A ratio over nothing (a zero denominator: a
+    step whose every token was masked, an empty Lopti phase) is left out, a gap in TensorBoard: logged
+    as 0 it read as a collapse (`train/entropy` 0) or as a clean step (`is/vetoed_fraction` 0)."""
     out = {key: float(value) for key, value in summed.items()}
     for name, (num, den) in _RATIOS.items():
-        if num in out and den in out:
-            out[name] = out[num] / out[den] if out[den] > 0 else 0.0
+        if num in out and den in out and out[den] > 0:
+            out[name] = out[num] / out[den]
     return out

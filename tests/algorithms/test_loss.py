@@ -284,12 +284,13 @@ def test_combine_metrics_sums_and_maxes():
         "is_weight_max": 1.5,
         "kl_sum": 1.0,
     }
-    assert (
-        finalize_metrics({"clipped_tokens": torch.tensor(1.0), "clippable_tokens": torch.tensor(0.0)})[
-            "clip_fraction"
-        ]
-        == 0.0
+    # a ratio over nothing is left out (a gap in TensorBoard), not logged as 0
+    over_nothing = finalize_metrics(
+        {"clipped_tokens": torch.tensor(0.0), "clippable_tokens": torch.tensor(0.0)}
     )
+    assert over_nothing == {"clipped_tokens": 0.0, "clippable_tokens": 0.0}
+    some = finalize_metrics({"clipped_tokens": torch.tensor(1.0), "clippable_tokens": torch.tensor(4.0)})
+    assert some["clip_fraction"] == 0.25
 
 
 def test_ar_alpha_zero_leaves_the_loss_unchanged():
