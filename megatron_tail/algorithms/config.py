@@ -43,7 +43,8 @@ class AlgorithmConfig:
     scale_advantages_by_std: bool = True
     """GRPO only: divide by the group std; False gives Dr. GRPO."""
     advantage_eps: float = 1e-6
-    """GRPO only: added to the group std."""
+    """GRPO only: added to the group std; > 0 (0 would blow a group's rounding noise up to full-scale
+    advantages)."""
 
     # --- DVP (arXiv 2512.23087)
     log_rho: float | str | None = -13.0
@@ -165,6 +166,13 @@ class AlgorithmConfig:
                 "prompt, and with one response per prompt every advantage (and the loss) is 0",
             )
         _check_range("advantage_eps", self.advantage_eps, low=0.0)
+        if self.advantage_eps == 0:  # a group is degenerate only when its rewards are exactly equal
+            _bad(
+                "advantage_eps",
+                0,
+                "must be > 0: with 0, a group whose rewards differ by rounding only (0.1 + 0.2 and 0.3) gets "
+                "advantages of ±0.71; the default, 1e-6, keeps that noise near 1e-11",
+            )
         if (
             self.log_rho != AUTO
             and self.log_rho is not None

@@ -42,6 +42,7 @@ BAD = [
     ("group_size", True),
     ("scale_advantages_by_std", 1),
     ("advantage_eps", -1e-6),
+    ("advantage_eps", 0.0),  # rounding noise (0.1 + 0.2 against 0.3) would become ±0.71 advantages
     ("log_rho", 1.0),
     ("log_rho", math.nan),
     ("is_mode", "foo"),
