@@ -243,7 +243,9 @@ def _assert_same_steps(got, reference):
     (results, state, _), (ref_results, ref_state, _) = got, reference
     assert len(results) == len(ref_results) == 2  # Lopti: two updates
     for r, ref in zip(results, ref_results, strict=True):
-        assert r.update_successful
+        # a Lopti phase with nothing to learn (here the second: empty, or every token weighted 0) has a zero
+        # gradient, and its update is skipped (`guarded_step`) under CP as without it
+        assert r.update_successful == ref.update_successful == (ref.grad_norm > 0)
         counts = ("loss_tokens", "sequences", "vetoed_sequences", "counted_sequences", "phase_tokens")
         for key in (*counts, "clippable_tokens", "clipped_tokens"):
             assert r.metrics.get(key) == ref.metrics.get(key), key

@@ -1,4 +1,4 @@
-"""An update whose global gradient norm is NaN or ±inf is skipped (`step_unless_nonfinite`): before,
+"""An update whose global gradient norm is NaN or ±inf is skipped (`guarded_step`): before,
 megatron's step without a loss scaler applied it, and every weight became NaN. A finite step is
 megatron's own, bit for bit; a skipped one leaves the weights and Adam's state exactly as they were, on
 every DP rank, even where only one rank's loss was NaN; `NonfiniteUpdates` says each skip and stops the
@@ -47,16 +47,16 @@ def _finite_steps_rank(rank, world_size, hf_dir, samples):  # noqa: ARG001
     init_rank(2, 1)
     mbs = pack_micro_batches(samples, max_tokens=32)
     loss = masked_nll_loss(sum(mb.num_loss_tokens for mb in mbs))
-    ours = optimizer_step.step_unless_nonfinite
+    ours = optimizer_step.guarded_step
     states, norms = [], []
     for step in (lambda optimizer: optimizer.step()[:2], ours):
-        optimizer_step.step_unless_nonfinite = step
+        optimizer_step.guarded_step = step
         trainer = _build(hf_dir)
         results = [train_step(trainer, mbs, loss) for _ in range(2)]
         assert all(r.update_successful for r in results)
         norms.append([r.grad_norm for r in results])
         states.append(_state(trainer))
-    optimizer_step.step_unless_nonfinite = ours
+    optimizer_step.guarded_step = ours
     megatron, guarded = states
     assert megatron.keys() == guarded.keys()
     different = [k for k in megatron if not torch.equal(megatron[k], guarded[k])]
@@ -151,3 +151,33 @@ def test_limit_0_stops_at_the_first_and_a_negative_limit_is_refused_at_load():
         NonfiniteUpdates(0, print).observe(1, [True, False])
     with pytest.raises(UserError, match=r"train\.max_nonfinite_updates_in_a_row"):
         load_config(None, ["train.max_nonfinite_updates_in_a_row=-1"])
+
+
+def _zero_gradient_rank(rank, world_size, hf_dir, samples):  # noqa: ARG001
+    """A step, then one whose loss has no weight anywhere (every token masked): its gradient is exactly 0."""
+    from megatron_tail.train import pack_micro_batches, train_step
+
+    init_rank(1, 1)
+    mbs = pack_micro_batches(samples, max_tokens=32)
+    loss = masked_nll_loss(sum(mb.num_loss_tokens for mb in mbs))
+
+    def nothing_counted(out, mb):
+        value, metrics = loss(out, mb)
+        return value * 0.0, metrics
+
+    trainer = _build(hf_dir)
+    train_step(trainer, mbs, loss)
+    before = _state(trainer)
+    result = train_step(trainer, mbs, nothing_counted)
+    after = _state(trainer)
+    return (result.update_successful, result.grad_norm), [
+        k for k in before if not torch.equal(before[k], after[k])
+    ]
+
+
+def test_a_zero_gradient_moves_no_weight(tmp_path):
+    """Before: Adam applied its momentum (and weight decay) on no data, about as far as a real step."""
+    make_hf_model("qwen3", tmp_path)
+    ((report, changed),) = run_distributed(_zero_gradient_rank, 1, str(tmp_path), make_samples(4, seed=3))
+    assert report == (False, 0.0)
+    assert changed == []

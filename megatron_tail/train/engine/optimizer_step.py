@@ -38,8 +38,8 @@ class TrainStepResult:
 
     update_successful: bool
     """False if the update was skipped: fp16's loss scaler found inf/NaN gradients (`grad_norm` None; the
-    scale drops), or the global gradient norm was NaN or ±inf (`grad_norm` that value): the weights and
-    the optimizer's state are as they were (`step_unless_nonfinite`)."""
+    scale drops), or the global gradient norm was NaN, ±inf or exactly 0 (`grad_norm` that value): the
+    weights and the optimizer's state are as they were (`guarded_step`)."""
     grad_norm: float | None
     """Global gradient norm before clipping (over all TP/PP/DP shards)."""
     metrics: dict[str, float]
@@ -81,15 +81,21 @@ def train_step(
         routing=routing,
     )
     with cpu_device_scope():
-        update_successful, grad_norm = step_unless_nonfinite(trainer.optimizer)
+        update_successful, grad_norm = guarded_step(trainer.optimizer)
     metrics = _reduce_metrics(per_mb, trainer)
     return TrainStepResult(bool(update_successful), None if grad_norm is None else float(grad_norm), metrics)
 
 
 @torch.no_grad()
-def step_unless_nonfinite(optimizer) -> tuple[bool, float | None]:
-    """megatron's optimizer step, skipped where the global gradient norm is NaN or ±inf. Collective over the
-    gradients' groups; returns (updated, the norm before clipping; None where fp16's scaler skipped).
+def guarded_step(optimizer) -> tuple[bool, float | None]:
+    """megatron's optimizer step, skipped where the global gradient norm is NaN or ±inf, or exactly 0.
+    Collective over the gradients' groups; returns (updated, the norm before clipping; None where fp16's
+    scaler skipped).
+
+    A norm of exactly 0 means no loss term had a weight (every token masked by STAPO or vetoed, every
+    advantage 0 without KL or entropy terms, an empty Lopti phase): Adam would still move every weight by
+    its momentum, about as far as a real step, and decay them, on no data; skipped, as the loop skips a
+    step whose batch is empty.
 
     megatron-core 0.16's `ChainedOptimizer.step` (`megatron/core/optimizer/optimizer.py`) with one check
     added between its norm and its clip: without a loss scaler (bf16, fp32) it applies whatever the norm
@@ -104,7 +110,7 @@ def step_unless_nonfinite(optimizer) -> tuple[bool, float | None]:
     if optimizer.prepare_grads():  # fp16: the scaler found inf/NaN and lowered the scale
         return False, None
     grad_norm = float(optimizer.get_grad_norm())
-    if not math.isfinite(grad_norm):
+    if not math.isfinite(grad_norm) or grad_norm == 0.0:
         return False, grad_norm
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
         if getattr(inner, "is_stub_optimizer", False) or inner.config.clip_grad <= 0.0:

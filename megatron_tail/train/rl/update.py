@@ -73,7 +73,7 @@ class PolicyUpdate:
     """Optimizer steps taken (mini-batches × Lopti phases), skipped ones included."""
     finite: tuple[bool, ...]
     """Per optimizer step, in order: False where its gradient norm was NaN or ±inf, so it was skipped (the
-    weights and optimizer state kept; `engine.optimizer_step.step_unless_nonfinite`)."""
+    weights and optimizer state kept; `engine.optimizer_step.guarded_step`)."""
 
 
 def update_policy(
@@ -87,7 +87,7 @@ def update_policy(
         counts.append(prepare_rl_micro_batches(cfg, mbs, outputs, groups.dp, groups.cp))
         start += len(mbs)
     summed: list[dict[str, torch.Tensor]] = []
-    grad_norms, skipped, finite = [], 0, []
+    applied, other_norms, skipped, finite, zero = [], [], 0, [], 0
     moe = trainer.arch.moe
     if moe is not None:
         clear_aux_loss()
@@ -99,20 +99,26 @@ def update_policy(
             summed.append({k: torch.tensor(v, dtype=torch.float64) for k, v in result.metrics.items()})
             skipped += 0 if result.update_successful else 1
             finite.append(result.grad_norm is None or math.isfinite(result.grad_norm))
+            zero += result.grad_norm == 0.0
             if result.grad_norm is not None and finite[-1]:
-                grad_norms.append(result.grad_norm)
+                (applied if result.update_successful else other_norms).append(result.grad_norm)
     updates = len(summed)
     combined = per_mini_batch_losses(combine_metrics(summed), len(layout.per_mini_batch))
     finalized = finalize_metrics(combined)
     metrics = {tag: finalized[key] for key, tag in ALGORITHM_TAGS.items() if key in finalized}
-    metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else 0.0
+    # the updates applied (a zero-gradient one, skipped, would halve the norm of a step with an empty
+    # Lopti phase); else what was measured (0: nothing to learn), else nothing, rather than a 0 that reads
+    # as a measured one
+    if norms := applied or other_norms:
+        metrics["train/grad_norm"] = sum(norms) / len(norms)
+        metrics["train/grad_norm_max"] = max(norms)
     if trainer.config.fp16:  # the dynamic loss scale after this step's updates (one host read per step)
         metrics["train/loss_scale"] = float(trainer.optimizer.get_loss_scale())
-    metrics["train/grad_norm_max"] = max(grad_norms, default=0.0)
     if moe is not None:
         forwards = cfg.num_phases * len(layout.all)
         metrics.update(aux_loss_scalars(sum(moe.layer_is_moe), forwards))
     metrics["train/updates"] = float(updates)
     metrics["train/skipped_updates"] = float(skipped)
     metrics["train/nonfinite_grad_updates"] = float(finite.count(False))
+    metrics["train/zero_grad_updates"] = float(zero)
     return PolicyUpdate(metrics, updates, tuple(finite))

@@ -4,7 +4,7 @@ stops once `train.max_nonfinite_updates_in_a_row` is exceeded.
     guard = NonfiniteUpdates(cfg.train.max_nonfinite_updates_in_a_row, note=console.note)
     guard.observe(done, update.finite)   # after each step's updates; raises TrainingDiverged
 
-The skip itself is the optimizer step's (`engine.optimizer_step.step_unless_nonfinite`): the weights and
+The skip itself is the optimizer step's (`engine.optimizer_step.guarded_step`): the weights and
 the optimizer's state stay as they were, so every checkpoint holds finite weights. The norm is global, so
 every rank sees the same sequence and raises alike (no rank waits in a collective for one that stopped).
 """
