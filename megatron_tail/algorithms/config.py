@@ -169,7 +169,7 @@ class AlgorithmConfig:
         if self.advantage_eps == 0:  # a group is degenerate only when its rewards are exactly equal
             _bad(
                 "advantage_eps",
-                0,
+                self.advantage_eps,
                 "must be > 0: with 0, a group whose rewards differ by rounding only (0.1 + 0.2 and 0.3) gets "
                 "advantages of ±0.71; the default, 1e-6, keeps that noise near 1e-11",
             )

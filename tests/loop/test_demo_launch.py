@@ -127,19 +127,22 @@ def test_the_fewest_ranks_count_every_parallel_dimension(layout, ranks):
     parallel.check_world(ranks)  # megatron's layouts accept it (no UserError)
 
 
-def test_the_launcher_gives_its_workers_time_to_checkpoint_after_a_first_stop():
+def test_the_launcher_gives_its_workers_time_to_checkpoint_after_a_first_stop(monkeypatch):
     """torchrun SIGKILLs its workers `--shutdown-timeout` after it forwards a stop (default 30 s): the demo,
-    the experiments and the benchmarks launch with `SHUTDOWN_TIMEOUT_S`, read back by torch's own parser,
-    unless the caller sets one."""
+    the experiments and the benchmarks launch with `SHUTDOWN_TIMEOUT_S`, read back by this torch's own
+    parser, unless the caller or the environment set one, or the torch's torchrun lacks the flag."""
     from torch.distributed.run import parse_args
 
-    from megatron_tail.train.run.supervise import LAUNCHER, SHUTDOWN_TIMEOUT_S, training_command
+    from megatron_tail.train.run.supervise import SHUTDOWN_TIMEOUT_S, shutdown_timeout_args
 
-    def torchrun_args(command):
-        start = command.index(LAUNCHER) + 1
-        return command[start : command.index("megatron_tail.cli") - 1]
+    ours = shutdown_timeout_args(["--standalone"], {})
+    assert parse_args([*ours, "--standalone", "x.py"]).shutdown_timeout == SHUTDOWN_TIMEOUT_S == 900
+    assert shutdown_timeout_args(["--shutdown-timeout=5"], {}) == []
+    assert shutdown_timeout_args([], {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "60"}) == []
+    assert shutdown_timeout_args([], {"PET_SHUTDOWN_TIMEOUT": "60"}) == []
+    import argparse
 
-    ours = parse_args([*torchrun_args(training_command(["--standalone"], "c.yaml")), "x.py"])
-    assert ours.shutdown_timeout == SHUTDOWN_TIMEOUT_S == 900 and ours.standalone
-    theirs = training_command(["--shutdown-timeout=5"], "c.yaml")
-    assert parse_args([*torchrun_args(theirs), "x.py"]).shutdown_timeout == 5
+    import torch.distributed.run
+
+    monkeypatch.setattr(torch.distributed.run, "parse_args", lambda _args: argparse.Namespace())
+    assert shutdown_timeout_args([], {}) == []  # a torch before 2.11: its torchrun would refuse the flag

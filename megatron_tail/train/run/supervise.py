@@ -34,7 +34,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,9 +46,23 @@ from megatron_tail.utils.parent_watch import PARENT_PID_ENV
 LAUNCHER = "megatron_tail.train.run.torchrun"
 SHUTDOWN_TIMEOUT_S = 900
 """torchrun's `--shutdown-timeout`: how long its workers get, after the first stop signal, to finish the
-step, evaluate and checkpoint before torchrun SIGKILLs them. Its default, 30 s (`SimpleElasticAgent`,
-torch/distributed/elastic/agent/server/api.py), killed a longer step mid-save on a first Ctrl-C. A worker
-done sooner exits sooner; a hung one is the second stop signal's to end (it goes to the workers at once)."""
+step, evaluate and checkpoint before torchrun SIGKILLs them. Its default, 30 s (`LaunchConfig`,
+torch/distributed/launcher/api.py), killed a longer step mid-save on a first Ctrl-C. A worker done sooner
+exits sooner; a hung one is the second stop signal's to end (it goes to the workers at once)."""
+SHUTDOWN_TIMEOUT_ENV = ("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "PET_SHUTDOWN_TIMEOUT")
+"""Where torchrun also reads it (`LaunchConfig.__post_init__`; `PET_*`: its `env` argparse action)."""
+
+
+def shutdown_timeout_args(torchrun_args: Sequence[str], env: Mapping[str, str]) -> list[str]:
+    """[`--shutdown-timeout=SHUTDOWN_TIMEOUT_S`] where this torch's torchrun has the flag (torch 2.11 on;
+    an older one refuses it, as `slurm/rl.sbatch` knows) and neither `torchrun_args` nor `env` set it."""
+    flags = ("--shutdown-timeout", "--shutdown_timeout")
+    if any(a.startswith(flags) for a in torchrun_args) or any(k in env for k in SHUTDOWN_TIMEOUT_ENV):
+        return []
+    from torch.distributed.run import parse_args
+
+    has_flag = hasattr(parse_args(["x.py"]), "shutdown_timeout")
+    return [f"--shutdown-timeout={SHUTDOWN_TIMEOUT_S}"] if has_flag else []
 
 
 @dataclass(frozen=True)
@@ -60,24 +74,8 @@ class TrainingOutcome:
 
 
 def training_command(torchrun_args: Sequence[str], config: str | Path) -> list[str]:
-    """`python -m megatron_tail.train.run.torchrun <torchrun_args> -m megatron_tail.cli train <config>`, with
-    `--shutdown-timeout=SHUTDOWN_TIMEOUT_S` unless `torchrun_args` set one."""
-    own = (
-        []
-        if any(a.startswith(("--shutdown-timeout", "--shutdown_timeout")) for a in torchrun_args)
-        else [f"--shutdown-timeout={SHUTDOWN_TIMEOUT_S}"]
-    )
-    return [
-        sys.executable,
-        "-m",
-        LAUNCHER,
-        *own,
-        *torchrun_args,
-        "-m",
-        "megatron_tail.cli",
-        "train",
-        str(config),
-    ]
+    """`python -m megatron_tail.train.run.torchrun <torchrun_args> -m megatron_tail.cli train <config>`."""
+    return [sys.executable, "-m", LAUNCHER, *torchrun_args, "-m", "megatron_tail.cli", "train", str(config)]
 
 
 def run_training(
@@ -97,6 +95,7 @@ def run_training(
     relay = relay or StopRelay(say or _to_stderr)
     err = None if stdout is None else subprocess.STDOUT
     with relay.installed() if own else contextlib.nullcontext():
+        torchrun_args = [*shutdown_timeout_args(torchrun_args, env), *torchrun_args]
         proc = subprocess.Popen(
             training_command(torchrun_args, config),
             env={**env, PARENT_PID_ENV: str(os.getpid())},
