@@ -165,10 +165,11 @@ class TrainSection:
     max_nonfinite_updates_in_a_row: int = 3
     """An optimizer update whose global gradient norm is NaN or ±inf is skipped (the weights and optimizer
     state stay as they were; said on the console, counted in `train/nonfinite_grad_updates`); the run stops
-    (exit 2) when more than this many follow one another, since its gradients no longer recover. 0: stop at
-    the first. Default 3: one batch whose backward overflows costs its update, not the run, while a run
-    that diverged stops within a step or two, with its checkpoints' weights finite. Not checkpointed: a
-    resume counts afresh."""
+    (exit 2) when more than this many follow one another, since its gradients no longer recover, after
+    logging and checkpointing that step. 0: stop at the first. Default 3: one batch whose backward
+    overflows costs its update, not the run, while a run that diverged stops within a step or two, with
+    its checkpoints' weights finite. Not checkpointed: a resume counts afresh. fp16 runs: megatron's loss
+    scaler skips overflowing updates itself, uncounted here."""
 
     def __post_init__(self) -> None:
         _positive_int("train", "steps", self.steps)

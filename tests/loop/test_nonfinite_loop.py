@@ -1,7 +1,8 @@
 """A run whose updates go NaN (injected into the loss of steps 2, 4 and 5): each is skipped and said, the
-steps after a skip train from finite weights, TensorBoard counts them in `train/nonfinite_grad_updates`, and
-the run stops with one `TrainingDiverged` once more than `train.max_nonfinite_updates_in_a_row` follow one
-another. Before, step 2's update made every weight NaN, and step 3 failed in its θ_old pass."""
+steps after a skip train from finite weights, TensorBoard counts them in `train/nonfinite_grad_updates`,
+and the run stops with one `TrainingDiverged` once more than `train.max_nonfinite_updates_in_a_row`
+follow one another, after logging and checkpointing that step (its weights finite). Before, step 2's
+update made every weight NaN, and step 3 failed in its θ_old pass."""
 
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def test_nonfinite_updates_are_skipped_said_counted_and_stop_the_run(
     (error,) = run_distributed(_run_rank, 1, loop_overrides(tiny_model_dir, prompt_file, run_dir, settings))
     assert error is not None and error.startswith(
         "step 5, update 1 of 1: the gradient norm was NaN or ±inf in 2 updates in a row "
-        "(train.max_nonfinite_updates_in_a_row=1), so the run stopped. Each was skipped"
+        "(train.max_nonfinite_updates_in_a_row=1), so the run stopped after step 5. Each was skipped"
     ), error
     out = capfd.readouterr().out
     for step, in_a_row in ((2, 1), (4, 1)):
@@ -64,9 +65,9 @@ def test_nonfinite_updates_are_skipped_said_counted_and_stop_the_run(
             f"(weights and optimizer state kept; {in_a_row} in a row, the run stops at 2)"
         ) in out, out[-3000:]
     scalars = read_scalars(run_dir)
-    assert scalars["train/nonfinite_grad_updates"] == [(1, 0.0), (2, 1.0), (3, 0.0), (4, 1.0)]
+    assert scalars["train/nonfinite_grad_updates"] == [(1, 0.0), (2, 1.0), (3, 0.0), (4, 1.0), (5, 1.0)]
     # step 3 trained from the weights step 1 left (step 2 skipped): its θ_old pass and its update finite
     assert all(math.isfinite(v) for _, v in scalars["train/grad_norm"])
     assert math.isfinite(dict(scalars["train/loss"])[3]) and dict(scalars["train/grad_norm"])[3] > 0
     checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-    assert checkpoints[-1] == "step_000004"  # step 5 stopped the run before any save of its own
+    assert checkpoints[-1] == "step_000005"  # the stopping step's, finite: a resume loses no step

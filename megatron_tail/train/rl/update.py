@@ -87,7 +87,7 @@ def update_policy(
         counts.append(prepare_rl_micro_batches(cfg, mbs, outputs, groups.dp, groups.cp))
         start += len(mbs)
     summed: list[dict[str, torch.Tensor]] = []
-    applied, other_norms, skipped, finite, zero = [], [], 0, [], 0
+    applied, skipped, finite, zero = [], 0, [], 0
     moe = trainer.arch.moe
     if moe is not None:
         clear_aux_loss()
@@ -100,8 +100,8 @@ def update_policy(
             skipped += 0 if result.update_successful else 1
             finite.append(result.grad_norm is None or math.isfinite(result.grad_norm))
             zero += result.grad_norm == 0.0
-            if result.grad_norm is not None and finite[-1]:
-                (applied if result.update_successful else other_norms).append(result.grad_norm)
+            if result.update_successful:
+                applied.append(result.grad_norm)
     updates = len(summed)
     combined = per_mini_batch_losses(combine_metrics(summed), len(layout.per_mini_batch))
     finalized = finalize_metrics(combined)
@@ -109,7 +109,7 @@ def update_policy(
     # the updates applied (a zero-gradient one, skipped, would halve the norm of a step with an empty
     # Lopti phase); else what was measured (0: nothing to learn), else nothing, rather than a 0 that reads
     # as a measured one
-    if norms := applied or other_norms:
+    if norms := applied or ([0.0] if zero else []):
         metrics["train/grad_norm"] = sum(norms) / len(norms)
         metrics["train/grad_norm_max"] = max(norms)
     if trainer.config.fp16:  # the dynamic loss scale after this step's updates (one host read per step)

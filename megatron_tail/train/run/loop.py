@@ -156,7 +156,7 @@ def rl_step(
 
 def _train_on(s: RunSession, batch, done: int) -> tuple[dict[str, float], dict, int]:
     """The trainer's part of step `done` (1-based) on a non-empty batch: scalars, histograms, tokens
-    trained on. Raises `nonfinite.TrainingDiverged` past `train.max_nonfinite_updates_in_a_row`."""
+    trained on. Past `train.max_nonfinite_updates_in_a_row`, sets `s.nonfinite.diverged` (`_loop` stops)."""
     cfg, trainer = s.cfg, s.trainer
     built = build_samples(cfg, batch, token_columns(cfg))  # reward shaping, advantages, per-token columns
     layout = layout_micro_batches(cfg, built.samples, trainer.groups)  # mini-batches × DP × micro-batches
@@ -269,6 +269,7 @@ def _loop(s: RunSession, stop: GracefulStop, hooks: LoopHooks) -> RunResult:
             if hooks.on_step_start is not None:
                 hooks.on_step_start(step)
             metrics, histograms, stopping = rl_step(s, step, cadence, stop)
+            diverged = s.nonfinite.diverged  # logged and checkpointed like a stop, then raised
             done = result.completed_steps = step + 1
             # the step's scalars on disk before its checkpoint: a kill during the save then loses none
             # (a resume from an older checkpoint purges them, `purge_step`); after it, a kill in the save
@@ -276,7 +277,7 @@ def _loop(s: RunSession, stop: GracefulStop, hooks: LoopHooks) -> RunResult:
             tb.write(done, metrics)  # log
             tb.write_histograms(done, histograms)
             tb.flush()
-            if cadence.checkpoint_after(done, stopping=stopping):
+            if cadence.checkpoint_after(done, stopping=stopping or diverged is not None):
                 metrics["perf/checkpoint_time_s"] = s.checkpoint(done)  # checkpoint
                 tb.write(done, {"perf/checkpoint_time_s": metrics["perf/checkpoint_time_s"]})
                 tb.flush()
@@ -291,6 +292,8 @@ def _loop(s: RunSession, stop: GracefulStop, hooks: LoopHooks) -> RunResult:
                     console.note(warning)
             if hooks.on_step_end is not None:
                 hooks.on_step_end(step, metrics)
+            if diverged is not None:
+                raise diverged
             if stopping:
                 result.stopped_by = _signal_name(stop)
                 console.note(

@@ -2,11 +2,14 @@
 stops once `train.max_nonfinite_updates_in_a_row` is exceeded.
 
     guard = NonfiniteUpdates(cfg.train.max_nonfinite_updates_in_a_row, note=console.note)
-    guard.observe(done, update.finite)   # after each step's updates; raises TrainingDiverged
+    guard.observe(done, update.finite)   # after each step's updates
+    if guard.diverged: ...               # the loop logs the step, checkpoints it, then raises it
 
-The skip itself is the optimizer step's (`engine.optimizer_step.guarded_step`): the weights and
-the optimizer's state stay as they were, so every checkpoint holds finite weights. The norm is global, so
-every rank sees the same sequence and raises alike (no rank waits in a collective for one that stopped).
+The skip itself is the optimizer step's (`engine.optimizer_step.guarded_step`): the weights and the
+optimizer's state stay as they were, so every checkpoint holds finite weights, the diverged step's too (a
+resume with a lower learning rate loses no step). The norm is global, so every rank sees the same sequence
+and stops alike (no rank waits in a collective for one that stopped). fp16 runs are not counted: megatron's
+loss scaler skips their overflowing updates itself (`train/loss_scale`, `train/skipped_updates`).
 """
 
 from __future__ import annotations
@@ -30,26 +33,29 @@ class NonfiniteUpdates:
         self.limit = limit
         self.note = note
         self.in_a_row = 0
+        self.diverged: TrainingDiverged | None = None
+        """Set by the update that exceeded the limit: the run is to stop after this step."""
 
     def observe(self, done: int, finite: Sequence[bool]) -> None:
         """Step `done` (1-based) ran len(finite) updates; False where one was skipped. Says each skip via
-        `note`; raises `TrainingDiverged` on the update that exceeds the limit."""
+        `note`; sets `diverged` at the update that exceeds the limit."""
         for index, ok in enumerate(finite):
             if ok:
                 self.in_a_row = 0
                 continue
             self.in_a_row += 1
             where = f"step {done}, update {index + 1} of {len(finite)}"
-            if self.in_a_row > self.limit:
-                raise TrainingDiverged(
+            if self.in_a_row > self.limit and self.diverged is None:
+                self.diverged = TrainingDiverged(
                     f"{where}: the gradient norm was NaN or ±inf in {self.in_a_row} updates in a row "
-                    f"({LIMIT_KEY}={self.limit}), so the run stopped. Each was skipped: the weights, and "
-                    "every checkpoint's, are those of the last finite update. Rerunning as is resumes from "
-                    "the last checkpoint and likely diverges again: lower optimizer.lr (a resume needs "
-                    "train.allow_config_change: true for it), or look at what led here in TensorBoard "
+                    f"({LIMIT_KEY}={self.limit}), so the run stopped after step {done}. Each was skipped: "
+                    "the weights are those of the last finite update, as saved in this step's checkpoint. "
+                    "Rerunning as is resumes there and likely diverges again: lower optimizer.lr (with "
+                    "train.allow_config_change: true), or look at what led here in TensorBoard "
                     "(train/grad_norm_max, is/weight_max, response/length_mean)"
                 )
-            self.note(
-                f"warning: {where}: the gradient norm is NaN or ±inf; the update is skipped (weights and "
-                f"optimizer state kept; {self.in_a_row} in a row, the run stops at {self.limit + 1})"
-            )
+            elif self.diverged is None:
+                self.note(
+                    f"warning: {where}: the gradient norm is NaN or ±inf; the update is skipped (weights "
+                    f"and optimizer state kept; {self.in_a_row} in a row, the run stops at {self.limit + 1})"
+                )
