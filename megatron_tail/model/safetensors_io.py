@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import mmap
 import struct
+import sys
 from pathlib import Path
 from typing import BinaryIO
 
@@ -27,13 +28,15 @@ from safetensors import safe_open
 
 from .directory import INDEX_FILE
 
-_DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
-    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U64": torch.uint64,
+    "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8, "BOOL": torch.bool,
 }  # fmt: skip
-"""The format's dtype names (safetensors' `Dtype`) that torch has."""
+"""The format's dtype names (safetensors' `Dtype`) that torch has (not its 4- and 6-bit floats)."""
+_EXPORTED = (torch.float32, torch.bfloat16, torch.float16)
+_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items() if dtype in _EXPORTED}
 SINGLE_FILE = "model.safetensors"
 
 
@@ -91,7 +94,10 @@ class SafetensorsReader:
 def read_safetensors_file(path: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of the safetensors file `path`, CPU, its stored dtype and shape, keyed by name, without
     safetensors' per-tensor leak (module docstring). The tensors are views of a private copy-on-write map of
-    the file (nothing read until touched, nothing written back), unmapped when the last of them is freed."""
+    the file (nothing read until touched, nothing written back), unmapped when the last of them is freed.
+    The format is little-endian; so must this machine be (x86, ARM)."""
+    if sys.byteorder != "little":
+        raise NotImplementedError(f"{path}: reading safetensors on a {sys.byteorder}-endian machine")
     with open(path, "rb") as f:
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if f.seek(0, 2) else b""
     if len(mapped) < 8:
@@ -99,19 +105,20 @@ def read_safetensors_file(path: str | Path) -> dict[str, torch.Tensor]:
     (length,) = struct.unpack("<Q", mapped[:8])
     try:
         header = json.loads(mapped[8 : 8 + length])
-    except ValueError as e:
-        raise ValueError(f"{path}: not a safetensors file (its header: {e})") from None
+        entries = [
+            (name, info["dtype"], info["shape"], info["data_offsets"])
+            for name, info in header.items()
+            if name != "__metadata__"
+        ]
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise ValueError(f"{path}: not a safetensors file (its header: {type(e).__name__}: {e})") from None
     base, out = 8 + length, {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = _DTYPES.get(info["dtype"])
+    for name, dtype_name, shape, (start, end) in entries:
+        dtype = _DTYPES.get(dtype_name)
         if dtype is None:
-            raise ValueError(f"{path}: tensor {name!r} has dtype {info['dtype']}, which torch does not have")
-        start, end = info["data_offsets"]
-        shape = tuple(info["shape"])
-        count = _numel(shape)
-        if end - start != count * torch.empty((), dtype=dtype).element_size() or base + end > len(mapped):
+            raise ValueError(f"{path}: tensor {name!r} has dtype {dtype_name}, which torch does not have")
+        count = _numel(tuple(shape))
+        if end - start != count * dtype.itemsize or base + end > len(mapped):
             raise ValueError(f"{path}: tensor {name!r}'s bytes [{start}, {end}) do not hold {shape} {dtype}")
         flat = (
             torch.frombuffer(mapped, dtype=dtype, count=count, offset=base + start)

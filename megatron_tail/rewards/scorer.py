@@ -191,7 +191,7 @@ class _Worker:
         child.close()
         self.pid = self._proc.pid
         self._ready = False
-        self._starting = "its worker was still starting" + (" (importing the reward)" if spec else "")
+        self._starting = "its worker was still starting" + (", importing the reward" if spec else "")
         """The worker said it is ready (`_serve`'s first message), so it reads every request at once."""
         self._closing = threading.Lock()
         # killed at interpreter exit before multiprocessing's own exit hook runs (`_exit_function`: it

@@ -29,6 +29,10 @@ def _tensors() -> dict[str, torch.Tensor]:
         "i16": torch.arange(3, dtype=torch.int16),
         "i8": torch.arange(-2, 2, dtype=torch.int8),
         "u8": torch.arange(250, 256, dtype=torch.uint8),
+        "u16": torch.tensor([1, 2, 65535], dtype=torch.uint16),
+        "u32": torch.tensor([1, 2, 2**32 - 1], dtype=torch.uint32),
+        "u64": torch.tensor([1, 2, 3], dtype=torch.uint64),
+        "e8m0": torch.tensor([0.5, 2.0, 8.0]).to(torch.float8_e8m0fnu),
         "bool": torch.tensor([True, False, True]),
         "scalar": torch.tensor(2.5),
         "empty": torch.empty(0, 4),
@@ -58,6 +62,13 @@ def test_a_file_that_is_not_safetensors_is_named(tmp_path):
         read_safetensors_file(empty)
     with pytest.raises(ValueError, match=r"text\.safetensors: not a safetensors file \(its header: "):
         read_safetensors_file(text)
+    no_dtype = tmp_path / "no_dtype.safetensors"
+    header = b'{"w":{"shape":[1],"data_offsets":[0,4]}}'
+    no_dtype.write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 4)
+    with pytest.raises(
+        ValueError, match=r"no_dtype\.safetensors: not a safetensors file \(its header: KeyError"
+    ):
+        read_safetensors_file(no_dtype)
 
 
 def test_reading_again_and_again_keeps_nothing(tmp_path):

@@ -100,7 +100,7 @@ def test_a_large_batch_for_a_worker_stuck_starting_fails_within_the_timeout():
             scoring.result(timeout=120)
         assert (
             "did not score a batch of 1024 completions within data.reward_timeout_s=2 s (its worker was "
-            "still starting (importing the reward)); it was stopped"
+            "still starting, importing the reward); it was stopped"
         ) in str(caught.value)
         assert scorer.worker_pid is None
     finally:

@@ -154,8 +154,6 @@ def test_an_interrupted_prune_leaves_a_name_the_next_start_removes(tmp_path, mon
         (path / "shard.distcp").write_bytes(b"x" * 10)
 
     def killed_midway(path, ignore_errors=False, onerror=None):  # noqa: ARG001 - shutil.rmtree's signature
-        if not path.exists():  # no earlier leftover to clear first
-            return
         (path / "metadata.json").unlink()  # the removal's first file; then the process dies
         raise KeyboardInterrupt
 

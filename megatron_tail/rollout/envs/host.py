@@ -5,6 +5,7 @@ naming the environment)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 from .base import StepResult
@@ -42,9 +43,11 @@ class WorkerEnv:
         except asyncio.CancelledError:
             # The reset still runs to its end in the worker (the call is in the slot's thread), which then
             # keeps the instance; before, nothing closed it, and it lived as long as that worker. Its close
-            # is queued behind it, unless the worker is stopped by then (`generation`).
+            # is queued behind it, unless the worker is stopped by then (`generation`). A pool closing
+            # under it (its executor shut) refuses the close: the worker dies with the pool anyway.
             self.generation = generation
-            await self.close()
+            with contextlib.suppress(RuntimeError):
+                await self.close()
             raise
         except BaseException:
             self.pool.release(self.slot)

@@ -151,15 +151,15 @@ def prune_checkpoints(run_dir: str | Path, keep: int, note: Callable[[str], None
 
 
 def _remove(path: Path, note: Callable[[str], None]) -> None:
-    """`shutil.rmtree(path)`, its failures said in one line; never raises."""
+    """`shutil.rmtree(path)`, its failures said in one line; never raises. A `.deleting` name is retried at
+    each prune and swept at start; a checkpoint removed in place (its rename failed) is not: said so."""
     errors: list[str] = []
     shutil.rmtree(path, onerror=lambda _fn, where, info: errors.append(f"{where}: {info[1]}"))
     if errors and path.exists():
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-        note(
-            f"warning: could not remove the pruned checkpoint {path}: {errors[0]}{more}; retried at the next "
-            "save and at the next start"
-        )
+        retried = path.name.endswith(f".{DELETING}")
+        then = "retried at the next save and at the next start" if retried else "remove it by hand"
+        note(f"warning: could not remove the pruned checkpoint {path}: {errors[0]}{more}; {then}")
 
 
 def sweep_leftovers(run_dir: str | Path, weights_dir: str | Path) -> list[Path]:
