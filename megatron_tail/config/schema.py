@@ -169,7 +169,8 @@ class TrainSection:
     logging and checkpointing that step. 0: stop at the first. Default 3: one batch whose backward
     overflows costs its update, not the run, while a run that diverged stops within a step or two, with
     its checkpoints' weights finite. Not checkpointed: a resume counts afresh. fp16 runs: megatron's loss
-    scaler skips overflowing updates itself, uncounted here."""
+    scaler skips an overflowing update and lowers the scale; an overflow at its floor
+    (`min_loss_scale`, 1) counts here."""
 
     def __post_init__(self) -> None:
         _positive_int("train", "steps", self.steps)

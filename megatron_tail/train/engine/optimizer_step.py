@@ -38,8 +38,9 @@ class TrainStepResult:
 
     update_successful: bool
     """False if the update was skipped: fp16's loss scaler found inf/NaN gradients (`grad_norm` None; the
-    scale drops), or the global gradient norm was NaN, ±inf or exactly 0 (`grad_norm` that value): the
-    weights and the optimizer's state are as they were (`guarded_step`)."""
+    scale drops; NaN where the scale is at its floor already), or the global gradient norm was NaN, ±inf or
+    exactly 0 (`grad_norm` that value): the weights and the optimizer's state are as they were
+    (`guarded_step`)."""
     grad_norm: float | None
     """Global gradient norm before clipping (over all TP/PP/DP shards)."""
     metrics: dict[str, float]
@@ -108,7 +109,9 @@ def guarded_step(optimizer) -> tuple[bool, float | None]:
     `optimizer.step()` bit for bit (`tests/train/test_nonfinite_updates.py`).
     """
     if optimizer.prepare_grads():  # fp16: the scaler found inf/NaN and lowered the scale
-        return False, None
+        # at its floor (megatron's `min_loss_scale`) no lower scale can help: the gradients are not finite
+        # at any scale, reported as NaN so that the run counts it (`run.nonfinite`); one host read a skip
+        return False, (math.nan if _loss_scale_at_floor(optimizer) else None)
     grad_norm = float(optimizer.get_grad_norm())
     if not math.isfinite(grad_norm) or grad_norm == 0.0:
         return False, grad_norm
@@ -124,6 +127,14 @@ def guarded_step(optimizer) -> tuple[bool, float | None]:
                 use_decoupled_grad=inner.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
             )
     return bool(optimizer.step_with_ready_grads()), grad_norm
+
+
+def _loss_scale_at_floor(optimizer) -> bool:
+    """fp16: megatron's `DynamicGradScaler` (`optimizer/grad_scaler.py`) is at its `min_scale`, where
+    `update` keeps it (`max(scale · backoff, min_scale)`). The chained optimizers share one config."""
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])[0]
+    scaler = getattr(inner, "grad_scaler", None)
+    return scaler is not None and bool(scaler.scale <= scaler.min_scale)
 
 
 def _reduce_metrics(per_mb: list[dict[str, torch.Tensor]], trainer: Trainer) -> dict[str, float]:

@@ -8,8 +8,8 @@ stops once `train.max_nonfinite_updates_in_a_row` is exceeded.
 The skip itself is the optimizer step's (`engine.optimizer_step.guarded_step`): the weights and the
 optimizer's state stay as they were, so every checkpoint holds finite weights, the diverged step's too (a
 resume with a lower learning rate loses no step). The norm is global, so every rank sees the same sequence
-and stops alike (no rank waits in a collective for one that stopped). fp16 runs are not counted: megatron's
-loss scaler skips their overflowing updates itself (`train/loss_scale`, `train/skipped_updates`).
+and stops alike (no rank waits in a collective for one that stopped). In fp16 runs megatron's loss scaler
+skips an overflowing update and lowers the scale; only an overflow at the scale's floor counts here.
 """
 
 from __future__ import annotations
