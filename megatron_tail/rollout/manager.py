@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -89,9 +90,12 @@ class GroupResult:
     batch: RolloutBatch
     admitted_version: int
 
-    @property
+    @functools.cached_property
     def oldest_version(self) -> int:
-        """The version of its oldest token (the admission version for a group without tokens)."""
+        """The version of its oldest token (the admission version for a group without tokens). Cached: a
+        completed group's tokens do not change, and `next_batch` sorts the buffer by it at every group's
+        completion (before, a walk over every token of every buffered group each time: quadratic in the
+        groups of a step, ~70 s of rank 0's time per step of 512 groups of 4k-token responses)."""
         versions = [v for sample in self.batch.column(VERSIONS) or [] for v in sample]
         return min(versions, default=self.admitted_version)
 
@@ -237,7 +241,6 @@ class RolloutManager:
                 if self.stale_groups == "drop":
                     self._drop_older_than(floor)
                 self._fill()
-                ready = sorted(self.buffer.values(), key=lambda g: (g.oldest_version, g.index))
                 if self.in_order:  # the first G groups admitted, once every one of them is complete
                     first = sorted([*self.buffer, *self.in_flight])[: self.groups]
                     complete = sum(i in self.buffer for i in first)
@@ -253,6 +256,7 @@ class RolloutManager:
                         self._give_back(sorted(set(first) - {g.index for g in taken}))
                         break
                 else:
+                    ready = sorted(self.buffer.values(), key=lambda g: (g.oldest_version, g.index))
                     if progress is not None:
                         progress(min(len(ready), self.groups))
                     if len(ready) >= self.groups:
