@@ -297,11 +297,12 @@ class RunSession:
         # the manager's groups generated ahead, so a resumed run trains on the same samples (rank 0 writes
         # them: they live on rank 0 only, and are large)
         objects = {}
-        state = on_rank0(
-            lambda: self.engines.manager_state(), wait_group=self._wait, what="saving the rollout state"
-        )
-        if self.rank == 0 and state is not None:
-            objects["rollout_manager"] = state
+
+        def take_manager_state() -> None:  # rank 0's: large, never broadcast (it was, to every rank)
+            if (state := self.engines.manager_state()) is not None:
+                objects["rollout_manager"] = state
+
+        on_rank0(take_manager_state, wait_group=self._wait, what="saving the rollout state")
         files = {run_dir.CONFIG_NAME: self.config_text}  # what a resume compares its config with
         if self.data_digests_text is not None:  # and the prompt files' content, as rank 0 read them
             files[data_digests.DIGESTS_NAME] = self.data_digests_text
