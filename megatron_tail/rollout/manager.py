@@ -70,7 +70,6 @@ Exactly-once, and where it is decided:
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -100,8 +99,7 @@ class GroupResult:
         return min(versions, default=self.admitted_version)
 
     def to_state(self) -> dict:
-        batch = dataclasses.asdict(self.batch)
-        return {"index": self.index, "batch": batch, "version": self.admitted_version}
+        return {"index": self.index, "batch": self.batch.to_dict(), "version": self.admitted_version}
 
     @classmethod
     def from_state(cls, state: dict) -> GroupResult:
