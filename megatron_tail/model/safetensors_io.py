@@ -30,10 +30,12 @@ from .directory import INDEX_FILE
 
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U64": torch.uint64,
     "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8, "BOOL": torch.bool,
 }  # fmt: skip
+if hasattr(torch, "float8_e8m0fnu"):  # torch ≥ 2.7 (pyproject allows 2.6)
+    _DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
 """The format's dtype names (safetensors' `Dtype`) that torch has (not its 4- and 6-bit floats)."""
 _EXPORTED = (torch.float32, torch.bfloat16, torch.float16)
 _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items() if dtype in _EXPORTED}
@@ -106,18 +108,20 @@ def read_safetensors_file(path: str | Path) -> dict[str, torch.Tensor]:
     try:
         header = json.loads(mapped[8 : 8 + length])
         entries = [
-            (name, info["dtype"], info["shape"], info["data_offsets"])
+            (name, info["dtype"], tuple(int(d) for d in info["shape"]), *map(int, info["data_offsets"]))
             for name, info in header.items()
             if name != "__metadata__"
         ]
+        if any(len(entry) != 5 for entry in entries):
+            raise ValueError("data_offsets must be [start, end]")
     except (ValueError, TypeError, KeyError, AttributeError) as e:
         raise ValueError(f"{path}: not a safetensors file (its header: {type(e).__name__}: {e})") from None
     base, out = 8 + length, {}
-    for name, dtype_name, shape, (start, end) in entries:
+    for name, dtype_name, shape, start, end in entries:
         dtype = _DTYPES.get(dtype_name)
         if dtype is None:
             raise ValueError(f"{path}: tensor {name!r} has dtype {dtype_name}, which torch does not have")
-        count = _numel(tuple(shape))
+        count = _numel(shape)
         if end - start != count * dtype.itemsize or base + end > len(mapped):
             raise ValueError(f"{path}: tensor {name!r}'s bytes [{start}, {end}) do not hold {shape} {dtype}")
         flat = (

@@ -114,11 +114,18 @@ def _plain(value):
         return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        if not value or isinstance(value[0], (int, float, str, bool, type(None))):
-            return value if isinstance(value, list) else list(value)
-        return type(value)(_plain(v) for v in value)
+    if isinstance(value, list):
+        if all(map(_ATOMS.__contains__, map(type, value))):  # a C-level pass: ~15 ns a token
+            return value
+        return [_plain(v) for v in value]
+    if isinstance(value, tuple):
+        items = [_plain(v) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
     return value
+
+
+_ATOMS = frozenset({int, float, str, bool, type(None)})
+"""What `_plain` shares as is in a list (asdict copies each, to the same value)."""
 
 
 _FIELDS_BEFORE_COLUMNS = {

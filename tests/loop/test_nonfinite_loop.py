@@ -70,4 +70,5 @@ def test_nonfinite_updates_are_skipped_said_counted_and_stop_the_run(
     assert all(math.isfinite(v) for _, v in scalars["train/grad_norm"])
     assert math.isfinite(dict(scalars["train/loss"])[3]) and dict(scalars["train/grad_norm"])[3] > 0
     checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-    assert checkpoints[-1] == "step_000005"  # the stopping step's, finite: a resume loses no step
+    # the stopping step's, finite: a resume loses no step; and no prune: those before it stay
+    assert checkpoints == ["step_000002", "step_000004", "step_000005"]

@@ -849,6 +849,9 @@ def test_a_checkpointed_group_is_what_asdict_gives_without_copying_its_tokens(tm
 
     assert same(ours, theirs)
     assert ours["columns"]["rollout_logprobs"][0] is logprobs[0]  # shared, not copied
+    # a declared column's entries need not share one type: a list is shared only when all are plain
+    mixed = dataclasses.replace(batch, columns={"custom": [None, Ragged.from_lists([[1]])]})
+    assert same(mixed.to_dict(), dataclasses.asdict(mixed))
     path = tmp_path / "group.pt"
     torch.save(GroupResult(5, batch, 3).to_state(), path)
     back = GroupResult.from_state(torch.load(path, weights_only=True))

@@ -98,7 +98,7 @@ def test_fp16_resume_keeps_the_loss_scaler(hf_dir, tmp_path):
     assert len({scale for _, _, scale in full}) > 1 and not all(ok for _, ok, _ in full)
 
 
-def _nan_rank(rank, world_size, hf_dir, initial_scale):  # noqa: ARG001
+def _nan_rank(rank, world_size, hf_dir, initial_scale, hysteresis=2):  # noqa: ARG001
     import math
 
     from megatron_tail.model import ModelSettings, load_hf_config
@@ -109,7 +109,7 @@ def _nan_rank(rank, world_size, hf_dir, initial_scale):  # noqa: ARG001
         load_hf_config(hf_dir),
         hf_dir=hf_dir,
         model_settings=ModelSettings(vocab_pad_multiple=PAD_MULTIPLE, precision="fp16"),
-        optim=OptimizerSettings(lr=1e-3, initial_loss_scale=initial_scale),
+        optim=OptimizerSettings(lr=1e-3, initial_loss_scale=initial_scale, loss_scale_hysteresis=hysteresis),
     )
     mbs = make_micro_batches(make_samples(4, seed=3), micro_batch_size=2, seq_len=16)
     loss = masked_nll_loss(global_loss_tokens(mbs, trainer.groups.dp))
@@ -132,3 +132,5 @@ def test_an_overflow_at_the_scales_floor_is_a_nonfinite_gradient(hf_dir):
     assert not ok and norm is None  # room below: the scaler's own business
     ok, norm = run_distributed(_nan_rank, 1, hf_dir, 1.0)[0]
     assert not ok and math.isnan(norm)
+    ok, norm = run_distributed(_nan_rank, 1, hf_dir, 2.0, 1)[0]
+    assert not ok and norm is None  # backed off to the floor by this overflow: scale 1 is yet to be tried

@@ -5,7 +5,6 @@ naming the environment)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from typing import Any
 
 from .base import StepResult
@@ -46,8 +45,11 @@ class WorkerEnv:
             # is queued behind it, unless the worker is stopped by then (`generation`). A pool closing
             # under it (its executor shut) refuses the close: the worker dies with the pool anyway.
             self.generation = generation
-            with contextlib.suppress(RuntimeError):
+            try:
                 await self.close()
+            except RuntimeError as e:  # ThreadPoolExecutor: "cannot schedule new futures after shutdown"
+                if "shutdown" not in str(e):
+                    raise
             raise
         except BaseException:
             self.pool.release(self.slot)

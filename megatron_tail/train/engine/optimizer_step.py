@@ -108,10 +108,11 @@ def guarded_step(optimizer) -> tuple[bool, float | None]:
     norm's `.item()` inside `get_grad_norm_fp32`, as in megatron's step. A finite step equals
     `optimizer.step()` bit for bit (`tests/train/test_nonfinite_updates.py`).
     """
-    if optimizer.prepare_grads():  # fp16: the scaler found inf/NaN and lowered the scale
-        # at its floor (megatron's `min_loss_scale`) no lower scale can help: the gradients are not finite
-        # at any scale, reported as NaN so that the run counts it (`run.nonfinite`); one host read a skip
-        return False, (math.nan if _loss_scale_at_floor(optimizer) else None)
+    scales = _loss_scales(optimizer)  # before `prepare_grads` lowers them
+    if optimizer.prepare_grads():  # fp16: a scaler found inf/NaN and lowered its scale
+        # one that overflowed at its floor (megatron's `min_loss_scale`) cannot go lower: the gradients are
+        # not finite at any scale, reported as NaN so that the run counts it (`run.nonfinite`)
+        return False, (math.nan if _overflowed_at_floor(scales) else None)
     grad_norm = float(optimizer.get_grad_norm())
     if not math.isfinite(grad_norm) or grad_norm == 0.0:
         return False, grad_norm
@@ -129,12 +130,24 @@ def guarded_step(optimizer) -> tuple[bool, float | None]:
     return bool(optimizer.step_with_ready_grads()), grad_norm
 
 
-def _loss_scale_at_floor(optimizer) -> bool:
-    """fp16: megatron's `DynamicGradScaler` (`optimizer/grad_scaler.py`) is at its `min_scale`, where
-    `update` keeps it (`max(scale · backoff, min_scale)`). The chained optimizers share one config."""
-    inner = getattr(optimizer, "chained_optimizers", [optimizer])[0]
-    scaler = getattr(inner, "grad_scaler", None)
-    return scaler is not None and bool(scaler.scale <= scaler.min_scale)
+def _loss_scales(optimizer) -> list[tuple[object, dict]]:
+    """fp16: each inner optimizer's `DynamicGradScaler` (`optimizer/grad_scaler.py`; a MoE run has one for
+    the dense and one for the expert parameters) with its `state_dict()` before this step: references (its
+    `update` rebinds the scale), no host read."""
+    inners = getattr(optimizer, "chained_optimizers", [optimizer])
+    scalers = [getattr(inner, "grad_scaler", None) for inner in inners]
+    return [(scaler, scaler.state_dict()) for scaler in scalers if scaler is not None]
+
+
+def _overflowed_at_floor(scales: list[tuple[object, dict]]) -> bool:
+    """A scaler found inf/NaN (its `update(found_inf=True)` lowers the hysteresis tracker, whatever the
+    scale does) while its scale was at its `min_scale` already: no lower scale is left to try. Host reads
+    on a skip only."""
+    return any(
+        scaler.state_dict()["hysteresis_tracker"] < before["hysteresis_tracker"]
+        and bool(before["scale"] <= scaler.min_scale)
+        for scaler, before in scales
+    )
 
 
 def _reduce_metrics(per_mb: list[dict[str, torch.Tensor]], trainer: Trainer) -> dict[str, float]:

@@ -278,7 +278,7 @@ def _loop(s: RunSession, stop: GracefulStop, hooks: LoopHooks) -> RunResult:
             tb.write_histograms(done, histograms)
             tb.flush()
             if cadence.checkpoint_after(done, stopping=stopping or diverged is not None):
-                metrics["perf/checkpoint_time_s"] = s.checkpoint(done)  # checkpoint
+                metrics["perf/checkpoint_time_s"] = s.checkpoint(done, prune=diverged is None)  # checkpoint
                 tb.write(done, {"perf/checkpoint_time_s": metrics["perf/checkpoint_time_s"]})
                 tb.flush()
             if rank == 0 and hooks.keep_history:

@@ -283,8 +283,10 @@ class RunSession:
 
         return on_rank0(evaluate, wait_group=self._wait, what="the evaluation")
 
-    def checkpoint(self, done: int) -> float:
-        """Save after `done` completed steps; keep the newest `train.keep_checkpoints`. Returns seconds."""
+    def checkpoint(self, done: int, *, prune: bool = True) -> float:
+        """Save after `done` completed steps; keep the newest `train.keep_checkpoints` (unless not `prune`: a
+        diverged run's last save keeps those before it, which a rerun that diverges again would push out).
+        Returns seconds."""
         started = time.perf_counter()
         path = run_dir.checkpoint_path(self.run_dir, done)
         rl_state = {
@@ -309,7 +311,7 @@ class RunSession:
         save_checkpoint(
             path, self.trainer, rl_state, overwrite=True, rank0_objects=objects, rank0_files=files
         )
-        if self.rank == 0:
+        if self.rank == 0 and prune:
             run_dir.prune_checkpoints(self.run_dir, self.cfg.train.keep_checkpoints, self.console.note)
         dist.barrier()
         signals.checkpoint_kept(path)
