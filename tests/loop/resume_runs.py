@@ -60,10 +60,10 @@ def run_rank_killed_in_save(rank, world, overrides, killed_at):
 
     original = session.RunSession.checkpoint
 
-    def checkpoint(self, done):
+    def checkpoint(self, done, **kwargs):
         if done == killed_at:
             os._exit(9)
-        return original(self, done)
+        return original(self, done, **kwargs)
 
     session.RunSession.checkpoint = checkpoint
     return run_rank(rank, world, overrides, -1)
