@@ -116,7 +116,7 @@ def guarded_step(optimizer) -> tuple[bool, float | None]:
     grad_norm = float(optimizer.get_grad_norm())
     if not math.isfinite(grad_norm) or grad_norm == 0.0:
         return False, grad_norm
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for inner in _inner_optimizers(optimizer):
         if getattr(inner, "is_stub_optimizer", False) or inner.config.clip_grad <= 0.0:
             continue
         parameters = inner.get_parameters()
@@ -130,12 +130,16 @@ def guarded_step(optimizer) -> tuple[bool, float | None]:
     return bool(optimizer.step_with_ready_grads()), grad_norm
 
 
+def _inner_optimizers(optimizer) -> list:
+    """A `ChainedOptimizer`'s optimizers (megatron-core 0.16 always returns one), else the optimizer."""
+    return getattr(optimizer, "chained_optimizers", [optimizer])
+
+
 def _loss_scales(optimizer) -> list[tuple[object, dict]]:
     """fp16: each inner optimizer's `DynamicGradScaler` (`optimizer/grad_scaler.py`; a MoE run has one for
     the dense and one for the expert parameters) with its `state_dict()` before this step: references (its
     `update` rebinds the scale), no host read."""
-    inners = getattr(optimizer, "chained_optimizers", [optimizer])
-    scalers = [getattr(inner, "grad_scaler", None) for inner in inners]
+    scalers = [getattr(inner, "grad_scaler", None) for inner in _inner_optimizers(optimizer)]
     return [(scaler, scaler.state_dict()) for scaler in scalers if scaler is not None]
 
 
