@@ -128,10 +128,9 @@ class RewardScorer:
             except TimeoutError as e:
                 worker.kill()
                 self._worker = None
-                why = f" ({e})" if str(e) else ""
                 raise (timeout_error or RewardTimeoutError)(
-                    f"{timed_out} within data.reward_timeout_s={self.timeout_s:g} s{why}; it was stopped. "
-                    "Make it faster or bounded, or raise data.reward_timeout_s"
+                    f"{timed_out} within data.reward_timeout_s={self.timeout_s:g} s{timeout_reason(e)}; "
+                    "it was stopped. Make it faster or bounded, or raise data.reward_timeout_s"
                 ) from None
             except EOFError:  # the worker died (killed, out of memory): start a new one next time
                 # its own exit code (-9 of the OOM killer, -11, os._exit's), not our kill's
@@ -191,8 +190,9 @@ class _Worker:
         child.close()
         self.pid = self._proc.pid
         self._ready = False
-        self._starting = "its worker was still starting" + (", importing the reward" if spec else "")
         """The worker said it is ready (`_serve`'s first message), so it reads every request at once."""
+        self._starting = "its worker was still starting" + (", importing the reward" if spec else "")
+        """Why a request timed out before the worker was ready (`timeout_reason`)."""
         self._closing = threading.Lock()
         # killed at interpreter exit before multiprocessing's own exit hook runs (`_exit_function`: it
         # terminates a daemonic child with SIGTERM, which the worker ignores, then joins it without a
@@ -252,6 +252,11 @@ class _Worker:
             pass
         self._proc.join(timeout=5)
         self.kill()
+
+
+def timeout_reason(error: TimeoutError) -> str:
+    """ " (why)" for a `_Worker.request` timeout that says why (its worker still starting), else ""."""
+    return f" ({error})" if str(error) else ""
 
 
 def _serve(spec: str | None, conn, parent_pid: int) -> None:

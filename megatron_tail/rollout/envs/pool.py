@@ -128,11 +128,13 @@ class EnvWorkers:
         try:
             reply = slot.process.request(("call", ENV_HANDLER, request), self.timeout_s)
         except TimeoutError as e:
+            from megatron_tail.rewards.scorer import timeout_reason
+
             others = slot.episodes - 1
             self._stop(slot)
-            why = f" ({e})" if str(e) else ""
             raise EnvironmentTimeoutError(
-                f"{what} did not answer within {self.timeout_name}={self.timeout_s:g} s{why}; its worker "
+                f"{what} did not answer within {self.timeout_name}={self.timeout_s:g} s{timeout_reason(e)}; "
+                "its worker "
                 f"{slot.index} was stopped (with the state of its {others} other live episode(s), generated "
                 "again). Make it faster or bounded, or raise the limit"
             ) from None
