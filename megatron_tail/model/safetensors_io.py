@@ -34,9 +34,9 @@ _DTYPES = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U64": torch.uint64,
     "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8, "BOOL": torch.bool,
 }  # fmt: skip
+"""The format's dtype names (safetensors' `Dtype`) that torch has (not its 4- and 6-bit floats)."""
 if hasattr(torch, "float8_e8m0fnu"):  # torch ≥ 2.7 (pyproject allows 2.6)
     _DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
-"""The format's dtype names (safetensors' `Dtype`) that torch has (not its 4- and 6-bit floats)."""
 _EXPORTED = (torch.float32, torch.bfloat16, torch.float16)
 _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items() if dtype in _EXPORTED}
 SINGLE_FILE = "model.safetensors"

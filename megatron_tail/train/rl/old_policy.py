@@ -158,11 +158,15 @@ def _step_tokens(cfg: RunConfig, mbs, outputs: Sequence[MaskedLogprobs]) -> dict
         take("safe_set_size", mb, objective.safe_set_size)
         if SAMPLING_SUPPORT_FIELD in mb.fields:  # −log(mass the support keeps), by the trainer's full softmax
             take("log_z", mb, out.logprobs_full - out.logprobs)
-    names = ("train", "infer", "train_top", "infer_top", "in_safe_set", "safe_mass", "entropy")
-    return {
-        name: torch.cat(parts[name]).unsqueeze(0) if name in parts else None
-        for name in (*names, "safe_set_size", "log_z")
-    }
+    return {name: torch.cat(parts[name]).unsqueeze(0) if name in parts else None for name in _TOKEN_FIELDS}
+
+
+_TOKEN_FIELDS = (
+    "train", "infer", "train_top", "infer_top", "in_safe_set", "safe_mass", "entropy", "safe_set_size",
+    "log_z",
+)  # fmt: skip
+"""What `_step_tokens` gathers: the θ_old and engine log-probs, their top log-probs, the op's outputs, and
+the support's −log Z."""
 
 
 def _sums(cfg: RunConfig, t: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
