@@ -38,6 +38,7 @@ from typing import Any
 
 from megatron_tail.rollout.columns import BUILTIN_COLUMNS, ColumnTable, Reply, TokenColumns
 from megatron_tail.rollout.columns.builtin import clip as _clip
+from megatron_tail.rollout.columns.fast_checks import token_ids
 from megatron_tail.rollout.errors import (  # noqa: F401 - the client's errors, importable from here too
     MalformedResponseError,
     MissingRoutesError,
@@ -323,7 +324,7 @@ def _parse_one(
         raise SampleAbortedError(f"{where}: sample aborted by the server: {finish.get('message')!r}")
     if output_ids is None and finish["type"] == "abort":
         output_ids = []  # aborted in the waiting queue: SGLang may send no tokens at all
-    if not isinstance(output_ids, list) or not all(isinstance(t, int) and t >= 0 for t in output_ids):
+    if not token_ids(output_ids):
         raise MalformedResponseError(
             f"{where}: 'output_ids' must be a list of token ids, got {_clip(output_ids)}"
         )

@@ -17,9 +17,12 @@ weight versions and the MoE routes, each one `TokenColumn` whose hooks hold what
 
 from __future__ import annotations
 
-import math
+import sys
 from dataclasses import dataclass, replace
+from itertools import chain
 from typing import Any
+
+import numpy as np
 
 from megatron_tail.rollout.errors import MalformedResponseError, MissingRoutesError
 from megatron_tail.rollout.routes import (
@@ -31,6 +34,7 @@ from megatron_tail.rollout.routes import (
     route_rows,
 )
 
+from .fast_checks import ID_LIMIT, finite_logprobs, firsts, numbers, support_ids, transposed
 from .table import ColumnTable, Reply, SampleShape, TokenColumn, not_trained
 
 LOGPROBS = "rollout_logprobs"
@@ -39,6 +43,8 @@ SUPPORT = "sampling_support"
 VERSIONS = "token_versions"
 ROUTES = "routed_experts"
 
+_FLOAT_MAX = sys.float_info.max
+"""A JSON integer past it has no float (a comparison with it is still exact)."""
 _TOP_TOLERANCE = 1e-4
 """The top-1 log-prob may fall short of the sampled token's by rounding only (both come from one
 log-softmax on the server)."""
@@ -71,12 +77,23 @@ def _parse_logprobs(reply: Reply, _parsed) -> list[float]:
         return []
     triples = per_token_list(reply, "output_token_logprobs", "[logprob, token_id, text]")
     output_ids = reply.output_ids
+    columns = transposed(triples, 2)  # [logprob, token_id] of each triple, as two columns
+    if columns is not None and list(columns[1]) == output_ids:
+        values = numbers(columns[0])
+        if values is not None and finite_logprobs(values):
+            return values.tolist()
+    return _checked_logprobs(reply, triples)
+
+
+def _checked_logprobs(reply: Reply, triples: list) -> list[float]:
+    """`_parse_logprobs` by a loop over the tokens, which names the first bad entry; for what the fast
+    checks refused."""
     logprobs = []
-    for i, (triple, token) in enumerate(zip(triples, output_ids, strict=True)):
+    for i, (triple, token) in enumerate(zip(triples, reply.output_ids, strict=True)):
         ok = isinstance(triple, (list, tuple)) and len(triple) >= 2 and triple[1] == token
         value = triple[0] if ok else None
         # −inf too: a sampled token had a probability above 0, and the loss refuses a non-finite one
-        if not ok or not isinstance(value, (int, float)) or not -math.inf < value <= 1e-4:
+        if not ok or not isinstance(value, (int, float)) or not -_FLOAT_MAX <= value <= 1e-4:
             raise MalformedResponseError(
                 f"{reply.where}: output_token_logprobs[{i}] = {clip(triple)} is not "
                 f"[finite logprob ≤ 0, {token}, text]"
@@ -95,13 +112,26 @@ def _parse_top_logprobs(reply: Reply, parsed: dict) -> list[float]:
     if not logprobs:
         return []
     rows = per_token_list(reply, "output_top_logprobs", "list of [logprob, token_id, text]")
+    top = firsts(rows)  # each position's most probable [logprob, token_id, text]
+    columns = None if top is None else transposed(top, 2)
+    values = None if columns is None else numbers(columns[0])
+    if values is not None:
+        own = np.asarray(logprobs, dtype=np.float64)
+        if np.all((own - _TOP_TOLERANCE <= values) & (values <= _TOP_TOLERANCE)):  # NaN fails
+            return values.tolist()
+    return _checked_top_logprobs(reply, rows, logprobs)
+
+
+def _checked_top_logprobs(reply: Reply, rows: list, logprobs: list[float]) -> list[float]:
+    """`_parse_top_logprobs` by a loop over the tokens, which names the first bad entry; for what the fast
+    checks refused."""
     top = []
     for i, (row, own) in enumerate(zip(rows, logprobs, strict=True)):
         first = row[0] if isinstance(row, list) and row else None
         value = first[0] if isinstance(first, (list, tuple)) and len(first) >= 2 else None
         if (
             not isinstance(value, (int, float))
-            or math.isnan(value)
+            or value != value  # NaN (math.isnan overflows on a JSON integer past a float)
             or not own - _TOP_TOLERANCE <= value <= _TOP_TOLERANCE
         ):
             raise MalformedResponseError(
@@ -128,30 +158,40 @@ def _parse_support(reply: Reply, parsed: dict):
     hint = " (an SGLang without return_sampling_mask support?)"
     masks = per_token_list(reply, "output_token_sampling_mask", "entry", hint)
     selected = per_token_list(reply, "output_token_sampling_logprobs", "entry", hint)
-    for i, (mask, value, token) in enumerate(zip(masks, selected, output_ids, strict=True)):
+    ids, values = support_ids(masks, output_ids), numbers(selected)
+    if ids is None or values is None or not finite_logprobs(values):
+        ids, values = _checked_support(reply, masks, selected)
+    del reply.meta["output_token_sampling_mask"]
+    full = parsed.get(LOGPROBS)
+    if parsed.get(TOP_LOGPROBS) is not None and full is not None:  # onto the truncated normaliser
+        parsed[TOP_LOGPROBS] = (
+            np.asarray(parsed[TOP_LOGPROBS], dtype=np.float64) + values - np.asarray(full, dtype=np.float64)
+        ).tolist()
+    if full is not None:
+        parsed[LOGPROBS] = values.tolist()
+    return Ragged.from_flat(*ids)
+
+
+def _checked_support(reply: Reply, masks: list, selected: list):
+    """`support_ids` and the truncated log-probs (float64 `[n]`) by a loop over the tokens, which names the
+    first bad entry (MalformedResponseError); for what the fast checks refused."""
+    for i, (mask, value, token) in enumerate(zip(masks, selected, reply.output_ids, strict=True)):
         if (
             not isinstance(mask, list)
             or token not in mask
-            or not all(isinstance(t, int) and t >= 0 for t in mask)
+            or not all(isinstance(t, int) and 0 <= t < ID_LIMIT for t in mask)
         ):
             raise MalformedResponseError(
                 f"{reply.where}: output_token_sampling_mask[{i}] = {clip(mask)} is not a list of token "
                 f"ids holding the sampled token {token}"
             )
-        if not isinstance(value, (int, float)) or not -math.inf < value <= 1e-4:
+        if not isinstance(value, (int, float)) or not -_FLOAT_MAX <= value <= 1e-4:
             raise MalformedResponseError(
                 f"{reply.where}: output_token_sampling_logprobs[{i}] = {clip(value)} is not finite and ≤ 0"
             )
-    del reply.meta["output_token_sampling_mask"]
-    truncated = [float(v) for v in selected]
-    full = parsed.get(LOGPROBS)
-    if parsed.get(TOP_LOGPROBS) is not None and full is not None:  # onto the truncated normaliser
-        parsed[TOP_LOGPROBS] = [
-            t + s - f for t, s, f in zip(parsed[TOP_LOGPROBS], truncated, full, strict=True)
-        ]
-    if full is not None:
-        parsed[LOGPROBS] = truncated
-    return Ragged.from_lists(masks)
+    sizes = np.fromiter(map(len, masks), dtype=np.int64, count=len(masks))
+    flat = np.fromiter(chain.from_iterable(masks), dtype=np.int32, count=int(sizes.sum()))
+    return (flat, sizes), np.array([float(v) for v in selected], dtype=np.float64)
 
 
 def _join_supports(first, then):
