@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megatron_tail.rollout.batch import RolloutBatch, concat_batches, select_samples
-from megatron_tail.rollout.columns import BUILTIN_COLUMNS, ColumnTable, Reply, TokenColumn, declared
+from megatron_tail.rollout.columns import BUILTIN_COLUMNS, VERSIONS, ColumnTable, Reply, TokenColumn, declared
 from megatron_tail.rollout.envs import EpisodeLimits, StepResult, Tokens, run_episode
 from megatron_tail.rollout.local_engine.engine import LocalEngine
 from megatron_tail.rollout.protocol import MalformedResponseError, SamplingConfig
@@ -192,3 +192,16 @@ def test_a_column_with_hooks_of_its_own_needs_no_code_elsewhere():
         and positions["counted"].shape == (8, 2)
         and positions["counted"][0].tolist() == [6.0, 8.0]
     )
+
+
+def test_token_versions_become_ints_per_sample_or_no_column():
+    """`token_versions` into a batch (each distinct version checked and converted once): ints where
+    every version is an integer, no column where an engine sent another (its "default")."""
+    to_batch = BUILTIN_COLUMNS[VERSIONS].to_batch
+    values = [["3", "3", "4"], [], ["-1"], ["12"] * 5]
+    got = to_batch(values)
+    assert got == [[int(v) for v in sample] for sample in values] == [[3, 3, 4], [], [-1], [12] * 5]
+    assert all(type(v) is int for sample in got for v in sample)
+    assert to_batch([["3"], ["default"]]) is None
+    assert to_batch([["3", None]]) is None  # a reply without a version
+    assert to_batch([]) == []

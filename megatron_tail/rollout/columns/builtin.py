@@ -250,10 +250,16 @@ def is_int_version(version: str | None) -> bool:
 
 
 def _int_versions(values: list) -> list[list[int]] | None:
-    """Per sample the versions as ints; None (no column) if any is not an integer (an engine's "default")."""
-    if not all(is_int_version(v) for sample in values for v in sample):
+    """Per sample the versions as ints; None (no column) if any is not an integer (an engine's "default").
+
+    A step holds a handful of distinct versions over millions of tokens: each is checked and converted
+    once (a set and a dict lookup per token, not a call to `is_int_version` and `int`: 2.4 s a step by
+    the host-time audit)."""
+    distinct = set(chain.from_iterable(values))
+    if not all(map(is_int_version, distinct)):
         return None
-    return [[int(v) for v in sample] for sample in values]
+    as_int = {v: int(v) for v in distinct}
+    return [list(map(as_int.__getitem__, sample)) for sample in values]
 
 
 # ---- routed_experts
