@@ -1,15 +1,15 @@
-"""Benchmark of rank 0's reply parser: the fast checks (`rollout.columns.fast_checks`) against the per-token
-loops they replace, on the same replies, in one run (CPU; no server).
+"""Benchmark of rank 0's per-token host work on an engine's reply, decoding and parsing, as it is now
+against as it was, on the same replies, in one run (CPU; no server).
 
     python -m megatron_tail.bench.reply_parse [--tokens 32768] [--supports 0 20 200 2000] [--repeats 3]
 
 Replies shaped as SGLang 0.5.23 sends them (`output_ids`; `meta_info.output_token_logprobs` as
 [logprob, id, null], `output_top_logprobs` top-1, and with a support of K ids per token
-`output_token_sampling_mask` and `output_token_sampling_logprobs`), made by `json.loads` of their JSON text,
-so the ints and floats are the separately allocated objects a real decode gives. Each arm parses every reply
-with `protocol.parse_generate_response`; `loops` is the same call with the fast checks made to refuse, so
-each parser runs its per-token loop (the code before them). Times: ns per response token, best of
-`--repeats` with the garbage collector off; the ratio is loops ÷ fast.
+`output_token_sampling_mask` and `output_token_sampling_logprobs`), as JSON bytes.
+- decode: `json.loads` (before) against `rollout.json_body.loads` (now: orjson where installed);
+- parse: `protocol.parse_generate_response` of the decoded replies with its fast checks (now) and with
+  them made to refuse, so each parser runs its per-token loop (before).
+Times: ns per response token, best of `--repeats` with the garbage collector off; ratios before ÷ now.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import random
 import sys
 import time
 
-from megatron_tail.rollout import protocol
+from megatron_tail.rollout import json_body, protocol
 from megatron_tail.rollout.columns import builtin
 from megatron_tail.rollout.protocol import SamplingConfig, parse_generate_response, sample_keys
 
@@ -90,6 +90,25 @@ def time_parse(bodies: list, config: SamplingConfig, repeats: int) -> tuple[floa
     return best, results
 
 
+DECODERS = {"json": json.loads, "now": json_body.loads}
+
+
+def time_decode(raws: list[bytes], decode, repeats: int) -> float:
+    """Best seconds over `repeats` to decode every reply."""
+    best = float("inf")
+    for _ in range(repeats):
+        gc.collect()
+        gc.disable()
+        try:
+            start = time.perf_counter()
+            for raw in raws:
+                decode(raw)
+            best = min(best, time.perf_counter() - start)
+        finally:
+            gc.enable()
+    return best
+
+
 def same_results(a: list, b: list) -> bool:
     """Whether two arms parsed to equal columns (supports compared id for id)."""
     for (x,), (y,) in zip(a, b, strict=True):
@@ -115,20 +134,26 @@ def main(argv: list[str] | None = None) -> int:
                         help="ids per token's sampling support (0: no truncated sampling)")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
-    print("| support K | tokens | loops ns/token | fast ns/token | loops ÷ fast | same columns |")
-    print("|---|---|---|---|---|---|")
+    decoder = "orjson" if json_body.orjson is not None else "json (orjson absent)"
+    print(f"now decodes with {decoder}")
+    print("| support K | tokens | decode before | decode now | parse before | parse now | total before | "
+          "total now | before ÷ now | same columns |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for support in args.supports:
         tokens = args.tokens if support < 200 else max(REPLY_TOKENS, args.tokens * 20 // support)
         bodies, config = make_replies(tokens, support)
+        raws = [json.dumps(body).encode() for body in bodies]
         n = len(bodies) * REPLY_TOKENS
+        decode = {name: time_decode(raws, fn, args.repeats) for name, fn in DECODERS.items()}
         fast, fast_out = time_parse(bodies, config, args.repeats)
         with loops_only():
             slow, slow_out = time_parse(bodies, config, args.repeats)
-        same = same_results(fast_out, slow_out)
+        same = same_results(fast_out, slow_out) and all(json_body.loads(r) == json.loads(r) for r in raws)
+        before, now = decode["json"] + slow, decode["now"] + fast
+        ns = [f"{1e9 * t / n:,.0f}" for t in (decode["json"], decode["now"], slow, fast, before, now)]
+        verdict = "yes" if same else "NO"
         print(
-            f"| {support or '—'} | {n:,} | {1e9 * slow / n:,.0f} | {1e9 * fast / n:,.0f} | "
-            f"{slow / fast:.2f}× | {'yes' if same else 'NO'} |",
-            flush=True,
+            f"| {support or '—'} | {n:,} | {' | '.join(ns)} | {before / now:.2f}× | {verdict} |", flush=True
         )
     return 0
 

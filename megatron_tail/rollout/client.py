@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from megatron_tail.rollout import json_body
 from megatron_tail.rollout.columns import BUILTIN_COLUMNS, ColumnTable
 from megatron_tail.rollout.occupancy import EngineOccupancy
 from megatron_tail.rollout.processor import DVPLogitProcessor
@@ -406,7 +407,7 @@ class RolloutClient:
             self.in_flight[url] -= 1
             self.occupancy.add(-sequences)
         try:
-            return json.loads(raw)
+            return json_body.loads(raw)
         except ValueError as e:
             raise MalformedResponseError(f"{url}/generate returned invalid JSON ({e}): {raw[:200]!r}") from e
 

@@ -2,9 +2,9 @@
 instead of a Python loop per token, or per id of a sampling support.
 
 Rank 0's rollout thread parses every reply of a step. `python -m megatron_tail.bench.reply_parse` times the
-parser with these checks against its per-token loops on the same JSON-decoded replies: 520 → 360 ns a token
-without a sampling support, 3.3 → 1.7 µs with 20 ids per token, 172 → 98–135 µs with 2,000 (this
-repository's 2-core CPU host; the table in docs/benchmarks.md). Each function here returns None (or False)
+parser with these checks against its per-token loops on the same decoded replies: about 540 → 470 ns a token
+without a sampling support, 3.1 → 1.9 µs with 20 ids per token, 175 → 98 µs with 2,000 (this repository's
+2-core CPU host; the table in docs/benchmarks.md). Each function here returns None (or False)
 when any entry is off: the parser then runs its loop, which names the first bad entry, or, where a check
 here is stricter than the loop (a JSON `true` as a token id), accepts the reply as the loop did.
 """
