@@ -256,6 +256,14 @@ def test_what_the_trainer_reads_is_checked_before_any_server_starts(tmp_path, ti
     assert reward.returncode == 1 and reward.srun_calls == [] and "data.reward" in reward.stdout, (
         reward.stdout
     )
+    # a dry run says the check's verdict too (before: it exited before the check, and said nothing of it)
+    dry = _run(tmp_path, *model, "--set", f"data.train_path={tmp_path / 'no.jsonl'}", dry=True, config=tiny)
+    assert dry.returncode == 0 and dry.srun_calls == [], dry.stdout + dry.stderr
+    assert "inputs: the trainer would refuse this run: mt_slurm.py check-inputs: " in dry.stdout, dry.stdout
+    assert "no.jsonl" in dry.stdout
+    readable = _run(tmp_path, *model, dry=True, config=tiny)
+    assert readable.returncode == 0 and readable.srun_calls == [], readable.stdout + readable.stderr
+    assert "inputs: the trainer reads them" in readable.stdout, readable.stdout
     started = _run(tmp_path, *model, dry=False, config=tiny)  # all of it readable: the servers start
     assert any("mt-servers" in c for c in started.srun_calls), started.stdout + started.stderr
 
