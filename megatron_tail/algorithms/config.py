@@ -9,10 +9,12 @@ from typing import Literal, get_args
 from megatron_tail.algorithms.options import (
     AGGREGATION_MODES,
     KL_ESTIMATORS,
+    STAPO_ENTROPIES,
     AggregationMode,
     IsLevel,
     IsMode,
     KlEstimator,
+    StapoEntropy,
     check_is_params,
     check_number,
 )
@@ -86,7 +88,17 @@ class AlgorithmConfig:
     stapo_tau_h: float | None = None
     """τ_h, absolute entropy threshold in nats (≥ 0); None = use `stapo_tau_h_quantile`."""
     stapo_tau_h_quantile: float = 0.05
-    """Quantile of the valid tokens' entropy used as τ_h when `stapo_tau_h` is None, in [0, 1]."""
+    """Quantile of the loss tokens' entropy used as τ_h when `stapo_tau_h` is None, in [0, 1]; taken over
+    each mini-batch (all its micro-batches and DP ranks)."""
+    stapo_entropy: StapoEntropy = "full_bound"
+    """The θ_old entropy STAPO compares with τ_h (and takes τ_h's quantile of). "full_bound" (default):
+    H_b(Z) + Z·H^mp, where H^mp is the op's entropy over the set it normalises over (DVP's V_S, or a
+    replayed sampling support, with the target) and Z that set's full-softmax mass: a lower bound of the
+    full softmax's entropy, the paper's H, and equal to H^mp where nothing is pruned (Z = 1). "pruned":
+    H^mp itself. Under DVP (`log_rho` = −13) or a replayed truncated support, H^mp is exactly 0 at every
+    position whose set holds one token; once more than `stapo_tau_h_quantile` of the tokens are such
+    (common in reasoning text), τ_h = 0 and STAPO masks nothing, silently. "pruned" keeps that behaviour
+    for ablations."""
 
     # --- truncated sampling (rollout.sampling.top_k / top_p / min_p) and θ_old: ablation switches
     sampling_support: SamplingSupport = "replay"
@@ -206,6 +218,7 @@ class AlgorithmConfig:
         if self.overlong_buffer < 0:
             _bad("overlong_buffer", self.overlong_buffer, "must be ≥ 0 (0 = off)")
         _check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        _check_choice("stapo_entropy", self.stapo_entropy, STAPO_ENTROPIES)
         _check_choice("safe_set_on", self.safe_set_on, SAFE_SET_ON)
         _check_choice("sampling_support", self.sampling_support, SAMPLING_SUPPORT_MODES)
         _check_choice("old_logprobs", self.old_logprobs, OLD_LOGPROBS_SOURCES)
@@ -273,6 +286,7 @@ _STR_FIELDS = (
     "is_mode",
     "is_level",
     "kl_estimator",
+    "stapo_entropy",
     "loss_aggregation",
     "sampling_support",
     "old_logprobs",

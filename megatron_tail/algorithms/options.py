@@ -15,6 +15,8 @@ IS_MODES: tuple[str, ...] = get_args(IsMode)
 IS_LEVELS: tuple[str, ...] = get_args(IsLevel)
 KlEstimator = Literal["k1", "k3"]
 KL_ESTIMATORS: tuple[str, ...] = get_args(KlEstimator)
+StapoEntropy = Literal["full_bound", "pruned"]
+STAPO_ENTROPIES: tuple[str, ...] = get_args(StapoEntropy)
 
 
 def check_number(

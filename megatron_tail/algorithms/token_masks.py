@@ -46,6 +46,24 @@ def stapo_entropy(entropy: torch.Tensor) -> torch.Tensor:
     return entropy.clamp(min=0)
 
 
+def full_entropy_bound(
+    entropy: torch.Tensor, logprobs: torch.Tensor, logprobs_full: torch.Tensor
+) -> torch.Tensor:
+    """A lower bound of the full softmax's entropy from the op's outputs (`AlgorithmConfig.stapo_entropy`):
+    H_b(Z) + Z·H, where H = `entropy` is over the set N the op normalised over (DVP's V_S or a sampling
+    support, with the target) and Z = p(N) = exp(`logprobs_full` − `logprobs`) that set's full-softmax
+    mass (π_N(t) = p(t)/Z). Since H(p) = H_b(Z) + Z·H(p|N) + (1 − Z)·H(p|rest), it is exact where nothing
+    was pruned (Z = 1) and short of H(p) by (1 − Z)·H(p|rest) elsewhere. All `[...]` float, same shape;
+    elementwise, in float64; returned in `entropy`'s dtype, no gradient."""
+    check_float("entropy", entropy)
+    check_same_shape("entropy", entropy, logprobs=logprobs, logprobs_full=logprobs_full)
+    h = entropy.detach().double().clamp(min=0)
+    log_z = (logprobs_full.detach().double() - logprobs.detach().double()).clamp(max=0)  # rounding: Z ≤ 1
+    z, rest = log_z.exp(), -torch.expm1(log_z)
+    binary = -z * log_z - torch.xlogy(rest, rest)  # H_b(Z); 0·log 0 = 0 where nothing was pruned
+    return (binary + z * h).to(entropy.dtype)
+
+
 def stapo_mask(
     advantages: torch.Tensor,
     probs: torch.Tensor,

@@ -182,7 +182,7 @@ def _global_tau_h_rank(rank, world_size, entropies):  # noqa: ARG001
     valid = torch.ones(entropies.shape, dtype=torch.bool)
     mb = SimpleNamespace(sample_valid=valid, fields={}, to_samples=lambda x: x)
     cfg = AlgorithmConfig(stapo=True, stapo_tau_h=None, stapo_tau_h_quantile=0.05, group_size=2)
-    return _global_stapo_tau_h(cfg, [mb], [SimpleNamespace(entropy=entropies)], None)
+    return _global_stapo_tau_h(cfg, [mb], [entropies], None)
 
 
 def test_the_global_stapo_quantile_is_a_valid_tau_h_where_rounding_made_entropies_negative():

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from megatron_tail.algorithms import AlgorithmConfig, LossCounts, masked_quantile, prepare_tokens, rl_loss
 from megatron_tail.algorithms.metrics import reduce_op_of
-from megatron_tail.algorithms.token_masks import stapo_entropy
+from megatron_tail.algorithms.token_masks import full_entropy_bound, stapo_entropy
 from megatron_tail.ops import MaskedLogprobs
 from megatron_tail.utils.device_copy import to_device
 
@@ -74,9 +74,10 @@ def prepare_rl_micro_batches(
             )
     old = [whole_outputs(mb, out, cp_group) for mb, out in zip(micro_batches, old, strict=True)]
     wholes = [mb.whole for mb in micro_batches]
-    tau_h = _global_stapo_tau_h(cfg, wholes, old, dp_group)
+    entropies = [stapo_old_entropy(cfg, out) for out in old]
+    tau_h = _global_stapo_tau_h(cfg, wholes, entropies, dp_group)
     counts = None
-    for shard, mb, out in zip(micro_batches, wholes, old, strict=True):
+    for shard, mb, out, entropy in zip(micro_batches, wholes, old, entropies, strict=True):
         s = mb.to_samples
         prepared = prepare_tokens(
             cfg,
@@ -84,7 +85,7 @@ def prepare_rl_micro_batches(
             rollout_logprobs=s(mb.fields["rollout_logprobs"]),
             advantages=s(mb.fields["advantages"]),
             valid=_trainable(mb),
-            old_entropy=None if out.entropy is None else s(out.entropy),
+            old_entropy=None if entropy is None else s(entropy),
             old_in_safe_set=s(out.in_safe_set),
             stapo_tau_h=tau_h,
         )
@@ -181,15 +182,24 @@ def _to(prepared, device):
     return move(prepared)
 
 
-def _global_stapo_tau_h(cfg, micro_batches, old, dp_group) -> float | None:
-    """STAPO's τ_h quantile over the whole batch (all micro-batches, all DP ranks), or None if not needed."""
+def stapo_old_entropy(cfg: AlgorithmConfig, out: MaskedLogprobs) -> torch.Tensor | None:
+    """The θ_old entropy STAPO compares with τ_h (`cfg.stapo_entropy`: the op's, or the bound of the full
+    softmax's, `full_entropy_bound`), of `out`'s shape; the op's where STAPO is off or it has none."""
+    if out.entropy is None or not cfg.stapo or cfg.stapo_entropy == "pruned":
+        return out.entropy
+    return full_entropy_bound(out.entropy, out.logprobs, out.logprobs_full)
+
+
+def _global_stapo_tau_h(cfg, micro_batches, entropies, dp_group) -> float | None:
+    """STAPO's τ_h quantile over `micro_batches` (a mini-batch) on every DP rank, of their loss tokens'
+    `entropies` (`stapo_old_entropy`, one per micro-batch), or None if not needed."""
     if not cfg.stapo or cfg.stapo_tau_h is not None:
         return None
-    if any(o.entropy is None for o in old):
+    if any(e is None for e in entropies):
         raise ValueError("STAPO needs θ_old entropies: recompute with OpSettings(compute_entropy=True)")
     # over the tokens that are in the loss (`_trainable`: minus untrainable samples), as `compute_loss` does
     local = torch.cat(
-        [mb.to_samples(o.entropy)[_trainable(mb)].cpu() for mb, o in zip(micro_batches, old, strict=True)]
+        [mb.to_samples(e)[_trainable(mb)].cpu() for mb, e in zip(micro_batches, entropies, strict=True)]
     )
     values = stapo_entropy(torch.cat(gather_objects(local, dp_group)))
     if values.numel() == 0:  # no trainable token on any rank (every response cut, `mask_truncated`)
