@@ -108,6 +108,29 @@ def test_a_key_an_older_config_lacks_compares_with_its_default_and_a_removed_key
     assert [c.key for c in config_changes(saved, _now("algorithm.lopti=true"))] == ["algorithm.lopti"]
 
 
+@pytest.mark.parametrize(
+    ("saved", "refused"),
+    [
+        (["algorithm.stapo=true"], True),  # DVP at its default log ρ: the older run compared H^mp
+        (["algorithm.stapo=true", "algorithm.log_rho=null", "rollout.sampling.top_k=20"], True),
+        (["algorithm.stapo=true", "algorithm.log_rho=null"], False),  # nothing pruned: the same entropy
+        (["algorithm.stapo=false"], False),  # STAPO off: the key changes nothing
+    ],
+)
+def test_a_stapo_run_from_before_stapo_entropy_resumes_only_as_it_trained(saved, refused):
+    """A checkpoint's config from before `algorithm.stapo_entropy` (default full_bound) ran STAPO on the
+    op's pruned entropy: where that differs (DVP or truncated sampling on), a resume with the new default
+    would change what is trained, so it is refused unless the config says `pruned`."""
+    old = _saved(*saved)
+    del old["algorithm"]["stapo_entropy"]
+    changes = [c for c in config_changes(old, _now(*saved)) if c.key == "algorithm.stapo_entropy"]
+    assert [(c.old, c.new, c.kind) for c in changes] == (
+        [("pruned", "full_bound", "trained")] if refused else []
+    )
+    if refused:  # the config that says how the older run trained resumes it
+        assert config_changes(old, _now(*saved, "algorithm.stapo_entropy=pruned")) == []
+
+
 @pytest.mark.parametrize(("bf16", "precision"), [(False, "fp32"), (True, "bf16")])
 def test_a_checkpoint_of_the_earlier_bf16_key_compares_as_the_precision_it_trained_in(bf16, precision):
     """`model.bf16` moved to `model.precision` (`config.loader.MOVED_KEYS`). A checkpoint that set it and left

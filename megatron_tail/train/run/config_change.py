@@ -15,7 +15,8 @@ Each changed key is one of three kinds:
   `train.allow_config_change` is true; then accepted, and each key is logged with both values.
 
 A key the checkpoint's config lacks (saved by an older megatron_tail) compares with its default, the value
-an older run used; a key only the checkpoint's config has (since removed) is ignored, unless it moved
+an older run used, or where a key came with a new behaviour as its default, with the older behaviour's value
+(`_older_behaviour`); a key only the checkpoint's config has (since removed) is ignored, unless it moved
 (`config.loader.MOVED_KEYS`): then its value compares under its new name (`_renamed`).
 """
 
@@ -174,7 +175,9 @@ def config_changes(saved: Mapping[str, Any], cfg: RunConfig) -> list[ConfigChang
     """The keys (in schema order) where `cfg` differs from `saved`, a checkpoint's config as nested plain
     dicts (`yaml.safe_load` of its config.yaml)."""
     new = _effective(_flat(yaml.safe_load(config_text(cfg))))
-    old = _effective({**_flat(yaml.safe_load(config_text(RunConfig()))), **_renamed(_flat(saved))})
+    saved_flat = _renamed(_flat(saved))
+    defaults = {**_flat(yaml.safe_load(config_text(RunConfig()))), **_older_behaviour(saved_flat)}
+    old = _effective({**defaults, **saved_flat})
     return [ConfigChange(key, old[key], value, _kind(key)) for key, value in new.items() if old[key] != value]
 
 
@@ -257,6 +260,23 @@ def _renamed(flat: dict[str, Any]) -> dict[str, Any]:
     if bf16 is not None and flat.get("model.precision") is None:
         flat["model.precision"] = "bf16" if bf16 else "fp32"
     return flat
+
+
+def _older_behaviour(saved: Mapping[str, Any]) -> dict[str, Any]:
+    """The values that keys added with a new behaviour as their default take for a checkpoint whose config
+    lacks them, where that run's behaviour differs from the new default's: what the older release did.
+
+    `algorithm.stapo_entropy` (0a53b4a): STAPO compared the op's pruned entropy, which differs from the
+    default "full_bound" only where something is pruned (DVP's `log_rho`, or a truncating sampler)."""
+    out: dict[str, Any] = {}
+    sampling = [saved.get(f"rollout.sampling.{k}") for k in ("top_k", "top_p", "min_p")]
+    truncating = (
+        sampling[0] not in (None, -1) or sampling[1] not in (None, 1.0) or sampling[2] not in (None, 0.0)
+    )
+    pruned = saved.get("algorithm.log_rho", -13.0) is not None or truncating
+    if saved.get("algorithm.stapo") and pruned:
+        out["algorithm.stapo_entropy"] = "pruned"
+    return out
 
 
 def _kind(key: str) -> Kind:
