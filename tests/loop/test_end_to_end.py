@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -176,7 +177,7 @@ def test_tail_delta_histograms_are_logged_and_count_the_tail(cli_run):
             assert s[f"mismatch/tail_delta_mode{x}"][e.step] == pytest.approx(centre)
 
 
-def test_offline_eval_of_the_checkpoint_equals_the_exported_models(cli_run, tmp_path):
+def test_offline_eval_of_the_checkpoint_equals_the_exported_models(cli_run, prompt_file, tmp_path):
     """`megatron-tail eval` on the last checkpoint (TP = 2, loaded in one process and exported) and on the
     weights the loop last synced (the same step): bit-identical weights, so identical evaluations."""
     import json
@@ -194,9 +195,8 @@ def test_offline_eval_of_the_checkpoint_equals_the_exported_models(cli_run, tmp_
         cmd = [sys.executable, "-m", "megatron_tail.cli", "eval", config, flag, str(path)]
         # the engine in the evaluating process: the evaluations are compared here, not the engine's process
         cmd += ["--set", "rollout.local.in_process=true"]
-        out = (
-            path / "hf" if flag == "--checkpoint" else tmp_path / "hf_eval"
-        )  # --out: elsewhere than the model
+        # the checkpoint's results beside its export, per eval set; --out: elsewhere than the model
+        out = path / "eval" / Path(prompt_file).stem if flag == "--checkpoint" else tmp_path / "hf_eval"
         if flag == "--hf":
             cmd += ["--out", str(out)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)

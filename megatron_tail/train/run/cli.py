@@ -74,8 +74,9 @@ EVAL_DESCRIPTION = """`megatron-tail eval CONFIG.yaml (--checkpoint DIR | --hf D
 training checkpoint or an exported HF model on `data.eval_path` exactly as the loop does:
 `train.eval_samples_per_prompt` samples per prompt at the rollout temperature (pass@k, mean@n) plus greedy
 decoding, with the config's reward, engines and DVP rule. A checkpoint is loaded in this one process
-(TP = PP = 1) and exported to `<checkpoint>/hf` first. Prints the scalars and writes them to
-`<model dir>/eval.json` (or `--out DIR`).
+(TP = PP = 1) and exported to `<checkpoint>/hf` first (once: later evaluations reuse that export). Prints the
+scalars and writes them to `<checkpoint or model dir>/eval/<eval set's file stem>/eval.json` (or
+`--out DIR`), one directory per eval set, beside the engine's logs.
 """
 
 
@@ -90,7 +91,11 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--checkpoint", help="a checkpoint directory (<run_dir>/checkpoints/step_NNNNNN)")
     which.add_argument("--hf", help="a HF model directory (e.g. <run_dir>/rollout_weights)")
-    parser.add_argument("--out", help="where eval.json and the engine log go (default: the model directory)")
+    parser.add_argument(
+        "--out",
+        help="where eval.json and the engine log go "
+        "(default: <checkpoint or model dir>/eval/<stem of data.eval_path>)",
+    )
     parser.set_defaults(func=eval_command)
     return parser
 

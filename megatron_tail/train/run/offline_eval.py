@@ -6,12 +6,23 @@ evaluates (`RolloutService.evaluate`: pass@k, mean@n, greedy accuracy, same seed
 
 A checkpoint is loaded into a one-process trainer (TP = PP = 1: checkpoints reshard) and exported as a HF
 checkpoint beside it (`<checkpoint>/hf`), which the engines then serve: the local engine loads it at start,
-remote servers (`rollout.engine: remote`) load it from disk as weight version "eval".
+remote servers (`rollout.engine: remote`) load it from disk as weight version "eval". A checkpoint never
+changes, so its export is made once and reused by later evaluations (delete `<checkpoint>/hf` to export
+again), under a lock: evaluations of one checkpoint started together export it once, and none replaces
+an export another one's engine is loading.
+
+The results go to `<checkpoint or model dir>/eval/<eval set's file stem>/` (`eval.json`, the engine's
+`logs/`), or `--out`: one directory per eval set, outside the export, so evaluating on another set, or a
+failed evaluation, loses none.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import json
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -29,11 +40,14 @@ def evaluate_offline(
     out_dir: str | Path | None = None,
 ) -> dict[str, float]:
     """Exactly one of `hf_dir` / `checkpoint`; `cfg.data.eval_path` must be set. Returns the `eval/*`
-    scalars and writes them to `<out_dir>/eval.json` (default: the model directory), the local engine's
-    log to `<out_dir>/logs/` (so a read-only model directory needs `out_dir`)."""
+    scalars and writes them to `<out_dir>/eval.json`, the local engine's log to `<out_dir>/logs/` (default
+    `results_dir`: under the model or checkpoint directory, so a read-only one needs `out_dir`)."""
+    from ..engine.checkpoint import check_checkpoint
     from .session import load_eval_examples, load_tokenizer
 
     check_inputs(cfg, hf_dir=hf_dir, checkpoint=checkpoint, out_dir=out_dir)
+    if checkpoint is not None:  # its files, before anything reads them (the log ρ of `auto`)
+        check_checkpoint(Path(checkpoint))
     if cfg.algorithm.adaptive_rho:
         cfg = with_checkpoint_log_rho(cfg, Path(checkpoint))
     # the prompts before a checkpoint's export (minutes for a large model): a bad row is said first; the
@@ -41,7 +55,7 @@ def evaluate_offline(
     tokenizer = load_tokenizer(str(hf_dir if hf_dir is not None else cfg.model.hf_path))
     examples = load_eval_examples(cfg.data, tokenizer)
     model_dir = Path(hf_dir) if hf_dir is not None else export_checkpoint(cfg, Path(checkpoint))
-    out = Path(out_dir) if out_dir is not None else model_dir
+    out = results_dir(cfg, hf_dir=hf_dir, checkpoint=checkpoint, out_dir=out_dir)
     out.mkdir(parents=True, exist_ok=True)
     # the engines load the HF directory itself: from disk, whatever the run's `rollout.weight_sync.mode`
     served = replace(
@@ -52,6 +66,20 @@ def evaluate_offline(
     scalars = _evaluate(served, model_dir, out, tokenizer, examples)
     (out / "eval.json").write_text(json.dumps(scalars, indent=2, sort_keys=True))
     return scalars
+
+
+def results_dir(
+    cfg: RunConfig,
+    *,
+    hf_dir: str | Path | None = None,
+    checkpoint: str | Path | None = None,
+    out_dir: str | Path | None = None,
+) -> Path:
+    """Where an evaluation writes `eval.json` and the engine's logs: `out_dir`, else
+    `<checkpoint or hf_dir>/eval/<stem of data.eval_path>`."""
+    if out_dir is not None:
+        return Path(out_dir)
+    return Path(checkpoint if checkpoint is not None else hf_dir) / "eval" / Path(cfg.data.eval_path).stem
 
 
 def check_inputs(
@@ -133,19 +161,57 @@ def with_checkpoint_log_rho(cfg: RunConfig, checkpoint: Path) -> RunConfig:
     return with_log_rho(cfg, float(log_rho))
 
 
-def export_checkpoint(cfg: RunConfig, checkpoint: Path) -> Path:
-    """Load `checkpoint` into a TP = PP = 1 trainer on this process and export it to `<checkpoint>/hf`."""
+def export_checkpoint(cfg: RunConfig, checkpoint: Path, note=print) -> Path:
+    """`<checkpoint>/hf`: `checkpoint` loaded into a TP = PP = 1 trainer on this process and exported there,
+    or the export an earlier evaluation made (module docstring), under `<checkpoint>/.hf.lock`."""
+    out = checkpoint / "hf"
+    with export_lock(checkpoint, note):
+        if (out / "config.json").is_file():  # `export_hf` renames a finished directory into place
+            note(
+                f"eval: reusing {out}, this checkpoint's export by an earlier evaluation "
+                "(delete it to export again)"
+            )
+            return out
+        _export(cfg, checkpoint, out)
+    return out
+
+
+@contextlib.contextmanager
+def export_lock(checkpoint: Path, note=print):
+    """Hold a POSIX record lock on `<checkpoint>/.hf.lock` (`run_dir_lock`'s kind: NFS and Lustre lock it
+    across nodes; the kernel drops it when its holder dies). A wait for another holder is said first."""
+    path = checkpoint / EXPORT_LOCK
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EACCES, errno.EAGAIN):
+                raise
+            note(
+                f"eval: waiting for another evaluation of {checkpoint} to finish its export "
+                f"({path} is locked)"
+            )
+            fcntl.lockf(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing drops the lock
+
+
+EXPORT_LOCK = ".hf.lock"
+
+
+def _export(cfg: RunConfig, checkpoint: Path, out: Path) -> None:
     import torch.distributed as dist
 
     from megatron_tail.config.parallel import ParallelSection
     from megatron_tail.model import export_hf, load_hf_config
 
-    from ..engine.checkpoint import check_checkpoint, load_checkpoint
+    from ..engine.checkpoint import load_checkpoint
     from ..engine.parallel import init_parallel
     from ..engine.setup import build_trainer
     from .loop import init_torch_distributed
 
-    check_checkpoint(checkpoint)
     if init_torch_distributed() != 1:
         raise UserError(f"offline evaluation runs in one process; the world has {dist.get_world_size()}")
     init_parallel(ParallelSection(tensor_parallel=1, pipeline_parallel=1), seed=cfg.seed)
@@ -156,9 +222,7 @@ def export_checkpoint(cfg: RunConfig, checkpoint: Path) -> Path:
         run_steps=cfg.train.steps,
     )
     load_checkpoint(checkpoint, trainer, load_optimizer=False, load_rng=False)  # weights only: no Adam state
-    out = checkpoint / "hf"
     export_hf(trainer.chunks, out, trainer.arch, copy_files_from=cfg.model.hf_path)
-    return out
 
 
 def _evaluate(cfg: RunConfig, model_dir: Path, out: Path, tokenizer, examples) -> dict[str, float]:
