@@ -16,6 +16,7 @@ from megatron_tail.report.labels import run_labels
 from megatron_tail.report.plotting import FigureResult
 from megatron_tail.train.run.run_dir import tensorboard_dir
 from megatron_tail.utils.errors import UserError
+from megatron_tail.utils.paths import unwritable_reason
 
 REPORT_NAME = "report.md"
 COLOUR_NAMES = ("blue", "orange", "green", "red", "purple", "brown", "pink", "grey", "olive", "cyan")
@@ -86,6 +87,15 @@ def write_report(
             f"output directory {str(out)!r} is a file; expected a directory (--out) for the figures and "
             f"{REPORT_NAME}"
         )
+    if out_dir is None and len(run_dirs) > 1 and out.parent == Path(out.anchor):
+        raise UserError(
+            f"the runs share no directory but {out.anchor} ({', '.join(map(str, run_dirs))}): the report's "
+            f"default place would be {out}; pass --out DIR"
+        )
+    reason = unwritable_reason(out)
+    if reason is not None:
+        flag = "--out" if out_dir is not None else "the default output directory (--out to choose one)"
+        raise UserError(f"{flag} {out}: the report writes its figures and {REPORT_NAME} there: {reason}")
     out.mkdir(parents=True, exist_ok=True)
     results = [figure(runs, list(labels), out) for figure in FIGURES]
     path = out / REPORT_NAME
@@ -135,17 +145,21 @@ def render_markdown(runs: Sequence[RunEvents], labels: Sequence[str], results: S
 
 
 def summary_table(runs: Sequence[RunEvents], labels: Sequence[str]) -> list[str]:
-    """Markdown lines: per `SUMMARY_TAGS` tag and run, the last value, the mean and the max over steps."""
+    """Markdown lines: per `SUMMARY_TAGS` tag and run, the last value, the mean and the max over the steps
+    whose value is finite, and how many were not ("—": not logged; one NaN step no longer hides the rest)."""
     present = [t for t in SUMMARY_TAGS if any(t in r.scalars for r in runs)]
     lines = ["| scalar | run | last | mean | max |", "|---|---|---:|---:|---:|"]
     for tag in present:
         for k, (run, label) in enumerate(zip(runs, labels, strict=True)):
             values = run.scalars[tag][1] if tag in run.scalars else np.array([])
-            last, mean, high = (
-                (values[-1], np.mean(values), np.max(values)) if values.size else (math.nan,) * 3
-            )
+            finite = values[np.isfinite(values)]
+            last = _fmt(values[-1]) if values.size else "—"
+            mean, high = (_fmt(np.mean(finite)), _fmt(np.max(finite))) if finite.size else ("—", "—")
+            if finite.size < values.size:
+                note = f" ({values.size - finite.size} of {values.size} steps NaN or ±inf)"
+                mean, high = mean + note, high + note
             name = f"`{tag}`" if k == 0 else ""
-            lines.append(f"| {name} | {_cell(label)} | {_fmt(last)} | {_fmt(mean)} | {_fmt(high)} |")
+            lines.append(f"| {name} | {_cell(label)} | {last} | {mean} | {high} |")
     absent = [t for t in SUMMARY_TAGS if t not in present]
     if absent:
         lines += ["", "Not logged by any run: " + _tags(absent) + "."]
@@ -170,7 +184,7 @@ def _cell(text: str) -> str:
 def _fmt(x: float) -> str:
     x = float(x)
     if not math.isfinite(x):
-        return "—" if math.isnan(x) else str(x)
+        return "NaN" if math.isnan(x) else str(x)
     if 0.999 < x < 1:
         return f"{x:.7f}"  # safe masses: the distance from 1 is the point
     return f"{x:.4g}" if abs(x) >= 1e-3 or x == 0 else f"{x:.3e}"

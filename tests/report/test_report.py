@@ -5,8 +5,10 @@ drawn from histograms written here, so its code path runs whatever the trainer l
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -336,3 +338,53 @@ def test_a_resumed_runs_events_are_read_as_the_resume_wrote_them(tmp_path):
         "resumed run's values"
     )
     assert "out of order" not in proc.stdout + proc.stderr
+
+
+def test_an_output_directory_that_cannot_be_written_is_one_line(tmp_path, capsys):
+    """Before: a PermissionError or NotADirectoryError traceback (exit 1) from `mkdir`, and runs that share
+    no directory but / got /report as their default output."""
+    import shutil
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    from megatron_tail.cli import main
+
+    run_dir, a_file = tmp_path / "run", tmp_path / "mk.py"
+    writer = SummaryWriter(str(run_dir / "tensorboard"))
+    writer.add_scalar("reward/mean", 0.5, 1)
+    writer.close()
+    a_file.write_text("x")
+    assert main(["report", str(run_dir), "--out", str(a_file / "sub")]) == EXIT_USER_ERROR
+    assert capsys.readouterr().err == (
+        f"megatron-tail report: error: --out {a_file / 'sub'}: the report writes its figures and report.md "
+        f"there: {a_file} is not a directory\n"
+    )
+    elsewhere = Path("/dev/shm") / f"mt_report_{tmp_path.name}"  # another tree than tmp_path's
+    if not Path("/dev/shm").is_dir() or Path(os.path.commonpath([tmp_path, "/dev/shm"])) != Path("/"):
+        pytest.skip("needs /dev/shm, sharing no directory but / with the temporary directory")
+    shutil.copytree(run_dir, elsewhere)
+    try:
+        assert main(["report", str(run_dir), str(elsewhere)]) == EXIT_USER_ERROR
+        assert capsys.readouterr().err == (
+            f"megatron-tail report: error: the runs share no directory but / ({run_dir}, {elsewhere}): the "
+            "report's default place would be /report; pass --out DIR\n"
+        )
+        assert not Path("/report").exists()
+    finally:
+        shutil.rmtree(elsewhere)
+
+
+def test_a_non_finite_step_leaves_the_summary_of_the_others(tmp_path):
+    """Before: one NaN step made a run's mean and max NaN, printed as "—", the mark of a tag not logged."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    run_dir = tmp_path / "run"
+    writer = SummaryWriter(str(run_dir / "tensorboard"))
+    for step, value in enumerate([0.25, float("nan"), 0.75, 0.5], start=1):
+        writer.add_scalar("reward/mean", value, step)
+    writer.close()
+    text = write_report([run_dir], out_dir=tmp_path / "out").read_text()
+    assert (
+        "| `reward/mean` | run | 0.5 | 0.5 (1 of 4 steps NaN or ±inf) | 0.75 (1 of 4 steps NaN or ±inf) |"
+        in text
+    )
