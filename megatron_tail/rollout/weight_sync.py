@@ -54,6 +54,7 @@ The disk path sends `load_format: "auto"`: the request's default is the server's
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import threading
 import uuid
@@ -308,7 +309,9 @@ class DiskWeightSync:
         # load_format "auto": our exports are HF safetensors; an FP8 server started with flash_rl must load
         # them with the default loader, which re-quantizes (module docstring)
         body = {
-            "model_path": str(model_path),
+            # absolute: a server resolves a relative path against its own working directory (another node's,
+            # another job's); not `resolve()`d, since a symlink's target may differ between nodes
+            "model_path": os.path.abspath(model_path),
             "weight_version": version,
             "flush_cache": self.servers.flush_cache,
             "load_format": "auto",

@@ -422,6 +422,21 @@ def test_disk_updates_ask_for_the_default_loader():
     }
 
 
+def test_a_relative_model_path_reaches_the_servers_absolute(tmp_path, monkeypatch):
+    """A server resolves the path against its own working directory (another node's): a relative
+    `run_dir` or `--hf` went as written, so the server loaded another directory or none."""
+    monkeypatch.chdir(tmp_path)
+
+    async def scenario():
+        calls: list[tuple[str, dict]] = []
+        async with serving_app(_recording_app(calls, version="1")) as url:
+            await DiskWeightSync([url]).update("runs/r/rollout_weights")
+        return calls
+
+    (body,) = [body for path, body in asyncio.run(scenario()) if path == "/update_weights_from_disk"]
+    assert body["model_path"] == str(tmp_path / "runs" / "r" / "rollout_weights")
+
+
 def test_the_local_engine_refuses_a_distributed_update_outside_a_session(tiny_model_dir):
     """As SGLang 0.5.23's scheduler: no `/begin_weight_update`, no `/update_weights_from_distributed`; a
     second begin and an end without begin are refused too."""
