@@ -3,7 +3,7 @@
 A run COLLAPSED when
 - the mean reward of its last `WINDOW` steps is at most `FRACTION` of its best `WINDOW`-step window
   (the best mean of any `WINDOW` consecutive steps), or
-- its loss was ever non-finite.
+- its loss (or its logged mean reward) was ever non-finite.
 
 `collapse_verdict` is the one implementation: the collapse experiment's tables, the report's early-warning
 figure and the tests all call it.
@@ -44,8 +44,8 @@ WARNING_TAGS: tuple[tuple[str, str], ...] = (
 class CollapseVerdict:
     collapsed: bool
     reason: str
-    """"reward" (last window ≤ FRACTION × best window), "non-finite loss", "" (not collapsed), or
-    "too short" (fewer than WINDOW reward steps: no verdict, not collapsed)."""
+    """"reward" (last window ≤ FRACTION × best window), "non-finite loss", "non-finite reward", "" (not
+    collapsed), or "too short" (fewer than WINDOW reward steps: no verdict, not collapsed)."""
     best_window_mean: float
     last_window_mean: float
     fall_step: int | None
@@ -67,17 +67,21 @@ def collapse_verdict(
     """The collapse definition (module docstring) on a run's per-step `rewards` (at `steps`, ascending) and
     `losses`."""
     means = window_means(rewards)
-    nonfinite = any(not math.isfinite(x) for x in losses) or any(not math.isfinite(x) for x in rewards)
+    nonfinite = (
+        "non-finite loss"
+        if any(not math.isfinite(x) for x in losses)
+        else "non-finite reward"
+        if any(not math.isfinite(x) for x in rewards)
+        else ""
+    )
     if means.size == 0:
-        return CollapseVerdict(
-            nonfinite, "non-finite loss" if nonfinite else "too short", math.nan, math.nan, None
-        )
+        return CollapseVerdict(bool(nonfinite), nonfinite or "too short", math.nan, math.nan, None)
     finite = np.where(np.isfinite(means), means, -np.inf)
     best_index = int(np.argmax(finite))
     best, last = float(finite[best_index]), float(means[-1])
     fall_step = int(steps[best_index + WINDOW - 1])
     if nonfinite:
-        return CollapseVerdict(True, "non-finite loss", best, last, fall_step)
+        return CollapseVerdict(True, nonfinite, best, last, fall_step)
     if last <= FRACTION * best:
         return CollapseVerdict(True, "reward", best, last, fall_step)
     return CollapseVerdict(False, "", best, last, None)

@@ -30,6 +30,9 @@ def test_verdict_is_half_of_the_best_window_or_a_nonfinite_loss():
     assert not collapse_verdict(steps, [*fall[:-1], 0.41]).collapsed
     nan_loss = collapse_verdict(steps, rising, [0.1] * 39 + [math.nan])
     assert nan_loss.collapsed and nan_loss.reason == "non-finite loss"
+    nan_reward = collapse_verdict(steps, [*rising[:-1], math.nan])  # before: named "non-finite loss"
+    assert nan_reward.collapsed and nan_reward.reason == "non-finite reward"
+    assert collapse_verdict([1, 2], [0.5, math.nan]).reason == "non-finite reward"
     short = collapse_verdict([1, 2], [0.5, 0.1])
     assert not short.collapsed and short.reason == "too short"
 
