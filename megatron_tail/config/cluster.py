@@ -187,6 +187,9 @@ class ClusterSection:
     (0 without GPUs; the plan assumes 8)."""
     gpu_memory_gib: float = 80.0
     """Memory of one GPU, GiB, for the plan (an H100 "80GB" has 80, an H200 141)."""
+    host_memory_gib: float = 1024.0
+    """Host memory of a trainer node, GiB, for the plan's warnings (a DGX H100 has 2,048): what a save
+    gathers there, the step's supports and routes."""
     rollout_nodes: int = 1
     """The first this many nodes of the job run the rollout servers; the others train."""
     rollout_backend: RolloutBackend = "sglang"
@@ -226,7 +229,7 @@ class ClusterSection:
             )
         if self.gpus_per_node:
             self._check_gpus(self.gpus_per_node)
-        for name in ("gpu_memory_gib", "health_timeout_s"):
+        for name in ("gpu_memory_gib", "host_memory_gib", "health_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 _bad("cluster", name, value, "must be a finite number > 0")

@@ -20,6 +20,7 @@ _CLUSTER_FLAGS = (
     "nodes",
     "gpus_per_node",
     "gpu_memory_gib",
+    "host_memory_gib",
     "rollout_nodes",
     "rollout_tp",
     "rollout_ep",
@@ -41,6 +42,9 @@ def add_plan_parser(subparsers) -> None:
         "--gpus-per-node", type=int, default=None, help=f"[cluster.gpus_per_node, else {PLAN_GPUS_PER_NODE}]"
     )
     p.add_argument("--gpu-memory-gib", type=float, default=None, help="per GPU [cluster.gpu_memory_gib]")
+    p.add_argument(
+        "--host-memory-gib", type=float, default=None, help="per trainer node [cluster.host_memory_gib]"
+    )
     p.add_argument("--rollout-nodes", type=int, default=None, help="[cluster.rollout_nodes]")
     p.add_argument("--rollout-tp", type=int, default=None, help="GPUs per SGLang server [cluster.sglang.tp]")
     p.add_argument("--rollout-ep", type=int, default=None, help="SGLang --ep-size (MoE) [cluster.sglang.ep]")
@@ -74,6 +78,7 @@ def cluster_from_args(args: argparse.Namespace, section=None):
         "nodes": section.nodes or PLAN_NODES,
         "gpus_per_node": PLAN_GPUS_PER_NODE if section.gpus_per_node is None else section.gpus_per_node,
         "gpu_memory_gib": section.gpu_memory_gib,
+        "host_memory_gib": section.host_memory_gib,
         "rollout_nodes": section.rollout_nodes,
         "rollout_tp": section.sglang.tp,
         "rollout_ep": section.sglang.ep,

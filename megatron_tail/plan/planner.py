@@ -15,10 +15,11 @@ from megatron_tail.model.moe_arch import check_routing_replay
 from .rollout import ENGINE_DTYPE_BYTES, KV_DTYPE_BYTES, RolloutLayout, RolloutMemory, rollout_memory
 from .shapes import ModelShape
 from .trainer import (
+    CheckpointWrites,
     StageMemory,
     TrainerLayout,
     activation_per_token_per_layer,
-    checkpoint_bytes_per_rank,
+    checkpoint_writes,
     routes_host_bytes,
     support_host_bytes,
     trainer_peak,
@@ -63,7 +64,8 @@ class Cluster:
     """Per trainer GPU: CUDA context (~0.5-1 GiB), NCCL communicators and buffers (~1-2 GiB),
     allocator fragmentation (an assumption, not a measurement)."""
     host_memory_gib: float = 1024.0
-    """Assumed host memory of a trainer node (a DGX H100 has 2 TiB; the plan only warns against it)."""
+    """`cluster.host_memory_gib`: host memory of a trainer node (a DGX H100 has 2 TiB; the plan only warns
+    against it)."""
     fs_write_gbps: float = 2.0
     """Assumed filesystem write bandwidth per node, GB/s (for the checkpoint's save time)."""
 
@@ -133,8 +135,9 @@ class Plan:
     per_token_per_layer: dict[str, int]
     rollout_layout: RolloutLayout
     rollout: RolloutMemory
-    checkpoint_bytes_per_rank: int
+    checkpoint: CheckpointWrites
     checkpoint_seconds: float
+    """The busiest trainer node's writes at `cluster.fs_write_gbps`."""
     problems: list[str] = field(default_factory=list)
     """Why it does not fit (empty: it fits)."""
     warnings: list[str] = field(default_factory=list)
@@ -273,14 +276,16 @@ def make_plan(config: RunConfig, cluster: Cluster) -> Plan:
         group_size=1 if config.rollout.env.name is not None else config.algorithm.group_size,
     )
     rollout = rollout_memory(shape, rollout_layout)
-    ckpt = checkpoint_bytes_per_rank(shape, layout)
-    ckpt_seconds = ckpt * cluster.gpus_per_node / (cluster.fs_write_gbps * 1e9)
+    ckpt = checkpoint_writes(shape, layout, cluster.trainer_procs_per_node or cluster.gpus_per_node)
+    ckpt_seconds = ckpt.node_bytes / (cluster.fs_write_gbps * 1e9)  # the busiest node's writes
     problems, warnings = _verdict(peak, layout, rollout, rollout_layout)
     warnings += _context_parallel_warnings(shape, layout, peak)
     host_supports = support_host_bytes(layout.support_width, samples, config.rollout.max_response_tokens)
     warnings += _support_host_warnings(host_supports, layout.support_width, cluster)
     host_routes = routes_host_bytes(shape, layout, samples, longest)
     warnings += _routes_host_warnings(host_routes, rollout, cluster)
+    procs = cluster.trainer_procs_per_node or cluster.gpus_per_node
+    warnings += _checkpoint_host_warnings(ckpt, (host_supports + host_routes) * procs, cluster)
     return Plan(
         shape=shape,
         cluster=cluster,
@@ -289,7 +294,7 @@ def make_plan(config: RunConfig, cluster: Cluster) -> Plan:
         per_token_per_layer=activation_per_token_per_layer(shape, layout),
         rollout_layout=rollout_layout,
         rollout=rollout,
-        checkpoint_bytes_per_rank=ckpt,
+        checkpoint=ckpt,
         checkpoint_seconds=ckpt_seconds,
         problems=problems,
         warnings=warnings,
@@ -365,6 +370,21 @@ def _support_dense_width(config: RunConfig) -> int:
     if not s.truncates:
         return 0
     return s.top_k if config.rollout.deterministic else s.mask_max_tokens
+
+
+def _checkpoint_host_warnings(ckpt: CheckpointWrites, step_bytes: int, cluster: Cluster) -> list[str]:
+    """Warn where a save's gather of optimizer state, with the step's supports and routes that the node's
+    ranks hold meanwhile (`step_bytes`), could need over half of a trainer node's host memory (the gather
+    lasts the save; the ranks' own processes need the rest)."""
+    need = ckpt.node_host_bytes + step_bytes
+    if need <= cluster.host_memory_gib * GIB / 2:
+        return []
+    return [
+        f"checkpoint: each save gathers up to {_gib(ckpt.node_host_bytes)} of fp32 optimizer state into one "
+        f"trainer node's host memory before writing it, {_gib(need)} with the step's supports and routes "
+        f"(assumed {cluster.host_memory_gib:g} GiB, cluster.host_memory_gib): each TP×PP shard's state "
+        "onto its DP rank 0 (megatron's memory-efficient fully reshardable save)"
+    ]
 
 
 def _support_host_warnings(per_rank: int, width: int, cluster: Cluster) -> list[str]:

@@ -188,9 +188,7 @@ def format_plan(plan: Plan) -> str:
             if plan.routes_host_bytes_per_rank
             else []
         ),
-        f"checkpoint: {plan.checkpoint_bytes_per_rank / 1e9:.1f} GB per rank, "
-        f"{plan.checkpoint_bytes_per_rank * c.gpus_per_node / 1e9:.0f} GB per node, "
-        f"~{plan.checkpoint_seconds:.0f} s at an assumed {c.fs_write_gbps:g} GB/s per node",
+        _checkpoint_line(plan),
     ]
     lines += [f"WARNING: {w}" for w in plan.warnings]
     lines += [f"DOES NOT FIT: {p}" for p in plan.problems]
@@ -241,7 +239,9 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "moe_layers": shape.moe_layers(),
     }
     checkpoint = {
-        "bytes_per_rank": plan.checkpoint_bytes_per_rank,
+        "bytes_per_rank": plan.checkpoint.rank_bytes,
+        "bytes_per_node": plan.checkpoint.node_bytes,
+        "host_gather_bytes_per_node": plan.checkpoint.node_host_bytes,
         "save_seconds": round(plan.checkpoint_seconds, 1),
         "assumed_fs_write_gbps_per_node": plan.cluster.fs_write_gbps,
     }
@@ -260,3 +260,13 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "problems": list(plan.problems),
         "warnings": list(plan.warnings),
     }
+
+
+def _checkpoint_line(plan) -> str:
+    ckpt, c = plan.checkpoint, plan.cluster
+    return (
+        f"checkpoint: {ckpt.rank_bytes / 1e9:.1f} GB from each shard's writing rank (its DP rank 0), "
+        f"{ckpt.node_bytes / 1e9:.0f} GB from the busiest node, ~{plan.checkpoint_seconds:.0f} s at an "
+        f"assumed {c.fs_write_gbps:g} GB/s per node; {ckpt.node_host_bytes / GIB:.1f} GiB of optimizer state "
+        "gathered in that node's host memory first"
+    )

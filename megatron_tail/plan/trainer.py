@@ -284,25 +284,50 @@ def activation_per_token_per_layer(shape: ModelShape, layout: TrainerLayout) -> 
     return out
 
 
-def checkpoint_bytes_per_rank(shape: ModelShape, layout: TrainerLayout) -> int:
-    """Bytes one rank writes per save: its share of the model (weights in the model dtype) and of the
-    fp32 optimizer state (master + moments), both split over DP × CP (megatron's fully parallel save
-    distributes each TP×PP shard's writes over its replicas; CP ranks hold the same weights); the experts'
-    share over the expert-data-parallel group (their replicas)."""
+@dataclass(frozen=True)
+class CheckpointWrites:
+    """What a save asks of the busiest rank and node (`checkpoint_writes`)."""
+
+    rank_bytes: int
+    """Bytes the busiest rank writes: a whole TP×PP shard (and its experts)."""
+    node_bytes: int
+    """Bytes the busiest trainer node writes (its writing ranks together)."""
+    node_host_bytes: int
+    """fp32 optimizer state the save gathers into that node's host memory first."""
+
+
+def checkpoint_writes(shape: ModelShape, layout: TrainerLayout, procs_per_node: int) -> CheckpointWrites:
+    """Per save, who writes what. Each TP×PP shard is written by one rank, its main replica: DP×CP rank 0
+    (megatron's torch_dist strategy writes main replicas only, `strategies/torch.py`, and we do not wrap it
+    in the fully parallel strategy), which first gathers the shard's optimizer state over gloo into host
+    memory (`distrib_optim_fully_reshardable_mem_efficient`, `train/engine/checkpoint.py`;
+    `DistributedOptimizer.sharded_param_state_fully_reshardable`). A MoE layer's experts are written the
+    same way by expert-DP rank 0 of each ETP×EP×PP shard. Ranks are placed in megatron's default order
+    (dense tp-cp-dp-pp, experts tp-ep-dp-pp, TP fastest), `procs_per_node` to a node."""
     b = DTYPE_BYTES[layout.precision]
-    per = b + optimizer_bytes_per_param(layout)
-    tp, pp, ep, etp = (
+    opt = optimizer_bytes_per_param(layout)
+    tp, pp, cp, dp = (
         layout.tensor_parallel,
         layout.pipeline_parallel,
-        layout.expert_parallel,
-        layout.expert_tensor_parallel,
+        layout.context_parallel,
+        layout.data_parallel,
     )
-
-    def stage_bytes(s: int) -> int:
-        experts = shape.stage_expert_params(pp, s, ep=ep, etp=etp)
-        dense = shape.stage_params(tp, pp, s, ep=ep, etp=etp) - experts
-        return -(-dense * per // (layout.data_parallel * layout.context_parallel)) + -(
-            -experts * per // layout.expert_data_parallel
-        )
-
-    return max(stage_bytes(s) for s in range(pp))
+    ep, etp, edp = layout.expert_parallel, layout.expert_tensor_parallel, layout.expert_data_parallel
+    world = tp * cp * dp * pp
+    nodes: dict[int, list[int]] = {}
+    rank_bytes = 0
+    for rank in range(world):
+        stage = rank // (tp * cp * dp)
+        experts = shape.stage_expert_params(pp, stage, ep=ep, etp=etp)
+        dense = shape.stage_params(tp, pp, stage, ep=ep, etp=etp) - experts
+        params = dense if (rank // tp) % (cp * dp) == 0 else 0  # dense main replica: cp = dp = 0
+        params += experts if experts and (rank // (etp * ep)) % edp == 0 else 0  # expert-DP rank 0
+        if params:
+            rank_bytes = max(rank_bytes, params * (b + opt))
+            written, host = nodes.get(rank // procs_per_node, [0, 0])
+            nodes[rank // procs_per_node] = [written + params * (b + opt), host + params * opt]
+    return CheckpointWrites(
+        rank_bytes,
+        max((w for w, _ in nodes.values()), default=0),
+        max((h for _, h in nodes.values()), default=0),
+    )

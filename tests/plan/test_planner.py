@@ -63,8 +63,13 @@ def test_qwen3_8b_example_by_hand(capsys):
     assert r["kv_bytes_per_token"] == 147_456
     assert r["kv_tokens_per_server"] == (int(0.85 * 80 * GIB) - 2 * 8_190_735_360) // 147_456
     assert r["sequences_per_server"] == r["kv_tokens_per_server"] // 5120
-    # checkpoint: (2 + 12) B per parameter of the TP shard, split over DP = 4
-    assert out["checkpoint"]["bytes_per_rank"] == -(-14 * params // 4)
+    # checkpoint: each TP shard, (2 + 12) B per parameter, is written whole by its DP rank 0 (ranks 0 and 1,
+    # both on the one trainer node: megatron writes main replicas), which first gathers the shard's fp32
+    # optimizer state (12 B per parameter) over gloo into host memory
+    c = out["checkpoint"]
+    assert c["bytes_per_rank"] == 14 * params
+    assert c["bytes_per_node"] == 2 * 14 * params and c["host_gather_bytes_per_node"] == 2 * 12 * params
+    assert c["save_seconds"] == round(2 * 14 * params / 2e9, 1)  # at the assumed 2 GB/s per node
 
 
 def test_recompute_pipeline_and_reference_terms(capsys):

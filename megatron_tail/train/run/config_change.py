@@ -98,6 +98,7 @@ CHANGEABLE_KEYS: frozenset[str] = frozenset(
         "cluster.nodes",
         "cluster.gpus_per_node",
         "cluster.gpu_memory_gib",
+        "cluster.host_memory_gib",
         "cluster.rollout_nodes",
         "cluster.rollout_backend",
         "cluster.servers_per_node",
