@@ -399,3 +399,16 @@ def test_the_plan_refuses_a_layout_the_job_cannot_start(capsys):
         rc = main(["plan", str(EXAMPLE_8B), *model, *args])
         err = capsys.readouterr().err
         assert rc == 2 and says in err and len(err.strip().splitlines()) == 1, (args, err)
+
+
+def test_the_fused_output_layer_is_planned_with_a_warning_until_a_gpu_measures_it(capsys):
+    """The only GPU measurement of the fused path peaked 45% above its plan (`measured_peaks.json`); a
+    layout that fits only with it on must say so (before: no word, and "fits")."""
+    base = (EXAMPLE_8B, "--set", f"model.hf_path={QWEN3_8B}", "--nodes", 2)
+    _, plain = _plan_json(capsys, *base)
+    _, fused = _plan_json(capsys, *base, "--set", "model.fused_output_layer=true")
+    assert not any("fused_output_layer" in w for w in plain["warnings"])
+    assert any(
+        w.startswith("model.fused_output_layer: the plan counts the fused op's blocks only")
+        for w in fused["warnings"]
+    )
