@@ -20,11 +20,22 @@ EXAMPLE = "examples/qwen3_8b_grpo_dvp.yaml"
 
 
 def _run(
-    tmp_path: Path, *args: str, dry: bool, config: str | Path = EXAMPLE, **env_over: str
+    tmp_path: Path,
+    *args: str,
+    dry: bool,
+    config: str | Path = EXAMPLE,
+    gpu_mib: int | None = None,
+    **env_over: str,
 ) -> subprocess.CompletedProcess:
-    """rl.sbatch outside Slurm with stand-ins: `scontrol` lists the nodes, `srun`/`squeue` record calls."""
+    """rl.sbatch outside Slurm with stand-ins: `scontrol` lists the nodes, `srun`/`squeue` record calls;
+    with `gpu_mib`, `nvidia-smi` reports 8 GPUs of that memory."""
     bindir = tmp_path / "bin"
     bindir.mkdir(exist_ok=True)
+    smi = bindir / "nvidia-smi"
+    if gpu_mib is not None:
+        smi.write_text(f"#!/bin/sh\nfor i in 1 2 3 4 5 6 7 8; do echo {gpu_mib}; done\n")
+    elif smi.exists():
+        smi.unlink()
     calls = tmp_path / "calls"
     (bindir / "scontrol").write_text(
         '#!/bin/sh\nif [ "$1 $2" = "show hostnames" ]; then echo "$3" | tr , "\\n"; fi\n'
@@ -291,3 +302,17 @@ def test_setting_what_rl_sbatch_sets_for_the_trainer_is_refused_by_name(tmp_path
         "ERROR: --set rollout.engine=local: rl.sbatch starts the rollout servers and gives the trainer "
         "rollout.engine=remote and their URLs; drop it"
     ) in proc.stdout, proc.stdout
+
+
+def test_gpus_smaller_than_the_config_says_are_planned_with_their_memory(tmp_path):
+    """Before: the plan took cluster.gpu_memory_gib (80) on any node, so a config copied to 40 GiB GPUs
+    passed the preflight and the trainer ran out of memory after the servers had started."""
+    small = _run(tmp_path, dry=True, gpu_mib=40960)
+    assert small.returncode == 0, small.stdout + small.stderr
+    assert (
+        "the nodes' GPUs have 40.0 GiB (nvidia-smi), less than cluster.gpu_memory_gib=80.0: planned "
+        in small.stdout
+    )
+    assert "x 8 GPUs of 40 GiB" in small.stdout, small.stdout
+    h100 = _run(tmp_path, dry=True, gpu_mib=81559)  # an "80GB" H100: its 79.6 GiB is the config's 80
+    assert "nvidia-smi" not in h100.stdout and "x 8 GPUs of 80 GiB" in h100.stdout, h100.stdout
