@@ -259,6 +259,11 @@ def make_plan(config: RunConfig, cluster: Cluster) -> Plan:
     peak = trainer_peak(shape, layout)
     engine_dtype = config.rollout.dtype or "bfloat16"
     quantization = cluster.quantization or getattr(config.rollout, "quantization", None)
+    if quantization not in PLANNED_QUANTIZATIONS:  # as `train` with rollout.engine: remote refuses it
+        raise ValueError(
+            f"rollout.quantization={quantization!r} is the local engine's emulation: the SGLang servers the "
+            "plan sizes take 'none' or 'fp8'"
+        )
     rollout_layout = RolloutLayout(
         servers=cluster.rollout_nodes
         * (cluster.servers_per_node or cluster.gpus_per_node // cluster.rollout_tp),

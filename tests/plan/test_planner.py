@@ -412,3 +412,14 @@ def test_the_fused_output_layer_is_planned_with_a_warning_until_a_gpu_measures_i
         w.startswith("model.fused_output_layer: the plan counts the fused op's blocks only")
         for w in fused["warnings"]
     )
+
+
+def test_a_local_only_quantization_in_the_config_is_refused_as_the_flag_is(capsys):
+    """Before: `rollout.quantization: nvfp4_a16` (the local engine's emulation, which `train` refuses with
+    remote servers) was planned as bf16 weights, "fits", exit 0; `--quantization nvfp4_a16` was refused."""
+    args = ["plan", str(EXAMPLE_8B), "--set", f"model.hf_path={QWEN3_8B}", "--nodes", "2"]
+    assert main([*args, "--set", "rollout.quantization=nvfp4_a16"]) == 2
+    assert capsys.readouterr().err == (
+        "megatron-tail plan: error: rollout.quantization='nvfp4_a16' is the local engine's emulation: the "
+        "SGLang servers the plan sizes take 'none' or 'fp8'\n"
+    )
