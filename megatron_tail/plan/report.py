@@ -66,7 +66,8 @@ def _notes(plan: Plan) -> dict[str, str]:
         "none": "no reference policy (kl_coef 0)",
         "resident": f"reference policy's weights ({b} B/param), resident",
         "offloaded": f"reference policy offloaded: {ref_gib} of pinned host memory per GPU, on the GPU "
-        "only for its forward pass, before the update's activations exist",
+        "only for its forward pass, before the update's activations exist (counted: what its weights "
+        "exceed the update's activations by)",
     }[lay.reference]
     weights = TERM_NOTES["weights"].format(params=plan.trainer.params, b=b)
     if shape.is_moe:

@@ -175,7 +175,12 @@ def stage_memory(shape: ModelShape, layout: TrainerLayout, stage: int) -> StageM
         "optimizer": optimizer,
         "activations": activations,
         "logits": logits,
-        "reference": params * b if layout.reference == "resident" else 0,
+        # offloaded: on the GPU for its own pass only, before the update's activations exist, with the
+        # logits of a forward like the update's: that pass peaks above the update where its weights
+        # outweigh the update's activations (full recompute keeps few)
+        "reference": {"resident": params * b, "offloaded": max(0, params * b - activations)}.get(
+            layout.reference, 0
+        ),
         "supports": support_device_bytes(layout, in_flight, last),
         "reserve": layout.reserve_bytes,
     }

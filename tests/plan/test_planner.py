@@ -423,3 +423,16 @@ def test_a_local_only_quantization_in_the_config_is_refused_as_the_flag_is(capsy
         "megatron-tail plan: error: rollout.quantization='nvfp4_a16' is the local engine's emulation: the "
         "SGLang servers the plan sizes take 'none' or 'fp8'\n"
     )
+
+
+def test_an_offloaded_reference_counts_what_its_pass_peaks_above_the_update(capsys):
+    """The offloaded reference's weights come onto the GPU for its own pass, before the update's activations
+    exist: that pass is the step's peak where the weights outweigh the activations (full recompute). Before:
+    counted 0, so the plan said 47.0 GiB where the reference pass needs ≈ 50.6."""
+    long = ROOT / "examples/qwen3_8b_grpo_dvp_long.yaml"
+    base = (long, "--set", f"model.hf_path={QWEN3_8B}", "--set", "algorithm.kl_coef=0.001")
+    _, out = _plan_json(capsys, *base, "--set", "model.reference_offload=true")
+    t = out["trainer"]
+    assert t["reference_bytes"] == 2 * t["params_per_gpu"] - t["activations_bytes"] > 0
+    _, resident = _plan_json(capsys, *base)
+    assert resident["trainer"]["reference_bytes"] == 2 * t["params_per_gpu"]  # resident: all of it
