@@ -6,8 +6,10 @@ Field names are configurable and may be dotted paths into nested records, so bot
 - DeepScaleR: `{"problem": ..., "answer": ..., "solution": ...}` → `prompt_key="problem"`
   (`DEEPSCALER_FIELDS`).
 A string prompt becomes one user message (after `prompt_template`); a list of `{"role", "content"}`
-messages is used as is. With `apply_chat_template`, the tokenizer's chat template renders the messages
-with the generation prompt appended; without it (toy tasks), the string prompt is tokenized raw.
+messages is used as is, but for `prompt_template`, applied to its last user message (DAPO-Math-17k's
+prompts ask for an `Answer:` line; a template that asks for a box makes them fit the `math` reward).
+With `apply_chat_template`, the tokenizer's chat template renders the messages with the generation prompt
+appended; without it (toy tasks), the string prompt is tokenized raw.
 
 Errors name a record as an editor would find it, counting from 1: `line N` of a .jsonl file (blank lines
 count, as they do in an editor, though they hold no record), `record N` of a .json array, `row N` of a
@@ -22,6 +24,7 @@ import logging
 import math
 import string
 from dataclasses import dataclass, field, fields
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +49,8 @@ class PromptFormat:
     apply_chat_template: bool = True
     """Render messages with the tokenizer's chat template (False: raw string prompts, e.g. the toy task)."""
     prompt_template: str = "{prompt}"
-    """Format string applied to string prompts, e.g. "{prompt} Put the final answer in \\\\boxed{{}}."."""
+    """Format string applied to a string prompt, or to the content of a chat prompt's last user message,
+    e.g. "{prompt} Put the final answer in \\\\boxed{{}}."."""
     system_prompt: str | None = None
     """Prepended as a system message (chat template only) unless the prompt already has one."""
     max_prompt_tokens: int | None = None
@@ -262,9 +266,10 @@ def answer_text(value: Any, key: str, where: str) -> str:
     """The answer a reward gets, `(completion, answer: str)`, as the file spells it: a string as is; an
     integer, or a float that is one, as digits (`12`, `12.0` → "12": a JSON reader turns a column of integers
     and decimals into floats, so a file's `12` arrives as 12.0, which an integer reward refuses); another
-    finite float as its shortest repr ("3.5"); true/false as JSON writes them (not Python's "True").
+    finite float as its shortest digits, positional ("3.5", 1e-07 → "0.0000001": math-verify reads an "e"
+    as Euler's number); true/false as JSON writes them (not Python's "True").
     UserError naming the row for what no reward can compare with: a missing or empty answer, a non-finite
-    number, a list or a record."""
+    number, an integer past 2^53 held as a float (its digits may be lost), a list or a record."""
     if value is None or (isinstance(value, str) and not value.strip()):
         state = "empty" if value is not None else "missing or null"
         raise UserError(
@@ -278,7 +283,13 @@ def answer_text(value: Any, key: str, where: str) -> str:
     if isinstance(value, int):
         return str(value)
     if isinstance(value, float) and math.isfinite(value):
-        return str(int(value)) if value.is_integer() else repr(value)
+        if value.is_integer() and abs(value) >= 2**53:  # a double: its last digits may be gone
+            raise UserError(
+                f"{where}: the answer ({key!r}) is the number {value:.17g}, an integer past 2^53 that the "
+                "file's reader holds as a float, whose last digits may be lost; quote it (a string)"
+            )
+        # positional, not repr's 1e-07: math-verify reads "e" as Euler's number (1e-07 → −7 + e)
+        return str(int(value)) if value.is_integer() else format(Decimal(repr(value)), "f")
     raise UserError(
         f"{where}: the answer ({key!r}) is {json.dumps(value, default=str)[:80]}; a reward takes a string "
         "or a finite number (write the one string, quoted, that the reward compares with)"
@@ -445,6 +456,15 @@ def _messages(prompt: Any, config: PromptDataConfig, where: str) -> list[dict[st
         messages = [{"role": "user", "content": config.prompt_template.format(prompt=prompt)}]
     elif isinstance(prompt, list) and prompt and all(_is_message(m) for m in prompt):
         messages = [{"role": m["role"], "content": m["content"]} for m in prompt]
+        if config.prompt_template != "{prompt}":  # before: ignored for chat prompts, without a word
+            users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+            if not users:
+                raise UserError(
+                    f"{where}: data.prompt_template applies to the prompt's last user message, and its "
+                    f"messages have none (roles: {[m['role'] for m in messages]})"
+                )
+            last = messages[users[-1]]
+            last["content"] = config.prompt_template.format(prompt=last["content"])
     else:
         raise UserError(
             f"{where}: the prompt must be a string or a non-empty list of {{'role', 'content'}} messages; "

@@ -1,7 +1,11 @@
-"""Math answer reward: the completion's last `\\boxed{...}` checked against the ground truth with math-verify.
+"""Math answer reward: the last `\\boxed{...}` of the completion's final answer checked against the ground
+truth with math-verify.
 
 A completion without a box scores 0: RL prompts ask for the final answer in `\\boxed{}`, and scoring
-any number found in the reasoning would reward guesses.
+any number found in the reasoning would reward guesses. For the same reason a reasoning model's thinking
+(`<think> ... </think>`, Qwen3's and DeepSeek-R1's) is not its answer: only the text after the last
+`</think>` is scored, and a completion whose `<think>` never closes (cut off by `max_new_tokens` while
+thinking) has no final answer and scores 0. Before, a box drawn while thinking scored 1.
 """
 
 from __future__ import annotations
@@ -12,24 +16,41 @@ from functools import lru_cache
 BOX_COMMANDS = ("\\boxed", "\\fbox")
 
 
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def final_answer(completion: str) -> str | None:
+    """The part of `completion` that holds its final answer: after the last `</think>`; None where a
+    `<think>` is never closed (cut off while thinking: no final answer); the whole text without tags."""
+    close = completion.rfind(THINK_CLOSE)
+    if close >= 0:
+        return completion[close + len(THINK_CLOSE) :]
+    return None if THINK_OPEN in completion else completion
+
+
 def last_boxed(text: str) -> str | None:
-    """Content of the last `\\boxed{...}` (or `\\fbox{...}`) with balanced braces; None if there is none."""
-    start = max(text.rfind(cmd) for cmd in BOX_COMMANDS)
-    if start < 0:
-        return None
-    open_brace = text.find("{", start)
-    if open_brace < 0 or text[start:open_brace].strip() not in BOX_COMMANDS:
-        return None
-    depth = 0
-    for i in range(open_brace, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[i], 0)
-        if depth == 0:
-            return text[open_brace + 1 : i]
+    """Content of the last non-empty `\\boxed{...}` (or `\\fbox{...}`) with balanced braces; None if there
+    is none. A later `\\boxed` without braces or with nothing in them (prose about the command: "I wrote it
+    in \\boxed{} as asked") does not hide an earlier answer."""
+    end = len(text)
+    while (start := max(text.rfind(cmd, 0, end) for cmd in BOX_COMMANDS)) >= 0:
+        end = start
+        open_brace = text.find("{", start)
+        if open_brace < 0 or text[start:open_brace].strip() not in BOX_COMMANDS:
+            continue
+        depth = 0
+        for i in range(open_brace, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            if depth == 0:
+                if text[open_brace + 1 : i].strip():
+                    return text[open_brace + 1 : i]
+                break
     return None
 
 
 def math_reward(completion: str, answer: str) -> float:
-    """1.0 if the last boxed answer in `completion` is mathematically equivalent to `answer`, else 0.0.
+    """1.0 if the last boxed answer of `completion`'s final answer (`final_answer`: after its thinking) is
+    mathematically equivalent to `answer`, else 0.0.
 
     `answer` is the dataset's ground truth (LaTeX or plain, with or without `\\boxed{}`). Equivalence is
     math-verify's: `1/2` = `\\frac12` = `0.5`, `\\{1,2\\}` = `\\{2,1\\}`, `x^2+2x+1` = `(x+1)^2`, ...
@@ -38,8 +59,9 @@ def math_reward(completion: str, answer: str) -> float:
         raise TypeError(
             f"math_reward takes (completion: str, answer: str); got {type(completion)}, {type(answer)}"
         )
-    boxed = last_boxed(completion)
-    if boxed is None or not boxed.strip():
+    answer_part = final_answer(completion)
+    boxed = None if answer_part is None else last_boxed(answer_part)
+    if boxed is None:
         return 0.0
     gold_boxed = last_boxed(answer)
     gold = _parse_boxed(answer if gold_boxed is None else gold_boxed)

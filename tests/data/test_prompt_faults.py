@@ -142,6 +142,29 @@ def test_a_number_that_is_not_finite_is_not_an_answer():
             answer_text(value, "a", "f row 1")
 
 
+def test_a_small_number_reaches_the_reward_as_math_verify_reads_it(tokenizer, tmp_path):
+    """Before: repr's "1e-07", which math-verify parses as −7 + e (Euler's number), so every sample of
+    such a prompt scored 0; a big integer the JSON reader had turned into a float lost its last digits."""
+    from megatron_tail.rewards import math_reward
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text(
+        "".join(
+            json.dumps({"prompt": f"q{i}", "answer": a}) + "\n" for i, a in enumerate((1e-07, 1.5e-05, 0.5))
+        )
+    )
+    assert [e.answer for e in _load(path, tokenizer, tmp_path)] == ["0.0000001", "0.000015", "0.5"]
+    assert (
+        math_reward("\\boxed{10^{-7}}", "0.0000001") == 1.0
+        and math_reward("\\boxed{10^{-7}}", "1e-07") == 0.0
+    )
+    path.write_text(json.dumps({"prompt": "q", "answer": 12345678901234567890}) + "\n")
+    with pytest.raises(
+        UserError, match=r"line 1: the answer \('answer'\) is the number 1.2345678901234567e\+19, an "
+    ):
+        _load(path, tokenizer, tmp_path)
+
+
 def test_characters_the_demo_tokenizer_lacks_are_named(tokenizer, tmp_path):
     path = tmp_path / "rows.jsonl"
     path.write_text(json.dumps({"prompt": "1+1=2 ✓ é", "answer": "2"}) + "\n")

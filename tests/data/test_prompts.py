@@ -85,6 +85,29 @@ def test_dapo_shape_nested_answer_and_chat_messages(tokenizer, tmp_path, fmt):
     assert examples[2].prompt_text.endswith("<|im_end|>\n<|im_start|>assistant\n")
 
 
+def test_a_prompt_template_applies_to_a_chat_prompts_last_user_message(tokenizer, tmp_path):
+    """DAPO-Math-17k's prompts ask for an `Answer:` line; its README says to give them a template that asks
+    for a box. Before: the template was ignored for chat prompts, without a word (every reward 0)."""
+    rows = [
+        {"prompt": [{"role": "system", "content": "S"}, {"role": "user", "content": "Q1"},
+                    {"role": "assistant", "content": "A"}, {"role": "user", "content": "Q2"}], "answer": "1"},
+        {"prompt": [{"role": "system", "content": "only a system message"}], "answer": "2"},
+    ]  # fmt: skip
+    path = write_jsonl(tmp_path / "chat.jsonl", rows[:1])
+    cfg = PromptDataConfig(path=str(path), prompt_template="{prompt}" + BOX, cache_dir=str(tmp_path))
+    (example,) = load_prompts(cfg, tokenizer)
+    assert "<|im_start|>user\nQ1<|im_end|>" in example.prompt_text  # an earlier user turn as written
+    assert f"<|im_start|>user\nQ2{BOX.format()}<|im_end|>\n<|im_start|>assistant\n" in example.prompt_text
+    untouched = load_prompts(PromptDataConfig(path=str(path), cache_dir=str(tmp_path)), tokenizer)[0]
+    assert BOX.format() not in untouched.prompt_text
+    bad = write_jsonl(tmp_path / "nouser.jsonl", rows[1:])
+    with pytest.raises(UserError, match=r"line 1: data.prompt_template applies to the prompt's last user "):
+        load_prompts(
+            PromptDataConfig(path=str(bad), prompt_template="{prompt}" + BOX, cache_dir=str(tmp_path)),
+            tokenizer,
+        )
+
+
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
 def test_custom_field_names_and_raw_prompts(tokenizer, tmp_path, fmt):
     rows = [{"q": {"text": "1+2="}, "meta": {"gold": 3}}, {"q": {"text": "10+5="}, "meta": {"gold": 15}}]

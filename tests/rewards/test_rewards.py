@@ -46,6 +46,15 @@ MATH_TABLE = [
     ("\\boxed{}", "34", 0.0),
     ("\\boxed{34", "34", 0.0),
     ("", "34", 0.0),
+    # a reasoning model's thinking is not its answer (before: a box drawn while thinking scored 1)
+    ("<think>\nmaybe 12? \\boxed{12} no wait, 3*4+", "12", 0.0),  # cut off while thinking
+    ("<think>so \\boxed{6}.\n</think>\n\nThe answer is \\boxed{5}.", "6", 0.0),  # the final answer is 5
+    ("<think>so \\boxed{6}.\n</think>\n\nThe answer is \\boxed{5}.", "5", 1.0),
+    ("<think>so 6.\n</think>\n\nThe answer is 6.", "6", 0.0),  # no box after the thinking
+    ("thinking opened by the template </think> so \\boxed{7}", "7", 1.0),  # DeepSeek-R1's template
+    # prose about the command after the answer (before: it hid the answer, 0)
+    ("answer \\boxed{5}. (I wrote it in \\boxed{} as asked)", "5", 1.0),
+    ("answer \\boxed{5}. Note: \\boxed is a LaTeX command", "5", 1.0),
 ]
 
 
@@ -72,6 +81,8 @@ def test_math_reward_works_off_the_main_thread():
         ("\\boxed{\\frac{a}{b}", None),
         ("no box", None),
         ("\\boxedx{3}", None),
+        ("\\boxed{4} then \\boxed{ } and \\boxed", "4"),  # the last non-empty box
+        ("\\boxed{\\boxed{5}}", "5"),
     ],
 )
 def test_last_boxed(text, content):
