@@ -228,9 +228,11 @@ async def episode_group(engines, example, keys: GroupKeys, sampling: EpisodeSamp
 
 async def evaluate_groups(engines, examples: Sequence, sampling: EpisodeSampling) -> list[Group]:
     """`episode_group` of every example, prompt `i` at position `i` under `sampling.turn.base_seed`, all at
-    once within `sampling.slots`, the engines probed once first; every episode scored in one reward batch.
-    An environment failing too often (`EnvironmentFailures`) or any other error (the engines') fails the
-    evaluation."""
+    once within `sampling.slots`, the engines probed once first; each group scored in its own reward batch,
+    as training scores them, so `data.reward_timeout_s` bounds a group's scoring, not the whole evaluation's
+    (before: one batch of every completion, where a few dozen slow answers passed the limit and ended the
+    run). An environment failing too often (`EnvironmentFailures`) or any other error (the engines') fails
+    the evaluation."""
     await engines.check_health(pruned=sampling.pruned)
     started = time.perf_counter()
     base_seed = sampling.turn.base_seed
@@ -238,7 +240,11 @@ async def evaluate_groups(engines, examples: Sequence, sampling: EpisodeSampling
         _group_episodes(engines, example, GroupKeys(i, base_seed, 0), sampling)
         for i, example in enumerate(examples)
     )
-    return await _scored(examples, episodes, sampling, time.perf_counter() - started)
+    elapsed = time.perf_counter() - started
+    groups = []
+    for example, group in zip(examples, episodes, strict=True):
+        groups += await _scored([example], [group], sampling, elapsed)
+    return groups
 
 
 async def _scored(examples: Sequence, episodes: list[list[Episode]], s: EpisodeSampling, elapsed_s: float):
