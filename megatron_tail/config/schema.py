@@ -66,7 +66,8 @@ class ModelSection(ModelSettings):
 @dataclass(frozen=True)
 class DataSection(PromptFormat):
     """Prompts (local jsonl / json / parquet, read by `megatron_tail.data` with the `PromptFormat` fields:
-    prompt_key, answer_key, apply_chat_template, prompt_template, system_prompt, max_prompt_tokens), their
+    prompt_key, answer_key, apply_chat_template, prompt_template, system_prompt, enable_thinking,
+    max_prompt_tokens), their
     order, and the reward."""
 
     train_path: str = ""

@@ -53,6 +53,10 @@ class PromptFormat:
     e.g. "{prompt} Put the final answer in \\\\boxed{{}}."."""
     system_prompt: str | None = None
     """Prepended as a system message (chat template only) unless the prompt already has one."""
+    enable_thinking: bool | None = None
+    """Passed to the chat template as `enable_thinking` (Qwen3's switch: false renders the empty think
+    block after the generation prompt, a non-thinking run); None: the template's default (Qwen3: thinking).
+    A multi-turn environment's later turns follow its own `enable_thinking`."""
     max_prompt_tokens: int | None = None
     """Longer prompts are dropped (and counted in the log); None keeps all. A kept prompt that leaves no room
     for the response in the model's context is refused at load, naming its file and line (`PromptLimit`)."""
@@ -60,6 +64,11 @@ class PromptFormat:
     def __post_init__(self):
         if problem := prompt_template_problem(self.prompt_template):
             raise UserError(f"prompt_template {problem}; got {self.prompt_template!r}")
+        if self.enable_thinking is not None and not self.apply_chat_template:
+            raise UserError(
+                "enable_thinking is a chat template's switch: it needs apply_chat_template=true; got "
+                f"enable_thinking={json.dumps(self.enable_thinking)}"
+            )
         if self.system_prompt is not None and not self.apply_chat_template:  # before: silently dropped
             raise UserError(
                 "system_prompt is a chat message: it needs apply_chat_template=true (without a chat "
@@ -446,7 +455,8 @@ def render_prompt(prompt: Any, config: PromptDataConfig, tokenizer, where: str) 
             "data.apply_chat_template=false for raw string prompts"
         )
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        switches = {} if config.enable_thinking is None else {"enable_thinking": config.enable_thinking}
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **switches)
     except Exception as e:  # jinja2's TemplateError ("Unexpected message role."), naming no row
         raise UserError(f"{where}: the chat template refused the messages: {type(e).__name__}: {e}") from None
 

@@ -263,3 +263,26 @@ def test_a_system_prompt_without_a_chat_template_is_refused():
         UserError, match=r"^system_prompt is a chat message: it needs apply_chat_template=true"
     ):
         PromptDataConfig(path="a.jsonl", apply_chat_template=False, system_prompt="Be brief.")
+
+
+QWEN3_GENERATION_PROMPT = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+    "{% endif %}"
+)
+"""Qwen3's chat template's messages and generation prompt (its `enable_thinking` branch, as Qwen3-8B's
+tokenizer_config.json has it), without tools."""
+
+
+@pytest.mark.parametrize(("switch", "think"), [(None, ""), (True, ""), (False, "<think>\n\n</think>\n\n")])
+def test_enable_thinking_reaches_the_chat_template(tmp_path, switch, think):
+    """Before: no way to ask Qwen3 for a non-thinking run (the template's default: thinking)."""
+    qwen3 = build_char_tokenizer()
+    qwen3.chat_template = QWEN3_GENERATION_PROMPT
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "1+1=", "answer": "2"}])
+    cfg = PromptDataConfig(path=str(path), enable_thinking=switch, cache_dir=str(tmp_path))
+    (example,) = load_prompts(cfg, qwen3)
+    assert example.prompt_text == f"<|im_start|>user\n1+1=<|im_end|>\n<|im_start|>assistant\n{think}"
+    with pytest.raises(UserError, match="enable_thinking is a chat template's switch: it needs apply_chat"):
+        PromptDataConfig(path=str(path), enable_thinking=False, apply_chat_template=False)
