@@ -337,7 +337,29 @@ def load_prompts(config: PromptDataConfig, tokenizer) -> list[PromptExample]:
         raise UserError(
             f"{config.path}: no prompts left (rows: {len(dataset)}, dropped as too long: {dropped})"
         )
+    if repeats := len(examples) - len({(e.prompt_text, e.answer) for e in examples}):
+        earlier, later = _first_repeat(examples)
+        logger.warning(
+            "%s: %d of %d prompts repeat an earlier one (the same rendered prompt and answer; the first: %s "
+            "repeats %s): an epoch trains each copy, and a step may draw one problem twice; deduplicate the "
+            "file if that is not meant",
+            config.path,
+            repeats,
+            len(examples),
+            _place(config.path, later, lines),
+            _place(config.path, earlier, lines),
+        )
     return examples
+
+
+def _first_repeat(examples: list[PromptExample]) -> tuple[int, int]:
+    """(the earlier record index, the repeating one) of the first repeated (prompt, answer)."""
+    seen: dict[tuple[str, str], int] = {}
+    for e in examples:
+        if (key := (e.prompt_text, e.answer)) in seen:
+            return seen[key], e.index
+        seen[key] = e.index
+    raise ValueError("no repeat")
 
 
 def _record_lines(path: str | Path) -> list[int] | None:

@@ -286,3 +286,21 @@ def test_enable_thinking_reaches_the_chat_template(tmp_path, switch, think):
     assert example.prompt_text == f"<|im_start|>user\n1+1=<|im_end|>\n<|im_start|>assistant\n{think}"
     with pytest.raises(UserError, match="enable_thinking is a chat template's switch: it needs apply_chat"):
         PromptDataConfig(path=str(path), enable_thinking=False, apply_chat_template=False)
+
+
+def test_repeated_prompts_are_counted_at_load(tokenizer, tmp_path, caplog):
+    """DAPO-Math-17k as published repeats its problems; before, nothing said so (an "epoch" then trains
+    each problem as often as it repeats)."""
+    pairs = [("1+1=", "2"), ("2+2=", "4"), ("1+1=", "2"), ("1+1=", "3"), ("2+2=", "4")]
+    rows = [{"prompt": p, "answer": a} for p, a in pairs]
+    path = write_jsonl(tmp_path / "rep.jsonl", rows)
+    with caplog.at_level("WARNING", logger="megatron_tail.data.prompts"):
+        examples = load_prompts(
+            PromptDataConfig(path=str(path), apply_chat_template=False, cache_dir=str(tmp_path)), tokenizer
+        )
+    assert len(examples) == 5  # kept: the warning says, the data decides
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{path}: 2 of 5 prompts repeat an earlier one (the same rendered prompt and answer; the first: "
+        f"{path} line 3 repeats {path} line 1): an epoch trains each copy, and a step may draw one problem "
+        "twice; deduplicate the file if that is not meant"
+    ]
