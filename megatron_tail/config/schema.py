@@ -83,13 +83,15 @@ class DataSection(PromptFormat):
     reward: str = "math"
     """Reward: a built-in ("math", "arithmetic") or a dotted path "package.module:function"."""
     reward_timeout_s: float = 600.0
-    """Longest time the reward may take to score one batch (a step's or an eval's completions, in the reward
-    worker process); after it the worker is killed and the step fails naming the reward and this limit.
+    """Longest time the reward may take to score one batch (a prompt's group of completions, in training and
+    in evaluation, in the reward worker process); after it the worker is killed and the step fails naming
+    the reward and this limit.
     600 s: a built-in scores thousands of completions in seconds and math-verify bounds each answer at a
     few seconds, so only a hung reward gets near it, while a slow verifier on a large batch (8k
     completions × 50 ms) still fits; it is well inside a job's preemption notice."""
     correct_reward: float = 1.0
-    """A sample counts as correct (for accuracy) when its reward is at least this."""
+    """A sample counts as correct (for accuracy and pass@k) when its final answer's reward is at least this
+    (an environment's step rewards are in the trained reward, not in this test)."""
     reward_max_abs: float | None = None
     """R_max, the largest |reward|, for DVP's bias bound R_max·T·(1 − Z_min) (Prop. 5.5); None: the range
     the reward function declares (`fn.reward_range`; the built-ins declare [0, 1]); without either, the

@@ -371,7 +371,8 @@ def episodes_to_batch(
         prompt_ids=[list(e.prompt_ids) for e in episodes],
         response_ids=[list(e.response_ids) for e in episodes],
         rewards=total,
-        correct=[x >= correct_reward for x in total],
+        # the final answer's reward: a right answer after penalised tool calls is still right
+        correct=[r >= correct_reward for r in rewards],
         truncated=[e.truncated for e in episodes],
         # the first turn's version (the manager: a later turn may be newer, `token_versions` has each)
         weight_versions=[e.turn_versions[0] for e in episodes],

@@ -29,7 +29,7 @@ class RewardPlan:
     """`data.reward_timeout_s`: per batch; with an environment, its calls' limit too unless
     `rollout.env.timeout_s` is set."""
     correct_reward: float
-    """`data.correct_reward`: a sample is correct when its reward is at least this."""
+    """`data.correct_reward`: a sample is correct when its final answer's reward is at least this."""
 
 
 @dataclass(frozen=True)

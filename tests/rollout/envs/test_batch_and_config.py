@@ -65,6 +65,17 @@ def test_episode_metrics_are_logged():
     assert "rollout/turns_mean" not in rollout_metrics(single, policy_version=3)
 
 
+def test_correct_is_the_final_answers_reward_and_the_trained_reward_adds_the_steps():
+    """An environment's step rewards (a penalty per tool call, a bonus) are trained on, but a sample is
+    correct by its final answer alone. Before: a right answer after penalised calls counted as wrong (and
+    a wrong one after bonuses as right) in reward/accuracy and pass@k."""
+    episodes = [_episode(2, 1, calls=1), _episode(2, 1, calls=1), _episode(1, 0)]
+    episodes[0].env_reward, episodes[1].env_reward = -0.25, 0.75
+    batch = episodes_to_batch(episodes, [1.0, 0.5, 1.0], correct_reward=1.0, elapsed_s=1.0)
+    assert batch.rewards == [0.75, 1.25, 1.0]
+    assert batch.correct == [True, False, True]
+
+
 def test_dynamic_sampling_and_the_checkpointed_batch_keep_the_mask():
     batch, _ = _batch()
     picked = select_groups(batch, [1], group_size=2)
