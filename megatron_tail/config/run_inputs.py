@@ -96,7 +96,7 @@ def _load(cfg: RunConfig) -> RunPrompts:
     )
     evaluated: list[PromptExample] = []
     if d.eval_path is not None and cfg.train.eval_every:
-        evaluated = load_prompts(PromptDataConfig.of(d.eval_path, d), tokenizer)[: d.eval_prompts]
+        evaluated = load_prompts(d.eval_prompt_data(), tokenizer)[: d.eval_prompts]
         limit.check(evaluated, d.eval_path)
         _check_ids_in_vocab(evaluated, d.eval_path, arch.vocab_size, hf_path)
     return RunPrompts(tokenizer, train, evaluated)

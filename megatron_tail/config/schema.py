@@ -24,11 +24,11 @@ refuses what the loop cannot run.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, get_args
 
 from megatron_tail.algorithms.config import AlgorithmConfig
-from megatron_tail.data.prompts import PromptFormat, prompt_template_problem
+from megatron_tail.data.prompts import PromptDataConfig, PromptFormat, prompt_template_problem
 from megatron_tail.model.settings import ModelSettings
 from megatron_tail.rollout.settings import RolloutSection
 from megatron_tail.utils.errors import UserError
@@ -78,6 +78,14 @@ class DataSection(PromptFormat):
     """Prompts per RL step; each gets `algorithm.group_size` samples."""
     eval_prompts: int = 64
     """At most this many eval prompts (the first ones of `eval_path`)."""
+    eval_prompt_key: str | None = None
+    """Field (dotted path) of `eval_path`'s prompts; None: `prompt_key` (the eval file read like the
+    training file). E.g. train on DAPO-Math-17k's chat messages (`prompt`) and evaluate on MATH-500's
+    `problem`."""
+    eval_answer_key: str | None = None
+    """Field (dotted path) of `eval_path`'s answers; None: `answer_key`."""
+    eval_prompt_template: str | None = None
+    """`prompt_template` for `eval_path`'s prompts; None: `prompt_template`."""
     shuffle: bool = True
     """Shuffle per epoch, seeded by `seed` and the epoch (a resumed run sees the same order)."""
     reward: str = "math"
@@ -120,11 +128,24 @@ class DataSection(PromptFormat):
             _bad("data", "reward_timeout_s", self.reward_timeout_s, "must be > 0 (seconds per batch)")
         if self.max_prompt_tokens is not None:
             _positive_int("data", "max_prompt_tokens", self.max_prompt_tokens)
-        if problem := prompt_template_problem(self.prompt_template):
-            _bad("data", "prompt_template", self.prompt_template, problem)
+        for name in ("prompt_template", "eval_prompt_template"):
+            if (template := getattr(self, name)) is not None and (
+                problem := prompt_template_problem(template)
+            ):
+                _bad("data", name, template, problem)
         if self.reward_max_abs is not None and not 0 <= self.reward_max_abs < float("inf"):
             _bad("data", "reward_max_abs", self.reward_max_abs, "must be a finite number ≥ 0 or null")
         super().__post_init__()
+
+    def eval_prompt_data(self) -> PromptDataConfig:
+        """`eval_path` as a prompt set: the training file's format with the `eval_*` fields over it."""
+        fmt = replace(
+            self,
+            prompt_key=self.eval_prompt_key or self.prompt_key,
+            answer_key=self.eval_answer_key or self.answer_key,
+            prompt_template=self.eval_prompt_template or self.prompt_template,
+        )
+        return PromptDataConfig.of(self.eval_path, fmt)
 
 
 @dataclass(frozen=True)

@@ -438,3 +438,23 @@ def test_model_max_sequence_length_caps_the_runs_sequences(tiny_model_dir, long_
         UserError, match=r"^model.max_sequence_length=33 is longer than the model's context \(32, "
     ):
         too_long.check_inputs()
+
+
+def test_the_eval_file_may_name_its_own_fields_and_template(tiny_model_dir, prompt_file, tmp_path):
+    """Training on one layout and evaluating on another (DAPO's `prompt` messages and
+    `reward_model.ground_truth`; MATH-500's `problem` and `answer`) is the usual setup; before, the eval file
+    had to use the training file's field names and template, or the run refused it at load."""
+    from megatron_tail.config.run_inputs import run_prompts
+
+    math500 = tmp_path / "math500.jsonl"
+    math500.write_text(
+        "".join(json.dumps({"problem": f"{i}+1=", "solution": f"{i + 1}"}) + "\n" for i in range(3))
+    )
+    evaluated = {"data.eval_path": math500, "train.eval_every": 1}
+    with pytest.raises(UserError, match=rf"^{math500}: field 'prompt' not found; the file's fields are"):
+        _config(tiny_model_dir, prompt_file, tmp_path / "run", **evaluated).check_inputs()
+    own = {**evaluated, "data.eval_prompt_key": "problem", "data.eval_answer_key": "solution",
+           "data.eval_prompt_template": "Q: {prompt}"}  # fmt: skip
+    prompts = run_prompts(_config(tiny_model_dir, prompt_file, tmp_path / "run", **own))
+    assert [(e.prompt_text, e.answer) for e in prompts.eval] == [(f"Q: {i}+1=", f"{i + 1}") for i in range(3)]
+    assert not any(e.prompt_text.startswith("Q: ") for e in prompts.train)  # the training file as before

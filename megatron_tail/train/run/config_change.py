@@ -50,6 +50,9 @@ CHANGEABLE_KEYS: frozenset[str] = frozenset(
         # evaluation and what counts as correct in the accuracy metrics (never in the loss)
         "data.eval_path",
         "data.eval_prompts",
+        "data.eval_prompt_key",
+        "data.eval_answer_key",
+        "data.eval_prompt_template",
         "data.correct_reward",
         # logging and diagnostics (`data.reward_max_abs` only bounds the logged DVP bias)
         "logging.tensorboard",
