@@ -98,7 +98,8 @@ class AlgorithmConfig:
     H^mp itself. Under DVP (`log_rho` = −13) or a replayed truncated support, H^mp is exactly 0 at every
     position whose set holds one token; once more than `stapo_tau_h_quantile` of the tokens are such
     (common in reasoning text), τ_h = 0 and STAPO masks nothing, silently. "pruned" keeps that behaviour
-    for ablations."""
+    for ablations. Under `sampling_support: ignore` the θ_old log-probs are the full vocabulary's, so the
+    support's mass is not known and the bound is the support's entropy (that ablation's own blind spot)."""
 
     # --- truncated sampling (rollout.sampling.top_k / top_p / min_p) and θ_old: ablation switches
     sampling_support: SamplingSupport = "replay"

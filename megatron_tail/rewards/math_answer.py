@@ -21,7 +21,11 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 def final_answer(completion: str) -> str | None:
     """The part of `completion` that holds its final answer: after the last `</think>`; None where a
-    `<think>` is never closed (cut off while thinking: no final answer); the whole text without tags."""
+    `<think>` is never closed (cut off while thinking: no final answer); the whole text without tags.
+
+    A chat template that opens the thinking itself (DeepSeek-R1's, Qwen3's *-Thinking-2507) leaves a reply
+    cut off while thinking with no tag at all: it is scored whole. For those models `algorithm.
+    mask_truncated: true` keeps such replies out of the loss."""
     close = completion.rfind(THINK_CLOSE)
     if close >= 0:
         return completion[close + len(THINK_CLOSE) :]
@@ -42,9 +46,11 @@ def last_boxed(text: str) -> str | None:
         for i in range(open_brace, len(text)):
             depth += {"{": 1, "}": -1}.get(text[i], 0)
             if depth == 0:
-                if text[open_brace + 1 : i].strip():
-                    return text[open_brace + 1 : i]
                 break
+        if depth:  # never closed: no answer (and no walk back, which would rescan the rest per earlier box)
+            return None
+        if text[open_brace + 1 : i].strip():
+            return text[open_brace + 1 : i]
     return None
 
 

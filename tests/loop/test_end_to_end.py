@@ -196,11 +196,13 @@ def test_offline_eval_of_the_checkpoint_equals_the_exported_models(cli_run, prom
         # the engine in the evaluating process: the evaluations are compared here, not the engine's process
         cmd += ["--set", "rollout.local.in_process=true"]
         # the checkpoint's results beside its export, per eval set; --out: elsewhere than the model
-        out = path / "eval" / Path(prompt_file).stem if flag == "--checkpoint" else tmp_path / "hf_eval"
+        out = tmp_path / "hf_eval"
         if flag == "--hf":
             cmd += ["--out", str(out)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+        if flag == "--checkpoint":
+            (out,) = (path / "eval").glob(f"{Path(prompt_file).stem}-*")
         results[flag] = json.loads((out / "eval.json").read_text())
         assert "eval/pass@4" in proc.stdout
     exported = load_file(str(run_dir / "checkpoints" / "step_000003" / "hf" / "model.safetensors"))

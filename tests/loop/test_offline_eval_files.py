@@ -31,11 +31,20 @@ def _config(model_dir, prompt_file, run_dir, **extra):
 
 def test_results_go_per_eval_set_beside_the_model_or_checkpoint(tiny_model_dir, prompt_file, tmp_path):
     cfg = _config(tiny_model_dir, prompt_file, tmp_path / "run")
-    stem = Path(prompt_file).stem
     ckpt = tmp_path / "step_000004"
-    assert offline_eval.results_dir(cfg, checkpoint=ckpt) == ckpt / "eval" / stem
-    assert offline_eval.results_dir(cfg, hf_dir=tiny_model_dir) == Path(tiny_model_dir) / "eval" / stem
+    here = offline_eval.results_dir(cfg, checkpoint=ckpt)
+    assert here.parent == ckpt / "eval" and here.name.startswith(Path(prompt_file).stem + "-")
+    assert offline_eval.results_dir(cfg, hf_dir=tiny_model_dir) == Path(tiny_model_dir) / "eval" / here.name
     assert offline_eval.results_dir(cfg, checkpoint=ckpt, out_dir=tmp_path / "o") == tmp_path / "o"
+    # another eval set of the same file name: its own directory
+    other = tmp_path / "other" / Path(prompt_file).name
+    other.parent.mkdir()
+    other.write_text(Path(prompt_file).read_text())
+    elsewhere = _config(tiny_model_dir, prompt_file, tmp_path / "run", **{"data.eval_path": other})
+    assert offline_eval.results_dir(elsewhere, checkpoint=ckpt) not in (
+        here,
+        ckpt / "eval" / Path(prompt_file).stem,
+    )
 
 
 def test_a_checkpoints_export_is_made_once_then_reused(tmp_path, monkeypatch):
@@ -51,8 +60,11 @@ def test_a_checkpoints_export_is_made_once_then_reused(tmp_path, monkeypatch):
 
     monkeypatch.setattr(offline_eval, "_export", export)
     assert offline_eval.export_checkpoint(None, ckpt, notes.append) == ckpt / "hf"
+    assert notes == []
     (ckpt / "eval").mkdir()
     (ckpt / "eval" / "eval.json").write_text("{}")  # an earlier evaluation's results
+    # a finished export is read without the lock (a checkpoint the evaluator may not write to)
+    monkeypatch.setattr(offline_eval, "export_lock", lambda *_a: pytest.fail("locked to read an export"))
     assert offline_eval.export_checkpoint(None, ckpt, notes.append) == ckpt / "hf"
     assert made == [ckpt], "exported once"
     assert notes == [f"eval: reusing {ckpt / 'hf'}, this checkpoint's export by an earlier evaluation "

@@ -115,6 +115,7 @@ def test_a_key_an_older_config_lacks_compares_with_its_default_and_a_removed_key
         (["algorithm.stapo=true", "algorithm.log_rho=null", "rollout.sampling.top_k=20"], True),
         (["algorithm.stapo=true", "algorithm.log_rho=null"], False),  # nothing pruned: the same entropy
         (["algorithm.stapo=false"], False),  # STAPO off: the key changes nothing
+        (["algorithm.stapo=true", "algorithm.log_rho=-.inf"], False),  # −inf: no pruning either
     ],
 )
 def test_a_stapo_run_from_before_stapo_entropy_resumes_only_as_it_trained(saved, refused):

@@ -83,6 +83,7 @@ def test_math_reward_works_off_the_main_thread():
         ("\\boxedx{3}", None),
         ("\\boxed{4} then \\boxed{ } and \\boxed", "4"),  # the last non-empty box
         ("\\boxed{\\boxed{5}}", "5"),
+        ("\\boxed{5} then \\boxed{6", None),  # a last box never closed: no answer, as before
     ],
 )
 def test_last_boxed(text, content):

@@ -75,7 +75,7 @@ training checkpoint or an exported HF model on `data.eval_path` exactly as the l
 `train.eval_samples_per_prompt` samples per prompt at the rollout temperature (pass@k, mean@n) plus greedy
 decoding, with the config's reward, engines and DVP rule. A checkpoint is loaded in this one process
 (TP = PP = 1) and exported to `<checkpoint>/hf` first (once: later evaluations reuse that export). Prints the
-scalars and writes them to `<checkpoint or model dir>/eval/<eval set's file stem>/eval.json` (or
+scalars and writes them to `<checkpoint or model dir>/eval/<eval file stem>-<hash of its path>/eval.json` (or
 `--out DIR`), one directory per eval set, beside the engine's logs.
 """
 
@@ -94,7 +94,7 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument(
         "--out",
         help="where eval.json and the engine log go "
-        "(default: <checkpoint or model dir>/eval/<stem of data.eval_path>)",
+        "(default: <checkpoint or model dir>/eval/<stem of data.eval_path>-<hash>)",
     )
     parser.set_defaults(func=eval_command)
     return parser

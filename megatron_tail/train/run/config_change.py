@@ -277,7 +277,8 @@ def _older_behaviour(saved: Mapping[str, Any]) -> dict[str, Any]:
     truncating = (
         sampling[0] not in (None, -1) or sampling[1] not in (None, 1.0) or sampling[2] not in (None, 0.0)
     )
-    pruned = saved.get("algorithm.log_rho", -13.0) is not None or truncating
+    log_rho = saved.get("algorithm.log_rho", -13.0)
+    pruned = not (log_rho is None or str(log_rho) in ("-inf", "-.inf")) or truncating  # −inf: no pruning
     if saved.get("algorithm.stapo") and pruned:
         out["algorithm.stapo_entropy"] = "pruned"
     return out

@@ -11,9 +11,9 @@ changes, so its export is made once and reused by later evaluations (delete `<ch
 again), under a lock: evaluations of one checkpoint started together export it once, and none replaces
 an export another one's engine is loading.
 
-The results go to `<checkpoint or model dir>/eval/<eval set's file stem>/` (`eval.json`, the engine's
-`logs/`), or `--out`: one directory per eval set, outside the export, so evaluating on another set, or a
-failed evaluation, loses none.
+The results go to `<checkpoint or model dir>/eval/<eval file stem>-<hash of its path>/` (`eval.json`, the
+engine's `logs/`; `results_dir`), or `--out`: one directory per eval set, outside the export, so
+evaluating on another set, or a failed evaluation, loses none.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
 import json
 import os
 from dataclasses import replace
@@ -76,10 +77,13 @@ def results_dir(
     out_dir: str | Path | None = None,
 ) -> Path:
     """Where an evaluation writes `eval.json` and the engine's logs: `out_dir`, else
-    `<checkpoint or hf_dir>/eval/<stem of data.eval_path>`."""
+    `<checkpoint or hf_dir>/eval/<stem of data.eval_path>-<8 hex digits of its absolute path's SHA-1>` (two
+    eval sets both named test.jsonl do not share one)."""
     if out_dir is not None:
         return Path(out_dir)
-    return Path(checkpoint if checkpoint is not None else hf_dir) / "eval" / Path(cfg.data.eval_path).stem
+    eval_path = Path(cfg.data.eval_path)
+    digest = hashlib.sha1(str(eval_path.absolute()).encode()).hexdigest()[:8]
+    return Path(checkpoint if checkpoint is not None else hf_dir) / "eval" / f"{eval_path.stem}-{digest}"
 
 
 def check_inputs(
@@ -132,6 +136,8 @@ def check_inputs(
         )
     # a checkpoint's export (<checkpoint>/hf), then the results (--out, else the model directory)
     writes = [("--checkpoint (its export, hf/)", checkpoint)] if checkpoint is not None else []
+    if checkpoint is not None and exported(checkpoint):  # reused: only the results are written
+        writes = [] if out_dir is not None else [("--checkpoint (no --out)", checkpoint)]
     if out_dir is not None:
         writes.append(("--out", out_dir))
     elif hf_dir is not None:
@@ -165,15 +171,21 @@ def export_checkpoint(cfg: RunConfig, checkpoint: Path, note=print) -> Path:
     """`<checkpoint>/hf`: `checkpoint` loaded into a TP = PP = 1 trainer on this process and exported there,
     or the export an earlier evaluation made (module docstring), under `<checkpoint>/.hf.lock`."""
     out = checkpoint / "hf"
-    with export_lock(checkpoint, note):
-        if (out / "config.json").is_file():  # `export_hf` renames a finished directory into place
-            note(
-                f"eval: reusing {out}, this checkpoint's export by an earlier evaluation "
-                "(delete it to export again)"
-            )
-            return out
-        _export(cfg, checkpoint, out)
+    if not exported(checkpoint):  # else read without the lock: a checkpoint others may not write to
+        with export_lock(checkpoint, note):
+            if not exported(checkpoint):  # another evaluation may have finished it while this one waited
+                _export(cfg, checkpoint, out)
+                return out
+    note(
+        f"eval: reusing {out}, this checkpoint's export by an earlier evaluation (delete it to export again)"
+    )
     return out
+
+
+def exported(checkpoint: Path) -> bool:
+    """Whether `<checkpoint>/hf` holds a finished export (`export_hf` renames a finished directory into
+    place)."""
+    return (Path(checkpoint) / "hf" / "config.json").is_file()
 
 
 @contextlib.contextmanager
