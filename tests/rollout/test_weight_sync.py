@@ -403,18 +403,24 @@ def test_distributed_buckets_run_inside_sglangs_weight_update_session(monkeypatc
     ]
 
 
-def test_disk_updates_ask_for_the_default_loader():
-    """`load_format: "auto"`: an FP8 server started with `--load-format flash_rl` must reload our bf16
-    export through the default loader, which re-quantizes (see weight_sync's docstring)."""
+def _disk_update_body(model_path: str) -> dict:
+    """The body a `DiskWeightSync.update(model_path)` posts to a recording server's
+    `/update_weights_from_disk`."""
 
     async def scenario():
         calls: list[tuple[str, dict]] = []
         async with serving_app(_recording_app(calls, version="1")) as url:
-            await DiskWeightSync([url]).update("/ckpt/step1")
+            await DiskWeightSync([url]).update(model_path)
         return calls
 
     (body,) = [body for path, body in asyncio.run(scenario()) if path == "/update_weights_from_disk"]
-    assert body == {
+    return body
+
+
+def test_disk_updates_ask_for_the_default_loader():
+    """`load_format: "auto"`: an FP8 server started with `--load-format flash_rl` must reload our bf16
+    export through the default loader, which re-quantizes (see weight_sync's docstring)."""
+    assert _disk_update_body("/ckpt/step1") == {
         "model_path": "/ckpt/step1",
         "weight_version": "1",
         "flush_cache": True,
@@ -426,14 +432,7 @@ def test_a_relative_model_path_reaches_the_servers_absolute(tmp_path, monkeypatc
     """A server resolves the path against its own working directory (another node's): a relative
     `run_dir` or `--hf` went as written, so the server loaded another directory or none."""
     monkeypatch.chdir(tmp_path)
-
-    async def scenario():
-        calls: list[tuple[str, dict]] = []
-        async with serving_app(_recording_app(calls, version="1")) as url:
-            await DiskWeightSync([url]).update("runs/r/rollout_weights")
-        return calls
-
-    (body,) = [body for path, body in asyncio.run(scenario()) if path == "/update_weights_from_disk"]
+    body = _disk_update_body("runs/r/rollout_weights")
     assert body["model_path"] == str(tmp_path / "runs" / "r" / "rollout_weights")
 
 
