@@ -120,3 +120,36 @@ def test_a_broken_checkpoint_is_one_line_before_its_log_rho_is_read(tiny_model_d
     (ckpt / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
     with pytest.raises(UserError, match=r"^checkpoint file .*common.pt is missing$"):
         offline_eval.evaluate_offline(cfg, checkpoint=ckpt)
+
+
+def test_an_evaluation_refuses_the_servers_of_a_run_training_now(tiny_model_dir, prompt_file, tmp_path):
+    """Evaluating a checkpoint with the run's own config.yaml while the run trains: before, the evaluation
+    loaded its model into the run's servers (weight version "eval"), and the run went on sampling from it."""
+    from megatron_tail.train.run.config_change import config_text
+
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    remote = {"rollout.engine": "remote", "rollout.server_urls": "http://gpu1:30000,http://gpu1:30001"}
+    cfg = _config(tiny_model_dir, prompt_file, run_dir, **remote)
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(config_text(cfg))  # what the running trainer wrote
+    offline_eval.check_inputs(cfg, hf_dir=tiny_model_dir, out_dir=out)  # nobody trains there: fine
+    (run_dir / ".lock").write_text("")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(run_dir / ".lock")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(
+            UserError, match=r"^rollout.server_urls http://gpu1:30000, http://gpu1:30001 serve the "
+        ):
+            offline_eval.check_inputs(cfg, hf_dir=tiny_model_dir, out_dir=out)
+        own = _config(
+            tiny_model_dir, prompt_file, run_dir, **{**remote, "rollout.server_urls": "http://gpu9:30000"}
+        )
+        offline_eval.check_inputs(own, hf_dir=tiny_model_dir, out_dir=out)  # servers of its own: fine
+    finally:
+        holder.kill()
+        holder.wait()

@@ -124,6 +124,7 @@ def check_inputs(
         )
     else:
         check_model_dir(cfg.model.hf_path, weights=False)  # the weights come from the checkpoint
+    _refuse_a_live_runs_servers(cfg)
     if cfg.algorithm.adaptive_rho and hf_dir is not None:
         raise UserError(
             f"algorithm.log_rho: auto has no value for {hf_dir} (an exported model keeps no log ρ): evaluate "
@@ -149,6 +150,31 @@ def check_inputs(
                 f"{flag} {where}: the evaluation writes there (eval.json, the engine's logs): {reason}"
                 + ("; pass --out DIR" if flag.startswith("--hf") else "")
             )
+
+
+def _refuse_a_live_runs_servers(cfg: RunConfig) -> None:
+    """UserError where the evaluation's remote servers are those of a trainer running now in `run_dir` (its
+    lock held; its config.yaml names them): loading the model to evaluate into them would change the
+    policy that run samples from, mid-run (the natural mistake: evaluating a checkpoint with the run's own
+    config.yaml while it trains)."""
+    from megatron_tail.config import load_config
+
+    from .run_dir import CONFIG_NAME
+    from .run_dir_lock import live_holder
+
+    if cfg.rollout.engine != "remote" or (holder := live_holder(cfg.run_dir)) is None:
+        return
+    try:
+        running = load_config(Path(cfg.run_dir) / CONFIG_NAME).rollout.server_urls
+    except Exception:  # no config there, or one this version does not read: nothing to compare
+        return
+    if shared := sorted(set(cfg.rollout.server_urls) & set(running)):
+        raise UserError(
+            f"rollout.server_urls {', '.join(shared)} serve the run in {cfg.run_dir}, which a trainer is "
+            f"running now ({holder}): evaluating there would load this model into its servers mid-run. "
+            "Start servers for the evaluation and pass --set rollout.server_urls=..., or evaluate on the "
+            "local engine (--set rollout.engine=local)"
+        )
 
 
 def with_checkpoint_log_rho(cfg: RunConfig, checkpoint: Path) -> RunConfig:

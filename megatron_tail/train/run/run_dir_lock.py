@@ -66,6 +66,25 @@ class RunDirLock:
             self._fd = None
 
 
+def live_holder(run_dir: str | Path) -> str | None:
+    """Who holds `<run_dir>/.lock` now (a trainer running there: its PID, host and start), or None: no
+    lock file, or nobody holds it. Creates nothing; a probe that gets the lock lets go at once."""
+    path = Path(run_dir) / LOCK_NAME
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return None
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno not in (errno.EACCES, errno.EAGAIN):
+            raise
+        return _holder(path)
+    finally:
+        os.close(fd)  # closing drops the probe's lock
+    return None
+
+
 def _holder(path: Path) -> str:
     try:
         info = json.loads(path.read_text() or "{}")
