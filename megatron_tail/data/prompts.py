@@ -488,6 +488,8 @@ def _messages(prompt: Any, config: PromptDataConfig, where: str) -> list[dict[st
         messages = [{"role": "user", "content": config.prompt_template.format(prompt=prompt)}]
     elif isinstance(prompt, list) and prompt and all(_is_message(m) for m in prompt):
         messages = [{"role": m["role"], "content": m["content"]} for m in prompt]
+        if empty := next((m for m in messages if m["role"] == "user" and not m["content"].strip()), None):
+            raise UserError(f"{where}: the prompt's user message {messages.index(empty) + 1} is empty")
         if config.prompt_template != "{prompt}":  # before: ignored for chat prompts, without a word
             users = [i for i, m in enumerate(messages) if m["role"] == "user"]
             if not users:

@@ -7,6 +7,7 @@ gives a built-in; `load_reward_fn("my_pkg.rewards:format_and_answer")` (or the a
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 from collections.abc import Callable, Sequence
@@ -73,6 +74,11 @@ def load_reward_fn(spec: str) -> RewardFn:
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise UserError(f"data.reward {spec!r}: module {module_name!r} has no callable {attr!r}")
+    if inspect.isclass(fn):  # its call makes an instance, not a reward: refused only at the first step before
+        raise UserError(
+            f"data.reward {spec!r} is a class; give a function (completion, answer) -> float, or an instance "
+            "whose __call__ is one"
+        )
     check_call_shape(fn, ("completion", "answer"), f"data.reward {spec!r}")
     declared_range(fn)  # a malformed reward_range: refused at load, not at the first step's bound
     return fn

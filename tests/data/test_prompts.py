@@ -304,3 +304,13 @@ def test_repeated_prompts_are_counted_at_load(tokenizer, tmp_path, caplog):
         f"{path} line 3 repeats {path} line 1): an epoch trains each copy, and a step may draw one problem "
         "twice; deduplicate the file if that is not meant"
     ]
+
+
+def test_an_empty_user_message_is_refused_as_an_empty_prompt_is(tokenizer, tmp_path):
+    """Before: an empty string prompt was refused, but a chat prompt whose user message was empty loaded."""
+    rows = [
+        {"prompt": [{"role": "system", "content": "S"}, {"role": "user", "content": "  "}], "answer": "1"}
+    ]
+    path = write_jsonl(tmp_path / "empty.jsonl", rows)
+    with pytest.raises(UserError, match=rf"^{path} line 1: the prompt's user message 2 is empty$"):
+        load_prompts(PromptDataConfig(path=str(path), cache_dir=str(tmp_path)), tokenizer)

@@ -25,3 +25,10 @@ def badly_declared(completion: str, answer: str) -> float:  # noqa: ARG001
 
 
 badly_declared.reward_range = (1.0,)
+
+
+class AClass:
+    """A reward written as a class: calling it makes an instance, not a reward (refused at load)."""
+
+    def __init__(self, completion: str, answer: str):
+        self.completion, self.answer = completion, answer

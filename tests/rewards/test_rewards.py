@@ -140,6 +140,10 @@ def test_plugin_rewards_load_by_dotted_path():
             r"data.reward 'tests.rewards.plugin_reward:one_argument' must take \(completion, answer\); its "
             r"signature is \(completion: str\) -> float$",
         ),
+        (  # before: accepted, and the first step failed on an instance where a number was due
+            "tests.rewards.plugin_reward:AClass",
+            r"data.reward 'tests.rewards.plugin_reward:AClass' is a class; give a function",
+        ),
         (
             "tests.rewards.plugin_reward:badly_declared",
             r"reward_range of 'badly_declared' must be two finite numbers \(low, high\), low ≤ high; got "
