@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import re
 
-_INTEGER = re.compile(r"-?\d+")
+_NUMBER = re.compile(r"-?[0-9]+(\.[0-9]+)?")
+"""ASCII digits only (`\\d` takes any script's: "٣٥٧" was 357), with a decimal part to tell 357.9 from 357."""
 
 
 def parse_integer_answer(completion: str) -> int | None:
-    """The first integer in the completion (`" 357<eos>"` → 357, `"-4 apples"` → -4), or None."""
-    match = _INTEGER.search(completion)
-    return None if match is None else int(match.group())
+    """The first number in the completion when it is an integer (`" 357<eos>"` → 357, `"-4 apples"` → -4,
+    `"357.9"` → None: before, its first integer, 357), or None."""
+    match = _NUMBER.search(completion)
+    return None if match is None or match.group(1) else int(match.group())
 
 
 def arithmetic_reward(completion: str, answer: str | int) -> float:

@@ -104,6 +104,9 @@ def test_last_boxed(text, content):
         ("abc", "357", 0.0),
         ("", "357", 0.0),
         ("357", 357, 1.0),
+        ("357.9", "357", 0.0),  # its first number is not an integer (before: 357, reward 1)
+        ("357. Done", "357", 1.0),  # a sentence's full stop is no decimal
+        ("٣٥٧", "357", 0.0),  # ASCII digits only (before: any script's)
     ],
 )
 def test_arithmetic_reward(completion, answer, expected):
