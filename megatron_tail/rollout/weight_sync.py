@@ -239,11 +239,30 @@ class _Servers:
             message = f"after the update to weight_version {version!r}: " + "; ".join(wrong)
             raise WeightSyncError(message) from first
 
+    async def open_on_all(self, session, path: str, bodies: Sequence[dict[str, Any]], undo: str) -> None:
+        """`post_all(path)`; where a server refused it, `undo` goes to every server (at once, best effort:
+        the others did open) before the refusal is raised. Before, a pause or a session that one server
+        refused left the others paused, or in a session every later begin is refused in."""
+        try:
+            await self.post_all(session, path, bodies)
+        except WeightSyncError:
+            await asyncio.gather(
+                *(self.post_one(session, url, undo, {}) for url in self.urls), return_exceptions=True
+            )
+            raise
+
     async def in_session(self, session, update):
         """Run `await update()` inside SGLang's weight-update session (`/begin_weight_update` …
-        `/end_weight_update`, module docstring); the session is closed even when the update fails."""
+        `/end_weight_update`, module docstring); the session is closed even when the update fails. A
+        session a trainer left open when it died mid-update (SGLang refuses a begin then: "already open";
+        remote servers outlive the trainer) is closed and the begin asked once more."""
         n = len(self.urls)
-        await self.post_all(session, "/begin_weight_update", [{}] * n)
+        try:
+            await self.open_on_all(session, "/begin_weight_update", [{}] * n, "/end_weight_update")
+        except WeightSyncError as refused:
+            if STALE_SESSION not in str(refused):
+                raise
+            await self.open_on_all(session, "/begin_weight_update", [{}] * n, "/end_weight_update")
         try:
             result = await update()
         except BaseException as failure:
@@ -259,7 +278,9 @@ class _Servers:
     async def paused(self, session, update):
         """Run `await update()` with every server paused; always continue them afterwards."""
         n = len(self.urls)
-        await self.post_all(session, "/pause_generation", [{"mode": self.pause_mode}] * n)
+        await self.open_on_all(
+            session, "/pause_generation", [{"mode": self.pause_mode}] * n, "/continue_generation"
+        )
         try:
             result = await update()
         except BaseException as failure:
@@ -270,6 +291,11 @@ class _Servers:
             raise
         await self.post_all(session, "/continue_generation", [{}] * n)
         return result
+
+
+STALE_SESSION = "a weight-update session is already open"
+"""SGLang 0.5.23's refusal of a begin inside an open session (`SchedulerWeightUpdater.begin_weight_update`,
+managers/scheduler_components/weight_updater.py); the local engine says the same."""
 
 
 def _describe(answer) -> str:

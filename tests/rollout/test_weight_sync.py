@@ -403,6 +403,85 @@ def test_distributed_buckets_run_inside_sglangs_weight_update_session(monkeypatc
     ]
 
 
+def _stateful_app(state: dict, *, refuse: str | None = None):
+    """A stand-in SGLang 0.5.23 server that keeps its pause and its weight-update session as the scheduler
+    does (`is_pause`; `SchedulerWeightUpdater._session`: a begin inside one is refused, an end outside one),
+    and refuses `refuse`."""
+    from aiohttp import web
+
+    from megatron_tail.rollout.weight_sync import STALE_SESSION
+
+    async def post(request):
+        path, _ = request.path, await request.json()
+        refusal = "refused" if path == refuse else None
+        if refusal is None and path == "/begin_weight_update" and state["session"]:
+            refusal = f"{STALE_SESSION}; call end_weight_update() first"
+        if refusal is None and path == "/end_weight_update" and not state["session"]:
+            refusal = "no weight-update session is open; call begin_weight_update() first"
+        if refusal is not None:
+            return web.json_response({"success": False, "message": refusal})
+        state["paused"] = {"/pause_generation": True, "/continue_generation": False}.get(
+            path, state["paused"]
+        )
+        state["session"] = {"/begin_weight_update": True, "/end_weight_update": False}.get(
+            path, state["session"]
+        )
+        return web.json_response({"success": True, "message": "ok"})
+
+    async def model_info(_request):
+        return web.json_response({"weight_version": "1"})
+
+    app = web.Application()
+    app.router.add_post("/{path}", post)
+    app.router.add_get("/model_info", model_info)
+    return app
+
+
+@pytest.mark.parametrize("refused", ["/pause_generation", "/begin_weight_update"])
+def test_a_server_refusing_the_pause_or_the_session_leaves_the_others_running(monkeypatch, refused):
+    """Before: the servers that did pause, or did open the session, were left so: paused (every request to
+    them waited), or in a session in which SGLang refuses every later begin, until they were restarted."""
+    import torch
+
+    from megatron_tail.rollout import WeightSyncError, weight_sync
+
+    monkeypatch.setattr(weight_sync, "_broadcast_in_order", lambda _pairs, _group, ended: ended.set())
+    healthy, refusing = {"paused": False, "session": False}, {"paused": False, "session": False}
+
+    async def scenario():
+        async with (
+            serving_app(_stateful_app(healthy)) as a,
+            serving_app(_stateful_app(refusing, refuse=refused)) as b,
+        ):
+            sync = DistributedWeightSync([a, b], master_address="127.0.0.1", master_port=1)
+            sync.engine_tp_sizes, sync.group = [1, 1], object()
+            with pytest.raises(WeightSyncError, match=f"{refused}: .*'refused'"):
+                await sync.update([("w", torch.zeros(4))], weight_version="1")
+
+    asyncio.run(scenario())
+    assert healthy == {"paused": False, "session": False}
+
+
+def test_a_session_a_dead_trainer_left_open_is_closed_and_the_sync_goes_on(monkeypatch):
+    """Remote servers outlive the trainer: one killed between begin and end left the session open, and a
+    rerun's first sync was refused ("already open") on every try."""
+    import torch
+
+    from megatron_tail.rollout import weight_sync
+
+    monkeypatch.setattr(weight_sync, "_broadcast_in_order", lambda _pairs, _group, ended: ended.set())
+    left_open = {"paused": False, "session": True}
+
+    async def scenario():
+        async with serving_app(_stateful_app(left_open)) as url:
+            sync = DistributedWeightSync([url], master_address="127.0.0.1", master_port=1)
+            sync.engine_tp_sizes, sync.group = [1], object()
+            return await sync.update([("w", torch.zeros(4))], weight_version="1")
+
+    assert asyncio.run(scenario()) == "1"
+    assert left_open == {"paused": False, "session": False}
+
+
 def _disk_update_body(model_path: str) -> dict:
     """The body a `DiskWeightSync.update(model_path)` posts to a recording server's
     `/update_weights_from_disk`."""
