@@ -51,8 +51,19 @@ class RankWeights:
     def tensors(self):
         self._announce(TENSORS, None)
         self.streamed = True
-        self._stream = self._gathered()
+        self._stream = self._guarded(self._gathered())
         return self._stream
+
+    def _guarded(self, stream):
+        """`stream`, marking `gather_failed` where a gather of rank 0's own raises in it (a CUDA OOM in a
+        cast, a failed receive): `finish` then raises at once, as for an export. Before, it drained the dead
+        stream (nothing) and announced the failure in a barrier while the other ranks sat in the gather it
+        had left, until a collective's timeout. `close()`'s GeneratorExit is no failure."""
+        try:
+            yield from stream
+        except Exception:
+            self.gather_failed = True
+            raise
 
     def finish(self, times, error: Exception | None, version: int):
         """Rank 0, after the service's `sync_weights`: its `times`, or its `error` raised on every rank."""
