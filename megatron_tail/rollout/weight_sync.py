@@ -293,6 +293,15 @@ class _Servers:
         return result
 
 
+SERVED_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "float32": torch.float32,
+    "float": torch.float32,
+}
+"""SGLang's `--dtype` choices (server_args.py) → the dtype its weights hold; "auto" is the checkpoint's."""
+
 STALE_SESSION = "a weight-update session is already open"
 """SGLang 0.5.23's refusal of a begin inside an open session (`SchedulerWeightUpdater.begin_weight_update`,
 managers/scheduler_components/weight_updater.py); the local engine says the same."""
@@ -449,6 +458,14 @@ class DistributedWeightSync:
                         f"{url} runs {what} ({key}={info[key]}); in-memory weight sync supports TP engines "
                         "only (one server per DP replica), or use rollout.weight_sync.mode: disk"
                     )
+            served = SERVED_DTYPES.get(str(info.get("dtype")))  # "auto" (the checkpoint's): not known here
+            if served is not None and self.dtype is not None and served != self.dtype:
+                sent = str(self.dtype).removeprefix("torch.")
+                raise WeightSyncError(
+                    f"{url} runs --dtype {info['dtype']}, and the weights are sent as {sent} "
+                    f"(rollout.dtype; null: bfloat16 for remote servers): every sync would round them "
+                    f"through {sent}; set rollout.dtype: {str(served).removeprefix('torch.')}"
+                )
             return int(info["tp_size"])
 
         return list(await asyncio.gather(*(self.servers.in_time(ask(u)) for u in self.servers.urls)))

@@ -336,6 +336,44 @@ def test_the_group_is_laid_out_from_each_servers_tp_size():
     assert joined == []  # refused before anything joined
 
 
+@pytest.mark.parametrize(
+    ("served", "refused"), [("float16", True), ("half", True), ("bfloat16", False), ("auto", False)]
+)
+def test_servers_of_another_dtype_than_the_sync_sends_are_refused_by_name(served, refused):
+    """Before: an fp16 trainer syncing to fp16 servers with rollout.dtype unset sent bfloat16 (its default
+    for remote servers): every sync rounded the weights through bfloat16, the mismatch the fp16 remedy is
+    meant to remove, silently. "auto" (the checkpoint's dtype) is not known here and passes."""
+    import torch
+    from aiohttp import web
+
+    from megatron_tail.rollout import WeightSyncError
+
+    async def server_info(_request):
+        return web.json_response({"tp_size": 1, "dtype": served})
+
+    async def init_group(_request):
+        return web.json_response({"success": False, "message": "not joining in this test"})
+
+    app = web.Application()
+    app.router.add_get("/server_info", server_info)
+    app.router.add_post("/init_weights_update_group", init_group)
+
+    async def scenario():
+        async with serving_app(app) as url:
+            sync = DistributedWeightSync(
+                [url], master_address="127.0.0.1", listen_socket=reserve_port(""), backend="gloo",
+                timeout_s=1.0, dtype=torch.bfloat16,
+            )  # fmt: skip
+            with pytest.raises(WeightSyncError) as info:
+                await sync.init_group()
+            return str(info.value)
+
+    message = asyncio.run(scenario())
+    said = f"runs --dtype {served}, and the weights are sent as bfloat16 (rollout.dtype; null: bfloat16"
+    assert (said in message) == refused, message
+    assert ("not joining in this test" in message) == (not refused)
+
+
 def _recording_app(calls: list[tuple[str, dict]], *, version: str, fail: str | None = None):
     """A stand-in SGLang server that records every POST (path, body), answers success except on `fail`,
     and reports `version` in /model_info."""

@@ -92,7 +92,9 @@ class RolloutSection:
     """dtype of the rollout engines: the local engine's, and under `slurm/rl.sbatch` the servers' `--dtype`
     (SGLang's, or the local engine's with `cluster.rollout_backend: local`). "float16" with
     `model.precision: fp16` is the fp16 remedy. None: `local.dtype` for local engines (the one the trainer
-    starts, and those of `rl.sbatch`'s local backend), bfloat16 for the SGLang servers `rl.sbatch` starts."""
+    starts, and those of `rl.sbatch`'s local backend), bfloat16 for the SGLang servers `rl.sbatch` starts.
+    The in-memory weight sync sends this dtype, and refuses servers whose `--dtype` (their `/server_info`)
+    is another: each sync would round the weights through it."""
     quantization: RolloutQuantization = "none"
     """"fp8": the engines generate with FP8 (e4m3) linear layers from the bf16 weights, quantized at load and
     after every weight sync: per-output-channel weight scales (SGLang's choice on cutlass-capable GPUs such as
