@@ -442,7 +442,16 @@ class RunConfig:
         from megatron_tail.rollout.envs.registry import load_env_class
 
         if self.rollout.env.name is not None:
-            load_env_class(self.rollout.env.name)
+            env = load_env_class(self.rollout.env.name)
+            later = getattr(env, "enable_thinking", None)  # how a tool environment renders the later turns
+            first = self.data.enable_thinking
+            if first is not None and later is not None and first != later:
+                raise UserError(
+                    f"data.enable_thinking={str(first).lower()} renders each episode's first prompt, and "
+                    f"rollout.env.name={self.rollout.env.name} renders its later turns with enable_thinking="
+                    f"{str(later).lower()} (the class's): one episode would mix thinking and non-thinking "
+                    "turns; set them alike"
+                )
         load_reward_fn(self.data.reward)
 
     def check_inputs(self, *, host: bool = True) -> None:

@@ -104,6 +104,21 @@ def _cfg(*overrides):
     return load_config(None, ["algorithm.group_size=2", *overrides])
 
 
+def test_the_first_prompt_and_the_later_turns_think_alike():
+    """`data.enable_thinking` renders an episode's first prompt; a tool environment's own `enable_thinking`
+    its later turns (`render_tool_responses`). Set apart, one episode mixed thinking and non-thinking
+    turns."""
+    for thinking in ("true", None):  # the calculator renders thinking turns; unset: the template's default
+        sets = [] if thinking is None else [f"data.enable_thinking={thinking}"]
+        _cfg("rollout.env.name=calculator", *sets).check_plugins()
+    said = (
+        r"^data.enable_thinking=false renders each episode's first prompt, and rollout.env.name=calculator "
+        r"renders its later turns with enable_thinking=true \(the class's\)"
+    )
+    with pytest.raises(UserError, match=said):
+        _cfg("rollout.env.name=calculator", "data.enable_thinking=false").check_plugins()
+
+
 def test_multiturn_config_keys():
     cfg = _cfg(
         "rollout.env.name=calculator",
