@@ -59,7 +59,7 @@ def make_replies(tokens: int, support: int, seed: int = 0) -> tuple[list[list[di
 @contextlib.contextmanager
 def loops_only():
     """The fast checks refuse everything: each parser runs its per-token loop."""
-    names = ("transposed", "firsts", "numbers", "support_ids")
+    names = ("transposed", "firsts", "numbers", "logprob_values", "support_ids")
     saved = [getattr(builtin, n) for n in names], protocol.token_ids
     for name in names:
         setattr(builtin, name, lambda *_a: None)

@@ -34,7 +34,7 @@ from megatron_tail.rollout.routes import (
     route_rows,
 )
 
-from .fast_checks import ID_LIMIT, finite_logprobs, firsts, numbers, support_ids, transposed
+from .fast_checks import ID_LIMIT, firsts, logprob_values, numbers, support_ids, transposed
 from .table import ColumnTable, Reply, SampleShape, TokenColumn, not_trained
 
 LOGPROBS = "rollout_logprobs"
@@ -79,8 +79,7 @@ def _parse_logprobs(reply: Reply, _parsed) -> list[float]:
     output_ids = reply.output_ids
     columns = transposed(triples, 2)  # [logprob, token_id] of each triple, as two columns
     if columns is not None and list(columns[1]) == output_ids:
-        values = numbers(columns[0])
-        if values is not None and finite_logprobs(values):
+        if (values := logprob_values(columns[0])) is not None:
             return values.tolist()
     return _checked_logprobs(reply, triples)
 
@@ -158,9 +157,11 @@ def _parse_support(reply: Reply, parsed: dict):
     hint = " (an SGLang without return_sampling_mask support?)"
     masks = per_token_list(reply, "output_token_sampling_mask", "entry", hint)
     selected = per_token_list(reply, "output_token_sampling_logprobs", "entry", hint)
-    ids, values = support_ids(masks, output_ids), numbers(selected)
-    if ids is None or values is None or not finite_logprobs(values):
-        ids, values = _checked_support(reply, masks, selected)
+    ids, values = support_ids(masks, output_ids), logprob_values(selected)
+    if ids is None or values is None:
+        support, values = _checked_support(reply, masks, selected)
+    else:
+        support = Ragged.from_flat(*ids)
     del reply.meta["output_token_sampling_mask"]
     full = parsed.get(LOGPROBS)
     if parsed.get(TOP_LOGPROBS) is not None and full is not None:  # onto the truncated normaliser
@@ -169,12 +170,14 @@ def _parse_support(reply: Reply, parsed: dict):
         ).tolist()
     if full is not None:
         parsed[LOGPROBS] = values.tolist()
-    return Ragged.from_flat(*ids)
+    return support
 
 
 def _checked_support(reply: Reply, masks: list, selected: list):
-    """`support_ids` and the truncated log-probs (float64 `[n]`) by a loop over the tokens, which names the
-    first bad entry (MalformedResponseError); for what the fast checks refused."""
+    """The support (a `Ragged`) and the truncated log-probs (float64 `[n]`) by a loop over the tokens, which
+    names the first bad entry (MalformedResponseError); for what the fast checks refused."""
+    from megatron_tail.utils.ragged import Ragged
+
     for i, (mask, value, token) in enumerate(zip(masks, selected, reply.output_ids, strict=True)):
         if (
             not isinstance(mask, list)
@@ -189,9 +192,7 @@ def _checked_support(reply: Reply, masks: list, selected: list):
             raise MalformedResponseError(
                 f"{reply.where}: output_token_sampling_logprobs[{i}] = {clip(value)} is not finite and ≤ 0"
             )
-    sizes = np.fromiter(map(len, masks), dtype=np.int64, count=len(masks))
-    flat = np.fromiter(chain.from_iterable(masks), dtype=np.int32, count=int(sizes.sum()))
-    return (flat, sizes), np.array([float(v) for v in selected], dtype=np.float64)
+    return Ragged.from_lists(masks), np.array([float(v) for v in selected], dtype=np.float64)
 
 
 def _join_supports(first, then):

@@ -35,9 +35,13 @@ def numbers(values: Sequence) -> np.ndarray | None:
         return None
 
 
-def finite_logprobs(values: np.ndarray, *, slack: float = 1e-4) -> bool:
-    """Whether every value is a finite log-prob ≤ `slack` (NaN and −inf fail)."""
-    return bool(np.all((values > -np.inf) & (values <= slack)))
+def logprob_values(values: Sequence, *, slack: float = 1e-4) -> np.ndarray | None:
+    """`values` as float64 `[n]` where every one is a finite log-prob ≤ `slack`; None if any is not a
+    number (`numbers`), or NaN, −inf or above `slack`."""
+    array = numbers(values)
+    if array is None or not np.all((array > -np.inf) & (array <= slack)):
+        return None
+    return array
 
 
 def transposed(rows: Sequence, k: int) -> list[tuple] | None:
