@@ -57,7 +57,7 @@ def full_entropy_bound(
     elementwise, in float64; returned in `entropy`'s dtype, no gradient."""
     check_float("entropy", entropy)
     check_same_shape("entropy", entropy, logprobs=logprobs, logprobs_full=logprobs_full)
-    h = entropy.detach().double().clamp(min=0)
+    h = stapo_entropy(entropy.detach().double())
     log_z = (logprobs_full.detach().double() - logprobs.detach().double()).clamp(max=0)  # rounding: Z ≤ 1
     z, rest = log_z.exp(), -torch.expm1(log_z)
     binary = -z * log_z - torch.xlogy(rest, rest)  # H_b(Z); 0·log 0 = 0 where nothing was pruned

@@ -19,7 +19,6 @@ evaluating on another set, or a failed evaluation, loses none.
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import hashlib
 import json
@@ -218,14 +217,12 @@ def exported(checkpoint: Path) -> bool:
 def export_lock(checkpoint: Path, note=print):
     """Hold a POSIX record lock on `<checkpoint>/.hf.lock` (`run_dir_lock`'s kind: NFS and Lustre lock it
     across nodes; the kernel drops it when its holder dies). A wait for another holder is said first."""
+    from .run_dir_lock import try_lock
+
     path = checkpoint / EXPORT_LOCK
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        try:
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            if e.errno not in (errno.EACCES, errno.EAGAIN):
-                raise
+        if not try_lock(fd):
             note(
                 f"eval: waiting for another evaluation of {checkpoint} to finish its export "
                 f"({path} is locked)"

@@ -42,15 +42,16 @@ class RunDirLock:
         except OSError as e:  # a read-only mount, permissions: the user's to fix, not a traceback
             raise run_dir_unwritable(run_dir, f"{e.strerror}: {e.filename}") from None
         try:
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
+            held = try_lock(fd)
+        except OSError:
             os.close(fd)
-            if e.errno not in (errno.EACCES, errno.EAGAIN):
-                raise
+            raise
+        if not held:
+            os.close(fd)
             raise RunDirLocked(
                 f"run directory {Path(run_dir)} is in use by another trainer ({_holder(self.path)}); "
                 "wait for it to finish or stop it, or use another run_dir"
-            ) from None
+            )
         holder = {
             "pid": os.getpid(),
             "host": socket.gethostname(),
@@ -66,6 +67,18 @@ class RunDirLock:
             self._fd = None
 
 
+def try_lock(fd: int) -> bool:
+    """Take the exclusive POSIX record lock on open file `fd` without waiting: True, or False where another
+    process holds it (any other error raises)."""
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno not in (errno.EACCES, errno.EAGAIN):
+            raise
+        return False
+    return True
+
+
 def live_holder(run_dir: str | Path) -> str | None:
     """Who holds `<run_dir>/.lock` now (a trainer running there: its PID, host and start), or None: no
     lock file, or nobody holds it. Creates nothing; a probe that gets the lock lets go at once."""
@@ -75,14 +88,9 @@ def live_holder(run_dir: str | Path) -> str | None:
     except OSError:
         return None
     try:
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        if e.errno not in (errno.EACCES, errno.EAGAIN):
-            raise
-        return _holder(path)
+        return None if try_lock(fd) else _holder(path)
     finally:
         os.close(fd)  # closing drops the probe's lock
-    return None
 
 
 def _holder(path: Path) -> str:
