@@ -202,9 +202,8 @@ def make_plan(config: RunConfig, cluster: Cluster) -> Plan:
     )
     check_routing_replay(routing_replay(config), arch.moe, arch.architecture)  # as `train` refuses it
     etp = etp or tp
-    trainer_gpus = (cluster.nodes - cluster.rollout_nodes) * (
-        cluster.trainer_procs_per_node or cluster.gpus_per_node
-    )
+    procs = cluster.trainer_procs_per_node or cluster.gpus_per_node  # trainer ranks per trainer node
+    trainer_gpus = (cluster.nodes - cluster.rollout_nodes) * procs
     if trainer_gpus % (tp * pp * cp):
         raise ValueError(
             f"{trainer_gpus} trainer GPUs are not a multiple of "
@@ -281,7 +280,7 @@ def make_plan(config: RunConfig, cluster: Cluster) -> Plan:
         group_size=1 if config.rollout.env.name is not None else config.algorithm.group_size,
     )
     rollout = rollout_memory(shape, rollout_layout)
-    ckpt = checkpoint_writes(shape, layout, cluster.trainer_procs_per_node or cluster.gpus_per_node)
+    ckpt = checkpoint_writes(shape, layout, procs)
     ckpt_seconds = ckpt.node_bytes / (cluster.fs_write_gbps * 1e9)  # the busiest node's writes
     problems, warnings = _verdict(peak, layout, rollout, rollout_layout)
     warnings += _context_parallel_warnings(shape, layout, peak)
@@ -289,7 +288,6 @@ def make_plan(config: RunConfig, cluster: Cluster) -> Plan:
     warnings += _support_host_warnings(host_supports, layout.support_width, cluster)
     host_routes = routes_host_bytes(shape, layout, samples, longest)
     warnings += _routes_host_warnings(host_routes, rollout, cluster)
-    procs = cluster.trainer_procs_per_node or cluster.gpus_per_node
     warnings += _checkpoint_host_warnings(ckpt, (host_supports + host_routes) * procs, cluster)
     return Plan(
         shape=shape,

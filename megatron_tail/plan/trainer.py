@@ -318,13 +318,14 @@ def checkpoint_writes(shape: ModelShape, layout: TrainerLayout, procs_per_node: 
         layout.data_parallel,
     )
     ep, etp, edp = layout.expert_parallel, layout.expert_tensor_parallel, layout.expert_data_parallel
-    world = tp * cp * dp * pp
+    stages = []  # (dense, expert) parameters on a rank of each pipeline stage
+    for s in range(pp):
+        experts = shape.stage_expert_params(pp, s, ep=ep, etp=etp)
+        stages.append((shape.stage_params(tp, pp, s, ep=ep, etp=etp) - experts, experts))
     nodes: dict[int, list[int]] = {}
     rank_bytes = 0
-    for rank in range(world):
-        stage = rank // (tp * cp * dp)
-        experts = shape.stage_expert_params(pp, stage, ep=ep, etp=etp)
-        dense = shape.stage_params(tp, pp, stage, ep=ep, etp=etp) - experts
+    for rank in range(tp * cp * dp * pp):
+        dense, experts = stages[rank // (tp * cp * dp)]
         params = dense if (rank // tp) % (cp * dp) == 0 else 0  # dense main replica: cp = dp = 0
         params += experts if experts and (rank // (etp * ep)) % edp == 0 else 0  # expert-DP rank 0
         if params:
