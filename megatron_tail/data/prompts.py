@@ -337,8 +337,9 @@ def load_prompts(config: PromptDataConfig, tokenizer) -> list[PromptExample]:
         raise UserError(
             f"{config.path}: no prompts left (rows: {len(dataset)}, dropped as too long: {dropped})"
         )
-    if repeats := len(examples) - len({(e.prompt_text, e.answer) for e in examples}):
-        earlier, later = _first_repeat(examples)
+    repeats, first = _repeats(examples)
+    if repeats:
+        earlier, later = first
         logger.warning(
             "%s: %d of %d prompts repeat an earlier one (the same rendered prompt and answer; the first: %s "
             "repeats %s): an epoch trains each copy, and a step may draw one problem twice; deduplicate the "
@@ -352,14 +353,19 @@ def load_prompts(config: PromptDataConfig, tokenizer) -> list[PromptExample]:
     return examples
 
 
-def _first_repeat(examples: list[PromptExample]) -> tuple[int, int]:
-    """(the earlier record index, the repeating one) of the first repeated (prompt, answer)."""
+def _repeats(examples: list[PromptExample]) -> tuple[int, tuple[int, int] | None]:
+    """How many examples repeat an earlier (prompt, answer), and the first such pair (the earlier record
+    index, the repeating one), in one pass; (0, None) without repeats."""
     seen: dict[tuple[str, str], int] = {}
+    count, first = 0, None
     for e in examples:
-        if (key := (e.prompt_text, e.answer)) in seen:
-            return seen[key], e.index
-        seen[key] = e.index
-    raise ValueError("no repeat")
+        key = (e.prompt_text, e.answer)
+        if key in seen:
+            count += 1
+            first = first or (seen[key], e.index)
+        else:
+            seen[key] = e.index
+    return count, first
 
 
 def _record_lines(path: str | Path) -> list[int] | None:
