@@ -34,7 +34,9 @@ def pack_rows(rows: Any) -> Any:
     if type(rows) is not list or not all(type(row) is list for row in rows):
         return rows
     types = set(map(type, chain.from_iterable(rows)))
-    dtype = _DTYPES.get(types.pop(), None) if len(types) == 1 else np.int64 if not types else None
+    if len(types) > 1:
+        return rows
+    dtype = _DTYPES.get(types.pop()) if types else np.int64  # no entry at all: any dtype round-trips
     if dtype is None:
         return rows
     sizes = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
