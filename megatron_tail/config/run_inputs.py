@@ -96,10 +96,16 @@ def _load(cfg: RunConfig) -> RunPrompts:
     )
     evaluated: list[PromptExample] = []
     if d.eval_path is not None and cfg.train.eval_every:
-        evaluated = load_prompts(d.eval_prompt_data(), tokenizer)[: d.eval_prompts]
+        evaluated = load_eval_examples(d, tokenizer)
         limit.check(evaluated, d.eval_path)
         _check_ids_in_vocab(evaluated, d.eval_path, arch.vocab_size, hf_path)
     return RunPrompts(tokenizer, train, evaluated)
+
+
+def load_eval_examples(data, tokenizer) -> list[PromptExample]:
+    """The first `data.eval_prompts` prompts of `data.eval_path` (a `DataSection`), tokenized: the loop's
+    evaluation and `megatron-tail eval` read them here."""
+    return load_prompts(data.eval_prompt_data(), tokenizer)[: data.eval_prompts]
 
 
 def _check_ids_in_vocab(examples: list[PromptExample], path: str, vocab_size: int, hf_path: str) -> None:

@@ -42,8 +42,10 @@ def evaluate_offline(
     """Exactly one of `hf_dir` / `checkpoint`; `cfg.data.eval_path` must be set. Returns the `eval/*`
     scalars and writes them to `<out_dir>/eval.json`, the local engine's log to `<out_dir>/logs/` (default
     `results_dir`: under the model or checkpoint directory, so a read-only one needs `out_dir`)."""
+    from megatron_tail.config.run_inputs import load_eval_examples
+
     from ..engine.checkpoint import check_checkpoint
-    from .session import load_eval_examples, load_tokenizer
+    from .session import load_tokenizer
 
     check_inputs(cfg, hf_dir=hf_dir, checkpoint=checkpoint, out_dir=out_dir)
     if checkpoint is not None:  # its files, before anything reads them (the log ρ of `auto`)

@@ -362,13 +362,6 @@ def newest_intact_checkpoint(root: Path, note) -> Path | None:
     return None
 
 
-def load_eval_examples(data, tokenizer) -> list:
-    """The first `data.eval_prompts` prompts of `data.eval_path` (a `DataSection`), tokenized."""
-    from megatron_tail.data import load_prompts
-
-    return load_prompts(data.eval_prompt_data(), tokenizer)[: data.eval_prompts]
-
-
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
