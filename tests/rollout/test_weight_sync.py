@@ -374,6 +374,19 @@ def test_servers_of_another_dtype_than_the_sync_sends_are_refused_by_name(served
     assert ("not joining in this test" in message) == (not refused)
 
 
+def _stand_in_server(post, version: str):
+    """A stand-in SGLang server: every POST to `post(request)`, `version` in /model_info."""
+    from aiohttp import web
+
+    async def model_info(_request):
+        return web.json_response({"weight_version": version})
+
+    app = web.Application()
+    app.router.add_post("/{path}", post)
+    app.router.add_get("/model_info", model_info)
+    return app
+
+
 def _recording_app(calls: list[tuple[str, dict]], *, version: str, fail: str | None = None):
     """A stand-in SGLang server that records every POST (path, body), answers success except on `fail`,
     and reports `version` in /model_info."""
@@ -385,13 +398,7 @@ def _recording_app(calls: list[tuple[str, dict]], *, version: str, fail: str | N
         message = "ok" if ok else "Failed to update parameter online"
         return web.json_response({"success": ok, "message": message})
 
-    async def model_info(_request):
-        return web.json_response({"weight_version": version})
-
-    app = web.Application()
-    app.router.add_post("/{path}", post)
-    app.router.add_get("/model_info", model_info)
-    return app
+    return _stand_in_server(post, version)
 
 
 def test_distributed_buckets_run_inside_sglangs_weight_update_session(monkeypatch):
@@ -466,13 +473,7 @@ def _stateful_app(state: dict, *, refuse: str | None = None):
         )
         return web.json_response({"success": True, "message": "ok"})
 
-    async def model_info(_request):
-        return web.json_response({"weight_version": "1"})
-
-    app = web.Application()
-    app.router.add_post("/{path}", post)
-    app.router.add_get("/model_info", model_info)
-    return app
+    return _stand_in_server(post, "1")
 
 
 @pytest.mark.parametrize("refused", ["/pause_generation", "/begin_weight_update"])
