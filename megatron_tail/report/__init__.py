@@ -2,7 +2,7 @@
 
     path = write_report(["runs/demo/naive", "runs/demo/dvp_mis"])      # runs/demo/report/report.md
 
-Reads files only (events via tensorboard's `EventAccumulator`, `config.yaml` via yaml), never megatron:
+Reads files only (event records past any damaged one, `config.yaml` via yaml), never megatron:
 `events` loads a run, `labels` names runs by their config differences, `plotting` draws panels,
 `buckets` / `histograms` the mismatch panels, `figures` one function per figure, `build` the report.
 """

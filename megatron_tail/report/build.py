@@ -54,7 +54,8 @@ def write_report(
     """Read each run's events and config, write the figures and `report.md` into `out_dir`; return the
     path of `report.md`.
 
-    `say`: where to say, once per run, that a resume rewound its log (`RunEvents.rewound_to`).
+    `say`: where to say, once per run, that a resume rewound its log (`RunEvents.rewound_to`), and once per
+    damaged stretch of an event file what it may have held (`RunEvents.damaged`; the rest is read).
     `out_dir` defaults to `<run_dir>/report` for one run and `<common parent>/report` for several. `labels`
     (one per run) default to the config keys that differ between the runs (`labels.run_labels`). A
     `UserError` naming each run directory without TensorBoard events (nothing to report of it) and when
@@ -66,6 +67,8 @@ def write_report(
         raise ValueError(f"{len(labels)} labels for {len(run_dirs)} runs: give one label per run")
     runs = [load_run(d) for d in run_dirs]
     for run in runs:
+        for line in run.damaged if say is not None else ():
+            say(line)
         if run.rewound_to and say is not None:
             steps = ", ".join(str(s) for s in run.rewound_to)
             say(

@@ -15,6 +15,7 @@ import numpy as np
 import yaml
 
 from megatron_tail.config.loader import RESOLVED_CONFIG_NAME
+from megatron_tail.report.event_records import Damage, read_records
 from megatron_tail.train.run.run_dir import tensorboard_dir
 from megatron_tail.utils.errors import UserError
 
@@ -36,6 +37,8 @@ class RunEvents:
     rewound_to: list[int] = field(default_factory=list)
     """The steps a resumed run logged again from (its checkpoint's step + 1), one per resume that went back
     over logged steps; their values are the resumed run's (`read_events`)."""
+    damaged: list[str] = field(default_factory=list)
+    """See `LoggedEvents.damaged`."""
 
     def has(self, tag: str) -> bool:
         return tag in self.scalars or tag in self.histograms
@@ -51,6 +54,8 @@ class LoggedEvents:
     """tag → {step: TensorBoard's HistogramValue}."""
     rewound_to: list[int] = field(default_factory=list)
     """See `RunEvents.rewound_to`."""
+    damaged: list[str] = field(default_factory=list)
+    """One line per damaged stretch of an event file: where, and which steps' values it may have held."""
 
 
 def read_events(events_dir: str | Path) -> LoggedEvents:
@@ -62,24 +67,16 @@ def read_events(events_dir: str | Path) -> LoggedEvents:
     checkpoint. The files are read one by one in the order they were created and each one's first step
     drops the later steps read so far. TensorBoard's own `EventAccumulator` over the whole directory
     purges by wall time instead, and says "Detected out of order event.step ... Removing N scalars" for
-    every resume; each file here is its own accumulator with that purge off.
+    every resume. A damaged record is skipped, not the rest of its file, and named in
+    `LoggedEvents.damaged` (`event_records.read_records`).
     """
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     logged = LoggedEvents()
     seen_up_to = -1
-    for path in sorted(Path(events_dir).glob("events.out.tfevents.*"), key=_created_at):
-        # 0 = keep every event (the defaults subsample scalars and keep one histogram per tag)
-        acc = EventAccumulator(
-            str(path), size_guidance={"scalars": 0, "histograms": 0}, purge_orphaned_data=False
-        )
-        acc.Reload()
-        tags = acc.Tags()
-        scalars = {tag: [(int(e.step), float(e.value)) for e in acc.Scalars(tag)] for tag in tags["scalars"]}
-        histograms = {
-            tag: [(int(e.step), e.histogram_value) for e in acc.Histograms(tag)] for tag in tags["histograms"]
-        }
-        steps = [step for series in (*scalars.values(), *histograms.values()) for step, _ in series]
+    files = [(path, _file_events(path)) for path in Path(events_dir).glob("events.out.tfevents.*")]
+    for path, events in sorted(files, key=lambda item: item[1].wall_time):
+        logged.damaged += events.damage_lines(path)
+        series_of_file = (*events.scalars.values(), *events.histograms.values())
+        steps = [step for series in series_of_file for step, _ in series]
         if not steps:
             continue
         first = min(steps)
@@ -89,20 +86,72 @@ def read_events(events_dir: str | Path) -> LoggedEvents:
                 for step in [s for s in by_step if s >= first]:
                     del by_step[step]
         seen_up_to = max(seen_up_to, max(steps))
-        for into, series in ((logged.scalars, scalars), (logged.histograms, histograms)):
+        for into, series in ((logged.scalars, events.scalars), (logged.histograms, events.histograms)):
             for tag, pairs in series.items():
                 into.setdefault(tag, {}).update(pairs)  # within one file, the last write of a step wins
     return logged
 
 
-def _created_at(path: Path) -> float:
-    """The wall time of a file's first event (its header), to order files made within one second (their
-    names hold whole seconds and then the pid); a file without one sorts first."""
-    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+@dataclass
+class _FileEvents:
+    """One event file's values in file order, where its damage lies, and when it was created."""
 
-    for event in EventFileLoader(str(path)).Load():
-        return event.wall_time
-    return float("-inf")
+    wall_time: float
+    """Its first event's (the file header's) wall time, to order files made within one second (their
+    names hold whole seconds and then the pid); `-inf` for a file without one, which sorts first."""
+    scalars: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    histograms: dict[str, list[tuple[int, Any]]] = field(default_factory=dict)
+    damage: list[tuple[Damage, int | None, int | None]] = field(default_factory=list)
+    """Each damaged stretch with the last step read before it and the first after it (None: none)."""
+    size: int = 0
+
+    def damage_lines(self, path: Path) -> list[str]:
+        lines = []
+        for d, before, after in self.damage:
+            where = f"{path}: {d.length} bytes at offset {d.offset} of {self.size} hold no readable event"
+            if d.at_end:
+                lost = f"after step {before}" if before is not None else "before any step"
+                lines.append(f"{where} (a write the writer never finished): what it logged {lost} is lost")
+            else:
+                span = (
+                    f"from step {before} to step {after}"
+                    if before is not None and after is not None
+                    else f"before step {after}"
+                    if after is not None
+                    else f"after step {before}"
+                    if before is not None
+                    else "where no step was read"
+                )
+                lines.append(f"{where} (corrupted): values logged {span} may be missing; the rest is read")
+        return lines
+
+
+def _file_events(path: Path) -> _FileEvents:
+    """Scalars (`simple_value`, as `SummaryWriter.add_scalar` writes them) and histograms (`histo`) of one
+    event file, from its intact records."""
+    from tensorboard.compat.proto import event_pb2
+
+    records, damage, size = read_records(path)
+    out = _FileEvents(wall_time=float("-inf"), size=size)
+    stepped: list[tuple[int, int]] = []  # (offset, step) of each record that holds a value
+    for k, (offset, record) in enumerate(records):
+        event = event_pb2.Event.FromString(record)
+        if k == 0:
+            out.wall_time = event.wall_time
+        step = int(event.step)
+        for value in event.summary.value:
+            if value.HasField("simple_value"):
+                out.scalars.setdefault(value.tag, []).append((step, float(value.simple_value)))
+            elif value.HasField("histo"):
+                out.histograms.setdefault(value.tag, []).append((step, value.histo))
+            else:
+                continue
+            stepped.append((offset, step))
+    for d in damage:
+        before = [step for offset, step in stepped if offset < d.offset]
+        after = [step for offset, step in stepped if offset > d.offset]
+        out.damage.append((d, before[-1] if before else None, after[0] if after else None))
+    return out
 
 
 def load_run(run_dir: str | Path) -> RunEvents:
@@ -120,6 +169,7 @@ def load_run(run_dir: str | Path) -> RunEvents:
         return run
     logged = read_events(events_dir)
     run.rewound_to = logged.rewound_to
+    run.damaged = logged.damaged
     for tag, by_step in logged.scalars.items():
         steps = sorted(by_step)
         values = [by_step[s] for s in steps]
