@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_tail.utils.errors import UserError
+from megatron_tail.utils.file_digest import file_digest
 from megatron_tail.utils.paths import tilde_hint
 
 logger = logging.getLogger(__name__)
@@ -102,7 +103,8 @@ class PromptDataConfig(PromptFormat):
     path: str = field(default="", kw_only=True)
     """Local .jsonl / .json / .parquet file."""
     cache_dir: str | None = field(default=None, kw_only=True)
-    """`datasets` cache directory (None: its default)."""
+    """`datasets` cache directory (None: its default); `read_records` keeps one directory per file content
+    under it."""
 
     @classmethod
     def of(cls, path: str, fmt: PromptFormat, cache_dir: str | None = None) -> PromptDataConfig:
@@ -171,9 +173,14 @@ def read_records(path: str | Path, cache_dir: str | None = None):
         # naming neither the file nor the line
         _check_utf8(path)
     reader = datasets.Dataset.from_json if kind == "json" else datasets.Dataset.from_parquet
+    # `datasets` keys its cache of a local file by path and mtime alone
+    # (`data_files._get_single_origin_metadata`), so a file rewritten with its mtime kept (`cp -p`,
+    # `rsync -t`, or twice within one timestamp tick) gave the old file's rows without a word
+    base = Path(cache_dir) if cache_dir is not None else Path(datasets.config.HF_DATASETS_CACHE)
+    content_cache = base / f"megatron_tail-content-{file_digest(path)[:16]}"
     try:
         with _datasets_quiet(datasets):
-            dataset = reader(str(path), cache_dir=cache_dir, keep_in_memory=True)
+            dataset = reader(str(path), cache_dir=str(content_cache), keep_in_memory=True)
     except Exception as e:  # datasets/pyarrow errors name neither the file nor the row: find them
         if kind == "json":
             _check_json(path)

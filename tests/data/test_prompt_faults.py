@@ -227,3 +227,29 @@ def test_a_prompt_longer_than_the_context_is_named_with_the_limit_and_the_remedi
     PromptLimit(context=25, context_source="m", new_tokens=5).check(examples, path)  # exactly full: accepted
     with pytest.raises(UserError, match=r"rollout.max_new_tokens=24 leaves no room for a prompt"):
         PromptLimit(context=24, context_source="m", new_tokens=24).check(examples, path)
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_a_file_rewritten_with_its_mtime_kept_is_read_anew(tokenizer, tmp_path, suffix):
+    """`datasets` keys its cache of a local file by path and mtime alone. Before: a file rewritten and given
+    its old mtime back (`cp -p`, `rsync -t`, or two writes within one timestamp tick) loaded the first
+    file's rows from the cache, while the run's data digest recorded the new file."""
+    import os
+
+    import datasets
+
+    path = tmp_path / f"p{suffix}"
+
+    def write(rows):
+        if suffix == ".jsonl":
+            path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        else:
+            datasets.Dataset.from_list(rows).to_parquet(str(path))
+
+    write([{"prompt": "1+1=", "answer": "2"}])
+    first = os.stat(path)
+    assert [p.answer for p in _load(path, tokenizer, tmp_path)] == ["2"]
+    write([{"prompt": "2+2=", "answer": "4"}])
+    os.utime(path, ns=(first.st_atime_ns, first.st_mtime_ns))
+    assert os.stat(path).st_mtime_ns == first.st_mtime_ns
+    assert [p.answer for p in _load(path, tokenizer, tmp_path)] == ["4"]

@@ -16,34 +16,16 @@ as it reads the prompts: `session.RunSession`); a resume compares them with the 
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
 
 from megatron_tail.config import RunConfig
 from megatron_tail.utils.errors import UserError
+from megatron_tail.utils.file_digest import file_digest
 
 DIGESTS_NAME = "data_digests.json"
 KEYS = ("data.train_path", "data.eval_path")
-_CHUNK = 8 << 20
-
-
-def file_digest(path: str | Path) -> str:
-    """SHA-256 (hex) of `path`'s bytes; computed once per (file, size, mtime) in a process (the resume's
-    comparison and the session's record of the same file at start read it once)."""
-    stat = Path(path).stat()
-    return _digest(str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=8)
-def _digest(path: str, _size: int, _mtime_ns: int) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def current(cfg: RunConfig) -> dict[str, str | None]:
