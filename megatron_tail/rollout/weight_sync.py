@@ -54,6 +54,7 @@ The disk path sends `load_format: "auto"`: the request's default is the server's
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 import threading
@@ -70,6 +71,8 @@ import torch
 from megatron_tail.rollout.process_group import destroy_custom_process_group, init_custom_process_group
 from megatron_tail.utils.errors import OutsideFailure
 from megatron_tail.utils.net import base_urls
+
+logger = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 
@@ -134,6 +137,13 @@ class WeightSyncError(OutsideFailure):
         self.http_status = http_status
 
 
+CLEANUP_LIMIT_S = 60.0
+"""The longest wait for each request that undoes an open after a failure (end a session, continue
+generation): SGLang answers them from its scheduler at once, while a server that hung on the update would
+hang on them too, and the run is ending on that failure. Before, each waited the update's own limit, so a
+timed-out sync took up to three times `rollout.weight_sync.timeout_s` to end, silently."""
+
+
 class _Servers:
     """POSTs one JSON body to every server at once and checks SGLang's `{"success": ...}` answers; a server
     that does not answer within `timeout_s` is named with the limit as `timeout_name` (the caller's config
@@ -157,6 +167,9 @@ class _Servers:
         self.limit = f"{timeout_name}={timeout_s:g} s"
         """Every request's time limit, named as the caller knows it (e.g.
         `rollout.weight_sync.timeout_s=600 s`)."""
+        cleanup_s = min(timeout_s, CLEANUP_LIMIT_S)
+        self.cleanup_timeout = aiohttp.ClientTimeout(total=cleanup_s)
+        self.cleanup_limit = f"{cleanup_s:g} s (the limit of a cleanup after a failed update)"
         self.pause_mode = pause_mode
         # SGLang 0.5.23 fails an update whose cache flush it refuses (`flush_cache_after_weight_update`,
         # srt/managers/scheduler_components/weight_updater.py), and `Scheduler.flush_cache` refuses while the
@@ -168,11 +181,16 @@ class _Servers:
         # in every mode, and no new request reuses an older version's prefix
         self.flush_cache = pause_mode != "in_place" or not partial_rollouts
 
-    async def post_all(self, session, path: str, bodies: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    async def post_all(
+        self, session, path: str, bodies: Sequence[dict[str, Any]], *, cleanup: bool = False
+    ) -> list[dict[str, Any]]:
         """Every server's answer to `path` (`post_one` each, at once); one `WeightSyncError` naming each
         server that failed, raised from the first of them."""
         answers = await asyncio.gather(
-            *(self.post_one(session, url, path, body) for url, body in zip(self.urls, bodies, strict=True)),
+            *(
+                self.post_one(session, url, path, body, cleanup=cleanup)
+                for url, body in zip(self.urls, bodies, strict=True)
+            ),
             return_exceptions=True,
         )
         failures = [answer for answer in answers if isinstance(answer, BaseException)]
@@ -180,11 +198,14 @@ class _Servers:
             raise WeightSyncError("; ".join(map(str, failures))) from failures[0]
         return answers
 
-    async def post_one(self, session, url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def post_one(
+        self, session, url: str, path: str, body: dict[str, Any], *, cleanup: bool = False
+    ) -> dict[str, Any]:
         """`url`'s answer to `path`; a `WeightSyncError` naming it, the path and its answer where it failed
-        (an error answer, `success: false`, no answer within the limit, or any other error on the way)."""
+        (an error answer, `success: false`, no answer within the limit, or any other error on the way).
+        `cleanup`: an undo after a failure, under `CLEANUP_LIMIT_S` rather than the update's limit."""
         try:
-            answer = await self._post(session, url, path, body)
+            answer = await self._post(session, url, path, body, cleanup)
         except Exception as error:
             raise WeightSyncError(
                 f"{url}{path}: {_describe(error)}", getattr(error, "http_status", None)
@@ -193,19 +214,23 @@ class _Servers:
             raise WeightSyncError(f"{url}{path}: {_describe(answer)}")
         return answer
 
-    async def in_time(self, request):
-        """`await request` (one request under `self.timeout`); WeightSyncError naming the limit if it
-        expires (aiohttp's TimeoutError has no text)."""
+    async def in_time(self, request, cleanup: bool = False):
+        """`await request` (one request under `self.timeout`, or `self.cleanup_timeout`); WeightSyncError
+        naming the limit if it expires (aiohttp's TimeoutError has no text)."""
         try:
             return await request
         except TimeoutError:
-            raise WeightSyncError(f"no answer within {self.limit}") from None
+            limit = self.cleanup_limit if cleanup else self.limit
+            raise WeightSyncError(f"no answer within {limit}") from None
 
-    async def _post(self, session, url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        return await self.in_time(self._post_once(session, url, path, body))
+    async def _post(self, session, url: str, path: str, body: dict[str, Any], cleanup: bool) -> dict:
+        return await self.in_time(self._post_once(session, url, path, body, cleanup), cleanup)
 
-    async def _post_once(self, session, url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        async with session.post(f"{url}{path}", json=body, timeout=self.timeout) as resp:
+    async def _post_once(
+        self, session, url: str, path: str, body: dict[str, Any], cleanup: bool
+    ) -> dict[str, Any]:
+        timeout = self.cleanup_timeout if cleanup else self.timeout
+        async with session.post(f"{url}{path}", json=body, timeout=timeout) as resp:
             text = await resp.text()
             if resp.status != 200:
                 raise WeightSyncError(f"HTTP {resp.status}: {text[:500]}", resp.status)
@@ -245,9 +270,11 @@ class _Servers:
         refused left the others paused, or in a session every later begin is refused in."""
         try:
             await self.post_all(session, path, bodies)
-        except WeightSyncError:
+        except WeightSyncError as refused:
+            self._say_cleanup(refused, undo)
             await asyncio.gather(
-                *(self.post_one(session, url, undo, {}) for url in self.urls), return_exceptions=True
+                *(self.post_one(session, url, undo, {}, cleanup=True) for url in self.urls),
+                return_exceptions=True,
             )
             raise
 
@@ -266,14 +293,25 @@ class _Servers:
         try:
             result = await update()
         except BaseException as failure:
+            self._say_cleanup(failure, "/end_weight_update")
             try:
-                await self.post_all(session, "/end_weight_update", [{}] * n)
+                await self.post_all(session, "/end_weight_update", [{}] * n, cleanup=True)
             except WeightSyncError as also:
                 message = f"{failure} (then closing the update session failed too: {also})"
                 raise WeightSyncError(message) from failure
             raise
         await self.post_all(session, "/end_weight_update", [{}] * n)
         return result
+
+    def _say_cleanup(self, failure: BaseException, path: str) -> None:
+        """A line before a cleanup's wait: what failed, what is asked of which servers, for how long."""
+        logger.warning(
+            "weight sync failed (%s); asking %s of %d server(s), waiting up to %s for each",
+            str(failure) or type(failure).__name__,
+            path,
+            len(self.urls),
+            self.cleanup_limit,
+        )
 
     async def paused(self, session, update):
         """Run `await update()` with every server paused; always continue them afterwards."""
@@ -284,8 +322,9 @@ class _Servers:
         try:
             result = await update()
         except BaseException as failure:
+            self._say_cleanup(failure, "/continue_generation")
             try:  # continue the servers still alive; the update's own error is the one to report
-                await self.post_all(session, "/continue_generation", [{}] * n)
+                await self.post_all(session, "/continue_generation", [{}] * n, cleanup=True)
             except WeightSyncError as also:
                 raise WeightSyncError(f"{failure} (then resuming generation failed too: {also})") from failure
             raise

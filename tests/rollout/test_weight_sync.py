@@ -816,3 +816,56 @@ def test_only_requests_held_in_place_keep_the_cache(pause_mode, partial, flush, 
     assert sync.servers.flush_cache is flush
     assert sync.servers.limit == "rollout.weight_sync.timeout_s=42 s"
     assert sync.servers.timeout.total == 42.0
+
+
+def test_the_cleanup_after_a_timed_out_update_waits_its_own_short_limit_and_says_so(monkeypatch, caplog):
+    """A server that stops answering mid-update does not answer the undo either. Before: the disk sync's
+    `/continue_generation` after the timed-out load waited `timeout_s` again (the distributed sync's end of
+    session and continue, twice more), silently; now each cleanup request waits at most
+    `CLEANUP_LIMIT_S`, and a warning says what it asks and for how long before it waits."""
+    import logging
+
+    from aiohttp import web
+
+    from megatron_tail.rollout import WeightSyncError, weight_sync
+
+    monkeypatch.setattr(weight_sync, "CLEANUP_LIMIT_S", 0.2)
+    asked: list[str] = []
+
+    async def scenario():
+        hung = asyncio.Event()
+
+        async def post(request):
+            asked.append(request.path)
+            if request.path != "/pause_generation":
+                await hung.wait()  # answers only once the test is over
+            return web.json_response({"success": True})
+
+        async with serving_app(_stand_in_server(post, "0")) as url:
+            sync = DiskWeightSync([url], timeout_s=1.0, timeout_name="rollout.weight_sync.timeout_s")
+            try:
+                with pytest.raises(WeightSyncError) as raised:
+                    await sync.update("/ckpt/hf", weight_version="1")
+            finally:
+                hung.set()
+            return str(raised.value)
+
+    with caplog.at_level(logging.WARNING, logger=weight_sync.__name__):
+        message = asyncio.run(scenario())
+    assert asked == ["/pause_generation", "/update_weights_from_disk", "/continue_generation"]
+    cleanup_limit = "0.2 s (the limit of a cleanup after a failed update)"
+    assert re.fullmatch(
+        r"http://\S+/update_weights_from_disk: no answer within rollout\.weight_sync\.timeout_s=1 s "
+        r"\(then resuming generation failed too: http://\S+/continue_generation: no answer within "
+        + re.escape(cleanup_limit)
+        + r"\)",
+        message,
+    ), message
+    (said,) = [r.getMessage() for r in caplog.records if r.name == weight_sync.__name__]
+    assert re.fullmatch(
+        r"weight sync failed \(http://\S+/update_weights_from_disk: no answer within "
+        r"rollout\.weight_sync\.timeout_s=1 s\); asking /continue_generation of 1 server\(s\), waiting up to "
+        + re.escape(cleanup_limit)
+        + " for each",
+        said,
+    ), said
