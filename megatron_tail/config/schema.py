@@ -326,6 +326,21 @@ class RunConfig:
                 "sides with one rule, while ignore is the one-sided ablation; set algorithm.log_rho=null, "
                 "or sampling_support=replay",
             )
+        if (
+            self.algorithm.routing_replay == "r3"
+            and self.rollout.partial_rollouts
+            and self.rollout.pause_mode == "retract"
+        ):
+            _bad(
+                "rollout",
+                "pause_mode",
+                "retract",
+                "cannot combine with algorithm.routing_replay=r3 and rollout.partial_rollouts: a retracted "
+                "request is prefilled again under the new weights, which replaces the routes of the tokens "
+                "the older weights sampled (SGLang's Req.reset_for_retract drops its routed_experts), so r3 "
+                "would replay them on routes they were not sampled with; set rollout.pause_mode=abort (or "
+                "in_place; to resume a run started so, with train.allow_config_change=true)",
+            )
         if self.data.prompts_per_step % self.train.mini_batches:
             _bad(
                 "train",

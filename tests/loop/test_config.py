@@ -306,6 +306,13 @@ def test_cross_section_checks():
     )
     with pytest.raises(ValueError, match=r"model\.hf_path is required"):
         load_config(None).check_runnable()
+    r3 = ["algorithm.routing_replay=r3", "rollout.partial_rollouts=true"]
+    with pytest.raises(
+        ConfigError, match=r"rollout\.pause_mode cannot combine with algorithm\.routing_replay=r3.*'retract'"
+    ):
+        load_config(None, r3)  # retract is the default pause mode
+    for mode in ("abort", "in_place"):
+        assert load_config(None, [*r3, f"rollout.pause_mode={mode}"]).rollout.pause_mode == mode
 
 
 def test_sections_are_their_owners_settings():

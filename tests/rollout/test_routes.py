@@ -236,6 +236,35 @@ def test_partial_rollout_keeps_each_positions_route_from_the_weights_that_sample
     assert differ > 0  # the two models route some positions differently: the test tells them apart
 
 
+def test_a_retracted_request_is_prefilled_again_so_its_earlier_routes_are_the_new_weights(
+    moe_dir, moe_step1_dir
+):
+    """Why the config refuses `rollout.pause_mode: retract` with r3 and partial rollouts: a retracted
+    request loses its KV and is prefilled again under the new weights, whose forward replaces the routes of
+    every position (SGLang 0.5.23's `Req.reset_for_retract` sets `routed_experts = None`; the local engine
+    does the same), while the tokens the old weights sampled keep their log-probs and versions."""
+    engine = LocalEngine(moe_dir, dtype="float32", weight_version="0", enable_return_routed_experts=True)
+    sampling = SamplingConfig(
+        n_samples=2, max_new_tokens=24, temperature=1.0, log_rho=None, ignore_eos=True, base_seed=3,
+        return_routed_experts=True, routes_shape=SHAPE,
+    )  # fmt: skip
+    samples = generate_across_an_update(engine, PROMPT, sampling, moe_step1_dir, pause_mode="retract")
+    differ = 0
+    for s in samples:
+        ids = PROMPT + s.output_ids
+        cut = s.columns["token_versions"].index("1")
+        assert s.segments == 1 and cut >= 5
+        edge = len(PROMPT) + cut - 1
+        old, new = (
+            reference_routes(moe_dir, ids)[:-1].numpy(),
+            reference_routes(moe_step1_dir, ids)[:-1].numpy(),
+        )
+        got = np.sort(s.columns["routed_experts"].rows, axis=-1)
+        np.testing.assert_array_equal(got, new)  # every row the new weights', those before `edge` too
+        differ += int((old[:edge] != new[:edge]).any(axis=(1, 2)).sum())
+    assert differ > 0  # so the old weights' tokens are replayed on routes they were not sampled with
+
+
 def test_a_per_expert_checkpoint_loads_into_the_fused_experts_and_a_missing_expert_is_named(
     moe_dir, moe_step1_dir
 ):

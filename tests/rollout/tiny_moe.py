@@ -87,10 +87,13 @@ def reference_routes(model_dir: Path, ids: list[int]) -> torch.Tensor:
     return routes
 
 
-def generate_across_an_update(engine, prompt: list[int], sampling, new_weights: Path, table=None) -> list:
+def generate_across_an_update(
+    engine, prompt: list[int], sampling, new_weights: Path, table=None, pause_mode: str | None = None
+) -> list:
     """`sampling`'s samples of `prompt` (`RolloutClient.generate_group`, partial rollouts) from the local
-    `engine` served over HTTP: held in place after 5 tokens while `new_weights` load as version 1, then
-    continued. Closes `engine`."""
+    `engine` served over HTTP: held in place after 5 tokens while `new_weights` load as version 1 (the
+    update aborting them), then continued; or with `pause_mode`, paused and updated in that mode. Closes
+    `engine`."""
     import asyncio
 
     from megatron_tail.rollout import DiskWeightSync, RolloutClient
@@ -104,12 +107,13 @@ def generate_across_an_update(engine, prompt: list[int], sampling, new_weights: 
             serving_app(build_app(engine)) as url,
             RolloutClient([url], processor=None, **({} if table is None else {"table": table})) as client,
         ):
-            _pause_at_tokens(engine, 5, "in_place")
+            _pause_at_tokens(engine, 5, pause_mode or "in_place")
             task = asyncio.ensure_future(
                 client.generate_group(prompt, sample_keys(0, sampling), sampling, partial=True)
             )
             await asyncio.to_thread(_hold, engine, None)  # the pause at 5 tokens, held
-            await DiskWeightSync([url]).update(str(new_weights), weight_version="1")
+            sync = DiskWeightSync([url], pause_mode=pause_mode or "abort", partial_rollouts=True)
+            await sync.update(str(new_weights), weight_version="1")
             return await task
 
     try:

@@ -168,7 +168,8 @@ class RolloutSection:
     2.27× / 2.33× the synchronous loop against abort's 1.42× / 1.81× (its update waits for no aborted
     request to come back: weight sync 0.02–0.03 s against 0.14–0.15 s), with abort's exactness: every token
     after an update is the new weights' on a recomputed cache. in_place was as fast or faster (2.22× /
-    2.96×) but samples on the older weights' KV."""
+    2.96×) but samples on the older weights' KV. Refused with `algorithm.routing_replay: r3` and partial
+    rollouts: the re-prefill replaces the routes of the tokens the older weights sampled."""
 
     local: LocalEngineSection = field(default_factory=LocalEngineSection)
     """The local engine (`engine: local`, and `slurm/rl.sbatch`'s `cluster.rollout_backend: local`)."""
