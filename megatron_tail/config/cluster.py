@@ -69,6 +69,21 @@ table a superset of what it can emit, with SGLang's aliases): in `sglang.extra_a
 twice, and SGLang's argparse keeps the last one silently. Its abbreviations (`--mem-fraction` for
 `--mem-fraction-static`) are refused too."""
 
+REFUSED_SGLANG_FLAGS: Mapping[str, str] = {
+    "--speculative-": "speculative decoding's verify step (EAGLE, NGRAM: SGLang 0.5.23's "
+    "speculative/eagle_utils.eagle_sample) samples without the custom logit processor and returns the "
+    "log-probs of the unprocessed logits (layers/logprob_processor.compute_spec_logprobs): DVP would be off "
+    "in the engine, and the sampler's log-probs not of the distribution the trainer scores",
+    "--rl-on-policy-target": "it turns on deterministic inference (arg_groups/attention_hook.py), whose "
+    "seeded PyTorch sampler asserts against min-p (DVP sent with truncation), and returns log-probs "
+    "rounded to bf16; rollout.deterministic is the setting for deterministic sampling",
+    "--preferred-sampling-params": "it fills in the sampling parameters a request leaves out "
+    "(TokenizerManager._create_tokenized_object), e.g. a top_k or min_p the trainer never replays; the "
+    "run's sampling is rollout.sampling",
+}
+"""SGLang flags that change what the engine samples, or the log-probs it returns, against what the trainer
+scores; refused in `cluster.sglang.extra_args` (a name ending in "-": every flag it begins)."""
+
 MOVED_ENVIRONMENT: Mapping[str, str] = {
     "MT_ROLLOUT_NODES": "cluster.rollout_nodes",
     "MT_ROLLOUT_BACKEND": "cluster.rollout_backend",
@@ -119,7 +134,9 @@ class SGLangServers:
     choice (the plan then assumes 0.85)."""
     extra_args: tuple[str, ...] = ()
     """Further SGLang flags, one argv item per list item (e.g. [--chunked-prefill-size, "8192"]). Flags
-    that a key sets (`OWNED_SGLANG_FLAGS`: --tp-size, --ep-size, --dtype, ...) are refused here."""
+    that a key sets (`OWNED_SGLANG_FLAGS`: --tp-size, --ep-size, --dtype, ...) are refused here, and those
+    that would make the engine sample or score otherwise than the trainer (`REFUSED_SGLANG_FLAGS`:
+    --speculative-*, --rl-on-policy-target, --preferred-sampling-params)."""
     router: bool = True
     """Start an SGLang router on the first rollout node (for inspection and external clients; the trainer
     talks to the servers itself)."""
@@ -173,6 +190,20 @@ class SGLangServers:
         )
         if owner is not None:
             _bad("cluster.sglang", "extra_args", args, f"must not set {flag}: {owner} sets it")
+        why = next(
+            (
+                reason
+                for refused, reason in REFUSED_SGLANG_FLAGS.items()
+                if (
+                    flag.startswith(refused)
+                    if refused.endswith("-")
+                    else len(flag) > 3 and refused.startswith(flag)
+                )
+            ),
+            None,
+        )
+        if why is not None:
+            _bad("cluster.sglang", "extra_args", args, f"must not set {flag}: {why}")
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,7 @@ from megatron_tail.rollout.errors import (  # noqa: F401 - the client's errors, 
     SampleAbortedError,
 )
 from megatron_tail.rollout.processor import dvp_custom_params
+from megatron_tail.rollout.settings.sampling import ENGINE_GREEDY_BELOW
 
 _MASK63 = (1 << 63) - 1
 
@@ -158,6 +159,11 @@ class SamplingConfig:
             raise ValueError(f"max_new_tokens must be an int ≥ 1; got {self.max_new_tokens!r}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be finite and ≥ 0; got {self.temperature!r}")
+        if 0 < self.temperature < ENGINE_GREEDY_BELOW:
+            raise ValueError(
+                f"temperature must be 0 (greedy) or ≥ {ENGINE_GREEDY_BELOW:g}: the engines decode greedily "
+                f"at T = 1 below it, while the trainer scores at T; got {self.temperature!r}"
+            )
         dvp_custom_params(self.log_rho, self.temperature)  # validates log_rho
         bad = [t for t in self.stop_token_ids if not isinstance(t, int) or t < 0]
         if bad:

@@ -182,8 +182,12 @@ def test_unknown_key_without_near_match_lists_valid_keys():
         ("rollout.sampling.temperature=0", r"rollout\.sampling\.temperature must be > 0 .*; got 0"),
         (  # 1/T overflows float32: the op's every row would be NaN
             "rollout.sampling.temperature=1e-320",
-            r"rollout\.sampling\.temperature must be finite and ≥ 2\.94e-39 \(1/T finite in float32\); "
-            r"got 1e-320",
+            r"rollout\.sampling\.temperature must be finite and ≥ 1e-06: .*; got 1e-320",
+        ),
+        (  # the engines decode greedily at T = 1 below SGLang's _SAMPLING_EPS; the trainer would score at T
+            "rollout.sampling.temperature=5e-7",
+            r"rollout\.sampling\.temperature must be finite and ≥ 1e-06: below it the engines decode "
+            r"greedily and return log-probs at T = 1 .*; got 5e-07",
         ),
         ("rollout.sampling.temperature=inf", r"rollout\.sampling\.temperature must be finite .*; got inf"),
         ("rollout.sampling.min_p=2", r"rollout\.sampling\.min_p must be in \[0, 1\] \(0: off\); got 2"),
@@ -504,6 +508,23 @@ def test_packed_false_overrides_a_token_budget():
         (
             ["cluster.sglang.extra_args=[--tensor-parallel-size, '2']"],
             r"--tensor-parallel-size: cluster\.sglang\.tp",
+        ),
+        (
+            ["cluster.sglang.extra_args=[--speculative-algorithm, EAGLE]"],
+            r"must not set --speculative-algorithm: speculative decoding's verify step .* without the custom "
+            r"logit processor",
+        ),
+        (
+            ["cluster.sglang.extra_args=[--speculative-num-steps=3]"],
+            r"must not set --speculative-num-steps: speculative decoding",
+        ),
+        (
+            ["cluster.sglang.extra_args=[--rl-on-policy-target, fsdp]"],
+            r"must not set --rl-on-policy-target: .*rollout\.deterministic is the setting",
+        ),
+        (
+            ["cluster.sglang.extra_args=[--preferred-sampling-params, '{\"top_k\": 20}']"],
+            r"must not set --preferred-sampling-params: .*the run's sampling is rollout\.sampling",
         ),
         (
             ["cluster.sglang.extra_args=--chunked-prefill-size 8192"],

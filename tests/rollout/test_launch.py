@@ -171,3 +171,9 @@ def test_the_flags_rl_sbatch_sets_are_refused_in_extra_args_under_every_sglang_s
     for action in parser._actions:
         if set(action.option_strings) & emitted:
             assert set(action.option_strings) <= set(OWNED_SGLANG_FLAGS), action.option_strings
+    # and every flag refused for what it does to sampling is one of SGLang's (a prefix: some are)
+    from megatron_tail.config.cluster import REFUSED_SGLANG_FLAGS
+
+    flags = [o for action in parser._actions for o in action.option_strings]
+    for refused in REFUSED_SGLANG_FLAGS:
+        assert any(f.startswith(refused) if refused.endswith("-") else f == refused for f in flags), refused

@@ -98,3 +98,18 @@ def test_top_logprob_is_asked_for_and_parsed_in_sglangs_nested_format():
     ]:
         with pytest.raises(MalformedResponseError, match=message):
             parse_generate_response(_response(keys, top=bad), [1], keys, config, 1, "http://s")
+
+
+def test_a_temperature_the_engines_would_decode_greedily_is_refused():
+    """SGLang's `SamplingParams` turns 0 ≤ T < `_SAMPLING_EPS` into greedy decoding at T = 1 (and returns
+    log-probs at T = 1), the local engine too; a training T in (0, 1e-6) was accepted and scored by the
+    trainer at T: every importance ratio wrong, silently."""
+    sampling_params = pytest.importorskip("sglang.srt.sampling.sampling_params", reason="sglang's constant")
+    from megatron_tail.rollout.local_engine.requests import GREEDY_EPS
+    from megatron_tail.rollout.settings.sampling import ENGINE_GREEDY_BELOW
+
+    assert ENGINE_GREEDY_BELOW == GREEDY_EPS == sampling_params._SAMPLING_EPS
+    with pytest.raises(ValueError, match=r"temperature must be 0 \(greedy\) or ≥ 1e-06: .*got 5e-07"):
+        SamplingConfig(n_samples=1, max_new_tokens=4, temperature=5e-7)
+    assert SamplingConfig(n_samples=1, max_new_tokens=4, temperature=0.0).temperature == 0.0
+    assert SamplingConfig(n_samples=1, max_new_tokens=4, temperature=1e-6).temperature == 1e-6

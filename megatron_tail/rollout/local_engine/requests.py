@@ -14,6 +14,7 @@ from typing import Any
 
 from megatron_tail.rollout.local_engine.sglang_defaults import DEFAULT_SAMPLING_MASK_MAX_TOKENS
 from megatron_tail.rollout.local_engine.truncation import TOP_K_ALL, Truncation
+from megatron_tail.rollout.settings.sampling import ENGINE_GREEDY_BELOW
 
 
 class BadRequest(ValueError):
@@ -67,7 +68,7 @@ SUPPORTED_TOP_LEVEL_KEYS = frozenset(
     }
 )
 
-GREEDY_EPS = 1e-6
+GREEDY_EPS = ENGINE_GREEDY_BELOW
 """SGLang's `_SAMPLING_EPS`: temperatures below it mean greedy decoding."""
 
 

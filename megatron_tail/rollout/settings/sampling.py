@@ -6,9 +6,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from megatron_tail.ops.log_rho import MIN_TEMPERATURE
 from megatron_tail.utils.settings_checks import bad as _bad
 from megatron_tail.utils.settings_checks import positive_int as _positive_int
+
+ENGINE_GREEDY_BELOW = 1e-6
+"""SGLang 0.5.23's `_SAMPLING_EPS` (`sampling/sampling_params.py`): a temperature below it means greedy
+decoding at T = 1, in the local engine too (`local_engine.requests.GREEDY_EPS`). Above the op's own limit
+(`ops.log_rho.MIN_TEMPERATURE`, 1/T finite in float32)."""
 
 SECTION = "rollout.sampling"
 TOP_K_HEADROOM = 2
@@ -59,12 +63,14 @@ class SamplingSection:
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
             _bad(SECTION, "temperature", t, "must be > 0 (training samples; greedy is eval only)")
-        if not MIN_TEMPERATURE <= t < math.inf:  # what the op checks (`ops.log_rho.check_temperature`)
+        if not ENGINE_GREEDY_BELOW <= t < math.inf:
             _bad(
                 SECTION,
                 "temperature",
                 t,
-                f"must be finite and ≥ {MIN_TEMPERATURE:.3g} (1/T finite in float32)",
+                f"must be finite and ≥ {ENGINE_GREEDY_BELOW:g}: below it the engines decode greedily and "
+                "return log-probs at T = 1 (SGLang's SamplingParams, _SAMPLING_EPS), which the trainer would "
+                "score at T",
             )
         _positive_int(SECTION, "mask_max_tokens", self.mask_max_tokens)
         if self.top_k != -1:
