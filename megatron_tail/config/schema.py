@@ -349,24 +349,43 @@ class RunConfig:
                 f"must divide data.prompts_per_step={self.data.prompts_per_step}",
             )
 
+    def check_world(self, world_size: int) -> None:
+        """UserError naming the values unless `world_size` takes the parallel layout
+        (`ParallelSection.check_world`) and, with padded micro-batches, each mini-batch's samples split
+        evenly over its DP ranks (`engine.batch.split_for_data_parallel`; packed ones balance any count).
+        Before, that split failed with a ValueError after step 1's rollout."""
+        self.parallel.check_world(world_size)
+        dp = world_size // self.parallel.model_parallel
+        per_mini_batch = self.data.prompts_per_step // self.train.mini_batches * self.algorithm.group_size
+        if not self.train.is_packed and per_mini_batch % dp:
+            raise UserError(
+                "padded micro-batches (train.packed false, or no train.max_tokens_per_micro_batch) split "
+                f"each mini-batch's samples evenly over the {dp} data-parallel ranks (world {world_size} / "
+                f"{self.parallel.model_parallel} model-parallel), but data.prompts_per_step / "
+                f"train.mini_batches × algorithm.group_size = {self.data.prompts_per_step} / "
+                f"{self.train.mini_batches} × {self.algorithm.group_size} = {per_mini_batch} samples do not "
+                "divide by it; change one of them, or pack (train.max_tokens_per_micro_batch)"
+            )
+
     def _check_token_budget(self) -> None:
         """A packed micro-batch must hold the longest sample (padded to 2·CP under context parallelism), and
-        split evenly over CP chunks and under sequence parallelism."""
+        split evenly over CP chunks and under sequence parallelism; a padded one's `seq_len`, where set,
+        the longest sample."""
         budget = self.train.max_tokens_per_micro_batch
         cp = self.parallel.context_parallel
-        if not self.train.is_packed:
-            if cp > 1:
-                _bad(
-                    "parallel",
-                    "context_parallel",
-                    cp,
-                    "needs packed micro-batches (train.max_tokens_per_micro_batch; train.packed not false)",
-                )
-            return
+        if not self.train.is_packed and cp > 1:
+            _bad(
+                "parallel",
+                "context_parallel",
+                cp,
+                "needs packed micro-batches (train.max_tokens_per_micro_batch; train.packed not false)",
+            )
         if self.data.max_prompt_tokens is not None:
             self.check_longest_prompt(
                 self.data.max_prompt_tokens, f"data.max_prompt_tokens={self.data.max_prompt_tokens}"
             )
+        if not self.train.is_packed:
+            return
         if budget % self.micro_batch_multiple:
             tp = self.parallel.tensor_parallel
             sp = f"parallel.tensor_parallel={tp} with model.sequence_parallel"
@@ -379,19 +398,25 @@ class RunConfig:
             _bad("train", "max_tokens_per_micro_batch", budget, why)
 
     def check_longest_prompt(self, tokens: int, prompt: str, context: int | None = None) -> None:
-        """With packed micro-batches: UserError unless one holds the longest sample, a prompt of `tokens`
-        tokens (`prompt` says which, for the message) and the longest response, at most `context` tokens in
-        all (the engines end an episode at the model's context), padded to `sequence_multiple`."""
-        budget = self.train.max_tokens_per_micro_batch
-        if not self.train.is_packed or budget is None:
+        """UserError unless a micro-batch holds the longest sample, a prompt of `tokens` tokens (`prompt`
+        says which, for the message) and the longest response, at most `context` tokens in all (the engines
+        end an episode at the model's context): packed, the token budget, each sequence padded to
+        `sequence_multiple`; padded, a row of `train.seq_len` (rounded up to `micro_batch_multiple`, as
+        `engine.batch.make_micro_batches` rounds it), where set. Before, a padded layout's `seq_len` was
+        found too short by the first step whose samples were longer, after its rollout."""
+        packed = self.train.is_packed
+        budget = self.train.max_tokens_per_micro_batch if packed else self.train.seq_len
+        if budget is None:
             return
         response = self.rollout.max_response_tokens
         longest = tokens + response
         capped = context is not None and longest > context
         if capped:
             longest = context
-        padded = -(-longest // self.sequence_multiple) * self.sequence_multiple
-        if budget >= padded:
+        multiple = self.sequence_multiple if packed else 1
+        padded = -(-longest // multiple) * multiple
+        room = budget if packed else -(-budget // self.micro_batch_multiple) * self.micro_batch_multiple
+        if room >= padded:
             return
         what = (
             f"rollout.max_new_tokens={response}"
@@ -402,7 +427,7 @@ class RunConfig:
         total = f"the model's context, {context}" if capped else str(longest)
         _bad(
             "train",
-            "max_tokens_per_micro_batch",
+            "max_tokens_per_micro_batch" if packed else "seq_len",
             budget,
             f"must hold the longest sample: {prompt} + {what} = {total}"
             + (f", padded to a multiple of 2·context_parallel = {padded}" if padded != longest else ""),

@@ -454,6 +454,11 @@ def _get(data, dotted):
             r"model\.recompute must be one of \('none', 'selective', 'full'\); got 'partial'",
         ),
         (["model.recompute_num_layers=2"], r"recompute_num_layers.*recompute 'full'.*got 2"),
+        (  # before: accepted; the first step whose samples were longer failed after its rollout
+            ["train.seq_len=64", "data.max_prompt_tokens=100", "rollout.max_new_tokens=100"],
+            r"train\.seq_len must hold the longest sample: data\.max_prompt_tokens=100 \+ "
+            r"rollout\.max_new_tokens=100 = 200; got 64",
+        ),
         (["model.recompute_modules=[attn]"], r"recompute_modules must be a non-empty subset"),
         (
             ["rollout.local.in_process=true", "rollout.weight_sync.mode=distributed"],
@@ -465,6 +470,18 @@ def _get(data, dotted):
 def test_packing_and_recompute_settings_are_checked_at_load(overrides, pattern):
     with pytest.raises((ConfigError, ValueError), match=pattern):
         load_config(None, overrides)
+
+
+def test_a_padded_layout_whose_mini_batches_do_not_split_over_dp_is_refused_before_any_process_group():
+    """Before: accepted, and step 1 failed after its rollout ("global batch of 9 samples is not divisible by
+    data_parallel=2"). A packed layout balances any count."""
+    nine = ["data.prompts_per_step=3", "algorithm.group_size=3"]
+    with pytest.raises(UserError, match=r"over the 2 data-parallel ranks .* = 9 samples do not divide by it"):
+        load_config(None, nine).check_world(2)
+    load_config(None, nine).check_world(1)
+    load_config(None, [*nine, "train.max_tokens_per_micro_batch=4096"]).check_world(2)
+    with pytest.raises(UserError, match=r"does not divide the world size 3"):  # the layout's own check
+        load_config(None, ["parallel.tensor_parallel=2", "model.vocab_pad_multiple=128"]).check_world(3)
 
 
 def test_packed_false_overrides_a_token_budget():

@@ -334,6 +334,6 @@ def ensure_distributed(cfg: RunConfig) -> None:
     """`init_torch_distributed`, after checking the config's layout against the world size torchrun gives
     (`WORLD_SIZE`), so an impossible layout stops before any process group exists."""
     if not (dist.is_available() and dist.is_initialized()):
-        cfg.parallel.check_world(int(os.environ.get("WORLD_SIZE", "1")))
+        cfg.check_world(int(os.environ.get("WORLD_SIZE", "1")))
     world = init_torch_distributed(cfg.parallel)
-    cfg.parallel.check_world(world)
+    cfg.check_world(world)
