@@ -68,10 +68,14 @@ ROUTED_FIELD = "routed"
 def compact_routes(routes):
     """An engine's int32 `[rows, layers, k]` (numpy or torch) → a torch tensor in the smallest dtype that
     holds the ids: uint8 below 256 experts (Qwen3-MoE has 128), int16 below 32768, else int32. The
-    rollout buffer holds layers × k bytes per token instead of 4×."""
+    rollout buffer holds layers × k bytes per token instead of 4×. Each sample's dtype is its own largest
+    id's; a micro-batch takes the widest of its samples' (`engine.batch._build`). RoutesError for a
+    negative id."""
     import torch
 
     t = torch.from_numpy(np.ascontiguousarray(routes)) if isinstance(routes, np.ndarray) else routes
+    if t.numel() and int(t.min()) < 0:  # uint8 would make -1 expert 255
+        raise RoutesError(f"expert ids must be ≥ 0; got {int(t.min())}")
     top = int(t.max()) if t.numel() else 0
     dtype = torch.uint8 if top < 256 else torch.int16 if top < 32768 else torch.int32
     return t.to(dtype)

@@ -203,3 +203,29 @@ def test_micro_batches_without_a_support_id_reach_the_op():
         out = vocab_parallel_masked_logprobs(logits, mb.targets, log_rho=-2.0, sampling_support=support)
         plain = vocab_parallel_masked_logprobs(logits, mb.targets, log_rho=-2.0)
         assert torch.equal(out.logprobs, plain.logprobs)
+
+
+def test_routes_compacted_to_different_dtypes_keep_every_expert_id_in_a_micro_batch():
+    """Each sample's routes take the smallest dtype of its own largest id (uint8 below 256, int16 above:
+    `compact_routes`). Before, a micro-batch took its first sample's dtype, so in a model of more than 256
+    experts expert 300 of a later sample became expert 44 (300 − 256), in both layouts, silently."""
+    import numpy as np
+
+    from megatron_tail.rollout.routes import RoutesError, compact_routes
+
+    def sample(prompt, response, top):
+        n = len(prompt) + len(response)
+        ids = np.tile(np.array([[[0, top]]], dtype=np.int32), (n, 2, 1))  # [positions, layers, k]
+        return Sample(
+            prompt, response, {"adv": torch.zeros(len(response))}, position_fields={"r": compact_routes(ids)}
+        )
+
+    samples = [sample([1, 2], [3, 4], 100), sample([5], [6, 7], 300)]
+    assert [s.position_fields["r"].dtype for s in samples] == [torch.uint8, torch.int16]
+    padded = make_micro_batches(samples, micro_batch_size=2)[0].fields["r"]
+    packed = pack_micro_batches(samples, max_tokens=16)[0].fields["r"]
+    assert padded.dtype == packed.dtype == torch.int16
+    assert padded[1, :3, :, 1].unique().tolist() == [300] and padded[0, :4, :, 1].unique().tolist() == [100]
+    assert packed[0, 4:7, :, 1].unique().tolist() == [300]
+    with pytest.raises(RoutesError, match=r"expert ids must be ≥ 0; got -1"):  # uint8 would make it 255
+        compact_routes(np.full((2, 1, 2), -1, dtype=np.int32))

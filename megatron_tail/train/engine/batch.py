@@ -49,6 +49,7 @@ shard's tokens in the whole per-sample layout (zeros at the tokens of the other 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import accumulate
@@ -401,6 +402,13 @@ def _check_sample(i: int, s: Sample) -> None:
             )
 
 
+def _widest(dtypes: list[torch.dtype]) -> torch.dtype:
+    """The dtype every one of `dtypes` casts into losslessly (`torch.promote_types`): samples' routes are
+    compacted each to its own largest id (`rollout.routes.compact_routes`), so a micro-batch of uint8 and
+    int16 routes took the first sample's uint8, and expert 300 became expert 44."""
+    return functools.reduce(torch.promote_types, dtypes)
+
+
 def _build(samples, rows, seq_len, pad_id, *, packed: bool = False, slots=None) -> MicroBatch:
     """`rows[r]`: the sample ids laid back to back in row r (one per row when padded); `slots[i]`: the
     positions sample i takes in a packed row (its length, or more with per-sequence padding)."""
@@ -415,14 +423,16 @@ def _build(samples, rows, seq_len, pad_id, *, packed: bool = False, slots=None) 
     members = [i for row in rows for i in row] or [0]
     fields = {
         name: torch.zeros(
-            (b, seq_len, *_trailing(samples, members, name)), dtype=samples[0].fields[name].dtype
+            (b, seq_len, *_trailing(samples, members, name)),
+            dtype=_widest([samples[i].fields[name].dtype for i in members]),
         )
         for name in field_names
     }
     position_names = sorted(samples[0].position_fields)
     for name in position_names:
         value = samples[0].position_fields[name]
-        fields[name] = torch.zeros((b, seq_len, *value.shape[1:]), dtype=value.dtype)
+        dtype = _widest([samples[i].position_fields[name].dtype for i in members])
+        fields[name] = torch.zeros((b, seq_len, *value.shape[1:]), dtype=dtype)
     for r, members in enumerate(rows):
         start = 0
         for i in members:
