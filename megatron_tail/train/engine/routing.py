@@ -156,6 +156,8 @@ class RoutingPass:
         layer_ids = tuple(i for i, m in enumerate(pattern) if m)
         self.row = {g: j for j, g in enumerate(layer_ids)}
         self.num_experts = config.num_moe_experts or 0
+        self._in_flight = {id(c): 0 for c in chunks}
+        """Per chunk: micro-batches replayed with a backward to come whose backward has not begun."""
         self._sums: RoutingStats | None = None
         if observe:
             n = len(layer_ids)
@@ -170,6 +172,7 @@ class RoutingPass:
         return any(self.layers.values())
 
     def __enter__(self) -> RoutingPass:
+        self._in_flight = dict.fromkeys(self._in_flight, 0)
         for layers in self.layers.values():
             for _, replay in layers:
                 replay.clear_indices()
@@ -190,6 +193,7 @@ class RoutingPass:
         layers = self.layers.get(id(model), [])
         if not layers:
             return
+        self._drop_unused(model, layers)
         targets = None
         if self.action == "replay_field":
             if ROUTES_FIELD not in mb.fields:
@@ -216,15 +220,38 @@ class RoutingPass:
             recorded[self.chunk_index[id(model)]] = [r.get_recorded_indices().detach() for _, r in layers]
         if self.observe:
             self._count(layers, mb)
-        if self.action.startswith("replay") and output.requires_grad:
-            replays = [r for _, r in layers]
+        if not self.action.startswith("replay"):
+            return
+        if not output.requires_grad:  # no backward, so no recompute will pop what `before` appended
+            for _, r in layers:
+                r.replay_backward_list.pop()
+            return
+        replays = [r for _, r in layers]
+        key = id(model)
+        self._in_flight[key] += 1
 
-            def to_backward(grad):
-                for r in replays:
-                    r.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
-                return grad
+        def to_backward(grad):
+            self._in_flight[key] -= 1
+            for r in replays:
+                r.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+            return grad
 
-            output.register_hook(to_backward)
+        output.register_hook(to_backward)
+
+    def _drop_unused(self, model: torch.nn.Module, layers) -> None:
+        """Drop the replay entries that no recompute will pop: those of micro-batches whose backward is over
+        (a schedule runs each backward to its end before the next forward) in layers it did not recompute.
+
+        megatron's `RouterReplay.set_target_indices` appends every micro-batch's `[tokens, k]` int64 to
+        `replay_backward_list`, which only a recomputed forward pops (REPLAY_BACKWARD) and only
+        `clear_indices` empties. Before, a pass kept every micro-batch's entry of every layer it did not
+        recompute to its end: ~3 KB per token for Qwen3-30B-A3B (48 layers × 8 × 8 B), ~3 GB for a rank's
+        million-token mini-batch, where the plan counts the micro-batches in flight."""
+        waiting = self._in_flight[id(model)]
+        for _, replay in layers:
+            stale = len(replay.replay_backward_list) - waiting
+            if stale > 0:
+                del replay.replay_backward_list[:stale]
 
     def _count(self, layers, mb: MicroBatch) -> None:
         has_routes = ROUTES_FIELD in mb.fields
