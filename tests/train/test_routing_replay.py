@@ -199,6 +199,12 @@ def test_r3_routers_route_every_token_as_the_engine_did(hf_dir):
             assert torch.equal(routing_map[valid], want[valid]), (m, layer)
             checked += int(valid.sum())
     assert checked == n_moe * sum(len(s) - 1 for s in samples)  # every routed (token, layer)
+    # the positions without an engine route (padding, each sample's last token) go to k distinct experts
+    # each, consecutive ones to the next k: before, every one of them to expert 0
+    unrouted = torch.cat([got["maps"][m * n_moe][~valid] for m, (_, valid) in enumerate(got["expected"])])
+    assert len(unrouted) >= len(samples) and (unrouted.sum(-1) == K).all()
+    load = unrouted.sum(0)
+    assert float(load.max()) <= 2 * float(load.float().mean()) + 1, load.tolist()
     assert got["replay"]["moe/routing_agreement"] == got["record"]["moe/routing_agreement"]
     # agreement, independently: the free pass's own routes against the engine's, top-k as sets
     agree = total = 0

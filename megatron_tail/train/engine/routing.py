@@ -27,9 +27,9 @@ per-position `[b, s, ...]` field; pipeline stages take the columns of their own 
 Routes live in a micro-batch as the per-position field `ROUTES_FIELD` (`[b, s, layers, k]`, integer, one
 column per decoder layer as the engines return them, dense layers' unused) with `ROUTED_FIELD` (`[b, s]`
 bool: positions that have an engine route: not the last token of a sample, not padding). Padding positions
-and each sample's last token hold 0s: the router sends the token to expert 0 (duplicate ids collapse into
-one entry of megatron's routing map, weight 1/k); a token's MoE output is its own, and these tokens'
-outputs predict nothing in the loss (nothing attends to padding; the last token has no target).
+and each sample's last token replay `spread_routes` (k distinct experts each, spread over all experts); a
+token's MoE output is its own, and these tokens' outputs predict nothing in the loss (nothing attends to
+padding; the last token has no target).
 """
 
 from __future__ import annotations
@@ -86,6 +86,16 @@ def router_order(value: torch.Tensor, *, sequence_parallel: bool) -> torch.Tenso
         rank = parallel_state.get_tensor_model_parallel_rank()
         x = x[rank * n : (rank + 1) * n]
     return x.reshape(-1, *value.shape[2:])
+
+
+def spread_routes(tokens: int, k: int, num_experts: int, device) -> torch.Tensor:
+    """`[tokens, k]` int64 routes for positions without an engine route (padding, each sample's last
+    token): k distinct experts per token, consecutive tokens on the next k, so they spread evenly over the
+    experts and the expert-parallel ranks. Their outputs predict nothing; before, all of them went to expert 0
+    (the field's zeros), one expert-parallel rank receiving every padding token (~4× the others' tokens in a
+    padded Qwen3-30B-A3B batch of long-tailed lengths), and the aux loss counting them on expert 0."""
+    t = torch.arange(tokens, device=device)[:, None] * k + torch.arange(k, device=device)
+    return t % num_experts
 
 
 @dataclass
@@ -201,7 +211,10 @@ class RoutingPass:
                     f"routing replay of the engine's routes: the micro-batch has no {ROUTES_FIELD!r}"
                 )
             routes = router_order(mb.fields[ROUTES_FIELD], sequence_parallel=self.sequence_parallel)
-            targets = [routes[:, j].long() for j, _ in layers]
+            routed = router_order(mb.fields[ROUTED_FIELD], sequence_parallel=self.sequence_parallel)
+            filler = spread_routes(routes.shape[0], routes.shape[-1], self.num_experts, routes.device)
+            keep = routed.to(torch.bool)[:, None]
+            targets = [torch.where(keep, routes[:, j].long(), filler) for j, _ in layers]
         elif self.action == "replay_recorded":
             targets = mb.extras[RECORDED][self.chunk_index[id(model)]]
         for i, (_, replay) in enumerate(layers):
