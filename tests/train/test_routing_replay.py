@@ -491,3 +491,26 @@ def test_an_engine_without_routes_fails_the_step_with_one_line():
     finally:
         engines.loop.close()
     assert "\n" not in str(e.value) and e.value.__cause__ is None
+
+
+def test_a_pipeline_stage_of_dense_layers_only_joins_the_pass_of_a_replaying_model():
+    """`RoutingPass.active` is the model's (its config), not the stage's: before, a stage holding only dense
+    layers (a model with `mlp_only_layers` at PP > 1) ran no pass, while the stages with MoE layers reduced
+    the pass's statistics over the pipeline group, waiting for it forever."""
+    from types import SimpleNamespace
+
+    from megatron_tail.train.engine.routing import RoutingPass
+
+    def stage(replaying: bool):  # what megatron's unwrap_model returns as it is, no layer of it MoE
+        config = SimpleNamespace(
+            sequence_parallel=False, moe_layer_freq=[0, 0, 1, 1], num_moe_experts=8,
+            moe_enable_routing_replay=replaying,
+        )  # fmt: skip
+        return SimpleNamespace(config=config, decoder=SimpleNamespace(layers=[]))
+
+    for replaying in (True, False):
+        chunk = stage(replaying)
+        routing = RoutingPass([chunk], "replay_field", observe=replaying)
+        assert routing.active is replaying and routing.layers[id(chunk)] == []
+        if replaying:
+            assert routing.stats.per_expert.shape == (2, 8)  # zeros of the model's two MoE layers

@@ -161,6 +161,7 @@ class RoutingPass:
         self.layers = {id(c): moe_layer_replays(c) for c in chunks}
         self.chunk_index = {id(c): i for i, c in enumerate(chunks)}
         config = unwrap_model(chunks[0]).config
+        self.config = config
         self.sequence_parallel = bool(config.sequence_parallel)
         pattern = config.moe_layer_freq if isinstance(config.moe_layer_freq, list) else []
         layer_ids = tuple(i for i, m in enumerate(pattern) if m)
@@ -179,7 +180,11 @@ class RoutingPass:
 
     @property
     def active(self) -> bool:
-        return any(self.layers.values())
+        """The model's routers hold replays (`moe_enable_routing_replay`) in some MoE layer of any pipeline
+        stage: from the config, so that every stage agrees, a stage of dense layers only too (the pass's
+        statistics reduce over the pipeline group: a stage that left the pass out would leave the others
+        waiting in that all-reduce)."""
+        return bool(self.row) and bool(getattr(self.config, "moe_enable_routing_replay", False))
 
     def __enter__(self) -> RoutingPass:
         self._in_flight = dict.fromkeys(self._in_flight, 0)
