@@ -55,7 +55,7 @@ def test_token_budget_packing_is_first_fit_decreasing():
     assert bins == [[0], [2, 3], [4, 5], [1]]
     assert all(sum(lengths[i] for i in b) <= 10 for b in bins)
     assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
-    with pytest.raises(ValueError, match=r"sample 0 has 9 tokens.*max_tokens_per_micro_batch=8"):
+    with pytest.raises(ValueError, match=r"sample 0 takes 9 tokens.*max_tokens_per_micro_batch=8"):
         pack_by_token_budget(lengths, 8)
 
 

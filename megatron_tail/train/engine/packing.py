@@ -24,7 +24,8 @@ def pack_by_token_budget(lengths: Sequence[int], max_tokens: int) -> list[list[i
     if too_long:
         i, n = too_long[0]
         raise ValueError(
-            f"sample {i} has {n} tokens (prompt + response), more than "
+            f"sample {i} takes {n} tokens (prompt + response, each sequence padded to a multiple of "
+            "2·parallel.context_parallel under context parallelism), more than "
             f"train.max_tokens_per_micro_batch={max_tokens}"
             + (f" ({len(too_long)} samples are)" if len(too_long) > 1 else "")
         )
