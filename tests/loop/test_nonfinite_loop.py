@@ -50,6 +50,9 @@ def test_nonfinite_updates_are_skipped_said_counted_and_stop_the_run(
         "train.steps": 6,
         "train.checkpoint_every": 2,
         "train.max_nonfinite_updates_in_a_row": 1,
+        "train.eval_every": 1,
+        "data.eval_path": prompt_file,
+        "data.eval_prompts": 2,
         "logging.tensorboard": True,
         **ENGINE_IN_PROCESS,
     }
@@ -69,6 +72,9 @@ def test_nonfinite_updates_are_skipped_said_counted_and_stop_the_run(
     # step 3 trained from the weights step 1 left (step 2 skipped): its θ_old pass and its update finite
     assert all(math.isfinite(v) for _, v in scalars["train/grad_norm"])
     assert math.isfinite(dict(scalars["train/loss"])[3]) and dict(scalars["train/grad_norm"])[3] > 0
+    # the diverged step neither syncs its (unchanged) weights nor evaluates them: the run stops after it
+    assert [step for step, _ in scalars["perf/weight_sync_time_s"]] == [1, 2, 3, 4]
+    assert [step for step, _ in scalars["eval/greedy_accuracy"]] == [0, 1, 2, 3, 4]
     checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     # the stopping step's, finite: a resume loses no step; and no prune: those before it stay
     assert checkpoints == ["step_000002", "step_000004", "step_000005"]

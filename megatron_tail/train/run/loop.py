@@ -136,16 +136,20 @@ def rl_step(
     # log_rho auto: the next step's ρ, before the engines' next requests (the manager admits new groups
     # after the weight sync) and before the checkpoint keeps it
     s.adapt_log_rho(metrics)
-    sync_s = s.sync_weights(version=done)  # weight sync: the engines load θ_new as version `done`
-    metrics["perf/rollout_wait_s"] += s.drain_s  # η ≥ 1 without partial rollouts: the next step's groups
-    if cadence.eval_after(done):
-        metrics.update(s.evaluate())  # eval
+    if s.nonfinite.diverged is None:
+        # weight sync: the engines load θ_new as version `done`
+        metrics["perf/weight_sync_time_s"] = s.sync_weights(version=done)
+        metrics["perf/rollout_wait_s"] += s.drain_s  # η ≥ 1 without partial rollouts: the next step's groups
+        if cadence.eval_after(done):
+            metrics.update(s.evaluate())  # eval
+    # else the run stops after this step's checkpoint (`_loop`): its weights are the last finite update's,
+    # which the engines serve already, and a resume syncs them before its first step; an evaluation of
+    # them would take minutes to say what the last one said
     rollout_s = batch.stats.get("rollout_time_s", 0.0)  # a skipped step may have generated nothing
     metrics.update(
         {
             "perf/rollout_time_s": rollout_s,
             "perf/train_time_s": train_s,
-            "perf/weight_sync_time_s": sync_s,
             "perf/rollout_tokens_per_s": batch.stats.get("generated_tokens", 0.0) / max(rollout_s, 1e-9),
             "perf/train_tokens_per_s": tokens / max(train_s, 1e-9),
             "perf/step_time_s": time.perf_counter() - started,
