@@ -229,6 +229,7 @@ def test_rl_step_sets_the_next_rho_before_the_weight_sync_and_logs_the_samples_l
         trainer = SimpleNamespace(scheduler=None)
         sampling_log_rho = -11.5
         drain_s = 0.0
+        nonfinite = SimpleNamespace(diverged=None)  # the updates stayed finite
 
         def rollout(self, _step):
             return batch

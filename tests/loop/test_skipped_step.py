@@ -63,6 +63,7 @@ class FakeSession:
         self.synced: list[int] = []
         self.drain_s = 0.0
         self.sampling_log_rho = None  # no DVP
+        self.nonfinite = SimpleNamespace(diverged=None)  # no update, none diverged
 
     def rollout(self, _step):
         return self.batch
