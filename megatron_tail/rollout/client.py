@@ -100,6 +100,10 @@ class SupportOverflowsExhausted(RolloutError):
         )
 
 
+REPROBE_S = 10.0
+"""How often servers marked unhealthy are probed again while others serve (`RolloutClient._pick_server`)."""
+
+
 @dataclass(frozen=True)
 class ClientConfig:
     """Transport settings of `RolloutClient`."""
@@ -107,7 +111,10 @@ class ClientConfig:
     max_concurrency: int = 64
     """Requests (each = one prompt's n samples) in flight at once, over all servers."""
     request_timeout_s: float = 600.0
-    """Total time one request may take before it is abandoned and retried."""
+    """Time one request may take from when it is sent before it is abandoned and retried; a request waiting
+    for one of the client's connections (`max_concurrency` + one per server) is not sent yet. Before, that
+    wait counted: after a weight update aborted partial rollouts, each group's samples continued as requests
+    of their own, queued behind the pool, and healthy servers were charged timeouts that failed the run."""
     health_timeout_s: float = 5.0
     """Time one `/health` probe may take."""
     max_attempts: int = 4
@@ -201,6 +208,12 @@ class RolloutClient:
         shared by the clients of the same engines (`Engines`: training's and greedy evaluation's) counts
         both."""
         self._session: aiohttp.ClientSession | None = None
+        self._connections: asyncio.Semaphore | None = None
+        """`/generate` requests hold one while sent (made with the session, on its event loop): their time
+        limit starts once they have one. The session's own pool is unbounded, so a health probe never waits
+        for a generation either."""
+        self._reprobed = time.monotonic()
+        self._reprobes: set[asyncio.Task] = set()
 
     async def __aenter__(self) -> RolloutClient:
         return self
@@ -209,6 +222,8 @@ class RolloutClient:
         await self.close()
 
     async def close(self) -> None:
+        for task in list(self._reprobes):
+            task.cancel()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -216,8 +231,9 @@ class RolloutClient:
     @property
     def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(limit=self.config.max_concurrency + len(self.urls))
+            connector = aiohttp.TCPConnector(limit=0)  # bounded by `_connections` (and the probes)
             self._session = aiohttp.ClientSession(connector=connector)
+            self._connections = asyncio.Semaphore(self.config.max_concurrency + len(self.urls))
         return self._session
 
     async def check_health(self) -> dict[str, bool]:
@@ -352,11 +368,31 @@ class RolloutClient:
             f"samples of prompt {keys[0].prompt_index} failed {tried} attempts{timed_out}; last: {last_error}"
         ) from last_error
 
+    def _reprobe_unhealthy(self) -> None:
+        """Probe the servers marked unhealthy again in the background, at most every `REPROBE_S`: a failed
+        attempt's probe marks its server unhealthy, and before, nothing probed it again while another server
+        was healthy (until the next evaluation), so one transient failure took a server out of the run."""
+        down = [u for u in self.urls if not self.healthy[u]]
+        now = time.monotonic()
+        if not down or now - self._reprobed < REPROBE_S:
+            return
+        self._reprobed = now
+        for url in down:
+            task = asyncio.ensure_future(self._reprobe(url))
+            self._reprobes.add(task)
+            task.add_done_callback(self._reprobes.discard)
+
+    async def _reprobe(self, url: str) -> None:
+        if await self._probe(url):
+            self.healthy[url] = True
+            logger.info("%s answers /health again: back among the servers requests go to", url)
+
     async def _pick_server(self, avoid: str | None, prefix_on: str | None = None) -> str:
         """The healthy server with the fewest requests in flight, other than `avoid` (the one the last attempt
         failed on) where there is another; `prefix_on` instead while it is among those and within
         `prefix_affinity_slack` of that load. Waits up to `unhealthy_wait_s` for a healthy server."""
         deadline = time.monotonic() + self.config.unhealthy_wait_s
+        self._reprobe_unhealthy()
         while True:
             healthy = [u for u in self.urls if self.healthy[u]]
             preferred = [u for u in healthy if u != avoid] or healthy
@@ -380,12 +416,17 @@ class RolloutClient:
 
     async def _post_generate(self, url: str, payload: dict) -> object:
         self.stats.requests += 1
-        self.in_flight[url] += 1
+        self.in_flight[url] += 1  # counted while it waits for a connection too: the server's queue
         sequences = len(payload.get("rid") or [0])
-        self.occupancy.add(sequences)
+        session = self.session
+        connection = self._connections
+        sent = False
         try:
+            await connection.acquire()
+            sent = True
+            self.occupancy.add(sequences)
             timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s)
-            async with self.session.post(f"{url}/generate", json=payload, timeout=timeout) as resp:
+            async with session.post(f"{url}/generate", json=payload, timeout=timeout) as resp:
                 raw = await _read_limited(resp, self.config.max_response_bytes, url)
                 if resp.status >= 500:
                     raise ServerHTTPError(
@@ -405,7 +446,9 @@ class RolloutClient:
             raise RetryableServerError(f"{url}/generate failed: {type(e).__name__}: {e}") from e
         finally:
             self.in_flight[url] -= 1
-            self.occupancy.add(-sequences)
+            if sent:
+                connection.release()
+                self.occupancy.add(-sequences)
         try:
             return json_body.loads(raw)
         except ValueError as e:

@@ -191,3 +191,80 @@ def test_server_errors_are_retried_then_reported():
         RetryableServerError, match=r"failed 2 attempts; last: .*sample aborted by the server: 'paused'"
     ):
         run(aborted)
+
+
+def test_the_time_limit_starts_when_a_request_is_sent_not_while_it_waits_for_a_connection():
+    """After a weight update aborts partial rollouts, a group's samples continue as requests of their own,
+    more than the client's connections (`max_concurrency` + one per server). Before, the wait for one
+    counted in `request_timeout_s`: here the server answers each request in 1 s against a 2.5 s limit, yet
+    the fifth and sixth of six requests through two connections timed out, and the group failed."""
+    served: list[float] = []
+
+    async def slow(request):
+        body = await request.json()
+        await asyncio.sleep(1.0)
+        served.append(1.0)
+        return web.json_response([good_item(rid) for rid in body["rid"]])
+
+    async def scenario():
+        app = web.Application()
+        app.router.add_post("/generate", slow)
+        app.router.add_get("/health", healthy)
+        config = ClientConfig(max_concurrency=1, max_attempts=1, request_timeout_s=2.5)
+        async with serving_app(app) as url, RolloutClient([url], config) as client:
+            sampling = SamplingConfig(n_samples=1, max_new_tokens=3, log_rho=-13.0)
+            groups = [
+                client.generate_group([5, 6], sample_keys(i, sampling), sampling, partial=False)
+                for i in range(6)
+            ]
+            return await asyncio.gather(*groups)
+
+    assert [len(g) for g in asyncio.run(scenario())] == [1] * 6 and len(served) == 6
+
+
+def test_a_server_a_failed_attempt_marked_unhealthy_is_probed_again_and_used(monkeypatch):
+    """Before: a server whose attempt failed and whose /health then failed once was never probed again
+    while another answered (until the next evaluation): it served no request for the rest of the run."""
+    from megatron_tail.rollout import client as client_module
+
+    monkeypatch.setattr(client_module, "REPROBE_S", 0.0)
+    hits = {"a": 0, "b": 0}
+    health_calls = {"b": 0}
+
+    def app_for(name):
+        async def generate(request):
+            body = await request.json()
+            hits[name] += 1
+            if name == "b" and hits["b"] == 1:
+                return web.Response(status=503, text="overloaded")
+            return web.json_response([good_item(rid) for rid in body["rid"]])
+
+        async def health(_request):
+            if name == "b":
+                health_calls["b"] += 1
+                return web.Response(status=503 if health_calls["b"] == 1 else 200)
+            return web.Response(status=200)
+
+        app = web.Application()
+        app.router.add_post("/generate", generate)
+        app.router.add_get("/health", health)
+        return app
+
+    async def scenario():
+        config = ClientConfig(retry_backoff_s=0.01)
+        async with (
+            serving_app(app_for("a")) as a,
+            serving_app(app_for("b")) as b,
+            RolloutClient([a, b], config) as client,
+        ):
+            sampling = SamplingConfig(n_samples=1, max_new_tokens=3, log_rho=-13.0)
+            for round_ in range(6):
+                keys = [sample_keys(2 * round_ + j, sampling) for j in range(2)]
+                await asyncio.gather(
+                    *(client.generate_group([5, 6], k, sampling, partial=False) for k in keys)
+                )
+                await asyncio.sleep(0.05)  # the background probe's answer
+            return dict(client.healthy)
+
+    healthy_at_end = asyncio.run(scenario())
+    assert all(healthy_at_end.values()) and hits["b"] > 2, hits

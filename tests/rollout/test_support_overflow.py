@@ -144,7 +144,7 @@ def test_a_step_logs_the_overflows_and_retries_since_the_last_batch():
     engines = object.__new__(Engines)  # the counters only: no engine, client or scorer
     engines._counted = {}
     engines.client = SimpleNamespace(
-        stats=ClientStats(retries=2, support_overflows=1), occupancy=EngineOccupancy()
+        stats=ClientStats(retries=2, support_overflows=1), occupancy=EngineOccupancy(), healthy={"a": True}
     )
     engines.eval_client = SimpleNamespace(stats=ClientStats(retries=1))
     first = engines.client_metrics()

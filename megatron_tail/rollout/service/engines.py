@@ -253,9 +253,10 @@ class Engines:
         clients': training's and evaluation's requests reach the same engines, so an evaluation between two
         batches counts in the later one): `rollout/request_retries` (attempts after a server failed one),
         `rollout/support_overflows` (requests generated again because a token's support exceeded the
-        servers' mask cap) and, where requests named the server holding their prefix (an episode's later
-        turns) and there is more than one server, `rollout/prefix_affinity_hits` (the fraction answered
-        there)."""
+        servers' mask cap), `rollout/unhealthy_servers` (servers a failed attempt's probe marked unhealthy,
+        not sent requests until a probe answers again) and, where requests named the server holding their
+        prefix (an episode's later turns) and there is more than one server, `rollout/prefix_affinity_hits`
+        (the fraction answered there)."""
         clients = (self.client, self.eval_client)
         now = {
             key: sum(getattr(c.stats, field) for c in clients)
@@ -271,6 +272,8 @@ class Engines:
         asked, hits = since.pop("prefix_requests"), since.pop("prefix_hits")
         if asked and len(self.client.urls) > 1:  # one server (or one router URL): nothing to choose
             since["rollout/prefix_affinity_hits"] = hits / asked
+        # what a failed attempt's probe took out of the requests' choice (probed again every REPROBE_S)
+        since["rollout/unhealthy_servers"] = float(sum(not up for up in self.client.healthy.values()))
         return {**self.client.occupancy.read(), **since}
 
     def _check_token_ids(self, samples) -> None:

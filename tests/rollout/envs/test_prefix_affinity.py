@@ -84,11 +84,15 @@ def test_a_turn_is_counted_once_and_kept_only_when_its_server_answered(monkeypat
 def test_the_hit_fraction_is_logged_per_batch():
     engines = Engines.__new__(Engines)
     stats = ClientStats()
-    engines.client = SimpleNamespace(stats=stats, occupancy=SimpleNamespace(read=dict), urls=[A, B])
+    engines.client = SimpleNamespace(
+        stats=stats, occupancy=SimpleNamespace(read=dict), urls=[A, B], healthy={A: True, B: False}
+    )
     engines.eval_client = SimpleNamespace(stats=ClientStats())
     engines._counted = {}
     stats.prefix_requests, stats.prefix_hits = 8, 6
-    assert engines.client_metrics()["rollout/prefix_affinity_hits"] == 0.75
+    first = engines.client_metrics()
+    assert first["rollout/prefix_affinity_hits"] == 0.75
+    assert first["rollout/unhealthy_servers"] == 1.0  # B, until a probe answers again
     stats.prefix_requests, stats.prefix_hits = 10, 6  # this batch: 2 asked, none kept
     assert engines.client_metrics()["rollout/prefix_affinity_hits"] == 0.0
     assert "rollout/prefix_affinity_hits" not in engines.client_metrics()  # single-turn: none asked
@@ -147,7 +151,9 @@ def test_three_turn_episodes_over_two_engines_stay_on_their_server(server_pair, 
 def test_one_server_logs_no_hit_fraction():
     engines = Engines.__new__(Engines)
     stats = ClientStats(prefix_requests=3, prefix_hits=3)
-    engines.client = SimpleNamespace(stats=stats, occupancy=SimpleNamespace(read=dict), urls=[A])
+    engines.client = SimpleNamespace(
+        stats=stats, occupancy=SimpleNamespace(read=dict), urls=[A], healthy={A: True}
+    )
     engines.eval_client = SimpleNamespace(stats=ClientStats())
     engines._counted = {}
     assert "rollout/prefix_affinity_hits" not in engines.client_metrics()
