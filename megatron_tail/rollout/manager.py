@@ -408,17 +408,25 @@ class RolloutManager:
             result = None
         self.in_flight.pop(index, None)
         if result is not None:
-            filtered = self.keep is not None and not self.keep(result)
-            batch = result.batch
-            self._done.append(
-                DoneGroup(index, float(sum(batch.rewards)), float(sum(batch.correct)), len(batch), filtered)
-            )
-            if filtered:
-                self.wasted += 1
-                self._filtered_this_batch += 1
-                self.attempts.pop(index, None)
+            try:
+                filtered = self.keep is not None and not self.keep(result)
+                batch = result.batch
+                done = DoneGroup(
+                    index, float(sum(batch.rewards)), float(sum(batch.correct)), len(batch), filtered
+                )
+            except Exception as e:  # a failing filter (or group) is the run's error, not a lost group:
+                # before, it ended this task unretrieved, the group neither buffered nor queued, and the
+                # next batch at η = 0 waited for it for good
+                self.error = e
+                self._requeue(index)
             else:
-                self.buffer[index] = result
+                self._done.append(done)
+                if filtered:
+                    self.wasted += 1
+                    self._filtered_this_batch += 1
+                    self.attempts.pop(index, None)
+                else:
+                    self.buffer[index] = result
         await self._changed_now()
 
     def _cancelled(self, index: int) -> bool:
