@@ -115,10 +115,32 @@ def test_a_missing_shard_file_is_named_and_no_intact_checkpoint_is_an_error(run)
 
     for step in (1, 2):
         (run / "checkpoints" / f"step_00000{step}" / "__0_1.distcp").unlink()
+    for _ in range(2):  # before: the first start renamed both aside, the second started over silently
+        with pytest.raises(
+            CheckpointCorruptError,
+            match=r"no intact checkpoint in .*step_000002/__0_1.distcp is missing; each of the 2 is broken "
+            r"\(left as it is\)",
+        ):
+            newest_intact_checkpoint(run, lambda _note: None)
+        assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
+
+
+@pytest.mark.parametrize("error", [OSError(5, "Input/output error"), MemoryError()], ids=["EIO", "memory"])
+def test_a_read_that_fails_for_no_reason_of_the_file_renames_nothing(run, monkeypatch, error):
+    """Before: any OSError reading a checkpoint (EIO, a stale NFS handle, too many open files) counted as
+    corruption, and the checkpoint was renamed out of the resume order for good."""
+    from megatron_tail.train.engine import checkpoint
+    from megatron_tail.train.run.session import newest_intact_checkpoint
+
+    def failing(_path):
+        raise error
+
+    monkeypatch.setattr(checkpoint, "read_checkpoint_meta", failing)
     with pytest.raises(
-        CheckpointCorruptError, match=r"no intact checkpoint in .*step_000002/__0_1.distcp is missing"
+        checkpoint.CheckpointReadError, match=r"common\.pt could not be read .*nothing was changed"
     ):
         newest_intact_checkpoint(run, lambda _note: None)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
 
 
 def test_a_full_disk_during_a_save_names_the_path_and_leaves_no_partial_checkpoint(run, saved):

@@ -85,6 +85,12 @@ class CheckpointCorruptError(UserError):
     """A checkpoint file is missing, truncated or unreadable; the message names it."""
 
 
+class CheckpointReadError(UserError):
+    """A checkpoint file could not be read for a reason that says nothing of its content (an I/O error, a
+    stale NFS handle, too many open files, no memory, no permission): the checkpoint is left where it is
+    and the run stops, naming the file; a rerun tries it again."""
+
+
 class CheckpointSpaceError(UserError):
     """Saving a checkpoint ran out of disk space (or into a quota / file-size limit)."""
 
@@ -239,22 +245,35 @@ def check_checkpoint(path: str | Path) -> None:
     def corrupt(file: Path | str, why: str) -> CheckpointCorruptError:
         return CheckpointCorruptError(f"checkpoint file {file} is {why}")
 
+    def unreadable(file: Path | str, e: BaseException) -> UserError:
+        """What a failed read of `file` says: corruption only on evidence of the content (a parse error, a
+        file cut short or missing); an OSError or MemoryError says nothing of it (EIO, ESTALE, EMFILE,
+        EACCES: often gone on the next try), and a checkpoint renamed aside for one was out of the resume
+        order for good."""
+        how = f"{type(e).__name__}: {e}"
+        if isinstance(e, MemoryError) or (isinstance(e, OSError) and e.errno not in (None, errno.ENOENT)):
+            return CheckpointReadError(
+                f"checkpoint file {file} could not be read ({how}); nothing was changed: rerun once the "
+                "file system answers again"
+            )
+        return corrupt(file, f"unreadable ({how})")
+
     try:
         json.loads((path / "metadata.json").read_text())
     except (OSError, ValueError) as e:
-        raise corrupt(path / "metadata.json", f"unreadable ({type(e).__name__}: {e})") from None
+        raise unreadable(path / "metadata.json", e) from None
     if not (path / "common.pt").is_file():
         raise corrupt(path / "common.pt", "missing")
     try:
         read_checkpoint_meta(path)
     except Exception as e:  # torch.load of a truncated file: EOFError, UnpicklingError, RuntimeError, ...
-        raise corrupt(path / "common.pt", f"unreadable ({type(e).__name__}: {e})") from None
+        raise unreadable(path / "common.pt", e) from None
     try:
         from torch.distributed.checkpoint import FileSystemReader
 
         storage = FileSystemReader(str(path)).read_metadata().storage_data
     except Exception as e:
-        raise corrupt(path / ".metadata", f"unreadable ({type(e).__name__}: {e})") from None
+        raise unreadable(path / ".metadata", e) from None
     needed: dict[str, int] = {}
     for info in storage.values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
@@ -271,7 +290,7 @@ def check_checkpoint(path: str | Path) -> None:
             with zipfile.ZipFile(file):
                 pass
         except (OSError, zipfile.BadZipFile) as e:
-            raise corrupt(file, f"unreadable ({e})") from None
+            raise unreadable(file, e) from None
 
 
 def read_rank0_object(path: str | Path, name: str) -> Any:

@@ -335,31 +335,39 @@ class StepwiseCheckpointError(UserError):
 
 def newest_intact_checkpoint(root: Path, note) -> Path | None:
     """The newest checkpoint of run directory `root` that `check_checkpoint` passes, or None if there is
-    none. A broken newer one is renamed `<name>.broken` (kept for inspection, out of the resume and pruning
-    order) and `note` says so; if every checkpoint is broken, the newest one's error is raised."""
+    none. The broken ones newer than it are renamed `<name>.broken` (kept for inspection, out of the resume
+    and pruning order) and `note` says so. If none passes, none is renamed and the newest one's error is
+    raised: before, all were renamed aside, and a rerun of the same command found no checkpoint and started
+    the run over from the initial model, purging its TensorBoard log. A `CheckpointReadError` (a read that
+    failed for a reason that says nothing of the file) stops the search as it is."""
     from ..engine.checkpoint import CheckpointCorruptError, check_checkpoint
 
     found = run_dir.complete_checkpoints(root)
-    first_error: CheckpointCorruptError | None = None
+    broken: list[tuple[Path, CheckpointCorruptError]] = []
+    intact = None
     for _, path in reversed(found):
         try:
             check_checkpoint(path)
-            return path
         except CheckpointCorruptError as e:
-            first_error = first_error or e
-            aside = path.with_name(f"{path.name}.broken")
-            n = 1
-            while aside.exists():
-                n += 1
-                aside = path.with_name(f"{path.name}.broken{n}")
-            path.rename(aside)
-            note(f"{e}; checkpoint {path.name} is unusable, moved to {aside.name}; trying an older one")
-    if first_error is not None:
+            broken.append((path, e))
+            continue
+        intact = path
+        break
+    if intact is None and broken:
         raise CheckpointCorruptError(
-            f"no intact checkpoint in {run_dir.checkpoints_dir(root)}: {first_error}; delete the broken ones "
-            "(renamed *.broken) to start from the initial model"
+            f"no intact checkpoint in {run_dir.checkpoints_dir(root)}: {broken[0][1]}; each of the "
+            f"{len(broken)} is broken (left as it is). To start from the initial model, remove them, or set "
+            "run_dir to a new directory"
         )
-    return None
+    for path, e in broken:
+        aside = path.with_name(f"{path.name}.broken")
+        n = 1
+        while aside.exists():
+            n += 1
+            aside = path.with_name(f"{path.name}.broken{n}")
+        path.rename(aside)
+        note(f"{e}; checkpoint {path.name} is unusable, moved to {aside.name}; resuming from {intact.name}")
+    return intact
 
 
 def load_tokenizer(path: str):
