@@ -15,11 +15,11 @@ from tests.model.hf_models import make_hf_model
 from tests.train.common import PAD_MULTIPLE, init_rank
 
 
-def _trainer(hf_dir):
+def _trainer(hf_dir, tp=1):
     from megatron_tail.model import ModelSettings, load_hf_config
     from megatron_tail.train import OptimizerSettings, build_trainer
 
-    init_rank(1, 1)
+    init_rank(tp, 1)
     return build_trainer(
         load_hf_config(hf_dir),
         hf_dir=hf_dir,
@@ -39,19 +39,42 @@ def _save_two(rank, world_size, hf_dir, root):  # noqa: ARG001
         )
 
 
-def _save_with_file_size_limit(rank, world_size, hf_dir, path, limit):  # noqa: ARG001
-    """Save with RLIMIT_FSIZE = `limit` bytes: every write past it fails (EFBIG) as on a full disk."""
-    from megatron_tail.train.engine.checkpoint import CheckpointSpaceError, save_checkpoint
+def _save_with_file_size_limit(rank, world_size, hf_dir, path, limit, limited_ranks=(0,)):
+    """Save with RLIMIT_FSIZE = `limit` bytes on `limited_ranks`: every write past it fails (EFBIG) as on
+    a full disk. Each rank's error: (class name, message), or None."""
+    from megatron_tail.train.engine.checkpoint import save_checkpoint
 
-    trainer = _trainer(hf_dir)
+    trainer = _trainer(hf_dir, tp=world_size)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing us
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+    if rank in limited_ranks:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
     try:
         save_checkpoint(path, trainer, {"step": 3})
-    except CheckpointSpaceError as e:
-        return str(e)
+    except BaseException as e:  # what each rank raised is the point
+        return type(e).__name__, str(e)
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    return None
+
+
+def _save_denied(rank, world_size, hf_dir, path):
+    """Rank 0's own files fail as on a read-only file system (root passes permission checks, so the errno
+    is raised where rank 0 makes its files durable)."""
+    import errno
+
+    from megatron_tail.train.engine import checkpoint
+
+    trainer = _trainer(hf_dir, tp=world_size)
+    if rank == 0:
+
+        def read_only(_directory):
+            raise OSError(errno.EROFS, "Read-only file system")
+
+        checkpoint.make_durable = read_only
+    try:
+        checkpoint.save_checkpoint(path, trainer, {"step": 3})
+    except BaseException as e:
+        return type(e).__name__, str(e)
     return None
 
 
@@ -146,9 +169,34 @@ def test_a_read_that_fails_for_no_reason_of_the_file_renames_nothing(run, monkey
 def test_a_full_disk_during_a_save_names_the_path_and_leaves_no_partial_checkpoint(run, saved):
     """Before: an opaque torch serialization message and a `.tmp` directory left behind."""
     path = run / "checkpoints" / "step_000003"
-    (message,) = run_distributed(_save_with_file_size_limit, 1, str(saved / "hf"), str(path), 64 * 1024)
-    assert message is not None and message.startswith(f"no space left on {path.parent} while saving")
+    ((kind, message),) = run_distributed(
+        _save_with_file_size_limit, 1, str(saved / "hf"), str(path), 64 * 1024
+    )
+    assert kind == "CheckpointSpaceError" and message.startswith(
+        f"no space left on {path.parent} while saving"
+    )
     assert "previous checkpoints are kept" in message
+    assert sorted(p.name for p in path.parent.iterdir()) == ["step_000001", "step_000002"]
+
+
+def test_a_full_disk_on_one_rank_is_the_same_one_line_error_on_every_rank(run, saved):
+    """megatron raises a writer's failure with its details on the coordinator only; the other ranks get
+    `CheckpointException("write", {})`. Before, with rank 1's writes failing, rank 0 said "no space left"
+    (exit 2) and rank 1 raised the bare CheckpointException (a traceback, exit 1)."""
+    path = run / "checkpoints" / "step_000003"
+    errors = run_distributed(_save_with_file_size_limit, 2, str(saved / "hf"), str(path), 64 * 1024, (1,))
+    assert [kind for kind, _ in errors] == ["CheckpointSpaceError"] * 2, errors
+    assert all(m.startswith(f"no space left on {path.parent} while saving") for _, m in errors)
+    assert sorted(p.name for p in path.parent.iterdir()) == ["step_000001", "step_000002"]
+
+
+def test_a_denied_write_of_rank_0s_files_is_one_line_on_every_rank(run, saved):
+    """Before: rank 0 raised the OSError (a traceback) while rank 1 waited at the barrier after the save."""
+    path = run / "checkpoints" / "step_000003"
+    errors = run_distributed(_save_denied, 2, str(saved / "hf"), str(path))
+    assert [kind for kind, _ in errors] == ["CheckpointWriteDeniedError"] * 2, errors
+    assert errors[0][1].startswith(f"cannot write checkpoint step_000003 in {path.parent}: permission denied")
+    assert "Read-only file system" in errors[0][1] and "another rank's write failed" in errors[1][1]
     assert sorted(p.name for p in path.parent.iterdir()) == ["step_000001", "step_000002"]
 
 

@@ -95,6 +95,10 @@ class CheckpointSpaceError(UserError):
     """Saving a checkpoint ran out of disk space (or into a quota / file-size limit)."""
 
 
+class CheckpointWriteDeniedError(UserError):
+    """Saving a checkpoint was denied: no permission, or a read-only file system."""
+
+
 def model_signature(trainer: Trainer) -> dict[str, Any]:
     """What must match between a checkpoint and the model loading it (shapes and layout-relevant flags)."""
     arch, settings = trainer.arch, trainer.model_settings
@@ -139,10 +143,14 @@ def save_checkpoint(
     if path.exists() and not overwrite:
         raise FileExistsError(f"checkpoint {path} exists; pass overwrite=True to replace it")
     tmp = beside(path, STAGING)
+    failure: BaseException | None = None
     if dist.get_rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted save
-        tmp.mkdir(parents=True)
-    dist.barrier()
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted save
+            tmp.mkdir(parents=True)
+        except OSError as e:  # an unwritable checkpoints/: the other ranks hear of it, not wait for it
+            failure = e
+    _raise_agreed(failure, path, tmp)  # every rank, at once (the barrier before the save)
     use_in_process_results_queue()
     world = world_timeout()  # a writer still busy past it: the peers' barrier has failed anyway
     use_watched_checkpoint_writers(None if world is None else world.total_seconds())
@@ -166,18 +174,8 @@ def save_checkpoint(
                 (tmp / name).write_text(text)
             make_durable(tmp)  # where a filesystem reports a full disk or quota late (NFS, Lustre)
     except (Exception, CheckpointException) as e:  # torch's CheckpointException is a BaseException
-        if dist.get_rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # a full disk keeps no half-written checkpoint
-        if _out_of_space(e):
-            free = shutil.disk_usage(path.parent).free / 2**30
-            lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
-            raise CheckpointSpaceError(
-                f"no space left on {path.parent} while saving checkpoint {path.name} ({free:.2f} GiB free "
-                f"there now; or a quota / file-size limit; {lines[-1][:200]}). The partial save was removed "
-                "and the previous checkpoints are kept; free space and rerun to resume"
-            ) from None
-        raise
-    dist.barrier()
+        failure = e
+    _raise_agreed(failure, path, tmp)  # every rank, rank 0's own writes' failure too (the barrier)
     if dist.get_rank() == 0:
         if path.exists():
             old = beside(path, REPLACED)
@@ -190,6 +188,68 @@ def save_checkpoint(
         _fsync(path.parent)  # the rename itself
     dist.barrier()
     return path
+
+
+_OTHER, _DENIED, _SPACE = 1, 2, 3
+"""How a save failed, worst last (`_raise_agreed` takes the maximum over the ranks)."""
+_DENIED_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS}
+_DENIED_TEXT = ("permission denied", "read-only file system")
+
+
+def _failure_kind(error: BaseException | None) -> int:
+    if error is None:
+        return 0
+    if _out_of_space(error):
+        return _SPACE
+    if _in_chain(error, _DENIED_ERRNOS, _DENIED_TEXT):
+        return _DENIED
+    return _OTHER
+
+
+def _raise_agreed(failure: BaseException | None, path: Path, tmp: Path) -> None:
+    """Collective, in place of a barrier: every rank learns the worst way any rank's part of the save
+    failed, and each raises the same kind of error (0 everywhere: return).
+
+    megatron raises a writer's failure with its details on the coordinator alone; the others get
+    `CheckpointException("write", {})` (`torch/distributed/checkpoint/state_dict_saver.py`, the broadcast
+    of `failures_occurred`), and a failure of rank 0's own files reaches no other rank. Before, on a full
+    disk, rank 0 said "no space left" (exit 2) while another rank raised the bare exception (a traceback,
+    exit 1), so torchrun reported mixed causes; a permission or read-only error was a traceback everywhere;
+    and an unwritable `checkpoints/` failed rank 0 while the others waited at the barrier."""
+    from .parallel import comm_device
+
+    kind = torch.tensor([_failure_kind(failure)], dtype=torch.int32, device=comm_device())
+    dist.all_reduce(kind, op=dist.ReduceOp.MAX)
+    worst = int(kind.item())
+    if worst == 0:
+        return
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # a failed save keeps no half-written checkpoint
+    detail = "; ".join(_last_lines(failure)) if failure is not None else "another rank's write failed"
+    if worst == _SPACE:
+        free = shutil.disk_usage(path.parent).free / 2**30
+        raise CheckpointSpaceError(
+            f"no space left on {path.parent} while saving checkpoint {path.name} ({free:.2f} GiB free "
+            f"there now; or a quota / file-size limit; {detail[:200]}). The partial save was removed "
+            "and the previous checkpoints are kept; free space and rerun to resume"
+        ) from None
+    if worst == _DENIED:
+        raise CheckpointWriteDeniedError(
+            f"cannot write checkpoint {path.name} in {path.parent}: permission denied or a read-only file "
+            f"system ({detail[:200]}); the previous checkpoints are kept. Make it writable (or set run_dir "
+            "elsewhere) and rerun to resume"
+        ) from None
+    if failure is not None:
+        raise failure
+    raise RuntimeError(
+        f"saving checkpoint {path.name} failed on another rank (its error is in that rank's log); the "
+        "partial save was removed and the previous checkpoints are kept"
+    )
+
+
+def _last_lines(error: BaseException) -> list[str]:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[-1:] or [type(error).__name__]
 
 
 def make_durable(directory: Path) -> None:
@@ -224,11 +284,17 @@ _SPACE_TEXT = ("no space left", "file write failed", "unexpected pos", "disk quo
 
 def _out_of_space(error: BaseException) -> bool:
     """A write failed for lack of space: the errno, or torch's serializer's message, anywhere in the chain."""
+    return _in_chain(error, _SPACE_ERRNOS, _SPACE_TEXT)
+
+
+def _in_chain(error: BaseException, errnos: set[int], texts: tuple[str, ...]) -> bool:
+    """An OSError of one of `errnos`, or one of `texts` in a message (a writer's failure reaches the
+    coordinator as text: megatron's wrapped tracebacks), anywhere in `error`'s chain."""
     seen = error
     while seen is not None:
-        if isinstance(seen, OSError) and seen.errno in _SPACE_ERRNOS:
+        if isinstance(seen, OSError) and seen.errno in errnos:
             return True
-        if any(text in str(seen).lower() for text in _SPACE_TEXT):
+        if any(text in str(seen).lower() for text in texts):
             return True
         seen = seen.__cause__ or seen.__context__
     return False
