@@ -182,7 +182,9 @@ def save_checkpoint(
             shutil.rmtree(old, ignore_errors=True)
             path.rename(old)
             tmp.rename(path)
-            shutil.rmtree(old)
+            # the new copy is in place: an old one that cannot be removed now (a busy NFS file) must not
+            # fail a save that succeeded; the next start sweeps it (`run_dir.sweep_leftovers`)
+            shutil.rmtree(old, ignore_errors=True)
         else:
             tmp.rename(path)
         _fsync(path.parent)  # the rename itself
