@@ -219,6 +219,36 @@ def test_a_training_file_changed_under_its_path_is_refused_and_a_moved_one_accep
     )
 
 
+def test_a_model_directory_whose_tokenizer_changed_under_its_path_is_refused_and_a_moved_one_too(tmp_path):
+    """Before: only `model.hf_path`'s string was compared, so a directory re-downloaded or replaced in place
+    with another chat template (which every start tokenizes the prompts with) resumed silently. The
+    weights are not hashed, so a moved directory is not taken as the same model either."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "qwen3"}')
+    (model / "tokenizer_config.json").write_text('{"chat_template": "A"}')
+    (model / "model.safetensors").write_bytes(b"weights")
+    sets = (f"model.hf_path={model}",)
+    saved, digests = _saved(*sets), data_digests.current(_now(*sets))
+    assert resume_notes(saved, _now(*sets), CKPT, digests) == []
+    (model / "model.safetensors").write_bytes(b"other weights")  # not hashed: every start would read them
+    assert resume_notes(saved, _now(*sets), CKPT, digests) == []
+    (model / "tokenizer_config.json").write_text('{"chat_template": "B"}')
+    with pytest.raises(
+        ConfigChangeRefused,
+        match=r"model\.hf_path \(its config, tokenizer and chat template files\) \"[0-9a-f]{12}\" → ",
+    ):
+        resume_notes(saved, _now(*sets), CKPT, digests)
+    (model / "tokenizer_config.json").write_text('{"chat_template": "A"}')
+    moved = tmp_path / "moved"  # the same files elsewhere: still refused, as a changed path always was
+    moved.mkdir()
+    for f in model.iterdir():
+        (moved / f.name).write_bytes(f.read_bytes())
+    assert data_digests.current(_now(f"model.hf_path={moved}"))["model.hf_path"] == digests["model.hf_path"]
+    with pytest.raises(ConfigChangeRefused, match=r"model\.hf_path \".*model\" → \".*moved\""):
+        resume_notes(saved, _now(f"model.hf_path={moved}"), CKPT, digests)
+
+
 def test_an_evaluation_file_changed_under_its_path_is_logged_and_old_checkpoints_compare_nothing(tmp_path):
     train = _with_file(tmp_path, "train.jsonl", '{"prompt": "1+1=", "answer": "2"}\n')
     held = _with_file(tmp_path, "eval.jsonl", '{"prompt": "3+4=", "answer": "7"}\n')

@@ -210,7 +210,7 @@ def resume_notes(
         if c.key not in _THIS_START
     ]
     changes += [
-        ConfigChange(f"{key} (the file's content)", old, new, _kind(key), "SHA-256 prefixes")
+        ConfigChange(f"{key} ({_CONTENT[key]})", old, new, _kind(key), "SHA-256 prefixes")
         for key, (old, new) in content.items()
     ]
     kept = [c for c in changes if c.kind != "trained"]
@@ -282,6 +282,13 @@ def _older_behaviour(saved: Mapping[str, Any]) -> dict[str, Any]:
     if saved.get("algorithm.stapo") and pruned:
         out["algorithm.stapo_entropy"] = "pruned"
     return out
+
+
+_CONTENT = {
+    "data.train_path": "the file's content",
+    "data.eval_path": "the file's content",
+    "model.hf_path": "its config, tokenizer and chat template files",
+}
 
 
 def _kind(key: str) -> Kind:

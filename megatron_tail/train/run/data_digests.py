@@ -12,6 +12,13 @@ as it reads the prompts: `session.RunSession`); a resume compares them with the 
 - the evaluation file's: accepted and logged, as `data.eval_path` is;
 - a path changed with the content the same (the data moved, e.g. to another cluster's file system): the
   path's change is accepted and logged instead of refused.
+
+The model directory (`model.hf_path`) is read again at every start for the tokenizer and its chat
+template (what each prompt's tokens are) and, with a KL term, the reference policy's weights. Its small
+files that define the tokenization and the architecture are digested too (`model_files_digest`): a
+directory re-downloaded or replaced under the same path with another tokenizer, template or config is a
+change of what is trained. Its weights are not hashed (hundreds of GB at 1 GB/s on every start), so a
+moved model directory is never taken as the same content: its path's change stays refused.
 """
 
 from __future__ import annotations
@@ -25,13 +32,48 @@ from megatron_tail.utils.errors import UserError
 from megatron_tail.utils.file_digest import file_digest
 
 DIGESTS_NAME = "data_digests.json"
-KEYS = ("data.train_path", "data.eval_path")
+KEYS = ("data.train_path", "data.eval_path", "model.hf_path")
+WHOLE_CONTENT_KEYS = ("data.train_path", "data.eval_path")
+"""The keys whose digest covers everything the run reads there: a moved path of the same digest holds the
+same content."""
+MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "model.safetensors.index.json",
+)
+"""The files of a HF model directory that define its tokenization, chat template and architecture."""
+
+
+def model_files_digest(model_dir: str | Path) -> str | None:
+    """SHA-256 over the `MODEL_FILES` present in `model_dir` (each file's name and digest), or None if it is
+    not a directory."""
+    import hashlib
+
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        return None
+    digest = hashlib.sha256()
+    for name in MODEL_FILES:
+        if (model_dir / name).is_file():
+            digest.update(f"{name}\0{file_digest(model_dir / name)}\n".encode())
+    return digest.hexdigest()
 
 
 def current(cfg: RunConfig) -> dict[str, str | None]:
-    """`KEYS` → the digest of the file each names now (None: no file configured)."""
+    """`KEYS` → the digest of what each names now (None: nothing configured)."""
     paths = {"data.train_path": cfg.data.train_path, "data.eval_path": cfg.data.eval_path}
-    return {key: file_digest(path) if path else None for key, path in paths.items()}
+    now = {key: file_digest(path) if path else None for key, path in paths.items()}
+    now["model.hf_path"] = model_files_digest(cfg.model.hf_path) if cfg.model.hf_path else None
+    return now
 
 
 def digests_text(cfg: RunConfig) -> str:
@@ -65,8 +107,8 @@ def changes(saved: dict[str, Any] | None, cfg: RunConfig) -> tuple[dict[str, tup
         old, new = saved.get(key), now[key]
         if old is None or new is None:  # a file added or removed: the config's own change says so
             continue
-        if old == new:
-            same.add(key)
-        else:
+        if old != new:
             changed[key] = (old[:12], new[:12])
+        elif key in WHOLE_CONTENT_KEYS:
+            same.add(key)
     return changed, same
