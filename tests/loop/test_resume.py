@@ -57,6 +57,9 @@ def test_sigterm_then_resume_equals_uninterrupted(
     assert max(h["rollout/filtered_groups_fraction"] for h in uninterrupted) > 0
     assert sum(h["rollout/filtered_groups"] for h in uninterrupted) >= 1
     assert len({h["train/grad_norm"] for h in uninterrupted}) == 4
+    # the same prompts, step by step, in the same order (the metrics above could agree by chance)
+    trained = read_trained_prompts(interrupted_dir)
+    assert trained == read_trained_prompts(full_dir) and sorted(trained) == [1, 2, 3, 4]
 
     # TensorBoard of the interrupted + resumed run: each step once, equal to the uninterrupted run's
     logged, reference = read_scalars(interrupted_dir), read_scalars(full_dir)
