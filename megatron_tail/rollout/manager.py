@@ -45,6 +45,12 @@ for the groups in flight anyway, and at most one step's groups are ahead. An upd
 every group the bound admits (`drain`), so that each step's groups come from one version on any machine.
 At η ≥ 2 a batch is the first G groups completed, oldest token first, so a long group does not hold the
 trainer; it trains a step later at its true staleness.
+One exception, known and not yet fixed: at η = 1 with dynamic sampling's budget binding
+(`max_filtered_per_batch`, G × `data.max_sampling_rounds` in the loop), the filtered groups of the step
+after next that complete between a weight update and the next batch's return are not counted against that
+step's budget (`_filtered_this_batch` restarts at each return), so where such a step is cut short depends
+on the trainer's time between the two (an evaluation, a checkpoint), and a resume can cut it elsewhere.
+Counting filtered groups by prompt index instead changes when a batch gives up (a rule to decide first).
 
 Attempts. A prompt the manager generates again after throwing its samples away (dropped as stale) gets the
 next `attempt`, and `work` derives fresh seeds from it (`client.regeneration_keys`): with the same seeds, a
