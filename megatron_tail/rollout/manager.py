@@ -204,7 +204,7 @@ class RolloutManager:
         self.held = False
         self.error: BaseException | None = None
         self._changed: asyncio.Condition | None = None
-        self._counts = {"dropped_stale": 0, "cancelled_stale": 0}
+        self._counts = {"dropped_stale": 0, "cancelled_stale": 0, "given_back_groups": 0}
         self._filtered_this_batch = 0
         """Groups filtered since the last batch: when `max_filtered_per_batch` is reached, dynamic sampling
         gives up on the batch (`_filter_exhausted`)."""
@@ -230,7 +230,8 @@ class RolloutManager:
         """G groups for step `step` (the trainer's weights are version `step`), the oldest first (with
         `stale_groups="drop"`, each with its oldest token at least `step − η`), returned in prompt-stream
         order; and the counters since the last batch
-        (`rollout/dropped_stale` samples, `rollout/cancelled_stale` groups, `rollout/filtered_groups`,
+        (`rollout/dropped_stale` samples, `rollout/cancelled_stale` groups, `rollout/given_back_groups`
+        (completed groups a batch cut short gave back, generated again), `rollout/filtered_groups`,
         `rollout/buffered_groups` left,
         `rollout/batch_fill`: the groups taken ÷ G, 0 when dynamic sampling filtered every group;
         `reward/generated_mean` and `reward/generated_accuracy` over the completed groups the batch reports,
@@ -301,6 +302,7 @@ class RolloutManager:
         for index in reversed(indices):  # the queue's front in prompt-stream order
             del self.buffer[index]
             self._requeue(index)
+        self._counts["given_back_groups"] += len(indices)  # generated, thrown away: their cost, logged
         given = set(indices)
         self._done = [d for d in self._done if d.index not in given]
 

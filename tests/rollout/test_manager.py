@@ -309,11 +309,15 @@ def test_what_the_next_batch_counted_before_a_checkpoint_survives_it():
     again = filtering()
     again.load_state_dict(manager.state_dict())
     assert again._filter_exhausted()
-    assert again._counts == {"dropped_stale": 4, "cancelled_stale": 1}
+    assert again._counts == {"dropped_stale": 4, "cancelled_stale": 1, "given_back_groups": 0}
     older = {k: v for k, v in manager.state_dict().items() if k not in ("filtered_this_batch", "counts")}
     fresh = RolloutManager(lambda _i, _v, _a: None, groups_per_step=2, max_staleness=1, version=0)
     fresh.load_state_dict(older)  # a checkpoint from before these were kept
-    assert fresh._filtered_this_batch == 0 and fresh._counts == {"dropped_stale": 0, "cancelled_stale": 0}
+    assert fresh._filtered_this_batch == 0 and fresh._counts == {
+        "dropped_stale": 0,
+        "cancelled_stale": 0,
+        "given_back_groups": 0,
+    }
 
 
 def test_bad_settings_name_the_value():
@@ -760,9 +764,14 @@ def test_a_batch_dynamic_sampling_gave_up_on_leaves_no_staleness_behind(eta, mul
         seen = []
         await _train(manager, engines, 8, partial=False, on_batch=lambda *a: seen.append(a))
         await manager.close()
-        return seen, engines.max_ahead
+        return seen, engines.max_ahead, engines.started, list(manager.queued)
 
-    seen, max_ahead = asyncio.run(main())
+    seen, max_ahead, started, queued = asyncio.run(main())
+    # the groups a cut batch gave back are counted (their generation was thrown away) and generated again,
+    # or queued again when the run ends (with the groups it cancelled in flight)
+    given_back = sum(metrics["rollout/given_back_groups"] for _, _, metrics in seen)
+    regenerated = len(started) - len(set(started))
+    assert regenerated <= given_back <= regenerated + len(set(queued) & set(started))
     for step, groups, metrics in seen:
         assert groups, f"step {step} was empty"
         assert len(groups) <= 4 and len(groups) % multiple == 0
