@@ -43,6 +43,9 @@ from .registry import ENV_HANDLER, EnvironmentError_, EnvironmentTimeoutError
 
 DEFAULT_ENV_WORKERS = 4
 """`rollout.env.workers`'s default; see the module docstring for why."""
+STALLED_AFTER_S = 10.0
+"""A worker whose call has run this long (or a tenth of the limit, if less) gets no new episode while
+another has none such (`EnvWorkers.assign`): environment calls take microseconds to seconds."""
 
 
 @dataclass
@@ -87,8 +90,18 @@ class EnvWorkers:
             slot.thread.submit(self._start, slot)
 
     def assign(self) -> _Slot:
-        """The worker a new episode lives in: the one with the fewest live episodes (the first of equals)."""
-        slot = min(self.slots, key=lambda s: s.episodes)
+        """The worker a new episode lives in: the one with the fewest live episodes (the first of equals),
+        among those whose current call has not run for `stalled_after_s`: an episode's `reset` queues behind
+        its worker's running call, and one that hangs would hold it until `timeout_s`. Before, a new
+        episode joined a stuck worker when it had the fewest episodes (it has, once its others finished)."""
+        now = time.monotonic()
+        stalled_after = min(STALLED_AFTER_S, self.timeout_s / 10)
+
+        def stalled(slot: _Slot) -> bool:
+            busy = slot.busy
+            return busy is not None and now - busy.since > stalled_after
+
+        slot = min(self.slots, key=lambda s: (stalled(s), s.episodes))
         slot.episodes += 1
         return slot
 

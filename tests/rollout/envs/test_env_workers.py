@@ -65,6 +65,25 @@ def test_episodes_go_to_the_worker_with_the_fewest_live_episodes():
         pool.close()
 
 
+def test_a_new_episode_avoids_a_worker_whose_call_has_run_long():
+    """A worker in a call for longer than `stalled_after_s` (a tenth of the limit here) gets no new episode
+    while another has none such, however few episodes it holds. Before: the stuck worker, holding the fewest
+    once its other episodes ended, took the next `reset`, which then waited up to the call's limit."""
+    from megatron_tail.rollout.envs.pool import Busy
+
+    pool = EnvWorkers(2, timeout_s=60.0, timeout_name="rollout.env.timeout_s")
+    try:
+        stuck, free = pool.slots
+        free.episodes = 3
+        stuck.busy = Busy("step", SLEEPER, "e0", time.monotonic() - 7.0, 0)  # 7 s > 60 s / 10
+        assert pool.assign() is free
+        stuck.busy = Busy("step", SLEEPER, "e0", time.monotonic() - 1.0, 0)  # a call of 1 s: not stalled
+        assert pool.assign() is stuck
+        stuck.busy = None
+    finally:
+        pool.close()
+
+
 @pytest.mark.parametrize("bad", [0, -1, True])
 def test_env_workers_is_a_positive_int(bad):
     from megatron_tail.config import load_config
