@@ -67,11 +67,14 @@ class ToolEnvironment(Environment):
         parsed = parse_tool_calls(turn, self.tools)
         if not parsed.attempted:
             return StepResult(None, done=True)
-        replies = [f"error: {e}" for e in parsed.errors]
-        errors = len(parsed.errors)
-        for call in parsed.calls:
+        replies, errors = [], 0
+        for item in parsed.items:  # one response per attempt, in the turn's order (the format's pairing)
+            if isinstance(item, str):
+                replies.append(f"error: {item}")
+                errors += 1
+                continue
             try:
-                replies.append(str(self.tools[call.name](**call.arguments)))
+                replies.append(str(self.tools[item.name](**item.arguments)))
             except (ValueError, TypeError) as e:
                 replies.append(f"error: {e}")
                 errors += 1

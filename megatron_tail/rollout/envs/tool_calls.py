@@ -46,18 +46,29 @@ class ToolCall:
 
 @dataclass(frozen=True)
 class ParsedTurn:
-    """The tool calls of one model turn, in order, and the malformed attempts (one message each)."""
+    """The tool calls of one model turn and its malformed attempts (one message each), in the order the
+    turn wrote them: Qwen3's format answers calls by position, so the responses follow this order."""
 
     content: str
     """Text after the reasoning and before the first `<tool_call>` (stripped), as the detector's
     `normal_text`."""
-    calls: list[ToolCall] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
+    items: list[ToolCall | str] = field(default_factory=list)
+    """Each attempt in text order: a `ToolCall`, or the error message of a malformed one (attempts that
+    no block matched, a `<tool_call>` without its newline or never closed, come last: where they were
+    is not known)."""
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        return [item for item in self.items if isinstance(item, ToolCall)]
+
+    @property
+    def errors(self) -> list[str]:
+        return [item for item in self.items if isinstance(item, str)]
 
     @property
     def attempted(self) -> bool:
         """The turn tried to call a tool (well-formed or not)."""
-        return bool(self.calls or self.errors)
+        return bool(self.items)
 
 
 def parse_tool_calls(text: str, tool_names: Collection[str]) -> ParsedTurn:
@@ -66,21 +77,18 @@ def parse_tool_calls(text: str, tool_names: Collection[str]) -> ParsedTurn:
     text = after_reasoning(text)
     start = text.find(CALL_OPEN + "\n")
     content = (text[:start] if start != -1 else text).strip()
-    calls: list[ToolCall] = []
-    errors: list[str] = []
+    items: list[ToolCall | str] = []
     matched = 0
     for match in _BLOCK.finditer(text):
         matched += 1
-        call, error = _parse_block(match.group(1), tool_names)
-        calls.extend(call)
-        errors.extend(error)
+        items.extend(_parse_block(match.group(1), tool_names))
     opened = text.count(CALL_OPEN)
     if opened > matched:
-        errors.append(
+        items.append(
             f"{opened - matched} malformed tool call(s): write each as "
             '<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>'
         )
-    return ParsedTurn(content, calls, errors)
+    return ParsedTurn(content, items)
 
 
 def after_reasoning(text: str) -> str:
@@ -92,27 +100,28 @@ def after_reasoning(text: str) -> str:
     return "" if THINK_OPEN in text else text
 
 
-def _parse_block(body: str, tool_names: Collection[str]) -> tuple[list[ToolCall], list[str]]:
+def _parse_block(body: str, tool_names: Collection[str]) -> list[ToolCall | str]:
+    """One block's calls and error messages, in order."""
     try:
         action = json.loads(body.strip())
     except ValueError as e:
-        return [], [f"tool call is not valid JSON ({e.msg} at char {e.pos})"]
+        return [f"tool call is not valid JSON ({e.msg} at char {e.pos})"]
     actions = action if isinstance(action, list) else [action]  # the detector accepts a list of calls too
-    calls, errors = [], []
+    items: list[ToolCall | str] = []
     for act in actions:
         if not isinstance(act, dict):
-            errors.append(f"tool call must be a JSON object, got {type(act).__name__}")
+            items.append(f"tool call must be a JSON object, got {type(act).__name__}")
             continue
         name = act.get("name")
         if not isinstance(name, str) or name not in tool_names:
-            errors.append(f"unknown tool {name!r}; available: {sorted(tool_names)}")
+            items.append(f"unknown tool {name!r}; available: {sorted(tool_names)}")
             continue
         args = act.get("parameters") or act.get("arguments", {})
         if not isinstance(args, dict):
-            errors.append(f"arguments of {name!r} must be a JSON object, got {type(args).__name__}")
+            items.append(f"arguments of {name!r} must be a JSON object, got {type(args).__name__}")
             continue
-        calls.append(ToolCall(name, args))
-    return calls, errors
+        items.append(ToolCall(name, args))
+    return items
 
 
 def render_tool_call(call: ToolCall, *, first: bool = True, after_content: bool = False) -> str:

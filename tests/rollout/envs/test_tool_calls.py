@@ -237,6 +237,27 @@ def test_calculator_env_answers_calls_and_errors_and_stops_without_a_call():
     assert final.done and final.observation is None and final.reward == 0.0
 
 
+def test_the_responses_of_a_mixed_turn_follow_its_calls_in_order():
+    """Qwen3's format pairs a tool response with a call by position. Before, every malformed call's error came
+    first and the results after: for `2+3`, an unknown tool, `7*`, the model read that its first call failed
+    and that `7*` returned 5."""
+    env = CalculatorEnv()
+    env.reset({"answer": "5"})
+    turn = (
+        '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "calcualtor", "arguments": {"expression": "1"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "calculator", "arguments": {"expression": "7*"}}\n</tool_call>'
+    )
+    result = env.step(turn)
+    responses = result.observation.split("<tool_response>\n")[1:]
+    assert [r.split("\n</tool_response>")[0] for r in responses] == [
+        "5",
+        "error: unknown tool 'calcualtor'; available: ['calculator']",
+        responses[2].split("\n</tool_response>")[0],
+    ]
+    assert responses[2].startswith("error: ") and (result.tool_calls, result.tool_errors) == (2, 2)
+
+
 @pytest.mark.parametrize("system", [None, "Be brief."])
 def test_tools_system_prompt_is_what_the_template_renders_for_tools(system):
     from megatron_tail.rollout.envs.calculator import CALCULATOR_SCHEMA
