@@ -160,7 +160,9 @@ class AlgorithmConfig:
     """The punishment's scale (DAPO: 1.0), ≥ 0."""
     mask_truncated: bool = False
     """Responses cut at `rollout.max_new_tokens` leave the loss and its normalising counts (DAPO's overlong
-    filtering); their rewards still enter their group's advantages."""
+    filtering); their rewards still enter their group's advantages. With an environment, an episode cut by
+    any limit (`rollout.env.max_turns`, `max_observation_tokens`, the model's context) counts as cut too
+    (`envs.episode.Episode.cut`)."""
 
     # --- aggregation
     loss_aggregation: AggregationMode = "token_mean"

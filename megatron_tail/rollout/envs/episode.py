@@ -138,6 +138,15 @@ class Episode:
     context_overflow: bool = False
     """The next turn's input would not fit the engine's context (`EpisodeLimits.max_input_tokens`): the
     episode ended before that observation, instead of a request the engine rejects."""
+
+    @property
+    def cut(self) -> bool:
+        """A limit ended the episode, not the model or the environment: its last turn hit `max_new_tokens`,
+        or `max_turns`, an observation's or the context's limit stopped it (its last turn is then a tool
+        call, which the run's reward scores as a final answer). The batch's `truncated`: what
+        `algorithm.mask_truncated` masks and `response/truncated_fraction` counts."""
+        return self.truncated or self.truncated_by_turns or self.observation_overflow or self.context_overflow
+
     log_rho: float | None = None
     """DVP's log ρ of the first turn's request: an episode counts as old as its oldest tokens."""
     turn_versions: list[str | None] = field(default_factory=list)

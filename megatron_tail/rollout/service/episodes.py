@@ -373,7 +373,9 @@ def episodes_to_batch(
         rewards=total,
         # the final answer's reward: a right answer after penalised tool calls is still right
         correct=[r >= correct_reward for r in rewards],
-        truncated=[e.truncated for e in episodes],
+        # cut by any limit: before, only the length limit, so an episode that max_turns, a long observation or
+        # the context stopped trained as finished, its tool-call turn scored as a wrong final answer
+        truncated=[e.cut for e in episodes],
         # the first turn's version (the manager: a later turn may be newer, `token_versions` has each)
         weight_versions=[e.turn_versions[0] for e in episodes],
         policy_mask=[list(e.policy_mask) for e in episodes] if environment else None,

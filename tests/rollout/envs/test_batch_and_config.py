@@ -49,6 +49,7 @@ def test_episode_metrics_are_logged():
     response = sum(len(e.response_ids) for e in episodes)
     assert m["rollout/env_token_fraction"] == pytest.approx(env / response)
     assert m["rollout/truncated_by_turns"] == pytest.approx(1 / 4)
+    assert batch.truncated == [False, True, False, False]  # max_turns cut episode 1: truncated too
     assert m["rollout/stale_fraction"] == 0.0
     assert batch.stats["generated_tokens"] == sum(2 * e.turns for e in episodes)
     assert batch.policy_mask[2] == [True, True, False, False, False, False, True, True]

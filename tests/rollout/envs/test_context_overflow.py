@@ -118,3 +118,6 @@ def test_overflowing_episodes_are_counted_and_the_step_goes_on():
     batch = episodes_to_batch(episodes, [0.0] * 4, correct_reward=1.0, elapsed_s=0.0)
     assert batch.metrics == {"rollout/context_overflows": 4.0}
     assert [len(r) for r in batch.response_ids] == [7, 7, 7, 7]
+    # cut by the context, not ended by the model: truncated, so `algorithm.mask_truncated` masks them
+    # (before: trained as finished, each last turn a tool call scored as a wrong final answer)
+    assert batch.truncated == [True] * 4
