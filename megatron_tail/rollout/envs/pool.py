@@ -43,6 +43,9 @@ from .registry import ENV_HANDLER, EnvironmentError_, EnvironmentTimeoutError
 
 DEFAULT_ENV_WORKERS = 4
 """`rollout.env.workers`'s default; see the module docstring for why."""
+START_TIMEOUT_S = 300.0
+"""The limit of a worker's start with its environment's import (or the call limit, if longer): a one-off
+cost, not a call's."""
 STALLED_AFTER_S = 10.0
 """A worker whose call has run this long (or a tenth of the limit, if less) gets no new episode while
 another has none such (`EnvWorkers.assign`): environment calls take microseconds to seconds."""
@@ -78,12 +81,24 @@ class EnvWorkers:
     """`workers` environment worker processes; each call bounded by `timeout_s` (named `timeout_name` in
     errors: `rollout.env.timeout_s`, or `data.reward_timeout_s` when that key is unset)."""
 
-    def __init__(self, workers: int = DEFAULT_ENV_WORKERS, *, timeout_s: float, timeout_name: str):
+    def __init__(
+        self,
+        workers: int = DEFAULT_ENV_WORKERS,
+        *,
+        timeout_s: float,
+        timeout_name: str,
+        spec: str | None = None,
+        start_timeout_s: float = START_TIMEOUT_S,
+    ):
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise UserError(f"rollout.env.workers must be an integer ≥ 1; got {workers!r}")
         if not timeout_s > 0:
             raise UserError(f"{timeout_name} must be > 0; got {timeout_s!r}")
         self.timeout_s, self.timeout_name = float(timeout_s), timeout_name
+        self.spec = spec
+        """The environment (`rollout.env.name`) each worker imports as it starts, under
+        `start_timeout_s`; None: at its first call, under that call's limit."""
+        self.start_timeout_s = max(float(start_timeout_s), self.timeout_s)
         self.slots = [_Slot(k) for k in range(workers)]
         self._closing = False
         for slot in self.slots:  # all start at once, each from its own thread
@@ -119,10 +134,39 @@ class EnvWorkers:
         return await loop.run_in_executor(slot.thread, self._call, slot, request, what, generation)
 
     def _start(self, slot: _Slot) -> None:
-        from megatron_tail.rewards.scorer import _Worker
+        """Start `slot`'s worker if it has none and, with `spec`, import the environment in it under
+        `start_timeout_s`. Before, the spawn, the interpreter's start and the environment's import counted in
+        the first call's limit (`rollout.env.timeout_s`), after every restart too: an environment whose
+        import took longer (a sandbox SDK, a tokenizer under load) timed out on every reset, each timeout
+        restarting the worker, and the run failed saying "make it faster"."""
+        from megatron_tail.rewards.scorer import _Worker, timeout_reason
 
-        if slot.process is None:
-            slot.process = _Worker(None)
+        if slot.process is not None or self._closing:
+            return
+        process = slot.process = _Worker(None)
+        if self.spec is None:
+            return
+        what = f"environment worker {slot.index} starting (importing {self.spec})"
+        # busy while it imports: `close` kills it rather than waiting out the start's limit
+        slot.busy = Busy("start (import)", self.spec, "", time.monotonic(), slot.index)
+        try:
+            status, payload = process.request(
+                ("call", ENV_HANDLER, (self.spec, "load", "", None)), self.start_timeout_s
+            )
+        except TimeoutError as e:
+            self._stop(slot)
+            raise EnvironmentTimeoutError(
+                f"{what} did not finish within {self.start_timeout_s:g} s{timeout_reason(e)}"
+            ) from None
+        except EOFError:
+            code = process.exitcode
+            self._stop(slot)
+            raise EnvironmentError_(f"{what}: the worker died (exit code {code})") from None
+        finally:
+            slot.busy = None
+        if status != "ok":
+            self._stop(slot)
+            raise EnvironmentError_(f"{what}: {payload}")
 
     def _stop(self, slot: _Slot) -> None:
         slot.process.kill()

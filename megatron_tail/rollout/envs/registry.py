@@ -94,6 +94,8 @@ class EpisodeTable:
             for key in payload:
                 self.episodes.pop(key, None)
             return None
+        if op == "load":  # a worker's start: the class is imported (`__init__`), under its own limit
+            return None
         raise ValueError(f"unknown environment request {op!r}")
 
     def _call(self, method: str, fn, *args):

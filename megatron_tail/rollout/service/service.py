@@ -75,6 +75,7 @@ class RolloutService:
                     env.workers,
                     timeout_s=env.timeout_s or plan.reward.timeout_s,
                     timeout_name="rollout.env.timeout_s" if env.timeout_s else "data.reward_timeout_s",
+                    spec=env.name,
                 )
             engines = Engines.connect(settings, plan)
         except BaseException:

@@ -84,6 +84,35 @@ def test_a_new_episode_avoids_a_worker_whose_call_has_run_long():
         pool.close()
 
 
+SLOW_IMPORT = "tests.rollout.envs.slow_import_env:SlowImport"
+
+
+def test_an_environment_slower_to_import_than_a_call_may_take_is_imported_as_its_worker_starts(monkeypatch):
+    """Before: the environment's import ran in the first `reset`, under the call's limit: one taking 4 s
+    timed out every reset at `timeout_s` = 2, each timeout restarting the worker to import again."""
+    monkeypatch.setenv("MT_TEST_ENV_IMPORT_S", "4")
+    pool = EnvWorkers(1, timeout_s=2.0, timeout_name="rollout.env.timeout_s", spec=SLOW_IMPORT)
+    try:
+        env = WorkerEnv(pool, SLOW_IMPORT, "e0")
+        asyncio.run(env.reset({}))
+        assert pool.slots[0].process is not None and pool.slots[0].episodes == 1
+    finally:
+        pool.close()
+
+
+def test_closing_while_a_worker_imports_kills_it_rather_than_waiting(monkeypatch):
+    monkeypatch.setenv("MT_TEST_ENV_IMPORT_S", "600")
+    pool = EnvWorkers(1, timeout_s=2.0, timeout_name="rollout.env.timeout_s", spec=SLOW_IMPORT)
+    deadline = time.monotonic() + 60
+    while pool.slots[0].busy is None and time.monotonic() < deadline:  # the start's import under way
+        time.sleep(0.01)
+    started = time.monotonic()
+    process = pool.slots[0].process
+    pool.close()
+    assert time.monotonic() - started < 120  # not the import's 600 s, nor the start's 300 s limit
+    assert process is not None and process.exitcode is not None
+
+
 @pytest.mark.parametrize("bad", [0, -1, True])
 def test_env_workers_is_a_positive_int(bad):
     from megatron_tail.config import load_config
