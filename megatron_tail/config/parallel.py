@@ -8,8 +8,8 @@ import math
 from dataclasses import dataclass
 
 from megatron_tail.utils.errors import UserError
-from megatron_tail.utils.settings_checks import bad as _bad
 from megatron_tail.utils.settings_checks import positive_int as _positive_int
+from megatron_tail.utils.settings_checks import wait_limit
 
 
 @dataclass(frozen=True)
@@ -98,5 +98,5 @@ class ParallelSection:
             _positive_int("parallel", "expert_tensor_parallel", self.expert_tensor_parallel)
         for name in ("distributed_timeout_minutes", "rank0_wait_timeout_minutes"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not value > 0):
-                _bad("parallel", name, value, "must be a number of minutes > 0")
+            if value is not None:
+                wait_limit("parallel", name, value, unit_s=60.0, unit="minutes")

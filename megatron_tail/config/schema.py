@@ -35,6 +35,7 @@ from megatron_tail.utils.errors import UserError
 from megatron_tail.utils.settings_checks import bad as _bad
 from megatron_tail.utils.settings_checks import choice as _choice
 from megatron_tail.utils.settings_checks import positive_int as _positive_int
+from megatron_tail.utils.settings_checks import wait_limit
 
 from .cluster import ClusterSection
 from .optimizer import OptimizerSettings
@@ -124,8 +125,7 @@ class DataSection(PromptFormat):
         if self.max_sampling_rounds > 64:
             _bad("data", "max_sampling_rounds", self.max_sampling_rounds, "must be ≤ 64")
         _positive_int("data", "eval_prompts", self.eval_prompts)
-        if not self.reward_timeout_s > 0:
-            _bad("data", "reward_timeout_s", self.reward_timeout_s, "must be > 0 (seconds per batch)")
+        wait_limit("data", "reward_timeout_s", self.reward_timeout_s, unit="seconds per batch")
         if self.max_prompt_tokens is not None:
             _positive_int("data", "max_prompt_tokens", self.max_prompt_tokens)
         for name in ("prompt_template", "eval_prompt_template"):

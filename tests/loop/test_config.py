@@ -472,6 +472,25 @@ def test_packing_and_recompute_settings_are_checked_at_load(overrides, pattern):
         load_config(None, overrides)
 
 
+@pytest.mark.parametrize(
+    ("override", "limit"),
+    [
+        ("parallel.distributed_timeout_minutes=inf", "minutes in \\(0, 33333.3\\]"),
+        ("parallel.rank0_wait_timeout_minutes=1e30", "minutes in \\(0, 33333.3\\]"),
+        ("data.reward_timeout_s=inf", "seconds per batch in \\(0, 2e\\+06\\]"),
+        ("rollout.env.timeout_s=1e7", "seconds per environment call in \\(0, 2e\\+06\\]"),
+        ("rollout.weight_sync.timeout_s=inf", "seconds in \\(0, 2e\\+06\\]"),
+        ("rollout.request_timeout_s=inf", "seconds in \\(0, 2e\\+06\\]"),
+    ],
+)
+def test_a_time_limit_past_what_a_wait_can_hold_is_refused_at_load(override, limit):
+    """Before: accepted; `timedelta(minutes=inf)` at the process group's start, or the reward worker's pipe
+    `poll(inf)` at step 1, then failed with an OverflowError traceback (exit 1)."""
+    key = override.split("=")[0].replace(".", "\\.")
+    with pytest.raises(ConfigError, match=rf"{key} must be a finite number of {limit}"):
+        load_config(None, [override])
+
+
 def test_a_padded_layout_whose_mini_batches_do_not_split_over_dp_is_refused_before_any_process_group():
     """Before: accepted, and step 1 failed after its rollout ("global batch of 9 samples is not divisible by
     data_parallel=2"). A packed layout balances any count."""

@@ -25,6 +25,7 @@ from megatron_tail.utils.net import base_url_problem
 from megatron_tail.utils.settings_checks import bad as _bad
 from megatron_tail.utils.settings_checks import choice as _choice
 from megatron_tail.utils.settings_checks import positive_int as _positive_int
+from megatron_tail.utils.settings_checks import wait_limit
 
 from .env import EnvSection
 from .local_engine import LOCAL_DTYPES, EngineDtype, LocalEngineSection
@@ -213,9 +214,7 @@ class RolloutSection:
                 "must be an int ≥ 0, or null (always the least loaded)",
             )
         for name in ("request_timeout_s", "startup_timeout_s", "wait_report_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                _bad("rollout", name, value, "must be > 0")
+            wait_limit("rollout", name, getattr(self, name))
         self._check_engine()
         self._check_server_urls()
         self._check_parts_together()

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from megatron_tail.utils.settings_checks import bad as _bad
 from megatron_tail.utils.settings_checks import positive_int as _positive_int
+from megatron_tail.utils.settings_checks import wait_limit
 
 SECTION = "rollout.env"
 
@@ -49,9 +50,8 @@ class EnvSection:
         _positive_int(SECTION, "max_turns", self.max_turns)
         _positive_int(SECTION, "max_observation_tokens", self.max_observation_tokens)
         _positive_int(SECTION, "workers", self.workers)
-        t = self.timeout_s
-        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
-            _bad(SECTION, "timeout_s", t, "must be > 0 (seconds per environment call) or null")
+        if self.timeout_s is not None:
+            wait_limit(SECTION, "timeout_s", self.timeout_s, unit="seconds per environment call")
         f = self.max_failure_fraction
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:
             _bad(SECTION, "max_failure_fraction", f, "must be a number in [0, 1]")

@@ -8,6 +8,7 @@ from typing import Literal, get_args
 
 from megatron_tail.utils.settings_checks import bad as _bad
 from megatron_tail.utils.settings_checks import choice as _choice
+from megatron_tail.utils.settings_checks import wait_limit
 
 WeightSyncMode = Literal["disk", "distributed"]
 WEIGHT_SYNC_MODES: tuple[str, ...] = get_args(WeightSyncMode)
@@ -49,9 +50,12 @@ class WeightSyncSection:
 
     def __post_init__(self) -> None:
         _choice(SECTION, "mode", self.mode, WEIGHT_SYNC_MODES)
-        for name in ("bucket_mb", "timeout_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                _bad(SECTION, name, value, "must be > 0")
+        if (
+            isinstance(self.bucket_mb, bool)
+            or not isinstance(self.bucket_mb, (int, float))
+            or not self.bucket_mb > 0
+        ):
+            _bad(SECTION, "bucket_mb", self.bucket_mb, "must be > 0")
+        wait_limit(SECTION, "timeout_s", self.timeout_s)
         if self.master_port is not None and not 0 < self.master_port < 65536:
             _bad(SECTION, "master_port", self.master_port, "must be in 1..65535")
