@@ -70,6 +70,16 @@ def _run(
     return proc
 
 
+@pytest.mark.parametrize("var", ["MT_DRY_RUN", "MT_SKIP_PLAN", "MT_DEBUG", "MT_REQUEUE"])
+def test_a_switch_that_is_neither_1_nor_0_is_refused_before_anything_starts(tmp_path, var):
+    """Before: anything but 1 was off, so `MT_DRY_RUN=true` started the servers and the trainer."""
+    proc = _run(tmp_path, dry=True, **{var: "true"})
+    assert (
+        proc.returncode == 1 and f"ERROR: {var}=true: expected 1 (on) or 0 (off)" in proc.stdout + proc.stderr
+    )
+    assert proc.srun_calls == []
+
+
 def test_dry_run_prints_the_plan_and_the_new_settings(tmp_path):
     proc = _run(tmp_path, dry=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
