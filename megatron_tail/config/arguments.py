@@ -4,6 +4,9 @@ shared by every sub-command that loads one (`train`, `demo`)."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping, Sequence
+
+from megatron_tail.utils.errors import UserError
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, *, required: bool) -> None:
@@ -24,3 +27,14 @@ def add_overrides_argument(parser: argparse.ArgumentParser, help_text: str) -> N
         metavar="KEY=VALUE",
         help=f"{help_text} (repeatable)",
     )
+
+
+def refuse_owned_overrides(overrides: Sequence[str], owned: Mapping[str, str], command: str) -> None:
+    """UserError naming the first `--set KEY=VALUE` whose key `command` sets itself for each of its runs
+    (`owned`: key → how to choose it instead). Its overrides come last, so such a `--set` won silently: a
+    demo's `run_dir` trained elsewhere than `--run-dir` said, an experiment's `seed` made every seed's run
+    the same."""
+    for override in overrides:
+        key = override.partition("=")[0].strip()
+        if key in owned:
+            raise UserError(f"--set {key}: {command} sets {key} for each of its runs; {owned[key]}")

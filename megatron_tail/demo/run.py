@@ -97,6 +97,16 @@ STABILITY_ROWS: list[tuple[str, str, str]] = [
 ]
 
 
+_YOURS = "`megatron-tail train` takes yours"
+DEMO_OWNED_KEYS = {
+    "run_dir": "choose it with --run-dir",
+    "model.hf_path": f"the demo trains its own pretrained model (--cache-dir); {_YOURS}",
+    "data.train_path": f"the demo trains on its own data (--cache-dir); {_YOURS}",
+    "data.eval_path": f"the demo evaluates on its own data (--cache-dir); {_YOURS}",
+}
+"""`--set` keys the demo sets itself (`config.arguments.refuse_owned_overrides`)."""
+
+
 def run_demo(
     *,
     run_dir: str,
@@ -107,8 +117,10 @@ def run_demo(
     moe: bool = False,
 ) -> int:
     """`moe`: the tiny Qwen3-MoE demo (`demo.moe_compare`): r3 alone, or none / r2 / r3 under `compare`."""
+    from megatron_tail.config.arguments import refuse_owned_overrides
     from megatron_tail.demo import moe_compare
 
+    refuse_owned_overrides(overrides, DEMO_OWNED_KEYS, "demo")
     started = time.monotonic()
     cache = Path(cache_dir)
     tools = uses_environment(overrides)

@@ -103,8 +103,12 @@ def check_grid(
     """UserError for what `run_grid` would otherwise find only after pretraining, or never: every group's
     config (`base_yaml` + its overrides) loads, the seeds are distinct and each a seed the config takes,
     `jobs` ≥ 1, and neither `out` nor `cache` is a file."""
+    from megatron_tail.config.arguments import refuse_owned_overrides
     from megatron_tail.config.loader import config_from_yaml
 
+    owned = {"run_dir": "each run's is under --out", "seed": "choose them with --seeds"}
+    for knobs in groups.values():
+        refuse_owned_overrides(knobs, owned, "experiment")
     for name, knobs in groups.items():
         try:
             config_from_yaml(base_yaml, knobs)

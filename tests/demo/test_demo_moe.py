@@ -142,6 +142,18 @@ def test_moe_with_an_environment_is_refused_in_one_line(tmp_path, capsys):
     ]
 
 
+@pytest.mark.parametrize("key", ["run_dir", "model.hf_path", "data.train_path", "data.eval_path"])
+def test_a_key_the_demo_sets_itself_is_refused_in_set(tmp_path, key):
+    """Before: `--set run_dir=X` trained in X while the demo said and read `--run-dir`, and reported "training
+    stopped before its last step" with exit 0."""
+    from megatron_tail.demo.run import run_demo
+    from megatron_tail.utils.errors import UserError
+
+    with pytest.raises(UserError, match=rf"^--set {key}: demo sets {key} for each of its runs; "):
+        run_demo(run_dir=str(tmp_path / "r"), cache_dir=str(tmp_path / "c"), overrides=[f"{key}=/elsewhere"])
+    assert not (tmp_path / "c").exists()
+
+
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_a_bad_override_is_refused_before_the_model_is_pretrained(tmp_path, moe):
     """Before: on a fresh cache the typo surfaced only when training started, minutes of pretraining later."""

@@ -101,6 +101,9 @@ def test_unknown_arm_is_refused_by_name(tmp_path):
         ({"seeds": (0, 0)}, r"^--seeds must be distinct; got \[0, 0\]$"),
         ({"seeds": (0, -1)}, r"^--seeds -1: .*seed must be an integer in \[0, 2\^63\); got -1$"),
         ({"jobs": 0}, r"^--jobs must be ≥ 1; got 0$"),
+        # before: accepted, and every seed's run trained with seed 7 (identical replicates in the table)
+        ({"overrides": ["seed=7"]}, r"^--set seed: experiment sets seed for each of its runs; .*--seeds$"),
+        ({"overrides": ["run_dir=/x"]}, r"^--set run_dir: experiment sets run_dir .*under --out$"),
     ],
 )
 def test_a_bad_grid_is_refused_before_the_tail_model_is_made(tmp_path, monkeypatch, kwargs, message):
