@@ -19,6 +19,7 @@ __getattr__, __dir__, __all__ = lazy_exports(
         "apply_overrides": ".loader",
         "config_from_dict": ".loader",
         "config_to_dict": ".loader",
+        "config_yaml": ".loader",
         "load_config": ".loader",
         "save_resolved_config": ".loader",
         "ClusterSection": ".cluster",

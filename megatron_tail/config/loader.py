@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -73,6 +74,8 @@ def config_from_yaml(text: str, overrides: Iterable[str] = (), *, source: str = 
         loaded = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as e:
         raise ConfigError(f"{source}: {_yaml_problem(e)}") from None
+    except ValueError as e:  # an integer of more digits than Python converts (4300)
+        raise ConfigError(f"{source}: {e}") from None
     if loaded is not None and not isinstance(loaded, Mapping):
         raise ConfigError(
             f"{source}: the top level must be a mapping of sections; got {type(loaded).__name__}"
@@ -119,12 +122,18 @@ def config_to_dict(cfg: Any) -> dict[str, Any]:
     return {f.name: _plain(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
 
 
+def config_yaml(cfg: RunConfig) -> str:
+    """`cfg` as YAML, every key spelled out: what `--print-config` prints and `<run_dir>/config.yaml`, the
+    config history and checkpoints hold; loading it gives back an equal config. A string that YAML 1.1 or
+    1.2 would read as something else (`1e-6`, `010`, `1:30`, `yes`) is quoted (`_QuotingDumper`)."""
+    return yaml.dump(config_to_dict(cfg), Dumper=_QuotingDumper, sort_keys=False, allow_unicode=True)
+
+
 def save_resolved_config(cfg: RunConfig, run_dir: str | Path) -> Path:
     """Write the fully resolved config to `<run_dir>/config.yaml`; loading it gives back an equal config."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    text = yaml.safe_dump(config_to_dict(cfg), sort_keys=False, allow_unicode=True)
-    return write_text_atomically(run_dir / RESOLVED_CONFIG_NAME, text)
+    return write_text_atomically(run_dir / RESOLVED_CONFIG_NAME, config_yaml(cfg))
 
 
 def all_keys(cls: type = RunConfig, prefix: str = "") -> list[str]:
@@ -248,8 +257,14 @@ def _coerce_int(value: Any, key: str) -> int:
 
 
 def _coerce_float(value: Any, key: str) -> float:
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value):
-        return float(value)  # YAML's .nan is refused here; ±inf is left to each field's own check
+    if isinstance(value, int) and not isinstance(value, bool):
+        try:
+            return float(value)
+        except OverflowError:
+            too_large = f"{str(value)[:20]}..."
+            raise ConfigError(f"{key} must be a number of at most ~1.8e308; got {too_large}") from None
+    if isinstance(value, float) and not math.isnan(value):
+        return value  # YAML's .nan is refused here; ±inf is left to each field's own check
     if isinstance(value, str):
         try:
             parsed = float(value.strip())  # "1e-4", "-inf", "inf" (YAML leaves these as strings)
@@ -270,7 +285,55 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
     return f"line {mark.line + 1}, column {mark.column + 1}: invalid YAML: {problem}"
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
+_INT, _FLOAT = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+
+
+class _Yaml12Numbers(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2's core-schema numbers, not 1.1's: `010` is ten (not octal 8),
+    `1:30` is text (not sexagesimal 90), `1_000` text, and `0o17` / `0x1F` the only other bases. Before, a
+    `seed: 010` trained with seed 8 and `--set train.steps=1:30` ran 90 steps, silently."""
+
+    yaml_implicit_resolvers: typing.ClassVar = {
+        first: [(tag, regexp) for tag, regexp in resolvers if tag not in (_INT, _FLOAT)]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        text = self.construct_scalar(node)
+        sign, digits = (-1, text[1:]) if text[0] == "-" else (1, text.lstrip("+"))
+        if digits[:2] in ("0x", "0o"):
+            return sign * int(digits[2:], 16 if digits[1] == "x" else 8)
+        return sign * int(digits, 10)
+
+
+_Yaml12Numbers.add_implicit_resolver(  # before the float resolver: a match of both is an int
+    _INT, re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"), list("-+0123456789")
+)
+_Yaml12Numbers.add_implicit_resolver(
+    _FLOAT,
+    re.compile(
+        r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
+        r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+    ),
+    list("-+.0123456789"),
+)
+_Yaml12Numbers.add_constructor(_INT, _Yaml12Numbers.construct_yaml_int)
+
+
+class _QuotingDumper(yaml.SafeDumper):
+    """PyYAML's safe dumper, quoting a string that either YAML 1.1's resolvers (PyYAML's, other tools') or
+    1.2's numbers (`_Yaml12Numbers`, this loader's) would read as another type."""
+
+    yaml_implicit_resolvers: typing.ClassVar = {
+        first: [
+            *yaml.SafeDumper.yaml_implicit_resolvers.get(first, []),
+            *_Yaml12Numbers.yaml_implicit_resolvers.get(first, []),
+        ]
+        for first in {*yaml.SafeDumper.yaml_implicit_resolvers, *_Yaml12Numbers.yaml_implicit_resolvers}
+    }
+
+
+class _UniqueKeyLoader(_Yaml12Numbers):
     """YAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last silently)."""
 
     def __init__(self, stream: str) -> None:
@@ -300,11 +363,14 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 
 def _parse_cli(raw: str) -> Any:
-    """A `--set` value as YAML would read it ("[1, 2]" → list, "true" → True, "-13" → -13)."""
+    """A `--set` value as YAML would read it ("[1, 2]" → list, "true" → True, "-13" → -13; YAML 1.2's
+    numbers, `_Yaml12Numbers`)."""
     try:
-        return yaml.safe_load(raw)
+        return yaml.load(raw, Loader=_Yaml12Numbers)
     except yaml.YAMLError:
         return raw
+    except ValueError as e:  # an integer of more digits than Python converts (4300)
+        raise ConfigError(f"--set {raw[:40]}...: {e}") from None
 
 
 # --- schema helpers -------------------------------------------------------------------------------------

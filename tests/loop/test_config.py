@@ -491,6 +491,30 @@ def test_a_time_limit_past_what_a_wait_can_hold_is_refused_at_load(override, lim
         load_config(None, [override])
 
 
+def test_numbers_are_read_as_yaml_1_2_reads_them_and_printed_configs_load_back(tmp_path):
+    """Before (PyYAML's YAML 1.1): `seed: 010` trained with seed 8 (octal), `train.steps=1:30` ran 90 steps
+    (sexagesimal), both silently; an integer of 5,000 digits or one past a float's range was a traceback."""
+    path = write_yaml(tmp_path, {})
+    path_text = "seed: 010\ntrain:\n  steps: 0x10\n"
+    (tmp_path / "numbers.yaml").write_text(path_text)
+    cfg = load_config(str(tmp_path / "numbers.yaml"))
+    assert (cfg.seed, cfg.train.steps) == (10, 16)
+    assert load_config(path, ["seed=010", "optimizer.lr=1e-6"]).seed == 10
+    with pytest.raises(ConfigError, match=r"train\.steps must be an integer; got '1:30'"):
+        load_config(path, ["train.steps=1:30"])
+    with pytest.raises(ConfigError, match=r"optimizer\.lr must be a number of at most ~1\.8e308"):
+        load_config(path, ["optimizer.lr=1" + "0" * 400])
+    with pytest.raises(ConfigError, match=r"Exceeds the limit \(4300 digits\)"):
+        load_config(path, ["train.steps=" + "9" * 5000])
+    # a text setting that reads as a number in YAML 1.1 or 1.2 is printed quoted: it loads back as text
+    from megatron_tail.config import config_yaml
+    from megatron_tail.config.loader import config_from_yaml
+
+    for text in ("1e-6", "010", "1:30", "yes", "1_000"):
+        cfg = load_config(path, [f"data.system_prompt={text}"])
+        assert config_from_yaml(config_yaml(cfg)) == cfg, text
+
+
 def test_a_padded_layout_whose_mini_batches_do_not_split_over_dp_is_refused_before_any_process_group():
     """Before: accepted, and step 1 failed after its rollout ("global batch of 9 samples is not divisible by
     data_parallel=2"). A packed layout balances any count."""

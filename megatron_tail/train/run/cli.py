@@ -34,9 +34,7 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def train_command(args: argparse.Namespace) -> int:
-    import yaml
-
-    from megatron_tail.config import config_to_dict, load_config
+    from megatron_tail.config import config_yaml, load_config
     from megatron_tail.utils.start_up import collector_paused
 
     with collector_paused():
@@ -44,7 +42,7 @@ def train_command(args: argparse.Namespace) -> int:
         if not args.print_config:
             cfg.check_inputs()
         if args.print_config:
-            print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False, allow_unicode=True), end="")
+            print(config_yaml(cfg), end="")
             return 0
         import torch.distributed as dist
 

@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 import yaml
 
-from megatron_tail.config import RunConfig, config_to_dict
+from megatron_tail.config import RunConfig, config_yaml
 from megatron_tail.rollout.settings import with_moved_keys_renamed
 from megatron_tail.utils.errors import UserError
 
@@ -172,7 +172,7 @@ class ConfigChange:
 
 def config_text(cfg: RunConfig) -> str:
     """`cfg` as the YAML that `<run_dir>/config.yaml`, the config history and checkpoints hold."""
-    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False, allow_unicode=True)
+    return config_yaml(cfg)
 
 
 def config_changes(saved: Mapping[str, Any], cfg: RunConfig) -> list[ConfigChange]:
