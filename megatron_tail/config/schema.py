@@ -275,6 +275,14 @@ class RunConfig:
     def __post_init__(self) -> None:
         if not self.run_dir:
             _bad("run", "run_dir", self.run_dir, "must be a directory path")
+        created = (("run_dir", self.run_dir), ("rollout.weight_sync.dir", self.rollout.weight_sync.dir))
+        for key, path in created:
+            # a path the run creates: before, `~/runs/x` made `./~/runs/x` without a word
+            if path is not None and str(path).startswith("~"):
+                raise UserError(
+                    f"{key} {path!r} starts with `~`, which is not expanded here (a YAML value reaches the "
+                    "run as written): write the full path"
+                )
         # numpy refuses a negative seed; torch.manual_seed one of 2^64 or more (megatron adds offsets to it)
         if not 0 <= self.seed < 2**63:
             raise UserError(f"seed must be an integer in [0, 2^63); got {self.seed!r}")

@@ -491,6 +491,15 @@ def test_a_time_limit_past_what_a_wait_can_hold_is_refused_at_load(override, lim
         load_config(None, [override])
 
 
+@pytest.mark.parametrize("key", ["run_dir", "rollout.weight_sync.dir"])
+def test_a_directory_the_run_creates_may_not_start_with_a_tilde(key):
+    """Before: `run_dir: ~/runs/qwen` passed every check and the run wrote `./~/runs/qwen`."""
+    with pytest.raises(
+        ConfigError, match=rf"{re.escape(key)} '~/runs/x' starts with `~`, which is not expanded"
+    ):
+        load_config(None, [f"{key}=~/runs/x"])
+
+
 def test_numbers_are_read_as_yaml_1_2_reads_them_and_printed_configs_load_back(tmp_path):
     """Before (PyYAML's YAML 1.1): `seed: 010` trained with seed 8 (octal), `train.steps=1:30` ran 90 steps
     (sexagesimal), both silently; an integer of 5,000 digits or one past a float's range was a traceback."""
