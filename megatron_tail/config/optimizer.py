@@ -99,6 +99,11 @@ class OptimizerSettings:
             )
         if not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"optimizer.min_lr must be in [0, lr = {self.lr}]; got {self.min_lr}")
+        if self.min_lr and self.lr_decay_style == "constant":  # as weight_decay_end without a ramp: refused
+            raise ValueError(
+                f"optimizer.min_lr={self.min_lr} has no effect: lr_decay_style is 'constant' (the rate stays "
+                "at lr after the warm-up); set 'linear' or 'cosine' to decay to it, or leave min_lr at 0"
+            )
         if not 0 <= self.weight_decay < math.inf:
             raise ValueError(f"optimizer.weight_decay must be finite and ≥ 0; got {self.weight_decay}")
         if self.weight_decay_end is not None and not math.isfinite(self.weight_decay_end):

@@ -256,7 +256,7 @@ def test_the_local_backend_gets_its_device_and_the_trainers_refusals_come_before
     assert "--backend local" in proc.stdout and "--device cuda:0" in proc.stdout
     noisy = _run(tmp_path, *local, "--set", "rollout.local.logit_noise=0.5", dry=False)
     assert noisy.returncode == 1 and noisy.srun_calls == []
-    assert "local.kv_cache_dtype/local.logit_noise" in noisy.stderr, noisy.stderr
+    assert "local.kv_cache_dtype/local.logit_noise/local.in_process" in noisy.stderr, noisy.stderr
     assert "as the trainer will, with rollout.engine=remote" in noisy.stdout, noisy.stdout
 
 

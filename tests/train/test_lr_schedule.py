@@ -37,14 +37,15 @@ def _by_hand(step: int, *, lr, warmup, decay_steps, min_lr, style) -> float:
 @pytest.mark.parametrize(("warmup", "decay_steps"), [(0, None), (3, None), (2, 6)])
 def test_rates_per_rl_step_match_the_schedule_by_hand(style, warmup, decay_steps):
     run_steps = 10
+    min_lr = 0.0 if style == "constant" else 1e-4  # a constant schedule refuses one (it would do nothing)
     settings = OptimizerSettings(
-        lr=1e-3, min_lr=1e-4, lr_warmup_steps=warmup, lr_decay_style=style, lr_decay_steps=decay_steps
+        lr=1e-3, min_lr=min_lr, lr_warmup_steps=warmup, lr_decay_style=style, lr_decay_steps=decay_steps
     )
     opt = _Groups()
     scheduler = build_lr_scheduler(opt, settings, run_steps=run_steps)
     got = [advance(scheduler) for _ in range(run_steps + 2)]  # past the end: stays at min_lr
     want = [
-        _by_hand(k, lr=1e-3, warmup=warmup, decay_steps=decay_steps or run_steps, min_lr=1e-4, style=style)
+        _by_hand(k, lr=1e-3, warmup=warmup, decay_steps=decay_steps or run_steps, min_lr=min_lr, style=style)
         for k in range(run_steps + 2)
     ]
     assert got == pytest.approx(want, rel=1e-12, abs=0)
@@ -98,6 +99,7 @@ def test_progress_restores_exactly_and_the_config_shape_wins():
             r"lr_decay_steps must be an int > lr_warmup_steps \(5\)",
         ),
         ({"min_lr": 1.0}, r"min_lr must be in \[0, lr = 1e-06\]; got 1.0"),
+        ({"min_lr": 1e-7}, r"min_lr=1e-07 has no effect: lr_decay_style is 'constant'"),
         (
             {"weight_decay": 0.1, "weight_decay_end": 0.05, "weight_decay_incr_style": "linear"},
             r"weight_decay_end must be ≥ weight_decay \(0.1\)",

@@ -229,11 +229,11 @@ class RolloutSection:
                     self.quantization,
                     'is a local-engine emulation (engine: "local")',
                 )
-            if self.local.kv_cache_dtype != "auto" or self.local.logit_noise:
+            if self.local.kv_cache_dtype != "auto" or self.local.logit_noise or self.local.in_process:
                 _bad(
                     "rollout",
-                    "local.kv_cache_dtype/local.logit_noise",
-                    (self.local.kv_cache_dtype, self.local.logit_noise),
+                    "local.kv_cache_dtype/local.logit_noise/local.in_process",
+                    (self.local.kv_cache_dtype, self.local.logit_noise, self.local.in_process),
                     'apply to the local engine only (engine: "local")',
                 )
             if not self.server_urls:
