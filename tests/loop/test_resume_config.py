@@ -46,6 +46,17 @@ def _now(*overrides: str):
     return load_config(None, ["run_dir=runs/r", *overrides])
 
 
+def test_an_older_runs_min_lr_under_a_constant_rate_resumes_at_0():
+    """`optimizer.min_lr` with `lr_decay_style: constant` did nothing and is refused at load since; a run that
+    set it resumes with min_lr 0 and no refusal (the rate was constant either way)."""
+    saved = _saved()
+    saved["optimizer"]["min_lr"] = 1e-7  # as the run's config.yaml held it
+    assert resume_notes(saved, _now(), CKPT) == []
+    saved["optimizer"]["lr_decay_style"] = "cosine"  # a decaying schedule did reach it: a change
+    with pytest.raises(ConfigChangeRefused, match=r"optimizer\.min_lr 1e-07 → 0\.0"):
+        resume_notes(saved, _now("optimizer.lr_decay_style=cosine"), CKPT)
+
+
 def test_a_change_of_what_is_trained_is_refused_naming_each_key_with_both_values():
     with pytest.raises(ConfigChangeRefused) as err:
         resume_notes(_saved("algorithm.group_size=4"), _now("algorithm.group_size=8", "seed=3"), CKPT)
