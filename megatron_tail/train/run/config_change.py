@@ -82,6 +82,7 @@ CHANGEABLE_KEYS: frozenset[str] = frozenset(
         "rollout.max_concurrency",
         "rollout.prefix_affinity_slack",
         "rollout.local.num_threads",
+        "rollout.local.in_process",  # the same engine, in the trainer's process or its own
         "rollout.env.workers",
         "rollout.weight_sync.mode",
         "rollout.weight_sync.bucket_mb",
