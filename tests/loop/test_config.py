@@ -178,7 +178,7 @@ def test_unknown_key_without_near_match_lists_valid_keys():
             "rollout.sampling.top_k=5000",
             r"rollout\.sampling\.top_k must be ≤ rollout\.sampling\.mask_max_tokens=4096.*got 5000",
         ),
-        ("rollout.sampling.top_k=0", r"rollout\.sampling\.top_k must be an int ≥ 1; got 0"),
+        ("rollout.sampling.top_k=0", r"rollout\.sampling\.top_k must be an int ≥ 1, or -1 \(off\); got 0"),
         ("rollout.sampling.temperature=0", r"rollout\.sampling\.temperature must be > 0 .*; got 0"),
         (  # 1/T overflows float32: the op's every row would be NaN
             "rollout.sampling.temperature=1e-320",
