@@ -15,6 +15,7 @@ import json
 import sys
 
 from megatron_tail.config.cluster import PLAN_GPUS_PER_NODE, PLAN_MEM_FRACTION, PLAN_NODES
+from megatron_tail.plan.rollout import KV_DTYPE_BYTES
 
 _CLUSTER_FLAGS = (
     "nodes",
@@ -54,7 +55,12 @@ def add_plan_parser(subparsers) -> None:
         default=None,
         help=f"[cluster.sglang.mem_fraction, else {PLAN_MEM_FRACTION}]",
     )
-    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_DTYPE_BYTES,
+        help="the SGLang servers' --kv-cache-dtype the plan counts ('auto': the engine's dtype)",
+    )
     p.add_argument(
         "--quantization",
         default=None,
