@@ -220,6 +220,8 @@ def _coerce_union(value: Any, args: tuple, key: str) -> Any:
 def _coerce_tuple(value: Any, args: tuple, key: str) -> tuple:
     if isinstance(value, str):
         value = [v for v in (part.strip() for part in value.split(",")) if v]
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = [value]  # one item, as a word is (`--set logging.prob_buckets=0.5` as `...=mlp`)
     if not isinstance(value, (list, tuple)):
         raise ConfigError(f"{key} must be a list; got {type(value).__name__} {value!r}")
     if len(args) == 2 and args[1] is Ellipsis:

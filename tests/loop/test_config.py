@@ -536,6 +536,13 @@ def test_a_padded_layout_whose_mini_batches_do_not_split_over_dp_is_refused_befo
         load_config(None, ["parallel.tensor_parallel=2", "model.vocab_pad_multiple=128"]).check_world(3)
 
 
+def test_a_list_setting_takes_one_number_as_it_takes_one_word():
+    """Before: `--set logging.prob_buckets=0.5` was refused ("must be a list; got float 0.5") while
+    `--set model.recompute_modules=mlp` became ["mlp"]."""
+    assert load_config(None, ["logging.prob_buckets=0.5"]).logging.prob_buckets == (0.5,)
+    assert load_config(None, ["model.recompute_modules=mlp"]).model.recompute_modules == ("mlp",)
+
+
 def test_packed_false_overrides_a_token_budget():
     cfg = load_config(None, ["train.max_tokens_per_micro_batch=512"])
     assert cfg.train.is_packed
