@@ -50,7 +50,11 @@ One exception, known and not yet fixed: at η = 1 with dynamic sampling's budget
 after next that complete between a weight update and the next batch's return are not counted against that
 step's budget (`_filtered_this_batch` restarts at each return), so where such a step is cut short depends
 on the trainer's time between the two (an evaluation, a checkpoint), and a resume can cut it elsewhere.
-Counting filtered groups by prompt index instead changes when a batch gives up (a rule to decide first).
+Counting filtered groups by prompt index instead changes when a batch gives up (a rule to decide first):
+carrying over the filtered groups past the batch's last candidate (`max(first)`) empties steps at η = 0,
+since a filtered group admitted in the batch's own allowance can lie past its last kept one
+(`test_a_batch_dynamic_sampling_gave_up_on_leaves_no_staleness_behind` fails); the window must be the
+groups each batch's allowance admitted.
 
 Attempts. A prompt the manager generates again after throwing its samples away (dropped as stale) gets the
 next `attempt`, and `work` derives fresh seeds from it (`client.regeneration_keys`): with the same seeds, a
