@@ -125,6 +125,14 @@ def load_hf_config(source: str | Path | dict[str, Any]) -> HFArch:
         raise ValueError(
             f"{architecture} with use_sliding_window=True is not supported (full attention only)"
         )
+    if family == "qwen3_moe" and cfg.get("tie_word_embeddings", False):
+        # SGLang 0.5.23's Qwen3MoeForCausalLM builds its own lm_head and never ties it (models/qwen3_moe.py:
+        # no tie_word_embeddings), and a weight sync sends a tied model's embedding alone: the engines would
+        # serve the starting lm_head for the whole run, silently (qwen3.py and qwen2.py do tie)
+        raise ValueError(
+            f"{architecture} with tie_word_embeddings=True is not supported: SGLang's Qwen3-MoE never ties "
+            "its lm_head to the embedding, so the trained head would never reach the engines"
+        )
     rope_theta, rope_factor = _rope(cfg, architecture)
     num_layers = int(cfg["num_hidden_layers"])
     moe = read_moe(cfg, num_layers, architecture) if family == "qwen3_moe" else None

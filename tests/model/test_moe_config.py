@@ -37,6 +37,8 @@ def test_transformers5_key_num_local_experts_is_read():
         ({"num_experts_per_tok": 5}, "num_experts_per_tok=5"),
         ({"mlp_only_layers": [0, 1, 2]}, "no layer has experts"),
         ({"shared_expert_intermediate_size": 64}, "shared experts"),
+        # SGLang's Qwen3-MoE never ties lm_head (before: accepted; the engines kept the starting head)
+        ({"tie_word_embeddings": True}, "tie_word_embeddings=True is not supported: SGLang's Qwen3-MoE"),
     ],
 )
 def test_unrepresentable_moe_configs_are_refused(overrides, match):
