@@ -256,12 +256,15 @@ def rl_loss(
     phase_mask = current.mask & prepared.loss_mask
     if owned is not None:
         phase_mask = phase_mask & owned
+    # a token with advantage 0 (every token of a group whose rewards are equal) has no policy gradient and
+    # can never be clipped: before, it diluted the clip fractions as groups became uniform
+    clippable = contributes & (current.advantages != 0)
     metrics = {
         "pg_loss": metric(pg_loss),
         "phase_tokens": metric(phase_mask.sum()),
         "clipped_tokens": metric((pg.clipped & contributes).sum()),
         "dual_clipped_tokens": metric((pg.dual_clipped & contributes).sum()),
-        "clippable_tokens": metric(contributes.sum()),
+        "clippable_tokens": metric(clippable.sum()),
     }
     for sign, side in (("pos", current.advantages > 0), ("neg", current.advantages < 0)):
         metrics[f"clipped_{sign}_tokens"] = metric((pg.clipped & contributes & side).sum())

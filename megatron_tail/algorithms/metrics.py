@@ -19,8 +19,8 @@ Keys written by `rl_loss` (per phase and micro-batch):
     loss, pg_loss, kl_loss, entropy_loss (this piece's share of the globally normalised loss: sum them),
     phase_tokens, clipped_tokens, dual_clipped_tokens, safe_set_violations, entropy_sum, kl_sum,
     clipped_pos_tokens, phase_pos_tokens, clipped_neg_tokens, phase_neg_tokens (by the advantage's sign),
-    clippable_tokens, clippable_pos_tokens, clippable_neg_tokens (the phase's tokens with a gradient: IS
-    weight above 0, in the current safe set; the clip fractions' denominators, as `kl_tokens` is the KL's)
+    clippable_tokens, clippable_pos_tokens, clippable_neg_tokens (the phase's tokens with a policy gradient:
+    IS weight above 0, in the current safe set, advantage not 0; the clip fractions' denominators)
 """
 
 from __future__ import annotations

@@ -418,3 +418,22 @@ def test_a_tis_weight_that_underflows_float32_stays_counted_as_in_float64():
     assert results[torch.float32][0] == results[torch.float64][0] == 4000
     assert results[torch.float32][1:] == pytest.approx(results[torch.float64][1:], rel=1e-5)
     assert results[torch.float64][1] == pytest.approx(-0.5, rel=1e-6)
+
+
+def test_the_clip_fractions_count_only_tokens_with_a_policy_gradient():
+    """Every token of a group whose rewards are equal has advantage 0: no gradient, never clipped. Before, the
+    clip fraction's denominator counted them, so with the same ratio e^0.5 on every token it read 1.0 when
+    all four sequences had an advantage and 0.5 when two had none."""
+    old = torch.full((4, 3), -1.0, dtype=torch.float64)
+    batch = {
+        "logprobs": old + 0.5,
+        "old_logprobs": old,
+        "rollout_logprobs": old,
+        "valid": torch.ones(4, 3, dtype=torch.bool),
+    }
+    cfg = AlgorithmConfig(is_mode="none", veto_threshold=0.0, clip_eps_low=0.2, clip_eps_high=0.2)
+    for advantages, clippable in (([1.0, 1.0, 1.0, 1.0], 12), ([1.0, 1.0, 0.0, 0.0], 6)):
+        adv = torch.tensor(advantages, dtype=torch.float64)
+        _, m = compute_loss(cfg, **batch, advantages=adv)
+        assert m["clippable_tokens"].item() == clippable
+        assert finalize_metrics(m)["clip_fraction"] == 1.0
