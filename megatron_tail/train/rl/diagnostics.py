@@ -13,7 +13,10 @@ metrics (`megatron_tail.algorithms.combine_metrics`: `*_min` keys by min, the re
 `finalize_diagnostics` turns the global sums into the logged scalars:
 
 - `mismatch/kl_infer_train_k3`: mean of k3 = r − 1 − log r with r = π_train/π_infer over tokens sampled from
-  π_infer: an unbiased, non-negative-per-token estimate of KL(π_infer ‖ π_train).
+  π_infer: a non-negative-per-token estimate of KL(π_infer ‖ π_train), unbiased where π_train puts no mass
+  outside what π_infer samples from (E[r] = 1: DVP, a replayed support). Where it does (`sampling_support:
+  ignore` with truncation: the trainer scores the full softmax) its expectation is KL − (1 − Z), far below
+  the KL; `mismatch/signed_delta` (the mean of −log r) is the unbiased estimate there.
 - `mismatch/abs_delta`, `mismatch/signed_delta`: mean |Δ| and mean Δ over all sampled tokens.
 - `mismatch/abs_delta/p<lo>_<hi>`, `mismatch/signed_delta/...`, `mismatch/tokens/...`: the same per bucket
   of π_train(a) (edges `prob_buckets`, descending): DVP Prop. 4.2 bounds |Δ_a| ≤ 2ε(1 − p_a), so |Δ| should
@@ -44,8 +47,9 @@ metrics (`megatron_tail.algorithms.combine_metrics`: `*_min` keys by min, the re
 - `policy/entropy`: mean entropy over sampled positions.
 - `mismatch/truncation_bias` (truncated sampling only): mean of log π^K(a) − log π(a) = −log(mass of the
   support) by the trainer's θ_old: the per-token error of every importance log-ratio had the trainer scored
-  the full softmax instead of replaying the sampler's support; `mismatch/kl_infer_train_k3` should stay far
-  below it.
+  the full softmax instead of replaying the sampler's support (with the support replayed,
+  `mismatch/kl_infer_train_k3` should stay far below it; with it ignored, k3 underestimates the KL and
+  `mismatch/signed_delta` is the one to read).
 - `mismatch/outside_support_mass` (truncated sampling only): mean of 1 − Z_support, the trainer's θ_old mass
   outside the support each token was sampled from: what a trainer that ignores the support scores but the
   engine never samples (and so never pushes down).
