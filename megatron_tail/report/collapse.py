@@ -1,9 +1,18 @@
 """Collapse, defined once (issue 26), and the early warning that precedes it.
 
 A run COLLAPSED when
-- the mean reward of its last `WINDOW` steps is at most `FRACTION` of its best `WINDOW`-step window
-  (the best mean of any `WINDOW` consecutive steps), or
-- its loss (or its logged mean reward) was ever non-finite.
+- the mean reward of its last `WINDOW` steps is at most `FRACTION` of the way from the floor to its best
+  `WINDOW`-step window (the best mean of any `WINDOW` consecutive steps); the floor is 0, or the lowest
+  window mean where that is below 0 (a reward of either sign: before, with a negative best any run was
+  "collapsed", and a run that never scored above 0 was too); a run whose best is its floor has no signal
+  and did not collapse; or
+- its loss was non-finite in its last `WINDOW` steps (a skipped NaN update the run survived is not a
+  collapse), or its logged mean reward was ever non-finite.
+
+The reward is `reward/generated_mean` where the run logged it (every generated group's, kept or filtered
+by dynamic sampling), else `reward/mean`: under dynamic sampling `reward/mean` is the kept groups' only,
+and a step whose groups were all filtered (equal rewards, as in a collapse) logs none, so the last window
+ended before the collapse and missed it.
 
 `collapse_verdict` is the one implementation: the collapse experiment's tables, the report's early-warning
 figure and the tests all call it.
@@ -69,7 +78,7 @@ def collapse_verdict(
     means = window_means(rewards)
     nonfinite = (
         "non-finite loss"
-        if any(not math.isfinite(x) for x in losses)
+        if any(not math.isfinite(x) for x in list(losses)[-WINDOW:])
         else "non-finite reward"
         if any(not math.isfinite(x) for x in rewards)
         else ""
@@ -79,17 +88,21 @@ def collapse_verdict(
     finite = np.where(np.isfinite(means), means, -np.inf)
     best_index = int(np.argmax(finite))
     best, last = float(finite[best_index]), float(means[-1])
-    fall_step = int(steps[best_index + WINDOW - 1])
+    floor = min(0.0, float(np.min(means[np.isfinite(means)], initial=0.0)))
+    fell = best > floor and last - floor <= FRACTION * (best - floor)
+    fall_step = int(steps[best_index + WINDOW - 1]) if fell else None
     if nonfinite:
         return CollapseVerdict(True, nonfinite, best, last, fall_step)
-    if last <= FRACTION * best:
+    if fell:
         return CollapseVerdict(True, "reward", best, last, fall_step)
     return CollapseVerdict(False, "", best, last, None)
 
 
 def run_verdict(scalars: Mapping[str, tuple[Sequence[int], Sequence[float]]]) -> CollapseVerdict:
-    """`collapse_verdict` of a run's scalars (tag → (steps, values), as `report.events` holds them)."""
-    steps, rewards = scalars.get("reward/mean", ((), ()))
+    """`collapse_verdict` of a run's scalars (tag → (steps, values), as `report.events` holds them): its
+    `reward/generated_mean` where logged, else `reward/mean` (module docstring)."""
+    tag = "reward/generated_mean" if "reward/generated_mean" in scalars else "reward/mean"
+    steps, rewards = scalars.get(tag, ((), ()))
     losses = scalars.get("train/loss", ((), ()))[1]
     return collapse_verdict(list(steps), list(rewards), list(losses))
 

@@ -37,6 +37,38 @@ def test_verdict_is_half_of_the_best_window_or_a_nonfinite_loss():
     assert not short.collapsed and short.reason == "too short"
 
 
+def test_a_reward_of_either_sign_a_survived_nan_update_and_filtered_steps_get_the_right_verdict():
+    """Before: a negative best window made every run "collapsed" (last ≤ half of a negative best), as did a
+    run that never scored above 0; one skipped NaN update marked a healthy run collapsed for good; and under
+    dynamic sampling the verdict read `reward/mean`, which a step whose groups were all filtered does not
+    log, so a sudden collapse ended the last window before it."""
+    from megatron_tail.report.collapse import run_verdict
+
+    steps = list(range(1, 41))
+    rising_negative = [-0.8 + 0.015 * s for s in steps]  # ±1 rewards, accuracy rising: -0.8 → -0.2
+    assert not collapse_verdict(steps, rising_negative).collapsed
+    fell_negative = [-0.9] * 10 + [0.4] * 10 + [-0.2] * 10 + [-0.8] * 10  # up from -0.9, back down to -0.8
+    v = collapse_verdict(steps, fell_negative)
+    assert v.collapsed and v.reason == "reward" and v.fall_step == 20
+    flat_zero = collapse_verdict(steps, [0.0] * 40)
+    assert not flat_zero.collapsed and flat_zero.fall_step is None
+    rising = [0.2 + 0.01 * s for s in steps]
+    survived = collapse_verdict(steps, rising, [0.1] * 4 + [math.nan] + [0.1] * 35)  # skipped at step 5
+    assert not survived.collapsed
+    ended = collapse_verdict(steps, rising, [0.1] * 35 + [math.nan] * 5)  # the run ended diverged
+    assert ended.collapsed and ended.reason == "non-finite loss" and ended.fall_step is None
+    # a sudden collapse under dynamic sampling: from step 31 every group is filtered, no reward/mean
+    kept = [0.6] * 30
+    generated = [0.6] * 30 + [0.0] * 10
+    scalars = {
+        "reward/mean": (list(range(1, 31)), kept),
+        "reward/generated_mean": (steps, generated),
+    }
+    assert not collapse_verdict(list(range(1, 31)), kept).collapsed  # what the kept groups' mean says
+    v = run_verdict(scalars)
+    assert v.collapsed and v.reason == "reward" and v.last_window_mean == 0.0
+
+
 def synthetic_run(steps: int = 60, fall: int = 40, kl_jump: int = 32):
     """reward rises to 0.7 by step `fall`, then drops to 0.2; KL is noise around 1e-3 until `kl_jump`,
     then 10× larger; entropy is constant noise."""
