@@ -185,25 +185,27 @@ class SGLangServers:
                 f"holds {item!r}: one argv item per list item, e.g. [{flag.split()[0]}, "
                 f"{' '.join(flag.split()[1:])!r}]",
             )
-        owner = OWNED_SGLANG_FLAGS.get(flag) or next(
-            (OWNED_SGLANG_FLAGS[f] for f in OWNED_SGLANG_FLAGS if len(flag) > 3 and f.startswith(flag)), None
-        )
+        owner = _flag_entry(flag, OWNED_SGLANG_FLAGS)
         if owner is not None:
             _bad("cluster.sglang", "extra_args", args, f"must not set {flag}: {owner} sets it")
-        why = next(
-            (
-                reason
-                for refused, reason in REFUSED_SGLANG_FLAGS.items()
-                if (
-                    flag.startswith(refused)
-                    if refused.endswith("-")
-                    else len(flag) > 3 and refused.startswith(flag)
-                )
-            ),
-            None,
-        )
+        why = _flag_entry(flag, REFUSED_SGLANG_FLAGS)
         if why is not None:
             _bad("cluster.sglang", "extra_args", args, f"must not set {flag}: {why}")
+
+
+def _flag_entry(flag: str, table: Mapping[str, str]) -> str | None:
+    """The value of the flag of `table` that `flag` is or abbreviates (SGLang's argparse takes a prefix
+    longer than `--x`), or, for a name of `table` ending in "-", that `flag` begins with; None if none."""
+    if flag in table:
+        return table[flag]
+    return next(
+        (
+            value
+            for name, value in table.items()
+            if (flag.startswith(name) if name.endswith("-") else len(flag) > 3 and name.startswith(flag))
+        ),
+        None,
+    )
 
 
 @dataclass(frozen=True)

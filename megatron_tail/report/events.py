@@ -113,15 +113,14 @@ class _FileEvents:
                 lost = f"after step {before}" if before is not None else "before any step"
                 lines.append(f"{where} (a write the writer never finished): what it logged {lost} is lost")
             else:
-                span = (
-                    f"from step {before} to step {after}"
-                    if before is not None and after is not None
-                    else f"before step {after}"
-                    if after is not None
-                    else f"after step {before}"
-                    if before is not None
-                    else "where no step was read"
-                )
+                if before is not None and after is not None:
+                    span = f"from step {before} to step {after}"
+                elif after is not None:
+                    span = f"before step {after}"
+                elif before is not None:
+                    span = f"after step {before}"
+                else:
+                    span = "where no step was read"
                 lines.append(f"{where} (corrupted): values logged {span} may be missing; the rest is read")
         return lines
 

@@ -17,9 +17,10 @@ def bad(section: str, name: str, value: object, why: str) -> None:
     raise UserError(f"{section}.{name} {why}; got {value!r}")
 
 
-def positive_int(section: str, name: str, value: int, *, minimum: int = 1) -> None:
+def positive_int(section: str, name: str, value: int, *, minimum: int = 1, otherwise: str = "") -> None:
+    """`otherwise`: the other values the setting takes, said after the bound (e.g. ", or -1 (off)")."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        bad(section, name, value, f"must be an int ≥ {minimum}")
+        bad(section, name, value, f"must be an int ≥ {minimum}{otherwise}")
 
 
 def choice(section: str, name: str, value: str, choices: tuple[str, ...]) -> None:

@@ -74,9 +74,7 @@ class SamplingSection:
             )
         _positive_int(SECTION, "mask_max_tokens", self.mask_max_tokens)
         if self.top_k != -1:
-            k = self.top_k
-            if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-                _bad(SECTION, "top_k", k, "must be an int ≥ 1, or -1 (off)")
+            _positive_int(SECTION, "top_k", self.top_k, otherwise=", or -1 (off)")
         if (
             isinstance(self.top_p, bool)
             or not isinstance(self.top_p, (int, float))

@@ -227,7 +227,7 @@ def _raise_agreed(failure: BaseException | None, path: Path, tmp: Path) -> None:
         return
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # a failed save keeps no half-written checkpoint
-    detail = "; ".join(_last_lines(failure)) if failure is not None else "another rank's write failed"
+    detail = _last_line(failure) if failure is not None else "another rank's write failed"
     if worst == _SPACE:
         free = shutil.disk_usage(path.parent).free / 2**30
         raise CheckpointSpaceError(
@@ -249,9 +249,10 @@ def _raise_agreed(failure: BaseException | None, path: Path, tmp: Path) -> None:
     )
 
 
-def _last_lines(error: BaseException) -> list[str]:
+def _last_line(error: BaseException) -> str:
+    """The last non-blank line of `error`'s text (megatron wraps a writer's traceback), else its type."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return lines[-1:] or [type(error).__name__]
+    return lines[-1] if lines else type(error).__name__
 
 
 def make_durable(directory: Path) -> None:
