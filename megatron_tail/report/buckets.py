@@ -2,8 +2,9 @@
 
 The trainer logs, per RL step and bucket `p<lo>_<hi>` (`train.rl.diagnostics.bucket_labels`), the mean over
 that step's tokens in the bucket, and the bucket's token count (`mismatch/tokens[_by_infer]/<label>`); an
-empty bucket logs a mean of 0. So a bucket's value over the run is the token-weighted mean of its per-step
-means: a plain mean over steps would pull rarely-filled tail buckets towards the zeros of empty steps.
+empty bucket logs its count and no mean. A bucket's value over the run is the token-weighted mean of its
+per-step means: a plain mean over steps would weigh a step's one tail token like another's thousand
+(runs logged before empty buckets were left out hold 0 means at count 0, which the weighting ignores).
 """
 
 from __future__ import annotations

@@ -25,11 +25,11 @@ REQUIRED = [
     "train/clip_fraction", "train/loss", "train/grad_norm", "train/lr", "train/entropy_loss",
     "reward/overlong_penalty_mean", "reward/overlong_penalized_fraction", "train/kl_ref", "train/kl_loss",
     # KL(π_infer‖π_train), |Δ| per π_train bucket (Prop. 4.2), signed Δ of sampled tail tokens (Prop. 4.3)
-    "mismatch/kl_infer_train_k3", *[f"mismatch/abs_delta/{b}" for b in BUCKETS],
-    *[f"mismatch/tokens/{b}" for b in BUCKETS], "mismatch/tail_signed_delta", "mismatch/tail_tokens",
-    "mismatch/tail_delta_mode", "mismatch/tail_delta_mode_by_infer",
-    # ε̂ and the fraction of tokens above Prop. 4.2's bound 2ε̂(1 − p)
-    "mismatch/logit_error_max", *[f"mismatch/above_bound_fraction/{b}" for b in BUCKETS],
+    # (their means over a bucket or the tail: `MEANS_WHERE_COUNTED`)
+    "mismatch/kl_infer_train_k3", *[f"mismatch/tokens/{b}" for b in BUCKETS], "mismatch/tail_tokens",
+    "mismatch/tail_tokens_by_infer",
+    # ε̂ (the fraction of tokens above Prop. 4.2's bound 2ε̂(1 − p): `MEANS_WHERE_COUNTED`)
+    "mismatch/logit_error_max",
     # safe-set size, min safe mass Z (Prop. 5.5), out-of-safe-set fraction
     "dvp/safe_set_size_mean", "dvp/safe_set_size_min", "dvp/safe_mass_min", "dvp/bias_bound",
     "dvp/out_of_safe_set_fraction",
@@ -41,6 +41,18 @@ REQUIRED = [
     # THD packing by the token budget
     "perf/packing_efficiency", "perf/micro_batches",
 ]  # fmt: skip
+MEANS_WHERE_COUNTED = {
+    **{
+        f"mismatch/{family}/{b}": f"mismatch/tokens/{b}"
+        for b in BUCKETS
+        for family in ("abs_delta", "above_bound_fraction")
+    },
+    "mismatch/tail_signed_delta": "mismatch/tail_tokens",
+    "mismatch/tail_delta_mode": "mismatch/tail_tokens",
+    "mismatch/tail_delta_mode_by_infer": "mismatch/tail_tokens_by_infer",
+}
+"""Mean tag → the count it is over: logged at exactly the steps where the count is > 0 (a mean over no
+tokens is left out)."""
 STEPS, PROMPTS, GROUP = 3, 4, 4
 
 
@@ -95,6 +107,12 @@ def test_every_metric_is_logged_finite_each_step(cli_run):
         assert steps == [1, 2, 3], (tag, steps)
         bad = [v for _, v in scalars[tag] if not math.isfinite(v)]
         assert not bad, (tag, bad)
+    for tag, count_tag in MEANS_WHERE_COUNTED.items():
+        counted = [step for step, count in scalars[count_tag] if count > 0]
+        assert [step for step, _ in scalars.get(tag, [])] == counted, (tag, scalars[count_tag])
+        assert all(math.isfinite(v) for _, v in scalars.get(tag, [])), tag
+    # the head bucket and the tail are filled at some step: their means are really logged
+    assert scalars["mismatch/abs_delta/p0.5_1"] and scalars["mismatch/tail_signed_delta"]
     eval_tags = ("eval/sampled_accuracy", "eval/greedy_accuracy", "eval/pass@1", "eval/pass@2", "eval/pass@4")
     for tag in (*eval_tags, "eval/mean@4"):
         assert [s for s, _ in scalars[tag]] == [0, 2], tag  # before training, then every 2 steps
@@ -134,8 +152,8 @@ def test_logged_values_are_consistent(cli_run):
         assert micro_batches >= 1 and micro_batches == int(micro_batches)
     # the bf16 engine and the fp32 trainer really disagree, a little
     assert 0 < max(s["mismatch/abs_delta/p0.01_0.5"]) < 0.5
+    assert all(0 <= v <= 1 for b in BUCKETS for v in s.get(f"mismatch/above_bound_fraction/{b}", []))
     for i in range(STEPS):
-        assert all(0 <= s[f"mismatch/above_bound_fraction/{b}"][i] <= 1 for b in BUCKETS)
         # the entropy bonus −β_H·H: at most β_H·log |V| (H of π^mp ≤ log of its support), and 0 only where
         # the policy has collapsed (at lr 1e-2 on an AMD EPYC its third step's tokens all had p = 1)
         assert -1e-3 * math.log(100) <= s["train/entropy_loss"][i] <= 0

@@ -53,7 +53,11 @@ metrics (`megatron_tail.algorithms.combine_metrics`: `*_min` keys by min, the re
 - `mismatch/outside_support_mass` (truncated sampling only): mean of 1 − Z_support, the trainer's θ_old mass
   outside the support each token was sampled from: what a trainer that ignores the support scores but the
   engine never samples (and so never pushes down).
-An empty bucket logs 0 for its means (its `tokens` count says it was empty), so every scalar is finite.
+A mean over no tokens is left out (a gap in TensorBoard), as `algorithms.finalize_metrics` leaves out a
+ratio over nothing: an empty bucket logs its `tokens` count (0) and no means, an empty tail no tail mean or
+mode, a step without scored positions no `dvp/*`. Logged as 0, an empty step read as data: a mean over
+steps was pulled towards 0, and an early-warning baseline (`report.collapse.WARNING_TAGS`) counted it.
+Every scalar logged is finite.
 """
 
 from __future__ import annotations
@@ -230,42 +234,42 @@ def finalize_diagnostics(
     out: dict[str, float] = {}
     if "tokens" in s:
         n = s["tokens"]
-        out["mismatch/kl_infer_train_k3"] = _ratio(s["k3_sum"], n)
-        out["mismatch/abs_delta"] = _ratio(s["abs_delta_sum"], n)
-        out["mismatch/signed_delta"] = _ratio(s["delta_sum"], n)
+        _put_mean(out, "mismatch/kl_infer_train_k3", s["k3_sum"], n)
+        _put_mean(out, "mismatch/abs_delta", s["abs_delta_sum"], n)
+        _put_mean(out, "mismatch/signed_delta", s["delta_sum"], n)
         for x in ("", BY_INFER):
-            out[f"mismatch/tail_signed_delta{x}"] = _ratio(s[f"tail_signed_sum{x}"], s[f"tail_tokens{x}"])
+            _put_mean(out, f"mismatch/tail_signed_delta{x}", s[f"tail_signed_sum{x}"], s[f"tail_tokens{x}"])
             out[f"mismatch/tail_tokens{x}"] = s[f"tail_tokens{x}"]
             counts = _histogram_counts(s, x)
-            if counts is not None:
+            if counts is not None and any(counts):
                 out[f"mismatch/tail_delta_mode{x}"] = _mode(counts)
             for label in bucket_labels(prob_buckets):
                 count = s[f"tokens{x}/{label}"]
                 out[f"mismatch/tokens{x}/{label}"] = count
-                out[f"mismatch/abs_delta{x}/{label}"] = _ratio(s[f"abs_delta_sum{x}/{label}"], count)
-                out[f"mismatch/signed_delta{x}/{label}"] = _ratio(s[f"delta_sum{x}/{label}"], count)
+                _put_mean(out, f"mismatch/abs_delta{x}/{label}", s[f"abs_delta_sum{x}/{label}"], count)
+                _put_mean(out, f"mismatch/signed_delta{x}/{label}", s[f"delta_sum{x}/{label}"], count)
     if "truncation_bias_sum" in s:
-        out["mismatch/truncation_bias"] = _ratio(s["truncation_bias_sum"], s.get("tokens", 0.0))
-        out["mismatch/outside_support_mass"] = _ratio(s["outside_support_mass_sum"], s.get("tokens", 0.0))
+        n = s.get("tokens", 0.0)
+        _put_mean(out, "mismatch/truncation_bias", s["truncation_bias_sum"], n)
+        _put_mean(out, "mismatch/outside_support_mass", s["outside_support_mass_sum"], n)
     if "logit_error_max" in s:
         out["mismatch/logit_error_max"] = s["logit_error_max"]
         for label in bucket_labels(prob_buckets):
-            if f"above_bound/{label}" in s:
-                out[f"mismatch/above_bound_fraction/{label}"] = _ratio(
-                    s[f"above_bound/{label}"], s[f"tokens/{label}"]
-                )
-    if "positions" in s:
+            above = s.get(f"above_bound/{label}")
+            if above is not None:
+                _put_mean(out, f"mismatch/above_bound_fraction/{label}", above, s[f"tokens/{label}"])
+    if s.get("positions", 0.0) > 0:
         n = s["positions"]
-        z_min = s["safe_mass_min"] if n > 0 else 1.0
-        out["dvp/out_of_safe_set_fraction"] = _ratio(s["out_of_safe_set"], n)
-        out["dvp/safe_mass_mean"] = _ratio(s["safe_mass_sum"], n) if n > 0 else 1.0
+        z_min = s["safe_mass_min"]
+        _put_mean(out, "dvp/out_of_safe_set_fraction", s["out_of_safe_set"], n)
+        _put_mean(out, "dvp/safe_mass_mean", s["safe_mass_sum"], n)
         out["dvp/safe_mass_min"] = z_min
         out["dvp/bias_bound"] = abs(max_reward) * max_response_len * (1.0 - z_min)
         if "entropy_sum" in s:
-            out["policy/entropy"] = _ratio(s["entropy_sum"], n)
+            _put_mean(out, "policy/entropy", s["entropy_sum"], n)
         if "safe_set_size_sum" in s:
-            out["dvp/safe_set_size_mean"] = _ratio(s["safe_set_size_sum"], n)
-            out["dvp/safe_set_size_min"] = s["safe_set_size_min"] if n > 0 else 0.0
+            _put_mean(out, "dvp/safe_set_size_mean", s["safe_set_size_sum"], n)
+            out["dvp/safe_set_size_min"] = s["safe_set_size_min"]
     return out
 
 
@@ -284,9 +288,7 @@ def _histogram_counts(sums: Mapping[str, float | torch.Tensor], suffix: str) -> 
 
 
 def _mode(counts: Sequence[float]) -> float:
-    """Centre of the fullest bin (the edge for the under/overflow bins; 0 for an empty histogram)."""
-    if not any(counts):
-        return 0.0
+    """Centre of the fullest bin (the edge for the under/overflow bins) of a histogram with counts."""
     i = max(range(len(counts)), key=lambda k: counts[k])  # first fullest bin on ties
     edges = TAIL_DELTA_EDGES
     if i == 0:
@@ -302,8 +304,10 @@ def masked_sum(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return _f(values.detach().double()[valid].sum())
 
 
-def _ratio(num: float, den: float) -> float:
-    return num / den if den > 0 else 0.0
+def _put_mean(out: dict[str, float], key: str, total: float, count: float) -> None:
+    """`out[key] = total / count`, or nothing over no tokens (module docstring)."""
+    if count > 0:
+        out[key] = total / count
 
 
 def _f(value) -> torch.Tensor:
