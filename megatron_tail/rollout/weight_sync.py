@@ -43,7 +43,8 @@ per tensor where the layer is per-tensor). `restore_weights_before_loading` and 
 early in that "reload scenario". So the sender sends bf16 tensors as for a bf16 server, no scales: the server
 computes them. Limits, all SGLang's: Qwen2/Qwen3 dense native loaders only (others are refused when the server
 starts); a per-tensor-scaled layer (GPUs without cutlass FP8) must get all its q/k/v (gate/up) shards in one
-`load_weights` call, i.e. one bucket. With plain `--quantization fp8` (the default loader) neither path
+`load_weights` call, i.e. one bucket, which `DistributedWeightSync` keeps (`engine_parameter`). With plain
+`--quantization fp8` (the default loader) neither path
 re-quantizes: `Fp8LinearMethod` keeps the base no-op `restore_weights_before_loading`, and the e4m3 parameters
 `process_weights_after_loading` made (transposed, without `weight_loader`) fail the load.
 The disk path sends `load_format: "auto"`: the request's default is the server's own load format, and a second
@@ -425,7 +426,9 @@ class DistributedWeightSync:
         bucket_mb: tensors are streamed in buckets of at most this size (one
             `/update_weights_from_distributed` per bucket), so the sender holds one bucket plus the tensor
             being added, never the whole model (a tensor larger than a bucket travels alone; with such
-            tensors the bound is two of them).
+            tensors the bound is two of them). A bucket closes only between the engine's parameters
+            (`engine_parameter`): the shards SGLang stacks into one (q/k/v, gate/up) travel in one
+            bucket, which may outgrow the limit by the rest of that parameter.
         dtype: cast each tensor to this dtype on the sender as it joins a bucket (e.g. fp32 master weights
             to bf16 engines); None: as given.
         timeout_s: the limit of each HTTP request and of the process group; `timeout_name` names it in
@@ -616,14 +619,15 @@ class DistributedWeightSync:
 
             async def update():
                 bucket: list[tuple[str, torch.Tensor]] = []
-                held = 0
+                held, parameter = 0, None
                 for name, tensor in named_tensors:
                     item = tensor.element_size() if self.dtype is None else self.dtype.itemsize
                     size = tensor.numel() * item
                     stats["peak_bytes"] = max(stats["peak_bytes"], held + size)
                     # send the full bucket before casting: the cast's copy then never meets a full bucket
                     # (the sender holds ≤ one bucket + one parameter in the trainer's dtype at once)
-                    if bucket and held + size > self.bucket_bytes:
+                    previous, parameter = parameter, engine_parameter(name)
+                    if bucket and held + size > self.bucket_bytes and parameter != previous:
                         await send(bucket, last=False)
                         bucket, held = [], 0
                     if self.dtype is not None:
@@ -660,6 +664,24 @@ class DistributedWeightSync:
         if self.group is not None and not self.broadcast_waiting():
             destroy_custom_process_group(self.group)
             self.group = None
+
+
+_STACKED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj"}
+_STACKED |= {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+
+
+def engine_parameter(hf_name: str) -> str:
+    """The SGLang parameter an HF tensor loads into: its name with a q/k/v or gate/up component replaced by
+    the stacked one (`model.layers.0.self_attn.k_proj.weight` → `...self_attn.qkv_proj.weight`), else the
+    name itself. SGLang 0.5.23's rule, `QuantizedRLModelLoader._resolve_stacked_info`
+    (srt/model_loader/loader.py; the models' `stacked_params_mapping` name the same shards). Its FP8 RL
+    loader re-quantizes a per-tensor-scaled parameter only from all of its shards in one `load_weights`
+    call ("Partial per-tensor FP8 update for …"), so a bucket never splits one."""
+    parts = hf_name.split(".")
+    for i, part in enumerate(parts):
+        if part in _STACKED:
+            return ".".join([*parts[:i], _STACKED[part], *parts[i + 1 :]])
+    return hf_name
 
 
 def _broadcast_in_order(pairs: list[tuple[str, torch.Tensor]], group, ended: threading.Event) -> None:

@@ -64,6 +64,16 @@ def import_sglang_sampler() -> types.SimpleNamespace:
     )
 
 
+def import_sglang_rl_loader():
+    """SGLang's `QuantizedRLModelLoader` (srt/model_loader/loader.py: the FP8 RL loader of
+    `--load-format flash_rl`), imported under the same stub."""
+    import sglang  # noqa: F401
+
+    with _torchvision_stub():
+        from sglang.srt.model_loader.loader import QuantizedRLModelLoader
+    return QuantizedRLModelLoader
+
+
 @contextmanager
 def cpu_sampler(sg: types.SimpleNamespace):
     """A `Sampler` built under a published server config (custom processors on, CPU, TP = 1)."""

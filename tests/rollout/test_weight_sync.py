@@ -869,3 +869,76 @@ def test_the_cleanup_after_a_timed_out_update_waits_its_own_short_limit_and_says
         + " for each",
         said,
     ), said
+
+
+def test_engine_parameter_is_sglangs_stacked_name_for_every_tensor_of_dense_and_moe_models():
+    """`engine_parameter` against SGLang 0.5.23's own rule (`QuantizedRLModelLoader._resolve_stacked_info`)
+    over every HF tensor of a Qwen2 (q/k/v biases), a Qwen3 and a Qwen3-MoE model (expert and shared
+    gate/up)."""
+    from megatron_tail.model import load_hf_config
+    from megatron_tail.model.naming import hf_tensor_shapes
+    from megatron_tail.rollout.weight_sync import engine_parameter
+    from tests.model.hf_models import hf_config
+    from tests.model.test_moe_config import _moe_cfg
+    from tests.rollout.sglang_sampler import import_sglang_rl_loader
+
+    loader = import_sglang_rl_loader()
+    archs = [load_hf_config(hf_config(f).to_dict()) for f in ("qwen2", "qwen3")]
+    names = [name for arch in [*archs, load_hf_config(_moe_cfg())] for name in hf_tensor_shapes(arch)]
+    assert any(".experts." in n for n in names) and any("q_proj.bias" in n for n in names)
+    stacked = 0
+    for name in names:
+        want = loader._resolve_stacked_info(name)[0]
+        assert engine_parameter(name) == want, name
+        stacked += want != name
+    assert stacked >= 10
+
+
+def test_a_bucket_never_splits_the_shards_sglang_stacks_into_one_parameter(monkeypatch):
+    """A per-tensor FP8 engine refuses q/k/v or gate/up shards spread over two `load_weights` calls
+    ("Partial per-tensor FP8 update", SGLang's `QuantizedRLModelLoader.rebinding_and_load_weights`). In
+    the export's order and with buckets smaller than one layer, every bucket holds all or none of each
+    stacked parameter's shards, and buckets still close as soon as one is whole."""
+    import torch
+
+    from megatron_tail.model import load_hf_config
+    from megatron_tail.model.naming import hf_tensor_shapes
+    from megatron_tail.rollout import weight_sync
+    from tests.model.hf_models import hf_config
+    from tests.rollout.sglang_sampler import import_sglang_rl_loader
+
+    def engine_parameter(name: str) -> str:  # SGLang's own rule
+        return import_sglang_rl_loader()._resolve_stacked_info(name)[0]
+
+    monkeypatch.setattr(weight_sync, "_broadcast_in_order", lambda _pairs, _group, ended: ended.set())
+    shapes = hf_tensor_shapes(load_hf_config(hf_config("qwen3", num_hidden_layers=3).to_dict()))
+    tensors = [(name, torch.zeros(shape, dtype=torch.bfloat16)) for name, shape in shapes.items()]
+    q_bytes = tensors[2][1].numel() * 2
+    assert tensors[2][0].endswith("q_proj.weight")
+
+    async def scenario():
+        calls: list[tuple[str, dict]] = []
+        async with serving_app(_recording_app(calls, version="1")) as url:
+            # a bucket a little over one q_proj: the limit falls inside every q/k/v and gate/up
+            sync = DistributedWeightSync(
+                [url], master_address="127.0.0.1", master_port=1, bucket_mb=1.5 * q_bytes / 2**20
+            )
+            sync.engine_tp_sizes, sync.group = [1], object()
+            await sync.update(tensors, weight_version="1")
+        return calls, sync.last_update
+
+    calls, stats = asyncio.run(scenario())
+    buckets = [body["names"] for path, body in calls if path == "/update_weights_from_distributed"]
+    assert [n for b in buckets for n in b] == [name for name, _ in tensors]  # each once, in order
+    where = {}
+    for i, bucket in enumerate(buckets):
+        for name in bucket:
+            where.setdefault(engine_parameter(name), set()).add(i)
+    split = {p: b for p, b in where.items() if len(b) > 1}
+    assert not split, split
+    assert len(buckets) > 3 * 3  # still several buckets per layer
+    # the sender holds at most a bucket, the rest of one stacked parameter and the next tensor
+    stacked = {}
+    for name, t in tensors:
+        stacked[engine_parameter(name)] = stacked.get(engine_parameter(name), 0) + t.numel() * 2
+    assert stats["peak_bytes"] <= 1.5 * q_bytes + 2 * max(stacked.values())
