@@ -4,6 +4,7 @@ the command line prints it once, without a traceback unless MT_TRACEBACK=1."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import re
 import socket
@@ -150,6 +151,26 @@ def test_a_second_trainer_on_a_run_directory_is_refused_naming_the_holder_and_a_
     finally:
         if holder.poll() is None:
             holder.kill()
+
+
+@pytest.mark.parametrize("code", [errno.ENOLCK, errno.EOPNOTSUPP])
+def test_a_run_directory_on_a_file_system_without_locks_is_one_line_naming_it(tmp_path, monkeypatch, code):
+    """NFS without its lock service answers `lockf` with ENOLCK: one line naming the file system and what
+    to do, and nothing left open; before, the OSError's traceback."""
+    import fcntl
+
+    from megatron_tail.utils.errors import UserError
+
+    def no_locks(_fd, _how):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(fcntl, "lockf", no_locks)
+    opened = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(
+        UserError, match=r"\.lock cannot be locked: its file system \(\S+ at /[^)]*\) refuses "
+    ):
+        claim_run_dir(tmp_path, resume=False)
+    assert len(os.listdir("/proc/self/fd")) == opened
 
 
 def test_an_engine_token_id_outside_the_vocabulary_is_named():

@@ -224,7 +224,7 @@ def export_lock(checkpoint: Path, note=print):
     path = checkpoint / EXPORT_LOCK
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        if not try_lock(fd):
+        if not try_lock(fd, path):
             note(
                 f"eval: waiting for another evaluation of {checkpoint} to finish its export "
                 f"({path} is locked)"

@@ -42,8 +42,8 @@ class RunDirLock:
         except OSError as e:  # a read-only mount, permissions: the user's to fix, not a traceback
             raise run_dir_unwritable(run_dir, f"{e.strerror}: {e.filename}") from None
         try:
-            held = try_lock(fd)
-        except OSError:
+            held = try_lock(fd, self.path)
+        except BaseException:
             os.close(fd)
             raise
         if not held:
@@ -67,16 +67,47 @@ class RunDirLock:
             self._fd = None
 
 
-def try_lock(fd: int) -> bool:
-    """Take the exclusive POSIX record lock on open file `fd` without waiting: True, or False where another
-    process holds it (any other error raises)."""
+def try_lock(fd: int, path: str | Path) -> bool:
+    """Take the exclusive POSIX record lock on open file `fd` (of `path`) without waiting: True, or False
+    where another process holds it. A file system without POSIX locks is a `UserError` naming it; any other
+    error raises."""
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
-        if e.errno not in (errno.EACCES, errno.EAGAIN):
-            raise
-        return False
+        if e.errno in (errno.EACCES, errno.EAGAIN):
+            return False
+        if e.errno in _NO_LOCKS:
+            raise UserError(
+                f"{path} cannot be locked: its file system{_fs_type(path)} refuses POSIX record locks "
+                f"({e.strerror}), which keep a second trainer out of the run directory; put run_dir on one "
+                "that has them (a local disk, Lustre, NFS with its lock service running)"
+            ) from None
+        raise
     return True
+
+
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)
+"""What `lockf` raises where the file system has no POSIX locks: NFS without lockd (ENOLCK), some FUSE
+and object-store mounts (EOPNOTSUPP, ENOSYS)."""
+
+
+def _fs_type(path: str | Path) -> str:
+    """The mount `path` is on as " (<type> at <mount point>)", from /proc/self/mounts; "" where unknown."""
+    target = os.path.realpath(path)
+    best = ("", "")
+    try:
+        with open("/proc/self/mounts") as mounts:
+            for line in mounts:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                point = fields[1].replace("\\040", " ")
+                inside = target == point or target.startswith(point.rstrip("/") + "/")
+                if inside and len(point) > len(best[0]):
+                    best = (point, fields[2])
+    except OSError:
+        return ""
+    return f" ({best[1]} at {best[0]})" if best[0] else ""
 
 
 def live_holder(run_dir: str | Path) -> str | None:
@@ -88,7 +119,7 @@ def live_holder(run_dir: str | Path) -> str | None:
     except OSError:
         return None
     try:
-        return None if try_lock(fd) else _holder(path)
+        return None if try_lock(fd, path) else _holder(path)
     finally:
         os.close(fd)  # closing drops the probe's lock
 
