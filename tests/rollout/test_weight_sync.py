@@ -942,3 +942,46 @@ def test_a_bucket_never_splits_the_shards_sglang_stacks_into_one_parameter(monke
     for name, t in tensors:
         stacked[engine_parameter(name)] = stacked.get(engine_parameter(name), 0) + t.numel() * 2
     assert stats["peak_bytes"] <= 1.5 * q_bytes + 2 * max(stacked.values())
+
+
+def test_a_cpu_local_engine_refuses_an_nccl_group_at_once_and_its_own_trainer_asks_for_gloo(
+    server_pair, monkeypatch
+):
+    """torch serves an NCCL group for CUDA tensors only (`Backend.backend_capability`), and the local engine
+    received into host buffers: a CUDA trainer's in-memory sync to its own local engines failed at the first
+    bucket. The trainer asks for gloo for local engines (it takes CUDA tensors too), a CPU engine refuses
+    NCCL before joining, and a GPU engine receives into its own device under NCCL."""
+    import torch
+
+    from megatron_tail.rollout.local_engine import server
+    from megatron_tail.rollout.service.engines import _weight_sync
+    from megatron_tail.rollout.settings import RolloutSection, WeightSyncSection
+
+    async def ask_nccl(url):
+        body = {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2}
+        body["backend"] = "nccl"
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"{url}/init_weights_update_group", json=body) as r:
+                return r.status, await r.json()
+
+    status, answer = asyncio.run(ask_nccl(server_pair[0].url))
+    assert status == 400 and not answer["success"]
+    assert "this engine runs on cpu, and an NCCL group carries GPU tensors only" in answer["message"]
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    settings = RolloutSection(weight_sync=WeightSyncSection(mode="distributed", master_address="127.0.0.1"))
+    backends = {}
+    for local in (True, False):
+        sync = _weight_sync(settings, ["http://127.0.0.1:1"], local=local)
+        sync._listen_socket.close()
+        backends[local] = sync.backend
+    assert backends == {True: "gloo", False: "nccl"}
+
+    received, loaded = [], []
+    engine = type("Engine", (), {"device": torch.device("meta")})()
+    engine.load_named_tensors = lambda tensors, version: loaded.append((tensors, version))
+    monkeypatch.setattr(torch.distributed, "broadcast", lambda t, **_: received.append(t.device))
+    for backend, device in (("nccl", "meta"), ("gloo", "cpu")):
+        monkeypatch.setattr(torch.distributed, "get_backend", lambda _group, b=backend: b)
+        server._receive_and_load(engine, object(), [("w", "bfloat16", [2, 3])], "5")
+        assert received.pop().type == device and loaded.pop()[0][0][1].device.type == device

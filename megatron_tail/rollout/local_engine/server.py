@@ -232,9 +232,20 @@ async def init_weights_update_group(request: web.Request) -> web.Response:
             request, '{"master_address": str, "master_port": int, "rank_offset": int, "world_size": int, ...}'
         )
         name = body.get("group_name", "weight_update_group")
+        backend = body.get("backend", "nccl")
+        device = request.app[ENGINE_KEY].device
+        if backend == "nccl" and device.type != "cuda":
+            # refused before joining: the trainer's join ends at once (`_first_failure`), not at its limit
+            return _result(
+                False,
+                f"Failed to initialize custom process group: this engine runs on {device}, and an NCCL "
+                "group carries GPU tensors only; ask for backend gloo (megatron-tail does for its local "
+                "engines), serve the engine on a GPU (--device cuda), or sync by disk "
+                "(rollout.weight_sync.mode: disk).",
+            )
         group = await asyncio.to_thread(
             init_custom_process_group,
-            backend=body.get("backend", "nccl"),
+            backend=backend,
             init_method=f"tcp://{body['master_address']}:{int(body['master_port'])}",
             world_size=int(body["world_size"]),
             rank=int(body["rank_offset"]),
@@ -284,10 +295,13 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
 
 
 def _receive_and_load(engine: LocalEngine, group, specs, weight_version) -> None:
-    """Receive one broadcast per (name, dtype, shape) from rank 0, in order, then load them all."""
+    """Receive one broadcast per (name, dtype, shape) from rank 0, in order, then load them all. Buffers are
+    on the engine's GPU under NCCL (which serves CUDA tensors only: torch's `Backend.backend_capability`),
+    on the host under gloo."""
+    device = engine.device if torch.distributed.get_backend(group) == "nccl" else torch.device("cpu")
     received = []
     for name, dtype, shape in specs:
-        tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+        tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
         torch.distributed.broadcast(tensor, src=0, group=group)
         received.append((name, tensor))
     engine.load_named_tensors(received, weight_version)

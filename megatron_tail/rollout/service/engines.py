@@ -498,7 +498,9 @@ def _weight_sync(settings: RolloutSection, urls: list[str], local: bool):
         urls,
         master_address=address,
         listen_socket=reserve_named_port("rollout.weight_sync.master_port", "", r.weight_sync.master_port),
-        backend="nccl" if torch.cuda.is_available() else "gloo",
+        # NCCL carries GPU tensors only, and the local engine receives into host buffers unless it runs on
+        # a GPU itself (`local_engine.server._receive_and_load`); gloo takes the trainer's CUDA tensors too
+        backend="nccl" if torch.cuda.is_available() and not local else "gloo",
         timeout_s=r.weight_sync.timeout_s,
         timeout_name="rollout.weight_sync.timeout_s",
         bucket_mb=r.weight_sync.bucket_mb,
