@@ -104,11 +104,26 @@ def test_seeded_sampling_is_reproducible_and_stops_on_stop_ids(tiny_model_dir):
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_at}
 
 
-def test_a_bf16_sequence_gets_the_same_tokens_and_logprobs_alone_as_in_a_padded_batch(tiny_model_dir):
+def test_a_bf16_sequence_gets_the_same_tokens_and_logprobs_alone_as_in_a_padded_batch(
+    tiny_model_dir, monkeypatch
+):
     """Batch invariance, exactly: two runs of the same seeds sample the same tokens however the requests'
     arrival batched them (`local_engine/attention.py`). With HF's SDPA the rows of this left-padded batch
-    moved by up to 0.03 nats in bf16 on an AMD EPYC (AVX2)."""
+    moved by up to 0.03 nats in bf16 on an AMD EPYC (AVX2). The rows' lengths are read from the mask once
+    per forward, not once per layer (on a GPU each read waits for the device)."""
+    from megatron_tail.rollout.local_engine import attention
+
+    reads = []  # per forward: how often the mask's lengths were read
+    real = attention._row_lengths
+
+    def read(mask):
+        reads[-1] += 1
+        return real(mask)
+
+    monkeypatch.setattr(attention, "_row_lengths", read)
     engine = LocalEngine(tiny_model_dir, dtype="bfloat16")
+    engine.model.register_forward_pre_hook(lambda *_: reads.append(0))
+    assert engine.model.config.num_hidden_layers >= 2
     try:
         # rows of every length from 1 to 6, two of length 3 (a group: one prompt, two seeds)
         prompts = [[5, 6, 84], [9, 10, 11, 12, 13, 14], [7, 8], [20, 21, 22, 23], [30, 31, 32, 33, 34], [40]]
@@ -122,6 +137,7 @@ def test_a_bf16_sequence_gets_the_same_tokens_and_logprobs_alone_as_in_a_padded_
         assert got["output_ids"] == want["output_ids"]
         assert got["meta_info"]["output_token_logprobs"] == want["meta_info"]["output_token_logprobs"]
         assert got["meta_info"]["output_top_logprobs"] == want["meta_info"]["output_top_logprobs"]
+    assert max(reads) == 1  # a padded batch's forwards read it, once each
 
 
 def test_a_device_that_is_not_there_is_refused_by_name(monkeypatch, tiny_model_dir):

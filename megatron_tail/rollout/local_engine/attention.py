@@ -18,6 +18,8 @@ projections and MLPs stay batched (row-wise matmuls, batch-invariant on the CPUs
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -41,19 +43,10 @@ def row_invariant_sdpa(
     Returns `[B, q, heads, head_dim]`; padded query positions are zeros (their outputs are never read).
     One SDPA call per distinct row length."""
     batch, _, q_len, _ = query.shape
-    if attention_mask is None:
-        lengths = [key.shape[2]] * batch
-    else:  # the last query of a row sees every key of the row (its causal horizon)
-        lengths = attention_mask[:, 0, -1].sum(-1).tolist()
     windowed = kwargs.get("sliding_window") is not None
     out = query.new_zeros(batch, q_len, query.shape[1], value.shape[-1])
-    rows_of: dict[int, list[int]] = {}
-    for b, n in enumerate(lengths):
-        rows_of.setdefault(n, []).append(b)
-    for n, rows in rows_of.items():  # rows of one length: the same call, row by row independent
+    for n, pick in _row_groups(attention_mask, batch, key.shape[2], query.device):
         n_q = min(q_len, n)
-        # every row (one length: a row alone, a group in step): views, not copies of the KV cache
-        pick = slice(None) if len(rows) == batch else torch.tensor(rows, device=query.device)
         row_mask = None
         if windowed and attention_mask is not None:  # a window is not the plain causal mask: keep it
             row_mask = attention_mask[pick][:, :, q_len - n_q :, key.shape[2] - n :]
@@ -67,6 +60,41 @@ def row_invariant_sdpa(
         )
         out[pick, q_len - n_q :] = result
     return out, None
+
+
+_groups_of_mask: tuple = (None, [])
+"""(weak reference to the last mask, its row groups): HF builds a forward's mask once and hands the same
+tensor to every layer (`Qwen3Model.forward`'s `causal_mask_mapping`), so its lengths are read to the host
+once per forward, not once per layer (on a GPU each read waits for the device)."""
+
+
+def _row_groups(
+    attention_mask: torch.Tensor | None, batch: int, keys: int, device: torch.device
+) -> list[tuple[int, slice | torch.Tensor]]:
+    """`(n, rows)` per distinct row length n: `rows` indexes the batch rows of that length (a slice where
+    it is every row: views, not copies of the KV cache)."""
+    global _groups_of_mask
+    if attention_mask is None:
+        return [(keys, slice(None))]
+    cached, groups = _groups_of_mask
+    if cached is not None and cached() is attention_mask:
+        return groups
+    lengths = _row_lengths(attention_mask)
+    rows_of: dict[int, list[int]] = {}
+    for b, n in enumerate(lengths):
+        rows_of.setdefault(n, []).append(b)
+    groups = [
+        (n, slice(None) if len(rows) == batch else torch.tensor(rows, device=device))
+        for n, rows in rows_of.items()
+    ]
+    _groups_of_mask = (weakref.ref(attention_mask), groups)
+    return groups
+
+
+def _row_lengths(attention_mask: torch.Tensor) -> list[int]:
+    """Each row's key count (host ints; one device→host read): the last query of a row sees every key of
+    the row (its causal horizon)."""
+    return attention_mask[:, 0, -1].sum(-1).tolist()
 
 
 AttentionInterface.register(ROW_INVARIANT_SDPA, row_invariant_sdpa)
