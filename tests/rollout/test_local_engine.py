@@ -99,9 +99,27 @@ def test_seeded_sampling_is_reproducible_and_stops_on_stop_ids(tiny_model_dir):
     stop_at = first[3]
     stop_item = item("s", [5, 6, 84], temperature=1.0, log_rho=None, seed=9)
     stop_item.stop_token_ids = frozenset({stop_at})
+    (ignored,) = engine.generate([stop_item])  # SGLang's `_check_token_based_finish`: ignore_eos ignores both
+    assert ignored["output_ids"] == first and ignored["meta_info"]["finish_reason"]["type"] == "length"
+    stop_item.ignore_eos = False
     (out,) = engine.generate([stop_item])
     assert out["output_ids"] == first[: first.index(stop_at) + 1]
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_at}
+
+
+def test_top_logprobs_past_the_safe_set_are_the_float_min_not_minus_infinity(tiny_model_dir):
+    """DVP prunes to −inf; SGLang's `compute_logprobs` clamps returned log-probs to the dtype's min, so a
+    reply is strict JSON (a −inf went out as `-Infinity`, which strict parsers refuse)."""
+    import json
+
+    engine = LocalEngine(tiny_model_dir, dtype="float32")
+    wide = item("w", [5, 6, 84], temperature=1.0, log_rho=-4.0, seed=2, max_new_tokens=3)
+    wide.top_logprobs_num = engine.model.config.vocab_size
+    (out,) = engine.generate([wide])
+    values = [v for row in out["meta_info"]["output_top_logprobs"] for v, _, _ in row]
+    floor = torch.finfo(torch.float32).min
+    assert min(values) == floor and all(v == floor or v > -100 for v in values)  # pruned, and the safe set
+    json.dumps(out, allow_nan=False)
 
 
 def test_a_bf16_sequence_gets_the_same_tokens_and_logprobs_alone_as_in_a_padded_batch(

@@ -98,7 +98,8 @@ class Row:
         if self.item.return_sampling_mask:
             self.masks.append(mask)
         item = self.item
-        if token in item.stop_token_ids or (not item.ignore_eos and token in eos_ids):
+        # SGLang's `Req._check_token_based_finish`: ignore_eos ignores the stop token ids too
+        if not item.ignore_eos and (token in item.stop_token_ids or token in eos_ids):
             self.finish({"type": "stop", "matched": token})
         elif len(self.outputs) >= item.max_new_tokens:
             self.finish({"type": "length", "length": item.max_new_tokens})
@@ -497,6 +498,8 @@ def sample_rows(rows: list[Row], logits: torch.Tensor, backend: str = "flashinfe
     if plain:
         index = torch.tensor(plain)
         tokens[index] = draw_categorical(probs[index], [rows[i].generator for i in plain])
+    # SGLang's `compute_logprobs` clamps to the dtype's min: a pruned token's −inf is no JSON number
+    row_logprobs.clamp_(min=torch.finfo(row_logprobs.dtype).min)
     logprobs = row_logprobs.gather(1, tokens[:, None])[:, 0]
     top: list[list[list] | None] = [None] * len(rows)
     k = max(r.item.top_logprobs_num for r in rows)
