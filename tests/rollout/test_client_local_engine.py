@@ -6,6 +6,7 @@ import asyncio
 import json
 import re
 import threading
+import time
 
 import aiohttp
 import pytest
@@ -113,6 +114,53 @@ def test_an_in_process_engine_draws_what_the_process_draws_and_leaves_nothing(
     assert not {f"local-engine-{port}", "local-engine-batcher"} & alive, alive
     reserve_port("127.0.0.1", port).close()  # free again
     assert engine.last_log_line().startswith("megatron-tail local engine serving")
+
+
+def test_stopping_an_in_process_engine_ends_the_requests_it_holds(tiny_model_dir, tmp_path):
+    """A generation held in place by a pause (a weight update in progress) and a request waiting for the
+    pause to end: `stop()` answers both (the first aborted with what it made, the second 503) and the
+    serving thread ends. Before: aiohttp's cleanup waited for their handlers, which waited for the engine
+    that only a later `close()` would end; `stop()` returned at its limit with the thread alive."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    sock = reserve_port()
+    config = LocalEngineConfig(
+        model_path=str(tiny_model_dir), port=sock.getsockname()[1], dtype="bfloat16", num_threads=1
+    )
+    answers: dict[str, object] = {}
+
+    def post(name: str, path: str, body: dict) -> None:
+        request = urllib.request.Request(
+            engine.url + path, json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=120) as reply:
+                answers[name] = json.loads(reply.read())
+        except urllib.error.HTTPError as e:
+            answers[name] = e.code
+        except OSError as e:  # not yet arrived when the engine stopped
+            answers[name] = e
+
+    engine = LocalEngineThread(config, tmp_path / "engine.log", listen_socket=sock).wait_healthy()
+    batcher = engine._engine.batcher
+    generate = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": CONTEXT_LENGTH - 3}}
+    held = threading.Thread(target=post, args=("held", "/generate", generate))
+    held.start()
+    while not batcher.running and held.is_alive():  # generating
+        time.sleep(0.01)
+    post("pause", "/pause_generation", {"mode": "in_place"})
+    waiting = threading.Thread(target=post, args=("waiting", "/generate", generate))
+    waiting.start()
+    time.sleep(0.5)  # its handler polls for the pause to end (if it came later, it finds no server)
+    engine.stop(timeout_s=60)
+    held.join(60)
+    waiting.join(60)
+    assert engine.ended() == "was stopped"
+    assert answers["held"]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 0 < len(answers["held"]["output_ids"]) < CONTEXT_LENGTH - 3
+    assert answers["waiting"] == 503 or isinstance(answers["waiting"], OSError), answers["waiting"]
 
 
 def test_an_in_process_engine_loads_its_model_before_the_trainer_can_build_beside_it(

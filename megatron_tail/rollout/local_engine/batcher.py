@@ -188,9 +188,18 @@ class ContinuousBatcher:
         self._thread.start()
 
     def submit(self, rows: list[Row]) -> None:
+        """Queue `rows`; once closed, they end at once as aborted (nothing would run them)."""
         with self.control.cond:
+            if self._closed:
+                for row in rows:
+                    row.finish(dict(ABORTED))
+                return
             self.waiting.extend(rows)
             self.control.cond.notify_all()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def close(self) -> None:
         with self.control.cond:

@@ -106,6 +106,9 @@ class LocalEngineThread:
             if not self._stop.is_set():  # stop() sets the flag first, then wakes whatever it finds
                 await self._wake.wait()
         finally:
+            # the engine first: aiohttp's cleanup waits for the handlers in flight, which wait for the
+            # batcher (a generation, or a request held by a pause) until the engine ends them as aborted
+            await asyncio.to_thread(engine.close)
             await runner.cleanup()
 
     def _write(self, text: str) -> None:

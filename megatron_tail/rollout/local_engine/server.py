@@ -120,7 +120,14 @@ async def generate(request: web.Request) -> web.Response:
         return _error(str(e))
     except ValueError as e:  # an unloadable processor, or one that rejects its custom_params
         return _error(str(e))
+    except EngineClosed:
+        return _error("the engine is shutting down", status=503)
     return web.json_response(outputs if parsed.batched else outputs[0], dumps=_dumps)
+
+
+class EngineClosed(Exception):
+    """The engine stopped before a request held by a pause could start (HTTP 503: another server may
+    take it)."""
 
 
 async def _generate(engine: LocalEngine, items) -> list[dict]:
@@ -136,6 +143,8 @@ async def _generate(engine: LocalEngine, items) -> list[dict]:
     # wait on the event loop, not in a worker thread: requests held by a pause must not take the threads
     # that /update_weights_from_disk needs to end it
     while (epoch := engine.control.try_start()) is None:
+        if engine.batcher.closed:  # stopped while paused: nothing will continue it
+            raise EngineClosed
         await asyncio.sleep(0.005)
     rows = engine.submit(items, epoch, on_done)
     await finished
