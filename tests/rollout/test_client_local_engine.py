@@ -163,6 +163,39 @@ def test_stopping_an_in_process_engine_ends_the_requests_it_holds(tiny_model_dir
     assert answers["waiting"] == 503 or isinstance(answers["waiting"], OSError), answers["waiting"]
 
 
+def test_a_request_whose_client_went_away_is_aborted_even_while_paused(tiny_model_dir, tmp_path):
+    """SGLang aborts a request whose client disconnected; the local engine kept generating it to its length
+    (after a client's timeout and retry, a ghost beside the retry). Here the generation is held in place by
+    a pause when its client goes: it ends as aborted while the engine is still paused."""
+    import http.client
+    import json
+
+    sock = reserve_port()
+    config = LocalEngineConfig(
+        model_path=str(tiny_model_dir), port=sock.getsockname()[1], dtype="bfloat16", num_threads=1
+    )
+    with LocalEngineThread(config, tmp_path / "engine.log", listen_socket=sock) as engine:
+        batcher = engine._engine.batcher
+        submitted = []
+        real_submit = batcher.submit
+        batcher.submit = lambda rows: submitted.extend(rows) or real_submit(rows)
+        connection = http.client.HTTPConnection("127.0.0.1", sock.getsockname()[1], timeout=60)
+        body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": CONTEXT_LENGTH - 3}}
+        connection.request("POST", "/generate", json.dumps(body), {"Content-Type": "application/json"})
+        while not batcher.running:
+            time.sleep(0.01)
+        engine._engine.control.pause("in_place")
+        connection.close()  # the client gives up
+        (row,) = submitted
+        for _ in range(6000):  # a minute at most; it takes a poll interval
+            if row.finished:
+                break
+            time.sleep(0.01)
+        assert row.finish_reason is not None and row.finish_reason["type"] == "abort"
+        assert engine._engine.control.paused and len(row.outputs) < CONTEXT_LENGTH - 3
+        engine._engine.control.resume()
+
+
 def test_an_in_process_engine_loads_its_model_before_the_trainer_can_build_beside_it(
     tiny_model_dir, tmp_path, monkeypatch
 ):

@@ -77,6 +77,8 @@ class Row:
             (secrets.randbits(63) if item.seed is None else item.seed) % (1 << 63)
         )
         self._on_finish = on_finish
+        self.cancelled = False
+        """Its client went away (`ContinuousBatcher.cancel`): aborted at the next step."""
 
     @property
     def finished(self) -> bool:
@@ -201,6 +203,15 @@ class ContinuousBatcher:
     def closed(self) -> bool:
         return self._closed
 
+    def cancel(self, rows: list[Row]) -> None:
+        """End `rows` as aborted at the next step (or now, while paused or idle): their client is gone.
+        SGLang aborts a disconnected request too (`TokenizerManager`: "Request is disconnected from the
+        client side")."""
+        with self.control.cond:
+            for row in rows:
+                row.cancelled = True
+            self.control.cond.notify_all()
+
     def close(self) -> None:
         with self.control.cond:
             self._closed = True
@@ -255,7 +266,7 @@ class ContinuousBatcher:
             if self._closed:
                 self._abort_all(lambda _row: True)
                 return None
-            self._abort_all(lambda row: row.epoch != self.control.abort_epoch)
+            self._abort_all(lambda row: row.epoch != self.control.abort_epoch or row.cancelled)
             if self.control.paused:
                 if self.control.mode == "retract" and self.running:
                     self._retract()

@@ -115,7 +115,9 @@ async def generate(request: web.Request) -> web.Response:
         )
         for serialized in {item.processor for item in parsed.items if item.processor is not None}:
             load_custom_logit_processor(serialized)
-        outputs = await _generate(engine, parsed.items)
+        outputs = await _generate(engine, parsed.items, request)
+        if outputs is None:  # the client went away
+            return _error("the client disconnected; its request was aborted", status=499)
     except BadRequest as e:
         return _error(str(e))
     except ValueError as e:  # an unloadable processor, or one that rejects its custom_params
@@ -130,9 +132,11 @@ class EngineClosed(Exception):
     take it)."""
 
 
-async def _generate(engine: LocalEngine, items) -> list[dict]:
+async def _generate(engine: LocalEngine, items, request: web.Request | None = None) -> list[dict] | None:
     """Queue the items in the engine's continuous batch and wait without holding a thread (a paused
-    engine holds new requests until `/continue_generation`, as SGLang's tokenizer manager does)."""
+    engine holds new requests until `/continue_generation`, as SGLang's tokenizer manager does). None where
+    `request`'s client disconnected first: its rows were aborted (aiohttp does not cancel the handler, and
+    a client's timeout and retry would otherwise leave the first attempt generating to its length)."""
     loop = asyncio.get_running_loop()
     finished = loop.create_future()
 
@@ -145,11 +149,31 @@ async def _generate(engine: LocalEngine, items) -> list[dict]:
     while (epoch := engine.control.try_start()) is None:
         if engine.batcher.closed:  # stopped while paused: nothing will continue it
             raise EngineClosed
+        if _disconnected(request):
+            return None
         await asyncio.sleep(0.005)
     rows = engine.submit(items, epoch, on_done)
-    await finished
+    try:
+        while not finished.done():
+            await asyncio.wait([finished], timeout=DISCONNECT_POLL_S)
+            if not finished.done() and _disconnected(request):
+                engine.batcher.cancel(rows)
+                await finished
+                return None
+    except asyncio.CancelledError:  # a server that cancels handlers of closed connections
+        engine.batcher.cancel(rows)
+        raise
     raise_row_errors(rows)  # a ValueError: HTTP 400 with its message
     return [engine.output(row, started) for row in rows]
+
+
+DISCONNECT_POLL_S = 0.25
+"""How often a waiting request checks that its client is still connected."""
+
+
+def _disconnected(request: web.Request | None) -> bool:
+    transport = None if request is None else request.transport
+    return request is not None and (transport is None or transport.is_closing())
 
 
 async def health(request: web.Request) -> web.Response:  # noqa: ARG001 - aiohttp handler signature
