@@ -186,3 +186,75 @@ def test_a_row_answered_after_an_update_reports_the_version_that_made_it(tiny_mo
     finally:
         engine.close()
     assert row.outputs and meta["weight_version"] == "3" and "weight_versions" not in meta
+
+
+def test_a_token_is_stamped_with_the_version_of_the_forward_that_made_it(tiny_model_dir):
+    """An update that lands between a forward and its sampling (it waits only for the forward's
+    `model_lock`) must not stamp the token that forward made: it was the old weights'. Before, the batcher
+    read the version when it appended the token."""
+    engine = LocalEngine(tiny_model_dir, dtype="float32", weight_version="1")
+    real = engine.batcher.sample
+    calls = []
+
+    def sample(rows, logits):
+        calls.append(1)
+        if len(calls) == 3:  # the update lands here: after the third forward, before its sampling
+            engine.weight_version = "2"
+        return real(rows, logits)
+
+    engine.batcher.sample = sample
+    try:
+        (out,) = engine.generate(
+            [item("v", [5, 6, 7], temperature=1.0, log_rho=None, seed=1, max_new_tokens=6)]
+        )
+    finally:
+        engine.close()
+    assert out["meta_info"]["weight_versions"] == [
+        {"version": "1", "start": 0, "end": 3},
+        {"version": "2", "start": 3, "end": 6},
+    ]
+
+
+def test_a_retract_or_in_place_pause_answers_once_it_holds_the_batch(tiny_model_dir):
+    """SGLang's scheduler takes a pause between steps before it answers; the local engine answered at once,
+    so a step already past its pause check ran after the update that followed (a retracted row's old cache
+    under new weights). Each forward here is slowed so that a pause always lands inside one."""
+    import asyncio
+    import threading
+    import time
+
+    from megatron_tail.rollout.local_engine.server import build_app
+    from tests.rollout.servers import serving_app
+
+    engine = LocalEngine(tiny_model_dir, dtype="float32")
+    forward = engine.model.forward
+
+    def slow_forward(*args, **kwargs):
+        time.sleep(0.05)
+        return forward(*args, **kwargs)
+
+    engine.model.forward = slow_forward
+    long = item("l", [5, 6, 7], temperature=1.0, log_rho=None, seed=1, max_new_tokens=80)
+    done = threading.Event()
+    engine.submit([long], engine.control.wait_until_running(), done.set)
+
+    async def pauses():
+        import aiohttp
+
+        held = []
+        async with serving_app(build_app(engine)) as url, aiohttp.ClientSession() as session:
+            for mode in ("in_place", "retract"):
+                async with session.post(f"{url}/pause_generation", json={"mode": mode}) as reply:
+                    assert reply.status == 200
+                held.append(engine.batcher.held)
+                async with session.post(f"{url}/continue_generation", json={}) as reply:
+                    assert reply.status == 200
+                await asyncio.sleep(0.1)  # a few steps run between the pauses
+        return held
+
+    try:
+        while not engine.batcher.running:
+            time.sleep(0.01)
+        assert asyncio.run(pauses()) == [True, True]
+    finally:
+        engine.close()

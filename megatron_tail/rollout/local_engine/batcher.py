@@ -329,7 +329,7 @@ class ContinuousBatcher:
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         past = Fp8KVCache() if self.fp8_kv_cache else None
-        with self.model_lock:
+        with self.model_lock:  # the version of the weights this forward ran (an update takes the lock)
             out = self.model(
                 input_ids=ids,
                 attention_mask=mask,
@@ -337,11 +337,12 @@ class ContinuousBatcher:
                 past_key_values=past,
                 use_cache=True,
             )
+            version = self.weight_version
         if self.recorder is not None:  # every position of the sequence is (re)routed by this forward
             routed = self.recorder.take(len(rows), length)
             for i, (row, s) in enumerate(zip(rows, sequences, strict=True)):
                 row.routes = [routed[i, length - len(s) :]]
-        self._sample_into(rows, out.logits[:, -1, : self.vocab_size].float())
+        self._sample_into(rows, out.logits[:, -1, : self.vocab_size].float(), version)
         alive = [i for i, r in enumerate(rows) if not r.finished]
         if not alive:
             return
@@ -375,6 +376,7 @@ class ContinuousBatcher:
                 past_key_values=self._cache,
                 use_cache=True,
             )
+            version = self.weight_version
         self._cache = out.past_key_values
         self.steps += 1
         if self.recorder is not None:  # the route of each row's last token, the input of this step
@@ -386,9 +388,10 @@ class ContinuousBatcher:
         with self.control.cond:  # a row finishing wakes its waiter: under the lock, like every state change
             live = [i for i, r in enumerate(rows) if not r.finished]
             if len(live) == len(rows):
-                self._sample_into(rows, logits)
+                self._sample_into(rows, logits, version)
             else:  # finished rows still in the batch (`_compact`): computed, not sampled
-                self._sample_into([rows[i] for i in live], logits[torch.tensor(live, device=logits.device)])
+                live_logits = logits[torch.tensor(live, device=logits.device)]
+                self._sample_into([rows[i] for i in live], live_logits, version)
             self._compact()
 
     def _compact(self) -> None:
@@ -418,7 +421,9 @@ class ContinuousBatcher:
                 layer.keys, layer.values = layer.keys[..., unused:, :], layer.values[..., unused:, :]
             self._mask = self._mask[:, unused:]
 
-    def _sample_into(self, rows: list[Row], logits: torch.Tensor) -> None:
+    def _sample_into(self, rows: list[Row], logits: torch.Tensor, version: str) -> None:
+        """Sample each row's next token from `logits`, which weights `version` computed (read with the
+        forward, under `model_lock`: an update between the forward and here must not stamp it)."""
         if self.logit_noise:  # synthetic mismatch, where numerical error sits: before the processor
             for i, row in enumerate(rows):
                 add_tail_logit_noise_(logits[i], self.logit_noise, row.generator)
@@ -431,7 +436,7 @@ class ContinuousBatcher:
             ):
                 self._over_cap(row)
                 continue
-            row.append(token, logprob, best, mask, self.eos_ids, self.weight_version)
+            row.append(token, logprob, best, mask, self.eos_ids, version)
 
     def _over_cap(self, row: Row) -> None:
         """End `row` as SGLang ends a request whose support exceeds the cap (status OVERFLOW): the token is

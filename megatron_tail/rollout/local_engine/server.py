@@ -221,6 +221,10 @@ async def pause_generation(request: web.Request) -> web.Response:
         engine.control.pause(mode)
     except (BadRequest, ValueError) as e:
         return _error(str(e))
+    # answer once the pause is in force, as SGLang's scheduler does: a step already past its pause check
+    # would otherwise run after an update that follows (new weights over a retracted row's old cache)
+    while not (engine.batcher.held or engine.batcher.closed):
+        await asyncio.sleep(0.005)
     if mode == "abort":
         while engine.control.active:
             await asyncio.sleep(0.01)
