@@ -95,6 +95,7 @@ def test_an_in_process_engine_draws_what_the_process_draws_and_leaves_nothing(
     port = sock.getsockname()[1]
     config = LocalEngineConfig(model_path=str(tiny_model_dir), port=port, dtype="bfloat16", num_threads=1)
     threads = torch.get_num_threads()
+    before = set(threading.enumerate())  # an engine another test left open keeps its own
     torch.set_num_threads(1)  # the process's; a thread engine shares its process's
     try:
         with LocalEngineThread(config, tmp_path / "engine.log", listen_socket=sock) as engine:
@@ -110,10 +111,31 @@ def test_an_in_process_engine_draws_what_the_process_draws_and_leaves_nothing(
     assert len({tuple(x[1]) for x in _flat(ours)}) > 4  # they drew something to compare
 
     assert engine.ended() == "was stopped"
-    alive = {t.name for t in threading.enumerate()}
+    alive = {t.name for t in set(threading.enumerate()) - before}
     assert not {f"local-engine-{port}", "local-engine-batcher"} & alive, alive
     reserve_port("127.0.0.1", port).close()  # free again
     assert engine.last_log_line().startswith("megatron-tail local engine serving")
+
+
+LONG_SAMPLING = {"max_new_tokens": CONTEXT_LENGTH - 3, "ignore_eos": True}
+"""A generation that runs to the context's end (no EOS), longer than any test holds it."""
+
+
+def _gate_first_sample(batcher) -> tuple[threading.Event, threading.Event]:
+    """`(entered, go)`: the batcher's first sampling (after the first prefill forward, outside the
+    control's lock) sets `entered` and waits for `go`, so a test pauses a generation that is surely
+    running, whatever the host's speed."""
+    entered, go = threading.Event(), threading.Event()
+    real = batcher.sample
+
+    def sample(rows, logits):
+        if not entered.is_set():
+            entered.set()
+            assert go.wait(120), "the test never let the batcher go on"
+        return real(rows, logits)
+
+    batcher.sample = sample
+    return entered, go
 
 
 def test_stopping_an_in_process_engine_ends_the_requests_it_holds(tiny_model_dir, tmp_path):
@@ -144,13 +166,13 @@ def test_stopping_an_in_process_engine_ends_the_requests_it_holds(tiny_model_dir
             answers[name] = e
 
     engine = LocalEngineThread(config, tmp_path / "engine.log", listen_socket=sock).wait_healthy()
-    batcher = engine._engine.batcher
-    generate = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": CONTEXT_LENGTH - 3}}
+    entered, go = _gate_first_sample(engine._engine.batcher)
+    generate = {"input_ids": [5, 6, 7], "sampling_params": LONG_SAMPLING}
     held = threading.Thread(target=post, args=("held", "/generate", generate))
     held.start()
-    while not batcher.running and held.is_alive():  # generating
-        time.sleep(0.01)
-    post("pause", "/pause_generation", {"mode": "in_place"})
+    assert entered.wait(120)  # generating
+    engine._engine.control.pause("in_place")
+    go.set()
     waiting = threading.Thread(target=post, args=("waiting", "/generate", generate))
     waiting.start()
     time.sleep(0.5)  # its handler polls for the pause to end (if it came later, it finds no server)
@@ -179,12 +201,13 @@ def test_a_request_whose_client_went_away_is_aborted_even_while_paused(tiny_mode
         submitted = []
         real_submit = batcher.submit
         batcher.submit = lambda rows: submitted.extend(rows) or real_submit(rows)
+        entered, go = _gate_first_sample(batcher)
         connection = http.client.HTTPConnection("127.0.0.1", sock.getsockname()[1], timeout=60)
-        body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": CONTEXT_LENGTH - 3}}
+        body = {"input_ids": [5, 6, 7], "sampling_params": LONG_SAMPLING}
         connection.request("POST", "/generate", json.dumps(body), {"Content-Type": "application/json"})
-        while not batcher.running:
-            time.sleep(0.01)
+        assert entered.wait(120)  # generating
         engine._engine.control.pause("in_place")
+        go.set()
         connection.close()  # the client gives up
         (row,) = submitted
         for _ in range(6000):  # a minute at most; it takes a poll interval

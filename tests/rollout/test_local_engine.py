@@ -253,7 +253,7 @@ def test_a_retract_or_in_place_pause_answers_once_it_holds_the_batch(tiny_model_
         return held
 
     try:
-        while not engine.batcher.running:
+        while not engine.batcher.running and not done.is_set():
             time.sleep(0.01)
         assert asyncio.run(pauses()) == [True, True]
     finally:
