@@ -90,7 +90,10 @@ class DataSection(PromptFormat):
     shuffle: bool = True
     """Shuffle per epoch, seeded by `seed` and the epoch (a resumed run sees the same order)."""
     reward: str = "math"
-    """Reward: a built-in ("math", "arithmetic") or a dotted path "package.module:function"."""
+    """Reward: a built-in ("math", "arithmetic") or a dotted path "package.module:function". It reads the
+    last model turn's reply, with the `<think>` a chat template opened put back in front (DeepSeek-R1's and
+    Qwen3's *-Thinking-2507 templates end the prompt inside it), so "math" scores a reply cut off while
+    thinking 0."""
     reward_timeout_s: float = 600.0
     """Longest time the reward may take to score one batch (a prompt's group of completions, in training and
     in evaluation, in the reward worker process); after it the worker is killed and the step fails naming

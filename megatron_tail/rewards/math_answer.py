@@ -23,13 +23,20 @@ def final_answer(completion: str) -> str | None:
     """The part of `completion` that holds its final answer: after the last `</think>`; None where a
     `<think>` is never closed (cut off while thinking: no final answer); the whole text without tags.
 
-    A chat template that opens the thinking itself (DeepSeek-R1's, Qwen3's *-Thinking-2507) leaves a reply
-    cut off while thinking with no tag at all: it is scored whole. For those models `algorithm.
-    mask_truncated: true` keeps such replies out of the loss."""
+    A chat template that opens the thinking itself (DeepSeek-R1's, Qwen3's *-Thinking-2507) leaves the
+    reply without its `<think>`: the rollout puts it back before the reward reads the reply
+    (`opens_thinking`), so one cut off while thinking scores 0 here too."""
     close = completion.rfind(THINK_CLOSE)
     if close >= 0:
         return completion[close + len(THINK_CLOSE) :]
     return None if THINK_OPEN in completion else completion
+
+
+def opens_thinking(text: str) -> bool:
+    """`text` (the end of a turn's input: the chat template's generation prompt) leaves a `<think>` open,
+    so the reply continues inside it: DeepSeek-R1's and Qwen3's *-Thinking-2507 templates end with
+    `<think>\n`; Qwen3's with thinking off ends with a closed, empty block."""
+    return text.rfind(THINK_OPEN) > text.rfind(THINK_CLOSE)
 
 
 def last_boxed(text: str) -> str | None:

@@ -51,7 +51,13 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from megatron_tail.rewards.math_answer import THINK_OPEN, opens_thinking
+
 from .base import StepResult
+
+THINK_TAIL_IDS = 8
+"""How many of a turn's last input ids `opens_thinking` reads: the generation prompt's end, where a template
+opens `<think>` (one id in Qwen3's vocabulary: `<|im_start|>assistant\n<think>\n` is 5)."""
 
 if TYPE_CHECKING:  # not at import: the environment workers import this package and need no torch
     from megatron_tail.rollout.columns import TokenColumns
@@ -128,7 +134,16 @@ class Episode:
     env_reward: float = 0.0
     """Sum of the environment's step rewards."""
     final_text: str = ""
-    """The last model turn, decoded: what the run's reward scores."""
+    """The last model turn, decoded (what the environment reads)."""
+    thinking_opened: bool = False
+    """The last turn's input ended inside a `<think>` the chat template opened (`rewards.opens_thinking`):
+    its reply continues the thinking without the tag."""
+
+    @property
+    def scored_text(self) -> str:
+        """What the run's reward scores: the last turn's reply, with the `<think>` its template opened."""
+        return (THINK_OPEN if self.thinking_opened else "") + self.final_text
+
     truncated: bool = False
     """The last turn hit `max_new_tokens`."""
     truncated_by_turns: bool = False
@@ -182,7 +197,8 @@ async def run_episode(
     await env.reset(row)
     try:
         for turn in range(limits.max_turns):
-            out = await generate([*episode.prompt_ids, *episode.response_ids], turn)
+            turn_input = [*episode.prompt_ids, *episode.response_ids]
+            out = await generate(turn_input, turn)
             episode.add(out.output_ids, policy=True, columns=out.columns)
             where = f"turn {turn}"
             episode.columns.check_complete(len(episode.prompt_ids), len(episode.response_ids), where)
@@ -191,6 +207,7 @@ async def run_episode(
             episode.turns += 1
             episode.turn_versions.append(out.weight_version)
             episode.final_text = tokens.decode(out.output_ids)
+            episode.thinking_opened = opens_thinking(tokens.decode(turn_input[-THINK_TAIL_IDS:]))
             if out.finish_reason == "length":
                 episode.truncated = True
                 break

@@ -251,7 +251,7 @@ async def _scored(examples: Sequence, episodes: list[list[Episode]], s: EpisodeS
     """The one scoring path: every group's episodes (`episodes[g]`, of `examples[g]`) scored in one reward
     batch, then each group as a `Group` (`episodes_to_batch`)."""
     answers = [example.answer for example, group in zip(examples, episodes, strict=True) for _ in group]
-    rewards = await s.reward([e.final_text for group in episodes for e in group], answers)
+    rewards = await s.reward([e.scored_text for group in episodes for e in group], answers)
     out, at = [], 0
     for group in episodes:
         batch = episodes_to_batch(

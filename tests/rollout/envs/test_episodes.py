@@ -250,3 +250,38 @@ def test_the_demo_pretrains_on_exactly_what_a_calculator_episode_samples():
     assert episode.prompt_ids + episode.response_ids == ids
     assert episode.policy_mask == mask and episode.turns == 2 and episode.tool_calls == 1
     assert episode.final_text == "46"
+
+
+@pytest.mark.parametrize(
+    ("prompt_end", "reply", "reward"),
+    [
+        ("<think>", "so it is \\boxed{4}, or is it", 0.0),  # cut off while thinking: no final answer
+        ("<think>", "so it is 4</think>\\boxed{4}", 1.0),
+        ("<think></think>", "\\boxed{4}", 1.0),  # thinking off: a closed, empty block
+        ("", "\\boxed{4}", 1.0),
+    ],
+)
+def test_the_reward_reads_the_think_its_chat_template_opened(prompt_end, reply, reward):
+    """DeepSeek-R1's and Qwen3's *-Thinking-2507 templates end the prompt with `<think>`, so a reply holds
+    only `</think>`. One cut off while thinking had no tag at all and its tentative box scored 1 (in the
+    group's mean and std, `reward/accuracy`, evaluation and pass@k, whatever `mask_truncated` says)."""
+    from megatron_tail.rewards import math_reward
+
+    tags = {500: "<think>", 501: "</think>"}
+    codes = {v: k for k, v in tags.items()}
+
+    def encode(text):
+        out = []
+        while text:
+            tag = next((t for t in codes if text.startswith(t)), None)
+            out.append(codes[tag] if tag else ord(text[0]))
+            text = text[len(tag) if tag else 1 :]
+        return out
+
+    tokens = Tokens(decode=lambda ids: "".join(tags.get(i) or chr(i) for i in ids), encode=encode)
+    prompt = [*PROMPT, *encode(prompt_end)]
+    engine = ScriptedEngine([(encode(reply), "length" if reward == 0 else "stop")])
+    episode = asyncio.run(run_episode(engine, InProcess(Script([None])), prompt, {}, LIMITS, tokens))
+    assert episode.final_text == reply  # what an environment reads is unchanged
+    assert episode.scored_text == ("<think>" if prompt_end == "<think>" else "") + reply
+    assert math_reward(episode.scored_text, "4") == reward
