@@ -10,8 +10,8 @@ thinking) has no final answer and scores 0. Before, a box drawn while thinking s
 
 from __future__ import annotations
 
+import re
 import threading
-from functools import lru_cache
 
 BOX_COMMANDS = ("\\boxed", "\\fbox")
 
@@ -39,25 +39,27 @@ def opens_thinking(text: str) -> bool:
     return text.rfind(THINK_OPEN) > text.rfind(THINK_CLOSE)
 
 
+_BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_BRACE = re.compile(r"[{}]")
+
+
 def last_boxed(text: str) -> str | None:
     """Content of the last non-empty `\\boxed{...}` (or `\\fbox{...}`) with balanced braces; None if there
     is none. A later `\\boxed` without braces or with nothing in them (prose about the command: "I wrote it
-    in \\boxed{} as asked") does not hide an earlier answer."""
-    end = len(text)
-    while (start := max(text.rfind(cmd, 0, end) for cmd in BOX_COMMANDS)) >= 0:
-        end = start
-        open_brace = text.find("{", start)
-        if open_brace < 0 or text[start:open_brace].strip() not in BOX_COMMANDS:
-            continue
+    in \\boxed{} as asked") does not hide an earlier answer. Linear in the text's length (a reply of
+    hundreds of thousands of characters took seconds, before math-verify's own time limits)."""
+    for box in reversed(list(_BOX.finditer(text))):
+        open_brace = box.end() - 1
         depth = 0
-        for i in range(open_brace, len(text)):
-            depth += {"{": 1, "}": -1}.get(text[i], 0)
+        for brace in _BRACE.finditer(text, open_brace):
+            depth += 1 if brace.group() == "{" else -1
             if depth == 0:
                 break
         if depth:  # never closed: no answer (and no walk back, which would rescan the rest per earlier box)
             return None
-        if text[open_brace + 1 : i].strip():
-            return text[open_brace + 1 : i]
+        content = text[open_brace + 1 : brace.start()]
+        if content.strip():
+            return content
     return None
 
 
@@ -72,6 +74,7 @@ def math_reward(completion: str, answer: str) -> float:
         raise TypeError(
             f"math_reward takes (completion: str, answer: str); got {type(completion)}, {type(answer)}"
         )
+    _release_caches()
     answer_part = final_answer(completion)
     boxed = None if answer_part is None else last_boxed(answer_part)
     if boxed is None:
@@ -86,12 +89,41 @@ def math_reward(completion: str, answer: str) -> float:
     return 1.0 if verify(list(gold), list(pred), timeout_seconds=_timeout()) else 0.0
 
 
-@lru_cache(maxsize=4096)
 def _parse_boxed(content: str) -> tuple:
+    """math-verify's parse of `\\boxed{content}`; a non-empty parse is remembered (`_PARSED`). An empty
+    one is not: math-verify returns the same `[]` for "cannot parse" and for "timed out", and one slow
+    parse on a loaded host must not score that answer 0 for the rest of the run."""
+    if (known := _PARSED.get(content)) is not None:
+        return known
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
 
     config = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
-    return tuple(parse("\\boxed{" + content + "}", extraction_config=config, parsing_timeout=_timeout()))
+    parsed = tuple(parse("\\boxed{" + content + "}", extraction_config=config, parsing_timeout=_timeout()))
+    if parsed:
+        if len(_PARSED) >= PARSED_KEPT:
+            _PARSED.pop(next(iter(_PARSED)))  # the oldest
+        _PARSED[content] = parsed
+    return parsed
+
+
+PARSED_KEPT = 4096
+"""Parses remembered at most (a group's gold answer is parsed once per sample)."""
+_PARSED: dict[str, tuple] = {}
+
+CLEAR_SYMPY_EVERY = 1024
+"""Calls of `math_reward` between two clears of sympy's caches, which grow with every distinct expression
+(about 3 MB per answer with large numbers, by the rewards audit: 1.8 GB after 600) in a worker that lives as
+long as the run."""
+_calls = [0]
+
+
+def _release_caches() -> None:
+    _calls[0] += 1
+    if _calls[0] % CLEAR_SYMPY_EVERY == 0:
+        from sympy.core.cache import clear_cache
+
+        clear_cache()
+        _PARSED.clear()
 
 
 def _timeout() -> int | None:

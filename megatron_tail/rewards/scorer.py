@@ -72,6 +72,7 @@ class RewardScorer:
         self.fn = load_reward_fn(spec)  # fails here, by name, if the spec is bad
         self.name = getattr(self.fn, "__name__", spec)
         self._lock = threading.Lock()
+        self._closed = False
         self._worker: _Worker | None = _Worker(spec)  # now, from the constructing (main) thread
 
     def __call__(self, completions: Sequence[str], answers: Sequence[str]) -> list[float]:
@@ -119,6 +120,8 @@ class RewardScorer:
         self, message, *, doing: str, timed_out: str, died: str, while_: str, error, timeout_error=None
     ):
         with self._lock:
+            if self._closed:  # a thread a stale group left queued on the lock: no worker nothing would close
+                raise RuntimeError(f"the reward scorer of {self.spec!r} is closed; {doing} was not scored")
             if self._worker is None:
                 self._worker = _Worker(self.spec)
             worker = self._worker
@@ -157,6 +160,7 @@ class RewardScorer:
         first, so that thread's call ends at once ("the worker ... died") and closing (a run failing, or a
         stop abandoning its step) takes a kill, not up to `data.reward_timeout_s` for the lock."""
         worker = self._worker
+        self._closed = True
         if self.busy is not None and worker is not None:
             worker.kill_process()
         with self._lock:

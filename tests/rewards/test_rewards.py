@@ -90,6 +90,79 @@ def test_last_boxed(text, content):
     assert last_boxed(text) == content
 
 
+def _last_boxed_before(text: str) -> str | None:
+    """The rule as first written (rfind back over the text per box: quadratic), the reference for the
+    linear one."""
+    commands = ("\\boxed", "\\fbox")
+    end = len(text)
+    while (start := max(text.rfind(cmd, 0, end) for cmd in commands)) >= 0:
+        end = start
+        open_brace = text.find("{", start)
+        if open_brace < 0 or text[start:open_brace].strip() not in commands:
+            continue
+        depth = 0
+        for i in range(open_brace, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            if depth == 0:
+                break
+        if depth:
+            return None
+        if text[open_brace + 1 : i].strip():
+            return text[open_brace + 1 : i]
+    return None
+
+
+def test_last_boxed_is_the_first_rule_on_random_texts():
+    import random
+
+    pieces = ["\\boxed", "\\fbox", "\\boxedx", "{", "}", " ", "\n", "4", "x", "\\frac"]
+    rng = random.Random(0)
+    for _ in range(5000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randrange(1, 24)))
+        assert last_boxed(text) == _last_boxed_before(text), text
+
+
+def test_a_parse_that_came_back_empty_is_not_remembered(monkeypatch):
+    """math-verify answers a timed-out parse with the same [] as an unparseable one. Remembered, one slow
+    parse on a loaded host scored that answer 0 for the rest of the run."""
+    import math_verify
+
+    from megatron_tail.rewards import math_answer
+
+    real, slow = math_verify.parse, [True]
+
+    def parse(*args, **kwargs):
+        if slow[0]:  # the first parse of the prediction "times out"
+            slow[0] = False
+            return []
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(math_verify, "parse", parse)
+    monkeypatch.setattr(math_answer, "_PARSED", {})
+    answers = [math_reward("so \\boxed{0.75}", "\\frac{3}{4}") for _ in range(3)]
+    assert answers == [0.0, 1.0, 1.0]
+
+
+def test_the_reward_workers_caches_are_cleared_now_and_then(monkeypatch):
+    """sympy's caches grow with every distinct expression (1.8 GB after 600 large-number answers in the
+    rewards audit) in a worker that lives as long as the run: cleared every `CLEAR_SYMPY_EVERY` calls."""
+    import sympy.core.cache
+
+    from megatron_tail.rewards import math_answer
+
+    cleared = []
+    monkeypatch.setattr(sympy.core.cache, "clear_cache", lambda: cleared.append(len(math_answer._PARSED)))
+    monkeypatch.setattr(math_answer, "CLEAR_SYMPY_EVERY", 3)
+    monkeypatch.setattr(math_answer, "_calls", [0])
+    monkeypatch.setattr(math_answer, "_PARSED", {})
+    for k in range(7):
+        assert math_reward(f"\\boxed{{{k}}}", str(k)) == 1.0
+    # at the start of calls 3 and 6: one parse remembered per earlier call (the reply's box and the gold
+    # are the same text)
+    assert cleared == [2, 3]
+    assert len(math_answer._PARSED) == 2  # calls 6 and 7
+
+
 @pytest.mark.parametrize(
     ("completion", "answer", "expected"),
     [

@@ -121,6 +121,10 @@ def test_closing_while_a_batch_is_scored_does_not_wait_for_the_reward():
     died = r"the reward worker scoring .* died \(exit code -9\) while scoring"
     with pytest.raises(RewardFunctionError, match=died):
         scoring.result(timeout=60)
+    # a call after close (a stale group's thread queued on the lock) starts no worker that nothing closes
+    with pytest.raises(RuntimeError, match="is closed; a batch of 1 completions was not scored"):
+        scorer(["x"], ["1"])
+    assert scorer.worker_pid is None
 
 
 def test_numpy_scalars_are_rewards_and_bad_values_are_named():
