@@ -29,7 +29,7 @@ import os
 import random
 import shutil
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.utils import unwrap_model
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_tail.model import padded_vocab_size
+from megatron_tail.model import HFArch, ModelSettings, padded_vocab_size
 from megatron_tail.patches import (
     cpu_device_scope,
     init_fresh_optimizer_state,
@@ -101,15 +101,16 @@ class CheckpointWriteDeniedError(UserError):
 
 def model_signature(trainer: Trainer) -> dict[str, Any]:
     """What must match between a checkpoint and the model loading it (shapes and layout-relevant flags)."""
-    arch, settings = trainer.arch, trainer.model_settings
+    return _signature(trainer.arch, trainer.model_settings, trainer.groups.tp_size)
+
+
+def _signature(arch: HFArch, settings: ModelSettings, tp_size: int) -> dict[str, Any]:
     sig = {
         k: v
         for k, v in dataclasses.asdict(arch).items()
         if k not in ("raw", "initializer_range", "torch_dtype", "max_position_embeddings")
     }
-    sig["padded_vocab_size"] = padded_vocab_size(
-        arch.vocab_size, trainer.groups.tp_size, settings.vocab_pad_multiple
-    )
+    sig["padded_vocab_size"] = padded_vocab_size(arch.vocab_size, tp_size, settings.vocab_pad_multiple)
     return sig
 
 
@@ -388,13 +389,7 @@ def load_checkpoint(
         CheckpointMismatchError: the checkpoint holds a different model (nothing is loaded).
     """
     path = Path(path)
-    meta = read_checkpoint_meta(path)
-    if meta["format"] != FORMAT_VERSION:
-        raise CheckpointMismatchError(
-            f"checkpoint {path} has format {meta['format']}; this megatron_tail reads format "
-            f"{FORMAT_VERSION}: resume it with the release that wrote it, or start a new run"
-        )
-    _check_signature(path, meta["model"], model_signature(trainer))
+    meta = _readable_meta(path, lambda: model_signature(trainer))
     same_layout = _same_layout(meta["layout"], _layout(trainer))
     with cpu_device_scope():
         if load_optimizer:
@@ -413,6 +408,33 @@ def load_checkpoint(
     if load_rng and same_layout:
         _set_rng_state(loaded["rng_state"])
     return dict(meta["rl_state"])
+
+
+def load_weights(
+    path: str | Path, chunks: list[torch.nn.Module], arch: HFArch, settings: ModelSettings, tp_size: int
+) -> None:
+    """A checkpoint's model weights alone into `chunks` (`setup.build_model`'s, any layout; no optimizer,
+    no RNG), e.g. to export them. Collective. Raises as `load_checkpoint`."""
+    path = Path(path)
+    _readable_meta(path, lambda: _signature(arch, settings, tp_size))
+    with cpu_device_scope():
+        models = [unwrap_model(c).sharded_state_dict() for c in chunks]
+        loaded = dist_checkpointing.load({"model": models[0] if len(models) == 1 else models}, str(path))
+        for chunk, model_state in zip(chunks, _as_list(loaded["model"]), strict=True):
+            unwrap_model(chunk).load_state_dict(model_state)
+
+
+def _readable_meta(path: Path, signature: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """The checkpoint's meta, once its format is this release's (checked first: nothing else is read)
+    and its model is `signature()`'s."""
+    meta = read_checkpoint_meta(path)
+    if meta["format"] != FORMAT_VERSION:
+        raise CheckpointMismatchError(
+            f"checkpoint {path} has format {meta['format']}; this megatron_tail reads format "
+            f"{FORMAT_VERSION}: resume it with the release that wrote it, or start a new run"
+        )
+    _check_signature(path, meta["model"], signature())
+    return meta
 
 
 def _sharded_state(

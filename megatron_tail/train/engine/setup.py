@@ -72,16 +72,8 @@ def build_trainer(
     Needs `init_parallel` first. On CPU the whole construction runs in `cpu_device_scope`.
     """
     model_settings, optim = model_settings or ModelSettings(), optim or OptimizerSettings()
-    # every MoE router gets megatron's RouterReplay (idle unless a pass drives it, `routing.RoutingPass`)
-    model = build_gpt_model(arch, model_settings, routing_replay=arch.moe is not None)
-    # experts are expert-parallel parameters at every EP (megatron: only at EP > 1), so DDP's buffers and
-    # the optimizer chain [dense, expert] have one structure and a checkpoint resumes at another EP
-    mark_expert_params(model)
-    if hf_dir is not None:
-        load_hf_weights(model, hf_dir, arch, model_settings)
+    model = build_model(arch, model_settings, hf_dir=hf_dir)
     config = model.config
-    if config.bf16 or config.fp16:
-        model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
@@ -96,6 +88,25 @@ def build_trainer(
     config.no_sync_func = ddp.no_sync
     scheduler = build_lr_scheduler(optimizer, optim, run_steps=run_steps)
     return Trainer(arch, model_settings, optim, [ddp], optimizer, current_groups(), scheduler)
+
+
+def build_model(
+    arch: HFArch, model_settings: ModelSettings, *, hf_dir: str | Path | None = None
+) -> torch.nn.Module:
+    """This rank's model alone: GPTModel (HF weights from `hf_dir`, else megatron's random init), in bf16 or
+    fp16 a `Float16Module`; no DDP, no optimizer. `build_trainer` wraps it; a checkpoint's export reads its
+    weights into it (`checkpoint.load_weights`) without the optimizer's float32 copies and grad buffers,
+    about five times the bf16 weights. Needs `init_parallel` first."""
+    # every MoE router gets megatron's RouterReplay (idle unless a pass drives it, `routing.RoutingPass`)
+    model = build_gpt_model(arch, model_settings, routing_replay=arch.moe is not None)
+    # experts are expert-parallel parameters at every EP (megatron: only at EP > 1), so DDP's buffers and
+    # the optimizer chain [dense, expert] have one structure and a checkpoint resumes at another EP
+    mark_expert_params(model)
+    if hf_dir is not None:
+        load_hf_weights(model, hf_dir, arch, model_settings)
+    if model.config.bf16 or model.config.fp16:
+        model = Float16Module(model.config, model)
+    return model
 
 
 def _optimizer_config(optim: OptimizerSettings, config) -> OptimizerConfig:

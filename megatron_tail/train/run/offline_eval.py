@@ -244,22 +244,20 @@ def _export(cfg: RunConfig, checkpoint: Path, out: Path) -> None:
     from megatron_tail.config.parallel import ParallelSection
     from megatron_tail.model import export_hf, load_hf_config
 
-    from ..engine.checkpoint import load_checkpoint
+    from ..engine.checkpoint import load_weights
     from ..engine.parallel import init_parallel
-    from ..engine.setup import build_trainer
+    from ..engine.setup import build_model
     from .loop import init_torch_distributed
 
     if init_torch_distributed() != 1:
         raise UserError(f"offline evaluation runs in one process; the world has {dist.get_world_size()}")
     init_parallel(ParallelSection(tensor_parallel=1, pipeline_parallel=1), seed=cfg.seed)
-    trainer = build_trainer(
-        load_hf_config(cfg.model.hf_path),
-        model_settings=cfg.model,
-        optim=cfg.optimizer,
-        run_steps=cfg.train.steps,
-    )
-    load_checkpoint(checkpoint, trainer, load_optimizer=False, load_rng=False)  # weights only: no Adam state
-    export_hf(trainer.chunks, out, trainer.arch, copy_files_from=cfg.model.hf_path)
+    # the model alone: a trainer's optimizer (float32 copies, grad buffers) would not fit one GPU beside
+    # the weights of a model that does (a 14B's 28 GB of bf16 weights, ~5x that as a trainer)
+    arch = load_hf_config(cfg.model.hf_path)
+    model = build_model(arch, cfg.model)
+    load_weights(checkpoint, [model], arch, cfg.model, tp_size=1)
+    export_hf([model], out, arch, copy_files_from=cfg.model.hf_path)
 
 
 def _evaluate(cfg: RunConfig, model_dir: Path, out: Path, tokenizer, examples) -> dict[str, float]:
