@@ -190,9 +190,9 @@ def test_an_http_500_from_the_local_engine_stays_an_internal_error(sleeper, what
         engines.run(request(), waiting_for)
     assert not isinstance(info.value, OutsideFailure)
     assert str(info.value) == (
-        f"the local engine on http://127.0.0.1:1 (pid {sleeper.proc.pid}) answered HTTP 500, an unhandled "
-        f"exception in it (a bug), while the trainer waited for {waiting_for}; its traceback is in its log: "
-        f"{sleeper.log_path}"
+        f"the local engine on http://127.0.0.1:1 (pid {sleeper.proc.pid}) answered HTTP 500, an exception in "
+        f"it (out of memory, or a bug), while the trainer waited for {waiting_for}; its traceback is in its "
+        f"log: {sleeper.log_path}"
     )
     assert "HTTP 500" in str(info.value.__cause__)
 

@@ -258,3 +258,55 @@ def test_a_retract_or_in_place_pause_answers_once_it_holds_the_batch(tiny_model_
         assert asyncio.run(pauses()) == [True, True]
     finally:
         engine.close()
+
+
+def test_an_engine_failure_is_http_500_and_a_bad_custom_params_is_its_own_requests_400(tiny_model_dir):
+    """An exception in the forward (the allocator, a bug) was answered HTTP 400, which the client does not
+    retry and the run reported as a rejected request; it is the engine's fault: 500. A request whose DVP
+    custom_params the processor refuses is refused at once, alone: checked when the processor ran, it failed
+    the other requests admitted with it."""
+    import asyncio
+
+    import aiohttp
+
+    from megatron_tail.rollout.local_engine.server import build_app
+    from tests.rollout.servers import serving_app
+
+    engine = LocalEngine(tiny_model_dir, dtype="float32")
+    submitted = []
+    real_submit = engine.batcher.submit
+    engine.batcher.submit = lambda rows: submitted.extend(rows) or real_submit(rows)
+    plain = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4}}
+    bad = {
+        **plain,
+        "custom_logit_processor": PROCESSOR,
+        "sampling_params": {"max_new_tokens": 4, "custom_params": {"log_rho": 1.0, "temperature": 1.0}},
+    }
+
+    async def post(session, url, body):
+        async with session.post(f"{url}/generate", json=body) as reply:
+            return reply.status, await reply.json()
+
+    async def scenario():
+        async with serving_app(build_app(engine)) as url, aiohttp.ClientSession() as session:
+            answers = await asyncio.gather(post(session, url, bad), post(session, url, plain))
+            forward = engine.model.forward
+
+            def out_of_memory(*_args, **_kwargs):
+                raise RuntimeError("DefaultCPUAllocator: can't allocate memory (simulated)")
+
+            engine.model.forward = out_of_memory
+            try:
+                answers.append(await post(session, url, plain))
+            finally:
+                engine.model.forward = forward
+            return answers
+
+    try:
+        (bad_status, bad_body), (ok_status, _), (oom_status, oom_body) = asyncio.run(scenario())
+    finally:
+        engine.close()
+    assert bad_status == 400 and "log_rho must be" in bad_body["error"]["message"]
+    assert ok_status == 200
+    assert len(submitted) == 2  # the plain request twice; the bad one never reached the batch
+    assert oom_status == 500 and "RuntimeError: DefaultCPUAllocator" in oom_body["error"]["message"]

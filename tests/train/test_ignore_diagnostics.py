@@ -55,7 +55,8 @@ def test_the_bound_counts_and_the_logit_error_under_ignore():
     logged = diagnostics.finalize_diagnostics(totals, prob_buckets=BUCKETS)
     labels = diagnostics.bucket_labels(BUCKETS)
     fractions = [logged[f"mismatch/above_bound_fraction/{b}"] for b in labels if totals[f"tokens/{b}"] > 0]
-    assert fractions and all(0.0 <= f <= 1.0 for f in fractions), fractions  # one bucket read 2.07: 126 above of 61 tokens
+    # one bucket read 2.07: 126 above of 61 tokens
+    assert fractions and all(0.0 <= f <= 1.0 for f in fractions), fractions
     for label in diagnostics.bucket_labels(BUCKETS):
         assert totals[f"above_bound/{label}"] <= totals[f"tokens/{label}"]
 

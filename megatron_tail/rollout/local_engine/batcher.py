@@ -72,7 +72,9 @@ class Row:
         forward so far (prompt + outputs but the last; `rollout/routes.py`). A prefill replaces them."""
         self.finish_reason: dict | None = None
         self.error: str | None = None
-        """Why the engine could not generate this row (its request is refused with it)."""
+        """Why the engine could not generate this row (its request is answered with it)."""
+        self.error_status = 400
+        """The HTTP status of `error`: 400 for the request's own fault, 500 for the engine's."""
         self.generator = torch.Generator().manual_seed(
             (secrets.randbits(63) if item.seed is None else item.seed) % (1 << 63)
         )
@@ -247,15 +249,17 @@ class ContinuousBatcher:
                 self.stats.maybe_log(len(self.running), len(self.waiting))
 
     def _fail(self, rows: list[Row], error: Exception) -> None:
-        """End `rows` with `error` (their request answers HTTP 400 with it); the loop goes on."""
+        """End `rows` with `error`; the loop goes on. A ValueError is a request's fault (a processor refusing
+        its custom_params): HTTP 400 with its message. Anything else (the allocator, a bug) is the engine's:
+        HTTP 500, which the client retries and the run reports as the engine's, its traceback logged."""
+        ours = not isinstance(error, ValueError)
+        if ours:
+            logger.error("the local engine failed %d rows", len(rows), exc_info=error)
         with self.control.cond:
             for row in rows:
                 if not row.finished:
-                    row.error = (
-                        f"{type(error).__name__}: {error}"
-                        if not isinstance(error, ValueError)
-                        else str(error)
-                    )
+                    row.error = f"{type(error).__name__}: {error}" if ours else str(error)
+                    row.error_status = 500 if ours else 400
                     row.finish({"type": "abort", "message": row.error})
 
     def _next_admissions(self) -> list[Row] | None:
@@ -558,13 +562,13 @@ def _apply_processors(rows: list[Row], logits: torch.Tensor) -> None:
             rows_by_processor.setdefault(row.item.processor, []).append(i)
     for serialized, indices in rows_by_processor.items():
         processor = load_custom_logit_processor(serialized)
-        params = [_with_request(rows[i].item, rows[i].outputs) for i in indices]
+        params = [with_request(rows[i].item, rows[i].outputs) for i in indices]
         index = torch.tensor(indices, dtype=torch.long, device=logits.device)
         result = processor(logits.index_select(0, index), params)
         logits.index_copy_(0, index, result.to(logits.dtype))
 
 
-def _with_request(item: GenerateItem, output_ids: list[int]) -> dict[str, Any] | None:
+def with_request(item: GenerateItem, output_ids: list[int]) -> dict[str, Any] | None:
     """custom_params plus the `__req__` view SGLang passes (prompt, output so far, sampling params)."""
     if item.custom_params is None:
         return None

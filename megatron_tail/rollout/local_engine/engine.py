@@ -246,11 +246,19 @@ def _routes_of(row: Row):
     return routes[start:].numpy()
 
 
+class RowError(ValueError):
+    """A row the engine could not generate: `status` 400 (the request's fault) or 500 (the engine's)."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+
 def raise_row_errors(rows: list[Row]) -> None:
-    """ValueError with the first row's error, if the engine could not generate a row."""
-    errors = [row.error for row in rows if row.error is not None]
-    if errors:
-        raise ValueError(errors[0])
+    """`RowError` with the first failed row's error and status, if the engine could not generate a row."""
+    failed = [row for row in rows if row.error is not None]
+    if failed:
+        raise RowError(failed[0].error, failed[0].error_status)
 
 
 def _load_tokenizer(path: str):

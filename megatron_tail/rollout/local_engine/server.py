@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from megatron_tail.rollout.local_engine.engine import LocalEngine, raise_row_errors
+from megatron_tail.rollout.local_engine.engine import LocalEngine, RowError, raise_row_errors
 from megatron_tail.rollout.local_engine.requests import BadRequest, parse_generate_body
 from megatron_tail.rollout.process_group import init_custom_process_group
 from megatron_tail.rollout.processor import load_custom_logit_processor
@@ -113,18 +113,32 @@ async def generate(request: web.Request) -> web.Response:
             max_batch=request.app[MAX_BATCH_KEY],
             sampling_mask_max_tokens=engine.sampling_mask_max_tokens,
         )
-        for serialized in {item.processor for item in parsed.items if item.processor is not None}:
-            load_custom_logit_processor(serialized)
+        _check_processors(parsed.items)
         outputs = await _generate(engine, parsed.items, request)
         if outputs is None:  # the client went away
             return _error("the client disconnected; its request was aborted", status=499)
     except BadRequest as e:
         return _error(str(e))
+    except RowError as e:
+        return _error(str(e), status=e.status)
     except ValueError as e:  # an unloadable processor, or one that rejects its custom_params
         return _error(str(e))
     except EngineClosed:
         return _error("the engine is shutting down", status=503)
     return web.json_response(outputs if parsed.batched else outputs[0], dumps=_dumps)
+
+
+def _check_processors(items) -> None:
+    """Load each request's processor, and check the DVP processor's custom_params of every row now: checked
+    only when it runs, a bad row failed the rows of other requests admitted in the same batch."""
+    from megatron_tail.rollout.processor import DVPLogitProcessor, row_setting
+
+    from .batcher import with_request
+
+    loaded = {s: load_custom_logit_processor(s) for s in {i.processor for i in items if i.processor}}
+    for item in items:
+        if item.processor is not None and isinstance(loaded[item.processor], DVPLogitProcessor):
+            row_setting(with_request(item, []))
 
 
 class EngineClosed(Exception):

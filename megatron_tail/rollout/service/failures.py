@@ -30,9 +30,9 @@ class EngineFailure(OutsideFailure):
 
 
 class LocalEngineError(RuntimeError):
-    """The local engine answered HTTP 500: an unhandled exception in one of its handlers, a bug in it. An
-    internal error (exit 1, with the traceback), not an outside failure; the message names its log, which
-    holds the engine's own traceback."""
+    """The local engine answered HTTP 500: an exception in one of its handlers or its batch (out of memory,
+    a bug in it). An internal error (exit 1, with the traceback), not an outside failure; the message names
+    its log, which holds the engine's own traceback."""
 
 
 ENGINE_ERRORS = (
@@ -71,8 +71,8 @@ def classify(
             )
         if _http_status(error) == _UNHANDLED:
             return LocalEngineError(
-                f"{engine.describe()} answered HTTP 500, an unhandled exception in it (a bug), while the "
-                f"trainer waited for {waiting_for}; its traceback is in its log: {engine.log_path}"
+                f"{engine.describe()} answered HTTP 500, an exception in it (out of memory, or a bug), "
+                f"while the trainer waited for {waiting_for}; its traceback is in its log: {engine.log_path}"
             )
         failed = f"{waiting_for} failed on {engine.describe()}"
         if isinstance(error, ENGINE_ERRORS):
