@@ -310,3 +310,22 @@ def test_an_engine_failure_is_http_500_and_a_bad_custom_params_is_its_own_reques
     assert ok_status == 200
     assert len(submitted) == 2  # the plain request twice; the bad one never reached the batch
     assert oom_status == 500 and "RuntimeError: DefaultCPUAllocator" in oom_body["error"]["message"]
+
+
+def test_a_text_prompt_gets_the_special_tokens_sglangs_tokenizer_adds(tiny_model_dir):
+    """SGLang tokenizes a `text` prompt with the tokenizer's `encode` (`_tokenize_texts`), special tokens on:
+    a Llama tokenizer's BOS. The local engine left them out."""
+    from tokenizers.processors import TemplateProcessing
+
+    from megatron_tail.data.char_tokenizer import IM_START
+
+    engine = LocalEngine(tiny_model_dir, dtype="float32")
+    try:
+        bos = engine.tokenizer.convert_tokens_to_ids(IM_START)
+        # a BOS-adding tokenizer, as Llama's
+        engine.tokenizer._tokenizer.post_processor = TemplateProcessing(
+            single=f"{IM_START} $A", special_tokens=[(IM_START, bos)]
+        )
+        assert engine.tokenize("ab") == [bos, *engine.tokenizer.convert_tokens_to_ids(["a", "b"])]
+    finally:
+        engine.close()

@@ -137,7 +137,9 @@ class LocalEngine:
         self.batcher.close()
 
     def tokenize(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        """A `text` prompt's ids as SGLang makes them (`TokenizerManager._tokenize_texts`: `encode`, whose
+        special tokens are on: a Llama tokenizer's BOS; Qwen's add none)."""
+        return self.tokenizer.encode(text)
 
     def generate(self, items: list[GenerateItem]) -> list[dict[str, Any]]:
         """Generate every item (blocking); return SGLang-shaped `{"text", "output_ids", "meta_info"}`."""
