@@ -329,3 +329,50 @@ def test_a_text_prompt_gets_the_special_tokens_sglangs_tokenizer_adds(tiny_model
         assert engine.tokenize("ab") == [bos, *engine.tokenizer.convert_tokens_to_ids(["a", "b"])]
     finally:
         engine.close()
+
+
+def test_an_update_outside_a_pause_waits_for_the_generations_in_flight(tiny_model_dir, perturbed_model_dir):
+    """SGLang's `model_update_lock.writer_lock`: a load that comes while generations run waits for them and
+    holds new ones. The local engine loaded at once, between two decoding steps: a running row's later
+    tokens came from the new weights over its old cache (`weight_versions` of two spans)."""
+    import asyncio
+    import threading
+
+    import aiohttp
+
+    from megatron_tail.rollout.local_engine.server import build_app
+    from tests.rollout.servers import serving_app
+
+    engine = LocalEngine(tiny_model_dir, dtype="float32", weight_version="1")
+    entered, go = threading.Event(), threading.Event()
+    real = engine.batcher.sample
+
+    def sample(rows, logits):
+        if not entered.is_set():  # the generation is surely running when the update comes
+            entered.set()
+            assert go.wait(120)
+        return real(rows, logits)
+
+    engine.batcher.sample = sample
+    generate = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 8, "ignore_eos": True}}
+    update = {"model_path": str(perturbed_model_dir), "weight_version": "2"}
+
+    async def scenario():
+        async with serving_app(build_app(engine)) as url, aiohttp.ClientSession() as session:
+            generating = asyncio.ensure_future(session.post(f"{url}/generate", json=generate))
+            await asyncio.to_thread(entered.wait, 120)
+            updating = asyncio.ensure_future(session.post(f"{url}/update_weights_from_disk", json=update))
+            await asyncio.sleep(0.3)  # time for a load that does not wait
+            go.set()
+            reply = await generating
+            out = await reply.json()
+            assert (await (await updating).json())["success"]
+            return out
+
+    try:
+        out = asyncio.run(scenario())
+        assert engine.weight_version == "2"
+    finally:
+        engine.close()
+    assert "weight_versions" not in out["meta_info"] and out["meta_info"]["weight_version"] == "1"
+    assert len(out["output_ids"]) == 8

@@ -23,6 +23,8 @@ class PauseControl:
         self._abort_epoch = 0
         self._active = 0
         self._mode = "abort"
+        self._updates = 0
+        """Weight updates waiting for (or doing) their load outside a pause: no generation starts."""
 
     @property
     def cond(self) -> threading.Condition:
@@ -64,20 +66,33 @@ class PauseControl:
             self._cond.notify_all()
 
     def wait_until_running(self) -> int:
-        """Block while paused; register a new generation and return the abort epoch it runs in."""
+        """Block while paused (or an update waits); register a new generation and return the abort epoch
+        it runs in."""
         with self._cond:
-            while self._paused:
+            while self._paused or self._updates:
                 self._cond.wait()
             self._active += 1
             return self._abort_epoch
 
     def try_start(self) -> int | None:
-        """`wait_until_running` without blocking: None while paused (the caller retries later)."""
+        """`wait_until_running` without blocking: None while paused or an update waits (the caller retries
+        later)."""
         with self._cond:
-            if self._paused:
+            if self._paused or self._updates:
                 return None
             self._active += 1
             return self._abort_epoch
+
+    def hold_starts(self) -> None:
+        """A weight update outside a pause begins: no generation starts until `release_starts` (SGLang's
+        `model_update_lock.writer_lock`, which waits for the requests in flight and holds new ones)."""
+        with self._cond:
+            self._updates += 1
+
+    def release_starts(self) -> None:
+        with self._cond:
+            self._updates -= 1
+            self._cond.notify_all()
 
     def done(self) -> None:
         with self._cond:

@@ -13,6 +13,7 @@ Errors are HTTP 400 with `{"error": {"message": ...}}` (weight endpoints: `{"suc
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -255,9 +256,10 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
     try:
         body = await _object_body(request, '{"model_path": str, "weight_version": str, ...}')
         model_path = body["model_path"]
-        message = await asyncio.to_thread(
-            engine.update_weights_from_disk, model_path, body.get("weight_version")
-        )
+        async with _outside_generations(engine):
+            message = await asyncio.to_thread(
+                engine.update_weights_from_disk, model_path, body.get("weight_version")
+            )
     except (BadRequest, KeyError, TypeError, ValueError, OSError) as e:
         return _result(False, f"Failed to update weights: {type(e).__name__}: {e}", num_paused_requests=0)
     if body.get("weight_version") is not None:
@@ -337,12 +339,32 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
         body = await _object_body(request, '{"names": [...], "dtypes": [...], "shapes": [...], ...}')
         group = request.app[GROUPS_KEY][body.get("group_name", "weight_update_group")]
         specs = list(zip(body["names"], body["dtypes"], body["shapes"], strict=True))
-        await asyncio.to_thread(_receive_and_load, engine, group, specs, body.get("weight_version"))
+        async with _outside_generations(engine):
+            await asyncio.to_thread(_receive_and_load, engine, group, specs, body.get("weight_version"))
     except KeyError as e:
         return _result(False, f"Failed to update parameter online: missing {e} (group not initialized?)")
     except Exception as e:
         return _result(False, f"Failed to update parameter online: {type(e).__name__}: {e}")
     return _result(True, "Succeeded to update parameter online.")
+
+
+@contextlib.asynccontextmanager
+async def _outside_generations(engine: LocalEngine):
+    """A weight load outside a pause waits for the generations in flight to end and holds new ones until
+    it is done, as SGLang's `model_update_lock.writer_lock` does (`TokenizerManager.update_weights_from_
+    disk`); before, the weights changed between two decoding steps of running rows, over their old cache.
+    Paused, the load goes at once (the pause holds the batch)."""
+    control = engine.control
+    if control.paused:
+        yield
+        return
+    control.hold_starts()
+    try:
+        while control.active:
+            await asyncio.sleep(0.005)
+        yield
+    finally:
+        control.release_starts()
 
 
 def _receive_and_load(engine: LocalEngine, group, specs, weight_version) -> None:
