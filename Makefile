@@ -50,7 +50,7 @@ cluster-envs:
 # A GPU node, bare but for CUDA torch, transformers, safetensors and tensorboard (docs/operations.md,
 # "Checking a GPU node"): `make gpu-wheels` where the registry is reachable (GPU_PYTHON_VERSION: the node's
 # Python), copy wheels/gpu_check to the node, then `make gpu-check` there (no venv, no network).
-GPU_PYTHON_VERSION ?= 3.11
+GPU_PYTHON_VERSION ?= 3.12
 
 gpu-wheels:
 	bash scripts/gpu_check.sh --download --python-version $(GPU_PYTHON_VERSION)

@@ -3,6 +3,8 @@
 #
 #   scripts/gpu_check.sh [--wheels DIR] [--limit-s S]    run `pytest -m gpu tests/gpu` and print the table
 #   scripts/gpu_check.sh --dry-run                       what it would run and which wheels it needs; exit 0
+#   scripts/gpu_check.sh --prepare                       check the node and install the wheels only (the benches'
+#                                                        set-up: scripts/gpu_session.sh)
 #   scripts/gpu_check.sh --download [--python-version V] pip download the wheels into DIR (needs the registry)
 #
 # The node brings Python >= 3.11, PyTorch >= 2.11 built with CUDA, transformers, safetensors, tensorboard,
@@ -33,7 +35,8 @@ while [[ $# -gt 0 ]]; do
         --platform) DOWNLOAD_ARGS+=(--platform "$2"); shift ;;
         --wheels) WHEELS="$2"; shift ;;
         --limit-s) LIMIT_S="$2"; shift ;;
-        -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        --prepare) MODE=prepare ;;
+        -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "gpu_check: unknown argument '$1' (see --help)" >&2; exit 2 ;;
     esac
     shift
@@ -83,6 +86,10 @@ fi
 if [[ ! -e "$PATCHES_LINK" ]]; then
     ln -s ../patches "$PATCHES_LINK"  # the checkout is used in place: `patches/` is megatron_tail.patches
     echo "gpu_check: linked $PATCHES_LINK -> ../patches"
+fi
+if [[ "$MODE" == prepare ]]; then
+    echo "gpu_check: prepared; run with PYTHONPATH=$WORK/site:$ROOT HF_HUB_OFFLINE=1"
+    exit 0
 fi
 RESULTS="$WORK/results.json"
 rm -f "$RESULTS"

@@ -161,3 +161,44 @@ def test_a_flag_without_its_value_is_one_line(flag):
         timeout=60,
     )
     assert proc.returncode == 2 and proc.stderr == f"gpu_check: {flag} needs a value (see --help)\n"
+
+
+def test_the_gpu_session_script_runs_the_benches_and_the_check_with_flags_they_take(tmp_path):
+    """`scripts/gpu_session.sh` is the one prepared command of a lent GPU's few minutes (issue 51): each part
+    under 600 s in all, every bench command one its own parser takes (checked here with --help after it:
+    argparse refuses a bad flag or choice before it gets there), the record into OUT (only OUT comes back)."""
+    import re
+    import shlex
+
+    env = {**ENV, "OUT": str(tmp_path / "out")}
+    benches = subprocess.run(
+        ["bash", "scripts/gpu_session.sh", "benches", "--dry-run"], cwd=ROOT, env=env, capture_output=True,
+        text=True, timeout=60,
+    )  # fmt: skip
+    assert benches.returncode == 0, benches.stderr
+    steps = re.findall(r"^== (\w+) \(at most (\d+) s\): (.*)$", benches.stdout, re.MULTILINE)
+    assert [name for name, _, _ in steps] == ["bench_op", "bench_step", "bench_step_fused"]
+    assert sum(int(limit) for _, limit, _ in steps) < 600 - 30  # the prepare step's share
+    record = f"--record {tmp_path / 'out' / 'measured_peaks.json'}"
+    assert all(record in cmd for name, _, cmd in steps if name.startswith("bench_step"))
+    assert "--fused-output-layer" in steps[2][2] and "--fused-output-layer" not in steps[1][2]
+    for _, _, cmd in steps:
+        argv = shlex.split(cmd)
+        assert argv[1] == "-m" and argv[2].startswith("megatron_tail.bench.")
+        parsed = subprocess.run(
+            [sys.executable, *argv[1:], "--help"], cwd=ROOT, env=env, capture_output=True, text=True,
+            timeout=300,
+        )  # fmt: skip
+        assert parsed.returncode == 0, (cmd, parsed.stderr[-2000:])
+    check = subprocess.run(
+        ["bash", "scripts/gpu_session.sh", "check", "--dry-run"], cwd=ROOT, env=env, capture_output=True,
+        text=True, timeout=60,
+    )  # fmt: skip
+    assert check.stdout.startswith(
+        "== gpu_check (at most 560 s): env MT_GPU_LIMIT_S=400 bash scripts/gpu_check.sh"
+    )
+    assert not (tmp_path / "out").exists()  # a dry run writes nothing
+    refused = subprocess.run(
+        ["bash", "scripts/gpu_session.sh"], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert refused.returncode == 2 and "benches or check" in refused.stderr

@@ -321,6 +321,10 @@ def main(argv: list[str] | None = None) -> None:
         print(flush=True)
 
 
+CUDA_REPEATS = 10
+"""Timed calls per row of the `--device cuda` report unless `--repeats` says otherwise."""
+
+
 def _report(parser, argv, args) -> None:
     """`--device cuda` (or `--peers` on this CPU): `bench.op_report`, the one command a GPU run of the op
     needs. On CUDA its shapes are the issue's unless --tokens / --vocab / --hidden / --fused-tokens say
@@ -343,6 +347,8 @@ def _report(parser, argv, args) -> None:
     hidden = args.hidden if "--hidden" in given else 4096
     widths = tuple(dict.fromkeys(max(1, vocab // tp) for tp in (1, 2, 4, 8)))
     fused = tuple((n, hidden, vocab) for n in args.fused_tokens)
+    # a median of 3 cannot carry a 2% choice (`op_designs`) or a ≤ 1.0× verdict; a call is ≤ 0.2 s on CUDA
+    repeats = args.repeats if "--repeats" in given or device != "cuda" else CUDA_REPEATS
     if device == "cuda":
         torch.cuda.set_device(0)
     backend = "nccl" if device == "cuda" else "gloo"
@@ -355,10 +361,10 @@ def _report(parser, argv, args) -> None:
     import triton
 
     versions = f"torch {torch.__version__}, triton {triton.__version__}"
-    print(f"{versions}, megatron_tail.bench.op on {device}, repeats {args.repeats}\n", flush=True)
+    print(f"{versions}, megatron_tail.bench.op on {device}, repeats {repeats}\n", flush=True)
     try:
         op_report(
-            device=device, tokens=tokens, widths=widths, fused=fused, repeats=args.repeats,
+            device=device, tokens=tokens, widths=widths, fused=fused, repeats=repeats,
             print_fn=lambda text: print(text, flush=True),
         )  # fmt: skip
     finally:

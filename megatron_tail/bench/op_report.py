@@ -249,17 +249,26 @@ def op_report(
         print_fn(format_rows(op[width], tokens, width, name, f"; {note}") + "\n")
         _free(device)
         if width == max(widths):  # TP = 1: the one width whose forward may be one program
-            designs = design_rows(tokens, width, baseline_row(op[width]), device=device, repeats=repeats)
-            print_fn(format_design_rows(designs, tokens, width, name, device) + "\n")
-            _free(device)
-            split = split_rows(designs, tokens, width, device=device, repeats=repeats)
-            print_fn(format_split_rows(split, tokens, width, name) + "\n")
-            _free(device)
+            base = baseline_row(op[width])
+            designs = _guarded(
+                print_fn, device, "the TP = 1 forward's designs",
+                lambda w=width, b=base: design_rows(tokens, w, b, device=device, repeats=repeats),
+                lambda rows, w=width: format_design_rows(rows, tokens, w, name, device),
+            ) or []  # fmt: skip
+            split = _guarded(
+                print_fn, device, "where the designs' time goes",
+                lambda w=width, d=designs: split_rows(d, tokens, w, device=device, repeats=repeats),
+                lambda rows, w=width: format_split_rows(rows, tokens, w, name),
+            ) or []  # fmt: skip
     fused_out: dict[tuple, list[dict]] = {}
     for shape in fused:
-        fused_out[shape] = fused_rows(*shape, device=device, repeats=repeats)
-        print_fn(format_fused_rows(fused_out[shape], *shape, device, name) + "\n")
-        _free(device)
+        rows = _guarded(
+            print_fn, device, f"the fused output layer at {' × '.join(map(str, shape))}",
+            lambda s=shape: fused_rows(*s, device=device, repeats=repeats),
+            lambda rows, s=shape: format_fused_rows(rows, *s, device, name),
+        )  # fmt: skip
+        if rows is not None:
+            fused_out[shape] = rows
     targets = target_rows(op, fused_out, designs)
     lines = [
         "Issue 51's targets, measured in this run:",
@@ -270,6 +279,21 @@ def op_report(
     lines += [f"| {' | '.join(row)} |" for row in targets]
     print_fn("\n".join(lines))
     return {"op": op, "fused": fused_out, "designs": designs, "split": split, "targets": targets}
+
+
+def _guarded(print_fn, device: str, what: str, measure, table):
+    """`measure()`'s rows, printed as `table(rows)`; where it raises (an OOM, a Triton compile error on the
+    node's Triton), a line naming `what` and the error instead, and None: the report goes on, so one failing
+    section does not lose the ones after it and the targets of what was measured."""
+    try:
+        rows = measure()
+    except Exception as error:  # the rest of the report is worth the one GPU run more than this traceback
+        print_fn(f"{what}: not measured, {type(error).__name__}: {str(error).splitlines()[0][:300]}\n")
+        rows = None
+    else:
+        print_fn(table(rows) + "\n")
+    _free(device)
+    return rows
 
 
 def _free(device: str) -> None:

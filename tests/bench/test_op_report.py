@@ -109,3 +109,35 @@ def test_the_designs_table_names_the_one_program_entry_a_gpu_run_supports(monkey
         "ONE_PROGRAM: no entry for sm_90; the fastest one-program launch (one program, 4096×16, 2 per SM, "
         "5.35 ms) is not 2% faster than the two kernels (5.40 ms)"
     )
+
+
+def test_a_section_that_fails_is_a_line_and_the_report_goes_on(monkeypatch):
+    """The GPU run is one shot: an OOM or a compile error on the node's Triton in one section named in
+    one line, and every later table and the targets of what was measured still printed (before, the first
+    exception ended the report)."""
+
+    def out_of_memory(*_args, **_kwargs):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 4.64 GiB\nmore detail")
+
+    monkeypatch.setattr(op_report, "design_rows", out_of_memory)
+    real_fused = op_report.fused_rows
+    monkeypatch.setattr(
+        op_report, "fused_rows", lambda n, *a, **kw: out_of_memory() if n == 8 else real_fused(n, *a, **kw)
+    )
+    printed: list[str] = []
+    result = op_report.op_report(
+        device="cpu", tokens=4, widths=(256,), fused=((8, 16, 256), (4, 16, 256)), repeats=1,
+        megatron=False, print_fn=printed.append,
+    )  # fmt: skip
+    assert printed[1] == (
+        "the TP = 1 forward's designs: not measured, RuntimeError: CUDA out of memory. Tried to allocate "
+        "4.64 GiB\n"
+    )
+    assert (
+        printed[3] == "the fused output layer at 8 × 16 × 256: not measured, " + printed[1].split(", ", 1)[1]
+    )
+    assert printed[4].startswith("The fused output layer") and printed[5].startswith("Issue 51's targets")
+    assert list(result["fused"]) == [(4, 16, 256)] and result["designs"] == []
+    assert [row[0] for row in result["targets"]][
+        -1
+    ] == "fused peak memory at 4 × 16 @ 256 below matmul + op in place's"
