@@ -95,7 +95,8 @@ def result_rows(r: dict) -> list[tuple[str, str]]:
         (f"model FLOP/s, MFU against the {r['matmul_label']}",
          f"{r['flops_per_s'] / 1e12:.3g} TFLOP/s = {100 * r['mfu']:.1f}% of "
          f"{r['matmul_flops_per_s'] / 1e12:.3g} TFLOP/s"),
-        ("the op, fwd + bwd in place",
+        ("the op alone, fwd + bwd in place" + (", unfused (the fused layer's own time is inside the update)"
+                                                 if r["fused_output_layer"] else ""),
          f"{r['op_s'] * 1e3:.1f} ms ({100 * r['op_share_of_step']:.1f}% of the step)"),
     ]  # fmt: skip
 
