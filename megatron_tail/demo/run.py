@@ -207,6 +207,30 @@ def finished_run(run_dir: Path, overrides: Sequence[str], *, base_yaml: str = DE
     return latest[0] >= config_from_yaml(base_yaml, overrides).train.steps
 
 
+def reusable_run(run_dir: Path, overrides: Sequence[str], *, base_yaml: str = DEMO_CONFIG_YAML) -> bool:
+    """`finished_run`, and trained with this config: a finished run whose last checkpoint holds another
+    config in what it trains (`config_change`'s "trained" keys: another level, model or learning rate) is a
+    `UserError` naming the keys. An experiment reused any finished run under the same directory name, so a
+    table could report runs of another config under this one's title."""
+    from megatron_tail.config.loader import config_from_yaml
+    from megatron_tail.train.run.config_change import config_changes, read_checkpoint_config
+    from megatron_tail.train.run.run_dir import latest_checkpoint
+    from megatron_tail.utils.errors import UserError
+
+    if not finished_run(run_dir, overrides, base_yaml=base_yaml):
+        return False
+    cfg = config_from_yaml(base_yaml, overrides)
+    _, checkpoint = latest_checkpoint(run_dir)
+    saved = read_checkpoint_config(checkpoint)
+    changed = [] if saved is None else [c for c in config_changes(saved, cfg) if c.kind == "trained"]
+    if changed:
+        raise UserError(
+            f"{run_dir} holds a finished run trained with another config (its checkpoint → now): "
+            f"{'; '.join(map(str, changed))}; give this experiment another --out, or remove {run_dir}"
+        )
+    return True
+
+
 def ensure_pretrained(cache: Path, *, tools: bool = False) -> Path:
     """The pretrained tiny Qwen3 in `cache` (trained now, reproducibly, if absent or pretrained with other
     settings). `tools`: the calculator demo's model, whose pretraining also calls the tool

@@ -74,7 +74,7 @@ COLUMNS: list[tuple[str, str, str, str]] = [
     ("reward, best 10-step window", "reward/mean", "best10", ".3f"),
     ("grad-norm peak", "train/grad_norm", "max", ".3g"),
     ("KL(π_infer‖π_train) k3 (mean)", "mismatch/kl_infer_train_k3", "mean", ".2e"),
-    ("tail |Δ|, π<1e-4 (mean)", "mismatch/abs_delta/p0_0.0001", "mean", ".3g"),
+    ("tail |Δ|, π<1e-4 (per token)", "mismatch/abs_delta/p0_0.0001", "per_token", ".3g"),
     ("IS weight 0 (mean)", "is/zero_weight_fraction", "mean", ".3g"),
     ("vetoed (mean)", "is/vetoed_fraction", "mean", ".3g"),
     ("|V_S| (mean)", "dvp/safe_set_size_mean", "mean", ".4g"),
@@ -163,15 +163,19 @@ def run_collapse(
 
 def summarise_run(path: Path, columns: Sequence[tuple[str, str, str, str]] = COLUMNS) -> dict:
     """One run: the `columns` summaries (`COLUMNS` by default) and its collapse verdict."""
-    from megatron_tail.report.collapse import collapse_verdict, window_means
+    from megatron_tail.demo.scalars import per_token_mean
+    from megatron_tail.report.collapse import run_verdict, window_means
 
     scalars = read_scalars(path)
-    reward = [v for _, v in scalars.get("reward/mean", [])]
-    verdict = collapse_verdict(
-        [s for s, _ in scalars.get("reward/mean", [])], reward, [v for _, v in scalars.get("train/loss", [])]
-    )
+    # the report's verdict (`report.collapse.run_verdict`), on the reward it reads: `reward/generated_mean`
+    # where logged (under dynamic sampling a collapse's all-filtered steps log no `reward/mean`)
+    series = {tag: ([s for s, _ in pairs], [v for _, v in pairs]) for tag, pairs in scalars.items()}
+    verdict = run_verdict(series)
+    reward_tag = "reward/generated_mean" if "reward/generated_mean" in scalars else "reward/mean"
+    reward = [v for _, v in scalars.get(reward_tag, [])]
     row = {}
     for col, tag, how, _ in columns:
+        tag = reward_tag if tag == "reward/mean" else tag
         values = [v for _, v in scalars.get(tag, [])]
         if how in ("last10", "first10"):
             window = values[-10:] if how == "last10" else values[:10]
@@ -179,6 +183,8 @@ def summarise_run(path: Path, columns: Sequence[tuple[str, str, str, str]] = COL
         elif how == "best10":
             means = window_means(values)
             row[col] = float(means.max()) if means.size else math.nan
+        elif how == "per_token":
+            row[col] = per_token_mean(scalars, tag)
         elif how == "one_minus_mean":
             row[col] = 1.0 - summarise(values, "mean") if values else math.nan
         else:

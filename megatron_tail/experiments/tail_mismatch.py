@@ -17,7 +17,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from megatron_tail.demo.run import finished_run, launch_training, read_scalars, summarise, training_failed
+from megatron_tail.demo.run import launch_training, read_scalars, reusable_run, summarise, training_failed
+from megatron_tail.demo.scalars import per_token_mean
 from megatron_tail.train.run.supervise import StopRelay, run_at_once
 from megatron_tail.utils.errors import UserError
 
@@ -53,7 +54,7 @@ COLUMNS: list[tuple[str, str, str, str]] = [
     ("accuracy (last 5)", "reward/accuracy", "last5", ".3f"),
     ("grad-norm peak", "train/grad_norm", "max", ".3g"),
     ("KL(π_infer‖π_train) k3 (mean)", "mismatch/kl_infer_train_k3", "mean", ".2e"),
-    ("tail |Δ|, π<1e-4 (mean)", "mismatch/abs_delta/p0_0.0001", "mean", ".3g"),
+    ("tail |Δ|, π<1e-4 (per token)", "mismatch/abs_delta/p0_0.0001", "per_token", ".3g"),
     ("vetoed fraction (mean)", "is/vetoed_fraction", "mean", ".3g"),
     ("IS weight 0 (mean)", "is/zero_weight_fraction", "mean", ".3g"),
     ("STAPO masked (mean)", "stapo/masked_fraction", "mean", ".3g"),
@@ -157,7 +158,7 @@ def run_grid(
             target = out / name / f"seed{seed}"
             overrides = [*base, f"run_dir={target}", f"seed={seed}", *knobs]
             runs.setdefault(name, []).append(target)
-            if finished_run(target, overrides, base_yaml=base_yaml):
+            if reusable_run(target, overrides, base_yaml=base_yaml):
                 log(f"[{name} seed {seed}] finished earlier: {target}")
             else:
                 pending.append((name, seed, target, overrides))
@@ -185,11 +186,16 @@ def summarise_arms(runs: dict[str, list[Path]]) -> dict[str, dict[str, tuple[flo
         per_run = []
         for path in paths:
             scalars = read_scalars(path)
-            per_run.append(
-                [summarise([v for _, v in scalars.get(tag, [])], how) for _, tag, how, _ in COLUMNS]
-            )
+            per_run.append([_column(scalars, tag, how) for _, tag, how, _ in COLUMNS])
         table[arm] = {col[0]: _mean_std([r[i] for r in per_run]) for i, col in enumerate(COLUMNS)}
     return table
+
+
+def _column(scalars: dict, tag: str, how: str) -> float:
+    """One run's value of a column: `summarise` over its steps, or "per_token": `per_token_mean`."""
+    if how == "per_token":
+        return per_token_mean(scalars, tag)
+    return summarise([v for _, v in scalars.get(tag, [])], how)
 
 
 def write_results(out: Path, table, *, seeds: Sequence[int], minutes: float, variant: str = "bf16") -> Path:

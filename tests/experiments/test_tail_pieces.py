@@ -163,3 +163,52 @@ def test_model_sizes_have_their_own_cache_and_shapes(tmp_path):
     layers = model.model.layers
     assert len(layers) == 4 and layers[0].mlp.down_proj.weight.shape == (256, 768)
     assert layers[0].self_attn.q_proj.weight.shape == (256, 256)  # 4 heads x 64, divisible by TP = 2
+
+
+def test_a_finished_run_of_another_config_is_refused_not_reused(tmp_path):
+    """An experiment reused any finished run under its directory name: `collapse --level fp8` after the
+    default level, or another `--model-size`, printed the earlier runs under the new title. A finished run
+    is reused only where its checkpoint's config trains the same thing."""
+    from megatron_tail.config.loader import config_from_yaml
+    from megatron_tail.demo.run import reusable_run
+    from megatron_tail.experiments.tail_config import TAIL_CONFIG_YAML
+    from megatron_tail.train.run.config_change import config_text
+    from megatron_tail.utils.errors import UserError
+
+    run_dir = tmp_path / "naive" / "seed0"
+    base = [f"model.hf_path={tmp_path / 'model'}", f"data.train_path={tmp_path / 'p.jsonl'}", "seed=0"]
+    trained = config_from_yaml(TAIL_CONFIG_YAML, [*base, "optimizer.lr=1e-5"])
+    assert not reusable_run(run_dir, [*base, "optimizer.lr=1e-5"], base_yaml=TAIL_CONFIG_YAML)  # none yet
+    checkpoint = run_dir / "checkpoints" / f"step_{trained.train.steps:06d}"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "metadata.json").write_text("{}")
+    (checkpoint / "config.yaml").write_text(config_text(trained))
+    assert reusable_run(run_dir, [*base, "optimizer.lr=1e-5"], base_yaml=TAIL_CONFIG_YAML)
+    with pytest.raises(UserError, match=r"holds a finished run trained with another config .*optimizer\.lr"):
+        reusable_run(run_dir, [*base, "optimizer.lr=1e-3"], base_yaml=TAIL_CONFIG_YAML)
+    other_model = [f"model.hf_path={tmp_path / 'small'}", *base[1:], "optimizer.lr=1e-5"]
+    with pytest.raises(UserError, match=r"model\.hf_path"):
+        reusable_run(run_dir, other_model, base_yaml=TAIL_CONFIG_YAML)
+
+
+def test_the_collapse_table_reads_the_reports_reward_and_weighs_the_tail_per_token(tmp_path):
+    """Under dynamic sampling a collapse's all-filtered steps log no `reward/mean`: the table said "not
+    collapsed" (last-10 reward 0.6) where the report said collapsed (it reads `reward/generated_mean`). The
+    tail |Δ| column was a plain mean over steps, 22× the report's token-weighted value on the audit's run."""
+    from megatron_tail.experiments.collapse import summarise_run
+    from tests.report.test_collapse import write_events
+
+    steps = list(range(1, 41))
+    generated = [0.6] * 20 + [0.0] * 20  # collapsed at step 21
+    kept = [0.6] * 40  # the kept groups' reward: equal-reward groups are filtered, so it stays
+    tail_tokens = [1000.0] * 30 + [1.0] * 10
+    tail_delta = [0.01] * 30 + [1.0] * 10
+    write_events(tmp_path, steps, {
+        "reward/mean": kept, "reward/generated_mean": generated, "train/loss": [0.1] * 40,
+        "mismatch/abs_delta/p0_0.0001": tail_delta, "mismatch/tokens/p0_0.0001": tail_tokens,
+    })  # fmt: skip
+    run = summarise_run(tmp_path)
+    assert run["collapsed"] and run["reason"] == "reward"
+    assert run["summary"]["reward, last 10"] == 0.0
+    weighted = (30 * 1000 * 0.01 + 10 * 1.0) / (30 * 1000 + 10)
+    assert run["summary"]["tail |Δ|, π<1e-4 (per token)"] == pytest.approx(weighted, rel=1e-6)

@@ -24,7 +24,7 @@ def main() -> None:
     tail_mismatch.launch_training = _launch_training
     tail_mismatch.ensure_tail_model = lambda cache, **_: Path(cache) / "model"
     tail_mismatch.ensure_tail_prompts = lambda cache: (Path(cache) / "prompts.jsonl", None)
-    tail_mismatch.finished_run = lambda *_, **__: False
+    tail_mismatch.reusable_run = lambda *_, **__: False
     jobs, out, names = int(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
     tail_mismatch.run_grid(out, out / "cache", {name: [] for name in names}, seeds=(0,), jobs=jobs)
     print("all runs finished", flush=True)
