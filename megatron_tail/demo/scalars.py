@@ -35,10 +35,9 @@ def summarise(values: list[float], how: str) -> float:
         return sum(values[-5:]) / len(values[-5:])
     if how == "mean":
         return sum(values) / len(values)
-    if how == "max":
-        return max(values)
-    if how == "min":
-        return min(values)
+    if how in ("max", "min"):  # over the numbers: Python's max of a list with a NaN depends on where it is
+        numbers = [v for v in values if v == v]
+        return (max if how == "max" else min)(numbers) if numbers else float("nan")
     if how == "sum":
         return sum(values)
     raise ValueError(f"unknown summary {how!r}")

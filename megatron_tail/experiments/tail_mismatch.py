@@ -224,15 +224,20 @@ def write_results(out: Path, table, *, seeds: Sequence[int], minutes: float, var
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample std over the seeds whose value is a number; the std is NaN for one such seed (no
+    spread to tell: a cell says so, not "± 0")."""
     values = [v for v in values if not math.isnan(v)]
     if not values:
         return math.nan, math.nan
     mean = sum(values) / len(values)
-    var = sum((v - mean) ** 2 for v in values) / (len(values) - 1) if len(values) > 1 else 0.0
-    return mean, math.sqrt(var)
+    if len(values) == 1:
+        return mean, math.nan
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
 
 
 def _cell(mean: float, std: float, fmt: str) -> str:
     if math.isnan(mean):
         return "—"
+    if math.isnan(std):
+        return f"{mean:{fmt}} (one seed)"
     return f"{mean:{fmt}} ± {std:{fmt}}"

@@ -75,7 +75,8 @@ def test_results_table_is_mean_and_sample_std_over_seeds(tmp_path):
     values = [0.3, 0.5, 0.4]
     mean, std = tail_mismatch._mean_std(values)
     assert mean == pytest.approx(statistics.mean(values)) and std == pytest.approx(statistics.stdev(values))
-    assert tail_mismatch._mean_std([math.nan, 2.0]) == (2.0, 0.0)
+    one = tail_mismatch._mean_std([math.nan, 2.0])  # one seed with a number: no spread to tell
+    assert one[0] == 2.0 and math.isnan(one[1]) and tail_mismatch._cell(*one, ".3f") == "2.000 (one seed)"
     table = {"naive": {c[0]: (0.25, 0.01) for c in tail_mismatch.COLUMNS}}
     path = tail_mismatch.write_results(tmp_path, table, seeds=[0, 1, 2], minutes=1.0)
     lines = path.read_text().splitlines()

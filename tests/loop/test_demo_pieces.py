@@ -4,6 +4,7 @@ comparison table from TensorBoard events, graceful-stop handlers, progress-bar s
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 from pathlib import Path
@@ -98,6 +99,15 @@ def test_comparison_table_reads_tensorboard(tmp_path, capsys):
                                                 ("min", 1), ("sum", 10)])  # fmt: skip
 def test_summarise(how, expected):
     assert demo_run.summarise([1.0, 2.0, 3.0, 4.0], how) == expected
+
+
+def test_the_max_and_min_of_steps_skip_a_nan_wherever_it_is():
+    """Python's `max([nan, 1, 3])` is nan and `max([1, nan, 3])` is 3: a seed's peak depended on its NaN's
+    place."""
+    nan = float("nan")
+    for values in ([nan, 1.0, 3.0], [1.0, nan, 3.0], [1.0, 3.0, nan]):
+        assert demo_run.summarise(values, "max") == 3.0 and demo_run.summarise(values, "min") == 1.0
+    assert math.isnan(demo_run.summarise([nan], "max"))
 
 
 def test_graceful_stop_sets_a_flag_and_restores_handlers():
