@@ -13,6 +13,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from megatron_tail.report.collapse import (
+    MIN_BASELINE,
     WARNING_TAGS,
     WINDOW,
     Z_ALARM,
@@ -31,8 +32,16 @@ def early_warning_figure(runs: Sequence[RunEvents], labels: Sequence[str], out_d
     verdicts = [run_verdict(r.scalars) for r in runs]
     collapsed = [k for k, v in enumerate(verdicts) if v.collapsed and v.fall_step is not None]
     intact = [labels[k] for k, v in enumerate(verdicts) if not v.collapsed]
+    # collapsed with no fall to warn of: a non-finite loss in the last window, the reward never fell
+    unfallen = [labels[k] for k, v in enumerate(verdicts) if v.collapsed and v.fall_step is None]
+    also = (
+        f" Collapsed with no reward fall to lead (a non-finite loss): {', '.join(unfallen)}."
+        if unfallen
+        else ""
+    )
     if not collapsed:
-        caption = "no run collapsed (`megatron_tail.report.collapse`): nothing to warn of."
+        what = "run's reward fell" if unfallen else "run collapsed"
+        caption = f"no {what} (`megatron_tail.report.collapse`): nothing to warn of." + also
         return FigureResult(NAME, TITLE, None, [], caption)
     tags = [(t, label) for t, label in WARNING_TAGS if any(t in runs[k].scalars for k in collapsed)]
     fig = Figure(figsize=(7.5, 2.4 * (1 + len(tags))), dpi=DPI)
@@ -40,7 +49,8 @@ def early_warning_figure(runs: Sequence[RunEvents], labels: Sequence[str], out_d
     lines = []
     for k in collapsed:
         run, verdict, colour = runs[k], verdicts[k], run_color(k)
-        steps, reward = run.scalars["reward/mean"]
+        # the reward the verdict judged (`run_verdict`: reward/generated_mean where logged)
+        steps, reward = run.scalars.get("reward/generated_mean") or run.scalars["reward/mean"]
         axes[0].plot(steps, reward, color=colour, label=labels[k])
         axes[0].axvline(verdict.fall_step, color=colour, linestyle="--", linewidth=1)
         baseline_end = verdict.fall_step - WINDOW + 1
@@ -54,9 +64,7 @@ def early_warning_figure(runs: Sequence[RunEvents], labels: Sequence[str], out_d
             alarm = alarms[tag].alarm_step
             if alarm is not None:
                 ax.axvline(alarm, color=colour, linestyle=":", linewidth=1.5)
-        leads = ", ".join(
-            f"{w.label} {'never' if w.lead is None else f'{w.lead:+d}'}" for w in alarms.values()
-        )
+        leads = ", ".join(f"{w.label} {_lead(run, w, baseline_end)}" for w in alarms.values())
         lines.append(
             f"{labels[k]}: reward falls after step {verdict.fall_step} (best 10-step mean "
             f"{verdict.best_window_mean:.3f}, last {verdict.last_window_mean:.3f}); lead in steps: {leads}."
@@ -77,5 +85,16 @@ def early_warning_figure(runs: Sequence[RunEvents], labels: Sequence[str], out_d
         "its mean over the steps before the best window. Lead = fall step − alarm step (positive: before). "
         + " ".join(lines)
         + (f" Not collapsed: {', '.join(intact)}." if intact else "")
+        + also
     )
     return FigureResult(NAME, TITLE, path, [], caption)
+
+
+def _lead(run: RunEvents, alarm, baseline_end: int) -> str:
+    """The caption's lead of one metric: +k / −k steps, "never" (it stayed within its band), or "no
+    baseline" (fewer than `MIN_BASELINE` values before the best window: nothing to measure it against)."""
+    if alarm.lead is not None:
+        return f"{alarm.lead:+d}"
+    steps, values = run.scalars[alarm.tag]
+    before = [v for s, v in zip(steps, values, strict=True) if s < baseline_end and np.isfinite(v)]
+    return "never" if len(before) >= MIN_BASELINE else f"no baseline (< {MIN_BASELINE} steps before the fall)"

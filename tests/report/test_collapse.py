@@ -126,3 +126,27 @@ def test_report_draws_the_early_warning_figure_for_collapsed_runs_only(tmp_path)
     only_steady = write_report([tmp_path / "steady"], tmp_path / "report2").read_text()
     assert not (tmp_path / "report2" / "early_warning.png").exists()
     assert "Skipped" in only_steady.split("Early warning")[1].split("##")[0]
+
+
+def test_the_caption_tells_a_metric_without_a_baseline_from_one_that_never_moved(tmp_path):
+    """A metric that jumped 1000× two steps before the fall read "never" where it had fewer than
+    `MIN_BASELINE` values before the best window; and a run collapsed by a non-finite loss was named
+    nowhere."""
+    import math
+
+    from megatron_tail.report.early_warning import early_warning_figure
+    from megatron_tail.report.events import load_run
+
+    steps = list(range(1, 31))
+    reward = [0.6] * 12 + [0.0] * 18  # best window ends at step 12: 2 steps before it, no baseline
+    write_events(tmp_path / "short", steps, {
+        "reward/mean": reward, "train/loss": [0.1] * 30,
+        "mismatch/kl_infer_train_k3": [1e-4] * 10 + [0.1] * 20,
+    })  # fmt: skip
+    write_events(tmp_path / "nan", steps, {
+        "reward/mean": [0.5] * 30, "train/loss": [0.1] * 29 + [math.nan],
+    })  # fmt: skip
+    runs = [load_run(tmp_path / name) for name in ("short", "nan")]
+    caption = early_warning_figure(runs, ["short", "nan"], tmp_path).caption
+    assert "KL(π_infer‖π_train) no baseline (< 5 steps before the fall)" in caption
+    assert "Collapsed with no reward fall to lead (a non-finite loss): nan." in caption
