@@ -208,16 +208,17 @@ def finished_run(run_dir: Path, overrides: Sequence[str], *, base_yaml: str = DE
 
 
 def reusable_run(run_dir: Path, overrides: Sequence[str], *, base_yaml: str = DEMO_CONFIG_YAML) -> bool:
-    """`finished_run`, and trained with this config: a finished run whose last checkpoint holds another
-    config in what it trains (`config_change`'s "trained" keys: another level, model or learning rate) is a
-    `UserError` naming the keys. An experiment reused any finished run under the same directory name, so a
+    """`finished_run` (or diverged: `run_dir.diverged_at`), and trained with this config: a finished run
+    whose last checkpoint holds another config in what it trains (`config_change`'s "trained" keys: another
+    level, model or learning rate) is a `UserError` naming the keys. An experiment reused any finished run under the same directory name, so a
     table could report runs of another config under this one's title."""
     from megatron_tail.config.loader import config_from_yaml
     from megatron_tail.train.run.config_change import config_changes, read_checkpoint_config
-    from megatron_tail.train.run.run_dir import latest_checkpoint
+    from megatron_tail.train.run.run_dir import diverged_at, latest_checkpoint
     from megatron_tail.utils.errors import UserError
 
-    if not finished_run(run_dir, overrides, base_yaml=base_yaml):
+    # a run that diverged ended as it would end again (rerun as is, it resumes into the same divergence)
+    if not finished_run(run_dir, overrides, base_yaml=base_yaml) and diverged_at(run_dir) is None:
         return False
     cfg = config_from_yaml(base_yaml, overrides)
     _, checkpoint = latest_checkpoint(run_dir)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from megatron_tail.demo.run import launch_training, read_scalars, reusable_run, summarise, training_failed
 from megatron_tail.demo.scalars import per_token_mean
+from megatron_tail.train.run.run_dir import diverged_at
 from megatron_tail.train.run.supervise import StopRelay, run_at_once
 from megatron_tail.utils.errors import UserError
 
@@ -167,6 +168,10 @@ def run_grid(
         name, seed, target, overrides = job
         t0 = time.monotonic()
         outcome = launch_training(target, overrides, base_yaml=base_yaml, quiet=True, relay=relay)
+        if outcome.stopped_by is None and (step := diverged_at(target)) is not None:
+            # a result, not a failure: collapsed by its non-finite loss (the table's verdict reads it)
+            log(f"[{name} seed {seed}] diverged after step {step}, counted as collapsed: {target}")
+            return
         if (code := training_failed(outcome, f" [{name} seed {seed}], see {target}/train.log,")) is not None:
             raise SystemExit(code)
         log(f"[{name} seed {seed}] {time.monotonic() - t0:.0f} s: {target}")

@@ -213,3 +213,38 @@ def test_the_collapse_table_reads_the_reports_reward_and_weighs_the_tail_per_tok
     assert run["summary"]["reward, last 10"] == 0.0
     weighted = (30 * 1000 * 0.01 + 10 * 1.0) / (30 * 1000 + 10)
     assert run["summary"]["tail |Δ|, π<1e-4 (per token)"] == pytest.approx(weighted, rel=1e-6)
+
+
+def test_a_run_that_diverges_is_a_result_of_the_grid_not_its_failure(tmp_path, monkeypatch):
+    """A collapse suite's run that stops on `train.max_nonfinite_updates_in_a_row` (exit 2) ended the whole
+    suite, and its rerun resumed into the same divergence: the "non-finite loss" collapse never reached a
+    table. It is logged as collapsed, the grid goes on, and a rerun does not train it again."""
+    from megatron_tail.train.run import run_dir as layout
+    from megatron_tail.train.run.supervise import TrainingOutcome
+
+    launched, said = [], []
+
+    def launch(target, _overrides, **_):  # the first arm diverges after 3 steps; the second finishes
+        launched.append(target.parent.name)
+        target.mkdir(parents=True, exist_ok=True)
+        if target.parent.name == "naive":
+            layout.mark_diverged(target, 3, "step 3: the gradient norm was NaN")
+            return TrainingOutcome(2, None)
+        return TrainingOutcome(0, None)
+
+    monkeypatch.setattr(tail_mismatch, "launch_training", launch)
+    monkeypatch.setattr(tail_mismatch, "ensure_tail_model", lambda cache, **_: Path(cache) / "model")
+    monkeypatch.setattr(tail_mismatch, "ensure_tail_prompts", lambda cache: (Path(cache) / "p.jsonl", None))
+    monkeypatch.setattr(
+        tail_mismatch, "reusable_run", lambda target, *_, **__: layout.diverged_at(target) == 3
+    )
+    groups = {"naive": [], "dvp": []}
+    runs = tail_mismatch.run_grid(tmp_path, tmp_path / "cache", groups, seeds=(0,), log=said.append)
+    assert launched == ["naive", "dvp"] and list(runs) == ["naive", "dvp"]
+    assert (
+        said[0]
+        == f"[naive seed 0] diverged after step 3, counted as collapsed: {tmp_path / 'naive' / 'seed0'}"
+    )
+    launched.clear()
+    tail_mismatch.run_grid(tmp_path, tmp_path / "cache", groups, seeds=(0,), log=said.append)
+    assert launched == ["dvp"]  # the diverged run is not trained again

@@ -78,3 +78,7 @@ def test_nonfinite_updates_are_skipped_said_counted_and_stop_the_run(
     checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     # the stopping step's, finite: a resume loses no step; and no prune: those before it stay
     assert checkpoints == ["step_000002", "step_000004", "step_000005"]
+    # recorded for an experiment, which counts it collapsed instead of failing its suite (`run_grid`)
+    from megatron_tail.train.run.run_dir import diverged_at
+
+    assert diverged_at(run_dir) == 5

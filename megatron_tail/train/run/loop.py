@@ -209,6 +209,7 @@ def run(cfg: RunConfig, hooks: LoopHooks | None = None) -> RunResult:
         save_resolved_config(cfg, cfg.run_dir)
         run_dir.save_start_config(cfg.run_dir, config_text(cfg), resumed_step)
         forget_untrained_prompts(cfg.run_dir, resumed_step)
+        (Path(cfg.run_dir) / run_dir.DIVERGED_NAME).unlink(missing_ok=True)  # this start tries again
 
     try:
         on_rank0(claim)
@@ -297,6 +298,8 @@ def _loop(s: RunSession, stop: GracefulStop, hooks: LoopHooks) -> RunResult:
             if hooks.on_step_end is not None:
                 hooks.on_step_end(step, metrics)
             if diverged is not None:
+                if rank == 0:
+                    run_dir.mark_diverged(cfg.run_dir, done, str(diverged))
                 raise diverged
             if stopping:
                 result.stopped_by = _signal_name(stop)

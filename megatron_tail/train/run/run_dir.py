@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import shutil
 from collections.abc import Callable
@@ -27,6 +29,27 @@ _START_FILE = re.compile(r"^start_(\d+)_step_\d+\.yaml$")
 
 CONFIG_NAME = "config.yaml"
 """The resolved config's file name, in the run directory and in each checkpoint."""
+
+
+DIVERGED_NAME = "diverged.json"
+"""Written by a run that stopped on `train.max_nonfinite_updates_in_a_row` (its step and message); a start
+removes it. An experiment reads it: that run ended as it will end again, collapsed by a non-finite loss."""
+
+
+def mark_diverged(run_dir: str | Path, step: int, message: str) -> None:
+    """Global rank 0: record that the run diverged after `step` completed steps (atomic)."""
+    path = Path(run_dir) / DIVERGED_NAME
+    staged = beside(path, STAGING)
+    staged.write_text(json.dumps({"step": step, "message": message}) + "\n")
+    os.replace(staged, path)
+
+
+def diverged_at(run_dir: str | Path) -> int | None:
+    """The completed steps after which the run in `run_dir` diverged (`mark_diverged`), or None."""
+    try:
+        return int(json.loads((Path(run_dir) / DIVERGED_NAME).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def configs_dir(run_dir: str | Path) -> Path:
