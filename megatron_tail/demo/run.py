@@ -210,8 +210,8 @@ def finished_run(run_dir: Path, overrides: Sequence[str], *, base_yaml: str = DE
 def reusable_run(run_dir: Path, overrides: Sequence[str], *, base_yaml: str = DEMO_CONFIG_YAML) -> bool:
     """`finished_run` (or diverged: `run_dir.diverged_at`), and trained with this config: a finished run
     whose last checkpoint holds another config in what it trains (`config_change`'s "trained" keys: another
-    level, model or learning rate) is a `UserError` naming the keys. An experiment reused any finished run under the same directory name, so a
-    table could report runs of another config under this one's title."""
+    level, model or learning rate) is a `UserError` naming the keys. An experiment reused any finished run
+    under the same directory name, so a table could report runs of another config under this one's title."""
     from megatron_tail.config.loader import config_from_yaml
     from megatron_tail.train.run.config_change import config_changes, read_checkpoint_config
     from megatron_tail.train.run.run_dir import diverged_at, latest_checkpoint
