@@ -11,6 +11,7 @@ thinking) has no final answer and scores 0. Before, a box drawn while thinking s
 from __future__ import annotations
 
 import re
+import sys
 import threading
 
 BOX_COMMANDS = ("\\boxed", "\\fbox")
@@ -81,8 +82,11 @@ def math_reward(completion: str, answer: str) -> float:
         return 0.0
     gold_boxed = last_boxed(answer)
     gold = _parse_boxed(answer if gold_boxed is None else gold_boxed)
+    if not gold:
+        _say_unparsed_gold(answer)
+        return 0.0
     pred = _parse_boxed(boxed)
-    if not gold or not pred:
+    if not pred:
         return 0.0
     from math_verify import verify
 
@@ -105,6 +109,22 @@ def _parse_boxed(content: str) -> tuple:
         _PARSED[content] = parsed
     return parsed
 
+
+def _say_unparsed_gold(answer: str) -> None:
+    """Once per answer (per worker): a ground truth math-verify cannot parse scores every sample of its
+    prompt 0, silently, e.g. MATH's `0.\\overline{3}`; said on stderr, which the run's log holds."""
+    if answer in _UNPARSED_SAID or len(_UNPARSED_SAID) >= PARSED_KEPT:
+        return
+    _UNPARSED_SAID.add(answer)
+    print(
+        f"warning: math reward: the answer {answer[:200]!r} does not parse (math-verify; or its parse timed "
+        "out): every sample of its prompt scores 0",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+_UNPARSED_SAID: set[str] = set()
 
 PARSED_KEPT = 4096
 """Parses remembered at most (a group's gold answer is parsed once per sample)."""

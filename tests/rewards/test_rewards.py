@@ -294,3 +294,15 @@ def test_reward_bound_comes_from_the_declared_range_or_the_config():
     assert reward_max_abs(load_config(None, ["data.reward=math", "data.reward_max_abs=3"])) == 3.0
     spec = "data.reward=tests.rewards.plugin_reward:ends_with_answer"
     assert reward_max_abs(load_config(None, [spec])) is None
+
+
+def test_a_ground_truth_that_does_not_parse_is_said_once(capsys, monkeypatch):
+    """Every sample of a prompt whose answer math-verify cannot parse scored 0 without a word."""
+    from megatron_tail.rewards import math_answer
+
+    monkeypatch.setattr(math_answer, "_UNPARSED_SAID", set())
+    assert [math_reward("so \\\\boxed{3}", "}{") for _ in range(3)] == [0.0, 0.0, 0.0]
+    assert math_reward("so \\\\boxed{3}", "3") == 1.0
+    err = capsys.readouterr().err
+    assert err.count("warning: math reward: the answer '}{' does not parse") == 1, err
+    assert "every sample of its prompt scores 0" in err
