@@ -34,7 +34,7 @@ from megatron_tail.demo.run import read_scalars, summarise
 from megatron_tail.utils.errors import UserError
 
 from . import truncation
-from .tail_mismatch import ARMS, _cell, _mean_std, run_grid
+from .tail_mismatch import ARMS, _cell, _mean_std, logged_tag, run_grid
 
 COLLAPSE_SETTINGS: list[str] = [
     "parallel.tensor_parallel=1",
@@ -72,7 +72,7 @@ DEFAULT_OUT = "runs/collapse"
 COLUMNS: list[tuple[str, str, str, str]] = [
     ("reward, last 10", "reward/mean", "last10", ".3f"),
     ("reward, best 10-step window", "reward/mean", "best10", ".3f"),
-    ("grad-norm peak", "train/grad_norm", "max", ".3g"),
+    ("grad-norm peak", "train/grad_norm_max", "max", ".3g"),
     ("KL(π_infer‖π_train) k3 (mean)", "mismatch/kl_infer_train_k3", "mean", ".2e"),
     ("tail |Δ|, π<1e-4 (per token)", "mismatch/abs_delta/p0_0.0001", "per_token", ".3g"),
     ("IS weight 0 (mean)", "is/zero_weight_fraction", "mean", ".3g"),
@@ -149,13 +149,13 @@ def run_collapse(
     )
     from megatron_tail.report.build import write_report
 
-    report = write_report([paths[0] for paths in runs.values()], out / "report", labels=list(runs))
+    report = write_report([paths[0] for paths in runs.values()], out / "report", labels=list(runs), say=log)
     log(f"results: {results}\nreport (seed {seeds[0]} of each group): {report}")
     if suite == "truncation":  # a report per dial (its arms side by side), and the dose–response figure
         for dial in truncation.DIALS:
             names = [name for name in runs if name.endswith(f"@{dial}")]
             if len(names) > 1:
-                write_report([runs[n][0] for n in names], out / f"report_{dial}", labels=names)
+                write_report([runs[n][0] for n in names], out / f"report_{dial}", labels=names, say=log)
         dose = truncation.dose_figure(table, out)
         log(f"per-dial reports: {out}/report_<dial>/; dose–response: {dose}")
     return results
@@ -175,7 +175,7 @@ def summarise_run(path: Path, columns: Sequence[tuple[str, str, str, str]] = COL
     reward = [v for _, v in scalars.get(reward_tag, [])]
     row = {}
     for col, tag, how, _ in columns:
-        tag = reward_tag if tag == "reward/mean" else tag
+        tag = reward_tag if tag == "reward/mean" else logged_tag(scalars, tag)
         values = [v for _, v in scalars.get(tag, [])]
         if how in ("last10", "first10"):
             window = values[-10:] if how == "last10" else values[:10]

@@ -207,8 +207,12 @@ def test_the_collapse_table_reads_the_reports_reward_and_weighs_the_tail_per_tok
     write_events(tmp_path, steps, {
         "reward/mean": kept, "reward/generated_mean": generated, "train/loss": [0.1] * 40,
         "mismatch/abs_delta/p0_0.0001": tail_delta, "mismatch/tokens/p0_0.0001": tail_tokens,
+        # Lopti's two updates a step: their mean halves a spike that the step's max keeps
+        "train/grad_norm": [1.0] * 39 + [3.0], "train/grad_norm_max": [1.0] * 39 + [5.0],
     })  # fmt: skip
     run = summarise_run(tmp_path)
+    assert run["summary"]["grad-norm peak"] == 5.0
+    assert tail_mismatch.logged_tag({"train/grad_norm": []}, "train/grad_norm_max") == "train/grad_norm"
     assert run["collapsed"] and run["reason"] == "reward"
     assert run["summary"]["reward, last 10"] == 0.0
     weighted = (30 * 1000 * 0.01 + 10 * 1.0) / (30 * 1000 + 10)
