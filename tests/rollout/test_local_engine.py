@@ -376,3 +376,37 @@ def test_an_update_outside_a_pause_waits_for_the_generations_in_flight(tiny_mode
         engine.close()
     assert "weight_versions" not in out["meta_info"] and out["meta_info"]["weight_version"] == "1"
     assert len(out["output_ids"]) == 8
+
+
+def test_health_says_503_once_the_batch_loop_has_ended(tiny_model_dir):
+    """The HTTP server kept answering 200 in front of a batch loop that had ended, so the client's health
+    probes kept sending it requests that each waited out their time limit."""
+    import asyncio
+    import threading
+
+    import aiohttp
+
+    from megatron_tail.rollout.local_engine.server import build_app
+    from tests.rollout.servers import serving_app
+
+    engine = LocalEngine(tiny_model_dir, dtype="float32")
+
+    async def health(url):
+        async with aiohttp.ClientSession() as session, session.get(f"{url}/health") as reply:
+            return reply.status
+
+    async def scenario():
+        async with serving_app(build_app(engine)) as url:
+            statuses = [await health(url)]
+            live = engine.batcher._thread
+            ended = threading.Thread(target=lambda: None)
+            ended.start()
+            ended.join()
+            engine.batcher._thread = ended  # the loop died of an exception it did not survive
+            statuses.append(await health(url))
+            engine.batcher._thread = live
+            engine.close()
+            statuses.append(await health(url))
+            return statuses
+
+    assert asyncio.run(scenario()) == [200, 503, 503]

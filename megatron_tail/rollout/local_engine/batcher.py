@@ -205,6 +205,11 @@ class ContinuousBatcher:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def alive(self) -> bool:
+        """The batch loop runs (not closed, its thread not ended)."""
+        return not self._closed and self._thread.is_alive()
+
     def cancel(self, rows: list[Row]) -> None:
         """End `rows` as aborted at the next step (or now, while paused or idle): their client is gone.
         SGLang aborts a disconnected request too (`TokenizerManager`: "Request is disconnected from the

@@ -191,7 +191,12 @@ def _disconnected(request: web.Request | None) -> bool:
     return request is not None and (transport is None or transport.is_closing())
 
 
-async def health(request: web.Request) -> web.Response:  # noqa: ARG001 - aiohttp handler signature
+async def health(request: web.Request) -> web.Response:
+    """200 while the engine can generate; 503 once its batcher thread has ended (an exception it did not
+    survive, or a close): a live HTTP server in front of a dead batch would answer health checks while
+    every request waited out its time limit."""
+    if not request.app[ENGINE_KEY].batcher.alive:
+        return _error("the engine's batch loop has stopped; see its log", status=503)
     return web.Response(status=200)
 
 
