@@ -263,7 +263,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--suites", nargs="+", choices=SUITES, default=list(SUITES))
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help=f"timed calls per row (3; {CUDA_REPEATS} with --device cuda)",
+    )
     parser.add_argument(
         "--dtypes",
         nargs="+",
@@ -311,7 +316,7 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"--vocab {args.vocab} must be divisible by every --tp; got tp={tp}")
     for suite in args.suites:
         times = {
-            tp: time_all(suite, args.tokens, args.vocab, args.hidden, tp, args.repeats) for tp in args.tp
+            tp: time_all(suite, args.tokens, args.vocab, args.hidden, tp, args.repeats or 3) for tp in args.tp
         }
         memory = None if args.no_memory else memory_all(suite, args.tokens, args.vocab, args.hidden)
         if suite == "logits":
@@ -348,7 +353,7 @@ def _report(parser, argv, args) -> None:
     widths = tuple(dict.fromkeys(max(1, vocab // tp) for tp in (1, 2, 4, 8)))
     fused = tuple((n, hidden, vocab) for n in args.fused_tokens)
     # a median of 3 cannot carry a 2% choice (`op_designs`) or a ≤ 1.0× verdict; a call is ≤ 0.2 s on CUDA
-    repeats = args.repeats if "--repeats" in given or device != "cuda" else CUDA_REPEATS
+    repeats = args.repeats if args.repeats is not None else CUDA_REPEATS if device == "cuda" else 3
     if device == "cuda":
         torch.cuda.set_device(0)
     backend = "nccl" if device == "cuda" else "gloo"

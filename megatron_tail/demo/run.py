@@ -221,8 +221,10 @@ def reusable_run(run_dir: Path, overrides: Sequence[str], *, base_yaml: str = DE
     if not finished_run(run_dir, overrides, base_yaml=base_yaml) and diverged_at(run_dir) is None:
         return False
     cfg = config_from_yaml(base_yaml, overrides)
-    _, checkpoint = latest_checkpoint(run_dir)
-    saved = read_checkpoint_config(checkpoint)
+    latest = latest_checkpoint(run_dir)
+    if latest is None:  # a divergence marker without the checkpoint it was written after (removed by hand)
+        return False
+    saved = read_checkpoint_config(latest[1])
     changed = [] if saved is None else [c for c in config_changes(saved, cfg) if c.kind == "trained"]
     if changed:
         raise UserError(

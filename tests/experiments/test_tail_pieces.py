@@ -173,13 +173,18 @@ def test_a_finished_run_of_another_config_is_refused_not_reused(tmp_path):
     from megatron_tail.config.loader import config_from_yaml
     from megatron_tail.demo.run import reusable_run
     from megatron_tail.experiments.tail_config import TAIL_CONFIG_YAML
+    from megatron_tail.train.run import run_dir as layout
     from megatron_tail.train.run.config_change import config_text
     from megatron_tail.utils.errors import UserError
 
     run_dir = tmp_path / "naive" / "seed0"
+    run_dir.mkdir(parents=True)
     base = [f"model.hf_path={tmp_path / 'model'}", f"data.train_path={tmp_path / 'p.jsonl'}", "seed=0"]
     trained = config_from_yaml(TAIL_CONFIG_YAML, [*base, "optimizer.lr=1e-5"])
     assert not reusable_run(run_dir, [*base, "optimizer.lr=1e-5"], base_yaml=TAIL_CONFIG_YAML)  # none yet
+    layout.mark_diverged(run_dir, 3, "diverged")  # a marker whose checkpoint was removed by hand
+    assert not reusable_run(run_dir, [*base, "optimizer.lr=1e-5"], base_yaml=TAIL_CONFIG_YAML)
+    (run_dir / layout.DIVERGED_NAME).unlink()
     checkpoint = run_dir / "checkpoints" / f"step_{trained.train.steps:06d}"
     checkpoint.mkdir(parents=True)
     (checkpoint / "metadata.json").write_text("{}")

@@ -290,6 +290,8 @@ def test_an_engine_failure_is_http_500_and_a_bad_custom_params_is_its_own_reques
     async def scenario():
         async with serving_app(build_app(engine)) as url, aiohttp.ClientSession() as session:
             answers = await asyncio.gather(post(session, url, bad), post(session, url, plain))
+            empty = await post(session, url, {**plain, "custom_logit_processor": ""})
+            assert empty[0] == 400, empty  # not a processor: the request's fault
             forward = engine.model.forward
 
             def out_of_memory(*_args, **_kwargs):
@@ -404,9 +406,14 @@ def test_health_says_503_once_the_batch_loop_has_ended(tiny_model_dir):
             ended.join()
             engine.batcher._thread = ended  # the loop died of an exception it did not survive
             statuses.append(await health(url))
+            # nor does a pause wait for a loop that will never hold the batch
+            async with aiohttp.ClientSession() as session:
+                async with session.post(f"{url}/pause_generation", json={"mode": "in_place"}) as reply:
+                    statuses.append(reply.status)
+            engine.control.resume()
             engine.batcher._thread = live
             engine.close()
             statuses.append(await health(url))
             return statuses
 
-    assert asyncio.run(scenario()) == [200, 503, 503]
+    assert asyncio.run(scenario()) == [200, 503, 503, 503]

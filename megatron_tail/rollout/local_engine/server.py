@@ -136,7 +136,9 @@ def _check_processors(items) -> None:
 
     from .batcher import with_request
 
-    loaded = {s: load_custom_logit_processor(s) for s in {i.processor for i in items if i.processor}}
+    loaded = {
+        s: load_custom_logit_processor(s) for s in {i.processor for i in items if i.processor is not None}
+    }
     for item in items:
         if item.processor is not None and isinstance(loaded[item.processor], DVPLogitProcessor):
             row_setting(with_request(item, []))
@@ -242,9 +244,12 @@ async def pause_generation(request: web.Request) -> web.Response:
     except (BadRequest, ValueError) as e:
         return _error(str(e))
     # answer once the pause is in force, as SGLang's scheduler does: a step already past its pause check
-    # would otherwise run after an update that follows (new weights over a retracted row's old cache)
-    while not (engine.batcher.held or engine.batcher.closed):
+    # would otherwise run after an update that follows (new weights over a retracted row's old cache);
+    # not for a pause a continue already ended, nor from a batch loop that has ended
+    while engine.control.paused and engine.batcher.alive and not engine.batcher.held:
         await asyncio.sleep(0.005)
+    if not engine.batcher.alive:
+        return _error("the engine's batch loop has stopped; see its log", status=503)
     if mode == "abort":
         while engine.control.active:
             await asyncio.sleep(0.01)
