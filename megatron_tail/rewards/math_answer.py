@@ -14,30 +14,9 @@ import re
 import sys
 import threading
 
+from megatron_tail.utils.thinking import after_thinking
+
 BOX_COMMANDS = ("\\boxed", "\\fbox")
-
-
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-
-
-def final_answer(completion: str) -> str | None:
-    """The part of `completion` that holds its final answer: after the last `</think>`; None where a
-    `<think>` is never closed (cut off while thinking: no final answer); the whole text without tags.
-
-    A chat template that opens the thinking itself (DeepSeek-R1's, Qwen3's *-Thinking-2507) leaves the
-    reply without its `<think>`: the rollout puts it back before the reward reads the reply
-    (`opens_thinking`), so one cut off while thinking scores 0 here too."""
-    close = completion.rfind(THINK_CLOSE)
-    if close >= 0:
-        return completion[close + len(THINK_CLOSE) :]
-    return None if THINK_OPEN in completion else completion
-
-
-def opens_thinking(text: str) -> bool:
-    """`text` (the end of a turn's input: the chat template's generation prompt) leaves a `<think>` open,
-    so the reply continues inside it: DeepSeek-R1's and Qwen3's *-Thinking-2507 templates end with
-    `<think>\n`; Qwen3's with thinking off ends with a closed, empty block."""
-    return text.rfind(THINK_OPEN) > text.rfind(THINK_CLOSE)
 
 
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
@@ -65,8 +44,8 @@ def last_boxed(text: str) -> str | None:
 
 
 def math_reward(completion: str, answer: str) -> float:
-    """1.0 if the last boxed answer of `completion`'s final answer (`final_answer`: after its thinking) is
-    mathematically equivalent to `answer`, else 0.0.
+    """1.0 if the last boxed answer of `completion`'s final answer (`utils.thinking.after_thinking`: after
+    its thinking) is mathematically equivalent to `answer`, else 0.0.
 
     `answer` is the dataset's ground truth (LaTeX or plain, with or without `\\boxed{}`). Equivalence is
     math-verify's: `1/2` = `\\frac12` = `0.5`, `\\{1,2\\}` = `\\{2,1\\}`, `x^2+2x+1` = `(x+1)^2`, ...
@@ -76,7 +55,7 @@ def math_reward(completion: str, answer: str) -> float:
             f"math_reward takes (completion: str, answer: str); got {type(completion)}, {type(answer)}"
         )
     _release_caches()
-    answer_part = final_answer(completion)
+    answer_part = after_thinking(completion)
     boxed = None if answer_part is None else last_boxed(answer_part)
     if boxed is None:
         return 0.0

@@ -51,7 +51,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from megatron_tail.rewards.math_answer import THINK_OPEN, opens_thinking
+from megatron_tail.utils.thinking import THINK_OPEN, opens_thinking
 
 from .base import StepResult
 
@@ -136,8 +136,8 @@ class Episode:
     final_text: str = ""
     """The last model turn, decoded (what the environment reads)."""
     thinking_opened: bool = False
-    """The last turn's input ended inside a `<think>` the chat template opened (`rewards.opens_thinking`):
-    its reply continues the thinking without the tag."""
+    """The last turn's input ended inside a `<think>` the chat template opened
+    (`utils.thinking.opens_thinking`): its reply continues the thinking without the tag."""
 
     @property
     def scored_text(self) -> str:

@@ -29,12 +29,13 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_tail.utils.thinking import after_thinking
+
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.DOTALL)
 """Qwen25Detector's pattern: `bot_token` "<tool_call>\\n", `eot_token` "\\n</tool_call>", non-greedy."""
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 EMPTY_THINK = "<think>\n\n</think>\n\n"
 
 
@@ -92,12 +93,9 @@ def parse_tool_calls(text: str, tool_names: Collection[str]) -> ParsedTurn:
 
 
 def after_reasoning(text: str) -> str:
-    """What of a model turn is not reasoning: the text after the last `</think>`; "" if a `<think>` is
-    never closed (the turn ended while reasoning); the whole text without a think block."""
-    end = text.rfind(THINK_CLOSE)
-    if end != -1:
-        return text[end + len(THINK_CLOSE) :]
-    return "" if THINK_OPEN in text else text
+    """What of a model turn is not reasoning (`utils.thinking.after_thinking`): "" where a `<think>` is never
+    closed (the turn ended while reasoning)."""
+    return after_thinking(text) or ""
 
 
 def _parse_block(body: str, tool_names: Collection[str]) -> list[ToolCall | str]:
