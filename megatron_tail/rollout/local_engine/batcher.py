@@ -202,10 +202,6 @@ class ContinuousBatcher:
             self.control.cond.notify_all()
 
     @property
-    def closed(self) -> bool:
-        return self._closed
-
-    @property
     def alive(self) -> bool:
         """The batch loop runs (not closed, its thread not ended)."""
         return not self._closed and self._thread.is_alive()

@@ -145,8 +145,8 @@ def _check_processors(items) -> None:
 
 
 class EngineClosed(Exception):
-    """The engine stopped before a request held by a pause could start (HTTP 503: another server may
-    take it)."""
+    """The engine stopped (or its batch loop died) before a request held by a pause could start (HTTP 503:
+    another server may take it)."""
 
 
 async def _generate(engine: LocalEngine, items, request: web.Request | None = None) -> list[dict] | None:
@@ -164,7 +164,7 @@ async def _generate(engine: LocalEngine, items, request: web.Request | None = No
     # wait on the event loop, not in a worker thread: requests held by a pause must not take the threads
     # that /update_weights_from_disk needs to end it
     while (epoch := engine.control.try_start()) is None:
-        if engine.batcher.closed:  # stopped while paused: nothing will continue it
+        if not engine.batcher.alive:  # stopped (or its loop died) while paused: nothing will continue it
             raise EngineClosed
         if _disconnected(request):
             return None
@@ -198,8 +198,12 @@ async def health(request: web.Request) -> web.Response:
     survive, or a close): a live HTTP server in front of a dead batch would answer health checks while
     every request waited out its time limit."""
     if not request.app[ENGINE_KEY].batcher.alive:
-        return _error("the engine's batch loop has stopped; see its log", status=503)
+        return _loop_stopped()
     return web.Response(status=200)
+
+
+def _loop_stopped() -> web.Response:
+    return _error("the engine's batch loop has stopped; see its log", status=503)
 
 
 async def model_info(request: web.Request) -> web.Response:
@@ -249,7 +253,7 @@ async def pause_generation(request: web.Request) -> web.Response:
     while engine.control.paused and engine.batcher.alive and not engine.batcher.held:
         await asyncio.sleep(0.005)
     if not engine.batcher.alive:
-        return _error("the engine's batch loop has stopped; see its log", status=503)
+        return _loop_stopped()
     if mode == "abort":
         while engine.control.active:
             await asyncio.sleep(0.01)
