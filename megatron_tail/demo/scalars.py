@@ -44,17 +44,14 @@ def summarise(values: list[float], how: str) -> float:
 
 
 def per_token_mean(scalars: dict[str, list[tuple[int, float]]], tag: str) -> float:
-    """Over a run: `tag`, a per-step mean over one probability bucket's tokens (`mismatch/<family>/<label>`),
-    weighted by the bucket's token count at each step (`mismatch/tokens[_by_infer]/<label>`), as the
-    report's bucket panels weigh it (`report.buckets.bucket_value`); NaN without tokens. A plain mean over
-    steps weighed a step's one tail token like another's thousand."""
-    family, _, label = tag.rpartition("/")
-    counts = dict(
-        scalars.get(f"mismatch/tokens{'_by_infer' if family.endswith('_by_infer') else ''}/{label}", [])
+    """`report.buckets.token_weighted_mean` of `read_scalars`' pairs: `tag`, a per-step mean over one
+    probability bucket's tokens, weighted by the bucket's token count at each step, as the report's bucket
+    panels weigh it. A plain mean over steps weighed a step's one tail token like another's thousand."""
+    from megatron_tail.report.buckets import token_weighted_mean
+
+    return token_weighted_mean(
+        {t: tuple(zip(*pairs, strict=True)) or ((), ()) for t, pairs in scalars.items()}, tag
     )
-    pairs = [(value, counts[step]) for step, value in scalars.get(tag, []) if counts.get(step, 0) > 0]
-    tokens = sum(count for _, count in pairs)
-    return sum(value * count for value, count in pairs) / tokens if tokens > 0 else float("nan")
 
 
 def fmt(x: float) -> str:

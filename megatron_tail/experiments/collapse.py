@@ -163,19 +163,19 @@ def run_collapse(
 
 def summarise_run(path: Path, columns: Sequence[tuple[str, str, str, str]] = COLUMNS) -> dict:
     """One run: the `columns` summaries (`COLUMNS` by default) and its collapse verdict."""
-    from megatron_tail.demo.scalars import per_token_mean
-    from megatron_tail.report.collapse import run_verdict, window_means
+    from megatron_tail.report.buckets import token_weighted_mean
+    from megatron_tail.report.collapse import reward_tag, run_verdict, window_means
 
     scalars = read_scalars(path)
-    # the report's verdict (`report.collapse.run_verdict`), on the reward it reads: `reward/generated_mean`
-    # where logged (under dynamic sampling a collapse's all-filtered steps log no `reward/mean`)
+    # the report's verdict, on the reward it reads (`reward/generated_mean` where logged: under dynamic
+    # sampling a collapse's all-filtered steps log no `reward/mean`)
     series = {tag: ([s for s, _ in pairs], [v for _, v in pairs]) for tag, pairs in scalars.items()}
     verdict = run_verdict(series)
-    reward_tag = "reward/generated_mean" if "reward/generated_mean" in scalars else "reward/mean"
-    reward = [v for _, v in scalars.get(reward_tag, [])]
+    rewarded = reward_tag(scalars)
+    reward = [v for _, v in scalars.get(rewarded, [])]
     row = {}
     for col, tag, how, _ in columns:
-        tag = reward_tag if tag == "reward/mean" else logged_tag(scalars, tag)
+        tag = rewarded if tag == "reward/mean" else logged_tag(scalars, tag)
         values = [v for _, v in scalars.get(tag, [])]
         if how in ("last10", "first10"):
             window = values[-10:] if how == "last10" else values[:10]
@@ -184,7 +184,7 @@ def summarise_run(path: Path, columns: Sequence[tuple[str, str, str, str]] = COL
             means = window_means(values)
             row[col] = float(means.max()) if means.size else math.nan
         elif how == "per_token":
-            row[col] = per_token_mean(scalars, tag)
+            row[col] = token_weighted_mean(series, tag)
         elif how == "one_minus_mean":
             row[col] = 1.0 - summarise(values, "mean") if values else math.nan
         else:

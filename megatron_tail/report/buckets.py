@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,18 +66,26 @@ def discover_buckets(runs: Sequence[RunEvents]) -> list[Bucket]:
 
 
 def bucket_value(run: RunEvents, family: str, bucket: Bucket) -> float:
-    """Over all steps: the token-weighted mean of `<family>/<label>` (its count tag's steps), a plain mean
-    when the run has no count tag, the total for the count families; NaN when not logged or no tokens."""
+    """Over all steps: the total for the count families, else `token_weighted_mean` of `<family>/<label>`."""
     tag = f"{family}/{bucket.label}"
-    if tag not in run.scalars:
-        return math.nan
-    steps, values = run.scalars[tag]
     if family in (TOKENS, TOKENS_INFER):
-        return float(values.sum())
-    count_tag = f"{TOKENS_INFER if family.endswith('_by_infer') else TOKENS}/{bucket.label}"
-    if count_tag not in run.scalars:
+        return float(run.scalars[tag][1].sum()) if tag in run.scalars else math.nan
+    return token_weighted_mean(run.scalars, tag)
+
+
+def token_weighted_mean(scalars: Mapping[str, tuple[Sequence[int], Sequence[float]]], tag: str) -> float:
+    """Over a run's steps (`scalars`: tag → (steps, values), as `RunEvents` holds them): `tag`, a per-step
+    mean over one bucket's tokens (`mismatch/<family>/<label>`), weighted by that bucket's token count at
+    each step (`mismatch/tokens[_by_infer]/<label>`); a plain mean when the run has no count tag; NaN when
+    not logged or no tokens."""
+    if tag not in scalars:
+        return math.nan
+    steps, values = (np.asarray(x) for x in scalars[tag])
+    family, _, label = tag.rpartition("/")
+    count_tag = f"{TOKENS_INFER if family.endswith('_by_infer') else TOKENS}/{label}"
+    if count_tag not in scalars:
         return float(np.mean(values)) if values.size else math.nan
-    count_steps, counts = run.scalars[count_tag]
+    count_steps, counts = (np.asarray(x) for x in scalars[count_tag])
     common, i, j = np.intersect1d(steps, count_steps, return_indices=True)
     total = counts[j].sum()
     return float((values[i] * counts[j]).sum() / total) if common.size and total > 0 else math.nan

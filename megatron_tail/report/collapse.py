@@ -98,11 +98,16 @@ def collapse_verdict(
     return CollapseVerdict(False, "", best, last, None)
 
 
+def reward_tag(scalars: Mapping[str, object]) -> str:
+    """The reward a verdict judges: `reward/generated_mean` where the run logged it, else `reward/mean`
+    (module docstring)."""
+    return "reward/generated_mean" if "reward/generated_mean" in scalars else "reward/mean"
+
+
 def run_verdict(scalars: Mapping[str, tuple[Sequence[int], Sequence[float]]]) -> CollapseVerdict:
-    """`collapse_verdict` of a run's scalars (tag → (steps, values), as `report.events` holds them): its
-    `reward/generated_mean` where logged, else `reward/mean` (module docstring)."""
-    tag = "reward/generated_mean" if "reward/generated_mean" in scalars else "reward/mean"
-    steps, rewards = scalars.get(tag, ((), ()))
+    """`collapse_verdict` of a run's scalars (tag → (steps, values), as `report.events` holds them), on its
+    `reward_tag`."""
+    steps, rewards = scalars.get(reward_tag(scalars), ((), ()))
     losses = scalars.get("train/loss", ((), ()))[1]
     return collapse_verdict(list(steps), list(rewards), list(losses))
 

@@ -18,6 +18,7 @@ from megatron_tail.report.collapse import (
     WINDOW,
     Z_ALARM,
     early_warnings,
+    reward_tag,
     run_verdict,
     z_scores,
 )
@@ -49,8 +50,7 @@ def early_warning_figure(runs: Sequence[RunEvents], labels: Sequence[str], out_d
     lines = []
     for k in collapsed:
         run, verdict, colour = runs[k], verdicts[k], run_color(k)
-        # the reward the verdict judged (`run_verdict`: reward/generated_mean where logged)
-        steps, reward = run.scalars.get("reward/generated_mean") or run.scalars["reward/mean"]
+        steps, reward = run.scalars[reward_tag(run.scalars)]  # the reward the verdict judged
         axes[0].plot(steps, reward, color=colour, label=labels[k])
         axes[0].axvline(verdict.fall_step, color=colour, linestyle="--", linewidth=1)
         baseline_end = verdict.fall_step - WINDOW + 1
