@@ -44,9 +44,9 @@ early in that "reload scenario". So the sender sends bf16 tensors as for a bf16 
 computes them. Limits, all SGLang's: Qwen2/Qwen3 dense native loaders only (others are refused when the server
 starts); a per-tensor-scaled layer (GPUs without cutlass FP8) must get all its q/k/v (gate/up) shards in one
 `load_weights` call, i.e. one bucket, which `DistributedWeightSync` keeps (`engine_parameter`). With plain
-`--quantization fp8` (the default loader) neither path
-re-quantizes: `Fp8LinearMethod` keeps the base no-op `restore_weights_before_loading`, and the e4m3 parameters
-`process_weights_after_loading` made (transposed, without `weight_loader`) fail the load.
+`--quantization fp8` (the default loader) neither path re-quantizes: `Fp8LinearMethod` keeps the base no-op
+`restore_weights_before_loading`, and the e4m3 parameters `process_weights_after_loading` made (transposed,
+without `weight_loader`) fail the load.
 The disk path sends `load_format: "auto"`: the request's default is the server's own load format, and a second
 `QuantizedRLModelLoader.load_weights_and_postprocess` over the proxy is refused ("FlashRL does not support
 ..."), while the default loader's `load_weights_only` calls the proxy and re-quantizes.

@@ -398,8 +398,7 @@ def load_checkpoint(
             trainer, is_loading=True, with_rng=load_rng and same_layout, with_optimizer=load_optimizer
         )
         loaded = dist_checkpointing.load(state, str(path))
-        for chunk, model_state in zip(trainer.chunks, _as_list(loaded["model"]), strict=True):
-            unwrap_model(chunk).load_state_dict(model_state)
+        _load_model(trainer.chunks, loaded["model"])
         if load_optimizer:
             with torch_adam_load_fixes(trainer.optimizer):
                 trainer.optimizer.load_state_dict(loaded["optimizer"])
@@ -418,10 +417,8 @@ def load_weights(
     path = Path(path)
     _readable_meta(path, lambda: _signature(arch, settings, tp_size))
     with cpu_device_scope():
-        models = [unwrap_model(c).sharded_state_dict() for c in chunks]
-        loaded = dist_checkpointing.load({"model": models[0] if len(models) == 1 else models}, str(path))
-        for chunk, model_state in zip(chunks, _as_list(loaded["model"]), strict=True):
-            unwrap_model(chunk).load_state_dict(model_state)
+        loaded = dist_checkpointing.load({"model": _model_state(chunks)[1]}, str(path))
+        _load_model(chunks, loaded["model"])
 
 
 def _readable_meta(path: Path, signature: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -445,8 +442,7 @@ def _sharded_state(
     with_optimizer: bool = True,
     optim_metadata: Mapping[str, Any] = _OPTIM_METADATA,
 ):
-    models = [unwrap_model(c).sharded_state_dict() for c in trainer.chunks]
-    model_sd = models[0] if len(models) == 1 else models
+    models, model_sd = _model_state(trainer.chunks)
     state: dict[str, Any] = {"model": model_sd}
     if with_optimizer:
         state["optimizer"] = trainer.optimizer.sharded_state_dict(
@@ -493,6 +489,18 @@ def _rng_object(trainer: Trainer) -> ShardedObject:
         (g.pp_rank, g.tp_rank, dp_cp_rank),
         replica_id=0,
     )
+
+
+def _model_state(chunks: list[torch.nn.Module]) -> tuple[list[dict], Any]:
+    """Each chunk's sharded state dict, and the checkpoint's "model" entry: the one chunk's, or the list."""
+    models = [unwrap_model(c).sharded_state_dict() for c in chunks]
+    return models, models[0] if len(models) == 1 else models
+
+
+def _load_model(chunks: list[torch.nn.Module], loaded_model) -> None:
+    """A loaded "model" entry into the chunks it was built from (`_model_state`)."""
+    for chunk, model_state in zip(chunks, _as_list(loaded_model), strict=True):
+        unwrap_model(chunk).load_state_dict(model_state)
 
 
 def _as_list(model_state):
