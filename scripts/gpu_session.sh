@@ -20,7 +20,12 @@ PY="${MT_PYTHON:-python3}"
 OUT="${OUT:-$ROOT/.gpu_session}"
 PART="${1:-}"
 DRY=""
-[[ "${2:-}" == "--dry-run" ]] && DRY=1
+case "${2:-}" in
+    "") ;;
+    --dry-run) DRY=1 ;;
+    *) echo "gpu_session: unknown argument '$2' after '$PART' (only --dry-run; see --help)" >&2; exit 2 ;;
+esac
+[[ $# -le 2 ]] || { echo "gpu_session: too many arguments (see --help)" >&2; exit 2; }
 case "$PART" in
     benches|check) ;;
     -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;

@@ -202,3 +202,10 @@ def test_the_gpu_session_script_runs_the_benches_and_the_check_with_flags_they_t
         ["bash", "scripts/gpu_session.sh"], cwd=ROOT, env=env, capture_output=True, text=True
     )
     assert refused.returncode == 2 and "benches or check" in refused.stderr
+    # a mistyped --dry-run is refused, not a real run
+    typo = subprocess.run(
+        ["bash", "scripts/gpu_session.sh", "benches", "--dry-rum"], cwd=ROOT, env=env, capture_output=True,
+        text=True,
+    )  # fmt: skip
+    assert typo.returncode == 2 and "unknown argument '--dry-rum' after 'benches'" in typo.stderr
+    assert not typo.stdout and not (tmp_path / "out").exists()
