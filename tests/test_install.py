@@ -83,6 +83,15 @@ def test_trainer_constraints_agree_and_need_their_own_environment():
     assert sglang_exact_pins()["torch"] != cpu["torch"]
 
 
+def test_the_liger_kernel_the_cpu_tests_run_is_the_one_a_gpu_node_gets():
+    """The bench's Liger rows run on CPU (Triton's interpreter) with the wheel the GPU check carries."""
+    from tests.gpu import node
+
+    (carried,) = (w for w in node.WHEELS if w.dist == "liger-kernel")
+    pinned = pins(ROOT / "constraints.txt")["liger-kernel"]
+    assert pinned == carried.version == metadata.version("liger-kernel")
+
+
 def test_extras_resolve():
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert not any(Requirement(r).name == "apex" for r in extras["gpu"]), "PyPI's apex is not NVIDIA apex"

@@ -99,7 +99,7 @@ def check_fused_equals_matmul_then_op(
         ratio_row("matmul + op, in place", shape, inplace, baseline, "matmul + op"),
     ]
     liger = _liger_fused(*problem)
-    if liger is not None:  # gpu only: Liger-Kernel is a CUDA library, not in the CPU environment
+    if liger is not None:
         rows.append(
             ratio_row("fused output layer + op", shape, fused, measure(liger), "Liger fused linear CE")
         )
@@ -151,13 +151,12 @@ def _liger_fused(hidden, weight, targets, *_):
     """Liger-Kernel's fused linear cross entropy on the same inputs (None where it is not installed)."""
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
-    except ImportError:
+    except ImportError:  # some runs only: a node without the carried Liger-Kernel wheel
         return None
-    loss = LigerFusedLinearCrossEntropyLoss()  # gpu only: Liger-Kernel is a CUDA library
-    return _liger_run(loss, hidden, weight, targets)  # gpu only: Liger-Kernel is a CUDA library
+    return _liger_run(LigerFusedLinearCrossEntropyLoss(), hidden, weight, targets)
 
 
-def _liger_run(loss, hidden, weight, targets):  # gpu only: Liger-Kernel is a CUDA library, not on the CPU
+def _liger_run(loss, hidden, weight, targets):
     def run():
         h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
         loss(w, h, targets).backward()

@@ -172,7 +172,7 @@ def record_peers(device: str, tokens: int, vocab: int, record_property, repeats:
     rows = []
     peers = peer_rows(tokens, vocab, device=device, repeats=repeats)
     for r in peers:
-        if r["ms"] is None:
+        if r["ms"] is None:  # some runs only: a node without the carried Liger-Kernel wheel
             value = r["note"]
         else:
             share = "" if r["bandwidth"] is None else f", {100 * r['bandwidth']:.0f}% of the copy rate"
