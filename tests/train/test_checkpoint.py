@@ -88,6 +88,42 @@ def test_resume_equals_uninterrupted(setup, tp, pp, world, rel):
     assert losses == pytest.approx(uninterrupted[3:], rel=rel, abs=0.0)
 
 
+def _changed_settings_rank(rank, world_size, hf_dir, ckpt):  # noqa: ARG001
+    from megatron_tail.model import ModelSettings, load_hf_config
+    from megatron_tail.train import OptimizerSettings, build_trainer, load_checkpoint
+    from megatron_tail.train.engine.lr_schedule import advance, restore_progress
+
+    init_rank(1, 1)
+    settings = OptimizerSettings(
+        lr=2e-2, min_lr=1e-3, lr_decay_style="linear", lr_decay_steps=10, adam_beta2=0.99, adam_eps=1e-6
+    )
+    trainer = build_trainer(
+        load_hf_config(hf_dir), model_settings=ModelSettings(vocab_pad_multiple=PAD_MULTIPLE), optim=settings
+    )
+    load_checkpoint(ckpt, trainer)
+    restore_progress(trainer.scheduler, {"num_steps": 3})
+    lr = advance(trainer.scheduler)
+    steps = {float(s["step"]) for s in trainer.optimizer.optimizer.state.values()}
+    groups = [
+        {k: g[k] for k in ("max_lr", "min_lr", "betas", "eps", "lr")} for g in trainer.optimizer.param_groups
+    ]
+    return lr, groups, steps
+
+
+def test_a_resume_trains_with_its_own_configs_rates_and_adam_settings(setup):
+    """The checkpoint trained at lr 1e-2 with Adam's defaults; a resume configured otherwise (a change
+    `train.allow_config_change` accepts) trains with its own peak, floor, betas and eps, not the
+    checkpoint's parameter groups (before, its log said the change was accepted while the old ones held);
+    Adam's progress (its step count) is the checkpoint's."""
+    hf, ckpt, _ = setup
+    lr, groups, steps = run_distributed(_changed_settings_rank, 1, hf, ckpt)[0]
+    assert lr == pytest.approx(1e-3 + (2e-2 - 1e-3) * (1 - 4 / 10), rel=1e-12)  # step 4 of a linear decay
+    assert groups and all(
+        g == {"max_lr": 2e-2, "min_lr": 1e-3, "betas": (0.9, 0.99), "eps": 1e-6, "lr": lr} for g in groups
+    )
+    assert steps == {3.0}
+
+
 @pytest.fixture(scope="module")
 def setup_dp2(tmp_path_factory):
     """Saved at DP = 2 (TP = PP = 1): the optimizer state is sharded over DP, and the memory-efficient

@@ -400,13 +400,37 @@ def load_checkpoint(
         loaded = dist_checkpointing.load(state, str(path))
         _load_model(trainer.chunks, loaded["model"])
         if load_optimizer:
+            configured = _configured_hyperparameters(trainer.optimizer)
             with torch_adam_load_fixes(trainer.optimizer):
                 trainer.optimizer.load_state_dict(loaded["optimizer"])
+            _put_back(trainer.optimizer, configured)
         else:
             trainer.optimizer.reload_model_params()
     if load_rng and same_layout:
         _set_rng_state(loaded["rng_state"])
     return dict(meta["rl_state"])
+
+
+CONFIGURED_GROUP_KEYS = ("max_lr", "min_lr", "betas", "eps", "momentum")
+"""Parameter-group entries this run's config sets: megatron's `_get_param_groups` (optimizer/__init__.py)
+`max_lr` / `min_lr` from `optimizer.lr` / `min_lr`, which the scheduler's `get_lr` reads before its own
+(`param_group.get('max_lr', self.max_lr)`, optimizer_param_scheduler.py); the Adam / SGD constructor's
+`betas`, `eps`, `momentum`. An optimizer's `load_state_dict` replaces each group's entries by the
+checkpoint's (torch `Optimizer.load_state_dict`, and megatron's through it), so a resume whose config
+changed them would train with the old ones while the run's log says the change was accepted. Not put
+back: the progress (a fused Adam's `step` in its group) and `lr` / `weight_decay`, which the scheduler sets
+from this config (`lr_schedule.restore_progress`)."""
+
+
+def _configured_hyperparameters(optimizer) -> list[dict[str, Any]]:
+    return [{k: g[k] for k in CONFIGURED_GROUP_KEYS if k in g} for g in optimizer.param_groups]
+
+
+def _put_back(optimizer, configured: list[dict[str, Any]]) -> None:
+    """This config's `CONFIGURED_GROUP_KEYS` over the loaded groups, the same groups in the same order
+    (torch's `load_state_dict` refuses another count)."""
+    for group, values in zip(optimizer.param_groups, configured, strict=True):
+        group.update(values)
 
 
 def load_weights(

@@ -56,6 +56,8 @@ def current_lr(scheduler: OptimizerParamScheduler) -> float:
 
 def restore_progress(scheduler: OptimizerParamScheduler, state: Mapping) -> None:
     """Set the scheduler to the step count of a checkpoint's `state_dict()`; the schedule's shape (peak,
-    warm-up, decay) stays the current config's, so a resumed run may change it deliberately."""
+    warm-up, decay) stays the current config's, so a resumed run may change it deliberately (the groups'
+    peak and floor, which megatron reads first, are this config's again after the optimizer's load:
+    `checkpoint.CONFIGURED_GROUP_KEYS`)."""
     scheduler.num_steps = int(state["num_steps"])
     scheduler.step(0)
