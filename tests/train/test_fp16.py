@@ -134,3 +134,68 @@ def test_an_overflow_at_the_scales_floor_is_a_nonfinite_gradient(hf_dir):
     assert not ok and math.isnan(norm)
     ok, norm = run_distributed(_nan_rank, 1, hf_dir, 2.0, 1)[0]
     assert not ok and norm is None  # backed off to the floor by this overflow: scale 1 is yet to be tried
+
+
+def _moe_overflow_rank(rank, world_size, hf_dir):  # noqa: ARG001
+    from megatron_tail.model import ModelSettings, load_hf_config
+    from megatron_tail.patches import cpu_device_scope
+    from megatron_tail.train import OptimizerSettings, build_trainer, make_micro_batches
+    from megatron_tail.train.engine.forward import OpSettings, run_micro_batches
+    from megatron_tail.train.engine.optimizer_step import guarded_step
+
+    init_rank(1, 1)
+    trainer = build_trainer(
+        load_hf_config(hf_dir),
+        hf_dir=hf_dir,
+        model_settings=ModelSettings(vocab_pad_multiple=PAD_MULTIPLE, precision="fp16"),
+        optim=OptimizerSettings(lr=1e-3, initial_loss_scale=2.0**10, loss_scale_hysteresis=1),
+    )
+    chain = trainer.optimizer.chained_optimizers  # dense, expert: a scaler each
+    mbs = make_micro_batches(make_samples(4, seed=3), micro_batch_size=2, seq_len=16)
+    loss = masked_nll_loss(global_loss_tokens(mbs, trainer.groups.dp))
+
+    def backward():
+        for chunk in trainer.chunks:
+            chunk.train()
+            chunk.zero_grad_buffer()
+        trainer.optimizer.zero_grad()
+        run_micro_batches(
+            trainer.chunks, mbs, lambda out, mb: (loss(out, mb)[0], {}), groups=trainer.groups,
+            vocab_size=trainer.vocab_size, op=OpSettings(), forward_only=False,
+        )  # fmt: skip
+
+    def unscaled_norms():  # of the dense and the expert main gradients, after prepare_grads unscaled them
+        return [
+            float(torch.stack([g.float().norm() for g in inner.get_main_grads_for_grad_norm()]).norm())
+            for inner in chain
+        ]
+
+    with cpu_device_scope():
+        backward()
+        trainer.optimizer.prepare_grads()  # unscaled at 2^10 (a clean step: the scales do not move)
+        before = unscaled_norms()
+        backward()  # an overflow in one dense gradient alone (as the output layer's can), then skipped
+        dense = next(p for p in trainer.chunks[0].parameters() if getattr(p, "allreduce", True))
+        dense.main_grad.view(-1)[0] = float("inf")
+        skipped = not guarded_step(trainer.optimizer)[0]
+        scales = [float(inner.grad_scaler.scale) for inner in chain]
+        backward()  # the same batch at the same weights: the same gradients, scaled by the lower scale
+        trainer.optimizer.prepare_grads()
+        after = unscaled_norms()
+    return len(chain), skipped, scales, float(trainer.optimizer.get_loss_scale()), before, after
+
+
+def test_an_fp16_moe_runs_dense_and_expert_gradients_share_one_loss_scale(tmp_path):
+    """megatron's chain of a dense and an expert optimizer holds a scaler each, and the loss is scaled by
+    the dense one's: an overflow in the dense gradients alone lowered only its scale, and from then on
+    every expert gradient was unscaled by the wrong factor (halved). Both scales follow the chain's
+    overflow now (`optimizer_step._prepare_grads`)."""
+    from tests.model.hf_moe import make_hf_moe
+
+    make_hf_moe(tmp_path, norm_topk_prob=True)
+    chained, skipped, scales, loss_scale, before, after = run_distributed(
+        _moe_overflow_rank, 1, str(tmp_path)
+    )[0]
+    assert chained == 2 and skipped
+    assert scales == [2.0**9, 2.0**9] and loss_scale == 2.0**9  # hysteresis 1: halved at once, both
+    assert after == pytest.approx(before, rel=1e-2)  # fp16 rounding at another scale; the bug halved one

@@ -109,7 +109,7 @@ def guarded_step(optimizer) -> tuple[bool, float | None]:
     `optimizer.step()` bit for bit (`tests/train/test_nonfinite_updates.py`).
     """
     scales = _loss_scales(optimizer)  # before `prepare_grads` lowers them
-    if optimizer.prepare_grads():  # fp16: a scaler found inf/NaN and lowered its scale
+    if _prepare_grads(optimizer, [scaler for scaler, _ in scales]):  # fp16: inf/NaN found, scale lowered
         # one that overflowed at its floor (megatron's `min_loss_scale`) cannot go lower: the gradients are
         # not finite at any scale, reported as NaN so that the run counts it (`run.nonfinite`)
         return False, (math.nan if _overflowed_at_floor(scales) else None)
@@ -128,6 +128,29 @@ def guarded_step(optimizer) -> tuple[bool, float | None]:
                 use_decoupled_grad=inner.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
             )
     return bool(optimizer.step_with_ready_grads()), grad_norm
+
+
+def _prepare_grads(optimizer, scalers: list) -> bool:
+    """`optimizer.prepare_grads()` (copy the gradients to the main ones; fp16: unscale, look for inf/NaN,
+    update the scale), with one loss scale for a chain of several scalers: True where inf/NaN was found.
+
+    An fp16 MoE run's `ChainedOptimizer` holds a dense and an expert optimizer, each with its own
+    `DynamicGradScaler` (megatron-core 0.16 `get_megatron_optimizer` builds one per parameter-group kind),
+    and its `prepare_grads` lets each update its own scaler from its own overflow. The loss is scaled by
+    the first one's alone (`ChainedOptimizer.get_loss_scale`), so once an overflow in one kind of gradient
+    moved one scale, the other kind was unscaled by a wrong factor at every later step (the expert
+    gradients halved), or overflowed again at every step until its scaler's floor. Here every scaler is
+    updated with the chain's overflow, so they stay equal to the scale the loss is multiplied by."""
+    if len(scalers) < 2:
+        return bool(optimizer.prepare_grads())
+    found = False
+    for inner in _inner_optimizers(optimizer):  # `MixedPrecisionOptimizer.prepare_grads`, but the update
+        if not inner.is_stub_optimizer:
+            inner._copy_model_grads_to_main_grads()
+        found |= bool(inner._unscale_main_grads_and_check_for_nan())
+    for scaler in scalers:
+        scaler.update(found)
+    return found
 
 
 def _inner_optimizers(optimizer) -> list:
