@@ -26,7 +26,9 @@ class OptimizerSettings:
     lr_decay_style: ScheduleStyle = "constant"
     """After the warm-up: "constant" (stay at `lr`), "linear" or "cosine" decay to `min_lr`."""
     lr_decay_steps: int | None = None
-    """RL step (warm-up included) at which the decay reaches `min_lr`; None: the run's `train.steps`."""
+    """RL steps (warm-up included) the decay spans: the steps after them train at `min_lr`, the last of them
+    a little above it, as megatron's `lr_decay_iters`. None: the run's `train.steps`, so its last step
+    trains at a rate above `min_lr` (with the default `min_lr` 0 it would train at 0, changing nothing)."""
     min_lr: float = 0.0
     """Learning rate at the end of the decay, in [0, lr]."""
     weight_decay: float = 0.0
@@ -127,10 +129,12 @@ class OptimizerSettings:
             )
 
     def schedule_steps(self, run_steps: int) -> int:
-        """The steps over which the schedule runs: `lr_decay_steps`, else the run's, and always past the
-        warm-up (megatron's scheduler needs decay steps > warm-up steps)."""
+        """The schedule's length in megatron's steps (`lr_decay_steps`): RL step k trains at its value after
+        k + 1 steps, so a decay over `lr_decay_steps` (else the run's) RL steps that reaches `min_lr` only
+        after the last of them is one step longer; and always past the warm-up (megatron's scheduler needs
+        decay steps > warm-up steps)."""
         steps = self.lr_decay_steps if self.lr_decay_steps is not None else run_steps
-        return max(int(steps), self.lr_warmup_steps + 1)
+        return max(int(steps) + 1, self.lr_warmup_steps + 1)
 
 
 def _is_int(value) -> bool:

@@ -14,8 +14,9 @@ COMPARED = [
     "train/lr", "train/kl_ref", "rollout/filtered_groups_fraction", "rollout/filtered_groups",
     "rollout/batch_fill", "train/entropy_loss", "reward/overlong_penalty_mean",
 ]  # fmt: skip
-# warm-up over 2 steps to 2e-3, cosine to 5e-4 at step 4: RL steps 1..4 train at
-LR_BY_STEP = [1e-3, 2e-3, 5e-4 + 0.5 * 1.5e-3, 5e-4]
+# warm-up over 2 steps to 2e-3, then the cosine over the other 2 of lr_decay_steps 4, which reaches 5e-4
+# after them (a third and two thirds of the way: 0.5·(1 + cos(π/3)) = 0.75, 0.25): RL steps 1..4 train at
+LR_BY_STEP = [1e-3, 2e-3, 5e-4 + 0.75 * 1.5e-3, 5e-4 + 0.25 * 1.5e-3]
 
 
 def run_rank(rank, world, overrides, sigterm_at_step):  # noqa: ARG001

@@ -117,7 +117,7 @@ def test_a_resume_trains_with_its_own_configs_rates_and_adam_settings(setup):
     Adam's progress (its step count) is the checkpoint's."""
     hf, ckpt, _ = setup
     lr, groups, steps = run_distributed(_changed_settings_rank, 1, hf, ckpt)[0]
-    assert lr == pytest.approx(1e-3 + (2e-2 - 1e-3) * (1 - 4 / 10), rel=1e-12)  # step 4 of a linear decay
+    assert lr == pytest.approx(1e-3 + (2e-2 - 1e-3) * (1 - 4 / 11), rel=1e-12)  # RL step 3 of 10 decaying
     assert groups and all(
         g == {"max_lr": 2e-2, "min_lr": 1e-3, "betas": (0.9, 0.99), "eps": 1e-6, "lr": lr} for g in groups
     )

@@ -20,7 +20,8 @@ class _Groups:
 
 
 def _by_hand(step: int, *, lr, warmup, decay_steps, min_lr, style) -> float:
-    """The rate of RL step `step` (0-based): the schedule after step + 1 steps, from the definitions."""
+    """The rate of RL step `step` (0-based): the schedule after step + 1 steps, from the definitions; the
+    decay reaches `min_lr` after `decay_steps` RL steps, at the one after them."""
     n = step + 1
     if warmup and n <= warmup:
         return lr * n / warmup
@@ -28,7 +29,7 @@ def _by_hand(step: int, *, lr, warmup, decay_steps, min_lr, style) -> float:
         return lr
     if n > decay_steps:
         return min_lr
-    ratio = (n - warmup) / (decay_steps - warmup)
+    ratio = (n - warmup) / (decay_steps + 1 - warmup)
     coeff = 1 - ratio if style == "linear" else 0.5 * (1 + math.cos(math.pi * ratio))
     return min_lr + coeff * (lr - min_lr)
 
@@ -53,6 +54,16 @@ def test_rates_per_rl_step_match_the_schedule_by_hand(style, warmup, decay_steps
     assert opt.param_groups[1]["lr"] == got[-1]  # every group follows the schedule
     if style != "constant" and warmup:
         assert max(got) == pytest.approx(1e-3) and got[-1] == pytest.approx(1e-4)
+    if style != "constant" and decay_steps is None:  # the run's last step still trains above min_lr
+        assert got[run_steps - 1] > min_lr and got[run_steps] == min_lr
+
+
+def test_a_decay_over_the_run_to_the_default_min_lr_trains_on_its_last_step():
+    """With `min_lr` 0 (the default), a decay that reached it at the last step trained that step at lr 0: a
+    whole rollout and update that changed no weight. It reaches 0 after the run now, as megatron's."""
+    settings = OptimizerSettings(lr=1e-3, lr_decay_style="linear")
+    scheduler = build_lr_scheduler(_Groups(), settings, run_steps=4)
+    assert [advance(scheduler) for _ in range(4)] == pytest.approx([8e-4, 6e-4, 4e-4, 2e-4], rel=1e-12)
 
 
 def test_weight_decay_schedule_and_no_decay_groups():
@@ -65,7 +76,7 @@ def test_weight_decay_schedule_and_no_decay_groups():
     for _ in range(5):
         advance(scheduler)
         seen.append(opt.param_groups[0]["weight_decay"])
-    assert seen == pytest.approx([0.01 + 0.09 * k / 4 for k in (1, 2, 3, 4)] + [0.1])
+    assert seen == pytest.approx([0.01 + 0.09 * k / 5 for k in (1, 2, 3, 4, 5)])
     assert opt.param_groups[1]["weight_decay"] == 0.0  # wd_mult 0 (biases, norms) stays undecayed
 
 
