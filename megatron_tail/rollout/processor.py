@@ -17,8 +17,10 @@ to `import megatron_tail` (install the package there with `pip install --no-deps
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
 import math
+import pickle
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -122,8 +124,42 @@ def _load_class(serialized: str):
         ) from e
 
 
+class _DVPOnlyUnpickler(pickle.Unpickler):
+    """Resolves the one global the DVP processor's pickle names and refuses any other, so that nothing else
+    a request sends is imported or run (Python's documented way of restricting globals, `pickle`'s
+    "Restricting Globals"). dill pickles an importable class by reference: its module and name, then
+    STACK_GLOBAL, which calls `find_class`."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) == (DVPLogitProcessor.__module__, DVPLogitProcessor.__qualname__):
+            return DVPLogitProcessor
+        raise pickle.UnpicklingError(f"it names {module}.{name}")
+
+
+def load_dvp_processor(serialized: str) -> DVPLogitProcessor:
+    """The DVP processor from its `to_str()` string (whatever pickle protocol the sender's dill used),
+    unpickled without resolving any other class or function (`_DVPOnlyUnpickler`); ValueError for any
+    other payload, naming what it is."""
+    if not isinstance(serialized, str):
+        raise ValueError(f"custom_logit_processor must be a string; got {type(serialized).__name__}")
+    try:
+        loaded = _DVPOnlyUnpickler(io.BytesIO(bytes.fromhex(json.loads(serialized)["callable"]))).load()
+    except (ValueError, KeyError, TypeError, EOFError, pickle.UnpicklingError) as e:
+        raise ValueError(
+            "custom_logit_processor: this engine runs megatron_tail's DVPLogitProcessor only "
+            f"(DVPLogitProcessor.to_str()); not this payload ({e}). Start it with "
+            "--enable-custom-logit-processor to run any (as SGLang's flag: the engine then runs code that "
+            "requests send)"
+        ) from e
+    if loaded is not DVPLogitProcessor:
+        raise ValueError(f"custom_logit_processor: the payload is {loaded!r}, not DVPLogitProcessor")
+    return DVPLogitProcessor()
+
+
 def load_custom_logit_processor(serialized: str):
-    """Instantiate a processor from its `to_str()` string with SGLang's own `CustomLogitProcessor.from_str`.
+    """Instantiate a processor from its `to_str()` string with SGLang's own `CustomLogitProcessor.from_str`:
+    any class the payload names is imported and run, so only where the engine opted in
+    (`--enable-custom-logit-processor`; `load_dvp_processor` otherwise).
 
     SGLang's module is loaded from its file on its own: importing the `sglang` package would run its
     `__init__`, which patches transformers and takes seconds. Without sglang installed, an identical

@@ -340,7 +340,23 @@ def test_oversized_request_is_rejected_with_a_clear_error(server_pair):
                 "sampling_params": {"max_new_tokens": 4},
                 "custom_logit_processor": "not json",
             },
-            "custom_logit_processor must be the string",
+            r"runs megatron_tail's DVPLogitProcessor only \(DVPLogitProcessor.to_str\(\)\); not this payload",
+        ),
+        (  # a payload that names any other global: refused before it is resolved (nothing imported or run)
+            {
+                "input_ids": [5],
+                "sampling_params": {"max_new_tokens": 4},
+                "custom_logit_processor": "PAYLOAD naming os.system",
+            },
+            r"not this payload \(it names posix.system\)\. Start it with --enable-custom-logit-processor",
+        ),
+        (
+            {
+                "input_ids": [5],
+                "sampling_params": {"max_new_tokens": 4},
+                "custom_logit_processor": "PAYLOAD naming no_such_module_xyz.f",
+            },
+            r"it names no_such_module_xyz.f",  # resolving it would have raised ModuleNotFoundError
         ),
         (
             {
@@ -355,9 +371,26 @@ def test_oversized_request_is_rejected_with_a_clear_error(server_pair):
 def test_engine_rejects_bad_requests_like_sglang(server_pair, body, message):
     if body.get("custom_logit_processor") == "PROCESSOR":
         body = {**body, "custom_logit_processor": DVPLogitProcessor.to_str()}
+    elif str(body.get("custom_logit_processor")).startswith("PAYLOAD naming "):
+        module, name = body["custom_logit_processor"].removeprefix("PAYLOAD naming ").rsplit(".", 1)
+        module = "posix" if module == "os" else module  # where os.system lives on Linux
+        body = {
+            **body,
+            "custom_logit_processor": json.dumps({"callable": _global_pickle(module, name).hex()}),
+        }
     status, answer = run(_post(server_pair[0].url, "/generate", body))
     assert status == 400
     assert re.search(message, answer["error"]["message"])
+
+
+def _global_pickle(module: str, name: str) -> bytes:
+    """A protocol-4 pickle of the global `module.name`, as dill writes an importable function or class (its
+    module, its name, STACK_GLOBAL), built by hand: pickling it would need it to exist."""
+
+    def text(value: str) -> bytes:  # SHORT_BINUNICODE, MEMOIZE
+        return b"\x8c" + bytes([len(value)]) + value.encode() + b"\x94"
+
+    return b"\x80\x04" + text(module) + text(name) + b"\x93\x94."
 
 
 async def _post(url, path, body):

@@ -417,3 +417,42 @@ def test_health_says_503_once_the_batch_loop_has_ended(tiny_model_dir):
             return statuses
 
     assert asyncio.run(scenario()) == [200, 503, 503, 503]
+
+
+def test_another_processor_runs_only_where_the_engine_opted_in(tiny_model_dir):
+    """SGLang's own DisallowedTokensLogitsProcessor: a default engine refuses it (400, its payload never
+    unpickled: `processor.load_dvp_processor`); one started with `--enable-custom-logit-processor` runs it,
+    as SGLang does with that flag, so greedy decoding never picks the disallowed token."""
+    import asyncio
+
+    import aiohttp
+
+    from megatron_tail.rollout.local_engine.server import build_app
+    from megatron_tail.rollout.processor import _sglang_custom_logit_processor_module
+    from tests.rollout.servers import serving_app
+
+    # loaded from its file, so dill pickles the class by value: its code, rebuilt by dill._dill._create_type
+    disallowed = _sglang_custom_logit_processor_module().DisallowedTokensLogitsProcessor.to_str()
+
+    def body(token_ids):
+        params = {"max_new_tokens": 6, "temperature": 0.0}
+        if token_ids is None:
+            return {"input_ids": [5, 6, 7], "sampling_params": params}
+        params["custom_params"] = {"token_ids": token_ids}
+        return {"input_ids": [5, 6, 7], "sampling_params": params, "custom_logit_processor": disallowed}
+
+    async def generate(engine, request):
+        async with serving_app(build_app(engine)) as url, aiohttp.ClientSession() as session:
+            async with session.post(f"{url}/generate", json=request) as reply:
+                return reply.status, await reply.json()
+
+    default = LocalEngine(tiny_model_dir, dtype="float32")
+    status, plain = asyncio.run(generate(default, body(None)))
+    assert status == 200
+    banned = sorted(set(plain["output_ids"]))
+    status, refused = asyncio.run(generate(default, body(banned)))
+    assert status == 400 and "it names dill._dill._create_type" in refused["error"]["message"]
+    opted_in = LocalEngine(tiny_model_dir, dtype="float32", enable_custom_logit_processor=True)
+    status, processed = asyncio.run(generate(opted_in, body(banned)))
+    assert status == 200 and len(processed["output_ids"]) == 6
+    assert not set(processed["output_ids"]) & set(banned)

@@ -39,7 +39,7 @@ from megatron_tail.rollout.local_engine.requests import GenerateItem
 from megatron_tail.rollout.local_engine.routes import RouteRecorder
 from megatron_tail.rollout.local_engine.sglang_defaults import DEFAULT_SAMPLING_MASK_MAX_TOKENS
 from megatron_tail.rollout.local_engine.truncation import batch_rule, sample_truncated
-from megatron_tail.rollout.processor import load_custom_logit_processor
+from megatron_tail.rollout.processor import load_dvp_processor
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +150,8 @@ class ContinuousBatcher:
                  max_running: int = 256, *, device: torch.device | None = None, fp8_kv_cache: bool = False,
                  logit_noise: float = 0.0, sampling_backend: str = "flashinfer",
                  sampling_mask_max_tokens: int = DEFAULT_SAMPLING_MASK_MAX_TOKENS,
-                 recorder: RouteRecorder | None = None):  # fmt: skip
+                 recorder: RouteRecorder | None = None,
+                 load_processor: Callable[[str], Any] = load_dvp_processor):  # fmt: skip
         self.model = model
         self.recorder = recorder
         """`--enable-return-routed-experts`: every forward's MoE routes go to its rows (`Row.routes`)."""
@@ -172,7 +173,7 @@ class ContinuousBatcher:
         """`[B, T]` int64: which cache columns of each running row hold tokens (left padding = 0)."""
         self._closed = False
         batch_rule(sampling_backend, [])  # refuses an unknown backend by name, here and not at the first step
-        self.sample = functools.partial(sample_rows, backend=sampling_backend)
+        self.sample = functools.partial(sample_rows, backend=sampling_backend, load_processor=load_processor)
         """`sample_rows` under the engine's sampling backend (`truncation.batch_rule`), or a test's recording
         wrapper of it."""
         self.sampling_mask_max_tokens = sampling_mask_max_tokens
@@ -496,7 +497,12 @@ def _left_pad_mask(mask: torch.Tensor, width: int) -> torch.Tensor:
     return mask if missing == 0 else torch.cat([mask.new_zeros(mask.shape[0], missing), mask], dim=1)
 
 
-def sample_rows(rows: list[Row], logits: torch.Tensor, backend: str = "flashinfer"):
+def sample_rows(
+    rows: list[Row],
+    logits: torch.Tensor,
+    backend: str = "flashinfer",
+    load_processor: Callable[[str], Any] = load_dvp_processor,
+):
     """`(tokens [B] list of int, logprobs [B] list of float, top [B] of [[logprob, id], ...] | None,
     masks [B] of (support ids, truncated log-prob) | None)` of one step, in SGLang's sampler order: custom
     logit processor → ÷ T → log-softmax → sample with the row's own generator (greedy, T = 0: argmax,
@@ -507,7 +513,7 @@ def sample_rows(rows: list[Row], logits: torch.Tensor, backend: str = "flashinfe
     generator, so a seed draws the same tokens on any device. Row-wise math runs batched; only the draw
     is per row."""
     rule = batch_rule(backend, [r.item.truncation for r in rows])
-    _apply_processors(rows, logits)
+    _apply_processors(rows, logits, load_processor)
     logits = logits.cpu()
     temperatures = torch.tensor([[r.item.temperature or 1.0] for r in rows], dtype=logits.dtype)
     row_logprobs = torch.log_softmax(logits / temperatures, dim=-1)
@@ -555,14 +561,15 @@ def draw_categorical(probs: torch.Tensor, generators: list[torch.Generator]) -> 
     return torch.argmax(probs / q, dim=-1)
 
 
-def _apply_processors(rows: list[Row], logits: torch.Tensor) -> None:
-    """Run each request's custom logit processor on its rows, as SGLang's `apply_custom_logit_processor`."""
+def _apply_processors(rows: list[Row], logits: torch.Tensor, load_processor: Callable[[str], Any]) -> None:
+    """Run each request's custom logit processor (`load_processor(its to_str() string)`) on its rows, as
+    SGLang's `apply_custom_logit_processor`."""
     rows_by_processor: dict[str, list[int]] = {}
     for i, row in enumerate(rows):
         if row.item.processor is not None:
             rows_by_processor.setdefault(row.item.processor, []).append(i)
     for serialized, indices in rows_by_processor.items():
-        processor = load_custom_logit_processor(serialized)
+        processor = load_processor(serialized)
         params = [with_request(rows[i].item, rows[i].outputs) for i in indices]
         index = torch.tensor(indices, dtype=torch.long, device=logits.device)
         result = processor(logits.index_select(0, index), params)

@@ -85,6 +85,13 @@ def add_serve_local_parser(subparsers) -> argparse.ArgumentParser:
         help="SGLang's flag: record an MoE model's routed experts per token and layer and return them when a "
         "request sets return_routed_experts (without it such requests get no routes, as with SGLang)",
     )
+    parser.add_argument(
+        "--enable-custom-logit-processor",
+        action="store_true",
+        help="SGLang's flag: run any custom_logit_processor a request sends (its pickled class is loaded and "
+        "run: code from whoever reaches the port); without it only megatron_tail's DVP processor, loaded "
+        "without running anything else",
+    )
     parser.set_defaults(func=serve_local)
     return parser
 
@@ -158,6 +165,7 @@ def make_engine(args: argparse.Namespace):
         logit_noise=args.logit_noise,
         sampling_backend=args.sampling_backend,
         enable_return_routed_experts=args.enable_return_routed_experts,
+        enable_custom_logit_processor=args.enable_custom_logit_processor,
     )
 
 

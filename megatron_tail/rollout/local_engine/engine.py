@@ -41,6 +41,7 @@ from megatron_tail.rollout.local_engine.sglang_defaults import (
     SAMPLING_BACKENDS,
 )
 from megatron_tail.rollout.local_engine.weights import load_named_tensors_, read_safetensors_dir
+from megatron_tail.rollout.processor import load_custom_logit_processor, load_dvp_processor
 from megatron_tail.rollout.routes import encode_routes
 from megatron_tail.utils.eos import eos_id_entries
 
@@ -68,6 +69,7 @@ class LocalEngine:
         max_running: int = 256,
         sampling_backend: str = "flashinfer",
         enable_return_routed_experts: bool = False,
+        enable_custom_logit_processor: bool = False,
     ):
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -120,7 +122,13 @@ class LocalEngine:
             sampling_backend=sampling_backend,
             sampling_mask_max_tokens=sampling_mask_max_tokens,
             recorder=RouteRecorder(self.model) if enable_return_routed_experts else None,
+            load_processor=(
+                load_custom_logit_processor if enable_custom_logit_processor else load_dvp_processor
+            ),
         )
+        self.enable_custom_logit_processor = enable_custom_logit_processor
+        """SGLang's `--enable-custom-logit-processor`: run any processor a request sends (its class is
+        unpickled and run); without it only the DVP processor (`processor.load_dvp_processor`)."""
         self.weight_version = str(weight_version)
 
     @property

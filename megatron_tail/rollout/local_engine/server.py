@@ -25,7 +25,7 @@ from aiohttp import web
 from megatron_tail.rollout.local_engine.engine import LocalEngine, RowError, raise_row_errors
 from megatron_tail.rollout.local_engine.requests import BadRequest, parse_generate_body
 from megatron_tail.rollout.process_group import init_custom_process_group
-from megatron_tail.rollout.processor import load_custom_logit_processor
+from megatron_tail.rollout.processor import load_custom_logit_processor, load_dvp_processor
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ async def generate(request: web.Request) -> web.Response:
             max_batch=request.app[MAX_BATCH_KEY],
             sampling_mask_max_tokens=engine.sampling_mask_max_tokens,
         )
-        _check_processors(parsed.items)
+        _check_processors(parsed.items, engine.enable_custom_logit_processor)
         outputs = await _generate(engine, parsed.items, request)
         if outputs is None:  # the client went away
             return _error("the client disconnected; its request was aborted", status=499)
@@ -129,16 +129,17 @@ async def generate(request: web.Request) -> web.Response:
     return web.json_response(outputs if parsed.batched else outputs[0], dumps=_dumps)
 
 
-def _check_processors(items) -> None:
-    """Load each request's processor, and check the DVP processor's custom_params of every row now: checked
-    only when it runs, a bad row failed the rows of other requests admitted in the same batch."""
+def _check_processors(items, any_processor: bool) -> None:
+    """Load each request's processor (only the DVP one unless `any_processor`: `processor.load_dvp_processor`,
+    which runs nothing else the payload names), and check the DVP processor's custom_params of every row
+    now: checked only when it runs, a bad row failed the rows of other requests admitted in the same batch.
+    ValueError (HTTP 400) naming what is wrong."""
     from megatron_tail.rollout.processor import DVPLogitProcessor, row_setting
 
     from .batcher import with_request
 
-    loaded = {
-        s: load_custom_logit_processor(s) for s in {i.processor for i in items if i.processor is not None}
-    }
+    load = load_custom_logit_processor if any_processor else load_dvp_processor
+    loaded = {s: load(s) for s in {i.processor for i in items if i.processor is not None}}
     for item in items:
         if item.processor is not None and isinstance(loaded[item.processor], DVPLogitProcessor):
             row_setting(with_request(item, []))
@@ -233,7 +234,7 @@ async def server_info(request: web.Request) -> web.Response:
             "dp_size": 1,
             "context_length": engine.context_length,
             "weight_version": engine.weight_version,
-            "enable_custom_logit_processor": True,
+            "enable_custom_logit_processor": engine.enable_custom_logit_processor,
             "version": "megatron-tail-local-engine",
         }
     )
