@@ -976,6 +976,19 @@ def test_a_cpu_local_engine_refuses_an_nccl_group_at_once_and_its_own_trainer_as
         sync._listen_socket.close()
         backends[local] = sync.backend
     assert backends == {True: "gloo", False: "nccl"}
+    # the rendezvous (an unauthenticated TCPStore) listens where its engines reach it: on loopback alone
+    # for loopback (a local engine; it listened on every interface), on every interface for a node's name
+    bound = {}
+    for address in ("", "127.0.0.1", "localhost"):
+        monkeypatch.setenv("SLURMD_NODENAME", "localhost")
+        sync = _weight_sync(
+            RolloutSection(weight_sync=WeightSyncSection(mode="distributed", master_address=address)),
+            ["http://127.0.0.1:1"],
+            local=address == "",
+        )
+        bound[address] = sync._listen_socket.getsockname()[0]
+        sync._listen_socket.close()
+    assert bound["127.0.0.1"] == bound[""] == "127.0.0.1" and bound["localhost"] in ("0.0.0.0", "::")
 
     received, loaded = [], []
     engine = type("Engine", (), {"device": torch.device("meta")})()

@@ -36,6 +36,9 @@ from .plan import Reporting, RolloutPlan
 
 logger = logging.getLogger(__name__)
 
+LOOPBACK = "127.0.0.1"
+"""Where a local engine and the trainer reach each other (its URL, the weight group's rendezvous)."""
+
 ENGINE_POLL_S = 0.5
 """While waiting for the engines, how often to check that the local engine process is still there: its
 requests cannot come back once it is gone, and the client would otherwise probe a dead port for a minute."""
@@ -491,13 +494,19 @@ def _weight_sync(settings: RolloutSection, urls: list[str], local: bool):
 
     # rank 0 hosts the group's rendezvous: the engines reach it by the name its node has for Slurm
     address = r.weight_sync.master_address or (
-        "127.0.0.1" if local else os.environ.get("SLURMD_NODENAME") or socket.getfqdn()
+        LOOPBACK if local else os.environ.get("SLURMD_NODENAME") or socket.getfqdn()
     )
     engine_dtype = r.local_engine_dtype if local else (r.dtype or "bfloat16")
     return DistributedWeightSync(
         urls,
         master_address=address,
-        listen_socket=reserve_named_port("rollout.weight_sync.master_port", "", r.weight_sync.master_port),
+        # a TCPStore has no authentication: where the engines reach it over loopback (a local engine), it
+        # listens on loopback only, not on every interface of the node
+        listen_socket=reserve_named_port(
+            "rollout.weight_sync.master_port",
+            address if address == LOOPBACK else "",
+            r.weight_sync.master_port,
+        ),
         # NCCL carries GPU tensors only, and the local engine receives into host buffers unless it runs on
         # a GPU itself (`local_engine.server._receive_and_load`); gloo takes the trainer's CUDA tensors too
         backend="nccl" if torch.cuda.is_available() and not local else "gloo",
