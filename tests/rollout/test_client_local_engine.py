@@ -396,3 +396,24 @@ def _global_pickle(module: str, name: str) -> bytes:
 async def _post(url, path, body):
     async with aiohttp.ClientSession() as session, session.post(f"{url}{path}", json=body) as resp:
         return resp.status, json.loads(await resp.text())
+
+
+@pytest.mark.parametrize("path", ["/generate", "/update_weight_version", "/destroy_weights_update_group"])
+def test_a_malformed_body_is_the_requests_fault_on_every_endpoint(server_pair, path):
+    """Nested past the parser's recursion, not UTF-8, an integer past Python's digit limit: HTTP 400 naming
+    it (a 500 reads as the engine's fault: the client retries it, the run reports the engine)."""
+    bodies = {
+        "RecursionError": b"[" * 100_000,
+        "UnicodeDecodeError": b'{"text": "\xff"}',
+        "ValueError": b'{"weight_version": ' + b"9" * 5000 + b"}",
+    }
+
+    async def post(body):
+        headers = {"Content-Type": "application/json"}
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"{server_pair[0].url}{path}", data=body, headers=headers) as resp:
+                return resp.status, await resp.text()
+
+    for error, body in bodies.items():
+        status, text = run(post(body))
+        assert status == 400 and f"body is not valid JSON: {error}" in text, (error, status, text[:300])

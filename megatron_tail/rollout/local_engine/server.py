@@ -82,8 +82,10 @@ async def _json_body(request: web.Request) -> Any:
         return {}
     try:
         return await request.json()
-    except json.JSONDecodeError as e:
-        raise BadRequest(f"body is not valid JSON: {e}") from e
+    # not JSON, not UTF-8 (UnicodeDecodeError), an integer past Python's digit limit (ValueError), or nested
+    # deeper than the parser's recursion (RecursionError): the request's fault on every endpoint, a 400
+    except (ValueError, RecursionError) as e:
+        raise BadRequest(f"body is not valid JSON: {type(e).__name__}: {str(e)[:200]}") from e
 
 
 async def _object_body(request: web.Request, expected: str) -> dict[str, Any]:
