@@ -456,3 +456,44 @@ def test_another_processor_runs_only_where_the_engine_opted_in(tiny_model_dir):
     status, processed = asyncio.run(generate(opted_in, body(banned)))
     assert status == 200 and len(processed["output_ids"]) == 6
     assert not set(processed["output_ids"]) & set(banned)
+
+
+def test_a_body_being_parsed_does_not_hold_the_other_requests(tiny_model_dir):
+    """A `/generate` body is parsed and tokenized off the event loop (`server.PARSER_KEY`): while one is
+    (held here in its tokenizer), `/health` answers. Before, a large text body held the loop for seconds
+    (10 s for 8 MB of text in the audit), and the client marked the engine unhealthy meanwhile."""
+    import asyncio
+    import threading
+
+    import aiohttp
+
+    from megatron_tail.rollout.local_engine.server import build_app
+    from tests.rollout.servers import serving_app
+
+    engine = LocalEngine(tiny_model_dir, dtype="float32")
+    entered, release, released = threading.Event(), threading.Event(), []
+    tokenize = engine.tokenize
+
+    def held_tokenize(text):  # until the test has had its /health answer (on the loop: never, 60 s)
+        entered.set()
+        released.append(release.wait(60))
+        return tokenize(text)
+
+    engine.tokenize = held_tokenize
+    body = {"text": "hello", "sampling_params": {"max_new_tokens": 2, "temperature": 0.0}}
+
+    async def scenario():
+        async with serving_app(build_app(engine)) as url, aiohttp.ClientSession() as session:
+            generating = asyncio.ensure_future(session.post(f"{url}/generate", json=body))
+            try:
+                assert await asyncio.to_thread(entered.wait, 120)
+                timeout = aiohttp.ClientTimeout(total=60)
+                async with session.get(f"{url}/health", timeout=timeout) as health:
+                    healthy = health.status
+            finally:
+                release.set()
+            async with await generating as reply:
+                return healthy, reply.status, len((await reply.json())["output_ids"])
+
+    assert asyncio.run(scenario()) == (200, 200, 2)
+    assert released == [True]  # released by the test once /health had answered, not by its own time-out

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -33,6 +35,10 @@ MAX_REQUEST_BYTES = 256 * 1024 * 1024
 ENGINE_KEY = web.AppKey("engine", LocalEngine)
 GROUPS_KEY = web.AppKey("weight_update_groups", dict)
 MAX_BATCH_KEY = web.AppKey("max_batch", int)
+PARSER_KEY = web.AppKey("request_parser", ThreadPoolExecutor)
+"""One thread that parses and tokenizes `/generate` bodies: off the event loop, which a large body (up to
+`MAX_REQUEST_BYTES`) held for seconds (every other request, `/health`, the disconnect checks waiting behind
+it, long enough for the client to mark the engine unhealthy); one, as the tokenizer is one object."""
 SESSION_KEY = web.AppKey("weight_update_session", dict)
 """{"open": bool}: SGLang's `SchedulerWeightUpdater._session` (is a begin/end weight-update session open)."""
 
@@ -43,6 +49,8 @@ def build_app(engine: LocalEngine, *, max_batch: int = 1024) -> web.Application:
     app[GROUPS_KEY] = {}
     app[MAX_BATCH_KEY] = max_batch
     app[SESSION_KEY] = {"open": False}
+    app[PARSER_KEY] = ThreadPoolExecutor(1, thread_name_prefix="local-engine-parse")
+    app.on_cleanup.append(_stop_parser)
     app.router.add_route("POST", "/generate", generate)
     app.router.add_route("PUT", "/generate", generate)
     for path in ("/health", "/health_generate"):
@@ -64,6 +72,10 @@ def build_app(engine: LocalEngine, *, max_batch: int = 1024) -> web.Application:
     return app
 
 
+async def _stop_parser(app: web.Application) -> None:
+    app[PARSER_KEY].shutdown(wait=False, cancel_futures=True)
+
+
 def _dumps(value: Any) -> str:
     return json.dumps(value, allow_nan=True)
 
@@ -77,14 +89,21 @@ def _result(success: bool, message: str, **extra) -> web.Response:
     return web.json_response(body, status=200 if success else 400, dumps=_dumps)
 
 
-async def _json_body(request: web.Request) -> Any:
+async def _json_body(request: web.Request, parser: ThreadPoolExecutor | None = None) -> Any:
+    """The request's JSON body ({} without one), parsed in `parser`'s thread where given."""
     if not request.can_read_body:
         return {}
+    raw = await request.read()
+    loads = functools.partial(_loads, raw, request.charset or "utf-8")
+    return loads() if parser is None else await asyncio.get_running_loop().run_in_executor(parser, loads)
+
+
+def _loads(raw: bytes, charset: str) -> Any:
     try:
-        return await request.json()
+        return json.loads(raw.decode(charset))
     # not JSON, not UTF-8 (UnicodeDecodeError), an integer past Python's digit limit (ValueError), or nested
     # deeper than the parser's recursion (RecursionError): the request's fault on every endpoint, a 400
-    except (ValueError, RecursionError) as e:
+    except (ValueError, RecursionError, LookupError) as e:  # LookupError: a charset Python does not know
         raise BadRequest(f"body is not valid JSON: {type(e).__name__}: {str(e)[:200]}") from e
 
 
@@ -107,15 +126,18 @@ def _json_type(value: Any) -> str:
 
 async def generate(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
+    parser = request.app[PARSER_KEY]
     try:
-        parsed = parse_generate_body(
-            await _json_body(request),
+        parse = functools.partial(
+            parse_generate_body,
+            await _json_body(request, parser),
             tokenize=engine.tokenize if engine.tokenizer is not None else None,
             vocab_size=engine.vocab_size,
             context_length=engine.context_length,
             max_batch=request.app[MAX_BATCH_KEY],
             sampling_mask_max_tokens=engine.sampling_mask_max_tokens,
         )
+        parsed = await asyncio.get_running_loop().run_in_executor(parser, parse)
         _check_processors(parsed.items, engine.enable_custom_logit_processor)
         outputs = await _generate(engine, parsed.items, request)
         if outputs is None:  # the client went away
