@@ -23,6 +23,7 @@ import aiohttp
 
 from megatron_tail.rollout import json_body
 from megatron_tail.rollout.columns import BUILTIN_COLUMNS, ColumnTable
+from megatron_tail.rollout.http_session import engine_session
 from megatron_tail.rollout.occupancy import EngineOccupancy
 from megatron_tail.rollout.processor import DVPLogitProcessor
 from megatron_tail.rollout.protocol import (
@@ -231,8 +232,7 @@ class RolloutClient:
     @property
     def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(limit=0)  # bounded by `_connections` (and the probes)
-            self._session = aiohttp.ClientSession(connector=connector)
+            self._session = engine_session(limit=0)  # bounded by `_connections` (and the probes)
             self._connections = asyncio.Semaphore(self.config.max_concurrency + len(self.urls))
         return self._session
 

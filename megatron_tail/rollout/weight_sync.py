@@ -69,6 +69,7 @@ from typing import Any, Protocol
 import aiohttp
 import torch
 
+from megatron_tail.rollout.http_session import engine_session
 from megatron_tail.rollout.process_group import destroy_custom_process_group, init_custom_process_group
 from megatron_tail.utils.errors import OutsideFailure
 from megatron_tail.utils.net import base_urls
@@ -391,7 +392,7 @@ class DiskWeightSync:
             "flush_cache": self.servers.flush_cache,
             "load_format": "auto",
         }
-        async with aiohttp.ClientSession() as session:
+        async with engine_session() as session:
 
             async def update():
                 return await self.servers.post_all(
@@ -516,7 +517,7 @@ class DistributedWeightSync:
         """Form the group: this process joins as rank 0 while every engine joins at its rank offset (each
         engine's TP size given, or asked for now)."""
         if self.engine_tp_sizes is None:
-            async with aiohttp.ClientSession() as session:
+            async with engine_session() as session:
                 self.engine_tp_sizes = await self._ask_tp_sizes(session)
             self._set_layout(self.engine_tp_sizes)
         bodies = [
@@ -546,7 +547,7 @@ class DistributedWeightSync:
                 abandon=abandon,
             )
         )
-        async with aiohttp.ClientSession() as session:
+        async with engine_session() as session:
             posts = [
                 asyncio.ensure_future(self.servers.post_one(session, url, "/init_weights_update_group", body))
                 for url, body in zip(self.servers.urls, bodies, strict=True)
@@ -598,7 +599,7 @@ class DistributedWeightSync:
             raise RuntimeError("call init_group() before update()")
         version = next_version(self.weight_version) if weight_version is None else str(weight_version)
         stats = {"buckets": 0, "tensors": 0, "peak_bytes": 0}
-        async with aiohttp.ClientSession() as session:
+        async with engine_session() as session:
 
             async def send(bucket: list[tuple[str, torch.Tensor]], last: bool) -> None:
                 body = {
@@ -658,7 +659,7 @@ class DistributedWeightSync:
     async def destroy_group(self) -> None:
         """Ask every engine to drop the group, then drop it here (kept while a broadcast still runs in it:
         `broadcast_waiting`; destroying a gloo group under a running collective can abort the process)."""
-        async with aiohttp.ClientSession() as session:
+        async with engine_session() as session:
             bodies = [{"group_name": self.group_name}] * len(self.servers.urls)
             await self.servers.post_all(session, "/destroy_weights_update_group", bodies)
         if self.group is not None and not self.broadcast_waiting():
