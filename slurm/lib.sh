@@ -18,15 +18,6 @@ mt_port_base() { # mt_port_base JOBID : first of 16 ports owned by this job (100
   echo $((10000 + ($1 % 750) * 16))
 }
 
-mt_check_ports() { # mt_check_ports FIRST COUNT : die naming the first port of the block that is taken here
-  local p
-  for ((p = $1; p < $1 + $2; p++)); do
-    if (exec 3<> "/dev/tcp/127.0.0.1/$p") 2> /dev/null; then
-      mt_die "port $p (of this job's block $1..$(($1 + $2 - 1))) is already in use on $(hostname); set MT_PORT_BASE"
-    fi
-  done
-}
-
 mt_stop_timer() { # mt_stop_timer BUDGET PID : background sleeper that sends USR1 to PID BUDGET s before
   # the job's time limit (squeue's end time); prints its pid, or nothing without a limit or time for it
   local end now delay

@@ -12,6 +12,8 @@
                                                              poll GET URL/health until all answer 200
     mt_slurm.py torchrun-flags NAME...                       print those of --NAME... that this Python's
                                                              torchrun accepts, one per line
+    mt_slurm.py check-ports FIRST COUNT                      exit 2 naming the first port of the block
+                                                             that something on this node holds
 
 `serve` is meant to run as an srun task: task `SLURM_LOCALID` = i on a node listens on `port_base + i`
 and drives tp GPUs: the GPUs `[i·tp, (i+1)·tp)` of those it sees, or, where the site binds GPUs per task
@@ -29,6 +31,7 @@ the standard library at module level, so `wait-healthy` starts in well under a s
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import shlex
 import socket
@@ -271,6 +274,51 @@ def wait_healthy(args: argparse.Namespace) -> int:
     return 0
 
 
+def port_in_use(port: int) -> OSError | None:
+    """The error of binding `port` on every interface of this node (IPv6 and IPv4), or None where nothing
+    holds it. Something listening on any address (a server bound to the node's name, 127.0.0.1 or all)
+    or holding the port bound makes the bind fail; SO_REUSEADDR lets it through connections lingering in
+    TIME_WAIT and this check run at once on another node of the same host (a test's local cluster), as
+    neither listens. A probe of 127.0.0.1 alone missed a server on the node's own address."""
+    for family, address in ((socket.AF_INET6, ("::", port)), (socket.AF_INET, ("0.0.0.0", port))):
+        try:
+            sock = socket.socket(family)
+        except OSError as e:
+            if e.errno == errno.EAFNOSUPPORT:  # no IPv6 on this host
+                continue
+            raise
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            sock.bind(address)
+            return None
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return e
+            if family == socket.AF_INET6 and e.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
+                continue
+            raise
+        finally:
+            sock.close()
+    return None
+
+
+def check_ports(args: argparse.Namespace) -> int:
+    """0 where every port of the block is free on this node; 2, naming the first taken, where not."""
+    last = args.first + args.count - 1
+    for port in range(args.first, last + 1):
+        if port_in_use(port) is not None:
+            print(
+                f"port {port} (of this job's block {args.first}..{last}) is already in use on "
+                f"{_node_host()}; set MT_PORT_BASE to another block",
+                file=sys.stderr,
+                flush=True,
+            )
+            return 2
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mt_slurm.py", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -331,6 +379,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("torchrun-flags", help="which of --NAME... this Python's torchrun accepts")
     p.add_argument("names", nargs="+", metavar="NAME", help="a flag without its dashes")
     p.set_defaults(func=torchrun_flags)
+
+    p = sub.add_parser("check-ports", help="exit 2 naming the first port of the block held on this node")
+    p.add_argument("first", type=int)
+    p.add_argument("count", type=int)
+    p.set_defaults(func=check_ports)
 
     p = sub.add_parser("wait-healthy", help="wait until every URL answers GET /health with 200")
     p.add_argument("--timeout", type=float, default=900.0)

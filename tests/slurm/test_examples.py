@@ -50,6 +50,15 @@ def test_there_are_examples_for_both_models_estimators_and_methods():
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_rl_sbatch_waits_for_the_servers_as_long_as_the_example_means_to(path):
+    """Under rl.sbatch the servers' start is timed by `cluster.health_timeout_s` (its wait-healthy), before
+    the trainer and its `rollout.startup_timeout_s` exist: the MoE examples raised only the latter (30 and
+    60 min for their weights), so a server loading for over 15 min ended the job."""
+    cfg = load_config(path)
+    assert cfg.cluster.health_timeout_s >= cfg.rollout.startup_timeout_s
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
 def test_example_matches_the_config_schema(path):
     cfg = load_config(path)  # unknown keys or bad values raise ConfigError naming the key
     cfg.check_runnable()

@@ -25,10 +25,12 @@ def _run(
     dry: bool,
     config: str | Path = EXAMPLE,
     gpu_mib: int | None = None,
+    srun_then: str = "",
     **env_over: str,
 ) -> subprocess.CompletedProcess:
-    """rl.sbatch outside Slurm with stand-ins: `scontrol` lists the nodes, `srun`/`squeue` record calls;
-    with `gpu_mib`, `nvidia-smi` reports 8 GPUs of that memory."""
+    """rl.sbatch outside Slurm with stand-ins: `scontrol` lists the nodes, `srun`/`squeue` record calls
+    (`srun_then`: shell lines `srun` runs after recording); with `gpu_mib`, `nvidia-smi` reports 8 GPUs of
+    that memory."""
     bindir = tmp_path / "bin"
     bindir.mkdir(exist_ok=True)
     smi = bindir / "nvidia-smi"
@@ -41,7 +43,8 @@ def _run(
         '#!/bin/sh\nif [ "$1 $2" = "show hostnames" ]; then echo "$3" | tr , "\\n"; fi\n'
     )
     for name in ("srun", "squeue"):
-        (bindir / name).write_text(f'#!/bin/sh\necho "{name} $*" >> {calls}\n')
+        then = srun_then if name == "srun" else ""
+        (bindir / name).write_text(f'#!/bin/sh\necho "{name} $*" >> {calls}\n{then}')
     for f in bindir.iterdir():
         f.chmod(0o755)
     where = ["--set", f"run_dir={tmp_path / 'run'}", "--set", f"model.hf_path={QWEN3_8B}"]
@@ -109,7 +112,7 @@ def test_the_layout_is_the_configs_and_checked_against_the_allocation(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     assert "layout: rollout gpu1 (sglang, 2/node), trainer gpu2 (1 x 8, TP 2 PP 1)" in out, out
-    assert "--tp 4 --ep 2 --dtype bfloat16 --extra-args --chunked-prefill-size 8192" in out, out
+    assert "--tp 4 --ep 2 --dtype bfloat16 --extra-args=--chunked-prefill-size 8192" in out, out
     assert "router:" not in out and "--mem-fraction-static 0.85" in out  # the example's mem_fraction
     # the plan read the same section (through the same --set): EP on the dense 8B is refused by its key
     assert "plan: error: cluster.sglang.ep=2 (SGLang --ep-size) needs a mixture-of-experts model" in out, out
@@ -326,3 +329,68 @@ def test_gpus_smaller_than_the_config_says_are_planned_with_their_memory(tmp_pat
     assert "x 8 GPUs of 40 GiB" in small.stdout, small.stdout
     h100 = _run(tmp_path, dry=True, gpu_mib=81559)  # an "80GB" H100: its 79.6 GiB is the config's 80
     assert "nvidia-smi" not in h100.stdout and "x 8 GPUs of 80 GiB" in h100.stdout, h100.stdout
+
+
+def test_one_sglang_flag_in_extra_args_reaches_the_servers(tmp_path):
+    """`cluster.sglang.extra_args: [--disable-radix-cache]`: given as `--extra-args VALUE`, a value that
+    starts with `--` and holds no space was read by argparse as a flag of its own, and every server task
+    exited 2 once the job ran; `--extra-args=VALUE` is one argument whatever it holds."""
+    proc = _run(tmp_path, "--set", "cluster.sglang.extra_args=[--disable-radix-cache]", dry=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "--extra-args=--disable-radix-cache --server-python" in proc.stdout
+    spec = importlib.util.spec_from_file_location("mt_slurm_extra", REPO / "slurm" / "mt_slurm.py")
+    helper = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(helper)
+    for value in ("--disable-radix-cache", "--chunked-prefill-size=8192", ""):
+        argv = [
+            "serve",
+            "--backend",
+            "sglang",
+            "--model-path",
+            "/m",
+            "--port-base",
+            "9000",
+            f"--extra-args={value}",
+        ]
+        assert helper.build_parser().parse_args(argv).extra_args == value
+
+
+def test_a_missing_slurm_variable_is_one_line(tmp_path):
+    for var in ("SLURM_JOB_ID", "SLURM_JOB_NODELIST"):
+        proc = _run(tmp_path, dry=True, **{var: ""})
+        said = (proc.stdout + proc.stderr).strip().splitlines()
+        why = f"ERROR: {var} is not set: submit this script with sbatch (a dry run sets it: slurm/README.md)"
+        assert proc.returncode == 1 and len(said) == 1 and said[0].endswith(why), said
+
+
+def test_the_router_binds_where_the_servers_do(tmp_path):
+    proc = _run(tmp_path, dry=True, MT_BIND_HOST="0.0.0.0")
+    (router,) = [line for line in proc.stdout.splitlines() if line.startswith("router: ")]
+    assert " router --port 17872 " in router and "--host 0.0.0.0 http://gpu1:17875" in router, router
+
+
+def test_every_node_checks_the_jobs_ports_before_anything_starts(tmp_path, tiny_model_dir, prompt_file):
+    """The port check runs on every node (`mt_slurm.py check-ports`, one srun task per node): the servers'
+    nodes and the trainer's first (rendezvous, weight sync). A taken port is one line, nothing started."""
+    from tests.slurm.test_rl_sbatch import write_config
+
+    tiny = ("--set", f"model.hf_path={tiny_model_dir}")  # after _run's, which names a config-only 8B
+    config = write_config(tmp_path, tiny_model_dir, prompt_file, steps=1)
+    proc = _run(tmp_path, *tiny, dry=False, config=config, SLURM_GPUS_ON_NODE="0")
+    check = [c for c in proc.srun_calls if " check-ports " in c]
+    assert len(check) == 1 and "--nodes=2 --ntasks=2 --ntasks-per-node=1" in check[0], proc.srun_calls
+    assert check[0].endswith("check-ports 17872 16")
+    assert proc.srun_calls.index(check[0]) == 0  # before the servers' step
+    # a node where a port is taken: its helper's line, and no other step
+    said = (
+        "port 17880 (of this job's block 17872..17887) is already in use on gpu2; "
+        "set MT_PORT_BASE to another block"
+    )
+    fails = (
+        'case "$*" in *check-ports*) echo "srun: error: gpu2: task 1: Exited with exit code 2" >&2; '
+        f'echo "{said}" >&2; exit 2;; esac\n'
+    )
+    (tmp_path / "calls").unlink()
+    taken = _run(tmp_path, *tiny, dry=False, config=config, SLURM_GPUS_ON_NODE="0", srun_then=fails)
+    assert taken.returncode == 1 and f"ERROR: {said}" in taken.stdout, taken.stdout + taken.stderr
+    assert [c for c in taken.srun_calls if " check-ports " not in c] == []

@@ -144,3 +144,30 @@ def test_serve_local_maps_deterministic_to_the_pytorch_sampler(monkeypatch, flag
         assert "--sampling-backend" not in cmd  # the local engine's default: flashinfer, as SGLang on CUDA
     else:
         assert cmd[cmd.index("--sampling-backend") + 1] == backend
+
+
+def test_check_ports_sees_a_server_on_any_address_of_the_node():
+    """`mt_slurm.py check-ports` (run on every node by rl.sbatch): a port something listens on, on an
+    address other than 127.0.0.1 (the servers bind the node's name), is taken; the rl.sbatch probe of
+    127.0.0.1 alone missed it. The same check running at once on another node of the same host (a local
+    test cluster) is not mistaken for a server."""
+    import socket
+
+    server = socket.socket()
+    server.bind(("127.0.0.2", 0))  # a loopback address that is not 127.0.0.1
+    server.listen()
+    port = server.getsockname()[1]
+    checker = socket.socket(socket.AF_INET6)  # as check-ports binds, at this moment on the other "node"
+    checker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    checker.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+    checker.bind(("::", 0))
+    free = checker.getsockname()[1]
+    try:
+        taken = helper("check-ports", str(port), "1")
+        assert taken.returncode == 2, taken.stdout + taken.stderr
+        assert f"port {port} (of this job's block {port}..{port}) is already in use on " in taken.stderr
+        assert "set MT_PORT_BASE to another block" in taken.stderr
+        assert helper("check-ports", str(free), "1").returncode == 0
+    finally:
+        server.close()
+        checker.close()
