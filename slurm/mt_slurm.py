@@ -208,11 +208,31 @@ def serve(args: argparse.Namespace) -> int:
             sampling_mask_max_tokens=args.sampling_mask_max_tokens,
             return_routed_experts=args.return_routed_experts,
             extra_args=tuple(shlex.split(args.extra_args)),
+            args_file=_api_key_file(),
         )
         cmd = build_sglang_server_command(cfg, python=args.server_python or sys.executable)
     print(f"[mt_slurm] {_node_host()} task {local_id}: {' '.join(cmd)}", flush=True)
     os.execv(cmd[0], cmd)
     return 1  # not reached
+
+
+def _api_key_file() -> str | None:
+    """Where the job has an API key for its engines (`http_session.API_KEY_ENV`, exported by rl.sbatch), a
+    file of SGLang flags holding it (`--config`: `api-key`), readable by this user alone; None without one.
+    A local engine reads the variable itself."""
+    import json
+    import tempfile
+
+    from megatron_tail.rollout.http_session import api_key
+
+    key = api_key()
+    if key is None:
+        return None
+    path = os.path.join(tempfile.mkdtemp(prefix="mt-sglang-"), "api_key.yaml")  # the directory is 0700
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"api-key: {json.dumps(key)}\n")  # a JSON string is a YAML one
+    return path
 
 
 def router(args: argparse.Namespace) -> int:

@@ -62,6 +62,9 @@ OWNED_SGLANG_FLAGS: Mapping[str, str] = {
     "--weight-version": "rl.sbatch (the trainer's weight versions)",
     "--base-gpu-id": "rl.sbatch (each server task's GPUs)",
     "--host": "MT_BIND_HOST (the machine's)",
+    "--config": "MT_ROLLOUT_API_KEY (the engines' API key, in a file of flags)",
+    "--api-key": "MT_ROLLOUT_API_KEY (the engines' API key)",
+    "--admin-api-key": "MT_ROLLOUT_API_KEY (SGLang's --api-key alone covers its weight endpoints)",
     "--port": "the job's port block (MT_PORT_BASE)",
 }
 """SGLang flags that rl.sbatch sets (`rollout.launch.build_sglang_server_command`; a test keeps this

@@ -78,6 +78,10 @@ class SGLangServerConfig:
     requests that set `return_routed_experts` (`rollout/routes.py`); routing replay r3 needs it."""
     extra_args: tuple[str, ...] = ()
     """Further SGLang flags, passed through verbatim."""
+    args_file: str | None = None
+    """A YAML file of further SGLang flags (SGLang's `--config`, `utils/server_args_config_parser.py`): how
+    the engines' API key reaches the server (`api-key: KEY`, `slurm/mt_slurm.py serve`), since a command line
+    is readable by every user of the node (`ps`)."""
 
     def __post_init__(self):
         _check_port(self.port)
@@ -108,6 +112,8 @@ def build_sglang_server_command(cfg: SGLangServerConfig, python: str = sys.execu
     cmd += ["--host", cfg.host, "--port", str(cfg.port), "--tp-size", str(cfg.tp_size), "--dtype", cfg.dtype]
     cmd += ["--enable-custom-logit-processor", "--weight-version", cfg.weight_version]
     cmd += ["--base-gpu-id", str(cfg.base_gpu_id)]
+    if cfg.args_file is not None:
+        cmd += ["--config", cfg.args_file]
     if cfg.ep_size > 1:
         cmd += ["--ep-size", str(cfg.ep_size)]  # sglang/srt/arg_groups/expert_pack_hook.py names it so
     if cfg.deterministic_inference:

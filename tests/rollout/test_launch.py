@@ -177,3 +177,24 @@ def test_the_flags_rl_sbatch_sets_are_refused_in_extra_args_under_every_sglang_s
     flags = [o for action in parser._actions for o in action.option_strings]
     for refused in REFUSED_SGLANG_FLAGS:
         assert any(f.startswith(refused) if refused.endswith("-") else f == refused for f in flags), refused
+
+
+def test_the_api_key_reaches_sglang_in_a_file_of_flags_not_on_its_command_line(tmp_path):
+    """`args_file` (`mt_slurm.py serve` writes the job's key there): SGLang's own `--config` merger reads it
+    into `--api-key`; the command line, which `ps` shows every user of the node, holds only the path."""
+    server_args = pytest.importorskip(
+        "sglang.srt.server_args", reason="sglang (sglang-cpu extra) parses its flags"
+    )
+    from sglang.srt.utils.server_args_config_parser import ConfigArgumentMerger
+
+    path = tmp_path / "api_key.yaml"
+    path.write_text('api-key: "0123abcd"\n')
+    cmd = build_sglang_server_command(
+        SGLangServerConfig(model_path="/m", args_file=str(path)), python="python"
+    )
+    assert cmd[cmd.index("--config") + 1] == str(path) and not any("0123abcd" in a for a in cmd)
+    parser = argparse.ArgumentParser()
+    server_args.ServerArgs.add_cli_args(parser)
+    args = parser.parse_args(ConfigArgumentMerger(parser).merge_config_with_args(cmd[3:]))
+    assert args.api_key == "0123abcd" and args.admin_api_key is None  # --api-key alone covers every endpoint
+    assert "--config" not in build_sglang_server_command(SGLangServerConfig(model_path="/m"))

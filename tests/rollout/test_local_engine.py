@@ -497,3 +497,49 @@ def test_a_body_being_parsed_does_not_hold_the_other_requests(tiny_model_dir):
 
     assert asyncio.run(scenario()) == (200, 200, 2)
     assert released == [True]  # released by the test once /health had answered, not by its own time-out
+
+
+def test_an_engine_with_an_api_key_answers_only_requests_that_carry_it(tiny_model_dir, monkeypatch):
+    """`MT_ROLLOUT_API_KEY` (rl.sbatch makes one per job): the engine refuses a request without the key or
+    with another (401), but its health probes (as SGLang's `--api-key`); the trainer's sessions carry it
+    (`http_session.engine_session`), so its client generates and its weight syncs ask as before."""
+    import asyncio
+
+    import aiohttp
+
+    from megatron_tail.rollout import ClientConfig, RolloutClient, SamplingConfig
+    from megatron_tail.rollout.local_engine.server import build_app
+    from megatron_tail.rollout.weight_sync import DiskWeightSync
+    from tests.rollout.servers import generate_groups, serving_app
+
+    engine = LocalEngine(tiny_model_dir, dtype="float32")
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2, "temperature": 0.0}}
+
+    async def scenario():
+        async with serving_app(build_app(engine, api_key="k3y")) as url:
+            statuses = {}
+            async with aiohttp.ClientSession() as session:
+                for name, headers in (("none", {}), ("other", {"Authorization": "Bearer k3"}),
+                                      ("basic", {"Authorization": "Basic k3y"})):  # fmt: skip
+                    async with session.post(f"{url}/generate", json=body, headers=headers) as reply:
+                        statuses[name] = reply.status
+                for path in ("/health", "/health_generate"):
+                    async with session.get(f"{url}{path}") as reply:
+                        statuses[path] = reply.status
+                async with session.get(f"{url}/server_info") as reply:
+                    statuses["/server_info"] = reply.status
+            monkeypatch.setenv("MT_ROLLOUT_API_KEY", "k3y")
+            config = ClientConfig(max_attempts=1, request_timeout_s=60)
+            async with RolloutClient([url], config) as client:
+                groups = await generate_groups(
+                    client, [[5, 6]], SamplingConfig(n_samples=2, max_new_tokens=2)
+                )
+            version = await DiskWeightSync([url], timeout_s=60).update(str(tiny_model_dir), "7")
+            return statuses, groups, version
+
+    statuses, groups, version = asyncio.run(scenario())
+    assert statuses == {
+        "none": 401, "other": 401, "basic": 401, "/health": 200, "/health_generate": 200, "/server_info": 401,
+    }  # fmt: skip
+    assert len(groups) == 1 and len(groups[0]) == 2
+    assert version == "7" and engine.weight_version == "7"  # a weight endpoint, reached with the key

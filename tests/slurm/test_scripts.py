@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -171,3 +172,25 @@ def test_check_ports_sees_a_server_on_any_address_of_the_node():
     finally:
         server.close()
         checker.close()
+
+
+def test_an_sglang_server_gets_the_jobs_api_key_in_a_file_only_its_user_reads(monkeypatch, tmp_path):
+    import importlib.util
+    import stat
+
+    spec = importlib.util.spec_from_file_location("mt_slurm_key_under_test", HELPER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    started = []
+    monkeypatch.setattr(os, "execv", lambda _path, cmd: started.append(cmd))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    argv = ["serve", "--backend", "sglang", "--model-path", "/m", "--port-base", "9000", "--host", "::1"]
+    monkeypatch.setenv("MT_ROLLOUT_API_KEY", "5ecret")
+    module.main(argv)
+    monkeypatch.delenv("MT_ROLLOUT_API_KEY")
+    module.main(argv)
+    (keyed, plain) = started
+    path = Path(keyed[keyed.index("--config") + 1])  # a new 0700 directory of its own (mkdtemp)
+    assert path.read_text() == 'api-key: "5ecret"\n' and not any("5ecret" in a for a in keyed)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    assert "--config" not in plain

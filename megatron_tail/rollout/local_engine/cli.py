@@ -107,6 +107,7 @@ def serve_local(args: argparse.Namespace) -> int:
         from aiohttp import web
 
         from megatron_tail.model.directory import check_model_dir
+        from megatron_tail.rollout.http_session import api_key
         from megatron_tail.rollout.local_engine.server import build_app
         from megatron_tail.utils.net import listen_on, reserve_named_port
 
@@ -121,7 +122,7 @@ def serve_local(args: argparse.Namespace) -> int:
             sock = _inherited_socket(args)
         if args.num_threads is not None:
             torch.set_num_threads(args.num_threads)
-        app = build_app(make_engine(args), max_batch=args.max_batch)
+        app = build_app(make_engine(args), max_batch=args.max_batch, api_key=api_key())
     print(
         f"megatron-tail local engine serving {args.model_path} on http://{args.host}:{args.port}", flush=True
     )

@@ -93,9 +93,12 @@ class LocalEngineThread:
     async def _serve_until_stopped(self, engine) -> None:
         from aiohttp import web
 
+        from ..http_session import api_key
         from .server import build_app
 
-        runner = web.AppRunner(build_app(engine, max_batch=self.args.max_batch), access_log=None)
+        runner = web.AppRunner(
+            build_app(engine, max_batch=self.args.max_batch, api_key=api_key()), access_log=None
+        )
         await runner.setup()
         try:
             await web.SockSite(runner, listen_on(self._sock)).start()

@@ -43,8 +43,11 @@ SESSION_KEY = web.AppKey("weight_update_session", dict)
 """{"open": bool}: SGLang's `SchedulerWeightUpdater._session` (is a begin/end weight-update session open)."""
 
 
-def build_app(engine: LocalEngine, *, max_batch: int = 1024) -> web.Application:
-    app = web.Application(client_max_size=MAX_REQUEST_BYTES)
+def build_app(engine: LocalEngine, *, max_batch: int = 1024, api_key: str | None = None) -> web.Application:
+    """The engine's HTTP app. `api_key`: every request but `/health*` must carry `Authorization: Bearer
+    api_key`, else HTTP 401, as SGLang's `--api-key` (`http_session.API_KEY_ENV`)."""
+    middlewares = [] if api_key is None else [_bearer_only(api_key)]
+    app = web.Application(client_max_size=MAX_REQUEST_BYTES, middlewares=middlewares)
     app[ENGINE_KEY] = engine
     app[GROUPS_KEY] = {}
     app[MAX_BATCH_KEY] = max_batch
@@ -70,6 +73,22 @@ def build_app(engine: LocalEngine, *, max_batch: int = 1024) -> web.Application:
     app.router.add_post("/destroy_weights_update_group", destroy_weights_update_group)
     app.router.add_route("*", "/flush_cache", flush_cache)
     return app
+
+
+def _bearer_only(api_key: str):
+    """SGLang's rule (`utils/auth.py` `decide_request_auth`, `--api-key` alone): the health probes are open,
+    any other request needs the key as a bearer token, compared in constant time."""
+    import secrets
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        if not request.path.startswith("/health"):
+            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not secrets.compare_digest(token.encode(), api_key.encode()):
+                return _error("this engine needs its API key (Authorization: Bearer ...)", status=401)
+        return await handler(request)
+
+    return check
 
 
 async def _stop_parser(app: web.Application) -> None:
