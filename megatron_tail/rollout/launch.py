@@ -26,6 +26,11 @@ LOCAL_QUANTIZATIONS = ("none", "fp8", "fp8_tensor", "nvfp4_a16")
 """What the local engine emulates (`LocalEngineConfig`): SGLang's fp8 + per-tensor FP8 and NVFP4A16."""
 
 
+def http_url(host: str, port: int) -> str:
+    """`http://host:port`, an IPv6 address in brackets (RFC 3986: else its colons read as the port's)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def _check_port(port: int) -> None:
     if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
         raise ValueError(f"port must be an int in 1..65535; got {port!r}")
@@ -103,7 +108,7 @@ class SGLangServerConfig:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return http_url(self.host, self.port)
 
 
 def build_sglang_server_command(cfg: SGLangServerConfig, python: str = sys.executable) -> list[str]:
@@ -152,7 +157,7 @@ class RouterConfig:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return http_url(self.host, self.port)
 
 
 def build_router_command(cfg: RouterConfig, python: str = sys.executable) -> list[str]:
@@ -207,7 +212,7 @@ class LocalEngineConfig:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return http_url(self.host, self.port)
 
 
 def build_local_engine_command(

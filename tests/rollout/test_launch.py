@@ -198,3 +198,9 @@ def test_the_api_key_reaches_sglang_in_a_file_of_flags_not_on_its_command_line(t
     args = parser.parse_args(ConfigArgumentMerger(parser).merge_config_with_args(cmd[3:]))
     assert args.api_key == "0123abcd" and args.admin_api_key is None  # --api-key alone covers every endpoint
     assert "--config" not in build_sglang_server_command(SGLangServerConfig(model_path="/m"))
+
+
+def test_a_servers_url_brackets_an_ipv6_address():
+    assert SGLangServerConfig(model_path="/m", host="::1", port=31000).url == "http://[::1]:31000"
+    assert LocalEngineConfig(model_path="/m", host="fe80::2", port=30001).url == "http://[fe80::2]:30001"
+    assert SGLangServerConfig(model_path="/m", host="10.0.0.5", port=31000).url == "http://10.0.0.5:31000"
