@@ -543,3 +543,41 @@ def test_an_engine_with_an_api_key_answers_only_requests_that_carry_it(tiny_mode
     }  # fmt: skip
     assert len(groups) == 1 and len(groups[0]) == 2
     assert version == "7" and engine.weight_version == "7"  # a weight endpoint, reached with the key
+
+
+def test_a_processor_that_raises_ends_its_own_rows_and_not_the_batch(tiny_model_dir):
+    """Rows of one batch with SGLang's DisallowedTokensLogitsProcessor, one of them with other `token_ids`
+    (SGLang's processor asserts they are all the same, with the whole parameter list in its message), and
+    a plain row: the processor's rows end 400 naming the exception's type alone (its text held the other
+    request's prompt), the plain row generates. Before, the exception failed every row of the batch."""
+    import threading
+
+    from megatron_tail.rollout.processor import _sglang_custom_logit_processor_module
+
+    disallowed = _sglang_custom_logit_processor_module().DisallowedTokensLogitsProcessor.to_str()
+    engine = LocalEngine(tiny_model_dir, dtype="float32", enable_custom_logit_processor=True)
+
+    def generate_item(rid, processor=None, token_ids=None):
+        return GenerateItem(
+            rid=rid, input_ids=[5, 6, 7], max_new_tokens=4, temperature=0.0, seed=1,
+            stop_token_ids=frozenset(), ignore_eos=True, skip_special_tokens=True, return_logprob=True,
+            top_logprobs_num=0, processor=processor,
+            custom_params=None if token_ids is None else {"token_ids": token_ids},
+        )  # fmt: skip
+
+    items = [
+        generate_item("a", disallowed, [3]),
+        generate_item("b", disallowed, [4, 9]),  # another list: SGLang's processor asserts
+        generate_item("plain"),
+    ]
+    done = threading.Event()
+    rows = engine.submit(items, engine.control.wait_until_running(), done.set)  # one batch: admitted at once
+    assert done.wait(120)
+    (a, b, plain) = rows
+    for row in (a, b):
+        assert row.error_status == 400 and row.outputs == []
+        assert row.error == (
+            "the request's custom_logit_processor raised AssertionError (its message is in the engine's log)"
+        )
+    assert plain.error is None and len(plain.outputs) == 4
+    engine.close()

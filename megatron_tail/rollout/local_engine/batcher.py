@@ -75,6 +75,9 @@ class Row:
         """Why the engine could not generate this row (its request is answered with it)."""
         self.error_status = 400
         """The HTTP status of `error`: 400 for the request's own fault, 500 for the engine's."""
+        self.processor_error: Exception | None = None
+        """What its request's custom logit processor raised at this step (`_apply_processors`): the row
+        ends with it, and the batch goes on."""
         self.generator = torch.Generator().manual_seed(
             (secrets.randbits(63) if item.seed is None else item.seed) % (1 << 63)
         )
@@ -435,6 +438,9 @@ class ContinuousBatcher:
                 add_tail_logit_noise_(logits[i], self.logit_noise, row.generator)
         tokens, logprobs, top, masks = self.sample(rows, logits)
         for row, token, logprob, best, mask in zip(rows, tokens, logprobs, top, masks, strict=True):
+            if row.processor_error is not None:
+                self._processor_failed(row)
+                continue
             if (
                 mask is not None
                 and row.item.return_sampling_mask
@@ -443,6 +449,19 @@ class ContinuousBatcher:
                 self._over_cap(row)
                 continue
             row.append(token, logprob, best, mask, self.eos_ids, version)
+
+    def _processor_failed(self, row: Row) -> None:
+        """End `row` whose request's processor raised (HTTP 400: the request's fault). The message names
+        the exception's type only: its text may hold the parameters of every row the processor was given,
+        other requests' among them (SGLang's DisallowedTokensLogitsProcessor asserts with the whole list),
+        so it goes to the engine's log."""
+        error = row.processor_error
+        logger.warning("a custom logit processor raised on request %s: %r", row.item.rid, error)
+        row.error = (
+            f"the request's custom_logit_processor raised {type(error).__name__} (its message is in the "
+            "engine's log)"
+        )
+        row.finish({"type": "abort", "message": row.error, "status_code": 400, "err_type": "BadRequestError"})
 
     def _over_cap(self, row: Row) -> None:
         """End `row` as SGLang ends a request whose support exceeds the cap (status OVERFLOW): the token is
@@ -569,10 +588,17 @@ def _apply_processors(rows: list[Row], logits: torch.Tensor, load_processor: Cal
         if row.item.processor is not None:
             rows_by_processor.setdefault(row.item.processor, []).append(i)
     for serialized, indices in rows_by_processor.items():
-        processor = load_processor(serialized)
-        params = [with_request(rows[i].item, rows[i].outputs) for i in indices]
         index = torch.tensor(indices, dtype=torch.long, device=logits.device)
-        result = processor(logits.index_select(0, index), params)
+        try:
+            processor = load_processor(serialized)
+            params = [with_request(rows[i].item, rows[i].outputs) for i in indices]
+            result = processor(logits.index_select(0, index), params)
+        # A processor is the request's code: what it raises ends the rows it was given (`Row.
+        # processor_error`), not every row of the batch; their logits stay as they were.
+        except Exception as e:
+            for i in indices:
+                rows[i].processor_error = e
+            continue
         logits.index_copy_(0, index, result.to(logits.dtype))
 
 
