@@ -199,3 +199,35 @@ def test_an_fp16_moe_runs_dense_and_expert_gradients_share_one_loss_scale(tmp_pa
     assert chained == 2 and skipped
     assert scales == [2.0**9, 2.0**9] and loss_scale == 2.0**9  # hysteresis 1: halved at once, both
     assert after == pytest.approx(before, rel=1e-2)  # fp16 rounding at another scale; the bug halved one
+
+
+def _moe_scales_resume_rank(rank, world_size, hf_dir, ckpt):  # noqa: ARG001
+    from megatron_tail.model import ModelSettings, load_hf_config
+    from megatron_tail.train import OptimizerSettings, build_trainer, load_checkpoint, save_checkpoint
+
+    def trainer():
+        return build_trainer(
+            load_hf_config(hf_dir),
+            hf_dir=hf_dir,
+            model_settings=ModelSettings(vocab_pad_multiple=PAD_MULTIPLE, precision="fp16"),
+            optim=OptimizerSettings(lr=1e-3, initial_loss_scale=2.0**10),
+        )
+
+    init_rank(1, 1)
+    saved = trainer()
+    expert = saved.optimizer.chained_optimizers[1].grad_scaler
+    expert._scale = expert._scale / 2  # as a checkpoint saved while each scaler moved alone left them
+    save_checkpoint(ckpt, saved, {"step": 1})
+    resumed = trainer()
+    load_checkpoint(ckpt, resumed)
+    return [float(inner.grad_scaler.scale) for inner in resumed.optimizer.chained_optimizers]
+
+
+def test_a_resume_gives_an_fp16_moe_runs_scalers_the_scale_that_multiplies_the_loss(tmp_path):
+    """A checkpoint saved before the scalers were kept together may hold two scales: after the load both
+    take the dense one's (the loss's), so the expert gradients are unscaled right from the first step."""
+    from tests.model.hf_moe import make_hf_moe
+
+    make_hf_moe(tmp_path / "hf", norm_topk_prob=True)
+    scales = run_distributed(_moe_scales_resume_rank, 1, str(tmp_path / "hf"), str(tmp_path / "ckpt"))[0]
+    assert scales == [2.0**10, 2.0**10]

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import json
+import logging
 import os
 import random
 import shutil
@@ -53,8 +54,11 @@ from megatron_tail.patches import (
 from megatron_tail.utils.errors import UserError
 from megatron_tail.utils.paths import REPLACED, STAGING, beside
 
+from .optimizer_step import share_loss_scale
 from .parallel import world_timeout
 from .setup import Trainer
+
+logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 """The checkpoint layout 0.1.0 writes (megatron's distributed model and optimizer, `rl_state`, rank 0's
@@ -404,6 +408,12 @@ def load_checkpoint(
             with torch_adam_load_fixes(trainer.optimizer):
                 trainer.optimizer.load_state_dict(loaded["optimizer"])
             _put_back(trainer.optimizer, configured)
+            if share_loss_scale(trainer.optimizer):
+                logger.warning(
+                    "%s: its fp16 dense and expert loss scales differed (saved before they were kept equal): "
+                    "both now take the dense one's, which scales the loss",
+                    path,
+                )
         else:
             trainer.optimizer.reload_model_params()
     if load_rng and same_layout:

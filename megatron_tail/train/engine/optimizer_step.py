@@ -153,6 +153,25 @@ def _prepare_grads(optimizer, scalers: list) -> bool:
     return found
 
 
+def share_loss_scale(optimizer) -> bool:
+    """Give every fp16 loss scaler of a chain the first one's state (its scale is the one the loss is
+    multiplied by), after a checkpoint's load restored each its own; True where they differed (a
+    checkpoint saved while each moved alone, before `_prepare_grads` kept them together). Host reads: at
+    load only."""
+    scalers = [scaler for scaler, _ in _loss_scales(optimizer)]
+    if len(scalers) < 2:
+        return False
+    first, differed = scalers[0], False
+    for other in scalers[1:]:
+        differed |= bool(other._scale != first._scale) or (
+            other._growth_tracker, other._hysteresis_tracker
+        ) != (first._growth_tracker, first._hysteresis_tracker)
+        # megatron's `DynamicGradScaler.load_state_dict` moves the scale to CUDA unconditionally
+        other._scale = first._scale.clone()
+        other._growth_tracker, other._hysteresis_tracker = first._growth_tracker, first._hysteresis_tracker
+    return differed
+
+
 def _inner_optimizers(optimizer) -> list:
     """A `ChainedOptimizer`'s optimizers (megatron-core 0.16 always returns one), else the optimizer."""
     return getattr(optimizer, "chained_optimizers", [optimizer])
