@@ -208,7 +208,7 @@ def serve(args: argparse.Namespace) -> int:
             sampling_mask_max_tokens=args.sampling_mask_max_tokens,
             return_routed_experts=args.return_routed_experts,
             extra_args=tuple(shlex.split(args.extra_args)),
-            args_file=_api_key_file(),
+            args_file=_api_key_file(args.key_dir),
         )
         cmd = build_sglang_server_command(cfg, python=args.server_python or sys.executable)
     print(f"[mt_slurm] {_node_host()} task {local_id}: {' '.join(cmd)}", flush=True)
@@ -216,10 +216,11 @@ def serve(args: argparse.Namespace) -> int:
     return 1  # not reached
 
 
-def _api_key_file() -> str | None:
+def _api_key_file(key_dir: str) -> str | None:
     """Where the job has an API key for its engines (`http_session.API_KEY_ENV`, exported by rl.sbatch), a
-    file of SGLang flags holding it (`--config`: `api-key`), readable by this user alone; None without one.
-    A local engine reads the variable itself."""
+    file of SGLang flags holding it (`--config`: `api-key`), readable by this user alone (0600, in a 0700
+    directory): in `key_dir` (rl.sbatch's, which it removes when the job ends), else a new temporary
+    directory; None without a key. A local engine reads the variable itself."""
     import json
     import tempfile
 
@@ -228,8 +229,11 @@ def _api_key_file() -> str | None:
     key = api_key()
     if key is None:
         return None
-    path = os.path.join(tempfile.mkdtemp(prefix="mt-sglang-"), "api_key.yaml")  # the directory is 0700
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    if key_dir:
+        os.makedirs(key_dir, mode=0o700, exist_ok=True)
+    fd, path = tempfile.mkstemp(
+        prefix="api_key.", suffix=".yaml", dir=key_dir or tempfile.mkdtemp(prefix="mt-")
+    )
     with os.fdopen(fd, "w") as f:
         f.write(f"api-key: {json.dumps(key)}\n")  # a JSON string is a YAML one
     return path
@@ -380,6 +384,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="--enable-return-routed-experts on either backend (algorithm.routing_replay r3)",
     )
     p.add_argument("--server-python", default="", help="the Python that runs SGLang [this one]")
+    p.add_argument(
+        "--key-dir", default="", help="where SGLang's file holding the job's API key goes [a new temp dir]"
+    )
     p.set_defaults(func=serve)
 
     p = sub.add_parser("router", help="exec the SGLang router")

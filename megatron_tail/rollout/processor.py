@@ -117,7 +117,7 @@ def _load_class(serialized: str):
     try:
         payload = json.loads(serialized)
         return dill.loads(bytes.fromhex(payload["callable"]))
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, EOFError, RecursionError, pickle.UnpicklingError) as e:
         raise ValueError(
             "custom_logit_processor must be the string CustomLogitProcessor.to_str() returns "
             f"(JSON with a dill-pickled class under 'callable'); could not load it: {e}"
@@ -144,7 +144,7 @@ def load_dvp_processor(serialized: str) -> DVPLogitProcessor:
         raise ValueError(f"custom_logit_processor must be a string; got {type(serialized).__name__}")
     try:
         loaded = _DVPOnlyUnpickler(io.BytesIO(bytes.fromhex(json.loads(serialized)["callable"]))).load()
-    except (ValueError, KeyError, TypeError, EOFError, pickle.UnpicklingError) as e:
+    except (ValueError, KeyError, TypeError, EOFError, RecursionError, pickle.UnpicklingError) as e:
         raise ValueError(
             "custom_logit_processor: this engine runs megatron_tail's DVPLogitProcessor only "
             f"(DVPLogitProcessor.to_str()); not this payload ({e}). Start it with "

@@ -350,6 +350,14 @@ def test_oversized_request_is_rejected_with_a_clear_error(server_pair):
             },
             r"not this payload \(it names posix.system\)\. Start it with --enable-custom-logit-processor",
         ),
+        (  # nested past the JSON parser's recursion: the request's fault too
+            {
+                "input_ids": [5],
+                "sampling_params": {"max_new_tokens": 4},
+                "custom_logit_processor": "[" * 100_000,
+            },
+            r"runs megatron_tail's DVPLogitProcessor only .*RecursionError|maximum recursion",
+        ),
         (
             {
                 "input_ids": [5],

@@ -3,6 +3,9 @@ full-sequence forward, in fp32 exactly and in bf16 with a real (small) mismatch.
 
 from __future__ import annotations
 
+import json
+
+import dill
 import pytest
 import torch
 
@@ -565,19 +568,28 @@ def test_a_processor_that_raises_ends_its_own_rows_and_not_the_batch(tiny_model_
             custom_params=None if token_ids is None else {"token_ids": token_ids},
         )  # fmt: skip
 
+    returns_none = json.dumps({"callable": dill.dumps(ReturnsNothing).hex()})
     items = [
         generate_item("a", disallowed, [3]),
         generate_item("b", disallowed, [4, 9]),  # another list: SGLang's processor asserts
+        generate_item("none", returns_none, [1]),  # returns no logits
         generate_item("plain"),
     ]
     done = threading.Event()
     rows = engine.submit(items, engine.control.wait_until_running(), done.set)  # one batch: admitted at once
     assert done.wait(120)
-    (a, b, plain) = rows
-    for row in (a, b):
+    (a, b, none, plain) = rows
+    for row, raised in ((a, "AssertionError"), (b, "AssertionError"), (none, "TypeError")):
         assert row.error_status == 400 and row.outputs == []
         assert row.error == (
-            "the request's custom_logit_processor raised AssertionError (its message is in the engine's log)"
+            f"the request's custom_logit_processor raised {raised} (its message is in the engine's log)"
         )
     assert plain.error is None and len(plain.outputs) == 4
     engine.close()
+
+
+class ReturnsNothing:
+    """A custom logit processor that returns no logits (importable: dill pickles it by reference)."""
+
+    def __call__(self, logits, custom_param_list=None):  # noqa: ARG002 (SGLang's signature)
+        return None

@@ -394,3 +394,16 @@ def test_every_node_checks_the_jobs_ports_before_anything_starts(tmp_path, tiny_
     taken = _run(tmp_path, *tiny, dry=False, config=config, SLURM_GPUS_ON_NODE="0", srun_then=fails)
     assert taken.returncode == 1 and f"ERROR: {said}" in taken.stdout, taken.stdout + taken.stderr
     assert [c for c in taken.srun_calls if " check-ports " not in c] == []
+
+
+def test_the_api_key_is_the_jobs_own_never_printed_and_a_bad_one_is_refused(tmp_path):
+    """rl.sbatch exports `MT_ROLLOUT_API_KEY` (a new one per job start unless given) to every step: the
+    servers require it, the trainer sends it. Never in the output, not even traced (MT_DEBUG=1); a given
+    key SGLang's argument parser would misread (a leading "-") is refused in one line."""
+    traced = _run(tmp_path, dry=True, MT_DEBUG="1", MT_ROLLOUT_API_KEY="given-k3y")
+    assert traced.returncode == 0, traced.stdout + traced.stderr
+    assert "given-k3y" not in traced.stdout + traced.stderr and "set -x" not in traced.stdout
+    assert "+ PORT_BASE=" in traced.stderr and "+ ROUTER=0" in traced.stderr  # traced before and after it
+    assert "--key-dir " in traced.stdout and "/.api_keys" in traced.stdout
+    bad = _run(tmp_path, dry=True, MT_ROLLOUT_API_KEY="-oops")
+    assert bad.returncode == 1 and "ERROR: MT_ROLLOUT_API_KEY: expected letters, digits" in bad.stdout

@@ -158,10 +158,12 @@ def test_check_ports_sees_a_server_on_any_address_of_the_node():
     server.bind(("127.0.0.2", 0))  # a loopback address that is not 127.0.0.1
     server.listen()
     port = server.getsockname()[1]
-    checker = socket.socket(socket.AF_INET6)  # as check-ports binds, at this moment on the other "node"
+    # as check-ports binds, at this moment on the other "node"
+    checker = socket.socket(socket.AF_INET6 if socket.has_ipv6 else socket.AF_INET)
     checker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    checker.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-    checker.bind(("::", 0))
+    if socket.has_ipv6:
+        checker.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+    checker.bind(("::" if socket.has_ipv6 else "0.0.0.0", 0))
     free = checker.getsockname()[1]
     try:
         taken = helper("check-ports", str(port), "1")
@@ -175,22 +177,31 @@ def test_check_ports_sees_a_server_on_any_address_of_the_node():
 
 
 def test_an_sglang_server_gets_the_jobs_api_key_in_a_file_only_its_user_reads(monkeypatch, tmp_path):
+    """`serve --key-dir` (rl.sbatch's, removed when the job ends), else a new temporary directory: a 0600
+    file of SGLang flags in a 0700 directory; the key never on the command line."""
     import importlib.util
     import stat
+    import tempfile
 
     spec = importlib.util.spec_from_file_location("mt_slurm_key_under_test", HELPER)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     started = []
     monkeypatch.setattr(os, "execv", lambda _path, cmd: started.append(cmd))
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
     argv = ["serve", "--backend", "sglang", "--model-path", "/m", "--port-base", "9000", "--host", "::1"]
     monkeypatch.setenv("MT_ROLLOUT_API_KEY", "5ecret")
+    module.main([*argv, "--key-dir", str(tmp_path / "keys")])
     module.main(argv)
     monkeypatch.delenv("MT_ROLLOUT_API_KEY")
     module.main(argv)
-    (keyed, plain) = started
-    path = Path(keyed[keyed.index("--config") + 1])  # a new 0700 directory of its own (mkdtemp)
-    assert path.read_text() == 'api-key: "5ecret"\n' and not any("5ecret" in a for a in keyed)
-    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    (in_key_dir, in_temp, plain) = started
+    for cmd, parent in ((in_key_dir, tmp_path / "keys"), (in_temp, None)):
+        path = Path(cmd[cmd.index("--config") + 1])
+        assert path.read_text() == 'api-key: "5ecret"\n' and not any("5ecret" in a for a in cmd)
+        assert (
+            stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+        )
+        assert path.parent == parent if parent else path.parent.parent == tmp_path / "tmp"
     assert "--config" not in plain

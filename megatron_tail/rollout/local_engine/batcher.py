@@ -593,13 +593,16 @@ def _apply_processors(rows: list[Row], logits: torch.Tensor, load_processor: Cal
             processor = load_processor(serialized)
             params = [with_request(rows[i].item, rows[i].outputs) for i in indices]
             result = processor(logits.index_select(0, index), params)
+            if not isinstance(result, torch.Tensor) or result.shape != (len(indices), logits.shape[1]):
+                raise TypeError(f"it returned {type(result).__name__}, not [{len(indices)}, V] logits")
+            logits.index_copy_(0, index, result.to(logits.dtype))
+        except torch.OutOfMemoryError:  # the engine's memory, not the request's fault: the batch's error
+            raise
         # A processor is the request's code: what it raises ends the rows it was given (`Row.
         # processor_error`), not every row of the batch; their logits stay as they were.
         except Exception as e:
             for i in indices:
                 rows[i].processor_error = e
-            continue
-        logits.index_copy_(0, index, result.to(logits.dtype))
 
 
 def with_request(item: GenerateItem, output_ids: list[int]) -> dict[str, Any] | None:

@@ -164,7 +164,8 @@ def share_loss_scale(optimizer) -> bool:
     first, differed = scalers[0], False
     for other in scalers[1:]:
         differed |= bool(other._scale != first._scale) or (
-            other._growth_tracker, other._hysteresis_tracker
+            other._growth_tracker,
+            other._hysteresis_tracker,
         ) != (first._growth_tracker, first._hysteresis_tracker)
         # megatron's `DynamicGradScaler.load_state_dict` moves the scale to CUDA unconditionally
         other._scale = first._scale.clone()

@@ -310,15 +310,16 @@ def _flat(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def _effective(flat: dict[str, Any]) -> dict[str, Any]:
-    """`flat` with `optimizer.lr_decay_steps` null replaced by the steps the schedule spans (train.steps, past
-    the warm-up: `OptimizerSettings.schedule_steps`) where a schedule follows it: a longer run would
-    otherwise stretch a decay silently; and `optimizer.min_lr` 0 under a constant rate, which ignores it."""
+    """`flat` with `optimizer.lr_decay_steps` null replaced by the value that spans the same schedule
+    (train.steps, at least the warm-up: `OptimizerSettings.schedule_steps`) where a schedule follows it: a
+    longer run would otherwise stretch a decay silently; and `optimizer.min_lr` 0 under a constant rate,
+    which ignores it."""
     styles = (flat.get("optimizer.lr_decay_style"), flat.get("optimizer.weight_decay_incr_style"))
     scheduled = any(style != "constant" for style in styles)
     if scheduled and flat.get(_SCHEDULE_STEPS) is None:
         steps, warmup = flat.get("train.steps"), flat.get("optimizer.lr_warmup_steps") or 0
         if isinstance(steps, int):
-            flat = {**flat, _SCHEDULE_STEPS: max(steps, warmup + 1)}
+            flat = {**flat, _SCHEDULE_STEPS: max(steps, warmup)}
     if flat.get("optimizer.lr_decay_style") == "constant":
         # a constant rate never reaches min_lr (refused at load since; an older run's value did nothing)
         flat = {**flat, "optimizer.min_lr": 0.0}
