@@ -136,9 +136,11 @@ def test_rl_job_runs_to_the_end(slurm_cluster, tiny_model_dir, prompt_file, tmp_
     assert "rollout node1 (local, 1/node), trainer node2 (1 x 2, TP 2 PP 1)" in batch, report
     assert re.search(r"--rdzv-backend=c10d --rdzv-endpoint=node2:\d+", batch), report
     assert "servers healthy" in batch and "trainer exited with 0" in batch, report
-    assert "node1 task 0:" in read_text(logs / "servers.0.log") and "serve-local" in read_text(
-        logs / "servers.0.log"
-    ), report
+    servers = read_text(logs / "servers.0.log")
+    assert "node1 task 0:" in servers and "serve-local" in servers, report
+    # the job's API key reached the engine (and the trainer, which generated through it), not the logs
+    assert "(requests need the API key: MT_ROLLOUT_API_KEY)" in servers, servers
+    assert not (logs / ".api_keys").exists()  # removed at the job's end
     # the trainer used the server on node1 at TP = 2 and ran all steps
     resolved = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert resolved["parallel"]["tensor_parallel"] == 2

@@ -108,6 +108,7 @@ def serve_local(args: argparse.Namespace) -> int:
 
         from megatron_tail.model.directory import check_model_dir
         from megatron_tail.rollout.http_session import api_key
+        from megatron_tail.rollout.launch import http_url
         from megatron_tail.rollout.local_engine.server import build_app
         from megatron_tail.utils.net import listen_on, reserve_named_port
 
@@ -123,8 +124,10 @@ def serve_local(args: argparse.Namespace) -> int:
         if args.num_threads is not None:
             torch.set_num_threads(args.num_threads)
         app = build_app(make_engine(args), max_batch=args.max_batch, api_key=api_key())
+    keyed = " (requests need the API key: MT_ROLLOUT_API_KEY)" if api_key() is not None else ""
     print(
-        f"megatron-tail local engine serving {args.model_path} on http://{args.host}:{args.port}", flush=True
+        f"megatron-tail local engine serving {args.model_path} on {http_url(args.host, args.port)}{keyed}",
+        flush=True,
     )
     # aiohttp's SockSite: `loop.create_server(sock=...)` listens on the socket as bound
     sock.set_inheritable(False)  # a process the engine starts must not keep its port
