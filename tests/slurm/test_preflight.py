@@ -407,3 +407,30 @@ def test_the_api_key_is_the_jobs_own_never_printed_and_a_bad_one_is_refused(tmp_
     assert "--key-dir " in traced.stdout and "/.api_keys" in traced.stdout
     bad = _run(tmp_path, dry=True, MT_ROLLOUT_API_KEY="-oops")
     assert bad.returncode == 1 and "ERROR: MT_ROLLOUT_API_KEY: expected letters, digits" in bad.stdout
+
+
+def test_a_job_that_asked_for_no_gpus_is_refused_where_its_node_shows_too_few(tmp_path):
+    """`SLURM_GPUS_ON_NODE` unset (no GPU request) and `cluster.gpus_per_node: 8`: the node's own count
+    (`nvidia-smi -L`) decides; before, the plan and 8 servers went ahead on the config's word."""
+    smi_dir = tmp_path / "smi"  # `_run` manages its own bin's nvidia-smi
+    smi_dir.mkdir()
+    smi = smi_dir / "nvidia-smi"
+
+    def shows(gpus: int) -> subprocess.CompletedProcess:
+        lines = "".join(f"echo 'GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i})'; " for i in range(gpus))
+        smi.write_text(f'#!/bin/sh\nif [ "$1" = -L ]; then {lines}:; fi\n')
+        smi.chmod(0o755)
+        path = f"{tmp_path / 'bin'}:{smi_dir}:{os.environ['PATH']}"
+        return _run(tmp_path, dry=True, SLURM_GPUS_ON_NODE="", PATH=path)
+
+    none = shows(0)
+    assert (
+        none.returncode == 1
+        and (
+            "ERROR: cluster.gpus_per_node=8, but this job asked Slurm for no GPUs and its node shows 0 "
+            "(nvidia-smi -L); submit with sbatch --gpus-per-node=8"
+        )
+        in none.stdout
+    ), none.stdout + none.stderr
+    eight = shows(8)
+    assert eight.returncode == 0, eight.stdout + eight.stderr
