@@ -593,3 +593,58 @@ class ReturnsNothing:
 
     def __call__(self, logits, custom_param_list=None):  # noqa: ARG002 (SGLang's signature)
         return None
+
+
+def test_a_pause_acts_on_the_requests_received_before_it_even_while_they_are_parsed(tiny_model_dir):
+    """A `/generate` whose body is still on the parser thread when `/pause_generation` (abort) arrives is
+    admitted first and aborted by it, as when bodies were parsed on the event loop; it was held instead
+    and ran after the pause, on the next weights (`server._parsed_first`)."""
+    import asyncio
+    import threading
+
+    import aiohttp
+
+    from megatron_tail.rollout.local_engine.server import PARSER_KEY, build_app
+    from tests.rollout.servers import serving_app
+
+    engine = LocalEngine(tiny_model_dir, dtype="float32")
+    entered, release = threading.Event(), threading.Event()
+    tokenize = engine.tokenize
+
+    def held_tokenize(text):
+        entered.set()
+        release.wait(60)
+        return tokenize(text)
+
+    engine.tokenize = held_tokenize
+    body = {
+        "text": "hello",
+        "sampling_params": {"max_new_tokens": 64, "temperature": 0.0, "ignore_eos": True},
+    }
+
+    app = build_app(engine)
+    queued = app[PARSER_KEY]._work_queue  # the parser thread's jobs waiting behind the held one
+
+    async def scenario():
+        async with serving_app(app) as url, aiohttp.ClientSession() as session:
+            generating = asyncio.ensure_future(session.post(f"{url}/generate", json=body))
+            assert await asyncio.to_thread(entered.wait, 60)
+            pausing = asyncio.ensure_future(session.post(f"{url}/pause_generation", json={"mode": "abort"}))
+            for _ in range(6000):  # the pause has reached the server and waits behind the parse
+                if queued.qsize():
+                    break
+                await asyncio.sleep(0.01)
+            waited = queued.qsize() > 0
+            release.set()
+            assert waited, "the pause did not wait for the body being parsed"
+            async with await pausing as paused:
+                assert paused.status == 200
+            timeout = aiohttp.ClientTimeout(total=60)  # held by the pause instead: no answer until a continue
+            reply = await asyncio.wait_for(generating, timeout.total)
+            async with reply:
+                answer = await reply.json()
+            async with session.post(f"{url}/continue_generation") as resumed:
+                assert resumed.status == 200
+            return reply.status, answer["meta_info"]["finish_reason"]["type"]
+
+    assert asyncio.run(scenario()) == (200, "abort")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import logging
 import time
@@ -108,13 +107,11 @@ def _result(success: bool, message: str, **extra) -> web.Response:
     return web.json_response(body, status=200 if success else 400, dumps=_dumps)
 
 
-async def _json_body(request: web.Request, parser: ThreadPoolExecutor | None = None) -> Any:
-    """The request's JSON body ({} without one), parsed in `parser`'s thread where given."""
+async def _json_body(request: web.Request) -> Any:
+    """The request's JSON body ({} without one): a control endpoint's, small."""
     if not request.can_read_body:
         return {}
-    raw = await request.read()
-    loads = functools.partial(_loads, raw, request.charset or "utf-8")
-    return loads() if parser is None else await asyncio.get_running_loop().run_in_executor(parser, loads)
+    return _loads(await request.read(), request.charset or "utf-8")
 
 
 def _loads(raw: bytes, charset: str) -> Any:
@@ -145,19 +142,24 @@ def _json_type(value: Any) -> str:
 
 async def generate(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
-    parser = request.app[PARSER_KEY]
-    try:
-        parse = functools.partial(
-            parse_generate_body,
-            await _json_body(request, parser),
+    raw = await request.read() if request.can_read_body else None
+    charset = request.charset or "utf-8"
+
+    def parse():  # one job on the parser thread, so that a pause behind it waits for it (`_parsed_first`)
+        parsed = parse_generate_body(
+            {} if raw is None else _loads(raw, charset),
             tokenize=engine.tokenize if engine.tokenizer is not None else None,
             vocab_size=engine.vocab_size,
             context_length=engine.context_length,
             max_batch=request.app[MAX_BATCH_KEY],
             sampling_mask_max_tokens=engine.sampling_mask_max_tokens,
         )
-        parsed = await asyncio.get_running_loop().run_in_executor(parser, parse)
         _check_processors(parsed.items, engine.enable_custom_logit_processor)
+        return parsed
+
+    try:
+        parsed = await asyncio.get_running_loop().run_in_executor(request.app[PARSER_KEY], parse)
+        # nothing awaited from here to the rows' admission (`_generate`), unless a pause holds them
         outputs = await _generate(engine, parsed.items, request)
         if outputs is None:  # the client went away
             return _error("the client disconnected; its request was aborted", status=499)
@@ -288,6 +290,7 @@ async def pause_generation(request: web.Request) -> web.Response:
     try:
         body = await _object_body(request, '{"mode": "abort" | "retract" | "in_place"}')
         mode = body.get("mode", "abort")
+        await _parsed_first(request.app)
         engine.control.pause(mode)
     except (BadRequest, ValueError) as e:
         return _error(str(e))
@@ -302,6 +305,15 @@ async def pause_generation(request: web.Request) -> web.Response:
         while engine.control.active:
             await asyncio.sleep(0.01)
     return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+
+async def _parsed_first(app: web.Application) -> None:
+    """Until the `/generate` bodies received so far are parsed and their rows admitted: the parser thread
+    runs its jobs in order, and a request resumes from its job before the empty one queued here (the
+    loop runs completion callbacks in order), then admits its rows without awaiting anything. So a pause
+    acts on the requests that came before it, as when they were parsed on the loop (an abort pause aborts
+    them; before, one still being parsed went on to run, after the pause, on the new weights)."""
+    await asyncio.get_running_loop().run_in_executor(app[PARSER_KEY], lambda: None)
 
 
 async def continue_generation(request: web.Request) -> web.Response:
