@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from megatron_tail.utils.errors import UserError
+from megatron_tail.utils.errors import PeerLost, StepAbandoned, UserError
 from megatron_tail.utils.net import reserve_named_port
 
 from ..client import RolloutClient, SupportOverflowsExhausted
@@ -63,6 +63,8 @@ class Engines:
 
     reporting: Reporting = Reporting()
     """Where wait reports go and what a stop signal is told (the plan's; this default: print, nothing)."""
+    _interrupted: BaseException | None = None
+    """A stop signal's exception raised inside one of the loop's callbacks (`_loop_exception`)."""
 
     def __init__(
         self,
@@ -96,6 +98,7 @@ class Engines:
         """What else a wait report names when it has run `SLOW_CALL_S` (the reward worker, an environment
         call; `RolloutService` sets it)."""
         self.loop = asyncio.new_event_loop()
+        self.loop.set_exception_handler(self._loop_exception)
         self._thread: threading.Thread | None = None
         """Runs `loop` forever once the rollout manager starts; before, callers run it in turn."""
 
@@ -333,9 +336,40 @@ class Engines:
                 raise
             raise failure from error
 
+    def _loop_exception(self, loop: asyncio.AbstractEventLoop, context: dict) -> None:
+        """The loop's handler of what its callbacks raise. A signal handler's exception (`run.signals`:
+        `PeerLost`, `StepAbandoned`, BaseExceptions; signals reach the main thread only) raised while the
+        main thread ran one of this loop's callbacks (an aiohttp connection closing) is caught there by
+        asyncio, which lets only SystemExit and KeyboardInterrupt through (`events.Handle._run`) and
+        printed it as a callback's traceback, in the middle of the one line a dead rank gets: kept
+        instead, the loop stopped, and raised again where the main thread runs it (`_run_here`). Anything
+        else: asyncio's own handling."""
+        error = context.get("exception")
+        if (
+            isinstance(error, (PeerLost, StepAbandoned))
+            and threading.current_thread() is threading.main_thread()
+        ):
+            self._interrupted = self._interrupted or error
+            loop.stop()
+            return
+        loop.default_exception_handler(context)
+
+    def _run_here(self, awaitable):
+        """`loop.run_until_complete(awaitable)` on this (the main) thread, raising a signal's exception that
+        one of the loop's callbacks caught (`_loop_exception`) instead of its result."""
+        try:
+            result = self.loop.run_until_complete(awaitable)
+        except RuntimeError:  # "Event loop stopped before Future completed.": `_loop_exception` stopped it
+            if self._interrupted is None:
+                raise
+        interrupted, self._interrupted = self._interrupted, None
+        if interrupted is not None:
+            raise interrupted
+        return result
+
     def _drive(self, coro):
         if self._thread is None:
-            return self.loop.run_until_complete(coro)
+            return self._run_here(coro)
         # A timed wait, not `future.result()`: an untimed lock wait does not return to Python when a signal
         # arrives (the handlers ask for SA_RESTART), so a stop signal was neither acknowledged nor acted on
         # until the whole rollout returned. Each timed wait ends in Python, where the handlers run; a second
@@ -418,7 +452,7 @@ class Engines:
         for task in pending:
             task.cancel()
         if pending:
-            self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            self._run_here(asyncio.gather(*pending, return_exceptions=True))
 
     def close(self, manager=None) -> None:
         """Stop the loop's thread (closing `manager` on it first), the clients, the loop and the local
