@@ -142,6 +142,13 @@ def load_dvp_processor(serialized: str) -> DVPLogitProcessor:
     other payload, naming what it is."""
     if not isinstance(serialized, str):
         raise ValueError(f"custom_logit_processor must be a string; got {type(serialized).__name__}")
+    return _dvp_processor(serialized)
+
+
+@lru_cache(maxsize=64)
+def _dvp_processor(serialized: str) -> DVPLogitProcessor:
+    """`load_dvp_processor`'s unpickling, once per payload (the batcher loads its rows' processor at every
+    decoding step; a DVPLogitProcessor holds no state, so one instance serves them all)."""
     try:
         loaded = _DVPOnlyUnpickler(io.BytesIO(bytes.fromhex(json.loads(serialized)["callable"]))).load()
     except (ValueError, KeyError, TypeError, EOFError, RecursionError, pickle.UnpicklingError) as e:

@@ -109,6 +109,11 @@ class LocalEngine:
         self.eos_token_ids = _eos_ids(self.model, self.tokenizer)
         self.model_lock = threading.Lock()
         self.control = PauseControl()
+        self.load_processor = (
+            load_custom_logit_processor if enable_custom_logit_processor else load_dvp_processor
+        )
+        """How a request's `custom_logit_processor` is loaded, at admission (`server._check_processors`) and
+        at each step (the batcher): `enable_custom_logit_processor`'s choice."""
         self.batcher = ContinuousBatcher(
             self.model,
             self.vocab_size,
@@ -122,9 +127,7 @@ class LocalEngine:
             sampling_backend=sampling_backend,
             sampling_mask_max_tokens=sampling_mask_max_tokens,
             recorder=RouteRecorder(self.model) if enable_return_routed_experts else None,
-            load_processor=(
-                load_custom_logit_processor if enable_custom_logit_processor else load_dvp_processor
-            ),
+            load_processor=self.load_processor,
         )
         self.enable_custom_logit_processor = enable_custom_logit_processor
         """SGLang's `--enable-custom-logit-processor`: run any processor a request sends (its class is

@@ -26,7 +26,6 @@ from aiohttp import web
 from megatron_tail.rollout.local_engine.engine import LocalEngine, RowError, raise_row_errors
 from megatron_tail.rollout.local_engine.requests import BadRequest, parse_generate_body
 from megatron_tail.rollout.process_group import init_custom_process_group
-from megatron_tail.rollout.processor import load_custom_logit_processor, load_dvp_processor
 
 logger = logging.getLogger(__name__)
 
@@ -154,7 +153,7 @@ async def generate(request: web.Request) -> web.Response:
             max_batch=request.app[MAX_BATCH_KEY],
             sampling_mask_max_tokens=engine.sampling_mask_max_tokens,
         )
-        _check_processors(parsed.items, engine.enable_custom_logit_processor)
+        _check_processors(parsed.items, engine.load_processor)
         return parsed
 
     try:
@@ -174,16 +173,15 @@ async def generate(request: web.Request) -> web.Response:
     return web.json_response(outputs if parsed.batched else outputs[0], dumps=_dumps)
 
 
-def _check_processors(items, any_processor: bool) -> None:
-    """Load each request's processor (only the DVP one unless `any_processor`: `processor.load_dvp_processor`,
-    which runs nothing else the payload names), and check the DVP processor's custom_params of every row
-    now: checked only when it runs, a bad row failed the rows of other requests admitted in the same batch.
-    ValueError (HTTP 400) naming what is wrong."""
+def _check_processors(items, load) -> None:
+    """Load each request's processor with `load` (the engine's: `processor.load_dvp_processor`, which runs
+    nothing else the payload names, unless it opted in to any), and check the DVP processor's
+    custom_params of every row now: checked only when it runs, a bad row failed the rows of other requests
+    admitted in the same batch. ValueError (HTTP 400) naming what is wrong."""
     from megatron_tail.rollout.processor import DVPLogitProcessor, row_setting
 
     from .batcher import with_request
 
-    load = load_custom_logit_processor if any_processor else load_dvp_processor
     loaded = {s: load(s) for s in {i.processor for i in items if i.processor is not None}}
     for item in items:
         if item.processor is not None and isinstance(loaded[item.processor], DVPLogitProcessor):
