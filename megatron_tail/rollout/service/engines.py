@@ -107,7 +107,7 @@ class Engines:
         """The engines of `settings` for `plan`: a local engine starts loading now (`rollout.engine`), else
         the servers of `rollout.server_urls`; the weight transport of `rollout.weight_sync.mode`."""
         local = settings.engine == "local"
-        port = reserve_named_port("rollout.local.port", "127.0.0.1", settings.local.port) if local else None
+        port = reserve_named_port("rollout.local.port", LOOPBACK, settings.local.port) if local else None
         try:
             return cls._connect(settings, plan, port)
         except BaseException:
