@@ -12,17 +12,24 @@ from tests.model.hf_models import make_hf_model
 from tests.train.common import PAD_MULTIPLE, global_loss_tokens, init_rank, make_samples, masked_nll_loss
 
 
-def _steps_rank(rank, world_size, hf_dir, precision, initial_scale, steps):  # noqa: ARG001
+def _trainer(hf_dir, precision: str = "fp16", **optim):
+    """A trainer of the tiny model at `precision`, Adam at lr 1e-3 with `optim`'s loss-scale settings."""
     from megatron_tail.model import ModelSettings, load_hf_config
-    from megatron_tail.train import OptimizerSettings, build_trainer, make_micro_batches, train_step
+    from megatron_tail.train import OptimizerSettings, build_trainer
 
-    init_rank(1, 1)
-    trainer = build_trainer(
+    return build_trainer(
         load_hf_config(hf_dir),
         hf_dir=hf_dir,
         model_settings=ModelSettings(vocab_pad_multiple=PAD_MULTIPLE, precision=precision),
-        optim=OptimizerSettings(lr=1e-3, initial_loss_scale=initial_scale),
+        optim=OptimizerSettings(lr=1e-3, **optim),
     )
+
+
+def _steps_rank(rank, world_size, hf_dir, precision, initial_scale, steps):  # noqa: ARG001
+    from megatron_tail.train import make_micro_batches, train_step
+
+    init_rank(1, 1)
+    trainer = _trainer(hf_dir, precision, initial_loss_scale=initial_scale)
     dtypes = {p.dtype for p in trainer.chunks[0].parameters()}
     mbs = make_micro_batches(make_samples(4, seed=3), micro_batch_size=2, seq_len=16)
     out = []
@@ -58,10 +65,7 @@ def test_an_overflowing_scale_skips_steps_and_halves_after_the_hysteresis(hf_dir
 
 
 def _resume_rank(rank, world_size, hf_dir, ckpt_in, ckpt_out, steps):  # noqa: ARG001
-    from megatron_tail.model import ModelSettings, load_hf_config
     from megatron_tail.train import (
-        OptimizerSettings,
-        build_trainer,
         load_checkpoint,
         make_micro_batches,
         save_checkpoint,
@@ -69,13 +73,8 @@ def _resume_rank(rank, world_size, hf_dir, ckpt_in, ckpt_out, steps):  # noqa: A
     )
 
     init_rank(1, 1)
-    trainer = build_trainer(
-        load_hf_config(hf_dir),
-        hf_dir=hf_dir,
-        model_settings=ModelSettings(vocab_pad_multiple=PAD_MULTIPLE, precision="fp16"),
-        # a scale that overflows at first: the scaler's state (scale, hysteresis) is what resume must keep
-        optim=OptimizerSettings(lr=1e-3, initial_loss_scale=2.0**24, loss_scale_window=2),
-    )
+    # a scale that overflows at first: the scaler's state (scale, hysteresis) is what resume must keep
+    trainer = _trainer(hf_dir, initial_loss_scale=2.0**24, loss_scale_window=2)
     start = 0 if ckpt_in is None else load_checkpoint(ckpt_in, trainer)["step"]
     out = []
     for step in range(start, start + steps):
@@ -101,16 +100,10 @@ def test_fp16_resume_keeps_the_loss_scaler(hf_dir, tmp_path):
 def _nan_rank(rank, world_size, hf_dir, initial_scale, hysteresis=2):  # noqa: ARG001
     import math
 
-    from megatron_tail.model import ModelSettings, load_hf_config
-    from megatron_tail.train import OptimizerSettings, build_trainer, make_micro_batches, train_step
+    from megatron_tail.train import make_micro_batches, train_step
 
     init_rank(1, 1)
-    trainer = build_trainer(
-        load_hf_config(hf_dir),
-        hf_dir=hf_dir,
-        model_settings=ModelSettings(vocab_pad_multiple=PAD_MULTIPLE, precision="fp16"),
-        optim=OptimizerSettings(lr=1e-3, initial_loss_scale=initial_scale, loss_scale_hysteresis=hysteresis),
-    )
+    trainer = _trainer(hf_dir, initial_loss_scale=initial_scale, loss_scale_hysteresis=hysteresis)
     mbs = make_micro_batches(make_samples(4, seed=3), micro_batch_size=2, seq_len=16)
     loss = masked_nll_loss(global_loss_tokens(mbs, trainer.groups.dp))
 
@@ -137,19 +130,13 @@ def test_an_overflow_at_the_scales_floor_is_a_nonfinite_gradient(hf_dir):
 
 
 def _moe_overflow_rank(rank, world_size, hf_dir):  # noqa: ARG001
-    from megatron_tail.model import ModelSettings, load_hf_config
     from megatron_tail.patches import cpu_device_scope
-    from megatron_tail.train import OptimizerSettings, build_trainer, make_micro_batches
+    from megatron_tail.train import make_micro_batches
     from megatron_tail.train.engine.forward import OpSettings, run_micro_batches
     from megatron_tail.train.engine.optimizer_step import guarded_step
 
     init_rank(1, 1)
-    trainer = build_trainer(
-        load_hf_config(hf_dir),
-        hf_dir=hf_dir,
-        model_settings=ModelSettings(vocab_pad_multiple=PAD_MULTIPLE, precision="fp16"),
-        optim=OptimizerSettings(lr=1e-3, initial_loss_scale=2.0**10, loss_scale_hysteresis=1),
-    )
+    trainer = _trainer(hf_dir, initial_loss_scale=2.0**10, loss_scale_hysteresis=1)
     chain = trainer.optimizer.chained_optimizers  # dense, expert: a scaler each
     mbs = make_micro_batches(make_samples(4, seed=3), micro_batch_size=2, seq_len=16)
     loss = masked_nll_loss(global_loss_tokens(mbs, trainer.groups.dp))
@@ -202,16 +189,10 @@ def test_an_fp16_moe_runs_dense_and_expert_gradients_share_one_loss_scale(tmp_pa
 
 
 def _moe_scales_resume_rank(rank, world_size, hf_dir, ckpt):  # noqa: ARG001
-    from megatron_tail.model import ModelSettings, load_hf_config
-    from megatron_tail.train import OptimizerSettings, build_trainer, load_checkpoint, save_checkpoint
+    from megatron_tail.train import load_checkpoint, save_checkpoint
 
     def trainer():
-        return build_trainer(
-            load_hf_config(hf_dir),
-            hf_dir=hf_dir,
-            model_settings=ModelSettings(vocab_pad_multiple=PAD_MULTIPLE, precision="fp16"),
-            optim=OptimizerSettings(lr=1e-3, initial_loss_scale=2.0**10),
-        )
+        return _trainer(hf_dir, initial_loss_scale=2.0**10)
 
     init_rank(1, 1)
     saved = trainer()
