@@ -331,6 +331,12 @@ def port_in_use(port: int) -> OSError | None:
 def check_ports(args: argparse.Namespace) -> int:
     """0 where every port of the block is free on this node; 2, naming the first taken, where not."""
     last = args.first + args.count - 1
+    if not (args.count >= 1 and 1 <= args.first and last <= 65535):
+        print(
+            f"check-ports {args.first} {args.count}: expected a block of ports within 1..65535",
+            file=sys.stderr,
+        )
+        return 2
     for port in range(args.first, last + 1):
         if port_in_use(port) is not None:
             print(

@@ -171,6 +171,11 @@ def test_check_ports_sees_a_server_on_any_address_of_the_node():
         assert f"port {port} (of this job's block {port}..{port}) is already in use on " in taken.stderr
         assert "set MT_PORT_BASE to another block" in taken.stderr
         assert helper("check-ports", str(free), "1").returncode == 0
+        for first, count in (("70000", "1"), ("65530", "16"), ("9000", "0")):  # a bad block: one line
+            bad = helper("check-ports", first, count)
+            assert bad.returncode == 2 and bad.stderr == (
+                f"check-ports {first} {count}: expected a block of ports within 1..65535\n"
+            ), bad.stderr
     finally:
         server.close()
         checker.close()
