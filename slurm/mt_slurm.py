@@ -240,6 +240,7 @@ def _api_key_file(key_dir: str) -> str | None:
 
 
 def router(args: argparse.Namespace) -> int:
+    from megatron_tail.rollout.http_session import API_KEY_ENV, api_key
     from megatron_tail.rollout.launch import RouterConfig, build_router_command
 
     cfg = RouterConfig(
@@ -248,6 +249,7 @@ def router(args: argparse.Namespace) -> int:
         port=args.port,
         policy=args.policy,
         extra_args=tuple(args.extra_args.split()),
+        key_env=None if api_key() is None else API_KEY_ENV,
     )
     cmd = build_router_command(cfg, python=args.server_python or sys.executable)
     print(f"[mt_slurm] router on {_node_host()}: {' '.join(cmd)}", flush=True)

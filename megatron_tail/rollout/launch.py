@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from megatron_tail.rollout.http_session import API_KEY_ENV
 from megatron_tail.utils.errors import UserError
 
 NOT_FOUND_GRACE_S = 10.0
@@ -112,8 +113,14 @@ class SGLangServerConfig:
 
 
 def build_sglang_server_command(cfg: SGLangServerConfig, python: str = sys.executable) -> list[str]:
-    """argv for an SGLang server that accepts the DVP custom logit processor."""
-    cmd = [python, "-m", "sglang.launch_server", "--model-path", cfg.model_path]
+    """argv for an SGLang server that accepts the DVP custom logit processor. One with an API key
+    (`args_file`) starts through `megatron_tail.patches.sglang_key_redaction`, which runs
+    `sglang.launch_server` with the key masked in the server's log."""
+    if cfg.args_file is None:
+        cmd = [python, "-m", "sglang.launch_server"]
+    else:
+        cmd = [python, "-m", "megatron_tail.patches.sglang_key_redaction", "--mask-env", API_KEY_ENV]
+    cmd += ["--model-path", cfg.model_path]
     cmd += ["--host", cfg.host, "--port", str(cfg.port), "--tp-size", str(cfg.tp_size), "--dtype", cfg.dtype]
     cmd += ["--enable-custom-logit-processor", "--weight-version", cfg.weight_version]
     cmd += ["--base-gpu-id", str(cfg.base_gpu_id)]
@@ -149,6 +156,13 @@ class RouterConfig:
     policy: str = "cache_aware"
     """Load-balancing policy: cache_aware, round_robin, random, power_of_two, ..."""
     extra_args: tuple[str, ...] = ()
+    key_env: str | None = None
+    """The environment variable holding the engines' API key (`http_session.API_KEY_ENV`), or None. The
+    router then answers only requests that carry it (but `/health`), and sends it in its own calls to the
+    servers (sglang-router 0.3.2's `--api-key`, "for the authorization with the worker"): without it, its
+    worker list and control endpoints are open to anyone who reaches its port, and its model discovery
+    (`/get_model_info`) is refused. The key is read in the router's process, not put on its command line,
+    which every user of the node sees in `ps` (as `SGLangServerConfig.args_file`)."""
 
     def __post_init__(self):
         _check_port(self.port)
@@ -160,8 +174,20 @@ class RouterConfig:
         return http_url(self.host, self.port)
 
 
+ROUTER_WITH_KEY = (
+    "import os, sys; sys.argv += ['--api-key', os.environ[{env!r}]]; "
+    "from sglang_router.launch_router import main; main()"
+)
+"""`python -c` program that runs sglang-router's own entry point (`launch_router.py`, `main`: it parses
+`sys.argv[1:]`) with `--api-key` appended from the environment: `/proc/PID/cmdline` keeps the exec's argv."""
+
+
 def build_router_command(cfg: RouterConfig, python: str = sys.executable) -> list[str]:
-    cmd = [python, "-m", "sglang_router.launch_router", "--worker-urls", *cfg.worker_urls]
+    if cfg.key_env is None:
+        cmd = [python, "-m", "sglang_router.launch_router"]
+    else:
+        cmd = [python, "-c", ROUTER_WITH_KEY.format(env=cfg.key_env)]
+    cmd += ["--worker-urls", *cfg.worker_urls]
     cmd += ["--host", cfg.host, "--port", str(cfg.port), "--policy", cfg.policy]
     return cmd + list(cfg.extra_args)
 

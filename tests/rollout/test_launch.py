@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 
@@ -65,6 +66,8 @@ def test_router_command():
         "python", "-m", "sglang_router.launch_router", "--worker-urls", "http://n1:30000", "http://n2:30000",
         "--host", "127.0.0.1", "--port", "29000", "--policy", "round_robin",
     ]  # fmt: skip
+    keyed = build_router_command(dataclasses.replace(cfg, key_env="MT_ROLLOUT_API_KEY"), python="python")
+    assert keyed[:2] == ["python", "-c"] and keyed[3:] == build_router_command(cfg, python="python")[3:]
 
 
 def test_local_engine_command_parses_with_the_cli_and_binds_localhost_by_default():
@@ -193,9 +196,11 @@ def test_the_api_key_reaches_sglang_in_a_file_of_flags_not_on_its_command_line(t
         SGLangServerConfig(model_path="/m", args_file=str(path)), python="python"
     )
     assert cmd[cmd.index("--config") + 1] == str(path) and not any("0123abcd" in a for a in cmd)
+    entry = ["-m", "megatron_tail.patches.sglang_key_redaction", "--mask-env", "MT_ROLLOUT_API_KEY"]
+    assert cmd[1:5] == entry  # the key masked in the server's log
     parser = argparse.ArgumentParser()
     server_args.ServerArgs.add_cli_args(parser)
-    args = parser.parse_args(ConfigArgumentMerger(parser).merge_config_with_args(cmd[3:]))
+    args = parser.parse_args(ConfigArgumentMerger(parser).merge_config_with_args(cmd[5:]))
     assert args.api_key == "0123abcd" and args.admin_api_key is None  # --api-key alone covers every endpoint
     assert "--config" not in build_sglang_server_command(SGLangServerConfig(model_path="/m"))
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import http.server
+import json
 import os
 import shutil
 import subprocess
@@ -210,3 +211,40 @@ def test_an_sglang_server_gets_the_jobs_api_key_in_a_file_only_its_user_reads(mo
         )
         assert path.parent == parent if parent else path.parent.parent == tmp_path / "tmp"
     assert "--config" not in plain
+
+
+def test_the_router_gets_the_jobs_api_key_from_its_environment_not_its_command_line(tmp_path):
+    """`mt_slurm.py router` with the job's key: sglang-router's own entry point (`launch_router.main`, which
+    parses `sys.argv[1:]`) sees `--api-key KEY` appended from the environment; the exec'd command line
+    (`/proc/PID/cmdline`, what `ps` shows) and the helper's log line never hold the key. A stand-in
+    `sglang_router` package records the argv: the real one (a 30 MB Rust wheel, the servers' environment
+    only) is not installed here. Checked by hand against sglang-router 0.3.2 in front of a keyed local
+    engine: 401 on `/workers` without the key, 200 with it, and the worker's model discovered."""
+    package = tmp_path / "stand_in" / "sglang_router"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    record = tmp_path / "argv.json"
+    (package / "launch_router.py").write_text(
+        "import json, os, sys\n"
+        "def main():\n"
+        f"    open({str(record)!r}, 'w').write(json.dumps(\n"
+        "        {'argv': sys.argv[1:],\n"
+        "         'cmdline': open(f'/proc/{os.getpid()}/cmdline').read().split('\\0')}))\n"
+        "if __name__ == '__main__':\n"
+        "    main()\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "stand_in")}
+    base = [sys.executable, str(HELPER), "router", "--port", "17000", "--host", "127.0.0.1"]
+    base += ["http://n1:17003", "http://n2:17003"]
+    for key in ("5ecret", ""):
+        env["MT_ROLLOUT_API_KEY"] = key
+        proc = subprocess.run(base, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        seen = json.loads(record.read_text())
+        tail = ["--worker-urls", "http://n1:17003", "http://n2:17003", "--host", "127.0.0.1"]
+        assert seen["argv"][: len(tail)] == tail, seen
+        if key:
+            assert seen["argv"][-2:] == ["--api-key", key], seen
+            assert not any(key in a for a in seen["cmdline"]) and key not in proc.stdout + proc.stderr
+        else:  # no key for the job: none for the router, and its plain module entry
+            assert "--api-key" not in seen["argv"] and "sglang_router.launch_router" in seen["cmdline"]
