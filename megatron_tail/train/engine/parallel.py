@@ -105,6 +105,7 @@ def init_distributed(
     *,
     timeout: timedelta = DEFAULT_TIMEOUT,
     wait_timeout: timedelta | None = None,
+    store: dist.Store | None = None,
 ) -> None:
     """Initialise torch.distributed from the torchrun env (RANK, WORLD_SIZE, MASTER_ADDR, ...) if needed,
     with `timeout` on the world group (without one NCCL's default is 10 minutes, gloo's 30), and a gloo
@@ -123,6 +124,9 @@ def init_distributed(
     (`_wait_for_every_rank`) with the longer timeout; then the store gets the collective timeout and the
     `PrefixStore("default_pg", ...)` that `init_process_group` would have given it.
 
+    `store`: a world of one (rank 0) on this store instead of the env rendezvous, e.g. an in-process
+    `HashStore`: the env rendezvous's rank 0 hosts a `TCPStore`, which listens on every interface of the node.
+
     Raises:
         OutsideFailure: not every rank arrived within the longer timeout (naming how many did).
     """
@@ -132,7 +136,10 @@ def init_distributed(
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     arrival_timeout = max(timeout, wait_timeout or timeout)
-    store, rank, world_size = next(dist.rendezvous("env://", timeout=arrival_timeout))
+    if store is None:
+        store, rank, world_size = next(dist.rendezvous("env://", timeout=arrival_timeout))
+    else:
+        rank, world_size = 0, 1
     _wait_for_every_rank(store, world_size, arrival_timeout)
     store.set_timeout(timeout)
     dist.init_process_group(

@@ -42,7 +42,6 @@ from megatron_tail.config.parallel import ParallelSection
 from megatron_tail.rollout import rollout_metrics
 from megatron_tail.rollout.batch import log_rho_metrics
 from megatron_tail.rollout.service.managed import forget_untrained_prompts
-from megatron_tail.utils.net import free_port
 
 from ..engine.collectives import all_reduce_scalars, on_rank0
 from ..engine.lr_schedule import advance
@@ -326,13 +325,17 @@ def init_torch_distributed(parallel: ParallelSection | None = None) -> int:
 
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
+    store = None
     if "WORLD_SIZE" not in os.environ:
-        os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"})
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"})
+        # In-process: no rank but this one needs the store, and torch's env rendezvous would host a TCPStore
+        # on every interface of the node (on a port that `free_port` could also lose to another process).
+        store = dist.HashStore()
     parallel = parallel or ParallelSection()
     init_distributed(
         timeout=timedelta(minutes=parallel.distributed_timeout_minutes),
         wait_timeout=timedelta(minutes=parallel.wait_timeout_minutes),
+        store=store,
     )
     return dist.get_world_size()
 

@@ -1,0 +1,46 @@
+"""A trainer started as a plain process (no torchrun) is a world of one on an in-process store: nothing it
+opens for torch.distributed listens on an address other hosts reach."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.slurm.conftest import REPO
+
+PROBE = """
+import ipaddress, json, os
+import psutil
+import torch
+import torch.distributed as dist
+from megatron_tail.train.engine.parallel import host_wait_group
+from megatron_tail.train.run.loop import init_torch_distributed
+
+world = init_torch_distributed()
+t = torch.ones(3)
+dist.all_reduce(t)
+dist.barrier(group=host_wait_group())
+pair = dist.new_group([0], backend="gloo")
+dist.all_reduce(t, group=pair)
+listening = [
+    c.laddr.ip for c in psutil.Process().net_connections(kind="inet") if c.status == psutil.CONN_LISTEN
+]
+print(json.dumps({
+    "world": world, "sum": t.tolist(), "rank_env": os.environ["RANK"],
+    "reachable": [ip for ip in listening if not ipaddress.ip_address(ip).is_loopback],
+}))
+"""
+
+
+def test_a_plain_process_is_a_world_of_one_that_listens_on_no_outside_address():
+    env_free = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "MASTER_PORT")}
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE], cwd=REPO, env=env_free, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["world"] == 1 and seen["sum"] == [1.0, 1.0, 1.0] and seen["rank_env"] == "0"
+    # Before: torch's env rendezvous hosted a TCPStore on every interface ("0.0.0.0" / "::").
+    assert seen["reachable"] == [], seen
