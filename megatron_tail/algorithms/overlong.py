@@ -12,6 +12,8 @@ so in practice the term falls linearly from 0 to −factor across the buffer.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -29,3 +31,21 @@ def overlong_penalty(
     start = max_len - buffer
     inside = ((start - length) / buffer).clamp(max=0.0)
     return factor * torch.where(length > max_len, torch.full_like(length, -1.0), inside)
+
+
+@dataclass(frozen=True)
+class OverlongShaping:
+    """The penalty as a run configures it: `max_len` = `rollout.max_new_tokens`, `buffer` =
+    `algorithm.overlong_buffer` (> 0), `factor` = `algorithm.overlong_penalty`."""
+
+    max_len: int
+    buffer: int
+    factor: float = 1.0
+
+    def penalty(self, lengths: torch.Tensor) -> torch.Tensor:
+        """`[N]` float64 penalties (≤ 0) of responses `lengths` (`[N]` int) tokens long."""
+        return overlong_penalty(lengths, max_len=self.max_len, buffer=self.buffer, factor=self.factor)
+
+    def shaped(self, rewards: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """`[N]` float64: the task `rewards` plus the penalty, the rewards the advantages see."""
+        return rewards.to(torch.float64) + self.penalty(lengths)

@@ -25,7 +25,7 @@ refuses what the loop cannot run.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Literal, get_args
+from typing import TYPE_CHECKING, Literal, get_args
 
 from megatron_tail.algorithms.config import AlgorithmConfig
 from megatron_tail.data.prompts import PromptDataConfig, PromptFormat, prompt_template_problem
@@ -41,8 +41,13 @@ from .cluster import ClusterSection
 from .optimizer import OptimizerSettings
 from .parallel import ParallelSection
 
+if TYPE_CHECKING:
+    from megatron_tail.algorithms.overlong import OverlongShaping
+
 ProgressMode = Literal["auto", "always", "never"]
 PROGRESS_MODES: tuple[str, ...] = get_args(ProgressMode)
+FilterReward = Literal["task", "shaped"]
+FILTER_REWARDS: tuple[str, ...] = get_args(FilterReward)
 
 
 @dataclass(frozen=True)
@@ -111,9 +116,17 @@ class DataSection(PromptFormat):
 
     filter_zero_variance_groups: bool = False
     """DAPO's dynamic sampling, a filter on finished groups: the rollout manager drops a group whose rewards
-    are all equal (zero advantages; `rollout/filtered_groups`) and admits the next prompt of the stream in
+    (`filter_reward`) are all equal (`rollout/filtered_groups`) and admits the next prompt of the stream in
     its place at once, until the step has `prompts_per_step` groups. `reward/mean` is over the trained
     groups, `reward/generated_mean` over every group completed."""
+    filter_reward: FilterReward = "task"
+    """Which rewards the filter compares (`FILTER_REWARDS`). "task": the reward function's (DAPO: a group
+    whose accuracy is 0 or 1, verl's `filter_groups.metric=acc`). "shaped": the rewards the advantages are
+    computed from, the task reward plus the overlong penalty (`algorithm.overlong_buffer`): a group is
+    dropped exactly when its advantages are all zero. The two differ only with overlong shaping: there
+    "task" drops a group whose answers are all right but some ran long (non-zero advantages from the
+    penalty alone) and keeps one whose penalty evens out its task rewards (all advantages zero). Default
+    "task", as DAPO, which uses both its filter and its overlong shaping."""
     max_sampling_rounds: int = 4
     """With `filter_zero_variance_groups` (1..64): after `max_sampling_rounds × prompts_per_step` groups
     filtered for one batch (as many as that many rounds of a full step would draw) the step trains on the
@@ -125,6 +138,9 @@ class DataSection(PromptFormat):
     def __post_init__(self) -> None:
         _positive_int("data", "prompts_per_step", self.prompts_per_step)
         _positive_int("data", "max_sampling_rounds", self.max_sampling_rounds)
+        _choice("data", "filter_reward", self.filter_reward, FILTER_REWARDS)
+        if self.filter_reward != "task" and not self.filter_zero_variance_groups:
+            _bad("data", "filter_reward", self.filter_reward, "needs data.filter_zero_variance_groups=true")
         if self.max_sampling_rounds > 64:
             _bad("data", "max_sampling_rounds", self.max_sampling_rounds, "must be ≤ 64")
         _positive_int("data", "eval_prompts", self.eval_prompts)
@@ -345,7 +361,7 @@ class RunConfig:
             _bad(
                 "rollout",
                 "pause_mode",
-                "retract",
+                "retract (the default)",
                 "cannot combine with algorithm.routing_replay=r3 and rollout.partial_rollouts: a retracted "
                 "request is prefilled again under the new weights, which replaces the routes of the tokens "
                 "the older weights sampled (SGLang's Req.reset_for_retract drops its routed_experts), so r3 "
@@ -457,6 +473,16 @@ class RunConfig:
         tp = self.parallel.tensor_parallel
         return self.sequence_multiple * (tp if self.model.sequence_parallel and tp > 1 else 1)
 
+    def overlong_shaping(self) -> OverlongShaping | None:
+        """DAPO's overlong penalty as this run adds it to the task rewards (`algorithm.overlong_buffer` > 0),
+        else None."""
+        from megatron_tail.algorithms.overlong import OverlongShaping  # torch: not at config load
+
+        a = self.algorithm
+        if a.overlong_buffer <= 0:
+            return None
+        return OverlongShaping(self.rollout.max_new_tokens, a.overlong_buffer, a.overlong_penalty)
+
     def warnings(self) -> list[str]:
         """Valid settings a user should still be told about at the start of a run, one line each."""
         out = []
@@ -476,6 +502,17 @@ class RunConfig:
             out.append(
                 "algorithm.old_logprobs=engine: θ_old is the engine's log-probs, so PPO's ratio starts at "
                 "π_train/π_infer and the importance weights are 1; an ablation"
+            )
+        if self.data.filter_reward == "shaped" and self.overlong_shaping() is None:
+            out.append(
+                "data.filter_reward=shaped: without overlong shaping (algorithm.overlong_buffer=0) the "
+                "shaped rewards are the task rewards; it changes nothing"
+            )
+        a = self.algorithm
+        if a.loss_max_len is not None and a.loss_aggregation != "seq_mean_token_sum":
+            out.append(
+                f"algorithm.loss_max_len={a.loss_max_len} is read only by loss_aggregation="
+                f"seq_mean_token_sum; with {a.loss_aggregation} it changes nothing"
             )
         return out
 

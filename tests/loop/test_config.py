@@ -296,6 +296,17 @@ def test_ignored_support_is_refused_with_dvp_and_warned_otherwise():
     )
     untruncated = load_config(None, ["algorithm.sampling_support=ignore", "algorithm.log_rho=null"])
     assert untruncated.warnings()[0].endswith("(no truncation is on: it changes nothing here)")
+    (unread,) = load_config(None, ["algorithm.loss_max_len=512"]).warnings()
+    assert unread == (
+        "algorithm.loss_max_len=512 is read only by loss_aggregation=seq_mean_token_sum; with token_mean it "
+        "changes nothing"
+    )
+    assert (
+        load_config(
+            None, ["algorithm.loss_max_len=512", "algorithm.loss_aggregation=seq_mean_token_sum"]
+        ).warnings()
+        == []
+    )
 
 
 def test_cross_section_checks():
@@ -311,9 +322,10 @@ def test_cross_section_checks():
     with pytest.raises(ValueError, match=r"model\.hf_path is required"):
         load_config(None).check_runnable()
     r3 = ["algorithm.routing_replay=r3", "rollout.partial_rollouts=true"]
-    with pytest.raises(
-        ConfigError, match=r"rollout\.pause_mode cannot combine with algorithm\.routing_replay=r3.*'retract'"
-    ):
+    refused = (
+        r"rollout\.pause_mode cannot combine with algorithm\.routing_replay=r3.*'retract \(the default\)'"
+    )
+    with pytest.raises(ConfigError, match=refused):
         load_config(None, r3)  # retract is the default pause mode
     for mode in ("abort", "in_place"):
         assert load_config(None, [*r3, f"rollout.pause_mode={mode}"]).rollout.pause_mode == mode

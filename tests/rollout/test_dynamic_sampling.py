@@ -15,6 +15,17 @@ def test_has_reward_signal_is_dapos_filter():
     assert not has_reward_signal([1.0, 1.0]) and not has_reward_signal([0.0])
 
 
+def test_a_filter_value_other_than_task_needs_the_filter():
+    from megatron_tail.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"data.filter_reward needs data.filter_zero_variance_groups=true"):
+        load_config(None, ["data.filter_reward=shaped"])
+    with pytest.raises(ConfigError, match=r"data.filter_reward must be one of \('task', 'shaped'\)"):
+        load_config(None, ["data.filter_reward=accuracy", "data.filter_zero_variance_groups=true"])
+    quiet = load_config(None, ["data.filter_reward=shaped", "data.filter_zero_variance_groups=true"])
+    assert any(w.startswith("data.filter_reward=shaped: without overlong shaping") for w in quiet.warnings())
+
+
 def test_equal_reward_groups_and_bad_groups():
     assert equal_reward_groups([1, 1, 0, 1, 0.5, 0.5], 2) == [True, False, True]
     with pytest.raises(ValueError, match="5 rewards do not form groups of 2"):

@@ -59,3 +59,46 @@ def test_buffer_longer_than_the_generation_limit_is_refused():
 
     with pytest.raises(ConfigError, match=r"overlong_buffer must be ≤ rollout\.max_new_tokens=8"):
         _cfg(overlong_buffer=9)
+
+
+def test_the_dynamic_sampling_filter_drops_exactly_the_groups_the_trainer_gives_zero_advantages():
+    """`data.filter_reward: shaped`: the filter compares the rewards `build_samples` computes the advantages
+    from. "task" (DAPO's; the default) compares the reward function's, which differ from them under overlong
+    shaping: here it keeps group 1 (task rewards 1, 0; shaped 0, 0: advantages 0) and drops group 2 (task
+    1, 1; shaped 0, 0.5: advantages ∓0.5)."""
+    from types import SimpleNamespace
+
+    from megatron_tail.rollout.dynamic_sampling import keeps_group
+    from megatron_tail.train.run.rollout_plan import plan_from
+
+    batch = _batch()
+    groups = [
+        SimpleNamespace(rewards=batch.rewards[i : i + 2], response_ids=batch.response_ids[i : i + 2])
+        for i in (0, 2)
+    ]
+    filtered = ["data.filter_zero_variance_groups=true", "algorithm.overlong_buffer=4"]
+    shaped = load_config(
+        None,
+        [
+            *filtered,
+            "data.filter_reward=shaped",
+            "rollout.max_new_tokens=8",
+            "algorithm.group_size=2",
+            "algorithm.advantage_estimator=rloo",
+        ],
+    )
+    task = load_config(
+        None,
+        [
+            *filtered,
+            "rollout.max_new_tokens=8",
+            "algorithm.group_size=2",
+            "algorithm.advantage_estimator=rloo",
+        ],
+    )
+    advantages = [float(s.fields["advantages"][0]) for s in build_samples(shaped, batch).samples]
+    trained = [any(a != 0 for a in advantages[i : i + 2]) for i in (0, 2)]
+    assert trained == [False, True]
+    for cfg, kept in ((shaped, trained), (task, [True, False])):
+        plan = plan_from(cfg, vocab_size=16, context_length=32, run_dir=None)
+        assert [keeps_group(g, plan.filter_shaping) for g in groups] == kept

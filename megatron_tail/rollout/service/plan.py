@@ -11,8 +11,12 @@ import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..columns import ColumnTable
+
+if TYPE_CHECKING:
+    from megatron_tail.algorithms.overlong import OverlongShaping
 
 
 def _no_stop_hint() -> str:
@@ -71,6 +75,9 @@ class RolloutPlan:
     """The per-token columns the replies are parsed into (`rollout.columns`; the trainer's table too)."""
     filter_zero_variance_groups: bool
     """Dynamic sampling: drop groups whose rewards are all equal (DAPO)."""
+    filter_shaping: OverlongShaping | None
+    """Dynamic sampling: the overlong shaping added to the task rewards it compares (`data.filter_reward:
+    shaped` with `algorithm.overlong_buffer` > 0); None: the task rewards, as DAPO."""
     max_sampling_rounds: int
     """Dynamic sampling: at most this many × `groups_per_step` groups filtered per batch."""
     total_steps: int

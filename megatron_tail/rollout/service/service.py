@@ -25,7 +25,7 @@ from megatron_tail.utils.errors import UserError
 
 from ..batch import RolloutBatch
 from ..columns import VERSIONS
-from ..dynamic_sampling import has_reward_signal
+from ..dynamic_sampling import keeps_group
 from ..manager import GroupResult, RolloutManager
 from ..protocol import SamplingConfig
 from ..settings import RolloutSection
@@ -208,7 +208,7 @@ class RolloutService:
 
         keep = None
         if plan.filter_zero_variance_groups:
-            keep = lambda g: has_reward_signal(g.batch.rewards)  # noqa: E731 - DAPO's filter
+            keep = lambda g: keeps_group(g.batch, plan.filter_shaping)  # noqa: E731 - DAPO's filter
         self.manager = RolloutManager(
             work,
             groups_per_step=plan.groups_per_step,

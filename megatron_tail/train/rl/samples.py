@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import torch
 
 from megatron_tail.algorithms import compute_advantages
-from megatron_tail.algorithms.overlong import overlong_penalty
 from megatron_tail.config import RunConfig
 from megatron_tail.rollout import RolloutBatch
 from megatron_tail.rollout.columns import BUILTIN_COLUMNS, ROUTES, ColumnTable, SampleShape
@@ -86,14 +85,9 @@ def build_samples(
     algo = cfg.algorithm
     rewards = torch.tensor(batch.rewards, dtype=torch.float64)
     metrics: dict[str, float] = {}
-    if algo.overlong_buffer > 0:
-        lengths = torch.tensor([len(r) for r in batch.response_ids])
-        penalty = overlong_penalty(
-            lengths,
-            max_len=cfg.rollout.max_new_tokens,
-            buffer=algo.overlong_buffer,
-            factor=algo.overlong_penalty,
-        )
+    shaping = cfg.overlong_shaping()
+    if shaping is not None:
+        penalty = shaping.penalty(torch.tensor([len(r) for r in batch.response_ids]))
         rewards = rewards + penalty
         metrics["reward/overlong_penalty_mean"] = float(penalty.mean())
         metrics["reward/overlong_penalized_fraction"] = float((penalty < 0).double().mean())

@@ -66,6 +66,7 @@ def plan_from(
         routes_shape=routes_shape,
         columns=token_columns(cfg),
         filter_zero_variance_groups=d.filter_zero_variance_groups,
+        filter_shaping=cfg.overlong_shaping() if d.filter_reward == "shaped" else None,
         max_sampling_rounds=d.max_sampling_rounds,
         total_steps=cfg.train.steps,
         eval_samples_per_prompt=cfg.train.eval_samples_per_prompt,
