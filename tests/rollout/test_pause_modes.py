@@ -21,6 +21,7 @@ import torch
 from megatron_tail.config import load_config
 from megatron_tail.ops import vocab_parallel_masked_logprobs
 from megatron_tail.rollout import DiskWeightSync, RolloutClient, SamplingConfig
+from megatron_tail.rollout.local_engine.batcher import cache_kwarg, cache_out
 from megatron_tail.rollout.local_engine.engine import LocalEngine
 from megatron_tail.rollout.local_engine.server import build_app
 from megatron_tail.rollout.processor import DVPLogitProcessor
@@ -38,8 +39,8 @@ def _mixed_cache_logprobs(old, new, prompt, output_ids, cut):
     and outputs[:cut − 1] (what the engine had fed before the pause; outputs[cut − 1] was sampled, not yet
     fed), then the new model fed outputs[cut − 1:] on top of that cache. Shape [len(output_ids) − cut]."""
     with torch.no_grad():
-        past = old(input_ids=torch.tensor([prompt + output_ids[: cut - 1]]), use_cache=True).past_key_values
-        logits = new(input_ids=torch.tensor([output_ids[cut - 1 : -1]]), past_key_values=past).logits[0]
+        past = cache_out(old(input_ids=torch.tensor([prompt + output_ids[: cut - 1]]), use_cache=True))
+        logits = new(input_ids=torch.tensor([output_ids[cut - 1 : -1]]), **{cache_kwarg(new): past}).logits[0]
     return vocab_parallel_masked_logprobs(
         logits.float(), torch.tensor(output_ids[cut:]), log_rho=LOG_RHO, temperature=1.0
     ).logprobs

@@ -21,6 +21,7 @@ Pause modes (SGLang 0.5.23 `PauseGenerationReqInput`, `managers/io_struct.py`; s
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import secrets
 import threading
@@ -156,6 +157,7 @@ class ContinuousBatcher:
                  recorder: RouteRecorder | None = None,
                  load_processor: Callable[[str], Any] = load_dvp_processor):  # fmt: skip
         self.model = model
+        self._cache_kwarg = cache_kwarg(model)
         self.recorder = recorder
         """`--enable-return-routed-experts`: every forward's MoE routes go to its rows (`Row.routes`)."""
         self.device = torch.device("cpu") if device is None else device
@@ -343,8 +345,8 @@ class ContinuousBatcher:
                 input_ids=ids,
                 attention_mask=mask,
                 position_ids=positions,
-                past_key_values=past,
                 use_cache=True,
+                **{self._cache_kwarg: past},
             )
             version = self.weight_version
         if self.recorder is not None:  # every position of the sequence is (re)routed by this forward
@@ -355,7 +357,7 @@ class ContinuousBatcher:
         alive = [i for i, r in enumerate(rows) if not r.finished]
         if not alive:
             return
-        cache = out.past_key_values
+        cache = cache_out(out)
         if len(alive) < len(rows):
             cache.batch_select_indices(torch.tensor(alive, device=self.device))
             mask = mask[alive]
@@ -382,11 +384,11 @@ class ContinuousBatcher:
                 input_ids=ids,
                 attention_mask=self._mask,
                 position_ids=positions,
-                past_key_values=self._cache,
                 use_cache=True,
+                **{self._cache_kwarg: self._cache},
             )
             version = self.weight_version
-        self._cache = out.past_key_values
+        self._cache = cache_out(out)
         self.steps += 1
         if self.recorder is not None:  # the route of each row's last token, the input of this step
             routed = self.recorder.take(len(rows), 1)
@@ -616,3 +618,15 @@ def with_request(item: GenerateItem, output_ids: list[int]) -> dict[str, Any] | 
         sampling_params=SimpleNamespace(temperature=temperature, custom_params=item.custom_params),
     )
     return {**item.custom_params, "__req__": req}
+
+
+def cache_kwarg(model) -> str:
+    """The name the model's forward takes its KV cache by: "cache" from transformers 5.2x (its models mark
+    `past_key_values` deprecated, to be removed in 5.40: `deprecate_kwarg("past_key_values", "5.40.0",
+    new_name="cache")`), "past_key_values" before."""
+    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+
+
+def cache_out(out):
+    """The KV cache a forward returned: `cache` in transformers 5.2x's outputs, `past_key_values` before."""
+    return out["cache"] if "cache" in out.keys() else out.past_key_values
