@@ -76,6 +76,7 @@ def test_trainer_constraints_agree_and_need_their_own_environment():
     assert metadata.version("triton") == cpu["triton"]  # the kernels' CPU tests run this Triton's interpreter
     assert metadata.version("torch").split("+")[0] == cpu["torch"]
     assert metadata.version("megatron-core") == cpu["megatron-core"]
+    assert cpu["transformers"] == gpu["transformers"] == metadata.version("transformers")
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     core = next(Requirement(r) for r in project["dependencies"] if r.startswith("megatron-core"))
     assert core.specifier.contains(cpu["megatron-core"])
