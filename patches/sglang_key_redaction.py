@@ -42,9 +42,9 @@ def mask_in_log_records(secret: str) -> None:
     """Every log record made in this process after this call shows `MASK` where `secret`'s text was.
     Idempotent (a secret is masked once; one factory for all of them); an empty secret masks nothing."""
     global _upstream_factory
-    check_pinned("sglang", SGLANG_PIN)
     if not secret or secret in _secrets:
         return
+    check_pinned("sglang", SGLANG_PIN)
     _secrets.append(secret)
     if _upstream_factory is None:
         _upstream_factory = logging.getLogRecordFactory()
@@ -52,14 +52,25 @@ def mask_in_log_records(secret: str) -> None:
 
 
 def _masked_record(*args, **kwargs) -> logging.LogRecord:
+    """The upstream factory's record with the secrets masked in its message template and in each argument,
+    keeping the arguments' shape (uvicorn's access formatter unpacks `record.args` as a 5-tuple); an
+    argument whose text holds a secret becomes that text, masked. Where the formatted message still holds
+    one (or does not format), the record carries the masked message alone."""
     record = _upstream_factory(*args, **kwargs)
+    if isinstance(record.msg, str):
+        record.msg = _mask(record.msg)
+    if isinstance(record.args, tuple):
+        record.args = tuple(_masked_arg(a) for a in record.args)
+    elif isinstance(record.args, dict):
+        record.args = {k: _masked_arg(v) for k, v in record.args.items()}
     try:
         message = record.getMessage()
-    except Exception:  # a record whose arguments do not format: its handler reports that, unmasked text aside
-        return record
-    masked = _mask(message)
-    if masked is not message:
-        record.msg, record.args = masked, None
+    except Exception:  # its handler would print the arguments: give it the masked text instead
+        record.msg, record.args = _mask(f"{record.msg!r} % {record.args!r}"), None
+    else:
+        masked = _mask(message)
+        if masked is not message:
+            record.msg, record.args = masked, None
     if record.exc_info and record.exc_info[0] is not None:
         text = logging.Formatter().formatException(record.exc_info)
         masked = _mask(text)
@@ -68,7 +79,21 @@ def _masked_record(*args, **kwargs) -> logging.LogRecord:
     return record
 
 
+def _masked_arg(value):
+    if isinstance(value, str):
+        return _mask(value)
+    if isinstance(value, (int, float, bool, type(None))):
+        return value
+    try:
+        text = str(value)
+    except Exception:
+        return value
+    masked = _mask(text)
+    return value if masked is text else masked
+
+
 def _mask(text: str) -> str:
+    """`text` itself where it holds no secret (the same object), else a copy with each one masked."""
     for secret in _secrets:
         if secret in text:
             text = text.replace(secret, MASK)
@@ -82,6 +107,8 @@ def main() -> None:
         sys.exit("usage: python -m megatron_tail.patches.sglang_key_redaction --mask-env NAME SGLANG-ARGS...")
     name = sys.argv[2]
     del sys.argv[1:3]
+    if not os.environ.get(name):
+        print(f"[sglang_key_redaction] {name} is not set: no key to mask in this log", file=sys.stderr)
     mask_in_log_records(os.environ.get(name, ""))
     runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
 

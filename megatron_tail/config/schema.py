@@ -361,12 +361,13 @@ class RunConfig:
             _bad(
                 "rollout",
                 "pause_mode",
-                "retract (the default)",
-                "cannot combine with algorithm.routing_replay=r3 and rollout.partial_rollouts: a retracted "
-                "request is prefilled again under the new weights, which replaces the routes of the tokens "
-                "the older weights sampled (SGLang's Req.reset_for_retract drops its routed_experts), so r3 "
-                "would replay them on routes they were not sampled with; set rollout.pause_mode=abort (or "
-                "in_place; to resume a run started so, with train.allow_config_change=true)",
+                "retract",
+                "(retract unless set) cannot combine with algorithm.routing_replay=r3 and "
+                "rollout.partial_rollouts: a retracted request is prefilled again under the new weights, "
+                "which replaces the routes of the tokens the older weights sampled (SGLang's "
+                "Req.reset_for_retract drops its routed_experts), so r3 would replay them on routes they "
+                "were not sampled with; set rollout.pause_mode=abort (or in_place; to resume a run started "
+                "so, with train.allow_config_change=true)",
             )
         if self.data.prompts_per_step % self.train.mini_batches:
             _bad(

@@ -323,7 +323,8 @@ def test_cross_section_checks():
         load_config(None).check_runnable()
     r3 = ["algorithm.routing_replay=r3", "rollout.partial_rollouts=true"]
     refused = (
-        r"rollout\.pause_mode cannot combine with algorithm\.routing_replay=r3.*'retract \(the default\)'"
+        r"rollout\.pause_mode \(retract unless set\) cannot combine with algorithm\.routing_replay=r3.*"
+        r"got 'retract'$"
     )
     with pytest.raises(ConfigError, match=refused):
         load_config(None, r3)  # retract is the default pause mode

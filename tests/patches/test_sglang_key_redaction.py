@@ -44,6 +44,21 @@ try:
     raise ValueError(f"bad key {server_args.api_key}")
 except ValueError:
     logger.exception("start failed")
+
+# uvicorn's access lines (SGLang serves through uvicorn's LOGGING_CONFIG): its AccessFormatter unpacks
+# `record.args` as a 5-tuple (uvicorn/logging.py, `AccessFormatter.formatMessage`); uvicorn is not installed
+# here, so a formatter that does the same
+class Access(logging.Formatter):
+    def formatMessage(self, record):
+        client, method, path, version, status = record.args
+        return f"{client} - {method} {path} HTTP/{version} {status}"
+access = logging.getLogger("uvicorn.access")
+handler = logging.StreamHandler(sys.stderr)
+handler.setFormatter(Access())
+access.addHandler(handler)
+access.propagate = False
+access.info('%s - "%s %s HTTP/%s" %d', "10.0.0.7:5100", "GET", "/q?k=" + sys.argv[2], "1.1", 200)
+logger.info("%d requests", sys.argv[2])  # does not format: the handler prints the arguments
 """
 
 
@@ -60,6 +75,8 @@ def test_the_servers_log_shows_its_arguments_with_the_key_masked(tmp_path):
     assert "'api_key': '<redacted>'" in after and "'model_path': '/m'" in after
     assert "api_key='<redacted>'" in after  # the repr
     assert "ValueError: bad key <redacted>" in after and "start failed" in after
+    assert "10.0.0.7:5100 - GET /q?k=<redacted> HTTP/1.1 200" in after  # the access line, whole
+    assert "--- Logging error ---" in after and "<redacted>" in after.split("--- Logging error ---")[1]
 
 
 def test_sglang_logs_its_arguments_only_where_the_mask_applies():
@@ -70,6 +87,27 @@ def test_sglang_logs_its_arguments_only_where_the_mask_applies():
     assert source.count('logger.info(f"server_args={_server_args_for_logging(server_args)}")') == 2
     assert "    return redact_watermark_secrets(server_args.resolved_dict())\n" in source
     assert "print(server_args" not in source and 'print(f"server_args' not in source
+
+
+def test_the_entry_point_masks_the_named_variable_in_what_the_launcher_logs(tmp_path):
+    """A stand-in `sglang.launch_server` (first on the path; the installed sglang's version still answers the
+    pin) logs the variable's value: the server's log shows it masked."""
+    stand_in = tmp_path / "sglang"
+    stand_in.mkdir()
+    (stand_in / "__init__.py").write_text("")
+    (stand_in / "launch_server.py").write_text(
+        "import logging, os, sys\n"
+        "logging.basicConfig(level=logging.INFO, force=True)\n"
+        "logging.getLogger('sglang.srt.entrypoints.engine').info('args=%s key=%s', sys.argv[1:], "
+        "os.environ['MT_ROLLOUT_API_KEY'])\n"
+    )
+    env = {**os.environ, "MT_ROLLOUT_API_KEY": KEY, "PYTHONPATH": f"{tmp_path}:{REPO}"}
+    proc = subprocess.run(
+        [sys.executable, "-m", ENTRY, "--mask-env", "MT_ROLLOUT_API_KEY", "--port", "1"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "args=['--port', '1'] key=<redacted>" in proc.stderr and KEY not in proc.stderr
 
 
 def test_the_entry_point_runs_sglangs_launcher_as_main():

@@ -1,9 +1,11 @@
 """Every algorithm feature at once through the real trainer: DVP pruning that bites (log ρ = −3 at T = 0.5),
 STAPO with the entropy quantile, AR, Lopti's two phases, MIS with a veto, KL against another model, an entropy
-bonus, dual clip and seq-mean-token-mean aggregation. Phase 0 on one rank equals a float64 reference written
-from the papers' formulas with HF transformers' logits; both phases at DP 2 (packed), PP 2 with the fused
-output layer and TP 2 + SP + CP 2 equal one rank (loss, gradient norm, updated weights). Each feature has
-its own tests; these check that they compose, in each parallel layout."""
+bonus and seq-mean-token-mean aggregation; PPO's clip bites in the second phase, after the first one's
+update (dual clip is on but needs a negative-advantage token whose ratio rose past c, which this step has
+none of: its own tests cover it). Phase 0 on one rank equals a float64 reference written from the papers'
+formulas with HF transformers' logits; both phases at DP 2 (packed), PP 2 with the fused output layer and
+TP 2 + SP + CP 2, and a Qwen3-MoE replaying its routes at EP 2, equal one rank (loss, gradient norm, counts,
+updated weights). Each feature has its own tests; these check that they compose, in each parallel layout."""
 
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ CFG = AlgorithmConfig(
     advantage_reweighting=True,
     ar_alpha=0.3,
     lopti=True,
-    lopti_eta=0.5,
+    lopti_eta=0.05,  # the tiny model's tokens have π < 0.3: both phases get tokens (24 and 10)
     kl_coef=0.1,
     entropy_coef=0.01,
     dual_clip=3.0,
@@ -236,11 +238,8 @@ def _assert_same_steps(got, expected):
     for (metrics, grad_norm), (ref_metrics, ref_grad_norm) in zip(phases, ref_phases, strict=True):
         assert metrics["loss"] == pytest.approx(ref_metrics["loss"], rel=1e-5, abs=1e-7)
         assert grad_norm == pytest.approx(ref_grad_norm, rel=1e-5)
-        for count in (
-            "stapo_masked_tokens",
-            "vetoed_sequences",
-            "phase_tokens",
-        ):  # the first two: phase 0 only
+        counts = ("stapo_masked_tokens", "vetoed_sequences", "phase_tokens", "clipped_tokens")
+        for count in counts:  # the first two: phase 0 only
             assert metrics.get(count) == ref_metrics.get(count), count
     for name in ref_state:
         torch.testing.assert_close(state[name], ref_state[name], rtol=1e-5, atol=1e-6, msg=name)
@@ -260,13 +259,16 @@ def test_one_rank_equals_the_float64_reference(case):
     _, _, reference, (phases, _) = case
     metrics, _ = phases[0]
     for key in ("loss", "pg_loss", "kl_loss", "entropy_loss"):
-        assert metrics[key] == pytest.approx(reference[key], rel=1e-5, abs=1e-7), key
+        # float32 trainer: terms of ~0.1 that partly cancel (phase 0 loss −0.02), so an absolute bound too
+        assert metrics[key] == pytest.approx(reference[key], rel=1e-5, abs=1e-6), key
     assert metrics["stapo_masked_tokens"] == reference["masked"] > 0
     assert metrics["vetoed_sequences"] == 1
     # every feature bites: DVP prunes most of the 200 tokens, STAPO masks tokens, one sequence is vetoed,
     # a KL and an entropy term, two phases
     assert reference["mean_safe_set"] < 100
-    assert reference["kl_loss"] > 0 and reference["entropy_loss"] < 0 and len(phases) == 2
+    assert reference["kl_loss"] > 0 and reference["entropy_loss"] < 0
+    (first, _), (second, _) = phases
+    assert first["phase_tokens"] > 0 and second["phase_tokens"] > 0 and second["clipped_tokens"] > 0
 
 
 @pytest.mark.parametrize(

@@ -327,9 +327,10 @@ def init_torch_distributed(parallel: ParallelSection | None = None) -> int:
         return dist.get_world_size()
     store = None
     if "WORLD_SIZE" not in os.environ:
-        os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"})
         # In-process: no rank but this one needs the store, and torch's env rendezvous would host a TCPStore
         # on every interface of the node (on a port that `free_port` could also lose to another process).
+        # No torchrun variables are set: a later init in this process (after a destroy) is again a world of
+        # one here, and every reader defaults to rank 0 of 1.
         store = dist.HashStore()
     parallel = parallel or ParallelSection()
     init_distributed(
