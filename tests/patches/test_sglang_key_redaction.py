@@ -58,7 +58,7 @@ handler.setFormatter(Access())
 access.addHandler(handler)
 access.propagate = False
 access.info('%s - "%s %s HTTP/%s" %d', "10.0.0.7:5100", "GET", "/q?k=" + sys.argv[2], "1.1", 200)
-logger.info("%d requests", sys.argv[2])  # does not format: the handler prints the arguments
+logger.info("%d requests", sys.argv[2])  # does not format: unmasked, the handler would print its arguments
 """
 
 
@@ -76,7 +76,7 @@ def test_the_servers_log_shows_its_arguments_with_the_key_masked(tmp_path):
     assert "api_key='<redacted>'" in after  # the repr
     assert "ValueError: bad key <redacted>" in after and "start failed" in after
     assert "10.0.0.7:5100 - GET /q?k=<redacted> HTTP/1.1 200" in after  # the access line, whole
-    assert "--- Logging error ---" in after and "<redacted>" in after.split("--- Logging error ---")[1]
+    assert "'%d requests' % ('<redacted>',)" in after  # a record that does not format: its masked text
 
 
 def test_sglang_logs_its_arguments_only_where_the_mask_applies():
