@@ -65,6 +65,7 @@ def moe_config_fields(
         "moe_layer_freq": moe.moe_layer_pattern,
         "moe_router_load_balancing_type": "aux_loss",
         "moe_aux_loss_coeff": moe.router_aux_loss_coef if coeff is None else coeff,
+        "moe_router_dtype": settings.moe_router_dtype,
         "moe_grouped_gemm": settings.resolved_use_te(),
         "moe_token_dispatcher_type": moe_dispatcher(settings),
         "expert_model_parallel_size": ep,

@@ -17,6 +17,8 @@ Precision = Literal["bf16", "fp16", "fp32"]
 Recompute = Literal["none", "selective", "full"]
 RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
 """megatron's selective-recompute modules for a dense model (TransformerConfig.recompute_modules)."""
+MOE_ROUTER_DTYPES = (None, "fp32", "fp64")
+"""`moe_router_dtype`'s values: megatron-core 0.16's `TransformerConfig.moe_router_dtype`, and None."""
 
 DEFAULT_VOCAB_PAD_MULTIPLE = 1024
 """Pad the vocab to a multiple of 1024 = 128 × 8: the same padded size at every TP ≤ 8 (so checkpoints
@@ -72,7 +74,22 @@ class ModelSettings:
     `moe_aux_loss_coeff`, its "aux_loss" per layer and micro-batch). None: the HF config's
     `router_aux_loss_coef`. 0 turns the loss off. Ignored for dense models."""
 
+    moe_router_dtype: str | None = None
+    """Mixture-of-experts models: the dtype of the router's gating GEMM, its softmax and top-k, and the
+    probabilities that weight the experts' outputs (megatron's `moe_router_dtype`: "fp32", "fp64"); None:
+    the model's dtype (bf16 in training). megatron warns without it at 32 experts or more
+    (`TransformerConfig.__post_init__`, "Consider enabling moe_router_dtype for better numerical
+    stability"), and Megatron-LM's own Qwen3-30B-A3B configuration sets fp32
+    (`examples/post_training/modelopt/conf/qwen/Qwen3-30B-A3B.sh`), as this repository's MoE examples do.
+    SGLang 0.5.23 computes Qwen3-MoE's gate in the model's dtype and its softmax and top-k weights in fp32
+    (`models/qwen3_moe.py`, `layers/moe/topk.py`): neither choice is its computation exactly. Default None,
+    megatron's, so a run that leaves it unset trains as before."""
+
     def __post_init__(self) -> None:
+        if self.moe_router_dtype not in MOE_ROUTER_DTYPES:
+            raise ValueError(
+                f"moe_router_dtype must be one of {MOE_ROUTER_DTYPES}; got {self.moe_router_dtype!r}"
+            )
         if self.moe_aux_loss_coeff is not None and (
             isinstance(self.moe_aux_loss_coeff, bool)
             or not isinstance(self.moe_aux_loss_coeff, int | float)

@@ -47,6 +47,38 @@ def test_router_rule_matters_for_these_logits(moe_models):
     assert _rel_err(with_norm, without) > 1e3 * REL_TOL
 
 
+def _router_dtype_rank(rank, world_size, hf_dir, tokens, router_dtype):
+    """The logits at EP 2 with `model.moe_router_dtype`, and the dtypes of the probabilities the routers
+    gave (megatron's `TopKRouter.forward`: `(probs, routing_map)`)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    seen = set()
+
+    def record(module, _inputs, output):
+        if isinstance(module, TopKRouter):
+            seen.add(output[0].dtype)
+
+    handle = torch.nn.modules.module.register_module_forward_hook(record)
+    try:
+        logits = moe_logits_rank(
+            rank, world_size, hf_dir, {"ep": 2}, tokens, {"moe_router_dtype": router_dtype}
+        )
+    finally:
+        handle.remove()
+    return logits, seen
+
+
+def test_the_routers_compute_in_moe_router_dtype(moe_models):
+    """`model.moe_router_dtype` reaches megatron's routers (fp64 here, where the model is fp32: float64
+    probabilities), and the logits still equal HF's."""
+    hf_dir, hf = moe_models[True]
+    expected = hf_logits(hf, TOKENS)
+    for router_dtype, dtype in ((None, torch.float32), ("fp64", torch.float64)):
+        for logits, seen in run_distributed(_router_dtype_rank, 2, hf_dir, TOKENS, router_dtype):
+            assert seen == {dtype}, (router_dtype, seen)
+            assert _rel_err(logits, expected) <= REL_TOL
+
+
 @pytest.mark.parametrize("norm", [True, False])
 @pytest.mark.parametrize(
     ("layout", "world"),
