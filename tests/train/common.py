@@ -28,6 +28,21 @@ def make_samples(n: int, seed: int, *, min_len: int = 3, max_len: int = 7) -> li
     return [Sample(prompt=ids(length()), response=ids(length())) for _ in range(n)]
 
 
+def smooth_trainer(hf_dir: str, settings):
+    """A trainer of `hf_dir` with model `settings` whose update is ≈ lr·g (Adam with eps 1, no clipping):
+    smooth in the gradient, so layouts that sum the same gradient in another order give the same weights to
+    float32 rounding."""
+    from megatron_tail.model import load_hf_config
+    from megatron_tail.train import OptimizerSettings, build_trainer
+
+    return build_trainer(
+        load_hf_config(hf_dir),
+        hf_dir=hf_dir,
+        model_settings=settings,
+        optim=OptimizerSettings(lr=0.5, adam_eps=1.0, clip_grad=1e9),
+    )
+
+
 def init_rank(tp: int = 1, pp: int = 1, seed: int = 1234):
     """Inside a forked rank: megatron parallel state via the trainer's own init."""
     from megatron_tail.config.parallel import ParallelSection

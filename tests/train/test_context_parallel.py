@@ -16,7 +16,7 @@ from megatron_tail.train.engine.forward import SAMPLING_SUPPORT_FIELD
 from megatron_tail.utils.ragged import Ragged
 from tests.harness import run_distributed
 from tests.model.hf_models import make_hf_model
-from tests.train.common import PAD_MULTIPLE, full_hf_state, make_samples
+from tests.train.common import PAD_MULTIPLE, full_hf_state, make_samples, smooth_trainer
 
 CFG = AlgorithmConfig(
     log_rho=None,
@@ -177,11 +177,9 @@ def _samples(seed: int) -> list[Sample]:
 
 def _rl_rank(rank, world_size, hf_dir, tp, pp, cp, samples, cfg, model, max_tokens, fixed_shape=False):  # noqa: ARG001
     from megatron_tail.config.parallel import ParallelSection
-    from megatron_tail.model import ModelSettings, load_hf_config
+    from megatron_tail.model import ModelSettings
     from megatron_tail.train import (
         OpSettings,
-        OptimizerSettings,
-        build_trainer,
         init_parallel,
         pack_micro_batches,
         prepare_rl_micro_batches,
@@ -194,12 +192,7 @@ def _rl_rank(rank, world_size, hf_dir, tp, pp, cp, samples, cfg, model, max_toke
     torch.set_num_threads(1)
     groups = init_parallel(ParallelSection(tensor_parallel=tp, pipeline_parallel=pp, context_parallel=cp))
     settings = ModelSettings(vocab_pad_multiple=PAD_MULTIPLE, **(model or {}))
-    trainer = build_trainer(
-        load_hf_config(hf_dir),
-        hf_dir=hf_dir,
-        model_settings=settings,
-        optim=OptimizerSettings(lr=0.5, adam_eps=1.0, clip_grad=1e9),  # ≈ lr·g: smooth in g
-    )
+    trainer = smooth_trainer(hf_dir, settings)
     seq = 2 * cp if cp > 1 else 1
     multiple = seq * (tp if settings.sequence_parallel else 1)
     if fixed_shape:  # every micro-batch max_tokens long: megatron's fixed-shape pipeline exchange

@@ -19,7 +19,7 @@ from megatron_tail.algorithms import AlgorithmConfig, grpo
 from megatron_tail.train import Sample
 from tests.harness import run_distributed
 from tests.model.hf_models import make_hf_model
-from tests.train.common import PAD_MULTIPLE, full_hf_state
+from tests.train.common import PAD_MULTIPLE, full_hf_state, smooth_trainer
 
 T = 0.5
 LOG_RHO = -3.0
@@ -51,11 +51,9 @@ def _rank(rank, world, hf_dir, ref_dir, layout, samples, packed, model_opts):  #
     """`layout`: (tp, pp, cp, ep). An MoE model replays the θ_old pass's routes in the reference and in both
     updates (`routing_replay: r2`)."""
     from megatron_tail.config.parallel import ParallelSection
-    from megatron_tail.model import ModelSettings, load_hf_config
+    from megatron_tail.model import ModelSettings
     from megatron_tail.train import (
         OpSettings,
-        OptimizerSettings,
-        build_trainer,
         init_parallel,
         make_micro_batches,
         pack_micro_batches,
@@ -77,12 +75,7 @@ def _rank(rank, world, hf_dir, ref_dir, layout, samples, packed, model_opts):  #
         ParallelSection(tensor_parallel=tp, pipeline_parallel=pp, context_parallel=cp, expert_parallel=ep)
     )
     settings = ModelSettings(vocab_pad_multiple=PAD_MULTIPLE, **model_opts)
-    trainer = build_trainer(
-        load_hf_config(hf_dir),
-        hf_dir=hf_dir,
-        model_settings=settings,
-        optim=OptimizerSettings(lr=0.5, adam_eps=1.0, clip_grad=1e9),  # ≈ lr·g: smooth in g
-    )
+    trainer = smooth_trainer(hf_dir, settings)
     seq = 2 * cp if cp > 1 else 1
     if packed:
         mbs = pack_micro_batches(

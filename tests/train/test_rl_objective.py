@@ -11,7 +11,7 @@ from megatron_tail.algorithms import AlgorithmConfig, compute_loss
 from megatron_tail.train import Sample
 from tests.harness import run_distributed
 from tests.model.hf_models import hf_logits, make_hf_model
-from tests.train.common import PAD_MULTIPLE, full_hf_state, init_rank, make_samples
+from tests.train.common import PAD_MULTIPLE, full_hf_state, init_rank, make_samples, smooth_trainer
 
 CFG = AlgorithmConfig(
     log_rho=None,
@@ -24,11 +24,9 @@ CFG = AlgorithmConfig(
 
 
 def _rl_step_rank(rank, world_size, hf_dir, tp, samples, packed, cfg=CFG):  # noqa: ARG001
-    from megatron_tail.model import ModelSettings, load_hf_config
+    from megatron_tail.model import ModelSettings
     from megatron_tail.train import (
         OpSettings,
-        OptimizerSettings,
-        build_trainer,
         make_micro_batches,
         pack_micro_batches,
         prepare_rl_micro_batches,
@@ -39,12 +37,7 @@ def _rl_step_rank(rank, world_size, hf_dir, tp, samples, packed, cfg=CFG):  # no
     )
 
     groups = init_rank(tp, 1)
-    trainer = build_trainer(
-        load_hf_config(hf_dir),
-        hf_dir=hf_dir,
-        model_settings=ModelSettings(vocab_pad_multiple=PAD_MULTIPLE),
-        optim=OptimizerSettings(lr=0.5, adam_eps=1.0, clip_grad=1e9),  # ≈ lr·g: smooth in g
-    )
+    trainer = smooth_trainer(hf_dir, ModelSettings(vocab_pad_multiple=PAD_MULTIPLE))
     if packed:
         mbs = pack_micro_batches(samples, max_tokens=32, dp_rank=groups.dp_rank, dp_size=groups.dp_size)
     else:
