@@ -18,8 +18,12 @@ def session_of(cfg):
     s = RunSession.__new__(RunSession)
     s.rho = adaptive_rho_rule(cfg)
     s.cfg = with_log_rho(cfg, s.rho.initial) if s.rho is not None else cfg
-    s.engines = SimpleNamespace(log_rho=None)  # rank 0's rollout service: the ρ its requests go out at
-    s.engines.set_log_rho = lambda log_rho: setattr(s.engines, "log_rho", log_rho)
+    s.engines = SimpleNamespace(log_rho=None, calls=[])  # rank 0's rollout service, recording
+    s.engines.set_log_rho = lambda log_rho: (
+        setattr(s.engines, "log_rho", log_rho),
+        s.engines.calls.append("ρ"),
+    )
+    s.engines.before_weight_update = lambda: s.engines.calls.append("drain")
     return s
 
 
@@ -72,3 +76,14 @@ def test_the_rules_t_counts_every_turn_of_an_episode():
         max_response_len=cfg.rollout.max_policy_tokens,
     )
     assert logged["dvp/bias_bound"] == pytest.approx(0.1)
+
+
+def test_the_groups_in_flight_finish_before_the_next_rho():
+    """A request reads ρ when it is sent: the next step's ρ is set once this step's groups in flight have
+    finished (the weight sync's drain, `RolloutService.before_weight_update`), so no group of this step,
+    nor a replacement or a later turn of one, goes out at the next step's ρ whatever the engines' speed. On
+    the old order, a slow engine sampled steps at other ρ than a fast one (η = 1: −12.25 vs −12.75 at
+    step 2, the resume audit's two uninterrupted runs)."""
+    s = session_of(load_config(None, ["algorithm.log_rho=auto", "rollout.max_new_tokens=8"]))
+    s.adapt_log_rho({"dvp/safe_mass_min": 0.9})
+    assert s.engines.calls == ["drain", "ρ"]

@@ -132,9 +132,10 @@ def rl_step(
     # an empty batch: dynamic sampling kept no group with a reward signal, nothing to learn from this step
     metrics["train/skipped_step"] = 0.0 if len(batch) else 1.0
     train_s = time.perf_counter() - trained
-    # log_rho auto: the next step's ρ, before the engines' next requests (the manager admits new groups
-    # after the weight sync) and before the checkpoint keeps it
-    s.adapt_log_rho(metrics)
+    # log_rho auto: the next step's ρ, once this step's groups in flight have finished (its drain) and
+    # before the engines' next requests (the manager admits new groups after the weight sync) and before
+    # the checkpoint keeps it
+    metrics["perf/rollout_wait_s"] += s.adapt_log_rho(metrics)
     if s.nonfinite.diverged is None:
         # weight sync: the engines load θ_new as version `done`
         metrics["perf/weight_sync_time_s"] = s.sync_weights(version=done)

@@ -166,15 +166,27 @@ class RunSession:
         the same `cfg`); None without DVP."""
         return self.cfg.algorithm.sampling_log_rho(self.cfg.rollout.sampling.temperature)
 
-    def adapt_log_rho(self, metrics: dict[str, float]) -> None:
+    def adapt_log_rho(self, metrics: dict[str, float]) -> float:
         """`algorithm.log_rho: auto`: log `dvp/log_rho` (this step's) into `metrics` and set the next step's
         from this step's `dvp/safe_mass_min` (identical on every rank, so every rank moves alike). From then
         on the engines' requests carry the new ρ: the rollout manager's next requests (new groups and
-        continued segments; `RolloutService.set_log_rho`)."""
+        continued segments; `RolloutService.set_log_rho`).
+
+        Without partial rollouts, rank 0 first lets the groups in flight finish (the drain the weight sync
+        does next, `RolloutService.before_weight_update`): a request reads ρ when it is sent, so a group
+        admitted or a turn sent between the new ρ and the drain's end (a filtered group's replacement, one
+        past `rollout.max_concurrency`, an episode's next turn) went out at the next step's ρ, and which ρ
+        sampled a step depended on the machine's speed, a resumed run differing from an uninterrupted one.
+        Returns the seconds that drain waited (0 elsewhere)."""
         if self.rho is None:
-            return
+            return 0.0
         metrics["dvp/log_rho"] = self.log_rho
+        started = time.perf_counter()
+        if self.engines is not None:
+            self.engines.before_weight_update()
+        waited = time.perf_counter() - started
         self._use_log_rho(self.rho.next_log_rho(self.log_rho, metrics.get("dvp/safe_mass_min", math.nan)))
+        return waited
 
     def _use_log_rho(self, log_rho: float) -> None:
         self.cfg = with_log_rho(self.cfg, log_rho)
