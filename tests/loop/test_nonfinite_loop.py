@@ -7,6 +7,7 @@ update made every weight NaN, and step 3 failed in its θ_old pass."""
 from __future__ import annotations
 
 import math
+import shutil
 
 from megatron_tail.demo.run import read_scalars
 from tests.harness import run_distributed
@@ -15,7 +16,7 @@ from tests.loop.conftest import ENGINE_IN_PROCESS, loop_overrides
 NAN_AT_STEPS = (2, 4, 5)
 
 
-def _run_rank(rank, world, overrides):  # noqa: ARG001
+def _run_rank(rank, world, overrides, first_step=1):  # noqa: ARG001 - `first_step`: a resumed run's
     from megatron_tail.config import load_config
     from megatron_tail.train.rl import update
     from megatron_tail.train.run.loop import run
@@ -25,7 +26,7 @@ def _run_rank(rank, world, overrides):  # noqa: ARG001
 
     def rl_loss_fn(cfg, counts, *, phase):  # one update a step: the n-th call is step n's
         calls.append(phase)
-        inner, step = real(cfg, counts, phase=phase), len(calls)
+        inner, step = real(cfg, counts, phase=phase), first_step - 1 + len(calls)
 
         def loss_fn(out, mb):
             loss, metrics = inner(out, mb)
@@ -82,3 +83,21 @@ def test_nonfinite_updates_are_skipped_said_counted_and_stop_the_run(
     from megatron_tail.train.run.run_dir import diverged_at
 
     assert diverged_at(run_dir) == 5
+
+    # Resumed from step 4 (1 skipped in a row, saved), step 5's NaN is the second in a row, as in the run
+    # itself: the same stop (before, a resume counted from 0 and trained on past the limit). The diverged
+    # step's checkpoint saved 0: a rerun from it gets the limit's tries afresh.
+    from megatron_tail.train.engine.checkpoint import read_checkpoint_meta
+
+    saved = [
+        read_checkpoint_meta(run_dir / "checkpoints" / f"step_00000{n}")["rl_state"].get("nonfinite_in_a_row")
+        for n in (4, 5)
+    ]
+    shutil.rmtree(run_dir / "checkpoints" / "step_000005")
+    (again,) = run_distributed(
+        _run_rank, 1, loop_overrides(tiny_model_dir, prompt_file, run_dir, settings), 5
+    )
+    assert again is not None and again.startswith(
+        "step 5, update 1 of 1: the gradient norm was NaN or ±inf in 2"
+    ), again
+    assert saved == [1, 0]

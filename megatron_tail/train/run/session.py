@@ -209,6 +209,7 @@ class RunSession:
             return 0
         rl_state = load_checkpoint(path, self.trainer)
         self.data_cursor = int(rl_state.get("data_cursor", 0))
+        self.nonfinite.in_a_row = int(rl_state.get("nonfinite_in_a_row", 0))  # older checkpoints: none
         if self.rho is not None and rl_state.get("log_rho") is not None:
             self._use_log_rho(float(rl_state["log_rho"]))
         step = int(rl_state["step"])
@@ -307,6 +308,9 @@ class RunSession:
             "lr_scheduler": self.trainer.scheduler.state_dict(),
             "data_cursor": self.data_cursor,
             "log_rho": self.log_rho if self.rho is not None else None,
+            # skipped updates in a row so far, so a resume stops where the run would have; 0 in the diverged
+            # step's checkpoint: a rerun from it (with a lower rate) gets the limit's tries afresh
+            "nonfinite_in_a_row": self.nonfinite.in_a_row if self.nonfinite.diverged is None else 0,
         }
         # the manager's groups generated ahead, so a resumed run trains on the same samples (rank 0 writes
         # them: they live on rank 0 only, and are large)
