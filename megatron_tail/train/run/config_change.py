@@ -38,7 +38,9 @@ from . import data_digests, run_dir
 
 CHANGEABLE_KEYS: frozenset[str] = frozenset(
     {
-        # how long the run goes and how often it checkpoints and evaluates
+        # how long the run goes and how often it checkpoints and evaluates (`train.steps` extended after a
+        # run ended at η ≥ 1 is not the longer run: no group was generated past the last step, so the first
+        # added step trains one version fresher; docs/rollouts.md, "Exactly once")
         "train.steps",
         "train.checkpoint_every",
         "train.keep_checkpoints",
