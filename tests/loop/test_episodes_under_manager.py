@@ -227,3 +227,28 @@ def test_an_environment_failure_under_the_manager_regenerates_its_group_with_fre
     assert seeds[1:] == [turn_key(base[1], 0, 0, 0).seed, turn_key(base[1], 0, 0, 0, attempt=1).seed]
     assert second.metrics["rollout/env_failures"] == 1.0
     assert second.rewards == [1.0, 1.0]  # FailsOnce's reward of the regenerated episodes
+
+
+def test_environment_failures_since_the_last_batch_survive_a_checkpoint(failing):
+    """A failure counted after the last batch (a group generated ahead, η ≥ 1, whose checkpointed samples a
+    resume restores) is in the checkpoint's manager state and counts in the resumed run's next batch, as in
+    the uninterrupted one; before, it died with the process (the resume audit: 10 failures logged as 8)."""
+    from megatron_tail.rollout.envs.registry import EnvironmentError_
+    from megatron_tail.rollout.service.service import PENDING_ENV_FAILURES
+
+    e, _ = failing
+    fine = SimpleNamespace(prompt_ids=PROMPT, answer="fine")
+    e.start_manager(lambda _index: fine, version=0, state=None)
+    e.engines.call(lambda: e._manager_sampling.failures.add(EnvironmentError_("a group ahead failed once")))
+    state = e.manager_state()
+    assert state[PENDING_ENV_FAILURES] == [1, 0]
+    resumed = _engines(
+        "rollout.env.name=tests.rollout.envs.fault_envs:FailsOnce",
+        "rollout.max_staleness=0",
+        score=lambda completions, _answers: [0.0] * len(completions),
+    )
+    try:
+        resumed.start_manager(lambda _index: fine, version=0, state=state)
+        assert resumed.next_batch(0).metrics["rollout/env_failures"] == 1.0
+    finally:
+        _stop(resumed)

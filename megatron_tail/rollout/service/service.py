@@ -54,6 +54,9 @@ batch scores and a tool call answers in milliseconds to seconds; the engines' re
 otherwise)."""
 
 
+PENDING_ENV_FAILURES = "env_failures_pending"
+"""The manager state's key for the environment failures and lost episodes since the last batch."""
+
 class RolloutService:
     """Engines, rewards and environments on global rank 0. Made early (a local engine loads meanwhile),
     then `wait_ready()`, `start_manager(...)`, `next_batch(...)`, `evaluate(...)`, `sync_weights(...)`,
@@ -223,6 +226,9 @@ class RolloutService:
         )
         if state is not None:
             self.manager.load_state_dict(state)
+            # the environment failures since the last batch (`manager_state`): those of groups generated
+            # ahead, which the checkpoint holds, count in the batch that trains them, as uninterrupted
+            shared.failures.failures, shared.failures.lost = state.get(PENDING_ENV_FAILURES, (0, 0))
         self.engines.start_thread()
         self.engines.call(self.manager.start)
 
@@ -259,7 +265,17 @@ class RolloutService:
         return manager_batch(groups, metrics, self.manager.next_index, time.perf_counter() - started)
 
     def manager_state(self) -> dict | None:
-        return None if self.manager is None else self.engines.call(self.manager.state_dict)
+        """The manager's state (`RolloutManager.state_dict`) and the environment failures counted since the
+        last batch (`PENDING_ENV_FAILURES`: they were lost with the process, while the groups generated
+        ahead that met them were restored)."""
+        if self.manager is None:
+            return None
+
+        def state() -> dict:
+            failures = self._manager_sampling.failures
+            return {**self.manager.state_dict(), PENDING_ENV_FAILURES: [failures.failures, failures.lost]}
+
+        return self.engines.call(state)
 
     # --- weights --------------------------------------------------------------------------------------
 
