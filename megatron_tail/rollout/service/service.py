@@ -57,6 +57,7 @@ otherwise)."""
 PENDING_ENV_FAILURES = "env_failures_pending"
 """The manager state's key for the environment failures and lost episodes since the last batch."""
 
+
 class RolloutService:
     """Engines, rewards and environments on global rank 0. Made early (a local engine loads meanwhile),
     then `wait_ready()`, `start_manager(...)`, `next_batch(...)`, `evaluate(...)`, `sync_weights(...)`,
