@@ -39,6 +39,7 @@ def _session(monkeypatch, tmp_path, *, step: int, manager_state):
     s.data_cursor, s.resumed_step, s.run_dir = 0, 0, tmp_path
     s.console = SimpleNamespace(note=lambda _line: None)
     s.trainer = SimpleNamespace(groups=SimpleNamespace(dp_size=1), scheduler=None)
+    s.nonfinite = SimpleNamespace(in_a_row=0, diverged=None)  # the skipped updates in a row, restored
     return s, checkpoint
 
 

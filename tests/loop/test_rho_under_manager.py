@@ -236,6 +236,7 @@ def test_rl_step_sets_the_next_rho_before_the_weight_sync_and_logs_the_samples_l
 
         def adapt_log_rho(self, metrics):
             calls.append(("adapt", metrics["dvp/safe_mass_min"]))
+            return 0.0  # seconds its drain waited
 
         def sync_weights(self, version):
             calls.append(("sync", version))
