@@ -55,9 +55,15 @@ def _wait_through_rank0_phase(rank, world, port, markers):
     from megatron_tail.train.engine.parallel import host_wait_group
 
     arrival = _fresh_world(rank, world, port, markers)
-    started = time.monotonic()
-    value = on_rank0(lambda: time.sleep(RANK0_PHASE_S) or 42, wait_group=host_wait_group())
-    waited = time.monotonic() - started
+    phase_started = []  # rank 0's, on the machine's monotonic clock (one clock for every process)
+
+    def rank0_phase():
+        phase_started.append(time.monotonic())
+        time.sleep(RANK0_PHASE_S)
+        return 42
+
+    value = on_rank0(rank0_phase, wait_group=host_wait_group())
+    ended = time.monotonic()
     # the same phase without the CPU barrier: the rank waiting inside the broadcast hits the world group's
     # 1 s timeout (so that timeout is the one the group got)
     failed_without_barrier = None
@@ -72,17 +78,19 @@ def _wait_through_rank0_phase(rank, world, port, markers):
             on_rank0(lambda: time.sleep(RANK0_PHASE_S))
         except RuntimeError:
             pass  # rank 1 left; whatever gloo says here does not matter
-    return value, arrival, waited, failed_without_barrier
+    return value, arrival, phase_started, ended, failed_without_barrier
 
 
 def test_ranks_wait_through_a_rank0_phase_longer_than_the_collective_timeout(tmp_path):
     results = run_distributed(_wait_through_rank0_phase, 2, free_port(), tmp_path, timeout=60)
-    (v0, _, _, _), (v1, arrival1, waited1, failed1) = results
+    (v0, _, (phase_started,), _, _), (v1, arrival1, _, ended1, failed1) = results
     assert v0 == v1 == 42
     # rank 1 was in the rendezvous before rank 0 slept: arriving waits the wait timeout, where
     # `init_process_group` alone waited the 1 s collective timeout ("timed out ... trying to connect")
     assert arrival1 >= ARRIVES_LATE_S
-    assert waited1 >= RANK0_PHASE_S
+    # rank 1 waited out rank 0's whole phase, longer than the collective timeout (measured from the phase's
+    # start on the shared clock: rank 1's own start may trail it, which made a per-rank duration flaky)
+    assert ended1 - phase_started >= RANK0_PHASE_S
     assert failed1 is True, "rank 1 should time out in the broadcast without the barrier"
 
 
