@@ -28,6 +28,8 @@ def test_padded_layout():
     assert mb.loss_mask[0].tolist() == [False, True, True, True, False]  # positions predicting 3, 4, 5
     assert mb.fields["adv"][0].tolist() == pytest.approx([0, 0.1, 0.2, 0.3, 0])
     assert mb.loss_mask[2].tolist() == [False, False, True, False, False]
+    # padding: the positions no sample token takes (the routers' `padding_mask`)
+    assert mb.padding.int().tolist() == [[0, 0, 0, 0, 0], [0, 0, 0, 1, 1], [0, 0, 0, 0, 1]]
     assert mb.cu_seqlens is None and not mb.packed
     assert mb.num_loss_tokens == 6 and mb.num_sample_tokens == 12 and mb.num_slots == 15
 
@@ -47,6 +49,7 @@ def test_packed_layout_is_one_thd_row_with_boundaries():
     assert mb.targets[0, 4].item() == 0 and not mb.loss_mask[0, 4]
     assert mb.sample_index[0].tolist() == [-1, 0, 0, 0, -1, -1, -1, 2, -1, 1, 1, -1, -1, -1]
     assert mb.num_sample_tokens == 12 and mb.num_slots == 14
+    assert mb.padding[0].int().tolist() == [0] * 12 + [1, 1]
 
 
 def test_token_budget_packing_is_first_fit_decreasing():
@@ -80,12 +83,14 @@ def test_skewed_lengths_give_every_dp_rank_the_same_micro_batch_count():
     assert counts == [1, 1, 1, 1]
     empty = pack_micro_batches(samples, max_tokens=64, dp_rank=3, dp_size=4, pad_to_multiple=2)[0]
     assert empty.shape == (1, 2) and empty.num_loss_tokens == 0 and len(empty.sample_ids) == 0
+    assert empty.padding.all()
 
 
 def test_padded_micro_batches_share_a_shape_and_rows_pad_empty():
     mbs = make_micro_batches(_samples(), micro_batch_size=2, seq_len=7, pad_to_multiple=4)
     assert [mb.shape for mb in mbs] == [(2, 8), (2, 8)]
     assert not mbs[1].loss_mask[1].any()  # empty filler row
+    assert mbs[1].padding[1].all() and int((~mbs[0].padding).sum()) == mbs[0].num_sample_tokens
 
 
 def test_sample_layout_gathers_responses_in_order():

@@ -52,12 +52,13 @@ def test_split_shards_every_per_token_field_with_its_tokens():
     ]
     (mb,) = pack_micro_batches(samples, max_tokens=16, sequence_multiple=4, pad_to_multiple=4)
     assert mb.cu_seqlens == (0, 8, 12)  # 7 → 8, 3 → 4: padding after each sample's last token
+    assert mb.padding[0].int().tolist() == [0] * 7 + [1] + [0] * 3 + [1]
     assert int(mb.loss_mask.sum()) == 6 == mb.num_loss_tokens
     shards = [split_for_context_parallel(mb, r, 2) for r in range(2)]
     seen = torch.cat([s.cp.index for s in shards]).sort().values
     assert seen.tolist() == list(range(12))
     for s in shards:
-        for name in ("tokens", "targets", "loss_mask", "sample_index"):
+        for name in ("tokens", "targets", "loss_mask", "sample_index", "padding"):
             assert torch.equal(getattr(s, name)[0], getattr(mb, name)[0, s.cp.index])
         for name in mb.fields:
             assert torch.equal(s.fields[name][0], mb.fields[name][0, s.cp.index])

@@ -3,16 +3,21 @@ turns megatron's 1/num_tokens gradient division off (`calculate_per_token_loss`)
 attaches each micro-batch's aux loss times its token count for that division to undo; the training pass
 sets the aux loss's backward scale to 1 / the step's router tokens instead (`forward.moe_aux_loss_scale`).
 
+Padding stays out of it (`forward.router_padding_mask`): the loss covers a micro-batch's sample tokens only,
+and a micro-batch without any (a DP rank's empty packed one) adds nothing.
+
 Check: with the RL loss zeroed, the last MoE layer's router-weight gradient (the aux loss is its only
 path: the earlier layers' aux losses do not depend on it) equals coeff × ∇ of the token-weighted mean over
 micro-batches and DP ranks of megatron's Switch loss (`switch_load_balancing_loss_func`:
-E / (k·T²) · Σ_e (Σ_x p_xe) · count_e), recomputed in float64 from the router's captured inputs."""
+E / (k·T²) · Σ_e (Σ_x p_xe) · count_e over the T non-padding tokens), recomputed in float64 from the
+router's captured inputs at the non-padding positions; and more padding leaves it unchanged."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from megatron_tail.train.engine.batch import make_micro_batches, pack_micro_batches
 from tests.harness import run_distributed
 from tests.model.hf_moe import TINY_MOE, make_hf_moe
 from tests.train.common import PAD_MULTIPLE, make_samples
@@ -21,21 +26,30 @@ COEFF = 0.01
 
 
 def _switch_aux(x: torch.Tensor, weight: torch.Tensor, topk: int) -> torch.Tensor:
-    """megatron's per-micro-batch aux loss without its coefficient, float64: `x [T, h]` router inputs,
-    `weight [E, h]`; softmax scores over all experts, top-k counts (no gradient through the counts)."""
+    """megatron's per-micro-batch aux loss without its coefficient, float64: `x [N, h]` router inputs at the
+    micro-batch's non-padding tokens, `weight [E, h]`; softmax scores over all experts, top-k counts (no
+    gradient through the counts)."""
     scores = torch.softmax(x @ weight.t(), dim=-1)
     counts = torch.zeros_like(scores).scatter(1, scores.topk(topk, dim=1).indices, 1.0).sum(0)
     num_tokens, num_experts = scores.shape
     return num_experts / (topk * num_tokens**2) * (scores.sum(0) * counts).sum()
 
 
-def _aux_grad_rank(rank, world_size, hf_dir, tp, micro_batch_sizes):  # noqa: ARG001 - harness signature
+def _layouts(dp: int) -> list[tuple]:
+    """(kind, argument) of each train step: one padded micro-batch per rank; micro-batches of 2 (uneven
+    shapes); the same in rows of 32 positions (more padding); packed rows where one rank runs an empty
+    micro-batch (three one-sample bins dealt to two DP ranks: the rank given the largest gets an empty one
+    too; with one DP rank, DP rank 0's share of two is taken)."""
+    return [("padded", (8 // dp, None)), ("padded", (2, None)), ("padded", (2, 32)), ("packed", 18)]
+
+
+def _aux_grad_rank(rank, world_size, hf_dir, tp, layouts):  # noqa: ARG001 - harness signature
     from megatron.core.transformer.moe.router import TopKRouter
 
     from megatron_tail.config.parallel import ParallelSection
     from megatron_tail.model import ModelSettings, load_hf_config
     from megatron_tail.train import OptimizerSettings, build_trainer, split_for_data_parallel, train_step
-    from megatron_tail.train.engine.batch import make_micro_batches
+    from megatron_tail.train.engine.batch import make_micro_batches, pack_micro_batches
     from megatron_tail.train.engine.parallel import init_parallel
 
     groups = init_parallel(ParallelSection(tensor_parallel=tp), seed=1234)
@@ -43,7 +57,8 @@ def _aux_grad_rank(rank, world_size, hf_dir, tp, micro_batch_sizes):  # noqa: AR
     settings = ModelSettings(
         vocab_pad_multiple=PAD_MULTIPLE, precision="fp32", moe_aux_loss_coeff=COEFF, sequence_parallel=tp > 1
     )
-    optim = OptimizerSettings(lr=1e-3, clip_grad=1e9, use_distributed_optimizer=False)
+    # lr far below float32 rounding of the weights: every step sees the same weights (lr must be > 0)
+    optim = OptimizerSettings(lr=1e-12, clip_grad=1e9, use_distributed_optimizer=False)
     trainer = build_trainer(arch, hf_dir=hf_dir, model_settings=settings, optim=optim)
     router = [m for m in trainer.chunks[0].modules() if isinstance(m, TopKRouter)][-1]
     inputs: list[torch.Tensor] = []
@@ -58,42 +73,98 @@ def _aux_grad_rank(rank, world_size, hf_dir, tp, micro_batch_sizes):  # noqa: AR
         make_samples(8, seed=5, min_len=3, max_len=9), groups.dp_rank, groups.dp_size
     )
     results = []
-    for mbs_size in micro_batch_sizes:
-        mbs = make_micro_batches(samples, micro_batch_size=mbs_size, pad_to_multiple=tp)
+    for kind, arg in layouts:
+        if kind == "padded":
+            rows, seq_len = arg
+            mbs = make_micro_batches(samples, micro_batch_size=rows, seq_len=seq_len, pad_to_multiple=tp)
+        else:
+            bins = make_samples(3, seed=6, min_len=6, max_len=9)  # 12–18 tokens: one sample per bin
+            dp_rank = groups.dp_rank if groups.dp_size > 1 else 0
+            mbs = pack_micro_batches(bins, max_tokens=arg, dp_rank=dp_rank, dp_size=2, pad_to_multiple=tp)
         weight = router.weight.detach().double().clone()
         inputs.clear()
         result = train_step(trainer, mbs, zero_loss)
         assert result.update_successful and len(inputs) == len(mbs)
-        # padding included: the router sees it (this TP rank's 1/tp of it under sequence parallelism)
+        # the router sees every position, padding included (this TP rank's 1/tp under sequence parallelism)
         assert [x.shape[0] * tp for x in inputs] == [mb.tokens.numel() for mb in mbs]
         results.append(
-            (router.weight.main_grad.detach().double().clone(), weight, [x.double() for x in inputs])
+            (
+                router.weight.main_grad.detach().double().clone(),
+                weight,
+                [x.double() for x in inputs],
+                [mb.padding for mb in mbs],
+            )
         )
     return results
 
 
+def _expected(per_rank, k: int, tp: int, dp: int, topk: int) -> torch.Tensor:
+    """coeff × ∇ of Σ over micro-batches of N·aux / Σ N, N a micro-batch's non-padding tokens (float64)."""
+    weight = per_rank[0][k][1].clone().requires_grad_(True)
+    weighted, tokens = 0.0, 0
+    for d in range(dp):  # ranks are TP-major: rank = d·tp + t
+        for m, padding in enumerate(per_rank[d * tp][k][3]):
+            # megatron's router order: position-major [s, b], each TP rank a contiguous 1/tp of the positions
+            real = ~padding.t().reshape(tp, -1)
+            x = torch.cat([per_rank[d * tp + t][k][2][m][real[t]] for t in range(tp)])
+            if x.shape[0] == 0:
+                continue  # an empty micro-batch balances nothing
+            weighted = weighted + x.shape[0] * _switch_aux(x, weight, topk)
+            tokens += x.shape[0]
+    (grad,) = torch.autograd.grad(weighted, weight)
+    return COEFF * grad / tokens
+
+
 @pytest.mark.parametrize("tp, world_size", [(1, 1), (1, 2), (2, 2)], ids=["dp1", "dp2", "tp2_sp"])
-def test_aux_loss_gradient_is_the_token_weighted_mean(tmp_path, tp, world_size):
+def test_aux_loss_gradient_is_the_token_weighted_mean_over_real_tokens(tmp_path, tp, world_size):
     make_hf_moe(tmp_path, norm_topk_prob=True)
     dp = world_size // tp
-    # 8 samples over the DP ranks; one micro-batch per rank, then micro-batches of 2 (uneven shapes)
-    sizes = (8 // dp, 2)
-    per_rank = run_distributed(_aux_grad_rank, world_size, str(tmp_path), tp, sizes)
+    layouts = _layouts(dp)
+    per_rank = run_distributed(_aux_grad_rank, world_size, str(tmp_path), tp, layouts)
     topk = TINY_MOE["num_experts_per_tok"]
-    for k in range(len(sizes)):
-        got, weight, _ = per_rank[0][k]
-        assert len(per_rank[0][k][2]) == (1 if k == 0 else 4 // dp)
+    grads = []
+    for k in range(len(layouts)):
+        got = per_rank[0][k][0]
         # reduced over DP (and TP: the router's weight is a sequence-parallel one): the same on every rank
         assert all(torch.equal(r[k][0], got) for r in per_rank)
-        weight = weight.clone().requires_grad_(True)
-        weighted, tokens = 0.0, 0
-        for d in range(dp):  # ranks are TP-major: rank = d·tp + t
-            for m, _ in enumerate(per_rank[d * tp][k][2]):
-                # the micro-batch's router inputs: its TP ranks' sequence shards together
-                x = torch.cat([per_rank[d * tp + t][k][2][m] for t in range(tp)])
-                weighted = weighted + x.shape[0] * _switch_aux(x, weight, topk)
-                tokens += x.shape[0]
-        (grad,) = torch.autograd.grad(weighted, weight)
-        expected = COEFF * grad / tokens
-        assert expected.norm() > 1e-6
+        expected = _expected(per_rank, k, tp, dp, topk)
+        assert expected.norm() > 1e-6 and torch.isfinite(got).all()
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6 * expected.abs().max().item())
+        grads.append(got)
+    assert [len(per_rank[0][k][2]) for k in range(2)] == [1, 4 // dp]
+    # the packed step has a micro-batch without a sample token
+    assert any(not (~padding).any() for r in per_rank for padding in r[3][3])
+    # more padding, same samples in the same micro-batches: the same gradient
+    torch.testing.assert_close(grads[2], grads[1], rtol=1e-4, atol=1e-6 * grads[1].abs().max().item())
+
+
+def test_the_routers_mask_is_the_padding_cut_as_each_stage_needs_it():
+    """A first stage gets the whole `[b, s]` mask (megatron's `GPTModel._preprocess` scatters it under
+    sequence parallelism); a later stage gets this TP rank's contiguous 1/tp of the positions, the cut of
+    megatron's `scatter_to_sequence_parallel_region` on `[s, b]`; a dense model or an empty micro-batch
+    none."""
+    from types import SimpleNamespace
+
+    from megatron_tail.train.engine.forward import router_padding_mask
+
+    mb = make_micro_batches(
+        make_samples(3, seed=2, min_len=2, max_len=6), micro_batch_size=4, pad_to_multiple=4
+    )[0]
+    moe = SimpleNamespace(num_moe_experts=4, sequence_parallel=True)
+    first, later = SimpleNamespace(pre_process=True), SimpleNamespace(pre_process=False)
+    cuts = []
+    for rank in range(2):
+        groups = SimpleNamespace(tp_rank=rank, tp_size=2)
+        assert router_padding_mask(mb, first, moe, groups) is mb.padding
+        cuts.append(router_padding_mask(mb, later, moe, groups))
+        expected = mb.padding.t().tensor_split(2)[rank].t()
+        assert torch.equal(cuts[-1], expected)
+    assert (
+        torch.equal(torch.cat(cuts, dim=1), mb.padding)
+        and mb.padding[3].all()
+        and not mb.padding[:3, 0].any()
+    )
+    groups = SimpleNamespace(tp_rank=0, tp_size=2)
+    assert router_padding_mask(mb, first, SimpleNamespace(num_moe_experts=None), groups) is None
+    empty = pack_micro_batches(make_samples(1, seed=2), max_tokens=16, dp_rank=1, dp_size=2)[0]
+    assert empty.num_sample_tokens == 0 and router_padding_mask(empty, first, moe, groups) is None

@@ -101,6 +101,7 @@ def test_pad_micro_batch_layout():
     grown = pad_micro_batch(padded, 3, 6, pad_id=99)
     assert grown.tokens.tolist() == [[5, 6, 7, 8, 99, 99], [9, 10, 11, 12, 99, 99], [99] * 6]
     assert grown.loss_mask.tolist() == [[0, 1, 1, 0, 0, 0], [1, 1, 1, 0, 0, 0], [0] * 6]
+    assert grown.padding.tolist() == [[0, 0, 0, 0, 1, 1], [0, 0, 0, 0, 1, 1], [1] * 6]
     assert (
         grown.sample_index[:2, :4].tolist() == padded.sample_index.tolist()
         and grown.sample_index[2].eq(-1).all()
@@ -114,5 +115,6 @@ def test_pad_micro_batch_layout():
     assert grown.to_samples(x).tolist() == [[1.0, 2.0, 0.0], [6.0, 7.0, 8.0]]
     packed = pack_micro_batches(samples, max_tokens=16, pad_to_multiple=4)[0]  # 8 tokens: 4 + 4
     assert packed.cu_seqlens == (0, 4, 8) and pad_micro_batch(packed, 1, 12).cu_seqlens == (0, 4, 8, 12)
+    assert pad_micro_batch(packed, 1, 12).padding.tolist() == [[0] * 8 + [1] * 4]
     with pytest.raises(ValueError, match=r"cannot pad a micro-batch of shape \(1, 8\)"):
         pad_micro_batch(packed, 2, 12)

@@ -13,6 +13,9 @@ Layout of a `MicroBatch` (b rows, s positions; every tensor CPU until `.to(devic
 - `loss_mask [b, s]` bool: `targets[:, t]` is a response token the policy generated, i.e. position t
   predicts the response (minus the environment's tokens of a multi-turn sample, `Sample.policy_mask`: they
   are context only).
+- `padding [b, s]` bool: True at the positions no sample's token takes (a row's end, an empty row, a packed
+  row's trailing block, a sample's own padding to `sequence_multiple`); megatron's MoE router leaves them
+  out of its load-balancing loss (`forward.router_padding_mask`).
 - `sample_index [b, s]` int64: which sample (index into the list given to the builder) the target at t
   belongs to; -1 off the loss mask.
 - `fields {name: [b, s, ...]}`: per-response-token values of the samples (rollout log-probs, advantages, ...)
@@ -94,6 +97,8 @@ class MicroBatch:
     sample_index: torch.Tensor
     fields: dict[str, torch.Tensor | Ragged] = field(default_factory=dict)
     extras: dict[str, Any] = field(default_factory=dict)
+    padding: torch.Tensor | None = None
+    """`[b, s]` bool: True where no sample token is (the module docstring); None: not known (all real)."""
     cu_seqlens: tuple[int, ...] | None = None
     """`n_blocks + 1` boundaries of the causal blocks of a packed (THD) row, as ints (the model gets them as
     an int32 tensor on its device, and the local attention loops over the ints without a device sync);
@@ -169,6 +174,7 @@ _TENSORS = (
     "targets",
     "loss_mask",
     "sample_index",
+    "padding",
     "sample_ids",
     "sample_rows",
     "sample_cols",
@@ -355,6 +361,7 @@ def pad_micro_batch(mb: MicroBatch, rows: int, length: int, *, pad_id: int = 0) 
         targets=grow(mb.targets, 0),
         loss_mask=grow(mb.loss_mask, False),
         sample_index=grow(mb.sample_index, -1),
+        padding=None if mb.padding is None else grow(mb.padding, True),
         fields=fields,
         cu_seqlens=cu,
     )
@@ -420,6 +427,7 @@ def _build(samples, rows, seq_len, pad_id, *, packed: bool = False, slots=None) 
     targets = torch.zeros((b, seq_len), dtype=torch.long)
     loss_mask = torch.zeros((b, seq_len), dtype=torch.bool)
     sample_index = torch.full((b, seq_len), -1, dtype=torch.long)
+    padding = torch.ones((b, seq_len), dtype=torch.bool)
     members = [i for row in rows for i in row] or [0]
     fields = {
         name: torch.zeros(
@@ -440,6 +448,7 @@ def _build(samples, rows, seq_len, pad_id, *, packed: bool = False, slots=None) 
             n, p = len(s), len(s.prompt)
             ids = torch.tensor([*s.prompt, *s.response], dtype=torch.long)
             tokens[r, start : start + n] = ids
+            padding[r, start : start + n] = False
             targets[r, start : start + n - 1] = ids[1:]
             resp = slice(start + p - 1, start + n - 1)  # positions predicting response tokens
             if s.policy_mask is None:
@@ -466,6 +475,7 @@ def _build(samples, rows, seq_len, pad_id, *, packed: bool = False, slots=None) 
         loss_mask,
         sample_index,
         fields,
+        padding=padding,
         num_loss_tokens=int(loss_mask.sum()),
         num_sample_tokens=sum(len(samples[i]) for row in rows for i in row),
     )

@@ -48,10 +48,10 @@ from .parallel import comm_device
 def split_for_context_parallel(mb: MicroBatch, cp_rank: int, cp_size: int) -> MicroBatch:
     """CP rank `cp_rank`'s shard of the packed micro-batch `mb` (built with `sequence_multiple=2·CP`).
 
-    Every per-token `[1, T]` tensor (tokens, targets, loss mask, sample index, each of `fields`) is indexed
-    by `context_parallel_index`; `cu_seqlens` stay the whole row's (the model's RoPE and attention take the
-    global boundaries, see the module docstring); `sample_ids` are the whole micro-batch's, so a shard
-    without loss tokens still counts as a micro-batch with samples. `extras` start empty.
+    Every per-token `[1, T]` tensor (tokens, targets, loss mask, sample index, padding, each of `fields`) is
+    indexed by `context_parallel_index`; `cu_seqlens` stay the whole row's (the model's RoPE and attention
+    take the global boundaries, see the module docstring); `sample_ids` are the whole micro-batch's, so a
+    shard without loss tokens still counts as a micro-batch with samples. `extras` start empty.
     """
     if not mb.packed:
         raise ValueError(
@@ -64,6 +64,8 @@ def split_for_context_parallel(mb: MicroBatch, cp_rank: int, cp_size: int) -> Mi
     owner = torch.zeros_like(mb.loss_mask)
     owner[:, index] = True
     take = {name: getattr(mb, name)[:, index] for name in ("tokens", "targets", "loss_mask", "sample_index")}
+    if mb.padding is not None:
+        take["padding"] = mb.padding[:, index]
     return replace(
         mb,
         **take,

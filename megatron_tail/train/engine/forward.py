@@ -15,7 +15,9 @@ causal attention. On the last pipeline stage, either
 
 MoE load-balancing loss: the loss callback's loss is already normalised by a global token count and
 megatron's 1/num_tokens gradient scaling is off (`setup.py`), so a training pass sets the aux losses'
-backward scale itself (`moe_aux_loss_scale`, applied by a hook on each micro-batch's model output).
+backward scale itself (`moe_aux_loss_scale`, applied by a hook on each micro-batch's model output). The
+routers leave padding out of it (`router_padding_mask`): a padded row's pad tokens, all one id, would
+otherwise take a share of the balance the loss asks for.
 """
 
 from __future__ import annotations
@@ -123,24 +125,29 @@ def run_micro_batches(
     half = _has_float16_module(chunks[0])
     aux_scale = None if forward_only else moe_aux_loss_scale(config, micro_batches, groups)
 
-    def set_aux_loss_scale(grad: torch.Tensor) -> None:
+    def set_aux_loss_scale(scale: float, grad: torch.Tensor) -> None:
         # Runs when the backward reaches the micro-batch's output, before its routers' `MoEAuxLossAutoScaler`
         # backward: megatron's `forward_step` (pipeline_parallel/schedules.py, "Set the loss scale for the
         # auxiliary loss of the MoE layer") has just reset the scale to the bare optimizer loss scale.
         one = torch.ones(1, device=grad.device)
         loss_scale = config.grad_scale_func(one) if config.grad_scale_func is not None else one
-        MoEAuxLossAutoScaler.set_loss_scale(loss_scale * aux_scale)
+        MoEAuxLossAutoScaler.set_loss_scale(loss_scale * scale)
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator).to(device)
         kwargs = {"fp32_output": False} if half else {}
+        padding_mask = router_padding_mask(mb, unwrap_model(model), config, groups)
+        if padding_mask is not None:
+            kwargs["padding_mask"] = padding_mask
         if routing is not None:
             routing.before(model, mb)
         output = model(mb.tokens, None, None, packed_seq_params=thd_params(mb), **kwargs)
         if routing is not None:
             routing.after(model, mb, output)
         if aux_scale is not None and output.requires_grad:
-            output.register_hook(set_aux_loss_scale)
+            # An empty micro-batch (no sample token) adds no aux loss: it has no token to balance.
+            scale = aux_scale if mb.num_sample_tokens else 0.0
+            output.register_hook(partial(set_aux_loss_scale, scale))
         return output, partial(_loss_func, mb, unwrap_model(model))
 
     def _loss_func(mb: MicroBatch, model, output: torch.Tensor):
@@ -183,26 +190,52 @@ def run_micro_batches(
 
 def moe_aux_loss_scale(config, micro_batches: Sequence[MicroBatch], groups: ParallelGroups) -> float | None:
     """The MoE aux losses' backward scale of a training pass (before the optimizer's loss scale): 1 / the
-    router-token count of the step, or None for a dense model. Collective over the DP group (not CP).
+    step's sample tokens (non-padding, over micro-batches and DP ranks), or None for a dense model.
+    Collective over the DP group (not CP: every CP rank knows its whole micro-batch's count).
 
-    megatron's router (transformer/moe/router.py, `attach_and_log_load_balancing_loss`) attaches each
-    micro-batch's aux loss times its local token count n (`routing_map.shape[0]`, padding included: no
-    padding mask reaches the router) under `calculate_per_token_loss`, expecting `finalize_model_grads` to
-    divide every gradient by the step's token count; our finalize does not (`setup.py`). Each TP (under
-    sequence parallelism) and CP shard's aux loss is its share of the micro-batch's loss (probabilities of
-    its own tokens, counts over the TP × CP group: `get_tokens_per_expert_and_token_count`), its n is the
-    micro-batch's tokens T / (tp_sp·cp), and the router's gradients are summed over TP (`sequence_parallel`
-    weights) and DP × CP; so a scale of 1 / Σ n over micro-batches and DP ranks (= tp_sp·cp / Σ T) makes the
-    gradient coeff · ∇ of Σ T·aux / Σ T, the token-weighted mean of the per-micro-batch losses of the step.
-    (megatron's own divisor is the loss-token count; ours are the tokens the router saw.) Also the z-loss's,
-    which the router attaches the same way.
+    megatron's router (transformer/moe/router.py, `_apply_aux_loss` → `attach_and_log_load_balancing_loss`)
+    attaches each micro-batch's aux loss times a token count n under `calculate_per_token_loss`, expecting
+    `finalize_model_grads` to divide every gradient by the step's token count; our finalize does not
+    (`setup.py`). With our `padding_mask` (`router_padding_mask`), megatron-core 0.16.1's loss covers the
+    non-padding tokens only (`compute_routing_scores_for_aux_loss` zeroes the padding's scores and routes)
+    and n is the micro-batch's N non-padding tokens over the whole TP × CP group on every shard:
+    `get_tokens_per_expert_and_token_count(with_padding_mask=True)` sums its `local_tokens_per_expert` after
+    `reduce_from_tensor_model_parallel_region`, whose `_reduce` (tensor_parallel/mappings.py) all-reduces
+    that tensor in place. Each TP (under sequence parallelism) and CP shard's aux loss is its share of the
+    micro-batch's (probabilities of its own tokens, counts over the group), and the router's gradients are
+    summed over TP (`sequence_parallel` weights) and DP × CP, so with this scale the gradient is coeff · ∇
+    of Σ_mb N·aux / Σ_mb N: the sample-token-weighted mean of the per-micro-batch losses of the step.
+    (megatron's own divisor is the loss-token count; ours are the tokens the routers balance.)
+    `tests/train/test_moe_aux_loss_scale.py` checks it against a float64 recomputation, which would catch
+    an upstream change of n. (A z-loss, which `model.moe` does not configure, would attach its shard's own
+    count, `apply_z_loss`'s `(~padding_mask).sum()`, and need its own scale.)
     """
     if not getattr(config, "num_moe_experts", None):
         return None
-    tp_sp = groups.tp_size if config.sequence_parallel else 1
-    local = sum(mb.tokens.numel() for mb in micro_batches) / tp_sp
+    local = sum(mb.num_sample_tokens for mb in micro_batches)
     total = all_reduce_scalars({"router_tokens": local}, groups.dp)
     return 1.0 / max(total["router_tokens"], 1.0)
+
+
+def router_padding_mask(mb: MicroBatch, model, config, groups: ParallelGroups) -> torch.Tensor | None:
+    """megatron's `padding_mask` of a MoE model's forward for `mb` (on its device): `[b, s]` bool, True at
+    padding (megatron-core 0.16.1: `TransformerLayer._forward_mlp`'s docstring; `topk_routing_with_score_
+    function` / `compute_routing_scores_for_aux_loss` and `apply_z_loss` invert it; the router's own
+    docstrings say the opposite), or None: a dense model, or a micro-batch without sample tokens (its aux
+    loss would divide by zero tokens: `switch_load_balancing_loss_func`'s `total_num_tokens`; the training
+    pass gives that micro-batch an aux scale of 0 instead).
+
+    `model`: the unwrapped chunk. `GPTModel._preprocess` scatters the mask to the sequence-parallel region
+    only on the first stage (`elif self.pre_process:`); a later stage under sequence parallelism gets this
+    TP rank's slice of the sequence here, as `scatter_to_sequence_parallel_region` would cut it.
+    """
+    if not getattr(config, "num_moe_experts", None) or mb.padding is None or not mb.num_sample_tokens:
+        return None
+    mask = mb.padding
+    if config.sequence_parallel and not model.pre_process:
+        width = mask.shape[1] // groups.tp_size
+        mask = mask[:, groups.tp_rank * width : (groups.tp_rank + 1) * width]
+    return mask
 
 
 def thd_params(mb: MicroBatch) -> HostPackedSeqParams | None:
