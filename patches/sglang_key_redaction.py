@@ -107,9 +107,10 @@ def main() -> None:
         sys.exit("usage: python -m megatron_tail.patches.sglang_key_redaction --mask-env NAME SGLANG-ARGS...")
     name = sys.argv[2]
     del sys.argv[1:3]
-    if not os.environ.get(name):
+    key = os.environ.get(name, "")
+    if not key:
         print(f"[sglang_key_redaction] {name} is not set: no key to mask in this log", file=sys.stderr)
-    mask_in_log_records(os.environ.get(name, ""))
+    mask_in_log_records(key)
     runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
 
 

@@ -23,13 +23,6 @@ def has_reward_signal(rewards: Sequence[float]) -> bool:
     return max(rewards) != min(rewards)
 
 
-def equal_reward_groups(rewards: Sequence[float], group_size: int) -> list[bool]:
-    """Per group of `group_size` contiguous rewards: True if all are equal (zero variance)."""
-    if len(rewards) % group_size:
-        raise ValueError(f"{len(rewards)} rewards do not form groups of {group_size}")
-    return [not has_reward_signal(rewards[i : i + group_size]) for i in range(0, len(rewards), group_size)]
-
-
 def filter_rewards(
     rewards: Sequence[float], lengths: Sequence[int], shaping: OverlongShaping | None
 ) -> Sequence[float]:

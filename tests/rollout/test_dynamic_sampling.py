@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_tail.data import PromptStream
-from megatron_tail.rollout.dynamic_sampling import equal_reward_groups, has_reward_signal
+from megatron_tail.rollout.dynamic_sampling import has_reward_signal
 
 
 def test_has_reward_signal_is_dapos_filter():
@@ -24,12 +24,6 @@ def test_a_filter_value_other_than_task_needs_the_filter():
         load_config(None, ["data.filter_reward=accuracy", "data.filter_zero_variance_groups=true"])
     quiet = load_config(None, ["data.filter_reward=shaped", "data.filter_zero_variance_groups=true"])
     assert any(w.startswith("data.filter_reward=shaped: without overlong shaping") for w in quiet.warnings())
-
-
-def test_equal_reward_groups_and_bad_groups():
-    assert equal_reward_groups([1, 1, 0, 1, 0.5, 0.5], 2) == [True, False, True]
-    with pytest.raises(ValueError, match="5 rewards do not form groups of 2"):
-        equal_reward_groups([1, 1, 0, 1, 0], 2)
 
 
 def test_stream_uses_every_prompt_once_per_epoch_and_resumes_from_its_cursor():
