@@ -39,8 +39,15 @@ def _layouts(dp: int) -> list[tuple]:
     """(kind, argument) of each train step: one padded micro-batch per rank; micro-batches of 2 (uneven
     shapes); the same in rows of 32 positions (more padding); packed rows where one rank runs an empty
     micro-batch (three one-sample bins dealt to two DP ranks: the rank given the largest gets an empty one
-    too; with one DP rank, DP rank 0's share of two is taken)."""
-    return [("padded", (8 // dp, None)), ("padded", (2, None)), ("padded", (2, 32)), ("packed", 18)]
+    too; with one DP rank, DP rank 0's share of two is taken); the first layout's samples packed in one
+    row."""
+    return [
+        ("padded", (8 // dp, None)),
+        ("padded", (2, None)),
+        ("padded", (2, 32)),
+        ("packed", 18),
+        ("packed", None),
+    ]
 
 
 def _aux_grad_rank(rank, world_size, hf_dir, tp, layouts):  # noqa: ARG001 - harness signature
@@ -77,6 +84,8 @@ def _aux_grad_rank(rank, world_size, hf_dir, tp, layouts):  # noqa: ARG001 - har
         if kind == "padded":
             rows, seq_len = arg
             mbs = make_micro_batches(samples, micro_batch_size=rows, seq_len=seq_len, pad_to_multiple=tp)
+        elif arg is None:
+            mbs = pack_micro_batches(samples, max_tokens=256, pad_to_multiple=tp)
         else:
             bins = make_samples(3, seed=6, min_len=6, max_len=9)  # 12–18 tokens: one sample per bin
             dp_rank = groups.dp_rank if groups.dp_size > 1 else 0
@@ -93,6 +102,7 @@ def _aux_grad_rank(rank, world_size, hf_dir, tp, layouts):  # noqa: ARG001 - har
                 weight,
                 [x.double() for x in inputs],
                 [mb.padding for mb in mbs],
+                {name: p.main_grad.detach().clone() for name, p in trainer.chunks[0].named_parameters()},
             )
         )
     return results
@@ -136,6 +146,13 @@ def test_aux_loss_gradient_is_the_token_weighted_mean_over_real_tokens(tmp_path,
     assert any(not (~padding).any() for r in per_rank for padding in r[3][3])
     # more padding, same samples in the same micro-batches: the same gradient
     torch.testing.assert_close(grads[2], grads[1], rtol=1e-4, atol=1e-6 * grads[1].abs().max().item())
+    # one padded micro-batch and one packed row of the same samples: the same gradient of every parameter
+    padded, packed = per_rank[0][0][4], per_rank[0][4][4]
+    assert len(per_rank[0][4][2]) == 1 and padded.keys() == packed.keys()
+    for name, grad in padded.items():
+        torch.testing.assert_close(
+            packed[name], grad, rtol=1e-4, atol=1e-6 * grad.abs().max().item(), msg=name
+        )
 
 
 def test_the_routers_mask_is_the_padding_cut_as_each_stage_needs_it():
