@@ -1,14 +1,14 @@
 """Shared pytest set-up: GPU tests skip with a reason where no CUDA device is present; without one, Triton's
 interpreter is on for the session (`tests/triton_interpreter.py` says why it must be set this early).
 
-`make test` runs the suite on two pytest-xdist workers (`-n 2`) with the scheduler below: each test file is
-one unit of work, kept on one worker, so a module-scoped set-up (an engine, a trained run) is made once, as
-in a serial run; the Slurm tests are one unit, since their session-scoped local cluster is one per machine
-(fixed daemons and ports, `tests/slurm/local_slurm.sh`). Units start in collection order
-(`--no-loadscope-reorder`), the Slurm unit first, then the longest files (`LONGEST_FIRST`): started last,
-one would run alone at the end. (xdist's own `--dist loadgroup` cannot group here: it renames the items'
-`_nodeid`, which pytest 9.2's `Node.nodeid` no longer reads, so each test became its own unit and module
-fixtures were made once per worker.)"""
+`make test` runs the suite on three pytest-xdist workers (`-n 3`, the Makefile says why) with the scheduler
+below: each test file is one unit of work, kept on one worker, so a module-scoped set-up (an engine, a
+trained run) is made once, as in a serial run; the Slurm tests are one unit, since their session-scoped
+local cluster is one per machine (fixed daemons and ports, `tests/slurm/local_slurm.sh`). Units start in
+collection order (`--no-loadscope-reorder`), the Slurm unit first, then the longest files (`LONGEST_FIRST`):
+started last, one would run alone at the end. (xdist's own `--dist loadgroup` cannot group here: it renames
+the items' `_nodeid`, which pytest 9.2's `Node.nodeid` no longer reads, so each test became its own unit and
+module fixtures were made once per worker.)"""
 
 import gc
 import os
