@@ -93,14 +93,17 @@ def _format_value(key: str, value) -> str:
 
 def config_get(args: argparse.Namespace) -> int:
     """One line per key: the resolved value ("" for None, lists comma-separated, `*.extra_args` as one
-    shell-quoted command line). A bad config or a moved environment variable: one line on stderr, exit 2."""
+    shell-quoted command line). A bad config, a moved environment variable, or one that would change the
+    SGLang servers' log-probs (`REFUSED_SGLANG_ENVIRONMENT`): one line on stderr, exit 2."""
     from megatron_tail.config import load_config
-    from megatron_tail.config.cluster import refuse_moved_environment
+    from megatron_tail.config.cluster import refuse_moved_environment, refuse_sglang_environment
     from megatron_tail.utils.errors import UserError
 
     try:
         refuse_moved_environment()
         cfg = load_config(args.config, args.set)
+        if cfg.cluster.rollout_backend == "sglang":  # the servers inherit the job's environment
+            refuse_sglang_environment()
     except UserError as exc:
         print(f"mt_slurm.py config-get: {exc}", file=sys.stderr)
         return 2

@@ -83,6 +83,10 @@ REFUSED_SGLANG_FLAGS: Mapping[str, str] = {
     "--preferred-sampling-params": "it fills in the sampling parameters a request leaves out "
     "(TokenizerManager._create_tokenized_object), e.g. a top_k or min_p the trainer never replays; the "
     "run's sampling is rollout.sampling",
+    "--enable-watermark": "a watermark changes the logits the engine samples from after the log-probs it "
+    "returns were taken (model_executor/model_runner.py `sample`: `watermark_state.force` after the "
+    "`logprob_logits` copy), and SGLang refuses it beside DVP's --enable-custom-logit-processor anyway",
+    "--watermark-": "the watermark's settings (see --enable-watermark)",
 }
 """SGLang flags that change what the engine samples, or the log-probs it returns, against what the trainer
 scores; refused in `cluster.sglang.extra_args` (a name ending in "-": every flag it begins)."""
@@ -109,6 +113,24 @@ MOVED_ENVIRONMENT: Mapping[str, str] = {
 """`slurm/rl.sbatch`'s environment variables of earlier versions → the config key that holds the setting
 now. Set, such a variable is refused in one line naming its key (`refuse_moved_environment`): read
 silently it would be a second home, ignored it would change a layout without a word."""
+
+
+REFUSED_SGLANG_ENVIRONMENT: Mapping[str, str] = {
+    "SGLANG_RETURN_ORIGINAL_LOGPROB": "SGLang 0.5.23 then returns the log-probs of the logits before the "
+    "temperature (layers/sampler.py `Sampler.forward`, layers/logprob_processor.py), while the engine "
+    "samples, and the trainer scores, at rollout.sampling.temperature",
+}
+"""Environment variables the SGLang servers inherit from the job that change the log-probs they return
+against what the trainer scores; refused when set to a value SGLang reads as true (its `EnvBool`: true, 1,
+yes, y; `get_bool_env_var`: true, 1) by `refuse_sglang_environment`."""
+
+
+def refuse_sglang_environment(environ: Mapping[str, str] | None = None) -> None:
+    """UserError naming the first variable of `REFUSED_SGLANG_ENVIRONMENT` that SGLang would read as true."""
+    environ = os.environ if environ is None else environ
+    for name, why in REFUSED_SGLANG_ENVIRONMENT.items():
+        if environ.get(name, "").strip().lower() in ("true", "1", "yes", "y"):
+            raise UserError(f"{name}={environ[name]} is set for the SGLang servers: {why}; unset it")
 
 
 def refuse_moved_environment(environ: Mapping[str, str] | None = None) -> None:

@@ -24,8 +24,9 @@ from .thd_attention import ThdDotProductAttention
 
 
 class SequenceParallelRMSNorm(torch.nn.RMSNorm):
-    """`torch.nn.RMSNorm` over the last dimension (`[s(/tp), b, h]` → same shape; statistics in the input's
-    dtype, as `WrappedTorchNorm`), whose weight carries `sequence_parallel`: with sequence parallelism each
+    """`torch.nn.RMSNorm` over the last dimension (`[s(/tp), b, h]` → same shape; torch 2.13 computes the
+    statistics and the weight's product of a bf16 input in float32 and rounds once, as `WrappedTorchNorm`),
+    whose weight carries `sequence_parallel`: with sequence parallelism each
     TP rank normalises its own sequence shard, so the weight's gradient is a partial sum that megatron's
     `finalize_model_grads` (`_allreduce_non_tensor_model_parallel_grads`) sums over TP by that attribute.
     q/k norms are summed there by name already; the attribute does not sum them twice (one branch)."""

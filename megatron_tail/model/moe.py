@@ -136,9 +136,11 @@ def mark_expert_params(model: torch.nn.Module) -> int:
     like the weights. The numerics are megatron's: DDP reduces these gradients over the expert data-parallel
     group (`DistributedDataParallel.__init__`, `expert_parallel_buffers` over `intra_expt_dp_group`), which
     at EP = 1 and expert-TP = TP is the dense DP × CP group itself, and the expert optimizer's grad norm
-    runs over `expt_tp_pp_group`, which is then TP × PP. (With expert-TP < TP at EP = 1 the expert replicas
-    span TP ranks too, each fed its own tokens under sequence parallelism, which `MoELayer.forward` requires
-    for training at TP > 1: only the expert DP group reduces over all of them.)
+    runs over `expt_tp_pp_group`, which is then TP × PP, without the distributed optimizer (with it, over
+    the optimizer instance's whole group, `intra_dist_opt_group`: `_get_megatron_optimizer_based_on_param_
+    groups`, optimizer/__init__.py; the norm is the same either way). (With expert-TP < TP at EP = 1 the
+    expert replicas span TP ranks too, each fed its own tokens under sequence parallelism, which
+    `MoELayer.forward` requires for training at TP > 1: only the expert DP group reduces over all of them.)
     """
     from megatron.core.transformer.moe.moe_layer import MoELayer
 

@@ -31,7 +31,8 @@ class MoEArch:
     layer_is_moe: tuple[bool, ...]
     """Per global layer: experts (True) or the dense MLP (False)."""
     router_aux_loss_coef: float
-    """HF's load-balancing loss coefficient; the default of `model.moe_aux_loss_coeff`."""
+    """HF's load-balancing loss coefficient; the default of `model.moe_aux_loss_coeff`, which uses it as
+    megatron's per-layer coefficient (`ModelSettings.moe_aux_loss_coeff` says how the two losses differ)."""
 
     @property
     def moe_layer_pattern(self) -> list[int]:

@@ -71,8 +71,15 @@ class ModelSettings:
 
     moe_aux_loss_coeff: float | None = None
     """Mixture-of-experts models: the load-balancing auxiliary loss coefficient (megatron's
-    `moe_aux_loss_coeff`, its "aux_loss" per layer and micro-batch). None: the HF config's
-    `router_aux_loss_coef`. 0 turns the loss off. Ignored for dense models."""
+    `moe_aux_loss_coeff`: `switch_load_balancing_loss_func` per MoE layer and micro-batch, summed over the
+    layers, over the micro-batch's non-padding tokens). None: the number in the HF config's
+    `router_aux_loss_coef` (0.001 for Qwen3-MoE) as megatron's coefficient, as Megatron-LM's own Qwen3-30B-A3B
+    configuration sets it (`--moe-aux-loss-coeff 1e-3`, examples/post_training/modelopt/conf/qwen/
+    Qwen3-30B-A3B.sh). That is not HF's loss at that coefficient: transformers' `load_balancing_loss_func`
+    (models/qwen3_moe) pools every layer's routes into one loss without megatron's 1/k, about k / L as strong
+    where the layers share an imbalance (1/6 for Qwen3-30B-A3B: k 8, L 48), and adds it only with the config's
+    `output_router_logits`, which Qwen's MoE checkpoints ship false. 0 turns the loss off (the MoE demo's RL
+    does). Ignored for dense models."""
 
     moe_router_dtype: str | None = None
     """Mixture-of-experts models: the dtype of the router's gating GEMM, its softmax and top-k, and the

@@ -104,7 +104,7 @@ def cluster_from_args(args: argparse.Namespace, section=None):
 
 def run_plan(args: argparse.Namespace) -> int:
     from megatron_tail.config import load_config
-    from megatron_tail.config.cluster import refuse_moved_environment
+    from megatron_tail.config.cluster import refuse_moved_environment, refuse_sglang_environment
     from megatron_tail.rollout.envs.registry import load_env_class
     from megatron_tail.utils.errors import UserError
 
@@ -119,6 +119,7 @@ def run_plan(args: argparse.Namespace) -> int:
                 f"cluster.rollout_backend={config.cluster.rollout_backend}: the plan is of GPUs and SGLang "
                 "servers; the local CPU engines are not planned (rl.sbatch starts them without a plan)"
             )
+        refuse_sglang_environment()  # what the servers will inherit
         if config.rollout.env.name is not None:  # as `train` does: the environment fails here, by name
             load_env_class(config.rollout.env.name)
         plan = make_plan(config, cluster_from_args(args, config.cluster))

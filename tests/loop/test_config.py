@@ -616,6 +616,14 @@ def test_packed_false_overrides_a_token_budget():
             r"must not set --preferred-sampling-params: .*the run's sampling is rollout\.sampling",
         ),
         (
+            ["cluster.sglang.extra_args=[--enable-watermark]"],
+            r"must not set --enable-watermark: a watermark changes the logits the engine samples from after",
+        ),
+        (
+            ["cluster.sglang.extra_args=[--watermark-config, w.json]"],
+            r"must not set --watermark-config: the watermark's settings",
+        ),
+        (
             ["cluster.sglang.extra_args=--chunked-prefill-size 8192"],
             r"one argv item per list item, e\.g\. \[",
         ),
@@ -637,6 +645,44 @@ def test_packed_false_overrides_a_token_budget():
 def test_the_cluster_layout_is_checked_at_load(overrides, pattern):
     with pytest.raises(ConfigError, match=pattern):
         load_config(None, overrides)
+
+
+def test_an_sglang_variable_that_changes_the_returned_logprobs_is_refused_in_one_line(
+    tmp_path, capsys, monkeypatch
+):
+    """`SGLANG_RETURN_ORIGINAL_LOGPROB`, which the pinned SGLang still reads, makes the servers return
+    log-probs before the temperature: refused where SGLang reads it as true, by rl.sbatch's first read of
+    the config (`mt_slurm.py config-get`) for SGLang servers, not for local engines."""
+    import importlib.util
+
+    from megatron_tail.config.cluster import REFUSED_SGLANG_ENVIRONMENT, refuse_sglang_environment
+
+    sglang = Path(importlib.util.find_spec("sglang").origin).parent
+    sampler = (sglang / "srt" / "layers" / "sampler.py").read_text()
+    for name in REFUSED_SGLANG_ENVIRONMENT:
+        assert f'get_bool_env_var("{name}")' in sampler, name
+    for value in ("", "0", "false", "No"):
+        refuse_sglang_environment({"SGLANG_RETURN_ORIGINAL_LOGPROB": value})
+    for value in ("1", "true", "Yes", "y"):
+        with pytest.raises(UserError, match=rf"^SGLANG_RETURN_ORIGINAL_LOGPROB={value} is set for the SGLang "
+                           r"servers: .* before the temperature .*; unset it$"):  # fmt: skip
+            refuse_sglang_environment({"SGLANG_RETURN_ORIGINAL_LOGPROB": value})
+    spec = importlib.util.spec_from_file_location(
+        "mt_slurm", Path(__file__).parents[2] / "slurm" / "mt_slurm.py"
+    )
+    mt_slurm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mt_slurm)
+    config = tmp_path / "c.yaml"
+    config.write_text("run_dir: runs/x\n")
+    monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
+    assert mt_slurm.main(["config-get", str(config), "run_dir"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.startswith("mt_slurm.py config-get: SGLANG_RETURN_ORIGINAL_LOGPROB=1 is set")
+        and err.count("\n") == 1
+    )
+    local = ["config-get", str(config), "run_dir", "--set", "cluster.rollout_backend=local"]
+    assert mt_slurm.main(local) == 0 and capsys.readouterr().out.strip().endswith("runs/x")
 
 
 def test_the_layout_variables_of_earlier_versions_are_refused_by_name():

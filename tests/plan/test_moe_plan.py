@@ -239,3 +239,12 @@ def test_sglang_ep_is_read_from_the_cluster_section(capsys, monkeypatch):
     assert main(["plan", str(RECIPE_30B), *SET_30B, *LAUNCH_30B]) == 2
     err = capsys.readouterr().err
     assert "MT_SGLANG_EXTRA_ARGS=--ep-size 2 is no longer read" in err and "cluster.sglang.ep" in err, err
+    # a variable the servers would inherit and that changes their log-probs: refused by the plan too
+    monkeypatch.delenv("MT_SGLANG_EXTRA_ARGS")
+    monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", "true")
+    assert main(["plan", str(RECIPE_30B), *SET_30B, *LAUNCH_30B]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "SGLANG_RETURN_ORIGINAL_LOGPROB=true is set for the SGLang servers" in err
+        and len(err.splitlines()) == 1
+    )
