@@ -68,6 +68,40 @@ def test_sigterm_then_resume_equals_uninterrupted(
         assert [v for _, v in logged[tag]] == pytest.approx([v for _, v in reference[tag]], rel=1e-6), tag
 
 
+def test_a_run_with_every_stateful_rollout_feature_resumes_as_uninterrupted(
+    tiny_model_dir, prompt_file, engine, tmp_path
+):
+    """The resume audit's "everything at once" on top of the settings above: an adaptive ρ (its log ρ and
+    the drain before each new one), groups generated a step ahead (η = 1: the buffer and the manager's
+    pending state come from the checkpoint), Lopti's two phases and two mini-batches per step (two
+    optimizer steps each). A SIGTERM in step 2, then a resume: every step equals an uninterrupted run."""
+    extra = [
+        "algorithm.log_rho=auto",
+        "rollout.max_staleness=1",
+        "algorithm.lopti=true",
+        "algorithm.lopti_eta=0.3",
+        "train.mini_batches=2",
+    ]
+
+    def overrides(name):
+        return [*_overrides(tiny_model_dir, prompt_file, engine, tmp_path / name), *extra]
+
+    full = run_distributed(_run_rank, 2, overrides("full"), -1, timeout=600)
+    first = run_distributed(_run_rank, 2, overrides("interrupted"), 1, timeout=600)
+    assert [r[:3] for r in first] == [(0, 2, "SIGTERM"), (0, 2, "signal on another rank")]
+    second = run_distributed(_run_rank, 2, overrides("interrupted"), -1, timeout=600)
+    assert [r[:3] for r in second] == [(2, 4, None), (2, 4, None)]
+    uninterrupted, resumed = full[0][3], first[0][3] + second[0][3]
+    assert [h["step"] for h in resumed] == [h["step"] for h in uninterrupted] == [1.0, 2.0, 3.0, 4.0]
+    for tag in [*COMPARED, "dvp/log_rho"]:
+        got, want = [h[tag] for h in resumed], [h[tag] for h in uninterrupted]
+        assert got == pytest.approx(want, rel=1e-6, abs=1e-9), tag
+    # the features ran: ρ moved, the schedule stepped twice per step
+    assert len({h["dvp/log_rho"] for h in uninterrupted}) > 1
+    assert min(h["train/grad_norm"] for h in uninterrupted) > 1e-3
+    assert read_trained_prompts(tmp_path / "interrupted") == read_trained_prompts(tmp_path / "full")
+
+
 def test_a_kill_during_a_checkpoint_keeps_the_steps_scalars(tiny_model_dir, prompt_file, engine, tmp_path):
     """Before: a step's scalars were written after its checkpoint, so a kill during the save lost them for
     good (the resume, from the previous checkpoint or this one, logs from the next step on)."""
