@@ -50,16 +50,17 @@ def _layouts(dp: int) -> list[tuple]:
     ]
 
 
-def _aux_grad_rank(rank, world_size, hf_dir, tp, layouts):  # noqa: ARG001 - harness signature
+def _aux_grad_rank(rank, world_size, hf_dir, tp, layouts, cp=1):  # noqa: ARG001 - harness signature
     from megatron.core.transformer.moe.router import TopKRouter
 
     from megatron_tail.config.parallel import ParallelSection
     from megatron_tail.model import ModelSettings, load_hf_config
     from megatron_tail.train import OptimizerSettings, build_trainer, split_for_data_parallel, train_step
     from megatron_tail.train.engine.batch import make_micro_batches, pack_micro_batches
+    from megatron_tail.train.engine.context_parallel import split_for_context_parallel
     from megatron_tail.train.engine.parallel import init_parallel
 
-    groups = init_parallel(ParallelSection(tensor_parallel=tp), seed=1234)
+    groups = init_parallel(ParallelSection(tensor_parallel=tp, context_parallel=cp), seed=1234)
     arch = load_hf_config(hf_dir)
     settings = ModelSettings(
         vocab_pad_multiple=PAD_MULTIPLE, precision="fp32", moe_aux_loss_coeff=COEFF, sequence_parallel=tp > 1
@@ -84,6 +85,11 @@ def _aux_grad_rank(rank, world_size, hf_dir, tp, layouts):  # noqa: ARG001 - har
         if kind == "padded":
             rows, seq_len = arg
             mbs = make_micro_batches(samples, micro_batch_size=rows, seq_len=seq_len, pad_to_multiple=tp)
+        elif kind == "cp":  # each sample padded to 2·CP, then each CP rank's chunks of it
+            whole = pack_micro_batches(
+                samples, max_tokens=arg, pad_to_multiple=2 * cp, sequence_multiple=2 * cp
+            )
+            mbs = [split_for_context_parallel(mb, groups.cp_rank, cp) for mb in whole]
         elif arg is None:
             mbs = pack_micro_batches(samples, max_tokens=256, pad_to_multiple=tp)
         else:
@@ -108,15 +114,20 @@ def _aux_grad_rank(rank, world_size, hf_dir, tp, layouts):  # noqa: ARG001 - har
     return results
 
 
-def _expected(per_rank, k: int, tp: int, dp: int, topk: int) -> torch.Tensor:
+def _expected(per_rank, k: int, tp: int, dp: int, topk: int, cp: int = 1) -> torch.Tensor:
     """coeff × ∇ of Σ over micro-batches of N·aux / Σ N, N a micro-batch's non-padding tokens (float64)."""
     weight = per_rank[0][k][1].clone().requires_grad_(True)
     weighted, tokens = 0.0, 0
-    for d in range(dp):  # ranks are TP-major: rank = d·tp + t
-        for m, padding in enumerate(per_rank[d * tp][k][3]):
+    for d in range(dp):  # megatron's rank order: TP fastest, then CP, then DP
+        shards = range(d * tp * cp, (d + 1) * tp * cp)
+        for m in range(len(per_rank[shards[0]][k][3])):
             # megatron's router order: position-major [s, b], each TP rank a contiguous 1/tp of the positions
-            real = ~padding.t().reshape(tp, -1)
-            x = torch.cat([per_rank[d * tp + t][k][2][m][real[t]] for t in range(tp)])
+            # of its CP shard (whose padding is its own)
+            parts = []
+            for r in shards:
+                real = ~per_rank[r][k][3][m].t().reshape(tp, -1)
+                parts.append(per_rank[r][k][2][m][real[r % tp]])
+            x = torch.cat(parts)
             if x.shape[0] == 0:
                 continue  # an empty micro-batch balances nothing
             weighted = weighted + x.shape[0] * _switch_aux(x, weight, topk)
@@ -153,6 +164,20 @@ def test_aux_loss_gradient_is_the_token_weighted_mean_over_real_tokens(tmp_path,
         torch.testing.assert_close(
             packed[name], grad, rtol=1e-4, atol=1e-6 * grad.abs().max().item(), msg=name
         )
+
+
+def test_under_context_parallelism_each_samples_own_padding_stays_out(tmp_path):
+    """CP = 2: every sample padded to 2·CP tokens, each CP rank's router seeing its chunks and their padding;
+    the gradient is the token-weighted mean over the non-padding tokens of both shards."""
+    make_hf_moe(tmp_path, norm_topk_prob=True)
+    per_rank = run_distributed(_aux_grad_rank, 2, str(tmp_path), 1, [("cp", 64)], 2)
+    got = per_rank[0][0][0]
+    assert torch.equal(per_rank[1][0][0], got) and len(per_rank[0][0][2]) > 1
+    # the shards hold some of their samples' own padding
+    assert sum(int(padding.sum()) for r in per_rank for padding in r[0][3]) > 0
+    expected = _expected(per_rank, 0, 1, 1, TINY_MOE["num_experts_per_tok"], cp=2)
+    assert expected.norm() > 1e-6
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6 * expected.abs().max().item())
 
 
 def test_the_routers_mask_is_the_padding_cut_as_each_stage_needs_it():
