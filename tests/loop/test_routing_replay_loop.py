@@ -39,3 +39,41 @@ def test_r3_trains_two_steps_and_logs_the_moe_scalars(r3_run):
     for tag in ("moe/aux_loss", "moe/load_imbalance_cv", "mismatch/kl_infer_train_k3"):
         assert len(scalars[tag]) == 2 and all(math.isfinite(v) and v >= 0 for _, v in scalars[tag]), tag
     assert all(v > 0 for _, v in scalars["moe/aux_loss"])  # tracked: the update passes ran the routers
+
+
+def test_r3_with_groups_a_step_ahead_resumes_as_uninterrupted(prompt_file, tmp_path):
+    """r3 at η = 1: at a stop, the rollout buffer holds groups generated a step ahead with the engine's
+    routes (per-position fields); the checkpoint must bring them back, or the resumed run would replay other
+    routes. A SIGTERM in step 2 of 4 and a resume: every step equals an uninterrupted run's."""
+    from tests.harness import run_distributed
+    from tests.loop.conftest import ENGINE_IN_PROCESS, loop_overrides
+    from tests.loop.resume_runs import run_rank
+    from tests.rollout.tiny_moe import write_tiny_qwen3_moe
+
+    model_dir = write_tiny_qwen3_moe(tmp_path / "tiny_moe")
+    extra = {
+        "parallel.tensor_parallel": 1,
+        "train.steps": 4,
+        "train.checkpoint_every": 10,  # only the stop and the last step save
+        "rollout.max_new_tokens": 8,
+        "rollout.max_staleness": 1,
+        "algorithm.routing_replay": "r3",
+        **ENGINE_IN_PROCESS,
+    }
+
+    def overrides(name):
+        return loop_overrides(model_dir, prompt_file, tmp_path / name, extra)
+
+    full = run_distributed(run_rank, 1, overrides("full"), -1, timeout=600)[0]
+    first = run_distributed(run_rank, 1, overrides("interrupted"), 1, timeout=600)[0]
+    assert first[:3] == (0, 2, "SIGTERM")
+    second = run_distributed(run_rank, 1, overrides("interrupted"), -1, timeout=600)[0]
+    assert second[:3] == (2, 4, None)
+    uninterrupted, resumed = full[3], first[3] + second[3]
+    assert [h["step"] for h in resumed] == [h["step"] for h in uninterrupted] == [1.0, 2.0, 3.0, 4.0]
+    tags = ("train/loss", "train/grad_norm", "reward/mean", "moe/routing_agreement", "moe/aux_loss")
+    for tag in (*tags, "mismatch/kl_infer_train_k3", "rollout/staleness_mean"):
+        got, want = [h[tag] for h in resumed], [h[tag] for h in uninterrupted]
+        assert got == pytest.approx(want, rel=1e-6, abs=1e-9), tag
+    assert max(h["rollout/staleness_mean"] for h in uninterrupted) > 0  # groups did come from a step ahead
+    assert min(h["train/grad_norm"] for h in uninterrupted) > 1e-4
