@@ -33,11 +33,12 @@ def prompt_file(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def serving(model_dir, log_dir):
-    """One bf16 local engine serving `model_dir` (a remote engine for the runs: `rollout.server_urls`)."""
+def serving(model_dir, log_dir, *, routes: bool = False):
+    """One bf16 local engine serving `model_dir` (a remote engine for the runs: `rollout.server_urls`);
+    `routes`: it returns MoE routes (r3)."""
     from tests.rollout.servers import start_servers
 
-    (server,) = start_servers(model_dir, log_dir, 1)
+    (server,) = start_servers(model_dir, log_dir, 1, routes=routes)
     try:
         yield server
     finally:

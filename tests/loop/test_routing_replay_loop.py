@@ -44,9 +44,11 @@ def test_r3_trains_two_steps_and_logs_the_moe_scalars(r3_run):
 def test_r3_with_groups_a_step_ahead_resumes_as_uninterrupted(prompt_file, tmp_path):
     """r3 at η = 1: at a stop, the rollout buffer holds groups generated a step ahead with the engine's
     routes (per-position fields); the checkpoint must bring them back, or the resumed run would replay other
-    routes. A SIGTERM in step 2 of 4 and a resume: every step equals an uninterrupted run's."""
+    routes. A SIGTERM in step 2 of 4 and a resume: every step equals an uninterrupted run's. The engine is a
+    process of its own: generating a step ahead overlaps the trainer's compute, which an in-process engine
+    would share torch's threads with."""
     from tests.harness import run_distributed
-    from tests.loop.conftest import ENGINE_IN_PROCESS, loop_overrides
+    from tests.loop.conftest import loop_overrides, serving
     from tests.loop.resume_runs import run_rank
     from tests.rollout.tiny_moe import write_tiny_qwen3_moe
 
@@ -58,16 +60,18 @@ def test_r3_with_groups_a_step_ahead_resumes_as_uninterrupted(prompt_file, tmp_p
         "rollout.max_new_tokens": 8,
         "rollout.max_staleness": 1,
         "algorithm.routing_replay": "r3",
-        **ENGINE_IN_PROCESS,
+        "rollout.engine": "remote",
     }
+    with serving(model_dir, tmp_path / "engine_logs", routes=True) as engine:
 
-    def overrides(name):
-        return loop_overrides(model_dir, prompt_file, tmp_path / name, extra)
+        def overrides(name):
+            urls = {"rollout.server_urls": f"[{engine.url}]"}
+            return loop_overrides(model_dir, prompt_file, tmp_path / name, {**extra, **urls})
 
-    full = run_distributed(run_rank, 1, overrides("full"), -1, timeout=600)[0]
-    first = run_distributed(run_rank, 1, overrides("interrupted"), 1, timeout=600)[0]
+        full = run_distributed(run_rank, 1, overrides("full"), -1, timeout=600)[0]
+        first = run_distributed(run_rank, 1, overrides("interrupted"), 1, timeout=600)[0]
+        second = run_distributed(run_rank, 1, overrides("interrupted"), -1, timeout=600)[0]
     assert first[:3] == (0, 2, "SIGTERM")
-    second = run_distributed(run_rank, 1, overrides("interrupted"), -1, timeout=600)[0]
     assert second[:3] == (2, 4, None)
     uninterrupted, resumed = full[3], first[3] + second[3]
     assert [h["step"] for h in resumed] == [h["step"] for h in uninterrupted] == [1.0, 2.0, 3.0, 4.0]

@@ -28,11 +28,18 @@ async def serving_app(app):
 
 
 def start_servers(
-    model_dir: Path, log_dir: Path, count: int, dtype: str = "bfloat16"
+    model_dir: Path, log_dir: Path, count: int, dtype: str = "bfloat16", *, routes: bool = False
 ) -> list[LocalEngineProcess]:
+    """`count` local engine processes of one thread each; `routes`: they return MoE routes (r3)."""
     sockets = [reserve_port() for _ in range(count)]
     configs = [
-        LocalEngineConfig(model_path=str(model_dir), port=s.getsockname()[1], dtype=dtype, num_threads=1)
+        LocalEngineConfig(
+            model_path=str(model_dir),
+            port=s.getsockname()[1],
+            dtype=dtype,
+            num_threads=1,
+            return_routed_experts=routes,
+        )
         for s in sockets
     ]
     return start_local_engines(configs, log_dir, sockets)

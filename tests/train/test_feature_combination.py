@@ -290,9 +290,9 @@ def test_moe_with_routing_replay_at_ep2_and_cp2_equals_one_rank(tmp_path):
     # float32: its grouped GEMM takes no float64 (the samples' log-probs are float64 from its logits)
     policy = AutoModelForCausalLM.from_pretrained(tmp_path / "policy", dtype=torch.float32)
     samples = _samples(policy)
-    # No load-balancing loss: it is a loss per micro-batch (expert counts over its tokens), and the padded pairs
-    # and the packed bins group the samples differently, so their steps differ by design. (Padding itself no
-    # longer counts: `test_moe_aux_loss_scale.py`.)
+    # No load-balancing loss: it is a loss per micro-batch (expert counts over its tokens), and the padded
+    # pairs and the packed bins group the samples differently, so their steps differ by design. (Padding
+    # itself no longer counts: `test_moe_aux_loss_scale.py`.)
     no_aux = {"moe_aux_loss_coeff": 0.0}
     single = _run(tmp_path, 1, (1, 1, 1, 1), samples, packed=False, model_opts=no_aux)
     _assert_same_steps(_run(tmp_path, 2, (1, 1, 1, 2), samples, packed=False, model_opts=no_aux), single)
