@@ -50,7 +50,8 @@ def _layouts(dp: int) -> list[tuple]:
     ]
 
 
-def _aux_grad_rank(rank, world_size, hf_dir, tp, layouts, cp=1):  # noqa: ARG001 - harness signature
+def _aux_grad_rank(rank, world_size, hf_dir, tp, layouts, cp=1, recompute="none"):  # noqa: ARG001
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
     from megatron.core.transformer.moe.router import TopKRouter
 
     from megatron_tail.config.parallel import ParallelSection
@@ -59,11 +60,16 @@ def _aux_grad_rank(rank, world_size, hf_dir, tp, layouts, cp=1):  # noqa: ARG001
     from megatron_tail.train.engine.batch import make_micro_batches, pack_micro_batches
     from megatron_tail.train.engine.context_parallel import split_for_context_parallel
     from megatron_tail.train.engine.parallel import init_parallel
+    from megatron_tail.train.rl.routing import aux_loss_scalars
 
     groups = init_parallel(ParallelSection(tensor_parallel=tp, context_parallel=cp), seed=1234)
     arch = load_hf_config(hf_dir)
     settings = ModelSettings(
-        vocab_pad_multiple=PAD_MULTIPLE, precision="fp32", moe_aux_loss_coeff=COEFF, sequence_parallel=tp > 1
+        vocab_pad_multiple=PAD_MULTIPLE,
+        precision="fp32",
+        moe_aux_loss_coeff=COEFF,
+        sequence_parallel=tp > 1,
+        recompute=recompute,
     )
     # lr far below float32 rounding of the weights: every step sees the same weights (lr must be > 0)
     optim = OptimizerSettings(lr=1e-12, clip_grad=1e9, use_distributed_optimizer=False)
@@ -92,6 +98,11 @@ def _aux_grad_rank(rank, world_size, hf_dir, tp, layouts, cp=1):  # noqa: ARG001
             mbs = [split_for_context_parallel(mb, groups.cp_rank, cp) for mb in whole]
         elif arg is None:
             mbs = pack_micro_batches(samples, max_tokens=256, pad_to_multiple=tp)
+        elif kind == "one":  # one sample over two DP ranks: DP rank 1's only micro-batch is empty
+            one = make_samples(1, seed=6, min_len=6, max_len=9)
+            mbs = pack_micro_batches(
+                one, max_tokens=arg, dp_rank=groups.dp_rank, dp_size=2, pad_to_multiple=tp
+            )
         else:
             bins = make_samples(3, seed=6, min_len=6, max_len=9)  # 12–18 tokens: one sample per bin
             dp_rank = groups.dp_rank if groups.dp_size > 1 else 0
@@ -99,9 +110,18 @@ def _aux_grad_rank(rank, world_size, hf_dir, tp, layouts, cp=1):  # noqa: ARG001
         weight = router.weight.detach().double().clone()
         inputs.clear()
         result = train_step(trainer, mbs, zero_loss)
+        if recompute == "full":
+            # each micro-batch's routers run in its forward, then in its backward's recompute
+            first, again = inputs[::2], inputs[1::2]
+            assert len(again) == len(mbs) and all(map(torch.equal, first, again))
+            inputs[:] = first
         assert result.update_successful and len(inputs) == len(mbs)
         # the router sees every position, padding included (this TP rank's 1/tp under sequence parallelism)
         assert [x.shape[0] * tp for x in inputs] == [mb.tokens.numel() for mb in mbs]
+        # megatron's aux-loss tracker (per layer, this rank's sum over its forwards), then `moe/aux_loss`
+        tracker = get_moe_layer_wise_logging_tracker()["load_balancing_loss"]["values"].double().clone()
+        real = sum(1 for mb in mbs if mb.num_sample_tokens)
+        metric = aux_loss_scalars(sum(arch.moe.layer_is_moe), real, groups.dp).get("moe/aux_loss")
         results.append(
             (
                 router.weight.main_grad.detach().double().clone(),
@@ -109,6 +129,7 @@ def _aux_grad_rank(rank, world_size, hf_dir, tp, layouts, cp=1):  # noqa: ARG001
                 [x.double() for x in inputs],
                 [mb.padding for mb in mbs],
                 {name: p.main_grad.detach().clone() for name, p in trainer.chunks[0].named_parameters()},
+                (tracker, router.layer_number - 1, real, metric),
             )
         )
     return results
@@ -155,6 +176,9 @@ def test_aux_loss_gradient_is_the_token_weighted_mean_over_real_tokens(tmp_path,
     assert [len(per_rank[0][k][2]) for k in range(2)] == [1, 4 // dp]
     # the packed step has a micro-batch without a sample token
     assert any(not (~padding).any() for r in per_rank for padding in r[3][3])
+    if tp == 1:
+        for k in range(len(layouts)):
+            _assert_logged_aux_is_the_real_micro_batches(per_rank, k, topk)
     # more padding, same samples in the same micro-batches: the same gradient
     torch.testing.assert_close(grads[2], grads[1], rtol=1e-4, atol=1e-6 * grads[1].abs().max().item())
     # one padded micro-batch and one packed row of the same samples: the same gradient of every parameter
@@ -164,6 +188,52 @@ def test_aux_loss_gradient_is_the_token_weighted_mean_over_real_tokens(tmp_path,
         torch.testing.assert_close(
             packed[name], grad, rtol=1e-4, atol=1e-6 * grad.abs().max().item(), msg=name
         )
+
+
+def _assert_logged_aux_is_the_real_micro_batches(per_rank, k: int, topk: int) -> None:
+    """Step `k` at TP = CP = 1: each rank's tracker holds, for the last MoE layer, the sum of its non-empty
+    micro-batches' aux losses (float64 recomputation), and `moe/aux_loss` (the same on every rank) is the
+    tracker's sum over ranks and layers over the MoE layers and the non-empty forwards of every rank."""
+    weight = per_rank[0][k][1]
+    total, forwards = 0.0, 0
+    for r in per_rank:
+        tracker, layer, real, metric = r[k][5]
+        parts = [x[~padding.t().reshape(-1)] for x, padding in zip(r[k][2], r[k][3], strict=True)]
+        want = sum(
+            (_switch_aux(x, weight, topk) for x in parts if x.shape[0]), torch.zeros((), dtype=torch.float64)
+        )
+        assert float(tracker[layer]) == pytest.approx(float(want), rel=1e-4), (k, float(tracker[layer]))
+        total, forwards = total + float(tracker.sum()), forwards + real
+        assert metric == per_rank[0][k][5][3]
+    layers = int((per_rank[0][k][5][0] != 0).sum())
+    assert per_rank[0][k][5][3] == pytest.approx(total / layers / forwards, rel=1e-6)
+
+
+def test_under_full_recompute_the_empty_micro_batchs_backward_logs_nothing_either(tmp_path):
+    """Full activation recompute: the routers log in the backward's recompute, not in the first forward
+    (run without grad); an empty micro-batch's backward is kept out of the tracker as its forward is."""
+    make_hf_moe(tmp_path, norm_topk_prob=True)
+    per_rank = run_distributed(_aux_grad_rank, 1, str(tmp_path), 1, [("packed", 18)], 1, "full")
+    assert len(per_rank[0][0][3]) == 2 and per_rank[0][0][5][2] == 1  # one of the two is empty
+    _assert_logged_aux_is_the_real_micro_batches(per_rank, 0, TINY_MOE["num_experts_per_tok"])
+    expected = _expected(per_rank, 0, 1, 1, TINY_MOE["num_experts_per_tok"])
+    torch.testing.assert_close(
+        per_rank[0][0][0], expected, rtol=1e-4, atol=1e-6 * expected.abs().max().item()
+    )
+
+
+def test_a_dp_rank_whose_only_micro_batch_is_empty_logs_nothing_and_waits_for_no_one(tmp_path):
+    """One sample over two DP ranks: rank 1 runs one empty micro-batch. Its routers log nothing (its
+    tracker stays 0), and `moe/aux_loss` is rank 0's forward's, on both ranks (a collective both reach)."""
+    make_hf_moe(tmp_path, norm_topk_prob=True)
+    per_rank = run_distributed(_aux_grad_rank, 2, str(tmp_path), 1, [("one", 18)])
+    assert [r[0][5][2] for r in per_rank] == [1, 0]
+    assert not per_rank[1][0][5][0].any() and per_rank[0][0][5][0].any()
+    _assert_logged_aux_is_the_real_micro_batches(per_rank, 0, TINY_MOE["num_experts_per_tok"])
+    expected = _expected(per_rank, 0, 1, 2, TINY_MOE["num_experts_per_tok"])
+    torch.testing.assert_close(
+        per_rank[0][0][0], expected, rtol=1e-4, atol=1e-6 * expected.abs().max().item()
+    )
 
 
 def test_under_context_parallelism_each_samples_own_padding_stays_out(tmp_path):
@@ -210,3 +280,39 @@ def test_the_routers_mask_is_the_padding_cut_as_each_stage_needs_it():
     assert router_padding_mask(mb, first, SimpleNamespace(num_moe_experts=None), groups) is None
     empty = pack_micro_batches(make_samples(1, seed=2), max_tokens=16, dp_rank=1, dp_size=2)[0]
     assert empty.num_sample_tokens == 0 and router_padding_mask(empty, first, moe, groups) is None
+
+
+def test_an_empty_micro_batchs_windows_under_a_pipeline_schedule():
+    """The order a pipeline stage sees under 1F1B with full recompute (MoE at PP > 1 needs CUDA, so this
+    drives megatron's own `save_to_aux_losses_tracker` through the windows by hand): F0 (empty) and F1 log
+    nothing under recompute, then B0 (empty) and B1 log their recompute. Only B1's loss stays; without the
+    backward's window, B0's would (it runs after F1 opened a real micro-batch's window)."""
+    from megatron.core.transformer.moe.moe_utils import (
+        clear_aux_losses_tracker,
+        get_moe_layer_wise_logging_tracker,
+        save_to_aux_losses_tracker,
+    )
+
+    from megatron_tail.train.engine.forward import EmptyMicroBatchAuxLogs
+
+    def log(value: float) -> None:
+        save_to_aux_losses_tracker("load_balancing_loss", torch.tensor(value), 2, 3)
+
+    tracker = get_moe_layer_wise_logging_tracker()
+    tracker.pop("load_balancing_loss", None)
+    windows = EmptyMicroBatchAuxLogs()
+    windows.at(True)  # F0, empty: its first forward runs without grad (recompute) and logs nothing
+    windows.at(False)  # F1
+    windows.at(True)  # B0 starts (the hook on its output): its recompute logs
+    log(16.0)
+    windows.at(False)  # B1
+    log(1.5)
+    windows.at(False)  # the schedule returns
+    assert tracker["load_balancing_loss"]["values"].tolist() == [0.0, 1.5, 0.0]
+    # a name first logged by an empty micro-batch stays, zeroed (every rank reduces the same names)
+    tracker.pop("load_balancing_loss")
+    windows.at(True)
+    log(16.0)
+    windows.at(False)
+    assert tracker["load_balancing_loss"]["values"].tolist() == [0.0, 0.0, 0.0]
+    clear_aux_losses_tracker()

@@ -1,7 +1,8 @@
 """Expert parallelism with uneven samples: megatron's allgather MoE dispatcher (CPU) gathers tokens over the
 TP×EP group without split sizes, so the EP ranks (different DP ranks, different samples) must run equal
 micro-batch shapes. `equalize_micro_batch_shapes` pads each micro-batch to the group's largest shape; the
-EP = 2 step on uneven samples (padded and THD-packed) then equals the EP = 1 step on the same samples."""
+EP = 2 step on uneven samples (padded and THD-packed) then equals the EP = 1 step on the same samples, the
+load-balancing loss included (the added padding stays out of it: `forward.router_padding_mask`)."""
 
 from __future__ import annotations
 
@@ -40,10 +41,11 @@ def _one_step_rank(rank, world_size, hf_dir, ep, packed):  # noqa: ARG001 - harn
 
     groups = init_parallel(ParallelSection(expert_parallel=ep), seed=1234)
     arch = load_hf_config(hf_dir)
-    # as tests/model/test_moe_parallel.py: Adam with ε = 1 (first update ≈ lr·g), no aux loss (it depends on
-    # how tokens are split into micro-batches)
+    # as tests/model/test_moe_parallel.py: Adam with ε = 1 (first update ≈ lr·g). The load-balancing loss is
+    # on: both layouts put the same samples in each micro-batch (padded: pairs in order; packed: the same
+    # bins, dealt to the DP ranks), and the padding `equalize_micro_batch_shapes` adds stays out of it
     optim = OptimizerSettings(lr=0.5, adam_eps=1.0, clip_grad=1e9)
-    settings = ModelSettings(vocab_pad_multiple=PAD_MULTIPLE, moe_aux_loss_coeff=0.0)
+    settings = ModelSettings(vocab_pad_multiple=PAD_MULTIPLE, moe_aux_loss_coeff=0.05)
     trainer = build_trainer(arch, hf_dir=hf_dir, model_settings=settings, optim=optim)
     samples = make_samples(8, seed=11, min_len=2, max_len=9)
     mbs = _micro_batches(samples, groups, packed)

@@ -229,8 +229,9 @@ def _rl_step(rank, world, hf_dir, samples, tp, cp, sp, packed, model=None):  # n
     from megatron_tail.train.engine.routing import RoutingPass
     from tests.train.common import full_hf_state
 
-    # megatron's load-balancing loss counts every token slot of a micro-batch, padding included (the router
-    # gets no padding mask), so its gradient depends on the layout: off here, the policy loss is compared
+    # megatron's load-balancing loss is a loss per micro-batch (expert counts over its tokens), and the
+    # layouts group the samples differently, so its gradient depends on the layout: off here, the policy
+    # loss is compared (padding itself no longer counts: `test_moe_aux_loss_scale.py`)
     groups, trainer = _trainer(hf_dir, tp=tp, cp=cp, sp=sp, aux_loss=0.0, **(model or {}))
     mbs = _layout(samples, groups, packed=packed, tp=tp, cp=cp, sp=sp)
     cfg = AlgorithmConfig(log_rho=None, is_mode="none", veto_threshold=0.0, routing_replay="r3")

@@ -16,8 +16,10 @@ causal attention. On the last pipeline stage, either
 MoE load-balancing loss: the loss callback's loss is already normalised by a global token count and
 megatron's 1/num_tokens gradient scaling is off (`setup.py`), so a training pass sets the aux losses'
 backward scale itself (`moe_aux_loss_scale`, applied by a hook on each micro-batch's model output). The
-routers leave padding out of it (`router_padding_mask`): a padded row's pad tokens, all one id, would
-otherwise take a share of the balance the loss asks for.
+routers leave padding out of it (`router_padding_mask`): a padded row's pad tokens (all one id) would
+otherwise take a share of the balance the loss asks for. A micro-batch without sample tokens (a DP rank's
+empty packed one) adds neither to the loss nor to megatron's aux-loss tracker (`EmptyMicroBatchAuxLogs`),
+whose sums `moe/aux_loss` reports.
 """
 
 from __future__ import annotations
@@ -124,14 +126,18 @@ def run_micro_batches(
     tp_group = groups.tp
     half = _has_float16_module(chunks[0])
     aux_scale = None if forward_only else moe_aux_loss_scale(config, micro_batches, groups)
+    aux_logs = EmptyMicroBatchAuxLogs() if aux_scale is not None else None
 
-    def set_aux_loss_scale(scale: float, grad: torch.Tensor) -> None:
+    def set_aux_loss_scale(mb: MicroBatch, grad: torch.Tensor) -> None:
         # Runs when the backward reaches the micro-batch's output, before its routers' `MoEAuxLossAutoScaler`
         # backward: megatron's `forward_step` (pipeline_parallel/schedules.py, "Set the loss scale for the
         # auxiliary loss of the MoE layer") has just reset the scale to the bare optimizer loss scale.
         one = torch.ones(1, device=grad.device)
         loss_scale = config.grad_scale_func(one) if config.grad_scale_func is not None else one
-        MoEAuxLossAutoScaler.set_loss_scale(loss_scale * scale)
+        # An empty micro-batch (no sample token) adds no aux loss: it has no token to balance.
+        MoEAuxLossAutoScaler.set_loss_scale(loss_scale * (aux_scale if mb.num_sample_tokens else 0.0))
+        # This micro-batch's backward on this stage runs next, alone, a full recompute's routers included.
+        aux_logs.at(not mb.num_sample_tokens)
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator).to(device)
@@ -141,13 +147,13 @@ def run_micro_batches(
             kwargs["padding_mask"] = padding_mask
         if routing is not None:
             routing.before(model, mb)
+        if aux_logs is not None:
+            aux_logs.at(not mb.num_sample_tokens)
         output = model(mb.tokens, None, None, packed_seq_params=thd_params(mb), **kwargs)
         if routing is not None:
             routing.after(model, mb, output)
         if aux_scale is not None and output.requires_grad:
-            # An empty micro-batch (no sample token) adds no aux loss: it has no token to balance.
-            scale = aux_scale if mb.num_sample_tokens else 0.0
-            output.register_hook(partial(set_aux_loss_scale, scale))
+            output.register_hook(partial(set_aux_loss_scale, mb))
         return output, partial(_loss_func, mb, unwrap_model(model))
 
     def _loss_func(mb: MicroBatch, model, output: torch.Tensor):
@@ -177,15 +183,48 @@ def run_micro_batches(
         return loss, num_tokens, extra
 
     with cpu_device_scope(), routing if routing is not None else contextlib.nullcontext():
-        return get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iter(micro_batches),
-            model=chunks,
-            num_microbatches=len(micro_batches),
-            seq_length=seq_len,
-            micro_batch_size=rows,
-            forward_only=forward_only,
-        )
+        try:
+            return get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iter(micro_batches),
+                model=chunks,
+                num_microbatches=len(micro_batches),
+                seq_length=seq_len,
+                micro_batch_size=rows,
+                forward_only=forward_only,
+            )
+        finally:
+            if aux_logs is not None:
+                aux_logs.at(False)
+
+
+class EmptyMicroBatchAuxLogs:
+    """Keeps what an empty micro-batch's routers log out of megatron's aux-loss tracker (`moe_utils.
+    get_moe_layer_wise_logging_tracker`, summed per layer by `save_to_aux_losses_tracker`): its pad tokens'
+    loss is no measure of the balance. A training pass calls `at` at the points after which one micro-batch's
+    routers run, alone, until the next such point: its forward (`forward_step`), and its backward on this
+    stage, which starts when the backward reaches its output (the hook that sets its aux scale) and runs a
+    full activation recompute's routers again (a checkpointed layer's first forward runs without grad and
+    logs nothing); and once more when the schedule returns. An empty micro-batch's window ends with the
+    tracker's values put back (a name it created zeroed, so that every rank has the names, and their
+    reduce groups, that `reduce_aux_losses_tracker_across_ranks` reduces over). Tensor copies on the device,
+    no host sync."""
+
+    def __init__(self):
+        self._saved: dict[str, torch.Tensor] | None = None
+
+    def at(self, empty: bool) -> None:
+        """A point where another micro-batch's routers start: `empty` whether it has no sample token."""
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        tracker = get_moe_layer_wise_logging_tracker()
+        if self._saved is not None:
+            for name, entry in tracker.items():
+                if name in self._saved:
+                    entry["values"].copy_(self._saved[name])
+                else:
+                    entry["values"].zero_()
+        self._saved = {name: entry["values"].clone() for name, entry in tracker.items()} if empty else None
 
 
 def moe_aux_loss_scale(config, micro_batches: Sequence[MicroBatch], groups: ParallelGroups) -> float | None:
@@ -219,11 +258,12 @@ def moe_aux_loss_scale(config, micro_batches: Sequence[MicroBatch], groups: Para
 
 def router_padding_mask(mb: MicroBatch, model, config, groups: ParallelGroups) -> torch.Tensor | None:
     """megatron's `padding_mask` of a MoE model's forward for `mb` (on its device): `[b, s]` bool, True at
-    padding (megatron-core 0.16.1: `TransformerLayer._forward_mlp`'s docstring; `topk_routing_with_score_
-    function` / `compute_routing_scores_for_aux_loss` and `apply_z_loss` invert it; the router's own
-    docstrings say the opposite), or None: a dense model, or a micro-batch without sample tokens (its aux
-    loss would divide by zero tokens: `switch_load_balancing_loss_func`'s `total_num_tokens`; the training
-    pass gives that micro-batch an aux scale of 0 instead).
+    padding (megatron-core 0.16.1: `TransformerLayer._forward_mlp`'s docstring; `TopKRouter.routing` hands
+    it to `compute_routing_scores_for_aux_loss`, `apply_z_loss` and `_apply_expert_bias`, which invert it,
+    and not to the top-k that dispatches the tokens; the router's own docstrings say the opposite), or
+    None: a dense model, or a micro-batch without sample tokens (its aux loss would divide by zero tokens:
+    `switch_load_balancing_loss_func`'s `total_num_tokens`; the training pass gives that micro-batch an aux
+    scale of 0 instead, and keeps what it logs out of the tracker: `EmptyMicroBatchAuxLogs`).
 
     `model`: the unwrapped chunk. `GPTModel._preprocess` scatters the mask to the sequence-parallel region
     only on the first stage (`elif self.pre_process:`); a later stage under sequence parallelism gets this

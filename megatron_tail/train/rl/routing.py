@@ -65,26 +65,38 @@ def routing_pass(chunks, action: str | None, *, observe: bool = False) -> Routin
     return routing if routing.active else None
 
 
-def aux_loss_scalars(num_moe_layers: int, forwards: int) -> dict[str, float]:
+def aux_loss_scalars(num_moe_layers: int, forwards: int, dp_group) -> dict[str, float]:
     """`moe/aux_loss`: megatron's load-balancing loss (without its coefficient) per MoE layer and forward,
-    averaged over the MoE layers and this step's training forwards (`forwards` micro-batches per rank), from
-    megatron's tracker (`moe_utils.get_moe_layer_wise_logging_tracker`, filled by the router's
-    `attach_and_log_load_balancing_loss` in training forwards), reduced by megatron's own
+    averaged over the MoE layers and this step's training forwards of micro-batches with sample tokens
+    (`forwards` on this rank; an empty one adds nothing to the tracker:
+    `engine.forward.EmptyMicroBatchAuxLogs`), from megatron's tracker (`moe_utils.
+    get_moe_layer_wise_logging_tracker`, filled by the router's `attach_and_log_load_balancing_loss` in
+    training forwards), reduced by megatron's own
     `reduce_aux_losses_tracker_across_ranks` (sum over PP and TP × CP, mean over DP) as its
-    `track_moe_metrics` does; the tracker is cleared. Collective. {} when nothing was tracked."""
+    `track_moe_metrics` does, then times the DP size over the forwards of every DP rank (ranks may run
+    different numbers of non-empty micro-batches); the tracker is cleared. Collective over the trainer's
+    groups and `dp_group`. {} when nothing was tracked."""
     from megatron.core.transformer.moe.moe_utils import (
         clear_aux_losses_tracker,
         get_moe_layer_wise_logging_tracker,
         reduce_aux_losses_tracker_across_ranks,
     )
 
+    from ..engine.collectives import all_reduce_scalars
+
     tracker = get_moe_layer_wise_logging_tracker()
-    if "load_balancing_loss" not in tracker or forwards == 0:
+    if "load_balancing_loss" not in tracker:
         return {}
+    total = all_reduce_scalars({"forwards": float(forwards)}, dp_group)["forwards"]
     reduce_aux_losses_tracker_across_ranks(["load_balancing_loss"])
     values = tracker["load_balancing_loss"]["values"].double().cpu()
     clear_aux_losses_tracker()
-    return {"moe/aux_loss": float(values.sum()) / max(num_moe_layers, 1) / forwards}
+    if total == 0:
+        return {}
+    import torch.distributed as dist
+
+    dp = dist.get_world_size(dp_group)
+    return {"moe/aux_loss": float(values.sum()) * dp / total / max(num_moe_layers, 1)}
 
 
 def clear_aux_loss() -> None:

@@ -115,8 +115,8 @@ def update_policy(
     if trainer.config.fp16:  # the dynamic loss scale after this step's updates (one host read per step)
         metrics["train/loss_scale"] = float(trainer.optimizer.get_loss_scale())
     if moe is not None:
-        forwards = cfg.num_phases * len(layout.all)
-        metrics.update(aux_loss_scalars(sum(moe.layer_is_moe), forwards))
+        forwards = cfg.num_phases * sum(1 for mb in layout.all if mb.num_sample_tokens)
+        metrics.update(aux_loss_scalars(sum(moe.layer_is_moe), forwards, groups.dp))
     metrics["train/updates"] = float(updates)
     metrics["train/skipped_updates"] = float(skipped)
     metrics["train/nonfinite_grad_updates"] = float(finite.count(False))
