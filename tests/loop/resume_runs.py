@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import signal
 
+import pytest
+
 from megatron_tail.config import load_config
 from tests.loop.conftest import loop_overrides
 
@@ -52,6 +54,29 @@ def resume_overrides(tiny_model_dir, prompt_file, engine, run_dir):
         "algorithm.overlong_buffer": 2,
     }
     return loop_overrides(tiny_model_dir, prompt_file, run_dir, extra)
+
+
+def stopped_and_resumed(world: int, overrides) -> tuple[list[dict], list[dict]]:
+    """Rank 0's step histories `(uninterrupted, resumed)` of two 4-step runs on `world` ranks: one
+    uninterrupted (`overrides("full")`), one (`overrides("interrupted")`) that a SIGTERM to rank 0 stops in
+    step 2 and a rerun resumes to the end, after checking where every rank stopped and started."""
+    from tests.harness import run_distributed
+
+    full = run_distributed(run_rank, world, overrides("full"), -1, timeout=600)
+    first = run_distributed(run_rank, world, overrides("interrupted"), 1, timeout=600)
+    assert [r[:3] for r in first] == [(0, 2, "SIGTERM")] + [(0, 2, "signal on another rank")] * (world - 1)
+    second = run_distributed(run_rank, world, overrides("interrupted"), -1, timeout=600)
+    assert [r[:3] for r in second] == [(2, 4, None)] * world
+    uninterrupted, resumed = full[0][3], first[0][3] + second[0][3]
+    assert [h["step"] for h in resumed] == [h["step"] for h in uninterrupted] == [1.0, 2.0, 3.0, 4.0]
+    return uninterrupted, resumed
+
+
+def assert_same_steps(steps: list[dict], reference: list[dict], tags) -> None:
+    """Each of `tags` in the step histories `steps`, step by step, equal to `reference`'s (float32)."""
+    for tag in tags:
+        got, want = [h[tag] for h in steps], [h[tag] for h in reference]
+        assert got == pytest.approx(want, rel=1e-6, abs=1e-9), tag
 
 
 def run_rank_killed_in_save(rank, world, overrides, killed_at):

@@ -11,7 +11,7 @@ import pytest
 from megatron_tail.demo.run import read_scalars
 from megatron_tail.rollout.service.managed import read_trained_prompts
 from tests.harness import RankFailed, run_distributed
-from tests.loop.resume_runs import COMPARED, LR_BY_STEP
+from tests.loop.resume_runs import COMPARED, LR_BY_STEP, assert_same_steps, stopped_and_resumed
 from tests.loop.resume_runs import resume_overrides as _overrides
 from tests.loop.resume_runs import run_rank as _run_rank
 
@@ -46,9 +46,7 @@ def test_sigterm_then_resume_equals_uninterrupted(
     uninterrupted = full[0][3]
     resumed = first[0][3] + second[0][3]
     assert [h["step"] for h in resumed] == [h["step"] for h in uninterrupted] == [1.0, 2.0, 3.0, 4.0]
-    for tag in COMPARED:
-        got, want = [h[tag] for h in resumed], [h[tag] for h in uninterrupted]
-        assert got == pytest.approx(want, rel=1e-6, abs=1e-9), tag
+    assert_same_steps(resumed, uninterrupted, COMPARED)
     # the compared numbers carry signal (on-policy, the GRPO loss itself is ~0 when responses have equal
     # lengths: ratio 1 and zero-mean advantages; its gradient is not)
     assert min(h["train/grad_norm"] for h in uninterrupted) > 1e-3
@@ -86,16 +84,8 @@ def test_a_run_with_every_stateful_rollout_feature_resumes_as_uninterrupted(
     def overrides(name):
         return [*_overrides(tiny_model_dir, prompt_file, engine, tmp_path / name), *extra]
 
-    full = run_distributed(_run_rank, 2, overrides("full"), -1, timeout=600)
-    first = run_distributed(_run_rank, 2, overrides("interrupted"), 1, timeout=600)
-    assert [r[:3] for r in first] == [(0, 2, "SIGTERM"), (0, 2, "signal on another rank")]
-    second = run_distributed(_run_rank, 2, overrides("interrupted"), -1, timeout=600)
-    assert [r[:3] for r in second] == [(2, 4, None), (2, 4, None)]
-    uninterrupted, resumed = full[0][3], first[0][3] + second[0][3]
-    assert [h["step"] for h in resumed] == [h["step"] for h in uninterrupted] == [1.0, 2.0, 3.0, 4.0]
-    for tag in [*COMPARED, "dvp/log_rho"]:
-        got, want = [h[tag] for h in resumed], [h[tag] for h in uninterrupted]
-        assert got == pytest.approx(want, rel=1e-6, abs=1e-9), tag
+    uninterrupted, resumed = stopped_and_resumed(2, overrides)
+    assert_same_steps(resumed, uninterrupted, [*COMPARED, "dvp/log_rho"])
     # the features ran: ρ moved, the schedule stepped twice per step
     assert len({h["dvp/log_rho"] for h in uninterrupted}) > 1
     assert min(h["train/grad_norm"] for h in uninterrupted) > 1e-3
@@ -221,8 +211,5 @@ def test_in_memory_weight_sync_gives_the_disk_runs_steps(
     ]
     history = run_distributed(_run_rank, 2, overrides, -1, timeout=600)[0][3]
     reference = uninterrupted[0][0][3][:2]
-    for tag in COMPARED:
-        assert [h[tag] for h in history] == pytest.approx([h[tag] for h in reference], rel=1e-6, abs=1e-9), (
-            tag
-        )
+    assert_same_steps(history, reference, COMPARED)
     assert not (tmp_path / "in_memory" / "rollout_weights").exists()  # nothing went through the disk

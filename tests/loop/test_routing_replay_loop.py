@@ -47,9 +47,8 @@ def test_r3_with_groups_a_step_ahead_resumes_as_uninterrupted(prompt_file, tmp_p
     routes. A SIGTERM in step 2 of 4 and a resume: every step equals an uninterrupted run's. The engine is a
     process of its own: generating a step ahead overlaps the trainer's compute, which an in-process engine
     would share torch's threads with."""
-    from tests.harness import run_distributed
     from tests.loop.conftest import loop_overrides, serving
-    from tests.loop.resume_runs import run_rank
+    from tests.loop.resume_runs import assert_same_steps, stopped_and_resumed
     from tests.rollout.tiny_moe import write_tiny_qwen3_moe
 
     model_dir = write_tiny_qwen3_moe(tmp_path / "tiny_moe")
@@ -68,16 +67,8 @@ def test_r3_with_groups_a_step_ahead_resumes_as_uninterrupted(prompt_file, tmp_p
             urls = {"rollout.server_urls": f"[{engine.url}]"}
             return loop_overrides(model_dir, prompt_file, tmp_path / name, {**extra, **urls})
 
-        full = run_distributed(run_rank, 1, overrides("full"), -1, timeout=600)[0]
-        first = run_distributed(run_rank, 1, overrides("interrupted"), 1, timeout=600)[0]
-        second = run_distributed(run_rank, 1, overrides("interrupted"), -1, timeout=600)[0]
-    assert first[:3] == (0, 2, "SIGTERM")
-    assert second[:3] == (2, 4, None)
-    uninterrupted, resumed = full[3], first[3] + second[3]
-    assert [h["step"] for h in resumed] == [h["step"] for h in uninterrupted] == [1.0, 2.0, 3.0, 4.0]
+        uninterrupted, resumed = stopped_and_resumed(1, overrides)
     tags = ("train/loss", "train/grad_norm", "reward/mean", "moe/routing_agreement", "moe/aux_loss")
-    for tag in (*tags, "mismatch/kl_infer_train_k3", "rollout/staleness_mean"):
-        got, want = [h[tag] for h in resumed], [h[tag] for h in uninterrupted]
-        assert got == pytest.approx(want, rel=1e-6, abs=1e-9), tag
+    assert_same_steps(resumed, uninterrupted, (*tags, "mismatch/kl_infer_train_k3", "rollout/staleness_mean"))
     assert max(h["rollout/staleness_mean"] for h in uninterrupted) > 0  # groups did come from a step ahead
     assert min(h["train/grad_norm"] for h in uninterrupted) > 1e-4

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
-from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, get_moe_layer_wise_logging_tracker
 from megatron.core.utils import unwrap_model
 
 from megatron_tail.model.thd_attention import HostPackedSeqParams, thd_packed_seq_params
@@ -215,8 +215,6 @@ class EmptyMicroBatchAuxLogs:
 
     def at(self, empty: bool) -> None:
         """A point where another micro-batch's routers start: `empty` whether it has no sample token."""
-        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
-
         tracker = get_moe_layer_wise_logging_tracker()
         if self._saved is not None:
             for name, entry in tracker.items():
