@@ -91,12 +91,20 @@ class OneProgram(NamedTuple):
     programs_per_sm: int
 
 
-ONE_PROGRAM: dict[tuple[str, tuple[int, int]], OneProgram] = {}
+ONE_PROGRAM: dict[tuple[str, tuple[int, int]], OneProgram] = {
+    # H200 (sm_90), 16,384 × 151,936 bf16, DVP + entropy, median of 10 per row, two runs on one node
+    # (2026-12-01, main at df0017b, torch 2.11 + CUDA 13, Triton 3.6): fwd + bwd in place 4.94 / 4.95 ms
+    # against the two kernels' 5.12 / 5.13 ms (Liger's CE 4.35 / 4.43 ms), forward 2.30 / 2.30 against
+    # 2.79 / 2.47 ms. The other candidates: 2048×8 at 4 per SM 5.05, 8192×32 at 1 per SM 5.03, 4096×16 at
+    # 1 per SM 5.51, 2048×8 at 2 per SM 6.02 ms. Its kernel alone, 2.21 ms, is 95% of two reads of the
+    # logits at the copy rate (4.3 TB/s): pass 2 mostly misses L2, and the gain is the overlap of passes.
+    ("16-bit", (9, 0)): OneProgram(Tile(4096, 16), 2),
+}
 """Where the forward of the TP = 1 op runs as one program per row (pass 1, θ, then pass 2 over the same row:
 `max_and_sums`) instead of two kernels with θ computed between them, keyed by (logits dtype width, device
-capability): only devices where a GPU run measured it faster. Empty: no GPU run has timed it yet
-(`python -m megatron_tail.bench.op --device cuda` sweeps `ONE_PROGRAM_CANDIDATES` against the two kernels
-and prints the entry to add here).
+capability): only devices where a GPU run measured it faster (`python -m megatron_tail.bench.op --device
+cuda` sweeps `ONE_PROGRAM_CANDIDATES` against the two kernels and prints the entry to add here). The H100
+is sm_90 too, so it runs the H200's entry unmeasured, as it runs `TILES`' H200 entries.
 
 Why it can be faster (projected from the 2026-11-28 H200 timings, `research/op-kernels.md`): the two kernels
 are 1.10 ms (a read, at the copy rate) + 1.81 ms (bound by instructions per element, the memory half idle).

@@ -432,13 +432,6 @@ def _verdict(
     peak: StageMemory, layout: TrainerLayout, rollout: RolloutMemory, rollout_layout: RolloutLayout
 ) -> tuple[list[str], list[str]]:
     problems, warnings = [], []
-    if layout.fused_output_layer:
-        warnings.append(
-            "model.fused_output_layer: the plan counts the fused op's blocks only, and no GPU has measured "
-            "the current fused path (megatron_tail/plan/measured_peaks.json: the last measurement, before "
-            "issue 51's fix, peaked at 107 GiB where 73.75 were planned); size the job with it off until a "
-            "measurement is recorded"
-        )
     over = peak.total - layout.capacity_bytes
     if over > 0:
         term = max((t for t in peak.terms if t != "reserve"), key=peak.terms.__getitem__)
