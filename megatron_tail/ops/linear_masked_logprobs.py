@@ -17,21 +17,26 @@ Passes over the blocks (each one matmul per block):
 - backward: recompute each block's logits, turn them into dlogits in place, and multiply into the
   hidden-state and weight gradients. The hidden gradient is then all-reduced over TP (what megatron's
   `copy_to_tensor_model_parallel_region` does before a `ColumnParallelLinear`), or reduce-scattered with
-  sequence parallelism.
+  sequence parallelism. Row blocks outside, column blocks inside, so a row block's hidden gradient is summed
+  in an accumulator of that row block only; on Triton, blocks of `[N / BACKWARD_TOKEN_BLOCKS, H]`, not the
+  forward's token chunks (the backward holds the weight gradient too).
 
 Memory (both backends, the same discipline). The layer exists to hold less than `hidden @ weight.T` then
 the op, so besides its inputs it holds, at any time, one block of logits (`[rows, cols]` in the inputs'
 dtype, turned into dlogits in place), the PyTorch backend's float32 temporaries of that block, `[N]`
-per-token state, the hidden gradient (`[N, H]`; in float32 too while it is summed over vocabulary blocks),
-and the weight gradient: nothing else of the weight's size. Each block's dlogitsᵀ·hidden goes straight
-into the gradient (`matmul_accumulate.add_matmul_`): into megatron's float32 `main_grad` under
-gradient-accumulation fusion (on CUDA one cuBLAS `addmm` with `out_dtype=float32` per block), else into
-the returned gradient in the weight's dtype, `addmm` in place per token block (BLAS accumulates each
-product in float32; a bf16 gradient is rounded once per token block, 5–10 times at 8–16k tokens). A
-float32 accumulator of the returned gradient would be twice a bf16 weight again (on an H200 at
-8,192 × 4,096 @ 151,936: 7.58 GiB extra with it and a per-chunk product, 1.29 GiB for Liger's fused
-linear cross entropy; measured 2026-11-28, `research/op-kernels.md`), and exact float32 accumulation is
-what gradient-accumulation fusion is for.
+per-token state, the hidden gradient (`[N, H]`, and a float32 `[rows, H]` accumulator of one row block
+while it is summed over vocabulary blocks), and the weight gradient: nothing else of the weight's size. On
+an H200 at 8,192 × 4,096 @ 151,936 bf16 the Triton backward held one 1,766-row chunk (512 MiB) besides the
+gradients, 1.33× Liger's peak (2026-12-01, `docs/results/gpu/h200_2026-12-01.md`); its blocks
+(`BACKWARD_TOKEN_BLOCKS`) hold 48 MiB there, against Liger's 74 MiB chunk.
+Each block's dlogitsᵀ·hidden goes straight into the gradient (`matmul_accumulate.add_matmul_`): into
+megatron's float32 `main_grad` under gradient-accumulation fusion (on CUDA one cuBLAS `addmm` with
+`out_dtype=float32` per block), else into the returned gradient in the weight's dtype, `addmm` in place per
+token block (BLAS accumulates each product in float32; a bf16 gradient is rounded once per token block, 4
+times on the Triton backend). A float32 accumulator of the returned gradient would be twice a bf16 weight
+again (on an H200 at 8,192 × 4,096 @ 151,936: 7.58 GiB extra with it and a per-chunk product, 1.29 GiB for
+Liger's fused linear cross entropy; measured 2026-11-28, `research/op-kernels.md`), and exact float32
+accumulation is what gradient-accumulation fusion is for.
 
 Under TP > 1 each rank holds `[V/TP, H]` rows and walks the same token chunks over its own columns. The
 MAX collective sits between the forward's two passes, so a chunk's logits are computed twice: pass 1 (GEMM,
@@ -82,6 +87,14 @@ TRITON_CHUNK_ELEMENTS = {"cpu": 1 << 16, "cuda": 1 << 28}
 """With the Triton kernels: logits per token chunk, whose rows span this rank's whole vocabulary (the
 kernels walk a row's columns themselves). CUDA: 0.5 GB of bf16, ~1,800 rows at Qwen3's 152k vocabulary, so
 each GEMM is large; CPU (the interpreter, tests only): small."""
+BACKWARD_TOKEN_BLOCKS = 4
+"""The Triton backend's backward walks the tokens in this many row blocks, each over column blocks of H
+vocabulary columns. A row block adds into the whole weight gradient once (a read and a write of it inside its
+GEMMs' epilogues), and holds a float32 `[rows, H]` accumulator of its hidden gradient. With four, the
+backward's working memory (a `[N/4, H]` block of logits in their dtype and the accumulator: 1.5 bytes per
+element of `hidden`, at 16 bits) is three quarters of the least that Liger-Kernel's fused linear cross entropy
+holds (one `[chunk, V]` chunk of at least about `N·H` elements: `chunk = next_power_of_2(⌈N / ⌈V/H⌉⌉)`),
+and every GEMM is at least `[N/4, H] × [H, H]`."""
 ONE_PASS_MIN_ROWS = 128
 """With TP = 1, a block that holds the whole vocabulary needs no separate max pass (one matmul fewer); it
 is used when such a block still has this many token rows, else blocks stay square for efficient GEMMs."""
@@ -103,6 +116,26 @@ def _blocks(
         return min(num_rows, budget // num_cols), num_cols
     rows = min(num_rows, math.isqrt(budget))
     return rows, min(num_cols, max(1, budget // rows))
+
+
+def _backward_blocks(
+    num_rows: int,
+    num_cols: int,
+    hidden_size: int,
+    device: torch.device,
+    forward_block: tuple[int, int],
+    backend: str,
+) -> tuple[int, int]:
+    """(rows, columns) of the backward's blocks. The PyTorch backend keeps its forward's blocks. The Triton
+    backend's forward takes token chunks of whole rows (no accumulation there), but its backward would then
+    hold a whole chunk besides the weight gradient: `BACKWARD_TOKEN_BLOCKS` row blocks of `hidden_size`
+    columns instead, at most `TRITON_CHUNK_ELEMENTS` elements of block and accumulator together."""
+    if backend != "triton":
+        return forward_block
+    cols = max(1, min(num_cols, hidden_size))
+    budget = TRITON_CHUNK_ELEMENTS.get(device.type, TRITON_CHUNK_ELEMENTS["cuda"])
+    rows = math.ceil(max(num_rows, 1) / BACKWARD_TOKEN_BLOCKS)
+    return min(rows, max(1, budget // (cols + 2 * hidden_size))), cols
 
 
 class _SequenceParallelGather(torch.autograd.Function):
@@ -260,24 +293,30 @@ class _LinearMaskedLogprobsFunction(torch.autograd.Function):
             targets1d, max_logit, threshold, log_norm, inv_t, dense_bias, dense_scale_h, bias, scale_h,
             target_add, support, ctx.vocab_start,
         )  # fmt: skip
-        num_valid, (rows, cols) = ctx.num_valid, ctx.block
-        n = hidden2d.shape[0]
+        num_valid = ctx.num_valid
+        n, hidden_size = hidden2d.shape
+        rows, cols = _backward_blocks(n, num_valid, hidden_size, hidden2d.device, ctx.block, settings.backend)
         w = weight[:num_valid]
-        # A block of the whole vocabulary gives each token's hidden gradient whole, in the hidden states'
-        # dtype; narrower blocks sum it over vocabulary blocks in the compute dtype.
-        one_block = cols >= num_valid
-        hidden_dtype = hidden2d.dtype if one_block else rule_dtype(hidden2d.dtype)
-        grad_hidden = torch.zeros(hidden2d.shape, dtype=hidden_dtype, device=hidden2d.device)
+        # A block of the whole vocabulary gives its tokens' hidden gradient whole, in the hidden states'
+        # dtype; narrower blocks sum it over the row block's column blocks in the compute dtype, in an
+        # accumulator of one row block (16-bit hidden states), then rounded once into the gradient.
+        grad_hidden = torch.empty_like(hidden2d)
+        acc = None
+        if cols < num_valid and rule_dtype(hidden2d.dtype) != hidden2d.dtype:
+            acc = hidden2d.new_empty((min(rows, n), hidden_size), dtype=rule_dtype(hidden2d.dtype))
         # the gradient itself is the only [V, H] tensor (module docstring, "Memory")
         grad_weight = weight.main_grad if settings.into_main_grad else torch.zeros_like(weight)
-        for c in spans(num_valid, cols):
-            for r in spans(n, rows):
+        for r in spans(n, rows):
+            dest = grad_hidden[r] if acc is None else acc[: r.stop - r.start]
+            dest.zero_()
+            for c in spans(num_valid, cols):
                 x = hidden2d[r] @ w[c].t()
                 _dlogits_(x, rows_state, r, c, settings.backend)
-                add_matmul_(grad_hidden[r], x, w[c])
+                add_matmul_(dest, x, w[c])
                 add_matmul_(grad_weight[c], x.t(), hidden2d[r])
                 del x  # before the next block's GEMM allocates: one block alive, not two
-        grad_hidden = grad_hidden.to(hidden2d.dtype)
+            if acc is not None:
+                grad_hidden[r].copy_(dest)
         if settings.all_reduce_grad:
             dist.all_reduce(grad_hidden, group=settings.tp_group)
         if settings.into_main_grad:
@@ -399,8 +438,8 @@ def vocab_parallel_linear_masked_logprobs(
         sampling_support: `[..., K]` ids (−1 padding), as in `vocab_parallel_masked_logprobs`; each column
             block gathers the support ids it holds from the block's logits.
         backend: as in `vocab_parallel_masked_logprobs`; "triton": token chunks of whole rows, each one GEMM
-            into a chunk buffer and the kernels' passes over it (backward: the GEMM again, the gradient
-            kernel in place, then dX = dL·W and dW += dLᵀ·X).
+            into a chunk buffer and the kernels' passes over it (backward, in `[N/4, H]` blocks: the GEMM
+            again, the gradient kernel in place, then dX += dL·W and dW += dLᵀ·X).
     Returns:
         `MaskedLogprobs` of `[...]` tensors. Gradients reach `hidden` (all-reduced over TP, the full
         gradient on every rank; reduce-scattered to the shard with SP) and `weight_shard` (this rank's

@@ -14,13 +14,17 @@ allocation's shape and dtype to name a `[V, H]` temporary, hence its own log (th
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
+import triton
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import megatron_tail.ops.linear_masked_logprobs as fused_impl
+import megatron_tail.ops.matmul_accumulate as matmul_accumulate
 from megatron_tail.ops import vocab_parallel_linear_masked_logprobs
 from tests.triton_interpreter import UNDER_INTERPRETER
 
@@ -36,14 +40,24 @@ class AllocationLog(TorchDispatchMode):
     an input of the op (a view, an in-place or `out=` op) is not new, so storages that existed before (the
     inputs, `main_grad`) and views of them are never counted."""
 
-    def __init__(self) -> None:
+    def __init__(self, collect_before=None) -> None:
         super().__init__()
+        self.collect_before = collect_before
+        """An op before which Python's garbage is collected: a kernel launch under Triton's interpreter holds
+        its tensor arguments in a reference cycle (a compiled launch on CUDA does not), which would keep
+        the previous block alive into the next block's GEMM."""
         self.allocations: list[tuple[str, tuple[int, ...], torch.dtype, int]] = []
         self._live: dict[int, tuple[StorageWeakRef, int]] = {}
         self.peak = 0
+        self.paused = False
+        """While set, new storages are not logged (`cuda_accumulation`)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is self.collect_before:
+            gc.collect()
         out = func(*args, **(kwargs or {}))
+        if self.paused:
+            return out
         inputs = {
             t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
         }
@@ -64,7 +78,7 @@ class AllocationLog(TorchDispatchMode):
         return [a for a in self.allocations if a[3] >= nbytes]
 
 
-def _backward_log(backend: str, fusion: bool, dtype: torch.dtype):
+def _backward_log(backend: str, fusion: bool, dtype: torch.dtype, log: AllocationLog | None = None):
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(N, H, generator=g).to(dtype).requires_grad_()
     weight = torch.nn.Parameter((torch.randn(V, H, generator=g) / H**0.5).to(dtype))
@@ -75,7 +89,8 @@ def _backward_log(backend: str, fusion: bool, dtype: torch.dtype):
         hidden, weight, targets, log_rho=-13.0, gradient_accumulation_fusion=fusion, backend=backend
     )
     loss = out.logprobs.sum() + out.entropy.sum()
-    with AllocationLog() as log:
+    log = AllocationLog() if log is None else log
+    with log:
         loss.backward()
     return log, weight
 
@@ -120,3 +135,46 @@ def test_the_torch_backward_holds_no_weight_sized_temporary(dtype, fusion):
 def test_the_triton_backward_holds_no_weight_sized_temporary(fusion):
     log, _ = _backward_log("triton", fusion, torch.bfloat16)
     _check(log, torch.bfloat16, fusion)
+
+
+def liger_chunk_bytes(tokens: int, vocab: int, hidden_size: int, dtype: torch.dtype) -> int:
+    """The one `[chunk, V]` logits buffer of Liger-Kernel 0.8.5's fused linear cross entropy besides its
+    weight and input gradients (`liger_kernel/ops/fused_linear_cross_entropy.py`, `chunk_mem_const` 1:
+    `chunk = min(next_power_of_2(⌈N / ⌈V/H⌉⌉), N)`), what the H200 run of 2026-12-01 measured it holding
+    (1,326 MiB at 8,192 × 4,096 @ 151,936 bf16: the bf16 weight gradient, 1,187, the input gradient, 64, and
+    a 256-row chunk, 74)."""
+    chunk = min(triton.next_power_of_2(-(-tokens // -(-vocab // hidden_size))), tokens)
+    return chunk * vocab * torch.finfo(dtype).bits // 8
+
+
+@pytest.mark.parametrize("fusion", [False, True], ids=["returned-grad", "main_grad"])
+@UNDER_INTERPRETER[0]
+@UNDER_INTERPRETER[1]
+def test_the_triton_backward_holds_less_than_liger_besides_the_gradients(monkeypatch, fusion):
+    """Issue 51: at its default blocks, the Triton backward's peak besides the weight gradient and the
+    `[N, H]` hidden gradient stays under Liger's one chunk of logits (here 4 rows: 8 KiB). Before, it held one
+    token chunk of whole rows (here all 48: 96 KiB; on the H200, 1,766 rows, 512 MiB: 1.33× Liger's peak at
+    8,192 × 4,096 @ 151,936, 1.38× at 4,096 tokens).
+
+    On CUDA each accumulation is one cuBLAS call with nothing allocated (`matmul_accumulate`, the
+    "addmm_out_dtype" path into a float32 destination); the CPU fallback upcasts its operands, so its
+    allocations are left out of the log here, as the CUDA path has none."""
+    log = AllocationLog(collect_before=torch.ops.aten.mm.default)
+    fallback = matmul_accumulate.add_matmul_blocks_
+
+    def cuda_accumulation(*args, **kwargs):
+        log.paused = True
+        try:
+            return fallback(*args, **kwargs)
+        finally:
+            log.paused = False
+
+    monkeypatch.setattr(matmul_accumulate, "add_matmul_blocks_", cuda_accumulation)
+    _backward_log("triton", fusion, torch.bfloat16, log)
+    gradients = N * H * 2 + (0 if fusion else V * H * 2)
+    working = log.peak - gradients
+    assert working < liger_chunk_bytes(N, V, H, torch.bfloat16), working
+    # what it is: a [rows, H] block of logits in bf16 and the float32 accumulator, and [N]-sized state
+    rows = -(-N // fused_impl.BACKWARD_TOKEN_BLOCKS)
+    block_and_accumulator = rows * H * 2 + rows * H * 4
+    assert block_and_accumulator <= working <= 1.25 * block_and_accumulator, (working, block_and_accumulator)
