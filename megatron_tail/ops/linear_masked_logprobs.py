@@ -309,9 +309,10 @@ class _LinearMaskedLogprobsFunction(torch.autograd.Function):
         for r in spans(n, rows):
             dest = grad_hidden[r] if acc is None else acc[: r.stop - r.start]
             dest.zero_()
+            state = rows_state.of_rows(r)  # sliced once per row block: a block's host work is its launches
             for c in spans(num_valid, cols):
                 x = hidden2d[r] @ w[c].t()
-                _dlogits_(x, rows_state, r, c, settings.backend)
+                _dlogits_(x, state, c, settings.backend)
                 add_matmul_(dest, x, w[c])
                 add_matmul_(grad_weight[c], x.t(), hidden2d[r])
                 del x  # before the next block's GEMM allocates: one block alive, not two
@@ -343,51 +344,69 @@ class _RowState(NamedTuple):
     """None, or (support `[N, K]`, forced `[N]`, rows_with_support `[N]`)."""
     vocab_start: int
 
+    def of_rows(self, r: slice) -> _RowState:
+        """The state of the rows `r` (views)."""
 
-def _dlogits_(x: torch.Tensor, s: _RowState, r: slice, c: slice, backend: str) -> None:
-    """Turn one block of logits `x` (`[rows r, columns c]` of this shard's valid vocabulary) into
-    dloss/dlogits in place, with the materialized op's math (`masked_logprobs_math.chunk_grad`, or the
-    Triton backward)."""
+        def rows(t):
+            return None if t is None else t[r]
+
+        support = None if self.support is None else tuple(t[r] for t in self.support)
+        fields = self._asdict()
+        del fields["support"]
+        tensors = {k: rows(v) for k, v in fields.items() if isinstance(v, torch.Tensor) or v is None}
+        return self._replace(**tensors, support=support)
+
+
+def _dlogits_(x: torch.Tensor, s: _RowState, c: slice, backend: str) -> None:
+    """Turn one block of logits `x` (`[rows, columns c]` of this shard's valid vocabulary; `s` those rows'
+    state) into dloss/dlogits in place, with the materialized op's math (`masked_logprobs_math.chunk_grad`,
+    or the Triton backward)."""
     start, width = s.vocab_start + c.start, c.stop - c.start
-    local_target, owned = chunk_math.target_columns(s.targets[r], start, width)
-    scale_h = None if s.scale_h is None else s.scale_h[r]
-    dense_scale_h = None if s.dense_scale_h is None else s.dense_scale_h[r]
+    if backend == "triton" and s.support is None:
+        # one launch: the gradient kernel writes the target's column too (without a support the dense
+        # coefficients are the target's own), where `triton_backward` adds a dozen small ops per block
+        load_kernels(x.device).write_grad(
+            x, x, max_logit=s.max_logit, threshold=s.threshold, log_norm=s.log_norm, bias=s.bias,
+            scale_h=s.scale_h, inv_temperature=s.inv_t, targets=s.targets, target_start=start,
+            target_add=s.target_add,
+        )  # fmt: skip
+        return
+    local_target, owned = chunk_math.target_columns(s.targets, start, width)
     if backend == "triton":
         support = None
         if s.support is not None:
             support2d, forced, rows_with_support = s.support
-            support = (support2d[r], s.targets[r], forced[r], rows_with_support[r], start)
-        per_row = dict(max_logit=s.max_logit[r], log_norm=s.log_norm[r], inv_temperature=s.inv_t)
-        dense = dict(threshold=s.threshold[r], bias=s.dense_bias[r], scale_h=dense_scale_h)
+            support = (support2d, s.targets, forced, rows_with_support, start)
+        per_row = dict(max_logit=s.max_logit, log_norm=s.log_norm, inv_temperature=s.inv_t)
+        dense = dict(threshold=s.threshold, bias=s.dense_bias, scale_h=s.dense_scale_h)
         sparse = dict(
-            local_target=local_target, owned=owned, bias=s.bias[r], scale_h=scale_h,
-            target_add=s.target_add[r], support=support, num_valid=width,
+            local_target=local_target, owned=owned, bias=s.bias, scale_h=s.scale_h,
+            target_add=s.target_add, support=support, num_valid=width,
         )  # fmt: skip
         triton_backward(x, x, per_row, dense, sparse)  # x over itself: each tile is read before written
         return
     sparse = None
     if s.support is not None:  # the support's logits, read before x turns into dlogits
         support2d, forced, rows_with_support = s.support
-        ids = support_math.with_forced_target(support2d[r], s.targets[r], forced[r])
+        ids = support_math.with_forced_target(support2d, s.targets, forced)
         sup_local, sup_owned = support_math.support_columns(ids, start, width)
         terms = support_math.support_grad_terms(
-            x, sup_local, sup_owned, rows_with_support[r], s.max_logit[r], s.inv_t, s.log_norm[r],
-            s.bias[r], scale_h,
-        )  # fmt: skip
+            x, sup_local, sup_owned, rows_with_support, s.max_logit, s.inv_t, s.log_norm, s.bias, s.scale_h
+        )
         sparse = (sup_local, terms)
     chunk_math.chunk_grad(
         x,
         x,  # dlogits over the logits: each block is read (upcast) before it is written
         out_holds_exp=False,
-        max_logit=s.max_logit[r],
-        threshold=s.threshold[r],
+        max_logit=s.max_logit,
+        threshold=s.threshold,
         inv_temperature=s.inv_t,
-        log_norm=s.log_norm[r],
+        log_norm=s.log_norm,
         local_target=local_target,
         owned=owned,
-        bias=s.dense_bias[r],
-        scale_h=dense_scale_h,
-        target_add=s.target_add[r],
+        bias=s.dense_bias,
+        scale_h=s.dense_scale_h,
+        target_add=s.target_add,
     )
     if sparse is not None:
         support_math.add_at_columns_(x, *sparse)

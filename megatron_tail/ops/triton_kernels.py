@@ -456,7 +456,11 @@ def _grad_kernel(
     BIAS,
     SCALE_H,
     inv_t: tl.float64,
+    TARGETS,
+    TARGET_ADD,
+    target_start,
     HAS_SCALE_H: tl.constexpr,
+    HAS_TARGET: tl.constexpr,
     BLOCK: tl.constexpr,
     COMPUTE: tl.constexpr,
 ):
@@ -473,6 +477,13 @@ def _grad_kernel(
         scale_h = tl.load(SCALE_H + row)
     # the torch path's NaN semantics: a NaN max (a NaN logit), norm or upstream gradient poisons the row
     poisoned = (m != m) | (log_norm != log_norm) | (bias != bias) | (scale_h != scale_h)
+    # the target's column (`triton_grad.special_columns` without a support, in the same pass): -1 where
+    # these columns do not hold it, so no column matches
+    if HAS_TARGET:
+        local = tl.load(TARGETS + row) - target_start
+        # int32 like the column indices, so the per-element compare is one instruction
+        target_col = tl.where((local >= 0) & (local < n_cols), local, -1).to(tl.int32)
+        target_add = tl.load(TARGET_ADD + row)
     cols = tl.arange(0, BLOCK)
     for start in range(0, n_cols, BLOCK):
         c = start + cols
@@ -486,7 +497,13 @@ def _grad_kernel(
             g = p * (bias + scale_h * log_p)
         else:
             g = p * bias
-        g = tl.where(safe, g, 0.0)
+        if HAS_TARGET:
+            # the target's own term whether or not it is safe, plus the log-prob's; p = 0 (log p = −inf):
+            # no own term, not 0·(−inf) = NaN (`special_columns` clamps log p with `finite_` for that)
+            own = tl.where(p == 0.0, 0.0, g) + target_add
+            g = tl.where(c == target_col, own, tl.where(safe, g, 0.0))
+        else:
+            g = tl.where(safe, g, 0.0)
         g = tl.where(poisoned, float("nan"), g)
         tl.store(base_g + c, g.to(G.dtype.element_ty), mask=valid)
 
@@ -608,13 +625,21 @@ def write_grad(
     bias: torch.Tensor,
     scale_h: torch.Tensor | None,
     inv_temperature: float,
+    targets: torch.Tensor | None = None,
+    target_start: int = 0,
+    target_add: torch.Tensor | None = None,
 ) -> None:
     """Write p·(bias + scale_h·log p) on V_S (0 elsewhere) for every row into `out` (`[N, V]`, unit column
     stride; may be `x` itself), in out's dtype. The target and support columns are the caller's to
-    overwrite (`masked_logprobs_triton`)."""
+    overwrite (`masked_logprobs_triton`), unless `targets` (`[N]` global ids, int64) and `target_add` (`[N]`)
+    are given, for a block without a sampling support whose columns are the global ids `target_start`,
+    `target_start + 1`, …: then the target's column, where these columns hold it, gets
+    `triton_grad.special_columns`' value in the same pass, p·(bias + scale_h·log p) whether or not it is in
+    V_S (0 where p = 0), plus `target_add`."""
     if not (x.shape[0] and x.shape[1]):
         return
     t = tile("grad", x.dtype, x.shape[1], x.device)
+    has_target = targets is not None
     _grad_kernel[(x.shape[0],)](
         x,
         x.stride(0),
@@ -627,7 +652,11 @@ def write_grad(
         bias.contiguous(),
         bias if scale_h is None else scale_h.contiguous(),
         inv_temperature,
+        targets.contiguous() if has_target else bias,
+        target_add.contiguous() if has_target else bias,
+        target_start,
         HAS_SCALE_H=scale_h is not None,
+        HAS_TARGET=has_target,
         BLOCK=t.block,
         COMPUTE=_compute_dtype(x),
         num_warps=t.num_warps,

@@ -93,7 +93,7 @@ def launches(x: str, target: GPUTarget) -> dict[str, tuple[object, dict, dict]]:
             launch=k.ONE_PROGRAM_CANDIDATES[0],
         )
         k.write_grad(logits, logits, max_logit=rows, threshold=rows, log_norm=rows, bias=rows, scale_h=rows,
-                     inv_temperature=0.7)  # fmt: skip
+                     inv_temperature=0.7, targets=target_col, target_start=3, target_add=rows)  # fmt: skip
     finally:
         for name, fn in WRAPPERS.items():
             setattr(k, fn, saved[name])
@@ -129,8 +129,11 @@ def kernels(x: str, target: GPUTarget) -> list[tuple[str, object, dict, dict, in
             out.append((name, fn, signature, constexprs, tile.num_warps))
             continue
         for has_scale_h in (True, False):
-            out.append((f"write_grad{'' if has_scale_h else ' (no entropy gradient)'}", fn, signature,
-                        {**constexprs, "HAS_SCALE_H": has_scale_h}, tile.num_warps))  # fmt: skip
+            for has_target in (False, True):  # the fused backward's blocks without a support: the target too
+                name = f"write_grad{'' if has_scale_h else ' (no entropy gradient)'}"
+                name += " (the target's column)" if has_target else ""
+                constexprs = {**constexprs, "HAS_SCALE_H": has_scale_h, "HAS_TARGET": has_target}
+                out.append((name, fn, signature, constexprs, tile.num_warps))
     return out
 
 

@@ -152,3 +152,46 @@ def test_gradient_accumulation_fusion_adds_into_main_grad():
     torch.testing.assert_close(w.main_grad.double(), 0.5 + w_ref.grad, rtol=3e-2, atol=3e-2 * scale)
     assert w.main_grad.dtype == torch.float32
     assert w.grad_added_to_main_grad and torch.count_nonzero(w.grad) == 0
+
+
+@pytest.mark.parametrize("entropy", [True, False], ids=["entropy", "no-entropy"])
+def test_the_gradient_kernel_writes_the_target_column_as_the_special_columns_do(entropy):
+    """The fused backward without a support has the gradient kernel write the target's column in its one
+    pass (`write_grad(targets=…)`), where `triton_backward` gathers it, computes it in torch and writes it
+    back. On the same logits both give the same gradient, including a target at −inf (p = 0: its term is
+    0, not 0·(−inf) = NaN), a target outside V_S (its own term all the same), one these columns do not hold
+    (the dense value), and a row with a NaN (all NaN)."""
+    from megatron_tail.ops.backend import load_kernels
+    from megatron_tail.ops.masked_logprobs import triton_backward
+    from megatron_tail.ops.masked_logprobs_math import target_columns
+
+    g = torch.Generator().manual_seed(11)
+    n, width, start = 6, 37, 100
+    x = torch.randn(n, width, generator=g) * 3
+    targets = start + torch.randint(0, width, (n,), generator=g)
+    x[0, targets[0] - start] = float("-inf")
+    x[1, targets[1] - start] = x[1].min() - 30.0  # far outside V_S
+    targets[2] = start + width + 5  # not in these columns
+    x[3, 4] = float("nan")
+    max_logit = x.amax(dim=1)
+    threshold = max_logit - 3.0
+    inv_t = 1 / 0.8
+    log_norm = torch.logsumexp((x - max_logit[:, None]) * inv_t, dim=1)
+    bias, target_add = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    scale_h = torch.randn(n, generator=g) * 5 if entropy else None
+    per_row = dict(max_logit=max_logit, log_norm=log_norm, inv_temperature=inv_t)
+    dense = dict(threshold=threshold, bias=bias, scale_h=scale_h)
+    in_kernel = x.clone()
+    load_kernels(x.device).write_grad(
+        in_kernel, in_kernel, **per_row, **dense, targets=targets, target_start=start, target_add=target_add
+    )
+    local, owned = target_columns(targets, start, width)
+    sparse = dict(
+        local_target=local, owned=owned, bias=bias, scale_h=scale_h, target_add=target_add, support=None,
+        num_valid=width,
+    )  # fmt: skip
+    gathered = x.clone()
+    triton_backward(gathered, gathered, per_row, dense, sparse)
+    torch.testing.assert_close(in_kernel, gathered, rtol=1e-6, atol=1e-7, equal_nan=True)
+    assert torch.isnan(in_kernel[3]).all() and torch.isfinite(in_kernel[[0, 1, 2, 4, 5]]).all()
+    assert in_kernel[0, targets[0] - start] == target_add[0]
