@@ -155,14 +155,16 @@ def format_fused_rows(
     from megatron_tail.ops.matmul_accumulate import accumulation_path
 
     chunk = TRITON_CHUNK_ELEMENTS.get(torch.device(device).type, TRITON_CHUNK_ELEMENTS["cuda"]) // vocab
-    back_rows, back_cols = _backward_blocks(tokens, vocab, hidden, torch.device(device), (0, 0), "triton")
+    back_rows, back_cols = _backward_blocks(
+        tokens, vocab, hidden, torch.device(device), (0, 0), "triton", False
+    )
     probe = torch.zeros(1, 1, device=device)
     lines = [
         f"The fused output layer: {tokens} × {hidden} @ {vocab} bf16 on {device_name or device}, fwd+bwd, "
         "DVP + entropy"
         + ("" if device == "cuda" else " (a check of the code path at a tiny shape, not a measurement)"),
-        f"Triton backend: token chunks of {max(1, chunk)} rows forward, blocks of {back_rows} × {back_cols} "
-        f"backward; {tile_note(vocab, device)}",
+        f"Triton backend: token chunks of {max(1, chunk)} rows forward (and backward into main_grad), "
+        f"blocks of {back_rows} × {back_cols} backward; {tile_note(vocab, device)}",
         "weight-gradient accumulation: bf16 gradient "
         f"{accumulation_path(probe.bfloat16(), probe.bfloat16())}, float32 main_grad "
         f"{accumulation_path(probe, probe.bfloat16())} (ops.matmul_accumulate)",

@@ -19,7 +19,7 @@ Passes over the blocks (each one matmul per block):
   `copy_to_tensor_model_parallel_region` does before a `ColumnParallelLinear`), or reduce-scattered with
   sequence parallelism. Row blocks outside, column blocks inside, so a row block's hidden gradient is summed
   in an accumulator of that row block only; on Triton, blocks of `[N / BACKWARD_TOKEN_BLOCKS, H]`, not the
-  forward's token chunks (the backward holds the weight gradient too).
+  forward's token chunks (the backward holds the weight gradient too), except into `main_grad`.
 
 Memory (both backends, the same discipline). The layer exists to hold less than `hidden @ weight.T` then
 the op, so besides its inputs it holds, at any time, one block of logits (`[rows, cols]` in the inputs'
@@ -94,7 +94,22 @@ GEMMs' epilogues), and holds a float32 `[rows, H]` accumulator of its hidden gra
 backward's working memory (a `[N/4, H]` block of logits in their dtype and the accumulator: 1.5 bytes per
 element of `hidden`, at 16 bits) is three quarters of the least that Liger-Kernel's fused linear cross entropy
 holds (one `[chunk, V]` chunk of at least about `N·H` elements: `chunk = next_power_of_2(⌈N / ⌈V/H⌉⌉)`),
-and every GEMM is at least `[N/4, H] × [H, H]`."""
+and every GEMM is at least `[N/4, H] × [H, H]`.
+
+Measured on an H200 (2026-12-01, at 98ed5a5, fwd + bwd, DVP + entropy, bf16 weight gradient; ms / peak extra
+MiB, Liger-Kernel's fused linear cross entropy in the same run; `docs/results/gpu/h200_2026-12-01.md`):
+
+| tokens × H @ 151,936 | Liger | forward's chunks | 2 row blocks | **4** | 8 |
+|---|---|---|---|---|---|
+| 8,192 × 4,096 | 63.7 / 1,326 | 58.7 / 1,764 | 60.4 / 1,348 | 63.9 / 1,300 | 67.2 / 1,276 |
+| 4,096 × 4,096 | 54.1 / 1,257 | 29.3 / 1,732 | 31.3 / 1,268 | 33.6 / 1,244 | 37.3 / 1,232 |
+| 16,384 × 2,048 | 65.8 / 732 | 61.0 / 1,170 | 66.2 / 754 | 69.0 / 706 | 72.9 / 682 |
+
+Four is the fewest under Liger's peak at all three shapes; each halving of the blocks costs about 1.7 ms per
+8,192 tokens at H = 4,096 (a pass over the weight gradient and narrower GEMMs). Into float32 `main_grad`
+(gradient-accumulation fusion) the backward allocates no weight gradient, and its peak is the forward's
+chunk whatever its blocks (512 MiB; 576 with the forward's chunks, the hidden gradient on top), so it keeps
+the forward's chunks, the fastest: 61.4 ms against 65.3 with four blocks at 8,192 × 4,096."""
 ONE_PASS_MIN_ROWS = 128
 """With TP = 1, a block that holds the whole vocabulary needs no separate max pass (one matmul fewer); it
 is used when such a block still has this many token rows, else blocks stay square for efficient GEMMs."""
@@ -125,12 +140,15 @@ def _backward_blocks(
     device: torch.device,
     forward_block: tuple[int, int],
     backend: str,
+    into_main_grad: bool,
 ) -> tuple[int, int]:
     """(rows, columns) of the backward's blocks. The PyTorch backend keeps its forward's blocks. The Triton
     backend's forward takes token chunks of whole rows (no accumulation there), but its backward would then
-    hold a whole chunk besides the weight gradient: `BACKWARD_TOKEN_BLOCKS` row blocks of `hidden_size`
-    columns instead, at most `TRITON_CHUNK_ELEMENTS` elements of block and accumulator together."""
-    if backend != "triton":
+    hold a whole chunk besides the weight gradient it allocates: `BACKWARD_TOKEN_BLOCKS` row blocks of
+    `hidden_size` columns instead, at most `TRITON_CHUNK_ELEMENTS` elements of block and accumulator
+    together. Into `main_grad` it allocates no weight gradient, and keeps the forward's chunks (the table
+    at `BACKWARD_TOKEN_BLOCKS`)."""
+    if backend != "triton" or into_main_grad:
         return forward_block
     cols = max(1, min(num_cols, hidden_size))
     budget = TRITON_CHUNK_ELEMENTS.get(device.type, TRITON_CHUNK_ELEMENTS["cuda"])
@@ -295,7 +313,9 @@ class _LinearMaskedLogprobsFunction(torch.autograd.Function):
         )  # fmt: skip
         num_valid = ctx.num_valid
         n, hidden_size = hidden2d.shape
-        rows, cols = _backward_blocks(n, num_valid, hidden_size, hidden2d.device, ctx.block, settings.backend)
+        rows, cols = _backward_blocks(
+            n, num_valid, hidden_size, hidden2d.device, ctx.block, settings.backend, settings.into_main_grad
+        )
         w = weight[:num_valid]
         # A block of the whole vocabulary gives its tokens' hidden gradient whole, in the hidden states'
         # dtype; narrower blocks sum it over the row block's column blocks in the compute dtype, in an
@@ -457,8 +477,9 @@ def vocab_parallel_linear_masked_logprobs(
         sampling_support: `[..., K]` ids (−1 padding), as in `vocab_parallel_masked_logprobs`; each column
             block gathers the support ids it holds from the block's logits.
         backend: as in `vocab_parallel_masked_logprobs`; "triton": token chunks of whole rows, each one GEMM
-            into a chunk buffer and the kernels' passes over it (backward, in `[N/4, H]` blocks: the GEMM
-            again, the gradient kernel in place, then dX += dL·W and dW += dLᵀ·X).
+            into a chunk buffer and the kernels' passes over it (backward, in `[N/4, H]` blocks, or the
+            chunks into main_grad: the GEMM again, the gradient kernel in place, then dX += dL·W and
+            dW += dLᵀ·X).
     Returns:
         `MaskedLogprobs` of `[...]` tensors. Gradients reach `hidden` (all-reduced over TP, the full
         gradient on every rank; reduce-scattered to the shard with SP) and `weight_shard` (this rank's
