@@ -21,22 +21,21 @@ Passes over the blocks (each one matmul per block):
   in an accumulator of that row block only; on Triton, blocks of `[N / BACKWARD_TOKEN_BLOCKS, H]`, not the
   forward's token chunks (the backward holds the weight gradient too), except into `main_grad`.
 
-Memory (both backends, the same discipline). The layer exists to hold less than `hidden @ weight.T` then
-the op, so besides its inputs it holds, at any time, one block of logits (`[rows, cols]` in the inputs'
-dtype, turned into dlogits in place), the PyTorch backend's float32 temporaries of that block, `[N]`
-per-token state, the hidden gradient (`[N, H]`, and a float32 `[rows, H]` accumulator of one row block
-while it is summed over vocabulary blocks), and the weight gradient: nothing else of the weight's size. On
-an H200 at 8,192 × 4,096 @ 151,936 bf16 the Triton backward held one 1,766-row chunk (512 MiB) besides the
-gradients, 1.33× Liger's peak (2026-12-01, `docs/results/gpu/h200_2026-12-01.md`); its blocks
-(`BACKWARD_TOKEN_BLOCKS`) hold 48 MiB there, against Liger's 74 MiB chunk.
-Each block's dlogitsᵀ·hidden goes straight into the gradient (`matmul_accumulate.add_matmul_`): into
-megatron's float32 `main_grad` under gradient-accumulation fusion (on CUDA one cuBLAS `addmm` with
-`out_dtype=float32` per block), else into the returned gradient in the weight's dtype, `addmm` in place per
-token block (BLAS accumulates each product in float32; a bf16 gradient is rounded once per token block, 4
-times on the Triton backend). A float32 accumulator of the returned gradient would be twice a bf16 weight
-again (on an H200 at 8,192 × 4,096 @ 151,936: 7.58 GiB extra with it and a per-chunk product, 1.29 GiB for
-Liger's fused linear cross entropy; measured 2026-11-28, `research/op-kernels.md`), and exact float32
-accumulation is what gradient-accumulation fusion is for.
+Memory (both backends, the same discipline). The layer exists to hold less than `hidden @ weight.T` then the
+op, so besides its inputs it holds, at any time, one block of logits (`[rows, cols]` in the inputs' dtype,
+turned into dlogits in place), the PyTorch backend's float32 temporaries of that block, `[N]` per-token state,
+the hidden gradient (`[N, H]`, and a float32 `[rows, H]` accumulator of one row block while it is summed over
+vocabulary blocks), and the weight gradient: nothing else of the weight's size. On an H200 at 8,192 × 4,096 @
+151,936 bf16 the Triton backward held one 1,766-row chunk (512 MiB) besides the gradients, 1.33× Liger's peak
+(2026-12-01, `docs/results/gpu/h200_2026-12-01.md`); its blocks (`BACKWARD_TOKEN_BLOCKS`) hold 48 MiB there,
+against Liger's 74 MiB chunk. Each block's dlogitsᵀ·hidden goes straight into the gradient
+(`matmul_accumulate.add_matmul_`): into megatron's float32 `main_grad` under gradient-accumulation fusion (on
+CUDA one cuBLAS `addmm` with `out_dtype=float32` per block), else into the returned gradient in the weight's
+dtype, `addmm` in place per token block (BLAS accumulates each product in float32; a bf16 gradient is rounded
+once per token block, 4 times on the Triton backend up to 87k tokens at H = 4,096). A float32 accumulator of
+the returned gradient would be twice a bf16 weight again (on an H200 at 8,192 × 4,096 @ 151,936: 7.58 GiB
+extra with it and a per-chunk product, 1.29 GiB for Liger's fused linear cross entropy; measured 2026-11-28,
+`research/op-kernels.md`), and exact float32 accumulation is what gradient-accumulation fusion is for.
 
 Under TP > 1 each rank holds `[V/TP, H]` rows and walks the same token chunks over its own columns. The
 MAX collective sits between the forward's two passes, so a chunk's logits are computed twice: pass 1 (GEMM,
@@ -94,7 +93,9 @@ GEMMs' epilogues), and holds a float32 `[rows, H]` accumulator of its hidden gra
 backward's working memory (a `[N/4, H]` block of logits in their dtype and the accumulator: 1.5 bytes per
 element of `hidden`, at 16 bits) is three quarters of the least that Liger-Kernel's fused linear cross entropy
 holds (one `[chunk, V]` chunk of at least about `N·H` elements: `chunk = next_power_of_2(⌈N / ⌈V/H⌉⌉)`),
-and every GEMM is at least `[N/4, H] × [H, H]`.
+and every GEMM but a row's last column block's is `[N/4, H] × [H, H]`. (Past `TRITON_CHUNK_ELEMENTS` of
+block and accumulator, beyond 87k tokens at H = 4,096, the row blocks are smaller and more: more passes over
+the weight gradient, each a bf16 rounding of it.)
 
 Measured on an H200 (2026-12-01, at 98ed5a5, fwd + bwd, DVP + entropy, bf16 weight gradient; ms / peak extra
 MiB, Liger-Kernel's fused linear cross entropy in the same run; `docs/results/gpu/h200_2026-12-01.md`):
@@ -105,11 +106,11 @@ MiB, Liger-Kernel's fused linear cross entropy in the same run; `docs/results/gp
 | 4,096 × 4,096 | 54.1 / 1,257 | 29.3 / 1,732 | 31.3 / 1,268 | 33.6 / 1,244 | 37.3 / 1,232 |
 | 16,384 × 2,048 | 65.8 / 732 | 61.0 / 1,170 | 66.2 / 754 | 69.0 / 706 | 72.9 / 682 |
 
-Four is the fewest under Liger's peak at all three shapes; each halving of the blocks costs about 1.7 ms per
-8,192 tokens at H = 4,096 (a pass over the weight gradient and narrower GEMMs). Into float32 `main_grad`
-(gradient-accumulation fusion) the backward allocates no weight gradient, and its peak is the forward's
-chunk whatever its blocks (512 MiB; 576 with the forward's chunks, the hidden gradient on top), so it keeps
-the forward's chunks, the fastest: 61.4 ms against 65.3 with four blocks at 8,192 × 4,096."""
+Four is the fewest under Liger's peak at all three shapes; each doubling of the row blocks costs 3.3–3.5 ms
+at 8,192 × 4,096 (a pass over the weight gradient, narrower GEMMs), 2.3–3.7 ms at 4,096 tokens. Into float32
+`main_grad` (gradient-accumulation fusion) the backward allocates no weight gradient, and its peak is the
+forward's chunk whatever its blocks (512 MiB; 576 with the forward's chunks, the hidden gradient on top), so
+it keeps the forward's chunks, the fastest: 61.4 ms against 65.3 with four blocks at 8,192 × 4,096."""
 ONE_PASS_MIN_ROWS = 128
 """With TP = 1, a block that holds the whole vocabulary needs no separate max pass (one matmul fewer); it
 is used when such a block still has this many token rows, else blocks stay square for efficient GEMMs."""

@@ -479,7 +479,8 @@ class _MaskedLogprobsFunction(torch.autograd.Function):
 
 
 def triton_backward(x: torch.Tensor, g: torch.Tensor, per_row: dict, dense: dict, sparse: dict) -> None:
-    """The Triton backend's backward (`triton_grad`), of this op and of each token chunk of the fused one:
+    """The Triton backend's backward (`triton_grad`), of this op and of each block of the fused one with a
+    sampling support (without one the fused op's gradient kernel writes the target's column itself):
     the target and support columns' values from the logits as they are, block by block; then the dense pass
     over every row (g may be x: in place); then those columns written once each. `per_row`: max_logit,
     log_norm, inv_temperature; `dense`: the dense pass's threshold and coefficients; `sparse`:
