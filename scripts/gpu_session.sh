@@ -12,7 +12,9 @@
 #
 # First, where the registry is reachable: `make gpu-wheels` (GPU_PYTHON_VERSION: the node's Python, 3.12 on
 # the lent H200s), and carry wheels/gpu_check with the checkout. Environment: MT_PYTHON (python3), OUT,
-# MT_GPU_LIMIT_S (gpu_check's pytest limit, 400 here: 155 s on an H200).
+# MT_GPU_LIMIT_S (gpu_check's pytest limit, 400 here: 155 s on an H200), MT_COMMIT (the commit the peaks are
+# recorded under: `MT_COMMIT=<this checkout's short HEAD> scripts/gpu_session.sh …`, the hash written into
+# the command where it is composed, as the device tool's copy of the tree may sit on an older git HEAD).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -28,7 +30,7 @@ esac
 [[ $# -le 2 ]] || { echo "gpu_session: too many arguments (see --help)" >&2; exit 2; }
 case "$PART" in
     benches|check) ;;
-    -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu_session: say which part: benches or check (see --help)" >&2; exit 2 ;;
 esac
 
@@ -60,4 +62,4 @@ run bench_op 240 "$PY" -m megatron_tail.bench.op --device cuda
 run bench_step 150 "$PY" -m megatron_tail.bench.step --device cuda --recompute selective --record "$RECORD"
 run bench_step_fused 150 "$PY" -m megatron_tail.bench.step --device cuda --recompute selective \
     --fused-output-layer --record "$RECORD"
-[[ -n "$DRY" ]] || git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null || true
+[[ -n "$DRY" ]] || echo "${MT_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}" > "$OUT/commit.txt" || true

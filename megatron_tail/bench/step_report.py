@@ -6,6 +6,7 @@ the planner to it on every commit)."""
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import time
@@ -105,15 +106,24 @@ def format_result(r: dict) -> str:
     return "\n".join(["| what | value |", "|---|---|", *(f"| {a} | {b} |" for a, b in result_rows(r))])
 
 
-def _commit() -> str | None:
+def _commit(cwd: Path = MEASURED_PEAKS.parent) -> str | None:
+    """The code a measurement ran: `MT_COMMIT` where set, else git's short HEAD, with "+uncommitted" where
+    tracked files differ from it. A lent GPU's copy of the working tree can sit on an older HEAD (the
+    device tool's machine held the landed commit while the tree was 98ed5a5's: the 2026-12-01 record), so
+    `scripts/gpu_session.sh` says to pass `MT_COMMIT` in the command."""
+    if os.environ.get("MT_COMMIT"):
+        return os.environ["MT_COMMIT"]
+
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10)
+        return done.stdout.strip() if done.returncode == 0 else ""
+
     try:
-        done = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=MEASURED_PEAKS.parent, capture_output=True,
-            text=True, timeout=10,
-        )  # fmt: skip
+        head = git("rev-parse", "--short", "HEAD")
+        changed = head and git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
         return None
-    return done.stdout.strip() or None
+    return (head + "+uncommitted" if changed else head) or None
 
 
 def measurement_entries(r: dict, model: dict, date: str) -> list[dict]:

@@ -11,6 +11,7 @@ entry's `config.json` fields alone."""
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -69,3 +70,29 @@ def test_the_plan_holds_for_a_measured_peak(entry, tmp_path):
     measured = entry["peak_bytes"] / gib
     print(f"{_id(entry)}: {measured:.2f} GiB measured / {expected / gib:.2f} planned = {ratio:.3f}")
     assert abs(ratio - 1) <= TOLERANCE, (ratio, entry["peak_bytes"] / gib, expected / gib)
+
+
+def test_a_record_names_the_commit_it_ran(tmp_path, tmp_path_factory, monkeypatch):
+    """A lent GPU's copy of the tree sat on an older git HEAD than its files (2026-12-01: two peaks of
+    98ed5a5 recorded as df0017b's). `MT_COMMIT` names the commit; without it a tree that differs from its
+    HEAD says so."""
+    from megatron_tail.bench.step_report import _commit
+
+    def git(*args):
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    monkeypatch.delenv("MT_COMMIT", raising=False)
+    git("init", "-q")
+    (tmp_path / "f.txt").write_text("a\n")
+    git("add", "f.txt")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "one")
+    head = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=tmp_path, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert _commit(tmp_path) == head
+    (tmp_path / "f.txt").write_text("b\n")
+    assert _commit(tmp_path) == f"{head}+uncommitted"
+    monkeypatch.setenv("MT_COMMIT", "98ed5a5")
+    assert _commit(tmp_path) == "98ed5a5"
+    monkeypatch.delenv("MT_COMMIT")
+    assert _commit(tmp_path_factory.mktemp("not-a-repo")) is None
