@@ -10,7 +10,9 @@ issue 51's targets, measured in one run (`op_report`).
 2. The fused output layer + op, fwd + bwd from hidden states `[tokens, H]` and the weight `[V, H]` (bf16):
    into a returned bf16 weight gradient and into a float32 `main_grad` (gradient-accumulation fusion), on both
    backends, against matmul + op in place (what the unfused trainer runs) and Liger's fused linear cross
-   entropy, at 8,192 × 4,096 @ 151,936 and 4,096 × 4,096 @ 151,936.
+   entropy, at 8,192 × 4,096 @ 151,936 and 4,096 × 4,096 @ 151,936; then the Triton backward's blocks
+   (`linear_masked_logprobs.BACKWARD_BLOCK_CHOICES`: the forward's chunks, 2, 4, 8 row blocks) on both
+   gradients against the same baseline, which re-checks `BACKWARD_TOKEN_BLOCKS` on the device at hand.
 3. The TP = 1 forward's designs (`bench.op_designs`): the two kernels and each one-program launch, forward
    and fwd + bwd, against the same baseline, and the `triton_kernels.ONE_PROGRAM` entry the run supports;
    then where each design's time goes (`bench.op_split`): its `[N, V]` kernels timed alone, and the rest.
@@ -146,6 +148,62 @@ def fused_rows(tokens: int, hidden: int, vocab: int, *, device: str, repeats: in
     return rows
 
 
+def backward_block_rows(
+    tokens: int, hidden: int, vocab: int, baseline: dict, *, device: str, repeats: int = 5
+) -> list[dict]:
+    """The fused op on the Triton backend in each of `BACKWARD_BLOCK_CHOICES`: `what` (the choice), `ms` and
+    `peak_mib` for the returned bf16 weight gradient, `main_grad_ms` and `main_grad_peak_mib` into float32
+    `main_grad`, `default` (which path takes this choice without `backward_blocks`), and each ratio to
+    `baseline` (a `fused_rows` row: Liger's fused linear cross entropy, or matmul + op)."""
+    from megatron_tail.ops import linear_masked_logprobs as fused_impl
+
+    x, weight, targets = make_output_layer(tokens, hidden, vocab, device)
+    main_grad = torch.zeros(vocab, hidden, device=device, dtype=torch.float32)
+    rows = []
+    for choice in fused_impl.BACKWARD_BLOCK_CHOICES:
+        with fused_impl.backward_blocks(choice):
+            bf16 = measure(_fused(x, weight, targets, "triton"), repeats=repeats)
+            fp32 = measure(_fused(x, weight, targets, "triton", main_grad), repeats=repeats)
+        default = [
+            path for path, taken in (
+                ("bf16 gradient", choice == fused_impl.BACKWARD_TOKEN_BLOCKS),
+                ("main_grad", choice == fused_impl.FORWARD_CHUNKS),
+            ) if taken
+        ]  # fmt: skip
+        row = {
+            "what": str(choice) if choice == fused_impl.FORWARD_CHUNKS else f"{choice} row blocks",
+            "ms": bf16["ms"], "peak_mib": bf16["peak_bytes"] / (1 << 20),
+            "main_grad_ms": fp32["ms"], "main_grad_peak_mib": fp32["peak_bytes"] / (1 << 20),
+            "default": ", ".join(default), "baseline": baseline["what"],
+        }  # fmt: skip
+        for key, base in (("ms", baseline["ms"]), ("peak_mib", max(baseline["peak_mib"], 1e-12))):
+            row[f"{key}_ratio"] = row[key] / base
+            row[f"main_grad_{key}_ratio"] = row[f"main_grad_{key}"] / base
+        rows.append(row)
+    return rows
+
+
+def format_backward_block_rows(
+    rows: list[dict], tokens: int, hidden: int, vocab: int, device_name: str
+) -> str:
+    lines = [
+        f"The fused layer's Triton backward by its blocks: {tokens} × {hidden} @ {vocab} bf16 on "
+        f"{device_name}, fwd+bwd (× baseline: time, peak extra memory)",
+        "",
+        "| backward in | bf16 gradient ms | × | peak MiB | × | main_grad ms | × | peak MiB | × | default |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        cells = [r["what"]]
+        for prefix in ("", "main_grad_"):
+            for key in ("ms", "peak_mib"):
+                cells += [f"{r[prefix + key]:.2f}", f"{r[prefix + key + '_ratio']:.2f}"]
+        cells.append(r["default"] or "—")
+        lines.append(f"| {' | '.join(cells)} |")
+    lines += ["", f"baseline: {rows[0]['baseline']}"]
+    return "\n".join(lines)
+
+
 def format_fused_rows(
     rows: list[dict], tokens: int, hidden: int, vocab: int, device: str, device_name: str = ""
 ) -> str:
@@ -238,9 +296,10 @@ def op_report(
     print_fn: Callable[[str], None] = print,
 ) -> dict:
     """Measure and print (`print_fn`, one table at a time, as each is done) the op's rows at each width, the
-    TP = 1 forward's designs and where their time goes, the fused layer's rows at each shape, then the
-    targets. Returns {"op": {width: rows}, "designs": rows, "split": rows, "fused": {shape: rows}, "targets":
-    rows}. `megatron`: include megatron-core's cross entropy (needs its TP = 1 state)."""
+    TP = 1 forward's designs and where their time goes, the fused layer's rows and its backward's blocks at
+    each shape, then the targets. Returns {"op": {width: rows}, "designs": rows, "split": rows, "fused":
+    {shape: rows}, "backward_blocks": {shape: rows or None}, "targets": rows}. `megatron`: include
+    megatron-core's cross entropy (needs its TP = 1 state)."""
     name = torch.cuda.get_device_name() if device == "cuda" else device
     op: dict[int, list[dict]] = {}
     designs: list[dict] = []
@@ -265,6 +324,7 @@ def op_report(
                 lambda rows, w=width: format_split_rows(rows, tokens, w, name),
             ) or []  # fmt: skip
     fused_out: dict[tuple, list[dict]] = {}
+    blocks_out: dict[tuple, list[dict] | None] = {}
     for shape in fused:
         rows = _guarded(
             print_fn, device, f"the fused output layer at {' × '.join(map(str, shape))}",
@@ -273,6 +333,12 @@ def op_report(
         )  # fmt: skip
         if rows is not None:
             fused_out[shape] = rows
+            base = next(r for r in rows if r["what"] == rows[0]["baseline"])
+            blocks_out[shape] = _guarded(
+                print_fn, device, f"the fused backward's blocks at {' × '.join(map(str, shape))}",
+                lambda s=shape, b=base: backward_block_rows(*s, b, device=device, repeats=repeats),
+                lambda brows, s=shape: format_backward_block_rows(brows, *s, name),
+            )  # fmt: skip
     targets = target_rows(op, fused_out, designs)
     lines = [
         "Issue 51's targets, measured in this run:",
@@ -282,7 +348,10 @@ def op_report(
     ]
     lines += [f"| {' | '.join(row)} |" for row in targets]
     print_fn("\n".join(lines))
-    return {"op": op, "fused": fused_out, "designs": designs, "split": split, "targets": targets}
+    return {
+        "op": op, "fused": fused_out, "backward_blocks": blocks_out, "designs": designs, "split": split,
+        "targets": targets,
+    }  # fmt: skip
 
 
 def _guarded(print_fn, device: str, what: str, measure, table):

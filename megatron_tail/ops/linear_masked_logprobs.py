@@ -48,6 +48,8 @@ vocabulary holds the global max). The backward needs no collective before the hi
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from typing import NamedTuple
 
@@ -111,6 +113,28 @@ at 8,192 × 4,096 (a pass over the weight gradient, narrower GEMMs), 2.3–3.7 m
 `main_grad` (gradient-accumulation fusion) the backward allocates no weight gradient, and its peak is the
 forward's chunk whatever its blocks (512 MiB; 576 with the forward's chunks, the hidden gradient on top), so
 it keeps the forward's chunks, the fastest: 61.4 ms against 65.3 with four blocks at 8,192 × 4,096."""
+FORWARD_CHUNKS = "forward's chunks"
+BACKWARD_BLOCK_CHOICES: tuple[int | str, ...] = (FORWARD_CHUNKS, 2, 4, 8)
+"""What `bench.op` times the Triton backward in (`backward_blocks`), beside Liger in the same run."""
+_BACKWARD_CHOICE: contextvars.ContextVar[int | str | None] = contextvars.ContextVar(
+    "backward_choice", default=None
+)
+
+
+@contextlib.contextmanager
+def backward_blocks(choice: int | str):
+    """Within the block, the Triton backend's backward runs in `choice` row blocks (an int ≥ 1, each over
+    column blocks of H) or in the forward's chunks (`FORWARD_CHUNKS`), whatever `BACKWARD_TOKEN_BLOCKS` and
+    `main_grad` say: what `bench.op` compares (`BACKWARD_BLOCK_CHOICES`)."""
+    if choice != FORWARD_CHUNKS and (isinstance(choice, bool) or not isinstance(choice, int) or choice < 1):
+        raise ValueError(f"backward_blocks takes a row-block count ≥ 1 or {FORWARD_CHUNKS!r}; got {choice!r}")
+    token = _BACKWARD_CHOICE.set(choice)
+    try:
+        yield
+    finally:
+        _BACKWARD_CHOICE.reset(token)
+
+
 ONE_PASS_MIN_ROWS = 128
 """With TP = 1, a block that holds the whole vocabulary needs no separate max pass (one matmul fewer); it
 is used when such a block still has this many token rows, else blocks stay square for efficient GEMMs."""
@@ -149,11 +173,16 @@ def _backward_blocks(
     `hidden_size` columns instead, at most `TRITON_CHUNK_ELEMENTS` elements of block and accumulator
     together. Into `main_grad` it allocates no weight gradient, and keeps the forward's chunks (the table
     at `BACKWARD_TOKEN_BLOCKS`)."""
-    if backend != "triton" or into_main_grad:
+    if backend != "triton":
+        return forward_block
+    choice = _BACKWARD_CHOICE.get()
+    if choice is None:
+        choice = FORWARD_CHUNKS if into_main_grad else BACKWARD_TOKEN_BLOCKS
+    if choice == FORWARD_CHUNKS:
         return forward_block
     cols = max(1, min(num_cols, hidden_size))
     budget = TRITON_CHUNK_ELEMENTS.get(device.type, TRITON_CHUNK_ELEMENTS["cuda"])
-    rows = math.ceil(max(num_rows, 1) / BACKWARD_TOKEN_BLOCKS)
+    rows = math.ceil(max(num_rows, 1) / choice)
     return min(rows, max(1, budget // (cols + 2 * hidden_size))), cols
 
 

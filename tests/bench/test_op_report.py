@@ -27,8 +27,9 @@ def test_the_report_prints_every_width_the_fused_shapes_their_tiles_and_the_targ
             print_fn=printed.append,
         )  # fmt: skip
     assert widths and set(widths) == {256}
-    # two widths, the TP = 1 forward's designs and their split after the first, one fused shape, targets
-    assert len(printed) == 6
+    # two widths, the TP = 1 forward's designs and their split after the first, one fused shape and its
+    # backward's blocks, targets
+    assert len(printed) == 7
     assert "tiles: row_max 256×1 · partial_sums 256×1 · grad 256×1 (Triton's interpreter" in printed[0]
     assert printed[1].startswith("The TP = 1 forward's designs: 4 × 256 bf16 logits on cpu")
     assert "ONE_PROGRAM: no entry from Triton's interpreter" in printed[1]
@@ -66,6 +67,20 @@ def test_the_report_prints_every_width_the_fused_shapes_their_tiles_and_the_targ
         assert row["ratio"] == pytest.approx(row["ms"] / baseline["ms"])
     assert "float32 main_grad blocks (ops.matmul_accumulate)" in printed[4]  # a CPU has no out_dtype addmm
     assert "token chunks of 256 rows" in printed[4]  # the interpreter's chunk: 65,536 elements of 256 columns
+    # the backward's blocks against the same baseline, each choice timed on both gradients
+    assert printed[5].startswith("The fused layer's Triton backward by its blocks: 8 × 16 @ 256 bf16 on cpu")
+    blocks = result["backward_blocks"][(8, 16, 256)]
+    assert [(r["what"], r["default"]) for r in blocks] == [
+        ("forward's chunks", "main_grad"), ("2 row blocks", ""), ("4 row blocks", "bf16 gradient"),
+        ("8 row blocks", ""),
+    ]  # fmt: skip
+    for row in blocks:
+        assert row["baseline"] == baseline["what"] and row["peak_mib"] > 0 and row["main_grad_ms"] > 0
+        assert row["ms_ratio"] == pytest.approx(row["ms"] / baseline["ms"])
+        assert row["main_grad_peak_mib_ratio"] == pytest.approx(
+            row["main_grad_peak_mib"] / baseline["peak_mib"]
+        )
+    assert blocks[0]["peak_mib"] > blocks[2]["peak_mib"]  # a whole chunk of logits against a [2, 16] block
     targets = [row[0] for row in result["targets"]]
     fastest = min(designs, key=lambda r: r["ms"])["what"]
     quickest = min(designs, key=lambda r: r["forward_ms"])["what"]
@@ -81,7 +96,7 @@ def test_the_report_prints_every_width_the_fused_shapes_their_tiles_and_the_targ
     ]
     assert result["op"][256][0]["baseline"].startswith("Liger")
     assert all(row[2] in ("met", "not met") for row in result["targets"])
-    assert printed[5].splitlines()[0] == "Issue 51's targets, measured in this run:"
+    assert printed[6].splitlines()[0] == "Issue 51's targets, measured in this run:"
 
 
 def test_the_designs_table_names_the_one_program_entry_a_gpu_run_supports(monkeypatch):
@@ -135,7 +150,10 @@ def test_a_section_that_fails_is_a_line_and_the_report_goes_on(monkeypatch):
     assert (
         printed[3] == "the fused output layer at 8 × 16 × 256: not measured, " + printed[1].split(", ", 1)[1]
     )
-    assert printed[4].startswith("The fused output layer") and printed[5].startswith("Issue 51's targets")
+    assert printed[4].startswith("The fused output layer") and printed[5].startswith(
+        "The fused layer's Triton"
+    )
+    assert printed[6].startswith("Issue 51's targets")
     assert list(result["fused"]) == [(4, 16, 256)] and result["designs"] == []
     assert [row[0] for row in result["targets"]][
         -1

@@ -195,3 +195,32 @@ def test_the_gradient_kernel_writes_the_target_column_as_the_special_columns_do(
     torch.testing.assert_close(in_kernel, gathered, rtol=1e-6, atol=1e-7, equal_nan=True)
     assert torch.isnan(in_kernel[3]).all() and torch.isfinite(in_kernel[[0, 1, 2, 4, 5]]).all()
     assert in_kernel[0, targets[0] - start] == target_add[0]
+
+
+@pytest.mark.parametrize("choice", [*fused_impl.BACKWARD_BLOCK_CHOICES, 1], ids=str)
+def test_every_backward_block_choice_equals_the_reference(choice):
+    """`backward_blocks` (what `bench.op` sweeps): the forward's chunks, or any number of row blocks, give
+    the reference's gradients; the block shapes are the choice's."""
+    vocab_size, n = 61, 10
+    hidden, weight, targets, grads = problem(n, vocab_size, 64, torch.float32, seed=3)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    with fused_impl.backward_blocks(choice):
+        blocks = fused_impl._backward_blocks(n, vocab_size, H, h.device, (n, vocab_size), "triton", False)
+        out = vocab_parallel_linear_masked_logprobs(
+            h, w, targets, log_rho=-3.0, vocab_size=vocab_size, backend="triton"
+        )
+        backward_of(as_dict(out), grads).backward()
+    want = (n, vocab_size) if choice == fused_impl.FORWARD_CHUNKS else (-(-n // choice), H)
+    assert blocks == want
+    ref, h_ref, w_ref = reference(hidden, weight, targets, vocab_size, -3.0, 1.0)
+    backward_of(ref, grads).backward()
+    scale = float(h_ref.grad.abs().max())
+    torch.testing.assert_close(
+        h.grad.double(), h_ref.grad, rtol=TOL[torch.float32], atol=TOL[torch.float32] * scale
+    )
+    torch.testing.assert_close(
+        w.grad.double(), w_ref.grad, rtol=TOL[torch.float32], atol=TOL[torch.float32] * scale
+    )
+    for bad in (0, 2.5, True, "chunks"):
+        with pytest.raises(ValueError, match="backward_blocks takes a row-block count"):
+            fused_impl.backward_blocks(bad).__enter__()
