@@ -56,6 +56,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from ..utils.scoped import scoped
 from . import masked_logprobs_math as chunk_math
 from . import sampling_support_math as support_math
 from .backend import load_kernels, resolve_backend
@@ -121,18 +122,13 @@ _BACKWARD_CHOICE: contextvars.ContextVar[int | str | None] = contextvars.Context
 )
 
 
-@contextlib.contextmanager
-def backward_blocks(choice: int | str):
-    """Within the block, the Triton backend's backward runs in `choice` row blocks (an int ≥ 1, each over
-    column blocks of H) or in the forward's chunks (`FORWARD_CHUNKS`), whatever `BACKWARD_TOKEN_BLOCKS` and
-    `main_grad` say: what `bench.op` compares (`BACKWARD_BLOCK_CHOICES`)."""
+def backward_blocks(choice: int | str) -> contextlib.AbstractContextManager[None]:
+    """Within its `with` block, the Triton backend's backward runs in `choice` row blocks (an int ≥ 1, each
+    over column blocks of H) or in the forward's chunks (`FORWARD_CHUNKS`), whatever `BACKWARD_TOKEN_BLOCKS`
+    and `main_grad` say: what `bench.op` compares (`BACKWARD_BLOCK_CHOICES`)."""
     if choice != FORWARD_CHUNKS and (isinstance(choice, bool) or not isinstance(choice, int) or choice < 1):
         raise ValueError(f"backward_blocks takes a row-block count ≥ 1 or {FORWARD_CHUNKS!r}; got {choice!r}")
-    token = _BACKWARD_CHOICE.set(choice)
-    try:
-        yield
-    finally:
-        _BACKWARD_CHOICE.reset(token)
+    return scoped(_BACKWARD_CHOICE, choice)
 
 
 ONE_PASS_MIN_ROWS = 128

@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..utils.scoped import scoped
 from .masked_logprobs_math import NUM_PARTIALS, S_ALL, S_SAFE, S_SAFE_EZ, SAFE_COUNT, TARGET_LOGIT
 
 
@@ -140,17 +141,12 @@ _FORWARD_CHOICE: contextvars.ContextVar[OneProgram | str | None] = contextvars.C
 )
 
 
-@contextlib.contextmanager
-def forward_design(choice: OneProgram | str):
-    """Within the block, the TP = 1 forward runs as `choice` (a `OneProgram` launch or `TWO_KERNELS`)
+def forward_design(choice: OneProgram | str) -> contextlib.AbstractContextManager[None]:
+    """Within its `with` block, the TP = 1 forward runs as `choice` (a `OneProgram` launch or `TWO_KERNELS`)
     whatever `ONE_PROGRAM` says: what `bench.op` compares, and the tests run both ways."""
     if not isinstance(choice, OneProgram) and choice != TWO_KERNELS:
         raise ValueError(f"forward_design takes a OneProgram or {TWO_KERNELS!r}; got {choice!r}")
-    token = _FORWARD_CHOICE.set(choice)
-    try:
-        yield
-    finally:
-        _FORWARD_CHOICE.reset(token)
+    return scoped(_FORWARD_CHOICE, choice)
 
 
 def one_program(dtype: torch.dtype, device: torch.device) -> OneProgram | None:

@@ -223,4 +223,4 @@ def test_every_backward_block_choice_equals_the_reference(choice):
     )
     for bad in (0, 2.5, True, "chunks"):
         with pytest.raises(ValueError, match="backward_blocks takes a row-block count"):
-            fused_impl.backward_blocks(bad).__enter__()
+            fused_impl.backward_blocks(bad)
