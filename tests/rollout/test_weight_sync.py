@@ -19,6 +19,7 @@ from megatron_tail.rollout import (
 )
 from megatron_tail.rollout.local_engine.weights import read_safetensors_dir
 from megatron_tail.utils.net import reserve_port
+from tests.harness import run_forked
 from tests.rollout.servers import generate_groups, serving_app
 
 PROMPTS = [[5, 6, 76, 7, 84], [8, 9, 76, 10, 11, 84], [12, 76, 13, 84]]
@@ -714,7 +715,16 @@ def test_a_bucket_an_engine_refused_leaves_its_broadcast_waiting_and_closing_say
     not hold) leaves rank 0's gloo broadcast waiting for its ranks until the group's timeout, which nothing
     cancels. Closing the engines says what the process still waits for, and keeps the group (destroying a
     gloo group under a running collective can abort the process). The test then ends the broadcast as an
-    engine would, by receiving it."""
+    engine would, by receiving it.
+
+    The scenario runs in a forked child (`run_forked`): rank 0's side of the group and its broadcast thread
+    then start from a process no earlier test touched. In two clean-clone suites (2026-12-01) it hung
+    in the pytest worker that had run other modules first, the engine's receive never meeting the
+    broadcast, while the module alone, and the test under CPU load, passed."""
+    run_forked(_refused_bucket_scenario, server_pair[0].url, tiny_model_dir, timeout=240)
+
+
+def _refused_bucket_scenario(_rank, _world, a, tiny_model_dir):
     from types import SimpleNamespace
 
     from megatron_tail.rollout import WeightSyncError
@@ -724,7 +734,6 @@ def test_a_bucket_an_engine_refused_leaves_its_broadcast_waiting_and_closing_say
         async def close(self):
             pass
 
-    a, _ = (s.url for s in server_pair)
     sync = DistributedWeightSync(
         [a], master_address="127.0.0.1", listen_socket=reserve_port(), backend="gloo", timeout_s=600
     )
