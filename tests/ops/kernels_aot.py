@@ -130,10 +130,10 @@ def kernels(x: str, target: GPUTarget) -> list[tuple[str, object, dict, dict, in
             continue
         for has_scale_h in (True, False):
             for has_target in (False, True):  # the fused backward's blocks without a support: the target too
-                name = f"write_grad{'' if has_scale_h else ' (no entropy gradient)'}"
-                name += " (the target's column)" if has_target else ""
-                constexprs = {**constexprs, "HAS_SCALE_H": has_scale_h, "HAS_TARGET": has_target}
-                out.append((name, fn, signature, constexprs, tile.num_warps))
+                variant = f"write_grad{'' if has_scale_h else ' (no entropy gradient)'}"
+                variant += " (the target's column)" if has_target else ""
+                flags = {**constexprs, "HAS_SCALE_H": has_scale_h, "HAS_TARGET": has_target}
+                out.append((variant, fn, signature, flags, tile.num_warps))
     return out
 
 
