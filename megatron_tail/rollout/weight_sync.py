@@ -61,6 +61,7 @@ import socket
 import threading
 import uuid
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -477,7 +478,11 @@ class DistributedWeightSync:
         self.timeout_s = timeout_s
         self.weight_version = str(initial_version)
         self.group = None
-        self._broadcast_ended: threading.Event | None = None
+        self._broadcast: _Broadcast | None = None
+        """The last bucket's broadcast (`broadcast_waiting`)."""
+        self._sender: ThreadPoolExecutor | None = None
+        """The one thread rank 0's broadcasts run on, in order: its own, not the loop's default executor,
+        whose other jobs could hold a broadcast queued while the engines wait for it."""
 
     def _set_layout(self, tp_sizes: list[int]) -> None:
         if len(tp_sizes) != len(self.servers.urls) or any(
@@ -597,6 +602,14 @@ class DistributedWeightSync:
         """
         if self.group is None:
             raise RuntimeError("call init_group() before update()")
+        if self.broadcast_waiting():
+            raise WeightSyncError(
+                "the last weight update's broadcast still waits in the weight group for an engine that did "
+                "not take its bucket; the group takes no other until gloo gives that one up, within "
+                f"{self.servers.limit}"
+            )
+        if self._sender is None:
+            self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-sync-broadcast")
         version = next_version(self.weight_version) if weight_version is None else str(weight_version)
         stats = {"buckets": 0, "tensors": 0, "peak_bytes": 0}
         async with engine_session() as session:
@@ -610,12 +623,18 @@ class DistributedWeightSync:
                     "weight_version": version if last else None,
                     "flush_cache": last and self.servers.flush_cache,
                 }
-                self._broadcast_ended = ended = threading.Event()
-                broadcast = asyncio.to_thread(_broadcast_in_order, bucket, self.group, ended)
+                self._broadcast = job = _Broadcast(bucket, self.group)
+                broadcast = asyncio.get_running_loop().run_in_executor(self._sender, job.run)
                 posts = self.servers.post_all(
                     session, "/update_weights_from_distributed", [body] * len(self.servers.urls)
                 )
-                await asyncio.gather(broadcast, posts)
+                try:
+                    await asyncio.gather(broadcast, posts)
+                except BaseException:
+                    # an engine refused the bucket, or the update was cancelled: a broadcast that has not
+                    # begun never does (nobody would receive it); one that has runs on (`broadcast_waiting`)
+                    job.abandon()
+                    raise
                 stats["buckets"] += 1
 
             async def update():
@@ -653,8 +672,9 @@ class DistributedWeightSync:
         (`timeout_s`): a gloo collective cannot be cancelled
         (`ProcessGroupGloo.abort` does not end one in torch 2.13), and the process joins that thread at
         exit. An NCCL broadcast returns once queued on its stream, after the first, which forms the
-        communicator (`ncclCommInitRank` waits for every peer)."""
-        return self._broadcast_ended is not None and not self._broadcast_ended.wait(grace_s)
+        communicator (`ncclCommInitRank` waits for every peer). A broadcast the failed update abandoned
+        before it began does not wait (`_Broadcast.abandon`)."""
+        return self._broadcast is not None and not self._broadcast.ended.wait(grace_s)
 
     async def destroy_group(self) -> None:
         """Ask every engine to drop the group, then drop it here (kept while a broadcast still runs in it:
@@ -665,6 +685,9 @@ class DistributedWeightSync:
         if self.group is not None and not self.broadcast_waiting():
             destroy_custom_process_group(self.group)
             self.group = None
+            if self._sender is not None:
+                self._sender.shutdown(wait=False)  # idle: its last broadcast ended
+                self._sender = None
 
 
 _STACKED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj"}
@@ -685,9 +708,35 @@ def engine_parameter(hf_name: str) -> str:
     return hf_name
 
 
-def _broadcast_in_order(pairs: list[tuple[str, torch.Tensor]], group, ended: threading.Event) -> None:
-    try:
-        for _, tensor in pairs:
-            torch.distributed.broadcast(tensor.contiguous(), src=0, group=group)
-    finally:
-        ended.set()
+class _Broadcast:
+    """One bucket's broadcast from rank 0 (`_broadcast_in_order`, on `DistributedWeightSync._sender`):
+    queued, running or ended. `ended` is set when it returns or raises, or when its update abandons it
+    before it began, which then never begins."""
+
+    def __init__(self, pairs: list[tuple[str, torch.Tensor]], group):
+        self._pairs, self._group = pairs, group
+        self._lock = threading.Lock()
+        self._began = False
+        self.ended = threading.Event()
+
+    def run(self) -> None:
+        with self._lock:
+            if self.ended.is_set():
+                return  # abandoned while queued
+            self._began = True
+        try:
+            _broadcast_in_order(self._pairs, self._group)
+        finally:
+            self.ended.set()
+
+    def abandon(self) -> None:
+        """Its update failed: if it has not begun it never will. One that began runs on (a gloo collective
+        cannot be cancelled) until its peers receive it or the group's timeout."""
+        with self._lock:
+            if not self._began:
+                self.ended.set()
+
+
+def _broadcast_in_order(pairs: list[tuple[str, torch.Tensor]], group) -> None:
+    for _, tensor in pairs:
+        torch.distributed.broadcast(tensor.contiguous(), src=0, group=group)

@@ -375,6 +375,14 @@ def test_servers_of_another_dtype_than_the_sync_sends_are_refused_by_name(served
     assert ("not joining in this test" in message) == (not refused)
 
 
+@pytest.fixture
+def broadcast_skipped(monkeypatch):
+    """Rank 0's broadcasts do nothing (there is no group): for the scenarios about an update's requests."""
+    from megatron_tail.rollout import weight_sync
+
+    monkeypatch.setattr(weight_sync, "_broadcast_in_order", lambda _pairs, _group: None)
+
+
 def _stand_in_server(post, version: str):
     """A stand-in SGLang server: every POST to `post(request)`, `version` in /model_info."""
     from aiohttp import web
@@ -402,15 +410,15 @@ def _recording_app(calls: list[tuple[str, dict]], *, version: str, fail: str | N
     return _stand_in_server(post, version)
 
 
-def test_distributed_buckets_run_inside_sglangs_weight_update_session(monkeypatch):
+@pytest.mark.usefixtures("broadcast_skipped")
+def test_distributed_buckets_run_inside_sglangs_weight_update_session():
     """SGLang 0.5.23 refuses `update_weights_from_distributed` outside `/begin_weight_update` …
     `/end_weight_update` (SchedulerWeightUpdater); every bucket goes inside one session, inside the pause,
     and the session is closed (and generation continued) when a bucket fails."""
     import torch
 
-    from megatron_tail.rollout import WeightSyncError, weight_sync
+    from megatron_tail.rollout import WeightSyncError
 
-    monkeypatch.setattr(weight_sync, "_broadcast_in_order", lambda _pairs, _group, ended: ended.set())
     tensors = [(f"w{i}", torch.zeros(256, 1024)) for i in range(3)]  # 1 MiB each in fp32
 
     async def scenario(fail):
@@ -449,6 +457,70 @@ def test_distributed_buckets_run_inside_sglangs_weight_update_session(monkeypatc
     ]
 
 
+def test_a_refused_buckets_broadcast_never_begins_if_queued_and_a_begun_one_blocks_the_next_update(
+    monkeypatch,
+):
+    """A failed update abandons its bucket's broadcast if it has not begun (`_Broadcast.abandon`): it never
+    broadcasts, and `broadcast_waiting` says it does not wait. (Before, a broadcast queued behind another job
+    began after the failure and waited in gloo for engines that had refused it, while `broadcast_waiting`
+    could not tell it from one waiting already.) One that began runs on: the sync says it waits and refuses
+    the next update by name until it ends. The broadcasts run on the sync's own thread, here held busy."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+    from aiohttp import web
+
+    from megatron_tail.rollout import WeightSyncError, weight_sync
+
+    began, release, sent = threading.Event(), threading.Event(), []
+
+    def broadcast(pairs, _group):
+        began.set()
+        sent.append([name for name, _ in pairs])
+        assert release.wait(60)
+
+    monkeypatch.setattr(weight_sync, "_broadcast_in_order", broadcast)
+    wait_for_the_broadcast = {"on": False}
+
+    async def post(request):
+        if request.path != "/update_weights_from_distributed":
+            return web.json_response({"success": True, "message": "ok"})
+        for _ in range(6000 if wait_for_the_broadcast["on"] else 0):  # refuse once rank 0 is broadcasting
+            if began.is_set():
+                break
+            await asyncio.sleep(0.01)
+        return web.json_response({"success": False, "message": "refused"})
+
+    async def scenario():
+        async with serving_app(_stand_in_server(post, "1")) as url:
+            sync = DistributedWeightSync([url], master_address="127.0.0.1", master_port=1)
+            sync.engine_tp_sizes, sync.group = [1], object()
+            sync._sender = ThreadPoolExecutor(max_workers=1)
+            busy = threading.Event()
+            sync._sender.submit(busy.wait, 60)  # the bucket's broadcast queues behind this
+            with pytest.raises(WeightSyncError, match="refused"):
+                await sync.update([("w0", torch.zeros(4))], weight_version="1")
+            assert not sync.broadcast_waiting()
+            busy.set()
+            sync._sender.submit(lambda: None).result(timeout=60)  # everything queued before it has run
+            assert sent == [] and not began.is_set()
+
+            wait_for_the_broadcast["on"] = True
+            with pytest.raises(WeightSyncError, match="refused"):
+                await sync.update([("w1", torch.zeros(4))], weight_version="2")
+            assert sent == [["w1"]] and sync.broadcast_waiting()
+            with pytest.raises(
+                WeightSyncError, match=r"broadcast still waits in the weight group .* timeout_s"
+            ):
+                await sync.update([("w2", torch.zeros(4))], weight_version="3")
+            release.set()
+            assert sync._broadcast.ended.wait(60) and not sync.broadcast_waiting()
+            sync._sender.shutdown()
+
+    asyncio.run(scenario())
+
+
 def _stateful_app(state: dict, *, refuse: str | None = None):
     """A stand-in SGLang 0.5.23 server that keeps its pause and its weight-update session as the scheduler
     does (`is_pause`; `SchedulerWeightUpdater._session`: a begin inside one is refused, an end outside one),
@@ -478,14 +550,14 @@ def _stateful_app(state: dict, *, refuse: str | None = None):
 
 
 @pytest.mark.parametrize("refused", ["/pause_generation", "/begin_weight_update"])
-def test_a_server_refusing_the_pause_or_the_session_leaves_the_others_running(monkeypatch, refused):
+@pytest.mark.usefixtures("broadcast_skipped")
+def test_a_server_refusing_the_pause_or_the_session_leaves_the_others_running(refused):
     """Before: the servers that did pause, or did open the session, were left so: paused (every request to
     them waited), or in a session in which SGLang refuses every later begin, until they were restarted."""
     import torch
 
-    from megatron_tail.rollout import WeightSyncError, weight_sync
+    from megatron_tail.rollout import WeightSyncError
 
-    monkeypatch.setattr(weight_sync, "_broadcast_in_order", lambda _pairs, _group, ended: ended.set())
     healthy, refusing = {"paused": False, "session": False}, {"paused": False, "session": False}
 
     async def scenario():
@@ -502,14 +574,12 @@ def test_a_server_refusing_the_pause_or_the_session_leaves_the_others_running(mo
     assert healthy == {"paused": False, "session": False}
 
 
-def test_a_session_a_dead_trainer_left_open_is_closed_and_the_sync_goes_on(monkeypatch):
+@pytest.mark.usefixtures("broadcast_skipped")
+def test_a_session_a_dead_trainer_left_open_is_closed_and_the_sync_goes_on():
     """Remote servers outlive the trainer: one killed between begin and end left the session open, and a
     rerun's first sync was refused ("already open") on every try."""
     import torch
 
-    from megatron_tail.rollout import weight_sync
-
-    monkeypatch.setattr(weight_sync, "_broadcast_in_order", lambda _pairs, _group, ended: ended.set())
     left_open = {"paused": False, "session": True}
 
     async def scenario():
@@ -767,7 +837,7 @@ def _refused_bucket_scenario(_rank, _world, a, tiny_model_dir):
                     assert resp.status == 200, (path, await resp.text())
 
     asyncio.run(receive_it())
-    assert sync._broadcast_ended.wait(timeout=120) and not sync.broadcast_waiting()
+    assert sync._broadcast.ended.wait(timeout=120) and not sync.broadcast_waiting()
     sync.group_name = held_name  # the engine's group, and then this side's
     asyncio.run(sync.destroy_group())
     assert sync.group is None
@@ -903,7 +973,8 @@ def test_engine_parameter_is_sglangs_stacked_name_for_every_tensor_of_dense_and_
     assert stacked >= 10
 
 
-def test_a_bucket_never_splits_the_shards_sglang_stacks_into_one_parameter(monkeypatch):
+@pytest.mark.usefixtures("broadcast_skipped")
+def test_a_bucket_never_splits_the_shards_sglang_stacks_into_one_parameter():
     """A per-tensor FP8 engine refuses q/k/v or gate/up shards spread over two `load_weights` calls
     ("Partial per-tensor FP8 update", SGLang's `QuantizedRLModelLoader.rebinding_and_load_weights`). In
     the export's order and with buckets smaller than one layer, every bucket holds all or none of each
@@ -912,14 +983,12 @@ def test_a_bucket_never_splits_the_shards_sglang_stacks_into_one_parameter(monke
 
     from megatron_tail.model import load_hf_config
     from megatron_tail.model.naming import hf_tensor_shapes
-    from megatron_tail.rollout import weight_sync
     from tests.model.hf_models import hf_config
     from tests.rollout.sglang_sampler import import_sglang_rl_loader
 
     def engine_parameter(name: str) -> str:  # SGLang's own rule
         return import_sglang_rl_loader()._resolve_stacked_info(name)[0]
 
-    monkeypatch.setattr(weight_sync, "_broadcast_in_order", lambda _pairs, _group, ended: ended.set())
     shapes = hf_tensor_shapes(load_hf_config(hf_config("qwen3", num_hidden_layers=3).to_dict()))
     tensors = [(name, torch.zeros(shape, dtype=torch.bfloat16)) for name, shape in shapes.items()]
     q_bytes = tensors[2][1].numel() * 2
