@@ -133,3 +133,45 @@ def test_an_in_place_update_asks_for_no_cache_flush(mode, flush):
     ]
     assert bodies[0][1] == {"mode": mode}
     assert bodies[1][1]["flush_cache"] is flush
+
+
+def test_a_retract_pause_over_a_held_batch_is_in_force_only_once_its_rows_are_retracted(tiny_model_dir):
+    """An update's `retract` pause over a batch an `in_place` pause already holds is in force (what
+    `/pause_generation` waits for) only once the loop woke and retracted the rows: the loop's `held` was still
+    True from the first pause, so the handler answered at once, and a `/continue_generation` before the loop
+    woke let the rows decode on their old KV cache under the new weights (a clean clone's suite saw the
+    retract case of the test above get the in-place log-probs). Here the loop is kept from waking (the
+    control's lock held) while the second pause is asked for: no timing."""
+    engine = LocalEngine(tiny_model_dir, dtype="float32", weight_version="0")
+    sampling = SamplingConfig(
+        n_samples=2, max_new_tokens=N_TOKENS, temperature=1.0, log_rho=LOG_RHO, ignore_eos=True, base_seed=7
+    )
+
+    async def main():
+        async with serving_app(build_app(engine)) as url:
+            client = RolloutClient([url], processor=DVPLogitProcessor.to_str())
+            _pause_at_tokens(engine, 6, "in_place")
+            task = asyncio.ensure_future(
+                client.generate_group(PROMPT, sample_keys(0, sampling), sampling, partial=True)
+            )
+            await asyncio.to_thread(_hold, engine, None)
+            batcher = engine.batcher
+            assert batcher.pause_in_force() and len(batcher.running) == 2
+            with engine.control.cond:  # the loop cannot wake and act on the second pause meanwhile
+                engine.control.pause("retract")
+                assert batcher.held and not batcher.pause_in_force()
+            for _ in range(6000):  # the loop wakes, retracts and holds again
+                if batcher.pause_in_force():
+                    break
+                await asyncio.sleep(0.01)
+            assert batcher.pause_in_force() and batcher.running == [] and len(batcher.waiting) == 2
+            engine.control.resume()
+            samples = await task
+            await client.close()
+            return samples
+
+    try:
+        samples = asyncio.run(main())
+    finally:
+        engine.close()
+    assert [len(s.output_ids) for s in samples] == [N_TOKENS, N_TOKENS]

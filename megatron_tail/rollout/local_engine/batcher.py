@@ -185,7 +185,10 @@ class ContinuousBatcher:
         """SGLang's `--sampling-mask-max-tokens`: a row whose realised support exceeds it is aborted with
         SGLang's message (`_over_cap`)."""
         self.held = False
-        """True while a pause holds the loop between decoding steps (the pause is then in force)."""
+        """True while a pause holds the loop between decoding steps."""
+        self.held_for = 0
+        """The `control.pauses` count the loop last held for (after a retract pause, retracted): the current
+        pause is in force when it equals the control's and `held` is True (`pause_in_force`)."""
         self.steps = 0
         """Decoding steps run (a step = one forward of the whole running batch)."""
         self.weight_version = ""
@@ -281,7 +284,7 @@ class ContinuousBatcher:
             if self.control.paused:
                 if self.control.mode == "retract" and self.running:
                     self._retract()
-                self.held = True
+                self.held, self.held_for = True, self.control.pauses
                 cond.wait()
                 self.held = False
                 continue
@@ -317,6 +320,13 @@ class ContinuousBatcher:
         for row in doomed + [r for r in self.waiting if which(r)]:
             row.finish(dict(ABORTED))
         self.waiting = deque(r for r in self.waiting if not r.finished)
+
+    def pause_in_force(self) -> bool:
+        """The loop holds for the latest pause, having acted on its mode. A pause over a batch another pause
+        already holds (an update's `retract` after an `in_place` hold) is not in force until the loop wakes
+        and retracts: `held` alone was still True from the first, and a `/continue_generation` before the
+        loop woke would have let the rows decode on their old KV cache under the new weights."""
+        return self.held and self.held_for == self.control.pauses
 
     def _retract(self) -> None:
         """Running rows back to the front of the queue; their KV cache is dropped (recomputed at admission

@@ -23,6 +23,7 @@ class PauseControl:
         self._abort_epoch = 0
         self._active = 0
         self._mode = "abort"
+        self._pauses = 0
         self._updates = 0
         """Weight updates waiting for (or doing) their load outside a pause: no generation starts."""
 
@@ -46,6 +47,12 @@ class PauseControl:
         return self._paused
 
     @property
+    def pauses(self) -> int:
+        """Incremented by every `pause`: a pause is in force once the batcher holds for this count (a second
+        pause, in another mode, over a batch already held is not in force until the batcher acted on it)."""
+        return self._pauses
+
+    @property
     def active(self) -> int:
         """Generations started and not yet finished."""
         return self._active
@@ -56,6 +63,7 @@ class PauseControl:
         with self._cond:
             self._paused = True
             self._mode = mode
+            self._pauses += 1
             self._cond.notify_all()
             if mode == "abort":
                 self._abort_epoch += 1

@@ -295,7 +295,7 @@ async def pause_generation(request: web.Request) -> web.Response:
     # answer once the pause is in force, as SGLang's scheduler does: a step already past its pause check
     # would otherwise run after an update that follows (new weights over a retracted row's old cache);
     # not for a pause a continue already ended, nor from a batch loop that has ended
-    while engine.control.paused and engine.batcher.alive and not engine.batcher.held:
+    while engine.control.paused and engine.batcher.alive and not engine.batcher.pause_in_force():
         await asyncio.sleep(0.005)
     if not engine.batcher.alive:
         return _loop_stopped()
