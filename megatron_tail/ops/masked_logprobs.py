@@ -480,21 +480,30 @@ class _MaskedLogprobsFunction(torch.autograd.Function):
 
 def triton_backward(x: torch.Tensor, g: torch.Tensor, per_row: dict, dense: dict, sparse: dict) -> None:
     """The Triton backend's backward (`triton_grad`), of this op and of each block of the fused one with a
-    sampling support (without one the fused op's gradient kernel writes the target's column itself):
+    sampling support (without one the fused op's blocks call the gradient kernel themselves, with global ids).
+    Without a support, one launch: the gradient kernel writes the target's column in its pass
+    (`triton_kernels.write_grad`'s `targets`; the dense coefficients are then the target's own). With one:
     the target and support columns' values from the logits as they are, block by block; then the dense pass
     over every row (g may be x: in place); then those columns written once each. `per_row`: max_logit,
     log_norm, inv_temperature; `dense`: the dense pass's threshold and coefficients; `sparse`:
     `triton_grad.special_columns`'s own arguments, whole rows (`support` with its columns' vocab start)."""
     support = sparse["support"]
-    columns = []
-    width = 1 if support is None else (support[0].shape[1] + 2) ** 2  # the merge's [J, J] per row
+    if support is None:
+        # about 20 small torch ops fewer per call (the backward's time outside its kernel was 0.17 ms of a
+        # 16k-token fwd + bwd on an H200, `bench.op_split`, 2026-12-01): the rows whose target this shard does
+        # not hold get id −1, which no column has
+        targets = torch.where(sparse["owned"], sparse["local_target"], -1)
+        load_kernels(x.device).write_grad(
+            x, g, **per_row, **dense, targets=targets, target_start=0, target_add=sparse["target_add"]
+        )
+        return
+    ids, targets, forced, rows_with_support, vocab_start = support
+    width = (ids.shape[1] + 2) ** 2  # the merge's [J, J] per row
     other = {k: v for k, v in {**per_row, **sparse}.items() if k != "support"}
+    columns = []
     for block in special_blocks(x.shape[0], width) if x.shape[1] else ():
         rows = {k: v[block] if isinstance(v, torch.Tensor) else v for k, v in other.items()}
-        block_support = None
-        if support is not None:
-            ids, targets, forced, rows_with_support, vocab_start = support
-            block_support = (ids[block], targets[block], forced[block], rows_with_support[block], vocab_start)
+        block_support = (ids[block], targets[block], forced[block], rows_with_support[block], vocab_start)
         columns.append((block, triton_grad.special_columns(x[block], support=block_support, **rows)))
     load_kernels(x.device).write_grad(x, g, **per_row, **dense)
     for block, (cols, values, keep) in columns:

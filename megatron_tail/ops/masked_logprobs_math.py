@@ -250,7 +250,10 @@ def _add_target_terms(
     x_t = x.gather(1, cols).squeeze(1).to(max_logit.dtype)
     log_p_t = (x_t - max_logit) * inv_temperature - log_norm
     coef = bias if scale_h is None else bias + scale_h * log_p_t
-    forced = owned & (x_t < threshold)
-    term = torch.where(forced, torch.exp(log_p_t) * coef, torch.zeros_like(coef))
+    p_t = torch.exp(log_p_t)
+    # a force-kept target at −inf (p_t = 0) adds no term, not 0·(−inf) = NaN: the p log p → 0 limit, as the
+    # dense part (`_entropy_weight_`) and the Triton kernel have it
+    forced = owned & (x_t < threshold) & (p_t != 0)
+    term = torch.where(forced, p_t * coef, torch.zeros_like(coef))
     term = torch.where(owned, term + target_add, torch.zeros_like(term))
     grad.scatter_add_(1, cols, term.to(grad.dtype).unsqueeze(1))

@@ -1,5 +1,7 @@
-"""The op's backward on the Triton backend: one dense kernel pass, then the target's and the support's columns
-written once each, computed in the compute dtype (float32) from the logits read before the pass.
+"""The op's backward on the Triton backend with a sampling support: one dense kernel pass, then the target's
+and the support's columns written once each, computed in the compute dtype (float32) from the logits read
+before the pass. (Without a support the dense pass writes the target's column itself, in float32 before its
+one rounding: `triton_kernels.write_grad`'s `targets`.)
 
 The dense pass (`triton_kernels.write_grad`) writes p·(bias + scale_h·log p) over V_S, which is right for
 every column but a few per row: the target (which also gets g_L/T, and, force-kept outside V_S, its own p
@@ -28,17 +30,17 @@ def special_columns(
     bias: torch.Tensor,
     scale_h: torch.Tensor | None,
     target_add: torch.Tensor,
-    support: tuple | None,
+    support: tuple,
     num_valid: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`(cols, values, keep)`, each `[n, J]`: the columns of one block of rows whose gradient the dense pass
-    does not give whole, their values, and which of them this shard holds (J = 1, the target, or K + 2 with a
-    support: its ids, the force-kept target, the target).
+    does not give whole, their values, and which of them this shard holds (J = K + 2: the support's ids, the
+    force-kept target, the target).
 
     Args:
         x: `[n, V]` the block's valid logits, read before the dense pass; the rest `[n]` per row, as
             `masked_logprobs_math.chunk_grad` takes them (bias, scale_h: the support's own, not zeroed).
-        support: None, or `(support [n, K], targets [n], forced [n], rows_with_support [n], vocab_start)`.
+        support: `(support [n, K], targets [n], forced [n], rows_with_support [n], vocab_start)`.
     """
     cols = local_target.unsqueeze(1)
     x_t = x.gather(1, cols).squeeze(1).to(max_logit.dtype)
@@ -46,8 +48,6 @@ def special_columns(
     coef = bias if scale_h is None else bias + scale_h * finite_(log_p_t.clone())
     p_t = torch.exp(log_p_t)
     own_term = torch.where(p_t == 0, torch.zeros_like(p_t), p_t * coef)  # p = 0: no term (NaN stays NaN)
-    if support is None:
-        return cols, (own_term + target_add).unsqueeze(1), owned.unsqueeze(1)
     ids, targets, forced, rows_with_support, vocab_start = support
     target_value = target_add + torch.where(rows_with_support, torch.zeros_like(own_term), own_term)
     ids = support_math.with_forced_target(ids, targets, forced)

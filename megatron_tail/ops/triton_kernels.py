@@ -5,12 +5,12 @@
     max_and_sums(x, …, offset, launch)           TP = 1: both passes and θ in one program per row
     write_grad(x, out, max, θ, log S_K, bias, scale_h, 1/T[, targets, start, target_add])
                                                  backward: p·(bias + scale_h·log p) on V_S, 0 elsewhere
-                                                 (and the target's column, for the fused op's blocks)
+                                                 (and the target's column, for calls without a support)
 
 The math is `masked_logprobs_math`'s (its docstring has the notation); the collectives, the threshold rule
 (`safe_vocab`, in torch so that the comparison is the sampler's bit for bit), the sampling support and the
-target / support columns of the gradient stay in torch (`[N]`, `[N, K]` work; the fused op's blocks without a
-support have the gradient kernel write the target's column, a dozen launches fewer per block), so these
+target / support columns of the gradient stay in torch (`[N]`, `[N, K]` work; without a support the gradient
+kernel writes the target's column, a dozen launches fewer per call or fused block), so these
 kernels are the only `[N, V]` passes. At TP = 1 nothing sits between the passes, and where a GPU run measured
 it faster (`ONE_PROGRAM`) one persistent kernel does both and θ in between, with `safe_threshold`'s one
 rounding of the same two values. Each program walks its row in `BLOCK`-column tiles, whose size and warps per
@@ -633,9 +633,9 @@ def write_grad(
     are given, for a block without a sampling support whose columns are the global ids `target_start`,
     `target_start + 1`, …: then the target's column, where these columns hold it, gets
     `triton_grad.special_columns`' value in the same pass, p·(bias + scale_h·log p) whether or not it is in
-    V_S (0 where p = 0), plus `target_add`. One difference: a row poisoned by a NaN bias or scale_h (a NaN
-    upstream gradient) is NaN in its target's column too, where `special_columns` writes `target_add` there
-    when p = 0."""
+    V_S (0 where p = 0), plus `target_add`. A row poisoned by a NaN bias or scale_h (a NaN upstream
+    gradient) is NaN in its target's column too, as in the PyTorch backend, where `special_columns` (the
+    columns of a call with a support) writes `target_add` there when p = 0."""
     if not (x.shape[0] and x.shape[1]):
         return
     t = tile("grad", x.dtype, x.shape[1], x.device)

@@ -115,6 +115,48 @@ def test_nan_poisons_its_row_and_minus_inf_is_probability_zero():
 
 @pytest.mark.usefixtures("forward")
 @pytest.mark.parametrize("inplace", [False, True], ids=["read-only", "in-place"])
+def test_a_nan_upstream_gradient_poisons_its_row_even_where_the_target_has_probability_zero(inplace):
+    # Without a support the gradient kernel writes the target's column itself (`triton_backward`): one
+    # launch, where the columns written after the dense pass took about 20 small torch ops. A NaN upstream
+    # gradient makes the whole row NaN, the target's column too when its p is 0, as the PyTorch backend has it
+    # (the column pass wrote the target's log-prob term alone there, finite).
+    logits, targets, g_l, g_h = make_problem(n=6)
+    logits[1, 40] = float("-inf")
+    targets[1] = 40  # p = 0
+    g_h[1] = float("nan")
+    out, grad = run_op(
+        logits, targets, g_l, g_h, log_rho=-4.0, vocab_size=290, backend="triton", inplace=inplace
+    )
+    _, torch_grad = run_op(logits, targets, g_l, g_h, log_rho=-4.0, vocab_size=290, backend="torch")
+    assert torch.isnan(grad[1, :290]).all()
+    assert torch.isfinite(grad[[0, 2, 3, 4, 5]]).all()
+    torch.testing.assert_close(grad, torch_grad, equal_nan=True, rtol=2e-5, atol=2e-5)
+    assert torch.isfinite(out.logprobs[[0, 2, 3, 4, 5]]).all()
+
+
+@pytest.mark.usefixtures("forward")
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_target_at_minus_inf_gets_only_its_log_prob_term(backend):
+    # A force-kept target of probability 0 adds no p·(bias + scale_h·log p) term (p log p → 0), not
+    # 0·(−inf) = NaN: its column's gradient is g_L/T alone. (Autograd through the float64 reference gives
+    # NaN on that row, so the other rows are checked against it and this one against the limit.)
+    logits, targets, g_l, g_h = make_problem(n=6)
+    logits[1, 40] = float("-inf")
+    targets[1] = 40
+    kw = dict(log_rho=-4.0, vocab_size=290, temperature=0.7)
+    out, grad = run_op(logits, targets, g_l, g_h, backend=backend, **kw)
+    assert out.logprobs[1] == float("-inf")
+    assert torch.isfinite(grad).all()
+    torch.testing.assert_close(grad[1, 40], g_l[1] / 0.7, rtol=1e-6, atol=0)
+    _, ref_grad = reference(logits, targets, g_l, g_h, 290, log_rho=-4.0, temperature=0.7)
+    rows = [0, 2, 3, 4, 5]
+    torch.testing.assert_close(
+        grad[rows, :290].double(), ref_grad[rows], rtol=GRAD_TOL[torch.float32], atol=2e-6
+    )
+
+
+@pytest.mark.usefixtures("forward")
+@pytest.mark.parametrize("inplace", [False, True], ids=["read-only", "in-place"])
 @pytest.mark.parametrize("block_rows", [None, 3], ids=["one-block", "blocks-of-3"])
 def test_sampling_support_with_padding_and_a_forced_target(monkeypatch, inplace, block_rows):
     if block_rows is not None:  # the support's torch work in several row blocks, as on a long call
