@@ -87,11 +87,19 @@ afford (the interpreter runs each tile as numpy calls)."""
 
 
 class OneProgram(NamedTuple):
-    """The one-program forward's launch (`max_and_sums`): its tile, and how many programs per SM the
-    persistent grid starts, which is how many rows are in flight at once."""
+    """The one-program forward's launch (`max_and_sums`): its tile, how many programs per SM the persistent
+    grid starts (how many rows are in flight at once), the L2 eviction priority each walk's loads ask for, in
+    `tl.load`'s words (`EVICTIONS`; "" = the default, normal priority), and the software pipeline of pass 1's
+    whole-tile loop (`tl.range(num_stages=pass1_stages)`: 1 = none; s > 1 keeps s − 1 tiles' loads in flight
+    per program through shared memory, `cp.async` on sm_80+). Pass 2 is not pipelined: it is to read from
+    L2, where one load per thread in flight is enough, and a pipeline's shared-memory round trip costs its
+    instruction-bound loop 15% more instructions per element (`tests/ops/kernels_aot.py`)."""
 
     tile: Tile
     programs_per_sm: int
+    pass1_eviction: str = ""
+    pass2_eviction: str = ""
+    pass1_stages: int = 1
 
 
 ONE_PROGRAM: dict[tuple[str, tuple[int, int]], OneProgram] = {
@@ -119,16 +127,40 @@ one program per row keeps every resident program's row in flight, several times 
 backwards, the tiles pass 1 read last first.
 Not under TP > 1: the MAX collective sits between the passes there."""
 
+EVICTIONS = ("", "evict_first", "evict_last")
+"""The L2 priorities a walk's loads may ask for. Triton 3.7 lowers `tl.load(eviction_policy=…)` on sm_80+ to
+`ld.global.L1::<policy>.L2::cache_hint` with a `createpolicy.fractional.L2::<policy>.b64 …, 1.0` operand
+(`tests/ops/kernels_aot.py` checks the PTX): an L2 priority, not only an L1 one."""
+
 ONE_PROGRAM_CANDIDATES: tuple[OneProgram, ...] = (
-    OneProgram(Tile(2048, 8), 2),
     OneProgram(Tile(2048, 8), 4),
     OneProgram(Tile(4096, 16), 1),
     OneProgram(Tile(4096, 16), 2),
     OneProgram(Tile(8192, 32), 1),
+    OneProgram(Tile(4096, 16), 2, "", "evict_first"),
+    OneProgram(Tile(4096, 16), 2, "evict_last", "evict_first"),
+    OneProgram(Tile(8192, 32), 1, "", "evict_first"),
+    OneProgram(Tile(8192, 32), 1, "evict_last", "evict_first"),
+    OneProgram(Tile(4096, 16), 2, "", "evict_first", 3),
+    OneProgram(Tile(8192, 32), 1, "", "evict_first", 3),
 )
 """The launches `bench.op` times on a GPU: 8 values per thread (as every measured tile), 16–32 warps per SM
 (fewer would not keep the reads of pass 1 in flight), 130–260 rows in flight on an H100 / H200 (39–78 MB of
-bf16 rows at 151,936 columns, around their 50 MB L2)."""
+bf16 rows at 151,936 columns, around their 50 MB L2).
+
+From the fifth on they ask L2 to keep what pass 2 still needs. Measured, the kernel took 95% of two reads of
+the logits at 2 per SM, and about as long at 1 per SM (8192 × 32): pass 2 mostly missed L2 although it walks
+its row backwards, and although 132 rows in flight are 39 MB. Under the default (LRU-like) priority, pass 2's
+hits make the lines they consume the most recently used, so L2 keeps each program's last summed row, dead,
+beside the row its pass 1 is reading: twice the rows in flight, 78 MB at 1 per SM, over the 50 MB L2.
+`evict_first` on pass 2 makes a consumed line the first to go (39 MB live at 1 per SM, 78 at 2), and
+`evict_last` on pass 1 keeps a line until its row's pass 2 demotes it. Projected, not measured: how much of
+pass 2 then hits depends on how the H200 honours the hints (an `evict_last` line may be held only within a
+set-aside part of L2, `cudaLimitPersistingL2CacheSize`, 0 by default); the next GPU run's designs table
+says. The last two also pipeline pass 1's loads (3 stages). Unpipelined, a thread keeps one 16-byte load in
+flight: 16 KB per SM at 32 warps (8 at 16, where 4096 × 16 at 1 per SM was the slowest launch), short of the
+~25 KB an H200 needs in flight to stream at its copy rate (Little's law: ~4.8 TB/s × ~0.7 µs over 132 SMs;
+projected); the one-program-per-row kernels reach it by occupancy instead (up to 64 warps per SM)."""
 
 INTERPRETER_ONE_PROGRAM = OneProgram(INTERPRETER_TILE, 1)
 """Under Triton's interpreter: the fixed tile, and a grid of `INTERPRETER_PROGRAMS` programs."""
@@ -146,6 +178,11 @@ def forward_design(choice: OneProgram | str) -> contextlib.AbstractContextManage
     whatever `ONE_PROGRAM` says: what `bench.op` compares, and the tests run both ways."""
     if not isinstance(choice, OneProgram) and choice != TWO_KERNELS:
         raise ValueError(f"forward_design takes a OneProgram or {TWO_KERNELS!r}; got {choice!r}")
+    if isinstance(choice, OneProgram):
+        if {choice.pass1_eviction, choice.pass2_eviction} - set(EVICTIONS):
+            raise ValueError(f"a OneProgram's evictions are one of {EVICTIONS}; got {choice!r}")
+        if choice.pass1_stages not in (1, 2, 3, 4):
+            raise ValueError(f"a OneProgram's pass 1 stages are 1 to 4; got {choice!r}")
     return scoped(_FORWARD_CHOICE, choice)
 
 
@@ -156,7 +193,13 @@ def one_program(dtype: torch.dtype, device: torch.device) -> OneProgram | None:
     if choice is not None:
         if choice == TWO_KERNELS:
             return None
-        return choice if device.type == "cuda" else INTERPRETER_ONE_PROGRAM
+        if device.type == "cuda":
+            return choice
+        # the interpreter's tile and grid, with the choice's loads (the interpreter ignores their L2 priority
+        # and runs a pipelined loop as a plain one)
+        return choice._replace(
+            tile=INTERPRETER_ONE_PROGRAM.tile, programs_per_sm=INTERPRETER_ONE_PROGRAM.programs_per_sm
+        )
     if device.type != "cuda":
         return None  # as an unmeasured GPU: the two kernels
     return ONE_PROGRAM.get((_width_class(dtype), _capability(device.index)))
@@ -207,6 +250,16 @@ def tiles(dtype: torch.dtype, n_cols: int, device: torch.device) -> dict[str, Ti
     return {k: tile(k, dtype, n_cols, device) for k in KERNELS}
 
 
+def describe_launch(launch: OneProgram) -> str:
+    """A one-program launch in words: its tile, programs per SM, and its walks' L2 priorities if any."""
+    what = f"one program, {launch.tile.block}×{launch.tile.num_warps}, {launch.programs_per_sm} per SM"
+    if launch.pass1_eviction or launch.pass2_eviction:
+        what += f", L2 {launch.pass1_eviction or 'normal'} / {launch.pass2_eviction or 'normal'}"
+    if launch.pass1_stages > 1:
+        what += f", pass 1 in {launch.pass1_stages} stages"
+    return what
+
+
 def describe_tiles(dtype: torch.dtype, n_cols: int, device: torch.device) -> str:
     """The configs `tiles` picks, and where they come from, on one line (what `bench.op` prints)."""
     configs = " · ".join(f"{k} {t.block}×{t.num_warps}" for k, t in tiles(dtype, n_cols, device).items())
@@ -217,10 +270,7 @@ def describe_tiles(dtype: torch.dtype, n_cols: int, device: torch.device) -> str
     source = f"measured table, {MEASURED_H200}" if measured else "projected: no timing on this device"
     launch = one_program(dtype, device)
     forward = (
-        "TP = 1 forward: two kernels"
-        if launch is None
-        else f"TP = 1 forward: one program, {launch.tile.block}×{launch.tile.num_warps}, "
-        f"{launch.programs_per_sm} per SM"
+        "TP = 1 forward: two kernels" if launch is None else f"TP = 1 forward: {describe_launch(launch)}"
     )
     return f"{configs} (sm_{major}{minor}, {source}); {forward}"
 
@@ -250,18 +300,28 @@ def _as_compute(scalar, COMPUTE: tl.constexpr):
 
 
 @triton.jit
-def _walk_max(base, n_cols, BLOCK: tl.constexpr, COMPUTE: tl.constexpr):
-    # pass 1 of one row: its max over the valid columns, NaN if any is NaN
+def _walk_max(base, n_cols, BLOCK: tl.constexpr, COMPUTE: tl.constexpr, EVICTION: tl.constexpr,
+              STAGES: tl.constexpr):  # fmt: skip
+    # pass 1 of one row: its max over the valid columns, NaN if any is NaN (EVICTION: the loads' L2 priority;
+    # STAGES: the whole-tile loop's software pipeline, `OneProgram.pass1_stages`)
     cols = tl.arange(0, BLOCK)
     best = tl.full([BLOCK], float("-inf"), COMPUTE)
     whole = n_cols - n_cols % BLOCK
-    for start in range(0, whole, BLOCK):
-        # max.NaN on sm_80+: a NaN sticks in its lane, one instruction per element (a separate NaN flag
-        # was three); the masked tail's lanes read −inf, which no max keeps
-        x = tl.load(base + start + cols).to(COMPUTE)
-        best = tl.maximum(best, x, propagate_nan=tl.PropagateNan.ALL)
+    # max.NaN on sm_80+: a NaN sticks in its lane, one instruction per element (a separate NaN flag was
+    # three); the masked tail's lanes read −inf, which no max keeps. Unpipelined, a plain `range`: the code
+    # the measured launches ran (a `tl.range` of one stage allocates registers otherwise: a spill at 4096)
+    if STAGES > 1:
+        for start in tl.range(0, whole, BLOCK, num_stages=STAGES):
+            x = tl.load(base + start + cols, eviction_policy=EVICTION).to(COMPUTE)
+            best = tl.maximum(best, x, propagate_nan=tl.PropagateNan.ALL)
+    else:
+        for start in range(0, whole, BLOCK):
+            x = tl.load(base + start + cols, eviction_policy=EVICTION).to(COMPUTE)
+            best = tl.maximum(best, x, propagate_nan=tl.PropagateNan.ALL)
     for start in range(whole, n_cols, BLOCK):
-        x = tl.load(base + start + cols, mask=start + cols < n_cols, other=float("-inf")).to(COMPUTE)
+        x = tl.load(
+            base + start + cols, mask=start + cols < n_cols, other=float("-inf"), eviction_policy=EVICTION
+        ).to(COMPUTE)
         best = tl.maximum(best, x, propagate_nan=tl.PropagateNan.ALL)
     # `tl.max` drops NaN (PropagateNan.NONE): a NaN lane makes the row's max NaN explicitly
     has_nan = tl.max((best != best).to(tl.int32), axis=0) > 0
@@ -271,7 +331,7 @@ def _walk_max(base, n_cols, BLOCK: tl.constexpr, COMPUTE: tl.constexpr):
 @triton.jit
 def _row_max_kernel(X, stride_x, n_cols, OUT, BLOCK: tl.constexpr, COMPUTE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    tl.store(OUT + row, _walk_max(X + row * stride_x, n_cols, BLOCK, COMPUTE))
+    tl.store(OUT + row, _walk_max(X + row * stride_x, n_cols, BLOCK, COMPUTE, "", 1))
 
 
 @triton.jit
@@ -299,10 +359,11 @@ def _sums_tile(x, m, threshold, exp2_scale, s_all, s_safe, s_ez, count, WITH_ENT
 
 @triton.jit
 def _walk_sums(base, n_cols, m, threshold, exp2_scale, BACKWARDS: tl.constexpr, WITH_ENTROPY: tl.constexpr,
-               WITH_COUNT: tl.constexpr, BLOCK: tl.constexpr, COMPUTE: tl.constexpr):  # fmt: skip
+               WITH_COUNT: tl.constexpr, BLOCK: tl.constexpr, COMPUTE: tl.constexpr,
+               EVICTION: tl.constexpr):  # fmt: skip
     # pass 2 of one row: (S_all, S_safe, Σ_safe e^z·z, |V_S|) over its valid columns. `BACKWARDS`: the last
     # tile first, so that right after pass 1 walked the row forwards the most recently read tiles (the ones
-    # an L2 still holds) come first.
+    # an L2 still holds) come first. EVICTION: the loads' L2 priority.
     cols = tl.arange(0, BLOCK)
     s_all = tl.zeros([BLOCK], COMPUTE)
     s_safe = tl.zeros([BLOCK], COMPUTE)
@@ -314,24 +375,28 @@ def _walk_sums(base, n_cols, m, threshold, exp2_scale, BACKWARDS: tl.constexpr, 
     whole = n_whole * BLOCK
     if BACKWARDS:
         for start in range(whole, n_cols, BLOCK):
-            x = tl.load(base + start + cols, mask=start + cols < n_cols, other=float("-inf")).to(COMPUTE)
+            x = tl.load(
+                base + start + cols, mask=start + cols < n_cols, other=float("-inf"), eviction_policy=EVICTION
+            ).to(COMPUTE)
             s_all, s_safe, s_ez, count = _sums_tile(
                 x, m, threshold, exp2_scale, s_all, s_safe, s_ez, count, WITH_ENTROPY, WITH_COUNT
             )
         for i in range(0, n_whole):
-            x = tl.load(base + (whole - BLOCK - i * BLOCK) + cols).to(COMPUTE)
+            x = tl.load(base + (whole - BLOCK - i * BLOCK) + cols, eviction_policy=EVICTION).to(COMPUTE)
             s_all, s_safe, s_ez, count = _sums_tile(
                 x, m, threshold, exp2_scale, s_all, s_safe, s_ez, count, WITH_ENTROPY, WITH_COUNT
             )
     else:
         for start in range(0, whole, BLOCK):
-            x = tl.load(base + start + cols).to(COMPUTE)
+            x = tl.load(base + start + cols, eviction_policy=EVICTION).to(COMPUTE)
             s_all, s_safe, s_ez, count = _sums_tile(
                 x, m, threshold, exp2_scale, s_all, s_safe, s_ez, count, WITH_ENTROPY, WITH_COUNT
             )
         for start in range(whole, n_cols, BLOCK):
             # masked lanes read −inf: e = 0, never safe (m = ±inf or NaN makes the row's valid lanes NaN too)
-            x = tl.load(base + start + cols, mask=start + cols < n_cols, other=float("-inf")).to(COMPUTE)
+            x = tl.load(
+                base + start + cols, mask=start + cols < n_cols, other=float("-inf"), eviction_policy=EVICTION
+            ).to(COMPUTE)
             s_all, s_safe, s_ez, count = _sums_tile(
                 x, m, threshold, exp2_scale, s_all, s_safe, s_ez, count, WITH_ENTROPY, WITH_COUNT
             )
@@ -385,7 +450,7 @@ def _partials_kernel(
     threshold = tl.load(THRESHOLD + row)
     exp2_scale = _as_compute(exp2_scale, COMPUTE)
     s_all, s_safe, s_ez, count = _walk_sums(
-        base, n_cols, m, threshold, exp2_scale, False, WITH_ENTROPY, WITH_COUNT, BLOCK, COMPUTE
+        base, n_cols, m, threshold, exp2_scale, False, WITH_ENTROPY, WITH_COUNT, BLOCK, COMPUTE, ""
     )
     _store_partials(OUT + row * stride_out, base, s_all, s_safe, s_ez, count, TARGET_COL, OWNED, row,
                     COMPUTE, COL_ALL, COL_SAFE, COL_SAFE_EZ, COL_TARGET, COL_COUNT)  # fmt: skip
@@ -416,6 +481,9 @@ def _max_and_sums_kernel(
     COL_TARGET: tl.constexpr,
     COL_COUNT: tl.constexpr,
     MAX_FLOAT: tl.constexpr,
+    PASS1_EVICTION: tl.constexpr,
+    PASS2_EVICTION: tl.constexpr,
+    PASS1_STAGES: tl.constexpr,
 ):
     # Persistent: the grid is the rows in flight (`max_and_sums`), each program walks rows pid, pid + grid, …
     # rounded to the compute dtype as `max_logit + offset` converts it in torch: beyond float32's range, −inf
@@ -423,7 +491,7 @@ def _max_and_sums_kernel(
     exp2_scale = _as_compute(exp2_scale, COMPUTE)
     for row in range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):
         base = X + row * stride_x
-        m = _walk_max(base, n_cols, BLOCK, COMPUTE)
+        m = _walk_max(base, n_cols, BLOCK, COMPUTE, PASS1_EVICTION, PASS1_STAGES)
         # θ = m + T·log ρ as `safe_vocab.safe_threshold` adds it (one rounding in the compute dtype of the
         # same two values): the sampler's comparison, bit for bit, and never below −max_float, as
         # `masked_logprobs.op_threshold` clamps it (a NaN max stays NaN); without pruning θ = −max_float
@@ -432,9 +500,8 @@ def _max_and_sums_kernel(
             threshold = tl.maximum(m + offset, lowest, propagate_nan=tl.PropagateNan.ALL)
         else:
             threshold = offset
-        s_all, s_safe, s_ez, count = _walk_sums(
-            base, n_cols, m, threshold, exp2_scale, True, WITH_ENTROPY, WITH_COUNT, BLOCK, COMPUTE
-        )
+        s_all, s_safe, s_ez, count = _walk_sums(base, n_cols, m, threshold, exp2_scale, True, WITH_ENTROPY,
+                                                WITH_COUNT, BLOCK, COMPUTE, PASS2_EVICTION)  # fmt: skip
         tl.store(MAX + row, m)
         tl.store(THRESHOLD + row, threshold)
         _store_partials(OUT + row * stride_out, base, s_all, s_safe, s_ez, count, TARGET_COL, OWNED, row,
@@ -573,7 +640,7 @@ def max_and_sums(
         x: `[N, V]` logits, V ≥ 1 valid columns (the whole vocabulary: its max is the global max), unit
             column stride.
         offset: T·log ρ with pruning, else −max_float of `compute_dtype` (`masked_logprobs.threshold_offset`).
-        launch: the tile and programs per SM (`one_program`).
+        launch: the tile, programs per SM and the walks' L2 priorities (`one_program`).
     Returns:
         (`[N]` max, `[N]` θ, `[N, NUM_PARTIALS]` partial sums, the support's columns 0), in `compute_dtype`.
     """
@@ -608,6 +675,9 @@ def max_and_sums(
         COMPUTE=_compute_dtype(x),
         **PARTIAL_COLUMNS,
         MAX_FLOAT=torch.finfo(compute_dtype).max,
+        PASS1_EVICTION=launch.pass1_eviction,
+        PASS2_EVICTION=launch.pass2_eviction,
+        PASS1_STAGES=launch.pass1_stages,
         num_warps=t.num_warps,
     )
     return max_logit, threshold, out

@@ -207,7 +207,10 @@ def inner_loops(cubin: bytes, element_bytes: int) -> list[dict]:
         if any(start <= s and e <= end and (s, e) != (start, end) for s, e in loops):
             continue  # an outer loop
         body = [op for address, op, _ in code if start <= address <= end]
-        loaded = sum(LOAD_BYTES.get(op.split(".")[-1], 4) for op in body if op.startswith("LDG"))
+        # LDG and a pipelined loop's LDGSTS (global into shared) load; LDGDEPBAR only fences the latter
+        loaded = sum(
+            LOAD_BYTES.get(op.split(".")[-1], 4) for op in body if op.startswith("LDG") and op != "LDGDEPBAR"
+        )
         elements = loaded // element_bytes
         if elements:
             out.append({"instructions": len(body), "elements": elements,
@@ -238,25 +241,38 @@ def main() -> None:
     print(json.dumps({"triton": triton.__version__, "kernels": rows, "one_program": one_program_rows()}))
 
 
+L2_POLICY = re.compile(r"createpolicy\.fractional\.L2::(evict_first|evict_last)\.b64")
+"""An L2 eviction priority in PTX: what `tl.load(eviction_policy=…)` lowers to on sm_80+ (with the load's
+`.L2::cache_hint` operand)."""
+
+
 def one_program_rows() -> list[dict]:
     """Each `ONE_PROGRAM_CANDIDATES` launch of the one-program forward, compiled for Hopper at bf16: its
-    registers and shared memory, and whether `programs_per_sm` of its programs fit one SM at once (registers
-    allocated per thread in multiples of 8, `HOPPER_SM`). A persistent grid whose programs do not all fit runs
-    as two waves: twice the time, and the rows in flight are not what the launch says."""
+    registers and shared memory, whether `programs_per_sm` of its programs fit one SM at once (registers
+    allocated per thread in multiples of 8, `HOPPER_SM`), the L2 priorities its PTX asks for, its
+    asynchronous copies into shared memory (a pipelined loop's loads), and its inner loops' SASS
+    instructions per element. A persistent grid whose programs do not all fit runs as two waves:
+    twice the time, and the rows in flight are not what the launch says."""
     _, fn, signature, constexprs, _ = next(
         r for r in kernels("bf16", TARGETS["sm_90a"]) if r[0] == "max_and_sums"
     )
     rows = []
     for launch in k.ONE_PROGRAM_CANDIDATES:
         tile = k.one_program_tile(launch, torch.bfloat16, 151_936)
-        compiled = compile_kernel(fn, signature, {**constexprs, "BLOCK": tile.block}, tile.num_warps,
-                                  TARGETS["sm_90a"])  # fmt: skip
+        flags = {**constexprs, "BLOCK": tile.block, "PASS1_EVICTION": launch.pass1_eviction,
+                 "PASS2_EVICTION": launch.pass2_eviction, "PASS1_STAGES": launch.pass1_stages}  # fmt: skip
+        compiled = compile_kernel(fn, signature, flags, tile.num_warps, TARGETS["sm_90a"])
         report = ptxas_report(compiled.asm["ptx"], "sm_90a")
         threads = 32 * tile.num_warps * launch.programs_per_sm
         registers = -(-report["registers"] // 8) * 8 * threads
         shared = compiled.metadata.shared * launch.programs_per_sm
         rows.append(
             {"launch": [tile.block, tile.num_warps, launch.programs_per_sm], **report,
+             "evictions": [launch.pass1_eviction, launch.pass2_eviction], "pass1_stages": launch.pass1_stages,
+             "l2_policies": sorted(set(L2_POLICY.findall(compiled.asm["ptx"]))),
+             "async_copies": compiled.asm["ptx"].count("cp.async.cg.shared.global"),
+             "shared_bytes": compiled.metadata.shared,
+             "loops": inner_loops(compiled.asm["cubin"], 2),
              "fits": threads <= HOPPER_SM["threads"] and registers <= HOPPER_SM["registers"]
              and shared <= HOPPER_SM["shared_bytes"]}
         )  # fmt: skip

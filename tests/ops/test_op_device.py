@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_tail.ops.triton_kernels import ONE_PROGRAM_CANDIDATES
 from tests.gpu.common import megatron_tp1
 from tests.gpu.node_imports import flush_recorded_lines
 from tests.gpu.test_op_cuda import (
@@ -23,8 +24,13 @@ pytestmark = UNDER_INTERPRETER
 TOKENS, VOCAB, LOG_RHO = 96, 512, -4.0
 
 
-CPU_BACKENDS = BACKENDS[:3]
-"""Every launch of the one-program forward is the interpreter's on a CPU: one of them runs its code."""
+CPU_BACKENDS = (
+    *BACKENDS[:3],
+    f"triton-one-program-{next(i for i, c in enumerate(ONE_PROGRAM_CANDIDATES) if c.pass1_stages > 1)}",
+)
+"""Every launch of the one-program forward is the interpreter's tile on a CPU: one of them runs its code, and
+one with a pipelined pass 1 and an L2 priority its `tl.range` loop and its loads' `eviction_policy` (which the
+interpreter runs as a plain loop and ignores)."""
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)

@@ -342,17 +342,29 @@ def test_the_forward_design_is_the_measured_table_or_the_one_asked_for(monkeypat
     monkeypatch.setattr(k, "ONE_PROGRAM", {("16-bit", (9, 0)): launch})
     assert k.one_program(torch.bfloat16, cuda) == launch
     assert k.one_program(torch.float32, cuda) is None  # measured for 16-bit logits only
-    assert "one program, 2048×8, 2 per SM" in k.describe_tiles(torch.bfloat16, 151_936, cuda)
+    assert "one program, 2048×8, 4 per SM" in k.describe_tiles(torch.bfloat16, 151_936, cuda)
     with k.forward_design(k.TWO_KERNELS):
         assert k.one_program(torch.bfloat16, cuda) is None
         assert "TP = 1 forward: two kernels" in k.describe_tiles(torch.bfloat16, 151_936, cuda)
-    other = k.ONE_PROGRAM_CANDIDATES[-1]
+    other = k.OneProgram(k.Tile(8192, 32), 1, "evict_last", "evict_first", 3)
     with k.forward_design(other):
         assert k.one_program(torch.float32, cuda) == other
-        assert k.one_program(torch.float32, cpu) == k.INTERPRETER_ONE_PROGRAM
+        # off CUDA the interpreter's tile and grid, with the choice's loads
+        on_cpu = k.one_program(torch.float32, cpu)
+        assert on_cpu == k.OneProgram(k.INTERPRETER_TILE, 1, "evict_last", "evict_first", 3)
+        words = (
+            "TP = 1 forward: one program, 8192×32, 1 per SM, L2 evict_last / evict_first, pass 1 in 3 stages"
+        )
+        assert words in k.describe_tiles(torch.bfloat16, 151_936, cuda)
     assert k.one_program(torch.bfloat16, cuda) == launch  # the block's choice ended with it
     with pytest.raises(ValueError, match="forward_design takes a OneProgram or 'two kernels'; got 'fast'"):
         with k.forward_design("fast"):
+            pass
+    with pytest.raises(ValueError, match="evictions are one of"):
+        with k.forward_design(launch._replace(pass2_eviction="evict_never")):
+            pass
+    with pytest.raises(ValueError, match="pass 1 stages are 1 to 4"):
+        with k.forward_design(launch._replace(pass1_stages=0)):
             pass
     # float64 (gradcheck) keeps 8 × 256 columns per program whatever the launch: 32 warps would spill
     assert k.one_program_tile(other, torch.float64, 151_936) == k.Tile(2048, 8)
