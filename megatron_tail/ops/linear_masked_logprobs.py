@@ -115,19 +115,50 @@ at 8,192 × 4,096 (a pass over the weight gradient, narrower GEMMs), 2.3–3.7 m
 forward's chunk whatever its blocks (512 MiB; 576 with the forward's chunks, the hidden gradient on top), so
 it keeps the forward's chunks, the fastest: 61.4 ms against 65.3 with four blocks at 8,192 × 4,096."""
 FORWARD_CHUNKS = "forward's chunks"
-BACKWARD_BLOCK_CHOICES: tuple[int | str, ...] = (FORWARD_CHUNKS, 2, 4, 8)
-"""What `bench.op` times the Triton backward in (`backward_blocks`), beside Liger in the same run."""
-_BACKWARD_CHOICE: contextvars.ContextVar[int | str | None] = contextvars.ContextVar(
+BackwardChoice = int | tuple[int, int] | str
+BACKWARD_BLOCK_CHOICES: tuple[BackwardChoice, ...] = (FORWARD_CHUNKS, 2, 4, 8, (4, 2))
+"""What `bench.op` times the Triton backward in (`backward_blocks`), beside Liger in the same run.
+
+`(4, 2)`, four row blocks over column blocks of 2·H, is not measured yet. Each row block's accumulating
+hidden-gradient GEMMs read and write its float32 accumulator once per column block (32 MiB at 2,048 × 4,096,
+37 times per row block at H columns), so half as many column blocks halve that traffic and the launches, and
+each GEMM is twice as wide. Its block of logits is twice the bytes: projected from the four-block peaks
+above, 1,316 MiB at 8,192 × 4,096 (Liger 1,326), 1,252 at 4,096 × 4,096 (1,257), 722 at 16,384 × 2,048
+(732): still under Liger's at all three."""
+_BACKWARD_CHOICE: contextvars.ContextVar[BackwardChoice | None] = contextvars.ContextVar(
     "backward_choice", default=None
 )
 
 
-def backward_blocks(choice: int | str) -> contextlib.AbstractContextManager[None]:
+def _row_blocks_and_width(choice: BackwardChoice) -> tuple[int, int] | None:
+    """A row-block choice as (row blocks, column blocks' width in multiples of H); None if it is not one."""
+    count, width = choice if isinstance(choice, tuple) and len(choice) == 2 else (choice, 1)
+    ints = all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (count, width))
+    return (count, width) if ints else None
+
+
+def describe_backward_blocks(choice: BackwardChoice) -> str:
+    """A `backward_blocks` choice in words: "forward's chunks", "4 row blocks", "4 row blocks × 2H" (and one
+    it refuses as itself)."""
+    if choice == FORWARD_CHUNKS:
+        return str(choice)
+    shape = _row_blocks_and_width(choice)
+    if shape is None:
+        return repr(choice)
+    count, width = shape
+    return f"{count} row blocks" + ("" if width == 1 else f" × {width}H")
+
+
+def backward_blocks(choice: BackwardChoice) -> contextlib.AbstractContextManager[None]:
     """Within its `with` block, the Triton backend's backward runs in `choice` row blocks (an int ≥ 1, each
-    over column blocks of H) or in the forward's chunks (`FORWARD_CHUNKS`), whatever `BACKWARD_TOKEN_BLOCKS`
-    and `main_grad` say: what `bench.op` compares (`BACKWARD_BLOCK_CHOICES`)."""
-    if choice != FORWARD_CHUNKS and (isinstance(choice, bool) or not isinstance(choice, int) or choice < 1):
-        raise ValueError(f"backward_blocks takes a row-block count ≥ 1 or {FORWARD_CHUNKS!r}; got {choice!r}")
+    over column blocks of H; or `(row blocks, k)`, over column blocks of k·H) or in the forward's chunks
+    (`FORWARD_CHUNKS`), whatever `BACKWARD_TOKEN_BLOCKS` and `main_grad` say: what `bench.op` compares
+    (`BACKWARD_BLOCK_CHOICES`)."""
+    if choice != FORWARD_CHUNKS and _row_blocks_and_width(choice) is None:
+        raise ValueError(
+            f"backward_blocks takes a row-block count ≥ 1, (row blocks, columns in multiples of H) or "
+            f"{FORWARD_CHUNKS!r}; got {choice!r}"
+        )
     return scoped(_BACKWARD_CHOICE, choice)
 
 
@@ -176,9 +207,10 @@ def _backward_blocks(
         choice = FORWARD_CHUNKS if into_main_grad else BACKWARD_TOKEN_BLOCKS
     if choice == FORWARD_CHUNKS:
         return forward_block
-    cols = max(1, min(num_cols, hidden_size))
+    count, width = _row_blocks_and_width(choice)
+    cols = max(1, min(num_cols, width * hidden_size))
     budget = TRITON_CHUNK_ELEMENTS.get(device.type, TRITON_CHUNK_ELEMENTS["cuda"])
-    rows = math.ceil(max(num_rows, 1) / choice)
+    rows = math.ceil(max(num_rows, 1) / count)
     return min(rows, max(1, budget // (cols + 2 * hidden_size))), cols
 
 
