@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .op_peers import make_logits, measure, op_run
+from .op_peers import error_line, make_logits, measure, op_run
 
 GAIN_NEEDED = 0.98
 """A one-program launch enters `ONE_PROGRAM` only if its fwd + bwd takes at most this share of the two
@@ -42,28 +42,48 @@ def describe(design) -> str:
         return "two kernels (row max; θ; partial sums)"
     if design == k.INTERPRETER_ONE_PROGRAM:
         return "one program (Triton's interpreter)"
-    return f"one program, {design.tile.block}×{design.tile.num_warps}, {design.programs_per_sm} per SM"
+    return k.describe_launch(design)
+
+
+def entry(launch) -> str:
+    """`launch` as the `ONE_PROGRAM` entry's Python."""
+    args = [f"Tile({launch.tile.block}, {launch.tile.num_warps})", str(launch.programs_per_sm)]
+    if launch.pass1_eviction or launch.pass2_eviction or launch.pass1_stages > 1:
+        args += [f'"{launch.pass1_eviction}"', f'"{launch.pass2_eviction}"']
+    if launch.pass1_stages > 1:
+        args.append(str(launch.pass1_stages))
+    return f"OneProgram({', '.join(args)})"
 
 
 def design_rows(tokens: int, width: int, baseline: dict, *, device: str, repeats: int = 5) -> list[dict]:
     """One row per design: `what`, `design`, `forward_ms`, `ms` (fwd + bwd in place), and both over
-    `baseline["ms"]` (the op table's baseline row at this width: Liger's CE where installed)."""
+    `baseline["ms"]` (the op table's baseline row at this width: Liger's CE where installed). A design that
+    raised (a launch the node's Triton cannot compile, an OOM) has `error` instead of the numbers: the GPU
+    run is one shot, and one new launch must not cost the others' rows (`measured` leaves it out)."""
     from megatron_tail.ops import triton_kernels as k
 
     logits, targets = make_logits(tokens, width, device=device)
     rows = []
     for design in candidates(device):
-        with k.forward_design(design):
-            forward = measure(op_run(logits, targets, "triton", True), repeats=repeats)
-            both = measure(op_run(logits, targets, "triton", False), repeats=repeats, prepare=logits.clone)
-        rows.append(
-            {"what": describe(design), "design": design, "forward_ms": forward["ms"], "ms": both["ms"]}
-        )
-    for row in rows:
-        row["baseline"] = baseline["what"]
-        row["ratio"] = row["ms"] / baseline["ms"]
-        row["forward_ratio"] = row["forward_ms"] / baseline["ms"]
+        row = {"what": describe(design), "design": design, "baseline": baseline["what"]}
+        try:
+            with k.forward_design(design):
+                forward = measure(op_run(logits, targets, "triton", True), repeats=repeats)
+                both = measure(
+                    op_run(logits, targets, "triton", False), repeats=repeats, prepare=logits.clone
+                )
+        except Exception as error:  # the next design's row is worth more than this traceback
+            row["error"] = error_line(error, 200)
+        else:
+            row.update(forward_ms=forward["ms"], ms=both["ms"])
+            row.update(ratio=both["ms"] / baseline["ms"], forward_ratio=forward["ms"] / baseline["ms"])
+        rows.append(row)
     return rows
+
+
+def measured(rows: list[dict]) -> list[dict]:
+    """The rows of `design_rows` that have numbers."""
+    return [r for r in rows if "error" not in r]
 
 
 def recommendation(rows: list[dict], device: str) -> str:
@@ -72,8 +92,10 @@ def recommendation(rows: list[dict], device: str) -> str:
     class, so fp16 logits (the same bytes and instructions per element) take it too."""
     if torch.device(device).type != "cuda":
         return "ONE_PROGRAM: no entry from Triton's interpreter (a check of the code path, not a measurement)"
-    two = rows[0]
-    best = min(rows[1:], key=lambda r: r["ms"])
+    two, launches = rows[0], measured(rows[1:])
+    if "error" in two or not launches:
+        return "ONE_PROGRAM: no entry (the two kernels or every one-program launch were not measured)"
+    best = min(launches, key=lambda r: r["ms"])
     major, minor = torch.cuda.get_device_capability()
     if best["ms"] > GAIN_NEEDED * two["ms"]:
         return (
@@ -81,12 +103,10 @@ def recommendation(rows: list[dict], device: str) -> str:
             f"{best['ms']:.2f} ms) is not {100 * (1 - GAIN_NEEDED):.0f}% faster than the two kernels "
             f"({two['ms']:.2f} ms)"
         )
-    launch = best["design"]
-    entry = f"OneProgram(Tile({launch.tile.block}, {launch.tile.num_warps}), {launch.programs_per_sm})"
     return (
-        f'ONE_PROGRAM[("16-bit", ({major}, {minor}))] = {entry}  # measured: fwd+bwd {best["ms"]:.2f} ms '
-        f"against the two kernels' {two['ms']:.2f} ms, forward {best['forward_ms']:.2f} against "
-        f"{two['forward_ms']:.2f} ms"
+        f'ONE_PROGRAM[("16-bit", ({major}, {minor}))] = {entry(best["design"])}  # measured: fwd+bwd '
+        f"{best['ms']:.2f} ms against the two kernels' {two['ms']:.2f} ms, forward {best['forward_ms']:.2f} "
+        f"against {two['forward_ms']:.2f} ms"
     )
 
 
@@ -99,6 +119,9 @@ def format_design_rows(rows: list[dict], tokens: int, width: int, device_name: s
         "|---|---|---|---|---|",
     ]
     for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['what']} | not measured: {r['error']} | | | |")
+            continue
         lines.append(
             f"| {r['what']} | {r['forward_ms']:.2f} | {r['forward_ratio']:.2f} | {r['ms']:.2f} | "
             f"{r['ratio']:.2f} |"

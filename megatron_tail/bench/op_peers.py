@@ -100,6 +100,13 @@ def measure(
     return {**measured, "result": result} if keep_result else measured
 
 
+def error_line(error: BaseException, limit: int) -> str:
+    """`error` on one line for a table: its type and the first `limit` characters of its message's first line
+    (a CUDA OOM's message runs to a paragraph)."""
+    text = str(error)
+    return f"{type(error).__name__}: {text.splitlines()[0][:limit] if text else ''}"
+
+
 def copy_rate(logits: torch.Tensor) -> float:
     """Bytes per millisecond of a device copy of `logits` (one read + one write), measured now."""
     out = torch.empty_like(logits)

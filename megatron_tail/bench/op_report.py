@@ -11,8 +11,8 @@ issue 51's targets, measured in one run (`op_report`).
    into a returned bf16 weight gradient and into a float32 `main_grad` (gradient-accumulation fusion), on both
    backends, against matmul + op in place (what the unfused trainer runs) and Liger's fused linear cross
    entropy, at 8,192 × 4,096 @ 151,936 and 4,096 × 4,096 @ 151,936; then the Triton backward's blocks
-   (`linear_masked_logprobs.BACKWARD_BLOCK_CHOICES`: the forward's chunks, 2, 4, 8 row blocks) on both
-   gradients against the same baseline, which re-checks `BACKWARD_TOKEN_BLOCKS` on the device at hand.
+   (`linear_masked_logprobs.BACKWARD_BLOCK_CHOICES`: the forward's chunks, 2, 4, 8 row blocks, 4 of 2H) on
+   both gradients against the same baseline, which re-checks `BACKWARD_TOKEN_BLOCKS` on the device at hand.
 3. The TP = 1 forward's designs (`bench.op_designs`): the two kernels and each one-program launch, forward
    and fwd + bwd, against the same baseline, and the `triton_kernels.ONE_PROGRAM` entry the run supports;
    then where each design's time goes (`bench.op_split`): its `[N, V]` kernels timed alone, and the rest.
@@ -32,8 +32,8 @@ from collections.abc import Callable
 
 import torch
 
-from .op_designs import as_a_tp_rank, design_rows, format_design_rows
-from .op_peers import QWEN3_VOCAB, baseline_row, format_rows, measure, peer_rows
+from .op_designs import as_a_tp_rank, design_rows, format_design_rows, measured
+from .op_peers import QWEN3_VOCAB, baseline_row, error_line, format_rows, measure, peer_rows
 from .op_split import format_split_rows, split_rows
 
 SHARD_WIDTHS = (QWEN3_VOCAB, QWEN3_VOCAB // 2, QWEN3_VOCAB // 4, QWEN3_VOCAB // 8)
@@ -154,16 +154,23 @@ def backward_block_rows(
     """The fused op on the Triton backend in each of `BACKWARD_BLOCK_CHOICES`: `what` (the choice), `ms` and
     `peak_mib` for the returned bf16 weight gradient, `main_grad_ms` and `main_grad_peak_mib` into float32
     `main_grad`, `default` (which path takes this choice without `backward_blocks`), and each ratio to
-    `baseline` (a `fused_rows` row: Liger's fused linear cross entropy, or matmul + op)."""
+    `baseline` (a `fused_rows` row: Liger's fused linear cross entropy, or matmul + op); a choice that raised
+    has `error` instead."""
     from megatron_tail.ops import linear_masked_logprobs as fused_impl
 
     x, weight, targets = make_output_layer(tokens, hidden, vocab, device)
     main_grad = torch.zeros(vocab, hidden, device=device, dtype=torch.float32)
     rows = []
     for choice in fused_impl.BACKWARD_BLOCK_CHOICES:
-        with fused_impl.backward_blocks(choice):
-            bf16 = measure(_fused(x, weight, targets, "triton"), repeats=repeats)
-            fp32 = measure(_fused(x, weight, targets, "triton", main_grad), repeats=repeats)
+        what = fused_impl.describe_backward_blocks(choice)
+        try:
+            with fused_impl.backward_blocks(choice):
+                bf16 = measure(_fused(x, weight, targets, "triton"), repeats=repeats)
+                fp32 = measure(_fused(x, weight, targets, "triton", main_grad), repeats=repeats)
+        except Exception as error:  # one layout that fails (an OOM) must not cost the others' rows
+            rows.append({"what": what, "error": error_line(error, 200), "baseline": baseline["what"]})
+            _free(device)
+            continue
         default = [
             path for path, taken in (
                 ("bf16 gradient", choice == fused_impl.BACKWARD_TOKEN_BLOCKS),
@@ -171,7 +178,7 @@ def backward_block_rows(
             ) if taken
         ]  # fmt: skip
         row = {
-            "what": str(choice) if choice == fused_impl.FORWARD_CHUNKS else f"{choice} row blocks",
+            "what": what,
             "ms": bf16["ms"], "peak_mib": bf16["peak_bytes"] / (1 << 20),
             "main_grad_ms": fp32["ms"], "main_grad_peak_mib": fp32["peak_bytes"] / (1 << 20),
             "default": ", ".join(default), "baseline": baseline["what"],
@@ -194,6 +201,9 @@ def format_backward_block_rows(
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['what']} | not measured: {r['error']} | | | | | | | | |")
+            continue
         cells = [r["what"]]
         for prefix in ("", "main_grad_"):
             for key in ("ms", "peak_mib"):
@@ -202,6 +212,58 @@ def format_backward_block_rows(
         lines.append(f"| {' | '.join(cells)} |")
     lines += ["", f"baseline: {rows[0]['baseline']}"]
     return "\n".join(lines)
+
+
+def backward_recommendation(blocks: dict[tuple, list[dict] | None], shapes: tuple, device: str) -> str:
+    """The `BACKWARD_TOKEN_BLOCKS` value the backward's block rows (`backward_block_rows`) at every fused
+    shape of `shapes` support, as the line to paste (or why none), and the fastest layout into `main_grad`:
+    of the layouts whose peak extra memory (returned bf16 weight gradient) is at most Liger's at every
+    shape, the one with the least summed time."""
+    from megatron_tail.ops import linear_masked_logprobs as fused_impl
+
+    if torch.device(device).type != "cuda":
+        return (
+            "BACKWARD_TOKEN_BLOCKS: no entry from Triton's interpreter (a check of the code path, not a "
+            "measurement)"
+        )
+    by_shape = {shape: blocks[shape] for shape in shapes if blocks.get(shape)}
+    if len(by_shape) < len(shapes):
+        return (
+            "BACKWARD_TOKEN_BLOCKS: no entry (the backward's blocks were not measured at every fused shape)"
+        )
+    if any(not rows[0]["baseline"].startswith("Liger") for rows in by_shape.values()):
+        return (
+            "BACKWARD_TOKEN_BLOCKS: no entry (Liger-Kernel's fused linear CE, the memory bound, did not run)"
+        )
+    at = " / ".join(" × ".join(map(str, shape[:2])) for shape in by_shape)
+    choices = fused_impl.BACKWARD_BLOCK_CHOICES
+
+    def across(i: int, key: str) -> list[float]:
+        return [rows[i][key] for rows in by_shape.values()]
+
+    everywhere = [i for i in range(len(choices)) if all("error" not in rows[i] for rows in by_shape.values())]
+    if not everywhere:
+        return "BACKWARD_TOKEN_BLOCKS: no entry (no layout was measured at every fused shape)"
+    under = [i for i in everywhere if max(across(i, "peak_mib_ratio")) <= FUSED_TARGET]
+    fastest_fp32 = min(everywhere, key=lambda i: sum(across(i, "main_grad_ms")))
+    main_grad = (
+        f"into main_grad the fastest is {fused_impl.describe_backward_blocks(choices[fastest_fp32])} "
+        f"({' / '.join(f'{v:.2f}' for v in across(fastest_fp32, 'main_grad_ms'))} ms)"
+    )
+    if not under:
+        least = min(everywhere, key=lambda i: max(across(i, "peak_mib_ratio")))
+        return (
+            f"BACKWARD_TOKEN_BLOCKS: no layout is under Liger's peak at every shape ({at}); the least, "
+            f"{fused_impl.describe_backward_blocks(choices[least])}, is "
+            f"{' / '.join(f'{v:.2f}' for v in across(least, 'peak_mib_ratio'))}× Liger; {main_grad}"
+        )
+    best = min(under, key=lambda i: sum(across(i, "ms")))
+    current = " (the current value)" if choices[best] == fused_impl.BACKWARD_TOKEN_BLOCKS else ""
+    return (
+        f"BACKWARD_TOKEN_BLOCKS = {choices[best]!r}{current}  # measured at {at}: "
+        f"{' / '.join(f'{v:.2f}' for v in across(best, 'ms_ratio'))}× Liger's time, "
+        f"{' / '.join(f'{v:.2f}' for v in across(best, 'peak_mib_ratio'))}× its peak; {main_grad}"
+    )
 
 
 def format_fused_rows(
@@ -254,6 +316,7 @@ def target_rows(
     """Issue 51's targets from the rows of one run: `[target, measured, verdict]` each. `designs`: the TP = 1
     forward's rows (`op_designs.design_rows`), whose fastest design gets the TP = 1 targets too."""
     out = []
+    timed = measured(designs or [])
     for width, rows in op.items():
         liger = rows[0]["baseline"].startswith("Liger")
         at = f"at {width} columns (TP = {round(max(op) / width)})"
@@ -262,9 +325,9 @@ def target_rows(
         if width == max(op):
             out.append([f"op forward only {at} ≤ {FORWARD_TARGET}× Liger CE fwd+bwd",
                         *_verdict(rows[2]["ratio"], FORWARD_TARGET, liger)])  # fmt: skip
-        if width == max(op) and designs:
-            both = min(designs, key=lambda r: r["ms"])
-            forward = min(designs, key=lambda r: r["forward_ms"])
+        if width == max(op) and timed:
+            both = min(timed, key=lambda r: r["ms"])
+            forward = min(timed, key=lambda r: r["forward_ms"])
             out.append([f"op fwd+bwd in place {at}, fastest design ({both['what']}) ≤ {OP_TARGET}× Liger CE",
                         *_verdict(both["ratio"], OP_TARGET, liger)])  # fmt: skip
             verdict = _verdict(forward["forward_ratio"], FORWARD_TARGET, liger)
@@ -339,6 +402,8 @@ def op_report(
                 lambda s=shape, b=base: backward_block_rows(*s, b, device=device, repeats=repeats),
                 lambda brows, s=shape: format_backward_block_rows(brows, *s, name),
             )  # fmt: skip
+    if blocks_out:
+        print_fn(backward_recommendation(blocks_out, fused, device) + "\n")
     targets = target_rows(op, fused_out, designs)
     lines = [
         "Issue 51's targets, measured in this run:",
@@ -361,7 +426,7 @@ def _guarded(print_fn, device: str, what: str, measure, table):
     try:
         rows = measure()
     except Exception as error:  # the rest of the report is worth the one GPU run more than this traceback
-        print_fn(f"{what}: not measured, {type(error).__name__}: {str(error).splitlines()[0][:300]}\n")
+        print_fn(f"{what}: not measured, {error_line(error, 300)}\n")
         rows = None
     else:
         print_fn(table(rows) + "\n")

@@ -1,8 +1,7 @@
 """Where the TP = 1 op's time goes: each forward design's Triton kernels, and the backward's, timed alone on
 the same logits with the inputs a call gives them, beside the whole op's times from `bench.op_designs`' rows.
 What is left, op − kernels, is the op's work outside its `[N, V]` passes: the small torch ops on `[N]`
-tensors (the target checks, θ, the finalize, the target's gradient column), their launches and the gaps
-between them.
+tensors (the target checks, θ, the finalize), their launches and the gaps between them.
 
 Why it is printed: on the 2026-11-28 H200 run the op's forward took 5.0 ms and its two kernels, timed alone
 the same day, 4.48 (1.39 + 3.09 ms at the tiles then): about 0.5 ms, a tenth of Liger's whole fwd + bwd,
@@ -17,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from .op_designs import measured
 from .op_peers import LOG_RHO, make_logits, measure
 
 
@@ -66,30 +66,33 @@ def _forward_kernels(logits: torch.Tensor, inputs: dict, design):
 
 
 def _gradient_kernel(inputs: dict):
-    """The backward's `[N, V]` pass alone, in place on a fresh clone of the logits (`run(fresh)`)."""
+    """The backward's `[N, V]` pass alone, in place on a fresh clone of the logits (`run(fresh)`), writing the
+    target's column as a call without a support has it do (`masked_logprobs.triton_backward`)."""
     from megatron_tail.ops import triton_kernels as k
 
     i = inputs
+    targets = torch.where(i["owned"], i["local"], -1)
 
     def run(fresh):
         k.write_grad(
             fresh, fresh, max_logit=i["max_logit"], threshold=i["threshold"], log_norm=i["log_norm"],
-            bias=i["bias"], scale_h=i["scale_h"], inv_temperature=1.0,
+            bias=i["bias"], scale_h=i["scale_h"], inv_temperature=1.0, targets=targets, target_start=0,
+            target_add=i["bias"],
         )  # fmt: skip
 
     return run
 
 
 def split_rows(designs: list[dict], tokens: int, width: int, *, device: str, repeats: int = 5) -> list[dict]:
-    """One row per row of `designs` (`op_designs.design_rows` at this shape, same logits): `what`, the op's
-    `forward_ms` and `ms` (fwd + bwd in place) from it, its forward kernels alone (`forward_kernels_ms`),
-    the gradient kernel alone (`grad_kernel_ms`, the same for every design), and what is outside them
-    (`forward_outside_ms` = forward_ms − forward kernels, `outside_ms` = ms − both)."""
+    """One row per measured row of `designs` (`op_designs.design_rows` at this shape, same logits): `what`,
+    the op's `forward_ms` and `ms` (fwd + bwd in place) from it, its forward kernels alone
+    (`forward_kernels_ms`), the gradient kernel alone (`grad_kernel_ms`, the same for every design), and
+    what is outside them (`forward_outside_ms` = forward_ms − forward kernels, `outside_ms` = ms − both)."""
     logits, targets = make_logits(tokens, width, device=device)
     inputs = _kernel_inputs(logits, targets)
     grad = measure(_gradient_kernel(inputs), repeats=repeats, prepare=logits.clone)["ms"]
     rows = []
-    for design in designs:
+    for design in measured(designs):
         forward = measure(_forward_kernels(logits, inputs, design["design"]), repeats=repeats)["ms"]
         rows.append(
             {

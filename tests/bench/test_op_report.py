@@ -28,8 +28,8 @@ def test_the_report_prints_every_width_the_fused_shapes_their_tiles_and_the_targ
         )  # fmt: skip
     assert widths and set(widths) == {256}
     # two widths, the TP = 1 forward's designs and their split after the first, one fused shape and its
-    # backward's blocks, targets
-    assert len(printed) == 7
+    # backward's blocks, the blocks' line, targets
+    assert len(printed) == 8
     assert "tiles: row_max 256×1 · partial_sums 256×1 · grad 256×1 (Triton's interpreter" in printed[0]
     assert printed[1].startswith("The TP = 1 forward's designs: 4 × 256 bf16 logits on cpu")
     assert "ONE_PROGRAM: no entry from Triton's interpreter" in printed[1]
@@ -72,7 +72,7 @@ def test_the_report_prints_every_width_the_fused_shapes_their_tiles_and_the_targ
     blocks = result["backward_blocks"][(8, 16, 256)]
     assert [(r["what"], r["default"]) for r in blocks] == [
         ("forward's chunks", "main_grad"), ("2 row blocks", ""), ("4 row blocks", "bf16 gradient"),
-        ("8 row blocks", ""),
+        ("8 row blocks", ""), ("4 row blocks × 2H", ""),
     ]  # fmt: skip
     for row in blocks:
         assert row["baseline"] == baseline["what"] and row["peak_mib"] > 0 and row["main_grad_ms"] > 0
@@ -96,7 +96,8 @@ def test_the_report_prints_every_width_the_fused_shapes_their_tiles_and_the_targ
     ]
     assert result["op"][256][0]["baseline"].startswith("Liger")
     assert all(row[2] in ("met", "not met") for row in result["targets"])
-    assert printed[6].splitlines()[0] == "Issue 51's targets, measured in this run:"
+    assert printed[6].startswith("BACKWARD_TOKEN_BLOCKS: no entry from Triton's interpreter")
+    assert printed[7].splitlines()[0] == "Issue 51's targets, measured in this run:"
 
 
 def test_the_designs_table_names_the_one_program_entry_a_gpu_run_supports(monkeypatch):
@@ -106,7 +107,8 @@ def test_the_designs_table_names_the_one_program_entry_a_gpu_run_supports(monkey
     from megatron_tail.ops import triton_kernels as k
 
     monkeypatch.setattr(op_designs.torch.cuda, "get_device_capability", lambda: (9, 0))
-    slow, fast = k.ONE_PROGRAM_CANDIDATES[0], k.ONE_PROGRAM_CANDIDATES[3]
+    slow, fast = k.ONE_PROGRAM_CANDIDATES[0], k.OneProgram(k.Tile(4096, 16), 2)
+    assert fast in k.ONE_PROGRAM_CANDIDATES
 
     def rows(two_ms, fast_ms):
         made = [(k.TWO_KERNELS, two_ms, 2.9), (slow, two_ms * 1.2, 2.5), (fast, fast_ms, 2.1)]
@@ -123,6 +125,114 @@ def test_the_designs_table_names_the_one_program_entry_a_gpu_run_supports(monkey
         "ONE_PROGRAM: no entry for sm_90; the fastest one-program launch (one program, 4096×16, 2 per SM, "
         "5.35 ms) is not 2% faster than the two kernels (5.40 ms)"
     )
+    # a launch with L2 priorities: named in the table, and its entry is code that gives it back
+    fast = k.OneProgram(k.Tile(4096, 16), 2, "evict_last", "evict_first")
+    assert fast in k.ONE_PROGRAM_CANDIDATES
+    line = op_designs.recommendation(rows(5.4, 4.6), "cuda")
+    assert line.startswith(
+        'ONE_PROGRAM[("16-bit", (9, 0))] = OneProgram(Tile(4096, 16), 2, "evict_last", "evict_first")  #'
+    )
+    assert eval(line.split(" = ")[1].split("  #")[0], vars(k)) == fast
+    assert op_designs.describe(fast) == "one program, 4096×16, 2 per SM, L2 evict_last / evict_first"
+    fast = k.OneProgram(k.Tile(8192, 32), 1, "", "evict_first", 3)  # and a pipelined pass 1
+    assert fast in k.ONE_PROGRAM_CANDIDATES
+    line = op_designs.recommendation(rows(5.4, 4.4), "cuda")
+    assert 'OneProgram(Tile(8192, 32), 1, "", "evict_first", 3)  #' in line
+    assert eval(line.split(" = ")[1].split("  #")[0], vars(k)) == fast
+
+
+def test_the_backward_blocks_line_names_the_fastest_layout_under_ligers_peak_at_every_shape():
+    """`op_report.backward_recommendation` on a GPU's block rows (made up here: no GPU): of the layouts under
+    Liger's peak at every fused shape, the fastest in sum; the line is the value to paste, as code."""
+    from megatron_tail.bench import op_report
+    from megatron_tail.ops import linear_masked_logprobs as fused_impl
+
+    shapes = ((8192, 4096, 151936), (4096, 4096, 151936))
+    liger = {"ms": 60.0, "peak_mib": 1300.0}
+
+    def rows(table: dict) -> list[dict]:  # choice → (ms, peak MiB, main_grad ms) at one shape
+        out = []
+        for choice in fused_impl.BACKWARD_BLOCK_CHOICES:
+            ms, peak, fp32_ms = table[choice]
+            out.append({"what": fused_impl.describe_backward_blocks(choice), "ms": ms, "peak_mib": peak,
+                        "main_grad_ms": fp32_ms, "ms_ratio": ms / liger["ms"],
+                        "peak_mib_ratio": peak / liger["peak_mib"],
+                        "baseline": "Liger-Kernel fused linear CE"})  # fmt: skip
+        return out
+
+    chunks, four, wide = fused_impl.FORWARD_CHUNKS, 4, (4, 2)
+    first = {
+        chunks: (55, 1700, 58),
+        2: (58, 1320, 60),
+        four: (61, 1290, 63),
+        8: (64, 1270, 66),
+        wide: (59, 1299, 62),
+    }
+    second = {
+        chunks: (29, 1650, 30),
+        2: (31, 1290, 32),
+        four: (33, 1280, 34),
+        8: (36, 1260, 37),
+        wide: (32, 1295, 33),
+    }
+    blocks = {shapes[0]: rows(first), shapes[1]: rows(second)}
+    line = op_report.backward_recommendation(blocks, shapes, "cuda")
+    # 2 row blocks is the fastest under the peak at the second shape only; 4 of 2H is under at both
+    assert line.startswith("BACKWARD_TOKEN_BLOCKS = (4, 2)  # measured at 8192 × 4096 / 4096 × 4096: ")
+    assert eval(line.split(" = ")[1].split("  #")[0]) == wide  # the line is code
+    assert "0.98 / 0.53× Liger's time, 1.00 / 1.00× its peak" in line
+    assert line.endswith("into main_grad the fastest is forward's chunks (58.00 / 30.00 ms)")
+    first[wide] = (59, 1310, 62)  # now over at the first shape: four row blocks, the value already there
+    line = op_report.backward_recommendation(
+        {shapes[0]: rows(first), shapes[1]: rows(second)}, shapes, "cuda"
+    )
+    assert line.startswith("BACKWARD_TOKEN_BLOCKS = 4 (the current value)  #")
+    over = {c: (ms, 1400, fp32) for c, (ms, _, fp32) in first.items()}
+    line = op_report.backward_recommendation({shapes[0]: rows(over), shapes[1]: rows(second)}, shapes, "cuda")
+    assert line.startswith("BACKWARD_TOKEN_BLOCKS: no layout is under Liger's peak at every shape")
+    line = op_report.backward_recommendation({shapes[0]: rows(first), shapes[1]: None}, shapes, "cuda")
+    assert line.startswith(
+        "BACKWARD_TOKEN_BLOCKS: no entry (the backward's blocks were not measured at every"
+    )
+    # a layout that failed at one shape is not a candidate: 4 of 2H raised at the second, so 4 row blocks
+    first[wide] = (59, 1299, 62)
+    failed = rows(second)
+    failed[-1] = {
+        "what": "4 row blocks × 2H",
+        "error": "OutOfMemoryError: …",
+        "baseline": failed[0]["baseline"],
+    }
+    line = op_report.backward_recommendation({shapes[0]: rows(first), shapes[1]: failed}, shapes, "cuda")
+    assert line.startswith("BACKWARD_TOKEN_BLOCKS = 4 (the current value)  #")
+
+
+def test_a_design_or_a_layout_that_fails_is_a_row_and_the_others_are_measured(monkeypatch):
+    """The GPU run is one shot: a new one-program launch the node's Triton cannot compile, or a backward
+    layout that runs out of memory, is a row naming its error, and the other rows, the split and the lines to
+    paste are made of the rest (before, one failure lost its whole section)."""
+    from megatron_tail.bench import op_designs, op_report, op_split
+    from megatron_tail.ops import linear_masked_logprobs as fused_impl
+    from megatron_tail.ops import triton_kernels as k
+
+    bad = k.INTERPRETER_ONE_PROGRAM._replace(pass2_eviction="evict_never")  # forward_design refuses it
+    monkeypatch.setattr(
+        op_designs, "candidates", lambda _device: [k.TWO_KERNELS, k.INTERPRETER_ONE_PROGRAM, bad]
+    )
+    baseline = {"what": "made-up baseline", "ms": 1.0}
+    rows = op_designs.design_rows(4, 256, baseline, device="cpu", repeats=1)
+    assert [("error" in r) for r in rows] == [False, False, True]
+    assert rows[2]["error"].startswith("ValueError: a OneProgram's evictions are one of")
+    table = op_designs.format_design_rows(rows, 4, 256, "cpu", "cpu")
+    assert "| not measured: ValueError: a OneProgram's evictions" in table
+    assert [r["what"] for r in op_split.split_rows(rows, 4, 256, device="cpu", repeats=1)] == [
+        r["what"] for r in rows[:2]
+    ]
+    monkeypatch.setattr(fused_impl, "BACKWARD_BLOCK_CHOICES", (fused_impl.FORWARD_CHUNKS, 4, 0))
+    fused_base = {"what": "made-up baseline", "ms": 1.0, "peak_mib": 1.0}
+    blocks = op_report.backward_block_rows(8, 16, 256, fused_base, device="cpu", repeats=1)
+    assert [r["what"] for r in blocks] == ["forward's chunks", "4 row blocks", "0"]
+    assert blocks[2]["error"].startswith("ValueError: backward_blocks takes a row-block count")
+    assert "not measured: ValueError" in op_report.format_backward_block_rows(blocks, 8, 16, 256, "cpu")
 
 
 def test_a_section_that_fails_is_a_line_and_the_report_goes_on(monkeypatch):
@@ -153,7 +263,8 @@ def test_a_section_that_fails_is_a_line_and_the_report_goes_on(monkeypatch):
     assert printed[4].startswith("The fused output layer") and printed[5].startswith(
         "The fused layer's Triton"
     )
-    assert printed[6].startswith("Issue 51's targets")
+    assert printed[6].startswith("BACKWARD_TOKEN_BLOCKS: no entry from Triton's interpreter")
+    assert printed[7].startswith("Issue 51's targets")
     assert list(result["fused"]) == [(4, 16, 256)] and result["designs"] == []
     assert [row[0] for row in result["targets"]][
         -1

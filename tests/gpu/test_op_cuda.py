@@ -183,7 +183,9 @@ def record_peers(device: str, tokens: int, vocab: int, record_property, repeats:
     designs = design_rows(tokens, vocab, baseline_row(peers), device=device, repeats=repeats)
     for r in designs:
         value = (
-            f"forward {r['forward_ms']:.2f} ms = {r['forward_ratio']:.2f}×, fwd+bwd in place "
+            f"not measured: {r['error']}"
+            if "error" in r  # some runs only: a launch the node's Triton cannot compile
+            else f"forward {r['forward_ms']:.2f} ms = {r['forward_ratio']:.2f}×, fwd+bwd in place "
             f"{r['ms']:.2f} ms = {r['ratio']:.2f}× {r['baseline']}"
         )
         rows.append({"what": f"TP = 1 forward: {r['what']} ({tokens}×{vocab} bf16)", "value": value})
