@@ -53,14 +53,26 @@ def _pause_at_tokens(engine: LocalEngine, n: int, mode: str) -> None:
 
 def _hold(engine: LocalEngine, mode: str | None, timeout_s: float = 60.0) -> None:
     """Pause the engine (`mode`; None: a pause already asked for, e.g. by `_pause_at_tokens`) and wait until
-    its batcher is held between two decoding steps."""
+    its batcher holds for it, between two decoding steps (`pause_in_force`)."""
     if mode is not None:
         engine.control.pause(mode)
     deadline = time.monotonic() + timeout_s
-    while not engine.batcher.held:
+    while not engine.batcher.pause_in_force():
         if time.monotonic() > deadline:
             raise TimeoutError("the batcher did not stop")
         time.sleep(0.001)
+
+
+async def _held_group(engine: LocalEngine, client: RolloutClient, sampling: SamplingConfig, at_tokens: int):
+    """Start one partial group's generation (`PROMPT`, keys of group 0) and return its task once the batch is
+    held, by the engine's own thread (`_pause_at_tokens`, in place), between the two decoding steps at which
+    every row has `at_tokens` tokens: no row has finished, and a weight update can follow."""
+    _pause_at_tokens(engine, at_tokens, "in_place")
+    task = asyncio.ensure_future(
+        client.generate_group(PROMPT, sample_keys(0, sampling), sampling, partial=True)
+    )
+    await asyncio.to_thread(_hold, engine, None)
+    return task
 
 
 def test_partial_rollout_keeps_each_tokens_version_and_behaviour_logprob(tiny_model_dir, perturbed_model_dir):
@@ -75,11 +87,7 @@ def test_partial_rollout_keeps_each_tokens_version_and_behaviour_logprob(tiny_mo
             client = RolloutClient([url], processor=DVPLogitProcessor.to_str())
             # the batch held where it is at 6 tokens (by the engine's own thread: never finished first),
             # then the weight update a trainer step ends with: pause (abort) → load → continue
-            _pause_at_tokens(engine, 6, "in_place")
-            task = asyncio.ensure_future(
-                client.generate_group(PROMPT, sample_keys(0, sampling), sampling, partial=True)
-            )
-            await asyncio.to_thread(_hold, engine, None)
+            task = await _held_group(engine, client, sampling, 6)
             await DiskWeightSync([url]).update(str(perturbed_model_dir), weight_version="1")
             samples = await task
             await client.close()

@@ -25,11 +25,10 @@ from megatron_tail.rollout.local_engine.batcher import cache_kwarg, cache_out
 from megatron_tail.rollout.local_engine.engine import LocalEngine
 from megatron_tail.rollout.local_engine.server import build_app
 from megatron_tail.rollout.processor import DVPLogitProcessor
-from megatron_tail.rollout.protocol import sample_keys
 from megatron_tail.utils.errors import UserError
 from tests.rollout.servers import serving_app
 from tests.rollout.test_local_engine import reference_logprobs
-from tests.rollout.test_partial_rollouts import LOG_RHO, PROMPT, _hold, _model, _pause_at_tokens
+from tests.rollout.test_partial_rollouts import LOG_RHO, PROMPT, _held_group, _model
 
 N_TOKENS = 30
 
@@ -62,11 +61,7 @@ def test_each_pause_mode_keeps_versions_and_behaviour_logprobs_exact(
             client = RolloutClient([url], processor=DVPLogitProcessor.to_str())
             # the batch held between two steps at 6 tokens first, by the engine's own thread (no sample can
             # finish before the update); the update then pauses again in `mode`, as the trainer's sync does
-            _pause_at_tokens(engine, 6, "in_place")
-            task = asyncio.ensure_future(
-                client.generate_group(PROMPT, sample_keys(0, sampling), sampling, partial=True)
-            )
-            await asyncio.to_thread(_hold, engine, None)
+            task = await _held_group(engine, client, sampling, 6)
             held_at.extend(len(r.outputs) for r in engine.batcher.running)
             await DiskWeightSync([url], pause_mode=mode).update(str(perturbed_model_dir), weight_version="1")
             samples = await task
@@ -135,37 +130,50 @@ def test_an_in_place_update_asks_for_no_cache_flush(mode, flush):
     assert bodies[1][1]["flush_cache"] is flush
 
 
-def test_a_retract_pause_over_a_held_batch_is_in_force_only_once_its_rows_are_retracted(tiny_model_dir):
-    """An update's `retract` pause over a batch an `in_place` pause already holds is in force (what
-    `/pause_generation` waits for) only once the loop woke and retracted the rows: the loop's `held` was still
-    True from the first pause, so the handler answered at once, and a `/continue_generation` before the loop
-    woke let the rows decode on their old KV cache under the new weights (a clean clone's suite saw the
-    retract case of the test above get the in-place log-probs). Here the loop is kept from waking (the
-    control's lock held) while the second pause is asked for: no timing."""
+def test_a_retract_pause_over_a_held_batch_is_answered_only_once_its_rows_are_retracted(tiny_model_dir):
+    """`/pause_generation` in `retract` mode over a batch an `in_place` pause already holds answers only once
+    the loop woke and retracted the rows (`ContinuousBatcher.pause_in_force`). Before, the loop's `held` was
+    still True from the first pause, so the handler answered at once, and a `/continue_generation` before the
+    loop woke let the rows decode on their old KV cache under the new weights (a clean clone's suite saw the
+    retract case of the test above get the in-place log-probs). Here the pause keeps the loop from waking
+    (the control's lock) until the handler has looked once, and what the engine holds is read when the
+    answer is sent (aiohttp's `on_response_prepare`): no timing."""
+    import aiohttp
+
     engine = LocalEngine(tiny_model_dir, dtype="float32", weight_version="0")
     sampling = SamplingConfig(
         n_samples=2, max_new_tokens=N_TOKENS, temperature=1.0, log_rho=LOG_RHO, ignore_eos=True, base_seed=7
     )
+    at_answer: list[tuple[int, int]] = []
+
+    async def on_prepare(request, _response):
+        if request.path == "/pause_generation":
+            at_answer.append((len(engine.batcher.running), len(engine.batcher.waiting)))
+
+    app = build_app(engine)
+    app.on_response_prepare.append(on_prepare)
+    pause = engine.control.pause
+
+    def pause_with_the_loop_kept_asleep(mode):
+        # the control's lock (re-entrant) held past the handler's first look at the engine: released by a
+        # callback that runs after the handler's first await, on this same thread
+        engine.control.cond.acquire()
+        pause(mode)
+        asyncio.get_running_loop().call_soon(engine.control.cond.release)
 
     async def main():
-        async with serving_app(build_app(engine)) as url:
+        async with serving_app(app) as url:
             client = RolloutClient([url], processor=DVPLogitProcessor.to_str())
-            _pause_at_tokens(engine, 6, "in_place")
-            task = asyncio.ensure_future(
-                client.generate_group(PROMPT, sample_keys(0, sampling), sampling, partial=True)
-            )
-            await asyncio.to_thread(_hold, engine, None)
-            batcher = engine.batcher
-            assert batcher.pause_in_force() and len(batcher.running) == 2
-            with engine.control.cond:  # the loop cannot wake and act on the second pause meanwhile
-                engine.control.pause("retract")
-                assert batcher.held and not batcher.pause_in_force()
-            for _ in range(6000):  # the loop wakes, retracts and holds again
-                if batcher.pause_in_force():
-                    break
-                await asyncio.sleep(0.01)
-            assert batcher.pause_in_force() and batcher.running == [] and len(batcher.waiting) == 2
-            engine.control.resume()
+            task = await _held_group(engine, client, sampling, 6)
+            assert len(engine.batcher.running) == 2
+            engine.control.pause = pause_with_the_loop_kept_asleep
+            async with aiohttp.ClientSession() as session:
+                async with session.post(f"{url}/pause_generation", json={"mode": "retract"}) as resp:
+                    assert resp.status == 200, await resp.text()
+                engine.control.pause = pause
+                assert at_answer == [(0, 2)]  # retracted when answered: both rows wait for re-admission
+                async with session.post(f"{url}/continue_generation", json={}) as resp:
+                    assert resp.status == 200, await resp.text()
             samples = await task
             await client.close()
             return samples

@@ -284,7 +284,8 @@ class ContinuousBatcher:
             if self.control.paused:
                 if self.control.mode == "retract" and self.running:
                     self._retract()
-                self.held, self.held_for = True, self.control.pauses
+                self.held_for = self.control.pauses  # first: `held` with a stale count is never in force
+                self.held = True
                 cond.wait()
                 self.held = False
                 continue
