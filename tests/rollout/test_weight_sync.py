@@ -521,6 +521,70 @@ def test_a_refused_buckets_broadcast_never_begins_if_queued_and_a_begun_one_bloc
     asyncio.run(scenario())
 
 
+def test_a_cancelled_update_abandons_a_queued_broadcast_and_waits_out_a_begun_one(monkeypatch):
+    """An update cancelled (the trainer stopping mid-sync) while its bucket's broadcast is still queued on the
+    sync's thread: the broadcast never begins. Cancelled while it runs: it runs on (a gloo collective cannot
+    be cancelled), `broadcast_waiting` says so, and the next update is refused by name until it ends."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+    from aiohttp import web
+
+    from megatron_tail.rollout import WeightSyncError, weight_sync
+
+    began, release, sent = threading.Event(), threading.Event(), []
+
+    def broadcast(pairs, _group):
+        began.set()
+        sent.append([name for name, _ in pairs])
+        assert release.wait(60)
+
+    monkeypatch.setattr(weight_sync, "_broadcast_in_order", broadcast)
+
+    async def scenario():
+        posted, answer = asyncio.Event(), asyncio.Event()
+
+        async def post(request):
+            if request.path == "/update_weights_from_distributed":
+                posted.set()
+                await answer.wait()  # not before the update is cancelled (then, so the server can stop)
+            return web.json_response({"success": True, "message": "ok"})
+
+        async with serving_app(_stand_in_server(post, "1")) as url:
+            sync = DistributedWeightSync([url], master_address="127.0.0.1", master_port=1)
+            sync.engine_tp_sizes, sync.group = [1], object()
+            sync._sender = ThreadPoolExecutor(max_workers=1)
+            busy = threading.Event()
+            sync._sender.submit(busy.wait, 60)  # the first bucket's broadcast queues behind this
+            update = asyncio.ensure_future(sync.update([("w0", torch.zeros(4))], weight_version="1"))
+            await asyncio.wait_for(posted.wait(), 60)
+            update.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await update
+            assert not sync.broadcast_waiting()
+            busy.set()
+            sync._sender.submit(lambda: None).result(timeout=60)  # everything queued before it has run
+            assert sent == [] and not began.is_set()
+
+            posted.clear()
+            update = asyncio.ensure_future(sync.update([("w1", torch.zeros(4))], weight_version="2"))
+            await asyncio.wait_for(posted.wait(), 60)
+            assert await asyncio.to_thread(began.wait, 60)
+            update.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await update
+            assert sent == [["w1"]] and sync.broadcast_waiting()
+            with pytest.raises(WeightSyncError, match=r"broadcast still waits in the weight group"):
+                await sync.update([("w2", torch.zeros(4))], weight_version="3")
+            release.set()
+            assert sync._broadcast.ended.wait(60) and not sync.broadcast_waiting()
+            sync._sender.shutdown()
+            answer.set()
+
+    asyncio.run(scenario())
+
+
 def _stateful_app(state: dict, *, refuse: str | None = None):
     """A stand-in SGLang 0.5.23 server that keeps its pause and its weight-update session as the scheduler
     does (`is_pause`; `SchedulerWeightUpdater._session`: a begin inside one is refused, an end outside one),
