@@ -89,16 +89,19 @@ TRITON_CHUNK_ELEMENTS = {"cpu": 1 << 16, "cuda": 1 << 28}
 """With the Triton kernels: logits per token chunk, whose rows span this rank's whole vocabulary (the
 kernels walk a row's columns themselves). CUDA: 0.5 GB of bf16, ~1,800 rows at Qwen3's 152k vocabulary, so
 each GEMM is large; CPU (the interpreter, tests only): small."""
-BACKWARD_TOKEN_BLOCKS = 4
+BackwardChoice = int | tuple[int, int] | str
+"""A `backward_blocks` choice: a row-block count, `(row blocks, k)`, or `FORWARD_CHUNKS`."""
+BACKWARD_TOKEN_BLOCKS: BackwardChoice = 4
 """The Triton backend's backward walks the tokens in this many row blocks, each over column blocks of H
-vocabulary columns. A row block adds into the whole weight gradient once (a read and a write of it inside its
-GEMMs' epilogues), and holds a float32 `[rows, H]` accumulator of its hidden gradient. With four, the
-backward's working memory (a `[N/4, H]` block of logits in their dtype and the accumulator: 1.5 bytes per
-element of `hidden`, at 16 bits) is three quarters of the least that Liger-Kernel's fused linear cross entropy
-holds (one `[chunk, V]` chunk of at least about `N·H` elements: `chunk = next_power_of_2(⌈N / ⌈V/H⌉⌉)`),
-and every GEMM but a row's last column block's is `[N/4, H] × [H, H]`. (Past `TRITON_CHUNK_ELEMENTS` of
-block and accumulator, beyond 87k tokens at H = 4,096, the row blocks are smaller and more: more passes over
-the weight gradient, each a bf16 rounding of it.)
+vocabulary columns (any `backward_blocks` choice is a valid value: `(row blocks, k)` for column blocks of k·H,
+or `FORWARD_CHUNKS`, as `bench.op`'s `BACKWARD_TOKEN_BLOCKS = …` line may print). A row block adds into the
+whole weight gradient once (a read and a write of it inside its GEMMs' epilogues), and holds a float32
+`[rows, H]` accumulator of its hidden gradient. With four, the backward's working memory (a `[N/4, H]` block
+of logits in their dtype and the accumulator: 1.5 bytes per element of `hidden`, at 16 bits) is three quarters
+of the least that Liger-Kernel's fused linear cross entropy holds (one `[chunk, V]` chunk of at least about
+`N·H` elements: `chunk = next_power_of_2(⌈N / ⌈V/H⌉⌉)`), and every GEMM but a row's last column block's is
+`[N/4, H] × [H, H]`. (Past `TRITON_CHUNK_ELEMENTS` of block and accumulator, beyond 87k tokens at H = 4,096,
+the row blocks are smaller and more: more passes over the weight gradient, each a bf16 rounding of it.)
 
 Measured on an H200 (2026-12-01, at 98ed5a5, fwd + bwd, DVP + entropy, bf16 weight gradient; ms / peak extra
 MiB, Liger-Kernel's fused linear cross entropy in the same run; `docs/results/gpu/h200_2026-12-01.md`):
@@ -115,7 +118,6 @@ at 8,192 × 4,096 (a pass over the weight gradient, narrower GEMMs), 2.3–3.7 m
 forward's chunk whatever its blocks (512 MiB; 576 with the forward's chunks, the hidden gradient on top), so
 it keeps the forward's chunks, the fastest: 61.4 ms against 65.3 with four blocks at 8,192 × 4,096."""
 FORWARD_CHUNKS = "forward's chunks"
-BackwardChoice = int | tuple[int, int] | str
 BACKWARD_BLOCK_CHOICES: tuple[BackwardChoice, ...] = (FORWARD_CHUNKS, 2, 4, 8, (4, 2))
 """What `bench.op` times the Triton backward in (`backward_blocks`), beside Liger in the same run.
 

@@ -156,11 +156,11 @@ beside the row its pass 1 is reading: twice the rows in flight, 78 MB at 1 per S
 `evict_first` on pass 2 makes a consumed line the first to go (39 MB live at 1 per SM, 78 at 2), and
 `evict_last` on pass 1 keeps a line until its row's pass 2 demotes it. Projected, not measured: how much of
 pass 2 then hits depends on how the H200 honours the hints (an `evict_last` line may be held only within a
-set-aside part of L2, `cudaLimitPersistingL2CacheSize`, 0 by default); the next GPU run's designs table
-says. The last two also pipeline pass 1's loads (3 stages). Unpipelined, a thread keeps one 16-byte load in
-flight: 16 KB per SM at 32 warps (8 at 16, where 4096 × 16 at 1 per SM was the slowest launch), short of the
-~25 KB an H200 needs in flight to stream at its copy rate (Little's law: ~4.8 TB/s × ~0.7 µs over 132 SMs;
-projected); the one-program-per-row kernels reach it by occupancy instead (up to 64 warps per SM)."""
+set-aside part of L2, `cudaLimitPersistingL2CacheSize`, 0 by default); the next GPU run's designs table says.
+The last two also pipeline pass 1's loads (3 stages). Unpipelined, a thread keeps one 16-byte load in flight:
+16 KB per SM at 32 warps (8 at 16, where 4096 × 16 at 1 per SM was the slowest of the candidates kept), short
+of the ~25 KB an H200 needs in flight to stream at its copy rate (Little's law: ~4.8 TB/s × ~0.7 µs over 132
+SMs; projected); the one-program-per-row kernels reach it by occupancy instead (up to 64 warps per SM)."""
 
 INTERPRETER_ONE_PROGRAM = OneProgram(INTERPRETER_TILE, 1)
 """Under Triton's interpreter: the fixed tile, and a grid of `INTERPRETER_PROGRAMS` programs."""
@@ -699,11 +699,12 @@ def write_grad(
 ) -> None:
     """Write p·(bias + scale_h·log p) on V_S (0 elsewhere) for every row into `out` (`[N, V]`, unit column
     stride; may be `x` itself), in out's dtype. The target and support columns are the caller's to
-    overwrite (`masked_logprobs_triton`), unless `targets` (`[N]` global ids, int64) and `target_add` (`[N]`)
-    are given, for a block without a sampling support whose columns are the global ids `target_start`,
-    `target_start + 1`, …: then the target's column, where these columns hold it, gets
-    `triton_grad.special_columns`' value in the same pass, p·(bias + scale_h·log p) whether or not it is in
-    V_S (0 where p = 0), plus `target_add`. A row poisoned by a NaN bias or scale_h (a NaN upstream
+    overwrite (`masked_logprobs_triton`), unless `targets` (`[N]` int64 ids, −1 for none) and `target_add`
+    (`[N]`) are given, for a call without a sampling support whose columns are the ids `target_start`,
+    `target_start + 1`, … in the same frame as `targets` (the fused op's blocks: global ids; the op's own
+    call: this shard's local ids, `target_start` = 0): then the target's column, where these columns hold it,
+    gets `triton_grad.special_columns`' value in the same pass, p·(bias + scale_h·log p) whether or not it is
+    in V_S (0 where p = 0), plus `target_add`. A row poisoned by a NaN bias or scale_h (a NaN upstream
     gradient) is NaN in its target's column too, as in the PyTorch backend, where `special_columns` (the
     columns of a call with a support) writes `target_add` there when p = 0."""
     if not (x.shape[0] and x.shape[1]):
