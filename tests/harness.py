@@ -1,9 +1,9 @@
 """Test harness: forked gloo ranks (`run_distributed`), one forked child without a process group
-(`run_forked`), and megatron's parallel state inside a rank."""
+(`run_forked`) or a spawned one (`run_spawned`), and megatron's parallel state inside a rank."""
 
-from megatron_tail.utils.forked import RankFailed, run_distributed, run_forked
+from megatron_tail.utils.forked import RankFailed, run_distributed, run_forked, run_spawned
 
-__all__ = ["RankFailed", "init_megatron", "run_distributed", "run_forked"]
+__all__ = ["RankFailed", "init_megatron", "run_distributed", "run_forked", "run_spawned"]
 
 
 def init_megatron(tensor_parallel: int = 1, pipeline_parallel: int = 1, seed: int = 1234) -> None:

@@ -13,6 +13,7 @@ per test where spawn costs ≈5 s.
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import pickle
@@ -33,8 +34,10 @@ class RankFailed(RuntimeError):
     """A rank of `run_distributed` raised; the message carries its traceback."""
 
 
-def _child(fn, rank, world_size, sock, args, conn, parent_pid) -> None:
+def _child(fn, rank, world_size, sock, args, conn, parent_pid, dump_after_s) -> None:
     status, payload = "ok", None
+    # a rank that hangs says where: every thread's Python stack on stderr shortly before the parent gives up
+    faulthandler.dump_traceback_later(dump_after_s, exit=False)
     try:
         die_with_parent(parent_pid)  # a benchmark or test process killed takes its ranks along
         torch.set_num_threads(1)
@@ -47,6 +50,7 @@ def _child(fn, rank, world_size, sock, args, conn, parent_pid) -> None:
         payload = fn(rank, world_size, *args)
     except BaseException:
         status, payload = "error", traceback.format_exc()
+    faulthandler.cancel_dump_traceback_later()
     try:
         conn.send_bytes(pickle.dumps((status, payload)))
     finally:
@@ -60,18 +64,37 @@ def run_forked(fn: Callable[..., Any], *args: Any, timeout: float = 300.0) -> An
     return run_distributed(fn, 1, *args, timeout=timeout, process_group=False)[0]
 
 
+def run_spawned(fn: Callable[..., Any], *args: Any, timeout: float = 300.0) -> Any:
+    """`run_forked` in a spawned child: a fresh interpreter, which inherits nothing of this process's threads
+    and C++ state (a lock another thread held at a fork stays held in the child for good). `fn` and `args`
+    are pickled, so `fn` is a module-level function; the child imports its module (≈5 s more than a fork)."""
+    return run_distributed(fn, 1, *args, timeout=timeout, process_group=False, start_method="spawn")[0]
+
+
 def run_distributed(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0, process_group: bool = True
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 300.0,
+    process_group: bool = True,
+    start_method: str = "fork",
 ) -> list[Any]:
-    """Run `fn(rank, world_size, *args)` on `world_size` forked gloo ranks; return the results by rank."""
-    ctx = mp.get_context("fork")
+    """Run `fn(rank, world_size, *args)` on `world_size` forked gloo ranks; return the results by rank. A rank
+    that sends nothing within `timeout` s fails the call, after printing its threads' stacks on stderr.
+    `start_method="spawn"` (without a process group only): `run_spawned`."""
+    if start_method != "fork" and process_group:
+        raise ValueError("only forked ranks share the parent's store socket: spawn without a process group")
+    ctx = mp.get_context(start_method)
     sock = reserve_port() if process_group else None
     pipes, procs = [], []
     for rank in range(world_size):
         parent_end, child_end = ctx.Pipe(duplex=False)
         # Not daemonic: a rank may start processes of its own (megatron's checkpoint writers); the
         # finally-block below joins or kills every rank instead.
-        proc = ctx.Process(target=_child, args=(fn, rank, world_size, sock, args, child_end, os.getpid()))
+        dump_after_s = max(timeout - min(10.0, timeout / 10), 0.1)
+        proc = ctx.Process(
+            target=_child, args=(fn, rank, world_size, sock, args, child_end, os.getpid(), dump_after_s)
+        )
         proc.start()
         child_end.close()
         pipes.append(parent_end)
@@ -94,7 +117,10 @@ def run_distributed(
             )
         for rank, conn in enumerate(pipes):
             if not conn.poll(timeout):
-                raise TimeoutError(f"rank {rank} of {world_size} sent nothing within {timeout} s")
+                raise TimeoutError(
+                    f"rank {rank} of {world_size} sent nothing within {timeout} s (its threads' stacks are "
+                    "on stderr, printed shortly before)"
+                )
             try:
                 status, payload = pickle.loads(conn.recv_bytes())
             except EOFError:

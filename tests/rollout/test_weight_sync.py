@@ -19,7 +19,7 @@ from megatron_tail.rollout import (
 )
 from megatron_tail.rollout.local_engine.weights import read_safetensors_dir
 from megatron_tail.utils.net import reserve_port
-from tests.harness import run_forked
+from tests.harness import run_spawned
 from tests.rollout.servers import generate_groups, serving_app
 
 PROMPTS = [[5, 6, 76, 7, 84], [8, 9, 76, 10, 11, 84], [12, 76, 13, 84]]
@@ -851,11 +851,14 @@ def test_a_bucket_an_engine_refused_leaves_its_broadcast_waiting_and_closing_say
     gloo group under a running collective can abort the process). The test then ends the broadcast as an
     engine would, by receiving it.
 
-    The scenario runs in a forked child (`run_forked`): rank 0's side of the group and its broadcast thread
-    then start from a process no earlier test touched. In two clean-clone suites (2026-12-01) it hung
-    in the pytest worker that had run other modules first, the engine's receive never meeting the
-    broadcast, while the module alone, and the test under CPU load, passed."""
-    run_forked(_refused_bucket_scenario, server_pair[0].url, tiny_model_dir, timeout=240)
+    The scenario runs in a spawned child (`run_spawned`): rank 0's side of the group, its store and its
+    broadcast thread start in a fresh interpreter. In two clean-clone suites (2026-12-01) it hung in the
+    pytest worker that had run other modules first, the engine's receive never meeting the broadcast, while
+    the module alone, and the test under CPU load, passed; then, in a child forked from that worker, it hung
+    again in a full suite, the engine waiting for the child's store to answer its first request (its log:
+    blocked in `TCPStore::ping` until the child was killed), as a fork inherits the worker's C++ state and
+    the locks its other threads held."""
+    run_spawned(_refused_bucket_scenario, server_pair[0].url, tiny_model_dir, timeout=240)
 
 
 def _refused_bucket_scenario(_rank, _world, a, tiny_model_dir):
