@@ -67,12 +67,17 @@ def run_addition_loop(root: Path, model_dir: Path, device: str) -> dict:
     deadline = time.monotonic() + 300
     while proc.poll() is None and time.monotonic() < deadline:
         try:
-            for child in psutil.Process(proc.pid).children(recursive=True):
-                if child.pid not in started:
-                    started[child.pid] = child
-                    commands[child.pid] = " ".join(child.cmdline())
+            children = psutil.Process(proc.pid).children(recursive=True)
         except psutil.Error:
-            pass
+            children = []
+        for child in children:
+            started.setdefault(child.pid, child)
+            # read again at every poll: a child seen between its fork and its exec still shows its parent's
+            # command line (a clean clone's suite once recorded no engine command that way)
+            try:
+                commands[child.pid] = " ".join(started[child.pid].cmdline())
+            except psutil.Error:
+                pass
         time.sleep(0.5)
     if proc.poll() is None:  # some runs only: a run that outlived its 300 s (a failure, on any device)
         proc.kill()
