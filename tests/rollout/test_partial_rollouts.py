@@ -63,6 +63,14 @@ def _hold(engine: LocalEngine, mode: str | None, timeout_s: float = 60.0) -> Non
         time.sleep(0.001)
 
 
+def _run_then_close(engine: LocalEngine, main):
+    """`asyncio.run(main())`'s result; the engine is closed however it ended."""
+    try:
+        return asyncio.run(main())
+    finally:
+        engine.close()
+
+
 async def _held_group(engine: LocalEngine, client: RolloutClient, sampling: SamplingConfig, at_tokens: int):
     """Start one partial group's generation (`PROMPT`, keys of group 0) and return its task once the batch is
     held, by the engine's own thread (`_pause_at_tokens`, in place), between the two decoding steps at which
@@ -93,10 +101,7 @@ def test_partial_rollout_keeps_each_tokens_version_and_behaviour_logprob(tiny_mo
             await client.close()
             return samples
 
-    try:
-        samples = asyncio.run(main())
-    finally:
-        engine.close()
+    samples = _run_then_close(engine, main)
     for s in samples:
         assert len(s.output_ids) == 40 and s.finish_reason["type"] == "length"
         versions = [int(v) for v in s.columns["token_versions"]]

@@ -28,7 +28,7 @@ from megatron_tail.rollout.processor import DVPLogitProcessor
 from megatron_tail.utils.errors import UserError
 from tests.rollout.servers import serving_app
 from tests.rollout.test_local_engine import reference_logprobs
-from tests.rollout.test_partial_rollouts import LOG_RHO, PROMPT, _held_group, _model
+from tests.rollout.test_partial_rollouts import LOG_RHO, PROMPT, _held_group, _model, _run_then_close
 
 N_TOKENS = 30
 
@@ -68,10 +68,7 @@ def test_each_pause_mode_keeps_versions_and_behaviour_logprobs_exact(
             await client.close()
             return samples
 
-    try:
-        samples = asyncio.run(main())
-    finally:
-        engine.close()
+    samples = _run_then_close(engine, main)
     assert len(held_at) == 4 and min(held_at) >= 6
     for s in samples:
         assert len(s.output_ids) == N_TOKENS and s.finish_reason["type"] == "length"
@@ -178,8 +175,5 @@ def test_a_retract_pause_over_a_held_batch_is_answered_only_once_its_rows_are_re
             await client.close()
             return samples
 
-    try:
-        samples = asyncio.run(main())
-    finally:
-        engine.close()
+    samples = _run_then_close(engine, main)
     assert [len(s.output_ids) for s in samples] == [N_TOKENS, N_TOKENS]

@@ -383,6 +383,26 @@ def broadcast_skipped(monkeypatch):
     monkeypatch.setattr(weight_sync, "_broadcast_in_order", lambda _pairs, _group: None)
 
 
+@pytest.fixture
+def held_broadcast(monkeypatch):
+    """Rank 0's broadcasts record their names (`sent`), say they `began`, and run until `release` is set."""
+    import threading
+    from types import SimpleNamespace
+
+    from megatron_tail.rollout import weight_sync
+
+    held = SimpleNamespace(began=threading.Event(), release=threading.Event(), sent=[])
+
+    def broadcast(pairs, _group):
+        held.began.set()
+        held.sent.append([name for name, _ in pairs])
+        assert held.release.wait(60)
+
+    monkeypatch.setattr(weight_sync, "_broadcast_in_order", broadcast)
+    yield held
+    held.release.set()  # a test that failed midway leaves no broadcast thread waiting
+
+
 def _stand_in_server(post, version: str):
     """A stand-in SGLang server: every POST to `post(request)`, `version` in /model_info."""
     from aiohttp import web
@@ -458,7 +478,7 @@ def test_distributed_buckets_run_inside_sglangs_weight_update_session():
 
 
 def test_a_refused_buckets_broadcast_never_begins_if_queued_and_a_begun_one_blocks_the_next_update(
-    monkeypatch,
+    held_broadcast,
 ):
     """A failed update abandons its bucket's broadcast if it has not begun (`_Broadcast.abandon`): it never
     broadcasts, and `broadcast_waiting` says it does not wait. (Before, a broadcast queued behind another job
@@ -471,16 +491,9 @@ def test_a_refused_buckets_broadcast_never_begins_if_queued_and_a_begun_one_bloc
     import torch
     from aiohttp import web
 
-    from megatron_tail.rollout import WeightSyncError, weight_sync
+    from megatron_tail.rollout import WeightSyncError
 
-    began, release, sent = threading.Event(), threading.Event(), []
-
-    def broadcast(pairs, _group):
-        began.set()
-        sent.append([name for name, _ in pairs])
-        assert release.wait(60)
-
-    monkeypatch.setattr(weight_sync, "_broadcast_in_order", broadcast)
+    began, release, sent = held_broadcast.began, held_broadcast.release, held_broadcast.sent
     wait_for_the_broadcast = {"on": False}
 
     async def post(request):
@@ -521,7 +534,7 @@ def test_a_refused_buckets_broadcast_never_begins_if_queued_and_a_begun_one_bloc
     asyncio.run(scenario())
 
 
-def test_a_cancelled_update_abandons_a_queued_broadcast_and_waits_out_a_begun_one(monkeypatch):
+def test_a_cancelled_update_abandons_a_queued_broadcast_and_waits_out_a_begun_one(held_broadcast):
     """An update cancelled (the trainer stopping mid-sync) while its bucket's broadcast is still queued on the
     sync's thread: the broadcast never begins. Cancelled while it runs: it runs on (a gloo collective cannot
     be cancelled), `broadcast_waiting` says so, and the next update is refused by name until it ends."""
@@ -531,16 +544,9 @@ def test_a_cancelled_update_abandons_a_queued_broadcast_and_waits_out_a_begun_on
     import torch
     from aiohttp import web
 
-    from megatron_tail.rollout import WeightSyncError, weight_sync
+    from megatron_tail.rollout import WeightSyncError
 
-    began, release, sent = threading.Event(), threading.Event(), []
-
-    def broadcast(pairs, _group):
-        began.set()
-        sent.append([name for name, _ in pairs])
-        assert release.wait(60)
-
-    monkeypatch.setattr(weight_sync, "_broadcast_in_order", broadcast)
+    began, release, sent = held_broadcast.began, held_broadcast.release, held_broadcast.sent
 
     async def scenario():
         posted, answer = asyncio.Event(), asyncio.Event()
