@@ -61,7 +61,7 @@ import socket
 import threading
 import uuid
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent import futures
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -478,9 +478,10 @@ class DistributedWeightSync:
         self.timeout_s = timeout_s
         self.weight_version = str(initial_version)
         self.group = None
-        self._broadcast: _Broadcast | None = None
-        """The last bucket's broadcast (`broadcast_waiting`)."""
-        self._sender: ThreadPoolExecutor | None = None
+        self._broadcast: futures.Future | None = None
+        """The last bucket's broadcast on `_sender` (`broadcast_waiting`): queued, running or done. One its
+        update gave up on while still queued is cancelled, and never runs."""
+        self._sender: futures.ThreadPoolExecutor | None = None
         """The one thread rank 0's broadcasts run on, in order: its own, not the loop's default executor,
         whose other jobs could hold a broadcast queued while the engines wait for it."""
 
@@ -609,7 +610,9 @@ class DistributedWeightSync:
                 f"{self.servers.limit}"
             )
         if self._sender is None:
-            self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-sync-broadcast")
+            self._sender = futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="weight-sync-broadcast"
+            )
         version = next_version(self.weight_version) if weight_version is None else str(weight_version)
         stats = {"buckets": 0, "tensors": 0, "peak_bytes": 0}
         async with engine_session() as session:
@@ -623,17 +626,18 @@ class DistributedWeightSync:
                     "weight_version": version if last else None,
                     "flush_cache": last and self.servers.flush_cache,
                 }
-                self._broadcast = job = _Broadcast(bucket, self.group)
-                broadcast = asyncio.get_running_loop().run_in_executor(self._sender, job.run)
+                self._broadcast = job = self._sender.submit(_broadcast_in_order, bucket, self.group)
+                broadcast = asyncio.wrap_future(job)
                 posts = self.servers.post_all(
                     session, "/update_weights_from_distributed", [body] * len(self.servers.urls)
                 )
                 try:
                     await asyncio.gather(broadcast, posts)
                 except BaseException:
-                    # an engine refused the bucket, or the update was cancelled: a broadcast that has not
-                    # begun never does (nobody would receive it); one that has runs on (`broadcast_waiting`)
-                    job.abandon()
+                    # an engine refused the bucket, or the update was cancelled: a broadcast still queued
+                    # never runs (nobody would receive it); `Future.cancel` leaves one that has begun
+                    # running (`broadcast_waiting`)
+                    job.cancel()
                     raise
                 stats["buckets"] += 1
 
@@ -673,8 +677,12 @@ class DistributedWeightSync:
         (`ProcessGroupGloo.abort` does not end one in torch 2.13), and the process joins that thread at
         exit. An NCCL broadcast returns once queued on its stream, after the first, which forms the
         communicator (`ncclCommInitRank` waits for every peer). A broadcast the failed update abandoned
-        before it began does not wait (`_Broadcast.abandon`)."""
-        return self._broadcast is not None and not self._broadcast.ended.wait(grace_s)
+        before it began does not wait (it was cancelled: `done()`, which `futures.wait` counts only once the
+        executor's thread has reached it)."""
+        job = self._broadcast
+        if job is not None and not job.done():
+            futures.wait([job], timeout=grace_s)
+        return job is not None and not job.done()
 
     async def destroy_group(self) -> None:
         """Ask every engine to drop the group, then drop it here (kept while a broadcast still runs in it:
@@ -706,35 +714,6 @@ def engine_parameter(hf_name: str) -> str:
         if part in _STACKED:
             return ".".join([*parts[:i], _STACKED[part], *parts[i + 1 :]])
     return hf_name
-
-
-class _Broadcast:
-    """One bucket's broadcast from rank 0 (`_broadcast_in_order`, on `DistributedWeightSync._sender`):
-    queued, running or ended. `ended` is set when it returns or raises, or when its update abandons it
-    before it began, which then never begins."""
-
-    def __init__(self, pairs: list[tuple[str, torch.Tensor]], group):
-        self._pairs, self._group = pairs, group
-        self._lock = threading.Lock()
-        self._began = False
-        self.ended = threading.Event()
-
-    def run(self) -> None:
-        with self._lock:
-            if self.ended.is_set():
-                return  # abandoned while queued
-            self._began = True
-        try:
-            _broadcast_in_order(self._pairs, self._group)
-        finally:
-            self.ended.set()
-
-    def abandon(self) -> None:
-        """Its update failed: if it has not begun it never will. One that began runs on (a gloo collective
-        cannot be cancelled) until its peers receive it or the group's timeout."""
-        with self._lock:
-            if not self._began:
-                self.ended.set()
 
 
 def _broadcast_in_order(pairs: list[tuple[str, torch.Tensor]], group) -> None:

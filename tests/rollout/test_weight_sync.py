@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+from concurrent import futures
 
 import aiohttp
 import pytest
@@ -480,13 +481,12 @@ def test_distributed_buckets_run_inside_sglangs_weight_update_session():
 def test_a_refused_buckets_broadcast_never_begins_if_queued_and_a_begun_one_blocks_the_next_update(
     held_broadcast,
 ):
-    """A failed update abandons its bucket's broadcast if it has not begun (`_Broadcast.abandon`): it never
+    """A failed update abandons its bucket's broadcast if it has not begun (`Future.cancel`): it never
     broadcasts, and `broadcast_waiting` says it does not wait. (Before, a broadcast queued behind another job
     began after the failure and waited in gloo for engines that had refused it, while `broadcast_waiting`
     could not tell it from one waiting already.) One that began runs on: the sync says it waits and refuses
     the next update by name until it ends. The broadcasts run on the sync's own thread, here held busy."""
     import threading
-    from concurrent.futures import ThreadPoolExecutor
 
     import torch
     from aiohttp import web
@@ -509,7 +509,7 @@ def test_a_refused_buckets_broadcast_never_begins_if_queued_and_a_begun_one_bloc
         async with serving_app(_stand_in_server(post, "1")) as url:
             sync = DistributedWeightSync([url], master_address="127.0.0.1", master_port=1)
             sync.engine_tp_sizes, sync.group = [1], object()
-            sync._sender = ThreadPoolExecutor(max_workers=1)
+            sync._sender = futures.ThreadPoolExecutor(max_workers=1)
             busy = threading.Event()
             sync._sender.submit(busy.wait, 60)  # the bucket's broadcast queues behind this
             with pytest.raises(WeightSyncError, match="refused"):
@@ -528,7 +528,7 @@ def test_a_refused_buckets_broadcast_never_begins_if_queued_and_a_begun_one_bloc
             ):
                 await sync.update([("w2", torch.zeros(4))], weight_version="3")
             release.set()
-            assert sync._broadcast.ended.wait(60) and not sync.broadcast_waiting()
+            assert futures.wait([sync._broadcast], timeout=60).done and not sync.broadcast_waiting()
             sync._sender.shutdown()
 
     asyncio.run(scenario())
@@ -539,7 +539,6 @@ def test_a_cancelled_update_abandons_a_queued_broadcast_and_waits_out_a_begun_on
     sync's thread: the broadcast never begins. Cancelled while it runs: it runs on (a gloo collective cannot
     be cancelled), `broadcast_waiting` says so, and the next update is refused by name until it ends."""
     import threading
-    from concurrent.futures import ThreadPoolExecutor
 
     import torch
     from aiohttp import web
@@ -560,7 +559,7 @@ def test_a_cancelled_update_abandons_a_queued_broadcast_and_waits_out_a_begun_on
         async with serving_app(_stand_in_server(post, "1")) as url:
             sync = DistributedWeightSync([url], master_address="127.0.0.1", master_port=1)
             sync.engine_tp_sizes, sync.group = [1], object()
-            sync._sender = ThreadPoolExecutor(max_workers=1)
+            sync._sender = futures.ThreadPoolExecutor(max_workers=1)
             busy = threading.Event()
             sync._sender.submit(busy.wait, 60)  # the first bucket's broadcast queues behind this
             update = asyncio.ensure_future(sync.update([("w0", torch.zeros(4))], weight_version="1"))
@@ -584,7 +583,7 @@ def test_a_cancelled_update_abandons_a_queued_broadcast_and_waits_out_a_begun_on
             with pytest.raises(WeightSyncError, match=r"broadcast still waits in the weight group"):
                 await sync.update([("w2", torch.zeros(4))], weight_version="3")
             release.set()
-            assert sync._broadcast.ended.wait(60) and not sync.broadcast_waiting()
+            assert futures.wait([sync._broadcast], timeout=60).done and not sync.broadcast_waiting()
             sync._sender.shutdown()
             answer.set()
 
@@ -910,7 +909,7 @@ def _refused_bucket_scenario(_rank, _world, a, tiny_model_dir):
                     assert resp.status == 200, (path, await resp.text())
 
     asyncio.run(receive_it())
-    assert sync._broadcast.ended.wait(timeout=120) and not sync.broadcast_waiting()
+    assert futures.wait([sync._broadcast], timeout=120).done and not sync.broadcast_waiting()
     sync.group_name = held_name  # the engine's group, and then this side's
     asyncio.run(sync.destroy_group())
     assert sync.group is None
