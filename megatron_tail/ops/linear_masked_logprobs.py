@@ -443,8 +443,9 @@ def _dlogits_(x: torch.Tensor, s: _RowState, c: slice, backend: str) -> None:
     or the Triton backward)."""
     start, width = s.vocab_start + c.start, c.stop - c.start
     if backend == "triton" and s.support is None:
-        # one launch: the gradient kernel writes the target's column too (without a support the dense
-        # coefficients are the target's own), where `triton_backward` adds a dozen small ops per block
+        # one launch with the global ids: the gradient kernel writes the target's column too (without a
+        # support the dense coefficients are the target's own); `triton_backward` would first map the targets
+        # to this block's local ids, a few `[rows]` torch ops per block of a backward of ~150 blocks
         load_kernels(x.device).write_grad(
             x, x, max_logit=s.max_logit, threshold=s.threshold, log_norm=s.log_norm, bias=s.bias,
             scale_h=s.scale_h, inv_temperature=s.inv_t, targets=s.targets, target_start=start,
@@ -452,11 +453,9 @@ def _dlogits_(x: torch.Tensor, s: _RowState, c: slice, backend: str) -> None:
         )  # fmt: skip
         return
     local_target, owned = chunk_math.target_columns(s.targets, start, width)
-    if backend == "triton":
-        support = None
-        if s.support is not None:
-            support2d, forced, rows_with_support = s.support
-            support = (support2d, s.targets, forced, rows_with_support, start)
+    if backend == "triton":  # with a support (without one: above)
+        support2d, forced, rows_with_support = s.support
+        support = (support2d, s.targets, forced, rows_with_support, start)
         per_row = dict(max_logit=s.max_logit, log_norm=s.log_norm, inv_temperature=s.inv_t)
         dense = dict(threshold=s.threshold, bias=s.dense_bias, scale_h=s.dense_scale_h)
         sparse = dict(
