@@ -17,8 +17,6 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
 CASES = {
     # name: (model, steps, overrides)
     "single_turn_eta0": ("tiny", 2, {}),
@@ -46,6 +44,10 @@ rewards (`reward/generated_*`) too, being those of the groups up to the batch's 
 
 def tiny_model(root: Path, chatty: bool) -> Path:
     """`tests/loop/conftest.py`'s `tiny_model_dir` (chatty: `test_multiturn_loop.chatty_model_dir`)."""
+    # torch here, not at the top: the run's spawned reward worker imports this module again as its
+    # `__mp_main__`, and needs none of it (~2 CPU-s per worker)
+    import torch
+
     from megatron_tail.demo.model import new_tiny_qwen3, save_hf
 
     model, tokenizer = new_tiny_qwen3(
