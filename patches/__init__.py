@@ -26,6 +26,10 @@ from .moe_te_gemm import apply_moe_te_gemm_shim, moe_te_gemm_shim_applied, remov
 from .pinning import PatchVersionError, check_pinned
 from .recompute_rng import apply_recompute_rng_shims, remove_recompute_rng_shims
 from .thd_rope_host_bounds import stop_using_host_rope_bounds, use_host_rope_bounds
+from .triton_interpreter_patch_once import (
+    stop_using_one_language_patch_per_launch,
+    use_one_language_patch_per_launch,
+)
 
 __all__ = [
     "PatchVersionError",
@@ -45,9 +49,11 @@ __all__ = [
     "remove_moe_te_gemm_shim",
     "remove_recompute_rng_shims",
     "stop_using_host_rope_bounds",
+    "stop_using_one_language_patch_per_launch",
     "torch_adam_load_fixes",
     "use_host_rope_bounds",
     "use_in_process_results_queue",
+    "use_one_language_patch_per_launch",
     "use_watched_checkpoint_writers",
 ]
 

@@ -1,5 +1,6 @@
 """Shared pytest set-up: GPU tests skip with a reason where no CUDA device is present; without one, Triton's
-interpreter is on for the session (`tests/triton_interpreter.py` says why it must be set this early).
+interpreter is on for the session (`tests/triton_interpreter.py` says why it must be set this early), patching
+the language once per launch (`patches/triton_interpreter_patch_once.py`).
 
 `make test` runs the suite on three pytest-xdist workers (`-n 3`, the Makefile says why) with the scheduler
 below: each test file is one unit of work, kept on one worker, so a module-scoped set-up (an engine, a
@@ -22,6 +23,11 @@ import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+    from megatron_tail.patches.triton_interpreter_patch_once import (
+        use_one_language_patch_per_launch,
+    )
+
+    use_one_language_patch_per_launch()  # the kernels' CPU tests: patches/README.md says why
 
 
 SERIAL_GROUPS = {"tests/slurm/": "slurm"}
