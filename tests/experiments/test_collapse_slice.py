@@ -23,7 +23,7 @@ SLICE = [
 ]
 
 
-def test_two_arms_two_steps_write_events_table_and_verdicts(tmp_path, ci_tail_cache):
+def test_two_arms_two_steps_write_events_table_and_verdicts(tmp_path, ci_tail_cache, figures_not_rendered):
     cache = ci_tail_cache
 
     def run(out, arms=("naive", "dvp_mis")):
@@ -49,6 +49,9 @@ def test_two_arms_two_steps_write_events_table_and_verdicts(tmp_path, ci_tail_ca
         algorithm = yaml.safe_load((tmp_path / "a" / arm / "seed0" / "config.yaml").read_text())["algorithm"]
         assert algorithm["log_rho"] == (-9.0 if arm == "dvp_mis" else None)
     assert "| naive | 0/1 |" in results.read_text()
+    report = (tmp_path / "a" / "report" / "report.md").read_text()
+    assert {p.parent for p in figures_not_rendered} == {tmp_path / "a" / "report"}
+    assert all(f"]({p.name})" in report for p in figures_not_rendered)  # each figure drawn is in the report
     # a second experiment directory, same seed and overrides: the same rewards step by step
     run(tmp_path / "b", arms=("naive",))
     for arm in ("naive",):

@@ -112,8 +112,9 @@ def test_events_of_a_real_run(run_dirs):
             assert limits.shape == counts.shape and counts.sum() > 0
 
 
-def test_default_out_dir_and_labels_override(run_dirs):
+def test_default_out_dir_and_labels_override(run_dirs, figures_not_rendered):
     report = write_report(run_dirs, labels=["naive", "mis"])
+    assert figures_not_rendered and {p.parent for p in figures_not_rendered} == {report.parent}
     assert report == run_dirs[0].parent / "report" / "report.md"  # the runs' common parent
     text = report.read_text()
     assert "| naive |" in text and "| mis |" in text and "algorithm.is_mode" not in text
@@ -212,13 +213,14 @@ def test_a_run_of_the_flat_rollout_section_labels_under_the_new_keys():
     assert run_labels([old, new], ["a", "b"]) == ["rollout.sampling.top_k=20", "rollout.sampling.top_k=40"]
 
 
-def test_cli_writes_the_report(run_dirs, tmp_path, capsys):
+def test_cli_writes_the_report(run_dirs, tmp_path, capsys, figures_not_rendered):
     from megatron_tail.cli import main
 
     out = tmp_path / "cli_out"
     assert main(["report", *map(str, run_dirs), "--out", str(out), "--labels", "A", "B"]) == 0
     assert f"report: {(out / 'report.md').resolve()}" in capsys.readouterr().out
     assert "| A |" in (out / "report.md").read_text()
+    assert figures_not_rendered and all(p.parent == out for p in figures_not_rendered)
 
 
 def test_cli_refusals_are_one_line(tmp_path, capsys):
