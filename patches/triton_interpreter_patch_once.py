@@ -14,6 +14,12 @@ included: a helper may see a language module the kernel does not) and later call
 same launch run its rewritten function directly, as Triton's `__call__` then does. Outside a launch nothing
 changes. Only Triton's interpreter (`TRITON_INTERPRET=1`: CPU tests) runs this code; compiled kernels never
 do, so it is a no-op where CUDA is present, as every patch here.
+
+Same numbers as Triton's own interpreter for launches run one at a time, which is how the tests launch. Two
+launches at once from two threads differ: upstream, the first to end restores the builtins under the other
+(and the interpreter's grid index is one global), so upstream fails there too, but a helper's later call
+could then no longer re-patch as Triton's `__call__` would. Speed only: where the pin does not hold,
+`tests/conftest.py` runs without it.
 """
 
 from __future__ import annotations
@@ -34,12 +40,12 @@ _originals: dict[str, object] = {}
 
 def use_one_language_patch_per_launch() -> bool:
     """Patch Triton's interpreter (module docstring). True if this call patched it; False if it already was.
-    Raises `PatchVersionError` on a Triton other than `TRITON_PIN`."""
-    from triton.runtime import interpreter
-
+    Raises `PatchVersionError` on a Triton other than `TRITON_PIN`, or none (before importing it)."""
     if _originals:
         return False
     check_pinned("triton", TRITON_PIN)
+    from triton.runtime import interpreter
+
     launch, call = interpreter.GridExecutor.__call__, interpreter.InterpretedFunction.__call__
 
     def launch_patching_once(self, *args, **kwargs):

@@ -4,6 +4,8 @@ and computes the same numbers as Triton's own interpreter."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import triton
@@ -29,6 +31,10 @@ def _rows_times_four(x_ptr, out_ptr, width: tl.constexpr):
     first = _doubled(x_ptr, row, width)
     again = _doubled(x_ptr, row, width)  # a second call in the same program
     tl.store(out_ptr + row * width + tl.arange(0, width), first + again)
+
+
+def _times_four() -> torch.Tensor:
+    return 4.0 * torch.arange(PROGRAMS * 8, dtype=torch.float32).reshape(PROGRAMS, 8)
 
 
 def _launch_counting_patches(monkeypatch) -> tuple[torch.Tensor, int]:
@@ -65,8 +71,7 @@ def test_one_language_patch_for_the_launch_and_one_per_helper_with_the_same_resu
     patched, patched_patches = _launch_counting_patches(monkeypatch)
     assert patched_patches == 2  # the launch, the helper's first call
 
-    expected = 4.0 * torch.arange(PROGRAMS * 8, dtype=torch.float32).reshape(PROGRAMS, 8)
-    torch.testing.assert_close(upstream, expected, rtol=0, atol=0)
+    torch.testing.assert_close(upstream, _times_four(), rtol=0, atol=0)
     torch.testing.assert_close(patched, upstream, rtol=0, atol=0)
 
     _, second_launch = _launch_counting_patches(monkeypatch)
@@ -97,6 +102,36 @@ def test_an_error_in_a_repeated_helper_call_fails_the_launch_as_upstream(monkeyp
     with pytest.raises(interpreter.InterpreterError, match="second call"):
         _rows_times_four[(PROGRAMS,)](x, out, width=8)
     assert len(seen) == 2
+    monkeypatch.undo()
+
+    # the failed launch left no launch behind: outside a launch a helper goes through Triton's own __call__,
+    # and the next launch patches its helper afresh (once) and computes the right numbers
+    assert getattr(patch._launch, "helpers", None) is None
+    after, patches = _launch_counting_patches(monkeypatch)
+    assert patches == 2
+    torch.testing.assert_close(after, _times_four(), rtol=0, atol=0)
+
+
+@pytest.mark.usefixtures("unpatched_then_restored")
+def test_without_triton_it_refuses_by_name_before_importing_it(monkeypatch):
+    """tests/conftest.py runs the suite without this speed patch when it refuses; an ImportError would abort
+    the whole session instead."""
+    from importlib.metadata import PackageNotFoundError
+
+    from megatron_tail.patches import pinning
+
+    def not_installed(package):
+        raise PackageNotFoundError(package)
+
+    monkeypatch.setattr(pinning, "version", not_installed)
+    import triton.runtime
+
+    # as if never imported, and importing it raises ImportError
+    monkeypatch.delattr(triton.runtime, "interpreter")
+    monkeypatch.setitem(sys.modules, "triton.runtime.interpreter", None)
+    with pytest.raises(PatchVersionError, match="triton is not installed"):
+        patch.use_one_language_patch_per_launch()
+    assert not patch._originals
 
 
 @pytest.mark.usefixtures("unpatched_then_restored")
