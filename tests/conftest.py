@@ -46,26 +46,32 @@ are the longest units of work, so they start first."""
 
 
 LONGEST_FIRST = (
-    "tests/loop/test_one_generation_path.py",
-    "tests/loop/test_demo_launch.py",
     "tests/loop/test_engine_failures.py",
-    "tests/experiments/test_truncation_suite.py",
-    "tests/ops/test_linear_op_device.py",
     "tests/loop/test_end_to_end.py",
-    "tests/train/test_moe_checkpoint_reshard.py",
+    "tests/loop/test_demo_launch.py",
     "tests/loop/test_process_death.py",
-    "tests/loop/test_cli_signal.py",
-    "tests/loop/test_agentic_exactly_once.py",
-    "tests/loop/test_multiturn_loop.py",
-    "tests/experiments/test_collapse_slice.py",
-    "tests/report/test_report.py",
-    "tests/loop/test_resume_config.py",
-    "tests/loop/test_reliability.py",
     "tests/loop/test_resume.py",
+    "tests/experiments/test_truncation_suite.py",
+    "tests/loop/test_one_generation_path.py",
+    "tests/ops/test_linear_op_device.py",
+    "tests/loop/test_multiturn_loop.py",
+    "tests/loop/test_resume_config.py",
+    "tests/bench/test_op_report.py",
+    "tests/experiments/test_collapse_slice.py",
+    "tests/test_gpu_check.py",
+    "tests/loop/test_user_errors.py",
+    "tests/loop/test_agentic_exactly_once.py",
+    "tests/loop/test_stop_signals.py",
+    "tests/report/test_report.py",
+    "tests/loop/test_cli_signal.py",
+    "tests/loop/test_truncated_sampling_loop.py",
+    "tests/loop/test_reliability.py",
+    "tests/ops/test_kernels_compile.py",
 )
-"""The longest units after `SERIAL_GROUPS`, longest first (`--durations` of a `make test` run on 2 cores): a
-worker that starts one of them last would run alone at the end. Only the order depends on it: a file it
-does not name (a new or renamed one) runs after these, in collection order."""
+"""The longest units after `SERIAL_GROUPS`, longest first (each file's time in two `make test` runs on 2
+cores, 2026-12-02; every file of 30 s or more): a worker that starts one of them last would run alone at the
+end. Only the order depends on it: a file it does not name (a new or renamed one) runs after these, in
+collection order."""
 
 
 def unit_of_work(nodeid: str) -> str:
