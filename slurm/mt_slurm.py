@@ -12,8 +12,10 @@
                                                              poll GET URL/health until all answer 200
     mt_slurm.py torchrun-flags NAME...                       print those of --NAME... that this Python's
                                                              torchrun accepts, one per line
-    mt_slurm.py check-ports FIRST COUNT                      exit 2 naming the first port of the block
-                                                             that something on this node holds
+    mt_slurm.py check-ports FIRST COUNT [--node NAME=OFFSETS]...
+                                                             exit 2 naming the first port of the block
+                                                             that something on this node holds (with
+                                                             --node: only the offsets this node uses)
 
 `serve` is meant to run as an srun task: task `SLURM_LOCALID` = i on a node listens on `port_base + i`
 and drives tp GPUs: the GPUs `[i·tp, (i+1)·tp)` of those it sees, or, where the site binds GPUs per task
@@ -333,8 +335,33 @@ def port_in_use(port: int) -> OSError | None:
     return None
 
 
+def port_role(offset: int) -> str:
+    """What rl.sbatch uses the port at `offset` of a job's block for (its MT_PORT_BASE layout)."""
+    roles = {0: "the router", 1: "the torchrun rendezvous", 2: "the weight-sync group"}
+    return roles.get(offset, f"rollout server {offset - 3}" if offset <= 10 else "a spare port")
+
+
+def node_offsets(specs: Sequence[str], count: int) -> dict[str, list[int]]:
+    """`--node NAME=OFFSETS` values (`gpu1=0,3,4`; `gpu2=` for none) → {name: offsets}. Raises ValueError
+    naming a value that is not NAME=comma-separated offsets within the block."""
+    nodes: dict[str, list[int]] = {}
+    for spec in specs:
+        name, _, listed = spec.partition("=")
+        try:
+            offsets = [int(o) for o in listed.split(",")] if listed else []
+        except ValueError:
+            offsets = [-1]
+        if not name or "=" not in spec or not all(0 <= o < count for o in offsets):
+            raise ValueError(f"--node {spec}: expected NAME=OFFSETS, offsets of the block (0..{count - 1})")
+        nodes[name] = offsets
+    return nodes
+
+
 def check_ports(args: argparse.Namespace) -> int:
-    """0 where every port of the block is free on this node; 2, naming the first taken, where not."""
+    """0 where every port of the block this node uses is free on it; 2, naming the first taken, where not.
+    Which ports a node uses: its `--node` entry, looked up by its Slurm name (a node missing from them is an
+    error, not a node with nothing to check: a name that does not match would check nothing anywhere);
+    without any `--node`, the whole block."""
     last = args.first + args.count - 1
     if not (args.count >= 1 and 1 <= args.first and last <= 65535):
         print(
@@ -342,11 +369,22 @@ def check_ports(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    for port in range(args.first, last + 1):
+    try:
+        nodes = node_offsets(args.node, args.count)
+    except ValueError as e:
+        print(f"check-ports: {e}", file=sys.stderr)
+        return 2
+    host = _node_host()
+    if nodes and host not in nodes:
+        print(f"check-ports: this node, {host}, is not among --node's ({', '.join(nodes)})", file=sys.stderr)
+        return 2
+    offsets = nodes[host] if nodes else range(args.count)
+    for offset in offsets:
+        port = args.first + offset
         if port_in_use(port) is not None:
             print(
-                f"port {port} (of this job's block {args.first}..{last}) is already in use on "
-                f"{_node_host()}; set MT_PORT_BASE to another block",
+                f"port {port} ({port_role(offset)}, of this job's block {args.first}..{last}) is already in "
+                f"use on {host}; set MT_PORT_BASE to another block",
                 file=sys.stderr,
                 flush=True,
             )
@@ -421,6 +459,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check-ports", help="exit 2 naming the first port of the block held on this node")
     p.add_argument("first", type=int)
     p.add_argument("count", type=int)
+    p.add_argument(
+        "--node", action="append", default=[], metavar="NAME=OFFSETS",
+        help="the offsets into the block node NAME uses (repeatable; none given: every node checks all)",
+    )  # fmt: skip
     p.set_defaults(func=check_ports)
 
     p = sub.add_parser("wait-healthy", help="wait until every URL answers GET /health with 200")

@@ -370,8 +370,9 @@ def test_the_router_binds_where_the_servers_do(tmp_path):
 
 
 def test_every_node_checks_the_jobs_ports_before_anything_starts(tmp_path, tiny_model_dir, prompt_file):
-    """The port check runs on every node (`mt_slurm.py check-ports`, one srun task per node): the servers'
-    nodes and the trainer's first (rendezvous, weight sync). A taken port is one line, nothing started."""
+    """The port check runs on every node (`mt_slurm.py check-ports`, one srun task per node), each for its
+    share of the block: the servers' nodes their servers' ports (and the router's, with one), the trainer's
+    first node the rendezvous and weight sync. A taken port is one line, nothing started."""
     from tests.slurm.test_rl_sbatch import write_config
 
     tiny = ("--set", f"model.hf_path={tiny_model_dir}")  # after _run's, which names a config-only 8B
@@ -379,11 +380,11 @@ def test_every_node_checks_the_jobs_ports_before_anything_starts(tmp_path, tiny_
     proc = _run(tmp_path, *tiny, dry=False, config=config, SLURM_GPUS_ON_NODE="0")
     check = [c for c in proc.srun_calls if " check-ports " in c]
     assert len(check) == 1 and "--nodes=2 --ntasks=2 --ntasks-per-node=1" in check[0], proc.srun_calls
-    assert check[0].endswith("check-ports 17872 16")
+    assert check[0].endswith("check-ports 17872 16 --node gpu1=3 --node gpu2=1,2")  # one local server
     assert proc.srun_calls.index(check[0]) == 0  # before the servers' step
     # a node where a port is taken: its helper's line, and no other step
     said = (
-        "port 17880 (of this job's block 17872..17887) is already in use on gpu2; "
+        "port 17873 (the torchrun rendezvous, of this job's block 17872..17887) is already in use on gpu2; "
         "set MT_PORT_BASE to another block"
     )
     fails = (
@@ -394,6 +395,23 @@ def test_every_node_checks_the_jobs_ports_before_anything_starts(tmp_path, tiny_
     taken = _run(tmp_path, *tiny, dry=False, config=config, SLURM_GPUS_ON_NODE="0", srun_then=fails)
     assert taken.returncode == 1 and f"ERROR: {said}" in taken.stdout, taken.stdout + taken.stderr
     assert [c for c in taken.srun_calls if " check-ports " not in c] == []
+
+
+def test_the_first_rollout_node_checks_the_routers_port_and_every_servers(
+    tmp_path, tiny_model_dir, prompt_file
+):
+    from tests.slurm.test_rl_sbatch import write_config
+
+    config = write_config(tmp_path, tiny_model_dir, prompt_file, steps=1)
+    sets = ("cluster.rollout_backend=sglang", "cluster.servers_per_node=2", "cluster.sglang.router=true")
+    stop = (
+        'case "$*" in *check-ports*) echo "port 17872 (...) is already in use on gpu1" >&2; exit 2;; esac\n'
+    )
+    args = [a for s in (*sets, f"model.hf_path={tiny_model_dir}") for a in ("--set", s)]
+    proc = _run(tmp_path, *args, config=config, dry=False, MT_SKIP_PLAN="1", srun_then=stop)
+    assert proc.returncode == 1 and "is already in use on gpu1" in proc.stdout, proc.stdout + proc.stderr
+    (check,) = proc.srun_calls
+    assert check.endswith("check-ports 17872 16 --node gpu1=0,3,4 --node gpu2=1,2"), check
 
 
 def test_the_api_key_is_the_jobs_own_never_printed_and_a_bad_one_is_refused(tmp_path):

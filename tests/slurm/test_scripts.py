@@ -52,9 +52,14 @@ def test_shellcheck_is_clean():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def helper(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+def helper(*args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(HELPER), *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+        [sys.executable, str(HELPER), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **env},
     )
 
 
@@ -169,7 +174,10 @@ def test_check_ports_sees_a_server_on_any_address_of_the_node():
     try:
         taken = helper("check-ports", str(port), "1")
         assert taken.returncode == 2, taken.stdout + taken.stderr
-        assert f"port {port} (of this job's block {port}..{port}) is already in use on " in taken.stderr
+        assert (
+            f"port {port} (the router, of this job's block {port}..{port}) is already in use on "
+            in taken.stderr
+        )
         assert "set MT_PORT_BASE to another block" in taken.stderr
         assert helper("check-ports", str(free), "1").returncode == 0
         for first, count in (("70000", "1"), ("65530", "16"), ("9000", "0")):  # a bad block: one line
@@ -180,6 +188,41 @@ def test_check_ports_sees_a_server_on_any_address_of_the_node():
     finally:
         server.close()
         checker.close()
+
+
+def test_check_ports_checks_only_the_share_of_the_block_its_node_uses():
+    """rl.sbatch names each node's share (`--node NAME=OFFSETS`): a port held on a node that does not use it
+    does not stop the job, one it uses does, named with what it is for; a bad share is one line."""
+    import socket
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    first = port - 1  # the server holds the block's offset 1, the rendezvous
+    try:
+        free = helper(
+            "check-ports", str(first), "16", "--node", "here=", "--node", "gpu2=1", SLURMD_NODENAME="here"
+        )
+        assert free.returncode == 0, free.stderr  # the held port is gpu2's to use
+        unnamed = helper("check-ports", str(first), "16", "--node", "gpu2=1,2", SLURMD_NODENAME="here")
+        assert (
+            unnamed.returncode == 2
+            and unnamed.stderr == "check-ports: this node, here, is not among --node's (gpu2)\n"
+        )
+        taken = helper("check-ports", str(first), "16", "--node", "here=1,2", SLURMD_NODENAME="here")
+        assert taken.returncode == 2
+        assert taken.stderr == (
+            f"port {port} (the torchrun rendezvous, of this job's block {first}..{first + 15}) is already "
+            "in use on here; set MT_PORT_BASE to another block\n"
+        )
+        for share in ("here=1,x", "here=16", "=1", "here"):
+            bad = helper("check-ports", str(first), "16", "--node", share, SLURMD_NODENAME="here")
+            assert bad.returncode == 2 and bad.stderr == (
+                f"check-ports: --node {share}: expected NAME=OFFSETS, offsets of the block (0..15)\n"
+            ), bad.stderr
+    finally:
+        server.close()
 
 
 def test_an_sglang_server_gets_the_jobs_api_key_in_a_file_only_its_user_reads(monkeypatch, tmp_path):
