@@ -342,18 +342,20 @@ def port_role(offset: int) -> str:
 
 
 def node_offsets(specs: Sequence[str], count: int) -> dict[str, list[int]]:
-    """`--node NAME=OFFSETS` values (`gpu1=0,3,4`; `gpu2=` for none) → {name: offsets}. Raises ValueError
-    naming a value that is not NAME=comma-separated offsets within the block."""
+    """`--node NAME=OFFSETS` values (`gpu1=0,3,4`; `gpu2=` for none) → {name: offsets}; a name given twice
+    (a node with two roles) checks both shares. Raises ValueError naming a value that is not
+    NAME=comma-separated offsets within the block."""
     nodes: dict[str, list[int]] = {}
     for spec in specs:
         name, _, listed = spec.partition("=")
-        try:
-            offsets = [int(o) for o in listed.split(",")] if listed else []
-        except ValueError:
-            offsets = [-1]
-        if not name or "=" not in spec or not all(0 <= o < count for o in offsets):
+        offsets = listed.split(",") if listed else []
+        if (
+            not name
+            or "=" not in spec
+            or not all(o.isascii() and o.isdigit() and int(o) < count for o in offsets)
+        ):
             raise ValueError(f"--node {spec}: expected NAME=OFFSETS, offsets of the block (0..{count - 1})")
-        nodes[name] = offsets
+        nodes.setdefault(name, []).extend(int(o) for o in offsets)
     return nodes
 
 

@@ -133,7 +133,7 @@ def pytest_collection_modifyitems(config, items):  # noqa: ARG001 - pytest hook 
 def figures_not_rendered(monkeypatch):
     """For a test of what a report says, not of its figures: matplotlib's `Figure.savefig` records the path
     and leaves an empty file there instead of laying the figure out and rendering its PNG (about 0.7 s a
-    figure on one CI core; a report draws up to nine). The figures themselves are tested where a test reads
+    figure on one CI core; a report draws up to ten). The figures themselves are tested where a test reads
     them (`tests/report/test_report.py`'s `_assert_png_not_blank`). Returns the paths saved, in order."""
     from pathlib import Path
 

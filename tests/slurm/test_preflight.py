@@ -397,21 +397,38 @@ def test_every_node_checks_the_jobs_ports_before_anything_starts(tmp_path, tiny_
     assert [c for c in taken.srun_calls if " check-ports " not in c] == []
 
 
-def test_the_first_rollout_node_checks_the_routers_port_and_every_servers(
-    tmp_path, tiny_model_dir, prompt_file
+@pytest.mark.parametrize(
+    ("nodes", "rollout_nodes", "shares"),
+    [
+        ("gpu1,gpu2", 1, "--node gpu1=0,3,4 --node gpu2=1,2"),
+        ("gpu1,gpu2,gpu3,gpu4", 2, "--node gpu1=0,3,4 --node gpu2=3,4 --node gpu3=1,2 --node gpu4=2"),
+    ],
+)
+def test_the_first_rollout_node_checks_the_routers_port_every_trainer_node_the_weight_syncs(
+    tmp_path, tiny_model_dir, prompt_file, nodes, rollout_nodes, shares
 ):
+    """The router's port on the first rollout node, every server's on each; the rendezvous on the first
+    trainer node, the weight-sync group's on every trainer node (rank 0's node is torchrun's choice)."""
     from tests.slurm.test_rl_sbatch import write_config
 
     config = write_config(tmp_path, tiny_model_dir, prompt_file, steps=1)
-    sets = ("cluster.rollout_backend=sglang", "cluster.servers_per_node=2", "cluster.sglang.router=true")
+    sets = (
+        "cluster.rollout_backend=sglang",
+        "cluster.servers_per_node=2",
+        "cluster.sglang.router=true",
+        f"cluster.nodes={nodes.count(',') + 1}",
+        f"cluster.rollout_nodes={rollout_nodes}",
+    )
     stop = (
         'case "$*" in *check-ports*) echo "port 17872 (...) is already in use on gpu1" >&2; exit 2;; esac\n'
     )
     args = [a for s in (*sets, f"model.hf_path={tiny_model_dir}") for a in ("--set", s)]
-    proc = _run(tmp_path, *args, config=config, dry=False, MT_SKIP_PLAN="1", srun_then=stop)
+    proc = _run(
+        tmp_path, *args, config=config, dry=False, MT_SKIP_PLAN="1", srun_then=stop, SLURM_JOB_NODELIST=nodes
+    )
     assert proc.returncode == 1 and "is already in use on gpu1" in proc.stdout, proc.stdout + proc.stderr
     (check,) = proc.srun_calls
-    assert check.endswith("check-ports 17872 16 --node gpu1=0,3,4 --node gpu2=1,2"), check
+    assert check.endswith(f"check-ports 17872 16 {shares}"), check
 
 
 def test_the_api_key_is_the_jobs_own_never_printed_and_a_bad_one_is_refused(tmp_path):

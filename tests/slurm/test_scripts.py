@@ -192,34 +192,42 @@ def test_check_ports_sees_a_server_on_any_address_of_the_node():
 
 def test_check_ports_checks_only_the_share_of_the_block_its_node_uses():
     """rl.sbatch names each node's share (`--node NAME=OFFSETS`): a port held on a node that does not use it
-    does not stop the job, one it uses does, named with what it is for; a bad share is one line."""
+    does not stop the job, one it uses does, named with what it is for; a node named twice checks both
+    shares; a bad share, or a node missing from them, is one line."""
     import socket
 
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen()
     port = server.getsockname()[1]
-    first = port - 1  # the server holds the block's offset 1, the rendezvous
+    first = port - 1  # the server holds the block's offset 1, the rendezvous; a block of 3 stays ≤ 65535
+
+    def check(*shares: str) -> subprocess.CompletedProcess:
+        return helper(
+            "check-ports",
+            str(first),
+            "3",
+            *(a for s in shares for a in ("--node", s)),
+            SLURMD_NODENAME="here",
+        )
+
     try:
-        free = helper(
-            "check-ports", str(first), "16", "--node", "here=", "--node", "gpu2=1", SLURMD_NODENAME="here"
-        )
+        free = check("here=", "gpu2=1")
         assert free.returncode == 0, free.stderr  # the held port is gpu2's to use
-        unnamed = helper("check-ports", str(first), "16", "--node", "gpu2=1,2", SLURMD_NODENAME="here")
-        assert (
-            unnamed.returncode == 2
-            and unnamed.stderr == "check-ports: this node, here, is not among --node's (gpu2)\n"
-        )
-        taken = helper("check-ports", str(first), "16", "--node", "here=1,2", SLURMD_NODENAME="here")
-        assert taken.returncode == 2
-        assert taken.stderr == (
-            f"port {port} (the torchrun rendezvous, of this job's block {first}..{first + 15}) is already "
-            "in use on here; set MT_PORT_BASE to another block\n"
-        )
-        for share in ("here=1,x", "here=16", "=1", "here"):
-            bad = helper("check-ports", str(first), "16", "--node", share, SLURMD_NODENAME="here")
+        unnamed = check("gpu2=1,2")
+        assert unnamed.returncode == 2, unnamed.stderr
+        assert unnamed.stderr == "check-ports: this node, here, is not among --node's (gpu2)\n"
+        for shares in (("here=1,2",), ("here=2", "gpu2=0", "here=1")):  # its own share; two roles on one node
+            taken = check(*shares)
+            assert taken.returncode == 2
+            assert taken.stderr == (
+                f"port {port} (the torchrun rendezvous, of this job's block {first}..{first + 2}) is already "
+                "in use on here; set MT_PORT_BASE to another block\n"
+            )
+        for share in ("here=1,x", "here=3", "here=-1", "here=\u00b2", "=1", "here"):
+            bad = check(share)
             assert bad.returncode == 2 and bad.stderr == (
-                f"check-ports: --node {share}: expected NAME=OFFSETS, offsets of the block (0..15)\n"
+                f"check-ports: --node {share}: expected NAME=OFFSETS, offsets of the block (0..2)\n"
             ), bad.stderr
     finally:
         server.close()
