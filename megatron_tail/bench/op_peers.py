@@ -61,14 +61,23 @@ def measure(
     that takes its input over), and its result is passed to `run`. On CUDA: CUDA events and
     `torch.cuda.max_memory_allocated`; elsewhere wall time, and the peak of the tensor storage of the warm-up
     call (`tensor_memory.LiveTensorBytes`, which slows every op, so never a timed call): `repeats` + 1 calls
-    in all, as on CUDA. `keep_result`: what the last call returned, under "result" (a caller that checks the
-    values too need not run it once more; held only after the last call, so no measured peak includes it)."""
+    in all, as on CUDA. `repeats=0`, off CUDA only: that counted call alone, its wall time as "ms" (slowed by
+    the counting: a CPU test's smoke figure, not a measurement), for tests that check a table's rows and
+    each path's memory under Triton's interpreter, where every call costs seconds. `keep_result`: what the
+    last call returned, under "result" (a caller that checks the values too need not run it once more; held
+    only after the last call, so no measured peak includes it)."""
     cuda = torch.cuda.is_available()
+    if repeats < (1 if cuda else 0):
+        raise ValueError(f"measure: repeats ≥ 1 on CUDA (≥ 0 elsewhere: the counted call), got {repeats}")
     times, peak = [], 0
+    result = None
     if not cuda:  # the warm-up: nothing to compile or cache off CUDA that one untimed call would not
         held = prepare() if prepare is not None else None
+        t0 = time.perf_counter()
         with LiveTensorBytes() as counted:
-            run() if held is None else run(held)
+            result = run() if held is None else run(held)
+        if repeats == 0:
+            times.append((time.perf_counter() - t0) * 1e3)
         peak = counted.peak
         del held
     warm_ups = 1 if cuda else 0  # CUDA's first call warms kernels and the caching allocator up

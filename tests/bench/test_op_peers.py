@@ -59,3 +59,18 @@ def test_measure_keeps_the_last_calls_result_only_when_asked():
     assert len(calls) == 3 and kept["result"] is calls[-1]  # the counted call, then 2 timed ones
     assert kept["peak_bytes"] == 256 * 4  # the counted call's tensor, not one held from another call
     assert "result" not in measure(run, repeats=1)
+
+
+def test_measure_with_no_repeats_off_cuda_is_the_counted_call_alone():
+    calls = []
+
+    def run():
+        calls.append(torch.full((256,), float(len(calls))))
+        return calls[-1]
+
+    only = measure(run, repeats=0, keep_result=True)
+    assert len(calls) == 1 and only["result"] is calls[0]
+    assert only["peak_bytes"] == 256 * 4 and only["ms"] > 0
+    with pytest.raises(ValueError, match=r"repeats ≥ 1 on CUDA \(≥ 0 elsewhere"):
+        measure(run, repeats=-1)
+    assert len(calls) == 1

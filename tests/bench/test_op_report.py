@@ -23,7 +23,7 @@ def test_the_report_prints_every_width_the_fused_shapes_their_tiles_and_the_targ
     printed: list[str] = []
     with k.forward_design(k.INTERPRETER_ONE_PROGRAM):  # as if ONE_PROGRAM had an entry for this device
         result = op_report.op_report(
-            device="cpu", tokens=4, widths=(256, 64), fused=((8, 16, 256),), repeats=1, megatron=False,
+            device="cpu", tokens=4, widths=(256, 64), fused=((8, 16, 256),), repeats=0, megatron=False,
             print_fn=printed.append,
         )  # fmt: skip
     assert widths and set(widths) == {256}
@@ -219,17 +219,17 @@ def test_a_design_or_a_layout_that_fails_is_a_row_and_the_others_are_measured(mo
         op_designs, "candidates", lambda _device: [k.TWO_KERNELS, k.INTERPRETER_ONE_PROGRAM, bad]
     )
     baseline = {"what": "made-up baseline", "ms": 1.0}
-    rows = op_designs.design_rows(4, 256, baseline, device="cpu", repeats=1)
+    rows = op_designs.design_rows(4, 256, baseline, device="cpu", repeats=0)
     assert [("error" in r) for r in rows] == [False, False, True]
     assert rows[2]["error"].startswith("ValueError: a OneProgram's evictions are one of")
     table = op_designs.format_design_rows(rows, 4, 256, "cpu", "cpu")
     assert "| not measured: ValueError: a OneProgram's evictions" in table
-    assert [r["what"] for r in op_split.split_rows(rows, 4, 256, device="cpu", repeats=1)] == [
+    assert [r["what"] for r in op_split.split_rows(rows, 4, 256, device="cpu", repeats=0)] == [
         r["what"] for r in rows[:2]
     ]
     monkeypatch.setattr(fused_impl, "BACKWARD_BLOCK_CHOICES", (fused_impl.FORWARD_CHUNKS, 4, 0))
     fused_base = {"what": "made-up baseline", "ms": 1.0, "peak_mib": 1.0}
-    blocks = op_report.backward_block_rows(8, 16, 256, fused_base, device="cpu", repeats=1)
+    blocks = op_report.backward_block_rows(8, 16, 256, fused_base, device="cpu", repeats=0)
     assert [r["what"] for r in blocks] == ["forward's chunks", "4 row blocks", "0"]
     assert blocks[2]["error"].startswith("ValueError: backward_blocks takes a row-block count")
     assert "not measured: ValueError" in op_report.format_backward_block_rows(blocks, 8, 16, 256, "cpu")
@@ -250,7 +250,7 @@ def test_a_section_that_fails_is_a_line_and_the_report_goes_on(monkeypatch):
     )
     printed: list[str] = []
     result = op_report.op_report(
-        device="cpu", tokens=4, widths=(256,), fused=((8, 16, 256), (4, 16, 256)), repeats=1,
+        device="cpu", tokens=4, widths=(256,), fused=((8, 16, 256), (4, 16, 256)), repeats=0,
         megatron=False, print_fn=printed.append,
     )  # fmt: skip
     assert printed[1] == (
@@ -276,7 +276,7 @@ def test_without_liger_the_targets_say_there_is_no_verdict(monkeypatch):
     against Liger is judged on them."""
     monkeypatch.setitem(sys.modules, "liger_kernel.transformers", None)  # its import raises ImportError
     result = op_report.op_report(
-        device="cpu", tokens=4, widths=(64,), fused=((4, 16, 64),), repeats=1, megatron=False,
+        device="cpu", tokens=4, widths=(64,), fused=((4, 16, 64),), repeats=0, megatron=False,
         print_fn=lambda _text: None,
     )  # fmt: skip
     assert result["op"][64][0]["baseline"] == "torch cross_entropy, fwd+bwd"

@@ -86,8 +86,8 @@ def test_the_op_against_its_peers(record_property):
 
 
 def _megatron_ce(record):
-    return check_against_megatron_ce("cpu", TOKENS, VOCAB, LOG_RHO, record, repeats=1)
+    return check_against_megatron_ce("cpu", TOKENS, VOCAB, LOG_RHO, record, repeats=0)
 
 
 def _peers(record):
-    return record_peers("cpu", TOKENS, VOCAB, record, repeats=1)
+    return record_peers("cpu", TOKENS, VOCAB, record, repeats=0)
