@@ -6,6 +6,7 @@ move), not speed."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -48,13 +49,19 @@ def test_without_liger_the_baseline_is_torchs_cross_entropy(monkeypatch):
     )
 
 
-def test_measure_keeps_the_last_calls_result_only_when_asked():
-    calls = []
+def _recorded_calls() -> tuple[list[torch.Tensor], Callable[[], torch.Tensor]]:
+    """A run that returns a new 1 KiB tensor per call, and the list of what it returned."""
+    calls: list[torch.Tensor] = []
 
-    def run():
+    def run() -> torch.Tensor:
         calls.append(torch.full((256,), float(len(calls))))
         return calls[-1]
 
+    return calls, run
+
+
+def test_measure_keeps_the_last_calls_result_only_when_asked():
+    calls, run = _recorded_calls()
     kept = measure(run, repeats=2, keep_result=True)
     assert len(calls) == 3 and kept["result"] is calls[-1]  # the counted call, then 2 timed ones
     assert kept["peak_bytes"] == 256 * 4  # the counted call's tensor, not one held from another call
@@ -62,12 +69,7 @@ def test_measure_keeps_the_last_calls_result_only_when_asked():
 
 
 def test_measure_with_no_repeats_off_cuda_is_the_counted_call_alone():
-    calls = []
-
-    def run():
-        calls.append(torch.full((256,), float(len(calls))))
-        return calls[-1]
-
+    calls, run = _recorded_calls()
     only = measure(run, repeats=0, keep_result=True)
     assert len(calls) == 1 and only["result"] is calls[0]
     assert only["peak_bytes"] == 256 * 4 and only["ms"] > 0
