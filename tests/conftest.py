@@ -22,7 +22,8 @@ import pytest  # noqa: E402 - after the collector is off
 import torch  # noqa: E402
 
 INTERPRETER_PATCH = "not applied: CUDA is present (compiled kernels)"
-"""What became of `patches/triton_interpreter_patch_once.py` in this session (pytest's header says it)."""
+"""What became of `patches/triton_interpreter_patch_once.py` in this session (pytest's header says it; the
+end of the run too, where it was not applied)."""
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
@@ -100,6 +101,12 @@ def pytest_xdist_make_scheduler(config, log):
 
 def pytest_report_header(config):  # noqa: ARG001 - pytest hook signature
     return f"patches/triton_interpreter_patch_once: {INTERPRETER_PATCH}"
+
+
+def pytest_terminal_summary(terminalreporter):
+    """`make test`'s `-q` prints no header: a run without the patch says so at its end too."""
+    if INTERPRETER_PATCH.startswith("not applied, Triton's own"):
+        terminalreporter.write_line(f"patches/triton_interpreter_patch_once: {INTERPRETER_PATCH}")
 
 
 def pytest_configure(config):

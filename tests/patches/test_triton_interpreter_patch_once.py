@@ -4,7 +4,9 @@ and computes the same numbers as Triton's own interpreter."""
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -141,3 +143,28 @@ def test_refuses_a_triton_it_was_not_verified_on(monkeypatch):
         with pytest.raises(PatchVersionError, match=r"triton==3\.7"):
             patch.use_one_language_patch_per_launch()
     assert not patch._originals
+
+
+def test_the_suite_runs_without_the_patch_where_its_pin_does_not_hold(tmp_path):
+    """tests/conftest.py on a Triton the patch was not verified on: the tests run on Triton's own interpreter,
+    and a `-q` run (`make test`'s) says so at its end."""
+    import subprocess
+
+    plugin = tmp_path / "unverified_triton.py"  # a plugin loads before conftest: the pin it sees is 2.x
+    plugin.write_text(
+        "from megatron_tail.patches import triton_interpreter_patch_once as patch\npatch.TRITON_PIN = '2.'\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "unverified_triton",
+         "tests/test_suite_order.py"],
+        cwd=Path(__file__).resolve().parents[2],
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (
+        "patches/triton_interpreter_patch_once: not applied, Triton's own interpreter runs: triton==3.7"
+        in proc.stdout
+    ), proc.stdout
