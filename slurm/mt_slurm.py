@@ -347,13 +347,9 @@ def node_offsets(specs: Sequence[str], count: int) -> dict[str, list[int]]:
     NAME=comma-separated offsets within the block."""
     nodes: dict[str, list[int]] = {}
     for spec in specs:
-        name, _, listed = spec.partition("=")
+        name, equals, listed = spec.partition("=")
         offsets = listed.split(",") if listed else []
-        if (
-            not name
-            or "=" not in spec
-            or not all(o.isascii() and o.isdigit() and int(o) < count for o in offsets)
-        ):
+        if not (name and equals and all(o.isascii() and o.isdigit() and int(o) < count for o in offsets)):
             raise ValueError(f"--node {spec}: expected NAME=OFFSETS, offsets of the block (0..{count - 1})")
         nodes.setdefault(name, []).extend(int(o) for o in offsets)
     return nodes

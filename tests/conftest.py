@@ -24,6 +24,7 @@ import torch  # noqa: E402
 INTERPRETER_PATCH = "not applied: CUDA is present (compiled kernels)"
 """What became of `patches/triton_interpreter_patch_once.py` in this session (pytest's header says it; the
 end of the run too, where it was not applied)."""
+INTERPRETER_UNPATCHED = "not applied, Triton's own interpreter runs"
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
@@ -38,7 +39,7 @@ if not torch.cuda.is_available():
         use_one_language_patch_per_launch()
         INTERPRETER_PATCH = "applied (a jit helper patches triton.language once per launch)"
     except PatchVersionError as unpinned:
-        INTERPRETER_PATCH = f"not applied, Triton's own interpreter runs: {unpinned}"
+        INTERPRETER_PATCH = f"{INTERPRETER_UNPATCHED}: {unpinned}"
 
 
 SERIAL_GROUPS = {"tests/slurm/": "slurm"}
@@ -105,7 +106,7 @@ def pytest_report_header(config):  # noqa: ARG001 - pytest hook signature
 
 def pytest_terminal_summary(terminalreporter):
     """`make test`'s `-q` prints no header: a run without the patch says so at its end too."""
-    if INTERPRETER_PATCH.startswith("not applied, Triton's own"):
+    if INTERPRETER_PATCH.startswith(INTERPRETER_UNPATCHED):
         terminalreporter.write_line(f"patches/triton_interpreter_patch_once: {INTERPRETER_PATCH}")
 
 
