@@ -54,7 +54,7 @@ FILTER_REWARDS: tuple[str, ...] = get_args(FilterReward)
 class ModelSection(ModelSettings):
     """The policy: a HF checkpoint directory (Qwen3 / Qwen2.5 / Llama-3) and how the trainer builds it (the
     `ModelSettings` fields: precision, use_te, vocab_pad_multiple, use_cpu_initialization,
-    max_sequence_length)."""
+    max_sequence_length, gradient_accumulation_fusion, …)."""
 
     hf_path: str = ""
     """HF checkpoint dir (config.json, *.safetensors, tokenizer files); required."""

@@ -97,6 +97,7 @@ def transformer_config(
         use_cpu_initialization=cpu_init,
         attention_softmax_in_fp32=True,
         calculate_per_token_loss=True,
+        gradient_accumulation_fusion=settings.resolved_gradient_accumulation_fusion(),
         # Fusions that need TE/apex/CUDA kernels stay off; masked_softmax_fusion would pick a CUDA kernel.
         masked_softmax_fusion=False,
         bias_activation_fusion=False,

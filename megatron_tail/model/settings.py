@@ -92,7 +92,25 @@ class ModelSettings:
     (`models/qwen3_moe.py`, `layers/moe/topk.py`): neither choice is its computation exactly. Default None,
     megatron's, so a run that leaves it unset trains as before."""
 
+    gradient_accumulation_fusion: bool | None = None
+    """megatron's gradient-accumulation fusion: each linear layer's backward adds its weight gradient
+    straight into the parameter's float32 `main_grad` (DDP's buffer) with one GEMM, instead of returning a
+    [out, in] gradient in the parameter's dtype that DDP's hook then adds to `main_grad`
+    (`tensor_parallel/layers.py`, `LinearWithGradAccumulationAndAsyncCommunication.backward`: apex's
+    `fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32`; the TE spec's linears: TE's
+    `fuse_wgrad_accumulation`; the fused output layer: `ops.vocab_parallel_linear_masked_logprobs`). It saves
+    a weight-sized write and read per linear and micro-batch, and each micro-batch's gradient is no longer
+    rounded to bf16 before it is summed. megatron's linears need apex's CUDA extension for it
+    (`ColumnParallelLinear.__init__` refuses without it, TE spec or not). None: on where it can run (CUDA
+    and apex's `fused_weight_gradient_mlp_cuda` installed), as Megatron-LM's `--gradient-accumulation-fusion`
+    (on by default, off without the extension); true without them is refused at load."""
+
     def __post_init__(self) -> None:
+        if self.gradient_accumulation_fusion not in (None, True, False):
+            raise ValueError(
+                f"gradient_accumulation_fusion must be true, false or null; got "
+                f"{self.gradient_accumulation_fusion!r}"
+            )
         if self.moe_router_dtype not in MOE_ROUTER_DTYPES:
             raise ValueError(
                 f"moe_router_dtype must be one of {MOE_ROUTER_DTYPES}; got {self.moe_router_dtype!r}"
@@ -143,6 +161,12 @@ class ModelSettings:
                 f"model.use_te=true needs Transformer Engine on CUDA (a GPU extra), and this machine has "
                 f"{lacks}; use model.use_te=false (megatron-core's local spec) or null (TE where it can run)"
             )
+        if self.gradient_accumulation_fusion and (lacks := _wgrad_fusion_lacks(device)):
+            raise UserError(
+                "model.gradient_accumulation_fusion=true needs CUDA and apex's extension "
+                "fused_weight_gradient_mlp_cuda (megatron's linear layers accumulate into main_grad "
+                f"with it), and this machine has {lacks}; use false, or null (on where it can run)"
+            )
         if self.op_backend == "triton" and (problem := triton_unavailable(device)):
             here = ", and this machine has no CUDA device" if device == "cpu" else ""
             raise UserError(
@@ -183,6 +207,24 @@ class ModelSettings:
                 "use_te=True but transformer_engine is not installed; use_te=False picks the local spec"
             )
         return self.use_te
+
+    def resolved_gradient_accumulation_fusion(self) -> bool:
+        """`gradient_accumulation_fusion` with the host default applied (None: CUDA and apex's extension)."""
+        if self.gradient_accumulation_fusion is not None:
+            return self.gradient_accumulation_fusion
+        import torch
+
+        return not _wgrad_fusion_lacks("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _wgrad_fusion_lacks(device: str) -> str:
+    """What this host lacks for gradient-accumulation fusion ("" if nothing): a CUDA device, and apex's
+    `fused_weight_gradient_mlp_cuda` (found, not imported), which megatron-core's `tensor_parallel/layers.py`
+    imports at its own import and calls in every linear's backward."""
+    lacks = [] if device == "cuda" else ["no CUDA device"]
+    if importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is None:
+        lacks.append("no apex extension fused_weight_gradient_mlp_cuda installed")
+    return " and ".join(lacks)
 
 
 def _have_transformer_engine() -> bool:

@@ -99,6 +99,7 @@ CHANGEABLE_KEYS: frozenset[str] = frozenset(
         "model.use_cpu_initialization",
         "model.op_backend",
         "model.fused_output_layer",
+        "model.gradient_accumulation_fusion",  # the same sum of gradients, in fp32 from the first term
         # the job's Slurm layout (`config.cluster`): where the rollout servers and the trainer run, and the
         # plan's assumptions; a requeued job may get other nodes (the trainer's own layout is `parallel.*`)
         "cluster.nodes",

@@ -1,0 +1,78 @@
+"""`model.gradient_accumulation_fusion`: megatron's linears add their weight gradients straight into DDP's
+float32 `main_grad`, and one optimizer step gives the parameters it gives without the fusion: untied at
+TP 2 with sequence parallelism, packed; tied embeddings at PP = 1 (megatron's `zero_out_wgrad`: the output
+layer's dummy gradient must not hide the embedding's), with the output layer as megatron's linear and fused
+into the DVP op. apex's CUDA extension is a recording stand-in (`apex_stand_in`); megatron's code around it
+runs as on a GPU. At load, the setting is refused by name on a host without CUDA and the extension."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_tail.model import ModelSettings
+from megatron_tail.utils.errors import UserError
+from tests.harness import run_distributed
+from tests.model.hf_models import make_hf_model
+from tests.train.test_step_equivalence import _assert_same_step, _one_step_rank
+
+HIDDEN = 64
+"""`tests.model.hf_models.TINY`'s hidden size: the output layer's `main_grad` is [V/TP, HIDDEN]."""
+
+
+def _fused_rank(rank, world_size, hf_dir, tp, micro_batch_size, packed, model):
+    from tests.train import apex_stand_in
+
+    apex_stand_in.install()
+    state, result = _one_step_rank(rank, world_size, hf_dir, tp, 1, micro_batch_size, packed, "linear", model)
+    return state, result, list(apex_stand_in.CALLS)
+
+
+@pytest.fixture(scope="module")
+def tied_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3_tied")
+    make_hf_model("qwen3", path, tie=True)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def untied_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3")
+    make_hf_model("qwen3", path, tie=False)
+    return str(path)
+
+
+def _reference(hf_dir):
+    """Unfused, TP = PP = DP = 1, padded, 2 samples per micro-batch (4 micro-batches: the fusion sums)."""
+    return run_distributed(_one_step_rank, 1, hf_dir, 1, 1, 2, False, "linear")[0]
+
+
+def test_tp2_sp_packed_step_with_the_fusion_equals_the_step_without(untied_dir):
+    model = {"gradient_accumulation_fusion": True, "sequence_parallel": True}
+    results = run_distributed(_fused_rank, 2, untied_dir, 2, 1, True, model)
+    state, result, calls = results[0]
+    assert all(r[1] == result for r in results)
+    _assert_same_step((state, result), _reference(untied_dir), untied_dir)
+    # the four linears of each of the two layers (qkv, proj, fc1, fc2) and the output layer, per micro-batch
+    micro_batches = calls.count((256 // 2, HIDDEN))
+    assert micro_batches > 1 and len(calls) == 9 * micro_batches, calls
+
+
+@pytest.mark.parametrize("fused_output_layer", [False, True], ids=["output-linear", "fused-output-layer"])
+def test_tied_embeddings_keep_the_embeddings_gradient_under_the_fusion(tied_dir, fused_output_layer):
+    model = {"gradient_accumulation_fusion": True, "fused_output_layer": fused_output_layer}
+    state, result, calls = run_distributed(_fused_rank, 1, tied_dir, 1, 2, False, model)[0]
+    _assert_same_step((state, result), _reference(tied_dir), tied_dir)
+    # megatron's output linear went through the extension; the fused op writes main_grad itself
+    assert ((256, HIDDEN) in calls) is not fused_output_layer, set(calls)
+    assert calls, "no linear accumulated into main_grad"
+
+
+def test_the_fusion_is_refused_by_name_where_it_cannot_run_and_off_by_default():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this host has CUDA: the refusal is for a host without it (apex decides the rest)")
+    with pytest.raises(UserError, match=r"model\.gradient_accumulation_fusion=true needs CUDA and apex"):
+        ModelSettings(gradient_accumulation_fusion=True).check_host()
+    assert ModelSettings().resolved_gradient_accumulation_fusion() is False
+    assert ModelSettings(gradient_accumulation_fusion=True).resolved_gradient_accumulation_fusion() is True
