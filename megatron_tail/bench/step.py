@@ -290,6 +290,8 @@ def bench(
         "op_backend": resolve_backend(cfg.model.op_backend, torch.device(device)),
         "recompute": recompute,
         "fused_output_layer": fused_output_layer,
+        # on where apex's extension is installed (`model.gradient_accumulation_fusion` null): say which ran
+        "gradient_accumulation_fusion": cfg.model.resolved_gradient_accumulation_fusion(),
         "samples": samples,
         "prompt_tokens": prompt_tokens,
         "response_tokens": tokens // samples - prompt_tokens,
