@@ -80,9 +80,8 @@ def result_rows(r: dict) -> list[tuple[str, str]]:
                   f"({r['prompt_tokens']} + {r['response_tokens']}) in {r['micro_batches']} micro-batch(es)"),
         ("device, op backend, recompute, fused output layer",
          f"{r['device']}, {r['op_backend']}, {r['recompute']}, {'yes' if r['fused_output_layer'] else 'no'}"),
-        ("gradient-accumulation fusion (model.gradient_accumulation_fusion: null)",
-         "on (apex's extension is installed)" if r.get("gradient_accumulation_fusion") else
-         "off (no apex extension or no CUDA here)"),
+        ("gradient-accumulation fusion (model.gradient_accumulation_fusion)",
+         "on" if r.get("gradient_accumulation_fusion") else "off"),
         ("steps", f"{len(r['steps'])}: the first warms up, the other {len(steady)} are measured"),
         ("plan: trainer total less reserve",
          f"{_gib(r['predicted_bytes'])} (Adam's moments {_gib(moments)})"),

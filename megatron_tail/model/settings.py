@@ -98,12 +98,14 @@ class ModelSettings:
     [out, in] gradient in the parameter's dtype that DDP's hook then adds to `main_grad`
     (`tensor_parallel/layers.py`, `LinearWithGradAccumulationAndAsyncCommunication.backward`: apex's
     `fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32`; the TE spec's linears: TE's
-    `fuse_wgrad_accumulation`; the fused output layer: `ops.vocab_parallel_linear_masked_logprobs`). It saves
-    a weight-sized write and read per linear and micro-batch, and each micro-batch's gradient is no longer
-    rounded to bf16 before it is summed. megatron's linears need apex's CUDA extension for it
-    (`ColumnParallelLinear.__init__` refuses without it, TE spec or not). None: on where it can run (CUDA
-    and apex's `fused_weight_gradient_mlp_cuda` installed), as Megatron-LM's `--gradient-accumulation-fusion`
-    (on by default, off without the extension); true without them is refused at load."""
+    `fuse_wgrad_accumulation`; the fused output layer: `ops.vocab_parallel_linear_masked_logprobs`). Each
+    micro-batch's weight gradient is then summed in float32 from the start rather than rounded to bf16
+    first, and megatron's linears skip the separate add (its read and write of `main_grad`). megatron's
+    linears need apex's CUDA extension for it, TE spec or not (`ColumnParallelLinear.__init__` raises
+    without it). Megatron-LM's `--gradient-accumulation-fusion` is on by default and refuses to build
+    without the extension (its users pass `--no-gradient-accumulation-fusion`); here None turns it on only
+    where it can run (CUDA and apex's `fused_weight_gradient_mlp_cuda` importable), and true without them is
+    refused at load, naming what is missing."""
 
     def __post_init__(self) -> None:
         if self.gradient_accumulation_fusion not in (None, True, False):
@@ -219,11 +221,17 @@ class ModelSettings:
 
 def _wgrad_fusion_lacks(device: str) -> str:
     """What this host lacks for gradient-accumulation fusion ("" if nothing): a CUDA device, and apex's
-    `fused_weight_gradient_mlp_cuda` (found, not imported), which megatron-core's `tensor_parallel/layers.py`
-    imports at its own import and calls in every linear's backward."""
+    `fused_weight_gradient_mlp_cuda` importable. Imported, not only found, as megatron-core's
+    `tensor_parallel/layers.py` decides at its import (`_grad_accum_fusion_available`): an extension built
+    against another torch is found but does not load, and megatron's linears would then refuse to build."""
     lacks = [] if device == "cuda" else ["no CUDA device"]
-    if importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is None:
-        lacks.append("no apex extension fused_weight_gradient_mlp_cuda installed")
+    try:
+        import torch  # noqa: F401 - a torch extension loads after torch
+
+        importlib.import_module("fused_weight_gradient_mlp_cuda")
+    except ImportError as e:
+        found = importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+        lacks.append(f"apex's extension installed but not loading ({e})" if found else "no apex installed")
     return " and ".join(lacks)
 
 

@@ -492,11 +492,17 @@ def _dlogits_(x: torch.Tensor, s: _RowState, c: slice, backend: str) -> None:
 
 
 def _dummy_weight_grad(weight: torch.Tensor) -> torch.Tensor | None:
-    """What megatron's linear returns after accumulating into main_grad: a zero gradient with
-    `grad_added_to_main_grad` set (so DDP's hook does not add it again), or None without that flag."""
+    """What megatron's linear returns after accumulating into main_grad (`tensor_parallel/layers.py`,
+    `LinearWithGradAccumulationAndAsyncCommunication.backward`): a placeholder gradient with
+    `grad_added_to_main_grad` set, so DDP's hook does not add it again, or None without that flag. Zeros only
+    where the weight has `zero_out_wgrad` (tied embeddings on one stage: megatron's `LanguageModule`; the
+    hook then adds the placeholder plus the embedding's own gradient), else uninitialised: no [V, H] fill
+    per micro-batch."""
     if hasattr(weight, "grad_added_to_main_grad"):
         weight.grad_added_to_main_grad = True
-        return torch.zeros_like(weight)
+        return (
+            torch.zeros_like(weight) if getattr(weight, "zero_out_wgrad", False) else torch.empty_like(weight)
+        )
     return None
 
 

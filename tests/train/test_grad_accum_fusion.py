@@ -23,8 +23,27 @@ def _fused_rank(rank, world_size, hf_dir, tp, micro_batch_size, packed, model):
     from tests.train import apex_stand_in
 
     apex_stand_in.install()
-    state, result = _one_step_rank(rank, world_size, hf_dir, tp, 1, micro_batch_size, packed, "linear", model)
-    return state, result, list(apex_stand_in.CALLS)
+    state, result, probe = _one_step_rank(
+        rank, world_size, hf_dir, tp, 1, micro_batch_size, packed, "linear", model, _probe
+    )
+    return state, result, list(apex_stand_in.CALLS), probe
+
+
+def _probe(trainer, mbs, hf_dir):
+    """Which weights the step's backward accumulated into `main_grad` itself (megatron's flag, reset by
+    `zero_grad_buffer` at each step's start), and the frozen reference policy's log-probs: its weights
+    have no DDP buffer, and the fused output layer must not ask for one."""
+    from megatron_tail.train import OpSettings, recompute_logprobs
+    from megatron_tail.train.engine.reference import build_reference
+
+    flags = {
+        name: p.grad_added_to_main_grad
+        for name, p in trainer.chunks[-1].named_parameters()
+        if name.endswith(("output_layer.weight", "word_embeddings.weight"))
+    }
+    reference = build_reference(trainer, hf_dir)
+    outs = recompute_logprobs(trainer, mbs, op=OpSettings(log_rho=-13.0), chunks=reference.chunks)
+    return flags, outs is not None and all(o.logprobs.isfinite().all() for o in outs)
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +68,8 @@ def _reference(hf_dir):
 def test_tp2_sp_packed_step_with_the_fusion_equals_the_step_without(untied_dir):
     model = {"gradient_accumulation_fusion": True, "sequence_parallel": True}
     results = run_distributed(_fused_rank, 2, untied_dir, 2, 1, True, model)
-    state, result, calls = results[0]
-    assert all(r[1] == result for r in results)
+    state, result, calls, (_, reference_ran) = results[0]
+    assert all(r[1] == result for r in results) and reference_ran
     _assert_same_step((state, result), _reference(untied_dir), untied_dir)
     # the four linears of each of the two layers (qkv, proj, fc1, fc2) and the output layer, per micro-batch
     micro_batches = calls.count((256 // 2, HIDDEN))
@@ -60,11 +79,14 @@ def test_tp2_sp_packed_step_with_the_fusion_equals_the_step_without(untied_dir):
 @pytest.mark.parametrize("fused_output_layer", [False, True], ids=["output-linear", "fused-output-layer"])
 def test_tied_embeddings_keep_the_embeddings_gradient_under_the_fusion(tied_dir, fused_output_layer):
     model = {"gradient_accumulation_fusion": True, "fused_output_layer": fused_output_layer}
-    state, result, calls = run_distributed(_fused_rank, 1, tied_dir, 1, 2, False, model)[0]
+    state, result, calls, (flags, reference_ran) = run_distributed(
+        _fused_rank, 1, tied_dir, 1, 2, False, model
+    )[0]
     _assert_same_step((state, result), _reference(tied_dir), tied_dir)
-    # megatron's output linear went through the extension; the fused op writes main_grad itself
+    # megatron's output linear went through the extension, or the fused op wrote main_grad itself
     assert ((256, HIDDEN) in calls) is not fused_output_layer, set(calls)
-    assert calls, "no linear accumulated into main_grad"
+    assert list(flags.values()) == [True], flags  # the one shared weight, accumulated in place
+    assert reference_ran  # the frozen reference (no main_grad) runs through the same output layer
 
 
 def test_the_fusion_is_refused_by_name_where_it_cannot_run_and_off_by_default():

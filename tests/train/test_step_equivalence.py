@@ -21,7 +21,9 @@ from tests.train.common import (
 N_SAMPLES = 8
 
 
-def _one_step_rank(rank, world_size, hf_dir, tp, pp, micro_batch_size, packed, optimizer, model=None):  # noqa: ARG001
+def _one_step_rank(
+    _rank, _world_size, hf_dir, tp, pp, micro_batch_size, packed, optimizer, model=None, probe=None
+):
     from megatron_tail.model import ModelSettings, load_hf_config
     from megatron_tail.train import (
         OpSettings,
@@ -55,6 +57,8 @@ def _one_step_rank(rank, world_size, hf_dir, tp, pp, micro_batch_size, packed, o
         mbs = make_micro_batches(samples, micro_batch_size=micro_batch_size, pad_to_multiple=multiple)
     loss_fn = masked_nll_loss(global_loss_tokens(mbs, groups.dp))
     result = train_step(trainer, mbs, loss_fn, op=OpSettings(log_rho=-13.0))
+    if probe is not None:  # what a test asks of the trained model (picklable, returned third)
+        return full_hf_state(trainer), result, probe(trainer, mbs, hf_dir)
     return full_hf_state(trainer), result
 
 

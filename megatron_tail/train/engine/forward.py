@@ -287,13 +287,16 @@ def _fused_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor, settings
     `s/tp` shard) and `targets [b, s]`; outputs `[b, s]` like the unfused path's."""
     config = model.config
     support = settings.pop("sampling_support")
+    weight = model.output_weight()
     out = vocab_parallel_linear_masked_logprobs(
         hidden,
-        model.output_weight(),
+        weight,
         targets.t(),
         sampling_support=None if support is None else support.transpose(0, 1),
         sequence_parallel=config.sequence_parallel,
-        gradient_accumulation_fusion=config.gradient_accumulation_fusion,
+        # as megatron's own linears (`LinearWithGradAccumulationAndAsyncCommunication.forward`: the fusion
+        # only for a weight with a `main_grad`): the frozen reference policy has no DDP buffer
+        gradient_accumulation_fusion=config.gradient_accumulation_fusion and hasattr(weight, "main_grad"),
         **settings,
     )
     return MaskedLogprobs(**{k: None if v is None else v.t() for k, v in vars(out).items()})
