@@ -51,7 +51,10 @@ BY_CONSTRUCTION="Right by construction, not run here (cited upstream sources in 
   - Transformer Engine attention and fused RoPE (the TE layer spec): not assumed on the node; the tests use the
     local spec, whose THD core attention gets the same PackedSeqParams TE would (model/thd_attention.py)
   - SGLang rollout servers (DVP logit processor, weight sync, pause/continue): their own environment and GPUs
-  - NCCL across several GPUs or nodes (TP/PP/DP > 1, the in-memory weight sync): world size 1 here"
+  - NCCL across several GPUs or nodes (TP/PP/DP > 1, the in-memory weight sync): world size 1 here
+  - gradient-accumulation fusion (model.gradient_accumulation_fusion): apex's CUDA extension is not assumed on
+    the node (null turns it off without it; bench.step says which ran); megatron's code around apex's kernel
+    runs in tests/train/test_grad_accum_fusion.py with a stand-in for the kernel"
 
 list_tests() {
     # The gpu tests pytest would run (collect only); where collecting fails (no pytest or no torch on this
