@@ -28,6 +28,15 @@ def make_samples(n: int, seed: int, *, min_len: int = 3, max_len: int = 7) -> li
     return [Sample(prompt=ids(length()), response=ids(length())) for _ in range(n)]
 
 
+def tiny_qwen3_dir(tmp_path_factory, *, tie: bool) -> str:
+    """A tiny random Qwen3 (`tests.model.hf_models`) saved in a new directory; its path."""
+    from tests.model.hf_models import make_hf_model
+
+    path = tmp_path_factory.mktemp("qwen3_tied" if tie else "qwen3")
+    make_hf_model("qwen3", path, tie=tie)
+    return str(path)
+
+
 def smooth_trainer(hf_dir: str, settings):
     """A trainer of `hf_dir` with model `settings` whose update is ≈ lr·g (Adam with eps 1, no clipping):
     smooth in the gradient, so layouts that sum the same gradient in another order give the same weights to

@@ -12,7 +12,7 @@ import pytest
 from megatron_tail.model import ModelSettings
 from megatron_tail.utils.errors import UserError
 from tests.harness import run_distributed
-from tests.model.hf_models import make_hf_model
+from tests.train.common import tiny_qwen3_dir
 from tests.train.test_step_equivalence import _assert_same_step, _one_step_rank
 
 HIDDEN = 64
@@ -48,16 +48,12 @@ def _probe(trainer, mbs, hf_dir):
 
 @pytest.fixture(scope="module")
 def tied_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qwen3_tied")
-    make_hf_model("qwen3", path, tie=True)
-    return str(path)
+    return tiny_qwen3_dir(tmp_path_factory, tie=True)
 
 
 @pytest.fixture(scope="module")
 def untied_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qwen3")
-    make_hf_model("qwen3", path, tie=False)
-    return str(path)
+    return tiny_qwen3_dir(tmp_path_factory, tie=False)
 
 
 def _reference(hf_dir):

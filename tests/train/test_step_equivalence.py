@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from tests.harness import run_distributed
-from tests.model.hf_models import make_hf_model
 from tests.train.common import (
     PAD_MULTIPLE,
     full_hf_state,
@@ -16,6 +15,7 @@ from tests.train.common import (
     init_rank,
     make_samples,
     masked_nll_loss,
+    tiny_qwen3_dir,
 )
 
 N_SAMPLES = 8
@@ -64,9 +64,7 @@ def _one_step_rank(
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qwen3")
-    make_hf_model("qwen3", path, tie=False)
-    return str(path)
+    return tiny_qwen3_dir(tmp_path_factory, tie=False)
 
 
 @pytest.fixture(scope="module")
