@@ -68,8 +68,8 @@ def run_addition_loop(root: Path, model_dir: Path, device: str) -> dict:
     while proc.poll() is None and time.monotonic() < deadline:
         try:
             children = psutil.Process(proc.pid).children(recursive=True)
-        except psutil.Error:
-            children = []
+        except psutil.Error:  # the run exited between poll() and this read
+            children = []  # some runs only: that moment is timing (on any device)
         for child in children:
             started.setdefault(child.pid, child)
             # read again at every poll: a child seen between its fork and its exec still shows its parent's
