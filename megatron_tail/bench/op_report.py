@@ -148,18 +148,34 @@ def fused_rows(tokens: int, hidden: int, vocab: int, *, device: str, repeats: in
     return rows
 
 
+def _ddp_add(main_grad: torch.Tensor, weight: torch.Tensor) -> Callable:
+    """What a returned weight gradient costs after the backward without gradient-accumulation fusion: DDP's
+    hook adds it into the float32 `main_grad` (megatron-core `distributed/distributed_data_parallel.py`,
+    `_make_backward_post_hook`: `param.main_grad.add_(param.grad.data)`), a read of the bf16 [V, H] and a
+    read and write of the float32 one. The same at every layout: timed once per shape."""
+    grad = torch.zeros_like(weight)
+
+    def run():
+        main_grad.add_(grad)
+
+    return run
+
+
 def backward_block_rows(
     tokens: int, hidden: int, vocab: int, baseline: dict, *, device: str, repeats: int = 5
 ) -> list[dict]:
     """The fused op on the Triton backend in each of `BACKWARD_BLOCK_CHOICES`: `what` (the choice), `ms` and
     `peak_mib` for the returned bf16 weight gradient, `main_grad_ms` and `main_grad_peak_mib` into float32
-    `main_grad`, `default` (which path takes this choice without `backward_blocks`), and each ratio to
+    `main_grad`, `default` (which path takes this choice without `backward_blocks`), `ddp_add_ms` (DDP's add
+    of a returned gradient into `main_grad`, `_ddp_add`: the returned gradient's path costs `ms` plus it in a
+    trainer without the fusion), and each ratio to
     `baseline` (a `fused_rows` row: Liger's fused linear cross entropy, or matmul + op); a choice that raised
     has `error` instead."""
     from megatron_tail.ops import linear_masked_logprobs as fused_impl
 
     x, weight, targets = make_output_layer(tokens, hidden, vocab, device)
     main_grad = torch.zeros(vocab, hidden, device=device, dtype=torch.float32)
+    ddp_add_ms = measure(_ddp_add(main_grad, weight), repeats=repeats)["ms"]
     rows = []
     for choice in fused_impl.BACKWARD_BLOCK_CHOICES:
         what = fused_impl.describe_backward_blocks(choice)
@@ -181,7 +197,7 @@ def backward_block_rows(
             "what": what,
             "ms": bf16["ms"], "peak_mib": bf16["peak_bytes"] / (1 << 20),
             "main_grad_ms": fp32["ms"], "main_grad_peak_mib": fp32["peak_bytes"] / (1 << 20),
-            "default": ", ".join(default), "baseline": baseline["what"],
+            "default": ", ".join(default), "baseline": baseline["what"], "ddp_add_ms": ddp_add_ms,
         }  # fmt: skip
         for key, base in (("ms", baseline["ms"]), ("peak_mib", max(baseline["peak_mib"], 1e-12))):
             row[f"{key}_ratio"] = row[key] / base
@@ -211,6 +227,11 @@ def format_backward_block_rows(
         cells.append(r["default"] or "—")
         lines.append(f"| {' | '.join(cells)} |")
     lines += ["", f"baseline: {rows[0]['baseline']}"]
+    if (add := next((r["ddp_add_ms"] for r in rows if "ddp_add_ms" in r), None)) is not None:
+        lines.append(
+            f"a returned bf16 gradient costs DDP's add into main_grad besides (its hook without "
+            f"gradient-accumulation fusion): {add:.2f} ms"
+        )
     return "\n".join(lines)
 
 
@@ -250,6 +271,15 @@ def backward_recommendation(blocks: dict[tuple, list[dict] | None], shapes: tupl
         f"into main_grad the fastest is {fused_impl.describe_backward_blocks(choices[fastest_fp32])} "
         f"({' / '.join(f'{v:.2f}' for v in across(fastest_fp32, 'main_grad_ms'))} ms)"
     )
+    if all("ddp_add_ms" in rows[fastest_fp32] for rows in by_shape.values()):
+        # a trainer without the fusion pays DDP's add on top of the returned gradient's path: the question
+        # whether the op should accumulate into main_grad whenever the weight has one (apex or not)
+        fastest_bf16 = min(under or everywhere, key=lambda i: sum(across(i, "ms")))
+        with_add = [r[fastest_bf16]["ms"] + r[fastest_bf16]["ddp_add_ms"] for r in by_shape.values()]
+        main_grad += (
+            f", against {' / '.join(f'{v:.2f}' for v in with_add)} ms for the returned bf16 gradient "
+            f"({fused_impl.describe_backward_blocks(choices[fastest_bf16])}) plus DDP's add"
+        )
     if not under:
         least = min(everywhere, key=lambda i: max(across(i, "peak_mib_ratio")))
         return (
@@ -299,6 +329,11 @@ def format_fused_rows(
         cells = [r["what"], f"{r['ms']:.2f}", f"{r['ratio']:.2f}", f"{r['peak_mib']:.2f}"]
         lines.append(f"| {' | '.join(cells)} | {r['memory_ratio']:.2f} |")
     lines += ["", f"baseline: {rows[0]['baseline']}"]
+    if (add := next((r["ddp_add_ms"] for r in rows if "ddp_add_ms" in r), None)) is not None:
+        lines.append(
+            f"a returned bf16 gradient costs DDP's add into main_grad besides (its hook without "
+            f"gradient-accumulation fusion): {add:.2f} ms"
+        )
     return "\n".join(lines)
 
 

@@ -81,6 +81,9 @@ def test_the_report_prints_every_width_the_fused_shapes_their_tiles_and_the_targ
             row["main_grad_peak_mib"] / baseline["peak_mib"]
         )
     assert blocks[0]["peak_mib"] > blocks[2]["peak_mib"]  # a whole chunk of logits against a [2, 16] block
+    # DDP's add of a returned gradient, timed once for the shape: what the bf16 column leaves out
+    assert len({r["ddp_add_ms"] for r in blocks}) == 1 and blocks[0]["ddp_add_ms"] > 0
+    assert "a returned bf16 gradient costs DDP's add into main_grad besides" in printed[5]
     targets = [row[0] for row in result["targets"]]
     fastest = min(designs, key=lambda r: r["ms"])["what"]
     quickest = min(designs, key=lambda r: r["forward_ms"])["what"]
@@ -204,6 +207,17 @@ def test_the_backward_blocks_line_names_the_fastest_layout_under_ligers_peak_at_
     }
     line = op_report.backward_recommendation({shapes[0]: rows(first), shapes[1]: failed}, shapes, "cuda")
     assert line.startswith("BACKWARD_TOKEN_BLOCKS = 4 (the current value)  #")
+    # with DDP's add measured (3 and 1.5 ms): the fastest returned-gradient layout under the peak (4 of 2H)
+    # plus the add, beside the fastest into main_grad: whether the op should always accumulate into it
+    added = {
+        shape: [dict(r, ddp_add_ms=add) for r in rows(table)]
+        for shape, table, add in ((shapes[0], first, 3.0), (shapes[1], second, 1.5))
+    }
+    line = op_report.backward_recommendation(added, shapes, "cuda")
+    assert line.endswith(
+        "into main_grad the fastest is forward's chunks (58.00 / 30.00 ms), against 62.00 / 33.50 ms for the "
+        "returned bf16 gradient (4 row blocks × 2H) plus DDP's add"
+    )
 
 
 def test_a_design_or_a_layout_that_fails_is_a_row_and_the_others_are_measured(monkeypatch):
