@@ -329,11 +329,6 @@ def format_fused_rows(
         cells = [r["what"], f"{r['ms']:.2f}", f"{r['ratio']:.2f}", f"{r['peak_mib']:.2f}"]
         lines.append(f"| {' | '.join(cells)} | {r['memory_ratio']:.2f} |")
     lines += ["", f"baseline: {rows[0]['baseline']}"]
-    if (add := next((r["ddp_add_ms"] for r in rows if "ddp_add_ms" in r), None)) is not None:
-        lines.append(
-            f"a returned bf16 gradient costs DDP's add into main_grad besides (its hook without "
-            f"gradient-accumulation fusion): {add:.2f} ms"
-        )
     return "\n".join(lines)
 
 
