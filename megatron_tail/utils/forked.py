@@ -26,6 +26,7 @@ import multiprocessing.connection
 import os
 import pickle
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -45,7 +46,11 @@ class RankFailed(RuntimeError):
 
 GLOO_RENDEZVOUS_FLAKE = "Gloo connectFullMesh failed"
 """The start of the error ProcessGroupGloo raises when a peer closes a connection while a group is made
-(torch's `ProcessGroupGloo.cpp`); a rank's traceback that holds it is retried once (module docstring)."""
+(torch's `ProcessGroupGloo.cpp`); a call whose every failing rank says it is retried once (module
+docstring)."""
+FLAKE_GRACE_S = 5.0
+"""After a rank reports `GLOO_RENDEZVOUS_FLAKE`: how long the others may still report (a real failure among
+them is reported, not retried) before the rest, waiting in the failed rendezvous, are stopped."""
 
 
 class _RendezvousFlake(Exception):
@@ -104,8 +109,8 @@ def run_distributed(
     try:
         return _run_ranks(fn, world_size, args, timeout, process_group, start_method)
     except _RendezvousFlake as flake:
-        line = next((x for x in str(flake).splitlines() if GLOO_RENDEZVOUS_FLAKE in x), "")
-        print(f"run_distributed: {line.strip()[:300]}; the ranks run once more", file=sys.stderr, flush=True)
+        print(f"{flake}\nrun_distributed: {GLOO_RENDEZVOUS_FLAKE} (above); the ranks run once more",
+              file=sys.stderr, flush=True)  # fmt: skip
     try:
         return _run_ranks(fn, world_size, args, timeout, process_group, start_method)
     except _RendezvousFlake as again:
@@ -147,9 +152,13 @@ def _run_ranks(fn, world_size, args, timeout, process_group, start_method) -> li
                 master_listen_fd=listen_on(sock).detach(),  # the store owns it now
             )
         pending = dict(enumerate(pipes))
+        flake_until = None  # set when a rank reports a failed rendezvous: the others get FLAKE_GRACE_S
         while pending:  # each report gives the others `timeout` s more, as waiting for them in turn did
-            ready = mp.connection.wait(list(pending.values()), timeout)
+            wait_s = timeout if flake_until is None else max(0.0, flake_until - time.monotonic())
+            ready = mp.connection.wait(list(pending.values()), wait_s)
             if not ready:
+                if flake_until is not None:
+                    break  # the rest wait in the failed rendezvous
                 raise TimeoutError(
                     f"rank {min(pending)} of {world_size} sent nothing within {timeout} s (its threads' "
                     "stacks are on stderr, printed shortly before)"
@@ -162,15 +171,23 @@ def _run_ranks(fn, world_size, args, timeout, process_group, start_method) -> li
                     status, payload = "error", f"died without reporting (exit code {procs[rank].exitcode})"
                 if status == "error":
                     errors.append(f"--- rank {rank} ---\n{payload}")
-                    if GLOO_RENDEZVOUS_FLAKE in payload:
-                        raise _RendezvousFlake("\n".join(errors))
+                    if flake_until is None and GLOO_RENDEZVOUS_FLAKE in payload:
+                        flake_until = time.monotonic() + FLAKE_GRACE_S
                 results[rank] = payload
         errors.sort(key=lambda e: int(e.split()[2]))  # in rank order, as they were reported before
+        if flake_until is not None:
+            if all(GLOO_RENDEZVOUS_FLAKE in e for e in errors):
+                raise _RendezvousFlake("\n".join(errors))
+            stuck = f"\n--- ranks {sorted(pending)}: still in that rendezvous, stopped ---" if pending else ""
+            raise RankFailed("\n".join(errors) + stuck)  # a real failure beside it: reported, not retried
     finally:
+        deadline = time.monotonic() + 5  # one for all: ranks left in a failed rendezvous are stopped at once
         for proc in procs:
-            proc.join(timeout=5)
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
                 proc.kill()
+        for conn in pipes:  # a kept RankFailed's traceback must not hold them open
+            conn.close()
         del store  # after every rank: its server stops with it
     if errors:
         raise RankFailed("\n".join(errors))

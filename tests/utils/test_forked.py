@@ -108,3 +108,24 @@ def test_any_other_rank_error_is_reported_once_not_retried(tmp_path):
         run_distributed(_failing_rank, 2, str(tmp_path), timeout=300)
     assert "--- rank 1 ---" not in str(info.value)
     assert (tmp_path / "rank0.runs").read_text().count("run") == 1
+
+
+def _flake_beside_a_failure_rank(rank, world_size, folder):  # noqa: ARG001 - harness signature
+    from pathlib import Path
+
+    runs = Path(folder) / f"rank{rank}.runs"
+    runs.write_text(runs.read_text() + "run\n" if runs.exists() else "run\n")
+    if rank == 0:
+        raise RuntimeError(f"{GLOO_RENDEZVOUS_FLAKE} with [pair.cc:553] Connection closed by peer")
+    raise ValueError("a mistake of the code under test")
+
+
+def test_a_failed_rendezvous_beside_a_real_failure_is_reported_not_retried(tmp_path):
+    """A retry would run the code again and might pass where it failed for real: only a call whose every
+    failing rank lost its rendezvous runs again."""
+    with pytest.raises(RankFailed) as info:
+        run_distributed(_flake_beside_a_failure_rank, 2, str(tmp_path), timeout=300)
+    message = str(info.value)
+    assert GLOO_RENDEZVOUS_FLAKE in message.split("--- rank 1 ---")[0]
+    assert "a mistake of the code under test" in message.split("--- rank 1 ---")[1]
+    assert [(tmp_path / f"rank{r}.runs").read_text().count("run") for r in (0, 1)] == [1, 1]
