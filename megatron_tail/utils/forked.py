@@ -14,8 +14,9 @@ One failure is not the code's: gloo's rendezvous of a new process group (`connec
 `init_process_group` or megatron's `new_group` calls) now and then finds a connection closed by its peer on a
 loaded host (pytorch/pytorch#53270, "test_broadcast_checks (ProcessGroupGlooTest) is flaky"; seen here once
 in a clean clone's suite). The rank that sees it fails and its peers wait in the same rendezvous until the
-timeout. A rank that reports it ends the call at once, and the ranks run once more from the start
-(`GLOO_RENDEZVOUS_FLAKE`); any other error is reported as it is.
+timeout. Now the others get `FLAKE_GRACE_S` to report, the rest are stopped, and if every failing rank
+reported that rendezvous error (`GLOO_RENDEZVOUS_FLAKE`) the ranks run once more from the start; any other
+error is reported as it is, not retried.
 """
 
 from __future__ import annotations
@@ -139,7 +140,8 @@ def _run_ranks(fn, world_size, args, timeout, process_group, start_method) -> li
     # every rank: hosted by rank 0, it went with rank 0's exit while a slower rank still rendezvoused
     # through it ("Connection reset by peer" in gloo's `connectFullMesh`, seen beside a CPU hog).
     store = None
-    results, errors = [None] * world_size, []
+    results: list[Any] = [None] * world_size
+    errors: dict[int, str] = {}  # rank → its report, listed in rank order
     try:
         if sock is not None:
             store = dist.TCPStore(
@@ -170,16 +172,16 @@ def _run_ranks(fn, world_size, args, timeout, process_group, start_method) -> li
                     procs[rank].join(timeout=5)
                     status, payload = "error", f"died without reporting (exit code {procs[rank].exitcode})"
                 if status == "error":
-                    errors.append(f"--- rank {rank} ---\n{payload}")
+                    errors[rank] = f"--- rank {rank} ---\n{payload}"
                     if flake_until is None and GLOO_RENDEZVOUS_FLAKE in payload:
                         flake_until = time.monotonic() + FLAKE_GRACE_S
                 results[rank] = payload
-        errors.sort(key=lambda e: int(e.split()[2]))  # in rank order, as they were reported before
+        report = "\n".join(errors[rank] for rank in sorted(errors))
         if flake_until is not None:
-            if all(GLOO_RENDEZVOUS_FLAKE in e for e in errors):
-                raise _RendezvousFlake("\n".join(errors))
+            if all(GLOO_RENDEZVOUS_FLAKE in e for e in errors.values()):
+                raise _RendezvousFlake(report)
             stuck = f"\n--- ranks {sorted(pending)}: still in that rendezvous, stopped ---" if pending else ""
-            raise RankFailed("\n".join(errors) + stuck)  # a real failure beside it: reported, not retried
+            raise RankFailed(report + stuck)  # a real failure beside it: reported, not retried
     finally:
         deadline = time.monotonic() + 5  # one for all: ranks left in a failed rendezvous are stopped at once
         for proc in procs:
@@ -190,5 +192,5 @@ def _run_ranks(fn, world_size, args, timeout, process_group, start_method) -> li
             conn.close()
         del store  # after every rank: its server stops with it
     if errors:
-        raise RankFailed("\n".join(errors))
+        raise RankFailed(report)
     return results

@@ -64,15 +64,21 @@ def test_a_rank_that_hangs_says_where_before_the_call_gives_up(capfd):
     assert "_hang_in_a_named_function" in err and "Timeout (0:00:02" in err, err
 
 
-def _flaky_rendezvous_rank(rank, world_size, folder):  # noqa: ARG001 - harness signature
-    """The first run: rank 0 fails as gloo's rendezvous of a new group does on a loaded host, and rank 1
-    waits in that rendezvous (here: a long sleep) for a peer that is gone. The second run passes."""
-    import time
+def _count_run(folder: str, rank: int) -> int:
+    """Record one more run of `rank` in `folder`; how many it has had."""
     from pathlib import Path
 
     runs = Path(folder) / f"rank{rank}.runs"
     runs.write_text(runs.read_text() + "run\n" if runs.exists() else "run\n")
-    if runs.read_text().count("run") > 1:
+    return runs.read_text().count("run")
+
+
+def _flaky_rendezvous_rank(rank, world_size, folder):  # noqa: ARG001 - harness signature
+    """The first run: rank 0 fails as gloo's rendezvous of a new group does on a loaded host, and rank 1
+    waits in that rendezvous (here: a long sleep) for a peer that is gone. The second run passes."""
+    import time
+
+    if _count_run(folder, rank) > 1:
         return rank
     if rank == 0:
         raise RuntimeError(
@@ -94,10 +100,7 @@ def test_a_failed_gloo_rendezvous_ends_the_call_and_the_ranks_run_once_more(tmp_
 
 
 def _failing_rank(rank, world_size, folder):  # noqa: ARG001 - harness signature
-    from pathlib import Path
-
-    runs = Path(folder) / f"rank{rank}.runs"
-    runs.write_text(runs.read_text() + "run\n" if runs.exists() else "run\n")
+    _count_run(folder, rank)
     if rank == 0:
         raise ValueError("a mistake of the code under test")
     return rank
@@ -111,10 +114,7 @@ def test_any_other_rank_error_is_reported_once_not_retried(tmp_path):
 
 
 def _flake_beside_a_failure_rank(rank, world_size, folder):  # noqa: ARG001 - harness signature
-    from pathlib import Path
-
-    runs = Path(folder) / f"rank{rank}.runs"
-    runs.write_text(runs.read_text() + "run\n" if runs.exists() else "run\n")
+    _count_run(folder, rank)
     if rank == 0:
         raise RuntimeError(f"{GLOO_RENDEZVOUS_FLAKE} with [pair.cc:553] Connection closed by peer")
     raise ValueError("a mistake of the code under test")
