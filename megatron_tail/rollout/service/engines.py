@@ -15,6 +15,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -54,6 +55,10 @@ close says that the process waits for it."""
 CLOSE_TIMEOUT_S = 60
 """Closing: how long the rollout manager's close, then the loop's thread, are waited for (each said if it
 runs out; the run goes on closing)."""
+
+DRAIN_ROUNDS = 4
+"""Closing: how many times the loop's pending tasks are cancelled and awaited at most (`_drain`): a task's
+cancellation may start another, and a stop signal may interrupt a round."""
 
 
 class Engines:
@@ -447,12 +452,30 @@ class Engines:
 
     def _drain(self) -> None:
         """Cancel and finish the tasks a stop left pending (an abandoned step), so closing the loop prints no
-        "Task was destroyed but it is pending" or "Event loop is closed"."""
-        pending = [t for t in asyncio.all_tasks(self.loop) if not t.done()]
-        for task in pending:
-            task.cancel()
-        if pending:
+        "Task was destroyed but it is pending" or "Event loop is closed". Rounds, since a task's cancellation
+        can start others (an `async with` session's close: aiohttp's `BaseConnector.close` starts a
+        `_wait_for_close` task)."""
+        for _ in range(DRAIN_ROUNDS):
+            pending = [t for t in asyncio.all_tasks(self.loop) if not t.done()]
+            if not pending:
+                return
+            for task in pending:
+                task.cancel()
             self._run_here(asyncio.gather(*pending, return_exceptions=True))
+
+    def _drain_before_closing(self) -> BaseException | None:
+        """`_drain` once more as the loop closes, whatever ended the closing: a stop signal's exception
+        (torchrun's SIGTERM after a rank died) can stop the loop in the middle of a client's close, with
+        aiohttp's `_wait_for_close` task just started, which the loop's closing would destroy pending.
+        Returns a stop that interrupted this drain (drained again, up to `DRAIN_ROUNDS` times)."""
+        stop = None
+        for _ in range(DRAIN_ROUNDS):
+            try:
+                self._drain()
+                break
+            except (PeerLost, StepAbandoned, KeyboardInterrupt) as error:
+                stop = stop or error
+        return stop
 
     def close(self, manager=None) -> None:
         """Stop the loop's thread (closing `manager` on it first), the clients, the loop and the local
@@ -466,8 +489,10 @@ class Engines:
                     self.run(client.close())
                 self._leave_weight_group()
         finally:
+            stop = None
             try:
                 if not self.loop.is_running():
+                    stop = self._drain_before_closing()
                     self.loop.close()
             finally:
                 if self.engine is not None:
@@ -484,6 +509,10 @@ class Engines:
                         "bucket; this process ends when gloo gives it up, within "
                         f"{limit_text(self.settings, 'weight_sync.timeout_s')}"
                     )
+            # a stop that arrived while the loop drained, after the closing itself ended: raised here, once
+            # everything is closed (one that ended the closing is already on its way)
+            if stop is not None and sys.exc_info()[1] is None:
+                raise stop
 
     def _leave_weight_group(self) -> None:
         """Remote engines outlive this run: ask them to drop its weight group (best effort, 10 s; a group
