@@ -100,12 +100,14 @@ class DataSection(PromptFormat):
     Qwen3's *-Thinking-2507 templates end the prompt inside it), so "math" scores a reply cut off while
     thinking 0."""
     reward_timeout_s: float = 600.0
-    """Longest time the reward may take to score one batch (a prompt's group of completions, in training and
-    in evaluation, in the reward worker process); after it the worker is killed and the step fails naming
-    the reward and this limit.
-    600 s: a built-in scores thousands of completions in seconds and math-verify bounds each answer at a
-    few seconds, so only a hung reward gets near it, while a slow verifier on a large batch (8k
-    completions × 50 ms) still fits; it is well inside a job's preemption notice."""
+    """Longest time the reward may take on one completion (in the reward worker process, which scores a
+    prompt's group of completions as one batch, in training and in evaluation): after this long without a
+    completion scored, the worker is killed and the step fails naming the reward, this limit and how much of
+    the batch was scored. Per completion, not per batch: a group of slow but bounded answers (math-verify
+    stops each parse at 5 s, and a policy that writes pathological LaTeX writes it in every sample) is not a
+    hang, however large the group.
+    600 s: a built-in scores an answer within seconds, so only a hung reward gets near it, while a slow
+    verifier (a sandboxed test suite) still fits; it is well inside a job's preemption notice."""
     correct_reward: float = 1.0
     """A sample counts as correct (for accuracy and pass@k) when its final answer's reward is at least this
     (an environment's step rewards are in the trained reward, not in this test)."""
@@ -144,7 +146,7 @@ class DataSection(PromptFormat):
         if self.max_sampling_rounds > 64:
             _bad("data", "max_sampling_rounds", self.max_sampling_rounds, "must be ≤ 64")
         _positive_int("data", "eval_prompts", self.eval_prompts)
-        wait_limit("data", "reward_timeout_s", self.reward_timeout_s, unit="seconds per batch")
+        wait_limit("data", "reward_timeout_s", self.reward_timeout_s, unit="seconds per completion")
         if self.max_prompt_tokens is not None:
             _positive_int("data", "max_prompt_tokens", self.max_prompt_tokens)
         for name in ("prompt_template", "eval_prompt_template"):

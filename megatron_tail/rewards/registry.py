@@ -84,8 +84,14 @@ def load_reward_fn(spec: str) -> RewardFn:
     return fn
 
 
-def compute_rewards(fn: RewardFn, completions: Sequence[str], answers: Sequence[str]) -> list[float]:
-    """`[fn(c, a) for ...]`, each a finite real number (int, float, NumPy scalar; not bool), as floats.
+def compute_rewards(
+    fn: RewardFn,
+    completions: Sequence[str],
+    answers: Sequence[str],
+    on_scored: Callable[[int], None] | None = None,
+) -> list[float]:
+    """`[fn(c, a) for ...]`, each a finite real number (int, float, NumPy scalar; not bool), as floats;
+    `on_scored(k)` after the k-th (the reward worker's progress report).
 
     Raises `RewardFunctionError` naming the function and the sample for a bad value; an exception of `fn`
     propagates with the sample's index in its `mt_sample` attribute.
@@ -112,4 +118,6 @@ def compute_rewards(fn: RewardFn, completions: Sequence[str], answers: Sequence[
                 f"reward_range {bounds}"
             )
         rewards.append(float(value))
+        if on_scored is not None:
+            on_scored(len(rewards))
     return rewards

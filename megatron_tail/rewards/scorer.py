@@ -1,13 +1,17 @@
-"""`RewardScorer`: a run's reward applied to a batch, in one worker process, with a time limit per batch.
+"""`RewardScorer`: a run's reward applied to a batch, in one worker process, with a time limit per completion.
 
     score = RewardScorer("math", timeout_s=600)    # starts the worker (call from the main thread)
     rewards = score(completions, answers)          # from any thread; RewardTimeoutError after timeout_s
-    score.close()
+    score.close()                                  #   without a completion scored
 
 Why a worker process, for every batch:
 - a bound: a reward that never returns (an infinite loop, a regex that backtracks forever, a deadlock) is
   killed after `timeout_s` and the step fails with an error naming the reward and the limit, instead of
-  blocking every trainer rank without a word. A thread cannot be killed; a process can.
+  blocking every trainer rank without a word. A thread cannot be killed; a process can. The limit runs from
+  the last completion the worker reported scored (`PROGRESS_EVERY_S`), not from the batch's start: a group of
+  many slow but bounded answers (math-verify stops each parse at 5 s; a policy that writes pathological
+  LaTeX writes it in every sample of a group) takes as long as it takes, where a limit per batch ended the
+  run once about 60 such answers shared a batch.
 - math-verify's timeouts use `signal.alarm`, which only a main thread may set: the worker scores on its
   main thread whichever trainer thread asks (rank 0's rollout manager thread, `rollout.max_staleness` ≥ 1),
   and a pure-Python reward there does not take the GIL from rank 0's training.
@@ -26,6 +30,7 @@ a pool of their own (`megatron_tail.rollout.envs.pool`, `rollout.env.workers`), 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import multiprocessing
 import multiprocessing.util
@@ -34,7 +39,7 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from megatron_tail.rewards.registry import RewardFunctionError, compute_rewards, load_reward_fn
@@ -42,20 +47,28 @@ from megatron_tail.utils.errors import UserError
 from megatron_tail.utils.user_code import raised_at
 
 DEFAULT_TIMEOUT_S = 600.0
-"""`data.reward_timeout_s`'s default, per batch; see `DataSection.reward_timeout_s` for why."""
+"""`data.reward_timeout_s`'s default, per completion; see `DataSection.reward_timeout_s` for why."""
+
+PROGRESS = "progress"
+"""The tag of the worker's progress report, `(PROGRESS, completions scored)`, sent while it scores a batch."""
+
+PROGRESS_EVERY_S = 0.1
+"""How often the worker reports how many of a batch's completions it has scored, when that changed
+(`_ProgressReports`): the limit runs from a report at most this long after the last completion scored."""
 
 
 class RewardTimeoutError(UserError):
-    """The reward function did not score a batch within the time limit."""
+    """The reward function scored no completion of its batch within the time limit."""
 
 
 @dataclass(frozen=True)
 class Busy:
     """What the worker is doing now, for wait reports: `what` (e.g. "a batch of 4 completions"), since
-    `since` (`time.monotonic()`)."""
+    `since` (`time.monotonic()`); a batch's completions `scored` so far (None: a handler's call)."""
 
     what: str
     since: float
+    scored: int | None = None
 
 
 class RewardScorer:
@@ -80,10 +93,11 @@ class RewardScorer:
         return self._request(
             ("score", list(completions), list(answers)),
             doing=f"a batch of {n} completions",
-            timed_out=f"reward function {self.spec!r} did not score a batch of {n} completions",
+            timed_out=f"reward function {self.spec!r} did not score a completion",
             died=f"the reward worker scoring {self.spec!r} died",
             while_=f" while scoring a batch of {n} completions",
             error=RewardFunctionError,
+            batch=n,
         )
 
     def call(
@@ -117,22 +131,40 @@ class RewardScorer:
         )
 
     def _request(
-        self, message, *, doing: str, timed_out: str, died: str, while_: str, error, timeout_error=None
+        self,
+        message,
+        *,
+        doing: str,
+        timed_out: str,
+        died: str,
+        while_: str,
+        error,
+        timeout_error=None,
+        batch: int | None = None,
     ):
+        """`message`'s reply from the worker. `batch`: a batch of that many completions, whose progress
+        reports (`_Worker.request`) restart the time limit and update `busy`."""
+
+        def progress(scored: int) -> None:
+            self.busy = dataclasses.replace(self.busy, scored=scored)
+
         with self._lock:
             if self._closed:  # a thread a stale group left queued on the lock: no worker nothing would close
                 raise RuntimeError(f"the reward scorer of {self.spec!r} is closed; {doing} was not scored")
             if self._worker is None:
                 self._worker = _Worker(self.spec)
             worker = self._worker
-            self.busy = Busy(doing, time.monotonic())
+            self.busy = Busy(doing, time.monotonic(), None if batch is None else 0)
             try:
-                reply = worker.request(message, self.timeout_s)
+                reply = worker.request(message, self.timeout_s, None if batch is None else progress)
             except TimeoutError as e:
                 worker.kill()
                 self._worker = None
+                why = [] if batch is None else [f"{self.busy.scored} of its batch of {batch} scored"]
+                why += [str(e)] if str(e) else []  # the worker still starting
+                reason = f" ({'; '.join(why)})" if why else ""
                 raise (timeout_error or RewardTimeoutError)(
-                    f"{timed_out} within data.reward_timeout_s={self.timeout_s:g} s{timeout_reason(e)}; "
+                    f"{timed_out} within data.reward_timeout_s={self.timeout_s:g} s{reason}; "
                     "it was stopped. Make it faster or bounded, or raise data.reward_timeout_s"
                 ) from None
             except EOFError:  # the worker died (killed, out of memory): start a new one next time
@@ -207,10 +239,12 @@ class _Worker:
     def exitcode(self) -> int | None:
         return self._proc.exitcode
 
-    def request(self, message: tuple, timeout_s: float):
-        """The worker's reply to `message` ("score" or "env", see `_serve`); TimeoutError after `timeout_s`,
+    def request(self, message: tuple, timeout_s: float, on_progress: Callable[[int], None] | None = None):
+        """The worker's reply to `message` ("score" or "call", see `_serve`); TimeoutError after `timeout_s`,
         EOFError if the worker died (a worker killed mid-call resets the socket pair instead of closing it:
-        ConnectionResetError, or BrokenPipeError on the send, are its death too).
+        ConnectionResetError, or BrokenPipeError on the send, are its death too). A "score" request's
+        progress reports (`_answer`) go to `on_progress(completions scored)` and give the rest of the batch
+        `timeout_s` again from each.
 
         The first request waits, within the same `timeout_s`, for the worker to say it is ready (its reward
         imported): a send has no time limit, and a batch larger than the socket's buffer (tens of MB of
@@ -224,9 +258,15 @@ class _Worker:
                 self._conn.recv()  # ("ready", None)
                 self._ready = True
             self._conn.send(message)
-            if not self._conn.poll(max(deadline - time.monotonic(), 0.0)):
-                raise TimeoutError
-            return self._conn.recv()
+            while True:
+                if not self._conn.poll(max(deadline - time.monotonic(), 0.0)):
+                    raise TimeoutError
+                reply = self._conn.recv()
+                if reply[0] != PROGRESS:
+                    return reply
+                deadline = time.monotonic() + timeout_s
+                if on_progress is not None:
+                    on_progress(reply[1])
         except (ConnectionResetError, BrokenPipeError) as e:
             raise EOFError(f"the worker's pipe: {e}") from None
 
@@ -285,12 +325,13 @@ def _serve(spec: str | None, conn, parent_pid: int) -> None:
             return
         if request is None:
             return
-        conn.send(_answer(request, fn, spec, states))
+        conn.send(_answer(request, fn, spec, states, conn.send))
 
 
-def _answer(request: tuple, fn, spec: str, states: dict) -> tuple[str, object]:
-    """("score", completions, answers) → rewards; ("call", "module:function", payload) → that handler's
-    answer. Replies ("ok", value), ("user_error", message) or ("error", traceback)."""
+def _answer(request: tuple, fn, spec: str, states: dict, send: Callable[[tuple], None]) -> tuple[str, object]:
+    """("score", completions, answers) → rewards, with progress reports `send` while it scores
+    (`_ProgressReports`); ("call", "module:function", payload) → that handler's answer. Replies ("ok",
+    value), ("user_error", message) or ("error", traceback)."""
     if request[0] == "call":
         _, handler, payload = request
         try:
@@ -302,12 +343,49 @@ def _answer(request: tuple, fn, spec: str, states: dict) -> tuple[str, object]:
         except Exception:
             return ("error", traceback.format_exc())
     _, completions, answers = request
+    progress = _ProgressReports(send)
     try:
-        return ("ok", compute_rewards(fn, completions, answers))
+        return ("ok", compute_rewards(fn, completions, answers, on_scored=progress.scored))
     except RewardFunctionError as e:
         return ("user_error", str(e))
     except (Exception, SystemExit) as e:  # the user's function raised (or exited): name it, the sample, where
         return ("user_error", _raised_message(spec, e, answers))
+    finally:
+        progress.stop()
+
+
+class _ProgressReports:
+    """The worker's reports of a batch's progress: a thread sends `(PROGRESS, completions scored)` every
+    `PROGRESS_EVERY_S` while that count moves, and none once `stop` returns (before the batch's reply, which
+    a late report would otherwise precede). A thread, not a send per completion: the count a timeout names
+    is the one reached, whether the next completion hangs or not, and a batch of thousands of fast rewards
+    is not thousands of messages. A reward that hangs holding the GIL (a backtracking regex) stops the
+    reports too: that is the hang the limit is for."""
+
+    def __init__(self, send: Callable[[tuple], None]):
+        self._send = send
+        self._count = self._sent = 0
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="reward-progress", daemon=True)
+        self._thread.start()
+
+    def scored(self, count: int) -> None:
+        self._count = count
+
+    def _run(self) -> None:
+        while not self._stopped.wait(PROGRESS_EVERY_S):
+            with self._lock:
+                if self._stopped.is_set():
+                    return
+                if (count := self._count) != self._sent:
+                    self._send((PROGRESS, count))
+                    self._sent = count
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped.set()
+        self._thread.join()
 
 
 def _raised_message(spec: str, error: Exception, answers: list[str]) -> str:

@@ -490,7 +490,7 @@ def test_packing_and_recompute_settings_are_checked_at_load(overrides, pattern):
     [
         ("parallel.distributed_timeout_minutes=inf", "minutes in \\(0, 33333.3\\]"),
         ("parallel.rank0_wait_timeout_minutes=1e30", "minutes in \\(0, 33333.3\\]"),
-        ("data.reward_timeout_s=inf", "seconds per batch in \\(0, 2e\\+06\\]"),
+        ("data.reward_timeout_s=inf", "seconds per completion in \\(0, 2e\\+06\\]"),
         ("rollout.env.timeout_s=1e7", "seconds per environment call in \\(0, 2e\\+06\\]"),
         ("rollout.weight_sync.timeout_s=inf", "seconds in \\(0, 2e\\+06\\]"),
         ("rollout.request_timeout_s=inf", "seconds in \\(0, 2e\\+06\\]"),

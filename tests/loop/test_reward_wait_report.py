@@ -56,8 +56,9 @@ def test_a_reward_stuck_in_its_worker_is_what_the_report_names():
         scorer.close()
     match = re.fullmatch(
         rf"waiting for the batch of step 1: 12 s so far; the reward worker has been scoring a batch of 2 "
-        rf"completions with '{HANGS}' for (\d+) s, stopped at data.reward_timeout_s=30 s; finished groups "
-        r"waiting for it: 2; 2 engine requests in flight; send SIGTERM twice to stop now",
+        rf"completions with '{HANGS}' for (\d+) s \(0 scored\), stopped after data.reward_timeout_s=30 s "
+        r"without a completion scored; finished groups waiting for it: 2; 2 engine requests in flight; send "
+        r"SIGTERM twice to stop now",
         line,
     )
     assert match is not None, line
@@ -92,9 +93,9 @@ def test_a_hanging_reward_in_a_run_is_reported_as_the_reward_until_its_limit(
     output = proc.stdout + proc.stderr
     assert proc.returncode == EXIT_USER_ERROR, output
     assert output.rstrip().splitlines()[-1] == (
-        f"megatron-tail train: error: reward function '{HANGS}' did not score a batch of 4 completions "
-        "within data.reward_timeout_s=4 s; it was stopped. Make it faster or bounded, or raise "
-        "data.reward_timeout_s"
+        f"megatron-tail train: error: reward function '{HANGS}' did not score a completion within "
+        "data.reward_timeout_s=4 s (0 of its batch of 4 scored); it was stopped. Make it faster or bounded, "
+        "or raise data.reward_timeout_s"
     )
     waits = [line for line in output.splitlines() if line.startswith("waiting for the batch of step 1")]
     assert waits, output

@@ -106,7 +106,8 @@ def test_group_size_1_is_refused_for_grpo_and_rloo(estimator):
 
 def test_reward_timeout_must_be_positive():
     with pytest.raises(
-        ConfigError, match=r"data\.reward_timeout_s must be a finite number of seconds per batch in \(0, "
+        ConfigError,
+        match=r"data\.reward_timeout_s must be a finite number of seconds per completion in \(0, ",
     ):
         load_config(None, ["data.reward_timeout_s=0"])
 

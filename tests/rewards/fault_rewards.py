@@ -42,3 +42,16 @@ def starts_a_child_and_hangs(completion: str, answer: str) -> float:  # noqa: AR
         f.write(str(child.pid))
     time.sleep(3600)
     return 0.0
+
+
+def slow_each(completion: str, answer: str) -> float:  # noqa: ARG001 - reward signature
+    """A slow but bounded answer (as math-verify's 5 s parse limit bounds one): 0.25 s, scores `answer`."""
+    time.sleep(0.25)
+    return float(answer)
+
+
+def hangs_on_answer_hang(completion: str, answer: str) -> float:  # noqa: ARG001 - reward signature
+    """Scores `answer` at once, but never returns for the answer "hang"."""
+    if answer == "hang":
+        time.sleep(3600)
+    return float(answer)

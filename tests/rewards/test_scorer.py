@@ -99,10 +99,39 @@ def test_a_large_batch_for_a_worker_stuck_starting_fails_within_the_timeout():
         with pytest.raises(RewardTimeoutError) as caught:
             scoring.result(timeout=120)
         assert (
-            "did not score a batch of 1024 completions within data.reward_timeout_s=2 s (its worker was "
-            "still starting, importing the reward); it was stopped"
+            "did not score a completion within data.reward_timeout_s=2 s (0 of its batch of 1024 scored; "
+            "its worker was still starting, importing the reward); it was stopped"
         ) in str(caught.value)
         assert scorer.worker_pid is None
+    finally:
+        scorer.close()
+
+
+def test_a_batch_of_slow_answers_each_within_the_limit_is_scored_whole():
+    """Before: the limit was the batch's, so a group whose every answer took long (math-verify stops each
+    parse at 5 s; a policy writing pathological LaTeX writes it in every sample) failed the run once about 60
+    shared a batch of the 600 s default. Here 12 answers of 0.25 s each against a 1.5 s limit (3 s in all):
+    the limit runs from the last completion scored."""
+    scorer = RewardScorer("tests.rewards.fault_rewards:slow_each", timeout_s=1.5)
+    try:
+        assert scorer(["x"] * 12, [str(i) for i in range(12)]) == [float(i) for i in range(12)]
+        assert scorer.busy is None
+    finally:
+        scorer.close()
+
+
+def test_a_reward_that_hangs_after_some_answers_is_stopped_naming_how_far_it_got():
+    scorer = RewardScorer("tests.rewards.fault_rewards:hangs_on_answer_hang", timeout_s=1.0)
+    try:
+        with pytest.raises(RewardTimeoutError) as caught:
+            scorer(["x"] * 5, ["1", "2", "3", "hang", "5"])
+        assert str(caught.value) == (
+            "reward function 'tests.rewards.fault_rewards:hangs_on_answer_hang' did not score a completion "
+            "within data.reward_timeout_s=1 s (3 of its batch of 5 scored); it was stopped. Make it faster "
+            "or bounded, or raise data.reward_timeout_s"
+        )
+        assert scorer.worker_pid is None
+        assert scorer(["x"], ["7"]) == [7.0]  # a fresh worker; no late report read as its reply
     finally:
         scorer.close()
 

@@ -229,10 +229,9 @@ async def episode_group(engines, example, keys: GroupKeys, sampling: EpisodeSamp
 async def evaluate_groups(engines, examples: Sequence, sampling: EpisodeSampling) -> list[Group]:
     """`episode_group` of every example, prompt `i` at position `i` under `sampling.turn.base_seed`, all at
     once within `sampling.slots`, the engines probed once first; each group scored in its own reward batch,
-    as training scores them, so `data.reward_timeout_s` bounds a group's scoring, not the whole evaluation's
-    (before: one batch of every completion, where a few dozen slow answers passed the limit and ended the
-    run). An environment failing too often (`EnvironmentFailures`) or any other error (the engines') fails
-    the evaluation."""
+    as training scores them (before: one batch of every completion, which a few dozen slow answers took past
+    `data.reward_timeout_s` when it bounded a batch; it now bounds each completion). An environment failing
+    too often (`EnvironmentFailures`) or any other error (the engines') fails the evaluation."""
     await engines.check_health(pruned=sampling.pruned)
     started = time.perf_counter()
     base_seed = sampling.turn.base_seed

@@ -30,7 +30,7 @@ class RewardPlan:
     name: str
     """`data.reward`: a built-in reward's name or "package.module:function"."""
     timeout_s: float
-    """`data.reward_timeout_s`: per batch; with an environment, its calls' limit too unless
+    """`data.reward_timeout_s`: per completion scored; with an environment, its calls' limit too unless
     `rollout.env.timeout_s` is set."""
     correct_reward: float
     """`data.correct_reward`: a sample is correct when its final answer's reward is at least this."""

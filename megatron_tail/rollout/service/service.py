@@ -64,7 +64,7 @@ class RolloutService:
     and `close()`."""
 
     def __init__(self, settings: RolloutSection, plan: RolloutPlan, tokenizer):
-        # in a worker process, bounded by data.reward_timeout_s per batch; started here, on the main thread
+        # in a worker process, data.reward_timeout_s per completion at most; started here, on the main thread
         score = RewardScorer(plan.reward.name, timeout_s=plan.reward.timeout_s)
         envs = None
         try:
@@ -385,9 +385,11 @@ def reward_clause(score: RewardScorer, groups: int, now: float) -> str | None:
     if busy is None or now - busy.since < SLOW_CALL_S:
         return None
     more = f"; finished groups waiting for it: {groups - 1}" if groups > 1 else ""
+    scored = "" if busy.scored is None else f" ({busy.scored} scored)"
     return (
-        f"the reward worker has been scoring {busy.what} with {score.spec!r} for {now - busy.since:.0f} s, "
-        f"stopped at data.reward_timeout_s={score.timeout_s:g} s{more}"
+        f"the reward worker has been scoring {busy.what} with {score.spec!r} for {now - busy.since:.0f} s"
+        f"{scored}, stopped after data.reward_timeout_s={score.timeout_s:g} s without a completion scored"
+        f"{more}"
     )
 
 
