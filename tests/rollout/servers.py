@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
+import aiohttp
+
 from megatron_tail.rollout.launch import LocalEngineConfig
 from megatron_tail.rollout.local_engine.process import LocalEngineProcess, start_local_engines
 from megatron_tail.utils.net import reserve_port
@@ -57,3 +59,11 @@ async def generate_groups(client, prompts, sampling):
         client.generate_group(p, sample_keys(i, sampling), sampling, partial=False)
         for i, p in enumerate(prompts)
     )
+
+
+async def model_info_version(url: str) -> str:
+    """The weight version `url` serves now (SGLang's `/model_info`). The session's `server_pair` is shared:
+    the weight-sync tests leave it at their last version, so a test on it asks rather than assume
+    "default"."""
+    async with aiohttp.ClientSession() as session, session.get(f"{url}/model_info") as resp:
+        return (await resp.json())["weight_version"]

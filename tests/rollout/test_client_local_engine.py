@@ -22,7 +22,7 @@ from megatron_tail.rollout import (
 from megatron_tail.rollout.launch import LocalEngineConfig
 from megatron_tail.rollout.local_engine.in_process import LocalEngineThread
 from megatron_tail.utils.net import reserve_port
-from tests.rollout.servers import generate_groups, start_servers
+from tests.rollout.servers import generate_groups, model_info_version, start_servers
 from tests.rollout.tiny_model import CONTEXT_LENGTH
 
 PROMPTS = [[5, 6, 76, 7, 84], [8, 9, 76, 10, 11, 84], [12, 76, 13, 84]]
@@ -56,6 +56,7 @@ def test_n_samples_come_back_with_distinct_seeds(server_pair):
     urls = [s.url for s in server_pair]
     sampling = SamplingConfig(n_samples=4, max_new_tokens=12, temperature=1.0, log_rho=-4.0, base_seed=7)
     results, client = run(generate(urls, PROMPTS, sampling))
+    versions = {url: run(model_info_version(url)) for url in urls}  # "default" unless a weight sync ran
 
     assert [len(group) for group in results] == [4, 4, 4]
     keys = [r.key for group in results for r in group]
@@ -67,7 +68,7 @@ def test_n_samples_come_back_with_distinct_seeds(server_pair):
         for r in group:
             assert 1 <= len(r.output_ids) <= 12 and len(r.columns["rollout_logprobs"]) == len(r.output_ids)
             assert all(lp <= 0.0 for lp in r.columns["rollout_logprobs"])
-            assert r.weight_version == "default" and r.server_url in urls
+            assert r.server_url in urls and r.weight_version == versions[r.server_url]
     assert {r.server_url for group in results for r in group} == set(urls), "both servers should serve"
     assert client.stats.retries == 0
 
@@ -107,7 +108,10 @@ def test_an_in_process_engine_draws_what_the_process_draws_and_leaves_nothing(
         torch.set_num_threads(threads)
     theirs, _ = run(generate([server_pair[0].url], PROMPTS, sampling))
     assert [x[:2] for x in _flat(ours)] == [x[:2] for x in _flat(theirs)]
-    assert [x[2:] for x in _flat(ours)] == [x[2:] for x in _flat(theirs)]
+    assert [x[2] for x in _flat(ours)] == [x[2] for x in _flat(theirs)]
+    # the shared server's version is the weight-sync tests' last one when they ran first (same weights)
+    assert {x[3] for x in _flat(ours)} == {"default"}
+    assert {x[3] for x in _flat(theirs)} == {run(model_info_version(server_pair[0].url))}
     assert len({tuple(x[1]) for x in _flat(ours)}) > 4  # they drew something to compare
 
     assert engine.ended() == "was stopped"

@@ -21,7 +21,7 @@ from megatron_tail.rollout import (
 from megatron_tail.rollout.local_engine.weights import read_safetensors_dir
 from megatron_tail.utils.net import reserve_port
 from tests.harness import run_spawned
-from tests.rollout.servers import generate_groups, serving_app
+from tests.rollout.servers import generate_groups, model_info_version, serving_app
 
 PROMPTS = [[5, 6, 76, 7, 84], [8, 9, 76, 10, 11, 84], [12, 76, 13, 84]]
 SAMPLING = SamplingConfig(n_samples=2, max_new_tokens=10, temperature=1.0, log_rho=-4.0, base_seed=11)
@@ -39,11 +39,6 @@ async def sample(url, sampling=SAMPLING, version=None):
 
 def outputs(results):
     return [(r.output_ids, r.columns["rollout_logprobs"]) for r in results]
-
-
-async def model_info_version(url):
-    async with aiohttp.ClientSession() as session, session.get(f"{url}/model_info") as resp:
-        return (await resp.json())["weight_version"]
 
 
 def test_disk_and_distributed_updates_change_outputs_and_bump_weight_version(
