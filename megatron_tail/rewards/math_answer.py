@@ -10,6 +10,7 @@ thinking) has no final answer and scores 0. Before, a box drawn while thinking s
 
 from __future__ import annotations
 
+import logging
 import re
 import sys
 import threading
@@ -17,6 +18,26 @@ import threading
 from megatron_tail.utils.thinking import after_thinking
 
 BOX_COMMANDS = ("\\boxed", "\\fbox")
+
+LOGGED_CHARS = 300
+"""math-verify's warnings are cut to this many characters: it logs the whole answer when its parse times
+out ("Timeout during parsing: ..."), and a collapsing policy's answers are pathological by the thousand,
+each up to a response long, into the run's log."""
+
+
+class _Shortened(logging.Filter):
+    """Cuts a record's message to `LOGGED_CHARS`, saying how long it was."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if len(message) > LOGGED_CHARS:
+            record.msg, record.args = f"{message[:LOGGED_CHARS]}… ({len(message):,} characters)", None
+        return True
+
+
+# on the loggers that log (a logger's filters see only its own records); the names math-verify 0.8 uses
+for _name in ("math_verify.parser", "math_verify.grader", "math_verify.metric"):
+    logging.getLogger(_name).addFilter(_Shortened())
 
 
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 
@@ -306,3 +307,20 @@ def test_a_ground_truth_that_does_not_parse_is_said_once(capsys, monkeypatch):
     err = capsys.readouterr().err
     assert err.count("warning: math reward: the answer '}{' does not parse") == 1, err
     assert "every sample of its prompt scores 0" in err
+
+
+def test_math_verify_logs_a_pathological_answer_shortened(caplog):
+    """math-verify logs the whole answer when its parse times out; a collapsing policy's thousands of such
+    answers, each up to a response long, went into the run's log whole."""
+    import math_verify.grader
+    import math_verify.parser
+
+    from megatron_tail.rewards.math_answer import LOGGED_CHARS
+
+    answer = "x" * 100_000
+    with caplog.at_level(logging.WARNING):
+        math_verify.parser.logger.warning(f"Timeout during parsing: {answer}")
+        math_verify.grader.logger.warning("Timeout during comparison")
+    long, short = caplog.records
+    assert long.getMessage() == f"Timeout during parsing: {answer}"[:LOGGED_CHARS] + "… (100,024 characters)"
+    assert short.getMessage() == "Timeout during comparison"
