@@ -35,7 +35,7 @@ class _Shortened(logging.Filter):
         return True
 
 
-# on the loggers that log (a logger's filters see only its own records); the names math-verify 0.8 uses
+# on the loggers that log (a logger's filters see only its own records); the names math-verify 0.9 uses
 for _name in ("math_verify.parser", "math_verify.grader", "math_verify.metric"):
     logging.getLogger(_name).addFilter(_Shortened())
 

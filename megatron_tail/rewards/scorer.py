@@ -111,13 +111,14 @@ class RewardScorer:
         start: bool = True,
     ) -> object:
         """Run `handler` ("package.module:function", imported in the worker) on `request` in the same worker,
-        under the same lock and time limit as scoring: `handler(state, request)`, where `state` is a dict the
-        worker keeps for that handler between requests (rollout environments keep their live episodes
-        there: `rollout.envs.registry.handle_env_request`). The handler raises `UserError` with a message
-        naming what failed; `call` raises it as `error`, and `timeout_error` after `timeout_s` (`what` says
-        what did not answer). With `start=False`, nothing is sent when no worker runs (after a timeout killed
-        it): a request that only releases state, whose state died with the worker; the worker also dies with
-        the thread that starts it (`PR_SET_PDEATHSIG`), so a cleanup on a short-lived thread must not."""
+        under the same lock, within `timeout_s` per call (a call sends no progress reports):
+        `handler(state, request)`, where `state` is a dict the worker keeps for that handler between requests
+        (rollout environments keep their live episodes there: `rollout.envs.registry.handle_env_request`).
+        The handler raises `UserError` with a message naming what failed; `call` raises it as `error`, and
+        `timeout_error` after `timeout_s` (`what` says what did not answer). With `start=False`, nothing is
+        sent when no worker runs (after a timeout killed it): a request that only releases state, whose state
+        died with the worker; the worker also dies with the thread that starts it (`PR_SET_PDEATHSIG`), so a
+        cleanup on a short-lived thread must not."""
         if not start and self._worker is None:
             return None
         return self._request(

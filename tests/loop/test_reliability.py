@@ -258,7 +258,7 @@ def test_a_user_error_under_torchrun_is_one_line(tiny_model_dir, prompt_file, en
     errors = [line for line in output.splitlines() if "error:" in line]
     assert errors == [
         "megatron-tail train: error: reward function 'tests.rewards.fault_rewards:never_returns' did not "
-        "score a batch of 4 completions within data.reward_timeout_s=1 s; it was stopped. Make it faster or "
-        "bounded, or raise data.reward_timeout_s"
+        "score a completion within data.reward_timeout_s=1 s (0 of its batch of 4 scored); it was stopped. "
+        "Make it faster or bounded, or raise data.reward_timeout_s"
     ], output[-4000:]
     assert "Traceback" not in output and "ChildFailedError" not in output, output[-4000:]

@@ -1,5 +1,5 @@
 """`RewardScorer`: the reward runs on a worker process's main thread (math-verify keeps its timeouts, scores
-equal the main thread's), bounded per batch, and the worker dies with the trainer."""
+equal the main thread's), bounded per completion scored, and the worker dies with the trainer."""
 
 from __future__ import annotations
 
@@ -107,12 +107,25 @@ def test_a_large_batch_for_a_worker_stuck_starting_fails_within_the_timeout():
         scorer.close()
 
 
+STARTING_S = 120.0
+"""A worker's start (spawn, imports) counts against its first call's limit: minutes on a loaded host."""
+
+
+def _started(spec: str, timeout_s: float) -> RewardScorer:
+    """A scorer whose worker has started (one batch scored under `STARTING_S`), limited to `timeout_s` from
+    then on: the limits these tests measure are a completion's, not a start-up's."""
+    scorer = RewardScorer(spec, timeout_s=STARTING_S)
+    assert scorer(["x"], ["1"]) == [1.0]
+    scorer.timeout_s = timeout_s
+    return scorer
+
+
 def test_a_batch_of_slow_answers_each_within_the_limit_is_scored_whole():
     """Before: the limit was the batch's, so a group whose every answer took long (math-verify stops each
     parse at 5 s; a policy writing pathological LaTeX writes it in every sample) failed the run once about 60
     shared a batch of the 600 s default. Here 12 answers of 0.25 s each against a 1.5 s limit (3 s in all):
     the limit runs from the last completion scored."""
-    scorer = RewardScorer("tests.rewards.fault_rewards:slow_each", timeout_s=1.5)
+    scorer = _started("tests.rewards.fault_rewards:slow_each", timeout_s=1.5)
     try:
         assert scorer(["x"] * 12, [str(i) for i in range(12)]) == [float(i) for i in range(12)]
         assert scorer.busy is None
@@ -121,7 +134,7 @@ def test_a_batch_of_slow_answers_each_within_the_limit_is_scored_whole():
 
 
 def test_a_reward_that_hangs_after_some_answers_is_stopped_naming_how_far_it_got():
-    scorer = RewardScorer("tests.rewards.fault_rewards:hangs_on_answer_hang", timeout_s=1.0)
+    scorer = _started("tests.rewards.fault_rewards:hangs_on_answer_hang", timeout_s=1.0)
     try:
         with pytest.raises(RewardTimeoutError) as caught:
             scorer(["x"] * 5, ["1", "2", "3", "hang", "5"])
@@ -131,7 +144,8 @@ def test_a_reward_that_hangs_after_some_answers_is_stopped_naming_how_far_it_got
             "or bounded, or raise data.reward_timeout_s"
         )
         assert scorer.worker_pid is None
-        assert scorer(["x"], ["7"]) == [7.0]  # a fresh worker; no late report read as its reply
+        scorer.timeout_s = STARTING_S  # a fresh worker starts within the first call's limit
+        assert scorer(["x"], ["7"]) == [7.0]
     finally:
         scorer.close()
 

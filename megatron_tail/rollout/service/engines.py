@@ -15,7 +15,6 @@ import concurrent.futures
 import dataclasses
 import logging
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -480,6 +479,7 @@ class Engines:
     def close(self, manager=None) -> None:
         """Stop the loop's thread (closing `manager` on it first), the clients, the loop and the local
         engine (that one whatever else failed)."""
+        failed = True
         try:
             self.stop_thread(manager)
             # still running: its thread did not stop (`stop_thread` said so); neither drive nor close it
@@ -488,12 +488,15 @@ class Engines:
                 for client in (self.client, self.eval_client):
                     self.run(client.close())
                 self._leave_weight_group()
+            failed = False
         finally:
             stop = None
             try:
                 if not self.loop.is_running():
-                    stop = self._drain_before_closing()
-                    self.loop.close()
+                    try:
+                        stop = self._drain_before_closing()
+                    finally:
+                        self.loop.close()
             finally:
                 if self.engine is not None:
                     self.engine.stop()
@@ -511,7 +514,7 @@ class Engines:
                     )
             # a stop that arrived while the loop drained, after the closing itself ended: raised here, once
             # everything is closed (one that ended the closing is already on its way)
-            if stop is not None and sys.exc_info()[1] is None:
+            if stop is not None and not failed:
                 raise stop
 
     def _leave_weight_group(self) -> None:

@@ -1,7 +1,7 @@
-"""An evaluation scores each prompt's group in its own reward batch, as training does: `data.reward_timeout_s`
-bounds one group's scoring. Before: one batch of every completion of the evaluation (prompts × samples),
-where a few dozen slow answers (math-verify takes up to ~5 s on an adversarial one) passed the limit and
-ended the run."""
+"""An evaluation scores each prompt's group in its own reward batch, as training does. Before: one batch of
+every completion of the evaluation (prompts × samples), where a few dozen slow answers (math-verify takes up
+to ~5 s on an adversarial one) passed `data.reward_timeout_s` when it bounded a batch (it now bounds each
+completion) and ended the run."""
 
 from __future__ import annotations
 
