@@ -217,7 +217,17 @@ def measure_steps(cfg, device: str, steps: int) -> dict:
         "micro_batches": len(mbs),
         "tokens": sum(mb.tokens.numel() for mb in mbs),
         "steps": out,
+        "output_grad_into_main_grad": _output_grad_into_main_grad(trainer),
     }
+
+
+def _output_grad_into_main_grad(trainer) -> bool:
+    """Whether the last update's backward added the output layer's weight gradient into DDP's `main_grad`
+    itself (megatron's `grad_added_to_main_grad`, reset by `zero_grad_buffer` at each step's start), rather
+    than returning it for DDP's hook to add: what ran, not what the settings predict."""
+    from megatron.core.utils import unwrap_model
+
+    return bool(getattr(unwrap_model(trainer.chunks[-1]).output_weight(), "grad_added_to_main_grad", False))
 
 
 def _op_seconds(cfg, vocab_size: int, tokens: int, device: str) -> float:
@@ -292,6 +302,7 @@ def bench(
         "fused_output_layer": fused_output_layer,
         # on where apex's extension is installed (`model.gradient_accumulation_fusion` null): say which ran
         "gradient_accumulation_fusion": cfg.model.resolved_gradient_accumulation_fusion(),
+        "output_grad_into_main_grad": measured["output_grad_into_main_grad"],
         "samples": samples,
         "prompt_tokens": prompt_tokens,
         "response_tokens": tokens // samples - prompt_tokens,

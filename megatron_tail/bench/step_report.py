@@ -82,6 +82,9 @@ def result_rows(r: dict) -> list[tuple[str, str]]:
          f"{r['device']}, {r['op_backend']}, {r['recompute']}, {'yes' if r['fused_output_layer'] else 'no'}"),
         ("gradient-accumulation fusion (model.gradient_accumulation_fusion)",
          "on" if r.get("gradient_accumulation_fusion") else "off"),
+        ("the output layer's weight gradient",
+         "added into DDP's main_grad in the backward" if r.get("output_grad_into_main_grad")
+         else "returned, then added to main_grad by DDP's hook"),
         ("steps", f"{len(r['steps'])}: the first warms up, the other {len(steady)} are measured"),
         ("plan: trainer total less reserve",
          f"{_gib(r['predicted_bytes'])} (Adam's moments {_gib(moments)})"),

@@ -48,7 +48,9 @@ class ModelSettings:
     fused_output_layer: bool = False
     """The last stage returns the final-norm hidden states instead of logits, and the trainer computes
     log-probs with the output layer fused into the DVP op, so the [tokens, V/TP] logits never exist
-    (`megatron_tail.ops.vocab_parallel_linear_masked_logprobs`)."""
+    (`megatron_tail.ops.vocab_parallel_linear_masked_logprobs`). Its backward adds the weight gradient into
+    DDP's `main_grad` itself, with or without `gradient_accumulation_fusion`
+    (`train.engine.forward.fused_layer_into_main_grad`)."""
     op_backend: str = "auto"
     """The DVP op's implementation (`megatron_tail.ops.backend`): "auto" (Triton kernels on CUDA, the
     chunked PyTorch code on CPU), "triton" or "torch" (the PyTorch code on the GPU too: an ablation, or a
@@ -98,7 +100,7 @@ class ModelSettings:
     [out, in] gradient in the parameter's dtype that DDP's hook then adds to `main_grad`
     (`tensor_parallel/layers.py`, `LinearWithGradAccumulationAndAsyncCommunication.backward`: apex's
     `fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32`; the TE spec's linears: TE's
-    `fuse_wgrad_accumulation`; the fused output layer: `ops.vocab_parallel_linear_masked_logprobs`). Each
+    `fuse_wgrad_accumulation`; the fused output layer does so with or without it). Each
     micro-batch's weight gradient is then summed in float32 from the start rather than rounded to bf16
     first, and megatron's linears skip the separate add (its read and write of `main_grad`). megatron's
     linears need apex's CUDA extension for it, TE spec or not (`ColumnParallelLinear.__init__` raises

@@ -30,6 +30,7 @@ def test_the_step_bench_runs_the_plan_and_the_step_on_cpu(tmp_path, record_prope
     assert r["step_flops"] == 4 * (1024 * per_token + 2 * 4 * 4 * 16 * 4 * (256 * 257 // 2))
     assert r["matmul_label"] == "float32 matmul (cpu, 512³, this run)"
     assert r["gradient_accumulation_fusion"] is False  # no CUDA, no apex: the setting's null resolves off
+    assert r["output_grad_into_main_grad"] is False  # megatron's output linear, without the fusion
     cold, steady = r["recorded"]
     assert (cold["state"], steady["state"], cold["gpu"], cold["peak_bytes"]) == (
         "cold",

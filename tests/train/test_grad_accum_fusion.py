@@ -66,12 +66,17 @@ def tied_reference(tied_dir):
     return _reference(tied_dir)
 
 
-def test_tp2_sp_packed_step_with_the_fusion_equals_the_step_without(untied_dir):
+@pytest.fixture(scope="module")
+def untied_reference(untied_dir):
+    return _reference(untied_dir)
+
+
+def test_tp2_sp_packed_step_with_the_fusion_equals_the_step_without(untied_dir, untied_reference):
     model = {"gradient_accumulation_fusion": True, "sequence_parallel": True}
     results = run_distributed(_fused_rank, 2, untied_dir, 2, 1, True, model)
     state, result, calls, (_, reference_ran) = results[0]
     assert all(r[1] == result for r in results) and reference_ran
-    _assert_same_step((state, result), _reference(untied_dir), untied_dir)
+    _assert_same_step((state, result), untied_reference, untied_dir)
     # the four linears of each of the two layers (qkv, proj, fc1, fc2) and the output layer, per micro-batch
     micro_batches = calls.count((256 // 2, HIDDEN))
     assert micro_batches > 1 and len(calls) == 9 * micro_batches, calls
@@ -90,6 +95,27 @@ def test_tied_embeddings_keep_the_embeddings_gradient_under_the_fusion(
     assert ((256, HIDDEN) in calls) is not fused_output_layer, set(calls)
     assert list(flags.values()) == [True], flags  # the one shared weight, accumulated in place
     assert reference_ran  # the frozen reference (no main_grad) runs through the same output layer
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_the_fused_output_layer_adds_into_main_grad_without_the_fusion(
+    tied, tied_dir, untied_dir, tied_reference, untied_reference
+):
+    """`forward.fused_layer_into_main_grad`: the fused layer accumulates into DDP's `main_grad` wherever the
+    weight has one, with megatron's own linears returning their gradients (no apex): the step is the
+    unfused one's, the embedding's own gradient kept when tied (`zero_out_wgrad`)."""
+    hf_dir, reference = (tied_dir, tied_reference) if tied else (untied_dir, untied_reference)
+    model = {"gradient_accumulation_fusion": False, "fused_output_layer": True}
+    state, result, calls, (flags, reference_ran) = run_distributed(
+        _fused_rank, 1, hf_dir, 1, 2, False, model
+    )[0]
+    _assert_same_step((state, result), reference, hf_dir)
+    assert calls == []  # megatron's linears did not use apex's kernel
+    output = [flag for name, flag in flags.items() if name.endswith("output_layer.weight")]
+    embedding = [flag for name, flag in flags.items() if name.endswith("word_embeddings.weight")]
+    # tied: the one shared weight (the embedding's), accumulated in place by the op
+    assert (embedding, output) == (([True], []) if tied else ([False], [True])), flags
+    assert reference_ran
 
 
 def test_the_fusion_is_refused_by_name_where_it_cannot_run_and_off_by_default():

@@ -294,12 +294,26 @@ def _fused_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor, settings
         targets.t(),
         sampling_support=None if support is None else support.transpose(0, 1),
         sequence_parallel=config.sequence_parallel,
-        # as megatron's own linears (`LinearWithGradAccumulationAndAsyncCommunication.forward`: the fusion
-        # only for a weight with a `main_grad`): the frozen reference policy has no DDP buffer
-        gradient_accumulation_fusion=config.gradient_accumulation_fusion and hasattr(weight, "main_grad"),
+        gradient_accumulation_fusion=fused_layer_into_main_grad(weight),
         **settings,
     )
     return MaskedLogprobs(**{k: None if v is None else v.t() for k, v in vars(out).items()})
+
+
+def fused_layer_into_main_grad(weight: torch.Tensor) -> bool:
+    """Whether the fused output layer adds its weight gradient into `weight.main_grad` itself: wherever DDP
+    gave the weight one, whatever `model.gradient_accumulation_fusion` says. That setting is about megatron's
+    own linears, which need apex's kernel for it; the fused op accumulates with torch alone
+    (`ops.matmul_accumulate`) and sets megatron's `grad_added_to_main_grad`, which DDP's hook reads
+    whatever the config (`distributed_data_parallel.py`, `_make_backward_post_hook`: it adds `param.grad`
+    only when the flag is off or the weight has `zero_out_wgrad`, tied embeddings at PP 1). Measured on the
+    H200 (`docs/results/gpu/h200_2026-12-01.md`, third call, fwd + bwd of the fused op): into main_grad the
+    backward keeps the forward's token chunks and allocates no weight gradient, 64.25 ms / 576 MiB at the
+    1.7B step's 16,384 × 2,048 @ 151,936 against 69.02 ms / 706 MiB for the returned bf16 gradient's four
+    row blocks, and DDP's add of that [V, H] gradient into main_grad (timed by `bench.op`) is saved too. The
+    frozen reference policy has no DDP buffer: its weight is not asked (as megatron's linears: only a weight
+    with a `main_grad`, `LinearWithGradAccumulationAndAsyncCommunication.forward`)."""
+    return hasattr(weight, "main_grad")
 
 
 def _has_float16_module(module: torch.nn.Module) -> bool:
