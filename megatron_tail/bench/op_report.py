@@ -272,8 +272,8 @@ def backward_recommendation(blocks: dict[tuple, list[dict] | None], shapes: tupl
         f"({' / '.join(f'{v:.2f}' for v in across(fastest_fp32, 'main_grad_ms'))} ms)"
     )
     if all("ddp_add_ms" in rows[fastest_fp32] for rows in by_shape.values()):
-        # a trainer without the fusion pays DDP's add on top of the returned gradient's path: the question
-        # whether the op should accumulate into main_grad whenever the weight has one (apex or not)
+        # the returned gradient's path pays DDP's add on top: the check of the trainer's choice to accumulate
+        # into main_grad whenever the weight has one, apex or not (`forward.fused_layer_into_main_grad`)
         fastest_bf16 = min(under or everywhere, key=lambda i: sum(across(i, "ms")))
         with_add = [r[fastest_bf16]["ms"] + r[fastest_bf16]["ddp_add_ms"] for r in by_shape.values()]
         main_grad += (
