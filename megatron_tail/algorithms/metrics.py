@@ -50,6 +50,9 @@ _RATIOS: dict[str, tuple[str, str]] = {
     "dual_clip_fraction": ("dual_clipped_tokens", "clippable_tokens"),
     "clip_fraction_pos": ("clipped_pos_tokens", "clippable_pos_tokens"),
     "clip_fraction_neg": ("clipped_neg_tokens", "clippable_neg_tokens"),
+    # the share of the step's loss tokens with a policy gradient (the clip fractions' denominator): 0 when
+    # every group's rewards were equal or every token was masked, the step only moved by KL and entropy
+    "pg_token_fraction": ("clippable_tokens", "phase_tokens"),
     "is_log_ratio_mean": ("is_log_ratio_sum", "valid_tokens"),
     "is_ratio_mean": ("is_ratio_sum", "valid_tokens"),
     "safe_set_violation_fraction": ("safe_set_violations", "phase_tokens"),

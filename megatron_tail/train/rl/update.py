@@ -39,6 +39,7 @@ ALGORITHM_TAGS = {
     "dual_clip_fraction": "train/dual_clip_fraction",
     "clip_fraction_pos": "train/clip_fraction_pos_adv",
     "clip_fraction_neg": "train/clip_fraction_neg_adv",
+    "pg_token_fraction": "train/pg_token_fraction",
     "is_ratio_mean": "is/raw_ratio_mean",
     "is_log_ratio_mean": "is/raw_log_ratio_mean",
     "entropy_mean": "train/entropy",
