@@ -161,9 +161,8 @@ class RewardScorer:
             except TimeoutError as e:
                 worker.kill()
                 self._worker = None
-                why = [] if batch is None else [f"{self.busy.scored} of its batch of {batch} scored"]
-                why += [str(e)] if str(e) else []  # the worker still starting
-                reason = f" ({'; '.join(why)})" if why else ""
+                scored = [] if batch is None else [f"{self.busy.scored} of its batch of {batch} scored"]
+                reason = timeout_reason(e, *scored)
                 raise (timeout_error or RewardTimeoutError)(
                     f"{timed_out} within data.reward_timeout_s={self.timeout_s:g} s{reason}; "
                     "it was stopped. Make it faster or bounded, or raise data.reward_timeout_s"
@@ -299,9 +298,11 @@ class _Worker:
         self.kill()
 
 
-def timeout_reason(error: TimeoutError) -> str:
-    """ " (why)" for a `_Worker.request` timeout that says why (its worker still starting), else ""."""
-    return f" ({error})" if str(error) else ""
+def timeout_reason(error: TimeoutError, *known: str) -> str:
+    """ " (why)" for a `_Worker.request` timeout: what the caller `known`s, then why it timed out when it
+    says (its worker still starting), joined by "; "; "" when neither."""
+    why = [*known, *([str(error)] if str(error) else [])]
+    return f" ({'; '.join(why)})" if why else ""
 
 
 def _serve(spec: str | None, conn, parent_pid: int) -> None:

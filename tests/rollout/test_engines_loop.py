@@ -16,6 +16,10 @@ from megatron_tail.rollout.service.engines import Engines
 from megatron_tail.utils.errors import PeerLost
 
 
+def _peer_lost():  # as `signals._handle` raises from whatever the main thread runs
+    raise PeerLost("trainer rank 1 died")
+
+
 def _loop_only() -> Engines:
     """An `Engines` with its loop alone (what `_drive` and `_drain` use), no engines behind it."""
     engines = Engines.__new__(Engines)
@@ -28,11 +32,8 @@ def _loop_only() -> Engines:
 def test_a_signals_exception_inside_a_callback_reaches_the_main_thread_unprinted(caplog):
     engines = _loop_only()
 
-    def connection_lost():  # as `signals._handle` raises from whatever the main thread runs
-        raise PeerLost("trainer rank 1 died")
-
     async def waiting():
-        engines.loop.call_soon(connection_lost)
+        engines.loop.call_soon(_peer_lost)
         await asyncio.sleep(60)
 
     caplog.set_level(logging.ERROR, logger="asyncio")
@@ -90,15 +91,12 @@ def test_a_signal_while_closing_an_http_session_leaves_no_task_to_destroy(caplog
 
     session = engines._drive(connect())
 
-    def peer_lost():
-        raise PeerLost("trainer rank 1 died")
-
     class Client:
         def __init__(self, loop, session):
             self.loop, self.session = loop, session
 
         async def close(self):
-            self.loop.call_soon(peer_lost)  # runs while the session's close waits for its connections
+            self.loop.call_soon(_peer_lost)  # runs while the session's close waits for its connections
             await self.session.close()
 
     engines.client = engines.eval_client = Client(engines.loop, session)
@@ -117,14 +115,11 @@ def test_a_signal_during_the_last_drain_is_raised_once_everything_is_closed():
     engines.engine = _EngineStandIn()
     engines.weight_sync = None  # a local engine's: nothing to leave
 
-    def peer_lost():
-        raise PeerLost("trainer rank 1 died")
-
     async def lingering():  # a task a client's close left behind; the signal lands as it is cancelled
         try:
             await asyncio.sleep(60)
         except asyncio.CancelledError:
-            engines.loop.call_soon(peer_lost)
+            engines.loop.call_soon(_peer_lost)
             await asyncio.sleep(0)
             raise
 
